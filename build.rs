@@ -1,0 +1,79 @@
+//! Generates the MCP code from `proto/` with protox (pure Rust: no system
+//! `protoc`) and tonic.
+//!
+//! Two kinds of output:
+//! - `istio.mcp.v1alpha1.rs`: every message and a client/server for every
+//!   service, exactly as the proto says (used by tests and the client side).
+//! - hand-described gateway services (tonic_build::manual) that carry the same
+//!   gRPC routes but use the gateway's wire types: raw resource bytes upstream
+//!   (bodies pass through untouched) and pre-encoded shared responses
+//!   downstream (each response body is encoded once for every client).
+
+use tonic_build::manual::{Builder, Method, Service};
+
+const PACKAGE: &str = "istio.mcp.v1alpha1";
+const CODEC: &str = "tonic_prost::ProstCodec";
+
+fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
+    Method::builder()
+        .name(name)
+        .route_name(route)
+        .input_type(input)
+        .output_type(output)
+        .codec_path(CODEC)
+        .client_streaming()
+        .server_streaming()
+        .build()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=proto");
+    let fds = protox::compile(["istio/mcp/v1alpha1/mcp.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .extern_path(".google.rpc.Status", "::tonic_types::Status")
+        .compile_fds(fds)?;
+
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("gateway");
+    std::fs::create_dir_all(&out_dir)?;
+    Builder::new().out_dir(&out_dir).compile(&[
+        Service::builder()
+            .name("AggregatedMeshConfigService")
+            .package(PACKAGE)
+            .method(bidi(
+                "stream_aggregated_resources",
+                "StreamAggregatedResources",
+                "crate::wire::SotwRequest",
+                "crate::wire::EncodedResponse",
+            ))
+            .method(bidi(
+                "incremental_aggregated_resources",
+                "IncrementalAggregatedResources",
+                "crate::wire::IncrementalRequest",
+                "crate::wire::EncodedResponse",
+            ))
+            .build(),
+        Service::builder()
+            .name("ResourceSource")
+            .package(PACKAGE)
+            .method(bidi(
+                "establish_resource_stream",
+                "EstablishResourceStream",
+                "crate::proto::RequestResources",
+                "crate::wire::RawResources",
+            ))
+            .build(),
+        Service::builder()
+            .name("ResourceSink")
+            .package(PACKAGE)
+            .method(bidi(
+                "establish_resource_stream",
+                "EstablishResourceStream",
+                "crate::wire::RawResources",
+                "crate::proto::RequestResources",
+            ))
+            .build(),
+    ]);
+    Ok(())
+}

@@ -1,0 +1,435 @@
+//! The shared cache: one immutable snapshot per collection, swapped whole on
+//! every apply, with a change notification per collection. It knows nothing of
+//! gRPC or clients: upstream writes it, downstream streams read it.
+//!
+//! Snapshots share structure (a persistent ordered map): applying a full state
+//! touches only the resources whose version changed, so two consecutive
+//! snapshots differ in as many tree nodes as resources changed, and the diff
+//! between them costs time proportional to the change.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use imbl::OrdMap;
+use tokio::sync::watch;
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+
+/// One resource as the cache holds it: encoded once, when it entered.
+#[derive(Debug)]
+pub struct CachedResource {
+    pub name: Arc<str>,
+    /// Upstream `metadata.version`, or a hash of the body when that was empty.
+    pub version: Arc<str>,
+    pub body_type_url: String,
+    /// A whole encoded `Resource` message, written into responses as is.
+    pub encoded: Bytes,
+}
+
+/// Resources are the same when their versions are: versions are what MCP
+/// compares, and what the collection version is derived from.
+impl PartialEq for CachedResource {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name && self.version == other.version
+    }
+}
+
+pub type ResourceMap = OrdMap<Arc<str>, Arc<CachedResource>>;
+
+/// Where a collection's current state came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    Upstream,
+    Disk,
+    Files,
+}
+
+/// A collection at one version. Immutable: a change makes a new snapshot.
+#[derive(Debug)]
+pub struct CollectionSnapshot {
+    pub collection: Arc<str>,
+    pub version: Arc<str>,
+    pub resources: ResourceMap,
+    /// Sum of the encoded resources' sizes.
+    pub bytes: usize,
+    pub updated_at: SystemTime,
+    pub origin: Origin,
+    /// `version_info` + every resource: the shared body of a state-of-the-world
+    /// response, encoded on first use and then reused by every client.
+    sotw_body: OnceLock<Bytes>,
+}
+
+impl CollectionSnapshot {
+    fn new(collection: Arc<str>, resources: ResourceMap, origin: Origin) -> Self {
+        Self {
+            version: collection_version(&resources).into(),
+            bytes: resources.values().map(|r| r.encoded.len()).sum(),
+            collection,
+            resources,
+            updated_at: SystemTime::now(),
+            origin,
+            sotw_body: OnceLock::new(),
+        }
+    }
+
+    /// The encoded body shared by every state-of-the-world response for this
+    /// snapshot (the per-client `type_url` and nonce are appended to it).
+    pub fn sotw_body(&self) -> &Bytes {
+        self.sotw_body
+            .get_or_init(|| crate::wire::encode_body(&self.version, self.resources.values().map(|r| &r.encoded), &[]))
+    }
+
+    pub fn len(&self) -> usize {
+        self.resources.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.resources.is_empty()
+    }
+}
+
+/// A hash of the sorted `(name, resource version)` pairs: the same content
+/// gives the same version on every replica.
+pub fn collection_version(resources: &ResourceMap) -> String {
+    let mut hasher = Xxh3::new();
+    for (name, resource) in resources.iter() {
+        // Length prefixes keep ("ab","c") and ("a","bc") apart.
+        hasher.update(&(name.len() as u64).to_le_bytes());
+        hasher.update(name.as_bytes());
+        hasher.update(&(resource.version.len() as u64).to_le_bytes());
+        hasher.update(resource.version.as_bytes());
+    }
+    format!("{:032x}", hasher.digest128())
+}
+
+/// The version of a resource whose source gave none: a hash of its body.
+pub fn body_version(body: &[u8]) -> String {
+    format!("{:032x}", xxh3_128(body))
+}
+
+/// A change to one collection.
+#[derive(Debug)]
+pub enum Update {
+    /// The complete state: replaces the collection.
+    Full(Vec<CachedResource>),
+    /// Upserts and removals against the current state (unknown names in
+    /// `removed` are ignored).
+    Incremental {
+        upserts: Vec<CachedResource>,
+        removed: Vec<String>,
+    },
+}
+
+/// What an apply did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Applied {
+    /// The content changed; readers were notified.
+    Changed { version: Arc<str> },
+    /// The content equals what the cache held: nobody was notified.
+    Unchanged { version: Arc<str> },
+}
+
+type Slot = watch::Sender<Option<Arc<CollectionSnapshot>>>;
+
+/// The collections, each behind its own change notification.
+#[derive(Debug, Default)]
+pub struct Cache {
+    // Held only to find or create a slot, never across an await.
+    slots: RwLock<HashMap<Arc<str>, Slot>>,
+}
+
+// === impl Cache ===
+
+impl Cache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn slot(&self, collection: &str) -> Slot {
+        if let Some(slot) = self.slots.read().expect("cache lock poisoned").get(collection) {
+            return slot.clone();
+        }
+        self.slots
+            .write()
+            .expect("cache lock poisoned")
+            .entry(Arc::from(collection))
+            .or_insert_with(|| watch::Sender::new(None))
+            .clone()
+    }
+
+    /// A receiver that sees every new snapshot of `collection`; `None` until
+    /// the collection is first delivered.
+    pub fn subscribe(&self, collection: &str) -> watch::Receiver<Option<Arc<CollectionSnapshot>>> {
+        self.slot(collection).subscribe()
+    }
+
+    pub fn get(&self, collection: &str) -> Option<Arc<CollectionSnapshot>> {
+        let slots = self.slots.read().expect("cache lock poisoned");
+        slots.get(collection).and_then(|slot| slot.borrow().clone())
+    }
+
+    /// Every delivered collection's current snapshot, sorted by name.
+    pub fn snapshots(&self) -> Vec<Arc<CollectionSnapshot>> {
+        let slots = self.slots.read().expect("cache lock poisoned");
+        let mut all: Vec<_> = slots.values().filter_map(|slot| slot.borrow().clone()).collect();
+        all.sort_by(|a, b| a.collection.cmp(&b.collection));
+        all
+    }
+
+    /// `name → version` of a collection, as a sink reports it upstream in
+    /// `initial_resource_versions`.
+    pub fn resource_versions(&self, collection: &str) -> HashMap<String, String> {
+        self.get(collection)
+            .map(|snapshot| {
+                snapshot
+                    .resources
+                    .iter()
+                    .map(|(name, r)| (name.to_string(), r.version.to_string()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Applies an update. Readers are woken only when the content changed.
+    pub fn apply(&self, collection: &str, update: Update, origin: Origin) -> Applied {
+        let slot = self.slot(collection);
+        let current = slot.borrow().clone();
+        let name = current
+            .as_ref()
+            .map(|s| s.collection.clone())
+            .unwrap_or_else(|| Arc::from(collection));
+        let mut resources = current.as_ref().map(|s| s.resources.clone()).unwrap_or_default();
+        match update {
+            Update::Full(incoming) => {
+                // Start from the current map and touch only what changed, so
+                // unchanged subtrees stay shared with the previous snapshot.
+                let mut seen = std::collections::HashSet::with_capacity(incoming.len());
+                for resource in incoming {
+                    seen.insert(resource.name.clone());
+                    upsert(&mut resources, resource);
+                }
+                if seen.len() != resources.len() {
+                    let gone: Vec<Arc<str>> = resources.keys().filter(|n| !seen.contains(*n)).cloned().collect();
+                    for name in gone {
+                        resources.remove(&name);
+                    }
+                }
+            }
+            Update::Incremental { upserts, removed } => {
+                for resource in upserts {
+                    upsert(&mut resources, resource);
+                }
+                for name in removed {
+                    resources.remove(name.as_str());
+                }
+            }
+        }
+        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, origin));
+        let version = snapshot.version.clone();
+        let changed = slot.send_if_modified(|held| match held {
+            Some(old) if old.version == snapshot.version => false,
+            _ => {
+                *held = Some(snapshot);
+                true
+            }
+        });
+        if changed {
+            Applied::Changed { version }
+        } else {
+            Applied::Unchanged { version }
+        }
+    }
+}
+
+fn upsert(resources: &mut ResourceMap, resource: CachedResource) {
+    if resources.get(&*resource.name).is_some_and(|old| **old == resource) {
+        return;
+    }
+    resources.insert(resource.name.clone(), Arc::new(resource));
+}
+
+/// The difference between two states of one collection.
+#[derive(Debug, Default)]
+pub struct Diff {
+    pub upserts: Vec<Arc<CachedResource>>,
+    pub removed: Vec<Arc<str>>,
+}
+
+impl Diff {
+    /// From one snapshot's resources to another's: proportional to the change
+    /// when the two share structure (consecutive applies do).
+    pub fn between(from: &ResourceMap, to: &ResourceMap) -> Self {
+        let mut diff = Diff::default();
+        for item in from.diff(to) {
+            match item {
+                imbl::ordmap::DiffItem::Add(_, new) | imbl::ordmap::DiffItem::Update { new: (_, new), .. } => {
+                    diff.upserts.push(new.clone())
+                }
+                imbl::ordmap::DiffItem::Remove(name, _) => diff.removed.push(name.clone()),
+            }
+        }
+        diff
+    }
+
+    /// From a client's own `name → version` map to a snapshot.
+    pub fn from_versions(known: &HashMap<String, String>, to: &ResourceMap) -> Self {
+        let upserts = to
+            .values()
+            .filter(|r| known.get(&*r.name).is_none_or(|v| *v != *r.version))
+            .cloned()
+            .collect();
+        let mut removed: Vec<Arc<str>> = known
+            .keys()
+            .filter(|name| !to.contains_key(name.as_str()))
+            .map(|name| Arc::from(name.as_str()))
+            .collect();
+        removed.sort();
+        Diff { upserts, removed }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.upserts.is_empty() && self.removed.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resource(name: &str, version: &str) -> CachedResource {
+        CachedResource {
+            name: name.into(),
+            version: version.into(),
+            body_type_url: "type.googleapis.com/t".into(),
+            encoded: Bytes::from(format!("{name}@{version}")),
+        }
+    }
+
+    const C: &str = "istio/networking/v1alpha3/gateways";
+
+    #[test]
+    fn version_is_content_derived_and_order_independent() {
+        let a = Cache::new();
+        let b = Cache::new();
+        let va = a.apply(
+            C,
+            Update::Full(vec![resource("x", "1"), resource("y", "2")]),
+            Origin::Upstream,
+        );
+        let vb = b.apply(
+            C,
+            Update::Full(vec![resource("y", "2"), resource("x", "1")]),
+            Origin::Upstream,
+        );
+        assert_eq!(va, vb);
+        let vc = b.apply(
+            C,
+            Update::Full(vec![resource("y", "3"), resource("x", "1")]),
+            Origin::Upstream,
+        );
+        assert_ne!(va, vc);
+        // Length prefixes: ("ab","c") is not ("a","bc").
+        let mut m1 = ResourceMap::new();
+        m1.insert("ab".into(), Arc::new(resource("ab", "c")));
+        let mut m2 = ResourceMap::new();
+        m2.insert("a".into(), Arc::new(resource("a", "bc")));
+        assert_ne!(collection_version(&m1), collection_version(&m2));
+    }
+
+    #[test]
+    fn equal_content_does_not_wake_readers() {
+        let cache = Cache::new();
+        let mut rx = cache.subscribe(C);
+        assert!(rx.borrow_and_update().is_none(), "not delivered yet");
+        cache.apply(C, Update::Full(vec![resource("x", "1")]), Origin::Upstream);
+        assert!(rx.has_changed().unwrap());
+        rx.borrow_and_update();
+        let again = cache.apply(C, Update::Full(vec![resource("x", "1")]), Origin::Upstream);
+        assert!(matches!(again, Applied::Unchanged { .. }));
+        assert!(!rx.has_changed().unwrap());
+    }
+
+    #[test]
+    fn delivered_empty_is_not_missing() {
+        let cache = Cache::new();
+        assert!(cache.get(C).is_none());
+        cache.apply(C, Update::Full(vec![]), Origin::Upstream);
+        let snapshot = cache.get(C).expect("an empty collection is delivered");
+        assert!(snapshot.is_empty());
+    }
+
+    #[test]
+    fn incremental_upserts_and_removes_ignoring_unknown_names() {
+        let cache = Cache::new();
+        cache.apply(
+            C,
+            Update::Full(vec![resource("a", "1"), resource("b", "1")]),
+            Origin::Upstream,
+        );
+        cache.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource("b", "2"), resource("c", "1")],
+                removed: vec!["a".into(), "never-existed".into()],
+            },
+            Origin::Upstream,
+        );
+        let snapshot = cache.get(C).unwrap();
+        let got: Vec<(String, String)> = snapshot
+            .resources
+            .values()
+            .map(|r| (r.name.to_string(), r.version.to_string()))
+            .collect();
+        assert_eq!(got, [("b".into(), "2".into()), ("c".into(), "1".into())]);
+    }
+
+    #[test]
+    fn full_state_replaces_and_diffs_follow_the_change() {
+        let cache = Cache::new();
+        let many: Vec<_> = (0..1000).map(|i| resource(&format!("r{i:04}"), "1")).collect();
+        cache.apply(C, Update::Full(many), Origin::Upstream);
+        let before = cache.get(C).unwrap();
+        let mut next: Vec<_> = (1..1000).map(|i| resource(&format!("r{i:04}"), "1")).collect();
+        next[10] = resource("r0011", "2");
+        next.push(resource("zz", "1"));
+        cache.apply(C, Update::Full(next), Origin::Upstream);
+        let after = cache.get(C).unwrap();
+        assert_eq!(after.len(), 1000);
+        let diff = Diff::between(&before.resources, &after.resources);
+        let upserts: Vec<&str> = diff.upserts.iter().map(|r| &*r.name).collect();
+        assert_eq!(upserts, ["r0011", "zz"]);
+        assert_eq!(diff.removed, vec![Arc::<str>::from("r0000")]);
+    }
+
+    #[test]
+    fn diff_from_client_versions() {
+        let cache = Cache::new();
+        cache.apply(
+            C,
+            Update::Full(vec![resource("a", "1"), resource("b", "2")]),
+            Origin::Upstream,
+        );
+        let snapshot = cache.get(C).unwrap();
+        let known: HashMap<String, String> = [
+            ("a".into(), "1".into()),
+            ("b".into(), "1".into()),
+            ("z".into(), "9".into()),
+        ]
+        .into();
+        let diff = Diff::from_versions(&known, &snapshot.resources);
+        assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["b"]);
+        assert_eq!(diff.removed, vec![Arc::<str>::from("z")]);
+    }
+
+    #[test]
+    fn sotw_body_is_encoded_once_and_shared() {
+        let cache = Cache::new();
+        cache.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let snapshot = cache.get(C).unwrap();
+        let first = snapshot.sotw_body().clone();
+        let second = snapshot.sotw_body().clone();
+        assert_eq!(first.as_ptr(), second.as_ptr(), "the same bytes, not a re-encode");
+    }
+}

@@ -1,0 +1,345 @@
+//! The collection ↔ type URL table: Istio's built-in rows, the operator's
+//! `--type-map` overrides, and how a downstream `type_url` resolves to a
+//! collection in either dialect (Istio 1.0 type URLs, 1.1 collection names).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Istio's collections (copied from `shared/design/istio-collections.tsv`).
+const BUILTIN_TSV: &str = include_str!("../data/istio-collections.tsv");
+
+/// The prefix that marks a downstream `type_url` as a proto type URL (1.0).
+pub const TYPE_URL_PREFIX: &str = "type.googleapis.com/";
+
+/// Shared by every Mixer adapter/template collection: never addressable by
+/// type URL, since it cannot name one collection.
+const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CollectionError {
+    #[error("unsupported type_url {0:?}")]
+    UnsupportedTypeUrl(String),
+    #[error("cannot read {path}: {source}")]
+    ReadTypeMap { path: String, source: std::io::Error },
+    #[error("{path} is not a YAML mapping of `collection: type_url` pairs: {reason}")]
+    ParseTypeMap { path: String, reason: String },
+    #[error("{path}: {reason}")]
+    InvalidTypeMap { path: String, reason: String },
+    #[error("built-in collection table, line {line}: {reason}")]
+    Builtin { line: usize, reason: String },
+}
+
+/// Which wire dialect a downstream request speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Dialect {
+    /// Istio 1.0: `type_url` is a proto type URL.
+    #[serde(rename = "1.0")]
+    V1_0,
+    /// Istio 1.1 legacy mode: `type_url` is a collection name.
+    #[serde(rename = "1.1")]
+    V1_1,
+}
+
+impl Dialect {
+    pub fn of(type_url: &str) -> Self {
+        if type_url.starts_with(TYPE_URL_PREFIX) {
+            Dialect::V1_0
+        } else {
+            Dialect::V1_1
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::V1_0 => "1.0",
+            Dialect::V1_1 => "1.1",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectionInfo {
+    pub name: Arc<str>,
+    pub body_type_url: String,
+    pub default_subscribed: bool,
+}
+
+/// A resolved downstream `type_url`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    pub collection: Arc<str>,
+    pub dialect: Dialect,
+}
+
+#[derive(Clone, Debug)]
+pub struct CollectionTable {
+    by_name: BTreeMap<Arc<str>, CollectionInfo>,
+    owner_by_type_url: HashMap<String, Arc<str>>,
+}
+
+// === impl CollectionTable ===
+
+impl CollectionTable {
+    /// Istio's collections, as shipped.
+    pub fn builtin() -> Self {
+        Self::parse_tsv(BUILTIN_TSV).expect("the embedded collection table is valid (unit-tested)")
+    }
+
+    fn parse_tsv(tsv: &str) -> Result<Self, CollectionError> {
+        let mut by_name = BTreeMap::new();
+        let mut owner_by_type_url = HashMap::new();
+        for (index, line) in tsv.lines().enumerate().skip(1) {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = |reason: &str| CollectionError::Builtin {
+                line: index + 1,
+                reason: reason.to_owned(),
+            };
+            let cols: Vec<&str> = line.split('\t').collect();
+            if cols.len() < 5 {
+                return Err(bad("fewer than 5 columns"));
+            }
+            let flag = |value: &str| match value {
+                "yes" => Ok(true),
+                "no" => Ok(false),
+                _ => Err(bad("flags are yes or no")),
+            };
+            let name: Arc<str> = Arc::from(cols[0]);
+            if flag(cols[4])? && owner_by_type_url.insert(cols[1].to_owned(), name.clone()).is_some() {
+                return Err(bad("a second owner for one type URL"));
+            }
+            by_name.insert(
+                name.clone(),
+                CollectionInfo {
+                    name,
+                    body_type_url: cols[1].to_owned(),
+                    default_subscribed: flag(cols[3])?,
+                },
+            );
+        }
+        Ok(Self {
+            by_name,
+            owner_by_type_url,
+        })
+    }
+
+    /// Adds or overrides rows from a YAML file of `collection: type_url` pairs.
+    /// A row from the file owns its type URL (the operator's word wins over the
+    /// built-in table); two rows of the file claiming one type URL are an error.
+    pub fn with_type_map_file(self, path: &Path) -> Result<Self, CollectionError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| CollectionError::ReadTypeMap {
+            path: shown.clone(),
+            source,
+        })?;
+        let map: BTreeMap<String, String> =
+            serde_norway::from_str(&text).map_err(|e| CollectionError::ParseTypeMap {
+                path: shown.clone(),
+                reason: e.to_string(),
+            })?;
+        self.with_type_map(map)
+            .map_err(|reason| CollectionError::InvalidTypeMap { path: shown, reason })
+    }
+
+    fn with_type_map(mut self, map: BTreeMap<String, String>) -> Result<Self, String> {
+        let mut claimed: HashMap<&str, &str> = HashMap::new();
+        for (collection, type_url) in &map {
+            if collection.is_empty() || collection.starts_with(TYPE_URL_PREFIX) {
+                return Err(format!(
+                    "{collection:?} is not a collection name (collections look like istio/networking/v1alpha3/virtualservices)"
+                ));
+            }
+            if !type_url.starts_with(TYPE_URL_PREFIX) {
+                return Err(format!(
+                    "the type URL of {collection:?} must start with {TYPE_URL_PREFIX:?}, got {type_url:?}"
+                ));
+            }
+            if let Some(other) = claimed.insert(type_url, collection) {
+                return Err(format!(
+                    "{other:?} and {collection:?} both map to {type_url:?}; a type URL can resolve to one collection only"
+                ));
+            }
+        }
+        for (collection, type_url) in map {
+            let name: Arc<str> = Arc::from(collection.as_str());
+            // The row's old type URL no longer resolves to it.
+            self.owner_by_type_url.retain(|_, owner| *owner != name);
+            if type_url != STRUCT_TYPE_URL {
+                self.owner_by_type_url.insert(type_url.clone(), name.clone());
+            }
+            let default_subscribed = self.by_name.get(&name).is_some_and(|c| c.default_subscribed);
+            self.by_name.insert(
+                name.clone(),
+                CollectionInfo {
+                    name,
+                    body_type_url: type_url,
+                    default_subscribed,
+                },
+            );
+        }
+        Ok(self)
+    }
+
+    /// Resolves a downstream `type_url` in either dialect.
+    pub fn resolve(&self, type_url: &str) -> Result<Resolved, CollectionError> {
+        let dialect = Dialect::of(type_url);
+        let collection = match dialect {
+            Dialect::V1_0 => self.owner_by_type_url.get(type_url).cloned(),
+            Dialect::V1_1 => self.by_name.get(type_url).map(|c| c.name.clone()),
+        };
+        collection
+            .map(|collection| Resolved { collection, dialect })
+            .ok_or_else(|| CollectionError::UnsupportedTypeUrl(type_url.to_owned()))
+    }
+
+    pub fn get(&self, collection: &str) -> Option<&CollectionInfo> {
+        self.by_name.get(collection)
+    }
+
+    /// The collection as the table names it (one shared allocation per name).
+    pub fn name(&self, collection: &str) -> Option<Arc<str>> {
+        self.by_name.get(collection).map(|c| c.name.clone())
+    }
+
+    pub fn default_subscriptions(&self) -> Vec<Arc<str>> {
+        self.by_name
+            .values()
+            .filter(|c| c.default_subscribed)
+            .map(|c| c.name.clone())
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VS: &str = "istio/networking/v1alpha3/virtualservices";
+    const VS_URL: &str = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
+
+    #[test]
+    fn builtin_table_parses_with_istio_defaults() {
+        let table = CollectionTable::builtin();
+        assert_eq!(table.len(), 66);
+        let defaults: Vec<String> = table.default_subscriptions().iter().map(|c| c.to_string()).collect();
+        assert_eq!(
+            defaults,
+            [
+                "istio/networking/v1alpha3/destinationrules",
+                "istio/networking/v1alpha3/envoyfilters",
+                "istio/networking/v1alpha3/gateways",
+                "istio/networking/v1alpha3/serviceentries",
+                "istio/networking/v1alpha3/sidecars",
+                VS,
+            ]
+        );
+    }
+
+    #[test]
+    fn both_dialects_resolve() {
+        let table = CollectionTable::builtin();
+        let by_url = table.resolve(VS_URL).unwrap();
+        assert_eq!((&*by_url.collection, by_url.dialect), (VS, Dialect::V1_0));
+        let by_name = table.resolve(VS).unwrap();
+        assert_eq!((&*by_name.collection, by_name.dialect), (VS, Dialect::V1_1));
+    }
+
+    #[test]
+    fn shared_type_urls_resolve_to_their_owner() {
+        let table = CollectionTable::builtin();
+        let owner = |url: &str| table.resolve(url).unwrap().collection.to_string();
+        assert_eq!(
+            owner("type.googleapis.com/istio.authentication.v1alpha1.Policy"),
+            "istio/authentication/v1alpha1/policies"
+        );
+        assert_eq!(
+            owner("type.googleapis.com/istio.rbac.v1alpha1.RbacConfig"),
+            "istio/rbac/v1alpha1/rbacconfigs"
+        );
+        assert_eq!(
+            owner("type.googleapis.com/istio.networking.v1alpha3.ServiceEntry"),
+            "istio/networking/v1alpha3/serviceentries"
+        );
+        // Non-owners are still reachable by collection name.
+        assert!(table.resolve("istio/rbac/v1alpha1/clusterrbacconfigs").is_ok());
+    }
+
+    #[test]
+    fn struct_empty_and_unknown_type_urls_are_unsupported() {
+        let table = CollectionTable::builtin();
+        for url in [STRUCT_TYPE_URL, "", "type.googleapis.com/no.Such", "istio/no/such"] {
+            let err = table.resolve(url).unwrap_err();
+            assert_eq!(err.to_string(), format!("unsupported type_url {url:?}"));
+        }
+    }
+
+    #[test]
+    fn type_map_adds_and_overrides_rows() {
+        let mut map = BTreeMap::new();
+        map.insert(
+            "example.com/widgets".to_string(),
+            "type.googleapis.com/example.Widget".to_string(),
+        );
+        map.insert(VS.to_string(), "type.googleapis.com/example.VS2".to_string());
+        let table = CollectionTable::builtin().with_type_map(map).unwrap();
+        assert_eq!(
+            &*table.resolve("type.googleapis.com/example.Widget").unwrap().collection,
+            "example.com/widgets"
+        );
+        assert_eq!(
+            &*table.resolve("type.googleapis.com/example.VS2").unwrap().collection,
+            VS
+        );
+        assert!(table.resolve(VS_URL).is_err(), "the overridden URL no longer resolves");
+        assert!(
+            table.get(VS).unwrap().default_subscribed,
+            "an override keeps the default subscription"
+        );
+    }
+
+    #[test]
+    fn type_map_rejects_ambiguous_and_malformed_rows() {
+        let mut map = BTreeMap::new();
+        map.insert("a/b".to_string(), "type.googleapis.com/x.Y".to_string());
+        map.insert("c/d".to_string(), "type.googleapis.com/x.Y".to_string());
+        let err = CollectionTable::builtin().with_type_map(map).unwrap_err();
+        assert!(err.contains("both map to"), "{err}");
+
+        let mut map = BTreeMap::new();
+        map.insert("a/b".to_string(), "x.Y".to_string());
+        let err = CollectionTable::builtin().with_type_map(map).unwrap_err();
+        assert!(err.contains("must start with"), "{err}");
+    }
+
+    #[test]
+    fn type_map_file_errors_name_the_file() {
+        let dir = std::env::temp_dir().join(format!("type-map-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("map.yaml");
+        std::fs::write(&path, "- just\n- a list\n").unwrap();
+        let err = CollectionTable::builtin()
+            .with_type_map_file(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("map.yaml") && err.contains("YAML mapping"), "{err}");
+        let err = CollectionTable::builtin()
+            .with_type_map_file(&dir.join("missing.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("missing.yaml"), "{err}");
+        std::fs::write(&path, "example.com/w: type.googleapis.com/example.W\n").unwrap();
+        let table = CollectionTable::builtin().with_type_map_file(&path).unwrap();
+        assert!(table.get("example.com/w").is_some());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,325 @@
+//! Flags and their `MCP_GATEWAY_*` environment fallbacks, validated into the
+//! typed settings the gateway runs with. A bad value is an error that names
+//! its flag; nothing here does I/O beyond reading the files the flags name.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::collections::CollectionTable;
+use crate::proto::SinkNode;
+use crate::upstream::backoff::BackoffPolicy;
+use crate::upstream::client::ClientSettings;
+
+/// The keepalive interval Galley enforces as a minimum (istio#13910).
+const GALLEY_MIN_KEEPALIVE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "mcp-xds-gateway",
+    version,
+    about = "Serves Istio Galley's MCP config to legacy AggregatedMeshConfigService clients"
+)]
+pub struct Args {
+    /// Galley's ResourceSource address, e.g. http://galley:9901. Without it the
+    /// gateway serves no config until a source is configured.
+    #[arg(long, env = "MCP_GATEWAY_UPSTREAM", value_name = "URL")]
+    pub upstream: Option<String>,
+
+    /// The sink node id sent upstream (default: this host's name).
+    #[arg(long, env = "MCP_GATEWAY_NODE_ID", value_name = "ID")]
+    pub node_id: Option<String>,
+
+    /// A sink node annotation sent upstream, as key=value (repeatable).
+    #[arg(
+        long = "node-annotation",
+        env = "MCP_GATEWAY_NODE_ANNOTATIONS",
+        value_name = "KEY=VALUE",
+        value_delimiter = ',',
+        value_parser = parse_key_value
+    )]
+    pub node_annotations: Vec<(String, String)>,
+
+    /// Ask the source for full state only (incremental is requested by default).
+    #[arg(long, env = "MCP_GATEWAY_NO_INCREMENTAL")]
+    pub no_incremental: bool,
+
+    /// Collections to subscribe to at start (comma-separated; default: Istio's
+    /// networking collections). Collections clients ask for are added.
+    #[arg(long, env = "MCP_GATEWAY_COLLECTIONS", value_name = "A,B,...", value_delimiter = ',')]
+    pub collections: Option<Vec<String>>,
+
+    /// YAML file of `collection: type_url` pairs that add to or override the
+    /// built-in collection table.
+    #[arg(long, env = "MCP_GATEWAY_TYPE_MAP", value_name = "FILE")]
+    pub type_map: Option<PathBuf>,
+
+    /// Address of the AggregatedMeshConfigService (downstream clients).
+    #[arg(long, env = "MCP_GATEWAY_LISTEN", default_value = "0.0.0.0:15010")]
+    pub listen: SocketAddr,
+
+    /// Address of the admin HTTP port (/healthz, /readyz, /debug/clients).
+    #[arg(long, env = "MCP_GATEWAY_ADMIN_LISTEN", default_value = "0.0.0.0:15014")]
+    pub admin_listen: SocketAddr,
+
+    /// Largest message accepted from the upstream source, in bytes.
+    #[arg(long, env = "MCP_GATEWAY_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
+    pub max_message_bytes: usize,
+
+    /// HTTP/2 keepalive ping interval towards the source ("0s" turns pings off).
+    /// Galley answers pings more often than every 30s with GOAWAY.
+    #[arg(long, env = "MCP_GATEWAY_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub keepalive_interval: Duration,
+
+    /// First reconnect delay; it doubles per failed attempt and resets only
+    /// after a stream delivered data.
+    #[arg(long, env = "MCP_GATEWAY_RECONNECT_MIN_DELAY", default_value = "100ms", value_parser = parse_duration)]
+    pub reconnect_min_delay: Duration,
+
+    /// Largest base reconnect delay (each wait adds up to as much again as jitter).
+    #[arg(long, env = "MCP_GATEWAY_RECONNECT_MAX_DELAY", default_value = "30s", value_parser = parse_duration)]
+    pub reconnect_max_delay: Duration,
+
+    /// How long shutdown waits for streams to close before exiting.
+    #[arg(long, env = "MCP_GATEWAY_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Log filter (tracing's EnvFilter syntax); RUST_LOG, when set, wins.
+    #[arg(long, env = "MCP_GATEWAY_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{flag}: {message}")]
+pub struct ConfigError {
+    pub flag: &'static str,
+    pub message: String,
+}
+
+fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        message: message.into(),
+    }
+}
+
+/// The validated settings the gateway runs with.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub upstream: Option<ClientSettings>,
+    pub table: Arc<CollectionTable>,
+    pub type_map: Option<PathBuf>,
+    pub collections: Vec<Arc<str>>,
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub shutdown_grace: Duration,
+}
+
+// === impl Args ===
+
+impl Args {
+    /// Validates every flag; the first bad one is reported by name.
+    pub fn validate(self) -> Result<Settings, ConfigError> {
+        let table = match &self.type_map {
+            Some(path) => CollectionTable::builtin()
+                .with_type_map_file(path)
+                .map_err(|e| invalid("--type-map", e.to_string()))?,
+            None => CollectionTable::builtin(),
+        };
+        let collections = match &self.collections {
+            None => table.default_subscriptions(),
+            Some(list) => {
+                let mut names = Vec::new();
+                for name in list.iter().map(|c| c.trim()).filter(|c| !c.is_empty()) {
+                    let known = table.name(name).ok_or_else(|| {
+                        invalid(
+                            "--collections",
+                            format!(
+                                "{name:?} is not a known collection; add it with --type-map (collection: type_url)"
+                            ),
+                        )
+                    })?;
+                    if !names.contains(&known) {
+                        names.push(known);
+                    }
+                }
+                if names.is_empty() {
+                    return Err(invalid("--collections", "no collection given"));
+                }
+                names
+            }
+        };
+        if self.max_message_bytes < 4096 {
+            return Err(invalid(
+                "--max-message-bytes",
+                format!(
+                    "{} bytes is too small for any MCP message; the default is 67108864 (64 MiB)",
+                    self.max_message_bytes
+                ),
+            ));
+        }
+        if self.reconnect_min_delay.is_zero() {
+            return Err(invalid(
+                "--reconnect-min-delay",
+                "must be above zero (a zero delay is a hot loop)",
+            ));
+        }
+        if self.reconnect_max_delay < self.reconnect_min_delay {
+            return Err(invalid(
+                "--reconnect-max-delay",
+                format!(
+                    "{:?} is below --reconnect-min-delay {:?}",
+                    self.reconnect_max_delay, self.reconnect_min_delay
+                ),
+            ));
+        }
+        let keepalive = (!self.keepalive_interval.is_zero()).then_some(self.keepalive_interval);
+        if keepalive.is_some_and(|k| k < GALLEY_MIN_KEEPALIVE) {
+            tracing::warn!(
+                interval = ?self.keepalive_interval,
+                "--keepalive-interval is below Galley's 30s minimum; Galley answers with GOAWAY ENHANCE_YOUR_CALM"
+            );
+        }
+        let node_id = match self.node_id {
+            Some(id) if id.trim().is_empty() => return Err(invalid("--node-id", "must not be empty")),
+            Some(id) => id,
+            None => gethostname::gethostname().to_string_lossy().into_owned(),
+        };
+        let upstream = match self.upstream {
+            None => None,
+            Some(url) => Some(ClientSettings {
+                address: validate_upstream(&url)?,
+                node: SinkNode {
+                    id: node_id,
+                    annotations: self.node_annotations.into_iter().collect(),
+                },
+                incremental: !self.no_incremental,
+                max_message_bytes: self.max_message_bytes,
+                keepalive,
+                backoff: BackoffPolicy {
+                    min: self.reconnect_min_delay,
+                    max: self.reconnect_max_delay,
+                },
+            }),
+        };
+        Ok(Settings {
+            upstream,
+            table: Arc::new(table),
+            type_map: self.type_map,
+            collections,
+            listen: self.listen,
+            admin_listen: self.admin_listen,
+            shutdown_grace: self.shutdown_grace,
+        })
+    }
+}
+
+fn validate_upstream(url: &str) -> Result<String, ConfigError> {
+    let uri: tonic::transport::Uri = url.parse().map_err(|e| {
+        invalid(
+            "--upstream",
+            format!("{url:?} is not a URL like http://galley:9901: {e}"),
+        )
+    })?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(invalid(
+                "--upstream",
+                format!("{url:?}: TLS to the upstream is not supported by this build yet; use http://"),
+            ))
+        }
+        _ => {
+            return Err(invalid(
+                "--upstream",
+                format!("{url:?} needs the scheme http://, as in http://galley:9901"),
+            ))
+        }
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(invalid(
+            "--upstream",
+            format!("{url:?} has no host; use http://HOST:PORT"),
+        ));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
+fn parse_key_value(value: &str) -> Result<(String, String), String> {
+    match value.split_once('=') {
+        Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_owned(), value.to_owned())),
+        _ => Err(format!("{value:?} is not KEY=VALUE")),
+    }
+}
+
+fn parse_duration(value: &str) -> Result<Duration, String> {
+    humantime::parse_duration(value).map_err(|e| format!("{value:?} is not a duration like 30s or 100ms: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Settings, String> {
+        let args = Args::try_parse_from(std::iter::once("mcp-xds-gateway").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        args.validate().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_are_istios_networking_collections() {
+        let settings = parse(&[]).unwrap();
+        assert_eq!(settings.collections.len(), 6);
+        assert!(settings.upstream.is_none());
+        assert_eq!(settings.listen.to_string(), "0.0.0.0:15010");
+        assert_eq!(settings.admin_listen.to_string(), "0.0.0.0:15014");
+    }
+
+    #[test]
+    fn upstream_settings_follow_the_flags() {
+        let settings = parse(&[
+            "--upstream",
+            "http://galley:9901",
+            "--node-id",
+            "gw-1",
+            "--node-annotation",
+            "team=mesh",
+            "--node-annotation",
+            "zone=a",
+            "--no-incremental",
+        ])
+        .unwrap();
+        let upstream = settings.upstream.unwrap();
+        assert_eq!(upstream.address, "http://galley:9901");
+        assert_eq!(upstream.node.id, "gw-1");
+        assert_eq!(upstream.node.annotations.get("team").map(String::as_str), Some("mesh"));
+        assert_eq!(upstream.node.annotations.len(), 2);
+        assert!(!upstream.incremental);
+        assert_eq!(upstream.max_message_bytes, 64 << 20);
+        assert_eq!(upstream.keepalive, Some(Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn bad_values_name_their_flag() {
+        for (args, flag) in [
+            (&["--upstream", "galley:9901"][..], "--upstream"),
+            (&["--upstream", "https://galley:9901"][..], "--upstream"),
+            (&["--collections", "istio/nope"][..], "--collections"),
+            (&["--collections", ","][..], "--collections"),
+            (&["--max-message-bytes", "10"][..], "--max-message-bytes"),
+            (&["--reconnect-min-delay", "0s"][..], "--reconnect-min-delay"),
+            (&["--reconnect-max-delay", "1ms"][..], "--reconnect-max-delay"),
+            (&["--node-id", " "][..], "--node-id"),
+            (&["--node-annotation", "novalue"][..], "--node-annotation"),
+            (&["--keepalive-interval", "soon"][..], "--keepalive-interval"),
+            (&["--listen", "nowhere"][..], "--listen"),
+            (&["--type-map", "/nonexistent/map.yaml"][..], "--type-map"),
+        ] {
+            let err = parse(args).unwrap_err();
+            assert!(err.contains(flag), "{args:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! One `IncrementalAggregatedResources` stream: a single type (the response
+//! has no `type_url`), diffs against what the client ACKed, one outstanding
+//! response, stale nonces ignored. After a NACK the client keeps its previous
+//! state, and the next change is sent as a diff against that state.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio_stream::wrappers::WatchStream;
+use tokio_stream::StreamExt;
+use tonic::{Status, Streaming};
+
+use super::registry::{NackRecord, Protocol, RegistryEntry, TypeView};
+use super::{end_with, shutting_down, Downstream, Outbound};
+use crate::cache::{CollectionSnapshot, Diff};
+use crate::metrics as m;
+use crate::wire::{encode_body, encode_suffix, EncodedResponse, IncrementalRequest};
+
+/// What the client holds.
+enum ClientState {
+    /// Its `initial_resource_versions`, until it ACKs a response.
+    Initial(HashMap<String, String>),
+    /// The snapshot it last ACKed.
+    At(Arc<CollectionSnapshot>),
+}
+
+struct Subscribed {
+    type_url: String,
+    view: TypeView,
+    client: ClientState,
+    /// The snapshot the outstanding (or last) response brought the client to.
+    sent: Option<Arc<CollectionSnapshot>>,
+    changes: WatchStream<Option<Arc<CollectionSnapshot>>>,
+}
+
+pub(super) struct IncrementalStream {
+    shared: Downstream,
+    entry: RegistryEntry,
+    id: u64,
+    subscribed: Option<Subscribed>,
+    last_nonce: u64,
+}
+
+// === impl IncrementalStream ===
+
+impl IncrementalStream {
+    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
+        let entry = shared.inner.registry.register(id, peer, Protocol::Incremental);
+        Self {
+            shared,
+            entry,
+            id,
+            subscribed: None,
+            last_nonce: 0,
+        }
+    }
+
+    pub(super) async fn run(mut self, mut inbound: Streaming<IncrementalRequest>, out: Outbound) {
+        let shutdown = self.shared.inner.shutdown.clone();
+        let end = loop {
+            let changed = async {
+                match self.subscribed.as_mut() {
+                    Some(s) => s.changes.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => break Some(shutting_down()),
+                _ = out.closed() => break None,
+                request = inbound.message() => match request {
+                    Ok(Some(request)) => match self.on_request(request, &out).await {
+                        Ok(true) => {}
+                        Ok(false) => break None,
+                        Err(status) => break Some(status),
+                    },
+                    Ok(None) => break None,
+                    Err(status) => {
+                        tracing::debug!(stream = self.id, %status, "client stream ended");
+                        break None;
+                    }
+                },
+                Some(_) = changed => {
+                    if !self.try_send(&out).await {
+                        break None;
+                    }
+                }
+            }
+        };
+        if let Some(status) = end {
+            tracing::debug!(stream = self.id, %status, "ending stream");
+            end_with(&out, status).await;
+        }
+    }
+
+    /// Handles one request. `Ok(false)`: the client is gone; `Err` ends the
+    /// stream with that status.
+    async fn on_request(&mut self, request: IncrementalRequest, out: &Outbound) -> Result<bool, Status> {
+        if let Some(node) = &request.node {
+            self.entry.set_node_id(&node.id);
+        }
+        let Some(subscribed) = self.subscribed.as_mut() else {
+            // The first request names the type and what the client holds.
+            let resolved = self.shared.resolve(&request.type_url)?;
+            self.shared.follow(&resolved.collection);
+            let changes = self.shared.inner.cache.subscribe(&resolved.collection);
+            self.subscribed = Some(Subscribed {
+                view: TypeView {
+                    collection: resolved.collection,
+                    dialect: resolved.dialect,
+                    last_sent_version: None,
+                    last_sent_nonce: None,
+                    acked_version: None,
+                    outstanding: false,
+                    last_nack: None,
+                },
+                type_url: request.type_url,
+                client: ClientState::Initial(request.initial_resource_versions),
+                sent: None,
+                changes: WatchStream::from_changes(changes),
+            });
+            self.publish();
+            return Ok(self.try_send(out).await);
+        };
+        // Later requests may leave `type_url` empty; another type is an error.
+        if !request.type_url.is_empty() && request.type_url != subscribed.type_url {
+            return Err(Status::invalid_argument(format!(
+                "this IncrementalAggregatedResources stream carries type_url {:?}, and a stream carries one type only \
+                 (its responses have no type_url); open another stream for {:?}",
+                subscribed.type_url, request.type_url
+            )));
+        }
+        let collection = subscribed.view.collection.to_string();
+        let matches = subscribed
+            .view
+            .last_sent_nonce
+            .as_ref()
+            .is_some_and(|nonce| *nonce == request.response_nonce);
+        if !matches {
+            metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
+            tracing::debug!(stream = self.id, nonce = %request.response_nonce, "stale request ignored");
+            return Ok(true);
+        }
+        subscribed.view.outstanding = false;
+        let sent = subscribed.sent.clone().expect("a nonce was sent with a snapshot");
+        match request.error_detail {
+            Some(error) => {
+                metrics::counter!(m::DOWNSTREAM_NACKS, "collection" => collection.clone()).increment(1);
+                metrics::counter!(
+                    m::REQUEST_NACKS,
+                    "component" => m::COMPONENT_DOWNSTREAM,
+                    "collection" => collection,
+                    "code" => format!("{:?}", tonic::Code::from(error.code))
+                )
+                .increment(1);
+                tracing::warn!(
+                    stream = self.id,
+                    type_url = %subscribed.type_url,
+                    version = %sent.version,
+                    code = error.code,
+                    message = %error.message,
+                    "client NACKed a diff; it keeps its previous state and this version is not sent again"
+                );
+                subscribed.view.last_nack = Some(NackRecord {
+                    version: sent.version.clone(),
+                    code: error.code,
+                    message: error.message,
+                });
+            }
+            None => {
+                metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_DOWNSTREAM, "collection" => collection)
+                    .increment(1);
+                subscribed.view.acked_version = Some(sent.version.clone());
+                subscribed.client = ClientState::At(sent);
+            }
+        }
+        self.publish();
+        Ok(self.try_send(out).await)
+    }
+
+    fn publish(&self) {
+        if let Some(s) = &self.subscribed {
+            self.entry.publish(&s.type_url, s.view.clone());
+        }
+    }
+
+    /// Sends the diff from what the client holds to the current version, when
+    /// one may be sent. Returns false when the client is gone.
+    async fn try_send(&mut self, out: &Outbound) -> bool {
+        let Some(s) = self.subscribed.as_mut() else {
+            return true;
+        };
+        if s.view.outstanding {
+            return true;
+        }
+        let Some(snapshot) = self.shared.inner.cache.get(&s.view.collection) else {
+            return true;
+        };
+        if s.view
+            .last_nack
+            .as_ref()
+            .is_some_and(|nack| nack.version == snapshot.version)
+        {
+            return true;
+        }
+        let diff = match &s.client {
+            ClientState::At(held) if held.version == snapshot.version => return true,
+            ClientState::At(held) => Diff::between(&held.resources, &snapshot.resources),
+            // The first response is sent even when empty: it tells the client
+            // it is in sync.
+            ClientState::Initial(known) => Diff::from_versions(known, &snapshot.resources),
+        };
+        let removed: Vec<&str> = diff.removed.iter().map(|n| &**n).collect();
+        self.last_nonce += 1;
+        let nonce = self.last_nonce.to_string();
+        let response = EncodedResponse {
+            shared: encode_body(&snapshot.version, diff.upserts.iter().map(|r| &r.encoded), &removed),
+            suffix: encode_suffix(None, &nonce),
+        };
+        s.view.outstanding = true;
+        s.view.last_sent_nonce = Some(nonce);
+        s.view.last_sent_version = Some(snapshot.version.clone());
+        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.to_string()).increment(1);
+        s.sent = Some(snapshot);
+        self.publish();
+        let shutdown = self.shared.inner.shutdown.clone();
+        tokio::select! {
+            sent = out.send(Ok(response)) => sent.is_ok(),
+            _ = shutdown.cancelled() => true,
+        }
+    }
+}

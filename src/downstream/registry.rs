@@ -1,0 +1,141 @@
+//! The connected streams, as the debug views show them. Each stream's task owns
+//! its real state and publishes a copy here after every change; the entry is
+//! removed when the task ends.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use dashmap::DashMap;
+
+use crate::collections::Dialect;
+use crate::metrics as m;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    Sotw,
+    Incremental,
+}
+
+impl Protocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Sotw => "sotw",
+            Protocol::Incremental => "incremental",
+        }
+    }
+}
+
+/// A NACK as a client sent it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct NackRecord {
+    /// The version the client refused; it is never sent to this client again.
+    pub version: Arc<str>,
+    pub code: i32,
+    pub message: String,
+}
+
+/// One type on one stream, as `/debug/clients` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TypeView {
+    pub collection: Arc<str>,
+    pub dialect: Dialect,
+    pub last_sent_version: Option<Arc<str>>,
+    pub last_sent_nonce: Option<String>,
+    pub acked_version: Option<Arc<str>>,
+    pub outstanding: bool,
+    pub last_nack: Option<NackRecord>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StreamView {
+    pub id: u64,
+    pub peer: Option<SocketAddr>,
+    pub protocol: Protocol,
+    pub node_id: String,
+    pub connected_since: SystemTime,
+    /// By the `type_url` the client sent.
+    pub types: BTreeMap<String, TypeView>,
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    streams: DashMap<u64, Arc<Mutex<StreamView>>>,
+}
+
+// === impl Registry ===
+
+impl Registry {
+    /// Adds a stream; it is removed when the returned entry is dropped.
+    pub fn register(self: &Arc<Self>, id: u64, peer: Option<SocketAddr>, protocol: Protocol) -> RegistryEntry {
+        let view = Arc::new(Mutex::new(StreamView {
+            id,
+            peer,
+            protocol,
+            node_id: String::new(),
+            connected_since: SystemTime::now(),
+            types: BTreeMap::new(),
+        }));
+        self.streams.insert(id, view.clone());
+        metrics::gauge!(m::CLIENTS).increment(1.0);
+        metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => protocol.as_str()).increment(1.0);
+        RegistryEntry {
+            registry: self.clone(),
+            id,
+            protocol,
+            view,
+        }
+    }
+
+    /// Every connected stream, ordered by id.
+    pub fn streams(&self) -> Vec<StreamView> {
+        let mut all: Vec<StreamView> = self
+            .streams
+            .iter()
+            .map(|entry| entry.value().lock().expect("registry lock poisoned").clone())
+            .collect();
+        all.sort_by_key(|s| s.id);
+        all
+    }
+
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+}
+
+/// A stream's place in the registry, held by its task.
+#[derive(Debug)]
+pub struct RegistryEntry {
+    registry: Arc<Registry>,
+    id: u64,
+    protocol: Protocol,
+    view: Arc<Mutex<StreamView>>,
+}
+
+impl RegistryEntry {
+    pub fn set_node_id(&self, node_id: &str) {
+        let mut view = self.view.lock().expect("registry lock poisoned");
+        if view.node_id != node_id {
+            view.node_id = node_id.to_owned();
+        }
+    }
+
+    pub fn publish(&self, type_url: &str, state: TypeView) {
+        let mut view = self.view.lock().expect("registry lock poisoned");
+        view.types.insert(type_url.to_owned(), state);
+    }
+}
+
+impl Drop for RegistryEntry {
+    fn drop(&mut self) {
+        self.registry.streams.remove(&self.id);
+        metrics::gauge!(m::CLIENTS).decrement(1.0);
+        metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => self.protocol.as_str()).decrement(1.0);
+    }
+}

@@ -1,0 +1,214 @@
+//! One `StreamAggregatedResources` stream: many types, each with its own nonce
+//! state and at most one outstanding response. Changes that arrive while a
+//! response is outstanding coalesce (the cache's watch keeps only the latest);
+//! the matching ACK or NACK re-arms the type. One task writes the stream.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio_stream::wrappers::WatchStream;
+use tokio_stream::{StreamExt, StreamMap};
+use tonic::{Status, Streaming};
+
+use super::registry::{NackRecord, Protocol, RegistryEntry, TypeView};
+use super::{end_with, shutting_down, Downstream, Outbound};
+use crate::cache::CollectionSnapshot;
+use crate::metrics as m;
+use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
+
+type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
+
+/// The client went away: its response stream is closed.
+struct ClientGone;
+
+struct SotwType {
+    view: TypeView,
+    /// `version_info` of the last accepted request: what the client holds.
+    client_version: String,
+}
+
+pub(super) struct SotwStream {
+    shared: Downstream,
+    entry: RegistryEntry,
+    id: u64,
+    /// By the `type_url` the client sent.
+    types: HashMap<String, SotwType>,
+    changes: StreamMap<String, SnapshotWatch>,
+    /// Per stream, decimal, as Istio's server did.
+    last_nonce: u64,
+}
+
+// === impl SotwStream ===
+
+impl SotwStream {
+    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
+        let entry = shared.inner.registry.register(id, peer, Protocol::Sotw);
+        Self {
+            shared,
+            entry,
+            id,
+            types: HashMap::new(),
+            changes: StreamMap::new(),
+            last_nonce: 0,
+        }
+    }
+
+    pub(super) async fn run(mut self, mut inbound: Streaming<SotwRequest>, out: Outbound) {
+        let shutdown = self.shared.inner.shutdown.clone();
+        let end = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break Some(shutting_down()),
+                _ = out.closed() => break None,
+                request = inbound.message() => match request {
+                    Ok(Some(request)) => match self.on_request(request, &out).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(ClientGone)) => break None,
+                        Err(status) => break Some(status),
+                    },
+                    Ok(None) => break None,
+                    Err(status) => {
+                        tracing::debug!(stream = self.id, %status, "client stream ended");
+                        break None;
+                    }
+                },
+                Some((type_url, _)) = self.changes.next(), if !self.changes.is_empty() => {
+                    if self.try_send(&type_url, &out).await.is_err() {
+                        break None;
+                    }
+                }
+            }
+        };
+        if let Some(status) = end {
+            tracing::debug!(stream = self.id, %status, "ending stream");
+            end_with(&out, status).await;
+        }
+    }
+
+    /// Handles one request. `Err` ends the stream with that status.
+    async fn on_request(&mut self, request: SotwRequest, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
+        let resolved = self.shared.resolve(&request.type_url)?;
+        if let Some(node) = &request.node {
+            self.entry.set_node_id(&node.id);
+        }
+        let type_url = request.type_url;
+        if !self.types.contains_key(&type_url) {
+            self.shared.follow(&resolved.collection);
+            let changes = self.shared.inner.cache.subscribe(&resolved.collection);
+            self.changes
+                .insert(type_url.clone(), WatchStream::from_changes(changes));
+            self.types.insert(
+                type_url.clone(),
+                SotwType {
+                    view: TypeView {
+                        collection: resolved.collection.clone(),
+                        dialect: resolved.dialect,
+                        last_sent_version: None,
+                        last_sent_nonce: None,
+                        acked_version: None,
+                        outstanding: false,
+                        last_nack: None,
+                    },
+                    client_version: String::new(),
+                },
+            );
+        }
+        let state = self.types.get_mut(&type_url).expect("inserted above");
+        let collection = state.view.collection.to_string();
+        match &state.view.last_sent_nonce {
+            // Nothing sent for this type yet: every request is accepted.
+            None => {}
+            Some(nonce) if *nonce == request.response_nonce => {
+                state.view.outstanding = false;
+                match request.error_detail {
+                    Some(error) => {
+                        let version = state.view.last_sent_version.clone().unwrap_or_else(|| Arc::from(""));
+                        metrics::counter!(m::DOWNSTREAM_NACKS, "collection" => collection.clone()).increment(1);
+                        metrics::counter!(
+                            m::REQUEST_NACKS,
+                            "component" => m::COMPONENT_DOWNSTREAM,
+                            "collection" => collection,
+                            "code" => error.code.to_string()
+                        )
+                        .increment(1);
+                        tracing::warn!(
+                            stream = self.id,
+                            %type_url,
+                            %version,
+                            code = error.code,
+                            message = %error.message,
+                            "client NACKed a version; it is not sent to this client again"
+                        );
+                        state.view.last_nack = Some(NackRecord {
+                            version,
+                            code: error.code,
+                            message: error.message,
+                        });
+                    }
+                    None => {
+                        metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_DOWNSTREAM, "collection" => collection)
+                            .increment(1);
+                        state.view.acked_version = Some(Arc::from(request.version_info.as_str()));
+                    }
+                }
+            }
+            Some(nonce) => {
+                metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
+                tracing::debug!(
+                    stream = self.id,
+                    %type_url,
+                    expected = %nonce,
+                    got = %request.response_nonce,
+                    "stale request ignored"
+                );
+                return Ok(Ok(()));
+            }
+        }
+        state.client_version = request.version_info;
+        self.entry.publish(&type_url, state.view.clone());
+        Ok(self.try_send(&type_url, out).await)
+    }
+
+    /// Sends the type's current version if the client may take one and does
+    /// not hold it yet.
+    async fn try_send(&mut self, type_url: &str, out: &Outbound) -> Result<(), ClientGone> {
+        let Some(state) = self.types.get_mut(type_url) else {
+            return Ok(());
+        };
+        if state.view.outstanding {
+            return Ok(());
+        }
+        // Not delivered by upstream yet: nothing is invented.
+        let Some(snapshot) = self.shared.inner.cache.get(&state.view.collection) else {
+            return Ok(());
+        };
+        if *snapshot.version == state.client_version {
+            return Ok(());
+        }
+        if state
+            .view
+            .last_nack
+            .as_ref()
+            .is_some_and(|nack| nack.version == snapshot.version)
+        {
+            return Ok(());
+        }
+        self.last_nonce += 1;
+        let nonce = self.last_nonce.to_string();
+        let response = EncodedResponse {
+            shared: snapshot.sotw_body().clone(),
+            suffix: encode_suffix(Some(type_url), &nonce),
+        };
+        state.view.outstanding = true;
+        state.view.last_sent_nonce = Some(nonce);
+        state.view.last_sent_version = Some(snapshot.version.clone());
+        self.entry.publish(type_url, state.view.clone());
+        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.to_string()).increment(1);
+        let shutdown = self.shared.inner.shutdown.clone();
+        tokio::select! {
+            sent = out.send(Ok(response)) => sent.map_err(|_| ClientGone),
+            // A client that stopped reading must not hold up shutdown.
+            _ = shutdown.cancelled() => Ok(()),
+        }
+    }
+}

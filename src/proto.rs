@@ -1,0 +1,19 @@
+//! Generated code, nothing hand-written: the MCP messages and services as the
+//! proto defines them, and (in [`gateway`]) the same gRPC routes typed with the
+//! gateway's wire types from [`crate::wire`].
+#![allow(clippy::all, missing_docs)]
+
+tonic::include_proto!("istio.mcp.v1alpha1");
+
+/// The MCP services on the gateway's own wire types (see `build.rs`).
+pub mod gateway {
+    include!(concat!(
+        env!("OUT_DIR"),
+        "/gateway/istio.mcp.v1alpha1.AggregatedMeshConfigService.rs"
+    ));
+    include!(concat!(
+        env!("OUT_DIR"),
+        "/gateway/istio.mcp.v1alpha1.ResourceSource.rs"
+    ));
+    include!(concat!(env!("OUT_DIR"), "/gateway/istio.mcp.v1alpha1.ResourceSink.rs"));
+}

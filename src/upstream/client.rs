@@ -1,0 +1,300 @@
+//! Client mode: dial Galley's `ResourceSource`, run one sink session per
+//! stream, and reconnect with backoff. While disconnected, the cache keeps
+//! serving the last applied state.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Endpoint;
+use tonic::Code;
+
+use super::backoff::{Backoff, BackoffPolicy};
+use super::{SinkSession, Subscriptions, UpstreamStatus};
+use crate::cache::Cache;
+use crate::metrics as m;
+use crate::proto::gateway::resource_source_client::ResourceSourceClient;
+use crate::proto::SinkNode;
+
+/// Everything client mode needs, decided at start-up.
+#[derive(Clone, Debug)]
+pub struct ClientSettings {
+    pub address: String,
+    pub node: SinkNode,
+    pub incremental: bool,
+    pub max_message_bytes: usize,
+    /// HTTP/2 keepalive ping interval; `None` turns pings off.
+    pub keepalive: Option<Duration>,
+    pub backoff: BackoffPolicy,
+}
+
+/// How one upstream stream ended.
+#[derive(Debug)]
+enum StreamEnd {
+    Shutdown,
+    /// The source refused a collection (`unsupported collection "X"`).
+    Refused {
+        collection: String,
+        message: String,
+    },
+    Failed {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+pub struct UpstreamClient {
+    settings: ClientSettings,
+    cache: Arc<Cache>,
+    subscriptions: Arc<Subscriptions>,
+    status: watch::Sender<UpstreamStatus>,
+}
+
+// === impl UpstreamClient ===
+
+impl UpstreamClient {
+    pub fn new(
+        settings: ClientSettings,
+        cache: Arc<Cache>,
+        subscriptions: Arc<Subscriptions>,
+        status: watch::Sender<UpstreamStatus>,
+    ) -> Self {
+        status.send_modify(|s| {
+            s.mode = "client";
+            s.address = settings.address.clone();
+            s.since = Some(SystemTime::now());
+        });
+        Self {
+            settings,
+            cache,
+            subscriptions,
+            status,
+        }
+    }
+
+    fn endpoint(&self) -> Result<Endpoint, tonic::transport::Error> {
+        let mut endpoint = Endpoint::from_shared(self.settings.address.clone())?
+            .connect_timeout(Duration::from_secs(10))
+            .tcp_nodelay(true);
+        if let Some(interval) = self.settings.keepalive {
+            endpoint = endpoint
+                .http2_keep_alive_interval(interval)
+                .keep_alive_timeout(Duration::from_secs(20))
+                .keep_alive_while_idle(false);
+        }
+        Ok(endpoint)
+    }
+
+    /// Runs until `shutdown`: one stream at a time, reconnecting with backoff
+    /// that resets only after a stream delivered data.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut backoff = Backoff::new(self.settings.backoff);
+        let mut first = true;
+        loop {
+            if !first {
+                metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
+            }
+            first = false;
+            self.status.send_modify(|s| {
+                s.attempts += 1;
+                s.next_retry_in = None;
+            });
+            let mut delivered = false;
+            let end = self.run_stream(&shutdown, &mut delivered).await;
+            self.set_connected(false);
+            if delivered {
+                backoff.reset();
+            }
+            let (reason, message) = match end {
+                StreamEnd::Shutdown => return,
+                StreamEnd::Refused { collection, message } => {
+                    if self.subscriptions.refuse(&collection, message.clone()) {
+                        metrics::counter!(m::UPSTREAM_REFUSED_COLLECTIONS, "collection" => collection.clone())
+                            .increment(1);
+                        tracing::warn!(
+                            %collection,
+                            %message,
+                            "the source does not serve this collection: dropped from the subscription, \
+                             reconnecting with the rest"
+                        );
+                    }
+                    ("refused_collection", message)
+                }
+                StreamEnd::Failed { reason, message } => {
+                    tracing::warn!(address = %self.settings.address, %reason, %message, "upstream stream ended");
+                    (reason, message)
+                }
+            };
+            metrics::counter!(m::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).increment(1);
+            let delay = backoff.next_delay();
+            self.status.send_modify(|s| {
+                s.last_error = Some(message);
+                s.consecutive_failures = if delivered { 1 } else { s.consecutive_failures + 1 };
+                s.next_retry_in = Some(delay);
+            });
+            tracing::info!(retry_in = ?delay, "reconnecting to upstream");
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    fn set_connected(&self, connected: bool) {
+        self.status.send_if_modified(|s| {
+            if s.connected == connected {
+                return false;
+            }
+            s.connected = connected;
+            s.since = Some(SystemTime::now());
+            true
+        });
+        metrics::gauge!(m::UPSTREAM_CONNECTED).set(if connected { 1.0 } else { 0.0 });
+    }
+
+    async fn run_stream(&self, shutdown: &CancellationToken, delivered: &mut bool) -> StreamEnd {
+        let endpoint = match self.endpoint() {
+            Ok(endpoint) => endpoint,
+            Err(e) => {
+                return StreamEnd::Failed {
+                    reason: "connect",
+                    message: format!("invalid upstream address {}: {e}", self.settings.address),
+                }
+            }
+        };
+        let channel = tokio::select! {
+            connected = endpoint.connect() => match connected {
+                Ok(channel) => channel,
+                Err(e) => return StreamEnd::Failed {
+                    reason: "connect",
+                    message: format!("cannot connect to {}: {}", self.settings.address, error_chain(&e)),
+                },
+            },
+            _ = shutdown.cancelled() => return StreamEnd::Shutdown,
+        };
+        let mut client = ResourceSourceClient::new(channel)
+            .max_decoding_message_size(self.settings.max_message_bytes)
+            .max_encoding_message_size(self.settings.max_message_bytes);
+        let mut session = SinkSession::new(
+            self.settings.node.clone(),
+            self.settings.incremental,
+            self.cache.clone(),
+        );
+        let mut subscriptions = self.subscriptions.watch();
+        let active: Vec<_> = subscriptions.borrow_and_update().wanted.iter().cloned().collect();
+
+        // Every initial request is queued before the stream opens, so the
+        // channel must hold them all; afterwards it carries one reply per
+        // message received.
+        let (tx, rx) = mpsc::channel(active.len() + 64);
+        for collection in active {
+            if let Some(request) = session.subscribe(collection) {
+                tx.try_send(request).expect("the channel holds every initial request");
+            }
+        }
+        let response = tokio::select! {
+            response = client.establish_resource_stream(ReceiverStream::new(rx)) => response,
+            _ = shutdown.cancelled() => return StreamEnd::Shutdown,
+        };
+        let mut inbound = match response {
+            Ok(response) => response.into_inner(),
+            Err(status) => return classify(status),
+        };
+        self.set_connected(true);
+        tracing::info!(address = %self.settings.address, "upstream stream established");
+
+        loop {
+            tokio::select! {
+                message = inbound.message() => match message {
+                    Ok(Some(message)) => {
+                        *delivered = true;
+                        let handled = session.handle(message);
+                        if tx.send(handled.reply).await.is_err() {
+                            return StreamEnd::Failed {
+                                reason: "send",
+                                message: "the stream to the source closed while sending an ACK".into(),
+                            };
+                        }
+                    }
+                    Ok(None) => return StreamEnd::Failed {
+                        reason: "closed",
+                        message: "the source closed the stream".into(),
+                    },
+                    Err(status) => return classify(status),
+                },
+                changed = subscriptions.changed() => {
+                    if changed.is_err() {
+                        return StreamEnd::Shutdown;
+                    }
+                    // Collections first asked for by downstream clients are
+                    // subscribed on the live stream.
+                    let wanted: Vec<_> = subscriptions.borrow_and_update().wanted.iter().cloned().collect();
+                    for collection in wanted {
+                        if let Some(request) = session.subscribe(collection) {
+                            tracing::info!(collection = %request.collection, "subscribing on the live stream");
+                            if tx.send(request).await.is_err() {
+                                return StreamEnd::Failed {
+                                    reason: "send",
+                                    message: "the stream to the source closed while subscribing".into(),
+                                };
+                            }
+                        }
+                    }
+                }
+                _ = shutdown.cancelled() => return StreamEnd::Shutdown,
+            }
+        }
+    }
+}
+
+/// Galley ends the whole stream with `InvalidArgument "unsupported collection
+/// \"X\""` for a collection it does not serve (istio#13559).
+fn refused_collection(status: &tonic::Status) -> Option<String> {
+    if status.code() != Code::InvalidArgument {
+        return None;
+    }
+    let rest = status.message().split_once("unsupported collection \"")?.1;
+    let (collection, _) = rest.split_once('"')?;
+    Some(collection.to_owned())
+}
+
+fn classify(status: tonic::Status) -> StreamEnd {
+    match refused_collection(&status) {
+        Some(collection) => StreamEnd::Refused {
+            collection,
+            message: status.message().to_owned(),
+        },
+        None => StreamEnd::Failed {
+            reason: "status",
+            message: format!("the source ended the stream: {:?}: {}", status.code(), status.message()),
+        },
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_galleys_unsupported_collection() {
+        let status = tonic::Status::invalid_argument("unsupported collection \"istio/x/y\"");
+        assert_eq!(refused_collection(&status).as_deref(), Some("istio/x/y"));
+        let other = tonic::Status::invalid_argument("something else");
+        assert_eq!(refused_collection(&other), None);
+        let wrong_code = tonic::Status::unavailable("unsupported collection \"istio/x/y\"");
+        assert_eq!(refused_collection(&wrong_code), None);
+    }
+}

@@ -1,0 +1,98 @@
+//! The gateway as an MCP sink: which collections it subscribes to, the sink
+//! protocol shared by every transport (`session`), and the client mode that
+//! dials Galley's `ResourceSource` (`client`). It writes the cache and never
+//! talks to downstream streams.
+
+pub mod backoff;
+pub mod client;
+pub mod session;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+
+pub use session::SinkSession;
+
+/// The collections the gateway wants from its source.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SubscriptionState {
+    /// Subscribed: configured at start, or asked for by a downstream client.
+    pub wanted: BTreeSet<Arc<str>>,
+    /// Refused by the source (`unsupported collection`), with its message.
+    /// Never asked for again until restart: a refusal must not cause a loop.
+    pub refused: BTreeMap<Arc<str>, String>,
+}
+
+/// The subscription set, shared by upstream (reads it, refuses from it),
+/// downstream (adds collections clients ask for) and readiness.
+#[derive(Debug)]
+pub struct Subscriptions {
+    state: watch::Sender<SubscriptionState>,
+}
+
+// === impl Subscriptions ===
+
+impl Subscriptions {
+    pub fn new(initial: impl IntoIterator<Item = Arc<str>>) -> Self {
+        let state = SubscriptionState {
+            wanted: initial.into_iter().collect(),
+            refused: BTreeMap::new(),
+        };
+        Self {
+            state: watch::Sender::new(state),
+        }
+    }
+
+    /// Adds a collection a downstream client asked for. Returns false when the
+    /// source refused it earlier (it is not asked for again).
+    pub fn request(&self, collection: &Arc<str>) -> bool {
+        let mut accepted = true;
+        self.state.send_if_modified(|state| {
+            if state.refused.contains_key(collection) {
+                accepted = false;
+                return false;
+            }
+            state.wanted.insert(collection.clone())
+        });
+        accepted
+    }
+
+    /// Drops a collection the source refused. Returns true if it was wanted.
+    pub fn refuse(&self, collection: &str, message: String) -> bool {
+        self.state.send_if_modified(|state| {
+            let Some(name) = state.wanted.iter().find(|c| &***c == collection).cloned() else {
+                return false;
+            };
+            state.wanted.remove(&name);
+            state.refused.insert(name, message);
+            true
+        })
+    }
+
+    pub fn current(&self) -> SubscriptionState {
+        self.state.borrow().clone()
+    }
+
+    pub fn watch(&self) -> watch::Receiver<SubscriptionState> {
+        self.state.subscribe()
+    }
+}
+
+/// What the upstream side is doing, for readiness, logs and the debug view.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct UpstreamStatus {
+    pub mode: &'static str,
+    pub address: String,
+    pub connected: bool,
+    /// When the current connection state (connected or not) began.
+    pub since: Option<SystemTime>,
+    pub last_error: Option<String>,
+    /// Streams attempted since start.
+    pub attempts: u64,
+    /// Attempts since a stream last delivered data.
+    pub consecutive_failures: u32,
+    /// The wait before the next attempt, while disconnected.
+    pub next_retry_in: Option<Duration>,
+}

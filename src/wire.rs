@@ -1,0 +1,280 @@
+//! The gateway's own views of MCP messages on the wire.
+//!
+//! They carry the same field numbers as the proto but decode leniently (field 2
+//! of `MeshConfigRequest` is read for its `id` only, whichever dialect sent it)
+//! and keep bytes untouched: upstream resources stay the exact bytes Galley
+//! sent, and downstream responses are pre-encoded bodies shared by every client
+//! at the same version, with the per-client fields appended after them.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::encoding::{self, WireType};
+
+/// Field 2 of `MeshConfigRequest`: a `Client{id, Struct metadata}` from Istio
+/// 1.0 clients and a `SinkNode{id, annotations}` from 1.1 clients. Only `id`
+/// (field 1 in both) is decoded; everything else is skipped, so a 1.0 client
+/// with metadata is never rejected for it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct NodeId {
+    #[prost(string, tag = "1")]
+    pub id: String,
+}
+
+/// `MeshConfigRequest` as the state-of-the-world server reads it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SotwRequest {
+    #[prost(string, tag = "1")]
+    pub version_info: String,
+    #[prost(message, optional, tag = "2")]
+    pub node: Option<NodeId>,
+    #[prost(string, tag = "3")]
+    pub type_url: String,
+    #[prost(string, tag = "4")]
+    pub response_nonce: String,
+    #[prost(message, optional, tag = "5")]
+    pub error_detail: Option<tonic_types::Status>,
+}
+
+/// `IncrementalMeshConfigRequest` as the incremental server reads it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct IncrementalRequest {
+    #[prost(message, optional, tag = "1")]
+    pub node: Option<NodeId>,
+    #[prost(string, tag = "2")]
+    pub type_url: String,
+    #[prost(map = "string, string", tag = "3")]
+    pub initial_resource_versions: std::collections::HashMap<String, String>,
+    #[prost(string, tag = "4")]
+    pub response_nonce: String,
+    #[prost(message, optional, tag = "5")]
+    pub error_detail: Option<tonic_types::Status>,
+}
+
+/// `Resources` from a source, with each `Resource` kept as the bytes received.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RawResources {
+    #[prost(string, tag = "1")]
+    pub system_version_info: String,
+    #[prost(string, tag = "2")]
+    pub collection: String,
+    #[prost(bytes = "bytes", repeated, tag = "3")]
+    pub resources: Vec<Bytes>,
+    #[prost(string, repeated, tag = "4")]
+    pub removed_resources: Vec<String>,
+    #[prost(string, tag = "5")]
+    pub nonce: String,
+    #[prost(bool, tag = "6")]
+    pub incremental: bool,
+}
+
+/// One `Resource`, decoded only as far as validation needs: the metadata, and
+/// the body (`google.protobuf.Any`) as raw bytes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct RawResource {
+    #[prost(message, optional, tag = "1")]
+    pub metadata: Option<crate::proto::Metadata>,
+    #[prost(bytes = "bytes", optional, tag = "2")]
+    pub body: Option<Bytes>,
+}
+
+/// The `type_url` of a `google.protobuf.Any`, read without its value.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct AnyTypeUrl {
+    #[prost(string, tag = "1")]
+    pub type_url: String,
+}
+
+// === impl EncodedResponse ===
+
+/// A response written from pre-encoded parts: `shared` is the body every client
+/// at this version receives (the same `Bytes`, never re-encoded) and `suffix`
+/// the few per-client fields (type URL, nonce). Protobuf lets fields appear in
+/// any order, so the concatenation is one valid message.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EncodedResponse {
+    pub shared: Bytes,
+    pub suffix: Bytes,
+}
+
+impl prost::Message for EncodedResponse {
+    fn encode_raw(&self, buf: &mut impl BufMut) {
+        buf.put_slice(&self.shared);
+        buf.put_slice(&self.suffix);
+    }
+
+    // The gateway never decodes its own responses; skipping keeps decode total.
+    fn merge_field(
+        &mut self,
+        tag: u32,
+        wire_type: WireType,
+        buf: &mut impl bytes::Buf,
+        ctx: encoding::DecodeContext,
+    ) -> Result<(), prost::DecodeError> {
+        encoding::skip_field(wire_type, tag, buf, ctx)
+    }
+
+    fn encoded_len(&self) -> usize {
+        self.shared.len() + self.suffix.len()
+    }
+
+    fn clear(&mut self) {
+        self.shared = Bytes::new();
+        self.suffix = Bytes::new();
+    }
+}
+
+/// Field numbers shared by `MeshConfigResponse` and
+/// `IncrementalMeshConfigResponse`.
+pub mod field {
+    /// `version_info` / `system_version_info`.
+    pub const VERSION: u32 = 1;
+    /// `resources`.
+    pub const RESOURCES: u32 = 2;
+    /// `MeshConfigResponse.type_url`.
+    pub const TYPE_URL: u32 = 3;
+    /// `IncrementalMeshConfigResponse.removed_resources`.
+    pub const REMOVED: u32 = 3;
+    /// `nonce`.
+    pub const NONCE: u32 = 4;
+}
+
+/// Encodes a response body: the version, every resource's pre-encoded bytes as
+/// field 2, and (incremental only) the removed names. One allocation, sized
+/// exactly.
+pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a Bytes>, removed: &[&str]) -> Bytes {
+    // Sizing first needs two passes; the persistent map's iterator is not
+    // Clone, so the (cheap) references are collected once.
+    let resources: Vec<&Bytes> = resources.into_iter().collect();
+    let len = encoding::string::encoded_len(field::VERSION, &version.to_owned())
+        + resources
+            .iter()
+            .map(|r| encoding::key_len(field::RESOURCES) + encoding::encoded_len_varint(r.len() as u64) + r.len())
+            .sum::<usize>()
+        + removed
+            .iter()
+            .map(|n| encoding::key_len(field::REMOVED) + encoding::encoded_len_varint(n.len() as u64) + n.len())
+            .sum::<usize>();
+    let mut buf = BytesMut::with_capacity(len);
+    put_string(field::VERSION, version, &mut buf);
+    for resource in &resources {
+        encoding::encode_key(field::RESOURCES, WireType::LengthDelimited, &mut buf);
+        encoding::encode_varint(resource.len() as u64, &mut buf);
+        buf.put_slice(resource);
+    }
+    for name in removed {
+        encoding::encode_key(field::REMOVED, WireType::LengthDelimited, &mut buf);
+        encoding::encode_varint(name.len() as u64, &mut buf);
+        buf.put_slice(name.as_bytes());
+    }
+    buf.freeze()
+}
+
+/// Encodes the per-client suffix: an optional `type_url` and the nonce.
+pub fn encode_suffix(type_url: Option<&str>, nonce: &str) -> Bytes {
+    let mut buf = BytesMut::with_capacity(16 + type_url.map_or(0, str::len) + nonce.len());
+    if let Some(type_url) = type_url {
+        put_string(field::TYPE_URL, type_url, &mut buf);
+    }
+    put_string(field::NONCE, nonce, &mut buf);
+    buf.freeze()
+}
+
+/// A proto3 string field; empty strings are omitted, as prost would.
+fn put_string(tag: u32, value: &str, buf: &mut BytesMut) {
+    if value.is_empty() {
+        return;
+    }
+    encoding::encode_key(tag, WireType::LengthDelimited, buf);
+    encoding::encode_varint(value.len() as u64, buf);
+    buf.put_slice(value.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{MeshConfigResponse, Metadata, Resource};
+    use prost::Message;
+
+    fn resource(name: &str) -> Resource {
+        Resource {
+            metadata: Some(Metadata {
+                name: name.into(),
+                version: "v1".into(),
+                ..Default::default()
+            }),
+            body: Some(prost_types::Any {
+                type_url: "type.googleapis.com/test.Body".into(),
+                value: vec![1, 2, 3],
+            }),
+        }
+    }
+
+    #[test]
+    fn shared_body_and_suffix_decode_as_one_response() {
+        let resources: Vec<Bytes> = ["a", "b"]
+            .iter()
+            .map(|n| Bytes::from(resource(n).encode_to_vec()))
+            .collect();
+        let response = EncodedResponse {
+            shared: encode_body("ver", resources.iter(), &[]),
+            suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
+        };
+        let decoded = MeshConfigResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(decoded.version_info, "ver");
+        assert_eq!(decoded.type_url, "type.googleapis.com/x");
+        assert_eq!(decoded.nonce, "7");
+        assert_eq!(decoded.resources, vec![resource("a"), resource("b")]);
+    }
+
+    #[test]
+    fn incremental_body_carries_removed_names() {
+        let body = encode_body("v", [], &["gone", "also-gone"]);
+        let response = EncodedResponse {
+            shared: body,
+            suffix: encode_suffix(None, "1"),
+        };
+        let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);
+        assert_eq!(decoded.system_version_info, "v");
+        assert_eq!(decoded.nonce, "1");
+    }
+
+    #[test]
+    fn v1_0_client_metadata_is_skipped_not_rejected() {
+        // Client{id=1, metadata=2 Struct{fields: {"k": Value{string_value: "v"}}}}
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct Client {
+            #[prost(string, tag = "1")]
+            id: String,
+            #[prost(message, optional, tag = "2")]
+            metadata: Option<prost_types::Struct>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct V10Request {
+            #[prost(message, optional, tag = "2")]
+            client: Option<Client>,
+            #[prost(string, tag = "3")]
+            type_url: String,
+        }
+        let mut fields = std::collections::BTreeMap::new();
+        fields.insert(
+            "k".to_string(),
+            prost_types::Value {
+                // 1.5 as f64 has the byte 0xF8: not UTF-8 when read as a string.
+                kind: Some(prost_types::value::Kind::NumberValue(1.5)),
+            },
+        );
+        let bytes = V10Request {
+            client: Some(Client {
+                id: "pilot-1".into(),
+                metadata: Some(prost_types::Struct { fields }),
+            }),
+            type_url: "t".into(),
+        }
+        .encode_to_vec();
+        let request = SotwRequest::decode(bytes.as_slice()).unwrap();
+        assert_eq!(request.node.unwrap().id, "pilot-1");
+        assert_eq!(request.type_url, "t");
+        // The strict SinkNode view would read the Struct as a string map.
+        assert!(crate::proto::MeshConfigRequest::decode(bytes.as_slice()).is_err());
+    }
+}

@@ -1,0 +1,109 @@
+//! Test helpers: a fake Galley, legacy clients, and the gateway started
+//! in-process on 127.0.0.1 port 0. Every await that waits on the network goes
+//! through `within`, and conditions are polled with `eventually`, never slept.
+
+pub mod clients;
+pub mod galley;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use mcp_xds_gateway::app::{self, Bound};
+use mcp_xds_gateway::config::Args;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub const VS: &str = "istio/networking/v1alpha3/virtualservices";
+pub const VS_TYPE_URL: &str = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
+pub const GW: &str = "istio/networking/v1alpha3/gateways";
+pub const GW_TYPE_URL: &str = "type.googleapis.com/istio.networking.v1alpha3.Gateway";
+pub const DR: &str = "istio/networking/v1alpha3/destinationrules";
+
+/// Generous: the machine is shared and slow builds run beside the tests.
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Awaits `future`, failing the test with `what` if it takes too long.
+pub async fn within<F: Future>(what: &str, future: F) -> F::Output {
+    match tokio::time::timeout(TIMEOUT, future).await {
+        Ok(output) => output,
+        Err(_) => panic!("timed out after {TIMEOUT:?} waiting for {what}"),
+    }
+}
+
+/// Polls `condition` until it holds, failing the test with `what` otherwise.
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    within(what, async {
+        while !condition() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
+/// Starts the gateway in-process with the flags a user would give it.
+pub async fn start_gateway(flags: &[&str]) -> Bound {
+    let mut argv = vec![
+        "mcp-xds-gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ];
+    argv.extend_from_slice(flags);
+    let settings = Args::try_parse_from(argv)
+        .expect("valid flags")
+        .validate()
+        .expect("valid settings");
+    within("the gateway to start", app::build(settings))
+        .await
+        .expect("the gateway starts")
+}
+
+/// A gateway subscribed to `collections` on `galley`, reconnecting quickly.
+pub async fn gateway_for(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Bound {
+    let joined = collections.join(",");
+    let url = galley.url();
+    let mut flags = vec![
+        "--upstream",
+        &url,
+        "--collections",
+        &joined,
+        "--reconnect-min-delay",
+        "10ms",
+    ];
+    flags.extend_from_slice(extra);
+    start_gateway(&flags).await
+}
+
+/// A plain HTTP/1.1 GET: status code and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    within(&format!("GET {path}"), async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let status = response
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("an HTTP status line");
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    })
+    .await
+}
+
+/// Sorted resource names of a response's resources.
+pub fn names(resources: &[mcp_xds_gateway::proto::Resource]) -> Vec<String> {
+    let mut names: Vec<String> = resources
+        .iter()
+        .map(|r| r.metadata.as_ref().unwrap().name.clone())
+        .collect();
+    names.sort();
+    names
+}

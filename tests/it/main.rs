@@ -1,0 +1,11 @@
+//! The integration tests: one binary, a module per area. Real gRPC over
+//! 127.0.0.1 with port 0; the fake Galley and the clients live in `helpers`.
+
+mod helpers;
+
+mod admin;
+mod dialects;
+mod incremental;
+mod process;
+mod sotw;
+mod upstream;
