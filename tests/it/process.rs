@@ -111,3 +111,42 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
     assert!(status.success(), "{status:?}");
     assert_eq!(client.end_status().await.code(), tonic::Code::Unavailable);
 }
+
+#[tokio::test]
+async fn environment_fallbacks_are_read_and_validated_like_flags() {
+    let output = within(
+        "the gateway to exit",
+        Command::new(BIN)
+            .env(
+                "MCP_GATEWAY_COLLECTIONS",
+                "istio/networking/v1alpha3/gateways,istio/nope",
+            )
+            .env("MCP_GATEWAY_LISTEN", "127.0.0.1:0")
+            .env("MCP_GATEWAY_ADMIN_LISTEN", "127.0.0.1:0")
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--collections") && stderr.contains("istio/nope"),
+        "{stderr}"
+    );
+
+    let output = within(
+        "the gateway to exit",
+        Command::new(BIN)
+            .env("MCP_GATEWAY_KEEPALIVE_INTERVAL", "sometimes")
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--keepalive-interval"), "{stderr}");
+}
