@@ -4,10 +4,10 @@
 //! Two kinds of output:
 //! - `istio.mcp.v1alpha1.rs`: every message and a client/server for every
 //!   service, exactly as the proto says (used by tests and the client side).
-//! - hand-described gateway services (tonic_build::manual) that carry the same
-//!   gRPC routes but use the gateway's wire types: raw resource bytes upstream
-//!   (bodies pass through untouched) and pre-encoded shared responses
-//!   downstream (each response body is encoded once for every client).
+//! - hand-described upstream services (tonic_build::manual) on the same gRPC
+//!   routes, typed with the gateway's wire types: each `Resource` stays the
+//!   raw bytes Galley sent. (The downstream service frames its pre-encoded
+//!   responses itself: see src/downstream/service.rs.)
 
 use tonic_build::manual::{Builder, Method, Service};
 
@@ -38,22 +38,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("gateway");
     std::fs::create_dir_all(&out_dir)?;
     Builder::new().out_dir(&out_dir).compile(&[
-        Service::builder()
-            .name("AggregatedMeshConfigService")
-            .package(PACKAGE)
-            .method(bidi(
-                "stream_aggregated_resources",
-                "StreamAggregatedResources",
-                "crate::wire::SotwRequest",
-                "crate::wire::EncodedResponse",
-            ))
-            .method(bidi(
-                "incremental_aggregated_resources",
-                "IncrementalAggregatedResources",
-                "crate::wire::IncrementalRequest",
-                "crate::wire::EncodedResponse",
-            ))
-            .build(),
         Service::builder()
             .name("ResourceSource")
             .package(PACKAGE)

@@ -8,15 +8,13 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::{self, AdminState};
 use crate::cache::Cache;
 use crate::config::Settings;
-use crate::downstream::{Downstream, Registry};
-use crate::proto::gateway::aggregated_mesh_config_service_server::AggregatedMeshConfigServiceServer;
+use crate::downstream::{AggregatedService, Downstream, Registry};
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::{Subscriptions, UpstreamStatus};
 
@@ -102,18 +100,16 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         shutdown.clone(),
         tasks.clone(),
     );
-    let service = AggregatedMeshConfigServiceServer::new(downstream)
-        .max_decoding_message_size(MAX_CLIENT_REQUEST_BYTES)
-        .max_encoding_message_size(usize::MAX);
+    let service = AggregatedService::new(downstream, MAX_CLIENT_REQUEST_BYTES);
+    // Responses go out as a few chunks (frame header, shared body, nonce):
+    // without TCP_NODELAY the small last chunk waits for the client's delayed
+    // ACK (~40 ms). `Server::tcp_nodelay` does not apply to a given listener.
+    let incoming = tonic::transport::server::TcpIncoming::from(sotw_listener).with_nodelay(Some(true));
     let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .add_service(service)
-        .serve_with_incoming_shutdown(
-            TcpListenerStream::new(sotw_listener),
-            shutdown.clone().cancelled_owned(),
-        );
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     tasks.spawn(async move {
         if let Err(e) = server.await {
             tracing::error!(error = %e, "the AggregatedMeshConfigService server failed");

@@ -8,7 +8,7 @@
 //! between them costs time proportional to the change.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -59,7 +59,15 @@ pub struct CollectionSnapshot {
     /// `version_info` + every resource: the shared body of a state-of-the-world
     /// response, encoded on first use and then reused by every client.
     sotw_body: OnceLock<Bytes>,
+    /// Encoded incremental bodies that bring a client from another version to
+    /// this one, by that version: computed for the first client at a version
+    /// and shared by the rest. Freed with the snapshot.
+    incremental_bodies: Mutex<HashMap<Arc<str>, Bytes>>,
 }
+
+/// Distinct from-versions whose diffs a snapshot keeps (clients are normally
+/// at one or two versions; this bounds a pathological spread).
+const SHARED_DIFFS_PER_SNAPSHOT: usize = 32;
 
 impl CollectionSnapshot {
     fn new(collection: Arc<str>, resources: ResourceMap, origin: Origin) -> Self {
@@ -71,6 +79,7 @@ impl CollectionSnapshot {
             updated_at: SystemTime::now(),
             origin,
             sotw_body: OnceLock::new(),
+            incremental_bodies: Mutex::new(HashMap::new()),
         }
     }
 
@@ -79,6 +88,25 @@ impl CollectionSnapshot {
     pub fn sotw_body(&self) -> &Bytes {
         self.sotw_body
             .get_or_init(|| crate::wire::encode_body(&self.version, self.resources.values().map(|r| &r.encoded), &[]))
+    }
+
+    /// The encoded body of an incremental response that brings a client
+    /// holding `from` to this snapshot. The diff costs time proportional to the
+    /// change (consecutive snapshots share structure) and is encoded once per
+    /// from-version, whatever the number of clients.
+    pub fn incremental_body_from(&self, from: &CollectionSnapshot) -> Bytes {
+        let shared = |bodies: &HashMap<Arc<str>, Bytes>| bodies.get(&from.version).cloned();
+        if let Some(body) = shared(&self.incremental_bodies.lock().expect("diff cache lock poisoned")) {
+            return body;
+        }
+        // Encoded outside the lock: two clients racing may both encode.
+        let diff = Diff::between(&from.resources, &self.resources);
+        let body = diff.encode(&self.version);
+        let mut bodies = self.incremental_bodies.lock().expect("diff cache lock poisoned");
+        if bodies.len() < SHARED_DIFFS_PER_SNAPSHOT {
+            bodies.insert(from.version.clone(), body.clone());
+        }
+        body
     }
 
     pub fn len(&self) -> usize {
@@ -93,13 +121,19 @@ impl CollectionSnapshot {
 /// A hash of the sorted `(name, resource version)` pairs: the same content
 /// gives the same version on every replica.
 pub fn collection_version(resources: &ResourceMap) -> String {
+    version_of_pairs(resources.iter().map(|(name, r)| (&**name, &*r.version)))
+}
+
+/// The collection version of `(name, resource version)` pairs given in name
+/// order: what a client sees as `version_info` for that content.
+pub fn version_of_pairs<'a>(sorted_pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
     let mut hasher = Xxh3::new();
-    for (name, resource) in resources.iter() {
+    for (name, version) in sorted_pairs {
         // Length prefixes keep ("ab","c") and ("a","bc") apart.
         hasher.update(&(name.len() as u64).to_le_bytes());
         hasher.update(name.as_bytes());
-        hasher.update(&(resource.version.len() as u64).to_le_bytes());
-        hasher.update(resource.version.as_bytes());
+        hasher.update(&(version.len() as u64).to_le_bytes());
+        hasher.update(version.as_bytes());
     }
     format!("{:032x}", hasher.digest128())
 }
@@ -292,6 +326,12 @@ impl Diff {
     pub fn is_empty(&self) -> bool {
         self.upserts.is_empty() && self.removed.is_empty()
     }
+
+    /// The body of an incremental response carrying this diff to `version`.
+    pub fn encode(&self, version: &str) -> Bytes {
+        let removed: Vec<&str> = self.removed.iter().map(|n| &**n).collect();
+        crate::wire::encode_body(version, self.upserts.iter().map(|r| &r.encoded), &removed)
+    }
 }
 
 #[cfg(test)]
@@ -421,6 +461,30 @@ mod tests {
         let diff = Diff::from_versions(&known, &snapshot.resources);
         assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["b"]);
         assert_eq!(diff.removed, vec![Arc::<str>::from("z")]);
+    }
+
+    #[test]
+    fn incremental_bodies_are_shared_per_from_version() {
+        let cache = Cache::new();
+        cache.apply(
+            C,
+            Update::Full(vec![resource("a", "1"), resource("b", "1")]),
+            Origin::Upstream,
+        );
+        let from = cache.get(C).unwrap();
+        cache.apply(
+            C,
+            Update::Full(vec![resource("a", "2"), resource("c", "1")]),
+            Origin::Upstream,
+        );
+        let to = cache.get(C).unwrap();
+        let first = to.incremental_body_from(&from);
+        let second = to.incremental_body_from(&from);
+        assert_eq!(first.as_ptr(), second.as_ptr(), "encoded once, shared");
+        let diff = Diff::between(&from.resources, &to.resources);
+        assert_eq!(diff.removed, vec![Arc::<str>::from("b")]);
+        assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["a", "c"]);
+        assert_eq!(first, diff.encode(&to.version));
     }
 
     #[test]

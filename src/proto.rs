@@ -9,10 +9,6 @@ tonic::include_proto!("istio.mcp.v1alpha1");
 pub mod gateway {
     include!(concat!(
         env!("OUT_DIR"),
-        "/gateway/istio.mcp.v1alpha1.AggregatedMeshConfigService.rs"
-    ));
-    include!(concat!(
-        env!("OUT_DIR"),
         "/gateway/istio.mcp.v1alpha1.ResourceSource.rs"
     ));
     include!(concat!(env!("OUT_DIR"), "/gateway/istio.mcp.v1alpha1.ResourceSink.rs"));

@@ -15,7 +15,7 @@ use super::registry::{NackRecord, Protocol, RegistryEntry, TypeView};
 use super::{end_with, shutting_down, Downstream, Outbound};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics as m;
-use crate::wire::{encode_body, encode_suffix, EncodedResponse, IncrementalRequest};
+use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest};
 
 /// What the client holds.
 enum ClientState {
@@ -75,9 +75,11 @@ impl IncrementalStream {
                         Err(status) => break Some(status),
                     },
                     Ok(None) => break None,
+                    // A request that does not decode ends the stream with
+                    // its status; after a client's cancel nobody reads it.
                     Err(status) => {
                         tracing::debug!(stream = self.id, %status, "client stream ended");
-                        break None;
+                        break Some(status);
                     }
                 },
                 Some(_) = changed => {
@@ -203,18 +205,19 @@ impl IncrementalStream {
         {
             return true;
         }
-        let diff = match &s.client {
+        let body = match &s.client {
             ClientState::At(held) if held.version == snapshot.version => return true,
-            ClientState::At(held) => Diff::between(&held.resources, &snapshot.resources),
+            ClientState::At(held) => snapshot.incremental_body_from(held),
             // The first response is sent even when empty: it tells the client
-            // it is in sync.
-            ClientState::Initial(known) => Diff::from_versions(known, &snapshot.resources),
+            // it is in sync. From nothing, the diff is the whole collection:
+            // the same bytes as a state-of-the-world body.
+            ClientState::Initial(known) if known.is_empty() => snapshot.sotw_body().clone(),
+            ClientState::Initial(known) => Diff::from_versions(known, &snapshot.resources).encode(&snapshot.version),
         };
-        let removed: Vec<&str> = diff.removed.iter().map(|n| &**n).collect();
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
         let response = EncodedResponse {
-            shared: encode_body(&snapshot.version, diff.upserts.iter().map(|r| &r.encoded), &removed),
+            shared: body,
             suffix: encode_suffix(None, &nonce),
         };
         s.view.outstanding = true;

@@ -5,6 +5,7 @@
 
 mod incremental;
 pub mod registry;
+pub mod service;
 mod sotw;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,17 +13,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
-use crate::proto::gateway::aggregated_mesh_config_service_server::AggregatedMeshConfigService;
 use crate::upstream::Subscriptions;
 use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
 pub use registry::Registry;
+pub use service::AggregatedService;
 
 /// Responses queued per stream. A stream has at most one response outstanding
 /// per type, so a client that stops reading holds at most this many (and then
@@ -109,30 +109,26 @@ fn shutting_down() -> Status {
     Status::unavailable("the gateway is shutting down; reconnect to another replica")
 }
 
-#[tonic::async_trait]
-impl AggregatedMeshConfigService for Downstream {
-    type StreamAggregatedResourcesStream = ReceiverStream<Result<EncodedResponse, Status>>;
-    type IncrementalAggregatedResourcesStream = ReceiverStream<Result<EncodedResponse, Status>>;
+type Responses = mpsc::Receiver<Result<EncodedResponse, Status>>;
 
-    async fn stream_aggregated_resources(
-        &self,
-        request: Request<Streaming<SotwRequest>>,
-    ) -> Result<Response<Self::StreamAggregatedResourcesStream>, Status> {
-        let peer = request.remote_addr();
+impl Downstream {
+    /// Starts a `StreamAggregatedResources` stream's task.
+    fn start_sotw(&self, inbound: Streaming<SotwRequest>, peer: Option<std::net::SocketAddr>) -> Responses {
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
         let stream = sotw::SotwStream::new(self.clone(), self.next_id(), peer);
-        self.inner.tasks.spawn(stream.run(request.into_inner(), tx));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        self.inner.tasks.spawn(stream.run(inbound, tx));
+        rx
     }
 
-    async fn incremental_aggregated_resources(
+    /// Starts an `IncrementalAggregatedResources` stream's task.
+    fn start_incremental(
         &self,
-        request: Request<Streaming<IncrementalRequest>>,
-    ) -> Result<Response<Self::IncrementalAggregatedResourcesStream>, Status> {
-        let peer = request.remote_addr();
+        inbound: Streaming<IncrementalRequest>,
+        peer: Option<std::net::SocketAddr>,
+    ) -> Responses {
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
         let stream = incremental::IncrementalStream::new(self.clone(), self.next_id(), peer);
-        self.inner.tasks.spawn(stream.run(request.into_inner(), tx));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        self.inner.tasks.spawn(stream.run(inbound, tx));
+        rx
     }
 }

@@ -67,9 +67,11 @@ impl SotwStream {
                         Err(status) => break Some(status),
                     },
                     Ok(None) => break None,
+                    // A request that does not decode ends the stream with
+                    // its status; after a client's cancel nobody reads it.
                     Err(status) => {
                         tracing::debug!(stream = self.id, %status, "client stream ended");
-                        break None;
+                        break Some(status);
                     }
                 },
                 Some((type_url, _)) = self.changes.next(), if !self.changes.is_empty() => {

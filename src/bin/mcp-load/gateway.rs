@@ -1,0 +1,123 @@
+//! The gateway under test as a child process, and its CPU time and memory as
+//! Linux reports them in `/proc`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::Context;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Linux reports CPU time in clock ticks of USER_HZ, which is 100 on every
+/// architecture the kernel supports for user space.
+const TICKS_PER_SECOND: f64 = 100.0;
+
+pub struct ChildGateway {
+    child: Child,
+    pid: u32,
+    pub listen: SocketAddr,
+}
+
+/// The gateway binary beside this one (`target/release/mcp-xds-gateway` for
+/// `cargo run --release --bin mcp-load`).
+pub fn default_binary() -> anyhow::Result<PathBuf> {
+    let me = std::env::current_exe().context("cannot find this executable")?;
+    let dir = me.parent().context("this executable has no directory")?;
+    Ok(dir.join("mcp-xds-gateway"))
+}
+
+impl ChildGateway {
+    pub async fn spawn(binary: &Path, upstream: SocketAddr, collections: &[String]) -> anyhow::Result<Self> {
+        if !binary.exists() {
+            anyhow::bail!(
+                "--gateway {}: no such file; build it with `cargo build --release` or name one with --gateway",
+                binary.display()
+            );
+        }
+        let mut child = Command::new(binary)
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--upstream", &format!("http://{upstream}")])
+            .args(["--collections", &collections.join(",")])
+            .args(["--log-level", "info"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("cannot start {}", binary.display()))?;
+        let pid = child.id().context("the gateway exited at once")?;
+        let mut lines = BufReader::new(child.stdout.take().context("no stdout")?).lines();
+        let listen = loop {
+            let line = lines
+                .next_line()
+                .await?
+                .context("the gateway exited before it was listening")?;
+            if let Some(start) = line.find("listen=") {
+                if line.contains("gateway listening") {
+                    let addr = line[start + "listen=".len()..]
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or_default();
+                    break addr.parse().with_context(|| format!("no address in {line:?}"))?;
+                }
+            }
+        };
+        // Drain the log so the gateway never blocks on a full pipe; pass on
+        // anything that is not routine.
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.contains("WARN") || line.contains("ERROR") {
+                    eprintln!("gateway: {line}");
+                }
+            }
+        });
+        Ok(Self { child, pid, listen })
+    }
+
+    /// User plus system CPU seconds the gateway has used.
+    pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
+        // The command name may hold spaces: fields start after its ')'.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .context("unexpected /proc stat")?
+            .1
+            .split_whitespace()
+            .collect();
+        // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
+        let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+        Ok(ticks / TICKS_PER_SECOND)
+    }
+
+    /// (current RSS, peak RSS) in bytes.
+    pub fn memory(&self) -> anyhow::Result<(u64, u64)> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
+        let field = |name: &str| -> anyhow::Result<u64> {
+            let line = status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .with_context(|| format!("no {name} in /proc status"))?;
+            let kb: u64 = line
+                .split_whitespace()
+                .nth(1)
+                .context("malformed /proc status")?
+                .parse()?;
+            Ok(kb * 1024)
+        };
+        Ok((field("VmRSS:")?, field("VmHWM:")?))
+    }
+
+    pub async fn stop(mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.pid.to_string()])
+            .status()
+            .await;
+        if tokio::time::timeout(std::time::Duration::from_secs(15), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+}

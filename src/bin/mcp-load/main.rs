@@ -1,0 +1,426 @@
+//! mcp-load: drives a gateway with an embedded fake Galley and N real clients,
+//! and reports initial sync time, end-to-end latency, gateway CPU per
+//! delivered update, peak RSS, bytes per client per update and NACKs.
+//!
+//! `cargo build --release && cargo run --release --bin mcp-load -- --scenario fan-out`
+
+mod clients;
+mod gateway;
+mod publisher;
+mod scenario;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use mcp_xds_gateway::collections::CollectionTable;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use clients::{Progress, Received};
+use gateway::ChildGateway;
+use publisher::Publisher;
+use scenario::{Scenario, Shape};
+
+/// How long a phase may take before the run gives up (a stuck gateway).
+const PHASE_LIMIT: Duration = Duration::from_secs(300);
+
+#[derive(Debug, Parser)]
+#[command(name = "mcp-load", about = "Load and latency benchmarks for mcp-xds-gateway")]
+struct Args {
+    /// A named scenario; the flags below override its shape.
+    #[arg(long, value_enum, default_value = "fan-out")]
+    scenario: Scenario,
+    /// Run the scenario at a size that takes seconds (smoke tests).
+    #[arg(long)]
+    tiny: bool,
+    #[arg(long)]
+    collections: Option<usize>,
+    #[arg(long)]
+    resources: Option<usize>,
+    #[arg(long)]
+    body_bytes: Option<usize>,
+    #[arg(long)]
+    changes_per_update: Option<usize>,
+    #[arg(long, value_parser = humantime::parse_duration)]
+    update_interval: Option<Duration>,
+    #[arg(long)]
+    updates: Option<usize>,
+    /// The fake Galley sends incremental updates (true) or full states.
+    #[arg(long)]
+    upstream_incremental: Option<bool>,
+    #[arg(long)]
+    streams: Option<usize>,
+    /// HTTP/2 connections the streams are spread over.
+    #[arg(long)]
+    connections: Option<usize>,
+    /// Clients use IncrementalAggregatedResources (true) or state of the world.
+    #[arg(long)]
+    incremental: Option<bool>,
+    /// The gateway binary to start (default: mcp-xds-gateway beside this one).
+    #[arg(long, conflicts_with = "target")]
+    gateway: Option<PathBuf>,
+    /// Measure a running AggregatedMeshConfigService instead: no fake Galley;
+    /// latency is the spread from the first to the last client per version.
+    #[arg(long)]
+    target: Option<SocketAddr>,
+    /// How long to observe a --target.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+}
+
+impl Args {
+    fn shape(&self) -> Shape {
+        let base = self.scenario.shape();
+        let base = if self.tiny { base.tiny() } else { base };
+        Shape {
+            collections: self.collections.unwrap_or(base.collections),
+            resources: self.resources.unwrap_or(base.resources),
+            body_bytes: self.body_bytes.unwrap_or(base.body_bytes),
+            changes_per_update: self.changes_per_update.unwrap_or(base.changes_per_update),
+            update_interval: self.update_interval.unwrap_or(base.update_interval),
+            updates: self.updates.unwrap_or(base.updates),
+            upstream_incremental: self.upstream_incremental.unwrap_or(base.upstream_incremental),
+            streams: self.streams.unwrap_or(base.streams),
+            connections: self.connections.unwrap_or(base.connections),
+            incremental_clients: self.incremental.unwrap_or(base.incremental_clients),
+        }
+    }
+}
+
+#[derive(Debug, Default, serde::Serialize)]
+struct Report {
+    scenario: Option<Scenario>,
+    goal: &'static str,
+    shape: Option<Shape>,
+    streams: usize,
+    initial_sync_ms: f64,
+    updates_published: usize,
+    responses_delivered: usize,
+    latency_p50_ms: f64,
+    latency_p99_ms: f64,
+    latency_max_ms: f64,
+    gateway_cpu_seconds: Option<f64>,
+    gateway_cpu_ms_per_delivered_update: Option<f64>,
+    gateway_peak_rss_bytes: Option<u64>,
+    gateway_rss_per_stream_bytes: Option<f64>,
+    config_bytes: usize,
+    bytes_per_client_per_update: f64,
+    nacks: usize,
+    stream_errors: usize,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(report) => {
+            print_report(&report);
+            if report.nacks > 0 || report.stream_errors > 0 {
+                eprintln!("mcp-load: the run had NACKs or stream errors");
+                return std::process::ExitCode::FAILURE;
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("mcp-load: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn collection_names(count: usize) -> anyhow::Result<Vec<String>> {
+    let all = CollectionTable::builtin().default_subscriptions();
+    if count == 0 || count > all.len() {
+        anyhow::bail!("--collections must be 1 to {}", all.len());
+    }
+    Ok(all.iter().take(count).map(|c| c.to_string()).collect())
+}
+
+/// Waits until `count()` reaches `target`, or fails naming `what`.
+async fn until(what: &str, target: usize, count: impl Fn() -> usize) -> anyhow::Result<()> {
+    tokio::time::timeout(PHASE_LIMIT, async {
+        while count() < target {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .map_err(|_| anyhow::anyhow!("{what}: {} of {target} after {PHASE_LIMIT:?}", count()))
+}
+
+struct Clients {
+    progress: Arc<Progress>,
+    finals: watch::Sender<Option<HashMap<String, String>>>,
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Received>>>,
+}
+
+async fn start_clients(addr: SocketAddr, shape: &Shape, names: &[String]) -> anyhow::Result<Clients> {
+    let channels = clients::connect(addr, shape.connections)
+        .await
+        .with_context(|| format!("cannot connect to {addr}"))?;
+    let progress = Arc::new(Progress::default());
+    let (finals, finals_rx) = watch::channel(None);
+    let stop = CancellationToken::new();
+    let names: Vec<Arc<str>> = names.iter().map(|n| Arc::from(n.as_str())).collect();
+    let tasks = (0..shape.streams)
+        .map(|i| {
+            let wanted = if shape.incremental_clients {
+                vec![names[i % names.len()].clone()]
+            } else {
+                names.clone()
+            };
+            tokio::spawn(clients::run_stream(
+                i,
+                channels[i % channels.len()].clone(),
+                wanted,
+                shape.incremental_clients,
+                finals_rx.clone(),
+                progress.clone(),
+                stop.clone(),
+            ))
+        })
+        .collect();
+    Ok(Clients {
+        progress,
+        finals,
+        stop,
+        tasks,
+    })
+}
+
+impl Clients {
+    async fn finish(self) -> Vec<Received> {
+        self.stop.cancel();
+        let mut all = Vec::new();
+        for task in self.tasks {
+            all.extend(task.await.unwrap_or_default());
+        }
+        all
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<Report> {
+    let shape = args.shape();
+    let names = collection_names(shape.collections)?;
+    match args.target {
+        Some(target) => run_against_target(target, shape, &names, args.duration).await,
+        None => {
+            let binary = match &args.gateway {
+                Some(path) => path.clone(),
+                None => gateway::default_binary()?,
+            };
+            let mut report = run_with_child(&binary, shape, &names).await?;
+            report.scenario = Some(args.scenario);
+            report.goal = args.scenario.goal();
+            Ok(report)
+        }
+    }
+}
+
+async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]) -> anyhow::Result<Report> {
+    let mut publisher = Publisher::start(shape, names).await?;
+    let gateway = ChildGateway::spawn(binary, publisher.addr, names).await?;
+    tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
+        .await
+        .context("the gateway did not ACK the initial state in time")??;
+    let (rss_before_clients, _) = gateway.memory()?;
+
+    let sync_start = Instant::now();
+    let clients = start_clients(gateway.listen, &shape, names).await?;
+    let progress = clients.progress.clone();
+    until("streams synced", shape.streams, || {
+        progress.synced.load(Ordering::Relaxed)
+    })
+    .await?;
+    let initial_sync = sync_start.elapsed();
+    let (rss_synced, _) = gateway.memory()?;
+
+    let cpu_start = gateway.cpu_seconds()?;
+    let update_start = Instant::now();
+    let finals = publisher.run_updates().await?;
+    clients.finals.send_replace(Some(finals));
+    until("streams at the final version", shape.streams, || {
+        progress.at_final.load(Ordering::Relaxed)
+    })
+    .await?;
+    let cpu = gateway.cpu_seconds()? - cpu_start;
+    let (_, peak_rss) = gateway.memory()?;
+    let errors = progress.errors.load(Ordering::Relaxed);
+    let received = clients.finish().await;
+    gateway.stop().await;
+
+    let published = publisher.log.published.lock().unwrap().clone();
+    let mut latencies = Vec::new();
+    let mut update_bytes = 0usize;
+    for r in received.iter().filter(|r| r.at >= update_start) {
+        update_bytes += r.bytes;
+        if let Some(at) = published.get(&r.version).filter(|at| **at >= update_start) {
+            latencies.push(r.at.saturating_duration_since(*at));
+        }
+    }
+    let delivered = latencies.len();
+    let (p50, p99, max) = percentiles(&mut latencies);
+    Ok(Report {
+        shape: Some(shape),
+        streams: shape.streams,
+        initial_sync_ms: ms(initial_sync),
+        updates_published: shape.updates,
+        responses_delivered: delivered,
+        latency_p50_ms: p50,
+        latency_p99_ms: p99,
+        latency_max_ms: max,
+        gateway_cpu_seconds: Some(cpu),
+        gateway_cpu_ms_per_delivered_update: (delivered > 0).then(|| cpu * 1000.0 / delivered as f64),
+        gateway_peak_rss_bytes: Some(peak_rss),
+        gateway_rss_per_stream_bytes: Some(
+            rss_synced.saturating_sub(rss_before_clients) as f64 / shape.streams.max(1) as f64,
+        ),
+        config_bytes: shape.config_bytes(),
+        bytes_per_client_per_update: if shape.updates > 0 {
+            update_bytes as f64 / (shape.streams * shape.updates) as f64
+        } else {
+            0.0
+        },
+        nacks: publisher.log.nacks.load(Ordering::Relaxed),
+        stream_errors: errors,
+        ..Default::default()
+    })
+}
+
+async fn run_against_target(
+    target: SocketAddr,
+    shape: Shape,
+    names: &[String],
+    duration: Duration,
+) -> anyhow::Result<Report> {
+    let sync_start = Instant::now();
+    let clients = start_clients(target, &shape, names).await?;
+    let progress = clients.progress.clone();
+    until("streams synced", shape.streams, || {
+        progress.synced.load(Ordering::Relaxed)
+    })
+    .await?;
+    let initial_sync = sync_start.elapsed();
+    let observe_start = Instant::now();
+    tokio::time::sleep(duration).await;
+    let errors = progress.errors.load(Ordering::Relaxed);
+    let received = clients.finish().await;
+
+    // Without a publisher the latency is the spread of each version's arrival.
+    let mut arrivals: HashMap<(Arc<str>, String), (Instant, Instant, usize)> = HashMap::new();
+    let mut bytes = 0usize;
+    for r in received.iter().filter(|r| r.at >= observe_start) {
+        bytes += r.bytes;
+        let entry = arrivals
+            .entry((r.collection.clone(), r.version.clone()))
+            .or_insert((r.at, r.at, 0));
+        entry.0 = entry.0.min(r.at);
+        entry.1 = entry.1.max(r.at);
+        entry.2 += 1;
+    }
+    let mut spreads: Vec<Duration> = arrivals.values().map(|(first, last, _)| *last - *first).collect();
+    let versions = arrivals.len();
+    let delivered: usize = arrivals.values().map(|(_, _, n)| n).sum();
+    let (p50, p99, max) = percentiles(&mut spreads);
+    Ok(Report {
+        goal: "spread between the first and last client per version",
+        shape: Some(shape),
+        streams: shape.streams,
+        initial_sync_ms: ms(initial_sync),
+        updates_published: versions,
+        responses_delivered: delivered,
+        latency_p50_ms: p50,
+        latency_p99_ms: p99,
+        latency_max_ms: max,
+        config_bytes: 0,
+        bytes_per_client_per_update: if versions > 0 {
+            bytes as f64 / (shape.streams * versions) as f64
+        } else {
+            0.0
+        },
+        stream_errors: errors,
+        ..Default::default()
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// (p50, p99, max) in milliseconds; zeros when there is nothing.
+fn percentiles(samples: &mut [Duration]) -> (f64, f64, f64) {
+    if samples.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    (ms(at(0.50)), ms(at(0.99)), ms(samples[samples.len() - 1]))
+}
+
+fn print_report(report: &Report) {
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
+    let rows: Vec<(&str, String)> = vec![
+        (
+            "scenario",
+            report
+                .scenario
+                .map(|s| format!("{s:?}"))
+                .unwrap_or_else(|| "target".into()),
+        ),
+        ("goal", report.goal.to_string()),
+        ("streams", report.streams.to_string()),
+        ("config bytes", mib(report.config_bytes as u64)),
+        ("initial sync", format!("{} ms", report.initial_sync_ms)),
+        ("updates published", report.updates_published.to_string()),
+        ("responses delivered", report.responses_delivered.to_string()),
+        (
+            "latency p50 / p99 / max",
+            format!(
+                "{} / {} / {} ms",
+                report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms
+            ),
+        ),
+        (
+            "gateway CPU",
+            report
+                .gateway_cpu_seconds
+                .map(|c| format!("{c:.2} s"))
+                .unwrap_or_else(|| "-".into()),
+        ),
+        (
+            "gateway CPU per delivered update",
+            report
+                .gateway_cpu_ms_per_delivered_update
+                .map(|c| format!("{c:.3} ms"))
+                .unwrap_or_else(|| "-".into()),
+        ),
+        (
+            "gateway peak RSS",
+            report.gateway_peak_rss_bytes.map(mib).unwrap_or_else(|| "-".into()),
+        ),
+        (
+            "gateway RSS per stream",
+            report
+                .gateway_rss_per_stream_bytes
+                .map(|b| format!("{:.1} KiB", b / 1024.0))
+                .unwrap_or_else(|| "-".into()),
+        ),
+        (
+            "bytes per client per update",
+            format!("{:.0}", report.bytes_per_client_per_update),
+        ),
+        ("NACKs", report.nacks.to_string()),
+        ("stream errors", report.stream_errors.to_string()),
+    ];
+    for (name, value) in rows {
+        println!("{name:<34} {value}");
+    }
+    println!("{}", serde_json::to_string(report).expect("the report serializes"));
+}

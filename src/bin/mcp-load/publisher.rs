@@ -1,0 +1,267 @@
+//! The embedded fake Galley: a real `ResourceSource` server that publishes
+//! controlled content and records when each collection version was published,
+//! so clients' receive times turn into end-to-end latencies.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mcp_xds_gateway::cache::version_of_pairs;
+use mcp_xds_gateway::proto::resource_source_server::{ResourceSource, ResourceSourceServer};
+use mcp_xds_gateway::proto::{Metadata, RequestResources, Resource, Resources};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch, Mutex as AsyncMutex};
+use tokio::time::Instant;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::scenario::Shape;
+
+/// One collection's content as the publisher holds it.
+struct Content {
+    name: String,
+    /// name → resource version, in name order (as the gateway hashes them).
+    versions: BTreeMap<String, u64>,
+    body: Vec<u8>,
+}
+
+impl Content {
+    fn resource(&self, name: &str) -> Resource {
+        let version = self.versions[name];
+        Resource {
+            metadata: Some(Metadata {
+                name: name.to_owned(),
+                version: version.to_string(),
+                ..Default::default()
+            }),
+            body: Some(prost_types::Any {
+                type_url: "type.googleapis.com/mcp.load.Body".into(),
+                value: self.body.clone(),
+            }),
+        }
+    }
+
+    fn all(&self) -> Vec<Resource> {
+        self.versions.keys().map(|n| self.resource(n)).collect()
+    }
+
+    /// The version the gateway will report for this content.
+    fn gateway_version(&self) -> String {
+        let versions: Vec<(String, String)> = self.versions.iter().map(|(n, v)| (n.clone(), v.to_string())).collect();
+        version_of_pairs(versions.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+    }
+}
+
+/// What the rest of the tool reads from the publisher.
+#[derive(Clone, Default)]
+pub struct PublishLog {
+    /// Gateway collection version → when its content was published.
+    pub published: Arc<Mutex<HashMap<String, Instant>>>,
+    /// NACKs the gateway sent (a correct run has none).
+    pub nacks: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+pub struct Publisher {
+    pub addr: SocketAddr,
+    pub log: PublishLog,
+    state: Arc<AsyncMutex<Vec<Content>>>,
+    /// The live stream to the gateway: sends, and ACK nonces back.
+    stream: watch::Receiver<Option<Arc<Link>>>,
+    shape: Shape,
+}
+
+struct Link {
+    tx: mpsc::Sender<Result<Resources, Status>>,
+    acks: AsyncMutex<mpsc::Receiver<RequestResources>>,
+}
+
+struct Service {
+    state: Arc<AsyncMutex<Vec<Content>>>,
+    log: PublishLog,
+    link: watch::Sender<Option<Arc<Link>>>,
+}
+
+#[tonic::async_trait]
+impl ResourceSource for Service {
+    type EstablishResourceStreamStream = ReceiverStream<Result<Resources, Status>>;
+
+    async fn establish_resource_stream(
+        &self,
+        request: Request<Streaming<RequestResources>>,
+    ) -> Result<Response<Self::EstablishResourceStreamStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(64);
+        let (acks_tx, acks_rx) = mpsc::channel(1024);
+        let state = self.state.clone();
+        let log = self.log.clone();
+        let link = Arc::new(Link {
+            tx: tx.clone(),
+            acks: AsyncMutex::new(acks_rx),
+        });
+        let publish = self.link.clone();
+        tokio::spawn(async move {
+            let mut initial = 0;
+            while let Ok(Some(request)) = inbound.message().await {
+                if let Some(error) = &request.error_detail {
+                    log.nacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    eprintln!("mcp-load: the gateway NACKed {}: {}", request.collection, error.message);
+                }
+                if !request.response_nonce.is_empty() {
+                    let _ = acks_tx.send(request).await;
+                    continue;
+                }
+                // An initial request: publish the collection's full state.
+                let contents = state.lock().await;
+                if let Some(content) = contents.iter().find(|c| c.name == request.collection) {
+                    log.published
+                        .lock()
+                        .unwrap()
+                        .insert(content.gateway_version(), Instant::now());
+                    let message = Resources {
+                        collection: content.name.clone(),
+                        resources: content.all(),
+                        nonce: format!("init-{}", content.name),
+                        incremental: false,
+                        ..Default::default()
+                    };
+                    drop(contents);
+                    let _ = tx.send(Ok(message)).await;
+                    initial += 1;
+                }
+                if initial == 1 {
+                    publish.send_replace(Some(link.clone()));
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+// === impl Publisher ===
+
+impl Publisher {
+    pub async fn start(shape: Shape, collections: &[String]) -> anyhow::Result<Self> {
+        let contents: Vec<Content> = collections
+            .iter()
+            .map(|name| Content {
+                name: name.clone(),
+                versions: (0..shape.resources)
+                    .map(|i| (format!("ns-{}/r-{i:06}", i % 20), 1))
+                    .collect(),
+                body: (0..shape.body_bytes).map(|i| (i * 31 % 251) as u8).collect(),
+            })
+            .collect();
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(AsyncMutex::new(contents));
+        let log = PublishLog::default();
+        let (link_tx, link_rx) = watch::channel(None);
+        let service = ResourceSourceServer::new(Service {
+            state: state.clone(),
+            log: log.clone(),
+            link: link_tx,
+        })
+        .max_encoding_message_size(usize::MAX)
+        .max_decoding_message_size(usize::MAX);
+        tokio::spawn(async move {
+            if let Err(e) = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(TcpListenerStream::new(listener))
+                .await
+            {
+                eprintln!("mcp-load: the fake galley failed: {e}");
+            }
+        });
+        Ok(Self {
+            addr,
+            log,
+            state,
+            stream: link_rx,
+            shape,
+        })
+    }
+
+    /// Waits for the gateway's stream and its ACK of every initial state.
+    pub async fn wait_initial_acks(&mut self, collections: usize) -> anyhow::Result<()> {
+        let link = self.link().await?;
+        let mut acks = link.acks.lock().await;
+        for _ in 0..collections {
+            acks.recv()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("the gateway closed the stream"))?;
+        }
+        Ok(())
+    }
+
+    async fn link(&mut self) -> anyhow::Result<Arc<Link>> {
+        let link = self
+            .stream
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| anyhow::anyhow!("the fake galley stopped"))?;
+        Ok(link.clone().expect("waited for Some"))
+    }
+
+    /// Publishes `shape.updates` updates, one collection per update in turn,
+    /// each changing `changes_per_update` resources, and waits for each ACK
+    /// (one outstanding update, as Galley does). Returns the final version of
+    /// every collection.
+    pub async fn run_updates(&mut self) -> anyhow::Result<HashMap<String, String>> {
+        let link = self.link().await?;
+        let mut ticker = tokio::time::interval(self.shape.update_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut cursor = 0usize;
+        for update in 0..self.shape.updates {
+            ticker.tick().await;
+            let mut contents = self.state.lock().await;
+            let index = update % contents.len();
+            let content = &mut contents[index];
+            let names: Vec<String> = (0..self.shape.changes_per_update)
+                .map(|k| {
+                    let i = (cursor + k) % content.versions.len();
+                    content
+                        .versions
+                        .keys()
+                        .nth(i)
+                        .cloned()
+                        .expect("an index below the length")
+                })
+                .collect();
+            cursor += self.shape.changes_per_update;
+            for name in &names {
+                *content.versions.get_mut(name).expect("an existing name") += 1;
+            }
+            let message = Resources {
+                collection: content.name.clone(),
+                resources: if self.shape.upstream_incremental {
+                    names.iter().map(|n| content.resource(n)).collect()
+                } else {
+                    content.all()
+                },
+                nonce: format!("u{update}"),
+                incremental: self.shape.upstream_incremental,
+                ..Default::default()
+            };
+            self.log
+                .published
+                .lock()
+                .unwrap()
+                .insert(content.gateway_version(), Instant::now());
+            drop(contents);
+            link.tx
+                .send(Ok(message))
+                .await
+                .map_err(|_| anyhow::anyhow!("the gateway closed the stream"))?;
+            let ack = tokio::time::timeout(Duration::from_secs(60), async { link.acks.lock().await.recv().await })
+                .await
+                .map_err(|_| anyhow::anyhow!("no ACK from the gateway within 60s"))?
+                .ok_or_else(|| anyhow::anyhow!("the gateway closed the stream"))?;
+            if let Some(error) = ack.error_detail {
+                anyhow::bail!("the gateway NACKed update {update}: {}", error.message);
+            }
+        }
+        let contents = self.state.lock().await;
+        Ok(contents.iter().map(|c| (c.name.clone(), c.gateway_version())).collect())
+    }
+}

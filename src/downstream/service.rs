@@ -1,0 +1,164 @@
+//! `AggregatedMeshConfigService` on the wire. tonic decodes each request
+//! stream; responses are framed here, so a shared pre-encoded body reaches
+//! hyper as the same `Bytes` for every client. A response waiting on a slow
+//! client's HTTP/2 flow control holds a reference, not a copy of the collection.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http_body::Frame;
+use tokio::sync::mpsc;
+use tonic::body::Body;
+use tonic::codec::{Codec, Streaming};
+use tonic::codegen::http::{self, header, HeaderMap, HeaderValue};
+use tonic::server::NamedService;
+use tonic::transport::server::TcpConnectInfo;
+use tonic::Status;
+
+use super::Downstream;
+use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
+
+pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
+pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
+
+/// The gRPC service: two bidi methods, each run by one task per stream.
+#[derive(Clone)]
+pub struct AggregatedService {
+    downstream: Downstream,
+    max_request_bytes: usize,
+}
+
+impl AggregatedService {
+    pub fn new(downstream: Downstream, max_request_bytes: usize) -> Self {
+        Self {
+            downstream,
+            max_request_bytes,
+        }
+    }
+}
+
+impl NamedService for AggregatedService {
+    const NAME: &'static str = "istio.mcp.v1alpha1.AggregatedMeshConfigService";
+}
+
+fn decoder<T: prost::Message + Default + Send + 'static>() -> impl tonic::codec::Decoder<Item = T, Error = Status> {
+    tonic_prost::ProstCodec::<EncodedResponse, T>::default().decoder()
+}
+
+impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        if let Some(encoding) = request.headers().get("grpc-encoding").filter(|e| *e != "identity") {
+            let status = Status::unimplemented(format!(
+                "request compression {encoding:?} is not supported; send uncompressed messages"
+            ));
+            return std::future::ready(Ok(status.into_http()));
+        }
+        let peer = request
+            .extensions()
+            .get::<TcpConnectInfo>()
+            .and_then(TcpConnectInfo::remote_addr);
+        let max = Some(self.max_request_bytes);
+        let responses = match request.uri().path() {
+            SOTW_PATH => {
+                let inbound = Streaming::new_request(decoder::<SotwRequest>(), request.into_body(), None, max);
+                self.downstream.start_sotw(inbound, peer)
+            }
+            INCREMENTAL_PATH => {
+                let inbound = Streaming::new_request(decoder::<IncrementalRequest>(), request.into_body(), None, max);
+                self.downstream.start_incremental(inbound, peer)
+            }
+            path => {
+                let status = Status::unimplemented(format!("{path} is not a method of {}", Self::NAME));
+                return std::future::ready(Ok(status.into_http()));
+            }
+        };
+        let mut response = http::Response::new(Body::new(FramedResponses::new(responses)));
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        std::future::ready(Ok(response))
+    }
+}
+
+// === impl FramedResponses ===
+
+/// A gRPC response body: each message as its 5-byte frame header, then its
+/// shared body and per-client suffix as they are; trailers with the status.
+pub struct FramedResponses {
+    responses: mpsc::Receiver<Result<EncodedResponse, Status>>,
+    queued: VecDeque<Bytes>,
+    done: bool,
+}
+
+impl FramedResponses {
+    fn new(responses: mpsc::Receiver<Result<EncodedResponse, Status>>) -> Self {
+        Self {
+            responses,
+            queued: VecDeque::with_capacity(2),
+            done: false,
+        }
+    }
+}
+
+fn trailers(status: &Status) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    if status.add_header(&mut map).is_err() {
+        // Only a message that cannot be a header value gets here.
+        map.insert("grpc-status", HeaderValue::from(status.code() as i32));
+    }
+    map
+}
+
+impl http_body::Body for FramedResponses {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = &mut *self;
+        if let Some(chunk) = this.queued.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        if this.done {
+            return Poll::Ready(None);
+        }
+        let status = match ready!(this.responses.poll_recv(cx)) {
+            Some(Ok(response)) => {
+                let len = response.shared.len() + response.suffix.len();
+                match u32::try_from(len) {
+                    Ok(len) => {
+                        let mut header = BytesMut::with_capacity(5);
+                        header.put_u8(0); // not compressed
+                        header.put_u32(len);
+                        this.queued.push_back(response.shared);
+                        if !response.suffix.is_empty() {
+                            this.queued.push_back(response.suffix);
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(header.freeze()))));
+                    }
+                    Err(_) => Status::resource_exhausted(format!(
+                        "a response of {len} bytes is larger than gRPC can frame (4 GiB)"
+                    )),
+                }
+            }
+            Some(Err(status)) => status,
+            None => Status::ok(""),
+        };
+        this.done = true;
+        Poll::Ready(Some(Ok(Frame::trailers(trailers(&status)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.queued.is_empty()
+    }
+}
