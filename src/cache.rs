@@ -277,10 +277,14 @@ impl Cache {
     }
 }
 
-fn upsert(resources: &mut ResourceMap, resource: CachedResource) {
+fn upsert(resources: &mut ResourceMap, mut resource: CachedResource) {
     if resources.get(&*resource.name).is_some_and(|old| **old == resource) {
         return;
     }
+    // Upstream resources arrive as slices of the whole message's receive
+    // buffer. Kept as they are, one changed resource would keep a full state
+    // of many megabytes alive; a copy of its own frees the buffer.
+    resource.encoded = Bytes::copy_from_slice(&resource.encoded);
     resources.insert(resource.name.clone(), Arc::new(resource));
 }
 

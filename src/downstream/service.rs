@@ -5,6 +5,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
@@ -12,7 +13,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
 use tokio::sync::mpsc;
 use tonic::body::Body;
-use tonic::codec::{Codec, Streaming};
+use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
 use tonic::codegen::http::{self, header, HeaderMap, HeaderValue};
 use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
@@ -44,8 +45,33 @@ impl NamedService for AggregatedService {
     const NAME: &'static str = "istio.mcp.v1alpha1.AggregatedMeshConfigService";
 }
 
-fn decoder<T: prost::Message + Default + Send + 'static>() -> impl tonic::codec::Decoder<Item = T, Error = Status> {
-    tonic_prost::ProstCodec::<EncodedResponse, T>::default().decoder()
+/// Decodes one kind of request. Requests are small: tonic's default first
+/// buffer (8 KiB) would be most of an idle stream's memory.
+struct RequestDecoder<T> {
+    message: &'static str,
+    _kind: PhantomData<T>,
+}
+
+fn decoder<T>(message: &'static str) -> RequestDecoder<T> {
+    RequestDecoder {
+        message,
+        _kind: PhantomData,
+    }
+}
+
+impl<T: prost::Message + Default> Decoder for RequestDecoder<T> {
+    type Item = T;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<T>, Status> {
+        T::decode(buf)
+            .map(Some)
+            .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", self.message)))
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        BufferSettings::new(512, 32 << 10)
+    }
 }
 
 impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
@@ -71,11 +97,21 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
         let max = Some(self.max_request_bytes);
         let responses = match request.uri().path() {
             SOTW_PATH => {
-                let inbound = Streaming::new_request(decoder::<SotwRequest>(), request.into_body(), None, max);
+                let inbound = Streaming::new_request(
+                    decoder::<SotwRequest>("istio.mcp.v1alpha1.MeshConfigRequest"),
+                    request.into_body(),
+                    None,
+                    max,
+                );
                 self.downstream.start_sotw(inbound, peer)
             }
             INCREMENTAL_PATH => {
-                let inbound = Streaming::new_request(decoder::<IncrementalRequest>(), request.into_body(), None, max);
+                let inbound = Streaming::new_request(
+                    decoder::<IncrementalRequest>("istio.mcp.v1alpha1.IncrementalMeshConfigRequest"),
+                    request.into_body(),
+                    None,
+                    max,
+                );
                 self.downstream.start_incremental(inbound, peer)
             }
             path => {

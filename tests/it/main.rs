@@ -6,6 +6,7 @@ mod helpers;
 mod admin;
 mod dialects;
 mod incremental;
+mod load;
 mod process;
 mod sotw;
 mod upstream;

@@ -1,0 +1,41 @@
+//! mcp-load at a tiny size, every scenario, so the tool never rots. Numbers
+//! are not asserted here (they live in BENCHMARKS.md); what is checked is that
+//! each run completes against the real gateway binary with no NACKs, no stream
+//! errors, and every client receiving every update.
+
+use tokio::process::Command;
+
+use crate::helpers::within;
+
+#[tokio::test]
+async fn every_scenario_runs_at_a_tiny_size() {
+    for scenario in ["big-config", "fan-out", "incremental", "idle"] {
+        let output = within(
+            &format!("mcp-load --scenario {scenario} --tiny"),
+            Command::new(env!("CARGO_BIN_EXE_mcp-load"))
+                .args(["--scenario", scenario, "--tiny"])
+                .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
+                .env_remove("RUST_LOG")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("run mcp-load");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{scenario}: {stdout}\n{stderr}");
+        let json = stdout.lines().last().expect("a JSON line");
+        let report: serde_json::Value = serde_json::from_str(json).expect("the last line is JSON");
+        assert_eq!(report["scenario"], scenario);
+        assert_eq!(report["nacks"], 0, "{json}");
+        assert_eq!(report["stream_errors"], 0, "{json}");
+        let streams = report["streams"].as_u64().unwrap();
+        let updates = report["updates_published"].as_u64().unwrap();
+        assert!(streams > 0, "{json}");
+        assert!(report["gateway_peak_rss_bytes"].as_u64().unwrap() > 0, "{json}");
+        if updates > 0 {
+            // Coalescing may skip versions, but every stream gets the last one.
+            assert!(report["responses_delivered"].as_u64().unwrap() >= streams, "{json}");
+        }
+    }
+}
