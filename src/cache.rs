@@ -6,15 +6,22 @@
 //! touches only the resources whose version changed, so two consecutive
 //! snapshots differ in as many tree nodes as resources changed, and the diff
 //! between them costs time proportional to the change.
+//!
+//! Resources are stored in chunks: runs of consecutive resources, encoded once
+//! as the `resources` field of a response. Chunk boundaries depend only on
+//! resource names, so a change rebuilds the chunk it falls in and every other
+//! chunk is shared with the previous version. A state-of-the-world response is
+//! the version field followed by the chunks; each resource's bytes are a slice
+//! of its chunk, so the config is held once.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
 use bytes::Bytes;
 use imbl::OrdMap;
 use tokio::sync::watch;
-use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
 
 /// One resource as the cache holds it: encoded once, when it entered.
 #[derive(Debug)]
@@ -23,8 +30,105 @@ pub struct CachedResource {
     /// Upstream `metadata.version`, or a hash of the body when that was empty.
     pub version: Arc<str>,
     pub body_type_url: String,
-    /// A whole encoded `Resource` message, written into responses as is.
+    /// A whole encoded `Resource` message, written into responses as is
+    /// (in the cache: a slice of its chunk).
     pub encoded: Bytes,
+    /// Whether a chunk ends after this resource (a function of the name,
+    /// computed once).
+    ends_chunk: bool,
+}
+
+impl CachedResource {
+    pub fn new(name: Arc<str>, version: Arc<str>, body_type_url: String, encoded: Bytes) -> Self {
+        Self {
+            ends_chunk: ends_chunk(&name),
+            name,
+            version,
+            body_type_url,
+            encoded,
+        }
+    }
+}
+
+/// A run of consecutive resources (in name order), encoded once as the
+/// `resources` field (2) of a response and shared by every version in which
+/// the run is unchanged.
+#[derive(Debug)]
+pub struct Chunk {
+    /// The run's resources; their `encoded` bytes are slices of `bytes`.
+    members: Vec<Arc<CachedResource>>,
+    pub bytes: Bytes,
+}
+
+/// A chunk ends after a resource whose name hashes to zero in these bits:
+/// 64 resources per chunk on average, with boundaries that move only where
+/// names are added or removed.
+const CHUNK_BOUNDARY_MASK: u64 = 63;
+
+fn ends_chunk(name: &str) -> bool {
+    xxh3_64(name.as_bytes()) & CHUNK_BOUNDARY_MASK == 0
+}
+
+/// Splits `resources` into chunks, reusing `previous` chunks whose members are
+/// unchanged (the same `Arc`s). Members of rebuilt chunks are re-pointed into
+/// their chunk's bytes, which also frees the upstream message buffers they
+/// were decoded from. Returns the chunks and the resources' total size.
+fn chunk(resources: &mut ResourceMap, previous: &[Arc<Chunk>]) -> (Vec<Arc<Chunk>>, usize) {
+    let by_first: HashMap<&str, &Arc<Chunk>> = previous
+        .iter()
+        .filter_map(|c| c.members.first().map(|m| (&*m.name, c)))
+        .collect();
+    let mut chunks = Vec::with_capacity(previous.len().max(resources.len() / 64 + 1));
+    let mut repointed = Vec::new();
+    let mut run: Vec<Arc<CachedResource>> = Vec::new();
+    let mut flush = |run: &mut Vec<Arc<CachedResource>>| {
+        if run.is_empty() {
+            return;
+        }
+        let reused = by_first.get(&*run[0].name).filter(|c| {
+            c.members.len() == run.len() && c.members.iter().zip(run.iter()).all(|(a, b)| Arc::ptr_eq(a, b))
+        });
+        if let Some(chunk) = reused {
+            chunks.push(Arc::clone(chunk));
+            run.clear();
+            return;
+        }
+        let len: usize = run.iter().map(|r| r.encoded.len() + 11).sum();
+        let mut buf = bytes::BytesMut::with_capacity(len);
+        let starts: Vec<usize> = run
+            .iter()
+            .map(|r| crate::wire::put_resource(&r.encoded, &mut buf))
+            .collect();
+        let bytes = buf.freeze();
+        let members: Vec<Arc<CachedResource>> = run
+            .drain(..)
+            .zip(starts)
+            .map(|(r, start)| {
+                Arc::new(CachedResource {
+                    name: r.name.clone(),
+                    version: r.version.clone(),
+                    body_type_url: r.body_type_url.clone(),
+                    encoded: bytes.slice(start..start + r.encoded.len()),
+                    ends_chunk: r.ends_chunk,
+                })
+            })
+            .collect();
+        repointed.extend(members.iter().cloned());
+        chunks.push(Arc::new(Chunk { members, bytes }));
+    };
+    let mut total = 0;
+    for resource in resources.values() {
+        total += resource.encoded.len();
+        run.push(resource.clone());
+        if resource.ends_chunk {
+            flush(&mut run);
+        }
+    }
+    flush(&mut run);
+    for member in repointed {
+        resources.insert(member.name.clone(), member);
+    }
+    (chunks, total)
 }
 
 /// Resources are the same when their versions are: versions are what MCP
@@ -56,13 +160,14 @@ pub struct CollectionSnapshot {
     pub bytes: usize,
     pub updated_at: SystemTime,
     pub origin: Origin,
-    /// `version_info` + every resource: the shared body of a state-of-the-world
-    /// response, encoded on first use and then reused by every client.
-    sotw_body: OnceLock<Bytes>,
+    chunks: Vec<Arc<Chunk>>,
+    /// The version field, then every chunk: the shared part of every
+    /// state-of-the-world response for this snapshot.
+    sotw_parts: Arc<[Bytes]>,
     /// Encoded incremental bodies that bring a client from another version to
     /// this one, by that version: computed for the first client at a version
     /// and shared by the rest. Freed with the snapshot.
-    incremental_bodies: Mutex<HashMap<Arc<str>, Bytes>>,
+    incremental_bodies: Mutex<HashMap<Arc<str>, Arc<[Bytes]>>>,
 }
 
 /// Distinct from-versions whose diffs a snapshot keeps (clients are normally
@@ -70,38 +175,54 @@ pub struct CollectionSnapshot {
 const SHARED_DIFFS_PER_SNAPSHOT: usize = 32;
 
 impl CollectionSnapshot {
-    fn new(collection: Arc<str>, resources: ResourceMap, origin: Origin) -> Self {
+    fn new(
+        collection: Arc<str>,
+        resources: ResourceMap,
+        chunks: Vec<Arc<Chunk>>,
+        bytes: usize,
+        origin: Origin,
+    ) -> Self {
+        let version: Arc<str> = collection_version(&resources).into();
+        let sotw_parts = std::iter::once(crate::wire::encode_version(&version))
+            .chain(chunks.iter().map(|c| c.bytes.clone()))
+            .collect();
         Self {
-            version: collection_version(&resources).into(),
-            bytes: resources.values().map(|r| r.encoded.len()).sum(),
+            version,
+            bytes,
             collection,
             resources,
             updated_at: SystemTime::now(),
             origin,
-            sotw_body: OnceLock::new(),
+            chunks,
+            sotw_parts,
             incremental_bodies: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The encoded body shared by every state-of-the-world response for this
-    /// snapshot (the per-client `type_url` and nonce are appended to it).
-    pub fn sotw_body(&self) -> &Bytes {
-        self.sotw_body
-            .get_or_init(|| crate::wire::encode_body(&self.version, self.resources.values().map(|r| &r.encoded), &[]))
+    /// The parts shared by every state-of-the-world response for this snapshot
+    /// (the per-client `type_url` and nonce follow them). From nothing, an
+    /// incremental response is the same message.
+    pub fn sotw_parts(&self) -> &Arc<[Bytes]> {
+        &self.sotw_parts
+    }
+
+    /// How many chunks hold the resources.
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
     }
 
     /// The encoded body of an incremental response that brings a client
     /// holding `from` to this snapshot. The diff costs time proportional to the
     /// change (consecutive snapshots share structure) and is encoded once per
     /// from-version, whatever the number of clients.
-    pub fn incremental_body_from(&self, from: &CollectionSnapshot) -> Bytes {
-        let shared = |bodies: &HashMap<Arc<str>, Bytes>| bodies.get(&from.version).cloned();
+    pub fn incremental_body_from(&self, from: &CollectionSnapshot) -> Arc<[Bytes]> {
+        let shared = |bodies: &HashMap<Arc<str>, Arc<[Bytes]>>| bodies.get(&from.version).cloned();
         if let Some(body) = shared(&self.incremental_bodies.lock().expect("diff cache lock poisoned")) {
             return body;
         }
         // Encoded outside the lock: two clients racing may both encode.
         let diff = Diff::between(&from.resources, &self.resources);
-        let body = diff.encode(&self.version);
+        let body: Arc<[Bytes]> = Arc::from([diff.encode(&self.version)]);
         let mut bodies = self.incremental_bodies.lock().expect("diff cache lock poisoned");
         if bodies.len() < SHARED_DIFFS_PER_SNAPSHOT {
             bodies.insert(from.version.clone(), body.clone());
@@ -260,7 +381,9 @@ impl Cache {
                 }
             }
         }
-        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, origin));
+        let previous_chunks = current.as_ref().map(|s| s.chunks.as_slice()).unwrap_or_default();
+        let (chunks, bytes) = chunk(&mut resources, previous_chunks);
+        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, chunks, bytes, origin));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {
             Some(old) if old.version == snapshot.version => false,
@@ -277,14 +400,10 @@ impl Cache {
     }
 }
 
-fn upsert(resources: &mut ResourceMap, mut resource: CachedResource) {
+fn upsert(resources: &mut ResourceMap, resource: CachedResource) {
     if resources.get(&*resource.name).is_some_and(|old| **old == resource) {
         return;
     }
-    // Upstream resources arrive as slices of the whole message's receive
-    // buffer. Kept as they are, one changed resource would keep a full state
-    // of many megabytes alive; a copy of its own frees the buffer.
-    resource.encoded = Bytes::copy_from_slice(&resource.encoded);
     resources.insert(resource.name.clone(), Arc::new(resource));
 }
 
@@ -343,12 +462,12 @@ mod tests {
     use super::*;
 
     fn resource(name: &str, version: &str) -> CachedResource {
-        CachedResource {
-            name: name.into(),
-            version: version.into(),
-            body_type_url: "type.googleapis.com/t".into(),
-            encoded: Bytes::from(format!("{name}@{version}")),
-        }
+        CachedResource::new(
+            name.into(),
+            version.into(),
+            "type.googleapis.com/t".into(),
+            Bytes::from(format!("{name}@{version}")),
+        )
     }
 
     const C: &str = "istio/networking/v1alpha3/gateways";
@@ -484,20 +603,73 @@ mod tests {
         let to = cache.get(C).unwrap();
         let first = to.incremental_body_from(&from);
         let second = to.incremental_body_from(&from);
-        assert_eq!(first.as_ptr(), second.as_ptr(), "encoded once, shared");
+        assert!(Arc::ptr_eq(&first, &second), "encoded once, shared");
         let diff = Diff::between(&from.resources, &to.resources);
         assert_eq!(diff.removed, vec![Arc::<str>::from("b")]);
         assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["a", "c"]);
-        assert_eq!(first, diff.encode(&to.version));
+        assert_eq!(*first, [diff.encode(&to.version)]);
     }
 
     #[test]
-    fn sotw_body_is_encoded_once_and_shared() {
+    fn sotw_parts_are_the_version_and_the_chunks() {
         let cache = Cache::new();
-        cache.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let many: Vec<_> = (0..2000).map(|i| resource(&format!("r{i:05}"), "1")).collect();
+        cache.apply(C, Update::Full(many), Origin::Upstream);
         let snapshot = cache.get(C).unwrap();
-        let first = snapshot.sotw_body().clone();
-        let second = snapshot.sotw_body().clone();
-        assert_eq!(first.as_ptr(), second.as_ptr(), "the same bytes, not a re-encode");
+        let parts = snapshot.sotw_parts();
+        assert_eq!(parts[0], crate::wire::encode_version(&snapshot.version));
+        assert!(
+            snapshot.chunk_count() > 10 && snapshot.chunk_count() < 100,
+            "{}",
+            snapshot.chunk_count()
+        );
+        let joined: Vec<u8> = parts[1..].iter().flat_map(|p| p.iter().copied()).collect();
+        let expected = crate::wire::encode_body("", snapshot.resources.values().map(|r| &r.encoded), &[]);
+        assert_eq!(joined, expected, "the chunks are every resource, in order");
+        // Each resource's bytes are a slice of its chunk: the config is held once.
+        let in_chunks = |r: &CachedResource| {
+            parts[1..].iter().any(|p| {
+                let range = p.as_ptr() as usize..p.as_ptr() as usize + p.len();
+                range.contains(&(r.encoded.as_ptr() as usize))
+            })
+        };
+        assert!(snapshot.resources.values().all(|r| in_chunks(r)));
+    }
+
+    #[test]
+    fn a_change_rebuilds_only_its_chunk() {
+        let cache = Cache::new();
+        let names: Vec<String> = (0..2000).map(|i| format!("r{i:05}")).collect();
+        cache.apply(
+            C,
+            Update::Full(names.iter().map(|n| resource(n, "1")).collect()),
+            Origin::Upstream,
+        );
+        let before = cache.get(C).unwrap();
+        cache.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource(&names[1000], "2")],
+                removed: vec![],
+            },
+            Origin::Upstream,
+        );
+        let after = cache.get(C).unwrap();
+        assert_eq!(before.chunk_count(), after.chunk_count());
+        let shared = before
+            .chunks
+            .iter()
+            .zip(after.chunks.iter())
+            .filter(|(a, b)| Arc::ptr_eq(a, b))
+            .count();
+        assert_eq!(shared, before.chunk_count() - 1, "all but the changed chunk are shared");
+        // The same content again reuses every chunk.
+        cache.apply(C, Update::Full(vec![]), Origin::Upstream);
+        cache.apply(
+            C,
+            Update::Full(names.iter().map(|n| resource(n, "1")).collect()),
+            Origin::Upstream,
+        );
+        assert_eq!(cache.get(C).unwrap().version, before.version);
     }
 }

@@ -6,6 +6,8 @@
 //! sent, and downstream responses are pre-encoded bodies shared by every client
 //! at the same version, with the per-client fields appended after them.
 
+use std::sync::Arc;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::encoding::{self, WireType};
 
@@ -85,40 +87,36 @@ pub struct AnyTypeUrl {
 
 // === impl EncodedResponse ===
 
-/// A response written from pre-encoded parts: `shared` is the body every client
-/// at this version receives (the same `Bytes`, never re-encoded) and `suffix`
-/// the few per-client fields (type URL, nonce). Protobuf lets fields appear in
-/// any order, so the concatenation is one valid message.
+/// A response assembled from pre-encoded parts. `shared` is what every client
+/// at this version receives, in order: the same `Bytes`, never re-encoded or
+/// copied per client. `suffix` holds the few per-client fields (type URL,
+/// nonce). Protobuf lets fields appear in any order and repeat a repeated
+/// field, so the concatenation is one valid message.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EncodedResponse {
-    pub shared: Bytes,
+    pub shared: Arc<[Bytes]>,
     pub suffix: Bytes,
 }
 
-impl prost::Message for EncodedResponse {
-    fn encode_raw(&self, buf: &mut impl BufMut) {
-        buf.put_slice(&self.shared);
+impl EncodedResponse {
+    /// The encoded message's length.
+    pub fn len(&self) -> usize {
+        self.shared.iter().map(Bytes::len).sum::<usize>() + self.suffix.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole message in one buffer (tests and debugging; the server writes
+    /// the parts as they are).
+    pub fn to_bytes(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(self.len());
+        for part in self.shared.iter() {
+            buf.put_slice(part);
+        }
         buf.put_slice(&self.suffix);
-    }
-
-    // The gateway never decodes its own responses; skipping keeps decode total.
-    fn merge_field(
-        &mut self,
-        tag: u32,
-        wire_type: WireType,
-        buf: &mut impl bytes::Buf,
-        ctx: encoding::DecodeContext,
-    ) -> Result<(), prost::DecodeError> {
-        encoding::skip_field(wire_type, tag, buf, ctx)
-    }
-
-    fn encoded_len(&self) -> usize {
-        self.shared.len() + self.suffix.len()
-    }
-
-    fn clear(&mut self) {
-        self.shared = Bytes::new();
-        self.suffix = Bytes::new();
+        buf.freeze()
     }
 }
 
@@ -137,9 +135,8 @@ pub mod field {
     pub const NONCE: u32 = 4;
 }
 
-/// Encodes a response body: the version, every resource's pre-encoded bytes as
-/// field 2, and (incremental only) the removed names. One allocation, sized
-/// exactly.
+/// Encodes a response body in one buffer: the version, every resource's
+/// pre-encoded bytes as field 2, and (incremental only) the removed names.
 pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a Bytes>, removed: &[&str]) -> Bytes {
     // Sizing first needs two passes; the persistent map's iterator is not
     // Clone, so the (cheap) references are collected once.
@@ -156,9 +153,7 @@ pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a By
     let mut buf = BytesMut::with_capacity(len);
     put_string(field::VERSION, version, &mut buf);
     for resource in &resources {
-        encoding::encode_key(field::RESOURCES, WireType::LengthDelimited, &mut buf);
-        encoding::encode_varint(resource.len() as u64, &mut buf);
-        buf.put_slice(resource);
+        put_resource(resource, &mut buf);
     }
     for name in removed {
         encoding::encode_key(field::REMOVED, WireType::LengthDelimited, &mut buf);
@@ -166,6 +161,23 @@ pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a By
         buf.put_slice(name.as_bytes());
     }
     buf.freeze()
+}
+
+/// The version field (1) alone: the first part of a chunked response.
+pub fn encode_version(version: &str) -> Bytes {
+    let mut buf = BytesMut::with_capacity(version.len() + 8);
+    put_string(field::VERSION, version, &mut buf);
+    buf.freeze()
+}
+
+/// Appends one resource as field 2 (`resources`) and returns where its
+/// `Resource` bytes start in `buf`.
+pub fn put_resource(resource: &[u8], buf: &mut BytesMut) -> usize {
+    encoding::encode_key(field::RESOURCES, WireType::LengthDelimited, buf);
+    encoding::encode_varint(resource.len() as u64, buf);
+    let start = buf.len();
+    buf.put_slice(resource);
+    start
 }
 
 /// Encodes the per-client suffix: an optional `type_url` and the nonce.
@@ -214,11 +226,23 @@ mod tests {
             .iter()
             .map(|n| Bytes::from(resource(n).encode_to_vec()))
             .collect();
+        // The version and each resource as separate parts, as chunks are.
+        let mut parts = vec![encode_version("ver")];
+        for r in &resources {
+            let mut buf = BytesMut::new();
+            put_resource(r, &mut buf);
+            parts.push(buf.freeze());
+        }
         let response = EncodedResponse {
-            shared: encode_body("ver", resources.iter(), &[]),
+            shared: parts.into(),
             suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
         };
-        let decoded = MeshConfigResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(response.to_bytes(), {
+            let mut whole = encode_body("ver", resources.iter(), &[]).to_vec();
+            whole.extend_from_slice(&response.suffix);
+            whole
+        });
+        let decoded = MeshConfigResponse::decode(response.to_bytes()).unwrap();
         assert_eq!(decoded.version_info, "ver");
         assert_eq!(decoded.type_url, "type.googleapis.com/x");
         assert_eq!(decoded.nonce, "7");
@@ -229,10 +253,10 @@ mod tests {
     fn incremental_body_carries_removed_names() {
         let body = encode_body("v", [], &["gone", "also-gone"]);
         let response = EncodedResponse {
-            shared: body,
+            shared: Arc::from([body]),
             suffix: encode_suffix(None, "1"),
         };
-        let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.encode_to_vec().as_slice()).unwrap();
+        let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.to_bytes()).unwrap();
         assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);
         assert_eq!(decoded.system_version_info, "v");
         assert_eq!(decoded.nonce, "1");

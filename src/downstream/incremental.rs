@@ -132,7 +132,7 @@ impl IncrementalStream {
                 subscribed.type_url, request.type_url
             )));
         }
-        let collection = subscribed.view.collection.to_string();
+        let collection = subscribed.view.collection.clone();
         let matches = subscribed
             .view
             .last_sent_nonce
@@ -211,8 +211,10 @@ impl IncrementalStream {
             // The first response is sent even when empty: it tells the client
             // it is in sync. From nothing, the diff is the whole collection:
             // the same bytes as a state-of-the-world body.
-            ClientState::Initial(known) if known.is_empty() => snapshot.sotw_body().clone(),
-            ClientState::Initial(known) => Diff::from_versions(known, &snapshot.resources).encode(&snapshot.version),
+            ClientState::Initial(known) if known.is_empty() => snapshot.sotw_parts().clone(),
+            ClientState::Initial(known) => {
+                Arc::from([Diff::from_versions(known, &snapshot.resources).encode(&snapshot.version)])
+            }
         };
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
@@ -223,7 +225,7 @@ impl IncrementalStream {
         s.view.outstanding = true;
         s.view.last_sent_nonce = Some(nonce);
         s.view.last_sent_version = Some(snapshot.version.clone());
-        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.to_string()).increment(1);
+        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.clone()).increment(1);
         s.sent = Some(snapshot);
         self.publish();
         let shutdown = self.shared.inner.shutdown.clone();

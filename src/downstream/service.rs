@@ -3,10 +3,10 @@
 //! hyper as the same `Bytes` for every client. A response waiting on a slow
 //! client's HTTP/2 flow control holds a reference, not a copy of the collection.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
@@ -130,18 +130,38 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
 // === impl FramedResponses ===
 
 /// A gRPC response body: each message as its 5-byte frame header, then its
-/// shared body and per-client suffix as they are; trailers with the status.
+/// shared parts and per-client suffix as they are; trailers with the status.
 pub struct FramedResponses {
     responses: mpsc::Receiver<Result<EncodedResponse, Status>>,
-    queued: VecDeque<Bytes>,
+    /// The message being written.
+    writing: Option<Writing>,
     done: bool,
+}
+
+struct Writing {
+    shared: Arc<[Bytes]>,
+    next: usize,
+    suffix: Option<Bytes>,
+}
+
+impl Writing {
+    /// The next non-empty part of the message, if any is left.
+    fn next_part(&mut self) -> Option<Bytes> {
+        while let Some(part) = self.shared.get(self.next) {
+            self.next += 1;
+            if !part.is_empty() {
+                return Some(part.clone());
+            }
+        }
+        self.suffix.take().filter(|s| !s.is_empty())
+    }
 }
 
 impl FramedResponses {
     fn new(responses: mpsc::Receiver<Result<EncodedResponse, Status>>) -> Self {
         Self {
             responses,
-            queued: VecDeque::with_capacity(2),
+            writing: None,
             done: false,
         }
     }
@@ -162,24 +182,26 @@ impl http_body::Body for FramedResponses {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = &mut *self;
-        if let Some(chunk) = this.queued.pop_front() {
-            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        if let Some(part) = this.writing.as_mut().and_then(Writing::next_part) {
+            return Poll::Ready(Some(Ok(Frame::data(part))));
         }
+        this.writing = None;
         if this.done {
             return Poll::Ready(None);
         }
         let status = match ready!(this.responses.poll_recv(cx)) {
             Some(Ok(response)) => {
-                let len = response.shared.len() + response.suffix.len();
+                let len = response.len();
                 match u32::try_from(len) {
                     Ok(len) => {
                         let mut header = BytesMut::with_capacity(5);
                         header.put_u8(0); // not compressed
                         header.put_u32(len);
-                        this.queued.push_back(response.shared);
-                        if !response.suffix.is_empty() {
-                            this.queued.push_back(response.suffix);
-                        }
+                        this.writing = Some(Writing {
+                            shared: response.shared,
+                            next: 0,
+                            suffix: Some(response.suffix),
+                        });
                         return Poll::Ready(Some(Ok(Frame::data(header.freeze()))));
                     }
                     Err(_) => Status::resource_exhausted(format!(
@@ -195,6 +217,6 @@ impl http_body::Body for FramedResponses {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.queued.is_empty()
+        self.done && self.writing.is_none()
     }
 }

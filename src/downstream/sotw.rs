@@ -116,7 +116,7 @@ impl SotwStream {
             );
         }
         let state = self.types.get_mut(&type_url).expect("inserted above");
-        let collection = state.view.collection.to_string();
+        let collection = state.view.collection.clone();
         match &state.view.last_sent_nonce {
             // Nothing sent for this type yet: every request is accepted.
             None => {}
@@ -198,14 +198,14 @@ impl SotwStream {
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
         let response = EncodedResponse {
-            shared: snapshot.sotw_body().clone(),
+            shared: snapshot.sotw_parts().clone(),
             suffix: encode_suffix(Some(type_url), &nonce),
         };
         state.view.outstanding = true;
         state.view.last_sent_nonce = Some(nonce);
         state.view.last_sent_version = Some(snapshot.version.clone());
         self.entry.publish(type_url, state.view.clone());
-        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.to_string()).increment(1);
+        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.clone()).increment(1);
         let shutdown = self.shared.inner.shutdown.clone();
         tokio::select! {
             sent = out.send(Ok(response)) => sent.map_err(|_| ClientGone),

@@ -243,12 +243,7 @@ fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResourc
         } else {
             (metadata.version.clone(), bytes.clone())
         };
-        resources.push(CachedResource {
-            name: name.into(),
-            version: version.into(),
-            body_type_url,
-            encoded,
-        });
+        resources.push(CachedResource::new(name.into(), version.into(), body_type_url, encoded));
     }
     Ok(resources)
 }

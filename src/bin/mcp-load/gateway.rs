@@ -27,6 +27,22 @@ pub fn default_binary() -> anyhow::Result<PathBuf> {
     Ok(dir.join("mcp-xds-gateway"))
 }
 
+/// (user, system) CPU seconds of a process, from its `/proc/.../stat`.
+pub fn cpu_seconds(stat_path: &str) -> anyhow::Result<(f64, f64)> {
+    let stat = std::fs::read_to_string(stat_path)?;
+    // The command name may hold spaces: fields start after its ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("unexpected /proc stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
+    let user: f64 = fields[11].parse()?;
+    let system: f64 = fields[12].parse()?;
+    Ok((user / TICKS_PER_SECOND, system / TICKS_PER_SECOND))
+}
+
 impl ChildGateway {
     pub async fn spawn(binary: &Path, upstream: SocketAddr, collections: &[String]) -> anyhow::Result<Self> {
         if !binary.exists() {
@@ -75,19 +91,9 @@ impl ChildGateway {
         Ok(Self { child, pid, listen })
     }
 
-    /// User plus system CPU seconds the gateway has used.
-    pub fn cpu_seconds(&self) -> anyhow::Result<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))?;
-        // The command name may hold spaces: fields start after its ')'.
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .context("unexpected /proc stat")?
-            .1
-            .split_whitespace()
-            .collect();
-        // utime and stime are fields 14 and 15 of the line, 12 and 13 here.
-        let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-        Ok(ticks / TICKS_PER_SECOND)
+    /// (user, system) CPU seconds the gateway has used.
+    pub fn cpu_seconds(&self) -> anyhow::Result<(f64, f64)> {
+        cpu_seconds(&format!("/proc/{}/stat", self.pid))
     }
 
     /// (current RSS, peak RSS) in bytes.

@@ -107,6 +107,10 @@ struct Report {
     latency_p99_ms: f64,
     latency_max_ms: f64,
     gateway_cpu_seconds: Option<f64>,
+    /// The kernel's share of the gateway's CPU (socket writes, mostly).
+    gateway_cpu_system_seconds: Option<f64>,
+    /// The load tool's own CPU in the same phase: it shares the machine.
+    load_tool_cpu_seconds: Option<f64>,
     gateway_cpu_ms_per_delivered_update: Option<f64>,
     gateway_peak_rss_bytes: Option<u64>,
     gateway_rss_per_stream_bytes: Option<f64>,
@@ -243,6 +247,7 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
     let (rss_synced, _) = gateway.memory()?;
 
     let cpu_start = gateway.cpu_seconds()?;
+    let tool_cpu_start = gateway::cpu_seconds("/proc/self/stat")?;
     let update_start = Instant::now();
     let finals = publisher.run_updates().await?;
     clients.finals.send_replace(Some(finals));
@@ -250,7 +255,11 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
         progress.at_final.load(Ordering::Relaxed)
     })
     .await?;
-    let cpu = gateway.cpu_seconds()? - cpu_start;
+    let cpu_end = gateway.cpu_seconds()?;
+    let tool_cpu_end = gateway::cpu_seconds("/proc/self/stat")?;
+    let (cpu_user, cpu_system) = (cpu_end.0 - cpu_start.0, cpu_end.1 - cpu_start.1);
+    let cpu = cpu_user + cpu_system;
+    let tool_cpu = (tool_cpu_end.0 + tool_cpu_end.1) - (tool_cpu_start.0 + tool_cpu_start.1);
     let (_, peak_rss) = gateway.memory()?;
     let errors = progress.errors.load(Ordering::Relaxed);
     let received = clients.finish().await;
@@ -277,6 +286,8 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
         latency_p99_ms: p99,
         latency_max_ms: max,
         gateway_cpu_seconds: Some(cpu),
+        gateway_cpu_system_seconds: Some(cpu_system),
+        load_tool_cpu_seconds: Some(tool_cpu),
         gateway_cpu_ms_per_delivered_update: (delivered > 0).then(|| cpu * 1000.0 / delivered as f64),
         gateway_peak_rss_bytes: Some(peak_rss),
         gateway_rss_per_stream_bytes: Some(
@@ -391,6 +402,20 @@ fn print_report(report: &Report) {
             "gateway CPU",
             report
                 .gateway_cpu_seconds
+                .map(|c| format!("{c:.2} s"))
+                .unwrap_or_else(|| "-".into()),
+        ),
+        (
+            "gateway CPU in the kernel",
+            report
+                .gateway_cpu_system_seconds
+                .map(|c| format!("{c:.2} s"))
+                .unwrap_or_else(|| "-".into()),
+        ),
+        (
+            "load tool CPU",
+            report
+                .load_tool_cpu_seconds
                 .map(|c| format!("{c:.2} s"))
                 .unwrap_or_else(|| "-".into()),
         ),
