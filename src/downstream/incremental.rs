@@ -107,15 +107,7 @@ impl IncrementalStream {
             self.shared.follow(&resolved.collection);
             let changes = self.shared.inner.cache.subscribe(&resolved.collection);
             self.subscribed = Some(Subscribed {
-                view: TypeView {
-                    collection: resolved.collection,
-                    dialect: resolved.dialect,
-                    last_sent_version: None,
-                    last_sent_nonce: None,
-                    acked_version: None,
-                    outstanding: false,
-                    last_nack: None,
-                },
+                view: TypeView::new(resolved),
                 type_url: request.type_url,
                 client: ClientState::Initial(request.initial_resource_versions),
                 sent: None,

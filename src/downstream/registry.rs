@@ -49,6 +49,21 @@ pub struct TypeView {
     pub last_nack: Option<NackRecord>,
 }
 
+impl TypeView {
+    /// A type a client just asked for: nothing sent, nothing ACKed.
+    pub fn new(resolved: crate::collections::Resolved) -> Self {
+        Self {
+            collection: resolved.collection,
+            dialect: resolved.dialect,
+            last_sent_version: None,
+            last_sent_nonce: None,
+            acked_version: None,
+            outstanding: false,
+            last_nack: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StreamView {
     pub id: u64,

@@ -102,15 +102,7 @@ impl SotwStream {
             self.types.insert(
                 type_url.clone(),
                 SotwType {
-                    view: TypeView {
-                        collection: resolved.collection.clone(),
-                        dialect: resolved.dialect,
-                        last_sent_version: None,
-                        last_sent_nonce: None,
-                        acked_version: None,
-                        outstanding: false,
-                        last_nack: None,
-                    },
+                    view: TypeView::new(resolved),
                     client_version: String::new(),
                 },
             );

@@ -14,10 +14,15 @@ const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
 /// Runs the binary to its exit: (exit code, stderr).
 async fn run(args: &[&str]) -> (Option<i32>, String) {
+    run_with_env(args, &[]).await
+}
+
+async fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     let output = within(
         "the gateway to exit",
         Command::new(BIN)
             .args(args)
+            .envs(env.iter().copied())
             .env_remove("RUST_LOG")
             .kill_on_drop(true)
             .output(),
@@ -114,39 +119,22 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
 
 #[tokio::test]
 async fn environment_fallbacks_are_read_and_validated_like_flags() {
-    let output = within(
-        "the gateway to exit",
-        Command::new(BIN)
-            .env(
-                "MCP_GATEWAY_COLLECTIONS",
-                "istio/networking/v1alpha3/gateways,istio/nope",
-            )
-            .env("MCP_GATEWAY_LISTEN", "127.0.0.1:0")
-            .env("MCP_GATEWAY_ADMIN_LISTEN", "127.0.0.1:0")
-            .env_remove("RUST_LOG")
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let env = [
+        (
+            "MCP_GATEWAY_COLLECTIONS",
+            "istio/networking/v1alpha3/gateways,istio/nope",
+        ),
+        ("MCP_GATEWAY_LISTEN", "127.0.0.1:0"),
+        ("MCP_GATEWAY_ADMIN_LISTEN", "127.0.0.1:0"),
+    ];
+    let (code, stderr) = run_with_env(&[], &env).await;
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("--collections") && stderr.contains("istio/nope"),
         "{stderr}"
     );
 
-    let output = within(
-        "the gateway to exit",
-        Command::new(BIN)
-            .env("MCP_GATEWAY_KEEPALIVE_INTERVAL", "sometimes")
-            .env_remove("RUST_LOG")
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = run_with_env(&[], &[("MCP_GATEWAY_KEEPALIVE_INTERVAL", "sometimes")]).await;
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--keepalive-interval"), "{stderr}");
 }

@@ -152,13 +152,7 @@ async fn full_state_replaces_and_ignores_removed_resources() {
     replace.removed_resources = vec!["c".into()];
     let ack = stream.send(replace).await;
     assert!(ack.error_detail.is_none());
-    let snapshot = gw.cache.get(VS).unwrap();
-    let held: Vec<(String, String)> = snapshot
-        .resources
-        .values()
-        .map(|r| (r.name.to_string(), r.version.to_string()))
-        .collect();
-    assert_eq!(held, [("b".into(), "2".into()), ("c".into(), "1".into())]);
+    assert_eq!(held(&gw, VS), [("b".into(), "2".into()), ("c".into(), "1".into())]);
 }
 
 #[tokio::test]
@@ -179,13 +173,7 @@ async fn incremental_upserts_and_deletes() {
         .await;
     assert!(ack.error_detail.is_none(), "{ack:?}");
     assert!(ack.incremental);
-    let snapshot = gw.cache.get(VS).unwrap();
-    let held: Vec<(String, String)> = snapshot
-        .resources
-        .values()
-        .map(|r| (r.name.to_string(), r.version.to_string()))
-        .collect();
-    assert_eq!(held, [("a".into(), "2".into()), ("c".into(), "1".into())]);
+    assert_eq!(held(&gw, VS), [("a".into(), "2".into()), ("c".into(), "1".into())]);
 }
 
 /// Bodies are never decoded: bytes that are not a valid message of their type
@@ -379,4 +367,15 @@ async fn a_missing_resource_version_becomes_a_content_hash() {
     assert_eq!(gw.cache.get(VS).unwrap().resources["a"].version, first);
     stream.push_full(VS, vec![resource("a", "", b"other")]).await;
     assert_ne!(gw.cache.get(VS).unwrap().resources["a"].version, first);
+}
+
+/// `(name, version)` of every resource the gateway holds for `collection`.
+fn held(gw: &mcp_xds_gateway::app::Bound, collection: &str) -> Vec<(String, String)> {
+    gw.cache
+        .get(collection)
+        .unwrap()
+        .resources
+        .values()
+        .map(|r| (r.name.to_string(), r.version.to_string()))
+        .collect()
 }

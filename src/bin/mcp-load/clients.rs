@@ -179,108 +179,122 @@ async fn sotw_stream(
     index: usize,
     channel: Channel,
     collections: Vec<Arc<str>>,
-    mut finals: watch::Receiver<Option<HashMap<String, String>>>,
+    finals: watch::Receiver<Option<HashMap<String, String>>>,
     progress: &Progress,
     stop: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Vec<Received>> {
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
-    grpc.ready().await?;
-    let (tx, rx) = mpsc::channel(collections.len() + 8);
-    for collection in &collections {
-        tx.send(MeshConfigRequest {
+    let initial = collections
+        .iter()
+        .map(|collection| MeshConfigRequest {
             sink_node: node(index),
             type_url: collection.to_string(),
             ..Default::default()
         })
-        .await?;
-    }
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static(SOTW_PATH);
-    let mut inbound = grpc
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            path,
-            LoadCodec::<MeshConfigRequest>::default(),
-        )
-        .await?
-        .into_inner();
-    let mut holdings = Holdings::new(collections.len());
-    let mut received = Vec::new();
-    loop {
-        tokio::select! {
-            message = inbound.message() => {
-                let Some((envelope, bytes)) = message? else { break };
-                let at = Instant::now();
-                let type_url = envelope.field3.into_iter().next().unwrap_or_default();
-                let collection = collections.iter().find(|c| ***c == *type_url).cloned().unwrap_or_else(|| type_url.as_str().into());
-                tx.send(MeshConfigRequest {
-                    version_info: envelope.version.clone(),
-                    sink_node: node(index),
-                    type_url,
-                    response_nonce: envelope.nonce,
-                    error_detail: None,
-                })
-                .await?;
-                holdings.held.insert(collection.clone(), envelope.version.clone());
-                received.push(Received { collection, version: envelope.version, at, bytes });
-                holdings.update(progress, &finals.borrow());
-            }
-            changed = finals.changed() => {
-                if changed.is_ok() {
-                    holdings.update(progress, &finals.borrow_and_update());
-                }
-            }
-            _ = stop.cancelled() => break,
-        }
-    }
-    Ok(received)
+        .collect();
+    let type_url = |envelope: &Envelope| envelope.field3.first().cloned().unwrap_or_default();
+    let ack = |envelope: &Envelope| MeshConfigRequest {
+        version_info: envelope.version.clone(),
+        sink_node: node(index),
+        type_url: type_url(envelope),
+        response_nonce: envelope.nonce.clone(),
+        error_detail: None,
+    };
+    let collection_of = |envelope: &Envelope| {
+        let type_url = type_url(envelope);
+        collections
+            .iter()
+            .find(|c| ***c == *type_url)
+            .cloned()
+            .unwrap_or_else(|| type_url.as_str().into())
+    };
+    let stream = Drive {
+        path: SOTW_PATH,
+        initial,
+        wanted: collections.len(),
+    };
+    stream.run(channel, ack, collection_of, finals, progress, stop).await
 }
 
 async fn incremental_stream(
     index: usize,
     channel: Channel,
     collection: Arc<str>,
-    mut finals: watch::Receiver<Option<HashMap<String, String>>>,
+    finals: watch::Receiver<Option<HashMap<String, String>>>,
     progress: &Progress,
     stop: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<Vec<Received>> {
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
-    grpc.ready().await?;
-    let (tx, rx) = mpsc::channel(8);
     let request = |nonce: String| IncrementalMeshConfigRequest {
         sink_node: node(index),
         type_url: collection.to_string(),
         response_nonce: nonce,
         ..Default::default()
     };
-    tx.send(request(String::new())).await?;
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static(INCREMENTAL_PATH);
-    let mut inbound = grpc
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            path,
-            LoadCodec::<IncrementalMeshConfigRequest>::default(),
-        )
-        .await?
-        .into_inner();
-    let mut holdings = Holdings::new(1);
-    let mut received = Vec::new();
-    loop {
-        tokio::select! {
-            message = inbound.message() => {
-                let Some((envelope, bytes)) = message? else { break };
-                let at = Instant::now();
-                tx.send(request(envelope.nonce)).await?;
-                holdings.held.insert(collection.clone(), envelope.version.clone());
-                received.push(Received { collection: collection.clone(), version: envelope.version, at, bytes });
-                holdings.update(progress, &finals.borrow());
-            }
-            changed = finals.changed() => {
-                if changed.is_ok() {
-                    holdings.update(progress, &finals.borrow_and_update());
-                }
-            }
-            _ = stop.cancelled() => break,
+    let stream = Drive {
+        path: INCREMENTAL_PATH,
+        initial: vec![request(String::new())],
+        wanted: 1,
+    };
+    let ack = |envelope: &Envelope| request(envelope.nonce.clone());
+    stream
+        .run(channel, ack, |_| collection.clone(), finals, progress, stop)
+        .await
+}
+
+/// One client stream of either protocol: send the initial requests, then ACK
+/// every response and record when it arrived.
+struct Drive<Req> {
+    path: &'static str,
+    initial: Vec<Req>,
+    /// How many collections the stream asked for.
+    wanted: usize,
+}
+
+impl<Req: prost::Message + Send + 'static> Drive<Req> {
+    async fn run(
+        self,
+        channel: Channel,
+        ack: impl Fn(&Envelope) -> Req,
+        collection_of: impl Fn(&Envelope) -> Arc<str>,
+        mut finals: watch::Receiver<Option<HashMap<String, String>>>,
+        progress: &Progress,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> anyhow::Result<Vec<Received>> {
+        let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
+        grpc.ready().await?;
+        let (tx, rx) = mpsc::channel(self.initial.len() + 8);
+        for request in self.initial {
+            tx.send(request).await?;
         }
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static(self.path);
+        let mut inbound = grpc
+            .streaming(
+                tonic::Request::new(ReceiverStream::new(rx)),
+                path,
+                LoadCodec::<Req>::default(),
+            )
+            .await?
+            .into_inner();
+        let mut holdings = Holdings::new(self.wanted);
+        let mut received = Vec::new();
+        loop {
+            tokio::select! {
+                message = inbound.message() => {
+                    let Some((envelope, bytes)) = message? else { break };
+                    let at = Instant::now();
+                    tx.send(ack(&envelope)).await?;
+                    let collection = collection_of(&envelope);
+                    holdings.held.insert(collection.clone(), envelope.version.clone());
+                    received.push(Received { collection, version: envelope.version, at, bytes });
+                    holdings.update(progress, &finals.borrow());
+                }
+                changed = finals.changed() => {
+                    if changed.is_ok() {
+                        holdings.update(progress, &finals.borrow_and_update());
+                    }
+                }
+                _ = stop.cancelled() => break,
+            }
+        }
+        Ok(received)
     }
-    Ok(received)
 }

@@ -377,14 +377,10 @@ fn percentiles(samples: &mut [Duration]) -> (f64, f64, f64) {
 
 fn print_report(report: &Report) {
     let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
+    let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".into());
+    let seconds = |s: Option<f64>| or_dash(s.map(|c| format!("{c:.2} s")));
     let rows: Vec<(&str, String)> = vec![
-        (
-            "scenario",
-            report
-                .scenario
-                .map(|s| format!("{s:?}"))
-                .unwrap_or_else(|| "target".into()),
-        ),
+        ("scenario", or_dash(report.scenario.map(|s| format!("{s:?}")))),
         ("goal", report.goal.to_string()),
         ("streams", report.streams.to_string()),
         ("config bytes", mib(report.config_bytes as u64)),
@@ -398,44 +394,21 @@ fn print_report(report: &Report) {
                 report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms
             ),
         ),
-        (
-            "gateway CPU",
-            report
-                .gateway_cpu_seconds
-                .map(|c| format!("{c:.2} s"))
-                .unwrap_or_else(|| "-".into()),
-        ),
-        (
-            "gateway CPU in the kernel",
-            report
-                .gateway_cpu_system_seconds
-                .map(|c| format!("{c:.2} s"))
-                .unwrap_or_else(|| "-".into()),
-        ),
-        (
-            "load tool CPU",
-            report
-                .load_tool_cpu_seconds
-                .map(|c| format!("{c:.2} s"))
-                .unwrap_or_else(|| "-".into()),
-        ),
+        ("gateway CPU", seconds(report.gateway_cpu_seconds)),
+        ("gateway CPU in the kernel", seconds(report.gateway_cpu_system_seconds)),
+        ("load tool CPU", seconds(report.load_tool_cpu_seconds)),
         (
             "gateway CPU per delivered update",
-            report
-                .gateway_cpu_ms_per_delivered_update
-                .map(|c| format!("{c:.3} ms"))
-                .unwrap_or_else(|| "-".into()),
+            or_dash(report.gateway_cpu_ms_per_delivered_update.map(|c| format!("{c:.3} ms"))),
         ),
-        (
-            "gateway peak RSS",
-            report.gateway_peak_rss_bytes.map(mib).unwrap_or_else(|| "-".into()),
-        ),
+        ("gateway peak RSS", or_dash(report.gateway_peak_rss_bytes.map(mib))),
         (
             "gateway RSS per stream",
-            report
-                .gateway_rss_per_stream_bytes
-                .map(|b| format!("{:.1} KiB", b / 1024.0))
-                .unwrap_or_else(|| "-".into()),
+            or_dash(
+                report
+                    .gateway_rss_per_stream_bytes
+                    .map(|b| format!("{:.1} KiB", b / 1024.0)),
+            ),
         ),
         (
             "bytes per client per update",
