@@ -245,6 +245,21 @@ mod tests {
         );
     }
 
+    /// The crate embeds its own copy so it builds anywhere; developers and CI
+    /// have `shared/` beside the repository, and the copy must not drift.
+    #[test]
+    fn the_embedded_table_is_the_shared_design_table() {
+        let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/design/istio-collections.tsv");
+        match std::fs::read_to_string(&shared) {
+            Ok(text) => assert!(
+                text == BUILTIN_TSV,
+                "{} changed: copy it to data/istio-collections.tsv",
+                shared.display()
+            ),
+            Err(e) => eprintln!("{} not readable ({e}); nothing to compare", shared.display()),
+        }
+    }
+
     #[test]
     fn both_dialects_resolve() {
         let table = CollectionTable::builtin();
