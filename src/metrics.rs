@@ -22,6 +22,30 @@ pub const DOWNSTREAM_NACKS: &str = "mcp_gateway_downstream_nacks_total";
 pub const COMPONENT_UPSTREAM: &str = "upstream";
 pub const COMPONENT_DOWNSTREAM: &str = "downstream";
 
+/// A gRPC code as a label value: its name, so a client's arbitrary number
+/// cannot create new series (unknown numbers are `Unknown`).
+pub fn code_label(code: i32) -> &'static str {
+    match tonic::Code::from(code) {
+        tonic::Code::Ok => "Ok",
+        tonic::Code::Cancelled => "Cancelled",
+        tonic::Code::Unknown => "Unknown",
+        tonic::Code::InvalidArgument => "InvalidArgument",
+        tonic::Code::DeadlineExceeded => "DeadlineExceeded",
+        tonic::Code::NotFound => "NotFound",
+        tonic::Code::AlreadyExists => "AlreadyExists",
+        tonic::Code::PermissionDenied => "PermissionDenied",
+        tonic::Code::ResourceExhausted => "ResourceExhausted",
+        tonic::Code::FailedPrecondition => "FailedPrecondition",
+        tonic::Code::Aborted => "Aborted",
+        tonic::Code::OutOfRange => "OutOfRange",
+        tonic::Code::Unimplemented => "Unimplemented",
+        tonic::Code::Internal => "Internal",
+        tonic::Code::Unavailable => "Unavailable",
+        tonic::Code::DataLoss => "DataLoss",
+        tonic::Code::Unauthenticated => "Unauthenticated",
+    }
+}
+
 /// Registers the help text of every metric with the installed recorder.
 pub fn describe() {
     describe_counter!(
@@ -60,4 +84,13 @@ pub fn describe() {
         DOWNSTREAM_NACKS,
         "NACKs received from downstream clients, by collection."
     );
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn code_labels_are_bounded_names() {
+        assert_eq!(super::code_label(3), "InvalidArgument");
+        assert_eq!(super::code_label(12345), "Unknown");
+    }
 }

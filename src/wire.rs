@@ -141,7 +141,7 @@ pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a By
     // Sizing first needs two passes; the persistent map's iterator is not
     // Clone, so the (cheap) references are collected once.
     let resources: Vec<&Bytes> = resources.into_iter().collect();
-    let len = encoding::string::encoded_len(field::VERSION, &version.to_owned())
+    let len = string_field_len(field::VERSION, version)
         + resources
             .iter()
             .map(|r| encoding::key_len(field::RESOURCES) + encoding::encoded_len_varint(r.len() as u64) + r.len())
@@ -165,7 +165,7 @@ pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a By
 
 /// The version field (1) alone: the first part of a chunked response.
 pub fn encode_version(version: &str) -> Bytes {
-    let mut buf = BytesMut::with_capacity(version.len() + 8);
+    let mut buf = BytesMut::with_capacity(string_field_len(field::VERSION, version));
     put_string(field::VERSION, version, &mut buf);
     buf.freeze()
 }
@@ -182,12 +182,22 @@ pub fn put_resource(resource: &[u8], buf: &mut BytesMut) -> usize {
 
 /// Encodes the per-client suffix: an optional `type_url` and the nonce.
 pub fn encode_suffix(type_url: Option<&str>, nonce: &str) -> Bytes {
-    let mut buf = BytesMut::with_capacity(16 + type_url.map_or(0, str::len) + nonce.len());
+    let mut buf = BytesMut::with_capacity(
+        type_url.map_or(0, |t| string_field_len(field::TYPE_URL, t)) + string_field_len(field::NONCE, nonce),
+    );
     if let Some(type_url) = type_url {
         put_string(field::TYPE_URL, type_url, &mut buf);
     }
     put_string(field::NONCE, nonce, &mut buf);
     buf.freeze()
+}
+
+/// The encoded length of a string field as `put_string` writes it.
+fn string_field_len(tag: u32, value: &str) -> usize {
+    if value.is_empty() {
+        return 0;
+    }
+    encoding::key_len(tag) + encoding::encoded_len_varint(value.len() as u64) + value.len()
 }
 
 /// A proto3 string field; empty strings are omitted, as prost would.

@@ -11,8 +11,8 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::StreamExt;
 use tonic::{Status, Streaming};
 
-use super::registry::{NackRecord, Protocol, RegistryEntry, TypeView};
-use super::{end_with, shutting_down, Downstream, Outbound};
+use super::registry::{Protocol, RegistryEntry, TypeView};
+use super::{end_with, record_ack, record_nack, shutting_down, Downstream, Outbound};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics as m;
 use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest};
@@ -139,31 +139,12 @@ impl IncrementalStream {
         let sent = subscribed.sent.clone().expect("a nonce was sent with a snapshot");
         match request.error_detail {
             Some(error) => {
-                metrics::counter!(m::DOWNSTREAM_NACKS, "collection" => collection.clone()).increment(1);
-                metrics::counter!(
-                    m::REQUEST_NACKS,
-                    "component" => m::COMPONENT_DOWNSTREAM,
-                    "collection" => collection,
-                    "code" => format!("{:?}", tonic::Code::from(error.code))
-                )
-                .increment(1);
-                tracing::warn!(
-                    stream = self.id,
-                    type_url = %subscribed.type_url,
-                    version = %sent.version,
-                    code = error.code,
-                    message = %error.message,
-                    "client NACKed a diff; it keeps its previous state and this version is not sent again"
-                );
-                subscribed.view.last_nack = Some(NackRecord {
-                    version: sent.version.clone(),
-                    code: error.code,
-                    message: error.message,
-                });
+                let version = sent.version.clone();
+                let record = record_nack(self.id, &subscribed.type_url, &collection, version, error);
+                subscribed.view.last_nack = Some(record);
             }
             None => {
-                metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_DOWNSTREAM, "collection" => collection)
-                    .increment(1);
+                record_ack(&collection);
                 subscribed.view.acked_version = Some(sent.version.clone());
                 subscribed.client = ClientState::At(sent);
             }

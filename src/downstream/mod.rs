@@ -19,8 +19,10 @@ use tonic::{Status, Streaming};
 
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
+use crate::metrics as m;
 use crate::upstream::Subscriptions;
 use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
+use registry::NackRecord;
 pub use registry::Registry;
 pub use service::AggregatedService;
 
@@ -97,6 +99,44 @@ impl Downstream {
             );
         }
     }
+}
+
+/// Counts and logs a client's NACK of `version`, and returns the record the
+/// stream keeps (the version is never sent to that client again).
+fn record_nack(
+    stream: u64,
+    type_url: &str,
+    collection: &Arc<str>,
+    version: Arc<str>,
+    error: tonic_types::Status,
+) -> NackRecord {
+    metrics::counter!(m::DOWNSTREAM_NACKS, "collection" => collection.clone()).increment(1);
+    metrics::counter!(
+        m::REQUEST_NACKS,
+        "component" => m::COMPONENT_DOWNSTREAM,
+        "collection" => collection.clone(),
+        "code" => m::code_label(error.code)
+    )
+    .increment(1);
+    tracing::warn!(
+        stream,
+        %type_url,
+        %version,
+        code = error.code,
+        message = %error.message,
+        "client NACKed a version; it keeps its previous state and this version is not sent to it again"
+    );
+    NackRecord {
+        version,
+        code: error.code,
+        message: error.message,
+    }
+}
+
+/// Counts a client's ACK.
+fn record_ack(collection: &Arc<str>) {
+    metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_DOWNSTREAM, "collection" => collection.clone())
+        .increment(1);
 }
 
 /// Ends a stream's response with `status`, or gives up if the client does not

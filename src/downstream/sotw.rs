@@ -11,8 +11,8 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::{Status, Streaming};
 
-use super::registry::{NackRecord, Protocol, RegistryEntry, TypeView};
-use super::{end_with, shutting_down, Downstream, Outbound};
+use super::registry::{Protocol, RegistryEntry, TypeView};
+use super::{end_with, record_ack, record_nack, shutting_down, Downstream, Outbound};
 use crate::cache::CollectionSnapshot;
 use crate::metrics as m;
 use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
@@ -117,31 +117,10 @@ impl SotwStream {
                 match request.error_detail {
                     Some(error) => {
                         let version = state.view.last_sent_version.clone().unwrap_or_else(|| Arc::from(""));
-                        metrics::counter!(m::DOWNSTREAM_NACKS, "collection" => collection.clone()).increment(1);
-                        metrics::counter!(
-                            m::REQUEST_NACKS,
-                            "component" => m::COMPONENT_DOWNSTREAM,
-                            "collection" => collection,
-                            "code" => error.code.to_string()
-                        )
-                        .increment(1);
-                        tracing::warn!(
-                            stream = self.id,
-                            %type_url,
-                            %version,
-                            code = error.code,
-                            message = %error.message,
-                            "client NACKed a version; it is not sent to this client again"
-                        );
-                        state.view.last_nack = Some(NackRecord {
-                            version,
-                            code: error.code,
-                            message: error.message,
-                        });
+                        state.view.last_nack = Some(record_nack(self.id, &type_url, &collection, version, error));
                     }
                     None => {
-                        metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_DOWNSTREAM, "collection" => collection)
-                            .increment(1);
+                        record_ack(&collection);
                         state.view.acked_version = Some(Arc::from(request.version_info.as_str()));
                     }
                 }

@@ -130,7 +130,7 @@ impl SinkSession {
                     m::REQUEST_NACKS,
                     "component" => m::COMPONENT_UPSTREAM,
                     "collection" => collection_label,
-                    "code" => format!("{:?}", nack.code)
+                    "code" => m::code_label(nack.code as i32)
                 )
                 .increment(1);
                 tracing::warn!(
