@@ -261,15 +261,25 @@ fn refused_collection(status: &tonic::Status) -> Option<String> {
 }
 
 fn classify(status: tonic::Status) -> StreamEnd {
-    match refused_collection(&status) {
-        Some(collection) => StreamEnd::Refused {
+    if let Some(collection) = refused_collection(&status) {
+        return StreamEnd::Refused {
             collection,
             message: status.message().to_owned(),
-        },
-        None => StreamEnd::Failed {
-            reason: "status",
-            message: format!("the source ended the stream: {:?}: {}", status.code(), status.message()),
-        },
+        };
+    }
+    // tonic's own receive limit: say which flag raises it.
+    if status.code() == Code::OutOfRange && status.message().contains("message length too large") {
+        return StreamEnd::Failed {
+            reason: "message_too_large",
+            message: format!(
+                "a message from the source is larger than --max-message-bytes allows ({}); raise the flag",
+                status.message()
+            ),
+        };
+    }
+    StreamEnd::Failed {
+        reason: "status",
+        message: format!("the stream ended: {:?}: {}", status.code(), status.message()),
     }
 }
 

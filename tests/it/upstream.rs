@@ -379,3 +379,33 @@ fn held(gw: &mcp_xds_gateway::app::Bound, collection: &str) -> Vec<(String, Stri
         .map(|r| (r.name.to_string(), r.version.to_string()))
         .collect()
 }
+
+/// A message above the receive limit fails the stream with an error that
+/// names the flag to raise; the cache keeps serving what it had.
+#[tokio::test]
+async fn a_message_above_the_receive_limit_names_the_flag_and_keeps_the_cache() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS], &["--max-message-bytes", "65536"]).await;
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(1).await;
+    stream.push_full(VS, vec![resource("small", "1", b"x")]).await;
+    let before = gw.cache.get(VS).unwrap();
+
+    stream
+        .responses
+        .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
+        .unwrap();
+    eventually("the stream to fail", || {
+        gw.upstream
+            .borrow()
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("--max-message-bytes"))
+    })
+    .await;
+    assert!(
+        std::sync::Arc::ptr_eq(&before, &gw.cache.get(VS).unwrap()),
+        "the cache is untouched"
+    );
+    let _reconnected = galley.next_stream().await;
+}

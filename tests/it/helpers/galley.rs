@@ -38,7 +38,8 @@ pub struct FakeGalley {
 /// One stream a gateway opened, as the test sees it.
 pub struct GalleyStream {
     requests: mpsc::UnboundedReceiver<RequestResources>,
-    responses: mpsc::UnboundedSender<Result<Resources, Status>>,
+    /// Sends a message or a status as it is (no nonce added).
+    pub responses: mpsc::UnboundedSender<Result<Resources, Status>>,
     next_nonce: u64,
 }
 
