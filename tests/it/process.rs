@@ -80,6 +80,7 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
         .spawn()
         .expect("start the gateway binary");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut effective_config_lines = 0;
     let (listen, admin) = within("the bound addresses in the log", async {
         loop {
             let line = lines
@@ -87,6 +88,10 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
                 .await
                 .unwrap()
                 .expect("the gateway logs before exiting");
+            if line.contains("effective configuration") {
+                effective_config_lines += 1;
+                assert!(line.contains(&galley.url()) && line.contains(VS), "{line}");
+            }
             if line.contains("gateway listening") {
                 let field = |name: &str| -> std::net::SocketAddr {
                     let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
@@ -99,6 +104,10 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
     .await;
     assert_ne!(listen.port(), 0);
     assert_ne!(admin.port(), 0);
+    assert_eq!(
+        effective_config_lines, 1,
+        "the effective configuration is logged once, before listening"
+    );
     // Keep draining the log so the child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
 
