@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::StreamExt;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 use super::registry::{Protocol, RegistryEntry, TypeView};
-use super::{end_with, record_ack, record_nack, shutting_down, Downstream, Outbound};
+use super::{record_ack, record_nack, ClientGone, Downstream, Outbound, StreamProtocol};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics as m;
 use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest};
@@ -44,8 +44,11 @@ pub(super) struct IncrementalStream {
 
 // === impl IncrementalStream ===
 
-impl IncrementalStream {
-    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
+impl StreamProtocol for IncrementalStream {
+    type Request = IncrementalRequest;
+    type Change = ();
+
+    fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
         let entry = shared.inner.registry.register(id, peer, Protocol::Incremental);
         Self {
             shared,
@@ -56,48 +59,30 @@ impl IncrementalStream {
         }
     }
 
-    pub(super) async fn run(mut self, mut inbound: Streaming<IncrementalRequest>, out: Outbound) {
-        let shutdown = self.shared.inner.shutdown.clone();
-        let end = loop {
-            let changed = async {
-                match self.subscribed.as_mut() {
-                    Some(s) => s.changes.next().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = shutdown.cancelled() => break Some(shutting_down()),
-                _ = out.closed() => break None,
-                request = inbound.message() => match request {
-                    Ok(Some(request)) => match self.on_request(request, &out).await {
-                        Ok(true) => {}
-                        Ok(false) => break None,
-                        Err(status) => break Some(status),
-                    },
-                    Ok(None) => break None,
-                    // A request that does not decode ends the stream with
-                    // its status; after a client's cancel nobody reads it.
-                    Err(status) => {
-                        tracing::debug!(stream = self.id, %status, "client stream ended");
-                        break Some(status);
-                    }
-                },
-                Some(_) = changed => {
-                    if !self.try_send(&out).await {
-                        break None;
-                    }
-                }
-            }
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    async fn next_change(&mut self) {
+        let changed = match self.subscribed.as_mut() {
+            Some(s) => s.changes.next().await.is_some(),
+            None => false,
         };
-        if let Some(status) = end {
-            tracing::debug!(stream = self.id, %status, "ending stream");
-            end_with(&out, status).await;
+        if !changed {
+            // Not subscribed yet (or the cache is gone): nothing will change.
+            std::future::pending::<()>().await;
         }
     }
 
-    /// Handles one request. `Ok(false)`: the client is gone; `Err` ends the
-    /// stream with that status.
-    async fn on_request(&mut self, request: IncrementalRequest, out: &Outbound) -> Result<bool, Status> {
+    async fn on_change(&mut self, _: (), out: &Outbound) -> Result<(), ClientGone> {
+        self.try_send(out).await
+    }
+
+    async fn on_request(
+        &mut self,
+        request: IncrementalRequest,
+        out: &Outbound,
+    ) -> Result<Result<(), ClientGone>, Status> {
         if let Some(node) = &request.node {
             self.entry.set_node_id(&node.id);
         }
@@ -133,7 +118,7 @@ impl IncrementalStream {
         if !matches {
             metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
             tracing::debug!(stream = self.id, nonce = %request.response_nonce, "stale request ignored");
-            return Ok(true);
+            return Ok(Ok(()));
         }
         subscribed.view.outstanding = false;
         let sent = subscribed.sent.clone().expect("a nonce was sent with a snapshot");
@@ -152,7 +137,9 @@ impl IncrementalStream {
         self.publish();
         Ok(self.try_send(out).await)
     }
+}
 
+impl IncrementalStream {
     fn publish(&self) {
         if let Some(s) = &self.subscribed {
             self.entry.publish(&s.type_url, s.view.clone());
@@ -160,26 +147,26 @@ impl IncrementalStream {
     }
 
     /// Sends the diff from what the client holds to the current version, when
-    /// one may be sent. Returns false when the client is gone.
-    async fn try_send(&mut self, out: &Outbound) -> bool {
+    /// one may be sent.
+    async fn try_send(&mut self, out: &Outbound) -> Result<(), ClientGone> {
         let Some(s) = self.subscribed.as_mut() else {
-            return true;
+            return Ok(());
         };
         if s.view.outstanding {
-            return true;
+            return Ok(());
         }
         let Some(snapshot) = self.shared.inner.cache.get(&s.view.collection) else {
-            return true;
+            return Ok(());
         };
         if s.view
             .last_nack
             .as_ref()
             .is_some_and(|nack| nack.version == snapshot.version)
         {
-            return true;
+            return Ok(());
         }
         let body = match &s.client {
-            ClientState::At(held) if held.version == snapshot.version => return true,
+            ClientState::At(held) if held.version == snapshot.version => return Ok(()),
             ClientState::At(held) => snapshot.incremental_body_from(held),
             // The first response is sent even when empty: it tells the client
             // it is in sync. From nothing, the diff is the whole collection:
@@ -203,8 +190,8 @@ impl IncrementalStream {
         self.publish();
         let shutdown = self.shared.inner.shutdown.clone();
         tokio::select! {
-            sent = out.send(Ok(response)) => sent.is_ok(),
-            _ = shutdown.cancelled() => true,
+            sent = out.send(Ok(response)) => sent.map_err(|_| ClientGone),
+            _ = shutdown.cancelled() => Ok(()),
         }
     }
 }

@@ -8,6 +8,10 @@ pub mod registry;
 pub mod service;
 mod sotw;
 
+use incremental::IncrementalStream;
+use sotw::SotwStream;
+
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +25,7 @@ use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
 use crate::metrics as m;
 use crate::upstream::Subscriptions;
-use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
+use crate::wire::EncodedResponse;
 use registry::NackRecord;
 pub use registry::Registry;
 pub use service::AggregatedService;
@@ -151,24 +155,92 @@ fn shutting_down() -> Status {
 
 type Responses = mpsc::Receiver<Result<EncodedResponse, Status>>;
 
-impl Downstream {
-    /// Starts a `StreamAggregatedResources` stream's task.
-    fn start_sotw(&self, inbound: Streaming<SotwRequest>, peer: Option<std::net::SocketAddr>) -> Responses {
-        let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let stream = sotw::SotwStream::new(self.clone(), self.next_id(), peer);
-        self.inner.tasks.spawn(stream.run(inbound, tx));
-        rx
-    }
+/// The client went away: its response stream is closed.
+struct ClientGone;
 
-    /// Starts an `IncrementalAggregatedResources` stream's task.
-    fn start_incremental(
+/// What differs between the two kinds of stream; [`drive`] runs the loop they
+/// share.
+trait StreamProtocol: Sized + Send + 'static {
+    type Request: prost::Message + Default + Send + 'static;
+    /// What a change notification names (a type, or nothing on a one-type stream).
+    type Change: Send;
+
+    fn new(shared: Downstream, id: u64, peer: Option<std::net::SocketAddr>) -> Self;
+
+    fn id(&self) -> u64;
+
+    // The futures are declared `Send` so a stream's task can be spawned.
+
+    /// Handles one request. `Err` ends the stream with that status.
+    fn on_request(
+        &mut self,
+        request: Self::Request,
+        out: &Outbound,
+    ) -> impl Future<Output = Result<Result<(), ClientGone>, Status>> + Send;
+
+    /// The next change to a followed collection; pending while there is none.
+    /// Must be cancel-safe.
+    fn next_change(&mut self) -> impl Future<Output = Self::Change> + Send;
+
+    /// Sends what a change makes due.
+    fn on_change(
+        &mut self,
+        change: Self::Change,
+        out: &Outbound,
+    ) -> impl Future<Output = Result<(), ClientGone>> + Send;
+}
+
+/// One stream's task: requests, cache changes and shutdown, until one of them
+/// ends the stream. Its state is removed when the stream value is dropped.
+async fn drive<P: StreamProtocol>(
+    mut stream: P,
+    mut inbound: Streaming<P::Request>,
+    out: Outbound,
+    shutdown: CancellationToken,
+) {
+    let end = loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break Some(shutting_down()),
+            _ = out.closed() => break None,
+            request = inbound.message() => match request {
+                Ok(Some(request)) => match stream.on_request(request, &out).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(ClientGone)) => break None,
+                    Err(status) => break Some(status),
+                },
+                Ok(None) => break None,
+                // A request that does not decode ends the stream with its
+                // status; after a client's cancel nobody reads it.
+                Err(status) => {
+                    tracing::debug!(stream = stream.id(), %status, "client stream ended");
+                    break Some(status);
+                }
+            },
+            change = stream.next_change() => {
+                if stream.on_change(change, &out).await.is_err() {
+                    break None;
+                }
+            }
+        }
+    };
+    if let Some(status) = end {
+        tracing::debug!(stream = stream.id(), %status, "ending stream");
+        end_with(&out, status).await;
+    }
+}
+
+impl Downstream {
+    /// Starts a stream's task and returns its responses.
+    fn start<P: StreamProtocol>(
         &self,
-        inbound: Streaming<IncrementalRequest>,
+        inbound: Streaming<P::Request>,
         peer: Option<std::net::SocketAddr>,
     ) -> Responses {
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let stream = incremental::IncrementalStream::new(self.clone(), self.next_id(), peer);
-        self.inner.tasks.spawn(stream.run(inbound, tx));
+        let stream = P::new(self.clone(), self.next_id(), peer);
+        self.inner
+            .tasks
+            .spawn(drive(stream, inbound, tx, self.inner.shutdown.clone()));
         rx
     }
 }

@@ -19,7 +19,7 @@ use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
-use super::Downstream;
+use super::{Downstream, IncrementalStream, SotwStream};
 use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
@@ -103,7 +103,7 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
                     None,
                     max,
                 );
-                self.downstream.start_sotw(inbound, peer)
+                self.downstream.start::<SotwStream>(inbound, peer)
             }
             INCREMENTAL_PATH => {
                 let inbound = Streaming::new_request(
@@ -112,7 +112,7 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
                     None,
                     max,
                 );
-                self.downstream.start_incremental(inbound, peer)
+                self.downstream.start::<IncrementalStream>(inbound, peer)
             }
             path => {
                 let status = Status::unimplemented(format!("{path} is not a method of {}", Self::NAME));

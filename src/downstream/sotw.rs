@@ -9,18 +9,15 @@ use std::sync::Arc;
 
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{StreamExt, StreamMap};
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 use super::registry::{Protocol, RegistryEntry, TypeView};
-use super::{end_with, record_ack, record_nack, shutting_down, Downstream, Outbound};
+use super::{record_ack, record_nack, ClientGone, Downstream, Outbound, StreamProtocol};
 use crate::cache::CollectionSnapshot;
 use crate::metrics as m;
 use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
 
 type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
-
-/// The client went away: its response stream is closed.
-struct ClientGone;
 
 struct SotwType {
     view: TypeView,
@@ -41,8 +38,11 @@ pub(super) struct SotwStream {
 
 // === impl SotwStream ===
 
-impl SotwStream {
-    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
+impl StreamProtocol for SotwStream {
+    type Request = SotwRequest;
+    type Change = String;
+
+    fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
         let entry = shared.inner.registry.register(id, peer, Protocol::Sotw);
         Self {
             shared,
@@ -54,40 +54,22 @@ impl SotwStream {
         }
     }
 
-    pub(super) async fn run(mut self, mut inbound: Streaming<SotwRequest>, out: Outbound) {
-        let shutdown = self.shared.inner.shutdown.clone();
-        let end = loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => break Some(shutting_down()),
-                _ = out.closed() => break None,
-                request = inbound.message() => match request {
-                    Ok(Some(request)) => match self.on_request(request, &out).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(ClientGone)) => break None,
-                        Err(status) => break Some(status),
-                    },
-                    Ok(None) => break None,
-                    // A request that does not decode ends the stream with
-                    // its status; after a client's cancel nobody reads it.
-                    Err(status) => {
-                        tracing::debug!(stream = self.id, %status, "client stream ended");
-                        break Some(status);
-                    }
-                },
-                Some((type_url, _)) = self.changes.next(), if !self.changes.is_empty() => {
-                    if self.try_send(&type_url, &out).await.is_err() {
-                        break None;
-                    }
-                }
-            }
-        };
-        if let Some(status) = end {
-            tracing::debug!(stream = self.id, %status, "ending stream");
-            end_with(&out, status).await;
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    async fn next_change(&mut self) -> String {
+        match self.changes.next().await {
+            Some((type_url, _)) => type_url,
+            // No type followed yet.
+            None => std::future::pending().await,
         }
     }
 
-    /// Handles one request. `Err` ends the stream with that status.
+    async fn on_change(&mut self, type_url: String, out: &Outbound) -> Result<(), ClientGone> {
+        self.try_send(&type_url, out).await
+    }
+
     async fn on_request(&mut self, request: SotwRequest, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
         let resolved = self.shared.resolve(&request.type_url)?;
         if let Some(node) = &request.node {
@@ -141,7 +123,9 @@ impl SotwStream {
         self.entry.publish(&type_url, state.view.clone());
         Ok(self.try_send(&type_url, out).await)
     }
+}
 
+impl SotwStream {
     /// Sends the type's current version if the client may take one and does
     /// not hold it yet.
     async fn try_send(&mut self, type_url: &str, out: &Outbound) -> Result<(), ClientGone> {
