@@ -91,16 +91,14 @@ impl UpstreamClient {
     /// that resets only after a stream delivered data.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(self.settings.backoff);
-        let mut first = true;
         loop {
-            if !first {
-                metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
-            }
-            first = false;
             self.status.send_modify(|s| {
                 s.attempts += 1;
                 s.next_retry_in = None;
             });
+            if self.status.borrow().attempts > 1 {
+                metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
+            }
             let mut delivered = false;
             let end = self.run_stream(&shutdown, &mut delivered).await;
             self.set_connected(false);

@@ -22,17 +22,16 @@ use crate::scenario::Shape;
 struct Content {
     name: String,
     /// name → resource version, in name order (as the gateway hashes them).
-    versions: BTreeMap<String, u64>,
+    versions: BTreeMap<String, String>,
     body: Vec<u8>,
 }
 
 impl Content {
     fn resource(&self, name: &str) -> Resource {
-        let version = self.versions[name];
         Resource {
             metadata: Some(Metadata {
                 name: name.to_owned(),
-                version: version.to_string(),
+                version: self.versions[name].clone(),
                 ..Default::default()
             }),
             body: Some(prost_types::Any {
@@ -48,8 +47,7 @@ impl Content {
 
     /// The version the gateway will report for this content.
     fn gateway_version(&self) -> String {
-        let versions: Vec<(String, String)> = self.versions.iter().map(|(n, v)| (n.clone(), v.to_string())).collect();
-        version_of_pairs(versions.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+        version_of_pairs(self.versions.iter().map(|(n, v)| (n.as_str(), v.as_str())))
     }
 }
 
@@ -147,7 +145,7 @@ impl Publisher {
             .map(|name| Content {
                 name: name.clone(),
                 versions: (0..shape.resources)
-                    .map(|i| (format!("ns-{}/r-{i:06}", i % 20), 1))
+                    .map(|i| (format!("ns-{}/r-{i:06}", i % 20), "1".to_owned()))
                     .collect(),
                 body: (0..shape.body_bytes).map(|i| (i * 31 % 251) as u8).collect(),
             })
@@ -230,7 +228,8 @@ impl Publisher {
                 .collect();
             cursor += self.shape.changes_per_update;
             for name in &names {
-                *content.versions.get_mut(name).expect("an existing name") += 1;
+                let version = content.versions.get_mut(name).expect("an existing name");
+                *version = (version.parse::<u64>().expect("versions are counters") + 1).to_string();
             }
             let message = Resources {
                 collection: content.name.clone(),
