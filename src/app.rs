@@ -3,6 +3,7 @@
 //! `main` only waits; tests start the same app in-process.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,9 +14,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin::{self, AdminState};
 use crate::cache::Cache;
-use crate::config::Settings;
+use crate::config::{Settings, Source};
+use crate::local::LocalSource;
+use crate::persist::{self, Persister};
+use crate::tls::{self, ServerTls, TlsError};
 use crate::downstream::{AggregatedService, Downstream, Registry};
 use crate::upstream::client::UpstreamClient;
+use crate::upstream::sink::SinkServer;
 use crate::upstream::{Subscriptions, UpstreamStatus};
 
 /// Requests from legacy clients are small; this only bounds a bad client.
@@ -29,6 +34,12 @@ pub enum AppError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Tls(#[from] TlsError),
+    #[error("--cache-dir {}: cannot use it: {source}", dir.display())]
+    CacheDir { dir: PathBuf, source: std::io::Error },
+    #[error("--source-dir {dir}: {message}")]
+    SourceDir { dir: String, message: String },
 }
 
 /// A running gateway.
@@ -37,6 +48,8 @@ pub struct Bound {
     pub listen: SocketAddr,
     /// Where the admin port listens.
     pub admin: SocketAddr,
+    /// Where `ResourceSink` listens for Galley's dial-out (`--sink-listen`).
+    pub sink: Option<SocketAddr>,
     pub cache: Arc<Cache>,
     pub subscriptions: Arc<Subscriptions>,
     pub registry: Arc<Registry>,
@@ -52,35 +65,30 @@ async fn bind(flag: &'static str, addr: SocketAddr) -> Result<TcpListener, AppEr
         .map_err(|source| AppError::Bind { flag, addr, source })
 }
 
-/// Binds the listeners and starts everything.
+fn local_addr(flag: &'static str, listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, AppError> {
+    listener
+        .local_addr()
+        .map_err(|source| AppError::Bind { flag, addr, source })
+}
+
+/// Binds the listeners and starts everything. The persisted cache is loaded
+/// and the local source read before anything listens, so the first client is
+/// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     crate::metrics::describe();
     let sotw_listener = bind("--listen", settings.listen).await?;
     let admin_listener = bind("--admin-listen", settings.admin_listen).await?;
-    let listen = sotw_listener.local_addr().map_err(|source| AppError::Bind {
-        flag: "--listen",
-        addr: settings.listen,
-        source,
-    })?;
-    let admin = admin_listener.local_addr().map_err(|source| AppError::Bind {
-        flag: "--admin-listen",
-        addr: settings.admin_listen,
-        source,
-    })?;
-
-    tracing::info!(
-        upstream = settings.upstream.as_ref().map_or("none", |u| u.address.as_str()),
-        node_id = settings.upstream.as_ref().map_or("", |u| u.node.id.as_str()),
-        incremental = settings.upstream.as_ref().is_some_and(|u| u.incremental),
-        collections = ?settings.collections,
-        type_map = ?settings.type_map,
-        table_rows = settings.table.len(),
-        max_message_bytes = settings.upstream.as_ref().map(|u| u.max_message_bytes),
-        keepalive = ?settings.upstream.as_ref().and_then(|u| u.keepalive),
-        backoff = ?settings.upstream.as_ref().map(|u| u.backoff),
-        shutdown_grace = ?settings.shutdown_grace,
-        "effective configuration"
-    );
+    let listen = local_addr("--listen", &sotw_listener, settings.listen)?;
+    let admin = local_addr("--admin-listen", &admin_listener, settings.admin_listen)?;
+    let sink_listener = match &settings.source {
+        Source::Sink(sink) => {
+            let listener = bind("--sink-listen", sink.listen).await?;
+            let addr = local_addr("--sink-listen", &listener, sink.listen)?;
+            Some((listener, addr))
+        }
+        _ => None,
+    };
+    log_effective(&settings);
 
     let shutdown = CancellationToken::new();
     let tasks = TaskTracker::new();
@@ -91,6 +99,34 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         mode: "none",
         ..Default::default()
     });
+    let server_tls = match &settings.server_tls {
+        Some(files) => {
+            let tls = ServerTls::new(files.clone())?;
+            tls.watch(shutdown.clone())?;
+            Some(tls)
+        }
+        None => None,
+    };
+
+    let persister = match &settings.cache_dir {
+        Some(dir) => {
+            let loaded = persist::load(dir, &cache).map_err(|source| AppError::CacheDir {
+                dir: dir.clone(),
+                source,
+            })?;
+            for (collection, version, resources) in &loaded.collections {
+                tracing::info!(%collection, %version, resources, "serving the persisted state until upstream delivers");
+            }
+            if !loaded.skipped.is_empty() {
+                tracing::warn!(
+                    skipped = loaded.skipped.len(),
+                    "some persisted collections were unusable; they wait for the upstream source"
+                );
+            }
+            Some(Persister::start(dir.clone(), cache.clone(), shutdown.clone(), &tasks))
+        }
+        None => None,
+    };
 
     let downstream = Downstream::new(
         cache.clone(),
@@ -102,9 +138,9 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     );
     let service = AggregatedService::new(downstream, MAX_CLIENT_REQUEST_BYTES);
     // Responses go out as a few chunks (frame header, shared body, nonce):
-    // without TCP_NODELAY the small last chunk waits for the client's delayed
-    // ACK (~40 ms). `Server::tcp_nodelay` does not apply to a given listener.
-    let incoming = tonic::transport::server::TcpIncoming::from(sotw_listener).with_nodelay(Some(true));
+    // `tls::incoming` sets TCP_NODELAY so the small last chunk does not wait
+    // for the client's delayed ACK (~40 ms).
+    let incoming = tls::incoming("--listen", sotw_listener, server_tls.clone(), shutdown.clone());
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -131,20 +167,57 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         }
     });
 
-    match settings.upstream {
-        Some(upstream) => {
-            let client = UpstreamClient::new(upstream, cache.clone(), subscriptions.clone(), status_tx);
+    let mut sink = None;
+    match settings.source {
+        Source::Client(upstream) => {
+            let client = UpstreamClient::new(upstream, cache.clone(), subscriptions.clone(), status_tx)
+                .persisting(persister);
             tasks.spawn(client.run(shutdown.clone()));
         }
-        None => {
-            tracing::warn!("no upstream configured (--upstream): clients get no config until the gateway has a source")
+        Source::Sink(settings) => {
+            let (listener, addr) = sink_listener.expect("bound above");
+            sink = Some(addr);
+            let service = SinkServer::new(
+                settings,
+                cache.clone(),
+                subscriptions.clone(),
+                status_tx,
+                persister,
+                shutdown.clone(),
+            )
+            .into_service();
+            let incoming = tls::incoming("--sink-listen", listener, server_tls, shutdown.clone());
+            let server = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+            tasks.spawn(async move {
+                if let Err(e) = server.await {
+                    tracing::error!(error = %e, "the ResourceSink server failed");
+                }
+            });
+            tracing::info!(%addr, "waiting for Galley's dial-out on ResourceSink");
+        }
+        Source::Files(dir) => {
+            let source = LocalSource::new(
+                dir.clone(),
+                settings.table.clone(),
+                cache.clone(),
+                subscriptions.clone(),
+                status_tx,
+            );
+            source.start(shutdown.clone()).map_err(|message| AppError::SourceDir {
+                dir: dir.to_string(),
+                message,
+            })?;
+            tracing::info!(source = %dir, "serving the local source");
         }
     }
 
-    tracing::info!(%listen, %admin, "gateway listening");
+    tracing::info!(%listen, %admin, sink = ?sink, tls = server_tls_on(&settings.server_tls), "gateway listening");
     Ok(Bound {
         listen,
         admin,
+        sink,
         cache,
         subscriptions,
         registry,
@@ -153,6 +226,56 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         tasks,
         grace: settings.shutdown_grace,
     })
+}
+
+fn server_tls_on(tls: &Option<crate::tls::ServerTlsFiles>) -> &'static str {
+    match tls {
+        None => "off",
+        Some(files) if files.client_ca.is_some() => "mtls",
+        Some(_) => "on",
+    }
+}
+
+/// One line with every setting that matters, once, before listening.
+fn log_effective(settings: &Settings) {
+    let (mode, address, node, incremental, max_message_bytes) = match &settings.source {
+        Source::Client(c) => (
+            "client",
+            c.address.clone(),
+            c.node.id.as_str(),
+            c.incremental,
+            Some(c.max_message_bytes),
+        ),
+        Source::Sink(s) => (
+            "sink",
+            s.listen.to_string(),
+            s.node.id.as_str(),
+            s.incremental,
+            Some(s.max_message_bytes),
+        ),
+        Source::Files(dir) => ("files", dir.to_string(), "", false, None),
+    };
+    let client = match &settings.source {
+        Source::Client(c) => Some(c),
+        _ => None,
+    };
+    tracing::info!(
+        source = mode,
+        upstream = %address,
+        node_id = node,
+        incremental,
+        collections = ?settings.collections,
+        type_map = ?settings.type_map,
+        table_rows = settings.table.len(),
+        max_message_bytes,
+        keepalive = ?client.and_then(|u| u.keepalive),
+        backoff = ?client.map(|u| u.backoff),
+        upstream_tls = client.is_some_and(|u| u.tls.is_some()),
+        tls = server_tls_on(&settings.server_tls),
+        cache_dir = ?settings.cache_dir,
+        shutdown_grace = ?settings.shutdown_grace,
+        "effective configuration"
+    );
 }
 
 // === impl Bound ===

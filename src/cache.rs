@@ -286,6 +286,14 @@ pub enum Applied {
     Unchanged { version: Arc<str> },
 }
 
+impl Applied {
+    pub fn version(&self) -> &Arc<str> {
+        match self {
+            Applied::Changed { version } | Applied::Unchanged { version } => version,
+        }
+    }
+}
+
 type Slot = watch::Sender<Option<Arc<CollectionSnapshot>>>;
 
 /// The collections, each behind its own change notification.
@@ -386,7 +394,15 @@ impl Cache {
         let snapshot = Arc::new(CollectionSnapshot::new(name, resources, chunks, bytes, origin));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {
-            Some(old) if old.version == snapshot.version => false,
+            Some(old) if old.version == snapshot.version => {
+                // Same content from another origin (upstream confirming what
+                // was loaded from disk): record where it now comes from
+                // without waking anyone.
+                if old.origin != snapshot.origin {
+                    *held = Some(snapshot);
+                }
+                false
+            }
             _ => {
                 *held = Some(snapshot);
                 true

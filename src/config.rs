@@ -3,7 +3,7 @@
 //! its flag; nothing here does I/O beyond reading the files the flags name.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +12,10 @@ use clap::Parser;
 use crate::collections::CollectionTable;
 use crate::proto::SinkNode;
 use crate::upstream::backoff::BackoffPolicy;
+use crate::local::SourceDir;
+use crate::tls::{ClientTlsFiles, ServerTlsFiles, TlsError};
 use crate::upstream::client::ClientSettings;
+use crate::upstream::sink::SinkSettings;
 
 /// The keepalive interval Galley enforces as a minimum (istio#13910).
 const GALLEY_MIN_KEEPALIVE: Duration = Duration::from_secs(30);
@@ -24,10 +27,59 @@ const GALLEY_MIN_KEEPALIVE: Duration = Duration::from_secs(30);
     about = "Serves Istio Galley's MCP config to legacy AggregatedMeshConfigService clients"
 )]
 pub struct Args {
-    /// Galley's ResourceSource address, e.g. http://galley:9901. Without it the
-    /// gateway serves no config until a source is configured.
+    /// Dial Galley's ResourceSource at this address, e.g. http://galley:9901
+    /// or https://galley:9901. One of --upstream, --sink-listen, --source-dir.
     #[arg(long, env = "MCP_GATEWAY_UPSTREAM", value_name = "URL")]
     pub upstream: Option<String>,
+
+    /// Serve ResourceSink on this address for Galley's dial-out (Galley's
+    /// --sinkAddress points here).
+    #[arg(long, env = "MCP_GATEWAY_SINK_LISTEN", value_name = "ADDR")]
+    pub sink_listen: Option<SocketAddr>,
+
+    /// Serve the YAML files in this directory, watched for changes. The
+    /// default when neither --upstream nor --sink-listen is given:
+    /// examples/config (or its compiled-in copy when that is missing).
+    #[arg(long, env = "MCP_GATEWAY_SOURCE_DIR", value_name = "DIR")]
+    pub source_dir: Option<PathBuf>,
+
+    /// Keep the upstream's last applied state of each collection here, and
+    /// serve it at start before the upstream connects.
+    #[arg(long, env = "MCP_GATEWAY_CACHE_DIR", value_name = "DIR")]
+    pub cache_dir: Option<PathBuf>,
+
+    /// CA certificate(s) (PEM) that sign the https --upstream's certificate
+    /// (default: the system's roots).
+    #[arg(long, env = "MCP_GATEWAY_UPSTREAM_CA", value_name = "FILE")]
+    pub upstream_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) presented to an https --upstream that
+    /// requires one; needs --upstream-key.
+    #[arg(long, env = "MCP_GATEWAY_UPSTREAM_CERT", value_name = "FILE")]
+    pub upstream_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --upstream-cert.
+    #[arg(long, env = "MCP_GATEWAY_UPSTREAM_KEY", value_name = "FILE")]
+    pub upstream_key: Option<PathBuf>,
+
+    /// The name the upstream's certificate must carry, when it differs from
+    /// the host in --upstream.
+    #[arg(long, env = "MCP_GATEWAY_UPSTREAM_SERVER_NAME", value_name = "NAME")]
+    pub upstream_server_name: Option<String>,
+
+    /// Certificate chain (PEM) for the downstream and sink listeners; turns
+    /// TLS on for both. Re-read when it changes on disk.
+    #[arg(long, env = "MCP_GATEWAY_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "MCP_GATEWAY_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+
+    /// CA certificate(s) (PEM): clients of the TLS listeners must present a
+    /// certificate signed by one of them (mTLS).
+    #[arg(long, env = "MCP_GATEWAY_CLIENT_CA", value_name = "FILE")]
+    pub client_ca: Option<PathBuf>,
 
     /// The sink node id sent upstream (default: this host's name).
     #[arg(long, env = "MCP_GATEWAY_NODE_ID", value_name = "ID")]
@@ -106,10 +158,27 @@ fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
     }
 }
 
+/// Where config comes from: exactly one.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// `--upstream`: the gateway dials Galley.
+    Client(ClientSettings),
+    /// `--sink-listen`: Galley dials the gateway.
+    Sink(SinkSettings),
+    /// `--source-dir`, the default: local YAML files.
+    Files(SourceDir),
+}
+
+/// The local source used when no source flag is given.
+pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
+
 /// The validated settings the gateway runs with.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    pub upstream: Option<ClientSettings>,
+    pub source: Source,
+    pub cache_dir: Option<PathBuf>,
+    /// TLS for the downstream and sink listeners.
+    pub server_tls: Option<ServerTlsFiles>,
     pub table: Arc<CollectionTable>,
     pub type_map: Option<PathBuf>,
     pub collections: Vec<Arc<str>>,
@@ -188,14 +257,48 @@ impl Args {
             Some(id) => id,
             None => gethostname::gethostname().to_string_lossy().into_owned(),
         };
-        let upstream = match self.upstream {
-            None => None,
-            Some(url) => Some(ClientSettings {
-                address: validate_upstream(&url)?,
-                node: SinkNode {
-                    id: node_id,
-                    annotations: self.node_annotations.into_iter().collect(),
-                },
+        let node = SinkNode {
+            id: node_id,
+            annotations: self.node_annotations.into_iter().collect(),
+        };
+        let server_tls = server_tls(self.tls_cert, self.tls_key, self.client_ca)?;
+        let upstream_tls = ClientTlsFiles {
+            ca: self.upstream_ca,
+            cert: self.upstream_cert,
+            key: self.upstream_key,
+            server_name: self.upstream_server_name,
+        };
+        let given: Vec<&str> = [
+            self.upstream.as_ref().map(|_| "--upstream"),
+            self.sink_listen.as_ref().map(|_| "--sink-listen"),
+            self.source_dir.as_ref().map(|_| "--source-dir"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if let [first, second, ..] = given[..] {
+            return Err(invalid(
+                if second == "--sink-listen" { "--sink-listen" } else { "--source-dir" },
+                format!(
+                    "cannot be combined with {first}: the gateway takes config from exactly one source \
+                     (--upstream to dial Galley, --sink-listen for Galley's dial-out, --source-dir for local files)"
+                ),
+            ));
+        }
+        let source = if let Some(url) = self.upstream {
+            let address = validate_upstream(&url)?;
+            let tls = if address.starts_with("https://") {
+                upstream_tls.load().map_err(tls_config_error)?;
+                Some(upstream_tls)
+            } else {
+                if let Some(flag) = upstream_tls.first_flag() {
+                    return Err(invalid(flag, "only applies to an https:// --upstream"));
+                }
+                None
+            };
+            Source::Client(ClientSettings {
+                address,
+                node,
                 incremental: !self.no_incremental,
                 max_message_bytes: self.max_message_bytes,
                 keepalive,
@@ -203,10 +306,34 @@ impl Args {
                     min: self.reconnect_min_delay,
                     max: self.reconnect_max_delay,
                 },
-            }),
+                tls,
+            })
+        } else {
+            if let Some(flag) = upstream_tls.first_flag() {
+                return Err(invalid(flag, "only applies to an https:// --upstream"));
+            }
+            if let Some(listen) = self.sink_listen {
+                Source::Sink(SinkSettings {
+                    listen,
+                    node,
+                    incremental: !self.no_incremental,
+                    max_message_bytes: self.max_message_bytes,
+                })
+            } else {
+                if self.cache_dir.is_some() {
+                    return Err(invalid(
+                        "--cache-dir",
+                        "keeps the last state of an upstream source; give --upstream or --sink-listen \
+                         (the local source's files are already on disk)",
+                    ));
+                }
+                Source::Files(source_dir(self.source_dir)?)
+            }
         };
         Ok(Settings {
-            upstream,
+            source,
+            cache_dir: self.cache_dir,
+            server_tls,
             table: Arc::new(table),
             type_map: self.type_map,
             collections,
@@ -214,6 +341,42 @@ impl Args {
             admin_listen: self.admin_listen,
             shutdown_grace: self.shutdown_grace,
         })
+    }
+}
+
+fn tls_config_error(e: TlsError) -> ConfigError {
+    invalid(e.flag, format!("{}: {}", e.path.display(), e.message))
+}
+
+fn server_tls(
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    client_ca: Option<PathBuf>,
+) -> Result<Option<ServerTlsFiles>, ConfigError> {
+    let files = match (cert, key) {
+        (None, None) => {
+            if client_ca.is_some() {
+                return Err(invalid("--client-ca", "requires --tls-cert and --tls-key (mTLS is TLS first)"));
+            }
+            return Ok(None);
+        }
+        (Some(_), None) => return Err(invalid("--tls-key", "is required with --tls-cert")),
+        (None, Some(_)) => return Err(invalid("--tls-cert", "is required with --tls-key")),
+        (Some(cert), Some(key)) => ServerTlsFiles { cert, key, client_ca },
+    };
+    files.load().map_err(tls_config_error)?;
+    Ok(Some(files))
+}
+
+fn source_dir(dir: Option<PathBuf>) -> Result<SourceDir, ConfigError> {
+    match dir {
+        Some(dir) if dir.is_dir() => Ok(SourceDir::Dir(dir)),
+        Some(dir) => Err(invalid(
+            "--source-dir",
+            format!("{} is not a readable directory", dir.display()),
+        )),
+        None if Path::new(DEFAULT_SOURCE_DIR).is_dir() => Ok(SourceDir::Dir(DEFAULT_SOURCE_DIR.into())),
+        None => Ok(SourceDir::Embedded),
     }
 }
 
@@ -226,16 +389,11 @@ fn validate_upstream(url: &str) -> Result<String, ConfigError> {
     })?;
     match uri.scheme_str() {
         Some("http") => {}
-        Some("https") => {
-            return Err(invalid(
-                "--upstream",
-                format!("{url:?}: TLS to the upstream is not supported by this build yet; use http://"),
-            ))
-        }
+        Some("https") => {}
         _ => {
             return Err(invalid(
                 "--upstream",
-                format!("{url:?} needs the scheme http://, as in http://galley:9901"),
+                format!("{url:?} needs the scheme http:// or https://, as in http://galley:9901"),
             ))
         }
     }
@@ -273,7 +431,7 @@ mod tests {
     fn defaults_are_istios_networking_collections() {
         let settings = parse(&[]).unwrap();
         assert_eq!(settings.collections.len(), 6);
-        assert!(settings.upstream.is_none());
+        assert!(matches!(settings.source, Source::Files(_)));
         assert_eq!(settings.listen.to_string(), "0.0.0.0:15010");
         assert_eq!(settings.admin_listen.to_string(), "0.0.0.0:15014");
     }
@@ -292,7 +450,9 @@ mod tests {
             "--no-incremental",
         ])
         .unwrap();
-        let upstream = settings.upstream.unwrap();
+        let Source::Client(upstream) = settings.source else {
+            panic!("client mode")
+        };
         assert_eq!(upstream.address, "http://galley:9901");
         assert_eq!(upstream.node.id, "gw-1");
         assert_eq!(upstream.node.annotations.get("team").map(String::as_str), Some("mesh"));
@@ -306,7 +466,17 @@ mod tests {
     fn bad_values_name_their_flag() {
         for (args, flag) in [
             (&["--upstream", "galley:9901"][..], "--upstream"),
-            (&["--upstream", "https://galley:9901"][..], "--upstream"),
+            (&["--upstream", "ftp://galley:9901"][..], "--upstream"),
+            (&["--upstream", "http://g:1", "--sink-listen", "127.0.0.1:0"][..], "--sink-listen"),
+            (&["--upstream", "http://g:1", "--source-dir", "."][..], "--source-dir"),
+            (&["--sink-listen", "127.0.0.1:0", "--source-dir", "."][..], "--source-dir"),
+            (&["--source-dir", "/nonexistent/dir"][..], "--source-dir"),
+            (&["--cache-dir", "/tmp"][..], "--cache-dir"),
+            (&["--upstream", "http://g:1", "--upstream-ca", "/x.pem"][..], "--upstream-ca"),
+            (&["--upstream", "https://g:1", "--upstream-ca", "/nonexistent.pem"][..], "--upstream-ca"),
+            (&["--tls-cert", "/nonexistent.pem"][..], "--tls-key"),
+            (&["--tls-cert", "/nonexistent.pem", "--tls-key", "/k.pem"][..], "--tls-cert"),
+            (&["--client-ca", "/ca.pem"][..], "--client-ca"),
             (&["--collections", "istio/nope"][..], "--collections"),
             (&["--collections", ","][..], "--collections"),
             (&["--max-message-bytes", "10"][..], "--max-message-bytes"),

@@ -9,14 +9,16 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Endpoint;
-use tonic::Code;
 
 use super::backoff::{Backoff, BackoffPolicy};
+use super::stream::{self, StreamEnd};
 use super::{SinkSession, Subscriptions, UpstreamStatus};
 use crate::cache::Cache;
 use crate::metrics as m;
 use crate::proto::gateway::resource_source_client::ResourceSourceClient;
+use crate::persist::Persister;
 use crate::proto::SinkNode;
+use crate::tls::ClientTlsFiles;
 
 /// Everything client mode needs, decided at start-up.
 #[derive(Clone, Debug)]
@@ -28,21 +30,8 @@ pub struct ClientSettings {
     /// HTTP/2 keepalive ping interval; `None` turns pings off.
     pub keepalive: Option<Duration>,
     pub backoff: BackoffPolicy,
-}
-
-/// How one upstream stream ended.
-#[derive(Debug)]
-enum StreamEnd {
-    Shutdown,
-    /// The source refused a collection (`unsupported collection "X"`).
-    Refused {
-        collection: String,
-        message: String,
-    },
-    Failed {
-        reason: &'static str,
-        message: String,
-    },
+    /// Set for an `https://` upstream.
+    pub tls: Option<ClientTlsFiles>,
 }
 
 pub struct UpstreamClient {
@@ -50,6 +39,7 @@ pub struct UpstreamClient {
     cache: Arc<Cache>,
     subscriptions: Arc<Subscriptions>,
     status: watch::Sender<UpstreamStatus>,
+    persister: Option<Persister>,
 }
 
 // === impl UpstreamClient ===
@@ -71,13 +61,30 @@ impl UpstreamClient {
             cache,
             subscriptions,
             status,
+            persister: None,
         }
     }
 
-    fn endpoint(&self) -> Result<Endpoint, tonic::transport::Error> {
-        let mut endpoint = Endpoint::from_shared(self.settings.address.clone())?
+    /// Persists every collection the upstream changes (`--cache-dir`).
+    pub fn persisting(mut self, persister: Option<Persister>) -> Self {
+        self.persister = persister;
+        self
+    }
+
+    /// A fresh endpoint per attempt: TLS files are re-read, so rotated
+    /// certificates are used from the next connection on.
+    fn endpoint(&self) -> Result<Endpoint, String> {
+        let address = &self.settings.address;
+        let mut endpoint = Endpoint::from_shared(address.clone())
+            .map_err(|e| format!("invalid upstream address {address}: {e}"))?
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true);
+        if let Some(tls) = &self.settings.tls {
+            let config = tls.load().map_err(|e| e.to_string())?;
+            endpoint = endpoint
+                .tls_config(config)
+                .map_err(|e| format!("TLS configuration for {address}: {}", error_chain(&e)))?;
+        }
         if let Some(interval) = self.settings.keepalive {
             endpoint = endpoint
                 .http2_keep_alive_interval(interval)
@@ -155,12 +162,7 @@ impl UpstreamClient {
     async fn run_stream(&self, shutdown: &CancellationToken, delivered: &mut bool) -> StreamEnd {
         let endpoint = match self.endpoint() {
             Ok(endpoint) => endpoint,
-            Err(e) => {
-                return StreamEnd::Failed {
-                    reason: "connect",
-                    message: format!("invalid upstream address {}: {e}", self.settings.address),
-                }
-            }
+            Err(message) => return StreamEnd::Failed { reason: "connect", message },
         };
         let channel = tokio::select! {
             connected = endpoint.connect() => match connected {
@@ -179,18 +181,16 @@ impl UpstreamClient {
             self.settings.node.clone(),
             self.settings.incremental,
             self.cache.clone(),
-        );
+        )
+        .persisting(self.persister.clone());
         let mut subscriptions = self.subscriptions.watch();
-        let active: Vec<_> = subscriptions.borrow_and_update().wanted.iter().cloned().collect();
-
+        let initial = stream::initial_requests(&mut session, &mut subscriptions);
         // Every initial request is queued before the stream opens, so the
         // channel must hold them all; afterwards it carries one reply per
         // message received.
-        let (tx, rx) = mpsc::channel(active.len() + 64);
-        for collection in active {
-            if let Some(request) = session.subscribe(collection) {
-                tx.try_send(request).expect("the channel holds every initial request");
-            }
+        let (tx, rx) = mpsc::channel(initial.len() + 64);
+        for request in initial {
+            tx.try_send(request).expect("the channel holds every initial request");
         }
         let response = tokio::select! {
             response = client.establish_resource_stream(ReceiverStream::new(rx)) => response,
@@ -198,86 +198,11 @@ impl UpstreamClient {
         };
         let mut inbound = match response {
             Ok(response) => response.into_inner(),
-            Err(status) => return classify(status),
+            Err(status) => return stream::classify(status),
         };
         self.set_connected(true);
         tracing::info!(address = %self.settings.address, "upstream stream established");
-
-        loop {
-            tokio::select! {
-                message = inbound.message() => match message {
-                    Ok(Some(message)) => {
-                        *delivered = true;
-                        let handled = session.handle(message);
-                        if tx.send(handled.reply).await.is_err() {
-                            return StreamEnd::Failed {
-                                reason: "send",
-                                message: "the stream to the source closed while sending an ACK".into(),
-                            };
-                        }
-                    }
-                    Ok(None) => return StreamEnd::Failed {
-                        reason: "closed",
-                        message: "the source closed the stream".into(),
-                    },
-                    Err(status) => return classify(status),
-                },
-                changed = subscriptions.changed() => {
-                    if changed.is_err() {
-                        return StreamEnd::Shutdown;
-                    }
-                    // Collections first asked for by downstream clients are
-                    // subscribed on the live stream.
-                    let wanted: Vec<_> = subscriptions.borrow_and_update().wanted.iter().cloned().collect();
-                    for collection in wanted {
-                        if let Some(request) = session.subscribe(collection) {
-                            tracing::info!(collection = %request.collection, "subscribing on the live stream");
-                            if tx.send(request).await.is_err() {
-                                return StreamEnd::Failed {
-                                    reason: "send",
-                                    message: "the stream to the source closed while subscribing".into(),
-                                };
-                            }
-                        }
-                    }
-                }
-                _ = shutdown.cancelled() => return StreamEnd::Shutdown,
-            }
-        }
-    }
-}
-
-/// Galley ends the whole stream with `InvalidArgument "unsupported collection
-/// \"X\""` for a collection it does not serve (istio#13559).
-fn refused_collection(status: &tonic::Status) -> Option<String> {
-    if status.code() != Code::InvalidArgument {
-        return None;
-    }
-    let rest = status.message().split_once("unsupported collection \"")?.1;
-    let (collection, _) = rest.split_once('"')?;
-    Some(collection.to_owned())
-}
-
-fn classify(status: tonic::Status) -> StreamEnd {
-    if let Some(collection) = refused_collection(&status) {
-        return StreamEnd::Refused {
-            collection,
-            message: status.message().to_owned(),
-        };
-    }
-    // tonic's own receive limit: say which flag raises it.
-    if status.code() == Code::OutOfRange && status.message().contains("message length too large") {
-        return StreamEnd::Failed {
-            reason: "message_too_large",
-            message: format!(
-                "a message from the source is larger than --max-message-bytes allows ({}); raise the flag",
-                status.message()
-            ),
-        };
-    }
-    StreamEnd::Failed {
-        reason: "status",
-        message: format!("the stream ended: {:?}: {}", status.code(), status.message()),
+        stream::run(&mut session, &mut inbound, &tx, &mut subscriptions, shutdown, delivered).await
     }
 }
 
@@ -290,19 +215,4 @@ fn error_chain(error: &dyn std::error::Error) -> String {
         source = e.source();
     }
     text
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn recognises_galleys_unsupported_collection() {
-        let status = tonic::Status::invalid_argument("unsupported collection \"istio/x/y\"");
-        assert_eq!(refused_collection(&status).as_deref(), Some("istio/x/y"));
-        let other = tonic::Status::invalid_argument("something else");
-        assert_eq!(refused_collection(&other), None);
-        let wrong_code = tonic::Status::unavailable("unsupported collection \"istio/x/y\"");
-        assert_eq!(refused_collection(&wrong_code), None);
-    }
 }

@@ -6,6 +6,8 @@
 pub mod backoff;
 pub mod client;
 pub mod session;
+pub mod sink;
+pub mod stream;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -95,4 +97,9 @@ pub struct UpstreamStatus {
     pub consecutive_failures: u32,
     /// The wait before the next attempt, while disconnected.
     pub next_retry_in: Option<Duration>,
+    /// Dial-out mode: the connected source's address.
+    pub peer: Option<String>,
+    /// Dial-out mode: the source's gRPC metadata (Galley's `--sinkMeta`
+    /// pairs, `config.source.version`).
+    pub source_metadata: BTreeMap<String, String>,
 }

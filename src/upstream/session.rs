@@ -12,6 +12,7 @@ use tonic::Code;
 
 use crate::cache::{body_version, Applied, Cache, CachedResource, Origin, Update};
 use crate::metrics as m;
+use crate::persist::Persister;
 use crate::proto::{RequestResources, SinkNode};
 use crate::wire::{AnyTypeUrl, RawResource, RawResources};
 
@@ -49,6 +50,8 @@ pub struct SinkSession {
     origin: Origin,
     /// Subscribed collections on this stream → whether incremental was asked.
     collections: HashMap<Arc<str>, bool>,
+    /// Writes each changed collection to `--cache-dir`.
+    persister: Option<Persister>,
 }
 
 // === impl SinkSession ===
@@ -61,7 +64,14 @@ impl SinkSession {
             cache,
             origin: Origin::Upstream,
             collections: HashMap::new(),
+            persister: None,
         }
+    }
+
+    /// Persists every collection this session changes.
+    pub fn persisting(mut self, persister: Option<Persister>) -> Self {
+        self.persister = persister;
+        self
     }
 
     pub fn is_subscribed(&self, collection: &str) -> bool {
@@ -101,6 +111,9 @@ impl SinkSession {
         };
         let reply = match &outcome {
             Ok(applied) => {
+                if let (Some(persister), Applied::Changed { .. }) = (&self.persister, applied) {
+                    persister.changed(&message.collection);
+                }
                 metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_UPSTREAM, "collection" => collection_label)
                     .increment(1);
                 tracing::debug!(
@@ -194,7 +207,7 @@ impl SinkSession {
 
 /// Validates every resource of a message and turns it into cache entries.
 /// Nothing is applied unless every resource is valid.
-fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
+pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
     let mut seen = HashSet::with_capacity(raw.len());
     let mut resources = Vec::with_capacity(raw.len());
     for (index, bytes) in raw.iter().enumerate() {

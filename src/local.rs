@@ -1,0 +1,626 @@
+//! The local source (`--source-dir`): YAML files in a directory, watched, fed
+//! into the cache through the same path as upstream updates (origin `files`).
+//! It is the default when no upstream is configured, so `cargo run --release`
+//! serves the repository's `examples/config`.
+//!
+//! Each file holds one or more YAML documents:
+//!
+//! ```yaml
+//! collection: istio/networking/v1alpha3/gateways
+//! name: istio-system/ingress
+//! version: "1"            # optional: a hash of the body when absent
+//! labels: {app: ingress}  # optional
+//! annotations: {}         # optional
+//! body:
+//!   struct: {selector: {istio: ingressgateway}}   # google.protobuf.Struct
+//! # or
+//! #  type_url: type.googleapis.com/istio.networking.v1alpha3.Gateway
+//! #  value_base64: EhcKBWlzdGlvEg5pbmdyZXNzZ2F0ZXdheQ==   # exact bytes
+//! ```
+//!
+//! The directory is the whole truth: a collection no file mentions is served
+//! empty. A file that fails to parse is reported with its path, line and
+//! reason, and keeps contributing what it held when it last parsed, so a typo
+//! never empties a collection.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use base64::Engine;
+use bytes::Bytes;
+use prost::Message;
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::{Cache, CachedResource, Origin, Update};
+use crate::collections::CollectionTable;
+use crate::fswatch::DirWatch;
+use crate::proto::{Metadata, Resource};
+use crate::upstream::{Subscriptions, UpstreamStatus};
+
+pub const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
+
+/// The repository's examples, compiled in: served when `--source-dir` was not
+/// given and `examples/config` is not there (an installed binary, an image).
+pub const EMBEDDED_EXAMPLES: &[(&str, &str)] = &[
+    (
+        "networking.yaml",
+        include_str!("../examples/config/networking.yaml"),
+    ),
+    ("mesh-services.yaml", include_str!("../examples/config/mesh-services.yaml")),
+    ("security.yaml", include_str!("../examples/config/security.yaml")),
+];
+
+/// Where the local source reads from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceDir {
+    /// A directory, watched for changes.
+    Dir(PathBuf),
+    /// The compiled-in copy of `examples/config`.
+    Embedded,
+}
+
+impl std::fmt::Display for SourceDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SourceDir::Dir(dir) => write!(f, "{}", dir.display()),
+            SourceDir::Embedded => f.write_str("embedded examples/config"),
+        }
+    }
+}
+
+/// A file that did not parse: where, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{path}:{line}: {reason}")]
+pub struct ParseError {
+    pub path: String,
+    pub line: usize,
+    pub reason: String,
+}
+
+/// One resource as parsed from a file.
+#[derive(Clone, Debug)]
+pub struct Parsed {
+    pub collection: Arc<str>,
+    pub name: Arc<str>,
+    pub version: Arc<str>,
+    pub body_type_url: String,
+    pub encoded: Bytes,
+    pub line: usize,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Document {
+    collection: String,
+    name: String,
+    #[serde(default)]
+    version: Option<String>,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
+    body: Body,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Body {
+    #[serde(default)]
+    type_url: Option<String>,
+    #[serde(default)]
+    value_base64: Option<String>,
+    #[serde(default, rename = "struct")]
+    structure: Option<serde_norway::Value>,
+}
+
+/// Splits YAML text into documents at `---` lines: (first line, text).
+fn documents(text: &str) -> Vec<(usize, String)> {
+    let mut documents = vec![(1, String::new())];
+    for (index, line) in text.lines().enumerate() {
+        if line == "---" || line.starts_with("--- ") || line == "..." {
+            documents.push((index + 2, String::new()));
+            continue;
+        }
+        let current = &mut documents.last_mut().expect("never empty").1;
+        current.push_str(line);
+        current.push('\n');
+    }
+    // A document starts at its first line with content; comment-only
+    // documents are dropped.
+    documents
+        .into_iter()
+        .filter_map(|(start, text)| {
+            let first = text
+                .lines()
+                .position(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))?;
+            let text = text.lines().skip(first).fold(String::new(), |mut t, l| {
+                t.push_str(l);
+                t.push('\n');
+                t
+            });
+            Some((start + first, text))
+        })
+        .collect()
+}
+
+/// The line of a top-level `key:` in a document starting at `start`.
+fn key_line(document: &str, start: usize, key: &str) -> usize {
+    document
+        .lines()
+        .position(|l| l.strip_prefix(key).is_some_and(|rest| rest.starts_with(':')))
+        .map_or(start, |i| start + i)
+}
+
+/// Parses one file's text. Every document must be valid for any to count.
+pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Parsed>, ParseError> {
+    let mut parsed = Vec::new();
+    let mut seen: HashMap<(Arc<str>, String), usize> = HashMap::new();
+    for (start, document) in documents(text) {
+        let fail = |line: usize, reason: String| ParseError {
+            path: path.to_owned(),
+            line,
+            reason,
+        };
+        let doc: Document = serde_norway::from_str(&document).map_err(|e| {
+            let line = e.location().map_or(start, |l| start + l.line().saturating_sub(1));
+            fail(line, e.to_string())
+        })?;
+        let collection = table.name(doc.collection.trim()).ok_or_else(|| {
+            fail(
+                key_line(&document, start, "collection"),
+                format!(
+                    "collection {:?} is not a known collection; add it with --type-map (collection: type_url)",
+                    doc.collection
+                ),
+            )
+        })?;
+        if doc.name.trim().is_empty() {
+            return Err(fail(
+                key_line(&document, start, "name"),
+                "name is empty; every resource needs a name".into(),
+            ));
+        }
+        let name_line = key_line(&document, start, "name");
+        if let Some(first) = seen.insert((collection.clone(), doc.name.clone()), name_line) {
+            return Err(fail(
+                name_line,
+                format!(
+                    "{:?} in {collection} is defined twice (first at line {first}); names must be unique",
+                    doc.name
+                ),
+            ));
+        }
+        let body = body(&doc.body).map_err(|reason| {
+            fail(
+                key_line(&document, start, "body"),
+                format!("body of {:?}: {reason}", doc.name),
+            )
+        })?;
+        let metadata = Metadata {
+            name: doc.name.clone(),
+            version: doc.version.unwrap_or_default(),
+            labels: doc.labels.into_iter().collect(),
+            annotations: doc.annotations.into_iter().collect(),
+            ..Default::default()
+        };
+        let encoded: Bytes = Resource {
+            metadata: Some(metadata),
+            body: Some(body),
+        }
+        .encode_to_vec()
+        .into();
+        // The same validation, and the same version rule, as upstream data.
+        let resource = crate::upstream::session::decode_resources(&collection, &[encoded])
+            .map_err(|nack| fail(start, nack.message))?
+            .pop()
+            .expect("one resource in, one out");
+        parsed.push(Parsed {
+            collection,
+            name: resource.name.clone(),
+            version: resource.version.clone(),
+            body_type_url: resource.body_type_url.clone(),
+            encoded: resource.encoded.clone(),
+            line: start,
+        });
+    }
+    Ok(parsed)
+}
+
+fn body(body: &Body) -> Result<prost_types::Any, String> {
+    match (&body.type_url, &body.value_base64, &body.structure) {
+        (Some(type_url), Some(value), None) => {
+            if type_url.trim().is_empty() {
+                return Err("type_url is empty".into());
+            }
+            let value = base64::engine::general_purpose::STANDARD
+                .decode(value.trim())
+                .map_err(|e| format!("value_base64 is not base64: {e}"))?;
+            Ok(prost_types::Any {
+                type_url: type_url.clone(),
+                value,
+            })
+        }
+        (None, None, Some(structure)) => {
+            let serde_norway::Value::Mapping(_) = structure else {
+                return Err("struct must be a mapping".into());
+            };
+            let prost_types::value::Kind::StructValue(structure) = to_value(structure)? else {
+                unreachable!("a mapping converts to a struct")
+            };
+            Ok(prost_types::Any {
+                type_url: STRUCT_TYPE_URL.into(),
+                value: structure.encode_to_vec(),
+            })
+        }
+        _ => Err("give either {type_url, value_base64} or {struct: <mapping>}".into()),
+    }
+}
+
+/// YAML to `google.protobuf.Value`, as `protojson` would read the same JSON.
+fn to_value(value: &serde_norway::Value) -> Result<prost_types::value::Kind, String> {
+    use prost_types::value::Kind;
+    use serde_norway::Value as Y;
+    Ok(match value {
+        Y::Null => Kind::NullValue(0),
+        Y::Bool(b) => Kind::BoolValue(*b),
+        Y::Number(n) => Kind::NumberValue(n.as_f64().ok_or_else(|| format!("number {n} is out of range"))?),
+        Y::String(s) => Kind::StringValue(s.clone()),
+        Y::Sequence(items) => Kind::ListValue(prost_types::ListValue {
+            values: items
+                .iter()
+                .map(|v| Ok(prost_types::Value { kind: Some(to_value(v)?) }))
+                .collect::<Result<_, String>>()?,
+        }),
+        Y::Mapping(map) => {
+            let mut fields = BTreeMap::new();
+            for (key, value) in map {
+                let key = match key {
+                    Y::String(s) => s.clone(),
+                    Y::Number(n) => n.to_string(),
+                    Y::Bool(b) => b.to_string(),
+                    other => return Err(format!("mapping key {other:?} is not a string")),
+                };
+                fields.insert(key, prost_types::Value { kind: Some(to_value(value)?) });
+            }
+            Kind::StructValue(prost_types::Struct { fields })
+        }
+        Y::Tagged(tagged) => return Err(format!("YAML tag {} is not supported", tagged.tag)),
+    })
+}
+
+#[derive(Debug, Default)]
+struct FileState {
+    /// What the file held when it last parsed.
+    good: Vec<Parsed>,
+    /// Why its current content does not parse.
+    error: Option<ParseError>,
+}
+
+/// The local source: parsed files, published as collections.
+pub struct LocalSource {
+    dir: SourceDir,
+    table: Arc<CollectionTable>,
+    cache: Arc<Cache>,
+    subscriptions: Arc<Subscriptions>,
+    status: watch::Sender<UpstreamStatus>,
+    files: BTreeMap<String, FileState>,
+    /// Every collection published so far (a collection whose last file went
+    /// away is published empty, not left behind).
+    published: BTreeSet<Arc<str>>,
+}
+
+impl LocalSource {
+    pub fn new(
+        dir: SourceDir,
+        table: Arc<CollectionTable>,
+        cache: Arc<Cache>,
+        subscriptions: Arc<Subscriptions>,
+        status: watch::Sender<UpstreamStatus>,
+    ) -> Self {
+        status.send_modify(|s| {
+            s.mode = "files";
+            s.address = dir.to_string();
+            s.connected = true;
+            s.since = Some(SystemTime::now());
+        });
+        Self {
+            dir,
+            table,
+            cache,
+            subscriptions,
+            status,
+            files: BTreeMap::new(),
+            published: BTreeSet::new(),
+        }
+    }
+
+    /// Reads everything once and publishes it; then, for a directory,
+    /// watches it until `shutdown`. Clients are served from the first read.
+    pub fn start(mut self, shutdown: CancellationToken) -> Result<(), String> {
+        let watch = match &self.dir {
+            SourceDir::Dir(dir) => Some(
+                DirWatch::new(std::slice::from_ref(dir))
+                    .map_err(|e| format!("cannot watch {}: {e}", dir.display()))?,
+            ),
+            SourceDir::Embedded => None,
+        };
+        self.rescan();
+        let mut subscriptions = self.subscriptions.watch();
+        subscriptions.mark_unchanged();
+        tokio::spawn(async move {
+            let mut watch = watch;
+            loop {
+                tokio::select! {
+                    changed = async { watch.as_mut().expect("guarded").changed().await }, if watch.is_some() => {
+                        if !changed {
+                            return;
+                        }
+                        self.rescan();
+                    }
+                    changed = subscriptions.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        // A collection a client asked for: served empty if no
+                        // file has it.
+                        self.publish();
+                    }
+                    _ = shutdown.cancelled() => return,
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Re-reads every file and publishes the result.
+    pub fn rescan(&mut self) {
+        match self.read_all() {
+            Ok(contents) => {
+                self.files.retain(|path, _| contents.iter().any(|(p, _)| p == path));
+                for (path, text) in contents {
+                    self.update_file(path, text);
+                }
+            }
+            Err(e) => tracing::warn!(
+                dir = %self.dir,
+                error = %e,
+                "cannot read the source directory; serving what it held before"
+            ),
+        }
+        self.publish();
+    }
+
+    /// (path, text) of every YAML file; unreadable files are kept as errors.
+    fn read_all(&self) -> std::io::Result<Vec<(String, Result<String, String>)>> {
+        let dir = match &self.dir {
+            SourceDir::Embedded => {
+                return Ok(EMBEDDED_EXAMPLES
+                    .iter()
+                    .map(|(name, text)| (format!("<embedded>/{name}"), Ok(text.to_string())))
+                    .collect())
+            }
+            SourceDir::Dir(dir) => dir,
+        };
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| is_yaml(p))
+            .collect();
+        paths.sort();
+        Ok(paths
+            .into_iter()
+            .map(|path| {
+                let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read: {e}"));
+                (path.display().to_string(), text)
+            })
+            .collect())
+    }
+
+    fn update_file(&mut self, path: String, text: Result<String, String>) {
+        let result = text
+            .map_err(|reason| ParseError {
+                path: path.clone(),
+                line: 0,
+                reason,
+            })
+            .and_then(|text| parse(&path, &text, &self.table));
+        let state = self.files.entry(path).or_default();
+        match result {
+            Ok(parsed) => {
+                if state.error.take().is_some() {
+                    tracing::info!(count = parsed.len(), "a source file parses again");
+                }
+                state.good = parsed;
+            }
+            Err(error) => {
+                if state.error.as_ref() != Some(&error) {
+                    tracing::warn!(
+                        %error,
+                        kept = state.good.len(),
+                        "a source file does not parse; its collections keep their last good state"
+                    );
+                }
+                state.error = Some(error);
+            }
+        }
+    }
+
+    /// Applies the state of every collection the files, the subscriptions or
+    /// an earlier publish name.
+    fn publish(&mut self) {
+        let mut collections: BTreeMap<Arc<str>, Vec<CachedResource>> = BTreeMap::new();
+        let mut owner: HashMap<(Arc<str>, Arc<str>), &str> = HashMap::new();
+        for (path, state) in &self.files {
+            for parsed in &state.good {
+                let key = (parsed.collection.clone(), parsed.name.clone());
+                if let Some(first) = owner.get(&key) {
+                    tracing::warn!(
+                        collection = %parsed.collection,
+                        name = %parsed.name,
+                        kept = %first,
+                        ignored = %format!("{path}:{}", parsed.line),
+                        "a resource is defined in two files; the first file (by name) wins"
+                    );
+                    continue;
+                }
+                owner.insert(key, path);
+                collections
+                    .entry(parsed.collection.clone())
+                    .or_default()
+                    .push(CachedResource::new(
+                        parsed.name.clone(),
+                        parsed.version.clone(),
+                        parsed.body_type_url.clone(),
+                        parsed.encoded.clone(),
+                    ));
+            }
+        }
+        let wanted = self.subscriptions.current().wanted;
+        for collection in wanted.into_iter().chain(self.published.iter().cloned()) {
+            collections.entry(collection).or_default();
+        }
+        for (collection, resources) in collections {
+            self.cache.apply(&collection, Update::Full(resources), Origin::Files);
+            self.published.insert(collection);
+        }
+        let errors: Vec<String> = self
+            .files
+            .values()
+            .filter_map(|s| s.error.as_ref().map(ToString::to_string))
+            .collect();
+        self.status.send_modify(|s| {
+            s.last_error = (!errors.is_empty()).then(|| errors.join("; "));
+        });
+    }
+}
+
+fn is_yaml(path: &Path) -> bool {
+    let hidden = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_none_or(|n| n.starts_with('.'));
+    let yaml = matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"));
+    !hidden && yaml && path.is_file()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GW: &str = "istio/networking/v1alpha3/gateways";
+
+    fn table() -> CollectionTable {
+        CollectionTable::builtin()
+    }
+
+    #[test]
+    fn documents_become_resources_with_struct_and_raw_bodies() {
+        let text = "\
+collection: istio/networking/v1alpha3/gateways
+name: ns/a
+version: \"7\"
+labels: {app: x}
+body:
+  struct: {selector: {istio: ingressgateway}, ports: [80, 443], tls: null, on: true}
+---
+# a comment
+collection: istio/networking/v1alpha3/gateways
+name: ns/b
+body:
+  type_url: type.googleapis.com/istio.networking.v1alpha3.Gateway
+  value_base64: EhcKBWlzdGlvEg5pbmdyZXNzZ2F0ZXdheQ==
+";
+        let parsed = parse("f.yaml", text, &table()).unwrap();
+        assert_eq!(parsed.len(), 2);
+        assert_eq!(&*parsed[0].version, "7");
+        assert_eq!(parsed[0].body_type_url, STRUCT_TYPE_URL);
+        let resource = Resource::decode(parsed[0].encoded.clone()).unwrap();
+        assert_eq!(resource.metadata.as_ref().unwrap().labels["app"], "x");
+        let structure = prost_types::Struct::decode(&*resource.body.unwrap().value).unwrap();
+        assert_eq!(structure.fields.len(), 4);
+        assert_eq!(
+            structure.fields["ports"].kind,
+            Some(prost_types::value::Kind::ListValue(prost_types::ListValue {
+                values: vec![
+                    prost_types::Value {
+                        kind: Some(prost_types::value::Kind::NumberValue(80.0))
+                    },
+                    prost_types::Value {
+                        kind: Some(prost_types::value::Kind::NumberValue(443.0))
+                    },
+                ]
+            }))
+        );
+        // No version given: a hash of the body.
+        assert_eq!(parsed[1].version.len(), 32);
+        assert_eq!(parsed[1].line, 9);
+        let raw = Resource::decode(parsed[1].encoded.clone()).unwrap().body.unwrap();
+        assert_eq!(raw.value, b"\x12\x17\x0a\x05istio\x12\x0eingressgateway");
+    }
+
+    #[test]
+    fn errors_name_the_path_the_line_and_the_reason() {
+        let cases = [
+            ("collection: istio/nope\nname: a\nbody: {struct: {}}\n", 1, "not a known collection"),
+            (
+                "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {struct: {}}\n---\n\
+                 collection: istio/networking/v1alpha3/gateways\nname: b\nbody:\n  struct: [1]\n",
+                7,
+                "struct must be a mapping",
+            ),
+            (
+                "collection: istio/networking/v1alpha3/gateways\nname: a\nbodee: {}\n",
+                3,
+                "unknown field",
+            ),
+            (
+                "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {type_url: x, value_base64: '%%'}\n",
+                3,
+                "not base64",
+            ),
+            (
+                "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {struct: {}}\n---\n\
+                 collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {struct: {}}\n",
+                6,
+                "defined twice",
+            ),
+            ("collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {}\n", 3, "give either"),
+            ("collection: [\n", 1, "invalid type"),
+        ];
+        for (text, line, reason) in cases {
+            let error = parse("dir/f.yaml", text, &table()).unwrap_err();
+            assert_eq!(error.path, "dir/f.yaml");
+            assert_eq!(error.line, line, "{text}: {error}");
+            assert!(error.reason.contains(reason), "{text}: {error}");
+        }
+    }
+
+    #[test]
+    fn the_embedded_examples_parse_into_several_collections() {
+        let mut collections = BTreeSet::new();
+        for (name, text) in EMBEDDED_EXAMPLES {
+            for parsed in parse(name, text, &table()).unwrap() {
+                collections.insert(parsed.collection);
+            }
+        }
+        assert!(collections.len() >= 3, "{collections:?}");
+        assert!(collections.contains(GW));
+    }
+
+    #[test]
+    fn the_embedded_examples_are_the_repository_examples() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml"))
+            .collect();
+        on_disk.sort();
+        let mut embedded: Vec<String> = EMBEDDED_EXAMPLES.iter().map(|(n, _)| n.to_string()).collect();
+        embedded.sort();
+        assert_eq!(on_disk, embedded, "add new example files to EMBEDDED_EXAMPLES");
+    }
+}

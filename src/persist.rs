@@ -1,0 +1,308 @@
+//! The last-known-good cache on disk (`--cache-dir`): after each applied
+//! upstream update, the collection's state is written atomically (temporary
+//! file, fsync, rename, fsync of the directory), so a crash at any moment
+//! leaves the old state or the new one. At start the files are loaded before
+//! upstream connects; a file that is corrupt or unreadable is reported and
+//! skipped, never fatal.
+//!
+//! One file per collection: a magic line, the xxh3-64 of the payload, and the
+//! payload, an `istio.mcp.v1alpha1.Resources` message with the resources as
+//! the source sent them. Loading runs them through the same validation as an
+//! upstream message.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::cache::{Cache, CollectionSnapshot, Origin, Update};
+use crate::wire::RawResources;
+
+const MAGIC: &[u8; 16] = b"mcp-xds-gateway\n";
+const HEADER: usize = MAGIC.len() + 8;
+pub const EXTENSION: &str = "mcpcache";
+
+/// The file a collection is kept in. Anything but `[A-Za-z0-9._-]` is
+/// escaped as `~XX`, so every collection name maps to one distinct file.
+pub fn file_name(collection: &str) -> String {
+    let mut name = String::with_capacity(collection.len() + 16);
+    for byte in collection.bytes() {
+        match byte {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'.' | b'_' | b'-' => name.push(byte as char),
+            _ => name.push_str(&format!("~{byte:02X}")),
+        }
+    }
+    name.push('.');
+    name.push_str(EXTENSION);
+    name
+}
+
+/// A snapshot as the bytes of its file.
+pub fn encode(snapshot: &CollectionSnapshot) -> Vec<u8> {
+    let payload = RawResources {
+        system_version_info: snapshot.version.to_string(),
+        collection: snapshot.collection.to_string(),
+        resources: snapshot.resources.values().map(|r| r.encoded.clone()).collect(),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let mut file = Vec::with_capacity(HEADER + payload.len());
+    file.extend_from_slice(MAGIC);
+    file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
+    file.extend_from_slice(&payload);
+    file
+}
+
+/// The message in a file's bytes, or why it is not usable.
+pub fn decode(file: &[u8]) -> Result<RawResources, String> {
+    if file.len() < HEADER || &file[..MAGIC.len()] != MAGIC {
+        return Err("not a gateway cache file (bad header)".into());
+    }
+    let checksum = u64::from_le_bytes(file[MAGIC.len()..HEADER].try_into().expect("8 bytes"));
+    let payload = &file[HEADER..];
+    if xxhash_rust::xxh3::xxh3_64(payload) != checksum {
+        return Err("checksum mismatch: the file is truncated or damaged".into());
+    }
+    RawResources::decode(Bytes::copy_from_slice(payload)).map_err(|e| format!("does not decode: {e}"))
+}
+
+/// Writes `bytes` to `dir/name` so that a reader (or a restart after a crash)
+/// sees the old file or the new one, never a mix.
+pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let target = dir.join(name);
+    let temporary = dir.join(format!(".{name}.tmp"));
+    let mut file = std::fs::File::create(&temporary)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(&temporary, &target)?;
+    // The rename itself is durable once the directory is synced.
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// What loading the directory found.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Collection, version and resource count of each file applied.
+    pub collections: Vec<(String, String, usize)>,
+    /// Each file skipped, with the reason.
+    pub skipped: Vec<(PathBuf, String)>,
+}
+
+/// Loads every cache file in `dir` into the cache (origin `Disk`). Creates
+/// the directory when missing; fails only when it cannot be used at all.
+pub fn load(dir: &Path, cache: &Cache) -> std::io::Result<Loaded> {
+    std::fs::create_dir_all(dir)?;
+    let mut loaded = Loaded::default();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .collect();
+    paths.sort();
+    for path in paths {
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if name.starts_with('.') && name.ends_with(".tmp") {
+            // A write interrupted before its rename: the previous file (if
+            // any) is intact, this one is not.
+            tracing::info!(path = %path.display(), "removing an unfinished write from an earlier run");
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        if path.extension().and_then(|e| e.to_str()) != Some(EXTENSION) {
+            continue;
+        }
+        match load_file(&path, cache) {
+            Ok(found) => loaded.collections.push(found),
+            Err(reason) => {
+                tracing::warn!(
+                    path = %path.display(),
+                    %reason,
+                    "skipping a persisted collection; it waits for the upstream source"
+                );
+                loaded.skipped.push((path, reason));
+            }
+        }
+    }
+    Ok(loaded)
+}
+
+fn load_file(path: &Path, cache: &Cache) -> Result<(String, String, usize), String> {
+    let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
+    let message = decode(&bytes)?;
+    if message.collection.is_empty() {
+        return Err("names no collection".into());
+    }
+    let resources = crate::upstream::session::decode_resources(&message.collection, &message.resources)
+        .map_err(|nack| nack.message)?;
+    let count = resources.len();
+    let applied = cache.apply(&message.collection, Update::Full(resources), Origin::Disk);
+    Ok((message.collection, applied.version().to_string(), count))
+}
+
+/// Hands collections to the writer task; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Persister {
+    tx: mpsc::UnboundedSender<Arc<str>>,
+}
+
+impl Persister {
+    /// Starts the writer. It writes the cache's current state of each
+    /// collection it is told about (bursts coalesce), and drains what is
+    /// pending before it stops at `shutdown`.
+    pub fn start(dir: PathBuf, cache: Arc<Cache>, shutdown: CancellationToken, tasks: &TaskTracker) -> Self {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Arc<str>>();
+        tasks.spawn(async move {
+            loop {
+                let first = tokio::select! {
+                    next = rx.recv() => match next {
+                        Some(collection) => collection,
+                        None => return,
+                    },
+                    _ = shutdown.cancelled() => match rx.try_recv() {
+                        Ok(collection) => collection,
+                        Err(_) => return,
+                    },
+                };
+                let mut pending = HashSet::from([first]);
+                while let Ok(more) = rx.try_recv() {
+                    pending.insert(more);
+                }
+                let snapshots: Vec<_> = pending.iter().filter_map(|c| cache.get(c)).collect();
+                let dir = dir.clone();
+                let written = tokio::task::spawn_blocking(move || {
+                    for snapshot in snapshots {
+                        if snapshot.origin != Origin::Upstream {
+                            continue;
+                        }
+                        let name = file_name(&snapshot.collection);
+                        match write_atomically(&dir, &name, &encode(&snapshot)) {
+                            Ok(()) => tracing::debug!(
+                                collection = %snapshot.collection,
+                                version = %snapshot.version,
+                                "persisted"
+                            ),
+                            Err(e) => tracing::warn!(
+                                collection = %snapshot.collection,
+                                path = %dir.join(&name).display(),
+                                error = %e,
+                                "cannot persist the collection; the previous file is kept"
+                            ),
+                        }
+                    }
+                })
+                .await;
+                if let Err(e) = written {
+                    tracing::error!(error = %e, "the cache writer failed");
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Schedules a write of the collection's current state.
+    pub fn changed(&self, collection: &str) {
+        let _ = self.tx.send(Arc::from(collection));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::CachedResource;
+    use crate::proto::{Metadata, Resource};
+
+    const C: &str = "istio/networking/v1alpha3/gateways";
+
+    fn resource(name: &str, version: &str) -> CachedResource {
+        let encoded: Bytes = Resource {
+            metadata: Some(Metadata {
+                name: name.into(),
+                version: version.into(),
+                ..Default::default()
+            }),
+            body: Some(prost_types::Any {
+                type_url: "type.googleapis.com/x.Y".into(),
+                value: b"body".to_vec(),
+            }),
+        }
+        .encode_to_vec()
+        .into();
+        CachedResource::new(name.into(), version.into(), "type.googleapis.com/x.Y".into(), encoded)
+    }
+
+    #[test]
+    fn file_names_are_distinct_and_safe() {
+        assert_eq!(file_name(C), "istio~2Fnetworking~2Fv1alpha3~2Fgateways.mcpcache");
+        assert_ne!(file_name("a/b"), file_name("a~2Fb"));
+        assert!(!file_name("../x").contains('/'));
+    }
+
+    #[test]
+    fn a_written_collection_loads_at_the_same_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::new();
+        cache.apply(C, Update::Full(vec![resource("a", "1"), resource("b", "2")]), Origin::Upstream);
+        let snapshot = cache.get(C).unwrap();
+        write_atomically(dir.path(), &file_name(C), &encode(&snapshot)).unwrap();
+
+        let restarted = Cache::new();
+        let loaded = load(dir.path(), &restarted).unwrap();
+        assert!(loaded.skipped.is_empty(), "{:?}", loaded.skipped);
+        let reloaded = restarted.get(C).unwrap();
+        assert_eq!(reloaded.version, snapshot.version);
+        assert_eq!(reloaded.origin, Origin::Disk);
+        assert_eq!(loaded.collections, vec![(C.to_owned(), snapshot.version.to_string(), 2)]);
+    }
+
+    #[test]
+    fn torn_damaged_and_foreign_files_are_skipped_and_leftovers_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::new();
+        cache.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let good = encode(&cache.get(C).unwrap());
+        // Torn: the first half of a valid file.
+        std::fs::write(dir.path().join("torn.mcpcache"), &good[..good.len() / 2]).unwrap();
+        // Damaged: one payload byte flipped.
+        let mut damaged = good.clone();
+        *damaged.last_mut().unwrap() ^= 0xff;
+        std::fs::write(dir.path().join("damaged.mcpcache"), &damaged).unwrap();
+        std::fs::write(dir.path().join("foreign.mcpcache"), b"hello").unwrap();
+        std::fs::write(dir.path().join(".x.mcpcache.tmp"), &good).unwrap();
+
+        let fresh = Cache::new();
+        let loaded = load(dir.path(), &fresh).unwrap();
+        assert!(loaded.collections.is_empty());
+        assert_eq!(loaded.skipped.len(), 3);
+        assert!(loaded.skipped.iter().any(|(_, r)| r.contains("checksum")), "{:?}", loaded.skipped);
+        assert!(loaded.skipped.iter().any(|(_, r)| r.contains("bad header")), "{:?}", loaded.skipped);
+        assert!(fresh.get(C).is_none());
+        assert!(!dir.path().join(".x.mcpcache.tmp").exists());
+    }
+
+    #[test]
+    fn a_file_with_invalid_resources_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let message = RawResources {
+            collection: C.into(),
+            resources: vec![Bytes::from_static(b"\x0a\x00")],
+            ..Default::default()
+        };
+        let payload = message.encode_to_vec();
+        let mut file = MAGIC.to_vec();
+        file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
+        file.extend_from_slice(&payload);
+        std::fs::write(dir.path().join(file_name(C)), file).unwrap();
+        let cache = Cache::new();
+        let loaded = load(dir.path(), &cache).unwrap();
+        assert_eq!(loaded.skipped.len(), 1);
+        assert!(loaded.skipped[0].1.contains("metadata.name"), "{:?}", loaded.skipped);
+        assert!(cache.get(C).is_none());
+    }
+}

@@ -1,0 +1,350 @@
+//! TLS for both sides. Listeners (downstream and sink) terminate TLS with
+//! rustls, optionally requiring client certificates; the certificate, key and
+//! client CA are re-read when they change on disk, and each new connection
+//! uses the latest good set. The upstream client re-reads its files on every
+//! connection attempt. A file that cannot be read or parsed is an error that
+//! names its flag; after start-up a bad rotation keeps the previous set.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::TlsAcceptor;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use crate::fswatch::{parent_dir, DirWatch};
+
+/// A client that has not finished its handshake by then is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+#[error("{flag} {}: {message}", path.display())]
+pub struct TlsError {
+    pub flag: &'static str,
+    pub path: PathBuf,
+    pub message: String,
+}
+
+fn tls_error(flag: &'static str, path: &Path, message: impl Into<String>) -> TlsError {
+    TlsError {
+        flag,
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|e| tls_error(flag, path, format!("cannot read: {e}")))
+}
+
+/// Every certificate in a PEM file; at least one.
+pub fn read_certs(flag: &'static str, path: &Path) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), TlsError> {
+    let pem = read(flag, path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| tls_error(flag, path, format!("not a PEM certificate file: {e}")))?;
+    if certs.is_empty() {
+        return Err(tls_error(flag, path, "contains no PEM certificate (BEGIN CERTIFICATE)"));
+    }
+    Ok((pem, certs))
+}
+
+/// The private key in a PEM file (PKCS#8, PKCS#1 or SEC1).
+pub fn read_key(flag: &'static str, path: &Path) -> Result<(Vec<u8>, PrivateKeyDer<'static>), TlsError> {
+    let pem = read(flag, path)?;
+    let key = PrivateKeyDer::from_pem_slice(&pem)
+        .map_err(|e| tls_error(flag, path, format!("not a PEM private key: {e}")))?;
+    Ok((pem, key))
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// The files a TLS listener is configured from (`--tls-cert`, `--tls-key`,
+/// `--client-ca`).
+#[derive(Clone, Debug)]
+pub struct ServerTlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// When set, clients must present a certificate signed by this CA (mTLS).
+    pub client_ca: Option<PathBuf>,
+}
+
+impl ServerTlsFiles {
+    /// Reads and checks every file and builds the rustls configuration.
+    pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let (_, certs) = read_certs("--tls-cert", &self.cert)?;
+        let (_, key) = read_key("--tls-key", &self.key)?;
+        let provider = provider();
+        let builder = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| tls_error("--tls-cert", &self.cert, e.to_string()))?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(path) => {
+                let (_, cas) = read_certs("--client-ca", path)?;
+                let mut roots = RootCertStore::empty();
+                for ca in cas {
+                    roots
+                        .add(ca)
+                        .map_err(|e| tls_error("--client-ca", path, format!("not a usable CA certificate: {e}")))?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                    .build()
+                    .map_err(|e| tls_error("--client-ca", path, e.to_string()))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config = builder.with_single_cert(certs, key).map_err(|e| {
+            tls_error(
+                "--tls-key",
+                &self.key,
+                format!("does not go with the certificate in --tls-cert: {e}"),
+            )
+        })?;
+        // gRPC runs over HTTP/2 only.
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    fn dirs(&self) -> Vec<PathBuf> {
+        let mut dirs: Vec<PathBuf> = [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|p| parent_dir(p))
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        dirs
+    }
+}
+
+/// A listener's TLS configuration, replaced when its files change.
+pub struct ServerTls {
+    files: ServerTlsFiles,
+    current: RwLock<Arc<ServerConfig>>,
+}
+
+impl ServerTls {
+    /// Loads the files once; an error names the flag.
+    pub fn new(files: ServerTlsFiles) -> Result<Arc<Self>, TlsError> {
+        let config = files.load()?;
+        Ok(Arc::new(Self {
+            files,
+            current: RwLock::new(config),
+        }))
+    }
+
+    fn acceptor(&self) -> TlsAcceptor {
+        TlsAcceptor::from(self.current.read().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Re-reads the files. A bad set is reported and the previous one kept.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let config = self.files.load()?;
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = config;
+        Ok(())
+    }
+
+    /// Reloads whenever a file's directory changes, until `shutdown`.
+    pub fn watch(self: &Arc<Self>, shutdown: CancellationToken) -> Result<(), TlsError> {
+        let mut watch = DirWatch::new(&self.files.dirs())
+            .map_err(|e| tls_error("--tls-cert", &self.files.cert, format!("cannot watch for rotation: {e}")))?;
+        let tls = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = watch.changed() => if !changed { return },
+                    _ = shutdown.cancelled() => return,
+                }
+                match tls.reload() {
+                    Ok(()) => tracing::info!(cert = %tls.files.cert.display(), "TLS certificate files reloaded"),
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        "TLS certificate files changed but do not load; new connections keep the previous certificate"
+                    ),
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+/// An accepted connection, plain or TLS.
+pub enum Conn {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl Connected for Conn {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        match self {
+            Conn::Plain(stream) => stream.connect_info(),
+            Conn::Tls(stream) => stream.get_ref().0.connect_info(),
+        }
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Conn::Tls(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Conn::Tls(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Conn::Tls(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Conn::Plain(s) => s.is_write_vectored(),
+            Conn::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_flush(cx),
+            Conn::Tls(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Conn::Tls(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Accepts connections until `shutdown`, with TCP_NODELAY (responses go out
+/// as a few small writes) and, with `tls`, a handshake off the accept loop so
+/// a slow client cannot hold up the others. `name` is the listener in logs.
+pub fn incoming(
+    name: &'static str,
+    listener: TcpListener,
+    tls: Option<Arc<ServerTls>>,
+    shutdown: CancellationToken,
+) -> ReceiverStream<Result<Conn, io::Error>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        // Out of file descriptors and the like: wait a little
+                        // instead of spinning on the error.
+                        tracing::warn!(listener = name, error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                _ = shutdown.cancelled() => return,
+            };
+            let _ = stream.set_nodelay(true);
+            let Some(tls) = &tls else {
+                if tx.send(Ok(Conn::Plain(stream))).await.is_err() {
+                    return;
+                }
+                continue;
+            };
+            let acceptor = tls.acceptor();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(Conn::Tls(Box::new(stream)))).await;
+                    }
+                    Ok(Err(e)) => tracing::info!(listener = name, %peer, error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::info!(listener = name, %peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// The upstream client's TLS files (`--upstream-ca`, `--upstream-cert`,
+/// `--upstream-key`, `--upstream-server-name`).
+#[derive(Clone, Debug, Default)]
+pub struct ClientTlsFiles {
+    /// Without it, the system's roots are trusted.
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub server_name: Option<String>,
+}
+
+impl ClientTlsFiles {
+    /// The first of these flags given, for "only with https" errors.
+    pub fn first_flag(&self) -> Option<&'static str> {
+        [
+            self.ca.as_ref().map(|_| "--upstream-ca"),
+            self.cert.as_ref().map(|_| "--upstream-cert"),
+            self.key.as_ref().map(|_| "--upstream-key"),
+            self.server_name.as_ref().map(|_| "--upstream-server-name"),
+        ]
+        .into_iter()
+        .flatten()
+        .next()
+    }
+
+    /// Reads and checks the files; called at start-up (errors name the flag)
+    /// and before every connection attempt (so rotated files are used).
+    pub fn load(&self) -> Result<tonic::transport::ClientTlsConfig, TlsError> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let mut config = ClientTlsConfig::new();
+        config = match &self.ca {
+            Some(path) => config.ca_certificate(Certificate::from_pem(read_certs("--upstream-ca", path)?.0)),
+            None => config.with_native_roots(),
+        };
+        match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let (cert_pem, _) = read_certs("--upstream-cert", cert)?;
+                let (key_pem, _) = read_key("--upstream-key", key)?;
+                config = config.identity(Identity::from_pem(cert_pem, key_pem));
+            }
+            (Some(cert), None) => return Err(tls_error("--upstream-key", cert, "is required with --upstream-cert")),
+            (None, Some(key)) => return Err(tls_error("--upstream-cert", key, "is required with --upstream-key")),
+            (None, None) => {}
+        }
+        if let Some(name) = &self.server_name {
+            config = config.domain_name(name.clone());
+        }
+        Ok(config)
+    }
+}

@@ -1,0 +1,208 @@
+//! Dial-out mode (`--sink-listen`): Galley connects to the gateway's
+//! `ResourceSink` and pushes. The stream runs the same sink protocol as client
+//! mode (`stream::run`); only who dialled differs. One source at a time: a
+//! second concurrent stream is refused with `RESOURCE_EXHAUSTED`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::stream::{self, StreamEnd};
+use super::{SinkSession, Subscriptions, UpstreamStatus};
+use crate::cache::Cache;
+use crate::metrics as m;
+use crate::persist::Persister;
+use crate::proto::gateway::resource_sink_server::{ResourceSink, ResourceSinkServer};
+use crate::proto::{RequestResources, SinkNode};
+use crate::wire::RawResources;
+
+/// Everything dial-out mode needs, decided at start-up.
+#[derive(Clone, Debug)]
+pub struct SinkSettings {
+    pub listen: SocketAddr,
+    pub node: SinkNode,
+    pub incremental: bool,
+    pub max_message_bytes: usize,
+}
+
+/// The source currently connected.
+#[derive(Clone, Debug)]
+struct ActiveSource {
+    peer: String,
+    since: SystemTime,
+}
+
+struct Inner {
+    settings: SinkSettings,
+    cache: Arc<Cache>,
+    subscriptions: Arc<Subscriptions>,
+    status: watch::Sender<UpstreamStatus>,
+    persister: Option<Persister>,
+    shutdown: CancellationToken,
+    active: Mutex<Option<ActiveSource>>,
+}
+
+/// The `ResourceSink` service Galley dials.
+#[derive(Clone)]
+pub struct SinkServer {
+    inner: Arc<Inner>,
+}
+
+/// Frees the one source slot when the stream ends, however it ends.
+struct ActiveGuard(Arc<Inner>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        *self.0.active.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+impl SinkServer {
+    pub fn new(
+        settings: SinkSettings,
+        cache: Arc<Cache>,
+        subscriptions: Arc<Subscriptions>,
+        status: watch::Sender<UpstreamStatus>,
+        persister: Option<Persister>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        status.send_modify(|s| {
+            s.mode = "sink";
+            s.address = settings.listen.to_string();
+            s.since = Some(SystemTime::now());
+        });
+        Self {
+            inner: Arc::new(Inner {
+                settings,
+                cache,
+                subscriptions,
+                status,
+                persister,
+                shutdown,
+                active: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// The gRPC service, with the receive limit of `--max-message-bytes`.
+    pub fn into_service(self) -> ResourceSinkServer<Self> {
+        let max = self.inner.settings.max_message_bytes;
+        ResourceSinkServer::new(self)
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max)
+    }
+
+    /// Takes the one source slot, or says who holds it.
+    fn claim(&self, peer: &str) -> Result<ActiveGuard, Status> {
+        let mut active = self.inner.active.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(current) = &*active {
+            return Err(Status::resource_exhausted(format!(
+                "another source is connected ({} since {}); this gateway takes config from one source at a time",
+                current.peer,
+                humantime::format_rfc3339_seconds(current.since)
+            )));
+        }
+        *active = Some(ActiveSource {
+            peer: peer.to_owned(),
+            since: SystemTime::now(),
+        });
+        Ok(ActiveGuard(self.inner.clone()))
+    }
+}
+
+type Replies = Pin<Box<dyn Stream<Item = Result<RequestResources, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ResourceSink for SinkServer {
+    type EstablishResourceStreamStream = Replies;
+
+    async fn establish_resource_stream(
+        &self,
+        request: Request<Streaming<RawResources>>,
+    ) -> Result<Response<Replies>, Status> {
+        let peer = request
+            .remote_addr()
+            .map_or_else(|| "unknown".to_owned(), |a| a.to_string());
+        let guard = match self.claim(&peer) {
+            Ok(guard) => guard,
+            Err(status) => {
+                tracing::warn!(%peer, "refused a second source: {}", status.message());
+                return Err(status);
+            }
+        };
+        let metadata = source_metadata(request.metadata());
+        let mut inbound = request.into_inner();
+        let inner = self.inner.clone();
+        let mut session = SinkSession::new(inner.settings.node.clone(), inner.settings.incremental, inner.cache.clone())
+            .persisting(inner.persister.clone());
+        let mut subscriptions = inner.subscriptions.watch();
+        let initial = stream::initial_requests(&mut session, &mut subscriptions);
+        let (tx, rx) = mpsc::channel(initial.len() + 64);
+        for request in initial {
+            tx.try_send(request).expect("the channel holds every initial request");
+        }
+        tracing::info!(%peer, ?metadata, "a source connected (dial-out)");
+        inner.status.send_modify(|s| {
+            if s.attempts > 0 {
+                metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
+            }
+            s.attempts += 1;
+            s.connected = true;
+            s.since = Some(SystemTime::now());
+            s.peer = Some(peer.clone());
+            s.source_metadata = metadata;
+        });
+        metrics::gauge!(m::UPSTREAM_CONNECTED).set(1.0);
+
+        tokio::spawn(async move {
+            let _guard = guard;
+            let mut delivered = false;
+            let end = stream::run(
+                &mut session,
+                &mut inbound,
+                &tx,
+                &mut subscriptions,
+                &inner.shutdown,
+                &mut delivered,
+            )
+            .await;
+            let (reason, message) = match end {
+                StreamEnd::Shutdown => ("shutdown", "the gateway is shutting down".to_owned()),
+                StreamEnd::Refused { message, .. } => ("refused_collection", message),
+                StreamEnd::Failed { reason, message } => (reason, message),
+            };
+            tracing::warn!(%peer, %reason, %message, "the source's stream ended; serving the cached config");
+            metrics::counter!(m::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).increment(1);
+            metrics::gauge!(m::UPSTREAM_CONNECTED).set(0.0);
+            inner.status.send_modify(|s| {
+                s.connected = false;
+                s.since = Some(SystemTime::now());
+                s.last_error = Some(message);
+            });
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+}
+
+/// The source's gRPC metadata: Galley's `--sinkMeta` pairs and
+/// `config.source.version`, without the transport's own headers.
+fn source_metadata(metadata: &tonic::metadata::MetadataMap) -> BTreeMap<String, String> {
+    metadata
+        .clone()
+        .into_headers()
+        .iter()
+        .filter(|(name, _)| {
+            let name = name.as_str();
+            !matches!(name, "content-type" | "te" | "user-agent") && !name.starts_with("grpc-")
+        })
+        .filter_map(|(name, value)| Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned())))
+        .collect()
+}

@@ -1,0 +1,129 @@
+//! One MCP stream between the gateway (sink) and a source, whichever side
+//! dialled: the initial requests, then every `Resources` message through the
+//! `SinkSession`, and collections that downstream clients ask for subscribed
+//! on the live stream. Client mode and the dial-out server both run this.
+
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Streaming};
+
+use super::{SinkSession, SubscriptionState};
+use crate::proto::RequestResources;
+use crate::wire::RawResources;
+
+/// How one upstream stream ended.
+#[derive(Debug)]
+pub enum StreamEnd {
+    Shutdown,
+    /// The source refused a collection (`unsupported collection "X"`).
+    Refused { collection: String, message: String },
+    Failed { reason: &'static str, message: String },
+}
+
+/// The initial `RequestResources` for every wanted collection, in order.
+pub fn initial_requests(
+    session: &mut SinkSession,
+    subscriptions: &mut watch::Receiver<SubscriptionState>,
+) -> Vec<RequestResources> {
+    let wanted: Vec<_> = subscriptions.borrow_and_update().wanted.iter().cloned().collect();
+    wanted.into_iter().filter_map(|c| session.subscribe(c)).collect()
+}
+
+/// Runs the stream until it ends. `delivered` is set once the source sent a
+/// message (client mode resets its backoff on it).
+pub async fn run(
+    session: &mut SinkSession,
+    inbound: &mut Streaming<RawResources>,
+    outbound: &mpsc::Sender<RequestResources>,
+    subscriptions: &mut watch::Receiver<SubscriptionState>,
+    shutdown: &CancellationToken,
+    delivered: &mut bool,
+) -> StreamEnd {
+    loop {
+        tokio::select! {
+            message = inbound.message() => match message {
+                Ok(Some(message)) => {
+                    *delivered = true;
+                    let handled = session.handle(message);
+                    if outbound.send(handled.reply).await.is_err() {
+                        return StreamEnd::Failed {
+                            reason: "send",
+                            message: "the stream to the source closed while sending an ACK".into(),
+                        };
+                    }
+                }
+                Ok(None) => return StreamEnd::Failed {
+                    reason: "closed",
+                    message: "the source closed the stream".into(),
+                },
+                Err(status) => return classify(status),
+            },
+            changed = subscriptions.changed() => {
+                if changed.is_err() {
+                    return StreamEnd::Shutdown;
+                }
+                // Collections first asked for by downstream clients are
+                // subscribed on the live stream.
+                for request in initial_requests(session, subscriptions) {
+                    tracing::info!(collection = %request.collection, "subscribing on the live stream");
+                    if outbound.send(request).await.is_err() {
+                        return StreamEnd::Failed {
+                            reason: "send",
+                            message: "the stream to the source closed while subscribing".into(),
+                        };
+                    }
+                }
+            }
+            _ = shutdown.cancelled() => return StreamEnd::Shutdown,
+        }
+    }
+}
+
+/// Galley ends the whole stream with `InvalidArgument "unsupported collection
+/// \"X\""` for a collection it does not serve (istio#13559).
+fn refused_collection(status: &tonic::Status) -> Option<String> {
+    if status.code() != Code::InvalidArgument {
+        return None;
+    }
+    let rest = status.message().split_once("unsupported collection \"")?.1;
+    let (collection, _) = rest.split_once('"')?;
+    Some(collection.to_owned())
+}
+
+pub fn classify(status: tonic::Status) -> StreamEnd {
+    if let Some(collection) = refused_collection(&status) {
+        return StreamEnd::Refused {
+            collection,
+            message: status.message().to_owned(),
+        };
+    }
+    // tonic's own receive limit: say which flag raises it.
+    if status.code() == Code::OutOfRange && status.message().contains("message length too large") {
+        return StreamEnd::Failed {
+            reason: "message_too_large",
+            message: format!(
+                "a message from the source is larger than --max-message-bytes allows ({}); raise the flag",
+                status.message()
+            ),
+        };
+    }
+    StreamEnd::Failed {
+        reason: "status",
+        message: format!("the stream ended: {:?}: {}", status.code(), status.message()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_galleys_unsupported_collection() {
+        let status = tonic::Status::invalid_argument("unsupported collection \"istio/x/y\"");
+        assert_eq!(refused_collection(&status).as_deref(), Some("istio/x/y"));
+        let other = tonic::Status::invalid_argument("something else");
+        assert_eq!(refused_collection(&other), None);
+        let wrong_code = tonic::Status::unavailable("unsupported collection \"istio/x/y\"");
+        assert_eq!(refused_collection(&wrong_code), None);
+    }
+}
