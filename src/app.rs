@@ -15,10 +15,10 @@ use tokio_util::task::TaskTracker;
 use crate::admin::{self, AdminState};
 use crate::cache::Cache;
 use crate::config::{Settings, Source};
+use crate::downstream::{AggregatedService, Downstream, Registry};
 use crate::local::LocalSource;
 use crate::persist::{self, Persister};
 use crate::tls::{self, ServerTls, TlsError};
-use crate::downstream::{AggregatedService, Downstream, Registry};
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::sink::SinkServer;
 use crate::upstream::{Subscriptions, UpstreamStatus};
@@ -170,8 +170,8 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let mut sink = None;
     match settings.source {
         Source::Client(upstream) => {
-            let client = UpstreamClient::new(upstream, cache.clone(), subscriptions.clone(), status_tx)
-                .persisting(persister);
+            let client =
+                UpstreamClient::new(upstream, cache.clone(), subscriptions.clone(), status_tx).persisting(persister);
             tasks.spawn(client.run(shutdown.clone()));
         }
         Source::Sink(settings) => {

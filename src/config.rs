@@ -10,10 +10,10 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::collections::CollectionTable;
-use crate::proto::SinkNode;
-use crate::upstream::backoff::BackoffPolicy;
 use crate::local::SourceDir;
+use crate::proto::SinkNode;
 use crate::tls::{ClientTlsFiles, ServerTlsFiles, TlsError};
+use crate::upstream::backoff::BackoffPolicy;
 use crate::upstream::client::ClientSettings;
 use crate::upstream::sink::SinkSettings;
 
@@ -278,7 +278,11 @@ impl Args {
         .collect();
         if let [first, second, ..] = given[..] {
             return Err(invalid(
-                if second == "--sink-listen" { "--sink-listen" } else { "--source-dir" },
+                if second == "--sink-listen" {
+                    "--sink-listen"
+                } else {
+                    "--source-dir"
+                },
                 format!(
                     "cannot be combined with {first}: the gateway takes config from exactly one source \
                      (--upstream to dial Galley, --sink-listen for Galley's dial-out, --source-dir for local files)"
@@ -356,7 +360,10 @@ fn server_tls(
     let files = match (cert, key) {
         (None, None) => {
             if client_ca.is_some() {
-                return Err(invalid("--client-ca", "requires --tls-cert and --tls-key (mTLS is TLS first)"));
+                return Err(invalid(
+                    "--client-ca",
+                    "requires --tls-cert and --tls-key (mTLS is TLS first)",
+                ));
             }
             return Ok(None);
         }
@@ -467,15 +474,30 @@ mod tests {
         for (args, flag) in [
             (&["--upstream", "galley:9901"][..], "--upstream"),
             (&["--upstream", "ftp://galley:9901"][..], "--upstream"),
-            (&["--upstream", "http://g:1", "--sink-listen", "127.0.0.1:0"][..], "--sink-listen"),
+            (
+                &["--upstream", "http://g:1", "--sink-listen", "127.0.0.1:0"][..],
+                "--sink-listen",
+            ),
             (&["--upstream", "http://g:1", "--source-dir", "."][..], "--source-dir"),
-            (&["--sink-listen", "127.0.0.1:0", "--source-dir", "."][..], "--source-dir"),
+            (
+                &["--sink-listen", "127.0.0.1:0", "--source-dir", "."][..],
+                "--source-dir",
+            ),
             (&["--source-dir", "/nonexistent/dir"][..], "--source-dir"),
             (&["--cache-dir", "/tmp"][..], "--cache-dir"),
-            (&["--upstream", "http://g:1", "--upstream-ca", "/x.pem"][..], "--upstream-ca"),
-            (&["--upstream", "https://g:1", "--upstream-ca", "/nonexistent.pem"][..], "--upstream-ca"),
+            (
+                &["--upstream", "http://g:1", "--upstream-ca", "/x.pem"][..],
+                "--upstream-ca",
+            ),
+            (
+                &["--upstream", "https://g:1", "--upstream-ca", "/nonexistent.pem"][..],
+                "--upstream-ca",
+            ),
             (&["--tls-cert", "/nonexistent.pem"][..], "--tls-key"),
-            (&["--tls-cert", "/nonexistent.pem", "--tls-key", "/k.pem"][..], "--tls-cert"),
+            (
+                &["--tls-cert", "/nonexistent.pem", "--tls-key", "/k.pem"][..],
+                "--tls-cert",
+            ),
             (&["--client-ca", "/ca.pem"][..], "--client-ca"),
             (&["--collections", "istio/nope"][..], "--collections"),
             (&["--collections", ","][..], "--collections"),

@@ -46,11 +46,11 @@ pub const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
 /// The repository's examples, compiled in: served when `--source-dir` was not
 /// given and `examples/config` is not there (an installed binary, an image).
 pub const EMBEDDED_EXAMPLES: &[(&str, &str)] = &[
+    ("networking.yaml", include_str!("../examples/config/networking.yaml")),
     (
-        "networking.yaml",
-        include_str!("../examples/config/networking.yaml"),
+        "mesh-services.yaml",
+        include_str!("../examples/config/mesh-services.yaml"),
     ),
-    ("mesh-services.yaml", include_str!("../examples/config/mesh-services.yaml")),
     ("security.yaml", include_str!("../examples/config/security.yaml")),
 ];
 
@@ -166,8 +166,19 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             reason,
         };
         let doc: Document = serde_norway::from_str(&document).map_err(|e| {
-            let line = e.location().map_or(start, |l| start + l.line().saturating_sub(1));
-            fail(line, e.to_string())
+            let message = e.to_string();
+            match e.location() {
+                // The line is reported in the file, not in the document.
+                Some(at) => {
+                    let suffix = format!(" at line {} column {}", at.line(), at.column());
+                    let message = message.strip_suffix(&suffix).unwrap_or(&message);
+                    fail(
+                        start + at.line().saturating_sub(1),
+                        format!("{message} (column {})", at.column()),
+                    )
+                }
+                None => fail(start, message),
+            }
         })?;
         let collection = table.name(doc.collection.trim()).ok_or_else(|| {
             fail(
@@ -272,7 +283,11 @@ fn to_value(value: &serde_norway::Value) -> Result<prost_types::value::Kind, Str
         Y::Sequence(items) => Kind::ListValue(prost_types::ListValue {
             values: items
                 .iter()
-                .map(|v| Ok(prost_types::Value { kind: Some(to_value(v)?) }))
+                .map(|v| {
+                    Ok(prost_types::Value {
+                        kind: Some(to_value(v)?),
+                    })
+                })
                 .collect::<Result<_, String>>()?,
         }),
         Y::Mapping(map) => {
@@ -284,7 +299,12 @@ fn to_value(value: &serde_norway::Value) -> Result<prost_types::value::Kind, Str
                     Y::Bool(b) => b.to_string(),
                     other => return Err(format!("mapping key {other:?} is not a string")),
                 };
-                fields.insert(key, prost_types::Value { kind: Some(to_value(value)?) });
+                fields.insert(
+                    key,
+                    prost_types::Value {
+                        kind: Some(to_value(value)?),
+                    },
+                );
             }
             Kind::StructValue(prost_types::Struct { fields })
         }
@@ -343,8 +363,7 @@ impl LocalSource {
     pub fn start(mut self, shutdown: CancellationToken) -> Result<(), String> {
         let watch = match &self.dir {
             SourceDir::Dir(dir) => Some(
-                DirWatch::new(std::slice::from_ref(dir))
-                    .map_err(|e| format!("cannot watch {}: {e}", dir.display()))?,
+                DirWatch::new(std::slice::from_ref(dir)).map_err(|e| format!("cannot watch {}: {e}", dir.display()))?,
             ),
             SourceDir::Embedded => None,
         };
@@ -564,7 +583,11 @@ body:
     #[test]
     fn errors_name_the_path_the_line_and_the_reason() {
         let cases = [
-            ("collection: istio/nope\nname: a\nbody: {struct: {}}\n", 1, "not a known collection"),
+            (
+                "collection: istio/nope\nname: a\nbody: {struct: {}}\n",
+                1,
+                "not a known collection",
+            ),
             (
                 "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {struct: {}}\n---\n\
                  collection: istio/networking/v1alpha3/gateways\nname: b\nbody:\n  struct: [1]\n",
@@ -587,7 +610,11 @@ body:
                 6,
                 "defined twice",
             ),
-            ("collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {}\n", 3, "give either"),
+            (
+                "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {}\n",
+                3,
+                "give either",
+            ),
             ("collection: [\n", 1, "invalid type"),
         ];
         for (text, line, reason) in cases {

@@ -248,7 +248,11 @@ mod tests {
     fn a_written_collection_loads_at_the_same_version() {
         let dir = tempfile::tempdir().unwrap();
         let cache = Cache::new();
-        cache.apply(C, Update::Full(vec![resource("a", "1"), resource("b", "2")]), Origin::Upstream);
+        cache.apply(
+            C,
+            Update::Full(vec![resource("a", "1"), resource("b", "2")]),
+            Origin::Upstream,
+        );
         let snapshot = cache.get(C).unwrap();
         write_atomically(dir.path(), &file_name(C), &encode(&snapshot)).unwrap();
 
@@ -258,7 +262,10 @@ mod tests {
         let reloaded = restarted.get(C).unwrap();
         assert_eq!(reloaded.version, snapshot.version);
         assert_eq!(reloaded.origin, Origin::Disk);
-        assert_eq!(loaded.collections, vec![(C.to_owned(), snapshot.version.to_string(), 2)]);
+        assert_eq!(
+            loaded.collections,
+            vec![(C.to_owned(), snapshot.version.to_string(), 2)]
+        );
     }
 
     #[test]
@@ -280,8 +287,16 @@ mod tests {
         let loaded = load(dir.path(), &fresh).unwrap();
         assert!(loaded.collections.is_empty());
         assert_eq!(loaded.skipped.len(), 3);
-        assert!(loaded.skipped.iter().any(|(_, r)| r.contains("checksum")), "{:?}", loaded.skipped);
-        assert!(loaded.skipped.iter().any(|(_, r)| r.contains("bad header")), "{:?}", loaded.skipped);
+        assert!(
+            loaded.skipped.iter().any(|(_, r)| r.contains("checksum")),
+            "{:?}",
+            loaded.skipped
+        );
+        assert!(
+            loaded.skipped.iter().any(|(_, r)| r.contains("bad header")),
+            "{:?}",
+            loaded.skipped
+        );
         assert!(fresh.get(C).is_none());
         assert!(!dir.path().join(".x.mcpcache.tmp").exists());
     }

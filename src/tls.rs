@@ -161,8 +161,13 @@ impl ServerTls {
 
     /// Reloads whenever a file's directory changes, until `shutdown`.
     pub fn watch(self: &Arc<Self>, shutdown: CancellationToken) -> Result<(), TlsError> {
-        let mut watch = DirWatch::new(&self.files.dirs())
-            .map_err(|e| tls_error("--tls-cert", &self.files.cert, format!("cannot watch for rotation: {e}")))?;
+        let mut watch = DirWatch::new(&self.files.dirs()).map_err(|e| {
+            tls_error(
+                "--tls-cert",
+                &self.files.cert,
+                format!("cannot watch for rotation: {e}"),
+            )
+        })?;
         let tls = self.clone();
         tokio::spawn(async move {
             loop {
@@ -346,5 +351,53 @@ impl ClientTlsFiles {
             config = config.domain_name(name.clone());
         }
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leaf(dir: &Path, name: &str) -> ServerTlsFiles {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let files = ServerTlsFiles {
+            cert: dir.join(format!("{name}.crt")),
+            key: dir.join(format!("{name}.key")),
+            client_ca: None,
+        };
+        std::fs::write(&files.cert, cert.pem()).unwrap();
+        std::fs::write(&files.key, key.serialize_pem()).unwrap();
+        files
+    }
+
+    #[test]
+    fn a_rotation_that_does_not_load_keeps_the_previous_configuration() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = leaf(dir.path(), "server");
+        let tls = ServerTls::new(files.clone()).unwrap();
+        let before = tls.current.read().unwrap().clone();
+
+        std::fs::write(&files.key, "half-written").unwrap();
+        let error = tls.reload().unwrap_err();
+        assert_eq!(error.flag, "--tls-key");
+        assert!(Arc::ptr_eq(&before, &tls.current.read().unwrap()));
+
+        leaf(dir.path(), "server");
+        tls.reload().unwrap();
+        assert!(!Arc::ptr_eq(&before, &tls.current.read().unwrap()));
+    }
+
+    #[test]
+    fn a_key_from_another_pair_names_tls_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = leaf(dir.path(), "one");
+        let two = leaf(dir.path(), "two");
+        let mixed = ServerTlsFiles { key: two.key, ..one };
+        let error = mixed.load().unwrap_err();
+        assert_eq!(error.flag, "--tls-key", "{error}");
     }
 }

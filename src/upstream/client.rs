@@ -15,8 +15,8 @@ use super::stream::{self, StreamEnd};
 use super::{SinkSession, Subscriptions, UpstreamStatus};
 use crate::cache::Cache;
 use crate::metrics as m;
-use crate::proto::gateway::resource_source_client::ResourceSourceClient;
 use crate::persist::Persister;
+use crate::proto::gateway::resource_source_client::ResourceSourceClient;
 use crate::proto::SinkNode;
 use crate::tls::ClientTlsFiles;
 
@@ -162,7 +162,12 @@ impl UpstreamClient {
     async fn run_stream(&self, shutdown: &CancellationToken, delivered: &mut bool) -> StreamEnd {
         let endpoint = match self.endpoint() {
             Ok(endpoint) => endpoint,
-            Err(message) => return StreamEnd::Failed { reason: "connect", message },
+            Err(message) => {
+                return StreamEnd::Failed {
+                    reason: "connect",
+                    message,
+                }
+            }
         };
         let channel = tokio::select! {
             connected = endpoint.connect() => match connected {

@@ -141,8 +141,12 @@ impl ResourceSink for SinkServer {
         let metadata = source_metadata(request.metadata());
         let mut inbound = request.into_inner();
         let inner = self.inner.clone();
-        let mut session = SinkSession::new(inner.settings.node.clone(), inner.settings.incremental, inner.cache.clone())
-            .persisting(inner.persister.clone());
+        let mut session = SinkSession::new(
+            inner.settings.node.clone(),
+            inner.settings.incremental,
+            inner.cache.clone(),
+        )
+        .persisting(inner.persister.clone());
         let mut subscriptions = inner.subscriptions.watch();
         let initial = stream::initial_requests(&mut session, &mut subscriptions);
         let (tx, rx) = mpsc::channel(initial.len() + 64);

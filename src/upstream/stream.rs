@@ -16,8 +16,14 @@ use crate::wire::RawResources;
 pub enum StreamEnd {
     Shutdown,
     /// The source refused a collection (`unsupported collection "X"`).
-    Refused { collection: String, message: String },
-    Failed { reason: &'static str, message: String },
+    Refused {
+        collection: String,
+        message: String,
+    },
+    Failed {
+        reason: &'static str,
+        message: String,
+    },
 }
 
 /// The initial `RequestResources` for every wanted collection, in order.

@@ -9,4 +9,6 @@ mod incremental;
 mod load;
 mod process;
 mod sotw;
+mod sources;
+mod tls;
 mod upstream;

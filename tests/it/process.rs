@@ -6,9 +6,14 @@ use std::process::Stdio;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
+use std::net::SocketAddr;
+
+use mcp_xds_gateway::cache::Cache;
+use mcp_xds_gateway::persist;
+
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{resource, FakeGalley};
-use crate::helpers::{names, within, VS};
+use crate::helpers::{eventually, http_get, names, within, VS};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
@@ -44,6 +49,20 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
         (&["--keepalive-interval", "often"][..], "--keepalive-interval"),
         (&["--type-map", "/nonexistent/types.yaml"][..], "--type-map"),
         (&["--no-such-flag"][..], "--no-such-flag"),
+        (
+            &["--upstream", "http://g:1", "--sink-listen", "127.0.0.1:0"][..],
+            "--sink-listen",
+        ),
+        (
+            &[
+                "--tls-cert",
+                "/nonexistent/tls.crt",
+                "--tls-key",
+                "/nonexistent/tls.key",
+            ][..],
+            "--tls-cert",
+        ),
+        (&["--source-dir", "/nonexistent/config"][..], "--source-dir"),
     ] {
         let (code, stderr) = run(args).await;
         assert_eq!(code, Some(2), "{args:?}: {stderr}");
@@ -60,19 +79,21 @@ async fn a_taken_port_is_a_start_up_error_naming_the_flag() {
     assert!(stderr.contains("--listen") && stderr.contains(&addr), "{stderr}");
 }
 
-#[tokio::test]
-async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
-    let mut galley = FakeGalley::start().await;
+/// A started binary and what its log said.
+struct Running {
+    child: tokio::process::Child,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    /// "effective configuration" lines seen before "gateway listening".
+    effective_config_lines: Vec<String>,
+}
+
+/// Starts the binary on port 0 with `args` and reads the bound addresses
+/// from its "gateway listening" line.
+async fn spawn(args: &[&str]) -> Running {
     let mut child = Command::new(BIN)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--collections",
-            VS,
-        ])
-        .args(["--upstream", &galley.url()])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(args)
         .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -80,7 +101,7 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
         .spawn()
         .expect("start the gateway binary");
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut effective_config_lines = 0;
+    let mut effective_config_lines = Vec::new();
     let (listen, admin) = within("the bound addresses in the log", async {
         loop {
             let line = lines
@@ -89,11 +110,10 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
                 .unwrap()
                 .expect("the gateway logs before exiting");
             if line.contains("effective configuration") {
-                effective_config_lines += 1;
-                assert!(line.contains(&galley.url()) && line.contains(VS), "{line}");
+                effective_config_lines.push(line.clone());
             }
             if line.contains("gateway listening") {
-                let field = |name: &str| -> std::net::SocketAddr {
+                let field = |name: &str| -> SocketAddr {
                     let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
                     line[start..].split_whitespace().next().unwrap().parse().unwrap()
                 };
@@ -102,14 +122,34 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
         }
     })
     .await;
+    // Keep draining the log so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Running {
+        child,
+        listen,
+        admin,
+        effective_config_lines,
+    }
+}
+
+#[tokio::test]
+async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
+    let mut galley = FakeGalley::start().await;
+    let Running {
+        mut child,
+        listen,
+        admin,
+        effective_config_lines,
+    } = spawn(&["--collections", VS, "--upstream", &galley.url()]).await;
     assert_ne!(listen.port(), 0);
     assert_ne!(admin.port(), 0);
     assert_eq!(
-        effective_config_lines, 1,
+        effective_config_lines.len(),
+        1,
         "the effective configuration is logged once, before listening"
     );
-    // Keep draining the log so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let line = &effective_config_lines[0];
+    assert!(line.contains(&galley.url()) && line.contains(VS), "{line}");
 
     let mut upstream = galley.next_stream().await;
     upstream.initial_requests(1).await;
@@ -124,6 +164,43 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
     let status = within("the gateway to exit after SIGTERM", child.wait()).await.unwrap();
     assert!(status.success(), "{status:?}");
     assert_eq!(client.end_status().await.code(), tonic::Code::Unavailable);
+}
+
+#[tokio::test]
+async fn the_persisted_cache_survives_a_hard_kill_with_upstream_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache_dir = dir.path().to_str().unwrap().to_owned();
+    let mut galley = FakeGalley::start().await;
+    let url = galley.url();
+    let flags = ["--collections", VS, "--upstream", &url, "--cache-dir", &cache_dir];
+    let mut first = spawn(&flags).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream
+        .push_full(VS, vec![resource("a", "1", b"a"), resource("b", "2", b"b")])
+        .await;
+    let mut client = sotw(first.listen).await;
+    client.subscribe(VS);
+    let served = client.recv().await;
+    eventually("the collection to reach the disk", || {
+        let cache = Cache::new();
+        persist::load(dir.path(), &cache).is_ok() && cache.get(VS).is_some_and(|s| *s.version == *served.version_info)
+    })
+    .await;
+
+    // SIGKILL: no shutdown path runs. Then Galley goes away too.
+    within("the gateway to be killed", first.child.kill()).await.unwrap();
+    galley.stop().await;
+
+    let second = spawn(&flags).await;
+    let (code, body) = http_get(second.admin, "/readyz").await;
+    assert_eq!(code, 200, "ready from the disk: {body}");
+    let mut client = sotw(second.listen).await;
+    client.subscribe(VS);
+    let restored = client.recv().await;
+    assert_eq!(restored.version_info, served.version_info);
+    assert_eq!(names(&restored.resources), ["a", "b"]);
+    assert_eq!(restored.resources, served.resources);
 }
 
 #[tokio::test]

@@ -29,6 +29,27 @@ pub async fn channel(addr: SocketAddr) -> Channel {
     .expect("connect to the gateway")
 }
 
+/// A TLS channel to 127.0.0.1:PORT (checked as "localhost") trusting `ca_pem`, presenting
+/// `identity` (certificate, key) when given. Errors are returned, not
+/// asserted: some tests expect the connection to be refused.
+pub async fn tls_channel(
+    addr: SocketAddr,
+    ca_pem: &str,
+    identity: Option<&super::certs::Leaf>,
+) -> Result<Channel, tonic::transport::Error> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca_pem))
+        .domain_name("localhost");
+    if let Some(leaf) = identity {
+        tls = tls.identity(Identity::from_pem(&leaf.cert, &leaf.key));
+    }
+    let endpoint = Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)?;
+    within("a TLS connection to the gateway", endpoint.connect()).await
+}
+
 /// One bidi stream with any request and response codec.
 pub struct Bidi<Req, Resp> {
     tx: mpsc::UnboundedSender<Req>,
@@ -98,12 +119,11 @@ where
     Resp: prost::Message + Default + Send + Sync + 'static,
 {
     pub async fn open(addr: SocketAddr, path: &'static str) -> Self {
-        Self::open_with(
-            channel(addr).await,
-            path,
-            tonic_prost::ProstCodec::<Req, Resp>::default(),
-        )
-        .await
+        Self::open_on(channel(addr).await, path).await
+    }
+
+    pub async fn open_on(channel: Channel, path: &'static str) -> Self {
+        Self::open_with(channel, path, tonic_prost::ProstCodec::<Req, Resp>::default()).await
     }
 }
 

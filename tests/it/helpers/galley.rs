@@ -7,12 +7,15 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use mcp_xds_gateway::proto::resource_sink_client::ResourceSinkClient;
 use mcp_xds_gateway::proto::resource_source_server::{ResourceSource, ResourceSourceServer};
 use mcp_xds_gateway::proto::{Metadata, RequestResources, Resource, Resources};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
+use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::within;
@@ -100,6 +103,15 @@ impl FakeGalley {
 
     /// Starts on a given address (a restarted Galley keeps its port).
     pub async fn start_on(addr: SocketAddr) -> Self {
+        Self::start_with(addr, None).await
+    }
+
+    /// Serves TLS with tonic's own TLS (not the gateway's code).
+    pub async fn start_tls(tls: ServerTlsConfig) -> Self {
+        Self::start_with("127.0.0.1:0".parse().unwrap(), Some(tls)).await
+    }
+
+    async fn start_with(addr: SocketAddr, tls: Option<ServerTlsConfig>) -> Self {
         let listener = TcpListener::bind(addr).await.expect("bind the fake galley");
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(GalleyState::default());
@@ -112,8 +124,12 @@ impl FakeGalley {
         .max_encoding_message_size(usize::MAX);
         let stop = CancellationToken::new();
         let shutdown = stop.clone();
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            builder = builder.tls_config(tls).expect("a valid TLS configuration");
+        }
         let server = tokio::spawn(async move {
-            tonic::transport::Server::builder()
+            builder
                 .add_service(service)
                 .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
                 .await
@@ -171,6 +187,38 @@ impl FakeGalley {
         let _ = self.server.await;
         self.addr
     }
+}
+
+/// Galley's dial-out: a real `ResourceSink` client on `channel`, with gRPC
+/// metadata as Galley's `--sinkMeta` sends it. The stream behaves like one a
+/// gateway opened to the fake Galley; Err is the gateway's refusal.
+pub async fn dial_out(channel: Channel, metadata: &[(&'static str, &str)]) -> Result<GalleyStream, Status> {
+    let (responses, outbound) = mpsc::unbounded_channel::<Result<Resources, Status>>();
+    let outbound = UnboundedReceiverStream::new(outbound).map_while(Result::ok);
+    let mut request = Request::new(outbound);
+    for (key, value) in metadata {
+        request.metadata_mut().insert(*key, value.parse().unwrap());
+    }
+    let mut client = ResourceSinkClient::new(channel).max_decoding_message_size(usize::MAX);
+    let mut inbound = within(
+        "the gateway to answer a dial-out",
+        client.establish_resource_stream(request),
+    )
+    .await?
+    .into_inner();
+    let (requests_tx, requests) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(Some(request)) = inbound.message().await {
+            if requests_tx.send(request).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(GalleyStream {
+        requests,
+        responses,
+        next_nonce: 0,
+    })
 }
 
 impl GalleyStream {

@@ -2,6 +2,7 @@
 //! in-process on 127.0.0.1 port 0. Every await that waits on the network goes
 //! through `within`, and conditions are polled with `eventually`, never slept.
 
+pub mod certs;
 pub mod clients;
 pub mod galley;
 

@@ -1,0 +1,292 @@
+//! Every way config arrives besides client mode: Galley's dial-out on
+//! `ResourceSink`, the local source directory, and the persisted cache.
+
+use std::path::Path;
+
+use bytes::Bytes;
+use mcp_xds_gateway::cache::{Cache, Origin, Update};
+use mcp_xds_gateway::persist;
+use mcp_xds_gateway::proto::Resources;
+use mcp_xds_gateway::upstream::session::decode_resources;
+use prost::Message;
+use tonic::Code;
+
+use crate::helpers::clients::{channel, sotw};
+use crate::helpers::galley::{dial_out, resource, FakeGalley};
+use crate::helpers::{eventually, gateway_for, http_get, names, start_gateway, within, DR, GW, VS};
+
+async fn dial_out_gateway() -> mcp_xds_gateway::app::Bound {
+    start_gateway(&[
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--collections",
+        VS,
+        "--node-id",
+        "gw-sink",
+    ])
+    .await
+}
+
+#[tokio::test]
+async fn galleys_dial_out_is_served_like_client_mode() {
+    let gw = dial_out_gateway().await;
+    let sink = gw.sink.expect("a sink listener");
+    let mut galley = dial_out(
+        channel(sink).await,
+        &[("config.source.version", "1.3.0"), ("team", "mesh")],
+    )
+    .await
+    .expect("the first source is accepted");
+
+    // The initial request, as in client mode.
+    let initial = galley.initial_requests(1).await;
+    assert_eq!(initial[0].collection, VS);
+    assert_eq!(initial[0].sink_node.as_ref().unwrap().id, "gw-sink");
+    assert!(initial[0].incremental);
+
+    // Galley's trigger (and the empty collection of Galley before 1.2): the
+    // usual UNIMPLEMENTED NACK, and nothing else.
+    for trigger in ["$triggerCollection", ""] {
+        let reply = galley
+            .send(Resources {
+                collection: trigger.into(),
+                ..Default::default()
+            })
+            .await;
+        assert_eq!(
+            reply.error_detail.unwrap().code,
+            Code::Unimplemented as i32,
+            "{trigger:?}"
+        );
+    }
+    assert!(gw.cache.get(VS).is_none());
+
+    galley
+        .push_full(VS, vec![resource("a", "1", b"a"), resource("b", "1", b"b")])
+        .await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    assert_eq!(names(&client.recv().await.resources), ["a", "b"]);
+
+    let status = gw.upstream.borrow().clone();
+    assert_eq!(status.mode, "sink");
+    assert!(status.connected);
+    assert!(
+        status.peer.as_deref().is_some_and(|p| p.starts_with("127.0.0.1:")),
+        "{status:?}"
+    );
+    assert_eq!(
+        status.source_metadata.get("config.source.version").map(String::as_str),
+        Some("1.3.0")
+    );
+    assert_eq!(status.source_metadata.get("team").map(String::as_str), Some("mesh"));
+    assert!(!status.source_metadata.contains_key("content-type"));
+}
+
+#[tokio::test]
+async fn a_second_source_is_refused_and_the_first_keeps_working() {
+    let gw = dial_out_gateway().await;
+    let sink = gw.sink.unwrap();
+    let mut first = dial_out(channel(sink).await, &[]).await.unwrap();
+    first.initial_requests(1).await;
+
+    let refused = match dial_out(channel(sink).await, &[]).await {
+        Err(status) => status,
+        Ok(_) => panic!("a second concurrent source must be refused"),
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert!(refused.message().contains("another source is connected"), "{refused:?}");
+
+    first.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 1);
+
+    // When the first goes away, the slot is free again, and the next source
+    // is told which versions the gateway holds.
+    drop(first);
+    let mut second = within("the slot to free up", async {
+        loop {
+            match dial_out(channel(sink).await, &[]).await {
+                Ok(stream) => return stream,
+                Err(status) => assert_eq!(status.code(), Code::ResourceExhausted),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let initial = second.initial_requests(1).await;
+    assert_eq!(
+        initial[0].initial_resource_versions.get("a").map(String::as_str),
+        Some("1")
+    );
+}
+
+fn vs_doc(name: &str, weight: u32) -> String {
+    format!("collection: {VS}\nname: {name}\nbody:\n  struct:\n    hosts: [{name}]\n    weight: {weight}\n---\n")
+}
+
+/// Writes a file the way editors and ConfigMap updates do: whole, then renamed.
+fn write(dir: &Path, name: &str, text: &str) {
+    crate::helpers::certs::write(dir, name, text);
+}
+
+#[tokio::test]
+async fn the_local_source_follows_edits_new_files_and_removals() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "vs.yaml", &(vs_doc("a", 1) + &vs_doc("b", 1)));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", VS]).await;
+    assert_eq!(gw.upstream.borrow().mode, "files");
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv().await;
+    assert_eq!(names(&first.resources), ["a", "b"]);
+
+    // An edit.
+    write(dir.path(), "vs.yaml", &(vs_doc("a", 1) + &vs_doc("b", 2)));
+    client.ack(&first);
+    let edited = client.recv().await;
+    assert_eq!(names(&edited.resources), ["a", "b"]);
+    assert_ne!(edited.version_info, first.version_info);
+
+    // A new file.
+    write(dir.path(), "more.yaml", &vs_doc("c", 1));
+    client.ack(&edited);
+    let added = client.recv().await;
+    assert_eq!(names(&added.resources), ["a", "b", "c"]);
+
+    // A removed file.
+    std::fs::remove_file(dir.path().join("vs.yaml")).unwrap();
+    client.ack(&added);
+    let removed = client.recv().await;
+    assert_eq!(names(&removed.resources), ["c"]);
+    assert_eq!(gw.cache.get(VS).unwrap().origin, Origin::Files);
+}
+
+#[tokio::test]
+async fn a_file_that_does_not_parse_keeps_its_last_good_state() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "vs.yaml", &(vs_doc("a", 1) + &vs_doc("b", 1)));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", VS]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv().await;
+    client.ack(&first);
+    let version = gw.cache.get(VS).unwrap().version.clone();
+
+    // A typo on line 10 (the second document's `body` key).
+    let typo = vs_doc("a", 1) + &vs_doc("b", 1).replace("body:", "bodee:");
+    write(dir.path(), "vs.yaml", &typo);
+    eventually("the parse error to be reported", || {
+        gw.upstream
+            .borrow()
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("vs.yaml:10:") && e.contains("unknown field `bodee`"))
+    })
+    .await;
+    assert_eq!(
+        gw.cache.get(VS).unwrap().version,
+        version,
+        "a typo never changes the collection"
+    );
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 2);
+
+    // Fixed: the next response is the fix, not an emptied collection.
+    write(dir.path(), "vs.yaml", &(vs_doc("a", 1) + &vs_doc("b", 3)));
+    let fixed = client.recv().await;
+    assert_eq!(names(&fixed.resources), ["a", "b"]);
+    assert_ne!(fixed.version_info, first.version_info);
+    eventually("the error to clear", || gw.upstream.borrow().last_error.is_none()).await;
+}
+
+#[tokio::test]
+async fn with_no_source_flag_the_shipped_examples_are_served() {
+    // `cargo test` runs in the package root, where examples/config is.
+    let gw = start_gateway(&[]).await;
+    let status = gw.upstream.borrow().clone();
+    assert_eq!((status.mode, status.address.as_str()), ("files", "examples/config"));
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    assert_eq!(
+        names(&client.recv().await.resources),
+        ["bookinfo/ratings", "bookinfo/reviews"]
+    );
+    client.subscribe(GW);
+    let gateways = client.recv_type(GW).await;
+    assert_eq!(names(&gateways.resources), ["istio-system/ingressgateway"]);
+    assert_eq!(
+        gateways.resources[0].body.as_ref().unwrap().type_url,
+        crate::helpers::GW_TYPE_URL
+    );
+    // Every default collection is served (empty when no file has it).
+    let (code, body) = http_get(gw.admin, "/readyz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(gw
+        .cache
+        .get("istio/networking/v1alpha3/envoyfilters")
+        .unwrap()
+        .is_empty());
+}
+
+/// A cache file in the gateway's own format for `collection`.
+fn persisted(dir: &Path, collection: &str, resources: &[mcp_xds_gateway::proto::Resource]) -> Vec<u8> {
+    let cache = Cache::new();
+    let encoded: Vec<Bytes> = resources.iter().map(|r| r.encode_to_vec().into()).collect();
+    let decoded = decode_resources(collection, &encoded).unwrap();
+    cache.apply(collection, Update::Full(decoded), Origin::Upstream);
+    let bytes = persist::encode(&cache.get(collection).unwrap());
+    persist::write_atomically(dir, &persist::file_name(collection), &bytes).unwrap();
+    bytes
+}
+
+#[tokio::test]
+async fn corrupt_cache_files_are_skipped_and_upstream_replaces_what_was_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    persisted(dir.path(), GW, &[resource("g", "1", b"g")]);
+    // A damaged file and a torn one.
+    std::fs::write(dir.path().join(persist::file_name(VS)), b"not a cache file").unwrap();
+    let good = persisted(dir.path(), DR, &[resource("d", "1", b"d")]);
+    std::fs::write(dir.path().join(persist::file_name(DR)), &good[..good.len() - 3]).unwrap();
+
+    let mut galley = FakeGalley::start().await;
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = gateway_for(&galley, &[VS, GW, DR], &["--cache-dir", &dir_flag]).await;
+
+    // The good file is served at once; the others wait for upstream.
+    assert_eq!(gw.cache.get(GW).unwrap().origin, Origin::Disk);
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(GW);
+    let from_disk = client.recv().await;
+    assert_eq!(names(&from_disk.resources), ["g"]);
+    let (code, body) = http_get(gw.admin, "/readyz").await;
+    assert_eq!(code, 503);
+    assert!(body.contains(VS) && body.contains(DR) && !body.contains(GW), "{body}");
+
+    let mut upstream = galley.next_stream().await;
+    let initial = upstream.initial_requests(3).await;
+    let gw_request = initial.iter().find(|r| r.collection == GW).unwrap();
+    assert_eq!(
+        gw_request.initial_resource_versions.get("g").map(String::as_str),
+        Some("1")
+    );
+
+    // Upstream delivers the same content: no push, but it is now upstream's.
+    upstream.push_full(GW, vec![resource("g", "1", b"g")]).await;
+    assert_eq!(gw.cache.get(GW).unwrap().origin, Origin::Upstream);
+    // Then a change: the next response the client sees is that change.
+    client.ack(&from_disk);
+    upstream.push_full(GW, vec![resource("g", "2", b"g2")]).await;
+    let changed = client.recv().await;
+    assert_ne!(changed.version_info, from_disk.version_info);
+    assert_eq!(changed.resources[0].metadata.as_ref().unwrap().version, "2");
+
+    // The damaged collection is rewritten whole once upstream delivers it.
+    upstream.push_full(VS, vec![resource("v", "1", b"v")]).await;
+    let version = gw.cache.get(VS).unwrap().version.clone();
+    eventually("the damaged file to be replaced", || {
+        let reloaded = Cache::new();
+        persist::load(dir.path(), &reloaded).is_ok() && reloaded.get(VS).is_some_and(|s| s.version == version)
+    })
+    .await;
+}

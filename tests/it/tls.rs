@@ -1,0 +1,268 @@
+//! TLS and mTLS on each side: the downstream listener, the upstream client,
+//! the dial-out listener, and certificates rotated on disk. Certificates are
+//! generated per test (helpers/certs.rs).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use clap::Parser;
+use mcp_xds_gateway::config::Args;
+use mcp_xds_gateway::proto::aggregated_mesh_config_service_client::AggregatedMeshConfigServiceClient;
+use mcp_xds_gateway::proto::{MeshConfigRequest, MeshConfigResponse};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::{Certificate, Channel, Endpoint, Identity, ServerTlsConfig};
+
+use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
+use crate::helpers::clients::{node, tls_channel, SotwClient, SOTW_PATH};
+use crate::helpers::galley::{dial_out, resource, FakeGalley};
+use crate::helpers::{eventually, names, start_gateway, within, VS};
+
+fn path(p: &Path) -> String {
+    p.to_str().unwrap().to_owned()
+}
+
+/// Opens a stream for VS and waits for the first response; any failure
+/// (connect, handshake, stream) is an Err with its text.
+async fn first_response(channel: Result<Channel, tonic::transport::Error>) -> Result<MeshConfigResponse, String> {
+    within("a TLS client's first response or its refusal", async {
+        let channel = channel.map_err(|e| format!("connect: {e:?}"))?;
+        let mut client = AggregatedMeshConfigServiceClient::new(channel);
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(MeshConfigRequest {
+            sink_node: node(),
+            type_url: VS.into(),
+            ..Default::default()
+        })
+        .unwrap();
+        let mut stream = client
+            .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
+            .await
+            .map_err(|s| format!("stream: {s:?}"))?
+            .into_inner();
+        let response = stream.message().await.map_err(|s| format!("response: {s:?}"))?;
+        drop(tx);
+        response.ok_or_else(|| "the stream ended without a response".to_owned())
+    })
+    .await
+}
+
+async fn plaintext(addr: SocketAddr) -> Result<Channel, tonic::transport::Error> {
+    within(
+        "a plaintext connection",
+        Endpoint::from_shared(format!("http://{addr}")).unwrap().connect(),
+    )
+    .await
+}
+
+/// A gateway on the shipped examples with TLS on its listeners.
+async fn tls_gateway(dir: &Path, ca: &Ca, mtls: bool, extra: &[&str]) -> mcp_xds_gateway::app::Bound {
+    let (cert, key) = write_leaf(dir, "server", &ca.leaf("gateway"));
+    let ca_path = write(dir, "client-ca.pem", &ca.pem);
+    let (cert, key, ca_path) = (path(&cert), path(&key), path(&ca_path));
+    let mut flags = vec!["--tls-cert", &cert, "--tls-key", &key];
+    if mtls {
+        flags.extend(["--client-ca", &ca_path]);
+    }
+    flags.extend_from_slice(extra);
+    start_gateway(&flags).await
+}
+
+#[tokio::test]
+async fn downstream_tls_and_mtls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = tls_gateway(dir.path(), &ca, true, &[]).await;
+
+    let pilot = ca.leaf("pilot");
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&pilot)).await.unwrap();
+    let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
+    client.subscribe(VS);
+    assert_eq!(
+        names(&client.recv().await.resources),
+        ["bookinfo/ratings", "bookinfo/reviews"]
+    );
+
+    // No client certificate, one from another CA, or no TLS at all: refused.
+    let stranger = Ca::new("other-ca").leaf("pilot");
+    for (what, outcome) in [
+        (
+            "no certificate",
+            first_response(tls_channel(gw.listen, &ca.pem, None).await).await,
+        ),
+        (
+            "another CA",
+            first_response(tls_channel(gw.listen, &ca.pem, Some(&stranger)).await).await,
+        ),
+        ("plaintext", first_response(plaintext(gw.listen).await).await),
+    ] {
+        assert!(outcome.is_err(), "{what}: a client must be refused, got {outcome:?}");
+    }
+
+    // TLS without --client-ca takes clients without certificates.
+    let dir = tempfile::tempdir().unwrap();
+    let gw = tls_gateway(dir.path(), &ca, false, &[]).await;
+    let response = first_response(tls_channel(gw.listen, &ca.pem, None).await).await;
+    assert_eq!(names(&response.unwrap().resources).len(), 2);
+}
+
+fn galley_tls(ca: &Ca, galley: &Leaf) -> ServerTlsConfig {
+    ServerTlsConfig::new()
+        .identity(Identity::from_pem(&galley.cert, &galley.key))
+        .client_ca_root(Certificate::from_pem(&ca.pem))
+}
+
+#[tokio::test]
+async fn the_upstream_is_dialled_over_mtls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("galley-ca");
+    let mut galley = FakeGalley::start_tls(galley_tls(&ca, &ca.leaf("galley"))).await;
+    let url = format!("https://{}", galley.addr);
+    let ca_path = path(&write(dir.path(), "ca.pem", &ca.pem));
+    let (cert, key) = write_leaf(dir.path(), "gateway", &ca.leaf("gateway"));
+    let (cert, key) = (path(&cert), path(&key));
+    let upstream_flags = [
+        "--upstream",
+        &url,
+        "--collections",
+        VS,
+        "--upstream-ca",
+        &ca_path,
+        "--upstream-server-name",
+        "localhost",
+        "--reconnect-min-delay",
+        "10ms",
+    ];
+
+    let gw = start_gateway(&[&upstream_flags[..], &["--upstream-cert", &cert, "--upstream-key", &key]].concat()).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 1);
+    assert!(gw.upstream.borrow().connected);
+
+    // Without a client certificate, Galley refuses the gateway, and the
+    // gateway says so and keeps retrying with backoff.
+    let without_cert = start_gateway(&upstream_flags).await;
+    eventually("the refusal to be reported", || {
+        let status = without_cert.upstream.borrow();
+        status.attempts >= 2 && status.last_error.is_some()
+    })
+    .await;
+    assert!(!without_cert.upstream.borrow().connected);
+    assert_eq!(
+        galley.streams_opened(),
+        1,
+        "only the gateway with a certificate got through"
+    );
+}
+
+#[tokio::test]
+async fn galleys_dial_out_over_mtls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = tls_gateway(
+        dir.path(),
+        &ca,
+        true,
+        &["--sink-listen", "127.0.0.1:0", "--collections", VS],
+    )
+    .await;
+    let sink = gw.sink.unwrap();
+
+    let anonymous = match tls_channel(sink, &ca.pem, None).await {
+        Ok(channel) => dial_out(channel, &[]).await.err(),
+        Err(_) => None,
+    };
+    if let Some(status) = &anonymous {
+        assert_ne!(status.code(), tonic::Code::Ok);
+    }
+    assert_eq!(
+        gw.upstream.borrow().attempts,
+        0,
+        "a source without a certificate never got a stream"
+    );
+
+    let channel = tls_channel(sink, &ca.pem, Some(&ca.leaf("galley"))).await.unwrap();
+    let mut galley = dial_out(channel, &[])
+        .await
+        .expect("a source with a certificate is accepted");
+    galley.initial_requests(1).await;
+    galley.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_certificate_rotated_on_disk_is_used_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_ca = Ca::new("old-ca");
+    let new_ca = Ca::new("new-ca");
+    let gw = tls_gateway(dir.path(), &old_ca, false, &[]).await;
+    assert!(first_response(tls_channel(gw.listen, &old_ca.pem, None).await)
+        .await
+        .is_ok());
+    assert!(first_response(tls_channel(gw.listen, &new_ca.pem, None).await)
+        .await
+        .is_err());
+
+    // cert-manager writes the new pair over the old files.
+    write_leaf(dir.path(), "server", &new_ca.leaf("gateway"));
+    within("the rotated certificate to be served", async {
+        loop {
+            if first_response(tls_channel(gw.listen, &new_ca.pem, None).await)
+                .await
+                .is_ok()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn unusable_certificate_files_are_start_up_errors_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("ca");
+    let (cert, _) = write_leaf(dir.path(), "one", &ca.leaf("one"));
+    let (_, other_key) = write_leaf(dir.path(), "two", &ca.leaf("two"));
+    let junk = write(dir.path(), "junk.pem", "junk");
+    let (cert, other_key, junk) = (path(&cert), path(&other_key), path(&junk));
+    for (flags, flag) in [
+        (vec!["--tls-cert", &cert, "--tls-key", &other_key], "--tls-key"),
+        (vec!["--tls-cert", &junk, "--tls-key", &other_key], "--tls-cert"),
+        (vec!["--tls-cert", &cert, "--tls-key", &junk], "--tls-key"),
+        (
+            vec![
+                "--tls-cert",
+                &cert,
+                "--tls-key",
+                &other_key,
+                "--client-ca",
+                "/nonexistent/ca.pem",
+            ],
+            "--client-ca",
+        ),
+        (
+            vec![
+                "--upstream",
+                "https://galley:9901",
+                "--upstream-cert",
+                &cert,
+                "--upstream-key",
+                &junk,
+            ],
+            "--upstream-key",
+        ),
+        (
+            vec!["--upstream", "https://galley:9901", "--upstream-cert", &cert],
+            "--upstream-key",
+        ),
+    ] {
+        let args = Args::try_parse_from(std::iter::once("mcp-xds-gateway").chain(flags.iter().copied())).unwrap();
+        let error = args.validate().unwrap_err().to_string();
+        assert!(error.starts_with(flag), "{flags:?}: {error}");
+    }
+}
