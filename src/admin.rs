@@ -1,23 +1,34 @@
-//! The admin HTTP port: liveness, readiness (which collections are still
-//! missing their first state) and the connected clients. Read-only.
+//! The admin HTTP port, read-only: liveness, readiness, Prometheus metrics and
+//! the debug views. Every debug view is JSON by default and an HTML table for
+//! a browser (`Accept: text/html`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::SystemTime;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{json, Value};
+use tokio::sync::watch;
 
-use crate::cache::Cache;
-use crate::downstream::registry::StreamView;
+use crate::cache::{Cache, CollectionSnapshot};
+use crate::downstream::registry::{StreamView, TypeView};
 use crate::downstream::Registry;
-use crate::upstream::Subscriptions;
+use crate::metrics as m;
+use crate::upstream::{Subscriptions, UpstreamStatus};
 
 #[derive(Clone)]
 pub struct AdminState {
     pub cache: Arc<Cache>,
     pub subscriptions: Arc<Subscriptions>,
     pub registry: Arc<Registry>,
+    pub upstream: watch::Receiver<UpstreamStatus>,
+    /// `None` when the process has another metrics recorder.
+    pub metrics: Option<PrometheusHandle>,
 }
 
 impl AdminState {
@@ -38,7 +49,12 @@ pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .route("/debug/clients", get(clients))
+        .route("/debug/syncz", get(syncz))
+        .route("/debug/cache", get(cache))
+        .route("/debug/cache/{*collection}", get(cache_collection))
+        .route("/debug/upstream", get(upstream))
         .with_state(state)
 }
 
@@ -58,6 +74,378 @@ async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     (StatusCode::SERVICE_UNAVAILABLE, body)
 }
 
-async fn clients(State(state): State<AdminState>) -> Json<Vec<StreamView>> {
-    Json(state.registry.streams())
+fn time(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+// === metrics ===
+
+async fn metrics(State(state): State<AdminState>) -> Response {
+    let Some(handle) = &state.metrics else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "metrics are off: another metrics recorder is installed in this process\n",
+        )
+            .into_response();
+    };
+    refresh_gauges(&state);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        handle.render(),
+    )
+        .into_response()
+}
+
+/// Gauges that are views of the current state, set at scrape time.
+fn refresh_gauges(state: &AdminState) {
+    let snapshots = state.cache.snapshots();
+    let mut current: BTreeMap<Arc<str>, Arc<str>> = BTreeMap::new();
+    for snapshot in &snapshots {
+        let collection = snapshot.collection.clone();
+        metrics::gauge!(m::CACHE_RESOURCES, "collection" => collection.clone()).set(snapshot.len() as f64);
+        metrics::gauge!(m::CACHE_BYTES, "collection" => collection.clone()).set(snapshot.bytes as f64);
+        metrics::gauge!(m::LAST_UPDATE, "collection" => collection.clone()).set(unix_seconds(snapshot.updated_at));
+        current.insert(collection, snapshot.version.clone());
+    }
+
+    let streams = state.registry.streams();
+    metrics::gauge!(m::CLIENTS).set(streams.len() as f64);
+    let mut by_kind: BTreeMap<(&'static str, &'static str), f64> = BTreeMap::new();
+    for protocol in ["sotw", "incremental"] {
+        for dialect in ["1.0", "1.1", "none"] {
+            by_kind.insert((protocol, dialect), 0.0);
+        }
+    }
+    let mut behind: BTreeMap<Arc<str>, f64> = current.keys().map(|c| (c.clone(), 0.0)).collect();
+    for stream in &streams {
+        let mut dialects: Vec<&'static str> = stream.types.values().map(|t| t.dialect.as_str()).collect();
+        dialects.sort_unstable();
+        dialects.dedup();
+        if dialects.is_empty() {
+            dialects.push("none");
+        }
+        for dialect in dialects {
+            *by_kind.entry((stream.protocol.as_str(), dialect)).or_default() += 1.0;
+        }
+        for view in stream.types.values() {
+            if let Some(version) = current.get(&view.collection) {
+                if view.acked_version.as_ref() != Some(version) {
+                    *behind.entry(view.collection.clone()).or_default() += 1.0;
+                }
+            }
+        }
+    }
+    for ((protocol, dialect), count) in by_kind {
+        metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => protocol, "dialect" => dialect).set(count);
+    }
+    for (collection, count) in behind {
+        metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
+    }
+    metrics::gauge!(m::UPSTREAM_CONNECTED).set(if state.upstream.borrow().connected { 1.0 } else { 0.0 });
+    metrics::gauge!(m::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    process_collector().collect();
+}
+
+fn process_collector() -> &'static metrics_process::Collector {
+    static COLLECTOR: std::sync::OnceLock<metrics_process::Collector> = std::sync::OnceLock::new();
+    COLLECTOR.get_or_init(|| {
+        let collector = metrics_process::Collector::default();
+        collector.describe();
+        collector
+    })
+}
+
+// === debug views ===
+
+/// JSON, or an HTML page of tables when the client asks for `text/html`.
+fn view(headers: &HeaderMap, title: &str, value: Value) -> Response {
+    let html = headers
+        .get(header::ACCEPT)
+        .and_then(|a| a.to_str().ok())
+        .is_some_and(|a| a.contains("text/html"));
+    if html {
+        Html(page(title, &value)).into_response()
+    } else {
+        Json(value).into_response()
+    }
+}
+
+/// Dialects of a stream's types: `1.0`, `1.1`, `mixed`, or empty before its
+/// first request.
+fn stream_dialect(stream: &StreamView) -> &'static str {
+    let mut dialects = stream.types.values().map(|t| t.dialect.as_str());
+    match dialects.next() {
+        None => "",
+        Some(first) if dialects.all(|d| d == first) => first,
+        Some(_) => "mixed",
+    }
+}
+
+fn type_json(view: &TypeView) -> Value {
+    json!({
+        "collection": view.collection,
+        "dialect": view.dialect.as_str(),
+        "last_sent_version": view.last_sent_version,
+        "last_sent_nonce": view.last_sent_nonce,
+        "acked_version": view.acked_version,
+        "outstanding": view.outstanding,
+        "last_nack": view.last_nack.as_ref().map(|n| json!({
+            "version": n.version,
+            "code": m::code_label(n.code),
+            "message": n.message,
+        })),
+    })
+}
+
+async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let streams: Vec<Value> = state
+        .registry
+        .streams()
+        .iter()
+        .map(|s| {
+            json!({
+                "id": s.id,
+                "peer": s.peer.map(|p| p.to_string()),
+                "node_id": s.node_id,
+                "protocol": s.protocol.as_str(),
+                "dialect": stream_dialect(s),
+                "connected_since": time(s.connected_since),
+                "types": s.types.iter().map(|(url, t)| (url.clone(), type_json(t))).collect::<serde_json::Map<_, _>>(),
+            })
+        })
+        .collect();
+    view(&headers, "Connected clients", Value::Array(streams))
+}
+
+/// Where a client stands on one type, against the cache's current version.
+pub fn sync_status(view: &TypeView, current: Option<&Arc<str>>) -> &'static str {
+    let Some(current) = current else {
+        // Nothing delivered upstream yet: nothing to be in sync with.
+        return "PENDING";
+    };
+    if view.last_nack.as_ref().is_some_and(|n| &n.version == current) {
+        "NACKED"
+    } else if view.outstanding {
+        "PENDING"
+    } else if view.acked_version.as_ref() == Some(current) {
+        "SYNCED"
+    } else {
+        "STALE"
+    }
+}
+
+async fn syncz(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let mut rows = Vec::new();
+    for stream in state.registry.streams() {
+        for (type_url, t) in &stream.types {
+            let current = state.cache.get(&t.collection).map(|s| s.version.clone());
+            rows.push(json!({
+                "stream": stream.id,
+                "peer": stream.peer.map(|p| p.to_string()),
+                "node_id": stream.node_id,
+                "protocol": stream.protocol.as_str(),
+                "type_url": type_url,
+                "status": sync_status(t, current.as_ref()),
+                "current_version": current,
+                "sent_version": t.last_sent_version,
+                "acked_version": t.acked_version,
+                "nack": t.last_nack.as_ref().map(|n| n.message.clone()),
+            }));
+        }
+    }
+    view(
+        &headers,
+        "Sync status (one line per client and type)",
+        Value::Array(rows),
+    )
+}
+
+fn snapshot_json(snapshot: &CollectionSnapshot) -> Value {
+    json!({
+        "collection": snapshot.collection,
+        "version": snapshot.version,
+        "resources": snapshot.len(),
+        "bytes": snapshot.bytes,
+        "updated_at": time(snapshot.updated_at),
+        "origin": snapshot.origin,
+    })
+}
+
+async fn cache(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let mut snapshots = state.cache.snapshots();
+    snapshots.sort_by(|a, b| a.collection.cmp(&b.collection));
+    let rows = snapshots.iter().map(|s| snapshot_json(s)).collect();
+    view(&headers, "Cache", Value::Array(rows))
+}
+
+async fn cache_collection(
+    State(state): State<AdminState>,
+    Path(collection): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let collection = collection.trim_start_matches('/');
+    let Some(snapshot) = state.cache.get(collection) else {
+        return (
+            StatusCode::NOT_FOUND,
+            format!("collection {collection:?} is not in the cache (see /debug/cache)\n"),
+        )
+            .into_response();
+    };
+    let mut value = snapshot_json(&snapshot);
+    value["resources"] = snapshot
+        .resources
+        .values()
+        .map(|r| json!({"name": r.name, "version": r.version, "body_type_url": r.body_type_url}))
+        .collect();
+    view(&headers, &format!("Cache: {collection}"), value)
+}
+
+async fn upstream(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let status = state.upstream.borrow().clone();
+    let subscriptions = state.subscriptions.current();
+    let value = json!({
+        "mode": status.mode,
+        "address": status.address,
+        "connected": status.connected,
+        "since": status.since.map(time),
+        "last_error": status.last_error,
+        "attempts": status.attempts,
+        "consecutive_failures": status.consecutive_failures,
+        "next_retry_in": status.next_retry_in.map(|d| humantime::format_duration(d).to_string()),
+        "peer": status.peer,
+        "source_metadata": status.source_metadata,
+        "subscribed": subscriptions.wanted,
+        "refused": subscriptions.refused,
+    });
+    view(&headers, "Upstream", value)
+}
+
+// === HTML ===
+
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '&' => out.push_str("&amp;"),
+            '"' => out.push_str("&quot;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A value as HTML: objects as key/value tables, arrays of objects as one
+/// table with a column per key, everything else as text.
+fn html(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => {}
+        Value::String(s) => out.push_str(&escape(s)),
+        Value::Object(map) => {
+            out.push_str("<table>");
+            for (key, value) in map {
+                out.push_str(&format!("<tr><th>{}</th><td>", escape(key)));
+                html(value, out);
+                out.push_str("</td></tr>");
+            }
+            out.push_str("</table>");
+        }
+        Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_object) => {
+            let mut columns: Vec<&String> = Vec::new();
+            for item in items {
+                for key in item.as_object().expect("checked").keys() {
+                    if !columns.contains(&key) {
+                        columns.push(key);
+                    }
+                }
+            }
+            out.push_str("<table><tr>");
+            for column in &columns {
+                out.push_str(&format!("<th>{}</th>", escape(column)));
+            }
+            out.push_str("</tr>");
+            for item in items {
+                out.push_str("<tr>");
+                for column in &columns {
+                    out.push_str("<td>");
+                    html(&item[column.as_str()], out);
+                    out.push_str("</td>");
+                }
+                out.push_str("</tr>");
+            }
+            out.push_str("</table>");
+        }
+        Value::Array(items) => {
+            let texts: Vec<String> = items
+                .iter()
+                .map(|item| {
+                    let mut text = String::new();
+                    html(item, &mut text);
+                    text
+                })
+                .collect();
+            out.push_str(&texts.join("<br>"));
+        }
+        other => out.push_str(&escape(&other.to_string())),
+    }
+}
+
+fn page(title: &str, value: &Value) -> String {
+    let mut body = String::new();
+    match value {
+        Value::Array(items) if items.is_empty() => body.push_str("<p>none</p>"),
+        _ => html(value, &mut body),
+    }
+    format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title><style>\
+         body{{font-family:sans-serif}}table{{border-collapse:collapse}}\
+         th,td{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}\
+         </style></head><body><h1>{title}</h1>{body}\
+         <p><a href=\"/debug/clients\">clients</a> · <a href=\"/debug/syncz\">syncz</a> · \
+         <a href=\"/debug/cache\">cache</a> · <a href=\"/debug/upstream\">upstream</a> · \
+         <a href=\"/metrics\">metrics</a></p></body></html>",
+        title = escape(title)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn html_tables_escape_and_take_every_key() {
+        let value = json!([{"a": "<x>", "b": 1}, {"a": "y", "c": [1, 2]}]);
+        let page = page("T", &value);
+        assert!(page.contains("<th>a</th><th>b</th><th>c</th>"), "{page}");
+        assert!(page.contains("&lt;x&gt;"));
+        assert!(page.contains("1<br>2"));
+    }
+
+    #[test]
+    fn sync_status_follows_the_current_version() {
+        let current: Arc<str> = "v2".into();
+        let mut view = TypeView::new(crate::collections::Resolved {
+            collection: "c".into(),
+            dialect: crate::collections::Dialect::V1_1,
+        });
+        assert_eq!(sync_status(&view, None), "PENDING");
+        assert_eq!(sync_status(&view, Some(&current)), "STALE");
+        view.outstanding = true;
+        assert_eq!(sync_status(&view, Some(&current)), "PENDING");
+        view.outstanding = false;
+        view.acked_version = Some(current.clone());
+        assert_eq!(sync_status(&view, Some(&current)), "SYNCED");
+        view.last_nack = Some(crate::downstream::registry::NackRecord {
+            version: current.clone(),
+            code: 3,
+            message: "bad".into(),
+        });
+        assert_eq!(sync_status(&view, Some(&current)), "NACKED");
+    }
 }

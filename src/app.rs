@@ -75,7 +75,7 @@ fn local_addr(flag: &'static str, listener: &TcpListener, addr: SocketAddr) -> R
 /// and the local source read before anything listens, so the first client is
 /// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
-    crate::metrics::describe();
+    let metrics = crate::metrics::install();
     let sotw_listener = bind("--listen", settings.listen).await?;
     let admin_listener = bind("--admin-listen", settings.admin_listen).await?;
     let listen = local_addr("--listen", &sotw_listener, settings.listen)?;
@@ -156,6 +156,8 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         cache: cache.clone(),
         subscriptions: subscriptions.clone(),
         registry: registry.clone(),
+        upstream: status_rx.clone(),
+        metrics,
     });
     let admin_shutdown = shutdown.clone();
     tasks.spawn(async move {

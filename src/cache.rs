@@ -159,6 +159,8 @@ pub struct CollectionSnapshot {
     /// Sum of the encoded resources' sizes.
     pub bytes: usize,
     pub updated_at: SystemTime,
+    /// `updated_at` on the monotonic clock, for push latency.
+    pub applied_at: std::time::Instant,
     pub origin: Origin,
     chunks: Vec<Arc<Chunk>>,
     /// The version field, then every chunk: the shared part of every
@@ -192,6 +194,7 @@ impl CollectionSnapshot {
             collection,
             resources,
             updated_at: SystemTime::now(),
+            applied_at: std::time::Instant::now(),
             origin,
             chunks,
             sotw_parts,

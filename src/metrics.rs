@@ -1,26 +1,95 @@
 //! Every metric name the gateway records, declared in one place with its help
-//! text. Labels are bounded: collection, code, reason, dialect, component;
-//! never a client, a node id or an address.
+//! text, and the Prometheus exporter behind `/metrics`. Labels are bounded:
+//! collection, code, reason, kind, protocol, dialect, component; never a
+//! client, a node id or an address.
 
-use metrics::{describe_counter, describe_gauge};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Istio's own names, so existing alerts keep working.
+pub const CLIENTS: &str = "istio_mcp_clients_total";
+pub const MESSAGE_SIZES: &str = "istio_mcp_message_sizes_bytes";
 pub const REQUEST_ACKS: &str = "istio_mcp_request_acks_total";
 pub const REQUEST_NACKS: &str = "istio_mcp_request_nacks_total";
+pub const SEND_FAILURES: &str = "istio_mcp_send_failures_total";
+pub const RECV_FAILURES: &str = "istio_mcp_recv_failures_total";
 pub const RECONNECTIONS: &str = "istio_mcp_reconnections";
-pub const CLIENTS: &str = "istio_mcp_clients_total";
 
 pub const UPSTREAM_CONNECTED: &str = "mcp_gateway_upstream_connected";
 pub const UPSTREAM_STREAM_TERMINATIONS: &str = "mcp_gateway_upstream_stream_terminations_total";
 pub const UPSTREAM_REFUSED_COLLECTIONS: &str = "mcp_gateway_upstream_refused_collections_total";
 pub const UPDATES_APPLIED: &str = "mcp_gateway_updates_applied_total";
+pub const LAST_UPDATE: &str = "mcp_gateway_last_update_timestamp_seconds";
+pub const CACHE_RESOURCES: &str = "mcp_gateway_cache_resources";
+pub const CACHE_BYTES: &str = "mcp_gateway_cache_bytes";
 pub const DOWNSTREAM_STREAMS: &str = "mcp_gateway_downstream_streams";
 pub const DOWNSTREAM_PUSHES: &str = "mcp_gateway_downstream_pushes_total";
 pub const DOWNSTREAM_STALE_REQUESTS: &str = "mcp_gateway_downstream_stale_requests_total";
 pub const DOWNSTREAM_NACKS: &str = "mcp_gateway_downstream_nacks_total";
+pub const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
+pub const PUSH_SIZE: &str = "mcp_gateway_push_size_bytes";
+pub const CLIENTS_BEHIND: &str = "mcp_gateway_clients_behind";
+pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
+pub const BUILD_INFO: &str = "mcp_gateway_build_info";
 
 pub const COMPONENT_UPSTREAM: &str = "upstream";
 pub const COMPONENT_DOWNSTREAM: &str = "downstream";
+
+/// Legacy clients' default gRPC receive limit: a larger response is rejected
+/// by a client that did not raise it.
+pub const LEGACY_CLIENT_LIMIT: usize = 4 << 20;
+
+/// 1, 4, 16, ... 1 GiB, as Istio's `istio_mcp_message_sizes_bytes`.
+fn size_buckets() -> Vec<f64> {
+    (0..16).map(|i| 4f64.powi(i)).collect()
+}
+
+/// 1 ms to 30 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+static EXPORTER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the Prometheus recorder (once per process; every gateway in the
+/// process shares it) and returns its handle. `None` when another recorder
+/// was installed first.
+pub fn install() -> Option<PrometheusHandle> {
+    EXPORTER
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(MESSAGE_SIZES.into()), &size_buckets())
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_SIZE.into()), &size_buckets()))
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_LATENCY.into()), LATENCY_BUCKETS));
+            let recorder = match builder {
+                Ok(builder) => builder.build_recorder(),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot configure the metrics exporter; /metrics is off");
+                    return None;
+                }
+            };
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::error!("another metrics recorder is installed; /metrics is off");
+                return None;
+            }
+            describe();
+            // Histograms buffer samples until upkeep folds them in.
+            let upkeep = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(Duration::from_secs(5));
+                    upkeep.run_upkeep();
+                })
+                .ok();
+            Some(handle)
+        })
+        .clone()
+}
 
 /// A gRPC code as a label value: its name, so a client's arbitrary number
 /// cannot create new series (unknown numbers are `Unknown`).
@@ -48,6 +117,13 @@ pub fn code_label(code: i32) -> &'static str {
 
 /// Registers the help text of every metric with the installed recorder.
 pub fn describe() {
+    describe_gauge!(CLIENTS, "Connected downstream streams.");
+    describe_histogram!(
+        MESSAGE_SIZES,
+        Unit::Bytes,
+        "Sizes of messages received from the source (component=upstream) and of responses sent to clients \
+         (component=downstream)."
+    );
     describe_counter!(
         REQUEST_ACKS,
         "ACKs sent upstream (component=upstream) or received from clients (component=downstream)."
@@ -56,8 +132,16 @@ pub fn describe() {
         REQUEST_NACKS,
         "NACKs sent upstream or received from clients, by gRPC code."
     );
+    describe_counter!(
+        SEND_FAILURES,
+        "Messages that could not be sent: requests to the source (connection refused, stream closed) or \
+         responses to clients that went away."
+    );
+    describe_counter!(
+        RECV_FAILURES,
+        "Streams that ended with an error while receiving, by gRPC code."
+    );
     describe_counter!(RECONNECTIONS, "Upstream stream re-establishments.");
-    describe_gauge!(CLIENTS, "Connected downstream streams.");
     describe_gauge!(UPSTREAM_CONNECTED, "1 while an upstream stream is established, else 0.");
     describe_counter!(UPSTREAM_STREAM_TERMINATIONS, "Upstream streams that ended, by reason.");
     describe_counter!(
@@ -69,8 +153,19 @@ pub fn describe() {
         "Upstream updates applied to the cache, by collection and kind (full, incremental)."
     );
     describe_gauge!(
+        LAST_UPDATE,
+        Unit::Seconds,
+        "Unix time of the last change to each collection's cached state."
+    );
+    describe_gauge!(CACHE_RESOURCES, "Resources in the cache, by collection.");
+    describe_gauge!(
+        CACHE_BYTES,
+        Unit::Bytes,
+        "Encoded size of the cached resources, by collection."
+    );
+    describe_gauge!(
         DOWNSTREAM_STREAMS,
-        "Open downstream streams by protocol (sotw, incremental)."
+        "Open downstream streams by protocol (sotw, incremental) and dialect (1.0, 1.1; none before a first request)."
     );
     describe_counter!(
         DOWNSTREAM_PUSHES,
@@ -84,6 +179,21 @@ pub fn describe() {
         DOWNSTREAM_NACKS,
         "NACKs received from downstream clients, by collection."
     );
+    describe_histogram!(
+        PUSH_LATENCY,
+        Unit::Seconds,
+        "From a change applied to the cache until the response carrying it is handed to a client's connection."
+    );
+    describe_histogram!(PUSH_SIZE, Unit::Bytes, "Sizes of responses pushed to clients.");
+    describe_gauge!(
+        CLIENTS_BEHIND,
+        "Client streams whose ACKed version of a collection is not the current one."
+    );
+    describe_counter!(
+        OVERSIZED_RESPONSES,
+        "Responses above 4 MiB, the default receive limit of legacy clients (they reject them unless raised)."
+    );
+    describe_gauge!(BUILD_INFO, "Always 1; the version label is the gateway's version.");
 }
 
 #[cfg(test)]

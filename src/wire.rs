@@ -96,6 +96,26 @@ pub struct AnyTypeUrl {
 pub struct EncodedResponse {
     pub shared: Arc<[Bytes]>,
     pub suffix: Bytes,
+    /// For metrics when the response is written; not part of the message.
+    pub push: Option<PushMeta>,
+}
+
+/// What a response carries, for the metrics recorded when it is written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PushMeta {
+    pub collection: Arc<str>,
+    /// When the change it carries was applied, if that was after the stream
+    /// began (a new client's first response measures nothing).
+    pub changed_at: Option<std::time::Instant>,
+}
+
+impl PushMeta {
+    pub fn new(collection: &Arc<str>, applied_at: std::time::Instant, stream_started: std::time::Instant) -> Self {
+        Self {
+            collection: collection.clone(),
+            changed_at: (applied_at >= stream_started).then_some(applied_at),
+        }
+    }
 }
 
 impl EncodedResponse {
@@ -246,6 +266,7 @@ mod tests {
         let response = EncodedResponse {
             shared: parts.into(),
             suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
+            push: None,
         };
         assert_eq!(response.to_bytes(), {
             let mut whole = encode_body("ver", resources.iter(), &[]).to_vec();
@@ -265,6 +286,7 @@ mod tests {
         let response = EncodedResponse {
             shared: Arc::from([body]),
             suffix: encode_suffix(None, "1"),
+            push: None,
         };
         let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.to_bytes()).unwrap();
         assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);

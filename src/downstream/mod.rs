@@ -143,6 +143,11 @@ fn record_ack(collection: &Arc<str>) {
         .increment(1);
 }
 
+/// A response could not be queued: the client's stream is gone.
+fn send_failed() {
+    metrics::counter!(m::SEND_FAILURES, "component" => m::COMPONENT_DOWNSTREAM, "code" => "Cancelled").increment(1);
+}
+
 /// Ends a stream's response with `status`, or gives up if the client does not
 /// read it in time.
 async fn end_with(out: &Outbound, status: Status) {
@@ -205,7 +210,10 @@ async fn drive<P: StreamProtocol>(
             request = inbound.message() => match request {
                 Ok(Some(request)) => match stream.on_request(request, &out).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(ClientGone)) => break None,
+                    Ok(Err(ClientGone)) => {
+                        send_failed();
+                        break None;
+                    }
                     Err(status) => break Some(status),
                 },
                 Ok(None) => break None,
@@ -213,11 +221,18 @@ async fn drive<P: StreamProtocol>(
                 // status; after a client's cancel nobody reads it.
                 Err(status) => {
                     tracing::debug!(stream = stream.id(), %status, "client stream ended");
+                    metrics::counter!(
+                        m::RECV_FAILURES,
+                        "component" => m::COMPONENT_DOWNSTREAM,
+                        "code" => m::code_label(status.code() as i32)
+                    )
+                    .increment(1);
                     break Some(status);
                 }
             },
             change = stream.next_change() => {
                 if stream.on_change(change, &out).await.is_err() {
+                    send_failed();
                     break None;
                 }
             }

@@ -5,12 +5,11 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use dashmap::DashMap;
 
 use crate::collections::Dialect;
-use crate::metrics as m;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -94,12 +93,10 @@ impl Registry {
             types: BTreeMap::new(),
         }));
         self.streams.insert(id, view.clone());
-        metrics::gauge!(m::CLIENTS).increment(1.0);
-        metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => protocol.as_str()).increment(1.0);
         RegistryEntry {
             registry: self.clone(),
             id,
-            protocol,
+            started: Instant::now(),
             view,
         }
     }
@@ -129,11 +126,16 @@ impl Registry {
 pub struct RegistryEntry {
     registry: Arc<Registry>,
     id: u64,
-    protocol: Protocol,
+    started: Instant,
     view: Arc<Mutex<StreamView>>,
 }
 
 impl RegistryEntry {
+    /// When the stream began.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     pub fn set_node_id(&self, node_id: &str) {
         let mut view = self.view.lock().expect("registry lock poisoned");
         if view.node_id != node_id {
@@ -150,7 +152,5 @@ impl RegistryEntry {
 impl Drop for RegistryEntry {
     fn drop(&mut self) {
         self.registry.streams.remove(&self.id);
-        metrics::gauge!(m::CLIENTS).decrement(1.0);
-        metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => self.protocol.as_str()).decrement(1.0);
     }
 }

@@ -20,7 +20,8 @@ use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
 use super::{Downstream, IncrementalStream, SotwStream};
-use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
+use crate::metrics as m;
+use crate::wire::{EncodedResponse, IncrementalRequest, PushMeta, SotwRequest};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
@@ -136,6 +137,8 @@ pub struct FramedResponses {
     /// The message being written.
     writing: Option<Writing>,
     done: bool,
+    /// An oversized response is logged once per stream.
+    warned_oversized: bool,
 }
 
 struct Writing {
@@ -163,6 +166,34 @@ impl FramedResponses {
             responses,
             writing: None,
             done: false,
+            warned_oversized: false,
+        }
+    }
+}
+
+/// The metrics of a response handed to the client's connection.
+fn record_write(push: &PushMeta, len: usize, warned_oversized: &mut bool) {
+    let collection = push.collection.clone();
+    metrics::histogram!(m::PUSH_SIZE, "collection" => collection.clone()).record(len as f64);
+    metrics::histogram!(
+        m::MESSAGE_SIZES,
+        "component" => m::COMPONENT_DOWNSTREAM,
+        "collection" => collection.clone()
+    )
+    .record(len as f64);
+    if let Some(changed_at) = push.changed_at {
+        metrics::histogram!(m::PUSH_LATENCY, "collection" => collection.clone())
+            .record(changed_at.elapsed().as_secs_f64());
+    }
+    if len > m::LEGACY_CLIENT_LIMIT {
+        metrics::counter!(m::OVERSIZED_RESPONSES, "collection" => collection.clone()).increment(1);
+        if !std::mem::replace(warned_oversized, true) {
+            tracing::warn!(
+                %collection,
+                bytes = len,
+                "a response is larger than 4 MiB, the default receive limit of legacy clients; \
+                 a client that did not raise it will reject it"
+            );
         }
     }
 }
@@ -192,6 +223,9 @@ impl http_body::Body for FramedResponses {
         let status = match ready!(this.responses.poll_recv(cx)) {
             Some(Ok(response)) => {
                 let len = response.len();
+                if let Some(push) = &response.push {
+                    record_write(push, len, &mut this.warned_oversized);
+                }
                 match u32::try_from(len) {
                     Ok(len) => {
                         let mut header = BytesMut::with_capacity(5);

@@ -15,7 +15,7 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, ClientGone, Downstream, Outbound, StreamProtocol};
 use crate::cache::CollectionSnapshot;
 use crate::metrics as m;
-use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
+use crate::wire::{encode_suffix, EncodedResponse, PushMeta, SotwRequest};
 
 type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
 
@@ -155,6 +155,11 @@ impl SotwStream {
         let response = EncodedResponse {
             shared: snapshot.sotw_parts().clone(),
             suffix: encode_suffix(Some(type_url), &nonce),
+            push: Some(PushMeta::new(
+                &snapshot.collection,
+                snapshot.applied_at,
+                self.entry.started(),
+            )),
         };
         state.view.outstanding = true;
         state.view.last_sent_nonce = Some(nonce);

@@ -172,10 +172,13 @@ impl UpstreamClient {
         let channel = tokio::select! {
             connected = endpoint.connect() => match connected {
                 Ok(channel) => channel,
-                Err(e) => return StreamEnd::Failed {
-                    reason: "connect",
-                    message: format!("cannot connect to {}: {}", self.settings.address, error_chain(&e)),
-                },
+                Err(e) => {
+                    stream::send_failed("Unavailable");
+                    return StreamEnd::Failed {
+                        reason: "connect",
+                        message: format!("cannot connect to {}: {}", self.settings.address, error_chain(&e)),
+                    };
+                }
             },
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,
         };
@@ -203,7 +206,10 @@ impl UpstreamClient {
         };
         let mut inbound = match response {
             Ok(response) => response.into_inner(),
-            Err(status) => return stream::classify(status),
+            Err(status) => {
+                stream::send_failed(m::code_label(status.code() as i32));
+                return stream::classify(status);
+            }
         };
         self.set_connected(true);
         tracing::info!(address = %self.settings.address, "upstream stream established");

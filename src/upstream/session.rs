@@ -109,6 +109,12 @@ impl SinkSession {
         } else {
             "unsubscribed".to_owned()
         };
+        metrics::histogram!(
+            m::MESSAGE_SIZES,
+            "component" => m::COMPONENT_UPSTREAM,
+            "collection" => collection_label.clone()
+        )
+        .record(message.encoded_len() as f64);
         let reply = match &outcome {
             Ok(applied) => {
                 if let (Some(persister), Applied::Changed { .. }) = (&self.persister, applied) {

@@ -8,6 +8,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Streaming};
 
 use super::{SinkSession, SubscriptionState};
+use crate::metrics as m;
 use crate::proto::RequestResources;
 use crate::wire::RawResources;
 
@@ -52,6 +53,7 @@ pub async fn run(
                     *delivered = true;
                     let handled = session.handle(message);
                     if outbound.send(handled.reply).await.is_err() {
+                        send_failed("Unavailable");
                         return StreamEnd::Failed {
                             reason: "send",
                             message: "the stream to the source closed while sending an ACK".into(),
@@ -62,7 +64,15 @@ pub async fn run(
                     reason: "closed",
                     message: "the source closed the stream".into(),
                 },
-                Err(status) => return classify(status),
+                Err(status) => {
+                    metrics::counter!(
+                        m::RECV_FAILURES,
+                        "component" => m::COMPONENT_UPSTREAM,
+                        "code" => m::code_label(status.code() as i32)
+                    )
+                    .increment(1);
+                    return classify(status);
+                }
             },
             changed = subscriptions.changed() => {
                 if changed.is_err() {
@@ -73,6 +83,7 @@ pub async fn run(
                 for request in initial_requests(session, subscriptions) {
                     tracing::info!(collection = %request.collection, "subscribing on the live stream");
                     if outbound.send(request).await.is_err() {
+                        send_failed("Unavailable");
                         return StreamEnd::Failed {
                             reason: "send",
                             message: "the stream to the source closed while subscribing".into(),
@@ -83,6 +94,11 @@ pub async fn run(
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,
         }
     }
+}
+
+/// A request to the source could not be sent.
+pub fn send_failed(code: &'static str) {
+    metrics::counter!(m::SEND_FAILURES, "component" => m::COMPONENT_UPSTREAM, "code" => code).increment(1);
 }
 
 /// Galley ends the whole stream with `InvalidArgument "unsupported collection
