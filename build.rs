@@ -29,6 +29,9 @@ fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
     let fds = protox::compile(["istio/mcp/v1alpha1/mcp.proto"], ["proto"])?;
+    // For gRPC server reflection on the downstream port.
+    let descriptor_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("mcp_descriptor.bin");
+    std::fs::write(descriptor_path, prost::Message::encode_to_vec(&fds))?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

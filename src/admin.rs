@@ -32,16 +32,57 @@ pub struct AdminState {
 }
 
 impl AdminState {
-    /// Subscribed collections without a first state. A collection the source
-    /// refused is not waited for: it would never arrive.
     pub fn missing(&self) -> Vec<String> {
-        self.subscriptions
-            .current()
-            .wanted
-            .iter()
-            .filter(|c| self.cache.get(c).is_none())
-            .map(|c| c.to_string())
-            .collect()
+        missing(&self.subscriptions, &self.cache)
+    }
+}
+
+/// Subscribed collections without a first state: the gateway is ready when
+/// there are none. A collection the source refused is not waited for: it
+/// would never arrive.
+pub fn missing(subscriptions: &Subscriptions, cache: &Cache) -> Vec<String> {
+    subscriptions
+        .current()
+        .wanted
+        .iter()
+        .filter(|c| cache.get(c).is_none())
+        .map(|c| c.to_string())
+        .collect()
+}
+
+/// Keeps gRPC health (`""` and the aggregated service) at SERVING while the
+/// gateway is ready, NOT_SERVING before and after (shutdown).
+pub async fn track_health(
+    health: tonic_health::server::HealthReporter,
+    service: &'static str,
+    subscriptions: Arc<Subscriptions>,
+    cache: Arc<Cache>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    use tonic_health::ServingStatus;
+    let mut changes = cache.changes();
+    let mut wanted = subscriptions.watch();
+    let mut reported = None;
+    loop {
+        let status = if missing(&subscriptions, &cache).is_empty() {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        if reported != Some(status) {
+            health.set_service_status("", status).await;
+            health.set_service_status(service, status).await;
+            reported = Some(status);
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = wanted.changed() => {}
+            _ = shutdown.cancelled() => {
+                health.set_service_status("", ServingStatus::NotServing).await;
+                health.set_service_status(service, ServingStatus::NotServing).await;
+                return;
+            }
+        }
     }
 }
 

@@ -23,6 +23,9 @@ use crate::upstream::client::UpstreamClient;
 use crate::upstream::sink::SinkServer;
 use crate::upstream::{Subscriptions, UpstreamStatus};
 
+/// `--max-connection-age 0s`: connections live as long as their clients.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// Requests from legacy clients are small; this only bounds a bad client.
 const MAX_CLIENT_REQUEST_BYTES: usize = 4 << 20;
 
@@ -40,6 +43,8 @@ pub enum AppError {
     CacheDir { dir: PathBuf, source: std::io::Error },
     #[error("--source-dir {dir}: {message}")]
     SourceDir { dir: String, message: String },
+    #[error("cannot build gRPC reflection from the embedded descriptors: {0}")]
+    Reflection(tonic_reflection::server::Error),
 }
 
 /// A running gateway.
@@ -137,6 +142,28 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         tasks.clone(),
     );
     let service = AggregatedService::new(downstream, MAX_CLIENT_REQUEST_BYTES);
+    let service_name = <AggregatedService as tonic::server::NamedService>::NAME;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    health
+        .set_service_status(service_name, tonic_health::ServingStatus::NotServing)
+        .await;
+    tasks.spawn(admin::track_health(
+        health,
+        service_name,
+        subscriptions.clone(),
+        cache.clone(),
+        shutdown.clone(),
+    ));
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1().map_err(AppError::Reflection)?;
+    let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
     // Responses go out as a few chunks (frame header, shared body, nonce):
     // `tls::incoming` sets TCP_NODELAY so the small last chunk does not wait
     // for the client's delayed ACK (~40 ms).
@@ -144,7 +171,12 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .max_connection_age(settings.max_connection_age.unwrap_or(FOREVER))
+        .max_connection_age_grace(settings.max_connection_age_grace)
         .add_service(service)
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     tasks.spawn(async move {
         if let Err(e) = server.await {

@@ -304,6 +304,8 @@ type Slot = watch::Sender<Option<Arc<CollectionSnapshot>>>;
 pub struct Cache {
     // Held only to find or create a slot, never across an await.
     slots: RwLock<HashMap<Arc<str>, Slot>>,
+    /// Bumped on every change to any collection (readiness follows it).
+    generation: watch::Sender<u64>,
 }
 
 // === impl Cache ===
@@ -311,6 +313,11 @@ pub struct Cache {
 impl Cache {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Sees a new value whenever any collection changes.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
     }
 
     fn slot(&self, collection: &str) -> Slot {
@@ -412,6 +419,7 @@ impl Cache {
             }
         });
         if changed {
+            self.generation.send_modify(|g| *g += 1);
             Applied::Changed { version }
         } else {
             Applied::Unchanged { version }

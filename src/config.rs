@@ -24,9 +24,13 @@ const GALLEY_MIN_KEEPALIVE: Duration = Duration::from_secs(30);
 #[command(
     name = "mcp-xds-gateway",
     version,
-    about = "Serves Istio Galley's MCP config to legacy AggregatedMeshConfigService clients"
+    about = "Serves Istio Galley's MCP config to legacy AggregatedMeshConfigService clients",
+    args_conflicts_with_subcommands = true
 )]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// Dial Galley's ResourceSource at this address, e.g. http://galley:9901
     /// or https://galley:9901. One of --upstream, --sink-listen, --source-dir.
     #[arg(long, env = "MCP_GATEWAY_UPSTREAM", value_name = "URL")]
@@ -135,6 +139,16 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_RECONNECT_MAX_DELAY", default_value = "30s", value_parser = parse_duration)]
     pub reconnect_max_delay: Duration,
 
+    /// Downstream connections older than this get GOAWAY, so clients
+    /// rebalance across interchangeable replicas ("0s": never).
+    #[arg(long, env = "MCP_GATEWAY_MAX_CONNECTION_AGE", default_value = "30m", value_parser = parse_duration)]
+    pub max_connection_age: Duration,
+
+    /// After GOAWAY, how long a connection's streams may continue before it
+    /// is closed (clients then reconnect, possibly to another replica).
+    #[arg(long, env = "MCP_GATEWAY_MAX_CONNECTION_AGE_GRACE", default_value = "1m", value_parser = parse_duration)]
+    pub max_connection_age_grace: Duration,
+
     /// How long shutdown waits for streams to close before exiting.
     #[arg(long, env = "MCP_GATEWAY_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
@@ -142,6 +156,22 @@ pub struct Args {
     /// Log filter (tracing's EnvFilter syntax); RUST_LOG, when set, wins.
     #[arg(long, env = "MCP_GATEWAY_LOG_LEVEL", default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as text or as one JSON object per line.
+    #[arg(long, env = "MCP_GATEWAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Act as a legacy client: subscribe, ACK, and print one line per update.
+    Client(crate::client_cmd::ClientArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +215,9 @@ pub struct Settings {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub shutdown_grace: Duration,
+    /// `None`: no maximum.
+    pub max_connection_age: Option<Duration>,
+    pub max_connection_age_grace: Duration,
 }
 
 // === impl Args ===
@@ -344,6 +377,8 @@ impl Args {
             listen: self.listen,
             admin_listen: self.admin_listen,
             shutdown_grace: self.shutdown_grace,
+            max_connection_age: (!self.max_connection_age.is_zero()).then_some(self.max_connection_age),
+            max_connection_age_grace: self.max_connection_age_grace,
         })
     }
 }

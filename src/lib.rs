@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod app;
 pub mod cache;
+pub mod client_cmd;
 pub mod collections;
 pub mod config;
 pub mod downstream;

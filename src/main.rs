@@ -4,11 +4,15 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use mcp_xds_gateway::{app, config::Args};
+use mcp_xds_gateway::app;
+use mcp_xds_gateway::config::{Args, Command, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Some(Command::Client(client)) = args.command.take() {
+        return run_client(client);
+    }
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&args.log_level));
     let filter = match filter {
         Ok(filter) => filter,
@@ -17,10 +21,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stdout().is_terminal())
-        .init();
+    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+    match args.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
+        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
+    }
     let settings = match args.validate() {
         Ok(settings) => settings,
         Err(e) => {
@@ -36,6 +41,25 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(settings)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `mcp-xds-gateway client`: output on stdout, errors on stderr, exit 1 on error.
+fn run_client(args: mcp_xds_gateway::client_cmd::ClientArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut stdout = std::io::stdout();
+    match runtime.block_on(mcp_xds_gateway::client_cmd::run(args, &mut stdout)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -13,3 +13,7 @@ pub mod gateway {
     ));
     include!(concat!(env!("OUT_DIR"), "/gateway/istio.mcp.v1alpha1.ResourceSink.rs"));
 }
+
+/// The encoded `FileDescriptorSet` of the MCP protos and their imports, for
+/// gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/mcp_descriptor.bin"));

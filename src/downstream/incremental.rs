@@ -12,7 +12,7 @@ use tokio_stream::StreamExt;
 use tonic::Status;
 
 use super::registry::{Protocol, RegistryEntry, TypeView};
-use super::{record_ack, record_nack, ClientGone, Downstream, Outbound, StreamProtocol};
+use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics as m;
 use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest, PushMeta};
@@ -40,6 +40,7 @@ pub(super) struct IncrementalStream {
     id: u64,
     subscribed: Option<Subscribed>,
     last_nonce: u64,
+    logs: StreamLogs,
 }
 
 // === impl IncrementalStream ===
@@ -56,6 +57,7 @@ impl StreamProtocol for IncrementalStream {
             id,
             subscribed: None,
             last_nonce: 0,
+            logs: StreamLogs::default(),
         }
     }
 
@@ -116,8 +118,16 @@ impl StreamProtocol for IncrementalStream {
             .as_ref()
             .is_some_and(|nonce| *nonce == request.response_nonce);
         if !matches {
-            metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
-            tracing::debug!(stream = self.id, nonce = %request.response_nonce, "stale request ignored");
+            let expected = subscribed.view.last_sent_nonce.clone().unwrap_or_default();
+            let type_url = subscribed.type_url.clone();
+            record_stale(
+                self.id,
+                &mut self.logs,
+                &type_url,
+                collection,
+                &expected,
+                &request.response_nonce,
+            );
             return Ok(Ok(()));
         }
         subscribed.view.outstanding = false;
@@ -125,7 +135,14 @@ impl StreamProtocol for IncrementalStream {
         match request.error_detail {
             Some(error) => {
                 let version = sent.version.clone();
-                let record = record_nack(self.id, &subscribed.type_url, &collection, version, error);
+                let record = record_nack(
+                    self.id,
+                    &mut self.logs,
+                    &subscribed.type_url,
+                    &collection,
+                    version,
+                    error,
+                );
                 subscribed.view.last_nack = Some(record);
             }
             None => {

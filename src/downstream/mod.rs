@@ -105,10 +105,63 @@ impl Downstream {
     }
 }
 
-/// Counts and logs a client's NACK of `version`, and returns the record the
-/// stream keeps (the version is never sent to that client again).
+/// How often one stream may log each kind of repeated event.
+const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Rate limit for one stream's repeated log lines: the first is logged, then
+/// at most one per [`LOG_INTERVAL`], carrying how many were skipped. A client
+/// that NACKs or sends stale nonces in a loop cannot flood the log.
+#[derive(Debug, Default)]
+struct LogLimit {
+    last: Option<std::time::Instant>,
+    skipped: u64,
+}
+
+impl LogLimit {
+    /// `Some(skipped since the last line)` when this one may be logged.
+    fn allow(&mut self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        match self.last {
+            Some(last) if now.duration_since(last) < LOG_INTERVAL => {
+                self.skipped += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.skipped))
+            }
+        }
+    }
+}
+
+/// A stream's log limits, one per kind of repeated event.
+#[derive(Debug, Default)]
+struct StreamLogs {
+    nacks: LogLimit,
+    stale: LogLimit,
+}
+
+/// Counts a request with a stale or unknown nonce, and logs it (rate-limited).
+fn record_stale(stream: u64, logs: &mut StreamLogs, type_url: &str, collection: Arc<str>, expected: &str, got: &str) {
+    metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
+    if let Some(skipped) = logs.stale.allow() {
+        tracing::info!(
+            stream,
+            %type_url,
+            expected,
+            got,
+            skipped,
+            "stale request ignored (a nonce that is not the last one sent)"
+        );
+    }
+}
+
+/// Counts and logs a client's NACK of `version` (the log rate-limited per
+/// stream), and returns the record the stream keeps (the version is never
+/// sent to that client again).
 fn record_nack(
     stream: u64,
+    logs: &mut StreamLogs,
     type_url: &str,
     collection: &Arc<str>,
     version: Arc<str>,
@@ -122,14 +175,17 @@ fn record_nack(
         "code" => m::code_label(error.code)
     )
     .increment(1);
-    tracing::warn!(
-        stream,
-        %type_url,
-        %version,
-        code = error.code,
-        message = %error.message,
-        "client NACKed a version; it keeps its previous state and this version is not sent to it again"
-    );
+    if let Some(skipped) = logs.nacks.allow() {
+        tracing::warn!(
+            stream,
+            %type_url,
+            %version,
+            code = error.code,
+            message = %error.message,
+            skipped,
+            "client NACKed a version; it keeps its previous state and this version is not sent to it again"
+        );
+    }
     NackRecord {
         version,
         code: error.code,
@@ -257,5 +313,22 @@ impl Downstream {
             .tasks
             .spawn(drive(stream, inbound, tx, self.inner.shutdown.clone()));
         rx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_logs_are_limited_and_count_what_they_skip() {
+        let mut limit = LogLimit::default();
+        assert_eq!(limit.allow(), Some(0));
+        assert_eq!(limit.allow(), None);
+        assert_eq!(limit.allow(), None);
+        // As if the interval had passed.
+        limit.last = Some(std::time::Instant::now() - LOG_INTERVAL);
+        assert_eq!(limit.allow(), Some(2));
+        assert_eq!(limit.allow(), None);
     }
 }

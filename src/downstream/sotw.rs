@@ -12,7 +12,7 @@ use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
 
 use super::registry::{Protocol, RegistryEntry, TypeView};
-use super::{record_ack, record_nack, ClientGone, Downstream, Outbound, StreamProtocol};
+use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::CollectionSnapshot;
 use crate::metrics as m;
 use crate::wire::{encode_suffix, EncodedResponse, PushMeta, SotwRequest};
@@ -34,6 +34,7 @@ pub(super) struct SotwStream {
     changes: StreamMap<String, SnapshotWatch>,
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
+    logs: StreamLogs,
 }
 
 // === impl SotwStream ===
@@ -51,6 +52,7 @@ impl StreamProtocol for SotwStream {
             types: HashMap::new(),
             changes: StreamMap::new(),
             last_nonce: 0,
+            logs: StreamLogs::default(),
         }
     }
 
@@ -99,7 +101,14 @@ impl StreamProtocol for SotwStream {
                 match request.error_detail {
                     Some(error) => {
                         let version = state.view.last_sent_version.clone().unwrap_or_else(|| Arc::from(""));
-                        state.view.last_nack = Some(record_nack(self.id, &type_url, &collection, version, error));
+                        state.view.last_nack = Some(record_nack(
+                            self.id,
+                            &mut self.logs,
+                            &type_url,
+                            &collection,
+                            version,
+                            error,
+                        ));
                     }
                     None => {
                         record_ack(&collection);
@@ -108,13 +117,13 @@ impl StreamProtocol for SotwStream {
                 }
             }
             Some(nonce) => {
-                metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
-                tracing::debug!(
-                    stream = self.id,
-                    %type_url,
-                    expected = %nonce,
-                    got = %request.response_nonce,
-                    "stale request ignored"
+                record_stale(
+                    self.id,
+                    &mut self.logs,
+                    &type_url,
+                    collection,
+                    &nonce,
+                    &request.response_nonce,
                 );
                 return Ok(Ok(()));
             }
