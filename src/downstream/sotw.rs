@@ -122,7 +122,7 @@ impl StreamProtocol for SotwStream {
                     &mut self.logs,
                     &type_url,
                     collection,
-                    &nonce,
+                    nonce,
                     &request.response_nonce,
                 );
                 return Ok(Ok(()));
