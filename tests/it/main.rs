@@ -4,9 +4,11 @@
 mod helpers;
 
 mod admin;
+mod deploy;
 mod dialects;
 mod incremental;
 mod load;
+mod operating;
 mod process;
 mod sotw;
 mod sources;

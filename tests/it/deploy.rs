@@ -1,0 +1,254 @@
+//! The manifests in `deploy/` against the binary itself: every manifest
+//! parses, ports and probe paths match the gateway's defaults, every flag in
+//! a container's args is one the binary accepts (and validates), and the
+//! dashboard ConfigMap is the dashboard.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use clap::{CommandFactory, Parser};
+use mcp_xds_gateway::config::Args;
+use serde_norway::Value;
+
+use crate::helpers::http_get;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every YAML document under `deploy/`, by file.
+fn manifests() -> BTreeMap<PathBuf, Vec<Value>> {
+    fn walk(dir: &Path, out: &mut BTreeMap<PathBuf, Vec<Value>>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "yaml") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let docs: Vec<Value> = serde_norway::Deserializer::from_str(&text)
+                    .map(|doc| {
+                        serde::Deserialize::deserialize(doc)
+                            .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()))
+                    })
+                    .collect();
+                out.insert(path, docs);
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(&root().join("deploy"), &mut out);
+    out
+}
+
+fn kind(doc: &Value) -> &str {
+    doc["kind"].as_str().unwrap_or("")
+}
+
+fn find<'a>(all: &'a BTreeMap<PathBuf, Vec<Value>>, file: &str) -> &'a Vec<Value> {
+    all.get(&root().join("deploy").join(file))
+        .unwrap_or_else(|| panic!("deploy/{file} is missing"))
+}
+
+fn container(deployment: &Value) -> &Value {
+    &deployment["spec"]["template"]["spec"]["containers"][0]
+}
+
+/// Named container ports: name → port.
+fn ports(container: &Value) -> BTreeMap<String, u64> {
+    container["ports"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                p["containerPort"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn args(container: &Value) -> Vec<String> {
+    container["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The container's args, checked by the binary's own parser and validation.
+fn validate(args: &[String]) -> mcp_xds_gateway::config::Settings {
+    let known: Vec<String> = Args::command()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+        .collect();
+    for arg in args {
+        let flag = arg.split('=').next().unwrap();
+        assert!(known.iter().any(|k| k == flag), "{flag} is not a flag of the binary");
+    }
+    Args::try_parse_from(std::iter::once("mcp-xds-gateway".to_owned()).chain(args.iter().cloned()))
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+        .validate()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+#[test]
+fn every_manifest_parses_and_the_kustomizations_name_existing_files() {
+    let all = manifests();
+    assert!(all.len() >= 10, "{:?}", all.keys());
+    for (path, docs) in &all {
+        for doc in docs {
+            assert!(
+                !kind(doc).is_empty(),
+                "{} has a document without a kind",
+                path.display()
+            );
+            if kind(doc) != "Kustomization" && kind(doc) != "Component" {
+                continue;
+            }
+            let dir = path.parent().unwrap();
+            let listed = ["resources", "components"]
+                .iter()
+                .flat_map(|key| doc[*key].as_sequence().into_iter().flatten())
+                .chain(doc["patches"].as_sequence().into_iter().flatten().map(|p| &p["path"]))
+                .chain(
+                    doc["configMapGenerator"]
+                        .as_sequence()
+                        .into_iter()
+                        .flatten()
+                        .flat_map(|g| g["files"].as_sequence().into_iter().flatten()),
+                );
+            for entry in listed {
+                let target = dir.join(entry.as_str().unwrap());
+                assert!(
+                    target.exists(),
+                    "{} names {} which does not exist",
+                    path.display(),
+                    target.display()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_base_matches_the_binarys_defaults() {
+    let all = manifests();
+    let defaults = Args::try_parse_from(["mcp-xds-gateway"]).unwrap();
+
+    let deployment = &find(&all, "base/deployment.yaml")[0];
+    assert_eq!(kind(deployment), "Deployment");
+    let gateway = container(deployment);
+    let ports = ports(gateway);
+    assert_eq!(ports["grpc-mcp"], u64::from(defaults.listen.port()));
+    assert_eq!(ports["http-admin"], u64::from(defaults.admin_listen.port()));
+    assert_eq!(gateway["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(gateway["readinessProbe"]["httpGet"]["port"], "http-admin");
+    assert_eq!(gateway["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(gateway["livenessProbe"]["httpGet"]["port"], "http-admin");
+    assert!(gateway["resources"]["requests"]["cpu"].is_string());
+    assert!(gateway["resources"]["requests"]["memory"].is_string());
+
+    // Restricted security context.
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault");
+    assert_eq!(gateway["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(gateway["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(gateway["securityContext"]["capabilities"]["drop"][0], "ALL");
+    // Termination outlasts the gateway's own shutdown grace.
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(grace > defaults.shutdown_grace.as_secs(), "{grace}");
+
+    // The args are flags the binary accepts, and a cache dir it can write.
+    let settings = validate(&args(gateway));
+    assert!(matches!(settings.source, mcp_xds_gateway::config::Source::Client(_)));
+    let cache_dir = settings.cache_dir.expect("the base persists the cache");
+    let mounts = gateway["volumeMounts"].as_sequence().unwrap();
+    assert!(
+        mounts
+            .iter()
+            .any(|m| Path::new(m["mountPath"].as_str().unwrap()) == cache_dir),
+        "--cache-dir is on a mounted volume (the root filesystem is read-only)"
+    );
+
+    // The Service targets the container's named ports.
+    let service = &find(&all, "base/service.yaml")[0];
+    for port in service["spec"]["ports"].as_sequence().unwrap() {
+        let target = port["targetPort"].as_str().unwrap();
+        assert!(ports.contains_key(target), "Service targets unknown port {target}");
+        assert_eq!(port["port"].as_u64(), Some(ports[target]));
+    }
+    for (file, expected) in [
+        ("base/serviceaccount.yaml", "ServiceAccount"),
+        ("base/poddisruptionbudget.yaml", "PodDisruptionBudget"),
+        ("base/horizontalpodautoscaler.yaml", "HorizontalPodAutoscaler"),
+    ] {
+        assert_eq!(kind(&find(&all, file)[0]), expected);
+    }
+}
+
+#[test]
+fn the_dial_out_overlay_listens_where_its_ports_say() {
+    let all = manifests();
+    let patch = &find(&all, "overlays/dial-out/deployment-patch.yaml")[0];
+    let gateway = container(patch);
+    let settings = validate(&args(gateway));
+    let mcp_xds_gateway::config::Source::Sink(sink) = settings.source else {
+        panic!("the dial-out overlay runs --sink-listen")
+    };
+    assert_eq!(ports(gateway)["grpc-sink"], u64::from(sink.listen.port()));
+    let service = &find(&all, "overlays/dial-out/service-patch.yaml")[0];
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "grpc-sink");
+}
+
+#[test]
+fn the_monitoring_component_scrapes_metrics_and_ships_the_dashboard() {
+    let all = manifests();
+    let monitor = &find(&all, "components/monitoring/podmonitor.yaml")[0];
+    let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
+    assert_eq!(endpoint["port"], "http-admin");
+    assert_eq!(endpoint["path"], "/metrics");
+    let component = &find(&all, "components/monitoring/kustomization.yaml")[0];
+    assert_eq!(kind(component), "Component");
+    let generator = &component["configMapGenerator"][0];
+    assert_eq!(generator["options"]["labels"]["grafana_dashboard"], "1");
+    let copy = std::fs::read(root().join("deploy/components/monitoring/mcp-xds-gateway.json")).unwrap();
+    let dashboard = std::fs::read(root().join("dashboards/mcp-xds-gateway.json")).unwrap();
+    assert!(
+        copy == dashboard,
+        "deploy/components/monitoring/mcp-xds-gateway.json must be a copy of dashboards/mcp-xds-gateway.json"
+    );
+}
+
+#[test]
+fn the_dockerfile_builds_the_gateway_and_runs_it_as_non_root() {
+    let dockerfile = std::fs::read_to_string(root().join("deploy/Dockerfile")).unwrap();
+    let defaults = Args::try_parse_from(["mcp-xds-gateway"]).unwrap();
+    assert!(dockerfile.matches("FROM ").count() >= 2, "multi-stage");
+    assert!(dockerfile.contains("--bin mcp-xds-gateway"));
+    let user = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("USER "))
+        .expect("a USER line");
+    assert!(!user.starts_with('0') && !user.starts_with("root"), "{user}");
+    let expose = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("EXPOSE "))
+        .expect("an EXPOSE line");
+    for port in [defaults.listen.port(), defaults.admin_listen.port()] {
+        assert!(expose.split_whitespace().any(|p| p == port.to_string()), "{expose}");
+    }
+}
+
+/// The probes the manifests use answer on a running gateway.
+#[tokio::test]
+async fn the_probe_paths_answer_on_a_gateway() {
+    let gw = crate::helpers::start_gateway(&[]).await;
+    assert_eq!(http_get(gw.admin, "/healthz").await.0, 200);
+    assert_eq!(http_get(gw.admin, "/readyz").await.0, 200);
+    let (status, body) = http_get(gw.admin, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("mcp_gateway_build_info"), "{body}");
+}

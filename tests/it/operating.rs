@@ -1,0 +1,593 @@
+//! Operating the gateway: `/metrics`, the debug views, gRPC health and
+//! reflection, the `client` subcommand, the dashboard's queries, and the
+//! maximum connection age.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use mcp_xds_gateway::proto::{MeshConfigResponse, Resource};
+use tokio::process::Command;
+use tonic::Code;
+
+use crate::helpers::clients::{channel, incremental, sotw, Bidi, SotwClient, SOTW_PATH};
+use crate::helpers::galley::{full, resource, FakeGalley, GalleyStream};
+use crate::helpers::{eventually, gateway_for, http_get, within, DR, GW, GW_TYPE_URL, VS};
+
+const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
+
+/// A GET with extra request headers: status and body.
+async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    within(&format!("GET {path}"), async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let status = response.split(' ').nth(1).unwrap().parse().unwrap();
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    })
+    .await
+}
+
+async fn json(addr: SocketAddr, path: &str) -> serde_json::Value {
+    let (status, body) = http_get(addr, path).await;
+    assert_eq!(status, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} is not JSON ({e}): {body}"))
+}
+
+/// A gateway that has seen every kind of event a metric counts.
+struct Exercised {
+    gw: mcp_xds_gateway::app::Bound,
+    _galley: FakeGalley,
+    upstream: GalleyStream,
+    /// ACKed the current VS version.
+    synced: SotwClient,
+    /// NACKed the current VS version.
+    nacked: SotwClient,
+    /// Holds an unACKed response for VS.
+    pending: SotwClient,
+    /// A second gateway whose upstream refuses connections.
+    _unreachable: mcp_xds_gateway::app::Bound,
+}
+
+async fn exercise() -> Exercised {
+    let mut galley = FakeGalley::start().await;
+    galley.refuse(DR);
+    let gw = gateway_for(&galley, &[VS, GW, DR], &[]).await;
+    let _refused = galley.next_stream().await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(2).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    upstream.push_full(GW, vec![resource("g", "1", b"g")]).await;
+    // An upstream NACK (a resource without metadata).
+    let nack = upstream
+        .send(full(
+            VS,
+            vec![Resource {
+                metadata: None,
+                ..resource("x", "1", b"x")
+            }],
+        ))
+        .await;
+    assert!(nack.error_detail.is_some());
+
+    let mut synced = sotw(gw.listen).await;
+    let mut nacked = sotw(gw.listen).await;
+    let mut pending = sotw(gw.listen).await;
+    let mut first: Vec<MeshConfigResponse> = Vec::new();
+    for client in [&mut synced, &mut nacked, &mut pending] {
+        client.subscribe(VS);
+        first.push(client.recv().await);
+    }
+    synced.ack(&first[0]);
+    nacked.ack(&first[1]);
+    // A change after the streams began: push latency is measured.
+    upstream
+        .push_full(VS, vec![resource("a", "1", b"a"), resource("b", "1", b"b")])
+        .await;
+    let second = synced.recv().await;
+    synced.ack(&second);
+    let refused = nacked.recv().await;
+    nacked.nack(&refused, &first[1].version_info, "bad route");
+    // A stale nonce.
+    synced.request(VS, &second.version_info, "no-such-nonce");
+    // An incremental client and a 1.0 client on GW.
+    let mut inc = incremental(gw.listen).await;
+    inc.start(GW, &[]);
+    inc.recv().await;
+    pending.subscribe(GW_TYPE_URL);
+    let gateways = pending.recv_type(GW_TYPE_URL).await;
+    pending.ack(&gateways);
+    // A response above 4 MiB.
+    let big = vec![resource("huge", "1", &vec![b'x'; 5 << 20])];
+    upstream.push_full(GW, big).await;
+    pending.recv_type(GW_TYPE_URL).await;
+    // A request that does not decode: a receive failure downstream.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Garbled {
+        #[prost(uint64, tag = "3")]
+        type_url: u64,
+    }
+    let mut bad: Bidi<Garbled, MeshConfigResponse> =
+        Bidi::open_with(channel(gw.listen).await, SOTW_PATH, tonic_prost::ProstCodec::default()).await;
+    bad.send(Garbled { type_url: 7 });
+    assert_eq!(bad.end_status().await.code(), Code::InvalidArgument);
+    // Upstream ends a stream (receive failure, termination, reconnection).
+    upstream.kill(tonic::Status::unavailable("galley restarts"));
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(2).await;
+    // An upstream that refuses connections (send failures).
+    let unreachable = crate::helpers::start_gateway(&[
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--collections",
+        VS,
+        "--reconnect-min-delay",
+        "10ms",
+    ])
+    .await;
+    eventually("a failed connection attempt", || {
+        unreachable.upstream.borrow().last_error.is_some()
+    })
+    .await;
+    Exercised {
+        gw,
+        _galley: galley,
+        upstream,
+        synced,
+        nacked,
+        pending,
+        _unreachable: unreachable,
+    }
+}
+
+/// Metric names in an exposition: the first token of every sample line.
+fn exported(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
+    let ex = exercise().await;
+    let (status, text) = http_get(ex.gw.admin, "/metrics").await;
+    assert_eq!(status, 200);
+    let names = exported(&text);
+    for name in [
+        "istio_mcp_clients_total",
+        "istio_mcp_message_sizes_bytes_bucket",
+        "istio_mcp_request_acks_total",
+        "istio_mcp_request_nacks_total",
+        "istio_mcp_send_failures_total",
+        "istio_mcp_recv_failures_total",
+        "istio_mcp_reconnections",
+        "mcp_gateway_upstream_connected",
+        "mcp_gateway_upstream_stream_terminations_total",
+        "mcp_gateway_upstream_refused_collections_total",
+        "mcp_gateway_updates_applied_total",
+        "mcp_gateway_last_update_timestamp_seconds",
+        "mcp_gateway_cache_resources",
+        "mcp_gateway_cache_bytes",
+        "mcp_gateway_downstream_streams",
+        "mcp_gateway_downstream_pushes_total",
+        "mcp_gateway_downstream_stale_requests_total",
+        "mcp_gateway_downstream_nacks_total",
+        "mcp_gateway_push_latency_seconds_bucket",
+        "mcp_gateway_push_size_bytes_bucket",
+        "mcp_gateway_clients_behind",
+        "mcp_gateway_oversized_responses_total",
+        "mcp_gateway_build_info",
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+    ] {
+        assert!(names.contains(name), "{name} is not exported:\n{text}");
+    }
+    // Every metric has a HELP line.
+    let helped: BTreeSet<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# HELP "))
+        .map(|l| l.split(' ').next().unwrap())
+        .collect();
+    for name in &names {
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|f| helped.contains(f)))
+            .unwrap_or(name);
+        assert!(helped.contains(family), "{name} has no HELP line");
+    }
+    // Istio's size buckets: 1, 4, 16, ... 1 GiB.
+    assert!(text.contains("istio_mcp_message_sizes_bytes_bucket{component=\"upstream\",collection=\"istio/networking/v1alpha3/virtualservices\",le=\"1073741824\"}"), "{text}");
+    // No label names a client, a node or an address.
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        for forbidden in ["peer=", "node=", "node_id=", "client=", "address=", "ip=", "pod="] {
+            assert!(!line.contains(forbidden), "{line}");
+        }
+    }
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
+    assert!(value("mcp_gateway_oversized_responses_total{collection=\"istio/networking/v1alpha3/gateways\"}") >= 1.0);
+    assert!(value("mcp_gateway_clients_behind{collection=\"istio/networking/v1alpha3/virtualservices\"}") >= 1.0);
+    assert_eq!(value("mcp_gateway_upstream_connected"), 1.0);
+}
+
+/// Metric names a PromQL expression reads.
+fn queried(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut token = String::new();
+    for c in expr.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_alphanumeric() || c == '_' || c == ':' {
+            token.push(c);
+        } else {
+            if ["istio_mcp_", "mcp_gateway_", "process_"]
+                .iter()
+                .any(|p| token.starts_with(p))
+            {
+                names.push(token.clone());
+            }
+            token.clear();
+        }
+    }
+    names
+}
+
+#[tokio::test]
+async fn every_dashboard_query_names_a_metric_the_gateway_exports() {
+    let ex = exercise().await;
+    let (_, text) = http_get(ex.gw.admin, "/metrics").await;
+    let names = exported(&text);
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/dashboards/mcp-xds-gateway.json");
+    let dashboard: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    assert!(variables.contains(&"datasource"), "{variables:?}");
+    let mut rows = Vec::new();
+    let mut queried_names = BTreeSet::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        let title = panel["title"].as_str().unwrap();
+        if panel["type"] == "row" {
+            rows.push(title);
+            continue;
+        }
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{title}");
+        assert!(
+            panel["fieldConfig"]["defaults"]["unit"]
+                .as_str()
+                .is_some_and(|u| !u.is_empty()),
+            "{title} has no unit"
+        );
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{title} queries nothing");
+        for target in targets {
+            let expr = target["expr"].as_str().unwrap();
+            if expr.contains("rate(") || expr.contains("increase(") {
+                assert!(expr.contains("[$__rate_interval]"), "{title}: {expr}");
+            }
+            let found = queried(expr);
+            assert!(!found.is_empty(), "{title}: {expr}");
+            for name in found {
+                assert!(
+                    names.contains(&name),
+                    "{title} queries {name}, which /metrics does not export"
+                );
+                queried_names.insert(name);
+            }
+        }
+    }
+    assert_eq!(rows, ["Upstream", "Cache", "Downstream", "Process"]);
+    assert!(queried_names.len() >= 20, "{queried_names:?}");
+}
+
+#[tokio::test]
+async fn debug_views_show_clients_sync_cache_and_upstream() {
+    let ex = exercise().await;
+    let cached = ex.gw.cache.get(VS).unwrap();
+    let addr = ex.gw.admin;
+
+    let clients = json(addr, "/debug/clients").await;
+    let clients = clients.as_array().unwrap();
+    let nacked = clients
+        .iter()
+        .find(|c| c["types"][VS]["last_nack"]["message"] == "bad route")
+        .expect("the NACKing client with its message");
+    assert_eq!(nacked["protocol"], "sotw");
+    assert_eq!(nacked["dialect"], "1.1");
+    assert_eq!(nacked["node_id"], "pilot-test");
+    assert!(nacked["peer"].as_str().unwrap().starts_with("127.0.0.1:"));
+    assert!(nacked["connected_since"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(nacked["types"][VS]["last_nack"]["code"], "InvalidArgument");
+    assert!(clients.iter().any(|c| c["protocol"] == "incremental"));
+    assert!(
+        clients.iter().any(|c| c["dialect"] == "mixed"),
+        "the pending client has 1.1 and 1.0 types"
+    );
+
+    let syncz = json(addr, "/debug/syncz").await;
+    let statuses: BTreeSet<&str> = syncz
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|row| row["type_url"] == VS)
+        .map(|row| row["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, BTreeSet::from(["SYNCED", "NACKED", "PENDING"]));
+    let row = syncz
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["status"] == "NACKED")
+        .unwrap();
+    assert_eq!(row["current_version"], *cached.version);
+    assert_eq!(row["nack"], "bad route");
+
+    let cache = json(addr, "/debug/cache").await;
+    let vs = cache
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["collection"] == VS)
+        .unwrap();
+    assert_eq!(vs["version"], *cached.version);
+    assert_eq!(vs["resources"], 2);
+    assert_eq!(vs["bytes"], cached.bytes);
+    assert_eq!(vs["origin"], "upstream");
+    assert!(vs["updated_at"].as_str().unwrap().ends_with('Z'));
+
+    let one = json(addr, &format!("/debug/cache/{VS}")).await;
+    let resources = one["resources"].as_array().unwrap();
+    assert_eq!(resources[0]["name"], "a");
+    assert_eq!(resources[0]["version"], "1");
+    assert_eq!(resources[1]["name"], "b");
+    assert_eq!(http_get(addr, "/debug/cache/istio/nope").await.0, 404);
+
+    let upstream = json(addr, "/debug/upstream").await;
+    assert_eq!(upstream["mode"], "client");
+    assert_eq!(upstream["connected"], true);
+    assert!(upstream["refused"][DR]
+        .as_str()
+        .unwrap()
+        .contains("unsupported collection"));
+    assert_eq!(
+        upstream["last_error"].as_str().map(|e| e.contains("galley restarts")),
+        Some(true)
+    );
+
+    // The same views as HTML tables for a browser.
+    for path in ["/debug/clients", "/debug/syncz", "/debug/cache", "/debug/upstream"] {
+        let (status, html) = http_get_with(addr, path, "Accept: text/html\r\n").await;
+        assert_eq!(status, 200);
+        assert!(
+            html.starts_with("<!doctype html>") && html.contains("<table>"),
+            "{path}: {html}"
+        );
+    }
+    // Keep the clients until the views were read.
+    drop((ex.synced, ex.nacked, ex.pending, ex.upstream));
+}
+
+#[tokio::test]
+async fn grpc_health_follows_readiness_and_reflection_lists_the_services() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS], &[]).await;
+    let health = HealthClient::new(channel(gw.listen).await);
+    let check = |service: &'static str| {
+        let mut health = health.clone();
+        async move {
+            within(
+                "a health check",
+                health.check(HealthCheckRequest {
+                    service: service.into(),
+                }),
+            )
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+        }
+    };
+    assert_eq!(check("").await, ServingStatus::NotServing as i32);
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    within("SERVING once ready", async {
+        loop {
+            if check("istio.mcp.v1alpha1.AggregatedMeshConfigService").await == ServingStatus::Serving as i32 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(check("").await, ServingStatus::Serving as i32);
+
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let mut reflection = ServerReflectionClient::new(channel(gw.listen).await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = within(
+        "reflection",
+        reflection.server_reflection_info(tokio_stream::iter(vec![request])),
+    )
+    .await
+    .unwrap()
+    .into_inner();
+    let response = within("the service list", responses.message()).await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("{response:?}")
+    };
+    let services: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        services.contains(&"istio.mcp.v1alpha1.AggregatedMeshConfigService".to_owned()),
+        "{services:?}"
+    );
+    assert!(services.contains(&"grpc.health.v1.Health".to_owned()), "{services:?}");
+}
+
+async fn client_command(args: &[&str]) -> (Option<i32>, String, String) {
+    let output = within(
+        "the client command to exit",
+        Command::new(BIN).arg("client").args(args).kill_on_drop(true).output(),
+    )
+    .await
+    .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn the_client_command_prints_updates_and_exits_once_everything_arrived() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS, GW], &[]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(2).await;
+    upstream
+        .push_full(VS, vec![resource("a", "1", b"a"), resource("b", "2", b"b")])
+        .await;
+    upstream.push_full(GW, vec![resource("g", "7", b"g")]).await;
+    let target = gw.listen.to_string();
+    let version = gw.cache.get(VS).unwrap().version.to_string();
+
+    let (code, stdout, stderr) = client_command(&[
+        "--target",
+        &target,
+        "--type-url",
+        VS,
+        "--type-url",
+        GW_TYPE_URL,
+        "--once",
+        "--show",
+        "resources",
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "{VS} version={version} resources=2 added=2 changed=0 removed=0"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("  b version=2 body={}", crate::helpers::VS_TYPE_URL)),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&format!("{GW_TYPE_URL} version=")), "{stdout}");
+
+    let (code, stdout, stderr) =
+        client_command(&["--target", &target, "--type-url", VS, "--incremental", "--once"]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("resources=2 added=2"), "{stdout}");
+
+    // Errors: an unknown type, a type never delivered, nobody listening.
+    let (code, _, stderr) = client_command(&["--target", &target, "--type-url", "istio/nope", "--once"]).await;
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.contains("istio/nope") && stderr.contains("InvalidArgument"),
+        "{stderr}"
+    );
+    let (code, _, stderr) =
+        client_command(&["--target", &target, "--type-url", DR, "--once", "--timeout", "200ms"]).await;
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("no response within") && stderr.contains(DR), "{stderr}");
+    let (code, _, stderr) = client_command(&["--target", "127.0.0.1:1", "--type-url", VS, "--once"]).await;
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("cannot connect"), "{stderr}");
+
+    // Without --once it follows changes and ACKs each one.
+    let mut follower = Command::new(BIN)
+        .args(["client", "--target", &target, "--type-url", VS])
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(follower.stdout.take().unwrap()).lines();
+    let first = within("the first update line", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(first.contains("added=2"), "{first}");
+    upstream.push_full(VS, vec![resource("a", "2", b"a2")]).await;
+    let second = within("the second update line", lines.next_line())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(second.contains("resources=1 added=0 changed=1 removed=1"), "{second}");
+    follower.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn connections_past_their_maximum_age_are_closed_and_clients_come_back() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(
+        &galley,
+        &[VS],
+        &["--max-connection-age", "300ms", "--max-connection-age-grace", "200ms"],
+    )
+    .await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    client.recv().await;
+    let status = client.end_status().await;
+    assert_ne!(status.code(), Code::Ok, "{status:?}");
+    eventually("the stream to leave the registry", || gw.registry.is_empty()).await;
+    let mut again = sotw(gw.listen).await;
+    again.subscribe(VS);
+    assert_eq!(again.recv().await.resources.len(), 1);
+}
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = Command::new(BIN)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = within("a log line", lines.next_line()).await.unwrap().unwrap();
+    let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(entry["message"], "effective configuration");
+    assert_eq!(entry["level"], "INFO");
+    child.kill().await.unwrap();
+}
