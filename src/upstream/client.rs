@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Endpoint;
@@ -185,21 +185,18 @@ impl UpstreamClient {
         let mut client = ResourceSourceClient::new(channel)
             .max_decoding_message_size(self.settings.max_message_bytes)
             .max_encoding_message_size(self.settings.max_message_bytes);
-        let mut session = SinkSession::new(
+        let session = SinkSession::new(
             self.settings.node.clone(),
             self.settings.incremental,
             self.cache.clone(),
         )
         .persisting(self.persister.clone());
-        let mut subscriptions = self.subscriptions.watch();
-        let initial = stream::initial_requests(&mut session, &mut subscriptions);
-        // Every initial request is queued before the stream opens, so the
-        // channel must hold them all; afterwards it carries one reply per
-        // message received.
-        let (tx, rx) = mpsc::channel(initial.len() + 64);
-        for request in initial {
-            tx.try_send(request).expect("the channel holds every initial request");
-        }
+        let stream::Opened {
+            mut session,
+            mut subscriptions,
+            tx,
+            rx,
+        } = stream::open(session, &self.subscriptions);
         let response = tokio::select! {
             response = client.establish_resource_stream(ReceiverStream::new(rx)) => response,
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,

@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -141,18 +141,18 @@ impl ResourceSink for SinkServer {
         let metadata = source_metadata(request.metadata());
         let mut inbound = request.into_inner();
         let inner = self.inner.clone();
-        let mut session = SinkSession::new(
+        let session = SinkSession::new(
             inner.settings.node.clone(),
             inner.settings.incremental,
             inner.cache.clone(),
         )
         .persisting(inner.persister.clone());
-        let mut subscriptions = inner.subscriptions.watch();
-        let initial = stream::initial_requests(&mut session, &mut subscriptions);
-        let (tx, rx) = mpsc::channel(initial.len() + 64);
-        for request in initial {
-            tx.try_send(request).expect("the channel holds every initial request");
-        }
+        let stream::Opened {
+            mut session,
+            mut subscriptions,
+            tx,
+            rx,
+        } = stream::open(session, &inner.subscriptions);
         tracing::info!(%peer, ?metadata, "a source connected (dial-out)");
         inner.status.send_modify(|s| {
             if s.attempts > 0 {

@@ -27,6 +27,34 @@ pub enum StreamEnd {
     },
 }
 
+/// A new stream's sink side, before the stream opens.
+pub struct Opened {
+    pub session: SinkSession,
+    pub subscriptions: watch::Receiver<SubscriptionState>,
+    /// Replies and later subscriptions go here.
+    pub tx: mpsc::Sender<RequestResources>,
+    /// What the source receives, the initial requests first.
+    pub rx: mpsc::Receiver<RequestResources>,
+}
+
+/// Queues the initial request of every wanted collection for a new stream.
+pub fn open(mut session: SinkSession, subscriptions: &super::Subscriptions) -> Opened {
+    let mut subscriptions = subscriptions.watch();
+    let initial = initial_requests(&mut session, &mut subscriptions);
+    // Every initial request is queued before the stream opens, so the channel
+    // must hold them all; afterwards it carries one reply per message received.
+    let (tx, rx) = mpsc::channel(initial.len() + 64);
+    for request in initial {
+        tx.try_send(request).expect("the channel holds every initial request");
+    }
+    Opened {
+        session,
+        subscriptions,
+        tx,
+        rx,
+    }
+}
+
 /// The initial `RequestResources` for every wanted collection, in order.
 pub fn initial_requests(
     session: &mut SinkSession,

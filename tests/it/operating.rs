@@ -10,30 +10,11 @@ use mcp_xds_gateway::proto::{MeshConfigResponse, Resource};
 use tokio::process::Command;
 use tonic::Code;
 
-use crate::helpers::clients::{channel, incremental, sotw, Bidi, SotwClient, SOTW_PATH};
+use crate::helpers::clients::{channel, incremental, send_garbled, sotw, SotwClient};
 use crate::helpers::galley::{full, resource, FakeGalley, GalleyStream};
-use crate::helpers::{eventually, gateway_for, http_get, within, DR, GW, GW_TYPE_URL, VS};
+use crate::helpers::{eventually, gateway_for, http_get, http_get_with, within, DR, GW, GW_TYPE_URL, VS};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
-
-/// A GET with extra request headers: status and body.
-async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    within(&format!("GET {path}"), async {
-        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
-        let status = response.split(' ').nth(1).unwrap().parse().unwrap();
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        (status, body)
-    })
-    .await
-}
 
 async fn json(addr: SocketAddr, path: &str) -> serde_json::Value {
     let (status, body) = http_get(addr, path).await;
@@ -109,15 +90,7 @@ async fn exercise() -> Exercised {
     upstream.push_full(GW, big).await;
     pending.recv_type(GW_TYPE_URL).await;
     // A request that does not decode: a receive failure downstream.
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct Garbled {
-        #[prost(uint64, tag = "3")]
-        type_url: u64,
-    }
-    let mut bad: Bidi<Garbled, MeshConfigResponse> =
-        Bidi::open_with(channel(gw.listen).await, SOTW_PATH, tonic_prost::ProstCodec::default()).await;
-    bad.send(Garbled { type_url: 7 });
-    assert_eq!(bad.end_status().await.code(), Code::InvalidArgument);
+    assert_eq!(send_garbled(gw.listen).await.code(), Code::InvalidArgument);
     // Upstream ends a stream (receive failure, termination, reconnection).
     upstream.kill(tonic::Status::unavailable("galley restarts"));
     let mut upstream = galley.next_stream().await;

@@ -302,18 +302,8 @@ fn nonce_field(bytes: &[u8]) -> Vec<u8> {
 /// that says so, and the gateway keeps serving everyone else.
 #[tokio::test]
 async fn a_request_that_does_not_decode_ends_the_stream_with_a_status() {
-    use crate::helpers::clients::{channel, Bidi, SOTW_PATH};
     let (_galley, _upstream, gw) = setup().await;
-    // Field 3 (type_url) sent as a varint: the wrong wire type for a string.
-    #[derive(Clone, PartialEq, prost::Message)]
-    struct Garbled {
-        #[prost(uint64, tag = "3")]
-        type_url: u64,
-    }
-    let mut bad: Bidi<Garbled, MeshConfigResponse> =
-        Bidi::open_with(channel(gw.listen).await, SOTW_PATH, tonic_prost::ProstCodec::default()).await;
-    bad.send(Garbled { type_url: 7 });
-    let status = bad.end_status().await;
+    let status = crate::helpers::clients::send_garbled(gw.listen).await;
     assert_ne!(status.code(), Code::Ok, "{status:?}");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(

@@ -280,3 +280,18 @@ pub type RawSotwClient = Bidi<MeshConfigRequest, Bytes>;
 pub async fn raw_sotw(addr: SocketAddr) -> RawSotwClient {
     RawSotwClient::open_with(channel(addr).await, SOTW_PATH, RawCodec).await
 }
+
+/// Opens a SotW stream, sends a request that does not decode (field 3,
+/// `type_url`, as a varint: the wrong wire type for a string), and returns
+/// the status the gateway ends the stream with.
+pub async fn send_garbled(addr: SocketAddr) -> Status {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct Garbled {
+        #[prost(uint64, tag = "3")]
+        type_url: u64,
+    }
+    let mut bad: Bidi<Garbled, MeshConfigResponse> =
+        Bidi::open_with(channel(addr).await, SOTW_PATH, tonic_prost::ProstCodec::default()).await;
+    bad.send(Garbled { type_url: 7 });
+    bad.end_status().await
+}

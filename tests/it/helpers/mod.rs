@@ -79,9 +79,14 @@ pub async fn gateway_for(galley: &galley::FakeGalley, collections: &[&str], extr
 
 /// A plain HTTP/1.1 GET: status code and body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    http_get_with(addr, path, "").await
+}
+
+/// A GET with extra request header lines (each ending in `\r\n`).
+pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
     within(&format!("GET {path}"), async {
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
         let mut response = String::new();
         stream.read_to_string(&mut response).await.unwrap();
