@@ -23,9 +23,6 @@ use crate::upstream::client::UpstreamClient;
 use crate::upstream::sink::SinkServer;
 use crate::upstream::{Subscriptions, UpstreamStatus};
 
-/// `--max-connection-age 0s`: connections live as long as their clients.
-const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
 /// Requests from legacy clients are small; this only bounds a bad client.
 const MAX_CLIENT_REQUEST_BYTES: usize = 4 << 20;
 
@@ -80,7 +77,11 @@ fn local_addr(flag: &'static str, listener: &TcpListener, addr: SocketAddr) -> R
 /// and the local source read before anything listens, so the first client is
 /// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
-    let metrics = crate::metrics::install();
+    let metrics = if std::env::var_os("EXPERIMENT_NO_METRICS").is_some() {
+        None
+    } else {
+        crate::metrics::install()
+    };
     let sotw_listener = bind("--listen", settings.listen).await?;
     let admin_listener = bind("--admin-listen", settings.admin_listen).await?;
     let listen = local_addr("--listen", &sotw_listener, settings.listen)?;
@@ -168,11 +169,15 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     // `tls::incoming` sets TCP_NODELAY so the small last chunk does not wait
     // for the client's delayed ACK (~40 ms).
     let incoming = tls::incoming("--listen", sotw_listener, server_tls.clone(), shutdown.clone());
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .max_connection_age(settings.max_connection_age.unwrap_or(FOREVER))
-        .max_connection_age_grace(settings.max_connection_age_grace)
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)));
+    if let Some(age) = settings.max_connection_age {
+        builder = builder
+            .max_connection_age(age)
+            .max_connection_age_grace(settings.max_connection_age_grace);
+    }
+    let server = builder
         .add_service(service)
         .add_service(health_service)
         .add_service(reflection_v1)

@@ -76,7 +76,9 @@ pub fn decode(file: &[u8]) -> Result<RawResources, String> {
 /// sees the old file or the new one, never a mix.
 pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     let target = dir.join(name);
-    let temporary = dir.join(format!(".{name}.tmp"));
+    // Per process: two gateways wrongly sharing a directory never write into
+    // one temporary file.
+    let temporary = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let mut file = std::fs::File::create(&temporary)?;
     file.write_all(bytes)?;
     file.sync_all()?;
@@ -84,6 +86,16 @@ pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result
     std::fs::rename(&temporary, &target)?;
     // The rename itself is durable once the directory is synced.
     std::fs::File::open(dir)?.sync_all()
+}
+
+/// A temporary file this old is a leftover of a crash, not a write in progress.
+const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The message persisted for `collection`, without applying it or touching
+/// the directory (for inspection and tests).
+pub fn peek(dir: &Path, collection: &str) -> Result<RawResources, String> {
+    let bytes = std::fs::read(dir.join(file_name(collection))).map_err(|e| format!("cannot read: {e}"))?;
+    decode(&bytes)
 }
 
 /// What loading the directory found.
@@ -110,9 +122,15 @@ pub fn load(dir: &Path, cache: &Cache) -> std::io::Result<Loaded> {
         };
         if name.starts_with('.') && name.ends_with(".tmp") {
             // A write interrupted before its rename: the previous file (if
-            // any) is intact, this one is not.
-            tracing::info!(path = %path.display(), "removing an unfinished write from an earlier run");
-            let _ = std::fs::remove_file(&path);
+            // any) is intact, this one is not. Only old ones are removed: a
+            // recent one may be another process's write in progress.
+            let stale = std::fs::metadata(&path)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|age| age > STALE_TEMPORARY));
+            if stale {
+                tracing::info!(path = %path.display(), "removing an unfinished write from an earlier run");
+                let _ = std::fs::remove_file(&path);
+            }
             continue;
         }
         if path.extension().and_then(|e| e.to_str()) != Some(EXTENSION) {
@@ -281,7 +299,17 @@ mod tests {
         *damaged.last_mut().unwrap() ^= 0xff;
         std::fs::write(dir.path().join("damaged.mcpcache"), &damaged).unwrap();
         std::fs::write(dir.path().join("foreign.mcpcache"), b"hello").unwrap();
-        std::fs::write(dir.path().join(".x.mcpcache.tmp"), &good).unwrap();
+        let leftover = dir.path().join(".x.mcpcache.1.tmp");
+        std::fs::write(&leftover, &good).unwrap();
+        let old = std::time::SystemTime::now() - 2 * STALE_TEMPORARY;
+        std::fs::File::options()
+            .write(true)
+            .open(&leftover)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let in_progress = dir.path().join(".y.mcpcache.2.tmp");
+        std::fs::write(&in_progress, &good).unwrap();
 
         let fresh = Cache::new();
         let loaded = load(dir.path(), &fresh).unwrap();
@@ -298,7 +326,11 @@ mod tests {
             loaded.skipped
         );
         assert!(fresh.get(C).is_none());
-        assert!(!dir.path().join(".x.mcpcache.tmp").exists());
+        assert!(!leftover.exists(), "a leftover of a crash is removed");
+        assert!(
+            in_progress.exists(),
+            "a recent temporary file may be a write in progress"
+        );
     }
 
     #[test]

@@ -92,30 +92,14 @@ pub struct AnyTypeUrl {
 /// copied per client. `suffix` holds the few per-client fields (type URL,
 /// nonce). Protobuf lets fields appear in any order and repeat a repeated
 /// field, so the concatenation is one valid message.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub struct EncodedResponse {
     pub shared: Arc<[Bytes]>,
     pub suffix: Bytes,
-    /// For metrics when the response is written; not part of the message.
-    pub push: Option<PushMeta>,
-}
-
-/// What a response carries, for the metrics recorded when it is written.
-#[derive(Clone, Debug, PartialEq)]
-pub struct PushMeta {
-    pub collection: Arc<str>,
-    /// When the change it carries was applied, if that was after the stream
-    /// began (a new client's first response measures nothing).
-    pub changed_at: Option<std::time::Instant>,
-}
-
-impl PushMeta {
-    pub fn new(collection: &Arc<str>, applied_at: std::time::Instant, stream_started: std::time::Instant) -> Self {
-        Self {
-            collection: collection.clone(),
-            changed_at: (applied_at >= stream_started).then_some(applied_at),
-        }
-    }
+    /// The snapshot it carries, for the metrics recorded when it is
+    /// written (collection, apply time); not part of the message. An `Arc`:
+    /// a response slot stays small (every stream's queue holds 32 of them).
+    pub snapshot: Option<Arc<crate::cache::CollectionSnapshot>>,
 }
 
 impl EncodedResponse {
@@ -266,7 +250,7 @@ mod tests {
         let response = EncodedResponse {
             shared: parts.into(),
             suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
-            push: None,
+            snapshot: None,
         };
         assert_eq!(response.to_bytes(), {
             let mut whole = encode_body("ver", resources.iter(), &[]).to_vec();
@@ -286,7 +270,7 @@ mod tests {
         let response = EncodedResponse {
             shared: Arc::from([body]),
             suffix: encode_suffix(None, "1"),
-            push: None,
+            snapshot: None,
         };
         let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.to_bytes()).unwrap();
         assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);

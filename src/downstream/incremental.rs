@@ -15,7 +15,7 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics as m;
-use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest, PushMeta};
+use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest};
 
 /// What the client holds.
 enum ClientState {
@@ -198,11 +198,7 @@ impl IncrementalStream {
         let response = EncodedResponse {
             shared: body,
             suffix: encode_suffix(None, &nonce),
-            push: Some(PushMeta::new(
-                &snapshot.collection,
-                snapshot.applied_at,
-                self.entry.started(),
-            )),
+            snapshot: Some(snapshot.clone()),
         };
         s.view.outstanding = true;
         s.view.last_sent_nonce = Some(nonce);

@@ -114,16 +114,16 @@ const LOG_INTERVAL: Duration = Duration::from_secs(10);
 #[derive(Debug, Default)]
 struct LogLimit {
     last: Option<std::time::Instant>,
-    skipped: u64,
+    skipped: u32,
 }
 
 impl LogLimit {
     /// `Some(skipped since the last line)` when this one may be logged.
-    fn allow(&mut self) -> Option<u64> {
+    fn allow(&mut self) -> Option<u32> {
         let now = std::time::Instant::now();
         match self.last {
             Some(last) if now.duration_since(last) < LOG_INTERVAL => {
-                self.skipped += 1;
+                self.skipped = self.skipped.saturating_add(1);
                 None
             }
             _ => {

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime};
+use std::time::SystemTime;
 
 use dashmap::DashMap;
 
@@ -96,7 +96,6 @@ impl Registry {
         RegistryEntry {
             registry: self.clone(),
             id,
-            started: Instant::now(),
             view,
         }
     }
@@ -126,16 +125,10 @@ impl Registry {
 pub struct RegistryEntry {
     registry: Arc<Registry>,
     id: u64,
-    started: Instant,
     view: Arc<Mutex<StreamView>>,
 }
 
 impl RegistryEntry {
-    /// When the stream began.
-    pub fn started(&self) -> Instant {
-        self.started
-    }
-
     pub fn set_node_id(&self, node_id: &str) {
         let mut view = self.view.lock().expect("registry lock poisoned");
         if view.node_id != node_id {

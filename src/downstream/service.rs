@@ -8,6 +8,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Instant;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
@@ -20,8 +21,9 @@ use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
 use super::{Downstream, IncrementalStream, SotwStream};
+use crate::cache::CollectionSnapshot;
 use crate::metrics as m;
-use crate::wire::{EncodedResponse, IncrementalRequest, PushMeta, SotwRequest};
+use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
@@ -139,6 +141,8 @@ pub struct FramedResponses {
     done: bool,
     /// An oversized response is logged once per stream.
     warned_oversized: bool,
+    /// When the stream began (push latency counts only later changes).
+    started: Instant,
 }
 
 struct Writing {
@@ -167,13 +171,14 @@ impl FramedResponses {
             writing: None,
             done: false,
             warned_oversized: false,
+            started: Instant::now(),
         }
     }
 }
 
 /// The metrics of a response handed to the client's connection.
-fn record_write(push: &PushMeta, len: usize, warned_oversized: &mut bool) {
-    let collection = push.collection.clone();
+fn record_write(snapshot: &CollectionSnapshot, stream_started: Instant, len: usize, warned_oversized: &mut bool) {
+    let collection = snapshot.collection.clone();
     metrics::histogram!(m::PUSH_SIZE, "collection" => collection.clone()).record(len as f64);
     metrics::histogram!(
         m::MESSAGE_SIZES,
@@ -181,9 +186,11 @@ fn record_write(push: &PushMeta, len: usize, warned_oversized: &mut bool) {
         "collection" => collection.clone()
     )
     .record(len as f64);
-    if let Some(changed_at) = push.changed_at {
+    // A change applied before the stream began is not a push: a new
+    // client's first response measures nothing.
+    if snapshot.applied_at >= stream_started {
         metrics::histogram!(m::PUSH_LATENCY, "collection" => collection.clone())
-            .record(changed_at.elapsed().as_secs_f64());
+            .record(snapshot.applied_at.elapsed().as_secs_f64());
     }
     if len > m::LEGACY_CLIENT_LIMIT {
         metrics::counter!(m::OVERSIZED_RESPONSES, "collection" => collection.clone()).increment(1);
@@ -223,8 +230,8 @@ impl http_body::Body for FramedResponses {
         let status = match ready!(this.responses.poll_recv(cx)) {
             Some(Ok(response)) => {
                 let len = response.len();
-                if let Some(push) = &response.push {
-                    record_write(push, len, &mut this.warned_oversized);
+                if let Some(snapshot) = &response.snapshot {
+                    record_write(snapshot, this.started, len, &mut this.warned_oversized);
                 }
                 match u32::try_from(len) {
                     Ok(len) => {

@@ -15,7 +15,7 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::CollectionSnapshot;
 use crate::metrics as m;
-use crate::wire::{encode_suffix, EncodedResponse, PushMeta, SotwRequest};
+use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
 
 type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
 
@@ -164,11 +164,7 @@ impl SotwStream {
         let response = EncodedResponse {
             shared: snapshot.sotw_parts().clone(),
             suffix: encode_suffix(Some(type_url), &nonce),
-            push: Some(PushMeta::new(
-                &snapshot.collection,
-                snapshot.applied_at,
-                self.entry.started(),
-            )),
+            snapshot: Some(snapshot.clone()),
         };
         state.view.outstanding = true;
         state.view.last_sent_nonce = Some(nonce);
