@@ -208,7 +208,7 @@ impl IncrementalStream {
         self.publish();
         let shutdown = self.shared.inner.shutdown.clone();
         tokio::select! {
-            sent = out.send(Ok(response)) => sent.map_err(|_| ClientGone),
+            sent = out.send(Ok(Box::new(response))) => sent.map_err(|_| ClientGone),
             _ = shutdown.cancelled() => Ok(()),
         }
     }

@@ -135,7 +135,7 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
 /// A gRPC response body: each message as its 5-byte frame header, then its
 /// shared parts and per-client suffix as they are; trailers with the status.
 pub struct FramedResponses {
-    responses: mpsc::Receiver<Result<EncodedResponse, Status>>,
+    responses: mpsc::Receiver<Result<Box<EncodedResponse>, Status>>,
     /// The message being written.
     writing: Option<Writing>,
     done: bool,
@@ -165,7 +165,7 @@ impl Writing {
 }
 
 impl FramedResponses {
-    fn new(responses: mpsc::Receiver<Result<EncodedResponse, Status>>) -> Self {
+    fn new(responses: mpsc::Receiver<Result<Box<EncodedResponse>, Status>>) -> Self {
         Self {
             responses,
             writing: None,

@@ -173,7 +173,7 @@ impl SotwStream {
         metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.clone()).increment(1);
         let shutdown = self.shared.inner.shutdown.clone();
         tokio::select! {
-            sent = out.send(Ok(response)) => sent.map_err(|_| ClientGone),
+            sent = out.send(Ok(Box::new(response))) => sent.map_err(|_| ClientGone),
             // A client that stopped reading must not hold up shutdown.
             _ = shutdown.cancelled() => Ok(()),
         }
