@@ -227,6 +227,10 @@ async fn with_no_source_flag_the_shipped_examples_are_served() {
         .get("istio/networking/v1alpha3/envoyfilters")
         .unwrap()
         .is_empty());
+    // So is one a client asks for later: the directory is the whole truth.
+    let adapters = "istio/config/v1alpha2/adapters";
+    client.subscribe(adapters);
+    assert!(client.recv_type(adapters).await.resources.is_empty());
 }
 
 /// A cache file in the gateway's own format for `collection`.
