@@ -313,6 +313,8 @@ fn log_effective(settings: &Settings) {
         tls = server_tls_on(&settings.server_tls),
         cache_dir = ?settings.cache_dir,
         shutdown_grace = ?settings.shutdown_grace,
+        max_connection_age = ?settings.max_connection_age,
+        max_connection_age_grace = ?settings.max_connection_age_grace,
         "effective configuration"
     );
 }

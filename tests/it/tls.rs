@@ -266,3 +266,46 @@ async fn unusable_certificate_files_are_start_up_errors_naming_the_flag() {
         assert!(error.starts_with(flag), "{flags:?}: {error}");
     }
 }
+
+#[tokio::test]
+async fn the_upstream_client_rereads_its_files_on_every_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_ca = Ca::new("old-galley-ca");
+    let new_ca = Ca::new("new-galley-ca");
+    // Galley already serves a certificate from the new CA; the gateway still
+    // trusts only the old one.
+    let mut galley = FakeGalley::start_tls(ServerTlsConfig::new().identity({
+        let leaf = new_ca.leaf("galley");
+        Identity::from_pem(&leaf.cert, &leaf.key)
+    }))
+    .await;
+    let url = format!("https://{}", galley.addr);
+    let ca_path = path(&write(dir.path(), "ca.pem", &old_ca.pem));
+    let gw = start_gateway(&[
+        "--upstream",
+        &url,
+        "--collections",
+        VS,
+        "--upstream-ca",
+        &ca_path,
+        "--upstream-server-name",
+        "localhost",
+        "--reconnect-min-delay",
+        "10ms",
+        "--reconnect-max-delay",
+        "50ms",
+    ])
+    .await;
+    eventually("an attempt refused for the certificate", || {
+        gw.upstream.borrow().last_error.is_some()
+    })
+    .await;
+    assert_eq!(galley.streams_opened(), 0);
+
+    // The CA bundle rotates on disk: the next attempt uses it.
+    write(dir.path(), "ca.pem", &new_ca.pem);
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    assert!(gw.upstream.borrow().connected);
+}
