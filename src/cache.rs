@@ -14,6 +14,7 @@
 //! the version field followed by the chunks; each resource's bytes are a slice
 //! of its chunk, so the config is held once.
 
+use crate::metrics::CollectionMetrics;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
@@ -162,6 +163,8 @@ pub struct CollectionSnapshot {
     /// `updated_at` on the monotonic clock, for push latency.
     pub applied_at: std::time::Instant,
     pub origin: Origin,
+    /// The collection's metric handles (the same for every snapshot of it).
+    pub metrics: Arc<CollectionMetrics>,
     chunks: Vec<Arc<Chunk>>,
     /// The version field, then every chunk: the shared part of every
     /// state-of-the-world response for this snapshot.
@@ -183,6 +186,7 @@ impl CollectionSnapshot {
         chunks: Vec<Arc<Chunk>>,
         bytes: usize,
         origin: Origin,
+        metrics: Arc<CollectionMetrics>,
     ) -> Self {
         let version: Arc<str> = collection_version(&resources).into();
         let sotw_parts = std::iter::once(crate::wire::encode_version(&version))
@@ -196,6 +200,7 @@ impl CollectionSnapshot {
             updated_at: SystemTime::now(),
             applied_at: std::time::Instant::now(),
             origin,
+            metrics,
             chunks,
             sotw_parts,
             incremental_bodies: Mutex::new(HashMap::new()),
@@ -306,6 +311,8 @@ pub struct Cache {
     slots: RwLock<HashMap<Arc<str>, Slot>>,
     /// Bumped on every change to any collection (readiness follows it).
     generation: watch::Sender<u64>,
+    /// Each collection's metric handles, registered at first use.
+    metrics: RwLock<HashMap<Arc<str>, Arc<CollectionMetrics>>>,
 }
 
 // === impl Cache ===
@@ -313,6 +320,21 @@ pub struct Cache {
 impl Cache {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The collection's metric handles (registered with the recorder
+    /// installed when first asked for).
+    pub fn metrics(&self, collection: &str) -> Arc<CollectionMetrics> {
+        if let Some(metrics) = self.metrics.read().expect("cache lock poisoned").get(collection) {
+            return metrics.clone();
+        }
+        let name: Arc<str> = Arc::from(collection);
+        self.metrics
+            .write()
+            .expect("cache lock poisoned")
+            .entry(name.clone())
+            .or_insert_with(|| Arc::new(CollectionMetrics::new(&name)))
+            .clone()
     }
 
     /// Sees a new value whenever any collection changes.
@@ -401,7 +423,11 @@ impl Cache {
         }
         let previous_chunks = current.as_ref().map(|s| s.chunks.as_slice()).unwrap_or_default();
         let (chunks, bytes) = chunk(&mut resources, previous_chunks);
-        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, chunks, bytes, origin));
+        let metrics = match &current {
+            Some(current) => current.metrics.clone(),
+            None => self.metrics(&name),
+        };
+        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, chunks, bytes, origin, metrics));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {
             Some(old) if old.version == snapshot.version => {

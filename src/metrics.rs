@@ -3,10 +3,10 @@
 //! collection, code, reason, kind, protocol, dialect, component; never a
 //! client, a node id or an address.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics::{describe_counter, describe_gauge, describe_histogram, Counter, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Istio's own names, so existing alerts keep working.
@@ -51,6 +51,43 @@ fn size_buckets() -> Vec<f64> {
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
+
+/// A collection's downstream metrics, registered once and shared by every
+/// stream and snapshot of the collection: the hot paths (a response written,
+/// an ACK) update a handle instead of looking up a label set per call.
+pub struct CollectionMetrics {
+    pub pushes: Counter,
+    pub acks: Counter,
+    pub stale: Counter,
+    pub nacks: Counter,
+    pub oversized: Counter,
+    pub push_size: Histogram,
+    pub push_latency: Histogram,
+    /// `istio_mcp_message_sizes_bytes{component="downstream"}`.
+    pub response_size: Histogram,
+}
+
+impl CollectionMetrics {
+    pub fn new(collection: &Arc<str>) -> Self {
+        let c = || collection.clone();
+        Self {
+            pushes: metrics::counter!(DOWNSTREAM_PUSHES, "collection" => c()),
+            acks: metrics::counter!(REQUEST_ACKS, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
+            stale: metrics::counter!(DOWNSTREAM_STALE_REQUESTS, "collection" => c()),
+            nacks: metrics::counter!(DOWNSTREAM_NACKS, "collection" => c()),
+            oversized: metrics::counter!(OVERSIZED_RESPONSES, "collection" => c()),
+            push_size: metrics::histogram!(PUSH_SIZE, "collection" => c()),
+            push_latency: metrics::histogram!(PUSH_LATENCY, "collection" => c()),
+            response_size: metrics::histogram!(MESSAGE_SIZES, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
+        }
+    }
+}
+
+impl std::fmt::Debug for CollectionMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CollectionMetrics")
+    }
+}
 
 static EXPORTER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 

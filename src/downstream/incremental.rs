@@ -14,7 +14,7 @@ use tonic::Status;
 use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::{CollectionSnapshot, Diff};
-use crate::metrics as m;
+use crate::metrics::CollectionMetrics;
 use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest};
 
 /// What the client holds.
@@ -32,6 +32,7 @@ struct Subscribed {
     /// The snapshot the outstanding (or last) response brought the client to.
     sent: Option<Arc<CollectionSnapshot>>,
     changes: WatchStream<Option<Arc<CollectionSnapshot>>>,
+    metrics: Arc<CollectionMetrics>,
 }
 
 pub(super) struct IncrementalStream {
@@ -93,7 +94,9 @@ impl StreamProtocol for IncrementalStream {
             let resolved = self.shared.resolve(&request.type_url)?;
             self.shared.follow(&resolved.collection);
             let changes = self.shared.inner.cache.subscribe(&resolved.collection);
+            let metrics = self.shared.inner.cache.metrics(&resolved.collection);
             self.subscribed = Some(Subscribed {
+                metrics,
                 view: TypeView::new(resolved),
                 type_url: request.type_url,
                 client: ClientState::Initial(request.initial_resource_versions),
@@ -123,8 +126,8 @@ impl StreamProtocol for IncrementalStream {
             record_stale(
                 self.id,
                 &mut self.logs,
+                &subscribed.metrics,
                 &type_url,
-                collection,
                 &expected,
                 &request.response_nonce,
             );
@@ -142,11 +145,12 @@ impl StreamProtocol for IncrementalStream {
                     &collection,
                     version,
                     error,
+                    &subscribed.metrics,
                 );
                 subscribed.view.last_nack = Some(record);
             }
             None => {
-                record_ack(&collection);
+                record_ack(&subscribed.metrics);
                 subscribed.view.acked_version = Some(sent.version.clone());
                 subscribed.client = ClientState::At(sent);
             }
@@ -203,7 +207,7 @@ impl IncrementalStream {
         s.view.outstanding = true;
         s.view.last_sent_nonce = Some(nonce);
         s.view.last_sent_version = Some(snapshot.version.clone());
-        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.clone()).increment(1);
+        snapshot.metrics.pushes.increment(1);
         s.sent = Some(snapshot);
         self.publish();
         let shutdown = self.shared.inner.shutdown.clone();

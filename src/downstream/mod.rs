@@ -23,7 +23,7 @@ use tonic::{Status, Streaming};
 
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
-use crate::metrics as m;
+use crate::metrics::{self as m, CollectionMetrics};
 use crate::upstream::Subscriptions;
 use crate::wire::EncodedResponse;
 use registry::NackRecord;
@@ -144,8 +144,15 @@ struct StreamLogs {
 }
 
 /// Counts a request with a stale or unknown nonce, and logs it (rate-limited).
-fn record_stale(stream: u64, logs: &mut StreamLogs, type_url: &str, collection: Arc<str>, expected: &str, got: &str) {
-    metrics::counter!(m::DOWNSTREAM_STALE_REQUESTS, "collection" => collection).increment(1);
+fn record_stale(
+    stream: u64,
+    logs: &mut StreamLogs,
+    metrics: &CollectionMetrics,
+    type_url: &str,
+    expected: &str,
+    got: &str,
+) {
+    metrics.stale.increment(1);
     if let Some(skipped) = logs.stale.allow() {
         tracing::info!(
             stream,
@@ -168,8 +175,9 @@ fn record_nack(
     collection: &Arc<str>,
     version: Arc<str>,
     error: tonic_types::Status,
+    metrics: &CollectionMetrics,
 ) -> NackRecord {
-    metrics::counter!(m::DOWNSTREAM_NACKS, "collection" => collection.clone()).increment(1);
+    metrics.nacks.increment(1);
     metrics::counter!(
         m::REQUEST_NACKS,
         "component" => m::COMPONENT_DOWNSTREAM,
@@ -196,9 +204,8 @@ fn record_nack(
 }
 
 /// Counts a client's ACK.
-fn record_ack(collection: &Arc<str>) {
-    metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_DOWNSTREAM, "collection" => collection.clone())
-        .increment(1);
+fn record_ack(metrics: &CollectionMetrics) {
+    metrics.acks.increment(1);
 }
 
 /// A response could not be queued: the client's stream is gone.

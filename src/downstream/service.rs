@@ -178,25 +178,19 @@ impl FramedResponses {
 
 /// The metrics of a response handed to the client's connection.
 fn record_write(snapshot: &CollectionSnapshot, stream_started: Instant, len: usize, warned_oversized: &mut bool) {
-    let collection = snapshot.collection.clone();
-    metrics::histogram!(m::PUSH_SIZE, "collection" => collection.clone()).record(len as f64);
-    metrics::histogram!(
-        m::MESSAGE_SIZES,
-        "component" => m::COMPONENT_DOWNSTREAM,
-        "collection" => collection.clone()
-    )
-    .record(len as f64);
+    let metrics = &snapshot.metrics;
+    metrics.push_size.record(len as f64);
+    metrics.response_size.record(len as f64);
     // A change applied before the stream began is not a push: a new
     // client's first response measures nothing.
     if snapshot.applied_at >= stream_started {
-        metrics::histogram!(m::PUSH_LATENCY, "collection" => collection.clone())
-            .record(snapshot.applied_at.elapsed().as_secs_f64());
+        metrics.push_latency.record(snapshot.applied_at.elapsed().as_secs_f64());
     }
     if len > m::LEGACY_CLIENT_LIMIT {
-        metrics::counter!(m::OVERSIZED_RESPONSES, "collection" => collection.clone()).increment(1);
+        metrics.oversized.increment(1);
         if !std::mem::replace(warned_oversized, true) {
             tracing::warn!(
-                %collection,
+                collection = %snapshot.collection,
                 bytes = len,
                 "a response is larger than 4 MiB, the default receive limit of legacy clients; \
                  a client that did not raise it will reject it"

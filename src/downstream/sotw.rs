@@ -14,13 +14,14 @@ use tonic::Status;
 use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::CollectionSnapshot;
-use crate::metrics as m;
+use crate::metrics::CollectionMetrics;
 use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
 
 type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
 
 struct SotwType {
     view: TypeView,
+    metrics: Arc<CollectionMetrics>,
     /// `version_info` of the last accepted request: what the client holds.
     client_version: String,
 }
@@ -83,9 +84,11 @@ impl StreamProtocol for SotwStream {
             let changes = self.shared.inner.cache.subscribe(&resolved.collection);
             self.changes
                 .insert(type_url.clone(), WatchStream::from_changes(changes));
+            let metrics = self.shared.inner.cache.metrics(&resolved.collection);
             self.types.insert(
                 type_url.clone(),
                 SotwType {
+                    metrics,
                     view: TypeView::new(resolved),
                     client_version: String::new(),
                 },
@@ -108,10 +111,11 @@ impl StreamProtocol for SotwStream {
                             &collection,
                             version,
                             error,
+                            &state.metrics,
                         ));
                     }
                     None => {
-                        record_ack(&collection);
+                        record_ack(&state.metrics);
                         state.view.acked_version = Some(Arc::from(request.version_info.as_str()));
                     }
                 }
@@ -120,8 +124,8 @@ impl StreamProtocol for SotwStream {
                 record_stale(
                     self.id,
                     &mut self.logs,
+                    &state.metrics,
                     &type_url,
-                    collection,
                     nonce,
                     &request.response_nonce,
                 );
@@ -170,7 +174,7 @@ impl SotwStream {
         state.view.last_sent_nonce = Some(nonce);
         state.view.last_sent_version = Some(snapshot.version.clone());
         self.entry.publish(type_url, state.view.clone());
-        metrics::counter!(m::DOWNSTREAM_PUSHES, "collection" => snapshot.collection.clone()).increment(1);
+        snapshot.metrics.pushes.increment(1);
         let shutdown = self.shared.inner.shutdown.clone();
         tokio::select! {
             sent = out.send(Ok(Box::new(response))) => sent.map_err(|_| ClientGone),
