@@ -77,11 +77,7 @@ fn local_addr(flag: &'static str, listener: &TcpListener, addr: SocketAddr) -> R
 /// and the local source read before anything listens, so the first client is
 /// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
-    let metrics = if std::env::var_os("EXPERIMENT_NO_METRICS").is_some() {
-        None
-    } else {
-        crate::metrics::install()
-    };
+    let metrics = crate::metrics::install();
     let sotw_listener = bind("--listen", settings.listen).await?;
     let admin_listener = bind("--admin-listen", settings.admin_listen).await?;
     let listen = local_addr("--listen", &sotw_listener, settings.listen)?;
@@ -97,6 +93,8 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     log_effective(&settings);
 
     let shutdown = CancellationToken::new();
+    // Whatever was started stops again if start-up fails further down.
+    let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
     let cache = Arc::new(Cache::new());
     let subscriptions = Arc::new(Subscriptions::new(settings.collections.iter().cloned()));
@@ -252,6 +250,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         }
     }
 
+    started.disarm();
     tracing::info!(%listen, %admin, sink = ?sink, tls = server_tls_on(&settings.server_tls), "gateway listening");
     Ok(Bound {
         listen,
