@@ -107,6 +107,23 @@ async fn downstream_tls_and_mtls() {
     assert_eq!(names(&response.unwrap().resources).len(), 2);
 }
 
+/// Flags for a gateway dialling the fake Galley at `url` over TLS, trusting
+/// `ca_path`, subscribed to VS, reconnecting quickly.
+fn https_upstream<'a>(url: &'a str, ca_path: &'a str) -> [&'a str; 10] {
+    [
+        "--upstream",
+        url,
+        "--collections",
+        VS,
+        "--upstream-ca",
+        ca_path,
+        "--upstream-server-name",
+        "localhost",
+        "--reconnect-min-delay",
+        "10ms",
+    ]
+}
+
 fn galley_tls(ca: &Ca, galley: &Leaf) -> ServerTlsConfig {
     ServerTlsConfig::new()
         .identity(Identity::from_pem(&galley.cert, &galley.key))
@@ -122,18 +139,7 @@ async fn the_upstream_is_dialled_over_mtls() {
     let ca_path = path(&write(dir.path(), "ca.pem", &ca.pem));
     let (cert, key) = write_leaf(dir.path(), "gateway", &ca.leaf("gateway"));
     let (cert, key) = (path(&cert), path(&key));
-    let upstream_flags = [
-        "--upstream",
-        &url,
-        "--collections",
-        VS,
-        "--upstream-ca",
-        &ca_path,
-        "--upstream-server-name",
-        "localhost",
-        "--reconnect-min-delay",
-        "10ms",
-    ];
+    let upstream_flags = https_upstream(&url, &ca_path);
 
     let gw = start_gateway(&[&upstream_flags[..], &["--upstream-cert", &cert, "--upstream-key", &key]].concat()).await;
     let mut upstream = galley.next_stream().await;
@@ -281,21 +287,7 @@ async fn the_upstream_client_rereads_its_files_on_every_attempt() {
     .await;
     let url = format!("https://{}", galley.addr);
     let ca_path = path(&write(dir.path(), "ca.pem", &old_ca.pem));
-    let gw = start_gateway(&[
-        "--upstream",
-        &url,
-        "--collections",
-        VS,
-        "--upstream-ca",
-        &ca_path,
-        "--upstream-server-name",
-        "localhost",
-        "--reconnect-min-delay",
-        "10ms",
-        "--reconnect-max-delay",
-        "50ms",
-    ])
-    .await;
+    let gw = start_gateway(&[&https_upstream(&url, &ca_path)[..], &["--reconnect-max-delay", "50ms"]].concat()).await;
     eventually("an attempt refused for the certificate", || {
         gw.upstream.borrow().last_error.is_some()
     })
