@@ -21,7 +21,7 @@ use crate::persist::{self, Persister};
 use crate::tls::{self, ServerTls, TlsError};
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::sink::SinkServer;
-use crate::upstream::{Subscriptions, UpstreamStatus};
+use crate::upstream::{SinkContext, Subscriptions, UpstreamStatus};
 
 /// Requests from legacy clients are small; this only bounds a bad client.
 const MAX_CLIENT_REQUEST_BYTES: usize = 4 << 20;
@@ -207,22 +207,27 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let mut sink = None;
     match settings.source {
         Source::Client(upstream) => {
-            let client =
-                UpstreamClient::new(upstream, cache.clone(), subscriptions.clone(), status_tx).persisting(persister);
+            let context = SinkContext {
+                node: upstream.node.clone(),
+                incremental: upstream.incremental,
+                cache: cache.clone(),
+                subscriptions: subscriptions.clone(),
+                persister,
+            };
+            let client = UpstreamClient::new(upstream, context, status_tx);
             tasks.spawn(client.run(shutdown.clone()));
         }
         Source::Sink(settings) => {
             let (listener, addr) = sink_listener.expect("bound above");
             sink = Some(addr);
-            let service = SinkServer::new(
-                settings,
-                cache.clone(),
-                subscriptions.clone(),
-                status_tx,
+            let context = SinkContext {
+                node: settings.node.clone(),
+                incremental: settings.incremental,
+                cache: cache.clone(),
+                subscriptions: subscriptions.clone(),
                 persister,
-                shutdown.clone(),
-            )
-            .into_service();
+            };
+            let service = SinkServer::new(settings, context, status_tx, shutdown.clone()).into_service();
             let incoming = tls::incoming("--sink-listen", listener, server_tls, shutdown.clone());
             let server = tonic::transport::Server::builder()
                 .add_service(service)

@@ -2,7 +2,6 @@
 //! stream, and reconnect with backoff. While disconnected, the cache keeps
 //! serving the last applied state.
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
@@ -12,10 +11,8 @@ use tonic::transport::Endpoint;
 
 use super::backoff::{Backoff, BackoffPolicy};
 use super::stream::{self, StreamEnd};
-use super::{SinkSession, Subscriptions, UpstreamStatus};
-use crate::cache::Cache;
+use super::{SinkContext, UpstreamStatus};
 use crate::metrics as m;
-use crate::persist::Persister;
 use crate::proto::gateway::resource_source_client::ResourceSourceClient;
 use crate::proto::SinkNode;
 use crate::tls::ClientTlsFiles;
@@ -36,39 +33,20 @@ pub struct ClientSettings {
 
 pub struct UpstreamClient {
     settings: ClientSettings,
-    cache: Arc<Cache>,
-    subscriptions: Arc<Subscriptions>,
+    sink: SinkContext,
     status: watch::Sender<UpstreamStatus>,
-    persister: Option<Persister>,
 }
 
 // === impl UpstreamClient ===
 
 impl UpstreamClient {
-    pub fn new(
-        settings: ClientSettings,
-        cache: Arc<Cache>,
-        subscriptions: Arc<Subscriptions>,
-        status: watch::Sender<UpstreamStatus>,
-    ) -> Self {
+    pub fn new(settings: ClientSettings, sink: SinkContext, status: watch::Sender<UpstreamStatus>) -> Self {
         status.send_modify(|s| {
             s.mode = "client";
             s.address = settings.address.clone();
             s.since = Some(SystemTime::now());
         });
-        Self {
-            settings,
-            cache,
-            subscriptions,
-            status,
-            persister: None,
-        }
-    }
-
-    /// Persists every collection the upstream changes (`--cache-dir`).
-    pub fn persisting(mut self, persister: Option<Persister>) -> Self {
-        self.persister = persister;
-        self
+        Self { settings, sink, status }
     }
 
     /// A fresh endpoint per attempt: TLS files are re-read, so rotated
@@ -115,7 +93,7 @@ impl UpstreamClient {
             let (reason, message) = match end {
                 StreamEnd::Shutdown => return,
                 StreamEnd::Refused { collection, message } => {
-                    if self.subscriptions.refuse(&collection, message.clone()) {
+                    if self.sink.subscriptions.refuse(&collection, message.clone()) {
                         metrics::counter!(m::UPSTREAM_REFUSED_COLLECTIONS, "collection" => collection.clone())
                             .increment(1);
                         tracing::warn!(
@@ -185,18 +163,12 @@ impl UpstreamClient {
         let mut client = ResourceSourceClient::new(channel)
             .max_decoding_message_size(self.settings.max_message_bytes)
             .max_encoding_message_size(self.settings.max_message_bytes);
-        let session = SinkSession::new(
-            self.settings.node.clone(),
-            self.settings.incremental,
-            self.cache.clone(),
-        )
-        .persisting(self.persister.clone());
         let stream::Opened {
             mut session,
             mut subscriptions,
             tx,
             rx,
-        } = stream::open(session, &self.subscriptions);
+        } = self.sink.open();
         let response = tokio::select! {
             response = client.establish_resource_stream(ReceiverStream::new(rx)) => response,
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,

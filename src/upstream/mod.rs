@@ -82,6 +82,29 @@ impl Subscriptions {
     }
 }
 
+/// What the sink side of every upstream stream is built from, whoever
+/// dialled (client mode or Galley's dial-out).
+#[derive(Clone, Debug)]
+pub struct SinkContext {
+    pub node: crate::proto::SinkNode,
+    /// Ask for incremental updates (`--no-incremental` turns it off).
+    pub incremental: bool,
+    pub cache: Arc<crate::cache::Cache>,
+    pub subscriptions: Arc<Subscriptions>,
+    /// Writes each changed collection to `--cache-dir`.
+    pub persister: Option<crate::persist::Persister>,
+}
+
+impl SinkContext {
+    /// A new stream's session, with the initial request of every wanted
+    /// collection already queued.
+    pub fn open(&self) -> stream::Opened {
+        let session = SinkSession::new(self.node.clone(), self.incremental, self.cache.clone())
+            .persisting(self.persister.clone());
+        stream::open(session, &self.subscriptions)
+    }
+}
+
 /// What the upstream side is doing, for readiness, logs and the debug view.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct UpstreamStatus {

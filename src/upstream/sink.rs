@@ -16,10 +16,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, StreamEnd};
-use super::{SinkSession, Subscriptions, UpstreamStatus};
-use crate::cache::Cache;
+use super::{SinkContext, UpstreamStatus};
 use crate::metrics as m;
-use crate::persist::Persister;
 use crate::proto::gateway::resource_sink_server::{ResourceSink, ResourceSinkServer};
 use crate::proto::{RequestResources, SinkNode};
 use crate::wire::RawResources;
@@ -42,10 +40,8 @@ struct ActiveSource {
 
 struct Inner {
     settings: SinkSettings,
-    cache: Arc<Cache>,
-    subscriptions: Arc<Subscriptions>,
+    sink: SinkContext,
     status: watch::Sender<UpstreamStatus>,
-    persister: Option<Persister>,
     shutdown: CancellationToken,
     active: Mutex<Option<ActiveSource>>,
 }
@@ -68,10 +64,8 @@ impl Drop for ActiveGuard {
 impl SinkServer {
     pub fn new(
         settings: SinkSettings,
-        cache: Arc<Cache>,
-        subscriptions: Arc<Subscriptions>,
+        sink: SinkContext,
         status: watch::Sender<UpstreamStatus>,
-        persister: Option<Persister>,
         shutdown: CancellationToken,
     ) -> Self {
         status.send_modify(|s| {
@@ -82,10 +76,8 @@ impl SinkServer {
         Self {
             inner: Arc::new(Inner {
                 settings,
-                cache,
-                subscriptions,
+                sink,
                 status,
-                persister,
                 shutdown,
                 active: Mutex::new(None),
             }),
@@ -141,18 +133,12 @@ impl ResourceSink for SinkServer {
         let metadata = source_metadata(request.metadata());
         let mut inbound = request.into_inner();
         let inner = self.inner.clone();
-        let session = SinkSession::new(
-            inner.settings.node.clone(),
-            inner.settings.incremental,
-            inner.cache.clone(),
-        )
-        .persisting(inner.persister.clone());
         let stream::Opened {
             mut session,
             mut subscriptions,
             tx,
             rx,
-        } = stream::open(session, &inner.subscriptions);
+        } = inner.sink.open();
         tracing::info!(%peer, ?metadata, "a source connected (dial-out)");
         inner.status.send_modify(|s| {
             if s.attempts > 0 {

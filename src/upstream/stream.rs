@@ -37,7 +37,8 @@ pub struct Opened {
     pub rx: mpsc::Receiver<RequestResources>,
 }
 
-/// Queues the initial request of every wanted collection for a new stream.
+/// Queues the initial request of every wanted collection for a new stream
+/// (see [`super::SinkContext::open`]).
 pub fn open(mut session: SinkSession, subscriptions: &super::Subscriptions) -> Opened {
     let mut subscriptions = subscriptions.watch();
     let initial = initial_requests(&mut session, &mut subscriptions);
