@@ -8,7 +8,7 @@ use tonic::{Code, Status};
 
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{full, incremental, resource, FakeGalley};
-use crate::helpers::{eventually, gateway_for, names, GW, GW_TYPE_URL, VS};
+use crate::helpers::{eventually, gateway_for, names, upstream_status_when, GW, GW_TYPE_URL, VS};
 
 #[tokio::test]
 async fn sends_one_initial_request_per_collection_with_the_sink_node() {
@@ -240,7 +240,13 @@ async fn accept_then_kill_gets_backoff_reset_only_by_progress() {
     galley.kill_every_stream(true);
     let gw = gateway_for(&galley, &[VS], &["--reconnect-max-delay", "1s"]).await;
     eventually("five killed streams", || galley.streams_opened() >= 5).await;
-    let status = gw.upstream.borrow().clone();
+    // Galley counts a stream when it opens; the gateway schedules its retry
+    // only after the kill arrives, and clears it when the next attempt
+    // starts. Take one copy of the status while a retry is scheduled.
+    let status = upstream_status_when(&gw, "a retry scheduled after four failures", |s| {
+        s.consecutive_failures >= 4 && s.next_retry_in.is_some()
+    })
+    .await;
     assert!(status.consecutive_failures >= 4, "{status:?}");
     // Base delays 10, 20, 40, 80 ms...: the fourth wait is at least 80 ms.
     assert!(status.next_retry_in.unwrap() >= Duration::from_millis(80), "{status:?}");
@@ -255,8 +261,7 @@ async fn accept_then_kill_gets_backoff_reset_only_by_progress() {
     stream.push_full(VS, vec![resource("a", "1", b"x")]).await;
     eventually("connected", || gw.upstream.borrow().connected).await;
     stream.kill(Status::unavailable("one more kill"));
-    eventually("a retry scheduled", || gw.upstream.borrow().next_retry_in.is_some()).await;
-    let status = gw.upstream.borrow().clone();
+    let status = upstream_status_when(&gw, "a retry scheduled", |s| s.next_retry_in.is_some()).await;
     assert_eq!(status.consecutive_failures, 1, "{status:?}");
     assert!(
         status.next_retry_in.unwrap() <= Duration::from_millis(20),

@@ -42,6 +42,25 @@ pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     .await
 }
 
+/// A copy of the upstream status taken while `condition` holds (the status
+/// moves on by itself: a retry scheduled is cleared when the attempt starts).
+pub async fn upstream_status_when(
+    gw: &Bound,
+    what: &str,
+    condition: impl Fn(&mcp_xds_gateway::upstream::UpstreamStatus) -> bool,
+) -> mcp_xds_gateway::upstream::UpstreamStatus {
+    within(what, async {
+        loop {
+            let status = gw.upstream.borrow().clone();
+            if condition(&status) {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
 /// Starts the gateway in-process with the flags a user would give it.
 pub async fn start_gateway(flags: &[&str]) -> Bound {
     let mut argv = vec![
