@@ -1,6 +1,9 @@
-//! The admin HTTP port, read-only: liveness, readiness, Prometheus metrics and
-//! the debug views. Every debug view is JSON by default and an HTML table for
-//! a browser (`Accept: text/html`).
+//! The HTTP ports. Monitoring (`--monitoring-listen`, reachable by the kubelet
+//! and Prometheus) serves only liveness, readiness and metrics. Admin
+//! (`--admin-listen`, loopback by default) serves the same plus the debug
+//! views, which show client addresses, node ids and resource names. Every
+//! debug view is JSON by default and an HTML table for a browser
+//! (`Accept: text/html`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,21 +40,23 @@ impl AdminState {
     }
 }
 
-/// Subscribed collections without a first state: the gateway is ready when
-/// there are none. A collection the source refused is not waited for: it
-/// would never arrive.
+/// Configured collections without a first state: the gateway is ready when
+/// there are none. Only the configured set counts: a client asking for a
+/// collection nobody serves never makes a replica unready. A collection the
+/// source refused is not waited for: it would never arrive.
 pub fn missing(subscriptions: &Subscriptions, cache: &Cache) -> Vec<String> {
     subscriptions
-        .current()
-        .wanted
+        .awaited()
         .iter()
         .filter(|c| cache.get(c).is_none())
         .map(|c| c.to_string())
         .collect()
 }
 
-/// Keeps gRPC health (`""` and the aggregated service) at SERVING while the
-/// gateway is ready, NOT_SERVING before and after (shutdown).
+/// Keeps gRPC health at SERVING while the gateway is ready and NOT_SERVING
+/// before and after (shutdown), for `""` and the aggregated service; and per
+/// collection (the collection's name as the service name), SERVING once it
+/// has a first state.
 pub async fn track_health(
     health: tonic_health::server::HealthReporter,
     service: &'static str,
@@ -63,6 +68,7 @@ pub async fn track_health(
     let mut changes = cache.changes();
     let mut wanted = subscriptions.watch();
     let mut reported = None;
+    let mut collections: BTreeMap<Arc<str>, ServingStatus> = BTreeMap::new();
     loop {
         let status = if missing(&subscriptions, &cache).is_empty() {
             ServingStatus::Serving
@@ -73,6 +79,22 @@ pub async fn track_health(
             health.set_service_status("", status).await;
             health.set_service_status(service, status).await;
             reported = Some(status);
+        }
+        let names: Vec<Arc<str>> = subscriptions
+            .current()
+            .wanted
+            .into_iter()
+            .chain(cache.snapshots().into_iter().map(|s| s.collection.clone()))
+            .collect();
+        for name in names {
+            let status = if cache.get(&name).is_some() {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            if collections.insert(name.clone(), status) != Some(status) {
+                health.set_service_status(&*name, status).await;
+            }
         }
         tokio::select! {
             _ = changes.changed() => {}
@@ -86,17 +108,27 @@ pub async fn track_health(
     }
 }
 
-pub fn router(state: AdminState) -> Router {
+/// The monitoring port: what Prometheus and the kubelet need, nothing that
+/// names a client or a resource.
+pub fn monitoring_router(state: AdminState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/debug/clients", get(clients))
-        .route("/debug/syncz", get(syncz))
-        .route("/debug/cache", get(cache))
-        .route("/debug/cache/{*collection}", get(cache_collection))
-        .route("/debug/upstream", get(upstream))
         .with_state(state)
+}
+
+/// The admin port: the monitoring paths and every debug view.
+pub fn admin_router(state: AdminState) -> Router {
+    monitoring_router(state.clone()).merge(
+        Router::new()
+            .route("/debug/clients", get(clients))
+            .route("/debug/syncz", get(syncz))
+            .route("/debug/cache", get(cache))
+            .route("/debug/cache/{*collection}", get(cache_collection))
+            .route("/debug/upstream", get(upstream))
+            .with_state(state),
+    )
 }
 
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {

@@ -18,13 +18,11 @@ use crate::config::{Settings, Source};
 use crate::downstream::{AggregatedService, Downstream, Registry};
 use crate::local::LocalSource;
 use crate::persist::{self, Persister};
-use crate::tls::{self, ServerTls, TlsError};
+use crate::transport::grpc::{self, GrpcListener, SharedLimits};
+use crate::transport::tls::{ServerTls, TlsError};
 use crate::upstream::client::UpstreamClient;
 use crate::upstream::sink::SinkServer;
 use crate::upstream::{SinkContext, Subscriptions, UpstreamStatus};
-
-/// Requests from legacy clients are small; this only bounds a bad client.
-const MAX_CLIENT_REQUEST_BYTES: usize = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -46,10 +44,12 @@ pub enum AppError {
 
 /// A running gateway.
 pub struct Bound {
-    /// Where `AggregatedMeshConfigService` listens.
+    /// Where the downstream gRPC services listen.
     pub listen: SocketAddr,
-    /// Where the admin port listens.
+    /// Where the admin port listens (debug views).
     pub admin: SocketAddr,
+    /// Where the monitoring port listens (metrics, health, readiness).
+    pub monitoring: SocketAddr,
     /// Where `ResourceSink` listens for Galley's dial-out (`--sink-listen`).
     pub sink: Option<SocketAddr>,
     pub cache: Arc<Cache>,
@@ -61,16 +61,14 @@ pub struct Bound {
     grace: Duration,
 }
 
-async fn bind(flag: &'static str, addr: SocketAddr) -> Result<TcpListener, AppError> {
-    TcpListener::bind(addr)
+async fn bind(flag: &'static str, addr: SocketAddr) -> Result<(TcpListener, SocketAddr), AppError> {
+    let listener = TcpListener::bind(addr)
         .await
-        .map_err(|source| AppError::Bind { flag, addr, source })
-}
-
-fn local_addr(flag: &'static str, listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, AppError> {
-    listener
+        .map_err(|source| AppError::Bind { flag, addr, source })?;
+    let bound = listener
         .local_addr()
-        .map_err(|source| AppError::Bind { flag, addr, source })
+        .map_err(|source| AppError::Bind { flag, addr, source })?;
+    Ok((listener, bound))
 }
 
 /// Binds the listeners and starts everything. The persisted cache is loaded
@@ -78,16 +76,12 @@ fn local_addr(flag: &'static str, listener: &TcpListener, addr: SocketAddr) -> R
 /// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let metrics = crate::metrics::install();
-    let sotw_listener = bind("--listen", settings.listen).await?;
-    let admin_listener = bind("--admin-listen", settings.admin_listen).await?;
-    let listen = local_addr("--listen", &sotw_listener, settings.listen)?;
-    let admin = local_addr("--admin-listen", &admin_listener, settings.admin_listen)?;
+    crate::metrics::register_defaults(&settings.collections);
+    let (grpc_listener, listen) = bind("--listen", settings.listen).await?;
+    let (admin_listener, admin) = bind("--admin-listen", settings.admin_listen).await?;
+    let (monitoring_listener, monitoring) = bind("--monitoring-listen", settings.monitoring_listen).await?;
     let sink_listener = match &settings.source {
-        Source::Sink(sink) => {
-            let listener = bind("--sink-listen", sink.listen).await?;
-            let addr = local_addr("--sink-listen", &listener, sink.listen)?;
-            Some((listener, addr))
-        }
+        Source::Sink(sink) => Some(bind("--sink-listen", sink.listen).await?),
         _ => None,
     };
     log_effective(&settings);
@@ -97,6 +91,10 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
     let cache = Arc::new(Cache::new());
+    for collection in &settings.collections {
+        // Registered now: the collection's series exist before any traffic.
+        cache.metrics(collection);
+    }
     let subscriptions = Arc::new(Subscriptions::new(settings.collections.iter().cloned()));
     let registry = Arc::new(Registry::default());
     let (status_tx, status_rx) = watch::channel(UpstreamStatus {
@@ -139,8 +137,9 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         registry.clone(),
         shutdown.clone(),
         tasks.clone(),
+        settings.downstream,
     );
-    let service = AggregatedService::new(downstream, MAX_CLIENT_REQUEST_BYTES);
+    let service = AggregatedService::new(downstream);
     let service_name = <AggregatedService as tonic::server::NamedService>::NAME;
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -163,46 +162,54 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     };
     let reflection_v1 = reflection().build_v1().map_err(AppError::Reflection)?;
     let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
-    // Responses go out as a few chunks (frame header, shared body, nonce):
-    // `tls::incoming` sets TCP_NODELAY so the small last chunk does not wait
-    // for the client's delayed ACK (~40 ms).
-    let incoming = tls::incoming("--listen", sotw_listener, server_tls.clone(), shutdown.clone());
-    let mut builder = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)));
-    if let Some(age) = settings.max_connection_age {
-        builder = builder
-            .max_connection_age(age)
-            .max_connection_age_grace(settings.max_connection_age_grace);
-    }
-    let server = builder
-        .add_service(service)
+    let routes = tonic::service::Routes::new(service)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
-    tasks.spawn(async move {
-        if let Err(e) = server.await {
-            tracing::error!(error = %e, "the AggregatedMeshConfigService server failed");
-        }
-    });
+        .prepare();
+    let limits = Arc::new(settings.grpc.clone());
+    let shared = SharedLimits::new(
+        settings.max_connections,
+        settings.max_streams,
+        settings.max_new_streams_per_second,
+    );
+    grpc::serve(
+        grpc_listener,
+        GrpcListener {
+            name: "--listen",
+            tls: server_tls.clone(),
+            allow: settings.client_allow.clone(),
+            limits: limits.clone(),
+            shared: shared.clone(),
+        },
+        routes,
+        shutdown.clone(),
+        tasks.clone(),
+    );
 
-    let admin_router = admin::router(AdminState {
+    let admin_state = AdminState {
         cache: cache.clone(),
         subscriptions: subscriptions.clone(),
         registry: registry.clone(),
         upstream: status_rx.clone(),
         metrics,
-    });
-    let admin_shutdown = shutdown.clone();
-    tasks.spawn(async move {
-        let served = axum::serve(admin_listener, admin_router)
-            .with_graceful_shutdown(admin_shutdown.cancelled_owned())
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "the admin server failed");
-        }
-    });
+    };
+    crate::transport::http::serve(
+        "--admin-listen",
+        admin_listener,
+        admin::admin_router(admin_state.clone()),
+        settings.http,
+        shutdown.clone(),
+        &tasks,
+    );
+    crate::transport::http::serve(
+        "--monitoring-listen",
+        monitoring_listener,
+        admin::monitoring_router(admin_state),
+        settings.http,
+        shutdown.clone(),
+        &tasks,
+    );
 
     let mut sink = None;
     match settings.source {
@@ -213,30 +220,50 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
                 cache: cache.clone(),
                 subscriptions: subscriptions.clone(),
                 persister,
+                max_message_bytes: upstream.max_message_bytes,
             };
             let client = UpstreamClient::new(upstream, context, status_tx);
             tasks.spawn(client.run(shutdown.clone()));
         }
-        Source::Sink(settings) => {
+        Source::Sink(sink_settings) => {
             let (listener, addr) = sink_listener.expect("bound above");
             sink = Some(addr);
+            if sink_settings.insecure {
+                tracing::warn!(
+                    %addr,
+                    "--sink-insecure: any peer that reaches --sink-listen can become the config source of every client"
+                );
+            }
             let context = SinkContext {
-                node: settings.node.clone(),
-                incremental: settings.incremental,
+                node: sink_settings.node.clone(),
+                incremental: sink_settings.incremental,
                 cache: cache.clone(),
                 subscriptions: subscriptions.clone(),
                 persister,
+                max_message_bytes: sink_settings.max_message_bytes,
             };
-            let service = SinkServer::new(settings, context, status_tx, shutdown.clone()).into_service();
-            let incoming = tls::incoming("--sink-listen", listener, server_tls, shutdown.clone());
-            let server = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
-            tasks.spawn(async move {
-                if let Err(e) = server.await {
-                    tracing::error!(error = %e, "the ResourceSink server failed");
-                }
-            });
+            let allow = sink_settings.allow.clone();
+            let service =
+                SinkServer::new(sink_settings, context, status_tx, shutdown.clone(), tasks.clone()).into_service();
+            // The connection age limit does not apply: the source is one
+            // long-lived peer. Keepalive pings drop a frozen source.
+            let sink_limits = grpc::GrpcLimits {
+                max_connection_age: None,
+                ..settings.grpc.clone()
+            };
+            grpc::serve(
+                listener,
+                GrpcListener {
+                    name: "--sink-listen",
+                    tls: server_tls.clone(),
+                    allow,
+                    limits: Arc::new(sink_limits),
+                    shared: shared.clone(),
+                },
+                tonic::service::Routes::new(service).prepare(),
+                shutdown.clone(),
+                tasks.clone(),
+            );
             tracing::info!(%addr, "waiting for Galley's dial-out on ResourceSink");
         }
         Source::Files(dir) => {
@@ -256,10 +283,18 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     }
 
     started.disarm();
-    tracing::info!(%listen, %admin, sink = ?sink, tls = server_tls_on(&settings.server_tls), "gateway listening");
+    tracing::info!(
+        %listen,
+        %admin,
+        %monitoring,
+        sink = sink.map(|s| s.to_string()),
+        tls = server_tls_on(&settings.server_tls),
+        "gateway listening"
+    );
     Ok(Bound {
         listen,
         admin,
+        monitoring,
         sink,
         cache,
         subscriptions,
@@ -271,7 +306,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     })
 }
 
-fn server_tls_on(tls: &Option<crate::tls::ServerTlsFiles>) -> &'static str {
+fn server_tls_on(tls: &Option<crate::transport::tls::ServerTlsFiles>) -> &'static str {
     match tls {
         None => "off",
         Some(files) if files.client_ca.is_some() => "mtls",
@@ -279,7 +314,12 @@ fn server_tls_on(tls: &Option<crate::tls::ServerTlsFiles>) -> &'static str {
     }
 }
 
+fn seconds(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
 /// One line with every setting that matters, once, before listening.
+/// Durations in seconds; absent values are left out.
 fn log_effective(settings: &Settings) {
     let (mode, address, node, incremental, max_message_bytes) = match &settings.source {
         Source::Client(c) => (
@@ -302,23 +342,36 @@ fn log_effective(settings: &Settings) {
         Source::Client(c) => Some(c),
         _ => None,
     };
+    let grpc = &settings.grpc;
     tracing::info!(
         source = mode,
         upstream = %address,
         node_id = node,
         incremental,
-        collections = ?settings.collections,
-        type_map = ?settings.type_map,
+        collections = %settings.collections.join(","),
+        type_map = settings.type_map.as_ref().map(|p| p.display().to_string()),
         table_rows = settings.table.len(),
         max_message_bytes,
-        keepalive = ?client.and_then(|u| u.keepalive),
-        backoff = ?client.map(|u| u.backoff),
+        keepalive_seconds = grpc.keepalive.map(seconds),
+        connect_timeout_seconds = client.map(|u| seconds(u.connect_timeout)),
+        reconnect_min_delay_seconds = client.map(|u| seconds(u.backoff.min)),
+        reconnect_max_delay_seconds = client.map(|u| seconds(u.backoff.max)),
         upstream_tls = client.is_some_and(|u| u.tls.is_some()),
         tls = server_tls_on(&settings.server_tls),
-        cache_dir = ?settings.cache_dir,
-        shutdown_grace = ?settings.shutdown_grace,
-        max_connection_age = ?settings.max_connection_age,
-        max_connection_age_grace = ?settings.max_connection_age_grace,
+        client_allow = settings.client_allow.as_ref().map(|a| a.entries().join(",")),
+        cache_dir = settings.cache_dir.as_ref().map(|p| p.display().to_string()),
+        shutdown_grace_seconds = seconds(settings.shutdown_grace),
+        max_connection_age_seconds = grpc.max_connection_age.map(seconds),
+        max_connection_age_grace_seconds = seconds(grpc.max_connection_age_grace),
+        max_connections = settings.max_connections,
+        max_streams = settings.max_streams,
+        max_streams_per_connection = grpc.max_streams_per_connection,
+        max_new_streams_per_second = settings.max_new_streams_per_second,
+        max_requests_per_second = settings.downstream.max_requests_per_second,
+        max_request_bytes = settings.downstream.max_request_bytes,
+        max_types_per_stream = settings.downstream.max_types_per_stream,
+        handshake_timeout_seconds = seconds(grpc.handshake_timeout),
+        idle_timeout_seconds = grpc.idle_timeout.map(seconds),
         "effective configuration"
     );
 }

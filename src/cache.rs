@@ -34,21 +34,66 @@ pub struct CachedResource {
     /// A whole encoded `Resource` message, written into responses as is
     /// (in the cache: a slice of its chunk).
     pub encoded: Bytes,
+    /// The content: a digest of the body, labels and annotations. A changed
+    /// body under an unchanged version is a change.
+    pub digest: u128,
+    /// This resource's share of the collection version: a hash of its name,
+    /// version and digest (computed once).
+    entry: u128,
     /// Whether a chunk ends after this resource (a function of the name,
     /// computed once).
     ends_chunk: bool,
 }
 
 impl CachedResource {
-    pub fn new(name: Arc<str>, version: Arc<str>, body_type_url: String, encoded: Bytes) -> Self {
+    pub fn new(name: Arc<str>, version: Arc<str>, body_type_url: String, encoded: Bytes, digest: u128) -> Self {
         Self {
             ends_chunk: ends_chunk(&name),
+            entry: entry_hash(&name, &version, digest),
             name,
             version,
             body_type_url,
             encoded,
+            digest,
         }
     }
+}
+
+/// The content digest of a resource: its body (the encoded `Any`, type URL
+/// included) and its labels and annotations in key order.
+pub fn content_digest<'a>(
+    body: &[u8],
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+    annotations: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> u128 {
+    let mut hasher = Xxh3::new();
+    let mut field = |bytes: &[u8]| {
+        // Length prefixes keep ("ab","c") and ("a","bc") apart.
+        hasher.update(&(bytes.len() as u64).to_le_bytes());
+        hasher.update(bytes);
+    };
+    field(body);
+    for map in [
+        labels.into_iter().collect::<std::collections::BTreeMap<_, _>>(),
+        annotations.into_iter().collect(),
+    ] {
+        field(&(map.len() as u64).to_le_bytes());
+        for (key, value) in map {
+            field(key.as_bytes());
+            field(value.as_bytes());
+        }
+    }
+    hasher.digest128()
+}
+
+fn entry_hash(name: &str, version: &str, digest: u128) -> u128 {
+    let mut hasher = Xxh3::new();
+    hasher.update(&(name.len() as u64).to_le_bytes());
+    hasher.update(name.as_bytes());
+    hasher.update(&(version.len() as u64).to_le_bytes());
+    hasher.update(version.as_bytes());
+    hasher.update(&digest.to_le_bytes());
+    hasher.digest128()
 }
 
 /// A run of consecutive resources (in name order), encoded once as the
@@ -110,6 +155,8 @@ fn chunk(resources: &mut ResourceMap, previous: &[Arc<Chunk>]) -> (Vec<Arc<Chunk
                     version: r.version.clone(),
                     body_type_url: r.body_type_url.clone(),
                     encoded: bytes.slice(start..start + r.encoded.len()),
+                    digest: r.digest,
+                    entry: r.entry,
                     ends_chunk: r.ends_chunk,
                 })
             })
@@ -132,11 +179,12 @@ fn chunk(resources: &mut ResourceMap, previous: &[Arc<Chunk>]) -> (Vec<Arc<Chunk
     (chunks, total)
 }
 
-/// Resources are the same when their versions are: versions are what MCP
-/// compares, and what the collection version is derived from.
+/// Resources are the same when their name, version and content are: a
+/// source that reuses a version for new content (a restarted counter, a file
+/// edited but its `version:` kept) still changes the resource.
 impl PartialEq for CachedResource {
     fn eq(&self, other: &Self) -> bool {
-        self.name == other.name && self.version == other.version
+        self.entry == other.entry && self.name == other.name && self.version == other.version
     }
 }
 
@@ -157,6 +205,9 @@ pub struct CollectionSnapshot {
     pub collection: Arc<str>,
     pub version: Arc<str>,
     pub resources: ResourceMap,
+    /// The sum of the resources' entry hashes, kept as resources change so a
+    /// version costs the change, not the collection.
+    content_sum: u128,
     /// Sum of the encoded resources' sizes.
     pub bytes: usize,
     pub updated_at: SystemTime,
@@ -180,15 +231,17 @@ pub struct CollectionSnapshot {
 const SHARED_DIFFS_PER_SNAPSHOT: usize = 32;
 
 impl CollectionSnapshot {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         collection: Arc<str>,
         resources: ResourceMap,
+        content_sum: u128,
         chunks: Vec<Arc<Chunk>>,
         bytes: usize,
         origin: Origin,
         metrics: Arc<CollectionMetrics>,
     ) -> Self {
-        let version: Arc<str> = collection_version(&resources).into();
+        let version: Arc<str> = version_from_sum(content_sum, resources.len()).into();
         let sotw_parts = std::iter::once(crate::wire::encode_version(&version))
             .chain(chunks.iter().map(|c| c.bytes.clone()))
             .collect();
@@ -197,6 +250,7 @@ impl CollectionSnapshot {
             bytes,
             collection,
             resources,
+            content_sum,
             updated_at: SystemTime::now(),
             applied_at: std::time::Instant::now(),
             origin,
@@ -247,24 +301,33 @@ impl CollectionSnapshot {
     }
 }
 
-/// A hash of the sorted `(name, resource version)` pairs: the same content
-/// gives the same version on every replica.
+/// The collection version of a resource map: the same content gives the same
+/// version on every replica, and any change of a name, version or content
+/// changes it.
 pub fn collection_version(resources: &ResourceMap) -> String {
-    version_of_pairs(resources.iter().map(|(name, r)| (&**name, &*r.version)))
+    let sum = resources.values().fold(0u128, |sum, r| sum.wrapping_add(r.entry));
+    version_from_sum(sum, resources.len())
 }
 
-/// The collection version of `(name, resource version)` pairs given in name
-/// order: what a client sees as `version_info` for that content.
-pub fn version_of_pairs<'a>(sorted_pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut hasher = Xxh3::new();
-    for (name, version) in sorted_pairs {
-        // Length prefixes keep ("ab","c") and ("a","bc") apart.
-        hasher.update(&(name.len() as u64).to_le_bytes());
-        hasher.update(name.as_bytes());
-        hasher.update(&(version.len() as u64).to_le_bytes());
-        hasher.update(version.as_bytes());
-    }
-    format!("{:032x}", hasher.digest128())
+/// The collection version of `(name, resource version, content digest)`
+/// entries, in any order: what a client sees as `version_info` for that
+/// content (tools and tests predict versions with it).
+pub fn version_of_entries<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str, u128)>) -> String {
+    let mut count = 0;
+    let sum = entries.into_iter().fold(0u128, |sum, (name, version, digest)| {
+        count += 1;
+        sum.wrapping_add(entry_hash(name, version, digest))
+    });
+    version_from_sum(sum, count)
+}
+
+/// A commutative sum of per-resource hashes, mixed with the count and hashed
+/// once more so versions look alike whatever the content.
+fn version_from_sum(sum: u128, count: usize) -> String {
+    let mut bytes = [0u8; 24];
+    bytes[..16].copy_from_slice(&sum.to_le_bytes());
+    bytes[16..].copy_from_slice(&(count as u64).to_le_bytes());
+    format!("{:032x}", xxh3_128(&bytes))
 }
 
 /// The version of a resource whose source gave none: a hash of its body.
@@ -396,6 +459,7 @@ impl Cache {
             .map(|s| s.collection.clone())
             .unwrap_or_else(|| Arc::from(collection));
         let mut resources = current.as_ref().map(|s| s.resources.clone()).unwrap_or_default();
+        let mut sum = current.as_ref().map_or(0, |s| s.content_sum);
         match update {
             Update::Full(incoming) => {
                 // Start from the current map and touch only what changed, so
@@ -403,21 +467,21 @@ impl Cache {
                 let mut seen = std::collections::HashSet::with_capacity(incoming.len());
                 for resource in incoming {
                     seen.insert(resource.name.clone());
-                    upsert(&mut resources, resource);
+                    upsert(&mut resources, &mut sum, resource);
                 }
                 if seen.len() != resources.len() {
                     let gone: Vec<Arc<str>> = resources.keys().filter(|n| !seen.contains(*n)).cloned().collect();
                     for name in gone {
-                        resources.remove(&name);
+                        remove(&mut resources, &mut sum, &name);
                     }
                 }
             }
             Update::Incremental { upserts, removed } => {
                 for resource in upserts {
-                    upsert(&mut resources, resource);
+                    upsert(&mut resources, &mut sum, resource);
                 }
                 for name in removed {
-                    resources.remove(name.as_str());
+                    remove(&mut resources, &mut sum, &name);
                 }
             }
         }
@@ -427,7 +491,9 @@ impl Cache {
             Some(current) => current.metrics.clone(),
             None => self.metrics(&name),
         };
-        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, chunks, bytes, origin, metrics));
+        let snapshot = Arc::new(CollectionSnapshot::new(
+            name, resources, sum, chunks, bytes, origin, metrics,
+        ));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {
             Some(old) if old.version == snapshot.version => {
@@ -453,11 +519,21 @@ impl Cache {
     }
 }
 
-fn upsert(resources: &mut ResourceMap, resource: CachedResource) {
-    if resources.get(&*resource.name).is_some_and(|old| **old == resource) {
-        return;
+fn upsert(resources: &mut ResourceMap, sum: &mut u128, resource: CachedResource) {
+    if let Some(old) = resources.get(&*resource.name) {
+        if **old == resource {
+            return;
+        }
+        *sum = sum.wrapping_sub(old.entry);
     }
+    *sum = sum.wrapping_add(resource.entry);
     resources.insert(resource.name.clone(), Arc::new(resource));
+}
+
+fn remove(resources: &mut ResourceMap, sum: &mut u128, name: &str) {
+    if let Some(old) = resources.remove(name) {
+        *sum = sum.wrapping_sub(old.entry);
+    }
 }
 
 /// The difference between two states of one collection.
@@ -483,20 +559,32 @@ impl Diff {
         diff
     }
 
-    /// From a client's own `name → version` map to a snapshot.
-    pub fn from_versions(known: &HashMap<String, String>, to: &ResourceMap) -> Self {
-        let upserts = to
-            .values()
-            .filter(|r| known.get(&*r.name).is_none_or(|v| *v != *r.version))
-            .cloned()
-            .collect();
-        let mut removed: Vec<Arc<str>> = known
-            .keys()
-            .filter(|name| !to.contains_key(name.as_str()))
-            .map(|name| Arc::from(name.as_str()))
-            .collect();
-        removed.sort();
-        Diff { upserts, removed }
+    /// From what a client reports holding (`initial_resource_versions`, sorted
+    /// by name) to a snapshot: the resources whose version differs, and the
+    /// names that are gone. A merge of two sorted lists: no table is built.
+    pub fn from_versions(known: &[crate::wire::VersionEntry], to: &ResourceMap) -> Self {
+        let mut diff = Diff::default();
+        let mut known = known.iter().peekable();
+        for resource in to.values() {
+            while let Some(entry) = known.next_if(|e| *e.name < *resource.name) {
+                diff.removed.push(Arc::from(entry.name.as_str()));
+            }
+            let held = known.next_if(|e| *e.name == *resource.name);
+            // A name given twice: the first one counts.
+            while known.next_if(|e| *e.name == *resource.name).is_some() {}
+            if held.is_none_or(|e| *e.version != *resource.version) {
+                diff.upserts.push(resource.clone());
+            }
+        }
+        let mut last: Option<&str> = None;
+        for entry in known {
+            if last != Some(entry.name.as_str()) {
+                diff.removed.push(Arc::from(entry.name.as_str()));
+            }
+            last = Some(entry.name.as_str());
+        }
+        diff.removed.dedup();
+        diff
     }
 
     pub fn is_empty(&self) -> bool {
@@ -515,12 +603,81 @@ mod tests {
     use super::*;
 
     fn resource(name: &str, version: &str) -> CachedResource {
+        with_body(name, version, &format!("{name}@{version}"))
+    }
+
+    fn with_body(name: &str, version: &str, body: &str) -> CachedResource {
+        let none = HashMap::<String, String>::new();
         CachedResource::new(
             name.into(),
             version.into(),
             "type.googleapis.com/t".into(),
-            Bytes::from(format!("{name}@{version}")),
+            Bytes::from(body.to_owned()),
+            content_digest(body.as_bytes(), &none, &none),
         )
+    }
+
+    #[test]
+    fn a_new_body_under_the_same_version_is_a_change() {
+        let cache = Cache::new();
+        let mut rx = cache.subscribe(C);
+        let first = cache.apply(C, Update::Full(vec![with_body("a", "1", "old")]), Origin::Upstream);
+        rx.borrow_and_update();
+        // A restarted source reusing version "1" for other content.
+        let second = cache.apply(C, Update::Full(vec![with_body("a", "1", "new")]), Origin::Upstream);
+        assert!(matches!(second, Applied::Changed { .. }));
+        assert_ne!(first.version(), second.version());
+        assert!(rx.has_changed().unwrap(), "readers are woken");
+        let snapshot = cache.get(C).unwrap();
+        assert_eq!(&snapshot.resources["a"].encoded[..], b"new");
+        // The same through an incremental update, and labels count too.
+        let labels: HashMap<String, String> = [("app".to_owned(), "x".to_owned())].into();
+        let none = HashMap::new();
+        let labelled = CachedResource::new(
+            "a".into(),
+            "1".into(),
+            "t".into(),
+            Bytes::from_static(b"new"),
+            content_digest(b"new", &labels, &none),
+        );
+        let third = cache.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![labelled],
+                removed: vec![],
+            },
+            Origin::Upstream,
+        );
+        assert!(matches!(third, Applied::Changed { .. }));
+    }
+
+    #[test]
+    fn the_kept_version_equals_one_computed_from_scratch() {
+        let cache = Cache::new();
+        cache.apply(
+            C,
+            Update::Full((0..100).map(|i| resource(&format!("r{i}"), "1")).collect()),
+            Origin::Upstream,
+        );
+        cache.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource("r5", "2"), resource("new", "1")],
+                removed: vec!["r7".into(), "unknown".into()],
+            },
+            Origin::Upstream,
+        );
+        let snapshot = cache.get(C).unwrap();
+        assert_eq!(*snapshot.version, collection_version(&snapshot.resources));
+        let entries: Vec<(String, String, u128)> = snapshot
+            .resources
+            .values()
+            .map(|r| (r.name.to_string(), r.version.to_string(), r.digest))
+            .collect();
+        assert_eq!(
+            *snapshot.version,
+            version_of_entries(entries.iter().rev().map(|(n, v, d)| (n.as_str(), v.as_str(), *d)))
+        );
     }
 
     const C: &str = "istio/networking/v1alpha3/gateways";
@@ -628,15 +785,23 @@ mod tests {
             Origin::Upstream,
         );
         let snapshot = cache.get(C).unwrap();
-        let known: HashMap<String, String> = [
-            ("a".into(), "1".into()),
-            ("b".into(), "1".into()),
-            ("z".into(), "9".into()),
-        ]
-        .into();
+        let entry = |name: &str, version: &str| crate::wire::VersionEntry {
+            name: name.into(),
+            version: version.into(),
+        };
+        let known = [
+            entry("0", "1"),
+            entry("a", "1"),
+            entry("b", "1"),
+            entry("z", "9"),
+            entry("z", "9"),
+        ];
         let diff = Diff::from_versions(&known, &snapshot.resources);
         assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["b"]);
-        assert_eq!(diff.removed, vec![Arc::<str>::from("z")]);
+        assert_eq!(diff.removed, vec![Arc::<str>::from("0"), Arc::<str>::from("z")]);
+        let from_nothing = Diff::from_versions(&[], &snapshot.resources);
+        assert_eq!(from_nothing.upserts.len(), 2);
+        assert!(from_nothing.removed.is_empty());
     }
 
     #[test]

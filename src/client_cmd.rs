@@ -8,15 +8,16 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Args as ClapArgs, ValueEnum};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::proto::aggregated_mesh_config_service_client::AggregatedMeshConfigServiceClient;
 use crate::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, Resource, SinkNode};
-use crate::tls::ClientTlsFiles;
+use crate::transport::connect::Dial;
+use crate::transport::tls::ClientTlsFiles;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Show {
@@ -152,32 +153,25 @@ async fn connect(args: &ClientArgs) -> anyhow::Result<Channel> {
     } else {
         format!("{}://{}", if tls { "https" } else { "http" }, args.target)
     };
-    let mut endpoint = Endpoint::from_shared(url.clone())
-        .with_context(|| format!("--target {:?} is not HOST:PORT or a URL", args.target))?
-        .connect_timeout(Duration::from_secs(10));
+    let files = ClientTlsFiles {
+        ca: args.ca.clone(),
+        cert: args.cert.clone(),
+        key: args.key.clone(),
+        server_name: args.server_name.clone(),
+        flag_prefix: "--",
+    };
     if tls {
-        let files = ClientTlsFiles {
-            ca: args.ca.clone(),
-            cert: args.cert.clone(),
-            key: args.key.clone(),
-            server_name: args.server_name.clone(),
-        };
-        // Same files and checks as the gateway's upstream flags, under this
-        // command's names.
-        let config = files.load().map_err(|e| {
-            anyhow::anyhow!(
-                "{} {}: {}",
-                e.flag.replace("--upstream-", "--"),
-                e.path.display(),
-                e.message
-            )
-        })?;
-        endpoint = endpoint.tls_config(config).context("TLS configuration")?;
+        // The same files and checks as the gateway's upstream flags, under
+        // this command's names; checked before dialling.
+        files.load()?;
     }
-    endpoint
-        .connect()
-        .await
-        .with_context(|| format!("cannot connect to {url}"))
+    let dial = Dial {
+        address: url,
+        tls: tls.then_some(files),
+        timeout: Duration::from_secs(10),
+        keepalive: None,
+    };
+    Ok(crate::transport::connect::connect(&dial).await?)
 }
 
 fn summary(resources: &[Resource]) -> Vec<(String, String, String)> {

@@ -12,7 +12,11 @@ use clap::Parser;
 use crate::collections::CollectionTable;
 use crate::local::SourceDir;
 use crate::proto::SinkNode;
-use crate::tls::{ClientTlsFiles, ServerTlsFiles, TlsError};
+use crate::transport::grpc::GrpcLimits;
+use crate::transport::http::HttpLimits;
+use crate::transport::identity::AllowList;
+use crate::transport::sniff::FloodLimits;
+use crate::transport::tls::{ClientTlsFiles, ServerTlsFiles, TlsError};
 use crate::upstream::backoff::BackoffPolicy;
 use crate::upstream::client::ClientSettings;
 use crate::upstream::sink::SinkSettings;
@@ -113,19 +117,141 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_TYPE_MAP", value_name = "FILE")]
     pub type_map: Option<PathBuf>,
 
-    /// Address of the AggregatedMeshConfigService (downstream clients).
-    #[arg(long, env = "MCP_GATEWAY_LISTEN", default_value = "0.0.0.0:15010")]
+    /// Address of the gRPC port for downstream clients. Loopback by default:
+    /// serving config beyond this host is a choice (give 0.0.0.0:15010, and
+    /// --tls-cert/--tls-key/--client-ca so only trusted clients read it).
+    #[arg(long, env = "MCP_GATEWAY_LISTEN", default_value = "127.0.0.1:15010")]
     pub listen: SocketAddr,
 
-    /// Address of the admin HTTP port (/healthz, /readyz, /debug/clients).
-    #[arg(long, env = "MCP_GATEWAY_ADMIN_LISTEN", default_value = "0.0.0.0:15014")]
+    /// Address of the admin HTTP port: debug views and controls, plus
+    /// /metrics, /healthz and /readyz. Shows client addresses, node ids and
+    /// every resource name: keep it on loopback.
+    #[arg(long, env = "MCP_GATEWAY_ADMIN_LISTEN", default_value = "127.0.0.1:15000")]
     pub admin_listen: SocketAddr,
+
+    /// Address of the monitoring HTTP port: only /metrics, /healthz and
+    /// /readyz (what Prometheus and the kubelet need).
+    #[arg(long, env = "MCP_GATEWAY_MONITORING_LISTEN", default_value = "0.0.0.0:15014")]
+    pub monitoring_listen: SocketAddr,
+
+    /// Accept dial-out sources without client certificates on --sink-listen.
+    /// Anyone who reaches the port becomes the config source of every client:
+    /// only where the network alone is trusted.
+    #[arg(long, env = "MCP_GATEWAY_SINK_INSECURE")]
+    pub sink_insecure: bool,
+
+    /// An identity allowed to act as the dial-out source (repeatable): the
+    /// client certificate's URI SAN (SPIFFE id) or DNS SAN; a trailing `*`
+    /// matches a prefix. Needs --client-ca.
+    #[arg(
+        long = "sink-allow",
+        env = "MCP_GATEWAY_SINK_ALLOW",
+        value_name = "ID",
+        value_delimiter = ','
+    )]
+    pub sink_allow: Vec<String>,
+
+    /// An identity allowed as a downstream client on the mTLS listener
+    /// (repeatable), matched like --sink-allow. Needs --client-ca.
+    #[arg(
+        long = "client-allow",
+        env = "MCP_GATEWAY_CLIENT_ALLOW",
+        value_name = "ID",
+        value_delimiter = ','
+    )]
+    pub client_allow: Vec<String>,
+
+    /// Time to connect to the upstream: TCP, TLS and the HTTP/2 handshake
+    /// together.
+    #[arg(long, env = "MCP_GATEWAY_CONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub connect_timeout: Duration,
+
+    /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of the gRPC listeners.
+    #[arg(long, env = "MCP_GATEWAY_MAX_STREAMS_PER_CONNECTION", default_value_t = 100)]
+    pub max_streams_per_connection: u32,
+
+    /// HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE of the gRPC listeners, in bytes.
+    #[arg(long, env = "MCP_GATEWAY_MAX_HEADER_LIST_BYTES", default_value_t = 16 << 10)]
+    pub max_header_list_bytes: u32,
+
+    /// Open gRPC connections (default: the open file limit, raised to its
+    /// hard maximum at start, less a reserve for everything else).
+    #[arg(long, env = "MCP_GATEWAY_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+
+    /// Open gRPC streams across all connections.
+    #[arg(long, env = "MCP_GATEWAY_MAX_STREAMS", default_value_t = 100_000)]
+    pub max_streams: usize,
+
+    /// New streams per second per peer IP address (bursts of ten seconds' worth).
+    #[arg(long, env = "MCP_GATEWAY_MAX_NEW_STREAMS_PER_SECOND", default_value_t = 50)]
+    pub max_new_streams_per_second: u32,
+
+    /// Requests per second on one stream (bursts of ten seconds' worth).
+    #[arg(long, env = "MCP_GATEWAY_MAX_REQUESTS_PER_SECOND", default_value_t = 50)]
+    pub max_requests_per_second: u32,
+
+    /// Largest request a downstream client may send, in bytes.
+    #[arg(long, env = "MCP_GATEWAY_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
+    pub max_request_bytes: usize,
+
+    /// A NACK's message is kept and logged up to this many bytes (with its
+    /// full length).
+    #[arg(long, env = "MCP_GATEWAY_MAX_NACK_MESSAGE_BYTES", default_value_t = 4096)]
+    pub max_nack_message_bytes: usize,
+
+    /// Types (collections) one downstream stream may subscribe to.
+    #[arg(long, env = "MCP_GATEWAY_MAX_TYPES_PER_STREAM", default_value_t = 128)]
+    pub max_types_per_stream: usize,
+
+    /// A connection that has not finished TLS and the HTTP/2 preface and
+    /// SETTINGS this long after it was accepted is closed.
+    #[arg(long, env = "MCP_GATEWAY_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub handshake_timeout: Duration,
+
+    /// A gRPC connection with no stream this long is closed ("0s": never).
+    #[arg(long, env = "MCP_GATEWAY_IDLE_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+
+    /// Stream resets a peer may send a minute on one connection; past it the
+    /// connection gets GOAWAY ENHANCE_YOUR_CALM (rapid reset).
+    #[arg(long, env = "MCP_GATEWAY_MAX_RESETS_PER_MINUTE", default_value_t = 300)]
+    pub max_resets_per_minute: u32,
+
+    /// HTTP/2 pings a peer may send a minute on one connection.
+    #[arg(long, env = "MCP_GATEWAY_MAX_PINGS_PER_MINUTE", default_value_t = 1200)]
+    pub max_pings_per_minute: u32,
+
+    /// HTTP/2 SETTINGS frames a peer may send a minute on one connection.
+    #[arg(long, env = "MCP_GATEWAY_MAX_SETTINGS_PER_MINUTE", default_value_t = 60)]
+    pub max_settings_per_minute: u32,
+
+    /// Other HTTP/2 control frames (WINDOW_UPDATE, PRIORITY, empty DATA,
+    /// unknown types) a peer may send a minute on one connection.
+    #[arg(long, env = "MCP_GATEWAY_MAX_CONTROL_FRAMES_PER_MINUTE", default_value_t = 60_000)]
+    pub max_control_frames_per_minute: u32,
+
+    /// Open connections per admin or monitoring port (a quarter of them per
+    /// peer address).
+    #[arg(long, env = "MCP_GATEWAY_HTTP_MAX_CONNECTIONS", default_value_t = 64)]
+    pub http_max_connections: usize,
+
+    /// Time an admin or monitoring client has to send its request headers
+    /// (also the longest idle keep-alive).
+    #[arg(long, env = "MCP_GATEWAY_HTTP_HEADER_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub http_header_timeout: Duration,
+
+    /// Largest request to the admin or monitoring port (head or body), in bytes.
+    #[arg(long, env = "MCP_GATEWAY_HTTP_MAX_REQUEST_BYTES", default_value_t = 64 << 10)]
+    pub http_max_request_bytes: usize,
 
     /// Largest message accepted from the upstream source, in bytes.
     #[arg(long, env = "MCP_GATEWAY_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
 
-    /// HTTP/2 keepalive ping interval towards the source ("0s" turns pings off).
+    /// HTTP/2 keepalive ping interval on every gRPC connection: towards the
+    /// source, and from the listeners to their peers; a peer that does not
+    /// answer within min(interval, 20s) is dropped ("0s" turns pings off).
     /// Galley answers pings more often than every 30s with GOAWAY.
     #[arg(long, env = "MCP_GATEWAY_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub keepalive_interval: Duration,
@@ -209,15 +335,44 @@ pub struct Settings {
     pub cache_dir: Option<PathBuf>,
     /// TLS for the downstream and sink listeners.
     pub server_tls: Option<ServerTlsFiles>,
+    /// With mTLS: the downstream identities accepted (`--client-allow`).
+    pub client_allow: Option<AllowList>,
     pub table: Arc<CollectionTable>,
     pub type_map: Option<PathBuf>,
+    /// Configured collections: subscribed at start, and what readiness
+    /// waits for.
     pub collections: Vec<Arc<str>>,
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
+    pub monitoring_listen: SocketAddr,
     pub shutdown_grace: Duration,
-    /// `None`: no maximum.
-    pub max_connection_age: Option<Duration>,
-    pub max_connection_age_grace: Duration,
+    /// HTTP/2 and connection limits of the gRPC listeners.
+    pub grpc: GrpcLimits,
+    pub max_connections: usize,
+    pub max_streams: usize,
+    pub max_new_streams_per_second: u32,
+    pub downstream: DownstreamLimits,
+    pub http: HttpLimits,
+}
+
+/// Per-stream limits of the downstream services.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DownstreamLimits {
+    pub max_requests_per_second: u32,
+    pub max_request_bytes: usize,
+    pub max_nack_message_bytes: usize,
+    pub max_types_per_stream: usize,
+}
+
+impl Default for DownstreamLimits {
+    fn default() -> Self {
+        Self {
+            max_requests_per_second: 50,
+            max_request_bytes: 4 << 20,
+            max_nack_message_bytes: 4096,
+            max_types_per_stream: 128,
+        }
+    }
 }
 
 // === impl Args ===
@@ -295,11 +450,15 @@ impl Args {
             annotations: self.node_annotations.into_iter().collect(),
         };
         let server_tls = server_tls(self.tls_cert, self.tls_key, self.client_ca)?;
+        let mtls = server_tls.as_ref().is_some_and(|t| t.client_ca.is_some());
+        let client_allow = allow_list("--client-allow", &self.client_allow, mtls)?;
+        let sink_allow = allow_list("--sink-allow", &self.sink_allow, mtls)?;
         let upstream_tls = ClientTlsFiles {
             ca: self.upstream_ca,
             cert: self.upstream_cert,
             key: self.upstream_key,
             server_name: self.upstream_server_name,
+            flag_prefix: "--upstream-",
         };
         let given: Vec<&str> = [
             self.upstream.as_ref().map(|_| "--upstream"),
@@ -322,6 +481,14 @@ impl Args {
                 ),
             ));
         }
+        if self.sink_listen.is_none() {
+            if self.sink_insecure {
+                return Err(invalid("--sink-insecure", "only applies with --sink-listen"));
+            }
+            if sink_allow.is_some() {
+                return Err(invalid("--sink-allow", "only applies with --sink-listen"));
+            }
+        }
         let source = if let Some(url) = self.upstream {
             let address = validate_upstream(&url)?;
             let tls = if address.starts_with("https://") {
@@ -333,6 +500,9 @@ impl Args {
                 }
                 None
             };
+            if self.connect_timeout.is_zero() {
+                return Err(invalid("--connect-timeout", "must be above zero"));
+            }
             Source::Client(ClientSettings {
                 address,
                 node,
@@ -344,17 +514,28 @@ impl Args {
                     max: self.reconnect_max_delay,
                 },
                 tls,
+                connect_timeout: self.connect_timeout,
             })
         } else {
             if let Some(flag) = upstream_tls.first_flag() {
                 return Err(invalid(flag, "only applies to an https:// --upstream"));
             }
             if let Some(listen) = self.sink_listen {
+                if !mtls && !self.sink_insecure {
+                    return Err(invalid(
+                        "--sink-listen",
+                        "whoever dials this port becomes the config source of every client, so sources must be \
+                         authenticated: give --tls-cert, --tls-key and --client-ca (mTLS, and --sink-allow for the \
+                         source's identity), or --sink-insecure where the network alone is trusted",
+                    ));
+                }
                 Source::Sink(SinkSettings {
                     listen,
                     node,
                     incremental: !self.no_incremental,
                     max_message_bytes: self.max_message_bytes,
+                    allow: sink_allow,
+                    insecure: !mtls,
                 })
             } else {
                 if self.cache_dir.is_some() {
@@ -367,20 +548,128 @@ impl Args {
                 Source::Files(source_dir(self.source_dir)?)
             }
         };
+        for (flag, value) in [
+            ("--max-streams-per-connection", self.max_streams_per_connection as usize),
+            ("--max-streams", self.max_streams),
+            ("--max-new-streams-per-second", self.max_new_streams_per_second as usize),
+            ("--max-requests-per-second", self.max_requests_per_second as usize),
+            ("--max-types-per-stream", self.max_types_per_stream),
+            ("--max-resets-per-minute", self.max_resets_per_minute as usize),
+            ("--max-pings-per-minute", self.max_pings_per_minute as usize),
+            ("--max-settings-per-minute", self.max_settings_per_minute as usize),
+            (
+                "--max-control-frames-per-minute",
+                self.max_control_frames_per_minute as usize,
+            ),
+            ("--http-max-connections", self.http_max_connections),
+        ] {
+            if value == 0 {
+                return Err(invalid(flag, "must be at least 1"));
+            }
+        }
+        for (flag, value, minimum) in [
+            ("--max-request-bytes", self.max_request_bytes, 1024),
+            ("--max-nack-message-bytes", self.max_nack_message_bytes, 64),
+            ("--max-header-list-bytes", self.max_header_list_bytes as usize, 1024),
+            ("--http-max-request-bytes", self.http_max_request_bytes, 1024),
+        ] {
+            if value < minimum {
+                return Err(invalid(flag, format!("{value} is below the minimum of {minimum}")));
+            }
+        }
+        for (flag, value) in [
+            ("--handshake-timeout", self.handshake_timeout),
+            ("--http-header-timeout", self.http_header_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(invalid(flag, "must be above zero"));
+            }
+        }
+        let fd_limit = crate::transport::raise_fd_limit();
+        let reserve = crate::transport::fd_reserve(self.http_max_connections);
+        let fd_room = fd_limit.saturating_sub(reserve).max(16) as usize;
+        let max_connections = match self.max_connections {
+            Some(0) => return Err(invalid("--max-connections", "must be at least 1")),
+            Some(n) if n > fd_room => {
+                return Err(invalid(
+                    "--max-connections",
+                    format!(
+                        "{n} needs more file descriptors than the open file limit allows ({fd_limit}, of which \
+                         {reserve} are kept for the upstream, the HTTP ports and the cache); raise the limit \
+                         (ulimit -n) or lower the flag"
+                    ),
+                ))
+            }
+            Some(n) => n,
+            None => fd_room,
+        };
+        if !self.listen.ip().is_loopback() && !mtls {
+            tracing::warn!(
+                listen = %self.listen,
+                "serving config without client authentication beyond this host: anyone who reaches --listen \
+                 reads every resource; give --tls-cert, --tls-key and --client-ca (and --client-allow) to \
+                 serve only trusted clients"
+            );
+        }
+        let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
         Ok(Settings {
             source,
             cache_dir: self.cache_dir,
             server_tls,
+            client_allow,
             table: Arc::new(table),
             type_map: self.type_map,
             collections,
             listen: self.listen,
             admin_listen: self.admin_listen,
+            monitoring_listen: self.monitoring_listen,
             shutdown_grace: self.shutdown_grace,
-            max_connection_age: (!self.max_connection_age.is_zero()).then_some(self.max_connection_age),
-            max_connection_age_grace: self.max_connection_age_grace,
+            grpc: GrpcLimits {
+                max_streams_per_connection: self.max_streams_per_connection,
+                max_header_list_bytes: self.max_header_list_bytes,
+                handshake_timeout: self.handshake_timeout,
+                idle_timeout,
+                keepalive,
+                max_connection_age: (!self.max_connection_age.is_zero()).then_some(self.max_connection_age),
+                max_connection_age_grace: self.max_connection_age_grace,
+                floods: FloodLimits {
+                    resets_per_minute: self.max_resets_per_minute,
+                    pings_per_minute: self.max_pings_per_minute,
+                    settings_per_minute: self.max_settings_per_minute,
+                    control_frames_per_minute: self.max_control_frames_per_minute,
+                },
+                max_pending_accept_resets: 20,
+                max_local_error_resets: 200,
+            },
+            max_connections,
+            max_streams: self.max_streams,
+            max_new_streams_per_second: self.max_new_streams_per_second,
+            downstream: DownstreamLimits {
+                max_requests_per_second: self.max_requests_per_second,
+                max_request_bytes: self.max_request_bytes,
+                max_nack_message_bytes: self.max_nack_message_bytes,
+                max_types_per_stream: self.max_types_per_stream,
+            },
+            http: HttpLimits {
+                max_connections: self.http_max_connections,
+                header_timeout: self.http_header_timeout,
+                max_request_bytes: self.http_max_request_bytes,
+            },
         })
     }
+}
+
+fn allow_list(flag: &'static str, values: &[String], mtls: bool) -> Result<Option<AllowList>, ConfigError> {
+    if values.is_empty() {
+        return Ok(None);
+    }
+    if !mtls {
+        return Err(invalid(
+            flag,
+            "identities come from client certificates: give --tls-cert, --tls-key and --client-ca",
+        ));
+    }
+    AllowList::parse(flag, values).map(Some).map_err(|e| invalid(flag, e))
 }
 
 fn tls_config_error(e: TlsError) -> ConfigError {
@@ -474,8 +763,11 @@ mod tests {
         let settings = parse(&[]).unwrap();
         assert_eq!(settings.collections.len(), 6);
         assert!(matches!(settings.source, Source::Files(_)));
-        assert_eq!(settings.listen.to_string(), "0.0.0.0:15010");
-        assert_eq!(settings.admin_listen.to_string(), "0.0.0.0:15014");
+        // Config and debug views stay on this host unless a flag says so;
+        // the monitoring port is for the kubelet and Prometheus.
+        assert_eq!(settings.listen.to_string(), "127.0.0.1:15010");
+        assert_eq!(settings.admin_listen.to_string(), "127.0.0.1:15000");
+        assert_eq!(settings.monitoring_listen.to_string(), "0.0.0.0:15014");
     }
 
     #[test]

@@ -37,8 +37,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::{Cache, CachedResource, Origin, Update};
 use crate::collections::CollectionTable;
-use crate::fswatch::DirWatch;
 use crate::proto::{Metadata, Resource};
+use crate::transport::fswatch::DirWatch;
 use crate::upstream::{Subscriptions, UpstreamStatus};
 
 pub const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
@@ -89,6 +89,7 @@ pub struct Parsed {
     pub version: Arc<str>,
     pub body_type_url: String,
     pub encoded: Bytes,
+    pub digest: u128,
     pub line: usize,
 }
 
@@ -235,6 +236,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             version: resource.version.clone(),
             body_type_url: resource.body_type_url.clone(),
             encoded: resource.encoded.clone(),
+            digest: resource.digest,
             line: start,
         });
     }
@@ -494,6 +496,7 @@ impl LocalSource {
                         parsed.version.clone(),
                         parsed.body_type_url.clone(),
                         parsed.encoded.clone(),
+                        parsed.digest,
                     ));
             }
         }

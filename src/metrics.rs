@@ -34,6 +34,137 @@ pub const PUSH_SIZE: &str = "mcp_gateway_push_size_bytes";
 pub const CLIENTS_BEHIND: &str = "mcp_gateway_clients_behind";
 pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
 pub const BUILD_INFO: &str = "mcp_gateway_build_info";
+pub const LIMIT_REFUSALS: &str = "mcp_gateway_limit_refusals_total";
+pub const CONNECTIONS: &str = "mcp_gateway_connections";
+pub const CONNECTIONS_CLOSED: &str = "mcp_gateway_connections_closed_total";
+pub const ACCEPT_ERRORS: &str = "mcp_gateway_accept_errors_total";
+pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
+pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
+pub const CACHE_WRITE_FAILURES: &str = "mcp_gateway_cache_write_failures_total";
+pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_total";
+
+/// Every `limit` label of [`LIMIT_REFUSALS`]: the flag or protocol bound
+/// that refused a peer.
+pub const LIMITS: &[&str] = &[
+    "max_connections",
+    "max_streams",
+    "new_streams_rate",
+    "requests_rate",
+    "max_types_per_stream",
+    "max_request_bytes",
+    "handshake_timeout",
+    "resets",
+    "pings",
+    "settings",
+    "control_frames",
+    "h2_resets",
+    "http_connections",
+    "http_header_timeout",
+    "max_message_bytes",
+];
+
+/// Every listener label: the flag that configured the port.
+pub const LISTENERS: &[&str] = &["--listen", "--sink-listen", "--admin-listen", "--monitoring-listen"];
+
+/// Reasons an upstream stream ends (`mcp_gateway_upstream_stream_terminations_total`).
+pub const STREAM_END_REASONS: &[&str] = &[
+    "connect",
+    "status",
+    "closed",
+    "send",
+    "refused_collection",
+    "message_too_large",
+    "shutdown",
+];
+
+/// A peer was refused by a limit.
+pub fn limit_refused(limit: &'static str) {
+    metrics::counter!(LIMIT_REFUSALS, "limit" => limit).increment(1);
+}
+
+pub fn connection_opened(listener: &'static str) {
+    metrics::gauge!(CONNECTIONS, "listener" => listener).increment(1.0);
+}
+
+pub fn connection_closed(listener: &'static str, reason: &'static str) {
+    metrics::gauge!(CONNECTIONS, "listener" => listener).decrement(1.0);
+    metrics::counter!(CONNECTIONS_CLOSED, "listener" => listener, "reason" => reason).increment(1);
+}
+
+pub fn accept_error(listener: &'static str, kind: &'static str) {
+    metrics::counter!(ACCEPT_ERRORS, "listener" => listener, "kind" => kind).increment(1);
+}
+
+pub fn peer_not_allowed(listener: &'static str) {
+    metrics::counter!(PEERS_NOT_ALLOWED, "listener" => listener).increment(1);
+}
+
+/// Registers every documented series with its label values at 0, so alerts
+/// and dashboards see them before the first event (a counter that appears at
+/// 1 has no increase to rate).
+pub fn register_defaults(collections: &[Arc<str>]) {
+    for component in [COMPONENT_UPSTREAM, COMPONENT_DOWNSTREAM] {
+        metrics::counter!(RECONNECTIONS, "component" => component).absolute(0);
+        for code in CODES {
+            metrics::counter!(SEND_FAILURES, "component" => component, "code" => *code).absolute(0);
+            metrics::counter!(RECV_FAILURES, "component" => component, "code" => *code).absolute(0);
+        }
+    }
+    for limit in LIMITS {
+        metrics::counter!(LIMIT_REFUSALS, "limit" => *limit).absolute(0);
+    }
+    for listener in LISTENERS {
+        metrics::gauge!(CONNECTIONS, "listener" => *listener).increment(0.0);
+        metrics::counter!(PEERS_NOT_ALLOWED, "listener" => *listener).absolute(0);
+        for kind in ["resources", "other"] {
+            metrics::counter!(ACCEPT_ERRORS, "listener" => *listener, "kind" => kind).absolute(0);
+        }
+        for reason in crate::transport::grpc::CLOSE_REASONS {
+            metrics::counter!(CONNECTIONS_CLOSED, "listener" => *listener, "reason" => *reason).absolute(0);
+        }
+    }
+    metrics::counter!(SINK_REFUSALS, "reason" => "another_source").absolute(0);
+    for reason in STREAM_END_REASONS {
+        metrics::counter!(UPSTREAM_STREAM_TERMINATIONS, "reason" => *reason).absolute(0);
+    }
+    metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
+    for collection in collections {
+        let c = || collection.clone();
+        metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
+        metrics::counter!(CACHE_WRITE_FAILURES, "collection" => c()).absolute(0);
+        for kind in ["full", "incremental"] {
+            metrics::counter!(UPDATES_APPLIED, "collection" => c(), "kind" => kind).absolute(0);
+        }
+        for component in [COMPONENT_UPSTREAM, COMPONENT_DOWNSTREAM] {
+            metrics::counter!(REQUEST_ACKS, "component" => component, "collection" => c()).absolute(0);
+            for code in CODES {
+                metrics::counter!(REQUEST_NACKS, "component" => component, "collection" => c(), "code" => *code)
+                    .absolute(0);
+            }
+        }
+    }
+}
+
+/// gRPC code names, the values of every `code` label.
+const CODES: &[&str] = &[
+    "Ok",
+    "Cancelled",
+    "Unknown",
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "AlreadyExists",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Aborted",
+    "OutOfRange",
+    "Unimplemented",
+    "Internal",
+    "Unavailable",
+    "DataLoss",
+    "Unauthenticated",
+];
 
 pub const COMPONENT_UPSTREAM: &str = "upstream";
 pub const COMPONENT_DOWNSTREAM: &str = "downstream";
@@ -231,6 +362,38 @@ pub fn describe() {
         "Responses above 4 MiB, the default receive limit of legacy clients (they reject them unless raised)."
     );
     describe_gauge!(BUILD_INFO, "Always 1; the version label is the gateway's version.");
+    describe_counter!(
+        LIMIT_REFUSALS,
+        "Peers refused or connections closed by a limit, by limit (see the README's limits table)."
+    );
+    describe_gauge!(
+        CONNECTIONS,
+        "Open connections, by listener (the flag that configured it)."
+    );
+    describe_counter!(
+        CONNECTIONS_CLOSED,
+        "Connections closed, by listener and reason (peer_closed, idle, max_age, flood, handshake_timeout, ...)."
+    );
+    describe_counter!(
+        ACCEPT_ERRORS,
+        "Failed accepts, by listener and kind (resources: out of file descriptors or memory)."
+    );
+    describe_counter!(
+        PEERS_NOT_ALLOWED,
+        "Streams refused because the peer's certificate identity is not in --sink-allow or --client-allow."
+    );
+    describe_counter!(
+        SINK_REFUSALS,
+        "Dial-out sources refused because another source is connected."
+    );
+    describe_counter!(
+        CACHE_WRITE_FAILURES,
+        "Failed writes of a collection to --cache-dir (the previous file is kept)."
+    );
+    describe_counter!(
+        NACK_MESSAGES_TRUNCATED,
+        "Client NACK messages longer than --max-nack-message-bytes, kept and logged truncated."
+    );
 }
 
 #[cfg(test)]

@@ -252,7 +252,11 @@ mod tests {
         }
         .encode_to_vec()
         .into();
-        CachedResource::new(name.into(), version.into(), "type.googleapis.com/x.Y".into(), encoded)
+        // Through the same validation as upstream data (the digest included).
+        crate::upstream::session::decode_resources(C, &[encoded])
+            .unwrap()
+            .pop()
+            .unwrap()
     }
 
     #[test]

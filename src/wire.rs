@@ -36,6 +36,17 @@ pub struct SotwRequest {
     pub error_detail: Option<tonic_types::Status>,
 }
 
+/// One entry of a `map<string, string>` as it is on the wire: a message with
+/// the key as field 1 and the value as field 2. Read as a list, a large map
+/// costs its own size, not a hash table's.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, prost::Message)]
+pub struct VersionEntry {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(string, tag = "2")]
+    pub version: String,
+}
+
 /// `IncrementalMeshConfigRequest` as the incremental server reads it.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct IncrementalRequest {
@@ -43,8 +54,9 @@ pub struct IncrementalRequest {
     pub node: Option<NodeId>,
     #[prost(string, tag = "2")]
     pub type_url: String,
-    #[prost(map = "string, string", tag = "3")]
-    pub initial_resource_versions: std::collections::HashMap<String, String>,
+    /// `initial_resource_versions`: what the client holds (first request only).
+    #[prost(message, repeated, tag = "3")]
+    pub initial_resource_versions: Vec<VersionEntry>,
     #[prost(string, tag = "4")]
     pub response_nonce: String,
     #[prost(message, optional, tag = "5")]

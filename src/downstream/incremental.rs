@@ -3,7 +3,6 @@
 //! response, stale nonces ignored. After a NACK the client keeps its previous
 //! state, and the next change is sent as a diff against that state.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -15,12 +14,19 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics::CollectionMetrics;
-use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest};
+use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest, VersionEntry};
 
 /// What the client holds.
 enum ClientState {
-    /// Its `initial_resource_versions`, until it ACKs a response.
-    Initial(HashMap<String, String>),
+    /// Its `initial_resource_versions`, sorted by name: kept only until the
+    /// first response is built (the collection may not be delivered yet),
+    /// then dropped.
+    Initial(Vec<VersionEntry>),
+    /// Its initial state, no longer known in detail (the first response was
+    /// built from it and is not ACKed yet). After a NACK, the next response
+    /// re-sends the whole collection and removes every name the first
+    /// response's snapshot had.
+    Unknown { first: Arc<CollectionSnapshot> },
     /// The snapshot it last ACKed.
     At(Arc<CollectionSnapshot>),
 }
@@ -99,7 +105,11 @@ impl StreamProtocol for IncrementalStream {
                 metrics,
                 view: TypeView::new(resolved),
                 type_url: request.type_url,
-                client: ClientState::Initial(request.initial_resource_versions),
+                client: ClientState::Initial({
+                    let mut known = request.initial_resource_versions;
+                    known.sort_unstable();
+                    known
+                }),
                 sent: None,
                 changes: WatchStream::from_changes(changes),
             });
@@ -146,6 +156,7 @@ impl StreamProtocol for IncrementalStream {
                     version,
                     error,
                     &subscribed.metrics,
+                    self.shared.limits().max_nack_message_bytes,
                 );
                 subscribed.view.last_nack = Some(record);
             }
@@ -196,7 +207,27 @@ impl IncrementalStream {
             ClientState::Initial(known) => {
                 Arc::from([Diff::from_versions(known, &snapshot.resources).encode(&snapshot.version)])
             }
+            ClientState::Unknown { first } => {
+                let removed = first
+                    .resources
+                    .keys()
+                    .filter(|name| !snapshot.resources.contains_key(*name))
+                    .cloned()
+                    .collect();
+                let diff = Diff {
+                    upserts: snapshot.resources.values().cloned().collect(),
+                    removed,
+                };
+                Arc::from([diff.encode(&snapshot.version)])
+            }
         };
+        if let ClientState::Initial(_) = s.client {
+            // Used: from now on the client is at its initial state or at
+            // what it ACKs, never both held.
+            s.client = ClientState::Unknown {
+                first: snapshot.clone(),
+            };
+        }
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
         let response = EncodedResponse {

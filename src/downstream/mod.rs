@@ -23,7 +23,9 @@ use tonic::{Status, Streaming};
 
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
+use crate::config::DownstreamLimits;
 use crate::metrics::{self as m, CollectionMetrics};
+use crate::transport::bucket::TokenBucket;
 use crate::upstream::Subscriptions;
 use crate::wire::EncodedResponse;
 use registry::NackRecord;
@@ -57,6 +59,7 @@ struct Shared {
     shutdown: CancellationToken,
     tasks: TaskTracker,
     next_stream_id: AtomicU64,
+    limits: DownstreamLimits,
 }
 
 // === impl Downstream ===
@@ -69,6 +72,7 @@ impl Downstream {
         registry: Arc<Registry>,
         shutdown: CancellationToken,
         tasks: TaskTracker,
+        limits: DownstreamLimits,
     ) -> Self {
         Self {
             inner: Arc::new(Shared {
@@ -79,8 +83,25 @@ impl Downstream {
                 shutdown,
                 tasks,
                 next_stream_id: AtomicU64::new(1),
+                limits,
             }),
         }
+    }
+
+    pub fn limits(&self) -> DownstreamLimits {
+        self.inner.limits
+    }
+
+    /// A stream may follow at most `--max-types-per-stream` types.
+    fn check_type_count(&self, following: usize) -> Result<(), Status> {
+        let max = self.inner.limits.max_types_per_stream;
+        if following >= max {
+            m::limit_refused("max_types_per_stream");
+            return Err(Status::resource_exhausted(format!(
+                "this stream already follows {following} types: --max-types-per-stream={max}"
+            )));
+        }
+        Ok(())
     }
 
     fn next_id(&self) -> u64 {
@@ -165,18 +186,37 @@ fn record_stale(
     }
 }
 
+/// A client's message cut to `max` bytes (at a character boundary), with
+/// its full length: what the gateway keeps and logs of a NACK.
+fn truncated(message: String, max: usize) -> String {
+    if message.len() <= max {
+        return message;
+    }
+    metrics::counter!(m::NACK_MESSAGES_TRUNCATED).increment(1);
+    let mut end = max;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &message[..end], message.len())
+}
+
 /// Counts and logs a client's NACK of `version` (the log rate-limited per
 /// stream), and returns the record the stream keeps (the version is never
 /// sent to that client again).
+#[allow(clippy::too_many_arguments)]
 fn record_nack(
     stream: u64,
     logs: &mut StreamLogs,
     type_url: &str,
     collection: &Arc<str>,
     version: Arc<str>,
-    error: tonic_types::Status,
+    mut error: tonic_types::Status,
     metrics: &CollectionMetrics,
+    max_message_bytes: usize,
 ) -> NackRecord {
+    error.message = truncated(std::mem::take(&mut error.message), max_message_bytes);
+    // Details are never read: drop them now.
+    error.details = Vec::new();
     metrics.nacks.increment(1);
     metrics::counter!(
         m::REQUEST_NACKS,
@@ -267,12 +307,26 @@ async fn drive<P: StreamProtocol>(
     mut inbound: Streaming<P::Request>,
     out: Outbound,
     shutdown: CancellationToken,
+    limits: DownstreamLimits,
 ) {
+    // Real clients send a request per type and an ACK per response; a loop
+    // of requests (stale nonces, re-subscriptions) is cut off.
+    let mut requests = TokenBucket::new(
+        f64::from(limits.max_requests_per_second),
+        f64::from(limits.max_requests_per_second) * 10.0,
+    );
     let end = loop {
         tokio::select! {
             _ = shutdown.cancelled() => break Some(shutting_down()),
             _ = out.closed() => break None,
             request = inbound.message() => match request {
+                Ok(Some(_)) if !requests.take() => {
+                    m::limit_refused("requests_rate");
+                    break Some(Status::resource_exhausted(format!(
+                        "too many requests on this stream: --max-requests-per-second={}",
+                        limits.max_requests_per_second
+                    )));
+                }
                 Ok(Some(request)) => match stream.on_request(request, &out).await {
                     Ok(Ok(())) => {}
                     Ok(Err(ClientGone)) => {
@@ -282,6 +336,15 @@ async fn drive<P: StreamProtocol>(
                     Err(status) => break Some(status),
                 },
                 Ok(None) => break None,
+                // tonic refused a request from its length prefix.
+                Err(status) if status.code() == tonic::Code::OutOfRange => {
+                    m::limit_refused("max_request_bytes");
+                    break Some(Status::resource_exhausted(format!(
+                        "a request is larger than --max-request-bytes={} allows ({})",
+                        limits.max_request_bytes,
+                        status.message()
+                    )));
+                }
                 // A request that does not decode ends the stream with its
                 // status; after a client's cancel nobody reads it.
                 Err(status) => {
@@ -318,9 +381,13 @@ impl Downstream {
     ) -> Responses {
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
         let stream = P::new(self.clone(), self.next_id(), peer);
-        self.inner
-            .tasks
-            .spawn(drive(stream, inbound, tx, self.inner.shutdown.clone()));
+        self.inner.tasks.spawn(drive(
+            stream,
+            inbound,
+            tx,
+            self.inner.shutdown.clone(),
+            self.inner.limits,
+        ));
         rx
     }
 }
@@ -328,6 +395,14 @@ impl Downstream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nack_messages_are_cut_at_a_character_boundary_with_their_length() {
+        assert_eq!(truncated("short".into(), 10), "short");
+        let long = "é".repeat(100);
+        let cut = truncated(long, 9);
+        assert_eq!(cut, "éééé… (200 bytes in all)");
+    }
 
     #[test]
     fn repeated_logs_are_limited_and_count_what_they_skip() {

@@ -36,7 +36,8 @@ pub struct AggregatedService {
 }
 
 impl AggregatedService {
-    pub fn new(downstream: Downstream, max_request_bytes: usize) -> Self {
+    pub fn new(downstream: Downstream) -> Self {
+        let max_request_bytes = downstream.limits().max_request_bytes;
         Self {
             downstream,
             max_request_bytes,

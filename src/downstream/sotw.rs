@@ -80,6 +80,7 @@ impl StreamProtocol for SotwStream {
         }
         let type_url = request.type_url;
         if !self.types.contains_key(&type_url) {
+            self.shared.check_type_count(self.types.len())?;
             self.shared.follow(&resolved.collection);
             let changes = self.shared.inner.cache.subscribe(&resolved.collection);
             self.changes
@@ -112,6 +113,7 @@ impl StreamProtocol for SotwStream {
                             version,
                             error,
                             &state.metrics,
+                            self.shared.limits().max_nack_message_bytes,
                         ));
                     }
                     None => {

@@ -2,7 +2,8 @@
 //!
 //! Istio 1.6 reset its backoff on every new stream, so a source that accepted
 //! and then killed every stream got a hot loop (istio#11041, #11158). Here the
-//! delay resets only when a stream delivered at least one `Resources`.
+//! delay resets only when a stream made progress: every subscribed collection
+//! applied on it at least once.
 
 use std::time::Duration;
 
@@ -56,7 +57,7 @@ impl Backoff {
         self.delays.next().unwrap_or(self.policy.max)
     }
 
-    /// Call only when a stream made progress (delivered data).
+    /// Call only when a stream made progress.
     pub fn reset(&mut self) {
         self.delays = Self::delays(self.policy);
     }

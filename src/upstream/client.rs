@@ -7,7 +7,6 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::watch;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Endpoint;
 
 use super::backoff::{Backoff, BackoffPolicy};
 use super::stream::{self, StreamEnd};
@@ -15,7 +14,8 @@ use super::{SinkContext, UpstreamStatus};
 use crate::metrics as m;
 use crate::proto::gateway::resource_source_client::ResourceSourceClient;
 use crate::proto::SinkNode;
-use crate::tls::ClientTlsFiles;
+use crate::transport::connect::{self, Dial};
+use crate::transport::tls::ClientTlsFiles;
 
 /// Everything client mode needs, decided at start-up.
 #[derive(Clone, Debug)]
@@ -29,6 +29,8 @@ pub struct ClientSettings {
     pub backoff: BackoffPolicy,
     /// Set for an `https://` upstream.
     pub tls: Option<ClientTlsFiles>,
+    /// TCP, TLS and the HTTP/2 handshake together (`--connect-timeout`).
+    pub connect_timeout: Duration,
 }
 
 pub struct UpstreamClient {
@@ -49,31 +51,10 @@ impl UpstreamClient {
         Self { settings, sink, status }
     }
 
-    /// A fresh endpoint per attempt: TLS files are re-read, so rotated
-    /// certificates are used from the next connection on.
-    fn endpoint(&self) -> Result<Endpoint, String> {
-        let address = &self.settings.address;
-        let mut endpoint = Endpoint::from_shared(address.clone())
-            .map_err(|e| format!("invalid upstream address {address}: {e}"))?
-            .connect_timeout(Duration::from_secs(10))
-            .tcp_nodelay(true);
-        if let Some(tls) = &self.settings.tls {
-            let config = tls.load().map_err(|e| e.to_string())?;
-            endpoint = endpoint
-                .tls_config(config)
-                .map_err(|e| format!("TLS configuration for {address}: {}", error_chain(&e)))?;
-        }
-        if let Some(interval) = self.settings.keepalive {
-            endpoint = endpoint
-                .http2_keep_alive_interval(interval)
-                .keep_alive_timeout(Duration::from_secs(20))
-                .keep_alive_while_idle(false);
-        }
-        Ok(endpoint)
-    }
-
     /// Runs until `shutdown`: one stream at a time, reconnecting with backoff
-    /// that resets only after a stream delivered data.
+    /// that resets only after a stream made progress: every subscribed
+    /// collection applied on it at least once, and an end that a retry could
+    /// avoid (a message over --max-message-bytes comes again).
     pub async fn run(self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(self.settings.backoff);
         loop {
@@ -84,9 +65,17 @@ impl UpstreamClient {
             if self.status.borrow().attempts > 1 {
                 metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
             }
-            let mut delivered = false;
-            let end = self.run_stream(&shutdown, &mut delivered).await;
+            let mut progress = false;
+            let end = self.run_stream(&shutdown, &mut progress).await;
             self.set_connected(false);
+            let delivered = progress
+                && !matches!(
+                    end,
+                    StreamEnd::Failed {
+                        reason: "message_too_large",
+                        ..
+                    }
+                );
             if delivered {
                 backoff.reset();
             }
@@ -137,29 +126,28 @@ impl UpstreamClient {
         metrics::gauge!(m::UPSTREAM_CONNECTED).set(if connected { 1.0 } else { 0.0 });
     }
 
-    async fn run_stream(&self, shutdown: &CancellationToken, delivered: &mut bool) -> StreamEnd {
-        let endpoint = match self.endpoint() {
-            Ok(endpoint) => endpoint,
-            Err(message) => {
-                return StreamEnd::Failed {
-                    reason: "connect",
-                    message,
-                }
-            }
+    async fn run_stream(&self, shutdown: &CancellationToken, progress: &mut bool) -> StreamEnd {
+        let dial = Dial {
+            address: self.settings.address.clone(),
+            tls: self.settings.tls.clone(),
+            timeout: self.settings.connect_timeout,
+            keepalive: self.settings.keepalive,
         };
         let channel = tokio::select! {
-            connected = endpoint.connect() => match connected {
+            connected = connect::connect(&dial) => match connected {
                 Ok(channel) => channel,
                 Err(e) => {
                     stream::send_failed("Unavailable");
                     return StreamEnd::Failed {
                         reason: "connect",
-                        message: format!("cannot connect to {}: {}", self.settings.address, error_chain(&e)),
+                        message: e.message,
                     };
                 }
             },
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,
         };
+        // Connected: the HTTP/2 handshake is complete.
+        self.set_connected(true);
         let mut client = ResourceSourceClient::new(channel)
             .max_decoding_message_size(self.settings.max_message_bytes)
             .max_encoding_message_size(self.settings.max_message_bytes);
@@ -177,22 +165,10 @@ impl UpstreamClient {
             Ok(response) => response.into_inner(),
             Err(status) => {
                 stream::send_failed(m::code_label(status.code() as i32));
-                return stream::classify(status);
+                return stream::classify(status, self.settings.max_message_bytes);
             }
         };
-        self.set_connected(true);
         tracing::info!(address = %self.settings.address, "upstream stream established");
-        stream::run(&mut session, &mut inbound, &tx, &mut subscriptions, shutdown, delivered).await
+        stream::run(&mut session, &mut inbound, &tx, &mut subscriptions, shutdown, progress).await
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
 }

@@ -20,6 +20,9 @@ pub use session::SinkSession;
 /// The collections the gateway wants from its source.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SubscriptionState {
+    /// Configured at start (`--collections`, or the default set): what
+    /// readiness waits for. A client's demand never changes it.
+    pub configured: BTreeSet<Arc<str>>,
     /// Subscribed: configured at start, or asked for by a downstream client.
     pub wanted: BTreeSet<Arc<str>>,
     /// Refused by the source (`unsupported collection`), with its message.
@@ -38,8 +41,10 @@ pub struct Subscriptions {
 
 impl Subscriptions {
     pub fn new(initial: impl IntoIterator<Item = Arc<str>>) -> Self {
+        let configured: BTreeSet<Arc<str>> = initial.into_iter().collect();
         let state = SubscriptionState {
-            wanted: initial.into_iter().collect(),
+            wanted: configured.clone(),
+            configured,
             refused: BTreeMap::new(),
         };
         Self {
@@ -77,6 +82,18 @@ impl Subscriptions {
         self.state.borrow().clone()
     }
 
+    /// Configured collections still subscribed (not refused by the source):
+    /// the gateway is ready when the cache holds each of them.
+    pub fn awaited(&self) -> Vec<Arc<str>> {
+        let state = self.state.borrow();
+        state
+            .configured
+            .iter()
+            .filter(|c| state.wanted.contains(*c))
+            .cloned()
+            .collect()
+    }
+
     pub fn watch(&self) -> watch::Receiver<SubscriptionState> {
         self.state.subscribe()
     }
@@ -93,6 +110,8 @@ pub struct SinkContext {
     pub subscriptions: Arc<Subscriptions>,
     /// Writes each changed collection to `--cache-dir`.
     pub persister: Option<crate::persist::Persister>,
+    /// `--max-message-bytes`, for error messages.
+    pub max_message_bytes: usize,
 }
 
 impl SinkContext {
@@ -100,7 +119,8 @@ impl SinkContext {
     /// collection already queued.
     pub fn open(&self) -> stream::Opened {
         let session = SinkSession::new(self.node.clone(), self.incremental, self.cache.clone())
-            .persisting(self.persister.clone());
+            .persisting(self.persister.clone())
+            .with_max_message_bytes(self.max_message_bytes);
         stream::open(session, &self.subscriptions)
     }
 }
@@ -116,7 +136,8 @@ pub struct UpstreamStatus {
     pub last_error: Option<String>,
     /// Streams attempted since start.
     pub attempts: u64,
-    /// Attempts since a stream last delivered data.
+    /// Attempts since a stream last made progress (every subscribed
+    /// collection applied).
     pub consecutive_failures: u32,
     /// The wait before the next attempt, while disconnected.
     pub next_retry_in: Option<Duration>,

@@ -10,7 +10,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use tonic::Code;
 
-use crate::cache::{body_version, Applied, Cache, CachedResource, Origin, Update};
+use crate::cache::{body_version, content_digest, Applied, Cache, CachedResource, Origin, Update};
 use crate::metrics as m;
 use crate::persist::Persister;
 use crate::proto::{RequestResources, SinkNode};
@@ -50,8 +50,12 @@ pub struct SinkSession {
     origin: Origin,
     /// Subscribed collections on this stream → whether incremental was asked.
     collections: HashMap<Arc<str>, bool>,
+    /// Subscribed collections applied (ACKed) at least once on this stream.
+    applied: HashSet<Arc<str>>,
     /// Writes each changed collection to `--cache-dir`.
     persister: Option<Persister>,
+    /// `--max-message-bytes`, for error messages.
+    max_message_bytes: usize,
 }
 
 // === impl SinkSession ===
@@ -64,8 +68,26 @@ impl SinkSession {
             cache,
             origin: Origin::Upstream,
             collections: HashMap::new(),
+            applied: HashSet::new(),
             persister: None,
+            max_message_bytes: usize::MAX,
         }
+    }
+
+    /// The receive limit the transport enforces, for error messages.
+    pub fn with_max_message_bytes(mut self, max: usize) -> Self {
+        self.max_message_bytes = max;
+        self
+    }
+
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message_bytes
+    }
+
+    /// Whether every collection subscribed on this stream has been applied
+    /// at least once: the stream made progress.
+    pub fn applied_every_collection(&self) -> bool {
+        !self.collections.is_empty() && self.collections.keys().all(|c| self.applied.contains(c))
     }
 
     /// Persists every collection this session changes.
@@ -117,6 +139,9 @@ impl SinkSession {
         .record(message.encoded_len() as f64);
         let reply = match &outcome {
             Ok(applied) => {
+                if let Some((name, _)) = self.collections.get_key_value(message.collection.as_str()) {
+                    self.applied.insert(name.clone());
+                }
                 if let (Some(persister), Applied::Changed { .. }) = (&self.persister, applied) {
                     persister.changed(&message.collection);
                 }
@@ -252,6 +277,7 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
                  names must be unique in a collection"
             )));
         }
+        let digest = content_digest(&body, &metadata.labels, &metadata.annotations);
         // Keep the bytes as received. Only a missing version is filled in (a
         // hash of the body), so incremental clients can report it back; the
         // body itself is never re-encoded.
@@ -262,7 +288,13 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
         } else {
             (metadata.version.clone(), bytes.clone())
         };
-        resources.push(CachedResource::new(name.into(), version.into(), body_type_url, encoded));
+        resources.push(CachedResource::new(
+            name.into(),
+            version.into(),
+            body_type_url,
+            encoded,
+            digest,
+        ));
     }
     Ok(resources)
 }

@@ -1,7 +1,9 @@
 //! Dial-out mode (`--sink-listen`): Galley connects to the gateway's
 //! `ResourceSink` and pushes. The stream runs the same sink protocol as client
 //! mode (`stream::run`); only who dialled differs. One source at a time: a
-//! second concurrent stream is refused with `RESOURCE_EXHAUSTED`.
+//! second concurrent stream is refused with `RESOURCE_EXHAUSTED`, and learns
+//! nothing about the connected one. Who may dial (mTLS, `--sink-allow`) and
+//! how a frozen source is dropped (keepalive pings) is the transport's job.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,6 +31,10 @@ pub struct SinkSettings {
     pub node: SinkNode,
     pub incremental: bool,
     pub max_message_bytes: usize,
+    /// The identities allowed to dial (`--sink-allow`).
+    pub allow: Option<crate::transport::identity::AllowList>,
+    /// `--sink-insecure`: sources are not authenticated.
+    pub insecure: bool,
 }
 
 /// The source currently connected.
@@ -43,6 +49,7 @@ struct Inner {
     sink: SinkContext,
     status: watch::Sender<UpstreamStatus>,
     shutdown: CancellationToken,
+    tasks: tokio_util::task::TaskTracker,
     active: Mutex<Option<ActiveSource>>,
 }
 
@@ -67,6 +74,7 @@ impl SinkServer {
         sink: SinkContext,
         status: watch::Sender<UpstreamStatus>,
         shutdown: CancellationToken,
+        tasks: tokio_util::task::TaskTracker,
     ) -> Self {
         status.send_modify(|s| {
             s.mode = "sink";
@@ -79,6 +87,7 @@ impl SinkServer {
                 sink,
                 status,
                 shutdown,
+                tasks,
                 active: Mutex::new(None),
             }),
         }
@@ -92,15 +101,15 @@ impl SinkServer {
             .max_encoding_message_size(max)
     }
 
-    /// Takes the one source slot, or says who holds it.
+    /// Takes the one source slot. The refusal names no address and no time:
+    /// a refused peer learns nothing about the source that is connected.
     fn claim(&self, peer: &str) -> Result<ActiveGuard, Status> {
         let mut active = self.inner.active.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(current) = &*active {
-            return Err(Status::resource_exhausted(format!(
-                "another source is connected ({} since {}); this gateway takes config from one source at a time",
-                current.peer,
-                humantime::format_rfc3339_seconds(current.since)
-            )));
+        if active.is_some() {
+            metrics::counter!(m::SINK_REFUSALS, "reason" => "another_source").increment(1);
+            return Err(Status::resource_exhausted(
+                "another source is connected; this gateway takes config from one source at a time",
+            ));
         }
         *active = Some(ActiveSource {
             peer: peer.to_owned(),
@@ -126,7 +135,19 @@ impl ResourceSink for SinkServer {
         let guard = match self.claim(&peer) {
             Ok(guard) => guard,
             Err(status) => {
-                tracing::warn!(%peer, "refused a second source: {}", status.message());
+                static LOGS: crate::transport::LogLimiter = crate::transport::LogLimiter::new();
+                if let Some(skipped) = LOGS.allow() {
+                    let connected = self.inner.active.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    tracing::warn!(
+                        %peer,
+                        connected = connected.as_ref().map(|c| c.peer.as_str()),
+                        since = connected
+                            .as_ref()
+                            .map(|c| humantime::format_rfc3339_seconds(c.since).to_string()),
+                        skipped,
+                        "refused a second source: another source is connected"
+                    );
+                }
                 return Err(status);
             }
         };
@@ -152,16 +173,16 @@ impl ResourceSink for SinkServer {
         });
         metrics::gauge!(m::UPSTREAM_CONNECTED).set(1.0);
 
-        tokio::spawn(async move {
+        self.inner.tasks.spawn(async move {
             let _guard = guard;
-            let mut delivered = false;
+            let mut progress = false;
             let end = stream::run(
                 &mut session,
                 &mut inbound,
                 &tx,
                 &mut subscriptions,
                 &inner.shutdown,
-                &mut delivered,
+                &mut progress,
             )
             .await;
             let (reason, message) = match end {

@@ -65,22 +65,23 @@ pub fn initial_requests(
     wanted.into_iter().filter_map(|c| session.subscribe(c)).collect()
 }
 
-/// Runs the stream until it ends. `delivered` is set once the source sent a
-/// message (client mode resets its backoff on it).
+/// Runs the stream until it ends. `progress` is set once every collection
+/// subscribed on the stream has been applied at least once (client mode
+/// resets its backoff on it).
 pub async fn run(
     session: &mut SinkSession,
     inbound: &mut Streaming<RawResources>,
     outbound: &mpsc::Sender<RequestResources>,
     subscriptions: &mut watch::Receiver<SubscriptionState>,
     shutdown: &CancellationToken,
-    delivered: &mut bool,
+    progress: &mut bool,
 ) -> StreamEnd {
     loop {
         tokio::select! {
             message = inbound.message() => match message {
                 Ok(Some(message)) => {
-                    *delivered = true;
                     let handled = session.handle(message);
+                    *progress = session.applied_every_collection();
                     if outbound.send(handled.reply).await.is_err() {
                         send_failed("Unavailable");
                         return StreamEnd::Failed {
@@ -100,7 +101,7 @@ pub async fn run(
                         "code" => m::code_label(status.code() as i32)
                     )
                     .increment(1);
-                    return classify(status);
+                    return classify(status, session.max_message_bytes());
                 }
             },
             changed = subscriptions.changed() => {
@@ -141,19 +142,22 @@ fn refused_collection(status: &tonic::Status) -> Option<String> {
     Some(collection.to_owned())
 }
 
-pub fn classify(status: tonic::Status) -> StreamEnd {
+pub fn classify(status: tonic::Status, max_message_bytes: usize) -> StreamEnd {
     if let Some(collection) = refused_collection(&status) {
         return StreamEnd::Refused {
             collection,
             message: status.message().to_owned(),
         };
     }
-    // tonic's own receive limit: say which flag raises it.
+    // tonic's own receive limit: say which flag raises it. The message was
+    // refused from its length prefix, before it was read.
     if status.code() == Code::OutOfRange && status.message().contains("message length too large") {
+        crate::metrics::limit_refused("max_message_bytes");
         return StreamEnd::Failed {
             reason: "message_too_large",
             message: format!(
-                "a message from the source is larger than --max-message-bytes allows ({}); raise the flag",
+                "a message from the source is larger than --max-message-bytes={max_message_bytes} allows ({}); \
+                 the cache keeps its state; raise the flag to accept it",
                 status.message()
             ),
         };

@@ -142,11 +142,15 @@ fn the_base_matches_the_binarys_defaults() {
     let gateway = container(deployment);
     let ports = ports(gateway);
     assert_eq!(ports["grpc-mcp"], u64::from(defaults.listen.port()));
-    assert_eq!(ports["http-admin"], u64::from(defaults.admin_listen.port()));
+    assert_eq!(ports["http-monitoring"], u64::from(defaults.monitoring_listen.port()));
+    assert!(
+        !ports.values().any(|p| *p == u64::from(defaults.admin_listen.port())),
+        "the admin port stays on loopback: no container port"
+    );
     assert_eq!(gateway["readinessProbe"]["httpGet"]["path"], "/readyz");
-    assert_eq!(gateway["readinessProbe"]["httpGet"]["port"], "http-admin");
+    assert_eq!(gateway["readinessProbe"]["httpGet"]["port"], "http-monitoring");
     assert_eq!(gateway["livenessProbe"]["httpGet"]["path"], "/healthz");
-    assert_eq!(gateway["livenessProbe"]["httpGet"]["port"], "http-admin");
+    assert_eq!(gateway["livenessProbe"]["httpGet"]["port"], "http-monitoring");
     assert!(gateway["resources"]["requests"]["cpu"].is_string());
     assert!(gateway["resources"]["requests"]["memory"].is_string());
 
@@ -194,11 +198,56 @@ fn the_dial_out_overlay_listens_where_its_ports_say() {
     let all = manifests();
     let patch = &find(&all, "overlays/dial-out/deployment-patch.yaml")[0];
     let gateway = container(patch);
-    let settings = validate(&args(gateway));
+    // The certificate files must come from a mounted Secret; for the binary's
+    // own validation they are replaced by real files.
+    let mounts: Vec<(String, String)> = gateway["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap().into(),
+                m["mountPath"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    let volumes = patch["spec"]["template"]["spec"]["volumes"].as_sequence().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = crate::helpers::certs::Ca::new("mesh-ca");
+    let leaf = ca.leaf("mcp-xds-gateway");
+    let mut flags = Vec::new();
+    for arg in args(gateway) {
+        let (flag, value) = arg.split_once('=').unwrap_or((&arg, ""));
+        let content = match flag {
+            "--tls-cert" => &leaf.cert,
+            "--tls-key" => &leaf.key,
+            "--client-ca" => &ca.pem,
+            _ => {
+                flags.push(arg.clone());
+                continue;
+            }
+        };
+        let (volume, _) = mounts
+            .iter()
+            .find(|(_, path)| value.starts_with(path.as_str()))
+            .unwrap_or_else(|| panic!("{flag} {value} is not on a mounted volume"));
+        let secret = volumes.iter().find(|v| v["name"].as_str() == Some(volume)).unwrap();
+        assert!(secret["secret"]["secretName"].is_string(), "{flag} comes from a Secret");
+        let file = dir.path().join(flag.trim_start_matches('-'));
+        std::fs::write(&file, content).unwrap();
+        flags.push(format!("{flag}={}", file.display()));
+    }
+    let settings = validate(&flags);
     let mcp_xds_gateway::config::Source::Sink(sink) = settings.source else {
         panic!("the dial-out overlay runs --sink-listen")
     };
     assert_eq!(ports(gateway)["grpc-sink"], u64::from(sink.listen.port()));
+    assert!(!sink.insecure, "sources are authenticated with mTLS");
+    let allowed = sink.allow.expect("an allow-list for the source's identity");
+    assert!(allowed
+        .entries()
+        .iter()
+        .any(|e| e.contains("istio-galley-service-account")));
     let service = &find(&all, "overlays/dial-out/service-patch.yaml")[0];
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "grpc-sink");
 }
@@ -208,7 +257,7 @@ fn the_monitoring_component_scrapes_metrics_and_ships_the_dashboard() {
     let all = manifests();
     let monitor = &find(&all, "components/monitoring/podmonitor.yaml")[0];
     let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
-    assert_eq!(endpoint["port"], "http-admin");
+    assert_eq!(endpoint["port"], "http-monitoring");
     assert_eq!(endpoint["path"], "/metrics");
     let component = &find(&all, "components/monitoring/kustomization.yaml")[0];
     assert_eq!(kind(component), "Component");
@@ -237,7 +286,7 @@ fn the_dockerfile_builds_the_gateway_and_runs_it_as_non_root() {
         .lines()
         .find_map(|l| l.strip_prefix("EXPOSE "))
         .expect("an EXPOSE line");
-    for port in [defaults.listen.port(), defaults.admin_listen.port()] {
+    for port in [defaults.listen.port(), defaults.monitoring_listen.port()] {
         assert!(expose.split_whitespace().any(|p| p == port.to_string()), "{expose}");
     }
 }
@@ -246,9 +295,9 @@ fn the_dockerfile_builds_the_gateway_and_runs_it_as_non_root() {
 #[tokio::test]
 async fn the_probe_paths_answer_on_a_gateway() {
     let gw = crate::helpers::start_gateway(&[]).await;
-    assert_eq!(http_get(gw.admin, "/healthz").await.0, 200);
-    assert_eq!(http_get(gw.admin, "/readyz").await.0, 200);
-    let (status, body) = http_get(gw.admin, "/metrics").await;
+    assert_eq!(http_get(gw.monitoring, "/healthz").await.0, 200);
+    assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
+    let (status, body) = http_get(gw.monitoring, "/metrics").await;
     assert_eq!(status, 200);
     assert!(body.contains("mcp_gateway_build_info"), "{body}");
 }

@@ -549,6 +549,8 @@ async fn json_logs_are_one_object_per_line() {
             "127.0.0.1:0",
             "--admin-listen",
             "127.0.0.1:0",
+            "--monitoring-listen",
+            "127.0.0.1:0",
             "--log-format",
             "json",
         ])

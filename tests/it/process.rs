@@ -73,7 +73,15 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
 async fn a_taken_port_is_a_start_up_error_naming_the_flag() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let (code, stderr) = run(&["--listen", &addr, "--admin-listen", "127.0.0.1:0"]).await;
+    let (code, stderr) = run(&[
+        "--listen",
+        &addr,
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--monitoring-listen",
+        "127.0.0.1:0",
+    ])
+    .await;
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("--listen") && stderr.contains(&addr), "{stderr}");
 }
@@ -92,6 +100,7 @@ struct Running {
 async fn spawn(args: &[&str]) -> Running {
     let mut child = Command::new(BIN)
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--monitoring-listen", "127.0.0.1:0"])
         .args(args)
         .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
@@ -210,6 +219,7 @@ async fn environment_fallbacks_are_read_and_validated_like_flags() {
         ),
         ("MCP_GATEWAY_LISTEN", "127.0.0.1:0"),
         ("MCP_GATEWAY_ADMIN_LISTEN", "127.0.0.1:0"),
+        ("MCP_GATEWAY_MONITORING_LISTEN", "127.0.0.1:0"),
     ];
     let (code, stderr) = run_with_env(&[], &env).await;
     assert_eq!(code, Some(2), "{stderr}");

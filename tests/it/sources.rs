@@ -19,6 +19,7 @@ async fn dial_out_gateway() -> mcp_xds_gateway::app::Bound {
     start_gateway(&[
         "--sink-listen",
         "127.0.0.1:0",
+        "--sink-insecure",
         "--collections",
         VS,
         "--node-id",

@@ -53,6 +53,7 @@ impl ChildGateway {
         }
         let mut child = Command::new(binary)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .args(["--monitoring-listen", "127.0.0.1:0"])
             .args(["--upstream", &format!("http://{upstream}")])
             .args(["--collections", &collections.join(",")])
             .args(["--log-level", "info"])

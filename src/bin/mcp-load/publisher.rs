@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use mcp_xds_gateway::cache::version_of_pairs;
+use mcp_xds_gateway::cache::{content_digest, version_of_entries};
 use mcp_xds_gateway::proto::resource_source_server::{ResourceSource, ResourceSourceServer};
 use mcp_xds_gateway::proto::{Metadata, RequestResources, Resource, Resources};
 use tokio::net::TcpListener;
@@ -27,6 +27,13 @@ struct Content {
 }
 
 impl Content {
+    fn body(&self) -> prost_types::Any {
+        prost_types::Any {
+            type_url: "type.googleapis.com/mcp.load.Body".into(),
+            value: self.body.clone(),
+        }
+    }
+
     fn resource(&self, name: &str) -> Resource {
         Resource {
             metadata: Some(Metadata {
@@ -34,10 +41,7 @@ impl Content {
                 version: self.versions[name].clone(),
                 ..Default::default()
             }),
-            body: Some(prost_types::Any {
-                type_url: "type.googleapis.com/mcp.load.Body".into(),
-                value: self.body.clone(),
-            }),
+            body: Some(self.body()),
         }
     }
 
@@ -47,7 +51,10 @@ impl Content {
 
     /// The version the gateway will report for this content.
     fn gateway_version(&self) -> String {
-        version_of_pairs(self.versions.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+        // Every resource has the same body and no labels: one digest.
+        let no_map = std::collections::HashMap::<String, String>::new();
+        let digest = content_digest(&prost::Message::encode_to_vec(&self.body()), &no_map, &no_map);
+        version_of_entries(self.versions.iter().map(|(n, v)| (n.as_str(), v.as_str(), digest)))
     }
 }
 

@@ -69,6 +69,8 @@ pub async fn start_gateway(flags: &[&str]) -> Bound {
         "127.0.0.1:0",
         "--admin-listen",
         "127.0.0.1:0",
+        "--monitoring-listen",
+        "127.0.0.1:0",
     ];
     argv.extend_from_slice(flags);
     let settings = Args::try_parse_from(argv)

@@ -1,33 +1,27 @@
-//! TLS for both sides. Listeners (downstream and sink) terminate TLS with
-//! rustls, optionally requiring client certificates; the certificate, key and
+//! TLS for both sides, with rustls. Listeners (downstream and sink) terminate
+//! TLS, optionally requiring client certificates; the certificate, key and
 //! client CA are re-read when they change on disk, and each new connection
-//! uses the latest good set. The upstream client re-reads its files on every
-//! connection attempt. A file that cannot be read or parsed is an error that
-//! names its flag; after start-up a bad rotation keeps the previous set.
+//! uses the latest good set. The upstream client (and the `client` command)
+//! re-read their files on every connection attempt. A file that cannot be
+//! read or parsed is an error that names its flag; after start-up a bad
+//! rotation keeps the previous set.
 
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::{Connected, TcpConnectInfo};
 
-use crate::fswatch::{parent_dir, DirWatch};
-
-/// A client that has not finished its handshake by then is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+use super::fswatch::{parent_dir, DirWatch};
 
 #[derive(Debug, thiserror::Error)]
 #[error("{flag} {}: {message}", path.display())]
@@ -148,7 +142,7 @@ impl ServerTls {
         }))
     }
 
-    fn acceptor(&self) -> TlsAcceptor {
+    pub fn acceptor(&self) -> TlsAcceptor {
         TlsAcceptor::from(self.current.read().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
@@ -192,17 +186,6 @@ impl ServerTls {
 pub enum Conn {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
-}
-
-impl Connected for Conn {
-    type ConnectInfo = TcpConnectInfo;
-
-    fn connect_info(&self) -> TcpConnectInfo {
-        match self {
-            Conn::Plain(stream) => stream.connect_info(),
-            Conn::Tls(stream) => stream.get_ref().0.connect_info(),
-        }
-    }
 }
 
 impl AsyncRead for Conn {
@@ -255,102 +238,132 @@ impl AsyncWrite for Conn {
     }
 }
 
-/// Accepts connections until `shutdown`, with TCP_NODELAY (responses go out
-/// as a few small writes) and, with `tls`, a handshake off the accept loop so
-/// a slow client cannot hold up the others. `name` is the listener in logs.
-pub fn incoming(
-    name: &'static str,
-    listener: TcpListener,
-    tls: Option<Arc<ServerTls>>,
-    shutdown: CancellationToken,
-) -> ReceiverStream<Result<Conn, io::Error>> {
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        loop {
-            let (stream, peer) = tokio::select! {
-                accepted = listener.accept() => match accepted {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        // Out of file descriptors and the like: wait a little
-                        // instead of spinning on the error.
-                        tracing::warn!(listener = name, error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                _ = shutdown.cancelled() => return,
-            };
-            let _ = stream.set_nodelay(true);
-            let Some(tls) = &tls else {
-                if tx.send(Ok(Conn::Plain(stream))).await.is_err() {
-                    return;
-                }
-                continue;
-            };
-            let acceptor = tls.acceptor();
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        let _ = tx.send(Ok(Conn::Tls(Box::new(stream)))).await;
-                    }
-                    Ok(Err(e)) => tracing::info!(listener = name, %peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::info!(listener = name, %peer, "TLS handshake timed out"),
-                }
-            });
-        }
-    });
-    ReceiverStream::new(rx)
-}
-
-/// The upstream client's TLS files (`--upstream-ca`, `--upstream-cert`,
-/// `--upstream-key`, `--upstream-server-name`).
-#[derive(Clone, Debug, Default)]
+/// A client's TLS files: the upstream client's (`--upstream-ca`,
+/// `--upstream-cert`, `--upstream-key`, `--upstream-server-name`) or the
+/// `client` command's (`--ca`, `--cert`, `--key`, `--server-name`).
+#[derive(Clone, Debug)]
 pub struct ClientTlsFiles {
     /// Without it, the system's roots are trusted.
     pub ca: Option<PathBuf>,
     pub cert: Option<PathBuf>,
     pub key: Option<PathBuf>,
     pub server_name: Option<String>,
+    /// How the flags are spelled in errors: `--upstream-` or `--`.
+    pub flag_prefix: &'static str,
+}
+
+impl Default for ClientTlsFiles {
+    fn default() -> Self {
+        Self {
+            ca: None,
+            cert: None,
+            key: None,
+            server_name: None,
+            flag_prefix: "--upstream-",
+        }
+    }
 }
 
 impl ClientTlsFiles {
+    fn flag(&self, name: &'static str) -> &'static str {
+        match (self.flag_prefix, name) {
+            ("--", "ca") => "--ca",
+            ("--", "cert") => "--cert",
+            ("--", "key") => "--key",
+            ("--", _) => "--server-name",
+            (_, "ca") => "--upstream-ca",
+            (_, "cert") => "--upstream-cert",
+            (_, "key") => "--upstream-key",
+            _ => "--upstream-server-name",
+        }
+    }
+
     /// The first of these flags given, for "only with https" errors.
     pub fn first_flag(&self) -> Option<&'static str> {
         [
-            self.ca.as_ref().map(|_| "--upstream-ca"),
-            self.cert.as_ref().map(|_| "--upstream-cert"),
-            self.key.as_ref().map(|_| "--upstream-key"),
-            self.server_name.as_ref().map(|_| "--upstream-server-name"),
+            self.ca.as_ref().map(|_| self.flag("ca")),
+            self.cert.as_ref().map(|_| self.flag("cert")),
+            self.key.as_ref().map(|_| self.flag("key")),
+            self.server_name.as_ref().map(|_| self.flag("server-name")),
         ]
         .into_iter()
         .flatten()
         .next()
     }
 
-    /// Reads and checks the files; called at start-up (errors name the flag)
-    /// and before every connection attempt (so rotated files are used).
-    pub fn load(&self) -> Result<tonic::transport::ClientTlsConfig, TlsError> {
-        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
-        let mut config = ClientTlsConfig::new();
-        config = match &self.ca {
-            Some(path) => config.ca_certificate(Certificate::from_pem(read_certs("--upstream-ca", path)?.0)),
-            None => config.with_native_roots(),
-        };
-        match (&self.cert, &self.key) {
-            (Some(cert), Some(key)) => {
-                let (cert_pem, _) = read_certs("--upstream-cert", cert)?;
-                let (key_pem, _) = read_key("--upstream-key", key)?;
-                config = config.identity(Identity::from_pem(cert_pem, key_pem));
+    /// Reads and checks the files and builds the rustls configuration (HTTP/2
+    /// only); called at start-up (errors name the flag) and before every
+    /// connection attempt (so rotated files are used).
+    pub fn load(&self) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+        let mut roots = RootCertStore::empty();
+        match &self.ca {
+            Some(path) => {
+                let flag = self.flag("ca");
+                for ca in read_certs(flag, path)?.1 {
+                    roots
+                        .add(ca)
+                        .map_err(|e| tls_error(flag, path, format!("not a usable CA certificate: {e}")))?;
+                }
             }
-            (Some(cert), None) => return Err(tls_error("--upstream-key", cert, "is required with --upstream-cert")),
-            (None, Some(key)) => return Err(tls_error("--upstream-cert", key, "is required with --upstream-key")),
-            (None, None) => {}
+            None => {
+                let native = rustls_native_certs::load_native_certs();
+                let (added, _) = roots.add_parsable_certificates(native.certs);
+                if added == 0 {
+                    return Err(tls_error(
+                        self.flag("ca"),
+                        Path::new("(system roots)"),
+                        "no system CA certificate could be loaded; give the CA file",
+                    ));
+                }
+            }
         }
-        if let Some(name) = &self.server_name {
-            config = config.domain_name(name.clone());
-        }
-        Ok(config)
+        let builder = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| tls_error(self.flag("ca"), Path::new(""), e.to_string()))?
+            .with_root_certificates(roots);
+        let mut config = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let (_, certs) = read_certs(self.flag("cert"), cert)?;
+                let (_, private) = read_key(self.flag("key"), key)?;
+                builder.with_client_auth_cert(certs, private).map_err(|e| {
+                    tls_error(
+                        self.flag("key"),
+                        key,
+                        format!("does not go with the certificate in {}: {e}", self.flag("cert")),
+                    )
+                })?
+            }
+            (Some(cert), None) => {
+                return Err(tls_error(
+                    self.flag("key"),
+                    cert,
+                    format!("is required with {}", self.flag("cert")),
+                ))
+            }
+            (None, Some(key)) => {
+                return Err(tls_error(
+                    self.flag("cert"),
+                    key,
+                    format!("is required with {}", self.flag("key")),
+                ))
+            }
+            (None, None) => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    /// The name the server's certificate must carry.
+    pub fn server_name(&self, host: &str) -> Result<rustls_pki_types::ServerName<'static>, TlsError> {
+        let name = self.server_name.as_deref().unwrap_or(host);
+        let name = name.trim_start_matches('[').trim_end_matches(']');
+        rustls_pki_types::ServerName::try_from(name.to_owned()).map_err(|e| {
+            tls_error(
+                self.flag("server-name"),
+                Path::new(name),
+                format!("is not a DNS name or IP address: {e}"),
+            )
+        })
     }
 }
 

@@ -1,0 +1,662 @@
+//! The gRPC listeners (downstream `--listen`, dial-out `--sink-listen`) on h2
+//! directly, so that every HTTP/2 limit is ours to set and enforce per
+//! connection: concurrent streams, header size, resets, pings, SETTINGS,
+//! handshake and idle timeouts, keepalive, maximum age, and GOAWAY with the
+//! right code. Each accepted stream is handed to a tower service (tonic's
+//! routes), so the gRPC services themselves know nothing of this.
+//!
+//! One task per connection drives its h2 state and timers; one task per
+//! stream runs the service and writes its response with h2's flow control
+//! (at most one response chunk buffered beyond the peer's window).
+
+use std::convert::Infallible;
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::{Reason, RecvStream};
+use http_body::{Body as _, Frame};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::{sleep_until, Instant};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::body::Body;
+use tonic::codegen::Service;
+use tonic::transport::server::TcpConnectInfo;
+use tonic::Status;
+use tower::ServiceExt;
+
+use super::bucket::PeerBuckets;
+use super::identity::{AllowList, PeerIdentity};
+use super::sniff::{FloodLimits, Side, Sniffed};
+use super::tls::{Conn, ServerTls};
+use super::{accept_backoff, LogLimiter};
+use crate::metrics as m;
+
+/// The HTTP/2 and connection limits of the gRPC listeners (flags).
+#[derive(Clone, Debug)]
+pub struct GrpcLimits {
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS` (`--max-streams-per-connection`).
+    pub max_streams_per_connection: u32,
+    /// `SETTINGS_MAX_HEADER_LIST_SIZE` (`--max-header-list-bytes`).
+    pub max_header_list_bytes: u32,
+    /// TCP accepted to TLS done, client preface and SETTINGS read
+    /// (`--handshake-timeout`).
+    pub handshake_timeout: Duration,
+    /// A connection with no stream this long is closed (`--idle-timeout`;
+    /// `None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// Pings to the peer (`--keepalive-interval`); a peer that does not answer
+    /// within the timeout is dropped.
+    pub keepalive: Option<Duration>,
+    pub max_connection_age: Option<Duration>,
+    pub max_connection_age_grace: Duration,
+    pub floods: FloodLimits,
+    /// h2's own bound on streams the peer resets before they are accepted.
+    pub max_pending_accept_resets: usize,
+    /// h2's own bound on streams it must reset because of the peer's errors
+    /// ("made you reset").
+    pub max_local_error_resets: usize,
+}
+
+/// How long a pong may take before a peer counts as gone.
+pub fn keepalive_timeout(interval: Duration) -> Duration {
+    interval.min(Duration::from_secs(20))
+}
+
+/// Limits shared by every gRPC listener of the process.
+#[derive(Debug)]
+pub struct SharedLimits {
+    /// `--max-connections`.
+    pub connections: Arc<Semaphore>,
+    pub max_connections: usize,
+    /// `--max-streams`: open streams across all connections.
+    pub streams: Arc<Semaphore>,
+    pub max_streams: usize,
+    /// `--max-new-streams-per-second`, per peer IP address.
+    pub new_streams: PeerBuckets,
+    pub new_streams_per_second: u32,
+}
+
+impl SharedLimits {
+    pub fn new(max_connections: usize, max_streams: usize, new_streams_per_second: u32) -> Arc<Self> {
+        Arc::new(Self {
+            connections: Arc::new(Semaphore::new(max_connections)),
+            max_connections,
+            streams: Arc::new(Semaphore::new(max_streams)),
+            max_streams,
+            // Bursts of ten seconds' worth: a client reconnecting with one
+            // stream per type opens tens of streams at once.
+            new_streams: PeerBuckets::new(
+                f64::from(new_streams_per_second),
+                f64::from(new_streams_per_second) * 10.0,
+                65_536,
+            ),
+            new_streams_per_second,
+        })
+    }
+}
+
+/// One gRPC listener's configuration.
+#[derive(Clone)]
+pub struct GrpcListener {
+    /// The flag that configured it, for logs and metrics (`--listen`).
+    pub name: &'static str,
+    pub tls: Option<Arc<ServerTls>>,
+    /// With mTLS: the peer identities accepted.
+    pub allow: Option<AllowList>,
+    pub limits: Arc<GrpcLimits>,
+    pub shared: Arc<SharedLimits>,
+}
+
+/// What the services learn about the connection a stream came on (a request
+/// extension).
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    pub listener: &'static str,
+    pub peer: SocketAddr,
+    pub identity: Arc<PeerIdentity>,
+}
+
+/// Accepts connections until `shutdown` and serves each with `service`.
+pub fn serve<S>(
+    listener: TcpListener,
+    config: GrpcListener,
+    service: S,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+) where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let tracker = tasks.clone();
+    tasks.spawn(async move {
+        let config = Arc::new(config);
+        let mut backoff = accept_backoff::AcceptBackoff::default();
+        let refusals = LogLimiter::default();
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => {
+                        backoff.reset();
+                        accepted
+                    }
+                    Err(e) => {
+                        backoff.wait(config.name, &e, &shutdown).await;
+                        continue;
+                    }
+                },
+                _ = shutdown.cancelled() => return,
+            };
+            let Ok(permit) = config.shared.connections.clone().try_acquire_owned() else {
+                refuse_connection(&config, stream, peer, &refusals);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let connection = Connection {
+                config: config.clone(),
+                service: service.clone(),
+                shutdown: shutdown.clone(),
+                tasks: tracker.clone(),
+                peer,
+                _permit: permit,
+            };
+            tracker.spawn(connection.run(stream));
+        }
+    });
+}
+
+/// Over `--max-connections`: the peer gets the server's SETTINGS and a GOAWAY
+/// saying why, written without waiting (a full socket buffer just drops it),
+/// and the connection is closed. The refused peer costs one accept.
+fn refuse_connection(config: &GrpcListener, stream: TcpStream, peer: SocketAddr, logs: &LogLimiter) {
+    m::limit_refused("max_connections");
+    let reason = format!(
+        "connection limit reached: --max-connections={}",
+        config.shared.max_connections
+    );
+    if config.tls.is_none() {
+        let _ = stream.try_write(&goaway_frames(Reason::REFUSED_STREAM, reason.as_bytes()));
+    }
+    if let Some(skipped) = logs.allow() {
+        tracing::warn!(listener = config.name, %peer, skipped, "{reason}; connection refused");
+    }
+}
+
+/// An empty SETTINGS frame and a GOAWAY with `reason` and `debug` data.
+pub fn goaway_frames(reason: Reason, debug: &[u8]) -> Vec<u8> {
+    let mut bytes = vec![0, 0, 0, 0x4, 0, 0, 0, 0, 0];
+    let len = 8 + debug.len();
+    bytes.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, 0x7, 0, 0, 0, 0, 0]);
+    bytes.extend_from_slice(&0u32.to_be_bytes());
+    bytes.extend_from_slice(&u32::from(reason).to_be_bytes());
+    bytes.extend_from_slice(debug);
+    bytes
+}
+
+struct Connection<S> {
+    config: Arc<GrpcListener>,
+    service: S,
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    peer: SocketAddr,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Why a connection closed (a metric label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Closed {
+    ByPeer,
+    HandshakeTimeout,
+    TlsHandshake,
+    Idle,
+    MaxAge,
+    Flood,
+    KeepaliveTimeout,
+    Protocol,
+    Shutdown,
+}
+
+impl Closed {
+    fn as_str(self) -> &'static str {
+        match self {
+            Closed::ByPeer => "peer_closed",
+            Closed::HandshakeTimeout => "handshake_timeout",
+            Closed::TlsHandshake => "tls_handshake",
+            Closed::Idle => "idle",
+            Closed::MaxAge => "max_age",
+            Closed::Flood => "flood",
+            Closed::KeepaliveTimeout => "keepalive_timeout",
+            Closed::Protocol => "protocol_error",
+            Closed::Shutdown => "shutdown",
+        }
+    }
+}
+
+pub const CLOSE_REASONS: &[&str] = &[
+    "peer_closed",
+    "handshake_timeout",
+    "tls_handshake",
+    "idle",
+    "max_age",
+    "flood",
+    "keepalive_timeout",
+    "protocol_error",
+    "shutdown",
+];
+
+/// A peer that stops reading cannot keep a closing connection open longer.
+const CLOSE_FLUSH: Duration = Duration::from_secs(1);
+
+/// ±10 % of the maximum age, so replicas started together do not recycle
+/// every connection in the same second.
+fn jittered(age: Duration) -> Duration {
+    let spread = age.as_secs_f64() * 0.1;
+    let unit = f64::from(rand_u16()) / f64::from(u16::MAX);
+    Duration::from_secs_f64((age.as_secs_f64() - spread + 2.0 * spread * unit).max(0.0))
+}
+
+/// A few random bits without a generator dependency: the std hasher's keys
+/// are random per process, and the clock varies per call.
+fn rand_u16() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(std::time::SystemTime::now().elapsed().map_or(0, |d| d.as_nanos()));
+    hasher.finish() as u16
+}
+
+impl<S> Connection<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    async fn run(mut self, stream: TcpStream) {
+        let name = self.config.name;
+        m::connection_opened(name);
+        let closed = self.serve(stream).await;
+        m::connection_closed(name, closed.as_str());
+        tracing::debug!(listener = name, peer = %self.peer, reason = closed.as_str(), "connection closed");
+    }
+
+    async fn serve(&mut self, stream: TcpStream) -> Closed {
+        let limits = &self.config.limits;
+        let handshake_deadline = Instant::now() + limits.handshake_timeout;
+        let (conn, identity) = match &self.config.tls {
+            None => (Conn::Plain(stream), PeerIdentity::default()),
+            Some(tls) => match tokio::time::timeout_at(handshake_deadline, tls.acceptor().accept(stream)).await {
+                Ok(Ok(stream)) => {
+                    let identity = stream
+                        .get_ref()
+                        .1
+                        .peer_certificates()
+                        .and_then(|certs| certs.first())
+                        .map(|cert| PeerIdentity::from_der(cert))
+                        .unwrap_or_default();
+                    (Conn::Tls(Box::new(stream)), identity)
+                }
+                Ok(Err(e)) => {
+                    tracing::info!(listener = self.config.name, peer = %self.peer, error = %e, "TLS handshake failed");
+                    return Closed::TlsHandshake;
+                }
+                Err(_) => {
+                    m::limit_refused("handshake_timeout");
+                    return Closed::HandshakeTimeout;
+                }
+            },
+        };
+        let local = match &conn {
+            Conn::Plain(s) => s.local_addr().ok(),
+            Conn::Tls(s) => s.get_ref().0.local_addr().ok(),
+        };
+        let (io, signals) = Sniffed::new(conn, Side::Server, Some(limits.floods));
+        let mut builder = h2::server::Builder::new();
+        builder
+            .max_concurrent_streams(limits.max_streams_per_connection)
+            .max_header_list_size(limits.max_header_list_bytes)
+            .max_pending_accept_reset_streams(limits.max_pending_accept_resets)
+            .max_local_error_reset_streams(Some(limits.max_local_error_resets))
+            // Requests are small; large windows are for responses, which
+            // the client's settings govern.
+            .initial_window_size(1 << 20)
+            .initial_connection_window_size(1 << 20)
+            .max_send_buffer_size(1 << 20);
+        let mut h2 = match tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Bytes>(io)).await {
+            Ok(Ok(h2)) => h2,
+            // Not HTTP/2 (HTTP/1, TLS to a plaintext port, garbage): closed.
+            Ok(Err(_)) => return Closed::Protocol,
+            Err(_) => {
+                m::limit_refused("handshake_timeout");
+                return Closed::HandshakeTimeout;
+            }
+        };
+        let info = ConnInfo {
+            listener: self.config.name,
+            peer: self.peer,
+            identity: Arc::new(identity),
+        };
+        let connect_info = TcpConnectInfo {
+            local_addr: local,
+            remote_addr: Some(self.peer),
+        };
+        let streams = Arc::new(StreamCount::default());
+        let mut ping = h2.ping_pong().expect("ping_pong is taken once");
+        let started = Instant::now();
+        let keepalive = limits.keepalive;
+        let mut next_ping = keepalive.map(|k| started + k);
+        let mut pong_deadline: Option<Instant> = None;
+        let mut age_deadline = limits.max_connection_age.map(|age| started + jittered(age));
+        let mut hard_deadline: Option<Instant> = None;
+        let mut idle_since = Some(started);
+        let mut draining: Option<Closed> = None;
+        let far = || Instant::now() + Duration::from_secs(86_400 * 365);
+        loop {
+            let idle_deadline = match (idle_since, limits.idle_timeout) {
+                (Some(since), Some(timeout)) if draining.is_none() => Some(since + timeout),
+                _ => None,
+            };
+            tokio::select! {
+                accepted = h2.accept() => match accepted {
+                    Some(Ok((request, respond))) => {
+                        idle_since = None;
+                        let stream = StreamTask {
+                            service: self.service.clone(),
+                            info: info.clone(),
+                            connect_info: connect_info.clone(),
+                            config: self.config.clone(),
+                            count: streams.clone(),
+                        };
+                        streams.opened();
+                        self.tasks.spawn(stream.run(request, respond));
+                    }
+                    Some(Err(e)) => {
+                        if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) {
+                            m::limit_refused("h2_resets");
+                            return Closed::Flood;
+                        }
+                        return draining.unwrap_or(if e.is_io() { Closed::ByPeer } else { Closed::Protocol });
+                    }
+                    None => return draining.unwrap_or(Closed::ByPeer),
+                },
+                limit = signals.flood() => {
+                    m::limit_refused(limit);
+                    tracing::warn!(
+                        listener = self.config.name,
+                        peer = %self.peer,
+                        limit,
+                        "the peer floods HTTP/2 control frames; closing its connection with GOAWAY ENHANCE_YOUR_CALM"
+                    );
+                    h2.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
+                    return finish(&mut h2, Closed::Flood).await;
+                }
+                _ = sleep_until(handshake_deadline), if !signals.handshake_done() => {
+                    m::limit_refused("handshake_timeout");
+                    return Closed::HandshakeTimeout;
+                }
+                _ = streams.ended() => {
+                    if streams.open() == 0 {
+                        idle_since = Some(Instant::now());
+                    }
+                }
+                _ = sleep_until(idle_deadline.unwrap_or_else(far)), if idle_deadline.is_some() => {
+                    if streams.open() == 0 {
+                        h2.graceful_shutdown();
+                        draining = Some(Closed::Idle);
+                        hard_deadline = Some(Instant::now() + CLOSE_FLUSH);
+                    }
+                }
+                _ = sleep_until(age_deadline.unwrap_or_else(far)), if age_deadline.is_some() => {
+                    age_deadline = None;
+                    if draining.is_none() {
+                        h2.graceful_shutdown();
+                        draining = Some(Closed::MaxAge);
+                        hard_deadline = Some(Instant::now() + limits.max_connection_age_grace);
+                    }
+                }
+                _ = sleep_until(hard_deadline.unwrap_or_else(far)), if hard_deadline.is_some() => {
+                    return draining.unwrap_or(Closed::Shutdown);
+                }
+                _ = sleep_until(next_ping.unwrap_or_else(far)), if next_ping.is_some() => {
+                    let now = Instant::now();
+                    if pong_deadline.is_some_and(|d| now >= d) {
+                        return Closed::KeepaliveTimeout;
+                    }
+                    if pong_deadline.is_none() && ping.send_ping(h2::Ping::opaque()).is_ok() {
+                        let timeout = keepalive_timeout(keepalive.expect("pinging"));
+                        pong_deadline = Some(now + timeout);
+                        next_ping = Some(now + timeout);
+                    } else if pong_deadline.is_none() {
+                        next_ping = keepalive.map(|k| now + k);
+                    }
+                }
+                pong = poll_fn(|cx| ping.poll_pong(cx)), if pong_deadline.is_some() => {
+                    if pong.is_ok() {
+                        pong_deadline = None;
+                        next_ping = keepalive.map(|k| Instant::now() + k);
+                    }
+                }
+                _ = self.shutdown.cancelled(), if draining != Some(Closed::Shutdown) => {
+                    // Streams end themselves on shutdown; the connection
+                    // closes when they are done.
+                    h2.graceful_shutdown();
+                    draining = Some(Closed::Shutdown);
+                }
+            }
+        }
+    }
+}
+
+/// Lets h2 write what it has queued (a GOAWAY), for a bounded time.
+async fn finish<T, B>(h2: &mut h2::server::Connection<T, B>, closed: Closed) -> Closed
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    B: bytes::Buf,
+{
+    let _ = tokio::time::timeout(CLOSE_FLUSH, async { while let Some(Ok(_)) = h2.accept().await {} }).await;
+    closed
+}
+
+/// Open streams of one connection, and a wake-up when one ends.
+#[derive(Debug, Default)]
+struct StreamCount {
+    open: AtomicUsize,
+    ended: Notify,
+}
+
+impl StreamCount {
+    fn opened(&self) {
+        self.open.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Resolves after a stream ended (a wake-up is kept if none was waiting).
+    async fn ended(&self) {
+        self.ended.notified().await
+    }
+}
+
+/// Decrements the count when a stream's task ends, however it ends.
+struct StreamGuard(Arc<StreamCount>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+        self.0.ended.notify_one();
+    }
+}
+
+struct StreamTask<S> {
+    service: S,
+    info: ConnInfo,
+    connect_info: TcpConnectInfo,
+    config: Arc<GrpcListener>,
+    count: Arc<StreamCount>,
+}
+
+impl<S> StreamTask<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    async fn run(self, request: http::Request<RecvStream>, mut respond: SendResponse<Bytes>) {
+        let _guard = StreamGuard(self.count.clone());
+        let shared = &self.config.shared;
+        let Ok(_permit) = shared.streams.clone().try_acquire_owned() else {
+            m::limit_refused("max_streams");
+            refuse(
+                &mut respond,
+                Status::resource_exhausted(format!(
+                    "the gateway serves at most --max-streams={} streams; try another replica",
+                    shared.max_streams
+                )),
+            );
+            return;
+        };
+        if !shared.new_streams.take(self.info.peer.ip()) {
+            m::limit_refused("new_streams_rate");
+            refuse(
+                &mut respond,
+                Status::resource_exhausted(format!(
+                    "too many new streams from {}: --max-new-streams-per-second={}",
+                    self.info.peer.ip(),
+                    shared.new_streams_per_second
+                )),
+            );
+            return;
+        }
+        if let Some(allow) = &self.config.allow {
+            if !allow.allows(&self.info.identity) {
+                m::peer_not_allowed(self.config.name);
+                static LOGS: LogLimiter = LogLimiter::new();
+                if let Some(skipped) = LOGS.allow() {
+                    tracing::warn!(
+                        listener = self.config.name,
+                        peer = %self.info.peer,
+                        identity = %self.info.identity,
+                        skipped,
+                        "refused a peer whose identity is not in {}",
+                        allow.flag
+                    );
+                }
+                refuse(
+                    &mut respond,
+                    Status::permission_denied(format!(
+                        "identity {} is not allowed by {}",
+                        self.info.identity, allow.flag
+                    )),
+                );
+                return;
+            }
+        }
+        let (parts, body) = request.into_parts();
+        let mut request = http::Request::from_parts(parts, Body::new(RecvBody { stream: body }));
+        request.extensions_mut().insert(self.connect_info);
+        request.extensions_mut().insert(self.info);
+        let Ok(response) = self.service.oneshot(request).await;
+        // Errors here are the client's reset or a closed connection: the
+        // stream is gone either way.
+        let _ = write_response(respond, response).await;
+    }
+}
+
+/// A trailers-only gRPC response with `status`.
+fn refuse(respond: &mut SendResponse<Bytes>, status: Status) {
+    let (parts, _) = status.into_http::<()>().into_parts();
+    let _ = respond.send_response(http::Response::from_parts(parts, ()), true);
+}
+
+/// Writes a response: headers, then each body frame as h2's flow control
+/// allows, then trailers. Returns when the body ends or the peer resets.
+async fn write_response(mut respond: SendResponse<Bytes>, response: http::Response<Body>) -> Result<(), h2::Error> {
+    let (parts, body) = response.into_parts();
+    let mut body = std::pin::pin!(body);
+    let end = body.is_end_stream();
+    let mut send = respond.send_response(http::Response::from_parts(parts, ()), end)?;
+    if end {
+        return Ok(());
+    }
+    loop {
+        // Backpressure: wait until the last chunk has been given window
+        // before taking the next one from the body.
+        send.reserve_capacity(1);
+        poll_fn(|cx| -> Poll<Result<(), h2::Error>> {
+            if let Poll::Ready(reset) = send.poll_reset(cx) {
+                return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
+            }
+            if send.capacity() > 0 {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(send.poll_capacity(cx)) {
+                Some(Ok(_)) => Poll::Ready(Ok(())),
+                Some(Err(e)) => Poll::Ready(Err(e)),
+                None => Poll::Ready(Err(h2::Error::from(Reason::CANCEL))),
+            }
+        })
+        .await?;
+        let frame = poll_fn(|cx| {
+            if let Poll::Ready(reset) = send.poll_reset(cx) {
+                return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
+            }
+            body.as_mut().poll_frame(cx).map(Ok)
+        })
+        .await?;
+        match frame {
+            None => return send.send_data(Bytes::new(), true),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => send.send_data(data, false)?,
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        return send.send_trailers(trailers);
+                    }
+                }
+            },
+            Some(Err(status)) => {
+                tracing::debug!(error = %status, "a response body failed; resetting the stream");
+                send.send_reset(Reason::INTERNAL_ERROR);
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// A request body read from h2, releasing flow-control window as the service
+/// consumes it: a service that stops reading stops the peer at one window.
+struct RecvBody {
+    stream: RecvStream,
+}
+
+impl http_body::Body for RecvBody {
+    type Data = Bytes;
+    type Error = h2::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+        let stream = &mut self.stream;
+        match ready!(stream.poll_data(cx)) {
+            Some(Ok(data)) => {
+                let _ = stream.flow_control().release_capacity(data.len());
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            Some(Err(e)) => Poll::Ready(Some(Err(e))),
+            None => match ready!(stream.poll_trailers(cx)) {
+                Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+                Ok(None) => Poll::Ready(None),
+                Err(e) => Poll::Ready(Some(Err(e))),
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.stream.is_end_stream()
+    }
+}
