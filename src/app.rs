@@ -112,9 +112,16 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
 
     let persister = match &settings.cache_dir {
         Some(dir) => {
-            let loaded = persist::load(dir, &cache).map_err(|source| AppError::CacheDir {
-                dir: dir.clone(),
-                source,
+            let max_message_bytes = match &settings.source {
+                Source::Client(c) => c.max_message_bytes,
+                Source::Sink(s) => s.max_message_bytes,
+                Source::Files(_) => usize::MAX,
+            };
+            let loaded = persist::load(dir, &cache, persist::max_file_bytes(max_message_bytes)).map_err(|source| {
+                AppError::CacheDir {
+                    dir: dir.clone(),
+                    source,
+                }
             })?;
             for (collection, version, resources) in &loaded.collections {
                 tracing::info!(%collection, %version, resources, "serving the persisted state until upstream delivers");
@@ -273,6 +280,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
                 cache.clone(),
                 subscriptions.clone(),
                 status_tx,
+                settings.max_source_file_bytes,
             );
             source.start(shutdown.clone()).map_err(|message| AppError::SourceDir {
                 dir: dir.to_string(),

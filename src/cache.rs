@@ -536,11 +536,58 @@ fn remove(resources: &mut ResourceMap, sum: &mut u128, name: &str) {
     }
 }
 
-/// The difference between two states of one collection.
-#[derive(Debug, Default)]
-pub struct Diff {
+/// The difference between two states of one collection. Removed names are
+/// the cache's own (`Arc<str>`) or borrowed from a client's request (`&str`).
+#[derive(Debug)]
+pub struct Diff<R = Arc<str>> {
     pub upserts: Vec<Arc<CachedResource>>,
-    pub removed: Vec<Arc<str>>,
+    pub removed: Vec<R>,
+}
+
+impl<R> Default for Diff<R> {
+    fn default() -> Self {
+        Self {
+            upserts: Vec::new(),
+            removed: Vec::new(),
+        }
+    }
+}
+
+impl<R: AsRef<str>> Diff<R> {
+    pub fn is_empty(&self) -> bool {
+        self.upserts.is_empty() && self.removed.is_empty()
+    }
+
+    /// The body of an incremental response carrying this diff to `version`.
+    pub fn encode(&self, version: &str) -> Bytes {
+        let removed: Vec<&str> = self.removed.iter().map(AsRef::as_ref).collect();
+        crate::wire::encode_body(version, self.upserts.iter().map(|r| &r.encoded), &removed)
+    }
+}
+
+impl<'a> Diff<&'a str> {
+    /// From what a client reports holding (`initial_resource_versions` as
+    /// `(name, version)`, sorted by name) to a snapshot: the resources whose
+    /// version differs, and the names that are gone. A merge of two sorted
+    /// lists: nothing is copied.
+    pub fn from_versions(known: &[(&'a str, &'a str)], to: &ResourceMap) -> Self {
+        let mut diff = Diff::default();
+        let mut known = known.iter().peekable();
+        for resource in to.values() {
+            while let Some((name, _)) = known.next_if(|(name, _)| **name < *resource.name) {
+                diff.removed.push(*name);
+            }
+            let held = known.next_if(|(name, _)| **name == *resource.name);
+            // A name given twice: the first one counts.
+            while known.next_if(|(name, _)| **name == *resource.name).is_some() {}
+            if held.is_none_or(|(_, version)| **version != *resource.version) {
+                diff.upserts.push(resource.clone());
+            }
+        }
+        diff.removed.extend(known.map(|(name, _)| *name));
+        diff.removed.dedup();
+        diff
+    }
 }
 
 impl Diff {
@@ -557,44 +604,6 @@ impl Diff {
             }
         }
         diff
-    }
-
-    /// From what a client reports holding (`initial_resource_versions`, sorted
-    /// by name) to a snapshot: the resources whose version differs, and the
-    /// names that are gone. A merge of two sorted lists: no table is built.
-    pub fn from_versions(known: &[crate::wire::VersionEntry], to: &ResourceMap) -> Self {
-        let mut diff = Diff::default();
-        let mut known = known.iter().peekable();
-        for resource in to.values() {
-            while let Some(entry) = known.next_if(|e| *e.name < *resource.name) {
-                diff.removed.push(Arc::from(entry.name.as_str()));
-            }
-            let held = known.next_if(|e| *e.name == *resource.name);
-            // A name given twice: the first one counts.
-            while known.next_if(|e| *e.name == *resource.name).is_some() {}
-            if held.is_none_or(|e| *e.version != *resource.version) {
-                diff.upserts.push(resource.clone());
-            }
-        }
-        let mut last: Option<&str> = None;
-        for entry in known {
-            if last != Some(entry.name.as_str()) {
-                diff.removed.push(Arc::from(entry.name.as_str()));
-            }
-            last = Some(entry.name.as_str());
-        }
-        diff.removed.dedup();
-        diff
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.upserts.is_empty() && self.removed.is_empty()
-    }
-
-    /// The body of an incremental response carrying this diff to `version`.
-    pub fn encode(&self, version: &str) -> Bytes {
-        let removed: Vec<&str> = self.removed.iter().map(|n| &**n).collect();
-        crate::wire::encode_body(version, self.upserts.iter().map(|r| &r.encoded), &removed)
     }
 }
 
@@ -785,20 +794,10 @@ mod tests {
             Origin::Upstream,
         );
         let snapshot = cache.get(C).unwrap();
-        let entry = |name: &str, version: &str| crate::wire::VersionEntry {
-            name: name.into(),
-            version: version.into(),
-        };
-        let known = [
-            entry("0", "1"),
-            entry("a", "1"),
-            entry("b", "1"),
-            entry("z", "9"),
-            entry("z", "9"),
-        ];
+        let known = [("0", "1"), ("a", "1"), ("b", "1"), ("z", "9"), ("z", "9")];
         let diff = Diff::from_versions(&known, &snapshot.resources);
         assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["b"]);
-        assert_eq!(diff.removed, vec![Arc::<str>::from("0"), Arc::<str>::from("z")]);
+        assert_eq!(diff.removed, ["0", "z"]);
         let from_nothing = Diff::from_versions(&[], &snapshot.resources);
         assert_eq!(from_nothing.upserts.len(), 2);
         assert!(from_nothing.removed.is_empty());

@@ -21,6 +21,10 @@ use crate::upstream::backoff::BackoffPolicy;
 use crate::upstream::client::ClientSettings;
 use crate::upstream::sink::SinkSettings;
 
+/// The default `--max-connections` where the open file limit allows more:
+/// about 300 MiB of idle HTTP/2 connections at most.
+const DEFAULT_MAX_CONNECTIONS: usize = 20_000;
+
 /// The keepalive interval Galley enforces as a minimum (istio#13910).
 const GALLEY_MIN_KEEPALIVE: Duration = Duration::from_secs(30);
 
@@ -174,8 +178,9 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_HEADER_LIST_BYTES", default_value_t = 16 << 10)]
     pub max_header_list_bytes: u32,
 
-    /// Open gRPC connections (default: the open file limit, raised to its
-    /// hard maximum at start, less a reserve for everything else).
+    /// Open gRPC connections (default: 20,000, or fewer when the open file
+    /// limit, raised to its hard maximum at start, allows fewer after a
+    /// reserve for everything else). An idle connection costs about 15 KiB.
     #[arg(long, env = "MCP_GATEWAY_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
 
@@ -194,6 +199,17 @@ pub struct Args {
     /// Largest request a downstream client may send, in bytes.
     #[arg(long, env = "MCP_GATEWAY_MAX_REQUEST_BYTES", default_value_t = 4 << 20)]
     pub max_request_bytes: usize,
+
+    /// Bytes of large requests (64 KiB and more: initial versions, long
+    /// NACKs) being received at once, across all streams; a large request
+    /// waits for room. Small requests never wait.
+    #[arg(long, env = "MCP_GATEWAY_MAX_REQUEST_BUFFER_BYTES", default_value_t = 64 << 20)]
+    pub max_request_buffer_bytes: usize,
+
+    /// Time for a large request to arrive completely once it started
+    /// (waiting for room included).
+    #[arg(long, env = "MCP_GATEWAY_REQUEST_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub request_read_timeout: Duration,
 
     /// A NACK's message is kept and logged up to this many bytes (with its
     /// full length).
@@ -245,7 +261,8 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_HTTP_MAX_REQUEST_BYTES", default_value_t = 64 << 10)]
     pub http_max_request_bytes: usize,
 
-    /// Largest message accepted from the upstream source, in bytes.
+    /// Largest message accepted from the upstream source (and largest file
+    /// of --source-dir), in bytes.
     #[arg(long, env = "MCP_GATEWAY_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
 
@@ -353,6 +370,8 @@ pub struct Settings {
     pub max_new_streams_per_second: u32,
     pub downstream: DownstreamLimits,
     pub http: HttpLimits,
+    /// `--max-message-bytes`, for the local source's files.
+    pub max_source_file_bytes: usize,
 }
 
 /// Per-stream limits of the downstream services.
@@ -360,6 +379,8 @@ pub struct Settings {
 pub struct DownstreamLimits {
     pub max_requests_per_second: u32,
     pub max_request_bytes: usize,
+    pub max_request_buffer_bytes: usize,
+    pub request_read_timeout: Duration,
     pub max_nack_message_bytes: usize,
     pub max_types_per_stream: usize,
 }
@@ -369,6 +390,8 @@ impl Default for DownstreamLimits {
         Self {
             max_requests_per_second: 50,
             max_request_bytes: 4 << 20,
+            max_request_buffer_bytes: 64 << 20,
+            request_read_timeout: Duration::from_secs(10),
             max_nack_message_bytes: 4096,
             max_types_per_stream: 128,
         }
@@ -577,9 +600,25 @@ impl Args {
                 return Err(invalid(flag, format!("{value} is below the minimum of {minimum}")));
             }
         }
+        if self.max_request_buffer_bytes < self.max_request_bytes {
+            return Err(invalid(
+                "--max-request-buffer-bytes",
+                format!(
+                    "{} is below --max-request-bytes={}: the largest request could never be received",
+                    self.max_request_buffer_bytes, self.max_request_bytes
+                ),
+            ));
+        }
+        if u32::try_from(self.max_request_bytes).is_err() {
+            return Err(invalid(
+                "--max-request-bytes",
+                "must be below 4 GiB (the gRPC frame limit)",
+            ));
+        }
         for (flag, value) in [
             ("--handshake-timeout", self.handshake_timeout),
             ("--http-header-timeout", self.http_header_timeout),
+            ("--request-read-timeout", self.request_read_timeout),
         ] {
             if value.is_zero() {
                 return Err(invalid(flag, "must be above zero"));
@@ -601,7 +640,7 @@ impl Args {
                 ))
             }
             Some(n) => n,
-            None => fd_room,
+            None => fd_room.min(DEFAULT_MAX_CONNECTIONS),
         };
         if !self.listen.ip().is_loopback() && !mtls {
             tracing::warn!(
@@ -647,6 +686,8 @@ impl Args {
             downstream: DownstreamLimits {
                 max_requests_per_second: self.max_requests_per_second,
                 max_request_bytes: self.max_request_bytes,
+                max_request_buffer_bytes: self.max_request_buffer_bytes,
+                request_read_timeout: self.request_read_timeout,
                 max_nack_message_bytes: self.max_nack_message_bytes,
                 max_types_per_stream: self.max_types_per_stream,
             },
@@ -655,6 +696,7 @@ impl Args {
                 header_timeout: self.http_header_timeout,
                 max_request_bytes: self.http_max_request_bytes,
             },
+            max_source_file_bytes: self.max_message_bytes,
         })
     }
 }

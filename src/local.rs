@@ -115,7 +115,146 @@ struct Body {
     #[serde(default)]
     value_base64: Option<String>,
     #[serde(default, rename = "struct")]
-    structure: Option<serde_norway::Value>,
+    structure: Option<YamlValue>,
+}
+
+/// Values a document's `struct` body may hold. YAML aliases repeat what they
+/// point to: one large anchor aliased many times would expand to far more
+/// than the text (serde_norway bounds the number of alias jumps, not what
+/// each one copies). The body is built value by value against this budget,
+/// so a YAML bomb fails with a clear error instead of taking the memory.
+fn value_budget(document: &str) -> usize {
+    1024 + document.len()
+}
+
+thread_local! {
+    /// What the document being parsed may still build (`value_budget`).
+    static VALUES_LEFT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn spend_value<E: serde::de::Error>() -> Result<(), E> {
+    VALUES_LEFT.with(|left| match left.get() {
+        0 => Err(E::custom(
+            "the struct body expands to more values than the document's size allows (YAML aliases repeating \
+             a large anchor?)",
+        )),
+        n => {
+            left.set(n - 1);
+            Ok(())
+        }
+    })
+}
+
+/// A YAML value read straight into `google.protobuf.Value`, as `protojson`
+/// would read the same JSON.
+#[derive(Debug)]
+struct YamlValue(prost_types::value::Kind);
+
+impl<'de> Deserialize<'de> for YamlValue {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(YamlValueVisitor).map(YamlValue)
+    }
+}
+
+struct YamlValueVisitor;
+
+impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
+    type Value = prost_types::value::Kind;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a YAML value")
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        spend_value::<E>()?;
+        Ok(prost_types::value::Kind::BoolValue(v))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        spend_value::<E>()?;
+        Ok(prost_types::value::Kind::NumberValue(v as f64))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        spend_value::<E>()?;
+        Ok(prost_types::value::Kind::NumberValue(v as f64))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        spend_value::<E>()?;
+        Ok(prost_types::value::Kind::NumberValue(v))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        spend_value::<E>()?;
+        Ok(prost_types::value::Kind::StringValue(v.to_owned()))
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        spend_value::<E>()?;
+        Ok(prost_types::value::Kind::NullValue(0))
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        self.visit_unit()
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        spend_value::<A::Error>()?;
+        let mut values = Vec::new();
+        while let Some(YamlValue(kind)) = seq.next_element()? {
+            values.push(prost_types::Value { kind: Some(kind) });
+        }
+        Ok(prost_types::value::Kind::ListValue(prost_types::ListValue { values }))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        spend_value::<A::Error>()?;
+        let mut fields = BTreeMap::new();
+        while let Some((YamlKey(key), YamlValue(kind))) = map.next_entry()? {
+            fields.insert(key, prost_types::Value { kind: Some(kind) });
+        }
+        Ok(prost_types::value::Kind::StructValue(prost_types::Struct { fields }))
+    }
+
+    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
+        Err(serde::de::Error::custom("YAML tags are not supported in a struct body"))
+    }
+}
+
+/// A mapping key: a string, or a number or boolean written as one.
+struct YamlKey(String);
+
+impl<'de> Deserialize<'de> for YamlKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl serde::de::Visitor<'_> for KeyVisitor {
+            type Value = String;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string, number or boolean mapping key")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+                Ok(v.to_owned())
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+        }
+        deserializer.deserialize_any(KeyVisitor).map(YamlKey)
+    }
 }
 
 /// Splits YAML text into documents at `---` lines: (first line, text).
@@ -166,6 +305,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             line,
             reason,
         };
+        VALUES_LEFT.with(|left| left.set(value_budget(&document)));
         let doc: Document = serde_norway::from_str(&document).map_err(|e| {
             let message = e.to_string();
             match e.location() {
@@ -257,61 +397,13 @@ fn body(body: &Body) -> Result<prost_types::Any, String> {
                 value,
             })
         }
-        (None, None, Some(structure)) => {
-            let serde_norway::Value::Mapping(_) = structure else {
-                return Err("struct must be a mapping".into());
-            };
-            let prost_types::value::Kind::StructValue(structure) = to_value(structure)? else {
-                unreachable!("a mapping converts to a struct")
-            };
-            Ok(prost_types::Any {
-                type_url: STRUCT_TYPE_URL.into(),
-                value: structure.encode_to_vec(),
-            })
-        }
+        (None, None, Some(YamlValue(prost_types::value::Kind::StructValue(structure)))) => Ok(prost_types::Any {
+            type_url: STRUCT_TYPE_URL.into(),
+            value: structure.encode_to_vec(),
+        }),
+        (None, None, Some(_)) => Err("struct must be a mapping".into()),
         _ => Err("give either {type_url, value_base64} or {struct: <mapping>}".into()),
     }
-}
-
-/// YAML to `google.protobuf.Value`, as `protojson` would read the same JSON.
-fn to_value(value: &serde_norway::Value) -> Result<prost_types::value::Kind, String> {
-    use prost_types::value::Kind;
-    use serde_norway::Value as Y;
-    Ok(match value {
-        Y::Null => Kind::NullValue(0),
-        Y::Bool(b) => Kind::BoolValue(*b),
-        Y::Number(n) => Kind::NumberValue(n.as_f64().ok_or_else(|| format!("number {n} is out of range"))?),
-        Y::String(s) => Kind::StringValue(s.clone()),
-        Y::Sequence(items) => Kind::ListValue(prost_types::ListValue {
-            values: items
-                .iter()
-                .map(|v| {
-                    Ok(prost_types::Value {
-                        kind: Some(to_value(v)?),
-                    })
-                })
-                .collect::<Result<_, String>>()?,
-        }),
-        Y::Mapping(map) => {
-            let mut fields = BTreeMap::new();
-            for (key, value) in map {
-                let key = match key {
-                    Y::String(s) => s.clone(),
-                    Y::Number(n) => n.to_string(),
-                    Y::Bool(b) => b.to_string(),
-                    other => return Err(format!("mapping key {other:?} is not a string")),
-                };
-                fields.insert(
-                    key,
-                    prost_types::Value {
-                        kind: Some(to_value(value)?),
-                    },
-                );
-            }
-            Kind::StructValue(prost_types::Struct { fields })
-        }
-        Y::Tagged(tagged) => return Err(format!("YAML tag {} is not supported", tagged.tag)),
-    })
 }
 
 #[derive(Debug, Default)]
@@ -333,6 +425,8 @@ pub struct LocalSource {
     /// Every collection published so far (a collection whose last file went
     /// away is published empty, not left behind).
     published: BTreeSet<Arc<str>>,
+    /// `--max-message-bytes`: a larger file is an error, not read.
+    max_file_bytes: usize,
 }
 
 impl LocalSource {
@@ -342,6 +436,7 @@ impl LocalSource {
         cache: Arc<Cache>,
         subscriptions: Arc<Subscriptions>,
         status: watch::Sender<UpstreamStatus>,
+        max_file_bytes: usize,
     ) -> Self {
         status.send_modify(|s| {
             s.mode = "files";
@@ -357,6 +452,7 @@ impl LocalSource {
             status,
             files: BTreeMap::new(),
             published: BTreeSet::new(),
+            max_file_bytes,
         }
     }
 
@@ -434,7 +530,7 @@ impl LocalSource {
         Ok(paths
             .into_iter()
             .map(|path| {
-                let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read: {e}"));
+                let text = read_text(&path, self.max_file_bytes);
                 (path.display().to_string(), text)
             })
             .collect())
@@ -519,13 +615,48 @@ impl LocalSource {
     }
 }
 
+/// A source file's text: a regular file (links are followed: Kubernetes
+/// mounts ConfigMaps through them), at most `max` bytes. Opened without
+/// blocking, so a FIFO that replaced a file never stalls the source.
+fn read_text(path: &Path, max: usize) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    let metadata = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if !metadata.is_file() {
+        return Err("not a regular file (a FIFO, a device or a directory)".into());
+    }
+    if metadata.len() > max as u64 {
+        return Err(format!(
+            "{} bytes is larger than --max-message-bytes={max} allows for a source file",
+            metadata.len()
+        ));
+    }
+    let mut bytes = Vec::new();
+    file.take(max as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() > max {
+        return Err(format!(
+            "larger than --max-message-bytes={max} allows for a source file"
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
+}
+
 fn is_yaml(path: &Path) -> bool {
     let hidden = path
         .file_name()
         .and_then(|n| n.to_str())
         .is_none_or(|n| n.starts_with('.'));
     let yaml = matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"));
-    !hidden && yaml && path.is_file()
+    // A link to nowhere, a link loop or a FIFO is reported by `read_text`,
+    // not skipped silently: only what is plainly not ours is left out.
+    !hidden && yaml && !path.is_dir()
 }
 
 #[cfg(test)]
@@ -626,6 +757,58 @@ body:
             assert_eq!(error.line, line, "{text}: {error}");
             assert!(error.reason.contains(reason), "{text}: {error}");
         }
+    }
+
+    #[test]
+    fn yaml_bombs_are_refused_with_a_clear_error() {
+        // Billion laughs: serde_norway bounds the alias jumps.
+        let mut laughs = String::from("collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct:\n");
+        laughs.push_str("    a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+        for i in 1..10 {
+            let prev = i - 1;
+            laughs.push_str(&format!(
+                "    a{i}: &a{i} [*a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}, *a{prev}]\n"
+            ));
+        }
+        let error = parse("bomb.yaml", &laughs, &table()).unwrap_err();
+        assert!(
+            error.reason.contains("limit") || error.reason.contains("expands"),
+            "{error}"
+        );
+        // One large anchor aliased many times: each alias is one jump, but
+        // copies the whole anchor.
+        let mut wide =
+            String::from("collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct:\n    big: &big [");
+        wide.push_str(&vec!["x"; 2000].join(","));
+        wide.push_str("]\n    copies:\n");
+        for _ in 0..2000 {
+            wide.push_str("      - *big\n");
+        }
+        let error = parse("wide.yaml", &wide, &table()).unwrap_err();
+        assert!(error.reason.contains("expands"), "{error}");
+        // A few aliases of a small anchor are fine.
+        let ok = "collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct:\n    \
+                  ports: &p [80, 443]\n    again: *p\n";
+        assert!(parse("ok.yaml", ok, &table()).is_ok());
+    }
+
+    #[test]
+    fn fifos_and_oversized_files_are_errors_not_hangs() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.yaml");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            let error = read_text(&fifo, 1024).unwrap_err();
+            assert!(error.contains("not a regular file"), "{error}");
+        }
+        let big = dir.path().join("big.yaml");
+        std::fs::write(&big, vec![b'#'; 2048]).unwrap();
+        let error = read_text(&big, 1024).unwrap_err();
+        assert!(error.contains("--max-message-bytes=1024"), "{error}");
+        let looped = dir.path().join("loop.yaml");
+        std::os::unix::fs::symlink(&looped, &looped).unwrap();
+        assert!(read_text(&looped, 1024).is_err());
+        assert!(is_yaml(&looped), "a link loop is reported, not skipped");
     }
 
     #[test]

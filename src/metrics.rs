@@ -61,6 +61,7 @@ pub const LIMITS: &[&str] = &[
     "http_connections",
     "http_header_timeout",
     "max_message_bytes",
+    "request_read_timeout",
 ];
 
 /// Every listener label: the flag that configured the port.

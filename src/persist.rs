@@ -5,6 +5,12 @@
 //! upstream connects; a file that is corrupt or unreadable is reported and
 //! skipped, never fatal.
 //!
+//! The directory is not trusted to be tidy: temporary files get random names
+//! and are created exclusively, without following links, readable by the
+//! gateway only, and removed on every failure path (a full disk leaves the
+//! last good file and nothing else). Loading reads regular files only, never
+//! through a symbolic link, and refuses files larger than a bound.
+//!
 //! One file per collection: a magic line, the xxh3-64 of the payload, and the
 //! payload, an `istio.mcp.v1alpha1.Resources` message with the resources as
 //! the source sent them. Loading runs them through the same validation as an
@@ -12,6 +18,7 @@
 
 use std::collections::HashSet;
 use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -73,19 +80,58 @@ pub fn decode(file: &[u8]) -> Result<RawResources, String> {
 }
 
 /// Writes `bytes` to `dir/name` so that a reader (or a restart after a crash)
-/// sees the old file or the new one, never a mix.
+/// sees the old file or the new one, never a mix. The temporary file has a
+/// random name, is created with `O_CREAT|O_EXCL` (a planted file or link is
+/// never opened), mode 0600, and is removed if any step fails.
 pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
-    let target = dir.join(name);
-    // Per process: two gateways wrongly sharing a directory never write into
-    // one temporary file.
-    let temporary = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let mut file = std::fs::File::create(&temporary)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
-    drop(file);
-    std::fs::rename(&temporary, &target)?;
+    let mut temporary = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .tempfile_in(dir)?;
+    temporary.write_all(bytes)?;
+    temporary.as_file().sync_all()?;
+    // The rename replaces whatever is at the target (a link included)
+    // without following it.
+    temporary.persist(dir.join(name)).map_err(|e| e.error)?;
     // The rename itself is durable once the directory is synced.
     std::fs::File::open(dir)?.sync_all()
+}
+
+/// Reads a cache file: a regular file, not through a link, at most `max`
+/// bytes.
+fn read_file(path: &Path, max: u64) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot open (links are not followed): {e}"))?;
+    let metadata = file.metadata().map_err(|e| format!("cannot read: {e}"))?;
+    if !metadata.is_file() {
+        return Err("not a regular file".into());
+    }
+    if metadata.len() > max {
+        return Err(format!(
+            "{} bytes is larger than a cache file may be ({max})",
+            metadata.len()
+        ));
+    }
+    let mut bytes = Vec::with_capacity(metadata.len() as usize);
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read: {e}"))?;
+    if bytes.len() as u64 > max {
+        return Err(format!("larger than a cache file may be ({max} bytes)"));
+    }
+    Ok(bytes)
+}
+
+/// The largest cache file loaded: a collection as large as the largest
+/// message the source may send, with room for growth by incremental updates.
+pub fn max_file_bytes(max_message_bytes: usize) -> u64 {
+    (max_message_bytes as u64).saturating_mul(4).max(256 << 20)
 }
 
 /// A temporary file this old is a leftover of a crash, not a write in progress.
@@ -94,7 +140,7 @@ const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(300)
 /// The message persisted for `collection`, without applying it or touching
 /// the directory (for inspection and tests).
 pub fn peek(dir: &Path, collection: &str) -> Result<RawResources, String> {
-    let bytes = std::fs::read(dir.join(file_name(collection))).map_err(|e| format!("cannot read: {e}"))?;
+    let bytes = read_file(&dir.join(file_name(collection)), u64::MAX)?;
     decode(&bytes)
 }
 
@@ -108,18 +154,31 @@ pub struct Loaded {
 }
 
 /// Loads every cache file in `dir` into the cache (origin `Disk`). Creates
-/// the directory when missing; fails only when it cannot be used at all.
-pub fn load(dir: &Path, cache: &Cache) -> std::io::Result<Loaded> {
-    std::fs::create_dir_all(dir)?;
+/// the directory when missing (mode 0700); fails only when it cannot be used
+/// at all. Files over `max_file_bytes` are skipped.
+pub fn load(dir: &Path, cache: &Cache, max_file_bytes: u64) -> std::io::Result<Loaded> {
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     let mut loaded = Loaded::default();
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
+    let mut paths: Vec<(PathBuf, std::fs::FileType)> = std::fs::read_dir(dir)?
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            // The entry's own type: a link is a link, not what it points to.
+            Some((entry.path(), entry.file_type().ok()?))
+        })
         .collect();
-    paths.sort();
-    for path in paths {
+    paths.sort_by(|a, b| a.0.cmp(&b.0));
+    for (path, file_type) in paths {
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
             continue;
         };
+        if !file_type.is_file() {
+            if name.ends_with(EXTENSION) || name.ends_with(".tmp") {
+                let reason = "not a regular file (a link, a FIFO or a directory): never read".to_owned();
+                tracing::warn!(path = %path.display(), %reason, "skipping an entry of the cache directory");
+                loaded.skipped.push((path, reason));
+            }
+            continue;
+        }
         if name.starts_with('.') && name.ends_with(".tmp") {
             // A write interrupted before its rename: the previous file (if
             // any) is intact, this one is not. Only old ones are removed: a
@@ -136,7 +195,7 @@ pub fn load(dir: &Path, cache: &Cache) -> std::io::Result<Loaded> {
         if path.extension().and_then(|e| e.to_str()) != Some(EXTENSION) {
             continue;
         }
-        match load_file(&path, cache) {
+        match load_file(&path, cache, max_file_bytes) {
             Ok(found) => loaded.collections.push(found),
             Err(reason) => {
                 tracing::warn!(
@@ -151,8 +210,8 @@ pub fn load(dir: &Path, cache: &Cache) -> std::io::Result<Loaded> {
     Ok(loaded)
 }
 
-fn load_file(path: &Path, cache: &Cache) -> Result<(String, String, usize), String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
+fn load_file(path: &Path, cache: &Cache, max_file_bytes: u64) -> Result<(String, String, usize), String> {
+    let bytes = read_file(path, max_file_bytes)?;
     let message = decode(&bytes)?;
     if message.collection.is_empty() {
         return Err("names no collection".into());
@@ -206,12 +265,20 @@ impl Persister {
                                 version = %snapshot.version,
                                 "persisted"
                             ),
-                            Err(e) => tracing::warn!(
-                                collection = %snapshot.collection,
-                                path = %dir.join(&name).display(),
-                                error = %e,
-                                "cannot persist the collection; the previous file is kept"
-                            ),
+                            Err(e) => {
+                                metrics::counter!(
+                                    crate::metrics::CACHE_WRITE_FAILURES,
+                                    "collection" => snapshot.collection.clone()
+                                )
+                                .increment(1);
+                                tracing::warn!(
+                                    collection = %snapshot.collection,
+                                    path = %dir.join(&name).display(),
+                                    error = %e,
+                                    "cannot persist the collection; the previous file is kept, and the next \
+                                     change is written again"
+                                );
+                            }
                         }
                     }
                 })
@@ -279,7 +346,7 @@ mod tests {
         write_atomically(dir.path(), &file_name(C), &encode(&snapshot)).unwrap();
 
         let restarted = Cache::new();
-        let loaded = load(dir.path(), &restarted).unwrap();
+        let loaded = load(dir.path(), &restarted, u64::MAX).unwrap();
         assert!(loaded.skipped.is_empty(), "{:?}", loaded.skipped);
         let reloaded = restarted.get(C).unwrap();
         assert_eq!(reloaded.version, snapshot.version);
@@ -303,7 +370,7 @@ mod tests {
         *damaged.last_mut().unwrap() ^= 0xff;
         std::fs::write(dir.path().join("damaged.mcpcache"), &damaged).unwrap();
         std::fs::write(dir.path().join("foreign.mcpcache"), b"hello").unwrap();
-        let leftover = dir.path().join(".x.mcpcache.1.tmp");
+        let leftover = dir.path().join(".x.mcpcache.abc123.tmp");
         std::fs::write(&leftover, &good).unwrap();
         let old = std::time::SystemTime::now() - 2 * STALE_TEMPORARY;
         std::fs::File::options()
@@ -312,11 +379,11 @@ mod tests {
             .unwrap()
             .set_modified(old)
             .unwrap();
-        let in_progress = dir.path().join(".y.mcpcache.2.tmp");
+        let in_progress = dir.path().join(".y.mcpcache.def456.tmp");
         std::fs::write(&in_progress, &good).unwrap();
 
         let fresh = Cache::new();
-        let loaded = load(dir.path(), &fresh).unwrap();
+        let loaded = load(dir.path(), &fresh, u64::MAX).unwrap();
         assert!(loaded.collections.is_empty());
         assert_eq!(loaded.skipped.len(), 3);
         assert!(
@@ -351,9 +418,80 @@ mod tests {
         file.extend_from_slice(&payload);
         std::fs::write(dir.path().join(file_name(C)), file).unwrap();
         let cache = Cache::new();
-        let loaded = load(dir.path(), &cache).unwrap();
+        let loaded = load(dir.path(), &cache, u64::MAX).unwrap();
         assert_eq!(loaded.skipped.len(), 1);
         assert!(loaded.skipped[0].1.contains("metadata.name"), "{:?}", loaded.skipped);
         assert!(cache.get(C).is_none());
+    }
+
+    #[test]
+    fn temporary_files_are_private_random_and_never_follow_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        // A planted link where the old per-process name would have been, and
+        // at the target: neither is followed.
+        let name = file_name(C);
+        std::os::unix::fs::symlink(&victim, dir.path().join(format!(".{name}.{}.tmp", std::process::id()))).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join(&name)).unwrap();
+        write_atomically(dir.path(), &name, b"new state").unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        let target = dir.path().join(&name);
+        assert!(!std::fs::symlink_metadata(&target).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read(&target).unwrap(), b"new state");
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(std::fs::metadata(&target).unwrap().permissions().mode() & 0o777, 0o600);
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp") && e.file_type().unwrap().is_file())
+            .collect();
+        assert!(leftovers.is_empty(), "no temporary file is left behind");
+    }
+
+    #[test]
+    fn links_fifos_and_oversized_files_are_skipped_when_loading() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache::new();
+        cache.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let good = encode(&cache.get(C).unwrap());
+        let elsewhere = tempfile::tempdir().unwrap();
+        let outside = elsewhere.path().join("outside.mcpcache");
+        std::fs::write(&outside, &good).unwrap();
+        std::os::unix::fs::symlink(&outside, dir.path().join(file_name(C))).unwrap();
+        let fifo = dir.path().join("fifo.mcpcache");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        std::fs::write(dir.path().join("big.mcpcache"), &good).unwrap();
+
+        let fresh = Cache::new();
+        let loaded = load(dir.path(), &fresh, good.len() as u64 - 1).unwrap();
+        assert!(fresh.get(C).is_none(), "nothing is read through a link");
+        let reasons: Vec<&str> = loaded.skipped.iter().map(|(_, r)| r.as_str()).collect();
+        assert!(reasons.iter().any(|r| r.contains("larger than")), "{reasons:?}");
+        let not_regular = reasons.iter().filter(|r| r.contains("not a regular file")).count();
+        let expected = if made.is_ok_and(|s| s.success()) { 2 } else { 1 };
+        assert_eq!(not_regular, expected, "{reasons:?}");
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_last_good_file_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let name = file_name(C);
+        write_atomically(dir.path(), &name, b"good").unwrap();
+        // A directory where the temporary file's rename must land fails the
+        // write after the temporary file was written.
+        let blocked = dir.path().join("blocked");
+        std::fs::create_dir(&blocked).unwrap();
+        std::fs::write(blocked.join("x"), b"").unwrap();
+        assert!(write_atomically(dir.path(), "blocked", b"new").is_err());
+        assert_eq!(std::fs::read(dir.path().join(&name)).unwrap(), b"good");
+        let temporary = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"));
+        assert!(!temporary, "the temporary file was removed");
+        // Later writes succeed.
+        write_atomically(dir.path(), &name, b"newer").unwrap();
+        assert_eq!(std::fs::read(dir.path().join(&name)).unwrap(), b"newer");
     }
 }

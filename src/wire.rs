@@ -32,19 +32,93 @@ pub struct SotwRequest {
     pub type_url: String,
     #[prost(string, tag = "4")]
     pub response_nonce: String,
-    #[prost(message, optional, tag = "5")]
-    pub error_detail: Option<tonic_types::Status>,
+    /// A NACK's `google.rpc.Status`, as bytes (a slice of the request, not a
+    /// copy): read with [`ErrorDetail::parse`], which keeps only the start
+    /// of a long message.
+    #[prost(bytes = "bytes", optional, tag = "5")]
+    pub error_detail: Option<Bytes>,
 }
 
-/// One entry of a `map<string, string>` as it is on the wire: a message with
-/// the key as field 1 and the value as field 2. Read as a list, a large map
-/// costs its own size, not a hash table's.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, prost::Message)]
-pub struct VersionEntry {
-    #[prost(string, tag = "1")]
-    pub name: String,
-    #[prost(string, tag = "2")]
-    pub version: String,
+/// A message field the gateway reads by hand that does not decode.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error(transparent)]
+    Decode(#[from] prost::DecodeError),
+    #[error("{0}")]
+    Malformed(&'static str),
+}
+
+/// A NACK as the gateway keeps it: the code and the start of the message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ErrorDetail {
+    pub code: i32,
+    /// At most the limit's bytes (cut at a character boundary).
+    pub message: String,
+    /// The message's length as the client sent it.
+    pub message_len: usize,
+}
+
+impl ErrorDetail {
+    /// Reads `google.rpc.Status{code = 1, message = 2, details = 3}`, copying
+    /// at most `max` bytes of the message. Details are skipped unread.
+    pub fn parse(mut bytes: Bytes, max: usize) -> Result<Self, WireError> {
+        use bytes::Buf;
+        let mut detail = ErrorDetail {
+            code: 0,
+            message: String::new(),
+            message_len: 0,
+        };
+        while bytes.has_remaining() {
+            let (tag, wire_type) = encoding::decode_key(&mut bytes)?;
+            match (tag, wire_type) {
+                (1, WireType::Varint) => detail.code = encoding::decode_varint(&mut bytes)? as i32,
+                (2, WireType::LengthDelimited) => {
+                    let len = encoding::decode_varint(&mut bytes)? as usize;
+                    if len > bytes.remaining() {
+                        return Err(WireError::Malformed("the message runs past the end of error_detail"));
+                    }
+                    let message = bytes.split_to(len);
+                    let mut end = len.min(max);
+                    while end > 0 && end < len && (message[end] & 0xc0) == 0x80 {
+                        end -= 1;
+                    }
+                    detail.message = String::from_utf8_lossy(&message[..end]).into_owned();
+                    detail.message_len = len;
+                }
+                _ => encoding::skip_field(wire_type, tag, &mut bytes, encoding::DecodeContext::default())?,
+            }
+        }
+        Ok(detail)
+    }
+}
+
+/// One entry of a `map<string, string>` on the wire: a message with the key
+/// as field 1 and the value as field 2. `initial_resource_versions` is kept
+/// as these bytes (slices of the request) and read without copying.
+pub fn version_entry(mut entry: &[u8]) -> Result<(&str, &str), WireError> {
+    use bytes::Buf;
+    let (mut name, mut version) = ("", "");
+    while entry.has_remaining() {
+        let (tag, wire_type) = encoding::decode_key(&mut entry)?;
+        match (tag, wire_type) {
+            (1 | 2, WireType::LengthDelimited) => {
+                let len = encoding::decode_varint(&mut entry)? as usize;
+                if len > entry.len() {
+                    return Err(WireError::Malformed("a map entry runs past its end"));
+                }
+                let (text, rest) = entry.split_at(len);
+                let text = std::str::from_utf8(text).map_err(|_| WireError::Malformed("a map entry is not UTF-8"))?;
+                if tag == 1 {
+                    name = text;
+                } else {
+                    version = text;
+                }
+                entry = rest;
+            }
+            _ => encoding::skip_field(wire_type, tag, &mut entry, encoding::DecodeContext::default())?,
+        }
+    }
+    Ok((name, version))
 }
 
 /// `IncrementalMeshConfigRequest` as the incremental server reads it.
@@ -54,13 +128,15 @@ pub struct IncrementalRequest {
     pub node: Option<NodeId>,
     #[prost(string, tag = "2")]
     pub type_url: String,
-    /// `initial_resource_versions`: what the client holds (first request only).
-    #[prost(message, repeated, tag = "3")]
-    pub initial_resource_versions: Vec<VersionEntry>,
+    /// `initial_resource_versions`: what the client holds (first request
+    /// only), each entry as its bytes (see [`version_entry`]).
+    #[prost(bytes = "bytes", repeated, tag = "3")]
+    pub initial_resource_versions: Vec<Bytes>,
     #[prost(string, tag = "4")]
     pub response_nonce: String,
-    #[prost(message, optional, tag = "5")]
-    pub error_detail: Option<tonic_types::Status>,
+    /// As in [`SotwRequest::error_detail`].
+    #[prost(bytes = "bytes", optional, tag = "5")]
+    pub error_detail: Option<Bytes>,
 }
 
 /// `Resources` from a source, with each `Resource` kept as the bytes received.
@@ -104,7 +180,7 @@ pub struct AnyTypeUrl {
 /// copied per client. `suffix` holds the few per-client fields (type URL,
 /// nonce). Protobuf lets fields appear in any order and repeat a repeated
 /// field, so the concatenation is one valid message.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct EncodedResponse {
     pub shared: Arc<[Bytes]>,
     pub suffix: Bytes,
@@ -112,6 +188,10 @@ pub struct EncodedResponse {
     /// written (collection, apply time); not part of the message. An `Arc`:
     /// a response slot stays small (every stream's queue holds 32 of them).
     pub snapshot: Option<Arc<crate::cache::CollectionSnapshot>>,
+    /// Request budget held until the response is written: a response built
+    /// from a client's large request (the removals its
+    /// `initial_resource_versions` call for) costs what the request did.
+    pub room: crate::transport::requests::Room,
 }
 
 impl EncodedResponse {
@@ -263,6 +343,7 @@ mod tests {
             shared: parts.into(),
             suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
             snapshot: None,
+            room: Default::default(),
         };
         assert_eq!(response.to_bytes(), {
             let mut whole = encode_body("ver", resources.iter(), &[]).to_vec();
@@ -283,11 +364,49 @@ mod tests {
             shared: Arc::from([body]),
             suffix: encode_suffix(None, "1"),
             snapshot: None,
+            room: Default::default(),
         };
         let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.to_bytes()).unwrap();
         assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);
         assert_eq!(decoded.system_version_info, "v");
         assert_eq!(decoded.nonce, "1");
+    }
+
+    #[test]
+    fn nack_messages_are_read_up_to_the_limit_without_copying_the_rest() {
+        let status = tonic_types::Status {
+            code: 3,
+            message: format!("{}tail", "é".repeat(10)),
+            details: vec![prost_types::Any {
+                type_url: "x".into(),
+                value: vec![1; 100],
+            }],
+        };
+        let bytes = Bytes::from(status.encode_to_vec());
+        let detail = ErrorDetail::parse(bytes.clone(), 5).unwrap();
+        assert_eq!(detail.code, 3);
+        assert_eq!(detail.message, "éé", "cut at a character boundary");
+        assert_eq!(detail.message_len, 24);
+        let whole = ErrorDetail::parse(bytes, 1000).unwrap();
+        assert_eq!(whole.message, status.message);
+        assert!(ErrorDetail::parse(Bytes::from_static(b"\x12\xff\x01"), 10).is_err());
+    }
+
+    #[test]
+    fn initial_versions_are_read_as_entries() {
+        let request = crate::proto::IncrementalMeshConfigRequest {
+            initial_resource_versions: [("ns/a".to_owned(), "1".to_owned()), ("ns/b".to_owned(), "".to_owned())].into(),
+            ..Default::default()
+        };
+        let view = IncrementalRequest::decode(Bytes::from(request.encode_to_vec())).unwrap();
+        let mut entries: Vec<(&str, &str)> = view
+            .initial_resource_versions
+            .iter()
+            .map(|e| version_entry(e).unwrap())
+            .collect();
+        entries.sort();
+        assert_eq!(entries, [("ns/a", "1"), ("ns/b", "")]);
+        assert!(version_entry(b"\x0a\x05ab").is_err());
     }
 
     #[test]

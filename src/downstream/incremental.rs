@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::StreamExt;
 use tonic::Status;
@@ -14,14 +15,15 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::{CollectionSnapshot, Diff};
 use crate::metrics::CollectionMetrics;
-use crate::wire::{encode_suffix, EncodedResponse, IncrementalRequest, VersionEntry};
+use crate::transport::requests::Room;
+use crate::wire::{encode_suffix, version_entry, EncodedResponse, IncrementalRequest};
 
 /// What the client holds.
 enum ClientState {
-    /// Its `initial_resource_versions`, sorted by name: kept only until the
-    /// first response is built (the collection may not be delivered yet),
-    /// then dropped.
-    Initial(Vec<VersionEntry>),
+    /// Its `initial_resource_versions` (entries as slices of its request):
+    /// kept only until the first response is built (the collection may not
+    /// be delivered yet), then dropped.
+    Initial(Vec<Bytes>, Room),
     /// Its initial state, no longer known in detail (the first response was
     /// built from it and is not ACKed yet). After a NACK, the next response
     /// re-sends the whole collection and removes every name the first
@@ -90,6 +92,7 @@ impl StreamProtocol for IncrementalStream {
     async fn on_request(
         &mut self,
         request: IncrementalRequest,
+        room: Room,
         out: &Outbound,
     ) -> Result<Result<(), ClientGone>, Status> {
         if let Some(node) = &request.node {
@@ -98,6 +101,16 @@ impl StreamProtocol for IncrementalStream {
         let Some(subscribed) = self.subscribed.as_mut() else {
             // The first request names the type and what the client holds.
             let resolved = self.shared.resolve(&request.type_url)?;
+            if let Some(Err(e)) = request
+                .initial_resource_versions
+                .iter()
+                .map(|e| version_entry(e))
+                .find(Result::is_err)
+            {
+                return Err(Status::invalid_argument(format!(
+                    "initial_resource_versions does not decode as a map of names to versions: {e}"
+                )));
+            }
             self.shared.follow(&resolved.collection);
             let changes = self.shared.inner.cache.subscribe(&resolved.collection);
             let metrics = self.shared.inner.cache.metrics(&resolved.collection);
@@ -105,11 +118,7 @@ impl StreamProtocol for IncrementalStream {
                 metrics,
                 view: TypeView::new(resolved),
                 type_url: request.type_url,
-                client: ClientState::Initial({
-                    let mut known = request.initial_resource_versions;
-                    known.sort_unstable();
-                    known
-                }),
+                client: ClientState::Initial(request.initial_resource_versions, room),
                 sent: None,
                 changes: WatchStream::from_changes(changes),
             });
@@ -203,30 +212,42 @@ impl IncrementalStream {
             // The first response is sent even when empty: it tells the client
             // it is in sync. From nothing, the diff is the whole collection:
             // the same bytes as a state-of-the-world body.
-            ClientState::Initial(known) if known.is_empty() => snapshot.sotw_parts().clone(),
-            ClientState::Initial(known) => {
-                Arc::from([Diff::from_versions(known, &snapshot.resources).encode(&snapshot.version)])
+            ClientState::Initial(known, _) if known.is_empty() => snapshot.sotw_parts().clone(),
+            ClientState::Initial(known, _) => {
+                // Work proportional to what the client sent: admitted one
+                // stream at a time, so a burst of large first requests keeps
+                // at most one worker busy and other clients are served.
+                let _turn = self.shared.heavy_work().await;
+                let mut entries: Vec<(&str, &str)> = known.iter().filter_map(|e| version_entry(e).ok()).collect();
+                entries.sort_unstable();
+                Arc::from([Diff::from_versions(&entries, &snapshot.resources).encode(&snapshot.version)])
             }
             ClientState::Unknown { first } => {
-                let removed = first
+                // The whole collection (the shared state-of-the-world parts,
+                // not a copy) and every name the first response's snapshot
+                // had that is gone.
+                let removed: Vec<&str> = first
                     .resources
                     .keys()
                     .filter(|name| !snapshot.resources.contains_key(*name))
-                    .cloned()
+                    .map(|name| &**name)
                     .collect();
-                let diff = Diff {
-                    upserts: snapshot.resources.values().cloned().collect(),
-                    removed,
-                };
-                Arc::from([diff.encode(&snapshot.version)])
+                let mut parts = snapshot.sotw_parts().to_vec();
+                parts.push(crate::wire::encode_body("", [], &removed));
+                Arc::from(parts)
             }
         };
-        if let ClientState::Initial(_) = s.client {
+        let mut room = Room::none();
+        if let ClientState::Initial(..) = s.client {
             // Used: from now on the client is at its initial state or at
-            // what it ACKs, never both held.
-            s.client = ClientState::Unknown {
+            // what it ACKs, never both held. The request's room goes with
+            // the response built from it, until that is written.
+            let first = ClientState::Unknown {
                 first: snapshot.clone(),
             };
+            if let ClientState::Initial(_, request_room) = std::mem::replace(&mut s.client, first) {
+                room = request_room;
+            }
         }
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
@@ -234,6 +255,7 @@ impl IncrementalStream {
             shared: body,
             suffix: encode_suffix(None, &nonce),
             snapshot: Some(snapshot.clone()),
+            room,
         };
         s.view.outstanding = true;
         s.view.last_sent_nonce = Some(nonce);

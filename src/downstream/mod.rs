@@ -19,15 +19,16 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
 use crate::config::DownstreamLimits;
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::transport::bucket::TokenBucket;
+use crate::transport::requests::{RequestBudget, RequestStream, Room};
 use crate::upstream::Subscriptions;
-use crate::wire::EncodedResponse;
+use crate::wire::{EncodedResponse, ErrorDetail};
 use registry::NackRecord;
 pub use registry::Registry;
 pub use service::AggregatedService;
@@ -60,6 +61,11 @@ struct Shared {
     tasks: TaskTracker,
     next_stream_id: AtomicU64,
     limits: DownstreamLimits,
+    /// Large requests being read, across all streams.
+    requests: Arc<RequestBudget>,
+    /// One permit: work that grows with what a client sent (a large
+    /// `initial_resource_versions`) runs one stream at a time.
+    heavy: tokio::sync::Semaphore,
 }
 
 // === impl Downstream ===
@@ -84,12 +90,32 @@ impl Downstream {
                 tasks,
                 next_stream_id: AtomicU64::new(1),
                 limits,
+                requests: RequestBudget::new(
+                    limits.max_request_buffer_bytes,
+                    limits.max_request_bytes,
+                    limits.request_read_timeout,
+                ),
+                heavy: tokio::sync::Semaphore::new(1),
             }),
         }
     }
 
     pub fn limits(&self) -> DownstreamLimits {
         self.inner.limits
+    }
+
+    /// A stream's requests, read against the shared budget.
+    pub fn requests<T: prost::Message + Default>(
+        &self,
+        body: tonic::body::Body,
+        message: &'static str,
+    ) -> RequestStream<T> {
+        RequestStream::new(body, self.inner.requests.clone(), message)
+    }
+
+    /// Waits for the turn to do work that grows with a client's request.
+    async fn heavy_work(&self) -> tokio::sync::SemaphorePermit<'_> {
+        self.inner.heavy.acquire().await.expect("the semaphore is never closed")
     }
 
     /// A stream may follow at most `--max-types-per-stream` types.
@@ -186,23 +212,10 @@ fn record_stale(
     }
 }
 
-/// A client's message cut to `max` bytes (at a character boundary), with
-/// its full length: what the gateway keeps and logs of a NACK.
-fn truncated(message: String, max: usize) -> String {
-    if message.len() <= max {
-        return message;
-    }
-    metrics::counter!(m::NACK_MESSAGES_TRUNCATED).increment(1);
-    let mut end = max;
-    while !message.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes in all)", &message[..end], message.len())
-}
-
 /// Counts and logs a client's NACK of `version` (the log rate-limited per
 /// stream), and returns the record the stream keeps (the version is never
-/// sent to that client again).
+/// sent to that client again). Only the start of a long message is read and
+/// kept (`--max-nack-message-bytes`), with its full length.
 #[allow(clippy::too_many_arguments)]
 fn record_nack(
     stream: u64,
@@ -210,19 +223,27 @@ fn record_nack(
     type_url: &str,
     collection: &Arc<str>,
     version: Arc<str>,
-    mut error: tonic_types::Status,
+    error: bytes::Bytes,
     metrics: &CollectionMetrics,
     max_message_bytes: usize,
 ) -> NackRecord {
-    error.message = truncated(std::mem::take(&mut error.message), max_message_bytes);
-    // Details are never read: drop them now.
-    error.details = Vec::new();
+    let detail = ErrorDetail::parse(error, max_message_bytes).unwrap_or_else(|e| ErrorDetail {
+        code: tonic::Code::Unknown as i32,
+        message: format!("(the NACK's error_detail does not decode: {e})"),
+        message_len: 0,
+    });
+    let message = if detail.message_len > detail.message.len() {
+        metrics::counter!(m::NACK_MESSAGES_TRUNCATED).increment(1);
+        format!("{}… ({} bytes in all)", detail.message, detail.message_len)
+    } else {
+        detail.message
+    };
     metrics.nacks.increment(1);
     metrics::counter!(
         m::REQUEST_NACKS,
         "component" => m::COMPONENT_DOWNSTREAM,
         "collection" => collection.clone(),
-        "code" => m::code_label(error.code)
+        "code" => m::code_label(detail.code)
     )
     .increment(1);
     if let Some(skipped) = logs.nacks.allow() {
@@ -230,16 +251,16 @@ fn record_nack(
             stream,
             %type_url,
             %version,
-            code = error.code,
-            message = %error.message,
+            code = detail.code,
+            %message,
             skipped,
             "client NACKed a version; it keeps its previous state and this version is not sent to it again"
         );
     }
     NackRecord {
         version,
-        code: error.code,
-        message: error.message,
+        code: detail.code,
+        message,
     }
 }
 
@@ -281,10 +302,13 @@ trait StreamProtocol: Sized + Send + 'static {
 
     // The futures are declared `Send` so a stream's task can be spawned.
 
-    /// Handles one request. `Err` ends the stream with that status.
+    /// Handles one request. `Err` ends the stream with that status. `room`
+    /// is the budget a large request holds: kept as long as something built
+    /// from the request is.
     fn on_request(
         &mut self,
         request: Self::Request,
+        room: Room,
         out: &Outbound,
     ) -> impl Future<Output = Result<Result<(), ClientGone>, Status>> + Send;
 
@@ -304,7 +328,7 @@ trait StreamProtocol: Sized + Send + 'static {
 /// ends the stream. Its state is removed when the stream value is dropped.
 async fn drive<P: StreamProtocol>(
     mut stream: P,
-    mut inbound: Streaming<P::Request>,
+    mut inbound: RequestStream<P::Request>,
     out: Outbound,
     shutdown: CancellationToken,
     limits: DownstreamLimits,
@@ -319,7 +343,7 @@ async fn drive<P: StreamProtocol>(
         tokio::select! {
             _ = shutdown.cancelled() => break Some(shutting_down()),
             _ = out.closed() => break None,
-            request = inbound.message() => match request {
+            request = inbound.next() => match request {
                 Ok(Some(_)) if !requests.take() => {
                     m::limit_refused("requests_rate");
                     break Some(Status::resource_exhausted(format!(
@@ -327,7 +351,7 @@ async fn drive<P: StreamProtocol>(
                         limits.max_requests_per_second
                     )));
                 }
-                Ok(Some(request)) => match stream.on_request(request, &out).await {
+                Ok(Some((request, room))) => match stream.on_request(request, room, &out).await {
                     Ok(Ok(())) => {}
                     Ok(Err(ClientGone)) => {
                         send_failed();
@@ -336,15 +360,6 @@ async fn drive<P: StreamProtocol>(
                     Err(status) => break Some(status),
                 },
                 Ok(None) => break None,
-                // tonic refused a request from its length prefix.
-                Err(status) if status.code() == tonic::Code::OutOfRange => {
-                    m::limit_refused("max_request_bytes");
-                    break Some(Status::resource_exhausted(format!(
-                        "a request is larger than --max-request-bytes={} allows ({})",
-                        limits.max_request_bytes,
-                        status.message()
-                    )));
-                }
                 // A request that does not decode ends the stream with its
                 // status; after a client's cancel nobody reads it.
                 Err(status) => {
@@ -376,7 +391,7 @@ impl Downstream {
     /// Starts a stream's task and returns its responses.
     fn start<P: StreamProtocol>(
         &self,
-        inbound: Streaming<P::Request>,
+        inbound: RequestStream<P::Request>,
         peer: Option<std::net::SocketAddr>,
     ) -> Responses {
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
@@ -395,14 +410,6 @@ impl Downstream {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nack_messages_are_cut_at_a_character_boundary_with_their_length() {
-        assert_eq!(truncated("short".into(), 10), "short");
-        let long = "é".repeat(100);
-        let cut = truncated(long, 9);
-        assert_eq!(cut, "éééé… (200 bytes in all)");
-    }
 
     #[test]
     fn repeated_logs_are_limited_and_count_what_they_skip() {

@@ -1,10 +1,9 @@
-//! `AggregatedMeshConfigService` on the wire. tonic decodes each request
-//! stream; responses are framed here, so a shared pre-encoded body reaches
+//! `AggregatedMeshConfigService` on the wire. Requests are read by the
+//! transport's `RequestStream` (bounded buffers); responses are framed here, so a shared pre-encoded body reaches
 //! hyper as the same `Bytes` for every client. A response waiting on a slow
 //! client's HTTP/2 flow control holds a reference, not a copy of the collection.
 
 use std::convert::Infallible;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -14,7 +13,6 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
 use tokio::sync::mpsc;
 use tonic::body::Body;
-use tonic::codec::{BufferSettings, DecodeBuf, Decoder, Streaming};
 use tonic::codegen::http::{self, header, HeaderMap, HeaderValue};
 use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
@@ -32,50 +30,16 @@ pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigServ
 #[derive(Clone)]
 pub struct AggregatedService {
     downstream: Downstream,
-    max_request_bytes: usize,
 }
 
 impl AggregatedService {
     pub fn new(downstream: Downstream) -> Self {
-        let max_request_bytes = downstream.limits().max_request_bytes;
-        Self {
-            downstream,
-            max_request_bytes,
-        }
+        Self { downstream }
     }
 }
 
 impl NamedService for AggregatedService {
     const NAME: &'static str = "istio.mcp.v1alpha1.AggregatedMeshConfigService";
-}
-
-/// Decodes one kind of request. Requests are small: tonic's default first
-/// buffer (8 KiB) would be most of an idle stream's memory.
-struct RequestDecoder<T> {
-    message: &'static str,
-    _kind: PhantomData<T>,
-}
-
-fn decoder<T>(message: &'static str) -> RequestDecoder<T> {
-    RequestDecoder {
-        message,
-        _kind: PhantomData,
-    }
-}
-
-impl<T: prost::Message + Default> Decoder for RequestDecoder<T> {
-    type Item = T;
-    type Error = Status;
-
-    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<T>, Status> {
-        T::decode(buf)
-            .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", self.message)))
-    }
-
-    fn buffer_settings(&self) -> BufferSettings {
-        BufferSettings::new(512, 32 << 10)
-    }
 }
 
 impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
@@ -98,23 +62,17 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
             .extensions()
             .get::<TcpConnectInfo>()
             .and_then(TcpConnectInfo::remote_addr);
-        let max = Some(self.max_request_bytes);
         let responses = match request.uri().path() {
             SOTW_PATH => {
-                let inbound = Streaming::new_request(
-                    decoder::<SotwRequest>("istio.mcp.v1alpha1.MeshConfigRequest"),
-                    request.into_body(),
-                    None,
-                    max,
-                );
+                let inbound = self
+                    .downstream
+                    .requests::<SotwRequest>(request.into_body(), "istio.mcp.v1alpha1.MeshConfigRequest");
                 self.downstream.start::<SotwStream>(inbound, peer)
             }
             INCREMENTAL_PATH => {
-                let inbound = Streaming::new_request(
-                    decoder::<IncrementalRequest>("istio.mcp.v1alpha1.IncrementalMeshConfigRequest"),
+                let inbound = self.downstream.requests::<IncrementalRequest>(
                     request.into_body(),
-                    None,
-                    max,
+                    "istio.mcp.v1alpha1.IncrementalMeshConfigRequest",
                 );
                 self.downstream.start::<IncrementalStream>(inbound, peer)
             }
@@ -150,6 +108,8 @@ struct Writing {
     shared: Arc<[Bytes]>,
     next: usize,
     suffix: Option<Bytes>,
+    /// Given back once the message is written.
+    _room: crate::transport::requests::Room,
 }
 
 impl Writing {
@@ -233,10 +193,12 @@ impl http_body::Body for FramedResponses {
                         let mut header = BytesMut::with_capacity(5);
                         header.put_u8(0); // not compressed
                         header.put_u32(len);
+                        let response = *response;
                         this.writing = Some(Writing {
                             shared: response.shared,
                             next: 0,
                             suffix: Some(response.suffix),
+                            _room: response.room,
                         });
                         return Poll::Ready(Some(Ok(Frame::data(header.freeze()))));
                     }

@@ -15,6 +15,7 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::CollectionSnapshot;
 use crate::metrics::CollectionMetrics;
+use crate::transport::requests::Room;
 use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
 
 type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
@@ -73,7 +74,12 @@ impl StreamProtocol for SotwStream {
         self.try_send(&type_url, out).await
     }
 
-    async fn on_request(&mut self, request: SotwRequest, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
+    async fn on_request(
+        &mut self,
+        request: SotwRequest,
+        _room: Room,
+        out: &Outbound,
+    ) -> Result<Result<(), ClientGone>, Status> {
         let resolved = self.shared.resolve(&request.type_url)?;
         if let Some(node) = &request.node {
             self.entry.set_node_id(&node.id);
@@ -171,6 +177,7 @@ impl SotwStream {
             shared: snapshot.sotw_parts().clone(),
             suffix: encode_suffix(Some(type_url), &nonce),
             snapshot: Some(snapshot.clone()),
+            room: Room::none(),
         };
         state.view.outstanding = true;
         state.view.last_sent_nonce = Some(nonce);

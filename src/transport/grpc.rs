@@ -155,7 +155,7 @@ pub fn serve<S>(
                 _ = shutdown.cancelled() => return,
             };
             let Ok(permit) = config.shared.connections.clone().try_acquire_owned() else {
-                refuse_connection(&config, stream, peer, &refusals);
+                refuse_connection(&config, stream, peer, &refusals, &tracker);
                 continue;
             };
             let _ = stream.set_nodelay(true);
@@ -173,16 +173,22 @@ pub fn serve<S>(
 }
 
 /// Over `--max-connections`: the peer gets the server's SETTINGS and a GOAWAY
-/// saying why, written without waiting (a full socket buffer just drops it),
-/// and the connection is closed. The refused peer costs one accept.
-fn refuse_connection(config: &GrpcListener, stream: TcpStream, peer: SocketAddr, logs: &LogLimiter) {
+/// saying why (on a TLS port, a closed connection: a handshake would cost
+/// what the limit saves), and the connection is closed.
+fn refuse_connection(
+    config: &GrpcListener,
+    stream: TcpStream,
+    peer: SocketAddr,
+    logs: &LogLimiter,
+    tasks: &TaskTracker,
+) {
     m::limit_refused("max_connections");
     let reason = format!(
         "connection limit reached: --max-connections={}",
         config.shared.max_connections
     );
     if config.tls.is_none() {
-        let _ = stream.try_write(&goaway_frames(Reason::REFUSED_STREAM, reason.as_bytes()));
+        super::refuse_and_close(stream, goaway_frames(Reason::REFUSED_STREAM, reason.as_bytes()), tasks);
     }
     if let Some(skipped) = logs.allow() {
         tracing::warn!(listener = config.name, %peer, skipped, "{reason}; connection refused");
@@ -633,30 +639,56 @@ struct RecvBody {
     stream: RecvStream,
 }
 
+fn stream_error(e: h2::Error) -> Status {
+    Status::cancelled(format!("the request stream failed: {e}"))
+}
+
 impl http_body::Body for RecvBody {
     type Data = Bytes;
-    type Error = h2::Error;
+    type Error = Status;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, h2::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let stream = &mut self.stream;
         match ready!(stream.poll_data(cx)) {
             Some(Ok(data)) => {
                 let _ = stream.flow_control().release_capacity(data.len());
                 Poll::Ready(Some(Ok(Frame::data(data))))
             }
-            Some(Err(e)) => Poll::Ready(Some(Err(e))),
+            Some(Err(e)) => Poll::Ready(Some(Err(stream_error(e)))),
             None => match ready!(stream.poll_trailers(cx)) {
                 Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
                 Ok(None) => Poll::Ready(None),
-                Err(e) => Poll::Ready(Some(Err(e))),
+                Err(e) => Poll::Ready(Some(Err(stream_error(e)))),
             },
         }
     }
 
     fn is_end_stream(&self) -> bool {
         self.stream.is_end_stream()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn goaway_frames_are_settings_then_goaway_with_the_reason() {
+        let bytes = goaway_frames(Reason::REFUSED_STREAM, b"full");
+        assert_eq!(&bytes[..9], &[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+        assert_eq!(&bytes[9..18], &[0, 0, 12, 0x7, 0, 0, 0, 0, 0]);
+        assert_eq!(&bytes[22..26], &7u32.to_be_bytes());
+        assert_eq!(&bytes[26..], b"full");
+    }
+
+    #[test]
+    fn the_age_jitter_stays_within_ten_percent() {
+        for _ in 0..100 {
+            let age = jittered(Duration::from_secs(100)).as_secs_f64();
+            assert!((90.0..=110.0).contains(&age), "{age}");
+        }
     }
 }

@@ -121,7 +121,12 @@ pub fn serve(
                     if let Some(skipped) = refusals.allow() {
                         tracing::warn!(listener = name, %peer, skipped, "refused an HTTP connection: {limit} is reached");
                     }
-                    let _ = stream.try_write(b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-length: 0\r\n\r\n");
+                    let body = format!("{limit} of --http-max-connections={} is reached\n", limits.max_connections);
+                    let answer = format!(
+                        "HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    super::refuse_and_close(stream, answer.into_bytes(), &tracker);
                     continue;
                 }
             };

@@ -9,6 +9,7 @@ pub mod fswatch;
 pub mod grpc;
 pub mod http;
 pub mod identity;
+pub mod requests;
 pub mod sniff;
 pub mod tls;
 
@@ -102,6 +103,24 @@ pub mod accept_backoff {
             }
         }
     }
+}
+
+/// Answers a connection refused by a limit with `bytes` (an HTTP 503, an
+/// HTTP/2 GOAWAY), then closes it without a reset: the peer's own request is
+/// read and dropped for at most a second, so it reads the answer instead of
+/// ECONNRESET. The refused peer costs one small task with a deadline.
+pub fn refuse_and_close(mut stream: tokio::net::TcpStream, bytes: Vec<u8>, tasks: &tokio_util::task::TaskTracker) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tasks.spawn(async move {
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            stream.write_all(&bytes).await?;
+            stream.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+    });
 }
 
 /// The soft `RLIMIT_NOFILE` raised to the hard limit (containers often start

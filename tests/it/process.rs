@@ -62,6 +62,15 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
             "--tls-cert",
         ),
         (&["--source-dir", "/nonexistent/config"][..], "--source-dir"),
+        // Dial-out sources must be authenticated: the message names both ways.
+        (&["--sink-listen", "127.0.0.1:0"][..], "--sink-insecure"),
+        (&["--sink-listen", "127.0.0.1:0"][..], "--client-ca"),
+        (&["--client-allow", "spiffe://x/*"][..], "--client-allow"),
+        (&["--sink-allow", "spiffe://x/*", "--sink-insecure"][..], "--sink-allow"),
+        (&["--max-connections", "0"][..], "--max-connections"),
+        (&["--max-connections", "1000000000"][..], "--max-connections"),
+        (&["--max-request-bytes", "10"][..], "--max-request-bytes"),
+        (&["--handshake-timeout", "0s"][..], "--handshake-timeout"),
     ] {
         let (code, stderr) = run(args).await;
         assert_eq!(code, Some(2), "{args:?}: {stderr}");
@@ -231,4 +240,36 @@ async fn environment_fallbacks_are_read_and_validated_like_flags() {
     let (code, stderr) = run_with_env(&[], &[("MCP_GATEWAY_KEEPALIVE_INTERVAL", "sometimes")]).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--keepalive-interval"), "{stderr}");
+}
+
+/// A fresh process exports every documented counter at 0 before anything
+/// happened, so alerts on their rate see the first event.
+#[tokio::test]
+async fn every_documented_counter_is_exported_at_zero_from_start() {
+    let galley = FakeGalley::start().await;
+    let Running { mut child, admin, .. } = spawn(&["--collections", VS, "--upstream", &galley.url()]).await;
+    let (status, body) = http_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+    let value = |series: &str| -> Option<f64> {
+        body.lines()
+            .find_map(|line| line.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+    };
+    let mut expected: Vec<String> = vec![
+        "istio_mcp_reconnections{component=\"upstream\"}".into(),
+        "mcp_gateway_sink_refusals_total{reason=\"another_source\"}".into(),
+        "mcp_gateway_nack_messages_truncated_total".into(),
+        format!("mcp_gateway_upstream_refused_collections_total{{collection=\"{VS}\"}}"),
+        format!("mcp_gateway_cache_write_failures_total{{collection=\"{VS}\"}}"),
+        format!("mcp_gateway_downstream_nacks_total{{collection=\"{VS}\"}}"),
+        format!("mcp_gateway_downstream_stale_requests_total{{collection=\"{VS}\"}}"),
+        "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}".into(),
+        "mcp_gateway_upstream_stream_terminations_total{reason=\"message_too_large\"}".into(),
+    ];
+    for limit in mcp_xds_gateway::metrics::LIMITS {
+        expected.push(format!("mcp_gateway_limit_refusals_total{{limit=\"{limit}\"}}"));
+    }
+    for series in &expected {
+        assert_eq!(value(series), Some(0.0), "{series} at 0 from start");
+    }
+    let _ = child.start_kill();
 }

@@ -54,6 +54,9 @@ impl ChildGateway {
         let mut child = Command::new(binary)
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .args(["--monitoring-listen", "127.0.0.1:0"])
+            // Every load client shares 127.0.0.1: the per-address stream
+            // rate is raised; the other limits stay at their defaults.
+            .args(["--max-new-streams-per-second", "1000000"])
             .args(["--upstream", &format!("http://{upstream}")])
             .args(["--collections", &collections.join(",")])
             .args(["--log-level", "info"])

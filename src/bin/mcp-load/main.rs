@@ -4,6 +4,7 @@
 //!
 //! `cargo build --release && cargo run --release --bin mcp-load -- --scenario fan-out`
 
+mod abuse;
 mod clients;
 mod gateway;
 mod publisher;
@@ -73,6 +74,10 @@ struct Args {
     /// How long to observe a --target.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     duration: Duration,
+    /// Attack the gateway while the scenario runs; the scenario's clients
+    /// are the canaries whose latency is reported.
+    #[arg(long, value_enum, conflicts_with = "target")]
+    abuse: Option<abuse::Abuse>,
 }
 
 impl Args {
@@ -118,11 +123,20 @@ struct Report {
     bytes_per_client_per_update: f64,
     nacks: usize,
     stream_errors: usize,
+    /// With --abuse: the attack, its size, and what it cost the gateway.
+    abuse: Option<abuse::Abuse>,
+    attackers_established: Option<usize>,
+    attacker_messages: Option<usize>,
+    attackers_refused: Option<usize>,
+    gateway_rss_before_attack_bytes: Option<u64>,
+    gateway_rss_under_attack_bytes: Option<u64>,
 }
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    // Thousands of client connections need descriptors.
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
     match run(args).await {
         Ok(report) => {
             print_report(&report);
@@ -220,7 +234,7 @@ async fn run(args: Args) -> anyhow::Result<Report> {
                 Some(path) => path.clone(),
                 None => gateway::default_binary()?,
             };
-            let mut report = run_with_child(&binary, shape, &names).await?;
+            let mut report = run_with_child(&binary, shape, &names, args.abuse).await?;
             report.scenario = Some(args.scenario);
             report.goal = args.scenario.goal();
             Ok(report)
@@ -228,7 +242,12 @@ async fn run(args: Args) -> anyhow::Result<Report> {
     }
 }
 
-async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]) -> anyhow::Result<Report> {
+async fn run_with_child(
+    binary: &std::path::Path,
+    shape: Shape,
+    names: &[String],
+    abuse: Option<abuse::Abuse>,
+) -> anyhow::Result<Report> {
     let mut publisher = Publisher::start(shape, names).await?;
     let gateway = ChildGateway::spawn(binary, publisher.addr, names).await?;
     tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
@@ -246,6 +265,22 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
     let initial_sync = sync_start.elapsed();
     let (rss_synced, _) = gateway.memory()?;
 
+    let attack_stop = CancellationToken::new();
+    let attack = abuse.map(|kind| {
+        (
+            kind,
+            abuse::start(kind, gateway.listen, names[0].clone(), attack_stop.clone()),
+        )
+    });
+    if let Some((kind, attack)) = &attack {
+        let attack = attack.clone();
+        let attackers = kind.attackers();
+        until("attackers in place", attackers, || {
+            attack.established.load(Ordering::Relaxed) + attack.refused.load(Ordering::Relaxed)
+        })
+        .await?;
+    }
+
     let cpu_start = gateway.cpu_seconds()?;
     let tool_cpu_start = gateway::cpu_seconds("/proc/self/stat")?;
     let update_start = Instant::now();
@@ -257,6 +292,8 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
     .await?;
     let cpu_end = gateway.cpu_seconds()?;
     let tool_cpu_end = gateway::cpu_seconds("/proc/self/stat")?;
+    let (rss_under_attack, _) = gateway.memory()?;
+    attack_stop.cancel();
     let (cpu_user, cpu_system) = (cpu_end.0 - cpu_start.0, cpu_end.1 - cpu_start.1);
     let cpu = cpu_user + cpu_system;
     let tool_cpu = (tool_cpu_end.0 + tool_cpu_end.1) - (tool_cpu_start.0 + tool_cpu_start.1);
@@ -301,6 +338,12 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
         },
         nacks: publisher.log.nacks.load(Ordering::Relaxed),
         stream_errors: errors,
+        abuse: attack.as_ref().map(|(kind, _)| *kind),
+        attackers_established: attack.as_ref().map(|(_, a)| a.established.load(Ordering::Relaxed)),
+        attacker_messages: attack.as_ref().map(|(_, a)| a.messages.load(Ordering::Relaxed)),
+        attackers_refused: attack.as_ref().map(|(_, a)| a.refused.load(Ordering::Relaxed)),
+        gateway_rss_before_attack_bytes: attack.as_ref().map(|_| rss_synced),
+        gateway_rss_under_attack_bytes: attack.as_ref().map(|_| rss_under_attack),
         ..Default::default()
     })
 }
@@ -416,6 +459,28 @@ fn print_report(report: &Report) {
         ),
         ("NACKs", report.nacks.to_string()),
         ("stream errors", report.stream_errors.to_string()),
+        ("abuse", or_dash(report.abuse.map(|a| format!("{a:?}")))),
+        (
+            "attackers in place / refused",
+            or_dash(
+                report
+                    .attackers_established
+                    .zip(report.attackers_refused)
+                    .map(|(e, r)| format!("{e} / {r}")),
+            ),
+        ),
+        (
+            "attacker messages",
+            or_dash(report.attacker_messages.map(|m| m.to_string())),
+        ),
+        (
+            "gateway RSS before the attack",
+            or_dash(report.gateway_rss_before_attack_bytes.map(mib)),
+        ),
+        (
+            "gateway RSS under attack",
+            or_dash(report.gateway_rss_under_attack_bytes.map(mib)),
+        ),
     ];
     for (name, value) in rows {
         println!("{name:<34} {value}");

@@ -36,9 +36,33 @@ impl Ca {
 
     /// A leaf for localhost and 127.0.0.1, usable by servers and clients.
     pub fn leaf(&self, common_name: &str) -> Leaf {
+        self.leaf_with(common_name, |_| {})
+    }
+
+    /// A client leaf carrying a SPIFFE id (URI SAN), as Istio's CA issues.
+    pub fn spiffe_leaf(&self, spiffe_id: &str) -> Leaf {
+        let id = spiffe_id.to_owned();
+        self.leaf_with("workload", move |params| {
+            params
+                .subject_alt_names
+                .push(rcgen::SanType::URI(id.as_str().try_into().unwrap()));
+        })
+    }
+
+    /// A leaf whose validity ended yesterday.
+    pub fn expired_leaf(&self, common_name: &str) -> Leaf {
+        self.leaf_with(common_name, |params| {
+            let now = time::OffsetDateTime::now_utc();
+            params.not_before = now - time::Duration::days(30);
+            params.not_after = now - time::Duration::days(1);
+        })
+    }
+
+    fn leaf_with(&self, common_name: &str, edit: impl FnOnce(&mut CertificateParams)) -> Leaf {
         let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
         params.distinguished_name.push(DnType::CommonName, common_name);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        edit(&mut params);
         let key = KeyPair::generate().unwrap();
         let cert = params.signed_by(&key, &self.issuer).unwrap();
         Leaf {

@@ -65,23 +65,32 @@ where
     where
         C: Codec<Encode = Req, Decode = Resp> + Send + 'static,
     {
+        Self::try_open_with(channel, path, codec)
+            .await
+            .expect("the gateway accepts the stream")
+    }
+
+    /// Opens a stream; Err is the status the gateway refused it with.
+    pub async fn try_open_with<C>(channel: Channel, path: &'static str, codec: C) -> Result<Self, Status>
+    where
+        C: Codec<Encode = Req, Decode = Resp> + Send + 'static,
+    {
         let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
         within("the client to be ready", grpc.ready()).await.unwrap();
         let (tx, rx) = mpsc::unbounded_channel();
         let response = within(
-            "the gateway to accept a stream",
+            "the gateway to answer a stream",
             grpc.streaming(
                 tonic::Request::new(UnboundedReceiverStream::new(rx)),
                 tonic::codegen::http::uri::PathAndQuery::from_static(path),
                 codec,
             ),
         )
-        .await
-        .expect("the gateway accepts the stream");
-        Self {
+        .await?;
+        Ok(Self {
             tx,
             rx: response.into_inner(),
-        }
+        })
     }
 
     pub fn send(&self, request: Req) {
@@ -93,6 +102,13 @@ where
             .await
             .expect("a response, not an error")
             .expect("a response, not the end of the stream")
+    }
+
+    /// The next response, or the status the stream ended with.
+    pub async fn try_recv(&mut self) -> Result<Resp, Status> {
+        within("a response or a status from the gateway", self.rx.message())
+            .await?
+            .ok_or_else(|| Status::ok("the stream ended"))
     }
 
     /// The status the gateway ended the stream with.
@@ -124,6 +140,10 @@ where
 
     pub async fn open_on(channel: Channel, path: &'static str) -> Self {
         Self::open_with(channel, path, tonic_prost::ProstCodec::<Req, Resp>::default()).await
+    }
+
+    pub async fn try_open_on(channel: Channel, path: &'static str) -> Result<Self, Status> {
+        Self::try_open_with(channel, path, tonic_prost::ProstCodec::<Req, Resp>::default()).await
     }
 }
 

@@ -5,6 +5,7 @@
 pub mod certs;
 pub mod clients;
 pub mod galley;
+pub mod h2raw;
 
 use std::future::Future;
 use std::net::SocketAddr;

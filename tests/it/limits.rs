@@ -1,0 +1,539 @@
+//! Every limit, tried as an attacker would, with a well-behaved client (the
+//! canary) connected throughout: the attacker gets the documented answer, and
+//! the canary keeps getting every change with the exact content.
+
+use std::net::{IpAddr, SocketAddr};
+
+use mcp_xds_gateway::app::Bound;
+use mcp_xds_gateway::proto::MeshConfigRequest;
+use prost::Message;
+use tonic::Code;
+
+use crate::helpers::clients::{self, sotw, SotwClient, SOTW_PATH};
+use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
+use crate::helpers::{eventually, http_get, start_gateway, within, VS};
+
+/// A gateway on a local source directory, and a client following one
+/// resource whose body counts the changes.
+pub struct Canary {
+    dir: tempfile::TempDir,
+    client: SotwClient,
+    generation: u32,
+}
+
+pub async fn with_canary(flags: &[&str]) -> (Bound, Canary) {
+    let dir = tempfile::tempdir().unwrap();
+    write_canary(dir.path(), 0);
+    let source = dir.path().to_str().unwrap().to_owned();
+    let mut all = vec!["--source-dir", &source, "--collections", VS];
+    all.extend_from_slice(flags);
+    let gw = start_gateway(&all).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    assert_eq!(canary_generation(&first), 0);
+    client.ack(&first);
+    (
+        gw,
+        Canary {
+            dir,
+            client,
+            generation: 0,
+        },
+    )
+}
+
+fn write_canary(dir: &std::path::Path, generation: u32) {
+    let text =
+        format!("collection: {VS}\nname: ns/canary\nversion: \"1\"\nbody:\n  struct: {{generation: {generation}}}\n");
+    let temporary = dir.join(".canary.tmp");
+    std::fs::write(&temporary, text).unwrap();
+    std::fs::rename(temporary, dir.join("canary.yaml")).unwrap();
+}
+
+fn canary_generation(response: &mcp_xds_gateway::proto::MeshConfigResponse) -> u32 {
+    let body = response.resources[0].body.as_ref().unwrap();
+    let structure = prost_types::Struct::decode(&*body.value).unwrap();
+    match structure.fields["generation"].kind {
+        Some(prost_types::value::Kind::NumberValue(n)) => n as u32,
+        ref other => panic!("unexpected body {other:?}"),
+    }
+}
+
+impl Canary {
+    /// Changes the content (the version in the file stays "1": the body
+    /// decides) and checks the client gets exactly it.
+    pub async fn check(&mut self) {
+        self.generation += 1;
+        write_canary(self.dir.path(), self.generation);
+        let response = self.client.recv_type(VS).await;
+        assert_eq!(
+            canary_generation(&response),
+            self.generation,
+            "the canary has the exact content"
+        );
+        self.client.ack(&response);
+    }
+}
+
+/// `mcp_gateway_limit_refusals_total{limit}` as the monitoring port reports it.
+pub async fn refusals(gw: &Bound, limit: &str) -> u64 {
+    metric(gw, &format!("mcp_gateway_limit_refusals_total{{limit=\"{limit}\"}}")).await
+}
+
+pub async fn metric(gw: &Bound, series: &str) -> u64 {
+    let (_, body) = http_get(gw.monitoring, "/metrics").await;
+    body.lines()
+        .find_map(|line| {
+            line.strip_prefix(series)
+                .map(|v| v.trim().parse::<f64>().unwrap() as u64)
+        })
+        .unwrap_or_else(|| panic!("{series} is not exported"))
+}
+
+fn ping(n: u64) -> Vec<u8> {
+    frame(h2raw::PING, 0, 0, &n.to_be_bytes())
+}
+
+#[tokio::test]
+async fn control_frame_floods_get_goaway_enhance_your_calm() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    type Flood = Box<dyn Fn(u64) -> Vec<u8>>;
+    let floods: [(&str, Flood); 4] = [
+        ("pings", Box::new(ping)),
+        ("settings", Box::new(|_| frame(h2raw::SETTINGS, 0, 0, &[]))),
+        (
+            "control_frames",
+            Box::new(|_| frame(h2raw::WINDOW_UPDATE, 0, 0, &1u32.to_be_bytes())),
+        ),
+        ("control_frames", Box::new(|_| frame(0x42, 0, 0, b"unknown frame type"))),
+    ];
+    for (limit, flood) in floods {
+        let mut attacker = RawConn::http2(gw.listen).await;
+        let mut burst = Vec::new();
+        for n in 0..70_000 {
+            burst.extend(flood(n));
+        }
+        attacker.send(&burst).await;
+        let (code, _) = attacker.goaway().await.expect("a GOAWAY");
+        assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "{limit}");
+        assert!(refusals(&gw, limit).await >= 1, "{limit} is counted");
+        canary.check().await;
+    }
+}
+
+#[tokio::test]
+async fn rapid_reset_after_acceptance_is_cut_within_a_thousand_streams() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    let mut attacker = RawConn::http2(gw.listen).await;
+    let mut goaway = None;
+    let mut opened = 0;
+    for n in 0..1000u32 {
+        let id = 2 * n + 1;
+        attacker.send(&grpc_headers(id, SOTW_PATH, 0)).await;
+        // Wait until the gateway accepted the stream (its response headers),
+        // then reset it: the resets h2's own bound does not count.
+        let answer = attacker
+            .until(|f| (f.kind == h2raw::HEADERS && f.stream == id) || f.kind == h2raw::GOAWAY)
+            .await;
+        match answer {
+            Some(f) if f.kind == h2raw::GOAWAY => {
+                goaway = f.goaway();
+                break;
+            }
+            Some(_) => {}
+            None => break,
+        }
+        opened += 1;
+        attacker
+            .send(&frame(h2raw::RST_STREAM, 0, id, &8u32.to_be_bytes()))
+            .await;
+    }
+    let goaway = match goaway {
+        Some(goaway) => Some(goaway),
+        None => attacker.goaway().await,
+    };
+    assert_eq!(
+        goaway.map(|g| g.0),
+        Some(h2raw::ENHANCE_YOUR_CALM),
+        "after {opened} streams"
+    );
+    assert!(opened < 1000, "cut within a thousand resets ({opened})");
+    assert!(refusals(&gw, "resets").await >= 1);
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn resets_before_acceptance_and_made_you_reset_are_cut() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    // Streams opened and reset in one write, before the server accepts them.
+    let mut attacker = RawConn::http2(gw.listen).await;
+    let mut burst = Vec::new();
+    for n in 0..2000u32 {
+        let id = 2 * n + 1;
+        burst.extend(grpc_headers(id, SOTW_PATH, 0));
+        burst.extend(frame(h2raw::RST_STREAM, 0, id, &8u32.to_be_bytes()));
+    }
+    attacker.send(&burst).await;
+    let goaway = attacker.goaway().await;
+    assert_eq!(
+        goaway.as_ref().map(|g| g.0),
+        Some(h2raw::ENHANCE_YOUR_CALM),
+        "{goaway:?}"
+    );
+
+    // Frames that make the server reset streams itself ("made you reset"):
+    // requests without a :path, each a stream error the server must answer
+    // with RST_STREAM.
+    let mut attacker = RawConn::http2(gw.listen).await;
+    let mut burst = Vec::new();
+    for n in 0..2000u32 {
+        let id = 2 * n + 1;
+        burst.extend(frame(
+            h2raw::HEADERS,
+            h2raw::END_HEADERS | h2raw::END_STREAM,
+            id,
+            &[0x83, 0x86],
+        ));
+    }
+    attacker.send(&burst).await;
+    let goaway = attacker.goaway().await;
+    assert_eq!(
+        goaway.as_ref().map(|g| g.0),
+        Some(h2raw::ENHANCE_YOUR_CALM),
+        "{goaway:?}"
+    );
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn silent_and_preface_only_connections_are_closed_at_the_handshake_timeout() {
+    let (gw, mut canary) = with_canary(&["--handshake-timeout", "300ms"]).await;
+    let mut silent = RawConn::tcp(gw.listen).await;
+    let mut preface_only = RawConn::tcp(gw.listen).await;
+    preface_only.send(h2raw::PREFACE).await;
+    assert!(silent.until_closed().await.is_none(), "closed without a word");
+    preface_only.until_closed().await;
+    assert!(refusals(&gw, "handshake_timeout").await >= 2);
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn garbage_http1_and_tls_on_the_grpc_port_are_closed() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    let mut garbage = RawConn::tcp(gw.listen).await;
+    garbage.send(&[0xde, 0xad, 0xbe, 0xef].repeat(1000)).await;
+    garbage.until_closed().await;
+
+    let mut http1 = RawConn::tcp(gw.listen).await;
+    http1
+        .send(b"GET /debug/clients HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        .await;
+    http1.until_closed().await;
+
+    // A TLS ClientHello to the plaintext port.
+    let tls = clients::tls_channel(gw.listen, &crate::helpers::certs::Ca::new("x").pem, None).await;
+    assert!(tls.is_err(), "TLS to a plaintext port fails");
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_and_busy_ones_are_not() {
+    let (gw, mut canary) = with_canary(&["--idle-timeout", "300ms"]).await;
+    let mut idle = RawConn::http2(gw.listen).await;
+    let goaway = idle.until_closed().await;
+    assert_eq!(goaway.map(|g| g.0), Some(h2raw::NO_ERROR), "a graceful GOAWAY first");
+    // The canary's connection carries a stream: it stays.
+    canary.check().await;
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn connections_over_the_limit_get_goaway_and_monitoring_still_answers() {
+    let (gw, mut canary) = with_canary(&["--max-connections", "2"]).await;
+    // The canary holds one connection; one more fits, and is served.
+    let mut second = RawConn::http2(gw.listen).await;
+    second
+        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+        .await
+        .expect("the second connection is served");
+    let mut third = RawConn::http2(gw.listen).await;
+    let (code, debug) = third.goaway().await.expect("a connection over the limit is refused");
+    assert_eq!(code, h2raw::REFUSED_STREAM);
+    assert!(debug.contains("--max-connections=2"), "{debug}");
+    assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
+    assert!(refusals(&gw, "max_connections").await >= 1);
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
+    let (gw, mut canary) = with_canary(&["--max-streams-per-connection", "3"]).await;
+    let mut conn = RawConn::http2(gw.listen).await;
+    let settings = conn
+        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+        .await
+        .unwrap();
+    assert!(settings.settings().contains(&(0x3, 3)), "{:?}", settings.settings());
+    for id in [1, 3, 5, 7] {
+        conn.send(&grpc_headers(id, SOTW_PATH, 0)).await;
+    }
+    let reset = conn
+        .until(|f| f.kind == h2raw::RST_STREAM || f.kind == h2raw::GOAWAY)
+        .await
+        .unwrap();
+    assert_eq!((reset.kind, reset.stream), (h2raw::RST_STREAM, 7));
+    assert_eq!(
+        u32::from_be_bytes(reset.payload[..4].try_into().unwrap()),
+        h2raw::REFUSED_STREAM
+    );
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn oversized_header_lists_are_refused() {
+    let (gw, mut canary) = with_canary(&["--max-header-list-bytes", "4096"]).await;
+    let tcp = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
+    let (mut client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
+        .header("content-type", "application/grpc")
+        .header("x-padding", "a".repeat(8000))
+        .body(())
+        .unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    match within("the answer to a large header list", response).await {
+        Ok(response) => assert_eq!(response.status(), http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
+        Err(e) => assert!(e.reason().is_some(), "the stream is refused: {e}"),
+    }
+    canary.check().await;
+}
+
+/// Opens a SotW stream and returns the status it ends with once `requests`
+/// are sent (or the one it was refused with).
+async fn status_after(addr: SocketAddr, requests: Vec<MeshConfigRequest>) -> tonic::Status {
+    let mut client = match SotwClient::try_open_on(clients::channel(addr).await, SOTW_PATH).await {
+        Ok(client) => client,
+        Err(status) => return status,
+    };
+    for request in requests {
+        client.send(request);
+    }
+    client.end_status().await
+}
+
+fn subscribe(type_url: &str) -> MeshConfigRequest {
+    MeshConfigRequest {
+        type_url: type_url.into(),
+        sink_node: clients::node(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
+    let (gw, mut canary) = with_canary(&["--max-streams", "2"]).await;
+    let _second = {
+        let mut c = sotw(gw.listen).await;
+        c.subscribe(VS);
+        c.recv_type(VS).await;
+        c
+    };
+    let status = status_after(gw.listen, vec![subscribe(VS)]).await;
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("--max-streams=2"), "{}", status.message());
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn new_streams_are_limited_per_peer_address() {
+    let (gw, mut canary) = with_canary(&["--max-new-streams-per-second", "1"]).await;
+    // A burst of ten seconds' worth (10), then refusals.
+    let channel = clients::channel(gw.listen).await;
+    let mut refused = None;
+    for _ in 0..12 {
+        match SotwClient::try_open_on(channel.clone(), SOTW_PATH).await {
+            Ok(mut client) => {
+                client.subscribe(VS);
+                if let Err(status) = client.try_recv().await {
+                    refused = Some(status);
+                    break;
+                }
+            }
+            Err(status) => {
+                refused = Some(status);
+                break;
+            }
+        }
+    }
+    let status = refused.expect("a stream over the rate is refused");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("--max-new-streams-per-second=1"),
+        "{}",
+        status.message()
+    );
+    // Another address is not affected.
+    let mut other = RawConn::tcp_from(gw.listen, IpAddr::from([127, 0, 0, 2])).await;
+    other.send(h2raw::PREFACE).await;
+    other.send(&frame(h2raw::SETTINGS, 0, 0, &[])).await;
+    other.send(&grpc_headers(1, SOTW_PATH, 0)).await;
+    let answer = other
+        .until(|f| f.stream == 1 && f.kind == h2raw::HEADERS)
+        .await
+        .unwrap();
+    assert!(
+        !answer.payload.windows(8).any(|w| w == b"grpc-sta"),
+        "not a trailers-only refusal"
+    );
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn a_request_loop_on_one_stream_is_cut() {
+    let (gw, mut canary) = with_canary(&["--max-requests-per-second", "1"]).await;
+    let stale = MeshConfigRequest {
+        response_nonce: "not-a-nonce".into(),
+        ..subscribe(VS)
+    };
+    let status = status_after(gw.listen, vec![stale; 40]).await;
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("--max-requests-per-second=1"),
+        "{}",
+        status.message()
+    );
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn oversized_requests_are_refused_naming_the_limit() {
+    let (gw, mut canary) = with_canary(&["--max-request-bytes", "2048"]).await;
+    let big = MeshConfigRequest {
+        version_info: "v".repeat(4096),
+        ..subscribe(VS)
+    };
+    let status = status_after(gw.listen, vec![big]).await;
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("--max-request-bytes=2048"),
+        "{}",
+        status.message()
+    );
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn a_stream_follows_a_bounded_number_of_types() {
+    let (gw, mut canary) = with_canary(&["--max-types-per-stream", "2"]).await;
+    let status = status_after(
+        gw.listen,
+        vec![
+            subscribe(VS),
+            subscribe(crate::helpers::GW),
+            subscribe(crate::helpers::DR),
+        ],
+    )
+    .await;
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(
+        status.message().contains("--max-types-per-stream=2"),
+        "{}",
+        status.message()
+    );
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn huge_nacks_are_kept_truncated_with_their_length() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let response = client.recv_type(VS).await;
+    client.nack(&response, "", &"x".repeat(1 << 20));
+    eventually("the NACK to be recorded", || {
+        gw.registry
+            .streams()
+            .iter()
+            .any(|s| s.types.values().any(|t| t.last_nack.is_some()))
+    })
+    .await;
+    let nack = gw
+        .registry
+        .streams()
+        .into_iter()
+        .find_map(|s| s.types.values().find_map(|t| t.last_nack.clone()))
+        .unwrap();
+    assert!(nack.message.len() < 4200, "{}", nack.message.len());
+    assert!(
+        nack.message.ends_with("(1048576 bytes in all)"),
+        "{}",
+        &nack.message[4090..]
+    );
+    // The NACKing client still gets the next version.
+    canary.check().await;
+    let next = client.recv_type(VS).await;
+    assert_ne!(next.version_info, response.version_info);
+}
+
+#[tokio::test]
+async fn incremental_initial_versions_are_not_held_until_ack() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    // A first request naming many resources the gateway never served; the
+    // response removes them, and the client never ACKs.
+    let mut client = clients::incremental(gw.listen).await;
+    let known: Vec<(String, String)> = (0..20_000).map(|i| (format!("ns/ghost-{i}"), "1".to_owned())).collect();
+    let known: Vec<(&str, &str)> = known.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+    client.start(VS, &known);
+    let first = client.recv().await;
+    assert_eq!(first.removed_resources.len(), 20_000);
+    assert_eq!(first.resources.len(), 1);
+    // NACK it: the next response re-sends the collection in full.
+    client.reply(VS, &first.nonce, Some("cannot apply"));
+    canary.check().await;
+    let resync = client.recv().await;
+    assert_eq!(resync.resources.len(), 1, "the whole collection again");
+}
+
+#[tokio::test]
+async fn large_requests_share_a_budget_and_must_arrive_in_time() {
+    let (gw, mut canary) = with_canary(&[
+        "--max-request-bytes",
+        "150000",
+        "--max-request-buffer-bytes",
+        "200000",
+        "--request-read-timeout",
+        "500ms",
+    ])
+    .await;
+    // A stream that announces a 150 kB request and sends 1 kB of it: it
+    // holds most of the budget until the read timeout ends it.
+    let mut stalled = RawConn::http2(gw.listen).await;
+    stalled.send(&grpc_headers(1, SOTW_PATH, 0)).await;
+    let mut partial = vec![0];
+    partial.extend_from_slice(&150_000u32.to_be_bytes());
+    partial.extend_from_slice(&[0u8; 1000]);
+    stalled.send(&frame(0x0, 0, 1, &partial)).await;
+
+    // A large NACK (100 kB) waits for room, and is received once the
+    // stalled request gave its room back.
+    let mut nacking = sotw(gw.listen).await;
+    nacking.subscribe(VS);
+    let response = nacking.recv_type(VS).await;
+    nacking.nack(&response, "", &"n".repeat(100_000));
+    // Small requests never wait: the canary is served all along.
+    canary.check().await;
+    let ended = stalled
+        .until(|f| f.stream == 1 && f.kind == h2raw::HEADERS && f.flags & 0x1 != 0)
+        .await;
+    assert!(ended.is_some(), "the stalled stream is ended");
+    assert!(refusals(&gw, "request_read_timeout").await >= 1);
+    eventually("the large NACK to be recorded", || {
+        gw.registry
+            .streams()
+            .iter()
+            .any(|s| s.types.values().any(|t| t.last_nack.is_some()))
+    })
+    .await;
+    canary.check().await;
+}

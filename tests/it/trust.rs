@@ -1,0 +1,574 @@
+//! Only trusted peers, never stale, and an upstream that fails in every way
+//! an unlucky network can: each as a test, against real gRPC peers.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::Duration;
+
+use mcp_xds_gateway::proto::{MeshConfigRequest, Metadata, Resource};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+use crate::helpers::certs::{write, write_leaf, Ca};
+use crate::helpers::clients::{self, incremental, sotw, tls_channel, SotwClient, SOTW_PATH};
+use crate::helpers::galley::{dial_out, full, resource, FakeGalley};
+use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
+use crate::helpers::{eventually, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS};
+use crate::limits::metric;
+
+const GALLEY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account";
+
+fn path(p: &Path) -> String {
+    p.to_str().unwrap().to_owned()
+}
+
+/// A dial-out gateway with mTLS on both listeners and both allow-lists.
+async fn mtls_gateway(dir: &Path, ca: &Ca) -> mcp_xds_gateway::app::Bound {
+    let ca_path = path(&write(dir, "ca.pem", &ca.pem));
+    let (cert, key) = write_leaf(dir, "gateway", &ca.leaf("gateway"));
+    start_gateway(&[
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--collections",
+        VS,
+        "--tls-cert",
+        &path(&cert),
+        "--tls-key",
+        &path(&key),
+        "--client-ca",
+        &ca_path,
+        "--sink-allow",
+        GALLEY_ID,
+        "--client-allow",
+        "spiffe://cluster.local/ns/istio-system/*",
+    ])
+    .await
+}
+
+#[tokio::test]
+async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = mtls_gateway(dir.path(), &ca).await;
+    let sink = gw.sink.unwrap();
+
+    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
+    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
+        .await
+        .err()
+        .expect("a source outside --sink-allow is refused");
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert!(
+        refused
+            .message()
+            .contains("spiffe://cluster.local/ns/default/sa/attacker")
+            && refused.message().contains("--sink-allow"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(gw.upstream.borrow().attempts, 0, "it never became the source");
+    assert!(metric(&gw, "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}").await >= 1);
+
+    let galley = ca.spiffe_leaf(GALLEY_ID);
+    let mut source = dial_out(tls_channel(sink, &ca.pem, Some(&galley)).await.unwrap(), &[])
+        .await
+        .expect("Galley's identity is allowed");
+    source.initial_requests(1).await;
+    source.push_full(VS, vec![resource("a", "1", b"a")]).await;
+
+    // Downstream: a workload outside istio-system is refused; Pilot is served.
+    let outsider = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/sleep");
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
+    let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert!(refused.message().contains("--client-allow"), "{}", refused.message());
+    let pilot = ca.spiffe_leaf("spiffe://cluster.local/ns/istio-system/sa/istio-pilot-service-account");
+    let mut client = SotwClient::open_on(tls_channel(gw.listen, &ca.pem, Some(&pilot)).await.unwrap(), SOTW_PATH).await;
+    client.subscribe(VS);
+    assert_eq!(client.recv_type(VS).await.resources.len(), 1);
+
+    // An expired certificate and one from another CA never get a stream.
+    let expired = ca.expired_leaf("istio-pilot");
+    let foreign = Ca::new("other-ca").leaf("istio-pilot");
+    for (what, leaf) in [("expired", &expired), ("foreign", &foreign)] {
+        let outcome = match tls_channel(gw.listen, &ca.pem, Some(leaf)).await {
+            Ok(channel) => SotwClient::try_open_on(channel, SOTW_PATH).await.map(|_| ()),
+            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+        };
+        assert!(outcome.is_err(), "{what} certificate must be refused");
+    }
+}
+
+#[tokio::test]
+async fn a_second_source_learns_nothing_about_the_first() {
+    let gw = start_gateway(&["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS]).await;
+    let sink = gw.sink.unwrap();
+    let mut first = dial_out(clients::channel(sink).await, &[]).await.unwrap();
+    first.initial_requests(1).await;
+    let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    let message = refused.message();
+    assert!(
+        !message.contains("127.0.0.1") && !message.contains("since"),
+        "{message}"
+    );
+    assert!(metric(&gw, "mcp_gateway_sink_refusals_total{reason=\"another_source\"}").await >= 1);
+}
+
+#[tokio::test]
+async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
+    let gw = start_gateway(&[
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--sink-insecure",
+        "--collections",
+        VS,
+        "--keepalive-interval",
+        "300ms",
+    ])
+    .await;
+    let sink = gw.sink.unwrap();
+    // A source that opens its stream and then freezes: TCP up, nothing read,
+    // no PING answered.
+    let mut frozen = RawConn::http2(sink).await;
+    frozen
+        .send(&grpc_headers(
+            1,
+            "/istio.mcp.v1alpha1.ResourceSink/EstablishResourceStream",
+            0,
+        ))
+        .await;
+    eventually("the frozen source to hold the slot", || gw.upstream.borrow().connected).await;
+    eventually("the frozen source to be dropped", || !gw.upstream.borrow().connected).await;
+    assert!(
+        metric(
+            &gw,
+            "mcp_gateway_connections_closed_total{listener=\"--sink-listen\",reason=\"keepalive_timeout\"}"
+        )
+        .await
+            >= 1
+    );
+    let mut next = dial_out(clients::channel(sink).await, &[])
+        .await
+        .expect("the slot is free for the next source");
+    next.initial_requests(1).await;
+    drop(frozen);
+}
+
+#[tokio::test]
+async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    // Accepts and holds every connection, says nothing.
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let url = format!("http://{addr}");
+    let gw = start_gateway(&[
+        "--upstream",
+        &url,
+        "--collections",
+        VS,
+        "--connect-timeout",
+        "300ms",
+        "--reconnect-min-delay",
+        "10ms",
+        "--reconnect-max-delay",
+        "50ms",
+    ])
+    .await;
+    let status = upstream_status_when(&gw, "two failed attempts", |s| {
+        s.attempts >= 2 && s.last_error.is_some()
+    })
+    .await;
+    let error = status.last_error.unwrap();
+    assert!(
+        error.contains("HTTP/2 handshake") && error.contains("timed out"),
+        "{error}"
+    );
+    assert!(error.contains("--connect-timeout"), "{error}");
+    assert!(!status.connected);
+
+    // Shutdown never waits on the upstream.
+    within("shutdown", async {
+        let started = tokio::time::Instant::now();
+        gw.shutdown().await;
+        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    })
+    .await;
+    holder.abort();
+}
+
+#[tokio::test]
+async fn a_message_over_the_limit_never_resets_the_backoff() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS], &["--max-message-bytes", "65536"]).await;
+    for round in 1..=3u32 {
+        let mut stream = galley.next_stream().await;
+        stream.initial_requests(1).await;
+        // Every collection arrives, then a message over the limit: the same
+        // thing happens on the next stream, so this is not progress.
+        stream.push_full(VS, vec![resource("small", "1", b"x")]).await;
+        stream
+            .responses
+            .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
+            .unwrap();
+        let status = upstream_status_when(&gw, "the failure to be scheduled", |s| {
+            s.next_retry_in.is_some() && s.consecutive_failures >= round
+        })
+        .await;
+        assert_eq!(status.consecutive_failures, round, "{status:?}");
+        assert!(status.last_error.unwrap().contains("--max-message-bytes=65536"));
+    }
+    assert!(gw.cache.get(VS).is_some(), "the cache keeps its state");
+}
+
+#[tokio::test]
+async fn the_backoff_resets_only_when_every_collection_arrived() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS, GW], &[]).await;
+    for round in 1..=3u32 {
+        let mut stream = galley.next_stream().await;
+        stream.initial_requests(2).await;
+        // One small collection arrives, the other never does.
+        stream.push_full(VS, vec![resource("a", "1", b"x")]).await;
+        stream.kill(tonic::Status::unavailable("dies before GW"));
+        let status = upstream_status_when(&gw, "the failure to be scheduled", |s| {
+            s.next_retry_in.is_some() && s.consecutive_failures >= round
+        })
+        .await;
+        assert_eq!(status.consecutive_failures, round, "{status:?}");
+    }
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(2).await;
+    stream.push_full(VS, vec![resource("a", "1", b"x")]).await;
+    stream.push_full(GW, vec![]).await;
+    stream.kill(tonic::Status::unavailable("after progress"));
+    let status = upstream_status_when(&gw, "a retry", |s| {
+        s.next_retry_in.is_some() && s.consecutive_failures == 1
+    })
+    .await;
+    assert!(status.next_retry_in.unwrap() <= Duration::from_millis(20), "{status:?}");
+}
+
+async fn health(addr: SocketAddr, service: &str) -> ServingStatus {
+    let mut client = HealthClient::new(clients::channel(addr).await);
+    let response = within(
+        "a health check",
+        client.check(HealthCheckRequest {
+            service: service.into(),
+        }),
+    )
+    .await
+    .unwrap()
+    .into_inner();
+    ServingStatus::try_from(response.status).unwrap()
+}
+
+#[tokio::test]
+async fn readiness_follows_the_configured_collections_not_what_clients_ask() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS], &[]).await;
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(1).await;
+    stream.push_full(VS, vec![resource("a", "1", b"x")]).await;
+    assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
+
+    // A client asks for a collection nobody will serve.
+    let client = sotw(gw.listen).await;
+    client.subscribe(GW);
+    let subscribed = stream.next_request().await;
+    assert_eq!(subscribed.collection, GW);
+    assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200, "still ready");
+    assert_eq!(health(gw.listen, "").await, ServingStatus::Serving);
+    assert_eq!(health(gw.listen, VS).await, ServingStatus::Serving);
+    eventually_health(gw.listen, GW, ServingStatus::NotServing).await;
+}
+
+async fn eventually_health(addr: SocketAddr, service: &str, expected: ServingStatus) {
+    within("a collection's health", async {
+        loop {
+            let mut client = HealthClient::new(clients::channel(addr).await);
+            if let Ok(response) = client
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+            {
+                if response.into_inner().status == expected as i32 {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+}
+
+fn with_body(name: &str, version: &str, body: &[u8]) -> Resource {
+    Resource {
+        metadata: Some(Metadata {
+            name: name.into(),
+            version: version.into(),
+            ..Default::default()
+        }),
+        body: Some(prost_types::Any {
+            type_url: crate::helpers::VS_TYPE_URL.into(),
+            value: body.to_vec(),
+        }),
+    }
+}
+
+#[tokio::test]
+async fn a_new_body_under_an_unchanged_version_reaches_every_client() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS], &[]).await;
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(1).await;
+    stream.push_full(VS, vec![with_body("ns/a", "7", b"old")]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    client.ack(&first);
+    let mut inc = incremental(gw.listen).await;
+    inc.start(VS, &[]);
+    let inc_first = inc.recv().await;
+    inc.reply(VS, &inc_first.nonce, None);
+
+    // Galley restarted with a reset counter: version 7 again, another body.
+    stream.kill(tonic::Status::unavailable("galley restarts"));
+    let mut restarted = galley.next_stream().await;
+    restarted.initial_requests(1).await;
+    restarted.push_full(VS, vec![with_body("ns/a", "7", b"new")]).await;
+    let second = client.recv_type(VS).await;
+    assert_ne!(
+        second.version_info, first.version_info,
+        "the collection version changed"
+    );
+    assert_eq!(second.resources[0].body.as_ref().unwrap().value, b"new");
+    let inc_second = inc.recv().await;
+    assert_eq!(inc_second.resources.len(), 1, "the changed resource is sent again");
+    assert_eq!(inc_second.resources[0].body.as_ref().unwrap().value, b"new");
+}
+
+#[tokio::test]
+async fn an_edited_file_that_keeps_its_version_reaches_clients() {
+    let (_gw, mut canary) = crate::limits::with_canary(&[]).await;
+    // The canary's file says version "1" every time; only the body changes.
+    canary.check().await;
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn a_source_flooding_without_waiting_for_acks_is_answered_in_order() {
+    let mut galley = FakeGalley::start().await;
+    let gw = gateway_for(&galley, &[VS], &[]).await;
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(1).await;
+    for n in 0..300 {
+        let mut message = full(VS, vec![resource("a", &n.to_string(), b"x")]);
+        message.nonce = format!("flood-{n}");
+        stream.responses.send(Ok(message)).unwrap();
+    }
+    for n in 0..300 {
+        let reply = stream.next_request().await;
+        assert_eq!(reply.response_nonce, format!("flood-{n}"));
+        assert!(reply.error_detail.is_none());
+    }
+    assert_eq!(&*gw.cache.get(VS).unwrap().resources["a"].version, "299");
+}
+
+#[tokio::test]
+async fn odd_but_harmless_requests_are_answered_by_the_rules() {
+    let (gw, _canary) = crate::limits::with_canary(&[]).await;
+    let mut client = sotw(gw.listen).await;
+    // An ACK before any response: a nonce the gateway never issued on a
+    // first request is accepted as the subscription (istiod does this).
+    client.send(MeshConfigRequest {
+        response_nonce: "2021-09-09 06:45:36.069 +0000 UTC m=+0.51".into(),
+        ..subscribe(VS)
+    });
+    let vs = client.recv_type(VS).await;
+    client.subscribe(GW);
+    let gw_response = client.recv_type(GW).await;
+    // The nonce of another type is stale for this one: ignored.
+    client.request(VS, &vs.version_info, &gw_response.nonce);
+    client.ack(&gw_response);
+    // A NACK without a message is still a NACK: the version is held.
+    client.send(MeshConfigRequest {
+        version_info: String::new(),
+        response_nonce: vs.nonce.clone(),
+        error_detail: Some(tonic_types::Status {
+            code: Code::InvalidArgument as i32,
+            message: String::new(),
+            details: vec![],
+        }),
+        ..subscribe(VS)
+    });
+    eventually("the NACK to be recorded", || {
+        gw.registry
+            .streams()
+            .iter()
+            .any(|s| s.types.get(VS).is_some_and(|t| t.last_nack.is_some()))
+    })
+    .await;
+    let views = gw.registry.streams();
+    let view = views
+        .iter()
+        .find_map(|s| s.types.get(VS).filter(|t| t.last_nack.is_some()))
+        .unwrap();
+    assert_eq!(
+        view.last_nack.as_ref().unwrap().version,
+        vs.version_info.as_str().into()
+    );
+    assert!(view.acked_version.is_none());
+}
+
+fn subscribe(type_url: &str) -> MeshConfigRequest {
+    MeshConfigRequest {
+        type_url: type_url.into(),
+        sink_node: clients::node(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn the_monitoring_port_serves_probes_and_metrics_only() {
+    let gw = start_gateway(&[]).await;
+    for path in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(http_get(gw.monitoring, path).await.0, 200, "{path}");
+        assert_eq!(http_get(gw.admin, path).await.0, 200, "{path} on admin");
+    }
+    for path in ["/debug/clients", "/debug/syncz", "/debug/cache", "/debug/upstream"] {
+        assert_eq!(http_get(gw.monitoring, path).await.0, 404, "{path}");
+        assert_eq!(http_get(gw.admin, path).await.0, 200, "{path} on admin");
+    }
+}
+
+#[tokio::test]
+async fn the_http_ports_bound_slow_large_and_many_requests() {
+    let gw = start_gateway(&["--http-header-timeout", "300ms", "--http-max-request-bytes", "4096"]).await;
+    // A request that never finishes its headers is closed.
+    let mut slow = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    slow.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let mut rest = Vec::new();
+    within("the slow request to be closed", slow.read_to_end(&mut rest))
+        .await
+        .unwrap();
+    assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
+    // A header block over the limit (at least 8 KiB: hyper's smallest
+    // buffer) is answered 431, or cut off while it is still being sent.
+    let mut big = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    let request = format!(
+        "GET /readyz HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(64 << 10)
+    );
+    let _ = big.write_all(request.as_bytes()).await;
+    let mut answer = Vec::new();
+    let _ = within("the large request's answer", big.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
+
+    // Connections: a quarter of the cap per peer address.
+    let gw = start_gateway(&["--http-max-connections", "8"]).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(tokio::net::TcpStream::connect(gw.monitoring).await.unwrap());
+    }
+    let (status, _) = http_get(gw.monitoring, "/readyz").await;
+    assert_eq!(status, 503, "a third connection from this address is refused");
+    let mut other = RawConn::tcp_from(gw.monitoring, IpAddr::from([127, 0, 0, 3])).await;
+    other
+        .send(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await;
+    let mut answer = Vec::new();
+    within("another address's probe", other.stream.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    drop(held);
+    assert!(metric(&gw, "mcp_gateway_limit_refusals_total{limit=\"http_connections\"}").await >= 1);
+}
+
+#[tokio::test]
+async fn the_cache_directory_is_never_followed_through_links_and_survives_failed_writes() {
+    let cache_dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let vs_file = cache_dir.path().join(mcp_xds_gateway::persist::file_name(VS));
+    std::os::unix::fs::symlink(&victim, &vs_file).unwrap();
+    // The GW file's place is taken by a directory: its writes fail.
+    let gw_file = cache_dir.path().join(mcp_xds_gateway::persist::file_name(GW));
+    std::fs::create_dir(&gw_file).unwrap();
+    std::fs::write(gw_file.join("x"), b"").unwrap();
+
+    let mut galley = FakeGalley::start().await;
+    let cache = path(cache_dir.path());
+    let gw = gateway_for(&galley, &[VS, GW], &["--cache-dir", &cache]).await;
+    assert!(gw.cache.get(VS).is_none(), "nothing was read through the link");
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(2).await;
+    stream.push_full(GW, vec![resource("g", "1", b"g")]).await;
+    stream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    eventually("VS to be persisted", || {
+        mcp_xds_gateway::persist::peek(cache_dir.path(), VS).is_ok()
+    })
+    .await;
+    assert_eq!(
+        std::fs::read(&victim).unwrap(),
+        b"precious",
+        "the link's target is untouched"
+    );
+    assert!(!std::fs::symlink_metadata(&vs_file).unwrap().file_type().is_symlink());
+    within("a failed write to be counted", async {
+        while metric(
+            &gw,
+            &format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}"),
+        )
+        .await
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // Clients are served all along.
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(GW);
+    assert_eq!(client.recv_type(GW).await.resources.len(), 1);
+    let leftovers = std::fs::read_dir(cache_dir.path())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp"))
+        .count();
+    assert_eq!(leftovers, 0, "failed writes leave no temporary file");
+}
+
+#[tokio::test]
+async fn a_raw_ping_is_answered_and_a_source_can_still_connect_after_garbage() {
+    // The sink port takes garbage like the client port: closed, nothing else.
+    let gw = start_gateway(&["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS]).await;
+    let sink = gw.sink.unwrap();
+    let mut garbage = RawConn::tcp(sink).await;
+    garbage.send(b"\x16\x03\x01\x02\x00garbage").await;
+    garbage.until_closed().await;
+    let mut pinger = RawConn::http2(sink).await;
+    pinger.send(&frame(h2raw::PING, 0, 0, b"12345678")).await;
+    let pong = pinger
+        .until(|f| f.kind == h2raw::PING && f.flags & h2raw::ACK != 0)
+        .await
+        .unwrap();
+    assert_eq!(pong.payload, b"12345678");
+    let mut source = dial_out(clients::channel(sink).await, &[]).await.unwrap();
+    source.initial_requests(1).await;
+}
