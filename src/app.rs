@@ -24,6 +24,10 @@ use crate::upstream::client::UpstreamClient;
 use crate::upstream::sink::SinkServer;
 use crate::upstream::{SinkContext, Subscriptions, UpstreamStatus};
 
+/// Connections to the sink port: one source at a time, a few more for a
+/// source replacing one that has not timed out yet and for refusals.
+const SINK_MAX_CONNECTIONS: usize = 16;
+
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
     #[error("{flag} {addr}: cannot listen: {source}")]
@@ -253,11 +257,18 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
             let service =
                 SinkServer::new(sink_settings, context, status_tx, shutdown.clone(), tasks.clone()).into_service();
             // The connection age limit does not apply: the source is one
-            // long-lived peer. Keepalive pings drop a frozen source.
+            // long-lived peer. Keepalive pings drop a frozen source. Its
+            // connections and streams come from a pool of their own, so a
+            // full client port never keeps Galley out.
             let sink_limits = grpc::GrpcLimits {
                 max_connection_age: None,
                 ..settings.grpc.clone()
             };
+            let sink_shared = SharedLimits::new(
+                SINK_MAX_CONNECTIONS,
+                SINK_MAX_CONNECTIONS * 4,
+                settings.max_new_streams_per_second,
+            );
             grpc::serve(
                 listener,
                 GrpcListener {
@@ -265,7 +276,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
                     tls: server_tls.clone(),
                     allow,
                     limits: Arc::new(sink_limits),
-                    shared: shared.clone(),
+                    shared: sink_shared,
                 },
                 tonic::service::Routes::new(service).prepare(),
                 shutdown.clone(),

@@ -297,7 +297,9 @@ pub struct Args {
     pub shutdown_grace: Duration,
 
     /// Log filter (tracing's EnvFilter syntax); RUST_LOG, when set, wins.
-    #[arg(long, env = "MCP_GATEWAY_LOG_LEVEL", default_value = "info")]
+    /// The HTTP/2 library logs only errors by default: what a misbehaving
+    /// peer does is in the gateway's own rate-limited lines.
+    #[arg(long, env = "MCP_GATEWAY_LOG_LEVEL", default_value = "info,h2=error")]
     pub log_level: String,
 
     /// Log lines as text or as one JSON object per line.

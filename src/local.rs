@@ -101,9 +101,9 @@ struct Document {
     #[serde(default)]
     version: Option<String>,
     #[serde(default)]
-    labels: BTreeMap<String, String>,
+    labels: BTreeMap<YamlString, YamlString>,
     #[serde(default)]
-    annotations: BTreeMap<String, String>,
+    annotations: BTreeMap<YamlString, YamlString>,
     body: Body,
 }
 
@@ -118,13 +118,19 @@ struct Body {
     structure: Option<YamlValue>,
 }
 
-/// Values a document's `struct` body may hold. YAML aliases repeat what they
-/// point to: one large anchor aliased many times would expand to far more
-/// than the text (serde_norway bounds the number of alias jumps, not what
-/// each one copies). The body is built value by value against this budget,
-/// so a YAML bomb fails with a clear error instead of taking the memory.
+/// What a document may build, in units of one value or 16 bytes of text.
+/// YAML aliases repeat what they point to: one large anchor (a list, a map,
+/// a long string) aliased many times would expand to far more than the text
+/// (serde_norway bounds the number of alias jumps, not what each copies).
+/// Struct bodies, labels and annotations are built against this budget, so a
+/// YAML bomb fails with a clear error instead of taking the memory.
 fn value_budget(document: &str) -> usize {
     1024 + document.len()
+}
+
+/// The budget units of a string of `len` bytes.
+fn string_cost(len: usize) -> usize {
+    1 + len / 16
 }
 
 thread_local! {
@@ -133,16 +139,33 @@ thread_local! {
 }
 
 fn spend_value<E: serde::de::Error>() -> Result<(), E> {
-    VALUES_LEFT.with(|left| match left.get() {
-        0 => Err(E::custom(
-            "the struct body expands to more values than the document's size allows (YAML aliases repeating \
-             a large anchor?)",
-        )),
-        n => {
-            left.set(n - 1);
+    spend::<E>(1)
+}
+
+fn spend<E: serde::de::Error>(units: usize) -> Result<(), E> {
+    VALUES_LEFT.with(|left| match left.get().checked_sub(units) {
+        None => {
+            left.set(0);
+            Err(E::custom(
+                "the document expands to more than its size allows (YAML aliases repeating a large anchor?)",
+            ))
+        }
+        Some(n) => {
+            left.set(n);
             Ok(())
         }
     })
+}
+
+/// A string read against the document's budget (labels, annotations).
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct YamlString(String);
+
+impl<'de> Deserialize<'de> for YamlString {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let YamlKey(text) = YamlKey::deserialize(deserializer)?;
+        Ok(YamlString(text))
+    }
 }
 
 /// A YAML value read straight into `google.protobuf.Value`, as `protojson`
@@ -186,7 +209,7 @@ impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
     }
 
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        spend_value::<E>()?;
+        spend::<E>(string_cost(v.len()))?;
         Ok(prost_types::value::Kind::StringValue(v.to_owned()))
     }
 
@@ -238,18 +261,23 @@ impl<'de> Deserialize<'de> for YamlKey {
                 f.write_str("a string, number or boolean mapping key")
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+                spend::<E>(string_cost(v.len()))?;
                 Ok(v.to_owned())
             }
             fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<String, E> {
+                spend::<E>(1)?;
                 Ok(v.to_string())
             }
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<String, E> {
+                spend::<E>(1)?;
                 Ok(v.to_string())
             }
             fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<String, E> {
+                spend::<E>(1)?;
                 Ok(v.to_string())
             }
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<String, E> {
+                spend::<E>(1)?;
                 Ok(v.to_string())
             }
         }
@@ -355,8 +383,8 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
         let metadata = Metadata {
             name: doc.name.clone(),
             version: doc.version.unwrap_or_default(),
-            labels: doc.labels.into_iter().collect(),
-            annotations: doc.annotations.into_iter().collect(),
+            labels: doc.labels.into_iter().map(|(k, v)| (k.0, v.0)).collect(),
+            annotations: doc.annotations.into_iter().map(|(k, v)| (k.0, v.0)).collect(),
             ..Default::default()
         };
         let encoded: Bytes = Resource {
@@ -785,6 +813,22 @@ body:
             wide.push_str("      - *big\n");
         }
         let error = parse("wide.yaml", &wide, &table()).unwrap_err();
+        assert!(error.reason.contains("expands"), "{error}");
+        // A long string aliased many times, in the body and in labels.
+        let long = "s".repeat(100_000);
+        let mut strings = format!("collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct:\n    s: &s {long}\n    copies:\n");
+        for _ in 0..2000 {
+            strings.push_str("      - *s\n");
+        }
+        let error = parse("strings.yaml", &strings, &table()).unwrap_err();
+        assert!(error.reason.contains("expands"), "{error}");
+        let mut labels =
+            format!("collection: istio/networking/v1alpha3/gateways\nname: a\nlabels:\n  first: &s {long}\n");
+        for i in 0..2000 {
+            labels.push_str(&format!("  l{i}: *s\n"));
+        }
+        labels.push_str("body: {struct: {}}\n");
+        let error = parse("labels.yaml", &labels, &table()).unwrap_err();
         assert!(error.reason.contains("expands"), "{error}");
         // A few aliases of a small anchor are fine.
         let ok = "collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct:\n    \

@@ -62,6 +62,7 @@ pub const LIMITS: &[&str] = &[
     "http_header_timeout",
     "max_message_bytes",
     "request_read_timeout",
+    "refused_streams",
 ];
 
 /// Every listener label: the flag that configured the port.

@@ -68,15 +68,20 @@ pub fn encode(snapshot: &CollectionSnapshot) -> Vec<u8> {
 
 /// The message in a file's bytes, or why it is not usable.
 pub fn decode(file: &[u8]) -> Result<RawResources, String> {
+    decode_bytes(Bytes::copy_from_slice(file))
+}
+
+/// As [`decode`], without copying: the resources are slices of `file`.
+pub fn decode_bytes(file: Bytes) -> Result<RawResources, String> {
     if file.len() < HEADER || &file[..MAGIC.len()] != MAGIC {
         return Err("not a gateway cache file (bad header)".into());
     }
     let checksum = u64::from_le_bytes(file[MAGIC.len()..HEADER].try_into().expect("8 bytes"));
-    let payload = &file[HEADER..];
-    if xxhash_rust::xxh3::xxh3_64(payload) != checksum {
+    let payload = file.slice(HEADER..);
+    if xxhash_rust::xxh3::xxh3_64(&payload) != checksum {
         return Err("checksum mismatch: the file is truncated or damaged".into());
     }
-    RawResources::decode(Bytes::copy_from_slice(payload)).map_err(|e| format!("does not decode: {e}"))
+    RawResources::decode(payload).map_err(|e| format!("does not decode: {e}"))
 }
 
 /// Writes `bytes` to `dir/name` so that a reader (or a restart after a crash)
@@ -140,8 +145,7 @@ const STALE_TEMPORARY: std::time::Duration = std::time::Duration::from_secs(300)
 /// The message persisted for `collection`, without applying it or touching
 /// the directory (for inspection and tests).
 pub fn peek(dir: &Path, collection: &str) -> Result<RawResources, String> {
-    let bytes = read_file(&dir.join(file_name(collection)), u64::MAX)?;
-    decode(&bytes)
+    decode_bytes(read_file(&dir.join(file_name(collection)), u64::MAX)?.into())
 }
 
 /// What loading the directory found.
@@ -211,10 +215,18 @@ pub fn load(dir: &Path, cache: &Cache, max_file_bytes: u64) -> std::io::Result<L
 }
 
 fn load_file(path: &Path, cache: &Cache, max_file_bytes: u64) -> Result<(String, String, usize), String> {
-    let bytes = read_file(path, max_file_bytes)?;
-    let message = decode(&bytes)?;
+    let message = decode_bytes(read_file(path, max_file_bytes)?.into())?;
     if message.collection.is_empty() {
         return Err("names no collection".into());
+    }
+    // A file holds the collection its name says: a stray copy under another
+    // name never overrides the real one.
+    let expected = file_name(&message.collection);
+    if path.file_name().and_then(|n| n.to_str()) != Some(expected.as_str()) {
+        return Err(format!(
+            "holds collection {:?}, whose file is {expected}",
+            message.collection
+        ));
     }
     let resources = crate::upstream::session::decode_resources(&message.collection, &message.resources)
         .map_err(|nack| nack.message)?;

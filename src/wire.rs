@@ -180,7 +180,7 @@ pub struct AnyTypeUrl {
 /// copied per client. `suffix` holds the few per-client fields (type URL,
 /// nonce). Protobuf lets fields appear in any order and repeat a repeated
 /// field, so the concatenation is one valid message.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct EncodedResponse {
     pub shared: Arc<[Bytes]>,
     pub suffix: Bytes,
@@ -188,10 +188,6 @@ pub struct EncodedResponse {
     /// written (collection, apply time); not part of the message. An `Arc`:
     /// a response slot stays small (every stream's queue holds 32 of them).
     pub snapshot: Option<Arc<crate::cache::CollectionSnapshot>>,
-    /// Request budget held until the response is written: a response built
-    /// from a client's large request (the removals its
-    /// `initial_resource_versions` call for) costs what the request did.
-    pub room: crate::transport::requests::Room,
 }
 
 impl EncodedResponse {
@@ -343,7 +339,6 @@ mod tests {
             shared: parts.into(),
             suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
             snapshot: None,
-            room: Default::default(),
         };
         assert_eq!(response.to_bytes(), {
             let mut whole = encode_body("ver", resources.iter(), &[]).to_vec();
@@ -364,7 +359,6 @@ mod tests {
             shared: Arc::from([body]),
             suffix: encode_suffix(None, "1"),
             snapshot: None,
-            room: Default::default(),
         };
         let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.to_bytes()).unwrap();
         assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);

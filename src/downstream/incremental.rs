@@ -1,34 +1,63 @@
 //! One `IncrementalAggregatedResources` stream: a single type (the response
 //! has no `type_url`), diffs against what the client ACKed, one outstanding
-//! response, stale nonces ignored. After a NACK the client keeps its previous
+//! response, stale nonces ignored. The first response is the whole collection
+//! with removals for the names the client reported that are gone. After a NACK the client keeps its previous
 //! state, and the next change is sent as a diff against that state.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use tokio_stream::wrappers::WatchStream;
 use tokio_stream::StreamExt;
 use tonic::Status;
 
 use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
-use crate::cache::{CollectionSnapshot, Diff};
+use crate::cache::CollectionSnapshot;
 use crate::metrics::CollectionMetrics;
-use crate::transport::requests::Room;
 use crate::wire::{encode_suffix, version_entry, EncodedResponse, IncrementalRequest};
+
+/// The names a client reported in `initial_resource_versions`, each as a
+/// varint length and its bytes in one buffer: what the first response needs
+/// (the names that are gone), at the size the client sent, no more.
+#[derive(Debug, Default)]
+struct ReportedNames(Bytes);
+
+impl ReportedNames {
+    fn new(entries: &[Bytes]) -> Self {
+        let mut buf = BytesMut::with_capacity(entries.iter().map(|e| e.len()).sum());
+        for (name, _) in entries.iter().filter_map(|e| version_entry(e).ok()) {
+            prost::encoding::encode_varint(name.len() as u64, &mut buf);
+            buf.put_slice(name.as_bytes());
+        }
+        Self(buf.freeze())
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &str> {
+        let mut rest = &self.0[..];
+        std::iter::from_fn(move || {
+            let len = prost::encoding::decode_varint(&mut rest).ok()? as usize;
+            let (name, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            std::str::from_utf8(name).ok()
+        })
+    }
+}
 
 /// What the client holds.
 enum ClientState {
-    /// Its `initial_resource_versions` (entries as slices of its request):
-    /// kept only until the first response is built (the collection may not
-    /// be delivered yet), then dropped.
-    Initial(Vec<Bytes>, Room),
-    /// Its initial state, no longer known in detail (the first response was
-    /// built from it and is not ACKed yet). After a NACK, the next response
-    /// re-sends the whole collection and removes every name the first
-    /// response's snapshot had.
-    Unknown { first: Arc<CollectionSnapshot> },
+    /// What it reported in its first request: kept only until the first
+    /// response is built (the collection may not be delivered yet).
+    Initial(ReportedNames),
+    /// The first response is on its way and not answered. If the client
+    /// reported names and NACKs it, its state cannot be known any more: the
+    /// stream ends and the client starts again.
+    AwaitingFirst { reported_names: bool },
     /// The snapshot it last ACKed.
     At(Arc<CollectionSnapshot>),
 }
@@ -92,7 +121,6 @@ impl StreamProtocol for IncrementalStream {
     async fn on_request(
         &mut self,
         request: IncrementalRequest,
-        room: Room,
         out: &Outbound,
     ) -> Result<Result<(), ClientGone>, Status> {
         if let Some(node) = &request.node {
@@ -118,7 +146,7 @@ impl StreamProtocol for IncrementalStream {
                 metrics,
                 view: TypeView::new(resolved),
                 type_url: request.type_url,
-                client: ClientState::Initial(request.initial_resource_versions, room),
+                client: ClientState::Initial(ReportedNames::new(&request.initial_resource_versions)),
                 sent: None,
                 changes: WatchStream::from_changes(changes),
             });
@@ -168,6 +196,17 @@ impl StreamProtocol for IncrementalStream {
                     self.shared.limits().max_nack_message_bytes,
                 );
                 subscribed.view.last_nack = Some(record);
+                if let ClientState::AwaitingFirst { reported_names: true } = subscribed.client {
+                    self.publish();
+                    return Err(Status::failed_precondition(
+                        "the first response, built from initial_resource_versions, was NACKed: the gateway cannot \
+                         know what this client holds; open a new stream to start again",
+                    ));
+                }
+                if let ClientState::AwaitingFirst { reported_names: false } = subscribed.client {
+                    // It still holds nothing.
+                    subscribed.client = ClientState::Initial(ReportedNames::default());
+                }
             }
             None => {
                 record_ack(&subscribed.metrics);
@@ -212,42 +251,31 @@ impl IncrementalStream {
             // The first response is sent even when empty: it tells the client
             // it is in sync. From nothing, the diff is the whole collection:
             // the same bytes as a state-of-the-world body.
-            ClientState::Initial(known, _) if known.is_empty() => snapshot.sotw_parts().clone(),
-            ClientState::Initial(known, _) => {
-                // Work proportional to what the client sent: admitted one
-                // stream at a time, so a burst of large first requests keeps
-                // at most one worker busy and other clients are served.
+            ClientState::Initial(reported) if reported.is_empty() => snapshot.sotw_parts().clone(),
+            ClientState::Initial(reported) => {
+                // The whole collection (shared bytes), and removals for the
+                // names the client reported that are gone. Versions alone
+                // cannot show that a source reused one for another body, so
+                // nothing is skipped on the client's word. The work grows
+                // with what the client sent: one stream at a time.
                 let _turn = self.shared.heavy_work().await;
-                let mut entries: Vec<(&str, &str)> = known.iter().filter_map(|e| version_entry(e).ok()).collect();
-                entries.sort_unstable();
-                Arc::from([Diff::from_versions(&entries, &snapshot.resources).encode(&snapshot.version)])
-            }
-            ClientState::Unknown { first } => {
-                // The whole collection (the shared state-of-the-world parts,
-                // not a copy) and every name the first response's snapshot
-                // had that is gone.
-                let removed: Vec<&str> = first
-                    .resources
-                    .keys()
+                let mut removed: Vec<&str> = reported
+                    .iter()
                     .filter(|name| !snapshot.resources.contains_key(*name))
-                    .map(|name| &**name)
                     .collect();
+                removed.sort_unstable();
+                removed.dedup();
                 let mut parts = snapshot.sotw_parts().to_vec();
                 parts.push(crate::wire::encode_body("", [], &removed));
                 Arc::from(parts)
             }
+            // Answered before anything else is sent (one outstanding response).
+            ClientState::AwaitingFirst { .. } => return Ok(()),
         };
-        let mut room = Room::none();
-        if let ClientState::Initial(..) = s.client {
-            // Used: from now on the client is at its initial state or at
-            // what it ACKs, never both held. The request's room goes with
-            // the response built from it, until that is written.
-            let first = ClientState::Unknown {
-                first: snapshot.clone(),
+        if let ClientState::Initial(reported) = &s.client {
+            s.client = ClientState::AwaitingFirst {
+                reported_names: !reported.is_empty(),
             };
-            if let ClientState::Initial(_, request_room) = std::mem::replace(&mut s.client, first) {
-                room = request_room;
-            }
         }
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
@@ -255,7 +283,6 @@ impl IncrementalStream {
             shared: body,
             suffix: encode_suffix(None, &nonce),
             snapshot: Some(snapshot.clone()),
-            room,
         };
         s.view.outstanding = true;
         s.view.last_sent_nonce = Some(nonce);

@@ -26,7 +26,7 @@ use crate::collections::{CollectionTable, Resolved};
 use crate::config::DownstreamLimits;
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::transport::bucket::TokenBucket;
-use crate::transport::requests::{RequestBudget, RequestStream, Room};
+use crate::transport::requests::{RequestBudget, RequestStream};
 use crate::upstream::Subscriptions;
 use crate::wire::{EncodedResponse, ErrorDetail};
 use registry::NackRecord;
@@ -302,13 +302,10 @@ trait StreamProtocol: Sized + Send + 'static {
 
     // The futures are declared `Send` so a stream's task can be spawned.
 
-    /// Handles one request. `Err` ends the stream with that status. `room`
-    /// is the budget a large request holds: kept as long as something built
-    /// from the request is.
+    /// Handles one request. `Err` ends the stream with that status.
     fn on_request(
         &mut self,
         request: Self::Request,
-        room: Room,
         out: &Outbound,
     ) -> impl Future<Output = Result<Result<(), ClientGone>, Status>> + Send;
 
@@ -343,7 +340,7 @@ async fn drive<P: StreamProtocol>(
         tokio::select! {
             _ = shutdown.cancelled() => break Some(shutting_down()),
             _ = out.closed() => break None,
-            request = inbound.next() => match request {
+            request = inbound.message() => match request {
                 Ok(Some(_)) if !requests.take() => {
                     m::limit_refused("requests_rate");
                     break Some(Status::resource_exhausted(format!(
@@ -351,7 +348,7 @@ async fn drive<P: StreamProtocol>(
                         limits.max_requests_per_second
                     )));
                 }
-                Ok(Some((request, room))) => match stream.on_request(request, room, &out).await {
+                Ok(Some(request)) => match stream.on_request(request, &out).await {
                     Ok(Ok(())) => {}
                     Ok(Err(ClientGone)) => {
                         send_failed();

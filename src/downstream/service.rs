@@ -108,8 +108,6 @@ struct Writing {
     shared: Arc<[Bytes]>,
     next: usize,
     suffix: Option<Bytes>,
-    /// Given back once the message is written.
-    _room: crate::transport::requests::Room,
 }
 
 impl Writing {
@@ -193,12 +191,10 @@ impl http_body::Body for FramedResponses {
                         let mut header = BytesMut::with_capacity(5);
                         header.put_u8(0); // not compressed
                         header.put_u32(len);
-                        let response = *response;
                         this.writing = Some(Writing {
                             shared: response.shared,
                             next: 0,
                             suffix: Some(response.suffix),
-                            _room: response.room,
                         });
                         return Poll::Ready(Some(Ok(Frame::data(header.freeze()))));
                     }

@@ -15,7 +15,6 @@ use super::registry::{Protocol, RegistryEntry, TypeView};
 use super::{record_ack, record_nack, record_stale, ClientGone, Downstream, Outbound, StreamLogs, StreamProtocol};
 use crate::cache::CollectionSnapshot;
 use crate::metrics::CollectionMetrics;
-use crate::transport::requests::Room;
 use crate::wire::{encode_suffix, EncodedResponse, SotwRequest};
 
 type SnapshotWatch = WatchStream<Option<Arc<CollectionSnapshot>>>;
@@ -74,12 +73,7 @@ impl StreamProtocol for SotwStream {
         self.try_send(&type_url, out).await
     }
 
-    async fn on_request(
-        &mut self,
-        request: SotwRequest,
-        _room: Room,
-        out: &Outbound,
-    ) -> Result<Result<(), ClientGone>, Status> {
+    async fn on_request(&mut self, request: SotwRequest, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
         let resolved = self.shared.resolve(&request.type_url)?;
         if let Some(node) = &request.node {
             self.entry.set_node_id(&node.id);
@@ -104,8 +98,13 @@ impl StreamProtocol for SotwStream {
         let state = self.types.get_mut(&type_url).expect("inserted above");
         let collection = state.view.collection.clone();
         match &state.view.last_sent_nonce {
-            // Nothing sent for this type yet: every request is accepted.
-            None => {}
+            // Nothing sent for this type yet: every request is accepted. Its
+            // version is what the client holds (a reconnecting client).
+            None => {
+                if !request.version_info.is_empty() {
+                    state.view.acked_version = Some(Arc::from(request.version_info.as_str()));
+                }
+            }
             Some(nonce) if *nonce == request.response_nonce => {
                 state.view.outstanding = false;
                 match request.error_detail {
@@ -177,7 +176,6 @@ impl SotwStream {
             shared: snapshot.sotw_parts().clone(),
             suffix: encode_suffix(Some(type_url), &nonce),
             snapshot: Some(snapshot.clone()),
-            room: Room::none(),
         };
         state.view.outstanding = true;
         state.view.last_sent_nonce = Some(nonce);

@@ -78,8 +78,16 @@ impl PeerBuckets {
         }
     }
 
-    /// Takes a token from `peer`'s bucket.
+    /// Takes a token from `peer`'s bucket. IPv6 peers are counted by /64:
+    /// one host has a whole /64 to pick addresses from.
     pub fn take(&self, peer: IpAddr) -> bool {
+        let peer = match peer {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+            },
+            v4 => v4,
+        };
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if !peers.contains_key(&peer) && peers.len() >= self.max_peers {
             let now = Instant::now();
@@ -133,5 +141,13 @@ mod tests {
         tokio::time::advance(Duration::from_secs(5)).await;
         assert!(buckets.take(c), "idle peers make room");
         assert!(buckets.len() <= 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ipv6_slash_64_is_one_peer() {
+        let buckets = PeerBuckets::new(1.0, 1.0, 10);
+        assert!(buckets.take("2001:db8:1:2::1".parse().unwrap()));
+        assert!(!buckets.take("2001:db8:1:2:ffff::9".parse().unwrap()), "the same /64");
+        assert!(buckets.take("2001:db8:1:3::1".parse().unwrap()), "another /64");
     }
 }

@@ -25,7 +25,7 @@ use super::tls::ClientTlsFiles;
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
 pub struct ConnectError {
-    /// `address`, `tcp`, `tls` or `http2`.
+    /// `address`, `dns`, `tcp`, `tls` or `http2`.
     pub step: &'static str,
     pub message: String,
 }
@@ -143,7 +143,18 @@ pub async fn connect(dial: &Dial) -> Result<Channel, ConnectError> {
     let timeout = humantime::format_duration(dial.timeout);
 
     let dns_host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
-    let tcp = match tokio::time::timeout_at(deadline, TcpStream::connect((dns_host.as_str(), port))).await {
+    let addresses: Vec<std::net::SocketAddr> =
+        match tokio::time::timeout_at(deadline, tokio::net::lookup_host((dns_host.as_str(), port))).await {
+            Ok(Ok(addresses)) => addresses.collect(),
+            Ok(Err(e)) => return Err(failed("dns", format!("cannot resolve {host}: {e}"))),
+            Err(_) => {
+                return Err(failed(
+                    "dns",
+                    format!("resolving {host} timed out after {timeout} (--connect-timeout)"),
+                ))
+            }
+        };
+    let tcp = match tokio::time::timeout_at(deadline, TcpStream::connect(&addresses[..])).await {
         Ok(Ok(tcp)) => tcp,
         Ok(Err(e)) => return Err(failed("tcp", format!("cannot connect to {host}:{port}: {e}"))),
         Err(_) => {

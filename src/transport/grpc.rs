@@ -32,7 +32,7 @@ use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 use tower::ServiceExt;
 
-use super::bucket::PeerBuckets;
+use super::bucket::{PeerBuckets, TokenBucket};
 use super::identity::{AllowList, PeerIdentity};
 use super::sniff::{FloodLimits, Side, Sniffed};
 use super::tls::{Conn, ServerTls};
@@ -255,6 +255,7 @@ pub const CLOSE_REASONS: &[&str] = &[
     "keepalive_timeout",
     "protocol_error",
     "shutdown",
+    "header_timeout",
 ];
 
 /// A peer that stops reading cannot keep a closing connection open longer.
@@ -273,7 +274,7 @@ fn jittered(age: Duration) -> Duration {
 fn rand_u16() -> u16 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().elapsed().map_or(0, |d| d.as_nanos()));
+    hasher.write_u128(std::time::UNIX_EPOCH.elapsed().map_or(0, |d| d.as_nanos()));
     hasher.finish() as u16
 }
 
@@ -307,7 +308,10 @@ where
                     (Conn::Tls(Box::new(stream)), identity)
                 }
                 Ok(Err(e)) => {
-                    tracing::info!(listener = self.config.name, peer = %self.peer, error = %e, "TLS handshake failed");
+                    static LOGS: LogLimiter = LogLimiter::new();
+                    if let Some(skipped) = LOGS.allow() {
+                        tracing::info!(listener = self.config.name, peer = %self.peer, error = %e, skipped, "TLS handshake failed");
+                    }
                     return Closed::TlsHandshake;
                 }
                 Err(_) => {
@@ -335,6 +339,7 @@ where
         let mut h2 = match tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Bytes>(io)).await {
             Ok(Ok(h2)) => h2,
             // Not HTTP/2 (HTTP/1, TLS to a plaintext port, garbage): closed.
+            Ok(Err(e)) if e.is_io() => return Closed::ByPeer,
             Ok(Err(_)) => return Closed::Protocol,
             Err(_) => {
                 m::limit_refused("handshake_timeout");
@@ -351,6 +356,8 @@ where
             remote_addr: Some(self.peer),
         };
         let streams = Arc::new(StreamCount::default());
+        let mut refusals = TokenBucket::per_minute(limits.floods.resets_per_minute);
+        let mut awaiting_handshake = true;
         let mut ping = h2.ping_pong().expect("ping_pong is taken once");
         let started = Instant::now();
         let keepalive = limits.keepalive;
@@ -368,18 +375,30 @@ where
             };
             tokio::select! {
                 accepted = h2.accept() => match accepted {
-                    Some(Ok((request, respond))) => {
-                        idle_since = None;
-                        let stream = StreamTask {
-                            service: self.service.clone(),
-                            info: info.clone(),
-                            connect_info: connect_info.clone(),
-                            config: self.config.clone(),
-                            count: streams.clone(),
-                        };
-                        streams.opened();
-                        self.tasks.spawn(stream.run(request, respond));
-                    }
+                    Some(Ok((request, mut respond))) => match admit(&self.config, &info) {
+                        Ok(permit) => {
+                            idle_since = None;
+                            let stream = StreamTask {
+                                service: self.service.clone(),
+                                info: info.clone(),
+                                connect_info: connect_info.clone(),
+                                count: streams.clone(),
+                                permit,
+                            };
+                            streams.opened();
+                            self.tasks.spawn(stream.run(request, respond));
+                        }
+                        Err(status) => {
+                            refuse(&mut respond, status);
+                            // A peer that keeps opening refused streams is
+                            // flooding like one that resets them.
+                            if !refusals.take() {
+                                m::limit_refused("refused_streams");
+                                h2.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
+                                return finish(&mut h2, Closed::Flood).await;
+                            }
+                        }
+                    },
                     Some(Err(e)) => {
                         if e.reason() == Some(Reason::ENHANCE_YOUR_CALM) {
                             m::limit_refused("h2_resets");
@@ -391,16 +410,25 @@ where
                 },
                 limit = signals.flood() => {
                     m::limit_refused(limit);
-                    tracing::warn!(
-                        listener = self.config.name,
-                        peer = %self.peer,
-                        limit,
-                        "the peer floods HTTP/2 control frames; closing its connection with GOAWAY ENHANCE_YOUR_CALM"
-                    );
+                    static LOGS: LogLimiter = LogLimiter::new();
+                    if let Some(skipped) = LOGS.allow() {
+                        tracing::warn!(
+                            listener = self.config.name,
+                            peer = %self.peer,
+                            limit,
+                            skipped,
+                            "the peer floods HTTP/2 control frames; closing its connection with GOAWAY ENHANCE_YOUR_CALM"
+                        );
+                    }
                     h2.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
                     return finish(&mut h2, Closed::Flood).await;
                 }
-                _ = sleep_until(handshake_deadline), if !signals.handshake_done() => {
+                _ = signals.handshake(), if awaiting_handshake => awaiting_handshake = false,
+                _ = sleep_until(handshake_deadline), if awaiting_handshake => {
+                    if signals.handshake_done() {
+                        awaiting_handshake = false;
+                        continue;
+                    }
                     m::limit_refused("handshake_timeout");
                     return Closed::HandshakeTimeout;
                 }
@@ -441,10 +469,13 @@ where
                     }
                 }
                 pong = poll_fn(|cx| ping.poll_pong(cx)), if pong_deadline.is_some() => {
-                    if pong.is_ok() {
-                        pong_deadline = None;
-                        next_ping = keepalive.map(|k| Instant::now() + k);
+                    pong_deadline = None;
+                    if pong.is_err() {
+                        // The connection is closing; `accept` says how.
+                        next_ping = None;
+                        continue;
                     }
+                    next_ping = keepalive.map(|k| Instant::now() + k);
                 }
                 _ = self.shutdown.cancelled(), if draining != Some(Closed::Shutdown) => {
                     // Streams end themselves on shutdown; the connection
@@ -503,8 +534,51 @@ struct StreamTask<S> {
     service: S,
     info: ConnInfo,
     connect_info: TcpConnectInfo,
-    config: Arc<GrpcListener>,
     count: Arc<StreamCount>,
+    /// The stream's place under `--max-streams`.
+    permit: OwnedSemaphorePermit,
+}
+
+/// Admits a new stream, or says why not (answered trailers-only by the
+/// connection's task: a refusal spawns nothing).
+fn admit(config: &GrpcListener, info: &ConnInfo) -> Result<OwnedSemaphorePermit, Status> {
+    let shared = &config.shared;
+    let Ok(permit) = shared.streams.clone().try_acquire_owned() else {
+        m::limit_refused("max_streams");
+        return Err(Status::resource_exhausted(format!(
+            "the gateway serves at most --max-streams={} streams; try another replica",
+            shared.max_streams
+        )));
+    };
+    if !shared.new_streams.take(info.peer.ip()) {
+        m::limit_refused("new_streams_rate");
+        return Err(Status::resource_exhausted(format!(
+            "too many new streams from {}: --max-new-streams-per-second={}",
+            info.peer.ip(),
+            shared.new_streams_per_second
+        )));
+    }
+    if let Some(allow) = &config.allow {
+        if !allow.allows(&info.identity) {
+            m::peer_not_allowed(config.name);
+            static LOGS: LogLimiter = LogLimiter::new();
+            if let Some(skipped) = LOGS.allow() {
+                tracing::warn!(
+                    listener = config.name,
+                    peer = %info.peer,
+                    identity = %info.identity,
+                    skipped,
+                    "refused a peer whose identity is not in {}",
+                    allow.flag
+                );
+            }
+            return Err(Status::permission_denied(format!(
+                "identity {} is not allowed by {}",
+                info.identity, allow.flag
+            )));
+        }
+    }
+    Ok(permit)
 }
 
 impl<S> StreamTask<S>
@@ -512,56 +586,9 @@ where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
 {
-    async fn run(self, request: http::Request<RecvStream>, mut respond: SendResponse<Bytes>) {
+    async fn run(self, request: http::Request<RecvStream>, respond: SendResponse<Bytes>) {
         let _guard = StreamGuard(self.count.clone());
-        let shared = &self.config.shared;
-        let Ok(_permit) = shared.streams.clone().try_acquire_owned() else {
-            m::limit_refused("max_streams");
-            refuse(
-                &mut respond,
-                Status::resource_exhausted(format!(
-                    "the gateway serves at most --max-streams={} streams; try another replica",
-                    shared.max_streams
-                )),
-            );
-            return;
-        };
-        if !shared.new_streams.take(self.info.peer.ip()) {
-            m::limit_refused("new_streams_rate");
-            refuse(
-                &mut respond,
-                Status::resource_exhausted(format!(
-                    "too many new streams from {}: --max-new-streams-per-second={}",
-                    self.info.peer.ip(),
-                    shared.new_streams_per_second
-                )),
-            );
-            return;
-        }
-        if let Some(allow) = &self.config.allow {
-            if !allow.allows(&self.info.identity) {
-                m::peer_not_allowed(self.config.name);
-                static LOGS: LogLimiter = LogLimiter::new();
-                if let Some(skipped) = LOGS.allow() {
-                    tracing::warn!(
-                        listener = self.config.name,
-                        peer = %self.info.peer,
-                        identity = %self.info.identity,
-                        skipped,
-                        "refused a peer whose identity is not in {}",
-                        allow.flag
-                    );
-                }
-                refuse(
-                    &mut respond,
-                    Status::permission_denied(format!(
-                        "identity {} is not allowed by {}",
-                        self.info.identity, allow.flag
-                    )),
-                );
-                return;
-            }
-        }
+        let _permit = self.permit;
         let (parts, body) = request.into_parts();
         let mut request = http::Request::from_parts(parts, Body::new(RecvBody { stream: body }));
         request.extensions_mut().insert(self.connect_info);

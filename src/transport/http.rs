@@ -21,7 +21,7 @@ use crate::metrics as m;
 
 #[derive(Clone, Copy, Debug)]
 pub struct HttpLimits {
-    /// Open connections per port (`--http-max-connections`); a quarter of
+    /// Open connections per port (`--http-max-connections`); an eighth of
     /// them per peer address.
     pub max_connections: usize,
     /// Time to send a request's headers, and the longest idle keep-alive
@@ -61,15 +61,18 @@ impl Drop for Slot {
     }
 }
 
-fn take_slot(slots: &Arc<Mutex<Slots>>, peer: IpAddr) -> Result<Slot, &'static str> {
+fn take_slot(slots: &Arc<Mutex<Slots>>, peer: IpAddr) -> Result<Slot, String> {
     let mut guard = slots.lock().unwrap_or_else(|e| e.into_inner());
     if guard.total >= guard.max_total {
-        return Err("the connection limit");
+        return Err(format!("{} connections, --http-max-connections,", guard.max_total));
     }
     let max_per_peer = guard.max_per_peer;
     let count = guard.per_peer.entry(peer).or_insert(0);
     if *count >= max_per_peer {
-        return Err("the per-address connection limit");
+        return Err(format!(
+            "{max_per_peer} connections from one address (an eighth of --http-max-connections={})",
+            guard.max_total
+        ));
     }
     *count += 1;
     guard.total += 1;
@@ -94,7 +97,7 @@ pub fn serve(
         total: 0,
         per_peer: HashMap::new(),
         max_total: limits.max_connections,
-        max_per_peer: (limits.max_connections / 4).max(1),
+        max_per_peer: (limits.max_connections / 8).max(1),
     }));
     let tracker = tasks.clone();
     tasks.spawn(async move {
@@ -119,9 +122,9 @@ pub fn serve(
                 Err(limit) => {
                     m::limit_refused("http_connections");
                     if let Some(skipped) = refusals.allow() {
-                        tracing::warn!(listener = name, %peer, skipped, "refused an HTTP connection: {limit} is reached");
+                        tracing::warn!(listener = name, %peer, skipped, "refused an HTTP connection: the limit of {limit} is reached");
                     }
-                    let body = format!("{limit} of --http-max-connections={} is reached\n", limits.max_connections);
+                    let body = format!("the limit of {limit} is reached\n");
                     let answer = format!(
                         "HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
                         body.len()
@@ -147,7 +150,7 @@ pub fn serve(
                         Ok(()) => "peer_closed",
                         Err(e) if e.is_timeout() => {
                             m::limit_refused("http_header_timeout");
-                            "handshake_timeout"
+                            "header_timeout"
                         }
                         Err(_) => "protocol_error",
                     },

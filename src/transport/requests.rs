@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body::Body as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tonic::body::Body;
 use tonic::Status;
 
@@ -55,29 +56,46 @@ impl RequestBudget {
     }
 }
 
-/// Room taken from the budget for a large request, held as long as memory
-/// that request caused is alive (its buffer, what is built from it); given
-/// back when dropped. Small requests come with no room.
-#[derive(Debug, Default)]
-pub struct Room(Option<OwnedSemaphorePermit>);
-
-impl Room {
-    pub fn none() -> Self {
-        Self(None)
-    }
-
-    /// Bytes of budget it holds.
-    pub fn bytes(&self) -> usize {
-        self.0.as_ref().map_or(0, |p| p.num_permits())
-    }
+/// Waits for `future`, within the current message's read deadline.
+async fn in_time<F: std::future::Future>(
+    deadline: Option<Instant>,
+    budget: &RequestBudget,
+    future: F,
+) -> Result<F::Output, Status> {
+    let Some(deadline) = deadline else {
+        return Ok(future.await);
+    };
+    tokio::time::timeout_at(deadline, future).await.map_err(|_| {
+        m::limit_refused("request_read_timeout");
+        Status::resource_exhausted(format!(
+            "a request did not arrive within --request-read-timeout={} of its first byte (large ones wait for \
+             room in --max-request-buffer-bytes={})",
+            humantime::format_duration(budget.read_timeout),
+            budget.max_buffer_bytes
+        ))
+    })
 }
 
-/// The requests of one stream, decoded one at a time.
+/// A large message being read: its size, and once the budget has room for
+/// it, the buffer it is read into.
+struct Large {
+    len: usize,
+    reading: Option<(BytesMut, OwnedSemaphorePermit)>,
+}
+
+/// The requests of one stream, decoded one at a time. `message` is
+/// cancel-safe: everything read is kept in the stream, so a caller may drop
+/// the future (a `select!` that another branch won) and call again.
 pub struct RequestStream<T> {
     body: Body,
     budget: Arc<RequestBudget>,
-    /// What is read but not yet decoded (small messages only).
+    /// What is read but not yet decoded (small messages, and what follows
+    /// a large message's part).
     buf: BytesMut,
+    large: Option<Large>,
+    /// When the message being read began: it must be complete within the
+    /// read timeout. `None` between messages (an idle stream is fine).
+    started: Option<Instant>,
     /// The message type's name, for errors.
     message: &'static str,
     ended: bool,
@@ -90,10 +108,17 @@ impl<T: prost::Message + Default> RequestStream<T> {
             body,
             budget,
             buf: BytesMut::new(),
+            large: None,
+            started: None,
             message,
             ended: false,
             _kind: PhantomData,
         }
+    }
+
+    /// The current message's read deadline (none between messages).
+    fn deadline(&self) -> Option<Instant> {
+        self.started.map(|started| started + self.budget.read_timeout)
     }
 
     /// Reads one more frame of the body into `buf`; false at its end.
@@ -102,9 +127,14 @@ impl<T: prost::Message + Default> RequestStream<T> {
             return Ok(false);
         }
         loop {
-            match std::future::poll_fn(|cx| std::pin::Pin::new(&mut self.body).poll_frame(cx)).await {
+            let (deadline, budget) = (self.deadline(), self.budget.clone());
+            let frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut self.body).poll_frame(cx));
+            match in_time(deadline, &budget, frame).await? {
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
+                        if self.started.is_none() && !data.is_empty() {
+                            self.started = Some(Instant::now());
+                        }
                         self.buf.put(data);
                         return Ok(true);
                     }
@@ -121,97 +151,87 @@ impl<T: prost::Message + Default> RequestStream<T> {
 
     /// The next message; `None` when the client closed its side.
     pub async fn message(&mut self) -> Result<Option<T>, Status> {
-        Ok(self.next().await?.map(|(message, _)| message))
-    }
-
-    /// The next message and, for a large one, the room it holds: the
-    /// message's fields are slices of its buffer, so whoever keeps them
-    /// keeps the room too.
-    pub async fn next(&mut self) -> Result<Option<(T, Room)>, Status> {
-        while self.buf.len() < HEADER {
-            if !self.fill().await? {
-                return if self.buf.is_empty() {
-                    Ok(None)
-                } else {
-                    Err(Status::invalid_argument(
-                        "the request stream ended inside a message header",
-                    ))
-                };
-            }
-        }
-        if self.buf[0] != 0 {
-            return Err(Status::unimplemented(format!(
-                "a compressed {} (flag {}); send uncompressed messages",
-                self.message, self.buf[0]
-            )));
-        }
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
-        if len > self.budget.max_message_bytes {
-            m::limit_refused("max_request_bytes");
-            return Err(Status::resource_exhausted(format!(
-                "a request of {len} bytes is larger than --max-request-bytes={} allows",
-                self.budget.max_message_bytes
-            )));
-        }
-        let (bytes, room) = if len < LARGE_REQUEST {
-            while self.buf.len() < HEADER + len {
+        loop {
+            if let Some(large) = &mut self.large {
+                let len = large.len;
+                if large.reading.is_none() {
+                    // Room first, then the buffer: memory the budget counts.
+                    let permit = self.budget.permits.clone().acquire_many_owned(len as u32);
+                    let permit = in_time(self.deadline(), &self.budget, permit)
+                        .await?
+                        .map_err(|_| Status::unavailable("the gateway is shutting down"))?;
+                    let large = self.large.as_mut().expect("checked");
+                    large.reading = Some((BytesMut::with_capacity(len), permit));
+                    continue;
+                }
+                let (message, _) = large.reading.as_mut().expect("checked");
+                let n = self.buf.len().min(len - message.len());
+                message.put(self.buf.split_to(n));
+                if message.len() == len {
+                    let (message, permit) = self.large.take().and_then(|l| l.reading).expect("checked");
+                    let decoded = self.decode(message.freeze());
+                    drop(permit);
+                    return decoded.map(Some);
+                }
                 if !self.fill().await? {
                     return Err(self.cut_short());
                 }
+                continue;
+            }
+            if self.buf.len() < HEADER {
+                if !self.fill().await? {
+                    return if self.buf.is_empty() {
+                        Ok(None)
+                    } else {
+                        Err(Status::invalid_argument(
+                            "the request stream ended inside a message header",
+                        ))
+                    };
+                }
+                continue;
+            }
+            if self.buf[0] != 0 {
+                return Err(Status::unimplemented(format!(
+                    "a compressed {} (flag {}); send uncompressed messages",
+                    self.message, self.buf[0]
+                )));
+            }
+            let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+            if len > self.budget.max_message_bytes {
+                m::limit_refused("max_request_bytes");
+                return Err(Status::resource_exhausted(format!(
+                    "a request of {len} bytes is larger than --max-request-bytes={} allows",
+                    self.budget.max_message_bytes
+                )));
+            }
+            if len >= LARGE_REQUEST {
+                self.buf.advance(HEADER);
+                self.large = Some(Large { len, reading: None });
+                continue;
+            }
+            if self.buf.len() < HEADER + len {
+                if !self.fill().await? {
+                    return Err(self.cut_short());
+                }
+                continue;
             }
             self.buf.advance(HEADER);
             let bytes = self.buf.split_to(len).freeze();
-            if self.buf.is_empty() {
-                // A fresh small buffer: the old one may be shared with the
-                // message just decoded.
-                self.buf = BytesMut::new();
-            }
-            (bytes, Room::none())
-        } else {
-            let timeout = self.budget.read_timeout;
-            match tokio::time::timeout(timeout, self.read_large(len)).await {
-                Ok(read) => read?,
-                Err(_) => {
-                    m::limit_refused("request_read_timeout");
-                    return Err(Status::resource_exhausted(format!(
-                        "a request of {len} bytes did not arrive within --request-read-timeout={} (with \
-                         --max-request-buffer-bytes={} shared by all large requests)",
-                        humantime::format_duration(timeout),
-                        self.budget.max_buffer_bytes
-                    )));
-                }
-            }
-        };
-        T::decode(bytes)
-            .map(|message| Some((message, room)))
-            .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", self.message)))
+            return self.decode(bytes).map(Some);
+        }
     }
 
-    /// Reads a large message into a buffer of its own size, once the budget
-    /// has room for it.
-    async fn read_large(&mut self, len: usize) -> Result<(Bytes, Room), Status> {
-        let permit: OwnedSemaphorePermit = self
-            .budget
-            .permits
-            .clone()
-            .acquire_many_owned(len as u32)
-            .await
-            .map_err(|_| Status::unavailable("the gateway is shutting down"))?;
-        self.buf.advance(HEADER);
-        let mut message = BytesMut::with_capacity(len);
-        let start = self.buf.len().min(len);
-        message.put(self.buf.split_to(start));
-        while message.len() < len {
-            if !self.fill().await? {
-                return Err(self.cut_short());
-            }
-            let n = self.buf.len().min(len - message.len());
-            message.put(self.buf.split_to(n));
-        }
+    /// Decodes a complete message; the next message's clock starts with its
+    /// first byte.
+    fn decode(&mut self, bytes: Bytes) -> Result<T, Status> {
+        self.started = (!self.buf.is_empty()).then(Instant::now);
         if self.buf.is_empty() {
+            // A fresh small buffer: the old one may be shared with the
+            // message just decoded.
             self.buf = BytesMut::new();
         }
-        Ok((message.freeze(), Room(Some(permit))))
+        T::decode(bytes)
+            .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", self.message)))
     }
 
     fn cut_short(&self) -> Status {
@@ -222,8 +242,10 @@ impl<T: prost::Message + Default> RequestStream<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
     use std::pin::Pin;
     use std::task::{Context, Poll};
+    use tokio_stream::StreamExt;
 
     /// A body that yields the given chunks, then waits forever (a client
     /// that stops sending) unless `end` is set.
@@ -281,13 +303,42 @@ mod tests {
         bytes.extend(framed(&request("b")));
         let mut requests = stream(bytes, 7777, true, budget.clone());
         assert_eq!(requests.message().await.unwrap().unwrap().version_info, "a");
-        let (request, room) = requests.next().await.unwrap().unwrap();
-        assert_eq!(request.version_info, large);
-        assert!(room.bytes() > 200_000 && budget.in_use() == room.bytes());
-        drop((request, room));
-        assert_eq!(budget.in_use(), 0, "the room is given back with the message");
+        assert_eq!(requests.message().await.unwrap().unwrap().version_info, large);
+        assert_eq!(budget.in_use(), 0, "the room is given back once decoded");
         assert_eq!(requests.message().await.unwrap().unwrap().version_info, "b");
         assert!(requests.message().await.unwrap().is_none());
+    }
+
+    /// Every await of `message` may be dropped (another `select!` branch won)
+    /// and the next call continues where it was: the body is fed a chunk at
+    /// a time and the future is dropped after each poll.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_read_loses_nothing() {
+        let budget = RequestBudget::new(1 << 20, 1 << 20, Duration::from_secs(10));
+        let large = "L".repeat(100_000);
+        let mut bytes = framed(&request(&large));
+        bytes.extend(framed(&request("small")));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+        let body = Body::new(http_body_util::StreamBody::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+                .map(|b| Ok::<_, Status>(http_body::Frame::data(b))),
+        ));
+        let mut requests: RequestStream<crate::wire::SotwRequest> =
+            RequestStream::new(body, budget, "MeshConfigRequest");
+        let mut got = Vec::new();
+        for chunk in bytes.chunks(999) {
+            tx.send(Bytes::copy_from_slice(chunk)).unwrap();
+            // Poll once, then drop the future, as a lost select! would.
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if let Poll::Ready(result) = std::pin::pin!(requests.message()).as_mut().poll(&mut cx) {
+                got.push(result.unwrap().unwrap().version_info);
+            }
+        }
+        drop(tx);
+        while let Some(request) = requests.message().await.unwrap() {
+            got.push(request.version_info);
+        }
+        assert_eq!(got, [large, "small".to_owned()]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -221,6 +221,15 @@ impl SinkSession {
             )));
         }
         let resources = decode_resources(collection, &message.resources)?;
+        if message.incremental {
+            let upserted: HashSet<&str> = resources.iter().map(|r| &*r.name).collect();
+            if let Some(name) = message.removed_resources.iter().find(|n| upserted.contains(n.as_str())) {
+                return Err(Nack::invalid(format!(
+                    "resource {name:?} of collection {collection:?} is both updated and removed in one incremental \
+                     update; send one or the other"
+                )));
+            }
+        }
         let update = if message.incremental {
             Update::Incremental {
                 upserts: resources,

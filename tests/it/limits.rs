@@ -61,6 +61,11 @@ fn canary_generation(response: &mcp_xds_gateway::proto::MeshConfigResponse) -> u
 }
 
 impl Canary {
+    /// The source directory the canary's file lives in.
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// Changes the content (the version in the file stays "1": the body
     /// decides) and checks the client gets exactly it.
     pub async fn check(&mut self) {
@@ -488,11 +493,21 @@ async fn incremental_initial_versions_are_not_held_until_ack() {
     let first = client.recv().await;
     assert_eq!(first.removed_resources.len(), 20_000);
     assert_eq!(first.resources.len(), 1);
-    // NACK it: the next response re-sends the collection in full.
+    // NACK it: the gateway kept nothing of those names, so it cannot know
+    // what this client holds: the stream ends and the client starts again.
     client.reply(VS, &first.nonce, Some("cannot apply"));
+    let status = client.end_status().await;
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains("open a new stream"), "{}", status.message());
     canary.check().await;
-    let resync = client.recv().await;
-    assert_eq!(resync.resources.len(), 1, "the whole collection again");
+    // A client that reported nothing and NACKs gets the collection again.
+    let mut fresh = clients::incremental(gw.listen).await;
+    fresh.start(VS, &[]);
+    let first = fresh.recv().await;
+    fresh.reply(VS, &first.nonce, Some("cannot apply"));
+    canary.check().await;
+    let again = fresh.recv().await;
+    assert_eq!(again.resources.len(), 1, "the whole collection again");
 }
 
 #[tokio::test]
@@ -535,5 +550,122 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
             .any(|s| s.types.values().any(|t| t.last_nack.is_some()))
     })
     .await;
+    canary.check().await;
+}
+
+#[tokio::test]
+async fn compressed_requests_and_oversized_frames_are_refused() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    let tcp = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
+    let (client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = within("ready", client.ready()).await.unwrap();
+    // Compression announced in the headers.
+    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
+        .header("content-type", "application/grpc")
+        .header("grpc-encoding", "gzip")
+        .body(())
+        .unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    let response = within("the answer", response).await.unwrap();
+    assert_eq!(response.headers()["grpc-status"], "12", "UNIMPLEMENTED");
+    // The compressed flag on a message.
+    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap();
+    let (response, mut body) = client.send_request(request, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(&[1, 0, 0, 0, 0]), false)
+        .unwrap();
+    let mut response = within("the answer", response).await.unwrap().into_body();
+    while let Some(Ok(_)) = within("the body", response.data()).await {}
+    let trailers = within("the trailers", response.trailers()).await.unwrap().unwrap();
+    assert_eq!(trailers["grpc-status"], "12");
+
+    // A DATA frame larger than the negotiated 16 KiB: a connection error.
+    let mut raw = RawConn::http2(gw.listen).await;
+    raw.send(&grpc_headers(1, SOTW_PATH, 0)).await;
+    raw.send(&frame(0x0, 0, 1, &vec![0u8; 20_000])).await;
+    let goaway = raw.goaway().await;
+    assert_eq!(goaway.map(|g| g.0), Some(0x6), "FRAME_SIZE_ERROR");
+    canary.check().await;
+}
+
+/// A large request read in pieces while the stream's collection changes:
+/// the change is handled between pieces and nothing of the request is lost.
+#[tokio::test]
+async fn a_large_nack_arriving_in_pieces_survives_changes_in_between() {
+    let (gw, mut canary) = with_canary(&[]).await;
+    let tcp = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
+    let (client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = within("ready", client.ready()).await.unwrap();
+    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap();
+    let (response, mut body) = client.send_request(request, false).unwrap();
+    let framed = |message: &MeshConfigRequest| {
+        let bytes = message.encode_to_vec();
+        let mut framed = vec![0];
+        framed.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+        framed.extend_from_slice(&bytes);
+        bytes::Bytes::from(framed)
+    };
+    body.send_data(framed(&subscribe(VS)), false).unwrap();
+    let mut responses = within("the response headers", response).await.unwrap().into_body();
+    let mut read = Vec::new();
+    let first = within("the first response", async {
+        loop {
+            let chunk = responses.data().await.unwrap().unwrap();
+            let _ = responses.flow_control().release_capacity(chunk.len());
+            read.extend_from_slice(&chunk);
+            if read.len() >= 5 && read.len() >= 5 + u32::from_be_bytes(read[1..5].try_into().unwrap()) as usize {
+                return mcp_xds_gateway::proto::MeshConfigResponse::decode(&read[5..]).unwrap();
+            }
+        }
+    })
+    .await;
+    let nack = framed(&MeshConfigRequest {
+        response_nonce: first.nonce.clone(),
+        error_detail: Some(tonic_types::Status {
+            code: 3,
+            message: "p".repeat(200_000),
+            details: vec![],
+        }),
+        ..subscribe(VS)
+    });
+    // Half the NACK, a change to the stream's collection, the rest.
+    body.send_data(nack.slice(..nack.len() / 2), false).unwrap();
+    canary.check().await;
+    body.send_data(nack.slice(nack.len() / 2..), false).unwrap();
+    eventually("the NACK to be recorded", || {
+        gw.registry.streams().iter().any(|s| {
+            s.types
+                .get(VS)
+                .and_then(|t| t.last_nack.as_ref())
+                .is_some_and(|n| n.message.starts_with("ppp") && n.message.ends_with("(200000 bytes in all)"))
+        })
+    })
+    .await;
+    canary.check().await;
+}
+
+/// The handshake timeout ends with the handshake: a client that connected
+/// and sent its SETTINGS keeps its connection while it opens no stream.
+#[tokio::test]
+async fn a_finished_handshake_is_not_timed_out() {
+    let (gw, mut canary) = with_canary(&["--handshake-timeout", "300ms"]).await;
+    let mut ready = RawConn::http2(gw.listen).await;
+    // A connection that never finishes its handshake, opened after: once it
+    // is closed, the first one's deadline has passed too.
+    let mut unfinished = RawConn::tcp(gw.listen).await;
+    unfinished.until_closed().await;
+    ready.send(&grpc_headers(1, SOTW_PATH, 0)).await;
+    let answer = ready
+        .until(|f| (f.stream == 1 && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
+        .await
+        .expect("the connection is still open");
+    assert_eq!(answer.kind, h2raw::HEADERS, "served, not closed");
     canary.check().await;
 }

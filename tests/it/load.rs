@@ -39,3 +39,34 @@ async fn every_scenario_runs_at_a_tiny_size() {
         }
     }
 }
+
+/// Each attack beside a tiny scenario: the canaries still get everything.
+#[tokio::test]
+async fn every_abuse_runs_at_a_tiny_size() {
+    for abuse in ["nack-flood", "initial-versions", "idle-connections"] {
+        let output = within(
+            &format!("mcp-load --abuse {abuse} --tiny"),
+            Command::new(env!("CARGO_BIN_EXE_mcp-load"))
+                .args(["--scenario", "fan-out", "--tiny", "--abuse", abuse])
+                .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
+                .env_remove("RUST_LOG")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("run mcp-load");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{abuse}: {stdout}\n{stderr}");
+        let json = stdout.lines().last().expect("a JSON line");
+        let report: serde_json::Value = serde_json::from_str(json).expect("the last line is JSON");
+        assert_eq!(report["abuse"], abuse);
+        assert_eq!(report["attackers_established"], 2, "{json}");
+        assert_eq!(report["stream_errors"], 0, "{json}");
+        assert!(report["gateway_rss_under_attack_bytes"].as_u64().unwrap() > 0, "{json}");
+        assert!(
+            report["responses_delivered"].as_u64().unwrap() >= report["streams"].as_u64().unwrap(),
+            "{json}"
+        );
+    }
+}

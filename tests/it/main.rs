@@ -4,6 +4,7 @@
 mod helpers;
 
 mod admin;
+mod decoders;
 mod deploy;
 mod dialects;
 mod incremental;
@@ -11,6 +12,7 @@ mod limits;
 mod load;
 mod operating;
 mod process;
+mod properties;
 mod sotw;
 mod sources;
 mod tls;

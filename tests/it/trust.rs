@@ -90,15 +90,24 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     client.subscribe(VS);
     assert_eq!(client.recv_type(VS).await.resources.len(), 1);
 
-    // An expired certificate and one from another CA never get a stream.
-    let expired = ca.expired_leaf("istio-pilot");
-    let foreign = Ca::new("other-ca").leaf("istio-pilot");
+    // An expired certificate and one from another CA never get a stream,
+    // even with an identity the allow-list takes: TLS refuses them first.
+    let allowed = "spiffe://cluster.local/ns/istio-system/sa/istio-pilot-service-account";
+    let expired = ca.expired_spiffe_leaf(allowed);
+    let foreign = Ca::new("other-ca").spiffe_leaf(allowed);
     for (what, leaf) in [("expired", &expired), ("foreign", &foreign)] {
         let outcome = match tls_channel(gw.listen, &ca.pem, Some(leaf)).await {
             Ok(channel) => SotwClient::try_open_on(channel, SOTW_PATH).await.map(|_| ()),
             Err(e) => Err(tonic::Status::unavailable(e.to_string())),
         };
-        assert!(outcome.is_err(), "{what} certificate must be refused");
+        let status = outcome
+            .err()
+            .unwrap_or_else(|| panic!("{what} certificate must be refused"));
+        assert_ne!(
+            status.code(),
+            Code::PermissionDenied,
+            "{what}: refused by TLS, not by the allow-list"
+        );
     }
 }
 
@@ -571,4 +580,50 @@ async fn a_raw_ping_is_answered_and_a_source_can_still_connect_after_garbage() {
     assert_eq!(pong.payload, b"12345678");
     let mut source = dial_out(clients::channel(sink).await, &[]).await.unwrap();
     source.initial_requests(1).await;
+}
+
+#[tokio::test]
+async fn hostile_files_in_the_source_directory_are_reported_and_never_fatal() {
+    let (gw, mut canary) = crate::limits::with_canary(&["--max-message-bytes", "65536"]).await;
+    let dir = canary.dir().to_owned();
+    // A YAML bomb: one large anchor aliased many times.
+    let mut bomb = format!("collection: {VS}\nname: ns/bomb\nbody:\n  struct:\n    big: &big [");
+    bomb.push_str(&vec!["x"; 2000].join(","));
+    bomb.push_str("]\n    copies:\n");
+    for _ in 0..4000 {
+        bomb.push_str("      - *big\n");
+    }
+    std::fs::write(dir.join("bomb.yaml"), bomb).unwrap();
+    std::os::unix::fs::symlink(dir.join("loop.yaml"), dir.join("loop.yaml")).unwrap();
+    let fifo = dir.join("fifo.yaml");
+    let fifo_made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success());
+    std::fs::write(dir.join("binary.yaml"), [0xff, 0xfe, 0x00, 0x80]).unwrap();
+    std::fs::write(dir.join("huge.yaml"), vec![b'#'; 100_000]).unwrap();
+    // The canary's own file changes too: the directory is read again, and
+    // the gateway keeps serving exactly the good content.
+    canary.check().await;
+    let errors = upstream_status_when(&gw, "every bad file reported", |s| {
+        s.last_error.as_deref().is_some_and(|e| {
+            ["bomb.yaml", "loop.yaml", "binary.yaml", "huge.yaml"]
+                .iter()
+                .all(|f| e.contains(f))
+        })
+    })
+    .await
+    .last_error
+    .unwrap();
+    assert!(errors.contains("expands"), "{errors}");
+    assert!(errors.contains("--max-message-bytes=65536"), "{errors}");
+    if fifo_made {
+        assert!(
+            errors.contains("fifo.yaml") && errors.contains("not a regular file"),
+            "{errors}"
+        );
+    }
+    let snapshot = gw.cache.get(VS).unwrap();
+    assert_eq!(snapshot.len(), 1, "only the canary's resource");
+    canary.check().await;
 }

@@ -30,10 +30,12 @@ pub enum Abuse {
 }
 
 impl Abuse {
-    pub fn attackers(self) -> usize {
-        match self {
-            Abuse::NackFlood | Abuse::InitialVersions => 40,
-            Abuse::IdleConnections => 5_000,
+    /// How many attackers run (`tiny`: two, for the smoke test).
+    pub fn attackers(self, tiny: bool) -> usize {
+        match (self, tiny) {
+            (_, true) => 2,
+            (Abuse::NackFlood | Abuse::InitialVersions, false) => 40,
+            (Abuse::IdleConnections, false) => 5_000,
         }
     }
 }
@@ -56,9 +58,9 @@ fn node(i: usize) -> Option<SinkNode> {
 }
 
 /// Starts the attackers; they run until `stop`.
-pub fn start(abuse: Abuse, addr: SocketAddr, collection: String, stop: CancellationToken) -> Arc<Attack> {
+pub fn start(abuse: Abuse, tiny: bool, addr: SocketAddr, collection: String, stop: CancellationToken) -> Arc<Attack> {
     let attack = Arc::new(Attack::default());
-    for i in 0..abuse.attackers() {
+    for i in 0..abuse.attackers(tiny) {
         let attack = attack.clone();
         let stop = stop.clone();
         let collection = collection.clone();

@@ -234,7 +234,8 @@ async fn run(args: Args) -> anyhow::Result<Report> {
                 Some(path) => path.clone(),
                 None => gateway::default_binary()?,
             };
-            let mut report = run_with_child(&binary, shape, &names, args.abuse).await?;
+            let abuse = args.abuse.map(|kind| (kind, args.tiny));
+            let mut report = run_with_child(&binary, shape, &names, abuse).await?;
             report.scenario = Some(args.scenario);
             report.goal = args.scenario.goal();
             Ok(report)
@@ -246,7 +247,7 @@ async fn run_with_child(
     binary: &std::path::Path,
     shape: Shape,
     names: &[String],
-    abuse: Option<abuse::Abuse>,
+    abuse: Option<(abuse::Abuse, bool)>,
 ) -> anyhow::Result<Report> {
     let mut publisher = Publisher::start(shape, names).await?;
     let gateway = ChildGateway::spawn(binary, publisher.addr, names).await?;
@@ -266,15 +267,16 @@ async fn run_with_child(
     let (rss_synced, _) = gateway.memory()?;
 
     let attack_stop = CancellationToken::new();
-    let attack = abuse.map(|kind| {
+    let attack = abuse.map(|(kind, tiny)| {
         (
             kind,
-            abuse::start(kind, gateway.listen, names[0].clone(), attack_stop.clone()),
+            tiny,
+            abuse::start(kind, tiny, gateway.listen, names[0].clone(), attack_stop.clone()),
         )
     });
-    if let Some((kind, attack)) = &attack {
+    if let Some((kind, tiny, attack)) = &attack {
         let attack = attack.clone();
-        let attackers = kind.attackers();
+        let attackers = kind.attackers(*tiny);
         until("attackers in place", attackers, || {
             attack.established.load(Ordering::Relaxed) + attack.refused.load(Ordering::Relaxed)
         })
@@ -338,10 +340,10 @@ async fn run_with_child(
         },
         nacks: publisher.log.nacks.load(Ordering::Relaxed),
         stream_errors: errors,
-        abuse: attack.as_ref().map(|(kind, _)| *kind),
-        attackers_established: attack.as_ref().map(|(_, a)| a.established.load(Ordering::Relaxed)),
-        attacker_messages: attack.as_ref().map(|(_, a)| a.messages.load(Ordering::Relaxed)),
-        attackers_refused: attack.as_ref().map(|(_, a)| a.refused.load(Ordering::Relaxed)),
+        abuse: attack.as_ref().map(|(kind, _, _)| *kind),
+        attackers_established: attack.as_ref().map(|(_, _, a)| a.established.load(Ordering::Relaxed)),
+        attacker_messages: attack.as_ref().map(|(_, _, a)| a.messages.load(Ordering::Relaxed)),
+        attackers_refused: attack.as_ref().map(|(_, _, a)| a.refused.load(Ordering::Relaxed)),
         gateway_rss_before_attack_bytes: attack.as_ref().map(|_| rss_synced),
         gateway_rss_under_attack_bytes: attack.as_ref().map(|_| rss_under_attack),
         ..Default::default()

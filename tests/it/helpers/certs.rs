@@ -49,9 +49,13 @@ impl Ca {
         })
     }
 
-    /// A leaf whose validity ended yesterday.
-    pub fn expired_leaf(&self, common_name: &str) -> Leaf {
-        self.leaf_with(common_name, |params| {
+    /// A client leaf with a SPIFFE id whose validity ended yesterday.
+    pub fn expired_spiffe_leaf(&self, spiffe_id: &str) -> Leaf {
+        let id = spiffe_id.to_owned();
+        self.leaf_with("workload", move |params| {
+            params
+                .subject_alt_names
+                .push(rcgen::SanType::URI(id.as_str().try_into().unwrap()));
             let now = time::OffsetDateTime::now_utc();
             params.not_before = now - time::Duration::days(30);
             params.not_after = now - time::Duration::days(1);

@@ -128,7 +128,8 @@ impl RawConn {
         }
     }
 
-    /// Connects, sends the preface and empty SETTINGS, and ACKs the server's.
+    /// Connects and sends the preface and empty SETTINGS (the server's
+    /// SETTINGS are never ACKed: a raw peer).
     pub async fn http2(addr: SocketAddr) -> Self {
         let mut conn = Self::tcp(addr).await;
         conn.send(PREFACE).await;

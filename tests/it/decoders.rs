@@ -1,0 +1,103 @@
+//! Arbitrary bytes into every decoder the gateway runs on what a peer or a
+//! file gives it: an error or a value, never a panic.
+
+use bytes::Bytes;
+use mcp_xds_gateway::collections::CollectionTable;
+use mcp_xds_gateway::wire::{self, ErrorDetail, IncrementalRequest, RawResource, RawResources, SotwRequest};
+use proptest::prelude::*;
+use prost::Message;
+
+fn any_bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(any::<u8>(), 0..512)
+}
+
+/// Protobuf-looking bytes: valid keys and lengths more often than noise.
+fn protobuf_like() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(
+        prop_oneof![
+            (1u8..16, any::<u8>()).prop_map(|(field, v)| vec![field << 3, v & 0x7f]),
+            (1u8..16, prop::collection::vec(any::<u8>(), 0..40)).prop_map(|(field, body)| {
+                let mut bytes = vec![(field << 3) | 2, body.len() as u8];
+                bytes.extend(body);
+                bytes
+            }),
+            any::<u8>().prop_map(|b| vec![b]),
+        ],
+        0..24,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn downstream_requests_never_panic(bytes in prop_oneof![any_bytes(), protobuf_like()]) {
+        if let Ok(request) = SotwRequest::decode(bytes.as_slice()) {
+            if let Some(detail) = request.error_detail {
+                let _ = ErrorDetail::parse(detail, 64);
+            }
+        }
+        if let Ok(request) = IncrementalRequest::decode(Bytes::from(bytes.clone())) {
+            for entry in &request.initial_resource_versions {
+                let _ = wire::version_entry(entry);
+            }
+            if let Some(detail) = request.error_detail {
+                let _ = ErrorDetail::parse(detail, 64);
+            }
+        }
+        let _ = ErrorDetail::parse(Bytes::from(bytes.clone()), 16);
+        let _ = wire::version_entry(&bytes);
+    }
+
+    #[test]
+    fn upstream_messages_never_panic(bytes in prop_oneof![any_bytes(), protobuf_like()], resources in prop::collection::vec(protobuf_like(), 0..6)) {
+        let _ = RawResources::decode(Bytes::from(bytes.clone()));
+        let _ = RawResource::decode(Bytes::from(bytes));
+        let raw: Vec<Bytes> = resources.into_iter().map(Bytes::from).collect();
+        let _ = mcp_xds_gateway::upstream::session::decode_resources("istio/networking/v1alpha3/gateways", &raw);
+    }
+
+    #[test]
+    fn cache_files_never_panic(bytes in any_bytes(), tail in protobuf_like()) {
+        let _ = mcp_xds_gateway::persist::decode(&bytes);
+        // A valid header and checksum over arbitrary protobuf.
+        let mut file = b"mcp-xds-gateway\n".to_vec();
+        file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&tail).to_le_bytes());
+        file.extend_from_slice(&tail);
+        if let Ok(message) = mcp_xds_gateway::persist::decode(&file) {
+            let _ = mcp_xds_gateway::upstream::session::decode_resources(&message.collection, &message.resources);
+        }
+    }
+
+    #[test]
+    fn source_files_never_panic(text in "(collection|name|version|body|struct|type_url|value_base64|labels|[-:{}\\[\\]&*!#|>, \n]|[a-z0-9/]{1,12}){0,60}") {
+        let table = CollectionTable::builtin();
+        let _ = mcp_xds_gateway::local::parse("fuzz.yaml", &text, &table);
+    }
+
+    #[test]
+    fn the_frame_sniffer_never_panics(chunks in prop::collection::vec(any_bytes(), 0..8)) {
+        use tokio::io::AsyncReadExt;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            for side in [mcp_xds_gateway::transport::sniff::Side::Server, mcp_xds_gateway::transport::sniff::Side::Client] {
+                let mut bytes = Vec::new();
+                for chunk in &chunks {
+                    bytes.extend_from_slice(chunk);
+                }
+                let limits = mcp_xds_gateway::transport::sniff::FloodLimits {
+                    resets_per_minute: 3,
+                    pings_per_minute: 3,
+                    settings_per_minute: 3,
+                    control_frames_per_minute: 3,
+                };
+                let (mut sniffed, _) = mcp_xds_gateway::transport::sniff::Sniffed::new(bytes.as_slice(), side, Some(limits));
+                let mut sink = Vec::new();
+                sniffed.read_to_end(&mut sink).await.unwrap();
+                prop_assert_eq!(sink, bytes);
+            }
+            Ok(())
+        })?;
+    }
+}
