@@ -262,6 +262,9 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
             // full client port never keeps Galley out.
             let sink_limits = grpc::GrpcLimits {
                 max_connection_age: None,
+                // Galley pushes whole collections: wide windows, for one
+                // authenticated peer.
+                receive_window: 4 << 20,
                 ..settings.grpc.clone()
             };
             let sink_shared = SharedLimits::new(

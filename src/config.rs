@@ -174,6 +174,11 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_STREAMS_PER_CONNECTION", default_value_t = 100)]
     pub max_streams_per_connection: u32,
 
+    /// HTTP/2 receive window of each client connection (and of each stream
+    /// on it): what a client may send before the gateway reads it.
+    #[arg(long, env = "MCP_GATEWAY_MAX_RECEIVE_WINDOW_BYTES", default_value_t = 256 << 10)]
+    pub max_receive_window_bytes: u32,
+
     /// HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE of the gRPC listeners, in bytes.
     #[arg(long, env = "MCP_GATEWAY_MAX_HEADER_LIST_BYTES", default_value_t = 16 << 10)]
     pub max_header_list_bytes: u32,
@@ -592,6 +597,12 @@ impl Args {
                 return Err(invalid(flag, "must be at least 1"));
             }
         }
+        if !(65_535..=(1 << 31) - 1).contains(&self.max_receive_window_bytes) {
+            return Err(invalid(
+                "--max-receive-window-bytes",
+                "must be between 65535 (HTTP/2's initial window) and 2147483647",
+            ));
+        }
         for (flag, value, minimum) in [
             ("--max-request-bytes", self.max_request_bytes, 1024),
             ("--max-nack-message-bytes", self.max_nack_message_bytes, 64),
@@ -681,6 +692,7 @@ impl Args {
                 },
                 max_pending_accept_resets: 20,
                 max_local_error_resets: 200,
+                receive_window: self.max_receive_window_bytes,
             },
             max_connections,
             max_streams: self.max_streams,

@@ -63,6 +63,9 @@ pub struct GrpcLimits {
     /// h2's own bound on streams it must reset because of the peer's errors
     /// ("made you reset").
     pub max_local_error_resets: usize,
+    /// HTTP/2 receive window of a connection and of each stream: what a peer
+    /// may send before the gateway reads it (`--max-receive-window-bytes`).
+    pub receive_window: u32,
 }
 
 /// How long a pong may take before a peer counts as gone.
@@ -331,10 +334,10 @@ where
             .max_header_list_size(limits.max_header_list_bytes)
             .max_pending_accept_reset_streams(limits.max_pending_accept_resets)
             .max_local_error_reset_streams(Some(limits.max_local_error_resets))
-            // Requests are small; large windows are for responses, which
-            // the client's settings govern.
-            .initial_window_size(1 << 20)
-            .initial_connection_window_size(1 << 20)
+            // What a peer may send before it is read; responses go out on
+            // the window the client grants.
+            .initial_window_size(limits.receive_window)
+            .initial_connection_window_size(limits.receive_window)
             .max_send_buffer_size(1 << 20);
         let mut h2 = match tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Bytes>(io)).await {
             Ok(Ok(h2)) => h2,
