@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "establish_resource_stream",
                 "EstablishResourceStream",
                 "crate::proto::RequestResources",
-                "crate::wire::RawResources",
+                "crate::proto::wire::RawResources",
             ))
             .build(),
         Service::builder()
@@ -57,7 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .method(bidi(
                 "establish_resource_stream",
                 "EstablishResourceStream",
-                "crate::wire::RawResources",
+                "crate::proto::wire::RawResources",
                 "crate::proto::RequestResources",
             ))
             .build(),

@@ -18,11 +18,12 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use crate::cache::demand::Subscriptions;
 use crate::cache::{Cache, CollectionSnapshot};
 use crate::downstream::registry::{StreamView, TypeView};
 use crate::downstream::Registry;
 use crate::metrics as m;
-use crate::upstream::{Subscriptions, UpstreamStatus};
+use crate::source::UpstreamStatus;
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -59,7 +60,7 @@ pub fn missing(subscriptions: &Subscriptions, cache: &Cache) -> Vec<String> {
 /// has a first state.
 pub async fn track_health(
     health: tonic_health::server::HealthReporter,
-    service: &'static str,
+    services: &'static [&'static str],
     subscriptions: Arc<Subscriptions>,
     cache: Arc<Cache>,
     shutdown: tokio_util::sync::CancellationToken,
@@ -77,7 +78,9 @@ pub async fn track_health(
         };
         if reported != Some(status) {
             health.set_service_status("", status).await;
-            health.set_service_status(service, status).await;
+            for service in services {
+                health.set_service_status(*service, status).await;
+            }
             reported = Some(status);
         }
         let names: Vec<Arc<str>> = subscriptions
@@ -101,7 +104,9 @@ pub async fn track_health(
             _ = wanted.changed() => {}
             _ = shutdown.cancelled() => {
                 health.set_service_status("", ServingStatus::NotServing).await;
-                health.set_service_status(service, ServingStatus::NotServing).await;
+                for service in services {
+                    health.set_service_status(*service, ServingStatus::NotServing).await;
+                }
                 return;
             }
         }
@@ -189,9 +194,9 @@ fn refresh_gauges(state: &AdminState) {
     let streams = state.registry.streams();
     metrics::gauge!(m::CLIENTS).set(streams.len() as f64);
     let mut by_kind: BTreeMap<(&'static str, &'static str), f64> = BTreeMap::new();
-    for protocol in ["sotw", "incremental"] {
+    for protocol in crate::downstream::registry::Protocol::ALL {
         for dialect in ["1.0", "1.1", "none"] {
-            by_kind.insert((protocol, dialect), 0.0);
+            by_kind.insert((protocol.as_str(), dialect), 0.0);
         }
     }
     let mut behind: BTreeMap<Arc<str>, f64> = current.keys().map(|c| (c.clone(), 0.0)).collect();

@@ -13,16 +13,17 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::{self, AdminState};
+use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::config::{Settings, Source};
-use crate::downstream::{AggregatedService, Downstream, Registry};
-use crate::local::LocalSource;
-use crate::persist::{self, Persister};
+use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService};
+use crate::source::client::UpstreamClient;
+use crate::source::files::LocalSource;
+use crate::source::persisted::{self, Persister};
+use crate::source::sink::SinkServer;
+use crate::source::{SinkContext, UpstreamStatus};
 use crate::transport::grpc::{self, GrpcListener, SharedLimits};
 use crate::transport::tls::{ServerTls, TlsError};
-use crate::upstream::client::UpstreamClient;
-use crate::upstream::sink::SinkServer;
-use crate::upstream::{SinkContext, Subscriptions, UpstreamStatus};
 
 /// Connections to the sink port: one source at a time, a few more for a
 /// source replacing one that has not timed out yet and for refusals.
@@ -94,11 +95,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     // Whatever was started stops again if start-up fails further down.
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
-    let cache = Arc::new(Cache::new());
-    for collection in &settings.collections {
-        // Registered now: the collection's series exist before any traffic.
-        cache.metrics(collection);
-    }
+    let (cache, mut writer) = Cache::new();
     let subscriptions = Arc::new(Subscriptions::new(settings.collections.iter().cloned()));
     let registry = Arc::new(Registry::default());
     let (status_tx, status_rx) = watch::channel(UpstreamStatus {
@@ -108,7 +105,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let server_tls = match &settings.server_tls {
         Some(files) => {
             let tls = ServerTls::new(files.clone())?;
-            tls.watch(shutdown.clone())?;
+            tls.watch(shutdown.clone(), &tasks)?;
             Some(tls)
         }
         None => None,
@@ -121,11 +118,24 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
                 Source::Sink(s) => s.max_message_bytes,
                 Source::Files(_) => usize::MAX,
             };
-            let loaded = persist::load(dir, &cache, persist::max_file_bytes(max_message_bytes)).map_err(|source| {
-                AppError::CacheDir {
+            // Reading the files blocks: on the blocking pool, with the writer.
+            let (returned, loaded) = {
+                let reading = dir.clone();
+                let max = persisted::max_file_bytes(max_message_bytes);
+                tokio::task::spawn_blocking(move || {
+                    let loaded = persisted::load(&reading, &mut writer, max);
+                    (writer, loaded)
+                })
+                .await
+                .map_err(|e| AppError::CacheDir {
                     dir: dir.clone(),
-                    source,
-                }
+                    source: std::io::Error::other(e.to_string()),
+                })?
+            };
+            writer = returned;
+            let loaded = loaded.map_err(|source| AppError::CacheDir {
+                dir: dir.clone(),
+                source,
             })?;
             for (collection, version, resources) in &loaded.collections {
                 tracing::info!(%collection, %version, resources, "serving the persisted state until upstream delivers");
@@ -150,18 +160,25 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         tasks.clone(),
         settings.downstream,
     );
-    let service = AggregatedService::new(downstream);
-    let service_name = <AggregatedService as tonic::server::NamedService>::NAME;
+    crate::downstream::register_metrics(&downstream, &settings.collections);
+    let service = AggregatedService::new(downstream.clone());
+    let resource_source = ResourceSourceService::new(downstream);
+    const SERVICES: [&str; 2] = [
+        <AggregatedService as tonic::server::NamedService>::NAME,
+        <ResourceSourceService as tonic::server::NamedService>::NAME,
+    ];
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
-    health
-        .set_service_status(service_name, tonic_health::ServingStatus::NotServing)
-        .await;
+    for name in SERVICES {
+        health
+            .set_service_status(name, tonic_health::ServingStatus::NotServing)
+            .await;
+    }
     tasks.spawn(admin::track_health(
         health,
-        service_name,
+        &SERVICES,
         subscriptions.clone(),
         cache.clone(),
         shutdown.clone(),
@@ -174,6 +191,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let reflection_v1 = reflection().build_v1().map_err(AppError::Reflection)?;
     let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
     let routes = tonic::service::Routes::new(service)
+        .add_service(resource_source)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
@@ -228,12 +246,11 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
             let context = SinkContext {
                 node: upstream.node.clone(),
                 incremental: upstream.incremental,
-                cache: cache.clone(),
                 subscriptions: subscriptions.clone(),
                 persister,
                 max_message_bytes: upstream.max_message_bytes,
             };
-            let client = UpstreamClient::new(upstream, context, status_tx);
+            let client = UpstreamClient::new(upstream, context, status_tx, writer);
             tasks.spawn(client.run(shutdown.clone()));
         }
         Source::Sink(sink_settings) => {
@@ -248,14 +265,20 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
             let context = SinkContext {
                 node: sink_settings.node.clone(),
                 incremental: sink_settings.incremental,
-                cache: cache.clone(),
                 subscriptions: subscriptions.clone(),
                 persister,
                 max_message_bytes: sink_settings.max_message_bytes,
             };
             let allow = sink_settings.allow.clone();
-            let service =
-                SinkServer::new(sink_settings, context, status_tx, shutdown.clone(), tasks.clone()).into_service();
+            let service = SinkServer::new(
+                sink_settings,
+                context,
+                status_tx,
+                writer,
+                shutdown.clone(),
+                tasks.clone(),
+            )
+            .into_service();
             // The connection age limit does not apply: the source is one
             // long-lived peer. Keepalive pings drop a frozen source. Its
             // connections and streams come from a pool of their own, so a
@@ -291,15 +314,18 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
             let source = LocalSource::new(
                 dir.clone(),
                 settings.table.clone(),
-                cache.clone(),
+                writer,
                 subscriptions.clone(),
                 status_tx,
                 settings.max_source_file_bytes,
             );
-            source.start(shutdown.clone()).map_err(|message| AppError::SourceDir {
-                dir: dir.to_string(),
-                message,
-            })?;
+            source
+                .start(shutdown.clone(), &tasks)
+                .await
+                .map_err(|message| AppError::SourceDir {
+                    dir: dir.to_string(),
+                    message,
+                })?;
             tracing::info!(source = %dir, "serving the local source");
         }
     }

@@ -10,16 +10,17 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::collections::CollectionTable;
-use crate::local::SourceDir;
+use crate::downstream::DownstreamLimits;
 use crate::proto::SinkNode;
+use crate::source::backoff::BackoffPolicy;
+use crate::source::client::ClientSettings;
+use crate::source::files::SourceDir;
+use crate::source::sink::SinkSettings;
 use crate::transport::grpc::GrpcLimits;
 use crate::transport::http::HttpLimits;
 use crate::transport::identity::AllowList;
 use crate::transport::sniff::FloodLimits;
 use crate::transport::tls::{ClientTlsFiles, ServerTlsFiles, TlsError};
-use crate::upstream::backoff::BackoffPolicy;
-use crate::upstream::client::ClientSettings;
-use crate::upstream::sink::SinkSettings;
 
 /// The default `--max-connections` where the open file limit allows more:
 /// about 300 MiB of idle HTTP/2 connections at most.
@@ -170,6 +171,12 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_CONNECT_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub connect_timeout: Duration,
 
+    /// The most gateways in a chain, this one included: an --upstream that
+    /// is a gateway with more gateways behind it than this allows is
+    /// refused (as is one whose chain includes this gateway: a loop).
+    #[arg(long, env = "MCP_GATEWAY_MAX_CHAIN_DEPTH", default_value_t = 4)]
+    pub max_chain_depth: usize,
+
     /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of the gRPC listeners.
     #[arg(long, env = "MCP_GATEWAY_MAX_STREAMS_PER_CONNECTION", default_value_t = 100)]
     pub max_streams_per_connection: u32,
@@ -315,7 +322,7 @@ pub struct Args {
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
     /// Act as a legacy client: subscribe, ACK, and print one line per update.
-    Client(crate::client_cmd::ClientArgs),
+    Client(crate::tools::client::ClientArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -379,30 +386,6 @@ pub struct Settings {
     pub http: HttpLimits,
     /// `--max-message-bytes`, for the local source's files.
     pub max_source_file_bytes: usize,
-}
-
-/// Per-stream limits of the downstream services.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DownstreamLimits {
-    pub max_requests_per_second: u32,
-    pub max_request_bytes: usize,
-    pub max_request_buffer_bytes: usize,
-    pub request_read_timeout: Duration,
-    pub max_nack_message_bytes: usize,
-    pub max_types_per_stream: usize,
-}
-
-impl Default for DownstreamLimits {
-    fn default() -> Self {
-        Self {
-            max_requests_per_second: 50,
-            max_request_bytes: 4 << 20,
-            max_request_buffer_bytes: 64 << 20,
-            request_read_timeout: Duration::from_secs(10),
-            max_nack_message_bytes: 4096,
-            max_types_per_stream: 128,
-        }
-    }
 }
 
 // === impl Args ===
@@ -533,6 +516,15 @@ impl Args {
             if self.connect_timeout.is_zero() {
                 return Err(invalid("--connect-timeout", "must be above zero"));
             }
+            if self.max_chain_depth < 2 {
+                return Err(invalid(
+                    "--max-chain-depth",
+                    format!(
+                        "{} leaves no room for an upstream gateway (it counts this one); the default is 4",
+                        self.max_chain_depth
+                    ),
+                ));
+            }
             Source::Client(ClientSettings {
                 address,
                 node,
@@ -545,6 +537,7 @@ impl Args {
                 },
                 tls,
                 connect_timeout: self.connect_timeout,
+                max_chain_depth: self.max_chain_depth,
             })
         } else {
             if let Some(flag) = upstream_tls.first_flag() {

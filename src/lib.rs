@@ -1,21 +1,19 @@
-//! mcp-xds-gateway: an MCP sink for Istio's Galley that serves the shared
-//! config cache to legacy clients of `AggregatedMeshConfigService`.
+//! mcp-xds-gateway: one process between Istio's config sources and every
+//! generation of config client.
 //!
-//! Data flows one way: `upstream` writes the `cache`; `downstream` streams read
-//! it; `admin` reports on both; `app` wires them together.
+//! Data flows one way: `source` writes the `cache`; `downstream` streams read
+//! it; `admin` reports on both; `transport` carries bytes; `app` wires them
+//! together. `architecture.md` says what each room owns and may import.
 #![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod app;
 pub mod cache;
-pub mod client_cmd;
 pub mod collections;
 pub mod config;
 pub mod downstream;
-pub mod local;
 pub mod metrics;
-pub mod persist;
 pub mod proto;
+pub mod source;
+pub mod tools;
 pub mod transport;
-pub mod upstream;
-pub mod wire;

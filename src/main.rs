@@ -50,7 +50,7 @@ fn main() -> ExitCode {
 }
 
 /// `mcp-xds-gateway client`: output on stdout, errors on stderr, exit 1 on error.
-fn run_client(args: mcp_xds_gateway::client_cmd::ClientArgs) -> ExitCode {
+fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -59,7 +59,7 @@ fn run_client(args: mcp_xds_gateway::client_cmd::ClientArgs) -> ExitCode {
         }
     };
     let mut stdout = std::io::stdout();
-    match runtime.block_on(mcp_xds_gateway::client_cmd::run(args, &mut stdout)) {
+    match runtime.block_on(mcp_xds_gateway::tools::client::run(args, &mut stdout)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

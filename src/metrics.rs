@@ -42,6 +42,7 @@ pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
 pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
 pub const CACHE_WRITE_FAILURES: &str = "mcp_gateway_cache_write_failures_total";
 pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_total";
+pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
 
 /// Every `limit` label of [`LIMIT_REFUSALS`]: the flag or protocol bound
 /// that refused a peer.
@@ -67,6 +68,20 @@ pub const LIMITS: &[&str] = &[
 
 /// Every listener label: the flag that configured the port.
 pub const LISTENERS: &[&str] = &["--listen", "--sink-listen", "--admin-listen", "--monitoring-listen"];
+
+/// Every `reason` label of [`CONNECTIONS_CLOSED`].
+pub const CLOSE_REASONS: &[&str] = &[
+    "peer_closed",
+    "handshake_timeout",
+    "tls_handshake",
+    "idle",
+    "max_age",
+    "flood",
+    "keepalive_timeout",
+    "protocol_error",
+    "shutdown",
+    "header_timeout",
+];
 
 /// Reasons an upstream stream ends (`mcp_gateway_upstream_stream_terminations_total`).
 pub const STREAM_END_REASONS: &[&str] = &[
@@ -121,7 +136,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         for kind in ["resources", "other"] {
             metrics::counter!(ACCEPT_ERRORS, "listener" => *listener, "kind" => kind).absolute(0);
         }
-        for reason in crate::transport::grpc::CLOSE_REASONS {
+        for reason in CLOSE_REASONS {
             metrics::counter!(CONNECTIONS_CLOSED, "listener" => *listener, "reason" => *reason).absolute(0);
         }
     }
@@ -335,7 +350,7 @@ pub fn describe() {
     );
     describe_gauge!(
         DOWNSTREAM_STREAMS,
-        "Open downstream streams by protocol (sotw, incremental) and dialect (1.0, 1.1; none before a first request)."
+        "Open downstream streams by protocol (sotw, incremental, resource-source) and dialect (1.0, 1.1; none before a first request)."
     );
     describe_counter!(
         DOWNSTREAM_PUSHES,
@@ -395,6 +410,11 @@ pub fn describe() {
     describe_counter!(
         NACK_MESSAGES_TRUNCATED,
         "Client NACK messages longer than --max-nack-message-bytes, kept and logged truncated."
+    );
+    describe_counter!(
+        DOWNSTREAM_STREAM_ENDS,
+        "Downstream streams that ended, by protocol and reason (client_closed, client_gone, shutdown, limit, \
+         invalid_request, refused)."
     );
 }
 

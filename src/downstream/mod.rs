@@ -1,17 +1,16 @@
-//! The aggregated services legacy clients use: `StreamAggregatedResources`
-//! (state of the world, many types per stream) and
-//! `IncrementalAggregatedResources` (diffs, one type per stream). One task per
-//! stream owns its nonce state; it reads the cache and never writes it.
+//! Serving the cache to clients: every protocol on one engine. A stream's
+//! task ([`stream`]) owns, per type, a pure state machine ([`type_state`])
+//! that decides what to send; a protocol ([`wires`]) is only how its
+//! requests read and its responses encode ([`encode`]). The tasks read the
+//! cache and never write it.
 
-mod incremental;
+pub mod encode;
 pub mod registry;
 pub mod service;
-mod sotw;
+mod stream;
+pub mod type_state;
+pub mod wires;
 
-use incremental::IncrementalStream;
-use sotw::SotwStream;
-
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,17 +20,41 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
 
+use dashmap::DashMap;
+
+use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
-use crate::config::DownstreamLimits;
 use crate::metrics::{self as m, CollectionMetrics};
-use crate::transport::bucket::TokenBucket;
 use crate::transport::requests::{RequestBudget, RequestStream};
-use crate::upstream::Subscriptions;
-use crate::wire::{EncodedResponse, ErrorDetail};
+use encode::EncodedResponse;
 use registry::NackRecord;
 pub use registry::Registry;
-pub use service::AggregatedService;
+pub use service::{AggregatedService, ResourceSourceService};
+
+/// Per-stream limits of the downstream services.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DownstreamLimits {
+    pub max_requests_per_second: u32,
+    pub max_request_bytes: usize,
+    pub max_request_buffer_bytes: usize,
+    pub request_read_timeout: Duration,
+    pub max_nack_message_bytes: usize,
+    pub max_types_per_stream: usize,
+}
+
+impl Default for DownstreamLimits {
+    fn default() -> Self {
+        Self {
+            max_requests_per_second: 50,
+            max_request_bytes: 4 << 20,
+            max_request_buffer_bytes: 64 << 20,
+            request_read_timeout: Duration::from_secs(10),
+            max_nack_message_bytes: 4096,
+            max_types_per_stream: 128,
+        }
+    }
+}
 
 /// Responses queued per stream. A stream has at most one response outstanding
 /// per type, so a client that stops reading holds at most this many (and then
@@ -66,6 +89,8 @@ struct Shared {
     /// One permit: work that grows with what a client sent (a large
     /// `initial_resource_versions`) runs one stream at a time.
     heavy: tokio::sync::Semaphore,
+    /// Per collection (collections are the table's, so this is bounded).
+    metrics: DashMap<Arc<str>, Arc<CollectionMetrics>>,
 }
 
 // === impl Downstream ===
@@ -96,6 +121,7 @@ impl Downstream {
                     limits.request_read_timeout,
                 ),
                 heavy: tokio::sync::Semaphore::new(1),
+                metrics: DashMap::new(),
             }),
         }
     }
@@ -104,13 +130,16 @@ impl Downstream {
         self.inner.limits
     }
 
-    /// A stream's requests, read against the shared budget.
-    pub fn requests<T: prost::Message + Default>(
-        &self,
-        body: tonic::body::Body,
-        message: &'static str,
-    ) -> RequestStream<T> {
-        RequestStream::new(body, self.inner.requests.clone(), message)
+    /// The downstream metrics of a collection, made once.
+    pub fn collection_metrics(&self, collection: &Arc<str>) -> Arc<CollectionMetrics> {
+        if let Some(metrics) = self.inner.metrics.get(collection) {
+            return metrics.clone();
+        }
+        self.inner
+            .metrics
+            .entry(collection.clone())
+            .or_insert_with(|| Arc::new(CollectionMetrics::new(collection)))
+            .clone()
     }
 
     /// Waits for the turn to do work that grows with a client's request.
@@ -162,14 +191,14 @@ const LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// that NACKs or sends stale nonces in a loop cannot flood the log.
 #[derive(Debug, Default)]
 struct LogLimit {
-    last: Option<std::time::Instant>,
+    last: Option<tokio::time::Instant>,
     skipped: u32,
 }
 
 impl LogLimit {
     /// `Some(skipped since the last line)` when this one may be logged.
     fn allow(&mut self) -> Option<u32> {
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         match self.last {
             Some(last) if now.duration_since(last) < LOG_INTERVAL => {
                 self.skipped = self.skipped.saturating_add(1);
@@ -212,55 +241,33 @@ fn record_stale(
     }
 }
 
-/// Counts and logs a client's NACK of `version` (the log rate-limited per
-/// stream), and returns the record the stream keeps (the version is never
-/// sent to that client again). Only the start of a long message is read and
-/// kept (`--max-nack-message-bytes`), with its full length.
-#[allow(clippy::too_many_arguments)]
+/// Counts and logs a client's NACK (the log rate-limited per stream).
 fn record_nack(
     stream: u64,
     logs: &mut StreamLogs,
     type_url: &str,
     collection: &Arc<str>,
-    version: Arc<str>,
-    error: bytes::Bytes,
+    nack: &NackRecord,
     metrics: &CollectionMetrics,
-    max_message_bytes: usize,
-) -> NackRecord {
-    let detail = ErrorDetail::parse(error, max_message_bytes).unwrap_or_else(|e| ErrorDetail {
-        code: tonic::Code::Unknown as i32,
-        message: format!("(the NACK's error_detail does not decode: {e})"),
-        message_len: 0,
-    });
-    let message = if detail.message_len > detail.message.len() {
-        metrics::counter!(m::NACK_MESSAGES_TRUNCATED).increment(1);
-        format!("{}… ({} bytes in all)", detail.message, detail.message_len)
-    } else {
-        detail.message
-    };
+) {
     metrics.nacks.increment(1);
     metrics::counter!(
         m::REQUEST_NACKS,
         "component" => m::COMPONENT_DOWNSTREAM,
         "collection" => collection.clone(),
-        "code" => m::code_label(detail.code)
+        "code" => m::code_label(nack.code)
     )
     .increment(1);
     if let Some(skipped) = logs.nacks.allow() {
         tracing::warn!(
             stream,
             %type_url,
-            %version,
-            code = detail.code,
-            %message,
+            version = %nack.version,
+            code = nack.code,
+            message = %nack.message,
             skipped,
             "client NACKed a version; it keeps its previous state and this version is not sent to it again"
         );
-    }
-    NackRecord {
-        version,
-        code: detail.code,
-        message,
     }
 }
 
@@ -280,126 +287,88 @@ async fn end_with(out: &Outbound, status: Status) {
     let _ = tokio::time::timeout(STATUS_SEND_TIMEOUT, out.send(Err(status))).await;
 }
 
-fn shutting_down() -> Status {
-    Status::unavailable("the gateway is shutting down; reconnect to another replica")
+type Responses = mpsc::Receiver<Result<Box<EncodedResponse>, Status>>;
+
+/// Why a downstream stream ended: the `reason` of
+/// `mcp_gateway_downstream_stream_ends_total` and of the log line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// The client closed its side of the stream.
+    ClientClosed,
+    /// The client is gone: it cancelled, its connection closed (GOAWAY, a
+    /// reset) or it stopped taking responses.
+    ClientGone,
+    /// The gateway is shutting down.
+    Shutdown,
+    /// A limit: the request rate, types per stream, a request's size or read time.
+    Limit,
+    /// A request the gateway cannot serve: an unknown type, a malformed field,
+    /// a second type on a one-type stream, a request that does not decode.
+    InvalidRequest,
+    /// The gateway refuses to go on: the client NACKed a first response it
+    /// cannot rebuild, or the peer is this gateway itself.
+    Refused,
 }
 
-type Responses = mpsc::Receiver<Result<Box<EncodedResponse>, Status>>;
+impl End {
+    pub const ALL: [End; 6] = [
+        End::ClientClosed,
+        End::ClientGone,
+        End::Shutdown,
+        End::Limit,
+        End::InvalidRequest,
+        End::Refused,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            End::ClientClosed => "client_closed",
+            End::ClientGone => "client_gone",
+            End::Shutdown => "shutdown",
+            End::Limit => "limit",
+            End::InvalidRequest => "invalid_request",
+            End::Refused => "refused",
+        }
+    }
+
+    /// The reason a stream ending with `status` ends for.
+    fn of(status: &Status) -> Self {
+        match status.code() {
+            tonic::Code::Cancelled => End::ClientGone,
+            tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded => End::Limit,
+            tonic::Code::FailedPrecondition => End::Refused,
+            tonic::Code::Unavailable => End::Shutdown,
+            _ => End::InvalidRequest,
+        }
+    }
+}
 
 /// The client went away: its response stream is closed.
 struct ClientGone;
 
-/// What differs between the two kinds of stream; [`drive`] runs the loop they
-/// share.
-trait StreamProtocol: Sized + Send + 'static {
-    type Request: prost::Message + Default + Send + 'static;
-    /// What a change notification names (a type, or nothing on a one-type stream).
-    type Change: Send;
-
-    fn new(shared: Downstream, id: u64, peer: Option<std::net::SocketAddr>) -> Self;
-
-    fn id(&self) -> u64;
-
-    // The futures are declared `Send` so a stream's task can be spawned.
-
-    /// Handles one request. `Err` ends the stream with that status.
-    fn on_request(
-        &mut self,
-        request: Self::Request,
-        out: &Outbound,
-    ) -> impl Future<Output = Result<Result<(), ClientGone>, Status>> + Send;
-
-    /// The next change to a followed collection; pending while there is none.
-    /// Must be cancel-safe.
-    fn next_change(&mut self) -> impl Future<Output = Self::Change> + Send;
-
-    /// Sends what a change makes due.
-    fn on_change(
-        &mut self,
-        change: Self::Change,
-        out: &Outbound,
-    ) -> impl Future<Output = Result<(), ClientGone>> + Send;
-}
-
-/// One stream's task: requests, cache changes and shutdown, until one of them
-/// ends the stream. Its state is removed when the stream value is dropped.
-async fn drive<P: StreamProtocol>(
-    mut stream: P,
-    mut inbound: RequestStream<P::Request>,
-    out: Outbound,
-    shutdown: CancellationToken,
-    limits: DownstreamLimits,
-) {
-    // Real clients send a request per type and an ACK per response; a loop
-    // of requests (stale nonces, re-subscriptions) is cut off.
-    let mut requests = TokenBucket::new(
-        f64::from(limits.max_requests_per_second),
-        f64::from(limits.max_requests_per_second) * 10.0,
-    );
-    let end = loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break Some(shutting_down()),
-            _ = out.closed() => break None,
-            request = inbound.message() => match request {
-                Ok(Some(_)) if !requests.take() => {
-                    m::limit_refused("requests_rate");
-                    break Some(Status::resource_exhausted(format!(
-                        "too many requests on this stream: --max-requests-per-second={}",
-                        limits.max_requests_per_second
-                    )));
-                }
-                Ok(Some(request)) => match stream.on_request(request, &out).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(ClientGone)) => {
-                        send_failed();
-                        break None;
-                    }
-                    Err(status) => break Some(status),
-                },
-                Ok(None) => break None,
-                // A request that does not decode ends the stream with its
-                // status; after a client's cancel nobody reads it.
-                Err(status) => {
-                    tracing::debug!(stream = stream.id(), %status, "client stream ended");
-                    metrics::counter!(
-                        m::RECV_FAILURES,
-                        "component" => m::COMPONENT_DOWNSTREAM,
-                        "code" => m::code_label(status.code() as i32)
-                    )
-                    .increment(1);
-                    break Some(status);
-                }
-            },
-            change = stream.next_change() => {
-                if stream.on_change(change, &out).await.is_err() {
-                    send_failed();
-                    break None;
-                }
-            }
+/// Registers the downstream series at 0, so dashboards and alerts see them
+/// before the first event.
+pub fn register_metrics(downstream: &Downstream, collections: &[Arc<str>]) {
+    for protocol in registry::Protocol::ALL {
+        for end in End::ALL {
+            metrics::counter!(m::DOWNSTREAM_STREAM_ENDS, "protocol" => protocol.as_str(), "reason" => end.as_str())
+                .absolute(0);
         }
-    };
-    if let Some(status) = end {
-        tracing::debug!(stream = stream.id(), %status, "ending stream");
-        end_with(&out, status).await;
+    }
+    for collection in collections {
+        downstream.collection_metrics(collection);
     }
 }
 
 impl Downstream {
-    /// Starts a stream's task and returns its responses.
-    fn start<P: StreamProtocol>(
-        &self,
-        inbound: RequestStream<P::Request>,
-        peer: Option<std::net::SocketAddr>,
-    ) -> Responses {
+    /// Starts a stream of protocol `W`: its task, and the responses it sends.
+    fn start<W: wires::Wire>(&self, body: tonic::body::Body, peer: Option<std::net::SocketAddr>) -> Responses {
+        let inbound = RequestStream::new(body, self.inner.requests.clone(), W::REQUEST);
         let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let stream = P::new(self.clone(), self.next_id(), peer);
-        self.inner.tasks.spawn(drive(
-            stream,
-            inbound,
-            tx,
-            self.inner.shutdown.clone(),
-            self.inner.limits,
-        ));
+        let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer);
+        self.inner
+            .tasks
+            .spawn(stream.drive(inbound, tx, self.inner.shutdown.clone(), self.inner.limits));
         rx
     }
 }
@@ -415,7 +384,7 @@ mod tests {
         assert_eq!(limit.allow(), None);
         assert_eq!(limit.allow(), None);
         // As if the interval had passed.
-        limit.last = Some(std::time::Instant::now() - LOG_INTERVAL);
+        limit.last = Some(tokio::time::Instant::now() - LOG_INTERVAL);
         assert_eq!(limit.allow(), Some(2));
         assert_eq!(limit.allow(), None);
     }

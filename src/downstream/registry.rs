@@ -12,17 +12,24 @@ use dashmap::DashMap;
 use crate::collections::Dialect;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Protocol {
+    /// `AggregatedMeshConfigService.StreamAggregatedResources`.
     Sotw,
+    /// `AggregatedMeshConfigService.IncrementalAggregatedResources`.
     Incremental,
+    /// `ResourceSource.EstablishResourceStream`.
+    ResourceSource,
 }
 
 impl Protocol {
+    pub const ALL: [Protocol; 3] = [Protocol::Sotw, Protocol::Incremental, Protocol::ResourceSource];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Sotw => "sotw",
             Protocol::Incremental => "incremental",
+            Protocol::ResourceSource => "resource-source",
         }
     }
 }

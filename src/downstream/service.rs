@@ -1,48 +1,102 @@
-//! `AggregatedMeshConfigService` on the wire. Requests are read by the
-//! transport's `RequestStream` (bounded buffers); responses are framed here, so a shared pre-encoded body reaches
-//! hyper as the same `Bytes` for every client. A response waiting on a slow
-//! client's HTTP/2 flow control holds a reference, not a copy of the collection.
+//! The gRPC services on the client port, each a set of methods that start a
+//! protocol's stream. Requests are read by the transport's `RequestStream`
+//! (bounded buffers); responses are framed here, so a shared pre-encoded body
+//! reaches hyper as the same `Bytes` for every client. A response waiting on a
+//! slow client's HTTP/2 flow control holds a reference, not a copy of the
+//! collection.
 
 use std::convert::Infallible;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::Instant;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http_body::Frame;
-use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tonic::body::Body;
 use tonic::codegen::http::{self, header, HeaderMap, HeaderValue};
 use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
-use super::{Downstream, IncrementalStream, SotwStream};
-use crate::cache::CollectionSnapshot;
+use super::encode::Record;
+use super::wires::{LegacyIncremental, LegacySotw, ResourceSourceWire};
+use super::{Downstream, Responses};
+use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
-use crate::wire::{EncodedResponse, IncrementalRequest, SotwRequest};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
+pub const RESOURCE_SOURCE_PATH: &str = "/istio.mcp.v1alpha1.ResourceSource/EstablishResourceStream";
 
-/// The gRPC service: two bidi methods, each run by one task per stream.
-#[derive(Clone)]
-pub struct AggregatedService {
-    downstream: Downstream,
+/// Starts one method's stream.
+type Start = fn(&Downstream, Body, Option<SocketAddr>) -> Responses;
+
+/// One gRPC service: its name and its methods.
+pub trait Methods: Send + Sync + 'static {
+    const NAME: &'static str;
+    const METHODS: &'static [(&'static str, Start)];
+    /// The service announces the gateway chain in its response headers.
+    const ANNOUNCES_CHAIN: bool;
 }
 
-impl AggregatedService {
-    pub fn new(downstream: Downstream) -> Self {
-        Self { downstream }
+/// `AggregatedMeshConfigService` (Istio 1.0/1.1): state of the world and
+/// incremental.
+pub enum Aggregated {}
+
+impl Methods for Aggregated {
+    const NAME: &'static str = "istio.mcp.v1alpha1.AggregatedMeshConfigService";
+    const METHODS: &'static [(&'static str, Start)] = &[
+        (SOTW_PATH, Downstream::start::<LegacySotw>),
+        (INCREMENTAL_PATH, Downstream::start::<LegacyIncremental>),
+    ];
+    const ANNOUNCES_CHAIN: bool = false;
+}
+
+/// `ResourceSource` (Pilot 1.2 to 1.7 as sinks, and chained gateways).
+pub enum Source {}
+
+impl Methods for Source {
+    const NAME: &'static str = "istio.mcp.v1alpha1.ResourceSource";
+    const METHODS: &'static [(&'static str, Start)] =
+        &[(RESOURCE_SOURCE_PATH, Downstream::start::<ResourceSourceWire>)];
+    const ANNOUNCES_CHAIN: bool = true;
+}
+
+/// A gRPC service of the client port.
+pub struct MeshService<M> {
+    downstream: Downstream,
+    _methods: PhantomData<fn() -> M>,
+}
+
+pub type AggregatedService = MeshService<Aggregated>;
+pub type ResourceSourceService = MeshService<Source>;
+
+impl<M> Clone for MeshService<M> {
+    fn clone(&self) -> Self {
+        Self {
+            downstream: self.downstream.clone(),
+            _methods: PhantomData,
+        }
     }
 }
 
-impl NamedService for AggregatedService {
-    const NAME: &'static str = "istio.mcp.v1alpha1.AggregatedMeshConfigService";
+impl<M: Methods> MeshService<M> {
+    pub fn new(downstream: Downstream) -> Self {
+        Self {
+            downstream,
+            _methods: PhantomData,
+        }
+    }
 }
 
-impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
+impl<M: Methods> NamedService for MeshService<M> {
+    const NAME: &'static str = M::NAME;
+}
+
+impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M> {
     type Response = http::Response<Body>;
     type Error = Infallible;
     type Future = std::future::Ready<Result<Self::Response, Infallible>>;
@@ -58,33 +112,24 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
             ));
             return std::future::ready(Ok(status.into_http()));
         }
+        let Some((_, start)) = M::METHODS.iter().find(|(path, _)| *path == request.uri().path()) else {
+            let status = Status::unimplemented(format!("{} is not a method of {}", request.uri().path(), M::NAME));
+            return std::future::ready(Ok(status.into_http()));
+        };
         let peer = request
             .extensions()
             .get::<TcpConnectInfo>()
             .and_then(TcpConnectInfo::remote_addr);
-        let responses = match request.uri().path() {
-            SOTW_PATH => {
-                let inbound = self
-                    .downstream
-                    .requests::<SotwRequest>(request.into_body(), "istio.mcp.v1alpha1.MeshConfigRequest");
-                self.downstream.start::<SotwStream>(inbound, peer)
-            }
-            INCREMENTAL_PATH => {
-                let inbound = self.downstream.requests::<IncrementalRequest>(
-                    request.into_body(),
-                    "istio.mcp.v1alpha1.IncrementalMeshConfigRequest",
-                );
-                self.downstream.start::<IncrementalStream>(inbound, peer)
-            }
-            path => {
-                let status = Status::unimplemented(format!("{path} is not a method of {}", Self::NAME));
-                return std::future::ready(Ok(status.into_http()));
-            }
-        };
+        let responses = start(&self.downstream, request.into_body(), peer);
         let mut response = http::Response::new(Body::new(FramedResponses::new(responses)));
-        response
-            .headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        if M::ANNOUNCES_CHAIN {
+            // Gateway ids are ASCII; an invalid value is only left out.
+            if let Ok(chain) = HeaderValue::try_from(self.downstream.inner.cache.provenance().announced()) {
+                headers.insert(CHAIN_HEADER, chain);
+            }
+        }
         std::future::ready(Ok(response))
     }
 }
@@ -94,7 +139,7 @@ impl tonic::codegen::Service<http::Request<Body>> for AggregatedService {
 /// A gRPC response body: each message as its 5-byte frame header, then its
 /// shared parts and per-client suffix as they are; trailers with the status.
 pub struct FramedResponses {
-    responses: mpsc::Receiver<Result<Box<EncodedResponse>, Status>>,
+    responses: Responses,
     /// The message being written.
     writing: Option<Writing>,
     done: bool,
@@ -124,7 +169,7 @@ impl Writing {
 }
 
 impl FramedResponses {
-    fn new(responses: mpsc::Receiver<Result<Box<EncodedResponse>, Status>>) -> Self {
+    fn new(responses: Responses) -> Self {
         Self {
             responses,
             writing: None,
@@ -136,8 +181,8 @@ impl FramedResponses {
 }
 
 /// The metrics of a response handed to the client's connection.
-fn record_write(snapshot: &CollectionSnapshot, stream_started: Instant, len: usize, warned_oversized: &mut bool) {
-    let metrics = &snapshot.metrics;
+fn record_write(record: &Record, stream_started: Instant, len: usize, warned_oversized: &mut bool) {
+    let Record { snapshot, metrics } = record;
     metrics.push_size.record(len as f64);
     metrics.response_size.record(len as f64);
     // A change applied before the stream began is not a push: a new
@@ -183,8 +228,8 @@ impl http_body::Body for FramedResponses {
         let status = match ready!(this.responses.poll_recv(cx)) {
             Some(Ok(response)) => {
                 let len = response.len();
-                if let Some(snapshot) = &response.snapshot {
-                    record_write(snapshot, this.started, len, &mut this.warned_oversized);
+                if let Some(record) = &response.record {
+                    record_write(record, this.started, len, &mut this.warned_oversized);
                 }
                 match u32::try_from(len) {
                     Ok(len) => {

@@ -248,19 +248,6 @@ impl Closed {
     }
 }
 
-pub const CLOSE_REASONS: &[&str] = &[
-    "peer_closed",
-    "handshake_timeout",
-    "tls_handshake",
-    "idle",
-    "max_age",
-    "flood",
-    "keepalive_timeout",
-    "protocol_error",
-    "shutdown",
-    "header_timeout",
-];
-
 /// A peer that stops reading cannot keep a closing connection open longer.
 const CLOSE_FLUSH: Duration = Duration::from_secs(1);
 

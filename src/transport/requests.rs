@@ -281,13 +281,13 @@ mod tests {
         chunk: usize,
         end: bool,
         budget: Arc<RequestBudget>,
-    ) -> RequestStream<crate::wire::SotwRequest> {
+    ) -> RequestStream<crate::proto::wire::SotwRequest> {
         let chunks = bytes.chunks(chunk).map(Bytes::copy_from_slice).collect();
         RequestStream::new(Body::new(Chunks { chunks, end }), budget, "MeshConfigRequest")
     }
 
     fn request(version: &str) -> Vec<u8> {
-        prost::Message::encode_to_vec(&crate::wire::SotwRequest {
+        prost::Message::encode_to_vec(&crate::proto::wire::SotwRequest {
             version_info: version.into(),
             type_url: "t".into(),
             ..Default::default()
@@ -323,7 +323,7 @@ mod tests {
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
                 .map(|b| Ok::<_, Status>(http_body::Frame::data(b))),
         ));
-        let mut requests: RequestStream<crate::wire::SotwRequest> =
+        let mut requests: RequestStream<crate::proto::wire::SotwRequest> =
             RequestStream::new(body, budget, "MeshConfigRequest");
         let mut got = Vec::new();
         for chunk in bytes.chunks(999) {

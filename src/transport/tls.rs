@@ -20,6 +20,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::fswatch::{parent_dir, DirWatch};
 
@@ -154,7 +155,7 @@ impl ServerTls {
     }
 
     /// Reloads whenever a file's directory changes, until `shutdown`.
-    pub fn watch(self: &Arc<Self>, shutdown: CancellationToken) -> Result<(), TlsError> {
+    pub fn watch(self: &Arc<Self>, shutdown: CancellationToken, tasks: &TaskTracker) -> Result<(), TlsError> {
         let mut watch = DirWatch::new(&self.files.dirs()).map_err(|e| {
             tls_error(
                 "--tls-cert",
@@ -163,13 +164,18 @@ impl ServerTls {
             )
         })?;
         let tls = self.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             loop {
                 tokio::select! {
                     changed = watch.changed() => if !changed { return },
                     _ = shutdown.cancelled() => return,
                 }
-                match tls.reload() {
+                // Reading the files blocks: on the blocking pool.
+                let reloading = tls.clone();
+                let reloaded = tokio::task::spawn_blocking(move || reloading.reload())
+                    .await
+                    .unwrap_or_else(|e| Err(tls_error("--tls-cert", &tls.files.cert, format!("reload failed: {e}"))));
+                match reloaded {
                     Ok(()) => tracing::info!(cert = %tls.files.cert.display(), "TLS certificate files reloaded"),
                     Err(e) => tracing::warn!(
                         error = %e,

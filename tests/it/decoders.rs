@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use mcp_xds_gateway::collections::CollectionTable;
-use mcp_xds_gateway::wire::{self, ErrorDetail, IncrementalRequest, RawResource, RawResources, SotwRequest};
+use mcp_xds_gateway::proto::wire::{self, ErrorDetail, IncrementalRequest, RawResource, RawResources, SotwRequest};
 use proptest::prelude::*;
 use prost::Message;
 
@@ -55,25 +55,25 @@ proptest! {
         let _ = RawResources::decode(Bytes::from(bytes.clone()));
         let _ = RawResource::decode(Bytes::from(bytes));
         let raw: Vec<Bytes> = resources.into_iter().map(Bytes::from).collect();
-        let _ = mcp_xds_gateway::upstream::session::decode_resources("istio/networking/v1alpha3/gateways", &raw);
+        let _ = mcp_xds_gateway::source::validate::decode_resources("istio/networking/v1alpha3/gateways", &raw);
     }
 
     #[test]
     fn cache_files_never_panic(bytes in any_bytes(), tail in protobuf_like()) {
-        let _ = mcp_xds_gateway::persist::decode(&bytes);
+        let _ = mcp_xds_gateway::source::persisted::decode(&bytes);
         // A valid header and checksum over arbitrary protobuf.
         let mut file = b"mcp-xds-gateway\n".to_vec();
         file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&tail).to_le_bytes());
         file.extend_from_slice(&tail);
-        if let Ok(message) = mcp_xds_gateway::persist::decode(&file) {
-            let _ = mcp_xds_gateway::upstream::session::decode_resources(&message.collection, &message.resources);
+        if let Ok(message) = mcp_xds_gateway::source::persisted::decode(&file) {
+            let _ = mcp_xds_gateway::source::validate::decode_resources(&message.collection, &message.resources);
         }
     }
 
     #[test]
     fn source_files_never_panic(text in "(collection|name|version|body|struct|type_url|value_base64|labels|[-:{}\\[\\]&*!#|>, \n]|[a-z0-9/]{1,12}){0,60}") {
         let table = CollectionTable::builtin();
-        let _ = mcp_xds_gateway::local::parse("fuzz.yaml", &text, &table);
+        let _ = mcp_xds_gateway::source::files::parse("fuzz.yaml", &text, &table);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use tokio::process::Command;
 
 use std::net::SocketAddr;
 
-use mcp_xds_gateway::persist;
+use mcp_xds_gateway::source::persisted;
 
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{resource, FakeGalley};
@@ -200,7 +200,7 @@ async fn the_persisted_cache_survives_a_hard_kill_with_upstream_down() {
     client.subscribe(VS);
     let served = client.recv().await;
     eventually("the collection to reach the disk", || {
-        persist::peek(dir.path(), VS).is_ok_and(|m| m.system_version_info == served.version_info)
+        persisted::peek(dir.path(), VS).is_ok_and(|m| m.system_version_info == served.version_info)
     })
     .await;
 

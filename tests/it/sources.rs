@@ -5,9 +5,9 @@ use std::path::Path;
 
 use bytes::Bytes;
 use mcp_xds_gateway::cache::{Cache, Origin, Update};
-use mcp_xds_gateway::persist;
 use mcp_xds_gateway::proto::Resources;
-use mcp_xds_gateway::upstream::session::decode_resources;
+use mcp_xds_gateway::source::persisted;
+use mcp_xds_gateway::source::validate::decode_resources;
 use prost::Message;
 use tonic::Code;
 
@@ -236,12 +236,12 @@ async fn with_no_source_flag_the_shipped_examples_are_served() {
 
 /// A cache file in the gateway's own format for `collection`.
 fn persisted(dir: &Path, collection: &str, resources: &[mcp_xds_gateway::proto::Resource]) -> Vec<u8> {
-    let cache = Cache::new();
+    let (cache, mut writer) = Cache::new();
     let encoded: Vec<Bytes> = resources.iter().map(|r| r.encode_to_vec().into()).collect();
     let decoded = decode_resources(collection, &encoded).unwrap();
-    cache.apply(collection, Update::Full(decoded), Origin::Upstream);
-    let bytes = persist::encode(&cache.get(collection).unwrap());
-    persist::write_atomically(dir, &persist::file_name(collection), &bytes).unwrap();
+    writer.apply(collection, Update::Full(decoded), Origin::Upstream);
+    let bytes = persisted::encode(&cache.get(collection).unwrap());
+    persisted::write_atomically(dir, &persisted::file_name(collection), &bytes).unwrap();
     bytes
 }
 
@@ -250,9 +250,9 @@ async fn corrupt_cache_files_are_skipped_and_upstream_replaces_what_was_loaded()
     let dir = tempfile::tempdir().unwrap();
     persisted(dir.path(), GW, &[resource("g", "1", b"g")]);
     // A damaged file and a torn one.
-    std::fs::write(dir.path().join(persist::file_name(VS)), b"not a cache file").unwrap();
+    std::fs::write(dir.path().join(persisted::file_name(VS)), b"not a cache file").unwrap();
     let good = persisted(dir.path(), DR, &[resource("d", "1", b"d")]);
-    std::fs::write(dir.path().join(persist::file_name(DR)), &good[..good.len() - 3]).unwrap();
+    std::fs::write(dir.path().join(persisted::file_name(DR)), &good[..good.len() - 3]).unwrap();
 
     let mut galley = FakeGalley::start().await;
     let dir_flag = dir.path().to_str().unwrap().to_owned();
@@ -290,7 +290,7 @@ async fn corrupt_cache_files_are_skipped_and_upstream_replaces_what_was_loaded()
     upstream.push_full(VS, vec![resource("v", "1", b"v")]).await;
     let version = gw.cache.get(VS).unwrap().version.clone();
     eventually("the damaged file to be replaced", || {
-        persist::peek(dir.path(), VS).is_ok_and(|m| *m.system_version_info == *version)
+        persisted::peek(dir.path(), VS).is_ok_and(|m| *m.system_version_info == *version)
     })
     .await;
 }

@@ -515,10 +515,10 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
     let outside = tempfile::tempdir().unwrap();
     let victim = outside.path().join("victim");
     std::fs::write(&victim, b"precious").unwrap();
-    let vs_file = cache_dir.path().join(mcp_xds_gateway::persist::file_name(VS));
+    let vs_file = cache_dir.path().join(mcp_xds_gateway::source::persisted::file_name(VS));
     std::os::unix::fs::symlink(&victim, &vs_file).unwrap();
     // The GW file's place is taken by a directory: its writes fail.
-    let gw_file = cache_dir.path().join(mcp_xds_gateway::persist::file_name(GW));
+    let gw_file = cache_dir.path().join(mcp_xds_gateway::source::persisted::file_name(GW));
     std::fs::create_dir(&gw_file).unwrap();
     std::fs::write(gw_file.join("x"), b"").unwrap();
 
@@ -531,7 +531,7 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
     stream.push_full(GW, vec![resource("g", "1", b"g")]).await;
     stream.push_full(VS, vec![resource("a", "1", b"a")]).await;
     eventually("VS to be persisted", || {
-        mcp_xds_gateway::persist::peek(cache_dir.path(), VS).is_ok()
+        mcp_xds_gateway::source::persisted::peek(cache_dir.path(), VS).is_ok()
     })
     .await;
     assert_eq!(

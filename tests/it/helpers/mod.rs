@@ -48,8 +48,8 @@ pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 pub async fn upstream_status_when(
     gw: &Bound,
     what: &str,
-    condition: impl Fn(&mcp_xds_gateway::upstream::UpstreamStatus) -> bool,
-) -> mcp_xds_gateway::upstream::UpstreamStatus {
+    condition: impl Fn(&mcp_xds_gateway::source::UpstreamStatus) -> bool,
+) -> mcp_xds_gateway::source::UpstreamStatus {
     within(what, async {
         loop {
             let status = gw.upstream.borrow().clone();

@@ -14,10 +14,15 @@
 //! the version field followed by the chunks; each resource's bytes are a slice
 //! of its chunk, so the config is held once.
 
-use crate::metrics::CollectionMetrics;
+pub mod demand;
+pub mod memo;
+pub mod provenance;
+
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
+
+use memo::Memo;
 
 use bytes::Bytes;
 use imbl::OrdMap;
@@ -96,14 +101,43 @@ fn entry_hash(name: &str, version: &str, digest: u128) -> u128 {
     hasher.digest128()
 }
 
-/// A run of consecutive resources (in name order), encoded once as the
-/// `resources` field (2) of a response and shared by every version in which
-/// the run is unchanged.
+/// A run of consecutive resources (in name order), stored once and shared by
+/// every version in which the run is unchanged. The storage is a run of
+/// protobuf records of field [`STORAGE_FIELD`], `key, length, Resource`, one
+/// per resource: the same bytes the legacy MCP responses carry as their
+/// `resources` field, which is why those responses can use them as they are.
+/// Other encodings are made from the members and memoized on the chunk.
 #[derive(Debug)]
 pub struct Chunk {
     /// The run's resources; their `encoded` bytes are slices of `bytes`.
     members: Vec<Arc<CachedResource>>,
-    pub bytes: Bytes,
+    bytes: Bytes,
+    /// Encodings readers made of this chunk.
+    pub memo: Memo,
+}
+
+/// The field number of a chunk's storage records.
+pub const STORAGE_FIELD: u32 = 2;
+
+impl Chunk {
+    /// The storage: one `STORAGE_FIELD` record per member.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    pub fn members(&self) -> &[Arc<CachedResource>] {
+        &self.members
+    }
+}
+
+/// Appends one storage record and returns where the resource's bytes start.
+fn put_record(resource: &[u8], buf: &mut bytes::BytesMut) -> usize {
+    use bytes::BufMut;
+    prost::encoding::encode_key(STORAGE_FIELD, prost::encoding::WireType::LengthDelimited, buf);
+    prost::encoding::encode_varint(resource.len() as u64, buf);
+    let start = buf.len();
+    buf.put_slice(resource);
+    start
 }
 
 /// A chunk ends after a resource whose name hashes to zero in these bits:
@@ -141,10 +175,7 @@ fn chunk(resources: &mut ResourceMap, previous: &[Arc<Chunk>]) -> (Vec<Arc<Chunk
         }
         let len: usize = run.iter().map(|r| r.encoded.len() + 11).sum();
         let mut buf = bytes::BytesMut::with_capacity(len);
-        let starts: Vec<usize> = run
-            .iter()
-            .map(|r| crate::wire::put_resource(&r.encoded, &mut buf))
-            .collect();
+        let starts: Vec<usize> = run.iter().map(|r| put_record(&r.encoded, &mut buf)).collect();
         let bytes = buf.freeze();
         let members: Vec<Arc<CachedResource>> = run
             .drain(..)
@@ -162,7 +193,11 @@ fn chunk(resources: &mut ResourceMap, previous: &[Arc<Chunk>]) -> (Vec<Arc<Chunk
             })
             .collect();
         repointed.extend(members.iter().cloned());
-        chunks.push(Arc::new(Chunk { members, bytes }));
+        chunks.push(Arc::new(Chunk {
+            members,
+            bytes,
+            memo: Memo::default(),
+        }));
     };
     let mut total = 0;
     for resource in resources.values() {
@@ -212,23 +247,12 @@ pub struct CollectionSnapshot {
     pub bytes: usize,
     pub updated_at: SystemTime,
     /// `updated_at` on the monotonic clock, for push latency.
-    pub applied_at: std::time::Instant,
+    pub applied_at: tokio::time::Instant,
     pub origin: Origin,
-    /// The collection's metric handles (the same for every snapshot of it).
-    pub metrics: Arc<CollectionMetrics>,
     chunks: Vec<Arc<Chunk>>,
-    /// The version field, then every chunk: the shared part of every
-    /// state-of-the-world response for this snapshot.
-    sotw_parts: Arc<[Bytes]>,
-    /// Encoded incremental bodies that bring a client from another version to
-    /// this one, by that version: computed for the first client at a version
-    /// and shared by the rest. Freed with the snapshot.
-    incremental_bodies: Mutex<HashMap<Arc<str>, Arc<[Bytes]>>>,
+    /// Encodings readers made of this snapshot (responses, diffs).
+    pub memo: Memo,
 }
-
-/// Distinct from-versions whose diffs a snapshot keeps (clients are normally
-/// at one or two versions; this bounds a pathological spread).
-const SHARED_DIFFS_PER_SNAPSHOT: usize = 32;
 
 impl CollectionSnapshot {
     #[allow(clippy::too_many_arguments)]
@@ -239,12 +263,8 @@ impl CollectionSnapshot {
         chunks: Vec<Arc<Chunk>>,
         bytes: usize,
         origin: Origin,
-        metrics: Arc<CollectionMetrics>,
     ) -> Self {
         let version: Arc<str> = version_from_sum(content_sum, resources.len()).into();
-        let sotw_parts = std::iter::once(crate::wire::encode_version(&version))
-            .chain(chunks.iter().map(|c| c.bytes.clone()))
-            .collect();
         Self {
             version,
             bytes,
@@ -252,44 +272,21 @@ impl CollectionSnapshot {
             resources,
             content_sum,
             updated_at: SystemTime::now(),
-            applied_at: std::time::Instant::now(),
+            applied_at: tokio::time::Instant::now(),
             origin,
-            metrics,
             chunks,
-            sotw_parts,
-            incremental_bodies: Mutex::new(HashMap::new()),
+            memo: Memo::default(),
         }
     }
 
-    /// The parts shared by every state-of-the-world response for this snapshot
-    /// (the per-client `type_url` and nonce follow them). From nothing, an
-    /// incremental response is the same message.
-    pub fn sotw_parts(&self) -> &Arc<[Bytes]> {
-        &self.sotw_parts
+    /// The chunks that hold the resources, in name order.
+    pub fn chunks(&self) -> &[Arc<Chunk>] {
+        &self.chunks
     }
 
     /// How many chunks hold the resources.
     pub fn chunk_count(&self) -> usize {
         self.chunks.len()
-    }
-
-    /// The encoded body of an incremental response that brings a client
-    /// holding `from` to this snapshot. The diff costs time proportional to the
-    /// change (consecutive snapshots share structure) and is encoded once per
-    /// from-version, whatever the number of clients.
-    pub fn incremental_body_from(&self, from: &CollectionSnapshot) -> Arc<[Bytes]> {
-        let shared = |bodies: &HashMap<Arc<str>, Arc<[Bytes]>>| bodies.get(&from.version).cloned();
-        if let Some(body) = shared(&self.incremental_bodies.lock().expect("diff cache lock poisoned")) {
-            return body;
-        }
-        // Encoded outside the lock: two clients racing may both encode.
-        let diff = Diff::between(&from.resources, &self.resources);
-        let body: Arc<[Bytes]> = Arc::from([diff.encode(&self.version)]);
-        let mut bodies = self.incremental_bodies.lock().expect("diff cache lock poisoned");
-        if bodies.len() < SHARED_DIFFS_PER_SNAPSHOT {
-            bodies.insert(from.version.clone(), body.clone());
-        }
-        body
     }
 
     pub fn len(&self) -> usize {
@@ -367,37 +364,38 @@ impl Applied {
 
 type Slot = watch::Sender<Option<Arc<CollectionSnapshot>>>;
 
-/// The collections, each behind its own change notification.
+/// The collections, each behind its own change notification. Shared by
+/// every reader; written only through the one [`CacheWriter`].
 #[derive(Debug, Default)]
 pub struct Cache {
     // Held only to find or create a slot, never across an await.
     slots: RwLock<HashMap<Arc<str>, Slot>>,
     /// Bumped on every change to any collection (readiness follows it).
     generation: watch::Sender<u64>,
-    /// Each collection's metric handles, registered at first use.
-    metrics: RwLock<HashMap<Arc<str>, Arc<CollectionMetrics>>>,
+    provenance: provenance::Provenance,
+}
+
+/// The one handle that writes the cache. Not `Clone`: whoever holds it is
+/// the source (the upstream session, the dial-out source that holds the slot,
+/// the local files), and there is no second one.
+#[derive(Debug)]
+pub struct CacheWriter {
+    cache: Arc<Cache>,
 }
 
 // === impl Cache ===
 
 impl Cache {
-    pub fn new() -> Self {
-        Self::default()
+    /// A new, empty cache and its writer.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new() -> (Arc<Cache>, CacheWriter) {
+        let cache = Arc::new(Cache::default());
+        (cache.clone(), CacheWriter { cache })
     }
 
-    /// The collection's metric handles (registered with the recorder
-    /// installed when first asked for).
-    pub fn metrics(&self, collection: &str) -> Arc<CollectionMetrics> {
-        if let Some(metrics) = self.metrics.read().expect("cache lock poisoned").get(collection) {
-            return metrics.clone();
-        }
-        let name: Arc<str> = Arc::from(collection);
-        self.metrics
-            .write()
-            .expect("cache lock poisoned")
-            .entry(name.clone())
-            .or_insert_with(|| Arc::new(CollectionMetrics::new(&name)))
-            .clone()
+    /// This gateway's id and the gateways upstream of it.
+    pub fn provenance(&self) -> &provenance::Provenance {
+        &self.provenance
     }
 
     /// Sees a new value whenever any collection changes.
@@ -449,9 +447,30 @@ impl Cache {
             })
             .unwrap_or_default()
     }
+}
+
+// === impl CacheWriter ===
+
+impl CacheWriter {
+    /// What it writes.
+    pub fn cache(&self) -> &Arc<Cache> {
+        &self.cache
+    }
+
+    /// The gateways upstream of the source now writing (empty when the
+    /// source is not a gateway).
+    pub fn set_upstream_chain(&mut self, chain: Vec<Arc<str>>) {
+        self.cache.provenance.set_upstream_chain(chain);
+    }
 
     /// Applies an update. Readers are woken only when the content changed.
-    pub fn apply(&self, collection: &str, update: Update, origin: Origin) -> Applied {
+    pub fn apply(&mut self, collection: &str, update: Update, origin: Origin) -> Applied {
+        self.cache.apply(collection, update, origin)
+    }
+}
+
+impl Cache {
+    fn apply(&self, collection: &str, update: Update, origin: Origin) -> Applied {
         let slot = self.slot(collection);
         let current = slot.borrow().clone();
         let name = current
@@ -487,13 +506,7 @@ impl Cache {
         }
         let previous_chunks = current.as_ref().map(|s| s.chunks.as_slice()).unwrap_or_default();
         let (chunks, bytes) = chunk(&mut resources, previous_chunks);
-        let metrics = match &current {
-            Some(current) => current.metrics.clone(),
-            None => self.metrics(&name),
-        };
-        let snapshot = Arc::new(CollectionSnapshot::new(
-            name, resources, sum, chunks, bytes, origin, metrics,
-        ));
+        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {
             Some(old) if old.version == snapshot.version => {
@@ -558,10 +571,9 @@ impl<R: AsRef<str>> Diff<R> {
         self.upserts.is_empty() && self.removed.is_empty()
     }
 
-    /// The body of an incremental response carrying this diff to `version`.
-    pub fn encode(&self, version: &str) -> Bytes {
-        let removed: Vec<&str> = self.removed.iter().map(AsRef::as_ref).collect();
-        crate::wire::encode_body(version, self.upserts.iter().map(|r| &r.encoded), &removed)
+    /// The removed names, borrowed.
+    pub fn removed_names(&self) -> Vec<&str> {
+        self.removed.iter().map(AsRef::as_ref).collect()
     }
 }
 
@@ -628,12 +640,12 @@ mod tests {
 
     #[test]
     fn a_new_body_under_the_same_version_is_a_change() {
-        let cache = Cache::new();
+        let (cache, mut cache_writer) = Cache::new();
         let mut rx = cache.subscribe(C);
-        let first = cache.apply(C, Update::Full(vec![with_body("a", "1", "old")]), Origin::Upstream);
+        let first = cache_writer.apply(C, Update::Full(vec![with_body("a", "1", "old")]), Origin::Upstream);
         rx.borrow_and_update();
         // A restarted source reusing version "1" for other content.
-        let second = cache.apply(C, Update::Full(vec![with_body("a", "1", "new")]), Origin::Upstream);
+        let second = cache_writer.apply(C, Update::Full(vec![with_body("a", "1", "new")]), Origin::Upstream);
         assert!(matches!(second, Applied::Changed { .. }));
         assert_ne!(first.version(), second.version());
         assert!(rx.has_changed().unwrap(), "readers are woken");
@@ -649,7 +661,7 @@ mod tests {
             Bytes::from_static(b"new"),
             content_digest(b"new", &labels, &none),
         );
-        let third = cache.apply(
+        let third = cache_writer.apply(
             C,
             Update::Incremental {
                 upserts: vec![labelled],
@@ -662,13 +674,13 @@ mod tests {
 
     #[test]
     fn the_kept_version_equals_one_computed_from_scratch() {
-        let cache = Cache::new();
-        cache.apply(
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(
             C,
             Update::Full((0..100).map(|i| resource(&format!("r{i}"), "1")).collect()),
             Origin::Upstream,
         );
-        cache.apply(
+        cache_writer.apply(
             C,
             Update::Incremental {
                 upserts: vec![resource("r5", "2"), resource("new", "1")],
@@ -693,20 +705,20 @@ mod tests {
 
     #[test]
     fn version_is_content_derived_and_order_independent() {
-        let a = Cache::new();
-        let b = Cache::new();
-        let va = a.apply(
+        let (_a, mut a_writer) = Cache::new();
+        let (_b, mut b_writer) = Cache::new();
+        let va = a_writer.apply(
             C,
             Update::Full(vec![resource("x", "1"), resource("y", "2")]),
             Origin::Upstream,
         );
-        let vb = b.apply(
+        let vb = b_writer.apply(
             C,
             Update::Full(vec![resource("y", "2"), resource("x", "1")]),
             Origin::Upstream,
         );
         assert_eq!(va, vb);
-        let vc = b.apply(
+        let vc = b_writer.apply(
             C,
             Update::Full(vec![resource("y", "3"), resource("x", "1")]),
             Origin::Upstream,
@@ -722,35 +734,35 @@ mod tests {
 
     #[test]
     fn equal_content_does_not_wake_readers() {
-        let cache = Cache::new();
+        let (cache, mut cache_writer) = Cache::new();
         let mut rx = cache.subscribe(C);
         assert!(rx.borrow_and_update().is_none(), "not delivered yet");
-        cache.apply(C, Update::Full(vec![resource("x", "1")]), Origin::Upstream);
+        cache_writer.apply(C, Update::Full(vec![resource("x", "1")]), Origin::Upstream);
         assert!(rx.has_changed().unwrap());
         rx.borrow_and_update();
-        let again = cache.apply(C, Update::Full(vec![resource("x", "1")]), Origin::Upstream);
+        let again = cache_writer.apply(C, Update::Full(vec![resource("x", "1")]), Origin::Upstream);
         assert!(matches!(again, Applied::Unchanged { .. }));
         assert!(!rx.has_changed().unwrap());
     }
 
     #[test]
     fn delivered_empty_is_not_missing() {
-        let cache = Cache::new();
+        let (cache, mut cache_writer) = Cache::new();
         assert!(cache.get(C).is_none());
-        cache.apply(C, Update::Full(vec![]), Origin::Upstream);
+        cache_writer.apply(C, Update::Full(vec![]), Origin::Upstream);
         let snapshot = cache.get(C).expect("an empty collection is delivered");
         assert!(snapshot.is_empty());
     }
 
     #[test]
     fn incremental_upserts_and_removes_ignoring_unknown_names() {
-        let cache = Cache::new();
-        cache.apply(
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(
             C,
             Update::Full(vec![resource("a", "1"), resource("b", "1")]),
             Origin::Upstream,
         );
-        cache.apply(
+        cache_writer.apply(
             C,
             Update::Incremental {
                 upserts: vec![resource("b", "2"), resource("c", "1")],
@@ -769,14 +781,14 @@ mod tests {
 
     #[test]
     fn full_state_replaces_and_diffs_follow_the_change() {
-        let cache = Cache::new();
+        let (cache, mut cache_writer) = Cache::new();
         let many: Vec<_> = (0..1000).map(|i| resource(&format!("r{i:04}"), "1")).collect();
-        cache.apply(C, Update::Full(many), Origin::Upstream);
+        cache_writer.apply(C, Update::Full(many), Origin::Upstream);
         let before = cache.get(C).unwrap();
         let mut next: Vec<_> = (1..1000).map(|i| resource(&format!("r{i:04}"), "1")).collect();
         next[10] = resource("r0011", "2");
         next.push(resource("zz", "1"));
-        cache.apply(C, Update::Full(next), Origin::Upstream);
+        cache_writer.apply(C, Update::Full(next), Origin::Upstream);
         let after = cache.get(C).unwrap();
         assert_eq!(after.len(), 1000);
         let diff = Diff::between(&before.resources, &after.resources);
@@ -787,8 +799,8 @@ mod tests {
 
     #[test]
     fn diff_from_client_versions() {
-        let cache = Cache::new();
-        cache.apply(
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(
             C,
             Update::Full(vec![resource("a", "1"), resource("b", "2")]),
             Origin::Upstream,
@@ -804,49 +816,30 @@ mod tests {
     }
 
     #[test]
-    fn incremental_bodies_are_shared_per_from_version() {
-        let cache = Cache::new();
-        cache.apply(
-            C,
-            Update::Full(vec![resource("a", "1"), resource("b", "1")]),
-            Origin::Upstream,
-        );
-        let from = cache.get(C).unwrap();
-        cache.apply(
-            C,
-            Update::Full(vec![resource("a", "2"), resource("c", "1")]),
-            Origin::Upstream,
-        );
-        let to = cache.get(C).unwrap();
-        let first = to.incremental_body_from(&from);
-        let second = to.incremental_body_from(&from);
-        assert!(Arc::ptr_eq(&first, &second), "encoded once, shared");
-        let diff = Diff::between(&from.resources, &to.resources);
-        assert_eq!(diff.removed, vec![Arc::<str>::from("b")]);
-        assert_eq!(diff.upserts.iter().map(|r| &*r.name).collect::<Vec<_>>(), ["a", "c"]);
-        assert_eq!(*first, [diff.encode(&to.version)]);
-    }
-
-    #[test]
-    fn sotw_parts_are_the_version_and_the_chunks() {
-        let cache = Cache::new();
+    fn chunks_store_every_resource_once_in_name_order() {
+        let (cache, mut writer) = Cache::new();
         let many: Vec<_> = (0..2000).map(|i| resource(&format!("r{i:05}"), "1")).collect();
-        cache.apply(C, Update::Full(many), Origin::Upstream);
+        writer.apply(C, Update::Full(many), Origin::Upstream);
         let snapshot = cache.get(C).unwrap();
-        let parts = snapshot.sotw_parts();
-        assert_eq!(parts[0], crate::wire::encode_version(&snapshot.version));
         assert!(
             snapshot.chunk_count() > 10 && snapshot.chunk_count() < 100,
             "{}",
             snapshot.chunk_count()
         );
-        let joined: Vec<u8> = parts[1..].iter().flat_map(|p| p.iter().copied()).collect();
-        let expected = crate::wire::encode_body("", snapshot.resources.values().map(|r| &r.encoded), &[]);
-        assert_eq!(joined, expected, "the chunks are every resource, in order");
+        let mut stored = bytes::BytesMut::new();
+        for r in snapshot.resources.values() {
+            put_record(&r.encoded, &mut stored);
+        }
+        let joined: Vec<u8> = snapshot
+            .chunks()
+            .iter()
+            .flat_map(|c| c.bytes().iter().copied())
+            .collect();
+        assert_eq!(joined, stored, "the chunks are every resource, in order");
         // Each resource's bytes are a slice of its chunk: the config is held once.
         let in_chunks = |r: &CachedResource| {
-            parts[1..].iter().any(|p| {
-                let range = p.as_ptr() as usize..p.as_ptr() as usize + p.len();
+            snapshot.chunks().iter().any(|c| {
+                let range = c.bytes().as_ptr() as usize..c.bytes().as_ptr() as usize + c.bytes().len();
                 range.contains(&(r.encoded.as_ptr() as usize))
             })
         };
@@ -855,15 +848,15 @@ mod tests {
 
     #[test]
     fn a_change_rebuilds_only_its_chunk() {
-        let cache = Cache::new();
+        let (cache, mut cache_writer) = Cache::new();
         let names: Vec<String> = (0..2000).map(|i| format!("r{i:05}")).collect();
-        cache.apply(
+        cache_writer.apply(
             C,
             Update::Full(names.iter().map(|n| resource(n, "1")).collect()),
             Origin::Upstream,
         );
         let before = cache.get(C).unwrap();
-        cache.apply(
+        cache_writer.apply(
             C,
             Update::Incremental {
                 upserts: vec![resource(&names[1000], "2")],
@@ -881,8 +874,8 @@ mod tests {
             .count();
         assert_eq!(shared, before.chunk_count() - 1, "all but the changed chunk are shared");
         // The same content again reuses every chunk.
-        cache.apply(C, Update::Full(vec![]), Origin::Upstream);
-        cache.apply(
+        cache_writer.apply(C, Update::Full(vec![]), Origin::Upstream);
+        cache_writer.apply(
             C,
             Update::Full(names.iter().map(|n| resource(n, "1")).collect()),
             Origin::Upstream,

@@ -3,12 +3,11 @@
 //! They carry the same field numbers as the proto but decode leniently (field 2
 //! of `MeshConfigRequest` is read for its `id` only, whichever dialect sent it)
 //! and keep bytes untouched: upstream resources stay the exact bytes Galley
-//! sent, and downstream responses are pre-encoded bodies shared by every client
-//! at the same version, with the per-client fields appended after them.
+//! sent, and a NACK's message or a client's `initial_resource_versions` are
+//! slices of the request, read without copying. (Responses are encoded by
+//! each downstream protocol: `downstream/encode.rs`.)
 
-use std::sync::Arc;
-
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use prost::encoding::{self, WireType};
 
 /// Field 2 of `MeshConfigRequest`: a `Client{id, Struct metadata}` from Istio
@@ -139,6 +138,35 @@ pub struct IncrementalRequest {
     pub error_detail: Option<Bytes>,
 }
 
+/// `SinkNode` as `ResourceSource` reads it: the id and the annotations (a
+/// gateway announces itself there).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SinkNodeView {
+    #[prost(string, tag = "1")]
+    pub id: String,
+    #[prost(map = "string, string", tag = "2")]
+    pub annotations: std::collections::HashMap<String, String>,
+}
+
+/// `RequestResources` as the `ResourceSource` server reads it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SinkRequest {
+    #[prost(message, optional, tag = "1")]
+    pub sink_node: Option<SinkNodeView>,
+    #[prost(string, tag = "2")]
+    pub collection: String,
+    /// As in [`IncrementalRequest::initial_resource_versions`].
+    #[prost(bytes = "bytes", repeated, tag = "3")]
+    pub initial_resource_versions: Vec<Bytes>,
+    #[prost(string, tag = "4")]
+    pub response_nonce: String,
+    /// As in [`SotwRequest::error_detail`].
+    #[prost(bytes = "bytes", optional, tag = "5")]
+    pub error_detail: Option<Bytes>,
+    #[prost(bool, tag = "6")]
+    pub incremental: bool,
+}
+
 /// `Resources` from a source, with each `Resource` kept as the bytes received.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct RawResources {
@@ -173,198 +201,10 @@ pub struct AnyTypeUrl {
     pub type_url: String,
 }
 
-// === impl EncodedResponse ===
-
-/// A response assembled from pre-encoded parts. `shared` is what every client
-/// at this version receives, in order: the same `Bytes`, never re-encoded or
-/// copied per client. `suffix` holds the few per-client fields (type URL,
-/// nonce). Protobuf lets fields appear in any order and repeat a repeated
-/// field, so the concatenation is one valid message.
-#[derive(Clone, Debug, Default)]
-pub struct EncodedResponse {
-    pub shared: Arc<[Bytes]>,
-    pub suffix: Bytes,
-    /// The snapshot it carries, for the metrics recorded when it is
-    /// written (collection, apply time); not part of the message. An `Arc`:
-    /// a response slot stays small (every stream's queue holds 32 of them).
-    pub snapshot: Option<Arc<crate::cache::CollectionSnapshot>>,
-}
-
-impl EncodedResponse {
-    /// The encoded message's length.
-    pub fn len(&self) -> usize {
-        self.shared.iter().map(Bytes::len).sum::<usize>() + self.suffix.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The whole message in one buffer (tests and debugging; the server writes
-    /// the parts as they are).
-    pub fn to_bytes(&self) -> Bytes {
-        let mut buf = BytesMut::with_capacity(self.len());
-        for part in self.shared.iter() {
-            buf.put_slice(part);
-        }
-        buf.put_slice(&self.suffix);
-        buf.freeze()
-    }
-}
-
-/// Field numbers shared by `MeshConfigResponse` and
-/// `IncrementalMeshConfigResponse`.
-pub mod field {
-    /// `version_info` / `system_version_info`.
-    pub const VERSION: u32 = 1;
-    /// `resources`.
-    pub const RESOURCES: u32 = 2;
-    /// `MeshConfigResponse.type_url`.
-    pub const TYPE_URL: u32 = 3;
-    /// `IncrementalMeshConfigResponse.removed_resources`.
-    pub const REMOVED: u32 = 3;
-    /// `nonce`.
-    pub const NONCE: u32 = 4;
-}
-
-/// Encodes a response body in one buffer: the version, every resource's
-/// pre-encoded bytes as field 2, and (incremental only) the removed names.
-pub fn encode_body<'a>(version: &str, resources: impl IntoIterator<Item = &'a Bytes>, removed: &[&str]) -> Bytes {
-    // Sizing first needs two passes; the persistent map's iterator is not
-    // Clone, so the (cheap) references are collected once.
-    let resources: Vec<&Bytes> = resources.into_iter().collect();
-    let len = string_field_len(field::VERSION, version)
-        + resources
-            .iter()
-            .map(|r| encoding::key_len(field::RESOURCES) + encoding::encoded_len_varint(r.len() as u64) + r.len())
-            .sum::<usize>()
-        + removed
-            .iter()
-            .map(|n| encoding::key_len(field::REMOVED) + encoding::encoded_len_varint(n.len() as u64) + n.len())
-            .sum::<usize>();
-    let mut buf = BytesMut::with_capacity(len);
-    put_string(field::VERSION, version, &mut buf);
-    for resource in &resources {
-        put_resource(resource, &mut buf);
-    }
-    for name in removed {
-        encoding::encode_key(field::REMOVED, WireType::LengthDelimited, &mut buf);
-        encoding::encode_varint(name.len() as u64, &mut buf);
-        buf.put_slice(name.as_bytes());
-    }
-    buf.freeze()
-}
-
-/// The version field (1) alone: the first part of a chunked response.
-pub fn encode_version(version: &str) -> Bytes {
-    let mut buf = BytesMut::with_capacity(string_field_len(field::VERSION, version));
-    put_string(field::VERSION, version, &mut buf);
-    buf.freeze()
-}
-
-/// Appends one resource as field 2 (`resources`) and returns where its
-/// `Resource` bytes start in `buf`.
-pub fn put_resource(resource: &[u8], buf: &mut BytesMut) -> usize {
-    encoding::encode_key(field::RESOURCES, WireType::LengthDelimited, buf);
-    encoding::encode_varint(resource.len() as u64, buf);
-    let start = buf.len();
-    buf.put_slice(resource);
-    start
-}
-
-/// Encodes the per-client suffix: an optional `type_url` and the nonce.
-pub fn encode_suffix(type_url: Option<&str>, nonce: &str) -> Bytes {
-    let mut buf = BytesMut::with_capacity(
-        type_url.map_or(0, |t| string_field_len(field::TYPE_URL, t)) + string_field_len(field::NONCE, nonce),
-    );
-    if let Some(type_url) = type_url {
-        put_string(field::TYPE_URL, type_url, &mut buf);
-    }
-    put_string(field::NONCE, nonce, &mut buf);
-    buf.freeze()
-}
-
-/// The encoded length of a string field as `put_string` writes it.
-fn string_field_len(tag: u32, value: &str) -> usize {
-    if value.is_empty() {
-        return 0;
-    }
-    encoding::key_len(tag) + encoding::encoded_len_varint(value.len() as u64) + value.len()
-}
-
-/// A proto3 string field; empty strings are omitted, as prost would.
-fn put_string(tag: u32, value: &str, buf: &mut BytesMut) {
-    if value.is_empty() {
-        return;
-    }
-    encoding::encode_key(tag, WireType::LengthDelimited, buf);
-    encoding::encode_varint(value.len() as u64, buf);
-    buf.put_slice(value.as_bytes());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{MeshConfigResponse, Metadata, Resource};
     use prost::Message;
-
-    fn resource(name: &str) -> Resource {
-        Resource {
-            metadata: Some(Metadata {
-                name: name.into(),
-                version: "v1".into(),
-                ..Default::default()
-            }),
-            body: Some(prost_types::Any {
-                type_url: "type.googleapis.com/test.Body".into(),
-                value: vec![1, 2, 3],
-            }),
-        }
-    }
-
-    #[test]
-    fn shared_body_and_suffix_decode_as_one_response() {
-        let resources: Vec<Bytes> = ["a", "b"]
-            .iter()
-            .map(|n| Bytes::from(resource(n).encode_to_vec()))
-            .collect();
-        // The version and each resource as separate parts, as chunks are.
-        let mut parts = vec![encode_version("ver")];
-        for r in &resources {
-            let mut buf = BytesMut::new();
-            put_resource(r, &mut buf);
-            parts.push(buf.freeze());
-        }
-        let response = EncodedResponse {
-            shared: parts.into(),
-            suffix: encode_suffix(Some("type.googleapis.com/x"), "7"),
-            snapshot: None,
-        };
-        assert_eq!(response.to_bytes(), {
-            let mut whole = encode_body("ver", resources.iter(), &[]).to_vec();
-            whole.extend_from_slice(&response.suffix);
-            whole
-        });
-        let decoded = MeshConfigResponse::decode(response.to_bytes()).unwrap();
-        assert_eq!(decoded.version_info, "ver");
-        assert_eq!(decoded.type_url, "type.googleapis.com/x");
-        assert_eq!(decoded.nonce, "7");
-        assert_eq!(decoded.resources, vec![resource("a"), resource("b")]);
-    }
-
-    #[test]
-    fn incremental_body_carries_removed_names() {
-        let body = encode_body("v", [], &["gone", "also-gone"]);
-        let response = EncodedResponse {
-            shared: Arc::from([body]),
-            suffix: encode_suffix(None, "1"),
-            snapshot: None,
-        };
-        let decoded = crate::proto::IncrementalMeshConfigResponse::decode(response.to_bytes()).unwrap();
-        assert_eq!(decoded.removed_resources, vec!["gone", "also-gone"]);
-        assert_eq!(decoded.system_version_info, "v");
-        assert_eq!(decoded.nonce, "1");
-    }
 
     #[test]
     fn nack_messages_are_read_up_to_the_limit_without_copying_the_rest() {

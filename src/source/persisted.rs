@@ -28,8 +28,8 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cache::{Cache, CollectionSnapshot, Origin, Update};
-use crate::wire::RawResources;
+use crate::cache::{Cache, CacheWriter, CollectionSnapshot, Origin, Update};
+use crate::proto::wire::RawResources;
 
 const MAGIC: &[u8; 16] = b"mcp-xds-gateway\n";
 const HEADER: usize = MAGIC.len() + 8;
@@ -160,7 +160,7 @@ pub struct Loaded {
 /// Loads every cache file in `dir` into the cache (origin `Disk`). Creates
 /// the directory when missing (mode 0700); fails only when it cannot be used
 /// at all. Files over `max_file_bytes` are skipped.
-pub fn load(dir: &Path, cache: &Cache, max_file_bytes: u64) -> std::io::Result<Loaded> {
+pub fn load(dir: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> std::io::Result<Loaded> {
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     let mut loaded = Loaded::default();
     let mut paths: Vec<(PathBuf, std::fs::FileType)> = std::fs::read_dir(dir)?
@@ -199,7 +199,7 @@ pub fn load(dir: &Path, cache: &Cache, max_file_bytes: u64) -> std::io::Result<L
         if path.extension().and_then(|e| e.to_str()) != Some(EXTENSION) {
             continue;
         }
-        match load_file(&path, cache, max_file_bytes) {
+        match load_file(&path, writer, max_file_bytes) {
             Ok(found) => loaded.collections.push(found),
             Err(reason) => {
                 tracing::warn!(
@@ -214,7 +214,7 @@ pub fn load(dir: &Path, cache: &Cache, max_file_bytes: u64) -> std::io::Result<L
     Ok(loaded)
 }
 
-fn load_file(path: &Path, cache: &Cache, max_file_bytes: u64) -> Result<(String, String, usize), String> {
+fn load_file(path: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> Result<(String, String, usize), String> {
     let message = decode_bytes(read_file(path, max_file_bytes)?.into())?;
     if message.collection.is_empty() {
         return Err("names no collection".into());
@@ -228,10 +228,10 @@ fn load_file(path: &Path, cache: &Cache, max_file_bytes: u64) -> Result<(String,
             message.collection
         ));
     }
-    let resources = crate::upstream::session::decode_resources(&message.collection, &message.resources)
+    let resources = crate::source::validate::decode_resources(&message.collection, &message.resources)
         .map_err(|nack| nack.message)?;
     let count = resources.len();
-    let applied = cache.apply(&message.collection, Update::Full(resources), Origin::Disk);
+    let applied = writer.apply(&message.collection, Update::Full(resources), Origin::Disk);
     Ok((message.collection, applied.version().to_string(), count))
 }
 
@@ -332,7 +332,7 @@ mod tests {
         .encode_to_vec()
         .into();
         // Through the same validation as upstream data (the digest included).
-        crate::upstream::session::decode_resources(C, &[encoded])
+        crate::source::validate::decode_resources(C, &[encoded])
             .unwrap()
             .pop()
             .unwrap()
@@ -348,8 +348,8 @@ mod tests {
     #[test]
     fn a_written_collection_loads_at_the_same_version() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache::new();
-        cache.apply(
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(
             C,
             Update::Full(vec![resource("a", "1"), resource("b", "2")]),
             Origin::Upstream,
@@ -357,8 +357,8 @@ mod tests {
         let snapshot = cache.get(C).unwrap();
         write_atomically(dir.path(), &file_name(C), &encode(&snapshot)).unwrap();
 
-        let restarted = Cache::new();
-        let loaded = load(dir.path(), &restarted, u64::MAX).unwrap();
+        let (restarted, mut restarted_writer) = Cache::new();
+        let loaded = load(dir.path(), &mut restarted_writer, u64::MAX).unwrap();
         assert!(loaded.skipped.is_empty(), "{:?}", loaded.skipped);
         let reloaded = restarted.get(C).unwrap();
         assert_eq!(reloaded.version, snapshot.version);
@@ -372,8 +372,8 @@ mod tests {
     #[test]
     fn torn_damaged_and_foreign_files_are_skipped_and_leftovers_removed() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache::new();
-        cache.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
         let good = encode(&cache.get(C).unwrap());
         // Torn: the first half of a valid file.
         std::fs::write(dir.path().join("torn.mcpcache"), &good[..good.len() / 2]).unwrap();
@@ -394,8 +394,8 @@ mod tests {
         let in_progress = dir.path().join(".y.mcpcache.def456.tmp");
         std::fs::write(&in_progress, &good).unwrap();
 
-        let fresh = Cache::new();
-        let loaded = load(dir.path(), &fresh, u64::MAX).unwrap();
+        let (fresh, mut fresh_writer) = Cache::new();
+        let loaded = load(dir.path(), &mut fresh_writer, u64::MAX).unwrap();
         assert!(loaded.collections.is_empty());
         assert_eq!(loaded.skipped.len(), 3);
         assert!(
@@ -429,8 +429,8 @@ mod tests {
         file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
         file.extend_from_slice(&payload);
         std::fs::write(dir.path().join(file_name(C)), file).unwrap();
-        let cache = Cache::new();
-        let loaded = load(dir.path(), &cache, u64::MAX).unwrap();
+        let (cache, mut cache_writer) = Cache::new();
+        let loaded = load(dir.path(), &mut cache_writer, u64::MAX).unwrap();
         assert_eq!(loaded.skipped.len(), 1);
         assert!(loaded.skipped[0].1.contains("metadata.name"), "{:?}", loaded.skipped);
         assert!(cache.get(C).is_none());
@@ -464,8 +464,8 @@ mod tests {
     #[test]
     fn links_fifos_and_oversized_files_are_skipped_when_loading() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache::new();
-        cache.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
         let good = encode(&cache.get(C).unwrap());
         let elsewhere = tempfile::tempdir().unwrap();
         let outside = elsewhere.path().join("outside.mcpcache");
@@ -475,8 +475,8 @@ mod tests {
         let made = std::process::Command::new("mkfifo").arg(&fifo).status();
         std::fs::write(dir.path().join("big.mcpcache"), &good).unwrap();
 
-        let fresh = Cache::new();
-        let loaded = load(dir.path(), &fresh, good.len() as u64 - 1).unwrap();
+        let (fresh, mut fresh_writer) = Cache::new();
+        let loaded = load(dir.path(), &mut fresh_writer, good.len() as u64 - 1).unwrap();
         assert!(fresh.get(C).is_none(), "nothing is read through a link");
         let reasons: Vec<&str> = loaded.skipped.iter().map(|(_, r)| r.as_str()).collect();
         assert!(reasons.iter().any(|r| r.contains("larger than")), "{reasons:?}");

@@ -19,10 +19,11 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, StreamEnd};
 use super::{SinkContext, UpstreamStatus};
+use crate::cache::CacheWriter;
 use crate::metrics as m;
 use crate::proto::gateway::resource_sink_server::{ResourceSink, ResourceSinkServer};
+use crate::proto::wire::RawResources;
 use crate::proto::{RequestResources, SinkNode};
-use crate::wire::RawResources;
 
 /// Everything dial-out mode needs, decided at start-up.
 #[derive(Clone, Debug)]
@@ -44,13 +45,22 @@ struct ActiveSource {
     since: SystemTime,
 }
 
+/// The one source slot: the cache's writer while no source holds it, the
+/// connected source while one does.
+#[derive(Debug)]
+enum Slot {
+    Free(CacheWriter),
+    Taken(ActiveSource),
+}
+
 struct Inner {
     settings: SinkSettings,
     sink: SinkContext,
     status: watch::Sender<UpstreamStatus>,
     shutdown: CancellationToken,
     tasks: tokio_util::task::TaskTracker,
-    active: Mutex<Option<ActiveSource>>,
+    // Never held across an await.
+    slot: Mutex<Slot>,
 }
 
 /// The `ResourceSink` service Galley dials.
@@ -59,23 +69,42 @@ pub struct SinkServer {
     inner: Arc<Inner>,
 }
 
-/// Frees the one source slot when the stream ends, however it ends.
-struct ActiveGuard(Arc<Inner>);
+/// The one source slot, taken: the writer, handed back when the stream
+/// ends, however it ends.
+struct Claimed {
+    inner: Arc<Inner>,
+    writer: Option<CacheWriter>,
+}
 
-impl Drop for ActiveGuard {
+impl Claimed {
+    fn writer(&mut self) -> &mut CacheWriter {
+        self.writer.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Claimed {
     fn drop(&mut self) {
-        *self.0.active.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Some(writer) = self.writer.take() {
+            *self.inner.slot.lock().unwrap_or_else(|e| e.into_inner()) = Slot::Free(writer);
+        }
     }
 }
 
 impl SinkServer {
     pub fn new(
         settings: SinkSettings,
-        sink: SinkContext,
+        mut sink: SinkContext,
         status: watch::Sender<UpstreamStatus>,
+        writer: CacheWriter,
         shutdown: CancellationToken,
         tasks: tokio_util::task::TaskTracker,
     ) -> Self {
+        // Galley is the upstream: there is no gateway upstream of this one.
+        let mut writer = writer;
+        writer.set_upstream_chain(Vec::new());
+        sink.node
+            .annotations
+            .remove(crate::cache::provenance::GATEWAY_ID_ANNOTATION);
         status.send_modify(|s| {
             s.mode = "sink";
             s.address = settings.listen.to_string();
@@ -88,7 +117,7 @@ impl SinkServer {
                 status,
                 shutdown,
                 tasks,
-                active: Mutex::new(None),
+                slot: Mutex::new(Slot::Free(writer)),
             }),
         }
     }
@@ -103,19 +132,26 @@ impl SinkServer {
 
     /// Takes the one source slot. The refusal names no address and no time:
     /// a refused peer learns nothing about the source that is connected.
-    fn claim(&self, peer: &str) -> Result<ActiveGuard, Status> {
-        let mut active = self.inner.active.lock().unwrap_or_else(|e| e.into_inner());
-        if active.is_some() {
-            metrics::counter!(m::SINK_REFUSALS, "reason" => "another_source").increment(1);
-            return Err(Status::resource_exhausted(
-                "another source is connected; this gateway takes config from one source at a time",
-            ));
-        }
-        *active = Some(ActiveSource {
+    fn claim(&self, peer: &str) -> Result<Claimed, (Status, ActiveSource)> {
+        let mut slot = self.inner.slot.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = Slot::Taken(ActiveSource {
             peer: peer.to_owned(),
             since: SystemTime::now(),
         });
-        Ok(ActiveGuard(self.inner.clone()))
+        match std::mem::replace(&mut *slot, taken) {
+            Slot::Free(writer) => Ok(Claimed {
+                inner: self.inner.clone(),
+                writer: Some(writer),
+            }),
+            Slot::Taken(connected) => {
+                *slot = Slot::Taken(connected.clone());
+                metrics::counter!(m::SINK_REFUSALS, "reason" => "another_source").increment(1);
+                let status = Status::resource_exhausted(
+                    "another source is connected; this gateway takes config from one source at a time",
+                );
+                Err((status, connected))
+            }
+        }
     }
 }
 
@@ -132,18 +168,15 @@ impl ResourceSink for SinkServer {
         let peer = request
             .remote_addr()
             .map_or_else(|| "unknown".to_owned(), |a| a.to_string());
-        let guard = match self.claim(&peer) {
-            Ok(guard) => guard,
-            Err(status) => {
+        let mut claimed = match self.claim(&peer) {
+            Ok(claimed) => claimed,
+            Err((status, connected)) => {
                 static LOGS: crate::transport::LogLimiter = crate::transport::LogLimiter::new();
                 if let Some(skipped) = LOGS.allow() {
-                    let connected = self.inner.active.lock().unwrap_or_else(|e| e.into_inner()).clone();
                     tracing::warn!(
                         %peer,
-                        connected = connected.as_ref().map(|c| c.peer.as_str()),
-                        since = connected
-                            .as_ref()
-                            .map(|c| humantime::format_rfc3339_seconds(c.since).to_string()),
+                        connected = %connected.peer,
+                        since = %humantime::format_rfc3339_seconds(connected.since),
                         skipped,
                         "refused a second source: another source is connected"
                     );
@@ -154,12 +187,7 @@ impl ResourceSink for SinkServer {
         let metadata = source_metadata(request.metadata());
         let mut inbound = request.into_inner();
         let inner = self.inner.clone();
-        let stream::Opened {
-            mut session,
-            mut subscriptions,
-            tx,
-            rx,
-        } = inner.sink.open();
+        let (mut opened, rx) = inner.sink.open(claimed.writer());
         tracing::info!(%peer, ?metadata, "a source connected (dial-out)");
         inner.status.send_modify(|s| {
             if s.attempts > 0 {
@@ -174,17 +202,15 @@ impl ResourceSink for SinkServer {
         metrics::gauge!(m::UPSTREAM_CONNECTED).set(1.0);
 
         self.inner.tasks.spawn(async move {
-            let _guard = guard;
+            let writer = claimed.writer();
             let mut progress = false;
-            let end = stream::run(
-                &mut session,
-                &mut inbound,
-                &tx,
-                &mut subscriptions,
-                &inner.shutdown,
-                &mut progress,
-            )
-            .await;
+            let end = match opened
+                .accept_trigger(writer, &mut inbound, &inner.shutdown, stream::TRIGGER_WAIT)
+                .await
+            {
+                Ok(()) => opened.run(writer, &mut inbound, &inner.shutdown, &mut progress).await,
+                Err(end) => end,
+            };
             let (reason, message) = match end {
                 StreamEnd::Shutdown => ("shutdown", "the gateway is shutting down".to_owned()),
                 StreamEnd::Refused { message, .. } => ("refused_collection", message),

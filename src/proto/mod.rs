@@ -1,9 +1,11 @@
 //! Generated code, nothing hand-written: the MCP messages and services as the
 //! proto defines them, and (in [`gateway`]) the same gRPC routes typed with the
-//! gateway's wire types from [`crate::wire`].
+//! gateway's wire types from [`crate::proto::wire`].
 #![allow(clippy::all, missing_docs)]
 
 tonic::include_proto!("istio.mcp.v1alpha1");
+
+pub mod wire;
 
 /// The MCP services on the gateway's own wire types (see `build.rs`).
 pub mod gateway {

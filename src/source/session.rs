@@ -6,15 +6,18 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 use tonic::Code;
 
-use crate::cache::{body_version, content_digest, Applied, Cache, CachedResource, Origin, Update};
+use super::validate::decode_resources;
+use crate::cache::{Applied, Cache, CacheWriter, Origin, Update};
 use crate::metrics as m;
-use crate::persist::Persister;
+use crate::proto::wire::RawResources;
 use crate::proto::{RequestResources, SinkNode};
-use crate::wire::{AnyTypeUrl, RawResource, RawResources};
+use crate::source::persisted::Persister;
+
+/// The collection of Galley's dial-out trigger from 1.2 on.
+pub const TRIGGER_COLLECTION: &str = "$triggerCollection";
 
 /// Why a `Resources` message was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -25,7 +28,7 @@ pub struct Nack {
 }
 
 impl Nack {
-    fn invalid(message: String) -> Self {
+    pub(super) fn invalid(message: String) -> Self {
         Self {
             code: Code::InvalidArgument,
             message,
@@ -104,7 +107,8 @@ impl SinkSession {
     /// was already requested. With incremental on, it carries the versions the
     /// cache holds so a source could resume from them.
     pub fn subscribe(&mut self, collection: Arc<str>) -> Option<RequestResources> {
-        if self.collections.contains_key(&collection) {
+        // Collection "" is Galley's trigger, never a collection to ask for.
+        if collection.is_empty() || self.collections.contains_key(&collection) {
             return None;
         }
         let initial_resource_versions = if self.incremental {
@@ -123,9 +127,43 @@ impl SinkSession {
         })
     }
 
+    /// Galley's dial-out speaks first with a trigger: `Resources` for
+    /// collection `""` (1.1) or `$triggerCollection` (1.2 on).
+    pub fn is_trigger(message: &RawResources) -> bool {
+        message.collection.is_empty() || message.collection == TRIGGER_COLLECTION
+    }
+
+    /// The answer Galley 1.1 requires to its trigger before it serves
+    /// anything: a NACK with code `UNIMPLEMENTED` (1.2 on ignores it).
+    pub fn trigger_reply(&self, message: &RawResources) -> RequestResources {
+        self.nack_reply(
+            message,
+            &Nack {
+                code: Code::Unimplemented,
+                message: "the trigger of a dial-out stream: this sink asks for its collections next".into(),
+            },
+        )
+    }
+
+    /// The NACK of `message`.
+    fn nack_reply(&self, message: &RawResources, nack: &Nack) -> RequestResources {
+        RequestResources {
+            sink_node: Some(self.node.clone()),
+            collection: message.collection.clone(),
+            initial_resource_versions: HashMap::new(),
+            response_nonce: message.nonce.clone(),
+            error_detail: Some(tonic_types::Status {
+                code: nack.code as i32,
+                message: nack.message.clone(),
+                details: Vec::new(),
+            }),
+            incremental: false,
+        }
+    }
+
     /// Validates and applies one message; returns the ACK or NACK for it.
-    pub fn handle(&mut self, message: RawResources) -> Handled {
-        let outcome = self.apply(&message);
+    pub fn handle(&mut self, message: RawResources, writer: &mut CacheWriter) -> Handled {
+        let outcome = self.apply(&message, writer);
         let collection_label = if self.is_subscribed(&message.collection) {
             message.collection.clone()
         } else {
@@ -184,24 +222,13 @@ impl SinkSession {
                     reason = %nack.message,
                     "NACK sent upstream; the cache keeps its previous state"
                 );
-                RequestResources {
-                    sink_node: Some(self.node.clone()),
-                    collection: message.collection.clone(),
-                    initial_resource_versions: HashMap::new(),
-                    response_nonce: message.nonce.clone(),
-                    error_detail: Some(tonic_types::Status {
-                        code: nack.code as i32,
-                        message: nack.message.clone(),
-                        details: Vec::new(),
-                    }),
-                    incremental: false,
-                }
+                self.nack_reply(&message, nack)
             }
         };
         Handled { reply, outcome }
     }
 
-    fn apply(&self, message: &RawResources) -> Result<Applied, Nack> {
+    fn apply(&self, message: &RawResources, writer: &mut CacheWriter) -> Result<Applied, Nack> {
         let collection = message.collection.as_str();
         let Some(&incremental_requested) = self.collections.get(collection) else {
             let mut subscribed: Vec<&str> = self.collections.keys().map(|c| &**c).collect();
@@ -241,102 +268,31 @@ impl SinkSession {
         };
         let kind = if message.incremental { "incremental" } else { "full" };
         metrics::counter!(m::UPDATES_APPLIED, "collection" => collection.to_owned(), "kind" => kind).increment(1);
-        Ok(self.cache.apply(collection, update, self.origin))
+        Ok(writer.apply(collection, update, self.origin))
     }
-}
-
-/// Validates every resource of a message and turns it into cache entries.
-/// Nothing is applied unless every resource is valid.
-pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
-    let mut seen = HashSet::with_capacity(raw.len());
-    let mut resources = Vec::with_capacity(raw.len());
-    for (index, bytes) in raw.iter().enumerate() {
-        let resource = RawResource::decode(bytes.clone()).map_err(|e| {
-            Nack::invalid(format!(
-                "resource #{index} of collection {collection:?} is not a valid istio.mcp.v1alpha1.Resource: {e}"
-            ))
-        })?;
-        let Some(mut metadata) = resource.metadata else {
-            return Err(Nack::invalid(format!(
-                "resource #{index} of collection {collection:?} has no metadata; every resource needs metadata with a name"
-            )));
-        };
-        if metadata.name.is_empty() {
-            return Err(Nack::invalid(format!(
-                "resource #{index} of collection {collection:?} has an empty metadata.name; \
-                 every resource needs a name unique in its collection"
-            )));
-        }
-        let name = metadata.name.clone();
-        let Some(body) = resource.body else {
-            return Err(Nack::invalid(format!(
-                "resource {name:?} of collection {collection:?} has no body"
-            )));
-        };
-        let body_type_url = AnyTypeUrl::decode(body.clone())
-            .map_err(|e| {
-                Nack::invalid(format!(
-                    "resource {name:?} of collection {collection:?} has a body that is not a google.protobuf.Any: {e}"
-                ))
-            })?
-            .type_url;
-        if !seen.insert(name.clone()) {
-            return Err(Nack::invalid(format!(
-                "resource {name:?} appears twice in one update of collection {collection:?}; \
-                 names must be unique in a collection"
-            )));
-        }
-        let digest = content_digest(&body, &metadata.labels, &metadata.annotations);
-        // Keep the bytes as received. Only a missing version is filled in (a
-        // hash of the body), so incremental clients can report it back; the
-        // body itself is never re-encoded.
-        let (version, encoded) = if metadata.version.is_empty() {
-            let version = body_version(&body);
-            metadata.version = version.clone();
-            (version, encode_resource(&metadata, &body))
-        } else {
-            (metadata.version.clone(), bytes.clone())
-        };
-        resources.push(CachedResource::new(
-            name.into(),
-            version.into(),
-            body_type_url,
-            encoded,
-            digest,
-        ));
-    }
-    Ok(resources)
-}
-
-/// `Resource{metadata, body}` with the body's bytes copied as they are.
-fn encode_resource(metadata: &crate::proto::Metadata, body: &Bytes) -> Bytes {
-    use prost::encoding::{encode_key, encode_varint, message, WireType};
-    let mut buf = BytesMut::with_capacity(metadata.encoded_len() + body.len() + 16);
-    message::encode(1, metadata, &mut buf);
-    encode_key(2, WireType::LengthDelimited, &mut buf);
-    encode_varint(body.len() as u64, &mut buf);
-    buf.put_slice(body);
-    buf.freeze()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::proto::{Metadata, Resource};
+    use bytes::Bytes;
 
     const C: &str = "istio/networking/v1alpha3/gateways";
 
-    fn session() -> SinkSession {
+    fn session() -> (SinkSession, CacheWriter) {
+        let (cache, writer) = Cache::new();
         let mut s = SinkSession::new(
             SinkNode {
                 id: "gw".into(),
                 annotations: Default::default(),
             },
             true,
-            Arc::new(Cache::new()),
+            cache,
         );
+        assert!(s.subscribe("".into()).is_none(), "collection \"\" is never asked for");
         s.subscribe(C.into());
-        s
+        (s, writer)
     }
 
     fn encoded(name: &str, version: &str, body: Option<&[u8]>) -> Bytes {
@@ -376,13 +332,16 @@ mod tests {
 
     #[test]
     fn an_invalid_message_is_nacked_and_applies_nothing() {
-        let mut s = session();
-        let handled = s.handle(RawResources {
-            collection: C.into(),
-            nonce: "1".into(),
-            resources: vec![encoded("a", "1", Some(b"x")), encoded("b", "1", None)],
-            ..Default::default()
-        });
+        let (mut s, mut writer) = session();
+        let handled = s.handle(
+            RawResources {
+                collection: C.into(),
+                nonce: "1".into(),
+                resources: vec![encoded("a", "1", Some(b"x")), encoded("b", "1", None)],
+                ..Default::default()
+            },
+            &mut writer,
+        );
         let nack = handled.outcome.unwrap_err();
         assert_eq!(nack.code, Code::InvalidArgument);
         assert!(

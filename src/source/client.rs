@@ -11,6 +11,8 @@ use tokio_util::sync::CancellationToken;
 use super::backoff::{Backoff, BackoffPolicy};
 use super::stream::{self, StreamEnd};
 use super::{SinkContext, UpstreamStatus};
+use crate::cache::provenance::{parse_chain, CHAIN_HEADER, GATEWAY_ID_ANNOTATION};
+use crate::cache::CacheWriter;
 use crate::metrics as m;
 use crate::proto::gateway::resource_source_client::ResourceSourceClient;
 use crate::proto::SinkNode;
@@ -31,31 +33,51 @@ pub struct ClientSettings {
     pub tls: Option<ClientTlsFiles>,
     /// TCP, TLS and the HTTP/2 handshake together (`--connect-timeout`).
     pub connect_timeout: Duration,
+    /// The most gateways in a chain, this one included (`--max-chain-depth`).
+    pub max_chain_depth: usize,
 }
 
 pub struct UpstreamClient {
     settings: ClientSettings,
     sink: SinkContext,
     status: watch::Sender<UpstreamStatus>,
+    /// The cache's one writer: this client is the source.
+    writer: CacheWriter,
 }
 
 // === impl UpstreamClient ===
 
 impl UpstreamClient {
-    pub fn new(settings: ClientSettings, sink: SinkContext, status: watch::Sender<UpstreamStatus>) -> Self {
+    /// The client announces the gateway's id in its sink node, so that a
+    /// gateway upstream refuses to serve it if that would close a loop.
+    pub fn new(
+        settings: ClientSettings,
+        mut sink: SinkContext,
+        status: watch::Sender<UpstreamStatus>,
+        writer: CacheWriter,
+    ) -> Self {
         status.send_modify(|s| {
             s.mode = "client";
             s.address = settings.address.clone();
             s.since = Some(SystemTime::now());
         });
-        Self { settings, sink, status }
+        sink.node.annotations.insert(
+            GATEWAY_ID_ANNOTATION.to_owned(),
+            writer.cache().provenance().gateway_id.to_string(),
+        );
+        Self {
+            settings,
+            sink,
+            status,
+            writer,
+        }
     }
 
     /// Runs until `shutdown`: one stream at a time, reconnecting with backoff
     /// that resets only after a stream made progress: every subscribed
     /// collection applied on it at least once, and an end that a retry could
     /// avoid (a message over --max-message-bytes comes again).
-    pub async fn run(self, shutdown: CancellationToken) {
+    pub async fn run(mut self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(self.settings.backoff);
         loop {
             self.status.send_modify(|s| {
@@ -126,7 +148,7 @@ impl UpstreamClient {
         metrics::gauge!(m::UPSTREAM_CONNECTED).set(if connected { 1.0 } else { 0.0 });
     }
 
-    async fn run_stream(&self, shutdown: &CancellationToken, progress: &mut bool) -> StreamEnd {
+    async fn run_stream(&mut self, shutdown: &CancellationToken, progress: &mut bool) -> StreamEnd {
         let dial = Dial {
             address: self.settings.address.clone(),
             tls: self.settings.tls.clone(),
@@ -151,24 +173,44 @@ impl UpstreamClient {
         let mut client = ResourceSourceClient::new(channel)
             .max_decoding_message_size(self.settings.max_message_bytes)
             .max_encoding_message_size(self.settings.max_message_bytes);
-        let stream::Opened {
-            mut session,
-            mut subscriptions,
-            tx,
-            rx,
-        } = self.sink.open();
+        let (mut opened, rx) = self.sink.open(&self.writer);
+        opened.request_collections();
         let response = tokio::select! {
             response = client.establish_resource_stream(ReceiverStream::new(rx)) => response,
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,
         };
-        let mut inbound = match response {
-            Ok(response) => response.into_inner(),
+        let response = match response {
+            Ok(response) => response,
             Err(status) => {
                 stream::send_failed(m::code_label(status.code() as i32));
                 return stream::classify(status, self.settings.max_message_bytes);
             }
         };
+        // Another gateway announces itself and its own upstreams; Galley
+        // announces nothing.
+        let chain = response
+            .metadata()
+            .get(CHAIN_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(parse_chain)
+            .unwrap_or_default();
+        if let Err(refused) = self
+            .writer
+            .cache()
+            .provenance()
+            .check_upstream(&chain, self.settings.max_chain_depth)
+        {
+            return StreamEnd::Failed {
+                reason: refused.reason(),
+                message: refused.to_string(),
+            };
+        }
+        if !chain.is_empty() {
+            tracing::info!(chain = %chain.join(" <- "), "the upstream is a gateway");
+        }
+        self.writer.set_upstream_chain(chain);
+        let mut inbound = response.into_inner();
         tracing::info!(address = %self.settings.address, "upstream stream established");
-        stream::run(&mut session, &mut inbound, &tx, &mut subscriptions, shutdown, progress).await
+        opened.run(&mut self.writer, &mut inbound, shutdown, progress).await
     }
 }

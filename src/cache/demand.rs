@@ -1,21 +1,12 @@
-//! The gateway as an MCP sink: which collections it subscribes to, the sink
-//! protocol shared by every transport (`session`), and the client mode that
-//! dials Galley's `ResourceSource` (`client`). It writes the cache and never
-//! talks to downstream streams.
-
-pub mod backoff;
-pub mod client;
-pub mod session;
-pub mod sink;
-pub mod stream;
+//! Demand: the collections someone wants. Configured at start, added to when
+//! a client asks for one, refused by the source. Sources read it to know what
+//! to subscribe to; downstream adds to it; readiness waits for its configured
+//! part. Both sides see it here, beside the cache, and never each other.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
-
-pub use session::SinkSession;
 
 /// The collections the gateway wants from its source.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -97,53 +88,4 @@ impl Subscriptions {
     pub fn watch(&self) -> watch::Receiver<SubscriptionState> {
         self.state.subscribe()
     }
-}
-
-/// What the sink side of every upstream stream is built from, whoever
-/// dialled (client mode or Galley's dial-out).
-#[derive(Clone, Debug)]
-pub struct SinkContext {
-    pub node: crate::proto::SinkNode,
-    /// Ask for incremental updates (`--no-incremental` turns it off).
-    pub incremental: bool,
-    pub cache: Arc<crate::cache::Cache>,
-    pub subscriptions: Arc<Subscriptions>,
-    /// Writes each changed collection to `--cache-dir`.
-    pub persister: Option<crate::persist::Persister>,
-    /// `--max-message-bytes`, for error messages.
-    pub max_message_bytes: usize,
-}
-
-impl SinkContext {
-    /// A new stream's session, with the initial request of every wanted
-    /// collection already queued.
-    pub fn open(&self) -> stream::Opened {
-        let session = SinkSession::new(self.node.clone(), self.incremental, self.cache.clone())
-            .persisting(self.persister.clone())
-            .with_max_message_bytes(self.max_message_bytes);
-        stream::open(session, &self.subscriptions)
-    }
-}
-
-/// What the upstream side is doing, for readiness, logs and the debug view.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct UpstreamStatus {
-    pub mode: &'static str,
-    pub address: String,
-    pub connected: bool,
-    /// When the current connection state (connected or not) began.
-    pub since: Option<SystemTime>,
-    pub last_error: Option<String>,
-    /// Streams attempted since start.
-    pub attempts: u64,
-    /// Attempts since a stream last made progress (every subscribed
-    /// collection applied).
-    pub consecutive_failures: u32,
-    /// The wait before the next attempt, while disconnected.
-    pub next_retry_in: Option<Duration>,
-    /// Dial-out mode: the connected source's address.
-    pub peer: Option<String>,
-    /// Dial-out mode: the source's gRPC metadata (Galley's `--sinkMeta`
-    /// pairs, `config.source.version`).
-    pub source_metadata: BTreeMap<String, String>,
 }

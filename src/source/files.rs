@@ -34,24 +34,26 @@ use prost::Message;
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
-use crate::cache::{Cache, CachedResource, Origin, Update};
+use crate::cache::demand::Subscriptions;
+use crate::cache::{CacheWriter, CachedResource, Origin, Update};
 use crate::collections::CollectionTable;
 use crate::proto::{Metadata, Resource};
+use crate::source::UpstreamStatus;
 use crate::transport::fswatch::DirWatch;
-use crate::upstream::{Subscriptions, UpstreamStatus};
 
 pub const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
 
 /// The repository's examples, compiled in: served when `--source-dir` was not
 /// given and `examples/config` is not there (an installed binary, an image).
 pub const EMBEDDED_EXAMPLES: &[(&str, &str)] = &[
-    ("networking.yaml", include_str!("../examples/config/networking.yaml")),
+    ("networking.yaml", include_str!("../../examples/config/networking.yaml")),
     (
         "mesh-services.yaml",
-        include_str!("../examples/config/mesh-services.yaml"),
+        include_str!("../../examples/config/mesh-services.yaml"),
     ),
-    ("security.yaml", include_str!("../examples/config/security.yaml")),
+    ("security.yaml", include_str!("../../examples/config/security.yaml")),
 ];
 
 /// Where the local source reads from.
@@ -394,7 +396,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
         .encode_to_vec()
         .into();
         // The same validation, and the same version rule, as upstream data.
-        let resource = crate::upstream::session::decode_resources(&collection, &[encoded])
+        let resource = crate::source::validate::decode_resources(&collection, &[encoded])
             .map_err(|nack| fail(start, nack.message))?
             .pop()
             .expect("one resource in, one out");
@@ -446,7 +448,7 @@ struct FileState {
 pub struct LocalSource {
     dir: SourceDir,
     table: Arc<CollectionTable>,
-    cache: Arc<Cache>,
+    writer: CacheWriter,
     subscriptions: Arc<Subscriptions>,
     status: watch::Sender<UpstreamStatus>,
     files: BTreeMap<String, FileState>,
@@ -461,7 +463,7 @@ impl LocalSource {
     pub fn new(
         dir: SourceDir,
         table: Arc<CollectionTable>,
-        cache: Arc<Cache>,
+        writer: CacheWriter,
         subscriptions: Arc<Subscriptions>,
         status: watch::Sender<UpstreamStatus>,
         max_file_bytes: usize,
@@ -475,7 +477,7 @@ impl LocalSource {
         Self {
             dir,
             table,
-            cache,
+            writer,
             subscriptions,
             status,
             files: BTreeMap::new(),
@@ -486,17 +488,19 @@ impl LocalSource {
 
     /// Reads everything once and publishes it; then, for a directory,
     /// watches it until `shutdown`. Clients are served from the first read.
-    pub fn start(mut self, shutdown: CancellationToken) -> Result<(), String> {
+    /// Files are read and parsed on the blocking pool, never on the async
+    /// workers.
+    pub async fn start(mut self, shutdown: CancellationToken, tasks: &TaskTracker) -> Result<(), String> {
         let watch = match &self.dir {
             SourceDir::Dir(dir) => Some(
                 DirWatch::new(std::slice::from_ref(dir)).map_err(|e| format!("cannot watch {}: {e}", dir.display()))?,
             ),
             SourceDir::Embedded => None,
         };
-        self.rescan();
+        self.rescan().await;
         let mut subscriptions = self.subscriptions.watch();
         subscriptions.mark_unchanged();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let mut watch = watch;
             loop {
                 tokio::select! {
@@ -504,7 +508,10 @@ impl LocalSource {
                         if !changed {
                             return;
                         }
-                        self.rescan();
+                        tokio::select! {
+                            _ = self.rescan() => {}
+                            _ = shutdown.cancelled() => return,
+                        }
                     }
                     changed = subscriptions.changed() => {
                         if changed.is_err() {
@@ -521,57 +528,31 @@ impl LocalSource {
         Ok(())
     }
 
-    /// Re-reads every file and publishes the result.
-    pub fn rescan(&mut self) {
-        match self.read_all() {
-            Ok(contents) => {
+    /// Re-reads and re-parses every file (on the blocking pool) and publishes
+    /// the result.
+    pub async fn rescan(&mut self) {
+        let dir = self.dir.clone();
+        let table = self.table.clone();
+        let max = self.max_file_bytes;
+        let read = tokio::task::spawn_blocking(move || read_all(&dir, &table, max)).await;
+        match read {
+            Ok(Ok(contents)) => {
                 self.files.retain(|path, _| contents.iter().any(|(p, _)| p == path));
-                for (path, text) in contents {
-                    self.update_file(path, text);
+                for (path, parsed) in contents {
+                    self.update_file(path, parsed);
                 }
             }
-            Err(e) => tracing::warn!(
+            Ok(Err(e)) => tracing::warn!(
                 dir = %self.dir,
                 error = %e,
                 "cannot read the source directory; serving what it held before"
             ),
+            Err(e) => tracing::error!(dir = %self.dir, error = %e, "reading the source directory failed"),
         }
         self.publish();
     }
 
-    /// (path, text) of every YAML file; unreadable files are kept as errors.
-    fn read_all(&self) -> std::io::Result<Vec<(String, Result<String, String>)>> {
-        let dir = match &self.dir {
-            SourceDir::Embedded => {
-                return Ok(EMBEDDED_EXAMPLES
-                    .iter()
-                    .map(|(name, text)| (format!("<embedded>/{name}"), Ok(text.to_string())))
-                    .collect())
-            }
-            SourceDir::Dir(dir) => dir,
-        };
-        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| is_yaml(p))
-            .collect();
-        paths.sort();
-        Ok(paths
-            .into_iter()
-            .map(|path| {
-                let text = read_text(&path, self.max_file_bytes);
-                (path.display().to_string(), text)
-            })
-            .collect())
-    }
-
-    fn update_file(&mut self, path: String, text: Result<String, String>) {
-        let result = text
-            .map_err(|reason| ParseError {
-                path: path.clone(),
-                line: 0,
-                reason,
-            })
-            .and_then(|text| parse(&path, &text, &self.table));
+    fn update_file(&mut self, path: String, result: ParsedFile) {
         let state = self.files.entry(path).or_default();
         match result {
             Ok(parsed) => {
@@ -629,7 +610,7 @@ impl LocalSource {
             collections.entry(collection).or_default();
         }
         for (collection, resources) in collections {
-            self.cache.apply(&collection, Update::Full(resources), Origin::Files);
+            self.writer.apply(&collection, Update::Full(resources), Origin::Files);
             self.published.insert(collection);
         }
         let errors: Vec<String> = self
@@ -641,6 +622,51 @@ impl LocalSource {
             s.last_error = (!errors.is_empty()).then(|| errors.join("; "));
         });
     }
+}
+
+/// What one file parses to.
+type ParsedFile = Result<Vec<Parsed>, ParseError>;
+
+/// Every YAML file's path and what it parses to (an unreadable file is a
+/// parse error at line 0). Blocking: run on the blocking pool.
+fn read_all(
+    dir: &SourceDir,
+    table: &CollectionTable,
+    max_file_bytes: usize,
+) -> std::io::Result<Vec<(String, ParsedFile)>> {
+    let texts: Vec<(String, Result<String, String>)> = match dir {
+        SourceDir::Embedded => EMBEDDED_EXAMPLES
+            .iter()
+            .map(|(name, text)| (format!("<embedded>/{name}"), Ok(text.to_string())))
+            .collect(),
+        SourceDir::Dir(dir) => {
+            let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| is_yaml(p))
+                .collect();
+            paths.sort();
+            paths
+                .into_iter()
+                .map(|path| {
+                    let text = read_text(&path, max_file_bytes);
+                    (path.display().to_string(), text)
+                })
+                .collect()
+        }
+    };
+    Ok(texts
+        .into_iter()
+        .map(|(path, text)| {
+            let parsed = text
+                .map_err(|reason| ParseError {
+                    path: path.clone(),
+                    line: 0,
+                    reason,
+                })
+                .and_then(|text| parse(&path, &text, table));
+            (path, parsed)
+        })
+        .collect())
 }
 
 /// A source file's text: a regular file (links are followed: Kubernetes

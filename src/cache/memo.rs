@@ -1,0 +1,115 @@
+//! Values that readers compute from an immutable snapshot or chunk (response
+//! encodings: a protocol's bytes for a collection, a diff between two
+//! versions), kept with it so every reader shares one, and freed with it.
+//! The cache does not know what they are: each is keyed by its reader's name
+//! for the kind and an optional argument (the version a diff starts from).
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+/// What a memoized value is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoKey {
+    /// Whose and what (`"mcp.sotw"`), one name per kind of value.
+    pub kind: &'static str,
+    /// What it depends on besides its owner, if anything.
+    pub arg: Option<Arc<str>>,
+}
+
+impl MemoKey {
+    pub const fn of(kind: &'static str) -> Self {
+        Self { kind, arg: None }
+    }
+
+    pub fn with(kind: &'static str, arg: Arc<str>) -> Self {
+        Self { kind, arg: Some(arg) }
+    }
+}
+
+type Entry = (MemoKey, Arc<dyn Any + Send + Sync>);
+
+/// Memoized values of one snapshot or chunk.
+#[derive(Default)]
+pub struct Memo {
+    entries: Mutex<Vec<Entry>>,
+}
+
+impl std::fmt::Debug for Memo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_list().entries(entries.iter().map(|(k, _)| k)).finish()
+    }
+}
+
+impl Memo {
+    /// The value for `key`, made by `make` the first time. At most
+    /// `max_of_kind` values of one kind are kept: past that, `make`'s value
+    /// is returned and not kept (a pathological spread of arguments, such as
+    /// clients at many different versions, costs work, not memory).
+    ///
+    /// `make` runs outside the lock: two readers racing may both make it.
+    pub fn get_or_make<T: Any + Send + Sync>(
+        &self,
+        key: MemoKey,
+        max_of_kind: usize,
+        make: impl FnOnce() -> T,
+    ) -> Arc<T> {
+        if let Some(found) = self.find::<T>(&key) {
+            return found;
+        }
+        let made = Arc::new(make());
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = entries
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, v)| v.clone().downcast::<T>().ok())
+        {
+            return found;
+        }
+        if entries.iter().filter(|(k, _)| k.kind == key.kind).count() < max_of_kind {
+            entries.push((key, made.clone()));
+        }
+        made
+    }
+
+    fn find<T: Any + Send + Sync>(&self, key: &MemoKey) -> Option<Arc<T>> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.clone().downcast::<T>().ok())
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn made_once_shared_and_bounded_per_kind() {
+        let memo = Memo::default();
+        let mut made = 0;
+        let a = memo.get_or_make(MemoKey::of("k"), 2, || {
+            made += 1;
+            1u32
+        });
+        let b = memo.get_or_make(MemoKey::of("k"), 2, || {
+            made += 1;
+            2u32
+        });
+        assert_eq!((*a, *b, made), (1, 1, 1));
+        assert!(Arc::ptr_eq(&a, &b));
+        for v in ["v1", "v2", "v3"] {
+            memo.get_or_make(MemoKey::with("diff", v.into()), 2, || v.len());
+        }
+        assert_eq!(memo.len(), 3, "one of kind k, two of kind diff");
+    }
+}

@@ -1,0 +1,345 @@
+//! How each protocol encodes its responses, from the cache's snapshots. What
+//! every client at a version receives is encoded once and memoized on the
+//! snapshot (or, per chunk, on the chunk), keyed by protocol and by what it
+//! depends on; each client adds only its own suffix (type URL, nonce). The
+//! parts are `Bytes` handed to HTTP/2 as they are, never copied per client.
+//!
+//! Protobuf lets a message's fields come in any order and a repeated field
+//! repeat, so shared parts followed by a per-client suffix are one valid
+//! message.
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::encoding::{self, WireType};
+
+use super::type_state::{Push, ReportedNames};
+use crate::cache::memo::MemoKey;
+use crate::cache::{CachedResource, Chunk, CollectionSnapshot, Diff, STORAGE_FIELD};
+use crate::metrics::CollectionMetrics;
+
+/// Distinct from-versions whose diffs a snapshot keeps per protocol (clients
+/// are normally at one or two versions; this bounds a pathological spread).
+const SHARED_DIFFS_PER_SNAPSHOT: usize = 32;
+
+/// A response assembled from pre-encoded parts: `shared` is what every
+/// client at this version receives, in order; `suffix` holds the few
+/// per-client fields.
+#[derive(Clone, Debug, Default)]
+pub struct EncodedResponse {
+    pub shared: Arc<[Bytes]>,
+    pub suffix: Bytes,
+    /// For the metrics recorded when it is written; not part of the message.
+    pub record: Option<Record>,
+}
+
+/// What a written response is counted under.
+#[derive(Clone, Debug)]
+pub struct Record {
+    pub snapshot: Arc<CollectionSnapshot>,
+    pub metrics: Arc<CollectionMetrics>,
+}
+
+impl EncodedResponse {
+    /// The encoded message's length.
+    pub fn len(&self) -> usize {
+        self.shared.iter().map(Bytes::len).sum::<usize>() + self.suffix.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The whole message in one buffer (tests and debugging; the server writes
+    /// the parts as they are).
+    pub fn to_bytes(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(self.len());
+        for part in self.shared.iter() {
+            buf.put_slice(part);
+        }
+        buf.put_slice(&self.suffix);
+        buf.freeze()
+    }
+}
+
+/// The encoded length of a string field as `put_string` writes it.
+fn string_field_len(tag: u32, value: &str) -> usize {
+    if value.is_empty() {
+        return 0;
+    }
+    encoding::key_len(tag) + encoding::encoded_len_varint(value.len() as u64) + value.len()
+}
+
+/// A proto3 string field; empty strings are omitted, as prost would.
+fn put_string(tag: u32, value: &str, buf: &mut BytesMut) {
+    if value.is_empty() {
+        return;
+    }
+    encoding::encode_key(tag, WireType::LengthDelimited, buf);
+    encoding::encode_varint(value.len() as u64, buf);
+    buf.put_slice(value.as_bytes());
+}
+
+fn put_bytes(tag: u32, value: &[u8], buf: &mut BytesMut) {
+    encoding::encode_key(tag, WireType::LengthDelimited, buf);
+    encoding::encode_varint(value.len() as u64, buf);
+    buf.put_slice(value);
+}
+
+fn bytes_field_len(tag: u32, value: &[u8]) -> usize {
+    encoding::key_len(tag) + encoding::encoded_len_varint(value.len() as u64) + value.len()
+}
+
+/// Strings as one field each, in one buffer.
+fn string_fields(tag: u32, values: &[&str]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(values.iter().map(|v| bytes_field_len(tag, v.as_bytes())).sum());
+    for value in values {
+        put_bytes(tag, value.as_bytes(), &mut buf);
+    }
+    buf.freeze()
+}
+
+/// Resources as one field each (`tag`), in one buffer.
+fn resource_fields<'a>(tag: u32, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> Bytes {
+    let resources: Vec<&Arc<CachedResource>> = resources.into_iter().collect();
+    let mut buf = BytesMut::with_capacity(resources.iter().map(|r| bytes_field_len(tag, &r.encoded)).sum());
+    for resource in resources {
+        put_bytes(tag, &resource.encoded, &mut buf);
+    }
+    buf.freeze()
+}
+
+/// The names `reported` holds that `to` does not, sorted, once each.
+fn gone<'a>(reported: &'a ReportedNames, to: &CollectionSnapshot) -> Vec<&'a str> {
+    let mut removed: Vec<&str> = reported
+        .iter()
+        .filter(|name| !to.resources.contains_key(*name))
+        .collect();
+    removed.sort_unstable();
+    removed.dedup();
+    removed
+}
+
+/// A protocol's message layout: where it puts the version, the resources,
+/// the removed names, and (for `Resources`) the collection.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    /// Memo keys: one per protocol.
+    pub full_key: &'static str,
+    pub diff_key: &'static str,
+    pub chunk_key: &'static str,
+    pub version: u32,
+    pub collection: Option<u32>,
+    pub resources: u32,
+    pub removed: u32,
+}
+
+/// `MeshConfigResponse{version_info=1, resources=2, type_url=3, nonce=4}` and
+/// `IncrementalMeshConfigResponse{system_version_info=1, resources=2,
+/// removed_resources=3, nonce=4}`: the legacy aggregated services.
+pub const LEGACY: Layout = Layout {
+    full_key: "mcp.legacy.full",
+    diff_key: "mcp.legacy.diff",
+    chunk_key: "mcp.legacy.chunk",
+    version: 1,
+    collection: None,
+    resources: 2,
+    removed: 3,
+};
+
+/// `Resources{system_version_info=1, collection=2, resources=3,
+/// removed_resources=4, nonce=5, incremental=6}`: `ResourceSource`.
+pub const RESOURCES: Layout = Layout {
+    full_key: "mcp.resources.full",
+    diff_key: "mcp.resources.diff",
+    chunk_key: "mcp.resources.chunk",
+    version: 1,
+    collection: Some(2),
+    resources: 3,
+    removed: 4,
+};
+
+impl Layout {
+    /// A chunk's resources as this layout's `resources` field: the chunk's
+    /// storage itself when the field numbers agree, else re-framed once per
+    /// chunk and kept with it.
+    fn chunk(&self, chunk: &Chunk) -> Bytes {
+        if self.resources == STORAGE_FIELD {
+            return chunk.bytes().clone();
+        }
+        let tag = self.resources;
+        let framed = chunk
+            .memo
+            .get_or_make(MemoKey::of(self.chunk_key), 1, || resource_fields(tag, chunk.members()));
+        Bytes::clone(&framed)
+    }
+
+    /// The fields every response for `to` starts with.
+    fn head(&self, to: &CollectionSnapshot) -> Bytes {
+        let collection = self.collection.map_or(0, |tag| string_field_len(tag, &to.collection));
+        let mut buf = BytesMut::with_capacity(string_field_len(self.version, &to.version) + collection);
+        put_string(self.version, &to.version, &mut buf);
+        if let Some(tag) = self.collection {
+            put_string(tag, &to.collection, &mut buf);
+        }
+        buf.freeze()
+    }
+
+    /// The whole collection: the head, then every chunk. Once per snapshot.
+    pub fn full(&self, to: &CollectionSnapshot) -> Arc<[Bytes]> {
+        let parts = to.memo.get_or_make(MemoKey::of(self.full_key), 1, || {
+            std::iter::once(self.head(to))
+                .chain(to.chunks().iter().map(|c| self.chunk(c)))
+                .collect::<Arc<[Bytes]>>()
+        });
+        Arc::clone(&parts)
+    }
+
+    /// What changed from `from` to `to`: once per (from, to), shared by every
+    /// client at `from`. Consecutive snapshots share structure, so the diff
+    /// costs time proportional to the change.
+    pub fn diff(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<[Bytes]> {
+        let key = MemoKey::with(self.diff_key, from.version.clone());
+        let parts = to.memo.get_or_make(key, SHARED_DIFFS_PER_SNAPSHOT, || {
+            let diff = Diff::between(&from.resources, &to.resources);
+            let parts: Arc<[Bytes]> = Arc::from([
+                self.head(to),
+                resource_fields(self.resources, &diff.upserts),
+                string_fields(self.removed, &diff.removed_names()),
+            ]);
+            parts
+        });
+        Arc::clone(&parts)
+    }
+
+    /// The whole collection (shared), and removals for the reported names
+    /// `to` does not have (this client's own).
+    pub fn first_from_reported(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Arc<[Bytes]> {
+        let mut parts = self.full(to).to_vec();
+        parts.push(string_fields(self.removed, &gone(reported, to)));
+        Arc::from(parts)
+    }
+
+    /// The shared parts of what the state machine decided.
+    pub fn encode(&self, send: &Push) -> Arc<[Bytes]> {
+        match send {
+            Push::Full { to } => self.full(to),
+            Push::Diff { from, to } => self.diff(from, to),
+            Push::FirstFromReported { to, reported } => self.first_from_reported(to, reported),
+        }
+    }
+}
+
+/// The per-client suffix: an optional string field (a type URL), the nonce,
+/// and an optional `true` flag (`Resources.incremental`).
+pub fn suffix(string: Option<(u32, &str)>, nonce: (u32, &str), flag: Option<u32>) -> Bytes {
+    let mut buf = BytesMut::with_capacity(
+        string.map_or(0, |(tag, s)| string_field_len(tag, s)) + string_field_len(nonce.0, nonce.1) + 2,
+    );
+    if let Some((tag, value)) = string {
+        put_string(tag, value, &mut buf);
+    }
+    put_string(nonce.0, nonce.1, &mut buf);
+    if let Some(tag) = flag {
+        encoding::encode_key(tag, WireType::Varint, &mut buf);
+        encoding::encode_varint(1, &mut buf);
+    }
+    buf.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Cache, Origin, Update};
+    use crate::proto::{IncrementalMeshConfigResponse, MeshConfigResponse, Metadata, Resource, Resources};
+    use prost::Message;
+
+    const C: &str = "istio/networking/v1alpha3/gateways";
+
+    fn resource(name: &str, version: &str) -> CachedResource {
+        let encoded: Bytes = Resource {
+            metadata: Some(Metadata {
+                name: name.into(),
+                version: version.into(),
+                ..Default::default()
+            }),
+            body: Some(prost_types::Any {
+                type_url: "type.googleapis.com/x.Y".into(),
+                value: version.as_bytes().to_vec(),
+            }),
+        }
+        .encode_to_vec()
+        .into();
+        crate::source::validate::decode_resources(C, &[encoded])
+            .unwrap()
+            .pop()
+            .unwrap()
+    }
+
+    fn response(parts: Arc<[Bytes]>, suffix: Bytes) -> Bytes {
+        EncodedResponse {
+            shared: parts,
+            suffix,
+            record: None,
+        }
+        .to_bytes()
+    }
+
+    fn names(resources: &[Resource]) -> Vec<String> {
+        resources.iter().map(|r| r.metadata.clone().unwrap().name).collect()
+    }
+
+    #[test]
+    fn every_layout_decodes_as_its_message_and_is_encoded_once() {
+        let (cache, mut writer) = Cache::new();
+        let many: Vec<_> = (0..300).map(|i| resource(&format!("r{i:03}"), "1")).collect();
+        writer.apply(C, Update::Full(many), Origin::Upstream);
+        let from = cache.get(C).unwrap();
+        writer.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource("r007", "2"), resource("new", "1")],
+                removed: vec!["r008".into()],
+            },
+            Origin::Upstream,
+        );
+        let to = cache.get(C).unwrap();
+
+        let full = LEGACY.full(&to);
+        assert!(Arc::ptr_eq(&full, &LEGACY.full(&to)), "encoded once per snapshot");
+        let sotw = MeshConfigResponse::decode(response(full, suffix(Some((3, C)), (4, "1"), None))).unwrap();
+        assert_eq!(
+            (sotw.version_info.as_str(), sotw.type_url.as_str(), sotw.nonce.as_str()),
+            (&*to.version, C, "1")
+        );
+        assert_eq!(sotw.resources.len(), 300);
+
+        let diff = LEGACY.diff(&from, &to);
+        assert!(Arc::ptr_eq(&diff, &LEGACY.diff(&from, &to)), "shared per from-version");
+        let inc = IncrementalMeshConfigResponse::decode(response(diff, suffix(None, (4, "2"), None))).unwrap();
+        assert_eq!(names(&inc.resources), ["new", "r007"]);
+        assert_eq!(inc.removed_resources, ["r008"]);
+        assert_eq!(inc.system_version_info, *to.version);
+
+        let reported = ReportedNames::new(["r001", "ghost"]);
+        let first = LEGACY.first_from_reported(&to, &reported);
+        let first = IncrementalMeshConfigResponse::decode(response(first, suffix(None, (4, "3"), None))).unwrap();
+        assert_eq!(first.resources.len(), 300);
+        assert_eq!(first.removed_resources, ["ghost"]);
+
+        let full = RESOURCES.full(&to);
+        let message = Resources::decode(response(full, suffix(None, (5, "4"), None))).unwrap();
+        assert_eq!(message.collection, C);
+        assert_eq!(message.resources.len(), 300);
+        assert!(!message.incremental);
+        let diff = RESOURCES.diff(&from, &to);
+        let message = Resources::decode(response(diff, suffix(None, (5, "5"), Some(6)))).unwrap();
+        assert!(message.incremental);
+        assert_eq!(names(&message.resources), ["new", "r007"]);
+        assert_eq!(message.removed_resources, ["r008"]);
+        // The re-framed chunks are kept with the chunks: a later snapshot
+        // sharing them re-frames only the chunk that changed.
+        let reframed = to.chunks().iter().filter(|c| !c.memo.is_empty()).count();
+        assert_eq!(reframed, to.chunk_count());
+    }
+}

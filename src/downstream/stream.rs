@@ -1,0 +1,307 @@
+//! One stream of any protocol: the requests a [`Wire`] reads, the per-type
+//! state machine deciding, and the responses the wire encodes. The loop,
+//! the types followed, the nonces, the registry, the metrics and the logs
+//! are here once; a protocol is only how its messages look.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio_stream::wrappers::WatchStream;
+use tokio_stream::{StreamExt, StreamMap};
+use tonic::Status;
+
+use tokio_util::sync::CancellationToken;
+
+use super::encode::{EncodedResponse, Record};
+use super::registry::{RegistryEntry, TypeView};
+use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
+use super::wires::{Wire, WireRequest};
+use super::{
+    end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, DownstreamLimits, End,
+    Outbound, StreamLogs,
+};
+use crate::cache::CollectionSnapshot;
+use crate::metrics::{self as m, CollectionMetrics};
+use crate::proto::wire::{version_entry, ErrorDetail};
+use crate::transport::bucket::TokenBucket;
+use crate::transport::requests::RequestStream;
+
+struct Followed {
+    state: TypeState,
+    metrics: Arc<CollectionMetrics>,
+}
+
+pub(super) struct TypedStream<W> {
+    shared: Downstream,
+    entry: RegistryEntry,
+    id: u64,
+    /// By the type the client named.
+    types: HashMap<String, Followed>,
+    changes: StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
+    /// Per stream, decimal, as Istio's server did.
+    last_nonce: u64,
+    logs: StreamLogs,
+    _wire: PhantomData<fn() -> W>,
+}
+
+// === impl TypedStream ===
+
+impl<W: Wire> TypedStream<W> {
+    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
+        let entry = shared.inner.registry.register(id, peer, W::PROTOCOL);
+        Self {
+            shared,
+            entry,
+            id,
+            types: HashMap::new(),
+            changes: StreamMap::new(),
+            last_nonce: 0,
+            logs: StreamLogs::default(),
+            _wire: PhantomData,
+        }
+    }
+
+    /// The stream's task: requests, cache changes and shutdown, until one of
+    /// them ends the stream. Its registry entry goes when it returns.
+    pub(super) async fn drive(
+        mut self,
+        mut inbound: RequestStream<W::Request>,
+        out: Outbound,
+        shutdown: CancellationToken,
+        limits: DownstreamLimits,
+    ) {
+        // Real clients send a request per type and an ACK per response; a
+        // loop of requests (stale nonces, re-subscriptions) is cut off.
+        let mut requests = TokenBucket::new(
+            f64::from(limits.max_requests_per_second),
+            f64::from(limits.max_requests_per_second) * 10.0,
+        );
+        let (end, status) = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break (
+                    End::Shutdown,
+                    Some(Status::unavailable("the gateway is shutting down; reconnect to another replica")),
+                ),
+                _ = out.closed() => break (End::ClientGone, None),
+                request = inbound.message() => match request {
+                    Ok(Some(_)) if !requests.take() => {
+                        m::limit_refused("requests_rate");
+                        break (End::Limit, Some(Status::resource_exhausted(format!(
+                            "too many requests on this stream: --max-requests-per-second={}",
+                            limits.max_requests_per_second
+                        ))));
+                    }
+                    Ok(Some(request)) => match self.on_request(request, &out).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(ClientGone)) => break (End::ClientGone, None),
+                        Err(status) => break (End::of(&status), Some(status)),
+                    },
+                    Ok(None) => break (End::ClientClosed, None),
+                    // A request that cannot be read ends the stream with its
+                    // status; after a client's cancel nobody reads it.
+                    Err(status) => {
+                        metrics::counter!(
+                            m::RECV_FAILURES,
+                            "component" => m::COMPONENT_DOWNSTREAM,
+                            "code" => m::code_label(status.code() as i32)
+                        )
+                        .increment(1);
+                        break (End::of(&status), Some(status));
+                    }
+                },
+                Some((type_url, _)) = self.changes.next() => {
+                    if self.try_send(&type_url, &out).await.is_err() {
+                        break (End::ClientGone, None);
+                    }
+                }
+            }
+        };
+        if end == End::ClientGone {
+            send_failed();
+        }
+        metrics::counter!(
+            m::DOWNSTREAM_STREAM_ENDS,
+            "protocol" => W::PROTOCOL.as_str(),
+            "reason" => end.as_str()
+        )
+        .increment(1);
+        match &status {
+            Some(status) => tracing::debug!(
+                stream = self.id,
+                reason = end.as_str(),
+                code = ?status.code(),
+                message = status.message(),
+                "stream ended"
+            ),
+            None => tracing::debug!(stream = self.id, reason = end.as_str(), "stream ended"),
+        }
+        if let Some(status) = status {
+            end_with(&out, status).await;
+        }
+    }
+
+    async fn on_request(&mut self, request: W::Request, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
+        let request = W::read(request);
+        if let Some(node) = &request.node_id {
+            self.entry.set_node_id(node);
+        }
+        if let Some(peer) = &request.gateway_id {
+            let provenance = self.shared.inner.cache.provenance();
+            if provenance.is_upstream_or_self(peer) {
+                return Err(Status::failed_precondition(format!(
+                    "gateway {peer} is this gateway ({}) or upstream of it (upstream chain: {}): serving it would \
+                     make a loop; fix its --upstream so that config flows one way",
+                    provenance.gateway_id,
+                    provenance.upstream_chain().join(" <- ")
+                )));
+            }
+        }
+        let type_url = self.type_for(&request.type_url)?;
+        if !self.types.contains_key(&type_url) {
+            self.follow(&type_url, &request)?;
+        }
+        let followed = self.types.get_mut(&type_url).expect("followed above");
+        let max = self.shared.limits().max_nack_message_bytes;
+        let nack = request.error_detail.map(|detail| read_nack(detail, max));
+        let verdict = followed.state.on_request(Request {
+            nonce: &request.nonce,
+            nack,
+        });
+        let collection = followed.state.view.collection.clone();
+        match &verdict {
+            Verdict::Stale { expected } => {
+                record_stale(
+                    self.id,
+                    &mut self.logs,
+                    &followed.metrics,
+                    &type_url,
+                    expected,
+                    &request.nonce,
+                );
+                return Ok(Ok(()));
+            }
+            Verdict::Ack => record_ack(&followed.metrics),
+            Verdict::Nack | Verdict::Unrecoverable => {
+                let nack = followed.state.view.last_nack.as_ref().expect("a NACK was recorded");
+                record_nack(self.id, &mut self.logs, &type_url, &collection, nack, &followed.metrics);
+            }
+            Verdict::First => {}
+        }
+        self.entry.publish(&type_url, followed.state.view.clone());
+        if verdict == Verdict::Unrecoverable {
+            return Err(Status::failed_precondition(
+                "the first response, built from initial_resource_versions, was NACKed: the gateway cannot know what \
+                 this client holds; open a new stream to start again",
+            ));
+        }
+        Ok(self.try_send(&type_url, out).await)
+    }
+}
+
+/// A NACK's code and message, the message read up to `max` bytes and kept
+/// with its full length.
+fn read_nack(detail: Bytes, max: usize) -> Nack {
+    let detail = ErrorDetail::parse(detail, max).unwrap_or_else(|e| ErrorDetail {
+        code: tonic::Code::Unknown as i32,
+        message: format!("(the NACK's error_detail does not decode: {e})"),
+        message_len: 0,
+    });
+    let message = if detail.message_len > detail.message.len() {
+        metrics::counter!(m::NACK_MESSAGES_TRUNCATED).increment(1);
+        format!("{}… ({} bytes in all)", detail.message, detail.message_len)
+    } else {
+        detail.message
+    };
+    Nack {
+        code: detail.code,
+        message,
+    }
+}
+
+impl<W: Wire> TypedStream<W> {
+    /// The type a request is for.
+    fn type_for(&self, requested: &str) -> Result<String, Status> {
+        if !W::ONE_TYPE {
+            return Ok(requested.to_owned());
+        }
+        match self.types.keys().next() {
+            None => Ok(requested.to_owned()),
+            Some(only) if requested.is_empty() || requested == only => Ok(only.clone()),
+            Some(only) => Err(Status::invalid_argument(format!(
+                "this stream carries type_url {only:?}, and a stream carries one type only (its responses have no \
+                 type_url); open another stream for {requested:?}"
+            ))),
+        }
+    }
+
+    /// Starts following a type: resolves it, subscribes to its collection,
+    /// and notes what the client says it holds.
+    fn follow(&mut self, type_url: &str, request: &WireRequest) -> Result<(), Status> {
+        let resolved = self.shared.resolve(type_url)?;
+        self.shared.check_type_count(self.types.len())?;
+        if let Some(e) = request.reported.iter().find_map(|e| version_entry(e).err()) {
+            return Err(Status::invalid_argument(format!(
+                "initial_resource_versions does not decode as a map of names to versions: {e}"
+            )));
+        }
+        let held = match request.mode {
+            Mode::Full if !request.version_info.is_empty() => Held::Version(request.version_info.as_str().into()),
+            Mode::Full => Held::Reported(ReportedNames::default()),
+            Mode::Incremental => Held::Reported(ReportedNames::new(
+                request
+                    .reported
+                    .iter()
+                    .filter_map(|e| version_entry(e).ok())
+                    .map(|(name, _)| name),
+            )),
+        };
+        self.shared.follow(&resolved.collection);
+        let changes = self.shared.inner.cache.subscribe(&resolved.collection);
+        self.changes
+            .insert(type_url.to_owned(), WatchStream::from_changes(changes));
+        let metrics = self.shared.collection_metrics(&resolved.collection);
+        let state = TypeState::new(TypeView::new(resolved), request.mode, held);
+        self.types.insert(type_url.to_owned(), Followed { state, metrics });
+        Ok(())
+    }
+
+    /// Sends what the type's state machine decides, if anything.
+    async fn try_send(&mut self, type_url: &str, out: &Outbound) -> Result<(), ClientGone> {
+        let shared = self.shared.clone();
+        let Some(followed) = self.types.get_mut(type_url) else {
+            return Ok(());
+        };
+        let current = shared.inner.cache.get(&followed.state.view.collection);
+        let Ok(send) = followed.state.next(current.as_ref()) else {
+            return Ok(());
+        };
+        // Work that grows with what the client sent: one stream at a time.
+        let _turn = match &send {
+            Push::FirstFromReported { .. } => Some(shared.heavy_work().await),
+            _ => None,
+        };
+        self.last_nonce += 1;
+        let nonce = self.last_nonce.to_string();
+        let (parts, suffix) = W::encode(&send, type_url, &nonce);
+        let to = send.to().clone();
+        followed.state.sent(nonce, to.clone());
+        followed.metrics.pushes.increment(1);
+        self.entry.publish(type_url, followed.state.view.clone());
+        let response = EncodedResponse {
+            shared: parts,
+            suffix,
+            record: Some(Record {
+                snapshot: to,
+                metrics: followed.metrics.clone(),
+            }),
+        };
+        tokio::select! {
+            sent = out.send(Ok(Box::new(response))) => sent.map_err(|_| ClientGone),
+            // A client that stopped reading must not hold up shutdown.
+            _ = shared.inner.shutdown.cancelled() => Ok(()),
+        }
+    }
+}

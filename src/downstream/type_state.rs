@@ -1,0 +1,488 @@
+//! One client's state for one type, and the protocol's rules as a pure state
+//! machine: no I/O, no `.await`, no clock. Inputs are the client's requests
+//! and the cache's current snapshot; outputs say what to send (and from what
+//! base), or why nothing is sent. Every protocol (the legacy aggregated
+//! services, `ResourceSource`, xDS) is an adapter that reads its requests
+//! into a [`Request`] and encodes the [`Push`] it is told.
+//!
+//! The rules (Istio's MCP server, and what it got wrong):
+//! - A request is accepted when nothing was sent for the type yet (whatever
+//!   its nonce: istiod sends one it was never given), or when its nonce is
+//!   the last one sent. Anything else is stale and ignored.
+//! - One response outstanding per type; changes meanwhile coalesce to the
+//!   latest.
+//! - A NACKed version is never sent to that client again; the next version is.
+//! - Nothing is sent before the source delivered the collection.
+//! - A client already at the current version gets nothing.
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use super::registry::{NackRecord, TypeView};
+use crate::cache::CollectionSnapshot;
+
+/// How responses for this type carry the collection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Every response is the whole collection (state of the world).
+    #[default]
+    Full,
+    /// Responses carry what changed since what the client holds.
+    Incremental,
+}
+
+/// The names a client reported in its first request
+/// (`initial_resource_versions`), each as a varint length and its bytes in
+/// one buffer: what the first response needs (the names that are gone), at
+/// the size the client sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReportedNames(Bytes);
+
+impl ReportedNames {
+    pub fn new<'a>(names: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut buf = BytesMut::new();
+        for name in names {
+            prost::encoding::encode_varint(name.len() as u64, &mut buf);
+            buf.put_slice(name.as_bytes());
+        }
+        Self(buf.freeze())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        let mut rest = &self.0[..];
+        std::iter::from_fn(move || {
+            let len = prost::encoding::decode_varint(&mut rest).ok()? as usize;
+            let (name, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            std::str::from_utf8(name).ok()
+        })
+    }
+}
+
+/// What the client holds, as far as the gateway knows.
+#[derive(Clone, Debug)]
+pub enum Held {
+    /// Before the first response: nothing, or the names it reported
+    /// (kept only until the first response is built).
+    Reported(ReportedNames),
+    /// Before the first response: the version it reported holding (a
+    /// state-of-the-world client reconnecting).
+    Version(Arc<str>),
+    /// The first response, built from reported names, is not answered yet.
+    AwaitingFirst { reported_names: bool },
+    /// The snapshot it last ACKed.
+    At(Arc<CollectionSnapshot>),
+}
+
+/// A NACK's code and (bounded) message, as an adapter read them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Nack {
+    pub code: i32,
+    pub message: String,
+}
+
+/// A client's request for this type, as an adapter read it.
+#[derive(Debug, Default)]
+pub struct Request<'a> {
+    pub nonce: &'a str,
+    /// `Some` for a NACK.
+    pub nack: Option<Nack>,
+}
+
+/// What a request was.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Nothing was sent for the type yet: a subscription.
+    First,
+    Ack,
+    Nack,
+    /// Its nonce is not the last one sent: ignored.
+    Stale {
+        expected: String,
+    },
+    /// A NACK of a first response built from reported names: what the
+    /// client holds cannot be known any more; the stream must end and the
+    /// client start again.
+    Unrecoverable,
+}
+
+/// Why nothing is sent now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// A response is outstanding: the next one waits for its ACK or NACK.
+    Outstanding,
+    /// The source has not delivered the collection: nothing is invented.
+    NotDelivered,
+    /// The client holds the current version.
+    UpToDate,
+    /// The client NACKed the current version: it is not sent again.
+    Nacked,
+}
+
+/// What to send.
+#[derive(Debug)]
+pub enum Push {
+    /// The whole collection at `to`.
+    Full { to: Arc<CollectionSnapshot> },
+    /// What changed from `from` (the client's ACKed snapshot) to `to`.
+    Diff {
+        from: Arc<CollectionSnapshot>,
+        to: Arc<CollectionSnapshot>,
+    },
+    /// The whole collection, and removals for the reported names that `to`
+    /// does not have: versions alone cannot show that a source reused one
+    /// for another body, so nothing is skipped on the client's word.
+    FirstFromReported {
+        to: Arc<CollectionSnapshot>,
+        reported: ReportedNames,
+    },
+}
+
+impl Push {
+    pub fn to(&self) -> &Arc<CollectionSnapshot> {
+        match self {
+            Push::Full { to } | Push::Diff { to, .. } | Push::FirstFromReported { to, .. } => to,
+        }
+    }
+}
+
+/// One client's state for one type.
+#[derive(Debug)]
+pub struct TypeState {
+    mode: Mode,
+    held: Held,
+    /// The snapshot of the outstanding (or last) response.
+    sent: Option<Arc<CollectionSnapshot>>,
+    /// What the debug views show; kept in step with the state.
+    pub view: TypeView,
+}
+
+impl TypeState {
+    pub fn new(view: TypeView, mode: Mode, held: Held) -> Self {
+        let mut state = Self {
+            mode,
+            held,
+            sent: None,
+            view,
+        };
+        if let Held::Version(version) = &state.held {
+            state.view.acked_version = Some(version.clone());
+        }
+        state
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    pub fn held(&self) -> &Held {
+        &self.held
+    }
+
+    /// A request for this type.
+    pub fn on_request(&mut self, request: Request<'_>) -> Verdict {
+        let Some(sent_nonce) = &self.view.last_sent_nonce else {
+            return Verdict::First;
+        };
+        if *sent_nonce != request.nonce {
+            return Verdict::Stale {
+                expected: sent_nonce.clone(),
+            };
+        }
+        self.view.outstanding = false;
+        let sent = self.sent.clone().expect("a nonce is only issued with a snapshot");
+        match request.nack {
+            Some(nack) => {
+                self.view.last_nack = Some(NackRecord {
+                    version: sent.version.clone(),
+                    code: nack.code,
+                    message: nack.message,
+                });
+                match self.held {
+                    Held::AwaitingFirst { reported_names: true } => Verdict::Unrecoverable,
+                    // It still holds nothing.
+                    Held::AwaitingFirst { reported_names: false } => {
+                        self.held = Held::Reported(ReportedNames::default());
+                        Verdict::Nack
+                    }
+                    _ => Verdict::Nack,
+                }
+            }
+            None => {
+                self.view.acked_version = Some(sent.version.clone());
+                self.held = Held::At(sent);
+                Verdict::Ack
+            }
+        }
+    }
+
+    /// What to send now, given the cache's current snapshot. When it says
+    /// `Push`, the adapter must send it and then call [`Self::sent`].
+    pub fn next(&mut self, current: Option<&Arc<CollectionSnapshot>>) -> Result<Push, Wait> {
+        if self.view.outstanding {
+            return Err(Wait::Outstanding);
+        }
+        let current = current.ok_or(Wait::NotDelivered)?;
+        if self
+            .view
+            .last_nack
+            .as_ref()
+            .is_some_and(|n| n.version == current.version)
+        {
+            return Err(Wait::Nacked);
+        }
+        let to = current.clone();
+        let send = match (&self.held, self.mode) {
+            (Held::At(held), _) if held.version == current.version => return Err(Wait::UpToDate),
+            (Held::Version(held), _) if *held == current.version => return Err(Wait::UpToDate),
+            (Held::AwaitingFirst { .. }, _) => return Err(Wait::Outstanding),
+            (Held::At(from), Mode::Incremental) => Push::Diff { from: from.clone(), to },
+            (Held::Reported(reported), Mode::Incremental) if !reported.is_empty() => {
+                let Held::Reported(reported) =
+                    std::mem::replace(&mut self.held, Held::AwaitingFirst { reported_names: true })
+                else {
+                    unreachable!("matched above")
+                };
+                Push::FirstFromReported { to, reported }
+            }
+            (Held::Reported(_) | Held::Version(_), Mode::Incremental) => {
+                self.held = Held::AwaitingFirst { reported_names: false };
+                Push::Full { to }
+            }
+            (_, Mode::Full) => Push::Full { to },
+        };
+        Ok(send)
+    }
+
+    /// The response chosen by [`Self::next`] went out with `nonce`.
+    pub fn sent(&mut self, nonce: String, to: Arc<CollectionSnapshot>) {
+        self.view.outstanding = true;
+        self.view.last_sent_nonce = Some(nonce);
+        self.view.last_sent_version = Some(to.version.clone());
+        self.sent = Some(to);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Cache, CacheWriter, CachedResource, Origin, Update};
+    use crate::collections::{Dialect, Resolved};
+
+    const C: &str = "c";
+
+    fn snapshot(cache: &Cache, writer: &mut CacheWriter, names: &[&str]) -> Arc<CollectionSnapshot> {
+        let resources = names
+            .iter()
+            .map(|n| {
+                let body = Bytes::from(n.to_string());
+                let none = std::collections::HashMap::<String, String>::new();
+                let digest = crate::cache::content_digest(&body, &none, &none);
+                CachedResource::new((*n).into(), "1".into(), "t".into(), body, digest)
+            })
+            .collect();
+        writer.apply(C, Update::Full(resources), Origin::Upstream);
+        cache.get(C).unwrap()
+    }
+
+    fn state(mode: Mode, held: Held) -> TypeState {
+        TypeState::new(
+            TypeView::new(Resolved {
+                collection: C.into(),
+                dialect: Dialect::V1_1,
+            }),
+            mode,
+            held,
+        )
+    }
+
+    fn nothing() -> Held {
+        Held::Reported(ReportedNames::default())
+    }
+
+    fn nack(_version: &str) -> Option<Nack> {
+        Some(Nack {
+            code: 3,
+            message: "bad".into(),
+        })
+    }
+
+    /// Sends what `next` decides and returns its kind.
+    fn step(
+        state: &mut TypeState,
+        current: Option<&Arc<CollectionSnapshot>>,
+        nonce: &str,
+    ) -> Result<&'static str, Wait> {
+        let send = state.next(current)?;
+        let kind = match &send {
+            Push::Full { .. } => "full",
+            Push::Diff { .. } => "diff",
+            Push::FirstFromReported { .. } => "first",
+        };
+        state.sent(nonce.into(), send.to().clone());
+        Ok(kind)
+    }
+
+    #[test]
+    fn nothing_is_invented_before_the_source_delivers() {
+        for mode in [Mode::Full, Mode::Incremental] {
+            let mut s = state(mode, nothing());
+            assert_eq!(s.next(None).unwrap_err(), Wait::NotDelivered);
+        }
+    }
+
+    #[test]
+    fn the_protocol_rules_as_a_table() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = snapshot(&cache, &mut writer, &["a"]);
+        let v2 = snapshot(&cache, &mut writer, &["a", "b"]);
+        let v3 = snapshot(&cache, &mut writer, &["b"]);
+        // (mode, held at start, script) where each step is a request or a
+        // decision against a current snapshot, with what must happen.
+        enum Step<'a> {
+            Next(&'a Arc<CollectionSnapshot>, Result<&'static str, Wait>),
+            Req(&'a str, Option<&'a str>, Verdict),
+        }
+        use Step::*;
+        let v1v = v1.version.to_string();
+        let v2v = v2.version.to_string();
+        let cases: Vec<(&str, Mode, Held, Vec<Step>)> = vec![
+            (
+                "state of the world: send, ACK, change, send",
+                Mode::Full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Next(&v2, Err(Wait::Outstanding)),
+                    Req("n1", None, Verdict::Ack),
+                    Next(&v1, Err(Wait::UpToDate)),
+                    Next(&v2, Ok("full")),
+                ],
+            ),
+            (
+                "a stale nonce is ignored and keeps the response outstanding",
+                Mode::Full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("other", None, Verdict::Stale { expected: "n1".into() }),
+                    Next(&v2, Err(Wait::Outstanding)),
+                ],
+            ),
+            (
+                "a NACKed version is held, the next one is sent",
+                Mode::Full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Some(&v1v), Verdict::Nack),
+                    Next(&v1, Err(Wait::Nacked)),
+                    Next(&v2, Ok("full")),
+                ],
+            ),
+            (
+                "a reconnecting client at the current version gets nothing",
+                Mode::Full,
+                Held::Version(v2.version.clone()),
+                vec![Next(&v2, Err(Wait::UpToDate)), Next(&v3, Ok("full"))],
+            ),
+            (
+                "incremental: from nothing the whole collection, then diffs from the ACKed state",
+                Mode::Incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", None, Verdict::Ack),
+                    Next(&v2, Ok("diff")),
+                ],
+            ),
+            (
+                "incremental: the first response from reported names, then diffs",
+                Mode::Incremental,
+                Held::Reported(ReportedNames::new(["a", "gone"])),
+                vec![
+                    Next(&v1, Ok("first")),
+                    Req("n1", None, Verdict::Ack),
+                    Next(&v1, Err(Wait::UpToDate)),
+                    Next(&v2, Ok("diff")),
+                ],
+            ),
+            (
+                "incremental: a NACK of the first response built from reported names cannot be recovered",
+                Mode::Incremental,
+                Held::Reported(ReportedNames::new(["gone"])),
+                vec![Next(&v1, Ok("first")), Req("n1", Some(&v1v), Verdict::Unrecoverable)],
+            ),
+            (
+                "incremental: a NACK of a first response from nothing: the whole collection again",
+                Mode::Incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Some(&v1v), Verdict::Nack),
+                    Next(&v1, Err(Wait::Nacked)),
+                    Next(&v2, Ok("full")),
+                ],
+            ),
+            (
+                "incremental: after a NACK the next diff is from the ACKed state",
+                Mode::Incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", None, Verdict::Ack),
+                    Next(&v2, Ok("diff")),
+                    Req("n2", Some(&v2v), Verdict::Nack),
+                    Next(&v2, Err(Wait::Nacked)),
+                    Next(&v3, Ok("diff")),
+                ],
+            ),
+        ];
+        for (what, mode, held, steps) in cases {
+            let mut s = state(mode, held);
+            let mut nonce = 0;
+            for (i, step) in steps.into_iter().enumerate() {
+                match step {
+                    Next(current, expected) => {
+                        nonce += 1;
+                        let got = step_with(&mut s, current, &format!("n{nonce}"));
+                        assert_eq!(got, expected, "{what}: step {i}");
+                    }
+                    Req(nonce, nacked, expected) => {
+                        let verdict = s.on_request(Request {
+                            nonce,
+                            nack: nacked.and_then(nack),
+                        });
+                        assert_eq!(verdict, expected, "{what}: step {i}");
+                    }
+                }
+            }
+        }
+
+        fn step_with(s: &mut TypeState, current: &Arc<CollectionSnapshot>, nonce: &str) -> Result<&'static str, Wait> {
+            step(s, Some(current), nonce)
+        }
+    }
+
+    #[test]
+    fn any_nonce_is_accepted_before_anything_was_sent() {
+        let mut s = state(Mode::Full, nothing());
+        let verdict = s.on_request(Request {
+            nonce: "2021-09-09 06:45:36.069 +0000 UTC m=+0.51",
+            nack: None,
+        });
+        assert_eq!(verdict, Verdict::First);
+    }
+
+    #[test]
+    fn reported_names_round_trip() {
+        let names = ReportedNames::new(["a", "", "ns/ü"]);
+        assert_eq!(names.iter().collect::<Vec<_>>(), ["a", "", "ns/ü"]);
+        assert!(ReportedNames::default().is_empty());
+    }
+}

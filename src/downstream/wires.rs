@@ -1,0 +1,155 @@
+//! The protocols served downstream, each as how its messages look: what its
+//! requests say and where its responses put things. Everything else is the
+//! shared stream (`stream.rs`) and state machine (`type_state.rs`).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::encode::{suffix, LEGACY, RESOURCES};
+use super::registry::Protocol;
+use super::type_state::{Mode, Push};
+use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
+use crate::proto::wire::{IncrementalRequest, SinkRequest, SotwRequest};
+
+/// What a protocol's request says, read once.
+#[derive(Debug, Default)]
+pub struct WireRequest {
+    /// The type: a type URL or a collection name.
+    pub type_url: String,
+    pub node_id: Option<String>,
+    /// The peer's gateway id, when the peer is another gateway.
+    pub gateway_id: Option<String>,
+    pub nonce: String,
+    /// State of the world: the version the client holds (`version_info`).
+    pub version_info: String,
+    pub error_detail: Option<Bytes>,
+    /// How responses for this type carry the collection (the first request
+    /// of a type decides).
+    pub mode: Mode,
+    /// `initial_resource_versions` entries (first requests of incremental
+    /// types), as they are on the wire.
+    pub reported: Vec<Bytes>,
+}
+
+/// How one protocol's messages look.
+pub trait Wire: Send + 'static {
+    type Request: prost::Message + Default + Send + 'static;
+    const PROTOCOL: Protocol;
+    /// The request message's name, for errors about it.
+    const REQUEST: &'static str;
+    /// The stream carries one type, and its responses name none (legacy
+    /// incremental); later requests may leave the type empty.
+    const ONE_TYPE: bool;
+
+    fn read(request: Self::Request) -> WireRequest;
+
+    /// The shared parts and the per-client suffix of the response for
+    /// `send` on `type_url`.
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes);
+}
+
+/// `AggregatedMeshConfigService.StreamAggregatedResources` (Istio 1.0/1.1):
+/// state of the world, many types per stream, `type_url` in each response.
+pub struct LegacySotw;
+
+impl Wire for LegacySotw {
+    type Request = SotwRequest;
+    const PROTOCOL: Protocol = Protocol::Sotw;
+    const REQUEST: &'static str = "istio.mcp.v1alpha1.MeshConfigRequest";
+    const ONE_TYPE: bool = false;
+
+    fn read(request: SotwRequest) -> WireRequest {
+        WireRequest {
+            type_url: request.type_url,
+            node_id: request.node.map(|n| n.id),
+            nonce: request.response_nonce,
+            version_info: request.version_info,
+            error_detail: request.error_detail,
+            mode: Mode::Full,
+            ..Default::default()
+        }
+    }
+
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+        (LEGACY.encode(send), suffix(Some((3, type_url)), (4, nonce), None))
+    }
+}
+
+/// `AggregatedMeshConfigService.IncrementalAggregatedResources`: diffs, one
+/// type per stream (its responses name none).
+pub struct LegacyIncremental;
+
+impl Wire for LegacyIncremental {
+    type Request = IncrementalRequest;
+    const PROTOCOL: Protocol = Protocol::Incremental;
+    const REQUEST: &'static str = "istio.mcp.v1alpha1.IncrementalMeshConfigRequest";
+    const ONE_TYPE: bool = true;
+
+    fn read(request: IncrementalRequest) -> WireRequest {
+        WireRequest {
+            type_url: request.type_url,
+            node_id: request.node.map(|n| n.id),
+            nonce: request.response_nonce,
+            error_detail: request.error_detail,
+            mode: Mode::Incremental,
+            reported: request.initial_resource_versions,
+            ..Default::default()
+        }
+    }
+
+    fn encode(send: &Push, _type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+        (LEGACY.encode(send), suffix(None, (4, nonce), None))
+    }
+}
+
+/// `ResourceSource.EstablishResourceStream` (Pilot 1.2 to 1.7 as a sink, and
+/// gateways chained behind this one): `RequestResources` per collection,
+/// `Resources` back, full or incremental as each collection's first request
+/// asked.
+pub struct ResourceSourceWire;
+
+impl Wire for ResourceSourceWire {
+    type Request = SinkRequest;
+    const PROTOCOL: Protocol = Protocol::ResourceSource;
+    const REQUEST: &'static str = "istio.mcp.v1alpha1.RequestResources";
+    const ONE_TYPE: bool = false;
+
+    fn read(request: SinkRequest) -> WireRequest {
+        let (node_id, gateway_id) = match request.sink_node {
+            Some(node) => {
+                let gateway = node.annotations.get(GATEWAY_ID_ANNOTATION).cloned();
+                (Some(node.id), gateway)
+            }
+            None => (None, None),
+        };
+        let mode = if request.incremental {
+            Mode::Incremental
+        } else {
+            Mode::Full
+        };
+        WireRequest {
+            type_url: request.collection,
+            node_id,
+            gateway_id,
+            nonce: request.response_nonce,
+            error_detail: request.error_detail,
+            mode,
+            // A sink that asks for full state gets it whatever it holds.
+            reported: if request.incremental {
+                request.initial_resource_versions
+            } else {
+                Vec::new()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn encode(send: &Push, _collection: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+        let incremental = !matches!(send, Push::Full { .. });
+        (
+            RESOURCES.encode(send),
+            suffix(None, (5, nonce), incremental.then_some(6)),
+        )
+    }
+}

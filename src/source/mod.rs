@@ -1,0 +1,79 @@
+//! Sources: everything that writes the cache. The MCP sink session (one
+//! implementation, `session` and `stream`) with its two transports: client
+//! mode dials Galley's `ResourceSource` (`client`), dial-out serves
+//! `ResourceSink` (`sink`); the local files (`files`); the persisted snapshot
+//! (`persisted`); the validation they share (`validate`). Sources never talk
+//! to downstream streams: what clients want reaches them as the cache's
+//! demand.
+
+pub mod backoff;
+pub mod client;
+pub mod files;
+pub mod persisted;
+pub mod session;
+pub mod sink;
+pub mod stream;
+pub mod validate;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::cache::demand::Subscriptions;
+use crate::cache::CacheWriter;
+
+pub use session::SinkSession;
+
+/// What the sink side of every upstream stream is built from, whoever
+/// dialled (client mode or Galley's dial-out).
+#[derive(Clone, Debug)]
+pub struct SinkContext {
+    pub node: crate::proto::SinkNode,
+    /// Ask for incremental updates (`--no-incremental` turns it off).
+    pub incremental: bool,
+    pub subscriptions: Arc<Subscriptions>,
+    /// Writes each changed collection to `--cache-dir`.
+    pub persister: Option<crate::source::persisted::Persister>,
+    /// `--max-message-bytes`, for error messages.
+    pub max_message_bytes: usize,
+}
+
+impl SinkContext {
+    /// A new stream's session (reading the cache `writer` writes), and what
+    /// the source is to receive.
+    pub fn open(
+        &self,
+        writer: &CacheWriter,
+    ) -> (
+        stream::Opened,
+        tokio::sync::mpsc::Receiver<crate::proto::RequestResources>,
+    ) {
+        let session = SinkSession::new(self.node.clone(), self.incremental, writer.cache().clone())
+            .persisting(self.persister.clone())
+            .with_max_message_bytes(self.max_message_bytes);
+        stream::open(session, &self.subscriptions)
+    }
+}
+
+/// What the upstream side is doing, for readiness, logs and the debug view.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct UpstreamStatus {
+    pub mode: &'static str,
+    pub address: String,
+    pub connected: bool,
+    /// When the current connection state (connected or not) began.
+    pub since: Option<SystemTime>,
+    pub last_error: Option<String>,
+    /// Streams attempted since start.
+    pub attempts: u64,
+    /// Attempts since a stream last made progress (every subscribed
+    /// collection applied).
+    pub consecutive_failures: u32,
+    /// The wait before the next attempt, while disconnected.
+    pub next_retry_in: Option<Duration>,
+    /// Dial-out mode: the connected source's address.
+    pub peer: Option<String>,
+    /// Dial-out mode: the source's gRPC metadata (Galley's `--sinkMeta`
+    /// pairs, `config.source.version`).
+    pub source_metadata: BTreeMap<String, String>,
+}

@@ -1,0 +1,261 @@
+//! One MCP stream between the gateway (sink) and a source, whichever side
+//! dialled: the initial requests, then every `Resources` message through the
+//! `SinkSession`, and collections that downstream clients ask for subscribed
+//! on the live stream. Client mode and the dial-out server both run this.
+
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Streaming};
+
+use super::SinkSession;
+use crate::cache::demand::SubscriptionState;
+use crate::cache::CacheWriter;
+use crate::metrics as m;
+use crate::proto::wire::RawResources;
+use crate::proto::RequestResources;
+
+/// How one upstream stream ended.
+#[derive(Debug)]
+pub enum StreamEnd {
+    Shutdown,
+    /// The source refused a collection (`unsupported collection "X"`).
+    Refused {
+        collection: String,
+        message: String,
+    },
+    Failed {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+/// A new stream's sink side, before the stream opens.
+pub struct Opened {
+    pub session: SinkSession,
+    subscriptions: watch::Receiver<SubscriptionState>,
+    /// Replies and later subscriptions go here.
+    tx: mpsc::Sender<RequestResources>,
+    /// The initial request of every wanted collection, until queued.
+    initial: Vec<RequestResources>,
+}
+
+/// How long a dial-out source may take to speak first (Galley's trigger)
+/// before the sink asks for its collections anyway.
+pub const TRIGGER_WAIT: Duration = Duration::from_secs(1);
+
+/// A new stream's sink side, and what the source is to receive (see
+/// [`super::SinkContext::open`]). Nothing is queued yet.
+pub fn open(
+    mut session: SinkSession,
+    subscriptions: &crate::cache::demand::Subscriptions,
+) -> (Opened, mpsc::Receiver<RequestResources>) {
+    let mut subscriptions = subscriptions.watch();
+    let initial = initial_requests(&mut session, &mut subscriptions);
+    // The initial requests (and a trigger's answer) are queued at once, so
+    // the channel holds them all; afterwards it carries one reply per
+    // message received.
+    let (tx, rx) = mpsc::channel(initial.len() + 64);
+    let opened = Opened {
+        session,
+        subscriptions,
+        tx,
+        initial,
+    };
+    (opened, rx)
+}
+
+/// The initial `RequestResources` for every wanted collection, in order.
+fn initial_requests(
+    session: &mut SinkSession,
+    subscriptions: &mut watch::Receiver<SubscriptionState>,
+) -> Vec<RequestResources> {
+    let wanted: Vec<_> = subscriptions.borrow_and_update().wanted.iter().cloned().collect();
+    wanted.into_iter().filter_map(|c| session.subscribe(c)).collect()
+}
+
+// === impl Opened ===
+
+impl Opened {
+    /// Queues the initial requests.
+    pub fn request_collections(&mut self) {
+        for request in self.initial.drain(..) {
+            self.tx
+                .try_send(request)
+                .expect("the channel holds every initial request");
+        }
+    }
+
+    /// Dial-out: the source may speak first. Galley 1.1 sends a trigger
+    /// (collection `""`) and reads exactly one message back, which must be a
+    /// NACK with `UNIMPLEMENTED`; 1.2 on sends `$triggerCollection` and
+    /// ignores the answer; a source that waits to be asked sends nothing.
+    /// So: wait up to `wait` for a first message; answer a trigger; then ask
+    /// for the collections. A first message that is not a trigger is handled
+    /// after the requests, as any other.
+    pub async fn accept_trigger(
+        &mut self,
+        writer: &mut CacheWriter,
+        inbound: &mut Streaming<RawResources>,
+        shutdown: &CancellationToken,
+        wait: Duration,
+    ) -> Result<(), StreamEnd> {
+        let first = tokio::select! {
+            first = tokio::time::timeout(wait, inbound.message()) => first,
+            _ = shutdown.cancelled() => return Err(StreamEnd::Shutdown),
+        };
+        match first {
+            Err(_elapsed) => {
+                tracing::debug!("the source did not speak first; asking for the collections");
+                self.request_collections();
+                Ok(())
+            }
+            Ok(Ok(Some(message))) if SinkSession::is_trigger(&message) => {
+                tracing::debug!(collection = %message.collection, "answered the source's trigger");
+                let reply = self.session.trigger_reply(&message);
+                self.tx
+                    .try_send(reply)
+                    .expect("the channel has room for the trigger's answer");
+                self.request_collections();
+                Ok(())
+            }
+            Ok(Ok(Some(message))) => {
+                self.request_collections();
+                self.on_message(message, writer).await
+            }
+            Ok(Ok(None)) => Err(closed()),
+            Ok(Err(status)) => Err(self.receive_failed(status)),
+        }
+    }
+
+    /// Runs the stream until it ends. `progress` is set once every
+    /// collection subscribed on the stream has been applied at least once
+    /// (client mode resets its backoff on it).
+    pub async fn run(
+        &mut self,
+        writer: &mut CacheWriter,
+        inbound: &mut Streaming<RawResources>,
+        shutdown: &CancellationToken,
+        progress: &mut bool,
+    ) -> StreamEnd {
+        loop {
+            tokio::select! {
+                message = inbound.message() => match message {
+                    Ok(Some(message)) => {
+                        if let Err(end) = self.on_message(message, writer).await {
+                            return end;
+                        }
+                        *progress = self.session.applied_every_collection();
+                    }
+                    Ok(None) => return closed(),
+                    Err(status) => return self.receive_failed(status),
+                },
+                changed = self.subscriptions.changed() => {
+                    if changed.is_err() {
+                        return StreamEnd::Shutdown;
+                    }
+                    // Collections first asked for by downstream clients are
+                    // subscribed on the live stream.
+                    for request in initial_requests(&mut self.session, &mut self.subscriptions) {
+                        tracing::info!(collection = %request.collection, "subscribing on the live stream");
+                        if self.tx.send(request).await.is_err() {
+                            send_failed("Unavailable");
+                            return StreamEnd::Failed {
+                                reason: "send",
+                                message: "the stream to the source closed while subscribing".into(),
+                            };
+                        }
+                    }
+                }
+                _ = shutdown.cancelled() => return StreamEnd::Shutdown,
+            }
+        }
+    }
+
+    async fn on_message(&mut self, message: RawResources, writer: &mut CacheWriter) -> Result<(), StreamEnd> {
+        let handled = self.session.handle(message, writer);
+        if self.tx.send(handled.reply).await.is_err() {
+            send_failed("Unavailable");
+            return Err(StreamEnd::Failed {
+                reason: "send",
+                message: "the stream to the source closed while sending an ACK".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn receive_failed(&self, status: tonic::Status) -> StreamEnd {
+        metrics::counter!(
+            m::RECV_FAILURES,
+            "component" => m::COMPONENT_UPSTREAM,
+            "code" => m::code_label(status.code() as i32)
+        )
+        .increment(1);
+        classify(status, self.session.max_message_bytes())
+    }
+}
+
+fn closed() -> StreamEnd {
+    StreamEnd::Failed {
+        reason: "closed",
+        message: "the source closed the stream".into(),
+    }
+}
+
+/// A request to the source could not be sent.
+pub fn send_failed(code: &'static str) {
+    metrics::counter!(m::SEND_FAILURES, "component" => m::COMPONENT_UPSTREAM, "code" => code).increment(1);
+}
+
+/// Galley ends the whole stream with `InvalidArgument "unsupported collection
+/// \"X\""` for a collection it does not serve (istio#13559).
+fn refused_collection(status: &tonic::Status) -> Option<String> {
+    if status.code() != Code::InvalidArgument {
+        return None;
+    }
+    let rest = status.message().split_once("unsupported collection \"")?.1;
+    let (collection, _) = rest.split_once('"')?;
+    Some(collection.to_owned())
+}
+
+pub fn classify(status: tonic::Status, max_message_bytes: usize) -> StreamEnd {
+    if let Some(collection) = refused_collection(&status) {
+        return StreamEnd::Refused {
+            collection,
+            message: status.message().to_owned(),
+        };
+    }
+    // tonic's own receive limit: say which flag raises it. The message was
+    // refused from its length prefix, before it was read.
+    if status.code() == Code::OutOfRange && status.message().contains("message length too large") {
+        crate::metrics::limit_refused("max_message_bytes");
+        return StreamEnd::Failed {
+            reason: "message_too_large",
+            message: format!(
+                "a message from the source is larger than --max-message-bytes={max_message_bytes} allows ({}); \
+                 the cache keeps its state; raise the flag to accept it",
+                status.message()
+            ),
+        };
+    }
+    StreamEnd::Failed {
+        reason: "status",
+        message: format!("the stream ended: {:?}: {}", status.code(), status.message()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_galleys_unsupported_collection() {
+        let status = tonic::Status::invalid_argument("unsupported collection \"istio/x/y\"");
+        assert_eq!(refused_collection(&status).as_deref(), Some("istio/x/y"));
+        let other = tonic::Status::invalid_argument("something else");
+        assert_eq!(refused_collection(&other), None);
+        let wrong_code = tonic::Status::unavailable("unsupported collection \"istio/x/y\"");
+        assert_eq!(refused_collection(&wrong_code), None);
+    }
+}

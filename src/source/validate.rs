@@ -1,0 +1,88 @@
+//! What every source's resources must be before they reach the cache: a
+//! decodable `Resource` with metadata, a name unique in its collection, and a
+//! body that is an `Any`. Upstream messages, local files and persisted files
+//! all pass through here, and a resource without a version gets a hash of its
+//! body as its version.
+
+use std::collections::HashSet;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
+
+use super::session::Nack;
+use crate::cache::{body_version, content_digest, CachedResource};
+use crate::proto::wire::{AnyTypeUrl, RawResource};
+
+/// Validates every resource of a message and turns it into cache entries.
+/// Nothing is applied unless every resource is valid.
+pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
+    let mut seen = HashSet::with_capacity(raw.len());
+    let mut resources = Vec::with_capacity(raw.len());
+    for (index, bytes) in raw.iter().enumerate() {
+        let resource = RawResource::decode(bytes.clone()).map_err(|e| {
+            Nack::invalid(format!(
+                "resource #{index} of collection {collection:?} is not a valid istio.mcp.v1alpha1.Resource: {e}"
+            ))
+        })?;
+        let Some(mut metadata) = resource.metadata else {
+            return Err(Nack::invalid(format!(
+                "resource #{index} of collection {collection:?} has no metadata; every resource needs metadata with a name"
+            )));
+        };
+        if metadata.name.is_empty() {
+            return Err(Nack::invalid(format!(
+                "resource #{index} of collection {collection:?} has an empty metadata.name; \
+                 every resource needs a name unique in its collection"
+            )));
+        }
+        let name = metadata.name.clone();
+        let Some(body) = resource.body else {
+            return Err(Nack::invalid(format!(
+                "resource {name:?} of collection {collection:?} has no body"
+            )));
+        };
+        let body_type_url = AnyTypeUrl::decode(body.clone())
+            .map_err(|e| {
+                Nack::invalid(format!(
+                    "resource {name:?} of collection {collection:?} has a body that is not a google.protobuf.Any: {e}"
+                ))
+            })?
+            .type_url;
+        if !seen.insert(name.clone()) {
+            return Err(Nack::invalid(format!(
+                "resource {name:?} appears twice in one update of collection {collection:?}; \
+                 names must be unique in a collection"
+            )));
+        }
+        let digest = content_digest(&body, &metadata.labels, &metadata.annotations);
+        // Keep the bytes as received. Only a missing version is filled in (a
+        // hash of the body), so incremental clients can report it back; the
+        // body itself is never re-encoded.
+        let (version, encoded) = if metadata.version.is_empty() {
+            let version = body_version(&body);
+            metadata.version = version.clone();
+            (version, encode_resource(&metadata, &body))
+        } else {
+            (metadata.version.clone(), bytes.clone())
+        };
+        resources.push(CachedResource::new(
+            name.into(),
+            version.into(),
+            body_type_url,
+            encoded,
+            digest,
+        ));
+    }
+    Ok(resources)
+}
+
+/// `Resource{metadata, body}` with the body's bytes copied as they are.
+fn encode_resource(metadata: &crate::proto::Metadata, body: &Bytes) -> Bytes {
+    use prost::encoding::{encode_key, encode_varint, message, WireType};
+    let mut buf = BytesMut::with_capacity(metadata.encoded_len() + body.len() + 16);
+    message::encode(1, metadata, &mut buf);
+    encode_key(2, WireType::LengthDelimited, &mut buf);
+    encode_varint(body.len() as u64, &mut buf);
+    buf.put_slice(body);
+    buf.freeze()
+}
