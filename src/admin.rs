@@ -268,6 +268,7 @@ fn type_json(view: &TypeView) -> Value {
     json!({
         "collection": view.collection,
         "dialect": view.dialect.as_str(),
+        "incremental": view.incremental,
         "last_sent_version": view.last_sent_version,
         "last_sent_nonce": view.last_sent_nonce,
         "acked_version": view.acked_version,
@@ -290,6 +291,7 @@ async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Respons
                 "id": s.id,
                 "peer": s.peer.map(|p| p.to_string()),
                 "node_id": s.node_id,
+                "gateway_id": s.gateway_id,
                 "protocol": s.protocol.as_str(),
                 "dialect": stream_dialect(s),
                 "connected_since": time(s.connected_since),
@@ -326,6 +328,7 @@ async fn syncz(State(state): State<AdminState>, headers: HeaderMap) -> Response 
                 "stream": stream.id,
                 "peer": stream.peer.map(|p| p.to_string()),
                 "node_id": stream.node_id,
+                "gateway_id": stream.gateway_id,
                 "protocol": stream.protocol.as_str(),
                 "type_url": type_url,
                 "status": sync_status(t, current.as_ref()),
@@ -399,6 +402,8 @@ async fn upstream(State(state): State<AdminState>, headers: HeaderMap) -> Respon
         "source_metadata": status.source_metadata,
         "subscribed": subscriptions.wanted,
         "refused": subscriptions.refused,
+        "gateway_id": state.cache.provenance().gateway_id,
+        "upstream_gateways": state.cache.provenance().upstream_chain(),
     });
     view(&headers, "Upstream", value)
 }

@@ -91,6 +91,8 @@ pub const STREAM_END_REASONS: &[&str] = &[
     "send",
     "refused_collection",
     "message_too_large",
+    "loop",
+    "chain_too_long",
     "shutdown",
 ];
 
@@ -266,14 +268,20 @@ pub fn install() -> Option<PrometheusHandle> {
             let upkeep = handle.clone();
             std::thread::Builder::new()
                 .name("metrics-upkeep".into())
-                .spawn(move || loop {
-                    std::thread::sleep(Duration::from_secs(5));
-                    upkeep.run_upkeep();
-                })
+                .spawn(move || upkeep_forever(&upkeep))
                 .ok();
             Some(handle)
         })
         .clone()
+}
+
+/// Folds buffered histogram samples in every 5 s, on a thread of its own.
+#[allow(clippy::disallowed_methods, reason = "a dedicated thread, not an async worker")]
+fn upkeep_forever(handle: &PrometheusHandle) -> ! {
+    loop {
+        std::thread::sleep(Duration::from_secs(5));
+        handle.run_upkeep();
+    }
 }
 
 /// A gRPC code as a label value: its name, so a client's arbitrary number

@@ -5,7 +5,9 @@
 //! where it would form.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+
+use tokio::sync::watch;
 
 /// The sink-node annotation in which a gateway announces itself to its
 /// upstream.
@@ -20,7 +22,7 @@ pub const CHAIN_HEADER: &str = "x-mcp-gateway-chain";
 pub struct Provenance {
     /// Random per process: two gateways never share one.
     pub gateway_id: Arc<str>,
-    upstream_chain: RwLock<Vec<Arc<str>>>,
+    upstream_chain: watch::Sender<Vec<Arc<str>>>,
 }
 
 impl Default for Provenance {
@@ -30,7 +32,7 @@ impl Default for Provenance {
         hasher.write_u32(std::process::id());
         Self {
             gateway_id: format!("gw-{:016x}", hasher.finish()).into(),
-            upstream_chain: RwLock::new(Vec::new()),
+            upstream_chain: watch::Sender::new(Vec::new()),
         }
     }
 }
@@ -38,7 +40,12 @@ impl Default for Provenance {
 impl Provenance {
     /// The gateways upstream of this one, nearest first.
     pub fn upstream_chain(&self) -> Vec<Arc<str>> {
-        self.upstream_chain.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.upstream_chain.borrow().clone()
+    }
+
+    /// Sees every change of the upstream chain.
+    pub fn watch_upstream_chain(&self) -> watch::Receiver<Vec<Arc<str>>> {
+        self.upstream_chain.subscribe()
     }
 
     /// What this gateway announces downstream: itself, then its upstream
@@ -51,7 +58,11 @@ impl Provenance {
     }
 
     pub(super) fn set_upstream_chain(&self, chain: Vec<Arc<str>>) {
-        *self.upstream_chain.write().unwrap_or_else(|e| e.into_inner()) = chain;
+        self.upstream_chain.send_if_modified(|current| {
+            let changed = *current != chain;
+            *current = chain;
+            changed
+        });
     }
 }
 
@@ -123,7 +134,7 @@ impl Provenance {
     /// Whether a downstream peer announcing `peer` as its id would close a
     /// loop: it is this gateway, or upstream of it.
     pub fn is_upstream_or_self(&self, peer: &str) -> bool {
-        *self.gateway_id == *peer || self.upstream_chain().iter().any(|id| **id == *peer)
+        *self.gateway_id == *peer || self.upstream_chain.borrow().iter().any(|id| **id == *peer)
     }
 }
 

@@ -270,10 +270,15 @@ mod tests {
         }
         .encode_to_vec()
         .into();
-        crate::source::validate::decode_resources(C, &[encoded])
-            .unwrap()
-            .pop()
-            .unwrap()
+        let none = std::collections::HashMap::<String, String>::new();
+        let digest = crate::cache::content_digest(version.as_bytes(), &none, &none);
+        CachedResource::new(
+            name.into(),
+            version.into(),
+            "type.googleapis.com/x.Y".into(),
+            encoded,
+            digest,
+        )
     }
 
     fn response(parts: Arc<[Bytes]>, suffix: Bytes) -> Bytes {

@@ -377,15 +377,27 @@ impl Downstream {
 mod tests {
     use super::*;
 
-    #[test]
-    fn repeated_logs_are_limited_and_count_what_they_skip() {
+    #[tokio::test(start_paused = true)]
+    async fn repeated_logs_are_limited_and_count_what_they_skip() {
         let mut limit = LogLimit::default();
         assert_eq!(limit.allow(), Some(0));
         assert_eq!(limit.allow(), None);
+        tokio::time::advance(LOG_INTERVAL / 2).await;
         assert_eq!(limit.allow(), None);
-        // As if the interval had passed.
-        limit.last = Some(tokio::time::Instant::now() - LOG_INTERVAL);
+        tokio::time::advance(LOG_INTERVAL / 2).await;
         assert_eq!(limit.allow(), Some(2));
         assert_eq!(limit.allow(), None);
+    }
+
+    #[test]
+    fn every_stream_end_has_a_reason_label() {
+        let mut labels: Vec<&str> = End::ALL.iter().map(|e| e.as_str()).collect();
+        labels.sort_unstable();
+        labels.dedup();
+        assert_eq!(labels.len(), End::ALL.len());
+        assert_eq!(End::of(&Status::resource_exhausted("x")), End::Limit);
+        assert_eq!(End::of(&Status::failed_precondition("x")), End::Refused);
+        assert_eq!(End::of(&Status::cancelled("x")), End::ClientGone);
+        assert_eq!(End::of(&Status::invalid_argument("x")), End::InvalidRequest);
     }
 }

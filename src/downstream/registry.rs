@@ -48,6 +48,8 @@ pub struct NackRecord {
 pub struct TypeView {
     pub collection: Arc<str>,
     pub dialect: Dialect,
+    /// The client asked for changes only (not the whole collection each time).
+    pub incremental: bool,
     pub last_sent_version: Option<Arc<str>>,
     pub last_sent_nonce: Option<String>,
     pub acked_version: Option<Arc<str>>,
@@ -61,6 +63,7 @@ impl TypeView {
         Self {
             collection: resolved.collection,
             dialect: resolved.dialect,
+            incremental: false,
             last_sent_version: None,
             last_sent_nonce: None,
             acked_version: None,
@@ -76,6 +79,8 @@ pub struct StreamView {
     pub peer: Option<SocketAddr>,
     pub protocol: Protocol,
     pub node_id: String,
+    /// Set when the peer is another gateway (its announced id).
+    pub gateway_id: Option<String>,
     pub connected_since: SystemTime,
     /// By the `type_url` the client sent.
     pub types: BTreeMap<String, TypeView>,
@@ -96,6 +101,7 @@ impl Registry {
             peer,
             protocol,
             node_id: String::new(),
+            gateway_id: None,
             connected_since: SystemTime::now(),
             types: BTreeMap::new(),
         }));
@@ -141,6 +147,10 @@ impl RegistryEntry {
         if view.node_id != node_id {
             view.node_id = node_id.to_owned();
         }
+    }
+
+    pub fn set_gateway_id(&self, gateway_id: &str) {
+        self.view.lock().expect("registry lock poisoned").gateway_id = Some(gateway_id.to_owned());
     }
 
     pub fn publish(&self, type_url: &str, state: TypeView) {

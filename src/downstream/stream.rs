@@ -13,6 +13,7 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::encode::{EncodedResponse, Record};
@@ -44,6 +45,9 @@ pub(super) struct TypedStream<W> {
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
     logs: StreamLogs,
+    /// A peer that is another gateway: its id, and this gateway's upstream
+    /// chain as it changes (the peer must never come to be in it).
+    peer_gateway: Option<(String, watch::Receiver<Vec<Arc<str>>>)>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -60,6 +64,7 @@ impl<W: Wire> TypedStream<W> {
             changes: StreamMap::new(),
             last_nonce: 0,
             logs: StreamLogs::default(),
+            peer_gateway: None,
             _wire: PhantomData,
         }
     }
@@ -117,6 +122,11 @@ impl<W: Wire> TypedStream<W> {
                         break (End::ClientGone, None);
                     }
                 }
+                // This gateway's upstream chain changed: a gateway peer that
+                // is now upstream of it would close a loop.
+                Some(refused) = chain_changed(&mut self.peer_gateway, &self.shared) => {
+                    break (End::Refused, Some(refused));
+                }
             }
         };
         if end == End::ClientGone {
@@ -148,15 +158,15 @@ impl<W: Wire> TypedStream<W> {
         if let Some(node) = &request.node_id {
             self.entry.set_node_id(node);
         }
-        if let Some(peer) = &request.gateway_id {
-            let provenance = self.shared.inner.cache.provenance();
-            if provenance.is_upstream_or_self(peer) {
-                return Err(Status::failed_precondition(format!(
-                    "gateway {peer} is this gateway ({}) or upstream of it (upstream chain: {}): serving it would \
-                     make a loop; fix its --upstream so that config flows one way",
-                    provenance.gateway_id,
-                    provenance.upstream_chain().join(" <- ")
-                )));
+        if let Some(peer) = request.gateway_id.clone() {
+            if let Some(refused) = loop_refusal(&self.shared, &peer) {
+                return Err(refused);
+            }
+            if self.peer_gateway.is_none() {
+                self.entry.set_gateway_id(&peer);
+                let mut chain = self.shared.inner.cache.provenance().watch_upstream_chain();
+                chain.mark_unchanged();
+                self.peer_gateway = Some((peer, chain));
             }
         }
         let type_url = self.type_for(&request.type_url)?;
@@ -198,6 +208,39 @@ impl<W: Wire> TypedStream<W> {
             ));
         }
         Ok(self.try_send(&type_url, out).await)
+    }
+}
+
+/// The refusal of a gateway peer that is this gateway or upstream of it.
+fn loop_refusal(shared: &Downstream, peer: &str) -> Option<Status> {
+    let provenance = shared.inner.cache.provenance();
+    provenance.is_upstream_or_self(peer).then(|| {
+        Status::failed_precondition(format!(
+            "gateway {peer} is this gateway ({}) or upstream of it (upstream chain: {}): serving it would make a \
+             loop; fix its --upstream so that config flows one way",
+            provenance.gateway_id,
+            provenance.upstream_chain().join(" <- ")
+        ))
+    })
+}
+
+/// Waits for a change of this gateway's upstream chain that makes the
+/// gateway peer a loop; pending for other peers and other changes.
+/// Cancel-safe.
+async fn chain_changed(
+    peer_gateway: &mut Option<(String, watch::Receiver<Vec<Arc<str>>>)>,
+    shared: &Downstream,
+) -> Option<Status> {
+    let Some((peer, chain)) = peer_gateway.as_mut() else {
+        return std::future::pending().await;
+    };
+    loop {
+        if chain.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        if let Some(refused) = loop_refusal(shared, peer) {
+            return Some(refused);
+        }
     }
 }
 

@@ -173,6 +173,7 @@ impl TypeState {
         if let Held::Version(version) = &state.held {
             state.view.acked_version = Some(version.clone());
         }
+        state.view.incremental = mode == Mode::Incremental;
         state
     }
 

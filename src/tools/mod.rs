@@ -1,4 +1,6 @@
-//! Tools for operators and for measuring: the `client` subcommand. (`mcp-load`
-//! is a binary of this crate, in `src/bin/mcp-load`.)
+//! Tools for operators and for measuring: the `client` subcommand, and the
+//! fake Galley that `mcp-load` (a binary of this crate, in `src/bin/mcp-load`)
+//! and the integration tests share.
 
 pub mod client;
+pub mod galley;

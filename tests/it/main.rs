@@ -4,15 +4,18 @@
 mod helpers;
 
 mod admin;
+mod chain;
 mod decoders;
 mod deploy;
 mod dialects;
 mod incremental;
+mod layout;
 mod limits;
 mod load;
 mod operating;
 mod process;
 mod properties;
+mod resource_source;
 mod sotw;
 mod sources;
 mod tls;

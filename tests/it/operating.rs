@@ -17,9 +17,7 @@ use crate::helpers::{eventually, gateway_for, http_get, http_get_with, within, D
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
 async fn json(addr: SocketAddr, path: &str) -> serde_json::Value {
-    let (status, body) = http_get(addr, path).await;
-    assert_eq!(status, 200, "{path}: {body}");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} is not JSON ({e}): {body}"))
+    crate::helpers::get_json(addr, path).await
 }
 
 /// A gateway that has seen every kind of event a metric counts.

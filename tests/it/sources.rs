@@ -12,8 +12,9 @@ use prost::Message;
 use tonic::Code;
 
 use crate::helpers::clients::{channel, sotw};
-use crate::helpers::galley::{dial_out, resource, FakeGalley};
+use crate::helpers::galley::{dial_out, dial_out_as, resource, FakeGalley};
 use crate::helpers::{eventually, gateway_for, http_get, names, start_gateway, within, DR, GW, VS};
+use mcp_xds_gateway::tools::galley::Opening;
 
 async fn dial_out_gateway() -> mcp_xds_gateway::app::Bound {
     start_gateway(&[
@@ -82,6 +83,42 @@ async fn galleys_dial_out_is_served_like_client_mode() {
     );
     assert_eq!(status.source_metadata.get("team").map(String::as_str), Some("mesh"));
     assert!(!status.source_metadata.contains_key("content-type"));
+}
+
+/// The three ways a dial-out source opens, each then served as usual: Galley
+/// 1.1 (trigger `""`, and exactly one message read back, which must be a
+/// NACK with UNIMPLEMENTED), Galley 1.2 on (`$triggerCollection`, the answer
+/// ignored), and a source that waits to be asked.
+#[tokio::test]
+async fn every_galley_dial_out_opening_is_answered_and_then_served() {
+    for opening in [Opening::TriggerV11, Opening::Trigger, Opening::Silent] {
+        let gw = dial_out_gateway().await;
+        let (mut galley, answer) = dial_out_as(channel(gw.sink.unwrap()).await, &[], opening)
+            .await
+            .unwrap_or_else(|status| panic!("{opening:?}: {status:?}"));
+        match opening {
+            Opening::Silent => assert!(answer.is_none()),
+            _ => {
+                // The first message back is the trigger's NACK: requests only
+                // follow it (Galley 1.1 reads exactly one message).
+                let answer = answer.unwrap();
+                let trigger = if opening == Opening::TriggerV11 {
+                    ""
+                } else {
+                    "$triggerCollection"
+                };
+                assert_eq!(answer.collection, trigger, "{opening:?}");
+                assert_eq!(answer.error_detail.unwrap().code, Code::Unimplemented as i32);
+            }
+        }
+        let initial = galley.initial_requests(1).await;
+        assert_eq!(initial[0].collection, VS, "{opening:?}");
+        galley.push_full(VS, vec![resource("a", "1", b"a")]).await;
+        let mut client = sotw(gw.listen).await;
+        client.subscribe(VS);
+        assert_eq!(names(&client.recv().await.resources), ["a"], "{opening:?}");
+        gw.shutdown().await;
+    }
 }
 
 #[tokio::test]

@@ -1,6 +1,6 @@
-//! The embedded fake Galley: a real `ResourceSource` server that publishes
-//! controlled content and records when each collection version was published,
-//! so clients' receive times turn into end-to-end latencies.
+//! The publisher on the shared fake Galley (`tools::galley`, the tests' own):
+//! it publishes controlled content and records when each collection version
+//! was published, so clients' receive times turn into end-to-end latencies.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -8,13 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mcp_xds_gateway::cache::{content_digest, version_of_entries};
-use mcp_xds_gateway::proto::resource_source_server::{ResourceSource, ResourceSourceServer};
 use mcp_xds_gateway::proto::{Metadata, RequestResources, Resource, Resources};
-use tokio::net::TcpListener;
+use mcp_xds_gateway::tools::galley::{FakeGalley, GalleyStream};
 use tokio::sync::{mpsc, watch, Mutex as AsyncMutex};
 use tokio::time::Instant;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Status;
 
 use crate::scenario::Shape;
 
@@ -77,69 +75,54 @@ pub struct Publisher {
 }
 
 struct Link {
-    tx: mpsc::Sender<Result<Resources, Status>>,
+    tx: mpsc::UnboundedSender<Result<Resources, Status>>,
     acks: AsyncMutex<mpsc::Receiver<RequestResources>>,
 }
 
-struct Service {
+/// Serves one stream the gateway opened: the full state of each collection it
+/// asks for, and its ACKs handed to the updater.
+async fn serve(
+    mut stream: GalleyStream,
     state: Arc<AsyncMutex<Vec<Content>>>,
     log: PublishLog,
-    link: watch::Sender<Option<Arc<Link>>>,
-}
-
-#[tonic::async_trait]
-impl ResourceSource for Service {
-    type EstablishResourceStreamStream = ReceiverStream<Result<Resources, Status>>;
-
-    async fn establish_resource_stream(
-        &self,
-        request: Request<Streaming<RequestResources>>,
-    ) -> Result<Response<Self::EstablishResourceStreamStream>, Status> {
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(64);
-        let (acks_tx, acks_rx) = mpsc::channel(1024);
-        let state = self.state.clone();
-        let log = self.log.clone();
-        let link = Arc::new(Link {
-            tx: tx.clone(),
-            acks: AsyncMutex::new(acks_rx),
-        });
-        let publish = self.link.clone();
-        tokio::spawn(async move {
-            let mut initial = 0;
-            while let Ok(Some(request)) = inbound.message().await {
-                if let Some(error) = &request.error_detail {
-                    log.nacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    eprintln!("mcp-load: the gateway NACKed {}: {}", request.collection, error.message);
-                }
-                if !request.response_nonce.is_empty() {
-                    let _ = acks_tx.send(request).await;
-                    continue;
-                }
-                // An initial request: publish the collection's full state.
-                let contents = state.lock().await;
-                if let Some(content) = contents.iter().find(|c| c.name == request.collection) {
-                    log.published
-                        .lock()
-                        .unwrap()
-                        .insert(content.gateway_version(), Instant::now());
-                    let message = Resources {
-                        collection: content.name.clone(),
-                        resources: content.all(),
-                        nonce: format!("init-{}", content.name),
-                        incremental: false,
-                        ..Default::default()
-                    };
-                    drop(contents);
-                    let _ = tx.send(Ok(message)).await;
-                    initial += 1;
-                }
-                if initial == 1 {
-                    publish.send_replace(Some(link.clone()));
-                }
-            }
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+    publish: watch::Sender<Option<Arc<Link>>>,
+) {
+    let (acks_tx, acks_rx) = mpsc::channel(1024);
+    let link = Arc::new(Link {
+        tx: stream.responses.clone(),
+        acks: AsyncMutex::new(acks_rx),
+    });
+    let mut initial = 0;
+    while let Some(request) = stream.next_request().await {
+        if let Some(error) = &request.error_detail {
+            log.nacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            eprintln!("mcp-load: the gateway NACKed {}: {}", request.collection, error.message);
+        }
+        if !request.response_nonce.is_empty() {
+            let _ = acks_tx.send(request).await;
+            continue;
+        }
+        // An initial request: publish the collection's full state.
+        let contents = state.lock().await;
+        if let Some(content) = contents.iter().find(|c| c.name == request.collection) {
+            log.published
+                .lock()
+                .unwrap()
+                .insert(content.gateway_version(), Instant::now());
+            let message = Resources {
+                collection: content.name.clone(),
+                resources: content.all(),
+                nonce: format!("init-{}", content.name),
+                incremental: false,
+                ..Default::default()
+            };
+            drop(contents);
+            let _ = link.tx.send(Ok(message));
+            initial += 1;
+        }
+        if initial == 1 {
+            publish.send_replace(Some(link.clone()));
+        }
     }
 }
 
@@ -157,25 +140,16 @@ impl Publisher {
                 body: (0..shape.body_bytes).map(|i| (i * 31 % 251) as u8).collect(),
             })
             .collect();
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
+        let mut galley = FakeGalley::start("127.0.0.1:0".parse()?).await?;
+        let addr = galley.addr;
         let state = Arc::new(AsyncMutex::new(contents));
         let log = PublishLog::default();
         let (link_tx, link_rx) = watch::channel(None);
-        let service = ResourceSourceServer::new(Service {
-            state: state.clone(),
-            log: log.clone(),
-            link: link_tx,
-        })
-        .max_encoding_message_size(usize::MAX)
-        .max_decoding_message_size(usize::MAX);
+        let serving = (state.clone(), log.clone());
         tokio::spawn(async move {
-            if let Err(e) = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming(TcpListenerStream::new(listener))
-                .await
-            {
-                eprintln!("mcp-load: the fake galley failed: {e}");
+            // Every stream the gateway opens (it reconnects after a failure).
+            while let Some(stream) = galley.next_stream().await {
+                tokio::spawn(serve(stream, serving.0.clone(), serving.1.clone(), link_tx.clone()));
             }
         });
         Ok(Self {
@@ -257,7 +231,6 @@ impl Publisher {
             drop(contents);
             link.tx
                 .send(Ok(message))
-                .await
                 .map_err(|_| anyhow::anyhow!("the gateway closed the stream"))?;
             let ack = tokio::time::timeout(Duration::from_secs(60), async { link.acks.lock().await.recv().await })
                 .await

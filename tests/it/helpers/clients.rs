@@ -315,3 +315,109 @@ pub async fn send_garbled(addr: SocketAddr) -> Status {
     bad.send(Garbled { type_url: 7 });
     bad.end_status().await
 }
+
+pub const RESOURCE_SOURCE_PATH: &str = "/istio.mcp.v1alpha1.ResourceSource/EstablishResourceStream";
+
+/// A sink as Istio's `pkg/mcp/sink` runs one (Pilot 1.2 to 1.7 with
+/// `configSources: mcp://…`, dialing a `ResourceSource`): an initial
+/// `RequestResources` per collection (with the versions it holds when
+/// incremental), then an ACK or a NACK per `Resources`, tracking the
+/// versions it holds as `UpdateResourceVersionTracking` does.
+pub struct PilotSink {
+    pub stream: Bidi<mcp_xds_gateway::proto::RequestResources, mcp_xds_gateway::proto::Resources>,
+    pub node: SinkNode,
+    pub incremental: bool,
+    /// collection → name → version, as ACKed.
+    pub held: HashMap<String, std::collections::BTreeMap<String, String>>,
+}
+
+impl PilotSink {
+    pub async fn connect(addr: SocketAddr, collections: &[&str], incremental: bool) -> Self {
+        let sink = Self {
+            stream: Bidi::open(addr, RESOURCE_SOURCE_PATH).await,
+            node: SinkNode {
+                id: "pilot-sink".into(),
+                annotations: HashMap::new(),
+            },
+            incremental,
+            held: collections
+                .iter()
+                .map(|c| (c.to_string(), Default::default()))
+                .collect(),
+        };
+        sink.request_all();
+        sink
+    }
+
+    /// A new stream on `addr`, reporting what it holds (incremental only).
+    pub async fn reconnect(&mut self, addr: SocketAddr) {
+        self.stream = Bidi::open(addr, RESOURCE_SOURCE_PATH).await;
+        self.request_all();
+    }
+
+    fn request_all(&self) {
+        let mut collections: Vec<&String> = self.held.keys().collect();
+        collections.sort();
+        for collection in collections {
+            let initial_resource_versions = if self.incremental {
+                self.held[collection].clone().into_iter().collect()
+            } else {
+                HashMap::new()
+            };
+            self.stream.send(mcp_xds_gateway::proto::RequestResources {
+                sink_node: Some(self.node.clone()),
+                collection: collection.clone(),
+                initial_resource_versions,
+                incremental: self.incremental,
+                ..Default::default()
+            });
+        }
+    }
+
+    /// The next `Resources`, applied to what the sink holds and ACKed.
+    pub async fn recv_and_ack(&mut self) -> mcp_xds_gateway::proto::Resources {
+        let message = self.stream.recv().await;
+        let held = self
+            .held
+            .get_mut(&message.collection)
+            .expect("a collection this sink asked for");
+        if !message.incremental {
+            held.clear();
+        }
+        for resource in &message.resources {
+            let metadata = resource.metadata.as_ref().expect("metadata");
+            held.insert(metadata.name.clone(), metadata.version.clone());
+        }
+        for name in &message.removed_resources {
+            held.remove(name);
+        }
+        self.stream.send(mcp_xds_gateway::proto::RequestResources {
+            sink_node: Some(self.node.clone()),
+            collection: message.collection.clone(),
+            response_nonce: message.nonce.clone(),
+            incremental: self.incremental,
+            ..Default::default()
+        });
+        message
+    }
+
+    /// NACKs `message` as the sink does when its updater refuses a change.
+    pub fn nack(&self, message: &mcp_xds_gateway::proto::Resources, reason: &str) {
+        self.stream.send(mcp_xds_gateway::proto::RequestResources {
+            sink_node: Some(self.node.clone()),
+            collection: message.collection.clone(),
+            response_nonce: message.nonce.clone(),
+            error_detail: Some(tonic_types::Status {
+                code: tonic::Code::InvalidArgument as i32,
+                message: reason.into(),
+                details: Vec::new(),
+            }),
+            ..Default::default()
+        });
+    }
+
+    /// Sorted names the sink holds of `collection`.
+    pub fn names(&self, collection: &str) -> Vec<String> {
+        self.held[collection].keys().cloned().collect()
+    }
+}

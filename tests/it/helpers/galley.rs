@@ -1,99 +1,28 @@
-//! A fake Galley: a real `ResourceSource` gRPC server on 127.0.0.1 that the
-//! test drives step by step. It hands each stream to the test, logs every
-//! request it receives, and can refuse collections or kill every stream.
+//! The fake Galley of `mcp_xds_gateway::tools::galley` (the one `mcp-load`
+//! uses too), with every wait bounded by `within` and every failure a test
+//! failure.
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
-use mcp_xds_gateway::proto::resource_sink_client::ResourceSinkClient;
-use mcp_xds_gateway::proto::resource_source_server::{ResourceSource, ResourceSourceServer};
-use mcp_xds_gateway::proto::{Metadata, RequestResources, Resource, Resources};
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
-use tokio_stream::StreamExt;
-use tokio_util::sync::CancellationToken;
+use mcp_xds_gateway::proto::{RequestResources, Resource, Resources};
+use mcp_xds_gateway::tools::galley::{self as fake, Opening};
 use tonic::transport::{Channel, ServerTlsConfig};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Status;
+
+pub use fake::{full, incremental};
 
 use super::within;
 
-#[derive(Default)]
-struct GalleyState {
-    log: Mutex<Vec<RequestResources>>,
-    refuse: Mutex<HashSet<String>>,
-    kill_every_stream: AtomicBool,
-    streams_opened: AtomicUsize,
-    /// Every live stream's response sender, to kill them all at once.
-    live: Mutex<Vec<mpsc::UnboundedSender<Result<Resources, Status>>>>,
-}
-
 pub struct FakeGalley {
     pub addr: SocketAddr,
-    state: Arc<GalleyState>,
-    streams: mpsc::UnboundedReceiver<GalleyStream>,
-    stop: CancellationToken,
-    server: tokio::task::JoinHandle<()>,
+    inner: fake::FakeGalley,
 }
 
-/// One stream a gateway opened, as the test sees it.
+/// One stream a gateway opened (or a dial-out opened to a gateway).
 pub struct GalleyStream {
-    requests: mpsc::UnboundedReceiver<RequestResources>,
+    inner: fake::GalleyStream,
     /// Sends a message or a status as it is (no nonce added).
-    pub responses: mpsc::UnboundedSender<Result<Resources, Status>>,
-    next_nonce: u64,
-}
-
-struct Service {
-    state: Arc<GalleyState>,
-    streams: mpsc::UnboundedSender<GalleyStream>,
-}
-
-#[tonic::async_trait]
-impl ResourceSource for Service {
-    type EstablishResourceStreamStream = UnboundedReceiverStream<Result<Resources, Status>>;
-
-    async fn establish_resource_stream(
-        &self,
-        request: Request<Streaming<RequestResources>>,
-    ) -> Result<Response<Self::EstablishResourceStreamStream>, Status> {
-        self.state.streams_opened.fetch_add(1, Ordering::SeqCst);
-        let (tx, rx) = mpsc::unbounded_channel();
-        if self.state.kill_every_stream.load(Ordering::SeqCst) {
-            // Accept, then kill at once.
-            let _ = tx.send(Err(Status::unavailable("fake galley kills every stream")));
-            return Ok(Response::new(UnboundedReceiverStream::new(rx)));
-        }
-        self.state.live.lock().unwrap().push(tx.clone());
-        let (requests_tx, requests_rx) = mpsc::unbounded_channel();
-        let state = self.state.clone();
-        let killer = tx.clone();
-        let mut inbound = request.into_inner();
-        tokio::spawn(async move {
-            while let Ok(Some(request)) = inbound.message().await {
-                state.log.lock().unwrap().push(request.clone());
-                let refused =
-                    request.response_nonce.is_empty() && state.refuse.lock().unwrap().contains(&request.collection);
-                if refused {
-                    // What Galley does (istio#13559): the whole stream ends.
-                    let _ = killer.send(Err(Status::invalid_argument(format!(
-                        "unsupported collection {:?}",
-                        request.collection
-                    ))));
-                    return;
-                }
-                let _ = requests_tx.send(request);
-            }
-        });
-        let _ = self.streams.send(GalleyStream {
-            requests: requests_rx,
-            responses: tx,
-            next_nonce: 0,
-        });
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
-    }
+    pub responses: tokio::sync::mpsc::UnboundedSender<Result<Resources, Status>>,
 }
 
 impl FakeGalley {
@@ -103,127 +32,100 @@ impl FakeGalley {
 
     /// Starts on a given address (a restarted Galley keeps its port).
     pub async fn start_on(addr: SocketAddr) -> Self {
-        Self::start_with(addr, None).await
+        Self::wrap(fake::FakeGalley::start(addr).await)
     }
 
     /// Serves TLS with tonic's own TLS (not the gateway's code).
     pub async fn start_tls(tls: ServerTlsConfig) -> Self {
-        Self::start_with("127.0.0.1:0".parse().unwrap(), Some(tls)).await
+        let addr = "127.0.0.1:0".parse().unwrap();
+        Self::wrap(
+            fake::FakeGalley::start_with(addr, move |server| {
+                server.tls_config(tls).expect("a valid TLS configuration")
+            })
+            .await,
+        )
     }
 
-    async fn start_with(addr: SocketAddr, tls: Option<ServerTlsConfig>) -> Self {
-        let listener = TcpListener::bind(addr).await.expect("bind the fake galley");
-        let addr = listener.local_addr().unwrap();
-        let state = Arc::new(GalleyState::default());
-        let (streams_tx, streams) = mpsc::unbounded_channel();
-        let service = ResourceSourceServer::new(Service {
-            state: state.clone(),
-            streams: streams_tx,
-        })
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX);
-        let stop = CancellationToken::new();
-        let shutdown = stop.clone();
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = tls {
-            builder = builder.tls_config(tls).expect("a valid TLS configuration");
-        }
-        let server = tokio::spawn(async move {
-            builder
-                .add_service(service)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
-                .await
-                .unwrap();
-        });
+    fn wrap(started: std::io::Result<fake::FakeGalley>) -> Self {
+        let inner = started.expect("bind the fake galley");
         Self {
-            addr,
-            state,
-            streams,
-            stop,
-            server,
+            addr: inner.addr,
+            inner,
         }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.inner.url()
     }
 
     /// The next stream a gateway opens.
     pub async fn next_stream(&mut self) -> GalleyStream {
-        within("the gateway to open a stream to galley", self.streams.recv())
+        let inner = within("the gateway to open a stream to galley", self.inner.next_stream())
             .await
-            .expect("galley is running")
+            .expect("galley is running");
+        GalleyStream::wrap(inner)
     }
 
     pub fn refuse(&self, collection: &str) {
-        self.state.refuse.lock().unwrap().insert(collection.to_owned());
+        self.inner.refuse(collection);
     }
 
     pub fn kill_every_stream(&self, on: bool) {
-        self.state.kill_every_stream.store(on, Ordering::SeqCst);
+        self.inner.kill_every_stream(on);
     }
 
     pub fn streams_opened(&self) -> usize {
-        self.state.streams_opened.load(Ordering::SeqCst)
+        self.inner.streams_opened()
     }
 
     /// Every request received on any stream, in order.
     pub fn log(&self) -> Vec<RequestResources> {
-        self.state.log.lock().unwrap().clone()
-    }
-
-    /// Ends every live stream with `status`.
-    pub fn kill_all(&self, status: Status) {
-        for tx in self.state.live.lock().unwrap().drain(..) {
-            let _ = tx.send(Err(status.clone()));
-        }
+        self.inner.log()
     }
 
     /// Stops serving: live streams end and new connections are refused.
     pub async fn stop(self) -> SocketAddr {
-        self.kill_all(Status::unavailable("galley is going down"));
-        self.stop.cancel();
-        self.server.abort();
-        let _ = self.server.await;
-        self.addr
+        self.inner.stop().await
     }
 }
 
-/// Galley's dial-out: a real `ResourceSink` client on `channel`, with gRPC
-/// metadata as Galley's `--sinkMeta` sends it. The stream behaves like one a
-/// gateway opened to the fake Galley; Err is the gateway's refusal.
+/// Galley's dial-out as 1.2 on opens it (the `$triggerCollection` trigger,
+/// whose answer must be the NACK Galley 1.1 required), with gRPC metadata as
+/// Galley's `--sinkMeta` sends it. Err is the gateway's refusal.
 pub async fn dial_out(channel: Channel, metadata: &[(&'static str, &str)]) -> Result<GalleyStream, Status> {
-    let (responses, outbound) = mpsc::unbounded_channel::<Result<Resources, Status>>();
-    let outbound = UnboundedReceiverStream::new(outbound).map_while(Result::ok);
-    let mut request = Request::new(outbound);
-    for (key, value) in metadata {
-        request.metadata_mut().insert(*key, value.parse().unwrap());
-    }
-    let mut client = ResourceSinkClient::new(channel).max_decoding_message_size(usize::MAX);
-    let mut inbound = within(
+    let (stream, answer) = dial_out_as(channel, metadata, Opening::Trigger).await?;
+    let answer = answer.expect("a trigger is answered");
+    let code = answer.error_detail.as_ref().map(|e| e.code);
+    assert_eq!(
+        code,
+        Some(tonic::Code::Unimplemented as i32),
+        "the trigger is NACKed with UNIMPLEMENTED: {answer:?}"
+    );
+    Ok(stream)
+}
+
+/// A dial-out opened as `opening` says: the stream and the trigger's answer.
+pub async fn dial_out_as(
+    channel: Channel,
+    metadata: &[(&'static str, &str)],
+    opening: Opening,
+) -> Result<(GalleyStream, Option<RequestResources>), Status> {
+    let (inner, answer) = within(
         "the gateway to answer a dial-out",
-        client.establish_resource_stream(request),
+        fake::dial_out(channel, metadata, opening),
     )
-    .await?
-    .into_inner();
-    let (requests_tx, requests) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Ok(Some(request)) = inbound.message().await {
-            if requests_tx.send(request).is_err() {
-                return;
-            }
-        }
-    });
-    Ok(GalleyStream {
-        requests,
-        responses,
-        next_nonce: 0,
-    })
+    .await?;
+    Ok((GalleyStream::wrap(inner), answer))
 }
 
 impl GalleyStream {
+    fn wrap(inner: fake::GalleyStream) -> Self {
+        let responses = inner.responses.clone();
+        Self { inner, responses }
+    }
+
     pub async fn next_request(&mut self) -> RequestResources {
-        within("a request from the gateway", self.requests.recv())
+        within("a request from the gateway", self.inner.next_request())
             .await
             .expect("the gateway's stream is open")
     }
@@ -243,21 +145,13 @@ impl GalleyStream {
         requests
     }
 
-    /// Sends a message as is and returns the gateway's reply to it.
-    pub async fn send(&mut self, mut message: Resources) -> RequestResources {
-        self.next_nonce += 1;
-        message.nonce = format!("n{}", self.next_nonce);
-        let nonce = message.nonce.clone();
-        self.responses.send(Ok(message)).expect("the stream is open");
-        loop {
-            let reply = self.next_request().await;
-            if reply.response_nonce == nonce {
-                return reply;
-            }
-            assert!(
-                reply.response_nonce.is_empty(),
-                "a reply to another nonce while waiting for {nonce}: {reply:?}"
-            );
+    /// Sends a message (with the next nonce) and returns the gateway's reply to it.
+    pub async fn send(&mut self, message: Resources) -> RequestResources {
+        let nonce = self.inner.send(message).expect("the stream is open");
+        match within(&format!("the reply to {nonce}"), self.inner.reply_to(&nonce)).await {
+            Some(Ok(reply)) => reply,
+            Some(Err(other)) => panic!("a reply to another nonce while waiting for {nonce}: {other:?}"),
+            None => panic!("the gateway's stream ended while waiting for the reply to {nonce}"),
         }
     }
 
@@ -269,40 +163,11 @@ impl GalleyStream {
     }
 
     pub fn kill(&self, status: Status) {
-        let _ = self.responses.send(Err(status));
-    }
-}
-
-pub fn full(collection: &str, resources: Vec<Resource>) -> Resources {
-    Resources {
-        collection: collection.to_owned(),
-        resources,
-        system_version_info: "galley-1".into(),
-        ..Default::default()
-    }
-}
-
-pub fn incremental(collection: &str, resources: Vec<Resource>, removed: &[&str]) -> Resources {
-    Resources {
-        collection: collection.to_owned(),
-        resources,
-        removed_resources: removed.iter().map(|s| s.to_string()).collect(),
-        incremental: true,
-        ..Default::default()
+        self.inner.kill(status);
     }
 }
 
 /// A resource with a body of the collection's usual type URL.
 pub fn resource(name: &str, version: &str, body: &[u8]) -> Resource {
-    Resource {
-        metadata: Some(Metadata {
-            name: name.to_owned(),
-            version: version.to_owned(),
-            ..Default::default()
-        }),
-        body: Some(prost_types::Any {
-            type_url: super::VS_TYPE_URL.to_owned(),
-            value: body.to_vec(),
-        }),
-    }
+    fake::resource(name, version, super::VS_TYPE_URL, body)
 }

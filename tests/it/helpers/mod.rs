@@ -64,10 +64,15 @@ pub async fn upstream_status_when(
 
 /// Starts the gateway in-process with the flags a user would give it.
 pub async fn start_gateway(flags: &[&str]) -> Bound {
+    start_gateway_on("127.0.0.1:0", flags).await
+}
+
+/// Starts the gateway with its client port on `listen`.
+pub async fn start_gateway_on(listen: &str, flags: &[&str]) -> Bound {
     let mut argv = vec![
         "mcp-xds-gateway",
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--admin-listen",
         "127.0.0.1:0",
         "--monitoring-listen",
@@ -99,6 +104,19 @@ pub async fn gateway_for(galley: &galley::FakeGalley, collections: &[&str], extr
     start_gateway(&flags).await
 }
 
+/// A fake Galley, a gateway subscribed to `collections` on it, and the
+/// stream between them, its initial requests read.
+pub async fn galley_and_gateway(
+    collections: &[&str],
+    extra: &[&str],
+) -> (galley::FakeGalley, Bound, galley::GalleyStream) {
+    let mut galley = galley::FakeGalley::start().await;
+    let gw = gateway_for(&galley, collections, extra).await;
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(collections.len()).await;
+    (galley, gw, stream)
+}
+
 /// A plain HTTP/1.1 GET: status code and body.
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     http_get_with(addr, path, "").await
@@ -124,6 +142,20 @@ pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16,
         (status, body)
     })
     .await
+}
+
+/// A debug view's JSON (a GET on the admin port).
+pub async fn get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
+    let (status, body) = http_get(addr, path).await;
+    assert_eq!(status, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} is not JSON ({e}): {body}"))
+}
+
+/// An address on 127.0.0.1 free a moment ago: for gateways that must know
+/// their own port (or each other's) before they start.
+pub fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().unwrap()
 }
 
 /// Sorted resource names of a response's resources.

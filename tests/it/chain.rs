@@ -1,0 +1,168 @@
+//! Gateways in a chain: gateway B's `--upstream` is gateway A's client port
+//! (`ResourceSource`). Changes flow through with the same content versions,
+//! B keeps serving while A is away, and loops and over-long chains are
+//! refused with errors that say so.
+
+use mcp_xds_gateway::app::Bound;
+
+use crate::helpers::clients::{sotw, PilotSink};
+use crate::helpers::galley::{incremental, resource};
+use crate::helpers::{
+    eventually, free_addr, galley_and_gateway, get_json, names, start_gateway, start_gateway_on, upstream_status_when,
+    VS,
+};
+
+/// A gateway whose upstream is `upstream`'s client port.
+async fn chained(upstream: &Bound, extra: &[&str]) -> Bound {
+    let url = format!("http://{}", upstream.listen);
+    let mut flags = vec!["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"];
+    flags.extend_from_slice(extra);
+    start_gateway(&flags).await
+}
+
+fn version(gw: &Bound) -> String {
+    gw.cache.get(VS).map(|s| s.version.to_string()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn a_change_at_galley_reaches_the_clients_of_a_chained_gateway_with_the_same_versions() {
+    let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    upstream
+        .push_full(VS, vec![resource("a", "1", b"a"), resource("b", "1", b"b")])
+        .await;
+
+    let b = chained(&a, &[]).await;
+    let mut legacy = sotw(b.listen).await;
+    legacy.subscribe(VS);
+    let first = legacy.recv().await;
+    assert_eq!(names(&first.resources), ["a", "b"]);
+    assert_eq!(first.version_info, version(&a), "B serves A's content version");
+    legacy.ack(&first);
+    let mut sink = PilotSink::connect(b.listen, &[VS], true).await;
+    assert_eq!(names(&sink.recv_and_ack().await.resources), ["a", "b"]);
+
+    // Incremental end to end: Galley's incremental update, A's diff to B,
+    // B's diff to its incremental sink.
+    let reply = upstream
+        .send(incremental(VS, vec![resource("a", "2", b"a2")], &["b"]))
+        .await;
+    assert!(reply.error_detail.is_none(), "{reply:?}");
+    let change = legacy.recv().await;
+    assert_eq!(names(&change.resources), ["a"]);
+    let diff = sink.recv_and_ack().await;
+    assert!(diff.incremental);
+    assert_eq!(names(&diff.resources), ["a"]);
+    assert_eq!(diff.removed_resources, ["b"]);
+    assert_eq!(change.version_info, version(&a));
+    assert_eq!(diff.system_version_info, version(&b));
+    assert_eq!(
+        version(&a),
+        version(&b),
+        "no version of its own: clients moving between A and B see no push"
+    );
+
+    // Each side sees the other: A serves B as a gateway, incrementally; B
+    // knows A as its upstream gateway.
+    let b_id = b.cache.provenance().gateway_id.to_string();
+    let a_id = a.cache.provenance().gateway_id.to_string();
+    let streams = a.registry.streams();
+    let from_b = streams
+        .iter()
+        .find(|s| s.gateway_id.as_deref() == Some(&b_id))
+        .expect("A's client list shows B");
+    assert_eq!(from_b.protocol.as_str(), "resource-source");
+    assert!(from_b.types[VS].incremental, "B asks A for changes only");
+    let upstream_view = get_json(b.admin, "/debug/upstream").await;
+    assert_eq!(upstream_view["upstream_gateways"], serde_json::json!([a_id]));
+    assert_eq!(upstream_view["gateway_id"], b_id);
+}
+
+#[tokio::test]
+async fn when_the_upstream_gateway_goes_away_the_next_one_keeps_serving_and_reconnects() {
+    let (mut galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let b = chained(&a, &[]).await;
+    let mut client = sotw(b.listen).await;
+    client.subscribe(VS);
+    let first = client.recv().await;
+    client.ack(&first);
+
+    let a_listen = a.listen.to_string();
+    a.shutdown().await;
+    upstream_status_when(&b, "B to see A gone", |s| !s.connected && s.last_error.is_some()).await;
+
+    // B serves what it has, to its clients and to new ones.
+    let mut late = sotw(b.listen).await;
+    late.subscribe(VS);
+    assert_eq!(late.recv().await.version_info, first.version_info);
+
+    // A back on its port, with new content from Galley: B reconnects and
+    // its clients get it.
+    let url = galley.url();
+    let _a = start_gateway_on(&a_listen, &["--upstream", &url, "--collections", VS]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream
+        .push_full(VS, vec![resource("a", "2", b"a2"), resource("c", "1", b"c")])
+        .await;
+    let change = client.recv().await;
+    assert_eq!(names(&change.resources), ["a", "c"]);
+    upstream_status_when(&b, "B to be connected again", |s| s.connected).await;
+}
+
+#[tokio::test]
+async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
+    let addr = free_addr().to_string();
+    let url = format!("http://{addr}");
+    let gw = start_gateway_on(
+        &addr,
+        &["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"],
+    )
+    .await;
+    let status = upstream_status_when(&gw, "the loop to be refused", |s| {
+        s.last_error.as_deref().is_some_and(|e| e.contains("loop"))
+    })
+    .await;
+    assert!(!status.connected || status.last_error.is_some(), "{status:?}");
+    assert!(gw.cache.get(VS).is_none(), "nothing served from a loop");
+}
+
+#[tokio::test]
+async fn two_gateways_feeding_each_other_are_refused() {
+    let (a_addr, b_addr) = (free_addr().to_string(), free_addr().to_string());
+    let (a_url, b_url) = (format!("http://{a_addr}"), format!("http://{b_addr}"));
+    let flags = |url| ["--upstream", url, "--collections", VS, "--reconnect-min-delay", "10ms"];
+    let a = start_gateway_on(&a_addr, &flags(&b_url)).await;
+    let b = start_gateway_on(&b_addr, &flags(&a_url)).await;
+    // Whichever connects second finds itself in the other's chain, or is
+    // refused by the other; either way one of them reports the loop.
+    eventually("one of the two to report the loop", || {
+        [&a, &b].iter().any(|gw| {
+            gw.upstream
+                .borrow()
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("loop"))
+        })
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_chain_longer_than_max_chain_depth_is_refused() {
+    let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    // A then B: two gateways, within a depth of 2.
+    let b = chained(&a, &["--max-chain-depth", "2"]).await;
+    eventually("B to be served", || b.cache.get(VS).is_some()).await;
+    // A, B, then C: three.
+    let c = chained(&b, &["--max-chain-depth", "2"]).await;
+    let status = upstream_status_when(&c, "C to refuse the chain", |s| {
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("--max-chain-depth=2"))
+    })
+    .await;
+    assert!(!status.connected || c.cache.get(VS).is_none(), "{status:?}");
+    assert!(c.cache.get(VS).is_none(), "nothing taken from a chain too long");
+}
