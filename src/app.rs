@@ -82,6 +82,7 @@ async fn bind(flag: &'static str, addr: SocketAddr) -> Result<(TcpListener, Sock
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let metrics = crate::metrics::install();
     crate::metrics::register_defaults(&settings.collections);
+    crate::source::register_metrics();
     let (grpc_listener, listen) = bind("--listen", settings.listen).await?;
     let (admin_listener, admin) = bind("--admin-listen", settings.admin_listen).await?;
     let (monitoring_listener, monitoring) = bind("--monitoring-listen", settings.monitoring_listen).await?;

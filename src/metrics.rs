@@ -83,19 +83,6 @@ pub const CLOSE_REASONS: &[&str] = &[
     "header_timeout",
 ];
 
-/// Reasons an upstream stream ends (`mcp_gateway_upstream_stream_terminations_total`).
-pub const STREAM_END_REASONS: &[&str] = &[
-    "connect",
-    "status",
-    "closed",
-    "send",
-    "refused_collection",
-    "message_too_large",
-    "loop",
-    "chain_too_long",
-    "shutdown",
-];
-
 /// A peer was refused by a limit.
 pub fn limit_refused(limit: &'static str) {
     metrics::counter!(LIMIT_REFUSALS, "limit" => limit).increment(1);
@@ -143,9 +130,6 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         }
     }
     metrics::counter!(SINK_REFUSALS, "reason" => "another_source").absolute(0);
-    for reason in STREAM_END_REASONS {
-        metrics::counter!(UPSTREAM_STREAM_TERMINATIONS, "reason" => *reason).absolute(0);
-    }
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
     for collection in collections {
         let c = || collection.clone();

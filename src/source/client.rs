@@ -9,9 +9,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::{Backoff, BackoffPolicy};
-use super::stream::{self, StreamEnd};
+use super::stream::{self, Failure, StreamEnd};
 use super::{SinkContext, UpstreamStatus};
-use crate::cache::provenance::{parse_chain, CHAIN_HEADER, GATEWAY_ID_ANNOTATION};
+use crate::cache::provenance::{parse_chain, ChainError, CHAIN_HEADER, GATEWAY_ID_ANNOTATION};
 use crate::cache::CacheWriter;
 use crate::metrics as m;
 use crate::proto::gateway::resource_source_client::ResourceSourceClient;
@@ -94,14 +94,18 @@ impl UpstreamClient {
                 && !matches!(
                     end,
                     StreamEnd::Failed {
-                        reason: "message_too_large",
+                        reason: Failure::MessageTooLarge,
                         ..
                     }
                 );
             if delivered {
                 backoff.reset();
             }
-            let (reason, message) = match end {
+            if matches!(end, StreamEnd::Shutdown) {
+                return;
+            }
+            end.count();
+            let message = match end {
                 StreamEnd::Shutdown => return,
                 StreamEnd::Refused { collection, message } => {
                     if self.sink.subscriptions.refuse(&collection, message.clone()) {
@@ -114,14 +118,14 @@ impl UpstreamClient {
                              reconnecting with the rest"
                         );
                     }
-                    ("refused_collection", message)
+                    message
                 }
                 StreamEnd::Failed { reason, message } => {
+                    let reason = reason.as_str();
                     tracing::warn!(address = %self.settings.address, %reason, %message, "upstream stream ended");
-                    (reason, message)
+                    message
                 }
             };
-            metrics::counter!(m::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).increment(1);
             let delay = backoff.next_delay();
             self.status.send_modify(|s| {
                 s.last_error = Some(message);
@@ -161,7 +165,7 @@ impl UpstreamClient {
                 Err(e) => {
                     stream::send_failed("Unavailable");
                     return StreamEnd::Failed {
-                        reason: "connect",
+                        reason: Failure::Connect,
                         message: e.message,
                     };
                 }
@@ -201,7 +205,10 @@ impl UpstreamClient {
             .check_upstream(&chain, self.settings.max_chain_depth)
         {
             return StreamEnd::Failed {
-                reason: refused.reason(),
+                reason: match refused {
+                    ChainError::Loop { .. } => Failure::Loop,
+                    ChainError::TooLong { .. } => Failure::ChainTooLong,
+                },
                 message: refused.to_string(),
             };
         }

@@ -24,6 +24,14 @@ use crate::cache::CacheWriter;
 
 pub use session::SinkSession;
 
+/// Registers the sources' series at 0, so dashboards and alerts see them
+/// before the first event.
+pub fn register_metrics() {
+    for reason in stream::StreamEnd::REASONS {
+        metrics::counter!(crate::metrics::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).absolute(0);
+    }
+}
+
 /// What the sink side of every upstream stream is built from, whoever
 /// dialled (client mode or Galley's dial-out).
 #[derive(Clone, Debug)]

@@ -211,13 +211,13 @@ impl ResourceSink for SinkServer {
                 Ok(()) => opened.run(writer, &mut inbound, &inner.shutdown, &mut progress).await,
                 Err(end) => end,
             };
-            let (reason, message) = match end {
-                StreamEnd::Shutdown => ("shutdown", "the gateway is shutting down".to_owned()),
-                StreamEnd::Refused { message, .. } => ("refused_collection", message),
-                StreamEnd::Failed { reason, message } => (reason, message),
+            end.count();
+            let reason = end.reason();
+            let message = match end {
+                StreamEnd::Shutdown => "the gateway is shutting down".to_owned(),
+                StreamEnd::Refused { message, .. } | StreamEnd::Failed { message, .. } => message,
             };
             tracing::warn!(%peer, %reason, %message, "the source's stream ended; serving the cached config");
-            metrics::counter!(m::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).increment(1);
             metrics::gauge!(m::UPSTREAM_CONNECTED).set(0.0);
             inner.status.send_modify(|s| {
                 s.connected = false;

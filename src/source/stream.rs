@@ -26,9 +26,71 @@ pub enum StreamEnd {
         message: String,
     },
     Failed {
-        reason: &'static str,
+        reason: Failure,
         message: String,
     },
+}
+
+/// Why an upstream stream failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// TCP, TLS or the HTTP/2 handshake.
+    Connect,
+    /// The source ended the stream with a status.
+    Status,
+    /// The source closed the stream.
+    Closed,
+    /// A request could not be sent: the stream is gone.
+    Send,
+    /// A message over `--max-message-bytes`.
+    MessageTooLarge,
+    /// The upstream's chain of gateways includes this one.
+    Loop,
+    /// The upstream's chain is longer than `--max-chain-depth` allows.
+    ChainTooLong,
+}
+
+impl Failure {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Connect => "connect",
+            Failure::Status => "status",
+            Failure::Closed => "closed",
+            Failure::Send => "send",
+            Failure::MessageTooLarge => "message_too_large",
+            Failure::Loop => "loop",
+            Failure::ChainTooLong => "chain_too_long",
+        }
+    }
+}
+
+impl StreamEnd {
+    /// Every `reason` label of `mcp_gateway_upstream_stream_terminations_total`.
+    pub const REASONS: [&'static str; 9] = [
+        "connect",
+        "status",
+        "closed",
+        "send",
+        "message_too_large",
+        "loop",
+        "chain_too_long",
+        "refused_collection",
+        "shutdown",
+    ];
+
+    /// The `reason` label, and the message for the log and the status.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            StreamEnd::Shutdown => "shutdown",
+            StreamEnd::Refused { .. } => "refused_collection",
+            StreamEnd::Failed { reason, .. } => reason.as_str(),
+        }
+    }
+
+    /// Counts the end in `mcp_gateway_upstream_stream_terminations_total`.
+    pub fn count(&self) {
+        metrics::counter!(m::UPSTREAM_STREAM_TERMINATIONS, "reason" => self.reason()).increment(1);
+    }
 }
 
 /// A new stream's sink side, before the stream opens.
@@ -162,7 +224,7 @@ impl Opened {
                         if self.tx.send(request).await.is_err() {
                             send_failed("Unavailable");
                             return StreamEnd::Failed {
-                                reason: "send",
+                                reason: Failure::Send,
                                 message: "the stream to the source closed while subscribing".into(),
                             };
                         }
@@ -178,7 +240,7 @@ impl Opened {
         if self.tx.send(handled.reply).await.is_err() {
             send_failed("Unavailable");
             return Err(StreamEnd::Failed {
-                reason: "send",
+                reason: Failure::Send,
                 message: "the stream to the source closed while sending an ACK".into(),
             });
         }
@@ -198,7 +260,7 @@ impl Opened {
 
 fn closed() -> StreamEnd {
     StreamEnd::Failed {
-        reason: "closed",
+        reason: Failure::Closed,
         message: "the source closed the stream".into(),
     }
 }
@@ -231,7 +293,7 @@ pub fn classify(status: tonic::Status, max_message_bytes: usize) -> StreamEnd {
     if status.code() == Code::OutOfRange && status.message().contains("message length too large") {
         crate::metrics::limit_refused("max_message_bytes");
         return StreamEnd::Failed {
-            reason: "message_too_large",
+            reason: Failure::MessageTooLarge,
             message: format!(
                 "a message from the source is larger than --max-message-bytes={max_message_bytes} allows ({}); \
                  the cache keeps its state; raise the flag to accept it",
@@ -240,7 +302,7 @@ pub fn classify(status: tonic::Status, max_message_bytes: usize) -> StreamEnd {
         };
     }
     StreamEnd::Failed {
-        reason: "status",
+        reason: Failure::Status,
         message: format!("the stream ended: {:?}: {}", status.code(), status.message()),
     }
 }
@@ -248,6 +310,36 @@ pub fn classify(status: tonic::Status, max_message_bytes: usize) -> StreamEnd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_end_has_a_registered_reason() {
+        let failures = [
+            Failure::Connect,
+            Failure::Status,
+            Failure::Closed,
+            Failure::Send,
+            Failure::MessageTooLarge,
+            Failure::Loop,
+            Failure::ChainTooLong,
+        ];
+        let mut ends: Vec<StreamEnd> = failures
+            .into_iter()
+            .map(|reason| StreamEnd::Failed {
+                reason,
+                message: String::new(),
+            })
+            .collect();
+        ends.push(StreamEnd::Shutdown);
+        ends.push(StreamEnd::Refused {
+            collection: String::new(),
+            message: String::new(),
+        });
+        let mut reasons: Vec<&str> = ends.iter().map(StreamEnd::reason).collect();
+        reasons.sort_unstable();
+        let mut registered = StreamEnd::REASONS.to_vec();
+        registered.sort_unstable();
+        assert_eq!(reasons, registered);
+    }
 
     #[test]
     fn recognises_galleys_unsupported_collection() {

@@ -70,3 +70,33 @@ async fn every_abuse_runs_at_a_tiny_size() {
         );
     }
 }
+
+/// Two gateways in a chain (the clients read the second): every client gets
+/// every update through both.
+#[tokio::test]
+async fn a_chain_of_two_gateways_runs_at_a_tiny_size() {
+    let output = within(
+        "mcp-load --chain 2 --tiny",
+        Command::new(env!("CARGO_BIN_EXE_mcp-load"))
+            .args(["--scenario", "fan-out", "--tiny", "--chain", "2"])
+            .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("run mcp-load");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let json = stdout.lines().last().expect("a JSON line");
+    let report: serde_json::Value = serde_json::from_str(json).expect("the last line is JSON");
+    assert_eq!(report["chain"], 2, "{json}");
+    assert_eq!(report["nacks"], 0, "{json}");
+    assert_eq!(report["stream_errors"], 0, "{json}");
+    assert!(report["chain_upstream_cpu_seconds"].as_f64().is_some(), "{json}");
+    assert!(
+        report["responses_delivered"].as_u64().unwrap() >= report["streams"].as_u64().unwrap(),
+        "{json}"
+    );
+}

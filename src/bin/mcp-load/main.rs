@@ -78,6 +78,10 @@ struct Args {
     /// are the canaries whose latency is reported.
     #[arg(long, value_enum, conflicts_with = "target")]
     abuse: Option<abuse::Abuse>,
+    /// Gateways in a chain: the first dials the fake Galley, each next one
+    /// the previous one's ResourceSource, and the clients the last.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4), conflicts_with = "target")]
+    chain: u8,
 }
 
 impl Args {
@@ -130,6 +134,10 @@ struct Report {
     attackers_refused: Option<usize>,
     gateway_rss_before_attack_bytes: Option<u64>,
     gateway_rss_under_attack_bytes: Option<u64>,
+    /// With --chain: gateways in the chain (the figures above are the last
+    /// one's, which the clients read), and the CPU of the ones before it.
+    chain: usize,
+    chain_upstream_cpu_seconds: Option<f64>,
 }
 
 #[tokio::main]
@@ -235,7 +243,7 @@ async fn run(args: Args) -> anyhow::Result<Report> {
                 None => gateway::default_binary()?,
             };
             let abuse = args.abuse.map(|kind| (kind, args.tiny));
-            let mut report = run_with_child(&binary, shape, &names, abuse).await?;
+            let mut report = run_with_child(&binary, shape, &names, abuse, usize::from(args.chain)).await?;
             report.scenario = Some(args.scenario);
             report.goal = args.scenario.goal();
             Ok(report)
@@ -248,12 +256,25 @@ async fn run_with_child(
     shape: Shape,
     names: &[String],
     abuse: Option<(abuse::Abuse, bool)>,
+    chain: usize,
 ) -> anyhow::Result<Report> {
     let mut publisher = Publisher::start(shape, names).await?;
-    let gateway = ChildGateway::spawn(binary, publisher.addr, names).await?;
+    // The first gateway dials the fake Galley; each next one the previous.
+    let mut upstream_gateways: Vec<ChildGateway> = Vec::new();
+    let mut gateway = ChildGateway::spawn(binary, publisher.addr, names).await?;
     tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
         .await
         .context("the gateway did not ACK the initial state in time")??;
+    for _ in 1..chain {
+        let next = ChildGateway::spawn(binary, gateway.listen, names).await?;
+        upstream_gateways.push(std::mem::replace(&mut gateway, next));
+    }
+    let upstream_cpu = |gateways: &[ChildGateway]| -> anyhow::Result<f64> {
+        gateways
+            .iter()
+            .map(|g| g.cpu_seconds().map(|(user, system)| user + system))
+            .sum()
+    };
     let (rss_before_clients, _) = gateway.memory()?;
 
     let sync_start = Instant::now();
@@ -284,6 +305,7 @@ async fn run_with_child(
     }
 
     let cpu_start = gateway.cpu_seconds()?;
+    let upstream_cpu_start = upstream_cpu(&upstream_gateways)?;
     let tool_cpu_start = gateway::cpu_seconds("/proc/self/stat")?;
     let update_start = Instant::now();
     let finals = publisher.run_updates().await?;
@@ -293,6 +315,7 @@ async fn run_with_child(
     })
     .await?;
     let cpu_end = gateway.cpu_seconds()?;
+    let upstream_cpu_used = upstream_cpu(&upstream_gateways)? - upstream_cpu_start;
     let tool_cpu_end = gateway::cpu_seconds("/proc/self/stat")?;
     let (rss_under_attack, _) = gateway.memory()?;
     attack_stop.cancel();
@@ -303,6 +326,9 @@ async fn run_with_child(
     let errors = progress.errors.load(Ordering::Relaxed);
     let received = clients.finish().await;
     gateway.stop().await;
+    for upstream in upstream_gateways {
+        upstream.stop().await;
+    }
 
     let published = publisher.log.published.lock().unwrap().clone();
     let mut latencies = Vec::new();
@@ -346,6 +372,8 @@ async fn run_with_child(
         attackers_refused: attack.as_ref().map(|(_, _, a)| a.refused.load(Ordering::Relaxed)),
         gateway_rss_before_attack_bytes: attack.as_ref().map(|_| rss_synced),
         gateway_rss_under_attack_bytes: attack.as_ref().map(|_| rss_under_attack),
+        chain,
+        chain_upstream_cpu_seconds: (chain > 1).then_some(upstream_cpu_used),
         ..Default::default()
     })
 }
@@ -428,6 +456,7 @@ fn print_report(report: &Report) {
         ("scenario", or_dash(report.scenario.map(|s| format!("{s:?}")))),
         ("goal", report.goal.to_string()),
         ("streams", report.streams.to_string()),
+        ("gateways in the chain", report.chain.max(1).to_string()),
         ("config bytes", mib(report.config_bytes as u64)),
         ("initial sync", format!("{} ms", report.initial_sync_ms)),
         ("updates published", report.updates_published.to_string()),
@@ -441,6 +470,10 @@ fn print_report(report: &Report) {
         ),
         ("gateway CPU", seconds(report.gateway_cpu_seconds)),
         ("gateway CPU in the kernel", seconds(report.gateway_cpu_system_seconds)),
+        (
+            "CPU of the gateways upstream",
+            seconds(report.chain_upstream_cpu_seconds),
+        ),
         ("load tool CPU", seconds(report.load_tool_cpu_seconds)),
         (
             "gateway CPU per delivered update",
