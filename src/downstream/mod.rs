@@ -163,12 +163,15 @@ impl Downstream {
         self.inner.next_stream_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Resolves a client's `type_url`; an unknown one ends the stream.
-    fn resolve(&self, type_url: &str) -> Result<Resolved, Status> {
+    /// Resolves the type a client named in its `field`; an unknown one ends
+    /// the stream with `unsupported {field} "…"`, as Istio's servers did
+    /// (Galley's words for a collection: a sink, or a gateway chained behind
+    /// this one, reads them to drop the collection and reconnect).
+    fn resolve(&self, field: &str, name: &str) -> Result<Resolved, Status> {
         self.inner
             .table
-            .resolve(type_url)
-            .map_err(|e| Status::invalid_argument(e.to_string()))
+            .resolve(name)
+            .map_err(|_| Status::invalid_argument(format!("unsupported {field} {name:?}")))
     }
 
     /// Starts following a collection for a stream: subscribes upstream when a

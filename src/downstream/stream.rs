@@ -13,7 +13,7 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
 
-use tokio::sync::watch;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::encode::{EncodedResponse, Record};
@@ -45,9 +45,7 @@ pub(super) struct TypedStream<W> {
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
     logs: StreamLogs,
-    /// A peer that is another gateway: its id, and this gateway's upstream
-    /// chain as it changes (the peer must never come to be in it).
-    peer_gateway: Option<(String, watch::Receiver<Vec<Arc<str>>>)>,
+    peer_gateway: Option<Box<PeerGateway>>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -124,7 +122,7 @@ impl<W: Wire> TypedStream<W> {
                 }
                 // This gateway's upstream chain changed: a gateway peer that
                 // is now upstream of it would close a loop.
-                Some(refused) = chain_changed(&mut self.peer_gateway, &self.shared) => {
+                refused = chain_changed(&mut self.peer_gateway, &self.shared) => {
                     break (End::Refused, Some(refused));
                 }
             }
@@ -154,19 +152,32 @@ impl<W: Wire> TypedStream<W> {
     }
 
     async fn on_request(&mut self, request: W::Request, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
+        // Decided without awaiting, so that nothing of the request is held in
+        // the stream's future while a response is queued.
+        match self.accept(request)? {
+            Some(type_url) => Ok(self.try_send(&type_url, out).await),
+            None => Ok(Ok(())),
+        }
+    }
+
+    /// Reads a request into its type's state machine: the type to try a send
+    /// for, or `None` for a stale request; `Err` ends the stream.
+    fn accept(&mut self, request: W::Request) -> Result<Option<String>, Status> {
         let request = W::read(request);
         if let Some(node) = &request.node_id {
             self.entry.set_node_id(node);
         }
-        if let Some(peer) = request.gateway_id.clone() {
-            if let Some(refused) = loop_refusal(&self.shared, &peer) {
+        if let Some(peer) = &request.gateway_id {
+            if let Some(refused) = loop_refusal(&self.shared, peer) {
                 return Err(refused);
             }
             if self.peer_gateway.is_none() {
-                self.entry.set_gateway_id(&peer);
-                let mut chain = self.shared.inner.cache.provenance().watch_upstream_chain();
-                chain.mark_unchanged();
-                self.peer_gateway = Some((peer, chain));
+                self.entry.set_gateway_id(peer);
+                let chain = self.shared.inner.cache.provenance().watch_upstream_chain();
+                self.peer_gateway = Some(Box::new(PeerGateway {
+                    id: peer.clone(),
+                    chain: WatchStream::from_changes(chain),
+                }));
             }
         }
         let type_url = self.type_for(&request.type_url)?;
@@ -191,7 +202,7 @@ impl<W: Wire> TypedStream<W> {
                     expected,
                     &request.nonce,
                 );
-                return Ok(Ok(()));
+                return Ok(None);
             }
             Verdict::Ack => record_ack(&followed.metrics),
             Verdict::Nack | Verdict::Unrecoverable => {
@@ -207,7 +218,7 @@ impl<W: Wire> TypedStream<W> {
                  this client holds; open a new stream to start again",
             ));
         }
-        Ok(self.try_send(&type_url, out).await)
+        Ok(Some(type_url))
     }
 }
 
@@ -224,24 +235,26 @@ fn loop_refusal(shared: &Downstream, peer: &str) -> Option<Status> {
     })
 }
 
+/// A peer that is another gateway: its id, and this gateway's upstream
+/// chain as it changes (the peer must never come to be in it). Boxed in the
+/// stream: most peers are not gateways.
+struct PeerGateway {
+    id: String,
+    chain: WatchStream<Vec<Arc<str>>>,
+}
+
 /// Waits for a change of this gateway's upstream chain that makes the
 /// gateway peer a loop; pending for other peers and other changes.
 /// Cancel-safe.
-async fn chain_changed(
-    peer_gateway: &mut Option<(String, watch::Receiver<Vec<Arc<str>>>)>,
-    shared: &Downstream,
-) -> Option<Status> {
-    let Some((peer, chain)) = peer_gateway.as_mut() else {
-        return std::future::pending().await;
-    };
-    loop {
-        if chain.changed().await.is_err() {
-            return std::future::pending().await;
-        }
-        if let Some(refused) = loop_refusal(shared, peer) {
-            return Some(refused);
+async fn chain_changed(peer_gateway: &mut Option<Box<PeerGateway>>, shared: &Downstream) -> Status {
+    if let Some(peer) = peer_gateway {
+        while peer.chain.next().await.is_some() {
+            if let Some(refused) = loop_refusal(shared, &peer.id) {
+                return refused;
+            }
         }
     }
+    std::future::pending().await
 }
 
 /// A NACK's code and message, the message read up to `max` bytes and kept
@@ -283,7 +296,7 @@ impl<W: Wire> TypedStream<W> {
     /// Starts following a type: resolves it, subscribes to its collection,
     /// and notes what the client says it holds.
     fn follow(&mut self, type_url: &str, request: &WireRequest) -> Result<(), Status> {
-        let resolved = self.shared.resolve(type_url)?;
+        let resolved = self.shared.resolve(W::TYPE_FIELD, type_url)?;
         self.shared.check_type_count(self.types.len())?;
         if let Some(e) = request.reported.iter().find_map(|e| version_entry(e).err()) {
             return Err(Status::invalid_argument(format!(
@@ -313,38 +326,57 @@ impl<W: Wire> TypedStream<W> {
 
     /// Sends what the type's state machine decides, if anything.
     async fn try_send(&mut self, type_url: &str, out: &Outbound) -> Result<(), ClientGone> {
-        let shared = self.shared.clone();
-        let Some(followed) = self.types.get_mut(type_url) else {
+        let Some(followed) = self.types.get(type_url) else {
             return Ok(());
         };
-        let current = shared.inner.cache.get(&followed.state.view.collection);
-        let Ok(send) = followed.state.next(current.as_ref()) else {
-            return Ok(());
+        let current = self.shared.inner.cache.get(&followed.state.view.collection);
+        let response = match self.types.get_mut(type_url).map(|f| f.state.next(current.as_ref())) {
+            Some(Ok(push @ Push::FirstFromReported { .. })) => {
+                // Work that grows with what the client sent: one stream at a
+                // time, and the turn is given back before the response is
+                // queued (a client that does not read never holds it).
+                let shared = self.shared.clone();
+                let _turn = Box::pin(shared.heavy_work()).await;
+                self.respond(type_url, push)
+            }
+            Some(Ok(push)) => self.respond(type_url, push),
+            _ => return Ok(()),
         };
-        // Work that grows with what the client sent: one stream at a time.
-        let _turn = match &send {
-            Push::FirstFromReported { .. } => Some(shared.heavy_work().await),
-            _ => None,
-        };
+        match out.try_send(Ok(response)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(ClientGone),
+            // The client is not reading: wait for room (boxed, as this is
+            // rare and the future is large), but never past shutdown.
+            Err(mpsc::error::TrySendError::Full(response)) => {
+                let shutdown = self.shared.inner.shutdown.clone();
+                Box::pin(async move {
+                    tokio::select! {
+                        sent = out.send(response) => sent.map_err(|_| ClientGone),
+                        _ = shutdown.cancelled() => Ok(()),
+                    }
+                })
+                .await
+            }
+        }
+    }
+
+    /// Encodes `push` with the next nonce and records it as sent.
+    fn respond(&mut self, type_url: &str, push: Push) -> Box<EncodedResponse> {
+        let followed = self.types.get_mut(type_url).expect("a followed type");
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
-        let (parts, suffix) = W::encode(&send, type_url, &nonce);
-        let to = send.to().clone();
+        let (parts, suffix) = W::encode(&push, type_url, &nonce);
+        let to = push.to().clone();
         followed.state.sent(nonce, to.clone());
         followed.metrics.pushes.increment(1);
         self.entry.publish(type_url, followed.state.view.clone());
-        let response = EncodedResponse {
+        Box::new(EncodedResponse {
             shared: parts,
             suffix,
             record: Some(Record {
                 snapshot: to,
                 metrics: followed.metrics.clone(),
             }),
-        };
-        tokio::select! {
-            sent = out.send(Ok(Box::new(response))) => sent.map_err(|_| ClientGone),
-            // A client that stopped reading must not hold up shutdown.
-            _ = shared.inner.shutdown.cancelled() => Ok(()),
-        }
+        })
     }
 }

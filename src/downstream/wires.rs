@@ -38,6 +38,8 @@ pub trait Wire: Send + 'static {
     const PROTOCOL: Protocol;
     /// The request message's name, for errors about it.
     const REQUEST: &'static str;
+    /// The request field that names the type, for errors about it.
+    const TYPE_FIELD: &'static str;
     /// The stream carries one type, and its responses name none (legacy
     /// incremental); later requests may leave the type empty.
     const ONE_TYPE: bool;
@@ -57,6 +59,7 @@ impl Wire for LegacySotw {
     type Request = SotwRequest;
     const PROTOCOL: Protocol = Protocol::Sotw;
     const REQUEST: &'static str = "istio.mcp.v1alpha1.MeshConfigRequest";
+    const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
 
     fn read(request: SotwRequest) -> WireRequest {
@@ -84,6 +87,7 @@ impl Wire for LegacyIncremental {
     type Request = IncrementalRequest;
     const PROTOCOL: Protocol = Protocol::Incremental;
     const REQUEST: &'static str = "istio.mcp.v1alpha1.IncrementalMeshConfigRequest";
+    const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = true;
 
     fn read(request: IncrementalRequest) -> WireRequest {
@@ -113,6 +117,7 @@ impl Wire for ResourceSourceWire {
     type Request = SinkRequest;
     const PROTOCOL: Protocol = Protocol::ResourceSource;
     const REQUEST: &'static str = "istio.mcp.v1alpha1.RequestResources";
+    const TYPE_FIELD: &'static str = "collection";
     const ONE_TYPE: bool = false;
 
     fn read(request: SinkRequest) -> WireRequest {

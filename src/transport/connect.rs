@@ -13,7 +13,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_util::either::Either;
+
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint, Uri};
@@ -46,61 +47,8 @@ pub struct Dial {
     pub keepalive: Option<Duration>,
 }
 
-/// A dialled connection, plain or TLS.
-enum ClientConn {
-    Plain(TcpStream),
-    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
-}
-
-impl AsyncRead for ClientConn {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ClientConn::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            ClientConn::Tls(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for ClientConn {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            ClientConn::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            ClientConn::Tls(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            ClientConn::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            ClientConn::Tls(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            ClientConn::Plain(s) => s.is_write_vectored(),
-            ClientConn::Tls(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ClientConn::Plain(s) => Pin::new(s).poll_flush(cx),
-            ClientConn::Tls(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ClientConn::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            ClientConn::Tls(s) => Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
+/// A dialled connection: plain (`Left`) or TLS (`Right`).
+type ClientConn = Either<TcpStream, Box<tokio_rustls::client::TlsStream<TcpStream>>>;
 
 type Io = TokioIo<Sniffed<ClientConn>>;
 
@@ -174,7 +122,7 @@ pub async fn connect(dial: &Dial) -> Result<Channel, ConnectError> {
         let name = files.server_name(&host).map_err(|e| failed("tls", e.to_string()))?;
         let connector = tokio_rustls::TlsConnector::from(config);
         match tokio::time::timeout_at(deadline, connector.connect(name, tcp)).await {
-            Ok(Ok(tls)) => ClientConn::Tls(Box::new(tls)),
+            Ok(Ok(tls)) => Either::Right(Box::new(tls)),
             Ok(Err(e)) => return Err(failed("tls", format!("TLS handshake with {host}:{port} failed: {e}"))),
             Err(_) => {
                 return Err(failed(
@@ -184,7 +132,7 @@ pub async fn connect(dial: &Dial) -> Result<Channel, ConnectError> {
             }
         }
     } else {
-        ClientConn::Plain(tcp)
+        Either::Left(tcp)
     };
     let (io, signals) = Sniffed::new(conn, Side::Client, None);
     let io = Established(Arc::new(Mutex::new(Some(TokioIo::new(io)))));

@@ -24,6 +24,7 @@ use http_body::{Body as _, Frame};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::{sleep_until, Instant};
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::body::Body;
@@ -35,7 +36,7 @@ use tower::ServiceExt;
 use super::bucket::{PeerBuckets, TokenBucket};
 use super::identity::{AllowList, PeerIdentity};
 use super::sniff::{FloodLimits, Side, Sniffed};
-use super::tls::{Conn, ServerTls};
+use super::tls::ServerTls;
 use super::{accept_backoff, LogLimiter};
 use crate::metrics as m;
 
@@ -285,7 +286,7 @@ where
         let limits = &self.config.limits;
         let handshake_deadline = Instant::now() + limits.handshake_timeout;
         let (conn, identity) = match &self.config.tls {
-            None => (Conn::Plain(stream), PeerIdentity::default()),
+            None => (Either::Left(stream), PeerIdentity::default()),
             Some(tls) => match tokio::time::timeout_at(handshake_deadline, tls.acceptor().accept(stream)).await {
                 Ok(Ok(stream)) => {
                     let identity = stream
@@ -295,7 +296,7 @@ where
                         .and_then(|certs| certs.first())
                         .map(|cert| PeerIdentity::from_der(cert))
                         .unwrap_or_default();
-                    (Conn::Tls(Box::new(stream)), identity)
+                    (Either::Right(Box::new(stream)), identity)
                 }
                 Ok(Err(e)) => {
                     static LOGS: LogLimiter = LogLimiter::new();
@@ -311,8 +312,8 @@ where
             },
         };
         let local = match &conn {
-            Conn::Plain(s) => s.local_addr().ok(),
-            Conn::Tls(s) => s.get_ref().0.local_addr().ok(),
+            Either::Left(s) => s.local_addr().ok(),
+            Either::Right(s) => s.get_ref().0.local_addr().ok(),
         };
         let (io, signals) = Sniffed::new(conn, Side::Server, Some(limits.floods));
         let mut builder = h2::server::Builder::new();

@@ -150,3 +150,14 @@ async fn nacked_versions_are_not_resent_and_stale_nonces_are_ignored() {
     let v3 = sink.recv_and_ack().await;
     assert_eq!(v3.resources[0].metadata.as_ref().unwrap().version, "3");
 }
+
+#[tokio::test]
+async fn an_unknown_collection_ends_the_stream_as_galley_does() {
+    let (_galley, gw, _upstream) = galley_and_gateway(&[VS], &[]).await;
+    let mut sink = PilotSink::connect(gw.listen, &["istio/unknown/v1/things"], false).await;
+    let status = sink.stream.end_status().await;
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    // Galley's words: a gateway chained behind this one drops the collection
+    // and reconnects with the rest, as it does with Galley.
+    assert_eq!(status.message(), "unsupported collection \"istio/unknown/v1/things\"");
+}
