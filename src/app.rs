@@ -435,11 +435,19 @@ impl Bound {
 
     /// Stops accepting, closes every stream, and waits at most the grace
     /// period for them to finish.
-    pub async fn shutdown(self) {
+    /// Returns whether every task (listeners, connections, streams, sources,
+    /// watchers) ended within the grace period.
+    pub async fn shutdown(self) -> bool {
         self.shutdown.cancel();
         self.tasks.close();
-        if tokio::time::timeout(self.grace, self.tasks.wait()).await.is_err() {
-            tracing::warn!(grace = ?self.grace, "streams still open after the shutdown grace period; exiting anyway");
+        let ended = tokio::time::timeout(self.grace, self.tasks.wait()).await.is_ok();
+        if !ended {
+            tracing::warn!(
+                grace_seconds = self.grace.as_secs_f64(),
+                tasks = self.tasks.len(),
+                "tasks still running after the shutdown grace period; exiting anyway"
+            );
         }
+        ended
     }
 }

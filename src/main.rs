@@ -72,7 +72,7 @@ async fn run(settings: mcp_xds_gateway::config::Settings) -> anyhow::Result<()> 
     let bound = app::build(settings).await?;
     wait_for_signal().await?;
     tracing::info!("shutting down");
-    bound.shutdown().await;
+    let _ = bound.shutdown().await;
     Ok(())
 }
 

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use tonic::Code;
 
-use crate::helpers::clients::sotw;
-use crate::helpers::galley::{resource, FakeGalley};
+use crate::helpers::clients::{channel, sotw};
+use crate::helpers::galley::{dial_out, resource, FakeGalley};
 use crate::helpers::{gateway_for, http_get, within, GW, VS};
 
 #[tokio::test]
@@ -74,9 +74,46 @@ async fn shutdown_closes_streams_with_unavailable_and_returns() {
     client.subscribe(VS);
     client.recv().await;
     let listen = gw.listen;
-    within("shutdown within its grace", gw.shutdown()).await;
+    assert!(
+        within("shutdown within its grace", gw.shutdown()).await,
+        "every task ended"
+    );
     let status = client.end_status().await;
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     let refused = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(listen)).await;
     assert!(matches!(refused, Ok(Err(_))), "the listener is closed");
+}
+
+/// Every source mode's tasks (the upstream client, the dial-out source, the
+/// local files' watcher, TLS rotation) end on shutdown, with clients connected.
+#[tokio::test]
+async fn every_task_ends_on_shutdown_in_every_source_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("vs.yaml"),
+        format!("collection: {VS}\nname: a\nbody: {{struct: {{hosts: [a]}}}}\n"),
+    )
+    .unwrap();
+    let source_dir = dir.path().to_str().unwrap().to_owned();
+    let galley = FakeGalley::start().await;
+    let url = galley.url();
+    let modes: [Vec<&str>; 3] = [
+        vec!["--source-dir", &source_dir, "--collections", VS],
+        vec!["--upstream", &url, "--collections", VS],
+        vec!["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS],
+    ];
+    for flags in modes {
+        let mut flags = flags;
+        flags.extend(["--shutdown-grace", "5s"]);
+        let gw = crate::helpers::start_gateway(&flags).await;
+        let mut client = sotw(gw.listen).await;
+        client.subscribe(VS);
+        // In dial-out mode, a connected source.
+        let _source = match gw.sink {
+            Some(sink) => Some(dial_out(channel(sink).await, &[]).await.unwrap()),
+            None => None,
+        };
+        assert!(within("shutdown", gw.shutdown()).await, "{flags:?}: every task ended");
+        assert_eq!(client.end_status().await.code(), Code::Unavailable, "{flags:?}");
+    }
 }

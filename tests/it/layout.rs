@@ -96,3 +96,29 @@ fn the_table_here_is_the_table_in_architecture_md() {
         assert!(named, "architecture.md has no row for {room}");
     }
 }
+
+/// Every task of the gateway is spawned on the app's `TaskTracker`, so that
+/// shutdown stops and waits for it: no bare `tokio::spawn` or thread outside
+/// test modules, the tools (not part of a running gateway) and the metrics
+/// upkeep thread (process-wide, holds nothing).
+#[test]
+fn every_task_is_spawned_on_the_tracker() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut bare = Vec::new();
+    for file in files {
+        let relative = file.strip_prefix(&src).unwrap().display().to_string();
+        if relative.starts_with("bin/") || relative.starts_with("tools/") || relative == "metrics.rs" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+        for pattern in ["tokio::spawn(", "task::spawn(", "thread::spawn(", "thread::Builder"] {
+            if code.contains(pattern) {
+                bare.push(format!("src/{relative}: {pattern}"));
+            }
+        }
+    }
+    assert!(bare.is_empty(), "tasks not on the tracker:\n{}", bare.join("\n"));
+}
