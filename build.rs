@@ -1,4 +1,4 @@
-//! Generates the MCP code from `proto/` with protox (pure Rust: no system
+//! Generates the MCP and Envoy v3 ADS code from `proto/` with protox (pure Rust: no system
 //! `protoc`) and tonic.
 //!
 //! Two kinds of output:
@@ -28,7 +28,12 @@ fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
-    let fds = protox::compile(["istio/mcp/v1alpha1/mcp.proto"], ["proto"])?;
+    // MCP, and Envoy's v3 aggregated discovery service with its imports
+    // (see proto/README.md).
+    let fds = protox::compile(
+        ["istio/mcp/v1alpha1/mcp.proto", "envoy/service/discovery/v3/ads.proto"],
+        ["proto"],
+    )?;
     // For gRPC server reflection on the downstream port.
     let descriptor_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("mcp_descriptor.bin");
     std::fs::write(descriptor_path, prost::Message::encode_to_vec(&fds))?;

@@ -16,7 +16,7 @@ use crate::admin::{self, AdminState};
 use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::config::{Settings, Source};
-use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService};
+use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService, XdsService};
 use crate::source::client::UpstreamClient;
 use crate::source::files::LocalSource;
 use crate::source::persisted::{self, Persister};
@@ -163,10 +163,12 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     );
     crate::downstream::register_metrics(&downstream, &settings.collections);
     let service = AggregatedService::new(downstream.clone());
-    let resource_source = ResourceSourceService::new(downstream);
-    const SERVICES: [&str; 2] = [
+    let resource_source = ResourceSourceService::new(downstream.clone());
+    let xds = XdsService::new(downstream);
+    const SERVICES: [&str; 3] = [
         <AggregatedService as tonic::server::NamedService>::NAME,
         <ResourceSourceService as tonic::server::NamedService>::NAME,
+        <XdsService as tonic::server::NamedService>::NAME,
     ];
     let (health, health_service) = tonic_health::server::health_reporter();
     health
@@ -193,6 +195,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
     let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
     let routes = tonic::service::Routes::new(service)
         .add_service(resource_source)
+        .add_service(xds)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

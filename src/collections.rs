@@ -9,6 +9,17 @@ use std::sync::Arc;
 /// Istio's collections (copied from `shared/design/istio-collections.tsv`).
 const BUILTIN_TSV: &str = include_str!("../data/istio-collections.tsv");
 
+/// Collections no Galley served: the types istiod 1.8+ added, and Envoy's
+/// own resource types (plain xDS). Same columns as [`BUILTIN_TSV`].
+const XDS_TSV: &str = include_str!("../data/xds-collections.tsv");
+
+/// The Kubernetes GVKs istiod 1.8+ asks for over MCP over xDS, each to the
+/// collection that answers it (every alias of a kind is the same body proto).
+const GVK_TSV: &str = include_str!("../data/istio-gvks.tsv");
+
+/// The type istiod asks for first and never waits for: answered empty.
+pub const MESH_CONFIG_GVK: &str = "core/v1alpha1/MeshConfig";
+
 /// The prefix that marks a downstream `type_url` as a proto type URL (1.0).
 pub const TYPE_URL_PREFIX: &str = "type.googleapis.com/";
 
@@ -39,6 +50,9 @@ pub enum Dialect {
     /// Istio 1.1 legacy mode: `type_url` is a collection name.
     #[serde(rename = "1.1")]
     V1_1,
+    /// Envoy's v3 xDS: a GVK (istiod 1.8+) or a proto type URL (Envoy).
+    #[serde(rename = "xds")]
+    Xds,
 }
 
 impl Dialect {
@@ -54,6 +68,7 @@ impl Dialect {
         match self {
             Dialect::V1_0 => "1.0",
             Dialect::V1_1 => "1.1",
+            Dialect::Xds => "xds",
         }
     }
 }
@@ -63,6 +78,18 @@ pub struct CollectionInfo {
     pub name: Arc<str>,
     pub body_type_url: String,
     pub default_subscribed: bool,
+}
+
+/// What an xDS type URL resolves to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum XdsType {
+    /// A collection: its resources, each wrapped as an
+    /// `istio.mcp.v1alpha1.Resource` (a GVK, MCP over xDS) or as the body
+    /// itself (an Envoy type URL, plain xDS).
+    Collection { collection: Arc<str>, wrapped: bool },
+    /// No collection answers it (an unknown GVK, `core/v1alpha1/MeshConfig`,
+    /// istiod's `istio.io/*` debug types): answered once, empty.
+    Unserved,
 }
 
 /// A resolved downstream `type_url`.
@@ -76,6 +103,8 @@ pub struct Resolved {
 pub struct CollectionTable {
     by_name: BTreeMap<Arc<str>, CollectionInfo>,
     owner_by_type_url: HashMap<String, Arc<str>>,
+    /// GVK (`networking.istio.io/v1/VirtualService`) to collection.
+    by_gvk: HashMap<String, Arc<str>>,
 }
 
 // === impl CollectionTable ===
@@ -83,13 +112,25 @@ pub struct CollectionTable {
 impl CollectionTable {
     /// Istio's collections, as shipped.
     pub fn builtin() -> Self {
-        Self::parse_tsv(BUILTIN_TSV).expect("the embedded collection table is valid (unit-tested)")
+        let mut table =
+            Self::parse_tsv(&[BUILTIN_TSV, XDS_TSV]).expect("the embedded collection table is valid (unit-tested)");
+        for line in GVK_TSV.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+            let mut cols = line.split('\t');
+            let (Some(gvk), Some(collection)) = (cols.next(), cols.next()) else {
+                continue;
+            };
+            let name = table
+                .name(collection)
+                .expect("every GVK row names a collection of the table (unit-tested)");
+            table.by_gvk.insert(gvk.to_owned(), name);
+        }
+        table
     }
 
-    fn parse_tsv(tsv: &str) -> Result<Self, CollectionError> {
+    fn parse_tsv(tables: &[&str]) -> Result<Self, CollectionError> {
         let mut by_name = BTreeMap::new();
         let mut owner_by_type_url = HashMap::new();
-        for (index, line) in tsv.lines().enumerate().skip(1) {
+        for (index, line) in tables.iter().flat_map(|tsv| tsv.lines().enumerate().skip(1)) {
             if line.trim().is_empty() {
                 continue;
             }
@@ -122,6 +163,7 @@ impl CollectionTable {
         Ok(Self {
             by_name,
             owner_by_type_url,
+            by_gvk: HashMap::new(),
         })
     }
 
@@ -187,11 +229,30 @@ impl CollectionTable {
         let dialect = Dialect::of(type_url);
         let collection = match dialect {
             Dialect::V1_0 => self.owner_by_type_url.get(type_url).cloned(),
-            Dialect::V1_1 => self.by_name.get(type_url).map(|c| c.name.clone()),
+            Dialect::V1_1 | Dialect::Xds => self.by_name.get(type_url).map(|c| c.name.clone()),
         };
         collection
             .map(|collection| Resolved { collection, dialect })
             .ok_or_else(|| CollectionError::UnsupportedTypeUrl(type_url.to_owned()))
+    }
+
+    /// Resolves an xDS `type_url`: a GVK (MCP over xDS), an Envoy or other
+    /// proto type URL a collection owns (plain xDS), or nothing this gateway
+    /// serves.
+    pub fn resolve_xds(&self, type_url: &str) -> XdsType {
+        if let Some(collection) = self.by_gvk.get(type_url) {
+            return XdsType::Collection {
+                collection: collection.clone(),
+                wrapped: true,
+            };
+        }
+        match self.owner_by_type_url.get(type_url) {
+            Some(collection) => XdsType::Collection {
+                collection: collection.clone(),
+                wrapped: false,
+            },
+            None => XdsType::Unserved,
+        }
     }
 
     pub fn get(&self, collection: &str) -> Option<&CollectionInfo> {
@@ -230,7 +291,7 @@ mod tests {
     #[test]
     fn builtin_table_parses_with_istio_defaults() {
         let table = CollectionTable::builtin();
-        assert_eq!(table.len(), 66);
+        assert_eq!(table.len(), 66 + 9, "Galley's collections and the xDS-only ones");
         let defaults: Vec<String> = table.default_subscriptions().iter().map(|c| c.to_string()).collect();
         assert_eq!(
             defaults,
@@ -356,5 +417,45 @@ mod tests {
         let table = CollectionTable::builtin().with_type_map_file(&path).unwrap();
         assert!(table.get("example.com/w").is_some());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn xds_types_resolve_every_gvk_alias_to_one_collection() {
+        let table = CollectionTable::builtin();
+        let wrapped = |collection: &str| XdsType::Collection {
+            collection: collection.into(),
+            wrapped: true,
+        };
+        for gvk in [
+            "networking.istio.io/v1alpha3/VirtualService",
+            "networking.istio.io/v1beta1/VirtualService",
+            "networking.istio.io/v1/VirtualService",
+        ] {
+            assert_eq!(table.resolve_xds(gvk), wrapped(VS), "{gvk}");
+        }
+        assert_eq!(
+            table.resolve_xds("security.istio.io/v1/AuthorizationPolicy"),
+            wrapped("istio/security/v1beta1/authorizationpolicies")
+        );
+        assert_eq!(
+            table.resolve_xds("type.googleapis.com/envoy.config.cluster.v3.Cluster"),
+            XdsType::Collection {
+                collection: "envoy/config/cluster/v3/clusters".into(),
+                wrapped: false,
+            }
+        );
+        for unserved in [
+            MESH_CONFIG_GVK,
+            "extensions.istio.io/v1alpha1/TrafficExtension",
+            "istio.io/debug/syncz",
+            "",
+        ] {
+            assert_eq!(table.resolve_xds(unserved), XdsType::Unserved, "{unserved}");
+        }
+        // Every GVK row names a collection of the table.
+        for line in GVK_TSV.lines().skip(1) {
+            let gvk = line.split('\t').next().unwrap();
+            assert!(matches!(table.resolve_xds(gvk), XdsType::Collection { .. }), "{gvk}");
+        }
     }
 }

@@ -69,6 +69,11 @@ impl Subscriptions {
         })
     }
 
+    /// Whether the source refused the collection.
+    pub fn is_refused(&self, collection: &str) -> bool {
+        self.state.borrow().refused.contains_key(collection)
+    }
+
     pub fn current(&self) -> SubscriptionState {
         self.state.borrow().clone()
     }

@@ -62,6 +62,13 @@ impl CachedResource {
             digest,
         }
     }
+
+    /// A version of this resource that changes whenever its name, version
+    /// or content does (xDS clients skip a changed body under an unchanged
+    /// version): the same on every replica and every gateway of a chain.
+    pub fn content_version(&self) -> String {
+        format!("{:016x}", self.entry as u64)
+    }
 }
 
 /// The content digest of a resource: its body (the encoded `Any`, type URL
@@ -232,6 +239,8 @@ pub enum Origin {
     Upstream,
     Disk,
     Files,
+    /// No source serves it: an empty answer to a client's type (xDS).
+    Unserved,
 }
 
 /// A collection at one version. Immutable: a change makes a new snapshot.
@@ -277,6 +286,19 @@ impl CollectionSnapshot {
             chunks,
             memo: Memo::default(),
         }
+    }
+
+    /// A collection with nothing in it, for a type no source serves: it is
+    /// answered (empty) and never changes. Not in the cache.
+    pub fn empty(collection: Arc<str>) -> Arc<Self> {
+        Arc::new(Self::new(
+            collection,
+            ResourceMap::default(),
+            0,
+            Vec::new(),
+            0,
+            Origin::Unserved,
+        ))
     }
 
     /// The chunks that hold the resources, in name order.

@@ -99,13 +99,96 @@ fn string_fields(tag: u32, values: &[&str]) -> Bytes {
     buf.freeze()
 }
 
-/// Resources as one field each (`tag`), in one buffer.
-fn resource_fields<'a>(tag: u32, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> Bytes {
-    let resources: Vec<&Arc<CachedResource>> = resources.into_iter().collect();
-    let mut buf = BytesMut::with_capacity(resources.iter().map(|r| bytes_field_len(tag, &r.encoded)).sum());
-    for resource in resources {
-        put_bytes(tag, &resource.encoded, &mut buf);
+/// Resources in `form`, as one field each (`tag`), in one buffer.
+fn resource_fields<'a>(tag: u32, form: Form, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> Bytes {
+    let values: Vec<Bytes> = resources.into_iter().map(|r| form.value(r)).collect();
+    let mut buf = BytesMut::with_capacity(values.iter().map(|v| bytes_field_len(tag, v)).sum());
+    for value in values {
+        put_bytes(tag, &value, &mut buf);
     }
+    buf.freeze()
+}
+
+/// The type URL of an MCP `Resource` packed in an `Any` (MCP over xDS).
+pub const MCP_RESOURCE_TYPE_URL: &str = "type.googleapis.com/istio.mcp.v1alpha1.Resource";
+
+/// How a protocol carries each resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Form {
+    /// The `Resource` as the source sent it (MCP).
+    Mcp,
+    /// `Any(istio.mcp.v1alpha1.Resource)` with `metadata.version` the
+    /// resource's content version and `metadata.create_time` always set
+    /// (istiod 1.8 to 1.15 skip a resource without it; 1.12+ skip a changed
+    /// body under an unchanged version): MCP over xDS, state of the world.
+    McpAny,
+    /// The body `Any` itself: plain xDS, state of the world.
+    Body,
+    /// Delta xDS `Resource{version, resource: McpAny, name}`.
+    DeltaMcp,
+    /// Delta xDS `Resource{version, resource: Body, name}`.
+    DeltaBody,
+}
+
+impl Form {
+    /// Delta forms carry each resource's version: a client reconnecting with
+    /// what it holds is sent only what differs.
+    fn versioned(self) -> bool {
+        matches!(self, Form::DeltaMcp | Form::DeltaBody)
+    }
+
+    /// The encoded resource in this form.
+    fn value(self, resource: &CachedResource) -> Bytes {
+        match self {
+            Form::Mcp => resource.encoded.clone(),
+            Form::McpAny => mcp_any(resource),
+            Form::Body => body_of(resource),
+            Form::DeltaMcp => delta_resource(resource, &mcp_any(resource)),
+            Form::DeltaBody => delta_resource(resource, &body_of(resource)),
+        }
+    }
+}
+
+/// The resource's metadata and body as the source sent them. Resources are
+/// validated before they reach the cache, so this decodes; should it not,
+/// the metadata is left empty rather than failing a whole response.
+fn parts_of(resource: &CachedResource) -> (crate::proto::Metadata, Bytes) {
+    use prost::Message;
+    match crate::proto::wire::RawResource::decode(resource.encoded.clone()) {
+        Ok(raw) => (raw.metadata.unwrap_or_default(), raw.body.unwrap_or_default()),
+        Err(_) => (crate::proto::Metadata::default(), Bytes::new()),
+    }
+}
+
+fn body_of(resource: &CachedResource) -> Bytes {
+    parts_of(resource).1
+}
+
+fn mcp_any(resource: &CachedResource) -> Bytes {
+    use prost::Message;
+    let (mut metadata, body) = parts_of(resource);
+    metadata.version = resource.content_version();
+    // A source that gave none: the epoch, the same on every replica.
+    metadata.create_time.get_or_insert_with(prost_types::Timestamp::default);
+    let metadata = metadata.encode_to_vec();
+    let mut value = BytesMut::with_capacity(bytes_field_len(1, &metadata) + bytes_field_len(2, &body));
+    put_bytes(1, &metadata, &mut value);
+    put_bytes(2, &body, &mut value);
+    let mut any = BytesMut::with_capacity(string_field_len(1, MCP_RESOURCE_TYPE_URL) + bytes_field_len(2, &value));
+    put_string(1, MCP_RESOURCE_TYPE_URL, &mut any);
+    put_bytes(2, &value, &mut any);
+    any.freeze()
+}
+
+/// `envoy.service.discovery.v3.Resource{version=1, resource=2, name=3}`.
+fn delta_resource(resource: &CachedResource, any: &[u8]) -> Bytes {
+    let version = resource.content_version();
+    let mut buf = BytesMut::with_capacity(
+        string_field_len(1, &version) + bytes_field_len(2, any) + string_field_len(3, &resource.name),
+    );
+    put_string(1, &version, &mut buf);
+    put_bytes(2, any, &mut buf);
+    put_string(3, &resource.name, &mut buf);
     buf.freeze()
 }
 
@@ -132,6 +215,7 @@ pub struct Layout {
     pub collection: Option<u32>,
     pub resources: u32,
     pub removed: u32,
+    pub form: Form,
 }
 
 /// `MeshConfigResponse{version_info=1, resources=2, type_url=3, nonce=4}` and
@@ -145,6 +229,7 @@ pub const LEGACY: Layout = Layout {
     collection: None,
     resources: 2,
     removed: 3,
+    form: Form::Mcp,
 };
 
 /// `Resources{system_version_info=1, collection=2, resources=3,
@@ -157,6 +242,53 @@ pub const RESOURCES: Layout = Layout {
     collection: Some(2),
     resources: 3,
     removed: 4,
+    form: Form::Mcp,
+};
+
+/// Envoy's v3 `DiscoveryResponse{version_info=1, resources=2, type_url=4,
+/// nonce=5}`, each resource an `Any(istio.mcp.v1alpha1.Resource)`: MCP over
+/// xDS (istiod 1.8+ with `configSources: xds://`).
+pub const XDS_MCP: Layout = Layout {
+    full_key: "xds.sotw.mcp.full",
+    diff_key: "xds.sotw.mcp.diff",
+    chunk_key: "xds.sotw.mcp.chunk",
+    version: 1,
+    collection: None,
+    resources: 2,
+    removed: 0,
+    form: Form::McpAny,
+};
+
+/// The same, each resource its body: plain xDS (Envoy).
+pub const XDS_BODY: Layout = Layout {
+    full_key: "xds.sotw.body.full",
+    diff_key: "xds.sotw.body.diff",
+    chunk_key: "xds.sotw.body.chunk",
+    form: Form::Body,
+    ..XDS_MCP
+};
+
+/// Envoy's v3 `DeltaDiscoveryResponse{system_version_info=1, resources=2,
+/// type_url=4, nonce=5, removed_resources=6}`, each resource a
+/// `Resource{version, resource: Any(istio.mcp.v1alpha1.Resource), name}`.
+pub const DELTA_MCP: Layout = Layout {
+    full_key: "xds.delta.mcp.full",
+    diff_key: "xds.delta.mcp.diff",
+    chunk_key: "xds.delta.mcp.chunk",
+    version: 1,
+    collection: None,
+    resources: 2,
+    removed: 6,
+    form: Form::DeltaMcp,
+};
+
+/// The same, each resource's `resource` its body (Envoy).
+pub const DELTA_BODY: Layout = Layout {
+    full_key: "xds.delta.body.full",
+    diff_key: "xds.delta.body.diff",
+    chunk_key: "xds.delta.body.chunk",
+    form: Form::DeltaBody,
+    ..DELTA_MCP
 };
 
 impl Layout {
@@ -164,13 +296,13 @@ impl Layout {
     /// storage itself when the field numbers agree, else re-framed once per
     /// chunk and kept with it.
     fn chunk(&self, chunk: &Chunk) -> Bytes {
-        if self.resources == STORAGE_FIELD {
+        if self.resources == STORAGE_FIELD && self.form == Form::Mcp {
             return chunk.bytes().clone();
         }
-        let tag = self.resources;
-        let framed = chunk
-            .memo
-            .get_or_make(MemoKey::of(self.chunk_key), 1, || resource_fields(tag, chunk.members()));
+        let (tag, form) = (self.resources, self.form);
+        let framed = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
+            resource_fields(tag, form, chunk.members())
+        });
         Bytes::clone(&framed)
     }
 
@@ -204,7 +336,7 @@ impl Layout {
             let diff = Diff::between(&from.resources, &to.resources);
             let parts: Arc<[Bytes]> = Arc::from([
                 self.head(to),
-                resource_fields(self.resources, &diff.upserts),
+                resource_fields(self.resources, self.form, &diff.upserts),
                 string_fields(self.removed, &diff.removed_names()),
             ]);
             parts
@@ -214,10 +346,35 @@ impl Layout {
 
     /// The whole collection (shared), and removals for the reported names
     /// `to` does not have (this client's own).
+    /// Legacy versions are the source's, and a source may reuse one for
+    /// another body, so nothing is skipped on the client's word; xDS delta
+    /// versions are the gateway's content versions, so resources the client
+    /// holds at their current version are left out.
     pub fn first_from_reported(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Arc<[Bytes]> {
-        let mut parts = self.full(to).to_vec();
+        let mut parts = if self.form.versioned() {
+            self.unchanged_left_out(to, reported)
+        } else {
+            self.full(to).to_vec()
+        };
         parts.push(string_fields(self.removed, &gone(reported, to)));
         Arc::from(parts)
+    }
+
+    /// The head and the resources of `to` that `reported` does not hold at
+    /// their content version: chunks with nothing held are shared as they are.
+    fn unchanged_left_out(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Vec<Bytes> {
+        let held: std::collections::HashMap<&str, &str> = reported.entries().collect();
+        let is_held = |r: &Arc<CachedResource>| held.get(&*r.name).is_some_and(|v| *v == r.content_version());
+        let mut parts = vec![self.head(to)];
+        for chunk in to.chunks() {
+            if chunk.members().iter().any(is_held) {
+                let changed = chunk.members().iter().filter(|r| !is_held(r));
+                parts.push(resource_fields(self.resources, self.form, changed));
+            } else {
+                parts.push(self.chunk(chunk));
+            }
+        }
+        parts
     }
 
     /// The shared parts of what the state machine decided.

@@ -30,7 +30,7 @@ use crate::transport::requests::{RequestBudget, RequestStream};
 use encode::EncodedResponse;
 use registry::NackRecord;
 pub use registry::Registry;
-pub use service::{AggregatedService, ResourceSourceService};
+pub use service::{AggregatedService, ResourceSourceService, XdsService};
 
 /// Per-stream limits of the downstream services.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,16 +20,28 @@ pub enum Protocol {
     Incremental,
     /// `ResourceSource.EstablishResourceStream`.
     ResourceSource,
+    /// Envoy v3 `AggregatedDiscoveryService.StreamAggregatedResources`.
+    XdsSotw,
+    /// Envoy v3 `AggregatedDiscoveryService.DeltaAggregatedResources`.
+    XdsDelta,
 }
 
 impl Protocol {
-    pub const ALL: [Protocol; 3] = [Protocol::Sotw, Protocol::Incremental, Protocol::ResourceSource];
+    pub const ALL: [Protocol; 5] = [
+        Protocol::Sotw,
+        Protocol::Incremental,
+        Protocol::ResourceSource,
+        Protocol::XdsSotw,
+        Protocol::XdsDelta,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Sotw => "sotw",
             Protocol::Incremental => "incremental",
             Protocol::ResourceSource => "resource-source",
+            Protocol::XdsSotw => "xds-sotw",
+            Protocol::XdsDelta => "xds-delta",
         }
     }
 }

@@ -22,7 +22,7 @@ use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
 use super::encode::Record;
-use super::wires::{LegacyIncremental, LegacySotw, ResourceSourceWire};
+use super::wires::{LegacyIncremental, LegacySotw, ResourceSourceWire, XdsDelta, XdsSotw};
 use super::{Downstream, Responses};
 use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
@@ -30,6 +30,8 @@ use crate::metrics as m;
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
 pub const RESOURCE_SOURCE_PATH: &str = "/istio.mcp.v1alpha1.ResourceSource/EstablishResourceStream";
+pub const XDS_SOTW_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+pub const XDS_DELTA_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
 /// Starts one method's stream.
 type Start = fn(&Downstream, Body, Option<SocketAddr>) -> Responses;
@@ -65,6 +67,19 @@ impl Methods for Source {
     const ANNOUNCES_CHAIN: bool = true;
 }
 
+/// Envoy's v3 `AggregatedDiscoveryService` (istiod 1.8+ reading MCP over
+/// xDS, and Envoy): state of the world and delta.
+pub enum Xds {}
+
+impl Methods for Xds {
+    const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
+    const METHODS: &'static [(&'static str, Start)] = &[
+        (XDS_SOTW_PATH, Downstream::start::<XdsSotw>),
+        (XDS_DELTA_PATH, Downstream::start::<XdsDelta>),
+    ];
+    const ANNOUNCES_CHAIN: bool = false;
+}
+
 /// A gRPC service of the client port.
 pub struct MeshService<M> {
     downstream: Downstream,
@@ -73,6 +88,7 @@ pub struct MeshService<M> {
 
 pub type AggregatedService = MeshService<Aggregated>;
 pub type ResourceSourceService = MeshService<Source>;
+pub type XdsService = MeshService<Xds>;
 
 impl<M> Clone for MeshService<M> {
     fn clone(&self) -> Self {

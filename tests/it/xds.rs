@@ -1,0 +1,437 @@
+//! Envoy's v3 ADS on the client port: MCP over xDS as istiod 1.8+ reads it
+//! (`pkg/adsc`: GVK type URLs, every type requested back to back with nonces
+//! the gateway never issued, the node on every ACK, never a NACK), and plain
+//! xDS for Envoy-typed collections, state of the world and delta.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+use mcp_xds_gateway::proto::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use mcp_xds_gateway::proto::Resource;
+use prost::Message;
+
+use crate::helpers::clients::{channel, Bidi};
+use crate::helpers::galley::{incremental, resource};
+use crate::helpers::{eventually, galley_and_gateway, start_gateway, within, VS};
+
+const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+const MCP_RESOURCE: &str = "type.googleapis.com/istio.mcp.v1alpha1.Resource";
+const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const VS_V1: &str = "networking.istio.io/v1/VirtualService";
+const VS_V1ALPHA3: &str = "networking.istio.io/v1alpha3/VirtualService";
+
+/// What istiod 1.24 to 1.30 asks for (`collections.Pilot`), MeshConfig first.
+const ISTIOD_1_24: [&str; 15] = [
+    "core/v1alpha1/MeshConfig",
+    "networking.istio.io/v1/DestinationRule",
+    "networking.istio.io/v1alpha3/EnvoyFilter",
+    "networking.istio.io/v1/Gateway",
+    "networking.istio.io/v1/ServiceEntry",
+    "networking.istio.io/v1/Sidecar",
+    VS_V1,
+    "networking.istio.io/v1/WorkloadEntry",
+    "networking.istio.io/v1/WorkloadGroup",
+    "networking.istio.io/v1beta1/ProxyConfig",
+    "security.istio.io/v1/AuthorizationPolicy",
+    "security.istio.io/v1/PeerAuthentication",
+    "security.istio.io/v1/RequestAuthentication",
+    "telemetry.istio.io/v1/Telemetry",
+    "extensions.istio.io/v1alpha1/WasmPlugin",
+];
+
+type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
+type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
+
+/// istiod's node (`pkg/adsc`): `GENERATOR: api` in the metadata.
+fn istiod_node() -> Option<Node> {
+    let generator = prost_types::Value {
+        kind: Some(prost_types::value::Kind::StringValue("api".into())),
+    };
+    Some(Node {
+        id: "sidecar~10.244.0.42~istiod-1.istio-system~istio-system.svc.cluster.local".into(),
+        metadata: Some(prost_types::Struct {
+            fields: [("GENERATOR".to_owned(), generator)].into(),
+        }),
+        ..Default::default()
+    })
+}
+
+/// Opens a stream and sends every type back to back, as `adsc.Run()` does:
+/// the node on the first only, each with a nonce the gateway never issued.
+async fn istiod(addr: std::net::SocketAddr, types: &[&str]) -> SotwStream {
+    let stream = SotwStream::open(addr, SOTW).await;
+    for (i, type_url) in types.iter().enumerate() {
+        stream.send(DiscoveryRequest {
+            type_url: (*type_url).into(),
+            response_nonce: format!("2026-11-23 14:00:00.{i:03} +0000 UTC m=+0.51"),
+            node: if i == 0 { istiod_node() } else { None },
+            ..Default::default()
+        });
+    }
+    stream
+}
+
+/// istiod's ACK: the nonce and version back, the node on every one.
+fn ack(stream: &SotwStream, response: &DiscoveryResponse) {
+    stream.send(DiscoveryRequest {
+        type_url: response.type_url.clone(),
+        response_nonce: response.nonce.clone(),
+        version_info: response.version_info.clone(),
+        node: istiod_node(),
+        ..Default::default()
+    });
+}
+
+/// The MCP resources of a response, checked to be what istiod decodes.
+fn mcp_resources(response: &DiscoveryResponse) -> Vec<Resource> {
+    response
+        .resources
+        .iter()
+        .map(|any| {
+            assert_eq!(any.type_url, MCP_RESOURCE, "each resource an Any of an MCP Resource");
+            Resource::decode(any.value.as_slice()).expect("an istio.mcp.v1alpha1.Resource")
+        })
+        .collect()
+}
+
+fn vs_doc(name: &str, version: u32, host: &str) -> String {
+    format!(
+        "collection: {VS}\nname: {name}\nversion: \"{version}\"\nlabels: {{app: reviews}}\nbody:\n  struct:\n    hosts: [{host}]\n---\n"
+    )
+}
+
+fn write(dir: &Path, name: &str, text: &str) {
+    crate::helpers::certs::write(dir, name, text);
+}
+
+/// Reads one response per type, in whatever order they come.
+async fn one_each(stream: &mut SotwStream, count: usize) -> HashMap<String, DiscoveryResponse> {
+    let mut by_type = HashMap::new();
+    for _ in 0..count {
+        let response = stream.recv().await;
+        let type_url = response.type_url.clone();
+        assert!(
+            by_type.insert(type_url.clone(), response).is_none(),
+            "{type_url} answered twice before its ACK"
+        );
+    }
+    by_type
+}
+
+#[tokio::test]
+async fn an_istiod_client_is_answered_every_type_it_asks_for_in_full() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "config.yaml",
+        &(vs_doc("default/reviews", 1, "reviews") + &vs_doc("default/ratings", 1, "ratings")),
+    );
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag]).await;
+
+    let mut types: Vec<&str> = ISTIOD_1_24.to_vec();
+    types.extend(["extensions.istio.io/v1alpha1/TrafficExtension", "istio.io/debug/syncz"]);
+    let mut istiod_1_24 = istiod(gw.listen, &types).await;
+    let first = one_each(&mut istiod_1_24, types.len()).await;
+    for type_url in &types {
+        assert!(first.contains_key(*type_url), "{type_url} is answered");
+    }
+    let vs = &first[VS_V1];
+    let resources = mcp_resources(vs);
+    let names: Vec<&str> = resources
+        .iter()
+        .map(|r| r.metadata.as_ref().unwrap().name.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["default/ratings", "default/reviews"],
+        "metadata.name is namespace/name"
+    );
+    for resource in &resources {
+        let metadata = resource.metadata.as_ref().unwrap();
+        assert!(
+            metadata.create_time.is_some(),
+            "istiod 1.8 to 1.15 skip a resource without create_time"
+        );
+        assert!(!metadata.version.is_empty());
+        assert_eq!(metadata.labels["app"], "reviews", "labels pass through");
+        assert_eq!(
+            resource.body.as_ref().unwrap().type_url,
+            "type.googleapis.com/google.protobuf.Struct"
+        );
+    }
+    assert_eq!(
+        vs.version_info,
+        *gw.cache.get(VS).unwrap().version,
+        "the cache's content version"
+    );
+    for empty in [
+        "core/v1alpha1/MeshConfig",
+        "extensions.istio.io/v1alpha1/TrafficExtension",
+        "istio.io/debug/syncz",
+        "networking.istio.io/v1/Sidecar",
+        "security.istio.io/v1/AuthorizationPolicy",
+    ] {
+        assert!(first[empty].resources.is_empty(), "{empty} is answered empty");
+    }
+
+    // An older istiod asks for the v1alpha3 alias: the same resources, at the
+    // same versions.
+    let mut istiod_1_8 = istiod(gw.listen, &[VS_V1ALPHA3]).await;
+    let alias = istiod_1_8.recv().await;
+    assert_eq!(alias.type_url, VS_V1ALPHA3);
+    assert_eq!(alias.version_info, vs.version_info);
+    assert_eq!(mcp_resources(&alias), resources);
+
+    // istiod ACKs everything but MeshConfig, whose ACK is never waited for.
+    for response in first.values().filter(|r| r.type_url != "core/v1alpha1/MeshConfig") {
+        ack(&istiod_1_24, response);
+    }
+    ack(&istiod_1_8, &alias);
+
+    // A changed body under an unchanged version: istiod 1.12+ would skip it
+    // unless metadata.version changes, so it does.
+    write(
+        dir.path(),
+        "config.yaml",
+        &(vs_doc("default/reviews", 1, "reviews-v2") + &vs_doc("default/ratings", 1, "ratings")),
+    );
+    let changed = istiod_1_24.recv().await;
+    assert_eq!(changed.type_url, VS_V1, "only the type that changed is sent");
+    let after = mcp_resources(&changed);
+    let version_of = |resources: &[Resource], name: &str| {
+        resources
+            .iter()
+            .map(|r| r.metadata.clone().unwrap())
+            .find(|m| m.name == name)
+            .unwrap()
+            .version
+    };
+    assert_ne!(
+        version_of(&after, "default/reviews"),
+        version_of(&resources, "default/reviews"),
+        "metadata.version follows the content"
+    );
+    assert_eq!(
+        version_of(&after, "default/ratings"),
+        version_of(&resources, "default/ratings")
+    );
+    let alias_changed = istiod_1_8.recv().await;
+    assert_eq!(
+        mcp_resources(&alias_changed),
+        after,
+        "every alias serves the same content"
+    );
+}
+
+#[tokio::test]
+async fn a_served_type_is_answered_only_once_its_source_delivered_it() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    let mut client = istiod(gw.listen, &[VS_V1, "extensions.istio.io/v1alpha1/TrafficExtension"]).await;
+    // The type nobody serves is answered at once; the served one waits: an
+    // empty answer would make istiod delete every VirtualService it has.
+    let unserved = client.recv().await;
+    assert_eq!(unserved.type_url, "extensions.istio.io/v1alpha1/TrafficExtension");
+    assert!(unserved.resources.is_empty());
+    assert!(gw.cache.get(VS).is_none());
+
+    upstream.push_full(VS, vec![resource("default/a", "1", b"a")]).await;
+    let vs = client.recv().await;
+    assert_eq!(vs.type_url, VS_V1);
+    assert_eq!(mcp_resources(&vs).len(), 1);
+}
+
+/// Opens a delta stream for `type_url`, reporting `held` (name → version).
+async fn delta(addr: std::net::SocketAddr, type_url: &str, held: &[(&str, &str)]) -> DeltaStream {
+    let stream = DeltaStream::open_on(channel(addr).await, DELTA).await;
+    stream.send(DeltaDiscoveryRequest {
+        node: istiod_node(),
+        type_url: type_url.into(),
+        initial_resource_versions: held.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect(),
+        ..Default::default()
+    });
+    stream
+}
+
+fn delta_ack(stream: &DeltaStream, response: &DeltaDiscoveryResponse) {
+    stream.send(DeltaDiscoveryRequest {
+        type_url: response.type_url.clone(),
+        response_nonce: response.nonce.clone(),
+        ..Default::default()
+    });
+}
+
+fn delta_names(response: &DeltaDiscoveryResponse) -> Vec<&str> {
+    let mut names: Vec<&str> = response.resources.iter().map(|r| r.name.as_str()).collect();
+    names.sort_unstable();
+    names
+}
+
+fn delta_versions(response: &DeltaDiscoveryResponse) -> HashMap<String, String> {
+    response
+        .resources
+        .iter()
+        .map(|r| (r.name.clone(), r.version.clone()))
+        .collect()
+}
+
+#[tokio::test]
+async fn delta_clients_get_changes_and_on_reconnect_only_what_differs() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    upstream
+        .push_full(
+            VS,
+            vec![
+                resource("ns/a", "1", b"a"),
+                resource("ns/b", "1", b"b"),
+                resource("ns/c", "1", b"c"),
+            ],
+        )
+        .await;
+    let mut client = delta(gw.listen, VS_V1, &[]).await;
+    let first = client.recv().await;
+    assert_eq!(first.type_url, VS_V1);
+    assert_eq!(delta_names(&first), ["ns/a", "ns/b", "ns/c"]);
+    assert!(first.removed_resources.is_empty());
+    for r in &first.resources {
+        let any = r.resource.as_ref().unwrap();
+        assert_eq!(any.type_url, MCP_RESOURCE);
+        let metadata = Resource::decode(any.value.as_slice()).unwrap().metadata.unwrap();
+        assert_eq!(metadata.version, r.version, "one content version, in both places");
+        assert_eq!(metadata.name, r.name);
+    }
+    let held = delta_versions(&first);
+    delta_ack(&client, &first);
+
+    // b's body changes under the same version; c goes.
+    upstream
+        .send(incremental(VS, vec![resource("ns/b", "1", b"b2")], &["ns/c"]))
+        .await;
+    let change = client.recv().await;
+    assert_eq!(delta_names(&change), ["ns/b"]);
+    assert_ne!(delta_versions(&change)["ns/b"], held["ns/b"]);
+    assert_eq!(change.removed_resources, ["ns/c"]);
+    delta_ack(&client, &change);
+
+    // A NACK: that version is never sent again; the next one is.
+    upstream
+        .send(incremental(VS, vec![resource("ns/a", "2", b"a2")], &[]))
+        .await;
+    let refused = client.recv().await;
+    assert_eq!(delta_names(&refused), ["ns/a"]);
+    client.send(DeltaDiscoveryRequest {
+        type_url: VS_V1.into(),
+        response_nonce: refused.nonce.clone(),
+        error_detail: Some(tonic_types::Status {
+            code: 3,
+            message: "bad VirtualService".into(),
+            details: vec![],
+        }),
+        ..Default::default()
+    });
+    eventually("the NACK to be recorded", || {
+        gw.registry
+            .streams()
+            .iter()
+            .flat_map(|s| s.types.values())
+            .any(|t| t.last_nack.is_some())
+    })
+    .await;
+    upstream
+        .send(incremental(VS, vec![resource("ns/d", "1", b"d")], &[]))
+        .await;
+    let next = client.recv().await;
+    assert_eq!(delta_names(&next), ["ns/a", "ns/d"], "a diff from what it ACKed");
+    let now = delta_versions(&next);
+    drop(client);
+
+    // Reconnecting with what it holds: a at its current version, b at an old
+    // one, and x that no longer exists.
+    let current_a = now["ns/a"].clone();
+    let old_b = held["ns/b"].clone();
+    let mut again = delta(
+        gw.listen,
+        VS_V1,
+        &[("ns/a", &current_a), ("ns/b", &old_b), ("ns/x", "1")],
+    )
+    .await;
+    let resumed = again.recv().await;
+    assert_eq!(delta_names(&resumed), ["ns/b", "ns/d"], "only what differs");
+    assert_eq!(resumed.removed_resources, ["ns/x"]);
+}
+
+/// An Envoy `Cluster{name}` encoded by hand (field 1): Envoy's resource
+/// protos are not compiled into the gateway, which carries bodies as bytes.
+fn cluster_bytes(name: &str) -> Vec<u8> {
+    let mut bytes = vec![0x0a, name.len() as u8];
+    bytes.extend_from_slice(name.as_bytes());
+    bytes
+}
+
+fn cluster_doc(name: &str) -> String {
+    use base64::Engine;
+    let value = base64::engine::general_purpose::STANDARD.encode(cluster_bytes(name));
+    format!("collection: envoy/config/cluster/v3/clusters\nname: {name}\nbody:\n  type_url: {CLUSTER}\n  value_base64: {value}\n---\n")
+}
+
+#[tokio::test]
+async fn envoy_types_are_served_as_their_bodies_in_both_protocols() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "clusters.yaml",
+        &(cluster_doc("backend") + &cluster_doc("web")),
+    );
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag]).await;
+
+    let mut sotw = SotwStream::open(gw.listen, SOTW).await;
+    sotw.send(DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        node: istiod_node(),
+        ..Default::default()
+    });
+    let clusters = sotw.recv().await;
+    assert_eq!(clusters.type_url, CLUSTER);
+    let bodies: Vec<(&str, &[u8])> = clusters
+        .resources
+        .iter()
+        .map(|any| (any.type_url.as_str(), any.value.as_slice()))
+        .collect();
+    assert_eq!(
+        bodies,
+        [
+            (CLUSTER, cluster_bytes("backend").as_slice()),
+            (CLUSTER, cluster_bytes("web").as_slice())
+        ],
+        "the resources are the bodies themselves"
+    );
+
+    let mut delta = delta(gw.listen, CLUSTER, &[]).await;
+    let first = delta.recv().await;
+    assert_eq!(delta_names(&first), ["backend", "web"]);
+    let web = first.resources.iter().find(|r| r.name == "web").unwrap();
+    assert_eq!(web.resource.as_ref().unwrap().value, cluster_bytes("web"));
+    delta_ack(&delta, &first);
+
+    write(dir.path(), "clusters.yaml", &cluster_doc("web"));
+    let removed = within("the removal", delta.recv()).await;
+    assert!(removed.resources.is_empty());
+    assert_eq!(removed.removed_resources, ["backend"]);
+    ack_sotw(&sotw, &clusters);
+    let now = sotw.recv().await;
+    assert_eq!(now.resources.len(), 1);
+}
+
+fn ack_sotw(stream: &SotwStream, response: &DiscoveryResponse) {
+    stream.send(DiscoveryRequest {
+        type_url: response.type_url.clone(),
+        response_nonce: response.nonce.clone(),
+        version_info: response.version_info.clone(),
+        ..Default::default()
+    });
+}
