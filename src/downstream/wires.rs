@@ -14,7 +14,7 @@ use super::type_state::{Mode, Push};
 use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
 use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
-use crate::proto::wire::{DeltaXdsRequest, IncrementalRequest, SinkRequest, SotwRequest, XdsRequest};
+use crate::proto::wire::{DeltaXdsRequest, IncrementalRequest, NodeId, SinkRequest, SotwRequest, XdsRequest};
 
 /// What a requested type is answered from.
 #[derive(Debug)]
@@ -48,6 +48,47 @@ pub struct WireRequest {
     /// `initial_resource_versions` entries (first requests of incremental
     /// types), as they are on the wire.
     pub reported: Vec<Bytes>,
+}
+
+impl WireRequest {
+    /// A state-of-the-world request: the client names the version it holds.
+    fn full(
+        type_url: String,
+        node: Option<NodeId>,
+        nonce: String,
+        version_info: String,
+        error_detail: Option<Bytes>,
+    ) -> Self {
+        WireRequest {
+            type_url,
+            node_id: node.map(|n| n.id),
+            nonce,
+            version_info,
+            error_detail,
+            mode: Mode::Full,
+            ..Default::default()
+        }
+    }
+
+    /// A request for changes: the client reports what it holds (first
+    /// request of a type).
+    fn changes(
+        type_url: String,
+        node: Option<NodeId>,
+        nonce: String,
+        error_detail: Option<Bytes>,
+        reported: Vec<Bytes>,
+    ) -> Self {
+        WireRequest {
+            type_url,
+            node_id: node.map(|n| n.id),
+            nonce,
+            error_detail,
+            mode: Mode::Incremental,
+            reported,
+            ..Default::default()
+        }
+    }
 }
 
 /// How one protocol's messages look.
@@ -87,16 +128,8 @@ impl Wire for LegacySotw {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
 
-    fn read(request: SotwRequest) -> WireRequest {
-        WireRequest {
-            type_url: request.type_url,
-            node_id: request.node.map(|n| n.id),
-            nonce: request.response_nonce,
-            version_info: request.version_info,
-            error_detail: request.error_detail,
-            mode: Mode::Full,
-            ..Default::default()
-        }
+    fn read(r: SotwRequest) -> WireRequest {
+        WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -115,16 +148,14 @@ impl Wire for LegacyIncremental {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = true;
 
-    fn read(request: IncrementalRequest) -> WireRequest {
-        WireRequest {
-            type_url: request.type_url,
-            node_id: request.node.map(|n| n.id),
-            nonce: request.response_nonce,
-            error_detail: request.error_detail,
-            mode: Mode::Incremental,
-            reported: request.initial_resource_versions,
-            ..Default::default()
-        }
+    fn read(r: IncrementalRequest) -> WireRequest {
+        WireRequest::changes(
+            r.type_url,
+            r.node,
+            r.response_nonce,
+            r.error_detail,
+            r.initial_resource_versions,
+        )
     }
 
     fn encode(send: &Push, _type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -198,13 +229,15 @@ fn resolve_xds(shared: &Downstream, type_url: &str) -> Target {
     }
 }
 
-/// A GVK carries MCP resources; a proto type URL (Envoy's) the bodies.
-fn xds_layout(type_url: &str, mcp: Layout, body: Layout) -> Layout {
-    if type_url.starts_with(TYPE_URL_PREFIX) {
+/// Both xDS responses carry `type_url` (4) and `nonce` (5). A GVK carries MCP
+/// resources (the first layout); a proto type URL (Envoy's) the bodies.
+fn xds_encode(send: &Push, type_url: &str, nonce: &str, [mcp, body]: [Layout; 2]) -> (Arc<[Bytes]>, Bytes) {
+    let layout = if type_url.starts_with(TYPE_URL_PREFIX) {
         body
     } else {
         mcp
-    }
+    };
+    (layout.encode(send), suffix(Some((4, type_url)), (5, nonce), None))
 }
 
 /// Envoy's v3 `AggregatedDiscoveryService.StreamAggregatedResources`: state
@@ -220,16 +253,8 @@ impl Wire for XdsSotw {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
 
-    fn read(request: XdsRequest) -> WireRequest {
-        WireRequest {
-            type_url: request.type_url,
-            node_id: request.node.map(|n| n.id),
-            nonce: request.response_nonce,
-            version_info: request.version_info,
-            error_detail: request.error_detail,
-            mode: Mode::Full,
-            ..Default::default()
-        }
+    fn read(r: XdsRequest) -> WireRequest {
+        WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
     }
 
     fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
@@ -237,10 +262,7 @@ impl Wire for XdsSotw {
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
-        (
-            xds_layout(type_url, XDS_MCP, XDS_BODY).encode(send),
-            suffix(Some((4, type_url)), (5, nonce), None),
-        )
+        xds_encode(send, type_url, nonce, [XDS_MCP, XDS_BODY])
     }
 }
 
@@ -256,16 +278,14 @@ impl Wire for XdsDelta {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
 
-    fn read(request: DeltaXdsRequest) -> WireRequest {
-        WireRequest {
-            type_url: request.type_url,
-            node_id: request.node.map(|n| n.id),
-            nonce: request.response_nonce,
-            error_detail: request.error_detail,
-            mode: Mode::Incremental,
-            reported: request.initial_resource_versions,
-            ..Default::default()
-        }
+    fn read(r: DeltaXdsRequest) -> WireRequest {
+        WireRequest::changes(
+            r.type_url,
+            r.node,
+            r.response_nonce,
+            r.error_detail,
+            r.initial_resource_versions,
+        )
     }
 
     fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
@@ -273,9 +293,6 @@ impl Wire for XdsDelta {
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
-        (
-            xds_layout(type_url, DELTA_MCP, DELTA_BODY).encode(send),
-            suffix(Some((4, type_url)), (5, nonce), None),
-        )
+        xds_encode(send, type_url, nonce, [DELTA_MCP, DELTA_BODY])
     }
 }

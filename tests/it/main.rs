@@ -8,6 +8,7 @@ mod chain;
 mod decoders;
 mod deploy;
 mod dialects;
+mod envoy;
 mod incremental;
 mod layout;
 mod limits;

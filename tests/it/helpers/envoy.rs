@@ -187,10 +187,9 @@ pub struct Envoy {
 
 impl Envoy {
     /// Starts Envoy with ADS on `xds` and returns once its admin port is up
-    /// (not once it has connected: wait on `control_plane.connected_state`
-    /// for that). Err, with the log, when the binary is missing or Envoy
-    /// exits or stalls on the way up. Not for tests on paused time: Envoy's
-    /// clock does not stop.
+    /// (not once it has connected: `wait_ads_connected` is for that). Err,
+    /// with the log, when the binary is missing or Envoy exits or stalls on
+    /// the way up. Not for tests on paused time: Envoy's clock does not stop.
     pub async fn start(xds: SocketAddr, api: AdsApi, node_id: &str) -> Result<Envoy, String> {
         let bin = envoy_binary()?;
         let dir = tempfile::Builder::new()
@@ -221,9 +220,9 @@ impl Envoy {
             ])
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
-            // The log file is flushed every 10 s by default: too late to
-            // read it while a test fails.
-            .args(["--file-flush-interval-msec", "100"])
+            // Envoy writes its log file out every 10 s by default: too late
+            // to read it when a test fails.
+            .args(["--file-flush-interval-msec", "20"])
             .stdin(Stdio::null())
             .stdout(stdio)
             .stderr(stdio_err)
@@ -280,7 +279,7 @@ impl Envoy {
         self.dir.path()
     }
 
-    /// Envoy's log so far (at most 100 ms behind), then anything it wrote
+    /// Envoy's log so far (written out every 20 ms), then anything it wrote
     /// to stdout or stderr; without the list of compiled-in extensions and
     /// header maps it prints at startup, which is long and never the point.
     pub fn log(&self) -> String {
@@ -314,6 +313,26 @@ impl Envoy {
     /// One counter or gauge, None when Envoy has no such stat (yet).
     pub async fn stat(&self, name: &str) -> Option<u64> {
         self.stats().await.get(name)?.parse().ok()
+    }
+
+    /// Whether Envoy's ADS stream is open: an HTTP/2 connection to the
+    /// `xds` cluster with the stream on it. `control_plane.connected_state`
+    /// alone is not proof: Envoy sets it to 1 when it starts each attempt,
+    /// before the connection is made (and back to 0 when that fails).
+    pub async fn ads_connected(&self) -> bool {
+        let stats = self.stats().await;
+        let value = |name: &str| stats.get(name).and_then(|v| v.parse::<u64>().ok());
+        value("control_plane.connected_state") == Some(1)
+            && value("cluster.xds.upstream_cx_active") >= Some(1)
+            && value("cluster.xds.upstream_rq_active") == Some(1)
+    }
+
+    /// Polls until the ADS stream is open (see `ads_connected`).
+    pub async fn wait_ads_connected(&self) {
+        self.poll("Envoy's ADS stream to be open", || async {
+            self.ads_connected().await.then_some(())
+        })
+        .await
     }
 
     /// GET /clusters: the text view, `cluster::host::field::value` lines.
