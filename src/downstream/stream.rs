@@ -24,6 +24,7 @@ use super::{
     end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, DownstreamLimits, End,
     Outbound, StreamLogs,
 };
+use crate::cache::demand::SubscriptionState;
 use crate::cache::CollectionSnapshot;
 use crate::collections::{Dialect, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
@@ -50,6 +51,10 @@ pub(super) struct TypedStream<W> {
     last_nonce: u64,
     logs: StreamLogs,
     peer_gateway: Option<Box<PeerGateway>>,
+    /// The source's refusals, watched while a type that must be answered
+    /// (xDS) waits for a collection the source has not delivered. Boxed:
+    /// most streams never have one.
+    refusals: Option<Box<WatchStream<SubscriptionState>>>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -67,6 +72,7 @@ impl<W: Wire> TypedStream<W> {
             last_nonce: 0,
             logs: StreamLogs::default(),
             peer_gateway: None,
+            refusals: None,
             _wire: PhantomData,
         }
     }
@@ -128,6 +134,13 @@ impl<W: Wire> TypedStream<W> {
                 // is now upstream of it would close a loop.
                 refused = chain_changed(&mut self.peer_gateway, &self.shared) => {
                     break (End::Refused, Some(refused));
+                }
+                // The source refused a collection: a type waiting for it is
+                // answered empty.
+                () = refusals_changed(&mut self.refusals) => {
+                    if self.answer_refused(&out).await.is_err() {
+                        break (End::ClientGone, None);
+                    }
                 }
             }
         };
@@ -261,6 +274,19 @@ async fn chain_changed(peer_gateway: &mut Option<Box<PeerGateway>>, shared: &Dow
     std::future::pending().await
 }
 
+/// Waits for the next change of the source's refusals; pending when nothing
+/// is watched. Cancel-safe.
+async fn refusals_changed(refusals: &mut Option<Box<WatchStream<SubscriptionState>>>) {
+    match refusals {
+        Some(watch) => {
+            if watch.next().await.is_none() {
+                *refusals = None;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
 /// A NACK's code and message, the message read up to `max` bytes and kept
 /// with its full length.
 fn read_nack(detail: Bytes, max: usize) -> Nack {
@@ -317,6 +343,13 @@ impl<W: Wire> TypedStream<W> {
         let (resolved, unserved) = match target {
             Target::Collection(resolved) => {
                 self.shared.follow(&resolved.collection);
+                if W::ANSWERS_EVERY_TYPE
+                    && self.refusals.is_none()
+                    && self.shared.inner.cache.get(&resolved.collection).is_none()
+                {
+                    let watch = self.shared.inner.subscriptions.watch();
+                    self.refusals = Some(Box::new(WatchStream::from_changes(watch)));
+                }
                 let changes = self.shared.inner.cache.subscribe(&resolved.collection);
                 self.changes
                     .insert(type_url.to_owned(), WatchStream::from_changes(changes));
@@ -341,6 +374,42 @@ impl<W: Wire> TypedStream<W> {
                 unserved,
             },
         );
+        Ok(())
+    }
+
+    /// Types still waiting for a collection the source has now refused are
+    /// answered empty, as if nobody served them; the watch ends when no type
+    /// waits any more.
+    async fn answer_refused(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+        let cache = &self.shared.inner.cache;
+        let subscriptions = &self.shared.inner.subscriptions;
+        let mut refused = Vec::new();
+        let mut waiting = false;
+        for (type_url, followed) in &mut self.types {
+            let collection = followed.state.view.collection.clone();
+            if followed.unserved.is_some() || cache.get(&collection).is_some() {
+                continue;
+            }
+            if subscriptions.is_refused(&collection) {
+                tracing::info!(
+                    stream = self.id,
+                    type_url = %type_url,
+                    %collection,
+                    "the source refused this collection: the type is answered empty"
+                );
+                followed.unserved = Some(CollectionSnapshot::empty(collection));
+                self.changes.remove(type_url);
+                refused.push(type_url.clone());
+            } else {
+                waiting = true;
+            }
+        }
+        if !waiting {
+            self.refusals = None;
+        }
+        for type_url in refused {
+            self.try_send(&type_url, out).await?;
+        }
         Ok(())
     }
 

@@ -102,6 +102,10 @@ pub trait Wire: Send + 'static {
     /// The stream carries one type, and its responses name none (legacy
     /// incremental); later requests may leave the type empty.
     const ONE_TYPE: bool;
+    /// Every type a client asks for is answered, if only empty (xDS: istiod
+    /// waits for each): a collection the source refuses while a type waits
+    /// for it is answered empty then.
+    const ANSWERS_EVERY_TYPE: bool = false;
 
     fn read(request: Self::Request) -> WireRequest;
 
@@ -252,6 +256,7 @@ impl Wire for XdsSotw {
     const REQUEST: &'static str = "envoy.service.discovery.v3.DiscoveryRequest";
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
+    const ANSWERS_EVERY_TYPE: bool = true;
 
     fn read(r: XdsRequest) -> WireRequest {
         WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
@@ -277,6 +282,7 @@ impl Wire for XdsDelta {
     const REQUEST: &'static str = "envoy.service.discovery.v3.DeltaDiscoveryRequest";
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
+    const ANSWERS_EVERY_TYPE: bool = true;
 
     fn read(r: DeltaXdsRequest) -> WireRequest {
         WireRequest::changes(

@@ -198,7 +198,7 @@ async fn envoy_follows_edits_and_never_gets_a_refused_version_again(api: AdsApi,
     envoy
         .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
         .await;
-    envoy.stat_when("control_plane.connected_state", |v| v == 1).await;
+    envoy.wait_ads_connected().await;
 
     // An edit reaches Envoy.
     write_config(dir.path(), &[("backend", true), ("web", true)]);

@@ -14,8 +14,8 @@ use mcp_xds_gateway::proto::Resource;
 use prost::Message;
 
 use crate::helpers::clients::{channel, Bidi};
-use crate::helpers::galley::{incremental, resource};
-use crate::helpers::{eventually, galley_and_gateway, start_gateway, within, VS};
+use crate::helpers::galley::{incremental, resource, FakeGalley};
+use crate::helpers::{eventually, galley_and_gateway, gateway_for, start_gateway, within, VS};
 
 const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
@@ -243,6 +243,26 @@ async fn a_served_type_is_answered_only_once_its_source_delivered_it() {
     let vs = client.recv().await;
     assert_eq!(vs.type_url, VS_V1);
     assert_eq!(mcp_resources(&vs).len(), 1);
+}
+
+#[tokio::test]
+async fn a_type_whose_collection_the_source_refuses_is_answered_empty() {
+    // Galley before 1.8 has no WorkloadGroups, and istiod 1.16+ is not ready
+    // until every type it asked for has been answered.
+    const WORKLOAD_GROUPS: &str = "istio/networking/v1alpha3/workloadgroups";
+    const WG_V1: &str = "networking.istio.io/v1/WorkloadGroup";
+    let mut galley = FakeGalley::start().await;
+    galley.refuse(WORKLOAD_GROUPS);
+    let gw = gateway_for(&galley, &[VS], &[]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("default/a", "1", b"a")]).await;
+
+    let mut client = istiod(gw.listen, &[VS_V1, WG_V1]).await;
+    let answered = one_each(&mut client, 2).await;
+    assert_eq!(mcp_resources(&answered[VS_V1]).len(), 1);
+    assert!(answered[WG_V1].resources.is_empty(), "answered empty once refused");
+    assert!(gw.subscriptions.current().refused.contains_key(WORKLOAD_GROUPS));
 }
 
 /// Opens a delta stream for `type_url`, reporting `held` (name → version).
