@@ -388,6 +388,50 @@ impl World {
         self.clients[i] = Client::open(&self.gw, &node, i == 1, held, acked).await;
     }
 
+    /// Client `i` ACKs what it gets until the gateway has nothing more for
+    /// it. Returns true when its stream ended instead (it has reconnected and
+    /// must settle again).
+    async fn settle(&mut self, i: usize) -> bool {
+        if self.clients[i].ended {
+            self.reconnect(i).await;
+        }
+        let current = self.gw.cache.get(VS).unwrap().version.to_string();
+        let gw = &self.gw;
+        let client = &mut self.clients[i];
+        within(&format!("{} to settle", client.node), async {
+            loop {
+                if client.pending.is_some() {
+                    client.answer(false);
+                    continue;
+                }
+                let Some(view) = view(gw, &client.node) else {
+                    // Not registered yet, or ended: its status says which.
+                    client.receive_now();
+                    if client.ended {
+                        return;
+                    }
+                    tokio::task::yield_now().await;
+                    continue;
+                };
+                let answered = view.last_sent_nonce.is_some() && view.last_sent_nonce == client.answered;
+                if view.outstanding && !answered {
+                    client.pending = client.recv().await;
+                    assert!(!client.ended, "{}: no NACK while settling", client.node);
+                    continue;
+                }
+                if !view.outstanding
+                    && (view.acked_version.as_deref() == Some(&*current)
+                        || view.last_nack.as_ref().is_some_and(|n| *n.version == *current))
+                {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        })
+        .await;
+        self.clients[i].ended
+    }
+
     /// Every client ACKs what it gets until the gateway has nothing more for
     /// it; then the property is checked.
     async fn settle_and_check(&mut self) {
@@ -398,36 +442,11 @@ impl World {
             "the gateway's version is the model's content"
         );
         for i in 0..self.clients.len() {
-            if self.clients[i].ended {
-                self.reconnect(i).await;
-            }
+            // A client whose stream the gateway ends meanwhile (its NACK of
+            // a first response built from reported names reached the gateway
+            // only now) starts again and settles on its new stream.
+            while self.settle(i).await {}
             let client = &mut self.clients[i];
-            within(&format!("{} to settle", client.node), async {
-                loop {
-                    if client.pending.is_some() {
-                        client.answer(false);
-                        continue;
-                    }
-                    let Some(view) = view(&self.gw, &client.node) else {
-                        tokio::task::yield_now().await;
-                        continue;
-                    };
-                    let answered = view.last_sent_nonce.is_some() && view.last_sent_nonce == client.answered;
-                    if view.outstanding && !answered {
-                        client.pending = client.recv().await;
-                        assert!(!client.ended, "{}: no NACK while settling", client.node);
-                        continue;
-                    }
-                    if !view.outstanding
-                        && (view.acked_version.as_deref() == Some(&*current)
-                            || view.last_nack.as_ref().is_some_and(|n| *n.version == *current))
-                    {
-                        return;
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-                }
-            })
-            .await;
             let nacked_current = view(&self.gw, &client.node)
                 .unwrap()
                 .last_nack
