@@ -141,10 +141,13 @@ impl Form {
     fn value(self, resource: &CachedResource) -> Bytes {
         match self {
             Form::Mcp => resource.encoded.clone(),
-            Form::McpAny => mcp_any(resource),
+            Form::McpAny => mcp_any(resource, resource.content_version()),
             Form::Body => body_of(resource),
-            Form::DeltaMcp => delta_resource(resource, &mcp_any(resource)),
-            Form::DeltaBody => delta_resource(resource, &body_of(resource)),
+            Form::DeltaMcp => {
+                let version = resource.content_version();
+                delta_resource(resource, &version, &mcp_any(resource, version.clone()))
+            }
+            Form::DeltaBody => delta_resource(resource, &resource.content_version(), &body_of(resource)),
         }
     }
 }
@@ -164,10 +167,11 @@ fn body_of(resource: &CachedResource) -> Bytes {
     parts_of(resource).1
 }
 
-fn mcp_any(resource: &CachedResource) -> Bytes {
+/// `version`: the resource's content version.
+fn mcp_any(resource: &CachedResource, version: String) -> Bytes {
     use prost::Message;
     let (mut metadata, body) = parts_of(resource);
-    metadata.version = resource.content_version();
+    metadata.version = version;
     // A source that gave none: the epoch, the same on every replica.
     metadata.create_time.get_or_insert_with(prost_types::Timestamp::default);
     let metadata = metadata.encode_to_vec();
@@ -181,12 +185,11 @@ fn mcp_any(resource: &CachedResource) -> Bytes {
 }
 
 /// `envoy.service.discovery.v3.Resource{version=1, resource=2, name=3}`.
-fn delta_resource(resource: &CachedResource, any: &[u8]) -> Bytes {
-    let version = resource.content_version();
+fn delta_resource(resource: &CachedResource, version: &str, any: &[u8]) -> Bytes {
     let mut buf = BytesMut::with_capacity(
-        string_field_len(1, &version) + bytes_field_len(2, any) + string_field_len(3, &resource.name),
+        string_field_len(1, version) + bytes_field_len(2, any) + string_field_len(3, &resource.name),
     );
-    put_string(1, &version, &mut buf);
+    put_string(1, version, &mut buf);
     put_bytes(2, any, &mut buf);
     put_string(3, &resource.name, &mut buf);
     buf.freeze()
@@ -364,14 +367,14 @@ impl Layout {
     /// their content version: chunks with nothing held are shared as they are.
     fn unchanged_left_out(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Vec<Bytes> {
         let held: std::collections::HashMap<&str, &str> = reported.entries().collect();
-        let is_held = |r: &Arc<CachedResource>| held.get(&*r.name).is_some_and(|v| *v == r.content_version());
+        let is_held = |r: &&Arc<CachedResource>| held.get(&*r.name).is_some_and(|v| *v == r.content_version());
         let mut parts = vec![self.head(to)];
         for chunk in to.chunks() {
-            if chunk.members().iter().any(is_held) {
-                let changed = chunk.members().iter().filter(|r| !is_held(r));
-                parts.push(resource_fields(self.resources, self.form, changed));
-            } else {
+            let changed: Vec<&Arc<CachedResource>> = chunk.members().iter().filter(|r| !is_held(r)).collect();
+            if changed.len() == chunk.members().len() {
                 parts.push(self.chunk(chunk));
+            } else {
+                parts.push(resource_fields(self.resources, self.form, changed));
             }
         }
         parts

@@ -103,16 +103,22 @@ pub trait Wire: Send + 'static {
     /// incremental); later requests may leave the type empty.
     const ONE_TYPE: bool;
     /// Every type a client asks for is answered, if only empty (xDS: istiod
-    /// waits for each): a collection the source refuses while a type waits
-    /// for it is answered empty then.
+    /// waits for each): a type naming nothing this gateway serves is
+    /// answered empty instead of ending the stream, and so is a collection
+    /// the source refuses while a type waits for it. Types are then named
+    /// as xDS names them (GVKs, proto type URLs).
     const ANSWERS_EVERY_TYPE: bool = false;
 
     fn read(request: Self::Request) -> WireRequest;
 
     /// What a requested type is answered from. MCP: a collection of the
     /// table, else the stream ends with `unsupported {TYPE_FIELD} "…"`, as
-    /// Istio's servers did.
+    /// Istio's servers did. Protocols that answer every type: see
+    /// [`resolve_xds`].
     fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
+        if Self::ANSWERS_EVERY_TYPE {
+            return Ok(resolve_xds(shared, type_url));
+        }
         shared.resolve(Self::TYPE_FIELD, type_url).map(Target::Collection)
     }
 
@@ -262,10 +268,6 @@ impl Wire for XdsSotw {
         WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
     }
 
-    fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
-        Ok(resolve_xds(shared, type_url))
-    }
-
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
         xds_encode(send, type_url, nonce, [XDS_MCP, XDS_BODY])
     }
@@ -292,10 +294,6 @@ impl Wire for XdsDelta {
             r.error_detail,
             r.initial_resource_versions,
         )
-    }
-
-    fn resolve(shared: &Downstream, type_url: &str) -> Result<Target, Status> {
-        Ok(resolve_xds(shared, type_url))
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {

@@ -298,14 +298,8 @@ async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
 #[tokio::test]
 async fn oversized_header_lists_are_refused() {
     let (gw, mut canary) = with_canary(&["--max-header-list-bytes", "4096"]).await;
-    let tcp = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
-    let (mut client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
-    tokio::spawn(connection);
-    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
-        .header("content-type", "application/grpc")
-        .header("x-padding", "a".repeat(8000))
-        .body(())
-        .unwrap();
+    let mut client = h2_client(gw.listen).await;
+    let request = sotw_post().header("x-padding", "a".repeat(8000)).body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
     match within("the answer to a large header list", response).await {
         Ok(response) => assert_eq!(response.status(), http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
@@ -556,24 +550,14 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
 #[tokio::test]
 async fn compressed_requests_and_oversized_frames_are_refused() {
     let (gw, mut canary) = with_canary(&[]).await;
-    let tcp = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
-    let (client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
-    tokio::spawn(connection);
-    let mut client = within("ready", client.ready()).await.unwrap();
+    let mut client = h2_client(gw.listen).await;
     // Compression announced in the headers.
-    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
-        .header("content-type", "application/grpc")
-        .header("grpc-encoding", "gzip")
-        .body(())
-        .unwrap();
+    let request = sotw_post().header("grpc-encoding", "gzip").body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
     let response = within("the answer", response).await.unwrap();
     assert_eq!(response.headers()["grpc-status"], "12", "UNIMPLEMENTED");
     // The compressed flag on a message.
-    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
-        .header("content-type", "application/grpc")
-        .body(())
-        .unwrap();
+    let request = sotw_post().body(()).unwrap();
     let (response, mut body) = client.send_request(request, false).unwrap();
     body.send_data(bytes::Bytes::from_static(&[1, 0, 0, 0, 0]), false)
         .unwrap();
@@ -596,14 +580,8 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
 #[tokio::test]
 async fn a_large_nack_arriving_in_pieces_survives_changes_in_between() {
     let (gw, mut canary) = with_canary(&[]).await;
-    let tcp = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
-    let (client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
-    tokio::spawn(connection);
-    let mut client = within("ready", client.ready()).await.unwrap();
-    let request = http::Request::post(format!("http://localhost{SOTW_PATH}"))
-        .header("content-type", "application/grpc")
-        .body(())
-        .unwrap();
+    let mut client = h2_client(gw.listen).await;
+    let request = sotw_post().body(()).unwrap();
     let (response, mut body) = client.send_request(request, false).unwrap();
     let framed = |message: &MeshConfigRequest| {
         let bytes = message.encode_to_vec();
@@ -668,4 +646,18 @@ async fn a_finished_handshake_is_not_timed_out() {
         .expect("the connection is still open");
     assert_eq!(answer.kind, h2raw::HEADERS, "served, not closed");
     canary.check().await;
+}
+
+/// An HTTP/2 client connection to `addr`, driven in the background, ready
+/// to send.
+async fn h2_client(addr: SocketAddr) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = within("an HTTP/2 handshake", h2::client::handshake(tcp)).await.unwrap();
+    tokio::spawn(connection);
+    within("ready", client.ready()).await.unwrap()
+}
+
+/// A gRPC request to the legacy state-of-the-world method.
+fn sotw_post() -> http::request::Builder {
+    http::Request::post(format!("http://localhost{SOTW_PATH}")).header("content-type", "application/grpc")
 }

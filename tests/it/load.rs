@@ -7,25 +7,33 @@ use tokio::process::Command;
 
 use crate::helpers::within;
 
+/// Runs mcp-load against the gateway binary with `args`; it must succeed.
+/// Its report (the last line of its output), parsed and as printed.
+async fn mcp_load(args: &[&str]) -> (serde_json::Value, String) {
+    let shown = format!("mcp-load {}", args.join(" "));
+    let output = within(
+        &shown,
+        Command::new(env!("CARGO_BIN_EXE_mcp-load"))
+            .args(args)
+            .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("run mcp-load");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{shown}: {stdout}\n{stderr}");
+    let json = stdout.lines().last().expect("a JSON line").to_owned();
+    let report = serde_json::from_str(&json).expect("the last line is JSON");
+    (report, json)
+}
+
 #[tokio::test]
 async fn every_scenario_runs_at_a_tiny_size() {
     for scenario in ["big-config", "fan-out", "incremental", "idle"] {
-        let output = within(
-            &format!("mcp-load --scenario {scenario} --tiny"),
-            Command::new(env!("CARGO_BIN_EXE_mcp-load"))
-                .args(["--scenario", scenario, "--tiny"])
-                .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
-                .env_remove("RUST_LOG")
-                .kill_on_drop(true)
-                .output(),
-        )
-        .await
-        .expect("run mcp-load");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success(), "{scenario}: {stdout}\n{stderr}");
-        let json = stdout.lines().last().expect("a JSON line");
-        let report: serde_json::Value = serde_json::from_str(json).expect("the last line is JSON");
+        let (report, json) = mcp_load(&["--scenario", scenario, "--tiny"]).await;
         assert_eq!(report["scenario"], scenario);
         assert_eq!(report["nacks"], 0, "{json}");
         assert_eq!(report["stream_errors"], 0, "{json}");
@@ -44,22 +52,7 @@ async fn every_scenario_runs_at_a_tiny_size() {
 #[tokio::test]
 async fn every_abuse_runs_at_a_tiny_size() {
     for abuse in ["nack-flood", "initial-versions", "idle-connections"] {
-        let output = within(
-            &format!("mcp-load --abuse {abuse} --tiny"),
-            Command::new(env!("CARGO_BIN_EXE_mcp-load"))
-                .args(["--scenario", "fan-out", "--tiny", "--abuse", abuse])
-                .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
-                .env_remove("RUST_LOG")
-                .kill_on_drop(true)
-                .output(),
-        )
-        .await
-        .expect("run mcp-load");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success(), "{abuse}: {stdout}\n{stderr}");
-        let json = stdout.lines().last().expect("a JSON line");
-        let report: serde_json::Value = serde_json::from_str(json).expect("the last line is JSON");
+        let (report, json) = mcp_load(&["--scenario", "fan-out", "--tiny", "--abuse", abuse]).await;
         assert_eq!(report["abuse"], abuse);
         assert_eq!(report["attackers_established"], 2, "{json}");
         assert_eq!(report["stream_errors"], 0, "{json}");
@@ -75,22 +68,7 @@ async fn every_abuse_runs_at_a_tiny_size() {
 /// every update through both.
 #[tokio::test]
 async fn a_chain_of_two_gateways_runs_at_a_tiny_size() {
-    let output = within(
-        "mcp-load --chain 2 --tiny",
-        Command::new(env!("CARGO_BIN_EXE_mcp-load"))
-            .args(["--scenario", "fan-out", "--tiny", "--chain", "2"])
-            .args(["--gateway", env!("CARGO_BIN_EXE_mcp-xds-gateway")])
-            .env_remove("RUST_LOG")
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("run mcp-load");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{stdout}\n{stderr}");
-    let json = stdout.lines().last().expect("a JSON line");
-    let report: serde_json::Value = serde_json::from_str(json).expect("the last line is JSON");
+    let (report, json) = mcp_load(&["--scenario", "fan-out", "--tiny", "--chain", "2"]).await;
     assert_eq!(report["chain"], 2, "{json}");
     assert_eq!(report["nacks"], 0, "{json}");
     assert_eq!(report["stream_errors"], 0, "{json}");

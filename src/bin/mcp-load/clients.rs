@@ -19,8 +19,7 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::{Channel, Endpoint};
 use tonic::Status;
 
-const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
-const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
+pub use mcp_xds_gateway::downstream::service::{INCREMENTAL_PATH, SOTW_PATH};
 
 /// The fields of both response kinds that a client acts on. Field 3 is the
 /// `type_url` of a state-of-the-world response (and the removed names of an
@@ -240,6 +239,32 @@ async fn incremental_stream(
         .await
 }
 
+/// Opens a stream on `path` with its first requests sent; more requests go
+/// through the sender. Responses are read as envelopes (see [`LoadCodec`]).
+pub async fn open<Req: prost::Message + Send + 'static>(
+    channel: Channel,
+    path: &'static str,
+    initial: Vec<Req>,
+) -> anyhow::Result<(mpsc::Sender<Req>, tonic::Streaming<(Envelope, usize)>)> {
+    let mut grpc = tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    grpc.ready().await?;
+    let (tx, rx) = mpsc::channel(initial.len() + 8);
+    for request in initial {
+        tx.send(request).await?;
+    }
+    let inbound = grpc
+        .streaming(
+            tonic::Request::new(ReceiverStream::new(rx)),
+            tonic::codegen::http::uri::PathAndQuery::from_static(path),
+            LoadCodec::<Req>::default(),
+        )
+        .await?
+        .into_inner();
+    Ok((tx, inbound))
+}
+
 /// One client stream of either protocol: send the initial requests, then ACK
 /// every response and record when it arrived.
 struct Drive<Req> {
@@ -259,21 +284,7 @@ impl<Req: prost::Message + Send + 'static> Drive<Req> {
         progress: &Progress,
         stop: tokio_util::sync::CancellationToken,
     ) -> anyhow::Result<Vec<Received>> {
-        let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(usize::MAX);
-        grpc.ready().await?;
-        let (tx, rx) = mpsc::channel(self.initial.len() + 8);
-        for request in self.initial {
-            tx.send(request).await?;
-        }
-        let path = tonic::codegen::http::uri::PathAndQuery::from_static(self.path);
-        let mut inbound = grpc
-            .streaming(
-                tonic::Request::new(ReceiverStream::new(rx)),
-                path,
-                LoadCodec::<Req>::default(),
-            )
-            .await?
-            .into_inner();
+        let (tx, mut inbound) = open(channel, self.path, self.initial).await?;
         let mut holdings = Holdings::new(self.wanted);
         let mut received = Vec::new();
         loop {
