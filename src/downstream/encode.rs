@@ -411,25 +411,13 @@ pub fn suffix(string: Option<(u32, &str)>, nonce: (u32, &str), flag: Option<u32>
 mod tests {
     use super::*;
     use crate::cache::{Cache, Origin, Update};
-    use crate::proto::{IncrementalMeshConfigResponse, MeshConfigResponse, Metadata, Resource, Resources};
+    use crate::proto::{IncrementalMeshConfigResponse, MeshConfigResponse, Resource, Resources};
     use prost::Message;
 
     const C: &str = "istio/networking/v1alpha3/gateways";
 
     fn resource(name: &str, version: &str) -> CachedResource {
-        let encoded: Bytes = Resource {
-            metadata: Some(Metadata {
-                name: name.into(),
-                version: version.into(),
-                ..Default::default()
-            }),
-            body: Some(prost_types::Any {
-                type_url: "type.googleapis.com/x.Y".into(),
-                value: version.as_bytes().to_vec(),
-            }),
-        }
-        .encode_to_vec()
-        .into();
+        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, version.as_bytes());
         let none = std::collections::HashMap::<String, String>::new();
         let digest = crate::cache::content_digest(version.as_bytes(), &none, &none);
         CachedResource::new(

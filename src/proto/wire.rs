@@ -241,6 +241,30 @@ pub struct AnyTypeUrl {
     pub type_url: String,
 }
 
+/// Resources as a source sends them, for the unit tests of other rooms.
+#[cfg(test)]
+pub mod test_support {
+    use bytes::Bytes;
+    use prost::Message;
+
+    /// An encoded `Resource{metadata{name, version}, body: Any(x.Y, body)}`.
+    pub fn encoded_resource(name: &str, version: &str, body: &[u8]) -> Bytes {
+        crate::proto::Resource {
+            metadata: Some(crate::proto::Metadata {
+                name: name.into(),
+                version: version.into(),
+                ..Default::default()
+            }),
+            body: Some(prost_types::Any {
+                type_url: "type.googleapis.com/x.Y".into(),
+                value: body.to_vec(),
+            }),
+        }
+        .encode_to_vec()
+        .into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -313,24 +313,11 @@ impl Persister {
 mod tests {
     use super::*;
     use crate::cache::CachedResource;
-    use crate::proto::{Metadata, Resource};
 
     const C: &str = "istio/networking/v1alpha3/gateways";
 
     fn resource(name: &str, version: &str) -> CachedResource {
-        let encoded: Bytes = Resource {
-            metadata: Some(Metadata {
-                name: name.into(),
-                version: version.into(),
-                ..Default::default()
-            }),
-            body: Some(prost_types::Any {
-                type_url: "type.googleapis.com/x.Y".into(),
-                value: b"body".to_vec(),
-            }),
-        }
-        .encode_to_vec()
-        .into();
+        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, b"body");
         // Through the same validation as upstream data (the digest included).
         crate::source::validate::decode_resources(C, &[encoded])
             .unwrap()

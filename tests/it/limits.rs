@@ -339,8 +339,7 @@ async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
         c
     };
     let status = status_after(gw.listen, vec![subscribe(VS)]).await;
-    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    assert!(status.message().contains("--max-streams=2"), "{}", status.message());
+    assert_refused_naming(&status, "--max-streams=2");
     canary.check().await;
 }
 
@@ -366,12 +365,7 @@ async fn new_streams_are_limited_per_peer_address() {
         }
     }
     let status = refused.expect("a stream over the rate is refused");
-    assert_eq!(status.code(), Code::ResourceExhausted);
-    assert!(
-        status.message().contains("--max-new-streams-per-second=1"),
-        "{}",
-        status.message()
-    );
+    assert_refused_naming(&status, "--max-new-streams-per-second=1");
     // Another address is not affected.
     let mut other = RawConn::tcp_from(gw.listen, IpAddr::from([127, 0, 0, 2])).await;
     other.send(h2raw::PREFACE).await;
@@ -396,12 +390,7 @@ async fn a_request_loop_on_one_stream_is_cut() {
         ..subscribe(VS)
     };
     let status = status_after(gw.listen, vec![stale; 40]).await;
-    assert_eq!(status.code(), Code::ResourceExhausted);
-    assert!(
-        status.message().contains("--max-requests-per-second=1"),
-        "{}",
-        status.message()
-    );
+    assert_refused_naming(&status, "--max-requests-per-second=1");
     canary.check().await;
 }
 
@@ -413,12 +402,7 @@ async fn oversized_requests_are_refused_naming_the_limit() {
         ..subscribe(VS)
     };
     let status = status_after(gw.listen, vec![big]).await;
-    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    assert!(
-        status.message().contains("--max-request-bytes=2048"),
-        "{}",
-        status.message()
-    );
+    assert_refused_naming(&status, "--max-request-bytes=2048");
     canary.check().await;
 }
 
@@ -434,12 +418,7 @@ async fn a_stream_follows_a_bounded_number_of_types() {
         ],
     )
     .await;
-    assert_eq!(status.code(), Code::ResourceExhausted);
-    assert!(
-        status.message().contains("--max-types-per-stream=2"),
-        "{}",
-        status.message()
-    );
+    assert_refused_naming(&status, "--max-types-per-stream=2");
     canary.check().await;
 }
 
@@ -660,4 +639,11 @@ async fn h2_client(addr: SocketAddr) -> h2::client::SendRequest<bytes::Bytes> {
 /// A gRPC request to the legacy state-of-the-world method.
 fn sotw_post() -> http::request::Builder {
     http::Request::post(format!("http://localhost{SOTW_PATH}")).header("content-type", "application/grpc")
+}
+
+/// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
+/// and its value.
+fn assert_refused_naming(status: &tonic::Status, flag: &str) {
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains(flag), "{}", status.message());
 }

@@ -374,11 +374,7 @@ impl Envoy {
         what: &str,
         condition: impl Fn(&[(String, String)]) -> bool,
     ) -> Vec<(String, String)> {
-        let condition = &condition;
-        self.poll(what, move || async move {
-            Some(self.dynamic_clusters().await).filter(|c| condition(c.as_slice()))
-        })
-        .await
+        self.dump_when(what, dynamic_clusters, condition).await
     }
 
     /// Polls the dynamic listeners until `condition` holds of them.
@@ -387,9 +383,19 @@ impl Envoy {
         what: &str,
         condition: impl Fn(&[(String, String)]) -> bool,
     ) -> Vec<(String, String)> {
+        self.dump_when(what, dynamic_listeners, condition).await
+    }
+
+    /// Polls what `read` finds in the config dump until `condition` holds.
+    async fn dump_when(
+        &self,
+        what: &str,
+        read: fn(&Value) -> Vec<(String, String)>,
+        condition: impl Fn(&[(String, String)]) -> bool,
+    ) -> Vec<(String, String)> {
         let condition = &condition;
         self.poll(what, move || async move {
-            Some(self.dynamic_listeners().await).filter(|l| condition(l.as_slice()))
+            Some(read(&self.config_dump().await)).filter(|found| condition(found.as_slice()))
         })
         .await
     }
