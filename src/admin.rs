@@ -195,7 +195,7 @@ fn refresh_gauges(state: &AdminState) {
     metrics::gauge!(m::CLIENTS).set(streams.len() as f64);
     let mut by_kind: BTreeMap<(&'static str, &'static str), f64> = BTreeMap::new();
     for protocol in crate::downstream::registry::Protocol::ALL {
-        for dialect in ["1.0", "1.1", "none"] {
+        for dialect in protocol.dialects().iter().map(|d| d.as_str()).chain(["none"]) {
             by_kind.insert((protocol.as_str(), dialect), 0.0);
         }
     }

@@ -44,6 +44,16 @@ impl Protocol {
             Protocol::XdsDelta => "xds-delta",
         }
     }
+
+    /// The dialects its types can be in: what the stream gauge reports, at
+    /// zero when no stream has them (a series that went away would keep its
+    /// last value).
+    pub fn dialects(self) -> &'static [Dialect] {
+        match self {
+            Protocol::XdsSotw | Protocol::XdsDelta => &[Dialect::Xds],
+            Protocol::Sotw | Protocol::Incremental | Protocol::ResourceSource => &[Dialect::V1_0, Dialect::V1_1],
+        }
+    }
 }
 
 /// A NACK as a client sent it.

@@ -162,6 +162,16 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
     ] {
         assert!(names.contains(name), "{name} is not exported:\n{text}");
     }
+    // The stream gauge keeps a series for each protocol and its dialects, so
+    // one that had streams goes back to zero rather than keeping its value.
+    for (protocol, dialect) in [("xds-sotw", "xds"), ("xds-delta", "xds"), ("sotw", "1.1")] {
+        assert!(
+            text.lines().any(|l| l.starts_with("mcp_gateway_downstream_streams{")
+                && l.contains(&format!("protocol=\"{protocol}\""))
+                && l.contains(&format!("dialect=\"{dialect}\""))),
+            "no stream gauge for {protocol}/{dialect}:\n{text}"
+        );
+    }
     // Every metric has a HELP line.
     let helped: BTreeSet<&str> = text
         .lines()
