@@ -422,6 +422,7 @@ fn log_effective(settings: &Settings) {
         max_requests_per_second = settings.downstream.max_requests_per_second,
         max_request_bytes = settings.downstream.max_request_bytes,
         max_types_per_stream = settings.downstream.max_types_per_stream,
+        max_subscribed_names = settings.downstream.max_subscribed_names,
         handshake_timeout_seconds = seconds(grpc.handshake_timeout),
         idle_timeout_seconds = grpc.idle_timeout.map(seconds),
         "effective configuration"

@@ -232,6 +232,11 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_TYPES_PER_STREAM", default_value_t = 128)]
     pub max_types_per_stream: usize,
 
+    /// Resource names one xDS client may subscribe to per type (RDS, EDS:
+    /// named subscriptions).
+    #[arg(long, env = "MCP_GATEWAY_MAX_SUBSCRIBED_NAMES", default_value_t = 100_000)]
+    pub max_subscribed_names: usize,
+
     /// A connection that has not finished TLS and the HTTP/2 preface and
     /// SETTINGS this long after it was accepted is closed.
     #[arg(long, env = "MCP_GATEWAY_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -577,6 +582,7 @@ impl Args {
             ("--max-new-streams-per-second", self.max_new_streams_per_second as usize),
             ("--max-requests-per-second", self.max_requests_per_second as usize),
             ("--max-types-per-stream", self.max_types_per_stream),
+            ("--max-subscribed-names", self.max_subscribed_names),
             ("--max-resets-per-minute", self.max_resets_per_minute as usize),
             ("--max-pings-per-minute", self.max_pings_per_minute as usize),
             ("--max-settings-per-minute", self.max_settings_per_minute as usize),
@@ -697,6 +703,7 @@ impl Args {
                 request_read_timeout: self.request_read_timeout,
                 max_nack_message_bytes: self.max_nack_message_bytes,
                 max_types_per_stream: self.max_types_per_stream,
+                max_subscribed_names: self.max_subscribed_names,
             },
             http: HttpLimits {
                 max_connections: self.http_max_connections,

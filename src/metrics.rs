@@ -52,6 +52,7 @@ pub const LIMITS: &[&str] = &[
     "new_streams_rate",
     "requests_rate",
     "max_types_per_stream",
+    "max_subscribed_names",
     "max_request_bytes",
     "handshake_timeout",
     "resets",

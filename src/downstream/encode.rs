@@ -336,15 +336,22 @@ impl Layout {
     pub fn diff(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<[Bytes]> {
         let key = MemoKey::with(self.diff_key, from.version.clone());
         let parts = to.memo.get_or_make(key, SHARED_DIFFS_PER_SNAPSHOT, || {
-            let diff = Diff::between(&from.resources, &to.resources);
-            let parts: Arc<[Bytes]> = Arc::from([
-                self.head(to),
-                resource_fields(self.resources, self.form, &diff.upserts),
-                string_fields(self.removed, &diff.removed_names()),
-            ]);
-            parts
+            self.changes(to, &Diff::between(&from.resources, &to.resources))
         });
         Arc::clone(&parts)
+    }
+
+    /// `diff`'s resources and removed names, at `to`'s version.
+    fn changes(&self, to: &CollectionSnapshot, diff: &Diff) -> Arc<[Bytes]> {
+        debug_assert!(
+            self.removed != 0 || diff.removed.is_empty(),
+            "this layout removes nothing"
+        );
+        Arc::from([
+            self.head(to),
+            resource_fields(self.resources, self.form, &diff.upserts),
+            string_fields(self.removed, &diff.removed_names()),
+        ])
     }
 
     /// The whole collection (shared), and removals for the reported names
@@ -386,6 +393,8 @@ impl Layout {
             Push::Full { to } => self.full(to),
             Push::Diff { from, to } => self.diff(from, to),
             Push::FirstFromReported { to, reported } => self.first_from_reported(to, reported),
+            // A client's own names: its own response.
+            Push::Selected { to, diff } => self.changes(to, diff),
         }
     }
 }

@@ -5,6 +5,7 @@
 //! cache and never write it.
 
 pub mod encode;
+pub mod names;
 pub mod registry;
 pub mod service;
 mod stream;
@@ -41,6 +42,7 @@ pub struct DownstreamLimits {
     pub request_read_timeout: Duration,
     pub max_nack_message_bytes: usize,
     pub max_types_per_stream: usize,
+    pub max_subscribed_names: usize,
 }
 
 impl Default for DownstreamLimits {
@@ -52,6 +54,7 @@ impl Default for DownstreamLimits {
             request_read_timeout: Duration::from_secs(10),
             max_nack_message_bytes: 4096,
             max_types_per_stream: 128,
+            max_subscribed_names: 100_000,
         }
     }
 }

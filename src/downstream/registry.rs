@@ -77,6 +77,25 @@ pub struct TypeView {
     pub acked_version: Option<Arc<str>>,
     pub outstanding: bool,
     pub last_nack: Option<NackRecord>,
+    /// The names it subscribed to (xDS); absent: everything (wildcard).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subscribed: Option<SubscribedView>,
+}
+
+/// A named subscription, as `/debug/clients` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct SubscribedView {
+    pub wildcard: bool,
+    pub names: usize,
+}
+
+impl From<&super::names::Names> for SubscribedView {
+    fn from(names: &super::names::Names) -> Self {
+        SubscribedView {
+            wildcard: names.wildcard,
+            names: names.names.len(),
+        }
+    }
 }
 
 impl TypeView {
@@ -91,6 +110,7 @@ impl TypeView {
             acked_version: None,
             outstanding: false,
             last_nack: None,
+            subscribed: None,
         }
     }
 }

@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::encode::{EncodedResponse, Record};
+use super::names::NameChange;
 use super::registry::{RegistryEntry, TypeView};
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
@@ -202,11 +203,22 @@ impl<W: Wire> TypedStream<W> {
             self.follow(&type_url, &request)?;
         }
         let followed = self.types.get_mut(&type_url).expect("followed above");
-        let max = self.shared.limits().max_nack_message_bytes;
-        let nack = request.error_detail.map(|detail| read_nack(detail, max));
+        let limits = self.shared.limits();
+        let nack = request
+            .error_detail
+            .map(|detail| read_nack(detail, limits.max_nack_message_bytes));
+        let names = match request.mode {
+            Mode::Full => NameChange::Replace(&request.names),
+            Mode::Incremental => NameChange::Change {
+                subscribe: &request.names,
+                unsubscribe: &request.unsubscribe,
+            },
+        };
         let verdict = followed.state.on_request(Request {
             nonce: &request.nonce,
             nack,
+            names,
+            max_names: limits.max_subscribed_names,
         });
         let collection = followed.state.view.collection.clone();
         match &verdict {
@@ -221,12 +233,19 @@ impl<W: Wire> TypedStream<W> {
                 );
                 return Ok(None);
             }
+            Verdict::TooManyNames { count } => {
+                m::limit_refused("max_subscribed_names");
+                return Err(Status::resource_exhausted(format!(
+                    "type_url {type_url:?} subscribes to {count} names: --max-subscribed-names={}",
+                    limits.max_subscribed_names
+                )));
+            }
             Verdict::Ack => record_ack(&followed.metrics),
             Verdict::Nack | Verdict::Unrecoverable => {
                 let nack = followed.state.view.last_nack.as_ref().expect("a NACK was recorded");
                 record_nack(self.id, &mut self.logs, &type_url, &collection, nack, &followed.metrics);
             }
-            Verdict::First => {}
+            Verdict::First | Verdict::Subscription => {}
         }
         self.entry.publish(&type_url, followed.state.view.clone());
         if verdict == Verdict::Unrecoverable {

@@ -14,13 +14,17 @@
 //! - A NACKed version is never sent to that client again; the next version is.
 //! - Nothing is sent before the source delivered the collection.
 //! - A client already at the current version gets nothing.
+//! - xDS clients may name the resources they want ([`super::names`]):
+//!   their responses are their own, built from their names; subscription
+//!   changes count on every request, whatever its nonce.
 
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
+use super::names::{Holds, NameChange, Named, TooManyNames};
 use super::registry::{NackRecord, TypeView};
-use crate::cache::CollectionSnapshot;
+use crate::cache::{CollectionSnapshot, Diff};
 
 /// How responses for this type carry the collection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -101,11 +105,27 @@ pub struct Nack {
 }
 
 /// A client's request for this type, as an adapter read it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Request<'a> {
     pub nonce: &'a str,
     /// `Some` for a NACK.
     pub nack: Option<Nack>,
+    /// The names it asks for (xDS); legacy protocols name none.
+    pub names: NameChange<'a>,
+    /// `--max-subscribed-names`.
+    pub max_names: usize,
+}
+
+impl<'a> Request<'a> {
+    /// A request that names nothing.
+    pub fn new(nonce: &'a str, nack: Option<Nack>) -> Self {
+        Request {
+            nonce,
+            nack,
+            names: NameChange::Replace(&[]),
+            max_names: usize::MAX,
+        }
+    }
 }
 
 /// What a request was.
@@ -118,6 +138,13 @@ pub enum Verdict {
     /// Its nonce is not the last one sent: ignored.
     Stale {
         expected: String,
+    },
+    /// Its nonce is not the last one sent (or it has none), and it changed
+    /// the names subscribed: that counts, nothing is ACKed.
+    Subscription,
+    /// It names more resources than `--max-subscribed-names` allows.
+    TooManyNames {
+        count: usize,
     },
     /// A NACK of a first response built from reported names: what the
     /// client holds cannot be known any more; the stream must end and the
@@ -155,12 +182,19 @@ pub enum Push {
         to: Arc<CollectionSnapshot>,
         reported: ReportedNames,
     },
+    /// This client's own response (named subscriptions): `diff.upserts` are
+    /// the resources to send (state of the world: every one subscribed),
+    /// `diff.removed` the names to remove.
+    Selected { to: Arc<CollectionSnapshot>, diff: Diff },
 }
 
 impl Push {
     pub fn to(&self) -> &Arc<CollectionSnapshot> {
         match self {
-            Push::Full { to } | Push::Diff { to, .. } | Push::FirstFromReported { to, .. } => to,
+            Push::Full { to }
+            | Push::Diff { to, .. }
+            | Push::FirstFromReported { to, .. }
+            | Push::Selected { to, .. } => to,
         }
     }
 }
@@ -172,6 +206,9 @@ pub struct TypeState {
     held: Held,
     /// The snapshot of the outstanding (or last) response.
     sent: Option<Arc<CollectionSnapshot>>,
+    /// The names the client asks for, once it named any (boxed: most
+    /// clients take everything).
+    named: Option<Box<Named>>,
     /// What the debug views show; kept in step with the state.
     pub view: TypeView,
 }
@@ -182,6 +219,7 @@ impl TypeState {
             mode,
             held,
             sent: None,
+            named: None,
             view,
         };
         if let Held::Version(version) = &state.held {
@@ -199,12 +237,34 @@ impl TypeState {
         &self.held
     }
 
+    /// The names the client asks for; `None`: everything.
+    pub fn named(&self) -> Option<&Named> {
+        self.named.as_deref()
+    }
+
     /// A request for this type.
     pub fn on_request(&mut self, request: Request<'_>) -> Verdict {
+        let holds_all = matches!(self.held, Held::At(_));
+        let changed = match Named::apply(
+            &mut self.named,
+            request.names,
+            holds_all,
+            self.view.outstanding,
+            request.max_names,
+        ) {
+            Ok(changed) => changed,
+            Err(TooManyNames { count }) => return Verdict::TooManyNames { count },
+        };
+        if let Some(named) = &self.named {
+            self.view.subscribed = Some(named.current().into());
+        }
         let Some(sent_nonce) = &self.view.last_sent_nonce else {
             return Verdict::First;
         };
         if *sent_nonce != request.nonce {
+            if changed {
+                return Verdict::Subscription;
+            }
             return Verdict::Stale {
                 expected: sent_nonce.clone(),
             };
@@ -218,6 +278,9 @@ impl TypeState {
                     code: nack.code,
                     message: nack.message,
                 });
+                if let Some(named) = &mut self.named {
+                    named.on_nack();
+                }
                 match self.held {
                     Held::AwaitingFirst { reported_names: true } => Verdict::Unrecoverable,
                     // It still holds nothing.
@@ -229,6 +292,9 @@ impl TypeState {
                 }
             }
             None => {
+                if let Some(named) = &mut self.named {
+                    named.on_ack();
+                }
                 self.view.acked_version = Some(sent.version.clone());
                 self.held = Held::At(sent);
                 Verdict::Ack
@@ -252,11 +318,44 @@ impl TypeState {
             return Err(Wait::Nacked);
         }
         let to = current.clone();
+        let settled = self.named.as_ref().is_none_or(|n| n.settled());
         let send = match (&self.held, self.mode) {
-            (Held::At(held), _) if held.version == current.version => return Err(Wait::UpToDate),
-            (Held::Version(held), _) if *held == current.version => return Err(Wait::UpToDate),
+            (Held::At(held), _) if held.version == current.version && settled => return Err(Wait::UpToDate),
+            (Held::Version(held), _) if *held == current.version && settled => return Err(Wait::UpToDate),
             (Held::AwaitingFirst { .. }, _) => return Err(Wait::Outstanding),
-            (Held::At(from), Mode::Incremental) => Push::Diff { from: from.clone(), to },
+            (_, Mode::Full) => match &self.named {
+                Some(named) if !named.current().wildcard => Push::Selected {
+                    diff: Diff {
+                        upserts: named.selected(&to),
+                        removed: Vec::new(),
+                    },
+                    to,
+                },
+                _ => Push::Full { to },
+            },
+            (Held::At(from), Mode::Incremental) => match self.named.as_deref_mut() {
+                Some(named) if !named.is_everything() => {
+                    let diff = named.changes(Holds::Snapshot(from), &to);
+                    if diff.is_empty() {
+                        // Nothing it asks for changed: it holds `to` as well.
+                        named.settle();
+                        self.held = Held::At(to);
+                        return Err(Wait::UpToDate);
+                    }
+                    Push::Selected { to, diff }
+                }
+                _ => Push::Diff { from: from.clone(), to },
+            },
+            (Held::Reported(reported), Mode::Incremental)
+                if self.named.as_ref().is_some_and(|n| !n.first_is_shared()) =>
+            {
+                let named = self.named.as_ref().expect("matched above");
+                let diff = named.changes(Holds::Reported(reported), &to);
+                self.held = Held::AwaitingFirst {
+                    reported_names: !reported.is_empty(),
+                };
+                Push::Selected { to, diff }
+            }
             (Held::Reported(reported), Mode::Incremental) if !reported.is_empty() => {
                 let Held::Reported(reported) =
                     std::mem::replace(&mut self.held, Held::AwaitingFirst { reported_names: true })
@@ -269,13 +368,15 @@ impl TypeState {
                 self.held = Held::AwaitingFirst { reported_names: false };
                 Push::Full { to }
             }
-            (_, Mode::Full) => Push::Full { to },
         };
         Ok(send)
     }
 
     /// The response chosen by [`Self::next`] went out with `nonce`.
     pub fn sent(&mut self, nonce: String, to: Arc<CollectionSnapshot>) {
+        if let Some(named) = &mut self.named {
+            named.on_sent();
+        }
         self.view.outstanding = true;
         self.view.last_sent_nonce = Some(nonce);
         self.view.last_sent_version = Some(to.version.clone());
@@ -288,21 +389,14 @@ mod tests {
     use super::*;
     use crate::cache::{Cache, CacheWriter, CachedResource, Origin, Update};
     use crate::collections::{Dialect, Resolved};
+    use crate::downstream::names::NameChange;
 
     const C: &str = "c";
 
+    /// Each resource's body is its name.
     fn snapshot(cache: &Cache, writer: &mut CacheWriter, names: &[&str]) -> Arc<CollectionSnapshot> {
-        let resources = names
-            .iter()
-            .map(|n| {
-                let body = Bytes::from(n.to_string());
-                let none = std::collections::HashMap::<String, String>::new();
-                let digest = crate::cache::content_digest(&body, &none, &none);
-                CachedResource::new((*n).into(), "1".into(), "t".into(), body, digest)
-            })
-            .collect();
-        writer.apply(C, Update::Full(resources), Origin::Upstream);
-        cache.get(C).unwrap()
+        let entries: Vec<(&str, &str)> = names.iter().map(|n| (*n, *n)).collect();
+        with_bodies(cache, writer, &entries)
     }
 
     fn state(mode: Mode, held: Held) -> TypeState {
@@ -338,6 +432,7 @@ mod tests {
             Push::Full { .. } => "full",
             Push::Diff { .. } => "diff",
             Push::FirstFromReported { .. } => "first",
+            Push::Selected { .. } => "selected",
         };
         state.sent(nonce.into(), send.to().clone());
         Ok(kind)
@@ -469,10 +564,7 @@ mod tests {
                         assert_eq!(got, expected, "{what}: step {i}");
                     }
                     Req(nonce, nacked, expected) => {
-                        let verdict = s.on_request(Request {
-                            nonce,
-                            nack: nacked.and_then(nack),
-                        });
+                        let verdict = s.on_request(Request::new(nonce, nacked.and_then(nack)));
                         assert_eq!(verdict, expected, "{what}: step {i}");
                     }
                 }
@@ -487,11 +579,206 @@ mod tests {
     #[test]
     fn any_nonce_is_accepted_before_anything_was_sent() {
         let mut s = state(Mode::Full, nothing());
+        let verdict = s.on_request(Request::new("2021-09-09 06:45:36.069 +0000 UTC m=+0.51", None));
+        assert_eq!(verdict, Verdict::First);
+    }
+
+    /// The names of a push's resources and removals.
+    fn selected(push: &Push) -> (Vec<&str>, Vec<&str>) {
+        match push {
+            Push::Selected { diff, .. } => (
+                diff.upserts.iter().map(|r| &*r.name).collect(),
+                diff.removed.iter().map(|n| &**n).collect(),
+            ),
+            other => panic!("expected a response of its own, got {other:?}"),
+        }
+    }
+
+    fn with_bodies(cache: &Cache, writer: &mut CacheWriter, entries: &[(&str, &str)]) -> Arc<CollectionSnapshot> {
+        let resources = entries
+            .iter()
+            .map(|(n, body)| {
+                let body = Bytes::from(body.to_string());
+                let none = std::collections::HashMap::<String, String>::new();
+                let digest = crate::cache::content_digest(&body, &none, &none);
+                CachedResource::new((*n).into(), "1".into(), "t".into(), body, digest)
+            })
+            .collect();
+        writer.apply(C, Update::Full(resources), Origin::Upstream);
+        cache.get(C).unwrap()
+    }
+
+    fn names(names: &[&str]) -> Vec<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// Sends what `next` decides with nonce `n{count}`; returns the push.
+    fn send(s: &mut TypeState, current: &Arc<CollectionSnapshot>, nonce: &str) -> Push {
+        let push = s.next(Some(current)).expect("something to send");
+        s.sent(nonce.into(), push.to().clone());
+        push
+    }
+
+    #[test]
+    fn state_of_the_world_names_replace_the_subscription() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
+        let mut s = state(Mode::Full, nothing());
+        let ask = |s: &mut TypeState, nonce: &str, asked: &[&str]| {
+            let asked = names(asked);
+            s.on_request(Request {
+                names: NameChange::Replace(&asked),
+                ..Request::new(nonce, None)
+            })
+        };
+        assert_eq!(ask(&mut s, "", &["a", "ghost"]), Verdict::First);
+        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a"], vec![]));
+        assert_eq!(ask(&mut s, "n1", &["a", "ghost"]), Verdict::Ack);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+        // A new name with the same nonce (Envoy asks for a new route with
+        // its last ACK): the new set, at the same version.
+        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["a", "b"], vec![]));
+        // A change while a response is outstanding (a stale nonce) counts,
+        // and is answered once the outstanding one is.
+        assert_eq!(ask(&mut s, "n1", &["c"]), Verdict::Subscription);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::Outstanding);
+        assert_eq!(ask(&mut s, "n2", &["c"]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "n3")), (vec!["c"], vec![]));
+        assert_eq!(ask(&mut s, "n3", &["c"]), Verdict::Ack);
+        // Once a name was asked for, an empty list is nothing, not everything.
+        assert_eq!(ask(&mut s, "n3", &[]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "n4")), (vec![], vec![]));
+        assert_eq!(ask(&mut s, "n4", &["*"]), Verdict::Ack);
+        assert!(
+            matches!(send(&mut s, &v1, "n5"), Push::Full { .. }),
+            "\"*\" is everything"
+        );
+
+        // A client that names nothing is wildcard, and served the shared
+        // response.
+        let mut s = state(Mode::Full, nothing());
+        assert_eq!(ask(&mut s, "", &[]), Verdict::First);
+        assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }));
+        assert!(s.named().is_none());
+    }
+
+    #[test]
+    fn delta_subscriptions_follow_envoys_rules() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
+        let change = |s: &mut TypeState, nonce: &str, sub: &[&str], unsub: &[&str]| {
+            let (sub, unsub) = (names(sub), names(unsub));
+            s.on_request(Request {
+                names: NameChange::Change {
+                    subscribe: &sub,
+                    unsubscribe: &unsub,
+                },
+                ..Request::new(nonce, None)
+            })
+        };
+        let mut s = state(Mode::Incremental, nothing());
+        assert_eq!(change(&mut s, "", &["a", "ghost"], &[]), Verdict::First);
+        // A name that does not exist is removed, and stays subscribed.
+        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a"], vec!["ghost"]));
+        assert_eq!(change(&mut s, "n1", &[], &[]), Verdict::Ack);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+        // A change to a resource nobody here asked for: nothing to send.
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "2"), ("c", "1")]);
+        assert_eq!(s.next(Some(&v2)).unwrap_err(), Wait::UpToDate);
+        // It appears: it is sent.
+        let v3 = with_bodies(
+            &cache,
+            &mut writer,
+            &[("a", "1"), ("b", "2"), ("c", "1"), ("ghost", "1")],
+        );
+        assert_eq!(selected(&send(&mut s, &v3, "n2")), (vec!["ghost"], vec![]));
+        assert_eq!(change(&mut s, "n2", &[], &[]), Verdict::Ack);
+        // A spontaneous subscription (no nonce) counts; a name the client
+        // already has is sent again.
+        assert_eq!(change(&mut s, "", &["a", "b"], &[]), Verdict::Subscription);
+        assert_eq!(selected(&send(&mut s, &v3, "n3")), (vec!["a", "b"], vec![]));
+        assert_eq!(change(&mut s, "n3", &[], &[]), Verdict::Ack);
+        // An unsubscription needs no response.
+        assert_eq!(change(&mut s, "", &[], &["b", "never"]), Verdict::Subscription);
+        assert_eq!(s.next(Some(&v3)).unwrap_err(), Wait::UpToDate);
+        // What it asks for changes and goes: a diff of what it holds.
+        let v4 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "3"), ("c", "1")]);
+        assert_eq!(selected(&send(&mut s, &v4, "n4")), (vec!["a"], vec!["ghost"]));
+        assert_eq!(change(&mut s, "n4", &[], &[]), Verdict::Ack);
+        // Wildcard beside names; a name unsubscribed that wildcard still
+        // covers is sent again (the client may have dropped it).
+        assert_eq!(change(&mut s, "", &["*"], &[]), Verdict::Subscription);
+        assert_eq!(selected(&send(&mut s, &v4, "n5")), (vec!["b", "c"], vec![]));
+        assert_eq!(change(&mut s, "n5", &[], &["a"]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v4, "n6")), (vec!["a"], vec![]));
+        assert_eq!(change(&mut s, "n6", &[], &[]), Verdict::Ack);
+        // Wildcard and nothing owed: the shared diffs.
+        let v5 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "3")]);
+        let push = send(&mut s, &v5, "n7");
+        assert!(matches!(push, Push::Diff { .. }), "{push:?}");
+    }
+
+    #[test]
+    fn a_nacked_version_is_not_resent_for_a_new_name_but_the_next_one_carries_it() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
+        let mut s = state(Mode::Incremental, nothing());
+        let sub = names(&["a"]);
+        fn request<'a>(nonce: &'a str, nack: Option<Nack>, subscribe: &'a [String]) -> Request<'a> {
+            Request {
+                names: NameChange::Change {
+                    subscribe,
+                    unsubscribe: &[],
+                },
+                ..Request::new(nonce, nack)
+            }
+        }
+        assert_eq!(s.on_request(request("", None, &sub)), Verdict::First);
+        send(&mut s, &v1, "n1");
+        assert_eq!(s.on_request(request("n1", None, &[])), Verdict::Ack);
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1")]);
+        send(&mut s, &v2, "n2");
+        assert_eq!(s.on_request(request("n2", nack("v2"), &[])), Verdict::Nack);
+        let b = names(&["b"]);
+        assert_eq!(s.on_request(request("", None, &b)), Verdict::Subscription);
+        assert_eq!(s.next(Some(&v2)).unwrap_err(), Wait::Nacked);
+        let v3 = with_bodies(&cache, &mut writer, &[("a", "3"), ("b", "1")]);
+        assert_eq!(selected(&send(&mut s, &v3, "n3")), (vec!["a", "b"], vec![]));
+    }
+
+    #[test]
+    fn a_delta_reconnect_is_sent_what_differs_and_every_name_it_asks_for() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
+        let held = |name: &str| v1.resources[name].content_version();
+        let (ha, hb) = (held("a"), held("b"));
+        let reported = ReportedNames::with_versions([("a", ha.as_str()), ("b", hb.as_str()), ("gone", "x")]);
+        let mut s = state(Mode::Incremental, Held::Reported(reported));
+        let sub = names(&["*", "b"]);
         let verdict = s.on_request(Request {
-            nonce: "2021-09-09 06:45:36.069 +0000 UTC m=+0.51",
-            nack: None,
+            names: NameChange::Change {
+                subscribe: &sub,
+                unsubscribe: &[],
+            },
+            ..Request::new("", None)
         });
         assert_eq!(verdict, Verdict::First);
+        // "a" is held at its version (wildcard: left out); "b" is named, so
+        // answered though held (Envoy waits for it); "c" is new; "gone" is.
+        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["b", "c"], vec!["gone"]));
+    }
+
+    #[test]
+    fn too_many_names_is_a_verdict() {
+        let mut s = state(Mode::Full, nothing());
+        let asked = names(&["a", "b", "c"]);
+        let verdict = s.on_request(Request {
+            names: NameChange::Replace(&asked),
+            max_names: 2,
+            ..Request::new("", None)
+        });
+        assert_eq!(verdict, Verdict::TooManyNames { count: 3 });
     }
 
     #[test]

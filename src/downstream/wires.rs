@@ -48,6 +48,11 @@ pub struct WireRequest {
     /// `initial_resource_versions` entries (first requests of incremental
     /// types), as they are on the wire.
     pub reported: Vec<Bytes>,
+    /// xDS: the names asked for (state of the world: all of them; delta:
+    /// those subscribed by this request).
+    pub names: Vec<String>,
+    /// Delta xDS: the names unsubscribed by this request.
+    pub unsubscribe: Vec<String>,
 }
 
 impl WireRequest {
@@ -217,7 +222,7 @@ impl Wire for ResourceSourceWire {
     }
 
     fn encode(send: &Push, _collection: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
-        let incremental = !matches!(send, Push::Full { .. });
+        let incremental = !matches!(send, Push::Full { .. } | Push::Selected { .. });
         (
             RESOURCES.encode(send),
             suffix(None, (5, nonce), incremental.then_some(6)),
@@ -265,7 +270,10 @@ impl Wire for XdsSotw {
     const ANSWERS_EVERY_TYPE: bool = true;
 
     fn read(r: XdsRequest) -> WireRequest {
-        WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
+        WireRequest {
+            names: r.resource_names,
+            ..WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
+        }
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -287,13 +295,17 @@ impl Wire for XdsDelta {
     const ANSWERS_EVERY_TYPE: bool = true;
 
     fn read(r: DeltaXdsRequest) -> WireRequest {
-        WireRequest::changes(
-            r.type_url,
-            r.node,
-            r.response_nonce,
-            r.error_detail,
-            r.initial_resource_versions,
-        )
+        WireRequest {
+            names: r.resource_names_subscribe,
+            unsubscribe: r.resource_names_unsubscribe,
+            ..WireRequest::changes(
+                r.type_url,
+                r.node,
+                r.response_nonce,
+                r.error_detail,
+                r.initial_resource_versions,
+            )
+        }
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {

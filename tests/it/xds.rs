@@ -455,3 +455,100 @@ fn ack_sotw(stream: &SotwStream, response: &DiscoveryResponse) {
         ..Default::default()
     });
 }
+
+/// Envoy's named subscriptions (RDS, EDS): state-of-the-world names replace
+/// the subscription; delta names are added and removed on any request,
+/// names that do not exist are removed and stay subscribed, a name the
+/// client already has is sent again when it subscribes to it; a client
+/// naming too many is refused with the flag's name.
+#[tokio::test]
+async fn named_subscriptions_in_both_protocols() {
+    let dir = tempfile::tempdir().unwrap();
+    let clusters = |names: &[&str]| names.iter().map(|n| cluster_doc(n)).collect::<String>();
+    write(dir.path(), "clusters.yaml", &clusters(&["a", "b", "c"]));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--max-subscribed-names", "3"]).await;
+    let names = |list: &[&str]| list.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+
+    // State of the world.
+    let mut sotw = SotwStream::open(gw.listen, SOTW).await;
+    sotw.send(DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        node: istiod_node(),
+        resource_names: names(&["a", "ghost"]),
+        ..Default::default()
+    });
+    let first = sotw.recv().await;
+    assert_eq!(
+        first.resources,
+        [prost_types::Any {
+            type_url: CLUSTER.into(),
+            value: cluster_bytes("a")
+        }]
+    );
+    // Another name with the ACK: the new set at the same version.
+    sotw.send(DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        response_nonce: first.nonce.clone(),
+        version_info: first.version_info.clone(),
+        resource_names: names(&["a", "b"]),
+        ..Default::default()
+    });
+    let second = sotw.recv().await;
+    assert_eq!(second.version_info, first.version_info);
+    let values: Vec<&[u8]> = second.resources.iter().map(|r| r.value.as_slice()).collect();
+    assert_eq!(values, [cluster_bytes("a"), cluster_bytes("b")]);
+
+    // Delta.
+    let mut delta = DeltaStream::open_on(channel(gw.listen).await, DELTA).await;
+    delta.send(DeltaDiscoveryRequest {
+        node: istiod_node(),
+        type_url: CLUSTER.into(),
+        resource_names_subscribe: names(&["a", "ghost"]),
+        ..Default::default()
+    });
+    let first = delta.recv().await;
+    assert_eq!(delta_names(&first), ["a"]);
+    assert_eq!(
+        first.removed_resources,
+        ["ghost"],
+        "a name that does not exist is removed"
+    );
+    delta_ack(&delta, &first);
+    // A spontaneous subscription, no nonce.
+    delta.send(DeltaDiscoveryRequest {
+        type_url: CLUSTER.into(),
+        resource_names_subscribe: names(&["b"]),
+        ..Default::default()
+    });
+    let added = delta.recv().await;
+    assert_eq!(delta_names(&added), ["b"]);
+    assert!(added.removed_resources.is_empty());
+    delta_ack(&delta, &added);
+    // It appears: sent, as it stayed subscribed; c changing is not this
+    // client's concern.
+    write(dir.path(), "clusters.yaml", &clusters(&["a", "b", "ghost", "d"]));
+    let appeared = within("the subscribed name to appear", delta.recv()).await;
+    assert_eq!(delta_names(&appeared), ["ghost"]);
+    assert!(appeared.removed_resources.is_empty());
+    delta_ack(&delta, &appeared);
+    // Unsubscribed b, and a subscribed again though held: a is sent again.
+    delta.send(DeltaDiscoveryRequest {
+        type_url: CLUSTER.into(),
+        resource_names_subscribe: names(&["a"]),
+        resource_names_unsubscribe: names(&["b"]),
+        ..Default::default()
+    });
+    let again = delta.recv().await;
+    assert_eq!(delta_names(&again), ["a"]);
+    delta_ack(&delta, &again);
+    // Five names subscribed where the flag allows three.
+    delta.send(DeltaDiscoveryRequest {
+        type_url: CLUSTER.into(),
+        resource_names_subscribe: names(&["w", "x", "y"]),
+        ..Default::default()
+    });
+    let status = delta.end_status().await;
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert!(status.message().contains("--max-subscribed-names=3"), "{status:?}");
+}
