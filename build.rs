@@ -12,6 +12,20 @@
 use tonic_build::manual::{Builder, Method, Service};
 
 const PACKAGE: &str = "istio.mcp.v1alpha1";
+
+/// The Envoy resources (and the extensions they commonly embed as `Any`)
+/// that the files source reads as proto-JSON.
+const ENVOY_JSON_ROOTS: &[&str] = &[
+    "envoy/config/cluster/v3/cluster.proto",
+    "envoy/config/listener/v3/listener.proto",
+    "envoy/config/route/v3/route.proto",
+    "envoy/config/endpoint/v3/endpoint.proto",
+    "envoy/extensions/transport_sockets/tls/v3/secret.proto",
+    "envoy/extensions/transport_sockets/tls/v3/tls.proto",
+    "envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto",
+    "envoy/extensions/filters/http/router/v3/router.proto",
+    "envoy/extensions/filters/network/tcp_proxy/v3/tcp_proxy.proto",
+];
 const CODEC: &str = "tonic_prost::ProstCodec";
 
 fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
@@ -37,6 +51,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // For gRPC server reflection on the downstream port.
     let descriptor_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("mcp_descriptor.bin");
     std::fs::write(descriptor_path, prost::Message::encode_to_vec(&fds))?;
+    // The Envoy resources the files source reads as proto-JSON (descriptors
+    // only, no code, no comments): see proto/README.md.
+    let envoy = protox::Compiler::new(["proto"])?
+        .include_imports(true)
+        .include_source_info(false)
+        .open_files(ENVOY_JSON_ROOTS)?
+        .file_descriptor_set();
+    let envoy_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("envoy_resources.bin");
+    std::fs::write(envoy_path, prost::Message::encode_to_vec(&envoy))?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

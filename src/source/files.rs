@@ -16,6 +16,9 @@
 //! # or
 //! #  type_url: type.googleapis.com/istio.networking.v1alpha3.Gateway
 //! #  value_base64: EhcKBWlzdGlvEg5pbmdyZXNzZ2F0ZXdheQ==   # exact bytes
+//! # or, for Envoy's resources (see `envoy_json`):
+//! #  type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster
+//! #  json: {name: backend, connect_timeout: 1s, type: EDS, ...}   # proto-JSON
 //! ```
 //!
 //! The directory is the whole truth: a collection no file mentions is served
@@ -118,6 +121,9 @@ struct Body {
     value_base64: Option<String>,
     #[serde(default, rename = "struct")]
     structure: Option<YamlValue>,
+    /// An Envoy resource's proto-JSON, with `type_url`.
+    #[serde(default)]
+    json: Option<YamlValue>,
 }
 
 /// What a document may build, in units of one value or 16 bytes of text.
@@ -170,10 +176,11 @@ impl<'de> Deserialize<'de> for YamlString {
     }
 }
 
-/// A YAML value read straight into `google.protobuf.Value`, as `protojson`
-/// would read the same JSON.
+/// A YAML value read against the document's budget, as JSON would read it:
+/// a `struct` body (`google.protobuf.Struct`, as `protojson` reads the same
+/// JSON) or a `json` body (an Envoy resource's proto-JSON).
 #[derive(Debug)]
-struct YamlValue(prost_types::value::Kind);
+struct YamlValue(serde_json::Value);
 
 impl<'de> Deserialize<'de> for YamlValue {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -184,7 +191,7 @@ impl<'de> Deserialize<'de> for YamlValue {
 struct YamlValueVisitor;
 
 impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
-    type Value = prost_types::value::Kind;
+    type Value = serde_json::Value;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a YAML value")
@@ -192,32 +199,33 @@ impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
 
     fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
         spend_value::<E>()?;
-        Ok(prost_types::value::Kind::BoolValue(v))
+        Ok(v.into())
     }
 
     fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
         spend_value::<E>()?;
-        Ok(prost_types::value::Kind::NumberValue(v as f64))
+        Ok(v.into())
     }
 
     fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
         spend_value::<E>()?;
-        Ok(prost_types::value::Kind::NumberValue(v as f64))
+        Ok(v.into())
     }
 
     fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
         spend_value::<E>()?;
-        Ok(prost_types::value::Kind::NumberValue(v))
+        // JSON has no NaN or infinity: null, as serde_json writes them.
+        Ok(v.into())
     }
 
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
         spend::<E>(string_cost(v.len()))?;
-        Ok(prost_types::value::Kind::StringValue(v.to_owned()))
+        Ok(v.into())
     }
 
     fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
         spend_value::<E>()?;
-        Ok(prost_types::value::Kind::NullValue(0))
+        Ok(serde_json::Value::Null)
     }
 
     fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
@@ -231,23 +239,45 @@ impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         spend_value::<A::Error>()?;
         let mut values = Vec::new();
-        while let Some(YamlValue(kind)) = seq.next_element()? {
-            values.push(prost_types::Value { kind: Some(kind) });
+        while let Some(YamlValue(value)) = seq.next_element()? {
+            values.push(value);
         }
-        Ok(prost_types::value::Kind::ListValue(prost_types::ListValue { values }))
+        Ok(serde_json::Value::Array(values))
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         spend_value::<A::Error>()?;
-        let mut fields = BTreeMap::new();
-        while let Some((YamlKey(key), YamlValue(kind))) = map.next_entry()? {
-            fields.insert(key, prost_types::Value { kind: Some(kind) });
+        let mut fields = serde_json::Map::new();
+        while let Some((YamlKey(key), YamlValue(value))) = map.next_entry()? {
+            fields.insert(key, value);
         }
-        Ok(prost_types::value::Kind::StructValue(prost_types::Struct { fields }))
+        Ok(serde_json::Value::Object(fields))
     }
 
     fn visit_enum<A: serde::de::EnumAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
-        Err(serde::de::Error::custom("YAML tags are not supported in a struct body"))
+        Err(serde::de::Error::custom("YAML tags are not supported in a body"))
+    }
+}
+
+/// A JSON value as `google.protobuf.Value` (what `protojson` reads).
+fn protobuf_value(value: serde_json::Value) -> prost_types::Value {
+    use prost_types::value::Kind;
+    let kind = match value {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(v) => Kind::BoolValue(v),
+        serde_json::Value::Number(v) => Kind::NumberValue(v.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::String(v) => Kind::StringValue(v),
+        serde_json::Value::Array(values) => Kind::ListValue(prost_types::ListValue {
+            values: values.into_iter().map(protobuf_value).collect(),
+        }),
+        serde_json::Value::Object(fields) => Kind::StructValue(protobuf_struct(fields)),
+    };
+    prost_types::Value { kind: Some(kind) }
+}
+
+fn protobuf_struct(fields: serde_json::Map<String, serde_json::Value>) -> prost_types::Struct {
+    prost_types::Struct {
+        fields: fields.into_iter().map(|(k, v)| (k, protobuf_value(v))).collect(),
     }
 }
 
@@ -376,9 +406,10 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
                 ),
             ));
         }
-        let body = body(&doc.body).map_err(|reason| {
+        let body = body(doc.body).map_err(|(reason, path)| {
+            let body_line = key_line(&document, start, "body");
             fail(
-                key_line(&document, start, "body"),
+                path.map_or(body_line, |path| field_line(&document, start, body_line, &path)),
                 format!("body of {:?}: {reason}", doc.name),
             )
         })?;
@@ -413,27 +444,67 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
     Ok(parsed)
 }
 
-fn body(body: &Body) -> Result<prost_types::Any, String> {
-    match (&body.type_url, &body.value_base64, &body.structure) {
-        (Some(type_url), Some(value), None) => {
+/// The body as an `Any`; an error says why, and which field of a `json`
+/// body failed (a path from the body).
+fn body(body: Body) -> Result<prost_types::Any, (String, Option<String>)> {
+    let whole = |reason: String| (reason, None);
+    match (body.type_url, body.value_base64, body.structure, body.json) {
+        (Some(type_url), Some(value), None, None) => {
             if type_url.trim().is_empty() {
-                return Err("type_url is empty".into());
+                return Err(whole("type_url is empty".into()));
             }
             let value = base64::engine::general_purpose::STANDARD
                 .decode(value.trim())
-                .map_err(|e| format!("value_base64 is not base64: {e}"))?;
+                .map_err(|e| whole(format!("value_base64 is not base64: {e}")))?;
+            Ok(prost_types::Any { type_url, value })
+        }
+        (Some(type_url), None, None, Some(YamlValue(json))) => {
+            let value = super::envoy_json::encode(type_url.trim(), &json).map_err(|e| {
+                let path = format!("json.{}", e.path);
+                (e.to_string(), Some(path))
+            })?;
             Ok(prost_types::Any {
-                type_url: type_url.clone(),
+                type_url: type_url.trim().to_owned(),
                 value,
             })
         }
-        (None, None, Some(YamlValue(prost_types::value::Kind::StructValue(structure)))) => Ok(prost_types::Any {
+        (None, None, Some(YamlValue(serde_json::Value::Object(fields))), None) => Ok(prost_types::Any {
             type_url: STRUCT_TYPE_URL.into(),
-            value: structure.encode_to_vec(),
+            value: protobuf_struct(fields).encode_to_vec(),
         }),
-        (None, None, Some(_)) => Err("struct must be a mapping".into()),
-        _ => Err("give either {type_url, value_base64} or {struct: <mapping>}".into()),
+        (None, None, Some(_), None) => Err(whole("struct must be a mapping".into())),
+        _ => Err(whole(
+            "give one of {type_url, value_base64}, {type_url, json: <the resource's proto-JSON>} or {struct: <mapping>}"
+                .into(),
+        )),
     }
+}
+
+/// The line of the field at `path` (`json.filter_chains[0].filters`) under
+/// the body at `body_line`: each named step is looked for as a `key:` after
+/// the previous one (indexes are not counted: the nearest following key is
+/// taken), so the line is that of the field, or of its nearest parent found.
+fn field_line(document: &str, start: usize, body_line: usize, path: &str) -> usize {
+    let lines: Vec<&str> = document.lines().collect();
+    let mut at = body_line.saturating_sub(start);
+    for step in path.split('.') {
+        let key = step.split('[').next().unwrap_or(step).trim_matches('"');
+        if key.is_empty() {
+            continue;
+        }
+        let found = lines.iter().enumerate().skip(at + 1).find(|(_, line)| {
+            let line = line.trim_start().trim_start_matches("- ");
+            line.strip_prefix(key)
+                .or_else(|| line.strip_prefix(&format!("\"{key}\"")))
+                .or_else(|| line.strip_prefix(&format!("'{key}'")))
+                .is_some_and(|rest| rest.trim_start().starts_with(':'))
+        });
+        match found {
+            Some((i, _)) => at = i,
+            None => break,
+        }
+    }
+    start + at
 }
 
 #[derive(Debug, Default)]
@@ -724,6 +795,44 @@ mod tests {
     }
 
     #[test]
+    fn envoy_resources_read_as_proto_json_and_errors_name_file_line_and_field() {
+        let text = "\
+collection: envoy/config/cluster/v3/clusters
+name: backend
+body:
+  type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster
+  json:
+    name: backend
+    connect_timeout: 0.25s
+    type: STATIC
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}
+";
+        let parsed = parse("clusters.yaml", text, &table()).unwrap();
+        let resource = Resource::decode(parsed[0].encoded.clone()).unwrap();
+        let body = resource.body.unwrap();
+        assert_eq!(body.type_url, "type.googleapis.com/envoy.config.cluster.v3.Cluster");
+        assert!(!body.value.is_empty());
+
+        let broken = text.replace("port_value: 8080", "port_valeu: 8080");
+        let err = parse("clusters.yaml", &broken, &table()).unwrap_err();
+        assert_eq!((err.path.as_str(), err.line), ("clusters.yaml", 13), "{err}");
+        assert!(
+            err.reason
+                .contains("json.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address")
+                && err.reason.contains("port_valeu"),
+            "{err}"
+        );
+        let wrong_kind = text.replace("connect_timeout: 0.25s", "connect_timeout: [1]");
+        let err = parse("clusters.yaml", &wrong_kind, &table()).unwrap_err();
+        assert_eq!(err.line, 7, "{err}");
+        assert!(err.reason.contains("json.connect_timeout"), "{err}");
+    }
+
+    #[test]
     fn documents_become_resources_with_struct_and_raw_bodies() {
         let text = "\
 collection: istio/networking/v1alpha3/gateways
@@ -801,7 +910,7 @@ body:
             (
                 "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {}\n",
                 3,
-                "give either",
+                "give one of",
             ),
             ("collection: [\n", 1, "invalid type"),
         ];

@@ -8,6 +8,7 @@
 
 pub mod backoff;
 pub mod client;
+pub mod envoy_json;
 pub mod files;
 pub mod persisted;
 pub mod session;

@@ -1,179 +1,46 @@
-//! A real Envoy 1.40 reading its clusters and listeners from the gateway's
-//! v3 ADS, state of the world and delta, fed by the files source: what it
-//! gets, that it follows edits, that a cluster it refuses is never sent to it
-//! again while the rest keeps flowing, and that it resumes after the gateway
-//! restarts. Skipped, loudly, where Envoy cannot be installed.
+//! A real Envoy 1.40 reading its config from the gateway's v3 ADS, state of
+//! the world and delta, fed by the files source: the repository's example
+//! directory and bootstrap (`examples/envoy`) as the README tells users to
+//! run them, clusters and listeners (wildcard) with the endpoints and routes
+//! they name (EDS, RDS); that it follows edits; that a cluster it refuses is
+//! never sent to it again while the rest keeps flowing; and that it resumes
+//! after the gateway restarts. Skipped, loudly, where Envoy cannot be
+//! installed.
 
 use std::path::Path;
 
-use base64::Engine;
-use prost::Message;
+use serde_json::Value;
+use tempfile::TempDir;
 
-use crate::helpers::envoy::{skip_without_envoy, AdsApi, Envoy};
+use crate::helpers::envoy::{dynamic_routes, section, skip_without_envoy, AdsApi, Envoy};
 use crate::helpers::{start_gateway, start_gateway_on};
+use mcp_xds_gateway::app::Bound;
 
 const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
 const LISTENERS: &str = "envoy/config/listener/v3/listeners";
 const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
-const TCP_PROXY_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
 
-// The few fields of Envoy's resources these tests write (field numbers from
-// data-plane-api); the gateway carries bodies as bytes and compiles none.
-
-#[derive(Clone, PartialEq, Message)]
-struct SocketAddress {
-    #[prost(string, tag = "2")]
-    address: String,
-    /// In a oneof: present even when 0 (a port of the kernel's choosing).
-    #[prost(uint32, optional, tag = "3")]
-    port_value: Option<u32>,
+fn example_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/config")
 }
 
-#[derive(Clone, PartialEq, Message)]
-struct Address {
-    #[prost(message, optional, tag = "1")]
-    socket_address: Option<SocketAddress>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct Endpoint {
-    #[prost(message, optional, tag = "1")]
-    address: Option<Address>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct LbEndpoint {
-    #[prost(message, optional, tag = "1")]
-    endpoint: Option<Endpoint>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct LocalityLbEndpoints {
-    #[prost(message, repeated, tag = "2")]
-    lb_endpoints: Vec<LbEndpoint>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct ClusterLoadAssignment {
-    #[prost(string, tag = "1")]
-    cluster_name: String,
-    #[prost(message, repeated, tag = "2")]
-    endpoints: Vec<LocalityLbEndpoints>,
-}
-
-/// `envoy.config.cluster.v3.Cluster`: STATIC (type 0) with one endpoint.
-#[derive(Clone, PartialEq, Message)]
-struct Cluster {
-    #[prost(string, tag = "1")]
-    name: String,
-    #[prost(message, optional, tag = "4")]
-    connect_timeout: Option<prost_types::Duration>,
-    #[prost(message, optional, tag = "33")]
-    load_assignment: Option<ClusterLoadAssignment>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct TcpProxy {
-    #[prost(string, tag = "1")]
-    stat_prefix: String,
-    #[prost(string, tag = "2")]
-    cluster: String,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct Filter {
-    #[prost(string, tag = "1")]
-    name: String,
-    #[prost(message, optional, tag = "4")]
-    typed_config: Option<prost_types::Any>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct FilterChain {
-    #[prost(message, repeated, tag = "3")]
-    filters: Vec<Filter>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct Listener {
-    #[prost(string, tag = "1")]
-    name: String,
-    #[prost(message, optional, tag = "2")]
-    address: Option<Address>,
-    #[prost(message, repeated, tag = "3")]
-    filter_chains: Vec<FilterChain>,
-}
-
-fn socket(port_value: u32) -> Option<Address> {
-    Some(Address {
-        socket_address: Some(SocketAddress {
-            address: "127.0.0.1".into(),
-            port_value: Some(port_value),
-        }),
-    })
-}
-
-/// A valid cluster, or (`valid` false) one Envoy's validation refuses: a
-/// connect timeout of zero (`gt: {}`).
-fn cluster(name: &str, port: u32, valid: bool) -> Vec<u8> {
-    Cluster {
-        name: name.into(),
-        connect_timeout: Some(prost_types::Duration {
-            seconds: i64::from(valid),
-            nanos: 0,
-        }),
-        load_assignment: Some(ClusterLoadAssignment {
-            cluster_name: name.into(),
-            endpoints: vec![LocalityLbEndpoints {
-                lb_endpoints: vec![LbEndpoint {
-                    endpoint: Some(Endpoint { address: socket(port) }),
-                }],
-            }],
-        }),
+/// The example directory copied to `dir`, the listener on a port of the
+/// kernel's choosing (tests run side by side).
+fn copy_examples(dir: &Path) {
+    for entry in std::fs::read_dir(example_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let text = text.replace("port_value: 10000", "port_value: 0");
+        crate::helpers::certs::write(dir, path.file_name().unwrap().to_str().unwrap(), &text);
     }
-    .encode_to_vec()
 }
 
-/// A TCP proxy to `cluster` on a port of the kernel's choosing.
-fn listener(name: &str, cluster: &str) -> Vec<u8> {
-    Listener {
-        name: name.into(),
-        address: socket(0),
-        filter_chains: vec![FilterChain {
-            filters: vec![Filter {
-                name: "envoy.filters.network.tcp_proxy".into(),
-                typed_config: Some(prost_types::Any {
-                    type_url: TCP_PROXY_TYPE.into(),
-                    value: TcpProxy {
-                        stat_prefix: name.into(),
-                        cluster: cluster.into(),
-                    }
-                    .encode_to_vec(),
-                }),
-            }],
-        }],
-    }
-    .encode_to_vec()
-}
-
-fn doc(collection: &str, name: &str, type_url: &str, body: &[u8]) -> String {
-    let value = base64::engine::general_purpose::STANDARD.encode(body);
-    format!("collection: {collection}\nname: {name}\nbody:\n  type_url: {type_url}\n  value_base64: {value}\n---\n")
-}
-
-/// Writes the clusters (name, valid) and one listener to `backend`.
-fn write_config(dir: &Path, clusters: &[(&str, bool)]) {
-    let mut text = String::new();
-    for (name, valid) in clusters {
-        text += &doc(CLUSTERS, name, CLUSTER_TYPE, &cluster(name, 9, *valid));
-    }
-    crate::helpers::certs::write(dir, "clusters.yaml", &text);
-    crate::helpers::certs::write(
-        dir,
-        "listeners.yaml",
-        &doc(LISTENERS, "ingress", LISTENER_TYPE, &listener("ingress", "backend")),
-    );
+/// Edits `file` of `dir` (a copy of the examples): `from` must be there.
+fn edit(dir: &Path, file: &str, from: &str, to: &str) {
+    let text = std::fs::read_to_string(dir.join(file)).unwrap();
+    assert!(text.contains(from), "{file} has no {from:?}");
+    crate::helpers::certs::write(dir, file, &text.replacen(from, to, 1));
 }
 
 fn names(found: &[(String, String)]) -> Vec<&str> {
@@ -182,15 +49,145 @@ fn names(found: &[(String, String)]) -> Vec<&str> {
     names
 }
 
-async fn envoy_follows_edits_and_never_gets_a_refused_version_again(api: AdsApi, test: &str) {
-    if skip_without_envoy(test).is_none() {
-        return;
-    }
+/// The domains of route configuration `name` in a config dump.
+fn route_domains(dump: &Value, name: &str) -> Vec<String> {
+    let Some(routes) = section(dump, "RoutesConfigDump") else {
+        return Vec::new();
+    };
+    routes["dynamic_route_configs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["route_config"]["name"] == name)
+        .flat_map(|r| {
+            r["route_config"]["virtual_hosts"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .flat_map(|vh| vh["domains"].as_array().cloned().unwrap_or_default())
+        .filter_map(|d| d.as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A files directory written by `write`, a gateway serving it and an Envoy
+/// reading from the gateway; `None` (the test skipped, loudly) without Envoy.
+async fn envoy_on_files(api: AdsApi, test: &str, write: impl FnOnce(&Path)) -> Option<(TempDir, Bound, Envoy)> {
+    skip_without_envoy(test)?;
     let dir = tempfile::tempdir().unwrap();
-    write_config(dir.path(), &[("backend", true)]);
-    let dir_flag = dir.path().to_str().unwrap().to_owned();
-    let gw = start_gateway(&["--source-dir", &dir_flag]).await;
+    write(dir.path());
+    let gw = start_gateway(&["--source-dir", dir.path().to_str().unwrap()]).await;
     let envoy = Envoy::start(gw.listen, api, "envoy-1").await.unwrap();
+    Some((dir, gw, envoy))
+}
+
+async fn the_example_directory_configures_envoy(api: AdsApi, test: &str) {
+    let Some((dir, _gw, envoy)) = envoy_on_files(api, test, copy_examples).await else {
+        return;
+    };
+
+    // Clusters and listeners (wildcard), and the endpoints and routes they
+    // name (EDS, RDS).
+    envoy
+        .clusters_when("the example's cluster", |c| names(c) == ["backend"])
+        .await;
+    envoy
+        .listeners_when("the example's listener", |l| names(l) == ["http"])
+        .await;
+    envoy
+        .clusters_text_when("the example's endpoint (EDS)", |t| {
+            t.contains("backend::127.0.0.1:8080::")
+        })
+        .await;
+    envoy
+        .dump_matches("the example's route (RDS)", |d| {
+            names(&dynamic_routes(d)) == ["local_route"] && route_domains(d, "local_route") == ["*"]
+        })
+        .await;
+
+    // Edits of each reach Envoy.
+    edit(dir.path(), "endpoints.yaml", "port_value: 8080", "port_value: 8081");
+    envoy
+        .clusters_text_when("the moved endpoint", |t| {
+            t.contains("backend::127.0.0.1:8081::") && !t.contains("backend::127.0.0.1:8080::")
+        })
+        .await;
+    edit(
+        dir.path(),
+        "routes.yaml",
+        r#"domains: ["*"]"#,
+        r#"domains: ["example.com"]"#,
+    );
+    envoy
+        .dump_matches("the edited route", |d| {
+            route_domains(d, "local_route") == ["example.com"]
+        })
+        .await;
+    // A second EDS cluster: Envoy subscribes to its endpoints by name.
+    let web_cluster = std::fs::read_to_string(dir.path().join("clusters.yaml"))
+        .unwrap()
+        .replace("name: backend", "name: web");
+    crate::helpers::certs::write(dir.path(), "web-cluster.yaml", &web_cluster);
+    let web_endpoints = std::fs::read_to_string(dir.path().join("endpoints.yaml"))
+        .unwrap()
+        .replace("backend", "web")
+        .replace("8081", "8082");
+    crate::helpers::certs::write(dir.path(), "web-endpoints.yaml", &web_endpoints);
+    envoy
+        .clusters_text_when("the added cluster's endpoint", |t| t.contains("web::127.0.0.1:8082::"))
+        .await;
+    envoy.wait_ads_connected().await;
+    assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(0));
+}
+
+#[tokio::test]
+async fn the_example_directory_configures_envoy_state_of_the_world() {
+    the_example_directory_configures_envoy(
+        AdsApi::Sotw,
+        "envoy::the_example_directory_configures_envoy_state_of_the_world",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_example_directory_configures_envoy_delta() {
+    the_example_directory_configures_envoy(AdsApi::Delta, "envoy::the_example_directory_configures_envoy_delta").await;
+}
+
+/// A STATIC cluster with one endpoint; `valid` false: one Envoy's validation
+/// refuses (a connect timeout of zero, `gt: {}`), which the proto-JSON reads.
+fn cluster_doc(name: &str, valid: bool) -> String {
+    let timeout = if valid { "1s" } else { "0s" };
+    format!(
+        "collection: {CLUSTERS}\nname: {name}\nbody:\n  type_url: {CLUSTER_TYPE}\n  json:\n    name: {name}\n    \
+         connect_timeout: {timeout}\n    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - \
+         lb_endpoints:\n        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 9}}}}}}\n---\n"
+    )
+}
+
+/// A TCP proxy to `cluster` on a port of the kernel's choosing.
+fn listener_doc(name: &str, cluster: &str) -> String {
+    format!(
+        "collection: {LISTENERS}\nname: {name}\nbody:\n  type_url: {LISTENER_TYPE}\n  json:\n    name: {name}\n    \
+         address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}\n    filter_chains:\n    - filters:\n      \
+         - name: envoy.filters.network.tcp_proxy\n        typed_config:\n          \"@type\": \
+         type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy\n          stat_prefix: {name}\n          \
+         cluster: {cluster}\n"
+    )
+}
+
+/// Writes the clusters (name, valid) and one listener to `backend`.
+fn write_config(dir: &Path, clusters: &[(&str, bool)]) {
+    let text: String = clusters.iter().map(|(name, valid)| cluster_doc(name, *valid)).collect();
+    crate::helpers::certs::write(dir, "clusters.yaml", &text);
+    crate::helpers::certs::write(dir, "listeners.yaml", &listener_doc("ingress", "backend"));
+}
+
+async fn envoy_follows_edits_and_never_gets_a_refused_version_again(api: AdsApi, test: &str) {
+    let Some((dir, gw, envoy)) = envoy_on_files(api, test, |dir| write_config(dir, &[("backend", true)])).await else {
+        return;
+    };
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
 
     envoy
         .clusters_when("the cluster from the files", |c| names(c) == ["backend"])

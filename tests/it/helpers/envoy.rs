@@ -316,15 +316,15 @@ impl Envoy {
     }
 
     /// Whether Envoy's ADS stream is open: an HTTP/2 connection to the
-    /// `xds` cluster with the stream on it. `control_plane.connected_state`
+    /// `gateway` cluster with the stream on it. `control_plane.connected_state`
     /// alone is not proof: Envoy sets it to 1 when it starts each attempt,
     /// before the connection is made (and back to 0 when that fails).
     pub async fn ads_connected(&self) -> bool {
         let stats = self.stats().await;
         let value = |name: &str| stats.get(name).and_then(|v| v.parse::<u64>().ok());
         value("control_plane.connected_state") == Some(1)
-            && value("cluster.xds.upstream_cx_active") >= Some(1)
-            && value("cluster.xds.upstream_rq_active") == Some(1)
+            && value("cluster.gateway.upstream_cx_active") >= Some(1)
+            && value("cluster.gateway.upstream_rq_active") == Some(1)
     }
 
     /// Polls until the ADS stream is open (see `ads_connected`).
@@ -384,6 +384,24 @@ impl Envoy {
         condition: impl Fn(&[(String, String)]) -> bool,
     ) -> Vec<(String, String)> {
         self.dump_when(what, dynamic_listeners, condition).await
+    }
+
+    /// Polls the config dump until `condition` holds of it.
+    pub async fn dump_matches(&self, what: &str, condition: impl Fn(&Value) -> bool) -> Value {
+        let condition = &condition;
+        self.poll(what, move || async move {
+            Some(self.config_dump().await).filter(|dump| condition(dump))
+        })
+        .await
+    }
+
+    /// Polls GET /clusters until `condition` holds of its text.
+    pub async fn clusters_text_when(&self, what: &str, condition: impl Fn(&str) -> bool) -> String {
+        let condition = &condition;
+        self.poll(what, move || async move {
+            Some(self.clusters().await).filter(|t| condition(t))
+        })
+        .await
     }
 
     /// Polls what `read` finds in the config dump until `condition` holds.
@@ -479,66 +497,30 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-/// The bootstrap: node `node_id` in cluster `test`, admin on a port of its
-/// choosing, CDS and LDS over one ADS stream (v3, `api`) to the static
-/// plaintext HTTP/2 cluster `xds` at `xds`. Reconnects back off from 100 ms
-/// to at most 500 ms (Envoy's default grows to 30 s, past any test's wait).
+/// The repository's `examples/envoy/bootstrap.yaml` (what the README tells
+/// users to run), for a test: node `node_id`, admin on a port of its
+/// choosing, ADS (v3, `api`) to the gateway at `xds`. Reconnects back off
+/// from 100 ms to at most 500 ms (Envoy's default grows to 30 s, past any
+/// test's wait).
 pub fn bootstrap(xds: SocketAddr, api: AdsApi, node_id: &str) -> Value {
-    let api_type = match api {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/bootstrap.yaml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut bootstrap: Value = serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    bootstrap["node"]["id"] = json!(node_id);
+    bootstrap["admin"]["address"]["socket_address"] = json!({"address": "127.0.0.1", "port_value": 0});
+    let ads = &mut bootstrap["dynamic_resources"]["ads_config"];
+    ads["api_type"] = json!(match api {
         AdsApi::Sotw => "GRPC",
         AdsApi::Delta => "DELTA_GRPC",
-    };
-    json!({
-        "node": {"id": node_id, "cluster": "test"},
-        "admin": {
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
-        },
-        "dynamic_resources": {
-            "ads_config": {
-                "api_type": api_type,
-                "transport_api_version": "V3",
-                "grpc_services": [{
-                    "envoy_grpc": {
-                        "cluster_name": "xds",
-                        "retry_policy": {
-                            "retry_back_off": {"base_interval": "0.1s", "max_interval": "0.5s"}
-                        }
-                    }
-                }],
-                "set_node_on_first_message_only": true
-            },
-            "cds_config": {"ads": {}, "resource_api_version": "V3"},
-            "lds_config": {"ads": {}, "resource_api_version": "V3"}
-        },
-        "static_resources": {
-            "clusters": [{
-                "name": "xds",
-                "type": "STATIC",
-                "connect_timeout": "0.25s",
-                "typed_extension_protocol_options": {
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": {"http2_protocol_options": {}}
-                    }
-                },
-                "load_assignment": {
-                    "cluster_name": "xds",
-                    "endpoints": [{
-                        "lb_endpoints": [{
-                            "endpoint": {
-                                "address": {
-                                    "socket_address": {
-                                        "address": xds.ip().to_string(),
-                                        "port_value": xds.port()
-                                    }
-                                }
-                            }
-                        }]
-                    }]
-                }
-            }]
-        }
-    })
+    });
+    ads["grpc_services"][0]["envoy_grpc"]["retry_policy"] = json!({
+        "retry_back_off": {"base_interval": "0.1s", "max_interval": "0.5s"}
+    });
+    let gateway = &mut bootstrap["static_resources"]["clusters"][0];
+    assert_eq!(gateway["name"], "gateway", "the example's ADS cluster");
+    gateway["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] =
+        json!({"address": xds.ip().to_string(), "port_value": xds.port()});
+    bootstrap
 }
 
 /// `name: value` lines; quoted (text) values unquoted.
@@ -557,7 +539,7 @@ pub fn parse_stats(text: &str) -> HashMap<String, String> {
 }
 
 /// The config_dump section of type `envoy.admin.v3.<kind>`, if any.
-fn section<'a>(dump: &'a Value, kind: &str) -> Option<&'a Value> {
+pub fn section<'a>(dump: &'a Value, kind: &str) -> Option<&'a Value> {
     let suffix = format!(".{kind}");
     dump["configs"]
         .as_array()?
@@ -565,34 +547,40 @@ fn section<'a>(dump: &'a Value, kind: &str) -> Option<&'a Value> {
         .find(|c| c["@type"].as_str().is_some_and(|t| t.ends_with(&suffix)))
 }
 
+/// The entries of list `list` in section `kind` of a config dump, each
+/// seen through `state` (empty: the entry itself; entries without it are
+/// left out): (`state.resource.name`, `state.version_info`).
+fn dynamic(dump: &Value, kind: &str, list: &str, state: &str, resource: &str) -> Vec<(String, String)> {
+    let entries = section(dump, kind).and_then(|s| s[list].as_array());
+    entries
+        .into_iter()
+        .flatten()
+        .filter_map(|e| if state.is_empty() { Some(e) } else { e.get(state) })
+        .map(|e| (text(&e[resource]["name"]), text(&e["version_info"])))
+        .collect()
+}
+
 /// `ClustersConfigDump.dynamic_active_clusters[]`: (cluster.name, version_info).
 pub fn dynamic_clusters(dump: &Value) -> Vec<(String, String)> {
-    let Some(clusters) = section(dump, "ClustersConfigDump") else {
-        return Vec::new();
-    };
-    let Some(active) = clusters["dynamic_active_clusters"].as_array() else {
-        return Vec::new();
-    };
-    active
-        .iter()
-        .map(|c| (text(&c["cluster"]["name"]), text(&c["version_info"])))
-        .collect()
+    dynamic(dump, "ClustersConfigDump", "dynamic_active_clusters", "", "cluster")
+}
+
+/// `RoutesConfigDump.dynamic_route_configs[]`: (route_config.name,
+/// version_info).
+pub fn dynamic_routes(dump: &Value) -> Vec<(String, String)> {
+    dynamic(dump, "RoutesConfigDump", "dynamic_route_configs", "", "route_config")
 }
 
 /// `ListenersConfigDump.dynamic_listeners[].active_state`:
 /// (listener.name, version_info), for the listeners that have one.
 pub fn dynamic_listeners(dump: &Value) -> Vec<(String, String)> {
-    let Some(listeners) = section(dump, "ListenersConfigDump") else {
-        return Vec::new();
-    };
-    let Some(dynamic) = listeners["dynamic_listeners"].as_array() else {
-        return Vec::new();
-    };
-    dynamic
-        .iter()
-        .filter_map(|l| l.get("active_state"))
-        .map(|a| (text(&a["listener"]["name"]), text(&a["version_info"])))
-        .collect()
+    dynamic(
+        dump,
+        "ListenersConfigDump",
+        "dynamic_listeners",
+        "active_state",
+        "listener",
+    )
 }
 
 fn text(value: &Value) -> String {
