@@ -255,6 +255,16 @@ impl CollectionTable {
         }
     }
 
+    /// A GVK that names `collection` (of several aliases, the first in
+    /// sorted order), if any does.
+    pub fn gvk(&self, collection: &str) -> Option<&str> {
+        self.by_gvk
+            .iter()
+            .filter(|(_, c)| ***c == *collection)
+            .map(|(gvk, _)| gvk.as_str())
+            .min()
+    }
+
     pub fn get(&self, collection: &str) -> Option<&CollectionInfo> {
         self.by_name.get(collection)
     }

@@ -30,11 +30,12 @@ async fn mcp_load(args: &[&str]) -> (serde_json::Value, String) {
     (report, json)
 }
 
-#[tokio::test]
-async fn every_scenario_runs_at_a_tiny_size() {
+/// Every scenario at a tiny size with the clients speaking `protocol`.
+async fn every_scenario_runs_at_a_tiny_size_over(protocol: &str) {
     for scenario in ["big-config", "fan-out", "incremental", "idle"] {
-        let (report, json) = mcp_load(&["--scenario", scenario, "--tiny"]).await;
+        let (report, json) = mcp_load(&["--scenario", scenario, "--tiny", "--protocol", protocol]).await;
         assert_eq!(report["scenario"], scenario);
+        assert_eq!(report["shape"]["protocol"], protocol, "{json}");
         assert_eq!(report["nacks"], 0, "{json}");
         assert_eq!(report["stream_errors"], 0, "{json}");
         let streams = report["streams"].as_u64().unwrap();
@@ -46,6 +47,18 @@ async fn every_scenario_runs_at_a_tiny_size() {
             assert!(report["responses_delivered"].as_u64().unwrap() >= streams, "{json}");
         }
     }
+}
+
+#[tokio::test]
+async fn every_scenario_runs_at_a_tiny_size() {
+    every_scenario_runs_at_a_tiny_size_over("mcp").await;
+}
+
+/// The same over Envoy's v3 ADS: istiod-style GVK clients, SotW and delta.
+#[tokio::test]
+async fn every_scenario_runs_over_xds_at_a_tiny_size() {
+    every_scenario_runs_at_a_tiny_size_over("xds-sotw").await;
+    every_scenario_runs_at_a_tiny_size_over("xds-delta").await;
 }
 
 /// Each attack beside a tiny scenario: the canaries still get everything.

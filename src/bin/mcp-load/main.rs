@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use clients::{Progress, Received};
 use gateway::ChildGateway;
 use publisher::Publisher;
-use scenario::{Scenario, Shape};
+use scenario::{ClientProtocol, Scenario, Shape};
 
 /// How long a phase may take before the run gives up (a stuck gateway).
 const PHASE_LIMIT: Duration = Duration::from_secs(300);
@@ -61,9 +61,15 @@ struct Args {
     /// HTTP/2 connections the streams are spread over.
     #[arg(long)]
     connections: Option<usize>,
-    /// Clients use IncrementalAggregatedResources (true) or state of the world.
+    /// Clients ask for changes (true: IncrementalAggregatedResources, or delta
+    /// with --protocol xds-delta) or for the state of the world.
     #[arg(long)]
     incremental: Option<bool>,
+    /// The clients' protocol: mcp (the legacy AggregatedMeshConfigService),
+    /// xds-sotw or xds-delta (Envoy's v3 ADS asking for GVKs, as istiod
+    /// 1.8+ does; xds-delta makes the clients ask for changes).
+    #[arg(long, value_enum, default_value_t = ClientProtocol::Mcp)]
+    protocol: ClientProtocol,
     /// The gateway binary to start (default: mcp-xds-gateway beside this one).
     #[arg(long, conflicts_with = "target")]
     gateway: Option<PathBuf>,
@@ -98,7 +104,12 @@ impl Args {
             upstream_incremental: self.upstream_incremental.unwrap_or(base.upstream_incremental),
             streams: self.streams.unwrap_or(base.streams),
             connections: self.connections.unwrap_or(base.connections),
-            incremental_clients: self.incremental.unwrap_or(base.incremental_clients),
+            incremental_clients: match self.protocol {
+                ClientProtocol::Mcp => self.incremental.unwrap_or(base.incremental_clients),
+                ClientProtocol::XdsSotw => false,
+                ClientProtocol::XdsDelta => true,
+            },
+            protocol: self.protocol,
         }
     }
 }
@@ -161,10 +172,17 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-fn collection_names(count: usize) -> anyhow::Result<Vec<String>> {
-    let all = CollectionTable::builtin().default_subscriptions();
+/// The first `count` collections Galley serves by default; for xDS clients,
+/// of those a GVK names.
+fn collection_names(count: usize, protocol: ClientProtocol) -> anyhow::Result<Vec<String>> {
+    let table = CollectionTable::builtin();
+    let all: Vec<_> = table
+        .default_subscriptions()
+        .into_iter()
+        .filter(|c| !protocol.is_xds() || table.gvk(c).is_some())
+        .collect();
     if count == 0 || count > all.len() {
-        anyhow::bail!("--collections must be 1 to {}", all.len());
+        anyhow::bail!("--collections must be 1 to {} with --protocol {protocol:?}", all.len());
     }
     Ok(all.iter().take(count).map(|c| c.to_string()).collect())
 }
@@ -206,7 +224,7 @@ async fn start_clients(addr: SocketAddr, shape: &Shape, names: &[String]) -> any
                 i,
                 channels[i % channels.len()].clone(),
                 wanted,
-                shape.incremental_clients,
+                (shape.protocol, shape.incremental_clients),
                 finals_rx.clone(),
                 progress.clone(),
                 stop.clone(),
@@ -234,7 +252,7 @@ impl Clients {
 
 async fn run(args: Args) -> anyhow::Result<Report> {
     let shape = args.shape();
-    let names = collection_names(shape.collections)?;
+    let names = collection_names(shape.collections, shape.protocol)?;
     match args.target {
         Some(target) => run_against_target(target, shape, &names, args.duration).await,
         None => {

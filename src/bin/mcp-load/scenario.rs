@@ -16,8 +16,33 @@ pub struct Shape {
     pub upstream_incremental: bool,
     pub streams: usize,
     pub connections: usize,
-    /// Clients use `IncrementalAggregatedResources` (else state of the world).
+    /// Clients ask for changes (else for the state of the world each time).
     pub incremental_clients: bool,
+    /// The protocol the clients speak.
+    pub protocol: ClientProtocol,
+}
+
+/// The protocol of the load's clients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClientProtocol {
+    /// `AggregatedMeshConfigService`: `StreamAggregatedResources`, or
+    /// `IncrementalAggregatedResources` where the scenario's clients ask for
+    /// changes.
+    #[default]
+    Mcp,
+    /// Envoy's v3 ADS, state of the world, asking for GVKs (MCP over xDS, as
+    /// istiod 1.8+ does).
+    XdsSotw,
+    /// Envoy's v3 ADS, delta, one GVK per stream.
+    XdsDelta,
+}
+
+impl ClientProtocol {
+    /// Whether the clients ask for GVKs (only collections that have one).
+    pub fn is_xds(self) -> bool {
+        self != ClientProtocol::Mcp
+    }
 }
 
 mod millis {
@@ -55,6 +80,7 @@ impl Scenario {
                 streams: 50,
                 connections: 50,
                 incremental_clients: false,
+                protocol: ClientProtocol::Mcp,
             },
             Scenario::FanOut => Shape {
                 collections: 1,
@@ -67,6 +93,7 @@ impl Scenario {
                 streams: 2_000,
                 connections: 100,
                 incremental_clients: false,
+                protocol: ClientProtocol::Mcp,
             },
             Scenario::Incremental => Shape {
                 collections: 1,
@@ -79,6 +106,7 @@ impl Scenario {
                 streams: 200,
                 connections: 20,
                 incremental_clients: true,
+                protocol: ClientProtocol::Mcp,
             },
             Scenario::Idle => Shape {
                 collections: 1,
@@ -91,6 +119,7 @@ impl Scenario {
                 streams: 10_000,
                 connections: 100,
                 incremental_clients: false,
+                protocol: ClientProtocol::Mcp,
             },
         }
     }
