@@ -265,7 +265,7 @@ fn stream_dialect(stream: &StreamView) -> &'static str {
 }
 
 fn type_json(view: &TypeView) -> Value {
-    json!({
+    let mut value = json!({
         "collection": view.collection,
         "dialect": view.dialect.as_str(),
         "incremental": view.incremental,
@@ -278,7 +278,16 @@ fn type_json(view: &TypeView) -> Value {
             "code": m::code_label(n.code),
             "message": n.message,
         })),
-    })
+    });
+    // Only where they say something: most clients take everything and get
+    // responses under 4 MiB.
+    if let Some(bytes) = view.oversized_bytes {
+        value["oversized_bytes"] = json!(bytes);
+    }
+    if let Some(subscribed) = &view.subscribed {
+        value["subscribed"] = json!({"wildcard": subscribed.wildcard, "names": subscribed.names});
+    }
+    value
 }
 
 async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Response {
@@ -524,11 +533,11 @@ mod tests {
         view.outstanding = false;
         view.acked_version = Some(current.clone());
         assert_eq!(sync_status(&view, Some(&current)), "SYNCED");
-        view.last_nack = Some(crate::downstream::registry::NackRecord {
+        view.last_nack = Some(Box::new(crate::downstream::registry::NackRecord {
             version: current.clone(),
             code: 3,
             message: "bad".into(),
-        });
+        }));
         assert_eq!(sync_status(&view, Some(&current)), "NACKED");
     }
 }

@@ -212,8 +212,8 @@ fn record_write(record: &Record, stream_started: Instant, len: usize, warned_ove
             tracing::warn!(
                 collection = %snapshot.collection,
                 bytes = len,
-                "a response is larger than 4 MiB, the default receive limit of legacy clients; \
-                 a client that did not raise it will reject it"
+                "a response is larger than 4 MiB, the default receive limit of legacy clients and of istiod 1.8 \
+                 to 1.11; a client that did not raise it will reject it (see oversized_bytes in /debug/clients)"
             );
         }
     }

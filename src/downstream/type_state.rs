@@ -273,11 +273,11 @@ impl TypeState {
         let sent = self.sent.clone().expect("a nonce is only issued with a snapshot");
         match request.nack {
             Some(nack) => {
-                self.view.last_nack = Some(NackRecord {
+                self.view.last_nack = Some(Box::new(NackRecord {
                     version: sent.version.clone(),
                     code: nack.code,
                     message: nack.message,
-                });
+                }));
                 if let Some(named) = &mut self.named {
                     named.on_nack();
                 }

@@ -299,6 +299,13 @@ async fn debug_views_show_clients_sync_cache_and_upstream() {
         clients.iter().any(|c| c["dialect"] == "mixed"),
         "the pending client has 1.1 and 1.0 types"
     );
+    // The response above 4 MiB is shown with its size.
+    let oversized = clients
+        .iter()
+        .find_map(|c| c["types"][GW_TYPE_URL]["oversized_bytes"].as_u64())
+        .expect("the oversized response in the view");
+    assert!(oversized > 4 << 20, "{oversized}");
+    assert!(clients.iter().all(|c| c["types"][VS].get("oversized_bytes").is_none()));
 
     let syncz = json(addr, "/debug/syncz").await;
     let statuses: BTreeSet<&str> = syncz

@@ -498,6 +498,14 @@ async fn named_subscriptions_in_both_protocols() {
     assert_eq!(second.version_info, first.version_info);
     let values: Vec<&[u8]> = second.resources.iter().map(|r| r.value.as_slice()).collect();
     assert_eq!(values, [cluster_bytes("a"), cluster_bytes("b")]);
+    // The debug view shows the subscription.
+    let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
+    let subscribed = &clients[0]["types"][CLUSTER]["subscribed"];
+    assert_eq!(
+        *subscribed,
+        serde_json::json!({"wildcard": false, "names": 2}),
+        "{clients}"
+    );
 
     // Delta.
     let mut delta = DeltaStream::open_on(channel(gw.listen).await, DELTA).await;
