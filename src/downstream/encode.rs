@@ -31,6 +31,9 @@ pub struct EncodedResponse {
     pub suffix: Bytes,
     /// For the metrics recorded when it is written; not part of the message.
     pub record: Option<Record>,
+    /// The message's length, summed once (the stream's view and the writer
+    /// both need it).
+    len: usize,
 }
 
 /// What a written response is counted under.
@@ -41,9 +44,19 @@ pub struct Record {
 }
 
 impl EncodedResponse {
+    pub fn new(shared: Arc<[Bytes]>, suffix: Bytes, record: Option<Record>) -> Self {
+        let len = shared.iter().map(Bytes::len).sum::<usize>() + suffix.len();
+        Self {
+            shared,
+            suffix,
+            record,
+            len,
+        }
+    }
+
     /// The encoded message's length.
     pub fn len(&self) -> usize {
-        self.shared.iter().map(Bytes::len).sum::<usize>() + self.suffix.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
@@ -439,12 +452,7 @@ mod tests {
     }
 
     fn response(parts: Arc<[Bytes]>, suffix: Bytes) -> Bytes {
-        EncodedResponse {
-            shared: parts,
-            suffix,
-            record: None,
-        }
-        .to_bytes()
+        EncodedResponse::new(parts, suffix, None).to_bytes()
     }
 
     fn names(resources: &[Resource]) -> Vec<String> {

@@ -124,40 +124,49 @@ impl Named {
                 sent: outstanding.then(|| (Names::everything(), BTreeSet::new())),
             })
         });
-        let before = (named.current.clone(), named.resend.len());
+        let mut changed = false;
         match change {
             NameChange::Replace(names) => {
+                // Compared before anything is allocated: clients repeat the
+                // same names on every ACK.
                 let wildcard = names.iter().any(|n| n == WILDCARD);
-                let names: BTreeSet<Arc<str>> = names
-                    .iter()
-                    .filter(|n| *n != WILDCARD)
-                    .map(|n| n.as_str().into())
-                    .collect();
-                named.current = Names { wildcard, names };
+                let asked: BTreeSet<&str> = names.iter().map(String::as_str).filter(|n| *n != WILDCARD).collect();
+                if wildcard != named.current.wildcard
+                    || !asked.iter().copied().eq(named.current.names.iter().map(|n| &**n))
+                {
+                    named.current = Names {
+                        wildcard,
+                        names: asked.into_iter().map(Arc::from).collect(),
+                    };
+                    changed = true;
+                }
             }
             NameChange::Change { subscribe, unsubscribe } => {
                 for name in unsubscribe {
                     if name == WILDCARD {
-                        named.current.wildcard = false;
+                        changed |= std::mem::replace(&mut named.current.wildcard, false);
                         named.held.wildcard = false;
                         continue;
                     }
-                    named.current.names.remove(name.as_str());
+                    changed |= named.current.names.remove(name.as_str());
                     named.held.names.remove(name.as_str());
                     named.resend.remove(name.as_str());
                     // Still covered: the client may have dropped it.
                     if named.current.wildcard {
                         named.resend.insert(name.as_str().into());
+                        changed = true;
                     }
                 }
                 for name in subscribe {
                     if name == WILDCARD {
-                        named.current.wildcard = true;
+                        changed |= !std::mem::replace(&mut named.current.wildcard, true);
                         continue;
                     }
                     let name: Arc<str> = name.as_str().into();
                     named.current.names.insert(name.clone());
+                    // Sent again even if held: always a change.
                     named.resend.insert(name);
+                    changed = true;
                 }
             }
         }
@@ -165,7 +174,7 @@ impl Named {
         if count > max {
             return Err(TooManyNames { count });
         }
-        Ok((named.current.clone(), named.resend.len()) != before || !named.resend.is_empty())
+        Ok(changed)
     }
 
     pub fn current(&self) -> &Names {

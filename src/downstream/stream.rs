@@ -479,19 +479,17 @@ impl<W: Wire> TypedStream<W> {
         let (parts, suffix) = W::encode(&push, type_url, &nonce);
         let to = push.to().clone();
         followed.state.sent(nonce, to.clone());
-        let len = parts.iter().map(Bytes::len).sum::<usize>() + suffix.len();
+        let record = Record {
+            snapshot: to,
+            metrics: followed.metrics.clone(),
+        };
+        let response = EncodedResponse::new(parts, suffix, Some(record));
+        let len = response.len();
         followed.state.view.oversized_bytes = (len > m::LEGACY_CLIENT_LIMIT)
             .then(|| std::num::NonZeroU32::new(u32::try_from(len).unwrap_or(u32::MAX)))
             .flatten();
         followed.metrics.pushes.increment(1);
         self.entry.publish(type_url, followed.state.view.clone());
-        Box::new(EncodedResponse {
-            shared: parts,
-            suffix,
-            record: Some(Record {
-                snapshot: to,
-                metrics: followed.metrics.clone(),
-            }),
-        })
+        Box::new(response)
     }
 }
