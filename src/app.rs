@@ -226,6 +226,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         registry: registry.clone(),
         upstream: status_rx.clone(),
         metrics,
+        stale_after: settings.stale_after,
     };
     crate::transport::http::serve(
         "--admin-listen",

@@ -313,6 +313,11 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
+    /// A client behind the cache's current version for longer than this is
+    /// STALE in /debug/syncz, the status command and mcp_gateway_clients.
+    #[arg(long, env = "MCP_GATEWAY_STALE_AFTER", default_value = "30s", value_parser = parse_duration)]
+    pub stale_after: Duration,
+
     /// Log filter (tracing's EnvFilter syntax); RUST_LOG, when set, wins.
     /// The HTTP/2 library logs only errors by default: what a misbehaving
     /// peer does is in the gateway's own rate-limited lines.
@@ -328,6 +333,9 @@ pub struct Args {
 pub enum Command {
     /// Act as a legacy client: subscribe, ACK, and print one line per update.
     Client(crate::tools::client::ClientArgs),
+    /// Every client's sync status, per collection, from the admin port (like
+    /// `istioctl proxy-status`).
+    Status(crate::tools::status::StatusArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -382,6 +390,8 @@ pub struct Settings {
     pub admin_listen: SocketAddr,
     pub monitoring_listen: SocketAddr,
     pub shutdown_grace: Duration,
+    /// `--stale-after`.
+    pub stale_after: Duration,
     /// HTTP/2 and connection limits of the gRPC listeners.
     pub grpc: GrpcLimits,
     pub max_connections: usize,
@@ -675,6 +685,7 @@ impl Args {
             admin_listen: self.admin_listen,
             monitoring_listen: self.monitoring_listen,
             shutdown_grace: self.shutdown_grace,
+            stale_after: self.stale_after,
             grpc: GrpcLimits {
                 max_streams_per_connection: self.max_streams_per_connection,
                 max_header_list_bytes: self.max_header_list_bytes,

@@ -10,8 +10,10 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
     let mut args = Args::parse();
-    if let Some(Command::Client(client)) = args.command.take() {
-        return run_client(client);
+    match args.command.take() {
+        Some(Command::Client(client)) => return run_client(client),
+        Some(Command::Status(status)) => return run_status(status),
+        None => {}
     }
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&args.log_level));
     let filter = match filter {
@@ -51,6 +53,17 @@ fn main() -> ExitCode {
 
 /// `mcp-xds-gateway client`: output on stdout, errors on stderr, exit 1 on error.
 fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
+    run_tool(async move { mcp_xds_gateway::tools::client::run(args, &mut std::io::stdout()).await })
+}
+
+/// `mcp-xds-gateway status`: the table on stdout, errors on stderr, exit 1
+/// on error.
+fn run_status(args: mcp_xds_gateway::tools::status::StatusArgs) -> ExitCode {
+    run_tool(async move { mcp_xds_gateway::tools::status::run(args, &mut std::io::stdout()).await })
+}
+
+/// Runs a tool on a single-threaded runtime.
+fn run_tool(tool: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -58,8 +71,7 @@ fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut stdout = std::io::stdout();
-    match runtime.block_on(mcp_xds_gateway::tools::client::run(args, &mut stdout)) {
+    match runtime.block_on(tool) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -32,6 +32,7 @@ pub const DOWNSTREAM_NACKS: &str = "mcp_gateway_downstream_nacks_total";
 pub const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
 pub const PUSH_SIZE: &str = "mcp_gateway_push_size_bytes";
 pub const CLIENTS_BEHIND: &str = "mcp_gateway_clients_behind";
+pub const CLIENTS_BY_STATUS: &str = "mcp_gateway_clients";
 pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
 pub const BUILD_INFO: &str = "mcp_gateway_build_info";
 pub const LIMIT_REFUSALS: &str = "mcp_gateway_limit_refusals_total";
@@ -366,6 +367,11 @@ pub fn describe() {
     describe_gauge!(
         CLIENTS_BEHIND,
         "Client streams whose ACKed version of a collection is not the current one."
+    );
+    describe_gauge!(
+        CLIENTS_BY_STATUS,
+        "Client streams per collection and sync status (SYNCED, SENT, STALE: behind for longer than \
+         --stale-after, NACKED, NOT SENT), as /debug/syncz shows them."
     );
     describe_counter!(
         OVERSIZED_RESPONSES,

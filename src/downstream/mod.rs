@@ -27,6 +27,7 @@ use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
+use crate::transport::bucket::PeerBuckets;
 use crate::transport::requests::{RequestBudget, RequestStream};
 use encode::EncodedResponse;
 use registry::NackRecord;
@@ -94,6 +95,10 @@ struct Shared {
     heavy: tokio::sync::Semaphore,
     /// Per collection (collections are the table's, so this is bounded).
     metrics: DashMap<Arc<str>, Arc<CollectionMetrics>>,
+    /// Client connect and leave lines: a burst of 20 per peer address, then
+    /// one a second; the lines skipped meanwhile are counted in the next.
+    peer_logs: PeerBuckets,
+    peer_logs_skipped: AtomicU64,
 }
 
 // === impl Downstream ===
@@ -125,6 +130,8 @@ impl Downstream {
                 ),
                 heavy: tokio::sync::Semaphore::new(1),
                 metrics: DashMap::new(),
+                peer_logs: PeerBuckets::new(1.0, 20.0, 10_000),
+                peer_logs_skipped: AtomicU64::new(0),
             }),
         }
     }
@@ -143,6 +150,18 @@ impl Downstream {
             .entry(collection.clone())
             .or_insert_with(|| Arc::new(CollectionMetrics::new(collection)))
             .clone()
+    }
+
+    /// Whether a connect or leave line of `peer` may be logged: `Some(lines
+    /// skipped since the last one)`.
+    fn peer_log(&self, peer: Option<std::net::SocketAddr>) -> Option<u64> {
+        let allowed = peer.is_none_or(|p| self.inner.peer_logs.take(p.ip()));
+        if allowed {
+            Some(self.inner.peer_logs_skipped.swap(0, Ordering::Relaxed))
+        } else {
+            self.inner.peer_logs_skipped.fetch_add(1, Ordering::Relaxed);
+            None
+        }
     }
 
     /// Waits for the turn to do work that grows with a client's request.
@@ -270,7 +289,7 @@ fn record_nack(
             %type_url,
             version = %nack.version,
             code = nack.code,
-            message = %nack.message,
+            nack_message = %nack.message,
             skipped,
             "client NACKed a version; it keeps its previous state and this version is not sent to it again"
         );

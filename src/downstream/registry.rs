@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use dashmap::DashMap;
 
@@ -63,6 +63,64 @@ pub struct NackRecord {
     pub version: Arc<str>,
     pub code: i32,
     pub message: String,
+    /// When it came.
+    #[serde(skip)]
+    pub at: Stamp,
+}
+
+/// A moment on the registry's clock: tenths of a second since the registry
+/// began, plus one (0: never). Four bytes, where every type of every stream
+/// keeps several. Read on tokio's clock, so paused-time tests control it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Stamp(u32);
+
+impl Stamp {
+    pub const NEVER: Stamp = Stamp(0);
+
+    pub fn is_never(self) -> bool {
+        self == Stamp::NEVER
+    }
+}
+
+/// The registry's clock: when it began, on tokio's clock and on the wall.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock {
+    began: tokio::time::Instant,
+    wall: SystemTime,
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock {
+            began: tokio::time::Instant::now(),
+            wall: SystemTime::now(),
+        }
+    }
+}
+
+impl Clock {
+    pub fn now(&self) -> Stamp {
+        self.stamp(tokio::time::Instant::now())
+    }
+
+    /// `at` as a stamp (an instant before the registry began: its start).
+    pub fn stamp(&self, at: tokio::time::Instant) -> Stamp {
+        let tenths = at.saturating_duration_since(self.began).as_millis() / 100;
+        Stamp(u32::try_from(tenths).unwrap_or(u32::MAX - 1) + 1)
+    }
+
+    /// How long ago `stamp` was; `None` for never.
+    pub fn age(&self, stamp: Stamp) -> Option<Duration> {
+        (!stamp.is_never()).then(|| {
+            let now = self.now().0;
+            Duration::from_millis(u64::from(now.saturating_sub(stamp.0)) * 100)
+        })
+    }
+
+    /// `stamp` on the wall clock; `None` for never.
+    pub fn wall(&self, stamp: Stamp) -> Option<SystemTime> {
+        (!stamp.is_never()).then(|| self.wall + Duration::from_millis(u64::from(stamp.0 - 1) * 100))
+    }
 }
 
 /// One type on one stream, as `/debug/clients` shows it.
@@ -76,6 +134,19 @@ pub struct TypeView {
     pub last_sent_nonce: Option<String>,
     pub acked_version: Option<Arc<str>>,
     pub outstanding: bool,
+    /// When the client last sent a request for the type.
+    #[serde(skip)]
+    pub last_request_at: Stamp,
+    /// When the last response went out.
+    #[serde(skip)]
+    pub last_sent_at: Stamp,
+    /// When the client last ACKed.
+    #[serde(skip)]
+    pub acked_at: Stamp,
+    /// Since when the client has been behind the cache's current version
+    /// (never: it is not behind, or nothing was delivered).
+    #[serde(skip)]
+    pub behind_since: Stamp,
     /// Boxed: most clients never NACK (40 bytes less per type, twice).
     pub last_nack: Option<Box<NackRecord>>,
     /// The size of the last response sent, when it was larger than 4 MiB
@@ -118,6 +189,10 @@ impl TypeView {
             last_sent_nonce: None,
             acked_version: None,
             outstanding: false,
+            last_request_at: Stamp::NEVER,
+            last_sent_at: Stamp::NEVER,
+            acked_at: Stamp::NEVER,
+            behind_since: Stamp::NEVER,
             last_nack: None,
             oversized_bytes: None,
             subscribed: None,
@@ -141,6 +216,7 @@ pub struct StreamView {
 #[derive(Debug, Default)]
 pub struct Registry {
     streams: DashMap<u64, Arc<Mutex<StreamView>>>,
+    clock: Clock,
 }
 
 // === impl Registry ===
@@ -180,6 +256,11 @@ impl Registry {
         self.streams.len()
     }
 
+    /// The clock of the views' times.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
     pub fn is_empty(&self) -> bool {
         self.streams.is_empty()
     }
@@ -194,11 +275,21 @@ pub struct RegistryEntry {
 }
 
 impl RegistryEntry {
+    /// A copy of the stream's view (for its leave line).
+    pub fn view(&self) -> StreamView {
+        self.view.lock().expect("registry lock poisoned").clone()
+    }
+
     pub fn set_node_id(&self, node_id: &str) {
         let mut view = self.view.lock().expect("registry lock poisoned");
         if view.node_id != node_id {
             view.node_id = node_id.to_owned();
         }
+    }
+
+    /// Now, on the registry's clock.
+    pub fn now(&self) -> Stamp {
+        self.registry.clock.now()
     }
 
     pub fn set_gateway_id(&self, gateway_id: &str) {

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::encode::{EncodedResponse, Record};
 use super::names::NameChange;
-use super::registry::{RegistryEntry, TypeView};
+use super::registry::{RegistryEntry, Stamp, TypeView};
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
@@ -154,16 +154,7 @@ impl<W: Wire> TypedStream<W> {
             "reason" => end.as_str()
         )
         .increment(1);
-        match &status {
-            Some(status) => tracing::debug!(
-                stream = self.id,
-                reason = end.as_str(),
-                code = ?status.code(),
-                message = status.message(),
-                "stream ended"
-            ),
-            None => tracing::debug!(stream = self.id, reason = end.as_str(), "stream ended"),
-        }
+        self.log_left(end, status.as_ref());
         if let Some(status) = status {
             end_with(&out, status).await;
         }
@@ -200,7 +191,11 @@ impl<W: Wire> TypedStream<W> {
         }
         let type_url = self.type_for(&request.type_url)?;
         if !self.types.contains_key(&type_url) {
+            let first = self.types.is_empty();
             self.follow(&type_url, &request)?;
+            if first {
+                self.log_connected();
+            }
         }
         let followed = self.types.get_mut(&type_url).expect("followed above");
         let limits = self.shared.limits();
@@ -219,6 +214,7 @@ impl<W: Wire> TypedStream<W> {
             nack,
             names,
             max_names: limits.max_subscribed_names,
+            at: self.entry.now(),
         });
         let collection = followed.state.view.collection.clone();
         match &verdict {
@@ -247,6 +243,9 @@ impl<W: Wire> TypedStream<W> {
             }
             Verdict::First | Verdict::Subscription => {}
         }
+        // Published once, with whether it is still behind.
+        let current = current_of(&self.shared, followed);
+        followed.state.note_current(current.as_ref(), self.entry.now());
         self.entry.publish(&type_url, followed.state.view.clone());
         if verdict == Verdict::Unrecoverable {
             return Err(Status::failed_precondition(
@@ -255,6 +254,15 @@ impl<W: Wire> TypedStream<W> {
             ));
         }
         Ok(Some(type_url))
+    }
+}
+
+/// What a followed type is answered from now: the cache's snapshot, or the
+/// empty one of a type nobody serves.
+fn current_of(shared: &Downstream, followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
+    match &followed.unserved {
+        Some(empty) => Some(empty.clone()),
+        None => shared.inner.cache.get(&followed.state.view.collection),
     }
 }
 
@@ -327,6 +335,50 @@ fn read_nack(detail: Bytes, max: usize) -> Nack {
 }
 
 impl<W: Wire> TypedStream<W> {
+    /// The stream's first type is followed: one line, peer, node and
+    /// protocol (rate-limited per peer address).
+    fn log_connected(&self) {
+        let view = self.entry.view();
+        if let Some(skipped) = self.shared.peer_log(view.peer) {
+            tracing::info!(
+                stream = self.id,
+                peer = view.peer.map(|p| p.to_string()),
+                node = view.node_id,
+                protocol = W::PROTOCOL.as_str(),
+                skipped_client_lines = skipped,
+                "client connected"
+            );
+        }
+    }
+
+    /// The stream ended: why, after how long, and what it had ACKed of each
+    /// type (`type=version`; `-` for nothing).
+    fn log_left(&self, end: End, status: Option<&Status>) {
+        let view = self.entry.view();
+        let Some(skipped) = self.shared.peer_log(view.peer) else {
+            return;
+        };
+        let connected_seconds = view.connected_since.elapsed().map_or(0.0, |d| d.as_secs_f64());
+        let acked: Vec<String> = view
+            .types
+            .iter()
+            .map(|(type_url, t)| format!("{type_url}={}", t.acked_version.as_deref().unwrap_or("-")))
+            .collect();
+        tracing::info!(
+            stream = self.id,
+            peer = view.peer.map(|p| p.to_string()),
+            node = view.node_id,
+            protocol = W::PROTOCOL.as_str(),
+            reason = end.as_str(),
+            code = status.map(|s| m::code_label(s.code() as i32)),
+            detail = status.map(Status::message),
+            connected_seconds = (connected_seconds * 10.0).round() / 10.0,
+            acked = acked.join(" "),
+            skipped_client_lines = skipped,
+            "client left"
+        );
+    }
+
     /// The type a request is for.
     fn type_for(&self, requested: &str) -> Result<String, Status> {
         if !W::ONE_TYPE {
@@ -437,10 +489,8 @@ impl<W: Wire> TypedStream<W> {
         let Some(followed) = self.types.get(type_url) else {
             return Ok(());
         };
-        let current = match &followed.unserved {
-            Some(empty) => Some(empty.clone()),
-            None => self.shared.inner.cache.get(&followed.state.view.collection),
-        };
+        let current = current_of(&self.shared, followed);
+        let now = self.entry.now();
         let response = match self.types.get_mut(type_url).map(|f| f.state.next(current.as_ref())) {
             Some(Ok(push @ Push::FirstFromReported { .. })) => {
                 // Work that grows with what the client sent: one stream at a
@@ -448,10 +498,18 @@ impl<W: Wire> TypedStream<W> {
                 // queued (a client that does not read never holds it).
                 let shared = self.shared.clone();
                 let _turn = Box::pin(shared.heavy_work()).await;
-                self.respond(type_url, push)
+                self.respond(type_url, push, current.as_ref(), now)
             }
-            Some(Ok(push)) => self.respond(type_url, push),
-            _ => return Ok(()),
+            Some(Ok(push)) => self.respond(type_url, push, current.as_ref(), now),
+            _ => {
+                // Nothing to send; whether it is behind may have changed.
+                if let Some(followed) = self.types.get_mut(type_url) {
+                    if followed.state.note_current(current.as_ref(), now) {
+                        self.entry.publish(type_url, followed.state.view.clone());
+                    }
+                }
+                return Ok(());
+            }
         };
         match out.try_send(Ok(response)) {
             Ok(()) => Ok(()),
@@ -471,14 +529,22 @@ impl<W: Wire> TypedStream<W> {
         }
     }
 
-    /// Encodes `push` with the next nonce and records it as sent.
-    fn respond(&mut self, type_url: &str, push: Push) -> Box<EncodedResponse> {
+    /// Encodes `push` with the next nonce and records it as sent `now`, with
+    /// the cache at `current`.
+    fn respond(
+        &mut self,
+        type_url: &str,
+        push: Push,
+        current: Option<&Arc<CollectionSnapshot>>,
+        now: Stamp,
+    ) -> Box<EncodedResponse> {
         let followed = self.types.get_mut(type_url).expect("a followed type");
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
         let (parts, suffix) = W::encode(&push, type_url, &nonce);
         let to = push.to().clone();
-        followed.state.sent(nonce, to.clone());
+        followed.state.sent_at(nonce, to.clone(), now);
+        followed.state.note_current(current, now);
         let record = Record {
             snapshot: to,
             metrics: followed.metrics.clone(),

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::names::{Holds, NameChange, Named, TooManyNames};
-use super::registry::{NackRecord, TypeView};
+use super::registry::{NackRecord, Stamp, TypeView};
 use crate::cache::{CollectionSnapshot, Diff};
 
 /// How responses for this type carry the collection.
@@ -114,6 +114,8 @@ pub struct Request<'a> {
     pub names: NameChange<'a>,
     /// `--max-subscribed-names`.
     pub max_names: usize,
+    /// When it came (the views' clock: the machine reads none).
+    pub at: Stamp,
 }
 
 impl<'a> Request<'a> {
@@ -124,6 +126,7 @@ impl<'a> Request<'a> {
             nack,
             names: NameChange::Replace(&[]),
             max_names: usize::MAX,
+            at: Stamp::NEVER,
         }
     }
 }
@@ -244,6 +247,7 @@ impl TypeState {
 
     /// A request for this type.
     pub fn on_request(&mut self, request: Request<'_>) -> Verdict {
+        self.view.last_request_at = request.at;
         let holds_all = matches!(self.held, Held::At(_));
         let changed = match Named::apply(
             &mut self.named,
@@ -277,6 +281,7 @@ impl TypeState {
                     version: sent.version.clone(),
                     code: nack.code,
                     message: nack.message,
+                    at: request.at,
                 }));
                 if let Some(named) = &mut self.named {
                     named.on_nack();
@@ -296,6 +301,7 @@ impl TypeState {
                     named.on_ack();
                 }
                 self.view.acked_version = Some(sent.version.clone());
+                self.view.acked_at = request.at;
                 self.held = Held::At(sent);
                 Verdict::Ack
             }
@@ -337,8 +343,10 @@ impl TypeState {
                 Some(named) if !named.is_everything() => {
                     let diff = named.changes(Holds::Snapshot(from), &to);
                     if diff.is_empty() {
-                        // Nothing it asks for changed: it holds `to` as well.
+                        // Nothing it asks for changed: it holds `to` as well
+                        // (and is shown at its version).
                         named.settle();
+                        self.view.acked_version = Some(to.version.clone());
                         self.held = Held::At(to);
                         return Err(Wait::UpToDate);
                     }
@@ -373,6 +381,24 @@ impl TypeState {
     }
 
     /// The response chosen by [`Self::next`] went out with `nonce`.
+    /// Notes whether the client is behind `current` (the cache's snapshot),
+    /// and since when (`now` if it just fell behind); true when that changed.
+    pub fn note_current(&mut self, current: Option<&Arc<CollectionSnapshot>>, now: Stamp) -> bool {
+        let behind = current.is_some_and(|c| self.view.acked_version.as_ref() != Some(&c.version));
+        let since = match (behind, self.view.behind_since.is_never()) {
+            (false, _) => Stamp::NEVER,
+            (true, true) => now,
+            (true, false) => self.view.behind_since,
+        };
+        std::mem::replace(&mut self.view.behind_since, since) != since
+    }
+
+    /// The response chosen by [`Self::next`] went out with `nonce` at `at`.
+    pub fn sent_at(&mut self, nonce: String, to: Arc<CollectionSnapshot>, at: Stamp) {
+        self.view.last_sent_at = at;
+        self.sent(nonce, to);
+    }
+
     pub fn sent(&mut self, nonce: String, to: Arc<CollectionSnapshot>) {
         if let Some(named) = &mut self.named {
             named.on_sent();

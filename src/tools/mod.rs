@@ -4,3 +4,4 @@
 
 pub mod client;
 pub mod galley;
+pub mod status;

@@ -154,6 +154,7 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
         "mcp_gateway_push_latency_seconds_bucket",
         "mcp_gateway_push_size_bytes_bucket",
         "mcp_gateway_clients_behind",
+        "mcp_gateway_clients",
         "mcp_gateway_oversized_responses_total",
         "mcp_gateway_build_info",
         "process_cpu_seconds_total",
@@ -202,6 +203,21 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
     };
     assert!(value("mcp_gateway_oversized_responses_total{collection=\"istio/networking/v1alpha3/gateways\"}") >= 1.0);
     assert!(value("mcp_gateway_clients_behind{collection=\"istio/networking/v1alpha3/virtualservices\"}") >= 1.0);
+    // One series per status and collection, zero included.
+    let by_status = |status: &str, collection: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| {
+                l.starts_with("mcp_gateway_clients{")
+                    && l.contains(&format!("status=\"{status}\""))
+                    && l.contains(&format!("collection=\"{collection}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    assert_eq!(by_status("NACKED", VS), Some(1.0), "{text}");
+    assert_eq!(by_status("SYNCED", VS), Some(1.0), "{text}");
+    assert_eq!(by_status("STALE", VS), Some(0.0), "{text}");
+    assert_eq!(by_status("NOT SENT", GW), Some(0.0), "{text}");
     assert_eq!(value("mcp_gateway_upstream_connected"), 1.0);
 }
 
@@ -308,22 +324,95 @@ async fn debug_views_show_clients_sync_cache_and_upstream() {
     assert!(clients.iter().all(|c| c["types"][VS].get("oversized_bytes").is_none()));
 
     let syncz = json(addr, "/debug/syncz").await;
-    let statuses: BTreeSet<&str> = syncz
-        .as_array()
-        .unwrap()
+    let rows = syncz["rows"].as_array().unwrap();
+    let statuses: BTreeSet<&str> = rows
         .iter()
         .filter(|row| row["type_url"] == VS)
         .map(|row| row["status"].as_str().unwrap())
         .collect();
-    assert_eq!(statuses, BTreeSet::from(["SYNCED", "NACKED", "PENDING"]));
-    let row = syncz
+    assert_eq!(statuses, BTreeSet::from(["SYNCED", "NACKED", "SENT"]), "{syncz}");
+    let row = rows.iter().find(|r| r["status"] == "NACKED").unwrap();
+    assert_eq!(row["current_version"], *cached.version);
+    assert_eq!(row["nack"]["message"], "bad route");
+    assert_eq!(row["nack"]["version"], *cached.version);
+    assert_eq!(row["node_id"], "pilot-test");
+    assert_eq!(row["protocol"], "sotw");
+    for time in [
+        &row["since"],
+        &row["nack"]["at"],
+        &row["last_request"],
+        &row["sent"]["at"],
+        &row["connected_since"],
+    ] {
+        assert!(time.as_str().is_some_and(|t| t.ends_with('Z')), "{row}");
+    }
+    assert!(row["for_seconds"].as_f64().is_some(), "{row}");
+    let sent = rows.iter().find(|r| r["status"] == "SENT").unwrap();
+    assert_eq!(sent["sent"]["awaiting_ack"], true, "{sent}");
+    assert!(sent["acked"].is_null(), "{sent}");
+    // The summary counts every row; the filters narrow the rows only.
+    let total: u64 = syncz["summary"]["clients"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(total as usize, rows.len());
+    assert_eq!(syncz["summary"]["by_collection"][VS]["NACKED"], 1, "{syncz}");
+    let nacked = json(addr, "/debug/syncz?status=nacked").await;
+    assert_eq!(nacked["rows"].as_array().unwrap().len(), 1, "{nacked}");
+    assert_eq!(nacked["summary"], syncz["summary"]);
+    let by_collection = json(addr, &format!("/debug/syncz?collection={GW}")).await;
+    assert!(by_collection["rows"]
         .as_array()
         .unwrap()
         .iter()
+        .all(|r| r["collection"] == GW));
+    assert!(!by_collection["rows"].as_array().unwrap().is_empty());
+    let by_node = json(addr, "/debug/syncz?node=no-such-node").await;
+    assert!(by_node["rows"].as_array().unwrap().is_empty());
+    let (status, body) = http_get(addr, "/debug/syncz?status=late").await;
+    assert_eq!(status, 400);
+    assert!(body.contains("SYNCED, SENT, STALE, NACKED, NOT SENT"), "{body}");
+
+    // The admin index: every endpoint, and the clients not in sync with
+    // their collection, status, since when and why.
+    let (status, index) = http_get_with(addr, "/", "Accept: application/json\r\n").await;
+    assert_eq!(status, 200);
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    let paths: Vec<&str> = index["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    for path in [
+        "/debug/syncz",
+        "/debug/clients",
+        "/debug/cache",
+        "/debug/upstream",
+        "/metrics",
+        "/readyz",
+    ] {
+        assert!(paths.contains(&path), "{index}");
+    }
+    assert_eq!(index["clients"], syncz["summary"]["clients"]);
+    let stuck = index["not_synced"].as_array().unwrap();
+    assert!(stuck.iter().all(|r| r["status"] != "SYNCED"), "{index}");
+    let nacked = stuck
+        .iter()
         .find(|r| r["status"] == "NACKED")
-        .unwrap();
-    assert_eq!(row["current_version"], *cached.version);
-    assert_eq!(row["nack"], "bad route");
+        .expect("the NACKing client");
+    assert_eq!(
+        (&nacked["collection"], &nacked["nack"], &nacked["node_id"]),
+        (&VS.into(), &"bad route".into(), &"pilot-test".into())
+    );
+    assert!(nacked["since"].as_str().is_some_and(|t| t.ends_with('Z')), "{nacked}");
+    let (_, page) = http_get_with(addr, "/", "Accept: text/html\r\n").await;
+    assert!(
+        page.contains("<a href=\"/debug/syncz\">") && page.contains("bad route") && page.contains("NACKED"),
+        "{page}"
+    );
 
     let cache = json(addr, "/debug/cache").await;
     let vs = cache
@@ -438,9 +527,14 @@ async fn grpc_health_follows_readiness_and_reflection_lists_the_services() {
 }
 
 async fn client_command(args: &[&str]) -> (Option<i32>, String, String) {
+    subcommand("client", args).await
+}
+
+/// Runs `mcp-xds-gateway SUBCOMMAND ARGS…`: exit code, stdout, stderr.
+async fn subcommand(name: &str, args: &[&str]) -> (Option<i32>, String, String) {
     let output = within(
-        "the client command to exit",
-        Command::new(BIN).arg("client").args(args).kill_on_drop(true).output(),
+        &format!("the {name} command to exit"),
+        Command::new(BIN).arg(name).args(args).kill_on_drop(true).output(),
     )
     .await
     .unwrap();
@@ -579,5 +673,116 @@ async fn json_logs_are_one_object_per_line() {
     let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
     assert_eq!(entry["message"], "effective configuration");
     assert_eq!(entry["level"], "INFO");
+    // Lines until one with `message`, as JSON.
+    async fn next<R: tokio::io::AsyncBufRead + Unpin>(
+        lines: &mut tokio::io::Lines<R>,
+        message: &'static str,
+    ) -> serde_json::Value {
+        within(message, async {
+            loop {
+                let line = lines.next_line().await.unwrap().expect("the gateway is running");
+                let entry: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+                if entry["message"] == message {
+                    return entry;
+                }
+            }
+        })
+        .await
+    }
+    let listening = next(&mut lines, "gateway listening").await;
+    let listen: SocketAddr = listening["listen"].as_str().unwrap().parse().unwrap();
+    // A client connects, is answered, and leaves: a line each, with who,
+    // why and what it had ACKed.
+    let mut client = sotw(listen).await;
+    client.subscribe(VS);
+    let response = client.recv().await;
+    client.ack(&response);
+    let admin: SocketAddr = listening["admin"].as_str().unwrap().parse().unwrap();
+    crate::helpers::eventually_async("the ACK to be taken", || async {
+        json(admin, "/debug/syncz").await["rows"][0]["status"] == "SYNCED"
+    })
+    .await;
+    let connected = next(&mut lines, "client connected").await;
+    assert_eq!(connected["protocol"], "sotw", "{connected}");
+    assert_eq!(connected["node"], "pilot-test", "{connected}");
+    assert!(
+        connected["peer"].as_str().unwrap().starts_with("127.0.0.1:"),
+        "{connected}"
+    );
+    drop(client);
+    let left = next(&mut lines, "client left").await;
+    assert_eq!(left["reason"], "client_gone", "{left}");
+    assert_eq!(left["node"], "pilot-test", "{left}");
+    assert!(left["connected_seconds"].as_f64().is_some(), "{left}");
+    assert!(left["acked"].as_str().unwrap().starts_with(&format!("{VS}=")), "{left}");
     child.kill().await.unwrap();
+}
+
+/// A client that does not ACK is SENT, then STALE once it has been behind
+/// for longer than --stale-after (here 0s: as soon as the clock moves), and
+/// SYNCED once it ACKs; the metric follows.
+#[tokio::test]
+async fn a_client_behind_for_longer_than_stale_after_is_stale() {
+    let gw = crate::helpers::start_gateway(&["--stale-after", "0s"]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let response = client.recv().await;
+    let status = || async {
+        let syncz = json(gw.admin, "/debug/syncz").await;
+        syncz["rows"][0]["status"].as_str().unwrap_or_default().to_owned()
+    };
+    crate::helpers::eventually_async("the unACKed client to be STALE", || async { status().await == "STALE" }).await;
+    let syncz = json(gw.admin, "/debug/syncz?status=stale").await;
+    let row = &syncz["rows"][0];
+    assert_eq!(row["collection"], VS);
+    assert_eq!(row["since"], row["behind_since"], "{row}");
+    let (_, metrics) = http_get(gw.admin, "/metrics").await;
+    assert!(
+        metrics.lines().any(|l| l.starts_with("mcp_gateway_clients{")
+            && l.contains("status=\"STALE\"")
+            && l.contains(VS)
+            && l.ends_with(" 1")),
+        "{metrics}"
+    );
+    client.ack(&response);
+    crate::helpers::eventually_async("the ACK to make it SYNCED", || async { status().await == "SYNCED" }).await;
+}
+
+/// `status`: one line per client stream with a status column per
+/// collection, like `istioctl proxy-status`, and the NACK messages.
+#[tokio::test]
+async fn the_status_command_shows_every_client_per_collection() {
+    let ex = exercise().await;
+    let admin = format!("http://{}", ex.gw.admin);
+    let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[0].starts_with("NODE") && lines[0].contains("PROTOCOL"),
+        "{stdout}"
+    );
+    assert!(
+        lines[0].contains("VIRTUALSERVICES") && lines[0].contains("GATEWAYS"),
+        "{stdout}"
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("pilot-test") && l.contains("NACKED")),
+        "{stdout}"
+    );
+    assert!(lines.iter().any(|l| l.contains("SENT")), "{stdout}");
+    assert!(stdout.contains(&format!("NACK pilot-test {VS}: bad route")), "{stdout}");
+    assert!(stdout.contains("1 NACKED"), "{stdout}");
+
+    let (code, only, _) = subcommand("status", &["--admin", &admin, "--status", "nacked"]).await;
+    assert_eq!(code, Some(0));
+    let clients = only.lines().skip(1).take_while(|l| !l.is_empty()).count();
+    assert_eq!(clients, 1, "{only}");
+
+    // An admin port that is not there: exit 1, saying where it looked.
+    let (code, _, stderr) = subcommand("status", &["--admin", "127.0.0.1:1"]).await;
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.contains("cannot connect to the admin port at 127.0.0.1:1"),
+        "{stderr}"
+    );
 }

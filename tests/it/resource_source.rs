@@ -55,7 +55,11 @@ async fn a_pilot_sink_gets_each_collection_and_every_change() {
     assert_eq!(stream["types"][VS]["incremental"], false);
     let syncz = get_json(gw.admin, "/debug/syncz").await;
     assert!(
-        syncz.as_array().unwrap().iter().all(|row| row["status"] == "SYNCED"),
+        syncz["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|row| row["status"] == "SYNCED"),
         "{syncz}"
     );
 }

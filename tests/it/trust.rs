@@ -458,6 +458,13 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
         assert_eq!(http_get(gw.monitoring, path).await.0, 404, "{path}");
         assert_eq!(http_get(gw.admin, path).await.0, 200, "{path} on admin");
     }
+    // Its index lists its own paths, and names no client and no view.
+    let (status, index) = http_get(gw.monitoring, "/").await;
+    assert_eq!(status, 200);
+    for path in ["/metrics", "/healthz", "/readyz"] {
+        assert!(index.contains(&format!("href=\"{path}\"")), "{index}");
+    }
+    assert!(!index.contains("/debug"), "{index}");
 }
 
 #[tokio::test]

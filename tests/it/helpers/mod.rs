@@ -44,6 +44,16 @@ pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     .await
 }
 
+/// As [`eventually`], for a condition that must await (an HTTP view).
+pub async fn eventually_async<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
+    within(what, async {
+        while !condition().await {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
 /// A copy of the upstream status taken while `condition` holds (the status
 /// moves on by itself: a retry scheduled is cleared when the attempt starts).
 pub async fn upstream_status_when(

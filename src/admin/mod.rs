@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
@@ -25,6 +25,9 @@ use crate::downstream::Registry;
 use crate::metrics as m;
 use crate::source::UpstreamStatus;
 
+mod index;
+pub mod syncz;
+
 #[derive(Clone)]
 pub struct AdminState {
     pub cache: Arc<Cache>,
@@ -33,6 +36,8 @@ pub struct AdminState {
     pub upstream: watch::Receiver<UpstreamStatus>,
     /// `None` when the process has another metrics recorder.
     pub metrics: Option<PrometheusHandle>,
+    /// `--stale-after`.
+    pub stale_after: std::time::Duration,
 }
 
 impl AdminState {
@@ -113,27 +118,30 @@ pub async fn track_health(
     }
 }
 
-/// The monitoring port: what Prometheus and the kubelet need, nothing that
-/// names a client or a resource.
-pub fn monitoring_router(state: AdminState) -> Router {
+/// Liveness, readiness and metrics: on both ports.
+fn probes() -> Router<AdminState> {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(state)
+}
+
+/// The monitoring port: what Prometheus and the kubelet need, nothing that
+/// names a client or a resource.
+pub fn monitoring_router(state: AdminState) -> Router {
+    probes().route("/", get(index::monitoring)).with_state(state)
 }
 
 /// The admin port: the monitoring paths and every debug view.
 pub fn admin_router(state: AdminState) -> Router {
-    monitoring_router(state.clone()).merge(
-        Router::new()
-            .route("/debug/clients", get(clients))
-            .route("/debug/syncz", get(syncz))
-            .route("/debug/cache", get(cache))
-            .route("/debug/cache/{*collection}", get(cache_collection))
-            .route("/debug/upstream", get(upstream))
-            .with_state(state),
-    )
+    probes()
+        .route("/", get(index::admin))
+        .route("/debug/clients", get(clients))
+        .route("/debug/syncz", get(syncz))
+        .route("/debug/cache", get(cache))
+        .route("/debug/cache/{*collection}", get(cache_collection))
+        .route("/debug/upstream", get(upstream))
+        .with_state(state)
 }
 
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
@@ -224,6 +232,12 @@ fn refresh_gauges(state: &AdminState) {
     for (collection, count) in behind {
         metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
     }
+    let rows = syncz::rows(&streams, &state.cache, state.registry.clock(), state.stale_after);
+    let configured = state.subscriptions.awaited();
+    for ((status, collection), count) in syncz::counts(&rows, configured) {
+        metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)
+            .set(count as f64);
+    }
     metrics::gauge!(m::UPSTREAM_CONNECTED).set(if state.upstream.borrow().connected { 1.0 } else { 0.0 });
     metrics::gauge!(m::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     process_collector().collect();
@@ -311,48 +325,18 @@ async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Respons
     view(&headers, "Connected clients", Value::Array(streams))
 }
 
-/// Where a client stands on one type, against the cache's current version.
-pub fn sync_status(view: &TypeView, current: Option<&Arc<str>>) -> &'static str {
-    let Some(current) = current else {
-        // Nothing delivered upstream yet: nothing to be in sync with.
-        return "PENDING";
-    };
-    if view.last_nack.as_ref().is_some_and(|n| &n.version == current) {
-        "NACKED"
-    } else if view.outstanding {
-        "PENDING"
-    } else if view.acked_version.as_ref() == Some(current) {
-        "SYNCED"
-    } else {
-        "STALE"
+async fn syncz(State(state): State<AdminState>, Query(filter): Query<syncz::Filter>, headers: HeaderMap) -> Response {
+    let streams = state.registry.streams();
+    let clock = state.registry.clock();
+    let rows = syncz::rows(&streams, &state.cache, clock, state.stale_after);
+    match syncz::view(&rows, clock, &filter) {
+        Ok(value) => view(
+            &headers,
+            "Sync status: a summary, then one row per client stream and type",
+            value,
+        ),
+        Err(message) => (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
     }
-}
-
-async fn syncz(State(state): State<AdminState>, headers: HeaderMap) -> Response {
-    let mut rows = Vec::new();
-    for stream in state.registry.streams() {
-        for (type_url, t) in &stream.types {
-            let current = state.cache.get(&t.collection).map(|s| s.version.clone());
-            rows.push(json!({
-                "stream": stream.id,
-                "peer": stream.peer.map(|p| p.to_string()),
-                "node_id": stream.node_id,
-                "gateway_id": stream.gateway_id,
-                "protocol": stream.protocol.as_str(),
-                "type_url": type_url,
-                "status": sync_status(t, current.as_ref()),
-                "current_version": current,
-                "sent_version": t.last_sent_version,
-                "acked_version": t.acked_version,
-                "nack": t.last_nack.as_ref().map(|n| n.message.clone()),
-            }));
-        }
-    }
-    view(
-        &headers,
-        "Sync status (one line per client and type)",
-        Value::Array(rows),
-    )
 }
 
 fn snapshot_json(snapshot: &CollectionSnapshot) -> Value {
@@ -494,14 +478,21 @@ fn page(title: &str, value: &Value) -> String {
         Value::Array(items) if items.is_empty() => body.push_str("<p>none</p>"),
         _ => html(value, &mut body),
     }
+    body.push_str(
+        "<p><a href=\"/\">index</a> · <a href=\"/debug/clients\">clients</a> · <a href=\"/debug/syncz\">syncz</a> · \
+         <a href=\"/debug/cache\">cache</a> · <a href=\"/debug/upstream\">upstream</a> · \
+         <a href=\"/metrics\">metrics</a></p>",
+    );
+    document(title, &body)
+}
+
+/// An HTML page: `title` as its heading, then `body` (HTML).
+fn document(title: &str, body: &str) -> String {
     format!(
         "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title><style>\
          body{{font-family:sans-serif}}table{{border-collapse:collapse}}\
          th,td{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}\
-         </style></head><body><h1>{title}</h1>{body}\
-         <p><a href=\"/debug/clients\">clients</a> · <a href=\"/debug/syncz\">syncz</a> · \
-         <a href=\"/debug/cache\">cache</a> · <a href=\"/debug/upstream\">upstream</a> · \
-         <a href=\"/metrics\">metrics</a></p></body></html>",
+         </style></head><body><h1>{title}</h1>{body}</body></html>",
         title = escape(title)
     )
 }
@@ -517,27 +508,5 @@ mod tests {
         assert!(page.contains("<th>a</th><th>b</th><th>c</th>"), "{page}");
         assert!(page.contains("&lt;x&gt;"));
         assert!(page.contains("1<br>2"));
-    }
-
-    #[test]
-    fn sync_status_follows_the_current_version() {
-        let current: Arc<str> = "v2".into();
-        let mut view = TypeView::new(crate::collections::Resolved {
-            collection: "c".into(),
-            dialect: crate::collections::Dialect::V1_1,
-        });
-        assert_eq!(sync_status(&view, None), "PENDING");
-        assert_eq!(sync_status(&view, Some(&current)), "STALE");
-        view.outstanding = true;
-        assert_eq!(sync_status(&view, Some(&current)), "PENDING");
-        view.outstanding = false;
-        view.acked_version = Some(current.clone());
-        assert_eq!(sync_status(&view, Some(&current)), "SYNCED");
-        view.last_nack = Some(Box::new(crate::downstream::registry::NackRecord {
-            version: current.clone(),
-            code: 3,
-            message: "bad".into(),
-        }));
-        assert_eq!(sync_status(&view, Some(&current)), "NACKED");
     }
 }

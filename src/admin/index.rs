@@ -1,0 +1,130 @@
+//! `/` on the admin and monitoring ports: every endpoint with one line each,
+//! and on the admin port which clients are not in sync, on which collection,
+//! since when and why. HTML for a browser; JSON with `Accept:
+//! application/json`.
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap};
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::{document, escape, html, syncz, AdminState};
+
+/// The admin port's endpoints: (path, what it shows).
+pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
+    ("/", "this index: the endpoints, and every client not in sync"),
+    (
+        "/debug/syncz",
+        "every client stream and type: status (SYNCED, SENT, STALE, NACKED, NOT SENT), since when, last request, \
+         response, ACK and NACK; a summary first; filters ?collection= ?status= ?node=",
+    ),
+    (
+        "/debug/clients",
+        "every client stream: peer, node, protocol, and per type what was sent, ACKed and NACKed",
+    ),
+    (
+        "/debug/cache",
+        "every collection: version, resources, bytes, origin, when it changed",
+    ),
+    (
+        "/debug/cache/{collection}",
+        "one collection's resources: names, versions, sizes",
+    ),
+    (
+        "/debug/upstream",
+        "the source: connected, since when, last error, per collection",
+    ),
+    ("/metrics", "Prometheus metrics"),
+    ("/healthz", "liveness"),
+    (
+        "/readyz",
+        "readiness: 200 once every configured collection has a first state, else what is missing",
+    ),
+];
+
+/// The monitoring port's endpoints.
+pub const MONITORING_ENDPOINTS: &[(&str, &str)] = &[
+    ("/", "this index"),
+    ("/metrics", "Prometheus metrics"),
+    ("/healthz", "liveness"),
+    (
+        "/readyz",
+        "readiness: 200 once every configured collection has a first state, else what is missing",
+    ),
+];
+
+fn wants_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|a| a.to_str().ok())
+        .is_some_and(|a| a.contains("application/json"))
+}
+
+fn endpoints_json(endpoints: &[(&str, &str)]) -> Value {
+    endpoints
+        .iter()
+        .map(|(path, what)| json!({"path": path, "what": what}))
+        .collect()
+}
+
+fn endpoints_html(endpoints: &[(&str, &str)], out: &mut String) {
+    out.push_str("<table>");
+    for (path, what) in endpoints {
+        let link = if path.contains('{') {
+            escape(path)
+        } else {
+            format!("<a href=\"{0}\">{0}</a>", escape(path))
+        };
+        out.push_str(&format!("<tr><td>{link}</td><td>{}</td></tr>", escape(what)));
+    }
+    out.push_str("</table>");
+}
+
+fn page(title: &str, body: &str) -> Html<String> {
+    Html(document(title, body))
+}
+
+pub async fn admin(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let streams = state.registry.streams();
+    let clock = state.registry.clock();
+    let rows = syncz::rows(&streams, &state.cache, clock, state.stale_after);
+    let summary = syncz::summary(&rows);
+    let not_synced: Vec<Value> = rows
+        .iter()
+        .filter(|r| r.status != syncz::SyncStatus::Synced)
+        .map(|r| syncz::brief_json(r, clock))
+        .collect();
+    if wants_json(&headers) {
+        return Json(json!({
+            "endpoints": endpoints_json(ADMIN_ENDPOINTS),
+            "clients": summary["clients"],
+            "not_synced": not_synced,
+        }))
+        .into_response();
+    }
+    let mut body = String::new();
+    body.push_str("<h2>Endpoints</h2>");
+    endpoints_html(ADMIN_ENDPOINTS, &mut body);
+    body.push_str(&format!(
+        "<h2>Client streams per status</h2><p>(STALE: behind the cache for longer than --stale-after={}s)</p>",
+        state.stale_after.as_secs_f64()
+    ));
+    html(&summary["clients"], &mut body);
+    body.push_str("<h2>Clients not in sync</h2>");
+    if not_synced.is_empty() {
+        body.push_str("<p>none: every client holds the current version of every type it follows</p>");
+    } else {
+        html(&Value::Array(not_synced), &mut body);
+    }
+    page("mcp-xds-gateway admin", &body).into_response()
+}
+
+pub async fn monitoring(headers: HeaderMap) -> Response {
+    if wants_json(&headers) {
+        return Json(json!({"endpoints": endpoints_json(MONITORING_ENDPOINTS)})).into_response();
+    }
+    let mut body = String::new();
+    endpoints_html(MONITORING_ENDPOINTS, &mut body);
+    page("mcp-xds-gateway monitoring", &body).into_response()
+}

@@ -1,0 +1,306 @@
+//! Where every client stands, per type: what `/debug/syncz`, the admin
+//! index, the `status` command and `mcp_gateway_clients` show. One row per
+//! client stream and type; a status each, with since when and why.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde_json::{json, Value};
+
+use crate::cache::Cache;
+use crate::downstream::registry::{Clock, Stamp, StreamView, TypeView};
+
+/// Where a client stands on one type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SyncStatus {
+    /// It ACKed the cache's current version.
+    Synced,
+    /// A response is on its way or awaits its ACK, for less than
+    /// `--stale-after` behind.
+    Sent,
+    /// Behind the cache's current version for longer than `--stale-after`.
+    Stale,
+    /// It NACKed the current version: it will not be sent again.
+    Nacked,
+    /// Nothing was sent yet: the source has not delivered the collection.
+    NotSent,
+}
+
+impl SyncStatus {
+    pub const ALL: [SyncStatus; 5] = [
+        SyncStatus::Synced,
+        SyncStatus::Sent,
+        SyncStatus::Stale,
+        SyncStatus::Nacked,
+        SyncStatus::NotSent,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SyncStatus::Synced => "SYNCED",
+            SyncStatus::Sent => "SENT",
+            SyncStatus::Stale => "STALE",
+            SyncStatus::Nacked => "NACKED",
+            SyncStatus::NotSent => "NOT SENT",
+        }
+    }
+
+    /// As a filter names it: any case, `_` or `-` for the space.
+    fn parse(text: &str) -> Option<SyncStatus> {
+        let text = text.trim().to_ascii_uppercase().replace(['_', '-'], " ");
+        SyncStatus::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
+/// A client's status on one type, against the cache's `current` version,
+/// and since when.
+pub fn status(
+    view: &TypeView,
+    current: Option<&Arc<str>>,
+    clock: &Clock,
+    stale_after: Duration,
+) -> (SyncStatus, Stamp) {
+    let Some(sent) = &view.last_sent_version else {
+        return (SyncStatus::NotSent, view.last_request_at);
+    };
+    // A type no source serves: what was sent (empty) is all there is.
+    let current = current.unwrap_or(sent);
+    if let Some(nack) = view.last_nack.as_ref().filter(|n| &n.version == current) {
+        return (SyncStatus::Nacked, nack.at);
+    }
+    if view.acked_version.as_ref() == Some(current) {
+        return (SyncStatus::Synced, view.acked_at);
+    }
+    if clock.age(view.behind_since).is_some_and(|age| age > stale_after) {
+        return (SyncStatus::Stale, view.behind_since);
+    }
+    (SyncStatus::Sent, view.last_sent_at)
+}
+
+/// What to show: `?collection=`, `?status=`, `?node=` (a part of the node
+/// id), each optional.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct Filter {
+    pub collection: Option<String>,
+    pub status: Option<String>,
+    pub node: Option<String>,
+}
+
+/// One client stream's type, with its status.
+pub struct Row<'a> {
+    pub stream: &'a StreamView,
+    pub type_url: &'a str,
+    pub view: &'a TypeView,
+    pub status: SyncStatus,
+    pub since: Stamp,
+    pub current: Option<Arc<str>>,
+}
+
+/// Every client stream's types with their status, by stream then type.
+pub fn rows<'a>(streams: &'a [StreamView], cache: &Cache, clock: &Clock, stale_after: Duration) -> Vec<Row<'a>> {
+    let mut current: BTreeMap<&str, Option<Arc<str>>> = BTreeMap::new();
+    let mut rows = Vec::new();
+    for stream in streams {
+        for (type_url, view) in &stream.types {
+            let current = current
+                .entry(&view.collection)
+                .or_insert_with(|| cache.get(&view.collection).map(|s| s.version.clone()))
+                .clone();
+            let (status, since) = status(view, current.as_ref(), clock, stale_after);
+            rows.push(Row {
+                stream,
+                type_url,
+                view,
+                status,
+                since,
+                current,
+            });
+        }
+    }
+    rows
+}
+
+fn time(t: Option<SystemTime>) -> Value {
+    t.map_or(Value::Null, |t| json!(humantime::format_rfc3339_millis(t).to_string()))
+}
+
+fn seconds(age: Option<Duration>) -> Value {
+    age.map_or(Value::Null, |a| json!((a.as_secs_f64() * 10.0).round() / 10.0))
+}
+
+/// The view: a summary of counts per status (and per collection and
+/// status), then the rows that pass `filter`.
+pub fn view(rows: &[Row<'_>], clock: &Clock, filter: &Filter) -> Result<Value, String> {
+    let wanted_status = match &filter.status {
+        Some(text) => Some(SyncStatus::parse(text).ok_or_else(|| {
+            format!(
+                "status {text:?} is none of {}",
+                SyncStatus::ALL.map(SyncStatus::as_str).join(", ")
+            )
+        })?),
+        None => None,
+    };
+    let shown: Vec<Value> = rows
+        .iter()
+        .filter(|r| filter.collection.as_ref().is_none_or(|c| **c == *r.view.collection))
+        .filter(|r| wanted_status.is_none_or(|s| s == r.status))
+        .filter(|r| {
+            filter
+                .node
+                .as_ref()
+                .is_none_or(|n| r.stream.node_id.contains(n.as_str()))
+        })
+        .map(|r| row_json(r, clock))
+        .collect();
+    Ok(json!({
+        "summary": summary(rows),
+        "rows": shown,
+    }))
+}
+
+/// Counts of client streams' types per status, and per collection and
+/// status.
+pub fn summary(rows: &[Row<'_>]) -> Value {
+    let mut totals: BTreeMap<&str, usize> = SyncStatus::ALL.iter().map(|s| (s.as_str(), 0)).collect();
+    let mut by_collection: BTreeMap<&str, BTreeMap<&str, usize>> = BTreeMap::new();
+    for row in rows {
+        *totals.entry(row.status.as_str()).or_default() += 1;
+        *by_collection
+            .entry(&row.view.collection)
+            .or_default()
+            .entry(row.status.as_str())
+            .or_default() += 1;
+    }
+    json!({"clients": totals, "by_collection": by_collection})
+}
+
+/// A row in brief (the admin index): who, what, where it stands, since
+/// when, and why.
+pub fn brief_json(row: &Row<'_>, clock: &Clock) -> Value {
+    json!({
+        "node_id": row.stream.node_id,
+        "peer": row.stream.peer.map(|p| p.to_string()),
+        "protocol": row.stream.protocol.as_str(),
+        "collection": row.view.collection,
+        "status": row.status.as_str(),
+        "for_seconds": seconds(clock.age(row.since)),
+        "since": time(clock.wall(row.since)),
+        "sent_version": row.view.last_sent_version,
+        "acked_version": row.view.acked_version,
+        "current_version": row.current,
+        "nack": row.view.last_nack.as_ref().map(|n| n.message.clone()),
+    })
+}
+
+fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
+    let view = row.view;
+    let stream = row.stream;
+    json!({
+        "stream": stream.id,
+        "node_id": stream.node_id,
+        "peer": stream.peer.map(|p| p.to_string()),
+        "protocol": stream.protocol.as_str(),
+        "gateway_id": stream.gateway_id,
+        "connected_since": time(Some(stream.connected_since)),
+        "type_url": row.type_url,
+        "collection": view.collection,
+        "status": row.status.as_str(),
+        "since": time(clock.wall(row.since)),
+        "for_seconds": seconds(clock.age(row.since)),
+        "current_version": row.current,
+        "last_request": time(clock.wall(view.last_request_at)),
+        "sent": view.last_sent_version.as_ref().map(|v| json!({
+            "version": v,
+            "nonce": view.last_sent_nonce,
+            "at": time(clock.wall(view.last_sent_at)),
+            "awaiting_ack": view.outstanding,
+        })),
+        "acked": view.acked_version.as_ref().map(|v| json!({
+            "version": v,
+            "at": time(clock.wall(view.acked_at)),
+        })),
+        "nack": view.last_nack.as_ref().map(|n| json!({
+            "version": n.version,
+            "code": crate::metrics::code_label(n.code),
+            "message": n.message,
+            "at": time(clock.wall(n.at)),
+        })),
+        "behind_since": time(clock.wall(view.behind_since)),
+    })
+}
+
+/// Counts per (status, collection) for `mcp_gateway_clients`: every status
+/// of every collection in `collections` (zero where none), and of any other
+/// collection a client follows.
+pub fn counts<'a>(
+    rows: &[Row<'a>],
+    collections: impl IntoIterator<Item = Arc<str>>,
+) -> BTreeMap<(SyncStatus, Arc<str>), usize> {
+    let mut counts = BTreeMap::new();
+    for collection in collections {
+        for status in SyncStatus::ALL {
+            counts.insert((status, collection.clone()), 0);
+        }
+    }
+    for row in rows {
+        *counts.entry((row.status, row.view.collection.clone())).or_default() += 1;
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collections::{Dialect, Resolved};
+    use crate::downstream::registry::NackRecord;
+
+    #[tokio::test(start_paused = true)]
+    async fn statuses_follow_the_current_version_and_the_clock() {
+        let clock = Clock::default();
+        let stale = Duration::from_secs(30);
+        let current: Arc<str> = Arc::from("v2");
+        let mut view = TypeView::new(Resolved {
+            collection: "c".into(),
+            dialect: Dialect::V1_1,
+        });
+        view.last_request_at = clock.now();
+        assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::NotSent);
+
+        tokio::time::advance(Duration::from_secs(1)).await;
+        view.last_sent_version = Some(current.clone());
+        view.last_sent_at = clock.now();
+        view.outstanding = true;
+        view.behind_since = clock.now();
+        let (s, since) = status(&view, Some(&current), &clock, stale);
+        assert_eq!((s, since), (SyncStatus::Sent, view.last_sent_at));
+
+        // Behind for longer than --stale-after: stale, since it fell behind.
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::Stale);
+        assert_eq!(clock.age(view.behind_since), Some(Duration::from_secs(31)));
+
+        view.last_nack = Some(Box::new(NackRecord {
+            version: current.clone(),
+            code: 3,
+            message: "bad".into(),
+            at: clock.now(),
+        }));
+        assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::Nacked);
+
+        view.last_nack = None;
+        view.acked_version = Some(current.clone());
+        view.acked_at = clock.now();
+        assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::Synced);
+        // A type no source serves: what was sent is current.
+        assert_eq!(status(&view, None, &clock, stale).0, SyncStatus::Synced);
+    }
+
+    #[test]
+    fn status_filters_read_any_spelling() {
+        assert_eq!(SyncStatus::parse("not_sent"), Some(SyncStatus::NotSent));
+        assert_eq!(SyncStatus::parse("Not Sent"), Some(SyncStatus::NotSent));
+        assert_eq!(SyncStatus::parse("stale"), Some(SyncStatus::Stale));
+        assert_eq!(SyncStatus::parse("late"), None);
+    }
+}

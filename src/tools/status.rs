@@ -1,0 +1,223 @@
+//! `mcp-xds-gateway status`: every client's sync status as a terminal table,
+//! the way `istioctl proxy-status` shows proxies: one line per client
+//! stream, a column per collection. It reads the admin port's
+//! `/debug/syncz`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+use anyhow::Context;
+use clap::Args as ClapArgs;
+use http_body_util::BodyExt;
+use serde_json::Value;
+
+/// Flags of `mcp-xds-gateway status`.
+#[derive(Debug, ClapArgs)]
+pub struct StatusArgs {
+    /// The gateway's admin port: HOST:PORT or http://HOST:PORT.
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:15000")]
+    pub admin: String,
+
+    /// Only clients of this collection.
+    #[arg(long)]
+    pub collection: Option<String>,
+
+    /// Only clients with this status on some collection (SYNCED, SENT, STALE,
+    /// NACKED, NOT_SENT).
+    #[arg(long)]
+    pub status: Option<String>,
+
+    /// Only clients whose node id contains this.
+    #[arg(long)]
+    pub node: Option<String>,
+}
+
+/// The admin address as HOST:PORT.
+fn authority(admin: &str) -> anyhow::Result<String> {
+    if admin.starts_with("https://") {
+        anyhow::bail!("--admin {admin}: the admin port speaks plain HTTP (it listens on loopback by default)");
+    }
+    let rest = admin.strip_prefix("http://").unwrap_or(admin).trim_end_matches('/');
+    if rest.is_empty() || rest.contains('/') {
+        anyhow::bail!("--admin {admin}: give HOST:PORT or http://HOST:PORT");
+    }
+    Ok(rest.to_owned())
+}
+
+/// A percent-encoded query value.
+fn encode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// GET `path` from the admin port, as JSON.
+async fn get(authority: &str, path: &str) -> anyhow::Result<Value> {
+    let stream = tokio::net::TcpStream::connect(authority)
+        .await
+        .with_context(|| format!("cannot connect to the admin port at {authority}"))?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .context("HTTP handshake with the admin port")?;
+    // The connection is driven here, beside the request: no task outlives it.
+    let request = hyper::Request::get(path)
+        .header(hyper::header::HOST, authority)
+        .header(hyper::header::ACCEPT, "application/json")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())?;
+    let exchange = async {
+        let response = sender.send_request(request).await?;
+        let status = response.status();
+        let body = response.into_body().collect().await?.to_bytes();
+        anyhow::Ok((status, body))
+    };
+    let (status, body) = tokio::select! {
+        result = exchange => result.context("GET /debug/syncz")?,
+        result = connection => {
+            result.context("the admin connection")?;
+            anyhow::bail!("the admin port closed the connection before answering");
+        }
+    };
+    if !status.is_success() {
+        anyhow::bail!("{path}: {status}: {}", String::from_utf8_lossy(&body).trim());
+    }
+    serde_json::from_slice(&body).with_context(|| format!("{path} is not JSON"))
+}
+
+/// The status table of a `/debug/syncz` view.
+pub fn render(syncz: &Value) -> String {
+    let rows = syncz["rows"].as_array().cloned().unwrap_or_default();
+    let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
+    // Columns: each collection by its last segment (the whole name when two
+    // share one).
+    let collections: BTreeSet<String> = rows.iter().map(|r| text(&r["collection"])).collect();
+    let short = |c: &str| -> String {
+        let last = c.rsplit('/').next().unwrap_or(c);
+        let shared = collections
+            .iter()
+            .filter(|o| o.rsplit('/').next() == Some(last))
+            .count();
+        if shared > 1 {
+            c.to_owned()
+        } else {
+            last.to_owned()
+        }
+    };
+    // One line per stream, in stream order.
+    let mut streams: BTreeMap<u64, (Vec<String>, BTreeMap<String, String>)> = BTreeMap::new();
+    let mut nacks = Vec::new();
+    for row in &rows {
+        let id = row["stream"].as_u64().unwrap_or_default();
+        let peer = row["peer"].as_str().unwrap_or("-").to_owned();
+        let node = match text(&row["node_id"]) {
+            n if n.is_empty() => "(no node id)".to_owned(),
+            n => n,
+        };
+        let (_, cells) = streams
+            .entry(id)
+            .or_insert_with(|| (vec![node.clone(), peer, text(&row["protocol"])], BTreeMap::new()));
+        let status = text(&row["status"]);
+        let cell = match (status.as_str(), row["for_seconds"].as_f64()) {
+            ("SYNCED", _) | (_, None) => status.clone(),
+            (_, Some(age)) => format!("{status} {}", human(age)),
+        };
+        cells.insert(short(&text(&row["collection"])), cell);
+        if let Some(message) = row["nack"]["message"].as_str() {
+            nacks.push(format!("{node} {}: {message}", text(&row["collection"])));
+        }
+    }
+    let columns: Vec<String> = collections.iter().map(|c| short(c)).collect();
+    let mut header = vec!["NODE".to_owned(), "PEER".to_owned(), "PROTOCOL".to_owned()];
+    header.extend(columns.iter().map(|c| c.to_uppercase()));
+    let lines: Vec<Vec<String>> = streams
+        .into_values()
+        .map(|(head, cells)| {
+            head.into_iter()
+                .chain(
+                    columns
+                        .iter()
+                        .map(|c| cells.get(c).cloned().unwrap_or_else(|| "-".into())),
+                )
+                .collect()
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| {
+            std::iter::once(&header)
+                .chain(&lines)
+                .map(|l| l[i].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for line in std::iter::once(&header).chain(&lines) {
+        let cells: Vec<String> = line.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+    }
+    let summary = &syncz["summary"]["clients"];
+    let counts: Vec<String> = ["SYNCED", "SENT", "STALE", "NACKED", "NOT SENT"]
+        .iter()
+        .map(|s| format!("{} {s}", summary[*s].as_u64().unwrap_or(0)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "\n{} client streams; their types: {}",
+        lines.len(),
+        counts.join(", ")
+    );
+    for nack in nacks {
+        let _ = writeln!(out, "NACK {nack}");
+    }
+    out
+}
+
+/// Seconds as `12s`, `5m3s`, `2h4m`.
+fn human(seconds: f64) -> String {
+    let s = seconds as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{}s", s / 60, s % 60),
+        _ => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+pub async fn run(args: StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+    let authority = authority(&args.admin)?;
+    let mut query = Vec::new();
+    for (key, value) in [
+        ("collection", &args.collection),
+        ("status", &args.status),
+        ("node", &args.node),
+    ] {
+        if let Some(value) = value {
+            query.push(format!("{key}={}", encode(value)));
+        }
+    }
+    let path = match query.is_empty() {
+        true => "/debug/syncz".to_owned(),
+        false => format!("/debug/syncz?{}", query.join("&")),
+    };
+    let syncz = get(&authority, &path).await?;
+    out.write_all(render(&syncz).as_bytes())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admin_addresses_and_durations() {
+        assert_eq!(authority("http://127.0.0.1:15000/").unwrap(), "127.0.0.1:15000");
+        assert_eq!(authority("localhost:1").unwrap(), "localhost:1");
+        assert!(authority("https://x:1").is_err());
+        assert_eq!(human(5.2), "5s");
+        assert_eq!(human(303.0), "5m3s");
+        assert_eq!(human(7440.0), "2h4m");
+        assert_eq!(encode("NOT SENT"), "NOT%20SENT");
+    }
+}
