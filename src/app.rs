@@ -47,6 +47,17 @@ pub enum AppError {
     Reflection(tonic_reflection::server::Error),
 }
 
+impl AppError {
+    /// 2 for what the operator gave (a flag, a file, a port), as for a bad
+    /// flag; 1 for the gateway's own failures.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            AppError::Reflection(_) => 1,
+            _ => 2,
+        }
+    }
+}
+
 /// A running gateway.
 pub struct Bound {
     /// Where the downstream gRPC services listen.

@@ -44,10 +44,17 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(settings)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        // Its message already holds its cause: printed once, not as a chain.
+        Err(e) => match e.downcast_ref::<app::AppError>() {
+            Some(start_up) => {
+                eprintln!("error: {start_up}");
+                ExitCode::from(start_up.exit_code())
+            }
+            None => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 

@@ -33,6 +33,7 @@ pub const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
 pub const PUSH_SIZE: &str = "mcp_gateway_push_size_bytes";
 pub const CLIENTS_BEHIND: &str = "mcp_gateway_clients_behind";
 pub const CLIENTS_BY_STATUS: &str = "mcp_gateway_clients";
+pub const SOURCE_FILES_BROKEN: &str = "mcp_gateway_source_files_broken";
 pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
 pub const BUILD_INFO: &str = "mcp_gateway_build_info";
 pub const LIMIT_REFUSALS: &str = "mcp_gateway_limit_refusals_total";
@@ -367,6 +368,11 @@ pub fn describe() {
     describe_gauge!(
         CLIENTS_BEHIND,
         "Client streams whose ACKed version of a collection is not the current one."
+    );
+    describe_gauge!(
+        SOURCE_FILES_BROKEN,
+        "Files of the local source (--source-dir) that do not parse; each keeps serving what it held when it last \
+         parsed (/debug/upstream names the file, the line and the reason)."
     );
     describe_gauge!(
         CLIENTS_BY_STATUS,

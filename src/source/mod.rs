@@ -28,6 +28,7 @@ pub use session::SinkSession;
 /// Registers the sources' series at 0, so dashboards and alerts see them
 /// before the first event.
 pub fn register_metrics() {
+    metrics::gauge!(crate::metrics::SOURCE_FILES_BROKEN).set(0.0);
     for reason in stream::StreamEnd::REASONS {
         metrics::counter!(crate::metrics::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).absolute(0);
     }

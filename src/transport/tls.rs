@@ -51,6 +51,21 @@ pub fn read_certs(flag: &'static str, path: &Path) -> Result<(Vec<u8>, Vec<Certi
     if certs.is_empty() {
         return Err(tls_error(flag, path, "contains no PEM certificate (BEGIN CERTIFICATE)"));
     }
+    // A PEM block whose contents are not a certificate is this file's fault,
+    // not the key's that is checked against it later.
+    for (index, cert) in certs.iter().enumerate() {
+        if let Err(e) = x509_parser::parse_x509_certificate(cert) {
+            return Err(tls_error(
+                flag,
+                path,
+                format!(
+                    "certificate {} of {} is not a valid X.509 certificate: {e}",
+                    index + 1,
+                    certs.len()
+                ),
+            ));
+        }
+    }
     Ok((pem, certs))
 }
 
@@ -105,7 +120,10 @@ impl ServerTlsFiles {
             tls_error(
                 "--tls-key",
                 &self.key,
-                format!("does not go with the certificate in --tls-cert: {e}"),
+                format!(
+                    "does not go with the certificate in --tls-cert {} (or that certificate cannot serve): {e}",
+                    self.cert.display()
+                ),
             )
         })?;
         // gRPC runs over HTTP/2 only.

@@ -91,3 +91,22 @@ async fn a_chain_of_two_gateways_runs_at_a_tiny_size() {
         "{json}"
     );
 }
+
+/// `mcp-load --help` explains every option.
+#[tokio::test]
+async fn every_mcp_load_option_is_explained() {
+    let output = within(
+        "mcp-load --help",
+        Command::new(env!("CARGO_BIN_EXE_mcp-load")).arg("--help").output(),
+    )
+    .await
+    .unwrap();
+    let help = String::from_utf8_lossy(&output.stdout);
+    let lines: Vec<&str> = help.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim_start().starts_with("--") {
+            let next = lines.get(i + 1).map_or("", |l| l.trim());
+            assert!(!next.is_empty(), "{line} has no explanation:\n{help}");
+        }
+    }
+}

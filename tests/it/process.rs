@@ -91,8 +91,61 @@ async fn a_taken_port_is_a_start_up_error_naming_the_flag() {
         "127.0.0.1:0",
     ])
     .await;
-    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--listen") && stderr.contains(&addr), "{stderr}");
+    assert_eq!(stderr.matches("in use").count(), 1, "the cause once: {stderr}");
+}
+
+#[tokio::test]
+async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    // --cache-dir that is a file.
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, "x").unwrap();
+    let file = file.to_str().unwrap().to_owned();
+    let (code, stderr) = run(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--monitoring-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--cache-dir",
+        &file,
+    ])
+    .await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--cache-dir") && stderr.contains(&file), "{stderr}");
+    assert_eq!(
+        stderr.lines().filter(|l| l.contains("--cache-dir")).count(),
+        1,
+        "{stderr}"
+    );
+
+    // A certificate file whose PEM block is not a certificate: the message
+    // names that file, not only the key.
+    let cert = dir.path().join("tls.crt");
+    std::fs::write(&cert, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let key_path = dir.path().join("tls.key");
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    let cert = cert.to_str().unwrap().to_owned();
+    let (code, stderr) = run(&["--tls-cert", &cert, "--tls-key", key_path.to_str().unwrap()]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--tls-cert") && stderr.contains(&cert) && stderr.contains("X.509"),
+        "{stderr}"
+    );
+
+    // An invalid --type-map row names the flag and the file.
+    let map = dir.path().join("types.yaml");
+    std::fs::write(&map, "istio/x/y: [not, a, type url]\n").unwrap();
+    let map = map.to_str().unwrap().to_owned();
+    let (code, stderr) = run(&["--type-map", &map]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--type-map") && stderr.contains(&map), "{stderr}");
 }
 
 /// A started binary and what its log said.

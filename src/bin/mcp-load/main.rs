@@ -41,21 +41,30 @@ struct Args {
     /// Run the scenario at a size that takes seconds (smoke tests).
     #[arg(long)]
     tiny: bool,
+    /// Collections the fake Galley publishes (the first N Galley serves by
+    /// default; with --protocol xds-*, of those a GVK names).
     #[arg(long)]
     collections: Option<usize>,
+    /// Resources in each collection.
     #[arg(long)]
     resources: Option<usize>,
+    /// Bytes of each resource's body.
     #[arg(long)]
     body_bytes: Option<usize>,
+    /// Resources each update changes.
     #[arg(long)]
     changes_per_update: Option<usize>,
+    /// Time between updates ("100ms", "1s").
     #[arg(long, value_parser = humantime::parse_duration)]
     update_interval: Option<Duration>,
+    /// Updates published, one collection per update in turn (0: none, idle).
     #[arg(long)]
     updates: Option<usize>,
     /// The fake Galley sends incremental updates (true) or full states.
     #[arg(long)]
     upstream_incremental: Option<bool>,
+    /// Client streams (state of the world: each asks for every collection;
+    /// incremental: one collection each, in turn).
     #[arg(long)]
     streams: Option<usize>,
     /// HTTP/2 connections the streams are spread over.
