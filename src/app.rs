@@ -91,7 +91,13 @@ async fn bind(flag: &'static str, addr: SocketAddr) -> Result<(TcpListener, Sock
 /// and the local source read before anything listens, so the first client is
 /// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
-    let metrics = crate::metrics::install();
+    let metrics = crate::metrics::install(settings.demo);
+    if settings.demo {
+        tracing::warn!(
+            "--demo: serving the compiled-in example config (bookinfo routes, a mesh policy), not a real source; \
+             every metric carries demo=\"true\""
+        );
+    }
     crate::metrics::register_defaults(&settings.collections);
     crate::source::register_metrics();
     let (grpc_listener, listen) = bind("--listen", settings.listen).await?;

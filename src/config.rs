@@ -51,10 +51,17 @@ pub struct Args {
     pub sink_listen: Option<SocketAddr>,
 
     /// Serve the YAML files in this directory, watched for changes. The
-    /// default when neither --upstream nor --sink-listen is given:
-    /// examples/config (or its compiled-in copy when that is missing).
+    /// default when no source is given and ./examples/config exists (a
+    /// checkout of the repository).
     #[arg(long, env = "MCP_GATEWAY_SOURCE_DIR", value_name = "DIR")]
     pub source_dir: Option<PathBuf>,
+
+    /// Serve the compiled-in example config (bookinfo routes, a mesh policy):
+    /// for trying the gateway where there is no checkout. Logged as a
+    /// warning, and every metric carries demo="true". Never with another
+    /// source.
+    #[arg(long, env = "MCP_GATEWAY_DEMO")]
+    pub demo: bool,
 
     /// Keep the upstream's last applied state of each collection here, and
     /// serve it at start before the upstream connects.
@@ -376,6 +383,8 @@ pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub source: Source,
+    /// `--demo`: the compiled-in examples, labelled as such.
+    pub demo: bool,
     pub cache_dir: Option<PathBuf>,
     /// TLS for the downstream and sink listeners.
     pub server_tls: Option<ServerTlsFiles>,
@@ -496,6 +505,12 @@ impl Args {
         .into_iter()
         .flatten()
         .collect();
+        if let (true, Some(first)) = (self.demo, given.first()) {
+            return Err(invalid(
+                "--demo",
+                format!("serves the compiled-in example config and cannot be combined with {first}"),
+            ));
+        }
         if let [first, second, ..] = given[..] {
             return Err(invalid(
                 if second == "--sink-listen" {
@@ -583,7 +598,7 @@ impl Args {
                          (the local source's files are already on disk)",
                     ));
                 }
-                Source::Files(source_dir(self.source_dir)?)
+                Source::Files(source_dir(self.source_dir, self.demo)?)
             }
         };
         for (flag, value) in [
@@ -674,6 +689,7 @@ impl Args {
         }
         let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
         Ok(Settings {
+            demo: self.demo,
             source,
             cache_dir: self.cache_dir,
             server_tls,
@@ -766,15 +782,27 @@ fn server_tls(
     Ok(Some(files))
 }
 
-fn source_dir(dir: Option<PathBuf>) -> Result<SourceDir, ConfigError> {
+/// The local source: `--source-dir`, else `examples/config` where it exists
+/// (a checkout), else the compiled-in copy with `--demo` only: a container
+/// started without its source flag must not push example config to real
+/// clients.
+fn source_dir(dir: Option<PathBuf>, demo: bool) -> Result<SourceDir, ConfigError> {
     match dir {
         Some(dir) if dir.is_dir() => Ok(SourceDir::Dir(dir)),
         Some(dir) => Err(invalid(
             "--source-dir",
             format!("{} is not a readable directory", dir.display()),
         )),
+        None if demo => Ok(SourceDir::Embedded),
         None if Path::new(DEFAULT_SOURCE_DIR).is_dir() => Ok(SourceDir::Dir(DEFAULT_SOURCE_DIR.into())),
-        None => Ok(SourceDir::Embedded),
+        None => Err(invalid(
+            "--upstream",
+            format!(
+                "no source of config: give --upstream (dial Galley), --sink-listen (Galley's dial-out) or \
+                 --source-dir (local files); ./{DEFAULT_SOURCE_DIR} is not here, and the compiled-in example \
+                 config is served only with --demo"
+            ),
+        )),
     }
 }
 

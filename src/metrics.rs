@@ -231,10 +231,17 @@ static EXPORTER: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
 /// Installs the Prometheus recorder (once per process; every gateway in the
 /// process shares it) and returns its handle. `None` when another recorder
 /// was installed first.
-pub fn install() -> Option<PrometheusHandle> {
+/// Installs the exporter once per process; with `demo`, every series
+/// carries `demo="true"` (the first call decides).
+pub fn install(demo: bool) -> Option<PrometheusHandle> {
     EXPORTER
         .get_or_init(|| {
-            let builder = PrometheusBuilder::new()
+            let builder = if demo {
+                PrometheusBuilder::new().add_global_label("demo", "true")
+            } else {
+                PrometheusBuilder::new()
+            };
+            let builder = builder
                 .set_buckets_for_metric(Matcher::Full(MESSAGE_SIZES.into()), &size_buckets())
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_SIZE.into()), &size_buckets()))
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_LATENCY.into()), LATENCY_BUCKETS));

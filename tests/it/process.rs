@@ -326,3 +326,58 @@ async fn every_documented_counter_is_exported_at_zero_from_start() {
     }
     let _ = child.start_kill();
 }
+
+/// Outside a checkout, with no source flag, the gateway does not serve the
+/// example config to whoever connects: it exits 2 naming the source flags.
+/// `--demo` serves the compiled-in copy, says so, and labels its metrics.
+#[tokio::test]
+async fn the_compiled_in_examples_are_served_only_with_demo() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let output = within(
+        "the gateway to exit",
+        Command::new(BIN)
+            .current_dir(elsewhere.path())
+            .env_remove("RUST_LOG")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    for flag in ["--upstream", "--sink-listen", "--source-dir", "--demo"] {
+        assert!(stderr.contains(flag), "{flag}: {stderr}");
+    }
+
+    let mut child = Command::new(BIN)
+        .current_dir(elsewhere.path())
+        .args(["--demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--monitoring-listen", "127.0.0.1:0"])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (warned, admin) = within("the demo warning and the bound addresses", async {
+        let mut warned = false;
+        loop {
+            let line = lines.next_line().await.unwrap().expect("the gateway is running");
+            warned |= line.contains("WARN") && line.contains("--demo");
+            if let Some(at) = line.find("admin=") {
+                let admin: SocketAddr = line[at + 6..].split_whitespace().next().unwrap().parse().unwrap();
+                return (warned, admin);
+            }
+        }
+    })
+    .await;
+    assert!(warned, "a warning before serving");
+    let (_, metrics) = http_get(admin, "/metrics").await;
+    let samples: Vec<&str> = metrics
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .collect();
+    assert!(!samples.is_empty());
+    assert!(samples.iter().all(|l| l.contains("demo=\"true\"")), "{metrics}");
+    child.kill().await.unwrap();
+}
