@@ -19,6 +19,7 @@ pub const RECV_FAILURES: &str = "istio_mcp_recv_failures_total";
 pub const RECONNECTIONS: &str = "istio_mcp_reconnections";
 
 pub const UPSTREAM_CONNECTED: &str = "mcp_gateway_upstream_connected";
+pub const UPSTREAM_CONNECT_ATTEMPTS: &str = "mcp_gateway_upstream_connect_attempts_total";
 pub const UPSTREAM_STREAM_TERMINATIONS: &str = "mcp_gateway_upstream_stream_terminations_total";
 pub const UPSTREAM_REFUSED_COLLECTIONS: &str = "mcp_gateway_upstream_refused_collections_total";
 pub const UPDATES_APPLIED: &str = "mcp_gateway_updates_applied_total";
@@ -28,9 +29,7 @@ pub const CACHE_BYTES: &str = "mcp_gateway_cache_bytes";
 pub const DOWNSTREAM_STREAMS: &str = "mcp_gateway_downstream_streams";
 pub const DOWNSTREAM_PUSHES: &str = "mcp_gateway_downstream_pushes_total";
 pub const DOWNSTREAM_STALE_REQUESTS: &str = "mcp_gateway_downstream_stale_requests_total";
-pub const DOWNSTREAM_NACKS: &str = "mcp_gateway_downstream_nacks_total";
 pub const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
-pub const PUSH_SIZE: &str = "mcp_gateway_push_size_bytes";
 pub const CLIENTS_BEHIND: &str = "mcp_gateway_clients_behind";
 pub const CLIENTS_BY_STATUS: &str = "mcp_gateway_clients";
 pub const SOURCE_FILES_BROKEN: &str = "mcp_gateway_source_files_broken";
@@ -133,6 +132,8 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         }
     }
     metrics::counter!(SINK_REFUSALS, "reason" => "another_source").absolute(0);
+    metrics::counter!(UPSTREAM_CONNECT_ATTEMPTS).absolute(0);
+    metrics::gauge!(CLIENTS, "component" => COMPONENT_DOWNSTREAM).set(0.0);
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
     for collection in collections {
         let c = || collection.clone();
@@ -151,26 +152,21 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     }
 }
 
-/// gRPC code names, the values of every `code` label.
+/// gRPC codes as numbers, the values of every `code` label (Istio's MCP
+/// series carried the number: its alerts match on `code="3"`, ...).
 const CODES: &[&str] = &[
-    "Ok",
-    "Cancelled",
-    "Unknown",
-    "InvalidArgument",
-    "DeadlineExceeded",
-    "NotFound",
-    "AlreadyExists",
-    "PermissionDenied",
-    "ResourceExhausted",
-    "FailedPrecondition",
-    "Aborted",
-    "OutOfRange",
-    "Unimplemented",
-    "Internal",
-    "Unavailable",
-    "DataLoss",
-    "Unauthenticated",
+    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16",
 ];
+
+/// A gRPC code as a label value: its number; a number outside gRPC's codes
+/// (a client's arbitrary one) is `2` (Unknown), so no new series appear.
+pub fn code_number(code: i32) -> &'static str {
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| CODES.get(i))
+        .copied()
+        .unwrap_or("2")
+}
 
 pub const COMPONENT_UPSTREAM: &str = "upstream";
 pub const COMPONENT_DOWNSTREAM: &str = "downstream";
@@ -196,9 +192,7 @@ pub struct CollectionMetrics {
     pub pushes: Counter,
     pub acks: Counter,
     pub stale: Counter,
-    pub nacks: Counter,
     pub oversized: Counter,
-    pub push_size: Histogram,
     pub push_latency: Histogram,
     /// `istio_mcp_message_sizes_bytes{component="downstream"}`.
     pub response_size: Histogram,
@@ -211,9 +205,7 @@ impl CollectionMetrics {
             pushes: metrics::counter!(DOWNSTREAM_PUSHES, "collection" => c()),
             acks: metrics::counter!(REQUEST_ACKS, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
             stale: metrics::counter!(DOWNSTREAM_STALE_REQUESTS, "collection" => c()),
-            nacks: metrics::counter!(DOWNSTREAM_NACKS, "collection" => c()),
             oversized: metrics::counter!(OVERSIZED_RESPONSES, "collection" => c()),
-            push_size: metrics::histogram!(PUSH_SIZE, "collection" => c()),
             push_latency: metrics::histogram!(PUSH_LATENCY, "collection" => c()),
             response_size: metrics::histogram!(MESSAGE_SIZES, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
         }
@@ -243,7 +235,6 @@ pub fn install(demo: bool) -> Option<PrometheusHandle> {
             };
             let builder = builder
                 .set_buckets_for_metric(Matcher::Full(MESSAGE_SIZES.into()), &size_buckets())
-                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_SIZE.into()), &size_buckets()))
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_LATENCY.into()), LATENCY_BUCKETS));
             let recorder = match builder {
                 Ok(builder) => builder.build_recorder(),
@@ -278,8 +269,8 @@ fn upkeep_forever(handle: &PrometheusHandle) -> ! {
     }
 }
 
-/// A gRPC code as a label value: its name, so a client's arbitrary number
-/// cannot create new series (unknown numbers are `Unknown`).
+/// A gRPC code by its name (debug views and logs; metrics carry the number:
+/// [`code_number`]); unknown numbers are `Unknown`.
 pub fn code_label(code: i32) -> &'static str {
     match tonic::Code::from(code) {
         tonic::Code::Ok => "Ok",
@@ -328,7 +319,14 @@ pub fn describe() {
         RECV_FAILURES,
         "Streams that ended with an error while receiving, by gRPC code."
     );
-    describe_counter!(RECONNECTIONS, "Upstream stream re-establishments.");
+    describe_counter!(
+        RECONNECTIONS,
+        "Upstream streams established again after an earlier one (successful reconnections, as Istio counted them)."
+    );
+    describe_counter!(
+        UPSTREAM_CONNECT_ATTEMPTS,
+        "Upstream stream attempts: dials in client mode (successful or not), dial-out streams accepted in sink mode."
+    );
     describe_gauge!(UPSTREAM_CONNECTED, "1 while an upstream stream is established, else 0.");
     describe_counter!(UPSTREAM_STREAM_TERMINATIONS, "Upstream streams that ended, by reason.");
     describe_counter!(
@@ -362,16 +360,11 @@ pub fn describe() {
         DOWNSTREAM_STALE_REQUESTS,
         "Downstream requests ignored for a stale or unknown nonce, by collection."
     );
-    describe_counter!(
-        DOWNSTREAM_NACKS,
-        "NACKs received from downstream clients, by collection."
-    );
     describe_histogram!(
         PUSH_LATENCY,
         Unit::Seconds,
         "From a change applied to the cache until the response carrying it is handed to a client's connection."
     );
-    describe_histogram!(PUSH_SIZE, Unit::Bytes, "Sizes of responses pushed to clients.");
     describe_gauge!(
         CLIENTS_BEHIND,
         "Client streams whose ACKed version of a collection is not the current one."
@@ -436,5 +429,9 @@ mod tests {
     fn code_labels_are_bounded_names() {
         assert_eq!(super::code_label(3), "InvalidArgument");
         assert_eq!(super::code_label(12345), "Unknown");
+        assert_eq!(super::code_number(3), "3");
+        assert_eq!(super::code_number(16), "16");
+        assert_eq!(super::code_number(17), "2");
+        assert_eq!(super::code_number(-1), "2");
     }
 }

@@ -200,7 +200,7 @@ fn refresh_gauges(state: &AdminState) {
     }
 
     let streams = state.registry.streams();
-    metrics::gauge!(m::CLIENTS).set(streams.len() as f64);
+    metrics::gauge!(m::CLIENTS, "component" => m::COMPONENT_DOWNSTREAM).set(streams.len() as f64);
     let mut by_kind: BTreeMap<(&'static str, &'static str), f64> = BTreeMap::new();
     for protocol in crate::downstream::registry::Protocol::ALL {
         for dialect in protocol.dialects().iter().map(|d| d.as_str()).chain(["none"]) {

@@ -267,20 +267,12 @@ fn record_stale(
 }
 
 /// Counts and logs a client's NACK (the log rate-limited per stream).
-fn record_nack(
-    stream: u64,
-    logs: &mut StreamLogs,
-    type_url: &str,
-    collection: &Arc<str>,
-    nack: &NackRecord,
-    metrics: &CollectionMetrics,
-) {
-    metrics.nacks.increment(1);
+fn record_nack(stream: u64, logs: &mut StreamLogs, type_url: &str, collection: &Arc<str>, nack: &NackRecord) {
     metrics::counter!(
         m::REQUEST_NACKS,
         "component" => m::COMPONENT_DOWNSTREAM,
         "collection" => collection.clone(),
-        "code" => m::code_label(nack.code)
+        "code" => m::code_number(nack.code)
     )
     .increment(1);
     if let Some(skipped) = logs.nacks.allow() {
@@ -303,7 +295,8 @@ fn record_ack(metrics: &CollectionMetrics) {
 
 /// A response could not be queued: the client's stream is gone.
 fn send_failed() {
-    metrics::counter!(m::SEND_FAILURES, "component" => m::COMPONENT_DOWNSTREAM, "code" => "Cancelled").increment(1);
+    metrics::counter!(m::SEND_FAILURES, "component" => m::COMPONENT_DOWNSTREAM, "code" => m::code_number(1))
+        .increment(1);
 }
 
 /// Ends a stream's response with `status`, or gives up if the client does not

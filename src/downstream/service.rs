@@ -199,7 +199,6 @@ impl FramedResponses {
 /// The metrics of a response handed to the client's connection.
 fn record_write(record: &Record, stream_started: Instant, len: usize, warned_oversized: &mut bool) {
     let Record { snapshot, metrics } = record;
-    metrics.push_size.record(len as f64);
     metrics.response_size.record(len as f64);
     // A change applied before the stream began is not a push: a new
     // client's first response measures nothing.

@@ -120,7 +120,7 @@ impl<W: Wire> TypedStream<W> {
                         metrics::counter!(
                             m::RECV_FAILURES,
                             "component" => m::COMPONENT_DOWNSTREAM,
-                            "code" => m::code_label(status.code() as i32)
+                            "code" => m::code_number(status.code() as i32)
                         )
                         .increment(1);
                         break (End::of(&status), Some(status));
@@ -239,7 +239,7 @@ impl<W: Wire> TypedStream<W> {
             Verdict::Ack => record_ack(&followed.metrics),
             Verdict::Nack | Verdict::Unrecoverable => {
                 let nack = followed.state.view.last_nack.as_ref().expect("a NACK was recorded");
-                record_nack(self.id, &mut self.logs, &type_url, &collection, nack, &followed.metrics);
+                record_nack(self.id, &mut self.logs, &type_url, &collection, nack);
             }
             Verdict::First | Verdict::Subscription => {}
         }

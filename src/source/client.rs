@@ -84,9 +84,7 @@ impl UpstreamClient {
                 s.attempts += 1;
                 s.next_retry_in = None;
             });
-            if self.status.borrow().attempts > 1 {
-                metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
-            }
+            metrics::counter!(m::UPSTREAM_CONNECT_ATTEMPTS).increment(1);
             let mut progress = false;
             let end = self.run_stream(&shutdown, &mut progress).await;
             self.set_connected(false);
@@ -145,6 +143,12 @@ impl UpstreamClient {
             if s.connected == connected {
                 return false;
             }
+            // A stream established again after one before it: what Istio's
+            // reconnections counted (attempts have their own counter).
+            if connected && s.connections > 0 {
+                metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
+            }
+            s.connections += u64::from(connected);
             s.connected = connected;
             s.since = Some(SystemTime::now());
             true
@@ -186,7 +190,7 @@ impl UpstreamClient {
         let response = match response {
             Ok(response) => response,
             Err(status) => {
-                stream::send_failed(m::code_label(status.code() as i32));
+                stream::send_failed(m::code_number(status.code() as i32));
                 return stream::classify(status, self.settings.max_message_bytes);
             }
         };

@@ -681,7 +681,11 @@ impl LocalSource {
             collections.entry(collection).or_default();
         }
         for (collection, resources) in collections {
-            self.writer.apply(&collection, Update::Full(resources), Origin::Files);
+            let applied = self.writer.apply(&collection, Update::Full(resources), Origin::Files);
+            if matches!(applied, crate::cache::Applied::Changed { .. }) {
+                metrics::counter!(crate::metrics::UPDATES_APPLIED, "collection" => collection.clone(), "kind" => "full")
+                    .increment(1);
+            }
             self.published.insert(collection);
         }
         let errors: Vec<String> = self

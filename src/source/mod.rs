@@ -76,6 +76,8 @@ pub struct UpstreamStatus {
     pub last_error: Option<String>,
     /// Streams attempted since start.
     pub attempts: u64,
+    /// Streams established (connected) so far.
+    pub connections: u64,
     /// Attempts since a stream last made progress (every subscribed
     /// collection applied).
     pub consecutive_failures: u32,

@@ -212,7 +212,7 @@ impl SinkSession {
                     m::REQUEST_NACKS,
                     "component" => m::COMPONENT_UPSTREAM,
                     "collection" => collection_label,
-                    "code" => m::code_label(nack.code as i32)
+                    "code" => m::code_number(nack.code as i32)
                 )
                 .increment(1);
                 tracing::warn!(

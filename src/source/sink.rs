@@ -190,9 +190,12 @@ impl ResourceSink for SinkServer {
         let (mut opened, rx) = inner.sink.open(claimed.writer());
         tracing::info!(%peer, ?metadata, "a source connected (dial-out)");
         inner.status.send_modify(|s| {
-            if s.attempts > 0 {
+            // A dial-out stream is an attempt that succeeded.
+            metrics::counter!(m::UPSTREAM_CONNECT_ATTEMPTS).increment(1);
+            if s.connections > 0 {
                 metrics::counter!(m::RECONNECTIONS, "component" => m::COMPONENT_UPSTREAM).increment(1);
             }
+            s.connections += 1;
             s.attempts += 1;
             s.connected = true;
             s.since = Some(SystemTime::now());

@@ -251,7 +251,7 @@ impl Opened {
         metrics::counter!(
             m::RECV_FAILURES,
             "component" => m::COMPONENT_UPSTREAM,
-            "code" => m::code_label(status.code() as i32)
+            "code" => m::code_number(status.code() as i32)
         )
         .increment(1);
         classify(status, self.session.max_message_bytes())

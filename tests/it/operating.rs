@@ -150,9 +150,8 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
         "mcp_gateway_downstream_streams",
         "mcp_gateway_downstream_pushes_total",
         "mcp_gateway_downstream_stale_requests_total",
-        "mcp_gateway_downstream_nacks_total",
         "mcp_gateway_push_latency_seconds_bucket",
-        "mcp_gateway_push_size_bytes_bucket",
+        "mcp_gateway_upstream_connect_attempts_total",
         "mcp_gateway_clients_behind",
         "mcp_gateway_clients",
         "mcp_gateway_oversized_responses_total",
@@ -219,6 +218,20 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
     assert_eq!(by_status("STALE", VS), Some(0.0), "{text}");
     assert_eq!(by_status("NOT SENT", GW), Some(0.0), "{text}");
     assert_eq!(value("mcp_gateway_upstream_connected"), 1.0);
+    // The upstream stream was killed and came back: one reconnection (at
+    // least: the series is process-wide); attempts count every dial,
+    // including the unreachable gateway's.
+    assert!(value("istio_mcp_reconnections{component=\"upstream\"}") >= 1.0);
+    assert!(value("mcp_gateway_upstream_connect_attempts_total") >= 3.0);
+    // Istio's codes are numbers: the NACK was InvalidArgument.
+    assert!(
+        text.lines().any(
+            |l| l.starts_with("istio_mcp_request_nacks_total{component=\"downstream\"")
+                && l.contains("code=\"3\"")
+                && !l.ends_with(" 0")
+        ),
+        "{text}"
+    );
 }
 
 /// Metric names a PromQL expression reads.

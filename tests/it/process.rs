@@ -309,11 +309,16 @@ async fn every_documented_counter_is_exported_at_zero_from_start() {
     };
     let mut expected: Vec<String> = vec![
         "istio_mcp_reconnections{component=\"upstream\"}".into(),
+        "mcp_gateway_source_files_broken".into(),
         "mcp_gateway_sink_refusals_total{reason=\"another_source\"}".into(),
         "mcp_gateway_nack_messages_truncated_total".into(),
         format!("mcp_gateway_upstream_refused_collections_total{{collection=\"{VS}\"}}"),
         format!("mcp_gateway_cache_write_failures_total{{collection=\"{VS}\"}}"),
-        format!("mcp_gateway_downstream_nacks_total{{collection=\"{VS}\"}}"),
+        format!("istio_mcp_request_nacks_total{{component=\"downstream\",collection=\"{VS}\",code=\"3\"}}"),
+        format!("istio_mcp_request_nacks_total{{component=\"upstream\",collection=\"{VS}\",code=\"3\"}}"),
+        "istio_mcp_send_failures_total{component=\"upstream\",code=\"14\"}".into(),
+        "istio_mcp_clients_total{component=\"downstream\"}".into(),
+        format!("mcp_gateway_updates_applied_total{{collection=\"{VS}\",kind=\"full\"}}"),
         format!("mcp_gateway_downstream_stale_requests_total{{collection=\"{VS}\"}}"),
         "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}".into(),
         "mcp_gateway_upstream_stream_terminations_total{reason=\"message_too_large\"}".into(),
