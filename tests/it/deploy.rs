@@ -111,7 +111,15 @@ fn every_manifest_parses_and_the_kustomizations_name_existing_files() {
             let listed = ["resources", "components"]
                 .iter()
                 .flat_map(|key| doc[*key].as_sequence().into_iter().flatten())
-                .chain(doc["patches"].as_sequence().into_iter().flatten().map(|p| &p["path"]))
+                // Inline patches (`patch:`) name no file.
+                .chain(
+                    doc["patches"]
+                        .as_sequence()
+                        .into_iter()
+                        .flatten()
+                        .map(|p| &p["path"])
+                        .filter(|p| !p.is_null()),
+                )
                 .chain(
                     doc["configMapGenerator"]
                         .as_sequence()
@@ -248,8 +256,148 @@ fn the_dial_out_overlay_listens_where_its_ports_say() {
         .entries()
         .iter()
         .any(|e| e.contains("istio-galley-service-account")));
-    let service = &find(&all, "overlays/dial-out/service-patch.yaml")[0];
+    // Galley reaches the pod before it is ready (it becomes ready once
+    // Galley delivered), through a Service of its own.
+    let service = &find(&all, "overlays/dial-out/service-sink.yaml")[0];
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "grpc-sink");
+    assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
+    // One replica (Galley feeds one sink), so no autoscaler, and a budget
+    // that does not block node drains.
+    assert_eq!(patch["spec"]["replicas"], 1);
+    let removed = &find(&all, "overlays/dial-out/remove-autoscaler.yaml")[0];
+    assert_eq!(
+        (kind(removed), &removed["$patch"]),
+        ("HorizontalPodAutoscaler", &Value::from("delete"))
+    );
+    let budget = &find(&all, "overlays/dial-out/poddisruptionbudget-patch.yaml")[0];
+    assert_eq!(budget["spec"]["maxUnavailable"], 1);
+}
+
+/// Renders an overlay with `kubectl kustomize` (kustomize's own rendering);
+/// `None`, with a message, where kubectl is not installed.
+fn render(overlay: &str) -> Option<Vec<Value>> {
+    let output = match std::process::Command::new("kubectl")
+        .args(["kustomize", &root().join(overlay).to_string_lossy()])
+        .output()
+    {
+        Ok(output) => output,
+        Err(e) => {
+            eprintln!("SKIPPED rendering {overlay}: kubectl is not installed ({e}); the source files are checked");
+            return None;
+        }
+    };
+    assert!(
+        output.status.success(),
+        "kubectl kustomize {overlay}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).unwrap();
+    Some(
+        serde_norway::Deserializer::from_str(&text)
+            .map(|doc| serde::Deserialize::deserialize(doc).unwrap())
+            .collect(),
+    )
+}
+
+fn of_kind<'a>(docs: &'a [Value], wanted: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| kind(d) == wanted).collect()
+}
+
+/// What the shipped manifests promise an operator, in the source files and,
+/// where kubectl is installed, in every overlay as kustomize renders it.
+#[test]
+fn every_overlay_deploys_as_shipped() {
+    let all = manifests();
+    // One images entry names a registry and pins a version.
+    let base = &find(&all, "base/kustomization.yaml")[0];
+    let image = &base["images"][0];
+    assert!(
+        image["newName"].as_str().unwrap().contains('/'),
+        "a registry: {image:?}"
+    );
+    let tag = image["newTag"].as_str().unwrap();
+    assert!(tag != "latest" && tag.chars().next().unwrap().is_ascii_digit(), "{tag}");
+    // The PodMonitor carries the label kube-prometheus-stack selects on; the
+    // dashboard ConfigMap a namespace and the sidecar's label.
+    let monitor = &find(&all, "components/monitoring/podmonitor.yaml")[0];
+    assert!(monitor["metadata"]["labels"]["release"].is_string());
+    let generator = &find(&all, "components/monitoring/kustomization.yaml")[0]["configMapGenerator"][0];
+    assert!(generator["namespace"].is_string());
+
+    for overlay in ["deploy/base", "deploy/overlays/dial-out", "deploy/overlays/monitored"] {
+        let Some(docs) = render(overlay) else { return };
+        let deployment = of_kind(&docs, "Deployment")[0];
+        let gateway = container(deployment);
+        assert_eq!(
+            gateway["image"],
+            format!("{}:{tag}", image["newName"].as_str().unwrap()),
+            "{overlay}"
+        );
+        assert_eq!(gateway["securityContext"]["readOnlyRootFilesystem"], true, "{overlay}");
+        assert_eq!(
+            deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"],
+            true
+        );
+        // Services expose the config and monitoring ports (and the sink),
+        // never the admin port.
+        let defaults = Args::try_parse_from(["mcp-xds-gateway"]).unwrap();
+        for service in of_kind(&docs, "Service") {
+            for port in service["spec"]["ports"].as_sequence().unwrap() {
+                assert_ne!(
+                    port["port"].as_u64(),
+                    Some(u64::from(defaults.admin_listen.port())),
+                    "{overlay}"
+                );
+            }
+        }
+        // A NetworkPolicy admits each served port, and only those.
+        let policy = of_kind(&docs, "NetworkPolicy");
+        let admitted: Vec<u64> = policy[0]["spec"]["ingress"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .flat_map(|rule| {
+                rule["ports"]
+                    .as_sequence()
+                    .unwrap()
+                    .iter()
+                    .map(|p| p["port"].as_u64().unwrap())
+            })
+            .collect();
+        let served: Vec<u64> = ports(gateway).into_values().collect();
+        let mut sorted = admitted.clone();
+        sorted.sort_unstable();
+        let mut expected = served.clone();
+        expected.sort_unstable();
+        assert_eq!(
+            sorted, expected,
+            "{overlay}: every container port is admitted, no other"
+        );
+        let replicas = deployment["spec"]["replicas"].as_u64().unwrap();
+        let autoscalers = of_kind(&docs, "HorizontalPodAutoscaler");
+        if overlay.ends_with("dial-out") {
+            assert_eq!(replicas, 1, "Galley feeds one sink");
+            assert!(autoscalers.is_empty(), "a second replica would never get a source");
+            let sink = of_kind(&docs, "Service")
+                .into_iter()
+                .find(|s| s["spec"]["ports"][0]["name"] == "grpc-sink")
+                .expect("a sink Service");
+            assert_eq!(sink["spec"]["publishNotReadyAddresses"], true);
+            let budget = of_kind(&docs, "PodDisruptionBudget")[0];
+            assert!(
+                budget["spec"]["minAvailable"].is_null(),
+                "with one replica it would block drains"
+            );
+        } else {
+            assert!(replicas >= 2 && autoscalers.len() == 1, "{overlay}");
+        }
+        if overlay.ends_with("monitored") {
+            let dashboard = of_kind(&docs, "ConfigMap")[0];
+            assert!(dashboard["metadata"]["namespace"].is_string());
+            assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+            assert!(of_kind(&docs, "PodMonitor")[0]["metadata"]["labels"]["release"].is_string());
+        }
+    }
 }
 
 #[test]
@@ -277,6 +425,15 @@ fn the_dockerfile_builds_the_gateway_and_runs_it_as_non_root() {
     let defaults = Args::try_parse_from(["mcp-xds-gateway"]).unwrap();
     assert!(dockerfile.matches("FROM ").count() >= 2, "multi-stage");
     assert!(dockerfile.contains("--bin mcp-xds-gateway"));
+    // The dependencies build in their own layer, before the code is copied.
+    let manifests = dockerfile
+        .find("COPY Cargo.toml Cargo.lock")
+        .expect("the manifests copied alone");
+    let code = dockerfile.find("COPY . .").expect("then the code");
+    assert!(
+        manifests < code && dockerfile[manifests..code].contains("cargo build"),
+        "{dockerfile}"
+    );
     let user = dockerfile
         .lines()
         .find_map(|l| l.strip_prefix("USER "))
