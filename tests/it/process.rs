@@ -1,18 +1,13 @@
 //! The real binary: flags validated at start-up, port 0, the bound addresses
 //! in one log line, and SIGTERM.
 
-use std::process::Stdio;
-
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
-
-use std::net::SocketAddr;
 
 use mcp_xds_gateway::source::persisted;
 
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{resource, FakeGalley};
-use crate::helpers::{eventually, http_get, names, within, VS};
+use crate::helpers::{eventually, http_get, names, spawn_gateway, within, Running, VS};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
@@ -148,58 +143,9 @@ async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
     assert!(stderr.contains("--type-map") && stderr.contains(&map), "{stderr}");
 }
 
-/// A started binary and what its log said.
-struct Running {
-    child: tokio::process::Child,
-    listen: SocketAddr,
-    admin: SocketAddr,
-    /// "effective configuration" lines seen before "gateway listening".
-    effective_config_lines: Vec<String>,
-}
-
-/// Starts the binary on port 0 with `args` and reads the bound addresses
-/// from its "gateway listening" line.
+/// The binary started on port 0 from the package root.
 async fn spawn(args: &[&str]) -> Running {
-    let mut child = Command::new(BIN)
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--monitoring-listen", "127.0.0.1:0"])
-        .args(args)
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the gateway binary");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut effective_config_lines = Vec::new();
-    let (listen, admin) = within("the bound addresses in the log", async {
-        loop {
-            let line = lines
-                .next_line()
-                .await
-                .unwrap()
-                .expect("the gateway logs before exiting");
-            if line.contains("effective configuration") {
-                effective_config_lines.push(line.clone());
-            }
-            if line.contains("gateway listening") {
-                let field = |name: &str| -> SocketAddr {
-                    let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
-                    line[start..].split_whitespace().next().unwrap().parse().unwrap()
-                };
-                return (field("listen"), field("admin"));
-            }
-        }
-    })
-    .await;
-    // Keep draining the log so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Running {
-        child,
-        listen,
-        admin,
-        effective_config_lines,
-    }
+    spawn_gateway(None, args).await
 }
 
 #[tokio::test]
@@ -209,8 +155,10 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
         mut child,
         listen,
         admin,
-        effective_config_lines,
+        log,
+        ..
     } = spawn(&["--collections", VS, "--upstream", &galley.url()]).await;
+    let effective_config_lines: Vec<&String> = log.iter().filter(|l| l.contains("effective configuration")).collect();
     assert_ne!(listen.port(), 0);
     assert_ne!(admin.port(), 0);
     assert_eq!(
@@ -354,28 +302,10 @@ async fn the_compiled_in_examples_are_served_only_with_demo() {
         assert!(stderr.contains(flag), "{flag}: {stderr}");
     }
 
-    let mut child = Command::new(BIN)
-        .current_dir(elsewhere.path())
-        .args(["--demo", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--monitoring-listen", "127.0.0.1:0"])
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let (warned, admin) = within("the demo warning and the bound addresses", async {
-        let mut warned = false;
-        loop {
-            let line = lines.next_line().await.unwrap().expect("the gateway is running");
-            warned |= line.contains("WARN") && line.contains("--demo");
-            if let Some(at) = line.find("admin=") {
-                let admin: SocketAddr = line[at + 6..].split_whitespace().next().unwrap().parse().unwrap();
-                return (warned, admin);
-            }
-        }
-    })
-    .await;
+    let Running {
+        mut child, admin, log, ..
+    } = spawn_gateway(Some(elsewhere.path()), &["--demo"]).await;
+    let warned = log.iter().any(|line| line.contains("WARN") && line.contains("--demo"));
     assert!(warned, "a warning before serving");
     let (_, metrics) = http_get(admin, "/metrics").await;
     let samples: Vec<&str> = metrics

@@ -18,9 +18,6 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-use super::within;
 
 /// The Envoy release the tests are written against.
 pub const ENVOY_VERSION: &str = "1.40.0";
@@ -440,61 +437,10 @@ impl Envoy {
     }
 
     async fn get(&self, path: &str) -> String {
-        let (status, body) = admin_get(self.admin, path).await;
+        let (status, body) = super::http_get(self.admin, path).await;
         assert_eq!(status, 200, "Envoy's {path}: {body}");
         body
     }
-}
-
-/// A GET on Envoy's admin port: status and body. Not `helpers::http_get`:
-/// Envoy answers HTTP/1.1 with chunked bodies (config_dump, stats), and it
-/// refuses HTTP/1.0.
-pub async fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
-    within(&format!("Envoy's {path}"), async {
-        let mut stream = tokio::net::TcpStream::connect(admin)
-            .await
-            .unwrap_or_else(|e| panic!("Envoy's admin port {admin}: {e}"));
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response).await.unwrap();
-        let split = find(&response, b"\r\n\r\n").expect("a whole HTTP head");
-        let head = String::from_utf8_lossy(&response[..split]).to_ascii_lowercase();
-        let status = head
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .expect("an HTTP status line");
-        let body = &response[split + 4..];
-        let body = if head.contains("\r\ntransfer-encoding: chunked") {
-            dechunk(body)
-        } else {
-            body.to_vec()
-        };
-        (status, String::from_utf8_lossy(&body).into_owned())
-    })
-    .await
-}
-
-/// A chunked body's content (chunk extensions and trailers ignored).
-fn dechunk(mut body: &[u8]) -> Vec<u8> {
-    let mut content = Vec::new();
-    while let Some(eol) = find(body, b"\r\n") {
-        let line = String::from_utf8_lossy(&body[..eol]);
-        let size = line.split(';').next().unwrap_or_default().trim();
-        let size = usize::from_str_radix(size, 16).unwrap_or_else(|_| panic!("a chunk size, not {line:?}"));
-        body = &body[eol + 2..];
-        if size == 0 {
-            break;
-        }
-        content.extend_from_slice(&body[..size]);
-        body = body.get(size + 2..).unwrap_or_default();
-    }
-    content
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 /// The repository's `examples/envoy/bootstrap.yaml` (what the README tells

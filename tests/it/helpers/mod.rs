@@ -135,24 +135,51 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// A GET with extra request header lines (each ending in `\r\n`).
 pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
-    within(&format!("GET {path}"), async {
-        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    within(&format!("GET {path} from {addr}"), async {
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("{addr}: {e}"));
         let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
         stream.write_all(request.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
-        let status = response
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await.unwrap();
+        let split = find(&response, b"\r\n\r\n").expect("a whole HTTP head");
+        let head = String::from_utf8_lossy(&response[..split]).to_ascii_lowercase();
+        let status = head
             .split(' ')
             .nth(1)
             .and_then(|s| s.parse().ok())
             .expect("an HTTP status line");
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        (status, body)
+        let body = &response[split + 4..];
+        let body = if head.contains("\r\ntransfer-encoding: chunked") {
+            dechunk(body)
+        } else {
+            body.to_vec()
+        };
+        (status, String::from_utf8_lossy(&body).into_owned())
     })
     .await
+}
+
+/// A chunked body's content (chunk extensions and trailers ignored).
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut content = Vec::new();
+    while let Some(eol) = find(body, b"\r\n") {
+        let line = String::from_utf8_lossy(&body[..eol]);
+        let size = line.split(';').next().unwrap_or_default().trim();
+        let size = usize::from_str_radix(size, 16).unwrap_or_else(|_| panic!("a chunk size, not {line:?}"));
+        body = &body[eol + 2..];
+        if size == 0 {
+            break;
+        }
+        content.extend_from_slice(&body[..size]);
+        body = body.get(size + 2..).unwrap_or_default();
+    }
+    content
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 /// A debug view's JSON (a GET on the admin port).
@@ -177,4 +204,64 @@ pub fn names(resources: &[mcp_xds_gateway::proto::Resource]) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// A gateway binary started on port 0, and what it logged before listening.
+pub struct Running {
+    pub child: tokio::process::Child,
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    pub monitoring: SocketAddr,
+    /// Every line before "gateway listening".
+    pub log: Vec<String>,
+}
+
+/// Starts the gateway binary with `args` on port 0 (from `cwd`, else the
+/// package root) and reads the bound addresses from its "gateway listening"
+/// line; its log is drained after that.
+pub async fn spawn_gateway(cwd: Option<&std::path::Path>, args: &[&str]) -> Running {
+    use tokio::io::AsyncBufReadExt;
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-xds-gateway"));
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
+    let mut child = command
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .args(["--monitoring-listen", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the gateway binary");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut log = Vec::new();
+    let (listen, admin, monitoring) = within("the bound addresses in the log", async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the gateway logs before exiting");
+            if line.contains("gateway listening") {
+                let field = |name: &str| -> SocketAddr {
+                    let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
+                    line[start..].split_whitespace().next().unwrap().parse().unwrap()
+                };
+                return (field("listen"), field("admin"), field("monitoring"));
+            }
+            log.push(line);
+        }
+    })
+    .await;
+    // Keep draining the log so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Running {
+        child,
+        listen,
+        admin,
+        monitoring,
+        log,
+    }
 }

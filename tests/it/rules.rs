@@ -1,0 +1,307 @@
+//! The shipped alerts (`deploy/components/monitoring/prometheusrule.yaml`)
+//! with Prometheus's own tools: `promtool check rules`; `promtool test
+//! rules` for each alert firing on its condition and staying silent when
+//! healthy; and a real Prometheus scraping a real gateway process: no alert
+//! on a healthy gateway, and the source-file alert pending once a file
+//! breaks. Prometheus comes from Debian's package, which `.ci/run` unpacks
+//! under `target/prometheus` (`PROMETHEUS_DIR`); where it cannot, these
+//! tests are skipped with a message.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value as Json;
+use tokio::process::Command;
+
+use crate::helpers::{eventually_async, http_get, spawn_gateway, within, Running};
+
+/// Where Prometheus's binaries are: `PROMETHEUS_DIR` (a directory holding
+/// `prometheus` and `promtool`), else `target/prometheus/usr/bin`.
+fn prometheus_dir(test: &str) -> Option<PathBuf> {
+    let dir = match std::env::var_os("PROMETHEUS_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target/prometheus/usr/bin"),
+    };
+    if dir.join("promtool").is_file() && dir.join("prometheus").is_file() {
+        return Some(dir);
+    }
+    if std::env::var_os("PROMETHEUS_DIR").is_some() {
+        panic!(
+            "{test}: PROMETHEUS_DIR={} holds no prometheus and promtool",
+            dir.display()
+        );
+    }
+    eprintln!(
+        "SKIPPED: {test} needs Prometheus (promtool and prometheus in {}; .ci/run unpacks Debian's package there)",
+        dir.display()
+    );
+    None
+}
+
+/// The `groups` of the shipped PrometheusRule, as a rules file; without
+/// annotations when `annotations` is false (promtool's unit tests compare
+/// them whole).
+fn rules_file(dir: &Path, annotations: bool) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/components/monitoring/prometheusrule.yaml");
+    let rule: serde_norway::Value = serde_norway::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut groups = rule["spec"].clone();
+    if !annotations {
+        for group in groups["groups"].as_sequence_mut().unwrap() {
+            for rule in group["rules"].as_sequence_mut().unwrap() {
+                rule.as_mapping_mut().unwrap().remove("annotations");
+            }
+        }
+    }
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, serde_norway::to_string(&groups).unwrap()).unwrap();
+    file
+}
+
+async fn promtool(dir: &Path, args: &[&str]) -> (bool, String) {
+    let output = within(
+        "promtool",
+        Command::new(dir.join("promtool"))
+            .args(args)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
+    (output.status.success(), text)
+}
+
+/// Each alert: one series that fires it and one healthy beside it; the
+/// healthy one never shows in the alert.
+const UNIT_TESTS: &str = r#"
+rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_upstream_connected{pod="gw-0"}'
+        values: '1 0x10'
+      - series: 'mcp_gateway_upstream_connected{pod="gw-1"}'
+        values: '1x10'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: McpGatewayUpstreamDisconnected
+        exp_alerts: []
+      - eval_time: 4m
+        alertname: McpGatewayUpstreamDisconnected
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0}
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_clients{pod="gw-0",status="STALE",collection="vs"}'
+        values: '1x10'
+      - series: 'mcp_gateway_clients{pod="gw-0",status="STALE",collection="dr"}'
+        values: '0x10'
+      - series: 'mcp_gateway_clients{pod="gw-0",status="NACKED",collection="gw"}'
+        values: '0 0 2x10'
+      - series: 'mcp_gateway_clients{pod="gw-0",status="SYNCED",collection="vs"}'
+        values: '5x10'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: McpGatewayClientStale
+        exp_alerts: []
+      - eval_time: 6m
+        alertname: McpGatewayClientStale
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0, collection: vs}
+      - eval_time: 6m
+        alertname: McpGatewayClientNacked
+        exp_alerts: []
+      - eval_time: 8m
+        alertname: McpGatewayClientNacked
+        exp_alerts:
+          - exp_labels: {severity: critical, pod: gw-0, collection: gw}
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_source_files_broken{pod="gw-0"}'
+        values: '0 0 1x10'
+      - series: 'mcp_gateway_source_files_broken{pod="gw-1"}'
+        values: '0x10'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: McpGatewaySourceFileBroken
+        exp_alerts: []
+      - eval_time: 4m
+        alertname: McpGatewaySourceFileBroken
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0}
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_limit_refusals_total{pod="gw-0",limit="requests_rate"}'
+        values: '0+3x20'
+      - series: 'mcp_gateway_limit_refusals_total{pod="gw-0",limit="max_streams"}'
+        values: '0x20'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: McpGatewayLimitRefusingPeers
+        exp_alerts: []
+      - eval_time: 12m
+        alertname: McpGatewayLimitRefusingPeers
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0, limit: requests_rate}
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_cache_write_failures_total{pod="gw-0",collection="vs"}'
+        values: '0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1'
+      - series: 'mcp_gateway_cache_write_failures_total{pod="gw-0",collection="dr"}'
+        values: '0x20'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: McpGatewayCacheWriteFailures
+        exp_alerts: []
+      - eval_time: 4m
+        alertname: McpGatewayCacheWriteFailures
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0, collection: vs}
+      - eval_time: 18m
+        alertname: McpGatewayCacheWriteFailures
+        exp_alerts: []
+"#;
+
+#[tokio::test]
+async fn the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only() {
+    let Some(bin) = prometheus_dir("rules::the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let full = rules_file(dir.path(), true);
+    let (ok, said) = promtool(&bin, &["check", "rules", full.to_str().unwrap()]).await;
+    assert!(ok, "promtool check rules: {said}");
+    assert!(said.contains("SUCCESS: 6 rules found"), "{said}");
+
+    let tests = tempfile::tempdir().unwrap();
+    rules_file(tests.path(), false);
+    let unit = tests.path().join("alerts-test.yaml");
+    std::fs::write(&unit, UNIT_TESTS).unwrap();
+    let (ok, said) = promtool(&bin, &["test", "rules", unit.to_str().unwrap()]).await;
+    assert!(ok, "promtool test rules: {said}");
+}
+
+/// A free port on 127.0.0.1 for Prometheus, which cannot say which port it
+/// took when given 0.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// GET a Prometheus API path as JSON.
+async fn api(prometheus: SocketAddr, path: &str) -> Json {
+    let (status, body) = http_get(prometheus, path).await;
+    assert_eq!(status, 200, "{path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+}
+
+#[tokio::test]
+async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_and_a_broken_file_when_there_is_one() {
+    let Some(bin) = prometheus_dir("rules::a_real_prometheus_sees_no_alert_on_a_healthy_gateway") else {
+        return;
+    };
+    // A gateway process of its own (its metrics are its own), on files.
+    let config = tempfile::tempdir().unwrap();
+    let vs = "collection: istio/networking/v1alpha3/virtualservices\nname: ns/a\nbody:\n  struct: {hosts: [a]}\n";
+    std::fs::write(config.path().join("vs.yaml"), vs).unwrap();
+    let source_dir = config.path().to_str().unwrap().to_owned();
+    let Running {
+        child: mut gateway,
+        monitoring,
+        ..
+    } = spawn_gateway(None, &["--source-dir", &source_dir]).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let rules = rules_file(dir.path(), true);
+    let prometheus_config = format!(
+        "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nrule_files: [{}]\nscrape_configs:\n  - \
+         job_name: istio-system/mcp-xds-gateway\n    static_configs: [{{targets: ['{monitoring}']}}]\n",
+        rules.display()
+    );
+    std::fs::write(dir.path().join("prometheus.yml"), prometheus_config).unwrap();
+    let port = free_port();
+    let prometheus_addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let _prometheus = Command::new(bin.join("prometheus"))
+        .arg(format!("--config.file={}", dir.path().join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+        .arg(format!("--web.listen-address={prometheus_addr}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    // Scraped, and every rule evaluated on what was scraped.
+    let scraped = || async {
+        let up = api(prometheus_addr, "/api/v1/query?query=up").await;
+        up["data"]["result"][0]["value"][1] == "1"
+    };
+    let ready = || async {
+        tokio::net::TcpStream::connect(prometheus_addr).await.is_ok()
+            && http_get(prometheus_addr, "/-/ready").await.0 == 200
+    };
+    within("Prometheus to start", async {
+        while !ready().await {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    eventually_async("Prometheus to scrape the gateway", scraped).await;
+    let evaluated_after_scrape = || async {
+        let rules = api(prometheus_addr, "/api/v1/rules").await;
+        let query = api(prometheus_addr, "/api/v1/query?query=mcp_gateway_source_files_broken").await;
+        let has_series = !query["data"]["result"].as_array().unwrap().is_empty();
+        has_series
+            && rules["data"]["groups"][0]["rules"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["health"] == "ok")
+    };
+    eventually_async(
+        "every rule evaluated, healthy, on scraped series",
+        evaluated_after_scrape,
+    )
+    .await;
+    // Two more evaluations (Prometheus's own count of them): nothing
+    // pending, nothing firing.
+    let iterations = || async {
+        let (_, metrics) = http_get(prometheus_addr, "/metrics").await;
+        metrics
+            .lines()
+            .find(|l| l.starts_with("prometheus_rule_group_iterations_total{") && l.contains("mcp-xds-gateway"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let now = iterations().await;
+    eventually_async("two more rule evaluations", || async {
+        iterations().await >= now + 2.0
+    })
+    .await;
+    let alerts = api(prometheus_addr, "/api/v1/alerts").await;
+    assert_eq!(
+        alerts["data"]["alerts"],
+        serde_json::json!([]),
+        "a healthy gateway: {alerts}"
+    );
+
+    // A file breaks: its alert goes pending (it fires after its `for`).
+    std::fs::write(config.path().join("vs.yaml"), vs.replace("body:", "bodee:")).unwrap();
+    eventually_async("the source-file alert to be pending", || async {
+        let alerts = api(prometheus_addr, "/api/v1/alerts").await;
+        alerts["data"]["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["labels"]["alertname"] == "McpGatewaySourceFileBroken" && a["state"] == "pending")
+    })
+    .await;
+    gateway.kill().await.unwrap();
+}
