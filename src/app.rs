@@ -244,6 +244,7 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         upstream: status_rx.clone(),
         metrics,
         stale_after: settings.stale_after,
+        bodies: settings.bodies.clone(),
     };
     crate::transport::http::serve(
         "--admin-listen",

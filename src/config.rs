@@ -320,6 +320,13 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
+    /// A protobuf FileDescriptorSet (protoc -o FILE, buf build -o FILE, e.g.
+    /// of Istio's API protos) for the config dump
+    /// (/debug/cache/{collection}?bodies=yaml) to decode bodies of types the
+    /// gateway has no descriptor for (it has Struct and Envoy's).
+    #[arg(long, env = "MCP_GATEWAY_DESCRIPTORS", value_name = "FILE")]
+    pub descriptors: Option<PathBuf>,
+
     /// A client behind the cache's current version for longer than this is
     /// STALE in /debug/syncz, the status command and mcp_gateway_clients.
     #[arg(long, env = "MCP_GATEWAY_STALE_AFTER", default_value = "30s", value_parser = parse_duration)]
@@ -401,6 +408,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// `--stale-after`.
     pub stale_after: Duration,
+    /// Reads bodies back for the config dump (`--descriptors`).
+    pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
     /// HTTP/2 and connection limits of the gRPC listeners.
     pub grpc: GrpcLimits,
     pub max_connections: usize,
@@ -688,6 +697,15 @@ impl Args {
             );
         }
         let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
+        let bodies = crate::source::envoy_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
+            let file = self
+                .descriptors
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            invalid("--descriptors", format!("{file}: {e}"))
+        })?;
+        let bodies = Arc::new(bodies);
         Ok(Settings {
             demo: self.demo,
             source,
@@ -702,6 +720,7 @@ impl Args {
             monitoring_listen: self.monitoring_listen,
             shutdown_grace: self.shutdown_grace,
             stale_after: self.stale_after,
+            bodies,
             grpc: GrpcLimits {
                 max_streams_per_connection: self.max_streams_per_connection,
                 max_header_list_bytes: self.max_header_list_bytes,

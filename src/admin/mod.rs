@@ -25,6 +25,7 @@ use crate::downstream::Registry;
 use crate::metrics as m;
 use crate::source::UpstreamStatus;
 
+mod dump;
 mod index;
 pub mod syncz;
 
@@ -38,6 +39,8 @@ pub struct AdminState {
     pub metrics: Option<PrometheusHandle>,
     /// `--stale-after`.
     pub stale_after: std::time::Duration,
+    /// Reads bodies back for the config dump.
+    pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
 }
 
 impl AdminState {
@@ -360,6 +363,7 @@ async fn cache(State(state): State<AdminState>, headers: HeaderMap) -> Response 
 async fn cache_collection(
     State(state): State<AdminState>,
     Path(collection): Path<String>,
+    Query(query): Query<dump::DumpQuery>,
     headers: HeaderMap,
 ) -> Response {
     let collection = collection.trim_start_matches('/');
@@ -370,6 +374,9 @@ async fn cache_collection(
         )
             .into_response();
     };
+    if let Some(format) = &query.bodies {
+        return dump::dump(&snapshot, snapshot_json(&snapshot), format, &state.bodies);
+    }
     let mut value = snapshot_json(&snapshot);
     value["resources"] = snapshot
         .resources

@@ -81,6 +81,58 @@ pub fn encode(type_url: &str, json: &serde_json::Value) -> Result<Vec<u8>, JsonE
     Ok(prost::Message::encode_to_vec(&message))
 }
 
+/// Reads resource bodies back for the config dump (`/debug/cache/{c}?bodies=`):
+/// `google.protobuf.Struct`, the Envoy types above, and every message of an
+/// operator's descriptor set (`--descriptors`: a `FileDescriptorSet`, such as
+/// Istio's API protos compiled by `protoc -o` or `buf build`).
+#[derive(Debug)]
+pub struct BodyDecoder {
+    /// The operator's set merged into the built-in one; `None` without one
+    /// (the built-in pool is then shared and decoded on first use).
+    pool: Option<DescriptorPool>,
+}
+
+impl BodyDecoder {
+    /// With `descriptors` (a file holding a `FileDescriptorSet`); an error
+    /// says why it cannot be used.
+    pub fn new(descriptors: Option<&std::path::Path>) -> Result<Self, String> {
+        let Some(path) = descriptors else {
+            return Ok(Self { pool: None });
+        };
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
+        let set = <prost_types::FileDescriptorSet as prost::Message>::decode(&bytes[..])
+            .map_err(|e| format!("not a FileDescriptorSet (protoc -o FILE, or buf build -o FILE): {e}"))?;
+        let mut pool = pool().clone();
+        // The operator's files may repeat ones the built-in set has (the
+        // well-known types): those are skipped, the rest added.
+        let new: Vec<_> = set
+            .file
+            .into_iter()
+            .filter(|f| pool.get_file_by_name(f.name()).is_none())
+            .collect();
+        pool.add_file_descriptor_protos(new)
+            .map_err(|e| format!("its descriptors do not resolve: {e}"))?;
+        Ok(Self { pool: Some(pool) })
+    }
+
+    fn pool(&self) -> &DescriptorPool {
+        self.pool.as_ref().unwrap_or_else(|| pool())
+    }
+
+    /// The body's message as proto-JSON; `Err` says why it cannot be read
+    /// (no descriptor for its type, or bytes that do not decode as it).
+    pub fn decode(&self, type_url: &str, value: &[u8]) -> Result<serde_json::Value, String> {
+        let name = type_url.rsplit('/').next().unwrap_or(type_url);
+        let descriptor = self
+            .pool()
+            .get_message_by_name(name)
+            .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
+        let message =
+            DynamicMessage::decode(descriptor, value).map_err(|e| format!("does not decode as {name}: {e}"))?;
+        serde_json::to_value(&message).map_err(|e| format!("{name} has no JSON form: {e}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +157,50 @@ mod tests {
         )
         .unwrap();
         assert_eq!(cluster.get_field_by_name("name").unwrap().as_str(), Some("backend"));
+    }
+
+    #[test]
+    fn bodies_decode_back_to_json() {
+        let decoder = BodyDecoder::new(None).unwrap();
+        let cluster = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            &json!({"name": "backend", "connect_timeout": "0.25s"}),
+        )
+        .unwrap();
+        let json = decoder
+            .decode("type.googleapis.com/envoy.config.cluster.v3.Cluster", &cluster)
+            .unwrap();
+        assert_eq!(json, json!({"name": "backend", "connectTimeout": "0.250s"}));
+        let structure = prost::Message::encode_to_vec(&prost_types::Struct {
+            fields: [(
+                "hosts".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue("a".into())),
+                },
+            )]
+            .into(),
+        });
+        let json = decoder
+            .decode("type.googleapis.com/google.protobuf.Struct", &structure)
+            .unwrap();
+        assert_eq!(json, json!({"hosts": "a"}));
+        let err = decoder
+            .decode("type.googleapis.com/istio.networking.v1alpha3.Gateway", b"")
+            .unwrap_err();
+        assert!(err.contains("--descriptors"), "{err}");
+        // An operator's set: the MCP protos' own descriptors, for instance.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("set.pb");
+        std::fs::write(&file, include_bytes!(concat!(env!("OUT_DIR"), "/mcp_descriptor.bin"))).unwrap();
+        let with = BodyDecoder::new(Some(&file)).unwrap();
+        let metadata = prost::Message::encode_to_vec(&crate::proto::Metadata {
+            name: "ns/a".into(),
+            ..Default::default()
+        });
+        let json = with.decode("istio.mcp.v1alpha1.Metadata", &metadata).unwrap();
+        assert_eq!(json["name"], "ns/a");
+        std::fs::write(&file, b"not a descriptor set").unwrap();
+        assert!(BodyDecoder::new(Some(&file)).unwrap_err().contains("FileDescriptorSet"));
     }
 
     #[test]

@@ -134,6 +134,14 @@ async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
         "{stderr}"
     );
 
+    // A --descriptors file that is not a descriptor set.
+    let (code, stderr) = run(&["--descriptors", &cert]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--descriptors") && stderr.contains("FileDescriptorSet"),
+        "{stderr}"
+    );
+
     // An invalid --type-map row names the flag and the file.
     let map = dir.path().join("types.yaml");
     std::fs::write(&map, "istio/x/y: [not, a, type url]\n").unwrap();

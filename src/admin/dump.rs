@@ -1,0 +1,77 @@
+//! The config dump: `/debug/cache/{collection}?bodies=json|yaml`, each
+//! resource with its metadata and its body read back (Struct and Envoy's
+//! types natively, others through `--descriptors`, else its size and a
+//! preview of its bytes).
+
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use prost::Message;
+use serde_json::{json, Value};
+
+use crate::cache::{CachedResource, CollectionSnapshot};
+use crate::proto::wire::RawResource;
+use crate::source::envoy_json::BodyDecoder;
+
+/// `?bodies=`.
+#[derive(Debug, Default, serde::Deserialize)]
+pub struct DumpQuery {
+    pub bodies: Option<String>,
+}
+
+/// How much of an undecodable body the dump shows.
+const PREVIEW_BYTES: usize = 64;
+
+/// A resource with its metadata and body.
+fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value {
+    let raw = RawResource::decode(resource.encoded.clone()).unwrap_or_default();
+    let metadata = raw.metadata.unwrap_or_default();
+    let any = raw
+        .body
+        .and_then(|b| prost_types::Any::decode(b).ok())
+        .unwrap_or_default();
+    let body = match bodies.decode(&any.type_url, &any.value) {
+        Ok(body) => body,
+        Err(why) => json!({
+            "bytes": any.value.len(),
+            "preview_base64": base64::engine::general_purpose::STANDARD
+                .encode(&any.value[..any.value.len().min(PREVIEW_BYTES)]),
+            "not_decoded": why,
+        }),
+    };
+    let create_time = metadata.create_time.map(|t| {
+        let at = std::time::UNIX_EPOCH
+            + std::time::Duration::new(
+                u64::try_from(t.seconds).unwrap_or(0),
+                u32::try_from(t.nanos).unwrap_or(0),
+            );
+        humantime::format_rfc3339(at).to_string()
+    });
+    json!({
+        "name": resource.name,
+        "version": resource.version,
+        "content_version": resource.content_version(),
+        "create_time": create_time,
+        "labels": metadata.labels,
+        "annotations": metadata.annotations,
+        "type_url": any.type_url,
+        "body": body,
+    })
+}
+
+/// The dump of `snapshot` (`head`: its summary) in `format`.
+pub fn dump(snapshot: &CollectionSnapshot, mut head: Value, format: &str, bodies: &BodyDecoder) -> Response {
+    head["resources"] = snapshot.resources.values().map(|r| resource(r, bodies)).collect();
+    match format {
+        "json" => axum::Json(head).into_response(),
+        "yaml" => match serde_norway::to_string(&head) {
+            Ok(text) => ([(header::CONTENT_TYPE, "application/yaml; charset=utf-8")], text).into_response(),
+            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write YAML: {e}\n")).into_response(),
+        },
+        other => (
+            StatusCode::BAD_REQUEST,
+            format!("bodies={other:?}: give bodies=json or bodies=yaml\n"),
+        )
+            .into_response(),
+    }
+}
