@@ -29,7 +29,8 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ),
     (
         "/debug/cache/{collection}",
-        "one collection's resources: names, versions, sizes",
+        "one collection's resources: names and versions; ?bodies=json|yaml: the config dump, each with its \
+         metadata and its body read back",
     ),
     (
         "/debug/upstream",
