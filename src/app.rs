@@ -91,6 +91,15 @@ async fn bind(flag: &'static str, addr: SocketAddr) -> Result<(TcpListener, Sock
 /// and the local source read before anything listens, so the first client is
 /// served at once.
 pub async fn build(settings: Settings) -> Result<Bound, AppError> {
+    build_with_logs(settings, None).await
+}
+
+/// As [`build`], with the log filter's control (`POST /logging`): the
+/// binary's, around its subscriber.
+pub async fn build_with_logs(
+    settings: Settings,
+    logs: Option<Arc<crate::metrics::LogControl>>,
+) -> Result<Bound, AppError> {
     let metrics = crate::metrics::install(settings.demo);
     if settings.demo {
         tracing::warn!(
@@ -245,6 +254,8 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
         metrics,
         stale_after: settings.stale_after,
         bodies: settings.bodies.clone(),
+        config: Arc::new(serde_json::to_value(&settings.effective).unwrap_or_default()),
+        logs,
     };
     crate::transport::http::serve(
         "--admin-listen",

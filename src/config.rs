@@ -40,6 +40,10 @@ pub struct Args {
     #[command(subcommand)]
     pub command: Option<Command>,
 
+    /// Where each flag's value came from (`Args::parse_with_sources`).
+    #[arg(skip)]
+    pub effective: Vec<EffectiveFlag>,
+
     /// Dial Galley's ResourceSource at this address, e.g. http://galley:9901
     /// or https://galley:9901. One of --upstream, --sink-listen, --source-dir.
     #[arg(long, env = "MCP_GATEWAY_UPSTREAM", value_name = "URL")]
@@ -343,6 +347,73 @@ pub struct Args {
     pub log_format: LogFormat,
 }
 
+/// A flag's effective value and where it came from: what `/debug/config`
+/// shows. Paths (certificates, keys) are shown as paths: no flag holds a
+/// secret itself.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct EffectiveFlag {
+    pub flag: String,
+    /// `None`: not set, and no default.
+    pub value: Option<String>,
+    /// `default`, `environment` (its variable) or `command line`.
+    pub source: String,
+}
+
+impl Args {
+    /// Parses `argv` and the environment like [`Parser::try_parse_from`],
+    /// keeping where each value came from in [`Args::effective`].
+    pub fn try_parse_with_sources<I, T>(argv: I) -> Result<Args, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::{CommandFactory, FromArgMatches};
+        let command = Args::command();
+        let matches = command.clone().try_get_matches_from(argv)?;
+        let mut args = Args::from_arg_matches(&matches)?;
+        if matches.subcommand().is_none() {
+            args.effective = effective(&command, &matches);
+        }
+        Ok(args)
+    }
+}
+
+fn effective(command: &clap::Command, matches: &clap::ArgMatches) -> Vec<EffectiveFlag> {
+    use clap::parser::ValueSource;
+    command
+        .get_arguments()
+        .filter_map(|arg| {
+            let long = arg.get_long()?;
+            if matches!(long, "help" | "version") {
+                return None;
+            }
+            let id = arg.get_id().as_str();
+            let value = matches.get_raw(id).map(|values| {
+                values
+                    .map(|v| v.to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
+            let source = match matches.value_source(id) {
+                Some(ValueSource::CommandLine) => "command line".to_owned(),
+                Some(ValueSource::EnvVariable) => {
+                    format!(
+                        "environment ({})",
+                        arg.get_env().map(|e| e.to_string_lossy()).unwrap_or_default()
+                    )
+                }
+                Some(ValueSource::DefaultValue) => "default".to_owned(),
+                _ => "not set".to_owned(),
+            };
+            Some(EffectiveFlag {
+                flag: format!("--{long}"),
+                value,
+                source,
+            })
+        })
+        .collect()
+}
+
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
     /// Act as a legacy client: subscribe, ACK, and print one line per update.
@@ -410,6 +481,8 @@ pub struct Settings {
     pub stale_after: Duration,
     /// Reads bodies back for the config dump (`--descriptors`).
     pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
+    /// Every flag's value and where it came from.
+    pub effective: Vec<EffectiveFlag>,
     /// HTTP/2 and connection limits of the gRPC listeners.
     pub grpc: GrpcLimits,
     pub max_connections: usize,
@@ -721,6 +794,7 @@ impl Args {
             shutdown_grace: self.shutdown_grace,
             stale_after: self.stale_after,
             bodies,
+            effective: self.effective,
             grpc: GrpcLimits {
                 max_streams_per_connection: self.max_streams_per_connection,
                 max_header_list_bytes: self.max_header_list_bytes,

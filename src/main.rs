@@ -3,13 +3,14 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
 use mcp_xds_gateway::app;
 use mcp_xds_gateway::config::{Args, Command, LogFormat};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let mut args = Args::parse();
+    let mut args = Args::try_parse_with_sources(std::env::args_os()).unwrap_or_else(|e| e.exit());
     match args.command.take() {
         Some(Command::Client(client)) => return run_client(client),
         Some(Command::Status(status)) => return run_status(status),
@@ -23,11 +24,30 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let logs = tracing_subscriber::fmt().with_env_filter(filter);
+    // The filter can be changed at run time (POST /logging on the admin port).
+    let initial = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|f| EnvFilter::try_new(f).is_ok())
+        .unwrap_or_else(|| args.log_level.clone());
+    let (filter, reload) = tracing_subscriber::reload::Layer::new(filter);
+    let logs = tracing_subscriber::registry().with(filter);
     match args.log_format {
-        LogFormat::Text => logs.with_ansi(std::io::stdout().is_terminal()).init(),
-        LogFormat::Json => logs.json().flatten_event(true).with_current_span(false).init(),
+        LogFormat::Text => logs
+            .with(tracing_subscriber::fmt::layer().with_ansi(std::io::stdout().is_terminal()))
+            .init(),
+        LogFormat::Json => logs
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(false),
+            )
+            .init(),
     }
+    let log_control = std::sync::Arc::new(mcp_xds_gateway::metrics::LogControl::new(initial, move |filter| {
+        let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
+        reload.reload(filter).map_err(|e| e.to_string())
+    }));
     let settings = match args.validate() {
         Ok(settings) => settings,
         Err(e) => {
@@ -42,7 +62,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(settings)) {
+    match runtime.block_on(run(settings, log_control)) {
         Ok(()) => ExitCode::SUCCESS,
         // Its message already holds its cause: printed once, not as a chain.
         Err(e) => match e.downcast_ref::<app::AppError>() {
@@ -87,8 +107,11 @@ fn run_tool(tool: impl std::future::Future<Output = anyhow::Result<()>>) -> Exit
     }
 }
 
-async fn run(settings: mcp_xds_gateway::config::Settings) -> anyhow::Result<()> {
-    let bound = app::build(settings).await?;
+async fn run(
+    settings: mcp_xds_gateway::config::Settings,
+    logs: std::sync::Arc<mcp_xds_gateway::metrics::LogControl>,
+) -> anyhow::Result<()> {
+    let bound = app::build_with_logs(settings, Some(logs)).await?;
     wait_for_signal().await?;
     tracing::info!("shutting down");
     let _ = bound.shutdown().await;

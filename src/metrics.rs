@@ -45,6 +45,48 @@ pub const CACHE_WRITE_FAILURES: &str = "mcp_gateway_cache_write_failures_total";
 pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_total";
 pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
 
+/// The log filter, changed at run time (`POST /logging` on the admin port),
+/// like Envoy's admin `/logging`. The binary builds it around its
+/// subscriber's reload handle; a gateway built in-process has none.
+pub struct LogControl {
+    apply: Box<ApplyFilter>,
+    current: std::sync::Mutex<String>,
+}
+
+/// Sets a log filter, or says why it is not one.
+type ApplyFilter = dyn Fn(&str) -> Result<(), String> + Send + Sync;
+
+impl LogControl {
+    pub fn new(initial: String, apply: impl Fn(&str) -> Result<(), String> + Send + Sync + 'static) -> Self {
+        Self {
+            apply: Box::new(apply),
+            current: std::sync::Mutex::new(initial),
+        }
+    }
+
+    /// Applies `filter` (tracing's EnvFilter syntax); an error says why it
+    /// is not one, and the filter in force stays.
+    pub fn set(&self, filter: &str) -> Result<(), String> {
+        (self.apply)(filter)?;
+        let previous = std::mem::replace(
+            &mut *self.current.lock().unwrap_or_else(|e| e.into_inner()),
+            filter.to_owned(),
+        );
+        tracing::warn!(filter, previous, "log filter changed at run time (POST /logging)");
+        Ok(())
+    }
+
+    pub fn current(&self) -> String {
+        self.current.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl std::fmt::Debug for LogControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogControl").field("current", &self.current()).finish()
+    }
+}
+
 /// Every `limit` label of [`LIMIT_REFUSALS`]: the flag or protocol bound
 /// that refused a peer.
 pub const LIMITS: &[&str] = &[

@@ -36,6 +36,14 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
         "/debug/upstream",
         "the source: connected, since when, last error, per collection",
     ),
+    (
+        "/debug/config",
+        "every flag with its value and where it came from, and the log filter",
+    ),
+    (
+        "/logging",
+        "POST ?level=FILTER: change the log filter at run time (tracing's EnvFilter syntax)",
+    ),
     ("/metrics", "Prometheus metrics"),
     ("/healthz", "liveness"),
     (
@@ -72,7 +80,7 @@ fn endpoints_json(endpoints: &[(&str, &str)]) -> Value {
 fn endpoints_html(endpoints: &[(&str, &str)], out: &mut String) {
     out.push_str("<table>");
     for (path, what) in endpoints {
-        let link = if path.contains('{') {
+        let link = if path.contains('{') || what.starts_with("POST") {
             escape(path)
         } else {
             format!("<a href=\"{0}\">{0}</a>", escape(path))

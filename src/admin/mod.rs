@@ -41,6 +41,11 @@ pub struct AdminState {
     pub stale_after: std::time::Duration,
     /// Reads bodies back for the config dump.
     pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
+    /// Every flag's effective value and where it came from (`/debug/config`).
+    pub config: Arc<Value>,
+    /// The log filter's control (`/logging`); `None` in a gateway built
+    /// in-process, whose logs are its host's.
+    pub logs: Option<Arc<m::LogControl>>,
 }
 
 impl AdminState {
@@ -144,6 +149,8 @@ pub fn admin_router(state: AdminState) -> Router {
         .route("/debug/cache", get(cache))
         .route("/debug/cache/{*collection}", get(cache_collection))
         .route("/debug/upstream", get(upstream))
+        .route("/debug/config", get(config))
+        .route("/logging", axum::routing::post(logging))
         .with_state(state)
 }
 
@@ -384,6 +391,53 @@ async fn cache_collection(
         .map(|r| json!({"name": r.name, "version": r.version, "body_type_url": r.body_type_url}))
         .collect();
     view(&headers, &format!("Cache: {collection}"), value)
+}
+
+/// Every flag with its value and where it came from, and the log filter in
+/// force.
+async fn config(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let value = json!({
+        "flags": *state.config,
+        "log_filter": state.logs.as_ref().map(|l| l.current()),
+        "version": env!("CARGO_PKG_VERSION"),
+    });
+    view(&headers, "Effective configuration", value)
+}
+
+/// `?level=FILTER`: tracing's EnvFilter syntax (`debug`,
+/// `info,mcp_xds_gateway::downstream=debug`).
+#[derive(Debug, serde::Deserialize)]
+struct LoggingQuery {
+    level: Option<String>,
+}
+
+/// `POST /logging?level=...`: changes the log filter, like Envoy's admin.
+async fn logging(State(state): State<AdminState>, Query(query): Query<LoggingQuery>) -> Response {
+    let Some(logs) = &state.logs else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "this gateway runs inside another process, whose logs are its own\n",
+        )
+            .into_response();
+    };
+    let Some(level) = query.level.filter(|l| !l.trim().is_empty()) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!(
+                "give ?level=FILTER (tracing's EnvFilter syntax); now: {}\n",
+                logs.current()
+            ),
+        )
+            .into_response();
+    };
+    match logs.set(level.trim()) {
+        Ok(()) => (StatusCode::OK, format!("log filter: {}\n", logs.current())).into_response(),
+        Err(why) => (
+            StatusCode::BAD_REQUEST,
+            format!("{level:?} is not a log filter: {why}\n"),
+        )
+            .into_response(),
+    }
 }
 
 async fn upstream(State(state): State<AdminState>, headers: HeaderMap) -> Response {

@@ -21,7 +21,15 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("downstream", &["cache", "proto", "transport", "metrics", "collections"]),
     (
         "admin",
-        &["cache", "downstream", "source", "metrics", "collections", "transport"],
+        &[
+            "cache",
+            "downstream",
+            "source",
+            "metrics",
+            "collections",
+            "transport",
+            "proto",
+        ],
     ),
     ("tools", &["proto", "transport", "source", "collections"]),
 ];

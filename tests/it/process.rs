@@ -324,3 +324,48 @@ async fn the_compiled_in_examples_are_served_only_with_demo() {
     assert!(samples.iter().all(|l| l.contains("demo=\"true\"")), "{metrics}");
     child.kill().await.unwrap();
 }
+
+/// `/debug/config`: every flag, its value and where it came from; `POST
+/// /logging` changes the log filter at run time, and says why not.
+#[tokio::test]
+async fn the_effective_configuration_and_the_log_filter_at_run_time() {
+    let galley = FakeGalley::start().await;
+    let Running { child, admin, .. } = crate::helpers::spawn_gateway_with_env(
+        None,
+        &["--upstream", &galley.url(), "--collections", VS],
+        &[("MCP_GATEWAY_STALE_AFTER", "45s")],
+    )
+    .await;
+    let config = crate::helpers::get_json(admin, "/debug/config").await;
+    let flag = |name: &str| {
+        config["flags"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["flag"] == name)
+            .unwrap_or_else(|| panic!("{name} in {config}"))
+            .clone()
+    };
+    assert_eq!(flag("--upstream")["source"], "command line");
+    assert_eq!(flag("--upstream")["value"], galley.url());
+    assert_eq!(flag("--stale-after")["source"], "environment (MCP_GATEWAY_STALE_AFTER)");
+    assert_eq!(flag("--stale-after")["value"], "45s");
+    assert_eq!(flag("--shutdown-grace")["source"], "default");
+    assert!(flag("--cache-dir")["value"].is_null());
+    assert_eq!(config["log_filter"], "info,h2=error");
+
+    let (status, said) = crate::helpers::http_request(admin, "POST", "/logging?level=debug", "").await;
+    assert_eq!(status, 200, "{said}");
+    assert_eq!(
+        crate::helpers::get_json(admin, "/debug/config").await["log_filter"],
+        "debug"
+    );
+    let (status, said) = crate::helpers::http_request(admin, "POST", "/logging?level=%5Bnot", "").await;
+    assert_eq!(status, 400, "{said}");
+    assert!(said.contains("is not a log filter"), "{said}");
+    assert_eq!(
+        crate::helpers::get_json(admin, "/debug/config").await["log_filter"],
+        "debug"
+    );
+    drop(child);
+}

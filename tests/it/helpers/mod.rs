@@ -12,7 +12,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use clap::Parser;
 use mcp_xds_gateway::app::{self, Bound};
 use mcp_xds_gateway::config::Args;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -90,7 +89,7 @@ pub async fn start_gateway_on(listen: &str, flags: &[&str]) -> Bound {
         "127.0.0.1:0",
     ];
     argv.extend_from_slice(flags);
-    let settings = Args::try_parse_from(argv)
+    let settings = Args::try_parse_with_sources(argv)
         .expect("valid flags")
         .validate()
         .expect("valid settings");
@@ -135,11 +134,19 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// A GET with extra request header lines (each ending in `\r\n`).
 pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16, String) {
-    within(&format!("GET {path} from {addr}"), async {
+    http_request(addr, "GET", path, headers).await
+}
+
+/// An HTTP/1.1 request with no body: (status, body; a chunked body read
+/// whole).
+pub async fn http_request(addr: SocketAddr, method: &str, path: &str, headers: &str) -> (u16, String) {
+    within(&format!("{method} {path} from {addr}"), async {
         let mut stream = tokio::net::TcpStream::connect(addr)
             .await
             .unwrap_or_else(|e| panic!("{addr}: {e}"));
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Connection: close\r\n\r\n");
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        );
         stream.write_all(request.as_bytes()).await.unwrap();
         let mut response = Vec::new();
         stream.read_to_end(&mut response).await.unwrap();
@@ -220,11 +227,17 @@ pub struct Running {
 /// package root) and reads the bound addresses from its "gateway listening"
 /// line; its log is drained after that.
 pub async fn spawn_gateway(cwd: Option<&std::path::Path>, args: &[&str]) -> Running {
+    spawn_gateway_with_env(cwd, args, &[]).await
+}
+
+/// As [`spawn_gateway`], with environment variables.
+pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str], env: &[(&str, &str)]) -> Running {
     use tokio::io::AsyncBufReadExt;
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-xds-gateway"));
     if let Some(cwd) = cwd {
         command.current_dir(cwd);
     }
+    command.envs(env.iter().copied());
     let mut child = command
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .args(["--monitoring-listen", "127.0.0.1:0"])
