@@ -555,7 +555,7 @@ impl Args {
         let keepalive = (!self.keepalive_interval.is_zero()).then_some(self.keepalive_interval);
         if keepalive.is_some_and(|k| k < GALLEY_MIN_KEEPALIVE) {
             tracing::warn!(
-                interval = ?self.keepalive_interval,
+                interval_seconds = self.keepalive_interval.as_secs_f64(),
                 "--keepalive-interval is below Galley's 30s minimum; Galley answers with GOAWAY ENHANCE_YOUR_CALM"
             );
         }

@@ -130,7 +130,7 @@ impl UpstreamClient {
                 s.consecutive_failures = if delivered { 1 } else { s.consecutive_failures + 1 };
                 s.next_retry_in = Some(delay);
             });
-            tracing::info!(retry_in = ?delay, "reconnecting to upstream");
+            tracing::info!(retry_in_seconds = delay.as_secs_f64(), "reconnecting to upstream");
             tokio::select! {
                 _ = tokio::time::sleep(delay) => {}
                 _ = shutdown.cancelled() => return,

@@ -191,7 +191,8 @@ impl SinkSession {
                     source_version = %message.system_version_info,
                     incremental = message.incremental,
                     resources = message.resources.len(),
-                    ?applied,
+                    changed = matches!(applied, crate::cache::Applied::Changed { .. }),
+                    version = %applied.version(),
                     "applied upstream update"
                 );
                 RequestResources {
@@ -218,7 +219,7 @@ impl SinkSession {
                 tracing::warn!(
                     collection = %message.collection,
                     nonce = %message.nonce,
-                    code = ?nack.code,
+                    code = m::code_label(nack.code as i32),
                     reason = %nack.message,
                     "NACK sent upstream; the cache keeps its previous state"
                 );

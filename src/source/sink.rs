@@ -188,7 +188,8 @@ impl ResourceSink for SinkServer {
         let mut inbound = request.into_inner();
         let inner = self.inner.clone();
         let (mut opened, rx) = inner.sink.open(claimed.writer());
-        tracing::info!(%peer, ?metadata, "a source connected (dial-out)");
+        let announced: Vec<String> = metadata.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        tracing::info!(%peer, metadata = announced.join(","), "a source connected (dial-out)");
         inner.status.send_modify(|s| {
             // A dial-out stream is an attempt that succeeded.
             metrics::counter!(m::UPSTREAM_CONNECT_ATTEMPTS).increment(1);

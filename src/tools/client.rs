@@ -1,7 +1,11 @@
 //! `mcp-xds-gateway client`: a legacy client of `AggregatedMeshConfigService`
 //! for operators. It subscribes to type URLs, ACKs every response like a real
-//! client, and prints one line per update; `--once` exits after the first
-//! complete set of every type.
+//! client, and prints each update (a line, the names, or the resources with
+//! their bodies as JSON or YAML); `--once` exits after the first complete set
+//! of every type. Without `--once` it follows a rollout: when the gateway ends
+//! the stream (GOAWAY as it recycles connections, a restart, the network), it
+//! says so on stderr and reconnects with backoff, an incremental stream
+//! resuming from what it holds (`initial_resource_versions`).
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -23,6 +27,22 @@ use crate::transport::tls::ClientTlsFiles;
 pub enum Show {
     /// Each resource's name, version and body type URL under its update line.
     Resources,
+}
+
+/// What each update prints.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// One line: type URL, version, counts of resources, added, changed,
+    /// removed.
+    #[default]
+    Summary,
+    /// The update line, then the name of every resource it holds.
+    Names,
+    /// One JSON object per update: its resources with metadata and bodies
+    /// read back.
+    Json,
+    /// The same as YAML documents.
+    Yaml,
 }
 
 /// Flags of `mcp-xds-gateway client`.
@@ -53,6 +73,17 @@ pub struct ClientArgs {
     #[arg(long, value_enum)]
     pub show: Option<Show>,
 
+    /// What each update prints: summary, names, json or yaml (the resources
+    /// with their bodies read back: Struct and Envoy's types; others with
+    /// --descriptors).
+    #[arg(long, value_enum, default_value_t = Output::Summary)]
+    pub output: Output,
+
+    /// A FileDescriptorSet for --output json|yaml to read bodies of other
+    /// types (Istio's API protos: protoc -o FILE).
+    #[arg(long, value_name = "FILE")]
+    pub descriptors: Option<PathBuf>,
+
     /// The node id sent with every request.
     #[arg(long, default_value = "mcp-xds-gateway-client")]
     pub node_id: String,
@@ -82,36 +113,90 @@ fn parse_duration(value: &str) -> Result<Duration, String> {
 struct Update {
     type_url: String,
     version: String,
-    /// Full state (SotW) or upserts (incremental).
+    /// Full state (SotW) or upserts (incremental): name, version, body type.
     resources: Vec<(String, String, String)>,
+    /// The same, whole (for --output json|yaml).
+    raw: Vec<Resource>,
     removed: Vec<String>,
     full: bool,
 }
 
 enum Event {
     Update(Update),
-    Ended { type_url: String, error: Option<String> },
+    /// The stream ended and cannot be resumed: the gateway refused it.
+    Refused {
+        type_url: String,
+        error: String,
+    },
+    /// The stream ended; it is opened again after `delay`.
+    Reconnecting {
+        type_url: String,
+        why: String,
+        delay: Duration,
+    },
+}
+
+/// How long to wait before opening a stream again: from 100 ms, doubling to
+/// 5 s (with jitter), back to 100 ms once a stream delivered.
+const RECONNECT: crate::source::backoff::BackoffPolicy = crate::source::backoff::BackoffPolicy {
+    min: Duration::from_millis(100),
+    max: Duration::from_secs(5),
+};
+
+/// Why a stream ended, as an operator reads it, and whether opening it again
+/// can help: a refusal (a type the gateway does not serve, an identity it
+/// does not allow) would only be refused again.
+fn ended(status: Option<&tonic::Status>) -> (String, bool) {
+    let Some(status) = status else {
+        return ("the gateway ended the stream".into(), true);
+    };
+    let message = status.message();
+    let retry = !matches!(
+        status.code(),
+        tonic::Code::InvalidArgument
+            | tonic::Code::Unimplemented
+            | tonic::Code::PermissionDenied
+            | tonic::Code::Unauthenticated
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::NotFound
+    );
+    let why = if message.contains("GOAWAY") || message.contains("connection closed") || message.contains("h2 protocol")
+    {
+        format!(
+            "the gateway closed the connection (it recycles connections every --max-connection-age, or restarted): {message}"
+        )
+    } else {
+        format!("{:?}: {message}", status.code())
+    };
+    (why, retry)
 }
 
 /// Runs the client; the output goes to `out`.
 pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Result<()> {
-    let channel = connect(&args).await?;
+    let bodies = crate::source::envoy_json::BodyDecoder::new(args.descriptors.as_deref())
+        .map_err(|e| anyhow::anyhow!("--descriptors: {e}"))?;
+    let (dial, channel) = connect(&args).await?;
     let node = SinkNode {
         id: args.node_id.clone(),
         annotations: Default::default(),
     };
     let (events_tx, mut events) = mpsc::unbounded_channel();
     if args.incremental {
+        // One connection, then one each per stream.
+        let mut first = Some(channel);
         for type_url in &args.type_urls {
-            tokio::spawn(incremental(
-                channel.clone(),
-                node.clone(),
-                type_url.clone(),
-                events_tx.clone(),
-            ));
+            let dialer = std::sync::Arc::new(Dialer {
+                dial: dial.clone(),
+                first: std::sync::Mutex::new(first.take()),
+            });
+            tokio::spawn(incremental(dialer, node.clone(), type_url.clone(), events_tx.clone()));
         }
     } else {
-        tokio::spawn(sotw(channel, node, args.type_urls.clone(), events_tx.clone()));
+        let dialer = std::sync::Arc::new(Dialer {
+            dial,
+            first: std::sync::Mutex::new(Some(channel)),
+        });
+        tokio::spawn(sotw(dialer, node, args.type_urls.clone(), events_tx.clone()));
     }
     drop(events_tx);
 
@@ -130,13 +215,22 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
         };
         match event {
             None => return Ok(()),
-            Some(Event::Ended { type_url, error }) => match error {
-                Some(error) => bail!("{type_url}: {error}"),
-                None => bail!("{type_url}: the gateway ended the stream"),
-            },
+            Some(Event::Refused { type_url, error }) => bail!("{type_url}: {error}"),
+            Some(Event::Reconnecting { type_url, why, delay }) => {
+                eprintln!(
+                    "{type_url}: {why}; reconnecting in {}",
+                    humantime::format_duration(round_ms(delay))
+                );
+            }
             Some(Event::Update(update)) => {
                 let state = held.entry(update.type_url.clone()).or_default();
-                print_update(out, state, &update, args.show)?;
+                // JSON and YAML stay machine-readable: no update line.
+                if matches!(args.output, Output::Json | Output::Yaml) {
+                    print_update(&mut std::io::sink(), state, &update, args.show)?;
+                } else {
+                    print_update(out, state, &update, args.show)?;
+                }
+                print_resources(out, &update, args.output, &bodies)?;
                 waiting.remove(update.type_url.as_str());
                 if args.once && waiting.is_empty() {
                     return Ok(());
@@ -146,7 +240,9 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
     }
 }
 
-async fn connect(args: &ClientArgs) -> anyhow::Result<Channel> {
+/// The gateway's address and TLS, checked, and a first connection to it
+/// (an unreachable target is an error at once); later streams dial again.
+async fn connect(args: &ClientArgs) -> anyhow::Result<(Dial, Channel)> {
     let tls = args.ca.is_some() || args.target.starts_with("https://");
     let url = if args.target.contains("://") {
         args.target.clone()
@@ -171,7 +267,26 @@ async fn connect(args: &ClientArgs) -> anyhow::Result<Channel> {
         timeout: Duration::from_secs(10),
         keepalive: None,
     };
-    Ok(crate::transport::connect::connect(&dial).await?)
+    let channel = crate::transport::connect::connect(&dial).await?;
+    Ok((dial, channel))
+}
+
+/// A connection per stream: the first one `run` made, then new ones (a
+/// connection ends with its GOAWAY).
+struct Dialer {
+    dial: Dial,
+    first: std::sync::Mutex<Option<Channel>>,
+}
+
+impl Dialer {
+    async fn channel(&self) -> Result<Channel, tonic::Status> {
+        if let Some(first) = self.first.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Ok(first);
+        }
+        crate::transport::connect::connect(&self.dial)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))
+    }
 }
 
 fn summary(resources: &[Resource]) -> Vec<(String, String, String)> {
@@ -185,7 +300,70 @@ fn summary(resources: &[Resource]) -> Vec<(String, String, String)> {
         .collect()
 }
 
-async fn sotw(channel: Channel, node: SinkNode, type_urls: Vec<String>, events: mpsc::UnboundedSender<Event>) {
+fn round_ms(delay: Duration) -> Duration {
+    Duration::from_millis(delay.as_millis() as u64)
+}
+
+/// Keeps a stream open: `open` runs one stream to its end; a refusal ends
+/// it for good, anything else opens it again after a backoff (reset once a
+/// stream delivered). Ends when nobody listens any more.
+async fn keep_open<F, Fut>(type_url: String, events: mpsc::UnboundedSender<Event>, mut open: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = (bool, Option<tonic::Status>)>,
+{
+    let mut backoff = crate::source::backoff::Backoff::new(RECONNECT);
+    loop {
+        let (delivered, status) = open().await;
+        if events.is_closed() {
+            return;
+        }
+        let (why, retry) = ended(status.as_ref());
+        if !retry {
+            let _ = events.send(Event::Refused { type_url, error: why });
+            return;
+        }
+        if delivered {
+            backoff.reset();
+        }
+        let delay = backoff.next_delay();
+        let _ = events.send(Event::Reconnecting {
+            type_url: type_url.clone(),
+            why,
+            delay,
+        });
+        tokio::time::sleep(delay).await;
+    }
+}
+
+/// One state-of-the-world stream for every type, opened again until the
+/// client stops.
+async fn sotw(
+    dialer: std::sync::Arc<Dialer>,
+    node: SinkNode,
+    type_urls: Vec<String>,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let label = type_urls.join(",");
+    let stream_events = events.clone();
+    keep_open(label, events, move || {
+        sotw_once(dialer.clone(), node.clone(), type_urls.clone(), stream_events.clone())
+    })
+    .await
+}
+
+/// One stream: whether it delivered a response, and the status it ended with
+/// (`None`: ended cleanly).
+async fn sotw_once(
+    dialer: std::sync::Arc<Dialer>,
+    node: SinkNode,
+    type_urls: Vec<String>,
+    events: mpsc::UnboundedSender<Event>,
+) -> (bool, Option<tonic::Status>) {
+    let channel = match dialer.channel().await {
+        Ok(channel) => channel,
+        Err(status) => return (false, Some(status)),
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     for type_url in &type_urls {
         let _ = tx.send(MeshConfigRequest {
@@ -195,23 +373,18 @@ async fn sotw(channel: Channel, node: SinkNode, type_urls: Vec<String>, events: 
         });
     }
     let mut client = AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX);
-    let ended = |error: String| Event::Ended {
-        type_url: type_urls.join(","),
-        error: Some(error),
-    };
     let mut stream = match client
         .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
     {
         Ok(response) => response.into_inner(),
-        Err(status) => {
-            let _ = events.send(ended(format!("{:?}: {}", status.code(), status.message())));
-            return;
-        }
+        Err(status) => return (false, Some(status)),
     };
+    let mut delivered = false;
     loop {
         match stream.message().await {
             Ok(Some(response)) => {
+                delivered = true;
                 // ACK like a real client: the version and nonce just received.
                 let _ = tx.send(MeshConfigRequest {
                     version_info: response.version_info.clone(),
@@ -224,81 +397,167 @@ async fn sotw(channel: Channel, node: SinkNode, type_urls: Vec<String>, events: 
                     type_url: response.type_url,
                     version: response.version_info,
                     resources: summary(&response.resources),
+                    raw: response.resources,
                     removed: Vec::new(),
                     full: true,
                 };
                 if events.send(Event::Update(update)).is_err() {
-                    return;
+                    return (delivered, None);
                 }
             }
-            Ok(None) => {
-                let _ = events.send(Event::Ended {
-                    type_url: type_urls.join(","),
-                    error: None,
-                });
-                return;
-            }
-            Err(status) => {
-                let _ = events.send(ended(format!("{:?}: {}", status.code(), status.message())));
-                return;
-            }
+            Ok(None) => return (delivered, None),
+            Err(status) => return (delivered, Some(status)),
         }
     }
 }
 
-async fn incremental(channel: Channel, node: SinkNode, type_url: String, events: mpsc::UnboundedSender<Event>) {
+/// One incremental stream for `type_url`, opened again until the client
+/// stops, resuming from the names and versions it holds.
+async fn incremental(
+    dialer: std::sync::Arc<Dialer>,
+    node: SinkNode,
+    type_url: String,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let held = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::<String, String>::new()));
+    let stream_events = events.clone();
+    let label = type_url.clone();
+    keep_open(label, events, move || {
+        incremental_once(
+            dialer.clone(),
+            node.clone(),
+            type_url.clone(),
+            held.clone(),
+            stream_events.clone(),
+        )
+    })
+    .await
+}
+
+async fn incremental_once(
+    dialer: std::sync::Arc<Dialer>,
+    node: SinkNode,
+    type_url: String,
+    held: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
+    events: mpsc::UnboundedSender<Event>,
+) -> (bool, Option<tonic::Status>) {
     let (tx, rx) = mpsc::unbounded_channel();
+    let initial_resource_versions: std::collections::HashMap<String, String> = held
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    let resuming = initial_resource_versions.len();
     let _ = tx.send(IncrementalMeshConfigRequest {
         sink_node: Some(node.clone()),
         type_url: type_url.clone(),
+        initial_resource_versions,
         ..Default::default()
     });
-    let mut client = AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX);
-    let error = |status: tonic::Status| Event::Ended {
-        type_url: type_url.clone(),
-        error: Some(format!("{:?}: {}", status.code(), status.message())),
+    let channel = match dialer.channel().await {
+        Ok(channel) => channel,
+        Err(status) => return (false, Some(status)),
     };
+    let mut client = AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX);
     let mut stream = match client
         .incremental_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
     {
         Ok(response) => response.into_inner(),
-        Err(status) => {
-            let _ = events.send(error(status));
-            return;
-        }
+        Err(status) => return (false, Some(status)),
     };
+    if resuming > 0 {
+        eprintln!("{type_url}: reconnected, resuming with the {resuming} resources held (initial_resource_versions)");
+    }
+    let mut delivered = false;
     loop {
         match stream.message().await {
             Ok(Some(response)) => {
+                delivered = true;
                 let _ = tx.send(IncrementalMeshConfigRequest {
                     sink_node: Some(node.clone()),
                     type_url: type_url.clone(),
                     response_nonce: response.nonce.clone(),
                     ..Default::default()
                 });
+                let resources = summary(&response.resources);
+                {
+                    let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+                    for (name, version, _) in &resources {
+                        held.insert(name.clone(), version.clone());
+                    }
+                    for name in &response.removed_resources {
+                        held.remove(name);
+                    }
+                }
                 let update = Update {
                     type_url: type_url.clone(),
                     version: response.system_version_info,
-                    resources: summary(&response.resources),
+                    resources,
+                    raw: response.resources,
                     removed: response.removed_resources,
                     full: false,
                 };
                 if events.send(Event::Update(update)).is_err() {
-                    return;
+                    return (delivered, None);
                 }
             }
-            Ok(None) => {
-                let _ = events.send(Event::Ended {
-                    type_url: type_url.clone(),
-                    error: None,
-                });
-                return;
+            Ok(None) => return (delivered, None),
+            Err(status) => return (delivered, Some(status)),
+        }
+    }
+}
+
+/// `--output names|json|yaml`: what follows the update line.
+fn print_resources(
+    out: &mut impl Write,
+    update: &Update,
+    output: Output,
+    bodies: &crate::source::envoy_json::BodyDecoder,
+) -> std::io::Result<()> {
+    match output {
+        Output::Summary => Ok(()),
+        Output::Names => {
+            for (name, _, _) in &update.resources {
+                writeln!(out, "  {name}")?;
             }
-            Err(status) => {
-                let _ = events.send(error(status));
-                return;
+            out.flush()
+        }
+        Output::Json | Output::Yaml => {
+            let resources: Vec<serde_json::Value> = update
+                .raw
+                .iter()
+                .map(|r| {
+                    let metadata = r.metadata.clone().unwrap_or_default();
+                    let body = r.body.clone().unwrap_or_default();
+                    let decoded = bodies
+                        .decode(&body.type_url, &body.value)
+                        .unwrap_or_else(|why| serde_json::json!({"bytes": body.value.len(), "not_decoded": why}));
+                    serde_json::json!({
+                        "name": metadata.name,
+                        "version": metadata.version,
+                        "labels": metadata.labels,
+                        "annotations": metadata.annotations,
+                        "type_url": body.type_url,
+                        "body": decoded,
+                    })
+                })
+                .collect();
+            let document = serde_json::json!({
+                "type_url": update.type_url,
+                "version": update.version,
+                "incremental": !update.full,
+                "resources": resources,
+                "removed": update.removed,
+            });
+            if output == Output::Json {
+                writeln!(out, "{document}")?;
+            } else {
+                let yaml = serde_norway::to_string(&document).map_err(std::io::Error::other)?;
+                write!(out, "---\n{yaml}")?;
             }
+            out.flush()
         }
     }
 }
@@ -363,6 +622,7 @@ mod tests {
                 .iter()
                 .map(|(n, v)| (n.to_string(), v.to_string(), "b".into()))
                 .collect(),
+            raw: Vec::new(),
             removed: removed.iter().map(|s| s.to_string()).collect(),
             full,
         }

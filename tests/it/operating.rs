@@ -853,3 +853,57 @@ async fn the_config_dump_reads_bodies_back() {
     assert_eq!(status, 400);
     assert!(said.contains("bodies=json or bodies=yaml"), "{said}");
 }
+
+/// The `client` command follows a rollout: when the gateway goes away it
+/// says so on stderr and reconnects, an incremental stream resuming from
+/// what it holds; and `--output yaml` prints the resources with their bodies.
+#[tokio::test]
+async fn the_client_command_reconnects_and_resumes() {
+    use tokio::io::AsyncBufReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let vs = |host: &str| format!("collection: {VS}\nname: ns/a\nbody:\n  struct: {{hosts: [{host}]}}\n");
+    std::fs::write(dir.path().join("vs.yaml"), vs("a")).unwrap();
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = crate::helpers::start_gateway(&["--source-dir", &dir_flag]).await;
+    let listen = gw.listen.to_string();
+    let mut client = Command::new(BIN)
+        .args([
+            "client",
+            "--target",
+            &listen,
+            "--type-url",
+            VS,
+            "--incremental",
+            "--output",
+            "yaml",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdout = tokio::io::BufReader::new(client.stdout.take().unwrap()).lines();
+    let mut stderr = tokio::io::BufReader::new(client.stderr.take().unwrap()).lines();
+    async fn line_with<R: tokio::io::AsyncBufRead + Unpin>(lines: &mut tokio::io::Lines<R>, text: &str) -> String {
+        within(text, async {
+            loop {
+                let line = lines.next_line().await.unwrap().expect("the client is running");
+                if line.contains(text) {
+                    return line;
+                }
+            }
+        })
+        .await
+    }
+    line_with(&mut stdout, "- name: ns/a").await;
+    line_with(&mut stdout, "hosts:").await;
+
+    // The gateway restarts on the same port with a change.
+    assert!(gw.shutdown().await);
+    line_with(&mut stderr, "reconnecting in").await;
+    std::fs::write(dir.path().join("vs.yaml"), vs("b")).unwrap();
+    let _again = crate::helpers::start_gateway_on(&listen, &["--source-dir", &dir_flag]).await;
+    line_with(&mut stderr, "resuming with the 1 resources held").await;
+    line_with(&mut stdout, "- b").await;
+    client.kill().await.unwrap();
+}
