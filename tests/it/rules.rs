@@ -1,9 +1,9 @@
 //! The shipped alerts (`deploy/components/monitoring/prometheusrule.yaml`)
 //! with Prometheus's own tools: `promtool check rules`; `promtool test
 //! rules` for each alert firing on its condition and staying silent when
-//! healthy; and a real Prometheus scraping a real gateway process: no alert
-//! on a healthy gateway, and the source-file alert pending once a file
-//! breaks. Prometheus comes from Debian's package, which `.ci/run` unpacks
+//! healthy; and a real Prometheus scraping a real, busy gateway process: no
+//! alert, data in every panel of the shipped dashboard, and the NACK alert
+//! pending once a client refuses a version. Prometheus comes from Debian's package, which `.ci/run` unpacks
 //! under `target/prometheus` (`PROMETHEUS_DIR`); where it cannot, these
 //! tests are skipped with a message.
 
@@ -15,7 +15,9 @@ use std::time::Duration;
 use serde_json::Value as Json;
 use tokio::process::Command;
 
-use crate::helpers::{eventually_async, http_get, spawn_gateway, within, Running};
+use crate::helpers::clients::sotw;
+use crate::helpers::galley::{resource, FakeGalley};
+use crate::helpers::{eventually_async, http_get, spawn_gateway, within, Running, VS};
 
 /// Where Prometheus's binaries are: `PROMETHEUS_DIR` (a directory holding
 /// `prometheus` and `promtool`), else `target/prometheus/usr/bin`.
@@ -184,6 +186,17 @@ async fn the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only() {
     assert!(ok, "promtool test rules: {said}");
 }
 
+/// A query string value, percent-encoded.
+fn encode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// A free port on 127.0.0.1 for Prometheus, which cannot say which port it
 /// took when given 0.
 fn free_port() -> u16 {
@@ -202,20 +215,23 @@ async fn api(prometheus: SocketAddr, path: &str) -> Json {
 }
 
 #[tokio::test]
-async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_and_a_broken_file_when_there_is_one() {
-    let Some(bin) = prometheus_dir("rules::a_real_prometheus_sees_no_alert_on_a_healthy_gateway") else {
+async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_data_in_every_panel_and_a_nack() {
+    let test = "rules::a_real_prometheus_sees_no_alert_on_a_healthy_gateway_data_in_every_panel_and_a_nack";
+    let Some(bin) = prometheus_dir(test) else {
         return;
     };
-    // A gateway process of its own (its metrics are its own), on files.
-    let config = tempfile::tempdir().unwrap();
-    let vs = "collection: istio/networking/v1alpha3/virtualservices\nname: ns/a\nbody:\n  struct: {hosts: [a]}\n";
-    std::fs::write(config.path().join("vs.yaml"), vs).unwrap();
-    let source_dir = config.path().to_str().unwrap().to_owned();
+    // A gateway process of its own (its metrics are its own), fed by a
+    // (fake) Galley.
+    let mut galley = FakeGalley::start().await;
     let Running {
         child: mut gateway,
         monitoring,
+        listen,
         ..
-    } = spawn_gateway(None, &["--source-dir", &source_dir]).await;
+    } = spawn_gateway(None, &["--upstream", &galley.url(), "--collections", VS]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
 
     let dir = tempfile::tempdir().unwrap();
     let rules = rules_file(dir.path(), true);
@@ -236,26 +252,28 @@ async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_and_a_broken_file_
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-
-    // Scraped, and every rule evaluated on what was scraped.
-    let scraped = || async {
-        let up = api(prometheus_addr, "/api/v1/query?query=up").await;
-        up["data"]["result"][0]["value"][1] == "1"
-    };
     let ready = || async {
         tokio::net::TcpStream::connect(prometheus_addr).await.is_ok()
             && http_get(prometheus_addr, "/-/ready").await.0 == 200
     };
-    within("Prometheus to start", async {
-        while !ready().await {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    eventually_async("Prometheus to scrape the gateway", scraped).await;
+    eventually_async("Prometheus to start", ready).await;
+
+    // Busy: a client reads, and a change goes out to it.
+    let mut client = sotw(listen).await;
+    client.subscribe(VS);
+    let first = client.recv().await;
+    client.ack(&first);
+    upstream
+        .push_full(VS, vec![resource("a", "2", b"a2"), resource("b", "1", b"b")])
+        .await;
+    let second = client.recv().await;
+    client.ack(&second);
+
+    // Every rule evaluated, on scraped series; then two more evaluations
+    // (Prometheus's own count of them): nothing pending, nothing firing.
     let evaluated_after_scrape = || async {
         let rules = api(prometheus_addr, "/api/v1/rules").await;
-        let query = api(prometheus_addr, "/api/v1/query?query=mcp_gateway_source_files_broken").await;
+        let query = api(prometheus_addr, "/api/v1/query?query=mcp_gateway_clients").await;
         let has_series = !query["data"]["result"].as_array().unwrap().is_empty();
         has_series
             && rules["data"]["groups"][0]["rules"]
@@ -269,8 +287,6 @@ async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_and_a_broken_file_
         evaluated_after_scrape,
     )
     .await;
-    // Two more evaluations (Prometheus's own count of them): nothing
-    // pending, nothing firing.
     let iterations = || async {
         let (_, metrics) = http_get(prometheus_addr, "/metrics").await;
         metrics
@@ -292,15 +308,67 @@ async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_and_a_broken_file_
         "a healthy gateway: {alerts}"
     );
 
-    // A file breaks: its alert goes pending (it fires after its `for`).
-    std::fs::write(config.path().join("vs.yaml"), vs.replace("body:", "bodee:")).unwrap();
-    eventually_async("the source-file alert to be pending", || async {
+    // Every panel of the shipped dashboard shows data, queried as Grafana
+    // would (its variables filled in): none waits for a first event.
+    let dashboard: Json = serde_json::from_str(
+        &std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards/mcp-xds-gateway.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let queries: Vec<(String, String)> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["type"] != "row")
+        .flat_map(|p| {
+            let title = p["title"].as_str().unwrap().to_owned();
+            p["targets"].as_array().unwrap().iter().map(move |t| {
+                let expr = t["expr"]
+                    .as_str()
+                    .unwrap()
+                    .replace("$job", ".*")
+                    .replace("$__rate_interval", "1m");
+                (title.clone(), expr)
+            })
+        })
+        .collect();
+    let empty = || async {
+        let mut empty = Vec::new();
+        for (title, expr) in &queries {
+            let result = api(prometheus_addr, &format!("/api/v1/query?query={}", encode(expr))).await;
+            if result["data"]["result"].as_array().is_none_or(|r| r.is_empty()) {
+                empty.push(format!("{title}: {expr}"));
+            }
+        }
+        empty
+    };
+    // Polled until every panel has data, or the empty ones are named.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let empty = empty().await;
+        if empty.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "dashboard panels with no data on a busy gateway:\n{}",
+            empty.join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // The client refuses the next version: its alert goes pending (it
+    // fires after its `for`).
+    upstream.push_full(VS, vec![resource("a", "3", b"bad")]).await;
+    let refused = client.recv().await;
+    client.nack(&refused, &second.version_info, "bad route");
+    eventually_async("the NACK alert to be pending", || async {
         let alerts = api(prometheus_addr, "/api/v1/alerts").await;
-        alerts["data"]["alerts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|a| a["labels"]["alertname"] == "McpGatewaySourceFileBroken" && a["state"] == "pending")
+        alerts["data"]["alerts"].as_array().unwrap().iter().any(|a| {
+            a["labels"]["alertname"] == "McpGatewayClientNacked"
+                && a["state"] == "pending"
+                && a["labels"]["collection"] == VS
+        })
     })
     .await;
     gateway.kill().await.unwrap();
