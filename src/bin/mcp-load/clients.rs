@@ -179,13 +179,16 @@ pub async fn run_stream(
     progress: Arc<Progress>,
     stop: tokio_util::sync::CancellationToken,
 ) -> Vec<Received> {
+    let watch = Watch {
+        finals,
+        progress: &progress,
+        stop,
+    };
     let result = match (protocol, incremental) {
-        (ClientProtocol::Mcp, true) => {
-            incremental_stream(index, channel, collections[0].clone(), finals, &progress, stop).await
-        }
-        (ClientProtocol::Mcp, false) => sotw_stream(index, channel, collections, finals, &progress, stop).await,
-        (_, false) => xds_sotw_stream(index, channel, collections, finals, &progress, stop).await,
-        (_, true) => xds_delta_stream(index, channel, collections[0].clone(), finals, &progress, stop).await,
+        (ClientProtocol::Mcp, true) => incremental_stream(index, channel, collections[0].clone(), watch).await,
+        (ClientProtocol::Mcp, false) => sotw_stream(index, channel, collections, watch).await,
+        (_, false) => xds_sotw_stream(index, channel, collections, watch).await,
+        (_, true) => xds_delta_stream(index, channel, collections[0].clone(), watch).await,
     };
     match result {
         Ok(received) => received,
@@ -195,6 +198,14 @@ pub async fn run_stream(
             Vec::new()
         }
     }
+}
+
+/// What every stream reports to and stops on.
+pub struct Watch<'a> {
+    /// The final version of each collection, once published.
+    pub finals: watch::Receiver<Option<HashMap<String, String>>>,
+    pub progress: &'a Progress,
+    pub stop: tokio_util::sync::CancellationToken,
 }
 
 /// Tracks which versions a stream holds, to count it synced and final once.
@@ -233,40 +244,51 @@ async fn sotw_stream(
     index: usize,
     channel: Channel,
     collections: Vec<Arc<str>>,
-    finals: watch::Receiver<Option<HashMap<String, String>>>,
-    progress: &Progress,
-    stop: tokio_util::sync::CancellationToken,
+    watch: Watch<'_>,
 ) -> anyhow::Result<Vec<Received>> {
-    let initial = collections
-        .iter()
-        .map(|collection| MeshConfigRequest {
-            sink_node: node(index),
-            type_url: collection.to_string(),
-            ..Default::default()
-        })
-        .collect();
-    let ack = |envelope: &Envelope| MeshConfigRequest {
-        version_info: envelope.version.clone(),
+    let types = collections.iter().map(|c| (c.to_string(), c.clone())).collect();
+    let request = |type_url: &str, version: &str, nonce: &str, _first: bool| MeshConfigRequest {
+        version_info: version.to_owned(),
         sink_node: node(index),
-        type_url: envelope.type_url.clone(),
-        response_nonce: envelope.nonce.clone(),
+        type_url: type_url.to_owned(),
+        response_nonce: nonce.to_owned(),
         error_detail: None,
     };
+    many_types::<_, McpEnvelope>(channel, SOTW_PATH, types, request, watch).await
+}
+
+/// A state-of-the-world stream of several types: `types` are (the type URL
+/// asked for, its collection); `request(type_url, version, nonce, first of
+/// the stream)` is each first request (no version, no nonce) and each ACK.
+async fn many_types<Req, E>(
+    channel: Channel,
+    path: &'static str,
+    types: Vec<(String, Arc<str>)>,
+    request: impl Fn(&str, &str, &str, bool) -> Req,
+    watch: Watch<'_>,
+) -> anyhow::Result<Vec<Received>>
+where
+    Req: prost::Message + Send + 'static,
+    E: prost::Message + Default + Into<Envelope> + Send + 'static,
+{
+    let initial = types
+        .iter()
+        .enumerate()
+        .map(|(i, (type_url, _))| request(type_url, "", "", i == 0))
+        .collect();
+    let ack = |envelope: &Envelope| request(&envelope.type_url, &envelope.version, &envelope.nonce, false);
     let collection_of = |envelope: &Envelope| {
-        collections
+        types
             .iter()
-            .find(|c| ***c == *envelope.type_url)
-            .cloned()
-            .unwrap_or_else(|| envelope.type_url.as_str().into())
+            .find(|(type_url, _)| *type_url == envelope.type_url)
+            .map_or_else(|| envelope.type_url.as_str().into(), |(_, c)| c.clone())
     };
     let stream = Drive {
-        path: SOTW_PATH,
+        path,
         initial,
-        wanted: collections.len(),
+        wanted: types.len(),
     };
-    stream
-        .run::<McpEnvelope>(channel, ack, collection_of, finals, progress, stop)
-        .await
+    stream.run::<E>(channel, ack, collection_of, watch).await
 }
 
 /// istiod's node: its id on the first request of a stream.
@@ -294,39 +316,16 @@ async fn xds_sotw_stream(
     index: usize,
     channel: Channel,
     collections: Vec<Arc<str>>,
-    finals: watch::Receiver<Option<HashMap<String, String>>>,
-    progress: &Progress,
-    stop: tokio_util::sync::CancellationToken,
+    watch: Watch<'_>,
 ) -> anyhow::Result<Vec<Received>> {
-    let gvks = gvks(&collections)?;
-    let initial = gvks
-        .iter()
-        .enumerate()
-        .map(|(i, (gvk, _))| DiscoveryRequest {
-            node: if i == 0 { xds_node(index) } else { None },
-            type_url: gvk.clone(),
-            ..Default::default()
-        })
-        .collect();
-    let ack = |envelope: &Envelope| DiscoveryRequest {
-        version_info: envelope.version.clone(),
-        type_url: envelope.type_url.clone(),
-        response_nonce: envelope.nonce.clone(),
+    let request = |type_url: &str, version: &str, nonce: &str, first: bool| DiscoveryRequest {
+        node: first.then(|| xds_node(index)).flatten(),
+        version_info: version.to_owned(),
+        type_url: type_url.to_owned(),
+        response_nonce: nonce.to_owned(),
         ..Default::default()
     };
-    let collection_of = |envelope: &Envelope| {
-        gvks.iter()
-            .find(|(gvk, _)| *gvk == envelope.type_url)
-            .map_or_else(|| envelope.type_url.as_str().into(), |(_, c)| c.clone())
-    };
-    let stream = Drive {
-        path: XDS_SOTW_PATH,
-        initial,
-        wanted: collections.len(),
-    };
-    stream
-        .run::<XdsEnvelope>(channel, ack, collection_of, finals, progress, stop)
-        .await
+    many_types::<_, XdsEnvelope>(channel, XDS_SOTW_PATH, gvks(&collections)?, request, watch).await
 }
 
 /// A delta v3 client for one GVK (wildcard).
@@ -334,37 +333,23 @@ async fn xds_delta_stream(
     index: usize,
     channel: Channel,
     collection: Arc<str>,
-    finals: watch::Receiver<Option<HashMap<String, String>>>,
-    progress: &Progress,
-    stop: tokio_util::sync::CancellationToken,
+    watch: Watch<'_>,
 ) -> anyhow::Result<Vec<Received>> {
     let (gvk, _) = gvks(std::slice::from_ref(&collection))?.remove(0);
-    let stream = Drive {
-        path: XDS_DELTA_PATH,
-        initial: vec![DeltaDiscoveryRequest {
-            node: xds_node(index),
-            type_url: gvk.clone(),
-            ..Default::default()
-        }],
-        wanted: 1,
-    };
-    let ack = |envelope: &Envelope| DeltaDiscoveryRequest {
+    let request = |nonce: String| DeltaDiscoveryRequest {
+        node: nonce.is_empty().then(|| xds_node(index)).flatten(),
         type_url: gvk.clone(),
-        response_nonce: envelope.nonce.clone(),
+        response_nonce: nonce,
         ..Default::default()
     };
-    stream
-        .run::<XdsEnvelope>(channel, ack, |_| collection.clone(), finals, progress, stop)
-        .await
+    one_type::<_, XdsEnvelope>(channel, XDS_DELTA_PATH, request, collection, watch).await
 }
 
 async fn incremental_stream(
     index: usize,
     channel: Channel,
     collection: Arc<str>,
-    finals: watch::Receiver<Option<HashMap<String, String>>>,
-    progress: &Progress,
-    stop: tokio_util::sync::CancellationToken,
+    watch: Watch<'_>,
 ) -> anyhow::Result<Vec<Received>> {
     let request = |nonce: String| IncrementalMeshConfigRequest {
         sink_node: node(index),
@@ -372,15 +357,29 @@ async fn incremental_stream(
         response_nonce: nonce,
         ..Default::default()
     };
+    one_type::<_, McpEnvelope>(channel, INCREMENTAL_PATH, request, collection.clone(), watch).await
+}
+
+/// A stream of one type that asks for changes (legacy incremental, xDS
+/// delta): `request(nonce)` is its first request (no nonce) and each ACK.
+async fn one_type<Req, E>(
+    channel: Channel,
+    path: &'static str,
+    request: impl Fn(String) -> Req,
+    collection: Arc<str>,
+    watch: Watch<'_>,
+) -> anyhow::Result<Vec<Received>>
+where
+    Req: prost::Message + Send + 'static,
+    E: prost::Message + Default + Into<Envelope> + Send + 'static,
+{
     let stream = Drive {
-        path: INCREMENTAL_PATH,
+        path,
         initial: vec![request(String::new())],
         wanted: 1,
     };
     let ack = |envelope: &Envelope| request(envelope.nonce.clone());
-    stream
-        .run::<McpEnvelope>(channel, ack, |_| collection.clone(), finals, progress, stop)
-        .await
+    stream.run::<E>(channel, ack, |_| collection.clone(), watch).await
 }
 
 /// Opens a stream on `path` with its first requests sent; more requests go
@@ -429,10 +428,13 @@ impl<Req: prost::Message + Send + 'static> Drive<Req> {
         channel: Channel,
         ack: impl Fn(&Envelope) -> Req,
         collection_of: impl Fn(&Envelope) -> Arc<str>,
-        mut finals: watch::Receiver<Option<HashMap<String, String>>>,
-        progress: &Progress,
-        stop: tokio_util::sync::CancellationToken,
+        watch: Watch<'_>,
     ) -> anyhow::Result<Vec<Received>> {
+        let Watch {
+            mut finals,
+            progress,
+            stop,
+        } = watch;
         let (tx, mut inbound) = open::<Req, E>(channel, self.path, self.initial).await?;
         let mut holdings = Holdings::new(self.wanted);
         let mut received = Vec::new();
