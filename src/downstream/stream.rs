@@ -164,14 +164,15 @@ impl<W: Wire> TypedStream<W> {
         // Decided without awaiting, so that nothing of the request is held in
         // the stream's future while a response is queued.
         match self.accept(request)? {
-            Some(type_url) => Ok(self.try_send(&type_url, out).await),
+            Some(Accepted { type_url, current, now }) => Ok(self.send_from(&type_url, current, now, out).await),
             None => Ok(Ok(())),
         }
     }
 
     /// Reads a request into its type's state machine: the type to try a send
-    /// for, or `None` for a stale request; `Err` ends the stream.
-    fn accept(&mut self, request: W::Request) -> Result<Option<String>, Status> {
+    /// for (with the cache's snapshot and the time it was read at), or `None`
+    /// for a stale request; `Err` ends the stream.
+    fn accept(&mut self, request: W::Request) -> Result<Option<Accepted>, Status> {
         let request = W::read(request);
         if let Some(node) = &request.node_id {
             self.entry.set_node_id(node);
@@ -199,6 +200,7 @@ impl<W: Wire> TypedStream<W> {
         }
         let followed = self.types.get_mut(&type_url).expect("followed above");
         let limits = self.shared.limits();
+        let now = self.entry.now();
         let nack = request
             .error_detail
             .map(|detail| read_nack(detail, limits.max_nack_message_bytes));
@@ -214,7 +216,7 @@ impl<W: Wire> TypedStream<W> {
             nack,
             names,
             max_names: limits.max_subscribed_names,
-            at: self.entry.now(),
+            at: now,
         });
         let collection = followed.state.view.collection.clone();
         match &verdict {
@@ -243,9 +245,10 @@ impl<W: Wire> TypedStream<W> {
             }
             Verdict::First | Verdict::Subscription => {}
         }
-        // Published once, with whether it is still behind.
+        // Published once, with whether it is still behind; the send that
+        // follows decides from the same snapshot.
         let current = current_of(&self.shared, followed);
-        followed.state.note_current(current.as_ref(), self.entry.now());
+        followed.state.note_current(current.as_ref(), now);
         self.entry.publish(&type_url, followed.state.view.clone());
         if verdict == Verdict::Unrecoverable {
             return Err(Status::failed_precondition(
@@ -253,8 +256,15 @@ impl<W: Wire> TypedStream<W> {
                  this client holds; open a new stream to start again",
             ));
         }
-        Ok(Some(type_url))
+        Ok(Some(Accepted { type_url, current, now }))
     }
+}
+
+/// A request taken: its type, and the snapshot and time it was decided at.
+struct Accepted {
+    type_url: String,
+    current: Option<Arc<CollectionSnapshot>>,
+    now: Stamp,
 }
 
 /// What a followed type is answered from now: the cache's snapshot, or the
@@ -491,6 +501,17 @@ impl<W: Wire> TypedStream<W> {
         };
         let current = current_of(&self.shared, followed);
         let now = self.entry.now();
+        self.send_from(type_url, current, now, out).await
+    }
+
+    /// As [`Self::try_send`], with the cache at `current`, read `now`.
+    async fn send_from(
+        &mut self,
+        type_url: &str,
+        current: Option<Arc<CollectionSnapshot>>,
+        now: Stamp,
+        out: &Outbound,
+    ) -> Result<(), ClientGone> {
         let response = match self.types.get_mut(type_url).map(|f| f.state.next(current.as_ref())) {
             Some(Ok(push @ Push::FirstFromReported { .. })) => {
                 // Work that grows with what the client sent: one stream at a

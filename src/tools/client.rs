@@ -279,13 +279,16 @@ struct Dialer {
 }
 
 impl Dialer {
-    async fn channel(&self) -> Result<Channel, tonic::Status> {
-        if let Some(first) = self.first.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            return Ok(first);
-        }
-        crate::transport::connect::connect(&self.dial)
-            .await
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))
+    /// A client of the service on the next connection.
+    async fn client(&self) -> Result<AggregatedMeshConfigServiceClient<Channel>, tonic::Status> {
+        let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let channel = match first {
+            Some(first) => first,
+            None => crate::transport::connect::connect(&self.dial)
+                .await
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?,
+        };
+        Ok(AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX))
     }
 }
 
@@ -360,10 +363,6 @@ async fn sotw_once(
     type_urls: Vec<String>,
     events: mpsc::UnboundedSender<Event>,
 ) -> (bool, Option<tonic::Status>) {
-    let channel = match dialer.channel().await {
-        Ok(channel) => channel,
-        Err(status) => return (false, Some(status)),
-    };
     let (tx, rx) = mpsc::unbounded_channel();
     for type_url in &type_urls {
         let _ = tx.send(MeshConfigRequest {
@@ -372,7 +371,10 @@ async fn sotw_once(
             ..Default::default()
         });
     }
-    let mut client = AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX);
+    let mut client = match dialer.client().await {
+        Ok(client) => client,
+        Err(status) => return (false, Some(status)),
+    };
     let mut stream = match client
         .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
@@ -455,11 +457,10 @@ async fn incremental_once(
         initial_resource_versions,
         ..Default::default()
     });
-    let channel = match dialer.channel().await {
-        Ok(channel) => channel,
+    let mut client = match dialer.client().await {
+        Ok(client) => client,
         Err(status) => return (false, Some(status)),
     };
-    let mut client = AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX);
     let mut stream = match client
         .incremental_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
