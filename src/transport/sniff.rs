@@ -231,7 +231,15 @@ impl Parser {
 pub struct Sniffed<T> {
     io: T,
     parser: Parser,
+    /// Closing a flooding connection: the write half is shut, and what the
+    /// peer still sends is read and dropped (up to this many bytes) so the
+    /// socket closes with a FIN, not a reset that would destroy the GOAWAY
+    /// waiting in the peer's receive buffer.
+    closing: Option<usize>,
 }
+
+/// What a flooding peer's socket is drained of, at most, before it closes.
+const CLOSE_DRAIN_BYTES: usize = 4 << 20;
 
 impl<T> Sniffed<T> {
     /// `limits` None: only the handshake is watched (the upstream client).
@@ -249,7 +257,14 @@ impl<T> Sniffed<T> {
             guard: limits.map(Guard::new),
             signals: signals.clone(),
         };
-        (Self { io, parser }, signals)
+        (
+            Self {
+                io,
+                parser,
+                closing: None,
+            },
+            signals,
+        )
     }
 
     pub fn get_ref(&self) -> &T {
@@ -275,7 +290,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for Sniffed<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for Sniffed<T> {
+impl<T: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Sniffed<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
     }
@@ -297,7 +312,28 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Sniffed<T> {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+        let this = self.get_mut();
+        if this.parser.signals.flooded().is_none() {
+            return Pin::new(&mut this.io).poll_shutdown(cx);
+        }
+        // A flood: the GOAWAY went out before this; the write half is shut,
+        // then the peer's remaining bytes are drained (the connection's task
+        // bounds how long).
+        if this.closing.is_none() {
+            std::task::ready!(Pin::new(&mut this.io).poll_shutdown(cx))?;
+            this.closing = Some(CLOSE_DRAIN_BYTES);
+        }
+        let mut scratch = [0u8; 8192];
+        while let Some(left) = this.closing.filter(|left| *left > 0) {
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut this.io).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => break,
+                Poll::Ready(Ok(())) => this.closing = Some(left.saturating_sub(buf.filled().len())),
+                Poll::Ready(Err(_)) => break,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -346,6 +382,47 @@ mod tests {
         assert!(!client.signals.handshake_done(), "an ACK is not the peer's SETTINGS");
         client.feed(&frame(SETTINGS, 0, &[]));
         assert!(client.signals.handshake_done());
+    }
+
+    /// Closing a flooding connection shuts the write half, then reads what
+    /// the peer still sends until it closes: the socket then ends with a FIN,
+    /// never a reset that would destroy the GOAWAY in the peer's buffer.
+    #[tokio::test]
+    async fn a_flooding_peer_is_drained_before_the_connection_closes() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (server, mut peer) = tokio::io::duplex(1024);
+        let (mut sniffed, signals) = Sniffed::new(server, Side::Client, Some(LIMITS));
+        let mut flood = Vec::new();
+        for _ in 0..10 {
+            flood.extend(frame(PING, 0, &[0u8; 8]));
+        }
+        peer.write_all(&flood).await.unwrap();
+        let mut read = [0u8; 1024];
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), sniffed.read(&mut read))
+            .await
+            .unwrap();
+        assert_eq!(signals.flooded(), Some("pings"));
+        // The peer goes on writing (more than the pipe holds), then closes.
+        let rest = vec![0u8; 64 * 1024];
+        let writer = async move {
+            peer.write_all(&rest).await.unwrap();
+            peer.shutdown().await.unwrap();
+            let mut tail = Vec::new();
+            peer.read_to_end(&mut tail).await.unwrap();
+            tail
+        };
+        let (shut, tail) = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            tokio::join!(sniffed.shutdown(), writer)
+        })
+        .await
+        .expect("the drain ends when the peer closes");
+        shut.unwrap();
+        assert!(tail.is_empty(), "the peer saw the write half shut (EOF), nothing else");
+        let drained = CLOSE_DRAIN_BYTES - sniffed.closing.expect("closing");
+        assert!(
+            drained >= 64 * 1024,
+            "what the peer sent after the flood was read: {drained}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
