@@ -19,6 +19,7 @@ pub mod memo;
 pub mod provenance;
 
 use std::collections::HashMap;
+use std::ops::Bound;
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
@@ -35,7 +36,7 @@ pub struct CachedResource {
     pub name: Arc<str>,
     /// Upstream `metadata.version`, or a hash of the body when that was empty.
     pub version: Arc<str>,
-    pub body_type_url: String,
+    pub body_type_url: Arc<str>,
     /// A whole encoded `Resource` message, written into responses as is
     /// (in the cache: a slice of its chunk).
     pub encoded: Bytes,
@@ -51,7 +52,7 @@ pub struct CachedResource {
 }
 
 impl CachedResource {
-    pub fn new(name: Arc<str>, version: Arc<str>, body_type_url: String, encoded: Bytes, digest: u128) -> Self {
+    pub fn new(name: Arc<str>, version: Arc<str>, body_type_url: Arc<str>, encoded: Bytes, digest: u128) -> Self {
         Self {
             ends_chunk: ends_chunk(&name),
             entry: entry_hash(&name, &version, digest),
@@ -156,69 +157,103 @@ fn ends_chunk(name: &str) -> bool {
     xxh3_64(name.as_bytes()) & CHUNK_BOUNDARY_MASK == 0
 }
 
-/// Splits `resources` into chunks, reusing `previous` chunks whose members are
-/// unchanged (the same `Arc`s). Members of rebuilt chunks are re-pointed into
-/// their chunk's bytes, which also frees the upstream message buffers they
-/// were decoded from. Returns the chunks and the resources' total size.
-fn chunk(resources: &mut ResourceMap, previous: &[Arc<Chunk>]) -> (Vec<Arc<Chunk>>, usize) {
-    let by_first: HashMap<&str, &Arc<Chunk>> = previous
-        .iter()
-        .filter_map(|c| c.members.first().map(|m| (&*m.name, c)))
-        .collect();
-    let mut chunks = Vec::with_capacity(previous.len().max(resources.len() / 64 + 1));
-    let mut repointed = Vec::new();
-    let mut run: Vec<Arc<CachedResource>> = Vec::new();
-    let mut flush = |run: &mut Vec<Arc<CachedResource>>| {
-        if run.is_empty() {
-            return;
-        }
-        let reused = by_first.get(&*run[0].name).filter(|c| {
-            c.members.len() == run.len() && c.members.iter().zip(run.iter()).all(|(a, b)| Arc::ptr_eq(a, b))
-        });
-        if let Some(chunk) = reused {
-            chunks.push(Arc::clone(chunk));
-            run.clear();
-            return;
-        }
-        let len: usize = run.iter().map(|r| r.encoded.len() + 11).sum();
-        let mut buf = bytes::BytesMut::with_capacity(len);
-        let starts: Vec<usize> = run.iter().map(|r| put_record(&r.encoded, &mut buf)).collect();
-        let bytes = buf.freeze();
-        let members: Vec<Arc<CachedResource>> = run
-            .drain(..)
-            .zip(starts)
-            .map(|(r, start)| {
-                Arc::new(CachedResource {
-                    name: r.name.clone(),
-                    version: r.version.clone(),
-                    body_type_url: r.body_type_url.clone(),
-                    encoded: bytes.slice(start..start + r.encoded.len()),
-                    digest: r.digest,
-                    entry: r.entry,
-                    ends_chunk: r.ends_chunk,
-                })
-            })
-            .collect();
-        repointed.extend(members.iter().cloned());
-        chunks.push(Arc::new(Chunk {
-            members,
-            bytes,
-            memo: Memo::default(),
-        }));
-    };
-    let mut total = 0;
-    for resource in resources.values() {
-        total += resource.encoded.len();
-        run.push(resource.clone());
-        if resource.ends_chunk {
-            flush(&mut run);
-        }
+/// The chunks of a collection by the name of their first member.
+pub type ChunkMap = OrdMap<Arc<str>, Arc<Chunk>>;
+
+/// Rebuilds the chunks that `changed` names (upserted or removed, sorted and
+/// distinct) fall in, and shares every other chunk of `previous`: the cost
+/// is the change, not the collection. Members of rebuilt chunks are
+/// re-pointed into their chunk's bytes, which also frees the upstream
+/// message buffers they were decoded from.
+///
+/// A chunk ends after a resource whose name ends chunks, so an unchanged run
+/// of names is an unchanged chunk: the sweep from a change stops at the
+/// first chunk of `previous` that holds no change.
+fn rechunk(resources: &mut ResourceMap, previous: &ChunkMap, changed: &[Arc<str>]) -> ChunkMap {
+    let mut chunks = previous.clone();
+    // A chunk that starts at a changed name is rebuilt, or gone.
+    for name in changed {
+        chunks.remove(name);
     }
-    flush(&mut run);
+    // No change between a previous chunk's first name and the next one's.
+    let untouched = |key: &str, next: Option<&Arc<str>>| match changed.get(changed.partition_point(|n| **n < *key)) {
+        None => true,
+        Some(change) => next.is_some_and(|next| change >= next),
+    };
+    let mut repointed = Vec::new();
+    let mut i = 0;
+    while let Some(first) = changed.get(i) {
+        // Sweep from the start of the chunk that holds the first change,
+        // walking the previous chunks' first names beside the resources.
+        let start = previous
+            .get_prev(&**first)
+            .map_or_else(|| first.clone(), |(key, _)| key.clone());
+        chunks.remove(&start);
+        let mut starts = previous
+            .range::<_, str>((Bound::Excluded(&*start), Bound::Unbounded))
+            .map(|(key, _)| key)
+            .peekable();
+        let mut run: Vec<Arc<CachedResource>> = Vec::new();
+        let mut stop = None;
+        for (name, resource) in resources.range::<_, str>((Bound::Included(&*start), Bound::Unbounded)) {
+            // Previous chunks that started at removed names are passed.
+            while starts.next_if(|key| *key < name).is_some() {}
+            if starts.next_if(|key| *key == name).is_some() {
+                if run.is_empty() && untouched(name, starts.peek().copied()) {
+                    stop = Some(name.clone());
+                    break;
+                }
+                chunks.remove(name);
+            }
+            run.push(resource.clone());
+            if resource.ends_chunk {
+                let chunk = build_chunk(&mut run, &mut repointed);
+                chunks.insert(chunk.members[0].name.clone(), chunk);
+            }
+        }
+        if !run.is_empty() {
+            let chunk = build_chunk(&mut run, &mut repointed);
+            chunks.insert(chunk.members[0].name.clone(), chunk);
+        }
+        i = match &stop {
+            Some(stop) => changed.partition_point(|n| n < stop),
+            None => changed.len(),
+        };
+    }
     for member in repointed {
         resources.insert(member.name.clone(), member);
     }
-    (chunks, total)
+    chunks
+}
+
+/// One chunk of `run` (emptied), its members re-pointed into its bytes and
+/// also pushed on `repointed`.
+fn build_chunk(run: &mut Vec<Arc<CachedResource>>, repointed: &mut Vec<Arc<CachedResource>>) -> Arc<Chunk> {
+    let len: usize = run.iter().map(|r| r.encoded.len() + 11).sum();
+    let mut buf = bytes::BytesMut::with_capacity(len);
+    let starts: Vec<usize> = run.iter().map(|r| put_record(&r.encoded, &mut buf)).collect();
+    let bytes = buf.freeze();
+    let members: Vec<Arc<CachedResource>> = run
+        .drain(..)
+        .zip(starts)
+        .map(|(r, start)| {
+            Arc::new(CachedResource {
+                name: r.name.clone(),
+                version: r.version.clone(),
+                body_type_url: r.body_type_url.clone(),
+                encoded: bytes.slice(start..start + r.encoded.len()),
+                digest: r.digest,
+                entry: r.entry,
+                ends_chunk: r.ends_chunk,
+            })
+        })
+        .collect();
+    repointed.extend(members.iter().cloned());
+    Arc::new(Chunk {
+        members,
+        bytes,
+        memo: Memo::default(),
+    })
 }
 
 /// Resources are the same when their name, version and content are: a
@@ -258,7 +293,7 @@ pub struct CollectionSnapshot {
     /// `updated_at` on the monotonic clock, for push latency.
     pub applied_at: tokio::time::Instant,
     pub origin: Origin,
-    chunks: Vec<Arc<Chunk>>,
+    chunks: ChunkMap,
     /// Encodings readers made of this snapshot (responses, diffs).
     pub memo: Memo,
 }
@@ -269,7 +304,7 @@ impl CollectionSnapshot {
         collection: Arc<str>,
         resources: ResourceMap,
         content_sum: u128,
-        chunks: Vec<Arc<Chunk>>,
+        chunks: ChunkMap,
         bytes: usize,
         origin: Origin,
     ) -> Self {
@@ -295,15 +330,15 @@ impl CollectionSnapshot {
             collection,
             ResourceMap::default(),
             0,
-            Vec::new(),
+            ChunkMap::new(),
             0,
             Origin::Unserved,
         ))
     }
 
     /// The chunks that hold the resources, in name order.
-    pub fn chunks(&self) -> &[Arc<Chunk>] {
-        &self.chunks
+    pub fn chunks(&self) -> impl ExactSizeIterator<Item = &Arc<Chunk>> + '_ {
+        self.chunks.values()
     }
 
     /// How many chunks hold the resources.
@@ -500,7 +535,11 @@ impl Cache {
             .map(|s| s.collection.clone())
             .unwrap_or_else(|| Arc::from(collection));
         let mut resources = current.as_ref().map(|s| s.resources.clone()).unwrap_or_default();
-        let mut sum = current.as_ref().map_or(0, |s| s.content_sum);
+        let mut total = Total {
+            sum: current.as_ref().map_or(0, |s| s.content_sum),
+            bytes: current.as_ref().map_or(0, |s| s.bytes),
+            changed: Vec::new(),
+        };
         match update {
             Update::Full(incoming) => {
                 // Start from the current map and touch only what changed, so
@@ -508,26 +547,35 @@ impl Cache {
                 let mut seen = std::collections::HashSet::with_capacity(incoming.len());
                 for resource in incoming {
                     seen.insert(resource.name.clone());
-                    upsert(&mut resources, &mut sum, resource);
+                    total.upsert(&mut resources, resource);
                 }
                 if seen.len() != resources.len() {
                     let gone: Vec<Arc<str>> = resources.keys().filter(|n| !seen.contains(*n)).cloned().collect();
                     for name in gone {
-                        remove(&mut resources, &mut sum, &name);
+                        total.remove(&mut resources, &name);
                     }
                 }
             }
             Update::Incremental { upserts, removed } => {
                 for resource in upserts {
-                    upsert(&mut resources, &mut sum, resource);
+                    total.upsert(&mut resources, resource);
                 }
                 for name in removed {
-                    remove(&mut resources, &mut sum, &name);
+                    total.remove(&mut resources, &name);
                 }
             }
         }
-        let previous_chunks = current.as_ref().map(|s| s.chunks.as_slice()).unwrap_or_default();
-        let (chunks, bytes) = chunk(&mut resources, previous_chunks);
+        let Total {
+            sum,
+            bytes,
+            mut changed,
+        } = total;
+        changed.sort_unstable();
+        changed.dedup();
+        let chunks = match &current {
+            Some(current) => rechunk(&mut resources, &current.chunks, &changed),
+            None => rechunk(&mut resources, &ChunkMap::new(), &changed),
+        };
         let snapshot = Arc::new(CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {
@@ -554,20 +602,35 @@ impl Cache {
     }
 }
 
-fn upsert(resources: &mut ResourceMap, sum: &mut u128, resource: CachedResource) {
-    if let Some(old) = resources.get(&*resource.name) {
-        if **old == resource {
-            return;
-        }
-        *sum = sum.wrapping_sub(old.entry);
-    }
-    *sum = sum.wrapping_add(resource.entry);
-    resources.insert(resource.name.clone(), Arc::new(resource));
+/// What an apply changed: the collection version's sum, the resources'
+/// total size, and the names upserted or removed.
+struct Total {
+    sum: u128,
+    bytes: usize,
+    changed: Vec<Arc<str>>,
 }
 
-fn remove(resources: &mut ResourceMap, sum: &mut u128, name: &str) {
-    if let Some(old) = resources.remove(name) {
-        *sum = sum.wrapping_sub(old.entry);
+impl Total {
+    fn upsert(&mut self, resources: &mut ResourceMap, resource: CachedResource) {
+        if let Some(old) = resources.get(&*resource.name) {
+            if **old == resource {
+                return;
+            }
+            self.sum = self.sum.wrapping_sub(old.entry);
+            self.bytes -= old.encoded.len();
+        }
+        self.sum = self.sum.wrapping_add(resource.entry);
+        self.bytes += resource.encoded.len();
+        self.changed.push(resource.name.clone());
+        resources.insert(resource.name.clone(), Arc::new(resource));
+    }
+
+    fn remove(&mut self, resources: &mut ResourceMap, name: &str) {
+        if let Some(old) = resources.remove(name) {
+            self.sum = self.sum.wrapping_sub(old.entry);
+            self.bytes -= old.encoded.len();
+            self.changed.push(old.name.clone());
+        }
     }
 }
 
@@ -852,15 +915,11 @@ mod tests {
         for r in snapshot.resources.values() {
             put_record(&r.encoded, &mut stored);
         }
-        let joined: Vec<u8> = snapshot
-            .chunks()
-            .iter()
-            .flat_map(|c| c.bytes().iter().copied())
-            .collect();
+        let joined: Vec<u8> = snapshot.chunks().flat_map(|c| c.bytes().iter().copied()).collect();
         assert_eq!(joined, stored, "the chunks are every resource, in order");
         // Each resource's bytes are a slice of its chunk: the config is held once.
         let in_chunks = |r: &CachedResource| {
-            snapshot.chunks().iter().any(|c| {
+            snapshot.chunks().any(|c| {
                 let range = c.bytes().as_ptr() as usize..c.bytes().as_ptr() as usize + c.bytes().len();
                 range.contains(&(r.encoded.as_ptr() as usize))
             })
@@ -889,9 +948,8 @@ mod tests {
         let after = cache.get(C).unwrap();
         assert_eq!(before.chunk_count(), after.chunk_count());
         let shared = before
-            .chunks
-            .iter()
-            .zip(after.chunks.iter())
+            .chunks()
+            .zip(after.chunks())
             .filter(|(a, b)| Arc::ptr_eq(a, b))
             .count();
         assert_eq!(shared, before.chunk_count() - 1, "all but the changed chunk are shared");
@@ -903,5 +961,61 @@ mod tests {
             Origin::Upstream,
         );
         assert_eq!(cache.get(C).unwrap().version, before.version);
+    }
+
+    /// Every chunk as (its members' names, its bytes).
+    fn layout(snapshot: &CollectionSnapshot) -> Vec<(Vec<String>, Bytes)> {
+        snapshot
+            .chunks()
+            .map(|c| {
+                (
+                    c.members().iter().map(|m| m.name.to_string()).collect(),
+                    c.bytes().clone(),
+                )
+            })
+            .collect()
+    }
+
+    proptest::proptest! {
+        /// Chunks kept up to date change by change are the chunks built from
+        /// scratch for the same content, and hold every resource once.
+        #[test]
+        fn chunks_kept_by_change_equal_chunks_from_scratch(
+            initial in proptest::collection::btree_set(0u16..600, 0..300),
+            steps in proptest::collection::vec(
+                (proptest::collection::vec((0u16..600, 0u8..3), 0..20), proptest::collection::vec(0u16..600, 0..20)),
+                1..8,
+            ),
+        ) {
+            let name = |i: u16| format!("n{i:03}");
+            let (cache, mut writer) = Cache::new();
+            writer.apply(C, Update::Full(initial.iter().map(|i| resource(&name(*i), "0")).collect()), Origin::Upstream);
+            for (upserts, removed) in steps {
+                writer.apply(
+                    C,
+                    Update::Incremental {
+                        upserts: upserts.iter().map(|(i, v)| resource(&name(*i), &v.to_string())).collect(),
+                        removed: removed.iter().map(|i| name(*i)).collect(),
+                    },
+                    Origin::Upstream,
+                );
+                let kept = cache.get(C).unwrap();
+                let (fresh_cache, mut fresh) = Cache::new();
+                let all = kept.resources.values().map(|r| resource(&r.name, &r.version)).collect();
+                fresh.apply(C, Update::Full(all), Origin::Upstream);
+                let scratch = fresh_cache.get(C).unwrap();
+                proptest::prop_assert_eq!(layout(&kept), layout(&scratch));
+                proptest::prop_assert_eq!(kept.bytes, scratch.bytes);
+                proptest::prop_assert_eq!(&kept.version, &scratch.version);
+                // Each resource's bytes are a slice of its own chunk.
+                for chunk in kept.chunks() {
+                    let range = chunk.bytes().as_ptr() as usize..chunk.bytes().as_ptr() as usize + chunk.bytes().len();
+                    for member in chunk.members() {
+                        let held = &kept.resources[&*member.name];
+                        proptest::prop_assert!(range.contains(&(held.encoded.as_ptr() as usize)));
+                    }
+                }
+            }
+        }
     }
 }

@@ -337,7 +337,7 @@ impl Layout {
     pub fn full(&self, to: &CollectionSnapshot) -> Arc<[Bytes]> {
         let parts = to.memo.get_or_make(MemoKey::of(self.full_key), 1, || {
             std::iter::once(self.head(to))
-                .chain(to.chunks().iter().map(|c| self.chunk(c)))
+                .chain(to.chunks().map(|c| self.chunk(c)))
                 .collect::<Arc<[Bytes]>>()
         });
         Arc::clone(&parts)
@@ -509,7 +509,7 @@ mod tests {
         assert_eq!(message.removed_resources, ["r008"]);
         // The re-framed chunks are kept with the chunks: a later snapshot
         // sharing them re-frames only the chunk that changed.
-        let reframed = to.chunks().iter().filter(|c| !c.memo.is_empty()).count();
+        let reframed = to.chunks().filter(|c| !c.memo.is_empty()).count();
         assert_eq!(reframed, to.chunk_count());
     }
 }

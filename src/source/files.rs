@@ -435,7 +435,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             collection,
             name: resource.name.clone(),
             version: resource.version.clone(),
-            body_type_url: resource.body_type_url.clone(),
+            body_type_url: resource.body_type_url.to_string(),
             encoded: resource.encoded.clone(),
             digest: resource.digest,
             line: start,
@@ -670,7 +670,7 @@ impl LocalSource {
                     .push(CachedResource::new(
                         parsed.name.clone(),
                         parsed.version.clone(),
-                        parsed.body_type_url.clone(),
+                        parsed.body_type_url.as_str().into(),
                         parsed.encoded.clone(),
                         parsed.digest,
                     ));

@@ -68,7 +68,7 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
         resources.push(CachedResource::new(
             name.into(),
             version.into(),
-            body_type_url,
+            body_type_url.into(),
             encoded,
             digest,
         ));
