@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use bytes::Buf;
 use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
@@ -34,6 +35,7 @@ use tonic::Status;
 use tower::ServiceExt;
 
 use super::bucket::{PeerBuckets, TokenBucket};
+use super::gather::Gathered;
 use super::identity::{AllowList, PeerIdentity};
 use super::sniff::{FloodLimits, Side, Sniffed};
 use super::tls::ServerTls;
@@ -327,7 +329,7 @@ where
             .initial_window_size(limits.receive_window)
             .initial_connection_window_size(limits.receive_window)
             .max_send_buffer_size(1 << 20);
-        let mut h2 = match tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Bytes>(io)).await {
+        let mut h2 = match tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Gathered>(io)).await {
             Ok(Ok(h2)) => h2,
             // Not HTTP/2 (HTTP/1, TLS to a plaintext port, garbage): closed.
             Ok(Err(e)) if e.is_io() => return Closed::ByPeer,
@@ -577,7 +579,7 @@ where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
 {
-    async fn run(self, request: http::Request<RecvStream>, respond: SendResponse<Bytes>) {
+    async fn run(self, request: http::Request<RecvStream>, respond: SendResponse<Gathered>) {
         let _guard = StreamGuard(self.count.clone());
         let _permit = self.permit;
         let (parts, body) = request.into_parts();
@@ -592,14 +594,31 @@ where
 }
 
 /// A trailers-only gRPC response with `status`.
-fn refuse(respond: &mut SendResponse<Bytes>, status: Status) {
+fn refuse(respond: &mut SendResponse<Gathered>, status: Status) {
     let (parts, _) = status.into_http::<()>().into_parts();
     let _ = respond.send_response(http::Response::from_parts(parts, ()), true);
 }
 
-/// Writes a response: headers, then each body frame as h2's flow control
-/// allows, then trailers. Returns when the body ends or the peer resets.
-async fn write_response(mut respond: SendResponse<Bytes>, response: http::Response<Body>) -> Result<(), h2::Error> {
+/// Body bytes gathered into one DATA frame at most: a full state of the
+/// cache is one write, yet a stream's share of the connection stays bounded.
+const GATHER_LIMIT: usize = 1 << 20;
+
+/// What the body had ready: data (possibly none), then maybe its end.
+enum Ready {
+    /// More may come.
+    More,
+    /// The body ended here, with these trailers (or none).
+    End(Option<http::HeaderMap>),
+    /// The body failed.
+    Failed(Status),
+}
+
+/// Writes a response: headers, then the body's data as h2's flow control
+/// allows, then trailers. Whatever data the body has ready (a response's
+/// frame header, shared chunks and suffix) goes in one DATA frame, which h2
+/// writes with one vectored write when the peer's frame size and window
+/// allow. Returns when the body ends or the peer resets.
+async fn write_response(mut respond: SendResponse<Gathered>, response: http::Response<Body>) -> Result<(), h2::Error> {
     let (parts, body) = response.into_parts();
     let mut body = std::pin::pin!(body);
     let end = body.is_end_stream();
@@ -608,8 +627,8 @@ async fn write_response(mut respond: SendResponse<Bytes>, response: http::Respon
         return Ok(());
     }
     loop {
-        // Backpressure: wait until the last chunk has been given window
-        // before taking the next one from the body.
+        // Backpressure: wait until what was sent has been given window
+        // before taking more from the body.
         send.reserve_capacity(1);
         poll_fn(|cx| -> Poll<Result<(), h2::Error>> {
             if let Poll::Ready(reset) = send.poll_reset(cx) {
@@ -625,24 +644,36 @@ async fn write_response(mut respond: SendResponse<Bytes>, response: http::Respon
             }
         })
         .await?;
-        let frame = poll_fn(|cx| {
+        let mut data = Gathered::default();
+        let ready = poll_fn(|cx| {
             if let Poll::Ready(reset) = send.poll_reset(cx) {
                 return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
             }
-            body.as_mut().poll_frame(cx).map(Ok)
+            while data.remaining() < GATHER_LIMIT {
+                match body.as_mut().poll_frame(cx) {
+                    Poll::Pending if data.is_empty() => return Poll::Pending,
+                    Poll::Pending => break,
+                    Poll::Ready(None) => return Poll::Ready(Ok(Ready::End(None))),
+                    Poll::Ready(Some(Err(status))) => return Poll::Ready(Ok(Ready::Failed(status))),
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(part) => data.push(part),
+                        Err(frame) => return Poll::Ready(Ok(Ready::End(frame.into_trailers().ok()))),
+                    },
+                }
+            }
+            Poll::Ready(Ok(Ready::More))
         })
         .await?;
-        match frame {
-            None => return send.send_data(Bytes::new(), true),
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => send.send_data(data, false)?,
-                Err(frame) => {
-                    if let Ok(trailers) = frame.into_trailers() {
-                        return send.send_trailers(trailers);
-                    }
+        match ready {
+            Ready::More => send.send_data(data, false)?,
+            Ready::End(None) => return send.send_data(data, true),
+            Ready::End(Some(trailers)) => {
+                if !data.is_empty() {
+                    send.send_data(data, false)?;
                 }
-            },
-            Some(Err(status)) => {
+                return send.send_trailers(trailers);
+            }
+            Ready::Failed(status) => {
                 tracing::debug!(error = %status, "a response body failed; resetting the stream");
                 send.send_reset(Reason::INTERNAL_ERROR);
                 return Ok(());

@@ -6,6 +6,7 @@
 pub mod bucket;
 pub mod connect;
 pub mod fswatch;
+pub mod gather;
 pub mod grpc;
 pub mod http;
 pub mod identity;
