@@ -92,6 +92,35 @@ async fn a_chain_of_two_gateways_runs_at_a_tiny_size() {
     );
 }
 
+/// `--pin` with clients that accept only 16 KiB frames (grpc-go's): the
+/// run is measured against the wire, and its counts agree with each other.
+#[tokio::test]
+async fn a_pinned_run_reports_its_cost_against_the_wire() {
+    let (report, json) = mcp_load(&[
+        "--scenario",
+        "fan-out",
+        "--tiny",
+        "--pin",
+        "--client-max-frame-size",
+        "16384",
+    ])
+    .await;
+    assert_eq!(report["stream_errors"], 0, "{json}");
+    assert!(report["pinned"]["gateway_core"].as_u64().is_some(), "{json}");
+    assert_eq!(report["client_max_frame_size"], 16384, "{json}");
+    let received = report["responses_received"].as_u64().unwrap();
+    assert!(received >= report["responses_delivered"].as_u64().unwrap(), "{json}");
+    // The wire writer sent exactly what the clients received.
+    assert_eq!(report["wire"]["bytes"], report["bytes_received"], "{json}");
+    assert_eq!(report["wire"]["writes"].as_u64().unwrap(), received, "{json}");
+    // What the gateway's process wrote covers what the clients read (HTTP/2
+    // framing and its ACKs upstream on top).
+    let written = report["gateway_bytes_written"].as_u64().unwrap();
+    assert!(written >= report["bytes_received"].as_u64().unwrap(), "{json}");
+    assert!(report["write_syscalls_per_response"].as_f64().unwrap() > 0.0, "{json}");
+    assert!(report["data_frames_per_response"].as_f64().unwrap() >= 1.0, "{json}");
+}
+
 /// `mcp-load --help` explains every option.
 #[tokio::test]
 async fn every_mcp_load_option_is_explained() {

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Buf;
@@ -131,6 +131,8 @@ where
 /// One received response.
 #[derive(Clone, Debug)]
 pub struct Received {
+    /// The stream's index (its connection is this modulo the connections).
+    pub stream: usize,
     pub collection: Arc<str>,
     pub version: String,
     pub at: Instant,
@@ -147,17 +149,140 @@ pub struct Progress {
     pub errors: AtomicUsize,
 }
 
-pub async fn connect(addr: SocketAddr, connections: usize) -> anyhow::Result<Vec<Channel>> {
+/// HTTP/2 frames the clients received, counted on the wire.
+#[derive(Debug, Default)]
+pub struct Frames {
+    pub all: AtomicU64,
+    pub data: AtomicU64,
+}
+
+/// Opens `connections` HTTP/2 connections whose frames are counted in
+/// `frames`. `max_frame_size` is the largest frame the clients accept
+/// (SETTINGS_MAX_FRAME_SIZE; grpc-go and Envoy accept 16 KiB).
+pub async fn connect(
+    addr: SocketAddr,
+    connections: usize,
+    max_frame_size: u32,
+    frames: Arc<Frames>,
+) -> anyhow::Result<Vec<Channel>> {
     let mut channels = Vec::with_capacity(connections);
     for _ in 0..connections.max(1) {
+        let frames = frames.clone();
+        let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
+            let frames = frames.clone();
+            async move {
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
+                tcp.set_nodelay(true)?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(FrameCounter::new(tcp, frames)))
+            }
+        });
         let channel = Endpoint::from_shared(format!("http://{addr}"))?
             .initial_connection_window_size(16 << 20)
             .initial_stream_window_size(4 << 20)
-            .connect()
+            .max_frame_size(max_frame_size)
+            .connect_with_connector(connector)
             .await?;
         channels.push(channel);
     }
     Ok(channels)
+}
+
+/// A connection that counts the HTTP/2 frames read from it (after the
+/// server's part of the preface, which is a SETTINGS frame itself).
+struct FrameCounter {
+    io: tokio::net::TcpStream,
+    frames: Arc<Frames>,
+    header: [u8; 9],
+    have: usize,
+    skip: usize,
+}
+
+impl FrameCounter {
+    fn new(io: tokio::net::TcpStream, frames: Arc<Frames>) -> Self {
+        Self {
+            io,
+            frames,
+            header: [0; 9],
+            have: 0,
+            skip: 0,
+        }
+    }
+
+    fn count(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.skip > 0 {
+                let n = self.skip.min(bytes.len());
+                self.skip -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (9 - self.have).min(bytes.len());
+            self.header[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+            self.have += n;
+            bytes = &bytes[n..];
+            if self.have == 9 {
+                self.have = 0;
+                self.skip =
+                    usize::from(self.header[0]) << 16 | usize::from(self.header[1]) << 8 | usize::from(self.header[2]);
+                self.frames.all.fetch_add(1, Ordering::Relaxed);
+                if self.header[3] == 0 {
+                    self.frames.data.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for FrameCounter {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.io).poll_read(cx, buf);
+        if polled.is_ready() {
+            this.count(&buf.filled()[before..]);
+        }
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for FrameCounter {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
 }
 
 fn node(index: usize) -> Option<SinkNode> {
@@ -191,7 +316,12 @@ pub async fn run_stream(
         (_, true) => xds_delta_stream(index, channel, collections[0].clone(), watch).await,
     };
     match result {
-        Ok(received) => received,
+        Ok(mut received) => {
+            for r in &mut received {
+                r.stream = index;
+            }
+            received
+        }
         Err(e) => {
             progress.errors.fetch_add(1, Ordering::Relaxed);
             eprintln!("mcp-load: stream {index}: {e}");
@@ -446,7 +576,7 @@ impl<Req: prost::Message + Send + 'static> Drive<Req> {
                     tx.send(ack(&envelope)).await?;
                     let collection = collection_of(&envelope);
                     holdings.held.insert(collection.clone(), envelope.version.clone());
-                    received.push(Received { collection, version: envelope.version, at, bytes });
+                    received.push(Received { stream: 0, collection, version: envelope.version, at, bytes });
                     holdings.update(progress, &finals.borrow());
                 }
                 changed = finals.changed() => {

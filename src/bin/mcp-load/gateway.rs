@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use anyhow::Context;
+use nix::sched::{sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -44,14 +46,23 @@ pub fn cpu_seconds(stat_path: &str) -> anyhow::Result<(f64, f64)> {
 }
 
 impl ChildGateway {
-    pub async fn spawn(binary: &Path, upstream: SocketAddr, collections: &[String]) -> anyhow::Result<Self> {
+    /// Starts the gateway; with `cores`, on those cores only, from its first
+    /// instruction (so its runtime sizes itself to them, as in a container
+    /// limited to them).
+    pub async fn spawn(
+        binary: &Path,
+        upstream: SocketAddr,
+        collections: &[String],
+        cores: Option<CpuSet>,
+    ) -> anyhow::Result<Self> {
         if !binary.exists() {
             anyhow::bail!(
                 "--gateway {}: no such file; build it with `cargo build --release` or name one with --gateway",
                 binary.display()
             );
         }
-        let mut child = Command::new(binary)
+        let mut command = Command::new(binary);
+        command
             .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
             .args(["--monitoring-listen", "127.0.0.1:0"])
             // Every load client shares 127.0.0.1: the per-address stream
@@ -63,9 +74,26 @@ impl ChildGateway {
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("cannot start {}", binary.display()))?;
+            .kill_on_drop(true);
+        let mut child = match cores {
+            None => command.spawn(),
+            // A child inherits the CPU affinity of the thread that starts
+            // it: a thread of its own, pinned first.
+            Some(cores) => {
+                let runtime = tokio::runtime::Handle::current();
+                std::thread::scope(|scope| {
+                    scope
+                        .spawn(|| {
+                            let _runtime = runtime.enter();
+                            sched_setaffinity(Pid::from_raw(0), &cores).map_err(std::io::Error::from)?;
+                            command.spawn()
+                        })
+                        .join()
+                        .unwrap_or_else(|_| Err(std::io::Error::other("the spawning thread panicked")))
+                })
+            }
+        }
+        .with_context(|| format!("cannot start {}", binary.display()))?;
         let pid = child.id().context("the gateway exited at once")?;
         let mut lines = BufReader::new(child.stdout.take().context("no stdout")?).lines();
         let listen = loop {
@@ -98,6 +126,21 @@ impl ChildGateway {
     /// (user, system) CPU seconds the gateway has used.
     pub fn cpu_seconds(&self) -> anyhow::Result<(f64, f64)> {
         cpu_seconds(&format!("/proc/{}/stat", self.pid))
+    }
+
+    /// What the gateway has written: (bytes, write syscalls), from
+    /// `/proc/<pid>/io` (`wchar`, `syscw`; sockets, logs and files alike).
+    pub fn io(&self) -> anyhow::Result<(u64, u64)> {
+        let io = std::fs::read_to_string(format!("/proc/{}/io", self.pid))?;
+        let field = |name: &str| -> anyhow::Result<u64> {
+            io.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .with_context(|| format!("no {name} in /proc io"))?
+                .trim()
+                .parse()
+                .with_context(|| format!("malformed {name} in /proc io"))
+        };
+        Ok((field("wchar:")?, field("syscw:")?))
     }
 
     /// (current RSS, peak RSS) in bytes.

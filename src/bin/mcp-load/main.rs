@@ -9,6 +9,7 @@ mod clients;
 mod gateway;
 mod publisher;
 mod scenario;
+mod wire;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -97,6 +98,15 @@ struct Args {
     /// the previous one's ResourceSource, and the clients the last.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4), conflicts_with = "target")]
     chain: u8,
+    /// Pin the gateway to one core and the load tool to the others, so the
+    /// gateway's CPU is its own (the wire-bound writer is pinned the same way).
+    #[arg(long, conflicts_with = "target")]
+    pin: bool,
+    /// The largest HTTP/2 frame the clients accept (SETTINGS_MAX_FRAME_SIZE,
+    /// 16384 to 16777215). grpc-go (istiod, Pilot) and Envoy accept 16 KiB;
+    /// the default lets a full state travel in one frame.
+    #[arg(long, default_value_t = 16_777_215, value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
+    client_max_frame_size: u32,
 }
 
 impl Args {
@@ -158,6 +168,30 @@ struct Report {
     /// one's, which the clients read), and the CPU of the ones before it.
     chain: usize,
     chain_upstream_cpu_seconds: Option<f64>,
+    /// With --pin: the gateway's core and the load's cores.
+    pinned: Option<wire::Pinning>,
+    client_max_frame_size: u32,
+    /// Every response the clients received while updates were published
+    /// (coalesced versions included), and their bytes (gRPC framing included).
+    responses_received: usize,
+    bytes_received: u64,
+    /// What the gateway wrote in the same phase (`/proc/<pid>/io`).
+    gateway_bytes_written: Option<u64>,
+    gateway_write_syscalls: Option<u64>,
+    /// Written / received: HTTP/2 framing, upstream ACKs and logs make it a
+    /// little over 1.
+    written_per_received_byte: Option<f64>,
+    write_syscalls_per_response: Option<f64>,
+    bytes_per_write_syscall: Option<f64>,
+    /// HTTP/2 DATA frames the clients read per response.
+    data_frames_per_response: Option<f64>,
+    /// The gateway's CPU per MB delivered, and a plain loopback TCP writer's
+    /// sending the same responses over as many connections.
+    gateway_cpu_us_per_mb: Option<f64>,
+    wire: Option<wire::WireRun>,
+    wire_cpu_us_per_mb: Option<f64>,
+    /// The headline: gateway CPU per delivered byte / the wire's.
+    times_wire: Option<f64>,
 }
 
 #[tokio::main]
@@ -214,8 +248,14 @@ struct Clients {
     tasks: Vec<tokio::task::JoinHandle<Vec<Received>>>,
 }
 
-async fn start_clients(addr: SocketAddr, shape: &Shape, names: &[String]) -> anyhow::Result<Clients> {
-    let channels = clients::connect(addr, shape.connections)
+async fn start_clients(
+    addr: SocketAddr,
+    shape: &Shape,
+    names: &[String],
+    max_frame_size: u32,
+    frames: Arc<clients::Frames>,
+) -> anyhow::Result<Clients> {
+    let channels = clients::connect(addr, shape.connections, max_frame_size, frames)
         .await
         .with_context(|| format!("cannot connect to {addr}"))?;
     let progress = Arc::new(Progress::default());
@@ -263,14 +303,27 @@ async fn run(args: Args) -> anyhow::Result<Report> {
     let shape = args.shape();
     let names = collection_names(shape.collections, shape.protocol)?;
     match args.target {
-        Some(target) => run_against_target(target, shape, &names, args.duration).await,
+        Some(target) => run_against_target(target, shape, &names, args.duration, args.client_max_frame_size).await,
         None => {
             let binary = match &args.gateway {
                 Some(path) => path.clone(),
                 None => gateway::default_binary()?,
             };
             let abuse = args.abuse.map(|kind| (kind, args.tiny));
-            let mut report = run_with_child(&binary, shape, &names, abuse, usize::from(args.chain)).await?;
+            let pinning = if args.pin {
+                let pinning = wire::Pinning::plan()?;
+                pinning.pin_load_tool()?;
+                Some(pinning)
+            } else {
+                None
+            };
+            let run = Run {
+                abuse,
+                chain: usize::from(args.chain),
+                pinning,
+                max_frame_size: args.client_max_frame_size,
+            };
+            let mut report = run_with_child(&binary, shape, &names, run).await?;
             report.scenario = Some(args.scenario);
             report.goal = args.scenario.goal();
             Ok(report)
@@ -278,22 +331,38 @@ async fn run(args: Args) -> anyhow::Result<Report> {
     }
 }
 
-async fn run_with_child(
-    binary: &std::path::Path,
-    shape: Shape,
-    names: &[String],
+/// How a run with a child gateway is set up besides its shape.
+struct Run {
     abuse: Option<(abuse::Abuse, bool)>,
     chain: usize,
-) -> anyhow::Result<Report> {
+    pinning: Option<wire::Pinning>,
+    max_frame_size: u32,
+}
+
+async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String], run: Run) -> anyhow::Result<Report> {
+    let Run {
+        abuse,
+        chain,
+        pinning,
+        max_frame_size,
+    } = run;
     let mut publisher = Publisher::start(shape, names).await?;
     // The first gateway dials the fake Galley; each next one the previous.
     let mut upstream_gateways: Vec<ChildGateway> = Vec::new();
-    let mut gateway = ChildGateway::spawn(binary, publisher.addr, names).await?;
+    // With --pin, the measured gateway (the last of a chain) on its core,
+    // any before it on the load's cores.
+    let cores = |measured: bool| -> anyhow::Result<_> {
+        pinning
+            .map(|p| if measured { p.gateway_set() } else { p.load_set() })
+            .transpose()
+            .map_err(anyhow::Error::from)
+    };
+    let mut gateway = ChildGateway::spawn(binary, publisher.addr, names, cores(chain == 1)?).await?;
     tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
         .await
         .context("the gateway did not ACK the initial state in time")??;
-    for _ in 1..chain {
-        let next = ChildGateway::spawn(binary, gateway.listen, names).await?;
+    for i in 1..chain {
+        let next = ChildGateway::spawn(binary, gateway.listen, names, cores(i == chain - 1)?).await?;
         upstream_gateways.push(std::mem::replace(&mut gateway, next));
     }
     let upstream_cpu = |gateways: &[ChildGateway]| -> anyhow::Result<f64> {
@@ -304,8 +373,9 @@ async fn run_with_child(
     };
     let (rss_before_clients, _) = gateway.memory()?;
 
+    let frames = Arc::new(clients::Frames::default());
     let sync_start = Instant::now();
-    let clients = start_clients(gateway.listen, &shape, names).await?;
+    let clients = start_clients(gateway.listen, &shape, names, max_frame_size, frames.clone()).await?;
     let progress = clients.progress.clone();
     until("streams synced", shape.streams, || {
         progress.synced.load(Ordering::Relaxed)
@@ -332,6 +402,8 @@ async fn run_with_child(
     }
 
     let cpu_start = gateway.cpu_seconds()?;
+    let io_start = gateway.io()?;
+    let data_frames_start = frames.data.load(Ordering::Relaxed);
     let upstream_cpu_start = upstream_cpu(&upstream_gateways)?;
     let tool_cpu_start = gateway::cpu_seconds("/proc/self/stat")?;
     let update_start = Instant::now();
@@ -342,6 +414,8 @@ async fn run_with_child(
     })
     .await?;
     let cpu_end = gateway.cpu_seconds()?;
+    let io_end = gateway.io()?;
+    let data_frames = frames.data.load(Ordering::Relaxed) - data_frames_start;
     let upstream_cpu_used = upstream_cpu(&upstream_gateways)? - upstream_cpu_start;
     let tool_cpu_end = gateway::cpu_seconds("/proc/self/stat")?;
     let (rss_under_attack, _) = gateway.memory()?;
@@ -368,6 +442,29 @@ async fn run_with_child(
     }
     let delivered = latencies.len();
     let (p50, p99, max) = percentiles(&mut latencies);
+
+    // Every response received in the phase, on its connection, as the wire
+    // bound's writer sends them.
+    let mut sent: Vec<(Instant, usize, usize)> = received
+        .iter()
+        .filter(|r| r.at >= update_start)
+        .map(|r| (r.at, r.stream % shape.connections.max(1), r.bytes + GRPC_FRAME_HEADER))
+        .collect();
+    sent.sort_unstable_by_key(|(at, _, _)| *at);
+    let responses: Vec<(usize, usize)> = sent.iter().map(|(_, connection, len)| (*connection, *len)).collect();
+    let bytes_received: u64 = responses.iter().map(|(_, len)| *len as u64).sum();
+    let (written, syscalls) = (io_end.0 - io_start.0, io_end.1 - io_start.1);
+    let count = responses.len();
+    let per_response = |n: u64| (count > 0).then(|| n as f64 / count as f64);
+    let per_mb = |cpu: f64, bytes: u64| (bytes > 0).then(|| cpu * 1e6 / (bytes as f64 / 1e6));
+    let connections = shape.connections;
+    let wire = if responses.is_empty() {
+        None
+    } else {
+        Some(tokio::task::spawn_blocking(move || wire::measure(&responses, connections, pinning)).await??)
+    };
+    let gateway_per_mb = per_mb(cpu, bytes_received);
+    let wire_per_mb = wire.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
     Ok(Report {
         shape: Some(shape),
         streams: shape.streams,
@@ -401,18 +498,37 @@ async fn run_with_child(
         gateway_rss_under_attack_bytes: attack.as_ref().map(|_| rss_under_attack),
         chain,
         chain_upstream_cpu_seconds: (chain > 1).then_some(upstream_cpu_used),
+        pinned: pinning,
+        client_max_frame_size: max_frame_size,
+        responses_received: sent.len(),
+        bytes_received,
+        gateway_bytes_written: Some(written),
+        gateway_write_syscalls: Some(syscalls),
+        written_per_received_byte: (bytes_received > 0).then(|| written as f64 / bytes_received as f64),
+        write_syscalls_per_response: per_response(syscalls),
+        bytes_per_write_syscall: (syscalls > 0).then(|| written as f64 / syscalls as f64),
+        data_frames_per_response: per_response(data_frames),
+        gateway_cpu_us_per_mb: gateway_per_mb,
+        wire,
+        wire_cpu_us_per_mb: wire_per_mb,
+        times_wire: gateway_per_mb.zip(wire_per_mb.filter(|w| *w > 0.0)).map(|(g, w)| g / w),
         ..Default::default()
     })
 }
+
+/// gRPC's per-message prefix: a compression flag and a 4-byte length.
+const GRPC_FRAME_HEADER: usize = 5;
 
 async fn run_against_target(
     target: SocketAddr,
     shape: Shape,
     names: &[String],
     duration: Duration,
+    max_frame_size: u32,
 ) -> anyhow::Result<Report> {
     let sync_start = Instant::now();
-    let clients = start_clients(target, &shape, names).await?;
+    let frames = Arc::new(clients::Frames::default());
+    let clients = start_clients(target, &shape, names, max_frame_size, frames).await?;
     let progress = clients.progress.clone();
     until("streams synced", shape.streams, || {
         progress.synced.load(Ordering::Relaxed)
@@ -519,6 +635,47 @@ fn print_report(report: &Report) {
             "bytes per client per update",
             format!("{:.0}", report.bytes_per_client_per_update),
         ),
+        (
+            "pinned (gateway core / load cores)",
+            or_dash(
+                report
+                    .pinned
+                    .map(|p| format!("{} / the other {}", p.gateway_core, p.load_cores)),
+            ),
+        ),
+        ("client max frame size", report.client_max_frame_size.to_string()),
+        ("responses received", report.responses_received.to_string()),
+        ("bytes received", mib(report.bytes_received)),
+        (
+            "gateway wrote (per received byte)",
+            or_dash(
+                report
+                    .gateway_bytes_written
+                    .zip(report.written_per_received_byte)
+                    .map(|(w, r)| format!("{} ({r:.3})", mib(w))),
+            ),
+        ),
+        (
+            "write syscalls per response",
+            or_dash(report.write_syscalls_per_response.map(|s| format!("{s:.2}"))),
+        ),
+        (
+            "bytes per write syscall",
+            or_dash(report.bytes_per_write_syscall.map(|b| format!("{b:.0}"))),
+        ),
+        (
+            "HTTP/2 DATA frames per response",
+            or_dash(report.data_frames_per_response.map(|f| format!("{f:.2}"))),
+        ),
+        (
+            "gateway CPU per MB delivered",
+            or_dash(report.gateway_cpu_us_per_mb.map(|c| format!("{c:.0} µs"))),
+        ),
+        (
+            "plain TCP writer CPU per MB",
+            or_dash(report.wire_cpu_us_per_mb.map(|c| format!("{c:.0} µs"))),
+        ),
+        ("× wire", or_dash(report.times_wire.map(|x| format!("{x:.2}")))),
         ("NACKs", report.nacks.to_string()),
         ("stream errors", report.stream_errors.to_string()),
         ("abuse", or_dash(report.abuse.map(|a| format!("{a:?}")))),

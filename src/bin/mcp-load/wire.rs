@@ -1,0 +1,142 @@
+//! The limit a run is measured against: CPU affinity (`--pin`), and a plain
+//! loopback TCP writer sending the bytes the gateway sent, in the same
+//! response sizes over as many connections, whose CPU per byte is what the
+//! kernel's loopback costs on this machine.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+use anyhow::Context;
+use nix::sched::{sched_setaffinity, CpuSet};
+use nix::sys::resource::{getrusage, UsageWho};
+use nix::unistd::Pid;
+
+/// Where the gateway and the load tool run.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Pinning {
+    /// The gateway's core (and the wire writer's).
+    pub gateway_core: usize,
+    /// The load tool's cores: every other one.
+    pub load_cores: usize,
+}
+
+impl Pinning {
+    /// The gateway on the last core, the load tool on the others.
+    pub fn plan() -> anyhow::Result<Self> {
+        let cores = std::thread::available_parallelism()?.get();
+        if cores < 2 {
+            anyhow::bail!(
+                "--pin needs at least 2 cores (one for the gateway, the rest for the load); this machine has {cores}"
+            );
+        }
+        Ok(Self {
+            gateway_core: cores - 1,
+            load_cores: cores - 1,
+        })
+    }
+
+    pub fn gateway_set(&self) -> nix::Result<CpuSet> {
+        let mut set = CpuSet::new();
+        set.set(self.gateway_core)?;
+        Ok(set)
+    }
+
+    pub fn load_set(&self) -> nix::Result<CpuSet> {
+        let mut set = CpuSet::new();
+        for core in (0..=self.load_cores).filter(|c| *c != self.gateway_core) {
+            set.set(core)?;
+        }
+        Ok(set)
+    }
+
+    /// Pins every thread of this process to the load's cores.
+    pub fn pin_load_tool(&self) -> anyhow::Result<()> {
+        pin_process(std::process::id(), &self.load_set()?)
+    }
+}
+
+fn pin_process(pid: u32, set: &CpuSet) -> anyhow::Result<()> {
+    let tasks =
+        std::fs::read_dir(format!("/proc/{pid}/task")).with_context(|| format!("cannot list the threads of {pid}"))?;
+    for task in tasks {
+        let tid: i32 = task?.file_name().to_string_lossy().parse()?;
+        // A thread that ended since the listing is no error.
+        match sched_setaffinity(Pid::from_raw(tid), set) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => return Err(e).with_context(|| format!("sched_setaffinity({tid})")),
+        }
+    }
+    Ok(())
+}
+
+/// What the plain writer did.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct WireRun {
+    pub bytes: u64,
+    pub writes: u64,
+    /// The writer thread's CPU (user + system).
+    pub cpu_seconds: f64,
+}
+
+/// Sends `responses` (connection index, bytes) in order from one thread, with
+/// one blocking `write` per response (`TCP_NODELAY`, as the gateway), pinned
+/// like the gateway; reader threads on the load's cores drain them.
+pub fn measure(responses: &[(usize, usize)], connections: usize, pinning: Option<Pinning>) -> anyhow::Result<WireRun> {
+    let connections = connections.max(1);
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let mut writers = Vec::with_capacity(connections);
+    let mut readers = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        let writer = TcpStream::connect(addr)?;
+        writer.set_nodelay(true)?;
+        let (reader, _) = listener.accept()?;
+        reader.set_read_timeout(Some(Duration::from_secs(300)))?;
+        writers.push(writer);
+        readers.push(reader);
+    }
+    // Readers: a blocking thread per connection, reading whatever is there
+    // (a client that keeps up).
+    let drains = readers
+        .into_iter()
+        .map(|mut reader| {
+            std::thread::Builder::new().stack_size(128 << 10).spawn(move || {
+                let mut buf = vec![0u8; 256 << 10];
+                while matches!(reader.read(&mut buf), Ok(n) if n > 0) {}
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let largest = responses.iter().map(|(_, len)| *len).max().unwrap_or(0);
+    let responses = responses.to_vec();
+    let writer = std::thread::spawn(move || -> anyhow::Result<(WireRun, Vec<TcpStream>)> {
+        if let Some(pinning) = pinning {
+            sched_setaffinity(Pid::from_raw(0), &pinning.gateway_set()?)?;
+        }
+        let payload = vec![0x5au8; largest];
+        let before = thread_cpu()?;
+        let mut run = WireRun::default();
+        for (connection, len) in responses {
+            writers[connection % connections].write_all(&payload[..len])?;
+            run.bytes += len as u64;
+            run.writes += 1;
+        }
+        run.cpu_seconds = thread_cpu()? - before;
+        Ok((run, writers))
+    });
+    let (run, writers) = writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the wire writer panicked"))??;
+    drop(writers);
+    for drain in drains {
+        let _ = drain.join();
+    }
+    Ok(run)
+}
+
+/// This thread's CPU seconds (user + system).
+fn thread_cpu() -> anyhow::Result<f64> {
+    let usage = getrusage(UsageWho::RUSAGE_THREAD)?;
+    let seconds = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+    Ok(seconds(usage.user_time()) + seconds(usage.system_time()))
+}
