@@ -8,33 +8,20 @@
 //!   each iteration encodes a new snapshot's chunks list, not the chunks);
 //! - the per-type state machine's step: a request, its ACK and the next push.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
-use mcp_xds_gateway::cache::{content_digest, Cache, CacheWriter, CachedResource, Diff, Origin, Update};
+use mcp_xds_gateway::cache::{Cache, CacheWriter, Diff, Origin, Update};
 use mcp_xds_gateway::collections::{Dialect, Resolved};
 use mcp_xds_gateway::downstream::encode::{LEGACY, XDS_MCP};
 use mcp_xds_gateway::downstream::registry::TypeView;
 use mcp_xds_gateway::downstream::type_state::{Held, Mode, Request, TypeState};
 
-const C: &str = "istio/networking/v1alpha3/virtualservices";
-const SIZES: [usize; 4] = [1_000, 10_000, 100_000, 1_000_000];
+mod support;
 
-/// A resource of about 100 bytes (a million of them fit in memory easily).
-fn resource(i: usize, version: usize) -> CachedResource {
-    let name = format!("ns-{}/vs-{i:07}", i % 97);
-    let body = format!("{name}@{version}:{}", "x".repeat(64));
-    let none = HashMap::<String, String>::new();
-    CachedResource::new(
-        name.into(),
-        version.to_string().into(),
-        "type.googleapis.com/istio.networking.v1alpha3.VirtualService".into(),
-        Bytes::from(body.clone()),
-        content_digest(body.as_bytes(), &none, &none),
-    )
-}
+use support::{resource, C};
+
+const SIZES: [usize; 4] = [1_000, 10_000, 100_000, 1_000_000];
 
 fn filled(n: usize) -> (Arc<Cache>, CacheWriter) {
     let (cache, mut writer) = Cache::new();

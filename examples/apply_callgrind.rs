@@ -10,26 +10,12 @@
 //! fills a collection of N resources, then applies K incremental updates of
 //! one resource each; only the K applies are counted (divide by K).
 
-use std::collections::HashMap;
+use mcp_xds_gateway::cache::{Cache, CacheWriter, Origin, Update};
 
-use bytes::Bytes;
-use mcp_xds_gateway::cache::{content_digest, Cache, CacheWriter, CachedResource, Origin, Update};
+#[path = "../benches/support/mod.rs"]
+mod support;
 
-const C: &str = "istio/networking/v1alpha3/virtualservices";
-
-/// The same resources as `benches/engine.rs`: about 100 bytes each.
-fn resource(i: usize, version: usize) -> CachedResource {
-    let name = format!("ns-{}/vs-{i:07}", i % 97);
-    let body = format!("{name}@{version}:{}", "x".repeat(64));
-    let none = HashMap::<String, String>::new();
-    CachedResource::new(
-        name.into(),
-        version.to_string().into(),
-        "type.googleapis.com/istio.networking.v1alpha3.VirtualService".into(),
-        Bytes::from(body.clone()),
-        content_digest(body.as_bytes(), &none, &none),
-    )
-}
+use support::{resource, C};
 
 #[inline(never)]
 fn measured(writer: &mut CacheWriter, updates: Vec<Update>) {

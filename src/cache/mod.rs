@@ -572,10 +572,9 @@ impl Cache {
         } = total;
         changed.sort_unstable();
         changed.dedup();
-        let chunks = match &current {
-            Some(current) => rechunk(&mut resources, &current.chunks, &changed),
-            None => rechunk(&mut resources, &ChunkMap::new(), &changed),
-        };
+        let none = ChunkMap::new();
+        let previous = current.as_ref().map_or(&none, |s| &s.chunks);
+        let chunks = rechunk(&mut resources, previous, &changed);
         let snapshot = Arc::new(CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin));
         let version = snapshot.version.clone();
         let changed = slot.send_if_modified(|held| match held {

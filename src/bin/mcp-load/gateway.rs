@@ -132,33 +132,16 @@ impl ChildGateway {
     /// `/proc/<pid>/io` (`wchar`, `syscw`; sockets, logs and files alike).
     pub fn io(&self) -> anyhow::Result<(u64, u64)> {
         let io = std::fs::read_to_string(format!("/proc/{}/io", self.pid))?;
-        let field = |name: &str| -> anyhow::Result<u64> {
-            io.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .with_context(|| format!("no {name} in /proc io"))?
-                .trim()
-                .parse()
-                .with_context(|| format!("malformed {name} in /proc io"))
-        };
-        Ok((field("wchar:")?, field("syscw:")?))
+        Ok((proc_field(&io, "wchar:")?, proc_field(&io, "syscw:")?))
     }
 
     /// (current RSS, peak RSS) in bytes.
     pub fn memory(&self) -> anyhow::Result<(u64, u64)> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
-        let field = |name: &str| -> anyhow::Result<u64> {
-            let line = status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .with_context(|| format!("no {name} in /proc status"))?;
-            let kb: u64 = line
-                .split_whitespace()
-                .nth(1)
-                .context("malformed /proc status")?
-                .parse()?;
-            Ok(kb * 1024)
-        };
-        Ok((field("VmRSS:")?, field("VmHWM:")?))
+        Ok((
+            proc_field(&status, "VmRSS:")? * 1024,
+            proc_field(&status, "VmHWM:")? * 1024,
+        ))
     }
 
     pub async fn stop(mut self) {
@@ -173,4 +156,17 @@ impl ChildGateway {
             let _ = self.child.kill().await;
         }
     }
+}
+
+/// The number after `name` on its line of a `/proc` file (`VmRSS:  123 kB`
+/// gives 123).
+fn proc_field(text: &str, name: &str) -> anyhow::Result<u64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name))
+        .with_context(|| format!("no {name} in /proc"))?
+        .split_whitespace()
+        .next()
+        .with_context(|| format!("no value for {name} in /proc"))?
+        .parse()
+        .with_context(|| format!("malformed {name} in /proc"))
 }

@@ -15,9 +15,9 @@ use nix::unistd::Pid;
 /// Where the gateway and the load tool run.
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct Pinning {
-    /// The gateway's core (and the wire writer's).
+    /// The gateway's core (and the wire writer's): the last one.
     pub gateway_core: usize,
-    /// The load tool's cores: every other one.
+    /// How many cores the load tool has: every one before the gateway's.
     pub load_cores: usize,
 }
 
@@ -44,7 +44,7 @@ impl Pinning {
 
     pub fn load_set(&self) -> nix::Result<CpuSet> {
         let mut set = CpuSet::new();
-        for core in (0..=self.load_cores).filter(|c| *c != self.gateway_core) {
+        for core in 0..self.gateway_core {
             set.set(core)?;
         }
         Ok(set)
