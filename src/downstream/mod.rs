@@ -4,6 +4,7 @@
 //! requests read and its responses encode ([`encode`]). The tasks read the
 //! cache and never write it.
 
+pub mod by_type;
 pub mod encode;
 pub mod names;
 pub mod registry;

@@ -2,13 +2,13 @@
 //! its real state and publishes a copy here after every change; the entry is
 //! removed when the task ends.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use dashmap::DashMap;
 
+use super::by_type::ByType;
 use crate::collections::Dialect;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -210,7 +210,7 @@ pub struct StreamView {
     pub gateway_id: Option<String>,
     pub connected_since: SystemTime,
     /// By the `type_url` the client sent.
-    pub types: BTreeMap<String, TypeView>,
+    pub types: ByType<TypeView>,
 }
 
 #[derive(Debug, Default)]
@@ -231,7 +231,7 @@ impl Registry {
             node_id: String::new(),
             gateway_id: None,
             connected_since: SystemTime::now(),
-            types: BTreeMap::new(),
+            types: ByType::new(),
         }));
         self.streams.insert(id, view.clone());
         RegistryEntry {
@@ -298,7 +298,8 @@ impl RegistryEntry {
 
     pub fn publish(&self, type_url: &str, state: TypeView) {
         let mut view = self.view.lock().expect("registry lock poisoned");
-        view.types.insert(type_url.to_owned(), state);
+        // The key is copied only when the type is new.
+        view.types.insert(type_url, state);
     }
 }
 

@@ -3,7 +3,6 @@
 //! the types followed, the nonces, the registry, the metrics and the logs
 //! are here once; a protocol is only how its messages look.
 
-use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +15,7 @@ use tonic::Status;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::by_type::ByType;
 use super::encode::{EncodedResponse, Record};
 use super::names::NameChange;
 use super::registry::{RegistryEntry, Stamp, TypeView};
@@ -46,7 +46,7 @@ pub(super) struct TypedStream<W> {
     entry: RegistryEntry,
     id: u64,
     /// By the type the client named.
-    types: HashMap<String, Followed>,
+    types: ByType<Followed>,
     changes: StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
@@ -68,7 +68,7 @@ impl<W: Wire> TypedStream<W> {
             shared,
             entry,
             id,
-            types: HashMap::new(),
+            types: ByType::new(),
             changes: StreamMap::new(),
             last_nonce: 0,
             logs: StreamLogs::default(),
@@ -156,7 +156,9 @@ impl<W: Wire> TypedStream<W> {
         .increment(1);
         self.log_left(end, status.as_ref());
         if let Some(status) = status {
-            end_with(&out, status).await;
+            // Boxed: it is needed once, and would otherwise be room in
+            // every stream's future.
+            Box::pin(end_with(&out, status)).await;
         }
     }
 
@@ -466,7 +468,7 @@ impl<W: Wire> TypedStream<W> {
         let subscriptions = &self.shared.inner.subscriptions;
         let mut refused = Vec::new();
         let mut waiting = false;
-        for (type_url, followed) in &mut self.types {
+        for (type_url, followed) in self.types.iter_mut() {
             let collection = followed.state.view.collection.clone();
             if followed.unserved.is_some() || cache.get(&collection).is_some() {
                 continue;

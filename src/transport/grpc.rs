@@ -579,17 +579,31 @@ where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
 {
-    async fn run(self, request: http::Request<RecvStream>, respond: SendResponse<Gathered>) {
-        let _guard = StreamGuard(self.count.clone());
-        let _permit = self.permit;
+    /// The stream's task. The request is prepared and the service's call
+    /// made here, before the task exists: an `async fn`'s arguments stay in
+    /// its future for its whole life, and what an idle stream keeps is only
+    /// its guard, its permit and the response being written (the call,
+    /// boxed, is freed when it returns).
+    fn run(
+        self,
+        request: http::Request<RecvStream>,
+        respond: SendResponse<Gathered>,
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let guard = StreamGuard(self.count);
+        let permit = self.permit;
         let (parts, body) = request.into_parts();
         let mut request = http::Request::from_parts(parts, Body::new(RecvBody { stream: body }));
         request.extensions_mut().insert(self.connect_info);
         request.extensions_mut().insert(self.info);
-        let Ok(response) = self.service.oneshot(request).await;
-        // Errors here are the client's reset or a closed connection: the
-        // stream is gone either way.
-        let _ = write_response(respond, response).await;
+        let call = Box::pin(self.service.oneshot(request));
+        async move {
+            let _guard = guard;
+            let _permit = permit;
+            let Ok(response) = call.await;
+            // Errors here are the client's reset or a closed connection: the
+            // stream is gone either way.
+            let _ = write_response(respond, response).await;
+        }
     }
 }
 
