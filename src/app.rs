@@ -122,7 +122,7 @@ pub async fn build_with_logs(
     // Whatever was started stops again if start-up fails further down.
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
-    let (cache, mut writer) = Cache::new();
+    let (cache, mut writer) = Cache::with_history(settings.history);
     let subscriptions = Arc::new(Subscriptions::new(settings.collections.iter().cloned()));
     let registry = Arc::new(Registry::default());
     let (status_tx, status_rx) = watch::channel(UpstreamStatus {

@@ -243,6 +243,13 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_TYPES_PER_STREAM", default_value_t = 128)]
     pub max_types_per_stream: usize,
 
+    /// Versions of each collection kept (the current one included) for
+    /// `/debug/history` and `/debug/diff`. Unchanged resources are shared
+    /// between versions: memory grows with the changes, not with N times the
+    /// collection.
+    #[arg(long, env = "MCP_GATEWAY_HISTORY", default_value_t = 10)]
+    pub history: usize,
+
     /// Resource names one xDS client may subscribe to per type (RDS, EDS:
     /// named subscriptions).
     #[arg(long, env = "MCP_GATEWAY_MAX_SUBSCRIBED_NAMES", default_value_t = 100_000)]
@@ -457,6 +464,9 @@ pub enum Source {
 /// The local source used when no source flag is given.
 pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 
+/// The most versions `--history` keeps per collection.
+pub const MAX_HISTORY: usize = 1000;
+
 /// The validated settings the gateway runs with.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -464,6 +474,8 @@ pub struct Settings {
     /// `--demo`: the compiled-in examples, labelled as such.
     pub demo: bool,
     pub cache_dir: Option<PathBuf>,
+    /// Versions kept per collection (`--history`).
+    pub history: usize,
     /// TLS for the downstream and sink listeners.
     pub server_tls: Option<ServerTlsFiles>,
     /// With mTLS: the downstream identities accepted (`--client-allow`).
@@ -690,6 +702,7 @@ impl Args {
             ("--max-requests-per-second", self.max_requests_per_second as usize),
             ("--max-types-per-stream", self.max_types_per_stream),
             ("--max-subscribed-names", self.max_subscribed_names),
+            ("--history", self.history),
             ("--max-resets-per-minute", self.max_resets_per_minute as usize),
             ("--max-pings-per-minute", self.max_pings_per_minute as usize),
             ("--max-settings-per-minute", self.max_settings_per_minute as usize),
@@ -779,10 +792,17 @@ impl Args {
             invalid("--descriptors", format!("{file}: {e}"))
         })?;
         let bodies = Arc::new(bodies);
+        if self.history > MAX_HISTORY {
+            return Err(invalid(
+                "--history",
+                format!("{} is above the maximum of {MAX_HISTORY}", self.history),
+            ));
+        }
         Ok(Settings {
             demo: self.demo,
             source,
             cache_dir: self.cache_dir,
+            history: self.history,
             server_tls,
             client_allow,
             table: Arc::new(table),
@@ -956,6 +976,16 @@ mod tests {
         assert_eq!(settings.listen.to_string(), "127.0.0.1:15010");
         assert_eq!(settings.admin_listen.to_string(), "127.0.0.1:15000");
         assert_eq!(settings.monitoring_listen.to_string(), "0.0.0.0:15014");
+    }
+
+    #[test]
+    fn history_defaults_to_the_caches_and_is_bounded() {
+        assert_eq!(parse(&[]).unwrap().history, crate::cache::DEFAULT_HISTORY);
+        assert_eq!(parse(&["--history", "1"]).unwrap().history, 1);
+        let zero = parse(&["--history", "0"]).unwrap_err();
+        assert!(zero.contains("--history") && zero.contains("at least 1"), "{zero}");
+        let many = parse(&["--history", "1001"]).unwrap_err();
+        assert!(many.contains("--history") && many.contains("maximum of 1000"), "{many}");
     }
 
     #[test]

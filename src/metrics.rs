@@ -26,6 +26,8 @@ pub const UPDATES_APPLIED: &str = "mcp_gateway_updates_applied_total";
 pub const LAST_UPDATE: &str = "mcp_gateway_last_update_timestamp_seconds";
 pub const CACHE_RESOURCES: &str = "mcp_gateway_cache_resources";
 pub const CACHE_BYTES: &str = "mcp_gateway_cache_bytes";
+pub const HISTORY_VERSIONS: &str = "mcp_gateway_history_versions";
+pub const HISTORY_BYTES: &str = "mcp_gateway_history_bytes";
 pub const DOWNSTREAM_STREAMS: &str = "mcp_gateway_downstream_streams";
 pub const DOWNSTREAM_PUSHES: &str = "mcp_gateway_downstream_pushes_total";
 pub const DOWNSTREAM_STALE_REQUESTS: &str = "mcp_gateway_downstream_stale_requests_total";
@@ -385,6 +387,15 @@ pub fn describe() {
         "Unix time of the last change to each collection's cached state."
     );
     describe_gauge!(CACHE_RESOURCES, "Resources in the cache, by collection.");
+    describe_gauge!(
+        HISTORY_VERSIONS,
+        "Versions of each collection the history keeps (at most --history), the current one included."
+    );
+    describe_gauge!(
+        HISTORY_BYTES,
+        Unit::Bytes,
+        "Encoded size of the resources the history keeps for older versions (what changed since each), by collection."
+    );
     describe_gauge!(
         CACHE_BYTES,
         Unit::Bytes,

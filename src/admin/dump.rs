@@ -23,7 +23,7 @@ pub struct DumpQuery {
 const PREVIEW_BYTES: usize = 64;
 
 /// A resource with its metadata and body.
-fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value {
+pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value {
     let raw = RawResource::decode(resource.encoded.clone()).unwrap_or_default();
     let metadata = raw.metadata.unwrap_or_default();
     let any = raw

@@ -33,6 +33,16 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
          metadata and its body read back",
     ),
     (
+        "/debug/history/{collection}",
+        "the collection's last --history versions, newest first: version, when applied, origin, resources \
+         added, changed and removed",
+    ),
+    (
+        "/debug/diff/{collection}",
+        "?from=V1&to=V2 (to: the latest by default): the names added, removed and changed between two versions \
+         in the history; &bodies=yaml: each changed body as a unified diff",
+    ),
+    (
         "/debug/upstream",
         "the source: connected, since when, last error, per collection",
     ),

@@ -26,6 +26,7 @@ use crate::metrics as m;
 use crate::source::UpstreamStatus;
 
 mod dump;
+mod history;
 mod index;
 pub mod syncz;
 
@@ -148,6 +149,8 @@ pub fn admin_router(state: AdminState) -> Router {
         .route("/debug/syncz", get(syncz))
         .route("/debug/cache", get(cache))
         .route("/debug/cache/{*collection}", get(cache_collection))
+        .route("/debug/history/{*collection}", get(history::history))
+        .route("/debug/diff/{*collection}", get(history::diff))
         .route("/debug/upstream", get(upstream))
         .route("/debug/config", get(config))
         .route("/logging", axum::routing::post(logging))
@@ -205,6 +208,9 @@ fn refresh_gauges(state: &AdminState) {
         let collection = snapshot.collection.clone();
         metrics::gauge!(m::CACHE_RESOURCES, "collection" => collection.clone()).set(snapshot.len() as f64);
         metrics::gauge!(m::CACHE_BYTES, "collection" => collection.clone()).set(snapshot.bytes as f64);
+        let (versions, bytes) = state.cache.history_usage(&collection);
+        metrics::gauge!(m::HISTORY_VERSIONS, "collection" => collection.clone()).set(versions as f64);
+        metrics::gauge!(m::HISTORY_BYTES, "collection" => collection.clone()).set(bytes as f64);
         metrics::gauge!(m::LAST_UPDATE, "collection" => collection.clone()).set(unix_seconds(snapshot.updated_at));
         current.insert(collection, snapshot.version.clone());
     }

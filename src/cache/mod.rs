@@ -64,6 +64,19 @@ impl CachedResource {
         }
     }
 
+    /// This resource with bytes of its own, not a slice of its chunk.
+    fn detached(&self) -> Self {
+        Self {
+            name: self.name.clone(),
+            version: self.version.clone(),
+            body_type_url: self.body_type_url.clone(),
+            encoded: Bytes::copy_from_slice(&self.encoded),
+            digest: self.digest,
+            entry: self.entry,
+            ends_chunk: self.ends_chunk,
+        }
+    }
+
     /// A version of this resource that changes whenever its name, version
     /// or content does (xDS clients skip a changed body under an unchanged
     /// version): the same on every replica and every gateway of a chain.
@@ -421,6 +434,38 @@ impl Applied {
 
 type Slot = watch::Sender<Option<Arc<CollectionSnapshot>>>;
 
+/// How many versions of each collection the history keeps when not told
+/// (`--history`).
+pub const DEFAULT_HISTORY: usize = 10;
+
+/// One version of a collection in its history, as `/debug/history` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HistoryEntry {
+    pub version: Arc<str>,
+    pub updated_at: SystemTime,
+    pub origin: Origin,
+    pub resources: usize,
+    pub bytes: usize,
+    /// What the apply that made this version did to the one before it.
+    pub added: usize,
+    pub changed: usize,
+    pub removed: usize,
+}
+
+/// A version the history keeps. The newest holds its snapshot; each older
+/// one holds only how to turn the next newer version's resources back into
+/// its own (`undo`: a name and the resource it had, or `None` where it had
+/// none), so a version costs what changed after it, not the collection.
+#[derive(Debug)]
+struct Kept {
+    entry: HistoryEntry,
+    undo: Vec<(Arc<str>, Option<Arc<CachedResource>>)>,
+    snapshot: Option<Arc<CollectionSnapshot>>,
+}
+
+/// The last versions of one collection, oldest first.
+type History = std::collections::VecDeque<Kept>;
+
 /// The collections, each behind its own change notification. Shared by
 /// every reader; written only through the one [`CacheWriter`].
 #[derive(Debug, Default)]
@@ -430,6 +475,11 @@ pub struct Cache {
     /// Bumped on every change to any collection (readiness follows it).
     generation: watch::Sender<u64>,
     provenance: provenance::Provenance,
+    /// The last versions of each collection. Written by the one writer
+    /// after its slot; held only to copy or push, never across an await.
+    histories: RwLock<HashMap<Arc<str>, History>>,
+    /// Versions kept per collection, the current one included (at least 1).
+    history_len: std::sync::atomic::AtomicUsize,
 }
 
 /// The one handle that writes the cache. Not `Clone`: whoever holds it is
@@ -446,8 +496,121 @@ impl Cache {
     /// A new, empty cache and its writer.
     #[allow(clippy::new_ret_no_self)]
     pub fn new() -> (Arc<Cache>, CacheWriter) {
-        let cache = Arc::new(Cache::default());
+        Self::with_history(DEFAULT_HISTORY)
+    }
+
+    /// A new, empty cache that keeps the last `versions` versions of each
+    /// collection (at least one: the current).
+    pub fn with_history(versions: usize) -> (Arc<Cache>, CacheWriter) {
+        let cache = Arc::new(Cache {
+            history_len: versions.max(1).into(),
+            ..Cache::default()
+        });
         (cache.clone(), CacheWriter { cache })
+    }
+
+    /// Versions kept per collection.
+    pub fn history_len(&self) -> usize {
+        self.history_len.load(std::sync::atomic::Ordering::Relaxed).max(1)
+    }
+
+    /// The versions of `collection` the history holds, newest first; `None`
+    /// for a collection never delivered.
+    pub fn history(&self, collection: &str) -> Option<Vec<HistoryEntry>> {
+        let histories = self.histories.read().expect("cache lock poisoned");
+        histories
+            .get(collection)
+            .map(|h| h.iter().rev().map(|k| k.entry.clone()).collect())
+    }
+
+    /// (versions kept, bytes of the resources the older versions hold
+    /// beyond the newest) of `collection`'s history.
+    pub fn history_usage(&self, collection: &str) -> (usize, usize) {
+        let histories = self.histories.read().expect("cache lock poisoned");
+        histories.get(collection).map_or((0, 0), |h| {
+            let bytes = h
+                .iter()
+                .flat_map(|k| k.undo.iter().filter_map(|(_, had)| had.as_ref()))
+                .map(|r| r.encoded.len())
+                .sum();
+            (h.len(), bytes)
+        })
+    }
+
+    /// The resources of version `version` of `collection`, if the history
+    /// still holds it: the newest's, with the undos of every newer version
+    /// applied (the cost is the changes since, and the map shares the rest
+    /// with the newest).
+    pub fn version_resources(&self, collection: &str, version: &str) -> Option<ResourceMap> {
+        let histories = self.histories.read().expect("cache lock poisoned");
+        let history = histories.get(collection)?;
+        let newest = history.back()?.snapshot.as_ref()?;
+        let mut resources = newest.resources.clone();
+        for at in (0..history.len()).rev() {
+            if &*history[at].entry.version == version {
+                return Some(resources);
+            }
+            // One version further back: the older one's undo.
+            for (name, had) in history.get(at.wrapping_sub(1)).map_or(&[][..], |older| &older.undo[..]) {
+                match had {
+                    Some(resource) => resources.insert(name.clone(), resource.clone()),
+                    None => resources.remove(name),
+                };
+            }
+        }
+        None
+    }
+
+    /// Records `snapshot` as the newest version of its collection (or, for
+    /// the same content from another origin, in place of the newest), turns
+    /// the version it replaces into its undo, and drops what falls past the
+    /// history's length.
+    fn remember(&self, snapshot: &Arc<CollectionSnapshot>, changed: &[Arc<str>]) {
+        let mut histories = self.histories.write().expect("cache lock poisoned");
+        let history = histories.entry(snapshot.collection.clone()).or_default();
+        let previous = match history.back_mut() {
+            Some(newest) if newest.entry.version == snapshot.version => {
+                // As the slot: the same content now from another origin.
+                newest.entry.origin = snapshot.origin;
+                newest.snapshot = Some(snapshot.clone());
+                return;
+            }
+            Some(newest) => newest.snapshot.take(),
+            None => None,
+        };
+        let (mut added, mut removed) = (0, 0);
+        let mut undo = Vec::with_capacity(changed.len());
+        for name in changed {
+            let had = previous.as_ref().and_then(|p| p.resources.get(&**name));
+            match (had.is_some(), snapshot.resources.contains_key(&**name)) {
+                (false, true) => added += 1,
+                (true, false) => removed += 1,
+                _ => {}
+            }
+            // Its bytes are copied out of its chunk, so the history keeps
+            // the resource and not the chunk it sat in.
+            undo.push((name.clone(), had.map(|r| Arc::new(r.detached()))));
+        }
+        if let Some(previous) = history.back_mut() {
+            previous.undo = undo;
+        }
+        history.push_back(Kept {
+            entry: HistoryEntry {
+                version: snapshot.version.clone(),
+                updated_at: snapshot.updated_at,
+                origin: snapshot.origin,
+                resources: snapshot.len(),
+                bytes: snapshot.bytes,
+                added,
+                changed: changed.len() - added - removed,
+                removed,
+            },
+            undo: Vec::new(),
+            snapshot: Some(snapshot.clone()),
+        });
+        while history.len() > self.history_len() {
+            history.pop_front();
+        }
     }
 
     /// This gateway's id and the gateways upstream of it.
@@ -577,6 +740,7 @@ impl Cache {
         let chunks = rechunk(&mut resources, previous, &changed);
         let snapshot = Arc::new(CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin));
         let version = snapshot.version.clone();
+        self.remember(&snapshot, &changed);
         let changed = slot.send_if_modified(|held| match held {
             Some(old) if old.version == snapshot.version => {
                 // Same content from another origin (upstream confirming what
@@ -720,6 +884,79 @@ mod tests {
             Bytes::from(body.to_owned()),
             content_digest(body.as_bytes(), &none, &none),
         )
+    }
+
+    /// The history keeps the last N versions, newest first, with what each
+    /// apply changed; an older version is rebuilt from the newest and the
+    /// undos, sharing the resources that did not change since, and holding
+    /// bytes of its own (not its old chunk) for those that did.
+    #[test]
+    fn the_history_keeps_n_versions_as_undos_of_the_newest() {
+        let (cache, mut writer) = Cache::with_history(3);
+        writer.apply(
+            C,
+            Update::Full(vec![resource("a", "1"), resource("b", "1")]),
+            Origin::Upstream,
+        );
+        let first = cache.get(C).unwrap();
+        writer.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource("b", "2"), resource("c", "1")],
+                removed: vec!["a".into()],
+            },
+            Origin::Upstream,
+        );
+        let second = cache.get(C).unwrap();
+        let history = cache.history(C).unwrap();
+        let versions: Vec<&str> = history.iter().map(|e| &*e.version).collect();
+        assert_eq!(versions, [&*second.version, &*first.version]);
+        let counts: Vec<_> = history.iter().map(|e| (e.added, e.changed, e.removed)).collect();
+        assert_eq!(counts, [(1, 1, 1), (2, 0, 0)]);
+        let rebuilt = cache.version_resources(C, &first.version).unwrap();
+        assert!(rebuilt == first.resources, "the first version, rebuilt");
+        assert_eq!(collection_version(&rebuilt), *first.version);
+        let b = &rebuilt["b"];
+        assert!(
+            !Arc::ptr_eq(b, &first.resources["b"]) && b.encoded.as_ptr() != first.resources["b"].encoded.as_ptr(),
+            "a changed resource's old bytes are its own, not its chunk's"
+        );
+
+        // The same content again, from disk: no new version.
+        writer.apply(
+            C,
+            Update::Full(vec![resource("b", "2"), resource("c", "1")]),
+            Origin::Disk,
+        );
+        assert_eq!(cache.history(C).unwrap().len(), 2);
+        assert_eq!(cache.history(C).unwrap()[0].origin, Origin::Disk);
+
+        writer.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource("d", "1")],
+                removed: vec![],
+            },
+            Origin::Upstream,
+        );
+        writer.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![],
+                removed: vec!["d".into()],
+            },
+            Origin::Upstream,
+        );
+        let history = cache.history(C).unwrap();
+        assert_eq!(history.len(), 3, "the oldest fell out");
+        assert!(cache.version_resources(C, &first.version).is_none());
+        let second_again = cache.version_resources(C, &second.version).unwrap();
+        assert!(second_again == second.resources);
+        // What did not change since is the newest's own allocation.
+        let newest = cache.get(C).unwrap();
+        assert!(Arc::ptr_eq(&second_again["c"], &newest.resources["c"]));
+        assert!(cache.history("unknown").is_none());
+        assert!(cache.version_resources(C, "no-such-version").is_none());
     }
 
     #[test]
@@ -975,7 +1212,50 @@ mod tests {
             .collect()
     }
 
+    /// An incremental update of generated names (`name(i)`) at versions `v`.
+    fn generated_step(name: impl Fn(u16) -> String, upserts: &[(u16, u8)], removed: &[u16]) -> Update {
+        Update::Incremental {
+            upserts: upserts
+                .iter()
+                .map(|(i, v)| resource(&name(*i), &v.to_string()))
+                .collect(),
+            removed: removed.iter().map(|i| name(*i)).collect(),
+        }
+    }
+
     proptest::proptest! {
+        /// Under any applies, every version the history still holds rebuilds
+        /// to exactly the resources it had, with its content version, and
+        /// the history holds the last N distinct versions.
+        #[test]
+        fn every_version_in_the_history_rebuilds_as_it_was(
+            keep in 1usize..5,
+            steps in proptest::collection::vec(
+                (proptest::collection::vec((0u16..40, 0u8..3), 0..6), proptest::collection::vec(0u16..40, 0..4)),
+                1..12,
+            ),
+        ) {
+            let name = |i: u16| format!("n{i:02}");
+            let (cache, mut writer) = Cache::with_history(keep);
+            let mut seen: Vec<Arc<CollectionSnapshot>> = Vec::new();
+            for (upserts, removed) in steps {
+                writer.apply(C, generated_step(name, &upserts, &removed), Origin::Upstream);
+                let now = cache.get(C).unwrap();
+                if seen.last().is_none_or(|last| last.version != now.version) {
+                    seen.push(now);
+                }
+                let history = cache.history(C).unwrap();
+                let expected: Vec<&str> = seen.iter().rev().take(keep).map(|s| &*s.version).collect();
+                let listed: Vec<&str> = history.iter().map(|e| &*e.version).collect();
+                proptest::prop_assert_eq!(&listed, &expected);
+                for snapshot in seen.iter().rev().take(keep) {
+                    let rebuilt = cache.version_resources(C, &snapshot.version).unwrap();
+                    proptest::prop_assert!(rebuilt == snapshot.resources);
+                    proptest::prop_assert_eq!(collection_version(&rebuilt), &*snapshot.version);
+                }
+            }
+        }
+
         /// Chunks kept up to date change by change are the chunks built from
         /// scratch for the same content, and hold every resource once.
         #[test]
@@ -990,14 +1270,7 @@ mod tests {
             let (cache, mut writer) = Cache::new();
             writer.apply(C, Update::Full(initial.iter().map(|i| resource(&name(*i), "0")).collect()), Origin::Upstream);
             for (upserts, removed) in steps {
-                writer.apply(
-                    C,
-                    Update::Incremental {
-                        upserts: upserts.iter().map(|(i, v)| resource(&name(*i), &v.to_string())).collect(),
-                        removed: removed.iter().map(|i| name(*i)).collect(),
-                    },
-                    Origin::Upstream,
-                );
+                writer.apply(C, generated_step(name, &upserts, &removed), Origin::Upstream);
                 let kept = cache.get(C).unwrap();
                 let (fresh_cache, mut fresh) = Cache::new();
                 let all = kept.resources.values().map(|r| resource(&r.name, &r.version)).collect();

@@ -17,6 +17,7 @@ mod operating;
 mod process;
 mod properties;
 mod resource_source;
+mod rollout;
 mod rules;
 mod sotw;
 mod sources;

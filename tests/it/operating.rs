@@ -147,6 +147,8 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
         "mcp_gateway_last_update_timestamp_seconds",
         "mcp_gateway_cache_resources",
         "mcp_gateway_cache_bytes",
+        "mcp_gateway_history_versions",
+        "mcp_gateway_history_bytes",
         "mcp_gateway_downstream_streams",
         "mcp_gateway_downstream_pushes_total",
         "mcp_gateway_downstream_stale_requests_total",
