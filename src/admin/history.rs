@@ -12,22 +12,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use super::{time, view, AdminState};
+use super::{time, unknown_collection, view, AdminState};
 use crate::cache::{Cache, Diff, HistoryEntry, ResourceMap};
 
 /// Lines of context around each change in a body's diff.
 const CONTEXT_LINES: usize = 3;
-
-fn not_found(what: String) -> Response {
-    (StatusCode::NOT_FOUND, what).into_response()
-}
-
-/// The 404 for a collection the cache has never held.
-fn unknown_collection(collection: &str) -> Response {
-    not_found(format!(
-        "collection {collection:?} is not in the cache (see /debug/cache)\n"
-    ))
-}
 
 fn entry_json(entry: &HistoryEntry, current: bool) -> Value {
     json!({
@@ -90,7 +79,7 @@ pub(super) async fn diff(
     headers: HeaderMap,
 ) -> Response {
     let collection = collection.trim_start_matches('/');
-    let Some(entries) = state.cache.history(collection) else {
+    let Some(current) = state.cache.get(collection) else {
         return unknown_collection(collection);
     };
     match query.bodies.as_deref() {
@@ -110,13 +99,13 @@ pub(super) async fn diff(
         )
             .into_response();
     };
-    let to_version = query.to.as_deref().unwrap_or(&entries[0].version);
+    let to_version = query.to.as_deref().unwrap_or(&current.version);
     let (from_resources, to_resources) = match (
         version_of(&state.cache, collection, "from", from),
         version_of(&state.cache, collection, "to", to_version),
     ) {
         (Ok(from), Ok(to)) => (from, to),
-        (Err(missing), _) | (_, Err(missing)) => return not_found(missing),
+        (Err(missing), _) | (_, Err(missing)) => return (StatusCode::NOT_FOUND, missing).into_response(),
     };
     let diff = Diff::between(&from_resources, &to_resources);
     let (mut added, mut changed) = (Vec::new(), Vec::new());

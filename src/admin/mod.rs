@@ -373,6 +373,15 @@ async fn cache(State(state): State<AdminState>, headers: HeaderMap) -> Response 
     view(&headers, "Cache", Value::Array(rows))
 }
 
+/// The 404 for a collection the cache has never held.
+fn unknown_collection(collection: &str) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        format!("collection {collection:?} is not in the cache (see /debug/cache)\n"),
+    )
+        .into_response()
+}
+
 async fn cache_collection(
     State(state): State<AdminState>,
     Path(collection): Path<String>,
@@ -381,11 +390,7 @@ async fn cache_collection(
 ) -> Response {
     let collection = collection.trim_start_matches('/');
     let Some(snapshot) = state.cache.get(collection) else {
-        return (
-            StatusCode::NOT_FOUND,
-            format!("collection {collection:?} is not in the cache (see /debug/cache)\n"),
-        )
-            .into_response();
+        return unknown_collection(collection);
     };
     if let Some(format) = &query.bodies {
         return dump::dump(&snapshot, snapshot_json(&snapshot), format, &state.bodies);

@@ -80,14 +80,6 @@ impl Memo {
             .and_then(|(_, v)| v.clone().downcast::<T>().ok())
     }
 
-    /// Drops every value (a snapshot no longer current keeps its resources
-    /// in the history, not the encodings made of it; they are made again if
-    /// it is served again).
-    pub fn clear(&self) {
-        let taken = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
-        drop(taken);
-    }
-
     pub fn len(&self) -> usize {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
     }

@@ -478,8 +478,9 @@ pub struct Cache {
     /// The last versions of each collection. Written by the one writer
     /// after its slot; held only to copy or push, never across an await.
     histories: RwLock<HashMap<Arc<str>, History>>,
-    /// Versions kept per collection, the current one included (at least 1).
-    history_len: std::sync::atomic::AtomicUsize,
+    /// Versions kept per collection, the current one included (at least 1;
+    /// 0 only in a `Default` cache, read as 1).
+    history_len: usize,
 }
 
 /// The one handle that writes the cache. Not `Clone`: whoever holds it is
@@ -503,7 +504,7 @@ impl Cache {
     /// collection (at least one: the current).
     pub fn with_history(versions: usize) -> (Arc<Cache>, CacheWriter) {
         let cache = Arc::new(Cache {
-            history_len: versions.max(1).into(),
+            history_len: versions.max(1),
             ..Cache::default()
         });
         (cache.clone(), CacheWriter { cache })
@@ -511,7 +512,7 @@ impl Cache {
 
     /// Versions kept per collection.
     pub fn history_len(&self) -> usize {
-        self.history_len.load(std::sync::atomic::Ordering::Relaxed).max(1)
+        self.history_len.max(1)
     }
 
     /// The versions of `collection` the history holds, newest first; `None`
@@ -561,23 +562,22 @@ impl Cache {
         None
     }
 
-    /// Records `snapshot` as the newest version of its collection (or, for
-    /// the same content from another origin, in place of the newest), turns
-    /// the version it replaces into its undo, and drops what falls past the
-    /// history's length.
+    /// The newest version's content, now from `snapshot`'s origin.
+    fn reorigin(&self, snapshot: &Arc<CollectionSnapshot>) {
+        let mut histories = self.histories.write().expect("cache lock poisoned");
+        if let Some(newest) = histories.get_mut(&snapshot.collection).and_then(|h| h.back_mut()) {
+            newest.entry.origin = snapshot.origin;
+            newest.snapshot = Some(snapshot.clone());
+        }
+    }
+
+    /// Records `snapshot`, a new version, as the newest of its collection,
+    /// turns the version it replaces into its undo, and drops what falls
+    /// past the history's length.
     fn remember(&self, snapshot: &Arc<CollectionSnapshot>, changed: &[Arc<str>]) {
         let mut histories = self.histories.write().expect("cache lock poisoned");
         let history = histories.entry(snapshot.collection.clone()).or_default();
-        let previous = match history.back_mut() {
-            Some(newest) if newest.entry.version == snapshot.version => {
-                // As the slot: the same content now from another origin.
-                newest.entry.origin = snapshot.origin;
-                newest.snapshot = Some(snapshot.clone());
-                return;
-            }
-            Some(newest) => newest.snapshot.take(),
-            None => None,
-        };
+        let previous = history.back_mut().and_then(|newest| newest.snapshot.take());
         let (mut added, mut removed) = (0, 0);
         let mut undo = Vec::with_capacity(changed.len());
         for name in changed {
@@ -740,28 +740,24 @@ impl Cache {
         let chunks = rechunk(&mut resources, previous, &changed);
         let snapshot = Arc::new(CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin));
         let version = snapshot.version.clone();
-        self.remember(&snapshot, &changed);
-        let changed = slot.send_if_modified(|held| match held {
-            Some(old) if old.version == snapshot.version => {
-                // Same content from another origin (upstream confirming what
-                // was loaded from disk): record where it now comes from
-                // without waking anyone.
-                if old.origin != snapshot.origin {
+        // The one decision, for the slot and the history alike.
+        if let Some(old) = current.filter(|old| old.version == snapshot.version) {
+            // Same content from another origin (upstream confirming what was
+            // loaded from disk): record where it now comes from without
+            // waking anyone.
+            if old.origin != snapshot.origin {
+                self.reorigin(&snapshot);
+                slot.send_if_modified(|held| {
                     *held = Some(snapshot);
-                }
-                false
+                    false
+                });
             }
-            _ => {
-                *held = Some(snapshot);
-                true
-            }
-        });
-        if changed {
-            self.generation.send_modify(|g| *g += 1);
-            Applied::Changed { version }
-        } else {
-            Applied::Unchanged { version }
+            return Applied::Unchanged { version };
         }
+        self.remember(&snapshot, &changed);
+        slot.send_replace(Some(snapshot));
+        self.generation.send_modify(|g| *g += 1);
+        Applied::Changed { version }
     }
 }
 

@@ -668,16 +668,8 @@ async fn connections_past_their_maximum_age_are_closed_and_clients_come_back() {
 async fn json_logs_are_one_object_per_line() {
     use tokio::io::AsyncBufReadExt;
     let mut child = Command::new(BIN)
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--monitoring-listen",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ])
+        .args(crate::helpers::LOOPBACK_PORTS)
+        .args(["--log-format", "json"])
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)

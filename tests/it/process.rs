@@ -98,19 +98,9 @@ async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
     let file = dir.path().join("not-a-dir");
     std::fs::write(&file, "x").unwrap();
     let file = file.to_str().unwrap().to_owned();
-    let (code, stderr) = run(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--monitoring-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        "http://127.0.0.1:1",
-        "--cache-dir",
-        &file,
-    ])
-    .await;
+    let mut args = crate::helpers::LOOPBACK_PORTS.to_vec();
+    args.extend(["--upstream", "http://127.0.0.1:1", "--cache-dir", &file]);
+    let (code, stderr) = run(&args).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--cache-dir") && stderr.contains(&file), "{stderr}");
     assert_eq!(

@@ -72,6 +72,16 @@ pub async fn upstream_status_when(
     .await
 }
 
+/// Every port of the gateway on a free loopback port.
+pub const LOOPBACK_PORTS: [&str; 6] = [
+    "--listen",
+    "127.0.0.1:0",
+    "--admin-listen",
+    "127.0.0.1:0",
+    "--monitoring-listen",
+    "127.0.0.1:0",
+];
+
 /// Starts the gateway in-process with the flags a user would give it.
 pub async fn start_gateway(flags: &[&str]) -> Bound {
     start_gateway_on("127.0.0.1:0", flags).await
@@ -79,15 +89,9 @@ pub async fn start_gateway(flags: &[&str]) -> Bound {
 
 /// Starts the gateway with its client port on `listen`.
 pub async fn start_gateway_on(listen: &str, flags: &[&str]) -> Bound {
-    let mut argv = vec![
-        "mcp-xds-gateway",
-        "--listen",
-        listen,
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--monitoring-listen",
-        "127.0.0.1:0",
-    ];
+    // The client port as given, the others as LOOPBACK_PORTS has them.
+    let mut argv = vec!["mcp-xds-gateway", "--listen", listen];
+    argv.extend_from_slice(&LOOPBACK_PORTS[2..]);
     argv.extend_from_slice(flags);
     let settings = Args::try_parse_with_sources(argv)
         .expect("valid flags")
@@ -239,8 +243,7 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
     }
     command.envs(env.iter().copied());
     let mut child = command
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .args(["--monitoring-listen", "127.0.0.1:0"])
+        .args(LOOPBACK_PORTS)
         .args(args)
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
