@@ -463,6 +463,10 @@ struct Kept {
     snapshot: Option<Arc<CollectionSnapshot>>,
 }
 
+/// A version rebuilt from the history: its resources, and the names where
+/// they differ from the newest version's (unsorted, repeats possible).
+struct Rebuilt(ResourceMap, Vec<Arc<str>>);
+
 /// The last versions of one collection, oldest first.
 type History = std::collections::VecDeque<Kept>;
 
@@ -543,20 +547,54 @@ impl Cache {
     /// applied (the cost is the changes since, and the map shares the rest
     /// with the newest).
     pub fn version_resources(&self, collection: &str, version: &str) -> Option<ResourceMap> {
+        self.rebuild(collection, version).map(|(resources, _, _)| resources.0)
+    }
+
+    /// Version `version` of `collection` as a snapshot clients can be served
+    /// (a pin): the newest itself, or an older one rebuilt from the history,
+    /// its chunks shared with the newest's where nothing changed since.
+    /// `None` once the history no longer holds it.
+    pub fn version_snapshot(&self, collection: &str, version: &str) -> Option<Arc<CollectionSnapshot>> {
+        let (Rebuilt(mut resources, mut changed), newest, entry) = self.rebuild(collection, version)?;
+        if changed.is_empty() {
+            return Some(newest);
+        }
+        changed.sort_unstable();
+        changed.dedup();
+        let chunks = rechunk(&mut resources, &newest.chunks, &changed);
+        let sum = resources.values().fold(0u128, |sum, r| sum.wrapping_add(r.entry));
+        let mut snapshot = CollectionSnapshot::new(
+            newest.collection.clone(),
+            resources,
+            sum,
+            chunks,
+            entry.bytes,
+            entry.origin,
+        );
+        snapshot.updated_at = entry.updated_at;
+        debug_assert_eq!(snapshot.version, entry.version);
+        Some(Arc::new(snapshot))
+    }
+
+    /// Walks `collection`'s history back from the newest to `version`: the
+    /// rebuilt resources and the names that differ from the newest's, the
+    /// newest snapshot, and the version's entry.
+    fn rebuild(&self, collection: &str, version: &str) -> Option<(Rebuilt, Arc<CollectionSnapshot>, HistoryEntry)> {
         let histories = self.histories.read().expect("cache lock poisoned");
         let history = histories.get(collection)?;
-        let newest = history.back()?.snapshot.as_ref()?;
-        let mut resources = newest.resources.clone();
+        let newest = history.back()?.snapshot.clone()?;
+        let mut rebuilt = Rebuilt(newest.resources.clone(), Vec::new());
         for at in (0..history.len()).rev() {
             if &*history[at].entry.version == version {
-                return Some(resources);
+                return Some((rebuilt, newest, history[at].entry.clone()));
             }
             // One version further back: the older one's undo.
             for (name, had) in history.get(at.wrapping_sub(1)).map_or(&[][..], |older| &older.undo[..]) {
                 match had {
-                    Some(resource) => resources.insert(name.clone(), resource.clone()),
-                    None => resources.remove(name),
+                    Some(resource) => rebuilt.0.insert(name.clone(), resource.clone()),
+                    None => rebuilt.0.remove(name),
                 };
+                rebuilt.1.push(name.clone());
             }
         }
         None
@@ -1248,7 +1286,14 @@ mod tests {
                     let rebuilt = cache.version_resources(C, &snapshot.version).unwrap();
                     proptest::prop_assert!(rebuilt == snapshot.resources);
                     proptest::prop_assert_eq!(collection_version(&rebuilt), &*snapshot.version);
+                    // As a snapshot to serve (a pin): the same version, size
+                    // and chunks as the one that was current then.
+                    let served = cache.version_snapshot(C, &snapshot.version).unwrap();
+                    proptest::prop_assert_eq!(&served.version, &snapshot.version);
+                    proptest::prop_assert_eq!(served.bytes, snapshot.bytes);
+                    proptest::prop_assert_eq!(layout(&served), layout(snapshot));
                 }
+                proptest::prop_assert!(cache.version_snapshot(C, "no such version").is_none());
             }
         }
 
