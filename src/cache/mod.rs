@@ -463,6 +463,15 @@ struct Kept {
     snapshot: Option<Arc<CollectionSnapshot>>,
 }
 
+/// A version of a collection's history as it is kept elsewhere
+/// (`--cache-dir`): its entry, and how to turn the next newer version's
+/// resources back into its own (empty for the newest).
+#[derive(Clone, Debug)]
+pub struct KeptVersion {
+    pub entry: HistoryEntry,
+    pub undo: Vec<(Arc<str>, Option<Arc<CachedResource>>)>,
+}
+
 /// A version rebuilt from the history: its resources, and the names where
 /// they differ from the newest version's (unsorted, repeats possible).
 struct Rebuilt(ResourceMap, Vec<Arc<str>>);
@@ -542,6 +551,23 @@ impl Cache {
         })
     }
 
+    /// `collection`'s history as it can be kept elsewhere: the newest
+    /// snapshot and every version, oldest first, the newest's included (taken
+    /// together, so the two always agree).
+    pub fn export_history(&self, collection: &str) -> Option<(Arc<CollectionSnapshot>, Vec<KeptVersion>)> {
+        let histories = self.histories.read().expect("cache lock poisoned");
+        let history = histories.get(collection)?;
+        let newest = history.back()?.snapshot.clone()?;
+        let versions = history
+            .iter()
+            .map(|k| KeptVersion {
+                entry: k.entry.clone(),
+                undo: k.undo.clone(),
+            })
+            .collect();
+        Some((newest, versions))
+    }
+
     /// The resources of version `version` of `collection`, if the history
     /// still holds it: the newest's, with the undos of every newer version
     /// applied (the cost is the changes since, and the map shares the rest
@@ -607,6 +633,93 @@ impl Cache {
             newest.entry.origin = snapshot.origin;
             newest.snapshot = Some(snapshot.clone());
         }
+    }
+
+    /// Puts `versions` (oldest first, as [`Cache::export_history`] gave
+    /// them) back under `collection`'s current snapshot, which must be the
+    /// newest of them and the only version the history holds. Each older
+    /// version must rebuild to exactly its content version, or nothing is
+    /// restored. The newest keeps its current origin; at most
+    /// [`Cache::history_len`] versions are kept, the oldest dropped.
+    fn restore_history(&self, collection: &str, mut versions: Vec<KeptVersion>) -> Result<usize, String> {
+        let mut histories = self.histories.write().expect("cache lock poisoned");
+        let history = histories
+            .get_mut(collection)
+            .ok_or("the collection is not in the cache")?;
+        if history.len() > 1 {
+            return Err("the cache already holds older versions of the collection".into());
+        }
+        let newest = history
+            .back()
+            .and_then(|k| k.snapshot.clone())
+            .ok_or("the collection is not in the cache")?;
+        let Some(newest_kept) = versions.pop() else {
+            return Err("it holds no version".into());
+        };
+        if newest_kept.entry.version != newest.version {
+            return Err(format!(
+                "its newest version is {}, not the loaded {}: it is older or newer than the collection's file",
+                newest_kept.entry.version, newest.version
+            ));
+        }
+        let dropped = (versions.len() + 1).saturating_sub(self.history_len());
+        versions.drain(..dropped);
+        // Walk back from the newest, as `rebuild` will, keeping the version's
+        // sum and size as the undos apply: each version costs its changes.
+        let mut resources = newest.resources.clone();
+        let (mut sum, mut bytes) = (newest.content_sum, newest.bytes);
+        for kept in versions.iter_mut().rev() {
+            for (name, had) in &mut kept.undo {
+                if let Some(resource) = had {
+                    if resource.name != *name {
+                        return Err(format!(
+                            "version {} lists {:?} as {name:?}",
+                            kept.entry.version, resource.name
+                        ));
+                    }
+                    // Bytes of its own, not a slice of whatever it was read from.
+                    *resource = Arc::new(resource.detached());
+                }
+                let replaced = match had {
+                    Some(resource) => resources.insert(name.clone(), resource.clone()),
+                    None => resources.remove(&**name),
+                };
+                if let Some(old) = replaced {
+                    sum = sum.wrapping_sub(old.entry);
+                    bytes -= old.encoded.len();
+                }
+                if let Some(resource) = had {
+                    sum = sum.wrapping_add(resource.entry);
+                    bytes += resource.encoded.len();
+                }
+            }
+            let rebuilt = version_from_sum(sum, resources.len());
+            if *rebuilt != *kept.entry.version {
+                return Err(format!(
+                    "version {} rebuilds to {rebuilt}: its recorded changes are not the ones to the next version",
+                    kept.entry.version
+                ));
+            }
+            kept.entry.resources = resources.len();
+            kept.entry.bytes = bytes;
+        }
+        let current = history.back_mut().expect("the newest is there");
+        current.entry = HistoryEntry {
+            version: newest.version.clone(),
+            origin: newest.origin,
+            resources: newest.len(),
+            bytes: newest.bytes,
+            ..newest_kept.entry
+        };
+        let restored = versions.len() + 1;
+        for kept in versions.into_iter().rev() {
+            history.push_front(Kept {
+                entry: kept.entry,
+                undo: kept.undo,
+                snapshot: None,
+            });
+        }
+        Ok(restored)
     }
 
     /// Records `snapshot`, a new version, as the newest of its collection,
@@ -724,6 +837,14 @@ impl CacheWriter {
     /// Applies an update. Readers are woken only when the content changed.
     pub fn apply(&mut self, collection: &str, update: Update, origin: Origin) -> Applied {
         self.cache.apply(collection, update, origin)
+    }
+
+    /// Puts back the history of `collection` kept elsewhere (`versions`,
+    /// oldest first, as [`Cache::export_history`] gave them) under its
+    /// current snapshot, the newest of them: how many versions it now
+    /// holds, or why none was restored (the collection itself is untouched).
+    pub fn restore_history(&mut self, collection: &str, versions: Vec<KeptVersion>) -> Result<usize, String> {
+        self.cache.restore_history(collection, versions)
     }
 }
 
@@ -991,6 +1112,69 @@ mod tests {
         assert!(Arc::ptr_eq(&second_again["c"], &newest.resources["c"]));
         assert!(cache.history("unknown").is_none());
         assert!(cache.version_resources(C, "no-such-version").is_none());
+    }
+
+    /// An exported history goes back under the same newest version, older
+    /// versions and all, and nowhere else.
+    #[test]
+    fn an_exported_history_is_restored_only_under_its_newest_version() {
+        let (cache, mut writer) = Cache::with_history(3);
+        for version in ["1", "2", "3", "4"] {
+            writer.apply(
+                C,
+                Update::Full(vec![resource("a", version), resource("b", "1")]),
+                Origin::Upstream,
+            );
+        }
+        let (newest, versions) = cache.export_history(C).unwrap();
+        assert_eq!(versions.len(), 3);
+        assert_eq!(versions[2].entry.version, newest.version);
+        let undone: Vec<Option<&str>> = versions
+            .iter()
+            .map(|v| v.undo.first().and_then(|(_, had)| had.as_ref()).map(|r| &*r.version))
+            .collect();
+        assert_eq!(undone, [Some("2"), Some("3"), None], "each older version's a");
+
+        let (restored, mut restorer) = Cache::with_history(3);
+        assert!(restorer
+            .restore_history(C, versions.clone())
+            .unwrap_err()
+            .contains("not in the cache"));
+        restorer.apply(
+            C,
+            Update::Full(vec![resource("a", "3"), resource("b", "1")]),
+            Origin::Disk,
+        );
+        let refused = restorer.restore_history(C, versions.clone()).unwrap_err();
+        assert!(refused.contains("newest version"), "{refused}");
+        restorer.apply(
+            C,
+            Update::Full(vec![resource("a", "4"), resource("b", "1")]),
+            Origin::Disk,
+        );
+        let refused = restorer.restore_history(C, versions.clone()).unwrap_err();
+        assert!(refused.contains("already holds older versions"), "{refused}");
+
+        let (restored_again, mut restorer) = Cache::with_history(2);
+        restorer.apply(
+            C,
+            Update::Full(vec![resource("a", "4"), resource("b", "1")]),
+            Origin::Disk,
+        );
+        assert_eq!(
+            restorer.restore_history(C, versions.clone()),
+            Ok(2),
+            "the oldest dropped"
+        );
+        let mut expected = cache.history(C).unwrap();
+        expected.truncate(2);
+        expected[0].origin = Origin::Disk;
+        assert_eq!(restored_again.history(C).unwrap(), expected);
+        assert_eq!(
+            restored.history(C).unwrap().len(),
+            2,
+            "a refused restore changes nothing"
+        );
     }
 
     #[test]

@@ -15,6 +15,17 @@
 //! payload, an `istio.mcp.v1alpha1.Resources` message with the resources as
 //! the source sent them. Loading runs them through the same validation as an
 //! upstream message.
+//!
+//! Beside it, the collection's history (`.mcphistory`, written after it): the
+//! same header with its own magic line, and a [`PersistedHistory`], every
+//! version the cache keeps with what changed after it; the newest's resources
+//! are the collection's file. A history is restored only onto the version its
+//! collection's file loaded, and only when each older version rebuilds to its
+//! content version; otherwise it is dropped with a warning and the collection
+//! loads as before. It is held to the same size bound as a collection's file:
+//! it is the old bodies of what changed across the kept versions, which a
+//! history of a few versions keeps well under the bound, and one larger than
+//! a cache file may be costs only the history.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -28,16 +39,29 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::cache::{Cache, CacheWriter, CollectionSnapshot, Origin, Update};
+use crate::cache::{Cache, CacheWriter, CollectionSnapshot, HistoryEntry, KeptVersion, Origin, Update};
 use crate::proto::wire::RawResources;
 
 const MAGIC: &[u8; 16] = b"mcp-xds-gateway\n";
+/// A history file's magic line: the same length, so one kind of file renamed
+/// as the other is refused by its header.
+const HISTORY_MAGIC: &[u8; 16] = b"mcp-xds-history\n";
 const HEADER: usize = MAGIC.len() + 8;
 pub const EXTENSION: &str = "mcpcache";
+pub const HISTORY_EXTENSION: &str = "mcphistory";
 
 /// The file a collection is kept in. Anything but `[A-Za-z0-9._-]` is
 /// escaped as `~XX`, so every collection name maps to one distinct file.
 pub fn file_name(collection: &str) -> String {
+    escaped(collection, EXTENSION)
+}
+
+/// The file a collection's history is kept in, beside its [`file_name`].
+pub fn history_file_name(collection: &str) -> String {
+    escaped(collection, HISTORY_EXTENSION)
+}
+
+fn escaped(collection: &str, extension: &str) -> String {
     let mut name = String::with_capacity(collection.len() + 16);
     for byte in collection.bytes() {
         match byte {
@@ -46,7 +70,7 @@ pub fn file_name(collection: &str) -> String {
         }
     }
     name.push('.');
-    name.push_str(EXTENSION);
+    name.push_str(extension);
     name
 }
 
@@ -59,11 +83,29 @@ pub fn encode(snapshot: &CollectionSnapshot) -> Vec<u8> {
         ..Default::default()
     }
     .encode_to_vec();
+    framed(MAGIC, &payload)
+}
+
+/// A file: the magic line, the xxh3-64 of the payload, the payload.
+fn framed(magic: &[u8; 16], payload: &[u8]) -> Vec<u8> {
     let mut file = Vec::with_capacity(HEADER + payload.len());
-    file.extend_from_slice(MAGIC);
-    file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&payload).to_le_bytes());
-    file.extend_from_slice(&payload);
+    file.extend_from_slice(magic);
+    file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(payload).to_le_bytes());
+    file.extend_from_slice(payload);
     file
+}
+
+/// A file's payload, if its header is `magic`'s and its checksum holds.
+fn unframed(magic: &[u8; 16], kind: &str, file: Bytes) -> Result<Bytes, String> {
+    if file.len() < HEADER || &file[..MAGIC.len()] != magic {
+        return Err(format!("not a gateway {kind} file (bad header)"));
+    }
+    let checksum = u64::from_le_bytes(file[MAGIC.len()..HEADER].try_into().expect("8 bytes"));
+    let payload = file.slice(HEADER..);
+    if xxhash_rust::xxh3::xxh3_64(&payload) != checksum {
+        return Err("checksum mismatch: the file is truncated or damaged".into());
+    }
+    Ok(payload)
 }
 
 /// The message in a file's bytes, or why it is not usable.
@@ -73,15 +115,156 @@ pub fn decode(file: &[u8]) -> Result<RawResources, String> {
 
 /// As [`decode`], without copying: the resources are slices of `file`.
 pub fn decode_bytes(file: Bytes) -> Result<RawResources, String> {
-    if file.len() < HEADER || &file[..MAGIC.len()] != MAGIC {
-        return Err("not a gateway cache file (bad header)".into());
-    }
-    let checksum = u64::from_le_bytes(file[MAGIC.len()..HEADER].try_into().expect("8 bytes"));
-    let payload = file.slice(HEADER..);
-    if xxhash_rust::xxh3::xxh3_64(&payload) != checksum {
-        return Err("checksum mismatch: the file is truncated or damaged".into());
-    }
+    let payload = unframed(MAGIC, "cache", file)?;
     RawResources::decode(payload).map_err(|e| format!("does not decode: {e}"))
+}
+
+// === the history file ===
+
+/// A history file's payload: a collection's versions, oldest first.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PersistedHistory {
+    #[prost(string, tag = "1")]
+    pub collection: String,
+    #[prost(message, repeated, tag = "2")]
+    pub versions: Vec<PersistedVersion>,
+}
+
+/// One version, as `/debug/history` lists it, and what turns the next newer
+/// version's resources back into its own.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PersistedVersion {
+    /// The content version.
+    #[prost(string, tag = "1")]
+    pub version: String,
+    #[prost(uint64, tag = "2")]
+    pub applied_at_unix_millis: u64,
+    /// `upstream`, `disk` or `files`.
+    #[prost(string, tag = "3")]
+    pub origin: String,
+    #[prost(uint64, tag = "4")]
+    pub resources: u64,
+    #[prost(uint64, tag = "5")]
+    pub bytes: u64,
+    #[prost(uint64, tag = "6")]
+    pub added: u64,
+    #[prost(uint64, tag = "7")]
+    pub changed: u64,
+    #[prost(uint64, tag = "8")]
+    pub removed: u64,
+    /// Empty for the newest.
+    #[prost(message, repeated, tag = "9")]
+    pub undo: Vec<PersistedUndo>,
+}
+
+/// A name and what this version had under it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PersistedUndo {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    /// The encoded `istio.mcp.v1alpha1.Resource` as the cache held it;
+    /// absent where the version had none.
+    #[prost(bytes = "bytes", optional, tag = "2")]
+    pub resource: Option<Bytes>,
+}
+
+fn origin_name(origin: Origin) -> &'static str {
+    match origin {
+        Origin::Upstream => "upstream",
+        Origin::Disk => "disk",
+        Origin::Files => "files",
+        Origin::Unserved => "unserved",
+    }
+}
+
+fn origin_named(name: &str) -> Option<Origin> {
+    [Origin::Upstream, Origin::Disk, Origin::Files, Origin::Unserved]
+        .into_iter()
+        .find(|o| origin_name(*o) == name)
+}
+
+/// A collection's history (as [`Cache::export_history`] gives it) as the
+/// bytes of its file.
+pub fn encode_history(collection: &str, versions: &[KeptVersion]) -> Vec<u8> {
+    let millis = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    };
+    let payload = PersistedHistory {
+        collection: collection.to_owned(),
+        versions: versions
+            .iter()
+            .map(|kept| PersistedVersion {
+                version: kept.entry.version.to_string(),
+                applied_at_unix_millis: millis(kept.entry.updated_at),
+                origin: origin_name(kept.entry.origin).to_owned(),
+                resources: kept.entry.resources as u64,
+                bytes: kept.entry.bytes as u64,
+                added: kept.entry.added as u64,
+                changed: kept.entry.changed as u64,
+                removed: kept.entry.removed as u64,
+                undo: kept
+                    .undo
+                    .iter()
+                    .map(|(name, had)| PersistedUndo {
+                        name: name.to_string(),
+                        resource: had.as_ref().map(|r| r.encoded.clone()),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+    .encode_to_vec();
+    framed(HISTORY_MAGIC, &payload)
+}
+
+/// The message in a history file's bytes, or why it is not usable.
+pub fn decode_history(file: Bytes) -> Result<PersistedHistory, String> {
+    let payload = unframed(HISTORY_MAGIC, "history", file)?;
+    PersistedHistory::decode(payload).map_err(|e| format!("does not decode: {e}"))
+}
+
+/// The versions a history file holds, their old resources validated as a
+/// collection file's are.
+fn kept_versions(history: PersistedHistory) -> Result<Vec<KeptVersion>, String> {
+    let collection = &history.collection;
+    history
+        .versions
+        .into_iter()
+        .map(|version| {
+            let origin = origin_named(&version.origin)
+                .ok_or_else(|| format!("version {} has an unknown origin {:?}", version.version, version.origin))?;
+            let held: Vec<Bytes> = version.undo.iter().filter_map(|u| u.resource.clone()).collect();
+            let mut decoded = crate::source::validate::decode_resources(collection, &held)
+                .map_err(|nack| format!("version {}: {}", version.version, nack.message))?
+                .into_iter();
+            let undo = version
+                .undo
+                .into_iter()
+                .map(|u| {
+                    let had = u.resource.is_some().then(|| decoded.next().map(Arc::new)).flatten();
+                    (Arc::from(u.name), had)
+                })
+                .collect();
+            let count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+            let updated_at = std::time::UNIX_EPOCH
+                .checked_add(std::time::Duration::from_millis(version.applied_at_unix_millis))
+                .ok_or_else(|| format!("version {} was applied at no representable time", version.version))?;
+            Ok(KeptVersion {
+                entry: HistoryEntry {
+                    version: version.version.into(),
+                    updated_at,
+                    origin,
+                    resources: count(version.resources),
+                    bytes: count(version.bytes),
+                    added: count(version.added),
+                    changed: count(version.changed),
+                    removed: count(version.removed),
+                },
+                undo,
+            })
+        })
+        .collect()
 }
 
 /// Writes `bytes` to `dir/name` so that a reader (or a restart after a crash)
@@ -148,6 +331,12 @@ pub fn peek(dir: &Path, collection: &str) -> Result<RawResources, String> {
     decode_bytes(read_file(&dir.join(file_name(collection)), u64::MAX)?.into())
 }
 
+/// The history persisted for `collection`, without restoring it (for
+/// inspection and tests).
+pub fn peek_history(dir: &Path, collection: &str) -> Result<PersistedHistory, String> {
+    decode_history(read_file(&dir.join(history_file_name(collection)), u64::MAX)?.into())
+}
+
 /// What loading the directory found.
 #[derive(Debug, Default)]
 pub struct Loaded {
@@ -155,6 +344,10 @@ pub struct Loaded {
     pub collections: Vec<(String, String, usize)>,
     /// Each file skipped, with the reason.
     pub skipped: Vec<(PathBuf, String)>,
+    /// Collection and versions of each history restored.
+    pub histories: Vec<(String, usize)>,
+    /// Each history file dropped, with the reason (its collection loaded).
+    pub histories_skipped: Vec<(PathBuf, String)>,
 }
 
 /// Loads every cache file in `dir` into the cache (origin `Disk`). Creates
@@ -200,7 +393,25 @@ pub fn load(dir: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> std::i
             continue;
         }
         match load_file(&path, writer, max_file_bytes) {
-            Ok(found) => loaded.collections.push(found),
+            Ok(found) => {
+                let history = dir.join(history_file_name(&found.0));
+                match load_history(&history, &found.0, writer, max_file_bytes) {
+                    Ok(None) => {}
+                    Ok(Some(versions)) => {
+                        tracing::info!(collection = %found.0, versions, "restored the persisted history");
+                        loaded.histories.push((found.0.clone(), versions));
+                    }
+                    Err(reason) => {
+                        tracing::warn!(
+                            path = %history.display(),
+                            %reason,
+                            "dropping a persisted history; the collection loaded, and its history starts anew"
+                        );
+                        loaded.histories_skipped.push((history, reason));
+                    }
+                }
+                loaded.collections.push(found);
+            }
             Err(reason) => {
                 tracing::warn!(
                     path = %path.display(),
@@ -235,6 +446,28 @@ fn load_file(path: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> Resu
     Ok((message.collection, applied.version().to_string(), count))
 }
 
+/// Restores `collection`'s history from `path` under the version just
+/// loaded: how many versions it holds then, or `None` when there is no
+/// history file (a directory from before histories were kept).
+fn load_history(
+    path: &Path,
+    collection: &str,
+    writer: &mut CacheWriter,
+    max_file_bytes: u64,
+) -> Result<Option<usize>, String> {
+    if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
+        return Ok(None);
+    }
+    let history = decode_history(read_file(path, max_file_bytes)?.into())?;
+    if history.collection != collection {
+        return Err(format!(
+            "holds the history of {:?}, not of {collection:?}",
+            history.collection
+        ));
+    }
+    writer.restore_history(collection, kept_versions(history)?).map(Some)
+}
+
 /// Hands collections to the writer task; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Persister {
@@ -263,34 +496,33 @@ impl Persister {
                 while let Ok(more) = rx.try_recv() {
                     pending.insert(more);
                 }
-                let snapshots: Vec<_> = pending.iter().filter_map(|c| cache.get(c)).collect();
+                // The snapshot and its history, taken together so they agree.
+                let exports: Vec<_> = pending.iter().filter_map(|c| cache.export_history(c)).collect();
                 let dir = dir.clone();
                 let written = tokio::task::spawn_blocking(move || {
-                    for snapshot in snapshots {
+                    for (snapshot, history) in exports {
                         if snapshot.origin != Origin::Upstream {
                             continue;
                         }
-                        let name = file_name(&snapshot.collection);
-                        match write_atomically(&dir, &name, &encode(&snapshot)) {
-                            Ok(()) => tracing::debug!(
+                        // The collection first: a history is restored only
+                        // onto the version it ends with, so a crash between
+                        // the two costs the history, never the collection.
+                        let written =
+                            write_persisted(&dir, &snapshot.collection, &file_name(&snapshot.collection), || {
+                                encode(&snapshot)
+                            }) && write_persisted(
+                                &dir,
+                                &snapshot.collection,
+                                &history_file_name(&snapshot.collection),
+                                || encode_history(&snapshot.collection, &history),
+                            );
+                        if written {
+                            tracing::debug!(
                                 collection = %snapshot.collection,
                                 version = %snapshot.version,
+                                history = history.len(),
                                 "persisted"
-                            ),
-                            Err(e) => {
-                                metrics::counter!(
-                                    crate::metrics::CACHE_WRITE_FAILURES,
-                                    "collection" => snapshot.collection.clone()
-                                )
-                                .increment(1);
-                                tracing::warn!(
-                                    collection = %snapshot.collection,
-                                    path = %dir.join(&name).display(),
-                                    error = %e,
-                                    "cannot persist the collection; the previous file is kept, and the next \
-                                     change is written again"
-                                );
-                            }
+                            );
                         }
                     }
                 })
@@ -303,10 +535,26 @@ impl Persister {
         Self { tx }
     }
 
-    /// Schedules a write of the collection's current state.
+    /// Schedules a write of the collection's current state and history.
     pub fn changed(&self, collection: &str) {
         let _ = self.tx.send(Arc::from(collection));
     }
+}
+
+/// Writes one of `collection`'s files, counting and reporting a failure:
+/// whether it was written.
+fn write_persisted(dir: &Path, collection: &Arc<str>, name: &str, bytes: impl FnOnce() -> Vec<u8>) -> bool {
+    let Err(e) = write_atomically(dir, name, &bytes()) else {
+        return true;
+    };
+    metrics::counter!(crate::metrics::CACHE_WRITE_FAILURES, "collection" => collection.clone()).increment(1);
+    tracing::warn!(
+        %collection,
+        path = %dir.join(name).display(),
+        error = %e,
+        "cannot persist the collection; the previous file is kept, and the next change is written again"
+    );
+    false
 }
 
 #[cfg(test)]
@@ -470,6 +718,215 @@ mod tests {
         let not_regular = reasons.iter().filter(|r| r.contains("not a regular file")).count();
         let expected = if made.is_ok_and(|s| s.success()) { 2 } else { 1 };
         assert_eq!(not_regular, expected, "{reasons:?}");
+    }
+
+    /// A cache with history `keep` that went through four versions of C
+    /// (adds, a change, a removal, a re-add), its last one written to `dir`
+    /// as the Persister writes it: the collection, then its history.
+    fn four_versions_written(dir: &Path, keep: usize) -> Arc<Cache> {
+        let (cache, mut writer) = Cache::with_history(keep);
+        let steps = [
+            Update::Full(vec![resource("a", "1"), resource("b", "1"), resource("c", "1")]),
+            Update::Incremental {
+                upserts: vec![resource("b", "2"), resource("d", "1")],
+                removed: vec!["a".into()],
+            },
+            Update::Incremental {
+                upserts: vec![],
+                removed: vec!["c".into()],
+            },
+            Update::Incremental {
+                upserts: vec![resource("a", "3")],
+                removed: vec![],
+            },
+        ];
+        for step in steps {
+            writer.apply(C, step, Origin::Upstream);
+        }
+        write_both(dir, &cache);
+        cache
+    }
+
+    fn write_both(dir: &Path, cache: &Cache) {
+        let (snapshot, history) = cache.export_history(C).unwrap();
+        write_atomically(dir, &file_name(C), &encode(&snapshot)).unwrap();
+        write_atomically(dir, &history_file_name(C), &encode_history(C, &history)).unwrap();
+    }
+
+    /// What `/debug/history` shows of an entry, to the millisecond a file
+    /// keeps.
+    fn listed(entries: Vec<HistoryEntry>) -> Vec<HistoryEntry> {
+        entries
+            .into_iter()
+            .map(|mut e| {
+                let millis = e.updated_at.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+                e.updated_at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(millis as u64);
+                e
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_history_round_trips_through_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = four_versions_written(dir.path(), 10);
+        assert_eq!(
+            history_file_name(C),
+            "istio~2Fnetworking~2Fv1alpha3~2Fgateways.mcphistory"
+        );
+
+        let (restarted, mut writer) = Cache::with_history(10);
+        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        assert!(loaded.histories_skipped.is_empty(), "{:?}", loaded.histories_skipped);
+        assert_eq!(loaded.histories, [(C.to_owned(), 4)]);
+        let mut expected = listed(before.history(C).unwrap());
+        expected[0].origin = Origin::Disk;
+        assert_eq!(listed(restarted.history(C).unwrap()), expected);
+        for entry in &expected {
+            let was = before.version_resources(C, &entry.version).unwrap();
+            let is = restarted.version_resources(C, &entry.version).unwrap();
+            assert!(is == was, "version {} rebuilds as it was", entry.version);
+            assert_eq!(crate::cache::collection_version(&is), *entry.version);
+            let bytes = |m: &crate::cache::ResourceMap| m.values().map(|r| r.encoded.clone()).collect::<Vec<_>>();
+            assert_eq!(bytes(&is), bytes(&was));
+            let served = restarted.version_snapshot(C, &entry.version).unwrap();
+            assert_eq!((served.len(), served.bytes), (entry.resources, entry.bytes));
+        }
+        assert_eq!(restarted.history_usage(C), before.history_usage(C));
+
+        // A shorter --history keeps the newest versions.
+        let (short, mut writer) = Cache::with_history(2);
+        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        assert_eq!(loaded.histories, [(C.to_owned(), 2)]);
+        assert_eq!(listed(short.history(C).unwrap()), expected[..2]);
+        assert!(
+            short.version_resources(C, &expected[1].version).unwrap()
+                == before.version_resources(C, &expected[1].version).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_history_that_does_not_end_at_the_loaded_version_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = four_versions_written(dir.path(), 10);
+        let history_then = std::fs::read(dir.path().join(history_file_name(C))).unwrap();
+        // A newer version whose collection file is written but not its
+        // history (a crash between the two writes).
+        let (next, mut next_writer) = Cache::new();
+        let names: Vec<_> = cache.get(C).unwrap().resources.keys().cloned().collect();
+        next_writer.apply(
+            C,
+            Update::Full(names.iter().map(|n| resource(n, "9")).collect()),
+            Origin::Upstream,
+        );
+        let newer = next.get(C).unwrap();
+        write_atomically(dir.path(), &file_name(C), &encode(&newer)).unwrap();
+        assert_eq!(
+            std::fs::read(dir.path().join(history_file_name(C))).unwrap(),
+            history_then
+        );
+
+        let (restarted, mut writer) = Cache::new();
+        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        assert_eq!(loaded.collections.len(), 1, "the collection loads");
+        assert_eq!(restarted.get(C).unwrap().version, newer.version);
+        assert_eq!(loaded.histories_skipped.len(), 1);
+        assert!(
+            loaded.histories_skipped[0].1.contains("newest version"),
+            "{:?}",
+            loaded.histories_skipped
+        );
+        assert_eq!(restarted.history(C).unwrap().len(), 1, "only the loaded version");
+    }
+
+    #[test]
+    fn damaged_foreign_and_inconsistent_histories_are_dropped_and_the_collection_still_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = four_versions_written(dir.path(), 10);
+        let path = dir.path().join(history_file_name(C));
+        let good = std::fs::read(&path).unwrap();
+        let version = cache.get(C).unwrap().version.clone();
+        let (_, history) = cache.export_history(C).unwrap();
+        let payload = |message: &PersistedHistory| framed(HISTORY_MAGIC, &message.encode_to_vec());
+        let message = decode_history(good.clone().into()).unwrap();
+
+        let mut damaged = good.clone();
+        *damaged.last_mut().unwrap() ^= 0xff;
+        let mut other = message.clone();
+        other.collection = "istio/networking/v1alpha3/virtualservices".into();
+        // An undo that names one resource and holds another.
+        let mut misnamed = message.clone();
+        misnamed.versions[0].undo[0].name = "zzz".into();
+        // An undo that is not what changed: the oldest version no longer
+        // rebuilds to its content version.
+        let mut tampered = message.clone();
+        tampered.versions[0].undo.pop();
+        let mut invalid = message.clone();
+        invalid.versions[1].undo[0].resource = Some(Bytes::from_static(b"\x0a\x00"));
+        let cases: [(&str, Vec<u8>, &str); 7] = [
+            ("torn", good[..good.len() / 2].to_vec(), "checksum"),
+            ("damaged", damaged, "checksum"),
+            ("a cache file", encode(&cache.get(C).unwrap()), "bad header"),
+            ("another collection's", payload(&other), "virtualservices"),
+            ("misnamed", payload(&misnamed), "zzz"),
+            ("tampered", payload(&tampered), "rebuilds to"),
+            ("invalid", payload(&invalid), "metadata"),
+        ];
+        assert!(history.len() == 4 && history[0].undo.len() > 1);
+        for (what, bytes, reason) in cases {
+            std::fs::write(&path, bytes).unwrap();
+            let (restarted, mut writer) = Cache::new();
+            let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+            assert_eq!(
+                restarted.get(C).unwrap().version,
+                version,
+                "{what}: the collection loads"
+            );
+            assert!(loaded.skipped.is_empty(), "{what}: {:?}", loaded.skipped);
+            assert_eq!(loaded.histories_skipped.len(), 1, "{what}");
+            assert!(
+                loaded.histories_skipped[0].1.contains(reason),
+                "{what}: {:?}",
+                loaded.histories_skipped
+            );
+            assert_eq!(
+                restarted.history(C).unwrap().len(),
+                1,
+                "{what}: only the loaded version"
+            );
+        }
+
+        // Too large for the bound, or a link: dropped the same way.
+        std::fs::write(&path, &good).unwrap();
+        let collection_file = std::fs::metadata(dir.path().join(file_name(C))).unwrap().len();
+        assert!(
+            good.len() as u64 > collection_file,
+            "the history holds more than the newest"
+        );
+        let bound = good.len() as u64 - 1;
+        let (_, mut writer) = Cache::new();
+        let loaded = load(dir.path(), &mut writer, bound).unwrap();
+        assert_eq!(loaded.collections.len(), 1);
+        assert!(
+            loaded.histories_skipped[0].1.contains("larger than"),
+            "{:?}",
+            loaded.histories_skipped
+        );
+        let elsewhere = tempfile::tempdir().unwrap();
+        std::fs::rename(&path, elsewhere.path().join("h")).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path().join("h"), &path).unwrap();
+        let (_, mut writer) = Cache::new();
+        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        assert!(
+            loaded.histories_skipped[0].1.contains("links are not followed"),
+            "{:?}",
+            loaded.histories_skipped
+        );
+        // No history file at all is not a problem.
+        std::fs::remove_file(&path).unwrap();
+        let (_, mut writer) = Cache::new();
+        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        assert!(loaded.histories.is_empty() && loaded.histories_skipped.is_empty());
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod decoders;
 mod deploy;
 mod dialects;
 mod envoy;
+mod history_persist;
 mod incremental;
 mod layout;
 mod limits;
