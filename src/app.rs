@@ -16,6 +16,7 @@ use crate::admin::{self, AdminState};
 use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::config::{Settings, Source};
+use crate::downstream::rollout::{Rollout, Saved};
 use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService, XdsService};
 use crate::source::client::UpstreamClient;
 use crate::source::files::LocalSource;
@@ -178,8 +179,24 @@ pub async fn build_with_logs(
         None => None,
     };
 
+    let restored = match &settings.cache_dir {
+        Some(dir) => load_rollout(dir),
+        None => Default::default(),
+    };
+    let rollout = Rollout::new(
+        cache.clone(),
+        settings.canaries.clone(),
+        settings.canary_when_none,
+        settings.canary_soak,
+        restored,
+    );
+    tasks.spawn(rollout.clone().run(shutdown.clone()));
+    if let Some(dir) = &settings.cache_dir {
+        persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), &tasks);
+    }
     let downstream = Downstream::new(
         cache.clone(),
+        rollout.clone(),
         settings.table.clone(),
         subscriptions.clone(),
         registry.clone(),
@@ -248,6 +265,7 @@ pub async fn build_with_logs(
 
     let admin_state = AdminState {
         cache: cache.clone(),
+        rollout,
         subscriptions: subscriptions.clone(),
         registry: registry.clone(),
         upstream: status_rx.clone(),
@@ -484,4 +502,75 @@ impl Bound {
         }
         ended
     }
+}
+
+/// The rollout's state in `--cache-dir`: pins, what everyone was released,
+/// what is held.
+const ROLLOUT_FILE: &str = "rollout.json";
+
+/// The largest rollout file read back (a few hundred bytes per collection).
+const MAX_ROLLOUT_FILE: u64 = 4 << 20;
+
+/// What the last run left of the rollout; nothing (with a warning) when the
+/// file is missing, damaged or too large.
+fn load_rollout(dir: &std::path::Path) -> std::collections::BTreeMap<String, Saved> {
+    let path = dir.join(ROLLOUT_FILE);
+    if !path.exists() {
+        return Default::default();
+    }
+    let read = persisted::read_file(&path, MAX_ROLLOUT_FILE)
+        .and_then(|bytes| serde_json::from_slice::<SavedRollout>(&bytes).map_err(|e| e.to_string()));
+    match read {
+        Ok(saved) => saved.collections,
+        Err(reason) => {
+            tracing::warn!(
+                path = %path.display(),
+                %reason,
+                "the saved rollout state (pins, holds) is unusable: every collection starts unpinned"
+            );
+            Default::default()
+        }
+    }
+}
+
+/// The rollout file's content.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SavedRollout {
+    collections: std::collections::BTreeMap<String, Saved>,
+}
+
+/// Writes the rollout's state to `dir` whenever it changes, and once more
+/// at shutdown.
+fn persist_rollout(dir: PathBuf, rollout: Arc<Rollout>, shutdown: CancellationToken, tasks: &TaskTracker) {
+    let mut revisions = rollout.revisions();
+    tasks.spawn(async move {
+        let mut written = None;
+        loop {
+            let last = tokio::select! {
+                changed = revisions.changed() => changed.is_err(),
+                _ = shutdown.cancelled() => true,
+            };
+            let saved = SavedRollout {
+                collections: rollout.saved(),
+            };
+            let bytes = serde_json::to_vec_pretty(&saved).expect("the rollout state serializes");
+            if written.as_ref() != Some(&bytes) {
+                let (into, file) = (dir.clone(), bytes.clone());
+                let result =
+                    tokio::task::spawn_blocking(move || persisted::write_atomically(&into, ROLLOUT_FILE, &file)).await;
+                match result {
+                    Ok(Ok(())) => written = Some(bytes),
+                    Ok(Err(e)) => tracing::warn!(
+                        path = %dir.join(ROLLOUT_FILE).display(),
+                        error = %e,
+                        "cannot save the rollout state (pins, holds); the next change is written again"
+                    ),
+                    Err(e) => tracing::error!(error = %e, "the rollout state writer failed"),
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    });
 }

@@ -10,6 +10,8 @@ use std::time::Duration;
 use clap::Parser;
 
 use crate::collections::CollectionTable;
+use crate::downstream::rollout::gate::WhenNone;
+use crate::downstream::rollout::selector::{Selector, MAX_SELECTORS};
 use crate::downstream::DownstreamLimits;
 use crate::proto::SinkNode;
 use crate::source::backoff::BackoffPolicy;
@@ -250,6 +252,23 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_HISTORY", default_value_t = 10)]
     pub history: usize,
 
+    /// Clients that get each new version first (repeatable): a glob over
+    /// the node id (`canary-*`), or KEY=VALUE matching a node annotation
+    /// (MCP) or a metadata string (xDS). The others get a version once every
+    /// connected canary ACKed it, and never when one NACKs it (it is held).
+    #[arg(long = "canary", env = "MCP_GATEWAY_CANARY", value_name = "NODE_SELECTOR")]
+    pub canary: Vec<String>,
+
+    /// How long after the last canary ACK a new version waits before it goes
+    /// to every client.
+    #[arg(long, env = "MCP_GATEWAY_CANARY_SOAK", default_value = "0s", value_parser = parse_duration)]
+    pub canary_soak: Duration,
+
+    /// With --canary, what a new version does while no canary is connected:
+    /// go to everyone (with a warning), or wait for a canary.
+    #[arg(long, env = "MCP_GATEWAY_CANARY_WHEN_NONE", value_enum, default_value_t = WhenNone::Proceed)]
+    pub canary_when_none: WhenNone,
+
     /// Resource names one xDS client may subscribe to per type (RDS, EDS:
     /// named subscriptions).
     #[arg(long, env = "MCP_GATEWAY_MAX_SUBSCRIBED_NAMES", default_value_t = 100_000)]
@@ -428,6 +447,9 @@ pub enum Command {
     /// Every client's sync status, per collection, from the admin port (like
     /// `istioctl proxy-status`).
     Status(crate::tools::status::StatusArgs),
+    /// Rollout safety over the admin port: status, history, diff, pin,
+    /// unpin, promote.
+    Rollout(crate::tools::rollout::RolloutArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -464,6 +486,9 @@ pub enum Source {
 /// The local source used when no source flag is given.
 pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 
+/// The longest `--canary-soak`.
+pub const MAX_CANARY_SOAK: Duration = Duration::from_secs(24 * 3600);
+
 /// The most versions `--history` keeps per collection.
 pub const MAX_HISTORY: usize = 1000;
 
@@ -476,6 +501,10 @@ pub struct Settings {
     pub cache_dir: Option<PathBuf>,
     /// Versions kept per collection (`--history`).
     pub history: usize,
+    /// `--canary`, `--canary-when-none`, `--canary-soak`.
+    pub canaries: Vec<Selector>,
+    pub canary_when_none: WhenNone,
+    pub canary_soak: Duration,
     /// TLS for the downstream and sink listeners.
     pub server_tls: Option<ServerTlsFiles>,
     /// With mTLS: the downstream identities accepted (`--client-allow`).
@@ -798,11 +827,38 @@ impl Args {
                 format!("{} is above the maximum of {MAX_HISTORY}", self.history),
             ));
         }
+        if self.canary.len() > MAX_SELECTORS {
+            return Err(invalid(
+                "--canary",
+                format!(
+                    "{} selectors are more than the maximum of {MAX_SELECTORS}",
+                    self.canary.len()
+                ),
+            ));
+        }
+        let canaries = self
+            .canary
+            .iter()
+            .map(|text| Selector::parse(text).map_err(|e| invalid("--canary", e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        if self.canary_soak > MAX_CANARY_SOAK {
+            return Err(invalid(
+                "--canary-soak",
+                format!(
+                    "{} is above the maximum of {}",
+                    humantime::format_duration(self.canary_soak),
+                    humantime::format_duration(MAX_CANARY_SOAK)
+                ),
+            ));
+        }
         Ok(Settings {
             demo: self.demo,
             source,
             cache_dir: self.cache_dir,
             history: self.history,
+            canaries,
+            canary_when_none: self.canary_when_none,
+            canary_soak: self.canary_soak,
             server_tls,
             client_allow,
             table: Arc::new(table),

@@ -14,6 +14,9 @@ fn main() -> ExitCode {
     match args.command.take() {
         Some(Command::Client(client)) => return run_client(client),
         Some(Command::Status(status)) => return run_status(status),
+        Some(Command::Rollout(rollout)) => {
+            return run_tool(async move { mcp_xds_gateway::tools::rollout::run(rollout, &mut std::io::stdout()).await })
+        }
         None => {}
     }
     let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&args.log_level));

@@ -28,6 +28,10 @@ pub const CACHE_RESOURCES: &str = "mcp_gateway_cache_resources";
 pub const CACHE_BYTES: &str = "mcp_gateway_cache_bytes";
 pub const HISTORY_VERSIONS: &str = "mcp_gateway_history_versions";
 pub const HISTORY_BYTES: &str = "mcp_gateway_history_bytes";
+pub const ROLLOUT_PINNED: &str = "mcp_gateway_pinned";
+pub const ROLLOUT_HELD: &str = "mcp_gateway_held";
+pub const ROLLOUT_CANARY_ROUND: &str = "mcp_gateway_canary_round";
+pub const ROLLOUT_CANARIES: &str = "mcp_gateway_canaries";
 pub const DOWNSTREAM_STREAMS: &str = "mcp_gateway_downstream_streams";
 pub const DOWNSTREAM_PUSHES: &str = "mcp_gateway_downstream_pushes_total";
 pub const DOWNSTREAM_STALE_REQUESTS: &str = "mcp_gateway_downstream_stale_requests_total";
@@ -391,6 +395,19 @@ pub fn describe() {
         HISTORY_VERSIONS,
         "Versions of each collection the history keeps (at most --history), the current one included."
     );
+    describe_gauge!(
+        ROLLOUT_PINNED,
+        "1 while a collection is pinned to a version of its history (POST /pin): clients are not served the latest."
+    );
+    describe_gauge!(
+        ROLLOUT_HELD,
+        "1 while a version of a collection is held because a canary NACKed it (until promoted or a newer version is released)."
+    );
+    describe_gauge!(
+        ROLLOUT_CANARY_ROUND,
+        "1 while a new version of a collection is served to the canaries only, waiting for their ACKs."
+    );
+    describe_gauge!(ROLLOUT_CANARIES, "Connected canary streams following each collection.");
     describe_gauge!(
         HISTORY_BYTES,
         Unit::Bytes,

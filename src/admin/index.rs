@@ -43,6 +43,20 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
          in the history; &bodies=yaml: each changed body as a unified diff",
     ),
     (
+        "/debug/rollout",
+        "every collection's rollout: PINNED, HELD (with the canary and its NACK), WAITING, CANARY or SERVING; \
+         the version everyone and the canaries are served; /debug/rollout/{collection}: one",
+    ),
+    (
+        "/pin/{collection}",
+        "POST ?version=V: every client is served version V (from the history) instead of the latest; DELETE: \
+         the latest again",
+    ),
+    (
+        "/promote/{collection}",
+        "POST: the version the canaries are on (held, or in a round) goes to every client now",
+    ),
+    (
         "/debug/upstream",
         "the source: connected, since when, last error, per collection",
     ),
@@ -107,7 +121,7 @@ fn page(title: &str, body: &str) -> Html<String> {
 pub async fn admin(State(state): State<AdminState>, headers: HeaderMap) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
-    let rows = syncz::rows(&streams, &state.cache, clock, state.stale_after);
+    let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
     let summary = syncz::summary(&rows);
     let not_synced: Vec<Value> = rows
         .iter()

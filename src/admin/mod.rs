@@ -28,11 +28,15 @@ use crate::source::UpstreamStatus;
 mod dump;
 mod history;
 mod index;
+mod rollout;
 pub mod syncz;
 
 #[derive(Clone)]
 pub struct AdminState {
     pub cache: Arc<Cache>,
+    /// Pins, promotions and the canary rounds (`/pin`, `/promote`,
+    /// `/debug/rollout`).
+    pub rollout: Arc<crate::downstream::rollout::Rollout>,
     pub subscriptions: Arc<Subscriptions>,
     pub registry: Arc<Registry>,
     pub upstream: watch::Receiver<UpstreamStatus>,
@@ -151,6 +155,13 @@ pub fn admin_router(state: AdminState) -> Router {
         .route("/debug/cache/{*collection}", get(cache_collection))
         .route("/debug/history/{*collection}", get(history::history))
         .route("/debug/diff/{*collection}", get(history::diff))
+        .route("/debug/rollout", get(rollout::rollouts))
+        .route("/debug/rollout/{*collection}", get(rollout::rollout))
+        .route(
+            "/pin/{*collection}",
+            axum::routing::post(rollout::pin).delete(rollout::unpin),
+        )
+        .route("/promote/{*collection}", axum::routing::post(rollout::promote))
         .route("/debug/upstream", get(upstream))
         .route("/debug/config", get(config))
         .route("/logging", axum::routing::post(logging))
@@ -215,6 +226,15 @@ fn refresh_gauges(state: &AdminState) {
         current.insert(collection, snapshot.version.clone());
     }
 
+    for rollout in state.rollout.views() {
+        let collection = rollout.collection.clone();
+        let flag = |on: bool| f64::from(u8::from(on));
+        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => collection.clone()).set(flag(rollout.pinned.is_some()));
+        metrics::gauge!(m::ROLLOUT_HELD, "collection" => collection.clone()).set(flag(rollout.held.is_some()));
+        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => collection.clone()).set(flag(rollout.round.is_some()));
+        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => collection).set(rollout.canaries_connected as f64);
+    }
+
     let streams = state.registry.streams();
     metrics::gauge!(m::CLIENTS, "component" => m::COMPONENT_DOWNSTREAM).set(streams.len() as f64);
     let mut by_kind: BTreeMap<(&'static str, &'static str), f64> = BTreeMap::new();
@@ -235,8 +255,11 @@ fn refresh_gauges(state: &AdminState) {
             *by_kind.entry((stream.protocol.as_str(), dialect)).or_default() += 1.0;
         }
         for view in stream.types.values() {
-            if let Some(version) = current.get(&view.collection) {
-                if view.acked_version.as_ref() != Some(version) {
+            // Behind what its group is served (a pin or a canary round
+            // keeps clients on an older version on purpose).
+            if current.contains_key(&view.collection) {
+                let served = state.rollout.served_version(&view.collection, stream.canary);
+                if served.is_some() && view.acked_version != served {
                     *behind.entry(view.collection.clone()).or_default() += 1.0;
                 }
             }
@@ -248,7 +271,7 @@ fn refresh_gauges(state: &AdminState) {
     for (collection, count) in behind {
         metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
     }
-    let rows = syncz::rows(&streams, &state.cache, state.registry.clock(), state.stale_after);
+    let rows = syncz::rows(&streams, &state.rollout, state.registry.clock(), state.stale_after);
     let configured = state.subscriptions.awaited();
     for ((status, collection), count) in syncz::counts(&rows, configured) {
         metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)
@@ -344,13 +367,17 @@ async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Respons
 async fn syncz(State(state): State<AdminState>, Query(filter): Query<syncz::Filter>, headers: HeaderMap) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
-    let rows = syncz::rows(&streams, &state.cache, clock, state.stale_after);
+    let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
     match syncz::view(&rows, clock, &filter) {
-        Ok(value) => view(
-            &headers,
-            "Sync status: a summary, then one row per client stream and type",
-            value,
-        ),
+        Ok(mut value) => {
+            value["rollout"] = syncz::rollouts(&state.rollout, &filter);
+            view(
+                &headers,
+                "Sync status: a summary, the collections pinned, held or in a canary round, then one row per \
+                 client stream and type",
+                value,
+            )
+        }
         Err(message) => (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
     }
 }

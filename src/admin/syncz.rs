@@ -8,13 +8,13 @@ use std::time::{Duration, SystemTime};
 
 use serde_json::{json, Value};
 
-use crate::cache::Cache;
 use crate::downstream::registry::{Clock, Stamp, StreamView, TypeView};
+use crate::downstream::rollout::Rollout;
 
 /// Where a client stands on one type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SyncStatus {
-    /// It ACKed the cache's current version.
+    /// It ACKed the current version (of its group: see `/debug/rollout`).
     Synced,
     /// A response is on its way or awaits its ACK, for less than
     /// `--stale-after` behind.
@@ -53,7 +53,7 @@ impl SyncStatus {
     }
 }
 
-/// A client's status on one type, against the cache's `current` version,
+/// A client's status on one type, against its group's `current` version,
 /// and since when.
 pub fn status(
     view: &TypeView,
@@ -97,15 +97,17 @@ pub struct Row<'a> {
     pub current: Option<Arc<str>>,
 }
 
-/// Every client stream's types with their status, by stream then type.
-pub fn rows<'a>(streams: &'a [StreamView], cache: &Cache, clock: &Clock, stale_after: Duration) -> Vec<Row<'a>> {
-    let mut current: BTreeMap<&str, Option<Arc<str>>> = BTreeMap::new();
+/// Every client stream's types with their status, by stream then type. A
+/// client's current version is the one its group is served (canaries get
+/// new versions first; a pin serves an older one).
+pub fn rows<'a>(streams: &'a [StreamView], rollout: &Rollout, clock: &Clock, stale_after: Duration) -> Vec<Row<'a>> {
+    let mut current: BTreeMap<(&str, bool), Option<Arc<str>>> = BTreeMap::new();
     let mut rows = Vec::new();
     for stream in streams {
         for (type_url, view) in &stream.types {
             let current = current
-                .entry(&view.collection)
-                .or_insert_with(|| cache.get(&view.collection).map(|s| s.version.clone()))
+                .entry((&view.collection, stream.canary))
+                .or_insert_with(|| rollout.served_version(&view.collection, stream.canary))
                 .clone();
             let (status, since) = status(view, current.as_ref(), clock, stale_after);
             rows.push(Row {
@@ -159,6 +161,19 @@ pub fn view(rows: &[Row<'_>], clock: &Clock, filter: &Filter) -> Result<Value, S
     }))
 }
 
+/// The collections whose rollout needs an operator's eye: pinned, held,
+/// in a canary round, or with a warning.
+pub fn rollouts(rollout: &Rollout, filter: &Filter) -> Value {
+    let shown: Vec<Value> = rollout
+        .views()
+        .into_iter()
+        .filter(|v| v.state != "SERVING" || v.warning.is_some())
+        .filter(|v| filter.collection.as_ref().is_none_or(|c| **c == *v.collection))
+        .map(|v| serde_json::to_value(v).unwrap_or_default())
+        .collect();
+    Value::Array(shown)
+}
+
 /// Counts of client streams' types per status, and per collection and
 /// status.
 pub fn summary(rows: &[Row<'_>]) -> Value {
@@ -202,6 +217,7 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
         "peer": stream.peer.map(|p| p.to_string()),
         "protocol": stream.protocol.as_str(),
         "gateway_id": stream.gateway_id,
+        "canary": stream.canary,
         "connected_since": time(Some(stream.connected_since)),
         "type_url": row.type_url,
         "collection": view.collection,

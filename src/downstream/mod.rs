@@ -8,6 +8,7 @@ pub mod by_type;
 pub mod encode;
 pub mod names;
 pub mod registry;
+pub mod rollout;
 pub mod service;
 mod stream;
 pub mod type_state;
@@ -82,6 +83,8 @@ pub struct Downstream {
 
 struct Shared {
     cache: Arc<Cache>,
+    /// What each group of clients is served of each collection.
+    rollout: Arc<rollout::Rollout>,
     table: Arc<CollectionTable>,
     subscriptions: Arc<Subscriptions>,
     registry: Arc<Registry>,
@@ -105,8 +108,10 @@ struct Shared {
 // === impl Downstream ===
 
 impl Downstream {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         cache: Arc<Cache>,
+        rollout: Arc<rollout::Rollout>,
         table: Arc<CollectionTable>,
         subscriptions: Arc<Subscriptions>,
         registry: Arc<Registry>,
@@ -117,6 +122,7 @@ impl Downstream {
         Self {
             inner: Arc::new(Shared {
                 cache,
+                rollout,
                 table,
                 subscriptions,
                 registry,

@@ -208,6 +208,8 @@ pub struct StreamView {
     pub node_id: String,
     /// Set when the peer is another gateway (its announced id).
     pub gateway_id: Option<String>,
+    /// A `--canary` selector matched its node: it gets new versions first.
+    pub canary: bool,
     pub connected_since: SystemTime,
     /// By the `type_url` the client sent.
     pub types: ByType<TypeView>,
@@ -230,6 +232,7 @@ impl Registry {
             protocol,
             node_id: String::new(),
             gateway_id: None,
+            canary: false,
             connected_since: SystemTime::now(),
             types: ByType::new(),
         }));
@@ -290,6 +293,10 @@ impl RegistryEntry {
     /// Now, on the registry's clock.
     pub fn now(&self) -> Stamp {
         self.registry.clock.now()
+    }
+
+    pub fn set_canary(&self) {
+        self.view.lock().expect("registry lock poisoned").canary = true;
     }
 
     pub fn set_gateway_id(&self, gateway_id: &str) {

@@ -12,13 +12,14 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::by_type::ByType;
 use super::encode::{EncodedResponse, Record};
 use super::names::NameChange;
 use super::registry::{RegistryEntry, Stamp, TypeView};
+use super::rollout::Rollout;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
@@ -36,9 +37,31 @@ use crate::transport::requests::RequestStream;
 struct Followed {
     state: TypeState,
     metrics: Arc<CollectionMetrics>,
-    /// A type no source serves: answered from this empty snapshot, which
-    /// never changes, instead of the cache.
-    unserved: Option<Arc<CollectionSnapshot>>,
+    answer: Answer,
+}
+
+/// What a followed type is answered from.
+enum Answer {
+    /// The version the stream's group is served (the rollout's slot).
+    Served(watch::Receiver<Option<Arc<CollectionSnapshot>>>),
+    /// A type no source serves: this empty snapshot, which never changes.
+    Unserved(Arc<CollectionSnapshot>),
+}
+
+/// A canary stream: the rollout hears its ACKs and NACKs, and that it left.
+struct Canary {
+    rollout: Arc<Rollout>,
+    stream: u64,
+    node: String,
+    collections: Vec<Arc<str>>,
+}
+
+impl Drop for Canary {
+    fn drop(&mut self) {
+        for collection in &self.collections {
+            self.rollout.canary_left(collection, self.stream);
+        }
+    }
 }
 
 pub(super) struct TypedStream<W> {
@@ -56,6 +79,9 @@ pub(super) struct TypedStream<W> {
     /// (xDS) waits for a collection the source has not delivered. Boxed:
     /// most streams never have one.
     refusals: Option<Box<WatchStream<SubscriptionState>>>,
+    /// Set when a `--canary` selector matched the node of the stream's
+    /// first request. Boxed: most streams are not canaries.
+    canary: Option<Box<Canary>>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -74,6 +100,7 @@ impl<W: Wire> TypedStream<W> {
             logs: StreamLogs::default(),
             peer_gateway: None,
             refusals: None,
+            canary: None,
             _wire: PhantomData,
         }
     }
@@ -195,6 +222,9 @@ impl<W: Wire> TypedStream<W> {
         let type_url = self.type_for(&request.type_url)?;
         if !self.types.contains_key(&type_url) {
             let first = self.types.is_empty();
+            if first {
+                self.decide_group(&request);
+            }
             self.follow(&type_url, &request)?;
             if first {
                 self.log_connected();
@@ -240,16 +270,26 @@ impl<W: Wire> TypedStream<W> {
                     limits.max_subscribed_names
                 )));
             }
-            Verdict::Ack => record_ack(&followed.metrics),
+            Verdict::Ack => {
+                record_ack(&followed.metrics);
+                if let (Some(canary), Some(version)) = (&self.canary, &followed.state.view.acked_version) {
+                    canary.rollout.canary_acked(&collection, self.id, version);
+                }
+            }
             Verdict::Nack | Verdict::Unrecoverable => {
                 let nack = followed.state.view.last_nack.as_ref().expect("a NACK was recorded");
                 record_nack(self.id, &mut self.logs, &type_url, &collection, nack);
+                if let Some(canary) = &self.canary {
+                    canary
+                        .rollout
+                        .canary_nacked(&collection, self.id, &nack.version, &canary.node, &nack.message);
+                }
             }
             Verdict::First | Verdict::Subscription => {}
         }
         // Published once, with whether it is still behind; the send that
         // follows decides from the same snapshot.
-        let current = current_of(&self.shared, followed);
+        let current = current_of(followed);
         followed.state.note_current(current.as_ref(), now);
         self.entry.publish(&type_url, followed.state.view.clone());
         if verdict == Verdict::Unrecoverable {
@@ -269,12 +309,12 @@ struct Accepted {
     now: Stamp,
 }
 
-/// What a followed type is answered from now: the cache's snapshot, or the
-/// empty one of a type nobody serves.
-fn current_of(shared: &Downstream, followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
-    match &followed.unserved {
-        Some(empty) => Some(empty.clone()),
-        None => shared.inner.cache.get(&followed.state.view.collection),
+/// What a followed type is answered from now: its group's version, or the
+/// empty snapshot of a type nobody serves.
+fn current_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
+    match &followed.answer {
+        Answer::Served(slot) => slot.borrow().clone(),
+        Answer::Unserved(empty) => Some(empty.clone()),
     }
 }
 
@@ -406,6 +446,29 @@ impl<W: Wire> TypedStream<W> {
         }
     }
 
+    /// Whether the stream is a canary, from the node of its first request
+    /// (kept for the stream's life).
+    fn decide_group(&mut self, request: &WireRequest) {
+        let rollout = &self.shared.inner.rollout;
+        if !rollout.has_canaries() {
+            return;
+        }
+        let node = request.node_id.as_deref().unwrap_or_default();
+        if rollout.is_canary(node, &request.node_labels) {
+            self.entry.set_canary();
+            self.canary = Some(Box::new(Canary {
+                rollout: rollout.clone(),
+                stream: self.id,
+                node: if node.is_empty() {
+                    format!("(stream {})", self.id)
+                } else {
+                    node.to_owned()
+                },
+                collections: Vec::new(),
+            }));
+        }
+    }
+
     /// Starts following a type: resolves it, subscribes to its collection,
     /// and notes what the client says it holds.
     fn follow(&mut self, type_url: &str, request: &WireRequest) -> Result<(), Status> {
@@ -423,7 +486,7 @@ impl<W: Wire> TypedStream<W> {
                 request.reported.iter().filter_map(|e| version_entry(e).ok()),
             )),
         };
-        let (resolved, unserved) = match target {
+        let (resolved, answer) = match target {
             Target::Collection(resolved) => {
                 self.shared.follow(&resolved.collection);
                 if W::ANSWERS_EVERY_TYPE
@@ -433,10 +496,17 @@ impl<W: Wire> TypedStream<W> {
                     let watch = self.shared.inner.subscriptions.watch();
                     self.refusals = Some(Box::new(WatchStream::from_changes(watch)));
                 }
-                let changes = self.shared.inner.cache.subscribe(&resolved.collection);
+                let rollout = &self.shared.inner.rollout;
+                let slot = rollout.watch(&resolved.collection, self.canary.is_some());
+                if let Some(canary) = &mut self.canary {
+                    if !canary.collections.contains(&resolved.collection) {
+                        canary.collections.push(resolved.collection.clone());
+                        rollout.canary_joined(&resolved.collection, self.id);
+                    }
+                }
                 self.changes
-                    .insert(type_url.to_owned(), WatchStream::from_changes(changes));
-                (resolved, None)
+                    .insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
+                (resolved, Answer::Served(slot))
             }
             Target::Unserved => {
                 let collection: Arc<str> = Arc::from(UNSERVED);
@@ -444,19 +514,13 @@ impl<W: Wire> TypedStream<W> {
                     collection: collection.clone(),
                     dialect: Dialect::Xds,
                 };
-                (resolved, Some(CollectionSnapshot::empty(collection)))
+                (resolved, Answer::Unserved(CollectionSnapshot::empty(collection)))
             }
         };
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, held);
-        self.types.insert(
-            type_url.to_owned(),
-            Followed {
-                state,
-                metrics,
-                unserved,
-            },
-        );
+        self.types
+            .insert(type_url.to_owned(), Followed { state, metrics, answer });
         Ok(())
     }
 
@@ -470,7 +534,7 @@ impl<W: Wire> TypedStream<W> {
         let mut waiting = false;
         for (type_url, followed) in self.types.iter_mut() {
             let collection = followed.state.view.collection.clone();
-            if followed.unserved.is_some() || cache.get(&collection).is_some() {
+            if matches!(followed.answer, Answer::Unserved(_)) || cache.get(&collection).is_some() {
                 continue;
             }
             if subscriptions.is_refused(&collection) {
@@ -480,7 +544,7 @@ impl<W: Wire> TypedStream<W> {
                     %collection,
                     "the source refused this collection: the type is answered empty"
                 );
-                followed.unserved = Some(CollectionSnapshot::empty(collection));
+                followed.answer = Answer::Unserved(CollectionSnapshot::empty(collection));
                 self.changes.remove(type_url);
                 refused.push(type_url.clone());
             } else {
@@ -501,7 +565,7 @@ impl<W: Wire> TypedStream<W> {
         let Some(followed) = self.types.get(type_url) else {
             return Ok(());
         };
-        let current = current_of(&self.shared, followed);
+        let current = current_of(followed);
         let now = self.entry.now();
         self.send_from(type_url, current, now, out).await
     }

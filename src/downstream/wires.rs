@@ -14,7 +14,7 @@ use super::type_state::{Mode, Push};
 use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
 use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
-use crate::proto::wire::{DeltaXdsRequest, IncrementalRequest, NodeId, SinkRequest, SotwRequest, XdsRequest};
+use crate::proto::wire::{DeltaXdsRequest, IncrementalRequest, SinkRequest, SotwRequest, XdsRequest};
 
 /// What a requested type is answered from.
 #[derive(Debug)]
@@ -30,12 +30,18 @@ pub enum Target {
 /// clients ask for: metric series stay bounded).
 pub const UNSERVED: &str = "(unserved)";
 
+/// A node's id and labels.
+type Node = (String, Vec<(String, String)>);
+
 /// What a protocol's request says, read once.
 #[derive(Debug, Default)]
 pub struct WireRequest {
     /// The type: a type URL or a collection name.
     pub type_url: String,
     pub node_id: Option<String>,
+    /// The node's annotations (MCP) or metadata strings (xDS), as `--canary`
+    /// selectors match them.
+    pub node_labels: Vec<(String, String)>,
     /// The peer's gateway id, when the peer is another gateway.
     pub gateway_id: Option<String>,
     pub nonce: String,
@@ -59,14 +65,16 @@ impl WireRequest {
     /// A state-of-the-world request: the client names the version it holds.
     fn full(
         type_url: String,
-        node: Option<NodeId>,
+        node: Option<Node>,
         nonce: String,
         version_info: String,
         error_detail: Option<Bytes>,
     ) -> Self {
+        let (node_id, node_labels) = node.unzip();
         WireRequest {
             type_url,
-            node_id: node.map(|n| n.id),
+            node_id,
+            node_labels: node_labels.unwrap_or_default(),
             nonce,
             version_info,
             error_detail,
@@ -79,14 +87,16 @@ impl WireRequest {
     /// request of a type).
     fn changes(
         type_url: String,
-        node: Option<NodeId>,
+        node: Option<Node>,
         nonce: String,
         error_detail: Option<Bytes>,
         reported: Vec<Bytes>,
     ) -> Self {
+        let (node_id, node_labels) = node.unzip();
         WireRequest {
             type_url,
-            node_id: node.map(|n| n.id),
+            node_id,
+            node_labels: node_labels.unwrap_or_default(),
             nonce,
             error_detail,
             mode: Mode::Incremental,
@@ -144,7 +154,13 @@ impl Wire for LegacySotw {
     const ONE_TYPE: bool = false;
 
     fn read(r: SotwRequest) -> WireRequest {
-        WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
+        WireRequest::full(
+            r.type_url,
+            r.node.map(|n| n.into_parts()),
+            r.response_nonce,
+            r.version_info,
+            r.error_detail,
+        )
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -166,7 +182,7 @@ impl Wire for LegacyIncremental {
     fn read(r: IncrementalRequest) -> WireRequest {
         WireRequest::changes(
             r.type_url,
-            r.node,
+            r.node.map(|n| n.into_parts()),
             r.response_nonce,
             r.error_detail,
             r.initial_resource_versions,
@@ -192,12 +208,13 @@ impl Wire for ResourceSourceWire {
     const ONE_TYPE: bool = false;
 
     fn read(request: SinkRequest) -> WireRequest {
-        let (node_id, gateway_id) = match request.sink_node {
+        let (node_id, node_labels, gateway_id) = match request.sink_node {
             Some(node) => {
                 let gateway = node.annotations.get(GATEWAY_ID_ANNOTATION).cloned();
-                (Some(node.id), gateway)
+                let (id, labels) = node.into_parts();
+                (Some(id), labels, gateway)
             }
-            None => (None, None),
+            None => (None, Vec::new(), None),
         };
         let mode = if request.incremental {
             Mode::Incremental
@@ -207,6 +224,7 @@ impl Wire for ResourceSourceWire {
         WireRequest {
             type_url: request.collection,
             node_id,
+            node_labels,
             gateway_id,
             nonce: request.response_nonce,
             error_detail: request.error_detail,
@@ -272,7 +290,13 @@ impl Wire for XdsSotw {
     fn read(r: XdsRequest) -> WireRequest {
         WireRequest {
             names: r.resource_names,
-            ..WireRequest::full(r.type_url, r.node, r.response_nonce, r.version_info, r.error_detail)
+            ..WireRequest::full(
+                r.type_url,
+                r.node.map(|n| n.into_parts()),
+                r.response_nonce,
+                r.version_info,
+                r.error_detail,
+            )
         }
     }
 
@@ -300,7 +324,7 @@ impl Wire for XdsDelta {
             unsubscribe: r.resource_names_unsubscribe,
             ..WireRequest::changes(
                 r.type_url,
-                r.node,
+                r.node.map(|n| n.into_parts()),
                 r.response_nonce,
                 r.error_detail,
                 r.initial_resource_versions,

@@ -11,13 +11,57 @@ use bytes::Bytes;
 use prost::encoding::{self, WireType};
 
 /// Field 2 of `MeshConfigRequest`: a `Client{id, Struct metadata}` from Istio
-/// 1.0 clients and a `SinkNode{id, annotations}` from 1.1 clients. Only `id`
-/// (field 1 in both) is decoded; everything else is skipped, so a 1.0 client
-/// with metadata is never rejected for it.
+/// 1.0 clients and a `SinkNode{id, annotations}` from 1.1 clients. `id` is
+/// field 1 in both; field 2 (the metadata, or the annotations' entries) is
+/// kept as bytes and read leniently by [`NodeId::into_parts`], so neither
+/// kind of client is ever rejected for it.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct NodeId {
     #[prost(string, tag = "1")]
     pub id: String,
+    #[prost(bytes = "bytes", repeated, tag = "2")]
+    pub details: Vec<Bytes>,
+}
+
+/// A `map<string, string>` entry.
+#[derive(Clone, PartialEq, prost::Message)]
+struct StringEntry {
+    #[prost(string, tag = "1")]
+    key: String,
+    #[prost(string, tag = "2")]
+    value: String,
+}
+
+impl NodeId {
+    /// The id, and the labels: the annotations of a `SinkNode`, or the
+    /// string fields of a 1.0 `Client`'s metadata. What reads as neither is
+    /// skipped.
+    pub fn into_parts(self) -> (String, Vec<(String, String)>) {
+        let mut labels = Vec::new();
+        for detail in &self.details {
+            // An annotation's key has no control characters; the bytes of a
+            // `Struct` read as an entry would.
+            match <StringEntry as prost::Message>::decode(detail.clone()) {
+                Ok(entry) if !entry.key.is_empty() && !entry.key.chars().any(char::is_control) => {
+                    labels.push((entry.key, entry.value));
+                }
+                _ => {
+                    if let Ok(metadata) = <prost_types::Struct as prost::Message>::decode(detail.clone()) {
+                        labels.extend(struct_strings(metadata));
+                    }
+                }
+            }
+        }
+        (self.id, labels)
+    }
+}
+
+/// The top-level string fields of a `Struct`.
+fn struct_strings(metadata: prost_types::Struct) -> impl Iterator<Item = (String, String)> {
+    metadata.fields.into_iter().filter_map(|(key, value)| match value.kind {
+        Some(prost_types::value::Kind::StringValue(text)) => Some((key, text)),
+        _ => None,
+    })
 }
 
 /// `MeshConfigRequest` as the state-of-the-world server reads it.
@@ -148,6 +192,32 @@ pub struct SinkNodeView {
     pub annotations: std::collections::HashMap<String, String>,
 }
 
+impl SinkNodeView {
+    /// The id, and the annotations as the node's labels.
+    pub fn into_parts(self) -> (String, Vec<(String, String)>) {
+        (self.id, self.annotations.into_iter().collect())
+    }
+}
+
+/// Envoy's v3 `Node` as the gateway reads it: the id, and the metadata
+/// (field 3; field 2 is the cluster).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct XdsNode {
+    #[prost(string, tag = "1")]
+    pub id: String,
+    #[prost(message, optional, tag = "3")]
+    pub metadata: Option<prost_types::Struct>,
+}
+
+impl XdsNode {
+    /// The id, and the metadata's top-level string fields as the node's
+    /// labels.
+    pub fn into_parts(self) -> (String, Vec<(String, String)>) {
+        let labels = self.metadata.map(|m| struct_strings(m).collect()).unwrap_or_default();
+        (self.id, labels)
+    }
+}
+
 /// `RequestResources` as the `ResourceSource` server reads it.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct SinkRequest {
@@ -174,7 +244,7 @@ pub struct XdsRequest {
     #[prost(string, tag = "1")]
     pub version_info: String,
     #[prost(message, optional, tag = "2")]
-    pub node: Option<NodeId>,
+    pub node: Option<XdsNode>,
     #[prost(string, repeated, tag = "3")]
     pub resource_names: Vec<String>,
     #[prost(string, tag = "4")]
@@ -190,7 +260,7 @@ pub struct XdsRequest {
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct DeltaXdsRequest {
     #[prost(message, optional, tag = "1")]
-    pub node: Option<NodeId>,
+    pub node: Option<XdsNode>,
     #[prost(string, tag = "2")]
     pub type_url: String,
     #[prost(string, repeated, tag = "3")]
@@ -269,6 +339,59 @@ pub mod test_support {
 mod tests {
     use super::*;
     use prost::Message;
+
+    #[test]
+    fn node_labels_read_from_every_kind_of_node() {
+        // Istio 1.1: a SinkNode with annotations.
+        let sink = crate::proto::SinkNode {
+            id: "canary-1".into(),
+            annotations: [("track".to_owned(), "canary".to_owned())].into(),
+        };
+        let node = NodeId::decode(sink.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(
+            node.into_parts(),
+            ("canary-1".into(), vec![("track".into(), "canary".into())])
+        );
+        // Istio 1.0: a Client with a Struct of metadata.
+        let string = |text: &str| prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue(text.into())),
+        };
+        let metadata = prost_types::Struct {
+            fields: [
+                ("track".to_owned(), string("canary")),
+                (
+                    "count".to_owned(),
+                    prost_types::Value {
+                        kind: Some(prost_types::value::Kind::NumberValue(1.0)),
+                    },
+                ),
+            ]
+            .into(),
+        };
+        let mut client = Vec::new();
+        prost::encoding::string::encode(1, &"pilot-0".to_owned(), &mut client);
+        prost::encoding::message::encode(2, &metadata, &mut client);
+        let node = NodeId::decode(client.as_slice()).unwrap();
+        assert_eq!(
+            node.into_parts(),
+            ("pilot-0".into(), vec![("track".into(), "canary".into())])
+        );
+        // Anything else in field 2 is skipped, never an error.
+        let mut odd = Vec::new();
+        prost::encoding::bytes::encode(2, &vec![0xff, 0xfe, 0x01], &mut odd);
+        let node = NodeId::decode(odd.as_slice()).unwrap();
+        assert_eq!(node.into_parts(), (String::new(), vec![]));
+        // Envoy's v3 Node: metadata strings, the cluster (field 2) ignored.
+        let mut envoy = Vec::new();
+        prost::encoding::string::encode(1, &"istiod-1".to_owned(), &mut envoy);
+        prost::encoding::string::encode(2, &"cluster".to_owned(), &mut envoy);
+        prost::encoding::message::encode(3, &metadata, &mut envoy);
+        let node = XdsNode::decode(envoy.as_slice()).unwrap();
+        assert_eq!(
+            node.into_parts(),
+            ("istiod-1".into(), vec![("track".into(), "canary".into())])
+        );
+    }
 
     #[test]
     fn nack_messages_are_read_up_to_the_limit_without_copying_the_rest() {

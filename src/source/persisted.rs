@@ -288,7 +288,7 @@ pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result
 
 /// Reads a cache file: a regular file, not through a link, at most `max`
 /// bytes.
-fn read_file(path: &Path, max: u64) -> Result<Vec<u8>, String> {
+pub fn read_file(path: &Path, max: u64) -> Result<Vec<u8>, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()

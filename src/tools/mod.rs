@@ -4,4 +4,5 @@
 
 pub mod client;
 pub mod galley;
+pub mod rollout;
 pub mod status;

@@ -33,7 +33,7 @@ pub struct StatusArgs {
 }
 
 /// The admin address as HOST:PORT.
-fn authority(admin: &str) -> anyhow::Result<String> {
+pub(crate) fn authority(admin: &str) -> anyhow::Result<String> {
     if admin.starts_with("https://") {
         anyhow::bail!("--admin {admin}: the admin port speaks plain HTTP (it listens on loopback by default)");
     }
@@ -45,7 +45,7 @@ fn authority(admin: &str) -> anyhow::Result<String> {
 }
 
 /// A percent-encoded query value.
-fn encode(value: &str) -> String {
+pub(crate) fn encode(value: &str) -> String {
     value
         .bytes()
         .map(|b| match b {
@@ -57,6 +57,12 @@ fn encode(value: &str) -> String {
 
 /// GET `path` from the admin port, as JSON.
 async fn get(authority: &str, path: &str) -> anyhow::Result<Value> {
+    call(authority, hyper::Method::GET, path).await
+}
+
+/// `method` on `path` of the admin port; the answer as JSON, or the error
+/// its body gives.
+pub(crate) async fn call(authority: &str, method: hyper::Method, path: &str) -> anyhow::Result<Value> {
     let stream = tokio::net::TcpStream::connect(authority)
         .await
         .with_context(|| format!("cannot connect to the admin port at {authority}"))?;
@@ -64,7 +70,9 @@ async fn get(authority: &str, path: &str) -> anyhow::Result<Value> {
         .await
         .context("HTTP handshake with the admin port")?;
     // The connection is driven here, beside the request: no task outlives it.
-    let request = hyper::Request::get(path)
+    let request = hyper::Request::builder()
+        .method(method.clone())
+        .uri(path)
         .header(hyper::header::HOST, authority)
         .header(hyper::header::ACCEPT, "application/json")
         .body(http_body_util::Empty::<bytes::Bytes>::new())?;
@@ -75,14 +83,14 @@ async fn get(authority: &str, path: &str) -> anyhow::Result<Value> {
         anyhow::Ok((status, body))
     };
     let (status, body) = tokio::select! {
-        result = exchange => result.context("GET /debug/syncz")?,
+        result = exchange => result.with_context(|| format!("{method} {path}"))?,
         result = connection => {
             result.context("the admin connection")?;
             anyhow::bail!("the admin port closed the connection before answering");
         }
     };
     if !status.is_success() {
-        anyhow::bail!("{path}: {status}: {}", String::from_utf8_lossy(&body).trim());
+        anyhow::bail!("{method} {path}: {status}: {}", String::from_utf8_lossy(&body).trim());
     }
     serde_json::from_slice(&body).with_context(|| format!("{path} is not JSON"))
 }
@@ -115,6 +123,10 @@ pub fn render(syncz: &Value) -> String {
         let node = match text(&row["node_id"]) {
             n if n.is_empty() => "(no node id)".to_owned(),
             n => n,
+        };
+        let node = match row["canary"].as_bool() {
+            Some(true) => format!("{node} (canary)"),
+            _ => node,
         };
         let (_, cells) = streams
             .entry(id)
@@ -172,7 +184,57 @@ pub fn render(syncz: &Value) -> String {
     for nack in nacks {
         let _ = writeln!(out, "NACK {nack}");
     }
+    for line in rollout_lines(&syncz["rollout"]) {
+        let _ = writeln!(out, "{line}");
+    }
     out
+}
+
+/// A version as a person reads it: its first 12 characters.
+fn short_version(version: &Value) -> String {
+    version
+        .as_str()
+        .map_or_else(|| "-".to_owned(), |v| v.chars().take(12).collect())
+}
+
+/// One line per collection rollout (`/debug/rollout`'s entries), and one per
+/// warning: `PINNED`, `HELD`, `WAITING`, `CANARY`, `SERVING`.
+pub fn rollout_lines(rollouts: &Value) -> Vec<String> {
+    let mut lines = Vec::new();
+    for r in rollouts.as_array().into_iter().flatten() {
+        let collection = r["collection"].as_str().unwrap_or_default();
+        let everyone = short_version(&r["everyone"]);
+        let latest = short_version(&r["latest"]);
+        let line = match r["state"].as_str().unwrap_or_default() {
+            "PINNED" => format!("PINNED {collection}: every client is served {everyone} (latest {latest})"),
+            "HELD" => format!(
+                "HELD {collection}: {} NACKed by canary {}: {:?}; the others stay on {everyone}",
+                short_version(&r["held"]["version"]),
+                r["held"]["node"].as_str().unwrap_or("-"),
+                r["held"]["message"].as_str().unwrap_or_default(),
+            ),
+            "WAITING" => format!(
+                "WAITING {collection}: {} waits for a canary to connect; the others stay on {everyone}",
+                short_version(&r["round"]["version"]),
+            ),
+            "CANARY" => format!(
+                "CANARY {collection}: {} ACKed by {} of {} canaries{}; the others stay on {everyone}",
+                short_version(&r["round"]["version"]),
+                r["round"]["acked"].as_u64().unwrap_or(0),
+                r["canaries_connected"].as_u64().unwrap_or(0),
+                match r["round"]["release_in_seconds"].as_f64() {
+                    Some(s) => format!(", released in {}", human(s)),
+                    None => String::new(),
+                },
+            ),
+            state => format!("{state} {collection}: every client is served {everyone}"),
+        };
+        lines.push(line);
+        if let Some(warning) = r["warning"].as_str() {
+            lines.push(format!("WARNING {collection}: {warning}"));
+        }
+    }
+    lines
 }
 
 /// Seconds as `12s`, `5m3s`, `2h4m`.

@@ -66,6 +66,17 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
         (&["--max-connections", "1000000000"][..], "--max-connections"),
         (&["--max-request-bytes", "10"][..], "--max-request-bytes"),
         (&["--handshake-timeout", "0s"][..], "--handshake-timeout"),
+        (&["--canary", "canary-["][..], "--canary"),
+        (&["--canary", "=x"][..], "--canary"),
+        (&["--canary-soak", "2d"][..], "--canary-soak"),
+        (&["--canary-when-none", "maybe"][..], "--canary-when-none"),
+        // The rollout command's bad usage.
+        (
+            &["rollout", "pin", "istio/networking/v1alpha3/virtualservices"][..],
+            "<VERSION>",
+        ),
+        (&["rollout", "diff"][..], "<COLLECTION>"),
+        (&["rollout", "rewind", "x"][..], "rewind"),
     ] {
         let (code, stderr) = run(args).await;
         assert_eq!(code, Some(2), "{args:?}: {stderr}");

@@ -9,7 +9,7 @@ use crate::helpers::{galley_and_gateway, get_json, http_get, VS};
 
 /// A resource whose body is a `google.protobuf.Struct` (`{"hosts": [host],
 /// "weight": weight}`), which the admin port decodes natively.
-fn vs(name: &str, version: &str, host: &str, weight: f64) -> Resource {
+pub(crate) fn vs(name: &str, version: &str, host: &str, weight: f64) -> Resource {
     use prost_types::value::Kind;
     let value = |kind| prost_types::Value { kind: Some(kind) };
     let body = prost_types::Struct {
@@ -40,7 +40,11 @@ async fn current_version(gw: &mcp_xds_gateway::app::Bound) -> String {
 }
 
 /// Pushes a full state and returns the collection's content version then.
-async fn push(upstream: &mut GalleyStream, gw: &mcp_xds_gateway::app::Bound, resources: Vec<Resource>) -> String {
+pub(crate) async fn push(
+    upstream: &mut GalleyStream,
+    gw: &mcp_xds_gateway::app::Bound,
+    resources: Vec<Resource>,
+) -> String {
     upstream.push_full(VS, resources).await;
     current_version(gw).await
 }

@@ -165,6 +165,37 @@ tests:
       - eval_time: 18m
         alertname: McpGatewayCacheWriteFailures
         exp_alerts: []
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_pinned{pod="gw-0",collection="vs"}'
+        values: '0 0 1 1 0'
+      - series: 'mcp_gateway_pinned{pod="gw-0",collection="dr"}'
+        values: '0x5'
+      - series: 'mcp_gateway_held{pod="gw-1",collection="vs"}'
+        values: '0 1 1 0'
+      - series: 'mcp_gateway_held{pod="gw-1",collection="dr"}'
+        values: '0x5'
+    alert_rule_test:
+      - eval_time: 1m
+        alertname: McpGatewayCollectionPinned
+        exp_alerts: []
+      - eval_time: 2m
+        alertname: McpGatewayCollectionPinned
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0, collection: vs}
+      - eval_time: 4m
+        alertname: McpGatewayCollectionPinned
+        exp_alerts: []
+      - eval_time: 0m
+        alertname: McpGatewayVersionHeld
+        exp_alerts: []
+      - eval_time: 1m
+        alertname: McpGatewayVersionHeld
+        exp_alerts:
+          - exp_labels: {severity: critical, pod: gw-1, collection: vs}
+      - eval_time: 3m
+        alertname: McpGatewayVersionHeld
+        exp_alerts: []
 "#;
 
 #[tokio::test]
@@ -176,7 +207,7 @@ async fn the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only() {
     let full = rules_file(dir.path(), true);
     let (ok, said) = promtool(&bin, &["check", "rules", full.to_str().unwrap()]).await;
     assert!(ok, "promtool check rules: {said}");
-    assert!(said.contains("SUCCESS: 6 rules found"), "{said}");
+    assert!(said.contains("SUCCESS: 8 rules found"), "{said}");
 
     let tests = tempfile::tempdir().unwrap();
     rules_file(tests.path(), false);

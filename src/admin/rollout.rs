@@ -1,0 +1,87 @@
+//! Rollout controls and their view: `POST /pin/{collection}?version=V`
+//! serves every client that version from the history, `DELETE
+//! /pin/{collection}` the latest again, `POST /promote/{collection}` sends
+//! what the canaries are on to everyone; `/debug/rollout[/{collection}]`
+//! shows each collection's state (PINNED, HELD, WAITING, CANARY, SERVING).
+//!
+//! A collection goes in the path as it is, slashes included. An unknown
+//! collection or a version no longer in the history is a 404, a control
+//! that conflicts with the collection's state a 409; each body says which.
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::{view, AdminState};
+use crate::downstream::rollout::{ControlError, RolloutView};
+
+#[derive(Debug, Default, serde::Deserialize)]
+pub(super) struct PinQuery {
+    version: Option<String>,
+}
+
+/// A control's answer: the collection's rollout after it, or why not.
+fn answer(result: Result<RolloutView, ControlError>) -> Response {
+    match result {
+        Ok(view) => Json(view).into_response(),
+        Err(e) => {
+            let status = if e.is_conflict() {
+                StatusCode::CONFLICT
+            } else {
+                StatusCode::NOT_FOUND
+            };
+            (status, format!("{e}\n")).into_response()
+        }
+    }
+}
+
+pub(super) async fn pin(
+    State(state): State<AdminState>,
+    Path(collection): Path<String>,
+    Query(query): Query<PinQuery>,
+) -> Response {
+    let collection = collection.trim_start_matches('/');
+    let Some(version) = query.version.filter(|v| !v.trim().is_empty()) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("give ?version=V, a version of GET /debug/history/{collection}\n"),
+        )
+            .into_response();
+    };
+    answer(state.rollout.pin(collection, version.trim()))
+}
+
+pub(super) async fn unpin(State(state): State<AdminState>, Path(collection): Path<String>) -> Response {
+    answer(state.rollout.unpin(collection.trim_start_matches('/')))
+}
+
+pub(super) async fn promote(State(state): State<AdminState>, Path(collection): Path<String>) -> Response {
+    answer(state.rollout.promote(collection.trim_start_matches('/')))
+}
+
+/// Every collection's rollout, and how rounds run.
+pub(super) async fn rollouts(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let value = json!({
+        "canaries": state.rollout.policy_view(),
+        "collections": state.rollout.views(),
+    });
+    view(&headers, "Rollout", value)
+}
+
+pub(super) async fn rollout(
+    State(state): State<AdminState>,
+    Path(collection): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let collection = collection.trim_start_matches('/');
+    match state.rollout.view(collection) {
+        Some(rollout) => view(
+            &headers,
+            &format!("Rollout: {collection}"),
+            serde_json::to_value(rollout).unwrap_or_default(),
+        ),
+        None => answer(Err(ControlError::UnknownCollection(collection.to_owned()))),
+    }
+}

@@ -1,0 +1,593 @@
+//! Rollout safety: which version of each collection each group of clients
+//! is served. Streams do not follow the cache's newest version directly:
+//! they follow their group's slot here (canaries, or everyone else), which
+//! a collection's [`gate::Gate`] fills from the cache and its history. With
+//! no `--canary` and no pin, both slots carry the cache's newest version.
+//!
+//! Inputs: the cache's changes (the [`Rollout::run`] task), canary streams'
+//! ACKs and NACKs (their state machines' verdicts), and the admin port's
+//! pins and promotions. The state that must survive a restart (pins, what
+//! everyone was released, what is held) is [`Rollout::saved`], which the
+//! app writes to `--cache-dir`.
+
+pub mod gate;
+pub mod selector;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::cache::{Cache, CollectionSnapshot};
+use gate::{Gate, Hold, Policy, PromoteError, Version, WhenNone};
+use selector::Selector;
+
+type Slot = watch::Sender<Option<Arc<CollectionSnapshot>>>;
+
+/// One collection's gate and the slots its groups follow.
+struct Gated {
+    gate: Gate,
+    everyone: Slot,
+    canaries: Slot,
+}
+
+/// What a gate keeps across a restart.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Saved {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub released: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<Hold>,
+}
+
+/// Why a control was refused: a 404 or a 409 whose body says it.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    #[error("collection {0:?} is not in the cache (no source has delivered it)")]
+    UnknownCollection(String),
+    #[error(
+        "version {version:?} of {collection:?} is not in its history (the last {kept} versions are kept: \
+         --history); GET /debug/history/{collection} lists them"
+    )]
+    UnknownVersion {
+        collection: String,
+        version: String,
+        kept: usize,
+    },
+    #[error("{0:?} is not pinned")]
+    NotPinned(String),
+    #[error("{collection}: {error}")]
+    Promote { collection: String, error: PromoteError },
+}
+
+impl ControlError {
+    /// A conflict with the collection's state (409), not a missing name (404).
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, ControlError::NotPinned(_) | ControlError::Promote { .. })
+    }
+}
+
+/// A collection's rollout, as `/debug/rollout`, `/debug/syncz` and the
+/// `rollout status` command show it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RolloutView {
+    pub collection: Arc<str>,
+    /// PINNED, HELD, WAITING (a round no canary is connected to decide),
+    /// CANARY (a round in progress) or SERVING.
+    pub state: &'static str,
+    pub latest: Option<Version>,
+    /// What clients that are not canaries are served.
+    pub everyone: Option<Version>,
+    /// What canaries are served.
+    pub canaries: Option<Version>,
+    pub pinned: Option<Version>,
+    pub held: Option<Hold>,
+    pub round: Option<RoundView>,
+    pub canaries_connected: usize,
+    /// Something an operator should know (a release without canaries, a
+    /// pin whose version is not available).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RoundView {
+    pub version: Version,
+    pub acked: usize,
+    /// Seconds until it is released (the soak), once every canary ACKed.
+    pub release_in_seconds: Option<f64>,
+}
+
+/// The rollout of every collection.
+pub struct Rollout {
+    cache: Arc<Cache>,
+    policy: Policy,
+    selectors: Vec<Selector>,
+    gates: Mutex<HashMap<Arc<str>, Gated>>,
+    /// What a restart left, taken by each collection's gate when it is made.
+    restored: Mutex<HashMap<String, Saved>>,
+    /// Bumped whenever what [`Self::saved`] returns or a soak deadline
+    /// changes.
+    revision: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for Rollout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rollout")
+            .field("policy", &self.policy)
+            .field("selectors", &self.selectors.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rollout {
+    pub fn new(
+        cache: Arc<Cache>,
+        selectors: Vec<Selector>,
+        when_none: WhenNone,
+        soak: std::time::Duration,
+        restored: BTreeMap<String, Saved>,
+    ) -> Arc<Self> {
+        let policy = Policy {
+            canaries: !selectors.is_empty(),
+            when_none,
+            soak,
+        };
+        let rollout = Arc::new(Self {
+            cache,
+            policy,
+            selectors,
+            gates: Mutex::default(),
+            restored: Mutex::new(restored.into_iter().collect()),
+            revision: watch::Sender::new(0),
+        });
+        rollout.on_cache_change();
+        rollout
+    }
+
+    /// A rollout without canaries or saved state.
+    pub fn plain(cache: Arc<Cache>) -> Arc<Self> {
+        Self::new(
+            cache,
+            Vec::new(),
+            WhenNone::Proceed,
+            Default::default(),
+            BTreeMap::new(),
+        )
+    }
+
+    /// Whether a node is a canary.
+    pub fn is_canary(&self, node_id: &str, labels: &[(String, String)]) -> bool {
+        selector::is_canary(&self.selectors, node_id, labels)
+    }
+
+    /// How rounds run, as `/debug/rollout` shows it.
+    pub fn policy_view(&self) -> serde_json::Value {
+        serde_json::json!({
+            "selectors": self.selectors.len(),
+            "when_none": self.policy.when_none,
+            "soak_seconds": self.policy.soak.as_secs_f64(),
+        })
+    }
+
+    pub fn has_canaries(&self) -> bool {
+        self.policy.canaries
+    }
+
+    /// The slot of `collection` a stream of the group follows.
+    pub fn watch(&self, collection: &Arc<str>, canary: bool) -> watch::Receiver<Option<Arc<CollectionSnapshot>>> {
+        let mut gates = self.gates.lock().expect("rollout lock poisoned");
+        let gated = self.gated(&mut gates, collection);
+        if canary {
+            gated.canaries.subscribe()
+        } else {
+            gated.everyone.subscribe()
+        }
+    }
+
+    /// The version `collection` serves the group now.
+    pub fn served_version(&self, collection: &str, canary: bool) -> Option<Version> {
+        let gates = self.gates.lock().expect("rollout lock poisoned");
+        let gated = gates.get(collection)?;
+        let slot = if canary { &gated.canaries } else { &gated.everyone };
+        let version = slot.borrow().as_ref().map(|s| s.version.clone());
+        version
+    }
+
+    /// The gate of `collection`, made (from what a restart left, and the
+    /// cache's newest version) when it is first needed.
+    fn gated<'a>(&self, gates: &'a mut HashMap<Arc<str>, Gated>, collection: &Arc<str>) -> &'a mut Gated {
+        gates.entry(collection.clone()).or_insert_with(|| {
+            let saved = self
+                .restored
+                .lock()
+                .expect("rollout lock poisoned")
+                .remove(&**collection)
+                .unwrap_or_default();
+            if let Some(pinned) = &saved.pinned {
+                tracing::warn!(
+                    %collection,
+                    version = %pinned,
+                    "the collection is pinned (as before the restart): every client is served this version, \
+                     not the latest; DELETE /pin/{collection} on the admin port serves the latest again"
+                );
+            }
+            let gate = Gate::restored(
+                self.policy,
+                saved.released.map(Version::from),
+                saved.held,
+                saved.pinned.map(Version::from),
+            );
+            let mut gated = Gated {
+                gate,
+                everyone: watch::Sender::new(None),
+                canaries: watch::Sender::new(None),
+            };
+            if let Some(latest) = self.cache.get(collection) {
+                gated.gate.on_latest(latest.version.clone(), Instant::now());
+            }
+            self.publish(collection, &mut gated, None);
+            gated
+        })
+    }
+
+    /// Steps `collection`'s gate, fills its slots, and logs what changed.
+    fn step<R>(
+        &self,
+        collection: &Arc<str>,
+        hint: Option<Arc<CollectionSnapshot>>,
+        f: impl FnOnce(&mut Gate, Instant) -> R,
+    ) -> R {
+        let mut gates = self.gates.lock().expect("rollout lock poisoned");
+        let gated = self.gated(&mut gates, collection);
+        let before = Phase::of(&gated.gate);
+        let kept_before = (saved_of(&gated.gate), gated.gate.deadline());
+        let result = f(&mut gated.gate, Instant::now());
+        let after = Phase::of(&gated.gate);
+        if before != after {
+            after.log(collection, &gated.gate, &before);
+        }
+        self.publish(collection, gated, hint);
+        if kept_before != (saved_of(&gated.gate), gated.gate.deadline()) {
+            self.revision.send_modify(|r| *r += 1);
+        }
+        result
+    }
+
+    /// Fills the group slots with the snapshots of the versions the gate
+    /// serves: the one they hold, the cache's newest, or one rebuilt from
+    /// the history.
+    fn publish(&self, collection: &Arc<str>, gated: &mut Gated, hint: Option<Arc<CollectionSnapshot>>) {
+        let served = gated.gate.served();
+        for (slot, version) in [(&gated.everyone, &served.everyone), (&gated.canaries, &served.canaries)] {
+            let held = slot.borrow().as_ref().map(|s| s.version.clone());
+            if held.as_ref() == version.as_ref() {
+                continue;
+            }
+            let snapshot = version.as_ref().and_then(|version| {
+                let known = [
+                    gated.everyone.borrow().clone(),
+                    gated.canaries.borrow().clone(),
+                    hint.clone(),
+                    self.cache.get(collection),
+                ];
+                known
+                    .into_iter()
+                    .flatten()
+                    .find(|s| &s.version == version)
+                    .or_else(|| self.cache.version_snapshot(collection, version))
+            });
+            if snapshot.is_none() && version.is_some() {
+                tracing::error!(
+                    %collection,
+                    version = version.as_deref().unwrap_or_default(),
+                    "the version to serve is in neither the cache nor its history: clients keep what they have, \
+                     and new clients wait; pin another version, or DELETE /pin to serve the latest"
+                );
+            }
+            slot.send_replace(snapshot);
+        }
+    }
+
+    /// Every collection the cache holds: its newest version.
+    fn on_cache_change(&self) {
+        for snapshot in self.cache.snapshots() {
+            let version = snapshot.version.clone();
+            self.step(&snapshot.collection, None, |gate, now| gate.on_latest(version, now));
+        }
+    }
+
+    /// Soaks that ended release their rounds.
+    fn tick(&self) {
+        let collections: Vec<Arc<str>> = {
+            let gates = self.gates.lock().expect("rollout lock poisoned");
+            gates.keys().cloned().collect()
+        };
+        for collection in collections {
+            self.step(&collection, None, |gate, now| gate.tick(now));
+        }
+    }
+
+    /// The earliest soak deadline.
+    fn deadline(&self) -> Option<Instant> {
+        let gates = self.gates.lock().expect("rollout lock poisoned");
+        gates.values().filter_map(|g| g.gate.deadline()).min()
+    }
+
+    /// Follows the cache's changes and the soaks' deadlines until shutdown.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut changes = self.cache.changes();
+        let mut revision = self.revision.subscribe();
+        self.on_cache_change();
+        loop {
+            let deadline = self.deadline();
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    self.on_cache_change();
+                }
+                // A deadline may have moved.
+                _ = revision.changed() => {}
+                () = sleep_until(deadline) => self.tick(),
+            }
+        }
+    }
+
+    /// Sees a new value whenever what [`Self::saved`] returns changes.
+    pub fn revisions(&self) -> watch::Receiver<u64> {
+        self.revision.subscribe()
+    }
+
+    /// What each collection's gate keeps across a restart (collections with
+    /// nothing to keep left out).
+    pub fn saved(&self) -> BTreeMap<String, Saved> {
+        let gates = self.gates.lock().expect("rollout lock poisoned");
+        let mut saved: BTreeMap<String, Saved> = self
+            .restored
+            .lock()
+            .expect("rollout lock poisoned")
+            .clone()
+            .into_iter()
+            .collect();
+        for (collection, gated) in gates.iter() {
+            saved.insert(collection.to_string(), saved_of(&gated.gate));
+        }
+        saved.retain(|_, s| *s != Saved::default());
+        saved
+    }
+
+    // === canaries ===
+
+    pub fn canary_joined(&self, collection: &Arc<str>, stream: u64) {
+        self.step(collection, None, |gate, now| gate.canary_joined(stream, now));
+    }
+
+    pub fn canary_left(&self, collection: &Arc<str>, stream: u64) {
+        self.step(collection, None, |gate, now| gate.canary_left(stream, now));
+    }
+
+    pub fn canary_acked(&self, collection: &Arc<str>, stream: u64, version: &str) {
+        self.step(collection, None, |gate, now| gate.canary_acked(stream, version, now));
+    }
+
+    pub fn canary_nacked(&self, collection: &Arc<str>, stream: u64, version: &str, node: &str, message: &str) {
+        self.step(collection, None, |gate, _| {
+            gate.canary_nacked(stream, version, node, message)
+        });
+    }
+
+    // === controls (the admin port) ===
+
+    fn known(&self, collection: &str) -> Result<Arc<str>, ControlError> {
+        self.cache
+            .get(collection)
+            .map(|s| s.collection.clone())
+            .ok_or_else(|| ControlError::UnknownCollection(collection.to_owned()))
+    }
+
+    /// Every client of `collection` is served `version` (from the history)
+    /// until [`Self::unpin`].
+    pub fn pin(&self, collection: &str, version: &str) -> Result<RolloutView, ControlError> {
+        let name = self.known(collection)?;
+        let snapshot =
+            self.cache
+                .version_snapshot(collection, version)
+                .ok_or_else(|| ControlError::UnknownVersion {
+                    collection: collection.to_owned(),
+                    version: version.to_owned(),
+                    kept: self.cache.history_len(),
+                })?;
+        let version = snapshot.version.clone();
+        self.step(&name, Some(snapshot), |gate, _| gate.pin(version));
+        Ok(self.view(collection).expect("known above"))
+    }
+
+    /// `collection` serves the latest again (a canary round first, with
+    /// canaries).
+    pub fn unpin(&self, collection: &str) -> Result<RolloutView, ControlError> {
+        let name = self.known(collection)?;
+        self.step(&name, None, |gate, now| gate.unpin(now))
+            .ok_or_else(|| ControlError::NotPinned(collection.to_owned()))?;
+        Ok(self.view(collection).expect("known above"))
+    }
+
+    /// What the canaries of `collection` are on goes to everyone now.
+    pub fn promote(&self, collection: &str) -> Result<RolloutView, ControlError> {
+        let name = self.known(collection)?;
+        self.step(&name, None, |gate, _| gate.promote())
+            .map_err(|error| ControlError::Promote {
+                collection: collection.to_owned(),
+                error,
+            })?;
+        Ok(self.view(collection).expect("known above"))
+    }
+
+    /// Every collection's rollout, by name.
+    pub fn views(&self) -> Vec<RolloutView> {
+        for snapshot in self.cache.snapshots() {
+            // Made if missing, so that every delivered collection shows.
+            let mut gates = self.gates.lock().expect("rollout lock poisoned");
+            self.gated(&mut gates, &snapshot.collection);
+        }
+        let gates = self.gates.lock().expect("rollout lock poisoned");
+        let mut views: Vec<RolloutView> = gates.iter().map(|(c, g)| view_of(c, g, self.policy)).collect();
+        views.sort_by(|a, b| a.collection.cmp(&b.collection));
+        views
+    }
+
+    /// One collection's rollout; `None` when it is not in the cache.
+    pub fn view(&self, collection: &str) -> Option<RolloutView> {
+        let name = self.known(collection).ok()?;
+        let mut gates = self.gates.lock().expect("rollout lock poisoned");
+        let gated = self.gated(&mut gates, &name);
+        Some(view_of(&name, gated, self.policy))
+    }
+}
+
+fn saved_of(gate: &Gate) -> Saved {
+    Saved {
+        released: gate.released().map(|v| v.to_string()),
+        pinned: gate.pinned().map(|v| v.to_string()),
+        held: gate.held().cloned(),
+    }
+}
+
+fn view_of(collection: &Arc<str>, gated: &Gated, policy: Policy) -> RolloutView {
+    let gate = &gated.gate;
+    let served = gate.served();
+    let now = Instant::now();
+    let slot_version = |slot: &Slot| slot.borrow().as_ref().map(|s| s.version.clone());
+    let mut warning = None;
+    if gate.pinned().is_some() && slot_version(&gated.everyone).is_none() {
+        warning =
+            Some("the pinned version is in neither the cache nor its history: clients keep what they have".into());
+    } else if let Some(version) = gate.unvetted() {
+        warning = Some(format!(
+            "{version} was released without a canary connected (--canary-when-none=proceed)"
+        ));
+    } else if gate.waiting_for_canary() && policy.when_none == WhenNone::Hold {
+        warning = Some("no canary is connected: the round waits (--canary-when-none=hold)".into());
+    } else if gate.waiting_for_canary() {
+        warning = Some("the canaries left without ACKing: the round waits for a canary to connect and ACK".into());
+    }
+    RolloutView {
+        collection: collection.clone(),
+        state: Phase::of(gate).name(),
+        latest: gate.latest().cloned(),
+        everyone: served.everyone,
+        canaries: policy.canaries.then_some(served.canaries).flatten(),
+        pinned: gate.pinned().cloned(),
+        held: gate.held().cloned(),
+        round: gate.round().map(|r| RoundView {
+            version: r.version.clone(),
+            acked: r.acked.len(),
+            release_in_seconds: r
+                .release_at
+                .map(|at| (at.saturating_duration_since(now).as_secs_f64() * 10.0).round() / 10.0),
+        }),
+        canaries_connected: gate.canaries(),
+        warning,
+    }
+}
+
+/// A gate's state, for its log lines and its `state`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    Pinned(Version),
+    Held(Version),
+    Waiting(Version),
+    Canary(Version),
+    Serving(Option<Version>),
+}
+
+impl Phase {
+    fn of(gate: &Gate) -> Self {
+        if let Some(pin) = gate.pinned() {
+            return Phase::Pinned(pin.clone());
+        }
+        if let Some(held) = gate.held() {
+            return Phase::Held(held.version.clone());
+        }
+        match gate.round() {
+            Some(round) if gate.waiting_for_canary() => Phase::Waiting(round.version.clone()),
+            Some(round) => Phase::Canary(round.version.clone()),
+            None => Phase::Serving(gate.released().cloned()),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Phase::Pinned(_) => "PINNED",
+            Phase::Held(_) => "HELD",
+            Phase::Waiting(_) => "WAITING",
+            Phase::Canary(_) => "CANARY",
+            Phase::Serving(_) => "SERVING",
+        }
+    }
+
+    /// One line for the change from `before` to this phase.
+    fn log(&self, collection: &str, gate: &Gate, before: &Phase) {
+        let everyone = gate.served().everyone;
+        let everyone = everyone.as_deref().unwrap_or("-");
+        match self {
+            Phase::Pinned(version) => tracing::warn!(
+                %collection,
+                %version,
+                "collection pinned: every client is served this version; upstream versions are applied to the \
+                 cache but not served until DELETE /pin/{collection}"
+            ),
+            Phase::Held(version) => {
+                let held = gate.held().expect("held");
+                tracing::warn!(
+                    %collection,
+                    %version,
+                    canary = %held.node,
+                    nack = %held.message,
+                    everyone,
+                    "a canary NACKed this version: it is held; clients that are not canaries stay on theirs \
+                     (POST /promote/{collection} sends it anyway)"
+                );
+            }
+            Phase::Waiting(version) => tracing::warn!(
+                %collection,
+                %version,
+                everyone,
+                "no canary is connected to decide this version: it waits for one"
+            ),
+            Phase::Canary(version) => tracing::info!(
+                %collection,
+                %version,
+                everyone,
+                canaries = gate.canaries(),
+                "a new version goes to the canaries first"
+            ),
+            Phase::Serving(_) if matches!(before, Phase::Pinned(_)) => {
+                tracing::info!(%collection, version = everyone, "collection unpinned: the latest is served")
+            }
+            Phase::Serving(_) if gate.unvetted().is_some() => tracing::warn!(
+                %collection,
+                version = everyone,
+                "released to everyone without a canary connected (--canary-when-none=proceed)"
+            ),
+            Phase::Serving(_) if !matches!(before, Phase::Serving(_)) => {
+                tracing::info!(%collection, version = everyone, "released to everyone")
+            }
+            Phase::Serving(_) => {}
+        }
+    }
+}
+
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

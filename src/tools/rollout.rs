@@ -1,0 +1,216 @@
+//! `mcp-xds-gateway rollout`: the rollout controls and views of the admin
+//! port, for people who would rather not curl JSON: `status`, `history`,
+//! `diff`, `pin`, `unpin`, `promote`.
+
+use std::fmt::Write as _;
+
+use clap::{Args as ClapArgs, Subcommand};
+use hyper::Method;
+use serde_json::Value;
+
+use super::status::{authority, call, encode, rollout_lines};
+
+/// Flags of `mcp-xds-gateway rollout`.
+#[derive(Debug, ClapArgs)]
+pub struct RolloutArgs {
+    /// The gateway's admin port: HOST:PORT or http://HOST:PORT.
+    #[arg(long, global = true, value_name = "URL", default_value = "http://127.0.0.1:15000")]
+    pub admin: String,
+
+    #[command(subcommand)]
+    pub action: Action,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Action {
+    /// Each collection's rollout (PINNED, HELD, WAITING, CANARY, SERVING),
+    /// or one collection's.
+    Status { collection: Option<String> },
+    /// A collection's versions, newest first.
+    History { collection: String },
+    /// What changed between two versions of a collection: names, and with
+    /// --bodies each changed body as a unified diff.
+    Diff {
+        collection: String,
+        /// The older version (default: the one before --to).
+        #[arg(long, value_name = "V")]
+        from: Option<String>,
+        /// The newer version (default: the latest).
+        #[arg(long, value_name = "V")]
+        to: Option<String>,
+        /// Each changed body as a unified diff of its YAML.
+        #[arg(long)]
+        bodies: bool,
+    },
+    /// Serve every client VERSION of COLLECTION (from its history) instead
+    /// of the latest.
+    Pin { collection: String, version: String },
+    /// Serve the latest of COLLECTION again (a canary round first, with
+    /// canaries).
+    Unpin { collection: String },
+    /// Send the version the canaries of COLLECTION are on to everyone now.
+    Promote { collection: String },
+}
+
+/// A collection as a path segment: slashes kept, the rest encoded.
+fn path_of(collection: &str) -> String {
+    encode(collection.trim_matches('/'))
+}
+
+pub async fn run(args: RolloutArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+    let admin = authority(&args.admin)?;
+    let text = match args.action {
+        Action::Status { collection: None } => {
+            let all = call(&admin, Method::GET, "/debug/rollout").await?;
+            let mut text = String::new();
+            let policy = &all["canaries"];
+            match policy["selectors"].as_u64().unwrap_or(0) {
+                0 => text.push_str("no --canary selectors: every client gets each version at once\n"),
+                n => {
+                    let _ = writeln!(
+                        text,
+                        "{n} --canary selectors; with no canary connected: {}; soak {}s",
+                        policy["when_none"].as_str().unwrap_or("-"),
+                        policy["soak_seconds"].as_f64().unwrap_or(0.0)
+                    );
+                }
+            }
+            for line in rollout_lines(&all["collections"]) {
+                let _ = writeln!(text, "{line}");
+            }
+            text
+        }
+        Action::Status {
+            collection: Some(collection),
+        } => {
+            let one = call(&admin, Method::GET, &format!("/debug/rollout/{}", path_of(&collection))).await?;
+            lines(rollout_lines(&Value::Array(vec![one])))
+        }
+        Action::History { collection } => {
+            let history = call(&admin, Method::GET, &format!("/debug/history/{}", path_of(&collection))).await?;
+            history_table(&history)
+        }
+        Action::Diff {
+            collection,
+            from,
+            to,
+            bodies,
+        } => {
+            let path = path_of(&collection);
+            let from = match from {
+                Some(from) => from,
+                None => previous_version(&admin, &path, to.as_deref()).await?,
+            };
+            let mut query = format!("from={}", encode(&from));
+            if let Some(to) = &to {
+                let _ = write!(query, "&to={}", encode(to));
+            }
+            if bodies {
+                query.push_str("&bodies=yaml");
+            }
+            let diff = call(&admin, Method::GET, &format!("/debug/diff/{path}?{query}")).await?;
+            diff_text(&diff)
+        }
+        Action::Pin { collection, version } => {
+            let path = format!("/pin/{}?version={}", path_of(&collection), encode(&version));
+            lines(rollout_lines(&Value::Array(vec![
+                call(&admin, Method::POST, &path).await?,
+            ])))
+        }
+        Action::Unpin { collection } => {
+            let path = format!("/pin/{}", path_of(&collection));
+            lines(rollout_lines(&Value::Array(vec![
+                call(&admin, Method::DELETE, &path).await?,
+            ])))
+        }
+        Action::Promote { collection } => {
+            let path = format!("/promote/{}", path_of(&collection));
+            lines(rollout_lines(&Value::Array(vec![
+                call(&admin, Method::POST, &path).await?,
+            ])))
+        }
+    };
+    out.write_all(text.as_bytes())?;
+    Ok(())
+}
+
+fn lines(lines: Vec<String>) -> String {
+    lines.into_iter().map(|l| l + "\n").collect()
+}
+
+/// The version before `to` (the latest when `None`) in the history.
+async fn previous_version(admin: &str, path: &str, to: Option<&str>) -> anyhow::Result<String> {
+    let history = call(admin, Method::GET, &format!("/debug/history/{path}")).await?;
+    let versions: Vec<&str> = history["versions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v["version"].as_str())
+        .collect();
+    let at = match to {
+        Some(to) => versions
+            .iter()
+            .position(|v| *v == to)
+            .ok_or_else(|| anyhow::anyhow!("--to {to}: not in the history"))?,
+        None => 0,
+    };
+    versions
+        .get(at + 1)
+        .map(|v| (*v).to_owned())
+        .ok_or_else(|| anyhow::anyhow!("the history holds no version before it: give --from"))
+}
+
+/// The history as a table, newest first; `*` marks the current version.
+pub fn history_table(history: &Value) -> String {
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "{:<34} {:<25} {:<9} {:>9} {:>7} {:>7} {:>7}",
+        "VERSION", "APPLIED", "ORIGIN", "RESOURCES", "ADDED", "CHANGED", "REMOVED"
+    );
+    for v in history["versions"].as_array().into_iter().flatten() {
+        let current = if v["current"].as_bool() == Some(true) { "*" } else { " " };
+        let _ = writeln!(
+            text,
+            "{current}{:<33} {:<25} {:<9} {:>9} {:>7} {:>7} {:>7}",
+            v["version"].as_str().unwrap_or("-"),
+            v["applied_at"].as_str().unwrap_or("-"),
+            v["origin"].as_str().unwrap_or("-"),
+            v["resources"].as_u64().unwrap_or(0),
+            v["added"].as_u64().unwrap_or(0),
+            v["changed"].as_u64().unwrap_or(0),
+            v["removed"].as_u64().unwrap_or(0),
+        );
+    }
+    text
+}
+
+/// A diff: `+` added, `-` removed, `~` changed names, each changed body's
+/// unified diff after its name.
+pub fn diff_text(diff: &Value) -> String {
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "{} {} -> {}",
+        diff["collection"].as_str().unwrap_or("-"),
+        diff["from"].as_str().unwrap_or("-"),
+        diff["to"].as_str().unwrap_or("-")
+    );
+    for (mark, key) in [("+", "added"), ("-", "removed")] {
+        for name in diff[key].as_array().into_iter().flatten() {
+            let _ = writeln!(text, "{mark} {}", name.as_str().unwrap_or("-"));
+        }
+    }
+    for changed in diff["changed"].as_array().into_iter().flatten() {
+        match changed.as_str() {
+            Some(name) => {
+                let _ = writeln!(text, "~ {name}");
+            }
+            None => {
+                let _ = writeln!(text, "~ {}", changed["name"].as_str().unwrap_or("-"));
+                text.push_str(changed["diff"].as_str().unwrap_or_default());
+            }
+        }
+    }
+    text
+}

@@ -1,0 +1,427 @@
+//! Rollout safety on a real gateway: canary rounds (a NACK holds a version,
+//! the canaries' ACKs release it, a newer version supersedes it, a promotion
+//! sends it anyway), pins with state-of-the-world and incremental clients,
+//! the policy with no canary connected, and pins kept across a restart.
+
+use std::collections::{BTreeMap, HashMap};
+
+use mcp_xds_gateway::proto::{IncrementalMeshConfigResponse, MeshConfigRequest, MeshConfigResponse, SinkNode};
+use serde_json::Value;
+
+use crate::helpers::clients::{incremental, sotw, IncrementalClient, SotwClient};
+use crate::helpers::{
+    eventually_async, galley_and_gateway, get_json, http_get, http_request, start_gateway, within, VS,
+};
+use crate::rollout::{push, vs};
+
+/// A state-of-the-world request as node `node`.
+fn request_as(node: &str, type_url: &str, version: &str, nonce: &str, nack: Option<&str>) -> MeshConfigRequest {
+    MeshConfigRequest {
+        version_info: version.into(),
+        sink_node: Some(SinkNode {
+            id: node.into(),
+            annotations: HashMap::new(),
+        }),
+        type_url: type_url.into(),
+        response_nonce: nonce.into(),
+        error_detail: nack.map(|message| tonic_types::Status {
+            code: tonic::Code::InvalidArgument as i32,
+            message: message.into(),
+            details: vec![],
+        }),
+    }
+}
+
+/// A state-of-the-world client of node `node`, subscribed to VS.
+async fn client_as(gw: &mcp_xds_gateway::app::Bound, node: &str) -> SotwClient {
+    let client = sotw(gw.listen).await;
+    client.send(request_as(node, VS, "", "", None));
+    client
+}
+
+/// Receives VS's next response as node `node` and ACKs it; its version.
+async fn recv_ack(client: &mut SotwClient, node: &str) -> String {
+    let response = client.recv_type(VS).await;
+    client.send(request_as(node, VS, &response.version_info, &response.nonce, None));
+    response.version_info
+}
+
+fn names_of(response: &MeshConfigResponse) -> BTreeMap<String, String> {
+    response
+        .resources
+        .iter()
+        .map(|r| {
+            let m = r.metadata.as_ref().unwrap();
+            (m.name.clone(), m.version.clone())
+        })
+        .collect()
+}
+
+async fn rollout_of(gw: &mcp_xds_gateway::app::Bound) -> Value {
+    get_json(gw.admin, &format!("/debug/rollout/{VS}")).await
+}
+
+/// Waits for the collection's rollout state to be `state`.
+async fn state_is(gw: &mcp_xds_gateway::app::Bound, state: &str) -> Value {
+    within(&format!("the rollout to be {state}"), async {
+        loop {
+            let view = rollout_of(gw).await;
+            if view["state"] == state {
+                return view;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
+/// The value of a metric series with `collection="VS"`.
+async fn gauge(gw: &mcp_xds_gateway::app::Bound, name: &str) -> Option<f64> {
+    let (_, text) = http_get(gw.admin, "/metrics").await;
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(VS))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// A NACK from the canary holds a version while the others stay on the one
+/// before; a newer version starts a new round, which the canary's ACK
+/// releases to everyone (the incremental client gets the diff from where
+/// it was); a held version is sent anyway by a promotion.
+#[tokio::test]
+async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sends_it() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+
+    // The first version goes to everyone.
+    let mut canary = client_as(&gw, "canary-1").await;
+    let mut other = client_as(&gw, "prod-1").await;
+    let mut inc: IncrementalClient = incremental(gw.listen).await;
+    inc.start(VS, &[]);
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
+    let first: IncrementalMeshConfigResponse = inc.recv().await;
+    assert_eq!(first.system_version_info, v1);
+    inc.reply(VS, &first.nonce, None);
+    eventually_async("the canary to be counted", || async {
+        rollout_of(&gw).await["canaries_connected"] == 1
+    })
+    .await;
+
+    // v2 goes to the canary only; its NACK holds it.
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "bad.local", 1.0)]).await;
+    let response = canary.recv_type(VS).await;
+    assert_eq!(response.version_info, v2);
+    assert_eq!(state_is(&gw, "CANARY").await["everyone"], *v1);
+    canary.send(request_as(
+        "canary-1",
+        VS,
+        &v1,
+        &response.nonce,
+        Some("host bad.local: no such service"),
+    ));
+    let held = state_is(&gw, "HELD").await;
+    assert_eq!(held["held"]["version"], *v2, "{held}");
+    assert_eq!(held["held"]["node"], "canary-1");
+    assert_eq!(held["held"]["message"], "host bad.local: no such service");
+    assert_eq!(held["everyone"], *v1);
+    assert_eq!(gauge(&gw, "mcp_gateway_held").await, Some(1.0));
+    let syncz = get_json(gw.admin, "/debug/syncz").await;
+    assert_eq!(syncz["rollout"][0]["state"], "HELD", "{syncz}");
+    let status = mcp_xds_gateway::tools::status::render(&syncz);
+    assert!(
+        status.contains("HELD istio/networking/v1alpha3/virtualservices") && status.contains("canary-1"),
+        "{status}"
+    );
+
+    // The fix, v3: a new round; the canary's ACK releases it to everyone.
+    let v3 = push(
+        &mut upstream,
+        &gw,
+        vec![vs("a", "3", "a.local", 1.0), vs("b", "1", "b.local", 1.0)],
+    )
+    .await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v3);
+    // The others' next response is v3: they were never sent v2.
+    let released = other.recv_type(VS).await;
+    assert_eq!(released.version_info, v3);
+    assert_eq!(
+        names_of(&released),
+        BTreeMap::from([("a".into(), "3".into()), ("b".into(), "1".into())])
+    );
+    other.send(request_as("prod-1", VS, &v3, &released.nonce, None));
+    let diff: IncrementalMeshConfigResponse = inc.recv().await;
+    assert_eq!(diff.system_version_info, v3);
+    let mut upserted: Vec<&str> = diff
+        .resources
+        .iter()
+        .map(|r| r.metadata.as_ref().unwrap().name.as_str())
+        .collect();
+    upserted.sort();
+    assert_eq!(upserted, ["a", "b"]);
+    inc.reply(VS, &diff.nonce, None);
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
+    assert_eq!(gauge(&gw, "mcp_gateway_held").await, Some(0.0));
+
+    // v4 is NACKed, then promoted: everyone gets it anyway.
+    let v4 = push(&mut upstream, &gw, vec![vs("a", "3", "a.local", 1.0)]).await;
+    let response = canary.recv_type(VS).await;
+    canary.send(request_as("canary-1", VS, &v3, &response.nonce, Some("still wrong")));
+    state_is(&gw, "HELD").await;
+    let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    let promoted = other.recv_type(VS).await;
+    assert_eq!(promoted.version_info, v4);
+    let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("nothing waits"), "{body}");
+}
+
+/// A pin serves every client a version of the history: state-of-the-world
+/// clients its full set, incremental ones the diff back; upstream versions
+/// meanwhile are applied but not served; the unpin serves the latest with
+/// the diff forward. Errors name what is wrong.
+#[tokio::test]
+async fn a_pin_rolls_every_client_back_and_the_unpin_forward() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    let v1 = push(
+        &mut upstream,
+        &gw,
+        vec![vs("a", "1", "a.local", 1.0), vs("c", "1", "c.local", 1.0)],
+    )
+    .await;
+    let v2 = push(
+        &mut upstream,
+        &gw,
+        vec![vs("a", "2", "a2.local", 1.0), vs("b", "1", "b.local", 1.0)],
+    )
+    .await;
+    let mut full = client_as(&gw, "pilot-a").await;
+    assert_eq!(recv_ack(&mut full, "pilot-a").await, v2);
+    let mut inc = incremental(gw.listen).await;
+    inc.start(VS, &[]);
+    let first = inc.recv().await;
+    assert_eq!(first.system_version_info, v2);
+    inc.reply(VS, &first.nonce, None);
+
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v1}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    let back = full.recv_type(VS).await;
+    assert_eq!(back.version_info, v1);
+    assert_eq!(
+        names_of(&back),
+        BTreeMap::from([("a".into(), "1".into()), ("c".into(), "1".into())])
+    );
+    full.send(request_as("pilot-a", VS, &v1, &back.nonce, None));
+    let diff = inc.recv().await;
+    assert_eq!(diff.system_version_info, v1);
+    let upserted: Vec<(&str, &str)> = diff
+        .resources
+        .iter()
+        .map(|r| {
+            let m = r.metadata.as_ref().unwrap();
+            (m.name.as_str(), m.version.as_str())
+        })
+        .collect();
+    assert_eq!(upserted, [("a", "1"), ("c", "1")]);
+    assert_eq!(diff.removed_resources, ["b"]);
+    inc.reply(VS, &diff.nonce, None);
+    let pinned = state_is(&gw, "PINNED").await;
+    assert_eq!(pinned["pinned"], *v1);
+    assert_eq!(gauge(&gw, "mcp_gateway_pinned").await, Some(1.0));
+
+    // Upstream moves on: applied, not served.
+    let v3 = push(
+        &mut upstream,
+        &gw,
+        vec![vs("a", "2", "a2.local", 1.0), vs("d", "1", "d.local", 1.0)],
+    )
+    .await;
+    let pinned = rollout_of(&gw).await;
+    assert_eq!(
+        (pinned["latest"].as_str(), pinned["everyone"].as_str()),
+        (Some(&*v3), Some(&*v1))
+    );
+
+    // Errors: an unknown version, an unknown collection, no version.
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope"), "").await;
+    assert_eq!(code, 404, "{body}");
+    assert!(body.contains("\"nope\"") && body.contains("--history"), "{body}");
+    let (code, body) = http_request(gw.admin, "POST", "/pin/no/such/collection?version=x", "").await;
+    assert_eq!(code, 404, "{body}");
+    assert!(body.contains("no/such/collection"), "{body}");
+    let (code, _) = http_request(gw.admin, "POST", &format!("/pin/{VS}"), "").await;
+    assert_eq!(code, 400);
+
+    let (code, body) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    let forward = full.recv_type(VS).await;
+    assert_eq!(forward.version_info, v3);
+    let diff = inc.recv().await;
+    assert_eq!(diff.system_version_info, v3);
+    let upserted: Vec<&str> = diff
+        .resources
+        .iter()
+        .map(|r| r.metadata.as_ref().unwrap().name.as_str())
+        .collect();
+    assert_eq!(upserted, ["a", "d"]);
+    assert_eq!(diff.removed_resources, ["c"]);
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
+    assert_eq!(gauge(&gw, "mcp_gateway_pinned").await, Some(0.0));
+    let (code, body) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
+    assert_eq!(code, 409, "{body}");
+}
+
+/// With no canary connected, `proceed` releases a new version at once (and
+/// says so), `hold` waits until a canary connects and ACKs it.
+#[tokio::test]
+async fn with_no_canary_connected_proceed_releases_and_hold_waits() {
+    for policy in ["proceed", "hold"] {
+        let (_galley, gw, mut upstream) =
+            galley_and_gateway(&[VS], &["--canary", "track=canary", "--canary-when-none", policy]).await;
+        push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+        let mut other = client_as(&gw, "prod-1").await;
+        recv_ack(&mut other, "prod-1").await;
+        let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+        if policy == "proceed" {
+            assert_eq!(recv_ack(&mut other, "prod-1").await, v2);
+            let view = state_is(&gw, "SERVING").await;
+            assert!(view["warning"].as_str().unwrap().contains("without a canary"), "{view}");
+            continue;
+        }
+        let view = state_is(&gw, "WAITING").await;
+        assert!(
+            view["warning"].as_str().unwrap().contains("--canary-when-none=hold"),
+            "{view}"
+        );
+        // A canary by annotation connects, gets v2, ACKs: released.
+        let mut canary = sotw(gw.listen).await;
+        canary.send(MeshConfigRequest {
+            sink_node: Some(SinkNode {
+                id: "pilot-7".into(),
+                annotations: HashMap::from([("track".to_owned(), "canary".to_owned())]),
+            }),
+            ..request_as("", VS, "", "", None)
+        });
+        let response = canary.recv_type(VS).await;
+        assert_eq!(response.version_info, v2);
+        canary.send(MeshConfigRequest {
+            sink_node: Some(SinkNode {
+                id: "pilot-7".into(),
+                annotations: HashMap::new(),
+            }),
+            ..request_as("", VS, &v2, &response.nonce, None)
+        });
+        assert_eq!(recv_ack(&mut other, "prod-1").await, v2);
+    }
+}
+
+/// A pin, and what is held, survive a restart with `--cache-dir`.
+#[tokio::test]
+async fn pins_survive_a_restart_with_cache_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache_dir = dir.path().to_str().unwrap().to_owned();
+    let (galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--cache-dir", &cache_dir]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v1}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    let saved = dir.path().join("rollout.json");
+    crate::helpers::eventually("the pin to be saved", || {
+        std::fs::read_to_string(&saved).is_ok_and(|text| text.contains(&*v1))
+    })
+    .await;
+    let url = galley.url();
+    drop(upstream);
+    within("the Galley to stop", galley.stop()).await;
+    assert!(within("the gateway to stop", gw.shutdown()).await);
+
+    let restarted = start_gateway(&["--upstream", &url, "--collections", VS, "--cache-dir", &cache_dir]).await;
+    let pinned = state_is(&restarted, "PINNED").await;
+    assert_eq!(pinned["everyone"], *v1, "{pinned}");
+    let mut client = client_as(&restarted, "pilot-b").await;
+    assert_eq!(recv_ack(&mut client, "pilot-b").await, v1);
+    assert!(within("the restarted gateway to stop", restarted.shutdown()).await);
+}
+
+/// `mcp-xds-gateway rollout` over the admin port: history, diff, pin,
+/// status, unpin and promote, as text; a gateway's refusal is an error
+/// that says why.
+#[tokio::test]
+async fn the_rollout_command_reads_and_drives_the_admin_port() {
+    use mcp_xds_gateway::tools::rollout::{run, Action, RolloutArgs};
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    let v1 = push(
+        &mut upstream,
+        &gw,
+        vec![vs("a", "1", "a.local", 1.0), vs("b", "1", "b.local", 1.0)],
+    )
+    .await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 2.0)]).await;
+    let admin = format!("http://{}", gw.admin);
+    let rollout = |action: Action| {
+        let admin = admin.clone();
+        async move {
+            let mut out = Vec::new();
+            let result = within("the rollout command", run(RolloutArgs { admin, action }, &mut out)).await;
+            result.map(|()| String::from_utf8(out).unwrap())
+        }
+    };
+    let history = rollout(Action::History { collection: VS.into() }).await.unwrap();
+    let lines: Vec<&str> = history.lines().collect();
+    assert!(lines[0].starts_with("VERSION"), "{history}");
+    assert!(
+        lines[1].starts_with(&format!("*{v2}")) && lines[2].starts_with(&format!(" {v1}")),
+        "{history}"
+    );
+    // --from defaults to the version before the latest.
+    let diff = rollout(Action::Diff {
+        collection: VS.into(),
+        from: None,
+        to: None,
+        bodies: true,
+    })
+    .await
+    .unwrap();
+    assert!(diff.starts_with(&format!("{VS} {v1} -> {v2}\n")), "{diff}");
+    assert!(
+        diff.contains("- b\n") && diff.contains("~ a\n") && diff.contains("+  weight: 2.0"),
+        "{diff}"
+    );
+
+    let pinned = rollout(Action::Pin {
+        collection: VS.into(),
+        version: v1.clone(),
+    })
+    .await
+    .unwrap();
+    assert!(
+        pinned.starts_with(&format!("PINNED {VS}: every client is served {}", &v1[..12])),
+        "{pinned}"
+    );
+    let status = rollout(Action::Status { collection: None }).await.unwrap();
+    assert!(
+        status.contains("no --canary selectors") && status.contains(&format!("PINNED {VS}")),
+        "{status}"
+    );
+    let refused = rollout(Action::Promote { collection: VS.into() }).await.unwrap_err();
+    assert!(
+        format!("{refused:#}").contains("409") && format!("{refused:#}").contains("unpin it first"),
+        "{refused:#}"
+    );
+    let unpinned = rollout(Action::Unpin { collection: VS.into() }).await.unwrap();
+    assert!(
+        unpinned.starts_with(&format!("SERVING {VS}: every client is served {}", &v2[..12])),
+        "{unpinned}"
+    );
+    let unknown = rollout(Action::Pin {
+        collection: VS.into(),
+        version: "gone".into(),
+    })
+    .await
+    .unwrap_err();
+    assert!(
+        format!("{unknown:#}").contains("404") && format!("{unknown:#}").contains("\"gone\""),
+        "{unknown:#}"
+    );
+}
