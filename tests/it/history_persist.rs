@@ -11,21 +11,7 @@ use crate::helpers::{eventually, galley_and_gateway, get_json, start_gateway, wi
 /// A resource whose body is a `google.protobuf.Struct` (`{"host": host}`),
 /// which the admin port decodes, so a diff can show bodies.
 fn vs(name: &str, version: &str, host: &str) -> Resource {
-    let body = prost_types::Struct {
-        fields: [(
-            "host".to_owned(),
-            prost_types::Value {
-                kind: Some(prost_types::value::Kind::StringValue(host.to_owned())),
-            },
-        )]
-        .into(),
-    };
-    mcp_xds_gateway::tools::galley::resource(
-        name,
-        version,
-        "type.googleapis.com/google.protobuf.Struct",
-        &prost::Message::encode_to_vec(&body),
-    )
+    crate::rollout::vs(name, version, host, 1.0)
 }
 
 /// What the admin port says of VS's history and of its changes since `from`.
@@ -98,9 +84,7 @@ async fn the_history_survives_a_restart_with_cache_dir() {
     let a = changed.iter().find(|c| c["name"] == "a").expect("a changed");
     let body_diff = a["diff"].as_str().unwrap();
     assert!(
-        body_diff
-            .lines()
-            .any(|l| l.starts_with('-') && l.contains("host: a.local")),
+        body_diff.lines().any(|l| l.starts_with('-') && l.contains("- a.local")),
         "the old body is back: {diff_after}"
     );
     assert!(within("the restarted gateway to stop", restarted.shutdown()).await);

@@ -245,14 +245,14 @@ impl Rollout {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
         let gated = self.gated(&mut gates, collection);
         let before = Phase::of(&gated.gate);
-        let kept_before = (saved_of(&gated.gate), gated.gate.deadline());
+        let kept_before = kept(&gated.gate);
         let result = f(&mut gated.gate, Instant::now());
         let after = Phase::of(&gated.gate);
         if before != after {
             after.log(collection, &gated.gate, &before);
         }
         self.publish(collection, gated, hint);
-        if kept_before != (saved_of(&gated.gate), gated.gate.deadline()) {
+        if kept_before != kept(&gated.gate) {
             self.revision.send_modify(|r| *r += 1);
         }
         result
@@ -431,12 +431,12 @@ impl Rollout {
 
     /// Every collection's rollout, by name.
     pub fn views(&self) -> Vec<RolloutView> {
-        for snapshot in self.cache.snapshots() {
+        let snapshots = self.cache.snapshots();
+        let mut gates = self.gates.lock().expect("rollout lock poisoned");
+        for snapshot in snapshots {
             // Made if missing, so that every delivered collection shows.
-            let mut gates = self.gates.lock().expect("rollout lock poisoned");
             self.gated(&mut gates, &snapshot.collection);
         }
-        let gates = self.gates.lock().expect("rollout lock poisoned");
         let mut views: Vec<RolloutView> = gates.iter().map(|(c, g)| view_of(c, g, self.policy)).collect();
         views.sort_by(|a, b| a.collection.cmp(&b.collection));
         views
@@ -449,6 +449,16 @@ impl Rollout {
         let gated = self.gated(&mut gates, &name);
         Some(view_of(&name, gated, self.policy))
     }
+}
+
+/// What a step may change of what is saved, and the soak's deadline.
+fn kept(gate: &Gate) -> (Option<Version>, Option<Version>, Option<Version>, Option<Instant>) {
+    (
+        gate.released().cloned(),
+        gate.pinned().cloned(),
+        gate.held().map(|h| h.version.clone()),
+        gate.deadline(),
+    )
 }
 
 fn saved_of(gate: &Gate) -> Saved {
