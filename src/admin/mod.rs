@@ -214,7 +214,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
 /// Gauges that are views of the current state, set at scrape time.
 fn refresh_gauges(state: &AdminState) {
     let snapshots = state.cache.snapshots();
-    let mut current: BTreeMap<Arc<str>, Arc<str>> = BTreeMap::new();
+    let mut delivered: Vec<Arc<str>> = Vec::new();
     for snapshot in &snapshots {
         let collection = snapshot.collection.clone();
         metrics::gauge!(m::CACHE_RESOURCES, "collection" => collection.clone()).set(snapshot.len() as f64);
@@ -223,7 +223,7 @@ fn refresh_gauges(state: &AdminState) {
         metrics::gauge!(m::HISTORY_VERSIONS, "collection" => collection.clone()).set(versions as f64);
         metrics::gauge!(m::HISTORY_BYTES, "collection" => collection.clone()).set(bytes as f64);
         metrics::gauge!(m::LAST_UPDATE, "collection" => collection.clone()).set(unix_seconds(snapshot.updated_at));
-        current.insert(collection, snapshot.version.clone());
+        delivered.push(collection);
     }
 
     for rollout in state.rollout.views() {
@@ -243,7 +243,6 @@ fn refresh_gauges(state: &AdminState) {
             by_kind.insert((protocol.as_str(), dialect), 0.0);
         }
     }
-    let mut behind: BTreeMap<Arc<str>, f64> = current.keys().map(|c| (c.clone(), 0.0)).collect();
     for stream in &streams {
         let mut dialects: Vec<&'static str> = stream.types.values().map(|t| t.dialect.as_str()).collect();
         dialects.sort_unstable();
@@ -254,24 +253,24 @@ fn refresh_gauges(state: &AdminState) {
         for dialect in dialects {
             *by_kind.entry((stream.protocol.as_str(), dialect)).or_default() += 1.0;
         }
-        for view in stream.types.values() {
-            // Behind what its group is served (a pin or a canary round
-            // keeps clients on an older version on purpose).
-            if current.contains_key(&view.collection) {
-                let served = state.rollout.served_version(&view.collection, stream.canary);
-                if served.is_some() && view.acked_version != served {
-                    *behind.entry(view.collection.clone()).or_default() += 1.0;
-                }
-            }
-        }
     }
     for ((protocol, dialect), count) in by_kind {
         metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => protocol, "dialect" => dialect).set(count);
     }
+    let rows = syncz::rows(&streams, &state.rollout, state.registry.clock(), state.stale_after);
+    // Behind what its group is served (a pin or a canary round keeps
+    // clients on an older version on purpose): each row's current version.
+    let mut behind: BTreeMap<Arc<str>, f64> = delivered.into_iter().map(|c| (c, 0.0)).collect();
+    for row in &rows {
+        if let Some(count) = behind.get_mut(&row.view.collection) {
+            if row.current.is_some() && row.view.acked_version != row.current {
+                *count += 1.0;
+            }
+        }
+    }
     for (collection, count) in behind {
         metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
     }
-    let rows = syncz::rows(&streams, &state.rollout, state.registry.clock(), state.stale_after);
     let configured = state.subscriptions.awaited();
     for ((status, collection), count) in syncz::counts(&rows, configured) {
         metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)

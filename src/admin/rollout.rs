@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use super::{view, AdminState};
+use super::{unknown_collection, view, AdminState};
 use crate::downstream::rollout::{ControlError, RolloutView};
 
 #[derive(Debug, Default, serde::Deserialize)]
@@ -26,6 +26,7 @@ pub(super) struct PinQuery {
 fn answer(result: Result<RolloutView, ControlError>) -> Response {
     match result {
         Ok(view) => Json(view).into_response(),
+        Err(ControlError::UnknownCollection(collection)) => unknown_collection(&collection),
         Err(e) => {
             let status = if e.is_conflict() {
                 StatusCode::CONFLICT
@@ -82,6 +83,6 @@ pub(super) async fn rollout(
             &format!("Rollout: {collection}"),
             serde_json::to_value(rollout).unwrap_or_default(),
         ),
-        None => answer(Err(ControlError::UnknownCollection(collection.to_owned()))),
+        None => unknown_collection(collection),
     }
 }

@@ -472,9 +472,51 @@ pub struct KeptVersion {
     pub undo: Vec<(Arc<str>, Option<Arc<CachedResource>>)>,
 }
 
-/// A version rebuilt from the history: its resources, and the names where
-/// they differ from the newest version's (unsorted, repeats possible).
-struct Rebuilt(ResourceMap, Vec<Arc<str>>);
+/// A version being rebuilt from the history, one undo at a time from the
+/// newest: its resources, their collection-version sum and size (kept as
+/// each undo applies, so a version costs its changes), and the names where
+/// they differ from the newest's (unsorted, repeats possible).
+struct Rebuilt {
+    resources: ResourceMap,
+    sum: u128,
+    bytes: usize,
+    changed: Vec<Arc<str>>,
+}
+
+impl Rebuilt {
+    fn from_newest(newest: &CollectionSnapshot) -> Self {
+        Self {
+            resources: newest.resources.clone(),
+            sum: newest.content_sum,
+            bytes: newest.bytes,
+            changed: Vec::new(),
+        }
+    }
+
+    /// One version further back: the older version's undo applied.
+    fn undo(&mut self, undo: &[(Arc<str>, Option<Arc<CachedResource>>)]) {
+        for (name, had) in undo {
+            let replaced = match had {
+                Some(resource) => self.resources.insert(name.clone(), resource.clone()),
+                None => self.resources.remove(&**name),
+            };
+            if let Some(old) = replaced {
+                self.sum = self.sum.wrapping_sub(old.entry);
+                self.bytes -= old.encoded.len();
+            }
+            if let Some(resource) = had {
+                self.sum = self.sum.wrapping_add(resource.entry);
+                self.bytes += resource.encoded.len();
+            }
+            self.changed.push(name.clone());
+        }
+    }
+
+    /// The content version of what was rebuilt.
+    fn version(&self) -> String {
+        version_from_sum(self.sum, self.resources.len())
+    }
+}
 
 /// The last versions of one collection, oldest first.
 type History = std::collections::VecDeque<Kept>;
@@ -573,7 +615,8 @@ impl Cache {
     /// applied (the cost is the changes since, and the map shares the rest
     /// with the newest).
     pub fn version_resources(&self, collection: &str, version: &str) -> Option<ResourceMap> {
-        self.rebuild(collection, version).map(|(resources, _, _)| resources.0)
+        self.rebuild(collection, version)
+            .map(|(rebuilt, _, _)| rebuilt.resources)
     }
 
     /// Version `version` of `collection` as a snapshot clients can be served
@@ -581,20 +624,19 @@ impl Cache {
     /// its chunks shared with the newest's where nothing changed since.
     /// `None` once the history no longer holds it.
     pub fn version_snapshot(&self, collection: &str, version: &str) -> Option<Arc<CollectionSnapshot>> {
-        let (Rebuilt(mut resources, mut changed), newest, entry) = self.rebuild(collection, version)?;
-        if changed.is_empty() {
+        let (mut rebuilt, newest, entry) = self.rebuild(collection, version)?;
+        if rebuilt.changed.is_empty() {
             return Some(newest);
         }
-        changed.sort_unstable();
-        changed.dedup();
-        let chunks = rechunk(&mut resources, &newest.chunks, &changed);
-        let sum = resources.values().fold(0u128, |sum, r| sum.wrapping_add(r.entry));
+        rebuilt.changed.sort_unstable();
+        rebuilt.changed.dedup();
+        let chunks = rechunk(&mut rebuilt.resources, &newest.chunks, &rebuilt.changed);
         let mut snapshot = CollectionSnapshot::new(
             newest.collection.clone(),
-            resources,
-            sum,
+            rebuilt.resources,
+            rebuilt.sum,
             chunks,
-            entry.bytes,
+            rebuilt.bytes,
             entry.origin,
         );
         snapshot.updated_at = entry.updated_at;
@@ -609,18 +651,13 @@ impl Cache {
         let histories = self.histories.read().expect("cache lock poisoned");
         let history = histories.get(collection)?;
         let newest = history.back()?.snapshot.clone()?;
-        let mut rebuilt = Rebuilt(newest.resources.clone(), Vec::new());
+        let mut rebuilt = Rebuilt::from_newest(&newest);
         for at in (0..history.len()).rev() {
             if &*history[at].entry.version == version {
                 return Some((rebuilt, newest, history[at].entry.clone()));
             }
-            // One version further back: the older one's undo.
-            for (name, had) in history.get(at.wrapping_sub(1)).map_or(&[][..], |older| &older.undo[..]) {
-                match had {
-                    Some(resource) => rebuilt.0.insert(name.clone(), resource.clone()),
-                    None => rebuilt.0.remove(name),
-                };
-                rebuilt.1.push(name.clone());
+            if let Some(older) = history.get(at.wrapping_sub(1)) {
+                rebuilt.undo(&older.undo);
             }
         }
         None
@@ -664,10 +701,9 @@ impl Cache {
         }
         let dropped = (versions.len() + 1).saturating_sub(self.history_len());
         versions.drain(..dropped);
-        // Walk back from the newest, as `rebuild` will, keeping the version's
-        // sum and size as the undos apply: each version costs its changes.
-        let mut resources = newest.resources.clone();
-        let (mut sum, mut bytes) = (newest.content_sum, newest.bytes);
+        // Walk back from the newest, as `rebuild` will: each version costs
+        // its changes.
+        let mut rebuilt = Rebuilt::from_newest(&newest);
         for kept in versions.iter_mut().rev() {
             for (name, had) in &mut kept.undo {
                 if let Some(resource) = had {
@@ -680,28 +716,17 @@ impl Cache {
                     // Bytes of its own, not a slice of whatever it was read from.
                     *resource = Arc::new(resource.detached());
                 }
-                let replaced = match had {
-                    Some(resource) => resources.insert(name.clone(), resource.clone()),
-                    None => resources.remove(&**name),
-                };
-                if let Some(old) = replaced {
-                    sum = sum.wrapping_sub(old.entry);
-                    bytes -= old.encoded.len();
-                }
-                if let Some(resource) = had {
-                    sum = sum.wrapping_add(resource.entry);
-                    bytes += resource.encoded.len();
-                }
             }
-            let rebuilt = version_from_sum(sum, resources.len());
-            if *rebuilt != *kept.entry.version {
+            rebuilt.undo(&kept.undo);
+            let version = rebuilt.version();
+            if *version != *kept.entry.version {
                 return Err(format!(
-                    "version {} rebuilds to {rebuilt}: its recorded changes are not the ones to the next version",
+                    "version {} rebuilds to {version}: its recorded changes are not the ones to the next version",
                     kept.entry.version
                 ));
             }
-            kept.entry.resources = resources.len();
-            kept.entry.bytes = bytes;
+            kept.entry.resources = rebuilt.resources.len();
+            kept.entry.bytes = rebuilt.bytes;
         }
         let current = history.back_mut().expect("the newest is there");
         current.entry = HistoryEntry {

@@ -10,7 +10,8 @@ use serde_json::Value;
 
 use crate::helpers::clients::{incremental, sotw, IncrementalClient, SotwClient};
 use crate::helpers::{
-    eventually_async, galley_and_gateway, get_json, http_get, http_request, start_gateway, within, VS,
+    eventually_async, eventually_some, galley_and_gateway, get_json, http_get, http_request, sample, start_gateway,
+    within, VS,
 };
 use crate::rollout::{push, vs};
 
@@ -63,14 +64,8 @@ async fn rollout_of(gw: &mcp_xds_gateway::app::Bound) -> Value {
 
 /// Waits for the collection's rollout state to be `state`.
 async fn state_is(gw: &mcp_xds_gateway::app::Bound, state: &str) -> Value {
-    within(&format!("the rollout to be {state}"), async {
-        loop {
-            let view = rollout_of(gw).await;
-            if view["state"] == state {
-                return view;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+    eventually_some(&format!("the rollout to be {state}"), || async {
+        Some(rollout_of(gw).await).filter(|view| view["state"] == state)
     })
     .await
 }
@@ -78,10 +73,7 @@ async fn state_is(gw: &mcp_xds_gateway::app::Bound, state: &str) -> Value {
 /// The value of a metric series with `collection="VS"`.
 async fn gauge(gw: &mcp_xds_gateway::app::Bound, name: &str) -> Option<f64> {
     let (_, text) = http_get(gw.admin, "/metrics").await;
-    text.lines()
-        .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(VS))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+    sample(&text, name, &[&format!("collection=\"{VS}\"")])
 }
 
 /// A NACK from the canary holds a version while the others stay on the one

@@ -5,7 +5,7 @@ use mcp_xds_gateway::proto::Resource;
 use serde_json::Value;
 
 use crate::helpers::galley::GalleyStream;
-use crate::helpers::{galley_and_gateway, get_json, http_get, VS};
+use crate::helpers::{galley_and_gateway, get_json, http_get, sample, VS};
 
 /// A resource whose body is a `google.protobuf.Struct` (`{"hosts": [host],
 /// "weight": weight}`), which the admin port decodes natively.
@@ -105,11 +105,7 @@ async fn the_history_keeps_the_last_versions_and_the_diff_names_their_changes() 
     // versions hold beyond the newest (a's old body went with v1).
     let (_, metrics) = http_get(gw.admin, "/metrics").await;
     let series = |name: &str| {
-        metrics
-            .lines()
-            .find(|l| l.starts_with(name) && l.contains(&format!("collection=\"{VS}\"")))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse::<f64>().ok())
+        sample(&metrics, name, &[&format!("collection=\"{VS}\"")])
             .unwrap_or_else(|| panic!("no {name} for {VS}:\n{metrics}"))
     };
     assert_eq!(series("mcp_gateway_history_versions"), 3.0);

@@ -359,6 +359,19 @@ mod tests {
         }
     }
 
+    /// A gate releasing at the last ACK, with no canary proceeding, `canaries`
+    /// connected and `versions` delivered in turn.
+    fn with_canaries(canaries: &[u64], versions: &[&str], now: Instant) -> Gate {
+        let mut gate = Gate::new(canary_policy(WhenNone::Proceed, Duration::ZERO));
+        for canary in canaries {
+            gate.canary_joined(*canary, now);
+        }
+        for version in versions {
+            gate.on_latest(v(version), now);
+        }
+        gate
+    }
+
     /// "everyone/canaries", `-` for nothing.
     fn served(gate: &Gate) -> String {
         let s = gate.served();
@@ -388,9 +401,7 @@ mod tests {
     #[test]
     fn a_round_releases_on_every_canary_ack_and_holds_on_a_nack() {
         let now = Instant::now();
-        let mut gate = Gate::new(canary_policy(WhenNone::Proceed, Duration::ZERO));
-        gate.canary_joined(1, now);
-        gate.canary_joined(2, now);
+        let mut gate = with_canaries(&[1, 2], &[], now);
         // The first version goes to everyone.
         gate.on_latest(v("a"), now);
         assert_eq!(served(&gate), "a/a");
@@ -459,10 +470,7 @@ mod tests {
     #[test]
     fn canaries_that_leave_without_an_ack_do_not_release() {
         let now = Instant::now();
-        let mut gate = Gate::new(canary_policy(WhenNone::Proceed, Duration::ZERO));
-        gate.on_latest(v("a"), now);
-        gate.canary_joined(1, now);
-        gate.canary_joined(2, now);
+        let mut gate = with_canaries(&[1, 2], &["a"], now);
         gate.on_latest(v("b"), now);
         // A canary that crashed on it looks like this.
         gate.canary_left(1, now);
@@ -470,10 +478,7 @@ mod tests {
         assert_eq!(served(&gate), "a/b");
         assert!(gate.waiting_for_canary());
         // One ACK, and the other leaving, is every connected canary.
-        let mut gate = Gate::new(canary_policy(WhenNone::Proceed, Duration::ZERO));
-        gate.on_latest(v("a"), now);
-        gate.canary_joined(1, now);
-        gate.canary_joined(2, now);
+        let mut gate = with_canaries(&[1, 2], &["a"], now);
         gate.on_latest(v("b"), now);
         gate.canary_acked(1, "b", now);
         gate.canary_left(2, now);
@@ -483,10 +488,7 @@ mod tests {
     #[test]
     fn pins_promotions_and_unpins() {
         let now = Instant::now();
-        let mut gate = Gate::new(canary_policy(WhenNone::Proceed, Duration::ZERO));
-        gate.canary_joined(1, now);
-        gate.on_latest(v("a"), now);
-        gate.on_latest(v("b"), now);
+        let mut gate = with_canaries(&[1], &["a", "b"], now);
         gate.canary_nacked(1, "b", "c1", "no");
         assert_eq!(served(&gate), "a/b");
         // A pin to the NACKed version is the operator's choice.
@@ -523,10 +525,7 @@ mod tests {
     #[test]
     fn a_nacked_version_that_comes_back_is_held_again() {
         let now = Instant::now();
-        let mut gate = Gate::new(canary_policy(WhenNone::Proceed, Duration::ZERO));
-        gate.canary_joined(1, now);
-        gate.on_latest(v("a"), now);
-        gate.on_latest(v("b"), now);
+        let mut gate = with_canaries(&[1], &["a", "b"], now);
         gate.canary_nacked(1, "b", "c1", "no");
         gate.on_latest(v("c"), now);
         gate.canary_nacked(1, "c", "c1", "no");

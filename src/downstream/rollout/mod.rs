@@ -149,17 +149,6 @@ impl Rollout {
         rollout
     }
 
-    /// A rollout without canaries or saved state.
-    pub fn plain(cache: Arc<Cache>) -> Arc<Self> {
-        Self::new(
-            cache,
-            Vec::new(),
-            WhenNone::Proceed,
-            Default::default(),
-            BTreeMap::new(),
-        )
-    }
-
     /// Whether a node is a canary.
     pub fn is_canary(&self, node_id: &str, labels: &[(String, String)]) -> bool {
         selector::is_canary(&self.selectors, node_id, labels)

@@ -45,12 +45,38 @@ pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
 
 /// As [`eventually`], for a condition that must await (an HTTP view).
 pub async fn eventually_async<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
+    eventually_some(what, || {
+        let holds = condition();
+        async move { holds.await.then_some(()) }
+    })
+    .await
+}
+
+/// Polls `found` until it gives a value, and returns it; fails the test
+/// with `what` otherwise.
+pub async fn eventually_some<T, F: Future<Output = Option<T>>>(what: &str, mut found: impl FnMut() -> F) -> T {
     within(what, async {
-        while !condition().await {
+        loop {
+            if let Some(value) = found().await {
+                return value;
+            }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await
+}
+
+/// The value of the first sample of metric `name` whose labels contain
+/// each of `labels` (`collection="…"`), in a Prometheus exposition.
+pub fn sample(exposition: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    exposition
+        .lines()
+        .find(|l| {
+            l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['{', ' ']))
+                && labels.iter().all(|label| l.contains(label))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
 }
 
 /// A copy of the upstream status taken while `condition` holds (the status
