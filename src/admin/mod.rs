@@ -203,10 +203,19 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         )
             .into_response();
     };
-    refresh_gauges(&state);
+    // The scrape-time gauges are series of the process's one recorder: a
+    // scrape sets them and renders them in one step, so two gateways in one
+    // process (the integration tests run many) never render the values the
+    // other set in between. One gateway per process never waits here.
+    static SCRAPE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let text = {
+        let _one_scrape = SCRAPE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        refresh_gauges(&state);
+        handle.render()
+    };
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        handle.render(),
+        text,
     )
         .into_response()
 }
