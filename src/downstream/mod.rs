@@ -7,6 +7,7 @@
 pub mod by_type;
 pub mod encode;
 pub mod names;
+mod outbound;
 pub mod registry;
 pub mod rollout;
 pub mod service;
@@ -18,7 +19,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
@@ -71,9 +71,8 @@ const OUTBOUND_QUEUE: usize = 16;
 /// client that is not reading.
 const STATUS_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Boxed: every stream's queue allocates 32 slots up front, and a boxed
-/// response keeps a slot at 16 bytes instead of 56 (1.3 KiB per idle stream).
-type Outbound = mpsc::Sender<Result<Box<EncodedResponse>, Status>>;
+/// Boxed: a queued response is 16 bytes, not 56.
+type Outbound = outbound::Sender<Result<Box<EncodedResponse>, Status>>;
 
 /// What every stream shares.
 #[derive(Clone)]
@@ -312,7 +311,7 @@ async fn end_with(out: &Outbound, status: Status) {
     let _ = tokio::time::timeout(STATUS_SEND_TIMEOUT, out.send(Err(status))).await;
 }
 
-type Responses = mpsc::Receiver<Result<Box<EncodedResponse>, Status>>;
+type Responses = outbound::Receiver<Result<Box<EncodedResponse>, Status>>;
 
 /// Why a downstream stream ended: the `reason` of
 /// `mcp_gateway_downstream_stream_ends_total` and of the log line.
@@ -389,11 +388,11 @@ impl Downstream {
     /// Starts a stream of protocol `W`: its task, and the responses it sends.
     fn start<W: wires::Wire>(&self, body: tonic::body::Body, peer: Option<std::net::SocketAddr>) -> Responses {
         let inbound = RequestStream::new(body, self.inner.requests.clone(), W::REQUEST);
-        let (tx, rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let (tx, rx) = outbound::queue(OUTBOUND_QUEUE);
         let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer);
         self.inner
             .tasks
-            .spawn(stream.drive(inbound, tx, self.inner.shutdown.clone(), self.inner.limits));
+            .spawn(stream.drive(inbound, tx, self.inner.shutdown.clone()));
         rx
     }
 }

@@ -12,19 +12,19 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_stream::{StreamExt, StreamMap};
 use tonic::Status;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::by_type::ByType;
 use super::encode::{EncodedResponse, Record};
 use super::names::NameChange;
+use super::outbound::TrySendError;
 use super::registry::{RegistryEntry, Stamp, TypeView};
 use super::rollout::Rollout;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
-    end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, DownstreamLimits, End,
-    Outbound, StreamLogs,
+    end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
 };
 use crate::cache::demand::SubscriptionState;
 use crate::cache::CollectionSnapshot;
@@ -73,7 +73,8 @@ pub(super) struct TypedStream<W> {
     changes: StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
-    logs: StreamLogs,
+    /// Made at the first stale request or NACK: most streams have neither.
+    logs: Option<Box<StreamLogs>>,
     peer_gateway: Option<Box<PeerGateway>>,
     /// The source's refusals, watched while a type that must be answered
     /// (xDS) waits for a collection the source has not delivered. Boxed:
@@ -97,7 +98,7 @@ impl<W: Wire> TypedStream<W> {
             types: ByType::new(),
             changes: StreamMap::new(),
             last_nonce: 0,
-            logs: StreamLogs::default(),
+            logs: None,
             peer_gateway: None,
             refusals: None,
             canary: None,
@@ -107,94 +108,96 @@ impl<W: Wire> TypedStream<W> {
 
     /// The stream's task: requests, cache changes and shutdown, until one of
     /// them ends the stream. Its registry entry goes when it returns.
-    pub(super) async fn drive(
+    ///
+    /// Every idle stream is this future, so its size is kept down: an async
+    /// block rather than an `async fn` (whose arguments its future holds twice,
+    /// rust-lang/rust#62958), nothing of the `select!` (its futures, a
+    /// request) held while a response is queued, and rare paths boxed.
+    #[allow(clippy::manual_async_fn, reason = "an async fn would store its arguments twice")]
+    pub(super) fn drive(
         mut self,
         mut inbound: RequestStream<W::Request>,
         out: Outbound,
         shutdown: CancellationToken,
-        limits: DownstreamLimits,
-    ) {
-        // Real clients send a request per type and an ACK per response; a
-        // loop of requests (stale nonces, re-subscriptions) is cut off.
-        let mut requests = TokenBucket::new(
-            f64::from(limits.max_requests_per_second),
-            f64::from(limits.max_requests_per_second) * 10.0,
-        );
-        let (end, status) = loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => break (
-                    End::Shutdown,
-                    Some(Status::unavailable("the gateway is shutting down; reconnect to another replica")),
-                ),
-                _ = out.closed() => break (End::ClientGone, None),
-                request = inbound.message() => match request {
-                    Ok(Some(_)) if !requests.take() => {
-                        m::limit_refused("requests_rate");
-                        break (End::Limit, Some(Status::resource_exhausted(format!(
-                            "too many requests on this stream: --max-requests-per-second={}",
-                            limits.max_requests_per_second
-                        ))));
-                    }
-                    Ok(Some(request)) => match self.on_request(request, &out).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(ClientGone)) => break (End::ClientGone, None),
-                        Err(status) => break (End::of(&status), Some(status)),
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+        async move {
+            // Real clients send a request per type and an ACK per response; a
+            // loop of requests (stale nonces, re-subscriptions) is cut off.
+            let max_requests_per_second = self.shared.limits().max_requests_per_second;
+            let mut requests = TokenBucket::new(
+                f64::from(max_requests_per_second),
+                f64::from(max_requests_per_second) * 10.0,
+            );
+            let (end, status) = loop {
+                // What the select chose, done once its futures are gone.
+                let step = tokio::select! {
+                    _ = shutdown.cancelled() => break (
+                        End::Shutdown,
+                        Some(Status::unavailable("the gateway is shutting down; reconnect to another replica")),
+                    ),
+                    _ = out.closed() => break (End::ClientGone, None),
+                    request = inbound.message() => match request {
+                        Ok(Some(_)) if !requests.take() => {
+                            m::limit_refused("requests_rate");
+                            break (End::Limit, Some(Status::resource_exhausted(format!(
+                                "too many requests on this stream: --max-requests-per-second={max_requests_per_second}"
+                            ))));
+                        }
+                        Ok(Some(request)) => match self.accept(request) {
+                            Ok(Some(accepted)) => Step::Send(accepted),
+                            Ok(None) => continue,
+                            Err(status) => break (End::of(&status), Some(status)),
+                        },
+                        Ok(None) => break (End::ClientClosed, None),
+                        // A request that cannot be read ends the stream with its
+                        // status; after a client's cancel nobody reads it.
+                        Err(status) => {
+                            metrics::counter!(
+                                m::RECV_FAILURES,
+                                "component" => m::COMPONENT_DOWNSTREAM,
+                                "code" => m::code_number(status.code() as i32)
+                            )
+                            .increment(1);
+                            break (End::of(&status), Some(status));
+                        }
                     },
-                    Ok(None) => break (End::ClientClosed, None),
-                    // A request that cannot be read ends the stream with its
-                    // status; after a client's cancel nobody reads it.
-                    Err(status) => {
-                        metrics::counter!(
-                            m::RECV_FAILURES,
-                            "component" => m::COMPONENT_DOWNSTREAM,
-                            "code" => m::code_number(status.code() as i32)
-                        )
-                        .increment(1);
-                        break (End::of(&status), Some(status));
+                    Some((type_url, _)) = self.changes.next() => Step::Changed(type_url),
+                    // This gateway's upstream chain changed: a gateway peer that
+                    // is now upstream of it would close a loop.
+                    refused = chain_changed(&mut self.peer_gateway, &self.shared) => {
+                        break (End::Refused, Some(refused));
                     }
-                },
-                Some((type_url, _)) = self.changes.next() => {
-                    if self.try_send(&type_url, &out).await.is_err() {
-                        break (End::ClientGone, None);
+                    // The source refused a collection: a type waiting for it is
+                    // answered empty.
+                    () = refusals_changed(&mut self.refusals) => Step::AnswerRefused,
+                };
+                let sent = match step {
+                    Step::Send(Accepted { type_url, current, now }) => {
+                        self.send_from(&type_url, current, now, &out).await
                     }
+                    Step::Changed(type_url) => self.try_send(&type_url, &out).await,
+                    // Rare: boxed.
+                    Step::AnswerRefused => Box::pin(self.answer_refused(&out)).await,
+                };
+                if sent.is_err() {
+                    break (End::ClientGone, None);
                 }
-                // This gateway's upstream chain changed: a gateway peer that
-                // is now upstream of it would close a loop.
-                refused = chain_changed(&mut self.peer_gateway, &self.shared) => {
-                    break (End::Refused, Some(refused));
-                }
-                // The source refused a collection: a type waiting for it is
-                // answered empty.
-                () = refusals_changed(&mut self.refusals) => {
-                    if self.answer_refused(&out).await.is_err() {
-                        break (End::ClientGone, None);
-                    }
-                }
+            };
+            if end == End::ClientGone {
+                send_failed();
             }
-        };
-        if end == End::ClientGone {
-            send_failed();
-        }
-        metrics::counter!(
-            m::DOWNSTREAM_STREAM_ENDS,
-            "protocol" => W::PROTOCOL.as_str(),
-            "reason" => end.as_str()
-        )
-        .increment(1);
-        self.log_left(end, status.as_ref());
-        if let Some(status) = status {
-            // Boxed: it is needed once, and would otherwise be room in
-            // every stream's future.
-            Box::pin(end_with(&out, status)).await;
-        }
-    }
-
-    async fn on_request(&mut self, request: W::Request, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
-        // Decided without awaiting, so that nothing of the request is held in
-        // the stream's future while a response is queued.
-        match self.accept(request)? {
-            Some(Accepted { type_url, current, now }) => Ok(self.send_from(&type_url, current, now, out).await),
-            None => Ok(Ok(())),
+            metrics::counter!(
+                m::DOWNSTREAM_STREAM_ENDS,
+                "protocol" => W::PROTOCOL.as_str(),
+                "reason" => end.as_str()
+            )
+            .increment(1);
+            self.log_left(end, status.as_ref());
+            if let Some(status) = status {
+                // Boxed: it is needed once, and would otherwise be room in
+                // every stream's future.
+                Box::pin(end_with(&out, status)).await;
+            }
         }
     }
 
@@ -255,7 +258,7 @@ impl<W: Wire> TypedStream<W> {
             Verdict::Stale { expected } => {
                 record_stale(
                     self.id,
-                    &mut self.logs,
+                    self.logs.get_or_insert_with(Box::default),
                     &followed.metrics,
                     &type_url,
                     expected,
@@ -278,7 +281,13 @@ impl<W: Wire> TypedStream<W> {
             }
             Verdict::Nack | Verdict::Unrecoverable => {
                 let nack = followed.state.view.last_nack.as_ref().expect("a NACK was recorded");
-                record_nack(self.id, &mut self.logs, &type_url, &collection, nack);
+                record_nack(
+                    self.id,
+                    self.logs.get_or_insert_with(Box::default),
+                    &type_url,
+                    &collection,
+                    nack,
+                );
                 if let Some(canary) = &self.canary {
                     canary
                         .rollout
@@ -300,6 +309,17 @@ impl<W: Wire> TypedStream<W> {
         }
         Ok(Some(Accepted { type_url, current, now }))
     }
+}
+
+/// What a stream does once its `select!` chose: nothing the select held
+/// (a request, its futures) is kept while a response is queued.
+enum Step {
+    /// Send what a request decided.
+    Send(Accepted),
+    /// Send what the type's group is served now.
+    Changed(String),
+    /// Answer the types the source refused.
+    AnswerRefused,
 }
 
 /// A request taken: its type, and the snapshot and time it was decided at.
@@ -600,10 +620,10 @@ impl<W: Wire> TypedStream<W> {
         };
         match out.try_send(Ok(response)) {
             Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(ClientGone),
+            Err(TrySendError::Closed(_)) => Err(ClientGone),
             // The client is not reading: wait for room (boxed, as this is
             // rare and the future is large), but never past shutdown.
-            Err(mpsc::error::TrySendError::Full(response)) => {
+            Err(TrySendError::Full(response)) => {
                 let shutdown = self.shared.inner.shutdown.clone();
                 Box::pin(async move {
                     tokio::select! {

@@ -92,7 +92,8 @@ pub struct RequestStream<T> {
     /// What is read but not yet decoded (small messages, and what follows
     /// a large message's part).
     buf: BytesMut,
-    large: Option<Large>,
+    /// Boxed: most streams never read one, and every idle stream holds this.
+    large: Option<Box<Large>>,
     /// When the message being read began: it must be complete within the
     /// read timeout. `None` between messages (an idle stream is fine).
     started: Option<Instant>,
@@ -157,7 +158,9 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 if large.reading.is_none() {
                     // Room first, then the buffer: memory the budget counts.
                     let permit = self.budget.permits.clone().acquire_many_owned(len as u32);
-                    let permit = in_time(self.deadline(), &self.budget, permit)
+                    // Boxed: the wait (a timer and a semaphore's) would
+                    // otherwise be room in every idle stream's future.
+                    let permit = Box::pin(in_time(self.deadline(), &self.budget, permit))
                         .await?
                         .map_err(|_| Status::unavailable("the gateway is shutting down"))?;
                     let large = self.large.as_mut().expect("checked");
@@ -206,7 +209,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
             }
             if len >= LARGE_REQUEST {
                 self.buf.advance(HEADER);
-                self.large = Some(Large { len, reading: None });
+                self.large = Some(Box::new(Large { len, reading: None }));
                 continue;
             }
             if self.buf.len() < HEADER + len {
