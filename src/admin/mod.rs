@@ -285,7 +285,12 @@ fn refresh_gauges(state: &AdminState) {
         metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)
             .set(count as f64);
     }
-    metrics::gauge!(m::UPSTREAM_CONNECTED).set(if state.upstream.borrow().connected { 1.0 } else { 0.0 });
+    let (connected, broken_files) = {
+        let upstream = state.upstream.borrow();
+        (upstream.connected, upstream.broken_files)
+    };
+    metrics::gauge!(m::UPSTREAM_CONNECTED).set(if connected { 1.0 } else { 0.0 });
+    metrics::gauge!(m::SOURCE_FILES_BROKEN).set(broken_files as f64);
     metrics::gauge!(m::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     process_collector().collect();
 }

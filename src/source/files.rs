@@ -693,8 +693,8 @@ impl LocalSource {
             .values()
             .filter_map(|s| s.error.as_ref().map(ToString::to_string))
             .collect();
-        metrics::gauge!(crate::metrics::SOURCE_FILES_BROKEN).set(errors.len() as f64);
         self.status.send_modify(|s| {
+            s.broken_files = errors.len();
             s.last_error = (!errors.is_empty()).then(|| errors.join("; "));
         });
     }

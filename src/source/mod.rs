@@ -88,4 +88,8 @@ pub struct UpstreamStatus {
     /// Dial-out mode: the source's gRPC metadata (Galley's `--sinkMeta`
     /// pairs, `config.source.version`).
     pub source_metadata: BTreeMap<String, String>,
+    /// Files source: files that do not parse now (the last error names
+    /// them); `mcp_gateway_source_files_broken` at scrape time.
+    #[serde(skip)]
+    pub broken_files: usize,
 }
