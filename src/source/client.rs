@@ -153,7 +153,6 @@ impl UpstreamClient {
             s.since = Some(SystemTime::now());
             true
         });
-        metrics::gauge!(m::UPSTREAM_CONNECTED).set(if connected { 1.0 } else { 0.0 });
     }
 
     async fn run_stream(&mut self, shutdown: &CancellationToken, progress: &mut bool) -> StreamEnd {

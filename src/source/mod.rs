@@ -25,10 +25,11 @@ use crate::cache::CacheWriter;
 
 pub use session::SinkSession;
 
-/// Registers the sources' series at 0, so dashboards and alerts see them
-/// before the first event.
+/// Registers the sources' counters at 0, so dashboards and alerts see them
+/// before the first event. (Their gauges, `mcp_gateway_upstream_connected`
+/// and `mcp_gateway_source_files_broken`, are read from the upstream status
+/// at every scrape.)
 pub fn register_metrics() {
-    metrics::gauge!(crate::metrics::SOURCE_FILES_BROKEN).set(0.0);
     for reason in stream::StreamEnd::REASONS {
         metrics::counter!(crate::metrics::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).absolute(0);
     }

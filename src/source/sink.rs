@@ -203,7 +203,6 @@ impl ResourceSink for SinkServer {
             s.peer = Some(peer.clone());
             s.source_metadata = metadata;
         });
-        metrics::gauge!(m::UPSTREAM_CONNECTED).set(1.0);
 
         self.inner.tasks.spawn(async move {
             let writer = claimed.writer();
@@ -222,7 +221,6 @@ impl ResourceSink for SinkServer {
                 StreamEnd::Refused { message, .. } | StreamEnd::Failed { message, .. } => message,
             };
             tracing::warn!(%peer, %reason, %message, "the source's stream ended; serving the cached config");
-            metrics::gauge!(m::UPSTREAM_CONNECTED).set(0.0);
             inner.status.send_modify(|s| {
                 s.connected = false;
                 s.since = Some(SystemTime::now());
