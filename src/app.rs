@@ -278,7 +278,12 @@ pub async fn build_with_logs(
     crate::transport::http::serve(
         "--admin-listen",
         admin_listener,
-        admin::admin_router(admin_state.clone()),
+        admin::admin_router(
+            admin_state.clone(),
+            admin::guard::Guard {
+                loopback: admin.ip().is_loopback(),
+            },
+        ),
         settings.http,
         shutdown.clone(),
         &tasks,

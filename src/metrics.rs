@@ -50,6 +50,12 @@ pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
 pub const CACHE_WRITE_FAILURES: &str = "mcp_gateway_cache_write_failures_total";
 pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_total";
 pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
+pub const ADMIN_CONTROLS: &str = "mcp_gateway_admin_controls_total";
+pub const ADMIN_REFUSALS: &str = "mcp_gateway_admin_refusals_total";
+/// The `control` label of `ADMIN_CONTROLS`: the admin port's controls.
+pub const ADMIN_CONTROL_NAMES: [&str; 4] = ["pin", "unpin", "promote", "logging"];
+/// The `reason` label of `ADMIN_REFUSALS`.
+pub const ADMIN_REFUSAL_REASONS: [&str; 2] = ["cross_site", "host"];
 
 /// The log filter, changed at run time (`POST /logging` on the admin port),
 /// like Envoy's admin `/logging`. The binary builds it around its
@@ -183,6 +189,12 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     metrics::counter!(UPSTREAM_CONNECT_ATTEMPTS).absolute(0);
     metrics::gauge!(CLIENTS, "component" => COMPONENT_DOWNSTREAM).set(0.0);
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
+    for control in ADMIN_CONTROL_NAMES {
+        metrics::counter!(ADMIN_CONTROLS, "control" => control, "code" => "200").absolute(0);
+    }
+    for reason in ADMIN_REFUSAL_REASONS {
+        metrics::counter!(ADMIN_REFUSALS, "reason" => reason).absolute(0);
+    }
     for collection in collections {
         let c = || collection.clone();
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
@@ -473,6 +485,16 @@ pub fn describe() {
     describe_counter!(
         PEERS_NOT_ALLOWED,
         "Streams refused because the peer's certificate identity is not in --sink-allow or --client-allow."
+    );
+    describe_counter!(
+        ADMIN_CONTROLS,
+        "Admin controls (pin, unpin, promote, logging) by control and HTTP status code; each is also logged with \
+         its peer."
+    );
+    describe_counter!(
+        ADMIN_REFUSALS,
+        "Admin requests refused as a web page's: cross_site (a control with Origin or Sec-Fetch-Site), host (a \
+         loopback admin port named by another host name: DNS rebinding)."
     );
     describe_counter!(
         SINK_REFUSALS,

@@ -26,6 +26,7 @@ use crate::metrics as m;
 use crate::source::UpstreamStatus;
 
 mod dump;
+pub mod guard;
 mod history;
 mod index;
 mod rollout;
@@ -145,8 +146,9 @@ pub fn monitoring_router(state: AdminState) -> Router {
     probes().route("/", get(index::monitoring)).with_state(state)
 }
 
-/// The admin port: the monitoring paths and every debug view.
-pub fn admin_router(state: AdminState) -> Router {
+/// The admin port: the monitoring paths, every debug view and the
+/// controls, behind the guard against web pages ([`guard`]).
+pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
     probes()
         .route("/", get(index::admin))
         .route("/debug/clients", get(clients))
@@ -166,6 +168,7 @@ pub fn admin_router(state: AdminState) -> Router {
         .route("/debug/config", get(config))
         .route("/logging", axum::routing::post(logging))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
 }
 
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {

@@ -133,7 +133,15 @@ pub fn serve(
                     continue;
                 }
             };
-            let service = TowerToHyperService::new(router.clone());
+            // The peer, for handlers and layers that name it (the admin
+            // port's audit log).
+            let service = TowerToHyperService::new(tower::ServiceExt::map_request(
+                router.clone(),
+                move |mut request: axum::http::Request<hyper::body::Incoming>| {
+                    request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                    request
+                },
+            ));
             let shutdown = shutdown.clone();
             tracker.spawn(async move {
                 let _slot = slot;

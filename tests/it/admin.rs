@@ -7,7 +7,7 @@ use tonic::Code;
 
 use crate::helpers::clients::{channel, sotw};
 use crate::helpers::galley::{dial_out, resource, FakeGalley};
-use crate::helpers::{gateway_for, http_get, within, GW, VS};
+use crate::helpers::{gateway_for, get_json, http_get, http_request, sample, within, GW, VS};
 
 #[tokio::test]
 async fn readiness_waits_for_every_subscribed_collection() {
@@ -116,4 +116,77 @@ async fn every_task_ends_on_shutdown_in_every_source_mode() {
         assert!(within("shutdown", gw.shutdown()).await, "{flags:?}: every task ended");
         assert_eq!(client.end_status().await.code(), Code::Unavailable, "{flags:?}");
     }
+}
+
+/// A raw HTTP/1.1 request naming `host`: status and body.
+async fn request_naming(addr: std::net::SocketAddr, host: &str, head: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    within(&format!("{head} as {host}"), async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let request = format!("{head} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let status = response[9..12].parse().unwrap();
+        let body = response.split_once("\r\n\r\n").unwrap().1.to_owned();
+        (status, body)
+    })
+    .await
+}
+
+/// A web page the operator opens can neither drive the controls (a form
+/// POST carries Origin) nor read the views through a name it resolves to
+/// 127.0.0.1 (DNS rebinding); curl and the rollout command can do both.
+/// Each control is counted by control and code, each refusal by reason.
+#[tokio::test]
+async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name() {
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    let version = crate::rollout::push(&mut upstream, &gw, vec![crate::rollout::vs("a", "1", "a.example", 1.0)]).await;
+    let pin = format!("/pin/{VS}?version={version}");
+
+    // A form on another site, and a script on the admin port's own origin.
+    for origin in [
+        "Origin: http://evil.example\r\n",
+        "Origin: null\r\n",
+        "Sec-Fetch-Site: same-origin\r\n",
+    ] {
+        let (status, body) = http_request(gw.admin, "POST", &pin, origin).await;
+        assert_eq!(status, 403, "{origin}: {body}");
+        assert!(body.contains("cross-site request forgery"), "{body}");
+    }
+    let rollout = get_json(gw.admin, &format!("/debug/rollout/{VS}")).await;
+    assert!(rollout["pinned"].is_null(), "nothing was pinned: {rollout}");
+
+    // A rebinding page names its own host; an address or localhost is this host.
+    let (status, body) = request_naming(gw.admin, "evil.example:15000", &format!("GET /debug/cache/{VS}")).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("DNS rebinding"), "{body}");
+    assert!(!body.contains("a.example"), "{body}");
+    let (status, body) = request_naming(gw.admin, "localhost", &format!("GET /debug/cache/{VS}")).await;
+    assert_eq!(status, 200, "{body}");
+
+    // curl: the pin takes, is counted and so is a control that fails.
+    let (status, body) = http_request(gw.admin, "POST", &pin, "").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, _) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope"), "").await;
+    assert_eq!(status, 404);
+    let (status, _) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
+    assert_eq!(status, 200);
+
+    // The counters are the process's, and other tests' gateways pin too: at
+    // least what this test did.
+    let (_, metrics) = http_get(gw.admin, "/metrics").await;
+    let series = |labels: &[&str]| sample(&metrics, "mcp_gateway_admin_controls_total", labels).unwrap_or(0.0);
+    assert!(series(&["control=\"pin\"", "code=\"200\""]) >= 1.0, "{metrics}");
+    assert!(series(&["control=\"pin\"", "code=\"404\""]) >= 1.0, "{metrics}");
+    assert!(series(&["control=\"unpin\"", "code=\"200\""]) >= 1.0, "{metrics}");
+    let refusals = |reason: &str| {
+        sample(
+            &metrics,
+            "mcp_gateway_admin_refusals_total",
+            &[&format!("reason=\"{reason}\"")],
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(refusals("cross_site") >= 3.0 && refusals("host") >= 1.0, "{metrics}");
 }

@@ -307,7 +307,7 @@ async fn every_dashboard_query_names_a_metric_the_gateway_exports() {
             }
         }
     }
-    assert_eq!(rows, ["Upstream", "Cache", "Downstream", "Process"]);
+    assert_eq!(rows, ["Upstream", "Cache", "Downstream", "Rollout", "Process"]);
     assert!(queried_names.len() >= 20, "{queried_names:?}");
 }
 
