@@ -1,7 +1,8 @@
 //! Rollout safety on a real gateway: canary rounds (a NACK holds a version,
 //! the canaries' ACKs release it, a newer version supersedes it, a promotion
 //! sends it anyway), pins with state-of-the-world and incremental clients,
-//! the policy with no canary connected, and pins kept across a restart.
+//! the policy with no canary connected, pins kept across a restart, and an
+//! xDS v3 canary gating `ResourceSource` and legacy clients.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -416,4 +417,106 @@ async fn the_rollout_command_reads_and_drives_the_admin_port() {
         format!("{unknown:#}").contains("404") && format!("{unknown:#}").contains("\"gone\""),
         "{unknown:#}"
     );
+}
+
+/// Every protocol follows the same gating: an istiod on xDS v3, chosen by a
+/// metadata selector, is the canary; its NACK holds a version from a Pilot
+/// on `ResourceSource` (incremental) and a legacy client, whose next
+/// update is the fixed version the canary ACKed, as the diff from what the
+/// Pilot holds.
+#[tokio::test]
+async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
+    use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+    use mcp_xds_gateway::proto::envoy::service::discovery::v3::DiscoveryRequest;
+
+    use crate::helpers::clients::PilotSink;
+    use crate::xds::{mcp_resources, SotwStream, SOTW, VS_V1ALPHA3};
+
+    const ISTIOD: &str = "istiod-canary-0.istio-system";
+    let node = || {
+        let role = prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue("canary".into())),
+        };
+        Some(Node {
+            id: ISTIOD.into(),
+            metadata: Some(prost_types::Struct {
+                fields: [("ROLE".to_owned(), role)].into(),
+            }),
+            ..Default::default()
+        })
+    };
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "ROLE=canary"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+
+    let mut istiod = SotwStream::open(gw.listen, SOTW).await;
+    istiod.send(DiscoveryRequest {
+        type_url: VS_V1ALPHA3.into(),
+        node: node(),
+        ..Default::default()
+    });
+    let reply = |istiod: &SotwStream, version: &str, nonce: &str, nack: Option<&str>| {
+        istiod.send(DiscoveryRequest {
+            type_url: VS_V1ALPHA3.into(),
+            version_info: version.into(),
+            response_nonce: nonce.into(),
+            node: node(),
+            error_detail: nack.map(|message| tonic_types::Status {
+                code: tonic::Code::InvalidArgument as i32,
+                message: message.into(),
+                details: vec![],
+            }),
+            ..Default::default()
+        })
+    };
+    let first = istiod.recv().await;
+    assert_eq!(first.version_info, v1);
+    reply(&istiod, &v1, &first.nonce, None);
+    let mut pilot = PilotSink::connect(gw.listen, &[VS], true).await;
+    assert_eq!(pilot.recv_and_ack().await.system_version_info, v1);
+    let mut legacy = client_as(&gw, "prod-1").await;
+    assert_eq!(recv_ack(&mut legacy, "prod-1").await, v1);
+    eventually_async("the istiod to be counted a canary", || async {
+        rollout_of(&gw).await["canaries_connected"] == 1
+    })
+    .await;
+
+    // v2 goes to istiod only, and its NACK holds it.
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "bad.local", 1.0)]).await;
+    let offered = istiod.recv().await;
+    assert_eq!(offered.version_info, v2);
+    let offered_bodies = mcp_resources(&offered);
+    let body = &offered_bodies[0].body.as_ref().unwrap().value;
+    assert!(body.windows(9).any(|w| w == b"bad.local"), "v2's body goes to istiod");
+    reply(
+        &istiod,
+        &v1,
+        &offered.nonce,
+        Some("virtualservice a: host bad.local not found"),
+    );
+    let held = state_is(&gw, "HELD").await;
+    assert_eq!(held["held"]["version"], *v2, "{held}");
+    assert_eq!(held["held"]["node"], ISTIOD, "{held}");
+    assert_eq!(held["everyone"], *v1, "{held}");
+
+    // The fix: istiod ACKs it, and the others' next update is that version.
+    let v3 = push(
+        &mut upstream,
+        &gw,
+        vec![vs("a", "3", "a.local", 1.0), vs("b", "1", "b.local", 1.0)],
+    )
+    .await;
+    let fixed = istiod.recv().await;
+    assert_eq!(fixed.version_info, v3);
+    reply(&istiod, &v3, &fixed.nonce, None);
+    let update = pilot.recv_and_ack().await;
+    assert_eq!(update.system_version_info, v3, "the Pilot never saw v2");
+    assert!(update.incremental, "a diff from v1, what the Pilot holds");
+    assert_eq!(pilot.names(VS), ["a", "b"]);
+    assert_eq!(pilot.held[VS]["a"], "3");
+    assert_eq!(
+        recv_ack(&mut legacy, "prod-1").await,
+        v3,
+        "the legacy client never saw v2"
+    );
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
 }

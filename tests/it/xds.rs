@@ -17,12 +17,12 @@ use crate::helpers::clients::{channel, Bidi};
 use crate::helpers::galley::{incremental, resource, FakeGalley};
 use crate::helpers::{eventually, galley_and_gateway, gateway_for, start_gateway, within, VS};
 
-const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+pub(crate) const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 const MCP_RESOURCE: &str = "type.googleapis.com/istio.mcp.v1alpha1.Resource";
 const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 const VS_V1: &str = "networking.istio.io/v1/VirtualService";
-const VS_V1ALPHA3: &str = "networking.istio.io/v1alpha3/VirtualService";
+pub(crate) const VS_V1ALPHA3: &str = "networking.istio.io/v1alpha3/VirtualService";
 
 /// What istiod 1.24 to 1.30 asks for (`collections.Pilot`), MeshConfig first.
 const ISTIOD_1_24: [&str; 15] = [
@@ -43,7 +43,7 @@ const ISTIOD_1_24: [&str; 15] = [
     "extensions.istio.io/v1alpha1/WasmPlugin",
 ];
 
-type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
+pub(crate) type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
 type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
 
 /// istiod's node (`pkg/adsc`): `GENERATOR: api` in the metadata.
@@ -87,7 +87,7 @@ fn ack(stream: &SotwStream, response: &DiscoveryResponse) {
 }
 
 /// The MCP resources of a response, checked to be what istiod decodes.
-fn mcp_resources(response: &DiscoveryResponse) -> Vec<Resource> {
+pub(crate) fn mcp_resources(response: &DiscoveryResponse) -> Vec<Resource> {
     response
         .resources
         .iter()
