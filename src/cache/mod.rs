@@ -309,6 +309,9 @@ pub struct CollectionSnapshot {
     chunks: ChunkMap,
     /// Encodings readers made of this snapshot (responses, diffs).
     pub memo: Memo,
+    /// Whether a response of this version above the legacy clients' limit
+    /// was logged: once per version, not once per client.
+    pub oversized_logged: std::sync::atomic::AtomicBool,
 }
 
 impl CollectionSnapshot {
@@ -333,6 +336,7 @@ impl CollectionSnapshot {
             origin,
             chunks,
             memo: Memo::default(),
+            oversized_logged: Default::default(),
         }
     }
 

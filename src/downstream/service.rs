@@ -159,8 +159,6 @@ pub struct FramedResponses {
     /// The message being written.
     writing: Option<Writing>,
     done: bool,
-    /// An oversized response is logged once per stream.
-    warned_oversized: bool,
     /// When the stream began (push latency counts only later changes).
     started: Instant,
 }
@@ -190,14 +188,13 @@ impl FramedResponses {
             responses,
             writing: None,
             done: false,
-            warned_oversized: false,
             started: Instant::now(),
         }
     }
 }
 
 /// The metrics of a response handed to the client's connection.
-fn record_write(record: &Record, stream_started: Instant, len: usize, warned_oversized: &mut bool) {
+fn record_write(record: &Record, stream_started: Instant, len: usize) {
     let Record { snapshot, metrics } = record;
     metrics.response_size.record(len as f64);
     // A change applied before the stream began is not a push: a new
@@ -207,7 +204,11 @@ fn record_write(record: &Record, stream_started: Instant, len: usize, warned_ove
     }
     if len > m::LEGACY_CLIENT_LIMIT {
         metrics.oversized.increment(1);
-        if !std::mem::replace(warned_oversized, true) {
+        // Once per version: every client of a big collection gets one.
+        if !snapshot
+            .oversized_logged
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
             tracing::warn!(
                 collection = %snapshot.collection,
                 bytes = len,
@@ -244,7 +245,7 @@ impl http_body::Body for FramedResponses {
             Some(Ok(response)) => {
                 let len = response.len();
                 if let Some(record) = &response.record {
-                    record_write(record, this.started, len, &mut this.warned_oversized);
+                    record_write(record, this.started, len);
                 }
                 match u32::try_from(len) {
                     Ok(len) => {
