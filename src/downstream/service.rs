@@ -275,3 +275,59 @@ impl http_body::Body for FramedResponses {
         self.done && self.writing.is_none()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::cache::CollectionSnapshot;
+    use crate::metrics::CollectionMetrics;
+
+    /// Log lines written into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_oversized_version_is_logged_once_however_many_clients_get_it() {
+        let collection: Arc<str> = "c".into();
+        let metrics = Arc::new(CollectionMetrics::new(&collection));
+        let version = |snapshot| Record {
+            snapshot,
+            metrics: metrics.clone(),
+        };
+        let (v1, v2) = (
+            version(CollectionSnapshot::empty(collection.clone())),
+            version(CollectionSnapshot::empty(collection.clone())),
+        );
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let started = Instant::now();
+            // Three clients get v1 above the limit, one below it; one gets v2.
+            for len in [
+                m::LEGACY_CLIENT_LIMIT + 1,
+                m::LEGACY_CLIENT_LIMIT + 1,
+                100,
+                m::LEGACY_CLIENT_LIMIT + 2,
+            ] {
+                record_write(&v1, started, len);
+            }
+            record_write(&v2, started, m::LEGACY_CLIENT_LIMIT + 1);
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.matches("larger than 4 MiB").count(), 2, "once per version: {text}");
+    }
+}
