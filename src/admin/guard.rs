@@ -99,6 +99,11 @@ pub fn judge(guard: Guard, method: &Method, headers: &HeaderMap, uri: &axum::htt
 
 /// The middleware: refuses what [`judge`] refuses, and audits controls.
 pub async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> Response {
+    let judged = judge(guard, request.method(), request.headers(), request.uri());
+    if judged.is_ok() && !is_control(request.method()) {
+        // Reads (the views, /metrics) pass without an audit.
+        return next.run(request).await;
+    }
     let peer = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
@@ -106,7 +111,7 @@ pub async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> 
     let peer = peer.map_or_else(|| "unknown".to_owned(), |p| p.to_string());
     let method = request.method().clone();
     let path = request.uri().path().to_owned();
-    if let Err(refusal) = judge(guard, &method, request.headers(), request.uri()) {
+    if let Err(refusal) = judged {
         metrics::counter!(m::ADMIN_REFUSALS, "reason" => refusal.as_str()).increment(1);
         tracing::warn!(%peer, %method, %path, reason = refusal.as_str(), "admin request refused");
         let body = match refusal {
@@ -121,9 +126,6 @@ pub async fn guard(State(guard): State<Guard>, request: Request, next: Next) -> 
             }
         };
         return (StatusCode::FORBIDDEN, body).into_response();
-    }
-    if !is_control(&method) {
-        return next.run(request).await;
     }
     let query = request.uri().query().map(str::to_owned);
     let response = next.run(request).await;
