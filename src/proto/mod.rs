@@ -71,4 +71,8 @@ pub mod gateway {
 
 /// The encoded `FileDescriptorSet` of the MCP protos and their imports, for
 /// gRPC server reflection.
+/// `ResourceSource.EstablishResourceStream`: the gateway serves it, and dials
+/// it on a source.
+pub const RESOURCE_SOURCE_PATH: &str = "/istio.mcp.v1alpha1.ResourceSource/EstablishResourceStream";
+
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/mcp_descriptor.bin"));

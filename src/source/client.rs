@@ -5,7 +5,6 @@
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::{Backoff, BackoffPolicy};
@@ -14,9 +13,10 @@ use super::{SinkContext, UpstreamStatus};
 use crate::cache::provenance::{parse_chain, ChainError, CHAIN_HEADER, GATEWAY_ID_ANNOTATION};
 use crate::cache::CacheWriter;
 use crate::metrics as m;
-use crate::proto::gateway::resource_source_client::ResourceSourceClient;
-use crate::proto::SinkNode;
+use crate::proto::{SinkNode, RESOURCE_SOURCE_PATH};
+use crate::transport::call;
 use crate::transport::connect::{self, Dial};
+use crate::transport::requests::RequestBudget;
 use crate::transport::tls::ClientTlsFiles;
 
 /// Everything client mode needs, decided at start-up.
@@ -177,16 +177,17 @@ impl UpstreamClient {
         };
         // Connected: the HTTP/2 handshake is complete.
         self.set_connected(true);
-        let mut client = ResourceSourceClient::new(channel)
-            .max_decoding_message_size(self.settings.max_message_bytes)
-            .max_encoding_message_size(self.settings.max_message_bytes);
         let (mut opened, rx) = self.sink.open(&self.writer);
         opened.request_collections();
+        // Each message the source sends is read into a buffer of its own
+        // size, freed once it is applied: a big collection is not held a
+        // second time while the stream lives.
+        let budget = RequestBudget::for_source(self.settings.max_message_bytes);
         let response = tokio::select! {
-            response = client.establish_resource_stream(ReceiverStream::new(rx)) => response,
+            response = call::bidi(channel, RESOURCE_SOURCE_PATH, rx, budget, "Resources") => response,
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,
         };
-        let response = match response {
+        let (headers, mut inbound) = match response {
             Ok(response) => response,
             Err(status) => {
                 stream::send_failed(m::code_number(status.code() as i32));
@@ -195,8 +196,7 @@ impl UpstreamClient {
         };
         // Another gateway announces itself and its own upstreams; Galley
         // announces nothing.
-        let chain = response
-            .metadata()
+        let chain = headers
             .get(CHAIN_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(parse_chain)
@@ -219,7 +219,6 @@ impl UpstreamClient {
             tracing::info!(chain = %chain.join(" <- "), "the upstream is a gateway");
         }
         self.writer.set_upstream_chain(chain);
-        let mut inbound = response.into_inner();
         tracing::info!(address = %self.settings.address, "upstream stream established");
         opened.run(&mut self.writer, &mut inbound, shutdown, progress).await
     }

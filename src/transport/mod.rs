@@ -4,6 +4,7 @@
 //! connection, file watching. No protocol logic lives here.
 
 pub mod bucket;
+pub mod call;
 pub mod connect;
 pub mod fswatch;
 pub mod gather;

@@ -1,12 +1,17 @@
-//! gRPC request messages read from a request body, for the gateway's own
-//! streaming services. Unlike a general-purpose decoder it never keeps a
-//! large buffer: small messages (subscriptions, ACKs) go through a small
-//! buffer, and a large one (a long NACK, a big `initial_resource_versions`)
-//! is read into a buffer of exactly its size that is freed once it is
-//! decoded. Large messages draw their size from a budget shared by every
-//! stream (`--max-request-buffer-bytes`) before they are read, and must
-//! arrive within `--request-read-timeout`, so what all clients together can
-//! make the gateway hold is bounded, and small requests never wait.
+//! gRPC messages read from a body: the requests of the gateway's own
+//! streaming services, and the responses of a source it dials. Unlike a
+//! general-purpose decoder it never keeps a large buffer: small messages
+//! (subscriptions, ACKs) go through a small buffer, and a large one (a long
+//! NACK, a big `initial_resource_versions`, a source's whole collection) is
+//! read into a buffer of exactly its size that is freed once it is decoded
+//! (tonic's decoder grows one buffer to the largest message and keeps it
+//! while the stream lives). Large requests draw their size from a budget
+//! shared by every stream (`--max-request-buffer-bytes`) before they are
+//! read, and must arrive within `--request-read-timeout`, so what all
+//! clients together can make the gateway hold is bounded, and small requests
+//! never wait. A source's responses have a budget of their own, one message
+//! of `--max-message-bytes`, and no read timeout (keepalive finds a dead
+//! source); their stream ends with the status in its trailers.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -36,8 +41,21 @@ pub struct RequestBudget {
     /// `--max-request-bytes`: a larger message ends the stream.
     pub max_message_bytes: usize,
     /// `--request-read-timeout`: a large message, room included, must
-    /// arrive this fast.
-    pub read_timeout: Duration,
+    /// arrive this fast. `None` for a source's responses.
+    pub read_timeout: Option<Duration>,
+    /// Whose messages: a client's requests, or a source's responses.
+    reads: Reads,
+}
+
+/// Whose messages a stream reads: what its errors name, and how it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reads {
+    /// A client's requests: the body ends when the client closes its side.
+    Requests,
+    /// A source's responses: the body ends with the call's status in its
+    /// trailers, and a message too large is the error tonic's decoder gives
+    /// (which the source's stream names `--max-message-bytes` for).
+    Responses,
 }
 
 impl RequestBudget {
@@ -46,7 +64,20 @@ impl RequestBudget {
             permits: Arc::new(Semaphore::new(max_buffer_bytes)),
             max_buffer_bytes,
             max_message_bytes,
-            read_timeout,
+            read_timeout: Some(read_timeout),
+            reads: Reads::Requests,
+        })
+    }
+
+    /// The budget of one stream of a source's responses: one message of up
+    /// to `max_message_bytes` at a time, however long it takes to arrive.
+    pub fn for_source(max_message_bytes: usize) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(max_message_bytes)),
+            max_buffer_bytes: max_message_bytes,
+            max_message_bytes,
+            read_timeout: None,
+            reads: Reads::Responses,
         })
     }
 
@@ -70,7 +101,7 @@ async fn in_time<F: std::future::Future>(
         Status::resource_exhausted(format!(
             "a request did not arrive within --request-read-timeout={} of its first byte (large ones wait for \
              room in --max-request-buffer-bytes={})",
-            humantime::format_duration(budget.read_timeout),
+            humantime::format_duration(budget.read_timeout.unwrap_or_default()),
             budget.max_buffer_bytes
         ))
     })
@@ -100,6 +131,9 @@ pub struct RequestStream<T> {
     /// The message type's name, for errors.
     message: &'static str,
     ended: bool,
+    /// A source's responses: the status its trailers carried (`Ok` once the
+    /// call ended well).
+    status: Option<Status>,
     _kind: PhantomData<fn() -> T>,
 }
 
@@ -113,13 +147,20 @@ impl<T: prost::Message + Default> RequestStream<T> {
             started: None,
             message,
             ended: false,
+            status: None,
             _kind: PhantomData,
         }
     }
 
+    /// A response whose status came in its headers (trailers-only).
+    pub fn ended_with(mut self, status: Status) -> Self {
+        self.status = Some(status);
+        self
+    }
+
     /// The current message's read deadline (none between messages).
     fn deadline(&self) -> Option<Instant> {
-        self.started.map(|started| started + self.budget.read_timeout)
+        Some(self.started? + self.budget.read_timeout?)
     }
 
     /// Reads one more frame of the body into `buf`; false at its end.
@@ -132,19 +173,33 @@ impl<T: prost::Message + Default> RequestStream<T> {
             let frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut self.body).poll_frame(cx));
             match in_time(deadline, &budget, frame).await? {
                 Some(Ok(frame)) => {
-                    if let Ok(data) = frame.into_data() {
-                        if self.started.is_none() && !data.is_empty() {
-                            self.started = Some(Instant::now());
+                    let trailers = match frame.into_data() {
+                        Ok(data) => {
+                            if self.started.is_none() && !data.is_empty() {
+                                self.started = Some(Instant::now());
+                            }
+                            self.buf.put(data);
+                            return Ok(true);
                         }
-                        self.buf.put(data);
-                        return Ok(true);
+                        Err(frame) => frame.into_trailers(),
+                    };
+                    // Request trailers carry nothing for these services; a
+                    // response's carry the call's status.
+                    if let (Reads::Responses, Ok(trailers)) = (self.budget.reads, trailers) {
+                        self.status = Status::from_header_map(&trailers);
                     }
-                    // Request trailers carry nothing for these services.
                 }
                 Some(Err(status)) => return Err(status),
                 None => {
                     self.ended = true;
-                    return Ok(false);
+                    return match (self.budget.reads, self.status.take()) {
+                        (Reads::Requests, _) => Ok(false),
+                        (Reads::Responses, Some(status)) if status.code() == tonic::Code::Ok => Ok(false),
+                        (Reads::Responses, Some(status)) => Err(status),
+                        (Reads::Responses, None) => Err(Status::internal(
+                            "the source's stream ended without a grpc-status (a reset, or a proxy between)",
+                        )),
+                    };
                 }
             }
         }
@@ -186,9 +241,10 @@ impl<T: prost::Message + Default> RequestStream<T> {
                     return if self.buf.is_empty() {
                         Ok(None)
                     } else {
-                        Err(Status::invalid_argument(
-                            "the request stream ended inside a message header",
-                        ))
+                        Err(Status::invalid_argument(format!(
+                            "the {} stream ended inside a message header",
+                            self.what()
+                        )))
                     };
                 }
                 continue;
@@ -201,11 +257,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
             }
             let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
             if len > self.budget.max_message_bytes {
-                m::limit_refused("max_request_bytes");
-                return Err(Status::resource_exhausted(format!(
-                    "a request of {len} bytes is larger than --max-request-bytes={} allows",
-                    self.budget.max_message_bytes
-                )));
+                return Err(self.too_large(len));
             }
             if len >= LARGE_REQUEST {
                 self.buf.advance(HEADER);
@@ -234,11 +286,35 @@ impl<T: prost::Message + Default> RequestStream<T> {
             self.buf = BytesMut::new();
         }
         T::decode(bytes)
-            .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", self.message)))
+            .map_err(|e| Status::invalid_argument(format!("the {} is not a valid {}: {e}", self.what(), self.message)))
     }
 
     fn cut_short(&self) -> Status {
-        Status::invalid_argument(format!("the request stream ended inside a {}", self.message))
+        Status::invalid_argument(format!("the {} stream ended inside a {}", self.what(), self.message))
+    }
+
+    fn what(&self) -> &'static str {
+        match self.budget.reads {
+            Reads::Requests => "request",
+            Reads::Responses => "response",
+        }
+    }
+
+    fn too_large(&self, len: usize) -> Status {
+        let max = self.budget.max_message_bytes;
+        match self.budget.reads {
+            Reads::Requests => {
+                m::limit_refused("max_request_bytes");
+                Status::resource_exhausted(format!(
+                    "a request of {len} bytes is larger than --max-request-bytes={max} allows"
+                ))
+            }
+            // As tonic's decoder says it: `source::stream::classify` names
+            // the flag (and counts the refusal) for both.
+            Reads::Responses => Status::out_of_range(format!(
+                "Error, decoded message length too large: found {len} bytes, the limit is: {max} bytes"
+            )),
+        }
     }
 }
 
@@ -255,6 +331,8 @@ mod tests {
     struct Chunks {
         chunks: std::collections::VecDeque<Bytes>,
         end: bool,
+        /// Sent after the chunks, before the end.
+        trailers: Option<http::HeaderMap>,
     }
 
     impl http_body::Body for Chunks {
@@ -266,7 +344,7 @@ mod tests {
         ) -> Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
             match self.chunks.pop_front() {
                 Some(chunk) => Poll::Ready(Some(Ok(http_body::Frame::data(chunk)))),
-                None if self.end => Poll::Ready(None),
+                None if self.end => Poll::Ready(self.trailers.take().map(|t| Ok(http_body::Frame::trailers(t)))),
                 None => Poll::Pending,
             }
         }
@@ -286,7 +364,15 @@ mod tests {
         budget: Arc<RequestBudget>,
     ) -> RequestStream<crate::proto::wire::SotwRequest> {
         let chunks = bytes.chunks(chunk).map(Bytes::copy_from_slice).collect();
-        RequestStream::new(Body::new(Chunks { chunks, end }), budget, "MeshConfigRequest")
+        RequestStream::new(
+            Body::new(Chunks {
+                chunks,
+                end,
+                trailers: None,
+            }),
+            budget,
+            "MeshConfigRequest",
+        )
     }
 
     fn request(version: &str) -> Vec<u8> {
@@ -393,5 +479,80 @@ mod tests {
         let request = waiting.await.unwrap().unwrap().unwrap();
         assert_eq!(request.version_info.len(), 100_000);
         assert_eq!(budget.in_use(), 0);
+    }
+
+    /// A source's responses as the upstream client reads them.
+    fn responses(
+        bytes: Vec<u8>,
+        chunk: usize,
+        status: Option<(i32, &str)>,
+    ) -> RequestStream<crate::proto::wire::SotwRequest> {
+        let trailers = status.map(|(code, message)| {
+            let mut map = http::HeaderMap::new();
+            map.insert("grpc-status", code.into());
+            map.insert("grpc-message", message.parse().unwrap());
+            map
+        });
+        let chunks = bytes.chunks(chunk).map(Bytes::copy_from_slice).collect();
+        let body = Body::new(Chunks {
+            chunks,
+            end: true,
+            trailers,
+        });
+        RequestStream::new(body, RequestBudget::for_source(4 << 20), "Resources")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sources_responses_end_with_the_status_of_their_trailers() {
+        let ok = responses(framed(&request("a")), 100, Some((0, "")));
+        let refused = responses(framed(&request("a")), 100, Some((5, "no such collection")));
+        let reset = responses(framed(&request("a")), 100, None);
+        for (mut stream, end) in [
+            (ok, None),
+            (refused, Some(tonic::Code::NotFound)),
+            (reset, Some(tonic::Code::Internal)),
+        ] {
+            assert_eq!(stream.message().await.unwrap().unwrap().version_info, "a");
+            match (stream.message().await, end) {
+                (Ok(None), None) => {}
+                (Err(status), Some(code)) => assert_eq!(status.code(), code, "{status:?}"),
+                (other, _) => panic!("{other:?} where the end is {end:?}"),
+            }
+        }
+        let status = responses(framed(&request("a")), 100, Some((5, "no such collection")))
+            .ended_with(Status::ok(""))
+            .message()
+            .await;
+        assert!(status.is_ok(), "the trailers' status counts, not the headers'");
+    }
+
+    /// A large response is read into a buffer of its own size, and once it
+    /// is decoded the stream keeps nothing of that size; one larger than
+    /// the limit is refused from its length, as tonic's decoder words it.
+    #[tokio::test(start_paused = true)]
+    async fn a_large_response_leaves_no_buffer_of_its_size_behind() {
+        let large = "r".repeat(3 << 20);
+        let mut bytes = framed(&request(&large));
+        bytes.extend(framed(&request("next")));
+        let mut stream = responses(bytes, 16_384, Some((0, "")));
+        assert_eq!(stream.message().await.unwrap().unwrap().version_info, large);
+        assert!(stream.large.is_none());
+        assert!(
+            stream.buf.capacity() < LARGE_REQUEST,
+            "the stream keeps {} bytes of buffer",
+            stream.buf.capacity()
+        );
+        assert_eq!(stream.message().await.unwrap().unwrap().version_info, "next");
+
+        let status = responses(framed(&request(&"x".repeat(5 << 20))), 16_384, None)
+            .message()
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::OutOfRange);
+        assert!(
+            status.message().contains("message length too large"),
+            "{}",
+            status.message()
+        );
     }
 }

@@ -1,0 +1,89 @@
+//! A bidirectional-streaming gRPC call from the gateway on a channel, its
+//! responses read by [`RequestStream`]: each large message into a buffer of
+//! its own size, freed once decoded, where tonic's decoder grows one buffer
+//! to the largest message and keeps it while the stream lives (a source's
+//! whole collection, for as long as the gateway is connected).
+
+use std::sync::Arc;
+
+use bytes::{BufMut, BytesMut};
+use http_body::Frame;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::body::Body;
+use tonic::codegen::http::{self, header, HeaderMap, HeaderValue, StatusCode};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+use tower::ServiceExt;
+
+use super::requests::{RequestBudget, RequestStream};
+
+/// One message as a gRPC frame: uncompressed, its length, its bytes.
+fn frame<M: prost::Message>(message: &M) -> Result<Frame<bytes::Bytes>, Status> {
+    let len = message.encoded_len();
+    let prefix = u32::try_from(len).map_err(|_| Status::internal(format!("a request of {len} bytes")))?;
+    let mut buf = BytesMut::with_capacity(5 + len);
+    buf.put_u8(0);
+    buf.put_u32(prefix);
+    message
+        .encode(&mut buf)
+        .map_err(|e| Status::internal(format!("encoding a request: {e}")))?;
+    Ok(Frame::data(buf.freeze()))
+}
+
+/// The status of an answer that is not a gRPC stream (no `grpc-status`): as
+/// gRPC maps HTTP statuses.
+fn http_status(status: StatusCode) -> Status {
+    let code = match status {
+        StatusCode::BAD_REQUEST => Code::Internal,
+        StatusCode::UNAUTHORIZED => Code::Unauthenticated,
+        StatusCode::FORBIDDEN => Code::PermissionDenied,
+        StatusCode::NOT_FOUND => Code::Unimplemented,
+        StatusCode::TOO_MANY_REQUESTS
+        | StatusCode::BAD_GATEWAY
+        | StatusCode::SERVICE_UNAVAILABLE
+        | StatusCode::GATEWAY_TIMEOUT => Code::Unavailable,
+        _ => Code::Unknown,
+    };
+    Status::new(code, format!("the answer is HTTP {status}, not a gRPC stream"))
+}
+
+/// Opens `path` on `channel`, sending what `outbound` yields until it
+/// closes. Returns the response headers and its messages; a call refused
+/// at once (a status in the headers, or an HTTP error) is the error.
+pub async fn bidi<Req, Resp>(
+    channel: Channel,
+    path: &'static str,
+    outbound: mpsc::Receiver<Req>,
+    budget: Arc<RequestBudget>,
+    message: &'static str,
+) -> Result<(HeaderMap, RequestStream<Resp>), Status>
+where
+    Req: prost::Message + 'static,
+    Resp: prost::Message + Default,
+{
+    let frames = ReceiverStream::new(outbound).map(|request| frame(&request));
+    let mut request = http::Request::new(Body::new(http_body_util::StreamBody::new(frames)));
+    *request.method_mut() = http::Method::POST;
+    // The channel adds the scheme and authority of its endpoint.
+    *request.uri_mut() = http::Uri::from_static(path);
+    *request.version_mut() = http::Version::HTTP_2;
+    let headers = request.headers_mut();
+    headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let response = channel
+        .oneshot(request)
+        .await
+        .map_err(|e| Status::from_error(e.into()))?;
+    let (parts, body) = response.into_parts();
+    let stream = RequestStream::new(body, budget, message);
+    // Trailers-only: the call was answered with its status alone.
+    let stream = match Status::from_header_map(&parts.headers) {
+        Some(status) if status.code() != Code::Ok => return Err(status),
+        Some(ok) => stream.ended_with(ok),
+        None if parts.status != StatusCode::OK => return Err(http_status(parts.status)),
+        None => stream,
+    };
+    Ok((parts.headers, stream))
+}
