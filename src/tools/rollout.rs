@@ -14,7 +14,13 @@ use super::status::{authority, call, encode, rollout_lines};
 #[derive(Debug, ClapArgs)]
 pub struct RolloutArgs {
     /// The gateway's admin port: HOST:PORT or http://HOST:PORT.
-    #[arg(long, global = true, value_name = "URL", default_value = "http://127.0.0.1:15000")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "URL",
+        default_value = "http://127.0.0.1:15000",
+        value_parser = super::status::admin_url
+    )]
     pub admin: String,
 
     #[command(subcommand)]

@@ -15,7 +15,7 @@ use serde_json::Value;
 #[derive(Debug, ClapArgs)]
 pub struct StatusArgs {
     /// The gateway's admin port: HOST:PORT or http://HOST:PORT.
-    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:15000")]
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:15000", value_parser = admin_url)]
     pub admin: String,
 
     /// Only clients of this collection.
@@ -30,6 +30,12 @@ pub struct StatusArgs {
     /// Only clients whose node id contains this.
     #[arg(long)]
     pub node: Option<String>,
+}
+
+/// `--admin` checked when the arguments are parsed, so a bad one is a
+/// usage error (exit 2) that names the flag.
+pub(crate) fn admin_url(admin: &str) -> Result<String, String> {
+    authority(admin).map(|_| admin.to_owned()).map_err(|e| e.to_string())
 }
 
 /// The admin address as HOST:PORT.

@@ -77,6 +77,11 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
         ),
         (&["rollout", "diff"][..], "<COLLECTION>"),
         (&["rollout", "rewind", "x"][..], "rewind"),
+        (
+            &["rollout", "status", "--admin", "https://127.0.0.1:15000"][..],
+            "--admin",
+        ),
+        (&["status", "--admin", "http://127.0.0.1:15000/debug"][..], "--admin"),
     ] {
         let (code, stderr) = run(args).await;
         assert_eq!(code, Some(2), "{args:?}: {stderr}");
