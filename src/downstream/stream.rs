@@ -273,8 +273,14 @@ impl<W: Wire> TypedStream<W> {
                     limits.max_subscribed_names
                 )));
             }
-            Verdict::Ack => {
-                record_ack(&followed.metrics);
+            Verdict::Ack | Verdict::First => {
+                if verdict == Verdict::Ack {
+                    record_ack(&followed.metrics);
+                }
+                // On a first request, the version the client says it holds:
+                // a canary that comes back (a broken connection, a restarted
+                // gateway) holding the round's version is not sent it again,
+                // and that is its ACK, or the round would wait for it.
                 if let (Some(canary), Some(version)) = (&self.canary, &followed.state.view.acked_version) {
                     canary.rollout.canary_acked(&collection, self.id, version);
                 }
@@ -294,7 +300,7 @@ impl<W: Wire> TypedStream<W> {
                         .canary_nacked(&collection, self.id, &nack.version, &canary.node, &nack.message);
                 }
             }
-            Verdict::First | Verdict::Subscription => {}
+            Verdict::Subscription => {}
         }
         // Published once, with whether it is still behind; the send that
         // follows decides from the same snapshot.

@@ -106,6 +106,9 @@ async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sen
     let response = canary.recv_type(VS).await;
     assert_eq!(response.version_info, v2);
     assert_eq!(state_is(&gw, "CANARY").await["everyone"], *v1);
+    // A client that connects during the round gets its group's version.
+    let mut late = client_as(&gw, "prod-2").await;
+    assert_eq!(recv_ack(&mut late, "prod-2").await, v1, "a non-canary joins on v1");
     canary.send(request_as(
         "canary-1",
         VS,
@@ -125,6 +128,10 @@ async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sen
     assert!(
         status.contains("HELD istio/networking/v1alpha3/virtualservices") && status.contains("canary-1"),
         "{status}"
+    );
+    assert!(
+        status.contains("host bad.local: no such service"),
+        "the NACK's message: {status}"
     );
 
     // The fix, v3: a new round; the canary's ACK releases it to everyone.
@@ -165,6 +172,12 @@ async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sen
     assert_eq!(code, 200, "{body}");
     let promoted = other.recv_type(VS).await;
     assert_eq!(promoted.version_info, v4);
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v4);
+    assert_eq!(
+        gauge(&gw, "mcp_gateway_held").await,
+        Some(0.0),
+        "promoted, no longer held"
+    );
     let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
     assert_eq!(code, 409, "{body}");
     assert!(body.contains("nothing waits"), "{body}");
@@ -222,6 +235,15 @@ async fn a_pin_rolls_every_client_back_and_the_unpin_forward() {
     let pinned = state_is(&gw, "PINNED").await;
     assert_eq!(pinned["pinned"], *v1);
     assert_eq!(gauge(&gw, "mcp_gateway_pinned").await, Some(1.0));
+    let syncz = get_json(gw.admin, "/debug/syncz").await;
+    assert_eq!(syncz["rollout"][0]["state"], "PINNED", "{syncz}");
+    let status = mcp_xds_gateway::tools::status::render(&syncz);
+    assert!(
+        status.contains(&format!("PINNED {VS}: every client is served {}", &v1[..12])),
+        "{status}"
+    );
+    let (code, body) = http_get(gw.admin, "/readyz").await;
+    assert_eq!(code, 200, "a pin leaves readiness alone: {body}");
 
     // Upstream moves on: applied, not served.
     let v3 = push(
@@ -234,6 +256,20 @@ async fn a_pin_rolls_every_client_back_and_the_unpin_forward() {
     assert_eq!(
         (pinned["latest"].as_str(), pinned["everyone"].as_str()),
         (Some(&*v3), Some(&*v1))
+    );
+    // The rollout has taken v3 in (above) and served it to no one.
+    let clients = get_json(gw.admin, "/debug/clients").await;
+    let sent: Vec<&Value> = clients
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["types"].as_object().unwrap().values())
+        .map(|t| &t["last_sent_version"])
+        .collect();
+    assert_eq!(sent.len(), 2, "{clients}");
+    assert!(
+        sent.iter().all(|v| **v == *v1),
+        "every client was last sent v1: {clients}"
     );
 
     // Errors: an unknown version, an unknown collection, no version.
@@ -314,9 +350,19 @@ async fn with_no_canary_connected_proceed_releases_and_hold_waits() {
 async fn pins_survive_a_restart_with_cache_dir() {
     let dir = tempfile::tempdir().unwrap();
     let cache_dir = dir.path().to_str().unwrap().to_owned();
-    let (galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--cache-dir", &cache_dir]).await;
+    let (galley, gw, mut upstream) =
+        galley_and_gateway(&[VS], &["--cache-dir", &cache_dir, "--canary", "canary-*"]).await;
     let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
-    push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    let mut canary = client_as(&gw, "canary-1").await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
+    eventually_async("the canary to be counted", || async {
+        rollout_of(&gw).await["canaries_connected"] == 1
+    })
+    .await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    let response = canary.recv_type(VS).await;
+    canary.send(request_as("canary-1", VS, &v1, &response.nonce, Some("bad weight")));
+    state_is(&gw, "HELD").await;
     let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v1}"), "").await;
     assert_eq!(code, 200, "{body}");
     let saved = dir.path().join("rollout.json");
@@ -329,9 +375,21 @@ async fn pins_survive_a_restart_with_cache_dir() {
     within("the Galley to stop", galley.stop()).await;
     assert!(within("the gateway to stop", gw.shutdown()).await);
 
-    let restarted = start_gateway(&["--upstream", &url, "--collections", VS, "--cache-dir", &cache_dir]).await;
+    let restarted = start_gateway(&[
+        "--upstream",
+        &url,
+        "--collections",
+        VS,
+        "--cache-dir",
+        &cache_dir,
+        "--canary",
+        "canary-*",
+    ])
+    .await;
     let pinned = state_is(&restarted, "PINNED").await;
     assert_eq!(pinned["everyone"], *v1, "{pinned}");
+    assert_eq!(pinned["held"]["version"], *v2, "the hold is kept too: {pinned}");
+    assert_eq!(pinned["held"]["message"], "bad weight", "{pinned}");
     let mut client = client_as(&restarted, "pilot-b").await;
     assert_eq!(recv_ack(&mut client, "pilot-b").await, v1);
     assert!(within("the restarted gateway to stop", restarted.shutdown()).await);
@@ -519,4 +577,130 @@ async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
         "the legacy client never saw v2"
     );
     assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
+}
+
+/// Pinning to a version a canary NACKed is the operator's choice and is
+/// served; the version stays held; the unpin starts a canary round from the
+/// pinned version to the latest, which the canary's ACK releases.
+#[tokio::test]
+async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut canary = client_as(&gw, "canary-1").await;
+    let mut other = client_as(&gw, "prod-1").await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
+    eventually_async("the canary to be counted", || async {
+        rollout_of(&gw).await["canaries_connected"] == 1
+    })
+    .await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 0.5)]).await;
+    let response = canary.recv_type(VS).await;
+    canary.send(request_as(
+        "canary-1",
+        VS,
+        &v1,
+        &response.nonce,
+        Some("weights must add up"),
+    ));
+    state_is(&gw, "HELD").await;
+
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v2}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        recv_ack(&mut other, "prod-1").await,
+        v2,
+        "the pinned version, NACKed or not"
+    );
+    let pinned = state_is(&gw, "PINNED").await;
+    assert_eq!(pinned["held"]["version"], *v2, "still held: {pinned}");
+
+    let v3 = push(&mut upstream, &gw, vec![vs("a", "3", "a.local", 1.0)]).await;
+    let (code, body) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    // A round: the canary first, the others stay on the pinned version.
+    let offered = canary.recv_type(VS).await;
+    assert_eq!(offered.version_info, v3);
+    let round = eventually_some("the round of v3", || async {
+        Some(rollout_of(&gw).await).filter(|view| view["round"]["version"] == *v3)
+    })
+    .await;
+    assert_eq!(round["everyone"], *v2, "{round}");
+    // A version held before the pin stays held (and the state says so).
+    assert_eq!(round["held"]["version"], *v2, "{round}");
+    assert_eq!(round["state"], "HELD", "{round}");
+    canary.send(request_as("canary-1", VS, &v3, &offered.nonce, None));
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v3);
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
+    assert_eq!(
+        gauge(&gw, "mcp_gateway_held").await,
+        Some(0.0),
+        "a newer version released"
+    );
+}
+
+/// With `--canary-soak`, the canaries' ACKs start the soak; the version
+/// goes to everyone when it has passed.
+#[tokio::test]
+async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-soak", "2s"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut canary = client_as(&gw, "canary-1").await;
+    let mut other = client_as(&gw, "prod-1").await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
+    eventually_async("the canary to be counted", || async {
+        rollout_of(&gw).await["canaries_connected"] == 1
+    })
+    .await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v2);
+    let soaking = eventually_some("the soak to start", || async {
+        let view = rollout_of(&gw).await;
+        view["round"]["release_in_seconds"].as_f64().map(|s| (s, view))
+    })
+    .await;
+    assert!(soaking.0 > 0.0 && soaking.0 <= 2.0, "{}", soaking.1);
+    assert_eq!(soaking.1["state"], "CANARY", "{}", soaking.1);
+    assert_eq!(soaking.1["everyone"], *v1, "{}", soaking.1);
+    assert_eq!(
+        recv_ack(&mut other, "prod-1").await,
+        v2,
+        "released once the soak passed"
+    );
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v2);
+}
+
+/// A canary that comes back during a round already holding the round's
+/// version (its connection broke after it applied it) is not sent it
+/// again, and that counts as its ACK: the round does not wait forever.
+#[tokio::test]
+async fn a_canary_that_reconnects_holding_the_rounds_version_counts_as_acked() {
+    let (_galley, gw, mut upstream) =
+        galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-when-none", "hold"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut canary = client_as(&gw, "canary-1").await;
+    let mut other = client_as(&gw, "prod-1").await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
+    eventually_async("the canary to be counted", || async {
+        rollout_of(&gw).await["canaries_connected"] == 1
+    })
+    .await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    assert_eq!(canary.recv_type(VS).await.version_info, v2);
+    // The connection breaks before the ACK; no canary is connected, and
+    // `hold` waits.
+    drop(canary);
+    eventually_async("the canary to be gone", || async {
+        rollout_of(&gw).await["canaries_connected"] == 0
+    })
+    .await;
+    let waiting = rollout_of(&gw).await;
+    assert_eq!(waiting["everyone"], *v1, "{waiting}");
+    // It comes back saying it holds v2.
+    let back = sotw(gw.listen).await;
+    back.send(request_as("canary-1", VS, &v2, "", None));
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v2);
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v2);
 }

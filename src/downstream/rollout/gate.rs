@@ -636,6 +636,7 @@ mod tests {
             }
             // Settle: unpinned, a canary connected, every canary ACKs what
             // it is served, the soak passes.
+            let before_settling = everyone.clone();
             gate.unpin(now);
             gate.canary_joined(99, now);
             let canaries: Vec<u64> = gate.canaries.iter().copied().collect();
@@ -650,6 +651,8 @@ mod tests {
             match gate.held() {
                 Some(held) if Some(&held.version) == gate.latest() => {
                     proptest::prop_assert_ne!(served.everyone.as_ref(), Some(&held.version));
+                    // Nothing newer to go to: everyone stays where it was.
+                    proptest::prop_assert_eq!(served.everyone, before_settling);
                 }
                 _ => proptest::prop_assert_eq!(served.everyone.as_ref(), gate.latest()),
             }
