@@ -168,8 +168,20 @@ async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sen
     let response = canary.recv_type(VS).await;
     canary.send(request_as("canary-1", VS, &v3, &response.nonce, Some("still wrong")));
     state_is(&gw, "HELD").await;
-    let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
-    assert_eq!(code, 200, "{body}");
+    // Promoted with the rollout command.
+    let promote = mcp_xds_gateway::tools::rollout::RolloutArgs {
+        admin: format!("http://{}", gw.admin),
+        action: mcp_xds_gateway::tools::rollout::Action::Promote { collection: VS.into() },
+    };
+    let mut out = Vec::new();
+    within(
+        "rollout promote",
+        mcp_xds_gateway::tools::rollout::run(promote, &mut out),
+    )
+    .await
+    .unwrap();
+    let said = String::from_utf8(out).unwrap();
+    assert!(said.contains(&v4[..12]), "{said}");
     let promoted = other.recv_type(VS).await;
     assert_eq!(promoted.version_info, v4);
     assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v4);
@@ -323,6 +335,8 @@ async fn with_no_canary_connected_proceed_releases_and_hold_waits() {
             view["warning"].as_str().unwrap().contains("--canary-when-none=hold"),
             "{view}"
         );
+        let status = mcp_xds_gateway::tools::status::render(&get_json(gw.admin, "/debug/syncz").await);
+        assert!(status.contains(&format!("WARNING {VS}: ")), "{status}");
         // A canary by annotation connects, gets v2, ACKs: released.
         let mut canary = sotw(gw.listen).await;
         canary.send(MeshConfigRequest {
@@ -455,6 +469,12 @@ async fn the_rollout_command_reads_and_drives_the_admin_port() {
         status.contains("no --canary selectors") && status.contains(&format!("PINNED {VS}")),
         "{status}"
     );
+    let one = rollout(Action::Status {
+        collection: Some(VS.into()),
+    })
+    .await
+    .unwrap();
+    assert!(one.starts_with(&format!("PINNED {VS}")), "{one}");
     let refused = rollout(Action::Promote { collection: VS.into() }).await.unwrap_err();
     assert!(
         format!("{refused:#}").contains("409") && format!("{refused:#}").contains("unpin it first"),

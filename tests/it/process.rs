@@ -34,6 +34,22 @@ async fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, Stri
     )
 }
 
+/// The tools' `--admin` defaults to the admin port's default address.
+#[tokio::test]
+async fn the_tools_dial_the_default_admin_port() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:15000").is_err();
+    if taken {
+        eprintln!("127.0.0.1:15000 is in use here; the default cannot be checked");
+        return;
+    }
+    let (code, stderr) = run(&["rollout", "status"]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("127.0.0.1:15000"),
+        "names the address it dialed: {stderr}"
+    );
+}
+
 #[tokio::test]
 async fn bad_flags_exit_non_zero_naming_the_flag() {
     for (args, flag) in [
