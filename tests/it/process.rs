@@ -7,7 +7,7 @@ use mcp_xds_gateway::source::persisted;
 
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{resource, FakeGalley};
-use crate::helpers::{eventually, http_get, names, spawn_gateway, within, Running, VS};
+use crate::helpers::{eventually, get_json, http_get, http_request, names, spawn_gateway, within, Running, VS};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
@@ -390,4 +390,27 @@ async fn the_effective_configuration_and_the_log_filter_at_run_time() {
         "debug"
     );
     drop(child);
+}
+
+/// The rollout's warnings reach the log: a version released to everyone
+/// with no canary connected (`--canary-when-none=proceed`), and a pin.
+#[tokio::test]
+async fn releases_without_a_canary_and_pins_are_logged_as_warnings() {
+    let mut galley = FakeGalley::start().await;
+    let mut gw = spawn(&["--collections", VS, "--upstream", &galley.url(), "--canary", "canary-*"]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    upstream.push_full(VS, vec![resource("a", "2", b"b")]).await;
+    let line = gw
+        .log_line("released to everyone without a canary connected (--canary-when-none=proceed)")
+        .await;
+    assert!(line.contains("WARN") && line.contains(VS), "{line}");
+
+    let view = get_json(gw.admin, &format!("/debug/rollout/{VS}")).await;
+    let latest = view["latest"].as_str().expect("a latest version").to_owned();
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={latest}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    let line = gw.log_line("collection pinned").await;
+    assert!(line.contains("WARN") && line.contains(&latest), "{line}");
 }

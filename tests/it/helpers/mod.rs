@@ -251,6 +251,24 @@ pub struct Running {
     pub monitoring: SocketAddr,
     /// Every line before "gateway listening".
     pub log: Vec<String>,
+    /// The lines after it, as they come.
+    pub later: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl Running {
+    /// The next line of the log that contains `needle` (lines before it are
+    /// passed over).
+    pub async fn log_line(&mut self, needle: &str) -> String {
+        within(&format!("a log line with {needle:?}"), async {
+            loop {
+                let line = self.later.recv().await.expect("the gateway logs before exiting");
+                if line.contains(needle) {
+                    return line;
+                }
+            }
+        })
+        .await
+    }
 }
 
 /// Starts the gateway binary with `args` on port 0 (from `cwd`, else the
@@ -297,13 +315,20 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
         }
     })
     .await;
-    // Keep draining the log so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    // Keep draining the log so the child never blocks on a full pipe; the
+    // lines go to whoever reads `later`.
+    let (tx, later) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            let _ = tx.send(line);
+        }
+    });
     Running {
         child,
         listen,
         admin,
         monitoring,
         log,
+        later,
     }
 }
