@@ -77,6 +77,24 @@ async fn gauge(gw: &mcp_xds_gateway::app::Bound, name: &str) -> Option<f64> {
     sample(&text, name, &[&format!("collection=\"{VS}\"")])
 }
 
+/// A first version pushed and served to a canary (`canary-1`) and another
+/// client (`prod-1`), both ACKed, the canary counted: (v1, canary, other).
+async fn first_version_to_both(
+    gw: &mcp_xds_gateway::app::Bound,
+    upstream: &mut crate::helpers::galley::GalleyStream,
+) -> (String, SotwClient, SotwClient) {
+    let v1 = push(upstream, gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut canary = client_as(gw, "canary-1").await;
+    let mut other = client_as(gw, "prod-1").await;
+    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
+    eventually_async("the canary to be counted", || async {
+        rollout_of(gw).await["canaries_connected"] == 1
+    })
+    .await;
+    (v1, canary, other)
+}
+
 /// A NACK from the canary holds a version while the others stay on the one
 /// before; a newer version starts a new round, which the canary's ACK
 /// releases to everyone (the incremental client gets the diff from where
@@ -605,15 +623,7 @@ async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
 #[tokio::test]
 async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
-    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
-    let mut canary = client_as(&gw, "canary-1").await;
-    let mut other = client_as(&gw, "prod-1").await;
-    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
-    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
-    eventually_async("the canary to be counted", || async {
-        rollout_of(&gw).await["canaries_connected"] == 1
-    })
-    .await;
+    let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 0.5)]).await;
     let response = canary.recv_type(VS).await;
     canary.send(request_as(
@@ -664,15 +674,7 @@ async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
 #[tokio::test]
 async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-soak", "2s"]).await;
-    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
-    let mut canary = client_as(&gw, "canary-1").await;
-    let mut other = client_as(&gw, "prod-1").await;
-    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
-    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
-    eventually_async("the canary to be counted", || async {
-        rollout_of(&gw).await["canaries_connected"] == 1
-    })
-    .await;
+    let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
     assert_eq!(recv_ack(&mut canary, "canary-1").await, v2);
     let soaking = eventually_some("the soak to start", || async {
@@ -698,15 +700,7 @@ async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
 async fn a_canary_that_reconnects_holding_the_rounds_version_counts_as_acked() {
     let (_galley, gw, mut upstream) =
         galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-when-none", "hold"]).await;
-    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
-    let mut canary = client_as(&gw, "canary-1").await;
-    let mut other = client_as(&gw, "prod-1").await;
-    assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
-    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
-    eventually_async("the canary to be counted", || async {
-        rollout_of(&gw).await["canaries_connected"] == 1
-    })
-    .await;
+    let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
     assert_eq!(canary.recv_type(VS).await.version_info, v2);
     // The connection breaks before the ACK; no canary is connected, and
