@@ -17,7 +17,13 @@ use crate::helpers::{
 use crate::rollout::{push, vs};
 
 /// A state-of-the-world request as node `node`.
-fn request_as(node: &str, type_url: &str, version: &str, nonce: &str, nack: Option<&str>) -> MeshConfigRequest {
+pub(crate) fn request_as(
+    node: &str,
+    type_url: &str,
+    version: &str,
+    nonce: &str,
+    nack: Option<&str>,
+) -> MeshConfigRequest {
     MeshConfigRequest {
         version_info: version.into(),
         sink_node: Some(SinkNode {

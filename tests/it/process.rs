@@ -407,6 +407,27 @@ async fn releases_without_a_canary_and_pins_are_logged_as_warnings() {
         .await;
     assert!(line.contains("WARN") && line.contains(VS), "{line}");
 
+    // A canary's NACK holds the next version: said with its node and message.
+    use crate::canary::request_as;
+    let mut canary = sotw(gw.listen).await;
+    canary.send(request_as("canary-1", VS, "", "", None));
+    let first = canary.recv().await;
+    canary.send(request_as("canary-1", VS, &first.version_info, &first.nonce, None));
+    upstream.push_full(VS, vec![resource("a", "3", b"c")]).await;
+    let offered = canary.recv().await;
+    canary.send(request_as(
+        "canary-1",
+        VS,
+        &first.version_info,
+        &offered.nonce,
+        Some("route a: no such host"),
+    ));
+    let line = gw.log_line("a canary NACKed this version").await;
+    assert!(
+        line.contains("WARN") && line.contains("canary-1") && line.contains("route a: no such host"),
+        "{line}"
+    );
+
     let view = get_json(gw.admin, &format!("/debug/rollout/{VS}")).await;
     let latest = view["latest"].as_str().expect("a latest version").to_owned();
     let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={latest}"), "").await;
