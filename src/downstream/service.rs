@@ -26,6 +26,7 @@ use super::wires::{LegacyIncremental, LegacySotw, ResourceSourceWire, XdsDelta, 
 use super::{Downstream, Responses};
 use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
+use crate::transport::call;
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
@@ -122,15 +123,11 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
-        if let Some(encoding) = request.headers().get("grpc-encoding").filter(|e| *e != "identity") {
-            let status = Status::unimplemented(format!(
-                "request compression {encoding:?} is not supported; send uncompressed messages"
-            ));
+        if let Some(status) = call::compressed(&request) {
             return std::future::ready(Ok(status.into_http()));
         }
         let Some((_, start)) = M::METHODS.iter().find(|(path, _)| *path == request.uri().path()) else {
-            let status = Status::unimplemented(format!("{} is not a method of {}", request.uri().path(), M::NAME));
-            return std::future::ready(Ok(status.into_http()));
+            return std::future::ready(Ok(call::not_a_method(&request, M::NAME).into_http()));
         };
         let peer = request
             .extensions()

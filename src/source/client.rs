@@ -182,7 +182,7 @@ impl UpstreamClient {
         // Each message the source sends is read into a buffer of its own
         // size, freed once it is applied: a big collection is not held a
         // second time while the stream lives.
-        let budget = RequestBudget::for_source(self.settings.max_message_bytes);
+        let budget = RequestBudget::for_source(self.settings.max_message_bytes, true);
         let response = tokio::select! {
             response = call::bidi(channel, RESOURCE_SOURCE_PATH, rx, budget, "Resources") => response,
             _ = shutdown.cancelled() => return StreamEnd::Shutdown,

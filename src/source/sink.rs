@@ -6,24 +6,30 @@
 //! how a frozen source is dropped (keepalive pings) is the transport's job.
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::SystemTime;
 
 use tokio::sync::watch;
-use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::body::Body;
+use tonic::codegen::http::{self, header, HeaderMap, HeaderValue};
+use tonic::server::NamedService;
+use tonic::transport::server::TcpConnectInfo;
+use tonic::Status;
 
 use super::stream::{self, StreamEnd};
 use super::{SinkContext, UpstreamStatus};
 use crate::cache::CacheWriter;
 use crate::metrics as m;
-use crate::proto::gateway::resource_sink_server::{ResourceSink, ResourceSinkServer};
-use crate::proto::wire::RawResources;
-use crate::proto::{RequestResources, SinkNode};
+use crate::proto::SinkNode;
+use crate::transport::call;
+use crate::transport::requests::{RequestBudget, RequestStream};
+
+/// `ResourceSink.EstablishResourceStream`, what Galley calls.
+pub const RESOURCE_SINK_PATH: &str = "/istio.mcp.v1alpha1.ResourceSink/EstablishResourceStream";
 
 /// Everything dial-out mode needs, decided at start-up.
 #[derive(Clone, Debug)]
@@ -122,12 +128,11 @@ impl SinkServer {
         }
     }
 
-    /// The gRPC service, with the receive limit of `--max-message-bytes`.
-    pub fn into_service(self) -> ResourceSinkServer<Self> {
-        let max = self.inner.settings.max_message_bytes;
-        ResourceSinkServer::new(self)
-            .max_decoding_message_size(max)
-            .max_encoding_message_size(max)
+    /// The gRPC service. The source's messages are read by the gateway's
+    /// own reader, each large one into a buffer of its size freed once it
+    /// is applied, up to `--max-message-bytes`.
+    pub fn into_service(self) -> Self {
+        self
     }
 
     /// Takes the one source slot. The refusal names no address and no time:
@@ -155,18 +160,37 @@ impl SinkServer {
     }
 }
 
-type Replies = Pin<Box<dyn Stream<Item = Result<RequestResources, Status>> + Send>>;
+impl NamedService for SinkServer {
+    const NAME: &'static str = "istio.mcp.v1alpha1.ResourceSink";
+}
 
-#[tonic::async_trait]
-impl ResourceSink for SinkServer {
-    type EstablishResourceStreamStream = Replies;
+impl tonic::codegen::Service<http::Request<Body>> for SinkServer {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
 
-    async fn establish_resource_stream(
-        &self,
-        request: Request<Streaming<RawResources>>,
-    ) -> Result<Response<Replies>, Status> {
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let response = if let Some(status) = call::compressed(&request) {
+            Err(status)
+        } else if request.uri().path() != RESOURCE_SINK_PATH {
+            Err(call::not_a_method(&request, Self::NAME))
+        } else {
+            self.establish_resource_stream(request)
+        };
+        std::future::ready(Ok(response.unwrap_or_else(Status::into_http)))
+    }
+}
+
+impl SinkServer {
+    fn establish_resource_stream(&self, request: http::Request<Body>) -> Result<http::Response<Body>, Status> {
         let peer = request
-            .remote_addr()
+            .extensions()
+            .get::<TcpConnectInfo>()
+            .and_then(TcpConnectInfo::remote_addr)
             .map_or_else(|| "unknown".to_owned(), |a| a.to_string());
         let mut claimed = match self.claim(&peer) {
             Ok(claimed) => claimed,
@@ -184,8 +208,10 @@ impl ResourceSink for SinkServer {
                 return Err(status);
             }
         };
-        let metadata = source_metadata(request.metadata());
-        let mut inbound = request.into_inner();
+        let (parts, body) = request.into_parts();
+        let metadata = source_metadata(&parts.headers);
+        let budget = RequestBudget::for_source(self.inner.settings.max_message_bytes, false);
+        let mut inbound = RequestStream::new(body, budget, "Resources");
         let inner = self.inner.clone();
         let (mut opened, rx) = inner.sink.open(claimed.writer());
         let announced: Vec<String> = metadata.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -227,16 +253,18 @@ impl ResourceSink for SinkServer {
                 s.last_error = Some(message);
             });
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+        let mut response = http::Response::new(call::messages_body(rx));
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        Ok(response)
     }
 }
 
 /// The source's gRPC metadata: Galley's `--sinkMeta` pairs and
 /// `config.source.version`, without the transport's own headers.
-fn source_metadata(metadata: &tonic::metadata::MetadataMap) -> BTreeMap<String, String> {
-    metadata
-        .clone()
-        .into_headers()
+fn source_metadata(headers: &HeaderMap) -> BTreeMap<String, String> {
+    headers
         .iter()
         .filter(|(name, _)| {
             let name = name.as_str();

@@ -1,8 +1,10 @@
-//! A bidirectional-streaming gRPC call from the gateway on a channel, its
-//! responses read by [`RequestStream`]: each large message into a buffer of
-//! its own size, freed once decoded, where tonic's decoder grows one buffer
-//! to the largest message and keeps it while the stream lives (a source's
-//! whole collection, for as long as the gateway is connected).
+//! gRPC streams of the gateway's sources without tonic's codec: a
+//! bidirectional-streaming call from the gateway on a channel, its responses
+//! read by [`RequestStream`] (each large message into a buffer of its own
+//! size, freed once decoded, where tonic's decoder grows one buffer to the
+//! largest message and keeps it while the stream lives: a source's whole
+//! collection, for as long as it is connected), and the body of messages a
+//! server's side of a stream sends.
 
 use std::sync::Arc;
 
@@ -30,6 +32,31 @@ fn frame<M: prost::Message>(message: &M) -> Result<Frame<bytes::Bytes>, Status> 
         .encode(&mut buf)
         .map_err(|e| Status::internal(format!("encoding a request: {e}")))?;
     Ok(Frame::data(buf.freeze()))
+}
+
+/// A response body of the messages `messages` yields, then trailers with an
+/// OK status once it closes: a server's side of a stream.
+pub fn messages_body<M: prost::Message + 'static>(messages: mpsc::Receiver<M>) -> Body {
+    let mut ok = HeaderMap::new();
+    ok.insert("grpc-status", HeaderValue::from_static("0"));
+    let frames = ReceiverStream::new(messages)
+        .map(|message| frame(&message))
+        .chain(tokio_stream::once(Ok(Frame::trailers(ok))));
+    Body::new(http_body_util::StreamBody::new(frames))
+}
+
+/// A compressed request stream, refused before it is read: the gateway's
+/// servers read uncompressed messages only.
+pub fn compressed(request: &http::Request<Body>) -> Option<Status> {
+    let encoding = request.headers().get("grpc-encoding").filter(|e| *e != "identity")?;
+    Some(Status::unimplemented(format!(
+        "request compression {encoding:?} is not supported; send uncompressed messages"
+    )))
+}
+
+/// A call of a path `service` does not serve.
+pub fn not_a_method(request: &http::Request<Body>, service: &str) -> Status {
+    Status::unimplemented(format!("{} is not a method of {service}", request.uri().path()))
 }
 
 /// The status of an answer that is not a gRPC stream (no `grpc-status`): as

@@ -52,10 +52,14 @@ pub struct RequestBudget {
 enum Reads {
     /// A client's requests: the body ends when the client closes its side.
     Requests,
-    /// A source's responses: the body ends with the call's status in its
-    /// trailers, and a message too large is the error tonic's decoder gives
-    /// (which the source's stream names `--max-message-bytes` for).
-    Responses,
+    /// A source's messages, as the requests of its dial-out stream: a
+    /// message too large is the error tonic's decoder gives (which the
+    /// source's stream names `--max-message-bytes` for).
+    SourceRequests,
+    /// A source's messages, as the responses of the gateway's call: as
+    /// `SourceRequests`, and the body ends with the call's status in its
+    /// trailers.
+    SourceResponses,
 }
 
 impl RequestBudget {
@@ -69,15 +73,21 @@ impl RequestBudget {
         })
     }
 
-    /// The budget of one stream of a source's responses: one message of up
+    /// The budget of one stream of a source's messages: one message of up
     /// to `max_message_bytes` at a time, however long it takes to arrive.
-    pub fn for_source(max_message_bytes: usize) -> Arc<Self> {
+    /// `dialed`: the gateway called the source, whose messages are the
+    /// call's responses; else the source dialed out, and they are requests.
+    pub fn for_source(max_message_bytes: usize, dialed: bool) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(max_message_bytes)),
             max_buffer_bytes: max_message_bytes,
             max_message_bytes,
             read_timeout: None,
-            reads: Reads::Responses,
+            reads: if dialed {
+                Reads::SourceResponses
+            } else {
+                Reads::SourceRequests
+            },
         })
     }
 
@@ -185,7 +195,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
                     };
                     // Request trailers carry nothing for these services; a
                     // response's carry the call's status.
-                    if let (Reads::Responses, Ok(trailers)) = (self.budget.reads, trailers) {
+                    if let (Reads::SourceResponses, Ok(trailers)) = (self.budget.reads, trailers) {
                         self.status = Status::from_header_map(&trailers);
                     }
                 }
@@ -193,10 +203,10 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 None => {
                     self.ended = true;
                     return match (self.budget.reads, self.status.take()) {
-                        (Reads::Requests, _) => Ok(false),
-                        (Reads::Responses, Some(status)) if status.code() == tonic::Code::Ok => Ok(false),
-                        (Reads::Responses, Some(status)) => Err(status),
-                        (Reads::Responses, None) => Err(Status::internal(
+                        (Reads::Requests | Reads::SourceRequests, _) => Ok(false),
+                        (Reads::SourceResponses, Some(status)) if status.code() == tonic::Code::Ok => Ok(false),
+                        (Reads::SourceResponses, Some(status)) => Err(status),
+                        (Reads::SourceResponses, None) => Err(Status::internal(
                             "the source's stream ended without a grpc-status (a reset, or a proxy between)",
                         )),
                     };
@@ -295,8 +305,8 @@ impl<T: prost::Message + Default> RequestStream<T> {
 
     fn what(&self) -> &'static str {
         match self.budget.reads {
-            Reads::Requests => "request",
-            Reads::Responses => "response",
+            Reads::Requests | Reads::SourceRequests => "request",
+            Reads::SourceResponses => "response",
         }
     }
 
@@ -310,8 +320,8 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 ))
             }
             // As tonic's decoder says it: `source::stream::classify` names
-            // the flag (and counts the refusal) for both.
-            Reads::Responses => Status::out_of_range(format!(
+            // the flag (and counts the refusal).
+            Reads::SourceRequests | Reads::SourceResponses => Status::out_of_range(format!(
                 "Error, decoded message length too large: found {len} bytes, the limit is: {max} bytes"
             )),
         }
@@ -499,7 +509,7 @@ mod tests {
             end: true,
             trailers,
         });
-        RequestStream::new(body, RequestBudget::for_source(4 << 20), "Resources")
+        RequestStream::new(body, RequestBudget::for_source(4 << 20, true), "Resources")
     }
 
     #[tokio::test(start_paused = true)]

@@ -339,3 +339,40 @@ async fn corrupt_cache_files_are_skipped_and_upstream_replaces_what_was_loaded()
     })
     .await;
 }
+
+/// A dial-out source's messages are read up to `--max-message-bytes`: a
+/// large collection under it is applied; one over it ends the stream with
+/// an error naming the flag, and the cache keeps what it had.
+#[tokio::test]
+async fn a_dial_out_message_over_the_limit_ends_the_stream_naming_the_flag() {
+    let gw = start_gateway(&[
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--sink-insecure",
+        "--collections",
+        VS,
+        "--max-message-bytes",
+        "1000000",
+    ])
+    .await;
+    let mut galley = dial_out(channel(gw.sink.unwrap()).await, &[]).await.unwrap();
+    galley.initial_requests(1).await;
+    let collection = |count: usize| -> Vec<_> {
+        (0..count)
+            .map(|i| resource(&format!("r{i:03}"), "1", &vec![b'x'; 10_000]))
+            .collect()
+    };
+    // About 600 kB, in one message.
+    galley.push_full(VS, collection(60)).await;
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 60);
+    // About 1.2 MB: refused from its length.
+    galley.send_only(Resources {
+        collection: VS.into(),
+        resources: collection(120),
+        ..Default::default()
+    });
+    let status = crate::helpers::upstream_status_when(&gw, "the stream to end", |s| !s.connected).await;
+    let error = status.last_error.unwrap_or_default();
+    assert!(error.contains("--max-message-bytes=1000000"), "{error}");
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 60, "the cache keeps its state");
+}

@@ -155,6 +155,12 @@ impl GalleyStream {
         }
     }
 
+    /// Sends a message without waiting for a reply (one the gateway may
+    /// refuse by ending the stream).
+    pub fn send_only(&mut self, message: Resources) {
+        self.inner.send(message).expect("the stream is open");
+    }
+
     /// Pushes a full state and asserts it was ACKed.
     pub async fn push_full(&mut self, collection: &str, resources: Vec<Resource>) -> RequestResources {
         let reply = self.send(full(collection, resources)).await;
