@@ -334,8 +334,7 @@ pub async fn build_with_logs(
                 writer,
                 shutdown.clone(),
                 tasks.clone(),
-            )
-            .into_service();
+            );
             // The connection age limit does not apply: the source is one
             // long-lived peer. Keepalive pings drop a frozen source. Its
             // connections and streams come from a pool of their own, so a

@@ -69,10 +69,10 @@ pub mod gateway {
     include!(concat!(env!("OUT_DIR"), "/gateway/istio.mcp.v1alpha1.ResourceSink.rs"));
 }
 
-/// The encoded `FileDescriptorSet` of the MCP protos and their imports, for
-/// gRPC server reflection.
 /// `ResourceSource.EstablishResourceStream`: the gateway serves it, and dials
 /// it on a source.
 pub const RESOURCE_SOURCE_PATH: &str = "/istio.mcp.v1alpha1.ResourceSource/EstablishResourceStream";
 
+/// The encoded `FileDescriptorSet` of the MCP protos and their imports, for
+/// gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/mcp_descriptor.bin"));

@@ -128,13 +128,6 @@ impl SinkServer {
         }
     }
 
-    /// The gRPC service. The source's messages are read by the gateway's
-    /// own reader, each large one into a buffer of its size freed once it
-    /// is applied, up to `--max-message-bytes`.
-    pub fn into_service(self) -> Self {
-        self
-    }
-
     /// Takes the one source slot. The refusal names no address and no time:
     /// a refused peer learns nothing about the source that is connected.
     fn claim(&self, peer: &str) -> Result<Claimed, (Status, ActiveSource)> {
@@ -160,6 +153,9 @@ impl SinkServer {
     }
 }
 
+/// The gRPC service. The source's messages are read by the gateway's own
+/// reader, each large one into a buffer of its size freed once it is
+/// applied, up to `--max-message-bytes`.
 impl NamedService for SinkServer {
     const NAME: &'static str = "istio.mcp.v1alpha1.ResourceSink";
 }

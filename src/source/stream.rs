@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tonic::{Code, Status, Streaming};
+use tonic::Code;
 
 use super::SinkSession;
 use crate::cache::demand::SubscriptionState;
@@ -17,24 +17,10 @@ use crate::proto::wire::RawResources;
 use crate::proto::RequestResources;
 use crate::transport::requests::RequestStream;
 
-/// A source's messages: read by tonic's decoder (the dial-out sink, a tonic
-/// service) or by the gateway's own reader (the client), which keeps no
-/// buffer of the largest message once it is decoded.
-pub trait Inbound: Send {
-    fn next_message(&mut self) -> impl std::future::Future<Output = Result<Option<RawResources>, Status>> + Send;
-}
-
-impl Inbound for Streaming<RawResources> {
-    fn next_message(&mut self) -> impl std::future::Future<Output = Result<Option<RawResources>, Status>> + Send {
-        self.message()
-    }
-}
-
-impl Inbound for RequestStream<RawResources> {
-    fn next_message(&mut self) -> impl std::future::Future<Output = Result<Option<RawResources>, Status>> + Send {
-        self.message()
-    }
-}
+/// A source's messages, in client mode and dial-out alike: read by the
+/// gateway's own reader, which keeps no buffer of the largest message once
+/// it is decoded.
+pub type Inbound = RequestStream<RawResources>;
 
 /// How one upstream stream ended.
 #[derive(Debug)]
@@ -179,12 +165,12 @@ impl Opened {
     pub async fn accept_trigger(
         &mut self,
         writer: &mut CacheWriter,
-        inbound: &mut impl Inbound,
+        inbound: &mut Inbound,
         shutdown: &CancellationToken,
         wait: Duration,
     ) -> Result<(), StreamEnd> {
         let first = tokio::select! {
-            first = tokio::time::timeout(wait, inbound.next_message()) => first,
+            first = tokio::time::timeout(wait, inbound.message()) => first,
             _ = shutdown.cancelled() => return Err(StreamEnd::Shutdown),
         };
         match first {
@@ -217,13 +203,13 @@ impl Opened {
     pub async fn run(
         &mut self,
         writer: &mut CacheWriter,
-        inbound: &mut impl Inbound,
+        inbound: &mut Inbound,
         shutdown: &CancellationToken,
         progress: &mut bool,
     ) -> StreamEnd {
         loop {
             tokio::select! {
-                message = inbound.next_message() => match message {
+                message = inbound.message() => match message {
                     Ok(Some(message)) => {
                         if let Err(end) = self.on_message(message, writer).await {
                             return end;
