@@ -17,16 +17,14 @@ use crate::helpers::{eventually, gateway_for, http_get, names, start_gateway, wi
 use mcp_xds_gateway::tools::galley::Opening;
 
 async fn dial_out_gateway() -> mcp_xds_gateway::app::Bound {
-    start_gateway(&[
-        "--sink-listen",
-        "127.0.0.1:0",
-        "--sink-insecure",
-        "--collections",
-        VS,
-        "--node-id",
-        "gw-sink",
-    ])
-    .await
+    dial_out_gateway_with(&["--node-id", "gw-sink"]).await
+}
+
+/// A gateway waiting for a dial-out of VS, with `extra` flags.
+async fn dial_out_gateway_with(extra: &[&str]) -> mcp_xds_gateway::app::Bound {
+    let mut args = vec!["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS];
+    args.extend_from_slice(extra);
+    start_gateway(&args).await
 }
 
 #[tokio::test]
@@ -345,16 +343,7 @@ async fn corrupt_cache_files_are_skipped_and_upstream_replaces_what_was_loaded()
 /// an error naming the flag, and the cache keeps what it had.
 #[tokio::test]
 async fn a_dial_out_message_over_the_limit_ends_the_stream_naming_the_flag() {
-    let gw = start_gateway(&[
-        "--sink-listen",
-        "127.0.0.1:0",
-        "--sink-insecure",
-        "--collections",
-        VS,
-        "--max-message-bytes",
-        "1000000",
-    ])
-    .await;
+    let gw = dial_out_gateway_with(&["--max-message-bytes", "1000000"]).await;
     let mut galley = dial_out(channel(gw.sink.unwrap()).await, &[]).await.unwrap();
     galley.initial_requests(1).await;
     let collection = |count: usize| -> Vec<_> {
