@@ -3,8 +3,9 @@
 //! read by [`RequestStream`] (each large message into a buffer of its own
 //! size, freed once decoded, where tonic's decoder grows one buffer to the
 //! largest message and keeps it while the stream lives: a source's whole
-//! collection, for as long as it is connected), and the body of messages a
-//! server's side of a stream sends.
+//! collection, for as long as it is connected; `mcp-load`'s clients read
+//! the body of [`open`] with a reader of their own), and the body of
+//! messages a server's side of a stream sends.
 
 use std::sync::Arc;
 
@@ -76,20 +77,23 @@ fn http_status(status: StatusCode) -> Status {
     Status::new(code, format!("the answer is HTTP {status}, not a gRPC stream"))
 }
 
+/// An answered call: its response headers, the body of its messages, and
+/// the status it already ended with where it was answered OK with headers
+/// alone (trailers-only).
+pub struct Answered {
+    pub headers: HeaderMap,
+    pub body: Body,
+    pub ended: Option<Status>,
+}
+
 /// Opens `path` on `channel`, sending what `outbound` yields until it
-/// closes. Returns the response headers and its messages; a call refused
-/// at once (a status in the headers, or an HTTP error) is the error.
-pub async fn bidi<Req, Resp>(
+/// closes. A call refused at once (a status in the headers, or an HTTP
+/// error) is the error.
+pub async fn open<Req: prost::Message + 'static>(
     channel: Channel,
     path: &'static str,
     outbound: mpsc::Receiver<Req>,
-    budget: Arc<RequestBudget>,
-    message: &'static str,
-) -> Result<(HeaderMap, RequestStream<Resp>), Status>
-where
-    Req: prost::Message + 'static,
-    Resp: prost::Message + Default,
-{
+) -> Result<Answered, Status> {
     let frames = ReceiverStream::new(outbound).map(|request| frame(&request));
     let mut request = http::Request::new(Body::new(http_body_util::StreamBody::new(frames)));
     *request.method_mut() = http::Method::POST;
@@ -104,13 +108,37 @@ where
         .await
         .map_err(|e| Status::from_error(e.into()))?;
     let (parts, body) = response.into_parts();
-    let stream = RequestStream::new(body, budget, message);
     // Trailers-only: the call was answered with its status alone.
-    let stream = match Status::from_header_map(&parts.headers) {
+    let ended = match Status::from_header_map(&parts.headers) {
         Some(status) if status.code() != Code::Ok => return Err(status),
-        Some(ok) => stream.ended_with(ok),
+        Some(ok) => Some(ok),
         None if parts.status != StatusCode::OK => return Err(http_status(parts.status)),
+        None => None,
+    };
+    Ok(Answered {
+        headers: parts.headers,
+        body,
+        ended,
+    })
+}
+
+/// [`open`], its responses read by [`RequestStream`] as messages `Resp`.
+pub async fn bidi<Req, Resp>(
+    channel: Channel,
+    path: &'static str,
+    outbound: mpsc::Receiver<Req>,
+    budget: Arc<RequestBudget>,
+    message: &'static str,
+) -> Result<(HeaderMap, RequestStream<Resp>), Status>
+where
+    Req: prost::Message + 'static,
+    Resp: prost::Message + Default,
+{
+    let Answered { headers, body, ended } = open(channel, path, outbound).await?;
+    let stream = RequestStream::new(body, budget, message);
+    let stream = match ended {
+        Some(ok) => stream.ended_with(ok),
         None => stream,
     };
-    Ok((parts.headers, stream))
+    Ok((headers, stream))
 }

@@ -10,7 +10,8 @@ use mcp_xds_gateway::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, Si
 use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::clients::{open, McpEnvelope, INCREMENTAL_PATH, SOTW_PATH};
+use crate::clients::{open, INCREMENTAL_PATH, SOTW_PATH};
+use crate::reader::MCP;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -91,7 +92,7 @@ async fn nack_flood(
         type_url: collection.clone(),
         ..Default::default()
     };
-    let (tx, mut inbound) = open::<_, McpEnvelope>(channel(addr).await?, SOTW_PATH, vec![first]).await?;
+    let (tx, mut inbound) = open(channel(addr).await?, SOTW_PATH, MCP, vec![first]).await?;
     attack.established.fetch_add(1, Ordering::Relaxed);
     // Just under the default --max-request-bytes (4 MiB).
     let message = "x".repeat((4 << 20) - 4096);
@@ -135,7 +136,7 @@ async fn initial_versions(
         ..Default::default()
     };
     // The sender is kept: the stream stays open, never ACKing.
-    let (_tx, mut inbound) = open::<_, McpEnvelope>(channel(addr).await?, INCREMENTAL_PATH, vec![first]).await?;
+    let (_tx, mut inbound) = open(channel(addr).await?, INCREMENTAL_PATH, MCP, vec![first]).await?;
     attack.messages.fetch_add(1, Ordering::Relaxed);
     attack.established.fetch_add(1, Ordering::Relaxed);
     // Read every response, ACK none.

@@ -4,27 +4,26 @@
 //! each version arrived and how many bytes it took.
 //!
 //! They decode each response's envelope (version, type, nonce) and skip the
-//! resources' bytes, so the tool measures the gateway rather than itself.
+//! resources' bytes where they lie (`reader.rs`), so the tool measures the
+//! gateway rather than itself.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use bytes::Buf;
 use mcp_xds_gateway::collections::CollectionTable;
 use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
 use mcp_xds_gateway::proto::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use mcp_xds_gateway::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, SinkNode};
+use mcp_xds_gateway::transport::call;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::{Channel, Endpoint};
-use tonic::Status;
 
 pub use mcp_xds_gateway::downstream::service::{INCREMENTAL_PATH, SOTW_PATH, XDS_DELTA_PATH, XDS_SOTW_PATH};
 
+use crate::reader::{Fields, Responses, MCP, XDS};
 use crate::scenario::ClientProtocol;
 
 /// What a client acts on in a response: its version, type and nonce.
@@ -34,98 +33,6 @@ pub struct Envelope {
     /// Empty where the response names none (legacy incremental).
     pub type_url: String,
     pub nonce: String,
-}
-
-/// The legacy responses' envelope. Field 3 is the `type_url` of a
-/// state-of-the-world response (and the removed names of an incremental
-/// one, which the load ignores).
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct McpEnvelope {
-    #[prost(string, tag = "1")]
-    pub version: String,
-    #[prost(string, repeated, tag = "3")]
-    pub field3: Vec<String>,
-    #[prost(string, tag = "4")]
-    pub nonce: String,
-}
-
-impl From<McpEnvelope> for Envelope {
-    fn from(e: McpEnvelope) -> Self {
-        Envelope {
-            version: e.version,
-            type_url: e.field3.into_iter().next().unwrap_or_default(),
-            nonce: e.nonce,
-        }
-    }
-}
-
-/// The v3 responses' envelope, SotW and delta alike.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct XdsEnvelope {
-    #[prost(string, tag = "1")]
-    pub version: String,
-    #[prost(string, tag = "4")]
-    pub type_url: String,
-    #[prost(string, tag = "5")]
-    pub nonce: String,
-}
-
-impl From<XdsEnvelope> for Envelope {
-    fn from(e: XdsEnvelope) -> Self {
-        Envelope {
-            version: e.version,
-            type_url: e.type_url,
-            nonce: e.nonce,
-        }
-    }
-}
-
-/// Encodes any prost request; decodes an envelope `E` and the message's size.
-#[derive(Debug)]
-pub struct LoadCodec<Req, E = McpEnvelope>(std::marker::PhantomData<(Req, E)>);
-
-impl<Req, E> Default for LoadCodec<Req, E> {
-    fn default() -> Self {
-        Self(std::marker::PhantomData)
-    }
-}
-
-pub struct RequestEncoder<Req>(std::marker::PhantomData<Req>);
-pub struct EnvelopeDecoder<E>(std::marker::PhantomData<E>);
-
-impl<Req: prost::Message> Encoder for RequestEncoder<Req> {
-    type Item = Req;
-    type Error = Status;
-    fn encode(&mut self, item: Req, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        item.encode(dst).map_err(|e| Status::internal(e.to_string()))
-    }
-}
-
-impl<E: prost::Message + Default + Into<Envelope>> Decoder for EnvelopeDecoder<E> {
-    type Item = (Envelope, usize);
-    type Error = Status;
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<(Envelope, usize)>, Status> {
-        let len = src.remaining();
-        let envelope = E::decode(src).map_err(|e| Status::internal(e.to_string()))?;
-        Ok(Some((envelope.into(), len)))
-    }
-}
-
-impl<Req, E> Codec for LoadCodec<Req, E>
-where
-    Req: prost::Message + Send + 'static,
-    E: prost::Message + Default + Into<Envelope> + Send + 'static,
-{
-    type Encode = Req;
-    type Decode = (Envelope, usize);
-    type Encoder = RequestEncoder<Req>;
-    type Decoder = EnvelopeDecoder<E>;
-    fn encoder(&mut self) -> Self::Encoder {
-        RequestEncoder(std::marker::PhantomData)
-    }
-    fn decoder(&mut self) -> Self::Decoder {
-        EnvelopeDecoder(std::marker::PhantomData)
-    }
 }
 
 /// One received response.
@@ -384,22 +291,22 @@ async fn sotw_stream(
         response_nonce: nonce.to_owned(),
         error_detail: None,
     };
-    many_types::<_, McpEnvelope>(channel, SOTW_PATH, types, request, watch).await
+    many_types(channel, SOTW_PATH, MCP, types, request, watch).await
 }
 
 /// A state-of-the-world stream of several types: `types` are (the type URL
 /// asked for, its collection); `request(type_url, version, nonce, first of
 /// the stream)` is each first request (no version, no nonce) and each ACK.
-async fn many_types<Req, E>(
+async fn many_types<Req>(
     channel: Channel,
     path: &'static str,
+    fields: Fields,
     types: Vec<(String, Arc<str>)>,
     request: impl Fn(&str, &str, &str, bool) -> Req,
     watch: Watch<'_>,
 ) -> anyhow::Result<Vec<Received>>
 where
     Req: prost::Message + Send + 'static,
-    E: prost::Message + Default + Into<Envelope> + Send + 'static,
 {
     let initial = types
         .iter()
@@ -415,10 +322,11 @@ where
     };
     let stream = Drive {
         path,
+        fields,
         initial,
         wanted: types.len(),
     };
-    stream.run::<E>(channel, ack, collection_of, watch).await
+    stream.run(channel, ack, collection_of, watch).await
 }
 
 /// istiod's node: its id on the first request of a stream.
@@ -455,7 +363,7 @@ async fn xds_sotw_stream(
         response_nonce: nonce.to_owned(),
         ..Default::default()
     };
-    many_types::<_, XdsEnvelope>(channel, XDS_SOTW_PATH, gvks(&collections)?, request, watch).await
+    many_types(channel, XDS_SOTW_PATH, XDS, gvks(&collections)?, request, watch).await
 }
 
 /// A delta v3 client for one GVK (wildcard).
@@ -472,7 +380,7 @@ async fn xds_delta_stream(
         response_nonce: nonce,
         ..Default::default()
     };
-    one_type::<_, XdsEnvelope>(channel, XDS_DELTA_PATH, request, collection, watch).await
+    one_type(channel, XDS_DELTA_PATH, XDS, request, collection, watch).await
 }
 
 async fn incremental_stream(
@@ -487,73 +395,61 @@ async fn incremental_stream(
         response_nonce: nonce,
         ..Default::default()
     };
-    one_type::<_, McpEnvelope>(channel, INCREMENTAL_PATH, request, collection.clone(), watch).await
+    one_type(channel, INCREMENTAL_PATH, MCP, request, collection.clone(), watch).await
 }
 
 /// A stream of one type that asks for changes (legacy incremental, xDS
 /// delta): `request(nonce)` is its first request (no nonce) and each ACK.
-async fn one_type<Req, E>(
+async fn one_type<Req>(
     channel: Channel,
     path: &'static str,
+    fields: Fields,
     request: impl Fn(String) -> Req,
     collection: Arc<str>,
     watch: Watch<'_>,
 ) -> anyhow::Result<Vec<Received>>
 where
     Req: prost::Message + Send + 'static,
-    E: prost::Message + Default + Into<Envelope> + Send + 'static,
 {
     let stream = Drive {
         path,
+        fields,
         initial: vec![request(String::new())],
         wanted: 1,
     };
     let ack = |envelope: &Envelope| request(envelope.nonce.clone());
-    stream.run::<E>(channel, ack, |_| collection.clone(), watch).await
+    stream.run(channel, ack, |_| collection.clone(), watch).await
 }
 
 /// Opens a stream on `path` with its first requests sent; more requests go
-/// through the sender. Responses are read as envelopes `E` (see
-/// [`LoadCodec`]).
-pub async fn open<Req, E>(
+/// through the sender. Responses are read as envelopes of `fields` (see
+/// `reader.rs`).
+pub async fn open<Req: prost::Message + Send + 'static>(
     channel: Channel,
     path: &'static str,
+    fields: Fields,
     initial: Vec<Req>,
-) -> anyhow::Result<(mpsc::Sender<Req>, tonic::Streaming<(Envelope, usize)>)>
-where
-    Req: prost::Message + Send + 'static,
-    E: prost::Message + Default + Into<Envelope> + Send + 'static,
-{
-    let mut grpc = tonic::client::Grpc::new(channel)
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX);
-    grpc.ready().await?;
+) -> anyhow::Result<(mpsc::Sender<Req>, Responses)> {
     let (tx, rx) = mpsc::channel(initial.len() + 8);
     for request in initial {
         tx.send(request).await?;
     }
-    let inbound = grpc
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            tonic::codegen::http::uri::PathAndQuery::from_static(path),
-            LoadCodec::<Req, E>::default(),
-        )
-        .await?
-        .into_inner();
-    Ok((tx, inbound))
+    let answered = call::open(channel, path, rx).await?;
+    Ok((tx, Responses::new(answered.body, answered.ended, fields)))
 }
 
 /// One client stream of either protocol: send the initial requests, then ACK
 /// every response and record when it arrived.
 struct Drive<Req> {
     path: &'static str,
+    fields: Fields,
     initial: Vec<Req>,
     /// How many collections the stream asked for.
     wanted: usize,
 }
 
 impl<Req: prost::Message + Send + 'static> Drive<Req> {
-    async fn run<E: prost::Message + Default + Into<Envelope> + Send + 'static>(
+    async fn run(
         self,
         channel: Channel,
         ack: impl Fn(&Envelope) -> Req,
@@ -565,7 +461,7 @@ impl<Req: prost::Message + Send + 'static> Drive<Req> {
             progress,
             stop,
         } = watch;
-        let (tx, mut inbound) = open::<Req, E>(channel, self.path, self.initial).await?;
+        let (tx, mut inbound) = open(channel, self.path, self.fields, self.initial).await?;
         let mut holdings = Holdings::new(self.wanted);
         let mut received = Vec::new();
         loop {

@@ -8,6 +8,7 @@ mod abuse;
 mod clients;
 mod gateway;
 mod publisher;
+mod reader;
 mod scenario;
 mod wire;
 
