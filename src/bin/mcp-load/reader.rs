@@ -110,6 +110,10 @@ impl Responses {
     }
 }
 
+fn past_the_end() -> Status {
+    Status::internal("a field runs past the end of its message")
+}
+
 /// Where the scanner is in a message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
@@ -232,7 +236,7 @@ impl Scan {
                 ));
                 self.state = State::Prefix;
             } else if self.left == 0 && self.state != State::Prefix {
-                return Err(Status::internal("a field runs past the end of its message"));
+                return Err(past_the_end());
             }
         }
         Ok(())
@@ -257,7 +261,7 @@ impl Scan {
                 if let Some(len) = self.varint_byte(part.get_u8())? {
                     let len = usize::try_from(len).unwrap_or(usize::MAX);
                     if len > part.remaining() + self.left {
-                        return Err(Status::internal("a field runs past the end of its message"));
+                        return Err(past_the_end());
                     }
                     self.state = match wanted {
                         Some(i) if len > MAX_FIELD => {
