@@ -33,10 +33,20 @@ fn filled(n: usize) -> (Arc<Cache>, CacheWriter) {
     (cache, writer)
 }
 
+/// Criterion's fewest samples at a million resources, where one full
+/// state takes seconds to apply.
+fn samples(n: usize) -> usize {
+    if n >= 1_000_000 {
+        10
+    } else {
+        20
+    }
+}
+
 fn apply(c: &mut Criterion) {
     let mut group = c.benchmark_group("apply_one_change");
-    group.sample_size(20);
     for n in SIZES {
+        group.sample_size(samples(n));
         // Filled when the benchmark first runs: a filtered-out one costs nothing.
         let mut cache = None;
         let mut version = 1;
@@ -56,31 +66,29 @@ fn apply(c: &mut Criterion) {
         });
         // A full state is decoded before it is applied: building the input
         // is not counted, applying it (every name looked up) is.
-        if n <= 100_000 {
-            let mut cache = None;
-            let mut version = 1;
-            group.bench_with_input(BenchmarkId::new("full", n), &n, |b, &n| {
-                let (_, writer) = cache.get_or_insert_with(|| filled(n));
-                b.iter_batched(
-                    || {
-                        version += 1;
-                        let changed = version * 7919 % n;
-                        let all = (0..n).map(|i| resource(i, if i == changed { version } else { 1 }));
-                        Update::Full(all.collect())
-                    },
-                    |update| writer.apply(C, update, Origin::Upstream),
-                    BatchSize::LargeInput,
-                )
-            });
-        }
+        let mut cache = None;
+        let mut version = 1;
+        group.bench_with_input(BenchmarkId::new("full", n), &n, |b, &n| {
+            let (_, writer) = cache.get_or_insert_with(|| filled(n));
+            b.iter_batched(
+                || {
+                    version += 1;
+                    let changed = version * 7919 % n;
+                    let all = (0..n).map(|i| resource(i, if i == changed { version } else { 1 }));
+                    Update::Full(all.collect())
+                },
+                |update| writer.apply(C, update, Origin::Upstream),
+                BatchSize::LargeInput,
+            )
+        });
     }
     group.finish();
 }
 
 fn diff_and_encode(c: &mut Criterion) {
     let mut group = c.benchmark_group("versions");
-    group.sample_size(20);
     for n in SIZES {
+        group.sample_size(samples(n));
         let (cache, mut writer) = filled(n);
         let before = cache.get(C).unwrap();
         writer.apply(
@@ -96,9 +104,6 @@ fn diff_and_encode(c: &mut Criterion) {
             b.iter(|| Diff::between(&before.resources, &after.resources))
         });
         for (name, layout) in [("encode_full_state_legacy", LEGACY), ("encode_full_state_xds", XDS_MCP)] {
-            if n > 100_000 {
-                break;
-            }
             let mut version = 2;
             group.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
                 b.iter_batched(
