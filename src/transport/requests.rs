@@ -30,7 +30,18 @@ use crate::metrics as m;
 /// never wait for it.
 pub const LARGE_REQUEST: usize = 64 << 10;
 
-const HEADER: usize = 5;
+/// The length of a gRPC message's prefix: a compression flag and a 4-byte length.
+pub const HEADER: usize = 5;
+
+/// A gRPC message's 5-byte prefix read: the message's length, or the
+/// compression flag where the message is compressed (which the gateway's
+/// readers, and `mcp-load`'s, refuse).
+pub fn message_len(prefix: &[u8; HEADER]) -> Result<usize, u8> {
+    match prefix[0] {
+        0 => Ok(u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize),
+        flag => Err(flag),
+    }
+}
 
 /// Request bytes held in large messages being read, across all streams.
 #[derive(Debug)]
@@ -259,13 +270,13 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 }
                 continue;
             }
-            if self.buf[0] != 0 {
-                return Err(Status::unimplemented(format!(
-                    "a compressed {} (flag {}); send uncompressed messages",
-                    self.message, self.buf[0]
-                )));
-            }
-            let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+            let prefix = self.buf[..HEADER].try_into().expect("checked");
+            let len = message_len(prefix).map_err(|flag| {
+                Status::unimplemented(format!(
+                    "a compressed {} (flag {flag}); send uncompressed messages",
+                    self.message
+                ))
+            })?;
             if len > self.budget.max_message_bytes {
                 return Err(self.too_large(len));
             }

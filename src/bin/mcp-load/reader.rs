@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 
 use bytes::{Buf, Bytes};
 use http_body_util::BodyExt;
+use mcp_xds_gateway::transport::requests::{message_len, HEADER};
 use tonic::body::Body;
 use tonic::Status;
 
@@ -136,7 +137,7 @@ enum State {
 struct Scan {
     fields: Fields,
     state: State,
-    prefix: [u8; 5],
+    prefix: [u8; HEADER],
     have: usize,
     /// The current message's length and the bytes of it not yet scanned.
     size: usize,
@@ -153,7 +154,7 @@ impl Scan {
         Self {
             fields,
             state: State::Prefix,
-            prefix: [0; 5],
+            prefix: [0; HEADER],
             have: 0,
             size: 0,
             left: 0,
@@ -200,21 +201,16 @@ impl Scan {
     fn feed(&mut self, mut data: Bytes, out: &mut VecDeque<(Envelope, usize)>) -> Result<(), Status> {
         while data.has_remaining() {
             if self.state == State::Prefix {
-                let n = (5 - self.have).min(data.len());
+                let n = (HEADER - self.have).min(data.len());
                 self.prefix[self.have..self.have + n].copy_from_slice(&data[..n]);
                 self.have += n;
                 data.advance(n);
-                if self.have < 5 {
+                if self.have < HEADER {
                     continue;
                 }
                 self.have = 0;
-                if self.prefix[0] != 0 {
-                    return Err(Status::unimplemented(
-                        "a compressed response; the load reads uncompressed ones",
-                    ));
-                }
-                let len = u32::from_be_bytes([self.prefix[1], self.prefix[2], self.prefix[3], self.prefix[4]]);
-                self.size = len as usize;
+                self.size = message_len(&self.prefix)
+                    .map_err(|_| Status::unimplemented("a compressed response; the load reads uncompressed ones"))?;
                 self.left = self.size;
                 self.state = State::Key;
             } else {
