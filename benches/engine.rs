@@ -43,44 +43,46 @@ fn samples(n: usize) -> usize {
     }
 }
 
+/// The update that sets resource `version * 7919 % n` to `version`: alone
+/// (incremental), or in a full state of all `n` whose others are at 1.
+fn one_change(n: usize, version: usize, full: bool) -> Update {
+    let changed = version * 7919 % n;
+    if full {
+        let all = (0..n).map(|i| resource(i, if i == changed { version } else { 1 }));
+        Update::Full(all.collect())
+    } else {
+        Update::Incremental {
+            upserts: vec![resource(changed, version)],
+            removed: Vec::new(),
+        }
+    }
+}
+
 fn apply(c: &mut Criterion) {
     let mut group = c.benchmark_group("apply_one_change");
     for n in SIZES {
         group.sample_size(samples(n));
-        // Filled when the benchmark first runs: a filtered-out one costs nothing.
-        let mut cache = None;
-        let mut version = 1;
-        group.bench_with_input(BenchmarkId::new("incremental", n), &n, |b, &n| {
-            let (_, writer) = cache.get_or_insert_with(|| filled(n));
-            b.iter_batched(
-                || {
-                    version += 1;
-                    Update::Incremental {
-                        upserts: vec![resource(version * 7919 % n, version)],
-                        removed: Vec::new(),
-                    }
-                },
-                |update| writer.apply(C, update, Origin::Upstream),
-                BatchSize::SmallInput,
-            )
-        });
         // A full state is decoded before it is applied: building the input
         // is not counted, applying it (every name looked up) is.
-        let mut cache = None;
-        let mut version = 1;
-        group.bench_with_input(BenchmarkId::new("full", n), &n, |b, &n| {
-            let (_, writer) = cache.get_or_insert_with(|| filled(n));
-            b.iter_batched(
-                || {
-                    version += 1;
-                    let changed = version * 7919 % n;
-                    let all = (0..n).map(|i| resource(i, if i == changed { version } else { 1 }));
-                    Update::Full(all.collect())
-                },
-                |update| writer.apply(C, update, Origin::Upstream),
-                BatchSize::LargeInput,
-            )
-        });
+        for (name, full, batch) in [
+            ("incremental", false, BatchSize::SmallInput),
+            ("full", true, BatchSize::LargeInput),
+        ] {
+            // Filled when the benchmark first runs: a filtered-out one costs nothing.
+            let mut cache = None;
+            let mut version = 1;
+            group.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
+                let (_, writer) = cache.get_or_insert_with(|| filled(n));
+                b.iter_batched(
+                    || {
+                        version += 1;
+                        one_change(n, version, full)
+                    },
+                    |update| writer.apply(C, update, Origin::Upstream),
+                    batch,
+                )
+            });
+        }
     }
     group.finish();
 }
@@ -109,14 +111,7 @@ fn diff_and_encode(c: &mut Criterion) {
                 b.iter_batched(
                     || {
                         version += 1;
-                        writer.apply(
-                            C,
-                            Update::Incremental {
-                                upserts: vec![resource(version * 7919 % n, version)],
-                                removed: Vec::new(),
-                            },
-                            Origin::Upstream,
-                        );
+                        writer.apply(C, one_change(n, version, false), Origin::Upstream);
                         cache.get(C).unwrap()
                     },
                     |snapshot| layout.full(&snapshot),
