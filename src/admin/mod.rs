@@ -346,6 +346,7 @@ fn type_json(view: &TypeView) -> Value {
             "version": n.version,
             "code": m::code_label(n.code),
             "message": n.message,
+            "superseded": n.superseded,
         })),
     });
     // Only where they say something: most clients take everything and get

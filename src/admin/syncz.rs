@@ -66,7 +66,15 @@ pub fn status(
     };
     // A type no source serves: what was sent (empty) is all there is.
     let current = current.unwrap_or(sent);
-    if let Some(nack) = view.last_nack.as_ref().filter(|n| &n.version == current) {
+    // NACKED until the client ACKs a later response: a client that applies
+    // the valid part of a response it rejects (Envoy, grpc) holds neither the
+    // NACKed version nor the one it ACKed before, even when the cache went
+    // back to that one. And the NACKed version is never sent to it again.
+    if let Some(nack) = view
+        .last_nack
+        .as_ref()
+        .filter(|n| !n.superseded || &n.version == current)
+    {
         return (SyncStatus::Nacked, nack.at);
     }
     if view.acked_version.as_ref() == Some(current) {
@@ -241,6 +249,7 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
             "code": crate::metrics::code_label(n.code),
             "message": n.message,
             "at": time(clock.wall(n.at)),
+            "superseded": n.superseded,
         })),
         "behind_since": time(clock.wall(view.behind_since)),
     })
@@ -301,8 +310,17 @@ mod tests {
             code: 3,
             message: "bad".into(),
             at: clock.now(),
+            superseded: false,
         }));
         assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::Nacked);
+        // A NACK of another version, not ACKed past: NACKED, though the
+        // client ACKed the current version before it.
+        view.last_nack.as_mut().unwrap().version = "other".into();
+        view.acked_version = Some(current.clone());
+        assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::Nacked);
+        // Once it ACKed a later response, the NACK is past.
+        view.last_nack.as_mut().unwrap().superseded = true;
+        assert_eq!(status(&view, Some(&current), &clock, stale).0, SyncStatus::Synced);
 
         view.last_nack = None;
         view.acked_version = Some(current.clone());

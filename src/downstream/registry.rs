@@ -66,6 +66,11 @@ pub struct NackRecord {
     /// When it came.
     #[serde(skip)]
     pub at: Stamp,
+    /// The client ACKed a later response since: the NACK is past (shown as
+    /// "since fixed"). Until then the client is NACKED, whatever version it
+    /// ACKed before: a client that applies part of a response it rejects
+    /// holds neither version.
+    pub superseded: bool,
 }
 
 /// A moment on the registry's clock: tenths of a second since the registry

@@ -282,6 +282,7 @@ impl TypeState {
                     code: nack.code,
                     message: nack.message,
                     at: request.at,
+                    superseded: false,
                 }));
                 if let Some(named) = &mut self.named {
                     named.on_nack();
@@ -302,6 +303,9 @@ impl TypeState {
                 }
                 self.view.acked_version = Some(sent.version.clone());
                 self.view.acked_at = request.at;
+                if let Some(nack) = &mut self.view.last_nack {
+                    nack.superseded = true;
+                }
                 self.held = Held::At(sent);
                 Verdict::Ack
             }
