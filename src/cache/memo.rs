@@ -80,8 +80,67 @@ impl Memo {
             .and_then(|(_, v)| v.clone().downcast::<T>().ok())
     }
 
+    /// Sets the value for `key`, replacing any: a reader that made a better
+    /// copy (a slice of a larger buffer it keeps anyway) points the memo at
+    /// it, so that only one copy lives.
+    pub fn put<T: Any + Send + Sync>(&self, key: MemoKey, value: Arc<T>) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        match entries.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, slot)) => *slot = value,
+            None => entries.push((key, value)),
+        }
+    }
+
+    /// A memo holding the same values (shared, not copied).
+    fn shallow_clone(&self) -> Memo {
+        Memo {
+            entries: Mutex::new(self.entries.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A [`Memo`] made on first use: 16 bytes for an owner nobody read in any
+/// form (most resources of most collections), so that a collection no
+/// reader encodes holds nothing for it.
+#[derive(Debug, Default)]
+pub struct LazyMemo(std::sync::OnceLock<Box<Memo>>);
+
+impl LazyMemo {
+    /// See [`Memo::get_or_make`].
+    pub fn get_or_make<T: Any + Send + Sync>(
+        &self,
+        key: MemoKey,
+        max_of_kind: usize,
+        make: impl FnOnce() -> T,
+    ) -> Arc<T> {
+        self.0.get_or_init(Box::default).get_or_make(key, max_of_kind, make)
+    }
+
+    /// See [`Memo::put`].
+    pub fn put<T: Any + Send + Sync>(&self, key: MemoKey, value: Arc<T>) {
+        self.0.get_or_init(Box::default).put(key, value)
+    }
+
+    /// The same values, for an owner that is the same content in a new
+    /// place (a resource moved into a rebuilt chunk).
+    pub fn carried(&self) -> LazyMemo {
+        let memo = std::sync::OnceLock::new();
+        if let Some(values) = self.0.get().filter(|m| !m.is_empty()) {
+            let _ = memo.set(Box::new(values.shallow_clone()));
+        }
+        LazyMemo(memo)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.get().map_or(0, |m| m.len())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -111,5 +170,22 @@ mod tests {
             memo.get_or_make(MemoKey::with("diff", v.into()), 2, || v.len());
         }
         assert_eq!(memo.len(), 3, "one of kind k, two of kind diff");
+    }
+
+    #[test]
+    fn a_lazy_memo_holds_nothing_until_read_and_carries_its_values() {
+        let memo = LazyMemo::default();
+        assert!(memo.is_empty());
+        assert_eq!(std::mem::size_of::<LazyMemo>(), 16);
+        assert!(memo.carried().0.get().is_none(), "nothing to carry: nothing made");
+        let a = memo.get_or_make(MemoKey::of("k"), 1, || 1u32);
+        memo.put(MemoKey::of("k"), Arc::new(2u32));
+        let carried = memo.carried();
+        let b = carried.get_or_make(MemoKey::of("k"), 1, || 3u32);
+        assert_eq!(
+            (*a, *b),
+            (1, 2),
+            "put replaced the value, and the carried memo shares it"
+        );
     }
 }

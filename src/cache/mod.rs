@@ -23,7 +23,7 @@ use std::ops::Bound;
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
-use memo::Memo;
+use memo::{LazyMemo, Memo};
 
 use bytes::Bytes;
 use imbl::OrdMap;
@@ -43,6 +43,10 @@ pub struct CachedResource {
     /// The content: a digest of the body, labels and annotations. A changed
     /// body under an unchanged version is a change.
     pub digest: u128,
+    /// Encodings readers made of this resource (a protocol's form of it,
+    /// shared by every response that carries it), made on first use and
+    /// gone with this content.
+    pub memo: LazyMemo,
 }
 
 impl CachedResource {
@@ -53,6 +57,7 @@ impl CachedResource {
             body_type_url,
             encoded,
             digest,
+            memo: LazyMemo::default(),
         }
     }
 
@@ -64,6 +69,7 @@ impl CachedResource {
             body_type_url: self.body_type_url.clone(),
             encoded: Bytes::copy_from_slice(&self.encoded),
             digest: self.digest,
+            memo: self.memo.carried(),
         }
     }
 
@@ -254,6 +260,8 @@ fn build_chunk(run: &mut Vec<Arc<CachedResource>>, repointed: &mut Vec<Arc<Cache
                 body_type_url: r.body_type_url.clone(),
                 encoded: bytes.slice(start..start + r.encoded.len()),
                 digest: r.digest,
+                // The same content: its encodings hold.
+                memo: r.memo.carried(),
             })
         })
         .collect();

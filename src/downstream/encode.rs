@@ -112,15 +112,10 @@ fn string_fields(tag: u32, values: &[&str]) -> Bytes {
     buf.freeze()
 }
 
-/// Resources in `form`, as one field each (`tag`), in one buffer.
-fn resource_fields<'a>(tag: u32, form: Form, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> Bytes {
-    let values: Vec<Bytes> = resources.into_iter().map(|r| form.value(r)).collect();
-    let mut buf = BytesMut::with_capacity(values.iter().map(|v| bytes_field_len(tag, v)).sum());
-    for value in values {
-        put_bytes(tag, &value, &mut buf);
-    }
-    buf.freeze()
-}
+/// Pieces a response for one client is written in as they are (one
+/// vectored write takes up to 64); past that, they are copied into one
+/// buffer.
+const MAX_PIECES: usize = 48;
 
 /// The type URL of an MCP `Resource` packed in an `Any` (MCP over xDS).
 pub const MCP_RESOURCE_TYPE_URL: &str = "type.googleapis.com/istio.mcp.v1alpha1.Resource";
@@ -227,6 +222,8 @@ pub struct Layout {
     pub full_key: &'static str,
     pub diff_key: &'static str,
     pub chunk_key: &'static str,
+    /// A resource's field in this layout, kept with the resource.
+    pub resource_key: &'static str,
     pub version: u32,
     pub collection: Option<u32>,
     pub resources: u32,
@@ -241,6 +238,7 @@ pub const LEGACY: Layout = Layout {
     full_key: "mcp.legacy.full",
     diff_key: "mcp.legacy.diff",
     chunk_key: "mcp.legacy.chunk",
+    resource_key: "mcp.legacy.resource",
     version: 1,
     collection: None,
     resources: 2,
@@ -254,6 +252,7 @@ pub const RESOURCES: Layout = Layout {
     full_key: "mcp.resources.full",
     diff_key: "mcp.resources.diff",
     chunk_key: "mcp.resources.chunk",
+    resource_key: "mcp.resources.resource",
     version: 1,
     collection: Some(2),
     resources: 3,
@@ -268,6 +267,7 @@ pub const XDS_MCP: Layout = Layout {
     full_key: "xds.sotw.mcp.full",
     diff_key: "xds.sotw.mcp.diff",
     chunk_key: "xds.sotw.mcp.chunk",
+    resource_key: "xds.sotw.mcp.resource",
     version: 1,
     collection: None,
     resources: 2,
@@ -280,6 +280,7 @@ pub const XDS_BODY: Layout = Layout {
     full_key: "xds.sotw.body.full",
     diff_key: "xds.sotw.body.diff",
     chunk_key: "xds.sotw.body.chunk",
+    resource_key: "xds.sotw.body.resource",
     form: Form::Body,
     ..XDS_MCP
 };
@@ -291,6 +292,7 @@ pub const DELTA_MCP: Layout = Layout {
     full_key: "xds.delta.mcp.full",
     diff_key: "xds.delta.mcp.diff",
     chunk_key: "xds.delta.mcp.chunk",
+    resource_key: "xds.delta.mcp.resource",
     version: 1,
     collection: None,
     resources: 2,
@@ -303,6 +305,7 @@ pub const DELTA_BODY: Layout = Layout {
     full_key: "xds.delta.body.full",
     diff_key: "xds.delta.body.diff",
     chunk_key: "xds.delta.body.chunk",
+    resource_key: "xds.delta.body.resource",
     form: Form::DeltaBody,
     ..DELTA_MCP
 };
@@ -315,11 +318,65 @@ impl Layout {
         if self.resources == STORAGE_FIELD && self.form == Form::Mcp {
             return chunk.bytes().clone();
         }
-        let (tag, form) = (self.resources, self.form);
         let framed = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
-            resource_fields(tag, form, chunk.members())
+            let framed = self.fields(chunk.members());
+            // Each member's field is now a slice of the chunk's: one copy of
+            // the form, whoever reads it, by chunk or by name.
+            if self.form != Form::Mcp {
+                let mut at = 0;
+                for member in chunk.members() {
+                    let len = self.field(member).len();
+                    let field = framed.slice(at..at + len);
+                    member.memo.put(MemoKey::of(self.resource_key), Arc::new(field));
+                    at += len;
+                }
+            }
+            framed
         });
         Bytes::clone(&framed)
+    }
+
+    /// A resource's `resources` field in this layout. In the MCP form it is
+    /// the stored bytes behind a prefix (made as needed: nothing to decode,
+    /// and MCP clients name no resources);
+    /// in the xDS forms it is made once per content version, kept with the
+    /// resource, and shared by every response that carries it: the named
+    /// responses of Envoy's EDS and RDS are assembled from these pieces.
+    fn field(&self, resource: &CachedResource) -> Bytes {
+        let (tag, form) = (self.resources, self.form);
+        let make = || {
+            let value = form.value(resource);
+            let mut buf = BytesMut::with_capacity(bytes_field_len(tag, &value));
+            put_bytes(tag, &value, &mut buf);
+            buf.freeze()
+        };
+        if form == Form::Mcp {
+            return make();
+        }
+        Bytes::clone(&resource.memo.get_or_make(MemoKey::of(self.resource_key), 1, make))
+    }
+
+    /// Resources as one field each, in one buffer.
+    fn fields<'a>(&self, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> Bytes {
+        if self.form == Form::Mcp {
+            // The stored bytes behind their prefixes, written once.
+            let resources: Vec<&Arc<CachedResource>> = resources.into_iter().collect();
+            let len = resources
+                .iter()
+                .map(|r| bytes_field_len(self.resources, &r.encoded))
+                .sum();
+            let mut buf = BytesMut::with_capacity(len);
+            for resource in resources {
+                put_bytes(self.resources, &resource.encoded, &mut buf);
+            }
+            return buf.freeze();
+        }
+        let fields: Vec<Bytes> = resources.into_iter().map(|r| self.field(r)).collect();
+        let mut buf = BytesMut::with_capacity(fields.iter().map(Bytes::len).sum());
+        for field in fields {
+            buf.put_slice(&field);
+        }
+        buf.freeze()
     }
 
     /// The fields every response for `to` starts with.
@@ -354,7 +411,8 @@ impl Layout {
         Arc::clone(&parts)
     }
 
-    /// `diff`'s resources and removed names, at `to`'s version.
+    /// `diff`'s resources and removed names, at `to`'s version, in one
+    /// buffer (shared by every client at the same versions).
     fn changes(&self, to: &CollectionSnapshot, diff: &Diff) -> Arc<[Bytes]> {
         debug_assert!(
             self.removed != 0 || diff.removed.is_empty(),
@@ -362,9 +420,23 @@ impl Layout {
         );
         Arc::from([
             self.head(to),
-            resource_fields(self.resources, self.form, &diff.upserts),
+            self.fields(&diff.upserts),
             string_fields(self.removed, &diff.removed_names()),
         ])
+    }
+
+    /// A client's own response (its names): each resource's field as the
+    /// piece it is kept as, no copy, unless there are too many pieces for
+    /// one write.
+    fn selected(&self, to: &CollectionSnapshot, diff: &Diff) -> Arc<[Bytes]> {
+        if diff.upserts.len() > MAX_PIECES {
+            return self.changes(to, diff);
+        }
+        let removed = string_fields(self.removed, &diff.removed_names());
+        std::iter::once(self.head(to))
+            .chain(diff.upserts.iter().map(|r| self.field(r)))
+            .chain((!removed.is_empty()).then_some(removed))
+            .collect()
     }
 
     /// The whole collection (shared), and removals for the reported names
@@ -394,7 +466,7 @@ impl Layout {
             if changed.len() == chunk.members().len() {
                 parts.push(self.chunk(chunk));
             } else {
-                parts.push(resource_fields(self.resources, self.form, changed));
+                parts.push(self.fields(changed));
             }
         }
         parts
@@ -407,7 +479,7 @@ impl Layout {
             Push::Diff { from, to } => self.diff(from, to),
             Push::FirstFromReported { to, reported } => self.first_from_reported(to, reported),
             // A client's own names: its own response.
-            Push::Selected { to, diff } => self.changes(to, diff),
+            Push::Selected { to, diff } => self.selected(to, diff),
         }
     }
 }
@@ -511,5 +583,68 @@ mod tests {
         // sharing them re-frames only the chunk that changed.
         let reframed = to.chunks().filter(|c| !c.memo.is_empty()).count();
         assert_eq!(reframed, to.chunk_count());
+    }
+
+    /// Envoy's EDS and RDS: each client names its own resources. Its
+    /// response is assembled from each resource's field, made once per
+    /// content version and shared by every client; once a wildcard client
+    /// reads the collection, those fields are slices of the chunks' (one
+    /// copy of the form). A resource nobody reads in a form holds nothing.
+    #[test]
+    fn named_responses_share_each_resources_field() {
+        use crate::proto::envoy::service::discovery::v3::DiscoveryResponse;
+        let (cache, mut writer) = Cache::new();
+        let many: Vec<_> = (0..300).map(|i| resource(&format!("r{i:03}"), "1")).collect();
+        writer.apply(C, Update::Full(many), Origin::Upstream);
+        let to = cache.get(C).unwrap();
+        let named = |names: &[&str]| Diff {
+            upserts: names.iter().map(|n| to.resources[*n].clone()).collect(),
+            removed: Vec::new(),
+        };
+        let one = XDS_BODY.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&["r001", "r002"]),
+        });
+        assert_eq!(one.len(), 3, "the head and one piece per resource");
+        let other = XDS_BODY.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&["r002", "r003"]),
+        });
+        assert_eq!(
+            one[2].as_ptr(),
+            other[1].as_ptr(),
+            "r002's field is shared, not made again"
+        );
+        let decoded = DiscoveryResponse::decode(response(one, suffix(Some((4, C)), (5, "1"), None))).unwrap();
+        assert_eq!(decoded.version_info, *to.version);
+        assert_eq!(decoded.resources.len(), 2);
+        assert_eq!(decoded.resources[0].encode_to_vec(), body_of(&to.resources["r001"]));
+        assert!(to.resources["r100"].memo.is_empty(), "nobody read r100");
+
+        // A wildcard client: the chunks are framed, and the pieces become
+        // slices of them.
+        let full = XDS_BODY.full(&to);
+        let again = XDS_BODY.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&["r002"]),
+        });
+        let piece = again[1].as_ptr() as usize;
+        assert!(
+            full[1..].iter().any(|chunk| {
+                let start = chunk.as_ptr() as usize;
+                (start..start + chunk.len()).contains(&piece)
+            }),
+            "r002's field is a slice of its chunk's"
+        );
+        // Too many names for one write: one buffer.
+        let names: Vec<String> = (0..100).map(|i| format!("r{i:03}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let many = XDS_BODY.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&names),
+        });
+        assert!(many.len() <= 3, "{}", many.len());
+        let decoded = DiscoveryResponse::decode(response(many, suffix(Some((4, C)), (5, "2"), None))).unwrap();
+        assert_eq!(decoded.resources.len(), 100);
     }
 }
