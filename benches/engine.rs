@@ -15,7 +15,7 @@ use mcp_xds_gateway::cache::{Cache, CacheWriter, Diff, Origin, Update};
 use mcp_xds_gateway::collections::{Dialect, Resolved};
 use mcp_xds_gateway::downstream::encode::{LEGACY, XDS_MCP};
 use mcp_xds_gateway::downstream::registry::TypeView;
-use mcp_xds_gateway::downstream::type_state::{Held, Mode, Request, TypeState};
+use mcp_xds_gateway::downstream::type_state::{Family, Held, Mode, Request, TypeState};
 
 mod support;
 
@@ -129,7 +129,12 @@ fn state_machine(c: &mut Criterion) {
         collection: C.into(),
         dialect: Dialect::V1_1,
     };
-    let mut state = TypeState::new(TypeView::new(resolved), Mode::Full, Held::Reported(Default::default()));
+    let mut state = TypeState::new(
+        TypeView::new(resolved),
+        Mode::Full,
+        Family::Mcp,
+        Held::Reported(Default::default()),
+    );
     let mut nonce = 0u64;
     let mut version = 1;
     c.bench_function("type_state_ack_then_push", |b| {

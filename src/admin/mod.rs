@@ -355,7 +355,11 @@ fn type_json(view: &TypeView) -> Value {
         value["oversized_bytes"] = json!(bytes);
     }
     if let Some(subscribed) = &view.subscribed {
-        value["subscribed"] = json!({"wildcard": subscribed.wildcard, "names": subscribed.names});
+        value["subscribed"] = json!({
+            "wildcard": subscribed.wildcard,
+            "count": subscribed.count,
+            "names": subscribed.first,
+        });
     }
     value
 }

@@ -14,7 +14,10 @@
 //!   have forgotten it); one that does not exist is listed in
 //!   `removed_resources` and stays subscribed: it is sent when it appears.
 //! - A name unsubscribed while wildcard still covers it is sent again.
-//! - What the client holds follows its ACKs, not what was sent.
+//! - The names a client holds are those it was last sent, NACK or not (an
+//!   xDS client may apply the valid part of a response it NACKs; a name
+//!   it was sent is not owed to it again), less those it unsubscribed
+//!   since (Envoy drops a resource it unsubscribes from).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -86,25 +89,21 @@ pub enum Holds<'a> {
 pub struct Named {
     /// What the client asks for now.
     current: Names,
-    /// What it holds as of its last ACK.
+    /// What it holds: what it was last sent, less what it unsubscribed
+    /// since. Always within `current`.
     held: Names,
     /// Names it must be sent (or told are gone) whatever it holds.
     resend: BTreeSet<Arc<str>>,
-    /// The outstanding response was built for this subscription and these
-    /// re-sends.
-    sent: Option<(Names, BTreeSet<Arc<str>>)>,
 }
 
 impl Named {
     /// A request `change`s the names of a type followed with `named`;
-    /// `holds_all`: the client holds everything already sent under legacy
-    /// wildcard (it ACKed a response); `outstanding`: a wildcard response
-    /// is unanswered. `Ok(true)` when the subscription changed.
+    /// `sent_everything`: a response went out under legacy wildcard (the
+    /// client holds all it had). `Ok(true)` when the subscription changed.
     pub fn apply(
         named: &mut Option<Box<Named>>,
         change: NameChange<'_>,
-        holds_all: bool,
-        outstanding: bool,
+        sent_everything: bool,
         max: usize,
     ) -> Result<bool, TooManyNames> {
         if named.is_none() && change.is_silent() {
@@ -115,13 +114,12 @@ impl Named {
             Box::new(Named {
                 // The legacy wildcard ends with the first name.
                 current: Names::default(),
-                held: if holds_all {
+                held: if sent_everything {
                     Names::everything()
                 } else {
                     Names::default()
                 },
                 resend: BTreeSet::new(),
-                sent: outstanding.then(|| (Names::everything(), BTreeSet::new())),
             })
         });
         let mut changed = false;
@@ -138,6 +136,11 @@ impl Named {
                         wildcard,
                         names: asked.into_iter().map(Arc::from).collect(),
                     };
+                    // A name dropped is dropped by the client too: asked
+                    // for again, it is sent again.
+                    named.held.wildcard &= wildcard;
+                    let current = &named.current;
+                    named.held.names.retain(|n| current.names.contains(n));
                     changed = true;
                 }
             }
@@ -199,33 +202,24 @@ impl Named {
         self.current.wildcard && self.resend.is_empty()
     }
 
-    /// A response went out for the current subscription.
+    /// A response went out for the current subscription: the client holds
+    /// it, whether it ACKs or NACKs it.
     pub fn on_sent(&mut self) {
-        self.sent = Some((self.current.clone(), std::mem::take(&mut self.resend)));
-    }
-
-    /// The outstanding response was ACKed: the client holds what it was
-    /// built for, less what it has unsubscribed since.
-    pub fn on_ack(&mut self) {
-        if let Some((names, _)) = self.sent.take() {
-            self.held = names;
-            self.held.wildcard &= self.current.wildcard;
-            let current = &self.current;
-            self.held.names.retain(|n| current.covers(n));
-        }
-    }
-
-    /// The outstanding response was NACKed: its re-sends are still owed.
-    pub fn on_nack(&mut self) {
-        if let Some((_, resend)) = self.sent.take() {
-            self.resend
-                .extend(resend.into_iter().filter(|n| self.current.names.contains(n)));
-        }
-    }
-
-    /// Nothing had to be sent: the client holds what it asks for.
-    pub fn settle(&mut self) {
         self.held = self.current.clone();
+        self.resend.clear();
+    }
+
+    /// Whether a resource the client asks for by name differs between `from`
+    /// and `to` (is new, changed or gone). Wildcard: see the versions.
+    pub fn touched(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> bool {
+        self.current
+            .names
+            .iter()
+            .any(|name| match (from.resources.get(name), to.resources.get(name)) {
+                (Some(a), Some(b)) => !same_content(a, b),
+                (None, None) => false,
+                _ => true,
+            })
     }
 
     /// State of the world: the resources of `to` the client asked for.
@@ -254,7 +248,7 @@ impl Named {
                 (Holds::Snapshot(from), _) => {
                     self.held.covers(name)
                         && match (from.resources.get(name), resource) {
-                            (Some(held), Some(now)) => held.digest == now.digest && held.version == now.version,
+                            (Some(held), Some(now)) => same_content(held, now),
                             (held, None) => held.is_some(),
                             (None, Some(_)) => false,
                         }
@@ -321,4 +315,10 @@ impl Named {
             removed: removed.into_iter().collect(),
         }
     }
+}
+
+/// The same resource content: the same version and body digest (which
+/// covers labels and annotations).
+fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
+    a.digest == b.digest && a.version == b.version
 }

@@ -160,25 +160,33 @@ pub struct TypeView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub oversized_bytes: Option<std::num::NonZeroU32>,
     /// The names it subscribed to (xDS); absent: everything (wildcard).
+    /// Shared: made when the subscription changes, not at every publish.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub subscribed: Option<SubscribedView>,
+    pub subscribed: Option<Arc<SubscribedView>>,
 }
 
-/// A named subscription, as `/debug/clients` shows it (8 bytes: every
-/// type of every stream has room for one).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+/// A named subscription, as `/debug/clients` shows it: whether it is
+/// wildcard, how many names, and the first of them (in name order).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct SubscribedView {
     pub wildcard: bool,
-    /// The names subscribed (at most `--max-subscribed-names`; shown
-    /// saturated at 2^32 - 1).
-    pub names: u32,
+    /// The names subscribed (at most `--max-subscribed-names`).
+    pub count: usize,
+    /// The first [`SubscribedView::SHOWN`] names.
+    pub first: Box<[Arc<str>]>,
+}
+
+impl SubscribedView {
+    /// How many names a view lists: the count says how many more there are.
+    pub const SHOWN: usize = 100;
 }
 
 impl From<&super::names::Names> for SubscribedView {
     fn from(names: &super::names::Names) -> Self {
         SubscribedView {
             wildcard: names.wildcard,
-            names: u32::try_from(names.names.len()).unwrap_or(u32::MAX),
+            count: names.names.len(),
+            first: names.names.iter().take(Self::SHOWN).cloned().collect(),
         }
     }
 }

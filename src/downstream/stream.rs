@@ -249,6 +249,7 @@ impl<W: Wire> TypedStream<W> {
         let verdict = followed.state.on_request(Request {
             nonce: &request.nonce,
             nack,
+            version: W::ACK_NAMES_VERSION.then_some(request.version_info.as_str()),
             names,
             max_names: limits.max_subscribed_names,
             at: now,
@@ -266,6 +267,7 @@ impl<W: Wire> TypedStream<W> {
                 );
                 return Ok(None);
             }
+            Verdict::Repeat => return Ok(None),
             Verdict::TooManyNames { count } => {
                 m::limit_refused("max_subscribed_names");
                 return Err(Status::resource_exhausted(format!(
@@ -433,6 +435,18 @@ impl<W: Wire> TypedStream<W> {
     /// type (`type=version`; `-` for nothing).
     fn log_left(&self, end: End, status: Option<&Status>) {
         let view = self.entry.view();
+        // A refusal is a configuration error (a loop of gateways, a client
+        // the gateway cannot serve): a warning, whatever the rate of lines.
+        if end == End::Refused {
+            tracing::warn!(
+                stream = self.id,
+                peer = view.peer.map(|p| p.to_string()),
+                node = view.node_id,
+                gateway = view.gateway_id,
+                detail = status.map(Status::message),
+                "refused to serve this client"
+            );
+        }
         let Some(skipped) = self.shared.peer_log(view.peer) else {
             return;
         };
@@ -544,7 +558,7 @@ impl<W: Wire> TypedStream<W> {
             }
         };
         let metrics = self.shared.collection_metrics(&resolved.collection);
-        let state = TypeState::new(TypeView::new(resolved), request.mode, held);
+        let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
         self.types
             .insert(type_url.to_owned(), Followed { state, metrics, answer });
         Ok(())
@@ -604,8 +618,12 @@ impl<W: Wire> TypedStream<W> {
         now: Stamp,
         out: &Outbound,
     ) -> Result<(), ClientGone> {
-        let response = match self.types.get_mut(type_url).map(|f| f.state.next(current.as_ref())) {
-            Some(Ok(push @ Push::FirstFromReported { .. })) => {
+        let Some(followed) = self.types.get_mut(type_url) else {
+            return Ok(());
+        };
+        let acked = followed.state.view.acked_version.clone();
+        let response = match followed.state.next(current.as_ref()) {
+            Ok(push @ Push::FirstFromReported { .. }) => {
                 // Work that grows with what the client sent: one stream at a
                 // time, and the turn is given back before the response is
                 // queued (a client that does not read never holds it).
@@ -613,13 +631,21 @@ impl<W: Wire> TypedStream<W> {
                 let _turn = Box::pin(shared.heavy_work()).await;
                 self.respond(type_url, push, current.as_ref(), now)
             }
-            Some(Ok(push)) => self.respond(type_url, push, current.as_ref(), now),
-            _ => {
-                // Nothing to send; whether it is behind may have changed.
-                if let Some(followed) = self.types.get_mut(type_url) {
-                    if followed.state.note_current(current.as_ref(), now) {
-                        self.entry.publish(type_url, followed.state.view.clone());
-                    }
+            Ok(push) => self.respond(type_url, push, current.as_ref(), now),
+            Err(_) => {
+                // Nothing to send. A named client that none of the change
+                // touched holds the new version as well: that counts as its
+                // ACK for a canary round, which would otherwise wait for it.
+                let settled = followed.state.view.acked_version != acked;
+                if let (true, Some(canary), Some(version)) = (settled, &self.canary, &followed.state.view.acked_version)
+                {
+                    canary
+                        .rollout
+                        .canary_acked(&followed.state.view.collection, self.id, version);
+                }
+                // Whether it is behind may have changed.
+                if followed.state.note_current(current.as_ref(), now) || settled {
+                    self.entry.publish(type_url, followed.state.view.clone());
                 }
                 return Ok(());
             }

@@ -5,18 +5,32 @@
 //! services, `ResourceSource`, xDS) is an adapter that reads its requests
 //! into a [`Request`] and encodes the [`Push`] it is told.
 //!
-//! The rules (Istio's MCP server, and what it got wrong):
+//! The rules (Istio's MCP server, Envoy's `xds_protocol.rst`, and what other
+//! servers got wrong):
 //! - A request is accepted when nothing was sent for the type yet (whatever
 //!   its nonce: istiod sends one it was never given), or when its nonce is
-//!   the last one sent. Anything else is stale and ignored.
+//!   the last one sent. Anything else is stale and ignored. A request is an
+//!   ACK only of what it names: an xDS state-of-the-world request whose
+//!   `version_info` is not the version of the response its nonce names is
+//!   not an ACK of it (Envoy repeats its last ACKed version, with the NACKed
+//!   response's nonce, when it changes its names after a NACK).
 //! - One response outstanding per type; changes meanwhile coalesce to the
 //!   latest.
-//! - A NACKed version is never sent to that client again; the next version is.
 //! - Nothing is sent before the source delivered the collection.
-//! - A client already at the current version gets nothing.
-//! - xDS clients may name the resources they want ([`super::names`]):
-//!   their responses are their own, built from their names; subscription
-//!   changes count on every request, whatever its nonce.
+//! - A NACK leaves a client between what it ACKed and what it was sent
+//!   ([`Family`]): MCP sinks reject a response whole; xDS clients may apply
+//!   its valid part (Envoy's CDS and LDS, grpc's gRFC A46). So whether
+//!   anything is sent is decided against what the client was last sent: the
+//!   NACKed version is never sent again unprompted, and the next version
+//!   that differs from it is, even when it equals what the client last ACKed
+//!   (a revert). What an MCP incremental diff is computed from stays the
+//!   ACKed state; a delta xDS client holds what it was sent, NACK or not.
+//! - xDS clients may name the resources they want ([`super::names`]): their
+//!   responses are their own, built from their names, and a change that
+//!   touches none of them sends them nothing. Subscription changes count on
+//!   every request, whatever its nonce, and newly requested names are
+//!   answered at once (or once the outstanding response is answered), even
+//!   at a NACKed version.
 
 use std::sync::Arc;
 
@@ -25,6 +39,20 @@ use bytes::{BufMut, Bytes, BytesMut};
 use super::names::{Holds, NameChange, Named, TooManyNames};
 use super::registry::{NackRecord, Stamp, TypeView};
 use crate::cache::{CollectionSnapshot, Diff};
+
+/// What a client holds after it NACKed a response: the protocol family's
+/// rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Family {
+    /// Istio's MCP sinks (the legacy services, `ResourceSource`) apply a
+    /// response whole or not at all: after a NACK they hold what they ACKed.
+    #[default]
+    Mcp,
+    /// xDS clients (Envoy, grpc, istiod) may apply the valid part of a
+    /// response they NACK: after a NACK they hold something between what
+    /// they ACKed and what they were sent.
+    Xds,
+}
 
 /// How responses for this type carry the collection.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -110,6 +138,10 @@ pub struct Request<'a> {
     pub nonce: &'a str,
     /// `Some` for a NACK.
     pub nack: Option<Nack>,
+    /// The version the client says it holds, where its protocol makes that
+    /// the test of an ACK (xDS state of the world); `None` elsewhere (MCP
+    /// requests answer their nonce's response).
+    pub version: Option<&'a str>,
     /// The names it asks for (xDS); legacy protocols name none.
     pub names: NameChange<'a>,
     /// `--max-subscribed-names`.
@@ -124,6 +156,7 @@ impl<'a> Request<'a> {
         Request {
             nonce,
             nack,
+            version: None,
             names: NameChange::Replace(&[]),
             max_names: usize::MAX,
             at: Stamp::NEVER,
@@ -142,9 +175,14 @@ pub enum Verdict {
     Stale {
         expected: String,
     },
-    /// Its nonce is not the last one sent (or it has none), and it changed
-    /// the names subscribed: that counts, nothing is ACKed.
+    /// It answers no response (a stale nonce, none, or one answered
+    /// already), and it changed the names subscribed: that counts, nothing
+    /// is ACKed.
     Subscription,
+    /// Its nonce is the last one sent, but it answers nothing: that response
+    /// was answered already, or (xDS) the version it names is not that
+    /// response's. It changes nothing.
+    Repeat,
     /// It names more resources than `--max-subscribed-names` allows.
     TooManyNames {
         count: usize,
@@ -164,7 +202,8 @@ pub enum Wait {
     NotDelivered,
     /// The client holds the current version.
     UpToDate,
-    /// The client NACKed the current version: it is not sent again.
+    /// The client NACKed the current version: it is not sent again
+    /// unprompted.
     Nacked,
 }
 
@@ -206,8 +245,13 @@ impl Push {
 #[derive(Debug)]
 pub struct TypeState {
     mode: Mode,
+    family: Family,
+    /// What diffs are computed from: what the client ACKed, or (delta xDS)
+    /// what it was sent.
     held: Held,
-    /// The snapshot of the outstanding (or last) response.
+    /// The snapshot of the outstanding (or last) response: what decides
+    /// whether anything is to be sent (after an ACK it is what the client
+    /// ACKed; after a NACK, what it refused).
     sent: Option<Arc<CollectionSnapshot>>,
     /// The names the client asks for, once it named any (boxed: most
     /// clients take everything).
@@ -217,9 +261,10 @@ pub struct TypeState {
 }
 
 impl TypeState {
-    pub fn new(view: TypeView, mode: Mode, held: Held) -> Self {
+    pub fn new(view: TypeView, mode: Mode, family: Family, held: Held) -> Self {
         let mut state = Self {
             mode,
+            family,
             held,
             sent: None,
             named: None,
@@ -248,33 +293,32 @@ impl TypeState {
     /// A request for this type.
     pub fn on_request(&mut self, request: Request<'_>) -> Verdict {
         self.view.last_request_at = request.at;
-        let holds_all = matches!(self.held, Held::At(_));
-        let changed = match Named::apply(
-            &mut self.named,
-            request.names,
-            holds_all,
-            self.view.outstanding,
-            request.max_names,
-        ) {
+        let changed = match Named::apply(&mut self.named, request.names, self.sent.is_some(), request.max_names) {
             Ok(changed) => changed,
             Err(TooManyNames { count }) => return Verdict::TooManyNames { count },
         };
-        if let Some(named) = &self.named {
-            self.view.subscribed = Some(named.current().into());
+        if changed {
+            if let Some(named) = &self.named {
+                self.view.subscribed = Some(Arc::new(named.current().into()));
+            }
         }
         let Some(sent_nonce) = &self.view.last_sent_nonce else {
             return Verdict::First;
         };
-        if *sent_nonce != request.nonce {
-            if changed {
-                return Verdict::Subscription;
-            }
-            return Verdict::Stale {
-                expected: sent_nonce.clone(),
+        let sent = self.sent.clone().expect("a nonce is only issued with a snapshot");
+        let answers = *sent_nonce == request.nonce
+            && self.view.outstanding
+            && (request.nack.is_some() || request.version.is_none_or(|v| *v == *sent.version));
+        if !answers {
+            return match (changed, *sent_nonce == request.nonce) {
+                (true, _) => Verdict::Subscription,
+                (false, true) => Verdict::Repeat,
+                (false, false) => Verdict::Stale {
+                    expected: sent_nonce.clone(),
+                },
             };
         }
         self.view.outstanding = false;
-        let sent = self.sent.clone().expect("a nonce is only issued with a snapshot");
         match request.nack {
             Some(nack) => {
                 self.view.last_nack = Some(Box::new(NackRecord {
@@ -284,13 +328,10 @@ impl TypeState {
                     at: request.at,
                     superseded: false,
                 }));
-                if let Some(named) = &mut self.named {
-                    named.on_nack();
-                }
-                match self.held {
-                    Held::AwaitingFirst { reported_names: true } => Verdict::Unrecoverable,
+                match (self.family, &self.held) {
+                    (Family::Mcp, Held::AwaitingFirst { reported_names: true }) => Verdict::Unrecoverable,
                     // It still holds nothing.
-                    Held::AwaitingFirst { reported_names: false } => {
+                    (Family::Mcp, Held::AwaitingFirst { reported_names: false }) => {
                         self.held = Held::Reported(ReportedNames::default());
                         Verdict::Nack
                     }
@@ -298,9 +339,6 @@ impl TypeState {
                 }
             }
             None => {
-                if let Some(named) = &mut self.named {
-                    named.on_ack();
-                }
                 self.view.acked_version = Some(sent.version.clone());
                 self.view.acked_at = request.at;
                 if let Some(nack) = &mut self.view.last_nack {
@@ -312,28 +350,39 @@ impl TypeState {
         }
     }
 
+    /// Its last answer was a NACK.
+    fn nack_pending(&self) -> bool {
+        self.view.last_nack.as_ref().is_some_and(|n| !n.superseded)
+    }
+
     /// What to send now, given the cache's current snapshot. When it says
     /// `Push`, the adapter must send it and then call [`Self::sent`].
     pub fn next(&mut self, current: Option<&Arc<CollectionSnapshot>>) -> Result<Push, Wait> {
-        if self.view.outstanding {
+        if self.view.outstanding || matches!(self.held, Held::AwaitingFirst { .. }) {
             return Err(Wait::Outstanding);
         }
         let current = current.ok_or(Wait::NotDelivered)?;
-        if self
-            .view
-            .last_nack
-            .as_ref()
-            .is_some_and(|n| n.version == current.version)
-        {
-            return Err(Wait::Nacked);
+        // Newly requested names are answered whatever was NACKed: grpc asks
+        // for a new cluster exactly when an operator routes away from a
+        // broken one.
+        let owed = self.named.as_ref().is_some_and(|n| !n.settled());
+        if !owed {
+            if self
+                .view
+                .last_nack
+                .as_ref()
+                .is_some_and(|n| n.version == current.version)
+            {
+                return Err(Wait::Nacked);
+            }
+            if !self.differs_from_sent(current) {
+                self.settle(current);
+                return Err(Wait::UpToDate);
+            }
         }
         let to = current.clone();
-        let settled = self.named.as_ref().is_none_or(|n| n.settled());
-        let send = match (&self.held, self.mode) {
-            (Held::At(held), _) if held.version == current.version && settled => return Err(Wait::UpToDate),
-            (Held::Version(held), _) if *held == current.version && settled => return Err(Wait::UpToDate),
-            (Held::AwaitingFirst { .. }, _) => return Err(Wait::Outstanding),
-            (_, Mode::Full) => match &self.named {
+        let push = match (self.mode, self.family) {
+            (Mode::Full, _) => match self.named.as_deref() {
                 Some(named) if !named.current().wildcard => Push::Selected {
                     diff: Diff {
                         upserts: named.selected(&to),
@@ -343,45 +392,95 @@ impl TypeState {
                 },
                 _ => Push::Full { to },
             },
-            (Held::At(from), Mode::Incremental) => match self.named.as_deref_mut() {
-                Some(named) if !named.is_everything() => {
-                    let diff = named.changes(Holds::Snapshot(from), &to);
-                    if diff.is_empty() {
-                        // Nothing it asks for changed: it holds `to` as well
-                        // (and is shown at its version).
-                        named.settle();
-                        self.view.acked_version = Some(to.version.clone());
-                        self.held = Held::At(to);
-                        return Err(Wait::UpToDate);
+            (Mode::Incremental, Family::Xds) if !self.shared_first_or_diff() => {
+                let named = self.named.as_deref().expect("shared without names");
+                let diff = match &self.held {
+                    Held::At(from) => named.changes(Holds::Snapshot(from), &to),
+                    Held::Reported(reported) => named.changes(Holds::Reported(reported), &to),
+                    Held::Version(_) | Held::AwaitingFirst { .. } => {
+                        named.changes(Holds::Reported(&ReportedNames::default()), &to)
                     }
-                    Push::Selected { to, diff }
-                }
-                _ => Push::Diff { from: from.clone(), to },
-            },
-            (Held::Reported(reported), Mode::Incremental)
-                if self.named.as_ref().is_some_and(|n| !n.first_is_shared()) =>
-            {
-                let named = self.named.as_ref().expect("matched above");
-                let diff = named.changes(Holds::Reported(reported), &to);
-                self.held = Held::AwaitingFirst {
-                    reported_names: !reported.is_empty(),
                 };
+                if diff.is_empty() {
+                    // Nothing it asks for changed: it holds `to` as well.
+                    self.settle(current);
+                    return Err(Wait::UpToDate);
+                }
                 Push::Selected { to, diff }
             }
-            (Held::Reported(reported), Mode::Incremental) if !reported.is_empty() => {
-                let Held::Reported(reported) =
-                    std::mem::replace(&mut self.held, Held::AwaitingFirst { reported_names: true })
-                else {
-                    unreachable!("matched above")
+            (Mode::Incremental, family) => {
+                // An MCP client's first response is answered before its diffs
+                // can be: until then it holds what it reported.
+                let first = |reported_names| match family {
+                    Family::Mcp => Held::AwaitingFirst { reported_names },
+                    // Replaced by what it is sent, once it is.
+                    Family::Xds => Held::Reported(ReportedNames::default()),
                 };
-                Push::FirstFromReported { to, reported }
-            }
-            (Held::Reported(_) | Held::Version(_), Mode::Incremental) => {
-                self.held = Held::AwaitingFirst { reported_names: false };
-                Push::Full { to }
+                match std::mem::replace(&mut self.held, first(false)) {
+                    Held::At(from) => {
+                        self.held = Held::At(from.clone());
+                        Push::Diff { from, to }
+                    }
+                    Held::Reported(reported) if !reported.is_empty() => {
+                        self.held = first(true);
+                        Push::FirstFromReported { to, reported }
+                    }
+                    Held::Reported(_) | Held::Version(_) | Held::AwaitingFirst { .. } => Push::Full { to },
+                }
             }
         };
-        Ok(send)
+        Ok(push)
+    }
+
+    /// Delta xDS: whether the response is the shared one (the whole
+    /// collection, from reported names, or the diff every client at the
+    /// same version gets), not one of the client's own names.
+    fn shared_first_or_diff(&self) -> bool {
+        self.named.as_deref().is_none_or(|named| match self.held {
+            Held::At(_) => named.is_everything(),
+            _ => named.first_is_shared(),
+        })
+    }
+
+    /// Whether `current` differs, in what the client asks for, from what it
+    /// was last sent (or, before anything was sent, from what it reported).
+    fn differs_from_sent(&self, current: &CollectionSnapshot) -> bool {
+        let from = match (&self.sent, &self.held) {
+            (Some(sent), _) | (None, Held::At(sent)) => sent,
+            (None, Held::Version(version)) => return *version != current.version,
+            (None, Held::Reported(_) | Held::AwaitingFirst { .. }) => return true,
+        };
+        if from.version == current.version {
+            return false;
+        }
+        match self.named.as_deref() {
+            Some(named) if !named.current().wildcard => named.touched(from, current),
+            _ => true,
+        }
+    }
+
+    /// Nothing it asks for differs in `current` from what it was sent: it
+    /// holds `current` as well, and unless its last answer was a NACK, it is
+    /// shown at that version.
+    fn settle(&mut self, current: &Arc<CollectionSnapshot>) {
+        if self.sent.as_ref().is_some_and(|sent| sent.version == current.version) {
+            return;
+        }
+        if self.sent.is_some() {
+            self.sent = Some(current.clone());
+        }
+        let nacked = self.nack_pending();
+        if !nacked || self.holds_what_was_sent() {
+            self.held = Held::At(current.clone());
+        }
+        if !nacked {
+            self.view.acked_version = Some(current.version.clone());
+        }
+    }
+
+    /// Delta xDS: the client holds what it was sent, NACK or not.
+    fn holds_what_was_sent(&self) -> bool {
+        self.mode == Mode::Incremental && self.family == Family::Xds
     }
 
     /// The response chosen by [`Self::next`] went out with `nonce`.
@@ -407,6 +506,9 @@ impl TypeState {
         if let Some(named) = &mut self.named {
             named.on_sent();
         }
+        if self.holds_what_was_sent() {
+            self.held = Held::At(to.clone());
+        }
         self.view.outstanding = true;
         self.view.last_sent_nonce = Some(nonce);
         self.view.last_sent_version = Some(to.version.clone());
@@ -430,12 +532,17 @@ mod tests {
     }
 
     fn state(mode: Mode, held: Held) -> TypeState {
+        family_state(Family::Mcp, mode, held)
+    }
+
+    fn family_state(family: Family, mode: Mode, held: Held) -> TypeState {
         TypeState::new(
             TypeView::new(Resolved {
                 collection: C.into(),
                 dialect: Dialect::V1_1,
             }),
             mode,
+            family,
             held,
         )
     }
@@ -606,6 +713,337 @@ mod tests {
         }
     }
 
+    /// The rules on a client's failure paths, per protocol family: what a
+    /// client holds after a NACK, and how subscription changes are answered.
+    #[test]
+    fn failure_paths_per_family_as_a_table() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
+        // "a" broken.
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1")]);
+        // And a new "c", which nobody named asks for.
+        let v3 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1"), ("c", "1")]);
+        // "a" broken and "b" changed, fine.
+        let v4 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "2")]);
+        // "a" fixed, "b" as in v4.
+        let v5 = with_bodies(&cache, &mut writer, &[("a", "3"), ("b", "2")]);
+        // Content-derived versions: the same content is the same version.
+        let reverted = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
+        assert_eq!(reverted.version, v1.version);
+        let version = |v: &Arc<CollectionSnapshot>| v.version.to_string();
+        let (v1v, v2v) = (version(&v1), version(&v2));
+
+        /// What a request says.
+        #[derive(Clone, Copy)]
+        enum Says<'a> {
+            /// An answer, and for xDS state of the world the version it names.
+            Ack(Option<&'a str>),
+            Nack(Option<&'a str>),
+            /// State of the world: these names, with this version.
+            Names(Option<&'a str>, &'a [&'a str]),
+            /// Delta: subscribe these.
+            Subscribe(&'a [&'a str]),
+        }
+        enum Step<'a> {
+            Req(&'a str, Says<'a>, Verdict),
+            /// What is sent (with the next nonce) against this snapshot, as
+            /// [`described`] says it.
+            Next(&'a Arc<CollectionSnapshot>, Result<&'a str, Wait>),
+            /// The version the views show the client at, and whether they
+            /// show its NACK as current.
+            Shown(Option<&'a Arc<CollectionSnapshot>>, bool),
+        }
+        use Says::*;
+        use Step::*;
+        let held_at = |snapshot: &Arc<CollectionSnapshot>, names: &[&str]| {
+            let versions: Vec<(String, String)> = names
+                .iter()
+                .map(|n| (n.to_string(), snapshot.resources[*n].content_version()))
+                .collect();
+            Held::Reported(ReportedNames::with_versions(
+                versions.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+            ))
+        };
+        let (xds, mcp) = (Family::Xds, Family::Mcp);
+        let (full, incremental) = (Mode::Full, Mode::Incremental);
+        let cases: Vec<(&str, Family, Mode, Held, Vec<Step>)> = vec![
+            (
+                "state of the world, xDS: a revert to the ACKed version after a NACK is sent (the client applied part)",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(Some(&v1v)), Verdict::Ack),
+                    Next(&v2, Ok("full")),
+                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Next(&v2, Err(Wait::Nacked)),
+                    Shown(Some(&v1), true),
+                    Next(&reverted, Ok("full")),
+                    Req("n3", Ack(Some(&v1v)), Verdict::Ack),
+                    Shown(Some(&v1), false),
+                ],
+            ),
+            (
+                "state of the world, MCP: the same revert is sent (harmless to a client that rejected whole)",
+                mcp,
+                full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("full")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&reverted, Ok("full")),
+                    Req("n3", Ack(None), Verdict::Ack),
+                    Next(&reverted, Err(Wait::UpToDate)),
+                ],
+            ),
+            (
+                "MCP incremental: after a NACK, diffs are from the ACKed state; a revert is an empty diff to ACK",
+                mcp,
+                incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("diff +a")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&v2, Err(Wait::Nacked)),
+                    Next(&v3, Ok("diff +a +c")),
+                    Req("n3", Nack(None), Verdict::Nack),
+                    Next(&reverted, Ok("diff")),
+                    Req("n4", Ack(None), Verdict::Ack),
+                    Shown(Some(&v1), false),
+                ],
+            ),
+            (
+                "delta: after a NACK, an unrelated change does not re-send the NACKed content",
+                xds,
+                incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("diff +a")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&v2, Err(Wait::Nacked)),
+                    Next(&v3, Ok("diff +c")),
+                    Req("n3", Ack(None), Verdict::Ack),
+                    Shown(Some(&v3), false),
+                ],
+            ),
+            (
+                "delta: a revert after a NACK is sent as what differs from what was sent",
+                xds,
+                incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("diff +a")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&reverted, Ok("diff +a")),
+                ],
+            ),
+            (
+                "delta, partial acceptance: after a NACK of a response that changed a (broken) and b, the fix sends a only",
+                xds,
+                incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v4, Ok("diff +a +b")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&v5, Ok("diff +a")),
+                ],
+            ),
+            (
+                "state of the world, xDS, named: a change of names after a NACK, with the last ACKed version and the NACKed nonce, is not an ACK; the new names are answered at the NACKed version",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Req("", Names(None, &["a"]), Verdict::First),
+                    Next(&v1, Ok("+a")),
+                    Req("n1", Names(Some(&v1v), &["a"]), Verdict::Ack),
+                    Next(&v2, Ok("+a")),
+                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Req("n2", Names(Some(&v1v), &["a", "b"]), Verdict::Subscription),
+                    Shown(Some(&v1), true),
+                    Next(&v2, Ok("+a +b")),
+                    Req("n3", Names(Some(&v2v), &["a", "b"]), Verdict::Ack),
+                    Shown(Some(&v2), false),
+                ],
+            ),
+            (
+                "state of the world, xDS, named: routing away from a NACKed name (its names replaced)",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Req("", Names(None, &["a"]), Verdict::First),
+                    Next(&v2, Ok("+a")),
+                    Req("n1", Nack(None), Verdict::Nack),
+                    Req("n1", Names(None, &["b"]), Verdict::Subscription),
+                    Next(&v2, Ok("+b")),
+                    Req("n2", Names(Some(&v2v), &["b"]), Verdict::Ack),
+                    Shown(Some(&v2), false),
+                ],
+            ),
+            (
+                "state of the world, xDS: a request naming the outstanding response's nonce with another version is not its ACK",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(Some("another")), Verdict::Repeat),
+                    Next(&v2, Err(Wait::Outstanding)),
+                    Req("n1", Ack(Some(&v1v)), Verdict::Ack),
+                    Req("n1", Ack(Some(&v1v)), Verdict::Repeat),
+                ],
+            ),
+            (
+                "named: a change to names it does not ask for sends nothing, and shows it at the new version",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Req("", Names(None, &["a", "b"]), Verdict::First),
+                    Next(&v2, Ok("+a +b")),
+                    Req("n1", Names(Some(&v2v), &["a", "b"]), Verdict::Ack),
+                    Next(&v3, Err(Wait::UpToDate)),
+                    Shown(Some(&v3), false),
+                ],
+            ),
+            (
+                "named: after a NACK, a change it does not ask for sends nothing and leaves the NACK shown",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Req("", Names(None, &["a"]), Verdict::First),
+                    Next(&v1, Ok("+a")),
+                    Req("n1", Names(Some(&v1v), &["a"]), Verdict::Ack),
+                    Next(&v2, Ok("+a")),
+                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Next(&v3, Err(Wait::UpToDate)),
+                    Shown(Some(&v1), true),
+                    Next(&v5, Ok("+a")),
+                ],
+            ),
+            (
+                "delta: a re-subscribe of a name the client has is answered, even at a NACKed version",
+                xds,
+                incremental,
+                nothing(),
+                vec![
+                    Req("", Subscribe(&["a"]), Verdict::First),
+                    Next(&v1, Ok("+a")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("+a")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&v2, Err(Wait::Nacked)),
+                    Req("", Subscribe(&["a"]), Verdict::Subscription),
+                    Next(&v2, Ok("+a")),
+                ],
+            ),
+            (
+                "delta: a reconnect reporting what it held before a NACK is sent what differs; a NACK of that first response is recoverable",
+                xds,
+                incremental,
+                held_at(&v1, &["a", "b"]),
+                vec![
+                    Next(&v2, Ok("first")),
+                    Req("n1", Nack(None), Verdict::Nack),
+                    Next(&v2, Err(Wait::Nacked)),
+                    Next(&v3, Ok("diff +c")),
+                ],
+            ),
+            (
+                "MCP incremental: a NACK of the first response built from reported names cannot be recovered",
+                mcp,
+                incremental,
+                held_at(&v1, &["a", "b"]),
+                vec![Next(&v2, Ok("first")), Req("n1", Nack(None), Verdict::Unrecoverable)],
+            ),
+        ];
+        for (what, family, mode, held, steps) in cases {
+            let mut s = family_state(family, mode, held);
+            let mut nonce = 0;
+            let mut names_asked: Vec<String> = Vec::new();
+            for (i, step) in steps.into_iter().enumerate() {
+                match step {
+                    Next(current, expected) => {
+                        let got = s.next(Some(current)).map(|push| {
+                            nonce += 1;
+                            let said = described(&push);
+                            s.sent(format!("n{nonce}"), push.to().clone());
+                            said
+                        });
+                        assert_eq!(got.as_deref(), expected.as_ref().map(|e| *e), "{what}: step {i}");
+                    }
+                    Req(nonce, says, expected) => {
+                        // State of the world repeats its names on every
+                        // request; delta says only what changes.
+                        if let Names(_, asked) = says {
+                            names_asked = self::names(asked);
+                        }
+                        let subscribe = match says {
+                            Subscribe(asked) => self::names(asked),
+                            _ => Vec::new(),
+                        };
+                        let names = match mode {
+                            Mode::Full => NameChange::Replace(&names_asked),
+                            Mode::Incremental => NameChange::Change {
+                                subscribe: &subscribe,
+                                unsubscribe: &[],
+                            },
+                        };
+                        let (version, nacked) = match says {
+                            Ack(version) | Names(version, _) => (version, None),
+                            Nack(version) => (version, nack("")),
+                            Subscribe(_) => (None, None),
+                        };
+                        let request = Request {
+                            version,
+                            names,
+                            ..Request::new(nonce, nacked)
+                        };
+                        assert_eq!(s.on_request(request), expected, "{what}: step {i}");
+                    }
+                    Shown(at, nacked) => {
+                        let acked = s.view.acked_version.clone();
+                        assert_eq!(
+                            acked,
+                            at.map(|v| v.version.clone()),
+                            "{what}: step {i}: the version shown"
+                        );
+                        assert_eq!(s.nack_pending(), nacked, "{what}: step {i}: the NACK shown");
+                    }
+                }
+            }
+        }
+
+        /// A push as the table says it: `full`, `first`, `diff` with what it
+        /// carries, or a response of its own (`+a -b`).
+        fn described(push: &Push) -> String {
+            let listed = |diff: &Diff| {
+                let upserts = diff.upserts.iter().map(|r| format!(" +{}", r.name));
+                let removed = diff.removed.iter().map(|n| format!(" -{n}"));
+                upserts.chain(removed).collect::<String>()
+            };
+            match push {
+                Push::Full { .. } => "full".into(),
+                Push::FirstFromReported { .. } => "first".into(),
+                Push::Diff { from, to } => format!("diff{}", listed(&Diff::between(&from.resources, &to.resources))),
+                Push::Selected { diff, .. } => listed(diff).trim_start().to_owned(),
+            }
+        }
+    }
+
     #[test]
     fn any_nonce_is_accepted_before_anything_was_sent() {
         let mut s = state(Mode::Full, nothing());
@@ -667,7 +1105,7 @@ mod tests {
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
         // A new name with the same nonce (Envoy asks for a new route with
         // its last ACK): the new set, at the same version.
-        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Ack);
+        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Subscription);
         assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["a", "b"], vec![]));
         // A change while a response is outstanding (a stale nonce) counts,
         // and is answered once the outstanding one is.
@@ -676,14 +1114,25 @@ mod tests {
         assert_eq!(ask(&mut s, "n2", &["c"]), Verdict::Ack);
         assert_eq!(selected(&send(&mut s, &v1, "n3")), (vec!["c"], vec![]));
         assert_eq!(ask(&mut s, "n3", &["c"]), Verdict::Ack);
-        // Once a name was asked for, an empty list is nothing, not everything.
-        assert_eq!(ask(&mut s, "n3", &[]), Verdict::Ack);
-        assert_eq!(selected(&send(&mut s, &v1, "n4")), (vec![], vec![]));
-        assert_eq!(ask(&mut s, "n4", &["*"]), Verdict::Ack);
+        // Once a name was asked for, an empty list is nothing, not everything:
+        // names dropped need no response.
+        assert_eq!(ask(&mut s, "n3", &[]), Verdict::Subscription);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+        assert_eq!(ask(&mut s, "n3", &["*"]), Verdict::Subscription);
         assert!(
-            matches!(send(&mut s, &v1, "n5"), Push::Full { .. }),
+            matches!(send(&mut s, &v1, "n4"), Push::Full { .. }),
             "\"*\" is everything"
         );
+        // A name dropped and asked for again is sent again (the client
+        // dropped it too).
+        let mut s = state(Mode::Full, nothing());
+        assert_eq!(ask(&mut s, "", &["a", "b"]), Verdict::First);
+        send(&mut s, &v1, "n1");
+        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Ack);
+        assert_eq!(ask(&mut s, "n1", &["a"]), Verdict::Subscription);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Subscription);
+        assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["a", "b"], vec![]));
 
         // A client that names nothing is wildcard, and served the shared
         // response.
@@ -707,7 +1156,7 @@ mod tests {
                 ..Request::new(nonce, None)
             })
         };
-        let mut s = state(Mode::Incremental, nothing());
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
         assert_eq!(change(&mut s, "", &["a", "ghost"], &[]), Verdict::First);
         // A name that does not exist is removed, and stays subscribed.
         assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a"], vec!["ghost"]));
@@ -750,10 +1199,10 @@ mod tests {
     }
 
     #[test]
-    fn a_nacked_version_is_not_resent_for_a_new_name_but_the_next_one_carries_it() {
+    fn a_new_name_after_a_nack_is_answered_and_the_nacked_content_is_not_resent() {
         let (cache, mut writer) = Cache::new();
         let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
-        let mut s = state(Mode::Incremental, nothing());
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
         let sub = names(&["a"]);
         fn request<'a>(nonce: &'a str, nack: Option<Nack>, subscribe: &'a [String]) -> Request<'a> {
             Request {
@@ -770,11 +1219,13 @@ mod tests {
         let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1")]);
         send(&mut s, &v2, "n2");
         assert_eq!(s.on_request(request("n2", nack("v2"), &[])), Verdict::Nack);
+        // The new name at once, at the NACKed version; "a" was sent already.
         let b = names(&["b"]);
         assert_eq!(s.on_request(request("", None, &b)), Verdict::Subscription);
-        assert_eq!(s.next(Some(&v2)).unwrap_err(), Wait::Nacked);
+        assert_eq!(selected(&send(&mut s, &v2, "n3")), (vec!["b"], vec![]));
+        assert_eq!(s.on_request(request("n3", None, &[])), Verdict::Ack);
         let v3 = with_bodies(&cache, &mut writer, &[("a", "3"), ("b", "1")]);
-        assert_eq!(selected(&send(&mut s, &v3, "n3")), (vec!["a", "b"], vec![]));
+        assert_eq!(selected(&send(&mut s, &v3, "n4")), (vec!["a"], vec![]));
     }
 
     #[test]
@@ -784,7 +1235,7 @@ mod tests {
         let held = |name: &str| v1.resources[name].content_version();
         let (ha, hb) = (held("a"), held("b"));
         let reported = ReportedNames::with_versions([("a", ha.as_str()), ("b", hb.as_str()), ("gone", "x")]);
-        let mut s = state(Mode::Incremental, Held::Reported(reported));
+        let mut s = family_state(Family::Xds, Mode::Incremental, Held::Reported(reported));
         let sub = names(&["*", "b"]);
         let verdict = s.on_request(Request {
             names: NameChange::Change {

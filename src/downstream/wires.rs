@@ -10,7 +10,7 @@ use tonic::Status;
 
 use super::encode::{suffix, Layout, DELTA_BODY, DELTA_MCP, LEGACY, RESOURCES, XDS_BODY, XDS_MCP};
 use super::registry::Protocol;
-use super::type_state::{Mode, Push};
+use super::type_state::{Family, Mode, Push};
 use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
 use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
@@ -123,6 +123,12 @@ pub trait Wire: Send + 'static {
     /// the source refuses while a type waits for it. Types are then named
     /// as xDS names them (GVKs, proto type URLs).
     const ANSWERS_EVERY_TYPE: bool = false;
+    /// What its clients hold after a NACK.
+    const FAMILY: Family = Family::Mcp;
+    /// An ACK names the version it accepts (`version_info`), and a request
+    /// with the last nonce but another version is not one (xDS state of the
+    /// world: Envoy repeats its last ACKed version after a NACK).
+    const ACK_NAMES_VERSION: bool = false;
 
     fn read(request: Self::Request) -> WireRequest;
 
@@ -286,6 +292,8 @@ impl Wire for XdsSotw {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
     const ANSWERS_EVERY_TYPE: bool = true;
+    const FAMILY: Family = Family::Xds;
+    const ACK_NAMES_VERSION: bool = true;
 
     fn read(r: XdsRequest) -> WireRequest {
         WireRequest {
@@ -317,6 +325,7 @@ impl Wire for XdsDelta {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
     const ANSWERS_EVERY_TYPE: bool = true;
+    const FAMILY: Family = Family::Xds;
 
     fn read(r: DeltaXdsRequest) -> WireRequest {
         WireRequest {

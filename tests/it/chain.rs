@@ -8,8 +8,8 @@ use mcp_xds_gateway::app::Bound;
 use crate::helpers::clients::{sotw, PilotSink};
 use crate::helpers::galley::{incremental, resource};
 use crate::helpers::{
-    eventually, free_addr, galley_and_gateway, get_json, names, start_gateway, start_gateway_on, upstream_status_when,
-    VS,
+    eventually, free_addr, galley_and_gateway, get_json, names, spawn_gateway, start_gateway, start_gateway_on,
+    upstream_status_when, within, VS,
 };
 
 /// A gateway whose upstream is `upstream`'s client port.
@@ -146,6 +146,35 @@ async fn two_gateways_feeding_each_other_are_refused() {
         })
     })
     .await;
+}
+
+/// A ring is a configuration error: each gateway of it says so at WARN,
+/// whichever side of the refusal it is on (the one refusing to serve its
+/// upstream, the one refused or finding itself in its upstream's chain).
+#[tokio::test]
+async fn both_gateways_of_a_ring_warn_of_the_loop() {
+    let (a_addr, b_addr) = (free_addr().to_string(), free_addr().to_string());
+    let (a_url, b_url) = (format!("http://{a_addr}"), format!("http://{b_addr}"));
+    let args = |listen, url| {
+        [
+            "--listen",
+            listen,
+            "--upstream",
+            url,
+            "--collections",
+            VS,
+            "--reconnect-min-delay",
+            "10ms",
+        ]
+    };
+    let mut a = spawn_gateway(None, &args(&a_addr, &b_url)).await;
+    let mut b = spawn_gateway(None, &args(&b_addr, &a_url)).await;
+    for gateway in [&mut a, &mut b] {
+        within("a warning of the loop", async {
+            while !gateway.log_line("loop").await.contains("WARN") {}
+        })
+        .await;
+    }
 }
 
 #[tokio::test]

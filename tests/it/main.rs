@@ -10,6 +10,7 @@ mod decoders;
 mod deploy;
 mod dialects;
 mod envoy;
+mod failure_paths;
 mod grpc;
 mod history_persist;
 mod incremental;

@@ -288,8 +288,14 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
         command.current_dir(cwd);
     }
     command.envs(env.iter().copied());
+    // A client port given in `args` replaces the default one.
+    let ports = if args.contains(&"--listen") {
+        &LOOPBACK_PORTS[2..]
+    } else {
+        &LOOPBACK_PORTS[..]
+    };
     let mut child = command
-        .args(LOOPBACK_PORTS)
+        .args(ports)
         .args(args)
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
