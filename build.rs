@@ -40,8 +40,36 @@ fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
         .build()
 }
 
+/// The real peers the integration tests run against, each a cfg set when
+/// the variable that points at it is: `.ci/run` installs the peer and exports
+/// the variable. A test that needs one carries
+/// `#[cfg_attr(not(peer_envoy), ignore = "needs Envoy …")]`, so where the
+/// peer is missing libtest reports the test as ignored, with the reason,
+/// never as passed (see tests/it/helpers/peers.rs).
+const PEERS: &[(&str, &str)] = &[
+    // Envoy 1.40's binary.
+    ("peer_envoy", "ENVOY_BIN"),
+    // A python3 that imports grpcio (grpc's proxyless xDS client).
+    ("peer_grpcio", "GRPCIO_PYTHON"),
+    // A directory holding `prometheus` and `promtool`.
+    ("peer_prometheus", "PROMETHEUS_DIR"),
+];
+
+/// Declares every peer's cfg, and sets those whose variable is set (and not
+/// empty). A change of the variable re-runs this script.
+fn peer_cfgs() {
+    for (cfg, variable) in PEERS {
+        println!("cargo::rustc-check-cfg=cfg({cfg})");
+        println!("cargo::rerun-if-env-changed={variable}");
+        if std::env::var_os(variable).is_some_and(|value| !value.is_empty()) {
+            println!("cargo::rustc-cfg={cfg}");
+        }
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
+    peer_cfgs();
     // MCP, and Envoy's v3 aggregated discovery service with its imports
     // (see proto/README.md).
     let fds = protox::compile(

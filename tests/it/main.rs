@@ -11,6 +11,7 @@ mod deploy;
 mod dialects;
 mod envoy;
 mod failure_paths;
+mod grpc;
 mod history_persist;
 mod incremental;
 mod layout;

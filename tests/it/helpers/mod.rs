@@ -6,7 +6,9 @@ pub mod certs;
 pub mod clients;
 pub mod envoy;
 pub mod galley;
+pub mod grpc;
 pub mod h2raw;
+pub mod peers;
 
 use std::future::Future;
 use std::net::SocketAddr;
