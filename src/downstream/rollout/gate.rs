@@ -306,18 +306,25 @@ impl Gate {
         self.held = Some(hold);
     }
 
-    /// Everyone is served `version` until [`Self::unpin`].
+    /// Everyone is served `version` until [`Self::unpin`]. What everyone was
+    /// released stays recorded underneath.
     pub fn pin(&mut self, version: Version) {
         self.round = None;
         self.pin = Some(version);
     }
 
-    /// Serves the latest again: from the pinned version, like any new
-    /// version (a round with canaries; held if it was held).
+    /// Serves the latest again. When the latest is what everyone was
+    /// released before the pin (by the canaries' ACKs or promoted by the
+    /// operator), everyone goes back to it at once: it was decided, and a
+    /// pin (a rollback) is no reason to ask the canaries again. Any other
+    /// latest goes from the pinned version, like any new version (a round
+    /// with canaries; held again if a canary NACKed it).
     pub fn unpin(&mut self, now: Instant) -> Option<Version> {
         let pinned = self.pin.take()?;
-        self.released = Some(pinned.clone());
-        self.advance(now);
+        if self.latest.is_some() && self.latest != self.released {
+            self.released = Some(pinned.clone());
+            self.advance(now);
+        }
         Some(pinned)
     }
 
@@ -520,6 +527,131 @@ mod tests {
         gate.unpin(now);
         assert_eq!(served(&gate), "d/d");
         assert!(gate.held().is_none());
+    }
+
+    /// What the unpin serves, by what happened before and during the pin:
+    /// a version everyone was released (by ACKs or a promotion) is served
+    /// again without a round; anything else starts from the pinned version.
+    #[test]
+    fn the_unpin_returns_to_what_was_decided_and_starts_a_round_for_the_rest() {
+        #[derive(Clone, Copy, Debug)]
+        enum Do {
+            Latest(&'static str),
+            Ack(&'static str),
+            Nack(&'static str),
+            Promote,
+            Pin(&'static str),
+        }
+        use Do::*;
+        /// One row: steps before the unpin (canary 1 connected), then what
+        /// is served after it ("everyone/canaries"), the round's version and
+        /// the held one.
+        struct Case {
+            name: &'static str,
+            steps: &'static [Do],
+            after: &'static str,
+            round: Option<&'static str>,
+            held: Option<&'static str>,
+        }
+        let cases = [
+            Case {
+                name: "promoted, pinned back, unpinned",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("a")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "released by the canary's ACK, pinned back, unpinned",
+                steps: &[Latest("a"), Latest("b"), Ack("b"), Pin("a")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "promoted, pinned to itself, unpinned",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("b")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "promoted, pinned back, a newer version meanwhile",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("a"), Latest("c")],
+                after: "a/c",
+                round: Some("c"),
+                held: None,
+            },
+            Case {
+                name: "promoted, pinned back, upstream went away and came back",
+                steps: &[
+                    Latest("a"),
+                    Latest("b"),
+                    Nack("b"),
+                    Promote,
+                    Pin("a"),
+                    Latest("c"),
+                    Latest("b"),
+                ],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "held, pinned back, unpinned: still held",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Pin("a")],
+                after: "a/b",
+                round: None,
+                held: Some("b"),
+            },
+            Case {
+                name: "held, pinned to the held version: the operator's choice stays",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Pin("b")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "in a round, pinned back: the round starts again from the pin",
+                steps: &[Latest("a"), Latest("b"), Pin("a")],
+                after: "a/b",
+                round: Some("b"),
+                held: None,
+            },
+        ];
+        let now = Instant::now();
+        for Case {
+            name: case,
+            steps,
+            after,
+            round,
+            held,
+        } in cases
+        {
+            let mut gate = with_canaries(&[1], &[], now);
+            for step in steps {
+                match *step {
+                    Latest(version) => gate.on_latest(v(version), now),
+                    Ack(version) => gate.canary_acked(1, version, now),
+                    Nack(version) => gate.canary_nacked(1, version, "c1", "no"),
+                    Promote => {
+                        gate.promote().expect(case);
+                    }
+                    Pin(version) => gate.pin(v(version)),
+                }
+            }
+            assert!(gate.unpin(now).is_some(), "{case}");
+            assert_eq!(served(&gate), after, "{case}");
+            assert_eq!(gate.round().map(|r| &*r.version), round, "{case}");
+            assert_eq!(gate.held().map(|h| &*h.version), held, "{case}");
+            // A canary's NACK of what everyone is served holds nothing.
+            if round.is_none() {
+                let everyone = gate.served().everyone.expect(case);
+                gate.canary_nacked(1, &everyone, "c1", "again");
+                assert_eq!(served(&gate), after, "{case}: after a NACK");
+                assert_eq!(gate.held().map(|h| &*h.version), held, "{case}: after a NACK");
+            }
+        }
     }
 
     #[test]
