@@ -145,6 +145,9 @@ pub const CLOSE_REASONS: &[&str] = &[
     "evicted",
 ];
 
+/// Every `reason` label of [`CONNECTIONS_EVICTED`].
+pub const EVICTION_REASONS: [&str; 2] = ["handshake", "idle"];
+
 /// A peer was refused by a limit.
 pub fn limit_refused(limit: &'static str) {
     metrics::counter!(LIMIT_REFUSALS, "limit" => limit).increment(1);
@@ -198,7 +201,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         }
     }
     for listener in GRPC_LISTENERS {
-        for reason in crate::transport::slots::EVICTION_REASONS {
+        for reason in EVICTION_REASONS {
             metrics::counter!(CONNECTIONS_EVICTED, "listener" => *listener, "reason" => reason).absolute(0);
         }
     }

@@ -34,9 +34,6 @@ impl Eviction {
     }
 }
 
-/// Every `reason` label of `mcp_gateway_connections_evicted_total`.
-pub const EVICTION_REASONS: [&str; 2] = ["handshake", "idle"];
-
 /// A connection that gave its slot to a newer one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Evicted {
@@ -283,6 +280,16 @@ impl Drop for Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn eviction_reasons_are_the_declared_labels() {
+        for reason in [Eviction::Handshake, Eviction::Idle] {
+            assert!(
+                crate::metrics::EVICTION_REASONS.contains(&reason.as_str()),
+                "{reason:?}"
+            );
+        }
+    }
 
     fn peer(n: u16) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], n))

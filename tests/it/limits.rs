@@ -263,16 +263,20 @@ async fn evictions(gw: &Bound, reason: &str) -> u64 {
     .await
 }
 
+/// Opens SotW stream `id` on `conn`; the kind of the gateway's answer:
+/// HEADERS (served) or GOAWAY, None when the connection ended.
+async fn open_stream(conn: &mut RawConn, id: u32) -> Option<u8> {
+    conn.send(&grpc_headers(id, SOTW_PATH, 0)).await;
+    conn.until(|f| (f.stream == id && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
+        .await
+        .map(|f| f.kind)
+}
+
 /// A raw HTTP/2 connection that opens a SotW stream and holds it: a live
 /// stream, answered with response headers.
 async fn with_live_stream(addr: SocketAddr) -> RawConn {
     let mut conn = RawConn::http2(addr).await;
-    conn.send(&grpc_headers(1, SOTW_PATH, 0)).await;
-    let answer = conn
-        .until(|f| (f.stream == 1 && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
-        .await
-        .expect("the connection is served");
-    assert_eq!(answer.kind, h2raw::HEADERS, "a live stream");
+    assert_eq!(open_stream(&mut conn, 1).await, Some(h2raw::HEADERS), "a live stream");
     conn
 }
 
@@ -302,11 +306,7 @@ async fn connections_over_the_limit_get_goaway_when_every_one_carries_a_stream()
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
     assert!(refusals(&gw, "max_connections").await >= 1);
     // Nobody was evicted for it: the second connection is still served.
-    second.send(&grpc_headers(3, SOTW_PATH, 0)).await;
-    let answer = second
-        .until(|f| (f.stream == 3 && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
-        .await;
-    assert_eq!(answer.map(|f| f.kind), Some(h2raw::HEADERS));
+    assert_eq!(open_stream(&mut second, 3).await, Some(h2raw::HEADERS));
     canary.check().await;
 }
 
@@ -433,11 +433,7 @@ async fn idle_http2_connections_are_evicted_longest_idle_first() {
     assert_eq!(goaway.map(|g| g.0), Some(h2raw::NO_ERROR));
     census_is(&gw, 0, 2, 1).await;
     // The third, now the longest idle, is still served until a fifth comes.
-    third.send(&grpc_headers(1, SOTW_PATH, 0)).await;
-    let answer = third
-        .until(|f| (f.stream == 1 && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
-        .await;
-    assert_eq!(answer.map(|f| f.kind), Some(h2raw::HEADERS));
+    assert_eq!(open_stream(&mut third, 1).await, Some(h2raw::HEADERS));
     census_is(&gw, 0, 1, 2).await;
     canary.check().await;
     assert!(evictions(&gw, "idle").await >= before + 2);
@@ -790,12 +786,11 @@ async fn a_finished_handshake_is_not_timed_out() {
     // is closed, the first one's deadline has passed too.
     let mut unfinished = RawConn::tcp(gw.listen).await;
     unfinished.until_closed().await;
-    ready.send(&grpc_headers(1, SOTW_PATH, 0)).await;
-    let answer = ready
-        .until(|f| (f.stream == 1 && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
-        .await
-        .expect("the connection is still open");
-    assert_eq!(answer.kind, h2raw::HEADERS, "served, not closed");
+    assert_eq!(
+        open_stream(&mut ready, 1).await,
+        Some(h2raw::HEADERS),
+        "served, not closed"
+    );
     canary.check().await;
 }
 
