@@ -101,6 +101,27 @@ async fn first_version_to_both(
     (v1, canary, other)
 }
 
+/// [`first_version_to_both`], then a second version that the canary NACKs
+/// and that is held: (v1, v2, canary, other).
+async fn second_version_held(
+    gw: &mcp_xds_gateway::app::Bound,
+    upstream: &mut crate::helpers::galley::GalleyStream,
+) -> (String, String, SotwClient, SotwClient) {
+    let (v1, mut canary, other) = first_version_to_both(gw, upstream).await;
+    let v2 = push(upstream, gw, vec![vs("a", "2", "a.local", 0.5)]).await;
+    let offered = canary.recv_type(VS).await;
+    assert_eq!(offered.version_info, v2);
+    canary.send(request_as(
+        "canary-1",
+        VS,
+        &v1,
+        &offered.nonce,
+        Some("weights must add up"),
+    ));
+    state_is(gw, "HELD").await;
+    (v1, v2, canary, other)
+}
+
 /// A NACK from the canary holds a version while the others stay on the one
 /// before; a newer version starts a new round, which the canary's ACK
 /// releases to everyone (the incremental client gets the diff from where
@@ -629,17 +650,7 @@ async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
 #[tokio::test]
 async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
-    let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
-    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 0.5)]).await;
-    let response = canary.recv_type(VS).await;
-    canary.send(request_as(
-        "canary-1",
-        VS,
-        &v1,
-        &response.nonce,
-        Some("weights must add up"),
-    ));
-    state_is(&gw, "HELD").await;
+    let (_, v2, mut canary, mut other) = second_version_held(&gw, &mut upstream).await;
 
     let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v2}"), "").await;
     assert_eq!(code, 200, "{body}");
@@ -732,18 +743,7 @@ async fn a_canary_that_reconnects_holding_the_rounds_version_counts_as_acked() {
 #[tokio::test]
 async fn a_promoted_version_stays_promoted_through_a_pin_and_the_unpin() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
-    let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
-    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 0.5)]).await;
-    let offered = canary.recv_type(VS).await;
-    assert_eq!(offered.version_info, v2);
-    canary.send(request_as(
-        "canary-1",
-        VS,
-        &v1,
-        &offered.nonce,
-        Some("weights must add up"),
-    ));
-    state_is(&gw, "HELD").await;
+    let (v1, v2, canary, mut other) = second_version_held(&gw, &mut upstream).await;
     let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
     assert_eq!(code, 200, "{body}");
     assert_eq!(recv_ack(&mut other, "prod-1").await, v2, "promoted");

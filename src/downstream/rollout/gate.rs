@@ -314,18 +314,31 @@ impl Gate {
     }
 
     /// Serves the latest again. When the latest is what everyone was
-    /// released before the pin (by the canaries' ACKs or promoted by the
-    /// operator), everyone goes back to it at once: it was decided, and a
-    /// pin (a rollback) is no reason to ask the canaries again. Any other
-    /// latest goes from the pinned version, like any new version (a round
-    /// with canaries; held again if a canary NACKed it).
+    /// released before the pin (by the canaries' ACKs, or by the operator:
+    /// promoted), everyone goes back to it at once: it was decided, and a
+    /// pin (a rollback) is no reason to ask the canaries again; a hold of
+    /// another version is settled, as when upstream returns to the released
+    /// version. Any other latest goes from the pinned version, like any new
+    /// version (a round with canaries; held again if a canary NACKed it).
     pub fn unpin(&mut self, now: Instant) -> Option<Version> {
         let pinned = self.pin.take()?;
-        if self.latest.is_some() && self.latest != self.released {
+        if self.latest_was_decided() {
+            self.held = None;
+        } else {
             self.released = Some(pinned.clone());
             self.advance(now);
         }
         Some(pinned)
+    }
+
+    /// The latest is what everyone was released, and no canary NACKed it
+    /// since (a pinned version that everyone stayed on during a round, a
+    /// held one, is not a decision).
+    fn latest_was_decided(&self) -> bool {
+        let Some(latest) = &self.latest else {
+            return false;
+        };
+        self.released.as_ref() == Some(latest) && !self.nacked.iter().any(|h| &h.version == latest)
     }
 
     /// Sends what the canaries are on (the held version, or the round's)
@@ -541,6 +554,7 @@ mod tests {
             Nack(&'static str),
             Promote,
             Pin(&'static str),
+            Unpin,
         }
         use Do::*;
         /// One row: steps before the unpin (canary 1 connected), then what
@@ -554,6 +568,22 @@ mod tests {
             held: Option<&'static str>,
         }
         let cases = [
+            Case {
+                name: "pinned to the held version, a round from it, pinned back, upstream back to it: still held",
+                steps: &[
+                    Latest("a"),
+                    Latest("b"),
+                    Nack("b"),
+                    Pin("b"),
+                    Latest("c"),
+                    Unpin,
+                    Pin("a"),
+                    Latest("b"),
+                ],
+                after: "a/b",
+                round: None,
+                held: Some("b"),
+            },
             Case {
                 name: "promoted, pinned back, unpinned",
                 steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("a")],
@@ -638,6 +668,9 @@ mod tests {
                         gate.promote().expect(case);
                     }
                     Pin(version) => gate.pin(v(version)),
+                    Unpin => {
+                        gate.unpin(now).expect(case);
+                    }
                 }
             }
             assert!(gate.unpin(now).is_some(), "{case}");
@@ -715,6 +748,8 @@ mod tests {
             let mut nacked: BTreeSet<Version> = BTreeSet::new();
             let mut everyone = None;
             let mut moved_by_operator = false;
+            // What everyone was served when the current pin began.
+            let mut before_pin: Option<Option<Version>> = None;
             for step in steps {
                 let before = gate.served();
                 match step {
@@ -736,12 +771,27 @@ mod tests {
                     }
                     // A pin names a version of the history: there is a latest.
                     Step::Pin(n) if gate.latest().is_some() => {
+                        if gate.pinned().is_none() {
+                            before_pin = Some(before.everyone.clone());
+                        }
                         gate.pin(v(&n.to_string()));
                         moved_by_operator = true;
                     }
                     Step::Pin(_) => {}
                     Step::Unpin => {
-                        gate.unpin(now);
+                        // Unpinned while the latest is the pinned version:
+                        // the operator released it, NACKed or not (like a
+                        // promotion), and a later unpin may return to it.
+                        if let Some(pinned) = gate.unpin(now) {
+                            if gate.released() == Some(&pinned) && gate.round().is_none() {
+                                nacked.remove(&pinned);
+                            }
+                            // Back to what everyone was served before the
+                            // pin: the operator's rollback undone.
+                            if before_pin.take() == Some(gate.served().everyone) {
+                                moved_by_operator = true;
+                            }
+                        }
                     }
                     Step::Promote => {
                         if let Ok(promoted) = gate.promote() {
