@@ -208,9 +208,10 @@ fn log_eviction(config: &GrpcListener, evicted: Evicted, peer: SocketAddr, logs:
     }
 }
 
-/// Over `--max-connections`, every connection carrying a live stream: the peer gets the server's SETTINGS and a GOAWAY
-/// saying why (on a TLS port, a closed connection: a handshake would cost
-/// what the limit saves), and the connection is closed.
+/// At `--max-connections` with every connection carrying a live stream: the
+/// peer gets the server's SETTINGS and a GOAWAY saying why (on a TLS port, a
+/// closed connection: a handshake would cost what the limit saves), and the
+/// connection is closed.
 fn refuse_connection(
     config: &GrpcListener,
     stream: TcpStream,
