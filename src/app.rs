@@ -73,6 +73,8 @@ pub struct Bound {
     pub subscriptions: Arc<Subscriptions>,
     pub registry: Arc<Registry>,
     pub upstream: watch::Receiver<UpstreamStatus>,
+    /// The client port's connection slots (`--max-connections`).
+    pub connections: Arc<crate::transport::slots::ConnectionSlots>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     grace: Duration,
@@ -404,6 +406,7 @@ pub async fn build_with_logs(
         subscriptions,
         registry,
         upstream: status_rx,
+        connections: shared.connections.clone(),
         shutdown,
         tasks,
         grace: settings.shutdown_grace,

@@ -44,6 +44,7 @@ pub const BUILD_INFO: &str = "mcp_gateway_build_info";
 pub const LIMIT_REFUSALS: &str = "mcp_gateway_limit_refusals_total";
 pub const CONNECTIONS: &str = "mcp_gateway_connections";
 pub const CONNECTIONS_CLOSED: &str = "mcp_gateway_connections_closed_total";
+pub const CONNECTIONS_EVICTED: &str = "mcp_gateway_connections_evicted_total";
 pub const ACCEPT_ERRORS: &str = "mcp_gateway_accept_errors_total";
 pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
 pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
@@ -125,6 +126,10 @@ pub const LIMITS: &[&str] = &[
 /// Every listener label: the flag that configured the port.
 pub const LISTENERS: &[&str] = &["--listen", "--sink-listen", "--admin-listen", "--monitoring-listen"];
 
+/// The gRPC listeners: the ports with connection slots (`--max-connections`,
+/// the dial-out port's own).
+pub const GRPC_LISTENERS: &[&str] = &["--listen", "--sink-listen"];
+
 /// Every `reason` label of [`CONNECTIONS_CLOSED`].
 pub const CLOSE_REASONS: &[&str] = &[
     "peer_closed",
@@ -137,7 +142,11 @@ pub const CLOSE_REASONS: &[&str] = &[
     "protocol_error",
     "shutdown",
     "header_timeout",
+    "evicted",
 ];
+
+/// Every `reason` label of [`CONNECTIONS_EVICTED`].
+pub const EVICTION_REASONS: [&str; 2] = ["handshake", "idle"];
 
 /// A peer was refused by a limit.
 pub fn limit_refused(limit: &'static str) {
@@ -151,6 +160,12 @@ pub fn connection_opened(listener: &'static str) {
 pub fn connection_closed(listener: &'static str, reason: &'static str) {
     metrics::gauge!(CONNECTIONS, "listener" => listener).decrement(1.0);
     metrics::counter!(CONNECTIONS_CLOSED, "listener" => listener, "reason" => reason).increment(1);
+}
+
+/// A connection without a live stream gave its slot to a new one at
+/// `--max-connections`; `reason` is `handshake` or `idle`.
+pub fn connection_evicted(listener: &'static str, reason: &'static str) {
+    metrics::counter!(CONNECTIONS_EVICTED, "listener" => listener, "reason" => reason).increment(1);
 }
 
 pub fn accept_error(listener: &'static str, kind: &'static str) {
@@ -183,6 +198,11 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         }
         for reason in CLOSE_REASONS {
             metrics::counter!(CONNECTIONS_CLOSED, "listener" => *listener, "reason" => *reason).absolute(0);
+        }
+    }
+    for listener in GRPC_LISTENERS {
+        for reason in EVICTION_REASONS {
+            metrics::counter!(CONNECTIONS_EVICTED, "listener" => *listener, "reason" => reason).absolute(0);
         }
     }
     metrics::counter!(SINK_REFUSALS, "reason" => "another_source").absolute(0);
@@ -476,7 +496,13 @@ pub fn describe() {
     );
     describe_counter!(
         CONNECTIONS_CLOSED,
-        "Connections closed, by listener and reason (peer_closed, idle, max_age, flood, handshake_timeout, ...)."
+        "Connections closed, by listener and reason (peer_closed, idle, max_age, flood, handshake_timeout, evicted, \
+         ...)."
+    );
+    describe_counter!(
+        CONNECTIONS_EVICTED,
+        "Connections closed at --max-connections to admit a new one, by listener and reason: handshake (the oldest \
+         not handshaken: TLS, the HTTP/2 preface and SETTINGS), idle (the one without a stream for the longest)."
     );
     describe_counter!(
         ACCEPT_ERRORS,

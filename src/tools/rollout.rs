@@ -51,8 +51,9 @@ pub enum Action {
     /// Serve every client VERSION of COLLECTION (from its history) instead
     /// of the latest.
     Pin { collection: String, version: String },
-    /// Serve the latest of COLLECTION again (a canary round first, with
-    /// canaries).
+    /// Serve the latest of COLLECTION again (with canaries: at once when it
+    /// is what everyone was served before the pin, else a canary round
+    /// first).
     Unpin { collection: String },
     /// Send the version the canaries of COLLECTION are on to everyone now.
     Promote { collection: String },

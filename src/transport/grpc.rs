@@ -12,7 +12,6 @@
 use std::convert::Infallible;
 use std::future::poll_fn;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -37,6 +36,7 @@ use tower::ServiceExt;
 use super::bucket::{PeerBuckets, TokenBucket};
 use super::gather::Gathered;
 use super::identity::{AllowList, PeerIdentity};
+use super::slots::{Admission, ConnectionSlots, Evicted, Slot};
 use super::sniff::{FloodLimits, Side, Sniffed};
 use super::tls::ServerTls;
 use super::{accept_backoff, LogLimiter};
@@ -79,8 +79,9 @@ pub fn keepalive_timeout(interval: Duration) -> Duration {
 /// Limits shared by every gRPC listener of the process.
 #[derive(Debug)]
 pub struct SharedLimits {
-    /// `--max-connections`.
-    pub connections: Arc<Semaphore>,
+    /// `--max-connections`: a new connection at the limit takes the slot of
+    /// one still handshaking or idle.
+    pub connections: Arc<ConnectionSlots>,
     pub max_connections: usize,
     /// `--max-streams`: open streams across all connections.
     pub streams: Arc<Semaphore>,
@@ -93,7 +94,7 @@ pub struct SharedLimits {
 impl SharedLimits {
     pub fn new(max_connections: usize, max_streams: usize, new_streams_per_second: u32) -> Arc<Self> {
         Arc::new(Self {
-            connections: Arc::new(Semaphore::new(max_connections)),
+            connections: ConnectionSlots::new(max_connections),
             max_connections,
             streams: Arc::new(Semaphore::new(max_streams)),
             max_streams,
@@ -146,6 +147,7 @@ pub fn serve<S>(
         let config = Arc::new(config);
         let mut backoff = accept_backoff::AcceptBackoff::default();
         let refusals = LogLimiter::default();
+        let evictions = LogLimiter::default();
         loop {
             let (stream, peer) = tokio::select! {
                 accepted = listener.accept() => match accepted {
@@ -160,9 +162,17 @@ pub fn serve<S>(
                 },
                 _ = shutdown.cancelled() => return,
             };
-            let Ok(permit) = config.shared.connections.clone().try_acquire_owned() else {
-                refuse_connection(&config, stream, peer, &refusals, &tracker);
-                continue;
+            let slot = match config.shared.connections.admit(peer) {
+                Admission::Admitted { slot, evicted } => {
+                    if let Some(evicted) = evicted {
+                        log_eviction(&config, evicted, peer, &evictions);
+                    }
+                    slot
+                }
+                Admission::Full => {
+                    refuse_connection(&config, stream, peer, &refusals, &tracker);
+                    continue;
+                }
             };
             let _ = stream.set_nodelay(true);
             let connection = Connection {
@@ -171,16 +181,37 @@ pub fn serve<S>(
                 shutdown: shutdown.clone(),
                 tasks: tracker.clone(),
                 peer,
-                _permit: permit,
+                streams: Arc::new(StreamCount {
+                    slot,
+                    ended: Notify::new(),
+                }),
             };
             tracker.spawn(connection.run(stream));
         }
     });
 }
 
-/// Over `--max-connections`: the peer gets the server's SETTINGS and a GOAWAY
-/// saying why (on a TLS port, a closed connection: a handshake would cost
-/// what the limit saves), and the connection is closed.
+/// At `--max-connections`, a connection without a live stream made room for
+/// `peer`'s: counted, and logged (rate-limited).
+fn log_eviction(config: &GrpcListener, evicted: Evicted, peer: SocketAddr, logs: &LogLimiter) {
+    m::connection_evicted(config.name, evicted.reason.as_str());
+    if let Some(skipped) = logs.allow() {
+        tracing::info!(
+            listener = config.name,
+            evicted = %evicted.peer,
+            reason = evicted.reason.as_str(),
+            %peer,
+            skipped,
+            "connection limit reached (--max-connections={}); closed a connection without a live stream to admit a new one",
+            config.shared.max_connections
+        );
+    }
+}
+
+/// At `--max-connections` with every connection carrying a live stream: the
+/// peer gets the server's SETTINGS and a GOAWAY saying why (on a TLS port, a
+/// closed connection: a handshake would cost what the limit saves), and the
+/// connection is closed.
 fn refuse_connection(
     config: &GrpcListener,
     stream: TcpStream,
@@ -218,7 +249,9 @@ struct Connection<S> {
     shutdown: CancellationToken,
     tasks: TaskTracker,
     peer: SocketAddr,
-    _permit: OwnedSemaphorePermit,
+    /// Its slot and open streams; the slot is given back when the
+    /// connection and its last stream are gone.
+    streams: Arc<StreamCount>,
 }
 
 /// Why a connection closed (a metric label).
@@ -233,6 +266,8 @@ enum Closed {
     KeepaliveTimeout,
     Protocol,
     Shutdown,
+    /// A newer connection took its slot at `--max-connections`.
+    Evicted,
 }
 
 impl Closed {
@@ -247,6 +282,7 @@ impl Closed {
             Closed::KeepaliveTimeout => "keepalive_timeout",
             Closed::Protocol => "protocol_error",
             Closed::Shutdown => "shutdown",
+            Closed::Evicted => "evicted",
         }
     }
 }
@@ -286,11 +322,20 @@ where
 
     async fn serve(&mut self, stream: TcpStream) -> Closed {
         let limits = &self.config.limits;
+        let streams = self.streams.clone();
         let handshake_deadline = Instant::now() + limits.handshake_timeout;
         let (conn, identity) = match &self.config.tls {
             None => (Either::Left(stream), PeerIdentity::default()),
-            Some(tls) => match tokio::time::timeout_at(handshake_deadline, tls.acceptor().accept(stream)).await {
-                Ok(Ok(stream)) => {
+            Some(tls) => match unless_evicted(
+                &streams.slot,
+                tokio::time::timeout_at(handshake_deadline, tls.acceptor().accept(stream)),
+            )
+            .await
+            {
+                // A TLS handshake in progress is not handshaken: evicted,
+                // the socket is just closed.
+                None => return Closed::Evicted,
+                Some(Ok(Ok(stream))) => {
                     let identity = stream
                         .get_ref()
                         .1
@@ -300,14 +345,14 @@ where
                         .unwrap_or_default();
                     (Either::Right(Box::new(stream)), identity)
                 }
-                Ok(Err(e)) => {
+                Some(Ok(Err(e))) => {
                     static LOGS: LogLimiter = LogLimiter::new();
                     if let Some(skipped) = LOGS.allow() {
                         tracing::info!(listener = self.config.name, peer = %self.peer, error = %e, skipped, "TLS handshake failed");
                     }
                     return Closed::TlsHandshake;
                 }
-                Err(_) => {
+                Some(Err(_)) => {
                     m::limit_refused("handshake_timeout");
                     return Closed::HandshakeTimeout;
                 }
@@ -329,12 +374,14 @@ where
             .initial_window_size(limits.receive_window)
             .initial_connection_window_size(limits.receive_window)
             .max_send_buffer_size(1 << 20);
-        let mut h2 = match tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Gathered>(io)).await {
-            Ok(Ok(h2)) => h2,
+        let handshake = tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Gathered>(io));
+        let mut h2 = match unless_evicted(&streams.slot, handshake).await {
+            None => return Closed::Evicted,
+            Some(Ok(Ok(h2))) => h2,
             // Not HTTP/2 (HTTP/1, TLS to a plaintext port, garbage): closed.
-            Ok(Err(e)) if e.is_io() => return Closed::ByPeer,
-            Ok(Err(_)) => return Closed::Protocol,
-            Err(_) => {
+            Some(Ok(Err(e))) if e.is_io() => return Closed::ByPeer,
+            Some(Ok(Err(_))) => return Closed::Protocol,
+            Some(Err(_)) => {
                 m::limit_refused("handshake_timeout");
                 return Closed::HandshakeTimeout;
             }
@@ -348,7 +395,6 @@ where
             local_addr: local,
             remote_addr: Some(self.peer),
         };
-        let streams = Arc::new(StreamCount::default());
         let mut refusals = TokenBucket::per_minute(limits.floods.resets_per_minute);
         let mut awaiting_handshake = true;
         let mut ping = h2.ping_pong().expect("ping_pong is taken once");
@@ -370,6 +416,12 @@ where
                 accepted = h2.accept() => match accepted {
                     Some(Ok((request, mut respond))) => match admit(&self.config, &info) {
                         Ok(permit) => {
+                            if !streams.slot.stream_opened() {
+                                // Evicted a moment ago (its slot is gone):
+                                // the connection is closing.
+                                refuse(&mut respond, Status::unavailable("the connection is closing; open a new one"));
+                                continue;
+                            }
                             idle_since = None;
                             let stream = StreamTask {
                                 service: self.service.clone(),
@@ -378,7 +430,6 @@ where
                                 count: streams.clone(),
                                 permit,
                             };
-                            streams.opened();
                             self.tasks.spawn(stream.run(request, respond));
                         }
                         Err(status) => {
@@ -416,22 +467,37 @@ where
                     h2.abrupt_shutdown(Reason::ENHANCE_YOUR_CALM);
                     return finish(&mut h2, Closed::Flood).await;
                 }
-                _ = signals.handshake(), if awaiting_handshake => awaiting_handshake = false,
+                done = signals.handshake(), if awaiting_handshake => {
+                    awaiting_handshake = false;
+                    if done.is_ok() {
+                        streams.slot.handshake_done();
+                    }
+                }
                 _ = sleep_until(handshake_deadline), if awaiting_handshake => {
                     if signals.handshake_done() {
                         awaiting_handshake = false;
+                        streams.slot.handshake_done();
                         continue;
                     }
                     m::limit_refused("handshake_timeout");
                     return Closed::HandshakeTimeout;
                 }
                 _ = streams.ended() => {
-                    if streams.open() == 0 {
+                    if streams.slot.open_streams() == 0 {
                         idle_since = Some(Instant::now());
                     }
                 }
+                _ = streams.slot.evicted(), if draining.is_none() => {
+                    // A newer connection took the slot: a half-open one is
+                    // just closed, an idle one gets GOAWAY first.
+                    if awaiting_handshake {
+                        return Closed::Evicted;
+                    }
+                    h2.abrupt_shutdown(Reason::NO_ERROR);
+                    return finish(&mut h2, Closed::Evicted).await;
+                }
                 _ = sleep_until(idle_deadline.unwrap_or_else(far)), if idle_deadline.is_some() => {
-                    if streams.open() == 0 {
+                    if streams.slot.open_streams() == 0 {
                         h2.graceful_shutdown();
                         draining = Some(Closed::Idle);
                         hard_deadline = Some(Instant::now() + CLOSE_FLUSH);
@@ -491,22 +557,25 @@ where
     closed
 }
 
-/// Open streams of one connection, and a wake-up when one ends.
-#[derive(Debug, Default)]
+/// `step` of a connection's handshake, unless a newer connection takes its
+/// slot first (None).
+async fn unless_evicted<T>(slot: &Slot, step: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        biased;
+        _ = slot.evicted() => None,
+        out = step => Some(out),
+    }
+}
+
+/// One connection's slot (which counts its open streams), and a wake-up
+/// when a stream ends.
+#[derive(Debug)]
 struct StreamCount {
-    open: AtomicUsize,
+    slot: Slot,
     ended: Notify,
 }
 
 impl StreamCount {
-    fn opened(&self) {
-        self.open.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn open(&self) -> usize {
-        self.open.load(Ordering::Relaxed)
-    }
-
     /// Resolves after a stream ended (a wake-up is kept if none was waiting).
     async fn ended(&self) {
         self.ended.notified().await
@@ -518,7 +587,7 @@ struct StreamGuard(Arc<StreamCount>);
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::Relaxed);
+        self.0.slot.stream_ended();
         self.0.ended.notify_one();
     }
 }

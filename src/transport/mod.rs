@@ -12,6 +12,7 @@ pub mod grpc;
 pub mod http;
 pub mod identity;
 pub mod requests;
+pub mod slots;
 pub mod sniff;
 pub mod tls;
 

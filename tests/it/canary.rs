@@ -101,6 +101,27 @@ async fn first_version_to_both(
     (v1, canary, other)
 }
 
+/// [`first_version_to_both`], then a second version that the canary NACKs
+/// and that is held: (v1, v2, canary, other).
+async fn second_version_held(
+    gw: &mcp_xds_gateway::app::Bound,
+    upstream: &mut crate::helpers::galley::GalleyStream,
+) -> (String, String, SotwClient, SotwClient) {
+    let (v1, mut canary, other) = first_version_to_both(gw, upstream).await;
+    let v2 = push(upstream, gw, vec![vs("a", "2", "a.local", 0.5)]).await;
+    let offered = canary.recv_type(VS).await;
+    assert_eq!(offered.version_info, v2);
+    canary.send(request_as(
+        "canary-1",
+        VS,
+        &v1,
+        &offered.nonce,
+        Some("weights must add up"),
+    ));
+    state_is(gw, "HELD").await;
+    (v1, v2, canary, other)
+}
+
 /// A NACK from the canary holds a version while the others stay on the one
 /// before; a newer version starts a new round, which the canary's ACK
 /// releases to everyone (the incremental client gets the diff from where
@@ -629,17 +650,7 @@ async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
 #[tokio::test]
 async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
-    let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
-    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 0.5)]).await;
-    let response = canary.recv_type(VS).await;
-    canary.send(request_as(
-        "canary-1",
-        VS,
-        &v1,
-        &response.nonce,
-        Some("weights must add up"),
-    ));
-    state_is(&gw, "HELD").await;
+    let (_, v2, mut canary, mut other) = second_version_held(&gw, &mut upstream).await;
 
     let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v2}"), "").await;
     assert_eq!(code, 200, "{body}");
@@ -723,4 +734,54 @@ async fn a_canary_that_reconnects_holding_the_rounds_version_counts_as_acked() {
     back.send(request_as("canary-1", VS, &v2, "", None));
     assert_eq!(recv_ack(&mut other, "prod-1").await, v2);
     assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v2);
+}
+
+/// A version the operator promoted stays promoted: a pin to an older
+/// version, then the unpin, return everyone to the promoted version at once,
+/// without a new canary round for it (the canary that NACKed it is not asked
+/// again, and its NACK of it holds nothing).
+#[tokio::test]
+async fn a_promoted_version_stays_promoted_through_a_pin_and_the_unpin() {
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
+    let (v1, v2, canary, mut other) = second_version_held(&gw, &mut upstream).await;
+    let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v2, "promoted");
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v2);
+
+    // Rolled back by a pin. (The canary stays connected throughout: what
+    // it is re-sent after its NACK is the streams' rule, not the gate's.)
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v1}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
+
+    // Unpinned: back to the promoted v2 for everyone, no round.
+    let (code, body) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    let unpinned: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(unpinned["state"], "SERVING", "{unpinned}");
+    assert_eq!(unpinned["everyone"], *v2, "{unpinned}");
+    assert!(unpinned["round"].is_null(), "no new round: {unpinned}");
+    assert_eq!(recv_ack(&mut other, "prod-1").await, v2, "the others are back on v2");
+    // Another canary is served v2 and NACKs it: it was promoted, nothing is
+    // held.
+    let mut second = client_as(&gw, "canary-2").await;
+    let again = second.recv_type(VS).await;
+    assert_eq!(again.version_info, v2);
+    second.send(request_as("canary-2", VS, "", &again.nonce, Some("weights still")));
+    crate::helpers::eventually("the canary's second NACK to be recorded", || {
+        gw.registry.streams().iter().any(|s| {
+            s.types
+                .get(VS)
+                .and_then(|t| t.last_nack.as_ref())
+                .is_some_and(|n| n.message == "weights still")
+        })
+    })
+    .await;
+    let view = rollout_of(&gw).await;
+    assert_eq!(view["state"], "SERVING", "{view}");
+    assert_eq!(view["everyone"], *v2, "{view}");
+    assert!(view["held"].is_null(), "{view}");
+    assert_eq!(gauge(&gw, "mcp_gateway_held").await, Some(0.0));
+    drop(canary);
 }

@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use mcp_xds_gateway::app::Bound;
 use mcp_xds_gateway::proto::MeshConfigRequest;
+use mcp_xds_gateway::transport::slots::Census;
 use prost::Message;
 use tonic::Code;
 
@@ -253,22 +254,189 @@ async fn idle_connections_are_closed_and_busy_ones_are_not() {
     canary.check().await;
 }
 
-#[tokio::test]
-async fn connections_over_the_limit_get_goaway_and_monitoring_still_answers() {
-    let (gw, mut canary) = with_canary(&["--max-connections", "2"]).await;
-    // The canary holds one connection; one more fits, and is served.
-    let mut second = RawConn::http2(gw.listen).await;
-    second
-        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+/// `mcp_gateway_connections_evicted_total` of the client port for `reason`.
+async fn evictions(gw: &Bound, reason: &str) -> u64 {
+    metric(
+        gw,
+        &format!("mcp_gateway_connections_evicted_total{{listener=\"--listen\",reason=\"{reason}\"}}"),
+    )
+    .await
+}
+
+/// Opens SotW stream `id` on `conn`; the kind of the gateway's answer:
+/// HEADERS (served) or GOAWAY, None when the connection ended.
+async fn open_stream(conn: &mut RawConn, id: u32) -> Option<u8> {
+    conn.send(&grpc_headers(id, SOTW_PATH, 0)).await;
+    conn.until(|f| (f.stream == id && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
         .await
-        .expect("the second connection is served");
+        .map(|f| f.kind)
+}
+
+/// A raw HTTP/2 connection that opens a SotW stream and holds it: a live
+/// stream, answered with response headers.
+async fn with_live_stream(addr: SocketAddr) -> RawConn {
+    let mut conn = RawConn::http2(addr).await;
+    assert_eq!(open_stream(&mut conn, 1).await, Some(h2raw::HEADERS), "a live stream");
+    conn
+}
+
+async fn census_is(gw: &Bound, handshaking: usize, idle: usize, busy: usize) {
+    let want = Census {
+        handshaking,
+        idle,
+        busy,
+    };
+    eventually(&format!("the connection slots to be {want:?}"), || {
+        gw.connections.census() == want
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn connections_over_the_limit_get_goaway_when_every_one_carries_a_stream() {
+    let (gw, mut canary) = with_canary(&["--max-connections", "2"]).await;
+    // The canary holds one connection with a stream; one more fits, and
+    // carries a stream too.
+    let mut second = with_live_stream(gw.listen).await;
+    census_is(&gw, 0, 0, 2).await;
     let mut third = RawConn::http2(gw.listen).await;
     let (code, debug) = third.goaway().await.expect("a connection over the limit is refused");
     assert_eq!(code, h2raw::REFUSED_STREAM);
     assert!(debug.contains("--max-connections=2"), "{debug}");
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
     assert!(refusals(&gw, "max_connections").await >= 1);
+    // Nobody was evicted for it: the second connection is still served.
+    assert_eq!(open_stream(&mut second, 3).await, Some(h2raw::HEADERS));
     canary.check().await;
+}
+
+/// An attacker's silent TCP connections (more than the slots, and reopened)
+/// never keep out a client that completes its handshake: each new
+/// connection takes the slot of the oldest one not handshaken, which is
+/// closed without a word. The handshake timeout is far away: eviction, not
+/// the timeout, makes the room.
+#[tokio::test]
+async fn half_open_connections_cannot_lock_out_a_client_that_completes_its_handshake() {
+    let (gw, mut canary) = with_canary(&["--max-connections", "3", "--handshake-timeout", "5m"]).await;
+    let before = evictions(&gw, "handshake").await;
+    let mut silent = Vec::new();
+    for _ in 0..6 {
+        silent.push(RawConn::tcp(gw.listen).await);
+    }
+    // Two slots: the first four gave theirs to the next ones.
+    for (n, conn) in silent.iter_mut().take(4).enumerate() {
+        assert_eq!(
+            conn.until_closed().await,
+            None,
+            "silent connection {n}: closed, no GOAWAY"
+        );
+    }
+    census_is(&gw, 2, 0, 1).await;
+    // A well-behaved client gets in (evicting the fifth) and is served.
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    client.ack(&first);
+    assert_eq!(silent[4].until_closed().await, None);
+    census_is(&gw, 1, 0, 2).await;
+    // The attacker reopens: it only ever evicts its own.
+    for _ in 0..4 {
+        silent.push(RawConn::tcp(gw.listen).await);
+    }
+    for conn in &mut silent[5..9] {
+        assert_eq!(conn.until_closed().await, None);
+    }
+    census_is(&gw, 1, 0, 2).await;
+    canary.check().await;
+    let next = client.recv_type(VS).await;
+    assert_ne!(next.version_info, first.version_info, "the client follows changes");
+    assert!(evictions(&gw, "handshake").await >= before + 9);
+}
+
+/// On a TLS port a TLS handshake in progress is not a handshake done: a
+/// peer that connects and never finishes TLS gives its slot to a client
+/// that does.
+#[tokio::test]
+async fn unfinished_tls_handshakes_cannot_lock_out_a_tls_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = crate::helpers::certs::Ca::new("slots");
+    let (cert, key) = crate::helpers::certs::write_leaf(dir.path(), "server", &ca.leaf("gateway"));
+    let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    write_canary(dir.path(), 0);
+    let source = dir.path().to_str().unwrap();
+    let gw = start_gateway(&[
+        "--source-dir",
+        source,
+        "--collections",
+        VS,
+        "--tls-cert",
+        cert,
+        "--tls-key",
+        key,
+        "--max-connections",
+        "2",
+        "--handshake-timeout",
+        "5m",
+    ])
+    .await;
+    let before = evictions(&gw, "handshake").await;
+    // Three for two slots: the third takes the first one's.
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let mut conn = RawConn::tcp(gw.listen).await;
+        // The start of a TLS record (a handshake record of 512 bytes),
+        // then nothing: the TLS handshake is under way.
+        conn.send(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).await;
+        stalled.push(conn);
+    }
+    assert_eq!(stalled[0].until_closed().await, None, "closed as it was");
+    census_is(&gw, 2, 0, 0).await;
+    let channel = clients::tls_channel(gw.listen, &ca.pem, None)
+        .await
+        .expect("the TLS client connects");
+    let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    assert_eq!(canary_generation(&first), 0);
+    assert_eq!(stalled[1].until_closed().await, None);
+    census_is(&gw, 1, 0, 1).await;
+    assert!(evictions(&gw, "handshake").await >= before + 2);
+}
+
+/// Handshaken connections without a stream give their slots up by how long
+/// they have carried none: a connection whose stream just ended goes after
+/// one idle since its handshake. Each gets GOAWAY `NO_ERROR` before it is
+/// closed; connections with a live stream are never touched.
+#[tokio::test]
+async fn idle_http2_connections_are_evicted_longest_idle_first() {
+    let (gw, mut canary) = with_canary(&["--max-connections", "3"]).await;
+    let before = evictions(&gw, "idle").await;
+    let mut older = RawConn::http2(gw.listen).await;
+    census_is(&gw, 0, 1, 1).await;
+    let mut newer = RawConn::http2(gw.listen).await;
+    census_is(&gw, 0, 2, 1).await;
+    // The older one has a stream that ends (a method nobody serves: a
+    // trailers-only answer): it is idle again, for less time than `newer`.
+    older.send(&grpc_headers(1, "/no.Such/Method", 0)).await;
+    older
+        .until(|f| f.stream == 1 && f.kind == h2raw::HEADERS && f.flags & h2raw::END_STREAM != 0)
+        .await
+        .expect("the unknown method is answered");
+    census_is(&gw, 0, 2, 1).await;
+
+    let mut third = RawConn::http2(gw.listen).await;
+    let goaway = newer.until_closed().await;
+    assert_eq!(goaway.map(|g| g.0), Some(h2raw::NO_ERROR), "GOAWAY, then closed");
+    census_is(&gw, 0, 2, 1).await;
+    let _fourth = RawConn::http2(gw.listen).await;
+    let goaway = older.until_closed().await;
+    assert_eq!(goaway.map(|g| g.0), Some(h2raw::NO_ERROR));
+    census_is(&gw, 0, 2, 1).await;
+    // The third, now the longest idle, is still served until a fifth comes.
+    assert_eq!(open_stream(&mut third, 1).await, Some(h2raw::HEADERS));
+    census_is(&gw, 0, 1, 2).await;
+    canary.check().await;
+    assert!(evictions(&gw, "idle").await >= before + 2);
 }
 
 #[tokio::test]
@@ -618,12 +786,11 @@ async fn a_finished_handshake_is_not_timed_out() {
     // is closed, the first one's deadline has passed too.
     let mut unfinished = RawConn::tcp(gw.listen).await;
     unfinished.until_closed().await;
-    ready.send(&grpc_headers(1, SOTW_PATH, 0)).await;
-    let answer = ready
-        .until(|f| (f.stream == 1 && f.kind == h2raw::HEADERS) || f.kind == h2raw::GOAWAY)
-        .await
-        .expect("the connection is still open");
-    assert_eq!(answer.kind, h2raw::HEADERS, "served, not closed");
+    assert_eq!(
+        open_stream(&mut ready, 1).await,
+        Some(h2raw::HEADERS),
+        "served, not closed"
+    );
     canary.check().await;
 }
 

@@ -306,19 +306,39 @@ impl Gate {
         self.held = Some(hold);
     }
 
-    /// Everyone is served `version` until [`Self::unpin`].
+    /// Everyone is served `version` until [`Self::unpin`]. What everyone was
+    /// released stays recorded underneath.
     pub fn pin(&mut self, version: Version) {
         self.round = None;
         self.pin = Some(version);
     }
 
-    /// Serves the latest again: from the pinned version, like any new
-    /// version (a round with canaries; held if it was held).
+    /// Serves the latest again. When the latest is what everyone was
+    /// released before the pin (by the canaries' ACKs, or by the operator:
+    /// promoted), everyone goes back to it at once: it was decided, and a
+    /// pin (a rollback) is no reason to ask the canaries again; a hold of
+    /// another version is settled, as when upstream returns to the released
+    /// version. Any other latest goes from the pinned version, like any new
+    /// version (a round with canaries; held again if a canary NACKed it).
     pub fn unpin(&mut self, now: Instant) -> Option<Version> {
         let pinned = self.pin.take()?;
-        self.released = Some(pinned.clone());
-        self.advance(now);
+        if self.latest_was_decided() {
+            self.held = None;
+        } else {
+            self.released = Some(pinned.clone());
+            self.advance(now);
+        }
         Some(pinned)
+    }
+
+    /// The latest is what everyone was released, and no canary NACKed it
+    /// since (a pinned version that everyone stayed on during a round, a
+    /// held one, is not a decision).
+    fn latest_was_decided(&self) -> bool {
+        let Some(latest) = &self.latest else {
+            return false;
+        };
+        self.released.as_ref() == Some(latest) && !self.nacked.iter().any(|h| &h.version == latest)
     }
 
     /// Sends what the canaries are on (the held version, or the round's)
@@ -522,6 +542,151 @@ mod tests {
         assert!(gate.held().is_none());
     }
 
+    /// What the unpin serves, by what happened before and during the pin:
+    /// a version everyone was released (by ACKs or a promotion) is served
+    /// again without a round; anything else starts from the pinned version.
+    #[test]
+    fn the_unpin_returns_to_what_was_decided_and_starts_a_round_for_the_rest() {
+        #[derive(Clone, Copy, Debug)]
+        enum Do {
+            Latest(&'static str),
+            Ack(&'static str),
+            Nack(&'static str),
+            Promote,
+            Pin(&'static str),
+            Unpin,
+        }
+        use Do::*;
+        /// One row: steps before the unpin (canary 1 connected), then what
+        /// is served after it ("everyone/canaries"), the round's version and
+        /// the held one.
+        struct Case {
+            name: &'static str,
+            steps: &'static [Do],
+            after: &'static str,
+            round: Option<&'static str>,
+            held: Option<&'static str>,
+        }
+        let cases = [
+            Case {
+                name: "pinned to the held version, a round from it, pinned back, upstream back to it: still held",
+                steps: &[
+                    Latest("a"),
+                    Latest("b"),
+                    Nack("b"),
+                    Pin("b"),
+                    Latest("c"),
+                    Unpin,
+                    Pin("a"),
+                    Latest("b"),
+                ],
+                after: "a/b",
+                round: None,
+                held: Some("b"),
+            },
+            Case {
+                name: "promoted, pinned back, unpinned",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("a")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "released by the canary's ACK, pinned back, unpinned",
+                steps: &[Latest("a"), Latest("b"), Ack("b"), Pin("a")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "promoted, pinned to itself, unpinned",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("b")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "promoted, pinned back, a newer version meanwhile",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Promote, Pin("a"), Latest("c")],
+                after: "a/c",
+                round: Some("c"),
+                held: None,
+            },
+            Case {
+                name: "promoted, pinned back, upstream went away and came back",
+                steps: &[
+                    Latest("a"),
+                    Latest("b"),
+                    Nack("b"),
+                    Promote,
+                    Pin("a"),
+                    Latest("c"),
+                    Latest("b"),
+                ],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "held, pinned back, unpinned: still held",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Pin("a")],
+                after: "a/b",
+                round: None,
+                held: Some("b"),
+            },
+            Case {
+                name: "held, pinned to the held version: the operator's choice stays",
+                steps: &[Latest("a"), Latest("b"), Nack("b"), Pin("b")],
+                after: "b/b",
+                round: None,
+                held: None,
+            },
+            Case {
+                name: "in a round, pinned back: the round starts again from the pin",
+                steps: &[Latest("a"), Latest("b"), Pin("a")],
+                after: "a/b",
+                round: Some("b"),
+                held: None,
+            },
+        ];
+        let now = Instant::now();
+        for Case {
+            name: case,
+            steps,
+            after,
+            round,
+            held,
+        } in cases
+        {
+            let mut gate = with_canaries(&[1], &[], now);
+            for step in steps {
+                match *step {
+                    Latest(version) => gate.on_latest(v(version), now),
+                    Ack(version) => gate.canary_acked(1, version, now),
+                    Nack(version) => gate.canary_nacked(1, version, "c1", "no"),
+                    Promote => {
+                        gate.promote().expect(case);
+                    }
+                    Pin(version) => gate.pin(v(version)),
+                    Unpin => {
+                        gate.unpin(now).expect(case);
+                    }
+                }
+            }
+            assert!(gate.unpin(now).is_some(), "{case}");
+            assert_eq!(served(&gate), after, "{case}");
+            assert_eq!(gate.round().map(|r| &*r.version), round, "{case}");
+            assert_eq!(gate.held().map(|h| &*h.version), held, "{case}");
+            // A canary's NACK of what everyone is served holds nothing.
+            if round.is_none() {
+                let everyone = gate.served().everyone.expect(case);
+                gate.canary_nacked(1, &everyone, "c1", "again");
+                assert_eq!(served(&gate), after, "{case}: after a NACK");
+                assert_eq!(gate.held().map(|h| &*h.version), held, "{case}: after a NACK");
+            }
+        }
+    }
+
     #[test]
     fn a_nacked_version_that_comes_back_is_held_again() {
         let now = Instant::now();
@@ -583,6 +748,8 @@ mod tests {
             let mut nacked: BTreeSet<Version> = BTreeSet::new();
             let mut everyone = None;
             let mut moved_by_operator = false;
+            // What everyone was served when the current pin began.
+            let mut before_pin: Option<Option<Version>> = None;
             for step in steps {
                 let before = gate.served();
                 match step {
@@ -604,12 +771,27 @@ mod tests {
                     }
                     // A pin names a version of the history: there is a latest.
                     Step::Pin(n) if gate.latest().is_some() => {
+                        if gate.pinned().is_none() {
+                            before_pin = Some(before.everyone.clone());
+                        }
                         gate.pin(v(&n.to_string()));
                         moved_by_operator = true;
                     }
                     Step::Pin(_) => {}
                     Step::Unpin => {
-                        gate.unpin(now);
+                        // Unpinned while the latest is the pinned version:
+                        // the operator released it, NACKed or not (like a
+                        // promotion), and a later unpin may return to it.
+                        if let Some(pinned) = gate.unpin(now) {
+                            if gate.released() == Some(&pinned) && gate.round().is_none() {
+                                nacked.remove(&pinned);
+                            }
+                            // Back to what everyone was served before the
+                            // pin: the operator's rollback undone.
+                            if before_pin.take() == Some(gate.served().everyone) {
+                                moved_by_operator = true;
+                            }
+                        }
                     }
                     Step::Promote => {
                         if let Ok(promoted) = gate.promote() {

@@ -398,8 +398,8 @@ impl Rollout {
         Ok(self.view(collection).expect("known above"))
     }
 
-    /// `collection` serves the latest again (a canary round first, with
-    /// canaries).
+    /// `collection` serves the latest again (with canaries: at once when it
+    /// is what everyone was released before the pin, else a round first).
     pub fn unpin(&self, collection: &str) -> Result<RolloutView, ControlError> {
         let name = self.known(collection)?;
         self.step(&name, None, |gate, now| gate.unpin(now))
