@@ -358,9 +358,10 @@ pub struct Args {
     pub descriptors: Option<PathBuf>,
 
     /// How long a collection a client asked for (not in --collections) may
-    /// go neither delivered nor refused by the source before clients that
-    /// wait for every type (xDS, istiod) are answered it empty; they get its
-    /// content if the source delivers it later.
+    /// go neither delivered nor refused by the source, while the upstream is
+    /// connected, before clients that wait for every type (xDS, istiod) are
+    /// answered it empty; they get its content if the source delivers it
+    /// later.
     #[arg(long, env = "MCP_GATEWAY_DEMAND_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub demand_timeout: Duration,
 

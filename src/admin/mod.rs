@@ -533,6 +533,7 @@ fn demand_json(state: &AdminState, status: &UpstreamStatus, subscriptions: &Subs
             let overdue = demand.overdue_since.is_some() && state.cache.get(collection).is_none();
             let state = match (route, overdue) {
                 (_, true) => NOT_DELIVERED,
+                _ if demand.clock.is_none() => "waiting for the upstream to connect",
                 (DemandRoute::Hold, false) => "waiting for --demand-timeout",
                 _ => "asking the source",
             };

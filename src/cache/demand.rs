@@ -40,9 +40,13 @@ pub enum DemandRoute {
 /// has neither delivered nor refused it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Demand {
-    /// When a client first asked: the deadline counts from here.
-    pub asked: Instant,
+    /// When a client first asked.
     pub asked_at: SystemTime,
+    /// When the source could first answer: the deadline counts from here.
+    /// The client's ask, or, if the upstream was down then, when it came
+    /// up: a source that cannot be reached has not left anything
+    /// unanswered, and an empty answer would make istiod drop what it holds.
+    pub clock: Option<Instant>,
     /// When `--demand-timeout` passed without an answer from the source.
     pub overdue_since: Option<SystemTime>,
 }
@@ -125,8 +129,8 @@ impl Subscriptions {
             state.demanded.insert(
                 collection.clone(),
                 Demand {
-                    asked: Instant::now(),
                     asked_at: SystemTime::now(),
+                    clock: None,
                     overdue_since: None,
                 },
             );
@@ -187,13 +191,27 @@ impl Subscriptions {
         self.state.borrow().demanded.keys().cloned().collect()
     }
 
-    /// Marks the demands older than `--demand-timeout` at `now` as overdue;
-    /// returns those newly marked.
+    /// Starts the clock of every demand that has none: the upstream is up
+    /// at `now`, so the source can answer. Returns whether one started.
+    pub fn start_clocks(&self, now: Instant) -> bool {
+        self.state.send_if_modified(|state| {
+            let mut started = false;
+            for demand in state.demanded.values_mut().filter(|d| d.clock.is_none()) {
+                demand.clock = Some(now);
+                started = true;
+            }
+            started
+        })
+    }
+
+    /// Marks the demands whose clock ran `--demand-timeout` by `now` as
+    /// overdue; returns those newly marked.
     pub fn expire(&self, now: Instant) -> Vec<Arc<str>> {
         let mut expired = Vec::new();
         self.state.send_if_modified(|state| {
             for (collection, demand) in &mut state.demanded {
-                if demand.overdue_since.is_none() && now >= demand.asked + self.timeout {
+                let due = demand.clock.is_some_and(|clock| now >= clock + self.timeout);
+                if demand.overdue_since.is_none() && due {
                     demand.overdue_since = Some(SystemTime::now());
                     expired.push(collection.clone());
                 }
@@ -210,8 +228,9 @@ impl Subscriptions {
             .demanded
             .values()
             .filter(|d| d.overdue_since.is_none())
-            .map(|d| d.asked + self.timeout)
+            .filter_map(|d| d.clock)
             .min()
+            .map(|clock| clock + self.timeout)
     }
 
     pub fn current(&self) -> SubscriptionState {
@@ -303,10 +322,21 @@ mod tests {
     async fn a_demand_is_overdue_once_the_timeout_passes_and_only_once() {
         let subscriptions = probing();
         assert_eq!(subscriptions.next_deadline(), None);
-        let start = Instant::now();
         subscriptions.request(&Arc::from(WG));
+        // The upstream is down: the source has not been given a chance.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(
+            subscriptions.next_deadline(),
+            None,
+            "no clock while the upstream is down"
+        );
+        assert!(subscriptions.expire(Instant::now()).is_empty());
+        let start = Instant::now();
+        assert!(subscriptions.start_clocks(start), "up: the clock starts");
+        assert!(!subscriptions.start_clocks(start), "once");
         tokio::time::advance(Duration::from_secs(2)).await;
         subscriptions.request(&Arc::from(TELEMETRY));
+        subscriptions.start_clocks(Instant::now());
         assert_eq!(subscriptions.next_deadline(), Some(start + Duration::from_secs(5)));
 
         assert!(subscriptions.expire(Instant::now()).is_empty());

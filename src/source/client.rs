@@ -102,6 +102,7 @@ impl UpstreamClient {
         let overdue = expire_overdue(
             self.sink.subscriptions.clone(),
             self.writer.cache().clone(),
+            self.status.subscribe(),
             self.settings.address.clone(),
             shutdown.clone(),
         );

@@ -1,30 +1,38 @@
 //! Demands the source leaves unanswered: a collection only clients asked
 //! for that the source neither delivers nor refuses within
-//! `--demand-timeout` becomes overdue (clients that wait for every type, xDS,
-//! are then answered it empty), logged once and counted. Client mode (whose
-//! probe keeps asking) and dial-out (which never asks) run it.
+//! `--demand-timeout` of when it could (the upstream connected) becomes
+//! overdue (clients that wait for every type, xDS, are then answered it
+//! empty), logged once and counted. Client mode (whose probe keeps asking)
+//! and dial-out (which never asks) run it.
 
 use std::sync::Arc;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::UpstreamStatus;
 use crate::cache::demand::{DemandRoute, Subscriptions};
 use crate::cache::Cache;
 use crate::metrics as m;
 
-/// Marks demands overdue as `--demand-timeout` passes, until `shutdown`:
-/// each is logged once (naming the collection and `upstream`) and counted,
-/// unless the cache holds it anyway (a persisted copy). Client mode and
-/// dial-out run it; the files source answers every collection at once.
+/// Marks demands overdue as `--demand-timeout` passes while the upstream is
+/// connected (`status`), until `shutdown`: each is logged once (naming the
+/// collection and `upstream`) and counted, unless the cache holds it anyway
+/// (a persisted copy). Client mode and dial-out run it; the files source
+/// answers every collection at once.
 pub async fn expire_overdue(
     subscriptions: Arc<Subscriptions>,
     cache: Arc<Cache>,
+    mut status: watch::Receiver<UpstreamStatus>,
     upstream: String,
     shutdown: CancellationToken,
 ) {
     let mut changes = subscriptions.watch();
     loop {
+        if status.borrow_and_update().connected {
+            subscriptions.start_clocks(Instant::now());
+        }
         changes.borrow_and_update();
         for collection in subscriptions.expire(Instant::now()) {
             if cache.get(&collection).is_some() {
@@ -60,6 +68,11 @@ pub async fn expire_overdue(
                     return;
                 }
             }
+            changed = status.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
             _ = shutdown.cancelled() => return,
         }
     }
@@ -84,14 +97,24 @@ mod tests {
             Duration::from_secs(5),
         ));
         let shutdown = CancellationToken::new();
+        let (status, upstream) = watch::channel(UpstreamStatus::default());
         let task = tokio::spawn(expire_overdue(
             subscriptions.clone(),
             cache.clone(),
+            upstream,
             "0.0.0.0:9901".into(),
             shutdown.clone(),
         ));
-        let mut watch = subscriptions.watch();
         subscriptions.request(&Arc::from(WG));
+        // Down for a minute: nothing is overdue, whatever the time.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        tokio::task::yield_now().await;
+        assert!(!subscriptions.is_overdue(WG), "the source could not answer");
+        assert_eq!(subscriptions.next_deadline(), None);
+
+        // Up: the clock starts now.
+        let up = Instant::now();
+        status.send_modify(|s| s.connected = true);
         // A persisted copy: the cache holds it, so nothing waits for it.
         writer.apply(
             TELEMETRY,
@@ -99,8 +122,11 @@ mod tests {
             crate::cache::Origin::Disk,
         );
         subscriptions.request(&Arc::from(TELEMETRY));
-        watch.borrow_and_update();
-
+        while subscriptions.current().demanded.values().any(|d| d.clock.is_none()) {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(subscriptions.next_deadline(), Some(up + Duration::from_secs(5)));
+        let mut watch = subscriptions.watch();
         tokio::time::advance(Duration::from_millis(4900)).await;
         tokio::task::yield_now().await;
         assert!(!subscriptions.is_overdue(WG), "not before the timeout");
@@ -108,6 +134,7 @@ mod tests {
             .await
             .expect("overdue within the timeout")
             .unwrap();
+        assert!(Instant::now() >= up + Duration::from_secs(5));
         assert!(subscriptions.is_overdue(WG));
         assert!(
             subscriptions.is_overdue(TELEMETRY),

@@ -118,6 +118,7 @@ impl SinkServer {
         tasks.spawn(expire_overdue(
             sink.subscriptions.clone(),
             writer.cache().clone(),
+            status.subscribe(),
             format!("dial-out on {}", settings.listen),
             shutdown.clone(),
         ));

@@ -14,7 +14,10 @@ use tokio::time::Instant;
 
 use crate::helpers::clients::{channel, sotw};
 use crate::helpers::galley::{dial_out, resource, FakeGalley};
-use crate::helpers::{eventually, gateway_for, get_json, http_get, names, sample, within, DR, GW, VS};
+use crate::helpers::{
+    eventually, galley_and_gateway, gateway_for, get_json, http_get, names, sample, upstream_status_when, within, DR,
+    GW, VS,
+};
 use crate::sources::dial_out_gateway_with;
 use crate::xds::{ack, istiod, mcp_resources, one_each, SotwStream};
 
@@ -215,6 +218,8 @@ async fn a_source_that_never_answers_gets_its_clients_answered_empty_then_served
     let syncz = get_json(gw.admin, "/debug/syncz").await;
     let not_delivered = strings(&syncz["not_delivered"], |c| &c["collection"]);
     assert!(not_delivered.contains(&TELEMETRY), "{syncz:#}");
+    let table = mcp_xds_gateway::tools::status::render(&syncz);
+    assert!(table.contains(&format!("NOT DELIVERED {TELEMETRY}:")), "{table}");
     let (_, metrics) = http_get(gw.admin, "/metrics").await;
     assert!(
         sample(
@@ -323,4 +328,41 @@ async fn a_refusal_is_never_asked_again_and_costs_the_main_stream_no_backoff() {
         Some(&*format!("unsupported collection {WG:?}"))
     );
     assert_main_stream_untouched(&gw, &streams);
+}
+
+/// A probe that fails for any other reason backs off on its own and asks
+/// again; the main stream never hears of it.
+#[tokio::test]
+async fn a_failed_probe_backs_off_on_its_own_and_asks_again() {
+    let (mut galley, gw, mut main) = galley_and_gateway(&[VS], &[]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(GW);
+    let first = galley.next_stream().await;
+    first.kill(tonic::Status::unavailable("galley is restarting"));
+    let status = upstream_status_when(&gw, "the probe's retry scheduled", |s| {
+        s.probe.as_ref().is_some_and(|p| p.next_retry_in.is_some())
+    })
+    .await;
+    let probe = status.probe.as_ref().unwrap();
+    assert!(
+        probe.last_error.as_deref().unwrap().contains("galley is restarting"),
+        "{probe:?}"
+    );
+    assert_eq!(
+        status.consecutive_failures, 0,
+        "the main stream's backoff is untouched: {status:?}"
+    );
+    assert_eq!(status.next_retry_in, None, "{status:?}");
+
+    let mut second = galley.next_stream().await;
+    assert_eq!(second.next_request().await.collection, GW, "asked again");
+    second.send_only(crate::helpers::galley::full(GW, vec![resource("ingress", "1", b"g")]));
+    assert_eq!(
+        main.next_request().await.collection,
+        GW,
+        "subscribed on the main stream"
+    );
+    main.push_full(GW, vec![resource("ingress", "1", b"g")]).await;
+    assert_eq!(names(&client.recv_type(GW).await.resources), ["ingress"]);
+    assert_main_stream_untouched(&gw, &galley.streams());
 }
