@@ -101,10 +101,13 @@ impl Probe {
                              every type (xDS) are answered empty, and it is not asked for again until restart; \
                              only the probe stream ended"
                         );
+                        // An answer, not a failure: ask for the rest at once.
+                        self.update(|p| p.last_error = Some(message));
+                        continue;
                     }
-                    // An answer, not a failure: ask for the rest at once.
-                    self.update(|p| p.last_error = Some(message));
-                    continue;
+                    // Nothing to drop: a failure, so that an odd source
+                    // cannot make the probe spin.
+                    message
                 }
                 Some(StreamEnd::Failed { reason, message }) => {
                     tracing::warn!(
@@ -150,6 +153,9 @@ impl Probe {
             _ = shutdown.cancelled() => return Some(StreamEnd::Shutdown),
         };
         let pending: Vec<Arc<str>> = demand.borrow_and_update().demanded.keys().cloned().collect();
+        if pending.is_empty() {
+            return None;
+        }
         // A request per collection at most: the table bounds them.
         let (tx, rx) = mpsc::channel(pending.len() + 64);
         let mut asked = BTreeSet::new();
@@ -208,10 +214,14 @@ impl Probe {
                     for collection in &demanded {
                         if asked.insert(collection.clone()) {
                             tracing::info!(%collection, "asking the source on the open probe stream");
-                            if tx.send(self.request(collection)).await.is_err() {
+                            // Never waits: a source that does not read its
+                            // requests gets a new probe with all of them.
+                            if tx.try_send(self.request(collection)).is_err() {
                                 return Some(StreamEnd::Failed {
                                     reason: Failure::Send,
-                                    message: "the probe stream closed while asking for a collection".into(),
+                                    message: "the probe stream could not take another request (closed, or the \
+                                              source is not reading)"
+                                        .into(),
                                 });
                             }
                         }
