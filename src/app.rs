@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::{self, AdminState};
-use crate::cache::demand::Subscriptions;
+use crate::cache::demand::{DemandRoute, Subscriptions};
 use crate::cache::Cache;
 use crate::config::{Settings, Source};
 use crate::downstream::rollout::{Rollout, Saved};
@@ -126,7 +126,16 @@ pub async fn build_with_logs(
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
     let (cache, mut writer) = Cache::with_history(settings.history);
-    let subscriptions = Arc::new(Subscriptions::new(settings.collections.iter().cloned()));
+    let route = match &settings.source {
+        Source::Client(_) => DemandRoute::Probe,
+        Source::Sink(_) => DemandRoute::Hold,
+        Source::Files(_) => DemandRoute::Subscribe,
+    };
+    let subscriptions = Arc::new(Subscriptions::with_route(
+        settings.collections.iter().cloned(),
+        route,
+        settings.demand_timeout,
+    ));
     let registry = Arc::new(Registry::default());
     let (status_tx, status_rx) = watch::channel(UpstreamStatus {
         mode: "none",
@@ -478,6 +487,7 @@ fn log_effective(settings: &Settings) {
         max_request_bytes = settings.downstream.max_request_bytes,
         max_types_per_stream = settings.downstream.max_types_per_stream,
         max_subscribed_names = settings.downstream.max_subscribed_names,
+        demand_timeout_seconds = seconds(settings.demand_timeout),
         handshake_timeout_seconds = seconds(grpc.handshake_timeout),
         idle_timeout_seconds = grpc.idle_timeout.map(seconds),
         "effective configuration"

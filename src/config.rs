@@ -357,6 +357,14 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_DESCRIPTORS", value_name = "FILE")]
     pub descriptors: Option<PathBuf>,
 
+    /// How long a collection a client asked for (not in --collections) may
+    /// go neither delivered nor refused by the source, while the upstream is
+    /// connected, before clients that wait for every type (xDS, istiod) are
+    /// answered it empty; they get its content if the source delivers it
+    /// later.
+    #[arg(long, env = "MCP_GATEWAY_DEMAND_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub demand_timeout: Duration,
+
     /// A client behind the cache's current version for longer than this is
     /// STALE in /debug/syncz, the status command and mcp_gateway_clients.
     #[arg(long, env = "MCP_GATEWAY_STALE_AFTER", default_value = "30s", value_parser = parse_duration)]
@@ -489,6 +497,9 @@ pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 /// The longest `--canary-soak`.
 pub const MAX_CANARY_SOAK: Duration = Duration::from_secs(24 * 3600);
 
+/// The longest `--demand-timeout`.
+pub const MAX_DEMAND_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// The most versions `--history` keeps per collection.
 pub const MAX_HISTORY: usize = 1000;
 
@@ -520,6 +531,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// `--stale-after`.
     pub stale_after: Duration,
+    /// `--demand-timeout`.
+    pub demand_timeout: Duration,
     /// Reads bodies back for the config dump (`--descriptors`).
     pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
     /// Every flag's value and where it came from.
@@ -827,6 +840,17 @@ impl Args {
                 format!("{} is above the maximum of {MAX_HISTORY}", self.history),
             ));
         }
+        if self.demand_timeout.is_zero() || self.demand_timeout > MAX_DEMAND_TIMEOUT {
+            return Err(invalid(
+                "--demand-timeout",
+                format!(
+                    "{} is outside 1ms to {}: a zero timeout answers a collection empty before any source could \
+                     deliver it, and istiod is not ready until every type it asks for is answered; the default is 5s",
+                    humantime::format_duration(self.demand_timeout),
+                    humantime::format_duration(MAX_DEMAND_TIMEOUT)
+                ),
+            ));
+        }
         if self.canary.len() > MAX_SELECTORS {
             return Err(invalid(
                 "--canary",
@@ -869,6 +893,7 @@ impl Args {
             monitoring_listen: self.monitoring_listen,
             shutdown_grace: self.shutdown_grace,
             stale_after: self.stale_after,
+            demand_timeout: self.demand_timeout,
             bodies,
             effective: self.effective,
             grpc: GrpcLimits {

@@ -22,6 +22,8 @@ pub const UPSTREAM_CONNECTED: &str = "mcp_gateway_upstream_connected";
 pub const UPSTREAM_CONNECT_ATTEMPTS: &str = "mcp_gateway_upstream_connect_attempts_total";
 pub const UPSTREAM_STREAM_TERMINATIONS: &str = "mcp_gateway_upstream_stream_terminations_total";
 pub const UPSTREAM_REFUSED_COLLECTIONS: &str = "mcp_gateway_upstream_refused_collections_total";
+pub const DEMAND_TIMEOUTS: &str = "mcp_gateway_upstream_demand_timeouts_total";
+pub const PROBE_ENDS: &str = "mcp_gateway_upstream_probe_ends_total";
 pub const UPDATES_APPLIED: &str = "mcp_gateway_updates_applied_total";
 pub const LAST_UPDATE: &str = "mcp_gateway_last_update_timestamp_seconds";
 pub const CACHE_RESOURCES: &str = "mcp_gateway_cache_resources";
@@ -412,6 +414,18 @@ pub fn describe() {
     describe_counter!(
         UPSTREAM_REFUSED_COLLECTIONS,
         "Collections the source refused (unsupported collection), dropped from the subscription."
+    );
+    describe_counter!(
+        DEMAND_TIMEOUTS,
+        "Collections a client asked for (not in --collections) that the source neither delivered nor refused within \
+         --demand-timeout (in dial-out mode: that were not requested): clients that wait for every type (xDS) were \
+         answered empty."
+    );
+    describe_counter!(
+        PROBE_ENDS,
+        "Probe streams that ended, by reason: the stream of its own on which client mode first asks for collections \
+         only clients asked for (delivered: nothing left to ask; refused_collection; or a failure, as for the main \
+         stream)."
     );
     describe_counter!(
         UPDATES_APPLIED,

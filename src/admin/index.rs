@@ -58,7 +58,7 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ),
     (
         "/debug/upstream",
-        "the source: connected, since when, last error, per collection",
+        "the source: connected, since when, last error, per collection; collections only clients asked for",
     ),
     (
         "/debug/config",

@@ -18,7 +18,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::cache::demand::Subscriptions;
+use crate::cache::demand::{DemandRoute, SubscriptionState, Subscriptions};
 use crate::cache::{Cache, CollectionSnapshot};
 use crate::downstream::registry::{StreamView, TypeView};
 use crate::downstream::Registry;
@@ -102,10 +102,11 @@ pub async fn track_health(
             }
             reported = Some(status);
         }
-        let names: Vec<Arc<str>> = subscriptions
-            .current()
+        let current = subscriptions.current();
+        let names: Vec<Arc<str>> = current
             .wanted
             .into_iter()
+            .chain(current.demanded.into_keys())
             .chain(cache.snapshots().into_iter().map(|s| s.collection.clone()))
             .collect();
         for name in names {
@@ -392,6 +393,7 @@ async fn syncz(State(state): State<AdminState>, Query(filter): Query<syncz::Filt
     match syncz::view(&rows, clock, &filter) {
         Ok(mut value) => {
             value["rollout"] = syncz::rollouts(&state.rollout, &filter);
+            value["not_delivered"] = not_delivered(&state);
             view(
                 &headers,
                 "Sync status: a summary, the collections pinned, held or in a canary round, then one row per \
@@ -516,10 +518,75 @@ async fn upstream(State(state): State<AdminState>, headers: HeaderMap) -> Respon
         "source_metadata": status.source_metadata,
         "subscribed": subscriptions.wanted,
         "refused": subscriptions.refused,
+        "demand": demand_json(&state, &status, &subscriptions),
         "gateway_id": state.cache.provenance().gateway_id,
         "upstream_gateways": state.cache.provenance().upstream_chain(),
     });
     view(&headers, "Upstream", value)
+}
+
+/// Collections only clients asked for, while the source has neither
+/// delivered nor refused them: how they are asked for, and whether
+/// `--demand-timeout` passed ("not delivered by the source").
+fn demand_json(state: &AdminState, status: &UpstreamStatus, subscriptions: &SubscriptionState) -> Value {
+    let route = state.subscriptions.route();
+    let collections: Vec<Value> = subscriptions
+        .demanded
+        .iter()
+        .map(|(collection, demand)| {
+            let overdue = demand.overdue_since.is_some() && state.cache.get(collection).is_none();
+            let state = match (route, overdue) {
+                (_, true) => NOT_DELIVERED,
+                _ if demand.clock.is_none() => "waiting for the upstream to connect",
+                (DemandRoute::Hold, false) => "waiting for --demand-timeout",
+                _ => "asking the source",
+            };
+            json!({
+                "collection": collection,
+                "asked_at": time(demand.asked_at),
+                "state": state,
+                "overdue_since": demand.overdue_since.map(time),
+                "note": (route == DemandRoute::Hold).then_some(
+                    "not requested: in dial-out mode the gateway cannot probe the source; list it in --collections \
+                     if the source serves it"
+                ),
+            })
+        })
+        .collect();
+    json!({
+        "route": route,
+        "timeout_seconds": state.subscriptions.timeout().as_secs_f64(),
+        "collections": collections,
+        "probe": status.probe.as_ref().map(|p| json!({
+            "asking": p.asking,
+            "attempts": p.attempts,
+            "last_error": p.last_error,
+            "next_retry_in_seconds": p.next_retry_in.map(|d| d.as_secs_f64()),
+        })),
+    })
+}
+
+/// How a demanded collection the source left unanswered past
+/// `--demand-timeout` is shown (`/debug/upstream`, `/debug/syncz`).
+const NOT_DELIVERED: &str = "not delivered by the source";
+
+/// The collections clients asked for that are overdue and still not in the
+/// cache: what `/debug/syncz` and the `status` command show.
+fn not_delivered(state: &AdminState) -> Value {
+    let subscriptions = state.subscriptions.current();
+    let overdue: Vec<Value> = subscriptions
+        .demanded
+        .iter()
+        .filter(|(collection, demand)| demand.overdue_since.is_some() && state.cache.get(collection).is_none())
+        .map(|(collection, demand)| {
+            json!({
+                "collection": collection,
+                "state": NOT_DELIVERED,
+                "since": demand.overdue_since.map(time),
+            })
+        })
+        .collect();
+    Value::Array(overdue)
 }
 
 // === HTML ===

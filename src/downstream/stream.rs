@@ -44,6 +44,13 @@ struct Followed {
 enum Answer {
     /// The version the stream's group is served (the rollout's slot).
     Served(watch::Receiver<Option<Arc<CollectionSnapshot>>>),
+    /// A collection a client asked for that the source neither delivered
+    /// nor refused within `--demand-timeout`: this empty snapshot until the
+    /// slot has a version, then the slot (still followed).
+    Overdue {
+        slot: watch::Receiver<Option<Arc<CollectionSnapshot>>>,
+        empty: Arc<CollectionSnapshot>,
+    },
     /// A type no source serves: this empty snapshot, which never changes.
     Unserved(Arc<CollectionSnapshot>),
 }
@@ -76,9 +83,9 @@ pub(super) struct TypedStream<W> {
     /// Made at the first stale request or NACK: most streams have neither.
     logs: Option<Box<StreamLogs>>,
     peer_gateway: Option<Box<PeerGateway>>,
-    /// The source's refusals, watched while a type that must be answered
-    /// (xDS) waits for a collection the source has not delivered. Boxed:
-    /// most streams never have one.
+    /// The source's refusals and overdue demands, watched while a type that
+    /// must be answered (xDS) waits for a collection the source has not
+    /// delivered. Boxed: most streams never have one.
     refusals: Option<Box<WatchStream<SubscriptionState>>>,
     /// Set when a `--canary` selector matched the node of the stream's
     /// first request. Boxed: most streams are not canaries.
@@ -167,8 +174,9 @@ impl<W: Wire> TypedStream<W> {
                     refused = chain_changed(&mut self.peer_gateway, &self.shared) => {
                         break (End::Refused, Some(refused));
                     }
-                    // The source refused a collection: a type waiting for it is
-                    // answered empty.
+                    // The source refused a collection, or left it unanswered
+                    // past --demand-timeout: a type waiting for it is answered
+                    // empty.
                     () = refusals_changed(&mut self.refusals) => Step::AnswerRefused,
                 };
                 let sent = match step {
@@ -338,10 +346,12 @@ struct Accepted {
 }
 
 /// What a followed type is answered from now: its group's version, or the
-/// empty snapshot of a type nobody serves.
+/// empty snapshot of a type nobody serves (or of an overdue one, until the
+/// source delivers it).
 fn current_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
     match &followed.answer {
         Answer::Served(slot) => slot.borrow().clone(),
+        Answer::Overdue { slot, empty } => Some(slot.borrow().clone().unwrap_or_else(|| empty.clone())),
         Answer::Unserved(empty) => Some(empty.clone()),
     }
 }
@@ -529,13 +539,13 @@ impl<W: Wire> TypedStream<W> {
         let (resolved, answer) = match target {
             Target::Collection(resolved) => {
                 self.shared.follow(&resolved.collection);
-                if W::ANSWERS_EVERY_TYPE
-                    && self.refusals.is_none()
-                    && self.shared.inner.cache.get(&resolved.collection).is_none()
-                {
+                let awaited = W::ANSWERS_EVERY_TYPE && self.shared.inner.cache.get(&resolved.collection).is_none();
+                if awaited && self.refusals.is_none() {
                     let watch = self.shared.inner.subscriptions.watch();
                     self.refusals = Some(Box::new(WatchStream::from_changes(watch)));
                 }
+                // Already overdue (another client waited for it): empty at once.
+                let overdue = awaited && self.shared.inner.subscriptions.is_overdue(&resolved.collection);
                 let rollout = &self.shared.inner.rollout;
                 let slot = rollout.watch(&resolved.collection, self.canary.is_some());
                 if let Some(canary) = &mut self.canary {
@@ -546,7 +556,13 @@ impl<W: Wire> TypedStream<W> {
                 }
                 self.changes
                     .insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
-                (resolved, Answer::Served(slot))
+                let answer = if overdue {
+                    let empty = CollectionSnapshot::empty(resolved.collection.clone());
+                    Answer::Overdue { slot, empty }
+                } else {
+                    Answer::Served(slot)
+                };
+                (resolved, answer)
             }
             Target::Unserved => {
                 let collection: Arc<str> = Arc::from(UNSERVED);
@@ -565,16 +581,20 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// Types still waiting for a collection the source has now refused are
-    /// answered empty, as if nobody served them; the watch ends when no type
-    /// waits any more.
+    /// answered empty, as if nobody served them; those waiting for one the
+    /// source left unanswered past `--demand-timeout` are answered empty
+    /// until it delivers it. The watch ends when no type waits any more.
     async fn answer_refused(&mut self, out: &Outbound) -> Result<(), ClientGone> {
         let cache = &self.shared.inner.cache;
         let subscriptions = &self.shared.inner.subscriptions;
-        let mut refused = Vec::new();
+        let mut answered = Vec::new();
         let mut waiting = false;
         for (type_url, followed) in self.types.iter_mut() {
             let collection = followed.state.view.collection.clone();
-            if matches!(followed.answer, Answer::Unserved(_)) || cache.get(&collection).is_some() {
+            let Answer::Served(slot) = &followed.answer else {
+                continue;
+            };
+            if cache.get(&collection).is_some() {
                 continue;
             }
             if subscriptions.is_refused(&collection) {
@@ -586,7 +606,21 @@ impl<W: Wire> TypedStream<W> {
                 );
                 followed.answer = Answer::Unserved(CollectionSnapshot::empty(collection));
                 self.changes.remove(type_url);
-                refused.push(type_url.clone());
+                answered.push(type_url.clone());
+            } else if subscriptions.is_overdue(&collection) {
+                tracing::info!(
+                    stream = self.id,
+                    type_url = %type_url,
+                    %collection,
+                    "the source has not delivered this collection within --demand-timeout: the type is answered \
+                     empty until it does"
+                );
+                let slot = slot.clone();
+                followed.answer = Answer::Overdue {
+                    slot,
+                    empty: CollectionSnapshot::empty(collection),
+                };
+                answered.push(type_url.clone());
             } else {
                 waiting = true;
             }
@@ -594,7 +628,7 @@ impl<W: Wire> TypedStream<W> {
         if !waiting {
             self.refusals = None;
         }
-        for type_url in refused {
+        for type_url in answered {
             self.try_send(&type_url, out).await?;
         }
         Ok(())

@@ -8,6 +8,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::{Backoff, BackoffPolicy};
+use super::overdue::expire_overdue;
+use super::probe::Probe;
 use super::stream::{self, Failure, StreamEnd};
 use super::{SinkContext, UpstreamStatus};
 use crate::cache::provenance::{parse_chain, ChainError, CHAIN_HEADER, GATEWAY_ID_ANNOTATION};
@@ -35,6 +37,18 @@ pub struct ClientSettings {
     pub connect_timeout: Duration,
     /// The most gateways in a chain, this one included (`--max-chain-depth`).
     pub max_chain_depth: usize,
+}
+
+impl ClientSettings {
+    /// How to reach the upstream: the main stream and the probe alike.
+    pub fn dial(&self) -> Dial {
+        Dial {
+            address: self.address.clone(),
+            tls: self.tls.clone(),
+            timeout: self.connect_timeout,
+            keepalive: self.keepalive,
+        }
+    }
 }
 
 pub struct UpstreamClient {
@@ -73,11 +87,33 @@ impl UpstreamClient {
         }
     }
 
-    /// Runs until `shutdown`: one stream at a time, reconnecting with backoff
-    /// that resets only after a stream made progress: every subscribed
-    /// collection applied on it at least once, and an end that a retry could
-    /// avoid (a message over --max-message-bytes comes again).
-    pub async fn run(mut self, shutdown: CancellationToken) {
+    /// Runs until `shutdown`: the main stream, and beside it the probe that
+    /// asks first for collections only clients asked for, and the deadline
+    /// of those demands (`--demand-timeout`).
+    pub async fn run(self, shutdown: CancellationToken) {
+        let probe = Probe {
+            dial: self.settings.dial(),
+            node: self.sink.node.clone(),
+            max_message_bytes: self.settings.max_message_bytes,
+            backoff: self.settings.backoff,
+            subscriptions: self.sink.subscriptions.clone(),
+            status: self.status.clone(),
+        };
+        let overdue = expire_overdue(
+            self.sink.subscriptions.clone(),
+            self.writer.cache().clone(),
+            self.status.subscribe(),
+            self.settings.address.clone(),
+            shutdown.clone(),
+        );
+        tokio::join!(self.run_main(shutdown.clone()), probe.run(shutdown.clone()), overdue);
+    }
+
+    /// The main stream: one at a time, reconnecting with backoff that resets
+    /// only after a stream made progress: every subscribed collection applied
+    /// on it at least once, and an end that a retry could avoid (a message
+    /// over --max-message-bytes comes again).
+    async fn run_main(mut self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(self.settings.backoff);
         loop {
             self.status.send_modify(|s| {
@@ -156,12 +192,7 @@ impl UpstreamClient {
     }
 
     async fn run_stream(&mut self, shutdown: &CancellationToken, progress: &mut bool) -> StreamEnd {
-        let dial = Dial {
-            address: self.settings.address.clone(),
-            tls: self.settings.tls.clone(),
-            timeout: self.settings.connect_timeout,
-            keepalive: self.settings.keepalive,
-        };
+        let dial = self.settings.dial();
         let channel = tokio::select! {
             connected = connect::connect(&dial) => match connected {
                 Ok(channel) => channel,

@@ -1,8 +1,10 @@
 //! Sources: everything that writes the cache. The MCP sink session (one
 //! implementation, `session` and `stream`) with its two transports: client
 //! mode dials Galley's `ResourceSource` (`client`), dial-out serves
-//! `ResourceSink` (`sink`); the local files (`files`); the persisted snapshot
-//! (`persisted`); the validation they share (`validate`). Sources never talk
+//! `ResourceSink` (`sink`), client mode's probe for collections only
+//! clients asked for (`probe`), and the deadline of those demands
+//! (`overdue`); the local files (`files`); the persisted
+//! snapshot (`persisted`); the validation they share (`validate`). Sources never talk
 //! to downstream streams: what clients want reaches them as the cache's
 //! demand.
 
@@ -10,7 +12,9 @@ pub mod backoff;
 pub mod client;
 pub mod envoy_json;
 pub mod files;
+pub mod overdue;
 pub mod persisted;
+pub mod probe;
 pub mod session;
 pub mod sink;
 pub mod stream;
@@ -32,6 +36,9 @@ pub use session::SinkSession;
 pub fn register_metrics() {
     for reason in stream::StreamEnd::REASONS {
         metrics::counter!(crate::metrics::UPSTREAM_STREAM_TERMINATIONS, "reason" => reason).absolute(0);
+    }
+    for reason in probe::REASONS {
+        metrics::counter!(crate::metrics::PROBE_ENDS, "reason" => reason).absolute(0);
     }
 }
 
@@ -93,4 +100,21 @@ pub struct UpstreamStatus {
     /// them); `mcp_gateway_source_files_broken` at scrape time.
     #[serde(skip)]
     pub broken_files: usize,
+    /// Client mode: the probe stream, on which collections only clients
+    /// asked for are asked first. Its failures never touch the fields
+    /// above, which are the main stream's.
+    pub probe: Option<ProbeStatus>,
+}
+
+/// What the probe stream is doing (client mode).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ProbeStatus {
+    /// The collections asked for on the open probe stream; empty while no
+    /// probe is open.
+    pub asking: Vec<String>,
+    /// Probe streams attempted since start.
+    pub attempts: u64,
+    pub last_error: Option<String>,
+    /// The wait before the next probe, after a failure.
+    pub next_retry_in: Option<Duration>,
 }

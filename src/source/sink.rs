@@ -20,6 +20,7 @@ use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
+use super::overdue::expire_overdue;
 use super::stream::{self, StreamEnd};
 use super::{SinkContext, UpstreamStatus};
 use crate::cache::CacheWriter;
@@ -111,6 +112,16 @@ impl SinkServer {
         sink.node
             .annotations
             .remove(crate::cache::provenance::GATEWAY_ID_ANNOTATION);
+        // Collections only clients asked for are never asked of a dial-out
+        // source (see `DemandRoute::Hold`): they become overdue, and xDS
+        // clients are answered empty.
+        tasks.spawn(expire_overdue(
+            sink.subscriptions.clone(),
+            writer.cache().clone(),
+            status.subscribe(),
+            format!("dial-out on {}", settings.listen),
+            shutdown.clone(),
+        ));
         status.send_modify(|s| {
             s.mode = "sink";
             s.address = settings.listen.to_string();

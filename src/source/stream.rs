@@ -1,7 +1,8 @@
 //! One MCP stream between the gateway (sink) and a source, whichever side
 //! dialled: the initial requests, then every `Resources` message through the
-//! `SinkSession`, and collections that downstream clients ask for subscribed
-//! on the live stream. Client mode and the dial-out server both run this.
+//! `SinkSession`, and collections subscribed later (in client mode, those a
+//! client asked for once the source delivered them on the probe) on the live
+//! stream. Client mode and the dial-out server both run this.
 
 use std::time::Duration;
 
@@ -223,8 +224,8 @@ impl Opened {
                     if changed.is_err() {
                         return StreamEnd::Shutdown;
                     }
-                    // Collections first asked for by downstream clients are
-                    // subscribed on the live stream.
+                    // Collections subscribed since (a client's demand the
+                    // source delivered on the probe) join the live stream.
                     for request in initial_requests(&mut self.session, &mut self.subscriptions) {
                         tracing::info!(collection = %request.collection, "subscribing on the live stream");
                         if self.tx.send(request).await.is_err() {

@@ -1,15 +1,17 @@
 //! A fake Galley, shared by the integration tests and `mcp-load`: a real
 //! `ResourceSource` gRPC server that hands each stream a gateway opens to its
 //! driver, logs every request, and can refuse collections (ending the stream
-//! as Galley does, istio#13559) or kill every stream; and Galley's dial-out,
-//! a real `ResourceSink` client with each release's opening handshake.
+//! as Galley 1.1 to 1.7 do, istio#13559), ignore them (never answering, as a
+//! source that neither serves nor refuses), publish them (answering every
+//! stream's request itself) or kill every stream; and Galley's dial-out, a
+//! real `ResourceSink` client with each release's opening handshake.
 //!
 //! Nothing here waits with a timeout: the driver (a test's `within`, the load
 //! tool's own deadlines) decides how long to wait.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::TcpListener;
@@ -30,10 +32,84 @@ type Sent = Result<Resources, Status>;
 struct State {
     log: Mutex<Vec<RequestResources>>,
     refuse: Mutex<HashSet<String>>,
+    /// Asked for, never answered, never handed to the driver.
+    ignore: Mutex<HashSet<String>>,
+    /// Answered by the fake itself, on every stream that asks.
+    published: Mutex<HashMap<String, Vec<Resource>>>,
+    /// Nonces of the fake's own answers (`auto-N`).
+    next_auto_nonce: AtomicU64,
     kill_every_stream: AtomicBool,
     streams_opened: AtomicUsize,
     /// Every live stream's sender, to kill them all at once.
     live: Mutex<Vec<mpsc::UnboundedSender<Sent>>>,
+    /// Every stream served (not those killed at once), in the order opened.
+    records: Mutex<Vec<Record>>,
+}
+
+/// One stream as the fake saw it.
+struct Record {
+    asked: Vec<String>,
+    ended: Option<String>,
+    /// Collections asked for and ignored: answered if published later.
+    ignored: HashSet<String>,
+    responses: mpsc::UnboundedSender<Sent>,
+}
+
+/// One stream as the fake saw it, for tests to check which stream carried
+/// what and whether it ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamInfo {
+    /// The collection of every initial request, in order.
+    pub asked: Vec<String>,
+    /// How it ended; `None` while it is open.
+    pub ended: Option<String>,
+}
+
+const AUTO_NONCE: &str = "auto-";
+
+impl State {
+    fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        mutex.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The fake's own answer for `collection`, if it publishes it.
+    fn published(&self, collection: &str) -> Option<Resources> {
+        let resources = Self::lock(&self.published).get(collection)?.clone();
+        let n = self.next_auto_nonce.fetch_add(1, Ordering::SeqCst) + 1;
+        Some(Resources {
+            nonce: format!("{AUTO_NONCE}{n}"),
+            ..full(collection, resources)
+        })
+    }
+
+    /// What to do with a request of stream `index`: `Some` hands it to the
+    /// driver; `Err` ends the stream with a status.
+    fn on_request(&self, index: usize, request: RequestResources) -> Result<Option<RequestResources>, Status> {
+        Self::lock(&self.log).push(request.clone());
+        if !request.response_nonce.is_empty() {
+            // The replies to the fake's own answers are its own.
+            return Ok((!request.response_nonce.starts_with(AUTO_NONCE)).then_some(request));
+        }
+        let collection = &request.collection;
+        let mut records = Self::lock(&self.records);
+        let record = &mut records[index];
+        record.asked.push(collection.clone());
+        if Self::lock(&self.refuse).contains(collection) {
+            // What Galley does (istio#13559): the whole stream ends.
+            let status = Status::invalid_argument(format!("unsupported collection {collection:?}"));
+            record.ended = Some(status.message().to_owned());
+            return Err(status);
+        }
+        if Self::lock(&self.ignore).contains(collection) {
+            record.ignored.insert(collection.clone());
+            return Ok(None);
+        }
+        if let Some(answer) = self.published(collection) {
+            let _ = record.responses.send(Ok(answer));
+            return Ok(None);
+        }
+        Ok(Some(request))
+    }
 }
 
 /// A running fake Galley.
@@ -74,40 +150,45 @@ impl ResourceSource for Service {
             let _ = tx.send(Err(Status::unavailable("fake galley kills every stream")));
             return Ok(Response::new(UnboundedReceiverStream::new(rx)));
         }
-        self.state
-            .live
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(tx.clone());
+        State::lock(&self.state.live).push(tx.clone());
+        let index = {
+            let mut records = State::lock(&self.state.records);
+            records.push(Record {
+                asked: Vec::new(),
+                ended: None,
+                ignored: HashSet::new(),
+                responses: tx.clone(),
+            });
+            records.len() - 1
+        };
         let (requests_tx, requests_rx) = mpsc::unbounded_channel();
         let state = self.state.clone();
         let killer = tx.clone();
         let mut inbound = request.into_inner();
         tokio::spawn(async move {
-            while let Ok(Some(request)) = inbound.message().await {
-                state
-                    .log
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(request.clone());
-                let refused = request.response_nonce.is_empty()
-                    && state
-                        .refuse
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .contains(&request.collection);
-                if refused {
-                    // What Galley does (istio#13559): the whole stream ends.
-                    let _ = killer.send(Err(Status::invalid_argument(format!(
-                        "unsupported collection {:?}",
-                        request.collection
-                    ))));
-                    return;
-                }
-                if requests_tx.send(request).is_err() {
-                    return;
+            loop {
+                let request = match inbound.message().await {
+                    Ok(Some(request)) => request,
+                    Ok(None) => break,
+                    Err(status) => {
+                        State::lock(&state.records)[index].ended = Some(format!("{:?}", status.code()));
+                        return;
+                    }
+                };
+                match state.on_request(index, request) {
+                    Ok(Some(request)) => {
+                        if requests_tx.send(request).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(status) => {
+                        let _ = killer.send(Err(status));
+                        return;
+                    }
                 }
             }
+            State::lock(&state.records)[index].ended = Some("closed by the gateway".into());
         });
         let _ = self.streams.send(GalleyStream {
             requests: requests_rx,
@@ -175,11 +256,41 @@ impl FakeGalley {
     /// Ends any stream that asks for `collection`, as Galley does for one it
     /// does not serve.
     pub fn refuse(&self, collection: &str) {
-        self.state
-            .refuse
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(collection.to_owned());
+        State::lock(&self.state.refuse).insert(collection.to_owned());
+    }
+
+    /// Never answers a collection any stream asks for, and never hands its
+    /// request to the driver: a source that neither serves nor refuses it.
+    pub fn ignore(&self, collection: &str) {
+        State::lock(&self.state.ignore).insert(collection.to_owned());
+    }
+
+    /// Answers every request for `collection` with this full state, on every
+    /// stream, without the driver (whose stream never sees these requests
+    /// nor their ACKs); a stream that asked for it while it was ignored is
+    /// answered now: the source starts serving it.
+    pub fn publish(&self, collection: &str, resources: Vec<Resource>) {
+        State::lock(&self.state.ignore).remove(collection);
+        State::lock(&self.state.published).insert(collection.to_owned(), resources);
+        for record in State::lock(&self.state.records).iter_mut() {
+            if record.ended.is_none() && record.ignored.remove(collection) {
+                if let Some(answer) = self.state.published(collection) {
+                    let _ = record.responses.send(Ok(answer));
+                }
+            }
+        }
+    }
+
+    /// Every stream served so far, in the order opened (streams killed at
+    /// once by [`Self::kill_every_stream`] are only counted).
+    pub fn streams(&self) -> Vec<StreamInfo> {
+        State::lock(&self.state.records)
+            .iter()
+            .map(|r| StreamInfo {
+                asked: r.asked.clone(),
+                ended: r.ended.clone(),
+            })
+            .collect()
     }
 
     /// Accepts every new stream and kills it at once.
@@ -193,12 +304,12 @@ impl FakeGalley {
 
     /// Every request received on any stream, in order.
     pub fn log(&self) -> Vec<RequestResources> {
-        self.state.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        State::lock(&self.state.log).clone()
     }
 
     /// Ends every live stream with `status`.
     pub fn kill_all(&self, status: Status) {
-        for tx in self.state.live.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        for tx in State::lock(&self.state.live).drain(..) {
             let _ = tx.send(Err(status.clone()));
         }
     }
@@ -303,6 +414,11 @@ impl GalleyStream {
     /// The gateway's next request; `None` once its stream ended.
     pub async fn next_request(&mut self) -> Option<RequestResources> {
         self.requests.recv().await
+    }
+
+    /// A request the gateway already sent, if any, without waiting.
+    pub fn try_next_request(&mut self) -> Option<RequestResources> {
+        self.requests.try_recv().ok()
     }
 
     /// Sends `message` with the next nonce (`n1`, `n2`, …) and returns the

@@ -193,6 +193,14 @@ pub fn render(syncz: &Value) -> String {
     for line in rollout_lines(&syncz["rollout"]) {
         let _ = writeln!(out, "{line}");
     }
+    for overdue in syncz["not_delivered"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "NOT DELIVERED {}: a client asked for it and the source neither delivered nor refused it within \
+             --demand-timeout; clients that wait for every type (xDS) were answered empty",
+            overdue["collection"].as_str().unwrap_or_default()
+        );
+    }
     out
 }
 

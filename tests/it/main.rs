@@ -7,6 +7,7 @@ mod admin;
 mod canary;
 mod chain;
 mod decoders;
+mod demand;
 mod deploy;
 mod dialects;
 mod envoy;

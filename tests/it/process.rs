@@ -85,6 +85,8 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
         (&["--canary", "canary-["][..], "--canary"),
         (&["--canary", "=x"][..], "--canary"),
         (&["--canary-soak", "2d"][..], "--canary-soak"),
+        (&["--demand-timeout", "0s"][..], "--demand-timeout"),
+        (&["--demand-timeout", "2h"][..], "--demand-timeout"),
         (&["--canary-when-none", "maybe"][..], "--canary-when-none"),
         // The rollout command's bad usage.
         (

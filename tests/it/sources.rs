@@ -21,7 +21,7 @@ async fn dial_out_gateway() -> mcp_xds_gateway::app::Bound {
 }
 
 /// A gateway waiting for a dial-out of VS, with `extra` flags.
-async fn dial_out_gateway_with(extra: &[&str]) -> mcp_xds_gateway::app::Bound {
+pub(crate) async fn dial_out_gateway_with(extra: &[&str]) -> mcp_xds_gateway::app::Bound {
     let mut args = vec!["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS];
     args.extend_from_slice(extra);
     start_gateway(&args).await

@@ -289,11 +289,11 @@ async fn readiness_follows_the_configured_collections_not_what_clients_ask() {
     stream.push_full(VS, vec![resource("a", "1", b"x")]).await;
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
 
-    // A client asks for a collection nobody will serve.
+    // A client asks for a collection nobody will serve: asked on a probe.
     let client = sotw(gw.listen).await;
     client.subscribe(GW);
-    let subscribed = stream.next_request().await;
-    assert_eq!(subscribed.collection, GW);
+    let asked = galley.next_stream().await.next_request().await;
+    assert_eq!(asked.collection, GW);
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200, "still ready");
     assert_eq!(health(gw.listen, "").await, ServingStatus::Serving);
     assert_eq!(health(gw.listen, VS).await, ServingStatus::Serving);

@@ -317,8 +317,11 @@ async fn upstream_outage_keeps_serving_and_unchanged_content_pushes_nothing() {
     assert_eq!(next.nonce, "2");
 }
 
+/// A collection only a client asked for is asked first on a probe stream of
+/// its own; once the source delivers it there, the main stream subscribes
+/// it (never restarted for it).
 #[tokio::test]
-async fn a_collection_a_client_asks_for_is_subscribed_on_the_live_stream() {
+async fn a_collection_a_client_asks_for_is_probed_then_subscribed_on_the_live_stream() {
     let mut galley = FakeGalley::start().await;
     let gw = gateway_for(&galley, &[VS], &[]).await;
     let mut stream = galley.next_stream().await;
@@ -326,14 +329,29 @@ async fn a_collection_a_client_asks_for_is_subscribed_on_the_live_stream() {
 
     let mut client = sotw(gw.listen).await;
     client.subscribe(GW_TYPE_URL);
+    let mut probe = galley.next_stream().await;
+    let asked = probe.next_request().await;
+    assert_eq!(asked.collection, GW);
+    assert!(asked.response_nonce.is_empty());
+    assert!(!asked.incremental, "the probe asks for the plainest answer");
+    // The probe's copy is looked at, never applied nor ACKed.
+    probe.send_only(full(GW, vec![resource("ingress", "1", b"g")]));
     let request = stream.next_request().await;
-    assert_eq!(request.collection, GW);
+    assert_eq!(request.collection, GW, "subscribed on the main stream");
     assert!(request.response_nonce.is_empty());
+    assert!(gw.cache.get(GW).is_none(), "the probe's copy is not applied");
     stream.push_full(GW, vec![resource("ingress", "1", b"g")]).await;
     let response = client.recv().await;
     assert_eq!(response.type_url, GW_TYPE_URL);
     assert_eq!(names(&response.resources), ["ingress"]);
-    assert_eq!(galley.streams_opened(), 1, "no reconnect needed");
+    assert!(probe.try_next_request().is_none(), "the probe never ACKed");
+    assert_eq!(galley.streams_opened(), 2, "the main stream and the probe");
+    eventually("the probe closed: nothing left to ask", || {
+        galley.streams()[1].ended.is_some()
+    })
+    .await;
+    assert_eq!(galley.streams()[0].ended, None, "the main stream was never restarted");
+    assert_eq!(gw.upstream.borrow().connections, 1);
 }
 
 /// Full states outgrew gRPC's 4 MiB default (istio#9343): the default

@@ -47,7 +47,7 @@ pub(crate) type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
 type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
 
 /// istiod's node (`pkg/adsc`): `GENERATOR: api` in the metadata.
-fn istiod_node() -> Option<Node> {
+pub(crate) fn istiod_node() -> Option<Node> {
     let generator = prost_types::Value {
         kind: Some(prost_types::value::Kind::StringValue("api".into())),
     };
@@ -62,7 +62,7 @@ fn istiod_node() -> Option<Node> {
 
 /// Opens a stream and sends every type back to back, as `adsc.Run()` does:
 /// the node on the first only, each with a nonce the gateway never issued.
-async fn istiod(addr: std::net::SocketAddr, types: &[&str]) -> SotwStream {
+pub(crate) async fn istiod(addr: std::net::SocketAddr, types: &[&str]) -> SotwStream {
     let stream = SotwStream::open(addr, SOTW).await;
     for (i, type_url) in types.iter().enumerate() {
         stream.send(DiscoveryRequest {
@@ -76,7 +76,7 @@ async fn istiod(addr: std::net::SocketAddr, types: &[&str]) -> SotwStream {
 }
 
 /// istiod's ACK: the nonce and version back, the node on every one.
-fn ack(stream: &SotwStream, response: &DiscoveryResponse) {
+pub(crate) fn ack(stream: &SotwStream, response: &DiscoveryResponse) {
     stream.send(DiscoveryRequest {
         type_url: response.type_url.clone(),
         response_nonce: response.nonce.clone(),
@@ -109,7 +109,7 @@ fn write(dir: &Path, name: &str, text: &str) {
 }
 
 /// Reads one response per type, in whatever order they come.
-async fn one_each(stream: &mut SotwStream, count: usize) -> HashMap<String, DiscoveryResponse> {
+pub(crate) async fn one_each(stream: &mut SotwStream, count: usize) -> HashMap<String, DiscoveryResponse> {
     let mut by_type = HashMap::new();
     for _ in 0..count {
         let response = stream.recv().await;

@@ -66,8 +66,25 @@ impl FakeGalley {
         GalleyStream::wrap(inner)
     }
 
+    /// Ends any stream that asks for `collection` (Galley 1.1 to 1.7).
     pub fn refuse(&self, collection: &str) {
         self.inner.refuse(collection);
+    }
+
+    /// Never answers `collection`: a source that neither serves nor refuses it.
+    pub fn ignore(&self, collection: &str) {
+        self.inner.ignore(collection);
+    }
+
+    /// Answers every stream's request for `collection` with this full state
+    /// (the driver never sees those requests or their ACKs).
+    pub fn publish(&self, collection: &str, resources: Vec<Resource>) {
+        self.inner.publish(collection, resources);
+    }
+
+    /// Every stream served so far, in the order opened.
+    pub fn streams(&self) -> Vec<fake::StreamInfo> {
+        self.inner.streams()
     }
 
     pub fn kill_every_stream(&self, on: bool) {
@@ -122,6 +139,11 @@ impl GalleyStream {
     fn wrap(inner: fake::GalleyStream) -> Self {
         let responses = inner.responses.clone();
         Self { inner, responses }
+    }
+
+    /// A request the gateway already sent, if any, without waiting.
+    pub fn try_next_request(&mut self) -> Option<RequestResources> {
+        self.inner.try_next_request()
     }
 
     pub async fn next_request(&mut self) -> RequestResources {
