@@ -55,8 +55,9 @@ pub struct AdminState {
 }
 
 impl AdminState {
-    pub fn missing(&self) -> Vec<String> {
-        missing(&self.subscriptions, &self.cache)
+    /// Why the gateway is not ready, on one line; `None` when it is.
+    pub fn not_ready(&self) -> Option<String> {
+        not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow())
     }
 }
 
@@ -71,6 +72,126 @@ pub fn missing(subscriptions: &Subscriptions, cache: &Cache) -> Vec<String> {
         .filter(|c| cache.get(c).is_none())
         .map(|c| c.to_string())
         .collect()
+}
+
+/// Why the gateway is not ready, on one line (`None`: it is): the
+/// configured collections without a first state, and where the source
+/// stands (connected or not, its last error, the next attempt).
+pub fn not_ready(subscriptions: &Subscriptions, cache: &Cache, upstream: &UpstreamStatus) -> Option<String> {
+    let missing = missing(subscriptions, cache);
+    if missing.is_empty() {
+        return None;
+    }
+    let line = format!(
+        "not ready: waiting for the first state of {} collection{} ({}); {}",
+        missing.len(),
+        if missing.len() == 1 { "" } else { "s" },
+        missing.join(", "),
+        source_state(upstream)
+    );
+    // Errors can span lines (a file's parse error, a peer's message).
+    Some(line.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// Where the source stands, as a clause of the readiness line.
+fn source_state(status: &UpstreamStatus) -> String {
+    let source = match status.mode {
+        "client" => format!("upstream {}", status.address),
+        "sink" => format!("--sink-listen {}", status.address),
+        "files" => format!("source directory {}", status.address),
+        _ => "no source yet".to_owned(),
+    };
+    let mut text = if status.connected {
+        match &status.peer {
+            Some(peer) => format!("{source}: {peer} connected, and has not sent them yet"),
+            None => format!("{source}: connected, and has not sent them yet"),
+        }
+    } else {
+        match (status.mode, status.attempts) {
+            ("sink", _) => format!("{source}: no source has dialled in"),
+            (_, 0) => format!("{source}: not connected yet"),
+            (_, attempts) => format!(
+                "{source}: not connected after {attempts} attempt{}",
+                if attempts == 1 { "" } else { "s" }
+            ),
+        }
+    };
+    if let Some(error) = &status.last_error {
+        text.push_str(&format!("; last error: {error}"));
+    }
+    if let Some(wait) = status.next_retry_in.filter(|_| !status.connected) {
+        text.push_str(&format!("; next attempt in {:.1}s", wait.as_secs_f64()));
+    }
+    text
+}
+
+/// The gRPC health response header that says why the gateway is not
+/// serving (the health protocol's answer has a status only): the readiness
+/// line.
+pub const NOT_READY_HEADER: &str = "mcp-gateway-not-ready";
+
+/// The gRPC health service, each answer carrying [`NOT_READY_HEADER`] while
+/// the gateway is not ready, so `grpcurl -v` and `grpc_health_probe` users
+/// see why, as `/readyz` says it.
+#[derive(Clone)]
+pub struct HealthWithReason<S> {
+    inner: S,
+    subscriptions: Arc<Subscriptions>,
+    cache: Arc<Cache>,
+    upstream: watch::Receiver<UpstreamStatus>,
+}
+
+impl<S> HealthWithReason<S> {
+    pub fn new(
+        inner: S,
+        subscriptions: Arc<Subscriptions>,
+        cache: Arc<Cache>,
+        upstream: watch::Receiver<UpstreamStatus>,
+    ) -> Self {
+        Self {
+            inner,
+            subscriptions,
+            cache,
+            upstream,
+        }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for HealthWithReason<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B> tower::Service<http::Request<B>> for HealthWithReason<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let reason = not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow());
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            if let Some(reason) = reason {
+                // Header values are visible ASCII.
+                let visible: String = reason
+                    .chars()
+                    .map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' })
+                    .collect();
+                if let Ok(value) = http::HeaderValue::from_str(&visible) {
+                    response.headers_mut().insert(NOT_READY_HEADER, value);
+                }
+            }
+            Ok(response)
+        })
+    }
 }
 
 /// Keeps gRPC health at SERVING while the gateway is ready and NOT_SERVING
@@ -171,20 +292,12 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
 }
 
+/// 200 `ready`, or 503 and why not, on one line.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
-    let missing = state.missing();
-    if missing.is_empty() {
-        return (StatusCode::OK, "ready\n".into());
+    match state.not_ready() {
+        None => (StatusCode::OK, "ready\n".into()),
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
     }
-    let mut body = format!(
-        "not ready: waiting for the first state of {} collection(s):\n",
-        missing.len()
-    );
-    for collection in missing {
-        body.push_str(&collection);
-        body.push('\n');
-    }
-    (StatusCode::SERVICE_UNAVAILABLE, body)
 }
 
 fn time(t: SystemTime) -> String {
@@ -216,6 +329,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         refresh_gauges(&state);
         handle.render()
     };
+    let text = m::cpu_seconds_as_counter(text);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         text,
@@ -223,9 +337,23 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         .into_response()
 }
 
-/// Gauges that are views of the current state, set at scrape time.
+/// Gauges that are views of the current state, set at scrape time. Every
+/// configured collection has its series from the start, at 0 until its
+/// first state (a last update at 0: never).
 fn refresh_gauges(state: &AdminState) {
     let snapshots = state.cache.snapshots();
+    let configured = state.subscriptions.awaited();
+    for collection in configured.iter().filter(|c| state.cache.get(c).is_none()) {
+        for name in [
+            m::CACHE_RESOURCES,
+            m::CACHE_BYTES,
+            m::HISTORY_VERSIONS,
+            m::HISTORY_BYTES,
+            m::LAST_UPDATE,
+        ] {
+            metrics::gauge!(name, "collection" => collection.clone()).set(0.0);
+        }
+    }
     let mut delivered: Vec<Arc<str>> = Vec::new();
     for snapshot in &snapshots {
         let collection = snapshot.collection.clone();
@@ -238,13 +366,26 @@ fn refresh_gauges(state: &AdminState) {
         delivered.push(collection);
     }
 
+    let flag = |on: bool| f64::from(u8::from(on));
+    // (pinned, held, in a round, canaries) per collection: nothing for a
+    // configured collection not delivered yet.
+    let mut rollouts: BTreeMap<Arc<str>, [f64; 4]> = configured.iter().map(|c| (c.clone(), [0.0; 4])).collect();
     for rollout in state.rollout.views() {
-        let collection = rollout.collection.clone();
-        let flag = |on: bool| f64::from(u8::from(on));
-        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => collection.clone()).set(flag(rollout.pinned.is_some()));
-        metrics::gauge!(m::ROLLOUT_HELD, "collection" => collection.clone()).set(flag(rollout.held.is_some()));
-        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => collection.clone()).set(flag(rollout.round.is_some()));
-        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => collection).set(rollout.canaries_connected as f64);
+        rollouts.insert(
+            rollout.collection.clone(),
+            [
+                flag(rollout.pinned.is_some()),
+                flag(rollout.held.is_some()),
+                flag(rollout.round.is_some()),
+                rollout.canaries_connected as f64,
+            ],
+        );
+    }
+    for (collection, [pinned, held, round, canaries]) in rollouts {
+        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => collection.clone()).set(pinned);
+        metrics::gauge!(m::ROLLOUT_HELD, "collection" => collection.clone()).set(held);
+        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => collection.clone()).set(round);
+        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => collection).set(canaries);
     }
 
     let streams = state.registry.streams();
@@ -272,7 +413,11 @@ fn refresh_gauges(state: &AdminState) {
     let rows = syncz::rows(&streams, &state.rollout, state.registry.clock(), state.stale_after);
     // Behind what its group is served (a pin or a canary round keeps
     // clients on an older version on purpose): each row's current version.
-    let mut behind: BTreeMap<Arc<str>, f64> = delivered.into_iter().map(|c| (c, 0.0)).collect();
+    let mut behind: BTreeMap<Arc<str>, f64> = delivered
+        .into_iter()
+        .chain(configured.iter().cloned())
+        .map(|c| (c, 0.0))
+        .collect();
     for row in &rows {
         if let Some(count) = behind.get_mut(&row.view.collection) {
             if row.current.is_some() && row.view.acked_version != row.current {
@@ -283,7 +428,6 @@ fn refresh_gauges(state: &AdminState) {
     for (collection, count) in behind {
         metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
     }
-    let configured = state.subscriptions.awaited();
     for ((status, collection), count) in syncz::counts(&rows, configured) {
         metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)
             .set(count as f64);
@@ -448,11 +592,23 @@ async fn cache_collection(
     view(&headers, &format!("Cache: {collection}"), value)
 }
 
-/// Every flag with its value and where it came from, and the log filter in
-/// force.
+/// Every flag with the value in effect and where it came from (a flag left
+/// out shows the value it took: the source directory, the node id, ...),
+/// and the log filter in force (`--log-level` shows it too, once `POST
+/// /logging` or `RUST_LOG` set it).
 async fn config(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let mut flags = (*state.config).clone();
+    if let Some(logs) = &state.logs {
+        let log_level = flags
+            .as_array_mut()
+            .and_then(|all| all.iter_mut().find(|f| f["flag"] == "--log-level"));
+        if let Some(flag) = log_level {
+            flag["value"] = json!(logs.current());
+            flag["source"] = json!(logs.origin());
+        }
+    }
     let value = json!({
-        "flags": *state.config,
+        "flags": flags,
         "log_filter": state.logs.as_ref().map(|l| l.current()),
         "version": env!("CARGO_PKG_VERSION"),
     });

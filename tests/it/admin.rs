@@ -24,10 +24,74 @@ async fn readiness_waits_for_every_subscribed_collection() {
     let (status, body) = http_get(gw.admin, "/readyz").await;
     assert_eq!(status, 503);
     assert!(body.contains(GW) && !body.contains(VS), "{body}");
+    // Connected: the source has not sent it yet.
+    assert!(
+        body.contains(&format!(
+            "upstream {}: connected, and has not sent them yet",
+            galley.url()
+        )),
+        "{body}"
+    );
 
     // Delivered empty is delivered.
     stream.push_full(GW, vec![]).await;
     assert_eq!(http_get(gw.admin, "/readyz").await, (200, "ready\n".to_string()));
+}
+
+/// An upstream that cannot be reached: `/readyz` and gRPC health say why
+/// on one line: what is missing, how many attempts, the last error.
+#[tokio::test]
+async fn readiness_says_why_on_one_line() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let gw = crate::helpers::start_gateway(&[
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--collections",
+        &format!("{VS},{GW}"),
+        "--reconnect-min-delay",
+        "10ms",
+    ])
+    .await;
+    let body = crate::helpers::eventually_some("an attempt's error in /readyz", || async {
+        let (status, body) = http_get(gw.admin, "/readyz").await;
+        assert_eq!(status, 503, "{body}");
+        body.contains("last error").then_some(body)
+    })
+    .await;
+    assert_eq!(body.lines().count(), 1, "one line: {body}");
+    for part in [
+        "not ready: waiting for the first state of 2 collections",
+        VS,
+        GW,
+        "upstream http://127.0.0.1:1: not connected after ",
+        "; last error: ",
+    ] {
+        assert!(body.contains(part), "{part:?} in {body}");
+    }
+    let status = gw.upstream.borrow().clone();
+    assert!(status.last_error.as_ref().is_some_and(|e| !e.is_empty()), "{status:?}");
+
+    // gRPC health's answer has a status only: the reason is its header.
+    let mut health = HealthClient::new(channel(gw.listen).await);
+    let answer = within(
+        "a health check",
+        health.check(HealthCheckRequest { service: String::new() }),
+    )
+    .await
+    .unwrap();
+    let reason = answer
+        .metadata()
+        .get(mcp_xds_gateway::admin::NOT_READY_HEADER)
+        .expect("the reason beside NOT_SERVING")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        reason.starts_with("not ready: waiting for the first state of 2 collections") && reason.contains("last error"),
+        "{reason}"
+    );
 }
 
 #[tokio::test]

@@ -241,7 +241,7 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
 }
 
 /// Metric names a PromQL expression reads.
-fn queried(expr: &str) -> Vec<String> {
+pub(crate) fn queried(expr: &str) -> Vec<String> {
     let mut names = Vec::new();
     let mut token = String::new();
     for c in expr.chars().chain(std::iter::once(' ')) {
