@@ -31,6 +31,7 @@ mod history;
 mod index;
 mod rollout;
 pub mod syncz;
+pub mod versions;
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -453,13 +454,17 @@ fn process_collector() -> &'static metrics_process::Collector {
 
 // === debug views ===
 
-/// JSON, or an HTML page of tables when the client asks for `text/html`.
-fn view(headers: &HeaderMap, title: &str, value: Value) -> Response {
-    let html = headers
+/// The client asks for `text/html` (a browser).
+fn wants_html(headers: &HeaderMap) -> bool {
+    headers
         .get(header::ACCEPT)
         .and_then(|a| a.to_str().ok())
-        .is_some_and(|a| a.contains("text/html"));
-    if html {
+        .is_some_and(|a| a.contains("text/html"))
+}
+
+/// JSON, or an HTML page of tables when the client asks for `text/html`.
+fn view(headers: &HeaderMap, title: &str, value: Value) -> Response {
+    if wants_html(headers) {
         Html(page(title, &value)).into_response()
     } else {
         Json(value).into_response()
@@ -525,19 +530,41 @@ async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Respons
     view(&headers, "Connected clients", Value::Array(streams))
 }
 
-async fn syncz(State(state): State<AdminState>, Query(filter): Query<syncz::Filter>, headers: HeaderMap) -> Response {
+async fn syncz(
+    State(state): State<AdminState>,
+    Query(filter): Query<syncz::Filter>,
+    Query(positions): Query<Positions>,
+    headers: HeaderMap,
+) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
     let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
+    if wants_html(&headers) {
+        let shown = match syncz::filtered(&rows, &filter) {
+            Ok(shown) => shown,
+            Err(message) => return (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
+        };
+        let mut body = String::from(NAVIGATION);
+        if let Some(reason) = state.not_ready() {
+            body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
+        }
+        body.push_str(&syncz::counts_html(&rows));
+        let rollouts = syncz::rollouts(&state.rollout, &filter);
+        if rollouts.as_array().is_some_and(|r| !r.is_empty()) {
+            body.push_str("<h2>Collections pinned, held or in a canary round</h2>");
+            html(&rollouts, &mut body);
+        }
+        body.push_str("<h2>Every client stream and type, those that need an eye first</h2>");
+        syncz::rows_html(&syncz::problems_first(shown), clock, &mut body);
+        body.push_str("<h2>Per collection</h2>");
+        html(&syncz::summary(&rows)["by_collection"], &mut body);
+        body.push_str(positions.script());
+        return Html(document("Sync status", &body)).into_response();
+    }
     match syncz::view(&rows, clock, &filter) {
         Ok(mut value) => {
             value["rollout"] = syncz::rollouts(&state.rollout, &filter);
-            view(
-                &headers,
-                "Sync status: a summary, the collections pinned, held or in a canary round, then one row per \
-                 client stream and type",
-                value,
-            )
+            Json(value).into_response()
         }
         Err(message) => (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
     }
@@ -690,17 +717,75 @@ fn escape(text: &str) -> String {
     out
 }
 
+/// What a link's path or query value keeps as it is: letters, digits and a
+/// collection's slashes; everything else is percent-encoded.
+const URL_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC.remove(b'/');
+
+/// `text` for a URL (then escaped for an attribute).
+fn url_part(text: &str) -> String {
+    escape(&percent_encoding::utf8_percent_encode(text, URL_KEEPS).to_string())
+}
+
+/// A version as HTML: its first 12 characters, the whole one on hover.
+fn version_html(version: &str) -> String {
+    let short = versions::short(version);
+    if short.len() == version.len() {
+        return format!("<code>{}</code>", escape(version));
+    }
+    format!("<code title=\"{}\">{}</code>", escape(version), escape(short))
+}
+
+/// A collection as HTML: a link to its history (whose versions link to
+/// their diffs).
+fn collection_html(collection: &str) -> String {
+    format!(
+        "<a href=\"/debug/history/{}\">{}</a>",
+        url_part(collection),
+        escape(collection)
+    )
+}
+
+/// A link to the diff of `collection` between two versions.
+fn diff_link(collection: &str, from: &str, to: &str, text: &str) -> String {
+    format!(
+        "<a href=\"/debug/diff/{}?from={}&amp;to={}\">{}</a>",
+        url_part(collection),
+        url_part(from),
+        url_part(to),
+        escape(text)
+    )
+}
+
+/// Keys whose string values are collection versions.
+fn is_version_key(key: &str) -> bool {
+    key == "version"
+        || key.ends_with("_version")
+        || matches!(
+            key,
+            "from" | "to" | "latest" | "everyone" | "canaries" | "pinned" | "released"
+        )
+}
+
 /// A value as HTML: objects as key/value tables, arrays of objects as one
-/// table with a column per key, everything else as text.
+/// table with a column per key, everything else as text; versions (by
+/// their key) shortened, collections linked to their history.
 fn html(value: &Value, out: &mut String) {
+    html_under(None, value, out);
+}
+
+fn html_under(key: Option<&str>, value: &Value, out: &mut String) {
     match value {
         Value::Null => {}
-        Value::String(s) => out.push_str(&escape(s)),
+        Value::String(s) => match key {
+            Some(key) if is_version_key(key) => out.push_str(&version_html(s)),
+            Some("collection") => out.push_str(&collection_html(s)),
+            _ => out.push_str(&escape(s)),
+        },
         Value::Object(map) => {
             out.push_str("<table>");
             for (key, value) in map {
                 out.push_str(&format!("<tr><th>{}</th><td>", escape(key)));
-                html(value, out);
+                html_under(Some(key), value, out);
                 out.push_str("</td></tr>");
             }
             out.push_str("</table>");
@@ -723,7 +808,7 @@ fn html(value: &Value, out: &mut String) {
                 out.push_str("<tr>");
                 for column in &columns {
                     out.push_str("<td>");
-                    html(&item[column.as_str()], out);
+                    html_under(Some(column), &item[column.as_str()], out);
                     out.push_str("</td>");
                 }
                 out.push_str("</tr>");
@@ -735,7 +820,7 @@ fn html(value: &Value, out: &mut String) {
                 .iter()
                 .map(|item| {
                     let mut text = String::new();
-                    html(item, &mut text);
+                    html_under(key, item, &mut text);
                     text
                 })
                 .collect();
@@ -745,29 +830,66 @@ fn html(value: &Value, out: &mut String) {
     }
 }
 
+/// The debug views' links, at the top of every page.
+const NAVIGATION: &str = "<p class=\"nav\"><a href=\"/\">index</a> · <a href=\"/debug/syncz\">syncz</a> · \
+     <a href=\"/debug/clients\">clients</a> · <a href=\"/debug/cache\">cache</a> · \
+     <a href=\"/debug/rollout\">rollout</a> · <a href=\"/debug/upstream\">upstream</a> · \
+     <a href=\"/debug/config\">config</a> · <a href=\"/metrics\">metrics</a></p>";
+
 fn page(title: &str, value: &Value) -> String {
-    let mut body = String::new();
+    let mut body = String::from(NAVIGATION);
     match value {
         Value::Array(items) if items.is_empty() => body.push_str("<p>none</p>"),
         _ => html(value, &mut body),
     }
-    body.push_str(
-        "<p><a href=\"/\">index</a> · <a href=\"/debug/clients\">clients</a> · <a href=\"/debug/syncz\">syncz</a> · \
-         <a href=\"/debug/cache\">cache</a> · <a href=\"/debug/upstream\">upstream</a> · \
-         <a href=\"/metrics\">metrics</a></p>",
-    );
     document(title, &body)
 }
+
+/// The pages' style: small type and tight cells, so a row of the sync
+/// tables fits 1,400 px; a node id on one line (cut with an ellipsis, whole
+/// on hover); a NACK message wrapped in its own column.
+const STYLE: &str = "body{font-family:sans-serif;font-size:13px;line-height:1.35;margin:8px}\
+     table{border-collapse:collapse;margin-bottom:8px}\
+     th,td{border:1px solid #ccc;padding:2px 4px;text-align:left;vertical-align:top}\
+     code{font-size:12px}\
+     .node{display:inline-block;max-width:20em;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;\
+     vertical-align:top}\
+     .nowrap{white-space:nowrap}\
+     .message{min-width:24em;max-width:36em;overflow-wrap:anywhere}\
+     .past{color:#777}\
+     .NACKED{color:#b00000;font-weight:bold}.STALE{color:#a05a00;font-weight:bold}\
+     .problem{background:#fff3f3;border:1px solid #e0b0b0;padding:4px 8px}";
 
 /// An HTML page: `title` as its heading, then `body` (HTML).
 fn document(title: &str, body: &str) -> String {
     format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title><style>\
-         body{{font-family:sans-serif}}table{{border-collapse:collapse}}\
-         th,td{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}\
-         </style></head><body><h1>{title}</h1>{body}</body></html>",
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title><style>{STYLE}</style></head>\
+         <body><h1>{title}</h1>{body}</body></html>",
         title = escape(title)
     )
+}
+
+/// `?positions`: the page also records where its cells lie (`data-col`
+/// elements: their box and lines), as JSON in `<pre id="positions">`, for a
+/// browser test to read from the rendered page.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Positions {
+    positions: Option<String>,
+}
+
+impl Positions {
+    fn script(&self) -> &'static str {
+        if self.positions.is_none() {
+            return "";
+        }
+        "<script>(function(){var cells=[];document.querySelectorAll('[data-col]').forEach(function(e){\
+         var r=e.getBoundingClientRect(),line=parseFloat(getComputedStyle(e).lineHeight)||1;\
+         cells.push({col:e.dataset.col,left:r.left,right:r.right,top:r.top,height:r.height,\
+         lines:Math.round(r.height/line),text:e.textContent.slice(0,80)})});\
+         var p=document.createElement('pre');p.id='positions';\
+         p.textContent=JSON.stringify({width:window.innerWidth,cells:cells});document.body.appendChild(p)})();\
+         </script>"
+    }
 }
 
 #[cfg(test)]
@@ -781,5 +903,24 @@ mod tests {
         assert!(page.contains("<th>a</th><th>b</th><th>c</th>"), "{page}");
         assert!(page.contains("&lt;x&gt;"));
         assert!(page.contains("1<br>2"));
+    }
+
+    #[test]
+    fn versions_show_twelve_characters_and_collections_link_to_their_history() {
+        let full = "0123456789abcdef0123456789abcdef";
+        let value = json!({"collection": "istio/a b", "version": full, "nonce": full});
+        let page = page("T", &value);
+        assert!(
+            page.contains(&format!("<code title=\"{full}\">0123456789ab</code>")),
+            "{page}"
+        );
+        assert!(
+            page.contains(&format!("<td>{full}</td>")),
+            "a nonce stays whole: {page}"
+        );
+        assert!(
+            page.contains("<a href=\"/debug/history/istio/a%20b\">istio/a b</a>"),
+            "{page}"
+        );
     }
 }

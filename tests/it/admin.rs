@@ -254,3 +254,42 @@ async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name(
     };
     assert!(refusals("cross_site") >= 3.0 && refusals("host") >= 1.0, "{metrics}");
 }
+
+/// Wherever a version is taken (`/pin`, `/debug/diff`), the 12 characters
+/// the views show will do, as will any unique prefix of at least 8; a
+/// shorter one is a 400 that says so, one that begins no version a 404.
+#[tokio::test]
+async fn versions_are_taken_by_a_unique_prefix_of_at_least_eight() {
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    use crate::rollout::{push, vs};
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.example", 1.0)]).await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "b.example", 1.0)]).await;
+    assert_eq!(v1.len(), 32, "{v1}");
+
+    let diff = get_json(
+        gw.admin,
+        &format!("/debug/diff/{VS}?from={}&to={}", &v1[..8], &v2[..12]),
+    )
+    .await;
+    assert_eq!(
+        (diff["from"].as_str(), diff["to"].as_str()),
+        (Some(&*v1), Some(&*v2)),
+        "{diff}"
+    );
+    assert_eq!(diff["changed"], serde_json::json!(["a"]), "{diff}");
+
+    let (status, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={}", &v1[..12]), "").await;
+    assert_eq!(status, 200, "{body}");
+    let pinned: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(pinned["pinned"], v1.as_str(), "the whole version: {pinned}");
+
+    let (status, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={}", &v2[..7]), "").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("at least 8") && body.contains(&v2[..7]), "{body}");
+    let (status, body) = http_get(gw.admin, &format!("/debug/diff/{VS}?from=ffffffffffff")).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body.contains("from=\"ffffffffffff\"") && body.contains("not in the history"),
+        "{body}"
+    );
+}
