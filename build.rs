@@ -40,8 +40,21 @@ fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
         .build()
 }
 
+/// `cfg(peer_chromium)` when `CHROMIUM_BIN` names a Chromium (`.ci/run`
+/// exports it once Chromium is installed): the tests that render the admin
+/// pages in a real browser (tests/it/browser.rs) run; without it they are
+/// reported as ignored, with the reason, never as passed.
+fn peer_chromium() {
+    println!("cargo:rustc-check-cfg=cfg(peer_chromium)");
+    println!("cargo:rerun-if-env-changed=CHROMIUM_BIN");
+    if std::env::var_os("CHROMIUM_BIN").is_some_and(|bin| !bin.is_empty()) {
+        println!("cargo:rustc-cfg=peer_chromium");
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");
+    peer_chromium();
     // MCP, and Envoy's v3 aggregated discovery service with its imports
     // (see proto/README.md).
     let fds = protox::compile(
