@@ -53,6 +53,8 @@ const PEERS: &[(&str, &str)] = &[
     ("peer_grpcio", "GRPCIO_PYTHON"),
     // A directory holding `prometheus` and `promtool`.
     ("peer_prometheus", "PROMETHEUS_DIR"),
+    // A headless Chromium (the admin pages rendered in a real browser).
+    ("peer_chromium", "CHROMIUM_BIN"),
 ];
 
 /// Declares every peer's cfg, and sets those whose variable is set (and not

@@ -104,14 +104,10 @@ pub async fn build_with_logs(
     logs: Option<Arc<crate::metrics::LogControl>>,
 ) -> Result<Bound, AppError> {
     let metrics = crate::metrics::install(settings.demo);
-    if settings.demo {
-        tracing::warn!(
-            "--demo: serving the compiled-in example config (bookinfo routes, a mesh policy), not a real source; \
-             every metric carries demo=\"true\""
-        );
-    }
     crate::metrics::register_defaults(&settings.collections);
     crate::source::register_metrics();
+    // Everything that can refuse the flags comes before the first log line:
+    // a failed start prints its one error, nothing else.
     let (grpc_listener, listen) = bind("--listen", settings.listen).await?;
     let (admin_listener, admin) = bind("--admin-listen", settings.admin_listen).await?;
     let (monitoring_listener, monitoring) = bind("--monitoring-listen", settings.monitoring_listen).await?;
@@ -119,12 +115,40 @@ pub async fn build_with_logs(
         Source::Sink(sink) => Some(bind("--sink-listen", sink.listen).await?),
         _ => None,
     };
-    log_effective(&settings);
-
+    if let Some(dir) = &settings.cache_dir {
+        check_cache_dir(dir)?;
+    }
     let shutdown = CancellationToken::new();
     // Whatever was started stops again if start-up fails further down.
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
+    let server_tls = match &settings.server_tls {
+        Some(files) => {
+            let tls = ServerTls::new(files.clone())?;
+            tls.watch(shutdown.clone(), &tasks)?;
+            Some(tls)
+        }
+        None => None,
+    };
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1().map_err(AppError::Reflection)?;
+    let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
+
+    log_effective(&settings);
+    if settings.demo {
+        tracing::warn!(
+            "--demo: serving the compiled-in example config (bookinfo routes, a mesh policy), not a real source; \
+             every metric carries demo=\"true\""
+        );
+    }
+    for warning in &settings.warnings {
+        tracing::warn!("{warning}");
+    }
+
     let (cache, mut writer) = Cache::with_history(settings.history);
     let route = match &settings.source {
         Source::Client(_) => DemandRoute::Probe,
@@ -141,14 +165,6 @@ pub async fn build_with_logs(
         mode: "none",
         ..Default::default()
     });
-    let server_tls = match &settings.server_tls {
-        Some(files) => {
-            let tls = ServerTls::new(files.clone())?;
-            tls.watch(shutdown.clone(), &tasks)?;
-            Some(tls)
-        }
-        None => None,
-    };
 
     let persister = match &settings.cache_dir {
         Some(dir) => {
@@ -240,13 +256,8 @@ pub async fn build_with_logs(
         cache.clone(),
         shutdown.clone(),
     ));
-    let reflection = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
-    let reflection_v1 = reflection().build_v1().map_err(AppError::Reflection)?;
-    let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
+    let health_service =
+        admin::HealthWithReason::new(health_service, subscriptions.clone(), cache.clone(), status_rx.clone());
     let routes = tonic::service::Routes::new(service)
         .add_service(resource_source)
         .add_service(xds)
@@ -420,6 +431,29 @@ pub async fn build_with_logs(
         tasks,
         grace: settings.shutdown_grace,
     })
+}
+
+/// `--cache-dir` can hold the cache: made (0700) where missing, a directory
+/// this process can list and write in. Checked before anything is logged;
+/// its files are read later.
+fn check_cache_dir(dir: &std::path::Path) -> Result<(), AppError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let unusable = |source| AppError::CacheDir {
+        dir: dir.to_owned(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(unusable)?;
+    std::fs::read_dir(dir).map_err(unusable)?;
+    // A file made and removed again: the cache is written here.
+    tempfile::Builder::new()
+        .prefix(".probe")
+        .tempfile_in(dir)
+        .map_err(unusable)?;
+    Ok(())
 }
 
 fn server_tls_on(tls: &Option<crate::transport::tls::ServerTlsFiles>) -> &'static str {

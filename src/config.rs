@@ -535,8 +535,12 @@ pub struct Settings {
     pub demand_timeout: Duration,
     /// Reads bodies back for the config dump (`--descriptors`).
     pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
-    /// Every flag's value and where it came from.
+    /// Every flag's value and where it came from: the value in effect where
+    /// a flag left out has one (the source directory, the node id, ...).
     pub effective: Vec<EffectiveFlag>,
+    /// What the flags allow but an operator should hear about, logged once
+    /// the gateway has started (a failed start prints its error alone).
+    pub warnings: Vec<String>,
     /// HTTP/2 and connection limits of the gRPC listeners.
     pub grpc: GrpcLimits,
     pub max_connections: usize,
@@ -606,17 +610,25 @@ impl Args {
                 ),
             ));
         }
+        // Warnings wait in the settings until every flag is checked: a bad
+        // flag is the one line a failed start prints.
+        let mut warnings = Vec::new();
+        let mut effective = self.effective;
         let keepalive = (!self.keepalive_interval.is_zero()).then_some(self.keepalive_interval);
         if keepalive.is_some_and(|k| k < GALLEY_MIN_KEEPALIVE) {
-            tracing::warn!(
-                interval_seconds = self.keepalive_interval.as_secs_f64(),
-                "--keepalive-interval is below Galley's 30s minimum; Galley answers with GOAWAY ENHANCE_YOUR_CALM"
-            );
+            warnings.push(format!(
+                "--keepalive-interval {} is below Galley's 30s minimum; Galley answers with GOAWAY ENHANCE_YOUR_CALM",
+                humantime::format_duration(self.keepalive_interval)
+            ));
         }
         let node_id = match self.node_id {
             Some(id) if id.trim().is_empty() => return Err(invalid("--node-id", "must not be empty")),
             Some(id) => id,
-            None => gethostname::gethostname().to_string_lossy().into_owned(),
+            None => {
+                let host = gethostname::gethostname().to_string_lossy().into_owned();
+                in_effect(&mut effective, "--node-id", &host, "default (this host's name)");
+                host
+            }
         };
         let node = SinkNode {
             id: node_id,
@@ -734,9 +746,33 @@ impl Args {
                          (the local source's files are already on disk)",
                     ));
                 }
-                Source::Files(source_dir(self.source_dir, self.demo)?)
+                let given = self.source_dir.is_some();
+                let dir = source_dir(self.source_dir, self.demo)?;
+                if !given {
+                    match &dir {
+                        SourceDir::Embedded => {
+                            in_effect(&mut effective, "--source-dir", "(compiled-in examples)", "--demo")
+                        }
+                        SourceDir::Dir(path) => in_effect(
+                            &mut effective,
+                            "--source-dir",
+                            &path.display().to_string(),
+                            &format!("default (./{DEFAULT_SOURCE_DIR} exists: a checkout)"),
+                        ),
+                    }
+                }
+                Source::Files(dir)
             }
         };
+        if self.collections.is_none() {
+            let names: Vec<&str> = collections.iter().map(|c| &**c).collect();
+            in_effect(
+                &mut effective,
+                "--collections",
+                &names.join(","),
+                "default (Istio's networking collections)",
+            );
+        }
         for (flag, value) in [
             ("--max-streams-per-connection", self.max_streams_per_connection as usize),
             ("--max-streams", self.max_streams),
@@ -814,15 +850,24 @@ impl Args {
                 ))
             }
             Some(n) => n,
-            None => fd_room.min(DEFAULT_MAX_CONNECTIONS),
+            None => {
+                let n = fd_room.min(DEFAULT_MAX_CONNECTIONS);
+                in_effect(
+                    &mut effective,
+                    "--max-connections",
+                    &n.to_string(),
+                    &format!("default ({DEFAULT_MAX_CONNECTIONS}, or fewer under the open file limit of {fd_limit})"),
+                );
+                n
+            }
         };
         if !self.listen.ip().is_loopback() && !mtls {
-            tracing::warn!(
-                listen = %self.listen,
-                "serving config without client authentication beyond this host: anyone who reaches --listen \
-                 reads every resource; give --tls-cert, --tls-key and --client-ca (and --client-allow) to \
-                 serve only trusted clients"
-            );
+            warnings.push(format!(
+                "--listen {}: serving config without client authentication beyond this host: anyone who reaches \
+                 --listen reads every resource; give --tls-cert, --tls-key and --client-ca (and --client-allow) \
+                 to serve only trusted clients",
+                self.listen
+            ));
         }
         let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
         let bodies = crate::source::envoy_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
@@ -895,7 +940,8 @@ impl Args {
             stale_after: self.stale_after,
             demand_timeout: self.demand_timeout,
             bodies,
-            effective: self.effective,
+            effective,
+            warnings,
             grpc: GrpcLimits {
                 max_streams_per_connection: self.max_streams_per_connection,
                 max_header_list_bytes: self.max_header_list_bytes,
@@ -933,6 +979,18 @@ impl Args {
             },
             max_source_file_bytes: self.max_message_bytes,
         })
+    }
+}
+
+/// Records the value `flag` has in effect, where it was not given (a
+/// command line or environment value stays as given).
+fn in_effect(effective: &mut [EffectiveFlag], flag: &str, value: &str, source: &str) {
+    if let Some(entry) = effective
+        .iter_mut()
+        .find(|f| f.flag == flag && (f.source == "default" || f.source == "not set"))
+    {
+        entry.value = Some(value.to_owned());
+        entry.source = source.to_owned();
     }
 }
 
@@ -1057,6 +1115,48 @@ mod tests {
         assert_eq!(settings.listen.to_string(), "127.0.0.1:15010");
         assert_eq!(settings.admin_listen.to_string(), "127.0.0.1:15000");
         assert_eq!(settings.monitoring_listen.to_string(), "0.0.0.0:15014");
+    }
+
+    #[test]
+    fn flags_left_out_show_the_value_they_took_and_warnings_wait() {
+        let parse = |args: &[&str]| {
+            Args::try_parse_with_sources(std::iter::once("mcp-xds-gateway").chain(args.iter().copied()))
+                .unwrap()
+                .validate()
+                .unwrap()
+        };
+        let settings = parse(&["--keepalive-interval", "5s"]);
+        let flag = |name: &str| settings.effective.iter().find(|f| f.flag == name).unwrap().clone();
+        // Unit tests run from the package root: a checkout.
+        assert_eq!(flag("--source-dir").value.as_deref(), Some(DEFAULT_SOURCE_DIR));
+        assert!(flag("--source-dir")
+            .source
+            .starts_with("default (./examples/config exists"));
+        assert_eq!(
+            flag("--node-id").value,
+            Some(gethostname::gethostname().to_string_lossy().into_owned())
+        );
+        assert_eq!(
+            flag("--max-connections").value,
+            Some(settings.max_connections.to_string())
+        );
+        assert_eq!(flag("--collections").value.unwrap().split(',').count(), 6);
+        // Given flags stay as given.
+        assert_eq!(flag("--keepalive-interval").source, "command line");
+        assert!(
+            settings
+                .warnings
+                .iter()
+                .any(|w| w.starts_with("--keepalive-interval 5s is below")),
+            "{:?}",
+            settings.warnings
+        );
+        let given = parse(&["--node-id", "gw-7"]);
+        let node = given.effective.iter().find(|f| f.flag == "--node-id").unwrap();
+        assert_eq!(
+            (node.value.as_deref(), node.source.as_str()),
+            (Some("gw-7"), "command line")
+        );
     }
 
     #[test]

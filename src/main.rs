@@ -28,10 +28,16 @@ fn main() -> ExitCode {
         }
     };
     // The filter can be changed at run time (POST /logging on the admin port).
-    let initial = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|f| EnvFilter::try_new(f).is_ok())
-        .unwrap_or_else(|| args.log_level.clone());
+    let (initial, origin) = match std::env::var("RUST_LOG").ok().filter(|f| EnvFilter::try_new(f).is_ok()) {
+        Some(filter) => (filter, "environment (RUST_LOG)".to_owned()),
+        None => (
+            args.log_level.clone(),
+            args.effective
+                .iter()
+                .find(|f| f.flag == "--log-level")
+                .map_or_else(|| "default".to_owned(), |f| f.source.clone()),
+        ),
+    };
     let (filter, reload) = tracing_subscriber::reload::Layer::new(filter);
     let logs = tracing_subscriber::registry().with(filter);
     match args.log_format {
@@ -47,10 +53,14 @@ fn main() -> ExitCode {
             )
             .init(),
     }
-    let log_control = std::sync::Arc::new(mcp_xds_gateway::metrics::LogControl::new(initial, move |filter| {
-        let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
-        reload.reload(filter).map_err(|e| e.to_string())
-    }));
+    let log_control = std::sync::Arc::new(mcp_xds_gateway::metrics::LogControl::new(
+        initial,
+        origin,
+        move |filter| {
+            let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
+            reload.reload(filter).map_err(|e| e.to_string())
+        },
+    ));
     let settings = match args.validate() {
         Ok(settings) => settings,
         Err(e) => {

@@ -60,22 +60,47 @@ pub const ADMIN_CONTROL_NAMES: [&str; 4] = ["pin", "unpin", "promote", "logging"
 /// The `reason` label of `ADMIN_REFUSALS`.
 pub const ADMIN_REFUSAL_REASONS: [&str; 2] = ["cross_site", "host"];
 
+/// The family `metrics-process` exports the process's CPU time as.
+pub const PROCESS_CPU_SECONDS: &str = "process_cpu_seconds_total";
+
+/// The exposition with `process_cpu_seconds_total` typed as the counter it
+/// is. `metrics` counters are integers: the CPU time is recorded as a gauge
+/// to keep its sub-second part (whole seconds read as no CPU on an idle
+/// gateway), and the exposition format allows a float counter.
+pub fn cpu_seconds_as_counter(exposition: String) -> String {
+    let gauge = format!("# TYPE {PROCESS_CPU_SECONDS} gauge\n");
+    if !exposition.contains(&gauge) {
+        return exposition;
+    }
+    exposition.replacen(&gauge, &format!("# TYPE {PROCESS_CPU_SECONDS} counter\n"), 1)
+}
+
 /// The log filter, changed at run time (`POST /logging` on the admin port),
 /// like Envoy's admin `/logging`. The binary builds it around its
 /// subscriber's reload handle; a gateway built in-process has none.
 pub struct LogControl {
     apply: Box<ApplyFilter>,
-    current: std::sync::Mutex<String>,
+    /// The filter in force, and where it came from.
+    current: std::sync::Mutex<(String, String)>,
 }
 
 /// Sets a log filter, or says why it is not one.
 type ApplyFilter = dyn Fn(&str) -> Result<(), String> + Send + Sync;
 
+/// Where the log filter in force came from, once `POST /logging` set it.
+pub const SET_AT_RUN_TIME: &str = "POST /logging";
+
 impl LogControl {
-    pub fn new(initial: String, apply: impl Fn(&str) -> Result<(), String> + Send + Sync + 'static) -> Self {
+    /// `initial` came from `origin` (`default`, `command line`,
+    /// `environment (RUST_LOG)`, ...).
+    pub fn new(
+        initial: String,
+        origin: String,
+        apply: impl Fn(&str) -> Result<(), String> + Send + Sync + 'static,
+    ) -> Self {
         Self {
             apply: Box::new(apply),
-            current: std::sync::Mutex::new(initial),
+            current: std::sync::Mutex::new((initial, origin)),
         }
     }
 
@@ -83,22 +108,30 @@ impl LogControl {
     /// is not one, and the filter in force stays.
     pub fn set(&self, filter: &str) -> Result<(), String> {
         (self.apply)(filter)?;
-        let previous = std::mem::replace(
+        let (previous, _) = std::mem::replace(
             &mut *self.current.lock().unwrap_or_else(|e| e.into_inner()),
-            filter.to_owned(),
+            (filter.to_owned(), SET_AT_RUN_TIME.to_owned()),
         );
         tracing::warn!(filter, previous, "log filter changed at run time (POST /logging)");
         Ok(())
     }
 
     pub fn current(&self) -> String {
-        self.current.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.current.lock().unwrap_or_else(|e| e.into_inner()).0.clone()
+    }
+
+    /// Where the filter in force came from.
+    pub fn origin(&self) -> String {
+        self.current.lock().unwrap_or_else(|e| e.into_inner()).1.clone()
     }
 }
 
 impl std::fmt::Debug for LogControl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LogControl").field("current", &self.current()).finish()
+        f.debug_struct("LogControl")
+            .field("current", &self.current())
+            .field("origin", &self.origin())
+            .finish()
     }
 }
 
@@ -220,6 +253,9 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     for collection in collections {
         let c = || collection.clone();
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
+        // A configured collection is never demanded; the series is there, at
+        // 0, for the dashboards and the docs' promise of every series.
+        metrics::counter!(DEMAND_TIMEOUTS, "collection" => c()).absolute(0);
         metrics::counter!(CACHE_WRITE_FAILURES, "collection" => c()).absolute(0);
         for kind in ["full", "incremental"] {
             metrics::counter!(UPDATES_APPLIED, "collection" => c(), "kind" => kind).absolute(0);
@@ -557,6 +593,19 @@ pub fn describe() {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_cpu_time_is_typed_as_the_counter_it_is() {
+        let exposition = "# HELP process_cpu_seconds_total Total CPU.\n# TYPE process_cpu_seconds_total gauge\n\
+                          process_cpu_seconds_total 0.25\n# TYPE process_open_fds gauge\nprocess_open_fds 9\n";
+        let typed = super::cpu_seconds_as_counter(exposition.to_owned());
+        assert!(
+            typed.contains("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 0.25\n"),
+            "{typed}"
+        );
+        assert!(typed.contains("# TYPE process_open_fds gauge\n"), "{typed}");
+        assert_eq!(super::cpu_seconds_as_counter("up 1\n".to_owned()), "up 1\n");
+    }
+
     #[test]
     fn code_labels_are_bounded_names() {
         assert_eq!(super::code_label(3), "InvalidArgument");

@@ -12,7 +12,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use super::{time, unknown_collection, view, AdminState};
+use super::versions::{self, VersionError};
+use super::{time, unknown_collection, view, wants_html, AdminState};
 use crate::cache::{Cache, Diff, HistoryEntry, ResourceMap};
 
 /// Lines of context around each change in a body's diff.
@@ -41,6 +42,9 @@ pub(super) async fn history(
     let Some(entries) = state.cache.history(collection) else {
         return unknown_collection(collection);
     };
+    if wants_html(&headers) {
+        return history_html(collection, &entries, state.cache.history_len());
+    }
     let value = json!({
         "collection": collection,
         "kept": state.cache.history_len(),
@@ -53,6 +57,50 @@ pub(super) async fn history(
     view(&headers, &format!("History: {collection}"), value)
 }
 
+/// The history as a page: newest first, each version linked to its diff
+/// with the one before it and with the current one.
+fn history_html(collection: &str, entries: &[HistoryEntry], kept: usize) -> Response {
+    use super::{diff_link, document, escape, version_html, NAVIGATION};
+    let mut body = format!(
+        "{NAVIGATION}<p>The last {kept} versions (--history), newest first; <a href=\"/debug/cache/{0}\">the \
+         resources</a>, <a href=\"/debug/rollout/{0}\">the rollout</a>.</p>",
+        super::url_part(collection)
+    );
+    body.push_str(
+        "<table><tr><th>version</th><th>applied</th><th>origin</th><th>resources</th><th>added</th>\
+         <th>changed</th><th>removed</th><th>diff</th></tr>",
+    );
+    let current = entries.first().map(|e| &*e.version);
+    for (at, entry) in entries.iter().enumerate() {
+        let mut links = Vec::new();
+        if let Some(before) = entries.get(at + 1) {
+            links.push(diff_link(
+                collection,
+                &before.version,
+                &entry.version,
+                "with the one before",
+            ));
+        }
+        if let Some(current) = current.filter(|c| *c != &*entry.version) {
+            links.push(diff_link(collection, &entry.version, current, "to the current"));
+        }
+        body.push_str(&format!(
+            "<tr><td>{}{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            version_html(&entry.version),
+            if at == 0 { " (current)" } else { "" },
+            escape(&time(entry.updated_at)),
+            escape(json!(entry.origin).as_str().unwrap_or_default()),
+            entry.resources,
+            entry.added,
+            entry.changed,
+            entry.removed,
+            links.join(" · "),
+        ));
+    }
+    body.push_str("</table>");
+    axum::response::Html(document(&format!("History: {collection}"), &body)).into_response()
+}
+
 #[derive(Debug, Default, serde::Deserialize)]
 pub(super) struct DiffQuery {
     from: Option<String>,
@@ -60,16 +108,25 @@ pub(super) struct DiffQuery {
     bodies: Option<String>,
 }
 
-/// Version `version` of `collection` from the history, or the 404's
-/// message naming what is missing.
-fn version_of(cache: &Cache, collection: &str, flag: &str, version: &str) -> Result<ResourceMap, String> {
-    cache.version_resources(collection, version).ok_or_else(|| {
-        format!(
-            "{flag}={version:?}: version {version:?} of {collection:?} is not in the history (it keeps the last \
-             --history={} versions; see /debug/history/{collection})\n",
-            cache.history_len()
-        )
-    })
+/// The version of `collection` that `given` names (the version, or a unique
+/// prefix of it) and its resources, or the answer naming what is wrong.
+fn version_of(
+    cache: &Cache,
+    collection: &str,
+    flag: &str,
+    given: &str,
+) -> Result<(String, ResourceMap), (StatusCode, String)> {
+    let refused = |e: VersionError| (e.status(), format!("{flag}={given:?}: {e}\n"));
+    let version = versions::resolve_in(cache, collection, given).map_err(refused)?;
+    // Gone between the two reads: another apply pushed it out.
+    let resources = cache.version_resources(collection, &version).ok_or_else(|| {
+        refused(VersionError::NotFound {
+            collection: collection.to_owned(),
+            given: given.to_owned(),
+            kept: cache.history_len(),
+        })
+    })?;
+    Ok((version, resources))
 }
 
 pub(super) async fn diff(
@@ -99,13 +156,13 @@ pub(super) async fn diff(
         )
             .into_response();
     };
-    let to_version = query.to.as_deref().unwrap_or(&current.version);
-    let (from_resources, to_resources) = match (
+    let to = query.to.as_deref().unwrap_or(&current.version);
+    let ((from, from_resources), (to_version, to_resources)) = match (
         version_of(&state.cache, collection, "from", from),
-        version_of(&state.cache, collection, "to", to_version),
+        version_of(&state.cache, collection, "to", to),
     ) {
         (Ok(from), Ok(to)) => (from, to),
-        (Err(missing), _) | (_, Err(missing)) => return (StatusCode::NOT_FOUND, missing).into_response(),
+        (Err(refused), _) | (_, Err(refused)) => return refused.into_response(),
     };
     let diff = Diff::between(&from_resources, &to_resources);
     let (mut added, mut changed) = (Vec::new(), Vec::new());

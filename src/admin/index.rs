@@ -3,13 +3,13 @@
 //! since when and why. HTML for a browser; JSON with `Accept:
 //! application/json`.
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::{document, escape, html, syncz, AdminState};
+use super::{document, escape, syncz, AdminState, Positions, NAVIGATION};
 
 /// The admin port's endpoints: (path, what it shows).
 pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
@@ -40,7 +40,8 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     (
         "/debug/diff/{collection}",
         "?from=V1&to=V2 (to: the latest by default): the names added, removed and changed between two versions \
-         in the history; &bodies=yaml: each changed body as a unified diff",
+         in the history (a version or a unique prefix of at least 8 characters); &bodies=yaml: each changed body \
+         as a unified diff",
     ),
     (
         "/debug/rollout",
@@ -49,8 +50,8 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ),
     (
         "/pin/{collection}",
-        "POST ?version=V: every client is served version V (from the history) instead of the latest; DELETE: \
-         the latest again",
+        "POST ?version=V: every client is served version V (from the history; a unique prefix of at least 8 \
+         characters will do) instead of the latest; DELETE: the latest again",
     ),
     (
         "/promote/{collection}",
@@ -72,7 +73,8 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ("/healthz", "liveness"),
     (
         "/readyz",
-        "readiness: 200 once every configured collection has a first state, else what is missing",
+        "readiness: 200 once every configured collection has a first state, else 503 and why, on one line: \
+         what is missing and the source's last error",
     ),
 ];
 
@@ -83,7 +85,8 @@ pub const MONITORING_ENDPOINTS: &[(&str, &str)] = &[
     ("/healthz", "liveness"),
     (
         "/readyz",
-        "readiness: 200 once every configured collection has a first state, else what is missing",
+        "readiness: 200 once every configured collection has a first state, else 503 and why, on one line: \
+         what is missing and the source's last error",
     ),
 ];
 
@@ -118,38 +121,47 @@ fn page(title: &str, body: &str) -> Html<String> {
     Html(document(title, body))
 }
 
-pub async fn admin(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+pub async fn admin(
+    State(state): State<AdminState>,
+    Query(positions): Query<Positions>,
+    headers: HeaderMap,
+) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
     let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
     let summary = syncz::summary(&rows);
-    let not_synced: Vec<Value> = rows
-        .iter()
-        .filter(|r| r.status != syncz::SyncStatus::Synced)
-        .map(|r| syncz::brief_json(r, clock))
-        .collect();
+    let not_synced = syncz::problems_first(rows.iter().filter(|r| r.status != syncz::SyncStatus::Synced));
     if wants_json(&headers) {
         return Json(json!({
+            "ready": state.not_ready().is_none(),
+            "not_ready": state.not_ready(),
             "endpoints": endpoints_json(ADMIN_ENDPOINTS),
             "clients": summary["clients"],
-            "not_synced": not_synced,
+            "not_synced": not_synced.iter().map(|r| syncz::brief_json(r, clock)).collect::<Vec<_>>(),
         }))
         .into_response();
     }
-    let mut body = String::new();
-    body.push_str("<h2>Endpoints</h2>");
-    endpoints_html(ADMIN_ENDPOINTS, &mut body);
-    body.push_str(&format!(
-        "<h2>Client streams per status</h2><p>(STALE: behind the cache for longer than --stale-after={}s)</p>",
-        state.stale_after.as_secs_f64()
-    ));
-    html(&summary["clients"], &mut body);
+    // What needs an operator first: readiness, then the clients not in
+    // sync; the counts and the endpoints after.
+    let mut body = String::from(NAVIGATION);
+    if let Some(reason) = state.not_ready() {
+        body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
+    }
     body.push_str("<h2>Clients not in sync</h2>");
     if not_synced.is_empty() {
         body.push_str("<p>none: every client holds the current version of every type it follows</p>");
     } else {
-        html(&Value::Array(not_synced), &mut body);
+        syncz::rows_html(&not_synced, clock, &mut body);
     }
+    body.push_str(&syncz::counts_html(&rows));
+    body.push_str(&format!(
+        "<p>(STALE: behind the cache for longer than --stale-after={}s; every client: <a \
+         href=\"/debug/syncz\">/debug/syncz</a>)</p>",
+        state.stale_after.as_secs_f64()
+    ));
+    body.push_str("<h2>Endpoints</h2>");
+    endpoints_html(ADMIN_ENDPOINTS, &mut body);
+    body.push_str(positions.script());
     page("mcp-xds-gateway admin", &body).into_response()
 }
 

@@ -31,6 +31,7 @@ mod history;
 mod index;
 mod rollout;
 pub mod syncz;
+pub mod versions;
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -55,8 +56,9 @@ pub struct AdminState {
 }
 
 impl AdminState {
-    pub fn missing(&self) -> Vec<String> {
-        missing(&self.subscriptions, &self.cache)
+    /// Why the gateway is not ready, on one line; `None` when it is.
+    pub fn not_ready(&self) -> Option<String> {
+        not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow())
     }
 }
 
@@ -71,6 +73,126 @@ pub fn missing(subscriptions: &Subscriptions, cache: &Cache) -> Vec<String> {
         .filter(|c| cache.get(c).is_none())
         .map(|c| c.to_string())
         .collect()
+}
+
+/// Why the gateway is not ready, on one line (`None`: it is): the
+/// configured collections without a first state, and where the source
+/// stands (connected or not, its last error, the next attempt).
+pub fn not_ready(subscriptions: &Subscriptions, cache: &Cache, upstream: &UpstreamStatus) -> Option<String> {
+    let missing = missing(subscriptions, cache);
+    if missing.is_empty() {
+        return None;
+    }
+    let line = format!(
+        "not ready: waiting for the first state of {} collection{} ({}); {}",
+        missing.len(),
+        if missing.len() == 1 { "" } else { "s" },
+        missing.join(", "),
+        source_state(upstream)
+    );
+    // Errors can span lines (a file's parse error, a peer's message).
+    Some(line.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// Where the source stands, as a clause of the readiness line.
+fn source_state(status: &UpstreamStatus) -> String {
+    let source = match status.mode {
+        "client" => format!("upstream {}", status.address),
+        "sink" => format!("--sink-listen {}", status.address),
+        "files" => format!("source directory {}", status.address),
+        _ => "no source yet".to_owned(),
+    };
+    let mut text = if status.connected {
+        match &status.peer {
+            Some(peer) => format!("{source}: {peer} connected, and has not sent them yet"),
+            None => format!("{source}: connected, and has not sent them yet"),
+        }
+    } else {
+        match (status.mode, status.attempts) {
+            ("sink", _) => format!("{source}: no source has dialled in"),
+            (_, 0) => format!("{source}: not connected yet"),
+            (_, attempts) => format!(
+                "{source}: not connected after {attempts} attempt{}",
+                if attempts == 1 { "" } else { "s" }
+            ),
+        }
+    };
+    if let Some(error) = &status.last_error {
+        text.push_str(&format!("; last error: {error}"));
+    }
+    if let Some(wait) = status.next_retry_in.filter(|_| !status.connected) {
+        text.push_str(&format!("; next attempt in {:.1}s", wait.as_secs_f64()));
+    }
+    text
+}
+
+/// The gRPC health response header that says why the gateway is not
+/// serving (the health protocol's answer has a status only): the readiness
+/// line.
+pub const NOT_READY_HEADER: &str = "mcp-gateway-not-ready";
+
+/// The gRPC health service, each answer carrying [`NOT_READY_HEADER`] while
+/// the gateway is not ready, so `grpcurl -v` and `grpc_health_probe` users
+/// see why, as `/readyz` says it.
+#[derive(Clone)]
+pub struct HealthWithReason<S> {
+    inner: S,
+    subscriptions: Arc<Subscriptions>,
+    cache: Arc<Cache>,
+    upstream: watch::Receiver<UpstreamStatus>,
+}
+
+impl<S> HealthWithReason<S> {
+    pub fn new(
+        inner: S,
+        subscriptions: Arc<Subscriptions>,
+        cache: Arc<Cache>,
+        upstream: watch::Receiver<UpstreamStatus>,
+    ) -> Self {
+        Self {
+            inner,
+            subscriptions,
+            cache,
+            upstream,
+        }
+    }
+}
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for HealthWithReason<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B> tower::Service<http::Request<B>> for HealthWithReason<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let reason = not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow());
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let mut response = answer.await?;
+            if let Some(reason) = reason {
+                // Header values are visible ASCII.
+                let visible: String = reason
+                    .chars()
+                    .map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' })
+                    .collect();
+                if let Ok(value) = http::HeaderValue::from_str(&visible) {
+                    response.headers_mut().insert(NOT_READY_HEADER, value);
+                }
+            }
+            Ok(response)
+        })
+    }
 }
 
 /// Keeps gRPC health at SERVING while the gateway is ready and NOT_SERVING
@@ -172,20 +294,12 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
 }
 
+/// 200 `ready`, or 503 and why not, on one line.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
-    let missing = state.missing();
-    if missing.is_empty() {
-        return (StatusCode::OK, "ready\n".into());
+    match state.not_ready() {
+        None => (StatusCode::OK, "ready\n".into()),
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
     }
-    let mut body = format!(
-        "not ready: waiting for the first state of {} collection(s):\n",
-        missing.len()
-    );
-    for collection in missing {
-        body.push_str(&collection);
-        body.push('\n');
-    }
-    (StatusCode::SERVICE_UNAVAILABLE, body)
 }
 
 fn time(t: SystemTime) -> String {
@@ -217,6 +331,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         refresh_gauges(&state);
         handle.render()
     };
+    let text = m::cpu_seconds_as_counter(text);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         text,
@@ -224,9 +339,23 @@ async fn metrics(State(state): State<AdminState>) -> Response {
         .into_response()
 }
 
-/// Gauges that are views of the current state, set at scrape time.
+/// Gauges that are views of the current state, set at scrape time. Every
+/// configured collection has its series from the start, at 0 until its
+/// first state (a last update at 0: never).
 fn refresh_gauges(state: &AdminState) {
     let snapshots = state.cache.snapshots();
+    let configured = state.subscriptions.awaited();
+    for collection in configured.iter().filter(|c| state.cache.get(c).is_none()) {
+        for name in [
+            m::CACHE_RESOURCES,
+            m::CACHE_BYTES,
+            m::HISTORY_VERSIONS,
+            m::HISTORY_BYTES,
+            m::LAST_UPDATE,
+        ] {
+            metrics::gauge!(name, "collection" => collection.clone()).set(0.0);
+        }
+    }
     let mut delivered: Vec<Arc<str>> = Vec::new();
     for snapshot in &snapshots {
         let collection = snapshot.collection.clone();
@@ -239,13 +368,26 @@ fn refresh_gauges(state: &AdminState) {
         delivered.push(collection);
     }
 
+    let flag = |on: bool| f64::from(u8::from(on));
+    // (pinned, held, in a round, canaries) per collection: nothing for a
+    // configured collection not delivered yet.
+    let mut rollouts: BTreeMap<Arc<str>, [f64; 4]> = configured.iter().map(|c| (c.clone(), [0.0; 4])).collect();
     for rollout in state.rollout.views() {
-        let collection = rollout.collection.clone();
-        let flag = |on: bool| f64::from(u8::from(on));
-        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => collection.clone()).set(flag(rollout.pinned.is_some()));
-        metrics::gauge!(m::ROLLOUT_HELD, "collection" => collection.clone()).set(flag(rollout.held.is_some()));
-        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => collection.clone()).set(flag(rollout.round.is_some()));
-        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => collection).set(rollout.canaries_connected as f64);
+        rollouts.insert(
+            rollout.collection.clone(),
+            [
+                flag(rollout.pinned.is_some()),
+                flag(rollout.held.is_some()),
+                flag(rollout.round.is_some()),
+                rollout.canaries_connected as f64,
+            ],
+        );
+    }
+    for (collection, [pinned, held, round, canaries]) in rollouts {
+        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => collection.clone()).set(pinned);
+        metrics::gauge!(m::ROLLOUT_HELD, "collection" => collection.clone()).set(held);
+        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => collection.clone()).set(round);
+        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => collection).set(canaries);
     }
 
     let streams = state.registry.streams();
@@ -273,7 +415,11 @@ fn refresh_gauges(state: &AdminState) {
     let rows = syncz::rows(&streams, &state.rollout, state.registry.clock(), state.stale_after);
     // Behind what its group is served (a pin or a canary round keeps
     // clients on an older version on purpose): each row's current version.
-    let mut behind: BTreeMap<Arc<str>, f64> = delivered.into_iter().map(|c| (c, 0.0)).collect();
+    let mut behind: BTreeMap<Arc<str>, f64> = delivered
+        .into_iter()
+        .chain(configured.iter().cloned())
+        .map(|c| (c, 0.0))
+        .collect();
     for row in &rows {
         if let Some(count) = behind.get_mut(&row.view.collection) {
             if row.current.is_some() && row.view.acked_version != row.current {
@@ -284,7 +430,6 @@ fn refresh_gauges(state: &AdminState) {
     for (collection, count) in behind {
         metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
     }
-    let configured = state.subscriptions.awaited();
     for ((status, collection), count) in syncz::counts(&rows, configured) {
         metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)
             .set(count as f64);
@@ -310,13 +455,17 @@ fn process_collector() -> &'static metrics_process::Collector {
 
 // === debug views ===
 
-/// JSON, or an HTML page of tables when the client asks for `text/html`.
-fn view(headers: &HeaderMap, title: &str, value: Value) -> Response {
-    let html = headers
+/// The client asks for `text/html` (a browser).
+fn wants_html(headers: &HeaderMap) -> bool {
+    headers
         .get(header::ACCEPT)
         .and_then(|a| a.to_str().ok())
-        .is_some_and(|a| a.contains("text/html"));
-    if html {
+        .is_some_and(|a| a.contains("text/html"))
+}
+
+/// JSON, or an HTML page of tables when the client asks for `text/html`.
+fn view(headers: &HeaderMap, title: &str, value: Value) -> Response {
+    if wants_html(headers) {
         Html(page(title, &value)).into_response()
     } else {
         Json(value).into_response()
@@ -386,20 +535,47 @@ async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Respons
     view(&headers, "Connected clients", Value::Array(streams))
 }
 
-async fn syncz(State(state): State<AdminState>, Query(filter): Query<syncz::Filter>, headers: HeaderMap) -> Response {
+async fn syncz(
+    State(state): State<AdminState>,
+    Query(filter): Query<syncz::Filter>,
+    Query(positions): Query<Positions>,
+    headers: HeaderMap,
+) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
     let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
+    if wants_html(&headers) {
+        let shown = match syncz::filtered(&rows, &filter) {
+            Ok(shown) => shown,
+            Err(message) => return (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
+        };
+        let mut body = String::from(NAVIGATION);
+        if let Some(reason) = state.not_ready() {
+            body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
+        }
+        body.push_str(&syncz::counts_html(&rows));
+        let rollouts = syncz::rollouts(&state.rollout, &filter);
+        if rollouts.as_array().is_some_and(|r| !r.is_empty()) {
+            body.push_str("<h2>Collections pinned, held or in a canary round</h2>");
+            html(&rollouts, &mut body);
+        }
+        let not_delivered = not_delivered(&state);
+        if not_delivered.as_array().is_some_and(|c| !c.is_empty()) {
+            body.push_str("<h2>Asked for by clients, not delivered by the source (answered empty)</h2>");
+            html(&not_delivered, &mut body);
+        }
+        body.push_str("<h2>Every client stream and type, those that need an eye first</h2>");
+        syncz::rows_html(&syncz::problems_first(shown), clock, &mut body);
+        body.push_str("<h2>Per collection</h2>");
+        html(&syncz::summary(&rows)["by_collection"], &mut body);
+        body.push_str(positions.script());
+        return Html(document("Sync status", &body)).into_response();
+    }
     match syncz::view(&rows, clock, &filter) {
         Ok(mut value) => {
             value["rollout"] = syncz::rollouts(&state.rollout, &filter);
             value["not_delivered"] = not_delivered(&state);
-            view(
-                &headers,
-                "Sync status: a summary, the collections pinned, held or in a canary round, then one row per \
-                 client stream and type",
-                value,
-            )
+            Json(value).into_response()
         }
         Err(message) => (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
     }
@@ -454,11 +630,23 @@ async fn cache_collection(
     view(&headers, &format!("Cache: {collection}"), value)
 }
 
-/// Every flag with its value and where it came from, and the log filter in
-/// force.
+/// Every flag with the value in effect and where it came from (a flag left
+/// out shows the value it took: the source directory, the node id, ...),
+/// and the log filter in force (`--log-level` shows it too, once `POST
+/// /logging` or `RUST_LOG` set it).
 async fn config(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    let mut flags = (*state.config).clone();
+    if let Some(logs) = &state.logs {
+        let log_level = flags
+            .as_array_mut()
+            .and_then(|all| all.iter_mut().find(|f| f["flag"] == "--log-level"));
+        if let Some(flag) = log_level {
+            flag["value"] = json!(logs.current());
+            flag["source"] = json!(logs.origin());
+        }
+    }
     let value = json!({
-        "flags": *state.config,
+        "flags": flags,
         "log_filter": state.logs.as_ref().map(|l| l.current()),
         "version": env!("CARGO_PKG_VERSION"),
     });
@@ -605,17 +793,75 @@ fn escape(text: &str) -> String {
     out
 }
 
+/// What a link's path or query value keeps as it is: letters, digits and a
+/// collection's slashes; everything else is percent-encoded.
+const URL_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC.remove(b'/');
+
+/// `text` for a URL (then escaped for an attribute).
+fn url_part(text: &str) -> String {
+    escape(&percent_encoding::utf8_percent_encode(text, URL_KEEPS).to_string())
+}
+
+/// A version as HTML: its first 12 characters, the whole one on hover.
+fn version_html(version: &str) -> String {
+    let short = versions::short(version);
+    if short.len() == version.len() {
+        return format!("<code>{}</code>", escape(version));
+    }
+    format!("<code title=\"{}\">{}</code>", escape(version), escape(short))
+}
+
+/// A collection as HTML: a link to its history (whose versions link to
+/// their diffs).
+fn collection_html(collection: &str) -> String {
+    format!(
+        "<a href=\"/debug/history/{}\">{}</a>",
+        url_part(collection),
+        escape(collection)
+    )
+}
+
+/// A link to the diff of `collection` between two versions.
+fn diff_link(collection: &str, from: &str, to: &str, text: &str) -> String {
+    format!(
+        "<a href=\"/debug/diff/{}?from={}&amp;to={}\">{}</a>",
+        url_part(collection),
+        url_part(from),
+        url_part(to),
+        escape(text)
+    )
+}
+
+/// Keys whose string values are collection versions.
+fn is_version_key(key: &str) -> bool {
+    key == "version"
+        || key.ends_with("_version")
+        || matches!(
+            key,
+            "from" | "to" | "latest" | "everyone" | "canaries" | "pinned" | "released"
+        )
+}
+
 /// A value as HTML: objects as key/value tables, arrays of objects as one
-/// table with a column per key, everything else as text.
+/// table with a column per key, everything else as text; versions (by
+/// their key) shortened, collections linked to their history.
 fn html(value: &Value, out: &mut String) {
+    html_under(None, value, out);
+}
+
+fn html_under(key: Option<&str>, value: &Value, out: &mut String) {
     match value {
         Value::Null => {}
-        Value::String(s) => out.push_str(&escape(s)),
+        Value::String(s) => match key {
+            Some(key) if is_version_key(key) => out.push_str(&version_html(s)),
+            Some("collection") => out.push_str(&collection_html(s)),
+            _ => out.push_str(&escape(s)),
+        },
         Value::Object(map) => {
             out.push_str("<table>");
             for (key, value) in map {
                 out.push_str(&format!("<tr><th>{}</th><td>", escape(key)));
-                html(value, out);
+                html_under(Some(key), value, out);
                 out.push_str("</td></tr>");
             }
             out.push_str("</table>");
@@ -638,7 +884,7 @@ fn html(value: &Value, out: &mut String) {
                 out.push_str("<tr>");
                 for column in &columns {
                     out.push_str("<td>");
-                    html(&item[column.as_str()], out);
+                    html_under(Some(column), &item[column.as_str()], out);
                     out.push_str("</td>");
                 }
                 out.push_str("</tr>");
@@ -650,7 +896,7 @@ fn html(value: &Value, out: &mut String) {
                 .iter()
                 .map(|item| {
                     let mut text = String::new();
-                    html(item, &mut text);
+                    html_under(key, item, &mut text);
                     text
                 })
                 .collect();
@@ -660,29 +906,66 @@ fn html(value: &Value, out: &mut String) {
     }
 }
 
+/// The debug views' links, at the top of every page.
+const NAVIGATION: &str = "<p class=\"nav\"><a href=\"/\">index</a> · <a href=\"/debug/syncz\">syncz</a> · \
+     <a href=\"/debug/clients\">clients</a> · <a href=\"/debug/cache\">cache</a> · \
+     <a href=\"/debug/rollout\">rollout</a> · <a href=\"/debug/upstream\">upstream</a> · \
+     <a href=\"/debug/config\">config</a> · <a href=\"/metrics\">metrics</a></p>";
+
 fn page(title: &str, value: &Value) -> String {
-    let mut body = String::new();
+    let mut body = String::from(NAVIGATION);
     match value {
         Value::Array(items) if items.is_empty() => body.push_str("<p>none</p>"),
         _ => html(value, &mut body),
     }
-    body.push_str(
-        "<p><a href=\"/\">index</a> · <a href=\"/debug/clients\">clients</a> · <a href=\"/debug/syncz\">syncz</a> · \
-         <a href=\"/debug/cache\">cache</a> · <a href=\"/debug/upstream\">upstream</a> · \
-         <a href=\"/metrics\">metrics</a></p>",
-    );
     document(title, &body)
 }
+
+/// The pages' style: small type and tight cells, so a row of the sync
+/// tables fits 1,400 px; a node id on one line (cut with an ellipsis, whole
+/// on hover); a NACK message wrapped in its own column.
+const STYLE: &str = "body{font-family:sans-serif;font-size:13px;line-height:1.35;margin:8px}\
+     table{border-collapse:collapse;margin-bottom:8px}\
+     th,td{border:1px solid #ccc;padding:2px 4px;text-align:left;vertical-align:top}\
+     code{font-size:12px}\
+     .node{display:inline-block;max-width:20em;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;\
+     vertical-align:top}\
+     .nowrap{white-space:nowrap}\
+     .message{min-width:24em;max-width:36em;overflow-wrap:anywhere}\
+     .past{color:#777}\
+     .NACKED{color:#b00000;font-weight:bold}.STALE{color:#a05a00;font-weight:bold}\
+     .problem{background:#fff3f3;border:1px solid #e0b0b0;padding:4px 8px}";
 
 /// An HTML page: `title` as its heading, then `body` (HTML).
 fn document(title: &str, body: &str) -> String {
     format!(
-        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title><style>\
-         body{{font-family:sans-serif}}table{{border-collapse:collapse}}\
-         th,td{{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}}\
-         </style></head><body><h1>{title}</h1>{body}</body></html>",
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title><style>{STYLE}</style></head>\
+         <body><h1>{title}</h1>{body}</body></html>",
         title = escape(title)
     )
+}
+
+/// `?positions`: the page also records where its cells lie (`data-col`
+/// elements: their box and lines), as JSON in `<pre id="positions">`, for a
+/// browser test to read from the rendered page.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(crate) struct Positions {
+    positions: Option<String>,
+}
+
+impl Positions {
+    fn script(&self) -> &'static str {
+        if self.positions.is_none() {
+            return "";
+        }
+        "<script>(function(){var cells=[];document.querySelectorAll('[data-col]').forEach(function(e){\
+         var r=e.getBoundingClientRect(),line=parseFloat(getComputedStyle(e).lineHeight)||1;\
+         cells.push({col:e.dataset.col,left:r.left,right:r.right,top:r.top,height:r.height,\
+         lines:Math.round(r.height/line),text:e.textContent.slice(0,80)})});\
+         var p=document.createElement('pre');p.id='positions';\
+         p.textContent=JSON.stringify({width:window.innerWidth,cells:cells});document.body.appendChild(p)})();\
+         </script>"
+    }
 }
 
 #[cfg(test)]
@@ -696,5 +979,24 @@ mod tests {
         assert!(page.contains("<th>a</th><th>b</th><th>c</th>"), "{page}");
         assert!(page.contains("&lt;x&gt;"));
         assert!(page.contains("1<br>2"));
+    }
+
+    #[test]
+    fn versions_show_twelve_characters_and_collections_link_to_their_history() {
+        let full = "0123456789abcdef0123456789abcdef";
+        let value = json!({"collection": "istio/a b", "version": full, "nonce": full});
+        let page = page("T", &value);
+        assert!(
+            page.contains(&format!("<code title=\"{full}\">0123456789ab</code>")),
+            "{page}"
+        );
+        assert!(
+            page.contains(&format!("<td>{full}</td>")),
+            "a nonce stays whole: {page}"
+        );
+        assert!(
+            page.contains("<a href=\"/debug/history/istio/a%20b\">istio/a b</a>"),
+            "{page}"
+        );
     }
 }

@@ -4,8 +4,10 @@
 //! what the canaries are on to everyone; `/debug/rollout[/{collection}]`
 //! shows each collection's state (PINNED, HELD, WAITING, CANARY, SERVING).
 //!
-//! A collection goes in the path as it is, slashes included. An unknown
-//! collection or a version no longer in the history is a 404, a control
+//! A collection goes in the path as it is, slashes included; a version is
+//! the whole one or a unique prefix of at least 8 characters. An unknown
+//! collection or a version no longer in the history is a 404, a prefix that
+//! names no single version a 400 (listing the versions it begins), a control
 //! that conflicts with the collection's state a 409; each body says which.
 
 use axum::extract::{Path, Query, State};
@@ -51,7 +53,13 @@ pub(super) async fn pin(
         )
             .into_response();
     };
-    answer(state.rollout.pin(collection, version.trim()))
+    if state.cache.get(collection).is_none() {
+        return unknown_collection(collection);
+    }
+    match super::versions::resolve_in(&state.cache, collection, version.trim()) {
+        Ok(version) => answer(state.rollout.pin(collection, &version)),
+        Err(e) => (e.status(), format!("version={version:?}: {e}\n")).into_response(),
+    }
 }
 
 pub(super) async fn unpin(State(state): State<AdminState>, Path(collection): Path<String>) -> Response {

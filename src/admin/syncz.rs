@@ -46,6 +46,18 @@ impl SyncStatus {
         }
     }
 
+    /// How much it needs an operator: 0 first (NACKED, STALE, SENT, NOT
+    /// SENT, then SYNCED).
+    pub fn urgency(self) -> u8 {
+        match self {
+            SyncStatus::Nacked => 0,
+            SyncStatus::Stale => 1,
+            SyncStatus::Sent => 2,
+            SyncStatus::NotSent => 3,
+            SyncStatus::Synced => 4,
+        }
+    }
+
     /// As a filter names it: any case, `_` or `-` for the space.
     fn parse(text: &str) -> Option<SyncStatus> {
         let text = text.trim().to_ascii_uppercase().replace(['_', '-'], " ");
@@ -142,6 +154,18 @@ fn seconds(age: Option<Duration>) -> Value {
 /// The view: a summary of counts per status (and per collection and
 /// status), then the rows that pass `filter`.
 pub fn view(rows: &[Row<'_>], clock: &Clock, filter: &Filter) -> Result<Value, String> {
+    let shown: Vec<Value> = filtered(rows, filter)?
+        .into_iter()
+        .map(|r| row_json(r, clock))
+        .collect();
+    Ok(json!({
+        "summary": summary(rows),
+        "rows": shown,
+    }))
+}
+
+/// The rows that pass `filter`, or why the filter is wrong.
+pub fn filtered<'r, 'a>(rows: &'r [Row<'a>], filter: &Filter) -> Result<Vec<&'r Row<'a>>, String> {
     let wanted_status = match &filter.status {
         Some(text) => Some(SyncStatus::parse(text).ok_or_else(|| {
             format!(
@@ -151,7 +175,7 @@ pub fn view(rows: &[Row<'_>], clock: &Clock, filter: &Filter) -> Result<Value, S
         })?),
         None => None,
     };
-    let shown: Vec<Value> = rows
+    Ok(rows
         .iter()
         .filter(|r| filter.collection.as_ref().is_none_or(|c| **c == *r.view.collection))
         .filter(|r| wanted_status.is_none_or(|s| s == r.status))
@@ -161,12 +185,7 @@ pub fn view(rows: &[Row<'_>], clock: &Clock, filter: &Filter) -> Result<Value, S
                 .as_ref()
                 .is_none_or(|n| r.stream.node_id.contains(n.as_str()))
         })
-        .map(|r| row_json(r, clock))
-        .collect();
-    Ok(json!({
-        "summary": summary(rows),
-        "rows": shown,
-    }))
+        .collect())
 }
 
 /// The collections whose rollout needs an operator's eye: pinned, held,
@@ -212,7 +231,8 @@ pub fn brief_json(row: &Row<'_>, clock: &Clock) -> Value {
         "sent_version": row.view.last_sent_version,
         "acked_version": row.view.acked_version,
         "current_version": row.current,
-        "nack": row.view.last_nack.as_ref().map(|n| n.message.clone()),
+        // A NACK the client has since ACKed past is in /debug/syncz.
+        "nack": row.view.last_nack.as_ref().filter(|n| !n.superseded).map(|n| n.message.clone()),
     })
 }
 
@@ -249,10 +269,125 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
             "code": crate::metrics::code_label(n.code),
             "message": n.message,
             "at": time(clock.wall(n.at)),
+            "age_seconds": seconds(clock.age(n.at)),
             "superseded": n.superseded,
         })),
         "behind_since": time(clock.wall(view.behind_since)),
     })
+}
+
+// === HTML ===
+
+/// `rows`, the ones that need an operator first (NACKED, STALE, SENT, NOT
+/// SENT, SYNCED), then by collection and node id.
+pub fn problems_first<'r, 'a>(rows: impl IntoIterator<Item = &'r Row<'a>>) -> Vec<&'r Row<'a>>
+where
+    'a: 'r,
+{
+    let mut rows: Vec<&Row<'a>> = rows.into_iter().collect();
+    rows.sort_by(|a, b| {
+        (a.status.urgency(), &a.view.collection, &a.stream.node_id, a.stream.id).cmp(&(
+            b.status.urgency(),
+            &b.view.collection,
+            &b.stream.node_id,
+            b.stream.id,
+        ))
+    });
+    rows
+}
+
+/// Seconds as `12s`, `5m 3s`, `2h 4m`.
+fn age(age: Option<Duration>) -> String {
+    age.map_or_else(String::new, |a| {
+        humantime::format_duration(Duration::from_secs(a.as_secs())).to_string()
+    })
+}
+
+/// `rows` as one table, in the order given: what an operator reads first
+/// (status, collection, node, NACK) leftmost, so it fits 1,400 px with
+/// long node ids and collection names; the rest after. Collections link to
+/// their history, and to the diff between what the client holds and what it
+/// is to get.
+pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
+    use super::{collection_html, diff_link, escape, version_html};
+    out.push_str(
+        "<table class=\"sync\"><tr><th>status</th><th>for</th><th>collection</th><th>node</th><th>NACK</th>\
+         <th>sent</th><th>ACKed</th><th>current</th><th>protocol</th><th>peer</th></tr>",
+    );
+    let version = |v: Option<&Arc<str>>| v.map_or_else(String::new, |v| version_html(v));
+    for row in rows {
+        let (stream, view) = (row.stream, row.view);
+        let status = row.status.as_str();
+        out.push_str(&format!(
+            "<tr><td data-col=\"status\"><span class=\"{}\">{status}</span></td><td class=\"nowrap\">{}</td>",
+            status.replace(' ', "_"),
+            age(clock.age(row.since)),
+        ));
+        // What the client holds against what it refused or is to get.
+        let target = match &view.last_nack {
+            Some(nack) if row.status == SyncStatus::Nacked => Some(&nack.version),
+            _ => row.current.as_ref(),
+        };
+        let diff = match (&view.acked_version, target) {
+            (Some(from), Some(to)) if from != to => format!(" ({})", diff_link(&view.collection, from, to, "diff")),
+            _ => String::new(),
+        };
+        out.push_str(&format!(
+            "<td class=\"nowrap\">{}{diff}</td>",
+            collection_html(&view.collection)
+        ));
+        let node = if stream.node_id.is_empty() {
+            "(no node id)"
+        } else {
+            &stream.node_id
+        };
+        out.push_str(&format!(
+            "<td><span class=\"node\" data-col=\"node\" title=\"{0}\">{0}</span>{1}</td>",
+            escape(node),
+            if stream.canary { " (canary)" } else { "" }
+        ));
+        out.push_str("<td data-col=\"nack\">");
+        if let Some(nack) = &view.last_nack {
+            let when = if nack.superseded {
+                format!("NACKed {} ago, since fixed", age(clock.age(nack.at)))
+            } else {
+                format!("{} ago", age(clock.age(nack.at)))
+            };
+            out.push_str(&format!(
+                "<div class=\"message{}\">{}: {} <span class=\"nowrap\">({}, {})</span></div>",
+                if nack.superseded { " past" } else { "" },
+                crate::metrics::code_label(nack.code),
+                escape(&nack.message),
+                version_html(&nack.version),
+                escape(&when),
+            ));
+        }
+        out.push_str("</td>");
+        out.push_str(&format!(
+            "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"nowrap\">{}</td></tr>",
+            version(view.last_sent_version.as_ref()),
+            version(view.acked_version.as_ref()),
+            version(row.current.as_ref()),
+            stream.protocol.as_str(),
+            stream.peer.map(|p| p.to_string()).unwrap_or_default(),
+        ));
+    }
+    out.push_str("</table>");
+}
+
+/// The counts per status on one line: `1 NACKED · 0 STALE · ...`.
+pub fn counts_html(rows: &[Row<'_>]) -> String {
+    let mut counts: BTreeMap<SyncStatus, usize> = SyncStatus::ALL.iter().map(|s| (*s, 0)).collect();
+    for row in rows {
+        *counts.entry(row.status).or_default() += 1;
+    }
+    let mut by_urgency: Vec<(SyncStatus, usize)> = counts.into_iter().collect();
+    by_urgency.sort_by_key(|(s, _)| s.urgency());
+    let parts: Vec<String> = by_urgency
+        .iter()
+        .map(|(status, count)| format!("{count} {}", status.as_str()))
+        .collect();
+    format!("<p>client streams' types: {}</p>", parts.join(" · "))
 }
 
 /// Counts per (status, collection) for `mcp_gateway_clients`: every status

@@ -8,7 +8,7 @@ use clap::{Args as ClapArgs, Subcommand};
 use hyper::Method;
 use serde_json::Value;
 
-use super::status::{authority, call, encode, rollout_lines};
+use super::status::{authority, call, encode, rollout_lines, short_version};
 
 /// Flags of `mcp-xds-gateway rollout`.
 #[derive(Debug, ClapArgs)]
@@ -38,18 +38,20 @@ pub enum Action {
     /// --bodies each changed body as a unified diff.
     Diff {
         collection: String,
-        /// The older version (default: the one before --to).
+        /// The older version, or a unique prefix of at least 8 characters
+        /// (default: the one before --to).
         #[arg(long, value_name = "V")]
         from: Option<String>,
-        /// The newer version (default: the latest).
+        /// The newer version, or a unique prefix of it (default: the latest).
         #[arg(long, value_name = "V")]
         to: Option<String>,
         /// Each changed body as a unified diff of its YAML.
         #[arg(long)]
         bodies: bool,
     },
-    /// Serve every client VERSION of COLLECTION (from its history) instead
-    /// of the latest.
+    /// Serve every client VERSION of COLLECTION (from its history: the
+    /// version, or a unique prefix of at least 8 characters, as `history`
+    /// and `status` print it) instead of the latest.
     Pin { collection: String, version: String },
     /// Serve the latest of COLLECTION again (with canaries: at once when it
     /// is what everyone was served before the pin, else a canary round
@@ -155,10 +157,20 @@ async fn previous_version(admin: &str, path: &str, to: Option<&str>) -> anyhow::
         .filter_map(|v| v["version"].as_str())
         .collect();
     let at = match to {
-        Some(to) => versions
-            .iter()
-            .position(|v| *v == to)
-            .ok_or_else(|| anyhow::anyhow!("--to {to}: not in the history"))?,
+        Some(to) => {
+            // The gateway says which version `to` names (it may be a prefix).
+            let named = call(
+                admin,
+                Method::GET,
+                &format!("/debug/diff/{path}?from={0}&to={0}", encode(to)),
+            )
+            .await?;
+            let to = named["to"].as_str().unwrap_or(to);
+            versions
+                .iter()
+                .position(|v| *v == to)
+                .ok_or_else(|| anyhow::anyhow!("--to {to}: not in the history"))?
+        }
         None => 0,
     };
     versions
@@ -167,20 +179,21 @@ async fn previous_version(admin: &str, path: &str, to: Option<&str>) -> anyhow::
         .ok_or_else(|| anyhow::anyhow!("the history holds no version before it: give --from"))
 }
 
-/// The history as a table, newest first; `*` marks the current version.
+/// The history as a table, newest first, each version by its first 12
+/// characters (what `pin` and `diff` take); `*` marks the current version.
 pub fn history_table(history: &Value) -> String {
     let mut text = String::new();
     let _ = writeln!(
         text,
-        "{:<34} {:<25} {:<9} {:>9} {:>7} {:>7} {:>7}",
+        "{:<14} {:<25} {:<9} {:>9} {:>7} {:>7} {:>7}",
         "VERSION", "APPLIED", "ORIGIN", "RESOURCES", "ADDED", "CHANGED", "REMOVED"
     );
     for v in history["versions"].as_array().into_iter().flatten() {
         let current = if v["current"].as_bool() == Some(true) { "*" } else { " " };
         let _ = writeln!(
             text,
-            "{current}{:<33} {:<25} {:<9} {:>9} {:>7} {:>7} {:>7}",
-            v["version"].as_str().unwrap_or("-"),
+            "{current}{:<13} {:<25} {:<9} {:>9} {:>7} {:>7} {:>7}",
+            short_version(&v["version"]),
             v["applied_at"].as_str().unwrap_or("-"),
             v["origin"].as_str().unwrap_or("-"),
             v["resources"].as_u64().unwrap_or(0),
@@ -200,8 +213,8 @@ pub fn diff_text(diff: &Value) -> String {
         text,
         "{} {} -> {}",
         diff["collection"].as_str().unwrap_or("-"),
-        diff["from"].as_str().unwrap_or("-"),
-        diff["to"].as_str().unwrap_or("-")
+        short_version(&diff["from"]),
+        short_version(&diff["to"])
     );
     for (mark, key) in [("+", "added"), ("-", "removed")] {
         for name in diff[key].as_array().into_iter().flatten() {

@@ -50,15 +50,18 @@ pub(crate) fn authority(admin: &str) -> anyhow::Result<String> {
     Ok(rest.to_owned())
 }
 
-/// A percent-encoded query value.
+/// What a path segment or a query value keeps as it is (a collection's
+/// slashes included); everything else is percent-encoded.
+const URL_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~')
+    .remove(b'/');
+
+/// A percent-encoded path or query value.
 pub(crate) fn encode(value: &str) -> String {
-    value
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+    percent_encoding::utf8_percent_encode(value, URL_KEEPS).to_string()
 }
 
 /// GET `path` from the admin port, as JSON.
@@ -120,11 +123,19 @@ pub fn render(syncz: &Value) -> String {
             last.to_owned()
         }
     };
-    // One line per stream, in stream order.
+    // One line per stream: those with a type that needs an operator first
+    // (NACKED, STALE, SENT, NOT SENT), then in stream order.
     let mut streams: BTreeMap<u64, (Vec<String>, BTreeMap<String, String>)> = BTreeMap::new();
+    let mut urgency: BTreeMap<u64, usize> = BTreeMap::new();
     let mut nacks = Vec::new();
     for row in &rows {
         let id = row["stream"].as_u64().unwrap_or_default();
+        let rank = STATUSES
+            .iter()
+            .position(|s| row["status"] == *s)
+            .unwrap_or(STATUSES.len());
+        let worst = urgency.entry(id).or_insert(rank);
+        *worst = (*worst).min(rank);
         let peer = row["peer"].as_str().unwrap_or("-").to_owned();
         let node = match text(&row["node_id"]) {
             n if n.is_empty() => "(no node id)".to_owned(),
@@ -143,15 +154,35 @@ pub fn render(syncz: &Value) -> String {
             (_, Some(age)) => format!("{status} {}", human(age)),
         };
         cells.insert(short(&text(&row["collection"])), cell);
-        if let Some(message) = row["nack"]["message"].as_str() {
-            nacks.push(format!("{node} {}: {message}", text(&row["collection"])));
+        let nack = &row["nack"];
+        if let Some(message) = nack["message"].as_str() {
+            let mut when = match nack["age_seconds"].as_f64() {
+                Some(age) => format!("NACKed {} ago", human(age)),
+                None => "NACKed".to_owned(),
+            };
+            if nack["superseded"].as_bool() == Some(true) {
+                when.push_str(", since fixed");
+            }
+            nacks.push((
+                nack["superseded"].as_bool() == Some(true),
+                format!(
+                    "{node} {}: {message} ({}, {when})",
+                    text(&row["collection"]),
+                    short_version(&nack["version"])
+                ),
+            ));
         }
     }
+    // Current NACKs before the ones since fixed.
+    nacks.sort_by_key(|(superseded, _)| *superseded);
     let columns: Vec<String> = collections.iter().map(|c| short(c)).collect();
     let mut header = vec!["NODE".to_owned(), "PEER".to_owned(), "PROTOCOL".to_owned()];
     header.extend(columns.iter().map(|c| c.to_uppercase()));
-    let lines: Vec<Vec<String>> = streams
-        .into_values()
+    let mut order: Vec<u64> = streams.keys().copied().collect();
+    order.sort_by_key(|id| (urgency.get(id).copied().unwrap_or(STATUSES.len()), *id));
+    let lines: Vec<Vec<String>> = order
+        .iter()
+        .filter_map(|id| streams.remove(id))
         .map(|(head, cells)| {
             head.into_iter()
                 .chain(
@@ -187,7 +218,7 @@ pub fn render(syncz: &Value) -> String {
         lines.len(),
         counts.join(", ")
     );
-    for nack in nacks {
+    for (_, nack) in nacks {
         let _ = writeln!(out, "NACK {nack}");
     }
     for line in rollout_lines(&syncz["rollout"]) {
@@ -204,8 +235,12 @@ pub fn render(syncz: &Value) -> String {
     out
 }
 
-/// A version as a person reads it: its first 12 characters.
-fn short_version(version: &Value) -> String {
+/// Statuses, the ones that need an operator first.
+const STATUSES: [&str; 5] = ["NACKED", "STALE", "SENT", "NOT SENT", "SYNCED"];
+
+/// A version as a person reads it: its first 12 characters (any prefix of
+/// 8 or more names it to the rollout commands).
+pub(crate) fn short_version(version: &Value) -> String {
     version
         .as_str()
         .map_or_else(|| "-".to_owned(), |v| v.chars().take(12).collect())
@@ -251,14 +286,9 @@ pub fn rollout_lines(rollouts: &Value) -> Vec<String> {
     lines
 }
 
-/// Seconds as `12s`, `5m3s`, `2h4m`.
+/// Whole seconds as `12s`, `5m 3s`, `2h 4m`.
 fn human(seconds: f64) -> String {
-    let s = seconds as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{}s", s / 60, s % 60),
-        _ => format!("{}h{}m", s / 3600, (s % 3600) / 60),
-    }
+    humantime::format_duration(std::time::Duration::from_secs(seconds as u64)).to_string()
 }
 
 pub async fn run(args: StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
@@ -287,13 +317,45 @@ mod tests {
     use super::*;
 
     #[test]
+    fn streams_that_need_an_eye_come_first_and_past_nacks_say_so() {
+        let version = "0123456789abcdef0123456789abcdef";
+        let row = |stream: u64, node: &str, status: &str, superseded: bool| {
+            serde_json::json!({
+                "stream": stream, "node_id": node, "peer": "127.0.0.1:1", "protocol": "sotw",
+                "collection": "istio/networking/v1alpha3/virtualservices", "status": status, "for_seconds": 240.0,
+                "nack": {"version": version, "message": "bad route", "age_seconds": 250.0, "superseded": superseded},
+            })
+        };
+        let syncz = serde_json::json!({
+            "rows": [row(1, "pilot-a", "SYNCED", true), row(2, "pilot-b", "NACKED", false)],
+            "summary": {"clients": {"SYNCED": 1, "NACKED": 1}},
+        });
+        let text = render(&syncz);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[1].starts_with("pilot-b") && lines[2].starts_with("pilot-a"),
+            "{text}"
+        );
+        let nacks: Vec<&str> = lines.iter().copied().filter(|l| l.starts_with("NACK ")).collect();
+        assert_eq!(
+            nacks,
+            [
+                "NACK pilot-b istio/networking/v1alpha3/virtualservices: bad route (0123456789ab, NACKed 4m 10s ago)",
+                "NACK pilot-a istio/networking/v1alpha3/virtualservices: bad route (0123456789ab, NACKed 4m 10s ago, \
+                 since fixed)",
+            ],
+            "{text}"
+        );
+    }
+
+    #[test]
     fn admin_addresses_and_durations() {
         assert_eq!(authority("http://127.0.0.1:15000/").unwrap(), "127.0.0.1:15000");
         assert_eq!(authority("localhost:1").unwrap(), "localhost:1");
         assert!(authority("https://x:1").is_err());
         assert_eq!(human(5.2), "5s");
-        assert_eq!(human(303.0), "5m3s");
-        assert_eq!(human(7440.0), "2h4m");
+        assert_eq!(human(303.0), "5m 3s");
+        assert_eq!(human(7440.0), "2h 4m");
         assert_eq!(encode("NOT SENT"), "NOT%20SENT");
     }
 }

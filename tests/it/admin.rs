@@ -24,10 +24,74 @@ async fn readiness_waits_for_every_subscribed_collection() {
     let (status, body) = http_get(gw.admin, "/readyz").await;
     assert_eq!(status, 503);
     assert!(body.contains(GW) && !body.contains(VS), "{body}");
+    // Connected: the source has not sent it yet.
+    assert!(
+        body.contains(&format!(
+            "upstream {}: connected, and has not sent them yet",
+            galley.url()
+        )),
+        "{body}"
+    );
 
     // Delivered empty is delivered.
     stream.push_full(GW, vec![]).await;
     assert_eq!(http_get(gw.admin, "/readyz").await, (200, "ready\n".to_string()));
+}
+
+/// An upstream that cannot be reached: `/readyz` and gRPC health say why
+/// on one line: what is missing, how many attempts, the last error.
+#[tokio::test]
+async fn readiness_says_why_on_one_line() {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let gw = crate::helpers::start_gateway(&[
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--collections",
+        &format!("{VS},{GW}"),
+        "--reconnect-min-delay",
+        "10ms",
+    ])
+    .await;
+    let body = crate::helpers::eventually_some("an attempt's error in /readyz", || async {
+        let (status, body) = http_get(gw.admin, "/readyz").await;
+        assert_eq!(status, 503, "{body}");
+        body.contains("last error").then_some(body)
+    })
+    .await;
+    assert_eq!(body.lines().count(), 1, "one line: {body}");
+    for part in [
+        "not ready: waiting for the first state of 2 collections",
+        VS,
+        GW,
+        "upstream http://127.0.0.1:1: not connected after ",
+        "; last error: ",
+    ] {
+        assert!(body.contains(part), "{part:?} in {body}");
+    }
+    let status = gw.upstream.borrow().clone();
+    assert!(status.last_error.as_ref().is_some_and(|e| !e.is_empty()), "{status:?}");
+
+    // gRPC health's answer has a status only: the reason is its header.
+    let mut health = HealthClient::new(channel(gw.listen).await);
+    let answer = within(
+        "a health check",
+        health.check(HealthCheckRequest { service: String::new() }),
+    )
+    .await
+    .unwrap();
+    let reason = answer
+        .metadata()
+        .get(mcp_xds_gateway::admin::NOT_READY_HEADER)
+        .expect("the reason beside NOT_SERVING")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        reason.starts_with("not ready: waiting for the first state of 2 collections") && reason.contains("last error"),
+        "{reason}"
+    );
 }
 
 #[tokio::test]
@@ -189,4 +253,43 @@ async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name(
         .unwrap_or(0.0)
     };
     assert!(refusals("cross_site") >= 3.0 && refusals("host") >= 1.0, "{metrics}");
+}
+
+/// Wherever a version is taken (`/pin`, `/debug/diff`), the 12 characters
+/// the views show will do, as will any unique prefix of at least 8; a
+/// shorter one is a 400 that says so, one that begins no version a 404.
+#[tokio::test]
+async fn versions_are_taken_by_a_unique_prefix_of_at_least_eight() {
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    use crate::rollout::{push, vs};
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.example", 1.0)]).await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "b.example", 1.0)]).await;
+    assert_eq!(v1.len(), 32, "{v1}");
+
+    let diff = get_json(
+        gw.admin,
+        &format!("/debug/diff/{VS}?from={}&to={}", &v1[..8], &v2[..12]),
+    )
+    .await;
+    assert_eq!(
+        (diff["from"].as_str(), diff["to"].as_str()),
+        (Some(&*v1), Some(&*v2)),
+        "{diff}"
+    );
+    assert_eq!(diff["changed"], serde_json::json!(["a"]), "{diff}");
+
+    let (status, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={}", &v1[..12]), "").await;
+    assert_eq!(status, 200, "{body}");
+    let pinned: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(pinned["pinned"], v1.as_str(), "the whole version: {pinned}");
+
+    let (status, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={}", &v2[..7]), "").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("at least 8") && body.contains(&v2[..7]), "{body}");
+    let (status, body) = http_get(gw.admin, &format!("/debug/diff/{VS}?from=ffffffffffff")).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body.contains("from=\"ffffffffffff\"") && body.contains("not in the history"),
+        "{body}"
+    );
 }

@@ -4,6 +4,7 @@
 mod helpers;
 
 mod admin;
+mod browser;
 mod canary;
 mod chain;
 mod decoders;

@@ -241,7 +241,7 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
 }
 
 /// Metric names a PromQL expression reads.
-fn queried(expr: &str) -> Vec<String> {
+pub(crate) fn queried(expr: &str) -> Vec<String> {
     let mut names = Vec::new();
     let mut token = String::new();
     for c in expr.chars().chain(std::iter::once(' ')) {
@@ -431,6 +431,32 @@ async fn debug_views_show_clients_sync_cache_and_upstream() {
     assert!(
         page.contains("<a href=\"/debug/syncz\">") && page.contains("bad route") && page.contains("NACKED"),
         "{page}"
+    );
+    // The clients not in sync come before the endpoints; versions show 12
+    // characters, whole on hover; collections link to their history, and
+    // to the diff between what a client holds and what it refused.
+    let problems = page.find("Clients not in sync").unwrap();
+    assert!(problems < page.find("<h2>Endpoints</h2>").unwrap(), "{page}");
+    let version = &cached.version;
+    assert!(
+        page.contains(&format!("<code title=\"{version}\">{}</code>", &version[..12])),
+        "{page}"
+    );
+    assert!(
+        page.contains(&format!("<a href=\"/debug/history/{VS}\">{VS}</a>")),
+        "{page}"
+    );
+    assert!(page.contains(&format!("/debug/diff/{VS}?from=")), "{page}");
+    let (_, syncz_page) = http_get_with(addr, "/debug/syncz", "Accept: text/html\r\n").await;
+    let first_row = syncz_page.find("<tr><td data-col=\"status\">").unwrap();
+    assert!(
+        syncz_page[first_row..].starts_with("<tr><td data-col=\"status\"><span class=\"NACKED\">"),
+        "NACKED first: {syncz_page}"
+    );
+    let (_, history_page) = http_get_with(addr, &format!("/debug/history/{VS}"), "Accept: text/html\r\n").await;
+    assert!(
+        history_page.contains(&format!("/debug/diff/{VS}?from=")) && history_page.contains("with the one before"),
+        "{history_page}"
     );
 
     let cache = json(addr, "/debug/cache").await;
@@ -781,8 +807,15 @@ async fn the_status_command_shows_every_client_per_collection() {
         "{stdout}"
     );
     assert!(lines.iter().any(|l| l.contains("SENT")), "{stdout}");
-    assert!(stdout.contains(&format!("NACK pilot-test {VS}: bad route")), "{stdout}");
+    // The NACK with the version refused (12 characters) and how long ago.
+    let refused = ex.gw.cache.get(VS).unwrap().version.clone();
+    assert!(
+        stdout.contains(&format!("NACK pilot-test {VS}: bad route ({}, NACKed ", &refused[..12])),
+        "{stdout}"
+    );
     assert!(stdout.contains("1 NACKED"), "{stdout}");
+    // The streams that need an eye first: the NACKing one leads.
+    assert!(lines[1].contains("NACKED"), "{stdout}");
 
     let (code, only, _) = subcommand("status", &["--admin", &admin, "--status", "nacked"]).await;
     assert_eq!(code, Some(0));
@@ -796,6 +829,98 @@ async fn the_status_command_shows_every_client_per_collection() {
         stderr.contains("cannot connect to the admin port at 127.0.0.1:1"),
         "{stderr}"
     );
+}
+
+/// A NACK the client has since ACKed past stays visible, marked as such:
+/// the row is SYNCED, `/debug/syncz` has `nack.superseded`, and `status`
+/// says "since fixed".
+#[tokio::test]
+async fn the_status_command_marks_a_nack_since_fixed() {
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv().await;
+    client.ack(&first);
+    upstream.push_full(VS, vec![resource("a", "2", b"bad")]).await;
+    let refused = client.recv().await;
+    client.nack(&refused, &first.version_info, "bad route");
+    let row = || async {
+        let syncz = json(gw.admin, "/debug/syncz").await;
+        syncz["rows"][0].clone()
+    };
+    crate::helpers::eventually_async("the NACK in the view", || async { row().await["status"] == "NACKED" }).await;
+    let admin = format!("http://{}", gw.admin);
+    let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let nack_line = format!(
+        "NACK pilot-test {VS}: bad route ({}, NACKed ",
+        &refused.version_info[..12]
+    );
+    assert!(stdout.contains(&nack_line), "{stdout}");
+    assert!(!stdout.contains("since fixed"), "{stdout}");
+
+    upstream.push_full(VS, vec![resource("a", "3", b"good")]).await;
+    let fixed = client.recv().await;
+    client.ack(&fixed);
+    crate::helpers::eventually_async("the ACK past the NACK", || async { row().await["status"] == "SYNCED" }).await;
+    let now = row().await;
+    assert_eq!(now["nack"]["superseded"], true, "{now}");
+    assert_eq!(now["nack"]["version"], refused.version_info.as_str(), "{now}");
+    assert!(now["nack"]["age_seconds"].as_f64().is_some(), "{now}");
+    let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains(&nack_line) && stdout.contains(" ago, since fixed)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("pilot-test") && l.contains("SYNCED")),
+        "{stdout}"
+    );
+    // Not a problem any more: the index does not list it.
+    let (_, index) = http_get_with(gw.admin, "/", "Accept: application/json\r\n").await;
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    assert!(index["not_synced"].as_array().unwrap().is_empty(), "{index}");
+}
+
+/// The rollout command prints 12 characters of each version and takes them
+/// back (or any unique prefix of at least 8); a shorter one is refused with
+/// the reason.
+#[tokio::test]
+async fn the_rollout_command_takes_the_versions_it_prints() {
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    use crate::rollout::{push, vs};
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.example", 1.0)]).await;
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "b.example", 1.0)]).await;
+    let admin = format!("http://{}", gw.admin);
+    let (code, history, stderr) = subcommand("rollout", &["history", VS, "--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let shown: Vec<&str> = history
+        .lines()
+        .skip(1)
+        .map(|l| l.trim_start_matches('*').split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(shown, [&v2[..12], &v1[..12]], "{history}");
+
+    let (code, diff, stderr) = subcommand("rollout", &["diff", VS, "--to", &v2[..8], "--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        diff.starts_with(&format!("{VS} {} -> {}\n", &v1[..12], &v2[..12])) && diff.contains("~ a"),
+        "{diff}"
+    );
+
+    let (code, pinned, stderr) = subcommand("rollout", &["pin", VS, shown[1], "--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        pinned.starts_with(&format!("PINNED {VS}: every client is served {}", &v1[..12])),
+        "{pinned}"
+    );
+    let (code, _, stderr) = subcommand("rollout", &["pin", VS, &v1[..5], "--admin", &admin]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("400") && stderr.contains("at least 8"), "{stderr}");
 }
 
 /// The config dump: each resource's metadata and its body read back, as

@@ -7,7 +7,7 @@ use mcp_xds_gateway::source::persisted;
 
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{resource, FakeGalley};
-use crate::helpers::{eventually, get_json, http_get, http_request, names, spawn_gateway, within, Running, VS};
+use crate::helpers::{eventually, get_json, http_get, http_request, names, spawn_gateway, within, Running, GW, VS};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
@@ -17,6 +17,12 @@ async fn run(args: &[&str]) -> (Option<i32>, String) {
 }
 
 async fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let (code, _, stderr) = run_whole(args, env).await;
+    (code, stderr)
+}
+
+/// Runs the binary to its exit: (exit code, stdout: the log, stderr).
+async fn run_whole(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let output = within(
         "the gateway to exit",
         Command::new(BIN)
@@ -30,6 +36,7 @@ async fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, Stri
     .expect("run the gateway binary");
     (
         output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
 }
@@ -127,21 +134,8 @@ async fn a_taken_port_is_a_start_up_error_naming_the_flag() {
 
 #[tokio::test]
 async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
+    // (An unusable --cache-dir: a_failed_start_prints_one_line_and_logs_nothing.)
     let dir = tempfile::tempdir().unwrap();
-    // --cache-dir that is a file.
-    let file = dir.path().join("not-a-dir");
-    std::fs::write(&file, "x").unwrap();
-    let file = file.to_str().unwrap().to_owned();
-    let mut args = crate::helpers::LOOPBACK_PORTS.to_vec();
-    args.extend(["--upstream", "http://127.0.0.1:1", "--cache-dir", &file]);
-    let (code, stderr) = run(&args).await;
-    assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("--cache-dir") && stderr.contains(&file), "{stderr}");
-    assert_eq!(
-        stderr.lines().filter(|l| l.contains("--cache-dir")).count(),
-        1,
-        "{stderr}"
-    );
 
     // A certificate file whose PEM block is not a certificate: the message
     // names that file, not only the key.
@@ -175,7 +169,63 @@ async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
     assert!(stderr.contains("--type-map") && stderr.contains(&map), "{stderr}");
 }
 
-/// The binary started on port 0 from the package root.
+/// A failed start prints its one error and nothing else: every flag is
+/// checked (a taken port and an unusable --cache-dir included) before the
+/// first log line, and warnings wait until the start succeeded.
+#[tokio::test]
+async fn a_failed_start_prints_one_line_and_logs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, "x").unwrap();
+    let file = file.to_str().unwrap().to_owned();
+    let below = format!("{file}/below");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    // Flags that warn once the gateway runs: the warnings must not come first.
+    let warned = ["--keepalive-interval", "5s"];
+    let cases: [(Vec<&str>, &str); 5] = [
+        (
+            vec!["--upstream", "http://127.0.0.1:1", "--cache-dir", &file],
+            "--cache-dir",
+        ),
+        (
+            vec!["--upstream", "http://127.0.0.1:1", "--cache-dir", &below],
+            "--cache-dir",
+        ),
+        (vec!["--demo", "--admin-listen", &taken], "--admin-listen"),
+        (vec!["--sink-listen", &taken, "--sink-insecure"], "--sink-listen"),
+        (vec!["--max-connections", "0"], "--max-connections"),
+    ];
+    for (flags, flag) in cases {
+        // Every port on 127.0.0.1:0 but the one the case takes.
+        let mut args: Vec<&str> = crate::helpers::LOOPBACK_PORTS
+            .chunks(2)
+            .filter(|pair| !flags.contains(&pair[0]))
+            .flatten()
+            .copied()
+            .collect();
+        args.extend_from_slice(&warned);
+        args.extend_from_slice(&flags);
+        let (code, stdout, stderr) = run_whole(&args, &[]).await;
+        assert_eq!(code, Some(2), "{flags:?}: {stderr}");
+        assert_eq!(stdout, "", "{flags:?}: nothing is logged before the error");
+        assert_eq!(stderr.lines().count(), 1, "{flags:?}: one line: {stderr}");
+        assert!(stderr.starts_with(&format!("error: {flag}")), "{flags:?}: {stderr}");
+        if flag == "--cache-dir" {
+            assert!(stderr.contains(&file), "names the directory: {stderr}");
+        }
+    }
+
+    // Started: the warning is logged after the effective configuration.
+    let Running { mut child, log, .. } = spawn(&["--keepalive-interval", "5s"]).await;
+    let at = |needle: &str| log.iter().position(|l| l.contains(needle));
+    let effective = at("effective configuration").expect("the effective configuration");
+    let warning = at("--keepalive-interval 5s is below Galley's 30s minimum").expect("the warning");
+    assert!(effective < warning, "{log:?}");
+    let _ = child.start_kill();
+}
+
+/// The binary started on port 0 from the package root./// The binary started on port 0 from the package root.
 async fn spawn(args: &[&str]) -> Running {
     spawn_gateway(None, args).await
 }
@@ -312,6 +362,94 @@ async fn every_documented_counter_is_exported_at_zero_from_start() {
     let _ = child.start_kill();
 }
 
+/// Metric names the docs mention (README.md and docs/*.md): every
+/// `istio_mcp_…`, `mcp_gateway_…` and `process_…` token.
+fn documented_series() -> std::collections::BTreeSet<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![root.join("README.md")];
+    if let Ok(docs) = std::fs::read_dir(root.join("docs")) {
+        files.extend(
+            docs.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "md")),
+        );
+    }
+    files
+        .iter()
+        .flat_map(|file| crate::operating::queried(&std::fs::read_to_string(file).unwrap()))
+        // `mcp_gateway_*` names a family of names, not one.
+        .filter(|name| !name.ends_with('_'))
+        .collect()
+}
+
+/// A fresh process (dial-out mode, no source connected: nothing happened)
+/// exports every series the docs name, every per-collection series for each
+/// configured collection, at 0 but for what is never 0 (the build info, the
+/// scrape's own connection, the process's figures).
+#[tokio::test]
+async fn every_documented_series_exists_at_zero_from_start() {
+    let collections = format!("{VS},{GW}");
+    let Running { mut child, admin, .. } = spawn(&[
+        "--collections",
+        &collections,
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--sink-insecure",
+    ])
+    .await;
+    let (status, body) = http_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+    let samples: Vec<(&str, &str, f64)> = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').unwrap();
+            let name = series.split('{').next().unwrap();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s))
+                .filter(|f| body.contains(&format!("# TYPE {f} histogram")))
+                .unwrap_or(name);
+            (family, series, value.parse().unwrap())
+        })
+        .collect();
+    let families: std::collections::BTreeSet<&str> = samples.iter().map(|(f, _, _)| *f).collect();
+    let documented = documented_series();
+    assert!(documented.len() > 40, "{documented:?}");
+    let missing: Vec<&String> = documented.iter().filter(|n| !families.contains(n.as_str())).collect();
+    assert!(
+        missing.is_empty(),
+        "documented, not exported at start: {missing:?}\n{body}"
+    );
+    // A family with a collection label has a series for each configured one.
+    for family in &families {
+        let labelled: Vec<&str> = samples
+            .iter()
+            .filter(|(f, series, _)| f == family && series.contains("collection=\""))
+            .map(|(_, series, _)| *series)
+            .collect();
+        if labelled.is_empty() {
+            continue;
+        }
+        for collection in [VS, GW] {
+            assert!(
+                labelled
+                    .iter()
+                    .any(|s| s.contains(&format!("collection=\"{collection}\""))),
+                "{family} has no series for {collection}: {labelled:?}"
+            );
+        }
+    }
+    for (family, series, value) in &samples {
+        let never_zero = family.starts_with("process_")
+            || *family == "mcp_gateway_build_info"
+            || series.starts_with("mcp_gateway_connections{listener=\"--admin-listen\"");
+        if !never_zero {
+            assert_eq!(*value, 0.0, "{series} at 0 from start");
+        }
+    }
+    let _ = child.start_kill();
+}
+
 /// Outside a checkout, with no source flag, the gateway does not serve the
 /// example config to whoever connects: it exits 2 naming the source flags.
 /// `--demo` serves the compiled-in copy, says so, and labels its metrics.
@@ -377,12 +515,31 @@ async fn the_effective_configuration_and_the_log_filter_at_run_time() {
     assert_eq!(flag("--shutdown-grace")["source"], "default");
     assert!(flag("--cache-dir")["value"].is_null());
     assert_eq!(config["log_filter"], "info,h2=error");
+    // A flag left out shows the value it took.
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    assert_eq!(flag("--node-id")["value"], host.as_str(), "{config}");
+    assert_eq!(flag("--node-id")["source"], "default (this host's name)");
+    assert_eq!(flag("--collections")["value"], VS);
+    assert!(flag("--max-connections")["value"]
+        .as_str()
+        .is_some_and(|n| n.parse::<usize>().is_ok()));
+    assert!(flag("--source-dir")["value"].is_null(), "{config}");
+    assert_eq!(flag("--log-level")["value"], "info,h2=error");
 
     let (status, said) = crate::helpers::http_request(admin, "POST", "/logging?level=debug", "").await;
     assert_eq!(status, 200, "{said}");
+    let config = crate::helpers::get_json(admin, "/debug/config").await;
+    assert_eq!(config["log_filter"], "debug");
+    let log_level = config["flags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["flag"] == "--log-level")
+        .unwrap();
     assert_eq!(
-        crate::helpers::get_json(admin, "/debug/config").await["log_filter"],
-        "debug"
+        (&log_level["value"], &log_level["source"]),
+        (&"debug".into(), &"POST /logging".into()),
+        "{config}"
     );
     let (status, said) = crate::helpers::http_request(admin, "POST", "/logging?level=%5Bnot", "").await;
     assert_eq!(status, 400, "{said}");
@@ -390,6 +547,27 @@ async fn the_effective_configuration_and_the_log_filter_at_run_time() {
     assert_eq!(
         crate::helpers::get_json(admin, "/debug/config").await["log_filter"],
         "debug"
+    );
+    drop(child);
+
+    // Run from a checkout with no source flag: the example directory is
+    // served, and /debug/config says so.
+    let Running { child, admin, .. } = spawn(&[]).await;
+    let config = crate::helpers::get_json(admin, "/debug/config").await;
+    let source_dir = config["flags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["flag"] == "--source-dir")
+        .unwrap()
+        .clone();
+    assert_eq!(source_dir["value"], "examples/config", "{config}");
+    assert!(
+        source_dir["source"]
+            .as_str()
+            .unwrap()
+            .starts_with("default (./examples/config exists"),
+        "{config}"
     );
     drop(child);
 }

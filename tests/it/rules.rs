@@ -211,6 +211,65 @@ async fn the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only() {
     assert!(ok, "promtool test rules: {said}");
 }
 
+/// `promtool check metrics` on a busy gateway's exposition finds nothing
+/// but Istio's own names (kept so Istio's alerts keep working:
+/// `istio_mcp_clients_total` is a gauge, `istio_mcp_reconnections` a
+/// counter without `_total`); the process's CPU time is a counter with
+/// sub-second resolution.
+#[tokio::test]
+#[cfg_attr(not(peer_prometheus), ignore = "needs Prometheus (.ci/run sets PROMETHEUS_DIR)")]
+async fn promtool_finds_nothing_but_istios_own_names_in_the_metrics() {
+    let bin = prometheus_dir();
+    let mut galley = FakeGalley::start().await;
+    let Running {
+        child: mut gateway,
+        admin,
+        listen,
+        ..
+    } = spawn_gateway(None, &["--collections", VS, "--upstream", &galley.url()]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let mut client = sotw(listen).await;
+    client.subscribe(VS);
+    let response = client.recv().await;
+    client.ack(&response);
+    let (status, exposition) = http_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+
+    let mut check = Command::new(bin.join("promtool"))
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut stdin = check.stdin.take().unwrap();
+        within("promtool to read the metrics", stdin.write_all(exposition.as_bytes()))
+            .await
+            .unwrap();
+    }
+    let output = within("promtool check metrics", check.wait_with_output())
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
+    let problems: Vec<&str> = said.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(
+        problems.iter().all(|l| l.starts_with("istio_mcp_")),
+        "promtool check metrics: {said}"
+    );
+    assert!(
+        exposition.contains("# TYPE process_cpu_seconds_total counter\n"),
+        "{exposition}"
+    );
+    let cpu: f64 = crate::helpers::sample(&exposition, "process_cpu_seconds_total", &[]).expect("the CPU time");
+    assert!(cpu > 0.0, "{cpu}");
+    let _ = gateway.start_kill();
+}
+
 /// A query string value, percent-encoded.
 fn encode(value: &str) -> String {
     value

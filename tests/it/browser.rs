@@ -1,0 +1,183 @@
+//! The admin pages in a real browser. Headless Chromium renders `/` and
+//! `/debug/syncz` of a busy gateway (clients with Istio's long node ids, one
+//! NACKing with a long message, one that never ACKs) in a 1,400 px window;
+//! the pages, asked with `?positions`, record where their cells lie, and the
+//! test reads that from `--dump-dom`. Chromium is `CHROMIUM_BIN` (`.ci/run`
+//! installs Debian's `chromium` and exports it); built without it, the test
+//! is reported as ignored, with the reason.
+
+use serde_json::Value;
+use tokio::process::Command;
+
+use crate::canary::request_as;
+use crate::helpers::clients::{sotw, SotwClient};
+use crate::helpers::galley::resource;
+use crate::helpers::{eventually_async, galley_and_gateway, get_json, within, GW, VS};
+
+/// The window the pages must fit.
+const WIDTH: f64 = 1400.0;
+
+/// A node id as istiod's sidecars send it.
+fn sidecar(pod: &str, ip: u8) -> String {
+    format!("sidecar~10.244.3.{ip}~{pod}.bookinfo~bookinfo.svc.cluster.local")
+}
+
+/// A client of `node` on `collection` that ACKs its first response.
+async fn synced(gw: &mcp_xds_gateway::app::Bound, node: &str, collection: &str) -> SotwClient {
+    let mut client = sotw(gw.listen).await;
+    client.send(request_as(node, collection, "", "", None));
+    let first = client.recv().await;
+    client.send(request_as(node, collection, &first.version_info, &first.nonce, None));
+    client
+}
+
+/// `url` rendered by Chromium in a 1,400 x 900 window: the DOM after its
+/// scripts ran.
+async fn render(chromium: &str, url: &str) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let output = within(
+        &format!("Chromium to render {url}"),
+        Command::new(chromium)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--window-size=1400,900",
+                "--dump-dom",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(url)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("run {chromium}: {e}"));
+    let dom = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success() && dom.contains("</html>"),
+        "{chromium} --dump-dom {url}: {:?}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    dom
+}
+
+/// What the page's script recorded: the window's width and each `data-col`
+/// element's box, lines and text, in document order.
+fn positions(dom: &str) -> Value {
+    let start = dom
+        .find("<pre id=\"positions\">")
+        .expect("the positions the page recorded")
+        + 20;
+    let end = start + dom[start..].find("</pre>").unwrap();
+    let text = dom[start..end]
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&nbsp;", "\u{a0}")
+        .replace("&amp;", "&");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn cells<'a>(recorded: &'a Value, col: &str) -> Vec<&'a Value> {
+    recorded["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["col"] == col)
+        .collect()
+}
+
+/// The status and NACK columns of both pages lie within 1,400 px, node ids
+/// stay on one line, and the NACKing client's row comes first.
+#[tokio::test]
+#[cfg_attr(
+    not(peer_chromium),
+    ignore = "needs Chromium: build and run with CHROMIUM_BIN set to its binary (.ci/run installs Debian's chromium)"
+)]
+async fn the_status_and_nack_columns_fit_1400_px_with_problems_first() {
+    let chromium =
+        std::env::var("CHROMIUM_BIN").expect("CHROMIUM_BIN, set when the tests were built, is set when they run");
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS, GW], &[]).await;
+    upstream.push_full(VS, vec![resource("reviews", "1", b"v1")]).await;
+    upstream
+        .push_full(GW, vec![resource("bookinfo-gateway", "1", b"g")])
+        .await;
+
+    // Clients in sync on both collections.
+    let mut clients = Vec::new();
+    for (at, pod) in [
+        "productpage-v1-6b746f74dc-9stvs",
+        "details-v1-5f4d584748-bz42b",
+        "ratings-v1-85cc46b6d4-x7m2n",
+        "reviews-v1-84c65dcd9b-4zt6q",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let node = sidecar(pod, 10 + at as u8);
+        for collection in [VS, GW] {
+            clients.push(synced(&gw, &node, collection).await);
+        }
+    }
+    // One that NACKs the next version, at length; one that never ACKs.
+    let nacking_node = sidecar("reviews-v3-7dbcdcbc56-m8kqz", 40);
+    let mut nacking = synced(&gw, &nacking_node, VS).await;
+    let mut pending = sotw(gw.listen).await;
+    pending.send(request_as(
+        &sidecar("reviews-v2-5b64f47978-kp9xd", 41),
+        VS,
+        "",
+        "",
+        None,
+    ));
+    pending.recv().await;
+    upstream.push_full(VS, vec![resource("reviews", "2", b"v2")]).await;
+    let refused = nacking.recv().await;
+    let message = format!(
+        "Internal:Error adding/updating listener(s) 0.0.0.0_9080: route reviews.bookinfo.svc.cluster.local: \
+         destination host \"reviews-canary.bookinfo.svc.cluster.local.with-a-very-long-name-that-never-breaks\" \
+         not found in any of the {} clusters the proxy holds; the previous configuration stays in effect",
+        42
+    );
+    nacking.send(request_as(&nacking_node, VS, "", &refused.nonce, Some(&message)));
+    eventually_async("the NACK in /debug/syncz", || async {
+        let syncz = get_json(gw.admin, "/debug/syncz?status=nacked").await;
+        !syncz["rows"].as_array().unwrap().is_empty()
+    })
+    .await;
+
+    for path in ["/?positions", "/debug/syncz?positions"] {
+        let url = format!("http://{}{path}", gw.admin);
+        let recorded = positions(&render(&chromium, &url).await);
+        assert_eq!(
+            recorded["width"].as_f64(),
+            Some(WIDTH),
+            "{path}: the window: {recorded}"
+        );
+        let statuses = cells(&recorded, "status");
+        assert!(!statuses.is_empty(), "{path}: {recorded}");
+        assert_eq!(statuses[0]["text"], "NACKED", "{path}: problems first: {recorded}");
+        for cell in statuses.iter().chain(&cells(&recorded, "nack")) {
+            let (left, right) = (cell["left"].as_f64().unwrap(), cell["right"].as_f64().unwrap());
+            assert!(left >= 0.0 && right <= WIDTH, "{path}: off-screen at 1,400 px: {cell}");
+        }
+        let shown = cells(&recorded, "nack")
+            .into_iter()
+            .find(|c| c["text"].as_str().unwrap_or_default().contains("Error adding/updating"))
+            .unwrap_or_else(|| panic!("{path}: the NACK message: {recorded}"));
+        // Readable: a column of its own, not squeezed to a few words a line.
+        let width = shown["right"].as_f64().unwrap() - shown["left"].as_f64().unwrap();
+        assert!(width >= 300.0 && shown["lines"].as_u64() <= Some(8), "{path}: {shown}");
+        let nodes = cells(&recorded, "node");
+        assert!(!nodes.is_empty(), "{path}");
+        for node in nodes {
+            assert_eq!(node["lines"], 1, "{path}: a node id on one line: {node}");
+        }
+    }
+    drop((clients, nacking, pending));
+}
