@@ -7,6 +7,7 @@ pub mod clients;
 pub mod envoy;
 pub mod galley;
 pub mod h2raw;
+pub mod kustomize;
 
 use std::future::Future;
 use std::net::SocketAddr;
