@@ -397,10 +397,29 @@ impl Args {
         let command = Args::command();
         let matches = command.clone().try_get_matches_from(argv)?;
         let mut args = Args::from_arg_matches(&matches)?;
-        if matches.subcommand().is_none() {
-            args.effective = effective(&command, &matches);
+        match (&mut args.command, matches.subcommand()) {
+            (None, _) => args.effective = effective(&command, &matches),
+            (Some(Command::Source(source)), Some((name, sub))) => {
+                if let Some(sub_command) = command.find_subcommand(name) {
+                    source.effective = effective(sub_command, sub);
+                }
+            }
+            _ => {}
         }
         Ok(args)
+    }
+
+    /// Every flag at its default, whatever the environment holds: what the
+    /// `source` command builds its settings on (its own flags and
+    /// `MCP_SOURCE_*` variables set the rest; the gateway's variables must
+    /// not reach it).
+    pub fn defaults() -> Args {
+        use clap::{CommandFactory, FromArgMatches};
+        let command = Args::command().mut_args(|arg| arg.env(None::<&str>));
+        let matches = command
+            .try_get_matches_from(["mcp-xds-gateway"])
+            .expect("every flag has a valid default");
+        Args::from_arg_matches(&matches).expect("the defaults parse")
     }
 }
 
@@ -450,6 +469,9 @@ pub enum Command {
     /// Rollout safety over the admin port: status, history, diff, pin,
     /// unpin, promote.
     Rollout(crate::tools::rollout::RolloutArgs),
+    /// Serve a directory as an MCP source, as Galley did: a ResourceSource
+    /// server (--listen), or a dial-out to a sink (--sink).
+    Source(Box<crate::tools::source::SourceArgs>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -483,6 +505,19 @@ pub enum Source {
     Files(SourceDir),
 }
 
+/// What the gRPC side of the process serves.
+#[derive(Clone, Debug, Default)]
+pub enum Serve {
+    /// The gateway: every protocol on `--listen`.
+    #[default]
+    Gateway,
+    /// `source --listen`: `ResourceSource` only, as Galley's `--server` did.
+    ResourceSource,
+    /// `source --sink`: nothing listens for config; `ResourceSource` is
+    /// served over the stream this process dials to a sink.
+    DialOut(Box<crate::tools::dial_out::DialOutSettings>),
+}
+
 /// The local source used when no source flag is given.
 pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 
@@ -496,6 +531,8 @@ pub const MAX_HISTORY: usize = 1000;
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub source: Source,
+    /// What the gRPC side serves (the gateway, or the `source` command).
+    pub serve: Serve,
     /// `--demo`: the compiled-in examples, labelled as such.
     pub demo: bool,
     pub cache_dir: Option<PathBuf>,
@@ -852,6 +889,7 @@ impl Args {
             ));
         }
         Ok(Settings {
+            serve: Serve::Gateway,
             demo: self.demo,
             source,
             cache_dir: self.cache_dir,

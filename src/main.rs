@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use mcp_xds_gateway::app;
 use mcp_xds_gateway::config::{Args, Command, LogFormat};
+use mcp_xds_gateway::metrics::LogControl;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
@@ -17,24 +18,41 @@ fn main() -> ExitCode {
         Some(Command::Rollout(rollout)) => {
             return run_tool(async move { mcp_xds_gateway::tools::rollout::run(rollout, &mut std::io::stdout()).await })
         }
+        Some(Command::Source(source)) => {
+            let logs = match init_logs(&source.log_level, source.log_format) {
+                Ok(logs) => logs,
+                Err(code) => return code,
+            };
+            return serve(source.validate(), logs);
+        }
         None => {}
     }
-    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&args.log_level));
+    let logs = match init_logs(&args.log_level, args.log_format) {
+        Ok(logs) => logs,
+        Err(code) => return code,
+    };
+    serve(args.validate(), logs)
+}
+
+/// Installs the log subscriber with `level` (RUST_LOG wins), whose filter
+/// the admin port's `POST /logging` changes at run time.
+fn init_logs(level: &str, format: LogFormat) -> Result<std::sync::Arc<LogControl>, ExitCode> {
+    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level));
     let filter = match filter {
         Ok(filter) => filter,
         Err(e) => {
-            eprintln!("error: --log-level: {:?} is not a log filter: {e}", args.log_level);
-            return ExitCode::from(2);
+            eprintln!("error: --log-level: {level:?} is not a log filter: {e}");
+            return Err(ExitCode::from(2));
         }
     };
     // The filter can be changed at run time (POST /logging on the admin port).
     let initial = std::env::var("RUST_LOG")
         .ok()
         .filter(|f| EnvFilter::try_new(f).is_ok())
-        .unwrap_or_else(|| args.log_level.clone());
+        .unwrap_or_else(|| level.to_owned());
     let (filter, reload) = tracing_subscriber::reload::Layer::new(filter);
     let logs = tracing_subscriber::registry().with(filter);
-    match args.log_format {
+    match format {
         LogFormat::Text => logs
             .with(tracing_subscriber::fmt::layer().with_ansi(std::io::stdout().is_terminal()))
             .init(),
@@ -47,11 +65,19 @@ fn main() -> ExitCode {
             )
             .init(),
     }
-    let log_control = std::sync::Arc::new(mcp_xds_gateway::metrics::LogControl::new(initial, move |filter| {
+    Ok(std::sync::Arc::new(LogControl::new(initial, move |filter| {
         let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
         reload.reload(filter).map_err(|e| e.to_string())
-    }));
-    let settings = match args.validate() {
+    })))
+}
+
+/// Runs the app (the gateway, or the `source` command) with the validated
+/// settings until a signal; a bad flag exits 2.
+fn serve(
+    settings: Result<mcp_xds_gateway::config::Settings, mcp_xds_gateway::config::ConfigError>,
+    logs: std::sync::Arc<LogControl>,
+) -> ExitCode {
+    let settings = match settings {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("error: {e}");
@@ -65,7 +91,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(settings, log_control)) {
+    match runtime.block_on(run(settings, logs)) {
         Ok(()) => ExitCode::SUCCESS,
         // Its message already holds its cause: printed once, not as a chain.
         Err(e) => match e.downcast_ref::<app::AppError>() {
