@@ -574,6 +574,55 @@ fn every_overlay_deploys_as_shipped() {
     }
 }
 
+/// `deploy/source` runs the `source` command as the binary parses and
+/// validates it, serving where its ports and Service say, with the
+/// config from a mounted ConfigMap.
+#[test]
+fn the_source_kustomization_runs_the_source_command() {
+    let docs = render("deploy/source");
+    let deployment = of_kind(&docs, "Deployment")[0];
+    let source = container(deployment);
+    let config = tempfile::tempdir().unwrap();
+    let mut args = args(source);
+    assert_eq!(args[0], "source", "the source command");
+    let mounts = source["volumeMounts"].as_sequence().unwrap();
+    for arg in args.iter_mut() {
+        if let Some(dir) = arg.strip_prefix("--source-dir=") {
+            let mount = mounts
+                .iter()
+                .find(|m| m["mountPath"] == dir)
+                .unwrap_or_else(|| panic!("--source-dir {dir} is not a mounted volume"));
+            let volume = deployment["spec"]["template"]["spec"]["volumes"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == mount["name"])
+                .unwrap();
+            assert!(
+                volume["configMap"]["name"].is_string(),
+                "the config comes from a ConfigMap"
+            );
+            *arg = format!("--source-dir={}", config.path().display());
+        }
+    }
+    let argv = std::iter::once("mcp-xds-gateway".to_owned()).chain(args.iter().cloned());
+    let Some(mcp_xds_gateway::config::Command::Source(command)) = Args::try_parse_from(argv).unwrap().command else {
+        panic!("{args:?}: the source command")
+    };
+    let settings = command.validate().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert!(matches!(settings.serve, mcp_xds_gateway::config::Serve::ResourceSource));
+    let ports = ports(source);
+    assert_eq!(ports["grpc-mcp"], u64::from(settings.listen.port()));
+    assert_eq!(ports["http-monitoring"], u64::from(settings.monitoring_listen.port()));
+    assert!(!ports.values().any(|p| *p == u64::from(settings.admin_listen.port())));
+    let service = of_kind(&docs, "Service")[0];
+    for port in service["spec"]["ports"].as_sequence().unwrap() {
+        let target = port["targetPort"].as_str().unwrap();
+        assert_eq!(port["port"].as_u64(), Some(ports[target]), "Service port {target}");
+    }
+    assert_eq!(source["securityContext"]["readOnlyRootFilesystem"], true);
+}
+
 #[test]
 fn the_monitoring_component_scrapes_metrics_and_ships_the_dashboard() {
     let all = manifests();
