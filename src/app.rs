@@ -415,8 +415,9 @@ pub async fn build_with_logs(
     }
 
     started.disarm();
+    let listening = listen.map_or_else(|| "none (dial-out)".to_owned(), |l| l.to_string());
     tracing::info!(
-        listen = listen.map(|l| l.to_string()),
+        listen = %listening,
         %admin,
         %monitoring,
         sink = sink.map(|s| s.to_string()),

@@ -2,6 +2,8 @@
 //! typed settings the gateway runs with. A bad value is an error that names
 //! its flag; nothing here does I/O beyond reading the files the flags name.
 
+pub mod source;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -471,7 +473,7 @@ pub enum Command {
     Rollout(crate::tools::rollout::RolloutArgs),
     /// Serve a directory as an MCP source, as Galley did: a ResourceSource
     /// server (--listen), or a dial-out to a sink (--sink).
-    Source(Box<crate::tools::source::SourceArgs>),
+    Source(Box<source::SourceArgs>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -487,7 +489,7 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError {
         flag,
         message: message.into(),
@@ -1039,14 +1041,14 @@ fn validate_upstream(url: &str) -> Result<String, ConfigError> {
     Ok(url.trim_end_matches('/').to_owned())
 }
 
-fn parse_key_value(value: &str) -> Result<(String, String), String> {
+pub(crate) fn parse_key_value(value: &str) -> Result<(String, String), String> {
     match value.split_once('=') {
         Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_owned(), value.to_owned())),
         _ => Err(format!("{value:?} is not KEY=VALUE")),
     }
 }
 
-fn parse_duration(value: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| format!("{value:?} is not a duration like 30s or 100ms: {e}"))
 }
 

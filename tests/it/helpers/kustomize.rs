@@ -130,18 +130,7 @@ fn build(dir: &Path) -> Result<Vec<Value>, String> {
         return Err(format!("{}: a Component is not a resource", dir.display()));
     }
     let mut resources = Vec::new();
-    for entry in list(&doc, "resources") {
-        let path = dir.join(string(entry, "resources")?);
-        if path.is_dir() {
-            resources.extend(build(&path)?);
-        } else {
-            resources.extend(read_docs(&path)?);
-        }
-    }
-    for entry in list(&doc, "components") {
-        component(&dir.join(string(entry, "components")?), &mut resources)?;
-    }
-    transform(dir, &doc, &mut resources)?;
+    accumulate(dir, &doc, &mut resources)?;
     Ok(resources)
 }
 
@@ -152,7 +141,13 @@ fn component(dir: &Path, resources: &mut Vec<Value>) -> Result<(), String> {
     if kind(&doc) != "Component" {
         return Err(format!("{}: not a Component", dir.display()));
     }
-    for entry in list(&doc, "resources") {
+    accumulate(dir, &doc, resources)
+}
+
+/// Adds `doc`'s resources and components to `resources`, then applies its
+/// generators and transformers to all of them.
+fn accumulate(dir: &Path, doc: &Value, resources: &mut Vec<Value>) -> Result<(), String> {
+    for entry in list(doc, "resources") {
         let path = dir.join(string(entry, "resources")?);
         if path.is_dir() {
             resources.extend(build(&path)?);
@@ -160,10 +155,10 @@ fn component(dir: &Path, resources: &mut Vec<Value>) -> Result<(), String> {
             resources.extend(read_docs(&path)?);
         }
     }
-    for entry in list(&doc, "components") {
+    for entry in list(doc, "components") {
         component(&dir.join(string(entry, "components")?), resources)?;
     }
-    transform(dir, &doc, resources)
+    transform(dir, doc, resources)
 }
 
 fn transform(dir: &Path, doc: &Value, resources: &mut Vec<Value>) -> Result<(), String> {

@@ -1,9 +1,11 @@
-//! `mcp-xds-gateway source`: a directory served as an MCP source, as a
-//! file-fed Galley did: a `ResourceSource` server (`--listen`, Galley's
-//! `--server`) or a dial-out to a sink (`--sink`, Galley's `--sinkAddress`).
-//! It is the gateway's own app with the files source and only the
-//! `ResourceSource` service, so its streams follow the same rules, limits and
-//! views (its admin port shows every sink's ACK and NACK state).
+//! The flags of `mcp-xds-gateway source`: a directory served as an MCP
+//! source, as a file-fed Galley did: a `ResourceSource` server (`--listen`,
+//! Galley's `--server`) or a dial-out to a sink (`--sink`, Galley's
+//! `--sinkAddress`, run by `tools::dial_out`). It is the gateway's own app
+//! with the files source and only the `ResourceSource` service, so its
+//! streams follow the same rules, limits and views (its admin port shows
+//! every sink's ACK and NACK state); its settings are the gateway's,
+//! validated by the gateway's own checks.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,7 +14,7 @@ use std::time::Duration;
 use clap::{ArgGroup, Args as ClapArgs};
 use tonic::codegen::http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::config::{Args, ConfigError, EffectiveFlag, LogFormat, Serve, Settings};
+use super::{invalid, parse_duration, parse_key_value, Args, ConfigError, EffectiveFlag, LogFormat, Serve, Settings};
 use crate::source::backoff::BackoffPolicy;
 use crate::tools::dial_out::DialOutSettings;
 use crate::transport::connect::Dial;
@@ -160,24 +162,6 @@ pub struct SourceArgs {
     /// Log lines as text or as one JSON object per line.
     #[arg(long, env = "MCP_SOURCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
-}
-
-fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        flag,
-        message: message.into(),
-    }
-}
-
-fn parse_key_value(value: &str) -> Result<(String, String), String> {
-    match value.split_once('=') {
-        Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_owned(), value.to_owned())),
-        _ => Err(format!("{value:?} is not KEY=VALUE")),
-    }
-}
-
-fn parse_duration(value: &str) -> Result<Duration, String> {
-    humantime::parse_duration(value).map_err(|e| format!("{value:?} is not a duration like 30s or 100ms: {e}"))
 }
 
 // === impl SourceArgs ===
