@@ -535,3 +535,77 @@ impl http_body::Body for SourceResponses {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    /// A response body of `chunks`, as the sink's side of the call.
+    fn sink_body(chunks: Vec<Bytes>) -> Body {
+        let frames = chunks.into_iter().map(|c| Ok::<_, Status>(Frame::data(c)));
+        Body::new(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
+    }
+
+    fn requests(chunks: Vec<Bytes>, max_message_bytes: usize) -> (SinkRequests, Arc<CallState>) {
+        let (answered_tx, answered) = oneshot::channel();
+        answered_tx.send(sink_body(chunks)).ok().unwrap();
+        let log = Arc::new(CallState::default());
+        let requests = SinkRequests {
+            answered: Some(answered),
+            leftover: None,
+            body: None,
+            buf: BytesMut::new(),
+            max_message_bytes,
+            log: log.clone(),
+        };
+        (requests, log)
+    }
+
+    fn framed(request: &RequestResources) -> Bytes {
+        call::framed(request).unwrap()
+    }
+
+    #[tokio::test]
+    async fn the_trigger_answer_is_taken_out_and_messages_pass_whole() {
+        let trigger_answer = framed(&RequestResources {
+            collection: TRIGGER_COLLECTION.into(),
+            error_detail: Some(tonic_types::Status {
+                code: Code::Unimplemented as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let ack = framed(&RequestResources {
+            collection: "c".into(),
+            response_nonce: "1".into(),
+            ..Default::default()
+        });
+        // Split anywhere: inside the prefix, and across the two messages.
+        let mut all = BytesMut::new();
+        all.extend_from_slice(&trigger_answer);
+        all.extend_from_slice(&ack);
+        let all = all.freeze();
+        let chunks = vec![
+            all.slice(..3),
+            all.slice(3..trigger_answer.len() + 2),
+            all.slice(trigger_answer.len() + 2..),
+        ];
+        let (requests, log) = requests(chunks, 1 << 20);
+        let collected = requests.collect().await.unwrap().to_bytes();
+        assert_eq!(collected, ack, "only the ACK reaches the engine, whole");
+        let log = log.take();
+        assert!(log.acked);
+        assert!(matches!(log.sink, Some(SinkEnd::Closed)));
+    }
+
+    #[tokio::test]
+    async fn a_message_over_the_limit_is_refused_before_it_is_read() {
+        let mut prefix = BytesMut::new();
+        prefix.extend_from_slice(&[0, 0, 0x10, 0, 0]);
+        let (mut requests, _) = requests(vec![prefix.freeze()], 4096);
+        let refused = requests.frame().await.unwrap().unwrap_err();
+        assert_eq!(refused.code(), Code::ResourceExhausted);
+        assert!(refused.message().contains("--max-request-bytes=4096"), "{refused:?}");
+    }
+}
