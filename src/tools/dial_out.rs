@@ -182,19 +182,9 @@ impl DialOut {
             _ = shutdown.cancelled() => return Ended::Shutdown,
         };
         let log = Arc::new(CallState::default());
-        // The engine reads the sink's requests from the call's response
-        // body, handed over once the call is answered.
-        let (answered_tx, answered) = oneshot::channel();
-        let (leftover_tx, leftover) = oneshot::channel();
-        let requests = SinkRequests {
-            answered: Some(answered),
-            leftover: Some(leftover_tx),
-            body: None,
-            buf: BytesMut::new(),
-            max_message_bytes: self.max_request_bytes,
-            log: log.clone(),
-        };
-        let served = self.serve(Body::new(requests)).await;
+        // The call's request body: the trigger, then the engine's responses
+        // once the call is answered (a refused call starts no stream).
+        let (served_tx, served) = oneshot::channel();
         let (ended_tx, mut ended) = oneshot::channel();
         let trigger = Resources {
             collection: TRIGGER_COLLECTION.to_owned(),
@@ -206,7 +196,7 @@ impl DialOut {
         };
         let outbound = SourceResponses {
             trigger: Some(trigger),
-            served,
+            served: Served::Waiting(served),
             log: log.clone(),
             ended: Some(ended_tx),
         };
@@ -235,9 +225,18 @@ impl DialOut {
             log.sink_ended(SinkEnd::Status(status));
             return Ended::Ran(log.take());
         }
-        // Only the engine's stream can have dropped the receiver, and then
-        // the stream is over: `ended` says so next.
-        let _ = answered_tx.send(answered.body);
+        // The engine reads the sink's requests from the call's response body.
+        let (leftover_tx, leftover) = oneshot::channel();
+        let requests = SinkRequests {
+            leftover: Some(leftover_tx),
+            body: Some(answered.body),
+            buf: BytesMut::new(),
+            max_message_bytes: self.max_request_bytes,
+            log: log.clone(),
+        };
+        // Only a stream already over (hyper dropped the request body) has
+        // dropped the receiver: `ended` says so next.
+        let _ = served_tx.send(self.serve(Body::new(requests)).await);
         metrics::gauge!(m::DIAL_OUT_CONNECTED).set(1.0);
         tracing::info!(sink = %dial.address, "connected to the sink; serving it the source directory");
         let end = tokio::select! {
@@ -363,11 +362,10 @@ impl CallState {
 }
 
 /// The sink's requests, as the engine reads them: the response body of the
-/// call once it is answered, a whole message at a time (one held at a time,
+/// call, a whole message at a time (one held at a time,
 /// at most `max_message_bytes`: the limit the engine applies too). The
 /// status the sink ends with is kept for the log; the engine sees the end.
 struct SinkRequests {
-    answered: Option<oneshot::Receiver<Body>>,
     /// Where the body goes when the engine drops it before its end.
     leftover: Option<oneshot::Sender<Body>>,
     body: Option<Body>,
@@ -417,17 +415,6 @@ impl http_body::Body for SinkRequests {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = &mut *self;
         loop {
-            if let Some(answered) = &mut this.answered {
-                match ready!(Pin::new(answered).poll(cx)) {
-                    Ok(body) => this.body = Some(body),
-                    // Never answered: there is no stream to read.
-                    Err(_) => {
-                        this.answered = None;
-                        return Poll::Ready(None);
-                    }
-                }
-                this.answered = None;
-            }
             match this.next_message() {
                 Ok(Some(message)) => {
                     if this.log.inspect(&message[HEADER..]) {
@@ -480,9 +467,15 @@ impl http_body::Body for SinkRequests {
 /// the stream is reset) ends the stream.
 struct SourceResponses {
     trigger: Option<Bytes>,
-    served: Body,
+    served: Served,
     log: Arc<CallState>,
     ended: Option<oneshot::Sender<()>>,
+}
+
+/// The engine's responses: started once the call is answered.
+enum Served {
+    Waiting(oneshot::Receiver<Body>),
+    Started(Body),
 }
 
 impl SourceResponses {
@@ -511,7 +504,20 @@ impl http_body::Body for SourceResponses {
         if this.ended.is_none() {
             return Poll::Ready(None);
         }
-        match ready!(Pin::new(&mut this.served).poll_frame(cx)) {
+        let served = loop {
+            match &mut this.served {
+                Served::Started(served) => break served,
+                Served::Waiting(started) => match ready!(Pin::new(started).poll(cx)) {
+                    Ok(served) => this.served = Served::Started(served),
+                    // No stream was started: the call is over.
+                    Err(_) => {
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
+                },
+            }
+        };
+        match ready!(Pin::new(served).poll_frame(cx)) {
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
                 // The engine's status goes in the log: a request carries no
@@ -548,13 +554,10 @@ mod tests {
     }
 
     fn requests(chunks: Vec<Bytes>, max_message_bytes: usize) -> (SinkRequests, Arc<CallState>) {
-        let (answered_tx, answered) = oneshot::channel();
-        answered_tx.send(sink_body(chunks)).ok().unwrap();
         let log = Arc::new(CallState::default());
         let requests = SinkRequests {
-            answered: Some(answered),
             leftover: None,
-            body: None,
+            body: Some(sink_body(chunks)),
             buf: BytesMut::new(),
             max_message_bytes,
             log: log.clone(),
