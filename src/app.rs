@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 use crate::admin::{self, AdminState};
 use crate::cache::demand::{DemandRoute, Subscriptions};
 use crate::cache::Cache;
-use crate::config::{Settings, Source};
+use crate::config::{Serve, Settings, Source};
 use crate::downstream::rollout::{Rollout, Saved};
 use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService, XdsService};
 use crate::source::client::UpstreamClient;
@@ -23,6 +23,7 @@ use crate::source::files::LocalSource;
 use crate::source::persisted::{self, Persister};
 use crate::source::sink::SinkServer;
 use crate::source::{SinkContext, UpstreamStatus};
+use crate::tools::dial_out::DialOut;
 use crate::transport::grpc::{self, GrpcListener, SharedLimits};
 use crate::transport::tls::{ServerTls, TlsError};
 
@@ -61,7 +62,8 @@ impl AppError {
 
 /// A running gateway.
 pub struct Bound {
-    /// Where the downstream gRPC services listen.
+    /// Where the downstream gRPC services listen; `source --sink`, which
+    /// listens for no client, has the unspecified address `0.0.0.0:0`.
     pub listen: SocketAddr,
     /// Where the admin port listens (debug views).
     pub admin: SocketAddr,
@@ -107,8 +109,12 @@ pub async fn build_with_logs(
     crate::metrics::register_defaults(&settings.collections);
     crate::source::register_metrics();
     // Everything that can refuse the flags comes before the first log line:
-    // a failed start prints its one error, nothing else.
-    let (grpc_listener, listen) = bind("--listen", settings.listen).await?;
+    // a failed start prints its one error, nothing else. `source --sink`
+    // serves its one stream over a connection it dials.
+    let grpc_listener = match settings.serve {
+        Serve::DialOut(_) => None,
+        Serve::Gateway | Serve::ResourceSource => Some(bind("--listen", settings.listen).await?),
+    };
     let (admin_listener, admin) = bind("--admin-listen", settings.admin_listen).await?;
     let (monitoring_listener, monitoring) = bind("--monitoring-listen", settings.monitoring_listen).await?;
     let sink_listener = match &settings.source {
@@ -232,58 +238,70 @@ pub async fn build_with_logs(
         settings.downstream,
     );
     crate::downstream::register_metrics(&downstream, &settings.collections);
-    let service = AggregatedService::new(downstream.clone());
     let resource_source = ResourceSourceService::new(downstream.clone());
-    let xds = XdsService::new(downstream);
-    const SERVICES: [&str; 3] = [
+    const GATEWAY_SERVICES: &[&str] = &[
         <AggregatedService as tonic::server::NamedService>::NAME,
         <ResourceSourceService as tonic::server::NamedService>::NAME,
         <XdsService as tonic::server::NamedService>::NAME,
     ];
+    const SOURCE_SERVICES: &[&str] = &[<ResourceSourceService as tonic::server::NamedService>::NAME];
+    let services = match settings.serve {
+        Serve::Gateway => GATEWAY_SERVICES,
+        Serve::ResourceSource | Serve::DialOut(_) => SOURCE_SERVICES,
+    };
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;
-    for name in SERVICES {
+    for name in services {
         health
-            .set_service_status(name, tonic_health::ServingStatus::NotServing)
+            .set_service_status(*name, tonic_health::ServingStatus::NotServing)
             .await;
     }
     tasks.spawn(admin::track_health(
         health,
-        &SERVICES,
+        services,
         subscriptions.clone(),
         cache.clone(),
         shutdown.clone(),
     ));
     let health_service =
         admin::HealthWithReason::new(health_service, subscriptions.clone(), cache.clone(), status_rx.clone());
-    let routes = tonic::service::Routes::new(service)
-        .add_service(resource_source)
-        .add_service(xds)
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .prepare();
+    let routes = match settings.serve {
+        Serve::Gateway => tonic::service::Routes::new(AggregatedService::new(downstream.clone()))
+            .add_service(resource_source.clone())
+            .add_service(XdsService::new(downstream)),
+        Serve::ResourceSource | Serve::DialOut(_) => tonic::service::Routes::new(resource_source.clone()),
+    }
+    .add_service(health_service)
+    .add_service(reflection_v1)
+    .add_service(reflection_v1alpha)
+    .prepare();
     let limits = Arc::new(settings.grpc.clone());
     let shared = SharedLimits::new(
         settings.max_connections,
         settings.max_streams,
         settings.max_new_streams_per_second,
     );
-    grpc::serve(
-        grpc_listener,
-        GrpcListener {
-            name: "--listen",
-            tls: server_tls.clone(),
-            allow: settings.client_allow.clone(),
-            limits: limits.clone(),
-            shared: shared.clone(),
-        },
-        routes,
-        shutdown.clone(),
-        tasks.clone(),
-    );
+    let listen = match grpc_listener {
+        Some((grpc_listener, listen)) => {
+            grpc::serve(
+                grpc_listener,
+                GrpcListener {
+                    name: "--listen",
+                    tls: server_tls.clone(),
+                    allow: settings.client_allow.clone(),
+                    limits: limits.clone(),
+                    shared: shared.clone(),
+                },
+                routes,
+                shutdown.clone(),
+                tasks.clone(),
+            );
+            Some(listen)
+        }
+        None => None,
+    };
 
     let admin_state = AdminState {
         cache: cache.clone(),
@@ -407,18 +425,34 @@ pub async fn build_with_logs(
             tracing::info!(source = %dir, "serving the local source");
         }
     }
+    if let Serve::DialOut(dial_out) = &settings.serve {
+        // After the local source's first read: the sink is served what the
+        // files hold from its first request on.
+        let dial_out = DialOut::new(
+            (**dial_out).clone(),
+            resource_source,
+            settings.downstream.max_request_bytes,
+        );
+        tasks.spawn(dial_out.run(shutdown.clone()));
+    }
 
     started.disarm();
+    let listening = listen.map_or_else(|| "none (dial-out)".to_owned(), |l| l.to_string());
     tracing::info!(
-        %listen,
+        listen = %listening,
         %admin,
         %monitoring,
         sink = sink.map(|s| s.to_string()),
         tls = server_tls_on(&settings.server_tls),
-        "gateway listening"
+        "{} listening",
+        match settings.serve {
+            Serve::Gateway => "gateway",
+            Serve::ResourceSource | Serve::DialOut(_) => "source",
+        }
     );
     Ok(Bound {
-        listen,
+        // `source --sink` listens for no client: the unspecified address.
+        listen: listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
         admin,
         monitoring,
         sink,
@@ -493,7 +527,15 @@ fn log_effective(settings: &Settings) {
         _ => None,
     };
     let grpc = &settings.grpc;
+    let (serve, dial_out) = match &settings.serve {
+        Serve::Gateway => ("gateway", None),
+        Serve::ResourceSource => ("resource-source", None),
+        Serve::DialOut(dial_out) => ("dial-out", Some(dial_out)),
+    };
     tracing::info!(
+        serve,
+        dial_out_sink = dial_out.map(|d| d.dial.address.as_str()),
+        dial_out_tls = dial_out.map(|d| d.dial.tls.is_some()),
         source = mode,
         upstream = %address,
         node_id = node,

@@ -2,6 +2,8 @@
 //! typed settings the gateway runs with. A bad value is an error that names
 //! its flag; nothing here does I/O beyond reading the files the flags name.
 
+pub mod source;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -405,10 +407,29 @@ impl Args {
         let command = Args::command();
         let matches = command.clone().try_get_matches_from(argv)?;
         let mut args = Args::from_arg_matches(&matches)?;
-        if matches.subcommand().is_none() {
-            args.effective = effective(&command, &matches);
+        match (&mut args.command, matches.subcommand()) {
+            (None, _) => args.effective = effective(&command, &matches),
+            (Some(Command::Source(source)), Some((name, sub))) => {
+                if let Some(sub_command) = command.find_subcommand(name) {
+                    source.effective = effective(sub_command, sub);
+                }
+            }
+            _ => {}
         }
         Ok(args)
+    }
+
+    /// Every flag at its default, whatever the environment holds: what the
+    /// `source` command builds its settings on (its own flags and
+    /// `MCP_SOURCE_*` variables set the rest; the gateway's variables must
+    /// not reach it).
+    pub fn defaults() -> Args {
+        use clap::{CommandFactory, FromArgMatches};
+        let command = Args::command().mut_args(|arg| arg.env(None::<&str>));
+        let matches = command
+            .try_get_matches_from(["mcp-xds-gateway"])
+            .expect("every flag has a valid default");
+        Args::from_arg_matches(&matches).expect("the defaults parse")
     }
 }
 
@@ -458,6 +479,9 @@ pub enum Command {
     /// Rollout safety over the admin port: status, history, diff, pin,
     /// unpin, promote.
     Rollout(crate::tools::rollout::RolloutArgs),
+    /// Serve a directory as an MCP source, as Galley did: a ResourceSource
+    /// server (--listen), or a dial-out to a sink (--sink).
+    Source(Box<source::SourceArgs>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -473,7 +497,7 @@ pub struct ConfigError {
     pub message: String,
 }
 
-fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
     ConfigError {
         flag,
         message: message.into(),
@@ -489,6 +513,19 @@ pub enum Source {
     Sink(SinkSettings),
     /// `--source-dir`, the default: local YAML files.
     Files(SourceDir),
+}
+
+/// What the gRPC side of the process serves.
+#[derive(Clone, Debug, Default)]
+pub enum Serve {
+    /// The gateway: every protocol on `--listen`.
+    #[default]
+    Gateway,
+    /// `source --listen`: `ResourceSource` only, as Galley's `--server` did.
+    ResourceSource,
+    /// `source --sink`: nothing listens for config; `ResourceSource` is
+    /// served over the stream this process dials to a sink.
+    DialOut(Box<crate::tools::dial_out::DialOutSettings>),
 }
 
 /// The local source used when no source flag is given.
@@ -507,6 +544,8 @@ pub const MAX_HISTORY: usize = 1000;
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub source: Source,
+    /// What the gRPC side serves (the gateway, or the `source` command).
+    pub serve: Serve,
     /// `--demo`: the compiled-in examples, labelled as such.
     pub demo: bool,
     pub cache_dir: Option<PathBuf>,
@@ -921,6 +960,7 @@ impl Args {
             ));
         }
         Ok(Settings {
+            serve: Serve::Gateway,
             demo: self.demo,
             source,
             cache_dir: self.cache_dir,
@@ -1084,14 +1124,14 @@ fn validate_upstream(url: &str) -> Result<String, ConfigError> {
     Ok(url.trim_end_matches('/').to_owned())
 }
 
-fn parse_key_value(value: &str) -> Result<(String, String), String> {
+pub(crate) fn parse_key_value(value: &str) -> Result<(String, String), String> {
     match value.split_once('=') {
         Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_owned(), value.to_owned())),
         _ => Err(format!("{value:?} is not KEY=VALUE")),
     }
 }
 
-fn parse_duration(value: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| format!("{value:?} is not a duration like 30s or 100ms: {e}"))
 }
 

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use mcp_xds_gateway::app;
 use mcp_xds_gateway::config::{Args, Command, LogFormat};
+use mcp_xds_gateway::metrics::LogControl;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
@@ -17,30 +18,53 @@ fn main() -> ExitCode {
         Some(Command::Rollout(rollout)) => {
             return run_tool(async move { mcp_xds_gateway::tools::rollout::run(rollout, &mut std::io::stdout()).await })
         }
+        Some(Command::Source(source)) => {
+            let origin = log_level_origin(&source.effective);
+            let logs = match init_logs(&source.log_level, source.log_format, origin) {
+                Ok(logs) => logs,
+                Err(code) => return code,
+            };
+            return serve(source.validate(), logs);
+        }
         None => {}
     }
-    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(&args.log_level));
+    let origin = log_level_origin(&args.effective);
+    let logs = match init_logs(&args.log_level, args.log_format, origin) {
+        Ok(logs) => logs,
+        Err(code) => return code,
+    };
+    serve(args.validate(), logs)
+}
+
+/// Where `--log-level`'s value came from (a flag, the environment, the
+/// default), as `/debug/config` shows it.
+fn log_level_origin(effective: &[mcp_xds_gateway::config::EffectiveFlag]) -> String {
+    effective
+        .iter()
+        .find(|f| f.flag == "--log-level")
+        .map_or_else(|| "default".to_owned(), |f| f.source.clone())
+}
+
+/// Installs the log subscriber with `level` (RUST_LOG wins), whose filter
+/// the admin port's `POST /logging` changes at run time; `origin` says where
+/// `level` came from.
+fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync::Arc<LogControl>, ExitCode> {
+    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level));
     let filter = match filter {
         Ok(filter) => filter,
         Err(e) => {
-            eprintln!("error: --log-level: {:?} is not a log filter: {e}", args.log_level);
-            return ExitCode::from(2);
+            eprintln!("error: --log-level: {level:?} is not a log filter: {e}");
+            return Err(ExitCode::from(2));
         }
     };
     // The filter can be changed at run time (POST /logging on the admin port).
     let (initial, origin) = match std::env::var("RUST_LOG").ok().filter(|f| EnvFilter::try_new(f).is_ok()) {
         Some(filter) => (filter, "environment (RUST_LOG)".to_owned()),
-        None => (
-            args.log_level.clone(),
-            args.effective
-                .iter()
-                .find(|f| f.flag == "--log-level")
-                .map_or_else(|| "default".to_owned(), |f| f.source.clone()),
-        ),
+        None => (level.to_owned(), origin),
     };
     let (filter, reload) = tracing_subscriber::reload::Layer::new(filter);
     let logs = tracing_subscriber::registry().with(filter);
-    match args.log_format {
+    match format {
         LogFormat::Text => logs
             .with(tracing_subscriber::fmt::layer().with_ansi(std::io::stdout().is_terminal()))
             .init(),
@@ -53,15 +77,19 @@ fn main() -> ExitCode {
             )
             .init(),
     }
-    let log_control = std::sync::Arc::new(mcp_xds_gateway::metrics::LogControl::new(
-        initial,
-        origin,
-        move |filter| {
-            let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
-            reload.reload(filter).map_err(|e| e.to_string())
-        },
-    ));
-    let settings = match args.validate() {
+    Ok(std::sync::Arc::new(LogControl::new(initial, origin, move |filter| {
+        let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
+        reload.reload(filter).map_err(|e| e.to_string())
+    })))
+}
+
+/// Runs the app (the gateway, or the `source` command) with the validated
+/// settings until a signal; a bad flag exits 2.
+fn serve(
+    settings: Result<mcp_xds_gateway::config::Settings, mcp_xds_gateway::config::ConfigError>,
+    logs: std::sync::Arc<LogControl>,
+) -> ExitCode {
+    let settings = match settings {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("error: {e}");
@@ -75,7 +103,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(settings, log_control)) {
+    match runtime.block_on(run(settings, logs)) {
         Ok(()) => ExitCode::SUCCESS,
         // Its message already holds its cause: printed once, not as a chain.
         Err(e) => match e.downcast_ref::<app::AppError>() {

@@ -50,6 +50,10 @@ pub const CONNECTIONS_EVICTED: &str = "mcp_gateway_connections_evicted_total";
 pub const ACCEPT_ERRORS: &str = "mcp_gateway_accept_errors_total";
 pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
 pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
+/// `source --sink`: the stream it dials to a sink.
+pub const DIAL_OUT_CONNECTED: &str = "mcp_gateway_dial_out_connected";
+pub const DIAL_OUT_ATTEMPTS: &str = "mcp_gateway_dial_out_attempts_total";
+pub const DIAL_OUT_STREAM_ENDS: &str = "mcp_gateway_dial_out_stream_ends_total";
 pub const CACHE_WRITE_FAILURES: &str = "mcp_gateway_cache_write_failures_total";
 pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_total";
 pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
@@ -446,6 +450,15 @@ pub fn describe() {
         "Upstream stream attempts: dials in client mode (successful or not), dial-out streams accepted in sink mode."
     );
     describe_gauge!(UPSTREAM_CONNECTED, "1 while an upstream stream is established, else 0.");
+    describe_gauge!(
+        DIAL_OUT_CONNECTED,
+        "source --sink: 1 while the stream to the sink is established, else 0."
+    );
+    describe_counter!(DIAL_OUT_ATTEMPTS, "source --sink: streams to the sink attempted.");
+    describe_counter!(
+        DIAL_OUT_STREAM_ENDS,
+        "source --sink: streams to the sink that ended, by reason (connect, refused, lost, sink_ended, source_ended, shutdown)."
+    );
     describe_counter!(UPSTREAM_STREAM_TERMINATIONS, "Upstream streams that ended, by reason.");
     describe_counter!(
         UPSTREAM_REFUSED_COLLECTIONS,

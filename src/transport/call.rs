@@ -24,6 +24,11 @@ use super::requests::{RequestBudget, RequestStream};
 
 /// One message as a gRPC frame: uncompressed, its length, its bytes.
 fn frame<M: prost::Message>(message: &M) -> Result<Frame<bytes::Bytes>, Status> {
+    framed(message).map(Frame::data)
+}
+
+/// One message with its gRPC prefix: uncompressed, its length, its bytes.
+pub fn framed<M: prost::Message>(message: &M) -> Result<bytes::Bytes, Status> {
     let len = message.encoded_len();
     let prefix = u32::try_from(len).map_err(|_| Status::internal(format!("a request of {len} bytes")))?;
     let mut buf = BytesMut::with_capacity(5 + len);
@@ -32,7 +37,7 @@ fn frame<M: prost::Message>(message: &M) -> Result<Frame<bytes::Bytes>, Status> 
     message
         .encode(&mut buf)
         .map_err(|e| Status::internal(format!("encoding a request: {e}")))?;
-    Ok(Frame::data(buf.freeze()))
+    Ok(buf.freeze())
 }
 
 /// A response body of the messages `messages` yields, then trailers with an
@@ -95,11 +100,24 @@ pub async fn open<Req: prost::Message + 'static>(
     outbound: mpsc::Receiver<Req>,
 ) -> Result<Answered, Status> {
     let frames = ReceiverStream::new(outbound).map(|request| frame(&request));
-    let mut request = http::Request::new(Body::new(http_body_util::StreamBody::new(frames)));
+    let body = Body::new(http_body_util::StreamBody::new(frames));
+    open_body(channel, path, body, HeaderMap::new()).await
+}
+
+/// [`open`] with a request body of gRPC-framed messages as it is, and
+/// `metadata` sent as the call's headers.
+pub async fn open_body(
+    channel: Channel,
+    path: &'static str,
+    body: Body,
+    metadata: HeaderMap,
+) -> Result<Answered, Status> {
+    let mut request = http::Request::new(body);
     *request.method_mut() = http::Method::POST;
     // The channel adds the scheme and authority of its endpoint.
     *request.uri_mut() = http::Uri::from_static(path);
     *request.version_mut() = http::Version::HTTP_2;
+    *request.headers_mut() = metadata;
     let headers = request.headers_mut();
     headers.insert(header::TE, HeaderValue::from_static("trailers"));
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));

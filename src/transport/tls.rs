@@ -208,8 +208,9 @@ impl ServerTls {
 pub type Conn = Either<TcpStream, Box<tokio_rustls::server::TlsStream<TcpStream>>>;
 
 /// A client's TLS files: the upstream client's (`--upstream-ca`,
-/// `--upstream-cert`, `--upstream-key`, `--upstream-server-name`) or the
-/// `client` command's (`--ca`, `--cert`, `--key`, `--server-name`).
+/// `--upstream-cert`, `--upstream-key`, `--upstream-server-name`), the
+/// `client` command's (`--ca`, `--cert`, `--key`, `--server-name`) or the
+/// `source` command's (`--ca`, `--tls-cert`, `--tls-key`, `--server-name`).
 #[derive(Clone, Debug)]
 pub struct ClientTlsFiles {
     /// Without it, the system's roots are trusted.
@@ -217,7 +218,8 @@ pub struct ClientTlsFiles {
     pub cert: Option<PathBuf>,
     pub key: Option<PathBuf>,
     pub server_name: Option<String>,
-    /// How the flags are spelled in errors: `--upstream-` or `--`.
+    /// How the flags are spelled in errors: `--upstream-`, `--` (the
+    /// `client` command) or `--tls-` (the `source` command).
     pub flag_prefix: &'static str,
 }
 
@@ -240,6 +242,12 @@ impl ClientTlsFiles {
             ("--", "cert") => "--cert",
             ("--", "key") => "--key",
             ("--", _) => "--server-name",
+            // The `source` command dialling a sink: its certificate is
+            // --tls-cert/--tls-key in both of its modes.
+            ("--tls-", "ca") => "--ca",
+            ("--tls-", "cert") => "--tls-cert",
+            ("--tls-", "key") => "--tls-key",
+            ("--tls-", _) => "--server-name",
             (_, "ca") => "--upstream-ca",
             (_, "cert") => "--upstream-cert",
             (_, "key") => "--upstream-key",

@@ -10,7 +10,7 @@ use clap::{CommandFactory, Parser};
 use mcp_xds_gateway::config::Args;
 use serde_norway::Value;
 
-use crate::helpers::http_get;
+use crate::helpers::{http_get, kustomize};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -273,22 +273,53 @@ fn the_dial_out_overlay_listens_where_its_ports_say() {
     assert_eq!(budget["spec"]["maxUnavailable"], 1);
 }
 
-/// Renders an overlay with `kubectl kustomize` (kustomize's own rendering);
-/// `None`, with a message, where kubectl is not installed.
-fn render(overlay: &str) -> Option<Vec<Value>> {
+/// Renders a kustomization (`deploy/base`, an overlay) with the test's
+/// kustomize renderer: the checks run wherever the tests do, and
+/// `the_renderer_agrees_with_kustomize` holds it to kustomize itself.
+fn render(kustomization: &str) -> Vec<Value> {
+    kustomize::render(&root().join(kustomization)).unwrap_or_else(|e| panic!("rendering {kustomization}: {e}"))
+}
+
+/// Every kustomization under `deploy/` that deploys (components are parts
+/// of one), as a path from the repository's root.
+fn kustomizations() -> Vec<String> {
+    let mut found: Vec<String> = manifests()
+        .iter()
+        .filter(|(path, docs)| {
+            path.file_name().is_some_and(|f| f == "kustomization.yaml") && docs.iter().all(|d| kind(d) != "Component")
+        })
+        .map(|(path, _)| {
+            path.parent()
+                .unwrap()
+                .strip_prefix(root())
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// `kubectl kustomize` of a kustomization; `None`, with a message, where
+/// kubectl is not installed.
+fn kubectl_kustomize(kustomization: &str) -> Option<Vec<Value>> {
     let output = match std::process::Command::new("kubectl")
-        .args(["kustomize", &root().join(overlay).to_string_lossy()])
+        .args(["kustomize", &root().join(kustomization).to_string_lossy()])
         .output()
     {
         Ok(output) => output,
         Err(e) => {
-            eprintln!("SKIPPED rendering {overlay}: kubectl is not installed ({e}); the source files are checked");
+            eprintln!(
+                "SKIPPED comparing the test's renderer with kustomize for {kustomization}: kubectl is not installed \
+                 ({e}); the deploy:: checks ran on the test's rendering"
+            );
             return None;
         }
     };
     assert!(
         output.status.success(),
-        "kubectl kustomize {overlay}: {}",
+        "kubectl kustomize {kustomization}: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     let text = String::from_utf8(output.stdout).unwrap();
@@ -299,12 +330,155 @@ fn render(overlay: &str) -> Option<Vec<Value>> {
     )
 }
 
+/// Objects in a stable order (kustomize sorts by kind, the renderer keeps
+/// the files' order): by kind, namespace and name.
+fn sorted(mut docs: Vec<Value>) -> Vec<Value> {
+    docs.sort_by_key(|d| {
+        (
+            kind(d).to_owned(),
+            d["metadata"]["namespace"].as_str().unwrap_or("").to_owned(),
+            d["metadata"]["name"].as_str().unwrap_or("").to_owned(),
+        )
+    });
+    docs
+}
+
+/// The test's renderer gives what kustomize gives, object for object, for
+/// every kustomization shipped.
+#[test]
+fn the_renderer_agrees_with_kustomize() {
+    for kustomization in kustomizations() {
+        let Some(expected) = kubectl_kustomize(&kustomization) else {
+            return;
+        };
+        let rendered = sorted(render(&kustomization));
+        let expected = sorted(expected);
+        assert_eq!(rendered.len(), expected.len(), "{kustomization}: objects");
+        for (ours, theirs) in rendered.iter().zip(&expected) {
+            assert!(
+                ours == theirs,
+                "{kustomization}: {} {} differs:\n--- test renderer\n{}\n--- kubectl kustomize\n{}",
+                kind(theirs),
+                theirs["metadata"]["name"].as_str().unwrap_or(""),
+                serde_norway::to_string(ours).unwrap(),
+                serde_norway::to_string(theirs).unwrap()
+            );
+        }
+    }
+}
+
+/// The port the binary's monitoring listener takes with these args (the
+/// gateway's, or the `source` command's).
+fn monitoring_port(args: &[String]) -> u16 {
+    let argv = std::iter::once("mcp-xds-gateway".to_owned()).chain(args.iter().cloned());
+    let parsed = Args::try_parse_from(argv).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    match parsed.command {
+        None => parsed.monitoring_listen.port(),
+        Some(mcp_xds_gateway::config::Command::Source(source)) => source.monitoring_listen.port(),
+        Some(other) => panic!("{other:?} is not a server"),
+    }
+}
+
+/// Whether the labels `selector` asks for are all on `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    let Some(selector) = selector.as_mapping().filter(|s| !s.is_empty()) else {
+        return false;
+    };
+    selector.iter().all(|(key, value)| labels.get(key) == Some(value))
+}
+
+/// What every kustomization deploys, as rendered: a namespace on every
+/// namespaced object; every Service (and every other selector: budgets,
+/// policies, pod monitors) selecting the pods of a Deployment in its
+/// namespace; probes on the monitoring port; no Istio sidecar in any pod;
+/// and a dial-out gateway that upgrades by replacing its pod.
+#[test]
+fn every_rendered_kustomization_deploys_and_upgrades() {
+    let all = kustomizations();
+    assert!(all.len() >= 3, "{all:?}");
+    for kustomization in all {
+        let docs = render(&kustomization);
+        for doc in &docs {
+            if kustomize::is_namespaced(kind(doc)) {
+                assert!(
+                    doc["metadata"]["namespace"].as_str().is_some_and(|n| !n.is_empty()),
+                    "{kustomization}: {} {} has no namespace (kubectl apply -k would put it in the current one)",
+                    kind(doc),
+                    doc["metadata"]["name"].as_str().unwrap_or("")
+                );
+            }
+        }
+        let deployments = of_kind(&docs, "Deployment");
+        assert!(!deployments.is_empty(), "{kustomization}");
+        let pods_of = |namespace: &Value, selector: &Value| {
+            deployments
+                .iter()
+                .filter(|d| d["metadata"]["namespace"] == *namespace)
+                .any(|d| selects(selector, &d["spec"]["template"]["metadata"]["labels"]))
+        };
+        for (selecting, selector) in [
+            ("Service", &["spec", "selector"][..]),
+            ("PodDisruptionBudget", &["spec", "selector", "matchLabels"]),
+            ("NetworkPolicy", &["spec", "podSelector", "matchLabels"]),
+            ("PodMonitor", &["spec", "selector", "matchLabels"]),
+        ] {
+            for object in of_kind(&docs, selecting) {
+                let selector = selector.iter().fold(object, |v: &Value, key| &v[*key]);
+                assert!(
+                    pods_of(&object["metadata"]["namespace"], selector),
+                    "{kustomization}: {selecting} {} selects no Deployment's pods in its namespace: {selector:?}",
+                    object["metadata"]["name"].as_str().unwrap_or("")
+                );
+            }
+        }
+        for deployment in deployments {
+            let name = deployment["metadata"]["name"].as_str().unwrap_or("");
+            let template = &deployment["spec"]["template"];
+            assert!(
+                selects(
+                    &deployment["spec"]["selector"]["matchLabels"],
+                    &template["metadata"]["labels"]
+                ),
+                "{kustomization}: {name} selects its own pods"
+            );
+            for place in ["labels", "annotations"] {
+                assert_eq!(
+                    template["metadata"][place]["sidecar.istio.io/inject"], "false",
+                    "{kustomization}: {name}: an injected sidecar would clash on the gateway's ports ({place})"
+                );
+            }
+            let server = container(deployment);
+            let args = args(server);
+            let monitoring = monitoring_port(&args);
+            let ports = ports(server);
+            for probe in ["readinessProbe", "livenessProbe"] {
+                let port = &server[probe]["httpGet"]["port"];
+                let number = match port.as_str() {
+                    Some(named) => ports.get(named).copied(),
+                    None => port.as_u64(),
+                };
+                assert_eq!(
+                    number,
+                    Some(u64::from(monitoring)),
+                    "{kustomization}: {name}'s {probe} must hit the monitoring port ({monitoring})"
+                );
+            }
+            if args.iter().any(|a| a.starts_with("--sink-listen")) {
+                assert_eq!(
+                    deployment["spec"]["strategy"]["type"], "Recreate",
+                    "{kustomization}: {name} takes one source connection: a rolling update would hang"
+                );
+            }
+        }
+    }
+}
+
 fn of_kind<'a>(docs: &'a [Value], wanted: &str) -> Vec<&'a Value> {
     docs.iter().filter(|d| kind(d) == wanted).collect()
 }
 
-/// What the shipped manifests promise an operator, in the source files and,
-/// where kubectl is installed, in every overlay as kustomize renders it.
+/// What the shipped manifests promise an operator, in the source files and
+/// in every overlay as rendered.
 #[test]
 fn every_overlay_deploys_as_shipped() {
     let all = manifests();
@@ -325,7 +499,7 @@ fn every_overlay_deploys_as_shipped() {
     assert!(generator["namespace"].is_string());
 
     for overlay in ["deploy/base", "deploy/overlays/dial-out", "deploy/overlays/monitored"] {
-        let Some(docs) = render(overlay) else { return };
+        let docs = render(overlay);
         let deployment = of_kind(&docs, "Deployment")[0];
         let gateway = container(deployment);
         assert_eq!(
@@ -398,6 +572,55 @@ fn every_overlay_deploys_as_shipped() {
             assert!(of_kind(&docs, "PodMonitor")[0]["metadata"]["labels"]["release"].is_string());
         }
     }
+}
+
+/// `deploy/source` runs the `source` command as the binary parses and
+/// validates it, serving where its ports and Service say, with the
+/// config from a mounted ConfigMap.
+#[test]
+fn the_source_kustomization_runs_the_source_command() {
+    let docs = render("deploy/source");
+    let deployment = of_kind(&docs, "Deployment")[0];
+    let source = container(deployment);
+    let config = tempfile::tempdir().unwrap();
+    let mut args = args(source);
+    assert_eq!(args[0], "source", "the source command");
+    let mounts = source["volumeMounts"].as_sequence().unwrap();
+    for arg in args.iter_mut() {
+        if let Some(dir) = arg.strip_prefix("--source-dir=") {
+            let mount = mounts
+                .iter()
+                .find(|m| m["mountPath"] == dir)
+                .unwrap_or_else(|| panic!("--source-dir {dir} is not a mounted volume"));
+            let volume = deployment["spec"]["template"]["spec"]["volumes"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == mount["name"])
+                .unwrap();
+            assert!(
+                volume["configMap"]["name"].is_string(),
+                "the config comes from a ConfigMap"
+            );
+            *arg = format!("--source-dir={}", config.path().display());
+        }
+    }
+    let argv = std::iter::once("mcp-xds-gateway".to_owned()).chain(args.iter().cloned());
+    let Some(mcp_xds_gateway::config::Command::Source(command)) = Args::try_parse_from(argv).unwrap().command else {
+        panic!("{args:?}: the source command")
+    };
+    let settings = command.validate().unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert!(matches!(settings.serve, mcp_xds_gateway::config::Serve::ResourceSource));
+    let ports = ports(source);
+    assert_eq!(ports["grpc-mcp"], u64::from(settings.listen.port()));
+    assert_eq!(ports["http-monitoring"], u64::from(settings.monitoring_listen.port()));
+    assert!(!ports.values().any(|p| *p == u64::from(settings.admin_listen.port())));
+    let service = of_kind(&docs, "Service")[0];
+    for port in service["spec"]["ports"].as_sequence().unwrap() {
+        let target = port["targetPort"].as_str().unwrap();
+        assert_eq!(port["port"].as_u64(), Some(ports[target]), "Service port {target}");
+    }
+    assert_eq!(source["securityContext"]["readOnlyRootFilesystem"], true);
 }
 
 #[test]

@@ -31,7 +31,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "proto",
         ],
     ),
-    ("tools", &["proto", "transport", "source", "collections"]),
+    (
+        "tools",
+        &["proto", "transport", "source", "collections", "downstream", "metrics"],
+    ),
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

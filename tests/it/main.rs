@@ -26,6 +26,7 @@ mod resource_source;
 mod rollout;
 mod rules;
 mod sotw;
+mod source_command;
 mod sources;
 mod tls;
 mod trust;
