@@ -521,7 +521,7 @@ pub struct Settings {
     /// `--stale-after`.
     pub stale_after: Duration,
     /// Reads bodies back for the config dump (`--descriptors`).
-    pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
+    pub bodies: Arc<crate::source::proto_json::BodyDecoder>,
     /// Every flag's value and where it came from.
     pub effective: Vec<EffectiveFlag>,
     /// HTTP/2 and connection limits of the gRPC listeners.
@@ -812,7 +812,7 @@ impl Args {
             );
         }
         let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
-        let bodies = crate::source::envoy_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
+        let bodies = crate::source::proto_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
             let file = self
                 .descriptors
                 .as_ref()

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
-use crate::source::envoy_json::BodyDecoder;
+use crate::source::proto_json::BodyDecoder;
 
 /// `?bodies=`.
 #[derive(Debug, Default, serde::Deserialize)]

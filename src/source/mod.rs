@@ -1,20 +1,23 @@
 //! Sources: everything that writes the cache. The MCP sink session (one
 //! implementation, `session` and `stream`) with its two transports: client
 //! mode dials Galley's `ResourceSource` (`client`), dial-out serves
-//! `ResourceSink` (`sink`); the local files (`files`); the persisted snapshot
+//! `ResourceSink` (`sink`); the local files (`files`, with Kubernetes
+//! objects in `kubernetes`, proto-JSON bodies in `proto_json`); the persisted snapshot
 //! (`persisted`); the validation they share (`validate`). Sources never talk
 //! to downstream streams: what clients want reaches them as the cache's
 //! demand.
 
 pub mod backoff;
 pub mod client;
-pub mod envoy_json;
 pub mod files;
+mod kubernetes;
 pub mod persisted;
+pub mod proto_json;
 pub mod session;
 pub mod sink;
 pub mod stream;
 pub mod validate;
+mod yaml_lines;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
