@@ -12,6 +12,7 @@ mod dialects;
 mod envoy;
 mod history_persist;
 mod incremental;
+mod kubernetes;
 mod layout;
 mod limits;
 mod load;
