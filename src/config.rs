@@ -350,10 +350,10 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// A protobuf FileDescriptorSet (protoc -o FILE, buf build -o FILE, e.g.
-    /// of Istio's API protos) for the config dump
-    /// (/debug/cache/{collection}?bodies=yaml) to decode bodies of types the
-    /// gateway has no descriptor for (it has Struct and Envoy's).
+    /// A protobuf FileDescriptorSet (protoc -o FILE, buf build -o FILE) for
+    /// the config dump (/debug/cache/{collection}?bodies=yaml) to decode
+    /// bodies of types the gateway has no descriptor for (it has Struct,
+    /// Istio's kinds and Envoy's; not Mixer's).
     #[arg(long, env = "MCP_GATEWAY_DESCRIPTORS", value_name = "FILE")]
     pub descriptors: Option<PathBuf>,
 

@@ -302,9 +302,9 @@ pub fn proto_json_duration(text: &str) -> Result<String, String> {
 }
 
 /// Reads resource bodies back for the config dump (`/debug/cache/{c}?bodies=`):
-/// `google.protobuf.Struct`, the Envoy types above, and every message of an
-/// operator's descriptor set (`--descriptors`: a `FileDescriptorSet`, such as
-/// Istio's API protos compiled by `protoc -o` or `buf build`).
+/// `google.protobuf.Struct`, the Envoy types and Istio kinds above, and
+/// every message of an operator's descriptor set (`--descriptors`: a
+/// `FileDescriptorSet` compiled by `protoc -o` or `buf build`).
 #[derive(Debug)]
 pub struct BodyDecoder {
     /// The operator's set merged into the built-in one; `None` without one

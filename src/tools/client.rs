@@ -74,13 +74,13 @@ pub struct ClientArgs {
     pub show: Option<Show>,
 
     /// What each update prints: summary, names, json or yaml (the resources
-    /// with their bodies read back: Struct and Envoy's types; others with
-    /// --descriptors).
+    /// with their bodies read back: Struct, Istio's kinds and Envoy's types;
+    /// others with --descriptors).
     #[arg(long, value_enum, default_value_t = Output::Summary)]
     pub output: Output,
 
     /// A FileDescriptorSet for --output json|yaml to read bodies of other
-    /// types (Istio's API protos: protoc -o FILE).
+    /// types (Mixer's, your own: protoc -o FILE).
     #[arg(long, value_name = "FILE")]
     pub descriptors: Option<PathBuf>,
 
