@@ -73,13 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(descriptor_path, prost::Message::encode_to_vec(&fds))?;
     // The Envoy resources the files source reads as proto-JSON (descriptors
     // only, no code, no comments): see proto/README.md.
-    let envoy = protox::Compiler::new(["proto"])?
-        .include_imports(true)
-        .include_source_info(false)
-        .open_files(ENVOY_JSON_ROOTS)?
-        .file_descriptor_set();
-    let envoy_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("envoy_resources.bin");
-    std::fs::write(envoy_path, prost::Message::encode_to_vec(&envoy))?;
+    write_descriptor_set("proto", ENVOY_JSON_ROOTS, "envoy_resources.bin")?;
     compile_istio_descriptors()?;
     tonic_prost_build::configure()
         .build_client(true)
@@ -117,12 +111,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// The Istio kinds' descriptors (no code, no comments), for the files
 /// source's Kubernetes YAML and the config dump: see proto/istio-api/README.md.
 fn compile_istio_descriptors() -> Result<(), Box<dyn std::error::Error>> {
-    let istio = protox::Compiler::new(["proto/istio-api"])?
+    write_descriptor_set("proto/istio-api", ISTIO_KIND_ROOTS, "istio_resources.bin")
+}
+
+/// The descriptors of `roots` and their imports (no code, no comments),
+/// compiled from the include root `include` into `OUT_DIR/file`.
+fn write_descriptor_set(include: &str, roots: &[&str], file: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let set = protox::Compiler::new([include])?
         .include_imports(true)
         .include_source_info(false)
-        .open_files(ISTIO_KIND_ROOTS)?
+        .open_files(roots)?
         .file_descriptor_set();
-    let path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("istio_resources.bin");
-    std::fs::write(path, prost::Message::encode_to_vec(&istio))?;
+    let path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join(file);
+    std::fs::write(path, prost::Message::encode_to_vec(&set))?;
     Ok(())
 }

@@ -132,34 +132,21 @@ impl Object {
             reason,
             path: [at.clone(), steps.iter().map(|s| key(s)).collect()].concat(),
         };
-        let api_version = self
-            .api_version
-            .as_deref()
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
+        let api_version = given(&self.api_version)
             .ok_or_else(|| fail("apiVersion is missing (networking.istio.io/v1, ...)".into(), &["kind"]))?;
-        let kind = self
-            .kind
-            .as_deref()
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-            .ok_or_else(|| fail("kind is missing (VirtualService, ...)".into(), &["apiVersion"]))?;
+        let kind =
+            given(&self.kind).ok_or_else(|| fail("kind is missing (VirtualService, ...)".into(), &["apiVersion"]))?;
         let info = table
             .kind(api_version, kind)
             .ok_or_else(|| fail(unknown_kind(table, api_version, kind), &["kind"]))?;
         let metadata = self.metadata.unwrap_or_default();
-        let name = metadata
-            .name
-            .as_deref()
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .ok_or_else(|| {
-                fail(
-                    "metadata.name is missing; every resource needs a name".into(),
-                    &["metadata"],
-                )
-            })?;
-        let namespace = metadata.namespace.as_deref().map(str::trim).filter(|n| !n.is_empty());
+        let name = given(&metadata.name).ok_or_else(|| {
+            fail(
+                "metadata.name is missing; every resource needs a name".into(),
+                &["metadata"],
+            )
+        })?;
+        let namespace = given(&metadata.namespace);
         for (field, value) in [("name", Some(name)), ("namespace", namespace)] {
             if value.is_some_and(|v| v.contains('/')) {
                 return Err(fail(
@@ -201,6 +188,11 @@ impl Object {
             at,
         })
     }
+}
+
+/// A string field that is there and not blank, trimmed.
+fn given(field: &Option<String>) -> Option<&str> {
+    field.as_deref().map(str::trim).filter(|value| !value.is_empty())
 }
 
 fn key(name: &str) -> PathStep {
