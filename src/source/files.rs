@@ -1095,6 +1095,17 @@ name: b
 body: {struct: {}}
 ";
         let parsed = parse("s.yaml", text, &table()).unwrap();
+        // `spec:` with nothing after it is an empty spec.
+        let empty = parse(
+            "e.yaml",
+            "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: a}\nspec:\n",
+            &table(),
+        )
+        .unwrap();
+        assert_eq!(
+            Resource::decode(empty[0].encoded.clone()).unwrap().body.unwrap().value,
+            b""
+        );
         assert_eq!(
             parsed.iter().map(|p| p.struct_body).collect::<Vec<_>>(),
             [true, false],

@@ -170,10 +170,11 @@ impl Object {
         let descriptor = proto_json::message_type(&type_url)
             .filter(|_| type_url != STRUCT_TYPE_URL)
             .ok_or_else(|| fail(no_proto(kind, &collection, &type_url), &["kind"]))?;
-        let spec = self
-            .spec
-            .map(|YamlValue(spec)| spec)
-            .unwrap_or_else(|| serde_json::Value::Object(Default::default()));
+        // No spec, or `spec:` with nothing after it: every field at its default.
+        let spec = match self.spec {
+            Some(YamlValue(spec)) if !spec.is_null() => spec,
+            _ => serde_json::Value::Object(Default::default()),
+        };
         let value = proto_json::encode_message(&descriptor, spec).map_err(|e| ObjectError {
             reason: format!("spec.{e}").replace("spec.: ", "spec: "),
             path: [at.clone(), vec![key("spec")], e.path].concat(),

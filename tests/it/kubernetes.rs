@@ -562,3 +562,55 @@ fn the_examples_cover_every_kind_with_a_proto() {
         }
     }
 }
+
+/// `struct:` bodies are still read, and logged once per file and collection
+/// whose clients decode another type (not for Mixer's adapters, which are
+/// Structs); an edit that keeps them does not log again.
+#[tokio::test]
+async fn struct_bodies_are_logged_once_per_file_and_collection() {
+    let dir = tempfile::tempdir().unwrap();
+    let vs = |hosts: &str| {
+        format!(
+            "collection: istio/networking/v1alpha3/virtualservices\nname: ns/a\nbody: {{struct: {{hosts: [{hosts}]}}}}\n---\n\
+             collection: istio/networking/v1alpha3/virtualservices\nname: ns/b\nbody: {{struct: {{}}}}\n---\n\
+             collection: istio/config/v1alpha2/adapters\nname: ns/c\nbody: {{struct: {{}}}}\n"
+        )
+    };
+    crate::helpers::certs::write(dir.path(), "old.yaml", &vs("a"));
+    let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    let warning = "not decodable by Pilot or istiod";
+    let mut lines: Vec<String> = gw.log.clone();
+    // An edit that keeps the Struct bodies, then one that adds a Struct
+    // gateway: the gateway's warning is the mark that both were read.
+    crate::helpers::certs::write(dir.path(), "old.yaml", &vs("b"));
+    crate::helpers::eventually_async("the edit to be served", || async {
+        let (_, dump) = http_get(
+            gw.admin,
+            "/debug/cache/istio/networking/v1alpha3/virtualservices?bodies=json",
+        )
+        .await;
+        dump.contains("\"b\"]")
+    })
+    .await;
+    crate::helpers::certs::write(
+        dir.path(),
+        "old.yaml",
+        &(vs("b") + "---\ncollection: istio/networking/v1alpha3/gateways\nname: ns/g\nbody: {struct: {}}\n"),
+    );
+    within("the gateway's Struct warning", async {
+        while !lines.iter().any(|l| l.contains(warning) && l.contains("gateways")) {
+            lines.push(gw.later.recv().await.expect("the gateway logs before exiting"));
+        }
+    })
+    .await;
+    let warned = |collection: &str| {
+        lines
+            .iter()
+            .filter(|l| l.contains(warning) && l.contains(collection) && l.contains("old.yaml"))
+            .count()
+    };
+    assert_eq!(warned("virtualservices"), 1, "{lines:#?}");
+    assert_eq!(warned("gateways"), 1, "{lines:#?}");
+    assert_eq!(warned("adapters"), 0, "Mixer's adapters are Structs: {lines:#?}");
+    gw.child.kill().await.unwrap();
+}
