@@ -26,6 +26,26 @@ const ENVOY_JSON_ROOTS: &[&str] = &[
     "envoy/extensions/filters/http/router/v3/router.proto",
     "envoy/extensions/filters/network/tcp_proxy/v3/tcp_proxy.proto",
 ];
+/// The Istio kinds the files source reads as Kubernetes YAML (their `spec`),
+/// from `proto/istio-api/` (its own include root, as in istio/api).
+const ISTIO_KIND_ROOTS: &[&str] = &[
+    "networking/v1alpha3/virtual_service.proto",
+    "networking/v1alpha3/destination_rule.proto",
+    "networking/v1alpha3/gateway.proto",
+    "networking/v1alpha3/service_entry.proto",
+    "networking/v1alpha3/sidecar.proto",
+    "networking/v1alpha3/envoy_filter.proto",
+    "networking/v1alpha3/workload_entry.proto",
+    "networking/v1alpha3/workload_group.proto",
+    "networking/v1beta1/proxy_config.proto",
+    "security/v1beta1/authorization_policy.proto",
+    "security/v1beta1/peer_authentication.proto",
+    "security/v1beta1/request_authentication.proto",
+    "telemetry/v1alpha1/telemetry.proto",
+    "extensions/v1alpha1/wasm.proto",
+    "authentication/v1alpha1/policy.proto",
+    "rbac/v1alpha1/rbac.proto",
+];
 const CODEC: &str = "tonic_prost::ProstCodec";
 
 fn bidi(name: &str, route: &str, input: &str, output: &str) -> Method {
@@ -83,13 +103,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(descriptor_path, prost::Message::encode_to_vec(&fds))?;
     // The Envoy resources the files source reads as proto-JSON (descriptors
     // only, no code, no comments): see proto/README.md.
-    let envoy = protox::Compiler::new(["proto"])?
-        .include_imports(true)
-        .include_source_info(false)
-        .open_files(ENVOY_JSON_ROOTS)?
-        .file_descriptor_set();
-    let envoy_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("envoy_resources.bin");
-    std::fs::write(envoy_path, prost::Message::encode_to_vec(&envoy))?;
+    write_descriptor_set("proto", ENVOY_JSON_ROOTS, "envoy_resources.bin")?;
+    compile_istio_descriptors()?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
@@ -120,5 +135,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ))
             .build(),
     ]);
+    Ok(())
+}
+
+/// The Istio kinds' descriptors (no code, no comments), for the files
+/// source's Kubernetes YAML and the config dump: see proto/istio-api/README.md.
+fn compile_istio_descriptors() -> Result<(), Box<dyn std::error::Error>> {
+    write_descriptor_set("proto/istio-api", ISTIO_KIND_ROOTS, "istio_resources.bin")
+}
+
+/// The descriptors of `roots` and their imports (no code, no comments),
+/// compiled from the include root `include` into `OUT_DIR/file`.
+fn write_descriptor_set(include: &str, roots: &[&str], file: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let set = protox::Compiler::new([include])?
+        .include_imports(true)
+        .include_source_info(false)
+        .open_files(roots)?
+        .file_descriptor_set();
+    let path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join(file);
+    std::fs::write(path, prost::Message::encode_to_vec(&set))?;
     Ok(())
 }

@@ -17,6 +17,12 @@ const XDS_TSV: &str = include_str!("../data/xds-collections.tsv");
 /// collection that answers it (every alias of a kind is the same body proto).
 const GVK_TSV: &str = include_str!("../data/istio-gvks.tsv");
 
+/// The Kubernetes kinds Galley read for the collections istiod never asks
+/// for (Istio 1.0-1.7: authentication and rbac `v1alpha1`, Mixer, Kubernetes
+/// core), with their scope: read by the files source only, never resolved
+/// as xDS types.
+const KINDS_TSV: &str = include_str!("../data/istio-kinds.tsv");
+
 /// The type istiod asks for first and never waits for: answered empty.
 pub const MESH_CONFIG_GVK: &str = "core/v1alpha1/MeshConfig";
 
@@ -92,6 +98,15 @@ pub enum XdsType {
     Unserved,
 }
 
+/// A Kubernetes kind the files source reads (`apiVersion` + `kind`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KindInfo {
+    pub collection: Arc<str>,
+    /// A cluster-scoped kind (MeshPolicy, ClusterRbacConfig): its resources
+    /// are named `name`, as Galley named them, not `namespace/name`.
+    pub cluster_scoped: bool,
+}
+
 /// A resolved downstream `type_url`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Resolved {
@@ -105,6 +120,9 @@ pub struct CollectionTable {
     owner_by_type_url: HashMap<String, Arc<str>>,
     /// GVK (`networking.istio.io/v1/VirtualService`) to collection.
     by_gvk: HashMap<String, Arc<str>>,
+    /// `apiVersion/kind` to collection, for the files source: every GVK
+    /// above and the kinds of [`KINDS_TSV`].
+    by_kind: HashMap<String, KindInfo>,
 }
 
 // === impl CollectionTable ===
@@ -122,7 +140,30 @@ impl CollectionTable {
             let name = table
                 .name(collection)
                 .expect("every GVK row names a collection of the table (unit-tested)");
-            table.by_gvk.insert(gvk.to_owned(), name);
+            table.by_gvk.insert(gvk.to_owned(), name.clone());
+            table.by_kind.insert(
+                gvk.to_owned(),
+                KindInfo {
+                    collection: name,
+                    cluster_scoped: false,
+                },
+            );
+        }
+        for line in KINDS_TSV.lines().skip(1).filter(|l| !l.trim().is_empty()) {
+            let mut cols = line.split('\t');
+            let (Some(gvk), Some(collection), Some(scope)) = (cols.next(), cols.next(), cols.next()) else {
+                continue;
+            };
+            let collection = table
+                .name(collection)
+                .expect("every kind row names a collection of the table (unit-tested)");
+            table.by_kind.insert(
+                gvk.to_owned(),
+                KindInfo {
+                    collection,
+                    cluster_scoped: scope == "cluster",
+                },
+            );
         }
         table
     }
@@ -164,6 +205,7 @@ impl CollectionTable {
             by_name,
             owner_by_type_url,
             by_gvk: HashMap::new(),
+            by_kind: HashMap::new(),
         })
     }
 
@@ -263,6 +305,37 @@ impl CollectionTable {
             .filter(|(_, c)| ***c == *collection)
             .map(|(gvk, _)| gvk.as_str())
             .min()
+    }
+
+    /// The kind a Kubernetes resource names (`apiVersion`, `kind`), if the
+    /// files source reads it.
+    pub fn kind(&self, api_version: &str, kind: &str) -> Option<&KindInfo> {
+        self.by_kind.get(&format!("{api_version}/{kind}"))
+    }
+
+    /// The kinds of `api_version` the files source reads, sorted (for
+    /// errors); empty for an `apiVersion` it has none of.
+    pub fn kinds_of(&self, api_version: &str) -> Vec<&str> {
+        let mut kinds: Vec<&str> = self
+            .by_kind
+            .keys()
+            .filter_map(|gvk| gvk.strip_prefix(api_version)?.strip_prefix('/'))
+            .filter(|kind| !kind.contains('/'))
+            .collect();
+        kinds.sort_unstable();
+        kinds
+    }
+
+    /// Every API group the files source reads a kind of, sorted (for errors).
+    pub fn api_groups(&self) -> Vec<&str> {
+        let mut groups: Vec<&str> = self
+            .by_kind
+            .keys()
+            .filter_map(|gvk| gvk.rsplitn(3, '/').nth(2))
+            .collect();
+        groups.sort_unstable();
+        groups.dedup();
+        groups
     }
 
     pub fn get(&self, collection: &str) -> Option<&CollectionInfo> {
@@ -467,5 +540,58 @@ mod tests {
             let gvk = line.split('\t').next().unwrap();
             assert!(matches!(table.resolve_xds(gvk), XdsType::Collection { .. }), "{gvk}");
         }
+    }
+
+    #[test]
+    fn kubernetes_kinds_select_collections_for_the_files_source() {
+        let table = CollectionTable::builtin();
+        for api_version in [
+            "networking.istio.io/v1alpha3",
+            "networking.istio.io/v1beta1",
+            "networking.istio.io/v1",
+        ] {
+            let kind = table.kind(api_version, "VirtualService").unwrap();
+            assert_eq!((&*kind.collection, kind.cluster_scoped), (VS, false), "{api_version}");
+        }
+        let mesh = table.kind("authentication.istio.io/v1alpha1", "MeshPolicy").unwrap();
+        assert_eq!(
+            (&*mesh.collection, mesh.cluster_scoped),
+            ("istio/authentication/v1alpha1/meshpolicies", true)
+        );
+        assert!(
+            table
+                .kind("rbac.istio.io/v1alpha1", "ClusterRbacConfig")
+                .unwrap()
+                .cluster_scoped
+        );
+        assert!(
+            table.kind("networking.istio.io/v1alpha3", "virtualservice").is_none(),
+            "kinds are case-sensitive"
+        );
+        // The legacy kinds are the files source's only: istiod never asks.
+        assert_eq!(
+            table.resolve_xds("authentication.istio.io/v1alpha1/Policy"),
+            XdsType::Unserved
+        );
+        assert!(table.kinds_of("rbac.istio.io/v1alpha1").contains(&"ServiceRole"));
+        assert!(table.kinds_of("rbac.istio.io").is_empty());
+        assert!(table.api_groups().contains(&"networking.istio.io"));
+        // Every kind row names a collection of the table (`builtin` panics
+        // otherwise), and every Galley collection but the synthetic service
+        // entries and the mesh config has a kind.
+        let with_kind: std::collections::HashSet<&str> = table.by_kind.values().map(|k| &*k.collection).collect();
+        let without: Vec<&str> = BUILTIN_TSV
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split('\t').next())
+            .filter(|c| !with_kind.contains(c))
+            .collect();
+        assert_eq!(
+            without,
+            [
+                "istio/mesh/v1alpha1/MeshConfig",
+                "istio/networking/v1alpha3/synthetic/serviceentries"
+            ]
+        );
     }
 }

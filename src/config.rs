@@ -352,10 +352,10 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
-    /// A protobuf FileDescriptorSet (protoc -o FILE, buf build -o FILE, e.g.
-    /// of Istio's API protos) for the config dump
-    /// (/debug/cache/{collection}?bodies=yaml) to decode bodies of types the
-    /// gateway has no descriptor for (it has Struct and Envoy's).
+    /// A protobuf FileDescriptorSet (protoc -o FILE, buf build -o FILE) for
+    /// the config dump (/debug/cache/{collection}?bodies=yaml) to decode
+    /// bodies of types the gateway has no descriptor for (it has Struct,
+    /// Istio's kinds and Envoy's; not Mixer's).
     #[arg(long, env = "MCP_GATEWAY_DESCRIPTORS", value_name = "FILE")]
     pub descriptors: Option<PathBuf>,
 
@@ -573,7 +573,7 @@ pub struct Settings {
     /// `--demand-timeout`.
     pub demand_timeout: Duration,
     /// Reads bodies back for the config dump (`--descriptors`).
-    pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
+    pub bodies: Arc<crate::source::proto_json::BodyDecoder>,
     /// Every flag's value and where it came from: the value in effect where
     /// a flag left out has one (the source directory, the node id, ...).
     pub effective: Vec<EffectiveFlag>,
@@ -909,7 +909,7 @@ impl Args {
             ));
         }
         let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
-        let bodies = crate::source::envoy_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
+        let bodies = crate::source::proto_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
             let file = self
                 .descriptors
                 .as_ref()

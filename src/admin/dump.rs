@@ -1,7 +1,8 @@
 //! The config dump: `/debug/cache/{collection}?bodies=json|yaml`, each
-//! resource with its metadata and its body read back (Struct and Envoy's
-//! types natively, others through `--descriptors`, else its size and a
-//! preview of its bytes).
+//! resource with its metadata and its body read back (Struct, Istio's kinds
+//! and Envoy's types natively, by the descriptors the files source encodes
+//! with, so YAML written in gives its spec back; others through
+//! `--descriptors`, else its size and a preview of its bytes).
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -11,7 +12,7 @@ use serde_json::{json, Value};
 
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
-use crate::source::envoy_json::BodyDecoder;
+use crate::source::proto_json::BodyDecoder;
 
 /// `?bodies=`.
 #[derive(Debug, Default, serde::Deserialize)]

@@ -47,7 +47,7 @@ pub struct AdminState {
     /// `--stale-after`.
     pub stale_after: std::time::Duration,
     /// Reads bodies back for the config dump.
-    pub bodies: Arc<crate::source::envoy_json::BodyDecoder>,
+    pub bodies: Arc<crate::source::proto_json::BodyDecoder>,
     /// Every flag's effective value and where it came from (`/debug/config`).
     pub config: Arc<Value>,
     /// The log filter's control (`/logging`); `None` in a gateway built

@@ -3,7 +3,19 @@
 //! It is the default when no upstream is configured, so `cargo run --release`
 //! serves the repository's `examples/config`.
 //!
-//! Each file holds one or more YAML documents:
+//! Each file holds one or more YAML documents (`---`), each an Istio
+//! resource as operators keep it in Git (see `kubernetes`):
+//!
+//! ```yaml
+//! apiVersion: networking.istio.io/v1   # any alias of the kind: v1alpha3, v1beta1, v1
+//! kind: VirtualService                 # selects the collection; `kind: List` with `items`
+//! metadata: {name: reviews, namespace: bookinfo, labels: {app: reviews}}
+//! spec: {hosts: [reviews], http: [{timeout: 5m, route: [...]}]}   # the kind's proto
+//! ```
+//!
+//! or a resource in the gateway's own form, for the kinds no proto here
+//! reads (Mixer's, Kubernetes core), Envoy's resources and `--type-map`
+//! collections:
 //!
 //! ```yaml
 //! collection: istio/networking/v1alpha3/gateways
@@ -12,18 +24,18 @@
 //! labels: {app: ingress}  # optional
 //! annotations: {}         # optional
 //! body:
-//!   struct: {selector: {istio: ingressgateway}}   # google.protobuf.Struct
-//! # or
-//! #  type_url: type.googleapis.com/istio.networking.v1alpha3.Gateway
-//! #  value_base64: EhcKBWlzdGlvEg5pbmdyZXNzZ2F0ZXdheQ==   # exact bytes
-//! # or, for Envoy's resources (see `envoy_json`):
+//!   type_url: type.googleapis.com/istio.networking.v1alpha3.Gateway
+//!   value_base64: EhcKBWlzdGlvEg5pbmdyZXNzZ2F0ZXdheQ==   # exact bytes
+//! # or, for a type this gateway has the proto of (see `proto_json`):
 //! #  type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster
 //! #  json: {name: backend, connect_timeout: 1s, type: EDS, ...}   # proto-JSON
+//! # or (logged: Pilot and istiod decode none but Mixer's kinds this way):
+//! #  struct: {selector: {istio: ingressgateway}}   # google.protobuf.Struct
 //! ```
 //!
 //! The directory is the whole truth: a collection no file mentions is served
-//! empty. A file that fails to parse is reported with its path, line and
-//! reason, and keeps contributing what it held when it last parsed, so a typo
+//! empty. A file that fails to parse is reported with its path, the line in
+//! the file (`yaml_lines`) and the reason, and keeps contributing what it held when it last parsed, so a typo
 //! never empties a collection.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -43,6 +55,9 @@ use crate::cache::demand::Subscriptions;
 use crate::cache::{CacheWriter, CachedResource, Origin, Update};
 use crate::collections::CollectionTable;
 use crate::proto::{Metadata, Resource};
+use crate::source::kubernetes;
+use crate::source::proto_json::PathStep;
+use crate::source::yaml_lines;
 use crate::source::UpstreamStatus;
 use crate::transport::fswatch::DirWatch;
 
@@ -96,20 +111,43 @@ pub struct Parsed {
     pub encoded: Bytes,
     pub digest: u128,
     pub line: usize,
+    /// A `struct:` body in a collection whose clients decode another type.
+    pub struct_body: bool,
 }
 
+/// A document: a resource in the gateway's own form (`collection`, `name`,
+/// `body`), or a Kubernetes object (`apiVersion`, `kind`, `metadata`,
+/// `spec`; see `kubernetes`). One struct reads both, so an unknown key is
+/// refused in either.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Document {
-    collection: String,
-    name: String,
+    #[serde(default)]
+    collection: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
     #[serde(default)]
     version: Option<String>,
     #[serde(default)]
     labels: BTreeMap<YamlString, YamlString>,
     #[serde(default)]
     annotations: BTreeMap<YamlString, YamlString>,
-    body: Body,
+    #[serde(default)]
+    body: Option<Body>,
+    #[serde(default, rename = "apiVersion")]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    metadata: Option<kubernetes::ObjectMeta>,
+    #[serde(default)]
+    spec: Option<YamlValue>,
+    /// Read and ignored, as Galley did.
+    #[serde(default)]
+    #[allow(dead_code)]
+    status: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    items: Option<Vec<kubernetes::Item>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -167,7 +205,7 @@ fn spend<E: serde::de::Error>(units: usize) -> Result<(), E> {
 
 /// A string read against the document's budget (labels, annotations).
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
-struct YamlString(String);
+pub(super) struct YamlString(pub(super) String);
 
 impl<'de> Deserialize<'de> for YamlString {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -180,7 +218,7 @@ impl<'de> Deserialize<'de> for YamlString {
 /// a `struct` body (`google.protobuf.Struct`, as `protojson` reads the same
 /// JSON) or a `json` body (an Envoy resource's proto-JSON).
 #[derive(Debug)]
-struct YamlValue(serde_json::Value);
+pub(super) struct YamlValue(pub(super) serde_json::Value);
 
 impl<'de> Deserialize<'de> for YamlValue {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -347,15 +385,30 @@ fn documents(text: &str) -> Vec<(usize, String)> {
         .collect()
 }
 
-/// The line of a top-level `key:` in a document starting at `start`.
-fn key_line(document: &str, start: usize, key: &str) -> usize {
-    document
-        .lines()
-        .position(|l| l.strip_prefix(key).is_some_and(|rest| rest.starts_with(':')))
-        .map_or(start, |i| start + i)
+/// What a document names: the resources it holds, each with where it
+/// is in the document.
+struct Found {
+    collection: Arc<str>,
+    name: String,
+    version: Option<String>,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+    body: prost_types::Any,
+    /// Where the resource is (`[]`, or `items[2]` in a `List`).
+    at: Vec<PathStep>,
+    /// Where its name is.
+    name_at: Vec<PathStep>,
+}
+
+/// Why a document is refused: the reason and the path of what is wrong.
+type Refusal = (String, Vec<PathStep>);
+
+fn key(name: &str) -> PathStep {
+    PathStep::Key(name.to_owned())
 }
 
 /// Parses one file's text. Every document must be valid for any to count.
+/// Every error names the line in the file.
 pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Parsed>, ParseError> {
     let mut parsed = Vec::new();
     let mut seen: HashMap<(Arc<str>, String), usize> = HashMap::new();
@@ -365,89 +418,172 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             line,
             reason,
         };
+        // The line in the file of the node at `steps` (or of its nearest
+        // parent found).
+        let line_of = |steps: &[PathStep]| start + yaml_lines::line_of(&document, steps).map_or(0, |l| l - 1);
         VALUES_LEFT.with(|left| left.set(value_budget(&document)));
         let doc: Document = serde_norway::from_str(&document).map_err(|e| {
             let message = e.to_string();
             match e.location() {
                 // The line is reported in the file, not in the document.
-                Some(at) => {
-                    let suffix = format!(" at line {} column {}", at.line(), at.column());
-                    let message = message.strip_suffix(&suffix).unwrap_or(&message);
-                    fail(
-                        start + at.line().saturating_sub(1),
-                        format!("{message} (column {})", at.column()),
-                    )
-                }
+                Some(at) => fail(
+                    start + at.line().saturating_sub(1),
+                    yaml_lines::in_file(&message, start, at.line(), at.column()),
+                ),
                 None => fail(start, message),
             }
         })?;
-        let collection = table.name(doc.collection.trim()).ok_or_else(|| {
-            fail(
-                key_line(&document, start, "collection"),
-                format!(
-                    "collection {:?} is not a known collection; add it with --type-map (collection: type_url)",
-                    doc.collection
-                ),
-            )
-        })?;
-        if doc.name.trim().is_empty() {
-            return Err(fail(
-                key_line(&document, start, "name"),
-                "name is empty; every resource needs a name".into(),
-            ));
+        let found = resources(doc, table).map_err(|(reason, steps)| fail(line_of(&steps), reason))?;
+        for found in found {
+            let name_line = line_of(&found.name_at);
+            if let Some(first) = seen.insert((found.collection.clone(), found.name.clone()), name_line) {
+                return Err(fail(
+                    name_line,
+                    format!(
+                        "{:?} in {} is defined twice (first at line {first}); names must be unique",
+                        found.name, found.collection
+                    ),
+                ));
+            }
+            let line = line_of(&found.at);
+            let struct_body = found.body.type_url == STRUCT_TYPE_URL
+                && table
+                    .get(&found.collection)
+                    .is_some_and(|c| c.body_type_url != STRUCT_TYPE_URL);
+            let metadata = Metadata {
+                name: found.name,
+                version: found.version.unwrap_or_default(),
+                labels: found.labels.into_iter().collect(),
+                annotations: found.annotations.into_iter().collect(),
+                ..Default::default()
+            };
+            let encoded: Bytes = Resource {
+                metadata: Some(metadata),
+                body: Some(found.body),
+            }
+            .encode_to_vec()
+            .into();
+            // The same validation, and the same version rule, as upstream data.
+            let resource = crate::source::validate::decode_resources(&found.collection, &[encoded])
+                .map_err(|nack| fail(line, nack.message))?
+                .pop()
+                .expect("one resource in, one out");
+            parsed.push(Parsed {
+                collection: found.collection,
+                name: resource.name.clone(),
+                version: resource.version.clone(),
+                body_type_url: resource.body_type_url.to_string(),
+                encoded: resource.encoded.clone(),
+                digest: resource.digest,
+                line,
+                struct_body,
+            });
         }
-        let name_line = key_line(&document, start, "name");
-        if let Some(first) = seen.insert((collection.clone(), doc.name.clone()), name_line) {
-            return Err(fail(
-                name_line,
-                format!(
-                    "{:?} in {collection} is defined twice (first at line {first}); names must be unique",
-                    doc.name
-                ),
-            ));
-        }
-        let body = body(doc.body).map_err(|(reason, path)| {
-            let body_line = key_line(&document, start, "body");
-            fail(
-                path.map_or(body_line, |path| field_line(&document, start, body_line, &path)),
-                format!("body of {:?}: {reason}", doc.name),
-            )
-        })?;
-        let metadata = Metadata {
-            name: doc.name.clone(),
-            version: doc.version.unwrap_or_default(),
-            labels: doc.labels.into_iter().map(|(k, v)| (k.0, v.0)).collect(),
-            annotations: doc.annotations.into_iter().map(|(k, v)| (k.0, v.0)).collect(),
-            ..Default::default()
-        };
-        let encoded: Bytes = Resource {
-            metadata: Some(metadata),
-            body: Some(body),
-        }
-        .encode_to_vec()
-        .into();
-        // The same validation, and the same version rule, as upstream data.
-        let resource = crate::source::validate::decode_resources(&collection, &[encoded])
-            .map_err(|nack| fail(start, nack.message))?
-            .pop()
-            .expect("one resource in, one out");
-        parsed.push(Parsed {
-            collection,
-            name: resource.name.clone(),
-            version: resource.version.clone(),
-            body_type_url: resource.body_type_url.to_string(),
-            encoded: resource.encoded.clone(),
-            digest: resource.digest,
-            line: start,
-        });
     }
     Ok(parsed)
 }
 
+/// The resources of a document, in either form.
+fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refusal> {
+    if doc.api_version.is_some() || doc.kind.is_some() {
+        for (field, given) in [
+            ("collection", doc.collection.is_some()),
+            ("name", doc.name.is_some()),
+            ("version", doc.version.is_some()),
+            ("labels", !doc.labels.is_empty()),
+            ("annotations", !doc.annotations.is_empty()),
+            ("body", doc.body.is_some()),
+        ] {
+            if given {
+                return Err((
+                    format!(
+                        "{field} belongs to the gateway's own form (collection, name, body); a Kubernetes resource \
+                         (apiVersion, kind) has its name, labels and annotations under metadata, and its body as spec"
+                    ),
+                    vec![key(field)],
+                ));
+            }
+        }
+        let object = kubernetes::Object {
+            api_version: doc.api_version,
+            kind: doc.kind,
+            metadata: doc.metadata,
+            spec: doc.spec,
+            items: doc.items,
+        };
+        let read = object.read(table).map_err(|e| (e.reason, e.path))?;
+        return Ok(read
+            .into_iter()
+            .map(|r| Found {
+                collection: r.collection,
+                name: r.name,
+                version: None,
+                labels: r.labels,
+                annotations: r.annotations,
+                body: r.body,
+                name_at: [r.at.clone(), vec![key("metadata"), key("name")]].concat(),
+                at: r.at,
+            })
+            .collect());
+    }
+    for (field, given) in [
+        ("metadata", doc.metadata.is_some()),
+        ("spec", doc.spec.is_some()),
+        ("items", doc.items.is_some()),
+    ] {
+        if given {
+            return Err((
+                format!("{field} belongs to a Kubernetes resource, which names its apiVersion and kind"),
+                vec![key(field)],
+            ));
+        }
+    }
+    let missing = |field: &str| {
+        (
+            format!(
+                "missing field `{field}`: a document is a resource in the gateway's form (collection, name, body) \
+                 or a Kubernetes resource (apiVersion, kind, metadata, spec)"
+            ),
+            Vec::new(),
+        )
+    };
+    let (Some(collection), Some(name)) = (doc.collection, doc.name) else {
+        return Err(missing("collection` or `name"));
+    };
+    let body = doc.body.ok_or_else(|| missing("body"))?;
+    let collection = table.name(collection.trim()).ok_or_else(|| {
+        (
+            format!(
+                "collection {collection:?} is not a known collection; add it with --type-map (collection: type_url)"
+            ),
+            vec![key("collection")],
+        )
+    })?;
+    if name.trim().is_empty() {
+        return Err(("name is empty; every resource needs a name".into(), vec![key("name")]));
+    }
+    let body = read_body(body).map_err(|(reason, steps)| {
+        (
+            format!("body of {name:?}: {reason}"),
+            [vec![key("body")], steps].concat(),
+        )
+    })?;
+    Ok(vec![Found {
+        collection,
+        name,
+        version: doc.version,
+        labels: doc.labels.into_iter().map(|(k, v)| (k.0, v.0)).collect(),
+        annotations: doc.annotations.into_iter().map(|(k, v)| (k.0, v.0)).collect(),
+        body,
+        at: Vec::new(),
+        name_at: vec![key("name")],
+    }])
+}
+
 /// The body as an `Any`; an error says why, and which field of a `json`
 /// body failed (a path from the body).
-fn body(body: Body) -> Result<prost_types::Any, (String, Option<String>)> {
-    let whole = |reason: String| (reason, None);
+fn read_body(body: Body) -> Result<prost_types::Any, Refusal> {
+    let whole = |reason: String| (reason, Vec::new());
     match (body.type_url, body.value_base64, body.structure, body.json) {
         (Some(type_url), Some(value), None, None) => {
             if type_url.trim().is_empty() {
@@ -459,9 +595,13 @@ fn body(body: Body) -> Result<prost_types::Any, (String, Option<String>)> {
             Ok(prost_types::Any { type_url, value })
         }
         (Some(type_url), None, None, Some(YamlValue(json))) => {
-            let value = super::envoy_json::encode(type_url.trim(), &json).map_err(|e| {
-                let path = format!("json.{}", e.path);
-                (e.to_string(), Some(path))
+            let value = super::proto_json::encode(type_url.trim(), json).map_err(|e| {
+                let reason = if e.path.is_empty() {
+                    e.message.clone()
+                } else {
+                    format!("json.{e}")
+                };
+                (reason, [vec![key("json")], e.path].concat())
             })?;
             Ok(prost_types::Any {
                 type_url: type_url.trim().to_owned(),
@@ -480,39 +620,15 @@ fn body(body: Body) -> Result<prost_types::Any, (String, Option<String>)> {
     }
 }
 
-/// The line of the field at `path` (`json.filter_chains[0].filters`) under
-/// the body at `body_line`: each named step is looked for as a `key:` after
-/// the previous one (indexes are not counted: the nearest following key is
-/// taken), so the line is that of the field, or of its nearest parent found.
-fn field_line(document: &str, start: usize, body_line: usize, path: &str) -> usize {
-    let lines: Vec<&str> = document.lines().collect();
-    let mut at = body_line.saturating_sub(start);
-    for step in path.split('.') {
-        let key = step.split('[').next().unwrap_or(step).trim_matches('"');
-        if key.is_empty() {
-            continue;
-        }
-        let found = lines.iter().enumerate().skip(at + 1).find(|(_, line)| {
-            let line = line.trim_start().trim_start_matches("- ");
-            line.strip_prefix(key)
-                .or_else(|| line.strip_prefix(&format!("\"{key}\"")))
-                .or_else(|| line.strip_prefix(&format!("'{key}'")))
-                .is_some_and(|rest| rest.trim_start().starts_with(':'))
-        });
-        match found {
-            Some((i, _)) => at = i,
-            None => break,
-        }
-    }
-    start + at
-}
-
 #[derive(Debug, Default)]
 struct FileState {
     /// What the file held when it last parsed.
     good: Vec<Parsed>,
     /// Why its current content does not parse.
     error: Option<ParseError>,
+    /// The collections it gives `struct:` bodies that their clients decode
+    /// as another type (logged once per file and collection).
+    struct_bodies: BTreeSet<Arc<str>>,
 }
 
 /// The local source: parsed files, published as collections.
@@ -624,12 +740,26 @@ impl LocalSource {
     }
 
     fn update_file(&mut self, path: String, result: ParsedFile) {
-        let state = self.files.entry(path).or_default();
+        let state = self.files.entry(path.clone()).or_default();
         match result {
             Ok(parsed) => {
                 if state.error.take().is_some() {
                     tracing::info!(count = parsed.len(), "a source file parses again");
                 }
+                let struct_bodies: BTreeSet<Arc<str>> = parsed
+                    .iter()
+                    .filter(|p| p.struct_body)
+                    .map(|p| p.collection.clone())
+                    .collect();
+                for collection in struct_bodies.difference(&state.struct_bodies) {
+                    tracing::warn!(
+                        file = %path,
+                        %collection,
+                        "struct: bodies are served as google.protobuf.Struct, not decodable by Pilot or istiod; \
+                         write the resource as Kubernetes YAML (apiVersion, kind, metadata, spec)"
+                    );
+                }
+                state.struct_bodies = struct_bodies;
                 state.good = parsed;
             }
             Err(error) => {
@@ -831,10 +961,156 @@ body:
                 && err.reason.contains("port_valeu"),
             "{err}"
         );
+        // The same typo in block style, in a later document: the line of
+        // the field itself, in the file.
+        let later = format!(
+            "collection: {GW}\nname: a\nbody: {{struct: {{}}}}\n---\n{}",
+            text.replace(
+                "{address: {socket_address: {address: 127.0.0.1, port_value: 8080}}}",
+                "\n            address:\n              socket_address:\n                address: 127.0.0.1\n                port_valeu: 8080"
+            )
+        );
+        let err = parse("clusters.yaml", &later, &table()).unwrap_err();
+        assert_eq!(
+            later.lines().nth(err.line - 1),
+            Some("                port_valeu: 8080"),
+            "{err}"
+        );
+        assert_eq!(err.line, 21, "{err}");
         let wrong_kind = text.replace("connect_timeout: 0.25s", "connect_timeout: [1]");
         let err = parse("clusters.yaml", &wrong_kind, &table()).unwrap_err();
         assert_eq!(err.line, 7, "{err}");
         assert!(err.reason.contains("json.connect_timeout"), "{err}");
+    }
+
+    fn decoded(parsed: &Parsed) -> (Metadata, serde_json::Value) {
+        let resource = Resource::decode(parsed.encoded.clone()).unwrap();
+        let body = resource.body.unwrap();
+        let json = crate::source::proto_json::BodyDecoder::new(None)
+            .unwrap()
+            .decode(&body.type_url, &body.value)
+            .unwrap();
+        (resource.metadata.unwrap(), json)
+    }
+
+    #[test]
+    fn kubernetes_resources_become_istio_protos() {
+        let text = "\
+# As kubectl get -o yaml writes it: metadata fields MCP has no room for, and
+# a status, are ignored.
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata:
+  name: reviews
+  namespace: bookinfo
+  labels: {app: reviews}
+  annotations: {owner: team}
+  resourceVersion: \"42\"
+  uid: 0b7c
+  creationTimestamp: \"2020-01-01T00:00:00Z\"
+spec:
+  hosts: [reviews]
+  http:
+  - timeout: 5m
+    retries: {attempts: 3, per_try_timeout: 300ms}
+    route:
+    - destination: {host: reviews, subset: v1}
+      weight: 90
+    - destination: {host: reviews, subset: v2}
+      weight: 10
+status:
+  observedGeneration: 3
+---
+apiVersion: v1
+kind: List
+items:
+- apiVersion: networking.istio.io/v1alpha3
+  kind: DestinationRule
+  metadata: {name: reviews}
+  spec:
+    host: reviews
+    trafficPolicy: {outlierDetection: {interval: 1h30m, baseEjectionTime: 300s}}
+- apiVersion: authentication.istio.io/v1alpha1
+  kind: MeshPolicy
+  metadata: {name: default, namespace: ignored}
+  spec:
+    peers: [{mtls: {mode: PERMISSIVE}}]
+";
+        let parsed = parse("k.yaml", text, &table()).unwrap();
+        let summary: Vec<(&str, &str, &str, usize)> = parsed
+            .iter()
+            .map(|p| (&*p.collection, &*p.name, p.body_type_url.as_str(), p.line))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (
+                    "istio/networking/v1alpha3/virtualservices",
+                    "bookinfo/reviews",
+                    "type.googleapis.com/istio.networking.v1alpha3.VirtualService",
+                    3
+                ),
+                (
+                    "istio/networking/v1alpha3/destinationrules",
+                    "default/reviews",
+                    "type.googleapis.com/istio.networking.v1alpha3.DestinationRule",
+                    29
+                ),
+                (
+                    "istio/authentication/v1alpha1/meshpolicies",
+                    "default",
+                    "type.googleapis.com/istio.authentication.v1alpha1.Policy",
+                    35
+                ),
+            ]
+        );
+        let (metadata, vs) = decoded(&parsed[0]);
+        assert_eq!(metadata.labels["app"], "reviews");
+        assert_eq!(metadata.annotations["owner"], "team");
+        assert_eq!(metadata.annotations.len(), 1);
+        assert_eq!(
+            metadata.version.len(),
+            32,
+            "a hash of the body, as for the gateway's form"
+        );
+        assert_eq!(vs["http"][0]["timeout"], "300s");
+        assert_eq!(vs["http"][0]["retries"]["perTryTimeout"], "0.300s");
+        assert_eq!(vs["http"][0]["route"][1]["weight"], 10);
+        let (_, dr) = decoded(&parsed[1]);
+        assert_eq!(dr["trafficPolicy"]["outlierDetection"]["interval"], "5400s");
+        let (_, mesh) = decoded(&parsed[2]);
+        assert_eq!(mesh["peers"][0]["mtls"]["mode"], "PERMISSIVE");
+        assert!(parsed.iter().all(|p| !p.struct_body));
+    }
+
+    #[test]
+    fn struct_bodies_are_marked_where_clients_decode_another_type() {
+        let text = "\
+collection: istio/networking/v1alpha3/gateways
+name: a
+body: {struct: {}}
+---
+collection: istio/config/v1alpha2/adapters
+name: b
+body: {struct: {}}
+";
+        let parsed = parse("s.yaml", text, &table()).unwrap();
+        // `spec:` with nothing after it is an empty spec.
+        let empty = parse(
+            "e.yaml",
+            "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: a}\nspec:\n",
+            &table(),
+        )
+        .unwrap();
+        assert_eq!(
+            Resource::decode(empty[0].encoded.clone()).unwrap().body.unwrap().value,
+            b""
+        );
+        assert_eq!(
+            parsed.iter().map(|p| p.struct_body).collect::<Vec<_>>(),
+            [true, false],
+            "Mixer's adapters are Structs"
+        );
     }
 
     #[test]
@@ -918,9 +1194,92 @@ body:
                 "give one of",
             ),
             ("collection: [\n", 1, "invalid type"),
+            // Kubernetes resources: an unknown kind, an unknown apiVersion.
+            (
+                "apiVersion: networking.istio.io/v1\nkind: VirtualServce\nmetadata: {name: a}\n",
+                2,
+                "kind \"VirtualServce\" is not a kind of networking.istio.io/v1",
+            ),
+            (
+                "apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: a}\n",
+                2,
+                "apiVersion \"example.com/v1\" is not one this gateway reads",
+            ),
+            // An unknown field: its path, on its line in the file (a later
+            // document).
+            (
+                "apiVersion: networking.istio.io/v1\nkind: Gateway\nmetadata: {name: a}\n---\n\
+                 apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: b\nspec:\n  \
+                 hosts: [b]\n  http:\n  - route:\n    - destination: {host: b}\n  - route:\n    - destination:\n        \
+                 host: b\n        subst: v1\n",
+                17,
+                "spec.http[1].route[0].destination.subst: unrecognized field name 'subst'",
+            ),
+            // A value of the wrong type, and an enum by a name it lacks.
+            (
+                "apiVersion: networking.istio.io/v1alpha3\nkind: ServiceEntry\nmetadata: {name: a}\nspec:\n  \
+                 hosts: [a]\n  ports:\n  - number: eighty\n",
+                7,
+                "spec.ports[0].number:",
+            ),
+            (
+                "apiVersion: networking.istio.io/v1alpha3\nkind: ServiceEntry\nmetadata: {name: a}\nspec:\n  \
+                 hosts: [a]\n  resolution: DSN\n",
+                6,
+                "spec.resolution:",
+            ),
+            (
+                "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata:\n  namespace: x\nspec: {}\n",
+                3,
+                "metadata.name is missing",
+            ),
+            (
+                "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nspec: {}\n",
+                1,
+                "metadata.name is missing",
+            ),
+            // A Mixer kind, and a kind with no proto here.
+            (
+                "apiVersion: config.istio.io/v1alpha2\nkind: adapter\nmetadata: {name: a}\nspec: {}\n",
+                2,
+                "Mixer kind: its params depend on the adapter (a google.protobuf.Struct), so no proto reads its spec; \
+                 write it in the gateway's own form: collection: istio/config/v1alpha2/adapters, name: namespace/name, \
+                 body: {type_url: type.googleapis.com/google.protobuf.Struct, value_base64:",
+            ),
+            (
+                "apiVersion: config.istio.io/v1alpha2\nkind: handler\nmetadata: {name: a}\nspec: {}\n",
+                2,
+                "has no proto in this gateway to read its spec with; write it in the gateway's own form",
+            ),
+            // The two forms mixed, a List's errors on the item's line.
+            (
+                "apiVersion: networking.istio.io/v1\nkind: Gateway\nname: a\n",
+                3,
+                "name belongs to the gateway's own form",
+            ),
+            (
+                "apiVersion: v1\nkind: List\nitems:\n- apiVersion: networking.istio.io/v1\n  kind: Gateway\n  \
+                 metadata: {name: a}\n- apiVersion: networking.istio.io/v1\n  kind: Gateway\n  metadata: {namespace: x}\n",
+                9,
+                "metadata.name is missing",
+            ),
+            (
+                "apiVersion: v1\nkind: List\nitems:\n- apiVersion: networking.istio.io/v1\n  kind: Gateway\n  \
+                 metadata: {name: a}\n  spec: {selector: {a: b}}\n- apiVersion: networking.istio.io/v1alpha3\n  \
+                 kind: Gateway\n  metadata: {name: a}\n",
+                10,
+                "\"default/a\" in istio/networking/v1alpha3/gateways is defined twice (first at line 6)",
+            ),
+            // A YAML syntax error in a later document: its line in the file.
+            (
+                "collection: istio/networking/v1alpha3/gateways\nname: a\nbody: {struct: {}}\n---\n\
+                 apiVersion: networking.istio.io/v1\nkind: Gateway\nmetadata:\n  name: b\n spec: {}\n",
+                9,
+                "line 9",
+            ),
         ];
         for (text, line, reason) in cases {
-            let error = parse("dir/f.yaml", text, &table()).unwrap_err();
+            let error = parse("dir/f.yaml", text, &table()).expect_err(text);
             assert_eq!(error.path, "dir/f.yaml");
             assert_eq!(error.line, line, "{text}: {error}");
             assert!(error.reason.contains(reason), "{text}: {error}");

@@ -3,22 +3,25 @@
 //! mode dials Galley's `ResourceSource` (`client`), dial-out serves
 //! `ResourceSink` (`sink`), client mode's probe for collections only
 //! clients asked for (`probe`), and the deadline of those demands
-//! (`overdue`); the local files (`files`); the persisted
-//! snapshot (`persisted`); the validation they share (`validate`). Sources never talk
+//! (`overdue`); the local files (`files`, with Kubernetes objects in
+//! `kubernetes`, proto-JSON bodies in `proto_json`); the persisted snapshot
+//! (`persisted`); the validation they share (`validate`). Sources never talk
 //! to downstream streams: what clients want reaches them as the cache's
 //! demand.
 
 pub mod backoff;
 pub mod client;
-pub mod envoy_json;
 pub mod files;
+mod kubernetes;
 pub mod overdue;
 pub mod persisted;
 pub mod probe;
+pub mod proto_json;
 pub mod session;
 pub mod sink;
 pub mod stream;
 pub mod validate;
+mod yaml_lines;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -74,13 +74,13 @@ pub struct ClientArgs {
     pub show: Option<Show>,
 
     /// What each update prints: summary, names, json or yaml (the resources
-    /// with their bodies read back: Struct and Envoy's types; others with
-    /// --descriptors).
+    /// with their bodies read back: Struct, Istio's kinds and Envoy's types;
+    /// others with --descriptors).
     #[arg(long, value_enum, default_value_t = Output::Summary)]
     pub output: Output,
 
     /// A FileDescriptorSet for --output json|yaml to read bodies of other
-    /// types (Istio's API protos: protoc -o FILE).
+    /// types (Mixer's, your own: protoc -o FILE).
     #[arg(long, value_name = "FILE")]
     pub descriptors: Option<PathBuf>,
 
@@ -173,7 +173,7 @@ fn ended(status: Option<&tonic::Status>) -> (String, bool) {
 
 /// Runs the client; the output goes to `out`.
 pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Result<()> {
-    let bodies = crate::source::envoy_json::BodyDecoder::new(args.descriptors.as_deref())
+    let bodies = crate::source::proto_json::BodyDecoder::new(args.descriptors.as_deref())
         .map_err(|e| anyhow::anyhow!("--descriptors: {e}"))?;
     let (dial, channel) = connect(&args).await?;
     let node = SinkNode {
@@ -515,7 +515,7 @@ fn print_resources(
     out: &mut impl Write,
     update: &Update,
     output: Output,
-    bodies: &crate::source::envoy_json::BodyDecoder,
+    bodies: &crate::source::proto_json::BodyDecoder,
 ) -> std::io::Result<()> {
     match output {
         Output::Summary => Ok(()),

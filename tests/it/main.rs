@@ -16,6 +16,7 @@ mod failure_paths;
 mod grpc;
 mod history_persist;
 mod incremental;
+mod kubernetes;
 mod layout;
 mod limits;
 mod load;

@@ -924,8 +924,8 @@ async fn the_rollout_command_takes_the_versions_it_prints() {
 }
 
 /// The config dump: each resource's metadata and its body read back, as
-/// JSON or YAML: Envoy's types and Struct natively; a type the gateway has
-/// no descriptor for as its size and a preview, saying so.
+/// JSON or YAML: Envoy's types, Istio's kinds and Struct natively; a type
+/// the gateway has no descriptor for as its size and a preview, saying so.
 #[tokio::test]
 async fn the_config_dump_reads_bodies_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -935,6 +935,12 @@ async fn the_config_dump_reads_bodies_back() {
             std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
         }
     }
+    // A body of a type the gateway has no proto for (Mixer's handlers).
+    std::fs::write(
+        dir.path().join("handlers.yaml"),
+        "collection: istio/policy/v1beta1/handlers\nname: ns/h\nbody:\n  type_url: type.googleapis.com/istio.policy.v1beta1.Handler\n  value_base64: CgNmb28=\n",
+    )
+    .unwrap();
     let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap()]).await;
     let (status, yaml) = http_get(gw.admin, "/debug/cache/envoy/config/cluster/v3/clusters?bodies=yaml").await;
     assert_eq!(status, 200, "{yaml}");
@@ -959,10 +965,19 @@ async fn the_config_dump_reads_bodies_back() {
         .iter()
         .find(|r| r["name"] == "bookinfo/ratings")
         .unwrap();
-    assert!(ratings["body"]["hosts"].is_array(), "a Struct body as JSON: {ratings}");
-
+    assert_eq!(
+        ratings["body"]["hosts"],
+        serde_json::json!(["ratings"]),
+        "an Istio body, decoded by its proto: {ratings}"
+    );
     let gateways = json(gw.admin, &format!("/debug/cache/{GW}?bodies=json")).await;
-    let body = &gateways["resources"][0]["body"];
+    assert_eq!(
+        gateways["resources"][0]["body"]["selector"]["istio"], "ingressgateway",
+        "{gateways}"
+    );
+
+    let handlers = json(gw.admin, "/debug/cache/istio/policy/v1beta1/handlers?bodies=json").await;
+    let body = &handlers["resources"][0]["body"];
     assert!(
         body["bytes"].as_u64().unwrap() > 0 && body["preview_base64"].is_string(),
         "{body}"

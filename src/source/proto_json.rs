@@ -1,0 +1,539 @@
+//! Resource bodies written as their proto-JSON (as YAML), read against the
+//! protos' descriptors and encoded to the bytes the clients read: Envoy's
+//! resources under `body: {type_url, json}`, and the `spec` of Istio's kinds
+//! written as Kubernetes resources (both in the files source). Protojson
+//! rules (`camelCase` or original names, enums by name, `Any` with `@type`),
+//! durations also as Go and Istio's docs write them (`5m`, `1h30m`,
+//! `300ms`); an unknown field, a wrong kind of value or a type this gateway
+//! has no descriptor for is an error naming the field's path.
+
+use std::sync::OnceLock;
+
+use prost_reflect::{DescriptorPool, DynamicMessage, Kind, MessageDescriptor};
+use serde_json::Value;
+
+/// The descriptors `build.rs` compiled: Envoy's clusters, listeners, route
+/// configurations, endpoints, secrets, and the extensions they commonly
+/// embed (HTTP connection manager, router, TCP proxy, TLS).
+const ENVOY_DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/envoy_resources.bin"));
+
+/// Istio's kinds (`proto/istio-api/`): networking, security, telemetry,
+/// extensions, and Istio 1.0-1.4's authentication and rbac `v1alpha1`.
+pub const ISTIO_DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/istio_resources.bin"));
+
+/// Decoded on first use: only a directory with proto-JSON bodies, or a
+/// config dump, pays for it.
+fn pool() -> &'static DescriptorPool {
+    static POOL: OnceLock<DescriptorPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let mut pool = DescriptorPool::decode(ENVOY_DESCRIPTORS).expect("build.rs wrote a valid descriptor set");
+        // The well-known types both sets hold are the same files: skipped.
+        pool.decode_file_descriptor_set(ISTIO_DESCRIPTORS)
+            .expect("build.rs wrote a valid descriptor set");
+        pool
+    })
+}
+
+/// One step of a path into a body: a field or map key, or a list index.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PathStep {
+    Key(String),
+    Index(usize),
+}
+
+/// Writes `steps` as `filter_chains[0].filters` (empty for the body itself).
+pub fn display_path(steps: &[PathStep]) -> String {
+    let mut shown = String::new();
+    for step in steps {
+        match step {
+            PathStep::Key(key) if shown.is_empty() => shown.push_str(key),
+            PathStep::Key(key) => {
+                shown.push('.');
+                shown.push_str(key);
+            }
+            PathStep::Index(index) => shown.push_str(&format!("[{index}]")),
+        }
+    }
+    shown
+}
+
+/// Why a body does not read as its type.
+#[derive(Debug, PartialEq, Eq)]
+pub struct JsonError {
+    /// The field that failed, from the body (`filter_chains[0].filters`);
+    /// empty for the body itself. For an unknown field, the field itself.
+    pub path: Vec<PathStep>,
+    pub message: String,
+}
+
+impl std::fmt::Display for JsonError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", display_path(&self.path), self.message)
+        }
+    }
+}
+
+/// Every Envoy type a `json` body may name (for errors); Istio's kinds are
+/// named by the collection table.
+fn known_types() -> Vec<String> {
+    const ROOTS: &[&str] = &[
+        "envoy.config.cluster.v3.Cluster",
+        "envoy.config.listener.v3.Listener",
+        "envoy.config.route.v3.RouteConfiguration",
+        "envoy.config.endpoint.v3.ClusterLoadAssignment",
+        "envoy.extensions.transport_sockets.tls.v3.Secret",
+    ];
+    ROOTS.iter().map(|t| format!("type.googleapis.com/{t}")).collect()
+}
+
+/// The message type `type_url` names, if this gateway has its descriptor.
+pub fn message_type(type_url: &str) -> Option<MessageDescriptor> {
+    let name = type_url.strip_prefix(crate::collections::TYPE_URL_PREFIX)?;
+    pool().get_message_by_name(name)
+}
+
+/// The message `json` describes, encoded as `type_url` says.
+pub fn encode(type_url: &str, json: Value) -> Result<Vec<u8>, JsonError> {
+    let fail = |message: String| JsonError {
+        path: Vec::new(),
+        message,
+    };
+    if !type_url.starts_with(crate::collections::TYPE_URL_PREFIX) {
+        return Err(fail(format!(
+            "type_url {type_url:?} does not start with type.googleapis.com/"
+        )));
+    }
+    let descriptor = message_type(type_url).ok_or_else(|| {
+        fail(format!(
+            "type_url {type_url:?} is not a type this gateway can read as json (it reads {}, Istio's kinds, and the \
+             extensions listed in proto/README.md); give the encoded message as value_base64 instead",
+            known_types().join(", ")
+        ))
+    })?;
+    encode_message(&descriptor, json)
+}
+
+/// `json` read as `descriptor`'s message, encoded.
+pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8>, JsonError> {
+    normalize_durations(descriptor, &mut json, &mut Vec::new())?;
+    let mut track = serde_path_to_error::Track::new();
+    let message = {
+        let deserializer = serde_path_to_error::Deserializer::new(&json, &mut track);
+        serde::de::DeserializeSeed::deserialize(descriptor.clone(), deserializer)
+    };
+    let message: DynamicMessage = message.map_err(|e: serde_json::Error| {
+        let mut path: Vec<PathStep> = track
+            .path()
+            .iter()
+            .filter_map(|segment| match segment {
+                serde_path_to_error::Segment::Seq { index } => Some(PathStep::Index(*index)),
+                serde_path_to_error::Segment::Map { key } => Some(PathStep::Key(key.clone())),
+                serde_path_to_error::Segment::Enum { variant } => Some(PathStep::Key(variant.clone())),
+                serde_path_to_error::Segment::Unknown => None,
+            })
+            .collect();
+        let message = e.to_string();
+        // The path ends at the message that holds an unknown field: the
+        // field itself is what the operator has to find.
+        if let Some(field) = message
+            .strip_prefix("unrecognized field name '")
+            .and_then(|rest| rest.split('\'').next())
+        {
+            path.push(PathStep::Key(field.to_owned()));
+        }
+        JsonError { path, message }
+    })?;
+    Ok(prost::Message::encode_to_vec(&message))
+}
+
+const DURATION: &str = "google.protobuf.Duration";
+
+/// Rewrites every `google.protobuf.Duration` written as Go writes durations
+/// (`5m`, `1h30m`, `300ms`, `1.5h`) to its proto-JSON (`300s`), so both
+/// forms read. Fields this pass does not know are left to the reader, which
+/// names them.
+fn normalize_durations(
+    descriptor: &MessageDescriptor,
+    json: &mut Value,
+    path: &mut Vec<PathStep>,
+) -> Result<(), JsonError> {
+    let Value::Object(fields) = json else {
+        return Ok(());
+    };
+    if descriptor.full_name() == "google.protobuf.Any" {
+        // An `Any` holds its own type's fields beside `@type`.
+        let inner = fields.get("@type").and_then(Value::as_str).and_then(message_type);
+        return match inner {
+            Some(inner) if inner.full_name() != DURATION => normalize_durations(&inner, json, path),
+            _ => Ok(()),
+        };
+    }
+    for (key, value) in fields.iter_mut() {
+        let Some(field) = descriptor
+            .get_field_by_json_name(key)
+            .or_else(|| descriptor.get_field_by_name(key))
+        else {
+            continue;
+        };
+        let Kind::Message(mut message) = field.kind() else {
+            continue;
+        };
+        if field.is_map() {
+            let Kind::Message(values) = message.map_entry_value_field().kind() else {
+                continue;
+            };
+            message = values;
+        }
+        path.push(PathStep::Key(key.clone()));
+        match value {
+            Value::Array(items) if field.is_list() => {
+                for (index, item) in items.iter_mut().enumerate() {
+                    path.push(PathStep::Index(index));
+                    normalize_value(&message, item, path)?;
+                    path.pop();
+                }
+            }
+            Value::Object(entries) if field.is_map() => {
+                for (entry, item) in entries.iter_mut() {
+                    path.push(PathStep::Key(entry.clone()));
+                    normalize_value(&message, item, path)?;
+                    path.pop();
+                }
+            }
+            _ => normalize_value(&message, value, path)?,
+        }
+        path.pop();
+    }
+    Ok(())
+}
+
+fn normalize_value(message: &MessageDescriptor, value: &mut Value, path: &mut Vec<PathStep>) -> Result<(), JsonError> {
+    match value {
+        Value::String(text) if message.full_name() == DURATION => {
+            *text = proto_json_duration(text).map_err(|message| JsonError {
+                path: path.clone(),
+                message,
+            })?;
+            Ok(())
+        }
+        _ => normalize_durations(message, value, path),
+    }
+}
+
+/// The largest `google.protobuf.Duration`, in seconds (10,000 years).
+const MAX_DURATION_SECONDS: u128 = 315_576_000_000;
+
+/// A duration as Go's `time.ParseDuration` reads it (`1h30m`, `300ms`,
+/// `0.25s`, `-5s`; units ns, us, µs, ms, s, m, h), written as proto-JSON
+/// (`5400s`, `0.300s`).
+pub fn proto_json_duration(text: &str) -> Result<String, String> {
+    let invalid = || {
+        format!(
+            "invalid duration {text:?}: give a number and a unit, as in 300s, 5m, 1h30m, 300ms or 0.25s \
+             (units: h, m, s, ms, us, ns)"
+        )
+    };
+    let (negative, mut rest) = match text.trim() {
+        t if t.starts_with('-') => (true, &t[1..]),
+        t => (false, t.strip_prefix('+').unwrap_or(t)),
+    };
+    if rest == "0" {
+        return Ok("0s".into());
+    }
+    if rest.is_empty() {
+        return Err(invalid());
+    }
+    let mut nanos: u128 = 0;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(rest.len());
+        let (number, after) = rest.split_at(number_len);
+        let unit_len = after
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(after.len());
+        let (unit, after) = after.split_at(unit_len);
+        let per_unit: u128 = match unit {
+            "ns" => 1,
+            "us" | "\u{b5}s" | "\u{3bc}s" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            _ => return Err(invalid()),
+        };
+        let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+        if whole.is_empty() && fraction.is_empty() || fraction.contains('.') {
+            return Err(invalid());
+        }
+        let digits = |d: &str| -> Result<u128, String> {
+            if d.is_empty() {
+                Ok(0)
+            } else {
+                d.parse::<u128>().map_err(|_| invalid())
+            }
+        };
+        // Beyond nanoseconds a fraction's digits add nothing.
+        let fraction = &fraction[..fraction.len().min(18)];
+        let scale = 10u128.pow(fraction.len() as u32);
+        nanos = digits(whole)?
+            .checked_mul(per_unit)
+            .and_then(|n| n.checked_add(digits(fraction).ok()? * per_unit / scale))
+            .and_then(|n| n.checked_add(nanos))
+            .ok_or_else(invalid)?;
+        rest = after;
+    }
+    let (seconds, nanos) = (nanos / 1_000_000_000, nanos % 1_000_000_000);
+    if seconds > MAX_DURATION_SECONDS {
+        return Err(format!(
+            "duration {text:?} is longer than a google.protobuf.Duration holds (10,000 years)"
+        ));
+    }
+    let sign = if negative { "-" } else { "" };
+    Ok(if nanos == 0 {
+        format!("{sign}{seconds}s")
+    } else {
+        let fraction = format!("{nanos:09}");
+        format!("{sign}{seconds}.{}s", fraction.trim_end_matches('0'))
+    })
+}
+
+/// Reads resource bodies back for the config dump (`/debug/cache/{c}?bodies=`):
+/// `google.protobuf.Struct`, the Envoy types and Istio kinds above, and
+/// every message of an operator's descriptor set (`--descriptors`: a
+/// `FileDescriptorSet` compiled by `protoc -o` or `buf build`).
+#[derive(Debug)]
+pub struct BodyDecoder {
+    /// The operator's set merged into the built-in one; `None` without one
+    /// (the built-in pool is then shared and decoded on first use).
+    pool: Option<DescriptorPool>,
+}
+
+impl BodyDecoder {
+    /// With `descriptors` (a file holding a `FileDescriptorSet`); an error
+    /// says why it cannot be used.
+    pub fn new(descriptors: Option<&std::path::Path>) -> Result<Self, String> {
+        let Some(path) = descriptors else {
+            return Ok(Self { pool: None });
+        };
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
+        let set = <prost_types::FileDescriptorSet as prost::Message>::decode(&bytes[..])
+            .map_err(|e| format!("not a FileDescriptorSet (protoc -o FILE, or buf build -o FILE): {e}"))?;
+        let mut pool = pool().clone();
+        // The operator's files may repeat ones the built-in set has (the
+        // well-known types): those are skipped, the rest added.
+        let new: Vec<_> = set
+            .file
+            .into_iter()
+            .filter(|f| pool.get_file_by_name(f.name()).is_none())
+            .collect();
+        pool.add_file_descriptor_protos(new)
+            .map_err(|e| format!("its descriptors do not resolve: {e}"))?;
+        Ok(Self { pool: Some(pool) })
+    }
+
+    fn pool(&self) -> &DescriptorPool {
+        self.pool.as_ref().unwrap_or_else(|| pool())
+    }
+
+    /// The body's message as proto-JSON; `Err` says why it cannot be read
+    /// (no descriptor for its type, or bytes that do not decode as it).
+    pub fn decode(&self, type_url: &str, value: &[u8]) -> Result<serde_json::Value, String> {
+        let name = type_url.rsplit('/').next().unwrap_or(type_url);
+        let descriptor = self
+            .pool()
+            .get_message_by_name(name)
+            .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
+        let message =
+            DynamicMessage::decode(descriptor, value).map_err(|e| format!("does not decode as {name}: {e}"))?;
+        serde_json::to_value(&message).map_err(|e| format!("{name} has no JSON form: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_cluster_reads_as_envoy_writes_it() {
+        let bytes = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            json!({
+                "name": "backend",
+                "connect_timeout": "0.25s",
+                "type": "EDS",
+                "edsClusterConfig": {"edsConfig": {"ads": {}, "resourceApiVersion": "V3"}},
+            }),
+        )
+        .unwrap();
+        let pool = pool();
+        let cluster = DynamicMessage::decode(
+            pool.get_message_by_name("envoy.config.cluster.v3.Cluster").unwrap(),
+            &bytes[..],
+        )
+        .unwrap();
+        assert_eq!(cluster.get_field_by_name("name").unwrap().as_str(), Some("backend"));
+    }
+
+    #[test]
+    fn bodies_decode_back_to_json() {
+        let decoder = BodyDecoder::new(None).unwrap();
+        let cluster = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            json!({"name": "backend", "connect_timeout": "0.25s"}),
+        )
+        .unwrap();
+        let json = decoder
+            .decode("type.googleapis.com/envoy.config.cluster.v3.Cluster", &cluster)
+            .unwrap();
+        assert_eq!(json, json!({"name": "backend", "connectTimeout": "0.250s"}));
+        let structure = prost::Message::encode_to_vec(&prost_types::Struct {
+            fields: [(
+                "hosts".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue("a".into())),
+                },
+            )]
+            .into(),
+        });
+        let json = decoder
+            .decode("type.googleapis.com/google.protobuf.Struct", &structure)
+            .unwrap();
+        assert_eq!(json, json!({"hosts": "a"}));
+        let err = decoder
+            .decode("type.googleapis.com/istio.policy.v1beta1.Handler", b"")
+            .unwrap_err();
+        assert!(err.contains("--descriptors"), "{err}");
+        // An operator's set: the MCP protos' own descriptors, for instance.
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("set.pb");
+        std::fs::write(&file, include_bytes!(concat!(env!("OUT_DIR"), "/mcp_descriptor.bin"))).unwrap();
+        let with = BodyDecoder::new(Some(&file)).unwrap();
+        let metadata = prost::Message::encode_to_vec(&crate::proto::Metadata {
+            name: "ns/a".into(),
+            ..Default::default()
+        });
+        let json = with.decode("istio.mcp.v1alpha1.Metadata", &metadata).unwrap();
+        assert_eq!(json["name"], "ns/a");
+        std::fs::write(&file, b"not a descriptor set").unwrap();
+        assert!(BodyDecoder::new(Some(&file)).unwrap_err().contains("FileDescriptorSet"));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = encode(
+            "type.googleapis.com/envoy.config.listener.v3.Listener",
+            json!({
+                "name": "l",
+                "filter_chains": [{"filters": [{"name": "x", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                    "stat_prefix": "s",
+                    "clutser": "c",
+                }}]}],
+            }),
+        )
+        .unwrap_err();
+        assert_eq!(
+            display_path(&err.path),
+            "filter_chains[0].filters[0].typed_config.clutser",
+            "{err}"
+        );
+        assert!(err.message.contains("clutser"), "{err}");
+
+        let err = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            json!({"connect_timeout": 5}),
+        )
+        .unwrap_err();
+        assert_eq!(display_path(&err.path), "connect_timeout", "{err}");
+
+        let err = encode("type.googleapis.com/example.Unknown", json!({})).unwrap_err();
+        assert!(err.message.contains("value_base64"), "{err}");
+    }
+
+    #[test]
+    fn durations_read_as_go_and_as_proto_json_write_them() {
+        for (written, proto_json) in [
+            ("300s", "300s"),
+            ("5m", "300s"),
+            ("1h", "3600s"),
+            ("1h30m", "5400s"),
+            ("300ms", "0.3s"),
+            ("0.25s", "0.25s"),
+            ("1.5h", "5400s"),
+            ("1m0.5s", "60.5s"),
+            ("2us", "0.000002s"),
+            ("7ns", "0.000000007s"),
+            ("-5s", "-5s"),
+            ("0", "0s"),
+        ] {
+            let got = proto_json_duration(written).unwrap_or_else(|e| panic!("{written}: {e}"));
+            assert_eq!(got, proto_json, "{written}");
+            // What prost-reflect reads.
+            encode(
+                "type.googleapis.com/istio.networking.v1alpha3.HTTPRoute",
+                json!({"timeout": written}),
+            )
+            .unwrap_or_else(|e| panic!("{written}: {e}"));
+        }
+        for bad in ["", "5", "5x", "m", "1..5s", "h1", "99999999999999h", "1e3s"] {
+            let err = proto_json_duration(bad).unwrap_err();
+            assert!(err.contains("duration"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn istio_kinds_read_with_go_durations_and_name_the_failing_field() {
+        let route = json!({
+            "hosts": ["reviews"],
+            "http": [{
+                "timeout": "5m",
+                "retries": {"attempts": 3, "per_try_timeout": "300ms"},
+                "route": [{"destination": {"host": "reviews", "subset": "v1"}}],
+            }],
+        });
+        let bytes = encode(
+            "type.googleapis.com/istio.networking.v1alpha3.VirtualService",
+            route.clone(),
+        )
+        .unwrap();
+        let message = DynamicMessage::decode(
+            pool()
+                .get_message_by_name("istio.networking.v1alpha3.VirtualService")
+                .unwrap(),
+            &bytes[..],
+        )
+        .unwrap();
+        let back = serde_json::to_value(&message).unwrap();
+        assert_eq!(back["http"][0]["timeout"], "300s");
+        assert_eq!(
+            back["http"][0]["retries"]["perTryTimeout"], "0.300s",
+            "as prost-reflect writes it"
+        );
+
+        let mut bad = route.clone();
+        bad["http"][0]["retries"]["per_try_timeout"] = json!("soon");
+        let err = encode("type.googleapis.com/istio.networking.v1alpha3.VirtualService", bad).unwrap_err();
+        assert_eq!(display_path(&err.path), "http[0].retries.per_try_timeout", "{err}");
+        let mut bad = route;
+        bad["http"][0]["route"][0]["destination"]["hots"] = json!("x");
+        let err = encode("type.googleapis.com/istio.networking.v1alpha3.VirtualService", bad).unwrap_err();
+        assert_eq!(display_path(&err.path), "http[0].route[0].destination.hots", "{err}");
+        // Map values that are durations: none in these protos is a map of
+        // durations, but a list of messages holding one is walked.
+        let err = encode(
+            "type.googleapis.com/istio.networking.v1alpha3.DestinationRule",
+            json!({"host": "r", "trafficPolicy": {"outlierDetection": {"interval": "1x"}}}),
+        )
+        .unwrap_err();
+        assert_eq!(
+            display_path(&err.path),
+            "trafficPolicy.outlierDetection.interval",
+            "{err}"
+        );
+    }
+}
