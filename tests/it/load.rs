@@ -61,6 +61,83 @@ async fn every_scenario_runs_over_xds_at_a_tiny_size() {
     every_scenario_runs_at_a_tiny_size_over("xds-delta").await;
 }
 
+/// The named (EDS) scenario at a tiny size, both v3 protocols, and its
+/// disjoint variant: every client gets every change to its names, and
+/// nothing else (no push without a change, nothing to a bystander).
+#[tokio::test]
+async fn the_eds_scenario_runs_at_a_tiny_size() {
+    for protocol in ["xds-sotw", "xds-delta"] {
+        for disjoint in [false, true] {
+            let mut args = vec!["--scenario", "eds", "--tiny", "--protocol", protocol];
+            if disjoint {
+                args.push("--eds-disjoint");
+            }
+            let (report, json) = mcp_load(&args).await;
+            assert_eq!(report["scenario"], "eds", "{json}");
+            assert_eq!(report["shape"]["protocol"], protocol, "{json}");
+            assert_eq!(report["nacks"], 0, "{json}");
+            assert_eq!(report["stream_errors"], 0, "{json}");
+            let eds = &report["eds"];
+            assert_eq!(eds["disjoint"], disjoint, "{json}");
+            // The tiny shape's seed reaches some client with its changes.
+            assert!(eds["changes_delivered"].as_u64().unwrap() > 0, "{json}");
+            assert!(report["responses_delivered"].as_u64().unwrap() > 0, "{json}");
+            assert!(report["latency_p99_ms"].as_f64().unwrap() > 0.0, "{json}");
+            assert_eq!(eds["pushes_without_change"], 0, "{json}");
+            assert_eq!(eds["resources_not_subscribed"], 0, "{json}");
+            assert_eq!(eds["changes_never_published"], 0, "{json}");
+            assert!(
+                eds["gateway_rss_per_subscribed_name_bytes"].as_f64().is_some(),
+                "{json}"
+            );
+            assert!(report["wire"]["bytes"].as_u64().unwrap() > 0, "{json}");
+            if disjoint {
+                assert!(eds["bystanders"].as_u64().unwrap() > 0, "{json}");
+                assert_eq!(eds["bystander_responses"], 0, "{json}");
+                assert_eq!(eds["bystander_bytes"], 0, "{json}");
+            } else {
+                assert!(eds["bystanders"].is_null(), "{json}");
+            }
+        }
+    }
+}
+
+/// Flags the eds scenario cannot honour are refused at start, naming them.
+#[tokio::test]
+async fn eds_flags_that_do_not_fit_are_refused() {
+    for (args, named) in [
+        (&["--scenario", "eds", "--protocol", "mcp"][..], "--protocol"),
+        (&["--scenario", "fan-out", "--seed", "3"][..], "--seed"),
+        (&["--scenario", "eds", "--abuse", "nack-flood"][..], "--abuse"),
+        (
+            &["--scenario", "eds", "--names-per-client", "0"][..],
+            "--names-per-client",
+        ),
+        (
+            &["--scenario", "eds", "--change-percent", "101"][..],
+            "--change-percent",
+        ),
+        (
+            &["--scenario", "eds", "--eds-disjoint", "--streams", "300"][..],
+            "--eds-disjoint",
+        ),
+    ] {
+        let shown = format!("mcp-load {}", args.join(" "));
+        let output = within(
+            &shown,
+            Command::new(env!("CARGO_BIN_EXE_mcp-load"))
+                .args(args)
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{shown}: {stderr}");
+        assert!(stderr.contains(named), "{shown}: {stderr}");
+    }
+}
+
 /// Each attack beside a tiny scenario: the canaries still get everything.
 #[tokio::test]
 async fn every_abuse_runs_at_a_tiny_size() {

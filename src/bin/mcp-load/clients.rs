@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use mcp_xds_gateway::collections::CollectionTable;
 use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
 use mcp_xds_gateway::proto::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
@@ -26,13 +27,18 @@ pub use mcp_xds_gateway::downstream::service::{INCREMENTAL_PATH, SOTW_PATH, XDS_
 use crate::reader::{Fields, Responses, MCP, XDS};
 use crate::scenario::ClientProtocol;
 
-/// What a client acts on in a response: its version, type and nonce.
+/// What a client acts on in a response: its version, type and nonce (and,
+/// for a named client, its resources and removed names: see `reader.rs`).
 #[derive(Clone, Debug, Default)]
 pub struct Envelope {
     pub version: String,
     /// Empty where the response names none (legacy incremental).
     pub type_url: String,
     pub nonce: String,
+    /// Each resource's encoded bytes, where the reader collects them.
+    pub resources: Vec<Bytes>,
+    /// Each removed name's bytes, where the reader collects them.
+    pub removed: Vec<Bytes>,
 }
 
 /// One received response.
@@ -199,9 +205,10 @@ fn node(index: usize) -> Option<SinkNode> {
     })
 }
 
-/// Runs one stream of `protocol`, asking for changes (`incremental`) or
-/// for the state of the world, until `stop` is cancelled; returns what it
-/// received.
+/// Runs one stream of `protocol`, asking for changes (`incremental`: one of
+/// `collections`, stream `index` the one at `index` in turn) or for the
+/// state of the world (all of them), until `stop` is cancelled; returns what
+/// it received.
 pub async fn run_stream(
     index: usize,
     channel: Channel,
@@ -217,59 +224,70 @@ pub async fn run_stream(
         stop,
     };
     let result = match (protocol, incremental) {
-        (ClientProtocol::Mcp, true) => incremental_stream(index, channel, collections[0].clone(), watch).await,
+        (ClientProtocol::Mcp, true) => incremental_stream(index, channel, one_of(&collections, index), watch).await,
         (ClientProtocol::Mcp, false) => sotw_stream(index, channel, collections, watch).await,
         (_, false) => xds_sotw_stream(index, channel, collections, watch).await,
-        (_, true) => xds_delta_stream(index, channel, collections[0].clone(), watch).await,
+        (_, true) => xds_delta_stream(index, channel, one_of(&collections, index), watch).await,
     };
+    let mut received = kept(index, &progress, result).unwrap_or_default();
+    for r in &mut received {
+        r.stream = index;
+    }
+    received
+}
+
+/// Stream `index`'s one collection.
+fn one_of(collections: &[Arc<str>], index: usize) -> Arc<str> {
+    collections[index % collections.len()].clone()
+}
+
+/// What stream `index` kept; a failure is counted in `progress` and said.
+pub fn kept<T>(index: usize, progress: &Progress, result: anyhow::Result<T>) -> Option<T> {
     match result {
-        Ok(mut received) => {
-            for r in &mut received {
-                r.stream = index;
-            }
-            received
-        }
+        Ok(kept) => Some(kept),
         Err(e) => {
             progress.errors.fetch_add(1, Ordering::Relaxed);
             eprintln!("mcp-load: stream {index}: {e}");
-            Vec::new()
+            None
         }
     }
 }
 
 /// What every stream reports to and stops on.
-pub struct Watch<'a> {
-    /// The final version of each collection, once published.
-    pub finals: watch::Receiver<Option<HashMap<String, String>>>,
+pub struct Watch<'a, F> {
+    /// The publisher's final state, once published.
+    pub finals: watch::Receiver<Option<F>>,
     pub progress: &'a Progress,
     pub stop: tokio_util::sync::CancellationToken,
 }
 
-/// Tracks which versions a stream holds, to count it synced and final once.
-struct Holdings {
-    held: HashMap<Arc<str>, String>,
-    wanted: usize,
+/// What a stream keeps of its responses, and whether it holds a first state
+/// and the final state of what it asked for.
+pub trait Holder {
+    /// The publisher's final state, as this holder compares with it.
+    type Finals;
+    fn on_response(&mut self, envelope: Envelope, bytes: usize, at: Instant) -> anyhow::Result<()>;
+    /// Holds a first state of everything it asked for.
+    fn synced(&self) -> bool;
+    /// Holds the final state of everything it asked for.
+    fn at_final(&self, finals: &Self::Finals) -> bool;
+}
+
+/// Counts a stream in [`Progress`] once when synced and once when final.
+#[derive(Default)]
+struct Counted {
     synced: bool,
     at_final: bool,
 }
 
-impl Holdings {
-    fn new(wanted: usize) -> Self {
-        Self {
-            held: HashMap::new(),
-            wanted,
-            synced: false,
-            at_final: false,
-        }
-    }
-
-    fn update(&mut self, progress: &Progress, finals: &Option<HashMap<String, String>>) {
-        if !self.synced && self.held.len() == self.wanted {
+impl Counted {
+    fn update<H: Holder>(&mut self, holder: &H, progress: &Progress, finals: &Option<H::Finals>) {
+        if !self.synced && holder.synced() {
             self.synced = true;
             progress.synced.fetch_add(1, Ordering::Relaxed);
         }
         if let (false, Some(finals)) = (self.at_final, finals) {
-            if self.held.iter().all(|(c, v)| finals.get(&**c) == Some(v)) && self.held.len() == self.wanted {
+            if holder.at_final(finals) {
                 self.at_final = true;
                 progress.at_final.fetch_add(1, Ordering::Relaxed);
             }
@@ -277,11 +295,59 @@ impl Holdings {
     }
 }
 
+/// The version of each collection a stream holds, and every response it
+/// received.
+struct Versions<C> {
+    held: HashMap<Arc<str>, String>,
+    /// How many collections the stream asked for.
+    wanted: usize,
+    /// The collection a response is of.
+    collection_of: C,
+    received: Vec<Received>,
+}
+
+impl<C> Versions<C> {
+    fn new(wanted: usize, collection_of: C) -> Self {
+        Self {
+            held: HashMap::new(),
+            wanted,
+            collection_of,
+            received: Vec::new(),
+        }
+    }
+}
+
+impl<C: Fn(&Envelope) -> Arc<str>> Holder for Versions<C> {
+    /// The final version of each collection.
+    type Finals = HashMap<String, String>;
+
+    fn on_response(&mut self, envelope: Envelope, bytes: usize, at: Instant) -> anyhow::Result<()> {
+        let collection = (self.collection_of)(&envelope);
+        self.held.insert(collection.clone(), envelope.version.clone());
+        self.received.push(Received {
+            stream: 0,
+            collection,
+            version: envelope.version,
+            at,
+            bytes,
+        });
+        Ok(())
+    }
+
+    fn synced(&self) -> bool {
+        self.held.len() == self.wanted
+    }
+
+    fn at_final(&self, finals: &Self::Finals) -> bool {
+        self.synced() && self.held.iter().all(|(c, v)| finals.get(&**c) == Some(v))
+    }
+}
+
 async fn sotw_stream(
     index: usize,
     channel: Channel,
     collections: Vec<Arc<str>>,
-    watch: Watch<'_>,
+    watch: Watch<'_, HashMap<String, String>>,
 ) -> anyhow::Result<Vec<Received>> {
     let types = collections.iter().map(|c| (c.to_string(), c.clone())).collect();
     let request = |type_url: &str, version: &str, nonce: &str, _first: bool| MeshConfigRequest {
@@ -303,7 +369,7 @@ async fn many_types<Req>(
     fields: Fields,
     types: Vec<(String, Arc<str>)>,
     request: impl Fn(&str, &str, &str, bool) -> Req,
-    watch: Watch<'_>,
+    watch: Watch<'_, HashMap<String, String>>,
 ) -> anyhow::Result<Vec<Received>>
 where
     Req: prost::Message + Send + 'static,
@@ -320,17 +386,15 @@ where
             .find(|(type_url, _)| *type_url == envelope.type_url)
             .map_or_else(|| envelope.type_url.as_str().into(), |(_, c)| c.clone())
     };
-    let stream = Drive {
-        path,
-        fields,
-        initial,
-        wanted: types.len(),
-    };
-    stream.run(channel, ack, collection_of, watch).await
+    let stream = Drive { path, fields, initial };
+    let held = stream
+        .run(channel, ack, Versions::new(types.len(), collection_of), watch)
+        .await?;
+    Ok(held.received)
 }
 
 /// istiod's node: its id on the first request of a stream.
-fn xds_node(index: usize) -> Option<Node> {
+pub fn xds_node(index: usize) -> Option<Node> {
     Some(Node {
         id: format!("mcp-load-{index}"),
         ..Default::default()
@@ -354,7 +418,7 @@ async fn xds_sotw_stream(
     index: usize,
     channel: Channel,
     collections: Vec<Arc<str>>,
-    watch: Watch<'_>,
+    watch: Watch<'_, HashMap<String, String>>,
 ) -> anyhow::Result<Vec<Received>> {
     let request = |type_url: &str, version: &str, nonce: &str, first: bool| DiscoveryRequest {
         node: first.then(|| xds_node(index)).flatten(),
@@ -371,7 +435,7 @@ async fn xds_delta_stream(
     index: usize,
     channel: Channel,
     collection: Arc<str>,
-    watch: Watch<'_>,
+    watch: Watch<'_, HashMap<String, String>>,
 ) -> anyhow::Result<Vec<Received>> {
     let (gvk, _) = gvks(std::slice::from_ref(&collection))?.remove(0);
     let request = |nonce: String| DeltaDiscoveryRequest {
@@ -387,7 +451,7 @@ async fn incremental_stream(
     index: usize,
     channel: Channel,
     collection: Arc<str>,
-    watch: Watch<'_>,
+    watch: Watch<'_, HashMap<String, String>>,
 ) -> anyhow::Result<Vec<Received>> {
     let request = |nonce: String| IncrementalMeshConfigRequest {
         sink_node: node(index),
@@ -406,7 +470,7 @@ async fn one_type<Req>(
     fields: Fields,
     request: impl Fn(String) -> Req,
     collection: Arc<str>,
-    watch: Watch<'_>,
+    watch: Watch<'_, HashMap<String, String>>,
 ) -> anyhow::Result<Vec<Received>>
 where
     Req: prost::Message + Send + 'static,
@@ -415,10 +479,12 @@ where
         path,
         fields,
         initial: vec![request(String::new())],
-        wanted: 1,
     };
     let ack = |envelope: &Envelope| request(envelope.nonce.clone());
-    stream.run(channel, ack, |_| collection.clone(), watch).await
+    let held = stream
+        .run(channel, ack, Versions::new(1, |_: &Envelope| collection.clone()), watch)
+        .await?;
+    Ok(held.received)
 }
 
 /// Opens a stream on `path` with its first requests sent; more requests go
@@ -438,51 +504,48 @@ pub async fn open<Req: prost::Message + Send + 'static>(
     Ok((tx, Responses::new(answered.body, answered.ended, fields)))
 }
 
-/// One client stream of either protocol: send the initial requests, then ACK
-/// every response and record when it arrived.
-struct Drive<Req> {
-    path: &'static str,
-    fields: Fields,
-    initial: Vec<Req>,
-    /// How many collections the stream asked for.
-    wanted: usize,
+/// One client stream of any protocol: send the initial requests, then ACK
+/// every response and hand it to the stream's [`Holder`].
+pub struct Drive<Req> {
+    pub path: &'static str,
+    pub fields: Fields,
+    pub initial: Vec<Req>,
 }
 
 impl<Req: prost::Message + Send + 'static> Drive<Req> {
-    async fn run(
+    /// Runs until `watch.stop` is cancelled or the stream ends with OK;
+    /// returns what `holder` kept.
+    pub async fn run<H: Holder>(
         self,
         channel: Channel,
         ack: impl Fn(&Envelope) -> Req,
-        collection_of: impl Fn(&Envelope) -> Arc<str>,
-        watch: Watch<'_>,
-    ) -> anyhow::Result<Vec<Received>> {
+        mut holder: H,
+        watch: Watch<'_, H::Finals>,
+    ) -> anyhow::Result<H> {
         let Watch {
             mut finals,
             progress,
             stop,
         } = watch;
         let (tx, mut inbound) = open(channel, self.path, self.fields, self.initial).await?;
-        let mut holdings = Holdings::new(self.wanted);
-        let mut received = Vec::new();
+        let mut counted = Counted::default();
         loop {
             tokio::select! {
                 message = inbound.message() => {
                     let Some((envelope, bytes)) = message? else { break };
                     let at = Instant::now();
                     tx.send(ack(&envelope)).await?;
-                    let collection = collection_of(&envelope);
-                    holdings.held.insert(collection.clone(), envelope.version.clone());
-                    received.push(Received { stream: 0, collection, version: envelope.version, at, bytes });
-                    holdings.update(progress, &finals.borrow());
+                    holder.on_response(envelope, bytes, at)?;
+                    counted.update(&holder, progress, &finals.borrow());
                 }
                 changed = finals.changed() => {
                     if changed.is_ok() {
-                        holdings.update(progress, &finals.borrow_and_update());
+                        counted.update(&holder, progress, &finals.borrow_and_update());
                     }
                 }
                 _ = stop.cancelled() => break,
             }
         }
-        Ok(received)
+        Ok(holder)
     }
 }

@@ -6,6 +6,7 @@
 
 mod abuse;
 mod clients;
+mod eds;
 mod gateway;
 mod publisher;
 mod reader;
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use mcp_xds_gateway::collections::CollectionTable;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -28,8 +29,9 @@ use tokio_util::sync::CancellationToken;
 
 use clients::{Progress, Received};
 use gateway::ChildGateway;
-use publisher::Publisher;
-use scenario::{ClientProtocol, Scenario, Shape};
+use publisher::{Catalog, Collections, Publisher};
+use scenario::{ClientProtocol, NamedShape, Scenario, Shape};
+use tonic::transport::Channel;
 
 /// How long a phase may take before the run gives up (a stuck gateway).
 const PHASE_LIMIT: Duration = Duration::from_secs(300);
@@ -50,7 +52,8 @@ struct Args {
     /// Resources in each collection.
     #[arg(long)]
     resources: Option<usize>,
-    /// Bytes of each resource's body.
+    /// Bytes of each resource's body (eds: about, a ClusterLoadAssignment
+    /// with as many endpoints as make it so).
     #[arg(long)]
     body_bytes: Option<usize>,
     /// Resources each update changes.
@@ -66,7 +69,7 @@ struct Args {
     #[arg(long)]
     upstream_incremental: Option<bool>,
     /// Client streams (state of the world: each asks for every collection;
-    /// incremental: one collection each, in turn).
+    /// incremental: one collection each, in turn; eds: one named client each).
     #[arg(long)]
     streams: Option<usize>,
     /// HTTP/2 connections the streams are spread over.
@@ -78,9 +81,28 @@ struct Args {
     incremental: Option<bool>,
     /// The clients' protocol: mcp (the legacy AggregatedMeshConfigService),
     /// xds-sotw or xds-delta (Envoy's v3 ADS asking for GVKs, as istiod
-    /// 1.8+ does; xds-delta makes the clients ask for changes).
-    #[arg(long, value_enum, default_value_t = ClientProtocol::Mcp)]
-    protocol: ClientProtocol,
+    /// 1.8+ does; xds-delta makes the clients ask for changes). Default:
+    /// mcp; with --scenario eds, xds-sotw (Envoy's EDS by name).
+    #[arg(long, value_enum)]
+    protocol: Option<ClientProtocol>,
+    /// With --scenario eds: names each client subscribes to, a random set drawn
+    /// with --seed [default: 50].
+    #[arg(long)]
+    names_per_client: Option<usize>,
+    /// With --scenario eds: the share of the resources changed at each update, in
+    /// percent, drawn at random with --seed [default: 1].
+    #[arg(long)]
+    change_percent: Option<f64>,
+    /// With --scenario eds: the seed of the clients' name sets and of which
+    /// resources change [default: 1].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// With --scenario eds: disjoint name sets (--streams x --names-per-client
+    /// must not exceed --resources; --streams defaults to as many as fit), and
+    /// only the first half of the clients' names change: the report counts
+    /// what the other half receive (goal: nothing).
+    #[arg(long)]
+    eds_disjoint: bool,
     /// The gateway binary to start (default: mcp-xds-gateway beside this one).
     #[arg(long, conflicts_with = "target")]
     gateway: Option<PathBuf>,
@@ -111,12 +133,106 @@ struct Args {
 }
 
 impl Args {
+    /// Flags that contradict each other or the scenario; the message names
+    /// them.
+    fn check(&self) -> Result<(), String> {
+        let eds = self.scenario == Scenario::Eds;
+        let eds_only = [
+            ("--names-per-client", self.names_per_client.is_some()),
+            ("--change-percent", self.change_percent.is_some()),
+            ("--seed", self.seed.is_some()),
+            ("--eds-disjoint", self.eds_disjoint),
+        ];
+        if let (false, Some((flag, _))) = (eds, eds_only.iter().find(|(_, given)| *given)) {
+            return Err(format!("{flag} applies to --scenario eds only"));
+        }
+        if !eds {
+            return Ok(());
+        }
+        let not_with_eds = [
+            ("--target", self.target.is_some()),
+            ("--abuse", self.abuse.is_some()),
+            ("--collections", self.collections.is_some()),
+            ("--incremental", self.incremental.is_some()),
+            ("--changes-per-update", self.changes_per_update.is_some()),
+        ];
+        if let Some((flag, _)) = not_with_eds.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "{flag} does not apply to --scenario eds (it publishes one collection to named clients; \
+                 --change-percent sets the changes, --protocol the clients' kind)"
+            ));
+        }
+        if self.protocol == Some(ClientProtocol::Mcp) {
+            return Err("--scenario eds needs --protocol xds-sotw or xds-delta (names are xDS subscriptions)".into());
+        }
+        let (shape, named) = (self.shape(), self.named());
+        if !(0.0..=100.0).contains(&named.change_percent) {
+            return Err(format!("--change-percent {} is not 0 to 100", named.change_percent));
+        }
+        if named.names_per_client == 0 || named.names_per_client > shape.resources {
+            return Err(format!(
+                "--names-per-client {} must be 1 to --resources ({})",
+                named.names_per_client, shape.resources
+            ));
+        }
+        if shape.streams == 0 {
+            return Err("--streams must be at least 1".into());
+        }
+        if named.disjoint && shape.streams * named.names_per_client > shape.resources {
+            return Err(format!(
+                "--eds-disjoint: {} streams x {} names need {} resources; --resources is {}",
+                shape.streams,
+                named.names_per_client,
+                shape.streams * named.names_per_client,
+                shape.resources
+            ));
+        }
+        Ok(())
+    }
+
+    /// The named scenario's subscriptions and changes.
+    fn named(&self) -> NamedShape {
+        let base = NamedShape::default();
+        let base = if self.tiny { base.tiny() } else { base };
+        NamedShape {
+            names_per_client: self.names_per_client.unwrap_or(base.names_per_client),
+            change_percent: self.change_percent.unwrap_or(base.change_percent),
+            seed: self.seed.unwrap_or(base.seed),
+            disjoint: self.eds_disjoint,
+        }
+    }
+
     fn shape(&self) -> Shape {
         let base = self.scenario.shape();
         let base = if self.tiny { base.tiny() } else { base };
+        let protocol = self.protocol.unwrap_or(base.protocol);
+        let resources = self.resources.unwrap_or(base.resources);
+        if self.scenario == Scenario::Eds {
+            let named = self.named();
+            // Disjoint sets: by default as many clients as the names allow.
+            let fit = resources / named.names_per_client.max(1);
+            let streams = match (self.streams, named.disjoint) {
+                (Some(streams), _) => streams,
+                (None, true) => base.streams.min(fit),
+                (None, false) => base.streams,
+            };
+            return Shape {
+                resources,
+                body_bytes: self.body_bytes.unwrap_or(base.body_bytes),
+                changes_per_update: named.changes_per_update(resources),
+                update_interval: self.update_interval.unwrap_or(base.update_interval),
+                updates: self.updates.unwrap_or(base.updates),
+                upstream_incremental: self.upstream_incremental.unwrap_or(base.upstream_incremental),
+                streams,
+                connections: self.connections.unwrap_or(base.connections).min(streams.max(1)),
+                incremental_clients: protocol == ClientProtocol::XdsDelta,
+                protocol,
+                ..base
+            };
+        }
         Shape {
             collections: self.collections.unwrap_or(base.collections),
-            resources: self.resources.unwrap_or(base.resources),
+            resources,
             body_bytes: self.body_bytes.unwrap_or(base.body_bytes),
             changes_per_update: self.changes_per_update.unwrap_or(base.changes_per_update),
             update_interval: self.update_interval.unwrap_or(base.update_interval),
@@ -124,12 +240,12 @@ impl Args {
             upstream_incremental: self.upstream_incremental.unwrap_or(base.upstream_incremental),
             streams: self.streams.unwrap_or(base.streams),
             connections: self.connections.unwrap_or(base.connections),
-            incremental_clients: match self.protocol {
+            incremental_clients: match protocol {
                 ClientProtocol::Mcp => self.incremental.unwrap_or(base.incremental_clients),
                 ClientProtocol::XdsSotw => false,
                 ClientProtocol::XdsDelta => true,
             },
-            protocol: self.protocol,
+            protocol,
         }
     }
 }
@@ -193,11 +309,19 @@ struct Report {
     wire_cpu_us_per_mb: Option<f64>,
     /// The headline: gateway CPU per delivered byte / the wire's.
     times_wire: Option<f64>,
+    /// With --scenario eds: the named clients' figures (the latency above is
+    /// per changed resource, from the source to each client it reaches).
+    eds: Option<eds::NamedFigures>,
 }
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    if let Err(message) = args.check() {
+        Args::command()
+            .error(clap::error::ErrorKind::ArgumentConflict, message)
+            .exit();
+    }
     // Thousands of client connections need descriptors.
     let _ = rlimit::increase_nofile_limit(u64::MAX);
     match run(args).await {
@@ -242,94 +366,125 @@ async fn until(what: &str, target: usize, count: impl Fn() -> usize) -> anyhow::
     .map_err(|_| anyhow::anyhow!("{what}: {} of {target} after {PHASE_LIMIT:?}", count()))
 }
 
-struct Clients {
+/// The load's client streams, each a task that returns what it kept (`T`);
+/// `finals` tells them the publisher's final state (`F`) once published.
+struct Clients<F, T> {
     progress: Arc<Progress>,
-    finals: watch::Sender<Option<HashMap<String, String>>>,
+    finals: watch::Sender<Option<F>>,
     stop: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<Vec<Received>>>,
+    tasks: Vec<tokio::task::JoinHandle<T>>,
 }
 
+impl<F, T: Send + 'static> Clients<F, T> {
+    /// Opens `shape.connections` connections to `addr` and starts
+    /// `shape.streams` streams over them: `stream(index, channel, finals,
+    /// progress, stop)`.
+    async fn start<S>(
+        addr: SocketAddr,
+        shape: &Shape,
+        max_frame_size: u32,
+        frames: Arc<clients::Frames>,
+        stream: impl Fn(usize, Channel, watch::Receiver<Option<F>>, Arc<Progress>, CancellationToken) -> S,
+    ) -> anyhow::Result<Self>
+    where
+        S: std::future::Future<Output = T> + Send + 'static,
+    {
+        let channels = clients::connect(addr, shape.connections, max_frame_size, frames)
+            .await
+            .with_context(|| format!("cannot connect to {addr}"))?;
+        let progress = Arc::new(Progress::default());
+        let (finals, finals_rx) = watch::channel(None);
+        let stop = CancellationToken::new();
+        let tasks = (0..shape.streams)
+            .map(|i| {
+                tokio::spawn(stream(
+                    i,
+                    channels[i % channels.len()].clone(),
+                    finals_rx.clone(),
+                    progress.clone(),
+                    stop.clone(),
+                ))
+            })
+            .collect();
+        Ok(Self {
+            progress,
+            finals,
+            stop,
+            tasks,
+        })
+    }
+
+    /// Stops every stream; what each kept, in stream order (a stream whose
+    /// task failed is left out).
+    async fn finish(self) -> Vec<T> {
+        self.stop.cancel();
+        let mut all = Vec::with_capacity(self.tasks.len());
+        for task in self.tasks {
+            if let Ok(kept) = task.await {
+                all.push(kept);
+            }
+        }
+        all
+    }
+}
+
+/// The version-counting scenarios' client streams: every collection (state
+/// of the world) or one each in turn (incremental), over the shape's
+/// protocol.
 async fn start_clients(
     addr: SocketAddr,
     shape: &Shape,
     names: &[String],
     max_frame_size: u32,
     frames: Arc<clients::Frames>,
-) -> anyhow::Result<Clients> {
-    let channels = clients::connect(addr, shape.connections, max_frame_size, frames)
-        .await
-        .with_context(|| format!("cannot connect to {addr}"))?;
-    let progress = Arc::new(Progress::default());
-    let (finals, finals_rx) = watch::channel(None);
-    let stop = CancellationToken::new();
-    let names: Vec<Arc<str>> = names.iter().map(|n| Arc::from(n.as_str())).collect();
-    let tasks = (0..shape.streams)
-        .map(|i| {
-            let wanted = if shape.incremental_clients {
-                vec![names[i % names.len()].clone()]
-            } else {
-                names.clone()
-            };
-            tokio::spawn(clients::run_stream(
-                i,
-                channels[i % channels.len()].clone(),
-                wanted,
-                (shape.protocol, shape.incremental_clients),
-                finals_rx.clone(),
-                progress.clone(),
-                stop.clone(),
-            ))
-        })
-        .collect();
-    Ok(Clients {
-        progress,
-        finals,
-        stop,
-        tasks,
-    })
-}
-
-impl Clients {
-    async fn finish(self) -> Vec<Received> {
-        self.stop.cancel();
-        let mut all = Vec::new();
-        for task in self.tasks {
-            all.extend(task.await.unwrap_or_default());
-        }
-        all
-    }
+) -> anyhow::Result<Clients<HashMap<String, String>, Vec<Received>>> {
+    let collections: Vec<Arc<str>> = names.iter().map(|n| Arc::from(n.as_str())).collect();
+    let kind = (shape.protocol, shape.incremental_clients);
+    Clients::start(
+        addr,
+        shape,
+        max_frame_size,
+        frames,
+        |i, channel, finals, progress, stop| {
+            clients::run_stream(i, channel, collections.clone(), kind, finals, progress, stop)
+        },
+    )
+    .await
 }
 
 async fn run(args: Args) -> anyhow::Result<Report> {
     let shape = args.shape();
-    let names = collection_names(shape.collections, shape.protocol)?;
-    match args.target {
-        Some(target) => run_against_target(target, shape, &names, args.duration, args.client_max_frame_size).await,
-        None => {
-            let binary = match &args.gateway {
-                Some(path) => path.clone(),
-                None => gateway::default_binary()?,
-            };
-            let abuse = args.abuse.map(|kind| (kind, args.tiny));
-            let pinning = if args.pin {
-                let pinning = wire::Pinning::plan()?;
-                pinning.pin_load_tool()?;
-                Some(pinning)
-            } else {
-                None
-            };
-            let run = Run {
-                abuse,
-                chain: usize::from(args.chain),
-                pinning,
-                max_frame_size: args.client_max_frame_size,
-            };
-            let mut report = run_with_child(&binary, shape, &names, run).await?;
-            report.scenario = Some(args.scenario);
-            report.goal = args.scenario.goal();
-            Ok(report)
-        }
+    if let Some(target) = args.target {
+        let names = collection_names(shape.collections, shape.protocol)?;
+        return run_against_target(target, shape, &names, args.duration, args.client_max_frame_size).await;
     }
+    let binary = match &args.gateway {
+        Some(path) => path.clone(),
+        None => gateway::default_binary()?,
+    };
+    let pinning = if args.pin {
+        let pinning = wire::Pinning::plan()?;
+        pinning.pin_load_tool()?;
+        Some(pinning)
+    } else {
+        None
+    };
+    let run = Run {
+        abuse: args.abuse.map(|kind| (kind, args.tiny)),
+        chain: usize::from(args.chain),
+        pinning,
+        max_frame_size: args.client_max_frame_size,
+    };
+    let mut report = match args.scenario {
+        Scenario::Eds => eds::run(&binary, shape, args.named(), run).await?,
+        _ => {
+            let names = collection_names(shape.collections, shape.protocol)?;
+            run_with_child(&binary, shape, &names, run).await?
+        }
+    };
+    report.scenario = Some(args.scenario);
+    report.goal = args.scenario.goal();
+    Ok(report)
 }
 
 /// How a run with a child gateway is set up besides its shape.
@@ -340,181 +495,357 @@ struct Run {
     max_frame_size: u32,
 }
 
-async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String], run: Run) -> anyhow::Result<Report> {
-    let Run {
-        abuse,
-        chain,
-        pinning,
-        max_frame_size,
-    } = run;
-    let mut publisher = Publisher::start(shape, names).await?;
-    // The first gateway dials the fake Galley; each next one the previous.
-    let mut upstream_gateways: Vec<ChildGateway> = Vec::new();
-    // With --pin, the measured gateway (the last of a chain) on its core,
-    // any before it on the load's cores.
-    let cores = |measured: bool| -> anyhow::Result<_> {
-        pinning
-            .map(|p| if measured { p.gateway_set() } else { p.load_set() })
-            .transpose()
-            .map_err(anyhow::Error::from)
-    };
-    let mut gateway = ChildGateway::spawn(binary, publisher.addr, names, cores(chain == 1)?).await?;
-    tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
-        .await
-        .context("the gateway did not ACK the initial state in time")??;
-    for i in 1..chain {
-        let next = ChildGateway::spawn(binary, gateway.listen, names, cores(i == chain - 1)?).await?;
-        upstream_gateways.push(std::mem::replace(&mut gateway, next));
+/// The gateways under test: the one the clients read (the last of a chain)
+/// and those before it.
+struct Gateways {
+    measured: ChildGateway,
+    upstream: Vec<ChildGateway>,
+}
+
+impl Gateways {
+    /// Starts a chain of `chain` gateways, the first reading `publisher`
+    /// once it ACKed the initial state of every collection in `names`.
+    async fn start<C: Catalog>(
+        binary: &std::path::Path,
+        publisher: &mut Publisher<C>,
+        names: &[String],
+        chain: usize,
+        pinning: Option<wire::Pinning>,
+    ) -> anyhow::Result<Self> {
+        // With --pin, the measured gateway (the last of a chain) on its
+        // core, any before it on the load's cores.
+        let cores = |measured: bool| -> anyhow::Result<_> {
+            pinning
+                .map(|p| if measured { p.gateway_set() } else { p.load_set() })
+                .transpose()
+                .map_err(anyhow::Error::from)
+        };
+        let mut measured = ChildGateway::spawn(binary, publisher.addr, names, cores(chain == 1)?).await?;
+        tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
+            .await
+            .context("the gateway did not ACK the initial state in time")??;
+        // Each next gateway dials the previous one.
+        let mut upstream = Vec::new();
+        for i in 1..chain {
+            let next = ChildGateway::spawn(binary, measured.listen, names, cores(i == chain - 1)?).await?;
+            upstream.push(std::mem::replace(&mut measured, next));
+        }
+        Ok(Self { measured, upstream })
     }
-    let upstream_cpu = |gateways: &[ChildGateway]| -> anyhow::Result<f64> {
-        gateways
+
+    /// The CPU seconds the gateways before the measured one used.
+    fn upstream_cpu(&self) -> anyhow::Result<f64> {
+        self.upstream
             .iter()
             .map(|g| g.cpu_seconds().map(|(user, system)| user + system))
             .sum()
-    };
-    let (rss_before_clients, _) = gateway.memory()?;
-
-    let frames = Arc::new(clients::Frames::default());
-    let sync_start = Instant::now();
-    let clients = start_clients(gateway.listen, &shape, names, max_frame_size, frames.clone()).await?;
-    let progress = clients.progress.clone();
-    until("streams synced", shape.streams, || {
-        progress.synced.load(Ordering::Relaxed)
-    })
-    .await?;
-    let initial_sync = sync_start.elapsed();
-    let (rss_synced, _) = gateway.memory()?;
-
-    let attack_stop = CancellationToken::new();
-    let attack = abuse.map(|(kind, tiny)| {
-        (
-            kind,
-            tiny,
-            abuse::start(kind, tiny, gateway.listen, names[0].clone(), attack_stop.clone()),
-        )
-    });
-    if let Some((kind, tiny, attack)) = &attack {
-        let attack = attack.clone();
-        let attackers = kind.attackers(*tiny);
-        until("attackers in place", attackers, || {
-            attack.established.load(Ordering::Relaxed) + attack.refused.load(Ordering::Relaxed)
-        })
-        .await?;
     }
 
-    let cpu_start = gateway.cpu_seconds()?;
-    let io_start = gateway.io()?;
-    let data_frames_start = frames.data.load(Ordering::Relaxed);
-    let upstream_cpu_start = upstream_cpu(&upstream_gateways)?;
-    let tool_cpu_start = gateway::cpu_seconds("/proc/self/stat")?;
-    let update_start = Instant::now();
-    let finals = publisher.run_updates().await?;
-    clients.finals.send_replace(Some(finals));
-    until("streams at the final version", shape.streams, || {
-        progress.at_final.load(Ordering::Relaxed)
-    })
-    .await?;
-    let cpu_end = gateway.cpu_seconds()?;
-    let io_end = gateway.io()?;
-    let data_frames = frames.data.load(Ordering::Relaxed) - data_frames_start;
-    let upstream_cpu_used = upstream_cpu(&upstream_gateways)? - upstream_cpu_start;
-    let tool_cpu_end = gateway::cpu_seconds("/proc/self/stat")?;
-    let (rss_under_attack, _) = gateway.memory()?;
-    attack_stop.cancel();
-    let (cpu_user, cpu_system) = (cpu_end.0 - cpu_start.0, cpu_end.1 - cpu_start.1);
-    let cpu = cpu_user + cpu_system;
-    let tool_cpu = (tool_cpu_end.0 + tool_cpu_end.1) - (tool_cpu_start.0 + tool_cpu_start.1);
-    let (_, peak_rss) = gateway.memory()?;
-    let errors = progress.errors.load(Ordering::Relaxed);
-    let received = clients.finish().await;
-    gateway.stop().await;
-    for upstream in upstream_gateways {
-        upstream.stop().await;
-    }
-
-    let published = publisher.log.published.lock().unwrap().clone();
-    let mut latencies = Vec::new();
-    let mut update_bytes = 0usize;
-    for r in received.iter().filter(|r| r.at >= update_start) {
-        update_bytes += r.bytes;
-        if let Some(at) = published.get(&r.version).filter(|at| **at >= update_start) {
-            latencies.push(r.at.saturating_duration_since(*at));
+    async fn stop(self) {
+        self.measured.stop().await;
+        for upstream in self.upstream {
+            upstream.stop().await;
         }
     }
-    let delivered = latencies.len();
-    let (p50, p99, max) = percentiles(&mut latencies);
+}
 
-    // Every response received in the phase, on its connection, as the wire
-    // bound's writer sends them.
-    let mut sent: Vec<(Instant, usize, usize)> = received
+/// What the gateways and the load tool had spent when a phase started.
+struct Meter {
+    cpu: (f64, f64),
+    io: (u64, u64),
+    data_frames: u64,
+    upstream_cpu: f64,
+    tool_cpu: (f64, f64),
+}
+
+/// What they spent in the phase.
+struct Costs {
+    cpu_user: f64,
+    cpu_system: f64,
+    /// Bytes and write syscalls of the measured gateway.
+    written: u64,
+    syscalls: u64,
+    /// HTTP/2 DATA frames the clients read.
+    data_frames: u64,
+    upstream_cpu: f64,
+    tool_cpu: f64,
+}
+
+impl Meter {
+    fn start(gateways: &Gateways, frames: &clients::Frames) -> anyhow::Result<Self> {
+        Ok(Self {
+            cpu: gateways.measured.cpu_seconds()?,
+            io: gateways.measured.io()?,
+            data_frames: frames.data.load(Ordering::Relaxed),
+            upstream_cpu: gateways.upstream_cpu()?,
+            tool_cpu: gateway::cpu_seconds("/proc/self/stat")?,
+        })
+    }
+
+    fn stop(self, gateways: &Gateways, frames: &clients::Frames) -> anyhow::Result<Costs> {
+        let cpu = gateways.measured.cpu_seconds()?;
+        let io = gateways.measured.io()?;
+        let tool_cpu = gateway::cpu_seconds("/proc/self/stat")?;
+        Ok(Costs {
+            cpu_user: cpu.0 - self.cpu.0,
+            cpu_system: cpu.1 - self.cpu.1,
+            written: io.0 - self.io.0,
+            syscalls: io.1 - self.io.1,
+            data_frames: frames.data.load(Ordering::Relaxed) - self.data_frames,
+            upstream_cpu: gateways.upstream_cpu()? - self.upstream_cpu,
+            tool_cpu: (tool_cpu.0 + tool_cpu.1) - (self.tool_cpu.0 + self.tool_cpu.1),
+        })
+    }
+}
+
+/// One response a client received in a measured phase: when, its stream,
+/// and its message's length.
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    at: Instant,
+    stream: usize,
+    bytes: usize,
+}
+
+/// The report's cost figures: what the gateway spent in the phase for the
+/// responses `sent`, against a plain loopback TCP writer sending the same
+/// responses (gRPC framing included) over as many connections, pinned like
+/// the gateway.
+async fn cost_figures(
+    costs: &Costs,
+    mut sent: Vec<Sent>,
+    connections: usize,
+    pinning: Option<wire::Pinning>,
+) -> anyhow::Result<Report> {
+    // In order of arrival, on their connections, as the writer sends them.
+    sent.sort_unstable_by_key(|s| s.at);
+    let responses: Vec<(usize, usize)> = sent
         .iter()
-        .filter(|r| r.at >= update_start)
-        .map(|r| (r.at, r.stream % shape.connections.max(1), r.bytes + GRPC_FRAME_HEADER))
+        .map(|s| (s.stream % connections.max(1), s.bytes + GRPC_FRAME_HEADER))
         .collect();
-    sent.sort_unstable_by_key(|(at, _, _)| *at);
-    let responses: Vec<(usize, usize)> = sent.iter().map(|(_, connection, len)| (*connection, *len)).collect();
     let bytes_received: u64 = responses.iter().map(|(_, len)| *len as u64).sum();
-    let (written, syscalls) = (io_end.0 - io_start.0, io_end.1 - io_start.1);
     let count = responses.len();
     let per_response = |n: u64| (count > 0).then(|| n as f64 / count as f64);
     let per_mb = |cpu: f64, bytes: u64| (bytes > 0).then(|| cpu * 1e6 / (bytes as f64 / 1e6));
-    let connections = shape.connections;
     let wire = if responses.is_empty() {
         None
     } else {
         Some(tokio::task::spawn_blocking(move || wire::measure(&responses, connections, pinning)).await??)
     };
+    let cpu = costs.cpu_user + costs.cpu_system;
     let gateway_per_mb = per_mb(cpu, bytes_received);
     let wire_per_mb = wire.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
+    let (written, syscalls) = (costs.written, costs.syscalls);
     Ok(Report {
-        shape: Some(shape),
-        streams: shape.streams,
-        initial_sync_ms: ms(initial_sync),
-        updates_published: shape.updates,
-        responses_delivered: delivered,
-        latency_p50_ms: p50,
-        latency_p99_ms: p99,
-        latency_max_ms: max,
         gateway_cpu_seconds: Some(cpu),
-        gateway_cpu_system_seconds: Some(cpu_system),
-        load_tool_cpu_seconds: Some(tool_cpu),
-        gateway_cpu_ms_per_delivered_update: (delivered > 0).then(|| cpu * 1000.0 / delivered as f64),
-        gateway_peak_rss_bytes: Some(peak_rss),
-        gateway_rss_per_stream_bytes: Some(
-            rss_synced.saturating_sub(rss_before_clients) as f64 / shape.streams.max(1) as f64,
-        ),
-        config_bytes: shape.config_bytes(),
-        bytes_per_client_per_update: if shape.updates > 0 {
-            update_bytes as f64 / (shape.streams * shape.updates) as f64
-        } else {
-            0.0
-        },
-        nacks: publisher.log.nacks.load(Ordering::Relaxed),
-        stream_errors: errors,
-        abuse: attack.as_ref().map(|(kind, _, _)| *kind),
-        attackers_established: attack.as_ref().map(|(_, _, a)| a.established.load(Ordering::Relaxed)),
-        attacker_messages: attack.as_ref().map(|(_, _, a)| a.messages.load(Ordering::Relaxed)),
-        attackers_refused: attack.as_ref().map(|(_, _, a)| a.refused.load(Ordering::Relaxed)),
-        gateway_rss_before_attack_bytes: attack.as_ref().map(|_| rss_synced),
-        gateway_rss_under_attack_bytes: attack.as_ref().map(|_| rss_under_attack),
-        chain,
-        chain_upstream_cpu_seconds: (chain > 1).then_some(upstream_cpu_used),
+        gateway_cpu_system_seconds: Some(costs.cpu_system),
+        load_tool_cpu_seconds: Some(costs.tool_cpu),
         pinned: pinning,
-        client_max_frame_size: max_frame_size,
-        responses_received: sent.len(),
+        responses_received: count,
         bytes_received,
         gateway_bytes_written: Some(written),
         gateway_write_syscalls: Some(syscalls),
         written_per_received_byte: (bytes_received > 0).then(|| written as f64 / bytes_received as f64),
         write_syscalls_per_response: per_response(syscalls),
         bytes_per_write_syscall: (syscalls > 0).then(|| written as f64 / syscalls as f64),
-        data_frames_per_response: per_response(data_frames),
+        data_frames_per_response: per_response(costs.data_frames),
         gateway_cpu_us_per_mb: gateway_per_mb,
         wire,
         wire_cpu_us_per_mb: wire_per_mb,
         times_wire: gateway_per_mb.zip(wire_per_mb.filter(|w| *w > 0.0)).map(|(g, w)| g / w),
         ..Default::default()
     })
+}
+
+/// What a run against child gateways measured, whatever its clients kept
+/// (`T`, one per stream that did not fail).
+struct Phases<T> {
+    kept: Vec<T>,
+    initial_sync: Duration,
+    /// The measured gateway's RSS before the first client, with every client
+    /// synced (and idle), at the end of the updates (under attack, with
+    /// --abuse), and its peak.
+    rss_before_clients: u64,
+    rss_synced: u64,
+    rss_under_attack: u64,
+    peak_rss: u64,
+    update_start: Instant,
+    /// From the first update until every client held the final state.
+    update_phase: Duration,
+    costs: Costs,
+    errors: usize,
+    nacks: usize,
+    attack: Option<(abuse::Abuse, Arc<abuse::Attack>)>,
+}
+
+/// The phases of a run against child gateways: `catalog` published by the
+/// fake Galley, `run.chain` gateways, `shape.streams` client streams
+/// (`stream(index, channel, finals, progress, stop)`) synced, then (beside
+/// any attack) every update published and every client at the final state
+/// (`finals` of the catalog), the gateways' costs metered. Returns what was
+/// measured and the publisher, whose catalog recorded what it published.
+async fn run_phases<C, F, T, S>(
+    binary: &std::path::Path,
+    shape: &Shape,
+    names: &[String],
+    run: &Run,
+    catalog: C,
+    finals: impl FnOnce(&C) -> F,
+    stream: impl Fn(usize, Channel, watch::Receiver<Option<F>>, Arc<Progress>, CancellationToken) -> S,
+) -> anyhow::Result<(Phases<T>, Publisher<C>)>
+where
+    C: Catalog,
+    T: Send + 'static,
+    S: std::future::Future<Output = T> + Send + 'static,
+{
+    let mut publisher = Publisher::start(*shape, catalog).await?;
+    let gateways = Gateways::start(binary, &mut publisher, names, run.chain, run.pinning).await?;
+    let gateway = &gateways.measured;
+    let rss_before_clients = gateway.memory()?.0;
+
+    let frames = Arc::new(clients::Frames::default());
+    let sync_start = Instant::now();
+    let clients = Clients::start(gateway.listen, shape, run.max_frame_size, frames.clone(), stream).await?;
+    let progress = clients.progress.clone();
+    until("streams synced", shape.streams, || {
+        progress.synced.load(Ordering::Relaxed)
+    })
+    .await?;
+    let initial_sync = sync_start.elapsed();
+    let rss_synced = gateway.memory()?.0;
+
+    let attack_stop = CancellationToken::new();
+    let attack = run.abuse.map(|(kind, tiny)| {
+        let attack = abuse::start(kind, tiny, gateway.listen, names[0].clone(), attack_stop.clone());
+        (kind, tiny, attack)
+    });
+    if let Some((kind, tiny, attack)) = &attack {
+        until("attackers in place", kind.attackers(*tiny), || {
+            attack.established.load(Ordering::Relaxed) + attack.refused.load(Ordering::Relaxed)
+        })
+        .await?;
+    }
+
+    let meter = Meter::start(&gateways, &frames)?;
+    let update_start = Instant::now();
+    publisher.run_updates().await?;
+    clients.finals.send_replace(Some(publisher.read(finals).await));
+    until("streams at the final version", shape.streams, || {
+        progress.at_final.load(Ordering::Relaxed)
+    })
+    .await?;
+    let update_phase = update_start.elapsed();
+    let costs = meter.stop(&gateways, &frames)?;
+    let rss_under_attack = gateway.memory()?.0;
+    attack_stop.cancel();
+    let peak_rss = gateway.memory()?.1;
+    let errors = progress.errors.load(Ordering::Relaxed);
+    let kept = clients.finish().await;
+    gateways.stop().await;
+    let phases = Phases {
+        kept,
+        initial_sync,
+        rss_before_clients,
+        rss_synced,
+        rss_under_attack,
+        peak_rss,
+        update_start,
+        update_phase,
+        costs,
+        errors,
+        nacks: publisher.nacks.load(Ordering::Relaxed),
+        attack: attack.map(|(kind, _, attack)| (kind, attack)),
+    };
+    Ok((phases, publisher))
+}
+
+impl<T> Phases<T> {
+    /// The gateway's RSS per client: synced and idle, less before the first.
+    fn rss_per_stream(&self, streams: usize) -> f64 {
+        self.rss_synced.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64
+    }
+
+    /// The report every scenario makes: `latencies` from the source to the
+    /// clients, `sent` every response received in the update phase.
+    async fn report(
+        &self,
+        shape: Shape,
+        run: &Run,
+        mut latencies: Vec<Duration>,
+        sent: Vec<Sent>,
+    ) -> anyhow::Result<Report> {
+        let delivered = latencies.len();
+        let (p50, p99, max) = percentiles(&mut latencies);
+        let update_bytes: usize = sent.iter().map(|s| s.bytes).sum();
+        let measured = cost_figures(&self.costs, sent, shape.connections, run.pinning).await?;
+        let cpu = self.costs.cpu_user + self.costs.cpu_system;
+        let attack = self.attack.as_ref();
+        Ok(Report {
+            shape: Some(shape),
+            streams: shape.streams,
+            initial_sync_ms: ms(self.initial_sync),
+            updates_published: shape.updates,
+            responses_delivered: delivered,
+            latency_p50_ms: p50,
+            latency_p99_ms: p99,
+            latency_max_ms: max,
+            gateway_cpu_ms_per_delivered_update: (delivered > 0).then(|| cpu * 1000.0 / delivered as f64),
+            gateway_peak_rss_bytes: Some(self.peak_rss),
+            gateway_rss_per_stream_bytes: Some(self.rss_per_stream(shape.streams)),
+            config_bytes: shape.config_bytes(),
+            bytes_per_client_per_update: if shape.updates > 0 {
+                update_bytes as f64 / (shape.streams * shape.updates) as f64
+            } else {
+                0.0
+            },
+            nacks: self.nacks,
+            stream_errors: self.errors,
+            abuse: attack.map(|(kind, _)| *kind),
+            attackers_established: attack.map(|(_, a)| a.established.load(Ordering::Relaxed)),
+            attacker_messages: attack.map(|(_, a)| a.messages.load(Ordering::Relaxed)),
+            attackers_refused: attack.map(|(_, a)| a.refused.load(Ordering::Relaxed)),
+            gateway_rss_before_attack_bytes: attack.map(|_| self.rss_synced),
+            gateway_rss_under_attack_bytes: attack.map(|_| self.rss_under_attack),
+            chain: run.chain,
+            chain_upstream_cpu_seconds: (run.chain > 1).then_some(self.costs.upstream_cpu),
+            client_max_frame_size: run.max_frame_size,
+            ..measured
+        })
+    }
+}
+
+/// The version-counting scenarios: latency per collection version.
+async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String], run: Run) -> anyhow::Result<Report> {
+    let collections: Vec<Arc<str>> = names.iter().map(|n| Arc::from(n.as_str())).collect();
+    let kind = (shape.protocol, shape.incremental_clients);
+    let (phases, publisher) = run_phases(
+        binary,
+        &shape,
+        names,
+        &run,
+        Collections::new(shape, names),
+        Collections::finals,
+        |i, channel, finals, progress, stop| {
+            clients::run_stream(i, channel, collections.clone(), kind, finals, progress, stop)
+        },
+    )
+    .await?;
+    let published = publisher.read(|c| c.published.clone()).await;
+    let in_phase = || phases.kept.iter().flatten().filter(|r| r.at >= phases.update_start);
+    let latencies = in_phase()
+        .filter_map(|r| {
+            let at = published.get(&r.version).filter(|at| **at >= phases.update_start)?;
+            Some(r.at.saturating_duration_since(*at))
+        })
+        .collect();
+    let sent = in_phase()
+        .map(|r| Sent {
+            at: r.at,
+            stream: r.stream,
+            bytes: r.bytes,
+        })
+        .collect();
+    phases.report(shape, &run, latencies, sent).await
 }
 
 /// gRPC's per-message prefix: a compression flag and a 4-byte length.
@@ -539,7 +870,7 @@ async fn run_against_target(
     let observe_start = Instant::now();
     tokio::time::sleep(duration).await;
     let errors = progress.errors.load(Ordering::Relaxed);
-    let received = clients.finish().await;
+    let received: Vec<Received> = clients.finish().await.into_iter().flatten().collect();
 
     // Without a publisher the latency is the spread of each version's arrival.
     let mut arrivals: HashMap<(Arc<str>, String), (Instant, Instant, usize)> = HashMap::new();
@@ -702,6 +1033,9 @@ fn print_report(report: &Report) {
             or_dash(report.gateway_rss_under_attack_bytes.map(mib)),
         ),
     ];
+    let rows = rows
+        .into_iter()
+        .chain(report.eds.iter().flat_map(eds::NamedFigures::rows));
     for (name, value) in rows {
         println!("{name:<34} {value}");
     }

@@ -1,10 +1,13 @@
 //! The publisher on the shared fake Galley (`tools::galley`, the tests' own):
-//! it publishes controlled content and records when each collection version
-//! was published, so clients' receive times turn into end-to-end latencies.
+//! it publishes what a [`Catalog`] holds (every collection's full state when
+//! the gateway asks, then one update per tick) and the catalog records when
+//! each state was published, so clients' receive times turn into end-to-end
+//! latencies.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use mcp_xds_gateway::cache::{content_digest, version_of_entries};
@@ -16,7 +19,175 @@ use tonic::Status;
 
 use crate::scenario::Shape;
 
-/// One collection's content as the publisher holds it.
+/// What a publisher publishes, and its record of when.
+pub trait Catalog: Send + 'static {
+    /// The full state of `collection`; `None` where it is not published.
+    fn full_state(&self, collection: &str) -> Option<Vec<Resource>>;
+    /// Makes update number `update` (counting from 0).
+    fn next_update(&mut self, update: usize) -> Update;
+    /// Records that `resources` of `collection` (a full state or an update)
+    /// were handed to the gateway's stream at `at`.
+    fn published(&mut self, collection: &str, resources: &[Resource], at: Instant);
+}
+
+/// One update of one collection.
+pub struct Update {
+    pub collection: String,
+    pub resources: Vec<Resource>,
+    /// Only what changed (else the collection's full state).
+    pub incremental: bool,
+}
+
+pub struct Publisher<C> {
+    pub addr: SocketAddr,
+    /// NACKs the gateway sent (a correct run has none).
+    pub nacks: Arc<AtomicUsize>,
+    catalog: Arc<AsyncMutex<C>>,
+    /// The live stream to the gateway: sends, and ACK nonces back.
+    stream: watch::Receiver<Option<Arc<Link>>>,
+    shape: Shape,
+}
+
+struct Link {
+    tx: mpsc::UnboundedSender<Result<Resources, Status>>,
+    acks: AsyncMutex<mpsc::Receiver<RequestResources>>,
+}
+
+/// Serves one stream the gateway opened: the full state of each collection it
+/// asks for, and its ACKs handed to the updater.
+async fn serve<C: Catalog>(
+    mut stream: GalleyStream,
+    catalog: Arc<AsyncMutex<C>>,
+    nacks: Arc<AtomicUsize>,
+    publish: watch::Sender<Option<Arc<Link>>>,
+) {
+    let (acks_tx, acks_rx) = mpsc::channel(1024);
+    let link = Arc::new(Link {
+        tx: stream.responses.clone(),
+        acks: AsyncMutex::new(acks_rx),
+    });
+    let mut initial = 0;
+    while let Some(request) = stream.next_request().await {
+        if let Some(error) = &request.error_detail {
+            nacks.fetch_add(1, Ordering::Relaxed);
+            eprintln!("mcp-load: the gateway NACKed {}: {}", request.collection, error.message);
+        }
+        if !request.response_nonce.is_empty() {
+            let _ = acks_tx.send(request).await;
+            continue;
+        }
+        // An initial request: publish the collection's full state.
+        let mut catalog = catalog.lock().await;
+        if let Some(resources) = catalog.full_state(&request.collection) {
+            catalog.published(&request.collection, &resources, Instant::now());
+            drop(catalog);
+            let message = Resources {
+                nonce: format!("init-{}", request.collection),
+                collection: request.collection,
+                resources,
+                incremental: false,
+                ..Default::default()
+            };
+            let _ = link.tx.send(Ok(message));
+            initial += 1;
+        }
+        if initial == 1 {
+            publish.send_replace(Some(link.clone()));
+        }
+    }
+}
+
+// === impl Publisher ===
+
+impl<C: Catalog> Publisher<C> {
+    pub async fn start(shape: Shape, catalog: C) -> anyhow::Result<Self> {
+        let mut galley = FakeGalley::start("127.0.0.1:0".parse()?).await?;
+        let addr = galley.addr;
+        let catalog = Arc::new(AsyncMutex::new(catalog));
+        let nacks = Arc::new(AtomicUsize::new(0));
+        let (link_tx, link_rx) = watch::channel(None);
+        let serving = (catalog.clone(), nacks.clone());
+        tokio::spawn(async move {
+            // Every stream the gateway opens (it reconnects after a failure).
+            while let Some(stream) = galley.next_stream().await {
+                tokio::spawn(serve(stream, serving.0.clone(), serving.1.clone(), link_tx.clone()));
+            }
+        });
+        Ok(Self {
+            addr,
+            nacks,
+            catalog,
+            stream: link_rx,
+            shape,
+        })
+    }
+
+    /// Waits for the gateway's stream and its ACK of every initial state.
+    pub async fn wait_initial_acks(&mut self, collections: usize) -> anyhow::Result<()> {
+        let link = self.link().await?;
+        let mut acks = link.acks.lock().await;
+        for _ in 0..collections {
+            acks.recv()
+                .await
+                .ok_or_else(|| anyhow::anyhow!("the gateway closed the stream"))?;
+        }
+        Ok(())
+    }
+
+    async fn link(&mut self) -> anyhow::Result<Arc<Link>> {
+        let link = self
+            .stream
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| anyhow::anyhow!("the fake galley stopped"))?;
+        Ok(link.clone().expect("waited for Some"))
+    }
+
+    /// Reads the catalog (its record of what was published, its final state).
+    pub async fn read<R>(&self, read: impl FnOnce(&C) -> R) -> R {
+        read(&*self.catalog.lock().await)
+    }
+
+    /// Publishes `shape.updates` updates, one per tick of
+    /// `shape.update_interval`, and waits for each ACK (one outstanding
+    /// update, as Galley does).
+    pub async fn run_updates(&mut self) -> anyhow::Result<()> {
+        let link = self.link().await?;
+        let mut ticker = tokio::time::interval(self.shape.update_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for update in 0..self.shape.updates {
+            ticker.tick().await;
+            let mut catalog = self.catalog.lock().await;
+            let Update {
+                collection,
+                resources,
+                incremental,
+            } = catalog.next_update(update);
+            catalog.published(&collection, &resources, Instant::now());
+            drop(catalog);
+            let message = Resources {
+                collection,
+                resources,
+                nonce: format!("u{update}"),
+                incremental,
+                ..Default::default()
+            };
+            link.tx
+                .send(Ok(message))
+                .map_err(|_| anyhow::anyhow!("the gateway closed the stream"))?;
+            let ack = tokio::time::timeout(Duration::from_secs(60), async { link.acks.lock().await.recv().await })
+                .await
+                .map_err(|_| anyhow::anyhow!("no ACK from the gateway within 60s"))?
+                .ok_or_else(|| anyhow::anyhow!("the gateway closed the stream"))?;
+            if let Some(error) = ack.error_detail {
+                anyhow::bail!("the gateway NACKed update {update}: {}", error.message);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One collection's content as the version-counting scenarios publish it.
 struct Content {
     name: String,
     /// name → resource version, in name order (as the gateway hashes them).
@@ -56,81 +227,22 @@ impl Content {
     }
 }
 
-/// What the rest of the tool reads from the publisher.
-#[derive(Clone, Default)]
-pub struct PublishLog {
-    /// Gateway collection version → when its content was published.
-    pub published: Arc<Mutex<HashMap<String, Instant>>>,
-    /// NACKs the gateway sent (a correct run has none).
-    pub nacks: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-pub struct Publisher {
-    pub addr: SocketAddr,
-    pub log: PublishLog,
-    state: Arc<AsyncMutex<Vec<Content>>>,
-    /// The live stream to the gateway: sends, and ACK nonces back.
-    stream: watch::Receiver<Option<Arc<Link>>>,
+/// The catalog of the version-counting scenarios (big-config, fan-out,
+/// incremental, idle): collections of one shared body, each update changing
+/// `changes_per_update` resources of one collection, the collections in
+/// turn. Latency is per collection version, as the gateway reports it.
+pub struct Collections {
+    contents: Vec<Content>,
     shape: Shape,
+    /// Where the next update's changes start in its collection.
+    cursor: usize,
+    /// Gateway collection version → when its content was published.
+    pub published: HashMap<String, Instant>,
 }
 
-struct Link {
-    tx: mpsc::UnboundedSender<Result<Resources, Status>>,
-    acks: AsyncMutex<mpsc::Receiver<RequestResources>>,
-}
-
-/// Serves one stream the gateway opened: the full state of each collection it
-/// asks for, and its ACKs handed to the updater.
-async fn serve(
-    mut stream: GalleyStream,
-    state: Arc<AsyncMutex<Vec<Content>>>,
-    log: PublishLog,
-    publish: watch::Sender<Option<Arc<Link>>>,
-) {
-    let (acks_tx, acks_rx) = mpsc::channel(1024);
-    let link = Arc::new(Link {
-        tx: stream.responses.clone(),
-        acks: AsyncMutex::new(acks_rx),
-    });
-    let mut initial = 0;
-    while let Some(request) = stream.next_request().await {
-        if let Some(error) = &request.error_detail {
-            log.nacks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            eprintln!("mcp-load: the gateway NACKed {}: {}", request.collection, error.message);
-        }
-        if !request.response_nonce.is_empty() {
-            let _ = acks_tx.send(request).await;
-            continue;
-        }
-        // An initial request: publish the collection's full state.
-        let contents = state.lock().await;
-        if let Some(content) = contents.iter().find(|c| c.name == request.collection) {
-            log.published
-                .lock()
-                .unwrap()
-                .insert(content.gateway_version(), Instant::now());
-            let message = Resources {
-                collection: content.name.clone(),
-                resources: content.all(),
-                nonce: format!("init-{}", content.name),
-                incremental: false,
-                ..Default::default()
-            };
-            drop(contents);
-            let _ = link.tx.send(Ok(message));
-            initial += 1;
-        }
-        if initial == 1 {
-            publish.send_replace(Some(link.clone()));
-        }
-    }
-}
-
-// === impl Publisher ===
-
-impl Publisher {
-    pub async fn start(shape: Shape, collections: &[String]) -> anyhow::Result<Self> {
-        let contents: Vec<Content> = collections
+impl Collections {
+    pub fn new(shape: Shape, collections: &[String]) -> Self {
+        let contents = collections
             .iter()
             .map(|name| Content {
                 name: name.clone(),
@@ -140,107 +252,62 @@ impl Publisher {
                 body: (0..shape.body_bytes).map(|i| (i * 31 % 251) as u8).collect(),
             })
             .collect();
-        let mut galley = FakeGalley::start("127.0.0.1:0".parse()?).await?;
-        let addr = galley.addr;
-        let state = Arc::new(AsyncMutex::new(contents));
-        let log = PublishLog::default();
-        let (link_tx, link_rx) = watch::channel(None);
-        let serving = (state.clone(), log.clone());
-        tokio::spawn(async move {
-            // Every stream the gateway opens (it reconnects after a failure).
-            while let Some(stream) = galley.next_stream().await {
-                tokio::spawn(serve(stream, serving.0.clone(), serving.1.clone(), link_tx.clone()));
-            }
-        });
-        Ok(Self {
-            addr,
-            log,
-            state,
-            stream: link_rx,
+        Self {
+            contents,
             shape,
-        })
-    }
-
-    /// Waits for the gateway's stream and its ACK of every initial state.
-    pub async fn wait_initial_acks(&mut self, collections: usize) -> anyhow::Result<()> {
-        let link = self.link().await?;
-        let mut acks = link.acks.lock().await;
-        for _ in 0..collections {
-            acks.recv()
-                .await
-                .ok_or_else(|| anyhow::anyhow!("the gateway closed the stream"))?;
+            cursor: 0,
+            published: HashMap::new(),
         }
-        Ok(())
     }
 
-    async fn link(&mut self) -> anyhow::Result<Arc<Link>> {
-        let link = self
-            .stream
-            .wait_for(Option::is_some)
-            .await
-            .map_err(|_| anyhow::anyhow!("the fake galley stopped"))?;
-        Ok(link.clone().expect("waited for Some"))
+    /// The version the gateway reports for each collection now.
+    pub fn finals(&self) -> HashMap<String, String> {
+        self.contents
+            .iter()
+            .map(|c| (c.name.clone(), c.gateway_version()))
+            .collect()
+    }
+}
+
+impl Catalog for Collections {
+    fn full_state(&self, collection: &str) -> Option<Vec<Resource>> {
+        self.contents.iter().find(|c| c.name == collection).map(Content::all)
     }
 
-    /// Publishes `shape.updates` updates, one collection per update in turn,
-    /// each changing `changes_per_update` resources, and waits for each ACK
-    /// (one outstanding update, as Galley does). Returns the final version of
-    /// every collection.
-    pub async fn run_updates(&mut self) -> anyhow::Result<HashMap<String, String>> {
-        let link = self.link().await?;
-        let mut ticker = tokio::time::interval(self.shape.update_interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut cursor = 0usize;
-        for update in 0..self.shape.updates {
-            ticker.tick().await;
-            let mut contents = self.state.lock().await;
-            let index = update % contents.len();
-            let content = &mut contents[index];
-            let names: Vec<String> = (0..self.shape.changes_per_update)
-                .map(|k| {
-                    let i = (cursor + k) % content.versions.len();
-                    content
-                        .versions
-                        .keys()
-                        .nth(i)
-                        .cloned()
-                        .expect("an index below the length")
-                })
-                .collect();
-            cursor += self.shape.changes_per_update;
-            for name in &names {
-                let version = content.versions.get_mut(name).expect("an existing name");
-                *version = (version.parse::<u64>().expect("versions are counters") + 1).to_string();
-            }
-            let message = Resources {
-                collection: content.name.clone(),
-                resources: if self.shape.upstream_incremental {
-                    names.iter().map(|n| content.resource(n)).collect()
-                } else {
-                    content.all()
-                },
-                nonce: format!("u{update}"),
-                incremental: self.shape.upstream_incremental,
-                ..Default::default()
-            };
-            self.log
-                .published
-                .lock()
-                .unwrap()
-                .insert(content.gateway_version(), Instant::now());
-            drop(contents);
-            link.tx
-                .send(Ok(message))
-                .map_err(|_| anyhow::anyhow!("the gateway closed the stream"))?;
-            let ack = tokio::time::timeout(Duration::from_secs(60), async { link.acks.lock().await.recv().await })
-                .await
-                .map_err(|_| anyhow::anyhow!("no ACK from the gateway within 60s"))?
-                .ok_or_else(|| anyhow::anyhow!("the gateway closed the stream"))?;
-            if let Some(error) = ack.error_detail {
-                anyhow::bail!("the gateway NACKed update {update}: {}", error.message);
-            }
+    fn next_update(&mut self, update: usize) -> Update {
+        let index = update % self.contents.len();
+        let changes = self.shape.changes_per_update;
+        let content = &mut self.contents[index];
+        let names: Vec<String> = (0..changes)
+            .map(|k| {
+                let i = (self.cursor + k) % content.versions.len();
+                content
+                    .versions
+                    .keys()
+                    .nth(i)
+                    .cloned()
+                    .expect("an index below the length")
+            })
+            .collect();
+        self.cursor += changes;
+        for name in &names {
+            let version = content.versions.get_mut(name).expect("an existing name");
+            *version = (version.parse::<u64>().expect("versions are counters") + 1).to_string();
         }
-        let contents = self.state.lock().await;
-        Ok(contents.iter().map(|c| (c.name.clone(), c.gateway_version())).collect())
+        Update {
+            collection: content.name.clone(),
+            resources: if self.shape.upstream_incremental {
+                names.iter().map(|n| content.resource(n)).collect()
+            } else {
+                content.all()
+            },
+            incremental: self.shape.upstream_incremental,
+        }
+    }
+
+    fn published(&mut self, collection: &str, _resources: &[Resource], at: Instant) {
+        if let Some(content) = self.contents.iter().find(|c| c.name == collection) {
+            self.published.insert(content.gateway_version(), at);
+        }
     }
 }

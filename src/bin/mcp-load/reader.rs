@@ -1,6 +1,8 @@
 //! The clients' reader of responses: each message's envelope (version,
 //! type, nonce) decoded as its bytes arrive, everything else skipped where
-//! it lies in the HTTP/2 frames, never copied.
+//! it lies in the HTTP/2 frames, never copied. Named clients (`eds.rs`) also
+//! collect each resource and removed name, as slices of those frames (copied
+//! only where a frame boundary cuts one).
 //!
 //! tonic's decoder copies each message into a buffer of the stream's that
 //! grows to the largest message and keeps that size while the stream lives:
@@ -26,6 +28,11 @@ pub struct Fields {
     /// response's field 3 is its removed names; the load ignores them).
     pub type_url: u32,
     pub nonce: u32,
+    /// The repeated field whose values are collected as the response's
+    /// resources (0: none are).
+    pub resources: u32,
+    /// The repeated string field collected as its removed names (0: none).
+    pub removed: u32,
 }
 
 /// Legacy MCP responses: `version_info` 1, `type_url` 3, `nonce` 4.
@@ -33,6 +40,8 @@ pub const MCP: Fields = Fields {
     version: 1,
     type_url: 3,
     nonce: 4,
+    resources: 0,
+    removed: 0,
 };
 
 /// Envoy's v3 responses, state of the world and delta: `version_info`
@@ -41,10 +50,27 @@ pub const XDS: Fields = Fields {
     version: 1,
     type_url: 4,
     nonce: 5,
+    resources: 0,
+    removed: 0,
+};
+
+/// A v3 state-of-the-world response read by a named client: its resources
+/// (`resources` 2, each an `Any`).
+pub const XDS_SOTW_NAMED: Fields = Fields { resources: 2, ..XDS };
+
+/// A v3 delta response read by a named client: its resources (`resources`
+/// 2, each a `Resource`) and `removed_resources` (6).
+pub const XDS_DELTA_NAMED: Fields = Fields {
+    resources: 2,
+    removed: 6,
+    ..XDS
 };
 
 /// The longest envelope field kept; a longer one is an error.
 const MAX_FIELD: usize = 64 << 10;
+
+/// The longest resource collected; a longer one is an error.
+const MAX_COLLECTED: usize = 16 << 20;
 
 /// The responses of one stream: [`Responses::message`] yields each
 /// message's envelope and size, `None` once the stream ends with OK.
@@ -111,6 +137,41 @@ impl Responses {
     }
 }
 
+/// The value of the length-delimited field `number` of `message`, held
+/// whole (the last one, as protobuf reads a singular field given twice).
+pub fn length_delimited(mut message: &[u8], number: u32) -> Result<Option<&[u8]>, Status> {
+    let malformed = |e: prost::DecodeError| Status::internal(format!("a malformed resource: {e}"));
+    let mut found = None;
+    while !message.is_empty() {
+        let key = prost::encoding::decode_varint(&mut message).map_err(malformed)?;
+        let skip = match key & 7 {
+            0 => {
+                prost::encoding::decode_varint(&mut message).map_err(malformed)?;
+                0
+            }
+            1 => 8,
+            5 => 4,
+            2 => {
+                let len = prost::encoding::decode_varint(&mut message).map_err(malformed)?;
+                let len = usize::try_from(len).unwrap_or(usize::MAX);
+                if len > message.len() {
+                    return Err(past_the_end());
+                }
+                if key >> 3 == u64::from(number) {
+                    found = Some(&message[..len]);
+                }
+                len
+            }
+            wire => return Err(Status::internal(format!("wire type {wire} in a resource"))),
+        };
+        if skip > message.len() {
+            return Err(past_the_end());
+        }
+        message = &message[skip..];
+    }
+    Ok(found)
+}
+
 fn past_the_end() -> Status {
     Status::internal("a field runs past the end of its message")
 }
@@ -122,15 +183,27 @@ enum State {
     Prefix,
     /// A field's key (a varint).
     Key,
-    /// A length-delimited field's length; `Some(i)` where it is the
-    /// envelope's field `i` (0 version, 1 type, 2 nonce).
-    Len(Option<usize>),
+    /// A length-delimited field's length, and what its value is for.
+    Len(Want),
     /// The bytes of the envelope's field `i`, `n` of them left.
     Take(usize, usize),
+    /// The bytes of a value collected into list `i` (0 resources, 1
+    /// removed names), `n` of them left.
+    Collect(usize, usize),
     /// Bytes skipped, `n` of them left.
     Skip(usize),
     /// A varint field's value, skipped.
     SkipVarint,
+}
+
+/// What a length-delimited field's value is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    /// The envelope's field `i` (0 version, 1 type, 2 nonce).
+    Envelope(usize),
+    /// A value of collected list `i` (0 resources, 1 removed names).
+    Collect(usize),
+    Nothing,
 }
 
 /// A gRPC message stream scanned for one envelope per message.
@@ -147,6 +220,10 @@ struct Scan {
     taking: Vec<u8>,
     /// The envelope's fields seen so far: version, type, nonce.
     seen: [Option<String>; 3],
+    /// The values collected so far: resources, removed names.
+    collected: [Vec<Bytes>; 2],
+    /// A collected value cut by a frame boundary, gathered.
+    gathering: Vec<u8>,
 }
 
 impl Scan {
@@ -162,6 +239,8 @@ impl Scan {
             shift: 0,
             taking: Vec::new(),
             seen: Default::default(),
+            collected: Default::default(),
+            gathering: Vec::new(),
         }
     }
 
@@ -174,11 +253,21 @@ impl Scan {
         self.state == State::Key && self.shift == 0
     }
 
-    fn wanted(&self, field: u64) -> Option<usize> {
+    fn wanted(&self, field: u64) -> Want {
         let f = self.fields;
-        [f.version, f.type_url, f.nonce]
+        if let Some(i) = [f.version, f.type_url, f.nonce]
             .iter()
             .position(|&n| u64::from(n) == field)
+        {
+            return Want::Envelope(i);
+        }
+        match [f.resources, f.removed]
+            .iter()
+            .position(|&n| n != 0 && u64::from(n) == field)
+        {
+            Some(i) => Want::Collect(i),
+            None => Want::Nothing,
+        }
     }
 
     /// Adds one byte to the varint being read; its value once complete.
@@ -222,11 +311,14 @@ impl Scan {
             }
             if self.at_field_boundary() && self.left == 0 {
                 let [version, type_url, nonce] = std::mem::take(&mut self.seen).map(Option::unwrap_or_default);
+                let [resources, removed] = std::mem::take(&mut self.collected);
                 out.push_back((
                     Envelope {
                         version,
                         type_url,
                         nonce,
+                        resources,
+                        removed,
                     },
                     self.size,
                 ));
@@ -260,16 +352,34 @@ impl Scan {
                         return Err(past_the_end());
                     }
                     self.state = match wanted {
-                        Some(i) if len > MAX_FIELD => {
+                        Want::Envelope(i) if len > MAX_FIELD => {
                             return Err(Status::internal(format!(
                                 "envelope field {i} of {len} bytes (at most {MAX_FIELD})"
                             )))
                         }
-                        Some(i) => State::Take(i, len),
-                        None => State::Skip(len),
+                        Want::Envelope(i) => State::Take(i, len),
+                        Want::Collect(_) if len > MAX_COLLECTED => {
+                            return Err(Status::internal(format!(
+                                "a resource of {len} bytes (the load reads at most {MAX_COLLECTED})"
+                            )))
+                        }
+                        Want::Collect(i) => State::Collect(i, len),
+                        Want::Nothing => State::Skip(len),
                     };
                     self.end_field();
                 }
+            }
+            State::Collect(i, n) if self.gathering.is_empty() && part.remaining() >= n => {
+                // Whole in this frame: a slice of it, not a copy.
+                self.collected[i].push(part.split_to(n));
+                self.state = State::Key;
+            }
+            State::Collect(i, n) => {
+                let k = n.min(part.remaining());
+                self.gathering.extend_from_slice(&part[..k]);
+                part.advance(k);
+                self.state = State::Collect(i, n - k);
+                self.end_field();
             }
             State::Take(i, n) => {
                 let k = n.min(part.remaining());
@@ -294,13 +404,17 @@ impl Scan {
     }
 
     /// Back to the next key once a field's bytes are all read, keeping the
-    /// first value of an envelope field.
+    /// first value of an envelope field and every collected value.
     fn end_field(&mut self) {
         match self.state {
             State::Take(i, 0) => {
                 let value = String::from_utf8_lossy(&self.taking).into_owned();
                 self.taking.clear();
                 self.seen[i].get_or_insert(value);
+                self.state = State::Key;
+            }
+            State::Collect(i, 0) => {
+                self.collected[i].push(Bytes::from(std::mem::take(&mut self.gathering)));
                 self.state = State::Key;
             }
             State::Skip(0) => self.state = State::Key,
@@ -418,6 +532,98 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// A named client's resources and removed names, whatever the cuts:
+        /// each value as prost encodes it, the envelope as before.
+        #[test]
+        fn named_resources_whatever_the_cuts(
+            bodies in prop::collection::vec(0usize..3000, 0..6),
+            removed in prop::collection::vec("[a-z-]{0,20}", 0..4),
+            cuts in prop::collection::vec(any::<usize>(), 0..40),
+        ) {
+            use mcp_xds_gateway::proto::envoy::service::discovery::v3::Resource as DeltaResource;
+            let anys: Vec<prost_types::Any> = bodies
+                .iter()
+                .map(|b| prost_types::Any { type_url: "t".into(), value: vec![3; *b] })
+                .collect();
+            let sotw = DiscoveryResponse {
+                version_info: "v1".into(),
+                resources: anys.clone(),
+                type_url: "t".into(),
+                nonce: "n1".into(),
+                ..Default::default()
+            };
+            let delta = DeltaDiscoveryResponse {
+                system_version_info: "v2".into(),
+                resources: anys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, any)| DeltaResource {
+                        name: format!("r{i}"),
+                        version: "x".into(),
+                        resource: Some(any.clone()),
+                        ..Default::default()
+                    })
+                    .collect(),
+                type_url: "t".into(),
+                removed_resources: removed.clone(),
+                nonce: "n2".into(),
+                ..Default::default()
+            };
+            let sotw_bytes = prost::Message::encode_to_vec(&sotw);
+            let delta_bytes = prost::Message::encode_to_vec(&delta);
+            let scanned = scan(XDS_SOTW_NAMED, &[sotw_bytes.clone(), sotw_bytes], &cuts).unwrap();
+            for (envelope, _) in &scanned {
+                prop_assert_eq!((&*envelope.version, &*envelope.nonce), ("v1", "n1"));
+                let expected: Vec<Vec<u8>> = anys.iter().map(prost::Message::encode_to_vec).collect();
+                let got: Vec<Vec<u8>> = envelope.resources.iter().map(|r| r.to_vec()).collect();
+                prop_assert_eq!(got, expected);
+                prop_assert!(envelope.removed.is_empty());
+            }
+            let scanned = scan(XDS_DELTA_NAMED, &[delta_bytes], &cuts).unwrap();
+            let envelope = &scanned[0].0;
+            prop_assert_eq!((&*envelope.version, &*envelope.nonce), ("v2", "n2"));
+            let expected: Vec<Vec<u8>> = delta.resources.iter().map(prost::Message::encode_to_vec).collect();
+            let got: Vec<Vec<u8>> = envelope.resources.iter().map(|r| r.to_vec()).collect();
+            prop_assert_eq!(got, expected);
+            let got: Vec<&[u8]> = envelope.removed.iter().map(|r| &r[..]).collect();
+            let expected: Vec<&[u8]> = removed.iter().map(|r| r.as_bytes()).collect();
+            prop_assert_eq!(got, expected);
+            // Read as plain XDS, nothing is collected.
+            let plain = scan(XDS, &[prost::Message::encode_to_vec(&delta)], &cuts).unwrap();
+            prop_assert!(plain[0].0.resources.is_empty() && plain[0].0.removed.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_field_is_read_from_a_message_held_whole() {
+        let any = prost::Message::encode_to_vec(&prost_types::Any {
+            type_url: "t".into(),
+            value: b"body".to_vec(),
+        });
+        assert_eq!(length_delimited(&any, 2).unwrap(), Some(&b"body"[..]));
+        assert_eq!(length_delimited(&any, 7).unwrap(), None);
+        // Varint, fixed64 and fixed32 fields are stepped over; the last of a
+        // repeated singular field wins.
+        let mixed = [
+            0x08, 0x96, 0x01, 0x11, 0, 0, 0, 0, 0, 0, 0, 0, 0x1d, 0, 0, 0, 0, 0x12, 1, b'a', 0x12, 1, b'b',
+        ];
+        assert_eq!(length_delimited(&mixed, 2).unwrap(), Some(&b"b"[..]));
+        assert!(length_delimited(&[0x12, 5, b'a'], 2)
+            .unwrap_err()
+            .message()
+            .contains("past the end"));
+        assert!(length_delimited(&[0x11, 0], 2)
+            .unwrap_err()
+            .message()
+            .contains("past the end"));
+        assert!(length_delimited(&[0x0b], 2)
+            .unwrap_err()
+            .message()
+            .contains("wire type 3"));
+        assert!(length_delimited(&[0x08], 2).is_err(), "a varint cut short");
+    }
+
     #[test]
     fn an_empty_message_is_an_empty_envelope() {
         let scanned = scan(MCP, &[Vec::new(), Vec::new()], &[3]).unwrap();
@@ -464,6 +670,17 @@ mod tests {
         .unwrap_err()
         .message()
         .contains("longer than 10 bytes"));
+        // A resource longer than the load collects, in a message that says
+        // it holds it.
+        let len = MAX_COLLECTED as u64 + 1;
+        let mut message = vec![0];
+        message.extend_from_slice(&(len as u32 + 8).to_be_bytes());
+        message.push(0x12);
+        prost::encoding::encode_varint(len, &mut message);
+        let err = Scan::new(XDS_SOTW_NAMED)
+            .feed(Bytes::from(message), &mut VecDeque::new())
+            .unwrap_err();
+        assert!(err.message().contains("at most"), "{err}");
         // A compressed message.
         let mut scan = Scan::new(MCP);
         let err = scan

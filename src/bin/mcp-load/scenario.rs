@@ -62,6 +62,10 @@ pub enum Scenario {
     Incremental,
     /// 10,000 idle SotW streams, 1 small collection.
     Idle,
+    /// Named (EDS) fan-out: 10,000 ClusterLoadAssignments of ~400 B, 2,000
+    /// v3 clients over 100 connections each subscribed to 50 of them by
+    /// name, 1 % of them changing every 100 ms.
+    Eds,
 }
 
 impl Scenario {
@@ -121,6 +125,22 @@ impl Scenario {
                 incremental_clients: false,
                 protocol: ClientProtocol::Mcp,
             },
+            Scenario::Eds => Shape {
+                collections: 1,
+                resources: 10_000,
+                // Each ClusterLoadAssignment's size, about: its endpoints
+                // are as many as make it so.
+                body_bytes: 400,
+                // --change-percent of the resources (NamedShape).
+                changes_per_update: 100,
+                update_interval: Duration::from_millis(100),
+                updates: 50,
+                upstream_incremental: true,
+                streams: 2_000,
+                connections: 100,
+                incremental_clients: false,
+                protocol: ClientProtocol::XdsSotw,
+            },
         }
     }
 
@@ -131,6 +151,57 @@ impl Scenario {
             Scenario::FanOut => "p99 end-to-end <= 200 ms",
             Scenario::Incremental => "p99 <= 20 ms; bytes per client per update <= 2 x one resource",
             Scenario::Idle => "<= 10 KiB gateway RSS per stream",
+            Scenario::Eds => {
+                "no push without a change for the client; CPU per delivered byte <= 1.5 x wire; p99 <= 100 ms; \
+                 <= 8 KiB per idle named client with 50 names"
+            }
+        }
+    }
+}
+
+/// How the named scenario's clients subscribe and its resources change.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct NamedShape {
+    /// Names each client subscribes to, drawn at random (seeded).
+    pub names_per_client: usize,
+    /// The share of the resources changed at each update, in percent.
+    pub change_percent: f64,
+    pub seed: u64,
+    /// The clients' name sets are disjoint, and only the first half of the
+    /// clients' names change: the other half are bystanders.
+    pub disjoint: bool,
+}
+
+impl Default for NamedShape {
+    fn default() -> Self {
+        Self {
+            names_per_client: 50,
+            change_percent: 1.0,
+            seed: 1,
+            disjoint: false,
+        }
+    }
+}
+
+impl NamedShape {
+    /// At `Shape::tiny`'s 20 resources: fewer names, more of them changing
+    /// (so that three updates reach some client).
+    pub fn tiny(self) -> Self {
+        Self {
+            names_per_client: self.names_per_client.min(4),
+            change_percent: self.change_percent.max(10.0),
+            ..self
+        }
+    }
+
+    /// Resources changed at each update of `resources`: at least one where
+    /// any are to change.
+    pub fn changes_per_update(&self, resources: usize) -> usize {
+        let changes = (resources as f64 * self.change_percent / 100.0).round() as usize;
+        if self.change_percent > 0.0 {
+            changes.clamp(1, resources)
+        } else {
+            0
         }
     }
 }
