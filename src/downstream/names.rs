@@ -28,18 +28,70 @@ use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 /// The wildcard name.
 pub const WILDCARD: &str = "*";
 
+/// Names in order, each once. Shared: a subscription, what the client
+/// holds of it and the debug view are one allocation while they are equal,
+/// and each name is the cache's own `Arc` where the collection has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NameSet(Arc<[Arc<str>]>);
+
+impl Default for NameSet {
+    fn default() -> Self {
+        NameSet(Arc::from(Vec::new()))
+    }
+}
+
+impl NameSet {
+    /// From names in any order, repeats dropped.
+    fn from_unsorted(mut names: Vec<Arc<str>>) -> Self {
+        names.sort_unstable();
+        names.dedup();
+        NameSet(names.into())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.binary_search_by(|n| (**n).cmp(name)).is_ok()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> std::slice::Iter<'_, Arc<str>> {
+        self.0.iter()
+    }
+
+    /// The first `n` names: the same storage when there are no more.
+    pub fn first(&self, n: usize) -> Arc<[Arc<str>]> {
+        if self.0.len() <= n {
+            return self.0.clone();
+        }
+        self.0[..n].into()
+    }
+
+    /// Those names that `keep` keeps (the same storage if it keeps all).
+    fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        if !self.0.iter().all(|n| keep(n)) {
+            self.0 = self.0.iter().filter(|n| keep(n)).cloned().collect();
+        }
+    }
+}
+
 /// A set of resources by name: everything (wildcard), named ones, or both.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Names {
     pub wildcard: bool,
-    pub names: BTreeSet<Arc<str>>,
+    pub names: NameSet,
 }
 
 impl Names {
     pub fn everything() -> Self {
         Names {
             wildcard: true,
-            names: BTreeSet::new(),
+            names: NameSet::default(),
         }
     }
 
@@ -99,11 +151,14 @@ pub struct Named {
 impl Named {
     /// A request `change`s the names of a type followed with `named`;
     /// `sent_everything`: a response went out under legacy wildcard (the
-    /// client holds all it had). `Ok(true)` when the subscription changed.
+    /// client holds all it had); `known`: the collection as the cache has
+    /// it, whose names are shared rather than copied per client.
+    /// `Ok(true)` when the subscription changed.
     pub fn apply(
         named: &mut Option<Box<Named>>,
         change: NameChange<'_>,
         sent_everything: bool,
+        known: Option<&CollectionSnapshot>,
         max: usize,
     ) -> Result<bool, TooManyNames> {
         if named.is_none() && change.is_silent() {
@@ -122,6 +177,11 @@ impl Named {
                 resend: BTreeSet::new(),
             })
         });
+        let shared = |name: &str| -> Arc<str> {
+            known
+                .and_then(|k| k.resources.get_key_value(name))
+                .map_or_else(|| Arc::from(name), |(key, _)| key.clone())
+        };
         let mut changed = false;
         match change {
             NameChange::Replace(names) => {
@@ -129,53 +189,65 @@ impl Named {
                 // same names on every ACK.
                 let wildcard = names.iter().any(|n| n == WILDCARD);
                 let asked: BTreeSet<&str> = names.iter().map(String::as_str).filter(|n| *n != WILDCARD).collect();
+                if asked.len() > max {
+                    return Err(TooManyNames { count: asked.len() });
+                }
                 if wildcard != named.current.wildcard
                     || !asked.iter().copied().eq(named.current.names.iter().map(|n| &**n))
                 {
                     named.current = Names {
                         wildcard,
-                        names: asked.into_iter().map(Arc::from).collect(),
+                        names: NameSet(asked.into_iter().map(shared).collect()),
                     };
                     // A name dropped is dropped by the client too: asked
                     // for again, it is sent again.
                     named.held.wildcard &= wildcard;
-                    let current = &named.current;
-                    named.held.names.retain(|n| current.names.contains(n));
+                    let current = &named.current.names;
+                    named.held.names.retain(|n| current.contains(n));
                     changed = true;
                 }
             }
             NameChange::Change { subscribe, unsubscribe } => {
+                let mut names: Vec<Arc<str>> = named.current.names.iter().cloned().collect();
+                let before = names.len();
                 for name in unsubscribe {
                     if name == WILDCARD {
                         changed |= std::mem::replace(&mut named.current.wildcard, false);
                         named.held.wildcard = false;
                         continue;
                     }
-                    changed |= named.current.names.remove(name.as_str());
-                    named.held.names.remove(name.as_str());
+                    names.retain(|n| **n != **name);
                     named.resend.remove(name.as_str());
                     // Still covered: the client may have dropped it.
                     if named.current.wildcard {
-                        named.resend.insert(name.as_str().into());
+                        named.resend.insert(shared(name));
                         changed = true;
                     }
                 }
+                changed |= names.len() != before;
                 for name in subscribe {
                     if name == WILDCARD {
                         changed |= !std::mem::replace(&mut named.current.wildcard, true);
                         continue;
                     }
-                    let name: Arc<str> = name.as_str().into();
-                    named.current.names.insert(name.clone());
+                    let name = shared(name);
+                    names.push(name.clone());
                     // Sent again even if held: always a change.
                     named.resend.insert(name);
                     changed = true;
                 }
+                let names = NameSet::from_unsorted(names);
+                if names.len().max(named.resend.len()) > max {
+                    return Err(TooManyNames {
+                        count: names.len().max(named.resend.len()),
+                    });
+                }
+                if names != named.current.names {
+                    let current = &names;
+                    named.held.names.retain(|n| current.contains(n));
+                    named.current.names = names;
+                }
             }
-        }
-        let count = named.current.names.len().max(named.resend.len());
-        if count > max {
-            return Err(TooManyNames { count });
         }
         Ok(changed)
     }
@@ -203,7 +275,8 @@ impl Named {
     }
 
     /// A response went out for the current subscription: the client holds
-    /// it, whether it ACKs or NACKs it.
+    /// it, whether it ACKs or NACKs it (the same storage as the
+    /// subscription's).
     pub fn on_sent(&mut self) {
         self.held = self.current.clone();
         self.resend.clear();
@@ -321,4 +394,55 @@ impl Named {
 /// covers labels and annotations).
 fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
     a.digest == b.digest && a.version == b.version
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Cache, Origin, Update};
+
+    /// An idle named client costs its names once: the subscription, what
+    /// it holds and the debug view share one slice, and each name is the
+    /// cache's own.
+    #[test]
+    fn a_subscription_shares_its_names_with_the_cache_and_itself() {
+        let (cache, mut writer) = Cache::new();
+        let resources = ["a", "b"]
+            .iter()
+            .map(|n| {
+                let none = HashMap::<String, String>::new();
+                let digest = crate::cache::content_digest(n.as_bytes(), &none, &none);
+                CachedResource::new(
+                    (*n).into(),
+                    "1".into(),
+                    "t".into(),
+                    bytes::Bytes::from_static(b"x"),
+                    digest,
+                )
+            })
+            .collect();
+        writer.apply("c", Update::Full(resources), Origin::Upstream);
+        let known = cache.get("c").unwrap();
+        let asked: Vec<String> = ["b", "a", "ghost", "a"].iter().map(|n| n.to_string()).collect();
+        let mut named = None;
+        let changed = Named::apply(&mut named, NameChange::Replace(&asked), false, Some(&known), 10).unwrap();
+        assert!(changed);
+        let named = named.as_mut().unwrap();
+        let names: Vec<&str> = named.current().names.iter().map(|n| &**n).collect();
+        assert_eq!(names, ["a", "b", "ghost"], "in order, once each");
+        let (key, _) = known.resources.get_key_value("a").unwrap();
+        assert!(Arc::ptr_eq(key, &named.current().names.iter().next().unwrap().clone()));
+        named.on_sent();
+        assert!(
+            Arc::ptr_eq(&named.held.names.0, &named.current.names.0),
+            "held shares the subscription's storage"
+        );
+        let view = crate::downstream::registry::SubscribedView::from(named.current());
+        assert!(Arc::ptr_eq(&view.first, &named.current.names.0), "and so does the view");
+        // Too many names are refused before anything is kept.
+        let many: Vec<String> = (0..11).map(|i| i.to_string()).collect();
+        let mut fresh = None;
+        let refused = Named::apply(&mut fresh, NameChange::Replace(&many), false, None, 10);
+        assert_eq!(refused, Err(TooManyNames { count: 11 }));
+    }
 }

@@ -166,14 +166,15 @@ pub struct TypeView {
 }
 
 /// A named subscription, as `/debug/clients` shows it: whether it is
-/// wildcard, how many names, and the first of them (in name order).
+/// wildcard, how many names, and the first of them (in name order; the
+/// subscription's own storage when there are no more).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct SubscribedView {
     pub wildcard: bool,
     /// The names subscribed (at most `--max-subscribed-names`).
     pub count: usize,
     /// The first [`SubscribedView::SHOWN`] names.
-    pub first: Box<[Arc<str>]>,
+    pub first: Arc<[Arc<str>]>,
 }
 
 impl SubscribedView {
@@ -186,7 +187,7 @@ impl From<&super::names::Names> for SubscribedView {
         SubscribedView {
             wildcard: names.wildcard,
             count: names.names.len(),
-            first: names.names.iter().take(Self::SHOWN).cloned().collect(),
+            first: names.names.first(Self::SHOWN),
         }
     }
 }

@@ -254,12 +254,14 @@ impl<W: Wire> TypedStream<W> {
                 unsubscribe: &request.unsubscribe,
             },
         };
+        let known = current_of(followed);
         let verdict = followed.state.on_request(Request {
             nonce: &request.nonce,
             nack,
             version: W::ACK_NAMES_VERSION.then_some(request.version_info.as_str()),
             names,
             max_names: limits.max_subscribed_names,
+            known: known.as_deref(),
             at: now,
         });
         let collection = followed.state.view.collection.clone();
@@ -313,8 +315,8 @@ impl<W: Wire> TypedStream<W> {
             Verdict::Subscription => {}
         }
         // Published once, with whether it is still behind; the send that
-        // follows decides from the same snapshot.
-        let current = current_of(followed);
+        // follows decides from the same snapshot the request was read with.
+        let current = known;
         followed.state.note_current(current.as_ref(), now);
         self.entry.publish(&type_url, followed.state.view.clone());
         if verdict == Verdict::Unrecoverable {

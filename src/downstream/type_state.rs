@@ -146,6 +146,9 @@ pub struct Request<'a> {
     pub names: NameChange<'a>,
     /// `--max-subscribed-names`.
     pub max_names: usize,
+    /// The collection as the cache has it now: the names a subscription
+    /// keeps are its own, not copies.
+    pub known: Option<&'a CollectionSnapshot>,
     /// When it came (the views' clock: the machine reads none).
     pub at: Stamp,
 }
@@ -159,6 +162,7 @@ impl<'a> Request<'a> {
             version: None,
             names: NameChange::Replace(&[]),
             max_names: usize::MAX,
+            known: None,
             at: Stamp::NEVER,
         }
     }
@@ -293,7 +297,13 @@ impl TypeState {
     /// A request for this type.
     pub fn on_request(&mut self, request: Request<'_>) -> Verdict {
         self.view.last_request_at = request.at;
-        let changed = match Named::apply(&mut self.named, request.names, self.sent.is_some(), request.max_names) {
+        let changed = match Named::apply(
+            &mut self.named,
+            request.names,
+            self.sent.is_some(),
+            request.known,
+            request.max_names,
+        ) {
             Ok(changed) => changed,
             Err(TooManyNames { count }) => return Verdict::TooManyNames { count },
         };
