@@ -667,3 +667,45 @@ async fn merge_keys_are_expanded_as_kubectl_expands_them() {
         "{dump}"
     );
 }
+
+/// The reasons a file is refused read as written for an operator: the value
+/// as it was written (not a Rust `Some(..)`), and a field path followed by
+/// ": " before the reason, for a spec that is not a mapping as for any field.
+#[tokio::test]
+async fn refusals_name_the_value_and_the_path_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", crate::helpers::VS]).await;
+    let refusal = |file: &'static str, text: &'static str| {
+        let gw = &gw;
+        let dir = dir.path().to_owned();
+        async move {
+            crate::helpers::certs::write(&dir, file, text);
+            let error = crate::helpers::eventually_some(file, || async {
+                gw.upstream.borrow().last_error.clone().filter(|e| e.contains(file))
+            })
+            .await;
+            std::fs::remove_file(dir.join(file)).unwrap();
+            crate::helpers::eventually("the refusal to clear", || gw.upstream.borrow().last_error.is_none()).await;
+            error
+        }
+    };
+    let slash = refusal(
+        "slash.yaml",
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: reviews\n  namespace: book/info\nspec:\n  hosts: [reviews]\n",
+    )
+    .await;
+    assert!(
+        slash.contains("slash.yaml:5: metadata.namespace \"book/info\" has a '/'"),
+        "{slash}"
+    );
+    let list = refusal(
+        "list.yaml",
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: reviews\nspec:\n- hosts: [reviews]\n",
+    )
+    .await;
+    assert!(
+        list.contains("list.yaml:5: spec: invalid type: sequence, expected a map"),
+        "{list}"
+    );
+}
