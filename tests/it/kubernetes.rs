@@ -614,3 +614,98 @@ async fn struct_bodies_are_logged_once_per_file_and_collection() {
     assert_eq!(warned("adapters"), 0, "Mixer's adapters are Structs: {lines:#?}");
     gw.child.kill().await.unwrap();
 }
+
+/// A key written twice in one mapping is refused, naming the file, the line
+/// of the second one and the key, as `kubectl apply -k` (kustomize) refuses
+/// it ("mapping key \"hosts\" already defined at line 6"): one of the two
+/// values is never chosen silently (an operator appending a second `http:`
+/// to a long VirtualService would lose the first).
+#[tokio::test]
+async fn a_key_written_twice_in_a_mapping_is_refused_as_kubectl_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("vs.yaml"),
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: reviews\n\
+         spec:\n  hosts: [reviews]\n  hosts: [ratings]\n",
+    )
+    .unwrap();
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", crate::helpers::VS]).await;
+    let error = gw.upstream.borrow().last_error.clone();
+    let (_, served) = http_get(gw.admin, &format!("/debug/cache/{}?bodies=json", crate::helpers::VS)).await;
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains("vs.yaml:7:") && e.contains("hosts")),
+        "the duplicate key is not refused: last error {error:?}; served {served}"
+    );
+}
+
+/// YAML merge keys (`<<: *anchor`), which kubectl and kustomize expand, are
+/// expanded the same way: the second subset's labels are the anchor's and
+/// its own.
+#[tokio::test]
+async fn merge_keys_are_expanded_as_kubectl_expands_them() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("dr.yaml"),
+        "apiVersion: networking.istio.io/v1\nkind: DestinationRule\nmetadata:\n  name: reviews\n  namespace: bookinfo\n\
+         spec:\n  host: reviews\n  subsets:\n  - name: v1\n    labels: &base {app: reviews}\n\
+         \x20 - name: v2\n    labels:\n      <<: *base\n      version: v2\n",
+    )
+    .unwrap();
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", crate::helpers::DR]).await;
+    let error = gw.upstream.borrow().last_error.clone();
+    assert_eq!(error, None, "kubectl kustomize reads this file");
+    let (status, dump) = http_get(gw.admin, &format!("/debug/cache/{}?bodies=json", crate::helpers::DR)).await;
+    assert_eq!(status, 200, "{dump}");
+    let dump: Value = serde_json::from_str(&dump).unwrap();
+    assert_eq!(
+        dump["resources"][0]["body"]["subsets"][1]["labels"],
+        serde_json::json!({"app": "reviews", "version": "v2"}),
+        "{dump}"
+    );
+}
+
+/// The reasons a file is refused read as written for an operator: the value
+/// as it was written (not a Rust `Some(..)`), and a field path followed by
+/// ": " before the reason, for a spec that is not a mapping as for any field.
+#[tokio::test]
+async fn refusals_name_the_value_and_the_path_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", crate::helpers::VS]).await;
+    let refusal = |file: &'static str, text: &'static str| {
+        let gw = &gw;
+        let dir = dir.path().to_owned();
+        async move {
+            crate::helpers::certs::write(&dir, file, text);
+            let error = crate::helpers::eventually_some(file, || async {
+                gw.upstream.borrow().last_error.clone().filter(|e| e.contains(file))
+            })
+            .await;
+            std::fs::remove_file(dir.join(file)).unwrap();
+            crate::helpers::eventually("the refusal to clear", || gw.upstream.borrow().last_error.is_none()).await;
+            error
+        }
+    };
+    let slash = refusal(
+        "slash.yaml",
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: reviews\n  namespace: book/info\nspec:\n  hosts: [reviews]\n",
+    )
+    .await;
+    assert!(
+        slash.contains("slash.yaml:5: metadata.namespace \"book/info\" has a '/'"),
+        "{slash}"
+    );
+    let list = refusal(
+        "list.yaml",
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: reviews\nspec:\n- hosts: [reviews]\n",
+    )
+    .await;
+    assert!(
+        list.contains("list.yaml:5: spec: invalid type: sequence, expected a map"),
+        "{list}"
+    );
+}

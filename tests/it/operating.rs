@@ -831,25 +831,64 @@ async fn the_status_command_shows_every_client_per_collection() {
     );
 }
 
+/// A gateway fed by a fake Galley, and a client that ACKed VS's first
+/// version (`first`) and NACKed the second (`refused`) "bad route", shown
+/// NACKED in `/debug/syncz`.
+struct Nacked {
+    _galley: FakeGalley,
+    gw: mcp_xds_gateway::app::Bound,
+    upstream: GalleyStream,
+    client: SotwClient,
+    first: MeshConfigResponse,
+    refused: MeshConfigResponse,
+}
+
+impl Nacked {
+    async fn start() -> Nacked {
+        let (galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+        upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+        let mut client = sotw(gw.listen).await;
+        client.subscribe(VS);
+        let first = client.recv().await;
+        client.ack(&first);
+        upstream.push_full(VS, vec![resource("a", "2", b"bad")]).await;
+        let refused = client.recv().await;
+        client.nack(&refused, &first.version_info, "bad route");
+        let nacked = Nacked {
+            _galley: galley,
+            gw,
+            upstream,
+            client,
+            first,
+            refused,
+        };
+        crate::helpers::eventually_async("the NACK in the view", || async {
+            first_row(nacked.gw.admin).await["status"] == "NACKED"
+        })
+        .await;
+        nacked
+    }
+}
+
+/// The first row of `/debug/syncz`.
+async fn first_row(admin: SocketAddr) -> serde_json::Value {
+    json(admin, "/debug/syncz").await["rows"][0].clone()
+}
+
 /// A NACK the client has since ACKed past stays visible, marked as such:
 /// the row is SYNCED, `/debug/syncz` has `nack.superseded`, and `status`
 /// says "since fixed".
 #[tokio::test]
 async fn the_status_command_marks_a_nack_since_fixed() {
-    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
-    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
-    let mut client = sotw(gw.listen).await;
-    client.subscribe(VS);
-    let first = client.recv().await;
-    client.ack(&first);
-    upstream.push_full(VS, vec![resource("a", "2", b"bad")]).await;
-    let refused = client.recv().await;
-    client.nack(&refused, &first.version_info, "bad route");
-    let row = || async {
-        let syncz = json(gw.admin, "/debug/syncz").await;
-        syncz["rows"][0].clone()
-    };
-    crate::helpers::eventually_async("the NACK in the view", || async { row().await["status"] == "NACKED" }).await;
+    let Nacked {
+        _galley,
+        gw,
+        mut upstream,
+        mut client,
+        refused,
+        ..
+    } = Nacked::start().await;
+    let row = || first_row(gw.admin);
     let admin = format!("http://{}", gw.admin);
     let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
     assert_eq!(code, Some(0), "{stderr}");
@@ -884,6 +923,69 @@ async fn the_status_command_marks_a_nack_since_fixed() {
     let (_, index) = http_get_with(gw.admin, "/", "Accept: application/json\r\n").await;
     let index: serde_json::Value = serde_json::from_str(&index).unwrap();
     assert!(index["not_synced"].as_array().unwrap().is_empty(), "{index}");
+}
+
+/// "Since fixed" only while the client no longer refuses the current
+/// version. Pinned back to the version before the bad one, the NACKing
+/// client ACKs it; unpinned, the version it NACKed is the current one again
+/// (and never re-sent to it): its row is NACKED, so the NACK must read as
+/// current everywhere: not `superseded` in `/debug/syncz`, no "since fixed"
+/// in `status`, its message in the index's problem table.
+#[tokio::test]
+async fn a_nack_of_the_version_current_again_after_an_unpin_is_not_since_fixed() {
+    let Nacked {
+        _galley,
+        upstream: _upstream,
+        gw,
+        mut client,
+        first,
+        refused,
+    } = Nacked::start().await;
+    let row = || first_row(gw.admin);
+
+    let pin = format!("/pin/{VS}?version={}", &first.version_info[..12]);
+    let (code, body) = crate::helpers::http_request(gw.admin, "POST", &pin, "").await;
+    assert_eq!(code, 200, "{body}");
+    let pinned = client.recv().await;
+    assert_eq!(pinned.version_info, first.version_info);
+    client.ack(&pinned);
+    crate::helpers::eventually_async("the pinned version ACKed", || async {
+        row().await["status"] == "SYNCED"
+    })
+    .await;
+
+    let (code, body) = crate::helpers::http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    crate::helpers::eventually_async("the NACKed version current again", || async {
+        row().await["current_version"] == refused.version_info.as_str()
+    })
+    .await;
+    let now = row().await;
+    assert_eq!(now["status"], "NACKED", "{now}");
+    assert_eq!(now["nack"]["version"], refused.version_info.as_str(), "{now}");
+    assert_eq!(now["nack"]["superseded"], false, "the NACK is current: {now}");
+
+    let admin = format!("http://{}", gw.admin);
+    let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("pilot-test") && l.contains("NACKED")),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("since fixed"),
+        "a NACKED row's NACK is not since fixed: {stdout}"
+    );
+
+    let (_, index) = http_get_with(gw.admin, "/", "Accept: application/json\r\n").await;
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    assert_eq!(index["not_synced"][0]["status"], "NACKED", "{index}");
+    assert_eq!(
+        index["not_synced"][0]["nack"], "bad route",
+        "the problem table says why: {index}"
+    );
 }
 
 /// The rollout command prints 12 characters of each version and takes them
