@@ -8,7 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use serde_json::{json, Value};
 
-use crate::downstream::registry::{Clock, Stamp, StreamView, TypeView};
+use crate::downstream::registry::{Clock, NackRecord, Stamp, StreamView, TypeView};
 use crate::downstream::rollout::Rollout;
 
 /// Where a client stands on one type.
@@ -65,6 +65,13 @@ impl SyncStatus {
     }
 }
 
+/// Whether a NACK is past ("since fixed"): the client ACKed a later
+/// response, and the version it refused is not the one it is to get now (a
+/// pin and unpin can make it current again, and it is not sent again).
+pub fn is_past(nack: &NackRecord, current: Option<&Arc<str>>) -> bool {
+    nack.superseded && current != Some(&nack.version)
+}
+
 /// A client's status on one type, against its group's `current` version,
 /// and since when.
 pub fn status(
@@ -82,11 +89,7 @@ pub fn status(
     // the valid part of a response it rejects (Envoy, grpc) holds neither the
     // NACKed version nor the one it ACKed before, even when the cache went
     // back to that one. And the NACKed version is never sent to it again.
-    if let Some(nack) = view
-        .last_nack
-        .as_ref()
-        .filter(|n| !n.superseded || &n.version == current)
-    {
+    if let Some(nack) = view.last_nack.as_ref().filter(|n| !is_past(n, Some(current))) {
         return (SyncStatus::Nacked, nack.at);
     }
     if view.acked_version.as_ref() == Some(current) {
@@ -232,7 +235,7 @@ pub fn brief_json(row: &Row<'_>, clock: &Clock) -> Value {
         "acked_version": row.view.acked_version,
         "current_version": row.current,
         // A NACK the client has since ACKed past is in /debug/syncz.
-        "nack": row.view.last_nack.as_ref().filter(|n| !n.superseded).map(|n| n.message.clone()),
+        "nack": row.view.last_nack.as_ref().filter(|n| !is_past(n, row.current.as_ref())).map(|n| n.message.clone()),
     })
 }
 
@@ -270,7 +273,7 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
             "message": n.message,
             "at": time(clock.wall(n.at)),
             "age_seconds": seconds(clock.age(n.at)),
-            "superseded": n.superseded,
+            "superseded": is_past(n, row.current.as_ref()),
         })),
         "behind_since": time(clock.wall(view.behind_since)),
     })
@@ -348,14 +351,15 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
         ));
         out.push_str("<td data-col=\"nack\">");
         if let Some(nack) = &view.last_nack {
-            let when = if nack.superseded {
+            let past = is_past(nack, row.current.as_ref());
+            let when = if past {
                 format!("NACKed {} ago, since fixed", age(clock.age(nack.at)))
             } else {
                 format!("{} ago", age(clock.age(nack.at)))
             };
             out.push_str(&format!(
                 "<div class=\"message{}\">{}: {} <span class=\"nowrap\">({}, {})</span></div>",
-                if nack.superseded { " past" } else { "" },
+                if past { " past" } else { "" },
                 crate::metrics::code_label(nack.code),
                 escape(&nack.message),
                 version_html(&nack.version),
