@@ -11,6 +11,7 @@ mod decoders;
 mod demand;
 mod deploy;
 mod dialects;
+mod docs;
 mod envoy;
 mod failure_paths;
 mod grpc;

@@ -1,0 +1,222 @@
+//! The docs hold together: every relative link of `README.md` and
+//! `docs/*.md` names a file that exists, and every `#anchor` a heading of
+//! its target, by the slugs GitHub gives headings. Read from the checkout;
+//! no network.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
+
+/// The README says how to start and links to the rest: it stays short.
+const README_MAX_LINES: usize = 300;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `README.md` and every `docs/*.md`.
+fn documents() -> Vec<PathBuf> {
+    let mut files = vec![root().join("README.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .expect("docs/ exists")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files.into_iter().map(|f| f.canonicalize().unwrap()).collect()
+}
+
+/// A link found in a document: its destination and the line it is on.
+struct Link {
+    line: usize,
+    destination: String,
+}
+
+/// What a Markdown file offers to links and holds of them.
+struct Document {
+    /// The anchors its headings get (GitHub's slugs, duplicates numbered).
+    anchors: BTreeSet<String>,
+    links: Vec<Link>,
+}
+
+fn options() -> Options {
+    Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_FOOTNOTES
+}
+
+/// Reads `text` as GitHub renders it: a heading's anchor is the slug of its
+/// rendered text (code spans without their backticks, links as their
+/// text), and a link is any inline or reference link or image outside code.
+fn read(text: &str) -> Document {
+    let line_of = |offset: usize| text[..offset].matches('\n').count() + 1;
+    let mut anchors = BTreeSet::new();
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut links = Vec::new();
+    let mut heading: Option<String> = None;
+    for (event, range) in Parser::new_ext(text, options()).into_offset_iter() {
+        match event {
+            Event::Start(Tag::Heading { .. }) => heading = Some(String::new()),
+            Event::End(TagEnd::Heading(_)) => {
+                let slug = slug(&heading.take().unwrap_or_default());
+                // GitHub numbers a repeated slug: `x`, `x-1`, `x-2`.
+                let count = seen.entry(slug.clone()).or_insert(0);
+                anchors.insert(if *count == 0 {
+                    slug.clone()
+                } else {
+                    format!("{slug}-{count}")
+                });
+                *count += 1;
+            }
+            Event::Text(t) | Event::Code(t) => {
+                if let Some(h) = heading.as_mut() {
+                    h.push_str(&t);
+                }
+            }
+            Event::Start(Tag::Link { dest_url, .. }) | Event::Start(Tag::Image { dest_url, .. }) => links.push(Link {
+                line: line_of(range.start),
+                destination: dest_url.into_string(),
+            }),
+            _ => {}
+        }
+    }
+    Document { anchors, links }
+}
+
+/// GitHub's heading anchor: lower case, spaces as hyphens, and of the rest
+/// only letters, digits, `-` and `_` kept.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The document at `path` (canonical), read once.
+fn open<'a>(read_files: &'a mut BTreeMap<PathBuf, Document>, path: &Path) -> Option<&'a Document> {
+    if !read_files.contains_key(path) {
+        let text = std::fs::read_to_string(path).ok()?;
+        read_files.insert(path.to_owned(), read(&text));
+    }
+    read_files.get(path)
+}
+
+/// A destination outside the repository: a URL with a scheme.
+fn is_external(destination: &str) -> bool {
+    let scheme: String = destination
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '+')
+        .collect();
+    destination.starts_with("//") || (!scheme.is_empty() && destination[scheme.len()..].starts_with(':'))
+}
+
+#[test]
+fn headings_get_githubs_anchors() {
+    for (heading, anchor) in [
+        ("Envoy walkthrough", "envoy-walkthrough"),
+        ("Dial-out (`--sink-listen`)", "dial-out---sink-listen"),
+        (
+            "A stuck client (`STALE`, `SENT`, `NOT SENT`)",
+            "a-stuck-client-stale-sent-not-sent",
+        ),
+        ("`mcp-xds-gateway client`", "mcp-xds-gateway-client"),
+        ("MCP over xDS, for istiod 1.8+", "mcp-over-xds-for-istiod-18"),
+        ("The index (`/`)", "the-index-"),
+    ] {
+        let document = read(&format!("# {heading}\n"));
+        assert_eq!(document.anchors, BTreeSet::from([anchor.to_owned()]), "{heading}");
+    }
+    let repeated = read("## Flags\n\n## Flags\n\n```md\n## Flags\n[x](#nowhere)\n```\n");
+    assert_eq!(repeated.anchors, BTreeSet::from(["flags".into(), "flags-1".into()]));
+    assert!(repeated.links.is_empty(), "a fenced block holds no links");
+    assert!(is_external("https://github.com/istio/api") && is_external("mailto:a@b"));
+    assert!(!is_external("docs/reference.md#flags") && !is_external("#flags"));
+}
+
+#[test]
+fn every_relative_link_and_anchor_resolves() {
+    let files = documents();
+    let mut read_files: BTreeMap<PathBuf, Document> = BTreeMap::new();
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let links: Vec<(usize, String)> = open(&mut read_files, file)
+            .unwrap_or_else(|| panic!("{} is readable", file.display()))
+            .links
+            .iter()
+            .map(|l| (l.line, l.destination.clone()))
+            .collect();
+        let name = file
+            .strip_prefix(root().canonicalize().unwrap())
+            .unwrap()
+            .display()
+            .to_string();
+        for (line, destination) in links {
+            if is_external(&destination) {
+                continue;
+            }
+            checked += 1;
+            let (path, anchor) = match destination.split_once('#') {
+                Some((path, anchor)) => (path, Some(anchor)),
+                None => (destination.as_str(), None),
+            };
+            let target = if path.is_empty() {
+                file.clone()
+            } else {
+                file.parent().unwrap().join(path)
+            };
+            if !target.exists() {
+                broken.push(format!("{name}:{line}: {destination}: no file {}", target.display()));
+                continue;
+            }
+            let Some(anchor) = anchor else { continue };
+            if target.extension().is_none_or(|e| e != "md") {
+                broken.push(format!(
+                    "{name}:{line}: {destination}: an anchor into a file that is not Markdown"
+                ));
+                continue;
+            }
+            let target = target.canonicalize().unwrap();
+            let anchors = &open(&mut read_files, &target).expect("the target is readable").anchors;
+            if !anchors.contains(anchor) {
+                broken.push(format!(
+                    "{name}:{line}: {destination}: no heading has the anchor #{anchor} (it has: {})",
+                    anchors.iter().cloned().collect::<Vec<_>>().join(", ")
+                ));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    // The docs link to each other and into their sections: a check that
+    // found nothing to check would say nothing.
+    assert!(checked > 50, "only {checked} relative links in {files:?}");
+}
+
+#[test]
+fn the_readme_stays_short_and_leads_to_every_doc() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let lines = readme.lines().count();
+    assert!(
+        lines <= README_MAX_LINES,
+        "README.md has {lines} lines, at most {README_MAX_LINES}"
+    );
+    let linked: BTreeSet<String> = read(&readme)
+        .links
+        .iter()
+        .map(|l| l.destination.split('#').next().unwrap().to_owned())
+        .collect();
+    for doc in documents().iter().skip(1) {
+        let relative = doc
+            .strip_prefix(root().canonicalize().unwrap())
+            .unwrap()
+            .display()
+            .to_string();
+        assert!(linked.contains(&relative), "README.md does not link to {relative}");
+    }
+}
