@@ -228,6 +228,67 @@ impl<'de> Deserialize<'de> for YamlValue {
 
 struct YamlValueVisitor;
 
+/// YAML's merge key.
+const MERGE_KEY: &str = "<<";
+
+/// The value of a key written a second time in one mapping: always an error.
+struct WrittenTwice(String);
+
+impl<'de> serde::de::DeserializeSeed<'de> for WrittenTwice {
+    type Value = ();
+
+    /// Fails inside the value's own read, which gives the error its line.
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl WrittenTwice {
+    fn refused<E: serde::de::Error>(&self) -> Result<(), E> {
+        Err(E::custom(format!("mapping key {:?} is written twice in one mapping", self.0)))
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for WrittenTwice {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "no second value for mapping key {:?}", self.0)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+        self.refused()
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+        self.refused()
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+        self.refused()
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+        self.refused()
+    }
+
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
+        self.refused()
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.refused()
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        self.refused()
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        self.refused()
+    }
+}
+
 impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
     type Value = serde_json::Value;
 
@@ -283,11 +344,46 @@ impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
         Ok(serde_json::Value::Array(values))
     }
 
+    /// A mapping as kubectl reads it: a key written twice is an error, not
+    /// the last value silently; merge keys (`<<: *anchor`, or a list of
+    /// them) are expanded, the mapping's own keys first, then each merged
+    /// mapping's in order.
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         spend_value::<A::Error>()?;
         let mut fields = serde_json::Map::new();
-        while let Some((YamlKey(key), YamlValue(value))) = map.next_entry()? {
+        let mut merged = Vec::new();
+        while let Some(YamlKey(key)) = map.next_key()? {
+            if key == MERGE_KEY {
+                let YamlValue(value) = map.next_value()?;
+                match value {
+                    serde_json::Value::Object(_) => merged.push(value),
+                    serde_json::Value::Array(values) if values.iter().all(serde_json::Value::is_object) => {
+                        merged.extend(values)
+                    }
+                    _ => {
+                        return Err(serde::de::Error::custom(
+                            "a merge key (<<) takes a mapping or a list of mappings",
+                        ))
+                    }
+                }
+                continue;
+            }
+            if fields.contains_key(&key) {
+                // Refused as its value is read, so that the error carries the
+                // second key's line, not the mapping's first.
+                return map
+                    .next_value_seed(WrittenTwice(key))
+                    .map(|()| serde_json::Value::Null);
+            }
+            let YamlValue(value) = map.next_value()?;
             fields.insert(key, value);
+        }
+        for value in merged {
+            if let serde_json::Value::Object(merged) = value {
+                for (key, value) in merged {
+                    fields.entry(key).or_insert(value);
+                }
+            }
         }
         Ok(serde_json::Value::Object(fields))
     }

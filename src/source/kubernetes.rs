@@ -148,7 +148,7 @@ impl Object {
         })?;
         let namespace = given(&metadata.namespace);
         for (field, value) in [("name", Some(name)), ("namespace", namespace)] {
-            if value.is_some_and(|v| v.contains('/')) {
+            if let Some(value) = value.filter(|v| v.contains('/')) {
                 return Err(fail(
                     format!("metadata.{field} {value:?} has a '/': Kubernetes names have none"),
                     &["metadata", field],
@@ -175,9 +175,12 @@ impl Object {
             Some(YamlValue(spec)) if !spec.is_null() => spec,
             _ => serde_json::Value::Object(Default::default()),
         };
-        let value = proto_json::encode_message(&descriptor, spec).map_err(|e| ObjectError {
-            reason: format!("spec.{e}").replace("spec.: ", "spec: "),
-            path: [at.clone(), vec![key("spec")], e.path].concat(),
+        let value = proto_json::encode_message(&descriptor, spec).map_err(|e| {
+            let path = [vec![key("spec")], e.path].concat();
+            ObjectError {
+                reason: format!("{}: {}", proto_json::display_path(&path), e.message),
+                path: [at.clone(), path].concat(),
+            }
         })?;
         let strings = |map: BTreeMap<YamlString, YamlString>| map.into_iter().map(|(k, v)| (k.0, v.0)).collect();
         Ok(Read {
