@@ -480,3 +480,55 @@ async fn a_reconnected_envoy_at_the_current_version_is_shown_synced_state_of_the
         .await;
     }
 }
+
+/// Issue 26's revert, across a gateway restart (independent check): Envoy
+/// applies the valid part of a response it NACKs (backend's change), and
+/// the operator reverts the files while the gateway is down (a restart to
+/// take the revert). Envoy reconnects reporting the version it last ACKed,
+/// which is the reverted one, but it holds backend's rejected change: the
+/// revert must reach it. Delta reports each resource's version and gets it;
+/// state of the world got nothing, and Envoy kept the rejected change.
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy(api: AdsApi) {
+    let backend = static_cluster("backend", "1s", "127.0.0.1");
+    let (dir, gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
+    envoy
+        .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
+            connect_timeout(d, "backend").as_deref() == Some("1s")
+        })
+        .await;
+    envoy
+        .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
+        .await;
+
+    let changed = static_cluster("backend", "2s", "127.0.0.1");
+    write_clusters(dir.path(), &[changed, unbuildable_cluster("broken")]);
+    envoy.stat_when("cluster_manager.cds.update_rejected", |v| v == 1).await;
+    envoy
+        .dump_matches("Envoy to apply the valid part of the response it refused", |d| {
+            connect_timeout(d, "backend").as_deref() == Some("2s")
+        })
+        .await;
+
+    let listen = gw.listen.to_string();
+    assert!(gw.shutdown().await);
+    write_clusters(dir.path(), std::slice::from_ref(&backend));
+    let _again = start_gateway_on(&listen, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    envoy
+        .dump_matches(
+            "the revert made while the gateway was down (backend's connect timeout 1 s) to reach Envoy",
+            |d| connect_timeout(d, "backend").as_deref() == Some("1s") && names(&dynamic_clusters(d)) == ["backend"],
+        )
+        .await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_state_of_the_world() {
+    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Sotw).await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_delta() {
+    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Delta).await;
+}
