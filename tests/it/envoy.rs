@@ -392,18 +392,17 @@ async fn a_cluster_removed_after_a_nack_is_removed_from_envoy_delta() {
     assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(1));
 }
 
-/// Delta (issue 26, independent check): a change Envoy NACKs (backend
-/// changed, valid, beside a broken cluster; Envoy applies backend's change),
-/// then a revert (sent, applied), then the same change again. What Envoy was
-/// last sent is the revert, so backend's change differs from it and must be
-/// sent again; the gateway took the version for the one NACKed before and
-/// sent nothing, so Envoy kept the reverted backend.
-#[tokio::test]
-#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
-async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_delta() {
+/// Every protocol (issue 26, independent check): a change Envoy NACKs
+/// (backend changed, valid, beside a broken cluster; Envoy applies backend's
+/// change), then a revert (sent, applied, ACKed), then the same change
+/// again. What Envoy was last sent, and ACKed, is the revert, so the change
+/// differs from it and must be sent (Envoy applies backend's part again, as
+/// it did the first time); the gateway took the version for the one NACKed
+/// before and sent nothing, so Envoy kept the reverted backend, and
+/// `/debug/syncz` showed it NACKED though it had ACKed a later response.
+async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(api: AdsApi) {
     let backend = static_cluster("backend", "1s", "127.0.0.1");
-    let (dir, _gw, envoy) =
-        envoy_on_files(AdsApi::Delta, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
+    let (dir, _gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
     envoy
         .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
             connect_timeout(d, "backend").as_deref() == Some("1s")
@@ -439,6 +438,18 @@ async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_delta() {
             |d| connect_timeout(d, "backend").as_deref() == Some("2s"),
         )
         .await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_state_of_the_world() {
+    a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(AdsApi::Sotw).await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_delta() {
+    a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(AdsApi::Delta).await;
 }
 
 /// State of the world (independent check of issue 26's views): after a
