@@ -304,13 +304,22 @@ async fn a_nacked_cluster_is_not_sent_again_when_another_is_added_delta() {
     );
 }
 
-/// Every protocol (issue 26): Envoy applied the valid part of a response it
-/// NACKed; the operator reverts the files to exactly what Envoy last ACKed.
-/// That differs from what Envoy holds, so it is sent, and Envoy runs the
-/// reverted clusters.
-async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
+/// Backend with a connect timeout of 1 s, then changed to 2 s (valid) beside
+/// a cluster Envoy refuses.
+fn backend_changed_beside_a_broken_cluster() -> [String; 2] {
+    [
+        static_cluster("backend", "2s", "127.0.0.1"),
+        unbuildable_cluster("broken"),
+    ]
+}
+
+/// Envoy on a gateway serving backend (connect timeout 1 s), after
+/// [`backend_changed_beside_a_broken_cluster`]: Envoy NACKed that response
+/// and runs the changed backend all the same. Returns backend's first
+/// document as well.
+async fn envoy_that_applied_part_of_a_nacked_response(api: AdsApi) -> (TempDir, Bound, Envoy, String) {
     let backend = static_cluster("backend", "1s", "127.0.0.1");
-    let (dir, _gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
+    let (dir, gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
     envoy
         .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
             connect_timeout(d, "backend").as_deref() == Some("1s")
@@ -320,16 +329,22 @@ async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
         .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
         .await;
 
-    // Backend changed (valid) beside a cluster Envoy refuses: Envoy NACKs
-    // the response and runs the changed backend all the same.
-    let changed = static_cluster("backend", "2s", "127.0.0.1");
-    write_clusters(dir.path(), &[changed, unbuildable_cluster("broken")]);
+    write_clusters(dir.path(), &backend_changed_beside_a_broken_cluster());
     envoy.stat_when("cluster_manager.cds.update_rejected", |v| v == 1).await;
     envoy
         .dump_matches("Envoy to apply the valid part of the response it refused", |d| {
             connect_timeout(d, "backend").as_deref() == Some("2s")
         })
         .await;
+    (dir, gw, envoy, backend)
+}
+
+/// Every protocol (issue 26): Envoy applied the valid part of a response it
+/// NACKed; the operator reverts the files to exactly what Envoy last ACKed.
+/// That differs from what Envoy holds, so it is sent, and Envoy runs the
+/// reverted clusters.
+async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
+    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
 
     // The revert reaches Envoy.
     write_clusters(dir.path(), &[backend]);
@@ -401,28 +416,7 @@ async fn a_cluster_removed_after_a_nack_is_removed_from_envoy_delta() {
 /// before and sent nothing, so Envoy kept the reverted backend, and
 /// `/debug/syncz` showed it NACKED though it had ACKed a later response.
 async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(api: AdsApi) {
-    let backend = static_cluster("backend", "1s", "127.0.0.1");
-    let (dir, _gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
-    envoy
-        .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
-            connect_timeout(d, "backend").as_deref() == Some("1s")
-        })
-        .await;
-    envoy
-        .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
-        .await;
-
-    let change = [
-        static_cluster("backend", "2s", "127.0.0.1"),
-        unbuildable_cluster("broken"),
-    ];
-    write_clusters(dir.path(), &change);
-    envoy.stat_when("cluster_manager.cds.update_rejected", |v| v == 1).await;
-    envoy
-        .dump_matches("Envoy to apply the valid part of the response it refused", |d| {
-            connect_timeout(d, "backend").as_deref() == Some("2s")
-        })
-        .await;
+    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
 
     write_clusters(dir.path(), std::slice::from_ref(&backend));
     envoy
@@ -431,7 +425,7 @@ async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(api: AdsApi
         })
         .await;
 
-    write_clusters(dir.path(), &change);
+    write_clusters(dir.path(), &backend_changed_beside_a_broken_cluster());
     envoy
         .dump_matches(
             "the change made again (backend's connect timeout 2 s) to reach Envoy",
@@ -495,30 +489,13 @@ async fn a_reconnected_envoy_at_the_current_version_is_shown_synced_state_of_the
 /// Issue 26's revert, across a gateway restart (independent check): Envoy
 /// applies the valid part of a response it NACKs (backend's change), and
 /// the operator reverts the files while the gateway is down (a restart to
-/// take the revert). Envoy reconnects reporting the version it last ACKed,
-/// which is the reverted one, but it holds backend's rejected change: the
-/// revert must reach it. Delta reports each resource's version and gets it;
-/// state of the world got nothing, and Envoy kept the rejected change.
+/// take the revert). Envoy reconnects reporting what it last ACKed (state
+/// of the world: the version, which is the reverted one; delta: each
+/// resource's version, which only an accepted response updates), but it
+/// holds backend's rejected change: the revert must reach it. The gateway
+/// took the client's word and sent nothing: Envoy kept the rejected change.
 async fn a_revert_made_while_the_gateway_is_down_reaches_envoy(api: AdsApi) {
-    let backend = static_cluster("backend", "1s", "127.0.0.1");
-    let (dir, gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
-    envoy
-        .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
-            connect_timeout(d, "backend").as_deref() == Some("1s")
-        })
-        .await;
-    envoy
-        .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
-        .await;
-
-    let changed = static_cluster("backend", "2s", "127.0.0.1");
-    write_clusters(dir.path(), &[changed, unbuildable_cluster("broken")]);
-    envoy.stat_when("cluster_manager.cds.update_rejected", |v| v == 1).await;
-    envoy
-        .dump_matches("Envoy to apply the valid part of the response it refused", |d| {
-            connect_timeout(d, "backend").as_deref() == Some("2s")
-        })
-        .await;
+    let (dir, gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
 
     let listen = gw.listen.to_string();
     assert!(gw.shutdown().await);
