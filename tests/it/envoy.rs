@@ -304,13 +304,22 @@ async fn a_nacked_cluster_is_not_sent_again_when_another_is_added_delta() {
     );
 }
 
-/// Every protocol (issue 26): Envoy applied the valid part of a response it
-/// NACKed; the operator reverts the files to exactly what Envoy last ACKed.
-/// That differs from what Envoy holds, so it is sent, and Envoy runs the
-/// reverted clusters.
-async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
+/// Backend with a connect timeout of 1 s, then changed to 2 s (valid) beside
+/// a cluster Envoy refuses.
+fn backend_changed_beside_a_broken_cluster() -> [String; 2] {
+    [
+        static_cluster("backend", "2s", "127.0.0.1"),
+        unbuildable_cluster("broken"),
+    ]
+}
+
+/// Envoy on a gateway serving backend (connect timeout 1 s), after
+/// [`backend_changed_beside_a_broken_cluster`]: Envoy NACKed that response
+/// and runs the changed backend all the same. Returns backend's first
+/// document as well.
+async fn envoy_that_applied_part_of_a_nacked_response(api: AdsApi) -> (TempDir, Bound, Envoy, String) {
     let backend = static_cluster("backend", "1s", "127.0.0.1");
-    let (dir, _gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
+    let (dir, gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
     envoy
         .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
             connect_timeout(d, "backend").as_deref() == Some("1s")
@@ -320,16 +329,22 @@ async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
         .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
         .await;
 
-    // Backend changed (valid) beside a cluster Envoy refuses: Envoy NACKs
-    // the response and runs the changed backend all the same.
-    let changed = static_cluster("backend", "2s", "127.0.0.1");
-    write_clusters(dir.path(), &[changed, unbuildable_cluster("broken")]);
+    write_clusters(dir.path(), &backend_changed_beside_a_broken_cluster());
     envoy.stat_when("cluster_manager.cds.update_rejected", |v| v == 1).await;
     envoy
         .dump_matches("Envoy to apply the valid part of the response it refused", |d| {
             connect_timeout(d, "backend").as_deref() == Some("2s")
         })
         .await;
+    (dir, gw, envoy, backend)
+}
+
+/// Every protocol (issue 26): Envoy applied the valid part of a response it
+/// NACKed; the operator reverts the files to exactly what Envoy last ACKed.
+/// That differs from what Envoy holds, so it is sent, and Envoy runs the
+/// reverted clusters.
+async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
+    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
 
     // The revert reaches Envoy.
     write_clusters(dir.path(), &[backend]);
@@ -352,4 +367,156 @@ async fn a_revert_after_a_nack_reaches_envoy_state_of_the_world() {
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn a_revert_after_a_nack_reaches_envoy_delta() {
     a_revert_after_a_nack_reaches_envoy(AdsApi::Delta).await;
+}
+
+/// Delta (issue 26, independent check): Envoy NACKs a response, ACKs a
+/// later one (another cluster, sent alone), and then that cluster is removed,
+/// which brings the files back to exactly the version Envoy NACKed. Envoy
+/// holds what it was last sent, web included; the removal differs from that
+/// and must reach it. The gateway took the version for the NACKed one and
+/// sent nothing: Envoy kept running the removed cluster.
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_cluster_removed_after_a_nack_is_removed_from_envoy_delta() {
+    let backend = static_cluster("backend", "1s", "127.0.0.1");
+    let (dir, _gw, envoy) =
+        envoy_on_files(AdsApi::Delta, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
+    envoy
+        .clusters_when("the cluster from the files", |c| names(c) == ["backend"])
+        .await;
+    envoy
+        .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
+        .await;
+
+    let refused = [backend.clone(), unbuildable_cluster("broken")];
+    write_clusters(dir.path(), &refused);
+    envoy.stat_when("cluster_manager.cds.update_rejected", |v| v == 1).await;
+
+    let web = static_cluster("web", "1s", "127.0.0.1");
+    write_clusters(dir.path(), &[backend, unbuildable_cluster("broken"), web]);
+    envoy
+        .clusters_when("the added cluster", |c| names(c) == ["backend", "web"])
+        .await;
+
+    write_clusters(dir.path(), &refused);
+    envoy
+        .clusters_when("the removal of web, made after the NACK, to reach Envoy", |c| {
+            names(c) == ["backend"]
+        })
+        .await;
+    assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(1));
+}
+
+/// Every protocol (issue 26, independent check): a change Envoy NACKs
+/// (backend changed, valid, beside a broken cluster; Envoy applies backend's
+/// change), then a revert (sent, applied, ACKed), then the same change
+/// again. What Envoy was last sent, and ACKed, is the revert, so the change
+/// differs from it and must be sent (Envoy applies backend's part again, as
+/// it did the first time); the gateway took the version for the one NACKed
+/// before and sent nothing, so Envoy kept the reverted backend, and
+/// `/debug/syncz` showed it NACKED though it had ACKed a later response.
+async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(api: AdsApi) {
+    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
+
+    write_clusters(dir.path(), std::slice::from_ref(&backend));
+    envoy
+        .dump_matches("the revert to reach Envoy", |d| {
+            connect_timeout(d, "backend").as_deref() == Some("1s")
+        })
+        .await;
+
+    write_clusters(dir.path(), &backend_changed_beside_a_broken_cluster());
+    envoy
+        .dump_matches(
+            "the change made again (backend's connect timeout 2 s) to reach Envoy",
+            |d| connect_timeout(d, "backend").as_deref() == Some("2s"),
+        )
+        .await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_state_of_the_world() {
+    a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(AdsApi::Sotw).await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_delta() {
+    a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(AdsApi::Delta).await;
+}
+
+/// State of the world (independent check of issue 26's views): after a
+/// gateway restart, Envoy reconnects reporting the version it holds; for a
+/// type whose current version is that one, nothing needs sending, and the
+/// client is in sync. `/debug/syncz` must say SYNCED, not NOT SENT ("nothing
+/// sent yet: the source has not delivered the collection"), which it said
+/// for as long as the type did not change.
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_reconnected_envoy_at_the_current_version_is_shown_synced_state_of_the_world() {
+    use crate::helpers::grpc::{status_when, syncz};
+    let (dir, gw, envoy) = envoy_on_files(AdsApi::Sotw, |dir| write_config(dir, &[("backend", true)])).await;
+    envoy
+        .clusters_when("the cluster from the files", |c| names(c) == ["backend"])
+        .await;
+    envoy
+        .listeners_when("the listener from the files", |l| names(l) == ["ingress"])
+        .await;
+    for type_url in [CLUSTER_TYPE, LISTENER_TYPE] {
+        status_when(gw.admin, "envoy-1", type_url, "SYNCED", "Envoy to ACK").await;
+    }
+
+    let listen = gw.listen.to_string();
+    assert!(gw.shutdown().await);
+    let again = start_gateway_on(&listen, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    crate::helpers::eventually_async("Envoy to reconnect with both types", || async {
+        syncz(again.admin, "envoy-1").await.len() == 2
+    })
+    .await;
+    for type_url in [CLUSTER_TYPE, LISTENER_TYPE] {
+        status_when(
+            again.admin,
+            "envoy-1",
+            type_url,
+            "SYNCED",
+            "the reconnected Envoy, which holds the current version, to be shown SYNCED",
+        )
+        .await;
+    }
+}
+
+/// Issue 26's revert, across a gateway restart (independent check): Envoy
+/// applies the valid part of a response it NACKs (backend's change), and
+/// the operator reverts the files while the gateway is down (a restart to
+/// take the revert). Envoy reconnects reporting what it last ACKed (state
+/// of the world: the version, which is the reverted one; delta: each
+/// resource's version, which only an accepted response updates), but it
+/// holds backend's rejected change: the revert must reach it. The gateway
+/// took the client's word and sent nothing: Envoy kept the rejected change.
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy(api: AdsApi) {
+    let (dir, gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
+
+    let listen = gw.listen.to_string();
+    assert!(gw.shutdown().await);
+    write_clusters(dir.path(), std::slice::from_ref(&backend));
+    let _again = start_gateway_on(&listen, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    envoy
+        .dump_matches(
+            "the revert made while the gateway was down (backend's connect timeout 1 s) to reach Envoy",
+            |d| connect_timeout(d, "backend").as_deref() == Some("1s") && names(&dynamic_clusters(d)) == ["backend"],
+        )
+        .await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_state_of_the_world() {
+    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Sotw).await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_delta() {
+    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Delta).await;
 }

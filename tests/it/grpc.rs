@@ -17,7 +17,7 @@ use tempfile::TempDir;
 
 use crate::helpers::grpc::{
     eds_cluster, endpoints, listener, route, sent_nonces, static_cluster, status_when, synced, syncz, syncz_row_when,
-    write_files, Worker, CDS, EDS,
+    write_files, Worker, CDS, EDS, RDS,
 };
 use crate::helpers::{start_gateway, start_gateway_on};
 
@@ -322,4 +322,50 @@ async fn grpc_survives_a_gateway_restart() {
     synced(again.admin, "grpc-1", "grpc to reconnect and ACK every type").await;
     write_files(dir.path(), &greeter_at(port["b"]));
     grpc.answered_by(SERVICE, "b", "an edit after the restart").await;
+}
+
+/// Route away from a NACKed route configuration, and what the views say
+/// (independent check of issue 26): grpc NACKs greeter-routes (an invalid
+/// regex); the operator moves the listener to routes-2; grpc asks for it,
+/// is answered at once (at the NACKed version) and ACKs that response, which
+/// is later than the one it NACKed. It no longer asks for greeter-routes and
+/// holds exactly what it ACKed, so `/debug/syncz` must show it SYNCED (the
+/// NACK "since fixed"), not NACKED for as long as the routes do not change.
+#[tokio::test]
+#[cfg_attr(not(peer_grpcio), ignore = "needs grpcio (.ci/run sets GRPCIO_PYTHON)")]
+async fn grpc_is_shown_synced_once_it_routed_away_from_a_nacked_route_configuration() {
+    let (_backends, port) = Worker::backends(&["a", "b"]).await;
+    let files = |routes: &str, greeter_routes: String| {
+        vec![
+            listener("greeter", routes),
+            greeter_routes,
+            route("routes-2", &[("", "cluster-b")]),
+            eds_cluster("cluster-a", "cluster-a"),
+            eds_cluster("cluster-b", "cluster-b"),
+            endpoints("cluster-a", &[port["a"]]),
+            endpoints("cluster-b", &[port["b"]]),
+        ]
+    };
+    let good = route("greeter-routes", &[("", "cluster-a")]);
+    let broken = good.replace("prefix: \"\"", "safe_regex: {regex: \"(\"}");
+    assert_ne!(good, broken);
+    let (dir, gw, mut grpc) = grpc_on(&files("greeter-routes", good), "a").await;
+
+    write_files(dir.path(), &files("greeter-routes", broken.clone()));
+    status_when(gw.admin, "grpc-1", RDS, "NACKED", "grpc's NACK of the invalid regex").await;
+
+    write_files(dir.path(), &files("routes-2", broken));
+    grpc.answered_by(SERVICE, "b", "the listener moved to routes-2").await;
+    syncz_row_when(gw.admin, "grpc-1", RDS, "grpc to ACK routes-2", |row| {
+        row["acked"]["version"] == row["current_version"]
+    })
+    .await;
+    status_when(
+        gw.admin,
+        "grpc-1",
+        RDS,
+        "SYNCED",
+        "grpc, which ACKed the response that routed it away, to be shown SYNCED",
+    )
+    .await;
 }
