@@ -66,10 +66,13 @@ impl SyncStatus {
 }
 
 /// Whether a NACK is past ("since fixed"): the client ACKed a later
-/// response, and the version it refused is not the one it is to get now (a
-/// pin and unpin can make it current again, and it is not sent again).
-pub fn is_past(nack: &NackRecord, current: Option<&Arc<str>>) -> bool {
-    nack.superseded && current != Some(&nack.version)
+/// response, and either the version it refused is not the one it is to get
+/// now, or it has ACKed that one too (a client that routed away from a
+/// broken resource ACKs the same version without it). A pin and unpin can
+/// make the refused version current again: until the client ACKs it, the
+/// NACK is current.
+pub fn is_past(nack: &NackRecord, current: Option<&Arc<str>>, acked: Option<&Arc<str>>) -> bool {
+    nack.superseded && (current != Some(&nack.version) || acked == current)
 }
 
 /// A client's status on one type, against its group's `current` version,
@@ -89,7 +92,11 @@ pub fn status(
     // the valid part of a response it rejects (Envoy, grpc) holds neither the
     // NACKed version nor the one it ACKed before, even when the cache went
     // back to that one. And the NACKed version is never sent to it again.
-    if let Some(nack) = view.last_nack.as_ref().filter(|n| !is_past(n, Some(current))) {
+    if let Some(nack) = view
+        .last_nack
+        .as_ref()
+        .filter(|n| !is_past(n, Some(current), view.acked_version.as_ref()))
+    {
         return (SyncStatus::Nacked, nack.at);
     }
     if view.acked_version.as_ref() == Some(current) {
@@ -235,7 +242,7 @@ pub fn brief_json(row: &Row<'_>, clock: &Clock) -> Value {
         "acked_version": row.view.acked_version,
         "current_version": row.current,
         // A NACK the client has since ACKed past is in /debug/syncz.
-        "nack": row.view.last_nack.as_ref().filter(|n| !is_past(n, row.current.as_ref())).map(|n| n.message.clone()),
+        "nack": row.view.last_nack.as_ref().filter(|n| !is_past(n, row.current.as_ref(), row.view.acked_version.as_ref())).map(|n| n.message.clone()),
     })
 }
 
@@ -273,7 +280,7 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
             "message": n.message,
             "at": time(clock.wall(n.at)),
             "age_seconds": seconds(clock.age(n.at)),
-            "superseded": is_past(n, row.current.as_ref()),
+            "superseded": is_past(n, row.current.as_ref(), view.acked_version.as_ref()),
         })),
         "behind_since": time(clock.wall(view.behind_since)),
     })
@@ -351,7 +358,7 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
         ));
         out.push_str("<td data-col=\"nack\">");
         if let Some(nack) = &view.last_nack {
-            let past = is_past(nack, row.current.as_ref());
+            let past = is_past(nack, row.current.as_ref(), view.acked_version.as_ref());
             let when = if past {
                 format!("NACKed {} ago, since fixed", age(clock.age(nack.at)))
             } else {

@@ -139,12 +139,6 @@ pub enum Form {
 }
 
 impl Form {
-    /// Delta forms carry each resource's version: a client reconnecting with
-    /// what it holds is sent only what differs.
-    fn versioned(self) -> bool {
-        matches!(self, Form::DeltaMcp | Form::DeltaBody)
-    }
-
     /// The encoded resource in this form.
     fn value(self, resource: &CachedResource) -> Bytes {
         match self {
@@ -440,36 +434,15 @@ impl Layout {
     }
 
     /// The whole collection (shared), and removals for the reported names
-    /// `to` does not have (this client's own).
-    /// Legacy versions are the source's, and a source may reuse one for
-    /// another body, so nothing is skipped on the client's word; xDS delta
-    /// versions are the gateway's content versions, so resources the client
-    /// holds at their current version are left out.
+    /// `to` does not have (this client's own). Nothing is skipped on the
+    /// client's word: legacy versions are the source's, which a source may
+    /// reuse for another body, and an xDS client reports the versions it
+    /// last ACKed, not what it holds after a response it applied in part
+    /// (Envoy's CDS and LDS, grpc).
     pub fn first_from_reported(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Arc<[Bytes]> {
-        let mut parts = if self.form.versioned() {
-            self.unchanged_left_out(to, reported)
-        } else {
-            self.full(to).to_vec()
-        };
+        let mut parts = self.full(to).to_vec();
         parts.push(string_fields(self.removed, &gone(reported, to)));
         Arc::from(parts)
-    }
-
-    /// The head and the resources of `to` that `reported` does not hold at
-    /// their content version: chunks with nothing held are shared as they are.
-    fn unchanged_left_out(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Vec<Bytes> {
-        let held: std::collections::HashMap<&str, &str> = reported.entries().collect();
-        let is_held = |r: &&Arc<CachedResource>| held.get(&*r.name).is_some_and(|v| *v == r.content_version());
-        let mut parts = vec![self.head(to)];
-        for chunk in to.chunks() {
-            let changed: Vec<&Arc<CachedResource>> = chunk.members().iter().filter(|r| !is_held(r)).collect();
-            if changed.len() == chunk.members().len() {
-                parts.push(self.chunk(chunk));
-            } else {
-                parts.push(self.fields(changed));
-            }
-        }
-        parts
     }
 
     /// The shared parts of what the state machine decided.

@@ -19,7 +19,7 @@
 //!   it was sent is not owed to it again), less those it unsubscribed
 //!   since (Envoy drops a resource it unsubscribes from).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
 use super::type_state::ReportedNames;
@@ -132,7 +132,8 @@ pub struct TooManyNames {
 pub enum Holds<'a> {
     /// The snapshot it ACKed last, of which it holds the names in `names`.
     Snapshot(&'a CollectionSnapshot),
-    /// Before its first response: the names and versions it reported.
+    /// Before its first response: the names it reported (their versions
+    /// are not trusted, see `changes`).
     Reported(&'a ReportedNames),
 }
 
@@ -310,8 +311,8 @@ impl Named {
     /// Delta: what the client must be sent to hold `to` as subscribed, from
     /// what it holds. Each name at most once, sorted.
     pub fn changes(&self, holds: Holds<'_>, to: &CollectionSnapshot) -> Diff {
-        let reported: Option<HashMap<&str, &str>> = match &holds {
-            Holds::Reported(reported) => Some(reported.entries().collect()),
+        let reported: Option<HashSet<&str>> = match &holds {
+            Holds::Reported(reported) => Some(reported.iter().collect()),
             Holds::Snapshot(_) => None,
         };
         // Whether the client holds `name` at `resource`'s version (with
@@ -326,11 +327,10 @@ impl Named {
                             (None, Some(_)) => false,
                         }
                 }
-                (Holds::Reported(_), Some(reported)) => match (reported.get(name), resource) {
-                    (Some(version), Some(now)) => *version == now.content_version(),
-                    (held, None) => held.is_some(),
-                    (None, Some(_)) => false,
-                },
+                // What a client reports is what it last ACKed, not what it
+                // holds after a response it applied in part: every resource
+                // is sent again; a name it reports that is gone is removed.
+                (Holds::Reported(_), Some(reported)) => resource.is_none() && reported.contains(name),
                 (Holds::Reported(_), None) => unreachable!("read above"),
             }
         };
@@ -410,7 +410,7 @@ mod tests {
         let resources = ["a", "b"]
             .iter()
             .map(|n| {
-                let none = HashMap::<String, String>::new();
+                let none = std::collections::HashMap::<String, String>::new();
                 let digest = crate::cache::content_digest(n.as_bytes(), &none, &none);
                 CachedResource::new(
                     (*n).into(),

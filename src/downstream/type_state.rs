@@ -377,11 +377,14 @@ impl TypeState {
         // broken one.
         let owed = self.named.as_ref().is_some_and(|n| !n.settled());
         if !owed {
+            // The version it just refused is not sent again unprompted. Once
+            // it ACKed a later response, the cache going back to that
+            // version is a change like any other.
             if self
                 .view
                 .last_nack
                 .as_ref()
-                .is_some_and(|n| n.version == current.version)
+                .is_some_and(|n| !n.superseded && n.version == current.version)
             {
                 return Err(Wait::Nacked);
             }
@@ -457,7 +460,10 @@ impl TypeState {
     fn differs_from_sent(&self, current: &CollectionSnapshot) -> bool {
         let from = match (&self.sent, &self.held) {
             (Some(sent), _) | (None, Held::At(sent)) => sent,
-            (None, Held::Version(version)) => return *version != current.version,
+            // A reconnecting client's word: an MCP sink holds what it ACKed;
+            // an xDS client that applied part of a response it NACKed holds
+            // something else, which the version it names does not show.
+            (None, Held::Version(version)) => return self.family == Family::Xds || *version != current.version,
             (None, Held::Reported(_) | Held::AwaitingFirst { .. }) => return true,
         };
         if from.version == current.version {
@@ -741,7 +747,7 @@ mod tests {
         let reverted = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
         assert_eq!(reverted.version, v1.version);
         let version = |v: &Arc<CollectionSnapshot>| v.version.to_string();
-        let (v1v, v2v) = (version(&v1), version(&v2));
+        let (v1v, v2v, v3v) = (version(&v1), version(&v2), version(&v3));
 
         /// What a request says.
         #[derive(Clone, Copy)]
@@ -961,7 +967,7 @@ mod tests {
                 ],
             ),
             (
-                "delta: a reconnect reporting what it held before a NACK is sent what differs; a NACK of that first response is recoverable",
+                "delta: a reconnect reporting what it held before a NACK is sent everything (its versions are what it ACKed, not what it holds); a NACK of that first response is recoverable",
                 xds,
                 incremental,
                 held_at(&v1, &["a", "b"]),
@@ -970,6 +976,50 @@ mod tests {
                     Req("n1", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     Next(&v3, Ok("diff +c")),
+                ],
+            ),
+            (
+                "state of the world, xDS: a client reconnecting at the current version is sent it (it may hold part of a response it NACKed)",
+                xds,
+                full,
+                Held::Version(v1.version.clone()),
+                vec![Next(&v1, Ok("full")), Req("n1", Ack(Some(&v1v)), Verdict::Ack)],
+            ),
+            (
+                "state of the world, MCP: a sink reconnecting at the current version gets nothing (it holds what it ACKed)",
+                mcp,
+                full,
+                Held::Version(v1.version.clone()),
+                vec![Next(&v1, Err(Wait::UpToDate)), Next(&v2, Ok("full"))],
+            ),
+            (
+                "a NACKed version that comes back after the client ACKed a later one is a change: sent",
+                xds,
+                full,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(Some(&v1v)), Verdict::Ack),
+                    Next(&v2, Ok("full")),
+                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Next(&v3, Ok("full")),
+                    Req("n3", Ack(Some(&v3v)), Verdict::Ack),
+                    Next(&v2, Ok("full")),
+                ],
+            ),
+            (
+                "delta: a change undone after a NACK and an ACK is sent (the removal of what was added since)",
+                xds,
+                incremental,
+                nothing(),
+                vec![
+                    Next(&v1, Ok("full")),
+                    Req("n1", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("diff +a")),
+                    Req("n2", Nack(None), Verdict::Nack),
+                    Next(&v3, Ok("diff +c")),
+                    Req("n3", Ack(None), Verdict::Ack),
+                    Next(&v2, Ok("diff -c")),
                 ],
             ),
             (
@@ -1239,7 +1289,7 @@ mod tests {
     }
 
     #[test]
-    fn a_delta_reconnect_is_sent_what_differs_and_every_name_it_asks_for() {
+    fn a_delta_reconnect_is_sent_everything_it_asks_for_and_the_removals_of_what_it_reports() {
         let (cache, mut writer) = Cache::new();
         let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
         let held = |name: &str| v1.resources[name].content_version();
@@ -1255,9 +1305,10 @@ mod tests {
             ..Request::new("", None)
         });
         assert_eq!(verdict, Verdict::First);
-        // "a" is held at its version (wildcard: left out); "b" is named, so
-        // answered though held (Envoy waits for it); "c" is new; "gone" is.
-        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["b", "c"], vec!["gone"]));
+        // "a" and "b" are reported at their versions, but what an xDS client
+        // reports is what it last ACKed, not what it holds after a response
+        // it applied in part: sent again, like "c"; "gone" is removed.
+        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a", "b", "c"], vec!["gone"]));
     }
 
     #[test]

@@ -245,7 +245,10 @@ impl<'de> serde::de::DeserializeSeed<'de> for WrittenTwice {
 
 impl WrittenTwice {
     fn refused<E: serde::de::Error>(&self) -> Result<(), E> {
-        Err(E::custom(format!("mapping key {:?} is written twice in one mapping", self.0)))
+        Err(E::custom(format!(
+            "mapping key {:?} is written twice in one mapping",
+            self.0
+        )))
     }
 }
 
@@ -371,9 +374,7 @@ impl<'de> serde::de::Visitor<'de> for YamlValueVisitor {
             if fields.contains_key(&key) {
                 // Refused as its value is read, so that the error carries the
                 // second key's line, not the mapping's first.
-                return map
-                    .next_value_seed(WrittenTwice(key))
-                    .map(|()| serde_json::Value::Null);
+                return map.next_value_seed(WrittenTwice(key)).map(|()| serde_json::Value::Null);
             }
             let YamlValue(value) = map.next_value()?;
             fields.insert(key, value);

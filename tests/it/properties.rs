@@ -421,7 +421,10 @@ impl World {
                 }
                 if !view.outstanding
                     && (view.acked_version.as_deref() == Some(&*current)
-                        || view.last_nack.as_ref().is_some_and(|n| *n.version == *current))
+                        || view
+                            .last_nack
+                            .as_ref()
+                            .is_some_and(|n| !n.superseded && *n.version == *current))
                 {
                     return;
                 }
@@ -447,10 +450,13 @@ impl World {
             // only now) starts again and settles on its new stream.
             while self.settle(i).await {}
             let client = &mut self.clients[i];
+            // A NACK of the current version holds it back until the client
+            // ACKs a later one; after that, the version coming back is a
+            // change like any other.
             let nacked_current = view(&self.gw, &client.node)
                 .unwrap()
                 .last_nack
-                .is_some_and(|n| *n.version == *current);
+                .is_some_and(|n| !n.superseded && *n.version == *current);
             // Never torn: what the client holds is exactly the version it ACKed.
             assert_eq!(
                 client.acked.as_deref().map(|_| version_of(&client.held)),

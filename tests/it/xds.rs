@@ -300,7 +300,7 @@ fn delta_versions(response: &DeltaDiscoveryResponse) -> HashMap<String, String> 
 }
 
 #[tokio::test]
-async fn delta_clients_get_changes_and_on_reconnect_only_what_differs() {
+async fn delta_clients_get_changes_and_on_reconnect_everything_and_the_removals() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;
     upstream
         .push_full(
@@ -373,8 +373,10 @@ async fn delta_clients_get_changes_and_on_reconnect_only_what_differs() {
     );
     drop(client);
 
-    // Reconnecting with what it holds: a at its current version, b at an old
-    // one, and x that no longer exists.
+    // Reconnecting with what it reports: a at its current version, b at an
+    // old one, and x that no longer exists. What an xDS client reports is
+    // what it last ACKed, not what it holds after a response it applied in
+    // part: everything is sent again, and x removed.
     let current_a = delta_versions(&refused)["ns/a"].clone();
     let old_b = held["ns/b"].clone();
     let mut again = delta(
@@ -384,7 +386,11 @@ async fn delta_clients_get_changes_and_on_reconnect_only_what_differs() {
     )
     .await;
     let resumed = again.recv().await;
-    assert_eq!(delta_names(&resumed), ["ns/b", "ns/d"], "only what differs");
+    assert_eq!(
+        delta_names(&resumed),
+        ["ns/a", "ns/b", "ns/d"],
+        "everything, whatever the versions reported"
+    );
     assert_eq!(resumed.removed_resources, ["ns/x"]);
 }
 
