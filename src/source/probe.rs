@@ -64,8 +64,14 @@ impl Probe {
         let mut backoff = Backoff::new(self.backoff);
         let mut demand = self.subscriptions.watch();
         self.status.send_modify(|s| s.probe = Some(Default::default()));
+        // After the source ended a probe of several collections in a way that
+        // names none of them, they are asked for one at a time (`Some`: how
+        // many to pass over first, so that one that keeps failing does not
+        // hold the others back), and a refusal is then the one asked's.
+        let mut one_at_a_time: Option<usize> = None;
         loop {
             while demand.borrow_and_update().demanded.is_empty() {
+                one_at_a_time = None;
                 tokio::select! {
                     changed = demand.changed() => if changed.is_err() {
                         return;
@@ -78,7 +84,22 @@ impl Probe {
                 p.next_retry_in = None;
             });
             let mut progress = false;
-            let end = self.run_stream(&mut demand, &shutdown, &mut progress).await;
+            let (end, asked) = self
+                .run_stream(&mut demand, &shutdown, &mut progress, one_at_a_time)
+                .await;
+            if let Some(StreamEnd::Failed {
+                reason: Failure::Status,
+                ..
+            }) = &end
+            {
+                one_at_a_time = Some(one_at_a_time.map_or(0, |skip| skip + 1));
+                if asked > 1 {
+                    tracing::info!(
+                        upstream = %self.dial.address,
+                        "the source ended a probe of {asked} collections without naming one: asking for them one at a time"
+                    );
+                }
+            }
             self.update(|p| p.asking.clear());
             let reason = end.as_ref().map_or("delivered", StreamEnd::reason);
             metrics::counter!(m::PROBE_ENDS, "reason" => reason).increment(1);
@@ -139,11 +160,29 @@ impl Probe {
     /// One probe stream: asks for every demanded collection, and for each
     /// one demanded later, until nothing it asked for is left (`None`) or
     /// the stream ends. `progress`: the source answered something.
+    ///
+    /// With `one_at_a_time`, it asks for one collection only (passing over
+    /// that many first) and takes no new demand; it ends once that one is
+    /// answered. Returns how it ended and how many collections it asked for.
     async fn run_stream(
         &self,
         demand: &mut watch::Receiver<SubscriptionState>,
         shutdown: &CancellationToken,
         progress: &mut bool,
+        one_at_a_time: Option<usize>,
+    ) -> (Option<StreamEnd>, usize) {
+        let mut asked = BTreeSet::new();
+        let end = self.ask(demand, shutdown, progress, one_at_a_time, &mut asked).await;
+        (end, asked.len())
+    }
+
+    async fn ask(
+        &self,
+        demand: &mut watch::Receiver<SubscriptionState>,
+        shutdown: &CancellationToken,
+        progress: &mut bool,
+        one_at_a_time: Option<usize>,
+        asked: &mut BTreeSet<Arc<str>>,
     ) -> Option<StreamEnd> {
         let channel = tokio::select! {
             connected = connect::connect(&self.dial) => match connected {
@@ -152,22 +191,24 @@ impl Probe {
             },
             _ = shutdown.cancelled() => return Some(StreamEnd::Shutdown),
         };
-        let pending: Vec<Arc<str>> = demand.borrow_and_update().demanded.keys().cloned().collect();
+        let mut pending: Vec<Arc<str>> = demand.borrow_and_update().demanded.keys().cloned().collect();
         if pending.is_empty() {
             return None;
         }
+        if let Some(skip) = one_at_a_time {
+            pending = vec![pending[skip % pending.len()].clone()];
+        }
         // A request per collection at most: the table bounds them.
         let (tx, rx) = mpsc::channel(pending.len() + 64);
-        let mut asked = BTreeSet::new();
         for collection in pending {
             tx.try_send(self.request(&collection))
                 .expect("the channel holds every initial request");
             asked.insert(collection);
         }
-        self.publish_asking(&asked, demand.borrow().demanded.keys());
+        self.publish_asking(asked, demand.borrow().demanded.keys());
         tracing::info!(
             upstream = %self.dial.address,
-            collections = %join(&asked),
+            collections = %join(asked),
             "asking the source on a probe stream for collections only clients asked for"
         );
         let budget = RequestBudget::for_source(self.max_message_bytes, true);
@@ -177,7 +218,7 @@ impl Probe {
         };
         let mut inbound = match response {
             Ok((_headers, inbound)) => inbound,
-            Err(status) => return Some(self.classify(status, &asked)),
+            Err(status) => return Some(self.classify(status, asked)),
         };
         loop {
             tokio::select! {
@@ -192,6 +233,9 @@ impl Probe {
                                 upstream = %self.dial.address,
                                 "the source serves a collection a client asked for: subscribed on the main stream"
                             );
+                            if one_at_a_time.is_some() {
+                                return None;
+                            }
                         }
                     }
                     Ok(None) => {
@@ -200,15 +244,18 @@ impl Probe {
                             message: "the source closed the probe stream".into(),
                         })
                     }
-                    Err(status) => return Some(self.classify(status, &asked)),
+                    Err(status) => return Some(self.classify(status, asked)),
                 },
                 changed = demand.changed() => {
                     if changed.is_err() {
                         return Some(StreamEnd::Shutdown);
                     }
                     let demanded: Vec<Arc<str>> = demand.borrow_and_update().demanded.keys().cloned().collect();
-                    if demanded.is_empty() {
+                    if demanded.is_empty() || (one_at_a_time.is_some() && !demanded.iter().any(|c| asked.contains(c))) {
                         return None;
+                    }
+                    if one_at_a_time.is_some() {
+                        continue;
                     }
                     // A new demand joins the open probe.
                     for collection in &demanded {
@@ -226,7 +273,7 @@ impl Probe {
                             }
                         }
                     }
-                    self.publish_asking(&asked, demanded.iter());
+                    self.publish_asking(asked, demanded.iter());
                 }
                 _ = shutdown.cancelled() => return Some(StreamEnd::Shutdown),
             }
@@ -249,7 +296,24 @@ impl Probe {
     /// How the stream ended. A refusal counts only for a collection asked
     /// for here: anything else is a failure, so an odd source cannot make
     /// the probe drop what the main stream carries, or spin.
+    /// A probe of one collection that the source ends as a request it
+    /// will not serve (`INVALID_ARGUMENT`, `UNIMPLEMENTED`, `NOT_FOUND`) is
+    /// a refusal of that one, whatever the message says.
     fn classify(&self, status: tonic::Status, asked: &BTreeSet<Arc<str>>) -> StreamEnd {
+        let refusal = matches!(
+            status.code(),
+            tonic::Code::InvalidArgument | tonic::Code::Unimplemented | tonic::Code::NotFound
+        );
+        match (asked.len(), refusal) {
+            (1, true) if stream::refused_collection(&status).is_none() => {
+                let collection = asked.iter().next().expect("one").to_string();
+                return StreamEnd::Refused {
+                    collection,
+                    message: format!("{:?}: {}", status.code(), status.message()),
+                };
+            }
+            _ => {}
+        }
         match stream::classify(status, self.max_message_bytes) {
             StreamEnd::Refused { collection, message } if !asked.contains(collection.as_str()) => StreamEnd::Failed {
                 reason: Failure::Status,

@@ -279,7 +279,7 @@ pub fn send_failed(code: &'static str) {
 
 /// Galley ends the whole stream with `InvalidArgument "unsupported collection
 /// \"X\""` for a collection it does not serve (istio#13559).
-fn refused_collection(status: &tonic::Status) -> Option<String> {
+pub(super) fn refused_collection(status: &tonic::Status) -> Option<String> {
     if status.code() != Code::InvalidArgument {
         return None;
     }

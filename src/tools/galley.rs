@@ -32,6 +32,8 @@ type Sent = Result<Resources, Status>;
 struct State {
     log: Mutex<Vec<RequestResources>>,
     refuse: Mutex<HashSet<String>>,
+    /// Refused without naming the collection.
+    refuse_unnamed: Mutex<HashSet<String>>,
     /// Asked for, never answered, never handed to the driver.
     ignore: Mutex<HashSet<String>>,
     /// Answered by the fake itself, on every stream that asks.
@@ -97,6 +99,12 @@ impl State {
         if Self::lock(&self.refuse).contains(collection) {
             // What Galley does (istio#13559): the whole stream ends.
             let status = Status::invalid_argument(format!("unsupported collection {collection:?}"));
+            record.ended = Some(status.message().to_owned());
+            return Err(status);
+        }
+        if Self::lock(&self.refuse_unnamed).contains(collection) {
+            // A source of another make: the stream ends, naming nothing.
+            let status = Status::invalid_argument("bad request");
             record.ended = Some(status.message().to_owned());
             return Err(status);
         }
@@ -257,6 +265,12 @@ impl FakeGalley {
     /// does not serve.
     pub fn refuse(&self, collection: &str) {
         State::lock(&self.state.refuse).insert(collection.to_owned());
+    }
+
+    /// Ends any stream that asks for `collection` with `INVALID_ARGUMENT`
+    /// "bad request": a source that refuses it without saying which.
+    pub fn refuse_unnamed(&self, collection: &str) {
+        State::lock(&self.state.refuse_unnamed).insert(collection.to_owned());
     }
 
     /// Never answers a collection any stream asks for, and never hands its

@@ -91,6 +91,44 @@ async fn answered_within(
         .unwrap_or_else(|_| panic!("every type answered within {bound:?}"))
 }
 
+/// A source of another make ends the probe without naming the collection it
+/// refuses. The batch is then asked for one collection at a time: the ones it
+/// serves are not starved (answered with their content, not empty after
+/// --demand-timeout), the ones it refuses are refused, and the main stream
+/// never notices.
+#[tokio::test]
+async fn a_probe_ended_without_a_name_is_split_and_starves_nothing() {
+    let mut galley = FakeGalley::start().await;
+    // Asked for first (in name order), so that its refusal ends the probe
+    // before the collections the source serves are answered.
+    galley.refuse_unnamed(WASM);
+    galley.refuse_unnamed(TELEMETRY);
+    galley.publish(GW, vec![resource("default/gw", "1", b"x")]);
+    galley.publish(SE, vec![resource("default/se", "1", b"x")]);
+    galley.publish(VS, vec![resource("default/vs", "1", b"x")]);
+    let gw = gateway_for(&galley, &[VS], &["--demand-timeout", "30s"]).await;
+    let _main = galley.next_stream().await;
+    eventually("the configured collection applied", || gw.cache.get(VS).is_some()).await;
+    let types = [GW_GVK, SE_GVK, "extensions.istio.io/v1alpha1/WasmPlugin", TELEMETRY_GVK];
+    let mut client = istiod(gw.listen, &types).await;
+    // Well within --demand-timeout: nothing is answered for want of time.
+    let answered = answered_within(&mut client, types.len(), Duration::from_secs(20)).await;
+    for gvk in [GW_GVK, SE_GVK] {
+        assert_eq!(mcp_resources(&answered[gvk]).len(), 1, "{gvk} served with its content");
+    }
+    for gvk in ["extensions.istio.io/v1alpha1/WasmPlugin", TELEMETRY_GVK] {
+        assert!(answered[gvk].resources.is_empty(), "{gvk} refused: answered empty");
+    }
+    let state = gw.subscriptions.current();
+    for collection in [WASM, TELEMETRY] {
+        assert!(
+            state.refused[collection].contains("bad request"),
+            "{collection}: {state:?}"
+        );
+    }
+    assert_main_stream_untouched(&gw, &galley.streams());
+}
+
 /// Galley 1.1 to 1.7 end a stream for a collection they do not serve. An
 /// istiod asking for the newer kinds beside served ones, configured and not,
 /// is answered every type at once; the served ones with their content; and

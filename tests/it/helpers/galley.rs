@@ -71,6 +71,11 @@ impl FakeGalley {
         self.inner.refuse(collection);
     }
 
+    /// Ends any stream asking for `collection` without naming it.
+    pub fn refuse_unnamed(&self, collection: &str) {
+        self.inner.refuse_unnamed(collection);
+    }
+
     /// Never answers `collection`: a source that neither serves nor refuses it.
     pub fn ignore(&self, collection: &str) {
         self.inner.ignore(collection);
