@@ -874,7 +874,32 @@ impl LocalSource {
 
     /// Applies the state of every collection the files, the subscriptions or
     /// an earlier publish name.
+    ///
+    /// Nothing is published while a file has never parsed and nothing was
+    /// published yet: what such a file holds is unknown, and publishing
+    /// without it would serve its collections without its resources (an
+    /// empty collection makes Pilot and istiod delete what they hold). The
+    /// gateway is not ready until it parses or goes; readiness says why.
     fn publish(&mut self) {
+        let unread: Vec<&ParseError> = self
+            .files
+            .values()
+            .filter(|s| s.good.is_empty() && s.error.is_some())
+            .filter_map(|s| s.error.as_ref())
+            .collect();
+        if self.published.is_empty() && !unread.is_empty() {
+            let errors: Vec<String> = unread.iter().map(ToString::to_string).collect();
+            tracing::warn!(
+                files = unread.len(),
+                "a source file does not parse at start: nothing is served until every file parses (its \
+                 collections would be served without what it holds)"
+            );
+            self.status.send_modify(|s| {
+                s.broken_files = errors.len();
+                s.last_error = Some(format!("nothing served until every file parses: {}", errors.join("; ")));
+            });
+            return;
+        }
         let mut collections: BTreeMap<Arc<str>, Vec<CachedResource>> = BTreeMap::new();
         let mut owner: HashMap<(Arc<str>, Arc<str>), &str> = HashMap::new();
         for (path, state) in &self.files {

@@ -365,3 +365,39 @@ async fn a_dial_out_message_over_the_limit_ends_the_stream_naming_the_flag() {
     assert!(error.contains("--max-message-bytes=1000000"), "{error}");
     assert_eq!(gw.cache.get(VS).unwrap().len(), 60, "the cache keeps its state");
 }
+
+/// A file that does not parse at start holds everything back: what it holds
+/// is unknown, and its collections served without it would tell Pilot and
+/// istiod to delete what they hold. Not ready, saying which file and line;
+/// once it parses, everything is served.
+#[tokio::test]
+async fn a_file_broken_at_start_holds_everything_back_until_it_parses() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = "apiVersion: networking.istio.io/v1\nkind: Gateway\nmetadata:\n  name: gw\n  namespace: ns\nspec:\n  selector: {istio: ingressgateway}\n";
+    let vs = |field: &str| {
+        format!(
+            "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata:\n  name: vs\n  namespace: ns\nspec:\n  {field}: [reviews]\n"
+        )
+    };
+    crate::helpers::certs::write(dir.path(), "gw.yaml", good);
+    crate::helpers::certs::write(dir.path(), "vs.yaml", &vs("hostz"));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let collections = format!("{VS},{GW}");
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", &collections]).await;
+    let (status, why) = http_get(gw.admin, "/readyz").await;
+    assert_eq!(status, 503, "{why}");
+    assert!(why.contains("vs.yaml:7") && why.contains("hostz"), "{why}");
+    assert!(gw.cache.get(GW).is_none(), "nothing served, not even the good file's");
+    assert!(gw.cache.get(VS).is_none());
+
+    crate::helpers::certs::write(dir.path(), "vs.yaml", &vs("hosts"));
+    eventually("everything served once the file parses", || {
+        gw.cache.get(GW).is_some_and(|s| s.len() == 1) && gw.cache.get(VS).is_some_and(|s| s.len() == 1)
+    })
+    .await;
+    assert_eq!(http_get(gw.admin, "/readyz").await.0, 200);
+    // A file broken later keeps its last good state, as before.
+    crate::helpers::certs::write(dir.path(), "vs.yaml", &vs("hostz"));
+    eventually("the error shown", || gw.upstream.borrow().last_error.is_some()).await;
+    assert_eq!(gw.cache.get(VS).unwrap().len(), 1, "a typo never empties a collection");
+}
