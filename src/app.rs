@@ -520,7 +520,20 @@ fn log_effective(settings: &Settings) {
             s.incremental,
             Some(s.max_message_bytes),
         ),
-        Source::Files(dir) => ("files", dir.to_string(), "", false, None),
+        // No upstream to name itself to: the value in effect, as
+        // /debug/config shows it.
+        Source::Files(dir) => (
+            "files",
+            dir.to_string(),
+            settings
+                .effective
+                .iter()
+                .find(|f| f.flag == "--node-id")
+                .and_then(|f| f.value.as_deref())
+                .unwrap_or_default(),
+            false,
+            None,
+        ),
     };
     let client = match &settings.source {
         Source::Client(c) => Some(c),

@@ -303,7 +303,7 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_CONTROL_FRAMES_PER_MINUTE", default_value_t = 60_000)]
     pub max_control_frames_per_minute: u32,
 
-    /// Open connections per admin or monitoring port (a quarter of them per
+    /// Open connections per admin or monitoring port (an eighth of them per
     /// peer address).
     #[arg(long, env = "MCP_GATEWAY_HTTP_MAX_CONNECTIONS", default_value_t = 64)]
     pub http_max_connections: usize,

@@ -551,7 +551,7 @@ pub fn describe() {
     describe_gauge!(BUILD_INFO, "Always 1; the version label is the gateway's version.");
     describe_counter!(
         LIMIT_REFUSALS,
-        "Peers refused or connections closed by a limit, by limit (see the README's limits table)."
+        "Peers refused or connections closed by a limit, by limit (see the limits table of docs/reference.md)."
     );
     describe_gauge!(
         CONNECTIONS,

@@ -575,6 +575,8 @@ async fn syncz(
         Ok(mut value) => {
             value["rollout"] = syncz::rollouts(&state.rollout, &filter);
             value["not_delivered"] = not_delivered(&state);
+            // Why the gateway is not ready, if it is not (what /readyz says).
+            value["not_ready"] = json!(state.not_ready());
             Json(value).into_response()
         }
         Err(message) => (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),

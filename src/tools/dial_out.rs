@@ -111,8 +111,14 @@ impl Ended {
     }
 }
 
+/// A status as the log says it: an OK end (a sink that shut down
+/// cleanly) with no message is "OK (no message)", not "Ok: ".
 fn status_text(status: &Status) -> String {
-    format!("{}: {}", m::code_label(status.code() as i32), status.message())
+    match status.message() {
+        "" if status.code() == tonic::Code::Ok => "OK (the sink shut down cleanly)".to_owned(),
+        "" => format!("{} (no message)", m::code_label(status.code() as i32)),
+        message => format!("{}: {message}", m::code_label(status.code() as i32)),
+    }
 }
 
 // === impl DialOut ===

@@ -203,14 +203,17 @@ pub fn render(syncz: &Value) -> String {
         })
         .collect();
     let mut out = String::new();
+    if let Some(why) = syncz["not_ready"].as_str() {
+        let _ = writeln!(out, "NOT READY: {why}\n");
+    }
     for line in std::iter::once(&header).chain(&lines) {
         let cells: Vec<String> = line.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         let _ = writeln!(out, "{}", cells.join("  ").trim_end());
     }
-    let summary = &syncz["summary"]["clients"];
+    // The types of the streams shown (a filter narrows both).
     let counts: Vec<String> = ["SYNCED", "SENT", "STALE", "NACKED", "NOT SENT"]
         .iter()
-        .map(|s| format!("{} {s}", summary[*s].as_u64().unwrap_or(0)))
+        .map(|s| format!("{} {s}", rows.iter().filter(|row| row["status"] == *s).count()))
         .collect();
     let _ = writeln!(
         out,
@@ -317,6 +320,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_gateway_not_ready_says_why_first_and_counts_are_of_the_rows_shown() {
+        let syncz = serde_json::json!({
+            "rows": [{
+                "stream": 1, "node_id": "pilot-a", "peer": "127.0.0.1:1", "protocol": "sotw",
+                "collection": "istio/networking/v1alpha3/virtualservices", "status": "SYNCED",
+            }],
+            // Every row of the gateway, where a filter showed one.
+            "summary": {"clients": {"SYNCED": 19}},
+            "not_ready": "waiting for the first state of 1 collection (istio/networking/v1alpha3/gateways)",
+        });
+        let text = render(&syncz);
+        assert!(
+            text.starts_with("NOT READY: waiting for the first state of 1 collection"),
+            "{text}"
+        );
+        assert!(text.contains("1 client streams; their types: 1 SYNCED,"), "{text}");
+    }
+
+    #[test]
     fn streams_that_need_an_eye_come_first_and_past_nacks_say_so() {
         let version = "0123456789abcdef0123456789abcdef";
         let row = |stream: u64, node: &str, status: &str, superseded: bool| {
@@ -331,6 +353,7 @@ mod tests {
             "summary": {"clients": {"SYNCED": 1, "NACKED": 1}},
         });
         let text = render(&syncz);
+        assert!(!text.contains("NOT READY"), "{text}");
         let lines: Vec<&str> = text.lines().collect();
         assert!(
             lines[1].starts_with("pilot-b") && lines[2].starts_with("pilot-a"),

@@ -491,7 +491,7 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
 
-    // Connections: a quarter of the cap per peer address.
+    // Connections: an eighth of the cap per peer address.
     let gw = start_gateway(&["--http-max-connections", "8"]).await;
     let mut held = Vec::new();
     for _ in 0..2 {
