@@ -8,12 +8,20 @@ use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 /// What a memoized value is.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Eq)]
 pub struct MemoKey {
     /// Whose and what (`"mcp.sotw"`), one name per kind of value.
     pub kind: &'static str,
     /// What it depends on besides its owner, if anything.
     pub arg: Option<Arc<str>>,
+}
+
+/// Kinds are static names: the same name is mostly the same pointer, which
+/// is compared first (each response looks up every resource it carries).
+impl PartialEq for MemoKey {
+    fn eq(&self, other: &Self) -> bool {
+        (std::ptr::eq(self.kind, other.kind) || self.kind == other.kind) && self.arg == other.arg
+    }
 }
 
 impl MemoKey {

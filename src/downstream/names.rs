@@ -23,6 +23,7 @@ use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 
 use super::type_state::ReportedNames;
+use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 
 /// The wildcard name.
@@ -88,6 +89,14 @@ pub struct Names {
 }
 
 impl Names {
+    /// Whether a state-of-the-world request's names are these, in order:
+    /// what Envoy sends on every ACK, checked without allocating.
+    fn repeats(&self, names: &[String]) -> bool {
+        let mut asked = names.iter().map(String::as_str);
+        let wildcard = self.wildcard && asked.next() == Some(WILDCARD);
+        wildcard == self.wildcard && asked.eq(self.names.iter().map(|n| &**n))
+    }
+
     pub fn everything() -> Self {
         Names {
             wildcard: true,
@@ -185,6 +194,7 @@ impl Named {
         };
         let mut changed = false;
         match change {
+            NameChange::Replace(names) if named.current.repeats(names) => {}
             NameChange::Replace(names) => {
                 // Compared before anything is allocated: clients repeat the
                 // same names on every ACK.
@@ -285,15 +295,17 @@ impl Named {
 
     /// Whether a resource the client asks for by name differs between `from`
     /// and `to` (is new, changed or gone). Wildcard: see the versions.
+    ///
+    /// Every named client at `from` asks this when `to` comes: the names
+    /// that changed are found once (a diff, the size of the change) and
+    /// kept with `to`, and each client looks its own names up in them.
     pub fn touched(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> bool {
-        self.current
-            .names
-            .iter()
-            .any(|name| match (from.resources.get(name), to.resources.get(name)) {
-                (Some(a), Some(b)) => !same_content(a, b),
-                (None, None) => false,
-                _ => true,
-            })
+        let changed = changed_names(from, to);
+        if changed.len() < self.current.names.len() {
+            changed.iter().any(|name| self.current.names.contains(name))
+        } else {
+            self.current.names.iter().any(|name| changed.contains(&**name))
+        }
     }
 
     /// State of the world: the resources of `to` the client asked for.
@@ -388,6 +400,24 @@ impl Named {
             removed: removed.into_iter().collect(),
         }
     }
+}
+
+/// Distinct from-versions whose changed names a snapshot keeps (clients
+/// are normally at one or two versions).
+const CHANGED_NAMES_PER_SNAPSHOT: usize = 32;
+
+/// The names of the resources that differ between `from` and `to` (new,
+/// changed or gone), made once per pair and kept with `to`.
+fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<HashSet<Arc<str>>> {
+    let key = MemoKey::with("names.changed", from.version.clone());
+    to.memo.get_or_make(key, CHANGED_NAMES_PER_SNAPSHOT, || {
+        let diff = Diff::between(&from.resources, &to.resources);
+        diff.upserts
+            .into_iter()
+            .map(|r| r.name.clone())
+            .chain(diff.removed)
+            .collect()
+    })
 }
 
 /// The same resource content: the same version and body digest (which
