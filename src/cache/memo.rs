@@ -75,6 +75,9 @@ impl Memo {
             return found;
         }
         if entries.iter().filter(|(k, _)| k.kind == key.kind).count() < max_of_kind {
+            // Most owners keep one value (a resource read in one form): room
+            // for it alone, not the four a first push makes.
+            entries.reserve_exact(1);
             entries.push((key, made.clone()));
         }
         made
@@ -95,7 +98,10 @@ impl Memo {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         match entries.iter_mut().find(|(k, _)| *k == key) {
             Some((_, slot)) => *slot = value,
-            None => entries.push((key, value)),
+            None => {
+                entries.reserve_exact(1);
+                entries.push((key, value))
+            }
         }
     }
 
