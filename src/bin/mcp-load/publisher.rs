@@ -43,8 +43,12 @@ impl Content {
         }
     }
 
-    fn all(&self) -> Vec<Resource> {
-        self.versions.keys().map(|n| self.resource(n)).collect()
+    /// Every resource, in no order, as Galley sends a collection (a Go
+    /// map's order, another each time): `seed` picks the order.
+    fn all(&self, seed: u64) -> Vec<Resource> {
+        let mut names: Vec<&String> = self.versions.keys().collect();
+        names.sort_by_cached_key(|n| xxhash_rust::xxh3::xxh3_64_with_seed(n.as_bytes(), seed));
+        names.into_iter().map(|n| self.resource(n)).collect()
     }
 
     /// The version the gateway will report for this content.
@@ -111,7 +115,7 @@ async fn serve(
                 .insert(content.gateway_version(), Instant::now());
             let message = Resources {
                 collection: content.name.clone(),
-                resources: content.all(),
+                resources: content.all(0),
                 nonce: format!("init-{}", content.name),
                 incremental: false,
                 ..Default::default()
@@ -217,7 +221,7 @@ impl Publisher {
                 resources: if self.shape.upstream_incremental {
                     names.iter().map(|n| content.resource(n)).collect()
                 } else {
-                    content.all()
+                    content.all(update as u64 + 1)
                 },
                 nonce: format!("u{update}"),
                 incremental: self.shape.upstream_incremental,
