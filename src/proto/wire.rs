@@ -7,7 +7,7 @@
 //! slices of the request, read without copying. (Responses are encoded by
 //! each downstream protocol: `downstream/encode.rs`.)
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use prost::encoding::{self, WireType};
 
 /// Field 2 of `MeshConfigRequest`: a `Client{id, Struct metadata}` from Istio
@@ -294,6 +294,59 @@ pub struct RawResources {
     pub incremental: bool,
 }
 
+impl RawResources {
+    /// Decodes a `Resources` message read into a buffer of its own, and
+    /// relabels each resource's record in that buffer as a record of field
+    /// `relabel` (where both keys are one byte; a longer key is left as it
+    /// is): the frozen buffer returned holds the resources as records of
+    /// that field, runs of which can be used as they are (the cache keeps
+    /// them as its storage records), and the message's resources are slices
+    /// of it. Every other field is decoded as `decode` would.
+    pub fn decode_relabelled(mut buf: BytesMut, relabel: u32) -> Result<(Self, Bytes), prost::DecodeError> {
+        use bytes::Buf;
+        use prost::Message;
+        const RESOURCES: u32 = 3;
+        let one_byte = |field: u32| {
+            u8::try_from((field << 3) | WireType::LengthDelimited as u32)
+                .ok()
+                .filter(|k| *k < 0x80)
+        };
+        let (from, to) = (one_byte(RESOURCES), one_byte(relabel));
+        // Where the resources' keys are, before the buffer is frozen.
+        let mut keys = Vec::new();
+        let mut rest: &[u8] = &buf;
+        while !rest.is_empty() {
+            let at = buf.len() - rest.len();
+            let (tag, wire_type) = encoding::decode_key(&mut rest)?;
+            if tag == RESOURCES && wire_type == WireType::LengthDelimited && Some(buf[at]) == from {
+                keys.push(at);
+            }
+            encoding::skip_field(wire_type, tag, &mut rest, encoding::DecodeContext::default())?;
+        }
+        if let Some(to) = to {
+            for &at in &keys {
+                buf[at] = to;
+            }
+        }
+        let buffer = buf.freeze();
+        let mut message = Self::default();
+        message.resources.reserve_exact(keys.len());
+        let mut rest = buffer.clone();
+        let mut keys = keys.into_iter().peekable();
+        while rest.has_remaining() {
+            let at = buffer.len() - rest.remaining();
+            let (tag, wire_type) = encoding::decode_key(&mut rest)?;
+            let context = encoding::DecodeContext::default();
+            if keys.next_if_eq(&at).is_some() {
+                encoding::bytes::merge_repeated(wire_type, &mut message.resources, &mut rest, context)?;
+            } else {
+                message.merge_field(tag, wire_type, &mut rest, context)?;
+            }
+        }
+        Ok((message, buffer))
+    }
+}
+
 /// One `Resource`, decoded only as far as validation needs: the metadata, and
 /// the body (`google.protobuf.Any`) as raw bytes.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -468,5 +521,45 @@ mod tests {
         assert_eq!(request.type_url, "t");
         // The strict SinkNode view would read the Struct as a string map.
         assert!(crate::proto::MeshConfigRequest::decode(bytes.as_slice()).is_err());
+    }
+
+    proptest::proptest! {
+        /// A `Resources` message decoded with its resources relabelled is
+        /// the message prost decodes, its resources slices of the returned
+        /// buffer, each now a record of the new field, whatever order the
+        /// fields come in.
+        #[test]
+        fn relabelled_resources_decode_as_the_message_and_lie_in_the_buffer(
+            collection in "[a-z/]{0,12}",
+            resources in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..40), 0..20),
+            removed in proptest::collection::vec("[a-z]{1,5}", 0..3),
+            nonce in "[0-9]{0,4}",
+            incremental in proptest::bool::ANY,
+            collection_last in proptest::bool::ANY,
+        ) {
+            let mut buf = BytesMut::new();
+            let fields = RawResources {
+                system_version_info: "v".into(),
+                collection: if collection_last { String::new() } else { collection.clone() },
+                resources: resources.iter().map(|r| Bytes::from(r.clone())).collect(),
+                removed_resources: removed,
+                nonce,
+                incremental,
+            };
+            fields.encode(&mut buf).unwrap();
+            if collection_last && !collection.is_empty() {
+                prost::encoding::string::encode(2, &collection, &mut buf);
+            }
+            let expected = RawResources::decode(buf.clone().freeze()).unwrap();
+            let (decoded, buffer) = RawResources::decode_relabelled(buf, 2).unwrap();
+            proptest::prop_assert_eq!(&decoded, &expected);
+            let base = buffer.as_ptr() as usize;
+            for resource in &decoded.resources {
+                let at = resource.as_ptr() as usize - base;
+                let header = 1 + prost::encoding::encoded_len_varint(resource.len() as u64);
+                proptest::prop_assert!(at >= header && at + resource.len() <= buffer.len());
+                proptest::prop_assert_eq!(buffer[at - header], 0x12, "a record of field 2");
+            }
+        }
     }
 }

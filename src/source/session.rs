@@ -6,15 +6,17 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use bytes::{Bytes, BytesMut};
 use prost::Message;
 use tonic::Code;
 
-use super::validate::decode_resources;
+use super::validate::decode_shared_resources;
 use crate::cache::{Applied, Cache, CacheWriter, Origin, Update};
 use crate::metrics as m;
 use crate::proto::wire::RawResources;
 use crate::proto::{RequestResources, SinkNode};
 use crate::source::persisted::Persister;
+use crate::transport::requests::FromBuffer;
 
 /// The collection of Galley's dial-out trigger from 1.2 on.
 pub const TRIGGER_COLLECTION: &str = "$triggerCollection";
@@ -32,6 +34,33 @@ impl Nack {
         Self {
             code: Code::InvalidArgument,
             message,
+        }
+    }
+}
+
+/// A source's `Resources` message as its stream reads it, and the buffer it
+/// was read into, where its resources' records are relabelled as the
+/// cache's storage records: a collection stored afresh keeps them there
+/// instead of copying them.
+#[derive(Debug)]
+pub struct Received {
+    pub message: RawResources,
+    pub buffer: Bytes,
+}
+
+impl FromBuffer for Received {
+    fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+        let (message, buffer) = RawResources::decode_relabelled(buf, crate::cache::STORAGE_FIELD)?;
+        Ok(Self { message, buffer })
+    }
+}
+
+/// A message without a buffer to keep (tests, messages made in the gateway).
+impl From<RawResources> for Received {
+    fn from(message: RawResources) -> Self {
+        Self {
+            message,
+            buffer: Bytes::new(),
         }
     }
 }
@@ -162,8 +191,12 @@ impl SinkSession {
     }
 
     /// Validates and applies one message; returns the ACK or NACK for it.
-    pub fn handle(&mut self, message: RawResources, writer: &mut CacheWriter) -> Handled {
-        let outcome = self.apply(&message, writer);
+    pub fn handle(&mut self, mut received: Received, writer: &mut CacheWriter) -> Handled {
+        // What the message was, for the metrics and the log: its resources
+        // are taken while it is applied.
+        let (size, count) = (received.message.encoded_len(), received.message.resources.len());
+        let outcome = self.apply(&mut received, writer);
+        let message = received.message;
         let collection_label = if self.is_subscribed(&message.collection) {
             message.collection.clone()
         } else {
@@ -174,7 +207,7 @@ impl SinkSession {
             "component" => m::COMPONENT_UPSTREAM,
             "collection" => collection_label.clone()
         )
-        .record(message.encoded_len() as f64);
+        .record(size as f64);
         let reply = match &outcome {
             Ok(applied) => {
                 if let Some((name, _)) = self.collections.get_key_value(message.collection.as_str()) {
@@ -190,7 +223,7 @@ impl SinkSession {
                     nonce = %message.nonce,
                     source_version = %message.system_version_info,
                     incremental = message.incremental,
-                    resources = message.resources.len(),
+                    resources = count,
                     changed = matches!(applied, crate::cache::Applied::Changed { .. }),
                     version = %applied.version(),
                     "applied upstream update"
@@ -229,7 +262,11 @@ impl SinkSession {
         Handled { reply, outcome }
     }
 
-    fn apply(&self, message: &RawResources, writer: &mut CacheWriter) -> Result<Applied, Nack> {
+    fn apply(&self, received: &mut Received, writer: &mut CacheWriter) -> Result<Applied, Nack> {
+        // The resources' slices of the message, freed once decoded: the
+        // cache's entries for a large collection take their room.
+        let raw = std::mem::take(&mut received.message.resources);
+        let message = &received.message;
         let collection = message.collection.as_str();
         let Some(&incremental_requested) = self.collections.get(collection) else {
             let mut subscribed: Vec<&str> = self.collections.keys().map(|c| &**c).collect();
@@ -248,7 +285,8 @@ impl SinkSession {
                  (incremental: false); send the complete collection"
             )));
         }
-        let resources = decode_resources(collection, &message.resources)?;
+        let resources = decode_shared_resources(collection, &raw)?;
+        drop(raw);
         if message.incremental {
             let upserted: HashSet<&str> = resources.iter().map(|r| &*r.name).collect();
             if let Some(name) = message.removed_resources.iter().find(|n| upserted.contains(n.as_str())) {
@@ -269,7 +307,7 @@ impl SinkSession {
         };
         let kind = if message.incremental { "incremental" } else { "full" };
         metrics::counter!(m::UPDATES_APPLIED, "collection" => collection.to_owned(), "kind" => kind).increment(1);
-        Ok(writer.apply(collection, update, self.origin))
+        Ok(writer.apply_message(collection, update, self.origin, &received.buffer))
     }
 }
 
@@ -277,6 +315,7 @@ impl SinkSession {
 mod tests {
     use super::*;
     use crate::proto::{Metadata, Resource};
+    use crate::source::validate::decode_resources;
     use bytes::Bytes;
 
     const C: &str = "istio/networking/v1alpha3/gateways";
@@ -340,7 +379,8 @@ mod tests {
                 nonce: "1".into(),
                 resources: vec![encoded("a", "1", Some(b"x")), encoded("b", "1", None)],
                 ..Default::default()
-            },
+            }
+            .into(),
             &mut writer,
         );
         let nack = handled.outcome.unwrap_err();
@@ -355,5 +395,38 @@ mod tests {
         assert_eq!(status.code, Code::InvalidArgument as i32);
         assert_eq!(handled.reply.response_nonce, "1");
         assert!(!handled.reply.incremental);
+    }
+
+    #[test]
+    fn a_collection_is_stored_in_the_buffer_it_was_read_into_in_its_order() {
+        use crate::proto::wire::test_support::encoded_resource;
+        let (mut s, mut writer) = session();
+        let names = ["z", "a", "m"];
+        let message = RawResources {
+            collection: C.into(),
+            nonce: "1".into(),
+            resources: names.iter().map(|n| encoded_resource(n, "1", n.as_bytes())).collect(),
+            ..Default::default()
+        };
+        let received = Received::from_buffer(BytesMut::from(&message.encode_to_vec()[..])).unwrap();
+        let buffer = received.buffer.clone();
+        assert!(s.handle(received, &mut writer).outcome.is_ok());
+        let snapshot = s.cache.get(C).unwrap();
+        let range = buffer.as_ptr() as usize..buffer.as_ptr() as usize + buffer.len();
+        assert!(snapshot
+            .chunks()
+            .all(|c| range.contains(&(c.bytes().as_ptr() as usize))));
+        // The chunks are a legacy response's resources as they are.
+        let mut response = bytes::BytesMut::new();
+        for chunk in snapshot.chunks() {
+            response.extend_from_slice(chunk.bytes());
+        }
+        let response = crate::proto::MeshConfigResponse::decode(response.freeze()).unwrap();
+        let order: Vec<String> = response
+            .resources
+            .iter()
+            .map(|r| r.metadata.clone().unwrap().name)
+            .collect();
+        assert_eq!(order, names, "in the order they arrived");
     }
 }

@@ -10,18 +10,19 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
 
+use super::session::Received;
 use super::SinkSession;
 use crate::cache::demand::SubscriptionState;
 use crate::cache::CacheWriter;
 use crate::metrics as m;
-use crate::proto::wire::RawResources;
 use crate::proto::RequestResources;
 use crate::transport::requests::RequestStream;
 
 /// A source's messages, in client mode and dial-out alike: read by the
-/// gateway's own reader, which keeps no buffer of the largest message once
-/// it is decoded.
-pub type Inbound = RequestStream<RawResources>;
+/// gateway's own reader, each into a buffer of its own that the cache keeps
+/// as the storage of a collection stored afresh, or frees once it is
+/// applied.
+pub type Inbound = RequestStream<Received>;
 
 /// How one upstream stream ended.
 #[derive(Debug)]
@@ -180,9 +181,9 @@ impl Opened {
                 self.request_collections();
                 Ok(())
             }
-            Ok(Ok(Some(message))) if SinkSession::is_trigger(&message) => {
-                tracing::debug!(collection = %message.collection, "answered the source's trigger");
-                let reply = self.session.trigger_reply(&message);
+            Ok(Ok(Some(received))) if SinkSession::is_trigger(&received.message) => {
+                tracing::debug!(collection = %received.message.collection, "answered the source's trigger");
+                let reply = self.session.trigger_reply(&received.message);
                 self.tx
                     .try_send(reply)
                     .expect("the channel has room for the trigger's answer");
@@ -242,7 +243,7 @@ impl Opened {
         }
     }
 
-    async fn on_message(&mut self, message: RawResources, writer: &mut CacheWriter) -> Result<(), StreamEnd> {
+    async fn on_message(&mut self, message: Received, writer: &mut CacheWriter) -> Result<(), StreamEnd> {
         let handled = self.session.handle(message, writer);
         if self.tx.send(handled.reply).await.is_err() {
             send_failed("Unavailable");

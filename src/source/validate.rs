@@ -17,6 +17,17 @@ use crate::proto::wire::{AnyTypeUrl, RawResource};
 /// Validates every resource of a message and turns it into cache entries.
 /// Nothing is applied unless every resource is valid.
 pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
+    decode(collection, raw)
+}
+
+/// As [`decode_resources`], each entry in the `Arc` the cache shares it by:
+/// a large message's entries are then not held twice while they are taken
+/// in (as values, then in `Arc`s).
+pub fn decode_shared_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<Arc<CachedResource>>, Nack> {
+    decode(collection, raw)
+}
+
+fn decode<R: From<CachedResource>>(collection: &str, raw: &[Bytes]) -> Result<Vec<R>, Nack> {
     let mut seen = HashSet::with_capacity(raw.len());
     let mut resources = Vec::with_capacity(raw.len());
     let mut type_url: Option<Arc<str>> = None;
@@ -37,7 +48,7 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
                  every resource needs a name unique in its collection"
             )));
         }
-        let name = metadata.name.clone();
+        let name: Arc<str> = Arc::from(metadata.name.as_str());
         let Some(body) = resource.body else {
             return Err(Nack::invalid(format!(
                 "resource {name:?} of collection {collection:?} has no body"
@@ -56,6 +67,7 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
             Some(shared) if **shared == *body_type_url => Arc::clone(shared),
             _ => type_url.insert(Arc::from(body_type_url)).clone(),
         };
+        // The name's own `Arc`: a full state's set of names costs its table.
         if !seen.insert(name.clone()) {
             return Err(Nack::invalid(format!(
                 "resource {name:?} appears twice in one update of collection {collection:?}; \
@@ -73,13 +85,13 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
         } else {
             (metadata.version.clone(), bytes.clone())
         };
-        resources.push(CachedResource::new(
-            name.into(),
+        resources.push(R::from(CachedResource::new(
+            name,
             version.into(),
             body_type_url,
             encoded,
             digest,
-        ));
+        )));
     }
     Ok(resources)
 }

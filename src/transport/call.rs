@@ -20,7 +20,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 use tower::ServiceExt;
 
-use super::requests::{RequestBudget, RequestStream};
+use super::requests::{FromBuffer, RequestBudget, RequestStream};
 
 /// One message as a gRPC frame: uncompressed, its length, its bytes.
 fn frame<M: prost::Message>(message: &M) -> Result<Frame<bytes::Bytes>, Status> {
@@ -150,7 +150,7 @@ pub async fn bidi<Req, Resp>(
 ) -> Result<(HeaderMap, RequestStream<Resp>), Status>
 where
     Req: prost::Message + 'static,
-    Resp: prost::Message + Default,
+    Resp: FromBuffer,
 {
     let Answered { headers, body, ended } = open(channel, path, outbound).await?;
     let stream = RequestStream::new(body, budget, message);

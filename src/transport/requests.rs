@@ -17,7 +17,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, BytesMut};
 use http_body::Body as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -128,6 +128,18 @@ async fn in_time<F: std::future::Future>(
     })
 }
 
+/// How a stream's messages are made from the buffer each is read into (a
+/// buffer of its own: the message may keep it, and change it first).
+pub trait FromBuffer: Sized {
+    fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError>;
+}
+
+impl<T: prost::Message + Default> FromBuffer for T {
+    fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+        T::decode(buf.freeze())
+    }
+}
+
 /// A large message being read: its size, and once the budget has room for
 /// it, the buffer it is read into.
 struct Large {
@@ -158,7 +170,7 @@ pub struct RequestStream<T> {
     _kind: PhantomData<fn() -> T>,
 }
 
-impl<T: prost::Message + Default> RequestStream<T> {
+impl<T: FromBuffer> RequestStream<T> {
     pub fn new(body: Body, budget: Arc<RequestBudget>, message: &'static str) -> Self {
         Self {
             body,
@@ -248,7 +260,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 message.put(self.buf.split_to(n));
                 if message.len() == len {
                     let (message, permit) = self.large.take().and_then(|l| l.reading).expect("checked");
-                    let decoded = self.decode(message.freeze());
+                    let decoded = self.decode(message);
                     drop(permit);
                     return decoded.map(Some);
                 }
@@ -292,21 +304,21 @@ impl<T: prost::Message + Default> RequestStream<T> {
                 continue;
             }
             self.buf.advance(HEADER);
-            let bytes = self.buf.split_to(len).freeze();
+            let bytes = self.buf.split_to(len);
             return self.decode(bytes).map(Some);
         }
     }
 
     /// Decodes a complete message; the next message's clock starts with its
     /// first byte.
-    fn decode(&mut self, bytes: Bytes) -> Result<T, Status> {
+    fn decode(&mut self, bytes: BytesMut) -> Result<T, Status> {
         self.started = (!self.buf.is_empty()).then(Instant::now);
         if self.buf.is_empty() {
             // A fresh small buffer: the old one may be shared with the
             // message just decoded.
             self.buf = BytesMut::new();
         }
-        T::decode(bytes)
+        T::from_buffer(bytes)
             .map_err(|e| Status::invalid_argument(format!("the {} is not a valid {}: {e}", self.what(), self.message)))
     }
 
@@ -342,6 +354,7 @@ impl<T: prost::Message + Default> RequestStream<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use std::future::Future;
     use std::pin::Pin;
     use std::task::{Context, Poll};

@@ -214,8 +214,12 @@ impl Content {
         }
     }
 
-    fn all(&self) -> Vec<Resource> {
-        self.versions.keys().map(|n| self.resource(n)).collect()
+    /// Every resource, in no order, as Galley sends a collection (a Go
+    /// map's order, another each time): `seed` picks the order.
+    fn all(&self, seed: u64) -> Vec<Resource> {
+        let mut names: Vec<&String> = self.versions.keys().collect();
+        names.sort_by_cached_key(|n| xxhash_rust::xxh3::xxh3_64_with_seed(n.as_bytes(), seed));
+        names.into_iter().map(|n| self.resource(n)).collect()
     }
 
     /// The version the gateway will report for this content.
@@ -271,7 +275,8 @@ impl Collections {
 
 impl Catalog for Collections {
     fn full_state(&self, collection: &str) -> Option<Vec<Resource>> {
-        self.contents.iter().find(|c| c.name == collection).map(Content::all)
+        // The initial state's order is seed 0's; each update's its own.
+        self.contents.iter().find(|c| c.name == collection).map(|c| c.all(0))
     }
 
     fn next_update(&mut self, update: usize) -> Update {
@@ -299,7 +304,7 @@ impl Catalog for Collections {
             resources: if self.shape.upstream_incremental {
                 names.iter().map(|n| content.resource(n)).collect()
             } else {
-                content.all()
+                content.all(update as u64 + 1)
             },
             incremental: self.shape.upstream_incremental,
         }

@@ -1,0 +1,789 @@
+//! How a collection's resources are stored: in chunks, runs of about 64
+//! resources whose bytes are one run of storage records, shared by every
+//! version in which the run is unchanged. A state-of-the-world response is
+//! its head followed by the chunks' bytes as they are.
+//!
+//! Chunks keep the order the resources arrived in, not name order: a source
+//! such as Galley sends a collection in no order (a Go map's), and a chunk
+//! in arrival order is a slice of the message the collection came in, so the
+//! message itself is the storage and the collection is never held twice.
+//! A change takes the changed resources out of their chunks (the rest of a
+//! chunk stays a slice of the same bytes) and stores the new ones in chunks
+//! at the end: the cost is the change, not the collection. Where only a
+//! little of a buffer is still stored, what is left is copied out, so the
+//! buffer is freed and never held for a few resources.
+
+use std::collections::BTreeMap;
+#[cfg(test)]
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use imbl::OrdMap;
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+
+use super::memo::Memo;
+use super::{CachedResource, ResourceMap};
+
+/// The field number of a chunk's storage records: the `resources` field of
+/// the legacy MCP responses, which is why those responses carry the chunks'
+/// bytes as they are.
+pub const STORAGE_FIELD: u32 = 2;
+
+/// Resources per chunk at most.
+const MAX_MEMBERS: usize = 64;
+
+/// What is left of a chunk after a change stays a slice of it if it holds
+/// at least this many resources; fewer are copied to the end, so a
+/// collection is never cut into many small parts.
+const MIN_MEMBERS: usize = 16;
+
+/// How many chunks of one size class the end gathers before they are merged
+/// into one of the next class (see [`Chunks::change`]).
+const END_CARRY: usize = 4;
+
+/// The size class of a chunk of `members` at the end: 1 to 3 members, 4 to
+/// 15, 16 to 63, full.
+fn size_class(members: usize) -> u32 {
+    members.max(1).ilog(END_CARRY)
+}
+
+/// A run of resources stored once and shared by every version in which the
+/// run is unchanged. The storage is a run of protobuf records of field
+/// [`STORAGE_FIELD`], `key, length, Resource`, one per member, in order.
+/// Other encodings are made from the members and memoized on the chunk.
+#[derive(Debug)]
+pub struct Chunk {
+    /// The run's resources; their `encoded` bytes are slices of `bytes`.
+    members: Vec<Arc<CachedResource>>,
+    bytes: Bytes,
+    /// Encodings readers made of this chunk.
+    pub memo: Memo,
+}
+
+impl Chunk {
+    /// The storage: one `STORAGE_FIELD` record per member.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    pub fn members(&self) -> &[Arc<CachedResource>] {
+        &self.members
+    }
+
+    fn new(members: Vec<Arc<CachedResource>>, bytes: Bytes) -> Arc<Self> {
+        Arc::new(Chunk {
+            members,
+            bytes,
+            memo: Memo::default(),
+        })
+    }
+
+    /// Where `member`'s storage record lies in the chunk's bytes.
+    fn record_of(&self, member: &CachedResource) -> Range<usize> {
+        let start = member.encoded.as_ptr() as usize - self.bytes.as_ptr() as usize;
+        start - header_len(member.encoded.len())..start + member.encoded.len()
+    }
+}
+
+/// The length of a storage record's key and length prefix.
+fn header_len(resource_len: usize) -> usize {
+    key_len(STORAGE_FIELD) + encoded_len_varint(resource_len as u64)
+}
+
+/// Appends one storage record and returns where the resource's bytes start.
+pub(super) fn put_record(resource: &[u8], buf: &mut BytesMut) -> usize {
+    encode_key(STORAGE_FIELD, WireType::LengthDelimited, buf);
+    encode_varint(resource.len() as u64, buf);
+    let start = buf.len();
+    buf.put_slice(resource);
+    start
+}
+
+/// Where `resource`'s storage record lies in `message`, if its bytes are a
+/// slice of `message` preceded by a storage record's key and length (a
+/// source's message whose records were relabelled as storage records when
+/// it was read).
+fn record_in(message: &Bytes, resource: &CachedResource) -> Option<Range<usize>> {
+    let base = message.as_ptr() as usize;
+    let at = (resource.encoded.as_ptr() as usize).checked_sub(base)?;
+    let end = at.checked_add(resource.encoded.len())?;
+    let start = at.checked_sub(header_len(resource.encoded.len()))?;
+    if end > message.len() {
+        return None;
+    }
+    let mut header = [0u8; 16];
+    let mut out = &mut header[..];
+    encode_key(STORAGE_FIELD, WireType::LengthDelimited, &mut out);
+    encode_varint(resource.encoded.len() as u64, &mut out);
+    (message[start..at] == header[..at - start]).then_some(start..end)
+}
+
+/// Where a chunk sits in the collection's order: the buffer its bytes are
+/// a slice of (numbered as buffers are taken in), then its address there,
+/// which within one buffer is the order its records arrived in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Place {
+    buffer: u64,
+    at: usize,
+}
+
+/// A buffer that chunks are slices of, none of them the whole of it (a
+/// message, or a chunk cut by a change): its whole length, which stays
+/// allocated while any chunk uses it, and how much of it the chunks still
+/// use. A chunk that is the whole of its buffer has no entry: most chunks,
+/// so a change rarely writes this map.
+#[derive(Clone, Copy, Debug)]
+struct Buffer {
+    len: usize,
+    used: usize,
+}
+
+/// The chunks of one collection, in order. Persistent maps, so a changed
+/// version shares all but its changed chunks with the one before.
+#[derive(Clone, Debug, Default)]
+pub struct Chunks {
+    order: OrdMap<Place, Arc<Chunk>>,
+    /// Each chunk's place by the address of its first byte: how a resource
+    /// finds the chunk it is stored in (its bytes lie in that chunk's).
+    starts: OrdMap<usize, Place>,
+    buffers: OrdMap<u64, Buffer>,
+    /// The number the next buffer taken in gets.
+    next_buffer: u64,
+}
+
+impl Chunks {
+    /// The chunks in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &Arc<Chunk>> + '_ {
+        self.order.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// A whole collection stored afresh, `arrived` in the order given
+    /// (each name once). Where resources' storage records lie one after
+    /// another in `message`, their chunks are slices of it (no copy); the
+    /// rest are copied into chunks of their own and re-pointed in
+    /// `resources`. A message mostly not used so is not kept: everything
+    /// is copied and the message freed.
+    pub(super) fn build(
+        arrived: Vec<Arc<CachedResource>>,
+        message: Option<&Bytes>,
+        resources: &mut ResourceMap,
+    ) -> Self {
+        let mut chunks = Chunks::default();
+        let in_message: usize = message.map_or(0, |m| {
+            arrived.iter().filter_map(|r| record_in(m, r)).map(|r| r.len()).sum()
+        });
+        let message = message.filter(|m| in_message > 0 && in_message * 2 >= m.len());
+        let buffer = message.map(|_| chunks.number_buffer());
+        let mut run: Vec<Arc<CachedResource>> = Vec::new();
+        // The run's records in the message, when it is a slice of it.
+        let mut run_record: Option<Range<usize>> = None;
+        for resource in arrived {
+            let record = message.and_then(|m| record_in(m, &resource));
+            let continues = run.len() < MAX_MEMBERS
+                && match (&run_record, &record) {
+                    (Some(run), Some(record)) => run.end == record.start,
+                    (None, None) => true,
+                    _ => false,
+                };
+            if !continues && !run.is_empty() {
+                chunks.store_run(&mut run, run_record.take(), message.zip(buffer), resources);
+            }
+            run_record = match (run_record.take(), record) {
+                (Some(run), Some(record)) => Some(run.start..record.end),
+                (_, record) => record,
+            };
+            run.push(resource);
+        }
+        chunks.store_run(&mut run, run_record, message.zip(buffer), resources);
+        if let (Some(message), Some(buffer)) = (message, buffer) {
+            let used = chunks
+                .order
+                .iter()
+                .filter(|(place, _)| place.buffer == buffer)
+                .map(|(_, chunk)| chunk.bytes.len())
+                .sum();
+            let len = message.len();
+            chunks.buffers.insert(buffer, Buffer { len, used });
+        }
+        chunks
+    }
+
+    /// These chunks after a change: `gone`, resources they store (replaced
+    /// or removed), are taken out of their chunks, and `added` is stored in
+    /// a chunk at the end, with what is left of a chunk when that is too
+    /// small to stay on its own or its buffer is mostly unused. Resources
+    /// copied into new chunks are re-pointed in `resources`. The cost is the
+    /// change: the chunks it falls in are cut (no copy), and the end's few
+    /// small chunks merged now and then.
+    pub(super) fn change(
+        &self,
+        gone: &[Arc<CachedResource>],
+        added: &[Arc<CachedResource>],
+        resources: &mut ResourceMap,
+    ) -> Self {
+        let mut next = self.clone();
+        // The chunks that lose members, and the addresses of those members.
+        let mut hit: BTreeMap<Place, Vec<usize>> = BTreeMap::new();
+        for resource in gone {
+            match next.place_of(resource) {
+                Some(place) => hit.entry(place).or_default().push(resource.encoded.as_ptr() as usize),
+                None => debug_assert!(false, "{:?} is not stored in these chunks", resource.name),
+            }
+        }
+        let mut moved: Vec<Arc<CachedResource>> = Vec::new();
+        let mut touched: Vec<u64> = Vec::new();
+        for (place, lost) in hit {
+            let chunk = next.take(place);
+            touched.push(place.buffer);
+            // What is left of it stays as slices of its buffer.
+            let mut buffer = next.buffers.get(&place.buffer).copied().unwrap_or(Buffer {
+                len: chunk.bytes.len(),
+                used: chunk.bytes.len(),
+            });
+            buffer.used -= chunk.bytes.len();
+            let mut piece = Vec::new();
+            for member in &chunk.members {
+                if lost.contains(&(member.encoded.as_ptr() as usize)) {
+                    buffer.used += next.keep_piece(&chunk, &mut piece, place.buffer, &mut moved);
+                } else {
+                    piece.push(member.clone());
+                }
+            }
+            buffer.used += next.keep_piece(&chunk, &mut piece, place.buffer, &mut moved);
+            if buffer.used == 0 {
+                next.buffers.remove(&place.buffer);
+            } else {
+                next.buffers.insert(place.buffer, buffer);
+            }
+            // A small chunk of its own just before a cut one moves too: small
+            // chunks are only ever the last ones, where the next change
+            // merges them (hits come in order, so this one is not a hit).
+            let before = next
+                .order
+                .range(..place)
+                .next_back()
+                .map(|(p, c)| (*p, c.members.len()));
+            if let Some((before, members)) = before {
+                if members < MIN_MEMBERS && next.is_whole(before) {
+                    moved.extend(next.remove(before).members.iter().cloned());
+                }
+            }
+        }
+        // A buffer mostly unused is freed: what it still stores moves.
+        touched.dedup();
+        for buffer in touched {
+            if next.buffers.get(&buffer).is_some_and(|b| b.used * 2 < b.len) {
+                let places: Vec<Place> = next
+                    .order
+                    .range(
+                        Place { buffer, at: 0 }..Place {
+                            buffer: buffer + 1,
+                            at: 0,
+                        },
+                    )
+                    .map(|(place, _)| *place)
+                    .collect();
+                for place in places {
+                    moved.extend(next.remove(place).members.iter().cloned());
+                }
+            }
+        }
+        let mut end = moved;
+        end.extend(added.iter().cloned());
+        if end.is_empty() {
+            return next;
+        }
+        // The end keeps a few small chunks of its own, as a base-4 counter
+        // keeps digits: a smaller chunk than what is stored now is merged
+        // with it, and when the last chunks are `END_CARRY - 1` of its size
+        // class they are merged with it into a chunk of the next class. A
+        // resource is copied a few times on its way to a full chunk (once
+        // per class), not once per change after it, and the end is never
+        // more than a few chunks.
+        loop {
+            let class = size_class(end.len());
+            // The last chunks, newest first, while they are small ones of
+            // the end's own.
+            let last: Vec<(Place, u32)> = next
+                .order
+                .iter()
+                .rev()
+                .take_while(|(place, chunk)| chunk.members.len() < MAX_MEMBERS && next.is_whole(**place))
+                .take(END_CARRY - 1)
+                .map(|(place, chunk)| (*place, size_class(chunk.members.len())))
+                .collect();
+            let carried: Vec<Place> = match last.first() {
+                Some(&(place, smaller)) if smaller < class => vec![place],
+                _ if last.len() == END_CARRY - 1 && last.iter().all(|(_, c)| *c == class) => {
+                    last.iter().map(|(place, _)| *place).collect()
+                }
+                _ => break,
+            };
+            let mut merged: Vec<Arc<CachedResource>> = Vec::new();
+            for place in carried.into_iter().rev() {
+                merged.extend(next.remove(place).members.iter().cloned());
+            }
+            merged.append(&mut end);
+            end = merged;
+        }
+        for run in end.chunks(MAX_MEMBERS) {
+            next.store_run(&mut run.to_vec(), None, None, resources);
+        }
+        next
+    }
+
+    /// Stores `run` (emptied) as one chunk at the end: the records
+    /// `record` of `message` (whose buffer is numbered as given) where it
+    /// is a slice of it, else a copy in a buffer of its own, its members
+    /// re-pointed in `resources`.
+    fn store_run(
+        &mut self,
+        run: &mut Vec<Arc<CachedResource>>,
+        record: Option<Range<usize>>,
+        message: Option<(&Bytes, u64)>,
+        resources: &mut ResourceMap,
+    ) {
+        if run.is_empty() {
+            return;
+        }
+        if let (Some(record), Some((message, buffer))) = (record, message) {
+            let bytes = message.slice(record);
+            self.put(buffer, Chunk::new(std::mem::take(run), bytes));
+            return;
+        }
+        let len: usize = run.iter().map(|r| header_len(r.encoded.len()) + r.encoded.len()).sum();
+        let mut buf = BytesMut::with_capacity(len);
+        let starts: Vec<usize> = run.iter().map(|r| put_record(&r.encoded, &mut buf)).collect();
+        let bytes = buf.freeze();
+        let members: Vec<Arc<CachedResource>> = run
+            .drain(..)
+            .zip(starts)
+            .map(|(r, start)| Arc::new(r.repointed(bytes.slice(start..start + r.encoded.len()))))
+            .collect();
+        for member in &members {
+            resources.insert(member.name.clone(), member.clone());
+        }
+        let buffer = self.number_buffer();
+        self.put(buffer, Chunk::new(members, bytes));
+    }
+
+    /// `piece` (emptied), what is left of `chunk` between changes: a chunk
+    /// of its own, a slice of the same bytes, if it is large enough, else
+    /// added to `moved`. Returns the bytes it keeps of the buffer.
+    fn keep_piece(
+        &mut self,
+        chunk: &Chunk,
+        piece: &mut Vec<Arc<CachedResource>>,
+        buffer: u64,
+        moved: &mut Vec<Arc<CachedResource>>,
+    ) -> usize {
+        if piece.len() < MIN_MEMBERS {
+            moved.append(piece);
+            return 0;
+        }
+        let (first, last) = (&piece[0], &piece[piece.len() - 1]);
+        let bytes = chunk
+            .bytes
+            .slice(chunk.record_of(first).start..chunk.record_of(last).end);
+        let kept = bytes.len();
+        self.put(buffer, Chunk::new(std::mem::take(piece), bytes));
+        kept
+    }
+
+    /// Whether the chunk at `place` is the whole of its buffer (one made at
+    /// the end, not a piece of one or of a message).
+    fn is_whole(&self, place: Place) -> bool {
+        !self.buffers.contains_key(&place.buffer)
+    }
+
+    fn number_buffer(&mut self) -> u64 {
+        let buffer = self.next_buffer;
+        self.next_buffer += 1;
+        buffer
+    }
+
+    /// Puts `chunk` in its place (its buffer's use is the caller's).
+    fn put(&mut self, buffer: u64, chunk: Arc<Chunk>) {
+        let place = Place {
+            buffer,
+            at: chunk.bytes.as_ptr() as usize,
+        };
+        self.starts.insert(place.at, place);
+        self.order.insert(place, chunk);
+    }
+
+    /// Takes the chunk at `place` out (its buffer's use is the caller's).
+    fn take(&mut self, place: Place) -> Arc<Chunk> {
+        self.starts.remove(&place.at);
+        self.order.remove(&place).expect("a chunk of these chunks")
+    }
+
+    /// Takes the chunk at `place` out, and its bytes out of its buffer's use.
+    fn remove(&mut self, place: Place) -> Arc<Chunk> {
+        let chunk = self.take(place);
+        if let Some(mut buffer) = self.buffers.get(&place.buffer).copied() {
+            buffer.used -= chunk.bytes.len();
+            if buffer.used == 0 {
+                self.buffers.remove(&place.buffer);
+            } else {
+                self.buffers.insert(place.buffer, buffer);
+            }
+        }
+        chunk
+    }
+
+    /// The place of the chunk that stores `resource`: the chunk whose bytes
+    /// hold its bytes.
+    fn place_of(&self, resource: &CachedResource) -> Option<Place> {
+        let at = resource.encoded.as_ptr() as usize;
+        let (_, place) = self.starts.get_prev(&at)?;
+        let chunk = self.order.get(place)?;
+        (at < place.at + chunk.bytes.len()).then_some(*place)
+    }
+
+    /// Bytes of the buffers the chunks are slices of: what storing them
+    /// holds.
+    #[cfg(test)]
+    pub(super) fn held_bytes(&self) -> usize {
+        self.buffers.values().map(|b| b.len).sum::<usize>() + self.whole_bytes()
+    }
+
+    /// Bytes of the chunks themselves.
+    #[cfg(test)]
+    pub(super) fn used_bytes(&self) -> usize {
+        self.buffers.values().map(|b| b.used).sum::<usize>() + self.whole_bytes()
+    }
+
+    /// Whether each buffer's use is what its chunks hold, and every chunk
+    /// without an entry is the whole of its buffer.
+    #[cfg(test)]
+    pub(super) fn accounted(&self) -> bool {
+        let mut used: HashMap<u64, usize> = HashMap::new();
+        for (place, chunk) in self.order.iter() {
+            *used.entry(place.buffer).or_default() += chunk.bytes.len();
+        }
+        let entries = self
+            .buffers
+            .iter()
+            .all(|(buffer, b)| used.get(buffer) == Some(&b.used) && b.used <= b.len);
+        let wholes = used
+            .keys()
+            .filter(|b| !self.buffers.contains_key(*b))
+            .all(|b| self.order.iter().filter(|(place, _)| place.buffer == *b).count() == 1);
+        entries && wholes
+    }
+
+    #[cfg(test)]
+    fn whole_bytes(&self) -> usize {
+        self.order
+            .iter()
+            .filter(|(place, _)| self.is_whole(**place))
+            .map(|(_, chunk)| chunk.bytes.len())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::cache::{collection_version, content_digest, Cache, CacheWriter, CollectionSnapshot, Origin, Update};
+
+    const C: &str = "istio/networking/v1alpha3/gateways";
+
+    fn digest(body: &str) -> u128 {
+        let none = HashMap::<String, String>::new();
+        content_digest(body.as_bytes(), &none, &none)
+    }
+
+    /// Resource `name` at `version`, with bytes of its own.
+    fn resource(name: &str, version: &str) -> CachedResource {
+        let body = format!("{name}@{version}");
+        CachedResource::new(
+            name.into(),
+            version.into(),
+            "t".into(),
+            Bytes::from(body.clone()),
+            digest(&body),
+        )
+    }
+
+    /// A source's message holding `resources` in the order given, as the
+    /// source's stream reads one (its records relabelled as storage records,
+    /// between fields that are not resources), and the resources decoded
+    /// from it: slices of it.
+    fn a_message(resources: &[(String, String)]) -> (Bytes, Vec<CachedResource>) {
+        let mut buf = BytesMut::new();
+        prost::encoding::string::encode(1, &"source version".to_owned(), &mut buf);
+        let mut at = Vec::new();
+        for (name, version) in resources {
+            let body = format!("{name}@{version}");
+            let start = put_record(body.as_bytes(), &mut buf);
+            at.push(start..start + body.len());
+        }
+        prost::encoding::string::encode(5, &"nonce".to_owned(), &mut buf);
+        let message = buf.freeze();
+        let decoded = resources
+            .iter()
+            .zip(at)
+            .map(|((name, version), at)| {
+                let body = format!("{name}@{version}");
+                CachedResource::new(
+                    name.as_str().into(),
+                    version.as_str().into(),
+                    "t".into(),
+                    message.slice(at),
+                    digest(&body),
+                )
+            })
+            .collect();
+        (message, decoded)
+    }
+
+    fn names(range: std::ops::Range<usize>) -> Vec<(String, String)> {
+        // Not in name order: as a Go map would send them.
+        let mut names: Vec<(String, String)> = range.map(|i| (format!("r{i:05}"), "1".to_owned())).collect();
+        names.sort_by_key(|(name, _)| xxhash_rust::xxh3::xxh3_64(name.as_bytes()));
+        names
+    }
+
+    /// A cache holding `all`, stored as the message it came in.
+    fn adopted(all: &[(String, String)]) -> (Arc<Cache>, CacheWriter, Bytes) {
+        let (cache, mut writer) = Cache::new();
+        let (message, decoded) = a_message(all);
+        writer.apply_message(C, Update::Full(decoded), Origin::Upstream, &message);
+        (cache, writer, message)
+    }
+
+    fn within(bytes: &Bytes, inner: &[u8]) -> bool {
+        let range = bytes.as_ptr() as usize..bytes.as_ptr() as usize + bytes.len();
+        range.contains(&(inner.as_ptr() as usize))
+    }
+
+    /// What every snapshot's chunks must be: each resource stored once, in
+    /// one chunk, as the very `Arc` the snapshot's map holds, its bytes a
+    /// slice of its chunk's; each chunk its members' storage records in
+    /// order; the collection in few parts; no buffer held for little.
+    fn check_stored(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
+        let mut stored = 0;
+        for chunk in snapshot.chunks() {
+            let mut records = BytesMut::new();
+            for member in chunk.members() {
+                put_record(&member.encoded, &mut records);
+                let held = snapshot.resources.get(&*member.name);
+                prop_assert!(held.is_some_and(|h| Arc::ptr_eq(h, member)), "{:?}", member.name);
+                prop_assert!(within(chunk.bytes(), &member.encoded));
+            }
+            prop_assert_eq!(&records[..], &chunk.bytes()[..]);
+            prop_assert!(!chunk.members().is_empty() && chunk.members().len() <= MAX_MEMBERS);
+            stored += chunk.members().len();
+        }
+        prop_assert_eq!(stored, snapshot.len(), "every resource once");
+        // Pieces hold at least `MIN_MEMBERS`; the end holds at most
+        // `END_CARRY - 1` small chunks of each size class below full.
+        prop_assert!(snapshot.chunk_count() <= snapshot.len() / MIN_MEMBERS + 3 * (END_CARRY - 1) + 1);
+        prop_assert!(snapshot.chunks.accounted());
+        prop_assert!(snapshot.chunks.held_bytes() <= 2 * snapshot.chunks.used_bytes() + 64);
+        prop_assert_eq!(&*snapshot.version, collection_version(&snapshot.resources));
+        Ok(())
+    }
+
+    #[test]
+    fn a_collection_in_any_order_is_stored_as_the_message_it_came_in() {
+        let (cache, mut writer) = Cache::new();
+        let (message, decoded) = a_message(&names(0..2000));
+        let arrived: Vec<Arc<str>> = decoded.iter().map(|r| r.name.clone()).collect();
+        writer.apply_message(C, Update::Full(decoded), Origin::Upstream, &message);
+        let snapshot = cache.get(C).unwrap();
+        check_stored(&snapshot).unwrap();
+        assert_eq!(snapshot.chunk_count(), 2000usize.div_ceil(MAX_MEMBERS));
+        assert!(
+            snapshot.chunks().all(|c| within(&message, c.bytes())),
+            "every chunk is a slice of the message: nothing copied"
+        );
+        assert_eq!(snapshot.chunks.held_bytes(), message.len());
+        let order: Vec<Arc<str>> = snapshot
+            .chunks()
+            .flat_map(|c| c.members().iter().map(|m| m.name.clone()))
+            .collect();
+        assert_eq!(order, arrived, "in the order it arrived");
+
+        // Resources that do not lie in the message as storage records (a
+        // version filled in, another message) are copied.
+        let (other, mut decoded) = a_message(&names(0..3));
+        decoded.push(resource("own", "1"));
+        writer.apply_message("other", Update::Full(decoded), Origin::Upstream, &other);
+        let snapshot = cache.get("other").unwrap();
+        check_stored(&snapshot).unwrap();
+        assert_eq!(snapshot.chunk_count(), 2);
+        assert!(!within(&other, snapshot.chunks().last().unwrap().bytes()));
+    }
+
+    #[test]
+    fn a_change_takes_its_resource_out_of_its_chunk_and_shares_the_rest() {
+        let all = names(0..2000);
+        let (cache, mut writer, message) = adopted(&all);
+        let before = cache.get(C).unwrap();
+        // A resource in the middle of its chunk: both sides stay.
+        let hit = before.chunks().nth(10).unwrap();
+        let changed = hit.members()[MAX_MEMBERS / 2].name.to_string();
+        writer.apply(
+            C,
+            Update::Incremental {
+                upserts: vec![resource(&changed, "2")],
+                removed: vec![],
+            },
+            Origin::Upstream,
+        );
+        let after = cache.get(C).unwrap();
+        check_stored(&after).unwrap();
+        let shared = after
+            .chunks()
+            .filter(|c| before.chunks().any(|b| Arc::ptr_eq(b, c)))
+            .count();
+        assert_eq!(shared, before.chunk_count() - 1, "all but the changed chunk are shared");
+        assert_eq!(
+            after.chunk_count(),
+            before.chunk_count() + 2,
+            "its two sides and the change"
+        );
+        let last = after.chunks().last().unwrap();
+        assert_eq!(last.members().len(), 1);
+        assert_eq!(*last.members()[0].name, changed);
+        assert!(after
+            .chunks()
+            .take(after.chunk_count() - 1)
+            .all(|c| within(&message, c.bytes())));
+
+        // A full state of the same content, in another order, changes nothing.
+        let mut again = all.clone();
+        again.reverse();
+        let (resent, decoded) = a_message(&again);
+        writer.apply_message(C, Update::Full(decoded), Origin::Upstream, &resent);
+        let resent_snapshot = cache.get(C).unwrap();
+        assert_eq!(resent_snapshot.version, before.version, "the version is the content's");
+        assert!(
+            resent_snapshot.chunks().all(|c| !within(&resent, c.bytes())),
+            "a full state that changes little is applied as its change: its message is not kept"
+        );
+        let shared = resent_snapshot
+            .chunks()
+            .filter(|c| after.chunks().any(|a| Arc::ptr_eq(a, c)))
+            .count();
+        assert_eq!(shared, after.chunk_count() - 1, "all but the one that held the change");
+    }
+
+    #[test]
+    fn a_buffer_mostly_unused_is_copied_out_and_freed() {
+        let all = names(0..200);
+        let (cache, mut writer, message) = adopted(&all);
+        for (name, _) in all.iter().take(101) {
+            writer.apply(
+                C,
+                Update::Incremental {
+                    upserts: vec![],
+                    removed: vec![name.clone()],
+                },
+                Origin::Upstream,
+            );
+            check_stored(&cache.get(C).unwrap()).unwrap();
+        }
+        let snapshot = cache.get(C).unwrap();
+        assert_eq!(snapshot.len(), 99);
+        assert!(
+            snapshot.chunks().all(|c| !within(&message, c.bytes())),
+            "once less than half of it is stored, the message is no longer held"
+        );
+        assert!(snapshot.resources.values().all(|r| !within(&message, &r.encoded)));
+    }
+
+    /// An update of generated names (`n{i}`) at versions `v`: incremental, or
+    /// a full state of those upserts in the order given, in a message.
+    fn step(full: bool, upserts: &[(u16, u8)], removed: &[u16]) -> (Update, Option<Bytes>) {
+        let name = |i: u16| format!("n{i:03}");
+        if full {
+            let mut seen = std::collections::HashSet::new();
+            let all: Vec<(String, String)> = upserts
+                .iter()
+                .filter(|(i, _)| seen.insert(*i))
+                .map(|(i, v)| (name(*i), v.to_string()))
+                .collect();
+            let (message, decoded) = a_message(&all);
+            return (Update::Full(decoded), Some(message));
+        }
+        let update = Update::Incremental {
+            upserts: upserts
+                .iter()
+                .map(|(i, v)| resource(&name(*i), &v.to_string()))
+                .collect(),
+            removed: removed.iter().map(|i| name(*i)).collect(),
+        };
+        (update, None)
+    }
+
+    proptest! {
+        /// Under any applies, in any order, chunks kept change by change
+        /// hold every resource once, in few parts, without holding buffers
+        /// for little, and a pinned older version rebuilt from the history
+        /// does too.
+        #[test]
+        fn chunks_hold_every_resource_once_under_any_changes(
+            steps in proptest::collection::vec(
+                (
+                    proptest::bool::weighted(0.2),
+                    proptest::collection::vec((0u16..400, 0u8..3), 0..120),
+                    proptest::collection::vec(0u16..400, 0..40),
+                ),
+                1..10,
+            ),
+        ) {
+            let (cache, mut writer) = Cache::with_history(3);
+            for (full, upserts, removed) in steps {
+                match step(full, &upserts, &removed) {
+                    (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
+                    (update, None) => writer.apply(C, update, Origin::Upstream),
+                };
+                let now = cache.get(C).unwrap();
+                check_stored(&now)?;
+                for entry in cache.history(C).unwrap() {
+                    check_stored(&cache.version_snapshot(C, &entry.version).unwrap())?;
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// The same under a long run of single changes (what a busy
+        /// collection sees): the end's small chunks merge, cut chunks stay
+        /// few and large.
+        #[test]
+        fn chunks_stay_few_under_many_single_changes(
+            changes in proptest::collection::vec((0u16..300, 0u8..4), 1..400),
+        ) {
+            let (cache, mut writer, _) = adopted(&names(0..300));
+            for (i, version) in changes {
+                let name = format!("r{i:05}");
+                let update = if version == 0 {
+                    Update::Incremental { upserts: vec![], removed: vec![name] }
+                } else {
+                    Update::Incremental { upserts: vec![resource(&name, &version.to_string())], removed: vec![] }
+                };
+                writer.apply(C, update, Origin::Upstream);
+                check_stored(&cache.get(C).unwrap())?;
+            }
+        }
+    }
+}
