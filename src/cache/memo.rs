@@ -105,6 +105,18 @@ impl Memo {
         }
     }
 
+    /// `read`s the value for `key` where it is, if there is one: no
+    /// reference taken (a response that copies a resource's form into its
+    /// buffer touches nothing else).
+    pub fn read<T: Any + Send + Sync, R>(&self, key: &MemoKey, read: impl FnOnce(&T) -> R) -> Option<R> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.downcast_ref::<T>())
+            .map(read)
+    }
+
     /// A memo holding the same values (shared, not copied).
     fn shallow_clone(&self) -> Memo {
         Memo {
@@ -136,6 +148,11 @@ impl LazyMemo {
         make: impl FnOnce() -> T,
     ) -> Arc<T> {
         self.0.get_or_init(Box::default).get_or_make(key, max_of_kind, make)
+    }
+
+    /// See [`Memo::read`].
+    pub fn read<T: Any + Send + Sync, R>(&self, key: &MemoKey, read: impl FnOnce(&T) -> R) -> Option<R> {
+        self.0.get()?.read(key, read)
     }
 
     /// See [`Memo::put`].

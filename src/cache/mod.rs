@@ -1348,7 +1348,7 @@ mod tests {
                 let mut removed = Vec::new();
                 for &(n, what) in change {
                     match what {
-                        0 => removed.push(name(n).into()),
+                        0 => removed.push(name(n)),
                         _ => upserts.push(resource(&name(n), &format!("{}", step + 1))),
                     }
                 }

@@ -53,6 +53,11 @@ impl NameSet {
         self.0.binary_search_by(|n| (**n).cmp(name)).is_ok()
     }
 
+    /// The same names: the same storage, or equal.
+    fn same(&self, other: &NameSet) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+
     pub fn len(&self) -> usize {
         self.0.len()
     }
@@ -156,6 +161,20 @@ pub struct Named {
     held: Names,
     /// Names it must be sent (or told are gone) whatever it holds.
     resend: BTreeSet<Arc<str>>,
+    /// State of the world: the resources its names selected last, so that
+    /// the next selection reads only the names that changed since (an
+    /// Envoy asks for ~50 endpoints of tens of thousands; each push changes
+    /// one or two of them).
+    selection: Option<Selection>,
+}
+
+/// The resources of `names` in the collection at `version`, in name order:
+/// a function of the two, whatever the client did with them.
+#[derive(Clone, Debug)]
+struct Selection {
+    names: NameSet,
+    version: Arc<str>,
+    resources: Vec<Arc<CachedResource>>,
 }
 
 impl Named {
@@ -185,6 +204,7 @@ impl Named {
                     Names::default()
                 },
                 resend: BTreeSet::new(),
+                selection: None,
             })
         });
         let shared = |name: &str| -> Arc<str> {
@@ -308,16 +328,76 @@ impl Named {
         }
     }
 
-    /// State of the world: the resources of `to` the client asked for.
-    pub fn selected(&self, to: &CollectionSnapshot) -> Vec<Arc<CachedResource>> {
+    /// State of the world: the resources of `to` the client asked for. From
+    /// its last selection when that was at `from`: only the names that
+    /// changed from `from` to `to` are looked up (the changed names are
+    /// found once per pair of versions, see [`Self::touched`]).
+    pub fn selected(&mut self, from: Option<&CollectionSnapshot>, to: &CollectionSnapshot) -> Vec<Arc<CachedResource>> {
         if self.current.wildcard {
             return to.resources.values().cloned().collect();
         }
-        self.current
-            .names
-            .iter()
-            .filter_map(|name| to.resources.get(name).cloned())
-            .collect()
+        let last = self.selection.take().filter(|last| {
+            last.names.same(&self.current.names) && from.is_some_and(|from| from.version == last.version)
+        });
+        let resources = match (last, from) {
+            (Some(last), Some(from)) => self.reselected(last.resources, &changed_names(from, to), to),
+            _ => self
+                .current
+                .names
+                .iter()
+                .filter_map(|name| to.resources.get(name).cloned())
+                .collect(),
+        };
+        self.selection = Some(Selection {
+            names: self.current.names.clone(),
+            version: to.version.clone(),
+            resources: resources.clone(),
+        });
+        resources
+    }
+
+    /// `last`, the selection of a version before, with each of the client's
+    /// names among `changed` as `to` has it (changed, new or gone).
+    fn reselected(
+        &self,
+        mut last: Vec<Arc<CachedResource>>,
+        changed: &HashSet<Arc<str>>,
+        to: &CollectionSnapshot,
+    ) -> Vec<Arc<CachedResource>> {
+        let names = &self.current.names;
+        let mine: Vec<&Arc<str>> = if changed.len() < names.len() {
+            let mut mine: Vec<&Arc<str>> = changed.iter().filter(|n| names.contains(n)).collect();
+            mine.sort_unstable();
+            mine
+        } else {
+            names.iter().filter(|n| changed.contains(&***n)).collect()
+        };
+        for name in mine {
+            let at = last.binary_search_by(|r| (*r.name).cmp(name));
+            match (at, to.resources.get(name)) {
+                (Ok(i), Some(now)) => last[i] = now.clone(),
+                (Err(i), Some(now)) => last.insert(i, now.clone()),
+                (Ok(i), None) => {
+                    last.remove(i);
+                }
+                (Err(_), None) => {}
+            }
+        }
+        last
+    }
+
+    /// The client's names are as selected at `from` in `to` as well (none of
+    /// them changed): the last selection holds for `to`.
+    pub fn untouched_since(&mut self, from: &str, to: &Arc<str>) {
+        let current = &self.current.names;
+        match self.selection.as_mut() {
+            Some(selection) if *selection.version == *from && selection.names.same(current) => {
+                selection.version = to.clone();
+            }
+            // Of other names or another version: what holds for `to` is
+            // not known.
+            _ => self.selection = None,
+        }
     }
 
     /// Delta: what the client must be sent to hold `to` as subscribed, from
@@ -430,6 +510,69 @@ fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
 mod tests {
     use super::*;
     use crate::cache::{Cache, Origin, Update};
+
+    fn resource(name: &str, version: &str) -> CachedResource {
+        let none = std::collections::HashMap::<String, String>::new();
+        let body = format!("{name}@{version}");
+        let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
+        CachedResource::new(
+            name.into(),
+            version.into(),
+            "t".into(),
+            bytes::Bytes::from(body),
+            digest,
+        )
+    }
+
+    /// A state-of-the-world selection made from the last one (only the
+    /// names that changed looked up) is the selection made afresh, through
+    /// changes to the client's names, to others', new names and removals,
+    /// and versions that left its names alone.
+    #[test]
+    fn a_selection_from_the_last_one_is_the_fresh_one() {
+        proptest::proptest!(proptest::test_runner::Config::with_cases(32), |(
+            asked in proptest::collection::btree_set(0usize..120, 1..30),
+            steps in proptest::collection::vec(proptest::collection::vec((0usize..120, 0u8..6), 0..12), 1..10),
+        )| {
+            let name = |n: usize| format!("r{n:03}");
+            let (cache, mut writer) = Cache::new();
+            writer.apply("c", Update::Full((0..100).map(|n| resource(&name(n), "0")).collect()), Origin::Upstream);
+            let asked: Vec<String> = asked.iter().map(|&n| name(n)).collect();
+            let mut named = None;
+            Named::apply(&mut named, NameChange::Replace(&asked), false, cache.get("c").as_deref(), 1000).unwrap();
+            let named = named.as_mut().unwrap();
+            let mut from = cache.get("c").unwrap();
+            named.selected(None, &from);
+            for (step, changes) in steps.iter().enumerate() {
+                let mut upserts = Vec::new();
+                let mut removed = Vec::new();
+                for &(n, what) in changes {
+                    match what {
+                        0 => removed.push(name(n)),
+                        _ => upserts.push(resource(&name(n), &(step + 1).to_string())),
+                    }
+                }
+                writer.apply("c", Update::Incremental { upserts, removed }, Origin::Upstream);
+                let to = cache.get("c").unwrap();
+                let fresh: Vec<(String, String)> = asked
+                    .iter()
+                    .filter_map(|n| to.resources.get(n.as_str()))
+                    .map(|r| (r.name.to_string(), r.version.to_string()))
+                    .collect();
+                if named.touched(&from, &to) {
+                    let got: Vec<(String, String)> = named
+                        .selected(Some(&from), &to)
+                        .iter()
+                        .map(|r| (r.name.to_string(), r.version.to_string()))
+                        .collect();
+                    proptest::prop_assert_eq!(got, fresh);
+                } else {
+                    named.untouched_since(&from.version, &to.version);
+                }
+                from = to;
+            }
+        });
+    }
 
     /// An idle named client costs its names once: the subscription, what
     /// it holds and the debug view share one slice, and each name is the

@@ -395,14 +395,20 @@ impl TypeState {
         }
         let to = current.clone();
         let push = match (self.mode, self.family) {
-            (Mode::Full, _) => match self.named.as_deref() {
-                Some(named) if !named.current().wildcard => Push::Selected {
-                    diff: Diff {
-                        upserts: named.selected(&to),
-                        removed: Vec::new(),
-                    },
-                    to,
-                },
+            (Mode::Full, _) => match self.named.as_deref_mut() {
+                Some(named) if !named.current().wildcard => {
+                    let from = match (&self.sent, &self.held) {
+                        (Some(sent), _) | (None, Held::At(sent)) => Some(&**sent),
+                        _ => None,
+                    };
+                    Push::Selected {
+                        diff: Diff {
+                            upserts: named.selected(from, &to),
+                            removed: Vec::new(),
+                        },
+                        to,
+                    }
+                }
                 _ => Push::Full { to },
             },
             (Mode::Incremental, Family::Xds) if !self.shared_first_or_diff() => {
@@ -482,8 +488,11 @@ impl TypeState {
         if self.sent.as_ref().is_some_and(|sent| sent.version == current.version) {
             return;
         }
-        if self.sent.is_some() {
-            self.sent = Some(current.clone());
+        if let Some(sent) = &mut self.sent {
+            if let Some(named) = self.named.as_deref_mut() {
+                named.untouched_since(&sent.version, &current.version);
+            }
+            *sent = current.clone();
         }
         let nacked = self.nack_pending();
         if !nacked || self.holds_what_was_sent() {
