@@ -364,15 +364,7 @@ impl Named {
         changed: &HashSet<Arc<str>>,
         to: &CollectionSnapshot,
     ) -> Vec<Arc<CachedResource>> {
-        let names = &self.current.names;
-        let mine: Vec<&Arc<str>> = if changed.len() < names.len() {
-            let mut mine: Vec<&Arc<str>> = changed.iter().filter(|n| names.contains(n)).collect();
-            mine.sort_unstable();
-            mine
-        } else {
-            names.iter().filter(|n| changed.contains(&***n)).collect()
-        };
-        for name in mine {
+        for name in self.mine(changed) {
             let at = last.binary_search_by(|r| (*r.name).cmp(name));
             match (at, to.resources.get(name)) {
                 (Ok(i), Some(now)) => last[i] = now.clone(),
@@ -403,6 +395,14 @@ impl Named {
     /// Delta: what the client must be sent to hold `to` as subscribed, from
     /// what it holds. Each name at most once, sorted.
     pub fn changes(&self, holds: Holds<'_>, to: &CollectionSnapshot) -> Diff {
+        match holds {
+            Holds::Snapshot(from) if self.holds_its_names() => self.changed_since(from, to),
+            _ => self.changes_by_name(holds, to),
+        }
+    }
+
+    /// [`Self::changes`], name by name.
+    fn changes_by_name(&self, holds: Holds<'_>, to: &CollectionSnapshot) -> Diff {
         let reported: Option<HashSet<&str>> = match &holds {
             Holds::Reported(reported) => Some(reported.iter().collect()),
             Holds::Snapshot(_) => None,
@@ -482,6 +482,45 @@ impl Named {
     }
 }
 
+impl Named {
+    /// It holds exactly the names it asks for (by name), nothing to re-send:
+    /// the settled subscription of an Envoy's EDS or RDS.
+    fn holds_its_names(&self) -> bool {
+        !self.current.wildcard
+            && !self.held.wildcard
+            && self.resend.is_empty()
+            && self.held.names.same(&self.current.names)
+    }
+
+    /// The client's names among `changed`, in order: from whichever of the
+    /// two is smaller.
+    fn mine<'a>(&'a self, changed: &'a HashSet<Arc<str>>) -> Vec<&'a Arc<str>> {
+        let names = &self.current.names;
+        if changed.len() < names.len() {
+            let mut mine: Vec<&Arc<str>> = changed.iter().filter(|n| names.contains(n)).collect();
+            mine.sort_unstable();
+            mine
+        } else {
+            names.iter().filter(|n| changed.contains(&***n)).collect()
+        }
+    }
+
+    /// Delta, holding its names at `from`: those of them that changed from
+    /// `from` to `to` (found once per pair of versions), sent or removed;
+    /// nothing else is looked up.
+    fn changed_since(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> Diff {
+        let changed = changed_names(from, to);
+        let mut diff = Diff::default();
+        for name in self.mine(&changed) {
+            match to.resources.get(name) {
+                Some(now) => diff.upserts.push(now.clone()),
+                None => diff.removed.push(name.clone()),
+            }
+        }
+        diff
+    }
+}
+
 /// Distinct from-versions whose changed names a snapshot keeps (clients
 /// are normally at one or two versions).
 const CHANGED_NAMES_PER_SNAPSHOT: usize = 32;
@@ -525,7 +564,8 @@ mod tests {
     }
 
     /// A state-of-the-world selection made from the last one (only the
-    /// names that changed looked up) is the selection made afresh, through
+    /// names that changed looked up) is the selection made afresh, and a
+    /// delta diff from the changed names is the one made name by name, through
     /// changes to the client's names, to others', new names and removals,
     /// and versions that left its names alone.
     #[test]
@@ -541,6 +581,7 @@ mod tests {
             let mut named = None;
             Named::apply(&mut named, NameChange::Replace(&asked), false, cache.get("c").as_deref(), 1000).unwrap();
             let named = named.as_mut().unwrap();
+            named.on_sent();
             let mut from = cache.get("c").unwrap();
             named.selected(None, &from);
             for (step, changes) in steps.iter().enumerate() {
@@ -554,6 +595,16 @@ mod tests {
                 }
                 writer.apply("c", Update::Incremental { upserts, removed }, Origin::Upstream);
                 let to = cache.get("c").unwrap();
+                // Delta: the changed names alone give what name by name does.
+                let listed = |diff: Diff| {
+                    let upserts: Vec<String> = diff.upserts.iter().map(|r| format!("{}@{}", r.name, r.version)).collect();
+                    (upserts, diff.removed)
+                };
+                proptest::prop_assert!(named.holds_its_names());
+                proptest::prop_assert_eq!(
+                    listed(named.changes(Holds::Snapshot(&from), &to)),
+                    listed(named.changes_by_name(Holds::Snapshot(&from), &to))
+                );
                 let fresh: Vec<(String, String)> = asked
                     .iter()
                     .filter_map(|n| to.resources.get(n.as_str()))
