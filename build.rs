@@ -75,6 +75,9 @@ const PEERS: &[(&str, &str)] = &[
     ("peer_prometheus", "PROMETHEUS_DIR"),
     // A headless Chromium (the admin pages rendered in a real browser).
     ("peer_chromium", "CHROMIUM_BIN"),
+    // kubectl, whose `kubectl kustomize` the deploy tests' renderer is
+    // compared with.
+    ("peer_kubectl", "KUBECTL_BIN"),
 ];
 
 /// Declares every peer's cfg, and sets those whose variable is set (and not
