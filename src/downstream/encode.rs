@@ -173,6 +173,48 @@ fn body_of(resource: &CachedResource) -> Bytes {
     parts_of(resource).1
 }
 
+/// Where the stored `Resource`'s `body` record (field 2: key byte and
+/// length, then the body `Any`) lies in its bytes. A state-of-the-world
+/// response's `resources` record is field 2 as well, and the body is what
+/// Envoy reads: that record is the response's record as it is stored, sent
+/// as a slice (no copy, nothing kept per resource). `None` where it is not
+/// written as the gateway would write it (no body, a body given twice, a key
+/// or length not in its shortest form): the record is then made.
+fn stored_body_record(encoded: &[u8]) -> Option<std::ops::Range<usize>> {
+    let mut rest = encoded;
+    let mut found = None;
+    while !rest.is_empty() {
+        let start = encoded.len() - rest.len();
+        let key = encoding::decode_varint(&mut rest).ok()?;
+        let len = match key & 7 {
+            0 => {
+                encoding::decode_varint(&mut rest).ok()?;
+                0
+            }
+            1 => 8,
+            2 => usize::try_from(encoding::decode_varint(&mut rest).ok()?).ok()?,
+            5 => 4,
+            _ => return None,
+        };
+        let header = encoded.len() - rest.len() - start;
+        if len > rest.len() {
+            return None;
+        }
+        if key >> 3 == 2 {
+            let shortest = key == u64::from(BODY_RECORD_KEY) && header == 1 + encoding::encoded_len_varint(len as u64);
+            if found.is_some() || !shortest {
+                return None;
+            }
+            found = Some(start..start + header + len);
+        }
+        rest = &rest[len..];
+    }
+    found
+}
+
+/// `Resource.body` and a response's `resources`: field 2, length-delimited.
+const BODY_RECORD_KEY: u8 = 2 << 3 | 2;
+
 /// `version`: the resource's content version.
 fn mcp_any(resource: &CachedResource, version: String) -> Bytes {
     use prost::Message;
@@ -324,8 +366,11 @@ impl Layout {
                 let mut at = 0;
                 for member in chunk.members() {
                     let len = self.field(member).len();
-                    let field = framed.slice(at..at + len);
-                    member.memo.put(MemoKey::of(self.resource_key), Arc::new(field));
+                    // A record sent as stored needs no copy of its own.
+                    if self.stored_record(member).is_none() {
+                        let field = framed.slice(at..at + len);
+                        member.memo.put(MemoKey::of(self.resource_key), Arc::new(field));
+                    }
                     at += len;
                 }
             }
@@ -351,7 +396,18 @@ impl Layout {
         if form == Form::Mcp {
             return make();
         }
+        if let Some(record) = self.stored_record(resource) {
+            return resource.encoded.slice(record);
+        }
         Bytes::clone(&resource.memo.get_or_make(MemoKey::of(self.resource_key), 1, make))
+    }
+
+    /// This layout's record of `resource` where it is a slice of the stored
+    /// bytes (Envoy's bodies, state of the world).
+    fn stored_record(&self, resource: &CachedResource) -> Option<std::ops::Range<usize>> {
+        (self.form == Form::Body && self.resources == u32::from(BODY_RECORD_KEY >> 3))
+            .then(|| stored_body_record(&resource.encoded))
+            .flatten()
     }
 
     /// Resources as one field each, in one buffer.
@@ -374,18 +430,27 @@ impl Layout {
         // over the heap; each reference taken is a cache miss more).
         let resources: Vec<&Arc<CachedResource>> = resources.into_iter().collect();
         let key = MemoKey::of(self.resource_key);
+        let stored: Vec<Option<std::ops::Range<usize>>> = resources.iter().map(|r| self.stored_record(r)).collect();
         let len = resources
             .iter()
-            .map(|r| {
-                r.memo
+            .zip(&stored)
+            .map(|(r, stored)| match stored {
+                Some(record) => record.len(),
+                None => r
+                    .memo
                     .read(&key, |field: &Bytes| field.len())
-                    .unwrap_or_else(|| self.field(r).len())
+                    .unwrap_or_else(|| self.field(r).len()),
             })
             .sum();
         let mut buf = BytesMut::with_capacity(len);
-        for resource in resources {
-            if resource.memo.read(&key, |field: &Bytes| buf.put_slice(field)).is_none() {
-                buf.put_slice(&self.field(resource));
+        for (resource, stored) in resources.into_iter().zip(stored) {
+            match stored {
+                Some(record) => buf.put_slice(&resource.encoded[record]),
+                None => {
+                    if resource.memo.read(&key, |field: &Bytes| buf.put_slice(field)).is_none() {
+                        buf.put_slice(&self.field(resource));
+                    }
+                }
             }
         }
         buf.freeze()
@@ -576,11 +641,46 @@ mod tests {
         assert_eq!(reframed, to.chunk_count());
     }
 
+    /// A body record is sent as stored only where it is the record the
+    /// gateway would write; anything else is made afresh.
+    #[test]
+    fn a_body_record_is_sent_as_stored_only_as_written_shortest() {
+        let metadata = [0x0a, 0x03, b'a', b'/', b'b'];
+        let body = [0x12, 0x04, 0x0a, 0x02, b'x', b'y'];
+        let cat = |parts: &[&[u8]]| parts.concat();
+        let found = |bytes: &[u8]| stored_body_record(bytes).map(|r| bytes[r].to_vec());
+        assert_eq!(found(&cat(&[&metadata, &body])), Some(body.to_vec()));
+        assert_eq!(found(&cat(&[&body, &metadata])), Some(body.to_vec()), "in any order");
+        assert_eq!(found(&metadata), None, "no body");
+        assert_eq!(found(&cat(&[&metadata, &body, &body])), None, "a body twice merges");
+        let long_length = [0x12, 0x84, 0x00, 0x0a, 0x02, b'x', b'y'];
+        assert_eq!(
+            found(&cat(&[&metadata, &long_length])),
+            None,
+            "a length not in its shortest form"
+        );
+        let long_key = [0x92, 0x00, 0x04, 0x0a, 0x02, b'x', b'y'];
+        assert_eq!(
+            found(&cat(&[&metadata, &long_key])),
+            None,
+            "a key not in its shortest form"
+        );
+        assert_eq!(found(&cat(&[&metadata, &body[..4]])), None, "cut short");
+        // What the gateway would write, for the resources the tests store.
+        let stored = resource("r", "1");
+        let record = stored_body_record(&stored.encoded).expect("stored as written");
+        let mut made = BytesMut::new();
+        put_bytes(2, &body_of(&stored), &mut made);
+        assert_eq!(stored.encoded[record], made[..]);
+    }
+
     /// Envoy's EDS and RDS: each client names its own resources. Its
-    /// response is assembled from each resource's field, made once per
-    /// content version and shared by every client; once a wildcard client
-    /// reads the collection, those fields are slices of the chunks' (one
-    /// copy of the form). A resource nobody reads in a form holds nothing.
+    /// response is assembled from each resource's field: Envoy's bodies are
+    /// the stored bytes themselves (nothing made, nothing kept per
+    /// resource); a form that must be made (MCP over xDS) is made once per
+    /// content version and shared by every client, and once a wildcard
+    /// client reads the collection it is a slice of the chunk's (one copy of
+    /// the form). A resource nobody reads in a form holds nothing.
     #[test]
     fn named_responses_share_each_resources_field() {
         use crate::proto::envoy::service::discovery::v3::DiscoveryResponse;
@@ -592,40 +692,58 @@ mod tests {
             upserts: names.iter().map(|n| to.resources[*n].clone()).collect(),
             removed: Vec::new(),
         };
+        let within = |piece: &Bytes, whole: &[u8]| {
+            let start = whole.as_ptr() as usize;
+            (start..start + whole.len()).contains(&(piece.as_ptr() as usize))
+        };
         let one = XDS_BODY.encode(&Push::Selected {
             to: to.clone(),
             diff: named(&["r001", "r002"]),
         });
         assert_eq!(one.len(), 3, "the head and one piece per resource");
-        let other = XDS_BODY.encode(&Push::Selected {
-            to: to.clone(),
-            diff: named(&["r002", "r003"]),
-        });
-        assert_eq!(
-            one[2].as_ptr(),
-            other[1].as_ptr(),
-            "r002's field is shared, not made again"
+        assert!(
+            within(&one[2], &to.resources["r002"].encoded),
+            "r002's body record as stored"
         );
+        assert!(to.resources["r002"].memo.is_empty(), "nothing made or kept for it");
         let decoded = DiscoveryResponse::decode(response(one, suffix(Some((4, C)), (5, "1"), None))).unwrap();
         assert_eq!(decoded.version_info, *to.version);
         assert_eq!(decoded.resources.len(), 2);
         assert_eq!(decoded.resources[0].encode_to_vec(), body_of(&to.resources["r001"]));
-        assert!(to.resources["r100"].memo.is_empty(), "nobody read r100");
-
-        // A wildcard client: the chunks are framed, and the pieces become
-        // slices of them.
-        let full = XDS_BODY.full(&to);
+        // A wildcard client reads the chunks: the named pieces stay as stored.
+        XDS_BODY.full(&to);
         let again = XDS_BODY.encode(&Push::Selected {
             to: to.clone(),
             diff: named(&["r002"]),
         });
-        let piece = again[1].as_ptr() as usize;
+        assert!(within(&again[1], &to.resources["r002"].encoded));
+        assert!(to.resources["r002"].memo.is_empty());
+
+        // MCP over xDS: the form is made once and shared.
+        let one = XDS_MCP.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&["r011", "r012"]),
+        });
+        let other = XDS_MCP.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&["r012", "r013"]),
+        });
+        assert_eq!(
+            one[2].as_ptr(),
+            other[1].as_ptr(),
+            "r012's field is shared, not made again"
+        );
+        assert!(to.resources["r100"].memo.is_empty(), "nobody read r100");
+        // A wildcard client: the chunks are framed, and the pieces become
+        // slices of them.
+        let full = XDS_MCP.full(&to);
+        let again = XDS_MCP.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&["r012"]),
+        });
         assert!(
-            full[1..].iter().any(|chunk| {
-                let start = chunk.as_ptr() as usize;
-                (start..start + chunk.len()).contains(&piece)
-            }),
-            "r002's field is a slice of its chunk's"
+            full[1..].iter().any(|chunk| within(&again[1], chunk)),
+            "r012's field is a slice of its chunk's"
         );
         // Too many pieces for one write: one buffer.
         let names: Vec<String> = (0..13).map(|i| format!("r{i:03}")).collect();
