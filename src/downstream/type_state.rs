@@ -1341,4 +1341,381 @@ mod tests {
         assert_eq!(entries.entries().collect::<Vec<_>>(), [("a", "1"), ("b", "")]);
         assert_eq!(entries.iter().collect::<Vec<_>>(), ["a", "b"]);
     }
+
+    /// What a model-based run does to the client: a request or a decision
+    /// against one of the snapshots.
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// What `next` decides against the snapshot at this index.
+        Next(usize),
+        Ack,
+        Nack,
+        /// State of the world: these names (and `"*"`); delta: subscribe them.
+        Ask(Vec<u8>, bool),
+        /// Delta: unsubscribe these (and `"*"`).
+        Drop(Vec<u8>, bool),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let names = || proptest::collection::vec(0u8..8, 0..4);
+        prop_oneof![
+            4 => (0usize..64).prop_map(Op::Next),
+            2 => Just(Op::Ack),
+            1 => Just(Op::Nack),
+            1 => (names(), proptest::bool::weighted(0.15)).prop_map(|(n, w)| Op::Ask(n, w)),
+            1 => (names(), proptest::bool::weighted(0.15)).prop_map(|(n, w)| Op::Drop(n, w)),
+        ]
+    }
+
+    /// Versions of a collection of eight names (r0 to r7, three bodies
+    /// each, some gone), as a source would change them: consecutive ones
+    /// share most of the tree, reverts come back to an earlier version,
+    /// and beside them the versions the history rebuilds (a rollout's pins)
+    /// and the empty answer of an overdue collection.
+    fn versions(changes: &[Vec<(u8, u8)>]) -> Vec<Arc<CollectionSnapshot>> {
+        let (cache, mut writer) = Cache::with_history(64);
+        let resource = |n: u8, body: u8| {
+            let body = Bytes::from(format!("r{n}@{body}"));
+            let none = std::collections::HashMap::<String, String>::new();
+            let digest = crate::cache::content_digest(&body, &none, &none);
+            CachedResource::new(format!("r{n}").into(), "1".into(), "t".into(), body, digest)
+        };
+        writer.apply(
+            C,
+            Update::Full((0..8).map(|n| resource(n, 0)).collect()),
+            Origin::Upstream,
+        );
+        let mut versions = vec![CollectionSnapshot::empty(C.into()), cache.get(C).unwrap()];
+        for change in changes {
+            let mut upserts = Vec::new();
+            let mut removed = Vec::new();
+            for &(n, what) in change {
+                match what {
+                    0 => removed.push(format!("r{n}")),
+                    body => upserts.push(resource(n, body)),
+                }
+            }
+            writer.apply(C, Update::Incremental { upserts, removed }, Origin::Upstream);
+            versions.push(cache.get(C).unwrap());
+        }
+        let pinned: Vec<Arc<CollectionSnapshot>> = versions[1..]
+            .iter()
+            .filter_map(|v| cache.version_snapshot(C, &v.version))
+            .collect();
+        versions.extend(pinned);
+        versions
+    }
+
+    /// A name's content in a snapshot, as a client sees it.
+    fn content_of(snapshot: &CollectionSnapshot, name: &str) -> Option<String> {
+        snapshot
+            .resources
+            .get(name)
+            .map(|r| format!("{}#{}", r.content_version(), r.encoded.len()))
+    }
+
+    /// A named state-of-the-world client, through any sequence of name
+    /// changes (wildcard on and off, names that appear later or go), ACKs,
+    /// NACKs and versions (changes, reverts, pins back to an older version,
+    /// an overdue collection's empty answer): every response of its own is
+    /// exactly its names in that version, and nothing is sent (or held back)
+    /// unless its names' content differs from its last response's.
+    #[test]
+    fn a_named_state_of_the_world_client_is_sent_its_names_exactly_and_only_on_a_change() {
+        proptest::proptest!(proptest::test_runner::Config::with_cases(256), |(
+            changes in proptest::collection::vec(proptest::collection::vec((0u8..8, 0u8..3), 1..4), 1..8),
+            ops in proptest::collection::vec(op(), 1..40),
+            family in proptest::bool::ANY,
+        )| {
+            let versions = versions(&changes);
+            let family = if family { Family::Xds } else { Family::Mcp };
+            let mut s = family_state(family, Mode::Full, nothing());
+            let mut asked: Vec<String> = Vec::new();
+            let mut nonce = 0;
+            // The content of each name its last response of its own carried
+            // (None: a wildcard response); whether its names changed since.
+            let mut last: Option<std::collections::BTreeMap<String, Option<String>>> = None;
+            let mut renamed = true;
+            for op in ops {
+                match op {
+                    Op::Next(i) => {
+                        let current = &versions[i % versions.len()];
+                        let wildcard = asked.iter().any(|n| n == "*") || s.named().is_none();
+                        let mine: Vec<&String> = asked.iter().filter(|n| *n != "*").collect();
+                        let now: std::collections::BTreeMap<String, Option<String>> =
+                            mine.iter().map(|n| (n.to_string(), content_of(current, n))).collect();
+                        match s.next(Some(current)) {
+                            Ok(push) => {
+                                match &push {
+                                    Push::Selected { to, diff } => {
+                                        proptest::prop_assert!(!wildcard);
+                                        proptest::prop_assert!(diff.removed.is_empty());
+                                        let got: Vec<(String, Option<String>)> = diff
+                                            .upserts
+                                            .iter()
+                                            .map(|r| (r.name.to_string(), Some(format!("{}#{}", r.content_version(), r.encoded.len()))))
+                                            .collect();
+                                        let fresh: Vec<(String, Option<String>)> =
+                                            now.iter().filter(|(_, c)| c.is_some()).map(|(n, c)| (n.clone(), c.clone())).collect();
+                                        proptest::prop_assert_eq!(got, fresh, "the selection at {}", to.version);
+                                        proptest::prop_assert!(
+                                            renamed || last.as_ref() != Some(&now),
+                                            "sent {:?} again, unchanged", now
+                                        );
+                                        last = Some(now);
+                                    }
+                                    Push::Full { to } => {
+                                        proptest::prop_assert!(wildcard, "a named client sent everything");
+                                        last = Some(to.resources.keys().map(|n| (n.to_string(), content_of(to, n))).collect());
+                                    }
+                                    other => proptest::prop_assert!(false, "{:?}", other),
+                                }
+                                nonce += 1;
+                                s.sent(format!("n{nonce}"), push.to().clone());
+                                renamed = false;
+                            }
+                            Err(Wait::UpToDate) if !wildcard => {
+                                // What it was last sent of its names is what it
+                                // would be sent now.
+                                let held: Option<std::collections::BTreeMap<String, Option<String>>> = last
+                                    .as_ref()
+                                    .map(|last| mine.iter().map(|n| (n.to_string(), last.get(*n).cloned().flatten())).collect());
+                                proptest::prop_assert_eq!(held, Some(now), "held back at {}", current.version);
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                    Op::Ack | Op::Nack | Op::Ask(..) | Op::Drop(..) => {
+                        let nack = matches!(op, Op::Nack).then(|| Nack { code: 3, message: "bad".into() });
+                        match &op {
+                            Op::Ask(names, wildcard) => {
+                                let mut names: Vec<String> = names.iter().map(|n| format!("r{n}")).collect();
+                                names.sort();
+                                names.dedup();
+                                if *wildcard {
+                                    names.insert(0, "*".into());
+                                }
+                                renamed |= names != asked;
+                                asked = names;
+                            }
+                            Op::Drop(..) => continue,
+                            _ => {}
+                        }
+                        let sent_version = s.view.last_sent_version.clone();
+                        let version = match &op {
+                            Op::Ack => sent_version.as_deref(),
+                            _ => s.view.acked_version.as_deref(),
+                        };
+                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let version = version.map(str::to_owned);
+                        s.on_request(Request {
+                            version: (family == Family::Xds).then_some(version.as_deref()).flatten(),
+                            names: NameChange::Replace(&asked),
+                            ..Request::new(&last_nonce, nack)
+                        });
+                    }
+                }
+            }
+        });
+    }
+
+    /// A named state-of-the-world client that took everything for a while
+    /// (`"*"` beside its names) and went back to its names: its last
+    /// selection is of a version before the wildcard responses, and is not
+    /// carried past a version that left its names alone.
+    #[test]
+    fn a_selection_is_not_carried_across_wildcard_responses() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "a1"), ("b", "b1")]);
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "a2"), ("b", "b1")]);
+        let v3 = with_bodies(&cache, &mut writer, &[("a", "a2"), ("b", "b1"), ("c", "c1")]);
+        let v4 = with_bodies(&cache, &mut writer, &[("a", "a2"), ("b", "b2"), ("c", "c1")]);
+        let mut s = family_state(Family::Xds, Mode::Full, nothing());
+        let ask = |s: &mut TypeState, nonce: &str, version: Option<&str>, asked: &[&str]| {
+            let asked = names(asked);
+            s.on_request(Request {
+                version,
+                names: NameChange::Replace(&asked),
+                ..Request::new(nonce, None)
+            })
+        };
+        assert_eq!(ask(&mut s, "", None, &["a", "b"]), Verdict::First);
+        send(&mut s, &v1, "n1");
+        assert_eq!(ask(&mut s, "n1", Some(&v1.version), &["a", "b"]), Verdict::Ack);
+        assert_eq!(
+            ask(&mut s, "n1", Some(&v1.version), &["*", "a", "b"]),
+            Verdict::Subscription
+        );
+        assert!(matches!(send(&mut s, &v2, "n2"), Push::Full { .. }));
+        assert_eq!(ask(&mut s, "n2", Some(&v2.version), &["*", "a", "b"]), Verdict::Ack);
+        assert_eq!(ask(&mut s, "n2", Some(&v2.version), &["a", "b"]), Verdict::Subscription);
+        // Only "c" changed: nothing to send.
+        assert_eq!(s.next(Some(&v3)).unwrap_err(), Wait::UpToDate);
+        // "b" changed: both, as v4 has them ("a" as since v2).
+        let push = send(&mut s, &v4, "n3");
+        let Push::Selected { diff, .. } = &push else {
+            panic!("expected a response of its own, got {push:?}");
+        };
+        let bodies: Vec<&[u8]> = diff.upserts.iter().map(|r| &r.encoded[..]).collect();
+        assert_eq!(bodies, [&b"a2"[..], &b"b2"[..]]);
+    }
+
+    /// A named delta client, through any sequence of subscribes and
+    /// unsubscribes (wildcard on and off, names that appear later or go),
+    /// ACKs, NACKs (it keeps what it was sent) and versions (changes,
+    /// reverts, pins back, an overdue collection's empty answer): after each
+    /// response, and whenever it is told it is up to date, it holds each
+    /// name it asks for as the version has it; and it is sent only what
+    /// differs from what it holds, or what it asked for again.
+    #[test]
+    fn a_named_delta_client_holds_its_names_exactly_and_is_sent_only_changes() {
+        use std::collections::{BTreeMap, BTreeSet};
+        proptest::proptest!(proptest::test_runner::Config::with_cases(256), |(
+            changes in proptest::collection::vec(proptest::collection::vec((0u8..8, 0u8..3), 1..4), 1..8),
+            first in proptest::collection::vec(0u8..8, 1..4),
+            ops in proptest::collection::vec(op(), 1..40),
+        )| {
+            let versions = versions(&changes);
+            let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
+            let mut subscribed: BTreeSet<String> = BTreeSet::new();
+            let mut wildcard = false;
+            let mut holds: BTreeMap<String, String> = BTreeMap::new();
+            // Names it asked for (again) since its last response.
+            let mut owed: BTreeSet<String> = BTreeSet::new();
+            let mut nonce = 0;
+            let ops = std::iter::once(Op::Ask(first, false)).chain(ops);
+            for op in ops {
+                match op {
+                    Op::Next(i) => {
+                        let current = &versions[i % versions.len()];
+                        let up_to_date = match s.next(Some(current)) {
+                            Ok(push) => {
+                                match &push {
+                                    Push::Selected { diff, .. } => {
+                                        // What it asked for again is answered.
+                                        let answered: BTreeSet<&str> = diff
+                                            .upserts
+                                            .iter()
+                                            .map(|r| &*r.name)
+                                            .chain(diff.removed.iter().map(|n| &**n))
+                                            .collect();
+                                        for name in &owed {
+                                            proptest::prop_assert!(answered.contains(name.as_str()), "{} not answered", name);
+                                        }
+                                        for r in &diff.upserts {
+                                            // What it does not ask for it drops.
+                                            if !wildcard && !subscribed.contains(&*r.name) {
+                                                continue;
+                                            }
+                                            let content = content_of(current, &r.name).unwrap();
+                                            proptest::prop_assert!(
+                                                owed.contains(&*r.name) || holds.get(&*r.name) != Some(&content),
+                                                "{} sent, unchanged", r.name
+                                            );
+                                            holds.insert(r.name.to_string(), content);
+                                        }
+                                        for name in &diff.removed {
+                                            if !wildcard && !subscribed.contains(&**name) {
+                                                continue;
+                                            }
+                                            proptest::prop_assert!(
+                                                owed.contains(&**name) || holds.contains_key(&**name),
+                                                "{} removed, not held", name
+                                            );
+                                            holds.remove(&**name);
+                                        }
+                                    }
+                                    Push::Diff { from, to } => {
+                                        let diff = Diff::between(&from.resources, &to.resources);
+                                        for r in &diff.upserts {
+                                            holds.insert(r.name.to_string(), content_of(to, &r.name).unwrap());
+                                        }
+                                        for name in &diff.removed {
+                                            holds.remove(&**name);
+                                        }
+                                    }
+                                    Push::Full { to } => {
+                                        for (name, _) in to.resources.iter() {
+                                            holds.insert(name.to_string(), content_of(to, name).unwrap());
+                                        }
+                                    }
+                                    other => proptest::prop_assert!(false, "{:?}", other),
+                                }
+                                nonce += 1;
+                                s.sent(format!("n{nonce}"), push.to().clone());
+                                owed.clear();
+                                true
+                            }
+                            Err(Wait::UpToDate) => {
+                                proptest::prop_assert!(owed.is_empty(), "{:?} owed, up to date", owed);
+                                true
+                            }
+                            Err(_) => false,
+                        };
+                        if up_to_date {
+                            let names: Vec<String> = if wildcard {
+                                current.resources.keys().map(|n| n.to_string()).chain(subscribed.iter().cloned()).collect()
+                            } else {
+                                subscribed.iter().cloned().collect()
+                            };
+                            for name in names {
+                                proptest::prop_assert_eq!(
+                                    holds.get(&name).cloned(),
+                                    content_of(current, &name),
+                                    "{} at {}", name, current.version
+                                );
+                            }
+                        }
+                    }
+                    Op::Ack | Op::Nack => {
+                        let nack = matches!(op, Op::Nack).then(|| Nack { code: 3, message: "bad".into() });
+                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        s.on_request(Request {
+                            names: NameChange::Change { subscribe: &[], unsubscribe: &[] },
+                            ..Request::new(&last_nonce, nack)
+                        });
+                    }
+                    Op::Ask(names, star) => {
+                        let mut asked: Vec<String> = names.iter().map(|n| format!("r{n}")).collect();
+                        owed.extend(asked.iter().cloned());
+                        subscribed.extend(asked.iter().cloned());
+                        if star {
+                            wildcard = true;
+                            asked.push("*".into());
+                        }
+                        s.on_request(Request {
+                            names: NameChange::Change { subscribe: &asked, unsubscribe: &[] },
+                            ..Request::new("", None)
+                        });
+                    }
+                    Op::Drop(names, star) => {
+                        let mut dropped: Vec<String> = names.iter().map(|n| format!("r{n}")).collect();
+                        if star {
+                            // The client keeps only what it names.
+                            wildcard = false;
+                            holds.retain(|n, _| subscribed.contains(n) && !dropped.contains(n));
+                            dropped.insert(0, "*".into());
+                        }
+                        for name in &dropped {
+                            subscribed.remove(name);
+                            holds.remove(name);
+                            owed.remove(name);
+                            if wildcard {
+                                // Still covered: sent again.
+                                owed.insert(name.clone());
+                            }
+                        }
+                        // Unsubscribed from everything: what only wildcard
+                        // covered is owed no more.
+                        owed.retain(|n| wildcard || subscribed.contains(n));
+                        s.on_request(Request {
+                            names: NameChange::Change { subscribe: &[], unsubscribe: &dropped },
+                            ..Request::new("", None)
+                        });
+                    }
+                }
+            }
+        });
+    }
 }
