@@ -20,7 +20,7 @@
 //!   since (Envoy drops a resource it unsubscribes from).
 
 use std::collections::{BTreeSet, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::type_state::ReportedNames;
 use crate::cache::memo::MemoKey;
@@ -51,6 +51,11 @@ impl NameSet {
 
     pub fn contains(&self, name: &str) -> bool {
         self.0.binary_search_by(|n| (**n).cmp(name)).is_ok()
+    }
+
+    /// Where `name` is among them.
+    fn position(&self, name: &str) -> Option<usize> {
+        self.0.binary_search_by(|n| (**n).cmp(name)).ok()
     }
 
     /// The same names: the same storage, or equal.
@@ -168,13 +173,17 @@ pub struct Named {
     selection: Option<Selection>,
 }
 
-/// The resources of `names` in the collection at `version`, in name order:
-/// a function of the two, whatever the client did with them.
+/// The resources of `names` in the collection at `version` (an entry per
+/// name, `None` where there is none), in name order: a function of the two,
+/// whatever the client did with them. Held weakly, so that a selection pins
+/// nothing the cache let go: a resource the cache moved into another chunk
+/// (the same content, new storage) is read again by name once its old copy
+/// is gone.
 #[derive(Clone, Debug)]
 struct Selection {
     names: NameSet,
     version: Arc<str>,
-    resources: Vec<Arc<CachedResource>>,
+    resources: Vec<Option<Weak<CachedResource>>>,
 }
 
 impl Named {
@@ -331,51 +340,48 @@ impl Named {
     /// State of the world: the resources of `to` the client asked for. From
     /// its last selection when that was at `from`: only the names that
     /// changed from `from` to `to` are looked up (the changed names are
-    /// found once per pair of versions, see [`Self::touched`]).
+    /// found once per pair of versions, see [`Self::touched`]), and those
+    /// whose old copy is gone.
     pub fn selected(&mut self, from: Option<&CollectionSnapshot>, to: &CollectionSnapshot) -> Vec<Arc<CachedResource>> {
         if self.current.wildcard {
             return to.resources.values().cloned().collect();
         }
-        let last = self.selection.take().filter(|last| {
-            last.names.same(&self.current.names) && from.is_some_and(|from| from.version == last.version)
-        });
-        let resources = match (last, from) {
-            (Some(last), Some(from)) => self.reselected(last.resources, &changed_names(from, to), to),
-            _ => self
-                .current
-                .names
-                .iter()
-                .filter_map(|name| to.resources.get(name).cloned())
-                .collect(),
-        };
-        self.selection = Some(Selection {
-            names: self.current.names.clone(),
-            version: to.version.clone(),
-            resources: resources.clone(),
-        });
-        resources
-    }
-
-    /// `last`, the selection of a version before, with each of the client's
-    /// names among `changed` as `to` has it (changed, new or gone).
-    fn reselected(
-        &self,
-        mut last: Vec<Arc<CachedResource>>,
-        changed: &HashSet<Arc<str>>,
-        to: &CollectionSnapshot,
-    ) -> Vec<Arc<CachedResource>> {
-        for name in self.mine(changed) {
-            let at = last.binary_search_by(|r| (*r.name).cmp(name));
-            match (at, to.resources.get(name)) {
-                (Ok(i), Some(now)) => last[i] = now.clone(),
-                (Err(i), Some(now)) => last.insert(i, now.clone()),
-                (Ok(i), None) => {
-                    last.remove(i);
+        let names = self.current.names.clone();
+        let last = self
+            .selection
+            .take()
+            .filter(|last| last.names.same(&names) && from.is_some_and(|from| from.version == last.version));
+        let mut entries = match (last, from) {
+            (Some(last), Some(from)) => {
+                let mut entries = last.resources;
+                for name in self.mine(&changed_names(from, to)) {
+                    if let Some(i) = names.position(name) {
+                        entries[i] = to.resources.get(name).map(Arc::downgrade);
+                    }
                 }
-                (Err(_), None) => {}
+                entries
+            }
+            _ => names.iter().map(|n| to.resources.get(n).map(Arc::downgrade)).collect(),
+        };
+        let mut resources = Vec::with_capacity(entries.len());
+        for (entry, name) in entries.iter_mut().zip(names.iter()) {
+            let Some(held) = entry else { continue };
+            match held.upgrade() {
+                Some(resource) => resources.push(resource),
+                // Moved by the cache, and its old copy let go: the same
+                // content where the cache keeps it now.
+                None => {
+                    *entry = to.resources.get(name).map(Arc::downgrade);
+                    resources.extend(to.resources.get(name).cloned());
+                }
             }
         }
-        last
+        self.selection = Some(Selection {
+            names,
+            version: to.version.clone(),
+            resources: entries,
+        });
+        resources
     }
 
     /// The client's names are as selected at `from` in `to` as well (none of
@@ -623,6 +629,55 @@ mod tests {
                 from = to;
             }
         });
+    }
+
+    /// A selection pins nothing the cache let go: a change that moves a
+    /// resource into another chunk (what is left of a chunk after most of it
+    /// changed is copied out, so its storage can be freed) re-points it, and
+    /// a client whose names the change left alone must not keep the old
+    /// storage alive; once the old copy is gone, the selection reads the
+    /// cache's own. (Found by a second reading: the selection held the old
+    /// copies, and with them the chunk's buffer, up to the message the
+    /// collection arrived in.)
+    #[test]
+    fn a_selection_holds_no_storage_the_cache_let_go() {
+        let name = |n: usize| format!("r{n:02}");
+        let (cache, mut writer) = Cache::with_history(1);
+        writer.apply(
+            "c",
+            Update::Full((0..64).map(|n| resource(&name(n), "0")).collect()),
+            Origin::Upstream,
+        );
+        let v1 = cache.get("c").unwrap();
+        let mut named = None;
+        let asked = vec![name(0), name(63)];
+        Named::apply(&mut named, NameChange::Replace(&asked), false, Some(&v1), 1000).unwrap();
+        let named = named.as_mut().unwrap();
+        named.selected(None, &v1);
+        let first = Arc::downgrade(&v1.resources["r00"]);
+        // Most of the chunk changes, not the client's names: the rest is
+        // copied out.
+        let mut upsert = |names: std::ops::Range<usize>| {
+            let upserts = names.map(|n| resource(&name(n), "1")).collect();
+            let removed = Vec::new();
+            writer.apply("c", Update::Incremental { upserts, removed }, Origin::Upstream);
+            cache.get("c").unwrap()
+        };
+        let v2 = upsert(1..50);
+        assert!(!Arc::ptr_eq(&v1.resources["r00"], &v2.resources["r00"]), "re-pointed");
+        assert!(!named.touched(&v1, &v2));
+        // The state machine holds what it last sent: v2 now, not v1.
+        named.untouched_since(&v1.version, &v2.version);
+        drop(v1);
+        assert!(first.upgrade().is_none(), "r00 as first stored is held by nobody");
+        // One of its names changes.
+        let v3 = upsert(63..64);
+        assert!(named.touched(&v2, &v3));
+        let selected = named.selected(Some(&v2), &v3);
+        for r in &selected {
+            assert!(Arc::ptr_eq(r, &v3.resources[&*r.name]), "{} is not the cache's", r.name);
+        }
+        assert_eq!(selected.len(), 2);
     }
 
     /// An idle named client costs its names once: the subscription, what
