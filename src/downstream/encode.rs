@@ -366,8 +366,8 @@ impl Layout {
                 let mut at = 0;
                 for member in chunk.members() {
                     let len = self.field(member).len();
-                    // A record sent as stored needs no copy of its own.
-                    if self.stored_record(member).is_none() {
+                    // Only a record kept with its resource points there.
+                    if self.kept(member) {
                         let field = framed.slice(at..at + len);
                         member.memo.put(MemoKey::of(self.resource_key), Arc::new(field));
                     }
@@ -399,7 +399,36 @@ impl Layout {
         if let Some(record) = self.stored_record(resource) {
             return resource.encoded.slice(record);
         }
+        if let Some(body) = self.delta_body_record(resource) {
+            // Made for each response around the stored body record, not
+            // kept: a named delta client is sent a resource once per change.
+            let version = resource.content_version();
+            let mut value = BytesMut::with_capacity(
+                string_field_len(1, &version) + body.len() + string_field_len(3, &resource.name),
+            );
+            put_string(1, &version, &mut value);
+            value.put_slice(body);
+            put_string(3, &resource.name, &mut value);
+            let mut buf = BytesMut::with_capacity(bytes_field_len(tag, &value));
+            put_bytes(tag, &value, &mut buf);
+            return buf.freeze();
+        }
         Bytes::clone(&resource.memo.get_or_make(MemoKey::of(self.resource_key), 1, make))
+    }
+
+    /// Delta's Envoy form, `Resource{version=1, resource=2, name=3}`: its
+    /// `resource` record is the stored body record as it is (field 2 both).
+    fn delta_body_record<'r>(&self, resource: &'r CachedResource) -> Option<&'r [u8]> {
+        (self.form == Form::DeltaBody)
+            .then(|| stored_body_record(&resource.encoded))
+            .flatten()
+            .map(|record| &resource.encoded[record])
+    }
+
+    /// Whether `resource`'s record in this layout is kept with it (made once
+    /// per content version), not stored or made each time.
+    fn kept(&self, resource: &CachedResource) -> bool {
+        self.form != Form::Mcp && self.stored_record(resource).is_none() && self.delta_body_record(resource).is_none()
     }
 
     /// This layout's record of `resource` where it is a slice of the stored
@@ -430,27 +459,41 @@ impl Layout {
         // over the heap; each reference taken is a cache miss more).
         let resources: Vec<&Arc<CachedResource>> = resources.into_iter().collect();
         let key = MemoKey::of(self.resource_key);
-        let stored: Vec<Option<std::ops::Range<usize>>> = resources.iter().map(|r| self.stored_record(r)).collect();
-        let len = resources
+        enum Piece {
+            Stored(std::ops::Range<usize>),
+            Kept(usize),
+            Made(Bytes),
+        }
+        let pieces: Vec<Piece> = resources
             .iter()
-            .zip(&stored)
-            .map(|(r, stored)| match stored {
-                Some(record) => record.len(),
-                None => r
-                    .memo
-                    .read(&key, |field: &Bytes| field.len())
-                    .unwrap_or_else(|| self.field(r).len()),
+            .map(|r| {
+                if let Some(record) = self.stored_record(r) {
+                    return Piece::Stored(record);
+                }
+                match r.memo.read(&key, |field: &Bytes| field.len()) {
+                    Some(len) if self.kept(r) => Piece::Kept(len),
+                    _ => Piece::Made(self.field(r)),
+                }
+            })
+            .collect();
+        let len = pieces
+            .iter()
+            .map(|piece| match piece {
+                Piece::Stored(record) => record.len(),
+                Piece::Kept(len) => *len,
+                Piece::Made(field) => field.len(),
             })
             .sum();
         let mut buf = BytesMut::with_capacity(len);
-        for (resource, stored) in resources.into_iter().zip(stored) {
-            match stored {
-                Some(record) => buf.put_slice(&resource.encoded[record]),
-                None => {
+        for (resource, piece) in resources.into_iter().zip(pieces) {
+            match piece {
+                Piece::Stored(record) => buf.put_slice(&resource.encoded[record]),
+                Piece::Kept(_) => {
                     if resource.memo.read(&key, |field: &Bytes| buf.put_slice(field)).is_none() {
                         buf.put_slice(&self.field(resource));
                     }
                 }
+                Piece::Made(field) => buf.put_slice(&field),
             }
         }
         buf.freeze()
@@ -639,6 +682,43 @@ mod tests {
         // sharing them re-frames only the chunk that changed.
         let reframed = to.chunks().filter(|c| !c.memo.is_empty()).count();
         assert_eq!(reframed, to.chunk_count());
+    }
+
+    /// Delta's Envoy form is made around the stored body record, byte for
+    /// byte what it was made as from the decoded resource, and nothing is
+    /// kept with the resource for it.
+    #[test]
+    fn delta_bodies_are_made_around_the_stored_record_and_not_kept() {
+        use crate::proto::envoy::service::discovery::v3::DeltaDiscoveryResponse;
+        let (cache, mut writer) = Cache::new();
+        let many: Vec<_> = (0..100).map(|i| resource(&format!("r{i:03}"), "1")).collect();
+        writer.apply(C, Update::Full(many), Origin::Upstream);
+        let to = cache.get(C).unwrap();
+        let r = &to.resources["r007"];
+        let mut made = BytesMut::new();
+        put_bytes(DELTA_BODY.resources, &Form::DeltaBody.value(r), &mut made);
+        assert_eq!(DELTA_BODY.field(r), made.freeze());
+        let parts = DELTA_BODY.encode(&Push::Selected {
+            to: to.clone(),
+            diff: Diff {
+                upserts: vec![r.clone(), to.resources["r008"].clone()],
+                removed: vec!["gone".into()],
+            },
+        });
+        let decoded = DeltaDiscoveryResponse::decode(response(parts, suffix(Some((4, C)), (5, "1"), None))).unwrap();
+        assert_eq!(decoded.resources.len(), 2);
+        assert_eq!(decoded.resources[0].name, "r007");
+        assert_eq!(decoded.resources[0].version, r.content_version());
+        assert_eq!(
+            decoded.resources[0].resource.as_ref().unwrap().encode_to_vec(),
+            body_of(r)
+        );
+        assert_eq!(decoded.removed_resources, ["gone"]);
+        assert!(r.memo.is_empty(), "nothing kept for it");
+        // Whole, for a wildcard client: the same records, nothing kept per
+        // resource either.
+        DELTA_BODY.full(&to);
+        assert!(to.resources["r050"].memo.is_empty());
     }
 
     /// A body record is sent as stored only where it is the record the
