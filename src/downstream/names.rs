@@ -277,6 +277,10 @@ impl Named {
                     changed = true;
                 }
                 let names = NameSet::from_unsorted(names);
+                // Owed only what it still asks for: a name re-sent because
+                // wildcard covered it is not, once wildcard is gone too.
+                let wildcard = named.current.wildcard;
+                named.resend.retain(|n| wildcard || names.contains(n));
                 if names.len().max(named.resend.len()) > max {
                     return Err(TooManyNames {
                         count: names.len().max(named.resend.len()),
@@ -678,6 +682,43 @@ mod tests {
             assert!(Arc::ptr_eq(r, &v3.resources[&*r.name]), "{} is not the cache's", r.name);
         }
         assert_eq!(selected.len(), 2);
+    }
+
+    /// A delta client that unsubscribes a name wildcard still covers is sent
+    /// it again (it may have dropped it), unless it unsubscribes wildcard
+    /// too: then it is owed nothing for that name. (Found by a second
+    /// reading.)
+    #[test]
+    fn a_name_unsubscribed_under_wildcard_is_owed_nothing_once_wildcard_goes() {
+        let (cache, mut writer) = Cache::new();
+        writer.apply(
+            "c",
+            Update::Full(vec![resource("a", "1"), resource("b", "1")]),
+            Origin::Upstream,
+        );
+        let v1 = cache.get("c").unwrap();
+        let strings = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let change = |named: &mut Option<Box<Named>>, subscribe: &[&str], unsubscribe: &[&str]| {
+            let (subscribe, unsubscribe) = (strings(subscribe), strings(unsubscribe));
+            let change = NameChange::Change {
+                subscribe: &subscribe,
+                unsubscribe: &unsubscribe,
+            };
+            Named::apply(named, change, false, Some(&v1), 100).unwrap();
+        };
+        let mut named = None;
+        change(&mut named, &["*", "a"], &[]);
+        named.as_mut().unwrap().on_sent();
+        change(&mut named, &[], &["a"]);
+        assert!(
+            named.as_ref().unwrap().resend.contains("a"),
+            "still covered: sent again"
+        );
+        change(&mut named, &[], &["*"]);
+        let named = named.unwrap();
+        assert!(named.resend.is_empty(), "{:?}", named.resend);
+        let diff = named.changes(Holds::Snapshot(&v1), &v1);
+        assert!(diff.upserts.is_empty() && diff.removed.is_empty(), "{diff:?}");
     }
 
     /// An idle named client costs its names once: the subscription, what
