@@ -333,12 +333,7 @@ impl Named {
     /// that changed are found once (a diff, the size of the change) and
     /// kept with `to`, and each client looks its own names up in them.
     pub fn touched(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> bool {
-        let changed = changed_names(from, to);
-        if changed.len() < self.current.names.len() {
-            changed.iter().any(|name| self.current.names.contains(name))
-        } else {
-            self.current.names.iter().any(|name| changed.contains(&**name))
-        }
+        self.among(&changed_names(from, to)).next().is_some()
     }
 
     /// State of the world: the resources of `to` the client asked for. From
@@ -375,8 +370,9 @@ impl Named {
                 // Moved by the cache, and its old copy let go: the same
                 // content where the cache keeps it now.
                 None => {
-                    *entry = to.resources.get(name).map(Arc::downgrade);
-                    resources.extend(to.resources.get(name).cloned());
+                    let now = to.resources.get(name);
+                    *entry = now.map(Arc::downgrade);
+                    resources.extend(now.cloned());
                 }
             }
         }
@@ -505,14 +501,22 @@ impl Named {
     /// The client's names among `changed`, in order: from whichever of the
     /// two is smaller.
     fn mine<'a>(&'a self, changed: &'a HashSet<Arc<str>>) -> Vec<&'a Arc<str>> {
-        let names = &self.current.names;
-        if changed.len() < names.len() {
-            let mut mine: Vec<&Arc<str>> = changed.iter().filter(|n| names.contains(n)).collect();
+        let mut mine: Vec<&Arc<str>> = self.among(changed).collect();
+        if changed.len() < self.current.names.len() {
+            // Found in the set's order.
             mine.sort_unstable();
-            mine
-        } else {
-            names.iter().filter(|n| changed.contains(&***n)).collect()
         }
+        mine
+    }
+
+    /// The client's names among `changed`, found from whichever of the two
+    /// is smaller (in name order only when found from its names).
+    fn among<'a>(&'a self, changed: &'a HashSet<Arc<str>>) -> impl Iterator<Item = &'a Arc<str>> + 'a {
+        let names = &self.current.names;
+        let from_changed = changed.len() < names.len();
+        let by_changed = from_changed.then(|| changed.iter().filter(move |n| names.contains(n)));
+        let by_names = (!from_changed).then(|| names.iter().filter(move |n| changed.contains(&***n)));
+        by_changed.into_iter().flatten().chain(by_names.into_iter().flatten())
     }
 
     /// Delta, holding its names at `from`: those of them that changed from

@@ -397,13 +397,10 @@ impl TypeState {
         let push = match (self.mode, self.family) {
             (Mode::Full, _) => match self.named.as_deref_mut() {
                 Some(named) if !named.current().wildcard => {
-                    let from = match (&self.sent, &self.held) {
-                        (Some(sent), _) | (None, Held::At(sent)) => Some(&**sent),
-                        _ => None,
-                    };
+                    let from = last_sent(&self.sent, &self.held);
                     Push::Selected {
                         diff: Diff {
-                            upserts: named.selected(from, &to),
+                            upserts: named.selected(from.map(|s| &**s), &to),
                             removed: Vec::new(),
                         },
                         to,
@@ -464,13 +461,13 @@ impl TypeState {
     /// Whether `current` differs, in what the client asks for, from what it
     /// was last sent (or, before anything was sent, from what it reported).
     fn differs_from_sent(&self, current: &CollectionSnapshot) -> bool {
-        let from = match (&self.sent, &self.held) {
-            (Some(sent), _) | (None, Held::At(sent)) => sent,
+        let from = match (last_sent(&self.sent, &self.held), &self.held) {
+            (Some(sent), _) => sent,
             // A reconnecting client's word: an MCP sink holds what it ACKed;
             // an xDS client that applied part of a response it NACKed holds
             // something else, which the version it names does not show.
             (None, Held::Version(version)) => return self.family == Family::Xds || *version != current.version,
-            (None, Held::Reported(_) | Held::AwaitingFirst { .. }) => return true,
+            (None, _) => return true,
         };
         if from.version == current.version {
             return false;
@@ -538,6 +535,16 @@ impl TypeState {
         self.view.last_sent_nonce = Some(nonce);
         self.view.last_sent_version = Some(to.version.clone());
         self.sent = Some(to);
+    }
+}
+
+/// The snapshot a client was last sent (or, after a reconnect whose first
+/// response it took, holds), if it is known; a free function so that the
+/// caller may hold the type's names mutably beside it.
+fn last_sent<'a>(sent: &'a Option<Arc<CollectionSnapshot>>, held: &'a Held) -> Option<&'a Arc<CollectionSnapshot>> {
+    match (sent, held) {
+        (Some(sent), _) | (None, Held::At(sent)) => Some(sent),
+        _ => None,
     }
 }
 
