@@ -67,11 +67,7 @@ impl Memo {
         }
         let made = Arc::new(make());
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(found) = entries
-            .iter()
-            .find(|(k, _)| *k == key)
-            .and_then(|(_, v)| v.clone().downcast::<T>().ok())
-        {
+        if let Some(found) = value_of(&entries, &key).and_then(|v| v.clone().downcast::<T>().ok()) {
             return found;
         }
         if entries.iter().filter(|(k, _)| k.kind == key.kind).count() < max_of_kind {
@@ -85,10 +81,7 @@ impl Memo {
 
     fn find<T: Any + Send + Sync>(&self, key: &MemoKey) -> Option<Arc<T>> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        entries
-            .iter()
-            .find(|(k, _)| k == key)
-            .and_then(|(_, v)| v.clone().downcast::<T>().ok())
+        value_of(&entries, key).and_then(|v| v.clone().downcast::<T>().ok())
     }
 
     /// Sets the value for `key`, replacing any: a reader that made a better
@@ -110,11 +103,7 @@ impl Memo {
     /// buffer touches nothing else).
     pub fn read<T: Any + Send + Sync, R>(&self, key: &MemoKey, read: impl FnOnce(&T) -> R) -> Option<R> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        entries
-            .iter()
-            .find(|(k, _)| k == key)
-            .and_then(|(_, v)| v.downcast_ref::<T>())
-            .map(read)
+        value_of(&entries, key).and_then(|v| v.downcast_ref::<T>()).map(read)
     }
 
     /// A memo holding the same values (shared, not copied).
@@ -131,6 +120,11 @@ impl Memo {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The value kept for `key`.
+fn value_of<'a>(entries: &'a [Entry], key: &MemoKey) -> Option<&'a Arc<dyn Any + Send + Sync>> {
+    entries.iter().find(|(k, _)| k == key).map(|(_, v)| v)
 }
 
 /// A [`Memo`] made on first use: 16 bytes for an owner nobody read in any

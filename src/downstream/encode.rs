@@ -151,9 +151,28 @@ impl Form {
             Form::Body => body_of(resource),
             Form::DeltaMcp => {
                 let version = resource.content_version();
-                delta_resource(resource, &version, &mcp_any(resource, version.clone()))
+                let any = mcp_any(resource, version.clone());
+                delta_resource(resource, &version, bytes_field_len(2, &any), |buf| {
+                    put_bytes(2, &any, buf)
+                })
             }
-            Form::DeltaBody => delta_resource(resource, &resource.content_version(), &body_of(resource)),
+            // Its `resource` record is the stored body record as it is
+            // (field 2 both), where it is written as the gateway would.
+            Form::DeltaBody => {
+                let version = resource.content_version();
+                match stored_body_record(&resource.encoded) {
+                    Some(record) => {
+                        let record = &resource.encoded[record];
+                        delta_resource(resource, &version, record.len(), |buf| buf.put_slice(record))
+                    }
+                    None => {
+                        let body = body_of(resource);
+                        delta_resource(resource, &version, bytes_field_len(2, &body), |buf| {
+                            put_bytes(2, &body, buf)
+                        })
+                    }
+                }
+            }
         }
     }
 }
@@ -233,12 +252,16 @@ fn mcp_any(resource: &CachedResource, version: String) -> Bytes {
 }
 
 /// `envoy.service.discovery.v3.Resource{version=1, resource=2, name=3}`.
-fn delta_resource(resource: &CachedResource, version: &str, any: &[u8]) -> Bytes {
-    let mut buf = BytesMut::with_capacity(
-        string_field_len(1, version) + bytes_field_len(2, any) + string_field_len(3, &resource.name),
-    );
+/// `put_resource` writes the `resource` record (field 2), `len` bytes.
+fn delta_resource(
+    resource: &CachedResource,
+    version: &str,
+    len: usize,
+    put_resource: impl FnOnce(&mut BytesMut),
+) -> Bytes {
+    let mut buf = BytesMut::with_capacity(string_field_len(1, version) + len + string_field_len(3, &resource.name));
     put_string(1, version, &mut buf);
-    put_bytes(2, any, &mut buf);
+    put_resource(&mut buf);
     put_string(3, &resource.name, &mut buf);
     buf.freeze()
 }
@@ -359,13 +382,12 @@ impl Layout {
             return chunk.bytes().clone();
         }
         let framed = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
-            let framed = self.fields(chunk.members());
+            let (framed, lengths) = self.measured_fields(chunk.members());
             // Each member's field is now a slice of the chunk's: one copy of
             // the form, whoever reads it, by chunk or by name.
             if self.form != Form::Mcp {
                 let mut at = 0;
-                for member in chunk.members() {
-                    let len = self.field(member).len();
+                for (member, len) in chunk.members().iter().zip(lengths) {
                     // Only a record kept with its resource points there.
                     if self.kept(member) {
                         let field = framed.slice(at..at + len);
@@ -399,36 +421,24 @@ impl Layout {
         if let Some(record) = self.stored_record(resource) {
             return resource.encoded.slice(record);
         }
-        if let Some(body) = self.delta_body_record(resource) {
+        if self.made_each_time(resource) {
             // Made for each response around the stored body record, not
             // kept: a named delta client is sent a resource once per change.
-            let version = resource.content_version();
-            let mut value = BytesMut::with_capacity(
-                string_field_len(1, &version) + body.len() + string_field_len(3, &resource.name),
-            );
-            put_string(1, &version, &mut value);
-            value.put_slice(body);
-            put_string(3, &resource.name, &mut value);
-            let mut buf = BytesMut::with_capacity(bytes_field_len(tag, &value));
-            put_bytes(tag, &value, &mut buf);
-            return buf.freeze();
+            return make();
         }
         Bytes::clone(&resource.memo.get_or_make(MemoKey::of(self.resource_key), 1, make))
     }
 
-    /// Delta's Envoy form, `Resource{version=1, resource=2, name=3}`: its
-    /// `resource` record is the stored body record as it is (field 2 both).
-    fn delta_body_record<'r>(&self, resource: &'r CachedResource) -> Option<&'r [u8]> {
-        (self.form == Form::DeltaBody)
-            .then(|| stored_body_record(&resource.encoded))
-            .flatten()
-            .map(|record| &resource.encoded[record])
+    /// Delta's Envoy form where its `resource` record is the stored body
+    /// record: cheap to make, so not kept.
+    fn made_each_time(&self, resource: &CachedResource) -> bool {
+        self.form == Form::DeltaBody && stored_body_record(&resource.encoded).is_some()
     }
 
     /// Whether `resource`'s record in this layout is kept with it (made once
     /// per content version), not stored or made each time.
     fn kept(&self, resource: &CachedResource) -> bool {
-        self.form != Form::Mcp && self.stored_record(resource).is_none() && self.delta_body_record(resource).is_none()
+        self.form != Form::Mcp && self.stored_record(resource).is_none() && !self.made_each_time(resource)
     }
 
     /// This layout's record of `resource` where it is a slice of the stored
@@ -441,6 +451,12 @@ impl Layout {
 
     /// Resources as one field each, in one buffer.
     fn fields<'a>(&self, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> Bytes {
+        self.measured_fields(resources).0
+    }
+
+    /// [`Self::fields`], and each resource's field's length (for the xDS
+    /// forms; none for MCP's).
+    fn measured_fields<'a>(&self, resources: impl IntoIterator<Item = &'a Arc<CachedResource>>) -> (Bytes, Vec<usize>) {
         if self.form == Form::Mcp {
             // The stored bytes behind their prefixes, written once.
             let resources: Vec<&Arc<CachedResource>> = resources.into_iter().collect();
@@ -452,7 +468,7 @@ impl Layout {
             for resource in resources {
                 put_bytes(self.resources, &resource.encoded, &mut buf);
             }
-            return buf.freeze();
+            return (buf.freeze(), Vec::new());
         }
         // Each resource's form copied from where it is kept, without taking
         // a reference to it (a named response reads ~50 resources spread
@@ -470,21 +486,22 @@ impl Layout {
                 if let Some(record) = self.stored_record(r) {
                     return Piece::Stored(record);
                 }
+                // Only a kept form is in the memo.
                 match r.memo.read(&key, |field: &Bytes| field.len()) {
-                    Some(len) if self.kept(r) => Piece::Kept(len),
-                    _ => Piece::Made(self.field(r)),
+                    Some(len) => Piece::Kept(len),
+                    None => Piece::Made(self.field(r)),
                 }
             })
             .collect();
-        let len = pieces
+        let lengths: Vec<usize> = pieces
             .iter()
             .map(|piece| match piece {
                 Piece::Stored(record) => record.len(),
                 Piece::Kept(len) => *len,
                 Piece::Made(field) => field.len(),
             })
-            .sum();
-        let mut buf = BytesMut::with_capacity(len);
+            .collect();
+        let mut buf = BytesMut::with_capacity(lengths.iter().sum());
         for (resource, piece) in resources.into_iter().zip(pieces) {
             match piece {
                 Piece::Stored(record) => buf.put_slice(&resource.encoded[record]),
@@ -496,7 +513,7 @@ impl Layout {
                 Piece::Made(field) => buf.put_slice(&field),
             }
         }
-        buf.freeze()
+        (buf.freeze(), lengths)
     }
 
     /// The fields every response for `to` starts with.
@@ -696,7 +713,12 @@ mod tests {
         let to = cache.get(C).unwrap();
         let r = &to.resources["r007"];
         let mut made = BytesMut::new();
-        put_bytes(DELTA_BODY.resources, &Form::DeltaBody.value(r), &mut made);
+        // As made from the decoded resource.
+        let body = body_of(r);
+        let value = delta_resource(r, &r.content_version(), bytes_field_len(2, &body), |buf| {
+            put_bytes(2, &body, buf)
+        });
+        put_bytes(DELTA_BODY.resources, &value, &mut made);
         assert_eq!(DELTA_BODY.field(r), made.freeze());
         let parts = DELTA_BODY.encode(&Push::Selected {
             to: to.clone(),
