@@ -362,7 +362,12 @@ impl TypeState {
 
     /// Its last answer was a NACK.
     fn nack_pending(&self) -> bool {
-        self.view.last_nack.as_ref().is_some_and(|n| !n.superseded)
+        self.pending_nack().is_some()
+    }
+
+    /// Its last NACK, while no later response was ACKed.
+    fn pending_nack(&self) -> Option<&NackRecord> {
+        self.view.last_nack.as_deref().filter(|n| !n.superseded)
     }
 
     /// What to send now, given the cache's current snapshot. When it says
@@ -380,12 +385,7 @@ impl TypeState {
             // The version it just refused is not sent again unprompted. Once
             // it ACKed a later response, the cache going back to that
             // version is a change like any other.
-            if self
-                .view
-                .last_nack
-                .as_ref()
-                .is_some_and(|n| !n.superseded && n.version == current.version)
-            {
+            if self.pending_nack().is_some_and(|n| n.version == current.version) {
                 return Err(Wait::Nacked);
             }
             if !self.differs_from_sent(current) {
