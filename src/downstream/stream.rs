@@ -55,6 +55,16 @@ enum Answer {
     Unserved(Arc<CollectionSnapshot>),
 }
 
+impl Answer {
+    /// Answered empty until the slot has a version.
+    fn overdue(slot: watch::Receiver<Option<Arc<CollectionSnapshot>>>, collection: Arc<str>) -> Self {
+        Answer::Overdue {
+            slot,
+            empty: CollectionSnapshot::empty(collection),
+        }
+    }
+}
+
 /// A canary stream: the rollout hears its ACKs and NACKs, and that it left.
 struct Canary {
     rollout: Arc<Rollout>,
@@ -559,8 +569,7 @@ impl<W: Wire> TypedStream<W> {
                 self.changes
                     .insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
                 let answer = if overdue {
-                    let empty = CollectionSnapshot::empty(resolved.collection.clone());
-                    Answer::Overdue { slot, empty }
+                    Answer::overdue(slot, resolved.collection.clone())
                 } else {
                     Answer::Served(slot)
                 };
@@ -617,11 +626,7 @@ impl<W: Wire> TypedStream<W> {
                     "the source has not delivered this collection within --demand-timeout: the type is answered \
                      empty until it does"
                 );
-                let slot = slot.clone();
-                followed.answer = Answer::Overdue {
-                    slot,
-                    empty: CollectionSnapshot::empty(collection),
-                };
+                followed.answer = Answer::overdue(slot.clone(), collection);
                 answered.push(type_url.clone());
             } else {
                 waiting = true;
