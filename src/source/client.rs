@@ -142,9 +142,7 @@ impl UpstreamClient {
             let message = match end {
                 StreamEnd::Shutdown => return,
                 StreamEnd::Refused { collection, message } => {
-                    if self.sink.subscriptions.refuse(&collection, message.clone()) {
-                        metrics::counter!(m::UPSTREAM_REFUSED_COLLECTIONS, "collection" => collection.clone())
-                            .increment(1);
+                    if super::refuse(&self.sink.subscriptions, &collection, &message) {
                         tracing::warn!(
                             %collection,
                             %message,

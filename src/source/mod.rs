@@ -32,6 +32,18 @@ use crate::cache::CacheWriter;
 
 pub use session::SinkSession;
 
+/// Records that the source refused `collection` (it is not asked for again
+/// until restart) and counts it; false when it was not wanted any more (or
+/// already refused).
+fn refuse(subscriptions: &Subscriptions, collection: &str, message: &str) -> bool {
+    let refused = subscriptions.refuse(collection, message.to_owned());
+    if refused {
+        metrics::counter!(crate::metrics::UPSTREAM_REFUSED_COLLECTIONS, "collection" => collection.to_owned())
+            .increment(1);
+    }
+    refused
+}
+
 /// Registers the sources' counters at 0, so dashboards and alerts see them
 /// before the first event. (Their gauges, `mcp_gateway_upstream_connected`
 /// and `mcp_gateway_source_files_broken`, are read from the upstream status

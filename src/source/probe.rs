@@ -111,9 +111,7 @@ impl Probe {
                 None => continue,
                 Some(StreamEnd::Shutdown) => return,
                 Some(StreamEnd::Refused { collection, message }) => {
-                    if self.subscriptions.refuse(&collection, message.clone()) {
-                        metrics::counter!(m::UPSTREAM_REFUSED_COLLECTIONS, "collection" => collection.clone())
-                            .increment(1);
+                    if super::refuse(&self.subscriptions, &collection, &message) {
                         tracing::warn!(
                             %collection,
                             upstream = %self.dial.address,
