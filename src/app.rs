@@ -24,6 +24,7 @@ use crate::source::persisted::{self, Persister};
 use crate::source::sink::SinkServer;
 use crate::source::{SinkContext, UpstreamStatus};
 use crate::tools::dial_out::DialOut;
+use crate::transport::access::AccessControl;
 use crate::transport::grpc::{self, GrpcListener, SharedLimits};
 use crate::transport::tls::{ServerTls, TlsError};
 
@@ -45,6 +46,8 @@ pub enum AppError {
     CacheDir { dir: PathBuf, source: std::io::Error },
     #[error("--source-dir {dir}: {message}")]
     SourceDir { dir: String, message: String },
+    #[error("--access-policy {0}")]
+    AccessPolicy(crate::transport::access::PolicyError),
     #[error("cannot build gRPC reflection from the embedded descriptors: {0}")]
     Reflection(tonic_reflection::server::Error),
 }
@@ -227,6 +230,8 @@ pub async fn build_with_logs(
     if let Some(dir) = &settings.cache_dir {
         persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), &tasks);
     }
+    let access = AccessControl::new(settings.access_policy.clone());
+    access.watch(shutdown.clone(), &tasks).map_err(AppError::AccessPolicy)?;
     let downstream = Downstream::new(
         cache.clone(),
         rollout.clone(),
@@ -236,6 +241,7 @@ pub async fn build_with_logs(
         shutdown.clone(),
         tasks.clone(),
         settings.downstream,
+        access.clone(),
     );
     crate::downstream::register_metrics(&downstream, &settings.collections);
     let resource_source = ResourceSourceService::new(downstream.clone());
@@ -314,6 +320,8 @@ pub async fn build_with_logs(
         bodies: settings.bodies.clone(),
         config: Arc::new(serde_json::to_value(&settings.effective).unwrap_or_default()),
         logs,
+        access: access.clone(),
+        table: settings.table.clone(),
     };
     crate::transport::http::serve(
         "--admin-listen",

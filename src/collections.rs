@@ -254,7 +254,7 @@ impl CollectionTable {
     /// The body type URLs that hold a secret: every collection whose body
     /// is one of them is sensitive ([`CollectionTable::is_sensitive`]). The
     /// gateway hands in what its descriptors say
-    /// (`source::proto_json::sensitive_type_urls`, wired in `config.rs`);
+    /// (`source::proto_json::secret_type_urls`, wired in `config.rs`);
     /// a table built without this knows only the `--type-map` rows marked
     /// `sensitive: true`.
     pub fn with_sensitive_types(mut self, type_urls: impl IntoIterator<Item = String>) -> Self {
@@ -262,9 +262,11 @@ impl CollectionTable {
         self
     }
 
-    /// Whether `collection`'s bodies hold secrets: its body type holds a
-    /// field marked `(udpa.annotations.sensitive) = true` at any depth
-    /// (Envoy's `Secret`), or a `--type-map` row marks it `sensitive: true`.
+    /// Whether `collection`'s bodies are secrets: its body type is one the
+    /// gateway was handed as such (from the descriptors: a field marked
+    /// `(udpa.annotations.sensitive) = true` within two fields, Envoy's
+    /// `Secret`; see `source::proto_json::secret_type_urls`), or a
+    /// `--type-map` row marks it `sensitive: true`.
     /// An unknown collection is not sensitive.
     pub fn is_sensitive(&self, collection: &str) -> bool {
         self.by_name.get(collection).is_some_and(|info| {
@@ -429,6 +431,11 @@ impl CollectionTable {
 
     pub fn len(&self) -> usize {
         self.by_name.len()
+    }
+
+    /// Every collection the table has, in name order.
+    pub fn collection_names(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.by_name.keys()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -20,6 +20,7 @@ use crate::source::backoff::BackoffPolicy;
 use crate::source::client::ClientSettings;
 use crate::source::files::SourceDir;
 use crate::source::sink::SinkSettings;
+use crate::transport::access::AccessPolicy;
 use crate::transport::grpc::GrpcLimits;
 use crate::transport::http::HttpLimits;
 use crate::transport::identity::AllowList;
@@ -180,6 +181,14 @@ pub struct Args {
         value_delimiter = ','
     )]
     pub client_allow: Vec<String>,
+
+    /// YAML rules of who may read what: identities (the SANs of a client's
+    /// certificate, or `unauthenticated`) to collections and resource names.
+    /// Reloaded when the file changes. Without it, every client the
+    /// transport admits reads every collection but the sensitive ones
+    /// (secrets), which nobody reads.
+    #[arg(long, env = "MCP_GATEWAY_ACCESS_POLICY", value_name = "FILE")]
+    pub access_policy: Option<PathBuf>,
 
     /// Time to connect to the upstream: TCP, TLS and the HTTP/2 handshake
     /// together.
@@ -559,6 +568,8 @@ pub struct Settings {
     pub server_tls: Option<ServerTlsFiles>,
     /// With mTLS: the downstream identities accepted (`--client-allow`).
     pub client_allow: Option<AllowList>,
+    /// Who may read what (`--access-policy`, read at start).
+    pub access_policy: Arc<AccessPolicy>,
     pub table: Arc<CollectionTable>,
     pub type_map: Option<PathBuf>,
     /// Configured collections: subscribed at start, and what readiness
@@ -602,9 +613,9 @@ impl Args {
                 .map_err(|e| invalid("--type-map", e.to_string()))?,
             None => CollectionTable::builtin(),
         }
-        // Which body types hold secrets is the descriptors' word, and they
+        // Which body types are secrets is the descriptors' word, and they
         // live in `source`, a room `collections` does not import.
-        .with_sensitive_types(crate::source::proto_json::sensitive_type_urls());
+        .with_sensitive_types(crate::source::proto_json::secret_type_urls());
         let collections = match &self.collections {
             None => table.default_subscriptions(),
             Some(list) => {
@@ -679,6 +690,10 @@ impl Args {
         let server_tls = server_tls(self.tls_cert, self.tls_key, self.client_ca)?;
         let mtls = server_tls.as_ref().is_some_and(|t| t.client_ca.is_some());
         let client_allow = allow_list("--client-allow", &self.client_allow, mtls)?;
+        let access_policy = match &self.access_policy {
+            Some(path) => AccessPolicy::load(path).map_err(|e| invalid("--access-policy", e.to_string()))?,
+            None => AccessPolicy::none(),
+        };
         let sink_allow = allow_list("--sink-allow", &self.sink_allow, mtls)?;
         let upstream_tls = ClientTlsFiles {
             ca: self.upstream_ca,
@@ -973,6 +988,7 @@ impl Args {
             canary_soak: self.canary_soak,
             server_tls,
             client_allow,
+            access_policy: Arc::new(access_policy),
             table: Arc::new(table),
             type_map: self.type_map,
             collections,

@@ -49,6 +49,13 @@ pub const CONNECTIONS_CLOSED: &str = "mcp_gateway_connections_closed_total";
 pub const CONNECTIONS_EVICTED: &str = "mcp_gateway_connections_evicted_total";
 pub const ACCEPT_ERRORS: &str = "mcp_gateway_accept_errors_total";
 pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
+/// `--access-policy` refusals: a collection (the stream ends) or names
+/// (withheld), by `reason`.
+pub const ACCESS_DENIED: &str = "mcp_gateway_access_denied_total";
+/// `--access-policy` files read again after a change, by `result`.
+pub const ACCESS_POLICY_RELOADS: &str = "mcp_gateway_access_policy_reloads_total";
+/// The access policy's denial reasons.
+pub const ACCESS_DENIAL_REASONS: [&str; 2] = ["collection", "name"];
 pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
 /// `source --sink`: the stream it dials to a sink.
 pub const DIAL_OUT_CONNECTED: &str = "mcp_gateway_dial_out_connected";
@@ -211,6 +218,14 @@ pub fn accept_error(listener: &'static str, kind: &'static str) {
     metrics::counter!(ACCEPT_ERRORS, "listener" => listener, "kind" => kind).increment(1);
 }
 
+pub fn access_denied(collection: &Arc<str>, reason: &'static str, count: u64) {
+    metrics::counter!(ACCESS_DENIED, "collection" => collection.clone(), "reason" => reason).increment(count);
+}
+
+pub fn access_policy_reloaded(ok: bool) {
+    metrics::counter!(ACCESS_POLICY_RELOADS, "result" => if ok { "ok" } else { "error" }).increment(1);
+}
+
 pub fn peer_not_allowed(listener: &'static str) {
     metrics::counter!(PEERS_NOT_ALLOWED, "listener" => listener).increment(1);
 }
@@ -254,8 +269,14 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     for reason in ADMIN_REFUSAL_REASONS {
         metrics::counter!(ADMIN_REFUSALS, "reason" => reason).absolute(0);
     }
+    for result in ["ok", "error"] {
+        metrics::counter!(ACCESS_POLICY_RELOADS, "result" => result).absolute(0);
+    }
     for collection in collections {
         let c = || collection.clone();
+        for reason in ACCESS_DENIAL_REASONS {
+            metrics::counter!(ACCESS_DENIED, "collection" => c(), "reason" => reason).absolute(0);
+        }
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
         // A configured collection is never demanded; the series is there, at
         // 0, for the dashboards and the docs' promise of every series.
@@ -423,6 +444,16 @@ pub fn describe() {
         Unit::Bytes,
         "Sizes of messages received from the source (component=upstream) and of responses sent to clients \
          (component=downstream)."
+    );
+    describe_counter!(
+        ACCESS_DENIED,
+        "Reads the --access-policy refused, by collection and reason: collection (a client asked for a type it may \
+         not read; its stream ended PERMISSION_DENIED) or name (resources withheld from a client that may read \
+         only some names)."
+    );
+    describe_counter!(
+        ACCESS_POLICY_RELOADS,
+        "The --access-policy file read again after it changed, by result (error: the last good policy stays)."
     );
     describe_counter!(
         REQUEST_ACKS,

@@ -53,6 +53,9 @@ pub struct AdminState {
     /// The log filter's control (`/logging`); `None` in a gateway built
     /// in-process, whose logs are its host's.
     pub logs: Option<Arc<m::LogControl>>,
+    /// Who may read what (`--access-policy`): `/debug/access`, `/debug/config`.
+    pub access: Arc<crate::transport::access::AccessControl>,
+    pub table: Arc<crate::collections::CollectionTable>,
 }
 
 impl AdminState {
@@ -289,6 +292,7 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
         .route("/promote/{*collection}", axum::routing::post(rollout::promote))
         .route("/debug/upstream", get(upstream))
         .route("/debug/config", get(config))
+        .route("/debug/access", get(access))
         .route("/logging", axum::routing::post(logging))
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
@@ -647,12 +651,85 @@ async fn config(State(state): State<AdminState>, headers: HeaderMap) -> Response
             flag["source"] = json!(logs.origin());
         }
     }
+    let policy = state.access.current();
     let value = json!({
         "flags": flags,
+        "access_policy": {
+            "path": policy.path().map(|p| p.display().to_string()),
+            "rules": policy.rules_json(),
+            "without_a_policy": policy.path().is_none().then_some(
+                "every client the transport admits reads every collection but the sensitive ones, which nobody reads"
+            ),
+        },
         "log_filter": state.logs.as_ref().map(|l| l.current()),
         "version": env!("CARGO_PKG_VERSION"),
     });
     view(&headers, "Effective configuration", value)
+}
+
+/// `?identity=`: one identity (a URI or DNS SAN, or `unauthenticated`).
+#[derive(Debug, serde::Deserialize)]
+struct AccessQuery {
+    identity: Option<String>,
+}
+
+/// `/debug/access?identity=ID`: what that identity would read of each
+/// collection under the policy in effect (an operator's "why can't it see
+/// X"): all of it, the names its rules grant (with how many of the cached
+/// resources they match), or nothing.
+async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery>, headers: HeaderMap) -> Response {
+    let Some(identity) = query.identity.filter(|i| !i.trim().is_empty()) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "give ?identity=ID: a client certificate's URI or DNS SAN (spiffe://cluster.local/ns/NS/sa/SA), or \
+             unauthenticated\n",
+        )
+            .into_response();
+    };
+    let policy = state.access.current();
+    let mut collections: Vec<(Arc<str>, bool)> = state
+        .table
+        .collection_names()
+        .map(|c| (c.clone(), state.table.is_sensitive(c)))
+        .collect();
+    for snapshot in state.cache.snapshots() {
+        if !collections.iter().any(|(c, _)| *c == snapshot.collection) {
+            let sensitive = state.table.is_sensitive(&snapshot.collection);
+            collections.push((snapshot.collection.clone(), sensitive));
+        }
+    }
+    let grants = policy.explain(identity.trim(), &collections);
+    let rows: Vec<Value> = grants
+        .iter()
+        .map(|(collection, grant)| {
+            let cached = state.cache.get(collection);
+            let (reads, names, readable) = match grant {
+                None => ("nothing", Value::Null, Some(0)),
+                Some(crate::transport::access::Grant::All) => ("all", json!(["*"]), cached.as_ref().map(|s| s.len())),
+                Some(crate::transport::access::Grant::Names(g)) => (
+                    "names",
+                    json!(g.patterns()),
+                    cached
+                        .as_ref()
+                        .map(|s| s.resources.keys().filter(|n| g.allows(n)).count()),
+                ),
+            };
+            json!({
+                "collection": collection,
+                "sensitive": state.table.is_sensitive(collection),
+                "reads": reads,
+                "names": names,
+                "resources_readable": readable,
+                "resources_cached": cached.as_ref().map(|s| s.len()),
+            })
+        })
+        .collect();
+    let value = json!({
+        "identity": identity.trim(),
+        "policy": policy.path().map(|p| p.display().to_string()),
+        "collections": rows,
+    });
+    view(&headers, "Access", value)
 }
 
 /// `?level=FILTER`: tracing's EnvFilter syntax (`debug`,

@@ -135,10 +135,15 @@ pub fn rows<'a>(streams: &'a [StreamView], rollout: &Rollout, clock: &Clock, sta
     let mut rows = Vec::new();
     for stream in streams {
         for (type_url, view) in &stream.types {
-            let current = current
-                .entry((&view.collection, stream.canary))
-                .or_insert_with(|| rollout.served_version(&view.collection, stream.canary))
-                .clone();
+            // A client that may read part of the collection is current at
+            // the version of its part.
+            let current = match &view.access_version {
+                Some(version) => Some(version.clone()),
+                None => current
+                    .entry((&view.collection, stream.canary))
+                    .or_insert_with(|| rollout.served_version(&view.collection, stream.canary))
+                    .clone(),
+            };
             let (status, since) = status(view, current.as_ref(), clock, stale_after);
             rows.push(Row {
                 stream,
@@ -255,6 +260,7 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
         "peer": stream.peer.map(|p| p.to_string()),
         "protocol": stream.protocol.as_str(),
         "gateway_id": stream.gateway_id,
+        "identity": stream.identity,
         "canary": stream.canary,
         "connected_since": time(Some(stream.connected_since)),
         "type_url": row.type_url,
@@ -283,6 +289,8 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
             "superseded": is_past(n, row.current.as_ref(), view.acked_version.as_ref()),
         })),
         "behind_since": time(clock.wall(view.behind_since)),
+        // Under --access-policy: resources it asks for that it may not read.
+        "access": (view.withheld > 0).then(|| json!({"status": "DENIED", "withheld": view.withheld})),
     })
 }
 

@@ -220,6 +220,36 @@ impl CollectionSnapshot {
         ))
     }
 
+    /// The part of this snapshot whose names `keep` keeps (an access
+    /// policy's view of it): a snapshot of its own, stored afresh, with
+    /// this one's times and origin. Its version follows the same content
+    /// rule, so clients (and replicas) restricted alike see one version, and
+    /// keeping everything is this very snapshot.
+    pub fn restricted(self: &Arc<Self>, keep: impl Fn(&str) -> bool) -> Arc<CollectionSnapshot> {
+        let mut resources = ResourceMap::new();
+        let (mut sum, mut bytes) = (0u128, 0usize);
+        // In the order the chunks hold them: a response reads alike.
+        let mut kept = Vec::new();
+        for chunk in self.chunks.iter() {
+            for resource in chunk.members() {
+                if keep(&resource.name) {
+                    sum = sum.wrapping_add(resource.entry());
+                    bytes += resource.encoded.len();
+                    resources.insert(resource.name.clone(), resource.clone());
+                    kept.push(resource.clone());
+                }
+            }
+        }
+        if kept.len() == self.resources.len() {
+            return self.clone();
+        }
+        let chunks = Chunks::build(kept, None, &mut resources);
+        let mut view = CollectionSnapshot::new(self.collection.clone(), resources, sum, chunks, bytes, self.origin);
+        view.updated_at = self.updated_at;
+        view.applied_at = self.applied_at;
+        Arc::new(view)
+    }
+
     /// The chunks that hold the resources, in their order (the order the
     /// resources arrived in, changes at the end).
     pub fn chunks(&self) -> impl ExactSizeIterator<Item = &Arc<Chunk>> + '_ {

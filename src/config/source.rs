@@ -82,6 +82,10 @@ pub struct SourceArgs {
     )]
     pub client_allow: Vec<String>,
 
+    /// YAML rules of who may read what, as the gateway's --access-policy.
+    #[arg(long, env = "MCP_SOURCE_ACCESS_POLICY", value_name = "FILE")]
+    pub access_policy: Option<PathBuf>,
+
     /// With --sink: CA certificate(s) (PEM) that sign the sink's certificate
     /// (default: the system's roots).
     #[arg(long, env = "MCP_SOURCE_CA", value_name = "FILE")]
@@ -176,6 +180,7 @@ impl SourceArgs {
         gateway.admin_listen = self.admin_listen;
         gateway.monitoring_listen = self.monitoring_listen;
         gateway.type_map = self.type_map;
+        gateway.access_policy = self.access_policy;
         gateway.max_message_bytes = self.max_message_bytes;
         gateway.keepalive_interval = self.keepalive_interval;
         gateway.reconnect_min_delay = self.reconnect_min_delay;

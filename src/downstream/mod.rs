@@ -29,7 +29,9 @@ use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
+use crate::transport::access::{self, AccessControl, AccessPolicy, Grant};
 use crate::transport::bucket::PeerBuckets;
+use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::{RequestBudget, RequestStream};
 use encode::EncodedResponse;
 use registry::NackRecord;
@@ -102,6 +104,11 @@ struct Shared {
     /// one a second; the lines skipped meanwhile are counted in the next.
     peer_logs: PeerBuckets,
     peer_logs_skipped: AtomicU64,
+    /// Who may read what (`--access-policy`).
+    access: Arc<AccessControl>,
+    /// Access denials logged: once per identity and collection per
+    /// [`LOG_INTERVAL`].
+    denial_logs: DashMap<(Arc<str>, Arc<str>), tokio::time::Instant>,
 }
 
 // === impl Downstream ===
@@ -117,6 +124,7 @@ impl Downstream {
         shutdown: CancellationToken,
         tasks: TaskTracker,
         limits: DownstreamLimits,
+        access: Arc<AccessControl>,
     ) -> Self {
         Self {
             inner: Arc::new(Shared {
@@ -138,6 +146,8 @@ impl Downstream {
                 metrics: DashMap::new(),
                 peer_logs: PeerBuckets::new(1.0, 20.0, 10_000),
                 peer_logs_skipped: AtomicU64::new(0),
+                access,
+                denial_logs: DashMap::new(),
             }),
         }
     }
@@ -200,6 +210,54 @@ impl Downstream {
             .table
             .resolve(name)
             .map_err(|_| Status::invalid_argument(format!("unsupported {field} {name:?}")))
+    }
+
+    /// What `identity` may read of `collection` under `policy`: `Err` ends
+    /// the stream `PERMISSION_DENIED` naming the type, the identity and
+    /// the policy (counted and logged); `None` is all of it.
+    fn grant(
+        &self,
+        policy: &AccessPolicy,
+        identity: &PeerIdentity,
+        type_url: &str,
+        collection: &Arc<str>,
+    ) -> Result<Option<Arc<access::NameGrant>>, Status> {
+        match policy.grant(identity, collection, self.inner.table.is_sensitive(collection)) {
+            Some(Grant::All) => Ok(None),
+            Some(Grant::Names(names)) => Ok(Some(names)),
+            None => {
+                m::access_denied(collection, "collection", 1);
+                let why = policy.denial(identity, collection, None);
+                self.log_denial(identity, collection, &why);
+                Err(Status::permission_denied(format!("type_url {type_url:?}: {why}")))
+            }
+        }
+    }
+
+    /// Logs an access denial, once per identity and collection per
+    /// [`LOG_INTERVAL`].
+    fn log_denial(&self, identity: &PeerIdentity, collection: &Arc<str>, why: &str) {
+        const MAX_REMEMBERED: usize = 10_000;
+        let who: Arc<str> = crate::transport::access::display_identity(identity).into();
+        let now = tokio::time::Instant::now();
+        let logs = &self.inner.denial_logs;
+        let key = (who, collection.clone());
+        if logs
+            .get(&key)
+            .is_some_and(|last| now.duration_since(*last) < LOG_INTERVAL)
+        {
+            return;
+        }
+        if logs.len() >= MAX_REMEMBERED {
+            logs.clear();
+        }
+        logs.insert(key, now);
+        tracing::warn!(%collection, "access denied: {why}");
+    }
+
+    /// The policy in effect, as it changes.
+    fn watch_policy(&self) -> tokio::sync::watch::Receiver<Arc<AccessPolicy>> {
+        self.inner.access.subscribe()
     }
 
     /// Starts following a collection for a stream: subscribes upstream when a
@@ -386,10 +444,15 @@ pub fn register_metrics(downstream: &Downstream, collections: &[Arc<str>]) {
 
 impl Downstream {
     /// Starts a stream of protocol `W`: its task, and the responses it sends.
-    fn start<W: wires::Wire>(&self, body: tonic::body::Body, peer: Option<std::net::SocketAddr>) -> Responses {
+    fn start<W: wires::Wire>(
+        &self,
+        body: tonic::body::Body,
+        peer: Option<std::net::SocketAddr>,
+        identity: Arc<PeerIdentity>,
+    ) -> Responses {
         let inbound = RequestStream::new(body, self.inner.requests.clone(), W::REQUEST);
         let (tx, rx) = outbound::queue(OUTBOUND_QUEUE);
-        let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer);
+        let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer, identity);
         self.inner
             .tasks
             .spawn(stream.drive(inbound, tx, self.inner.shutdown.clone()));

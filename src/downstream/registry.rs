@@ -163,6 +163,19 @@ pub struct TypeView {
     /// Shared: made when the subscription changes, not at every publish.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub subscribed: Option<Arc<SubscribedView>>,
+    /// Under `--access-policy`: how many of the resources it asks for its
+    /// identity may not read (withheld from it).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub withheld: u32,
+    /// Under `--access-policy`, for a client that may read part of the
+    /// collection: the version of its part that it is to hold now (its
+    /// current version, in place of the collection's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub access_version: Option<Arc<str>>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A named subscription, as `/debug/clients` shows it: whether it is
@@ -210,6 +223,8 @@ impl TypeView {
             last_nack: None,
             oversized_bytes: None,
             subscribed: None,
+            withheld: 0,
+            access_version: None,
         }
     }
 }
@@ -224,6 +239,8 @@ pub struct StreamView {
     pub gateway_id: Option<String>,
     /// A `--canary` selector matched its node: it gets new versions first.
     pub canary: bool,
+    /// What TLS proved of the peer: its first SAN, or `unauthenticated`.
+    pub identity: Arc<str>,
     pub connected_since: SystemTime,
     /// By the `type_url` the client sent.
     pub types: ByType<TypeView>,
@@ -239,7 +256,13 @@ pub struct Registry {
 
 impl Registry {
     /// Adds a stream; it is removed when the returned entry is dropped.
-    pub fn register(self: &Arc<Self>, id: u64, peer: Option<SocketAddr>, protocol: Protocol) -> RegistryEntry {
+    pub fn register(
+        self: &Arc<Self>,
+        id: u64,
+        peer: Option<SocketAddr>,
+        protocol: Protocol,
+        identity: &str,
+    ) -> RegistryEntry {
         let view = Arc::new(Mutex::new(StreamView {
             id,
             peer,
@@ -247,6 +270,7 @@ impl Registry {
             node_id: String::new(),
             gateway_id: None,
             canary: false,
+            identity: identity.into(),
             connected_since: SystemTime::now(),
             types: ByType::new(),
         }));

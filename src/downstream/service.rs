@@ -27,6 +27,8 @@ use super::{Downstream, Responses};
 use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
 use crate::transport::call;
+use crate::transport::grpc::ConnInfo;
+use crate::transport::identity::PeerIdentity;
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
@@ -35,7 +37,7 @@ pub const XDS_SOTW_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscovery
 pub const XDS_DELTA_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
 /// Starts one method's stream.
-type Start = fn(&Downstream, Body, Option<SocketAddr>) -> Responses;
+type Start = fn(&Downstream, Body, Option<SocketAddr>, Arc<PeerIdentity>) -> Responses;
 
 /// One gRPC service: its name and its methods.
 pub trait Methods: Send + Sync + 'static {
@@ -133,7 +135,15 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
             .extensions()
             .get::<TcpConnectInfo>()
             .and_then(TcpConnectInfo::remote_addr);
-        let responses = start(&self.downstream, request.into_body(), peer);
+        // What TLS proved of the peer; without the listener's word (the
+        // `source` command's dial-out serves a stream it dialed), none:
+        // `unauthenticated`.
+        let identity = request
+            .extensions()
+            .get::<ConnInfo>()
+            .map(|info| info.identity.clone())
+            .unwrap_or_default();
+        let responses = start(&self.downstream, request.into_body(), peer, identity);
         let mut response = http::Response::new(Body::new(FramedResponses::new(responses)));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));

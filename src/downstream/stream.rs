@@ -27,17 +27,24 @@ use super::{
     end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
 };
 use crate::cache::demand::SubscriptionState;
+use crate::cache::memo::MemoKey;
 use crate::cache::CollectionSnapshot;
 use crate::collections::{Dialect, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::proto::wire::{version_entry, ErrorDetail};
+use crate::transport::access::{display_identity, AccessPolicy, NameGrant};
 use crate::transport::bucket::TokenBucket;
+use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::RequestStream;
 
 struct Followed {
     state: TypeState,
     metrics: Arc<CollectionMetrics>,
     answer: Answer,
+    /// Under `--access-policy`, the names the client may read when it may
+    /// read only some (`None`: all of them): it is served that part of the
+    /// collection, as if the rest did not exist.
+    grant: Option<Arc<NameGrant>>,
 }
 
 /// What a followed type is answered from.
@@ -100,14 +107,22 @@ pub(super) struct TypedStream<W> {
     /// Set when a `--canary` selector matched the node of the stream's
     /// first request. Boxed: most streams are not canaries.
     canary: Option<Box<Canary>>,
+    /// What TLS proved of the peer (the access policy's identity).
+    identity: Arc<PeerIdentity>,
+    /// The access policy in effect, as it changes.
+    policy: watch::Receiver<Arc<AccessPolicy>>,
     _wire: PhantomData<fn() -> W>,
 }
 
 // === impl TypedStream ===
 
 impl<W: Wire> TypedStream<W> {
-    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>) -> Self {
-        let entry = shared.inner.registry.register(id, peer, W::PROTOCOL);
+    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>, identity: Arc<PeerIdentity>) -> Self {
+        let entry = shared
+            .inner
+            .registry
+            .register(id, peer, W::PROTOCOL, display_identity(&identity));
+        let policy = shared.watch_policy();
         Self {
             shared,
             entry,
@@ -119,6 +134,8 @@ impl<W: Wire> TypedStream<W> {
             peer_gateway: None,
             refusals: None,
             canary: None,
+            identity,
+            policy,
             _wire: PhantomData,
         }
     }
@@ -188,6 +205,7 @@ impl<W: Wire> TypedStream<W> {
                     // past --demand-timeout: a type waiting for it is answered
                     // empty.
                     () = refusals_changed(&mut self.refusals) => Step::AnswerRefused,
+                    Ok(()) = self.policy.changed() => Step::PolicyChanged,
                 };
                 let sent = match step {
                     Step::Send(Accepted { type_url, current, now }) => {
@@ -196,6 +214,11 @@ impl<W: Wire> TypedStream<W> {
                     Step::Changed(type_url) => self.try_send(&type_url, &out).await,
                     // Rare: boxed.
                     Step::AnswerRefused => Box::pin(self.answer_refused(&out)).await,
+                    // Rare: boxed.
+                    Step::PolicyChanged => match Box::pin(self.regrant(&out)).await {
+                        Ok(sent) => sent,
+                        Err(denied) => break (End::Refused, Some(denied)),
+                    },
                 };
                 if sent.is_err() {
                     break (End::ClientGone, None);
@@ -303,7 +326,9 @@ impl<W: Wire> TypedStream<W> {
                 // a canary that comes back (a broken connection, a restarted
                 // gateway) holding the round's version is not sent it again,
                 // and that is its ACK, or the round would wait for it.
-                if let (Some(canary), Some(version)) = (&self.canary, &followed.state.view.acked_version) {
+                if let (Some(canary), Some(version), None) =
+                    (&self.canary, &followed.state.view.acked_version, &followed.grant)
+                {
                     canary.rollout.canary_acked(&collection, self.id, version);
                 }
             }
@@ -316,7 +341,7 @@ impl<W: Wire> TypedStream<W> {
                     &collection,
                     nack,
                 );
-                if let Some(canary) = &self.canary {
+                if let (Some(canary), None) = (&self.canary, &followed.grant) {
                     canary
                         .rollout
                         .canary_nacked(&collection, self.id, &nack.version, &canary.node, &nack.message);
@@ -348,6 +373,8 @@ enum Step {
     Changed(String),
     /// Answer the types the source refused.
     AnswerRefused,
+    /// The access policy was reloaded.
+    PolicyChanged,
 }
 
 /// A request taken: its type, and the snapshot and time it was decided at.
@@ -361,11 +388,65 @@ struct Accepted {
 /// empty snapshot of a type nobody serves (or of an overdue one, until the
 /// source delivers it).
 fn current_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
+    let whole = source_of(followed);
+    match (&followed.grant, whole) {
+        (Some(grant), Some(whole)) => Some(restricted(&whole, grant)),
+        (_, whole) => whole,
+    }
+}
+
+/// What a followed type is answered from, whole (before the access
+/// policy's restriction).
+fn source_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
     match &followed.answer {
         Answer::Served(slot) => slot.borrow().clone(),
         Answer::Overdue { slot, empty } => Some(slot.borrow().clone().unwrap_or_else(|| empty.clone())),
         Answer::Unserved(empty) => Some(empty.clone()),
     }
+}
+
+/// A name the client asks for that its grant withholds (for the log).
+fn first_withheld(followed: &Followed, whole: &CollectionSnapshot) -> Option<String> {
+    let grant = followed.grant.as_ref()?;
+    match followed.state.named().map(|n| n.current()) {
+        Some(names) if !names.wildcard => names
+            .names
+            .iter()
+            .find(|n| whole.resources.contains_key(&***n) && !grant.allows(n))
+            .map(|n| n.to_string()),
+        _ => whole.resources.keys().find(|n| !grant.allows(n)).map(|n| n.to_string()),
+    }
+}
+
+/// Distinct grants whose view of one version is kept with it.
+const RESTRICTED_PER_SNAPSHOT: usize = 1024;
+
+/// The part of `whole` that `grant` lets a client read: made once per
+/// version and grant, and shared by every client of that grant (so their
+/// responses are encoded once, as for everyone else).
+fn restricted(whole: &Arc<CollectionSnapshot>, grant: &NameGrant) -> Arc<CollectionSnapshot> {
+    let key = MemoKey::with("access.restricted", grant.key.clone());
+    let view = whole.memo.get_or_make(key, RESTRICTED_PER_SNAPSHOT, || {
+        whole.restricted(|name| grant.allows(name))
+    });
+    Arc::clone(&view)
+}
+
+/// How many resources a restricted client asks for (by name, or all of
+/// them with wildcard) that its grant withholds from it.
+fn withheld(followed: &Followed, whole: &CollectionSnapshot, view: &CollectionSnapshot) -> u32 {
+    let Some(grant) = &followed.grant else {
+        return 0;
+    };
+    let count = match followed.state.named().map(|n| n.current()) {
+        Some(names) if !names.wildcard => names
+            .names
+            .iter()
+            .filter(|n| whole.resources.contains_key(&***n) && !grant.allows(n))
+            .count(),
+        _ => whole.len() - view.len(),
+    };
+    u32::try_from(count).unwrap_or(u32::MAX)
 }
 
 /// The refusal of a gateway peer that is this gateway or upstream of it.
@@ -548,8 +629,13 @@ impl<W: Wire> TypedStream<W> {
                 request.reported.iter().filter_map(|e| version_entry(e).ok()),
             )),
         };
+        let mut grant = None;
         let (resolved, answer) = match target {
             Target::Collection(resolved) => {
+                let policy = self.policy.borrow_and_update().clone();
+                grant = self
+                    .shared
+                    .grant(&policy, &self.identity, type_url, &resolved.collection)?;
                 self.shared.follow(&resolved.collection);
                 let awaited = W::ANSWERS_EVERY_TYPE && self.shared.inner.cache.get(&resolved.collection).is_none();
                 if awaited && self.refusals.is_none() {
@@ -559,8 +645,12 @@ impl<W: Wire> TypedStream<W> {
                 // Already overdue (another client waited for it): empty at once.
                 let overdue = awaited && self.shared.inner.subscriptions.is_overdue(&resolved.collection);
                 let rollout = &self.shared.inner.rollout;
-                let slot = rollout.watch(&resolved.collection, self.canary.is_some());
-                if let Some(canary) = &mut self.canary {
+                // A client that reads part of a collection holds versions of
+                // its own, which a canary round cannot count: it follows the
+                // round's versions as the stable group does.
+                let canary = self.canary.as_mut().filter(|_| grant.is_none());
+                let slot = rollout.watch(&resolved.collection, canary.is_some());
+                if let Some(canary) = canary {
                     if !canary.collections.contains(&resolved.collection) {
                         canary.collections.push(resolved.collection.clone());
                         rollout.canary_joined(&resolved.collection, self.id);
@@ -586,9 +676,47 @@ impl<W: Wire> TypedStream<W> {
         };
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
-        self.types
-            .insert(type_url.to_owned(), Followed { state, metrics, answer });
+        self.types.insert(
+            type_url.to_owned(),
+            Followed {
+                state,
+                metrics,
+                answer,
+                grant,
+            },
+        );
         Ok(())
+    }
+
+    /// The access policy was reloaded: each type is served what the new one
+    /// grants (a type it no longer grants ends the stream
+    /// `PERMISSION_DENIED`; a changed grant sends the client its new view
+    /// of the collection, which takes away what it may no longer read).
+    async fn regrant(&mut self, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
+        let policy = self.policy.borrow_and_update().clone();
+        let mut changed = Vec::new();
+        for (type_url, followed) in self.types.iter_mut() {
+            if matches!(followed.answer, Answer::Unserved(_)) {
+                continue;
+            }
+            let collection = followed.state.view.collection.clone();
+            let grant = self.shared.grant(&policy, &self.identity, type_url, &collection)?;
+            let same = match (&grant, &followed.grant) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.key == b.key,
+                _ => false,
+            };
+            if !same {
+                followed.grant = grant;
+                changed.push(type_url.clone());
+            }
+        }
+        for type_url in changed {
+            if let Err(gone) = self.try_send(&type_url, out).await {
+                return Ok(Err(gone));
+            }
+        }
+        Ok(Ok(()))
     }
 
     /// Types still waiting for a collection the source has now refused are
@@ -662,6 +790,12 @@ impl<W: Wire> TypedStream<W> {
         let Some(followed) = self.types.get_mut(type_url) else {
             return Ok(());
         };
+        if followed.grant.is_some() {
+            self.note_withheld(type_url, current.as_ref());
+        }
+        let Some(followed) = self.types.get_mut(type_url) else {
+            return Ok(());
+        };
         let acked = followed.state.view.acked_version.clone();
         let response = match followed.state.next(current.as_ref()) {
             Ok(push @ Push::FirstFromReported { .. }) => {
@@ -678,8 +812,12 @@ impl<W: Wire> TypedStream<W> {
                 // touched holds the new version as well: that counts as its
                 // ACK for a canary round, which would otherwise wait for it.
                 let settled = followed.state.view.acked_version != acked;
-                if let (true, Some(canary), Some(version)) = (settled, &self.canary, &followed.state.view.acked_version)
-                {
+                if let (true, Some(canary), Some(version), None) = (
+                    settled,
+                    &self.canary,
+                    &followed.state.view.acked_version,
+                    &followed.grant,
+                ) {
                     canary
                         .rollout
                         .canary_acked(&followed.state.view.collection, self.id, version);
@@ -707,6 +845,36 @@ impl<W: Wire> TypedStream<W> {
                 .await
             }
         }
+    }
+
+    /// A restricted type: how many of the resources the client asks for its
+    /// grant withholds, shown with the type and counted as they grow (the
+    /// first time a name is withheld, logged).
+    fn note_withheld(&mut self, type_url: &str, view: Option<&Arc<CollectionSnapshot>>) {
+        let Some(followed) = self.types.get_mut(type_url) else {
+            return;
+        };
+        let (Some(whole), Some(view)) = (source_of(followed), view) else {
+            return;
+        };
+        let now = withheld(followed, &whole, view);
+        let before = followed.state.view.withheld;
+        let version_changed = followed.state.view.access_version.as_ref() != Some(&view.version);
+        if now == before && !version_changed {
+            return;
+        }
+        followed.state.view.withheld = now;
+        followed.state.view.access_version = Some(view.version.clone());
+        if now > before {
+            let collection = &followed.state.view.collection;
+            m::access_denied(collection, "name", u64::from(now - before));
+            let policy = self.policy.borrow().clone();
+            let example = first_withheld(followed, &whole);
+            let why = policy.denial(&self.identity, collection, example.as_deref());
+            self.shared
+                .log_denial(&self.identity, collection, &format!("{now} resources withheld: {why}"));
+        }
+        self.entry.publish(type_url, followed.state.view.clone());
     }
 
     /// Encodes `push` with the next nonce and records it as sent `now`, with

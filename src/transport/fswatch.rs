@@ -3,7 +3,8 @@
 //! watched rather than files: editors and Kubernetes volume updates replace
 //! files (rename, `..data` symlink swap), which a watch on the old file misses.
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use notify::{EventKind, RecursiveMode, Watcher};
@@ -20,12 +21,37 @@ pub struct DirWatch {
 }
 
 impl DirWatch {
-    /// Watches each directory (not recursively).
+    /// Watches each directory (not recursively): any change in it.
     pub fn new(dirs: &[PathBuf]) -> notify::Result<Self> {
+        Self::watching(dirs, None)
+    }
+
+    /// Watches `files` only: a change of one of them, or of the `..data`
+    /// link beside them (a Kubernetes volume's swap), not of anything else in
+    /// their directories (a log file written beside a certificate would
+    /// otherwise make it reload every time it is written).
+    pub fn files(files: &[&Path]) -> notify::Result<Self> {
+        let mut dirs: Vec<PathBuf> = files.iter().map(|f| parent_dir(f)).collect();
+        dirs.sort();
+        dirs.dedup();
+        let mut names: Vec<OsString> = files.iter().filter_map(|f| f.file_name()).map(OsString::from).collect();
+        names.push(OsString::from(K8S_DATA_LINK));
+        Self::watching(&dirs, Some(names))
+    }
+
+    fn watching(dirs: &[PathBuf], names: Option<Vec<OsString>>) -> notify::Result<Self> {
         let (tx, changes) = mpsc::channel(1);
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
             let relevant = match event {
-                Ok(event) => !matches!(event.kind, EventKind::Access(_)),
+                Ok(event) => {
+                    !matches!(event.kind, EventKind::Access(_))
+                        && names.as_ref().is_none_or(|names| {
+                            event
+                                .paths
+                                .iter()
+                                .any(|p| p.file_name().is_some_and(|n| names.iter().any(|w| w == n)))
+                        })
+                }
                 // A watcher error (an overflowed queue) may hide changes: re-read.
                 Err(_) => true,
             };
@@ -58,6 +84,10 @@ impl DirWatch {
         }
     }
 }
+
+/// The link a Kubernetes volume (a ConfigMap, a Secret) swaps to update its
+/// files at once; the files themselves are links through it.
+const K8S_DATA_LINK: &str = "..data";
 
 /// The directory a file lives in (`.` for a bare file name).
 pub fn parent_dir(path: &std::path::Path) -> PathBuf {

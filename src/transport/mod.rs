@@ -3,6 +3,7 @@
 //! limits, the admin and monitoring HTTP listeners, the upstream client's
 //! connection, file watching. No protocol logic lives here.
 
+pub mod access;
 pub mod bucket;
 pub mod call;
 pub mod connect;

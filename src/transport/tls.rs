@@ -20,7 +20,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::fswatch::{parent_dir, DirWatch};
+use super::fswatch::DirWatch;
 
 #[derive(Debug, thiserror::Error)]
 #[error("{flag} {}: {message}", path.display())]
@@ -131,15 +131,13 @@ impl ServerTlsFiles {
         Ok(Arc::new(config))
     }
 
-    fn dirs(&self) -> Vec<PathBuf> {
-        let mut dirs: Vec<PathBuf> = [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
+    /// The files it reads (watched for rotation).
+    fn paths(&self) -> Vec<&Path> {
+        [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()]
             .into_iter()
             .flatten()
-            .map(|p| parent_dir(p))
-            .collect();
-        dirs.sort();
-        dirs.dedup();
-        dirs
+            .map(PathBuf::as_path)
+            .collect()
     }
 }
 
@@ -172,7 +170,7 @@ impl ServerTls {
 
     /// Reloads whenever a file's directory changes, until `shutdown`.
     pub fn watch(self: &Arc<Self>, shutdown: CancellationToken, tasks: &TaskTracker) -> Result<(), TlsError> {
-        let mut watch = DirWatch::new(&self.files.dirs()).map_err(|e| {
+        let mut watch = DirWatch::files(&self.files.paths()).map_err(|e| {
             tls_error(
                 "--tls-cert",
                 &self.files.cert,

@@ -3,6 +3,7 @@
 
 mod helpers;
 
+mod access;
 mod admin;
 mod browser;
 mod canary;

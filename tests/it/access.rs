@@ -1,0 +1,346 @@
+//! Who may read what (`--access-policy`): identities TLS proved, granted
+//! collections and names, on every protocol; secrets to nobody without a
+//! policy; a reload takes away what it no longer grants.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+use mcp_xds_gateway::proto::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use mcp_xds_gateway::proto::MeshConfigRequest;
+use tonic::transport::Channel;
+
+use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
+use crate::helpers::clients::{channel, node, tls_channel, Bidi, SotwClient, SOTW_PATH};
+use crate::helpers::{eventually_some, get_json, http_get, start_gateway, within, VS};
+
+const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+pub(crate) const SECRET_TYPE: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
+
+pub(crate) const FRONTEND: &str = "spiffe://cluster.local/ns/shop/sa/frontend";
+const OTHER: &str = "spiffe://cluster.local/ns/other/sa/x";
+const ISTIOD: &str = "spiffe://cluster.local/ns/istio-system/sa/istiod";
+
+type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
+type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
+
+/// The policy of the issue: each namespace its own secrets, istiod the
+/// Istio kinds, plaintext clients Envoy's config.
+pub(crate) const POLICY: &str = r#"rules:
+- identities: ["spiffe://cluster.local/ns/{namespace}/sa/*"]
+  collections: ["envoy/extensions/transport_sockets/tls/v3/secrets"]
+  names: ["{namespace}/*"]
+- identities: ["spiffe://cluster.local/ns/istio-system/sa/istiod*"]
+  collections: ["istio/*"]
+- identities: ["spiffe://cluster.local/ns/shop/sa/*", "unauthenticated"]
+  collections: ["envoy/config/*"]
+"#;
+
+/// A files-source document of an Envoy `Secret` with a TLS certificate and
+/// its key.
+pub(crate) fn secret_doc(name: &str, leaf: &Leaf) -> String {
+    let indent = |pem: &str| pem.trim_end().replace('\n', "\n          ");
+    format!(
+        "collection: {SECRETS}\nname: {name}\nbody:\n  type_url: {SECRET_TYPE}\n  json:\n    name: {name}\n    \
+         tls_certificate:\n      certificate_chain:\n        inline_string: |\n          {}\n      private_key:\n        \
+         inline_string: |\n          {}\n",
+        indent(&leaf.cert),
+        indent(&leaf.key)
+    )
+}
+
+fn cluster_doc(name: &str) -> String {
+    format!(
+        "collection: envoy/config/cluster/v3/clusters\nname: {name}\nbody:\n  type_url: {CLUSTER_TYPE}\n  json:\n    \
+         name: {name}\n    connect_timeout: 1s\n"
+    )
+}
+
+/// A source directory with secrets of two namespaces and a cluster.
+pub(crate) fn source_dir(dir: &Path, ca: &Ca) {
+    let docs = [
+        secret_doc("shop/frontend-cert", &ca.leaf("frontend.shop")),
+        secret_doc("shop/backend-cert", &ca.leaf("backend.shop")),
+        secret_doc("other/x-cert", &ca.leaf("x.other")),
+        cluster_doc("backend"),
+    ];
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.yaml"), docs.join("---\n")).unwrap();
+}
+
+fn path(p: &Path) -> String {
+    p.to_str().unwrap().to_owned()
+}
+
+/// A gateway over mTLS on `dir/source`, with `policy` (if any) at
+/// `dir/policy.yaml`.
+async fn mtls_gateway(dir: &Path, ca: &Ca, policy: Option<&str>) -> mcp_xds_gateway::app::Bound {
+    source_dir(&dir.join("source"), ca);
+    let (cert, key) = write_leaf(dir, "server", &ca.leaf("gateway"));
+    let ca_path = write(dir, "client-ca.pem", &ca.pem);
+    let (cert, key, ca_path, source) = (path(&cert), path(&key), path(&ca_path), path(&dir.join("source")));
+    let policy_path = path(&dir.join("policy.yaml"));
+    let mut flags = vec![
+        "--source-dir",
+        &source,
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--client-ca",
+        &ca_path,
+    ];
+    if let Some(policy) = policy {
+        std::fs::write(&policy_path, policy).unwrap();
+        flags.extend(["--access-policy", &policy_path]);
+    }
+    start_gateway(&flags).await
+}
+
+async fn as_identity(addr: SocketAddr, ca: &Ca, identity: &str) -> Channel {
+    tls_channel(addr, &ca.pem, Some(&ca.spiffe_leaf(identity)))
+        .await
+        .unwrap()
+}
+
+fn envoy(id: &str) -> Option<Node> {
+    Some(Node {
+        id: id.into(),
+        ..Default::default()
+    })
+}
+
+/// A `Secret`'s name (field 1), the rest of it left unread.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SecretName {
+    #[prost(string, tag = "1")]
+    name: String,
+}
+
+fn names_of(response: &DiscoveryResponse) -> Vec<String> {
+    use prost::Message;
+    let mut names: Vec<String> = response
+        .resources
+        .iter()
+        .map(|any| SecretName::decode(&any.value[..]).unwrap().name)
+        .collect();
+    names.sort();
+    names
+}
+
+fn sotw_request(type_url: &str, names: &[&str], ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
+    DiscoveryRequest {
+        node: envoy("sidecar~10.0.0.1~frontend.shop~shop.svc.cluster.local"),
+        type_url: type_url.into(),
+        resource_names: names.iter().map(|n| n.to_string()).collect(),
+        version_info: ack.map(|r| r.version_info.clone()).unwrap_or_default(),
+        response_nonce: ack.map(|r| r.nonce.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
+/// The `/debug/syncz` row of the one stream of `identity` for `type_url`.
+async fn syncz_row(admin: SocketAddr, identity: &str, type_url: &str, what: &str) -> serde_json::Value {
+    eventually_some(what, || async {
+        let view = get_json(admin, "/debug/syncz").await;
+        view["rows"]
+            .as_array()?
+            .iter()
+            .find(|r| r["identity"] == identity && r["type_url"] == type_url && r["acked"].is_object())
+            .cloned()
+    })
+    .await
+}
+
+#[tokio::test]
+async fn each_namespace_reads_its_own_secrets_by_name_and_by_wildcard() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = mtls_gateway(dir.path(), &ca, Some(POLICY)).await;
+
+    // State of the world, by name: the other namespace's secret is absent.
+    let mut frontend = SotwStream::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW).await;
+    let asked = ["shop/frontend-cert", "other/x-cert"];
+    frontend.send(sotw_request(SECRET_TYPE, &asked, None));
+    let first = frontend.recv().await;
+    assert_eq!(names_of(&first), vec!["shop/frontend-cert"]);
+    frontend.send(sotw_request(SECRET_TYPE, &asked, Some(&first)));
+    let row = syncz_row(gw.admin, FRONTEND, SECRET_TYPE, "the frontend's ACK").await;
+    assert_eq!(row["status"], "SYNCED", "{row}");
+    assert_eq!(row["access"]["status"], "DENIED", "{row}");
+    assert_eq!(row["access"]["withheld"], 1, "one name asked for is withheld: {row}");
+    assert_eq!(
+        row["current_version"], first.version_info,
+        "synced at the version of its own view"
+    );
+
+    // Wildcard: every secret of its namespace, nothing else.
+    let mut wildcard = SotwStream::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW).await;
+    wildcard.send(sotw_request(SECRET_TYPE, &[], None));
+    let all = wildcard.recv().await;
+    assert_eq!(names_of(&all), vec!["shop/backend-cert", "shop/frontend-cert"]);
+
+    // Delta: subscribed to both, sent its own, never the other.
+    let mut delta = DeltaStream::open_on(as_identity(gw.listen, &ca, OTHER).await, DELTA).await;
+    delta.send(DeltaDiscoveryRequest {
+        node: envoy("sidecar~10.0.0.2~x.other~other.svc.cluster.local"),
+        type_url: SECRET_TYPE.into(),
+        resource_names_subscribe: vec!["shop/frontend-cert".into(), "other/x-cert".into()],
+        ..Default::default()
+    });
+    let response = delta.recv().await;
+    let sent: Vec<&str> = response.resources.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(sent, vec!["other/x-cert"]);
+    assert_eq!(
+        response.removed_resources,
+        vec!["shop/frontend-cert"],
+        "a name it may not read is, for it, a name that does not exist"
+    );
+}
+
+#[tokio::test]
+async fn a_type_no_rule_grants_ends_the_stream_permission_denied_on_every_protocol() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = mtls_gateway(dir.path(), &ca, Some(POLICY)).await;
+
+    // Envoy's ADS: clusters are not granted to the other namespace.
+    let mut other = SotwStream::open_on(as_identity(gw.listen, &ca, OTHER).await, SOTW).await;
+    other.send(sotw_request(CLUSTER_TYPE, &[], None));
+    let status = other.end_status().await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    for needed in [CLUSTER_TYPE, OTHER, "no rule of --access-policy grants it"] {
+        assert!(
+            status.message().contains(needed),
+            "{needed:?} in {:?}",
+            status.message()
+        );
+    }
+
+    // The legacy service: a Pilot without istio/* is refused naming the collection...
+    let mut pilot = SotwClient::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW_PATH).await;
+    pilot.send(MeshConfigRequest {
+        sink_node: node(),
+        type_url: VS.into(),
+        ..Default::default()
+    });
+    let status = pilot.end_status().await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains(VS), "{:?}", status.message());
+    assert!(status.message().contains(FRONTEND), "{:?}", status.message());
+
+    // ... and istiod's identity is served as before.
+    let mut istiod = SotwClient::open_on(as_identity(gw.listen, &ca, ISTIOD).await, SOTW_PATH).await;
+    istiod.send(MeshConfigRequest {
+        sink_node: node(),
+        type_url: VS.into(),
+        ..Default::default()
+    });
+    let response = istiod.recv().await;
+    assert!(!response.resources.is_empty() || response.version_info.len() == 32);
+}
+
+#[tokio::test]
+async fn without_a_policy_secrets_go_to_nobody_and_the_rest_to_everyone() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    source_dir(&dir.path().join("source"), &ca);
+    let source = path(&dir.path().join("source"));
+    let gw = start_gateway(&["--source-dir", &source]).await;
+
+    let mut clusters = SotwStream::open_on(channel(gw.listen).await, SOTW).await;
+    clusters.send(sotw_request(CLUSTER_TYPE, &[], None));
+    assert_eq!(clusters.recv().await.resources.len(), 1);
+
+    let mut secrets = SotwStream::open_on(channel(gw.listen).await, SOTW).await;
+    secrets.send(sotw_request(SECRET_TYPE, &["shop/frontend-cert"], None));
+    let status = secrets.end_status().await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    for needed in [
+        SECRET_TYPE,
+        "unauthenticated",
+        "no --access-policy is given",
+        "no rule of --access-policy grants it",
+    ] {
+        assert!(
+            status.message().contains(needed),
+            "{needed:?} in {:?}",
+            status.message()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_the_last_good() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = mtls_gateway(dir.path(), &ca, Some(POLICY)).await;
+    let policy = dir.path().join("policy.yaml");
+
+    let mut frontend = SotwStream::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW).await;
+    frontend.send(sotw_request(CLUSTER_TYPE, &[], None));
+    let first = frontend.recv().await;
+    frontend.send(sotw_request(CLUSTER_TYPE, &[], Some(&first)));
+
+    // A bad file: the last good policy stays (the stream goes on).
+    std::fs::write(&policy, "rules:\n- identities: [a]\n  collections: [c]\n  nmes: [x]\n").unwrap();
+    let config = eventually_some("the bad policy to be read", || async {
+        let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
+        let errors = crate::helpers::sample(
+            &metrics,
+            "mcp_gateway_access_policy_reloads_total",
+            &["result=\"error\""],
+        );
+        errors.filter(|e| *e >= 1.0).map(|_| ())
+    })
+    .await;
+    let _ = config;
+    let shown = get_json(gw.admin, "/debug/config").await;
+    assert_eq!(shown["access_policy"]["rules"].as_array().unwrap().len(), 3);
+
+    // Clusters no longer granted to shop: its stream ends.
+    std::fs::write(
+        &policy,
+        POLICY.replace(
+            "[\"spiffe://cluster.local/ns/shop/sa/*\", \"unauthenticated\"]",
+            "[\"unauthenticated\"]",
+        ),
+    )
+    .unwrap();
+    let status = within("the reload to end the stream", frontend.end_status()).await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains(CLUSTER_TYPE), "{:?}", status.message());
+}
+
+#[tokio::test]
+async fn debug_access_answers_what_an_identity_would_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = mtls_gateway(dir.path(), &ca, Some(POLICY)).await;
+    let view = get_json(gw.admin, &format!("/debug/access?identity={FRONTEND}")).await;
+    let row = |collection: &str| {
+        view["collections"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["collection"] == collection)
+            .cloned()
+            .unwrap()
+    };
+    let secrets = row(SECRETS);
+    assert_eq!(secrets["reads"], "names", "{secrets}");
+    assert_eq!(secrets["names"], serde_json::json!(["shop/*"]));
+    assert_eq!(secrets["resources_readable"], 2);
+    assert_eq!(secrets["resources_cached"], 3);
+    assert_eq!(secrets["sensitive"], true);
+    assert_eq!(row("envoy/config/cluster/v3/clusters")["reads"], "all");
+    assert_eq!(row(VS)["reads"], "nothing");
+    let (code, body) = http_get(gw.admin, "/debug/access").await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("?identity="), "{body}");
+}
