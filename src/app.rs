@@ -444,6 +444,7 @@ pub async fn build_with_logs(
         tasks.spawn(dial_out.run(shutdown.clone()));
     }
 
+    warn_of_unread_secrets(&cache, &settings.table, &settings.access_policy);
     started.disarm();
     let listening = listen.map_or_else(|| "none (dial-out)".to_owned(), |l| l.to_string());
     tracing::info!(
@@ -473,6 +474,30 @@ pub async fn build_with_logs(
         tasks,
         grace: settings.shutdown_grace,
     })
+}
+
+/// Without `--access-policy`, collections of secrets are served to nobody:
+/// said once at start for each that has content, so an operator whose
+/// Envoys wait for their certificates knows why.
+fn warn_of_unread_secrets(
+    cache: &crate::cache::Cache,
+    table: &crate::collections::CollectionTable,
+    policy: &crate::transport::access::AccessPolicy,
+) {
+    if policy.path().is_some() {
+        return;
+    }
+    for snapshot in cache.snapshots() {
+        if !snapshot.is_empty() && table.is_sensitive(&snapshot.collection) {
+            tracing::warn!(
+                collection = %snapshot.collection,
+                resources = snapshot.len(),
+                "this collection holds secrets and no --access-policy is given: it is served to nobody; give a \
+                 policy that grants it to the identities that own each secret (docs/operating.md, \"Who may read \
+                 what\")"
+            );
+        }
+    }
 }
 
 /// `--cache-dir` can hold the cache: made (0700) where missing, a directory

@@ -12,7 +12,7 @@ use crate::helpers::{eventually, get_json, http_get, http_request, names, spawn_
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
 /// Runs the binary to its exit: (exit code, stderr).
-async fn run(args: &[&str]) -> (Option<i32>, String) {
+pub(crate) async fn run(args: &[&str]) -> (Option<i32>, String) {
     run_with_env(args, &[]).await
 }
 

@@ -89,13 +89,19 @@ impl Envoy {
     /// with the log, when the binary is missing or Envoy exits or stalls on
     /// the way up. Not for tests on paused time: Envoy's clock does not stop.
     pub async fn start(xds: SocketAddr, api: AdsApi, node_id: &str) -> Result<Envoy, String> {
+        Self::start_with(bootstrap(xds, api, node_id)).await
+    }
+
+    /// As [`Envoy::start`], with a bootstrap made by the test (e.g. from
+    /// [`bootstrap`], with TLS to the gateway).
+    pub async fn start_with(bootstrap: Value) -> Result<Envoy, String> {
         let bin = envoy_binary()?;
         let dir = tempfile::Builder::new()
             .prefix("envoy-")
             .tempdir()
             .map_err(|e| format!("a temporary directory: {e}"))?;
         let bootstrap_path = dir.path().join("bootstrap.json");
-        let bootstrap = serde_json::to_string_pretty(&bootstrap(xds, api, node_id)).unwrap();
+        let bootstrap = serde_json::to_string_pretty(&bootstrap).unwrap();
         std::fs::write(&bootstrap_path, bootstrap).map_err(|e| format!("writing the bootstrap: {e}"))?;
         let admin_path = dir.path().join("admin.addr");
         let stdio = File::create(dir.path().join("stdio.log")).map_err(|e| format!("stdio.log: {e}"))?;
