@@ -103,7 +103,10 @@ pub async fn build(settings: Settings) -> Result<Bound, AppError> {
 }
 
 /// As [`build`], with the log filter's control (`POST /logging`): the
-/// binary's, around its subscriber.
+/// binary's, around its subscriber. The steps, in order: bind the
+/// listeners, start the watchers of the files read while running (TLS, the
+/// access policy), make the cache and its history, serve (clients, admin,
+/// monitoring), start the source.
 pub async fn build_with_logs(
     settings: Settings,
     logs: Option<Arc<crate::metrics::LogControl>>,
@@ -112,42 +115,188 @@ pub async fn build_with_logs(
     crate::metrics::register_defaults(&settings.collections);
     crate::source::register_metrics();
     // Everything that can refuse the flags comes before the first log line:
-    // a failed start prints its one error, nothing else. `source --sink`
-    // serves its one stream over a connection it dials.
-    let grpc_listener = match settings.serve {
-        Serve::DialOut(_) => None,
-        Serve::Gateway | Serve::ResourceSource => Some(bind("--listen", settings.listen).await?),
-    };
-    let (admin_listener, admin) = bind("--admin-listen", settings.admin_listen).await?;
-    let (monitoring_listener, monitoring) = bind("--monitoring-listen", settings.monitoring_listen).await?;
-    let sink_listener = match &settings.source {
-        Source::Sink(sink) => Some(bind("--sink-listen", sink.listen).await?),
-        _ => None,
-    };
-    if let Some(dir) = &settings.cache_dir {
-        check_cache_dir(dir)?;
-    }
+    // a failed start prints its one error, nothing else.
+    let listeners = Listeners::bind(&settings).await?;
     let shutdown = CancellationToken::new();
     // Whatever was started stops again if start-up fails further down.
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
-    let server_tls = match &settings.server_tls {
-        Some(files) => {
-            let tls = ServerTls::new(files.clone())?;
-            tls.watch(shutdown.clone(), &tasks)?;
-            Some(tls)
-        }
-        None => None,
+    let watched = Watched::start(&settings, &shutdown, &tasks)?;
+    reflection()?;
+    log_start(&settings);
+    let state = CacheState::make(&settings, &shutdown, &tasks).await?;
+    let Listeners {
+        grpc: grpc_listener,
+        admin,
+        monitoring,
+        sink: sink_listener,
+    } = listeners;
+    let (admin_addr, monitoring_addr) = (admin.1, monitoring.1);
+    let served = serve(
+        &settings,
+        Serving {
+            grpc: grpc_listener,
+            admin,
+            monitoring,
+            state: &state,
+            watched: &watched,
+            metrics,
+            logs,
+        },
+        &shutdown,
+        &tasks,
+    )
+    .await;
+    let Settings {
+        source,
+        serve: serving,
+        table,
+        access_policy,
+        server_tls: server_tls_files,
+        shutdown_grace,
+        ..
+    } = settings;
+    let CacheState {
+        cache,
+        writer,
+        subscriptions,
+        registry,
+        status_tx,
+        status_rx,
+        persister,
+        ..
+    } = state;
+    let source_settings = SourceStart {
+        table: table.clone(),
+        subscriptions: subscriptions.clone(),
+        status_tx,
+        writer,
+        persister,
+        server_tls: watched.server_tls.clone(),
+        grpc: served.grpc.clone(),
+        max_new_streams_per_second: served.max_new_streams_per_second,
+        max_source_file_bytes: served.max_source_file_bytes,
     };
-    let reflection = || {
+    let sink = start_source(source, sink_listener, source_settings, &shutdown, &tasks).await?;
+    if let Serve::DialOut(dial_out) = &serving {
+        // After the local source's first read: the sink is served what the
+        // files hold from its first request on.
+        let dial_out = DialOut::new((**dial_out).clone(), served.resource_source, served.max_request_bytes);
+        tasks.spawn(dial_out.run(shutdown.clone()));
+    }
+
+    warn_of_unread_secrets(&cache, &table, &access_policy);
+    started.disarm();
+    let listening = served
+        .listen
+        .map_or_else(|| "none (dial-out)".to_owned(), |l| l.to_string());
+    tracing::info!(
+        listen = %listening,
+        admin = %admin_addr,
+        monitoring = %monitoring_addr,
+        sink = sink.map(|s| s.to_string()),
+        tls = server_tls_on(&server_tls_files),
+        "{} listening",
+        match serving {
+            Serve::Gateway => "gateway",
+            Serve::ResourceSource | Serve::DialOut(_) => "source",
+        }
+    );
+    Ok(Bound {
+        // `source --sink` listens for no client: the unspecified address.
+        listen: served.listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
+        admin: admin_addr,
+        monitoring: monitoring_addr,
+        sink,
+        cache,
+        subscriptions,
+        registry,
+        upstream: status_rx,
+        connections: served.connections,
+        shutdown,
+        tasks,
+        grace: shutdown_grace,
+    })
+}
+
+// === Step 1: bind ===
+
+/// Every listener, bound before anything else is started (port 0 works).
+struct Listeners {
+    /// The client port; none for `source --sink`, which serves its one
+    /// stream over a connection it dials.
+    grpc: Option<(TcpListener, SocketAddr)>,
+    admin: (TcpListener, SocketAddr),
+    monitoring: (TcpListener, SocketAddr),
+    sink: Option<(TcpListener, SocketAddr)>,
+}
+
+impl Listeners {
+    async fn bind(settings: &Settings) -> Result<Self, AppError> {
+        let grpc = match settings.serve {
+            Serve::DialOut(_) => None,
+            Serve::Gateway | Serve::ResourceSource => Some(bind("--listen", settings.listen).await?),
+        };
+        let admin = bind("--admin-listen", settings.admin_listen).await?;
+        let monitoring = bind("--monitoring-listen", settings.monitoring_listen).await?;
+        let sink = match &settings.source {
+            Source::Sink(sink) => Some(bind("--sink-listen", sink.listen).await?),
+            _ => None,
+        };
+        if let Some(dir) = &settings.cache_dir {
+            check_cache_dir(dir)?;
+        }
+        Ok(Self {
+            grpc,
+            admin,
+            monitoring,
+            sink,
+        })
+    }
+}
+
+// === Step 2: the watchers of files read while running ===
+
+/// The TLS files and the access policy, each read again when it changes.
+struct Watched {
+    server_tls: Option<Arc<ServerTls>>,
+    access: Arc<AccessControl>,
+}
+
+impl Watched {
+    fn start(settings: &Settings, shutdown: &CancellationToken, tasks: &TaskTracker) -> Result<Self, AppError> {
+        let server_tls = match &settings.server_tls {
+            Some(files) => {
+                let tls = ServerTls::new(files.clone())?;
+                tls.watch(shutdown.clone(), tasks)?;
+                Some(tls)
+            }
+            None => None,
+        };
+        let access = AccessControl::new(settings.access_policy.clone());
+        access.watch(shutdown.clone(), tasks).map_err(AppError::AccessPolicy)?;
+        Ok(Self { server_tls, access })
+    }
+}
+
+/// gRPC reflection of the embedded descriptors (v1 and v1alpha): made here
+/// to check, before anything is logged, that the descriptors read, and
+/// again by the step that serves them.
+fn reflection() -> Result<(impl Clone + Send, impl Clone + Send), AppError> {
+    let builder = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
-    let reflection_v1 = reflection().build_v1().map_err(AppError::Reflection)?;
-    let reflection_v1alpha = reflection().build_v1alpha().map_err(AppError::Reflection)?;
+    Ok((
+        builder().build_v1().map_err(AppError::Reflection)?,
+        builder().build_v1alpha().map_err(AppError::Reflection)?,
+    ))
+}
 
-    log_effective(&settings);
+/// The first lines of the log: the effective configuration, then warnings.
+fn log_start(settings: &Settings) {
+    log_effective(settings);
     if settings.demo {
         tracing::warn!(
             "--demo: serving the compiled-in example config (bookinfo routes, a mesh policy), not a real source; \
@@ -157,91 +306,169 @@ pub async fn build_with_logs(
     for warning in &settings.warnings {
         tracing::warn!("{warning}");
     }
+}
 
-    let (cache, mut writer) = Cache::with_history(settings.history);
-    let route = match &settings.source {
-        Source::Client(_) => DemandRoute::Probe,
-        Source::Sink(_) => DemandRoute::Hold,
-        Source::Files(_) => DemandRoute::Subscribe,
-    };
-    let subscriptions = Arc::new(Subscriptions::with_route(
-        settings.collections.iter().cloned(),
-        route,
-        settings.demand_timeout,
-    ));
-    let registry = Arc::new(Registry::default());
-    let (status_tx, status_rx) = watch::channel(UpstreamStatus {
-        mode: "none",
-        ..Default::default()
-    });
+// === Step 3: the cache and its history ===
 
-    let persister = match &settings.cache_dir {
-        Some(dir) => {
-            let max_message_bytes = match &settings.source {
-                Source::Client(c) => c.max_message_bytes,
-                Source::Sink(s) => s.max_message_bytes,
-                Source::Files(_) => usize::MAX,
-            };
-            // Reading the files blocks: on the blocking pool, with the writer.
-            let (returned, loaded) = {
-                let reading = dir.clone();
-                let max = persisted::max_file_bytes(max_message_bytes);
-                tokio::task::spawn_blocking(move || {
-                    let loaded = persisted::load(&reading, &mut writer, max);
-                    (writer, loaded)
-                })
-                .await
-                .map_err(|e| AppError::CacheDir {
-                    dir: dir.clone(),
-                    source: std::io::Error::other(e.to_string()),
-                })?
-            };
-            writer = returned;
-            let loaded = loaded.map_err(|source| AppError::CacheDir {
-                dir: dir.clone(),
-                source,
-            })?;
-            for (collection, version, resources) in &loaded.collections {
-                tracing::info!(%collection, %version, resources, "serving the persisted state until upstream delivers");
-            }
-            if !loaded.skipped.is_empty() {
-                tracing::warn!(
-                    skipped = loaded.skipped.len(),
-                    "some persisted collections were unusable; they wait for the upstream source"
-                );
-            }
-            Some(Persister::start(dir.clone(), cache.clone(), shutdown.clone(), &tasks))
+/// The cache with its one writer (for the source), the demand for
+/// collections, the client registry, the source's status, the persisted
+/// state loaded back, and the rollout over the cache's history.
+struct CacheState {
+    cache: Arc<Cache>,
+    writer: crate::cache::CacheWriter,
+    subscriptions: Arc<Subscriptions>,
+    registry: Arc<Registry>,
+    status_tx: watch::Sender<UpstreamStatus>,
+    status_rx: watch::Receiver<UpstreamStatus>,
+    persister: Option<Persister>,
+    rollout: Arc<Rollout>,
+}
+
+impl CacheState {
+    async fn make(settings: &Settings, shutdown: &CancellationToken, tasks: &TaskTracker) -> Result<Self, AppError> {
+        let (cache, writer) = Cache::with_history(settings.history);
+        let route = match &settings.source {
+            Source::Client(_) => DemandRoute::Probe,
+            Source::Sink(_) => DemandRoute::Hold,
+            Source::Files(_) => DemandRoute::Subscribe,
+        };
+        let subscriptions = Arc::new(Subscriptions::with_route(
+            settings.collections.iter().cloned(),
+            route,
+            settings.demand_timeout,
+        ));
+        let registry = Arc::new(Registry::default());
+        let (status_tx, status_rx) = watch::channel(UpstreamStatus {
+            mode: "none",
+            ..Default::default()
+        });
+        let (writer, persister) = match &settings.cache_dir {
+            Some(dir) => load_persisted(settings, dir, &cache, writer, shutdown, tasks).await?,
+            None => (writer, None),
+        };
+        let restored = match &settings.cache_dir {
+            Some(dir) => load_rollout(dir),
+            None => Default::default(),
+        };
+        let rollout = Rollout::new(
+            cache.clone(),
+            settings.canaries.clone(),
+            settings.canary_when_none,
+            settings.canary_soak,
+            restored,
+        );
+        tasks.spawn(rollout.clone().run(shutdown.clone()));
+        if let Some(dir) = &settings.cache_dir {
+            persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), tasks);
         }
-        None => None,
-    };
-
-    let restored = match &settings.cache_dir {
-        Some(dir) => load_rollout(dir),
-        None => Default::default(),
-    };
-    let rollout = Rollout::new(
-        cache.clone(),
-        settings.canaries.clone(),
-        settings.canary_when_none,
-        settings.canary_soak,
-        restored,
-    );
-    tasks.spawn(rollout.clone().run(shutdown.clone()));
-    if let Some(dir) = &settings.cache_dir {
-        persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), &tasks);
+        Ok(Self {
+            cache,
+            writer,
+            subscriptions,
+            registry,
+            status_tx,
+            status_rx,
+            persister,
+            rollout,
+        })
     }
-    let access = AccessControl::new(settings.access_policy.clone());
-    access.watch(shutdown.clone(), &tasks).map_err(AppError::AccessPolicy)?;
+}
+
+/// Loads the persisted cache from `dir` through `writer` (on the blocking
+/// pool) and starts writing the changes back: the writer again, and the
+/// persister.
+async fn load_persisted(
+    settings: &Settings,
+    dir: &std::path::Path,
+    cache: &Arc<Cache>,
+    mut writer: crate::cache::CacheWriter,
+    shutdown: &CancellationToken,
+    tasks: &TaskTracker,
+) -> Result<(crate::cache::CacheWriter, Option<Persister>), AppError> {
+    let max_message_bytes = match &settings.source {
+        Source::Client(c) => c.max_message_bytes,
+        Source::Sink(s) => s.max_message_bytes,
+        Source::Files(_) => usize::MAX,
+    };
+    // Reading the files blocks: on the blocking pool, with the writer.
+    let (returned, loaded) = {
+        let reading = dir.to_path_buf();
+        let max = persisted::max_file_bytes(max_message_bytes);
+        tokio::task::spawn_blocking(move || {
+            let loaded = persisted::load(&reading, &mut writer, max);
+            (writer, loaded)
+        })
+        .await
+        .map_err(|e| AppError::CacheDir {
+            dir: dir.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?
+    };
+    let loaded = loaded.map_err(|source| AppError::CacheDir {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
+    for (collection, version, resources) in &loaded.collections {
+        tracing::info!(%collection, %version, resources, "serving the persisted state until upstream delivers");
+    }
+    if !loaded.skipped.is_empty() {
+        tracing::warn!(
+            skipped = loaded.skipped.len(),
+            "some persisted collections were unusable; they wait for the upstream source"
+        );
+    }
+    let persister = Persister::start(dir.to_path_buf(), cache.clone(), shutdown.clone(), tasks);
+    Ok((returned, Some(persister)))
+}
+
+// === Step 4: serve ===
+
+/// What serving needs from the steps before it.
+struct Serving<'a> {
+    grpc: Option<(TcpListener, SocketAddr)>,
+    admin: (TcpListener, SocketAddr),
+    monitoring: (TcpListener, SocketAddr),
+    state: &'a CacheState,
+    watched: &'a Watched,
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    logs: Option<Arc<crate::metrics::LogControl>>,
+}
+
+/// What serving started, for the source step and the running gateway.
+struct Served {
+    /// Where the client port listens (none for `source --sink`).
+    listen: Option<SocketAddr>,
+    /// The `ResourceSource` service, which the dial-out serves too.
+    resource_source: ResourceSourceService,
+    connections: Arc<crate::transport::slots::ConnectionSlots>,
+    grpc: grpc::GrpcLimits,
+    max_new_streams_per_second: u32,
+    max_request_bytes: usize,
+    max_source_file_bytes: usize,
+}
+
+/// Serves clients (the downstream services with health and reflection on
+/// the client port), the admin port and the monitoring port.
+async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &CancellationToken, tasks: &TaskTracker) -> Served {
+    let Serving {
+        grpc: grpc_listener,
+        admin: (admin_listener, admin_addr),
+        monitoring: (monitoring_listener, _),
+        state,
+        watched,
+        metrics,
+        logs,
+    } = serving;
     let downstream = Downstream::new(
-        cache.clone(),
-        rollout.clone(),
+        state.cache.clone(),
+        state.rollout.clone(),
         settings.table.clone(),
-        subscriptions.clone(),
-        registry.clone(),
+        state.subscriptions.clone(),
+        state.registry.clone(),
         shutdown.clone(),
         tasks.clone(),
         settings.downstream,
-        access.clone(),
+        watched.access.clone(),
     );
     crate::downstream::register_metrics(&downstream, &settings.collections);
     let resource_source = ResourceSourceService::new(downstream.clone());
@@ -267,12 +494,21 @@ pub async fn build_with_logs(
     tasks.spawn(admin::track_health(
         health,
         services,
-        subscriptions.clone(),
-        cache.clone(),
+        state.subscriptions.clone(),
+        state.cache.clone(),
         shutdown.clone(),
     ));
-    let health_service =
-        admin::HealthWithReason::new(health_service, subscriptions.clone(), cache.clone(), status_rx.clone());
+    let health_service = admin::HealthWithReason::new(
+        health_service,
+        state.subscriptions.clone(),
+        state.cache.clone(),
+        state.status_rx.clone(),
+    );
+    let builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
     let routes = match settings.serve {
         Serve::Gateway => tonic::service::Routes::new(AggregatedService::new(downstream.clone()))
             .add_service(resource_source.clone())
@@ -280,10 +516,10 @@ pub async fn build_with_logs(
         Serve::ResourceSource | Serve::DialOut(_) => tonic::service::Routes::new(resource_source.clone()),
     }
     .add_service(health_service)
-    .add_service(reflection_v1)
-    .add_service(reflection_v1alpha)
+    // Checked at start (`reflection`): the descriptors read.
+    .add_service(builder().build_v1().expect("checked at start"))
+    .add_service(builder().build_v1alpha().expect("checked at start"))
     .prepare();
-    let limits = Arc::new(settings.grpc.clone());
     let shared = SharedLimits::new(
         settings.max_connections,
         settings.max_streams,
@@ -295,9 +531,9 @@ pub async fn build_with_logs(
                 grpc_listener,
                 GrpcListener {
                     name: "--listen",
-                    tls: server_tls.clone(),
+                    tls: watched.server_tls.clone(),
                     allow: settings.client_allow.clone(),
-                    limits: limits.clone(),
+                    limits: Arc::new(settings.grpc.clone()),
                     shared: shared.clone(),
                 },
                 routes,
@@ -310,17 +546,17 @@ pub async fn build_with_logs(
     };
 
     let admin_state = AdminState {
-        cache: cache.clone(),
-        rollout,
-        subscriptions: subscriptions.clone(),
-        registry: registry.clone(),
-        upstream: status_rx.clone(),
+        cache: state.cache.clone(),
+        rollout: state.rollout.clone(),
+        subscriptions: state.subscriptions.clone(),
+        registry: state.registry.clone(),
+        upstream: state.status_rx.clone(),
         metrics,
         stale_after: settings.stale_after,
         bodies: settings.bodies.clone(),
         config: Arc::new(serde_json::to_value(&settings.effective).unwrap_or_default()),
         logs,
-        access: access.clone(),
+        access: watched.access.clone(),
         table: settings.table.clone(),
     };
     crate::transport::http::serve(
@@ -329,12 +565,12 @@ pub async fn build_with_logs(
         admin::admin_router(
             admin_state.clone(),
             admin::guard::Guard {
-                loopback: admin.ip().is_loopback(),
+                loopback: admin_addr.ip().is_loopback(),
             },
         ),
         settings.http,
         shutdown.clone(),
-        &tasks,
+        tasks,
     );
     crate::transport::http::serve(
         "--monitoring-listen",
@@ -342,25 +578,71 @@ pub async fn build_with_logs(
         admin::monitoring_router(admin_state),
         settings.http,
         shutdown.clone(),
-        &tasks,
+        tasks,
     );
+    Served {
+        listen,
+        resource_source,
+        connections: shared.connections.clone(),
+        grpc: settings.grpc.clone(),
+        max_new_streams_per_second: settings.max_new_streams_per_second,
+        max_request_bytes: settings.downstream.max_request_bytes,
+        max_source_file_bytes: settings.max_source_file_bytes,
+    }
+}
 
-    let mut sink = None;
-    match settings.source {
+// === Step 5: the source ===
+
+/// What the source needs: the cache's one writer and the rest of the
+/// cache's state, and the sink listener's TLS and limits.
+struct SourceStart {
+    table: Arc<crate::collections::CollectionTable>,
+    subscriptions: Arc<Subscriptions>,
+    status_tx: watch::Sender<UpstreamStatus>,
+    writer: crate::cache::CacheWriter,
+    persister: Option<Persister>,
+    server_tls: Option<Arc<ServerTls>>,
+    grpc: grpc::GrpcLimits,
+    max_new_streams_per_second: u32,
+    max_source_file_bytes: usize,
+}
+
+/// Starts the source that writes the cache: the upstream client, the sink
+/// Galley dials, or the local files (read once before this returns). The
+/// sink's address, when it listens.
+async fn start_source(
+    source: Source,
+    sink_listener: Option<(TcpListener, SocketAddr)>,
+    start: SourceStart,
+    shutdown: &CancellationToken,
+    tasks: &TaskTracker,
+) -> Result<Option<SocketAddr>, AppError> {
+    let SourceStart {
+        table,
+        subscriptions,
+        status_tx,
+        writer,
+        persister,
+        server_tls,
+        grpc: grpc_limits,
+        max_new_streams_per_second,
+        max_source_file_bytes,
+    } = start;
+    match source {
         Source::Client(upstream) => {
             let context = SinkContext {
                 node: upstream.node.clone(),
                 incremental: upstream.incremental,
-                subscriptions: subscriptions.clone(),
+                subscriptions,
                 persister,
                 max_message_bytes: upstream.max_message_bytes,
             };
             let client = UpstreamClient::new(upstream, context, status_tx, writer);
             tasks.spawn(client.run(shutdown.clone()));
+            Ok(None)
         }
         Source::Sink(sink_settings) => {
-            let (listener, addr) = sink_listener.expect("bound above");
-            sink = Some(addr);
+            let (listener, addr) = sink_listener.expect("bound in the first step");
             if sink_settings.insecure {
                 tracing::warn!(
                     %addr,
@@ -370,7 +652,7 @@ pub async fn build_with_logs(
             let context = SinkContext {
                 node: sink_settings.node.clone(),
                 incremental: sink_settings.incremental,
-                subscriptions: subscriptions.clone(),
+                subscriptions,
                 persister,
                 max_message_bytes: sink_settings.max_message_bytes,
             };
@@ -392,18 +674,18 @@ pub async fn build_with_logs(
                 // Galley pushes whole collections: wide windows, for one
                 // authenticated peer.
                 receive_window: 4 << 20,
-                ..settings.grpc.clone()
+                ..grpc_limits
             };
             let sink_shared = SharedLimits::new(
                 SINK_MAX_CONNECTIONS,
                 SINK_MAX_CONNECTIONS * 4,
-                settings.max_new_streams_per_second,
+                max_new_streams_per_second,
             );
             grpc::serve(
                 listener,
                 GrpcListener {
                     name: "--sink-listen",
-                    tls: server_tls.clone(),
+                    tls: server_tls,
                     allow,
                     limits: Arc::new(sink_limits),
                     shared: sink_shared,
@@ -413,67 +695,28 @@ pub async fn build_with_logs(
                 tasks.clone(),
             );
             tracing::info!(%addr, "waiting for Galley's dial-out on ResourceSink");
+            Ok(Some(addr))
         }
         Source::Files(dir) => {
             let source = LocalSource::new(
                 dir.clone(),
-                settings.table.clone(),
+                table,
                 writer,
-                subscriptions.clone(),
+                subscriptions,
                 status_tx,
-                settings.max_source_file_bytes,
+                max_source_file_bytes,
             );
             source
-                .start(shutdown.clone(), &tasks)
+                .start(shutdown.clone(), tasks)
                 .await
                 .map_err(|message| AppError::SourceDir {
                     dir: dir.to_string(),
                     message,
                 })?;
             tracing::info!(source = %dir, "serving the local source");
+            Ok(None)
         }
     }
-    if let Serve::DialOut(dial_out) = &settings.serve {
-        // After the local source's first read: the sink is served what the
-        // files hold from its first request on.
-        let dial_out = DialOut::new(
-            (**dial_out).clone(),
-            resource_source,
-            settings.downstream.max_request_bytes,
-        );
-        tasks.spawn(dial_out.run(shutdown.clone()));
-    }
-
-    warn_of_unread_secrets(&cache, &settings.table, &settings.access_policy);
-    started.disarm();
-    let listening = listen.map_or_else(|| "none (dial-out)".to_owned(), |l| l.to_string());
-    tracing::info!(
-        listen = %listening,
-        %admin,
-        %monitoring,
-        sink = sink.map(|s| s.to_string()),
-        tls = server_tls_on(&settings.server_tls),
-        "{} listening",
-        match settings.serve {
-            Serve::Gateway => "gateway",
-            Serve::ResourceSource | Serve::DialOut(_) => "source",
-        }
-    );
-    Ok(Bound {
-        // `source --sink` listens for no client: the unspecified address.
-        listen: listen.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0))),
-        admin,
-        monitoring,
-        sink,
-        cache,
-        subscriptions,
-        registry,
-        upstream: status_rx,
-        connections: shared.connections.clone(),
-        shutdown,
-        tasks,
-        grace: settings.shutdown_grace,
-    })
 }
 
 /// Without `--access-policy`, collections of secrets are served to nobody:

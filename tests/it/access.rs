@@ -13,7 +13,7 @@ use mcp_xds_gateway::proto::MeshConfigRequest;
 use tonic::transport::Channel;
 
 use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
-use crate::helpers::clients::{channel, node, tls_channel, Bidi, SotwClient, SOTW_PATH};
+use crate::helpers::clients::{channel, node, tls_channel, Bidi, PilotSink, SotwClient, SOTW_PATH};
 use crate::helpers::{eventually_some, get_json, http_get, start_gateway, within, VS};
 
 const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
@@ -242,7 +242,24 @@ async fn a_type_no_rule_grants_ends_the_stream_permission_denied_on_every_protoc
         ..Default::default()
     });
     let response = istiod.recv().await;
-    assert!(!response.resources.is_empty() || response.version_info.len() == 32);
+    assert_eq!(response.type_url, VS);
+    assert_eq!(response.version_info, gw.cache.get(VS).unwrap().version.to_string());
+
+    // ResourceSource (a Pilot 1.2+ sink, a chained gateway): the same rule.
+    let mut sink = PilotSink::connect_on(as_identity(gw.listen, &ca, FRONTEND).await, &[VS], false).await;
+    let status = sink.stream.end_status().await;
+    assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+    assert!(
+        status.message().contains(VS) && status.message().contains(FRONTEND),
+        "{status:?}"
+    );
+    let mut sink = PilotSink::connect_on(as_identity(gw.listen, &ca, ISTIOD).await, &[VS], false).await;
+    let resources = sink.recv_and_ack().await;
+    assert_eq!(resources.collection, VS);
+    assert_eq!(
+        resources.system_version_info,
+        gw.cache.get(VS).unwrap().version.to_string()
+    );
 }
 
 #[tokio::test]
@@ -289,7 +306,7 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
 
     // A bad file: the last good policy stays (the stream goes on).
     std::fs::write(&policy, "rules:\n- identities: [a]\n  collections: [c]\n  nmes: [x]\n").unwrap();
-    let config = eventually_some("the bad policy to be read", || async {
+    eventually_some("the bad policy to be read", || async {
         let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
         let errors = crate::helpers::sample(
             &metrics,
@@ -299,7 +316,6 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
         errors.filter(|e| *e >= 1.0).map(|_| ())
     })
     .await;
-    let _ = config;
     let shown = get_json(gw.admin, "/debug/config").await;
     assert_eq!(shown["access_policy"]["rules"].as_array().unwrap().len(), 3);
 

@@ -333,8 +333,13 @@ pub struct PilotSink {
 
 impl PilotSink {
     pub async fn connect(addr: SocketAddr, collections: &[&str], incremental: bool) -> Self {
+        Self::connect_on(channel(addr).await, collections, incremental).await
+    }
+
+    /// As [`PilotSink::connect`], on a channel of the test's (TLS).
+    pub async fn connect_on(channel: Channel, collections: &[&str], incremental: bool) -> Self {
         let sink = Self {
-            stream: Bidi::open(addr, RESOURCE_SOURCE_PATH).await,
+            stream: Bidi::open_on(channel, RESOURCE_SOURCE_PATH).await,
             node: SinkNode {
                 id: "pilot-sink".into(),
                 annotations: HashMap::new(),
