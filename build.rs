@@ -154,8 +154,11 @@ fn write_descriptor_set(include: &str, roots: &[&str], file: &str) -> Result<(),
         .include_imports(true)
         .include_source_info(false)
         .open_files(roots)?
-        .file_descriptor_set();
+        // Encoded with the extension options (`file_descriptor_set()` drops
+        // them): the gateway reads `(udpa.annotations.sensitive)` to redact
+        // secrets in every view.
+        .encode_file_descriptor_set();
     let path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join(file);
-    std::fs::write(path, prost::Message::encode_to_vec(&set))?;
+    std::fs::write(path, set)?;
     Ok(())
 }

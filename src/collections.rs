@@ -2,7 +2,7 @@
 //! `--type-map` overrides, and how a downstream `type_url` resolves to a
 //! collection in either dialect (Istio 1.0 type URLs, 1.1 collection names).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -39,7 +39,10 @@ pub enum CollectionError {
     UnsupportedTypeUrl(String),
     #[error("cannot read {path}: {source}")]
     ReadTypeMap { path: String, source: std::io::Error },
-    #[error("{path} is not a YAML mapping of `collection: type_url` pairs: {reason}")]
+    #[error(
+        "{path} is not a YAML mapping of `collection: type_url` or `collection: {{type_url: ..., sensitive: true}}` \
+         rows: {reason}"
+    )]
     ParseTypeMap { path: String, reason: String },
     #[error("{path}: {reason}")]
     InvalidTypeMap { path: String, reason: String },
@@ -123,6 +126,43 @@ pub struct CollectionTable {
     /// `apiVersion/kind` to collection, for the files source: every GVK
     /// above and the kinds of [`KINDS_TSV`].
     by_kind: HashMap<String, KindInfo>,
+    /// The body types that hold a secret (a field marked
+    /// `(udpa.annotations.sensitive) = true` at any depth): computed from
+    /// the descriptors where they live and handed in by
+    /// [`CollectionTable::with_sensitive_types`], since this room imports none.
+    sensitive_types: Arc<HashSet<String>>,
+    /// Collections a `--type-map` row marks `sensitive: true`, whatever their type.
+    marked_sensitive: HashSet<Arc<str>>,
+}
+
+/// A `--type-map` row: `collection: type_url`, or
+/// `collection: {type_url: ..., sensitive: true}` for a collection whose
+/// bodies hold secrets the gateway has no descriptor to see.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(untagged)]
+enum TypeMapRow {
+    TypeUrl(String),
+    Row(TypeMapEntry),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TypeMapEntry {
+    type_url: String,
+    #[serde(default)]
+    sensitive: bool,
+}
+
+impl TypeMapRow {
+    fn type_url(&self) -> &str {
+        match self {
+            TypeMapRow::TypeUrl(type_url) | TypeMapRow::Row(TypeMapEntry { type_url, .. }) => type_url,
+        }
+    }
+
+    fn sensitive(&self) -> bool {
+        matches!(self, TypeMapRow::Row(TypeMapEntry { sensitive: true, .. }))
+    }
 }
 
 // === impl CollectionTable ===
@@ -206,10 +246,34 @@ impl CollectionTable {
             owner_by_type_url,
             by_gvk: HashMap::new(),
             by_kind: HashMap::new(),
+            sensitive_types: Arc::default(),
+            marked_sensitive: HashSet::new(),
         })
     }
 
-    /// Adds or overrides rows from a YAML file of `collection: type_url` pairs.
+    /// The body type URLs that hold a secret: every collection whose body
+    /// is one of them is sensitive ([`CollectionTable::is_sensitive`]). The
+    /// gateway hands in what its descriptors say
+    /// (`source::proto_json::sensitive_type_urls`, wired in `config.rs`);
+    /// a table built without this knows only the `--type-map` rows marked
+    /// `sensitive: true`.
+    pub fn with_sensitive_types(mut self, type_urls: impl IntoIterator<Item = String>) -> Self {
+        self.sensitive_types = Arc::new(type_urls.into_iter().collect());
+        self
+    }
+
+    /// Whether `collection`'s bodies hold secrets: its body type holds a
+    /// field marked `(udpa.annotations.sensitive) = true` at any depth
+    /// (Envoy's `Secret`), or a `--type-map` row marks it `sensitive: true`.
+    /// An unknown collection is not sensitive.
+    pub fn is_sensitive(&self, collection: &str) -> bool {
+        self.by_name.get(collection).is_some_and(|info| {
+            self.marked_sensitive.contains(&info.name) || self.sensitive_types.contains(&info.body_type_url)
+        })
+    }
+
+    /// Adds or overrides rows from a YAML file of `collection: type_url` rows
+    /// (or `collection: {type_url: ..., sensitive: true}`).
     /// A row from the file owns its type URL (the operator's word wins over the
     /// built-in table); two rows of the file claiming one type URL are an error.
     pub fn with_type_map_file(self, path: &Path) -> Result<Self, CollectionError> {
@@ -218,7 +282,7 @@ impl CollectionTable {
             path: shown.clone(),
             source,
         })?;
-        let map: BTreeMap<String, String> =
+        let map: BTreeMap<String, TypeMapRow> =
             serde_norway::from_str(&text).map_err(|e| CollectionError::ParseTypeMap {
                 path: shown.clone(),
                 reason: e.to_string(),
@@ -227,9 +291,10 @@ impl CollectionTable {
             .map_err(|reason| CollectionError::InvalidTypeMap { path: shown, reason })
     }
 
-    fn with_type_map(mut self, map: BTreeMap<String, String>) -> Result<Self, String> {
+    fn with_type_map(mut self, map: BTreeMap<String, TypeMapRow>) -> Result<Self, String> {
         let mut claimed: HashMap<&str, &str> = HashMap::new();
-        for (collection, type_url) in &map {
+        for (collection, row) in &map {
+            let type_url = row.type_url();
             if collection.is_empty() || collection.starts_with(TYPE_URL_PREFIX) {
                 return Err(format!(
                     "{collection:?} is not a collection name (collections look like istio/networking/v1alpha3/virtualservices)"
@@ -246,8 +311,15 @@ impl CollectionTable {
                 ));
             }
         }
-        for (collection, type_url) in map {
+        for (collection, row) in map {
             let name: Arc<str> = Arc::from(collection.as_str());
+            if row.sensitive() {
+                self.marked_sensitive.insert(name.clone());
+            } else {
+                // An override written without the flag is what its type says.
+                self.marked_sensitive.remove(&name);
+            }
+            let type_url = row.type_url().to_owned();
             // The row's old type URL no longer resolves to it.
             self.owner_by_type_url.retain(|_, owner| *owner != name);
             if type_url != STRUCT_TYPE_URL {
@@ -447,9 +519,12 @@ mod tests {
         let mut map = BTreeMap::new();
         map.insert(
             "example.com/widgets".to_string(),
-            "type.googleapis.com/example.Widget".to_string(),
+            TypeMapRow::TypeUrl("type.googleapis.com/example.Widget".to_string()),
         );
-        map.insert(VS.to_string(), "type.googleapis.com/example.VS2".to_string());
+        map.insert(
+            VS.to_string(),
+            TypeMapRow::TypeUrl("type.googleapis.com/example.VS2".to_string()),
+        );
         let table = CollectionTable::builtin().with_type_map(map).unwrap();
         assert_eq!(
             &*table.resolve("type.googleapis.com/example.Widget").unwrap().collection,
@@ -469,14 +544,121 @@ mod tests {
     #[test]
     fn type_map_rejects_ambiguous_and_malformed_rows() {
         let mut map = BTreeMap::new();
-        map.insert("a/b".to_string(), "type.googleapis.com/x.Y".to_string());
-        map.insert("c/d".to_string(), "type.googleapis.com/x.Y".to_string());
+        map.insert(
+            "a/b".to_string(),
+            TypeMapRow::TypeUrl("type.googleapis.com/x.Y".to_string()),
+        );
+        map.insert(
+            "c/d".to_string(),
+            TypeMapRow::TypeUrl("type.googleapis.com/x.Y".to_string()),
+        );
         let err = CollectionTable::builtin().with_type_map(map).unwrap_err();
         assert!(err.contains("both map to"), "{err}");
 
         let mut map = BTreeMap::new();
-        map.insert("a/b".to_string(), "x.Y".to_string());
+        map.insert("a/b".to_string(), TypeMapRow::TypeUrl("x.Y".to_string()));
         let err = CollectionTable::builtin().with_type_map(map).unwrap_err();
+        assert!(err.contains("must start with"), "{err}");
+    }
+
+    /// The table as the gateway builds it (`config.rs`): with what its
+    /// descriptors say about secrets.
+    fn with_descriptors(table: CollectionTable) -> CollectionTable {
+        table.with_sensitive_types(crate::source::proto_json::sensitive_type_urls())
+    }
+
+    #[test]
+    fn sensitive_collections_are_what_the_descriptors_say() {
+        let table = with_descriptors(CollectionTable::builtin());
+        let sensitive: Vec<&str> = table
+            .by_name
+            .keys()
+            .filter(|collection| table.is_sensitive(collection))
+            .map(|collection| &**collection)
+            .collect();
+        // Envoy's Secret; and every Envoy resource type, each of which can
+        // name a `ConfigSource` whose Google gRPC SSL credentials hold a
+        // private key (see proto_json's test for the paths). No Istio kind
+        // holds a field marked sensitive.
+        assert_eq!(
+            sensitive,
+            [
+                "envoy/config/cluster/v3/clusters",
+                "envoy/config/endpoint/v3/clusterloadassignments",
+                "envoy/config/listener/v3/listeners",
+                "envoy/config/route/v3/routeconfigurations",
+                "envoy/extensions/transport_sockets/tls/v3/secrets",
+            ]
+        );
+        assert!(!table.is_sensitive(VS));
+        assert!(!table.is_sensitive("no/such/collection"));
+        // Without the descriptors' word, the table knows nothing sensitive.
+        assert!(!CollectionTable::builtin().is_sensitive("envoy/extensions/transport_sockets/tls/v3/secrets"));
+    }
+
+    #[test]
+    fn a_type_map_row_can_mark_a_collection_sensitive() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("map.yaml");
+        std::fs::write(
+            &path,
+            "example.com/widgets: type.googleapis.com/example.Widget\n\
+             example.com/vault: {type_url: type.googleapis.com/example.Vault, sensitive: true}\n\
+             example.com/plain: {type_url: type.googleapis.com/example.Plain}\n\
+             envoy/extensions/transport_sockets/tls/v3/secrets: {type_url: type.googleapis.com/example.Opaque, sensitive: true}\n",
+        )
+        .unwrap();
+        let table = with_descriptors(CollectionTable::builtin().with_type_map_file(&path).unwrap());
+        assert!(table.is_sensitive("example.com/vault"));
+        assert!(!table.is_sensitive("example.com/widgets"));
+        assert!(!table.is_sensitive("example.com/plain"));
+        assert!(table.is_sensitive("envoy/extensions/transport_sockets/tls/v3/secrets"));
+        assert_eq!(
+            &*table.resolve("type.googleapis.com/example.Vault").unwrap().collection,
+            "example.com/vault"
+        );
+        // A type the descriptors call sensitive stays so under a row written
+        // without the flag (the flag adds, never removes).
+        let mut map = BTreeMap::new();
+        map.insert(
+            "example.com/secrets".to_string(),
+            TypeMapRow::TypeUrl("type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".to_string()),
+        );
+        let table = with_descriptors(CollectionTable::builtin().with_type_map(map).unwrap());
+        assert!(table.is_sensitive("example.com/secrets"));
+        // A row re-read without the flag is no longer marked.
+        let mut map = BTreeMap::new();
+        map.insert(
+            "example.com/vault".to_string(),
+            TypeMapRow::TypeUrl("type.googleapis.com/example.Vault".to_string()),
+        );
+        let table = CollectionTable::builtin()
+            .with_type_map_file(&path)
+            .unwrap()
+            .with_type_map(map)
+            .unwrap();
+        assert!(!table.is_sensitive("example.com/vault"));
+
+        for bad in [
+            "a/b: {type_url: type.googleapis.com/x.Y, sensitive: maybe}\n",
+            "a/b: {type_url: type.googleapis.com/x.Y, secret: true}\n",
+            "a/b: {sensitive: true}\n",
+        ] {
+            std::fs::write(&path, bad).unwrap();
+            let err = CollectionTable::builtin()
+                .with_type_map_file(&path)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("map.yaml") && err.contains("sensitive: true"),
+                "{bad}: {err}"
+            );
+        }
+        std::fs::write(&path, "a/b: {type_url: x.Y, sensitive: true}\n").unwrap();
+        let err = CollectionTable::builtin()
+            .with_type_map_file(&path)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("must start with"), "{err}");
     }
 

@@ -601,7 +601,10 @@ impl Args {
                 .with_type_map_file(path)
                 .map_err(|e| invalid("--type-map", e.to_string()))?,
             None => CollectionTable::builtin(),
-        };
+        }
+        // Which body types hold secrets is the descriptors' word, and they
+        // live in `source`, a room `collections` does not import.
+        .with_sensitive_types(crate::source::proto_json::sensitive_type_urls());
         let collections = match &self.collections {
             None => table.default_subscriptions(),
             Some(list) => {

@@ -7,9 +7,10 @@
 //! `300ms`); an unknown field, a wrong kind of value or a type this gateway
 //! has no descriptor for is an error naming the field's path.
 
+use std::collections::HashSet;
 use std::sync::OnceLock;
 
-use prost_reflect::{DescriptorPool, DynamicMessage, Kind, MessageDescriptor};
+use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor};
 use serde_json::Value;
 
 /// The descriptors `build.rs` compiled: Envoy's clusters, listeners, route
@@ -32,6 +33,96 @@ fn pool() -> &'static DescriptorPool {
             .expect("build.rs wrote a valid descriptor set");
         pool
     })
+}
+
+/// The field option Envoy's protos mark secrets with (`(udpa.annotations.sensitive) = true`,
+/// field number 76569463 on `google.protobuf.FieldOptions`): private keys, passwords,
+/// PKCS#12, session ticket keys, generic secrets. Envoy's `/config_dump` redacts them.
+const SENSITIVE_OPTION: &str = "udpa.annotations.sensitive";
+
+/// Which fields of a pool are marked sensitive, and which messages hold one at any depth.
+#[derive(Debug, Default)]
+pub struct Sensitivity {
+    /// Full names of the fields marked sensitive.
+    fields: HashSet<String>,
+    /// Full names of the messages holding a sensitive field at any depth,
+    /// following message fields, map values and oneofs. An `Any` cannot be
+    /// followed statically (its type is known only from a value), so a
+    /// message that reaches a secret only through an `Any` (a Listener's
+    /// `transport_socket.typed_config`) is not in this set; redaction of a
+    /// decoded body follows the `Any`'s value, which this set cannot.
+    messages: HashSet<String>,
+}
+
+impl Sensitivity {
+    fn of(pool: &DescriptorPool) -> Self {
+        let Some(option) = pool.get_extension_by_name(SENSITIVE_OPTION) else {
+            return Self::default();
+        };
+        let marked = |field: &FieldDescriptor| {
+            let options = field.options();
+            options.has_extension(&option) && options.get_extension(&option).as_bool() == Some(true)
+        };
+        let fields: HashSet<String> = pool
+            .all_messages()
+            .flat_map(|message| message.fields().collect::<Vec<_>>())
+            .filter(marked)
+            .map(|field| field.full_name().to_owned())
+            .collect();
+        // A message holds a secret if a field of it is marked, or a field's
+        // message (a map's entry message, for a map) holds one: grown to a
+        // fixed point, which also ends on recursive messages.
+        let mut messages: HashSet<String> = HashSet::new();
+        loop {
+            let before = messages.len();
+            for message in pool.all_messages() {
+                if messages.contains(message.full_name()) {
+                    continue;
+                }
+                let holds = message.fields().any(|field| {
+                    fields.contains(field.full_name())
+                        || matches!(field.kind(), Kind::Message(inner) if messages.contains(inner.full_name()))
+                });
+                if holds {
+                    messages.insert(message.full_name().to_owned());
+                }
+            }
+            if messages.len() == before {
+                break;
+            }
+        }
+        Self { fields, messages }
+    }
+
+    /// Whether `field` is marked sensitive.
+    pub fn is_sensitive_field(&self, field: &FieldDescriptor) -> bool {
+        self.fields.contains(field.full_name())
+    }
+
+    /// Whether the message `full_name` holds a sensitive field at any depth
+    /// (not through an `Any`).
+    pub fn holds_secrets(&self, full_name: &str) -> bool {
+        self.messages.contains(full_name)
+    }
+}
+
+/// The built-in descriptors' sensitivity, computed on first use.
+fn builtin_sensitivity() -> &'static Sensitivity {
+    static SENSITIVITY: OnceLock<Sensitivity> = OnceLock::new();
+    SENSITIVITY.get_or_init(|| Sensitivity::of(pool()))
+}
+
+/// The type URL of every message of the built-in descriptors that holds a
+/// field marked `(udpa.annotations.sensitive) = true` at any depth, for the
+/// collection table (`CollectionTable::with_sensitive_types`), sorted.
+pub fn sensitive_type_urls() -> Vec<String> {
+    let mut urls: Vec<String> = builtin_sensitivity()
+        .messages
+        .iter()
+        .map(|name| format!("{}{name}", crate::collections::TYPE_URL_PREFIX))
+        .collect();
+    urls.sort_unstable();
+    urls
 }
 
 /// One step of a path into a body: a field or map key, or a list index.
@@ -357,6 +448,86 @@ impl BodyDecoder {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The first path of fields from `message` to a sensitive field (fields
+    /// in declaration order), to show why a type holds a secret.
+    fn secret_path(sensitivity: &Sensitivity, message: &MessageDescriptor) -> Option<String> {
+        if let Some(field) = message.fields().find(|f| sensitivity.is_sensitive_field(f)) {
+            return Some(field.name().to_owned());
+        }
+        message.fields().find_map(|field| match field.kind() {
+            Kind::Message(inner) if sensitivity.holds_secrets(inner.full_name()) && inner != *message => {
+                Some(format!("{}.{}", field.name(), secret_path(sensitivity, &inner)?))
+            }
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn sensitive_fields_are_read_from_the_descriptors_and_followed_through_fields() {
+        let sensitivity = builtin_sensitivity();
+        let mut fields: Vec<&str> = sensitivity.fields.iter().map(String::as_str).collect();
+        fields.sort_unstable();
+        assert_eq!(
+            fields,
+            [
+                "envoy.config.core.v3.GrpcService.GoogleGrpc.SslCredentials.private_key",
+                "envoy.extensions.transport_sockets.tls.v3.GenericSecret.secret",
+                "envoy.extensions.transport_sockets.tls.v3.GenericSecret.secrets",
+                "envoy.extensions.transport_sockets.tls.v3.PrivateKeyProvider.typed_config",
+                "envoy.extensions.transport_sockets.tls.v3.TlsCertificate.password",
+                "envoy.extensions.transport_sockets.tls.v3.TlsCertificate.pkcs12",
+                "envoy.extensions.transport_sockets.tls.v3.TlsCertificate.private_key",
+                "envoy.extensions.transport_sockets.tls.v3.TlsSessionTicketKeys.keys",
+            ]
+        );
+        // Every Envoy resource type reaches one through plain fields: a
+        // `ConfigSource` may name a Google gRPC service whose SSL
+        // credentials carry a private key. (A Listener's TLS context is an
+        // `Any`, not followed; its config discovery's `ConfigSource` is.)
+        let grpc_key = "api_config_source.grpc_services.google_grpc.channel_credentials.ssl_credentials.private_key";
+        for (message, path) in [
+            (
+                "envoy.extensions.transport_sockets.tls.v3.Secret",
+                "tls_certificate.private_key".to_owned(),
+            ),
+            (
+                "envoy.config.cluster.v3.Cluster",
+                format!("eds_cluster_config.eds_config.{grpc_key}"),
+            ),
+            (
+                "envoy.config.listener.v3.Listener",
+                format!("filter_chains.filters.config_discovery.config_source.{grpc_key}"),
+            ),
+            (
+                "envoy.config.route.v3.RouteConfiguration",
+                format!("vhds.config_source.{grpc_key}"),
+            ),
+            (
+                "envoy.config.endpoint.v3.ClusterLoadAssignment",
+                format!("endpoints.leds_cluster_locality_config.leds_config.{grpc_key}"),
+            ),
+        ] {
+            let descriptor = pool().get_message_by_name(message).unwrap();
+            assert!(sensitivity.holds_secrets(message), "{message}");
+            assert_eq!(
+                secret_path(sensitivity, &descriptor).as_deref(),
+                Some(&*path),
+                "{message}"
+            );
+        }
+        for message in [
+            "google.protobuf.Any",
+            "envoy.config.core.v3.Node",
+            "istio.networking.v1alpha3.VirtualService",
+            "istio.networking.v1alpha3.DestinationRule",
+            "istio.networking.v1alpha3.Gateway",
+            "istio.networking.v1alpha3.EnvoyFilter",
+            "istio.security.v1beta1.RequestAuthentication",
+        ] {
+            assert!(!sensitivity.holds_secrets(message), "{message}");
+        }
+    }
 
     #[test]
     fn a_cluster_reads_as_envoy_writes_it() {
