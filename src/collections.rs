@@ -272,6 +272,16 @@ impl CollectionTable {
         })
     }
 
+    /// The body type URL of every sensitive collection, for the views that
+    /// show bodies (a type marked by `--type-map` alone is shown redacted whole).
+    pub fn sensitive_body_types(&self) -> Vec<String> {
+        self.by_name
+            .values()
+            .filter(|info| self.is_sensitive(&info.name))
+            .map(|info| info.body_type_url.clone())
+            .collect()
+    }
+
     /// Adds or overrides rows from a YAML file of `collection: type_url` rows
     /// (or `collection: {type_url: ..., sensitive: true}`).
     /// A row from the file owns its type URL (the operator's word wins over the
@@ -613,6 +623,19 @@ mod tests {
         assert!(!table.is_sensitive("example.com/widgets"));
         assert!(!table.is_sensitive("example.com/plain"));
         assert!(table.is_sensitive("envoy/extensions/transport_sockets/tls/v3/secrets"));
+        let types = table.sensitive_body_types();
+        assert!(
+            types.contains(&"type.googleapis.com/example.Vault".to_owned()),
+            "{types:?}"
+        );
+        assert!(
+            types.contains(&"type.googleapis.com/example.Opaque".to_owned()),
+            "{types:?}"
+        );
+        assert!(
+            !types.contains(&"type.googleapis.com/example.Plain".to_owned()),
+            "{types:?}"
+        );
         assert_eq!(
             &*table.resolve("type.googleapis.com/example.Vault").unwrap().collection,
             "example.com/vault"
