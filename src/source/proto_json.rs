@@ -226,7 +226,13 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
                 serde_path_to_error::Segment::Unknown => None,
             })
             .collect();
-        let message = e.to_string();
+        let mut message = e.to_string();
+        // The error goes to the log and to /debug/upstream: a value it
+        // quotes from a secret (a private key written as a plain string)
+        // is not repeated there.
+        if path_may_be_sensitive(descriptor, &json, &path) {
+            message = redact_quoted(&message);
+        }
         // The path ends at the message that holds an unknown field: the
         // field itself is what the operator has to find.
         if let Some(field) = message
@@ -238,6 +244,89 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         JsonError { path, message }
     })?;
     Ok(prost::Message::encode_to_vec(&message))
+}
+
+/// Whether the value at `path` of a body of `descriptor` (written `json`)
+/// may be a secret: the path goes through a field marked sensitive, or it
+/// ends at (or cannot be followed past) a message holding one, such as an
+/// `Any` whose inner path the reader does not report.
+fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> bool {
+    let sensitivity = builtin_sensitivity();
+    let mut message = descriptor.clone();
+    let mut value = json;
+    let mut steps = path.iter();
+    loop {
+        if message.full_name() == "google.protobuf.Any" {
+            match value.get("@type").and_then(Value::as_str).and_then(message_type) {
+                Some(inner) => message = inner,
+                // An `Any` of a type not known here: nothing says it is harmless.
+                None => return true,
+            }
+        }
+        let Some(PathStep::Key(key)) = steps.next() else {
+            // The path ends here, or steps on where a field was expected.
+            return sensitivity.holds_secrets(message.full_name());
+        };
+        let Some(field) = message
+            .get_field_by_json_name(key)
+            .or_else(|| message.get_field_by_name(key))
+        else {
+            return sensitivity.holds_secrets(message.full_name());
+        };
+        if sensitivity.is_sensitive_field(&field) {
+            return true;
+        }
+        let Kind::Message(inner) = field.kind() else {
+            return false;
+        };
+        value = value.get(key.as_str()).unwrap_or(&Value::Null);
+        message = inner;
+        if field.is_map() || field.is_list() {
+            let Kind::Message(item) = (if field.is_map() {
+                message.map_entry_value_field().kind()
+            } else {
+                Kind::Message(message.clone())
+            }) else {
+                return false;
+            };
+            match steps.next() {
+                Some(PathStep::Key(entry)) => value = value.get(entry.as_str()).unwrap_or(&Value::Null),
+                Some(PathStep::Index(index)) => value = value.get(*index).unwrap_or(&Value::Null),
+                // The error is about the list or map itself.
+                None => return sensitivity.holds_secrets(item.full_name()),
+            }
+            message = item;
+        }
+    }
+}
+
+/// `message` with every quoted value (`"..."`, as serde quotes strings, and
+/// `` `...` ``, as it quotes numbers and variants) written `[redacted]`.
+fn redact_quoted(message: &str) -> String {
+    let mut shown = String::with_capacity(message.len());
+    let mut chars = message.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                // To the closing quote, past escaped ones.
+                let mut escaped = false;
+                for c in chars.by_ref() {
+                    match c {
+                        '\\' if !escaped => escaped = true,
+                        '"' if !escaped => break,
+                        _ => escaped = false,
+                    }
+                }
+                shown.push_str(REDACTED);
+            }
+            '`' => {
+                chars.by_ref().find(|c| *c == '`');
+                shown.push_str(REDACTED);
+            }
+            c => shown.push(c),
+        }
+    }
+    shown
 }
 
 const DURATION: &str = "google.protobuf.Duration";
@@ -842,6 +931,60 @@ mod tests {
         let cluster = encode(cluster_url, json!({"name": "backend"})).unwrap();
         let read = decoder.decode_redacted(cluster_url, &cluster).unwrap();
         assert_eq!((read.json, read.secrets.len()), (json!({"name": "backend"}), 0));
+    }
+
+    #[test]
+    fn errors_about_a_secret_name_its_path_never_its_value() {
+        let pem = "-----BEGIN PRIVATE KEY-----\nTUlJRXZRSUJBREFOQmdrcWhraUc5dzBC\n-----END PRIVATE KEY-----\n";
+        for (body, path) in [
+            (
+                json!({"name": "s", "tls_certificate": {"private_key": pem}}),
+                "tls_certificate.private_key",
+            ),
+            (
+                json!({"name": "s", "tls_certificate": {"private_key": {"inline_string": 5}}}),
+                "tls_certificate.private_key.inline_string",
+            ),
+            (
+                json!({"name": "s", "generic_secret": {"secrets": {"a": pem}}}),
+                "generic_secret.secrets.a",
+            ),
+            (
+                json!({"name": "s", "session_ticket_keys": {"keys": [pem]}}),
+                "session_ticket_keys.keys[0]",
+            ),
+        ] {
+            let err = encode(SECRET, body).unwrap_err();
+            let shown = err.to_string();
+            assert_eq!(display_path(&err.path), path, "{shown}");
+            assert!(!shown.contains("TUlJRXZR") && !shown.contains('5'), "{shown}");
+            assert!(shown.contains(REDACTED), "{shown}");
+        }
+        // Inside an `Any`, where the reader's path stops at the `Any`.
+        let err = encode(
+            "type.googleapis.com/envoy.config.listener.v3.Listener",
+            json!({"name": "l", "filter_chains": [{"transport_socket": {"name": "tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                "common_tls_context": {"tls_certificates": [{"private_key": pem}]},
+            }}}]}),
+        )
+        .unwrap_err();
+        assert!(!err.to_string().contains("TUlJRXZR"), "{err}");
+        assert!(
+            display_path(&err.path).starts_with("filter_chains[0].transport_socket.typed_config"),
+            "{err}"
+        );
+        // A value of a field that is no secret is still quoted.
+        let err = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            json!({"name": "c", "connect_timeout": "soon"}),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("soon"), "{err}");
+        assert_eq!(
+            redact_quoted(r#"invalid type: string "a \"b\" c", expected `x` or y"#),
+            "invalid type: string [redacted], expected [redacted] or y"
+        );
     }
 
     #[test]
