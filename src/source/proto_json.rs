@@ -267,10 +267,7 @@ fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[P
             // The path ends here, or steps on where a field was expected.
             return sensitivity.holds_secrets(message.full_name());
         };
-        let Some(field) = message
-            .get_field_by_json_name(key)
-            .or_else(|| message.get_field_by_name(key))
-        else {
+        let Some(field) = field_named(&message, key) else {
             return sensitivity.holds_secrets(message.full_name());
         };
         if sensitivity.is_sensitive_field(&field) {
@@ -329,6 +326,14 @@ fn redact_quoted(message: &str) -> String {
     shown
 }
 
+/// The field of `descriptor` a proto-JSON key names: its JSON name
+/// (`connectTimeout`) or its own (`connect_timeout`).
+fn field_named(descriptor: &MessageDescriptor, key: &str) -> Option<FieldDescriptor> {
+    descriptor
+        .get_field_by_json_name(key)
+        .or_else(|| descriptor.get_field_by_name(key))
+}
+
 const DURATION: &str = "google.protobuf.Duration";
 
 /// Rewrites every `google.protobuf.Duration` written as Go writes durations
@@ -352,10 +357,7 @@ fn normalize_durations(
         };
     }
     for (key, value) in fields.iter_mut() {
-        let Some(field) = descriptor
-            .get_field_by_json_name(key)
-            .or_else(|| descriptor.get_field_by_name(key))
-        else {
+        let Some(field) = field_named(descriptor, key) else {
             continue;
         };
         let Kind::Message(mut message) = field.kind() else {
@@ -644,10 +646,7 @@ impl Redactor<'_> {
             return;
         };
         for (key, value) in fields.iter_mut() {
-            let Some(field) = descriptor
-                .get_field_by_json_name(key)
-                .or_else(|| descriptor.get_field_by_name(key))
-            else {
+            let Some(field) = field_named(descriptor, key) else {
                 continue;
             };
             self.path.push(PathStep::Key(key.clone()));
@@ -987,6 +986,19 @@ mod tests {
         );
     }
 
+    /// A `google.protobuf.Struct` of one string, encoded.
+    fn one_string_struct(key: &str, value: &str) -> Vec<u8> {
+        prost::Message::encode_to_vec(&prost_types::Struct {
+            fields: [(
+                key.to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue(value.into())),
+                },
+            )]
+            .into(),
+        })
+    }
+
     #[test]
     fn a_type_marked_sensitive_without_marked_fields_reads_redacted_whole() {
         let route_url = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
@@ -994,15 +1006,7 @@ mod tests {
         let decoder = BodyDecoder::new(None)
             .unwrap()
             .with_sensitive_types([struct_url.to_owned(), route_url.to_owned()]);
-        let structure = prost::Message::encode_to_vec(&prost_types::Struct {
-            fields: [(
-                "token".to_owned(),
-                prost_types::Value {
-                    kind: Some(prost_types::value::Kind::StringValue("hunter2".into())),
-                },
-            )]
-            .into(),
-        });
+        let structure = one_string_struct("token", "hunter2");
         let read = decoder.decode_redacted(struct_url, &structure).unwrap();
         assert_eq!(read.json, json!(REDACTED));
         assert_eq!(read.secrets.keys().collect::<Vec<_>>(), [""]);
@@ -1046,15 +1050,7 @@ mod tests {
             .decode("type.googleapis.com/envoy.config.cluster.v3.Cluster", &cluster)
             .unwrap();
         assert_eq!(json, json!({"name": "backend", "connectTimeout": "0.250s"}));
-        let structure = prost::Message::encode_to_vec(&prost_types::Struct {
-            fields: [(
-                "hosts".to_owned(),
-                prost_types::Value {
-                    kind: Some(prost_types::value::Kind::StringValue("a".into())),
-                },
-            )]
-            .into(),
-        });
+        let structure = one_string_struct("hosts", "a");
         let json = decoder
             .decode("type.googleapis.com/google.protobuf.Struct", &structure)
             .unwrap();

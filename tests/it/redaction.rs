@@ -11,15 +11,14 @@ use base64::Engine;
 use mcp_xds_gateway::proto::envoy::service::discovery::v3::DiscoveryRequest;
 use mcp_xds_gateway::source::proto_json;
 use serde_json::{json, Value};
-use tokio::process::Command;
 
 use crate::helpers::certs::{self, Ca};
 use crate::helpers::{eventually, get_json, http_get, http_get_with, spawn_gateway, start_gateway, within};
+use crate::operating::subcommand;
 use crate::xds::{istiod_node, SotwStream, SOTW};
 
 const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
 const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
-const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
 /// The base64 lines of a PEM private key: what must never be shown.
 fn key_lines(pem: &str) -> Vec<String> {
@@ -73,21 +72,6 @@ fn write_secrets(dir: &Path, cert: &str, key: &str, raw_key: &str) -> (Vec<u8>, 
         .collect();
     certs::write(dir, "secrets.yaml", &text);
     (proto_json::encode(SECRET, server).unwrap(), raw)
-}
-
-/// Runs `mcp-xds-gateway ARGS…`: exit code, stdout, stderr.
-async fn run(args: &[&str]) -> (Option<i32>, String, String) {
-    let output = within(
-        &format!("{args:?} to exit"),
-        Command::new(BIN).args(args).kill_on_drop(true).output(),
-    )
-    .await
-    .unwrap();
-    (
-        output.status.code(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
 }
 
 #[tokio::test]
@@ -149,16 +133,10 @@ async fn secrets_read_redacted_in_every_view_and_are_served_byte_for_byte() {
     // `client --output yaml|json`: the legacy client reads the collection.
     let listen = gw.listen.to_string();
     for output in ["yaml", "json"] {
-        let (code, stdout, stderr) = run(&[
+        let (code, stdout, stderr) = subcommand(
             "client",
-            "--target",
-            &listen,
-            "--type-url",
-            SECRETS,
-            "--once",
-            "--output",
-            output,
-        ])
+            &["--target", &listen, "--type-url", SECRETS, "--once", "--output", output],
+        )
         .await;
         assert_eq!(code, Some(0), "{stderr}");
         assert_no_key(
@@ -194,9 +172,10 @@ async fn secrets_read_redacted_in_every_view_and_are_served_byte_for_byte() {
     assert!(page.contains("changed (sensitive)"), "{page}");
 
     let admin = format!("http://{}", gw.admin);
-    let (code, stdout, stderr) = run(&[
-        "rollout", "diff", SECRETS, "--from", &first, "--bodies", "--admin", &admin,
-    ])
+    let (code, stdout, stderr) = subcommand(
+        "rollout",
+        &["diff", SECRETS, "--from", &first, "--bodies", "--admin", &admin],
+    )
     .await;
     assert_eq!(code, Some(0), "{stderr}");
     assert_no_key("rollout diff --bodies", &format!("{stdout}{stderr}"), &keys);
