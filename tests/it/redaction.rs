@@ -237,3 +237,57 @@ async fn an_error_about_a_secret_names_its_path_never_its_value() {
     .await;
     assert_no_key("the log", &format!("{}\n{rest}", running.log.join("\n")), &[&keys]);
 }
+
+/// `--type-map` rows written `sensitive: true`: a type the gateway has no
+/// descriptor for shows its size and never a byte of it; one it reads
+/// (here `Struct`) but whose fields carry no marks reads `[redacted]` whole.
+#[tokio::test]
+async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = certs::write(
+        dir.path(),
+        "type-map.yaml",
+        "example.com/vault: {type_url: type.googleapis.com/example.Vault, sensitive: true}\n\
+         example.com/tokens: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n\
+         example.com/plain: type.googleapis.com/example.Plain\n",
+    );
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let hidden = base64::engine::general_purpose::STANDARD.encode("vault-bytes-hunter2");
+    certs::write(
+        &source,
+        "resources.yaml",
+        &format!(
+            "collection: example.com/vault\nname: v\nbody: {{type_url: type.googleapis.com/example.Vault, value_base64: {hidden}}}\n\
+             ---\ncollection: example.com/tokens\nname: t\nbody: {{struct: {{token: hunter2}}}}\n\
+             ---\ncollection: example.com/plain\nname: p\nbody: {{type_url: type.googleapis.com/example.Plain, value_base64: {hidden}}}\n"
+        ),
+    );
+    let (map, source) = (map.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
+    let gw = start_gateway(&["--source-dir", &source, "--type-map", &map]).await;
+    for collection in ["example.com/vault", "example.com/tokens", "example.com/plain"] {
+        eventually(collection, || gw.cache.get(collection).is_some_and(|s| s.len() == 1)).await;
+    }
+    let body = |dump: &Value| dump["resources"][0]["body"].clone();
+
+    let vault = get_json(gw.admin, "/debug/cache/example.com/vault?bodies=json").await;
+    let shown = vault.to_string();
+    assert!(
+        !shown.contains(&hidden[..12]) && !shown.contains("preview_base64"),
+        "{vault}"
+    );
+    assert_eq!(body(&vault)["bytes"], 19, "{vault}");
+    assert_eq!(body(&vault)["sensitive"], true, "{vault}");
+
+    let tokens = get_json(gw.admin, "/debug/cache/example.com/tokens?bodies=json").await;
+    assert!(!tokens.to_string().contains("hunter2"), "{tokens}");
+    assert_eq!(body(&tokens), "[redacted]", "{tokens}");
+
+    // A row without the flag shows a preview, as before.
+    let plain = get_json(gw.admin, "/debug/cache/example.com/plain?bodies=json").await;
+    assert_eq!(
+        body(&plain)["preview_base64"].as_str(),
+        Some(hidden.as_str()),
+        "{plain}"
+    );
+}
