@@ -274,6 +274,16 @@ impl CollectionTable {
         })
     }
 
+    /// The body type URL of every sensitive collection, for the views that
+    /// show bodies (a type marked by `--type-map` alone is shown redacted whole).
+    pub fn sensitive_body_types(&self) -> Vec<String> {
+        self.by_name
+            .values()
+            .filter(|info| self.is_sensitive(&info.name))
+            .map(|info| info.body_type_url.clone())
+            .collect()
+    }
+
     /// Adds or overrides rows from a YAML file of `collection: type_url` rows
     /// (or `collection: {type_url: ..., sensitive: true}`).
     /// A row from the file owns its type URL (the operator's word wins over the
@@ -571,7 +581,7 @@ mod tests {
     /// The table as the gateway builds it (`config.rs`): with what its
     /// descriptors say about secrets.
     fn with_descriptors(table: CollectionTable) -> CollectionTable {
-        table.with_sensitive_types(crate::source::proto_json::sensitive_type_urls())
+        table.with_sensitive_types(crate::source::proto_json::secret_type_urls())
     }
 
     #[test]
@@ -583,20 +593,12 @@ mod tests {
             .filter(|collection| table.is_sensitive(collection))
             .map(|collection| &**collection)
             .collect();
-        // Envoy's Secret; and every Envoy resource type, each of which can
-        // name a `ConfigSource` whose Google gRPC SSL credentials hold a
-        // private key (see proto_json's test for the paths). No Istio kind
-        // holds a field marked sensitive.
-        assert_eq!(
-            sensitive,
-            [
-                "envoy/config/cluster/v3/clusters",
-                "envoy/config/endpoint/v3/clusterloadassignments",
-                "envoy/config/listener/v3/listeners",
-                "envoy/config/route/v3/routeconfigurations",
-                "envoy/extensions/transport_sockets/tls/v3/secrets",
-            ]
-        );
+        // Envoy's Secret only: every other Envoy resource type can name a
+        // `ConfigSource` whose Google gRPC SSL credentials hold a private
+        // key (see proto_json's test for the paths), seven fields down, which
+        // makes it no collection of secrets (its views still redact the
+        // key). No Istio kind holds a field marked sensitive.
+        assert_eq!(sensitive, ["envoy/extensions/transport_sockets/tls/v3/secrets"]);
         assert!(!table.is_sensitive(VS));
         assert!(!table.is_sensitive("no/such/collection"));
         // Without the descriptors' word, the table knows nothing sensitive.
@@ -620,6 +622,19 @@ mod tests {
         assert!(!table.is_sensitive("example.com/widgets"));
         assert!(!table.is_sensitive("example.com/plain"));
         assert!(table.is_sensitive("envoy/extensions/transport_sockets/tls/v3/secrets"));
+        let types = table.sensitive_body_types();
+        assert!(
+            types.contains(&"type.googleapis.com/example.Vault".to_owned()),
+            "{types:?}"
+        );
+        assert!(
+            types.contains(&"type.googleapis.com/example.Opaque".to_owned()),
+            "{types:?}"
+        );
+        assert!(
+            !types.contains(&"type.googleapis.com/example.Plain".to_owned()),
+            "{types:?}"
+        );
         assert_eq!(
             &*table.resolve("type.googleapis.com/example.Vault").unwrap().collection,
             "example.com/vault"

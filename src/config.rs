@@ -935,7 +935,7 @@ impl Args {
                 .unwrap_or_default();
             invalid("--descriptors", format!("{file}: {e}"))
         })?;
-        let bodies = Arc::new(bodies);
+        let bodies = Arc::new(bodies.with_sensitive_types(table.sensitive_body_types()));
         if self.history > MAX_HISTORY {
             return Err(invalid(
                 "--history",

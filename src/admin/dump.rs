@@ -2,7 +2,11 @@
 //! resource with its metadata and its body read back (Struct, Istio's kinds
 //! and Envoy's types natively, by the descriptors the files source encodes
 //! with, so YAML written in gives its spec back; others through
-//! `--descriptors`, else its size and a preview of its bytes).
+//! `--descriptors`, else its size and a preview of its bytes). Every field
+//! marked `(udpa.annotations.sensitive) = true` reads `[redacted]`, and a
+//! body of a sensitive type that cannot be read shows no bytes.
+
+use std::collections::BTreeMap;
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -25,20 +29,34 @@ const PREVIEW_BYTES: usize = 64;
 
 /// A resource with its metadata and body.
 pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value {
+    shown(resource, bodies).0
+}
+
+/// [`resource`], with digests of what its body's redacted fields held, by
+/// path (for telling a changed secret apart; never shown).
+pub(super) fn shown(resource: &CachedResource, bodies: &BodyDecoder) -> (Value, BTreeMap<String, u64>) {
     let raw = RawResource::decode(resource.encoded.clone()).unwrap_or_default();
     let metadata = raw.metadata.unwrap_or_default();
     let any = raw
         .body
         .and_then(|b| prost_types::Any::decode(b).ok())
         .unwrap_or_default();
-    let body = match bodies.decode(&any.type_url, &any.value) {
-        Ok(body) => body,
-        Err(why) => json!({
-            "bytes": any.value.len(),
-            "preview_base64": base64::engine::general_purpose::STANDARD
-                .encode(&any.value[..any.value.len().min(PREVIEW_BYTES)]),
-            "not_decoded": why,
-        }),
+    let (body, secrets) = match bodies.decode_redacted(&any.type_url, &any.value) {
+        Ok(body) => (body.json, body.secrets),
+        // A secret's bytes are never shown, not even a few.
+        Err(why) if bodies.is_sensitive_type(&any.type_url) => (
+            json!({"bytes": any.value.len(), "not_decoded": why, "sensitive": true}),
+            BTreeMap::from([(String::new(), digest(&any.value))]),
+        ),
+        Err(why) => (
+            json!({
+                "bytes": any.value.len(),
+                "preview_base64": base64::engine::general_purpose::STANDARD
+                    .encode(&any.value[..any.value.len().min(PREVIEW_BYTES)]),
+                "not_decoded": why,
+            }),
+            BTreeMap::new(),
+        ),
     };
     let create_time = metadata.create_time.map(|t| {
         let at = std::time::UNIX_EPOCH
@@ -48,7 +66,7 @@ pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value
             );
         humantime::format_rfc3339(at).to_string()
     });
-    json!({
+    let value = json!({
         "name": resource.name,
         "version": resource.version,
         "content_version": resource.content_version(),
@@ -57,7 +75,15 @@ pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value
         "annotations": metadata.annotations,
         "type_url": any.type_url,
         "body": body,
-    })
+    });
+    (value, secrets)
+}
+
+fn digest(bytes: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The dump of `snapshot` (`head`: its summary) in `format`.

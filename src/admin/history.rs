@@ -2,10 +2,14 @@
 //! newest first; `/debug/diff/{collection}?from=V1&to=V2` says what changed
 //! between two of them (names added, removed, changed), and with
 //! `&bodies=yaml` each changed body as a unified diff of its decoded form
-//! (decoded as the config dump decodes it).
+//! (decoded as the config dump decodes it, sensitive fields `[redacted]`;
+//! a change in one of them is a line `changed (sensitive): PATH`, since a
+//! diff of redacted text would not show it).
 //!
 //! A version is the collection's content version as clients see it
 //! (`version_info`, `system_version_info`).
+
+use std::collections::BTreeMap;
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -170,17 +174,25 @@ pub(super) async fn diff(
         match from_resources.get(&*resource.name) {
             None => added.push(json!(resource.name)),
             Some(old) if query.bodies.is_some() => {
-                let before = body_yaml(old, &state);
-                let after = body_yaml(resource, &state);
-                let text = similar::TextDiff::from_lines(&before, &after)
-                    .unified_diff()
-                    .context_radius(CONTEXT_LINES)
-                    .header(
-                        &format!("{}@{from}", resource.name),
-                        &format!("{}@{to_version}", resource.name),
-                    )
-                    .to_string();
-                changed.push(json!({"name": resource.name, "diff": text}));
+                let (before, before_secrets) = body_yaml(old, &state);
+                let (after, after_secrets) = body_yaml(resource, &state);
+                let mut text = if before == after {
+                    String::new()
+                } else {
+                    similar::TextDiff::from_lines(&before, &after)
+                        .unified_diff()
+                        .context_radius(CONTEXT_LINES)
+                        .header(
+                            &format!("{}@{from}", resource.name),
+                            &format!("{}@{to_version}", resource.name),
+                        )
+                        .to_string()
+                };
+                let sensitive = changed_secrets(&before_secrets, &after_secrets);
+                if !sensitive.is_empty() {
+                    text.push_str(&format!("changed (sensitive): {}\n", sensitive.join(", ")));
+                }
+                changed.push(json!({"name": resource.name, "diff": text, "sensitive": sensitive}));
             }
             Some(_) => changed.push(json!(resource.name)),
         }
@@ -196,8 +208,29 @@ pub(super) async fn diff(
     view(&headers, &format!("Diff: {collection}"), value)
 }
 
-/// A resource as the config dump shows it, in YAML.
-fn body_yaml(resource: &crate::cache::CachedResource, state: &AdminState) -> String {
-    let value = super::dump::resource(resource, &state.bodies);
-    serde_norway::to_string(&value).unwrap_or_else(|e| format!("# cannot write YAML: {e}\n"))
+/// A resource as the config dump shows it, in YAML, with digests of its
+/// redacted fields.
+fn body_yaml(resource: &crate::cache::CachedResource, state: &AdminState) -> (String, BTreeMap<String, u64>) {
+    let (value, secrets) = super::dump::shown(resource, &state.bodies);
+    let text = serde_norway::to_string(&value).unwrap_or_else(|e| format!("# cannot write YAML: {e}\n"));
+    (text, secrets)
+}
+
+/// The paths of the redacted fields that differ between two versions of a
+/// body (set, cleared or changed); `the body` for one redacted whole.
+fn changed_secrets(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> Vec<String> {
+    let mut paths: Vec<&String> = before.keys().chain(after.keys()).collect();
+    paths.sort_unstable();
+    paths.dedup();
+    paths
+        .into_iter()
+        .filter(|path| before.get(*path) != after.get(*path))
+        .map(|path| {
+            if path.is_empty() {
+                "the body".to_owned()
+            } else {
+                path.clone()
+            }
+        })
+        .collect()
 }

@@ -7,7 +7,7 @@
 //! `300ms`); an unknown field, a wrong kind of value or a type this gateway
 //! has no descriptor for is an error naming the field's path.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::OnceLock;
 
 use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor};
@@ -257,7 +257,13 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
                 serde_path_to_error::Segment::Unknown => None,
             })
             .collect();
-        let message = e.to_string();
+        let mut message = e.to_string();
+        // The error goes to the log and to /debug/upstream: a value it
+        // quotes from a secret (a private key written as a plain string)
+        // is not repeated there.
+        if path_may_be_sensitive(descriptor, &json, &path) {
+            message = redact_quoted(&message);
+        }
         // The path ends at the message that holds an unknown field: the
         // field itself is what the operator has to find.
         if let Some(field) = message
@@ -269,6 +275,94 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         JsonError { path, message }
     })?;
     Ok(prost::Message::encode_to_vec(&message))
+}
+
+/// Whether the value at `path` of a body of `descriptor` (written `json`)
+/// may be a secret: the path goes through a field marked sensitive, or it
+/// ends at (or cannot be followed past) a message holding one, such as an
+/// `Any` whose inner path the reader does not report.
+fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> bool {
+    let sensitivity = builtin_sensitivity();
+    let mut message = descriptor.clone();
+    let mut value = json;
+    let mut steps = path.iter();
+    loop {
+        if message.full_name() == "google.protobuf.Any" {
+            match value.get("@type").and_then(Value::as_str).and_then(message_type) {
+                Some(inner) => message = inner,
+                // An `Any` of a type not known here: nothing says it is harmless.
+                None => return true,
+            }
+        }
+        let Some(PathStep::Key(key)) = steps.next() else {
+            // The path ends here, or steps on where a field was expected.
+            return sensitivity.holds_secrets(message.full_name());
+        };
+        let Some(field) = field_named(&message, key) else {
+            return sensitivity.holds_secrets(message.full_name());
+        };
+        if sensitivity.is_sensitive_field(&field) {
+            return true;
+        }
+        let Kind::Message(inner) = field.kind() else {
+            return false;
+        };
+        value = value.get(key.as_str()).unwrap_or(&Value::Null);
+        message = inner;
+        if field.is_map() || field.is_list() {
+            let Kind::Message(item) = (if field.is_map() {
+                message.map_entry_value_field().kind()
+            } else {
+                Kind::Message(message.clone())
+            }) else {
+                return false;
+            };
+            match steps.next() {
+                Some(PathStep::Key(entry)) => value = value.get(entry.as_str()).unwrap_or(&Value::Null),
+                Some(PathStep::Index(index)) => value = value.get(*index).unwrap_or(&Value::Null),
+                // The error is about the list or map itself.
+                None => return sensitivity.holds_secrets(item.full_name()),
+            }
+            message = item;
+        }
+    }
+}
+
+/// `message` with every quoted value (`"..."`, as serde quotes strings, and
+/// `` `...` ``, as it quotes numbers and variants) written `[redacted]`.
+fn redact_quoted(message: &str) -> String {
+    let mut shown = String::with_capacity(message.len());
+    let mut chars = message.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => {
+                // To the closing quote, past escaped ones.
+                let mut escaped = false;
+                for c in chars.by_ref() {
+                    match c {
+                        '\\' if !escaped => escaped = true,
+                        '"' if !escaped => break,
+                        _ => escaped = false,
+                    }
+                }
+                shown.push_str(REDACTED);
+            }
+            '`' => {
+                chars.by_ref().find(|c| *c == '`');
+                shown.push_str(REDACTED);
+            }
+            c => shown.push(c),
+        }
+    }
+    shown
+}
+
+/// The field of `descriptor` a proto-JSON key names: its JSON name
+/// (`connectTimeout`) or its own (`connect_timeout`).
+fn field_named(descriptor: &MessageDescriptor, key: &str) -> Option<FieldDescriptor> {
+    descriptor
+        .get_field_by_json_name(key)
+        .or_else(|| descriptor.get_field_by_name(key))
 }
 
 const DURATION: &str = "google.protobuf.Duration";
@@ -294,10 +388,7 @@ fn normalize_durations(
         };
     }
     for (key, value) in fields.iter_mut() {
-        let Some(field) = descriptor
-            .get_field_by_json_name(key)
-            .or_else(|| descriptor.get_field_by_name(key))
-        else {
+        let Some(field) = field_named(descriptor, key) else {
             continue;
         };
         let Kind::Message(mut message) = field.kind() else {
@@ -423,15 +514,38 @@ pub fn proto_json_duration(text: &str) -> Result<String, String> {
     })
 }
 
-/// Reads resource bodies back for the config dump (`/debug/cache/{c}?bodies=`):
-/// `google.protobuf.Struct`, the Envoy types and Istio kinds above, and
-/// every message of an operator's descriptor set (`--descriptors`: a
-/// `FileDescriptorSet` compiled by `protoc -o` or `buf build`).
+/// What every view shows in place of a sensitive field's value.
+pub const REDACTED: &str = "[redacted]";
+
+/// A body read back for a person: its proto-JSON with every sensitive field
+/// `[redacted]`, and what the redacted fields held as digests (never shown),
+/// by path, so two versions of a body can be told apart by their secrets
+/// without showing them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RedactedBody {
+    pub json: Value,
+    /// The path of each redacted field (`tlsCertificate.privateKey`; empty
+    /// for a body redacted whole) to a digest of its value.
+    pub secrets: BTreeMap<String, u64>,
+}
+
+/// Reads resource bodies back for a person (the config dump, the diffs,
+/// `client --output`): `google.protobuf.Struct`, the Envoy types and Istio
+/// kinds above, and every message of an operator's descriptor set
+/// (`--descriptors`: a `FileDescriptorSet` compiled by `protoc -o` or `buf
+/// build`). Every field marked `(udpa.annotations.sensitive) = true` reads
+/// `[redacted]`, at any depth and inside `Any`, as in Envoy's `/config_dump`.
 #[derive(Debug)]
 pub struct BodyDecoder {
     /// The operator's set merged into the built-in one; `None` without one
     /// (the built-in pool is then shared and decoded on first use).
     pool: Option<DescriptorPool>,
+    /// The operator's pool's sensitive fields (`None`: the built-in pool's).
+    sensitivity: Option<Sensitivity>,
+    /// Type URLs marked sensitive whatever their descriptors say
+    /// (`--type-map` rows written `sensitive: true`): one whose descriptor
+    /// marks no field is shown `[redacted]` whole.
+    sensitive_types: HashSet<String>,
 }
 
 impl BodyDecoder {
@@ -439,39 +553,207 @@ impl BodyDecoder {
     /// says why it cannot be used.
     pub fn new(descriptors: Option<&std::path::Path>) -> Result<Self, String> {
         let Some(path) = descriptors else {
-            return Ok(Self { pool: None });
+            return Ok(Self {
+                pool: None,
+                sensitivity: None,
+                sensitive_types: HashSet::new(),
+            });
         };
         let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
-        let set = <prost_types::FileDescriptorSet as prost::Message>::decode(&bytes[..])
-            .map_err(|e| format!("not a FileDescriptorSet (protoc -o FILE, or buf build -o FILE): {e}"))?;
         let mut pool = pool().clone();
+        let not_a_set =
+            |e: prost::DecodeError| format!("not a FileDescriptorSet (protoc -o FILE, or buf build -o FILE): {e}");
+        // Read as a dynamic message, not as prost_types: the files' options
+        // keep their extensions, `(udpa.annotations.sensitive)` among them.
+        let set_type = pool
+            .get_message_by_name("google.protobuf.FileDescriptorSet")
+            .expect("the built-in descriptors import descriptor.proto");
+        let mut set = DynamicMessage::decode(set_type, &bytes[..]).map_err(not_a_set)?;
         // The operator's files may repeat ones the built-in set has (the
         // well-known types): those are skipped, the rest added.
-        let new: Vec<_> = set
-            .file
-            .into_iter()
-            .filter(|f| pool.get_file_by_name(f.name()).is_none())
-            .collect();
-        pool.add_file_descriptor_protos(new)
+        if let Some(prost_reflect::Value::List(files)) = set.get_field_by_name_mut("file") {
+            files.retain(|file| {
+                let name = file
+                    .as_message()
+                    .and_then(|f| f.get_field_by_name("name"))
+                    .and_then(|n| n.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                pool.get_file_by_name(&name).is_none()
+            });
+        }
+        pool.decode_file_descriptor_set(&prost::Message::encode_to_vec(&set)[..])
             .map_err(|e| format!("its descriptors do not resolve: {e}"))?;
-        Ok(Self { pool: Some(pool) })
+        Ok(Self {
+            sensitivity: Some(Sensitivity::of(&pool)),
+            pool: Some(pool),
+            sensitive_types: HashSet::new(),
+        })
+    }
+
+    /// Marks `type_urls` sensitive whatever their descriptors say (the
+    /// collection table's sensitive body types, `--type-map`'s among them).
+    pub fn with_sensitive_types(mut self, type_urls: impl IntoIterator<Item = String>) -> Self {
+        self.sensitive_types = type_urls.into_iter().collect();
+        self
     }
 
     fn pool(&self) -> &DescriptorPool {
         self.pool.as_ref().unwrap_or_else(|| pool())
     }
 
-    /// The body's message as proto-JSON; `Err` says why it cannot be read
-    /// (no descriptor for its type, or bytes that do not decode as it).
-    pub fn decode(&self, type_url: &str, value: &[u8]) -> Result<serde_json::Value, String> {
+    fn sensitivity(&self) -> &Sensitivity {
+        self.sensitivity.as_ref().unwrap_or_else(|| builtin_sensitivity())
+    }
+
+    /// Whether a body of `type_url` may hold a secret: its type is marked
+    /// sensitive, or its descriptor holds a sensitive field. Its bytes are
+    /// then never shown.
+    pub fn is_sensitive_type(&self, type_url: &str) -> bool {
+        let name = type_url.rsplit('/').next().unwrap_or(type_url);
+        self.sensitive_types.contains(type_url) || self.sensitivity().holds_secrets(name)
+    }
+
+    /// The body's message as proto-JSON, its sensitive fields `[redacted]`;
+    /// `Err` says why it cannot be read (no descriptor for its type, or
+    /// bytes that do not decode as it).
+    pub fn decode(&self, type_url: &str, value: &[u8]) -> Result<Value, String> {
+        self.decode_redacted(type_url, value).map(|body| body.json)
+    }
+
+    /// [`BodyDecoder::decode`], with digests of what was redacted.
+    pub fn decode_redacted(&self, type_url: &str, value: &[u8]) -> Result<RedactedBody, String> {
         let name = type_url.rsplit('/').next().unwrap_or(type_url);
         let descriptor = self
             .pool()
             .get_message_by_name(name)
             .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
         let message =
-            DynamicMessage::decode(descriptor, value).map_err(|e| format!("does not decode as {name}: {e}"))?;
-        serde_json::to_value(&message).map_err(|e| format!("{name} has no JSON form: {e}"))
+            DynamicMessage::decode(descriptor.clone(), value).map_err(|e| format!("does not decode as {name}: {e}"))?;
+        let mut json = serde_json::to_value(&message).map_err(|e| format!("{name} has no JSON form: {e}"))?;
+        let mut redactor = Redactor {
+            decoder: self,
+            path: Vec::new(),
+            secrets: BTreeMap::new(),
+        };
+        redactor.body(type_url, &descriptor, &mut json);
+        Ok(RedactedBody {
+            json,
+            secrets: redactor.secrets,
+        })
+    }
+}
+
+/// Walks a body's proto-JSON beside its descriptor, replacing each
+/// sensitive field's value.
+struct Redactor<'a> {
+    decoder: &'a BodyDecoder,
+    path: Vec<PathStep>,
+    secrets: BTreeMap<String, u64>,
+}
+
+impl Redactor<'_> {
+    /// A body (or an `Any`'s value) of `type_url`: redacted whole if its
+    /// type is marked sensitive and its descriptor marks no field.
+    fn body(&mut self, type_url: &str, descriptor: &MessageDescriptor, json: &mut Value) {
+        if self.decoder.sensitive_types.contains(type_url)
+            && !self.decoder.sensitivity().holds_secrets(descriptor.full_name())
+        {
+            self.redact(json);
+        } else {
+            self.message(descriptor, json);
+        }
+    }
+
+    fn message(&mut self, descriptor: &MessageDescriptor, json: &mut Value) {
+        if descriptor.full_name() == "google.protobuf.Any" {
+            return self.any(json);
+        }
+        // The other well-known types hold no secret and have JSON forms of
+        // their own (a Struct's keys are not its fields).
+        if descriptor.package_name() == "google.protobuf" {
+            return;
+        }
+        let Value::Object(fields) = json else {
+            return;
+        };
+        for (key, value) in fields.iter_mut() {
+            let Some(field) = field_named(descriptor, key) else {
+                continue;
+            };
+            self.path.push(PathStep::Key(key.clone()));
+            if self.decoder.sensitivity().is_sensitive_field(&field) {
+                self.redact(value);
+            } else if let Kind::Message(inner) = field.kind() {
+                match value {
+                    Value::Object(entries) if field.is_map() => {
+                        if let Kind::Message(values) = inner.map_entry_value_field().kind() {
+                            for (entry, item) in entries.iter_mut() {
+                                self.path.push(PathStep::Key(entry.clone()));
+                                self.message(&values, item);
+                                self.path.pop();
+                            }
+                        }
+                    }
+                    Value::Array(items) if field.is_list() => {
+                        for (index, item) in items.iter_mut().enumerate() {
+                            self.path.push(PathStep::Index(index));
+                            self.message(&inner, item);
+                            self.path.pop();
+                        }
+                    }
+                    _ => self.message(&inner, value),
+                }
+            }
+            self.path.pop();
+        }
+    }
+
+    /// An `Any` is written `{"@type": ..., <its fields>}`, or `{"@type":
+    /// ..., "value": <its JSON>}` for a well-known type.
+    fn any(&mut self, json: &mut Value) {
+        let Some(type_url) = json.get("@type").and_then(Value::as_str).map(str::to_owned) else {
+            return;
+        };
+        let name = type_url.rsplit('/').next().unwrap_or(&type_url);
+        // Writing the `Any` as JSON needed its type: the pool has it.
+        let Some(inner) = self.decoder.pool().get_message_by_name(name) else {
+            return;
+        };
+        let marked_whole = self.decoder.sensitive_types.contains(&type_url)
+            && !self.decoder.sensitivity().holds_secrets(inner.full_name());
+        if marked_whole {
+            // Everything but the type is the marked message's.
+            if let Value::Object(fields) = json {
+                let mut held = std::mem::take(fields);
+                let type_field = held.remove("@type").unwrap_or_default();
+                let mut value = Value::Object(held);
+                self.path.push(PathStep::Key("value".into()));
+                self.redact(&mut value);
+                self.path.pop();
+                fields.insert("@type".into(), type_field);
+                fields.insert("value".into(), value);
+            }
+        } else if inner.package_name() == "google.protobuf" {
+            if let Some(value) = json.get_mut("value") {
+                self.path.push(PathStep::Key("value".into()));
+                self.message(&inner, value);
+                self.path.pop();
+            }
+        } else {
+            // `@type` is no field of the message: the walk passes it by.
+            self.message(&inner, json);
+        }
+    }
+
+    /// Replaces `value` with `[redacted]`, keeping a digest of it by path.
+    fn redact(&mut self, value: &mut Value) {
+        use std::hash::{Hash, Hasher};
+        // Compared between two reads of one gateway, never shown: any
+        // stable hash does.
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        value.to_string().hash(&mut hasher);
+        self.secrets.insert(display_path(&self.path), hasher.finish());
+        *value = Value::String(REDACTED.to_owned());
     }
 }
 
@@ -560,6 +842,212 @@ mod tests {
         }
     }
 
+    const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+    const KEY: &str = "-----BEGIN PRIVATE KEY-----\nTUlJRXZRSUJBREFOQmdrcWhraUc5dzBC\n-----END PRIVATE KEY-----\n";
+
+    #[test]
+    fn sensitive_fields_read_redacted_at_any_depth_in_lists_maps_and_any() {
+        let decoder = BodyDecoder::new(None).unwrap();
+        let secret = encode(
+            SECRET,
+            json!({
+                "name": "server-cert",
+                "tls_certificate": {
+                    "certificate_chain": {"inline_string": "CERT"},
+                    "private_key": {"inline_string": KEY},
+                    "password": {"filename": "/etc/password"},
+                },
+            }),
+        )
+        .unwrap();
+        let read = decoder.decode_redacted(SECRET, &secret).unwrap();
+        assert_eq!(
+            read.json,
+            json!({
+                "name": "server-cert",
+                "tlsCertificate": {
+                    "certificateChain": {"inlineString": "CERT"},
+                    "privateKey": REDACTED,
+                    "password": REDACTED,
+                },
+            })
+        );
+        assert_eq!(
+            read.secrets.keys().collect::<Vec<_>>(),
+            ["tlsCertificate.password", "tlsCertificate.privateKey"]
+        );
+        assert!(decoder.is_sensitive_type(SECRET));
+
+        // Lists and maps: a sensitive field is redacted whole.
+        let generic = encode(
+            SECRET,
+            json!({"name": "g", "generic_secret": {"secrets": {"a": {"inline_string": KEY}}}}),
+        )
+        .unwrap();
+        let json = decoder.decode(SECRET, &generic).unwrap();
+        assert_eq!(json["genericSecret"]["secrets"], REDACTED);
+        let tickets = encode(
+            SECRET,
+            json!({"name": "t", "session_ticket_keys": {"keys": [{"inline_bytes": "a2V5"}, {"inline_string": KEY}]}}),
+        )
+        .unwrap();
+        assert_eq!(
+            decoder.decode(SECRET, &tickets).unwrap()["sessionTicketKeys"]["keys"],
+            REDACTED
+        );
+
+        // Inside an `Any`: a Listener's TLS context, in a list of filter chains.
+        let listener_url = "type.googleapis.com/envoy.config.listener.v3.Listener";
+        let listener = encode(
+            listener_url,
+            json!({
+                "name": "https",
+                "filter_chains": [{"transport_socket": {"name": "tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    "common_tls_context": {"tls_certificates": [{
+                        "certificate_chain": {"inline_string": "CERT"},
+                        "private_key": {"inline_string": KEY},
+                    }]},
+                }}}],
+            }),
+        )
+        .unwrap();
+        let read = decoder.decode_redacted(listener_url, &listener).unwrap();
+        let text = read.json.to_string();
+        assert!(!text.contains("TUlJRXZR"), "{text}");
+        let context = &read.json["filterChains"][0]["transportSocket"]["typedConfig"];
+        assert_eq!(
+            context["commonTlsContext"]["tlsCertificates"][0]["privateKey"], REDACTED,
+            "{text}"
+        );
+        assert_eq!(
+            context["commonTlsContext"]["tlsCertificates"][0]["certificateChain"]["inlineString"],
+            "CERT"
+        );
+        assert_eq!(
+            read.secrets.keys().collect::<Vec<_>>(),
+            ["filterChains[0].transportSocket.typedConfig.commonTlsContext.tlsCertificates[0].privateKey"]
+        );
+
+        // A changed key changes its digest, and nothing else shown.
+        let other = encode(
+            SECRET,
+            json!({
+                "name": "server-cert",
+                "tls_certificate": {
+                    "certificate_chain": {"inline_string": "CERT"},
+                    "private_key": {"inline_string": "another key"},
+                    "password": {"filename": "/etc/password"},
+                },
+            }),
+        )
+        .unwrap();
+        let (one, two) = (
+            decoder.decode_redacted(SECRET, &secret).unwrap(),
+            decoder.decode_redacted(SECRET, &other).unwrap(),
+        );
+        assert_eq!(one.json, two.json);
+        assert_ne!(
+            one.secrets["tlsCertificate.privateKey"],
+            two.secrets["tlsCertificate.privateKey"]
+        );
+        assert_eq!(
+            one.secrets["tlsCertificate.password"],
+            two.secrets["tlsCertificate.password"]
+        );
+
+        // Bodies without secrets read as before.
+        let cluster_url = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        let cluster = encode(cluster_url, json!({"name": "backend"})).unwrap();
+        let read = decoder.decode_redacted(cluster_url, &cluster).unwrap();
+        assert_eq!((read.json, read.secrets.len()), (json!({"name": "backend"}), 0));
+    }
+
+    #[test]
+    fn errors_about_a_secret_name_its_path_never_its_value() {
+        let pem = "-----BEGIN PRIVATE KEY-----\nTUlJRXZRSUJBREFOQmdrcWhraUc5dzBC\n-----END PRIVATE KEY-----\n";
+        for (body, path) in [
+            (
+                json!({"name": "s", "tls_certificate": {"private_key": pem}}),
+                "tls_certificate.private_key",
+            ),
+            (
+                json!({"name": "s", "tls_certificate": {"private_key": {"inline_string": 5}}}),
+                "tls_certificate.private_key.inline_string",
+            ),
+            (
+                json!({"name": "s", "generic_secret": {"secrets": {"a": pem}}}),
+                "generic_secret.secrets.a",
+            ),
+            (
+                json!({"name": "s", "session_ticket_keys": {"keys": [pem]}}),
+                "session_ticket_keys.keys[0]",
+            ),
+        ] {
+            let err = encode(SECRET, body).unwrap_err();
+            let shown = err.to_string();
+            assert_eq!(display_path(&err.path), path, "{shown}");
+            assert!(!shown.contains("TUlJRXZR") && !shown.contains('5'), "{shown}");
+            assert!(shown.contains(REDACTED), "{shown}");
+        }
+        // Inside an `Any`, where the reader's path stops at the `Any`.
+        let err = encode(
+            "type.googleapis.com/envoy.config.listener.v3.Listener",
+            json!({"name": "l", "filter_chains": [{"transport_socket": {"name": "tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                "common_tls_context": {"tls_certificates": [{"private_key": pem}]},
+            }}}]}),
+        )
+        .unwrap_err();
+        assert!(!err.to_string().contains("TUlJRXZR"), "{err}");
+        assert!(
+            display_path(&err.path).starts_with("filter_chains[0].transport_socket.typed_config"),
+            "{err}"
+        );
+        // A value of a field that is no secret is still quoted.
+        let err = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            json!({"name": "c", "connect_timeout": "soon"}),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("soon"), "{err}");
+        assert_eq!(
+            redact_quoted(r#"invalid type: string "a \"b\" c", expected `x` or y"#),
+            "invalid type: string [redacted], expected [redacted] or y"
+        );
+    }
+
+    /// A `google.protobuf.Struct` of one string, encoded.
+    fn one_string_struct(key: &str, value: &str) -> Vec<u8> {
+        prost::Message::encode_to_vec(&prost_types::Struct {
+            fields: [(
+                key.to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue(value.into())),
+                },
+            )]
+            .into(),
+        })
+    }
+
+    #[test]
+    fn a_type_marked_sensitive_without_marked_fields_reads_redacted_whole() {
+        let route_url = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+        let struct_url = "type.googleapis.com/google.protobuf.Struct";
+        let decoder = BodyDecoder::new(None)
+            .unwrap()
+            .with_sensitive_types([struct_url.to_owned(), route_url.to_owned()]);
+        let structure = one_string_struct("token", "hunter2");
+        let read = decoder.decode_redacted(struct_url, &structure).unwrap();
+        assert_eq!(read.json, json!(REDACTED));
+        assert_eq!(read.secrets.keys().collect::<Vec<_>>(), [""]);
+        assert!(decoder.is_sensitive_type(struct_url));
+        assert!(!BodyDecoder::new(None).unwrap().is_sensitive_type(struct_url));
+        // A type whose descriptor marks fields is redacted field by field.
+        let route = encode(route_url, json!({"name": "r"})).unwrap();
+        assert_eq!(decoder.decode(route_url, &route).unwrap(), json!({"name": "r"}));
+    }
+
     #[test]
     fn a_cluster_reads_as_envoy_writes_it() {
         let bytes = encode(
@@ -593,15 +1081,7 @@ mod tests {
             .decode("type.googleapis.com/envoy.config.cluster.v3.Cluster", &cluster)
             .unwrap();
         assert_eq!(json, json!({"name": "backend", "connectTimeout": "0.250s"}));
-        let structure = prost::Message::encode_to_vec(&prost_types::Struct {
-            fields: [(
-                "hosts".to_owned(),
-                prost_types::Value {
-                    kind: Some(prost_types::value::Kind::StringValue("a".into())),
-                },
-            )]
-            .into(),
-        });
+        let structure = one_string_struct("hosts", "a");
         let json = decoder
             .decode("type.googleapis.com/google.protobuf.Struct", &structure)
             .unwrap();

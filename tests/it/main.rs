@@ -25,6 +25,7 @@ mod load;
 mod operating;
 mod process;
 mod properties;
+mod redaction;
 mod resource_source;
 mod rollout;
 mod rules;

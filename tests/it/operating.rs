@@ -576,7 +576,7 @@ async fn client_command(args: &[&str]) -> (Option<i32>, String, String) {
 }
 
 /// Runs `mcp-xds-gateway SUBCOMMAND ARGS…`: exit code, stdout, stderr.
-async fn subcommand(name: &str, args: &[&str]) -> (Option<i32>, String, String) {
+pub(crate) async fn subcommand(name: &str, args: &[&str]) -> (Option<i32>, String, String) {
     let output = within(
         &format!("the {name} command to exit"),
         Command::new(BIN).arg(name).args(args).kill_on_drop(true).output(),

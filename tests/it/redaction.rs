@@ -1,0 +1,302 @@
+//! Sensitive fields (`(udpa.annotations.sensitive) = true`: private keys,
+//! passwords, generic secrets) read `[redacted]` in every view a person
+//! reads (the config dump, the diffs, the HTML pages, `client --output`,
+//! `rollout diff --bodies`, errors and the log), while what clients are
+//! served stays the bytes the source gave. The key is made by the test
+//! (rcgen); every check looks for the lines of its base64 body.
+
+use std::path::Path;
+
+use base64::Engine;
+use mcp_xds_gateway::proto::envoy::service::discovery::v3::DiscoveryRequest;
+use mcp_xds_gateway::source::proto_json;
+use serde_json::{json, Value};
+
+use crate::helpers::certs::{self, Ca};
+use crate::helpers::{eventually, get_json, http_get, http_get_with, spawn_gateway, start_gateway, within};
+use crate::operating::subcommand;
+use crate::xds::{istiod_node, SotwStream, SOTW};
+
+const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
+const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+
+/// The base64 lines of a PEM private key: what must never be shown.
+fn key_lines(pem: &str) -> Vec<String> {
+    let lines: Vec<String> = pem
+        .lines()
+        .filter(|l| !l.starts_with("-----") && l.len() >= 16)
+        .map(str::to_owned)
+        .collect();
+    assert!(!lines.is_empty(), "a PEM key has a body: {pem}");
+    lines
+}
+
+/// Fails naming the view if `text` holds a line of any of `keys`.
+fn assert_no_key(view: &str, text: &str, keys: &[&[String]]) {
+    for line in keys.iter().flat_map(|k| k.iter()) {
+        assert!(
+            !text.contains(line.as_str()),
+            "{view} shows a private key's line {line:?}:\n{text}"
+        );
+    }
+}
+
+/// A Secret holding a TLS certificate and its private key, as proto-JSON.
+fn secret_json(name: &str, cert: &str, key: &str) -> Value {
+    json!({
+        "name": name,
+        "tls_certificate": {
+            "certificate_chain": {"inline_string": cert},
+            "private_key": {"inline_string": key},
+        },
+    })
+}
+
+/// The secrets file: `server-cert` written as proto-JSON, `raw-cert` as the
+/// exact bytes (`value_base64`); returns the bytes each is served as.
+fn write_secrets(dir: &Path, cert: &str, key: &str, raw_key: &str) -> (Vec<u8>, Vec<u8>) {
+    let server = secret_json("server-cert", cert, key);
+    let raw = proto_json::encode(SECRET, secret_json("raw-cert", cert, raw_key)).unwrap();
+    let document = json!([
+        {"collection": SECRETS, "name": "server-cert", "body": {"type_url": SECRET, "json": server}},
+        {"collection": SECRETS, "name": "raw-cert", "body": {
+            "type_url": SECRET,
+            "value_base64": base64::engine::general_purpose::STANDARD.encode(&raw),
+        }},
+    ]);
+    let text: String = document
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|doc| format!("---\n{}", serde_norway::to_string(doc).unwrap()))
+        .collect();
+    certs::write(dir, "secrets.yaml", &text);
+    (proto_json::encode(SECRET, server).unwrap(), raw)
+}
+
+#[tokio::test]
+async fn secrets_read_redacted_in_every_view_and_are_served_byte_for_byte() {
+    let ca = Ca::new("redaction");
+    let (server, raw, rotated) = (ca.leaf("server"), ca.leaf("raw"), ca.leaf("rotated"));
+    let keys = [key_lines(&server.key), key_lines(&raw.key), key_lines(&rotated.key)];
+    let keys: Vec<&[String]> = keys.iter().map(Vec::as_slice).collect();
+    let cert_line = key_lines(&server.cert)[1].clone();
+
+    let dir = tempfile::tempdir().unwrap();
+    let (server_bytes, raw_bytes) = write_secrets(dir.path(), &server.cert, &server.key, &raw.key);
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    // Secrets are read only as a policy grants them: this one grants every
+    // collection to plaintext clients, as the test's ADS client is one.
+    let policy_dir = tempfile::tempdir().unwrap();
+    let policy = policy_dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "rules:\n- identities: [unauthenticated]\n  collections: [\"*\"]\n",
+    )
+    .unwrap();
+    let gw = start_gateway(&["--source-dir", &dir_flag, "--access-policy", policy.to_str().unwrap()]).await;
+    eventually("the secrets in the cache", || {
+        gw.cache.get(SECRETS).is_some_and(|s| s.len() == 2)
+    })
+    .await;
+    let first = gw.cache.get(SECRETS).unwrap().version.to_string();
+
+    // What a client is served is what was written, byte for byte.
+    let mut sotw = SotwStream::open(gw.listen, SOTW).await;
+    sotw.send(DiscoveryRequest {
+        type_url: SECRET.into(),
+        node: istiod_node(),
+        ..Default::default()
+    });
+    let served = sotw.recv().await;
+    let mut bodies: Vec<(&str, &[u8])> = served
+        .resources
+        .iter()
+        .map(|any| (any.type_url.as_str(), any.value.as_slice()))
+        .collect();
+    bodies.sort_by_key(|(_, bytes)| bytes.to_vec());
+    let mut expected = [(SECRET, raw_bytes.as_slice()), (SECRET, server_bytes.as_slice())];
+    expected.sort_by_key(|(_, bytes)| bytes.to_vec());
+    assert_eq!(bodies, expected, "the served secrets are the bytes written");
+
+    // The config dump, as JSON and as YAML.
+    let dump = get_json(gw.admin, &format!("/debug/cache/{SECRETS}?bodies=json")).await;
+    assert_no_key("the JSON dump", &dump.to_string(), &keys);
+    for resource in dump["resources"].as_array().unwrap() {
+        let certificate = &resource["body"]["tlsCertificate"];
+        assert_eq!(certificate["privateKey"], "[redacted]", "{dump}");
+        assert!(
+            certificate["certificateChain"]["inlineString"]
+                .as_str()
+                .is_some_and(|c| c.contains(&cert_line)),
+            "what is no secret is shown: {dump}"
+        );
+    }
+    let (status, yaml) = http_get(gw.admin, &format!("/debug/cache/{SECRETS}?bodies=yaml")).await;
+    assert_eq!(status, 200, "{yaml}");
+    assert_no_key("the YAML dump", &yaml, &keys);
+    assert_eq!(yaml.matches("privateKey: '[redacted]'").count(), 2, "{yaml}");
+    let (_, page) = http_get_with(gw.admin, &format!("/debug/cache/{SECRETS}"), "Accept: text/html\r\n").await;
+    assert_no_key("the collection's page", &page, &keys);
+
+    // `client --output yaml|json`: the legacy client reads the collection.
+    let listen = gw.listen.to_string();
+    for output in ["yaml", "json"] {
+        let (code, stdout, stderr) = subcommand(
+            "client",
+            &["--target", &listen, "--type-url", SECRETS, "--once", "--output", output],
+        )
+        .await;
+        assert_eq!(code, Some(0), "{stderr}");
+        assert_no_key(
+            &format!("client --output {output}"),
+            &format!("{stdout}{stderr}"),
+            &keys,
+        );
+        assert_eq!(stdout.matches("[redacted]").count(), 2, "{stdout}");
+    }
+
+    // A new key, the certificate unchanged: the diff says a secret changed.
+    write_secrets(dir.path(), &server.cert, &rotated.key, &raw.key);
+    eventually("the new key in the cache", || {
+        gw.cache.get(SECRETS).is_some_and(|s| s.version.to_string() != first)
+    })
+    .await;
+    let diff_path = format!("/debug/diff/{SECRETS}?from={first}&bodies=yaml");
+    let diff = get_json(gw.admin, &diff_path).await;
+    assert_no_key("the diff", &diff.to_string(), &keys);
+    assert_eq!(diff["changed"].as_array().map(Vec::len), Some(1), "{diff}");
+    let changed = &diff["changed"][0];
+    assert_eq!(changed["name"], "server-cert", "{diff}");
+    assert_eq!(changed["sensitive"], json!(["tlsCertificate.privateKey"]), "{diff}");
+    assert!(
+        changed["diff"]
+            .as_str()
+            .unwrap()
+            .contains("changed (sensitive): tlsCertificate.privateKey"),
+        "{diff}"
+    );
+    let (_, page) = http_get_with(gw.admin, &diff_path, "Accept: text/html\r\n").await;
+    assert_no_key("the diff's page", &page, &keys);
+    assert!(page.contains("changed (sensitive)"), "{page}");
+
+    let admin = format!("http://{}", gw.admin);
+    let (code, stdout, stderr) = subcommand(
+        "rollout",
+        &["diff", SECRETS, "--from", &first, "--bodies", "--admin", &admin],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_no_key("rollout diff --bodies", &format!("{stdout}{stderr}"), &keys);
+    assert!(
+        stdout.contains("~ server-cert") && stdout.contains("changed (sensitive): tlsCertificate.privateKey"),
+        "{stdout}"
+    );
+}
+
+/// A private key written as a plain string instead of `{inline_string: …}`:
+/// the error names the field, in the log, `/debug/upstream` and `/readyz`,
+/// and never quotes the key.
+#[tokio::test]
+async fn an_error_about_a_secret_names_its_path_never_its_value() {
+    let leaf = Ca::new("mistyped").leaf("server");
+    let keys = key_lines(&leaf.key);
+    let dir = tempfile::tempdir().unwrap();
+    let document = json!({
+        "collection": SECRETS,
+        "name": "server-cert",
+        "body": {"type_url": SECRET, "json": {
+            "name": "server-cert",
+            "tls_certificate": {"certificate_chain": {"inline_string": leaf.cert}, "private_key": leaf.key},
+        }},
+    });
+    certs::write(dir.path(), "secrets.yaml", &serde_norway::to_string(&document).unwrap());
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let mut running = spawn_gateway(None, &["--source-dir", &dir_flag, "--collections", SECRETS]).await;
+
+    let logged = match running.log.iter().find(|l| l.contains("private_key")) {
+        Some(line) => line.clone(),
+        None => running.log_line("private_key").await,
+    };
+    assert!(logged.contains("tls_certificate.private_key"), "{logged}");
+    assert!(logged.contains("[redacted]"), "{logged}");
+    assert_no_key("the log", &logged, &[&keys]);
+
+    let upstream = get_json(running.admin, "/debug/upstream").await;
+    let last_error = upstream["last_error"].as_str().unwrap_or_default().to_owned();
+    assert!(
+        last_error.contains("tls_certificate.private_key") && last_error.contains("[redacted]"),
+        "{upstream}"
+    );
+    assert_no_key("/debug/upstream", &upstream.to_string(), &[&keys]);
+    let (status, why) = http_get(running.admin, "/readyz").await;
+    assert_eq!(status, 503, "{why}");
+    assert_no_key("/readyz", &why, &[&keys]);
+
+    // Every later line too, up to a clean stop.
+    running.child.start_kill().unwrap();
+    let rest = within("the log to end", async {
+        let mut rest = String::new();
+        while let Some(line) = running.later.recv().await {
+            rest.push_str(&line);
+            rest.push('\n');
+        }
+        rest
+    })
+    .await;
+    assert_no_key("the log", &format!("{}\n{rest}", running.log.join("\n")), &[&keys]);
+}
+
+/// `--type-map` rows written `sensitive: true`: a type the gateway has no
+/// descriptor for shows its size and never a byte of it; one it reads
+/// (here `Struct`) but whose fields carry no marks reads `[redacted]` whole.
+#[tokio::test]
+async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = certs::write(
+        dir.path(),
+        "type-map.yaml",
+        "example.com/vault: {type_url: type.googleapis.com/example.Vault, sensitive: true}\n\
+         example.com/tokens: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n\
+         example.com/plain: type.googleapis.com/example.Plain\n",
+    );
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let hidden = base64::engine::general_purpose::STANDARD.encode("vault-bytes-hunter2");
+    certs::write(
+        &source,
+        "resources.yaml",
+        &format!(
+            "collection: example.com/vault\nname: v\nbody: {{type_url: type.googleapis.com/example.Vault, value_base64: {hidden}}}\n\
+             ---\ncollection: example.com/tokens\nname: t\nbody: {{struct: {{token: hunter2}}}}\n\
+             ---\ncollection: example.com/plain\nname: p\nbody: {{type_url: type.googleapis.com/example.Plain, value_base64: {hidden}}}\n"
+        ),
+    );
+    let (map, source) = (map.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
+    let gw = start_gateway(&["--source-dir", &source, "--type-map", &map]).await;
+    for collection in ["example.com/vault", "example.com/tokens", "example.com/plain"] {
+        eventually(collection, || gw.cache.get(collection).is_some_and(|s| s.len() == 1)).await;
+    }
+    let body = |dump: &Value| dump["resources"][0]["body"].clone();
+
+    let vault = get_json(gw.admin, "/debug/cache/example.com/vault?bodies=json").await;
+    let shown = vault.to_string();
+    assert!(
+        !shown.contains(&hidden[..12]) && !shown.contains("preview_base64"),
+        "{vault}"
+    );
+    assert_eq!(body(&vault)["bytes"], 19, "{vault}");
+    assert_eq!(body(&vault)["sensitive"], true, "{vault}");
+
+    let tokens = get_json(gw.admin, "/debug/cache/example.com/tokens?bodies=json").await;
+    assert!(!tokens.to_string().contains("hunter2"), "{tokens}");
+    assert_eq!(body(&tokens), "[redacted]", "{tokens}");
+
+    // A row without the flag shows a preview, as before.
+    let plain = get_json(gw.admin, "/debug/cache/example.com/plain?bodies=json").await;
+    assert_eq!(
+        body(&plain)["preview_base64"].as_str(),
+        Some(hidden.as_str()),
+        "{plain}"
+    );
+}
