@@ -895,6 +895,19 @@ rules:
     }
 
     #[test]
+    fn the_benchmarks_policies_load_and_grant_the_load_clients() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/support");
+        let all = AccessPolicy::load(&dir.join("access-policy-100.yaml")).unwrap();
+        assert_eq!(all.rule_count(), 100);
+        assert_eq!(all.grant(&PeerIdentity::default(), "istio/x", false), Some(Grant::All));
+        let names = AccessPolicy::load(&dir.join("access-policy-100-names.yaml")).unwrap();
+        let Some(Grant::Names(grant)) = names.grant(&PeerIdentity::default(), "envoy/config/x", false) else {
+            panic!("a names grant")
+        };
+        assert!(grant.allows("cluster-00042"));
+    }
+
+    #[test]
     fn a_missing_file_names_it() {
         let e = AccessPolicy::load(Path::new("/nonexistent/policy.yaml")).unwrap_err();
         assert_eq!(e.path, Path::new("/nonexistent/policy.yaml"));

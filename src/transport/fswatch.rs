@@ -96,3 +96,35 @@ pub fn parent_dir(path: &std::path::Path) -> PathBuf {
         _ => PathBuf::from("."),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A watch of named files hears them and a volume's `..data` swap, and
+    /// not the other files of their directory (a log written beside a
+    /// certificate made it reload every time it was written).
+    #[tokio::test]
+    async fn a_file_watch_hears_its_files_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = dir.path().join("tls.crt");
+        std::fs::write(&cert, "a").unwrap();
+        let mut watch = DirWatch::files(&[cert.as_path()]).unwrap();
+        for i in 0..20 {
+            std::fs::write(dir.path().join("gateway.log"), format!("line {i}")).unwrap();
+        }
+        let heard = tokio::time::timeout(Duration::from_millis(500), watch.changed()).await;
+        assert!(heard.is_err(), "a write beside it is not a change of it");
+
+        std::fs::write(&cert, "b").unwrap();
+        let heard = tokio::time::timeout(Duration::from_secs(10), watch.changed()).await;
+        assert_eq!(heard.ok(), Some(true), "a write of the file is heard");
+
+        // Kubernetes: a new timestamped directory, then `..data` renamed over.
+        std::fs::create_dir(dir.path().join("..2026_11_27")).unwrap();
+        std::os::unix::fs::symlink("..2026_11_27", dir.path().join("..data_tmp")).unwrap();
+        std::fs::rename(dir.path().join("..data_tmp"), dir.path().join("..data")).unwrap();
+        let heard = tokio::time::timeout(Duration::from_secs(10), watch.changed()).await;
+        assert_eq!(heard.ok(), Some(true), "a ..data swap is heard");
+    }
+}
