@@ -18,6 +18,7 @@ fn main() -> ExitCode {
         Some(Command::Rollout(rollout)) => {
             return run_tool(async move { mcp_xds_gateway::tools::rollout::run(rollout, &mut std::io::stdout()).await })
         }
+        Some(Command::Check(check)) => return run_check(check),
         Some(Command::Source(source)) => {
             let origin = log_level_origin(&source.effective);
             let logs = match init_logs(&source.log_level, source.log_format, origin) {
@@ -128,6 +129,24 @@ fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
 /// on error.
 fn run_status(args: mcp_xds_gateway::tools::status::StatusArgs) -> ExitCode {
     run_tool(async move { mcp_xds_gateway::tools::status::run(args, &mut std::io::stdout()).await })
+}
+
+/// `mcp-xds-gateway check`: findings on stdout, the summary on stderr; exit
+/// 0 when everything would be served, 1 when anything would not, 2 when the
+/// check cannot run as asked.
+fn run_check(args: mcp_xds_gateway::tools::check::CheckArgs) -> ExitCode {
+    use mcp_xds_gateway::tools::check;
+    match check::check(&args) {
+        Ok(report) => {
+            print!("{}", check::render(&report, args.output));
+            eprintln!("{}", check::summary(&report));
+            ExitCode::from(report.exit_code())
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
 }
 
 /// Runs a tool on a single-threaded runtime.

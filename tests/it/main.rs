@@ -7,6 +7,7 @@ mod admin;
 mod browser;
 mod canary;
 mod chain;
+mod check;
 mod decoders;
 mod demand;
 mod deploy;
