@@ -1345,3 +1345,150 @@ async fn a_file_broken_at_run_time_is_shown_where_operators_look() {
     assert_eq!(code, Some(0), "{stdout}");
     drop(client);
 }
+
+/// `client --protocol xds-delta --names`: what it prints is what a delta
+/// ADS stream of the same subscription receives (names, versions, bodies,
+/// removals), and `--once` exits only after the gateway read its ACKs (the
+/// gateway's own count, in a process of its own). `xds-sotw` reads istiod's
+/// MCP over xDS by GVK.
+#[tokio::test]
+async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
+    use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+    use mcp_xds_gateway::proto::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse};
+    const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+    const CLA: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+    const ROUTES: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/envoy/config");
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", examples]).await;
+    let target = gw.listen.to_string();
+    let names = "backend,local_route";
+    let args = [
+        "--target",
+        &target,
+        "--protocol",
+        "xds-delta",
+        "--type-url",
+        CLA,
+        "--type-url",
+        ROUTES,
+        "--names",
+        names,
+        "--once",
+    ];
+    let (code, stdout, stderr) = client_command(&[&args[..], &["--output", "json"]].concat()).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let printed: std::collections::BTreeMap<String, serde_json::Value> = stdout
+        .lines()
+        .map(|l| {
+            let update: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            (update["type_url"].as_str().unwrap().to_owned(), update)
+        })
+        .collect();
+    assert_eq!(printed.len(), 2, "{stdout}");
+    // Its ACKs were read before it exited: one per type.
+    let (_, metrics) = http_get(gw.admin, "/metrics").await;
+    for collection in [
+        "envoy/config/endpoint/v3/clusterloadassignments",
+        "envoy/config/route/v3/routeconfigurations",
+    ] {
+        let acked = format!("istio_mcp_request_acks_total{{component=\"downstream\",collection=\"{collection}\"}} 1");
+        assert!(metrics.lines().any(|l| l == acked), "{acked} in\n{metrics}");
+    }
+    // What a delta stream of the same subscription receives.
+    let mut delta = crate::helpers::clients::Bidi::<DeltaDiscoveryRequest, DeltaDiscoveryResponse>::open_on(
+        channel(gw.listen).await,
+        DELTA,
+    )
+    .await;
+    for type_url in [CLA, ROUTES] {
+        delta.send(DeltaDiscoveryRequest {
+            node: Some(Node {
+                id: "envoy-1".into(),
+                ..Default::default()
+            }),
+            type_url: type_url.into(),
+            resource_names_subscribe: names.split(',').map(String::from).collect(),
+            ..Default::default()
+        });
+    }
+    let decoder = mcp_xds_gateway::source::proto_json::BodyDecoder::new(None).unwrap();
+    for _ in 0..2 {
+        let response = delta.recv().await;
+        let shown = &printed[&response.type_url];
+        assert_eq!(shown["version"], response.system_version_info.as_str());
+        assert_eq!(shown["removed"], serde_json::json!(response.removed_resources));
+        let received: Vec<serde_json::Value> = response
+            .resources
+            .iter()
+            .map(|r| {
+                let any = r.resource.clone().unwrap();
+                serde_json::json!({
+                    "name": r.name, "version": r.version, "type_url": any.type_url,
+                    "body": decoder.decode(&any.type_url, &any.value).unwrap(),
+                })
+            })
+            .collect();
+        let resources: Vec<serde_json::Value> = shown["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| serde_json::json!({"name": r["name"], "version": r["version"], "type_url": r["type_url"], "body": r["body"]}))
+            .collect();
+        assert_eq!(resources, received, "{stdout}");
+        assert_eq!(received.len(), 1, "one named resource of each type");
+    }
+    // The text form: the update line, each resource and its body.
+    let (code, text, stderr) = client_command(&[&args[..], &["--show", "bodies"]].concat()).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  backend version=") && l.ends_with(CLA))
+            && text
+                .lines()
+                .any(|l| l.trim_start().starts_with("{\"clusterName\":\"backend\"")),
+        "{text}"
+    );
+
+    // istiod's MCP over xDS, state of the world, by GVK.
+    let istio =
+        crate::helpers::start_gateway(&["--source-dir", concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config")]).await;
+    let target = istio.listen.to_string();
+    let (code, text, stderr) = client_command(&[
+        "--target",
+        &target,
+        "--protocol",
+        "xds-sotw",
+        "--type-url",
+        "networking.istio.io/v1/VirtualService",
+        "--once",
+        "--show",
+        "resources",
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("networking.istio.io/v1/VirtualService version="),
+        "{text}"
+    );
+    let mut resources: Vec<&str> = lines[1..]
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    resources.sort_unstable();
+    assert_eq!(resources, ["bookinfo/ratings", "bookinfo/reviews"], "{text}");
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l.ends_with("body=type.googleapis.com/istio.networking.v1alpha3.VirtualService")),
+        "MCP over xDS: each an istio.mcp.v1alpha1.Resource read back: {text}"
+    );
+    // Names are an xDS notion.
+    let (code, _, stderr) = client_command(&["--target", &target, "--type-url", VS, "--names", "a", "--once"]).await;
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.contains("--names needs --protocol xds-sotw or xds-delta"),
+        "{stderr}"
+    );
+}
