@@ -491,6 +491,10 @@ pub enum Command {
     /// Serve a directory as an MCP source, as Galley did: a ResourceSource
     /// server (--listen), or a dial-out to a sink (--sink).
     Source(Box<source::SourceArgs>),
+    /// Check files and directories of config as the files source reads them,
+    /// without serving (for CI): exit 0 when everything would be served, 1
+    /// when anything would not, 2 for usage.
+    Check(crate::tools::check::CheckArgs),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -18,6 +18,7 @@ fn main() -> ExitCode {
         Some(Command::Rollout(rollout)) => {
             return run_tool(async move { mcp_xds_gateway::tools::rollout::run(rollout, &mut std::io::stdout()).await })
         }
+        Some(Command::Check(check)) => return run_check(check),
         Some(Command::Source(source)) => {
             let origin = log_level_origin(&source.effective);
             let logs = match init_logs(&source.log_level, source.log_format, origin) {
@@ -121,17 +122,41 @@ fn serve(
 
 /// `mcp-xds-gateway client`: output on stdout, errors on stderr, exit 1 on error.
 fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
-    run_tool(async move { mcp_xds_gateway::tools::client::run(args, &mut std::io::stdout()).await })
+    run_tool(async move {
+        mcp_xds_gateway::tools::client::run(args, &mut std::io::stdout())
+            .await
+            .map(|()| 0)
+    })
 }
 
-/// `mcp-xds-gateway status`: the table on stdout, errors on stderr, exit 1
-/// on error.
+/// `mcp-xds-gateway status`: the table on stdout, errors on stderr; exit 0
+/// when every client shown is SYNCED and the source healthy, 1 when not, 2
+/// when the admin port cannot be read.
 fn run_status(args: mcp_xds_gateway::tools::status::StatusArgs) -> ExitCode {
     run_tool(async move { mcp_xds_gateway::tools::status::run(args, &mut std::io::stdout()).await })
 }
 
-/// Runs a tool on a single-threaded runtime.
-fn run_tool(tool: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+/// `mcp-xds-gateway check`: findings on stdout, the summary on stderr; exit
+/// 0 when everything would be served, 1 when anything would not, 2 when the
+/// check cannot run as asked.
+fn run_check(args: mcp_xds_gateway::tools::check::CheckArgs) -> ExitCode {
+    use mcp_xds_gateway::tools::check;
+    match check::check(&args) {
+        Ok(report) => {
+            print!("{}", check::render(&report, args.output));
+            eprintln!("{}", check::summary(&report));
+            ExitCode::from(report.exit_code())
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs a tool on a single-threaded runtime: its exit code, or 1 on an
+/// error (2 when the admin port cannot be read).
+fn run_tool(tool: impl std::future::Future<Output = anyhow::Result<u8>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -140,10 +165,13 @@ fn run_tool(tool: impl std::future::Future<Output = anyhow::Result<()>>) -> Exit
         }
     };
     match runtime.block_on(tool) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            match e.downcast_ref::<mcp_xds_gateway::tools::status::AdminUnreadable>() {
+                Some(_) => ExitCode::from(2),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }

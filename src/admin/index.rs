@@ -9,7 +9,25 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::{document, escape, syncz, AdminState, Positions, NAVIGATION};
+use super::{document, escape, not_delivered, syncz, AdminState, Positions, NAVIGATION};
+
+/// What is wrong with the source while clients are served (files that do
+/// not parse, the upstream disconnected, collections overdue): the index,
+/// `/debug/syncz` and `status` lead with it.
+pub(super) fn source_problems(state: &AdminState) -> Vec<String> {
+    let not_delivered = not_delivered(state);
+    syncz::source_problems(&state.upstream.borrow(), &not_delivered)
+}
+
+/// `problems` as the paragraphs a page leads with.
+pub(super) fn problems_html(problems: &[String], out: &mut String) {
+    for problem in problems {
+        out.push_str(&format!(
+            "<p class=\"problem\" data-col=\"source\">{}</p>",
+            escape(problem)
+        ));
+    }
+}
 
 /// The admin port's endpoints: (path, what it shows).
 pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
@@ -131,8 +149,10 @@ pub async fn admin(
     let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
     let summary = syncz::summary(&rows);
     let not_synced = syncz::problems_first(rows.iter().filter(|r| r.status != syncz::SyncStatus::Synced));
+    let source = source_problems(&state);
     if wants_json(&headers) {
         return Json(json!({
+            "source": syncz::source_json(&source),
             "ready": state.not_ready().is_none(),
             "not_ready": state.not_ready(),
             "endpoints": endpoints_json(ADMIN_ENDPOINTS),
@@ -141,14 +161,21 @@ pub async fn admin(
         }))
         .into_response();
     }
-    // What needs an operator first: readiness, then the clients not in
-    // sync; the counts and the endpoints after.
+    // What needs an operator first: the source (an edit that does not
+    // apply while every client is in sync), readiness, then the clients not
+    // in sync; the counts and the endpoints after.
     let mut body = String::from(NAVIGATION);
+    problems_html(&source, &mut body);
     if let Some(reason) = state.not_ready() {
         body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
     }
     body.push_str("<h2>Clients not in sync</h2>");
-    if not_synced.is_empty() {
+    if not_synced.is_empty() && !source.is_empty() {
+        body.push_str(
+            "<p>none: every client holds the current version of every type it follows, which is the source's \
+             last good state (above)</p>",
+        );
+    } else if not_synced.is_empty() {
         body.push_str("<p>none: every client holds the current version of every type it follows</p>");
     } else {
         syncz::rows_html(&not_synced, clock, &mut body);
@@ -172,4 +199,59 @@ pub async fn monitoring(headers: HeaderMap) -> Response {
     let mut body = String::new();
     endpoints_html(MONITORING_ENDPOINTS, &mut body);
     page("mcp-xds-gateway monitoring", &body).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::syncz::source_problems;
+    use crate::source::UpstreamStatus;
+    use serde_json::json;
+
+    #[test]
+    fn the_source_is_unhealthy_while_files_do_not_parse_the_upstream_is_down_or_collections_are_overdue() {
+        let files = UpstreamStatus {
+            mode: "files",
+            connected: true,
+            broken_files: 2,
+            last_error: Some("a.yaml:3: bad; b.yaml:0: cannot read".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            source_problems(&files, &json!([])),
+            ["SOURCE: 2 files do not parse, serving their last good state: a.yaml:3: bad; b.yaml:0: cannot read"]
+        );
+        let unread = UpstreamStatus {
+            broken_files: 1,
+            last_error: Some("nothing served until every file parses: a.yaml:3: bad".into()),
+            ..files.clone()
+        };
+        assert_eq!(
+            source_problems(&unread, &json!([])),
+            ["SOURCE: 1 file does not parse, nothing is served until every file parses: a.yaml:3: bad"]
+        );
+        let healthy = UpstreamStatus {
+            broken_files: 0,
+            last_error: None,
+            ..files
+        };
+        assert!(source_problems(&healthy, &json!([])).is_empty());
+        let down = UpstreamStatus {
+            mode: "client",
+            address: "http://127.0.0.1:9901".into(),
+            connected: false,
+            last_error: Some("cannot connect".into()),
+            ..Default::default()
+        };
+        let problems = source_problems(&down, &json!([{"collection": "c/one"}]));
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(
+            problems[0].starts_with("SOURCE: the upstream http://127.0.0.1:9901 is disconnected")
+                && problems[0].ends_with("serving its last state: cannot connect"),
+            "{problems:?}"
+        );
+        assert!(
+            problems[1].starts_with("SOURCE: c/one asked for by clients"),
+            "{problems:?}"
+        );
+    }
 }

@@ -554,6 +554,7 @@ async fn syncz(
             Err(message) => return (StatusCode::BAD_REQUEST, format!("{message}\n")).into_response(),
         };
         let mut body = String::from(NAVIGATION);
+        index::problems_html(&index::source_problems(&state), &mut body);
         if let Some(reason) = state.not_ready() {
             body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
         }
@@ -579,6 +580,8 @@ async fn syncz(
         Ok(mut value) => {
             value["rollout"] = syncz::rollouts(&state.rollout, &filter);
             value["not_delivered"] = not_delivered(&state);
+            // The source's health (files that do not parse, ...): `status` exits 1 on it.
+            value["source"] = syncz::source_json(&index::source_problems(&state));
             // Why the gateway is not ready, if it is not (what /readyz says).
             value["not_ready"] = json!(state.not_ready());
             Json(value).into_response()

@@ -294,6 +294,59 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
     })
 }
 
+/// What is wrong with the source while clients are still served from its
+/// last good state (so `/readyz` stays ready and gRPC health SERVING): files
+/// that do not parse, an upstream that is disconnected, collections clients
+/// asked for that the source did not deliver (`not_delivered`). One line
+/// each, `SOURCE: …`; none when the source is healthy. The index, `status`
+/// and `/debug/syncz` lead with them.
+pub fn source_problems(upstream: &crate::source::UpstreamStatus, not_delivered: &Value) -> Vec<String> {
+    let mut problems = Vec::new();
+    let error = upstream.last_error.as_deref().unwrap_or("no error recorded");
+    if upstream.broken_files > 0 {
+        let files = match upstream.broken_files {
+            1 => "1 file does not parse".to_owned(),
+            n => format!("{n} files do not parse"),
+        };
+        // Before anything was published the error already says so.
+        match error.strip_prefix("nothing served until every file parses: ") {
+            Some(errors) => problems.push(format!(
+                "SOURCE: {files}, nothing is served until every file parses: {errors}"
+            )),
+            None => problems.push(format!("SOURCE: {files}, serving their last good state: {error}")),
+        }
+    }
+    if matches!(upstream.mode, "client" | "sink") && !upstream.connected {
+        let since = upstream
+            .since
+            .map(|t| format!(" since {}", humantime::format_rfc3339_seconds(t)))
+            .unwrap_or_default();
+        problems.push(format!(
+            "SOURCE: the upstream {} is disconnected{since}, serving its last state: {error}",
+            upstream.address
+        ));
+    }
+    let overdue: Vec<&str> = not_delivered
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["collection"].as_str())
+        .collect();
+    if !overdue.is_empty() {
+        problems.push(format!(
+            "SOURCE: {} asked for by clients, neither delivered nor refused by the source within --demand-timeout \
+             (clients that wait for every type were answered empty)",
+            overdue.join(", ")
+        ));
+    }
+    problems
+}
+
+/// `source_problems` as `/debug/syncz` and the index's JSON carry them.
+pub fn source_json(problems: &[String]) -> Value {
+    json!({"healthy": problems.is_empty(), "problems": problems})
+}
+
 // === HTML ===
 
 /// `rows`, the ones that need an operator first (NACKED, STALE, SENT, NOT

@@ -953,7 +953,7 @@ impl LocalSource {
 }
 
 /// What one file parses to.
-type ParsedFile = Result<Vec<Parsed>, ParseError>;
+pub type ParsedFile = Result<Vec<Parsed>, ParseError>;
 
 /// Every YAML file's path and what it parses to (an unreadable file is a
 /// parse error at line 0). Blocking: run on the blocking pool.
@@ -995,6 +995,32 @@ fn read_all(
             (path, parsed)
         })
         .collect())
+}
+
+/// What `mcp-xds-gateway check` reads: a directory as `--source-dir` reads
+/// it, or one file, each YAML file with what it parses to, by the same
+/// reader and parser as the local source (the same limits). A path that is
+/// not there is an `Err`. Blocking.
+pub fn read_path(
+    path: &Path,
+    table: &CollectionTable,
+    max_file_bytes: usize,
+) -> std::io::Result<Vec<(String, ParsedFile)>> {
+    // Only a path that is not there at all is refused: a link loop or a
+    // FIFO given by name is the file's error, as in a directory.
+    std::fs::symlink_metadata(path)?;
+    if path.is_dir() {
+        return read_all(&SourceDir::Dir(path.to_owned()), table, max_file_bytes);
+    }
+    let shown = path.display().to_string();
+    let parsed = read_text(path, max_file_bytes)
+        .map_err(|reason| ParseError {
+            path: shown.clone(),
+            line: 0,
+            reason,
+        })
+        .and_then(|text| parse(&shown, &text, table));
+    Ok(vec![(shown, parsed)])
 }
 
 /// A source file's text: a regular file (links are followed: Kubernetes

@@ -1,8 +1,10 @@
-//! `mcp-xds-gateway client`: a legacy client of `AggregatedMeshConfigService`
-//! for operators. It subscribes to type URLs, ACKs every response like a real
-//! client, and prints each update (a line, the names, or the resources with
-//! their bodies as JSON or YAML); `--once` exits after the first complete set
-//! of every type. Without `--once` it follows a rollout: when the gateway ends
+//! `mcp-xds-gateway client`: a client for operators, of the legacy MCP
+//! services (`--protocol mcp`) or of Envoy's v3 ADS as Envoy or istiod ask
+//! (`xds-sotw`, `xds-delta`, by name with `--names`). It subscribes to type
+//! URLs, ACKs every response like a real client, and prints each update (a
+//! line, the names, or the resources with their bodies read back as JSON or
+//! YAML); `--once` exits after the first complete set of every type, once
+//! the gateway has read its ACKs. Without `--once` it follows a rollout: when the gateway ends
 //! the stream (GOAWAY as it recycles connections, a restart, the network), it
 //! says so on stderr and reconnects with backoff, an incremental stream
 //! resuming from what it holds (`initial_resource_versions`).
@@ -19,7 +21,11 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::Channel;
 
 use crate::proto::aggregated_mesh_config_service_client::AggregatedMeshConfigServiceClient;
+use crate::proto::envoy::config::core::v3::Node;
+use crate::proto::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use crate::proto::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
 use crate::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, Resource, SinkNode};
+use crate::source::proto_json::BodyDecoder;
 use crate::transport::connect::Dial;
 use crate::transport::tls::ClientTlsFiles;
 
@@ -27,6 +33,24 @@ use crate::transport::tls::ClientTlsFiles;
 pub enum Show {
     /// Each resource's name, version and body type URL under its update line.
     Resources,
+    /// The same, each with its body read back (JSON, sensitive fields
+    /// redacted) on the line under it.
+    Bodies,
+}
+
+/// Which service the client speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum Protocol {
+    /// Istio's legacy MCP: StreamAggregatedResources, or with --incremental
+    /// IncrementalAggregatedResources.
+    #[default]
+    Mcp,
+    /// Envoy's v3 ADS, state of the world, as Envoy and istiod 1.8+ ask
+    /// (type URLs such as type.googleapis.com/envoy.config.cluster.v3.Cluster,
+    /// or istiod's GVKs such as networking.istio.io/v1/VirtualService).
+    XdsSotw,
+    /// Envoy's v3 ADS, delta (incremental) xDS, one stream for every type.
+    XdsDelta,
 }
 
 /// What each update prints.
@@ -61,7 +85,18 @@ pub struct ClientArgs {
     #[arg(long)]
     pub incremental: bool,
 
-    /// Exit after the first response of every type (non-zero on error or timeout).
+    /// The service to speak: mcp (Istio's legacy MCP), xds-sotw or xds-delta
+    /// (Envoy's v3 ADS, as Envoy or istiod ask).
+    #[arg(long, value_enum, default_value_t = Protocol::Mcp)]
+    pub protocol: Protocol,
+
+    /// With an xds protocol: subscribe to these resource names only (of
+    /// every type), as Envoy asks for routes, endpoints and secrets.
+    #[arg(long, value_name = "A,B,...", value_delimiter = ',')]
+    pub names: Vec<String>,
+
+    /// Exit after the first response of every type, once the gateway has read
+    /// the ACKs (non-zero on error or timeout).
     #[arg(long)]
     pub once: bool,
 
@@ -128,6 +163,9 @@ enum Event {
         type_url: String,
         error: String,
     },
+    /// With `--once`: a stream's ACKs were written and the gateway read them
+    /// (it ended the stream after the request stream's end).
+    Acked,
     /// The stream ended; it is opened again after `delay`.
     Reconnecting {
         type_url: String,
@@ -173,30 +211,70 @@ fn ended(status: Option<&tonic::Status>) -> (String, bool) {
 
 /// Runs the client; the output goes to `out`.
 pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Result<()> {
-    let bodies = crate::source::proto_json::BodyDecoder::new(args.descriptors.as_deref())
-        .map_err(|e| anyhow::anyhow!("--descriptors: {e}"))?;
+    if args.protocol != Protocol::Mcp && args.incremental {
+        bail!("--incremental is for --protocol mcp; xds-delta is Envoy's incremental xDS");
+    }
+    if args.protocol == Protocol::Mcp && !args.names.is_empty() {
+        bail!("--names needs --protocol xds-sotw or xds-delta: the legacy MCP services have no resource names");
+    }
+    let bodies = std::sync::Arc::new(
+        BodyDecoder::new(args.descriptors.as_deref()).map_err(|e| anyhow::anyhow!("--descriptors: {e}"))?,
+    );
     let (dial, channel) = connect(&args).await?;
     let node = SinkNode {
         id: args.node_id.clone(),
         annotations: Default::default(),
     };
     let (events_tx, mut events) = mpsc::unbounded_channel();
-    if args.incremental {
-        // One connection, then one each per stream.
-        let mut first = Some(channel);
-        for type_url in &args.type_urls {
-            let dialer = std::sync::Arc::new(Dialer {
-                dial: dial.clone(),
-                first: std::sync::Mutex::new(first.take()),
-            });
-            tokio::spawn(incremental(dialer, node.clone(), type_url.clone(), events_tx.clone()));
+    let once = args.once;
+    // The streams whose ACKs `--once` waits to see read.
+    let mut streams = 1;
+    let dialer = |first: Option<Channel>| {
+        std::sync::Arc::new(Dialer {
+            dial: dial.clone(),
+            first: std::sync::Mutex::new(first),
+        })
+    };
+    match args.protocol {
+        Protocol::Mcp if args.incremental => {
+            // One connection, then one each per stream.
+            let mut first = Some(channel);
+            streams = args.type_urls.len();
+            for type_url in &args.type_urls {
+                let dialer = dialer(first.take());
+                tokio::spawn(incremental(
+                    dialer,
+                    node.clone(),
+                    type_url.clone(),
+                    once,
+                    events_tx.clone(),
+                ));
+            }
         }
-    } else {
-        let dialer = std::sync::Arc::new(Dialer {
-            dial,
-            first: std::sync::Mutex::new(Some(channel)),
-        });
-        tokio::spawn(sotw(dialer, node, args.type_urls.clone(), events_tx.clone()));
+        Protocol::Mcp => {
+            tokio::spawn(sotw(
+                dialer(Some(channel)),
+                node,
+                args.type_urls.clone(),
+                once,
+                events_tx.clone(),
+            ));
+        }
+        Protocol::XdsSotw | Protocol::XdsDelta => {
+            let subscription = Xds {
+                dialer: dialer(Some(channel)),
+                node: Node {
+                    id: args.node_id.clone(),
+                    ..Default::default()
+                },
+                type_urls: args.type_urls.clone(),
+                names: args.names.clone(),
+                delta: args.protocol == Protocol::XdsDelta,
+                once,
+                bodies: bodies.clone(),
+            };
+            tokio::spawn(xds(subscription, events_tx.clone()));
+        }
     }
     drop(events_tx);
 
@@ -208,6 +286,9 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
         let event = tokio::select! {
             event = events.recv() => event,
             _ = &mut deadline => {
+                if waiting.is_empty() {
+                    bail!("every type arrived, but the gateway did not end the stream after reading the ACKs within --timeout {:?}", args.timeout);
+                }
                 let mut missing: Vec<&str> = waiting.into_iter().collect();
                 missing.sort_unstable();
                 bail!("no response within --timeout {:?} for: {}", args.timeout, missing.join(", "));
@@ -222,19 +303,22 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
                     humantime::format_duration(round_ms(delay))
                 );
             }
+            Some(Event::Acked) => {
+                streams -= 1;
+                if streams == 0 {
+                    return Ok(());
+                }
+            }
             Some(Event::Update(update)) => {
                 let state = held.entry(update.type_url.clone()).or_default();
                 // JSON and YAML stay machine-readable: no update line.
                 if matches!(args.output, Output::Json | Output::Yaml) {
-                    print_update(&mut std::io::sink(), state, &update, args.show)?;
+                    print_update(&mut std::io::sink(), state, &update, args.show, &bodies)?;
                 } else {
-                    print_update(out, state, &update, args.show)?;
+                    print_update(out, state, &update, args.show, &bodies)?;
                 }
                 print_resources(out, &update, args.output, &bodies)?;
                 waiting.remove(update.type_url.as_str());
-                if args.once && waiting.is_empty() {
-                    return Ok(());
-                }
             }
         }
     }
@@ -279,16 +363,20 @@ struct Dialer {
 }
 
 impl Dialer {
-    /// A client of the service on the next connection.
-    async fn client(&self) -> Result<AggregatedMeshConfigServiceClient<Channel>, tonic::Status> {
+    /// The next connection.
+    async fn channel(&self) -> Result<Channel, tonic::Status> {
         let first = self.first.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let channel = match first {
-            Some(first) => first,
+        match first {
+            Some(first) => Ok(first),
             None => crate::transport::connect::connect(&self.dial)
                 .await
-                .map_err(|e| tonic::Status::unavailable(e.to_string()))?,
-        };
-        Ok(AggregatedMeshConfigServiceClient::new(channel).max_decoding_message_size(usize::MAX))
+                .map_err(|e| tonic::Status::unavailable(e.to_string())),
+        }
+    }
+
+    /// A client of the legacy MCP service on the next connection.
+    async fn client(&self) -> Result<AggregatedMeshConfigServiceClient<Channel>, tonic::Status> {
+        Ok(AggregatedMeshConfigServiceClient::new(self.channel().await?).max_decoding_message_size(usize::MAX))
     }
 }
 
@@ -345,14 +433,66 @@ async fn sotw(
     dialer: std::sync::Arc<Dialer>,
     node: SinkNode,
     type_urls: Vec<String>,
+    once: bool,
     events: mpsc::UnboundedSender<Event>,
 ) {
     let label = type_urls.join(",");
     let stream_events = events.clone();
     keep_open(label, events, move || {
-        sotw_once(dialer.clone(), node.clone(), type_urls.clone(), stream_events.clone())
+        sotw_once(
+            dialer.clone(),
+            node.clone(),
+            type_urls.clone(),
+            once,
+            stream_events.clone(),
+        )
     })
     .await
+}
+
+/// With `--once`: the types a stream still waits for a first response of.
+/// Once each was ACKed the request stream ends; the gateway reads the ACKs
+/// before that end, and then ends the stream, so the client exits only
+/// after the gateway has read them.
+struct FirstResponses(Option<HashSet<String>>);
+
+impl FirstResponses {
+    fn new(once: bool, type_urls: &[String]) -> Self {
+        Self(once.then(|| type_urls.iter().cloned().collect()))
+    }
+
+    /// Records that a response of `type_url` was ACKed: true when it was the
+    /// last awaited (the request stream is to end now).
+    fn acked(&mut self, type_url: &str) -> bool {
+        match &mut self.0 {
+            Some(waiting) if !waiting.is_empty() => {
+                waiting.remove(type_url);
+                waiting.is_empty()
+            }
+            _ => false,
+        }
+    }
+
+    /// The request stream was ended by `acked`.
+    fn done(&self) -> bool {
+        self.0.as_ref().is_some_and(HashSet::is_empty)
+    }
+}
+
+/// How a stream ended: with `--once` after its ACKs were read, the client
+/// is done (`Acked`), and the task waits for the process to end rather than
+/// open the stream again; otherwise as it ended.
+async fn stream_ended(
+    firsts: &FirstResponses,
+    delivered: bool,
+    status: Option<tonic::Status>,
+    events: &mpsc::UnboundedSender<Event>,
+) -> (bool, Option<tonic::Status>) {
+    if firsts.done() && status.is_none() {
+        let _ = events.send(Event::Acked);
+        std::future::pending::<()>().await;
+    }
+    (delivered, status)
 }
 
 /// One stream: whether it delivered a response, and the status it ended with
@@ -361,6 +501,7 @@ async fn sotw_once(
     dialer: std::sync::Arc<Dialer>,
     node: SinkNode,
     type_urls: Vec<String>,
+    once: bool,
     events: mpsc::UnboundedSender<Event>,
 ) -> (bool, Option<tonic::Status>) {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -383,18 +524,25 @@ async fn sotw_once(
         Err(status) => return (false, Some(status)),
     };
     let mut delivered = false;
+    let mut tx = Some(tx);
+    let mut firsts = FirstResponses::new(once, &type_urls);
     loop {
         match stream.message().await {
             Ok(Some(response)) => {
                 delivered = true;
                 // ACK like a real client: the version and nonce just received.
-                let _ = tx.send(MeshConfigRequest {
-                    version_info: response.version_info.clone(),
-                    sink_node: Some(node.clone()),
-                    type_url: response.type_url.clone(),
-                    response_nonce: response.nonce.clone(),
-                    error_detail: None,
-                });
+                if let Some(tx) = &tx {
+                    let _ = tx.send(MeshConfigRequest {
+                        version_info: response.version_info.clone(),
+                        sink_node: Some(node.clone()),
+                        type_url: response.type_url.clone(),
+                        response_nonce: response.nonce.clone(),
+                        error_detail: None,
+                    });
+                }
+                if firsts.acked(&response.type_url) {
+                    tx = None;
+                }
                 let update = Update {
                     type_url: response.type_url,
                     version: response.version_info,
@@ -407,7 +555,7 @@ async fn sotw_once(
                     return (delivered, None);
                 }
             }
-            Ok(None) => return (delivered, None),
+            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
             Err(status) => return (delivered, Some(status)),
         }
     }
@@ -419,6 +567,7 @@ async fn incremental(
     dialer: std::sync::Arc<Dialer>,
     node: SinkNode,
     type_url: String,
+    once: bool,
     events: mpsc::UnboundedSender<Event>,
 ) {
     let held = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::<String, String>::new()));
@@ -430,6 +579,7 @@ async fn incremental(
             node.clone(),
             type_url.clone(),
             held.clone(),
+            once,
             stream_events.clone(),
         )
     })
@@ -441,6 +591,7 @@ async fn incremental_once(
     node: SinkNode,
     type_url: String,
     held: std::sync::Arc<std::sync::Mutex<BTreeMap<String, String>>>,
+    once: bool,
     events: mpsc::UnboundedSender<Event>,
 ) -> (bool, Option<tonic::Status>) {
     let (tx, rx) = mpsc::unbounded_channel();
@@ -472,16 +623,23 @@ async fn incremental_once(
         eprintln!("{type_url}: reconnected, resuming with the {resuming} resources held (initial_resource_versions)");
     }
     let mut delivered = false;
+    let mut tx = Some(tx);
+    let mut firsts = FirstResponses::new(once, std::slice::from_ref(&type_url));
     loop {
         match stream.message().await {
             Ok(Some(response)) => {
                 delivered = true;
-                let _ = tx.send(IncrementalMeshConfigRequest {
-                    sink_node: Some(node.clone()),
-                    type_url: type_url.clone(),
-                    response_nonce: response.nonce.clone(),
-                    ..Default::default()
-                });
+                if let Some(tx) = &tx {
+                    let _ = tx.send(IncrementalMeshConfigRequest {
+                        sink_node: Some(node.clone()),
+                        type_url: type_url.clone(),
+                        response_nonce: response.nonce.clone(),
+                        ..Default::default()
+                    });
+                }
+                if firsts.acked(&type_url) {
+                    tx = None;
+                }
                 let resources = summary(&response.resources);
                 {
                     let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
@@ -504,19 +662,209 @@ async fn incremental_once(
                     return (delivered, None);
                 }
             }
-            Ok(None) => return (delivered, None),
+            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
+            Err(status) => return (delivered, Some(status)),
+        }
+    }
+}
+
+// === Envoy's v3 ADS ===
+
+/// What MCP over xDS carries in each `Any` (istiod's form).
+const MCP_RESOURCE: &str = "type.googleapis.com/istio.mcp.v1alpha1.Resource";
+
+/// An ADS subscription, as Envoy or istiod make it.
+struct Xds {
+    dialer: std::sync::Arc<Dialer>,
+    node: Node,
+    type_urls: Vec<String>,
+    /// Named subscriptions (of every type); empty: wildcard.
+    names: Vec<String>,
+    delta: bool,
+    once: bool,
+    /// Reads a state-of-the-world resource's name from its body.
+    bodies: std::sync::Arc<BodyDecoder>,
+}
+
+/// One ADS stream for every type, opened again until the client stops
+/// (a delta stream asks again with nothing held: it prints full state).
+async fn xds(xds: Xds, events: mpsc::UnboundedSender<Event>) {
+    let label = xds.type_urls.join(",");
+    let xds = std::sync::Arc::new(xds);
+    let stream_events = events.clone();
+    keep_open(label, events, move || {
+        let (xds, events) = (xds.clone(), stream_events.clone());
+        async move {
+            if xds.delta {
+                xds_delta_once(&xds, events).await
+            } else {
+                xds_sotw_once(&xds, events).await
+            }
+        }
+    })
+    .await
+}
+
+/// An xDS resource as the printer reads it: MCP over xDS carries an
+/// `istio.mcp.v1alpha1.Resource` whole; plain xDS the body itself, named by
+/// delta's `Resource` or, in state of the world, by its own `name` (a load
+/// assignment's `cluster_name`), as Envoy names it.
+fn xds_resource(any: prost_types::Any, name: Option<String>, version: String, bodies: &BodyDecoder) -> Resource {
+    if any.type_url == MCP_RESOURCE {
+        if let Ok(resource) = <Resource as prost::Message>::decode(&*any.value) {
+            return resource;
+        }
+    }
+    let name = name.unwrap_or_else(|| {
+        let body = bodies.decode(&any.type_url, &any.value).unwrap_or_default();
+        ["name", "clusterName"]
+            .iter()
+            .find_map(|k| body[*k].as_str().map(str::to_owned))
+            .unwrap_or_default()
+    });
+    Resource {
+        metadata: Some(crate::proto::Metadata {
+            name,
+            version,
+            ..Default::default()
+        }),
+        body: Some(any),
+    }
+}
+
+async fn xds_client(xds: &Xds) -> Result<AggregatedDiscoveryServiceClient<Channel>, tonic::Status> {
+    Ok(AggregatedDiscoveryServiceClient::new(xds.dialer.channel().await?).max_decoding_message_size(usize::MAX))
+}
+
+/// One state-of-the-world ADS stream: each type asked for (by name with
+/// `--names`), each response ACKed with its version and nonce, as Envoy
+/// does.
+async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool, Option<tonic::Status>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let request = |type_url: &str, version: &str, nonce: &str| DiscoveryRequest {
+        version_info: version.to_owned(),
+        node: Some(xds.node.clone()),
+        resource_names: xds.names.clone(),
+        type_url: type_url.to_owned(),
+        response_nonce: nonce.to_owned(),
+        ..Default::default()
+    };
+    for type_url in &xds.type_urls {
+        let _ = tx.send(request(type_url, "", ""));
+    }
+    let mut client = match xds_client(xds).await {
+        Ok(client) => client,
+        Err(status) => return (false, Some(status)),
+    };
+    let mut stream = match client
+        .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
+        .await
+    {
+        Ok(response) => response.into_inner(),
+        Err(status) => return (false, Some(status)),
+    };
+    let (mut delivered, mut tx) = (false, Some(tx));
+    let mut firsts = FirstResponses::new(xds.once, &xds.type_urls);
+    loop {
+        match stream.message().await {
+            Ok(Some(response)) => {
+                delivered = true;
+                if let Some(tx) = &tx {
+                    let _ = tx.send(request(&response.type_url, &response.version_info, &response.nonce));
+                }
+                if firsts.acked(&response.type_url) {
+                    tx = None;
+                }
+                let raw: Vec<Resource> = response
+                    .resources
+                    .into_iter()
+                    .map(|any| xds_resource(any, None, String::new(), &xds.bodies))
+                    .collect();
+                let update = Update {
+                    type_url: response.type_url,
+                    version: response.version_info,
+                    resources: summary(&raw),
+                    raw,
+                    removed: Vec::new(),
+                    full: true,
+                };
+                if events.send(Event::Update(update)).is_err() {
+                    return (delivered, None);
+                }
+            }
+            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
+            Err(status) => return (delivered, Some(status)),
+        }
+    }
+}
+
+/// One delta ADS stream: each type subscribed (to `--names`, or wildcard),
+/// each response ACKed with its nonce, as Envoy does.
+async fn xds_delta_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool, Option<tonic::Status>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    for type_url in &xds.type_urls {
+        let _ = tx.send(DeltaDiscoveryRequest {
+            node: Some(xds.node.clone()),
+            type_url: type_url.clone(),
+            resource_names_subscribe: xds.names.clone(),
+            ..Default::default()
+        });
+    }
+    let mut client = match xds_client(xds).await {
+        Ok(client) => client,
+        Err(status) => return (false, Some(status)),
+    };
+    let mut stream = match client
+        .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
+        .await
+    {
+        Ok(response) => response.into_inner(),
+        Err(status) => return (false, Some(status)),
+    };
+    let (mut delivered, mut tx) = (false, Some(tx));
+    let mut firsts = FirstResponses::new(xds.once, &xds.type_urls);
+    loop {
+        match stream.message().await {
+            Ok(Some(response)) => {
+                delivered = true;
+                if let Some(tx) = &tx {
+                    let _ = tx.send(DeltaDiscoveryRequest {
+                        type_url: response.type_url.clone(),
+                        response_nonce: response.nonce.clone(),
+                        ..Default::default()
+                    });
+                }
+                if firsts.acked(&response.type_url) {
+                    tx = None;
+                }
+                let raw: Vec<Resource> = response
+                    .resources
+                    .into_iter()
+                    .map(|r| {
+                        let any = r.resource.unwrap_or_default();
+                        xds_resource(any, Some(r.name), r.version, &xds.bodies)
+                    })
+                    .collect();
+                let update = Update {
+                    type_url: response.type_url,
+                    version: response.system_version_info,
+                    resources: summary(&raw),
+                    raw,
+                    removed: response.removed_resources,
+                    full: false,
+                };
+                if events.send(Event::Update(update)).is_err() {
+                    return (delivered, None);
+                }
+            }
+            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
             Err(status) => return (delivered, Some(status)),
         }
     }
 }
 
 /// `--output names|json|yaml`: what follows the update line.
-fn print_resources(
-    out: &mut impl Write,
-    update: &Update,
-    output: Output,
-    bodies: &crate::source::proto_json::BodyDecoder,
-) -> std::io::Result<()> {
+fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies: &BodyDecoder) -> std::io::Result<()> {
     match output {
         Output::Summary => Ok(()),
         Output::Names => {
@@ -570,6 +918,7 @@ fn print_update(
     held: &mut BTreeMap<String, String>,
     update: &Update,
     show: Option<Show>,
+    bodies: &BodyDecoder,
 ) -> std::io::Result<()> {
     let (mut added, mut changed, mut removed) = (0, 0, 0);
     let mut next = if update.full { BTreeMap::new() } else { held.clone() };
@@ -598,9 +947,16 @@ fn print_update(
         update.version,
         held.len()
     )?;
-    if show == Some(Show::Resources) {
-        for (name, version, body_type_url) in &update.resources {
+    if show.is_some() {
+        for (i, (name, version, body_type_url)) in update.resources.iter().enumerate() {
             writeln!(out, "  {name} version={version} body={body_type_url}")?;
+            if show == Some(Show::Bodies) {
+                let body = update.raw.get(i).and_then(|r| r.body.clone()).unwrap_or_default();
+                let read = bodies
+                    .decode(&body.type_url, &body.value)
+                    .unwrap_or_else(|why| serde_json::json!({"bytes": body.value.len(), "not_decoded": why}));
+                writeln!(out, "    {read}")?;
+            }
         }
         if !update.full {
             for name in &update.removed {
@@ -631,7 +987,7 @@ mod tests {
 
     fn line(held: &mut BTreeMap<String, String>, update: &Update) -> String {
         let mut out = Vec::new();
-        print_update(&mut out, held, update, None).unwrap();
+        print_update(&mut out, held, update, None, &BodyDecoder::new(None).unwrap()).unwrap();
         String::from_utf8(out).unwrap()
     }
 

@@ -8,7 +8,9 @@ use clap::{Args as ClapArgs, Subcommand};
 use hyper::Method;
 use serde_json::Value;
 
-use super::status::{authority, call, encode, rollout_lines, short_version};
+use super::status::{
+    authority, call, encode, read_admin, render_table, rollout_lines, short_version, syncz_path, verdict, StatusOutput,
+};
 
 /// Flags of `mcp-xds-gateway rollout`.
 #[derive(Debug, ClapArgs)]
@@ -30,8 +32,17 @@ pub struct RolloutArgs {
 #[derive(Debug, Subcommand)]
 pub enum Action {
     /// Each collection's rollout (PINNED, HELD, WAITING, CANARY, SERVING),
-    /// or one collection's.
-    Status { collection: Option<String> },
+    /// or one collection's. Exit 0 when no collection is HELD, every client
+    /// (of COLLECTION) is SYNCED and the source is healthy; 1 when not; 2
+    /// when the admin port cannot be read.
+    Status {
+        collection: Option<String>,
+        /// table: a line per collection; wide: and every client stream's
+        /// type with its sent, ACKed and current versions; json or yaml:
+        /// {rollout, source, rows} as the admin port has them.
+        #[arg(long, short = 'o', value_enum, default_value_t = StatusOutput::Table)]
+        output: StatusOutput,
+    },
     /// A collection's versions, newest first.
     History { collection: String },
     /// What changed between two versions of a collection: names, and with
@@ -66,35 +77,12 @@ fn path_of(collection: &str) -> String {
     encode(collection.trim_matches('/'))
 }
 
-pub async fn run(args: RolloutArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+/// Runs the action; its exit code (`rollout status`: 1 when a collection is
+/// HELD, a client is not SYNCED or the source is unhealthy).
+pub async fn run(args: RolloutArgs, out: &mut impl std::io::Write) -> anyhow::Result<u8> {
     let admin = authority(&args.admin)?;
     let text = match args.action {
-        Action::Status { collection: None } => {
-            let all = call(&admin, Method::GET, "/debug/rollout").await?;
-            let mut text = String::new();
-            let policy = &all["canaries"];
-            match policy["selectors"].as_u64().unwrap_or(0) {
-                0 => text.push_str("no --canary selectors: every client gets each version at once\n"),
-                n => {
-                    let _ = writeln!(
-                        text,
-                        "{n} --canary selectors; with no canary connected: {}; soak {}s",
-                        policy["when_none"].as_str().unwrap_or("-"),
-                        policy["soak_seconds"].as_f64().unwrap_or(0.0)
-                    );
-                }
-            }
-            for line in rollout_lines(&all["collections"]) {
-                let _ = writeln!(text, "{line}");
-            }
-            text
-        }
-        Action::Status {
-            collection: Some(collection),
-        } => {
-            let one = call(&admin, Method::GET, &format!("/debug/rollout/{}", path_of(&collection))).await?;
-            lines(rollout_lines(&Value::Array(vec![one])))
-        }
+        Action::Status { collection, output } => return status(&admin, collection.as_deref(), output, out).await,
         Action::History { collection } => {
             let history = call(&admin, Method::GET, &format!("/debug/history/{}", path_of(&collection))).await?;
             history_table(&history)
@@ -140,7 +128,83 @@ pub async fn run(args: RolloutArgs, out: &mut impl std::io::Write) -> anyhow::Re
         }
     };
     out.write_all(text.as_bytes())?;
-    Ok(())
+    Ok(0)
+}
+
+/// `rollout status`: the rollout of every collection (or one), the source's
+/// health and the clients' sync status, from the admin port.
+async fn status(
+    admin: &str,
+    collection: Option<&str>,
+    output: StatusOutput,
+    out: &mut impl std::io::Write,
+) -> anyhow::Result<u8> {
+    // Read first: every gateway's admin port serves it, so a failure here
+    // is the wrong port (exit 2), and a 404 below an unknown collection.
+    let syncz = read_admin(admin, &syncz_path(collection, None, None)).await?;
+    let rollout = match collection {
+        None => call(admin, Method::GET, "/debug/rollout").await?,
+        Some(collection) => call(admin, Method::GET, &format!("/debug/rollout/{}", path_of(collection))).await?,
+    };
+    let collections = match collection {
+        None => rollout["collections"].clone(),
+        Some(_) => Value::Array(vec![rollout.clone()]),
+    };
+    let mut why = verdict(&syncz);
+    for held in collections
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["state"] == "HELD")
+    {
+        why.insert(
+            0,
+            format!(
+                "HELD {}: a canary NACKed {}",
+                held["collection"].as_str().unwrap_or_default(),
+                short_version(&held["held"]["version"])
+            ),
+        );
+    }
+    let document = serde_json::json!({"rollout": rollout, "source": syncz["source"], "rows": syncz["rows"]});
+    match output {
+        StatusOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(&document)?)?,
+        StatusOutput::Yaml => out.write_all(serde_norway::to_string(&document)?.as_bytes())?,
+        StatusOutput::Table | StatusOutput::Wide => {
+            // The first lines say why the exit is 1.
+            let mut text = lines(why.clone());
+            if collection.is_none() {
+                text.push_str(&policy_line(&rollout["canaries"]));
+            }
+            text.push_str(&lines(rollout_lines(&collections)));
+            if output == StatusOutput::Wide {
+                // The table without its own SOURCE lines: they are above.
+                let mut clients = syncz.clone();
+                clients["source"] = Value::Null;
+                text.push('\n');
+                text.push_str(&render_table(&clients, true));
+            }
+            out.write_all(text.as_bytes())?;
+        }
+    }
+    if matches!(output, StatusOutput::Json | StatusOutput::Yaml) {
+        for line in &why {
+            eprintln!("{line}");
+        }
+    }
+    Ok(u8::from(!why.is_empty()))
+}
+
+/// The canary policy, in one line.
+fn policy_line(policy: &Value) -> String {
+    match policy["selectors"].as_u64().unwrap_or(0) {
+        0 => "no --canary selectors: every client gets each version at once\n".to_owned(),
+        n => format!(
+            "{n} --canary selectors; with no canary connected: {}; soak {}s\n",
+            policy["when_none"].as_str().unwrap_or("-"),
+            policy["soak_seconds"].as_f64().unwrap_or(0.0)
+        ),
+    }
 }
 
 fn lines(lines: Vec<String>) -> String {

@@ -1,13 +1,15 @@
 //! `mcp-xds-gateway status`: every client's sync status as a terminal table,
 //! the way `istioctl proxy-status` shows proxies: one line per client
-//! stream, a column per collection. It reads the admin port's
-//! `/debug/syncz`.
+//! stream, a column per collection (`-o wide`: a line per stream and type,
+//! with its versions), or `/debug/syncz` as JSON or YAML. It reads the admin
+//! port's `/debug/syncz`, and exits 0 only when every client shown is
+//! SYNCED and the source is healthy, so scripts can act on it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use anyhow::Context;
-use clap::Args as ClapArgs;
+use clap::{Args as ClapArgs, ValueEnum};
 use http_body_util::BodyExt;
 use serde_json::Value;
 
@@ -30,6 +32,64 @@ pub struct StatusArgs {
     /// Only clients whose node id contains this.
     #[arg(long)]
     pub node: Option<String>,
+
+    /// table: a line per client stream; wide: a line per stream and type,
+    /// with the sent, ACKed and current versions; json or yaml: /debug/syncz.
+    #[arg(long, short = 'o', value_enum, default_value_t = StatusOutput::Table)]
+    pub output: StatusOutput,
+}
+
+/// How `status` and `rollout status` print.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum StatusOutput {
+    /// A line per client stream, a column per collection.
+    #[default]
+    Table,
+    /// A line per client stream and type, with its sent, ACKed and current
+    /// versions (12 hex).
+    Wide,
+    /// The admin port's document as JSON.
+    Json,
+    /// The same as YAML.
+    Yaml,
+}
+
+/// The admin port cannot be read, or is not the gateway's: the tools exit 2
+/// (1 is for what the gateway says).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct AdminUnreadable(pub String);
+
+/// GET `path`, a view every gateway's admin port serves: any failure means
+/// the port is not one, or cannot be read, and says which and what to give.
+pub(crate) async fn read_admin(authority: &str, path: &str) -> Result<Value, AdminUnreadable> {
+    let value = get(authority, path).await.map_err(|e| {
+        let error = format!("{e:#}");
+        let hint = if error.contains("cannot connect") {
+            "is the gateway running, and is --admin its --admin-listen (127.0.0.1:15000 by default)?"
+        } else if error.contains("400 Bad Request") {
+            "the gateway refused the request: check the filter flags"
+        } else if error.contains("404") {
+            "it answers HTTP without the gateway's views: not the gateway's admin port (the monitoring port, \
+             15014 by default, serves only /metrics, /healthz and /readyz); give --admin the --admin-listen \
+             address (127.0.0.1:15000 by default)"
+        } else if ["closed the connection", "handshake", "the admin connection"]
+            .iter()
+            .any(|e| error.contains(e))
+        {
+            "it does not answer HTTP/1.1: not the gateway's admin port (the gRPC port, 15010 by default, speaks \
+             HTTP/2 only); give --admin the --admin-listen address (127.0.0.1:15000 by default)"
+        } else {
+            "give --admin the gateway's --admin-listen address (127.0.0.1:15000 by default)"
+        };
+        AdminUnreadable(format!("cannot read the admin port {authority}: {error}; {hint}"))
+    })?;
+    if !value.is_object() {
+        return Err(AdminUnreadable(format!(
+            "{authority}{path} answered JSON that is not the gateway's: not its admin port"
+        )));
+    }
+    Ok(value)
 }
 
 /// `--admin` checked when the arguments are parsed, so a bad one is a
@@ -106,6 +166,12 @@ pub(crate) async fn call(authority: &str, method: hyper::Method, path: &str) -> 
 
 /// The status table of a `/debug/syncz` view.
 pub fn render(syncz: &Value) -> String {
+    render_table(syncz, false)
+}
+
+/// The status table; `wide`: a line per stream and type, with the versions
+/// sent, ACKed and current (12 hex).
+pub fn render_table(syncz: &Value, wide: bool) -> String {
     let rows = syncz["rows"].as_array().cloned().unwrap_or_default();
     let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
     // Columns: each collection by its last segment (the whole name when two
@@ -180,17 +246,50 @@ pub fn render(syncz: &Value) -> String {
     header.extend(columns.iter().map(|c| c.to_uppercase()));
     let mut order: Vec<u64> = streams.keys().copied().collect();
     order.sort_by_key(|id| (urgency.get(id).copied().unwrap_or(STATUSES.len()), *id));
+    let stream_count = order.len();
+    if wide {
+        header = [
+            "NODE",
+            "PEER",
+            "PROTOCOL",
+            "COLLECTION",
+            "STATUS",
+            "SENT",
+            "ACKED",
+            "CURRENT",
+        ]
+        .map(String::from)
+        .to_vec();
+    }
+    let wide_lines = |id: &u64, head: &Vec<String>| -> Vec<Vec<String>> {
+        rows.iter()
+            .filter(|r| r["stream"].as_u64() == Some(*id))
+            .map(|r| {
+                let mut line = head.clone();
+                line.push(text(&r["collection"]));
+                line.push(text(&r["status"]));
+                line.push(short_version(&r["sent"]["version"]));
+                line.push(short_version(&r["acked"]["version"]));
+                line.push(short_version(&r["current_version"]));
+                line
+            })
+            .collect()
+    };
     let lines: Vec<Vec<String>> = order
         .iter()
-        .filter_map(|id| streams.remove(id))
-        .map(|(head, cells)| {
-            head.into_iter()
+        .filter_map(|id| streams.remove(id).map(|stream| (id, stream)))
+        .flat_map(|(id, (head, cells))| {
+            if wide {
+                return wide_lines(id, &head);
+            }
+            vec![head
+                .into_iter()
                 .chain(
                     columns
                         .iter()
                         .map(|c| cells.get(c).cloned().unwrap_or_else(|| "-".into())),
                 )
-                .collect()
+                .collect()]
         })
         .collect();
     let widths: Vec<usize> = (0..header.len())
@@ -203,6 +302,9 @@ pub fn render(syncz: &Value) -> String {
         })
         .collect();
     let mut out = String::new();
+    for problem in syncz["source"]["problems"].as_array().into_iter().flatten() {
+        let _ = writeln!(out, "{}", problem.as_str().unwrap_or_default());
+    }
     if let Some(why) = syncz["not_ready"].as_str() {
         let _ = writeln!(out, "NOT READY: {why}\n");
     }
@@ -218,7 +320,7 @@ pub fn render(syncz: &Value) -> String {
     let _ = writeln!(
         out,
         "\n{} client streams; their types: {}",
-        lines.len(),
+        stream_count,
         counts.join(", ")
     );
     for (_, nack) in nacks {
@@ -294,25 +396,83 @@ fn human(seconds: f64) -> String {
     humantime::format_duration(std::time::Duration::from_secs(seconds as u64)).to_string()
 }
 
-pub async fn run(args: StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<()> {
-    let authority = authority(&args.admin)?;
-    let mut query = Vec::new();
-    for (key, value) in [
-        ("collection", &args.collection),
-        ("status", &args.status),
-        ("node", &args.node),
-    ] {
-        if let Some(value) = value {
-            query.push(format!("{key}={}", encode(value)));
+/// Why `status` exits 1, a line each: the clients shown that are not
+/// SYNCED, and the source's problems. Empty: exit 0.
+pub fn verdict(syncz: &Value) -> Vec<String> {
+    let rows = syncz["rows"].as_array().cloned().unwrap_or_default();
+    let mut lines = Vec::new();
+    let not_synced: Vec<String> = STATUSES
+        .iter()
+        .filter(|s| **s != "SYNCED")
+        .filter_map(|s| {
+            let n = rows.iter().filter(|r| r["status"] == *s).count();
+            (n > 0).then(|| format!("{n} {s}"))
+        })
+        .collect();
+    if !not_synced.is_empty() {
+        let n = rows.iter().filter(|r| r["status"] != "SYNCED").count();
+        lines.push(format!(
+            "NOT SYNCED: {n} of {} client types ({})",
+            rows.len(),
+            not_synced.join(", ")
+        ));
+    }
+    lines.extend(
+        syncz["source"]["problems"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.as_str().map(str::to_owned)),
+    );
+    lines
+}
+
+/// `/debug/syncz` as `output` asks; the table's first lines say why the exit
+/// is 1 (for JSON and YAML, stderr does).
+pub fn print(syncz: &Value, output: StatusOutput, out: &mut impl std::io::Write) -> anyhow::Result<u8> {
+    let verdict = verdict(syncz);
+    match output {
+        StatusOutput::Table | StatusOutput::Wide => {
+            // The source's problems are the table's own first lines.
+            if let Some(clients) = verdict.first().filter(|l| l.starts_with("NOT SYNCED")) {
+                writeln!(out, "{clients}")?;
+            }
+            out.write_all(render_table(syncz, output == StatusOutput::Wide).as_bytes())?;
+        }
+        StatusOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(syncz)?)?,
+        StatusOutput::Yaml => out.write_all(serde_norway::to_string(syncz)?.as_bytes())?,
+    }
+    if matches!(output, StatusOutput::Json | StatusOutput::Yaml) {
+        for line in &verdict {
+            eprintln!("{line}");
         }
     }
-    let path = match query.is_empty() {
+    Ok(u8::from(!verdict.is_empty()))
+}
+
+/// The query of a `/debug/syncz` filter.
+pub(crate) fn syncz_path(collection: Option<&str>, status: Option<&str>, node: Option<&str>) -> String {
+    let query: Vec<String> = [("collection", collection), ("status", status), ("node", node)]
+        .into_iter()
+        .filter_map(|(key, value)| value.map(|v| format!("{key}={}", encode(v))))
+        .collect();
+    match query.is_empty() {
         true => "/debug/syncz".to_owned(),
         false => format!("/debug/syncz?{}", query.join("&")),
-    };
-    let syncz = get(&authority, &path).await?;
-    out.write_all(render(&syncz).as_bytes())?;
-    Ok(())
+    }
+}
+
+/// Prints the status; `Ok(0)` when every client shown is SYNCED and the
+/// source is healthy, `Ok(1)` otherwise; `AdminUnreadable` (exit 2) when
+/// the admin port cannot be read.
+pub async fn run(args: StatusArgs, out: &mut impl std::io::Write) -> anyhow::Result<u8> {
+    let authority = authority(&args.admin)?;
+    let path = syncz_path(args.collection.as_deref(), args.status.as_deref(), args.node.as_deref());
+    let syncz = read_admin(&authority, &path).await?;
+    if !syncz["rows"].is_array() {
+        return Err(AdminUnreadable(format!("{authority}{path} has no rows: not the gateway's admin port")).into());
+    }
+    print(&syncz, args.output, out)
 }
 
 #[cfg(test)]

@@ -181,3 +181,53 @@ async fn the_status_and_nack_columns_fit_1400_px_with_problems_first() {
     }
     drop((clients, nacking, pending));
 }
+
+/// A file broken while the gateway runs: both pages lead with it, in view
+/// at the top of a 1,400 x 900 window, above every client row.
+#[tokio::test]
+#[cfg_attr(
+    not(peer_chromium),
+    ignore = "needs Chromium: build and run with CHROMIUM_BIN set to its binary (.ci/run installs Debian's chromium)"
+)]
+async fn a_broken_source_file_leads_both_pages_in_view() {
+    let chromium =
+        std::env::var("CHROMIUM_BIN").expect("CHROMIUM_BIN, set when the tests were built, is set when they run");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("networking.yaml");
+    let good = "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata: {name: a, namespace: ns}\n\
+                spec:\n  hosts: [a]\n";
+    std::fs::write(&file, good).unwrap();
+    let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap(), "--collections", VS]).await;
+    let client = synced(&gw, &sidecar("reviews-v1-84c65dcd9b-4zt6q", 10), VS).await;
+    std::fs::write(&file, good.replace("hosts: [a]", "hosts: [a]\n  htp: []")).unwrap();
+    eventually_async("the broken file in /debug/syncz", || async {
+        get_json(gw.admin, "/debug/syncz").await["source"]["healthy"] == false
+    })
+    .await;
+    for path in ["/?positions", "/debug/syncz?positions"] {
+        let url = format!("http://{}{path}", gw.admin);
+        let recorded = positions(&render(&chromium, &url).await);
+        let all = recorded["cells"].as_array().unwrap();
+        let first = all.first().unwrap_or_else(|| panic!("{path}: {recorded}"));
+        assert_eq!(first["col"], "source", "{path}: the source leads: {recorded}");
+        assert!(
+            first["text"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("SOURCE: 1 file does not parse")),
+            "{path}: {first}"
+        );
+        let (left, right, top) = (
+            first["left"].as_f64().unwrap(),
+            first["right"].as_f64().unwrap(),
+            first["top"].as_f64().unwrap(),
+        );
+        assert!(left >= 0.0 && right <= WIDTH && top < 200.0, "{path}: in view: {first}");
+        for cell in cells(&recorded, "status") {
+            assert!(
+                cell["top"].as_f64().unwrap() > top,
+                "{path}: above every client: {cell}"
+            );
+        }
+    }
+    drop(client);
+}

@@ -460,6 +460,7 @@ async fn pins_survive_a_restart_with_cache_dir() {
 #[tokio::test]
 async fn the_rollout_command_reads_and_drives_the_admin_port() {
     use mcp_xds_gateway::tools::rollout::{run, Action, RolloutArgs};
+    use mcp_xds_gateway::tools::status::StatusOutput;
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;
     let v1 = push(
         &mut upstream,
@@ -474,7 +475,7 @@ async fn the_rollout_command_reads_and_drives_the_admin_port() {
         async move {
             let mut out = Vec::new();
             let result = within("the rollout command", run(RolloutArgs { admin, action }, &mut out)).await;
-            result.map(|()| String::from_utf8(out).unwrap())
+            result.map(|_code| String::from_utf8(out).unwrap())
         }
     };
     let history = rollout(Action::History { collection: VS.into() }).await.unwrap();
@@ -512,13 +513,19 @@ async fn the_rollout_command_reads_and_drives_the_admin_port() {
         pinned.starts_with(&format!("PINNED {VS}: every client is served {}", &v1[..12])),
         "{pinned}"
     );
-    let status = rollout(Action::Status { collection: None }).await.unwrap();
+    let status = rollout(Action::Status {
+        collection: None,
+        output: StatusOutput::Table,
+    })
+    .await
+    .unwrap();
     assert!(
         status.contains("no --canary selectors") && status.contains(&format!("PINNED {VS}")),
         "{status}"
     );
     let one = rollout(Action::Status {
         collection: Some(VS.into()),
+        output: StatusOutput::Table,
     })
     .await
     .unwrap();

@@ -8,6 +8,7 @@ mod admin;
 mod browser;
 mod canary;
 mod chain;
+mod check;
 mod decoders;
 mod demand;
 mod deploy;

@@ -792,8 +792,14 @@ async fn the_status_command_shows_every_client_per_collection() {
     let ex = exercise().await;
     let admin = format!("http://{}", ex.gw.admin);
     let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
-    assert_eq!(code, Some(0), "{stderr}");
+    // A NACKing client: exit 1, and the first line says why.
+    assert_eq!(code, Some(1), "{stderr}");
     let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[0].starts_with("NOT SYNCED: ") && lines[0].contains("1 NACKED"),
+        "{stdout}"
+    );
+    let lines = &lines[1..];
     assert!(
         lines[0].starts_with("NODE") && lines[0].contains("PROTOCOL"),
         "{stdout}"
@@ -818,13 +824,13 @@ async fn the_status_command_shows_every_client_per_collection() {
     assert!(lines[1].contains("NACKED"), "{stdout}");
 
     let (code, only, _) = subcommand("status", &["--admin", &admin, "--status", "nacked"]).await;
-    assert_eq!(code, Some(0));
-    let clients = only.lines().skip(1).take_while(|l| !l.is_empty()).count();
+    assert_eq!(code, Some(1));
+    let clients = only.lines().skip(2).take_while(|l| !l.is_empty()).count();
     assert_eq!(clients, 1, "{only}");
 
-    // An admin port that is not there: exit 1, saying where it looked.
+    // An admin port that is not there: exit 2, saying where it looked.
     let (code, _, stderr) = subcommand("status", &["--admin", "127.0.0.1:1"]).await;
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(2));
     assert!(
         stderr.contains("cannot connect to the admin port at 127.0.0.1:1"),
         "{stderr}"
@@ -891,7 +897,7 @@ async fn the_status_command_marks_a_nack_since_fixed() {
     let row = || first_row(gw.admin);
     let admin = format!("http://{}", gw.admin);
     let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
-    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(code, Some(1), "NACKED: {stderr}");
     let nack_line = format!(
         "NACK pilot-test {VS}: bad route ({}, NACKed ",
         &refused.version_info[..12]
@@ -967,7 +973,7 @@ async fn a_nack_of_the_version_current_again_after_an_unpin_is_not_since_fixed()
 
     let admin = format!("http://{}", gw.admin);
     let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
-    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(code, Some(1), "NACKED: {stderr}");
     assert!(
         stdout
             .lines()
@@ -1146,4 +1152,343 @@ async fn the_client_command_reconnects_and_resumes() {
     line_with(&mut stderr, "resuming with the 1 resources held").await;
     line_with(&mut stdout, "- b").await;
     client.kill().await.unwrap();
+}
+
+/// `status` for scripts: `-o json` is `/debug/syncz` (the same rows), `-o
+/// yaml` the same as YAML, `-o wide` each type's sent, ACKed and current
+/// versions; a NACKing client makes it (and `rollout status`) exit 1, first
+/// saying why; once the client ACKs past it, 0.
+#[tokio::test]
+async fn status_for_scripts_json_yaml_wide_and_exit_codes() {
+    let Nacked {
+        _galley,
+        gw,
+        mut upstream,
+        mut client,
+        first,
+        refused,
+    } = Nacked::start().await;
+    let admin = format!("http://{}", gw.admin);
+    let (code, stdout, stderr) = subcommand("status", &["--admin", &admin, "-o", "json"]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("NOT SYNCED: 1 of 1 client types (1 NACKED)"),
+        "{stderr}"
+    );
+    let printed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let served = json(gw.admin, "/debug/syncz").await;
+    let key = |v: &serde_json::Value| -> Vec<String> {
+        v["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {} {} {} {} {} {}",
+                    r["stream"],
+                    r["node_id"],
+                    r["collection"],
+                    r["status"],
+                    r["sent"]["version"],
+                    r["acked"]["version"],
+                    r["current_version"]
+                )
+            })
+            .collect()
+    };
+    assert_eq!(key(&printed), key(&served));
+    assert_eq!(printed["source"], served["source"]);
+    assert_eq!(printed["source"]["healthy"], true, "{printed}");
+    let (code, yaml, _) = subcommand("status", &["--admin", &admin, "--output", "yaml"]).await;
+    assert_eq!(code, Some(1));
+    let from_yaml: serde_json::Value = serde_norway::from_str(&yaml).unwrap();
+    assert_eq!(key(&from_yaml), key(&served));
+    let (code, wide, _) = subcommand("status", &["--admin", &admin, "-o", "wide"]).await;
+    assert_eq!(code, Some(1));
+    let lines: Vec<&str> = wide.lines().collect();
+    assert!(lines[0].starts_with("NOT SYNCED: "), "{wide}");
+    assert!(
+        lines[1].starts_with("NODE") && lines[1].contains("SENT") && lines[1].ends_with("CURRENT"),
+        "{wide}"
+    );
+    let row: Vec<&str> = lines[2].split_whitespace().collect();
+    assert_eq!(
+        row[3..],
+        [
+            VS,
+            "NACKED",
+            &refused.version_info[..12],
+            &first.version_info[..12],
+            &refused.version_info[..12]
+        ],
+        "{wide}"
+    );
+    let (code, rollout, stderr) = subcommand("rollout", &["status", "--admin", &admin]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(rollout.starts_with("NOT SYNCED: 1 of 1"), "{rollout}");
+    let (code, rollout, _) = subcommand("rollout", &["status", VS, "--admin", &admin, "-o", "json"]).await;
+    assert_eq!(code, Some(1));
+    let rollout: serde_json::Value = serde_json::from_str(&rollout).unwrap();
+    assert_eq!(rollout["rollout"]["collection"], VS, "{rollout}");
+    assert_eq!(rollout["rows"][0]["status"], "NACKED", "{rollout}");
+
+    upstream.push_full(VS, vec![resource("a", "3", b"good")]).await;
+    let fixed = client.recv().await;
+    client.ack(&fixed);
+    crate::helpers::eventually_async("the client SYNCED", || async {
+        first_row(gw.admin).await["status"] == "SYNCED"
+    })
+    .await;
+    let (code, stdout, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stdout.starts_with("NODE"), "{stdout}");
+    let (code, stdout, stderr) = subcommand("rollout", &["status", "--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+}
+
+/// A port that is not the gateway's admin port: exit 2, saying so and
+/// which port to give (the monitoring port answers 404, the gRPC port does
+/// not speak HTTP/1.1).
+#[tokio::test]
+async fn status_on_a_port_that_is_not_the_admin_port_exits_2_saying_so() {
+    let gw = crate::helpers::start_gateway(&[]).await;
+    for (port, says) in [
+        (gw.monitoring, "not the gateway's admin port (the monitoring port"),
+        (gw.listen, "not the gateway's admin port (the gRPC port"),
+    ] {
+        let (code, stdout, stderr) = subcommand("status", &["--admin", &port.to_string()]).await;
+        assert_eq!(code, Some(2), "{stdout}{stderr}");
+        assert!(stderr.contains(says) && stderr.contains("--admin-listen"), "{stderr}");
+        let (code, _, stderr) = subcommand("rollout", &["status", "--admin", &port.to_string()]).await;
+        assert_eq!(code, Some(2), "{stderr}");
+    }
+}
+
+/// A file that breaks while the gateway runs: it keeps serving the file's
+/// last good state (ready, gRPC health SERVING, every client SYNCED), and
+/// the index, `/debug/syncz` and `status` lead with it; `status` exits 1.
+#[tokio::test]
+async fn a_file_broken_at_run_time_is_shown_where_operators_look() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let dir = tempfile::tempdir().unwrap();
+    let good = "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata: {name: a, namespace: ns}\n\
+                spec:\n  hosts: [a]\n";
+    let file = dir.path().join("vs.yaml");
+    std::fs::write(&file, good).unwrap();
+    let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap(), "--collections", VS]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let response = client.recv().await;
+    client.ack(&response);
+    crate::helpers::eventually_async("the client SYNCED", || async {
+        first_row(gw.admin).await["status"] == "SYNCED"
+    })
+    .await;
+    let admin = gw.admin.to_string();
+    let (code, _, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+
+    std::fs::write(&file, good.replace("hosts: [a]", "hosts: [a]\n  htp: []")).unwrap();
+    let source = crate::helpers::eventually_some("the broken file in /debug/syncz", || async {
+        let syncz = json(gw.admin, "/debug/syncz").await;
+        (syncz["source"]["healthy"] == false).then(|| syncz["source"]["problems"][0].clone())
+    })
+    .await;
+    let shown = format!("{}:6: spec.htp: unrecognized field name 'htp'", file.display());
+    let lead = "SOURCE: 1 file does not parse, serving their last good state: ";
+    assert!(
+        source
+            .as_str()
+            .is_some_and(|s| s.starts_with(lead) && s.contains(&shown)),
+        "{source}"
+    );
+    // status: the first line, exit 1; the client is still SYNCED.
+    let (code, stdout, _) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(
+        stdout.starts_with(lead) && stdout.lines().next().unwrap().contains(&shown),
+        "{stdout}"
+    );
+    assert!(stdout.lines().any(|l| l.contains("SYNCED")), "{stdout}");
+    // The index leads with it, before the clients (none out of sync).
+    let (_, index) = http_get_with(gw.admin, "/", "Accept: text/html\r\n").await;
+    let at = index.find("SOURCE: 1 file does not parse").expect(&index);
+    assert!(at < index.find("Clients not in sync").unwrap(), "{index}");
+    let (_, index) = http_get_with(gw.admin, "/", "Accept: application/json\r\n").await;
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    assert_eq!(index["source"]["healthy"], false, "{index}");
+    assert_eq!(index["ready"], true, "{index}");
+    // Still ready, still SERVING: clients are served the last good state.
+    let (ready, _) = http_get(gw.monitoring, "/readyz").await;
+    assert_eq!(ready, 200);
+    let mut health = HealthClient::new(channel(gw.listen).await);
+    let serving = within(
+        "a health check",
+        health.check(HealthCheckRequest { service: String::new() }),
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .status;
+    assert_eq!(serving, ServingStatus::Serving as i32);
+
+    // Fixed: healthy again, exit 0.
+    std::fs::write(&file, good).unwrap();
+    crate::helpers::eventually_async("the source healthy again", || async {
+        json(gw.admin, "/debug/syncz").await["source"]["healthy"] == true
+    })
+    .await;
+    let (code, stdout, _) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stdout}");
+    drop(client);
+}
+
+/// `client --protocol xds-delta --names`: what it prints is what a delta
+/// ADS stream of the same subscription receives (names, versions, bodies,
+/// removals), and `--once` exits only after the gateway read its ACKs (the
+/// gateway's own count, in a process of its own). `xds-sotw` reads istiod's
+/// MCP over xDS by GVK.
+#[tokio::test]
+async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
+    use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+    use mcp_xds_gateway::proto::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse};
+    const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+    const CLA: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+    const ROUTES: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/envoy/config");
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", examples]).await;
+    let target = gw.listen.to_string();
+    let names = "backend,local_route";
+    let args = [
+        "--target",
+        &target,
+        "--protocol",
+        "xds-delta",
+        "--type-url",
+        CLA,
+        "--type-url",
+        ROUTES,
+        "--names",
+        names,
+        "--once",
+    ];
+    let (code, stdout, stderr) = client_command(&[&args[..], &["--output", "json"]].concat()).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let printed: std::collections::BTreeMap<String, serde_json::Value> = stdout
+        .lines()
+        .map(|l| {
+            let update: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            (update["type_url"].as_str().unwrap().to_owned(), update)
+        })
+        .collect();
+    assert_eq!(printed.len(), 2, "{stdout}");
+    // Its ACKs were read before it exited: one per type.
+    let (_, metrics) = http_get(gw.admin, "/metrics").await;
+    for collection in [
+        "envoy/config/endpoint/v3/clusterloadassignments",
+        "envoy/config/route/v3/routeconfigurations",
+    ] {
+        let acked = format!("istio_mcp_request_acks_total{{component=\"downstream\",collection=\"{collection}\"}} 1");
+        assert!(metrics.lines().any(|l| l == acked), "{acked} in\n{metrics}");
+    }
+    // What a delta stream of the same subscription receives.
+    let mut delta = crate::helpers::clients::Bidi::<DeltaDiscoveryRequest, DeltaDiscoveryResponse>::open_on(
+        channel(gw.listen).await,
+        DELTA,
+    )
+    .await;
+    for type_url in [CLA, ROUTES] {
+        delta.send(DeltaDiscoveryRequest {
+            node: Some(Node {
+                id: "envoy-1".into(),
+                ..Default::default()
+            }),
+            type_url: type_url.into(),
+            resource_names_subscribe: names.split(',').map(String::from).collect(),
+            ..Default::default()
+        });
+    }
+    let decoder = mcp_xds_gateway::source::proto_json::BodyDecoder::new(None).unwrap();
+    for _ in 0..2 {
+        let response = delta.recv().await;
+        let shown = &printed[&response.type_url];
+        assert_eq!(shown["version"], response.system_version_info.as_str());
+        assert_eq!(shown["removed"], serde_json::json!(response.removed_resources));
+        let received: Vec<serde_json::Value> = response
+            .resources
+            .iter()
+            .map(|r| {
+                let any = r.resource.clone().unwrap();
+                serde_json::json!({
+                    "name": r.name, "version": r.version, "type_url": any.type_url,
+                    "body": decoder.decode(&any.type_url, &any.value).unwrap(),
+                })
+            })
+            .collect();
+        let resources: Vec<serde_json::Value> = shown["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| serde_json::json!({"name": r["name"], "version": r["version"], "type_url": r["type_url"], "body": r["body"]}))
+            .collect();
+        assert_eq!(resources, received, "{stdout}");
+        assert_eq!(received.len(), 1, "one named resource of each type");
+    }
+    // The text form: the update line, each resource and its body.
+    let (code, text, stderr) = client_command(&[&args[..], &["--show", "bodies"]].concat()).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  backend version=") && l.ends_with(CLA))
+            && text
+                .lines()
+                .any(|l| l.trim_start().starts_with("{\"clusterName\":\"backend\"")),
+        "{text}"
+    );
+
+    // istiod's MCP over xDS, state of the world, by GVK.
+    let istio =
+        crate::helpers::start_gateway(&["--source-dir", concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config")]).await;
+    let target = istio.listen.to_string();
+    let (code, text, stderr) = client_command(&[
+        "--target",
+        &target,
+        "--protocol",
+        "xds-sotw",
+        "--type-url",
+        "networking.istio.io/v1/VirtualService",
+        "--once",
+        "--show",
+        "resources",
+    ])
+    .await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("networking.istio.io/v1/VirtualService version="),
+        "{text}"
+    );
+    let mut resources: Vec<&str> = lines[1..]
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    resources.sort_unstable();
+    assert_eq!(resources, ["bookinfo/ratings", "bookinfo/reviews"], "{text}");
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l.ends_with("body=type.googleapis.com/istio.networking.v1alpha3.VirtualService")),
+        "MCP over xDS: each an istio.mcp.v1alpha1.Resource read back: {text}"
+    );
+    // Names are an xDS notion.
+    let (code, _, stderr) = client_command(&["--target", &target, "--type-url", VS, "--names", "a", "--once"]).await;
+    assert_eq!(code, Some(1));
+    assert!(
+        stderr.contains("--names needs --protocol xds-sotw or xds-delta"),
+        "{stderr}"
+    );
 }

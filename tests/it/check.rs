@@ -1,0 +1,352 @@
+//! `mcp-xds-gateway check`: the files source's reader run over files and
+//! directories without serving, as CI runs it: the examples pass, every bad
+//! input of the reference's table is its own finding at its file and line,
+//! and the cross-references a deploy would trip on are warnings.
+
+use std::path::Path;
+
+use tokio::process::Command;
+
+use crate::helpers::within;
+
+const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
+
+/// Runs `mcp-xds-gateway check ARGS…`: exit code, stdout, stderr.
+async fn check(args: &[&str]) -> (Option<i32>, String, String) {
+    let output = within(
+        "the check command to exit",
+        Command::new(BIN).arg("check").args(args).kill_on_drop(true).output(),
+    )
+    .await
+    .unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn examples(dir: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(dir)
+        .display()
+        .to_string()
+}
+
+/// The findings of `--output json`: (file name, line, severity, message).
+fn findings(json: &str) -> Vec<(String, u64, String, String)> {
+    let parsed: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    parsed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            let file = f["file"].as_str().unwrap();
+            let name = Path::new(file).file_name().unwrap().to_string_lossy().into_owned();
+            (
+                name,
+                f["line"].as_u64().unwrap(),
+                f["severity"].as_str().unwrap().to_owned(),
+                f["message"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_examples_pass_clean() {
+    let (istio, envoy) = (examples("config"), examples("envoy/config"));
+    let (code, stdout, stderr) = check(&[&istio, &envoy]).await;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert_eq!(stdout, "", "no finding, not even a warning");
+    assert!(
+        stderr.contains("7 files, 15 resources: 0 errors, 0 warnings"),
+        "{stderr}"
+    );
+    let (code, stdout, _) = check(&["--strict", "--output", "json", &istio, &envoy]).await;
+    assert_eq!((code, stdout.trim()), (Some(0), "[]"));
+}
+
+#[tokio::test]
+async fn every_bad_file_is_its_own_finding_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &[u8]| std::fs::write(dir.path().join(name), text).unwrap();
+    let istio = |kind: &str, rest: &str| format!("apiVersion: networking.istio.io/v1\nkind: {kind}\n{rest}");
+    // One good file, served.
+    write(
+        "good.yaml",
+        istio("Gateway", "metadata: {name: a}\nspec: {}\n").as_bytes(),
+    );
+    // The rows of docs/reference.md's bad-input table for files.
+    write(
+        "syntax.yaml",
+        format!(
+            "{}---\n{}",
+            istio("Gateway", "metadata: {name: b}\n"),
+            istio("Gateway", "metadata:\n  name: c\n spec: {}\n")
+        )
+        .as_bytes(),
+    );
+    write("kind.yaml", istio("VirtualServce", "metadata: {name: a}\n").as_bytes());
+    write(
+        "field.yaml",
+        istio(
+            "VirtualService",
+            "metadata: {name: a}\nspec:\n  hosts: [a]\n  http:\n  - route:\n    - destination: {host: a, subst: v1}\n",
+        )
+        .as_bytes(),
+    );
+    write(
+        "type.yaml",
+        istio(
+            "ServiceEntry",
+            "metadata: {name: a}\nspec:\n  hosts: [a]\n  ports:\n  - number: eighty\n",
+        )
+        .as_bytes(),
+    );
+    write(
+        "noname.yaml",
+        istio("Sidecar", "metadata: {namespace: x}\nspec: {}\n").as_bytes(),
+    );
+    write(
+        "twice.yaml",
+        format!(
+            "{}---\n{}",
+            istio("Gateway", "metadata: {name: t}\n"),
+            istio("Gateway", "metadata: {name: t}\n")
+        )
+        .as_bytes(),
+    );
+    let mut bomb = String::from(
+        "collection: istio/networking/v1alpha3/gateways\nname: ns/bomb\nbody:\n  struct:\n    big: &big [",
+    );
+    bomb.push_str(&vec!["x"; 2000].join(","));
+    bomb.push_str("]\n    copies:\n");
+    bomb.push_str(&"      - *big\n".repeat(4000));
+    write("bomb.yaml", bomb.as_bytes());
+    write("binary.yaml", &[0xff, 0xfe, 0x00, 0x80]);
+    write("huge.yaml", &vec![b'#'; 70_000]);
+    std::os::unix::fs::symlink(dir.path().join("loop.yaml"), dir.path().join("loop.yaml")).unwrap();
+    let fifo_made = std::process::Command::new("mkfifo")
+        .arg(dir.path().join("fifo.yaml"))
+        .status()
+        .is_ok_and(|s| s.success());
+    let path = dir.path().display().to_string();
+
+    let (code, stdout, stderr) = check(&["--max-message-bytes", "65536", "-o", "json", &path]).await;
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    let mut expected = vec![
+        ("binary.yaml", 0, "not UTF-8"),
+        ("bomb.yaml", 5, "expands to more than its size allows"),
+        (
+            "field.yaml",
+            8,
+            "spec.http[0].route[0].destination.subst: unrecognized field name 'subst'",
+        ),
+        ("huge.yaml", 0, "larger than --max-message-bytes=65536"),
+        (
+            "kind.yaml",
+            2,
+            "kind \"VirtualServce\" is not a kind of networking.istio.io/v1",
+        ),
+        ("loop.yaml", 0, "cannot read"),
+        ("noname.yaml", 3, "metadata.name is missing"),
+        ("syntax.yaml", 9, "line 9"),
+        ("twice.yaml", 7, "is defined twice (first at line 3)"),
+        ("type.yaml", 7, "spec.ports[0].number"),
+    ];
+    if fifo_made {
+        expected.insert(3, ("fifo.yaml", 0, "not a regular file"));
+    }
+    let found = findings(&stdout);
+    assert_eq!(found.len(), expected.len(), "{stdout}");
+    for ((file, line, severity, message), (want_file, want_line, want_message)) in found.iter().zip(&expected) {
+        assert_eq!(
+            (file.as_str(), *line, severity.as_str()),
+            (*want_file, *want_line, "error"),
+            "{message}"
+        );
+        assert!(message.contains(want_message), "{file}: {message}");
+    }
+    assert!(
+        stderr.contains(&format!("{} errors, 0 warnings", expected.len())),
+        "{stderr}"
+    );
+
+    // The text form is the files source's own line, FILE:LINE: message.
+    let (code, text, _) = check(&["--max-message-bytes", "65536", &path]).await;
+    assert_eq!(code, Some(1));
+    let kind_line = format!("{path}/kind.yaml:2: ");
+    assert!(text.lines().any(|l| l.starts_with(&kind_line)), "{text}");
+    assert_eq!(text.lines().count(), expected.len(), "{text}");
+    // GitHub's annotations: one per finding, each naming file and line.
+    let (code, github, _) = check(&["--max-message-bytes", "65536", "--output", "github", &path]).await;
+    assert_eq!(code, Some(1));
+    assert!(
+        github
+            .lines()
+            .any(|l| l.starts_with(&format!("::error file={path}/field.yaml,line=8::"))),
+        "{github}"
+    );
+    assert!(github.lines().all(|l| l.starts_with("::error file=")), "{github}");
+    // One file by name: only its own findings; the good one alone passes.
+    let (code, stdout, _) = check(&[&format!("{path}/kind.yaml")]).await;
+    assert_eq!(code, Some(1));
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    let (code, stdout, _) = check(&[&format!("{path}/good.yaml")]).await;
+    assert_eq!((code, stdout.as_str()), (Some(0), ""));
+}
+
+/// Istio resources with a route to a subset no rule defines, and Envoy's
+/// with every kind of dangling name; one resource in two files.
+const ISTIO: &str = "\
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: ratings, namespace: bookinfo}
+spec:
+  hosts: [ratings]
+  http:
+  - route:
+    - destination: {host: ratings, subset: v1}
+    - destination: {host: ratings.bookinfo.svc.cluster.local, subset: v2}
+    - destination: {host: reviews.bookinfo.svc.cluster.local, subset: v1}
+---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {name: ratings, namespace: bookinfo}
+spec:
+  host: ratings
+  subsets: [{name: v1, labels: {version: v1}}]
+---
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {name: all, namespace: other}
+spec:
+  host: '*.bookinfo.svc.cluster.local'
+  subsets: [{name: v1, labels: {version: v1}}]
+";
+
+const ENVOY: &str = "\
+collection: envoy/config/cluster/v3/clusters
+name: backend
+body:
+  type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster
+  json: {name: backend, connect_timeout: 1s, type: EDS, eds_cluster_config: {eds_config: {ads: {}}}}
+---
+collection: envoy/config/listener/v3/listeners
+name: http
+body:
+  type_url: type.googleapis.com/envoy.config.listener.v3.Listener
+  json:
+    name: http
+    address: {socket_address: {address: 127.0.0.1, port_value: 10000}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: http
+          rds: {route_config_name: missing_route, config_source: {ads: {}}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          common_tls_context:
+            tls_certificate_sds_secret_configs:
+            - {name: server-cert, sds_config: {ads: {}}}
+            - {name: from-bootstrap}
+---
+collection: envoy/config/route/v3/routeconfigurations
+name: local_route
+body:
+  type_url: type.googleapis.com/envoy.config.route.v3.RouteConfiguration
+  json:
+    name: local_route
+    virtual_hosts:
+    - name: all
+      domains: ['*']
+      routes:
+      - match: {prefix: /a}
+        route: {cluster: backend}
+      - match: {prefix: /b}
+        route: {cluster: nowhere}
+      - match: {prefix: /c}
+        route: {weighted_clusters: {clusters: [{name: backend, weight: 1}, {name: gone, weight: 1}]}}
+";
+
+const AGAIN: &str = "\
+apiVersion: networking.istio.io/v1
+kind: DestinationRule
+metadata: {name: ratings, namespace: bookinfo}
+spec:
+  host: ratings
+";
+
+#[tokio::test]
+async fn cross_references_a_deploy_would_trip_on_are_warnings_and_strict_makes_them_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("a-istio.yaml"), ISTIO).unwrap();
+    std::fs::write(dir.path().join("b-envoy.yaml"), ENVOY).unwrap();
+    std::fs::write(dir.path().join("c-again.yaml"), AGAIN).unwrap();
+    let path = dir.path().display().to_string();
+    let (code, stdout, stderr) = check(&["-o", "json", &path]).await;
+    assert_eq!(code, Some(0), "warnings only: {stdout}{stderr}");
+    let found = findings(&stdout);
+    let expected = [
+        (
+            "a-istio.yaml",
+            1,
+            "subset \"v2\" of host \"ratings.bookinfo.svc.cluster.local\"",
+        ),
+        ("b-envoy.yaml", 1, "EDS cluster \"backend\" has no load assignment"),
+        (
+            "b-envoy.yaml",
+            7,
+            "RDS name \"missing_route\" has no route configuration",
+        ),
+        ("b-envoy.yaml", 7, "SDS name \"server-cert\" has no secret"),
+        ("b-envoy.yaml", 33, "cluster \"gone\", which no file defines"),
+        ("b-envoy.yaml", 33, "cluster \"nowhere\", which no file defines"),
+        ("c-again.yaml", 1, "also defined at"),
+    ];
+    assert_eq!(found.len(), expected.len(), "{stdout}");
+    for ((file, line, severity, message), (want_file, want_line, want_message)) in found.iter().zip(&expected) {
+        assert_eq!(
+            (file.as_str(), *line, severity.as_str()),
+            (*want_file, *want_line, "warning"),
+            "{message}"
+        );
+        assert!(message.contains(want_message), "{file}: {message}");
+    }
+    let parsed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(parsed[0]["collection"], "istio/networking/v1alpha3/virtualservices");
+    assert_eq!(parsed[0]["name"], "bookinfo/ratings");
+    let (code, text, _) = check(&[&path]).await;
+    assert_eq!(code, Some(0));
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with(&format!("{path}/b-envoy.yaml:7: warning: RDS name"))),
+        "{text}"
+    );
+    let (code, _, stderr) = check(&["--strict", &path]).await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("7 errors, 0 warnings"), "{stderr}");
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2_naming_what_is_wrong() {
+    let (code, _, stderr) = check(&[]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    let (code, _, stderr) = check(&["/nonexistent/config"]).await;
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("/nonexistent/config: No such file"), "{stderr}");
+    let (code, _, stderr) = check(&["--output", "xml", &examples("config")]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    let (code, _, stderr) = check(&["--type-map", "/nonexistent/map.yaml", &examples("config")]).await;
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("--type-map"), "{stderr}");
+}
