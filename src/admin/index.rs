@@ -81,7 +81,12 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ),
     (
         "/debug/config",
-        "every flag with its value and where it came from, and the log filter",
+        "every flag with its value and where it came from, the access policy in effect, and the log filter",
+    ),
+    (
+        "/debug/access",
+        "?identity=ID (a certificate's URI or DNS SAN, or unauthenticated): what that identity may read of each \
+         collection under --access-policy",
     ),
     (
         "/logging",

@@ -194,6 +194,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
     let mut streams: BTreeMap<u64, (Vec<String>, BTreeMap<String, String>)> = BTreeMap::new();
     let mut urgency: BTreeMap<u64, usize> = BTreeMap::new();
     let mut nacks = Vec::new();
+    let mut denials = Vec::new();
     for row in &rows {
         let id = row["stream"].as_u64().unwrap_or_default();
         let rank = STATUSES
@@ -215,10 +216,19 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             .entry(id)
             .or_insert_with(|| (vec![node.clone(), peer, text(&row["protocol"])], BTreeMap::new()));
         let status = text(&row["status"]);
-        let cell = match (status.as_str(), row["for_seconds"].as_f64()) {
+        let mut cell = match (status.as_str(), row["for_seconds"].as_f64()) {
             ("SYNCED", _) | (_, None) => status.clone(),
             (_, Some(age)) => format!("{status} {}", human(age)),
         };
+        // Under --access-policy: names it asks for that it may not read.
+        if let Some(withheld) = row["access"]["withheld"].as_u64() {
+            cell.push_str(&format!(" DENIED {withheld}"));
+            denials.push(format!(
+                "{node} {}: {withheld} withheld from identity {} (/debug/access?identity=)",
+                text(&row["collection"]),
+                text(&row["identity"]),
+            ));
+        }
         cells.insert(short(&text(&row["collection"])), cell);
         let nack = &row["nack"];
         if let Some(message) = nack["message"].as_str() {
@@ -267,7 +277,10 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             .map(|r| {
                 let mut line = head.clone();
                 line.push(text(&r["collection"]));
-                line.push(text(&r["status"]));
+                line.push(match r["access"]["withheld"].as_u64() {
+                    Some(withheld) => format!("{} DENIED {withheld}", text(&r["status"])),
+                    None => text(&r["status"]),
+                });
                 line.push(short_version(&r["sent"]["version"]));
                 line.push(short_version(&r["acked"]["version"]));
                 line.push(short_version(&r["current_version"]));
@@ -325,6 +338,9 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
     );
     for (_, nack) in nacks {
         let _ = writeln!(out, "NACK {nack}");
+    }
+    for denial in denials {
+        let _ = writeln!(out, "DENIED {denial}");
     }
     for line in rollout_lines(&syncz["rollout"]) {
         let _ = writeln!(out, "{line}");

@@ -178,6 +178,12 @@ async fn each_namespace_reads_its_own_secrets_by_name_and_by_wildcard() {
         row["current_version"], first.version_info,
         "synced at the version of its own view"
     );
+    let table = mcp_xds_gateway::tools::status::render(&get_json(gw.admin, "/debug/syncz").await);
+    assert!(table.contains("SYNCED DENIED 1"), "{table}");
+    assert!(
+        table.contains(&format!("DENIED sidecar~10.0.0.1~frontend.shop~shop.svc.cluster.local {SECRETS}: 1 withheld from identity {FRONTEND}")),
+        "{table}"
+    );
 
     // Wildcard: every secret of its namespace, nothing else.
     let mut wildcard = SotwStream::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW).await;
