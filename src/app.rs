@@ -470,6 +470,10 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         settings.downstream,
         watched.access.clone(),
     );
+    let downstream = match settings.serve {
+        Serve::Gateway => downstream,
+        Serve::ResourceSource | Serve::DialOut(_) => downstream.as_source(),
+    };
     crate::downstream::register_metrics(&downstream, &settings.collections);
     let resource_source = ResourceSourceService::new(downstream.clone());
     const GATEWAY_SERVICES: &[&str] = &[

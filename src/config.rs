@@ -38,7 +38,9 @@ const GALLEY_MIN_KEEPALIVE: Duration = Duration::from_secs(30);
 #[command(
     name = "mcp-xds-gateway",
     version,
-    about = "Serves Istio Galley's MCP config to legacy AggregatedMeshConfigService clients",
+    about = "Serves Istio config (from Galley, another gateway, or YAML files) to every generation of config \
+             client: Istio 1.0/1.1's AggregatedMeshConfigService, Pilot 1.2-1.7's ResourceSource, and Envoy's v3 ADS \
+             (istiod 1.8+ over MCP over xDS, Envoy, grpc)",
     args_conflicts_with_subcommands = true
 )]
 pub struct Args {

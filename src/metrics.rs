@@ -546,7 +546,7 @@ pub fn describe() {
     );
     describe_gauge!(
         DOWNSTREAM_STREAMS,
-        "Open downstream streams by protocol (sotw, incremental, resource-source) and dialect (1.0, 1.1; none before a first request)."
+        "Open downstream streams by protocol (sotw, incremental, resource-source, xds-sotw, xds-delta) and dialect (1.0, 1.1; none before a first request; xds for Envoy's v3 ADS)."
     );
     describe_counter!(
         DOWNSTREAM_PUSHES,

@@ -109,6 +109,9 @@ struct Shared {
     /// Access denials logged: once per identity and collection per
     /// [`LOG_INTERVAL`].
     denial_logs: DashMap<(Arc<str>, Arc<str>), tokio::time::Instant>,
+    /// What clients are told at shutdown: this gateway, or the `source`
+    /// command's server, is going away.
+    shutdown_message: &'static str,
 }
 
 // === impl Downstream ===
@@ -148,8 +151,18 @@ impl Downstream {
                 peer_logs_skipped: AtomicU64::new(0),
                 access,
                 denial_logs: DashMap::new(),
+                shutdown_message: "the gateway is shutting down; reconnect to another replica",
             }),
         }
+    }
+
+    /// For the `source` command: its clients are told the source is going
+    /// away, not a gateway. Before any stream starts.
+    pub fn as_source(mut self) -> Self {
+        if let Some(shared) = Arc::get_mut(&mut self.inner) {
+            shared.shutdown_message = "the source is shutting down; reconnect to another replica";
+        }
+        self
     }
 
     pub fn limits(&self) -> DownstreamLimits {
@@ -330,8 +343,16 @@ fn record_stale(
     }
 }
 
-/// Counts and logs a client's NACK (the log rate-limited per stream).
-fn record_nack(stream: u64, logs: &mut StreamLogs, type_url: &str, collection: &Arc<str>, nack: &NackRecord) {
+/// Counts and logs a client's NACK (the log rate-limited per stream), with
+/// who sent it: the stream, its node and its peer.
+fn record_nack(
+    stream: u64,
+    who: impl FnOnce() -> (String, Option<std::net::SocketAddr>),
+    logs: &mut StreamLogs,
+    type_url: &str,
+    collection: &Arc<str>,
+    nack: &NackRecord,
+) {
     metrics::counter!(
         m::REQUEST_NACKS,
         "component" => m::COMPONENT_DOWNSTREAM,
@@ -340,8 +361,11 @@ fn record_nack(stream: u64, logs: &mut StreamLogs, type_url: &str, collection: &
     )
     .increment(1);
     if let Some(skipped) = logs.nacks.allow() {
+        let (node, peer) = who();
         tracing::warn!(
             stream,
+            node,
+            peer = peer.map(|p| p.to_string()),
             %type_url,
             version = %nack.version,
             code = nack.code,

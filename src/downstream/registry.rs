@@ -321,6 +321,13 @@ impl RegistryEntry {
         self.view.lock().expect("registry lock poisoned").clone()
     }
 
+    /// Who the stream is, for a log line: its node id and peer address
+    /// (without copying the rest of its view).
+    pub fn who(&self) -> (String, Option<SocketAddr>) {
+        let view = self.view.lock().expect("registry lock poisoned");
+        (view.node_id.clone(), view.peer)
+    }
+
     pub fn set_node_id(&self, node_id: &str) {
         let mut view = self.view.lock().expect("registry lock poisoned");
         if view.node_id != node_id {

@@ -167,7 +167,7 @@ impl<W: Wire> TypedStream<W> {
                 let step = tokio::select! {
                     _ = shutdown.cancelled() => break (
                         End::Shutdown,
-                        Some(Status::unavailable("the gateway is shutting down; reconnect to another replica")),
+                        Some(Status::unavailable(self.shared.inner.shutdown_message)),
                     ),
                     _ = out.closed() => break (End::ClientGone, None),
                     request = inbound.message() => match request {
@@ -334,8 +334,10 @@ impl<W: Wire> TypedStream<W> {
             }
             Verdict::Nack | Verdict::Unrecoverable => {
                 let nack = followed.state.view.last_nack.as_ref().expect("a NACK was recorded");
+                let entry = &self.entry;
                 record_nack(
                     self.id,
+                    || entry.who(),
                     self.logs.get_or_insert_with(Box::default),
                     &type_url,
                     &collection,

@@ -614,6 +614,46 @@ fn the_source_kustomization_runs_the_source_command() {
         assert_eq!(port["port"].as_u64(), Some(ports[target]), "Service port {target}");
     }
     assert_eq!(source["securityContext"]["readOnlyRootFilesystem"], true);
+    // Voluntary disruptions leave one replica serving.
+    let budget = of_kind(&docs, "PodDisruptionBudget");
+    assert_eq!(budget.len(), 1, "deploy/source has a PodDisruptionBudget");
+    assert_eq!(budget[0]["spec"]["minAvailable"], 1);
+    assert!(
+        selects(
+            &budget[0]["spec"]["selector"]["matchLabels"],
+            &deployment["spec"]["template"]["metadata"]["labels"]
+        ),
+        "it selects the source's pods"
+    );
+    assert!(
+        deployment["spec"]["replicas"].as_u64() > Some(1),
+        "a budget of one needs two replicas"
+    );
+}
+
+/// Every alert names its runbook: a section of docs/operating.md that exists.
+#[test]
+fn every_alert_has_a_runbook_that_exists() {
+    let all = manifests();
+    let rules = &find(&all, "components/monitoring/prometheusrule.yaml")[0];
+    let operating = std::fs::read_to_string(root().join("docs/operating.md")).unwrap();
+    let anchors = crate::docs::read(&operating).anchors;
+    let alerts: Vec<&Value> = rules["spec"]["groups"][0]["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter(|r| r["alert"].is_string())
+        .collect();
+    assert_eq!(alerts.len(), 8);
+    for alert in alerts {
+        let url = alert["annotations"]["runbook_url"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{:?} has no runbook_url", alert["alert"]));
+        let anchor = url
+            .strip_prefix("docs/operating.md#")
+            .unwrap_or_else(|| panic!("{url}: a section of docs/operating.md"));
+        assert!(anchors.contains(anchor), "{url}: no such section");
+    }
 }
 
 #[test]

@@ -35,9 +35,9 @@ struct Link {
 }
 
 /// What a Markdown file offers to links and holds of them.
-struct Document {
+pub(crate) struct Document {
     /// The anchors its headings get (GitHub's slugs, duplicates numbered).
-    anchors: BTreeSet<String>,
+    pub(crate) anchors: BTreeSet<String>,
     links: Vec<Link>,
 }
 
@@ -48,7 +48,7 @@ fn options() -> Options {
 /// Reads `text` as GitHub renders it: a heading's anchor is the slug of its
 /// rendered text (code spans without their backticks, links as their
 /// text), and a link is any inline or reference link or image outside code.
-fn read(text: &str) -> Document {
+pub(crate) fn read(text: &str) -> Document {
     let line_of = |offset: usize| text[..offset].matches('\n').count() + 1;
     let mut anchors = BTreeSet::new();
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();

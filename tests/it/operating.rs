@@ -1492,3 +1492,19 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
         "{stderr}"
     );
 }
+
+/// The NACK warning says who NACKed: the stream, its node and its peer, and
+/// the message (one line, however it ends).
+#[tokio::test]
+async fn the_nack_warning_names_the_node_and_the_peer() {
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config");
+    let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", examples]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let response = client.recv_type(VS).await;
+    client.nack(&response, "", "a route to nowhere\n");
+    let line = gw.log_line("client NACKed a version").await;
+    assert!(line.contains("node=\"pilot-test\""), "{line}");
+    assert!(line.contains("peer=\"127.0.0.1:"), "{line}");
+    assert!(line.contains("a route to nowhere"), "{line}");
+}

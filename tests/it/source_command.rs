@@ -117,6 +117,17 @@ async fn a_gateway_in_client_mode_follows_source_listen() {
     .await;
     // Ready once the directory is read; the probe paths answer.
     assert_eq!(http_get(source.monitoring, "/readyz").await.0, 200);
+
+    // At shutdown its clients are told the source goes, not a gateway.
+    let mut sink = crate::helpers::clients::PilotSink::connect(source.listen, &[VS], false).await;
+    sink.recv_and_ack().await;
+    assert!(within("the source to stop", source.shutdown()).await);
+    let status = sink.stream.end_status().await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(
+        status.message(),
+        "the source is shutting down; reconnect to another replica"
+    );
 }
 
 /// A dial-out gateway with mTLS on its sink port, and a source dialling it
