@@ -76,6 +76,14 @@ pub fn resolve<'a>(
     if known.contains(&given) {
         return Ok(given.to_owned());
     }
+    // Under the shortest prefix is a 400 whether or not it begins a version:
+    // what it answers must not depend on the history's content.
+    if given.chars().count() < MIN_PREFIX {
+        return Err(VersionError::TooShort {
+            collection: collection.to_owned(),
+            given: given.to_owned(),
+        });
+    }
     let mut matches: Vec<String> = known
         .iter()
         .filter(|v| !given.is_empty() && v.starts_with(given))
@@ -87,10 +95,6 @@ pub fn resolve<'a>(
             collection: collection.to_owned(),
             given: given.to_owned(),
             kept,
-        }),
-        _ if given.chars().count() < MIN_PREFIX => Err(VersionError::TooShort {
-            collection: collection.to_owned(),
-            given: given.to_owned(),
         }),
         1 => Ok(matches.remove(0)),
         _ => Err(VersionError::Ambiguous {
@@ -146,9 +150,13 @@ mod tests {
         let short = named("fedcba9").unwrap_err();
         assert!(matches!(short, VersionError::TooShort { .. }), "{short}");
         assert!(short.to_string().contains("at least 8"), "{short}");
-        let missing = named("nope").unwrap_err();
+        let missing = named("nope0000").unwrap_err();
         assert_eq!(missing.status(), StatusCode::NOT_FOUND);
         assert!(missing.to_string().contains("--history=10"), "{missing}");
-        assert!(matches!(named(""), Err(VersionError::NotFound { .. })));
+        // Under eight characters: 400, whether it begins a version or not.
+        for given in ["", "abc", "nope", "fedcba9"] {
+            let short = named(given).unwrap_err();
+            assert_eq!(short.status(), StatusCode::BAD_REQUEST, "{given:?}: {short}");
+        }
     }
 }
