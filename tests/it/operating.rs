@@ -1492,3 +1492,45 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
         "{stderr}"
     );
 }
+
+/// An upstream that goes away once the gateway holds its state: clients
+/// are still served (ready, SYNCED), and `status` leads with the
+/// disconnected upstream and exits 1, as the index and `/debug/syncz` do.
+#[tokio::test]
+async fn a_disconnected_upstream_is_shown_where_operators_look() {
+    let (galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv().await;
+    client.ack(&first);
+    crate::helpers::eventually_async("the client SYNCED", || async {
+        first_row(gw.admin).await["status"] == "SYNCED"
+    })
+    .await;
+    let admin = gw.admin.to_string();
+    let (code, _, stderr) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+
+    galley.stop().await;
+    drop(upstream);
+    let problem = crate::helpers::eventually_some("the disconnected upstream in /debug/syncz", || async {
+        let syncz = json(gw.admin, "/debug/syncz").await;
+        syncz["source"]["problems"][0].as_str().map(str::to_owned)
+    })
+    .await;
+    assert!(
+        problem.starts_with("SOURCE: the upstream ") && problem.contains(" is disconnected since "),
+        "{problem}"
+    );
+    let (code, stdout, _) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(stdout.starts_with("SOURCE: the upstream "), "{stdout}");
+    let (_, index) = http_get_with(gw.admin, "/", "Accept: application/json\r\n").await;
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    assert_eq!(
+        (index["source"]["healthy"].clone(), index["ready"].clone()),
+        (false.into(), true.into()),
+        "{index}"
+    );
+}
