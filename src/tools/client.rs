@@ -23,7 +23,9 @@ use tonic::transport::Channel;
 use crate::proto::aggregated_mesh_config_service_client::AggregatedMeshConfigServiceClient;
 use crate::proto::envoy::config::core::v3::Node;
 use crate::proto::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use crate::proto::envoy::service::discovery::v3::{DeltaDiscoveryRequest, DiscoveryRequest};
+use crate::proto::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
 use crate::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, Resource, SinkNode};
 use crate::source::proto_json::BodyDecoder;
 use crate::transport::connect::Dial;
@@ -516,46 +518,65 @@ async fn sotw_once(
         Ok(client) => client,
         Err(status) => return (false, Some(status)),
     };
-    let mut stream = match client
+    let stream = match client
         .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
     {
         Ok(response) => response.into_inner(),
         Err(status) => return (false, Some(status)),
     };
-    let mut delivered = false;
-    let mut tx = Some(tx);
-    let mut firsts = FirstResponses::new(once, &type_urls);
+    let firsts = FirstResponses::new(once, &type_urls);
+    // ACK like a real client: the version and nonce just received.
+    let ack = |response: &crate::proto::MeshConfigResponse| {
+        let request = MeshConfigRequest {
+            version_info: response.version_info.clone(),
+            sink_node: Some(node.clone()),
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            error_detail: None,
+        };
+        (response.type_url.clone(), request)
+    };
+    let update = |response: crate::proto::MeshConfigResponse| Update {
+        type_url: response.type_url,
+        version: response.version_info,
+        resources: summary(&response.resources),
+        raw: response.resources,
+        removed: Vec::new(),
+        full: true,
+    };
+    follow(stream, tx, firsts, ack, update, &events).await
+}
+
+/// Reads a stream to its end: each response ACKed (`ack`: its type and the
+/// request that ACKs it), recorded for `--once` (which ends the request
+/// stream after the last first response) and sent to the printer
+/// (`update`). Whether it delivered, and the status it ended with.
+async fn follow<Req, Resp>(
+    mut stream: tonic::Streaming<Resp>,
+    tx: mpsc::UnboundedSender<Req>,
+    mut firsts: FirstResponses,
+    mut ack: impl FnMut(&Resp) -> (String, Req),
+    mut update: impl FnMut(Resp) -> Update,
+    events: &mpsc::UnboundedSender<Event>,
+) -> (bool, Option<tonic::Status>) {
+    let (mut delivered, mut tx) = (false, Some(tx));
     loop {
         match stream.message().await {
             Ok(Some(response)) => {
                 delivered = true;
-                // ACK like a real client: the version and nonce just received.
+                let (type_url, request) = ack(&response);
                 if let Some(tx) = &tx {
-                    let _ = tx.send(MeshConfigRequest {
-                        version_info: response.version_info.clone(),
-                        sink_node: Some(node.clone()),
-                        type_url: response.type_url.clone(),
-                        response_nonce: response.nonce.clone(),
-                        error_detail: None,
-                    });
+                    let _ = tx.send(request);
                 }
-                if firsts.acked(&response.type_url) {
+                if firsts.acked(&type_url) {
                     tx = None;
                 }
-                let update = Update {
-                    type_url: response.type_url,
-                    version: response.version_info,
-                    resources: summary(&response.resources),
-                    raw: response.resources,
-                    removed: Vec::new(),
-                    full: true,
-                };
-                if events.send(Event::Update(update)).is_err() {
+                if events.send(Event::Update(update(response))).is_err() {
                     return (delivered, None);
                 }
             }
-            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
+            Ok(None) => return stream_ended(&firsts, delivered, None, events).await,
             Err(status) => return (delivered, Some(status)),
         }
     }
@@ -612,7 +633,7 @@ async fn incremental_once(
         Ok(client) => client,
         Err(status) => return (false, Some(status)),
     };
-    let mut stream = match client
+    let stream = match client
         .incremental_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
     {
@@ -622,50 +643,37 @@ async fn incremental_once(
     if resuming > 0 {
         eprintln!("{type_url}: reconnected, resuming with the {resuming} resources held (initial_resource_versions)");
     }
-    let mut delivered = false;
-    let mut tx = Some(tx);
-    let mut firsts = FirstResponses::new(once, std::slice::from_ref(&type_url));
-    loop {
-        match stream.message().await {
-            Ok(Some(response)) => {
-                delivered = true;
-                if let Some(tx) = &tx {
-                    let _ = tx.send(IncrementalMeshConfigRequest {
-                        sink_node: Some(node.clone()),
-                        type_url: type_url.clone(),
-                        response_nonce: response.nonce.clone(),
-                        ..Default::default()
-                    });
-                }
-                if firsts.acked(&type_url) {
-                    tx = None;
-                }
-                let resources = summary(&response.resources);
-                {
-                    let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
-                    for (name, version, _) in &resources {
-                        held.insert(name.clone(), version.clone());
-                    }
-                    for name in &response.removed_resources {
-                        held.remove(name);
-                    }
-                }
-                let update = Update {
-                    type_url: type_url.clone(),
-                    version: response.system_version_info,
-                    resources,
-                    raw: response.resources,
-                    removed: response.removed_resources,
-                    full: false,
-                };
-                if events.send(Event::Update(update)).is_err() {
-                    return (delivered, None);
-                }
+    let firsts = FirstResponses::new(once, std::slice::from_ref(&type_url));
+    let ack = |response: &crate::proto::IncrementalMeshConfigResponse| {
+        let request = IncrementalMeshConfigRequest {
+            sink_node: Some(node.clone()),
+            type_url: type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            ..Default::default()
+        };
+        (type_url.clone(), request)
+    };
+    let update = |response: crate::proto::IncrementalMeshConfigResponse| {
+        let resources = summary(&response.resources);
+        {
+            let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+            for (name, version, _) in &resources {
+                held.insert(name.clone(), version.clone());
             }
-            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
-            Err(status) => return (delivered, Some(status)),
+            for name in &response.removed_resources {
+                held.remove(name);
+            }
         }
-    }
+        Update {
+            type_url: type_url.clone(),
+            version: response.system_version_info,
+            resources,
+            raw: response.resources,
+            removed: response.removed_resources,
+            full: false,
+        }
+    };
+    follow(stream, tx, firsts, ack, update, &events).await
 }
 
 // === Envoy's v3 ADS ===
@@ -752,50 +760,39 @@ async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool
     for type_url in &xds.type_urls {
         let _ = tx.send(request(type_url, "", ""));
     }
-    let mut client = match xds_client(xds).await {
-        Ok(client) => client,
-        Err(status) => return (false, Some(status)),
+    let opened = match xds_client(xds).await {
+        Ok(mut client) => {
+            client
+                .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
+                .await
+        }
+        Err(status) => Err(status),
     };
-    let mut stream = match client
-        .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
-        .await
-    {
+    let stream = match opened {
         Ok(response) => response.into_inner(),
         Err(status) => return (false, Some(status)),
     };
-    let (mut delivered, mut tx) = (false, Some(tx));
-    let mut firsts = FirstResponses::new(xds.once, &xds.type_urls);
-    loop {
-        match stream.message().await {
-            Ok(Some(response)) => {
-                delivered = true;
-                if let Some(tx) = &tx {
-                    let _ = tx.send(request(&response.type_url, &response.version_info, &response.nonce));
-                }
-                if firsts.acked(&response.type_url) {
-                    tx = None;
-                }
-                let raw: Vec<Resource> = response
-                    .resources
-                    .into_iter()
-                    .map(|any| xds_resource(any, None, String::new(), &xds.bodies))
-                    .collect();
-                let update = Update {
-                    type_url: response.type_url,
-                    version: response.version_info,
-                    resources: summary(&raw),
-                    raw,
-                    removed: Vec::new(),
-                    full: true,
-                };
-                if events.send(Event::Update(update)).is_err() {
-                    return (delivered, None);
-                }
-            }
-            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
-            Err(status) => return (delivered, Some(status)),
+    let firsts = FirstResponses::new(xds.once, &xds.type_urls);
+    let ack = |response: &DiscoveryResponse| {
+        let request = request(&response.type_url, &response.version_info, &response.nonce);
+        (response.type_url.clone(), request)
+    };
+    let update = |response: DiscoveryResponse| {
+        let raw: Vec<Resource> = response
+            .resources
+            .into_iter()
+            .map(|any| xds_resource(any, None, String::new(), &xds.bodies))
+            .collect();
+        Update {
+            type_url: response.type_url,
+            version: response.version_info,
+            resources: summary(&raw),
+            raw,
+            removed: Vec::new(),
+            full: true,
         }
-    }
+    };
+    follow(stream, tx, firsts, ack, update, &events).await
 }
 
 /// One delta ADS stream: each type subscribed (to `--names`, or wildcard),
@@ -810,57 +807,46 @@ async fn xds_delta_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (boo
             ..Default::default()
         });
     }
-    let mut client = match xds_client(xds).await {
-        Ok(client) => client,
-        Err(status) => return (false, Some(status)),
+    let opened = match xds_client(xds).await {
+        Ok(mut client) => {
+            client
+                .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
+                .await
+        }
+        Err(status) => Err(status),
     };
-    let mut stream = match client
-        .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
-        .await
-    {
+    let stream = match opened {
         Ok(response) => response.into_inner(),
         Err(status) => return (false, Some(status)),
     };
-    let (mut delivered, mut tx) = (false, Some(tx));
-    let mut firsts = FirstResponses::new(xds.once, &xds.type_urls);
-    loop {
-        match stream.message().await {
-            Ok(Some(response)) => {
-                delivered = true;
-                if let Some(tx) = &tx {
-                    let _ = tx.send(DeltaDiscoveryRequest {
-                        type_url: response.type_url.clone(),
-                        response_nonce: response.nonce.clone(),
-                        ..Default::default()
-                    });
-                }
-                if firsts.acked(&response.type_url) {
-                    tx = None;
-                }
-                let raw: Vec<Resource> = response
-                    .resources
-                    .into_iter()
-                    .map(|r| {
-                        let any = r.resource.unwrap_or_default();
-                        xds_resource(any, Some(r.name), r.version, &xds.bodies)
-                    })
-                    .collect();
-                let update = Update {
-                    type_url: response.type_url,
-                    version: response.system_version_info,
-                    resources: summary(&raw),
-                    raw,
-                    removed: response.removed_resources,
-                    full: false,
-                };
-                if events.send(Event::Update(update)).is_err() {
-                    return (delivered, None);
-                }
-            }
-            Ok(None) => return stream_ended(&firsts, delivered, None, &events).await,
-            Err(status) => return (delivered, Some(status)),
+    let firsts = FirstResponses::new(xds.once, &xds.type_urls);
+    let ack = |response: &DeltaDiscoveryResponse| {
+        let request = DeltaDiscoveryRequest {
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            ..Default::default()
+        };
+        (response.type_url.clone(), request)
+    };
+    let update = |response: DeltaDiscoveryResponse| {
+        let raw: Vec<Resource> = response
+            .resources
+            .into_iter()
+            .map(|r| {
+                let any = r.resource.unwrap_or_default();
+                xds_resource(any, Some(r.name), r.version, &xds.bodies)
+            })
+            .collect();
+        Update {
+            type_url: response.type_url,
+            version: response.system_version_info,
+            resources: summary(&raw),
+            raw,
+            removed: response.removed_resources,
+            full: false,
         }
-    }
+    };
+    follow(stream, tx, firsts, ack, update, &events).await
 }
 
 /// `--output names|json|yaml`: what follows the update line.

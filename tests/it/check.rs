@@ -54,6 +54,21 @@ fn findings(json: &str) -> Vec<(String, u64, String, String)> {
         .collect()
 }
 
+/// `--output json`'s findings are `expected` ((file name, line, part of the
+/// message)) in order, each of `severity`.
+fn assert_found(json: &str, expected: &[(&str, u64, &str)], severity: &str) {
+    let found = findings(json);
+    assert_eq!(found.len(), expected.len(), "{json}");
+    for ((file, line, shown, message), (want_file, want_line, want_message)) in found.iter().zip(expected) {
+        assert_eq!(
+            (file.as_str(), *line, shown.as_str()),
+            (*want_file, *want_line, severity),
+            "{message}"
+        );
+        assert!(message.contains(want_message), "{file}: {message}");
+    }
+}
+
 #[tokio::test]
 async fn the_examples_pass_clean() {
     let (istio, envoy) = (examples("config"), examples("envoy/config"));
@@ -159,16 +174,7 @@ async fn every_bad_file_is_its_own_finding_at_its_line() {
     if fifo_made {
         expected.insert(3, ("fifo.yaml", 0, "not a regular file"));
     }
-    let found = findings(&stdout);
-    assert_eq!(found.len(), expected.len(), "{stdout}");
-    for ((file, line, severity, message), (want_file, want_line, want_message)) in found.iter().zip(&expected) {
-        assert_eq!(
-            (file.as_str(), *line, severity.as_str()),
-            (*want_file, *want_line, "error"),
-            "{message}"
-        );
-        assert!(message.contains(want_message), "{file}: {message}");
-    }
+    assert_found(&stdout, &expected, "error");
     assert!(
         stderr.contains(&format!("{} errors, 0 warnings", expected.len())),
         "{stderr}"
@@ -295,7 +301,6 @@ async fn cross_references_a_deploy_would_trip_on_are_warnings_and_strict_makes_t
     let path = dir.path().display().to_string();
     let (code, stdout, stderr) = check(&["-o", "json", &path]).await;
     assert_eq!(code, Some(0), "warnings only: {stdout}{stderr}");
-    let found = findings(&stdout);
     let expected = [
         (
             "a-istio.yaml",
@@ -313,15 +318,7 @@ async fn cross_references_a_deploy_would_trip_on_are_warnings_and_strict_makes_t
         ("b-envoy.yaml", 33, "cluster \"nowhere\", which no file defines"),
         ("c-again.yaml", 1, "also defined at"),
     ];
-    assert_eq!(found.len(), expected.len(), "{stdout}");
-    for ((file, line, severity, message), (want_file, want_line, want_message)) in found.iter().zip(&expected) {
-        assert_eq!(
-            (file.as_str(), *line, severity.as_str()),
-            (*want_file, *want_line, "warning"),
-            "{message}"
-        );
-        assert!(message.contains(want_message), "{file}: {message}");
-    }
+    assert_found(&stdout, &expected, "warning");
     let parsed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(parsed[0]["collection"], "istio/networking/v1alpha3/virtualservices");
     assert_eq!(parsed[0]["name"], "bookinfo/ratings");

@@ -1264,6 +1264,21 @@ async fn status_on_a_port_that_is_not_the_admin_port_exits_2_saying_so() {
     }
 }
 
+/// A client of VS that ACKed it, shown SYNCED, and `status` exiting 0.
+async fn synced_and_status_0(gw: &mcp_xds_gateway::app::Bound) -> SotwClient {
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let response = client.recv().await;
+    client.ack(&response);
+    crate::helpers::eventually_async("the client SYNCED", || async {
+        first_row(gw.admin).await["status"] == "SYNCED"
+    })
+    .await;
+    let (code, _, stderr) = subcommand("status", &["--admin", &gw.admin.to_string()]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    client
+}
+
 /// A file that breaks while the gateway runs: it keeps serving the file's
 /// last good state (ready, gRPC health SERVING, every client SYNCED), and
 /// the index, `/debug/syncz` and `status` lead with it; `status` exits 1.
@@ -1279,17 +1294,8 @@ async fn a_file_broken_at_run_time_is_shown_where_operators_look() {
     let file = dir.path().join("vs.yaml");
     std::fs::write(&file, good).unwrap();
     let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap(), "--collections", VS]).await;
-    let mut client = sotw(gw.listen).await;
-    client.subscribe(VS);
-    let response = client.recv().await;
-    client.ack(&response);
-    crate::helpers::eventually_async("the client SYNCED", || async {
-        first_row(gw.admin).await["status"] == "SYNCED"
-    })
-    .await;
+    let client = synced_and_status_0(&gw).await;
     let admin = gw.admin.to_string();
-    let (code, _, stderr) = subcommand("status", &["--admin", &admin]).await;
-    assert_eq!(code, Some(0), "{stderr}");
 
     std::fs::write(&file, good.replace("hosts: [a]", "hosts: [a]\n  htp: []")).unwrap();
     let source = crate::helpers::eventually_some("the broken file in /debug/syncz", || async {
@@ -1507,4 +1513,36 @@ async fn the_nack_warning_names_the_node_and_the_peer() {
     assert!(line.contains("node=\"pilot-test\""), "{line}");
     assert!(line.contains("peer=\"127.0.0.1:"), "{line}");
     assert!(line.contains("a route to nowhere"), "{line}");
+
+/// An upstream that goes away once the gateway holds its state: clients
+/// are still served (ready, SYNCED), and `status` leads with the
+/// disconnected upstream and exits 1, as the index and `/debug/syncz` do.
+#[tokio::test]
+async fn a_disconnected_upstream_is_shown_where_operators_look() {
+    let (galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let _client = synced_and_status_0(&gw).await;
+    let admin = gw.admin.to_string();
+
+    galley.stop().await;
+    drop(upstream);
+    let problem = crate::helpers::eventually_some("the disconnected upstream in /debug/syncz", || async {
+        let syncz = json(gw.admin, "/debug/syncz").await;
+        syncz["source"]["problems"][0].as_str().map(str::to_owned)
+    })
+    .await;
+    assert!(
+        problem.starts_with("SOURCE: the upstream ") && problem.contains(" is disconnected since "),
+        "{problem}"
+    );
+    let (code, stdout, _) = subcommand("status", &["--admin", &admin]).await;
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(stdout.starts_with("SOURCE: the upstream "), "{stdout}");
+    let (_, index) = http_get_with(gw.admin, "/", "Accept: application/json\r\n").await;
+    let index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    assert_eq!(
+        (index["source"]["healthy"].clone(), index["ready"].clone()),
+        (false.into(), true.into()),
+        "{index}"
+    );
 }
