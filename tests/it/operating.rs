@@ -1513,6 +1513,7 @@ async fn the_nack_warning_names_the_node_and_the_peer() {
     assert!(line.contains("node=\"pilot-test\""), "{line}");
     assert!(line.contains("peer=\"127.0.0.1:"), "{line}");
     assert!(line.contains("a route to nowhere"), "{line}");
+}
 
 /// An upstream that goes away once the gateway holds its state: clients
 /// are still served (ready, SYNCED), and `status` leads with the
