@@ -232,7 +232,7 @@ async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name(
     // curl: the pin takes, is counted and so is a control that fails.
     let (status, body) = http_request(gw.admin, "POST", &pin, "").await;
     assert_eq!(status, 200, "{body}");
-    let (status, _) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope"), "").await;
+    let (status, _) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope0000"), "").await;
     assert_eq!(status, 404);
     let (status, _) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
     assert_eq!(status, 200);

@@ -330,9 +330,15 @@ async fn a_pin_rolls_every_client_back_and_the_unpin_forward() {
     );
 
     // Errors: an unknown version, an unknown collection, no version.
-    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope"), "").await;
+    let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope0000"), "").await;
     assert_eq!(code, 404, "{body}");
-    assert!(body.contains("\"nope\"") && body.contains("--history"), "{body}");
+    assert!(body.contains("\"nope0000\"") && body.contains("--history"), "{body}");
+    // Under eight characters: too short to name a version, whatever it begins.
+    for given in ["abc", &v1[..6]] {
+        let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={given}"), "").await;
+        assert_eq!(code, 400, "{given}: {body}");
+        assert!(body.contains("too short"), "{body}");
+    }
     let (code, body) = http_request(gw.admin, "POST", "/pin/no/such/collection?version=x", "").await;
     assert_eq!(code, 404, "{body}");
     assert!(body.contains("no/such/collection"), "{body}");
@@ -542,12 +548,12 @@ async fn the_rollout_command_reads_and_drives_the_admin_port() {
     );
     let unknown = rollout(Action::Pin {
         collection: VS.into(),
-        version: "gone".into(),
+        version: "gone0000".into(),
     })
     .await
     .unwrap_err();
     assert!(
-        format!("{unknown:#}").contains("404") && format!("{unknown:#}").contains("\"gone\""),
+        format!("{unknown:#}").contains("404") && format!("{unknown:#}").contains("\"gone0000\""),
         "{unknown:#}"
     );
 }
