@@ -369,7 +369,8 @@ fn record_nack(
             %type_url,
             version = %nack.version,
             code = nack.code,
-            nack_message = %nack.message,
+            // Quoted: a client's message with line breaks stays one log line.
+            nack_message = ?nack.message,
             skipped,
             "client NACKed a version; it keeps its previous state and this version is not sent to it again"
         );

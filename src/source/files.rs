@@ -841,7 +841,7 @@ impl LocalSource {
         match result {
             Ok(parsed) => {
                 if state.error.take().is_some() {
-                    tracing::info!(count = parsed.len(), "a source file parses again");
+                    tracing::info!(file = %path, resources = parsed.len(), "a source file parses again");
                 }
                 let struct_bodies: BTreeSet<Arc<str>> = parsed
                     .iter()
@@ -861,11 +861,20 @@ impl LocalSource {
             }
             Err(error) => {
                 if state.error.as_ref() != Some(&error) {
-                    tracing::warn!(
-                        %error,
-                        kept = state.good.len(),
-                        "a source file does not parse; its collections keep their last good state"
-                    );
+                    // At start there is no last good state to keep: what
+                    // the file holds is not served until it parses.
+                    if state.good.is_empty() && state.error.is_none() {
+                        tracing::warn!(
+                            %error,
+                            "a source file does not parse; what it holds is not served until it does"
+                        );
+                    } else {
+                        tracing::warn!(
+                            %error,
+                            kept = state.good.len(),
+                            "a source file does not parse; its collections keep their last good state"
+                        );
+                    }
                 }
                 state.error = Some(error);
             }

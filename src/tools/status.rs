@@ -164,6 +164,12 @@ pub(crate) async fn call(authority: &str, method: hyper::Method, path: &str) -> 
     serde_json::from_slice(&body).with_context(|| format!("{path} is not JSON"))
 }
 
+/// A client's message on one line of the table: its line breaks shown as
+/// `\n`, trailing ones dropped.
+fn one_line(message: &str) -> String {
+    message.trim_end().replace('\r', "").replace('\n', "\\n")
+}
+
 /// The status table of a `/debug/syncz` view.
 pub fn render(syncz: &Value) -> String {
     render_table(syncz, false)
@@ -242,8 +248,9 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             nacks.push((
                 nack["superseded"].as_bool() == Some(true),
                 format!(
-                    "{node} {}: {message} ({}, {when})",
+                    "{node} {}: {} ({}, {when})",
                     text(&row["collection"]),
+                    one_line(message),
                     short_version(&nack["version"])
                 ),
             ));
@@ -319,6 +326,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         let _ = writeln!(out, "{}", problem.as_str().unwrap_or_default());
     }
     if let Some(why) = syncz["not_ready"].as_str() {
+        let why = why.strip_prefix("not ready: ").unwrap_or(why);
         let _ = writeln!(out, "NOT READY: {why}\n");
     }
     for line in std::iter::once(&header).chain(&lines) {
@@ -493,6 +501,21 @@ pub async fn run(args: StatusArgs, out: &mut impl std::io::Write) -> anyhow::Res
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_nack_message_with_line_breaks_stays_on_its_line() {
+        let syncz = serde_json::json!({
+            "rows": [{
+                "stream": 1, "node_id": "envoy-1", "peer": "127.0.0.1:1", "protocol": "xds-sotw",
+                "collection": "envoy/config/cluster/v3/clusters", "status": "NACKED", "for_seconds": 3.0,
+                "nack": {"message": "line one\nline two\n", "version": "0123456789abcdef", "age_seconds": 3.0},
+            }],
+        });
+        let text = render(&syncz);
+        let nack = text.lines().find(|l| l.starts_with("NACK ")).expect("a NACK line");
+        assert!(nack.contains("line one\\nline two (0123456789ab, NACKed"), "{text}");
+        assert!(!text.contains("\nline two"), "{text}");
+    }
+
     use super::*;
 
     #[test]
@@ -504,9 +527,10 @@ mod tests {
             }],
             // Every row of the gateway, where a filter showed one.
             "summary": {"clients": {"SYNCED": 19}},
-            "not_ready": "waiting for the first state of 1 collection (istio/networking/v1alpha3/gateways)",
+            "not_ready": "not ready: waiting for the first state of 1 collection (istio/networking/v1alpha3/gateways)",
         });
         let text = render(&syncz);
+        assert!(!text.contains("not ready: "), "said once: {text}");
         assert!(
             text.starts_with("NOT READY: waiting for the first state of 1 collection"),
             "{text}"

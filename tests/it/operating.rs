@@ -1547,3 +1547,28 @@ async fn a_disconnected_upstream_is_shown_where_operators_look() {
         "{index}"
     );
 }
+
+/// The files source's log lines say which file, and at start a broken file
+/// has no last good state to keep.
+#[tokio::test]
+async fn the_files_sources_log_names_the_file_and_what_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let good =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/networking.yaml")).unwrap();
+    let file = dir.path().join("networking.yaml");
+    std::fs::write(&file, "kind: [\n").unwrap();
+    std::fs::write(dir.path().join("other.yaml"), &good.replace("bookinfo", "other")).unwrap();
+    let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    // Logged at start, before the gateway listens.
+    let line = gw
+        .log
+        .iter()
+        .find(|l| l.contains("a source file does not parse"))
+        .cloned()
+        .unwrap_or_else(|| panic!("no line about the broken file: {:?}", gw.log));
+    assert!(line.contains("not served until it does"), "{line}");
+    assert!(line.contains("networking.yaml"), "{line}");
+    std::fs::write(&file, &good).unwrap();
+    let line = gw.log_line("a source file parses again").await;
+    assert!(line.contains("networking.yaml"), "names the file: {line}");
+}
