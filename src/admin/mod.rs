@@ -643,7 +643,7 @@ async fn cache_collection(
 /// out shows the value it took: the source directory, the node id, ...),
 /// and the log filter in force (`--log-level` shows it too, once `POST
 /// /logging` or `RUST_LOG` set it).
-async fn config(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+async fn config(State(state): State<AdminState>, Query(positions): Query<Positions>, headers: HeaderMap) -> Response {
     let mut flags = (*state.config).clone();
     if let Some(logs) = &state.logs {
         let log_level = flags
@@ -667,6 +667,15 @@ async fn config(State(state): State<AdminState>, headers: HeaderMap) -> Response
         "log_filter": state.logs.as_ref().map(|l| l.current()),
         "version": env!("CARGO_PKG_VERSION"),
     });
+    if wants_html(&headers) {
+        // A long value (a list of collections) wraps; a flag's name never.
+        const CONFIG_STYLE: &str =
+            "<style>td{overflow-wrap:anywhere}td:first-child{white-space:nowrap;overflow-wrap:normal}</style>";
+        let page = page("Effective configuration", &value)
+            .replacen("</head>", &format!("{CONFIG_STYLE}</head>"), 1)
+            .replacen("</body>", &format!("{}</body>", positions.script()), 1);
+        return Html(page).into_response();
+    }
     view(&headers, "Effective configuration", value)
 }
 
@@ -1045,7 +1054,8 @@ impl Positions {
          cells.push({col:e.dataset.col,left:r.left,right:r.right,top:r.top,height:r.height,\
          lines:Math.round(r.height/line),text:e.textContent.slice(0,80)})});\
          var p=document.createElement('pre');p.id='positions';\
-         p.textContent=JSON.stringify({width:window.innerWidth,cells:cells});document.body.appendChild(p)})();\
+         p.textContent=JSON.stringify({width:window.innerWidth,scroll_width:document.documentElement.scrollWidth,\
+         cells:cells});document.body.appendChild(p)})();\
          </script>"
     }
 }

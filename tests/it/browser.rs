@@ -231,3 +231,34 @@ async fn a_broken_source_file_leads_both_pages_in_view() {
     }
     drop(client);
 }
+
+/// `/debug/config` with a long unbroken `--collections` value fits a
+/// 1,400 px window: the value wraps, no flag's name does.
+#[tokio::test]
+#[cfg_attr(
+    not(peer_chromium),
+    ignore = "needs Chromium: build and run with CHROMIUM_BIN set to its binary (.ci/run installs Debian's chromium)"
+)]
+async fn the_config_page_fits_1400_px() {
+    let chromium =
+        std::env::var("CHROMIUM_BIN").expect("CHROMIUM_BIN, set when the tests were built, is set when they run");
+    let collections = [
+        VS,
+        "istio/networking/v1alpha3/gateways",
+        "istio/networking/v1alpha3/destinationrules",
+        "istio/networking/v1alpha3/serviceentries",
+        "istio/networking/v1alpha3/sidecars",
+        "istio/networking/v1alpha3/envoyfilters",
+        "istio/security/v1beta1/authorizationpolicies",
+        "istio/security/v1beta1/peerauthentications",
+    ]
+    .join(",");
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config");
+    let gw = crate::helpers::start_gateway(&["--source-dir", examples, "--collections", &collections]).await;
+    let url = format!("http://{}/debug/config?positions", gw.admin);
+    let recorded = positions(&render(&chromium, &url).await);
+    assert!(
+        recorded["scroll_width"].as_f64().unwrap() <= WIDTH,
+        "the page scrolls sideways: {recorded}"
+    );
+}
