@@ -109,8 +109,10 @@ impl Clock {
     }
 
     /// `at` as a stamp (an instant before the registry began: its start).
+    /// Rounded up to the tenth: a time read back is never earlier than the
+    /// event (a type's first request never reads before its stream began).
     pub fn stamp(&self, at: tokio::time::Instant) -> Stamp {
-        let tenths = at.saturating_duration_since(self.began).as_millis() / 100;
+        let tenths = at.saturating_duration_since(self.began).as_millis().div_ceil(100);
         Stamp(u32::try_from(tenths).unwrap_or(u32::MAX - 1) + 1)
     }
 
@@ -358,5 +360,30 @@ impl RegistryEntry {
 impl Drop for RegistryEntry {
     fn drop(&mut self) {
         self.registry.streams.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A time read back from a stamp is never earlier than the event, so a
+    /// type's times never read before its stream's `connected_since`.
+    #[tokio::test(start_paused = true)]
+    async fn a_stamp_never_reads_earlier_than_its_event() {
+        let clock = Clock::default();
+        for ms in [0, 1, 99, 100, 101, 150, 1_999] {
+            let at = clock.began + Duration::from_millis(ms);
+            let read = clock.wall(clock.stamp(at)).unwrap();
+            let happened = clock.wall + Duration::from_millis(ms);
+            assert!(read >= happened, "{ms} ms: read {read:?} < {happened:?}");
+            assert!(
+                read.duration_since(happened).unwrap() < Duration::from_millis(100),
+                "{ms} ms: within a tenth"
+            );
+        }
+        tokio::time::advance(Duration::from_millis(250)).await;
+        let stamp = clock.now();
+        assert_eq!(clock.age(stamp), Some(Duration::ZERO));
     }
 }
