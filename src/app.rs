@@ -279,10 +279,19 @@ impl Watched {
     }
 }
 
-/// gRPC reflection of the embedded descriptors (v1 and v1alpha): made here
-/// to check, before anything is logged, that the descriptors read, and
-/// again by the step that serves them.
-fn reflection() -> Result<(impl Clone + Send, impl Clone + Send), AppError> {
+/// gRPC reflection of the embedded descriptors (v1 and v1alpha): made once
+/// before anything is logged, to check that the descriptors read, and again
+/// by the step that serves them.
+#[allow(clippy::type_complexity)]
+fn reflection() -> Result<
+    (
+        tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>,
+        tonic_reflection::server::v1alpha::ServerReflectionServer<
+            impl tonic_reflection::server::v1alpha::ServerReflection,
+        >,
+    ),
+    AppError,
+> {
     let builder = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
@@ -508,11 +517,8 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         state.cache.clone(),
         state.status_rx.clone(),
     );
-    let builder = || {
-        tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-    };
+    // Checked at start: the descriptors read.
+    let (reflection_v1, reflection_v1alpha) = reflection().expect("checked before anything was logged");
     let routes = match settings.serve {
         Serve::Gateway => tonic::service::Routes::new(AggregatedService::new(downstream.clone()))
             .add_service(resource_source.clone())
@@ -520,9 +526,8 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         Serve::ResourceSource | Serve::DialOut(_) => tonic::service::Routes::new(resource_source.clone()),
     }
     .add_service(health_service)
-    // Checked at start (`reflection`): the descriptors read.
-    .add_service(builder().build_v1().expect("checked at start"))
-    .add_service(builder().build_v1alpha().expect("checked at start"))
+    .add_service(reflection_v1)
+    .add_service(reflection_v1alpha)
     .prepare();
     let shared = SharedLimits::new(
         settings.max_connections,
