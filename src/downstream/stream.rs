@@ -634,7 +634,9 @@ impl<W: Wire> TypedStream<W> {
         let mut grant = None;
         let (resolved, answer) = match target {
             Target::Collection(resolved) => {
-                let policy = self.policy.borrow_and_update().clone();
+                // Not marked seen: a reload this stream has not yet applied
+                // to its other types still wakes it (`regrant`).
+                let policy = self.policy.borrow().clone();
                 grant = self
                     .shared
                     .grant(&policy, &self.identity, type_url, &resolved.collection)?;

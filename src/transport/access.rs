@@ -121,6 +121,11 @@ impl Pattern {
         })
     }
 
+    /// Written as a URI (`scheme://…`): it matches URI SANs; else DNS SANs.
+    fn is_uri(&self) -> bool {
+        self.text.contains("://")
+    }
+
     fn captures(&self) -> impl Iterator<Item = &str> {
         self.tokens.iter().filter_map(|t| match t {
             Token::Capture(name) => Some(name.as_str()),
@@ -447,7 +452,10 @@ impl NameGrant {
     fn new(mut globs: Vec<Glob>) -> Self {
         globs.sort();
         globs.dedup();
-        let key = globs.iter().map(Glob::to_string).collect::<Vec<_>>().join(",");
+        // As a JSON list: no text a capture holds (a `,`) makes two grants
+        // one key, whose clients would share one view.
+        let patterns: Vec<String> = globs.iter().map(Glob::to_string).collect();
+        let key = serde_json::to_string(&patterns).expect("strings serialize");
         NameGrant { key: key.into(), globs }
     }
 
@@ -464,7 +472,11 @@ impl NameGrant {
 /// How a peer is named in logs and views: its first SAN (URI SANs come
 /// first), or `unauthenticated`.
 pub fn display_identity(identity: &PeerIdentity) -> &str {
-    identity.names.first().map_or(UNAUTHENTICATED, String::as_str)
+    match identity.names.first() {
+        Some(name) => name,
+        None if identity.certificate => "(a certificate without URI or DNS SANs)",
+        None => UNAUTHENTICATED,
+    }
 }
 
 impl AccessPolicy {
@@ -602,13 +614,22 @@ impl AccessPolicy {
                 let matched: Vec<Vec<(&str, &str)>> = if pattern.text == UNAUTHENTICATED {
                     // Only a peer without a certificate; `*` and the other
                     // globs match certificate identities only.
-                    if identity.names.is_empty() {
-                        vec![Vec::new()]
-                    } else {
+                    if identity.certificate {
                         Vec::new()
+                    } else {
+                        vec![Vec::new()]
                     }
                 } else {
-                    identity.names.iter().filter_map(|name| pattern.matches(name)).collect()
+                    // A URI pattern matches URI SANs, any other DNS SANs: a
+                    // DNS SAN that spells a SPIFFE id is not that identity.
+                    let uri = pattern.is_uri();
+                    identity
+                        .names
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| identity.is_uri(*i) == uri)
+                        .filter_map(|(_, name)| pattern.matches(name))
+                        .collect()
                 };
                 for captured in matched {
                     for names in &rule.names {
@@ -652,10 +673,10 @@ impl AccessPolicy {
     pub fn explain(&self, identity: &str, collections: &[(Arc<str>, bool)]) -> BTreeMap<Arc<str>, Option<Grant>> {
         let peer = if identity == UNAUTHENTICATED {
             PeerIdentity::default()
+        } else if identity.contains("://") {
+            PeerIdentity::certified(vec![identity.to_owned()], Vec::new())
         } else {
-            PeerIdentity {
-                names: vec![identity.to_owned()],
-            }
+            PeerIdentity::certified(Vec::new(), vec![identity.to_owned()])
         };
         collections
             .iter()
@@ -703,10 +724,11 @@ fn line_of(text: &str, rule: usize, field: &str, item: Option<usize>) -> Option<
 mod tests {
     use super::*;
 
+    /// A certificate's identities: URI SANs (with `://`), then DNS SANs.
     fn peer(names: &[&str]) -> PeerIdentity {
-        PeerIdentity {
-            names: names.iter().map(|n| n.to_string()).collect(),
-        }
+        let (uris, dns): (Vec<String>, Vec<String>) =
+            names.iter().map(|n| n.to_string()).partition(|n| n.contains("://"));
+        PeerIdentity::certified(uris, dns)
     }
 
     fn policy(text: &str) -> AccessPolicy {
@@ -830,8 +852,55 @@ rules:
         };
         assert!(g.allows("*/x"));
         assert!(!g.allows("shop/x"), "the captured * is literal");
-        assert_ne!(g.key.as_ref(), "*/x", "a literal star is written escaped in the key");
+        assert_ne!(
+            g.key.as_ref(),
+            "[\"*/x\"]",
+            "a literal star is written escaped in the key"
+        );
     }
+
+    /// Grants made of different globs never share a key, whatever text the
+    /// captures hold (a `,` joined two globs into what one capture spelled).
+    #[test]
+    fn a_capture_holding_a_comma_does_not_make_two_grants_one() {
+        let p = policy(
+            "rules:\n- identities: [\"spiffe://x/ns/{ns}/sa/a\"]\n  collections: [c]\n  names: [\"{ns}\", \"b\"]\n",
+        );
+        let Some(Grant::Names(two)) = p.grant(&peer(&["spiffe://x/ns/a/sa/a"]), "c", false) else {
+            panic!()
+        };
+        let Some(Grant::Names(one)) = p.grant(&peer(&["spiffe://x/ns/a,b/sa/a"]), "c", false) else {
+            panic!()
+        };
+        assert!(!one.allows("a") && one.allows("a,b"));
+        assert!(two.allows("a"));
+        assert_ne!(one.key, two.key);
+    }
+
+    /// `unauthenticated` is a peer without a certificate, not one whose
+    /// certificate has no SANs; a DNS SAN spelling a URI is not that URI.
+    #[test]
+    fn identities_are_matched_by_their_kind() {
+        let p = policy(ISSUE);
+        let sanless = PeerIdentity::certified(Vec::new(), Vec::new());
+        assert_eq!(p.grant(&sanless, "envoy/config/cluster/v3/clusters", false), None);
+        assert_eq!(display_identity(&sanless), "(a certificate without URI or DNS SANs)");
+        let dns_spelling_a_uri = PeerIdentity::certified(Vec::new(), vec![FRONTEND_ID.into()]);
+        assert_eq!(p.grant(&dns_spelling_a_uri, SECRETS, true), None);
+        let p = policy("rules:\n- identities: [\"*.example\"]\n  collections: [c]\n");
+        assert_eq!(p.grant(&peer(&["web.example"]), "c", false), Some(Grant::All));
+        assert_eq!(
+            p.grant(
+                &PeerIdentity::certified(vec!["web.example".into()], Vec::new()),
+                "c",
+                false
+            ),
+            None,
+            "a DNS pattern does not match a URI SAN"
+        );
+    }
+
+    const FRONTEND_ID: &str = "spiffe://cluster.local/ns/shop/sa/frontend";
 
     #[test]
     fn globs_match_in_order_and_anchored() {

@@ -9,21 +9,45 @@ use std::fmt;
 use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
-/// A peer's identities, URI SANs first. Empty without a client certificate.
+/// A peer's identities, URI SANs first. Empty without a client certificate
+/// (and for a certificate without URI or DNS SANs: `certificate` tells the
+/// two apart).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PeerIdentity {
     pub names: Vec<String>,
+    /// How many of `names`, the first ones, are URI SANs; the rest are DNS
+    /// SANs.
+    pub uris: usize,
+    /// The peer presented a certificate (TLS verified it).
+    pub certificate: bool,
 }
 
 impl PeerIdentity {
-    /// The identities in a DER certificate; empty when it does not parse
+    /// A certificate's identities: `uris` (URI SANs), then `dns` (DNS SANs).
+    pub fn certified(uris: Vec<String>, dns: Vec<String>) -> Self {
+        let count = uris.len();
+        let mut names = uris;
+        names.extend(dns);
+        Self {
+            names,
+            uris: count,
+            certificate: true,
+        }
+    }
+
+    /// Whether `names[i]` is a URI SAN (else a DNS SAN).
+    pub fn is_uri(&self, i: usize) -> bool {
+        i < self.uris
+    }
+
+    /// The identities in a DER certificate; none when it does not parse
     /// (rustls has already verified it, so that does not happen in practice).
     pub fn from_der(der: &[u8]) -> Self {
         let Ok((_, cert)) = X509Certificate::from_der(der) else {
-            return Self::default();
+            return Self::certified(Vec::new(), Vec::new());
         };
         let Ok(Some(san)) = cert.subject_alternative_name() else {
-            return Self::default();
+            return Self::certified(Vec::new(), Vec::new());
         };
         let mut uris = Vec::new();
         let mut dns = Vec::new();
@@ -34,15 +58,18 @@ impl PeerIdentity {
                 _ => {}
             }
         }
-        uris.extend(dns);
-        Self { names: uris }
+        Self::certified(uris, dns)
     }
 }
 
 impl fmt::Display for PeerIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.names.is_empty() {
-            return f.write_str("no certificate identity");
+            return f.write_str(if self.certificate {
+                "a certificate without URI or DNS SANs"
+            } else {
+                "no certificate identity"
+            });
         }
         f.write_str(&self.names.join(", "))
     }
@@ -118,9 +145,7 @@ mod tests {
     use super::*;
 
     fn identity(names: &[&str]) -> PeerIdentity {
-        PeerIdentity {
-            names: names.iter().map(|n| n.to_string()).collect(),
-        }
+        PeerIdentity::certified(names.iter().map(|n| n.to_string()).collect(), Vec::new())
     }
 
     #[test]
@@ -166,6 +191,9 @@ mod tests {
                 "galley.istio-system.svc"
             ]
         );
-        assert_eq!(PeerIdentity::from_der(b"not a certificate"), PeerIdentity::default());
+        assert_eq!(identity.uris, 1, "the URI SAN, then the DNS SAN");
+        assert!(identity.certificate);
+        let unreadable = PeerIdentity::from_der(b"not a certificate");
+        assert!(unreadable.names.is_empty() && unreadable.certificate, "{unreadable:?}");
     }
 }

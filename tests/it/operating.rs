@@ -1557,7 +1557,7 @@ async fn the_files_sources_log_names_the_file_and_what_is_kept() {
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/networking.yaml")).unwrap();
     let file = dir.path().join("networking.yaml");
     std::fs::write(&file, "kind: [\n").unwrap();
-    std::fs::write(dir.path().join("other.yaml"), &good.replace("bookinfo", "other")).unwrap();
+    std::fs::write(dir.path().join("other.yaml"), good.replace("bookinfo", "other")).unwrap();
     let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", dir.path().to_str().unwrap()]).await;
     // Logged at start, before the gateway listens.
     let line = gw
