@@ -71,7 +71,14 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
         refused.message()
     );
     assert_eq!(gw.upstream.borrow().attempts, 0, "it never became the source");
-    assert!(metric(&gw, "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}").await >= 1);
+    assert!(
+        metric(
+            gw.monitoring,
+            "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}"
+        )
+        .await
+            >= 1
+    );
 
     let galley = ca.spiffe_leaf(GALLEY_ID);
     let mut source = dial_out(tls_channel(sink, &ca.pem, Some(&galley)).await.unwrap(), &[])
@@ -121,7 +128,14 @@ async fn a_second_source_learns_nothing_about_the_first() {
         !message.contains("127.0.0.1") && !message.contains("since"),
         "{message}"
     );
-    assert!(metric(&gw, "mcp_gateway_sink_refusals_total{reason=\"another_source\"}").await >= 1);
+    assert!(
+        metric(
+            gw.monitoring,
+            "mcp_gateway_sink_refusals_total{reason=\"another_source\"}"
+        )
+        .await
+            >= 1
+    );
 }
 
 #[tokio::test]
@@ -151,7 +165,7 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
     eventually("the frozen source to be dropped", || !gw.upstream.borrow().connected).await;
     assert!(
         metric(
-            &gw,
+            gw.monitoring,
             "mcp_gateway_connections_closed_total{listener=\"--sink-listen\",reason=\"keepalive_timeout\"}"
         )
         .await
@@ -510,7 +524,14 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
         String::from_utf8_lossy(&answer)
     );
     drop(held);
-    assert!(metric(&gw, "mcp_gateway_limit_refusals_total{limit=\"http_connections\"}").await >= 1);
+    assert!(
+        metric(
+            gw.monitoring,
+            "mcp_gateway_limit_refusals_total{limit=\"http_connections\"}"
+        )
+        .await
+            >= 1
+    );
 }
 
 #[tokio::test]
@@ -546,7 +567,7 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
     assert!(!std::fs::symlink_metadata(&vs_file).unwrap().file_type().is_symlink());
     within("a failed write to be counted", async {
         while metric(
-            &gw,
+            gw.monitoring,
             &format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}"),
         )
         .await
