@@ -17,7 +17,9 @@ use crate::helpers::certs::{tls_alert, write, write_leaf, Ca};
 use crate::helpers::clients::{self, incremental, sotw, tls_channel, SotwClient, SOTW_PATH};
 use crate::helpers::galley::{dial_out, full, resource, FakeGalley};
 use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
-use crate::helpers::{eventually, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS};
+use crate::helpers::{
+    eventually, eventually_some, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS,
+};
 use crate::limits::metric;
 
 const GALLEY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account";
@@ -406,7 +408,7 @@ async fn a_source_flooding_without_waiting_for_acks_is_answered_in_order() {
 
 #[tokio::test]
 async fn odd_but_harmless_requests_are_answered_by_the_rules() {
-    let (gw, _canary) = crate::limits::with_canary(&[]).await;
+    let (gw, mut canary) = crate::limits::with_canary(&[]).await;
     let mut client = sotw(gw.listen).await;
     // An ACK before any response: a nonce the gateway never issued on a
     // first request is accepted as the subscription (istiod does this).
@@ -414,16 +416,43 @@ async fn odd_but_harmless_requests_are_answered_by_the_rules() {
         response_nonce: "2021-09-09 06:45:36.069 +0000 UTC m=+0.51".into(),
         ..subscribe(VS)
     });
-    let vs = client.recv_type(VS).await;
+    let first = client.recv_type(VS).await;
     client.subscribe(GW);
     let gw_response = client.recv_type(GW).await;
-    // The nonce of another type is stale for this one: ignored.
-    client.request(VS, &vs.version_info, &gw_response.nonce);
+    // The nonce of another type is stale for this one: ignored, neither an
+    // ACK nor a NACK. VS's response stays outstanding: no new content is
+    // sent until it is ACKed.
+    client.request(VS, &first.version_info, &gw_response.nonce);
     client.ack(&gw_response);
-    // A NACK without a message is still a NACK: the version is held.
+    let view = |type_url: &str| {
+        gw.registry
+            .streams()
+            .into_iter()
+            .find(|s| s.types.contains_key(GW))
+            .and_then(|s| s.types.get(type_url).cloned())
+            .expect("the client's stream (the canary's follows only VS)")
+    };
+    // The ACK of GW, sent after, is read: so was the stale request.
+    eventually("GW's ACK to be read", || {
+        view(GW).acked_version.as_deref() == Some(gw_response.version_info.as_str())
+    })
+    .await;
+    let stale = view(VS);
+    assert!(
+        stale.outstanding && stale.acked_version.is_none() && stale.last_nack.is_none(),
+        "the stale nonce neither ACKed nor NACKed: {stale:?}"
+    );
+    client.ack(&first);
+    canary.check().await;
+    let second = client.recv_type(VS).await;
+    assert_ne!(second.version_info, first.version_info, "the next content");
+    let vs_view = || view(VS);
+
+    // A NACK without a message is still a NACK: the version is held, and
+    // never sent to this client again; the next content is.
     client.send(MeshConfigRequest {
         version_info: String::new(),
-        response_nonce: vs.nonce.clone(),
+        response_nonce: second.nonce.clone(),
         error_detail: Some(tonic_types::Status {
             code: Code::InvalidArgument as i32,
             message: String::new(),
@@ -431,23 +460,117 @@ async fn odd_but_harmless_requests_are_answered_by_the_rules() {
         }),
         ..subscribe(VS)
     });
-    eventually("the NACK to be recorded", || {
+    eventually("the NACK to be recorded", || vs_view().last_nack.is_some()).await;
+    let nack = vs_view().last_nack.unwrap();
+    assert_eq!(
+        (&*nack.version, nack.code, nack.message.as_str()),
+        (second.version_info.as_str(), Code::InvalidArgument as i32, "")
+    );
+    canary.check().await;
+    let third = client.recv_type(VS).await;
+    assert!(
+        third.version_info != second.version_info && third.version_info != first.version_info,
+        "the NACKed version is not re-sent; the next content is ({} after {})",
+        third.version_info,
+        second.version_info
+    );
+}
+
+/// A request as the wire may carry it: `error_detail` (field 5) and the
+/// entries of `initial_resource_versions` (field 3 of the incremental
+/// request) as raw bytes, so a test can send ones that do not decode.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireRequest {
+    #[prost(string, tag = "1")]
+    version_info: String,
+    #[prost(message, optional, tag = "2")]
+    sink_node: Option<mcp_xds_gateway::proto::SinkNode>,
+    #[prost(string, tag = "3")]
+    type_url: String,
+    #[prost(string, tag = "4")]
+    response_nonce: String,
+    #[prost(bytes = "vec", tag = "5")]
+    error_detail: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireIncrementalRequest {
+    #[prost(message, optional, tag = "1")]
+    sink_node: Option<mcp_xds_gateway::proto::SinkNode>,
+    #[prost(string, tag = "2")]
+    type_url: String,
+    #[prost(bytes = "vec", repeated, tag = "3")]
+    initial_resource_versions: Vec<Vec<u8>>,
+}
+
+/// Field 1 of google.rpc.Status (`code`) as a varint cut short: bytes that
+/// decode as no message.
+const UNDECODABLE: &[u8] = &[0x08, 0xff];
+
+#[tokio::test]
+async fn an_error_detail_or_map_entry_that_does_not_decode_is_answered_by_the_rules() {
+    let (gw, mut canary) = crate::limits::with_canary(&[]).await;
+    let mut client: clients::Bidi<WireRequest, mcp_xds_gateway::proto::MeshConfigResponse> = clients::Bidi::open_with(
+        clients::channel(gw.listen).await,
+        SOTW_PATH,
+        tonic_prost::ProstCodec::default(),
+    )
+    .await;
+    let subscription = WireRequest {
+        sink_node: clients::node(),
+        type_url: VS.into(),
+        ..Default::default()
+    };
+    client.send(subscription.clone());
+    let first = client.recv().await;
+    // An error_detail that does not decode: a NACK, code Unknown, saying so.
+    client.send(WireRequest {
+        response_nonce: first.nonce.clone(),
+        error_detail: UNDECODABLE.to_vec(),
+        ..subscription
+    });
+    let nack = eventually_some("the NACK to be recorded", || async {
         gw.registry
             .streams()
-            .iter()
-            .any(|s| s.types.get(VS).is_some_and(|t| t.last_nack.is_some()))
+            .into_iter()
+            .filter_map(|s| s.types.get(VS).and_then(|t| t.last_nack.clone()))
+            .find(|n| *n.version == *first.version_info)
     })
     .await;
-    let views = gw.registry.streams();
-    let view = views
-        .iter()
-        .find_map(|s| s.types.get(VS).filter(|t| t.last_nack.is_some()))
-        .unwrap();
-    assert_eq!(
-        view.last_nack.as_ref().unwrap().version,
-        vs.version_info.as_str().into()
+    assert_eq!(nack.code, Code::Unknown as i32, "{nack:?}");
+    assert!(
+        nack.message.contains("error_detail does not decode"),
+        "{}",
+        nack.message
     );
-    assert!(view.acked_version.is_none());
+    // The stream goes on: the next content is sent.
+    canary.check().await;
+    assert_ne!(client.recv().await.version_info, first.version_info);
+
+    // A map entry of initial_resource_versions that does not decode: the
+    // incremental stream ends INVALID_ARGUMENT, naming the field.
+    let mut incremental: clients::Bidi<WireIncrementalRequest, mcp_xds_gateway::proto::IncrementalMeshConfigResponse> =
+        clients::Bidi::open_with(
+            clients::channel(gw.listen).await,
+            clients::INCREMENTAL_PATH,
+            tonic_prost::ProstCodec::default(),
+        )
+        .await;
+    incremental.send(WireIncrementalRequest {
+        sink_node: clients::node(),
+        type_url: VS.into(),
+        initial_resource_versions: vec![UNDECODABLE.to_vec()],
+    });
+    let status = incremental.end_status().await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("initial_resource_versions does not decode as a map of names to versions"),
+        "{}",
+        status.message()
+    );
+    canary.check().await;
 }
 
 fn subscribe(type_url: &str) -> MeshConfigRequest {
