@@ -119,8 +119,16 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
 
 #[tokio::test]
 async fn a_second_source_learns_nothing_about_the_first() {
-    let gw = start_gateway(&["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS]).await;
-    let sink = gw.sink.unwrap();
+    // A gateway process of its own: its refusal count is its own (every
+    // in-process gateway shares one recorder, which other dial-out tests
+    // move too).
+    let sink = crate::helpers::free_addr();
+    let sink_flag = sink.to_string();
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &["--sink-listen", &sink_flag, "--sink-insecure", "--collections", VS],
+    )
+    .await;
     let mut first = dial_out(clients::channel(sink).await, &[]).await.unwrap();
     first.initial_requests(1).await;
     let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
@@ -130,14 +138,12 @@ async fn a_second_source_learns_nothing_about_the_first() {
         !message.contains("127.0.0.1") && !message.contains("since"),
         "{message}"
     );
-    assert!(
-        metric(
-            gw.monitoring,
-            "mcp_gateway_sink_refusals_total{reason=\"another_source\"}"
-        )
-        .await
-            >= 1
-    );
+    crate::limits::metric_is(
+        gw.monitoring,
+        "mcp_gateway_sink_refusals_total{reason=\"another_source\"}",
+        1,
+    )
+    .await;
 }
 
 #[tokio::test]
