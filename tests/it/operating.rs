@@ -673,22 +673,43 @@ async fn the_client_command_prints_updates_and_exits_once_everything_arrived() {
 
 #[tokio::test]
 async fn connections_past_their_maximum_age_are_closed_and_clients_come_back() {
-    let mut galley = FakeGalley::start().await;
-    let gw = gateway_for(
-        &galley,
-        &[VS],
-        &["--max-connection-age", "300ms", "--max-connection-age-grace", "200ms"],
+    use crate::helpers::h2raw::{self, grpc_headers, RawConn};
+    // A gateway process of its own: the `max_age` count is its own.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.yaml"),
+        format!("collection: {VS}\nname: ns/a\nversion: \"1\"\nbody:\n  struct: {{a: 1}}\n"),
+    )
+    .unwrap();
+    let source = dir.path().to_str().unwrap();
+    let flags = [
+        "--source-dir",
+        source,
+        "--collections",
+        VS,
+        "--max-connection-age",
+        "300ms",
+        "--max-connection-age-grace",
+        "200ms",
+    ];
+    let gw = crate::helpers::spawn_gateway(None, &flags).await;
+    // A connection with a live stream: past its age it gets GOAWAY
+    // NO_ERROR, and is closed after the grace.
+    let mut conn = RawConn::http2(gw.listen).await;
+    conn.send(&grpc_headers(1, crate::helpers::clients::SOTW_PATH, 0)).await;
+    let goaway = conn.until_closed().await;
+    assert_eq!(
+        goaway.map(|g| g.0),
+        Some(h2raw::NO_ERROR),
+        "GOAWAY NO_ERROR, then closed"
+    );
+    crate::limits::metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--listen\",reason=\"max_age\"}",
+        1,
     )
     .await;
-    let mut upstream = galley.next_stream().await;
-    upstream.initial_requests(1).await;
-    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
-    let mut client = sotw(gw.listen).await;
-    client.subscribe(VS);
-    client.recv().await;
-    let status = client.end_status().await;
-    assert_ne!(status.code(), Code::Ok, "{status:?}");
-    eventually("the stream to leave the registry", || gw.registry.is_empty()).await;
+    // A client comes back on a new connection and is served.
     let mut again = sotw(gw.listen).await;
     again.subscribe(VS);
     assert_eq!(again.recv().await.resources.len(), 1);
