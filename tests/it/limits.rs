@@ -776,26 +776,22 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
         "--max-request-buffer-bytes",
         "200000",
         "--request-read-timeout",
-        "500ms",
+        "2s",
     ])
     .await;
-    // A stream that announces a 150 kB request and sends 1 kB of it: it
-    // holds most of the budget until the read timeout ends it.
     let mut client = h2_client(gw.listen).await;
-    let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
-    let mut partial = vec![0];
-    partial.extend_from_slice(&150_000u32.to_be_bytes());
-    partial.extend_from_slice(&[0u8; 1000]);
-    body.send_data(bytes::Bytes::from(partial), false).unwrap();
-
-    // A large NACK (100 kB) waits for room, and is received once the
-    // stalled request gave its room back.
-    let mut nacking = sotw(gw.listen).await;
-    nacking.subscribe(VS);
-    let response_to_nack = nacking.recv_type(VS).await;
-    nacking.nack(&response_to_nack, "", &"n".repeat(100_000));
-    // Small requests never wait: the canary is served all along.
-    canary.check().await;
+    // A stream that announces a 150 kB request and sends 1 kB of it: it
+    // holds most of the budget.
+    let stall = |client: &mut h2::client::SendRequest<bytes::Bytes>| {
+        let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+        let mut partial = vec![0];
+        partial.extend_from_slice(&150_000u32.to_be_bytes());
+        partial.extend_from_slice(&[0u8; 1000]);
+        body.send_data(bytes::Bytes::from(partial), false).unwrap();
+        (response, body)
+    };
+    // Alone, it is ended by the read timeout, naming both flags.
+    let (response, _body) = stall(&mut client);
     let (status, message) = grpc_end(response).await;
     assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
     assert!(
@@ -803,7 +799,19 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
         "names both flags: {message}"
     );
     refusals_are(gw.monitoring, "request_read_timeout", 1).await;
-    // The NACK was read whole (the stream goes on) and counted, once.
+
+    // Again, and a large NACK (100 kB) meanwhile: it waits for room, and
+    // is read once the stalled request gives its room back (here: its
+    // client cancels it, so the NACK's own deadline is not at stake).
+    let (_response, mut body) = stall(&mut client);
+    let mut nacking = sotw(gw.listen).await;
+    nacking.subscribe(VS);
+    let response_to_nack = nacking.recv_type(VS).await;
+    nacking.nack(&response_to_nack, "", &"n".repeat(100_000));
+    // Small requests never wait: the canary is served all along.
+    canary.check().await;
+    body.send_reset(h2::Reason::CANCEL);
+    // The NACK was read whole and counted, once; nothing else timed out.
     eventually_async("the large NACK to be counted", || async {
         let (_, exposition) = http_get(gw.monitoring, "/metrics").await;
         sample(
@@ -813,6 +821,7 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
         ) == Some(1.0)
     })
     .await;
+    assert_eq!(refusals(gw.monitoring, "request_read_timeout").await, 1);
     canary.check().await;
 }
 

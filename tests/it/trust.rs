@@ -30,11 +30,22 @@ fn path(p: &Path) -> String {
 
 /// A dial-out gateway with mTLS on both listeners and both allow-lists.
 async fn mtls_gateway(dir: &Path, ca: &Ca) -> mcp_xds_gateway::app::Bound {
+    start_gateway(
+        &mtls_flags(dir, ca, "127.0.0.1:0")
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .await
+}
+
+/// The flags of [`mtls_gateway`], its dial-out port on `sink`.
+fn mtls_flags(dir: &Path, ca: &Ca, sink: &str) -> Vec<String> {
     let ca_path = path(&write(dir, "ca.pem", &ca.pem));
     let (cert, key) = write_leaf(dir, "gateway", &ca.leaf("gateway"));
-    start_gateway(&[
+    [
         "--sink-listen",
-        "127.0.0.1:0",
+        sink,
         "--collections",
         VS,
         "--tls-cert",
@@ -47,8 +58,9 @@ async fn mtls_gateway(dir: &Path, ca: &Ca) -> mcp_xds_gateway::app::Bound {
         GALLEY_ID,
         "--client-allow",
         "spiffe://cluster.local/ns/istio-system/*",
-    ])
-    .await
+    ]
+    .map(str::to_owned)
+    .to_vec()
 }
 
 #[tokio::test]
@@ -73,14 +85,7 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
         refused.message()
     );
     assert_eq!(gw.upstream.borrow().attempts, 0, "it never became the source");
-    assert!(
-        metric(
-            gw.monitoring,
-            "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}"
-        )
-        .await
-            >= 1
-    );
+    // Counted: peers_outside_the_allow_lists_are_counted_by_listener.
 
     let galley = ca.spiffe_leaf(GALLEY_ID);
     let mut source = dial_out(tls_channel(sink, &ca.pem, Some(&galley)).await.unwrap(), &[])
@@ -117,6 +122,30 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     }
 }
 
+/// Each refusal by an allow-list is counted under its listener, exactly: a
+/// gateway process of its own (in-process gateways share one recorder).
+#[tokio::test]
+async fn peers_outside_the_allow_lists_are_counted_by_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let sink = crate::helpers::free_addr();
+    let flags = mtls_flags(dir.path(), &ca, &sink.to_string());
+    let gw = crate::helpers::spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
+    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
+        .await
+        .err()
+        .expect("a source outside --sink-allow is refused");
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    let outsider = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/sleep");
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
+    let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    let series = |listener: &str| format!("mcp_gateway_peers_not_allowed_total{{listener=\"{listener}\"}}");
+    crate::limits::metric_is(gw.monitoring, &series("--sink-listen"), 1).await;
+    crate::limits::metric_is(gw.monitoring, &series("--listen"), 1).await;
+}
+
 #[tokio::test]
 async fn a_second_source_learns_nothing_about_the_first() {
     // A gateway process of its own: its refusal count is its own (every
@@ -148,17 +177,23 @@ async fn a_second_source_learns_nothing_about_the_first() {
 
 #[tokio::test]
 async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
-    let gw = start_gateway(&[
-        "--sink-listen",
-        "127.0.0.1:0",
-        "--sink-insecure",
-        "--collections",
-        VS,
-        "--keepalive-interval",
-        "300ms",
-    ])
+    // A gateway process of its own: the keepalive close is counted exactly.
+    let sink = crate::helpers::free_addr();
+    let sink_flag = sink.to_string();
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &[
+            "--sink-listen",
+            &sink_flag,
+            "--sink-insecure",
+            "--collections",
+            VS,
+            "--keepalive-interval",
+            "300ms",
+        ],
+    )
     .await;
-    let sink = gw.sink.unwrap();
+    let connected = async || crate::helpers::get_json(gw.admin, "/debug/upstream").await["connected"] == true;
     // A source that opens its stream and then freezes: TCP up, nothing read,
     // no PING answered.
     let mut frozen = RawConn::http2(sink).await;
@@ -169,16 +204,14 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
             0,
         ))
         .await;
-    eventually("the frozen source to hold the slot", || gw.upstream.borrow().connected).await;
-    eventually("the frozen source to be dropped", || !gw.upstream.borrow().connected).await;
-    assert!(
-        metric(
-            gw.monitoring,
-            "mcp_gateway_connections_closed_total{listener=\"--sink-listen\",reason=\"keepalive_timeout\"}"
-        )
-        .await
-            >= 1
-    );
+    crate::helpers::eventually_async("the frozen source to hold the slot", connected).await;
+    crate::helpers::eventually_async("the frozen source to be dropped", || async { !connected().await }).await;
+    crate::limits::metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--sink-listen\",reason=\"keepalive_timeout\"}",
+        1,
+    )
+    .await;
     let mut next = dial_out(clients::channel(sink).await, &[])
         .await
         .expect("the slot is free for the next source");
@@ -609,7 +642,12 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
 
 #[tokio::test]
 async fn the_http_ports_bound_slow_large_and_many_requests() {
-    let gw = start_gateway(&["--http-header-timeout", "300ms", "--http-max-request-bytes", "4096"]).await;
+    // Gateway processes of their own: the refusal counts are theirs.
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &["--http-header-timeout", "300ms", "--http-max-request-bytes", "4096"],
+    )
+    .await;
     // A request that never finishes its headers is closed.
     let mut slow = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
     slow.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
@@ -618,6 +656,7 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
         .await
         .unwrap();
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
+    crate::limits::refusals_are(gw.monitoring, "http_header_timeout", 1).await;
     // A header block over the limit (at least 8 KiB: hyper's smallest
     // buffer) is answered 431, or cut off while it is still being sent.
     let mut big = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
@@ -632,13 +671,21 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
 
     // Connections: an eighth of the cap per peer address.
-    let gw = start_gateway(&["--http-max-connections", "8"]).await;
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        held.push(tokio::net::TcpStream::connect(gw.monitoring).await.unwrap());
-    }
-    let (status, _) = http_get(gw.monitoring, "/readyz").await;
-    assert_eq!(status, 503, "a third connection from this address is refused");
+    let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
+    // 8 / 8: one connection per address. This one holds it (answered: it
+    // was taken); the next from this address is refused.
+    let mut held = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    held.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = [0u8; 12];
+    within("the held connection's answer", held.read_exact(&mut answer))
+        .await
+        .unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let (status, body) = http_get(gw.monitoring, "/readyz").await;
+    assert_eq!(status, 503, "a second connection from this address is refused");
+    assert!(body.contains("--http-max-connections=8"), "{body}");
     let mut other = RawConn::tcp_from(gw.monitoring, IpAddr::from([127, 0, 0, 3])).await;
     other
         .send(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -652,15 +699,26 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
         "{}",
         String::from_utf8_lossy(&answer)
     );
-    drop(held);
-    assert!(
-        metric(
-            gw.monitoring,
-            "mcp_gateway_limit_refusals_total{limit=\"http_connections\"}"
-        )
+    // Read from another address still: this one's slots are full.
+    let mut probe = RawConn::tcp_from(gw.monitoring, IpAddr::from([127, 0, 0, 4])).await;
+    probe
+        .send(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await;
+    let mut exposition = Vec::new();
+    within("the metrics", probe.stream.read_to_end(&mut exposition))
         .await
-            >= 1
+        .unwrap();
+    let exposition = String::from_utf8_lossy(&exposition);
+    assert_eq!(
+        crate::helpers::sample(
+            &exposition,
+            "mcp_gateway_limit_refusals_total",
+            &["limit=\"http_connections\""]
+        ),
+        Some(1.0),
+        "the one 503, counted once"
     );
+    drop(held);
 }
 
 #[tokio::test]
