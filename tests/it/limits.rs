@@ -240,13 +240,7 @@ async fn resets_before_acceptance_and_made_you_reset_are_cut() {
         burst.extend(grpc_headers(id, SOTW_PATH, 0));
         burst.extend(frame(h2raw::RST_STREAM, 0, id, &8u32.to_be_bytes()));
     }
-    attacker.send(&burst).await;
-    let goaway = attacker.goaway().await;
-    assert_eq!(
-        goaway.as_ref().map(|g| g.0),
-        Some(h2raw::ENHANCE_YOUR_CALM),
-        "{goaway:?}"
-    );
+    cut_with_enhance_your_calm(&mut attacker, &burst).await;
     // Whichever bound read the burst first cut it, once: the gateway's
     // count of RST_STREAM (`resets`) or h2's of resets before acceptance.
     let cut = async || {
@@ -273,13 +267,7 @@ async fn resets_before_acceptance_and_made_you_reset_are_cut() {
             &[0x83, 0x86],
         ));
     }
-    attacker.send(&burst).await;
-    let goaway = attacker.goaway().await;
-    assert_eq!(
-        goaway.as_ref().map(|g| g.0),
-        Some(h2raw::ENHANCE_YOUR_CALM),
-        "{goaway:?}"
-    );
+    cut_with_enhance_your_calm(&mut attacker, &burst).await;
     // No RST_STREAM was sent: h2's bound on local resets cut it.
     refusals_are(gw.monitoring, "h2_resets", h2_resets + 1).await;
     assert_eq!(refusals(gw.monitoring, "resets").await, resets);
@@ -297,16 +285,21 @@ async fn refused_streams_count_as_resets() {
     for n in 0..200u32 {
         burst.extend(grpc_headers(2 * n + 1, SOTW_PATH, 0));
     }
-    attacker.send(&burst).await;
+    cut_with_enhance_your_calm(&mut attacker, &burst).await;
+    refusals_are(gw.monitoring, "refused_streams", 1).await;
+    assert_eq!(refusals(gw.monitoring, "resets").await, 0, "the peer reset nothing");
+    canary.check().await;
+}
+
+/// Sends `burst` and expects the connection cut: GOAWAY `ENHANCE_YOUR_CALM`.
+async fn cut_with_enhance_your_calm(attacker: &mut RawConn, burst: &[u8]) {
+    attacker.send(burst).await;
     let goaway = attacker.goaway().await;
     assert_eq!(
         goaway.as_ref().map(|g| g.0),
         Some(h2raw::ENHANCE_YOUR_CALM),
         "{goaway:?}"
     );
-    refusals_are(gw.monitoring, "refused_streams", 1).await;
-    assert_eq!(refusals(gw.monitoring, "resets").await, 0, "the peer reset nothing");
-    canary.check().await;
 }
 
 #[tokio::test]

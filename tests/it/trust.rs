@@ -686,29 +686,13 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     let (status, body) = http_get(gw.monitoring, "/readyz").await;
     assert_eq!(status, 503, "a second connection from this address is refused");
     assert!(body.contains("--http-max-connections=8"), "{body}");
-    let mut other = RawConn::tcp_from(gw.monitoring, IpAddr::from([127, 0, 0, 3])).await;
-    other
-        .send(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await;
-    let mut answer = Vec::new();
-    within("another address's probe", other.stream.read_to_end(&mut answer))
-        .await
-        .unwrap();
+    let answer = get_from(gw.monitoring, [127, 0, 0, 3], "/readyz").await;
     assert!(
-        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&answer)
+        answer.starts_with("HTTP/1.1 200"),
+        "another address is served: {answer}"
     );
     // Read from another address still: this one's slots are full.
-    let mut probe = RawConn::tcp_from(gw.monitoring, IpAddr::from([127, 0, 0, 4])).await;
-    probe
-        .send(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await;
-    let mut exposition = Vec::new();
-    within("the metrics", probe.stream.read_to_end(&mut exposition))
-        .await
-        .unwrap();
-    let exposition = String::from_utf8_lossy(&exposition);
+    let exposition = get_from(gw.monitoring, [127, 0, 0, 4], "/metrics").await;
     assert_eq!(
         crate::helpers::sample(
             &exposition,
@@ -719,6 +703,22 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
         "the one 503, counted once"
     );
     drop(held);
+}
+
+/// A GET of `path` from the loopback address `from` (another peer): the
+/// whole response, head and body.
+async fn get_from(addr: SocketAddr, from: [u8; 4], path: &str) -> String {
+    let mut conn = RawConn::tcp_from(addr, IpAddr::from(from)).await;
+    conn.send(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await;
+    let mut answer = Vec::new();
+    within(
+        &format!("GET {path} from {from:?}"),
+        conn.stream.read_to_end(&mut answer),
+    )
+    .await
+    .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 #[tokio::test]
