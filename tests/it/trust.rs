@@ -63,6 +63,18 @@ fn mtls_flags(dir: &Path, ca: &Ca, sink: &str) -> Vec<String> {
     .to_vec()
 }
 
+/// A dial-out source whose identity `--sink-allow` does not take, refused
+/// `PERMISSION_DENIED`.
+async fn attacker_refused(sink: SocketAddr, ca: &Ca) -> tonic::Status {
+    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
+    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
+        .await
+        .err()
+        .expect("a source outside --sink-allow is refused");
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    refused
+}
+
 #[tokio::test]
 async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     let dir = tempfile::tempdir().unwrap();
@@ -70,12 +82,7 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     let gw = mtls_gateway(dir.path(), &ca).await;
     let sink = gw.sink.unwrap();
 
-    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
-    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
-        .await
-        .err()
-        .expect("a source outside --sink-allow is refused");
-    assert_eq!(refused.code(), Code::PermissionDenied);
+    let refused = attacker_refused(sink, &ca).await;
     assert!(
         refused
             .message()
@@ -131,12 +138,7 @@ async fn peers_outside_the_allow_lists_are_counted_by_listener() {
     let sink = crate::helpers::free_addr();
     let flags = mtls_flags(dir.path(), &ca, &sink.to_string());
     let gw = crate::helpers::spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
-    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
-    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
-        .await
-        .err()
-        .expect("a source outside --sink-allow is refused");
-    assert_eq!(refused.code(), Code::PermissionDenied);
+    attacker_refused(sink, &ca).await;
     let outsider = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/sleep");
     let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
     let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
