@@ -433,6 +433,7 @@ mod tests {
             (PING, FLAG_ACK, &[0u8; 8][..], "pings"),
             (SETTINGS, 0, &[][..], "settings"),
             (WINDOW_UPDATE, 0, &[0u8, 0, 0, 1][..], "control_frames"),
+            (PRIORITY, 0, &[0u8, 0, 0, 0, 15][..], "control_frames"),
             (DATA, 0, &[][..], "control_frames"),
             (0x42, 0, &[1u8, 2, 3][..], "control_frames"),
         ] {

@@ -201,7 +201,7 @@ async fn request_naming(addr: std::net::SocketAddr, host: &str, head: &str) -> (
 /// A web page the operator opens can neither drive the controls (a form
 /// POST carries Origin) nor read the views through a name it resolves to
 /// 127.0.0.1 (DNS rebinding); curl and the rollout command can do both.
-/// Each control is counted by control and code, each refusal by reason.
+/// (Their counts: `controls_and_refusals_are_counted_exactly`.)
 #[tokio::test]
 async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name() {
     let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
@@ -236,23 +236,61 @@ async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name(
     assert_eq!(status, 404);
     let (status, _) = http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await;
     assert_eq!(status, 200);
+}
 
-    // The counters are the process's, and other tests' gateways pin too: at
-    // least what this test did.
-    let (_, metrics) = http_get(gw.admin, "/metrics").await;
-    let series = |labels: &[&str]| sample(&metrics, "mcp_gateway_admin_controls_total", labels).unwrap_or(0.0);
-    assert!(series(&["control=\"pin\"", "code=\"200\""]) >= 1.0, "{metrics}");
-    assert!(series(&["control=\"pin\"", "code=\"404\""]) >= 1.0, "{metrics}");
-    assert!(series(&["control=\"unpin\"", "code=\"200\""]) >= 1.0, "{metrics}");
+/// (Their counts: `controls_and_refusals_are_counted_exactly`.)
+/// exactly: a gateway process of its own (in-process gateways share one
+/// recorder, and other tests pin and are refused too).
+#[tokio::test]
+async fn controls_and_refusals_are_counted_exactly() {
+    let (gw, _canary) = crate::limits::spawned_with_canary(&[]).await;
+    let cache = get_json(gw.admin, "/debug/cache").await;
+    let version = cache
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["collection"] == VS)
+        .and_then(|c| c["version"].as_str())
+        .unwrap_or_else(|| panic!("{VS} in {cache}"))
+        .to_owned();
+    let pin = format!("/pin/{VS}?version={version}");
+    for origin in ["Origin: http://evil.example\r\n", "Sec-Fetch-Site: cross-site\r\n"] {
+        assert_eq!(http_request(gw.admin, "POST", &pin, origin).await.0, 403, "{origin}");
+    }
+    let (status, _) = request_naming(gw.admin, "evil.example:15000", &format!("GET /debug/cache/{VS}")).await;
+    assert_eq!(status, 403);
+    assert_eq!(http_request(gw.admin, "POST", &pin, "").await.0, 200);
+    assert_eq!(
+        http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope"), "")
+            .await
+            .0,
+        404
+    );
+    assert_eq!(http_request(gw.admin, "DELETE", &format!("/pin/{VS}"), "").await.0, 200);
+
+    let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
+    let controls = |control: &str, code: &str| {
+        sample(
+            &metrics,
+            "mcp_gateway_admin_controls_total",
+            &[&format!("control=\"{control}\""), &format!("code=\"{code}\"")],
+        )
+    };
+    assert_eq!(controls("pin", "200"), Some(1.0), "{metrics}");
+    assert_eq!(controls("pin", "404"), Some(1.0), "{metrics}");
+    assert_eq!(controls("unpin", "200"), Some(1.0), "{metrics}");
     let refusals = |reason: &str| {
         sample(
             &metrics,
             "mcp_gateway_admin_refusals_total",
             &[&format!("reason=\"{reason}\"")],
         )
-        .unwrap_or(0.0)
     };
-    assert!(refusals("cross_site") >= 3.0 && refusals("host") >= 1.0, "{metrics}");
+    assert_eq!(
+        (refusals("cross_site"), refusals("host")),
+        (Some(2.0), Some(1.0)),
+        "{metrics}"
+    );
 }
 
 /// Wherever a version is taken (`/pin`, `/debug/diff`), the 12 characters

@@ -123,7 +123,18 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
         s.last_error.as_deref().is_some_and(|e| e.contains("loop"))
     })
     .await;
-    assert!(!status.connected || status.last_error.is_some(), "{status:?}");
+    // The upstream's chain (itself) includes this gateway: refused as a
+    // loop, shown as the upstream's last error, saying what to fix.
+    let error = status.last_error.unwrap();
+    assert!(
+        error.contains("includes this gateway: a loop") && error.contains("fix --upstream"),
+        "{error}"
+    );
+    // Retried, with backoff, and refused each time: never served.
+    upstream_status_when(&gw, "a second attempt failed as a loop", |s| {
+        s.consecutive_failures >= 2 && s.last_error.as_deref().is_some_and(|e| e.contains("a loop"))
+    })
+    .await;
     assert!(gw.cache.get(VS).is_none(), "nothing served from a loop");
 }
 

@@ -220,3 +220,148 @@ fn the_readme_stays_short_and_leads_to_every_doc() {
         assert!(linked.contains(&relative), "README.md does not link to {relative}");
     }
 }
+
+/// The test names (code spans) in the last column of every table under
+/// `heading` (a `##` section of `document`), each with the text of the
+/// row's first cell.
+fn named_tests(document: &str, heading: &str) -> Vec<(String, String)> {
+    use pulldown_cmark::HeadingLevel::H2;
+    /// A cell's text and its code spans.
+    type Cell = (String, Vec<String>);
+    let mut in_section = false;
+    let mut in_head = false;
+    let mut named = Vec::new();
+    let mut row: Vec<Cell> = Vec::new();
+    let mut cell: Option<Cell> = None;
+    let mut heading_text: Option<String> = None;
+    for event in Parser::new_ext(document, options()) {
+        match event {
+            Event::Start(Tag::Heading { level: H2, .. }) => heading_text = Some(String::new()),
+            Event::End(TagEnd::Heading(H2)) => in_section = heading_text.take().is_some_and(|h| h == heading),
+            Event::Start(Tag::TableHead) => in_head = true,
+            Event::End(TagEnd::TableHead) => in_head = false,
+            Event::Start(Tag::TableRow) => row.clear(),
+            Event::Start(Tag::TableCell) => cell = Some(Cell::default()),
+            Event::End(TagEnd::TableCell) => row.push(cell.take().unwrap_or_default()),
+            Event::End(TagEnd::TableRow) if in_section && !in_head => {
+                let first = row.first().map(|(text, _)| text.clone()).unwrap_or_default();
+                for name in row.last().map(|(_, codes)| codes.clone()).unwrap_or_default() {
+                    named.push((first.clone(), name));
+                }
+            }
+            Event::Text(t) => {
+                if let Some(h) = heading_text.as_mut() {
+                    h.push_str(&t);
+                }
+                if let Some((text, _)) = cell.as_mut() {
+                    text.push_str(&t);
+                }
+            }
+            Event::Code(c) => {
+                if let Some(h) = heading_text.as_mut() {
+                    h.push_str(&c);
+                }
+                if let Some((text, codes)) = cell.as_mut() {
+                    text.push_str(&c);
+                    codes.push(c.into_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    named
+}
+
+/// Whether `source` defines `function` as a test: `fn function(` whose
+/// attributes (the lines above it, up to the previous item) hold `test`.
+fn defines_test(source: &str, function: &str) -> bool {
+    let lines: Vec<&str> = source.lines().collect();
+    lines.iter().enumerate().any(|(at, line)| {
+        let line = line.trim_start();
+        let declares = [format!("fn {function}("), format!("async fn {function}(")]
+            .iter()
+            .any(|d| line.starts_with(d.as_str()));
+        declares
+            && lines[..at]
+                .iter()
+                .rev()
+                .map(|l| l.trim_start())
+                .take_while(|l| l.starts_with("#[") || l.starts_with("//"))
+                .any(|l| l.starts_with("#[") && (l.contains("test]") || l.contains("test(")))
+    })
+}
+
+/// Where a name in a test column points: `module::function` is a test of
+/// `tests/it/module.rs`, `module::*` all of them (at least one), and
+/// `path::tests::function` a unit test in `src/path.rs` or
+/// `src/path/mod.rs` (the table adds "(lib)"). Anything else (a `file.rs:line`) is refused: a line
+/// number drifts with every edit and stops naming the test.
+fn resolve(name: &str) -> Result<(), String> {
+    let read = |path: PathBuf| std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()));
+    if name.contains("::tests::") {
+        let parts: Vec<&str> = name.split("::").collect();
+        let Some((function, module)) = parts.split_last() else {
+            return Err("an empty name".into());
+        };
+        let module: Vec<&str> = module.iter().copied().filter(|p| *p != "tests").collect();
+        let base = root().join("src").join(module.join("/"));
+        let file = [base.with_extension("rs"), base.join("mod.rs")]
+            .into_iter()
+            .find(|f| f.exists())
+            .ok_or_else(|| format!("no src/{}.rs nor src/{}/mod.rs", module.join("/"), module.join("/")))?;
+        return if defines_test(&read(file.clone())?, function) {
+            Ok(())
+        } else {
+            Err(format!("{} has no test fn {function}", file.display()))
+        };
+    }
+    let Some((module, function)) = name.split_once("::") else {
+        return Err("not module::function (a file:line drifts; name the test)".into());
+    };
+    let file = root().join("tests/it").join(format!("{module}.rs"));
+    let source = read(file.clone())?;
+    let found = if function == "*" {
+        source.contains("#[test]") || source.contains("#[tokio::test")
+    } else {
+        defines_test(&source, function)
+    };
+    if found {
+        Ok(())
+    } else {
+        Err(format!("{} has no test fn {function}", file.display()))
+    }
+}
+
+#[test]
+fn a_test_column_is_read_and_only_test_functions_resolve() {
+    let source = "#[tokio::test(start_paused = true)]\n/// why\nasync fn paused() {}\n\n#[test]\nfn plain() {}\n\nfn helper() {}\n";
+    assert!(defines_test(source, "paused") && defines_test(source, "plain"));
+    assert!(!defines_test(source, "helper") && !defines_test(source, "missing"));
+    assert!(resolve("limits.rs:655").is_err(), "a line number is not a name");
+    let table = "## Other\n\n| a | test |\n|---|---|\n| x | `no::where` |\n\n## Limits\n\n| flag | test |\n|---|---|\n| `--f` | `a::b`, `c::d` |\n";
+    assert_eq!(
+        named_tests(table, "Limits"),
+        [
+            ("--f".to_owned(), "a::b".to_owned()),
+            ("--f".to_owned(), "c::d".to_owned())
+        ]
+    );
+}
+
+/// Every row of reference.md's limits and bad-input tables names a test
+/// that exists, so a renamed or deleted test cannot leave a row promising
+/// what nothing checks.
+#[test]
+fn every_limit_and_bad_input_row_names_a_test_that_exists() {
+    let reference = std::fs::read_to_string(root().join("docs/reference.md")).unwrap();
+    let named = named_tests(&reference, "Limits and bad input");
+    let missing: Vec<String> = named
+        .iter()
+        .filter_map(|(row, name)| resolve(name).err().map(|e| format!("row {row:?} names `{name}`: {e}")))
+        .collect();
+    assert!(missing.is_empty(), "rows naming no test:\n{}", missing.join("\n"));
+    // Both tables, each row naming at least one test: a parse that found
+    // nothing would pass while checking nothing.
+    let rows: BTreeSet<&String> = named.iter().map(|(row, _)| row).collect();
+    assert!(rows.len() > 70, "only {} rows name tests", rows.len());
+}

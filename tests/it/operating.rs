@@ -20,9 +20,11 @@ async fn json(addr: SocketAddr, path: &str) -> serde_json::Value {
     crate::helpers::get_json(addr, path).await
 }
 
-/// A gateway that has seen every kind of event a metric counts.
-struct Exercised {
-    gw: mcp_xds_gateway::app::Bound,
+/// A gateway that has seen every kind of event a metric counts: in-process
+/// (`Bound`), or a process of its own (`Running`) where its metrics are the
+/// assertion (in-process gateways share one recorder).
+struct Exercised<G = mcp_xds_gateway::app::Bound> {
+    gw: G,
     _galley: FakeGalley,
     upstream: GalleyStream,
     /// ACKed the current VS version.
@@ -36,9 +38,52 @@ struct Exercised {
 }
 
 async fn exercise() -> Exercised {
+    exercise_on(
+        |url| async move {
+            crate::helpers::start_gateway(&exercise_flags(&url).iter().map(String::as_str).collect::<Vec<_>>()).await
+        },
+        |gw| gw.listen,
+    )
+    .await
+}
+
+/// The flags of the exercised gateway (as `gateway_for` gives them).
+fn exercise_flags(url: &str) -> Vec<String> {
+    let collections = [VS, GW, DR].join(",");
+    [
+        "--upstream",
+        url,
+        "--collections",
+        &collections,
+        "--reconnect-min-delay",
+        "10ms",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// [`exercise`] with the gateway a process of its own.
+async fn exercise_process() -> Exercised<crate::helpers::Running> {
+    exercise_on(
+        |url| async move {
+            crate::helpers::spawn_gateway(
+                None,
+                &exercise_flags(&url).iter().map(String::as_str).collect::<Vec<_>>(),
+            )
+            .await
+        },
+        |gw| gw.listen,
+    )
+    .await
+}
+
+async fn exercise_on<G, F: std::future::Future<Output = G>>(
+    start: impl FnOnce(String) -> F,
+    listen: impl Fn(&G) -> SocketAddr,
+) -> Exercised<G> {
     let mut galley = FakeGalley::start().await;
     galley.refuse(DR);
-    let gw = gateway_for(&galley, &[VS, GW, DR], &[]).await;
+    let gw = start(galley.url()).await;
     let _refused = galley.next_stream().await;
     let mut upstream = galley.next_stream().await;
     upstream.initial_requests(2).await;
@@ -56,9 +101,9 @@ async fn exercise() -> Exercised {
         .await;
     assert!(nack.error_detail.is_some());
 
-    let mut synced = sotw(gw.listen).await;
-    let mut nacked = sotw(gw.listen).await;
-    let mut pending = sotw(gw.listen).await;
+    let mut synced = sotw(listen(&gw)).await;
+    let mut nacked = sotw(listen(&gw)).await;
+    let mut pending = sotw(listen(&gw)).await;
     let mut first: Vec<MeshConfigResponse> = Vec::new();
     for client in [&mut synced, &mut nacked, &mut pending] {
         client.subscribe(VS);
@@ -77,7 +122,7 @@ async fn exercise() -> Exercised {
     // A stale nonce.
     synced.request(VS, &second.version_info, "no-such-nonce");
     // An incremental client and a 1.0 client on GW.
-    let mut inc = incremental(gw.listen).await;
+    let mut inc = incremental(listen(&gw)).await;
     inc.start(GW, &[]);
     inc.recv().await;
     pending.subscribe(GW_TYPE_URL);
@@ -88,7 +133,7 @@ async fn exercise() -> Exercised {
     upstream.push_full(GW, big).await;
     pending.recv_type(GW_TYPE_URL).await;
     // A request that does not decode: a receive failure downstream.
-    assert_eq!(send_garbled(gw.listen).await.code(), Code::InvalidArgument);
+    assert_eq!(send_garbled(listen(&gw)).await.code(), Code::InvalidArgument);
     // Upstream ends a stream (receive failure, termination, reconnection).
     upstream.kill(tonic::Status::unavailable("galley restarts"));
     let mut upstream = galley.next_stream().await;
@@ -128,7 +173,7 @@ fn exported(text: &str) -> BTreeSet<String> {
 
 #[tokio::test]
 async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
-    let ex = exercise().await;
+    let ex = exercise_process().await;
     let (status, text) = http_get(ex.gw.admin, "/metrics").await;
     assert_eq!(status, 200);
     let names = exported(&text);
@@ -206,8 +251,17 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("no {series} in\n{text}"))
     };
-    assert!(value("mcp_gateway_oversized_responses_total{collection=\"istio/networking/v1alpha3/gateways\"}") >= 1.0);
-    assert!(value("mcp_gateway_clients_behind{collection=\"istio/networking/v1alpha3/virtualservices\"}") >= 1.0);
+    // Exact: the gateway is a process of its own. One response over 4 MiB
+    // (to the legacy client following GW); two clients behind on VS (the
+    // one that NACKed and the one that never ACKed).
+    assert_eq!(
+        value("mcp_gateway_oversized_responses_total{collection=\"istio/networking/v1alpha3/gateways\"}"),
+        1.0
+    );
+    assert_eq!(
+        value("mcp_gateway_clients_behind{collection=\"istio/networking/v1alpha3/virtualservices\"}"),
+        2.0
+    );
     // One series per status and collection, zero included.
     let by_status = |status: &str, collection: &str| -> Option<f64> {
         text.lines()
@@ -224,11 +278,11 @@ async fn metrics_carry_istio_names_help_lines_and_bounded_labels() {
     assert_eq!(by_status("STALE", VS), Some(0.0), "{text}");
     assert_eq!(by_status("NOT SENT", GW), Some(0.0), "{text}");
     assert_eq!(value("mcp_gateway_upstream_connected"), 1.0);
-    // The upstream stream was killed and came back: one reconnection (at
-    // least: the series is process-wide); attempts count every dial,
-    // including the unreachable gateway's.
-    assert!(value("istio_mcp_reconnections{component=\"upstream\"}") >= 1.0);
-    assert!(value("mcp_gateway_upstream_connect_attempts_total") >= 3.0);
+    // Three streams to Galley: the first, ended by its refusal of DR; the
+    // next, killed; the last. So two reconnections and three attempts (the
+    // unreachable gateway is another, in-process one).
+    assert_eq!(value("istio_mcp_reconnections{component=\"upstream\"}"), 2.0);
+    assert_eq!(value("mcp_gateway_upstream_connect_attempts_total"), 3.0);
     // Istio's codes are numbers: the NACK was InvalidArgument.
     assert!(
         text.lines().any(
@@ -673,22 +727,43 @@ async fn the_client_command_prints_updates_and_exits_once_everything_arrived() {
 
 #[tokio::test]
 async fn connections_past_their_maximum_age_are_closed_and_clients_come_back() {
-    let mut galley = FakeGalley::start().await;
-    let gw = gateway_for(
-        &galley,
-        &[VS],
-        &["--max-connection-age", "300ms", "--max-connection-age-grace", "200ms"],
+    use crate::helpers::h2raw::{self, grpc_headers, RawConn};
+    // A gateway process of its own: the `max_age` count is its own.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.yaml"),
+        format!("collection: {VS}\nname: ns/a\nversion: \"1\"\nbody:\n  struct: {{a: 1}}\n"),
+    )
+    .unwrap();
+    let source = dir.path().to_str().unwrap();
+    let flags = [
+        "--source-dir",
+        source,
+        "--collections",
+        VS,
+        "--max-connection-age",
+        "300ms",
+        "--max-connection-age-grace",
+        "200ms",
+    ];
+    let gw = crate::helpers::spawn_gateway(None, &flags).await;
+    // A connection with a live stream: past its age it gets GOAWAY
+    // NO_ERROR, and is closed after the grace.
+    let mut conn = RawConn::http2(gw.listen).await;
+    conn.send(&grpc_headers(1, crate::helpers::clients::SOTW_PATH, 0)).await;
+    let goaway = conn.until_closed().await;
+    assert_eq!(
+        goaway.map(|g| g.0),
+        Some(h2raw::NO_ERROR),
+        "GOAWAY NO_ERROR, then closed"
+    );
+    crate::limits::metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--listen\",reason=\"max_age\"}",
+        1,
     )
     .await;
-    let mut upstream = galley.next_stream().await;
-    upstream.initial_requests(1).await;
-    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
-    let mut client = sotw(gw.listen).await;
-    client.subscribe(VS);
-    client.recv().await;
-    let status = client.end_status().await;
-    assert_ne!(status.code(), Code::Ok, "{status:?}");
-    eventually("the stream to leave the registry", || gw.registry.is_empty()).await;
+    // A client comes back on a new connection and is served.
     let mut again = sotw(gw.listen).await;
     again.subscribe(VS);
     assert_eq!(again.recv().await.resources.len(), 1);

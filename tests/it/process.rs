@@ -41,20 +41,38 @@ async fn run_whole(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String,
     )
 }
 
-/// The tools' `--admin` defaults to the admin port's default address.
+/// The tools' `--admin` defaults to the admin port's default address: the
+/// test holds 127.0.0.1:15000 itself and sees the tool's request arrive
+/// there. A port taken by something else fails the test, saying so: a
+/// check that cannot run is not a pass.
 #[tokio::test]
 async fn the_tools_dial_the_default_admin_port() {
-    let taken = std::net::TcpListener::bind("127.0.0.1:15000").is_err();
-    if taken {
-        eprintln!("127.0.0.1:15000 is in use here; the default cannot be checked");
-        return;
-    }
-    let (code, stderr) = run(&["rollout", "status"]).await;
-    // An admin port that cannot be read: 2, as for `status`.
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:15000")
+        .await
+        .unwrap_or_else(|e| panic!("127.0.0.1:15000, the admin port's default, must be free for this test: {e}"));
+    let tool = tokio::spawn(run(&["rollout", "status"]));
+    let request = within("the tool's request on 127.0.0.1:15000", async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut conn, _) = admin.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).await.unwrap() == 1 {
+            head.push(byte[0]);
+        }
+        conn.write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&head).into_owned()
+    })
+    .await;
+    assert!(request.starts_with("GET /"), "an HTTP request: {request}");
+    // The answer is no admin port's: the tool exits 2 (the admin port
+    // cannot be read), naming the address it dialed.
+    let (code, stderr) = tool.await.unwrap();
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
-        stderr.contains("127.0.0.1:15000"),
-        "names the address it dialed: {stderr}"
+        stderr.starts_with("error: ") && stderr.contains("127.0.0.1:15000"),
+        "{stderr}"
     );
 }
 

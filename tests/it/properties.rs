@@ -12,7 +12,6 @@ use std::future::Future;
 use std::task::{Context, Poll};
 
 use mcp_xds_gateway::app::Bound;
-use mcp_xds_gateway::cache::{content_digest, version_of_entries};
 use mcp_xds_gateway::proto::{
     IncrementalMeshConfigRequest, IncrementalMeshConfigResponse, MeshConfigRequest, MeshConfigResponse, Resource,
     SinkNode,
@@ -79,25 +78,64 @@ fn content_of(resources: &[Resource]) -> Content {
         .collect()
 }
 
-/// The collection version the gateway reports for `content`.
+/// The collection version the gateway must report for `content`, computed
+/// here from what docs/protocols.md says of it, not by the gateway's code:
+/// each resource's digest is xxh3-128 of its encoded body `Any`, then its
+/// labels and its annotations (none here: each an empty map, its count 0),
+/// every field length-prefixed; its entry is xxh3-128 of its name, its
+/// version (both length-prefixed) and that digest; the collection version
+/// is xxh3-128 of the wrapping sum of the entries and their count, as 32
+/// hex characters. A change of the gateway's hashing (which would make
+/// replicas and chained gateways of two releases disagree) fails here.
 fn version_of(content: &Content) -> String {
-    let none = std::collections::HashMap::<String, String>::new();
-    let digests: Vec<(String, String, u128)> = content
-        .iter()
-        .map(|(name, (version, body))| {
-            let any = prost_types::Any {
-                type_url: crate::helpers::VS_TYPE_URL.into(),
-                value: body.clone(),
-            };
-            (
-                name.clone(),
-                version.clone(),
-                content_digest(&any.encode_to_vec(), &none, &none),
-            )
-        })
-        .collect();
-    version_of_entries(digests.iter().map(|(n, v, d)| (n.as_str(), v.as_str(), *d)))
+    use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+    fn field(hasher: &mut Xxh3, bytes: &[u8]) {
+        hasher.update(&(bytes.len() as u64).to_le_bytes());
+        hasher.update(bytes);
+    }
+    let sum = content.iter().fold(0u128, |sum, (name, (version, body))| {
+        let any = prost_types::Any {
+            type_url: crate::helpers::VS_TYPE_URL.into(),
+            value: body.clone(),
+        };
+        let mut digest = Xxh3::new();
+        field(&mut digest, &any.encode_to_vec());
+        field(&mut digest, &0u64.to_le_bytes()); // no labels
+        field(&mut digest, &0u64.to_le_bytes()); // no annotations
+        let mut entry = Xxh3::new();
+        field(&mut entry, name.as_bytes());
+        field(&mut entry, version.as_bytes());
+        entry.update(&digest.digest128().to_le_bytes());
+        sum.wrapping_add(entry.digest128())
+    });
+    let mut bytes = [0u8; 24];
+    bytes[..16].copy_from_slice(&sum.to_le_bytes());
+    bytes[16..].copy_from_slice(&(content.len() as u64).to_le_bytes());
+    format!("{:032x}", xxh3_128(&bytes))
 }
+
+/// The test's computation agrees with a version written down once (so
+/// neither it nor the gateway can drift unnoticed) and has the documented
+/// properties: order does not matter; a changed body under the same
+/// version, a changed version, and one resource more are each a change.
+#[test]
+fn the_expected_version_is_computed_independently() {
+    let content = content_of(&to_resources(&[(1, 1, 7), (2, 1, 8)]));
+    assert_eq!(version_of(&content), KNOWN_VERSION);
+    let reordered = content_of(&to_resources(&[(2, 1, 8), (1, 1, 7)]));
+    assert_eq!(version_of(&reordered), KNOWN_VERSION);
+    for changed in [
+        to_resources(&[(1, 1, 9), (2, 1, 8)]),
+        to_resources(&[(1, 2, 7), (2, 1, 8)]),
+        to_resources(&[(1, 1, 7), (2, 1, 8), (3, 1, 1)]),
+    ] {
+        assert_ne!(version_of(&content_of(&changed)), KNOWN_VERSION, "{changed:?}");
+    }
+    assert_eq!(version_of(&Content::new()).len(), 32);
+}
+
+/// `version_of` of ns/r1 (v1, body 7 7 7) and ns/r2 (v1, body 8 8 8).
+const KNOWN_VERSION: &str = "161727c2d8f4f3b9add6dc75b117755b";
 
 /// One response as either client kind receives it.
 #[derive(Clone, Debug)]

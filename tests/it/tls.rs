@@ -10,11 +10,13 @@ use clap::Parser;
 use mcp_xds_gateway::config::Args;
 use mcp_xds_gateway::proto::aggregated_mesh_config_service_client::AggregatedMeshConfigServiceClient;
 use mcp_xds_gateway::proto::{MeshConfigRequest, MeshConfigResponse};
+use rustls::AlertDescription;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Certificate, Channel, Endpoint, Identity, ServerTlsConfig};
 
-use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
+use crate::helpers::certs::{tls_alert, write, write_leaf, Ca, Leaf};
 use crate::helpers::clients::{node, tls_channel, SotwClient, SOTW_PATH};
 use crate::helpers::galley::{dial_out, resource, FakeGalley};
 use crate::helpers::{eventually, names, start_gateway, within, VS};
@@ -84,21 +86,37 @@ async fn downstream_tls_and_mtls() {
         ["bookinfo/ratings", "bookinfo/reviews"]
     );
 
-    // No client certificate, one from another CA, or no TLS at all: refused.
+    // No client certificate, or one from another CA: the handshake fails
+    // with TLS's own reason, before any stream; the allowed client is taken.
     let stranger = Ca::new("other-ca").leaf("pilot");
-    for (what, outcome) in [
-        (
-            "no certificate",
-            first_response(tls_channel(gw.listen, &ca.pem, None).await).await,
-        ),
-        (
-            "another CA",
-            first_response(tls_channel(gw.listen, &ca.pem, Some(&stranger)).await).await,
-        ),
-        ("plaintext", first_response(plaintext(gw.listen).await).await),
+    let expired = ca.expired_spiffe_leaf("spiffe://cluster.local/ns/istio-system/sa/pilot");
+    assert_eq!(tls_alert(gw.listen, &ca.pem, Some(&pilot)).await, None);
+    for (what, identity, alert) in [
+        ("no certificate", None, AlertDescription::CertificateRequired),
+        ("another CA", Some(&stranger), AlertDescription::UnknownCA),
+        ("expired", Some(&expired), AlertDescription::CertificateExpired),
     ] {
-        assert!(outcome.is_err(), "{what}: a client must be refused, got {outcome:?}");
+        assert_eq!(tls_alert(gw.listen, &ca.pem, identity).await, Some(alert), "{what}");
     }
+    // Plaintext: the HTTP/2 preface is not a ClientHello. The gateway
+    // answers no HTTP/2 (at most a TLS alert record) and closes.
+    let mut raw = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
+    raw.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the plaintext connection to be closed", raw.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    assert!(
+        answer.is_empty() || answer[0] == 0x15,
+        "a TLS alert record (0x15) or nothing, then closed: {answer:?}"
+    );
+    let plaintext = first_response(plaintext(gw.listen).await).await;
+    assert!(
+        plaintext.is_err(),
+        "a plaintext gRPC client gets no response: {plaintext:?}"
+    );
 
     // TLS without --client-ca takes clients without certificates.
     let dir = tempfile::tempdir().unwrap();

@@ -6,17 +6,20 @@ use std::path::Path;
 use std::time::Duration;
 
 use mcp_xds_gateway::proto::{MeshConfigRequest, Metadata, Resource};
+use rustls::AlertDescription;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use crate::helpers::certs::{write, write_leaf, Ca};
+use crate::helpers::certs::{tls_alert, write, write_leaf, Ca};
 use crate::helpers::clients::{self, incremental, sotw, tls_channel, SotwClient, SOTW_PATH};
 use crate::helpers::galley::{dial_out, full, resource, FakeGalley};
 use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
-use crate::helpers::{eventually, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS};
+use crate::helpers::{
+    eventually, eventually_some, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS,
+};
 use crate::limits::metric;
 
 const GALLEY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account";
@@ -27,11 +30,22 @@ fn path(p: &Path) -> String {
 
 /// A dial-out gateway with mTLS on both listeners and both allow-lists.
 async fn mtls_gateway(dir: &Path, ca: &Ca) -> mcp_xds_gateway::app::Bound {
+    start_gateway(
+        &mtls_flags(dir, ca, "127.0.0.1:0")
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .await
+}
+
+/// The flags of [`mtls_gateway`], its dial-out port on `sink`.
+fn mtls_flags(dir: &Path, ca: &Ca, sink: &str) -> Vec<String> {
     let ca_path = path(&write(dir, "ca.pem", &ca.pem));
     let (cert, key) = write_leaf(dir, "gateway", &ca.leaf("gateway"));
-    start_gateway(&[
+    [
         "--sink-listen",
-        "127.0.0.1:0",
+        sink,
         "--collections",
         VS,
         "--tls-cert",
@@ -44,8 +58,21 @@ async fn mtls_gateway(dir: &Path, ca: &Ca) -> mcp_xds_gateway::app::Bound {
         GALLEY_ID,
         "--client-allow",
         "spiffe://cluster.local/ns/istio-system/*",
-    ])
-    .await
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// A dial-out source whose identity `--sink-allow` does not take, refused
+/// `PERMISSION_DENIED`.
+async fn attacker_refused(sink: SocketAddr, ca: &Ca) -> tonic::Status {
+    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
+    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
+        .await
+        .err()
+        .expect("a source outside --sink-allow is refused");
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    refused
 }
 
 #[tokio::test]
@@ -55,12 +82,7 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     let gw = mtls_gateway(dir.path(), &ca).await;
     let sink = gw.sink.unwrap();
 
-    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
-    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
-        .await
-        .err()
-        .expect("a source outside --sink-allow is refused");
-    assert_eq!(refused.code(), Code::PermissionDenied);
+    let refused = attacker_refused(sink, &ca).await;
     assert!(
         refused
             .message()
@@ -70,7 +92,7 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
         refused.message()
     );
     assert_eq!(gw.upstream.borrow().attempts, 0, "it never became the source");
-    assert!(metric(&gw, "mcp_gateway_peers_not_allowed_total{listener=\"--sink-listen\"}").await >= 1);
+    // Counted: peers_outside_the_allow_lists_are_counted_by_listener.
 
     let galley = ca.spiffe_leaf(GALLEY_ID);
     let mut source = dial_out(tls_channel(sink, &ca.pem, Some(&galley)).await.unwrap(), &[])
@@ -95,26 +117,49 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     let allowed = "spiffe://cluster.local/ns/istio-system/sa/istio-pilot-service-account";
     let expired = ca.expired_spiffe_leaf(allowed);
     let foreign = Ca::new("other-ca").spiffe_leaf(allowed);
-    for (what, leaf) in [("expired", &expired), ("foreign", &foreign)] {
-        let outcome = match tls_channel(gw.listen, &ca.pem, Some(leaf)).await {
-            Ok(channel) => SotwClient::try_open_on(channel, SOTW_PATH).await.map(|_| ()),
-            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
-        };
-        let status = outcome
-            .err()
-            .unwrap_or_else(|| panic!("{what} certificate must be refused"));
-        assert_ne!(
-            status.code(),
-            Code::PermissionDenied,
-            "{what}: refused by TLS, not by the allow-list"
+    for (what, leaf, alert) in [
+        ("expired", &expired, AlertDescription::CertificateExpired),
+        ("foreign", &foreign, AlertDescription::UnknownCA),
+    ] {
+        assert_eq!(
+            tls_alert(gw.listen, &ca.pem, Some(leaf)).await,
+            Some(alert),
+            "{what}: refused by TLS, before the allow-list"
         );
     }
 }
 
+/// Each refusal by an allow-list is counted under its listener, exactly: a
+/// gateway process of its own (in-process gateways share one recorder).
+#[tokio::test]
+async fn peers_outside_the_allow_lists_are_counted_by_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let sink = crate::helpers::free_addr();
+    let flags = mtls_flags(dir.path(), &ca, &sink.to_string());
+    let gw = crate::helpers::spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    attacker_refused(sink, &ca).await;
+    let outsider = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/sleep");
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
+    let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
+    assert_eq!(refused.code(), Code::PermissionDenied);
+    let series = |listener: &str| format!("mcp_gateway_peers_not_allowed_total{{listener=\"{listener}\"}}");
+    crate::limits::metric_is(gw.monitoring, &series("--sink-listen"), 1).await;
+    crate::limits::metric_is(gw.monitoring, &series("--listen"), 1).await;
+}
+
 #[tokio::test]
 async fn a_second_source_learns_nothing_about_the_first() {
-    let gw = start_gateway(&["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS]).await;
-    let sink = gw.sink.unwrap();
+    // A gateway process of its own: its refusal count is its own (every
+    // in-process gateway shares one recorder, which other dial-out tests
+    // move too).
+    let sink = crate::helpers::free_addr();
+    let sink_flag = sink.to_string();
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &["--sink-listen", &sink_flag, "--sink-insecure", "--collections", VS],
+    )
+    .await;
     let mut first = dial_out(clients::channel(sink).await, &[]).await.unwrap();
     first.initial_requests(1).await;
     let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
@@ -124,22 +169,33 @@ async fn a_second_source_learns_nothing_about_the_first() {
         !message.contains("127.0.0.1") && !message.contains("since"),
         "{message}"
     );
-    assert!(metric(&gw, "mcp_gateway_sink_refusals_total{reason=\"another_source\"}").await >= 1);
+    crate::limits::metric_is(
+        gw.monitoring,
+        "mcp_gateway_sink_refusals_total{reason=\"another_source\"}",
+        1,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
-    let gw = start_gateway(&[
-        "--sink-listen",
-        "127.0.0.1:0",
-        "--sink-insecure",
-        "--collections",
-        VS,
-        "--keepalive-interval",
-        "300ms",
-    ])
+    // A gateway process of its own: the keepalive close is counted exactly.
+    let sink = crate::helpers::free_addr();
+    let sink_flag = sink.to_string();
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &[
+            "--sink-listen",
+            &sink_flag,
+            "--sink-insecure",
+            "--collections",
+            VS,
+            "--keepalive-interval",
+            "300ms",
+        ],
+    )
     .await;
-    let sink = gw.sink.unwrap();
+    let connected = async || crate::helpers::get_json(gw.admin, "/debug/upstream").await["connected"] == true;
     // A source that opens its stream and then freezes: TCP up, nothing read,
     // no PING answered.
     let mut frozen = RawConn::http2(sink).await;
@@ -150,16 +206,14 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
             0,
         ))
         .await;
-    eventually("the frozen source to hold the slot", || gw.upstream.borrow().connected).await;
-    eventually("the frozen source to be dropped", || !gw.upstream.borrow().connected).await;
-    assert!(
-        metric(
-            &gw,
-            "mcp_gateway_connections_closed_total{listener=\"--sink-listen\",reason=\"keepalive_timeout\"}"
-        )
-        .await
-            >= 1
-    );
+    crate::helpers::eventually_async("the frozen source to hold the slot", connected).await;
+    crate::helpers::eventually_async("the frozen source to be dropped", || async { !connected().await }).await;
+    crate::limits::metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--sink-listen\",reason=\"keepalive_timeout\"}",
+        1,
+    )
+    .await;
     let mut next = dial_out(clients::channel(sink).await, &[])
         .await
         .expect("the slot is free for the next source");
@@ -204,13 +258,13 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     assert!(error.contains("--connect-timeout"), "{error}");
     assert!(!status.connected);
 
-    // Shutdown never waits on the upstream.
-    within("shutdown", async {
-        let started = tokio::time::Instant::now();
-        gw.shutdown().await;
-        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
-    })
-    .await;
+    // Shutdown never waits on the upstream: a gateway whose attempt could
+    // wait an hour for the handshake shuts down within the suite's wait
+    // (`within`), far sooner than its attempt would end.
+    let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
+    upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
+    assert!(within("shutdown", patient.shutdown()).await, "every task ended");
+    assert!(within("shutdown", gw.shutdown()).await, "every task ended");
     holder.abort();
 }
 
@@ -395,7 +449,7 @@ async fn a_source_flooding_without_waiting_for_acks_is_answered_in_order() {
 
 #[tokio::test]
 async fn odd_but_harmless_requests_are_answered_by_the_rules() {
-    let (gw, _canary) = crate::limits::with_canary(&[]).await;
+    let (gw, mut canary) = crate::limits::with_canary(&[]).await;
     let mut client = sotw(gw.listen).await;
     // An ACK before any response: a nonce the gateway never issued on a
     // first request is accepted as the subscription (istiod does this).
@@ -403,16 +457,43 @@ async fn odd_but_harmless_requests_are_answered_by_the_rules() {
         response_nonce: "2021-09-09 06:45:36.069 +0000 UTC m=+0.51".into(),
         ..subscribe(VS)
     });
-    let vs = client.recv_type(VS).await;
+    let first = client.recv_type(VS).await;
     client.subscribe(GW);
     let gw_response = client.recv_type(GW).await;
-    // The nonce of another type is stale for this one: ignored.
-    client.request(VS, &vs.version_info, &gw_response.nonce);
+    // The nonce of another type is stale for this one: ignored, neither an
+    // ACK nor a NACK. VS's response stays outstanding: no new content is
+    // sent until it is ACKed.
+    client.request(VS, &first.version_info, &gw_response.nonce);
     client.ack(&gw_response);
-    // A NACK without a message is still a NACK: the version is held.
+    let view = |type_url: &str| {
+        gw.registry
+            .streams()
+            .into_iter()
+            .find(|s| s.types.contains_key(GW))
+            .and_then(|s| s.types.get(type_url).cloned())
+            .expect("the client's stream (the canary's follows only VS)")
+    };
+    // The ACK of GW, sent after, is read: so was the stale request.
+    eventually("GW's ACK to be read", || {
+        view(GW).acked_version.as_deref() == Some(gw_response.version_info.as_str())
+    })
+    .await;
+    let stale = view(VS);
+    assert!(
+        stale.outstanding && stale.acked_version.is_none() && stale.last_nack.is_none(),
+        "the stale nonce neither ACKed nor NACKed: {stale:?}"
+    );
+    client.ack(&first);
+    canary.check().await;
+    let second = client.recv_type(VS).await;
+    assert_ne!(second.version_info, first.version_info, "the next content");
+    let vs_view = || view(VS);
+
+    // A NACK without a message is still a NACK: the version is held, and
+    // never sent to this client again; the next content is.
     client.send(MeshConfigRequest {
         version_info: String::new(),
-        response_nonce: vs.nonce.clone(),
+        response_nonce: second.nonce.clone(),
         error_detail: Some(tonic_types::Status {
             code: Code::InvalidArgument as i32,
             message: String::new(),
@@ -420,23 +501,117 @@ async fn odd_but_harmless_requests_are_answered_by_the_rules() {
         }),
         ..subscribe(VS)
     });
-    eventually("the NACK to be recorded", || {
+    eventually("the NACK to be recorded", || vs_view().last_nack.is_some()).await;
+    let nack = vs_view().last_nack.unwrap();
+    assert_eq!(
+        (&*nack.version, nack.code, nack.message.as_str()),
+        (second.version_info.as_str(), Code::InvalidArgument as i32, "")
+    );
+    canary.check().await;
+    let third = client.recv_type(VS).await;
+    assert!(
+        third.version_info != second.version_info && third.version_info != first.version_info,
+        "the NACKed version is not re-sent; the next content is ({} after {})",
+        third.version_info,
+        second.version_info
+    );
+}
+
+/// A request as the wire may carry it: `error_detail` (field 5) and the
+/// entries of `initial_resource_versions` (field 3 of the incremental
+/// request) as raw bytes, so a test can send ones that do not decode.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireRequest {
+    #[prost(string, tag = "1")]
+    version_info: String,
+    #[prost(message, optional, tag = "2")]
+    sink_node: Option<mcp_xds_gateway::proto::SinkNode>,
+    #[prost(string, tag = "3")]
+    type_url: String,
+    #[prost(string, tag = "4")]
+    response_nonce: String,
+    #[prost(bytes = "vec", tag = "5")]
+    error_detail: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireIncrementalRequest {
+    #[prost(message, optional, tag = "1")]
+    sink_node: Option<mcp_xds_gateway::proto::SinkNode>,
+    #[prost(string, tag = "2")]
+    type_url: String,
+    #[prost(bytes = "vec", repeated, tag = "3")]
+    initial_resource_versions: Vec<Vec<u8>>,
+}
+
+/// Field 1 of google.rpc.Status (`code`) as a varint cut short: bytes that
+/// decode as no message.
+const UNDECODABLE: &[u8] = &[0x08, 0xff];
+
+#[tokio::test]
+async fn an_error_detail_or_map_entry_that_does_not_decode_is_answered_by_the_rules() {
+    let (gw, mut canary) = crate::limits::with_canary(&[]).await;
+    let mut client: clients::Bidi<WireRequest, mcp_xds_gateway::proto::MeshConfigResponse> = clients::Bidi::open_with(
+        clients::channel(gw.listen).await,
+        SOTW_PATH,
+        tonic_prost::ProstCodec::default(),
+    )
+    .await;
+    let subscription = WireRequest {
+        sink_node: clients::node(),
+        type_url: VS.into(),
+        ..Default::default()
+    };
+    client.send(subscription.clone());
+    let first = client.recv().await;
+    // An error_detail that does not decode: a NACK, code Unknown, saying so.
+    client.send(WireRequest {
+        response_nonce: first.nonce.clone(),
+        error_detail: UNDECODABLE.to_vec(),
+        ..subscription
+    });
+    let nack = eventually_some("the NACK to be recorded", || async {
         gw.registry
             .streams()
-            .iter()
-            .any(|s| s.types.get(VS).is_some_and(|t| t.last_nack.is_some()))
+            .into_iter()
+            .filter_map(|s| s.types.get(VS).and_then(|t| t.last_nack.clone()))
+            .find(|n| *n.version == *first.version_info)
     })
     .await;
-    let views = gw.registry.streams();
-    let view = views
-        .iter()
-        .find_map(|s| s.types.get(VS).filter(|t| t.last_nack.is_some()))
-        .unwrap();
-    assert_eq!(
-        view.last_nack.as_ref().unwrap().version,
-        vs.version_info.as_str().into()
+    assert_eq!(nack.code, Code::Unknown as i32, "{nack:?}");
+    assert!(
+        nack.message.contains("error_detail does not decode"),
+        "{}",
+        nack.message
     );
-    assert!(view.acked_version.is_none());
+    // The stream goes on: the next content is sent.
+    canary.check().await;
+    assert_ne!(client.recv().await.version_info, first.version_info);
+
+    // A map entry of initial_resource_versions that does not decode: the
+    // incremental stream ends INVALID_ARGUMENT, naming the field.
+    let mut incremental: clients::Bidi<WireIncrementalRequest, mcp_xds_gateway::proto::IncrementalMeshConfigResponse> =
+        clients::Bidi::open_with(
+            clients::channel(gw.listen).await,
+            clients::INCREMENTAL_PATH,
+            tonic_prost::ProstCodec::default(),
+        )
+        .await;
+    incremental.send(WireIncrementalRequest {
+        sink_node: clients::node(),
+        type_url: VS.into(),
+        initial_resource_versions: vec![UNDECODABLE.to_vec()],
+    });
+    let status = incremental.end_status().await;
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("initial_resource_versions does not decode as a map of names to versions"),
+        "{}",
+        status.message()
+    );
+    canary.check().await;
 }
 
 fn subscribe(type_url: &str) -> MeshConfigRequest {
@@ -469,7 +644,12 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
 
 #[tokio::test]
 async fn the_http_ports_bound_slow_large_and_many_requests() {
-    let gw = start_gateway(&["--http-header-timeout", "300ms", "--http-max-request-bytes", "4096"]).await;
+    // Gateway processes of their own: the refusal counts are theirs.
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &["--http-header-timeout", "300ms", "--http-max-request-bytes", "4096"],
+    )
+    .await;
     // A request that never finishes its headers is closed.
     let mut slow = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
     slow.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n").await.unwrap();
@@ -478,6 +658,7 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
         .await
         .unwrap();
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
+    crate::limits::refusals_are(gw.monitoring, "http_header_timeout", 1).await;
     // A header block over the limit (at least 8 KiB: hyper's smallest
     // buffer) is answered 431, or cut off while it is still being sent.
     let mut big = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
@@ -492,28 +673,54 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
 
     // Connections: an eighth of the cap per peer address.
-    let gw = start_gateway(&["--http-max-connections", "8"]).await;
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        held.push(tokio::net::TcpStream::connect(gw.monitoring).await.unwrap());
-    }
-    let (status, _) = http_get(gw.monitoring, "/readyz").await;
-    assert_eq!(status, 503, "a third connection from this address is refused");
-    let mut other = RawConn::tcp_from(gw.monitoring, IpAddr::from([127, 0, 0, 3])).await;
-    other
-        .send(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await;
-    let mut answer = Vec::new();
-    within("another address's probe", other.stream.read_to_end(&mut answer))
+    let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
+    // 8 / 8: one connection per address. This one holds it (answered: it
+    // was taken); the next from this address is refused.
+    let mut held = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    held.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .unwrap();
+    let mut answer = [0u8; 12];
+    within("the held connection's answer", held.read_exact(&mut answer))
+        .await
+        .unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let (status, body) = http_get(gw.monitoring, "/readyz").await;
+    assert_eq!(status, 503, "a second connection from this address is refused");
+    assert!(body.contains("--http-max-connections=8"), "{body}");
+    let answer = get_from(gw.monitoring, [127, 0, 0, 3], "/readyz").await;
     assert!(
-        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&answer)
+        answer.starts_with("HTTP/1.1 200"),
+        "another address is served: {answer}"
+    );
+    // Read from another address still: this one's slots are full.
+    let exposition = get_from(gw.monitoring, [127, 0, 0, 4], "/metrics").await;
+    assert_eq!(
+        crate::helpers::sample(
+            &exposition,
+            "mcp_gateway_limit_refusals_total",
+            &["limit=\"http_connections\""]
+        ),
+        Some(1.0),
+        "the one 503, counted once"
     );
     drop(held);
-    assert!(metric(&gw, "mcp_gateway_limit_refusals_total{limit=\"http_connections\"}").await >= 1);
+}
+
+/// A GET of `path` from the loopback address `from` (another peer): the
+/// whole response, head and body.
+async fn get_from(addr: SocketAddr, from: [u8; 4], path: &str) -> String {
+    let mut conn = RawConn::tcp_from(addr, IpAddr::from(from)).await;
+    conn.send(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await;
+    let mut answer = Vec::new();
+    within(
+        &format!("GET {path} from {from:?}"),
+        conn.stream.read_to_end(&mut answer),
+    )
+    .await
+    .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 #[tokio::test]
@@ -549,7 +756,7 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
     assert!(!std::fs::symlink_metadata(&vs_file).unwrap().file_type().is_symlink());
     within("a failed write to be counted", async {
         while metric(
-            &gw,
+            gw.monitoring,
             &format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}"),
         )
         .await
@@ -607,10 +814,7 @@ async fn hostile_files_in_the_source_directory_are_reported_and_never_fatal() {
     std::fs::write(dir.join("bomb.yaml"), bomb).unwrap();
     std::os::unix::fs::symlink(dir.join("loop.yaml"), dir.join("loop.yaml")).unwrap();
     let fifo = dir.join("fifo.yaml");
-    let fifo_made = std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .is_ok_and(|s| s.success());
+    crate::helpers::mkfifo(&fifo);
     std::fs::write(dir.join("binary.yaml"), [0xff, 0xfe, 0x00, 0x80]).unwrap();
     std::fs::write(dir.join("huge.yaml"), vec![b'#'; 100_000]).unwrap();
     // The canary's own file changes too: the directory is read again, and
@@ -628,12 +832,10 @@ async fn hostile_files_in_the_source_directory_are_reported_and_never_fatal() {
     .unwrap();
     assert!(errors.contains("expands"), "{errors}");
     assert!(errors.contains("--max-message-bytes=65536"), "{errors}");
-    if fifo_made {
-        assert!(
-            errors.contains("fifo.yaml") && errors.contains("not a regular file"),
-            "{errors}"
-        );
-    }
+    assert!(
+        errors.contains("fifo.yaml") && errors.contains("not a regular file"),
+        "{errors}"
+    );
     let snapshot = gw.cache.get(VS).unwrap();
     assert_eq!(snapshot.len(), 1, "only the canary's resource");
     canary.check().await;

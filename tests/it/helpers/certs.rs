@@ -93,3 +93,65 @@ pub fn write_leaf(dir: &Path, name: &str, leaf: &Leaf) -> (PathBuf, PathBuf) {
         write(dir, &format!("{name}.key"), &leaf.key),
     )
 }
+
+/// How a TLS server at `addr` answers a client trusting `ca_pem` and
+/// presenting `identity`: the alert it sends (the handshake's failure, which
+/// TLS 1.3 delivers on the client's first read after its own side is done),
+/// or `None` when the connection is accepted and answers HTTP/2.
+pub async fn tls_alert(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+    identity: Option<&Leaf>,
+) -> Option<rustls::AlertDescription> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        Some(leaf) => builder
+            .with_client_auth_cert(
+                CertificateDer::pem_slice_iter(leaf.cert.as_bytes())
+                    .map(Result::unwrap)
+                    .collect(),
+                PrivateKeyDer::from_pem_slice(leaf.key.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    super::within("a TLS handshake and the first read", async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let alert = |e: std::io::Error| match e.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
+            Some(rustls::Error::AlertReceived(alert)) => *alert,
+            _ => panic!("a TLS alert, not {e:?}"),
+        };
+        let mut tls = match connector.connect(ServerName::try_from("localhost").unwrap(), tcp).await {
+            Ok(tls) => tls,
+            Err(e) => return Some(alert(e)),
+        };
+        tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        let mut first = [0u8; 9];
+        match tls.read_exact(&mut first).await {
+            // The server's SETTINGS: the client was taken.
+            Ok(_) => {
+                assert_eq!(first[3], 0x4, "the server's SETTINGS first");
+                None
+            }
+            Err(e) => Some(alert(e)),
+        }
+    })
+    .await
+}

@@ -341,3 +341,14 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
         later,
     }
 }
+
+/// Makes a FIFO at `path`, or fails the test: a case that needs one is
+/// never skipped.
+pub fn mkfifo(path: &std::path::Path) {
+    let made = std::process::Command::new("mkfifo").arg(path).status();
+    assert!(
+        made.as_ref().is_ok_and(|s| s.success()),
+        "mkfifo {}: {made:?}",
+        path.display()
+    );
+}
