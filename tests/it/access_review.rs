@@ -18,10 +18,10 @@ use tonic::transport::Channel;
 use crate::access::{secret_doc, SECRET_TYPE};
 use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
 use crate::helpers::clients::{
-    node, tls_channel, Bidi, IncrementalClient, PilotSink, SotwClient, V10Client, V10Request,
-    INCREMENTAL_PATH, SOTW_PATH,
+    node, tls_channel, Bidi, IncrementalClient, PilotSink, SotwClient, V10Client, V10Request, INCREMENTAL_PATH,
+    SOTW_PATH,
 };
-use crate::helpers::{get_json, http_get, spawn_gateway, start_gateway, within};
+use crate::helpers::{eventually_some, get_json, http_get, spawn_gateway, start_gateway, within};
 
 const ADS_SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 const ADS_DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
@@ -246,7 +246,10 @@ async fn delta_subscribe_sequences_never_send_a_name_the_grant_withholds() {
 
     // A change in both namespaces: the stream is answered at least once
     // more, with `other/y-cert`; everything until then is checked.
-    let more = [("shop/new-cert", ca.leaf("new.shop")), ("other/y-cert", ca.leaf("y.other"))];
+    let more = [
+        ("shop/new-cert", ca.leaf("new.shop")),
+        ("other/y-cert", ca.leaf("y.other")),
+    ];
     let docs: Vec<String> = more.iter().map(|(n, l)| secret_doc(n, l)).collect();
     std::fs::write(dir.path().join("source/more.yaml"), docs.join("---\n")).unwrap();
     within("other/y-cert to reach other's stream", async {
@@ -272,7 +275,11 @@ async fn a_withheld_name_and_a_missing_name_get_the_same_answer() {
     let ca = Ca::new("review-ca");
     let gw = gateway(dir.path(), &ca, &Secrets::new(&ca, NAMES), Some(POLICY)).await;
     let mut other = DeltaStream::open_on(as_identity(gw.listen, &ca, OTHER).await, ADS_DELTA).await;
-    other.send(delta(&["shop/frontend-cert", "shop/no-such-cert", "other/x-cert"], &[], None));
+    other.send(delta(
+        &["shop/frontend-cert", "shop/no-such-cert", "other/x-cert"],
+        &[],
+        None,
+    ));
     let response = other.recv().await;
     assert_eq!(delta_names(&response), ["other/x-cert"]);
     let mut removed = response.removed_resources.clone();
@@ -339,7 +346,10 @@ async fn a_reconnect_claiming_secrets_of_another_namespace_is_not_served_them() 
             ..delta(&[], &[], Some(&response))
         });
     }
-    assert_eq!(answers[0], answers[1], "the answer does not tell a right version from a wrong one");
+    assert_eq!(
+        answers[0], answers[1],
+        "the answer does not tell a right version from a wrong one"
+    );
 }
 
 // === Reloads ===
@@ -406,6 +416,108 @@ async fn a_reload_that_narrows_a_grant_takes_the_withdrawn_secret_from_every_pro
     assert_ne!(narrowed.version_info, legacy_first.version_info);
 }
 
+/// A stream busy sending when the policy is narrowed, whose next request
+/// starts following a new type: the types it already follows are
+/// narrowed too. The stream is made busy by a response larger than the
+/// client's flow-control window and more unread responses (to types
+/// nobody serves) than its queue holds; the new policy and the new type's
+/// request are then both waiting when it is free again. Repeated on ten
+/// streams: the order the gateway takes the two in is its own choice.
+#[tokio::test]
+#[ignore = "DEFECT: a new type's first request read before a pending policy change marks the change seen \
+            (borrow_and_update in follow): the other types keep the old, wider grant"]
+async fn a_policy_narrowed_while_a_stream_is_busy_narrows_every_type_it_follows() {
+    const STREAMS: usize = 10;
+    // As many as fill its queue, so that nothing else waits to be read.
+    const UNSERVED: usize = 17;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("review-ca");
+    let mut secrets = Secrets::new(&ca, NAMES);
+    // Larger than a client's flow-control window (2 MiB for a stream).
+    let big_chain = format!(
+        "-----BEGIN CERTIFICATE-----\n{}-----END CERTIFICATE-----\n",
+        format!("{}\n", "A".repeat(64)).repeat(50_000)
+    );
+    secrets.leaves.push((
+        "shop/big-cert".into(),
+        Leaf {
+            cert: big_chain,
+            key: ca.leaf("big.shop").key,
+        },
+    ));
+    let gw = gateway(dir.path(), &ca, &secrets, Some(POLICY)).await;
+
+    let mut streams = Vec::new();
+    for _ in 0..STREAMS {
+        let stream = SotwStream::open_on(as_identity(gw.listen, &ca, SHOP).await, ADS_SOTW).await;
+        stream.send(sotw(SECRET_TYPE, &[], None));
+        for i in 0..UNSERVED {
+            stream.send(sotw(&format!("type.googleapis.com/review.Unserved{i}"), &[], None));
+        }
+        streams.push(stream);
+    }
+    // Each stream has sent what fits and waits for its client to read.
+    eventually_some("every stream to follow the types nobody serves", || async {
+        let view = get_json(gw.admin, "/debug/syncz").await;
+        let unserved = view["rows"]
+            .as_array()?
+            .iter()
+            .filter(|r| r["type_url"].as_str().is_some_and(|t| t.contains("review.Unserved")))
+            .count();
+        (unserved >= STREAMS * UNSERVED).then_some(())
+    })
+    .await;
+
+    std::fs::write(
+        dir.path().join("policy.yaml"),
+        POLICY.replace("names: [\"{namespace}/*\"]", "names: [\"{namespace}/frontend-*\"]"),
+    )
+    .unwrap();
+    eventually_some("the narrower policy to load", || async {
+        let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
+        crate::helpers::sample(&metrics, "mcp_gateway_access_policy_reloads_total", &["result=\"ok\""])
+            .filter(|n| *n >= 1.0)
+    })
+    .await;
+    for stream in &streams {
+        stream.send(sotw(CLUSTER_TYPE, &[], None));
+    }
+    // Read (and ACK) everything each stream sends until its clusters.
+    for stream in &mut streams {
+        within("the clusters' response", async {
+            loop {
+                let response = stream.recv().await;
+                stream.send(sotw(&response.type_url, &[], Some(&response)));
+                if response.type_url == CLUSTER_TYPE {
+                    break;
+                }
+            }
+        })
+        .await;
+    }
+    // A new secret of shop's: every stream is sent its view of secrets.
+    let added = secret_doc("shop/frontend-2", &ca.leaf("frontend-2.shop"));
+    std::fs::write(dir.path().join("source/more.yaml"), added).unwrap();
+    for (i, stream) in streams.iter_mut().enumerate() {
+        let names = within("the new secret", async {
+            loop {
+                let response = stream.recv().await;
+                stream.send(sotw(&response.type_url, &[], Some(&response)));
+                let names = (response.type_url == SECRET_TYPE).then(|| sotw_names(&response));
+                if let Some(names) = names.filter(|n| n.contains(&"shop/frontend-2".to_owned())) {
+                    return names;
+                }
+            }
+        })
+        .await;
+        assert_eq!(
+            names,
+            ["shop/frontend-2", "shop/frontend-cert"],
+            "stream {i}: served names the narrower policy withholds"
+        );
+    }
+}
+
 // === Every protocol, restricted by name ===
 
 /// A grant of part of a collection, on every protocol the gateway serves:
@@ -423,7 +535,11 @@ async fn every_protocol_serves_a_restricted_client_its_grant_only() {
     let mut named = SotwStream::open_on(as_identity(gw.listen, &ca, SHOP).await, ADS_SOTW).await;
     named.send(sotw(SECRET_TYPE, &["other/x-cert"], None));
     let response = named.recv().await;
-    assert_eq!(sotw_names(&response), Vec::<String>::new(), "only other's name asked for");
+    assert_eq!(
+        sotw_names(&response),
+        Vec::<String>::new(),
+        "only other's name asked for"
+    );
 
     let mut mcp11 = SotwClient::open_on(as_identity(gw.listen, &ca, SHOP).await, SOTW_PATH).await;
     mcp11.subscribe(SECRETS);
@@ -440,8 +556,7 @@ async fn every_protocol_serves_a_restricted_client_its_grant_only() {
     });
     assert_eq!(mcp_names(&mcp10.recv().await), shop_names);
 
-    let mut incremental =
-        IncrementalClient::open_on(as_identity(gw.listen, &ca, SHOP).await, INCREMENTAL_PATH).await;
+    let mut incremental = IncrementalClient::open_on(as_identity(gw.listen, &ca, SHOP).await, INCREMENTAL_PATH).await;
     incremental.send(IncrementalMeshConfigRequest {
         sink_node: node(),
         type_url: SECRETS.into(),
@@ -535,7 +650,11 @@ async fn a_grant_of_everything_is_served_the_bytes_and_versions_of_no_policy() {
         let response = legacy.recv().await;
         assert_eq!(
             response.version_info,
-            gw.cache.get("envoy/config/cluster/v3/clusters").unwrap().version.to_string()
+            gw.cache
+                .get("envoy/config/cluster/v3/clusters")
+                .unwrap()
+                .version
+                .to_string()
         );
     }
 }
@@ -584,7 +703,10 @@ async fn odd_and_several_sans_read_only_what_their_own_text_grants() {
     let both = sans.leaf(&[OTHER, SHOP], &[]);
     let mut stream = SotwStream::open_on(as_leaf(gw.listen, &ca, &both).await, ADS_SOTW).await;
     stream.send(sotw(SECRET_TYPE, &[], None));
-    assert_eq!(sotw_names(&stream.recv().await), NAMES.iter().rev().copied().collect::<Vec<_>>());
+    assert_eq!(
+        sotw_names(&stream.recv().await),
+        NAMES.iter().rev().copied().collect::<Vec<_>>()
+    );
 }
 
 /// Two grants whose globs print alike must not share what is made for a
@@ -619,7 +741,10 @@ async fn two_grants_that_print_alike_do_not_share_a_view() {
         .find(|r| r["collection"] == SECRETS)
         .cloned()
         .unwrap();
-    assert_eq!(secrets_row["resources_readable"], 0, "the policy grants it nothing that exists: {secrets_row}");
+    assert_eq!(
+        secrets_row["resources_readable"], 0,
+        "the policy grants it nothing that exists: {secrets_row}"
+    );
 
     let mut attacker = SotwStream::open_on(as_identity(gw.listen, &ca, odd).await, ADS_SOTW).await;
     attacker.send(sotw(SECRET_TYPE, &[], None));
@@ -658,7 +783,10 @@ async fn unauthenticated_over_tls_and_plaintext_reads_only_its_own_rules() {
     .await;
 
     let clients = [
-        ("TLS without a certificate", tls_channel(gw.listen, &ca.pem, None).await.unwrap()),
+        (
+            "TLS without a certificate",
+            tls_channel(gw.listen, &ca.pem, None).await.unwrap(),
+        ),
         ("plaintext", crate::helpers::clients::channel(plain.listen).await),
     ];
     for (what, channel) in clients {
@@ -726,7 +854,11 @@ async fn no_key_material_in_the_log_the_admin_views_or_status() {
     shop.send(sotw(SECRET_TYPE, &["shop/frontend-cert", "other/x-cert"], None));
     let served = shop.recv().await;
     assert_eq!(sotw_names(&served), ["shop/frontend-cert"]);
-    shop.send(sotw(SECRET_TYPE, &["shop/frontend-cert", "other/x-cert"], Some(&served)));
+    shop.send(sotw(
+        SECRET_TYPE,
+        &["shop/frontend-cert", "other/x-cert"],
+        Some(&served),
+    ));
     let mut other = DeltaStream::open_on(as_identity(gw.listen, &ca, OTHER).await, ADS_DELTA).await;
     other.send(delta(&["*", "shop/frontend-cert"], &[], None));
     other.recv().await;
@@ -774,7 +906,10 @@ async fn no_key_material_in_the_log_the_admin_views_or_status() {
     }
     // The dump shows the secrets are there, with the key redacted.
     let (_, yaml) = &shown[5];
-    assert!(yaml.contains("shop/frontend-cert") && yaml.contains("[redacted]"), "{yaml}");
+    assert!(
+        yaml.contains("shop/frontend-cert") && yaml.contains("[redacted]"),
+        "{yaml}"
+    );
 }
 
 // === Certificates with exactly the SANs a test gives ===
@@ -791,7 +926,9 @@ impl SanCa {
     fn new() -> Self {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.distinguished_name.push(rcgen::DnType::CommonName, "review-san-ca");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "review-san-ca");
         params.key_usages = vec![
             rcgen::KeyUsagePurpose::KeyCertSign,
             rcgen::KeyUsagePurpose::DigitalSignature,
@@ -805,13 +942,19 @@ impl SanCa {
     /// (127.0.0.1), nothing else.
     fn leaf(&self, uris: &[&str], dns: &[&str]) -> Leaf {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name.push(rcgen::DnType::CommonName, "review-client");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "review-client");
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
         for uri in uris {
-            params.subject_alt_names.push(rcgen::SanType::URI((*uri).try_into().unwrap()));
+            params
+                .subject_alt_names
+                .push(rcgen::SanType::URI((*uri).try_into().unwrap()));
         }
         for name in dns {
-            params.subject_alt_names.push(rcgen::SanType::DnsName((*name).try_into().unwrap()));
+            params
+                .subject_alt_names
+                .push(rcgen::SanType::DnsName((*name).try_into().unwrap()));
         }
         params
             .subject_alt_names
