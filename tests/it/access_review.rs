@@ -1011,6 +1011,132 @@ async fn no_key_material_in_the_log_the_admin_views_or_status() {
     );
 }
 
+// === A real Envoy over delta ADS ===
+
+/// A listener on `port` terminating TLS with the SDS secret `secret`, and
+/// proxying to the cluster `backend` (a network filter: no route).
+fn tls_listener_doc(port: u16, secret: &str) -> String {
+    let listener = serde_json::json!({
+        "name": "tls",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{
+            "transport_socket": {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    "common_tls_context": {"tls_certificate_sds_secret_configs": [
+                        {"name": secret, "sds_config": {"ads": {}, "resource_api_version": "V3"}}
+                    ]},
+                },
+            },
+            "filters": [{
+                "name": "envoy.filters.network.tcp_proxy",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+                    "stat_prefix": "tls",
+                    "cluster": "backend",
+                },
+            }],
+        }],
+    });
+    format!(
+        "collection: envoy/config/listener/v3/listeners\nname: tls\nbody:\n  type_url: \
+         type.googleapis.com/envoy.config.listener.v3.Listener\n  json: {listener}\n"
+    )
+}
+
+/// Envoy (delta ADS, mTLS as `other`'s identity) whose listener names
+/// shop's certificate: never sent it (no line of the certificate or the
+/// key in its config dump or log); a reload that grants it sends it (the
+/// certificate in the dump, the key `[redacted]` by Envoy, never in
+/// clear); a reload that takes it back withholds it from that stream
+/// again.
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_delta_envoy_of_another_namespace_reads_shops_certificate_only_while_a_reload_grants_it() {
+    use crate::helpers::envoy::{bootstrap, AdsApi, Envoy};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("review-ca");
+    let secrets = Secrets::new(&ca, NAMES);
+    let listen = crate::helpers::free_addr();
+    secrets.write(&dir.path().join("source"));
+    std::fs::write(
+        dir.path().join("source/listener.yaml"),
+        tls_listener_doc(listen.port(), "shop/frontend-cert"),
+    )
+    .unwrap();
+    // `other` reads Envoy's config and its own namespace's secrets.
+    let denied = POLICY.replace(
+        "[\"spiffe://cluster.local/ns/shop/sa/*\", \"unauthenticated\"]",
+        "[\"spiffe://cluster.local/ns/shop/sa/*\", \"spiffe://cluster.local/ns/other/sa/*\"]",
+    );
+    let flags = tls_flags(dir.path(), &ca, Some(&denied), true);
+    let gw = start_gateway(&flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+
+    let (cert, key) = write_leaf(dir.path(), "envoy-other", &ca.spiffe_leaf(OTHER));
+    let mut config = bootstrap(gw.listen, AdsApi::Delta, "other-envoy");
+    config["static_resources"]["clusters"][0]["transport_socket"] = serde_json::json!({
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": "localhost",
+            "common_tls_context": {
+                "alpn_protocols": ["h2"],
+                "tls_certificates": [{
+                    "certificate_chain": {"filename": path(&cert)},
+                    "private_key": {"filename": path(&key)},
+                }],
+                "validation_context": {"trusted_ca": {"filename": path(&dir.path().join("client-ca.pem"))}},
+            },
+        },
+    });
+    let envoy = Envoy::start_with(config).await.unwrap();
+    let withheld = || async {
+        eventually_some("shop's certificate withheld from other's Envoy", || async {
+            let view = get_json(gw.admin, "/debug/syncz").await;
+            view["rows"]
+                .as_array()?
+                .iter()
+                .find(|r| r["identity"] == OTHER && r["type_url"] == SECRET_TYPE && r["access"]["withheld"] == 1)
+                .map(|_| ())
+        })
+        .await
+    };
+    withheld().await;
+    // A line of the certificate's body: in Envoy's dump once it was sent.
+    let frontend = &secrets.leaves[0].1;
+    let cert_line = frontend.cert.lines().nth(2).unwrap().to_owned();
+    let keys = secrets.key_lines();
+    let dump = envoy.config_dump().await.to_string();
+    assert!(!dump.contains(&cert_line), "shop's certificate reached other's Envoy");
+    for text in [&dump, &envoy.log()] {
+        assert!(
+            keys.iter().all(|k| !text.contains(k.as_str())),
+            "a line of a key in Envoy"
+        );
+    }
+
+    // Granted by a reload: sent; Envoy shows the key redacted.
+    let granted =
+        format!("{denied}- identities: [\"{OTHER}\"]\n  collections: [\"{SECRETS}\"]\n  names: [shop/frontend-cert]\n");
+    std::fs::write(dir.path().join("policy.yaml"), &granted).unwrap();
+    let dump = envoy
+        .dump_matches("shop's certificate in Envoy", |dump| {
+            dump.to_string().contains(&cert_line)
+        })
+        .await
+        .to_string();
+    assert!(dump.contains("[redacted]"), "Envoy redacts the key it holds");
+    assert!(
+        keys.iter().all(|k| !dump.contains(k.as_str())),
+        "a line of a key in Envoy's dump"
+    );
+
+    // Taken back: the gateway withholds it from that stream again.
+    std::fs::write(dir.path().join("policy.yaml"), &denied).unwrap();
+    withheld().await;
+}
+
 // === Certificates with exactly the SANs a test gives ===
 
 /// A CA of this module's own, for leaves with exactly the SANs a test
