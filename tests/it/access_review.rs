@@ -618,7 +618,7 @@ async fn mcp_over_xds_serves_a_tenant_its_own_istio_resources_only() {
     )
     .unwrap();
     let gw = gateway(dir.path(), &ca, &secrets, Some(&policy)).await;
-    let mcp_names = |resources: Vec<Vec<u8>>| -> Vec<String> {
+    let resource_names = |resources: Vec<Vec<u8>>| -> Vec<String> {
         let mut names: Vec<String> = resources
             .iter()
             .map(|value| {
@@ -634,7 +634,7 @@ async fn mcp_over_xds_serves_a_tenant_its_own_istio_resources_only() {
     sotw_stream.send(sotw(VS_GVK, &[], None));
     let first = sotw_stream.recv().await;
     assert_eq!(
-        mcp_names(first.resources.iter().map(|a| a.value.to_vec()).collect()),
+        resource_names(first.resources.iter().map(|a| a.value.to_vec()).collect()),
         ["tenant-a/web"]
     );
     sotw_stream.send(sotw(VS_GVK, &[], Some(&first)));
@@ -650,7 +650,7 @@ async fn mcp_over_xds_serves_a_tenant_its_own_istio_resources_only() {
         .iter()
         .map(|r| r.resource.as_ref().unwrap().value.to_vec())
         .collect();
-    assert_eq!(mcp_names(values), ["tenant-a/web"]);
+    assert_eq!(resource_names(values), ["tenant-a/web"]);
     delta_stream.send(DeltaDiscoveryRequest {
         type_url: VS_GVK.into(),
         ..delta(&[], &[], Some(&first))
@@ -663,7 +663,7 @@ async fn mcp_over_xds_serves_a_tenant_its_own_istio_resources_only() {
     .unwrap();
     let next = within("the SotW update", sotw_stream.recv()).await;
     assert_eq!(
-        mcp_names(next.resources.iter().map(|a| a.value.to_vec()).collect()),
+        resource_names(next.resources.iter().map(|a| a.value.to_vec()).collect()),
         ["tenant-a/new", "tenant-a/web"]
     );
     let next = within("the delta update", delta_stream.recv()).await;
@@ -672,7 +672,7 @@ async fn mcp_over_xds_serves_a_tenant_its_own_istio_resources_only() {
         .iter()
         .map(|r| r.resource.as_ref().unwrap().value.to_vec())
         .collect();
-    assert_eq!(mcp_names(values), ["tenant-a/new"]);
+    assert_eq!(resource_names(values), ["tenant-a/new"]);
 }
 
 // === A full grant is served as without a policy ===
