@@ -4,6 +4,7 @@
 mod helpers;
 
 mod access;
+mod access_review;
 mod admin;
 mod browser;
 mod canary;
