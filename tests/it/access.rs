@@ -602,16 +602,32 @@ async fn envoy_over_mtls_reads_its_own_certificate_by_sds_and_no_other() {
     assert_eq!(row["status"], "SYNCED", "holds all it may read: {row}");
     drop(other);
 
-    // An identity no rule grants clusters: refused by name, on every retry.
-    let third = Envoy::start_with(mtls_bootstrap(
-        gw.listen,
-        &ca,
-        "spiffe://cluster.local/ns/third/sa/y",
-        dir.path(),
-        "third",
-    ))
-    .await
+    // An identity granted clusters, then not (a reload): refused by name on
+    // every retry, and it keeps serving the clusters it had.
+    let third_id = "spiffe://cluster.local/ns/third/sa/y";
+    let granted = std::fs::read_to_string(&policy).unwrap();
+    std::fs::write(
+        &policy,
+        format!("{granted}- identities: [\"{third_id}\"]\n  collections: [\"envoy/config/*\"]\n"),
+    )
     .unwrap();
+    eventually_some("the third identity's grant in effect", || async {
+        let view = get_json(gw.admin, &format!("/debug/access?identity={third_id}")).await;
+        let clusters = view["collections"]
+            .as_array()?
+            .iter()
+            .find(|c| c["collection"] == "envoy/config/cluster/v3/clusters")?
+            .clone();
+        (clusters["reads"] == "all").then_some(())
+    })
+    .await;
+    let third = Envoy::start_with(mtls_bootstrap(gw.listen, &ca, third_id, dir.path(), "third"))
+        .await
+        .unwrap();
+    third
+        .clusters_when("the backend cluster", |c| c.iter().any(|(name, _)| name == "backend"))
+        .await;
+    std::fs::write(&policy, &granted).unwrap();
     eventually_some("the refusal in Envoy's log", || async {
         // Envoy logs the status's message as it came, percent-encoded.
         let log = percent_encoding::percent_decode_str(&third.log())
@@ -623,4 +639,9 @@ async fn envoy_over_mtls_reads_its_own_certificate_by_sds_and_no_other() {
             .filter(|_| log.contains(&format!("type_url \"{CLUSTER_TYPE}\"")))
     })
     .await;
+    let clusters = third.dynamic_clusters().await;
+    assert!(
+        clusters.iter().any(|(name, _)| name == "backend"),
+        "Envoy keeps serving what it had: {clusters:?}"
+    );
 }
