@@ -221,10 +221,28 @@ impl CollectionSnapshot {
     }
 
     /// The part of this snapshot whose names `keep` keeps (an access
-    /// policy's view of it): a snapshot of its own, stored afresh, with
-    /// this one's times and origin. Its version follows the same content
-    /// rule, so clients (and replicas) restricted alike see one version, and
-    /// keeping everything is this very snapshot.
+    /// policy's view of it): a snapshot of its own, with this one's times
+    /// and origin. Its version follows the same content rule, so clients
+    /// (and replicas) restricted alike see one version, and keeping
+    /// everything is this very snapshot.
+    ///
+    /// `base`: an earlier whole snapshot of the collection and the view
+    /// `keep` made of it. The view is then made from it at the cost of the
+    /// change (its map and chunks shared, as an apply shares them), and is
+    /// that view itself when nothing it keeps changed. Without a base, the
+    /// view is stored afresh.
+    pub fn restricted_after(
+        self: &Arc<Self>,
+        base: Option<(&CollectionSnapshot, &Arc<CollectionSnapshot>)>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Arc<CollectionSnapshot> {
+        match base.filter(|(whole, view)| whole.collection == self.collection && view.collection == self.collection) {
+            Some((whole, view)) => self.restricted_from(whole, view, keep),
+            None => self.restricted(keep),
+        }
+    }
+
+    /// [`Self::restricted_after`] without a base.
     pub fn restricted(self: &Arc<Self>, keep: impl Fn(&str) -> bool) -> Arc<CollectionSnapshot> {
         let mut resources = ResourceMap::new();
         let (mut sum, mut bytes) = (0u128, 0usize);
@@ -244,6 +262,52 @@ impl CollectionSnapshot {
             return self.clone();
         }
         let chunks = Chunks::build(kept, None, &mut resources);
+        self.view(resources, sum, chunks, bytes)
+    }
+
+    /// The view `keep` makes of this snapshot, from `view`, the one it made
+    /// of `whole`: what changed from `whole` to this one and `keep` keeps is
+    /// taken in, the rest of `view` shared.
+    fn restricted_from(
+        self: &Arc<Self>,
+        whole: &CollectionSnapshot,
+        view: &Arc<CollectionSnapshot>,
+        keep: impl Fn(&str) -> bool,
+    ) -> Arc<CollectionSnapshot> {
+        let diff = Diff::between(&whole.resources, &self.resources);
+        let mut resources = view.resources.clone();
+        let mut total = Total {
+            sum: view.content_sum,
+            bytes: view.bytes,
+            changed: Vec::new(),
+        };
+        for resource in diff.upserts.iter().filter(|r| keep(&r.name)) {
+            total.upsert(&mut resources, resource);
+        }
+        for name in diff.removed.iter().filter(|n| keep(n)) {
+            total.remove(&mut resources, name);
+        }
+        let Total {
+            sum,
+            bytes,
+            mut changed,
+        } = total;
+        if changed.is_empty() {
+            return view.clone();
+        }
+        if resources.len() == self.resources.len() {
+            // It keeps everything now: the whole, stored once.
+            return self.clone();
+        }
+        changed.sort_unstable();
+        changed.dedup();
+        let chunks = rechunk(&view.chunks, &view.resources, &mut resources, &changed);
+        self.view(resources, sum, chunks, bytes)
+    }
+
+    /// A view of this snapshot holding `resources`, with this one's times and
+    /// origin.
+    fn view(&self, resources: ResourceMap, sum: u128, chunks: Chunks, bytes: usize) -> Arc<CollectionSnapshot> {
         let mut view = CollectionSnapshot::new(self.collection.clone(), resources, sum, chunks, bytes, self.origin);
         view.updated_at = self.updated_at;
         view.applied_at = self.applied_at;
@@ -1062,6 +1126,72 @@ mod tests {
             Bytes::from(body.to_owned()),
             content_digest(body.as_bytes(), &none, &none),
         )
+    }
+
+    /// A restricted view made from the last one, at the cost of the change,
+    /// is the view made afresh: the same names, bytes and version, through
+    /// upserts and removals kept and not kept, back to everything kept and
+    /// a change it does not keep (the very view again).
+    #[test]
+    fn a_view_from_the_last_is_the_view_made_afresh() {
+        let (cache, mut writer) = Cache::new();
+        let keep = |name: &str| name.starts_with("a/");
+        let names = |n: usize| -> Vec<CachedResource> {
+            (0..n)
+                .flat_map(|i| [resource(&format!("a/{i:03}"), "1"), resource(&format!("b/{i:03}"), "1")])
+                .collect()
+        };
+        writer.apply(C, Update::Full(names(100)), Origin::Upstream);
+        let mut whole = cache.get(C).unwrap();
+        let mut view = whole.restricted(keep);
+        assert_eq!(view.len(), 100);
+        let changes: Vec<Update> = vec![
+            Update::Incremental {
+                upserts: vec![resource("a/001", "2"), resource("b/001", "2")],
+                removed: vec![],
+            },
+            Update::Incremental {
+                upserts: vec![resource("a/500", "1")],
+                removed: vec!["a/002".into(), "b/003".into()],
+            },
+            Update::Incremental {
+                upserts: vec![resource("b/900", "1")],
+                removed: vec![],
+            },
+            Update::Full(names(3)),
+            Update::Incremental {
+                upserts: vec![],
+                removed: (0..3).map(|i| format!("b/{i:03}")).collect(),
+            },
+            Update::Incremental {
+                upserts: vec![resource("b/777", "1")],
+                removed: vec![],
+            },
+        ];
+        for (step, update) in changes.into_iter().enumerate() {
+            writer.apply(C, update, Origin::Upstream);
+            let next = cache.get(C).unwrap();
+            let from_last = next.restricted_after(Some((&whole, &view)), keep);
+            let afresh = next.restricted(keep);
+            assert_eq!(from_last.version, afresh.version, "step {step}");
+            let listed = |s: &CollectionSnapshot| -> Vec<(String, Bytes)> {
+                s.resources
+                    .values()
+                    .map(|r| (r.name.to_string(), r.encoded.clone()))
+                    .collect()
+            };
+            assert_eq!(listed(&from_last), listed(&afresh), "step {step}");
+            let stored: usize = from_last.chunks().map(|c| c.members().len()).sum();
+            assert_eq!(stored, from_last.len(), "step {step}: every resource stored once");
+            if step == 2 {
+                assert!(
+                    Arc::ptr_eq(&from_last, &view),
+                    "a change it does not keep is the same view"
+                );
+            }
+            whole = next;
+            view = from_last;
+        }
     }
 
     /// The history keeps the last N versions, newest first, with what each

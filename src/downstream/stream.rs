@@ -44,7 +44,24 @@ struct Followed {
     /// Under `--access-policy`, the names the client may read when it may
     /// read only some (`None`: all of them): it is served that part of the
     /// collection, as if the rest did not exist.
-    grant: Option<Arc<NameGrant>>,
+    grant: Option<Box<Restriction>>,
+}
+
+/// A type the client may read part of: its grant, and the last view this
+/// stream read with the whole it came from, from which the next view is made
+/// at the cost of the change.
+struct Restriction {
+    grant: Arc<NameGrant>,
+    last: std::cell::RefCell<Option<(Arc<CollectionSnapshot>, Arc<CollectionSnapshot>)>>,
+}
+
+impl Restriction {
+    fn new(grant: Arc<NameGrant>) -> Box<Self> {
+        Box::new(Self {
+            grant,
+            last: Default::default(),
+        })
+    }
 }
 
 /// What a followed type is answered from.
@@ -392,7 +409,7 @@ struct Accepted {
 fn current_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
     let whole = source_of(followed);
     match (&followed.grant, whole) {
-        (Some(grant), Some(whole)) => Some(restricted(&whole, grant)),
+        (Some(restriction), Some(whole)) => Some(restricted(&whole, restriction)),
         (_, whole) => whole,
     }
 }
@@ -409,7 +426,7 @@ fn source_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
 
 /// A name the client asks for that its grant withholds (for the log).
 fn first_withheld(followed: &Followed, whole: &CollectionSnapshot) -> Option<String> {
-    let grant = followed.grant.as_ref()?;
+    let grant = &followed.grant.as_ref()?.grant;
     match followed.state.named().map(|n| n.current()) {
         Some(names) if !names.wildcard => names
             .names
@@ -426,18 +443,29 @@ const RESTRICTED_PER_SNAPSHOT: usize = 1024;
 /// The part of `whole` that `grant` lets a client read: made once per
 /// version and grant, and shared by every client of that grant (so their
 /// responses are encoded once, as for everyone else).
-fn restricted(whole: &Arc<CollectionSnapshot>, grant: &NameGrant) -> Arc<CollectionSnapshot> {
+fn restricted(whole: &Arc<CollectionSnapshot>, restriction: &Restriction) -> Arc<CollectionSnapshot> {
+    let grant = &restriction.grant;
+    let mut last = restriction.last.borrow_mut();
+    if let Some((seen, view)) = last.as_ref() {
+        if Arc::ptr_eq(seen, whole) {
+            return view.clone();
+        }
+    }
     let key = MemoKey::with("access.restricted", grant.key.clone());
     let view = whole.memo.get_or_make(key, RESTRICTED_PER_SNAPSHOT, || {
-        whole.restricted(|name| grant.allows(name))
+        // From this stream's last view of the same grant: the change only.
+        let base = last.as_ref().map(|(seen, view)| (&**seen, view));
+        whole.restricted_after(base, |name| grant.allows(name))
     });
-    Arc::clone(&view)
+    let view: Arc<CollectionSnapshot> = Arc::clone(&*view);
+    *last = Some((whole.clone(), view.clone()));
+    view
 }
 
 /// How many resources a restricted client asks for (by name, or all of
 /// them with wildcard) that its grant withholds from it.
 fn withheld(followed: &Followed, whole: &CollectionSnapshot, view: &CollectionSnapshot) -> u32 {
-    let Some(grant) = &followed.grant else {
+    let Some(grant) = followed.grant.as_ref().map(|r| &r.grant) else {
         return 0;
     };
     let count = match followed.state.named().map(|n| n.current()) {
@@ -686,7 +714,7 @@ impl<W: Wire> TypedStream<W> {
                 state,
                 metrics,
                 answer,
-                grant,
+                grant: grant.map(Restriction::new),
             },
         );
         Ok(())
@@ -707,11 +735,11 @@ impl<W: Wire> TypedStream<W> {
             let grant = self.shared.grant(&policy, &self.identity, type_url, &collection)?;
             let same = match (&grant, &followed.grant) {
                 (None, None) => true,
-                (Some(a), Some(b)) => a.key == b.key,
+                (Some(a), Some(b)) => a.key == b.grant.key,
                 _ => false,
             };
             if !same {
-                followed.grant = grant;
+                followed.grant = grant.map(Restriction::new);
                 changed.push(type_url.clone());
             }
         }
