@@ -13,7 +13,7 @@ use tonic::Code;
 use crate::helpers::clients::{self, sotw, SotwClient, SOTW_PATH};
 use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
 use crate::helpers::{
-    eventually, eventually_async, http_get, sample, spawn_gateway, start_gateway, within, Running, VS,
+    eventually, eventually_async, eventually_some, http_get, sample, spawn_gateway, start_gateway, within, Running, VS,
 };
 
 /// A gateway on a local source directory, and a client following one
@@ -702,30 +702,24 @@ async fn a_stream_follows_a_bounded_number_of_types() {
 
 #[tokio::test]
 async fn huge_nacks_are_kept_truncated_with_their_length() {
-    let (gw, mut canary) = with_canary(&[]).await;
+    // A gateway process of its own: the truncation is counted exactly.
+    let (gw, mut canary) = spawned_with_canary(&[]).await;
     let mut client = sotw(gw.listen).await;
     client.subscribe(VS);
     let response = client.recv_type(VS).await;
     client.nack(&response, "", &"x".repeat(1 << 20));
-    eventually("the NACK to be recorded", || {
-        gw.registry
-            .streams()
+    let message = eventually_some("the NACK to be recorded", || async {
+        let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
+        clients
+            .as_array()
+            .unwrap()
             .iter()
-            .any(|s| s.types.values().any(|t| t.last_nack.is_some()))
+            .find_map(|c| c["types"][VS]["last_nack"]["message"].as_str().map(str::to_owned))
     })
     .await;
-    let nack = gw
-        .registry
-        .streams()
-        .into_iter()
-        .find_map(|s| s.types.values().find_map(|t| t.last_nack.clone()))
-        .unwrap();
-    assert!(nack.message.len() < 4200, "{}", nack.message.len());
-    assert!(
-        nack.message.ends_with("(1048576 bytes in all)"),
-        "{}",
-        &nack.message[4090..]
-    );
+    // 4 KiB of it (--max-nack-message-bytes' default) and its length.
+    assert_eq!(message, format!("{}… (1048576 bytes in all)", "x".repeat(4096)));
+    metric_is(gw.monitoring, "mcp_gateway_nack_messages_truncated_total", 1).await;
     // The NACKing client still gets the next version.
     canary.check().await;
     let next = client.recv_type(VS).await;
