@@ -335,10 +335,16 @@ async fn garbage_http1_and_tls_on_the_grpc_port_are_closed() {
 
 #[tokio::test]
 async fn idle_connections_are_closed_and_busy_ones_are_not() {
-    let (gw, mut canary) = with_canary(&["--idle-timeout", "300ms"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--idle-timeout", "300ms"]).await;
     let mut idle = RawConn::http2(gw.listen).await;
     let goaway = idle.until_closed().await;
     assert_eq!(goaway.map(|g| g.0), Some(h2raw::NO_ERROR), "a graceful GOAWAY first");
+    metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--listen\",reason=\"idle\"}",
+        1,
+    )
+    .await;
     // The canary's connection carries a stream: it stays.
     canary.check().await;
     canary.check().await;
@@ -609,7 +615,7 @@ fn subscribe(type_url: &str) -> MeshConfigRequest {
 
 #[tokio::test]
 async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
-    let (gw, mut canary) = with_canary(&["--max-streams", "2"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-streams", "2"]).await;
     let _second = {
         let mut c = sotw(gw.listen).await;
         c.subscribe(VS);
@@ -618,12 +624,13 @@ async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
     };
     let status = status_after(gw.listen, vec![subscribe(VS)]).await;
     assert_refused_naming(&status, "--max-streams=2");
+    refusals_are(gw.monitoring, "max_streams", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn new_streams_are_limited_per_peer_address() {
-    let (gw, mut canary) = with_canary(&["--max-new-streams-per-second", "1"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-new-streams-per-second", "1"]).await;
     // A burst of ten seconds' worth (10), then refusals.
     let channel = clients::channel(gw.listen).await;
     let mut refused = None;
@@ -644,6 +651,7 @@ async fn new_streams_are_limited_per_peer_address() {
     }
     let status = refused.expect("a stream over the rate is refused");
     assert_refused_naming(&status, "--max-new-streams-per-second=1");
+    refusals_are(gw.monitoring, "new_streams_rate", 1).await;
     // Another address is not affected.
     let mut other = RawConn::tcp_from(gw.listen, IpAddr::from([127, 0, 0, 2])).await;
     other.send(h2raw::PREFACE).await;
@@ -662,31 +670,33 @@ async fn new_streams_are_limited_per_peer_address() {
 
 #[tokio::test]
 async fn a_request_loop_on_one_stream_is_cut() {
-    let (gw, mut canary) = with_canary(&["--max-requests-per-second", "1"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-requests-per-second", "1"]).await;
     let stale = MeshConfigRequest {
         response_nonce: "not-a-nonce".into(),
         ..subscribe(VS)
     };
     let status = status_after(gw.listen, vec![stale; 40]).await;
     assert_refused_naming(&status, "--max-requests-per-second=1");
+    refusals_are(gw.monitoring, "requests_rate", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn oversized_requests_are_refused_naming_the_limit() {
-    let (gw, mut canary) = with_canary(&["--max-request-bytes", "2048"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-request-bytes", "2048"]).await;
     let big = MeshConfigRequest {
         version_info: "v".repeat(4096),
         ..subscribe(VS)
     };
     let status = status_after(gw.listen, vec![big]).await;
     assert_refused_naming(&status, "--max-request-bytes=2048");
+    refusals_are(gw.monitoring, "max_request_bytes", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn a_stream_follows_a_bounded_number_of_types() {
-    let (gw, mut canary) = with_canary(&["--max-types-per-stream", "2"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-types-per-stream", "2"]).await;
     let status = status_after(
         gw.listen,
         vec![
@@ -697,6 +707,7 @@ async fn a_stream_follows_a_bounded_number_of_types() {
     )
     .await;
     assert_refused_naming(&status, "--max-types-per-stream=2");
+    refusals_are(gw.monitoring, "max_types_per_stream", 1).await;
     canary.check().await;
 }
 
