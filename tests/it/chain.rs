@@ -112,30 +112,49 @@ async fn when_the_upstream_gateway_goes_away_the_next_one_keeps_serving_and_reco
 
 #[tokio::test]
 async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
+    // A gateway process of its own: its terminations are counted exactly.
+    // Retries a second apart, so that a count read between two is still.
     let addr = free_addr().to_string();
     let url = format!("http://{addr}");
-    let gw = start_gateway_on(
+    let flags = [
+        "--listen",
         &addr,
-        &["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"],
-    )
-    .await;
-    let status = upstream_status_when(&gw, "the loop to be refused", |s| {
-        s.last_error.as_deref().is_some_and(|e| e.contains("loop"))
-    })
-    .await;
+        "--upstream",
+        &url,
+        "--collections",
+        VS,
+        "--reconnect-min-delay",
+        "1s",
+    ];
+    let gw = crate::helpers::spawn_gateway(None, &flags).await;
+    let failed = |at_least: u64| {
+        let admin = gw.admin;
+        async move {
+            let status = crate::helpers::get_json(admin, "/debug/upstream").await;
+            (status["consecutive_failures"].as_u64().is_some_and(|n| n >= at_least)
+                && !status["next_retry_in_seconds"].is_null())
+            .then_some(status)
+        }
+    };
+    let status = crate::helpers::eventually_some("the loop to be refused", || failed(1)).await;
     // The upstream's chain (itself) includes this gateway: refused as a
     // loop, shown as the upstream's last error, saying what to fix.
-    let error = status.last_error.unwrap();
+    let error = status["last_error"].as_str().unwrap();
     assert!(
         error.contains("includes this gateway: a loop") && error.contains("fix --upstream"),
         "{error}"
     );
+    let loops = "mcp_gateway_upstream_stream_terminations_total{reason=\"loop\"}";
+    crate::limits::metric_is(gw.monitoring, loops, status["consecutive_failures"].as_u64().unwrap()).await;
     // Retried, with backoff, and refused each time: never served.
-    upstream_status_when(&gw, "a second attempt failed as a loop", |s| {
-        s.consecutive_failures >= 2 && s.last_error.as_deref().is_some_and(|e| e.contains("a loop"))
-    })
-    .await;
-    assert!(gw.cache.get(VS).is_none(), "nothing served from a loop");
+    let status = crate::helpers::eventually_some("a second attempt failed as a loop", || failed(2)).await;
+    assert!(status["last_error"].as_str().unwrap().contains("a loop"), "{status}");
+    crate::limits::metric_is(gw.monitoring, loops, status["consecutive_failures"].as_u64().unwrap()).await;
+    let cache = crate::helpers::get_json(gw.admin, "/debug/cache").await;
+    assert!(
+        !cache.as_array().unwrap().iter().any(|c| c["collection"] == VS),
+        "nothing served from a loop: {cache}"
+    );
 }
 
 #[tokio::test]

@@ -13,7 +13,7 @@ use tonic::Code;
 use crate::helpers::clients::{self, sotw, SotwClient, SOTW_PATH};
 use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
 use crate::helpers::{
-    eventually, eventually_async, http_get, sample, spawn_gateway, start_gateway, within, Running, VS,
+    eventually, eventually_async, eventually_some, http_get, sample, spawn_gateway, start_gateway, within, Running, VS,
 };
 
 /// A gateway on a local source directory, and a client following one
@@ -335,10 +335,16 @@ async fn garbage_http1_and_tls_on_the_grpc_port_are_closed() {
 
 #[tokio::test]
 async fn idle_connections_are_closed_and_busy_ones_are_not() {
-    let (gw, mut canary) = with_canary(&["--idle-timeout", "300ms"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--idle-timeout", "300ms"]).await;
     let mut idle = RawConn::http2(gw.listen).await;
     let goaway = idle.until_closed().await;
     assert_eq!(goaway.map(|g| g.0), Some(h2raw::NO_ERROR), "a graceful GOAWAY first");
+    metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--listen\",reason=\"idle\"}",
+        1,
+    )
+    .await;
     // The canary's connection carries a stream: it stays.
     canary.check().await;
     canary.check().await;
@@ -609,7 +615,7 @@ fn subscribe(type_url: &str) -> MeshConfigRequest {
 
 #[tokio::test]
 async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
-    let (gw, mut canary) = with_canary(&["--max-streams", "2"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-streams", "2"]).await;
     let _second = {
         let mut c = sotw(gw.listen).await;
         c.subscribe(VS);
@@ -618,12 +624,13 @@ async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
     };
     let status = status_after(gw.listen, vec![subscribe(VS)]).await;
     assert_refused_naming(&status, "--max-streams=2");
+    refusals_are(gw.monitoring, "max_streams", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn new_streams_are_limited_per_peer_address() {
-    let (gw, mut canary) = with_canary(&["--max-new-streams-per-second", "1"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-new-streams-per-second", "1"]).await;
     // A burst of ten seconds' worth (10), then refusals.
     let channel = clients::channel(gw.listen).await;
     let mut refused = None;
@@ -644,6 +651,7 @@ async fn new_streams_are_limited_per_peer_address() {
     }
     let status = refused.expect("a stream over the rate is refused");
     assert_refused_naming(&status, "--max-new-streams-per-second=1");
+    refusals_are(gw.monitoring, "new_streams_rate", 1).await;
     // Another address is not affected.
     let mut other = RawConn::tcp_from(gw.listen, IpAddr::from([127, 0, 0, 2])).await;
     other.send(h2raw::PREFACE).await;
@@ -662,31 +670,33 @@ async fn new_streams_are_limited_per_peer_address() {
 
 #[tokio::test]
 async fn a_request_loop_on_one_stream_is_cut() {
-    let (gw, mut canary) = with_canary(&["--max-requests-per-second", "1"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-requests-per-second", "1"]).await;
     let stale = MeshConfigRequest {
         response_nonce: "not-a-nonce".into(),
         ..subscribe(VS)
     };
     let status = status_after(gw.listen, vec![stale; 40]).await;
     assert_refused_naming(&status, "--max-requests-per-second=1");
+    refusals_are(gw.monitoring, "requests_rate", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn oversized_requests_are_refused_naming_the_limit() {
-    let (gw, mut canary) = with_canary(&["--max-request-bytes", "2048"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-request-bytes", "2048"]).await;
     let big = MeshConfigRequest {
         version_info: "v".repeat(4096),
         ..subscribe(VS)
     };
     let status = status_after(gw.listen, vec![big]).await;
     assert_refused_naming(&status, "--max-request-bytes=2048");
+    refusals_are(gw.monitoring, "max_request_bytes", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn a_stream_follows_a_bounded_number_of_types() {
-    let (gw, mut canary) = with_canary(&["--max-types-per-stream", "2"]).await;
+    let (gw, mut canary) = spawned_with_canary(&["--max-types-per-stream", "2"]).await;
     let status = status_after(
         gw.listen,
         vec![
@@ -697,35 +707,30 @@ async fn a_stream_follows_a_bounded_number_of_types() {
     )
     .await;
     assert_refused_naming(&status, "--max-types-per-stream=2");
+    refusals_are(gw.monitoring, "max_types_per_stream", 1).await;
     canary.check().await;
 }
 
 #[tokio::test]
 async fn huge_nacks_are_kept_truncated_with_their_length() {
-    let (gw, mut canary) = with_canary(&[]).await;
+    // A gateway process of its own: the truncation is counted exactly.
+    let (gw, mut canary) = spawned_with_canary(&[]).await;
     let mut client = sotw(gw.listen).await;
     client.subscribe(VS);
     let response = client.recv_type(VS).await;
     client.nack(&response, "", &"x".repeat(1 << 20));
-    eventually("the NACK to be recorded", || {
-        gw.registry
-            .streams()
+    let message = eventually_some("the NACK to be recorded", || async {
+        let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
+        clients
+            .as_array()
+            .unwrap()
             .iter()
-            .any(|s| s.types.values().any(|t| t.last_nack.is_some()))
+            .find_map(|c| c["types"][VS]["last_nack"]["message"].as_str().map(str::to_owned))
     })
     .await;
-    let nack = gw
-        .registry
-        .streams()
-        .into_iter()
-        .find_map(|s| s.types.values().find_map(|t| t.last_nack.clone()))
-        .unwrap();
-    assert!(nack.message.len() < 4200, "{}", nack.message.len());
-    assert!(
-        nack.message.ends_with("(1048576 bytes in all)"),
-        "{}",
-        &nack.message[4090..]
-    );
+    // 4 KiB of it (--max-nack-message-bytes' default) and its length.
+    assert_eq!(message, format!("{}… (1048576 bytes in all)", "x".repeat(4096)));
+    metric_is(gw.monitoring, "mcp_gateway_nack_messages_truncated_total", 1).await;
     // The NACKing client still gets the next version.
     canary.check().await;
     let next = client.recv_type(VS).await;

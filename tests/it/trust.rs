@@ -271,8 +271,20 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
 #[tokio::test]
 async fn a_message_over_the_limit_never_resets_the_backoff() {
     let mut galley = FakeGalley::start().await;
-    let gw = gateway_for(&galley, &[VS], &["--max-message-bytes", "65536"]).await;
-    for round in 1..=3u32 {
+    // A gateway process of its own: each refusal is counted exactly.
+    let url = galley.url();
+    let flags = [
+        "--upstream",
+        &url,
+        "--collections",
+        VS,
+        "--reconnect-min-delay",
+        "10ms",
+        "--max-message-bytes",
+        "65536",
+    ];
+    let gw = crate::helpers::spawn_gateway(None, &flags).await;
+    for round in 1..=3u64 {
         let mut stream = galley.next_stream().await;
         stream.initial_requests(1).await;
         // Every collection arrives, then a message over the limit: the same
@@ -282,14 +294,27 @@ async fn a_message_over_the_limit_never_resets_the_backoff() {
             .responses
             .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
             .unwrap();
-        let status = upstream_status_when(&gw, "the failure to be scheduled", |s| {
-            s.next_retry_in.is_some() && s.consecutive_failures >= round
+        let status = eventually_some("the failure to be scheduled", || async {
+            let status = crate::helpers::get_json(gw.admin, "/debug/upstream").await;
+            (!status["next_retry_in_seconds"].is_null()
+                && status["consecutive_failures"].as_u64().is_some_and(|n| n >= round))
+            .then_some(status)
         })
         .await;
-        assert_eq!(status.consecutive_failures, round, "{status:?}");
-        assert!(status.last_error.unwrap().contains("--max-message-bytes=65536"));
+        assert_eq!(status["consecutive_failures"], round, "{status}");
+        let error = status["last_error"].as_str().unwrap();
+        assert!(error.contains("--max-message-bytes=65536"), "{error}");
+        crate::limits::refusals_are(gw.monitoring, "max_message_bytes", round).await;
     }
-    assert!(gw.cache.get(VS).is_some(), "the cache keeps its state");
+    let cache = crate::helpers::get_json(gw.admin, "/debug/cache").await;
+    assert!(
+        cache
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["collection"] == VS && c["resources"] == 1),
+        "the cache keeps its state: {cache}"
+    );
 }
 
 #[tokio::test]

@@ -479,7 +479,8 @@ async fn named_subscriptions_in_both_protocols() {
     let clusters = |names: &[&str]| names.iter().map(|n| cluster_doc(n)).collect::<String>();
     write(dir.path(), "clusters.yaml", &clusters(&["a", "b", "c"]));
     let dir_flag = dir.path().to_str().unwrap().to_owned();
-    let gw = start_gateway(&["--source-dir", &dir_flag, "--max-subscribed-names", "3"]).await;
+    // A gateway process of its own: the refusals are counted exactly.
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", &dir_flag, "--max-subscribed-names", "3"]).await;
     let names = |list: &[&str]| list.iter().map(|n| n.to_string()).collect::<Vec<_>>();
 
     // State of the world.
@@ -571,4 +572,16 @@ async fn named_subscriptions_in_both_protocols() {
     let status = delta.end_status().await;
     assert_eq!(status.code(), tonic::Code::ResourceExhausted);
     assert!(status.message().contains("--max-subscribed-names=3"), "{status:?}");
+    // And four names in a state-of-the-world request.
+    let mut over = SotwStream::open(gw.listen, SOTW).await;
+    over.send(DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        node: istiod_node(),
+        resource_names: names(&["a", "b", "c", "d"]),
+        ..Default::default()
+    });
+    let status = over.end_status().await;
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+    assert!(status.message().contains("--max-subscribed-names=3"), "{status:?}");
+    crate::limits::refusals_are(gw.monitoring, "max_subscribed_names", 2).await;
 }
