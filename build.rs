@@ -108,6 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // only, no code, no comments): see proto/README.md.
     write_descriptor_set("proto", ENVOY_JSON_ROOTS, "envoy_resources.bin")?;
     compile_istio_descriptors()?;
+    write_secret_types()?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
@@ -145,6 +146,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// source's Kubernetes YAML and the config dump: see proto/istio-api/README.md.
 fn compile_istio_descriptors() -> Result<(), Box<dyn std::error::Error>> {
     write_descriptor_set("proto/istio-api", ISTIO_KIND_ROOTS, "istio_resources.bin")
+}
+
+mod secret_types {
+    include!("src/source/secret_types.rs");
+}
+
+/// The type URLs of the collections of secrets, as `OUT_DIR/secret_types.rs`
+/// (a `&[&str]`), from the descriptor sets written above.
+fn write_secret_types() -> Result<(), Box<dyn std::error::Error>> {
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    let mut pool = prost_reflect::DescriptorPool::decode(&*std::fs::read(out.join("envoy_resources.bin"))?)?;
+    pool.decode_file_descriptor_set(&*std::fs::read(out.join("istio_resources.bin"))?)?;
+    let urls = secret_types::secret_type_urls_of(&pool);
+    let list: Vec<String> = urls.iter().map(|u| format!("{u:?}")).collect();
+    std::fs::write(out.join("secret_types.rs"), format!("&[{}]", list.join(", ")))?;
+    println!("cargo:rerun-if-changed=src/source/secret_types.rs");
+    Ok(())
 }
 
 /// The descriptors of `roots` and their imports (no code, no comments),

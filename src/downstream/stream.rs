@@ -53,6 +53,10 @@ struct Followed {
 struct Restriction {
     grant: Arc<NameGrant>,
     last: std::cell::RefCell<Option<(Arc<CollectionSnapshot>, Arc<CollectionSnapshot>)>>,
+    /// The whole and the names the count of withheld names was last made
+    /// for: it is made again only when either changes (a named client's
+    /// names would otherwise be looked up on every wake).
+    counted: Option<(Arc<CollectionSnapshot>, Option<crate::downstream::names::Names>)>,
 }
 
 impl Restriction {
@@ -60,6 +64,7 @@ impl Restriction {
         Box::new(Self {
             grant,
             last: Default::default(),
+            counted: None,
         })
     }
 }
@@ -452,12 +457,15 @@ fn restricted(whole: &Arc<CollectionSnapshot>, restriction: &Restriction) -> Arc
         }
     }
     let key = MemoKey::with("access.restricted", grant.key.clone());
-    let view = whole.memo.get_or_make(key, RESTRICTED_PER_SNAPSHOT, || {
+    // `None`: the view is the whole itself (its grant keeps everything),
+    // which the whole's own memo must not hold (a cycle: never freed).
+    let made: Arc<Option<Arc<CollectionSnapshot>>> = whole.memo.get_or_make(key, RESTRICTED_PER_SNAPSHOT, || {
         // From this stream's last view of the same grant: the change only.
         let base = last.as_ref().map(|(seen, view)| (&**seen, view));
-        whole.restricted_after(base, |name| grant.allows(name))
+        let view = whole.restricted_after(base, |name| grant.allows(name));
+        (!Arc::ptr_eq(&view, whole)).then_some(view)
     });
-    let view: Arc<CollectionSnapshot> = Arc::clone(&*view);
+    let view = made.as_ref().clone().unwrap_or_else(|| whole.clone());
     *last = Some((whole.clone(), view.clone()));
     view
 }
@@ -889,7 +897,24 @@ impl<W: Wire> TypedStream<W> {
         let (Some(whole), Some(view)) = (source_of(followed), view) else {
             return;
         };
-        let now = withheld(followed, &whole, view);
+        let names = followed.state.named().map(|n| n.current().clone());
+        if let Some(restriction) = followed.grant.as_mut() {
+            let counted = (whole.clone(), names);
+            if restriction
+                .counted
+                .as_ref()
+                .is_some_and(|(seen, names)| Arc::ptr_eq(seen, &counted.0) && *names == counted.1)
+            {
+                return;
+            }
+            restriction.counted = Some(counted);
+        }
+        // A view that is the whole withholds nothing.
+        let now = if Arc::ptr_eq(&whole, view) {
+            0
+        } else {
+            withheld(followed, &whole, view)
+        };
         let before = followed.state.view.withheld;
         let version_changed = followed.state.view.access_version.as_ref() != Some(&view.version);
         if now == before && !version_changed {
@@ -937,5 +962,62 @@ impl<W: Wire> TypedStream<W> {
         followed.metrics.pushes.increment(1);
         self.entry.publish(type_url, followed.state.view.clone());
         Box::new(response)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Weak;
+
+    use super::*;
+    use crate::cache::{Cache, CachedResource, Origin, Update};
+    use crate::transport::access::Grant;
+
+    /// A grant of names read from a policy that grants `names`.
+    fn grant_of(names: &str) -> Arc<NameGrant> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        std::fs::write(
+            &path,
+            format!("rules:\n- identities: [unauthenticated]\n  collections: [c]\n  names: [\"{names}\"]\n"),
+        )
+        .unwrap();
+        let policy = AccessPolicy::load(&path).unwrap();
+        match policy.grant(&PeerIdentity::default(), "c", false) {
+            Some(Grant::Names(grant)) => grant,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn resource(name: &str, version: &str) -> CachedResource {
+        let body = bytes::Bytes::from(format!("{name}@{version}"));
+        let digest = crate::cache::content_digest(&body, std::iter::empty(), std::iter::empty());
+        CachedResource::new(name.into(), version.into(), "type.googleapis.com/t".into(), body, digest)
+    }
+
+    /// A grant whose names happen to keep everything is served the whole
+    /// snapshot, and no version is kept alive by its own memo (the view of
+    /// a whole was the whole, held in the whole's memo: never freed).
+    #[test]
+    fn a_view_that_keeps_everything_is_the_whole_and_frees_it() {
+        let (cache, mut writer) = Cache::with_history(1);
+        let restriction = Restriction::new(grant_of("r*"));
+        writer.apply("c", Update::Full(vec![resource("r1", "1"), resource("r2", "1")]), Origin::Upstream);
+        let first = cache.get("c").unwrap();
+        let view = restricted(&first, &restriction);
+        assert!(Arc::ptr_eq(&view, &first), "the whole itself");
+        let gone: Weak<crate::cache::CollectionSnapshot> = Arc::downgrade(&first);
+        drop((first, view));
+        writer.apply("c", Update::Full(vec![resource("r1", "2"), resource("r2", "1")]), Origin::Upstream);
+        let second = cache.get("c").unwrap();
+        assert!(Arc::ptr_eq(&restricted(&second, &restriction), &second));
+        assert!(gone.upgrade().is_none(), "the first version is freed");
+
+        // A grant that keeps part: a view of its own, made once per version.
+        let part = Restriction::new(grant_of("r1"));
+        let view = restricted(&second, &part);
+        assert_eq!(view.len(), 1);
+        let other_stream = Restriction::new(grant_of("r1"));
+        assert!(Arc::ptr_eq(&restricted(&second, &other_stream), &view), "shared by the grant's clients");
     }
 }

@@ -125,36 +125,18 @@ pub fn sensitive_type_urls() -> Vec<String> {
     urls
 }
 
-/// How many fields deep a secret may lie for its type to be a collection of
-/// secrets: Envoy's `Secret` holds its key two fields down
-/// (`tls_certificate.private_key`, `generic_secret.secret`,
-/// `session_ticket_keys.keys`).
-const SECRET_DEPTH: usize = 2;
-
 /// The type URL of every message of the built-in descriptors whose values
-/// *are* secrets: a field marked sensitive at most [`SECRET_DEPTH`] fields
-/// down, sorted. Those collections are the access policy's sensitive ones
-/// (nobody reads them without `--access-policy`). Deeper secrets do not
-/// count: every Envoy resource reaches a private key through a
-/// `ConfigSource`'s gRPC credentials (seven fields down), and serving no
-/// cluster without a policy would be no default at all; the views still
-/// redact such a key wherever it is.
+/// *are* secrets (see `secret_types.rs`), found when the gateway was built:
+/// the access policy's sensitive collections (nobody reads them without
+/// `--access-policy`).
 pub fn secret_type_urls() -> Vec<String> {
-    fn within(sensitivity: &Sensitivity, message: &MessageDescriptor, depth: usize) -> bool {
-        message.fields().any(|field| {
-            sensitivity.is_sensitive_field(&field)
-                || (depth > 1 && matches!(field.kind(), Kind::Message(inner) if within(sensitivity, &inner, depth - 1)))
-        })
-    }
-    let sensitivity = builtin_sensitivity();
-    let mut urls: Vec<String> = pool()
-        .all_messages()
-        .filter(|m| sensitivity.holds_secrets(m.full_name()) && within(sensitivity, m, SECRET_DEPTH))
-        .map(|m| format!("{}{}", crate::collections::TYPE_URL_PREFIX, m.full_name()))
-        .collect();
-    urls.sort_unstable();
-    urls
+    const SECRET_TYPES: &[&str] = include!(concat!(env!("OUT_DIR"), "/secret_types.rs"));
+    SECRET_TYPES.iter().map(|url| (*url).to_owned()).collect()
 }
+
+#[cfg(test)]
+#[path = "secret_types.rs"]
+mod secret_types_of;
 
 /// One step of a path into a body: a field or map key, or a list index.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1225,6 +1207,11 @@ mod secret_types {
     #[test]
     fn envoys_secret_is_a_collection_of_secrets_and_its_config_types_are_not() {
         let urls = super::secret_type_urls();
+        assert_eq!(
+            urls,
+            super::secret_types_of::secret_type_urls_of(super::pool()),
+            "the list built in is what the embedded descriptors say"
+        );
         let has = |name: &str| urls.iter().any(|u| u == &format!("type.googleapis.com/{name}"));
         assert!(has("envoy.extensions.transport_sockets.tls.v3.Secret"), "{urls:?}");
         for config in [
