@@ -992,7 +992,13 @@ mod tests {
     fn resource(name: &str, version: &str) -> CachedResource {
         let body = bytes::Bytes::from(format!("{name}@{version}"));
         let digest = crate::cache::content_digest(&body, std::iter::empty(), std::iter::empty());
-        CachedResource::new(name.into(), version.into(), "type.googleapis.com/t".into(), body, digest)
+        CachedResource::new(
+            name.into(),
+            version.into(),
+            "type.googleapis.com/t".into(),
+            body,
+            digest,
+        )
     }
 
     /// A grant whose names happen to keep everything is served the whole
@@ -1002,13 +1008,21 @@ mod tests {
     fn a_view_that_keeps_everything_is_the_whole_and_frees_it() {
         let (cache, mut writer) = Cache::with_history(1);
         let restriction = Restriction::new(grant_of("r*"));
-        writer.apply("c", Update::Full(vec![resource("r1", "1"), resource("r2", "1")]), Origin::Upstream);
+        writer.apply(
+            "c",
+            Update::Full(vec![resource("r1", "1"), resource("r2", "1")]),
+            Origin::Upstream,
+        );
         let first = cache.get("c").unwrap();
         let view = restricted(&first, &restriction);
         assert!(Arc::ptr_eq(&view, &first), "the whole itself");
         let gone: Weak<crate::cache::CollectionSnapshot> = Arc::downgrade(&first);
         drop((first, view));
-        writer.apply("c", Update::Full(vec![resource("r1", "2"), resource("r2", "1")]), Origin::Upstream);
+        writer.apply(
+            "c",
+            Update::Full(vec![resource("r1", "2"), resource("r2", "1")]),
+            Origin::Upstream,
+        );
         let second = cache.get("c").unwrap();
         assert!(Arc::ptr_eq(&restricted(&second, &restriction), &second));
         assert!(gone.upgrade().is_none(), "the first version is freed");
@@ -1018,6 +1032,9 @@ mod tests {
         let view = restricted(&second, &part);
         assert_eq!(view.len(), 1);
         let other_stream = Restriction::new(grant_of("r1"));
-        assert!(Arc::ptr_eq(&restricted(&second, &other_stream), &view), "shared by the grant's clients");
+        assert!(
+            Arc::ptr_eq(&restricted(&second, &other_stream), &view),
+            "shared by the grant's clients"
+        );
     }
 }
