@@ -261,7 +261,7 @@ async fn controls_and_refusals_are_counted_exactly() {
     assert_eq!(status, 403);
     assert_eq!(http_request(gw.admin, "POST", &pin, "").await.0, 200);
     assert_eq!(
-        http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope"), "")
+        http_request(gw.admin, "POST", &format!("/pin/{VS}?version=nope0000"), "")
             .await
             .0,
         404
