@@ -453,13 +453,25 @@ body:
 }
 
 /// The example bootstrap, with mTLS to the gateway as `identity` (its
-/// certificate and key, and the CA, written to `dir`).
+/// certificate and key, and the CA, written to `dir`), state of the world.
 fn mtls_bootstrap(gateway: SocketAddr, ca: &Ca, identity: &str, dir: &Path, node_id: &str) -> serde_json::Value {
-    use crate::helpers::envoy::{bootstrap, AdsApi};
+    mtls_bootstrap_with(crate::helpers::envoy::AdsApi::Sotw, gateway, ca, identity, dir, node_id)
+}
+
+/// [`mtls_bootstrap`], over `api`.
+pub(crate) fn mtls_bootstrap_with(
+    api: crate::helpers::envoy::AdsApi,
+    gateway: SocketAddr,
+    ca: &Ca,
+    identity: &str,
+    dir: &Path,
+    node_id: &str,
+) -> serde_json::Value {
+    use crate::helpers::envoy::bootstrap;
     let name = node_id.replace(['~', '.'], "-");
     let (cert, key) = write_leaf(dir, &name, &ca.spiffe_leaf(identity));
     let ca_path = write(dir, "envoy-ca.pem", &ca.pem);
-    let mut bootstrap = bootstrap(gateway, AdsApi::Sotw, node_id);
+    let mut bootstrap = bootstrap(gateway, api, node_id);
     bootstrap["static_resources"]["clusters"][0]["transport_socket"] = serde_json::json!({
         "name": "envoy.transport_sockets.tls",
         "typed_config": {

@@ -1047,7 +1047,7 @@ fn tls_listener_doc(port: u16, secret: &str) -> String {
 #[tokio::test]
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn a_delta_envoy_of_another_namespace_reads_shops_certificate_only_while_a_reload_grants_it() {
-    use crate::helpers::envoy::{bootstrap, AdsApi, Envoy};
+    use crate::helpers::envoy::{AdsApi, Envoy};
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("review-ca");
     let secrets = Secrets::new(&ca, NAMES);
@@ -1066,23 +1066,7 @@ async fn a_delta_envoy_of_another_namespace_reads_shops_certificate_only_while_a
     let flags = tls_flags(dir.path(), &ca, Some(&denied), true);
     let gw = start_gateway(&flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
 
-    let (cert, key) = write_leaf(dir.path(), "envoy-other", &ca.spiffe_leaf(OTHER));
-    let mut config = bootstrap(gw.listen, AdsApi::Delta, "other-envoy");
-    config["static_resources"]["clusters"][0]["transport_socket"] = serde_json::json!({
-        "name": "envoy.transport_sockets.tls",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": "localhost",
-            "common_tls_context": {
-                "alpn_protocols": ["h2"],
-                "tls_certificates": [{
-                    "certificate_chain": {"filename": path(&cert)},
-                    "private_key": {"filename": path(&key)},
-                }],
-                "validation_context": {"trusted_ca": {"filename": path(&dir.path().join("client-ca.pem"))}},
-            },
-        },
-    });
+    let config = crate::access::mtls_bootstrap_with(AdsApi::Delta, gw.listen, &ca, OTHER, dir.path(), "other-envoy");
     let envoy = Envoy::start_with(config).await.unwrap();
     let withheld = || async {
         eventually_some("shop's certificate withheld from other's Envoy", || async {
