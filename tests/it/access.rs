@@ -16,15 +16,15 @@ use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
 use crate::helpers::clients::{channel, node, tls_channel, Bidi, PilotSink, SotwClient, SOTW_PATH};
 use crate::helpers::{eventually_some, get_json, http_get, start_gateway, within, VS};
 
-const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
-const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+pub(crate) const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+pub(crate) const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 pub(crate) const SECRET_TYPE: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
-const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
-const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
+pub(crate) const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub(crate) const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
 
 pub(crate) const FRONTEND: &str = "spiffe://cluster.local/ns/shop/sa/frontend";
-const OTHER: &str = "spiffe://cluster.local/ns/other/sa/x";
-const ISTIOD: &str = "spiffe://cluster.local/ns/istio-system/sa/istiod";
+pub(crate) const OTHER: &str = "spiffe://cluster.local/ns/other/sa/x";
+pub(crate) const ISTIOD: &str = "spiffe://cluster.local/ns/istio-system/sa/istiod";
 
 type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
 type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;

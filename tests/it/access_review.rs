@@ -16,7 +16,9 @@ use mcp_xds_gateway::proto::envoy::service::discovery::v3::{
 use mcp_xds_gateway::proto::{IncrementalMeshConfigRequest, MeshConfigResponse};
 use tonic::transport::Channel;
 
-use crate::access::{secret_doc, SECRET_TYPE};
+use crate::access::{
+    secret_doc, CLUSTER_TYPE, DELTA as ADS_DELTA, ISTIOD, OTHER, POLICY, SECRETS, SECRET_TYPE, SOTW as ADS_SOTW,
+};
 use crate::helpers::certs::{write, write_leaf, Ca, Leaf};
 use crate::helpers::clients::{
     node, tls_channel, Bidi, IncrementalClient, PilotSink, SotwClient, V10Client, V10Request, INCREMENTAL_PATH,
@@ -24,27 +26,9 @@ use crate::helpers::clients::{
 };
 use crate::helpers::{eventually_some, get_json, http_get, spawn_gateway, start_gateway, within, VS};
 
-const ADS_SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
-const ADS_DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
-const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
-const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 const VS_GVK: &str = "networking.istio.io/v1alpha3/VirtualService";
 
 const SHOP: &str = "spiffe://cluster.local/ns/shop/sa/frontend";
-const OTHER: &str = "spiffe://cluster.local/ns/other/sa/x";
-const ISTIOD: &str = "spiffe://cluster.local/ns/istio-system/sa/istiod";
-
-/// Each namespace its own secrets; istiod the Istio kinds; shop and
-/// plaintext clients Envoy's config.
-const POLICY: &str = r#"rules:
-- identities: ["spiffe://cluster.local/ns/{namespace}/sa/*"]
-  collections: ["envoy/extensions/transport_sockets/tls/v3/secrets"]
-  names: ["{namespace}/*"]
-- identities: ["spiffe://cluster.local/ns/istio-system/sa/istiod*"]
-  collections: ["istio/*"]
-- identities: ["spiffe://cluster.local/ns/shop/sa/*", "unauthenticated"]
-  collections: ["envoy/config/*"]
-"#;
 
 type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
 type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
