@@ -429,16 +429,23 @@ fn source_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
     }
 }
 
-/// A name the client asks for that its grant withholds (for the log).
-fn first_withheld(followed: &Followed, whole: &CollectionSnapshot) -> Option<String> {
-    let grant = &followed.grant.as_ref()?.grant;
+/// The names a restricted client asks for (by name, or every one under
+/// wildcard) that `whole` has and its grant withholds.
+fn withheld_names<'a>(
+    followed: &'a Followed,
+    whole: &'a CollectionSnapshot,
+) -> Box<dyn Iterator<Item = &'a Arc<str>> + 'a> {
+    let Some(grant) = followed.grant.as_ref().map(|r| &r.grant) else {
+        return Box::new(std::iter::empty());
+    };
     match followed.state.named().map(|n| n.current()) {
-        Some(names) if !names.wildcard => names
-            .names
-            .iter()
-            .find(|n| whole.resources.contains_key(&***n) && !grant.allows(n))
-            .map(|n| n.to_string()),
-        _ => whole.resources.keys().find(|n| !grant.allows(n)).map(|n| n.to_string()),
+        Some(names) if !names.wildcard => Box::new(
+            names
+                .names
+                .iter()
+                .filter(move |n| whole.resources.contains_key(&***n) && !grant.allows(n)),
+        ),
+        _ => Box::new(whole.resources.keys().filter(move |n| !grant.allows(n))),
     }
 }
 
@@ -473,16 +480,12 @@ fn restricted(whole: &Arc<CollectionSnapshot>, restriction: &Restriction) -> Arc
 /// How many resources a restricted client asks for (by name, or all of
 /// them with wildcard) that its grant withholds from it.
 fn withheld(followed: &Followed, whole: &CollectionSnapshot, view: &CollectionSnapshot) -> u32 {
-    let Some(grant) = followed.grant.as_ref().map(|r| &r.grant) else {
-        return 0;
-    };
-    let count = match followed.state.named().map(|n| n.current()) {
-        Some(names) if !names.wildcard => names
-            .names
-            .iter()
-            .filter(|n| whole.resources.contains_key(&***n) && !grant.allows(n))
-            .count(),
-        _ => whole.len() - view.len(),
+    let wildcard = followed.state.named().is_none_or(|n| n.current().wildcard);
+    let count = if wildcard {
+        // Under wildcard, what the view lacks.
+        whole.len() - view.len()
+    } else {
+        withheld_names(followed, whole).count()
     };
     u32::try_from(count).unwrap_or(u32::MAX)
 }
@@ -926,8 +929,8 @@ impl<W: Wire> TypedStream<W> {
             let collection = &followed.state.view.collection;
             m::access_denied(collection, "name", u64::from(now - before));
             let policy = self.policy.borrow().clone();
-            let example = first_withheld(followed, &whole);
-            let why = policy.denial(&self.identity, collection, example.as_deref());
+            let example = withheld_names(followed, &whole).next();
+            let why = policy.denial(&self.identity, collection, example.map(|n| &**n));
             self.shared
                 .log_denial(&self.identity, collection, &format!("{now} resources withheld: {why}"));
         }
