@@ -43,7 +43,7 @@ pub const MAX_POLICY_BYTES: u64 = 4 << 20;
 
 // === Patterns ===
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Token {
     Literal(String),
     /// `*`: any run of characters, `/` included, possibly empty.
@@ -212,24 +212,6 @@ fn match_tokens<'t, 'i>(tokens: &'t [Token], input: &'i str, captured: &mut Vec<
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Glob {
     tokens: Vec<Token>,
-}
-
-impl PartialOrd for Token {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Token {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.to_string().cmp(&other.to_string())
-    }
-}
-
-impl std::hash::Hash for Token {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.to_string().hash(state)
-    }
 }
 
 impl fmt::Display for Token {
