@@ -711,6 +711,7 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
         }
     }
     let grants = policy.explain(identity.trim(), &collections);
+    let sensitive: std::collections::BTreeMap<Arc<str>, bool> = collections.into_iter().collect();
     let rows: Vec<Value> = grants
         .iter()
         .map(|(collection, grant)| {
@@ -728,7 +729,7 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
             };
             json!({
                 "collection": collection,
-                "sensitive": state.table.is_sensitive(collection),
+                "sensitive": sensitive.get(collection).copied().unwrap_or(false),
                 "reads": reads,
                 "names": names,
                 "resources_readable": readable,

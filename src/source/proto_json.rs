@@ -112,19 +112,6 @@ fn builtin_sensitivity() -> &'static Sensitivity {
     SENSITIVITY.get_or_init(|| Sensitivity::of(pool()))
 }
 
-/// The type URL of every message of the built-in descriptors that holds a
-/// field marked `(udpa.annotations.sensitive) = true` at any depth, for the
-/// collection table (`CollectionTable::with_sensitive_types`), sorted.
-pub fn sensitive_type_urls() -> Vec<String> {
-    let mut urls: Vec<String> = builtin_sensitivity()
-        .messages
-        .iter()
-        .map(|name| format!("{}{name}", crate::collections::TYPE_URL_PREFIX))
-        .collect();
-    urls.sort_unstable();
-    urls
-}
-
 /// The type URL of every message of the built-in descriptors whose values
 /// *are* secrets (see `secret_types.rs`), found when the gateway was built:
 /// the access policy's sensitive collections (nobody reads them without
