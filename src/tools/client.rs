@@ -744,6 +744,18 @@ async fn xds_client(xds: &Xds) -> Result<AggregatedDiscoveryServiceClient<Channe
     Ok(AggregatedDiscoveryServiceClient::new(xds.dialer.channel().await?).max_decoding_message_size(usize::MAX))
 }
 
+/// An ADS stream `open` opens on a new client: its responses, or the status
+/// the connection or the gateway refused it with.
+async fn open_ads<T, Opened>(
+    xds: &Xds,
+    open: impl FnOnce(AggregatedDiscoveryServiceClient<Channel>) -> Opened,
+) -> Result<tonic::Streaming<T>, tonic::Status>
+where
+    Opened: std::future::Future<Output = Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>>,
+{
+    Ok(open(xds_client(xds).await?).await?.into_inner())
+}
+
 /// One state-of-the-world ADS stream: each type asked for (by name with
 /// `--names`), each response ACKed with its version and nonce, as Envoy
 /// does.
@@ -760,16 +772,13 @@ async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool
     for type_url in &xds.type_urls {
         let _ = tx.send(request(type_url, "", ""));
     }
-    let opened = match xds_client(xds).await {
-        Ok(mut client) => {
-            client
-                .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
-                .await
-        }
-        Err(status) => Err(status),
-    };
-    let stream = match opened {
-        Ok(response) => response.into_inner(),
+    let opened = open_ads(xds, |mut client| async move {
+        client
+            .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
+            .await
+    });
+    let stream = match opened.await {
+        Ok(stream) => stream,
         Err(status) => return (false, Some(status)),
     };
     let firsts = FirstResponses::new(xds.once, &xds.type_urls);
@@ -807,16 +816,13 @@ async fn xds_delta_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (boo
             ..Default::default()
         });
     }
-    let opened = match xds_client(xds).await {
-        Ok(mut client) => {
-            client
-                .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
-                .await
-        }
-        Err(status) => Err(status),
-    };
-    let stream = match opened {
-        Ok(response) => response.into_inner(),
+    let opened = open_ads(xds, |mut client| async move {
+        client
+            .delta_aggregated_resources(UnboundedReceiverStream::new(rx))
+            .await
+    });
+    let stream = match opened.await {
+        Ok(stream) => stream,
         Err(status) => return (false, Some(status)),
     };
     let firsts = FirstResponses::new(xds.once, &xds.type_urls);
