@@ -108,6 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // only, no code, no comments): see proto/README.md.
     write_descriptor_set("proto", ENVOY_JSON_ROOTS, "envoy_resources.bin")?;
     compile_istio_descriptors()?;
+    compile_istio_releases()?;
     write_secret_types()?;
     tonic_prost_build::configure()
         .build_client(true)
@@ -146,6 +147,61 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// source's Kubernetes YAML and the config dump: see proto/istio-api/README.md.
 fn compile_istio_descriptors() -> Result<(), Box<dyn std::error::Error>> {
     write_descriptor_set("proto/istio-api", ISTIO_KIND_ROOTS, "istio_resources.bin")
+}
+
+/// Each Istio release's config-kind protos (`proto/istio-api-releases/<release>/`,
+/// with `common/` for the imports they share) as a descriptor set of its own,
+/// and `OUT_DIR/istio_releases.rs`: a `&[(release, descriptor set bytes)]`,
+/// oldest first. What a client of each generation can decode (src/skew).
+fn compile_istio_releases() -> Result<(), Box<dyn std::error::Error>> {
+    const ROOT: &str = "proto/istio-api-releases";
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    let mut releases = Vec::new();
+    for entry in std::fs::read_dir(ROOT)? {
+        let entry = entry?;
+        let release = entry.file_name().to_string_lossy().into_owned();
+        if !entry.file_type()?.is_dir() || !release.starts_with(|c: char| c.is_ascii_digit()) {
+            continue;
+        }
+        let key: Vec<u32> = release.split('.').map(str::parse).collect::<Result<_, _>>()?;
+        releases.push((key, release));
+    }
+    releases.sort();
+    let mut table = String::from("&[\n");
+    for (_, release) in &releases {
+        let folder = format!("{ROOT}/{release}");
+        let mut roots = Vec::new();
+        proto_files(std::path::Path::new(&folder), std::path::Path::new(&folder), &mut roots)?;
+        roots.sort();
+        let set = protox::Compiler::new([folder.as_str(), &format!("{ROOT}/common")])?
+            .include_imports(true)
+            .include_source_info(false)
+            .open_files(&roots)?
+            .encode_file_descriptor_set();
+        let file = out.join(format!("istio_release_{release}.bin"));
+        std::fs::write(&file, set)?;
+        table.push_str(&format!(
+            "    ({release:?}, include_bytes!({:?}) as &[u8]),\n",
+            file.display().to_string()
+        ));
+    }
+    table.push(']');
+    std::fs::write(out.join("istio_releases.rs"), table)?;
+    Ok(())
+}
+
+/// Every `.proto` file under `dir`, relative to `root`.
+fn proto_files(root: &std::path::Path, dir: &std::path::Path, out: &mut Vec<String>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            proto_files(root, &path, out)?;
+        } else if path.extension().is_some_and(|e| e == "proto") {
+            let relative = path.strip_prefix(root).expect("under its root");
+            out.push(relative.to_string_lossy().into_owned());
+        }
+    }
+    Ok(())
 }
 
 mod secret_types {

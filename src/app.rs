@@ -18,6 +18,7 @@ use crate::cache::Cache;
 use crate::config::{Serve, Settings, Source};
 use crate::downstream::rollout::{Rollout, Saved};
 use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService, XdsService};
+use crate::skew::SkewTracker;
 use crate::source::client::UpstreamClient;
 use crate::source::files::LocalSource;
 use crate::source::persisted::{self, Persister};
@@ -164,6 +165,7 @@ pub async fn build_with_logs(
         status_tx,
         status_rx,
         persister,
+        skew,
         ..
     } = state;
     let source_settings = SourceStart {
@@ -176,6 +178,7 @@ pub async fn build_with_logs(
         grpc: served.grpc.clone(),
         max_new_streams_per_second: served.max_new_streams_per_second,
         max_source_file_bytes: served.max_source_file_bytes,
+        origins: skew.origins_sender(),
     };
     let sink = start_source(source, sink_listener, source_settings, &shutdown, &tasks).await?;
     if let Serve::DialOut(dial_out) = &serving {
@@ -331,6 +334,8 @@ struct CacheState {
     status_rx: watch::Receiver<UpstreamStatus>,
     persister: Option<Persister>,
     rollout: Arc<Rollout>,
+    /// What connected clients' releases drop of what is served.
+    skew: Arc<SkewTracker>,
 }
 
 impl CacheState {
@@ -370,7 +375,10 @@ impl CacheState {
         if let Some(dir) = &settings.cache_dir {
             persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), tasks);
         }
+        let skew = SkewTracker::new(cache.clone(), settings.client_generations.clone());
+        tasks.spawn(skew.clone().run(shutdown.clone()));
         Ok(Self {
+            skew,
             cache,
             writer,
             subscriptions,
@@ -478,6 +486,7 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         tasks.clone(),
         settings.downstream,
         watched.access.clone(),
+        state.skew.clone(),
     );
     let downstream = match settings.serve {
         Serve::Gateway => downstream,
@@ -567,6 +576,7 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         logs,
         access: watched.access.clone(),
         table: settings.table.clone(),
+        skew: state.skew.clone(),
     };
     crate::transport::http::serve(
         "--admin-listen",
@@ -614,6 +624,8 @@ struct SourceStart {
     grpc: grpc::GrpcLimits,
     max_new_streams_per_second: u32,
     max_source_file_bytes: usize,
+    /// Where the files source says each resource came from.
+    origins: watch::Sender<Arc<crate::source::files::Origins>>,
 }
 
 /// Starts the source that writes the cache: the upstream client, the sink
@@ -636,6 +648,7 @@ async fn start_source(
         grpc: grpc_limits,
         max_new_streams_per_second,
         max_source_file_bytes,
+        origins,
     } = start;
     match source {
         Source::Client(upstream) => {
@@ -714,7 +727,8 @@ async fn start_source(
                 subscriptions,
                 status_tx,
                 max_source_file_bytes,
-            );
+            )
+            .with_origins(origins);
             source
                 .start(shutdown.clone(), tasks)
                 .await

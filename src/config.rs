@@ -282,6 +282,21 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_CANARY_WHEN_NONE", value_enum, default_value_t = WhenNone::Proceed)]
     pub canary_when_none: WhenNone,
 
+    /// Which Istio release a client is, where its wire does not tell
+    /// (repeatable): GLOB=RELEASE, the glob over the node id or a
+    /// certificate identity, e.g. 'spiffe://*/sa/istio-pilot*=1.3' (real
+    /// Pilots on ResourceSource send an empty node id and no version). First
+    /// match wins, before the client's own ISTIO_VERSION; the legacy
+    /// service's dialect (1.0, 1.1) is never overridden. What the release's
+    /// protos lack of the served config is shown as the client's skew
+    /// (/debug/skew, `status`); a client nothing names shows "unknown".
+    #[arg(
+        long = "client-generation",
+        env = "MCP_GATEWAY_CLIENT_GENERATION",
+        value_name = "GLOB=RELEASE"
+    )]
+    pub client_generation: Vec<String>,
+
     /// Resource names one xDS client may subscribe to per type (RDS, EDS:
     /// named subscriptions).
     #[arg(long, env = "MCP_GATEWAY_MAX_SUBSCRIBED_NAMES", default_value_t = 100_000)]
@@ -568,6 +583,8 @@ pub struct Settings {
     pub history: usize,
     /// `--canary`, `--canary-when-none`, `--canary-soak`.
     pub canaries: Vec<Selector>,
+    /// `--client-generation`.
+    pub client_generations: crate::skew::GenerationRules,
     pub canary_when_none: WhenNone,
     pub canary_soak: Duration,
     /// TLS for the downstream and sink listeners.
@@ -973,6 +990,8 @@ impl Args {
             .iter()
             .map(|text| Selector::parse(text).map_err(|e| invalid("--canary", e)))
             .collect::<Result<Vec<_>, _>>()?;
+        let client_generations = crate::skew::GenerationRules::parse(&self.client_generation)
+            .map_err(|e| invalid("--client-generation", format!("{:?}: {}", e.rule, e.reason)))?;
         if self.canary_soak > MAX_CANARY_SOAK {
             return Err(invalid(
                 "--canary-soak",
@@ -990,6 +1009,7 @@ impl Args {
             cache_dir: self.cache_dir,
             history: self.history,
             canaries,
+            client_generations,
             canary_when_none: self.canary_when_none,
             canary_soak: self.canary_soak,
             server_tls,

@@ -14,6 +14,7 @@ pub mod config;
 pub mod downstream;
 pub mod metrics;
 pub mod proto;
+pub mod skew;
 pub mod source;
 pub mod tools;
 pub mod transport;

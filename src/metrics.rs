@@ -54,6 +54,9 @@ pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
 pub const ACCESS_DENIED: &str = "mcp_gateway_access_denied_total";
 /// `--access-policy` files read again after a change, by `result`.
 pub const ACCESS_POLICY_RELOADS: &str = "mcp_gateway_access_policy_reloads_total";
+/// Resources of a collection that a connected client's release drops a field
+/// of (its protos lack it), by collection and generation (`1.1`).
+pub const SKEW_RESOURCES: &str = "mcp_gateway_skew_resources";
 /// The access policy's denial reasons.
 pub const ACCESS_DENIAL_REASONS: [&str; 2] = ["collection", "name"];
 pub const SINK_REFUSALS: &str = "mcp_gateway_sink_refusals_total";
@@ -220,6 +223,11 @@ pub fn accept_error(listener: &'static str, kind: &'static str) {
 
 pub fn access_denied(collection: &Arc<str>, reason: &'static str, count: u64) {
     metrics::counter!(ACCESS_DENIED, "collection" => collection.clone(), "reason" => reason).increment(count);
+}
+
+pub fn skew_resources(collection: &Arc<str>, generation: impl std::fmt::Display, count: usize) {
+    metrics::gauge!(SKEW_RESOURCES, "collection" => collection.clone(), "generation" => generation.to_string())
+        .set(count as f64);
 }
 
 pub fn access_policy_reloaded(ok: bool) {
@@ -438,6 +446,12 @@ pub fn code_label(code: i32) -> &'static str {
 
 /// Registers the help text of every metric with the installed recorder.
 pub fn describe() {
+    describe_gauge!(
+        SKEW_RESOURCES,
+        "Resources of a collection that connected clients of an Istio release (generation) read without a field, \
+         enum value or type their release's protos lack: dropped without a word (0 when none; a generation with no \
+         client connected reads 0). See /debug/skew."
+    );
     describe_gauge!(CLIENTS, "Connected downstream streams.");
     describe_histogram!(
         MESSAGE_SIZES,

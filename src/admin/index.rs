@@ -38,6 +38,11 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
          response, ACK and NACK; a summary first; filters ?collection= ?status= ?node=",
     ),
     (
+        "/debug/skew",
+        "per Istio release of a connected client: the resources it reads without a field, enum value or type its \
+         protos lack (dropped without a NACK), each with its file and line; the clients whose release is unknown",
+    ),
+    (
         "/debug/clients",
         "every client stream: peer, node, protocol, and per type what was sent, ACKed and NACKed",
     ),
@@ -151,13 +156,17 @@ pub async fn admin(
 ) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
-    let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
+    let policy = state.access.current();
+    let skew = state.skew_lookup(&policy);
+    let rows = syncz::rows(&streams, &state.rollout, Some(&skew), clock, state.stale_after);
     let summary = syncz::summary(&rows);
     let not_synced = syncz::problems_first(rows.iter().filter(|r| r.status != syncz::SyncStatus::Synced));
     let source = source_problems(&state);
+    let skewed = super::skew::lead(&state);
     if wants_json(&headers) {
         return Json(json!({
             "source": syncz::source_json(&source),
+            "skew": skewed,
             "ready": state.not_ready().is_none(),
             "not_ready": state.not_ready(),
             "endpoints": endpoints_json(ADMIN_ENDPOINTS),
@@ -171,6 +180,12 @@ pub async fn admin(
     // in sync; the counts and the endpoints after.
     let mut body = String::from(NAVIGATION);
     problems_html(&source, &mut body);
+    if let Some(skewed) = &skewed {
+        body.push_str(&format!(
+            "<p class=\"problem\" data-col=\"skew\">{} <a href=\"/debug/skew\">/debug/skew</a></p>",
+            escape(skewed.trim_end_matches(" (/debug/skew)"))
+        ));
+    }
     if let Some(reason) = state.not_ready() {
         body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
     }

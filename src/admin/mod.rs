@@ -30,6 +30,7 @@ pub mod guard;
 mod history;
 mod index;
 mod rollout;
+mod skew;
 pub mod syncz;
 pub mod versions;
 
@@ -56,9 +57,19 @@ pub struct AdminState {
     /// Who may read what (`--access-policy`): `/debug/access`, `/debug/config`.
     pub access: Arc<crate::transport::access::AccessControl>,
     pub table: Arc<crate::collections::CollectionTable>,
+    /// What connected clients' releases drop (`/debug/skew`, syncz).
+    pub skew: Arc<crate::skew::SkewTracker>,
 }
 
 impl AdminState {
+    /// What the views need to show what clients' releases drop.
+    pub fn skew_lookup<'a>(&'a self, policy: &'a crate::transport::access::AccessPolicy) -> syncz::SkewLookup<'a> {
+        syncz::SkewLookup {
+            tracker: &self.skew,
+            policy,
+        }
+    }
+
     /// Why the gateway is not ready, on one line; `None` when it is.
     pub fn not_ready(&self) -> Option<String> {
         not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow())
@@ -293,6 +304,7 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
         .route("/debug/upstream", get(upstream))
         .route("/debug/config", get(config))
         .route("/debug/access", get(access))
+        .route("/debug/skew", get(skew::skew))
         .route("/logging", axum::routing::post(logging))
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
@@ -416,7 +428,13 @@ fn refresh_gauges(state: &AdminState) {
     for ((protocol, dialect), count) in by_kind {
         metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => protocol, "dialect" => dialect).set(count);
     }
-    let rows = syncz::rows(&streams, &state.rollout, state.registry.clock(), state.stale_after);
+    let rows = syncz::rows(
+        &streams,
+        &state.rollout,
+        None,
+        state.registry.clock(),
+        state.stale_after,
+    );
     // Behind what its group is served (a pin or a canary round keeps
     // clients on an older version on purpose): each row's current version.
     let mut behind: BTreeMap<Arc<str>, f64> = delivered
@@ -547,7 +565,9 @@ async fn syncz(
 ) -> Response {
     let streams = state.registry.streams();
     let clock = state.registry.clock();
-    let rows = syncz::rows(&streams, &state.rollout, clock, state.stale_after);
+    let policy = state.access.current();
+    let skew = state.skew_lookup(&policy);
+    let rows = syncz::rows(&streams, &state.rollout, Some(&skew), clock, state.stale_after);
     if wants_html(&headers) {
         let shown = match syncz::filtered(&rows, &filter) {
             Ok(shown) => shown,
@@ -555,6 +575,7 @@ async fn syncz(
         };
         let mut body = String::from(NAVIGATION);
         index::problems_html(&index::source_problems(&state), &mut body);
+        index::problems_html(skew::lead(&state).as_slice(), &mut body);
         if let Some(reason) = state.not_ready() {
             body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
         }
@@ -582,6 +603,8 @@ async fn syncz(
             value["not_delivered"] = not_delivered(&state);
             // The source's health (files that do not parse, ...): `status` exits 1 on it.
             value["source"] = syncz::source_json(&index::source_problems(&state));
+            // What connected clients' releases drop (`status` prints it).
+            value["skew"] = json!(skew::lead(&state));
             // Why the gateway is not ready, if it is not (what /readyz says).
             value["not_ready"] = json!(state.not_ready());
             Json(value).into_response()
@@ -1001,7 +1024,8 @@ fn html_under(key: Option<&str>, value: &Value, out: &mut String) {
 /// The debug views' links, at the top of every page.
 const NAVIGATION: &str = "<p class=\"nav\"><a href=\"/\">index</a> · <a href=\"/debug/syncz\">syncz</a> · \
      <a href=\"/debug/clients\">clients</a> · <a href=\"/debug/cache\">cache</a> · \
-     <a href=\"/debug/rollout\">rollout</a> · <a href=\"/debug/upstream\">upstream</a> · \
+     <a href=\"/debug/rollout\">rollout</a> · <a href=\"/debug/skew\">skew</a> · \
+     <a href=\"/debug/upstream\">upstream</a> · \
      <a href=\"/debug/config\">config</a> · <a href=\"/metrics\">metrics</a></p>";
 
 fn page(title: &str, value: &Value) -> String {

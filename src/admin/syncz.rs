@@ -10,6 +10,8 @@ use serde_json::{json, Value};
 
 use crate::downstream::registry::{Clock, NackRecord, Stamp, StreamView, TypeView};
 use crate::downstream::rollout::Rollout;
+use crate::skew::{ClientGeneration, ResourceSkew, SkewTracker};
+use crate::transport::access::{AccessPolicy, Grant};
 
 /// Where a client stands on one type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -125,12 +127,72 @@ pub struct Row<'a> {
     pub status: SyncStatus,
     pub since: Stamp,
     pub current: Option<Arc<str>>,
+    /// An Istio client's: what its release drops of the collection.
+    pub skew: Option<RowSkew>,
+}
+
+/// What a client's release drops of a collection it reads.
+pub struct RowSkew {
+    pub generation: ClientGeneration,
+    /// The resources it drops something of, by name: at the version the
+    /// gateway serves now. `None`: not checked (its release is unknown or
+    /// one the gateway has no protos of, the collection is not one of
+    /// Istio's kinds, or the first check has not run yet).
+    pub dropping: Option<Vec<(Arc<str>, Arc<ResourceSkew>)>>,
+}
+
+/// Where the views look up what a client's release drops.
+pub struct SkewLookup<'a> {
+    pub tracker: &'a SkewTracker,
+    /// A client that may read part of a collection drops only of its part.
+    pub policy: &'a AccessPolicy,
+}
+
+impl SkewLookup<'_> {
+    fn of(&self, stream: &StreamView, view: &TypeView) -> Option<RowSkew> {
+        let generation = stream.generation?;
+        let tracked = generation
+            .generation()
+            .and_then(|g| self.tracker.get(&view.collection, g))
+            .filter(|t| t.checked);
+        let dropping = tracked.map(|tracked| {
+            // A named subscription (listed whole) drops only of its names; a
+            // client granted some names, only of those.
+            let named = view
+                .subscribed
+                .as_ref()
+                .filter(|s| !s.wildcard && s.count <= s.first.len());
+            let grant = view.access_version.as_ref().and_then(|_| {
+                self.policy
+                    .explain(&stream.identity, &[(view.collection.clone(), false)])
+                    .into_values()
+                    .next()
+                    .flatten()
+            });
+            tracked
+                .skewed
+                .into_iter()
+                .filter(|(name, _)| named.is_none_or(|n| n.first.iter().any(|f| f == name)))
+                .filter(|(name, _)| match &grant {
+                    Some(Grant::Names(names)) => names.allows(name),
+                    _ => true,
+                })
+                .collect()
+        });
+        Some(RowSkew { generation, dropping })
+    }
 }
 
 /// Every client stream's types with their status, by stream then type. A
 /// client's current version is the one its group is served (canaries get
 /// new versions first; a pin serves an older one).
-pub fn rows<'a>(streams: &'a [StreamView], rollout: &Rollout, clock: &Clock, stale_after: Duration) -> Vec<Row<'a>> {
+pub fn rows<'a>(
+    streams: &'a [StreamView],
+    rollout: &Rollout,
+    skew: Option<&SkewLookup<'_>>,
+    clock: &Clock,
+    stale_after: Duration,
+) -> Vec<Row<'a>> {
     let mut current: BTreeMap<(&str, bool), Option<Arc<str>>> = BTreeMap::new();
     let mut rows = Vec::new();
     for stream in streams {
@@ -152,6 +214,7 @@ pub fn rows<'a>(streams: &'a [StreamView], rollout: &Rollout, clock: &Clock, sta
                 status,
                 since,
                 current,
+                skew: skew.and_then(|s| s.of(stream, view)),
             });
         }
     }
@@ -291,7 +354,31 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
         "behind_since": time(clock.wall(view.behind_since)),
         // Under --access-policy: resources it asks for that it may not read.
         "access": (view.withheld > 0).then(|| json!({"status": "DENIED", "withheld": view.withheld})),
+        "skew": row.skew.as_ref().map(skew_json),
     })
+}
+
+/// An Istio client's release and what it drops of the collection: each
+/// resource with the paths (`/debug/skew` has the files and lines).
+pub fn skew_json(skew: &RowSkew) -> Value {
+    let mut value = serde_json::to_value(skew.generation).unwrap_or_default();
+    match (&skew.dropping, skew.generation.generation()) {
+        (Some(dropping), Some(generation)) => {
+            value["resources"] = json!(dropping.len());
+            value["dropped"] = dropping
+                .iter()
+                .map(|(name, found)| {
+                    json!({
+                        "name": name,
+                        "fields": found.dropped.iter().map(|d| d.message(generation)).collect::<Vec<_>>(),
+                        "more": found.more,
+                    })
+                })
+                .collect();
+        }
+        _ => value["resources"] = Value::Null,
+    }
+    value
 }
 
 /// What is wrong with the source while clients are still served from its
@@ -389,8 +476,27 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
     for row in rows {
         let (stream, view) = (row.stream, row.view);
         let status = row.status.as_str();
+        // What its release drops: beside the status, which stays SYNCED.
+        let skew = match row
+            .skew
+            .as_ref()
+            .and_then(|s| Some((s.dropping.as_ref()?, s.generation.generation()?)))
+        {
+            Some((dropping, generation)) if !dropping.is_empty() => format!(
+                " <a class=\"skew\" href=\"/debug/skew\" title=\"{}\">SKEW {} (Istio {generation})</a>",
+                escape(
+                    &dropping
+                        .iter()
+                        .flat_map(|(_, s)| s.dropped.iter().map(move |d| d.message(generation)))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+                dropping.len()
+            ),
+            _ => String::new(),
+        };
         out.push_str(&format!(
-            "<tr><td data-col=\"status\"><span class=\"{}\">{status}</span></td><td class=\"nowrap\">{}</td>",
+            "<tr><td data-col=\"status\"><span class=\"{}\">{status}</span>{skew}</td><td class=\"nowrap\">{}</td>",
             status.replace(' ', "_"),
             age(clock.age(row.since)),
         ));

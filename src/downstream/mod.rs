@@ -29,6 +29,7 @@ use crate::cache::demand::Subscriptions;
 use crate::cache::Cache;
 use crate::collections::{CollectionTable, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
+use crate::skew::SkewTracker;
 use crate::transport::access::{self, AccessControl, AccessPolicy, Grant};
 use crate::transport::bucket::PeerBuckets;
 use crate::transport::identity::PeerIdentity;
@@ -112,6 +113,8 @@ struct Shared {
     /// What clients are told at shutdown: this gateway, or the `source`
     /// command's server, is going away.
     shutdown_message: &'static str,
+    /// Each Istio client's generation, and the skew of what it reads.
+    skew: Arc<SkewTracker>,
 }
 
 // === impl Downstream ===
@@ -128,6 +131,7 @@ impl Downstream {
         tasks: TaskTracker,
         limits: DownstreamLimits,
         access: Arc<AccessControl>,
+        skew: Arc<SkewTracker>,
     ) -> Self {
         Self {
             inner: Arc::new(Shared {
@@ -152,6 +156,7 @@ impl Downstream {
                 access,
                 denial_logs: DashMap::new(),
                 shutdown_message: "the gateway is shutting down; reconnect to another replica",
+                skew,
             }),
         }
     }

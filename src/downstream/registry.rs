@@ -10,6 +10,7 @@ use dashmap::DashMap;
 
 use super::by_type::ByType;
 use crate::collections::Dialect;
+use crate::skew::ClientGeneration;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -243,6 +244,10 @@ pub struct StreamView {
     pub canary: bool,
     /// What TLS proved of the peer: its first SAN, or `unauthenticated`.
     pub identity: Arc<str>,
+    /// An Istio client's release (absent: not an Istio client, such as
+    /// Envoy or grpc, or no Istio collection asked for yet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generation: Option<ClientGeneration>,
     pub connected_since: SystemTime,
     /// By the `type_url` the client sent.
     pub types: ByType<TypeView>,
@@ -273,6 +278,7 @@ impl Registry {
             gateway_id: None,
             canary: false,
             identity: identity.into(),
+            generation: None,
             connected_since: SystemTime::now(),
             types: ByType::new(),
         }));
@@ -344,6 +350,10 @@ impl RegistryEntry {
 
     pub fn set_canary(&self) {
         self.view.lock().expect("registry lock poisoned").canary = true;
+    }
+
+    pub fn set_generation(&self, generation: ClientGeneration) {
+        self.view.lock().expect("registry lock poisoned").generation = Some(generation);
     }
 
     pub fn set_gateway_id(&self, gateway_id: &str) {

@@ -19,7 +19,7 @@ use super::by_type::ByType;
 use super::encode::{EncodedResponse, Record};
 use super::names::NameChange;
 use super::outbound::TrySendError;
-use super::registry::{RegistryEntry, Stamp, TypeView};
+use super::registry::{Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::Rollout;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
@@ -32,6 +32,7 @@ use crate::cache::CollectionSnapshot;
 use crate::collections::{Dialect, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::proto::wire::{version_entry, ErrorDetail};
+use crate::skew::{ClientGeneration, Generation, Interest};
 use crate::transport::access::{display_identity, AccessPolicy, NameGrant};
 use crate::transport::bucket::TokenBucket;
 use crate::transport::identity::PeerIdentity;
@@ -94,6 +95,14 @@ impl Answer {
     }
 }
 
+/// An Istio client's release (from the node and dialect of the first request
+/// for one of Istio's collections), and the collections whose skew for it is
+/// kept while it reads them.
+struct StreamSkew {
+    generation: ClientGeneration,
+    interests: Vec<Interest>,
+}
+
 /// A canary stream: the rollout hears its ACKs and NACKs, and that it left.
 struct Canary {
     rollout: Arc<Rollout>,
@@ -131,6 +140,9 @@ pub(super) struct TypedStream<W> {
     canary: Option<Box<Canary>>,
     /// What TLS proved of the peer (the access policy's identity).
     identity: Arc<PeerIdentity>,
+    /// An Istio client's release, and its interest in the skew of each
+    /// Istio collection it reads. Boxed: Envoy and grpc clients have none.
+    skew: Option<Box<StreamSkew>>,
     /// The access policy in effect, as it changes.
     policy: watch::Receiver<Arc<AccessPolicy>>,
     _wire: PhantomData<fn() -> W>,
@@ -157,6 +169,7 @@ impl<W: Wire> TypedStream<W> {
             refusals: None,
             canary: None,
             identity,
+            skew: None,
             policy,
             _wire: PhantomData,
         }
@@ -717,6 +730,7 @@ impl<W: Wire> TypedStream<W> {
                 (resolved, Answer::Unserved(CollectionSnapshot::empty(collection)))
             }
         };
+        self.note_generation(&resolved, request);
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
         self.types.insert(
@@ -729,6 +743,39 @@ impl<W: Wire> TypedStream<W> {
             },
         );
         Ok(())
+    }
+
+    /// An Istio client reads one of Istio's collections: its release is
+    /// learned once (a `--client-generation` rule, its node's
+    /// `ISTIO_VERSION`, or the legacy service's dialect), and the skew of the
+    /// collection for that release is kept while the stream reads it.
+    fn note_generation(&mut self, resolved: &Resolved, request: &WireRequest) {
+        let istio = resolved.dialect != Dialect::Xds || resolved.collection.starts_with("istio/");
+        if !istio {
+            return;
+        }
+        let tracker = &self.shared.inner.skew;
+        let skew = self.skew.get_or_insert_with(|| {
+            // Only the legacy service's wire tells a release: 1.0 asks by
+            // proto type URL, 1.1 by collection name.
+            let dialect = match (W::PROTOCOL, resolved.dialect) {
+                (Protocol::Sotw | Protocol::Incremental, Dialect::V1_0) => Some(Generation::of(0)),
+                (Protocol::Sotw | Protocol::Incremental, Dialect::V1_1) => Some(Generation::of(1)),
+                _ => None,
+            };
+            let node = request.node_id.as_deref().unwrap_or_default();
+            let generation = tracker.classify(node, &self.identity.names, &request.node_labels, dialect);
+            self.entry.set_generation(generation);
+            Box::new(StreamSkew {
+                generation,
+                interests: Vec::new(),
+            })
+        });
+        if let Some(generation) = skew.generation.generation() {
+            if let Some(interest) = tracker.interest(&resolved.collection, generation) {
+                skew.interests.push(interest);
+            }
+        }
     }
 
     /// The access policy was reloaded: each type is served what the new one

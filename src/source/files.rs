@@ -101,6 +101,13 @@ pub struct ParseError {
     pub reason: String,
 }
 
+/// Where a body's fields are written: the first line of its document in the
+/// file, and the path in that document to the body's root.
+pub type BodyAt = (usize, Vec<PathStep>);
+
+/// A resource by collection and name.
+type ResourceKey = (Arc<str>, Arc<str>);
+
 /// One resource as parsed from a file.
 #[derive(Clone, Debug)]
 pub struct Parsed {
@@ -113,6 +120,10 @@ pub struct Parsed {
     pub line: usize,
     /// A `struct:` body in a collection whose clients decode another type.
     pub struct_body: bool,
+    /// Where its body's fields are written: the first line of its document
+    /// in the file, and the path in that document to the body's root (`spec`,
+    /// `items[2].spec`, `body.json`): [`field_line`] finds a field's line.
+    pub body_at: BodyAt,
 }
 
 /// A document: a resource in the gateway's own form (`collection`, `name`,
@@ -495,6 +506,8 @@ struct Found {
     at: Vec<PathStep>,
     /// Where its name is.
     name_at: Vec<PathStep>,
+    /// Where its body's fields are (see [`Parsed::body_at`]).
+    body_at: Vec<PathStep>,
 }
 
 /// Why a document is refused: the reason and the path of what is wrong.
@@ -574,6 +587,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
                 digest: resource.digest,
                 line,
                 struct_body,
+                body_at: (start, found.body_at),
             });
         }
     }
@@ -619,6 +633,7 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
                 annotations: r.annotations,
                 body: r.body,
                 name_at: [r.at.clone(), vec![key("metadata"), key("name")]].concat(),
+                body_at: [r.at.clone(), vec![key("spec")]].concat(),
                 at: r.at,
             })
             .collect());
@@ -659,6 +674,10 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
     if name.trim().is_empty() {
         return Err(("name is empty; every resource needs a name".into(), vec![key("name")]));
     }
+    let body_at = match body.json {
+        Some(_) => vec![key("body"), key("json")],
+        None => vec![key("body")],
+    };
     let body = read_body(body).map_err(|(reason, steps)| {
         (
             format!("body of {name:?}: {reason}"),
@@ -674,6 +693,7 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
         body,
         at: Vec::new(),
         name_at: vec![key("name")],
+        body_at,
     }])
 }
 
@@ -728,6 +748,27 @@ struct FileState {
     struct_bodies: BTreeSet<Arc<str>>,
 }
 
+/// Where each resource the files source serves came from: its file, and
+/// where its body is written there (see [`Parsed::body_at`]), by collection
+/// and name. Published after every read; `/debug/skew` names the line of a
+/// field from it.
+#[derive(Debug, Default)]
+pub struct Origins {
+    by_resource: HashMap<ResourceKey, (Arc<str>, BodyAt)>,
+    /// The source's `--max-message-bytes`: a file is read again for its
+    /// lines only within it.
+    pub max_file_bytes: usize,
+}
+
+impl Origins {
+    /// The file and where the body is, of `name` in `collection`.
+    pub fn of(&self, collection: &str, name: &str) -> Option<(&str, &BodyAt)> {
+        self.by_resource
+            .get(&(Arc::from(collection), Arc::from(name)))
+            .map(|(file, at)| (&**file, at))
+    }
+}
+
 /// The local source: parsed files, published as collections.
 pub struct LocalSource {
     dir: SourceDir,
@@ -741,6 +782,8 @@ pub struct LocalSource {
     published: BTreeSet<Arc<str>>,
     /// `--max-message-bytes`: a larger file is an error, not read.
     max_file_bytes: usize,
+    /// Where the resources served came from.
+    origins: Option<watch::Sender<Arc<Origins>>>,
 }
 
 impl LocalSource {
@@ -767,7 +810,14 @@ impl LocalSource {
             files: BTreeMap::new(),
             published: BTreeSet::new(),
             max_file_bytes,
+            origins: None,
         }
+    }
+
+    /// Publishes where each served resource came from on `origins`.
+    pub fn with_origins(mut self, origins: watch::Sender<Arc<Origins>>) -> Self {
+        self.origins = Some(origins);
+        self
     }
 
     /// Reads everything once and publishes it; then, for a directory,
@@ -911,6 +961,10 @@ impl LocalSource {
         }
         let mut collections: BTreeMap<Arc<str>, Vec<CachedResource>> = BTreeMap::new();
         let mut owner: HashMap<(Arc<str>, Arc<str>), &str> = HashMap::new();
+        let mut origins = Origins {
+            max_file_bytes: self.max_file_bytes,
+            ..Default::default()
+        };
         for (path, state) in &self.files {
             for parsed in &state.good {
                 let key = (parsed.collection.clone(), parsed.name.clone());
@@ -924,6 +978,11 @@ impl LocalSource {
                     );
                     continue;
                 }
+                if self.origins.is_some() {
+                    origins
+                        .by_resource
+                        .insert(key.clone(), (Arc::from(path.as_str()), parsed.body_at.clone()));
+                }
                 owner.insert(key, path);
                 collections
                     .entry(parsed.collection.clone())
@@ -936,6 +995,9 @@ impl LocalSource {
                         parsed.digest,
                     ));
             }
+        }
+        if let Some(sender) = &self.origins {
+            sender.send_replace(Arc::new(origins));
         }
         let wanted = self.subscriptions.current().wanted;
         for collection in wanted.into_iter().chain(self.published.iter().cloned()) {
@@ -958,6 +1020,30 @@ impl LocalSource {
             s.broken_files = errors.len();
             s.last_error = (!errors.is_empty()).then(|| errors.join("; "));
         });
+    }
+}
+
+/// The line in the file of the field at `path` (from the body's root) of a
+/// resource whose body is at `body_at` (see [`Parsed::body_at`]) in `text`,
+/// the file's text; the nearest line that is there when the field is not
+/// (written under its proto name, or through an alias). `None` when no
+/// document starts at that line.
+pub fn field_line(text: &str, body_at: &BodyAt, path: &[PathStep]) -> Option<usize> {
+    let (start, document) = documents(text).into_iter().find(|(start, _)| *start == body_at.0)?;
+    let steps: Vec<PathStep> = body_at.1.iter().chain(path).cloned().collect();
+    yaml_lines::line_of(&document, &steps).map(|line| start + line - 1)
+}
+
+/// A source file's text as the files source reads it (the compiled-in
+/// examples by their `<embedded>/` name), for showing lines; `None` when it
+/// cannot be read now.
+pub fn text_of(path: &str, max_file_bytes: usize) -> Option<String> {
+    match path.strip_prefix("<embedded>/") {
+        Some(name) => EMBEDDED_EXAMPLES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, text)| text.to_string()),
+        None => read_text(Path::new(path), max_file_bytes).ok(),
     }
 }
 

@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::collections::CollectionTable;
+use crate::skew::{DroppedKind, Generation, RELEASES};
 use crate::source::files::{read_path, Parsed};
 use crate::source::proto_json::BodyDecoder;
 
@@ -51,6 +52,62 @@ pub struct CheckArgs {
     /// As the gateway's --max-message-bytes: the largest file it serves.
     #[arg(long, value_name = "N", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
+
+    /// Report what clients of an Istio release would drop without a word
+    /// (repeatable): every field, enum value or type in a resource that the
+    /// release's protos lack, at its file and line, with the release that
+    /// added it. A release (`1.1`), or `all-served` for every release the
+    /// gateway has the protos of (1.0 to 1.7). Warnings; errors with
+    /// --strict.
+    #[arg(long = "for", value_name = "RELEASE", value_parser = parse_for)]
+    pub for_releases: Vec<ForReleases>,
+}
+
+/// `--for`: one release or all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForReleases {
+    One(Generation),
+    AllServed,
+}
+
+fn parse_for(text: &str) -> Result<ForReleases, String> {
+    if text.trim() == "all-served" {
+        return Ok(ForReleases::AllServed);
+    }
+    let known = || {
+        RELEASES
+            .iter()
+            .map(|r| r.generation.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let generation = Generation::parse(text).ok_or_else(|| {
+        format!(
+            "{text:?} is not an Istio release; give one of {}, or all-served",
+            known()
+        )
+    })?;
+    if generation.release().is_none() {
+        return Err(format!(
+            "the gateway has no protos of Istio {generation} to check against; give one of {}, or all-served",
+            known()
+        ));
+    }
+    Ok(ForReleases::One(generation))
+}
+
+/// The releases `--for` names, oldest first, each once.
+fn releases_for(asked: &[ForReleases]) -> Vec<Generation> {
+    let mut releases: BTreeSet<Generation> = BTreeSet::new();
+    for asked in asked {
+        match asked {
+            ForReleases::One(generation) => {
+                releases.insert(*generation);
+            }
+            ForReleases::AllServed => releases.extend(RELEASES.iter().map(|r| r.generation)),
+        }
+    }
+    releases.into_iter().collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -154,6 +211,11 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     }
     report.resources = parsed.len();
     report.findings.extend(cross_references(&parsed, &table));
+    report.findings.extend(skew_findings(
+        &parsed,
+        &releases_for(&args.for_releases),
+        args.max_message_bytes,
+    ));
     if args.strict {
         for finding in &mut report.findings {
             finding.severity = Severity::Error;
@@ -163,6 +225,63 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
         .findings
         .sort_by(|a, b| (&a.file, a.line).cmp(&(&b.file, b.line)));
     Ok(report)
+}
+
+/// What clients of each release would drop, each at the line of the field
+/// in its file. A kind a release's protos lack altogether is not reported
+/// for it: its clients never ask for that collection.
+fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], max_file_bytes: usize) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    if releases.is_empty() {
+        return findings;
+    }
+    let mut texts: BTreeMap<&str, Option<String>> = BTreeMap::new();
+    for (file, p) in parsed {
+        let Some((type_url, body)) = crate::skew::body_of(&p.encoded) else {
+            continue;
+        };
+        for generation in releases {
+            let release = generation.release().expect("--for takes releases the gateway has");
+            let Some(skew) = crate::skew::dropped_by(release, type_url, body) else {
+                continue;
+            };
+            for dropped in skew
+                .dropped
+                .iter()
+                .filter(|d| !(d.path.is_empty() && matches!(d.kind, DroppedKind::Type(_))))
+            {
+                let text = texts
+                    .entry(file)
+                    .or_insert_with(|| crate::source::files::text_of(file, max_file_bytes));
+                let line = text
+                    .as_deref()
+                    .and_then(|t| crate::source::files::field_line(t, &p.body_at, &dropped.path))
+                    .unwrap_or(p.line);
+                findings.push(Finding {
+                    file: file.clone(),
+                    line,
+                    collection: Some(p.collection.to_string()),
+                    name: Some(p.name.to_string()),
+                    severity: Severity::Warning,
+                    message: dropped.message(*generation),
+                });
+            }
+            if skew.more > 0 {
+                findings.push(Finding {
+                    file: file.clone(),
+                    line: p.line,
+                    collection: Some(p.collection.to_string()),
+                    name: Some(p.name.to_string()),
+                    severity: Severity::Warning,
+                    message: format!(
+                        "Istio {generation} clients drop {} more fields of {}",
+                        skew.more, p.name
+                    ),
+                });
+            }
+        }
+    }
+    findings
 }
 
 /// A served resource, its body read back.

@@ -201,6 +201,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
     let mut urgency: BTreeMap<u64, usize> = BTreeMap::new();
     let mut nacks = Vec::new();
     let mut denials = Vec::new();
+    let mut skews = Vec::new();
     for row in &rows {
         let id = row["stream"].as_u64().unwrap_or_default();
         let rank = STATUSES
@@ -234,6 +235,21 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
                 text(&row["collection"]),
                 text(&row["identity"]),
             ));
+        }
+        // What its Istio release drops of the collection (it stays SYNCED:
+        // the client cannot tell).
+        if let Some(count) = row["skew"]["resources"].as_u64().filter(|n| *n > 0) {
+            cell.push_str(&format!(" SKEW {count}"));
+            for dropped in row["skew"]["dropped"].as_array().into_iter().flatten() {
+                for field in dropped["fields"].as_array().into_iter().flatten() {
+                    skews.push(format!(
+                        "{node} {} {}: {}",
+                        text(&row["collection"]),
+                        text(&dropped["name"]),
+                        text(field)
+                    ));
+                }
+            }
         }
         cells.insert(short(&text(&row["collection"])), cell);
         let nack = &row["nack"];
@@ -284,10 +300,14 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             .map(|r| {
                 let mut line = head.clone();
                 line.push(text(&r["collection"]));
-                line.push(match r["access"]["withheld"].as_u64() {
-                    Some(withheld) => format!("{} DENIED {withheld}", text(&r["status"])),
-                    None => text(&r["status"]),
-                });
+                let mut status = text(&r["status"]);
+                if let Some(withheld) = r["access"]["withheld"].as_u64() {
+                    status.push_str(&format!(" DENIED {withheld}"));
+                }
+                if let Some(count) = r["skew"]["resources"].as_u64().filter(|n| *n > 0) {
+                    status.push_str(&format!(" SKEW {count}"));
+                }
+                line.push(status);
                 line.push(short_version(&r["sent"]["version"]));
                 line.push(short_version(&r["acked"]["version"]));
                 line.push(short_version(&r["current_version"]));
@@ -349,6 +369,12 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
     }
     for denial in denials {
         let _ = writeln!(out, "DENIED {denial}");
+    }
+    // Each field a client's release drops (Istio's words: what the release
+    // lacks and the release that added it); /debug/skew has files and lines.
+    skews.dedup();
+    for skew in skews {
+        let _ = writeln!(out, "SKEW {skew}");
     }
     for line in rollout_lines(&syncz["rollout"]) {
         let _ = writeln!(out, "{line}");

@@ -644,7 +644,7 @@ fn every_alert_has_a_runbook_that_exists() {
         .iter()
         .filter(|r| r["alert"].is_string())
         .collect();
-    assert_eq!(alerts.len(), 8);
+    assert_eq!(alerts.len(), 9);
     for alert in alerts {
         let url = alert["annotations"]["runbook_url"]
             .as_str()

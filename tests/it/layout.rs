@@ -10,7 +10,15 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("app", &["*"]),
     (
         "config",
-        &["collections", "proto", "transport", "source", "downstream", "tools"],
+        &[
+            "collections",
+            "proto",
+            "transport",
+            "source",
+            "downstream",
+            "tools",
+            "skew",
+        ],
     ),
     ("collections", &[]),
     ("proto", &[]),
@@ -18,7 +26,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("transport", &["metrics"]),
     ("cache", &[]),
     ("source", &["cache", "proto", "transport", "metrics", "collections"]),
-    ("downstream", &["cache", "proto", "transport", "metrics", "collections"]),
+    ("skew", &["cache", "source", "metrics"]),
+    (
+        "downstream",
+        &["cache", "proto", "transport", "metrics", "collections", "skew"],
+    ),
     (
         "admin",
         &[
@@ -29,11 +41,20 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "collections",
             "transport",
             "proto",
+            "skew",
         ],
     ),
     (
         "tools",
-        &["proto", "transport", "source", "collections", "downstream", "metrics"],
+        &[
+            "proto",
+            "transport",
+            "source",
+            "collections",
+            "downstream",
+            "metrics",
+            "skew",
+        ],
     ),
 ];
 

@@ -31,6 +31,7 @@ mod redaction;
 mod resource_source;
 mod rollout;
 mod rules;
+mod skew;
 mod sotw;
 mod source_command;
 mod sources;

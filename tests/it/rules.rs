@@ -191,6 +191,20 @@ tests:
       - eval_time: 3m
         alertname: McpGatewayVersionHeld
         exp_alerts: []
+  - interval: 1m
+    input_series:
+      - series: 'mcp_gateway_skew_resources{pod="gw-0",collection="dr",generation="1.1"}'
+        values: '0 0 2x20'
+      - series: 'mcp_gateway_skew_resources{pod="gw-0",collection="dr",generation="1.7"}'
+        values: '0x22'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: McpGatewayClientsDropFields
+        exp_alerts: []
+      - eval_time: 13m
+        alertname: McpGatewayClientsDropFields
+        exp_alerts:
+          - exp_labels: {severity: warning, pod: gw-0, collection: dr, generation: "1.1"}
 "#;
 
 #[tokio::test]

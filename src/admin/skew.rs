@@ -1,0 +1,172 @@
+//! `/debug/skew`: per Istio release in use, the resources its clients read
+//! without something their protos lack, each dropped field with the file and
+//! line it is written at (files source), and the clients whose release is
+//! not known.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use serde_json::{json, Value};
+
+use super::AdminState;
+use crate::skew::{ClientGeneration, Dropped, Generation, ResourceSkew, TrackedSkew, RELEASES};
+use crate::source::files::{self, Origins};
+
+/// File texts read for lines, once per view.
+#[derive(Default)]
+pub(super) struct Texts(BTreeMap<String, Option<String>>);
+
+impl Texts {
+    /// The line of `dropped` in the file `collection`/`name` came from
+    /// (`None` when not from a file, or the file changed since).
+    pub(super) fn line(
+        &mut self,
+        origins: &Origins,
+        collection: &str,
+        name: &str,
+        dropped: &Dropped,
+    ) -> Option<(String, usize)> {
+        let (file, body_at) = origins.of(collection, name)?;
+        let text = self
+            .0
+            .entry(file.to_owned())
+            .or_insert_with(|| files::text_of(file, origins.max_file_bytes))
+            .as_deref()?;
+        let line = files::field_line(text, body_at, &dropped.path)?;
+        Some((file.to_owned(), line))
+    }
+}
+
+/// One resource's drops for one release, with their files and lines.
+pub(super) fn resource_json(
+    texts: &mut Texts,
+    origins: &Origins,
+    collection: &str,
+    name: &str,
+    generation: Generation,
+    skew: &ResourceSkew,
+) -> Value {
+    let fields: Vec<Value> = skew
+        .dropped
+        .iter()
+        .map(|d| {
+            let at = texts.line(origins, collection, name, d);
+            json!({
+                "path": d.shown_path(),
+                "added_in": d.added_in.map(|g| g.to_string()),
+                "message": d.message(generation),
+                "file": at.as_ref().map(|(f, _)| f.clone()),
+                "line": at.as_ref().map(|(_, l)| *l),
+            })
+        })
+        .collect();
+    let file = origins.of(collection, name).map(|(f, _)| f.to_owned());
+    json!({"name": name, "file": file, "fields": fields, "more": skew.more})
+}
+
+/// What every release in use drops, and who is of which release.
+pub(super) fn view_json(state: &AdminState) -> Value {
+    let tracked = state.skew.tracked();
+    let origins = state.skew.origins();
+    let mut texts = Texts::default();
+    let mut by_generation: BTreeMap<Generation, Vec<&TrackedSkew>> = BTreeMap::new();
+    for t in &tracked {
+        by_generation.entry(t.generation).or_default().push(t);
+    }
+    let streams = state.registry.streams();
+    let mut unchecked: Vec<Value> = Vec::new();
+    let mut clients: BTreeMap<Generation, usize> = BTreeMap::new();
+    for stream in &streams {
+        let who = || {
+            json!({"stream": stream.id, "node_id": stream.node_id, "identity": stream.identity,
+                            "protocol": stream.protocol.as_str()})
+        };
+        match stream.generation {
+            Some(ClientGeneration::Known { generation, .. }) if generation.release().is_some() => {
+                *clients.entry(generation).or_default() += 1;
+            }
+            Some(generation @ ClientGeneration::Known { .. }) | Some(generation @ ClientGeneration::Unknown) => {
+                let mut entry = who();
+                entry["generation"] = serde_json::to_value(generation).unwrap_or_default();
+                unchecked.push(entry);
+            }
+            None => {}
+        }
+    }
+    let generations: Vec<Value> = by_generation
+        .iter()
+        .map(|(generation, collections)| {
+            let collections: Vec<Value> = collections
+                .iter()
+                .map(|t| {
+                    let resources: Vec<Value> = t
+                        .skewed
+                        .iter()
+                        .map(|(name, skew)| resource_json(&mut texts, &origins, &t.collection, name, *generation, skew))
+                        .collect();
+                    json!({
+                        "collection": t.collection,
+                        "version": t.version,
+                        "checked": t.checked || t.version.is_none(),
+                        "clients": t.clients,
+                        "resources": resources.len(),
+                        "dropped": resources,
+                    })
+                })
+                .collect();
+            json!({
+                "release": generation.to_string(),
+                "protos": generation.release().map(|r| r.tag),
+                "clients": clients.get(generation).copied().unwrap_or_default(),
+                "resources": collections.iter().map(|c| c["resources"].as_u64().unwrap_or(0)).sum::<u64>(),
+                "collections": collections,
+            })
+        })
+        .collect();
+    json!({
+        "releases_known": RELEASES.iter().map(|r| r.tag).collect::<Vec<_>>(),
+        "rules": state.skew.rules().shown(),
+        // One per changed resource and release in use: the skew's cost.
+        "resources_checked": state.skew.checks(),
+        "generations": generations,
+        "not_checked": unchecked,
+    })
+}
+
+/// The resources connected clients drop something of: the index's lead
+/// line (`None` when none).
+pub(super) fn lead(state: &AdminState) -> Option<String> {
+    let tracked = state.skew.tracked();
+    let affected: Vec<String> = tracked
+        .iter()
+        .filter(|t| !t.skewed.is_empty() && t.clients > 0)
+        .map(|t| {
+            let example = t.skewed.iter().next().and_then(|(name, s)| {
+                s.dropped
+                    .first()
+                    .map(|d| format!("{name}: {}", d.message(t.generation)))
+            });
+            format!(
+                "{} of {} for Istio {} ({} client{}){}",
+                t.skewed.len(),
+                t.collection,
+                t.generation,
+                t.clients,
+                if t.clients == 1 { "" } else { "s" },
+                example.map(|e| format!(", e.g. {e}")).unwrap_or_default()
+            )
+        })
+        .collect();
+    (!affected.is_empty()).then(|| {
+        format!(
+            "SKEW: connected clients drop fields their release lacks, without a NACK: {} (/debug/skew)",
+            affected.join("; ")
+        )
+    })
+}
+
+pub(super) async fn skew(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+    super::view(&headers, "Version skew", view_json(&state))
+}

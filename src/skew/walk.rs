@@ -1,0 +1,564 @@
+//! The skew of one body for one release: what in its bytes the release's
+//! descriptors do not have. The body is read as it is on the wire (field
+//! numbers, not names: that is what an older decoder sees), against the
+//! release's message and, for the names shown, the gateway's own.
+
+use prost::encoding::{decode_key, decode_varint, WireType};
+use prost_reflect::{DescriptorPool, Kind, MessageDescriptor};
+
+use super::releases::{Generation, Release, RELEASES};
+use crate::source::proto_json::{self, PathStep};
+
+/// The most drops kept per resource and generation; past it, only counted
+/// (a body made of unknown fields costs a count, not memory).
+pub const MAX_FINDINGS: usize = 16;
+
+/// Nesting deeper than this is not walked (protobuf's own default limit).
+const MAX_DEPTH: usize = 100;
+
+const ANY: &str = "google.protobuf.Any";
+
+/// What a release lacks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DroppedKind {
+    /// A field its message does not have: the decoder skips it.
+    Field,
+    /// A value its enum does not have (shown by the gateway's name for it).
+    EnumValue(String),
+    /// A message type it cannot resolve (inside an `Any`, or the body's own
+    /// type): the whole value is unreadable to it.
+    Type(String),
+}
+
+/// One thing a release's clients drop, at a path in the body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dropped {
+    /// From the body's root (`trafficPolicy`, `outlierDetection`, ...);
+    /// empty for the whole body.
+    pub path: Vec<PathStep>,
+    pub kind: DroppedKind,
+    /// The first release the gateway carries that has it; `None`: none of
+    /// them (added after 1.7).
+    pub added_in: Option<Generation>,
+}
+
+impl Dropped {
+    /// The path as Istio's docs write a field: `spec.trafficPolicy...`.
+    pub fn shown_path(&self) -> String {
+        let inner = proto_json::display_path(&self.path);
+        match (inner.is_empty(), inner.starts_with('[')) {
+            (true, _) => "spec".to_owned(),
+            (false, true) => format!("spec{inner}"),
+            (false, false) => format!("spec.{inner}"),
+        }
+    }
+
+    /// When it was added, as the messages say it.
+    pub fn added(&self) -> String {
+        match self.added_in {
+            Some(release) => format!("added in {release}"),
+            None => "added after 1.7".to_owned(),
+        }
+    }
+
+    /// `Istio 1.1 clients drop spec.x.y (added in 1.5)`.
+    pub fn message(&self, generation: Generation) -> String {
+        let path = self.shown_path();
+        match &self.kind {
+            DroppedKind::Field => format!("Istio {generation} clients drop {path} ({})", self.added()),
+            DroppedKind::EnumValue(value) => format!(
+                "Istio {generation} clients do not know the value {value} of {path} ({})",
+                self.added()
+            ),
+            DroppedKind::Type(name) => format!(
+                "Istio {generation} clients cannot read {path}: its type {name} is not in their protos ({})",
+                self.added()
+            ),
+        }
+    }
+}
+
+/// A resource's skew for one release.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResourceSkew {
+    /// At most [`MAX_FINDINGS`], in body order.
+    pub dropped: Vec<Dropped>,
+    /// How many more there were.
+    pub more: usize,
+}
+
+impl ResourceSkew {
+    pub fn is_empty(&self) -> bool {
+        self.dropped.is_empty()
+    }
+
+    pub fn count(&self) -> usize {
+        self.dropped.len() + self.more
+    }
+}
+
+/// What a release's clients drop of a body of type `type_url` (the `Any`'s
+/// value bytes). `None`: not an Istio kind of the releases' protos (Mixer's
+/// `Struct` kinds, MeshConfig, Envoy's types): not checked, never guessed.
+/// A body that does not decode is walked as far as it does (the gateway
+/// serves it as the source sent it; what a client drops of it is what is
+/// known).
+pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<ResourceSkew> {
+    let name = type_url.rsplit('/').next().unwrap_or(type_url);
+    let current = proto_json::message_type(type_url);
+    if !in_scope(name, current.as_ref()) {
+        return None;
+    }
+    let mut walk = Walk {
+        release,
+        found: ResourceSkew::default(),
+        path: Vec::new(),
+    };
+    match release.pool().get_message_by_name(name) {
+        Some(old) => walk.message(body, current.as_ref(), &old, 0),
+        None => walk.push(DroppedKind::Type(name.to_owned()), Anchor::Type(name)),
+    }
+    Some(walk.found)
+}
+
+/// An Istio kind: one of the releases has it, or the gateway encodes it as
+/// one of Istio's (a kind added after 1.7).
+fn in_scope(name: &str, current: Option<&MessageDescriptor>) -> bool {
+    name.starts_with("istio.")
+        && (current.is_some() || RELEASES.iter().any(|r| r.pool().get_message_by_name(name).is_some()))
+}
+
+/// What a drop is, for finding the release that added it.
+enum Anchor<'a> {
+    Field { message: &'a str, number: u32 },
+    EnumValue { name: &'a str, number: i32 },
+    Type(&'a str),
+}
+
+impl Anchor<'_> {
+    fn in_pool(&self, pool: &DescriptorPool) -> bool {
+        match self {
+            Anchor::Field { message, number } => pool
+                .get_message_by_name(message)
+                .is_some_and(|m| m.get_field(*number).is_some()),
+            Anchor::EnumValue { name, number } => pool
+                .get_enum_by_name(name)
+                .is_some_and(|e| e.get_value(*number).is_some()),
+            Anchor::Type(name) => pool.get_message_by_name(name).is_some(),
+        }
+    }
+}
+
+struct Walk<'r> {
+    release: &'r Release,
+    found: ResourceSkew,
+    path: Vec<PathStep>,
+}
+
+impl Walk<'_> {
+    fn push(&mut self, kind: DroppedKind, anchor: Anchor<'_>) {
+        if self.found.dropped.len() >= MAX_FINDINGS {
+            self.found.more += 1;
+            return;
+        }
+        let added_in = RELEASES
+            .iter()
+            .filter(|r| r.generation > self.release.generation)
+            .find(|r| anchor.in_pool(r.pool()))
+            .map(|r| r.generation);
+        self.found.dropped.push(Dropped {
+            path: self.path.clone(),
+            kind,
+            added_in,
+        });
+    }
+
+    /// Walks one message's bytes: `old` is the release's descriptor of it,
+    /// `current` the gateway's (for the names shown; `None` where the
+    /// gateway does not know the message).
+    fn message(
+        &mut self,
+        mut bytes: &[u8],
+        current: Option<&MessageDescriptor>,
+        old: &MessageDescriptor,
+        depth: usize,
+    ) {
+        if depth > MAX_DEPTH {
+            return;
+        }
+        // Repeated fields: the index of each occurrence, per field number.
+        let mut seen: Vec<(u32, usize)> = Vec::new();
+        while !bytes.is_empty() {
+            let Ok((number, wire_type)) = decode_key(&mut bytes) else {
+                return;
+            };
+            let Some(value) = take_value(&mut bytes, wire_type) else {
+                return;
+            };
+            let old_field = old.get_field(number);
+            let current_field = current.and_then(|c| c.get_field(number));
+            let named = current_field.as_ref().or(old_field.as_ref());
+            let name = named.map_or_else(|| format!("(field {number})"), |f| f.json_name().to_owned());
+            let list = named.is_some_and(|f| f.is_list());
+            self.path.push(PathStep::Key(name));
+            let index = list.then(|| {
+                let at = match seen.iter_mut().find(|(n, _)| *n == number) {
+                    Some((_, count)) => {
+                        *count += 1;
+                        *count - 1
+                    }
+                    None => {
+                        seen.push((number, 1));
+                        0
+                    }
+                };
+                self.path.push(PathStep::Index(at));
+            });
+            match old_field {
+                None => self.push(
+                    DroppedKind::Field,
+                    Anchor::Field {
+                        message: old.full_name(),
+                        number,
+                    },
+                ),
+                Some(field) => {
+                    let current_kind = current_field.map(|f| f.kind());
+                    self.value(
+                        &field.kind(),
+                        current_kind.as_ref(),
+                        field.is_map(),
+                        value,
+                        wire_type,
+                        depth,
+                    );
+                }
+            }
+            if index.is_some() {
+                self.path.pop();
+            }
+            self.path.pop();
+        }
+    }
+
+    /// One field's value: recursing into messages, checking enum values.
+    fn value(
+        &mut self,
+        old: &Kind,
+        current: Option<&Kind>,
+        map: bool,
+        value: Value<'_>,
+        wire_type: WireType,
+        depth: usize,
+    ) {
+        match (old, value) {
+            (Kind::Message(old), Value::Bytes(bytes)) if map => {
+                let current = match current {
+                    Some(Kind::Message(m)) => Some(m.clone()),
+                    _ => None,
+                };
+                self.map_entry(bytes, current.as_ref(), old, depth);
+            }
+            (Kind::Message(old), Value::Bytes(bytes)) if old.full_name() == ANY => self.any(bytes, depth),
+            (Kind::Message(old), Value::Bytes(bytes)) => {
+                let current = match current {
+                    Some(Kind::Message(m)) => Some(m.clone()),
+                    _ => None,
+                };
+                self.message(bytes, current.as_ref(), old, depth + 1);
+            }
+            (Kind::Enum(old), value) => {
+                let mut check = |number: i32| {
+                    if old.get_value(number).is_none() {
+                        let shown = match current {
+                            Some(Kind::Enum(e)) => e.get_value(number).map(|v| v.name().to_owned()),
+                            _ => None,
+                        }
+                        .unwrap_or_else(|| number.to_string());
+                        self.push(
+                            DroppedKind::EnumValue(shown),
+                            Anchor::EnumValue {
+                                name: old.full_name(),
+                                number,
+                            },
+                        );
+                    }
+                };
+                match (value, wire_type) {
+                    (Value::Varint(n), _) => check(n as i32),
+                    // Packed.
+                    (Value::Bytes(mut packed), WireType::LengthDelimited) => {
+                        while !packed.is_empty() {
+                            match decode_varint(&mut packed) {
+                                Ok(n) => check(n as i32),
+                                Err(_) => return,
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A map entry: its key names the step (`labels.app`), its value is
+    /// walked.
+    fn map_entry(
+        &mut self,
+        mut bytes: &[u8],
+        current: Option<&MessageDescriptor>,
+        old: &MessageDescriptor,
+        depth: usize,
+    ) {
+        let mut key = None;
+        let mut entry_value = None;
+        while !bytes.is_empty() {
+            let Ok((number, wire_type)) = decode_key(&mut bytes) else {
+                return;
+            };
+            let Some(value) = take_value(&mut bytes, wire_type) else {
+                return;
+            };
+            match (number, value) {
+                (1, Value::Bytes(k)) => key = Some(String::from_utf8_lossy(k).into_owned()),
+                (1, Value::Varint(k)) => key = Some(k.to_string()),
+                (2, value) => entry_value = Some((value, wire_type)),
+                _ => {}
+            }
+        }
+        let (Some((value, wire_type)), Some(old_value)) = (entry_value, old.get_field(2)) else {
+            return;
+        };
+        // The map's own step is the field's name: the key replaces nothing,
+        // it is one more step.
+        self.path.push(PathStep::Key(key.unwrap_or_default()));
+        let current_kind = current.and_then(|c| c.get_field(2)).map(|f| f.kind());
+        self.value(
+            &old_value.kind(),
+            current_kind.as_ref(),
+            false,
+            value,
+            wire_type,
+            depth + 1,
+        );
+        self.path.pop();
+    }
+
+    /// An `Any`: its type resolved in the release's protos, then walked.
+    fn any(&mut self, mut bytes: &[u8], depth: usize) {
+        let mut type_url = "";
+        let mut inner: &[u8] = &[];
+        while !bytes.is_empty() {
+            let Ok((number, wire_type)) = decode_key(&mut bytes) else {
+                return;
+            };
+            let Some(value) = take_value(&mut bytes, wire_type) else {
+                return;
+            };
+            match (number, value) {
+                (1, Value::Bytes(url)) => type_url = std::str::from_utf8(url).unwrap_or_default(),
+                (2, Value::Bytes(value)) => inner = value,
+                _ => {}
+            }
+        }
+        let name = type_url.rsplit('/').next().unwrap_or_default();
+        if name.is_empty() {
+            return;
+        }
+        let current = proto_json::message_type(type_url);
+        if !in_scope(name, current.as_ref()) && !name.starts_with("google.protobuf.") {
+            // Envoy's or another project's type: not what the release's
+            // Istio protos are about.
+            return;
+        }
+        match self.release.pool().get_message_by_name(name) {
+            Some(old) => self.message(inner, current.as_ref(), &old, depth + 1),
+            None => self.push(DroppedKind::Type(name.to_owned()), Anchor::Type(name)),
+        }
+    }
+}
+
+/// A field's value on the wire.
+#[derive(Clone, Copy)]
+enum Value<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+    Fixed,
+}
+
+/// Takes one value of `wire_type` off the front of `bytes`; `None` when the
+/// bytes end first (a body cut short is walked as far as it goes).
+fn take_value<'a>(bytes: &mut &'a [u8], wire_type: WireType) -> Option<Value<'a>> {
+    match wire_type {
+        WireType::Varint => decode_varint(bytes).ok().map(Value::Varint),
+        WireType::SixtyFourBit | WireType::ThirtyTwoBit => {
+            let len = if wire_type == WireType::SixtyFourBit { 8 } else { 4 };
+            let (_, rest) = bytes.split_at_checked(len)?;
+            *bytes = rest;
+            Some(Value::Fixed)
+        }
+        WireType::LengthDelimited => {
+            let len = usize::try_from(decode_varint(bytes).ok()?).ok()?;
+            let (value, rest) = bytes.split_at_checked(len)?;
+            *bytes = rest;
+            Some(Value::Bytes(value))
+        }
+        // Groups: proto3 has none; stop rather than guess their end.
+        WireType::StartGroup | WireType::EndGroup => None,
+    }
+}
+
+/// The body (`Any` type URL and value) of an encoded MCP `Resource`
+/// (`metadata` = 1, `body` = 2).
+pub fn body_of(mut resource: &[u8]) -> Option<(&str, &[u8])> {
+    let mut body = None;
+    while !resource.is_empty() {
+        let (number, wire_type) = decode_key(&mut resource).ok()?;
+        let value = take_value(&mut resource, wire_type)?;
+        if let (2, Value::Bytes(bytes)) = (number, value) {
+            body = Some(bytes);
+        }
+    }
+    let mut any = body?;
+    let (mut type_url, mut value) = ("", &[][..]);
+    while !any.is_empty() {
+        let (number, wire_type) = decode_key(&mut any).ok()?;
+        match (number, take_value(&mut any, wire_type)?) {
+            (1, Value::Bytes(url)) => type_url = std::str::from_utf8(url).ok()?,
+            (2, Value::Bytes(bytes)) => value = bytes,
+            _ => {}
+        }
+    }
+    Some((type_url, value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const DESTINATION_RULE: &str = "type.googleapis.com/istio.networking.v1alpha3.DestinationRule";
+
+    fn release(minor: u16) -> &'static Release {
+        Generation::of(minor).release().unwrap()
+    }
+
+    fn encoded(type_url: &str, spec: serde_json::Value) -> Vec<u8> {
+        proto_json::encode(type_url, spec).unwrap()
+    }
+
+    #[test]
+    fn a_field_of_a_later_release_is_dropped_with_the_release_that_added_it() {
+        let body = encoded(
+            DESTINATION_RULE,
+            json!({"host": "reviews", "trafficPolicy": {"outlierDetection": {
+                "consecutive5xxErrors": 5, "interval": "60s", "baseEjectionTime": "180s"}}}),
+        );
+        let skew = dropped_by(release(1), DESTINATION_RULE, &body).unwrap();
+        assert_eq!(skew.dropped.len(), 1, "{skew:?}");
+        let dropped = &skew.dropped[0];
+        assert_eq!(
+            dropped.shown_path(),
+            "spec.trafficPolicy.outlierDetection.consecutive5xxErrors"
+        );
+        assert_eq!(dropped.added_in, Some(Generation::of(5)));
+        assert_eq!(
+            dropped.message(Generation::of(1)),
+            "Istio 1.1 clients drop spec.trafficPolicy.outlierDetection.consecutive5xxErrors (added in 1.5)"
+        );
+        // 1.5 and later read it whole.
+        for minor in 5..=7 {
+            assert!(dropped_by(release(minor), DESTINATION_RULE, &body).unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn repeated_fields_and_map_values_are_named_by_index_and_key() {
+        let url = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
+        let body = encoded(
+            url,
+            json!({"hosts": ["a"], "http": [
+                {"route": [{"destination": {"host": "a"}}]},
+                {"route": [{"destination": {"host": "a"}}], "mirrorPercentage": {"value": 5.0}},
+            ]}),
+        );
+        let skew = dropped_by(release(1), url, &body).unwrap();
+        let paths: Vec<String> = skew.dropped.iter().map(Dropped::shown_path).collect();
+        assert_eq!(paths, ["spec.http[1].mirrorPercentage"]);
+        assert_eq!(skew.dropped[0].added_in, Some(Generation::of(5)));
+    }
+
+    #[test]
+    fn an_enum_value_a_release_lacks_is_named() {
+        // istio/api renumbered the load balancer: ROUND_ROBIN was 0 up to
+        // 1.7 and is 4 in the gateway's protos, a number no release the
+        // gateway carries knows; RANDOM kept 2.
+        let body = encoded(
+            DESTINATION_RULE,
+            json!({"host": "r", "trafficPolicy": {"loadBalancer": {"simple": "ROUND_ROBIN"}},
+                   "subsets": [{"name": "v1", "trafficPolicy": {"loadBalancer": {"simple": "RANDOM"}}}]}),
+        );
+        let skew = dropped_by(release(1), DESTINATION_RULE, &body).unwrap();
+        assert_eq!(skew.dropped.len(), 1, "{skew:?}");
+        let dropped = &skew.dropped[0];
+        assert_eq!(dropped.kind, DroppedKind::EnumValue("ROUND_ROBIN".into()));
+        assert_eq!(dropped.shown_path(), "spec.trafficPolicy.loadBalancer.simple");
+        assert_eq!(dropped.added_in, None);
+        assert_eq!(
+            dropped.message(Generation::of(1)),
+            "Istio 1.1 clients do not know the value ROUND_ROBIN of spec.trafficPolicy.loadBalancer.simple (added \
+             after 1.7)"
+        );
+    }
+
+    #[test]
+    fn a_type_a_release_lacks_is_the_whole_resource() {
+        let url = "type.googleapis.com/istio.networking.v1alpha3.Sidecar";
+        let body = encoded(url, json!({"egress": [{"hosts": ["./*"]}]}));
+        let skew = dropped_by(release(0), url, &body).unwrap();
+        assert_eq!(skew.dropped.len(), 1);
+        assert_eq!(
+            skew.dropped[0].kind,
+            DroppedKind::Type("istio.networking.v1alpha3.Sidecar".into())
+        );
+        assert_eq!(skew.dropped[0].shown_path(), "spec");
+        assert_eq!(skew.dropped[0].added_in, Some(Generation::of(1)));
+        assert!(dropped_by(release(1), url, &body).unwrap().is_empty());
+    }
+
+    #[test]
+    fn types_outside_istio_kinds_are_not_checked() {
+        let envoy = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        let body = encoded(envoy, json!({"name": "c"}));
+        assert_eq!(dropped_by(release(1), envoy, &body), None);
+        assert_eq!(
+            dropped_by(release(1), "type.googleapis.com/google.protobuf.Struct", b""),
+            None
+        );
+    }
+
+    #[test]
+    fn unknown_fields_are_counted_past_the_cap_and_cut_bodies_never_panic() {
+        let mut body = encoded(DESTINATION_RULE, json!({"host": "r"}));
+        for number in 100..140u32 {
+            prost::encoding::string::encode(number, &"x".to_owned(), &mut body);
+        }
+        let skew = dropped_by(release(7), DESTINATION_RULE, &body).unwrap();
+        assert_eq!(skew.dropped.len(), MAX_FINDINGS);
+        assert_eq!(skew.count(), 40);
+        assert_eq!(skew.dropped[0].shown_path(), "spec.(field 100)");
+        assert_eq!(skew.dropped[0].added_in, None);
+        for cut in 0..body.len() {
+            let _ = dropped_by(release(1), DESTINATION_RULE, &body[..cut]);
+        }
+    }
+
+    #[test]
+    fn a_resource_body_is_found_in_its_encoding() {
+        let resource = crate::proto::wire::test_support::encoded_resource("ns/a", "1", b"\x0a\x01x");
+        let (url, value) = body_of(&resource).unwrap();
+        assert_eq!(url, "type.googleapis.com/x.Y");
+        assert_eq!(value, b"\x0a\x01x");
+    }
+}
