@@ -764,7 +764,9 @@ impl<W: Wire> TypedStream<W> {
                 _ => None,
             };
             let node = request.node_id.as_deref().unwrap_or_default();
-            let generation = tracker.classify(node, &self.identity.names, &request.node_labels, dialect);
+            let generation = tracker
+                .rules()
+                .classify(node, &self.identity.names, &request.node_labels, dialect);
             self.entry.set_generation(generation);
             Box::new(StreamSkew {
                 generation,

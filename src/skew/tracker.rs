@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio_util::sync::CancellationToken;
 
-use super::releases::{ClientGeneration, Generation, GenerationRules};
+use super::releases::{Generation, GenerationRules};
 use super::walk::{body_of, dropped_by, ResourceSkew};
 use crate::cache::{Cache, CachedResource, Diff, ResourceMap};
 use crate::metrics as m;
@@ -113,17 +113,6 @@ impl SkewTracker {
 
     pub fn rules(&self) -> &GenerationRules {
         &self.rules
-    }
-
-    /// What a client is (see [`GenerationRules::classify`]).
-    pub fn classify(
-        &self,
-        node_id: &str,
-        identities: &[String],
-        labels: &[(String, String)],
-        dialect: Option<Generation>,
-    ) -> ClientGeneration {
-        self.rules.classify(node_id, identities, labels, dialect)
     }
 
     /// A stream of `generation` reads `collection`: its skew is kept while

@@ -304,22 +304,10 @@ impl Walk<'_> {
 
     /// A map entry: its key names the step (`labels.app`), its value is
     /// walked.
-    fn map_entry(
-        &mut self,
-        mut bytes: &[u8],
-        current: Option<&MessageDescriptor>,
-        old: &MessageDescriptor,
-        depth: usize,
-    ) {
+    fn map_entry(&mut self, bytes: &[u8], current: Option<&MessageDescriptor>, old: &MessageDescriptor, depth: usize) {
         let mut key = None;
         let mut entry_value = None;
-        while !bytes.is_empty() {
-            let Ok((number, wire_type)) = decode_key(&mut bytes) else {
-                return;
-            };
-            let Some(value) = take_value(&mut bytes, wire_type) else {
-                return;
-            };
+        for (number, wire_type, value) in fields(bytes) {
             match (number, value) {
                 (1, Value::Bytes(k)) => key = Some(String::from_utf8_lossy(k).into_owned()),
                 (1, Value::Varint(k)) => key = Some(k.to_string()),
@@ -346,22 +334,8 @@ impl Walk<'_> {
     }
 
     /// An `Any`: its type resolved in the release's protos, then walked.
-    fn any(&mut self, mut bytes: &[u8], depth: usize) {
-        let mut type_url = "";
-        let mut inner: &[u8] = &[];
-        while !bytes.is_empty() {
-            let Ok((number, wire_type)) = decode_key(&mut bytes) else {
-                return;
-            };
-            let Some(value) = take_value(&mut bytes, wire_type) else {
-                return;
-            };
-            match (number, value) {
-                (1, Value::Bytes(url)) => type_url = std::str::from_utf8(url).unwrap_or_default(),
-                (2, Value::Bytes(value)) => inner = value,
-                _ => {}
-            }
-        }
+    fn any(&mut self, bytes: &[u8], depth: usize) {
+        let (type_url, inner) = any_parts(bytes);
         let name = type_url.rsplit('/').next().unwrap_or_default();
         if name.is_empty() {
             return;
@@ -387,6 +361,20 @@ enum Value<'a> {
     Fixed,
 }
 
+/// The fields of a message's bytes, in order: (number, wire type, value).
+/// Ends where the bytes stop decoding (a body cut short is walked as far as
+/// it goes).
+fn fields(mut bytes: &[u8]) -> impl Iterator<Item = (u32, WireType, Value<'_>)> {
+    std::iter::from_fn(move || {
+        if bytes.is_empty() {
+            return None;
+        }
+        let (number, wire_type) = decode_key(&mut bytes).ok()?;
+        let value = take_value(&mut bytes, wire_type)?;
+        Some((number, wire_type, value))
+    })
+}
+
 /// Takes one value of `wire_type` off the front of `bytes`; `None` when the
 /// bytes end first (a body cut short is walked as far as it goes).
 fn take_value<'a>(bytes: &mut &'a [u8], wire_type: WireType) -> Option<Value<'a>> {
@@ -409,28 +397,29 @@ fn take_value<'a>(bytes: &mut &'a [u8], wire_type: WireType) -> Option<Value<'a>
     }
 }
 
-/// The body (`Any` type URL and value) of an encoded MCP `Resource`
-/// (`metadata` = 1, `body` = 2).
-pub fn body_of(mut resource: &[u8]) -> Option<(&str, &[u8])> {
-    let mut body = None;
-    while !resource.is_empty() {
-        let (number, wire_type) = decode_key(&mut resource).ok()?;
-        let value = take_value(&mut resource, wire_type)?;
-        if let (2, Value::Bytes(bytes)) = (number, value) {
-            body = Some(bytes);
-        }
-    }
-    let mut any = body?;
+/// An `Any`'s type URL and value.
+fn any_parts(bytes: &[u8]) -> (&str, &[u8]) {
     let (mut type_url, mut value) = ("", &[][..]);
-    while !any.is_empty() {
-        let (number, wire_type) = decode_key(&mut any).ok()?;
-        match (number, take_value(&mut any, wire_type)?) {
-            (1, Value::Bytes(url)) => type_url = std::str::from_utf8(url).ok()?,
+    for (number, _, field) in fields(bytes) {
+        match (number, field) {
+            (1, Value::Bytes(url)) => type_url = std::str::from_utf8(url).unwrap_or_default(),
             (2, Value::Bytes(bytes)) => value = bytes,
             _ => {}
         }
     }
-    Some((type_url, value))
+    (type_url, value)
+}
+
+/// The body (`Any` type URL and value) of an encoded MCP `Resource`
+/// (`metadata` = 1, `body` = 2).
+pub fn body_of(resource: &[u8]) -> Option<(&str, &[u8])> {
+    let body = fields(resource)
+        .filter_map(|(number, _, value)| match (number, value) {
+            (2, Value::Bytes(bytes)) => Some(bytes),
+            _ => None,
+        })
+        .last()?;
+    Some(any_parts(body))
 }
 
 #[cfg(test)]

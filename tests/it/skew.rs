@@ -314,21 +314,7 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
 
 /// Runs `mcp-xds-gateway check ARGS…`: exit code, stdout, stderr.
 async fn check(args: &[&str]) -> (Option<i32>, String, String) {
-    let output = within(
-        "the check command to exit",
-        tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-xds-gateway"))
-            .arg("check")
-            .args(args)
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .unwrap();
-    (
-        output.status.code(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    crate::operating::subcommand("check", args).await
 }
 
 #[tokio::test]
