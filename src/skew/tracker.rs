@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::releases::{Generation, GenerationRules};
 use super::walk::{body_of, dropped_by, ResourceSkew};
-use crate::cache::{Cache, CachedResource, Diff, ResourceMap};
+use crate::cache::{Cache, CachedResource, CollectionSnapshot, Diff, ResourceMap};
 use crate::metrics as m;
 use crate::source::files::Origins;
 
@@ -25,10 +25,38 @@ pub struct TrackedSkew {
     /// False for a collection whose kind is not one of Istio's in the
     /// releases' protos (Mixer's `Struct` kinds, MeshConfig): not checked.
     pub checked: bool,
-    /// The resources its clients drop something of, by name.
-    pub skewed: BTreeMap<Arc<str>, Arc<ResourceSkew>>,
+    /// The resources its clients drop something of, by name (shared between
+    /// the tracker and the views: a copy costs nothing).
+    pub skewed: imbl::OrdMap<Arc<str>, Arc<ResourceSkew>>,
     /// Connected streams of the generation that read the collection.
     pub clients: usize,
+}
+
+/// The distinct skews of one collection for one generation: resources
+/// that drop the same fields (most of them: a field of a newer release set
+/// across a fleet's config) share one, so memory grows with what differs,
+/// not with the resources.
+#[derive(Debug, Default)]
+struct Interned {
+    distinct: std::collections::HashSet<Arc<ResourceSkew>>,
+    /// Size after the last sweep of skews no resource holds any more.
+    swept: usize,
+}
+
+impl Interned {
+    fn intern(&mut self, found: ResourceSkew) -> Arc<ResourceSkew> {
+        if let Some(shared) = self.distinct.get(&found) {
+            return shared.clone();
+        }
+        // Swept when it has doubled: amortized O(1) per insert.
+        if self.distinct.len() >= 2 * self.swept.max(32) {
+            self.distinct.retain(|s| Arc::strong_count(s) > 1);
+            self.swept = self.distinct.len();
+        }
+        let shared = Arc::new(found);
+        self.distinct.insert(shared.clone());
+        shared
+    }
 }
 
 #[derive(Default)]
@@ -37,7 +65,7 @@ struct State {
     interests: HashMap<Key, usize>,
     /// What was found, with the resources it was found in (to diff against
     /// at the next version: an `imbl` map, shared with the cache's).
-    tracked: BTreeMap<Key, (TrackedSkew, ResourceMap)>,
+    tracked: BTreeMap<Key, (TrackedSkew, ResourceMap, Interned)>,
 }
 
 /// The skew of what is served, for every generation in use.
@@ -82,7 +110,7 @@ impl Drop for Interest {
             state.tracked.remove(&self.key);
             // No client of the generation reads it now: nothing is dropped.
             m::skew_resources(&self.key.0, self.key.1, 0);
-        } else if let Some((tracked, _)) = state.tracked.get_mut(&self.key) {
+        } else if let Some((tracked, _, _)) = state.tracked.get_mut(&self.key) {
             tracked.clients = *count;
         }
     }
@@ -126,7 +154,7 @@ impl SkewTracker {
         *count += 1;
         let count = *count;
         match state.tracked.get_mut(&key) {
-            Some((tracked, _)) => tracked.clients = count,
+            Some((tracked, _, _)) => tracked.clients = count,
             None => {
                 // At 0 until found: a series for every generation in use.
                 m::skew_resources(collection, generation, 0);
@@ -148,7 +176,7 @@ impl SkewTracker {
     /// Every collection and generation in use, by collection then release.
     pub fn tracked(&self) -> Vec<TrackedSkew> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let mut all: Vec<TrackedSkew> = state.tracked.values().map(|(t, _)| t.clone()).collect();
+        let mut all: Vec<TrackedSkew> = state.tracked.values().map(|(t, _, _)| t.clone()).collect();
         // Interests whose first check has not run yet: shown as pending.
         for (key, clients) in &state.interests {
             if !state.tracked.contains_key(key) {
@@ -157,7 +185,7 @@ impl SkewTracker {
                     generation: key.1,
                     version: None,
                     checked: true,
-                    skewed: BTreeMap::new(),
+                    skewed: imbl::OrdMap::new(),
                     clients: *clients,
                 });
             }
@@ -172,7 +200,7 @@ impl SkewTracker {
         state
             .tracked
             .get(&(Arc::from(collection), generation))
-            .map(|(t, _)| t.clone())
+            .map(|(t, _, _)| t.clone())
     }
 
     /// Keeps the skew as the cache and the interests change, until
@@ -196,39 +224,46 @@ impl SkewTracker {
     /// the resources changed since the last check are checked, one check
     /// per resource and generation. The lock is not held while checking.
     pub fn refresh(&self) {
-        let work: Vec<(Key, Option<(TrackedSkew, ResourceMap)>)> = {
-            let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        type Work = (Key, Arc<CollectionSnapshot>, Option<(TrackedSkew, ResourceMap, Interned)>);
+        // The keys whose collection moved on since their last check (the
+        // interner is only this task's: taken, not copied).
+        let work: Vec<Work> = {
+            let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let state = &mut *guard;
             state
                 .interests
                 .keys()
-                .map(|key| (key.clone(), state.tracked.get(key).cloned()))
+                .filter_map(|key| {
+                    let snapshot = self.cache.get(&key.0)?;
+                    let last = state.tracked.get_mut(key);
+                    if last
+                        .as_ref()
+                        .is_some_and(|(t, _, _)| t.version.as_deref() == Some(&*snapshot.version))
+                    {
+                        return None;
+                    }
+                    let last = last.map(|(t, r, i)| (t.clone(), r.clone(), std::mem::take(i)));
+                    Some((key.clone(), snapshot, last))
+                })
                 .collect()
         };
-        for (key, last) in work {
-            let Some(snapshot) = self.cache.get(&key.0) else {
-                continue;
-            };
-            if last
-                .as_ref()
-                .is_some_and(|(t, _)| t.version.as_deref() == Some(&*snapshot.version))
-            {
-                continue;
-            }
+        for (key, snapshot, last) in work {
             let release = key
                 .1
                 .release()
                 .expect("interests are taken for releases the gateway has");
-            let (mut skew, before) = last.unwrap_or_else(|| {
+            let (mut skew, before, mut interned) = last.unwrap_or_else(|| {
                 (
                     TrackedSkew {
                         collection: key.0.clone(),
                         generation: key.1,
                         version: None,
                         checked: false,
-                        skewed: BTreeMap::new(),
+                        skewed: imbl::OrdMap::new(),
                         clients: 0,
                     },
                     ResourceMap::default(),
+                    Interned::default(),
                 )
             });
             let diff = Diff::between(&before, &snapshot.resources);
@@ -245,7 +280,7 @@ impl SkewTracker {
                         if found.is_empty() {
                             skew.skewed.remove(&resource.name);
                         } else {
-                            skew.skewed.insert(resource.name.clone(), Arc::new(found));
+                            skew.skewed.insert(resource.name.clone(), interned.intern(found));
                         }
                     }
                     None => {
@@ -262,7 +297,9 @@ impl SkewTracker {
             };
             skew.clients = clients;
             m::skew_resources(&key.0, key.1, skew.skewed.len());
-            state.tracked.insert(key, (skew, snapshot.resources.clone()));
+            state
+                .tracked
+                .insert(key, (skew, snapshot.resources.clone(), interned));
         }
     }
 }
@@ -271,4 +308,85 @@ impl SkewTracker {
 fn check(release: &super::releases::Release, resource: &CachedResource) -> Option<ResourceSkew> {
     let (type_url, body) = body_of(&resource.encoded)?;
     dropped_by(release, type_url, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{Origin, Update};
+    use prost::Message;
+    use serde_json::json;
+
+    const DR: &str = "istio/networking/v1alpha3/destinationrules";
+    const DR_TYPE_URL: &str = "type.googleapis.com/istio.networking.v1alpha3.DestinationRule";
+
+    /// A DestinationRule; `new_field` sets consecutive5xxErrors (Istio 1.5).
+    fn rule(name: &str, version: &str, new_field: bool) -> CachedResource {
+        let outlier = if new_field {
+            json!({"consecutive5xxErrors": 5})
+        } else {
+            json!({"consecutiveErrors": 5})
+        };
+        let spec = json!({"host": name, "trafficPolicy": {"outlierDetection": outlier}});
+        let body = crate::source::proto_json::encode(DR_TYPE_URL, spec).unwrap();
+        let encoded = crate::proto::Resource {
+            metadata: Some(crate::proto::Metadata {
+                name: name.into(),
+                version: version.into(),
+                ..Default::default()
+            }),
+            body: Some(prost_types::Any {
+                type_url: DR_TYPE_URL.into(),
+                value: body.clone(),
+            }),
+        }
+        .encode_to_vec();
+        let none = std::collections::HashMap::<String, String>::new();
+        CachedResource::new(
+            name.into(),
+            version.into(),
+            DR_TYPE_URL.into(),
+            encoded.into(),
+            crate::cache::content_digest(&body, &none, &none),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_change_costs_one_check_per_generation_and_equal_skews_are_shared() {
+        let (cache, mut writer) = Cache::new();
+        let rules: Vec<CachedResource> = (0..100).map(|i| rule(&format!("ns/r{i:03}"), "1", i % 2 == 0)).collect();
+        writer.apply(DR, Update::Full(rules), Origin::Files);
+        let tracker = SkewTracker::new(cache.clone(), GenerationRules::default());
+        let collection: Arc<str> = DR.into();
+        let v11 = tracker.interest(&collection, Generation::of(1)).unwrap();
+        let v13 = tracker.interest(&collection, Generation::of(3)).unwrap();
+        // A release the gateway has no protos of: nothing to keep.
+        assert!(tracker.interest(&collection, Generation::of(9)).is_none());
+        tracker.refresh();
+        assert_eq!(tracker.checks(), 200, "100 resources, two generations");
+        let found = tracker.get(DR, Generation::of(1)).unwrap();
+        assert_eq!(found.skewed.len(), 50);
+        assert_eq!(found.clients, 1);
+        // The 50 resources that drop the same field share one skew.
+        let first = found.skewed.values().next().unwrap();
+        assert!(found.skewed.values().all(|s| Arc::ptr_eq(s, first)));
+        // Nothing changed: nothing checked.
+        tracker.refresh();
+        assert_eq!(tracker.checks(), 200);
+        // One resource changes (now read whole): one check per generation.
+        let mut changed = Vec::new();
+        for i in 0..100 {
+            changed.push(rule(&format!("ns/r{i:03}"), if i == 0 { "2" } else { "1" }, i % 2 == 0 && i != 0));
+        }
+        writer.apply(DR, Update::Full(changed), Origin::Files);
+        tracker.refresh();
+        assert_eq!(tracker.checks(), 202);
+        assert_eq!(tracker.get(DR, Generation::of(3)).unwrap().skewed.len(), 49);
+        // The last client of a generation leaves: its skew goes.
+        drop(v11);
+        assert!(tracker.get(DR, Generation::of(1)).is_none());
+        assert_eq!(tracker.tracked().len(), 1);
+        drop(v13);
+        assert!(tracker.tracked().is_empty());
+    }
 }

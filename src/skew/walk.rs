@@ -19,7 +19,7 @@ const MAX_DEPTH: usize = 100;
 const ANY: &str = "google.protobuf.Any";
 
 /// What a release lacks.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum DroppedKind {
     /// A field its message does not have: the decoder skips it.
     Field,
@@ -31,7 +31,7 @@ pub enum DroppedKind {
 }
 
 /// One thing a release's clients drop, at a path in the body.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Dropped {
     /// From the body's root (`trafficPolicy`, `outlierDetection`, ...);
     /// empty for the whole body.
@@ -79,7 +79,7 @@ impl Dropped {
 }
 
 /// A resource's skew for one release.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct ResourceSkew {
     /// At most [`MAX_FINDINGS`], in body order.
     pub dropped: Vec<Dropped>,

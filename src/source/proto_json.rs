@@ -126,7 +126,7 @@ pub fn secret_type_urls() -> Vec<String> {
 mod secret_types_of;
 
 /// One step of a path into a body: a field or map key, or a list index.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum PathStep {
     Key(String),
     Index(usize),
