@@ -20,7 +20,7 @@ use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
 use crate::helpers::{
     eventually, eventually_some, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS,
 };
-use crate::limits::metric;
+use crate::limits::{metric, metric_is};
 
 const GALLEY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account";
 
@@ -748,6 +748,8 @@ async fn get_from(addr: SocketAddr, from: [u8; 4], path: &str) -> String {
     String::from_utf8_lossy(&answer).into_owned()
 }
 
+/// The gateway is a process of its own: the failed writes counted are its
+/// own, never another test's.
 #[tokio::test]
 async fn the_cache_directory_is_never_followed_through_links_and_survives_failed_writes() {
     let cache_dir = tempfile::tempdir().unwrap();
@@ -763,8 +765,16 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
 
     let mut galley = FakeGalley::start().await;
     let cache = path(cache_dir.path());
-    let gw = gateway_for(&galley, &[VS, GW], &["--cache-dir", &cache]).await;
-    assert!(gw.cache.get(VS).is_none(), "nothing was read through the link");
+    let mut gw = crate::helpers::gateway_process_for(&galley, &[VS, GW], &["--cache-dir", &cache]).await;
+    // Nothing was read through the link: the gateway said why at start.
+    let link = vs_file.display().to_string();
+    assert!(
+        gw.log
+            .iter()
+            .any(|l| l.contains("skipping an entry of the cache directory") && l.contains(&link)),
+        "{:#?}",
+        gw.log
+    );
     let mut stream = galley.next_stream().await;
     stream.initial_requests(2).await;
     stream.push_full(GW, vec![resource("g", "1", b"g")]).await;
@@ -779,18 +789,12 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
         "the link's target is untouched"
     );
     assert!(!std::fs::symlink_metadata(&vs_file).unwrap().file_type().is_symlink());
-    within("a failed write to be counted", async {
-        while metric(
-            gw.monitoring,
-            &format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}"),
-        )
-        .await
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    // One change of GW, one failed write: logged with the collection and
+    // counted once.
+    let failed = format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}");
+    metric_is(gw.monitoring, &failed, 1).await;
+    let line = gw.log_line("cannot persist the collection").await;
+    assert!(line.contains(GW), "{line}");
     // Clients are served all along.
     let mut client = sotw(gw.listen).await;
     client.subscribe(GW);
@@ -804,6 +808,16 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
             .all(|e| !e.file_name().to_string_lossy().ends_with(".tmp"))
     })
     .await;
+    // The obstacle gone, the next change is written, and nothing more is
+    // counted.
+    std::fs::remove_dir_all(&gw_file).unwrap();
+    stream.push_full(GW, vec![resource("g", "2", b"g2")]).await;
+    let persisted = eventually_some("GW's next change to be persisted", || async {
+        mcp_xds_gateway::source::persisted::peek(cache_dir.path(), GW).ok()
+    })
+    .await;
+    assert_eq!(persisted.resources.len(), 1);
+    assert_eq!(metric(gw.monitoring, &failed).await, 1);
 }
 
 #[tokio::test]

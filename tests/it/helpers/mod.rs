@@ -133,18 +133,41 @@ pub async fn start_gateway_on(listen: &str, flags: &[&str]) -> Bound {
 
 /// A gateway subscribed to `collections` on `galley`, reconnecting quickly.
 pub async fn gateway_for(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Bound {
-    let joined = collections.join(",");
-    let url = galley.url();
+    start_gateway(
+        &upstream_flags(galley, collections, extra)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .await
+}
+
+/// As [`gateway_for`], the gateway a process of its own: for a test whose
+/// assertion is a metric, which then counts only what this gateway did
+/// (every in-process gateway of the test binary shares one recorder).
+pub async fn gateway_process_for(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Running {
+    spawn_gateway(
+        None,
+        &upstream_flags(galley, collections, extra)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .await
+}
+
+/// The flags of [`gateway_for`].
+fn upstream_flags(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Vec<String> {
     let mut flags = vec![
-        "--upstream",
-        &url,
-        "--collections",
-        &joined,
-        "--reconnect-min-delay",
-        "10ms",
+        "--upstream".to_owned(),
+        galley.url(),
+        "--collections".to_owned(),
+        collections.join(","),
+        "--reconnect-min-delay".to_owned(),
+        "10ms".to_owned(),
     ];
-    flags.extend_from_slice(extra);
-    start_gateway(&flags).await
+    flags.extend(extra.iter().map(|f| (*f).to_owned()));
+    flags
 }
 
 /// A fake Galley, a gateway subscribed to `collections` on it, and the
