@@ -582,6 +582,13 @@ async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
 #[tokio::test]
 async fn oversized_header_lists_are_refused() {
     let (gw, mut canary) = with_canary(&["--max-header-list-bytes", "4096"]).await;
+    // Advertised: SETTINGS_MAX_HEADER_LIST_SIZE (0x6) is the flag.
+    let mut conn = RawConn::http2(gw.listen).await;
+    let settings = conn
+        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+        .await
+        .unwrap();
+    assert!(settings.settings().contains(&(0x6, 4096)), "{:?}", settings.settings());
     let mut client = h2_client(gw.listen).await;
     let request = sotw_post().header("x-padding", "a".repeat(8000)).body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
@@ -910,6 +917,8 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
     let (response, _) = client.send_request(request, true).unwrap();
     let response = within("the answer", response).await.unwrap();
     assert_eq!(response.headers()["grpc-status"], "12", "UNIMPLEMENTED");
+    let message = grpc_message(response.headers());
+    assert!(message.contains("send uncompressed messages"), "{message}");
     // The compressed flag on a message.
     let request = sotw_post().body(()).unwrap();
     let (response, mut body) = client.send_request(request, false).unwrap();
@@ -919,6 +928,8 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
     while let Some(Ok(_)) = within("the body", response.data()).await {}
     let trailers = within("the trailers", response.trailers()).await.unwrap().unwrap();
     assert_eq!(trailers["grpc-status"], "12");
+    let message = grpc_message(&trailers);
+    assert!(message.contains("send uncompressed messages"), "{message}");
 
     // A DATA frame larger than the negotiated 16 KiB: a connection error.
     let mut raw = RawConn::http2(gw.listen).await;
@@ -1017,6 +1028,12 @@ fn sotw_post() -> http::request::Builder {
 
 /// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
 /// and its value.
+/// A gRPC status message as sent (percent-encoded) in `headers`.
+fn grpc_message(headers: &http::HeaderMap) -> String {
+    let raw = headers.get("grpc-message").map(|v| v.as_bytes()).unwrap_or_default();
+    percent_encoding::percent_decode(raw).decode_utf8_lossy().into_owned()
+}
+
 fn assert_refused_naming(status: &tonic::Status, flag: &str) {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains(flag), "{}", status.message());
