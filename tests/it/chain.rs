@@ -157,6 +157,47 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
     );
 }
 
+/// A peer that announces itself as this gateway, or as a gateway upstream
+/// of it, is refused: serving it would close a loop. Other clients are
+/// served all along.
+#[tokio::test]
+async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_loop() {
+    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
+    use mcp_xds_gateway::proto::{RequestResources, Resources, SinkNode};
+    let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let b = chained(&a, &[]).await;
+    eventually("B to be served", || b.cache.get(VS).is_some()).await;
+    let b_id = b.cache.provenance().gateway_id.to_string();
+    let a_id = a.cache.provenance().gateway_id.to_string();
+    for (who, id) in [("itself", &b_id), ("its upstream", &a_id)] {
+        let mut peer = crate::helpers::clients::Bidi::<RequestResources, Resources>::open(
+            b.listen,
+            crate::helpers::clients::RESOURCE_SOURCE_PATH,
+        )
+        .await;
+        peer.send(RequestResources {
+            sink_node: Some(SinkNode {
+                id: "gateway-peer".into(),
+                annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), id.clone())].into(),
+            }),
+            collection: VS.into(),
+            ..Default::default()
+        });
+        let status = peer.end_status().await;
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{who}: {status:?}");
+        assert!(
+            status.message().contains(&format!("gateway {id} is this gateway"))
+                && status.message().contains("serving it would make a loop"),
+            "{who}: {}",
+            status.message()
+        );
+    }
+    let mut client = sotw(b.listen).await;
+    client.subscribe(VS);
+    assert_eq!(names(&client.recv_type(VS).await.resources), ["a"]);
+}
+
 #[tokio::test]
 async fn two_gateways_feeding_each_other_are_refused() {
     let (a_addr, b_addr) = (free_addr().to_string(), free_addr().to_string());
