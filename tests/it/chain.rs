@@ -248,6 +248,8 @@ async fn both_gateways_of_a_ring_warn_of_the_loop() {
     }
 }
 
+/// C, the third gateway of a chain where `--max-chain-depth` is 2, is a
+/// process of its own: its terminations are counted exactly.
 #[tokio::test]
 async fn a_chain_longer_than_max_chain_depth_is_refused() {
     let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
@@ -255,14 +257,43 @@ async fn a_chain_longer_than_max_chain_depth_is_refused() {
     // A then B: two gateways, within a depth of 2.
     let b = chained(&a, &["--max-chain-depth", "2"]).await;
     eventually("B to be served", || b.cache.get(VS).is_some()).await;
-    // A, B, then C: three.
-    let c = chained(&b, &["--max-chain-depth", "2"]).await;
-    let status = upstream_status_when(&c, "C to refuse the chain", |s| {
-        s.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("--max-chain-depth=2"))
-    })
+    // A, B, then C: three. Retries a second apart, so that a count read
+    // between two is still.
+    let url = format!("http://{}", b.listen);
+    let c = spawn_gateway(
+        None,
+        &[
+            "--upstream",
+            &url,
+            "--collections",
+            VS,
+            "--max-chain-depth",
+            "2",
+            "--reconnect-min-delay",
+            "1s",
+        ],
+    )
     .await;
-    assert!(!status.connected || c.cache.get(VS).is_none(), "{status:?}");
-    assert!(c.cache.get(VS).is_none(), "nothing taken from a chain too long");
+    let failed = |at_least: u64| {
+        let admin = c.admin;
+        async move {
+            let status = get_json(admin, "/debug/upstream").await;
+            (status["consecutive_failures"].as_u64().is_some_and(|n| n >= at_least)
+                && !status["next_retry_in_seconds"].is_null())
+            .then_some(status)
+        }
+    };
+    let too_long = "mcp_gateway_upstream_stream_terminations_total{reason=\"chain_too_long\"}";
+    // Refused, shown as the upstream's last error, retried with backoff.
+    for attempt in 1..=2 {
+        let status = crate::helpers::eventually_some("C to refuse the chain", || failed(attempt)).await;
+        let error = status["last_error"].as_str().unwrap();
+        assert!(error.contains("more than --max-chain-depth=2"), "{error}");
+        crate::limits::metric_is(c.monitoring, too_long, status["consecutive_failures"].as_u64().unwrap()).await;
+    }
+    let cache = get_json(c.admin, "/debug/cache").await;
+    assert!(
+        !cache.as_array().unwrap().iter().any(|c| c["collection"] == VS),
+        "nothing taken from a chain too long: {cache}"
+    );
 }
