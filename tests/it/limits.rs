@@ -863,6 +863,19 @@ async fn the_receive_window_is_the_flag() {
     assert_eq!(advertised_windows(default.listen).await, (256 << 10, 256 << 10));
     let (gw, mut canary) = with_canary(&["--max-receive-window-bytes", "100000"]).await;
     assert_eq!(advertised_windows(gw.listen).await, (100_000, 100_000));
+    // The sink port, one authenticated source, keeps its own 4 MiB.
+    let dial_out = start_gateway(&[
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--sink-insecure",
+        "--collections",
+        VS,
+        "--max-receive-window-bytes",
+        "100000",
+    ])
+    .await;
+    assert_eq!(advertised_windows(dial_out.listen).await, (100_000, 100_000));
+    assert_eq!(advertised_windows(dial_out.sink.unwrap()).await, (4 << 20, 4 << 20));
 
     // Past the stream window without waiting for a WINDOW_UPDATE: the
     // request announces more than the window and sends all of it at once.
