@@ -333,6 +333,28 @@ async fn garbage_http1_and_tls_on_the_grpc_port_are_closed() {
     canary.check().await;
 }
 
+/// A client connection whose peer stops answering PINGs is dropped by
+/// keepalive, counted under the client port; the canary, whose client
+/// answers, stays.
+#[tokio::test]
+async fn a_client_that_never_answers_pings_is_dropped_by_keepalive() {
+    let (gw, mut canary) = spawned_with_canary(&["--keepalive-interval", "300ms"]).await;
+    let mut frozen = RawConn::http2(gw.listen).await;
+    frozen.send(&grpc_headers(1, SOTW_PATH, 0)).await;
+    frozen
+        .until(|f| f.kind == h2raw::PING && f.flags & h2raw::ACK == 0)
+        .await
+        .expect("a keepalive PING");
+    frozen.until_closed().await;
+    metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--listen\",reason=\"keepalive_timeout\"}",
+        1,
+    )
+    .await;
+    canary.check().await;
+}
+
 #[tokio::test]
 async fn idle_connections_are_closed_and_busy_ones_are_not() {
     let (gw, mut canary) = spawned_with_canary(&["--idle-timeout", "300ms"]).await;
