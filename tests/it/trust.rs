@@ -165,6 +165,7 @@ async fn a_second_source_learns_nothing_about_the_first() {
     let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
     assert_eq!(refused.code(), Code::ResourceExhausted);
     let message = refused.message();
+    assert!(message.starts_with("another source is connected"), "{message}");
     assert!(
         !message.contains("127.0.0.1") && !message.contains("since"),
         "{message}"
