@@ -9,7 +9,7 @@ use crate::helpers::clients::{sotw, PilotSink};
 use crate::helpers::galley::{incremental, resource};
 use crate::helpers::{
     eventually, free_addr, galley_and_gateway, get_json, names, spawn_gateway, start_gateway, start_gateway_on,
-    upstream_status_when, within, VS,
+    upstream_failed, upstream_status_when, within, VS,
 };
 
 /// A gateway whose upstream is `upstream`'s client port.
@@ -127,16 +127,7 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
         "1s",
     ];
     let gw = crate::helpers::spawn_gateway(None, &flags).await;
-    let failed = |at_least: u64| {
-        let admin = gw.admin;
-        async move {
-            let status = crate::helpers::get_json(admin, "/debug/upstream").await;
-            (status["consecutive_failures"].as_u64().is_some_and(|n| n >= at_least)
-                && !status["next_retry_in_seconds"].is_null())
-            .then_some(status)
-        }
-    };
-    let status = crate::helpers::eventually_some("the loop to be refused", || failed(1)).await;
+    let status = upstream_failed(gw.admin, 1, "the loop to be refused").await;
     // The upstream's chain (itself) includes this gateway: refused as a
     // loop, shown as the upstream's last error, saying what to fix.
     let error = status["last_error"].as_str().unwrap();
@@ -147,7 +138,7 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
     let loops = "mcp_gateway_upstream_stream_terminations_total{reason=\"loop\"}";
     crate::limits::metric_is(gw.monitoring, loops, status["consecutive_failures"].as_u64().unwrap()).await;
     // Retried, with backoff, and refused each time: never served.
-    let status = crate::helpers::eventually_some("a second attempt failed as a loop", || failed(2)).await;
+    let status = upstream_failed(gw.admin, 2, "a second attempt failed as a loop").await;
     assert!(status["last_error"].as_str().unwrap().contains("a loop"), "{status}");
     crate::limits::metric_is(gw.monitoring, loops, status["consecutive_failures"].as_u64().unwrap()).await;
     let cache = crate::helpers::get_json(gw.admin, "/debug/cache").await;
@@ -274,19 +265,10 @@ async fn a_chain_longer_than_max_chain_depth_is_refused() {
         ],
     )
     .await;
-    let failed = |at_least: u64| {
-        let admin = c.admin;
-        async move {
-            let status = get_json(admin, "/debug/upstream").await;
-            (status["consecutive_failures"].as_u64().is_some_and(|n| n >= at_least)
-                && !status["next_retry_in_seconds"].is_null())
-            .then_some(status)
-        }
-    };
     let too_long = "mcp_gateway_upstream_stream_terminations_total{reason=\"chain_too_long\"}";
     // Refused, shown as the upstream's last error, retried with backoff.
     for attempt in 1..=2 {
-        let status = crate::helpers::eventually_some("C to refuse the chain", || failed(attempt)).await;
+        let status = upstream_failed(c.admin, attempt, "C to refuse the chain").await;
         let error = status["last_error"].as_str().unwrap();
         assert!(error.contains("more than --max-chain-depth=2"), "{error}");
         crate::limits::metric_is(c.monitoring, too_long, status["consecutive_failures"].as_u64().unwrap()).await;

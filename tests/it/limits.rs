@@ -581,11 +581,8 @@ async fn evictions_are_counted_by_reason() {
 async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
     let (gw, mut canary) = with_canary(&["--max-streams-per-connection", "3"]).await;
     let mut conn = RawConn::http2(gw.listen).await;
-    let settings = conn
-        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
-        .await
-        .unwrap();
-    assert!(settings.settings().contains(&(0x3, 3)), "{:?}", settings.settings());
+    let settings = server_settings(&mut conn).await;
+    assert!(settings.contains(&(0x3, 3)), "{settings:?}");
     for id in [1, 3, 5, 7] {
         conn.send(&grpc_headers(id, SOTW_PATH, 0)).await;
     }
@@ -605,12 +602,8 @@ async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
 async fn oversized_header_lists_are_refused() {
     let (gw, mut canary) = with_canary(&["--max-header-list-bytes", "4096"]).await;
     // Advertised: SETTINGS_MAX_HEADER_LIST_SIZE (0x6) is the flag.
-    let mut conn = RawConn::http2(gw.listen).await;
-    let settings = conn
-        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
-        .await
-        .unwrap();
-    assert!(settings.settings().contains(&(0x6, 4096)), "{:?}", settings.settings());
+    let settings = server_settings(&mut RawConn::http2(gw.listen).await).await;
+    assert!(settings.contains(&(0x6, 4096)), "{settings:?}");
     let mut client = h2_client(gw.listen).await;
     let request = sotw_post().header("x-padding", "a".repeat(8000)).body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
@@ -868,14 +861,18 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
 /// stream window in the server's SETTINGS (`SETTINGS_INITIAL_WINDOW_SIZE`)
 /// and the connection window, raised from HTTP/2's 65,535 by a
 /// WINDOW_UPDATE on stream 0.
+/// The server's SETTINGS (the first, not an ACK) on `conn`.
+async fn server_settings(conn: &mut RawConn) -> Vec<(u16, u32)> {
+    conn.until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+        .await
+        .expect("the server's SETTINGS")
+        .settings()
+}
+
 async fn advertised_windows(listen: SocketAddr) -> (u32, u32) {
     let mut conn = RawConn::http2(listen).await;
-    let settings = conn
-        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+    let stream_window = server_settings(&mut conn)
         .await
-        .expect("the server's SETTINGS");
-    let stream_window = settings
-        .settings()
         .iter()
         .find_map(|&(id, value)| (id == 0x4).then_some(value))
         .unwrap_or(65_535);

@@ -250,18 +250,9 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
         ],
     )
     .await;
-    let failed = |at_least: u64| {
-        let admin = gw.admin;
-        async move {
-            let status = crate::helpers::get_json(admin, "/debug/upstream").await;
-            (status["consecutive_failures"].as_u64().is_some_and(|n| n >= at_least)
-                && !status["next_retry_in_seconds"].is_null())
-            .then_some(status)
-        }
-    };
     let connect = "mcp_gateway_upstream_stream_terminations_total{reason=\"connect\"}";
     for attempt in 1..=2 {
-        let status = eventually_some("a failed attempt", || failed(attempt)).await;
+        let status = crate::helpers::upstream_failed(gw.admin, attempt, "a failed attempt").await;
         let error = status["last_error"].as_str().unwrap();
         assert!(
             error.contains("HTTP/2 handshake") && error.contains("timed out"),
@@ -307,13 +298,7 @@ async fn a_message_over_the_limit_never_resets_the_backoff() {
             .responses
             .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
             .unwrap();
-        let status = eventually_some("the failure to be scheduled", || async {
-            let status = crate::helpers::get_json(gw.admin, "/debug/upstream").await;
-            (!status["next_retry_in_seconds"].is_null()
-                && status["consecutive_failures"].as_u64().is_some_and(|n| n >= round))
-            .then_some(status)
-        })
-        .await;
+        let status = crate::helpers::upstream_failed(gw.admin, round, "the failure to be scheduled").await;
         assert_eq!(status["consecutive_failures"], round, "{status}");
         let error = status["last_error"].as_str().unwrap();
         assert!(error.contains("--max-message-bytes=65536"), "{error}");

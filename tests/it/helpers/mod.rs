@@ -101,6 +101,19 @@ pub async fn upstream_status_when(
     .await
 }
 
+/// `/debug/upstream` at `admin` once it shows at least `failures`
+/// consecutive failures and a retry scheduled: the failure recorded whole
+/// (for a gateway process, whose status is read over HTTP).
+pub async fn upstream_failed(admin: SocketAddr, failures: u64, what: &str) -> serde_json::Value {
+    eventually_some(what, || async move {
+        let status = get_json(admin, "/debug/upstream").await;
+        (status["consecutive_failures"].as_u64().is_some_and(|n| n >= failures)
+            && !status["next_retry_in_seconds"].is_null())
+        .then_some(status)
+    })
+    .await
+}
+
 /// Every port of the gateway on a free loopback port.
 pub const LOOPBACK_PORTS: [&str; 6] = [
     "--listen",
