@@ -154,6 +154,15 @@ pub enum UsageError {
     TypeMap(String),
     #[error("{path}: {error}; give files or directories of YAML")]
     Path { path: String, error: std::io::Error },
+    /// A directory with no YAML of its own whose subdirectories hold some:
+    /// the operator meant the config below it, and checking nothing must not
+    /// pass a CI job.
+    #[error(
+        "{path}: no *.yaml or *.yml file directly in this directory, and check reads a directory as \
+         --source-dir does (not its subdirectories); its subdirectories with YAML: {below}; name the \
+         ones a gateway serves (a file that is not a source file, like Envoy's bootstrap, would not parse)"
+    )]
+    OnlyBelow { path: String, below: String },
 }
 
 const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
@@ -181,6 +190,13 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
             error,
         })?;
         if files.is_empty() {
+            let below = yaml_below(path);
+            if !below.is_empty() {
+                return Err(UsageError::OnlyBelow {
+                    path: path.display().to_string(),
+                    below: below.join(", "),
+                });
+            }
             report.findings.push(Finding {
                 file: path.display().to_string(),
                 line: 0,
@@ -282,6 +298,36 @@ fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], max_file_
         }
     }
     findings
+}
+
+/// The subdirectories below `dir` (at any depth, hidden ones skipped) that
+/// hold a `*.yaml` or `*.yml` file directly, in order.
+fn yaml_below(dir: &std::path::Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(next) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&next) else {
+            continue;
+        };
+        let mut has_yaml = false;
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') {
+                continue;
+            }
+            // `file_type` does not follow links: a link loop is never walked.
+            match entry.file_type() {
+                Ok(kind) if kind.is_dir() => pending.push(entry.path()),
+                _ => has_yaml |= name.ends_with(".yaml") || name.ends_with(".yml"),
+            }
+        }
+        if has_yaml && next != dir {
+            found.push(next.display().to_string());
+        }
+    }
+    found.sort();
+    found
 }
 
 /// A served resource, its body read back.

@@ -113,7 +113,7 @@ pub struct ClientArgs {
     /// What each update prints: summary, names, json or yaml (the resources
     /// with their bodies read back: Struct, Istio's kinds and Envoy's types;
     /// others with --descriptors).
-    #[arg(long, value_enum, default_value_t = Output::Summary)]
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Summary)]
     pub output: Output,
 
     /// A FileDescriptorSet for --output json|yaml to read bodies of other

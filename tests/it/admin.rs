@@ -330,4 +330,9 @@ async fn versions_are_taken_by_a_unique_prefix_of_at_least_eight() {
         body.contains("from=\"ffffffffffff\"") && body.contains("not in the history"),
         "{body}"
     );
+    // A collection the gateway does not have: a 404 naming it.
+    let unknown = "istio/no/v1/such";
+    let (status, body) = http_request(gw.admin, "POST", &format!("/pin/{unknown}?version={}", &v1[..12]), "").await;
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains(unknown), "{body}");
 }

@@ -9,7 +9,7 @@ use crate::helpers::clients::{sotw, PilotSink};
 use crate::helpers::galley::{incremental, resource};
 use crate::helpers::{
     eventually, free_addr, galley_and_gateway, get_json, names, spawn_gateway, start_gateway, start_gateway_on,
-    upstream_status_when, within, VS,
+    upstream_failed, upstream_status_when, within, VS,
 };
 
 /// A gateway whose upstream is `upstream`'s client port.
@@ -127,16 +127,7 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
         "1s",
     ];
     let gw = crate::helpers::spawn_gateway(None, &flags).await;
-    let failed = |at_least: u64| {
-        let admin = gw.admin;
-        async move {
-            let status = crate::helpers::get_json(admin, "/debug/upstream").await;
-            (status["consecutive_failures"].as_u64().is_some_and(|n| n >= at_least)
-                && !status["next_retry_in_seconds"].is_null())
-            .then_some(status)
-        }
-    };
-    let status = crate::helpers::eventually_some("the loop to be refused", || failed(1)).await;
+    let status = upstream_failed(gw.admin, 1, "the loop to be refused").await;
     // The upstream's chain (itself) includes this gateway: refused as a
     // loop, shown as the upstream's last error, saying what to fix.
     let error = status["last_error"].as_str().unwrap();
@@ -147,7 +138,7 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
     let loops = "mcp_gateway_upstream_stream_terminations_total{reason=\"loop\"}";
     crate::limits::metric_is(gw.monitoring, loops, status["consecutive_failures"].as_u64().unwrap()).await;
     // Retried, with backoff, and refused each time: never served.
-    let status = crate::helpers::eventually_some("a second attempt failed as a loop", || failed(2)).await;
+    let status = upstream_failed(gw.admin, 2, "a second attempt failed as a loop").await;
     assert!(status["last_error"].as_str().unwrap().contains("a loop"), "{status}");
     crate::limits::metric_is(gw.monitoring, loops, status["consecutive_failures"].as_u64().unwrap()).await;
     let cache = crate::helpers::get_json(gw.admin, "/debug/cache").await;
@@ -155,6 +146,47 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
         !cache.as_array().unwrap().iter().any(|c| c["collection"] == VS),
         "nothing served from a loop: {cache}"
     );
+}
+
+/// A peer that announces itself as this gateway, or as a gateway upstream
+/// of it, is refused: serving it would close a loop. Other clients are
+/// served all along.
+#[tokio::test]
+async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_loop() {
+    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
+    use mcp_xds_gateway::proto::{RequestResources, Resources, SinkNode};
+    let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let b = chained(&a, &[]).await;
+    eventually("B to be served", || b.cache.get(VS).is_some()).await;
+    let b_id = b.cache.provenance().gateway_id.to_string();
+    let a_id = a.cache.provenance().gateway_id.to_string();
+    for (who, id) in [("itself", &b_id), ("its upstream", &a_id)] {
+        let mut peer = crate::helpers::clients::Bidi::<RequestResources, Resources>::open(
+            b.listen,
+            crate::helpers::clients::RESOURCE_SOURCE_PATH,
+        )
+        .await;
+        peer.send(RequestResources {
+            sink_node: Some(SinkNode {
+                id: "gateway-peer".into(),
+                annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), id.clone())].into(),
+            }),
+            collection: VS.into(),
+            ..Default::default()
+        });
+        let status = peer.end_status().await;
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{who}: {status:?}");
+        assert!(
+            status.message().contains(&format!("gateway {id} is this gateway"))
+                && status.message().contains("serving it would make a loop"),
+            "{who}: {}",
+            status.message()
+        );
+    }
+    let mut client = sotw(b.listen).await;
+    client.subscribe(VS);
+    assert_eq!(names(&client.recv_type(VS).await.resources), ["a"]);
 }
 
 #[tokio::test]
@@ -207,6 +239,8 @@ async fn both_gateways_of_a_ring_warn_of_the_loop() {
     }
 }
 
+/// C, the third gateway of a chain where `--max-chain-depth` is 2, is a
+/// process of its own: its terminations are counted exactly.
 #[tokio::test]
 async fn a_chain_longer_than_max_chain_depth_is_refused() {
     let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
@@ -214,14 +248,34 @@ async fn a_chain_longer_than_max_chain_depth_is_refused() {
     // A then B: two gateways, within a depth of 2.
     let b = chained(&a, &["--max-chain-depth", "2"]).await;
     eventually("B to be served", || b.cache.get(VS).is_some()).await;
-    // A, B, then C: three.
-    let c = chained(&b, &["--max-chain-depth", "2"]).await;
-    let status = upstream_status_when(&c, "C to refuse the chain", |s| {
-        s.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("--max-chain-depth=2"))
-    })
+    // A, B, then C: three. Retries a second apart, so that a count read
+    // between two is still.
+    let url = format!("http://{}", b.listen);
+    let c = spawn_gateway(
+        None,
+        &[
+            "--upstream",
+            &url,
+            "--collections",
+            VS,
+            "--max-chain-depth",
+            "2",
+            "--reconnect-min-delay",
+            "1s",
+        ],
+    )
     .await;
-    assert!(!status.connected || c.cache.get(VS).is_none(), "{status:?}");
-    assert!(c.cache.get(VS).is_none(), "nothing taken from a chain too long");
+    let too_long = "mcp_gateway_upstream_stream_terminations_total{reason=\"chain_too_long\"}";
+    // Refused, shown as the upstream's last error, retried with backoff.
+    for attempt in 1..=2 {
+        let status = upstream_failed(c.admin, attempt, "C to refuse the chain").await;
+        let error = status["last_error"].as_str().unwrap();
+        assert!(error.contains("more than --max-chain-depth=2"), "{error}");
+        crate::limits::metric_is(c.monitoring, too_long, status["consecutive_failures"].as_u64().unwrap()).await;
+    }
+    let cache = get_json(c.admin, "/debug/cache").await;
+    assert!(
+        !cache.as_array().unwrap().iter().any(|c| c["collection"] == VS),
+        "nothing taken from a chain too long: {cache}"
+    );
 }

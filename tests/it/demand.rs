@@ -15,9 +15,10 @@ use tokio::time::Instant;
 use crate::helpers::clients::{channel, sotw};
 use crate::helpers::galley::{dial_out, resource, FakeGalley};
 use crate::helpers::{
-    eventually, galley_and_gateway, gateway_for, get_json, http_get, names, sample, upstream_status_when, within, DR,
-    GW, VS,
+    eventually, galley_and_gateway, gateway_for, gateway_process_for, get_json, names, upstream_status_when, within,
+    DR, GW, VS,
 };
+use crate::limits::{metric, metric_is};
 use crate::sources::dial_out_gateway_with;
 use crate::xds::{ack, istiod, mcp_resources, one_each, SotwStream};
 
@@ -261,20 +262,8 @@ async fn a_source_that_never_answers_gets_its_clients_answered_empty_then_served
     assert!(not_delivered.contains(&TELEMETRY), "{syncz:#}");
     let table = mcp_xds_gateway::tools::status::render(&syncz);
     assert!(table.contains(&format!("NOT DELIVERED {TELEMETRY}:")), "{table}");
-    // Counted once. The series is the process's (every in-process gateway
-    // shares one recorder), so the count is exact only because this is the
-    // one test in the binary whose source lets a demand time out (the fake
-    // Galley's `ignore`): a second one would fail this, not pass it.
-    let (_, metrics) = http_get(gw.admin, "/metrics").await;
-    assert_eq!(
-        sample(
-            &metrics,
-            "mcp_gateway_upstream_demand_timeouts_total",
-            &[&format!("collection=\"{TELEMETRY}\"")]
-        ),
-        Some(1.0),
-        "{metrics}"
-    );
+    // Counted: `a_demand_that_times_out_is_counted_once_per_collection`,
+    // with a gateway process of its own.
     let streams = galley.streams();
     assert_eq!(streams[0].asked, [VS], "{streams:?}");
     assert_probes_asked_only(&streams, &NEWER);
@@ -298,6 +287,40 @@ async fn a_source_that_never_answers_gets_its_clients_answered_empty_then_served
     let streams = galley.streams();
     assert_eq!(streams[0].asked, [VS, TELEMETRY], "{streams:?}");
     assert_main_stream_untouched(&gw, &streams);
+}
+
+/// Each demanded collection the source never answers is counted once when
+/// --demand-timeout passes, and a configured one never. The gateway is a
+/// process of its own: the series read are its own, never moved by another
+/// test's gateway.
+#[tokio::test]
+async fn a_demand_that_times_out_is_counted_once_per_collection() {
+    let galley = FakeGalley::start().await;
+    for collection in NEWER {
+        galley.ignore(collection);
+    }
+    galley.publish(VS, vec![resource("default/reviews", "1", b"vs")]);
+    let gw = gateway_process_for(&galley, &[VS], &["--demand-timeout", "1s"]).await;
+    let series =
+        |collection: &str| format!("mcp_gateway_upstream_demand_timeouts_total{{collection=\"{collection}\"}}");
+    let mut types = vec![VS_GVK];
+    types.extend(NEWER_GVKS);
+    let mut client = istiod(gw.listen, &types).await;
+    let first = client.recv().await;
+    assert_eq!(first.type_url, VS_GVK, "the served type at once");
+    ack(&client, &first);
+    let answered = answered_within(&mut client, NEWER_GVKS.len(), Duration::from_secs(1 + 20)).await;
+    for gvk in NEWER_GVKS {
+        assert!(answered[gvk].resources.is_empty(), "{gvk} answered empty");
+    }
+    for collection in NEWER {
+        metric_is(gw.monitoring, &series(collection), 1).await;
+    }
+    assert_eq!(
+        metric(gw.monitoring, &series(VS)).await,
+        0,
+        "a configured collection is never demanded"
+    );
 }
 
 /// In dial-out mode the gateway cannot open a stream of its own to the

@@ -333,6 +333,28 @@ async fn garbage_http1_and_tls_on_the_grpc_port_are_closed() {
     canary.check().await;
 }
 
+/// A client connection whose peer stops answering PINGs is dropped by
+/// keepalive, counted under the client port; the canary, whose client
+/// answers, stays.
+#[tokio::test]
+async fn a_client_that_never_answers_pings_is_dropped_by_keepalive() {
+    let (gw, mut canary) = spawned_with_canary(&["--keepalive-interval", "300ms"]).await;
+    let mut frozen = RawConn::http2(gw.listen).await;
+    frozen.send(&grpc_headers(1, SOTW_PATH, 0)).await;
+    frozen
+        .until(|f| f.kind == h2raw::PING && f.flags & h2raw::ACK == 0)
+        .await
+        .expect("a keepalive PING");
+    frozen.until_closed().await;
+    metric_is(
+        gw.monitoring,
+        "mcp_gateway_connections_closed_total{listener=\"--listen\",reason=\"keepalive_timeout\"}",
+        1,
+    )
+    .await;
+    canary.check().await;
+}
+
 #[tokio::test]
 async fn idle_connections_are_closed_and_busy_ones_are_not() {
     let (gw, mut canary) = spawned_with_canary(&["--idle-timeout", "300ms"]).await;
@@ -559,11 +581,8 @@ async fn evictions_are_counted_by_reason() {
 async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
     let (gw, mut canary) = with_canary(&["--max-streams-per-connection", "3"]).await;
     let mut conn = RawConn::http2(gw.listen).await;
-    let settings = conn
-        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
-        .await
-        .unwrap();
-    assert!(settings.settings().contains(&(0x3, 3)), "{:?}", settings.settings());
+    let settings = server_settings(&mut conn).await;
+    assert!(settings.contains(&(0x3, 3)), "{settings:?}");
     for id in [1, 3, 5, 7] {
         conn.send(&grpc_headers(id, SOTW_PATH, 0)).await;
     }
@@ -582,6 +601,9 @@ async fn the_stream_limit_per_connection_is_advertised_and_enforced() {
 #[tokio::test]
 async fn oversized_header_lists_are_refused() {
     let (gw, mut canary) = with_canary(&["--max-header-list-bytes", "4096"]).await;
+    // Advertised: SETTINGS_MAX_HEADER_LIST_SIZE (0x6) is the flag.
+    let settings = server_settings(&mut RawConn::http2(gw.listen).await).await;
+    assert!(settings.contains(&(0x6, 4096)), "{settings:?}");
     let mut client = h2_client(gw.listen).await;
     let request = sotw_post().header("x-padding", "a".repeat(8000)).body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
@@ -630,11 +652,14 @@ async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
 
 #[tokio::test]
 async fn new_streams_are_limited_per_peer_address() {
+    // Before the gateway: the refill is bounded by the time since.
+    let started = tokio::time::Instant::now();
     let (gw, mut canary) = spawned_with_canary(&["--max-new-streams-per-second", "1"]).await;
     // A burst of ten seconds' worth (10), then refusals.
     let channel = clients::channel(gw.listen).await;
     let mut refused = None;
-    for _ in 0..12 {
+    let mut served = 0u64;
+    for _ in 0..14 {
         match SotwClient::try_open_on(channel.clone(), SOTW_PATH).await {
             Ok(mut client) => {
                 client.subscribe(VS);
@@ -642,6 +667,7 @@ async fn new_streams_are_limited_per_peer_address() {
                     refused = Some(status);
                     break;
                 }
+                served += 1;
             }
             Err(status) => {
                 refused = Some(status);
@@ -650,6 +676,14 @@ async fn new_streams_are_limited_per_peer_address() {
         }
     }
     let status = refused.expect("a stream over the rate is refused");
+    // The burst (the canary's stream, from this address too, took one of
+    // it), and at most what the rate refilled since the gateway started
+    // (a loaded machine may be slow; the burst is never smaller).
+    let refilled = started.elapsed().as_secs_f64().ceil() as u64;
+    assert!(
+        (9..=9 + refilled).contains(&served),
+        "{served} streams served before the refusal, {refilled} s"
+    );
     assert_refused_naming(&status, "--max-new-streams-per-second=1");
     refusals_are(gw.monitoring, "new_streams_rate", 1).await;
     // Another address is not affected.
@@ -827,14 +861,18 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
 /// stream window in the server's SETTINGS (`SETTINGS_INITIAL_WINDOW_SIZE`)
 /// and the connection window, raised from HTTP/2's 65,535 by a
 /// WINDOW_UPDATE on stream 0.
+/// The server's SETTINGS (the first, not an ACK) on `conn`.
+async fn server_settings(conn: &mut RawConn) -> Vec<(u16, u32)> {
+    conn.until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+        .await
+        .expect("the server's SETTINGS")
+        .settings()
+}
+
 async fn advertised_windows(listen: SocketAddr) -> (u32, u32) {
     let mut conn = RawConn::http2(listen).await;
-    let settings = conn
-        .until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
+    let stream_window = server_settings(&mut conn)
         .await
-        .expect("the server's SETTINGS");
-    let stream_window = settings
-        .settings()
         .iter()
         .find_map(|&(id, value)| (id == 0x4).then_some(value))
         .unwrap_or(65_535);
@@ -856,6 +894,19 @@ async fn the_receive_window_is_the_flag() {
     assert_eq!(advertised_windows(default.listen).await, (256 << 10, 256 << 10));
     let (gw, mut canary) = with_canary(&["--max-receive-window-bytes", "100000"]).await;
     assert_eq!(advertised_windows(gw.listen).await, (100_000, 100_000));
+    // The sink port, one authenticated source, keeps its own 4 MiB.
+    let dial_out = start_gateway(&[
+        "--sink-listen",
+        "127.0.0.1:0",
+        "--sink-insecure",
+        "--collections",
+        VS,
+        "--max-receive-window-bytes",
+        "100000",
+    ])
+    .await;
+    assert_eq!(advertised_windows(dial_out.listen).await, (100_000, 100_000));
+    assert_eq!(advertised_windows(dial_out.sink.unwrap()).await, (4 << 20, 4 << 20));
 
     // Past the stream window without waiting for a WINDOW_UPDATE: the
     // request announces more than the window and sends all of it at once.
@@ -910,6 +961,8 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
     let (response, _) = client.send_request(request, true).unwrap();
     let response = within("the answer", response).await.unwrap();
     assert_eq!(response.headers()["grpc-status"], "12", "UNIMPLEMENTED");
+    let message = grpc_message(response.headers());
+    assert!(message.contains("send uncompressed messages"), "{message}");
     // The compressed flag on a message.
     let request = sotw_post().body(()).unwrap();
     let (response, mut body) = client.send_request(request, false).unwrap();
@@ -919,6 +972,8 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
     while let Some(Ok(_)) = within("the body", response.data()).await {}
     let trailers = within("the trailers", response.trailers()).await.unwrap().unwrap();
     assert_eq!(trailers["grpc-status"], "12");
+    let message = grpc_message(&trailers);
+    assert!(message.contains("send uncompressed messages"), "{message}");
 
     // A DATA frame larger than the negotiated 16 KiB: a connection error.
     let mut raw = RawConn::http2(gw.listen).await;
@@ -1017,6 +1072,12 @@ fn sotw_post() -> http::request::Builder {
 
 /// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
 /// and its value.
+/// A gRPC status message as sent (percent-encoded) in `headers`.
+fn grpc_message(headers: &http::HeaderMap) -> String {
+    let raw = headers.get("grpc-message").map(|v| v.as_bytes()).unwrap_or_default();
+    percent_encoding::percent_decode(raw).decode_utf8_lossy().into_owned()
+}
+
 fn assert_refused_naming(status: &tonic::Status, flag: &str) {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains(flag), "{}", status.message());

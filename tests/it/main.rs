@@ -10,6 +10,7 @@ mod browser;
 mod canary;
 mod chain;
 mod check;
+mod ci_review;
 mod decoders;
 mod demand;
 mod deploy;

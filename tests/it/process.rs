@@ -233,6 +233,9 @@ async fn a_failed_start_prints_one_line_and_logs_nothing() {
         if flag == "--cache-dir" {
             assert!(stderr.contains(&file), "names the directory: {stderr}");
         }
+        if flags.contains(&taken.as_str()) {
+            assert!(stderr.contains(&taken), "names the address: {stderr}");
+        }
     }
 
     // Started: the warning is logged after the effective configuration.

@@ -393,6 +393,17 @@ impl World {
                 // A name both updated and removed is refused, and nothing
                 // of the message is applied.
                 assert_eq!(reply.error_detail.is_some(), conflict, "{reply:?}");
+                if let Some(detail) = &reply.error_detail {
+                    // INVALID_ARGUMENT, naming a name both updated and removed.
+                    assert_eq!(detail.code, tonic::Code::InvalidArgument as i32, "{detail:?}");
+                    assert!(
+                        removed
+                            .iter()
+                            .filter(|n| upserted.contains_key(**n))
+                            .any(|n| detail.message.contains(&format!("{n:?} of collection"))),
+                        "{detail:?}"
+                    );
+                }
                 if !conflict {
                     for name in &removed {
                         self.model.remove(*name);

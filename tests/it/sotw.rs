@@ -64,6 +64,28 @@ async fn a_client_already_at_the_version_gets_nothing_until_it_changes() {
     assert_eq!(client.recv_type(VS).await.version_info, version_of(&gw, VS));
 }
 
+/// Each stale request is counted under its collection, exactly: the
+/// gateway is a process of its own, so no other test's client moves the
+/// series.
+#[tokio::test]
+async fn stale_nonces_are_counted_by_collection() {
+    let (gw, mut canary) = crate::limits::spawned_with_canary(&[]).await;
+    let stale = format!("mcp_gateway_downstream_stale_requests_total{{collection=\"{VS}\"}}");
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    client.ack(&first);
+    // A nonce never issued is stale; the last one sent, repeated, is not.
+    client.request(VS, &first.version_info, "no-such-nonce");
+    client.request(VS, &first.version_info, &first.nonce);
+    crate::limits::metric_is(gw.monitoring, &stale, 1).await;
+    // Ignored: the client still gets the next content.
+    canary.check().await;
+    let next = client.recv_type(VS).await;
+    assert_ne!(next.version_info, first.version_info);
+    assert_eq!(crate::limits::metric(gw.monitoring, &stale).await, 1);
+}
+
 #[tokio::test]
 async fn stale_nonces_are_ignored() {
     let (_galley, mut upstream, gw) = setup().await;

@@ -10,7 +10,9 @@ use tonic::Code;
 
 use crate::helpers::certs::{write, write_leaf, Ca};
 use crate::helpers::clients::{channel, sotw, tls_channel, SotwClient, SOTW_PATH};
-use crate::helpers::{eventually, eventually_async, get_json, http_get, names, sample, start_gateway, within, VS};
+use crate::helpers::{
+    eventually, eventually_async, get_json, http_get, names, sample, spawn_dial_out_source, start_gateway, within, VS,
+};
 
 fn vs_doc(name: &str, weight: u32) -> String {
     format!("collection: {VS}\nname: {name}\nbody:\n  struct:\n    hosts: [{name}]\n    weight: {weight}\n---\n")
@@ -160,19 +162,21 @@ async fn a_dial_out_gateway_follows_source_sink_over_mtls() {
 
     // Without a client certificate, the gateway refuses the source, which
     // keeps dialling (with backoff) and says why.
-    let anonymous = start_source(dir.path(), &["--sink", &sink, "--ca", &ca_path]).await;
-    eventually_async("the refused dial-out to be counted", || async {
+    // A process of its own: its counters are its own dial-outs alone.
+    let anonymous = spawn_dial_out_source(dir.path(), &["--sink", &sink, "--ca", &ca_path]).await;
+    eventually_async("the refused dial-out to be counted, and tried again", || async {
         let (_, metrics) = http_get(anonymous.monitoring, "/metrics").await;
         sample(&metrics, "mcp_gateway_dial_out_attempts_total", &[]).is_some_and(|n| n >= 2.0)
+            && sample(&metrics, "mcp_gateway_dial_out_connected", &[]) == Some(0.0)
     })
     .await;
     assert!(
         gateway.cache.get(VS).is_none(),
         "an unauthenticated source feeds nothing"
     );
-    assert!(within("the refused source to stop", anonymous.shutdown()).await);
+    assert!(anonymous.stop().await, "the refused source exits 0 at SIGTERM");
 
-    let source = start_source(
+    let source = spawn_dial_out_source(
         dir.path(),
         &[
             "--sink",
@@ -227,7 +231,8 @@ async fn a_second_dial_out_source_takes_over_when_the_first_stops() {
 
     let second_dir = tempfile::tempdir().unwrap();
     write(second_dir.path(), "vs.yaml", &vs_doc("second", 1));
-    let second = start_source(second_dir.path(), &["--sink", &sink, "--sink-insecure"]).await;
+    // A process of its own: the refusals counted are its own.
+    let second = spawn_dial_out_source(second_dir.path(), &["--sink", &sink, "--sink-insecure"]).await;
     eventually_async("the second source to be refused", || async {
         let (_, metrics) = http_get(second.monitoring, "/metrics").await;
         sample(

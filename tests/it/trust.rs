@@ -20,7 +20,7 @@ use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
 use crate::helpers::{
     eventually, eventually_some, gateway_for, http_get, start_gateway, upstream_status_when, within, GW, VS,
 };
-use crate::limits::metric;
+use crate::limits::{metric, metric_is};
 
 const GALLEY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account";
 
@@ -165,6 +165,7 @@ async fn a_second_source_learns_nothing_about_the_first() {
     let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
     assert_eq!(refused.code(), Code::ResourceExhausted);
     let message = refused.message();
+    assert!(message.starts_with("another source is connected"), "{message}");
     assert!(
         !message.contains("127.0.0.1") && !message.contains("since"),
         "{message}"
@@ -233,30 +234,34 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
         }
     });
     let url = format!("http://{addr}");
-    let gw = start_gateway(&[
-        "--upstream",
-        &url,
-        "--collections",
-        VS,
-        "--connect-timeout",
-        "300ms",
-        "--reconnect-min-delay",
-        "10ms",
-        "--reconnect-max-delay",
-        "50ms",
-    ])
+    // A gateway process of its own, retrying a second apart: its failed
+    // attempts are counted exactly, and a count read between two is still.
+    let gw = crate::helpers::spawn_gateway(
+        None,
+        &[
+            "--upstream",
+            &url,
+            "--collections",
+            VS,
+            "--connect-timeout",
+            "300ms",
+            "--reconnect-min-delay",
+            "1s",
+        ],
+    )
     .await;
-    let status = upstream_status_when(&gw, "two failed attempts", |s| {
-        s.attempts >= 2 && s.last_error.is_some()
-    })
-    .await;
-    let error = status.last_error.unwrap();
-    assert!(
-        error.contains("HTTP/2 handshake") && error.contains("timed out"),
-        "{error}"
-    );
-    assert!(error.contains("--connect-timeout"), "{error}");
-    assert!(!status.connected);
+    let connect = "mcp_gateway_upstream_stream_terminations_total{reason=\"connect\"}";
+    for attempt in 1..=2 {
+        let status = crate::helpers::upstream_failed(gw.admin, attempt, "a failed attempt").await;
+        let error = status["last_error"].as_str().unwrap();
+        assert!(
+            error.contains("HTTP/2 handshake") && error.contains("timed out"),
+            "{error}"
+        );
+        assert!(error.contains("--connect-timeout"), "{error}");
+        assert_eq!(status["connected"], false, "{status}");
+        metric_is(gw.monitoring, connect, status["consecutive_failures"].as_u64().unwrap()).await;
+    }
 
     // Shutdown never waits on the upstream: a gateway whose attempt could
     // wait an hour for the handshake shuts down within the suite's wait
@@ -264,7 +269,6 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
     upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
     assert!(within("shutdown", patient.shutdown()).await, "every task ended");
-    assert!(within("shutdown", gw.shutdown()).await, "every task ended");
     holder.abort();
 }
 
@@ -294,13 +298,7 @@ async fn a_message_over_the_limit_never_resets_the_backoff() {
             .responses
             .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
             .unwrap();
-        let status = eventually_some("the failure to be scheduled", || async {
-            let status = crate::helpers::get_json(gw.admin, "/debug/upstream").await;
-            (!status["next_retry_in_seconds"].is_null()
-                && status["consecutive_failures"].as_u64().is_some_and(|n| n >= round))
-            .then_some(status)
-        })
-        .await;
+        let status = crate::helpers::upstream_failed(gw.admin, round, "the failure to be scheduled").await;
         assert_eq!(status["consecutive_failures"], round, "{status}");
         let error = status["last_error"].as_str().unwrap();
         assert!(error.contains("--max-message-bytes=65536"), "{error}");
@@ -748,6 +746,8 @@ async fn get_from(addr: SocketAddr, from: [u8; 4], path: &str) -> String {
     String::from_utf8_lossy(&answer).into_owned()
 }
 
+/// The gateway is a process of its own: the failed writes counted are its
+/// own, never another test's.
 #[tokio::test]
 async fn the_cache_directory_is_never_followed_through_links_and_survives_failed_writes() {
     let cache_dir = tempfile::tempdir().unwrap();
@@ -763,8 +763,16 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
 
     let mut galley = FakeGalley::start().await;
     let cache = path(cache_dir.path());
-    let gw = gateway_for(&galley, &[VS, GW], &["--cache-dir", &cache]).await;
-    assert!(gw.cache.get(VS).is_none(), "nothing was read through the link");
+    let mut gw = crate::helpers::gateway_process_for(&galley, &[VS, GW], &["--cache-dir", &cache]).await;
+    // Nothing was read through the link: the gateway said why at start.
+    let link = vs_file.display().to_string();
+    assert!(
+        gw.log
+            .iter()
+            .any(|l| l.contains("skipping an entry of the cache directory") && l.contains(&link)),
+        "{:#?}",
+        gw.log
+    );
     let mut stream = galley.next_stream().await;
     stream.initial_requests(2).await;
     stream.push_full(GW, vec![resource("g", "1", b"g")]).await;
@@ -779,18 +787,12 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
         "the link's target is untouched"
     );
     assert!(!std::fs::symlink_metadata(&vs_file).unwrap().file_type().is_symlink());
-    within("a failed write to be counted", async {
-        while metric(
-            gw.monitoring,
-            &format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}"),
-        )
-        .await
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    // One change of GW, one failed write: logged with the collection and
+    // counted once.
+    let failed = format!("mcp_gateway_cache_write_failures_total{{collection=\"{GW}\"}}");
+    metric_is(gw.monitoring, &failed, 1).await;
+    let line = gw.log_line("cannot persist the collection").await;
+    assert!(line.contains(GW), "{line}");
     // Clients are served all along.
     let mut client = sotw(gw.listen).await;
     client.subscribe(GW);
@@ -804,6 +806,16 @@ async fn the_cache_directory_is_never_followed_through_links_and_survives_failed
             .all(|e| !e.file_name().to_string_lossy().ends_with(".tmp"))
     })
     .await;
+    // The obstacle gone, the next change is written, and nothing more is
+    // counted.
+    std::fs::remove_dir_all(&gw_file).unwrap();
+    stream.push_full(GW, vec![resource("g", "2", b"g2")]).await;
+    let persisted = eventually_some("GW's next change to be persisted", || async {
+        mcp_xds_gateway::source::persisted::peek(cache_dir.path(), GW).ok()
+    })
+    .await;
+    assert_eq!(persisted.resources.len(), 1);
+    assert_eq!(metric(gw.monitoring, &failed).await, 1);
 }
 
 #[tokio::test]

@@ -82,6 +82,7 @@ async fn bad_messages_are_nacked_and_leave_the_cache_untouched() {
         body: None,
         ..resource("nobody", "1", b"x")
     };
+    let no_metadata_second = vec![resource("fine", "1", b"x"), no_metadata.clone()];
     let cases: Vec<(Resources, Code, &str)> = vec![
         (
             full("$triggerCollection", vec![]),
@@ -93,13 +94,27 @@ async fn bad_messages_are_nacked_and_leave_the_cache_untouched() {
             Code::Unimplemented,
             "not subscribed",
         ),
-        (full(VS, vec![no_metadata]), Code::InvalidArgument, "no metadata"),
+        // Each names the resource: by position where it has no name.
+        (
+            full(VS, vec![no_metadata]),
+            Code::InvalidArgument,
+            "resource #0 of collection",
+        ),
+        (
+            full(VS, no_metadata_second),
+            Code::InvalidArgument,
+            "resource #1 of collection",
+        ),
         (full(VS, vec![empty_name]), Code::InvalidArgument, "empty metadata.name"),
-        (full(VS, vec![no_body]), Code::InvalidArgument, "no body"),
+        (
+            full(VS, vec![no_body]),
+            Code::InvalidArgument,
+            "resource \"nobody\" of collection",
+        ),
         (
             full(VS, vec![resource("dup", "1", b"a"), resource("dup", "2", b"b")]),
             Code::InvalidArgument,
-            "appears twice",
+            "resource \"dup\" appears twice",
         ),
     ];
     for (message, code, says) in cases {
@@ -199,6 +214,24 @@ async fn bodies_pass_through_byte_for_byte() {
     client.subscribe(VS);
     let response = client.recv().await;
     assert_eq!(response.resources, vec![sent]);
+}
+
+/// The refusal is counted once, under the refused collection: the gateway
+/// is a process of its own, so the series is moved by it alone.
+#[tokio::test]
+async fn a_refused_collection_is_counted_once() {
+    let mut galley = FakeGalley::start().await;
+    let refused = "istio/policy/v1beta1/rules";
+    galley.refuse(refused);
+    let gw = crate::helpers::gateway_process_for(&galley, &[VS, refused], &[]).await;
+    let _first = galley.next_stream().await;
+    let mut second = galley.next_stream().await;
+    assert_eq!(second.initial_requests(1).await[0].collection, VS);
+    second.push_full(VS, vec![resource("a", "1", b"x")]).await;
+    let series =
+        |collection: &str| format!("mcp_gateway_upstream_refused_collections_total{{collection=\"{collection}\"}}");
+    crate::limits::metric_is(gw.monitoring, &series(refused), 1).await;
+    assert_eq!(crate::limits::metric(gw.monitoring, &series(VS)).await, 0);
 }
 
 #[tokio::test]

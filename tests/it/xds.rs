@@ -230,6 +230,46 @@ async fn an_istiod_client_is_answered_every_type_it_asks_for_in_full() {
     );
 }
 
+/// Types the gateway does not serve are answered once, empty, and share one
+/// metric label whatever the type: a client cannot add series by asking for
+/// made-up types. The gateway is a process of its own, so the count is
+/// exact.
+#[tokio::test]
+async fn unserved_types_are_answered_once_under_one_metric_label() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "config.yaml", &vs_doc("default/reviews", 1, "reviews"));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", &dir_flag]).await;
+    let unserved = [
+        "extensions.istio.io/v1alpha1/TrafficExtension",
+        "example.com/v1/MadeUp",
+        "example.com/v1/AlsoMadeUp",
+    ];
+    let mut types = vec![VS_V1];
+    types.extend(unserved);
+    let mut client = istiod(gw.listen, &types).await;
+    let first = one_each(&mut client, types.len()).await;
+    for type_url in unserved {
+        assert!(first[type_url].resources.is_empty(), "{type_url} is answered empty");
+    }
+    for response in first.values() {
+        ack(&client, response);
+    }
+    crate::limits::metric_is(
+        gw.monitoring,
+        "istio_mcp_request_acks_total{component=\"downstream\",collection=\"(unserved)\"}",
+        3,
+    )
+    .await;
+    let (_, exposition) = crate::helpers::http_get(gw.monitoring, "/metrics").await;
+    for type_url in unserved {
+        assert!(!exposition.contains(type_url), "no series names {type_url}");
+    }
+    // Answered once: the next response is the served type's change.
+    write(dir.path(), "config.yaml", &vs_doc("default/reviews", 2, "reviews-v2"));
+    assert_eq!(client.recv().await.type_url, VS_V1);
+}
+
 #[tokio::test]
 async fn a_served_type_is_answered_only_once_its_source_delivered_it() {
     let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &[]).await;

@@ -101,6 +101,19 @@ pub async fn upstream_status_when(
     .await
 }
 
+/// `/debug/upstream` at `admin` once it shows at least `failures`
+/// consecutive failures and a retry scheduled: the failure recorded whole
+/// (for a gateway process, whose status is read over HTTP).
+pub async fn upstream_failed(admin: SocketAddr, failures: u64, what: &str) -> serde_json::Value {
+    eventually_some(what, || async move {
+        let status = get_json(admin, "/debug/upstream").await;
+        (status["consecutive_failures"].as_u64().is_some_and(|n| n >= failures)
+            && !status["next_retry_in_seconds"].is_null())
+        .then_some(status)
+    })
+    .await
+}
+
 /// Every port of the gateway on a free loopback port.
 pub const LOOPBACK_PORTS: [&str; 6] = [
     "--listen",
@@ -133,18 +146,41 @@ pub async fn start_gateway_on(listen: &str, flags: &[&str]) -> Bound {
 
 /// A gateway subscribed to `collections` on `galley`, reconnecting quickly.
 pub async fn gateway_for(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Bound {
-    let joined = collections.join(",");
-    let url = galley.url();
+    start_gateway(
+        &upstream_flags(galley, collections, extra)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .await
+}
+
+/// As [`gateway_for`], the gateway a process of its own: for a test whose
+/// assertion is a metric, which then counts only what this gateway did
+/// (every in-process gateway of the test binary shares one recorder).
+pub async fn gateway_process_for(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Running {
+    spawn_gateway(
+        None,
+        &upstream_flags(galley, collections, extra)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .await
+}
+
+/// The flags of [`gateway_for`].
+fn upstream_flags(galley: &galley::FakeGalley, collections: &[&str], extra: &[&str]) -> Vec<String> {
     let mut flags = vec![
-        "--upstream",
-        &url,
-        "--collections",
-        &joined,
-        "--reconnect-min-delay",
-        "10ms",
+        "--upstream".to_owned(),
+        galley.url(),
+        "--collections".to_owned(),
+        collections.join(","),
+        "--reconnect-min-delay".to_owned(),
+        "10ms".to_owned(),
     ];
-    flags.extend_from_slice(extra);
-    start_gateway(&flags).await
+    flags.extend(extra.iter().map(|f| (*f).to_owned()));
+    flags
 }
 
 /// A fake Galley, a gateway subscribed to `collections` on it, and the
@@ -283,20 +319,94 @@ pub async fn spawn_gateway(cwd: Option<&std::path::Path>, args: &[&str]) -> Runn
 
 /// As [`spawn_gateway`], with environment variables.
 pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str], env: &[(&str, &str)]) -> Running {
-    use tokio::io::AsyncBufReadExt;
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-xds-gateway"));
-    if let Some(cwd) = cwd {
-        command.current_dir(cwd);
-    }
-    command.envs(env.iter().copied());
     // A client port given in `args` replaces the default one.
     let ports = if args.contains(&"--listen") {
         &LOOPBACK_PORTS[2..]
     } else {
         &LOOPBACK_PORTS[..]
     };
+    let argv: Vec<&str> = ports.iter().chain(args).copied().collect();
+    let (child, log, banner, later) = spawn_until_listening(cwd, &argv, env, "gateway listening").await;
+    Running {
+        child,
+        listen: field(&banner, "listen"),
+        admin: field(&banner, "admin"),
+        monitoring: field(&banner, "monitoring"),
+        log,
+        later,
+    }
+}
+
+/// `mcp-xds-gateway source --source-dir DIR ARGS…` (a dial-out source:
+/// `--sink` in `args`) as a process of its own, so that its metrics are its
+/// own: what another test's in-process source counts never shows in them.
+pub struct RunningSource {
+    pub child: tokio::process::Child,
+    pub admin: SocketAddr,
+    pub monitoring: SocketAddr,
+}
+
+impl RunningSource {
+    /// Sends SIGTERM and returns whether it exited 0 in time.
+    pub async fn stop(mut self) -> bool {
+        let pid = self.child.id().expect("the source is running") as i32;
+        // SAFETY: kill(2) on the pid of a child this test started and has
+        // not reaped yet.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        within("the source to exit after SIGTERM", self.child.wait())
+            .await
+            .is_ok_and(|s| s.success())
+    }
+}
+
+/// Starts a dial-out source process on `dir`, its HTTP ports on port 0,
+/// reconnecting after 10 ms to 200 ms.
+pub async fn spawn_dial_out_source(dir: &std::path::Path, args: &[&str]) -> RunningSource {
+    let dir = dir.to_str().unwrap();
+    let mut argv = vec!["source", "--source-dir", dir];
+    argv.extend_from_slice(&LOOPBACK_PORTS[2..]);
+    argv.extend_from_slice(&["--reconnect-min-delay", "10ms", "--reconnect-max-delay", "200ms"]);
+    argv.extend_from_slice(args);
+    let (child, _, banner, _) = spawn_until_listening(None, &argv, &[], "source listening").await;
+    RunningSource {
+        child,
+        admin: field(&banner, "admin"),
+        monitoring: field(&banner, "monitoring"),
+    }
+}
+
+/// The address logged as `name=ADDR` in `line`.
+fn field(line: &str, name: &str) -> SocketAddr {
+    let start = line
+        .find(&format!("{name}="))
+        .unwrap_or_else(|| panic!("no {name}= in {line}"))
+        + name.len()
+        + 1;
+    line[start..].split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// Starts the binary with `args` (from `cwd`, else the package root) and
+/// waits for its `banner` line: the child, the lines before it, the line,
+/// and the lines after it as they come (drained, so the child never blocks
+/// on a full pipe).
+async fn spawn_until_listening(
+    cwd: Option<&std::path::Path>,
+    args: &[&str],
+    env: &[(&str, &str)],
+    banner: &str,
+) -> (
+    tokio::process::Child,
+    Vec<String>,
+    String,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    use tokio::io::AsyncBufReadExt;
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_mcp-xds-gateway"));
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
+    command.envs(env.iter().copied());
     let mut child = command
-        .args(ports)
         .args(args)
         .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
@@ -306,40 +416,27 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
         .expect("start the gateway binary");
     let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut log = Vec::new();
-    let (listen, admin, monitoring) = within("the bound addresses in the log", async {
+    let line = within(&format!("{banner:?} in the log"), async {
         loop {
             let line = lines
                 .next_line()
                 .await
                 .unwrap()
-                .expect("the gateway logs before exiting");
-            if line.contains("gateway listening") {
-                let field = |name: &str| -> SocketAddr {
-                    let start = line.find(&format!("{name}=")).unwrap() + name.len() + 1;
-                    line[start..].split_whitespace().next().unwrap().parse().unwrap()
-                };
-                return (field("listen"), field("admin"), field("monitoring"));
+                .expect("the binary logs before exiting");
+            if line.contains(banner) {
+                return line;
             }
             log.push(line);
         }
     })
     .await;
-    // Keep draining the log so the child never blocks on a full pipe; the
-    // lines go to whoever reads `later`.
     let (tx, later) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
             let _ = tx.send(line);
         }
     });
-    Running {
-        child,
-        listen,
-        admin,
-        monitoring,
-        log,
-        later,
-    }
+    (child, log, line, later)
 }
 
 /// Makes a FIFO at `path`, or fails the test: a case that needs one is
