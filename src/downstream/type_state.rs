@@ -1327,6 +1327,33 @@ mod tests {
         assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a", "b", "c"], vec!["gone"]));
     }
 
+    /// The same by name only: a reported name it asks for is answered once,
+    /// whether it exists (sent again) or is gone (removed), and a reported
+    /// name it no longer asks for is removed where it is gone.
+    #[test]
+    fn a_named_delta_reconnect_answers_each_reported_name_once() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
+        let ha = v1.resources["a"].content_version();
+        let reported =
+            ReportedNames::with_versions([("a", ha.as_str()), ("asked-gone", "x"), ("b", "old"), ("gone", "x")]);
+        let mut s = family_state(Family::Xds, Mode::Incremental, Held::Reported(reported));
+        let sub = names(&["a", "asked-gone", "c"]);
+        let verdict = s.on_request(Request {
+            names: NameChange::Change {
+                subscribe: &sub,
+                unsubscribe: &[],
+            },
+            ..Request::new("", None)
+        });
+        assert_eq!(verdict, Verdict::First);
+        assert_eq!(
+            selected(&send(&mut s, &v1, "n1")),
+            (vec!["a", "c"], vec!["asked-gone", "gone"]),
+            "b is reported but no longer asked for, and exists: neither sent nor removed"
+        );
+    }
+
     #[test]
     fn too_many_names_is_a_verdict() {
         let mut s = state(Mode::Full, nothing());
