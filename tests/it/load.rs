@@ -73,6 +73,20 @@ async fn every_scenario_runs_over_xds_at_a_tiny_size() {
     every_scenario_runs_at_a_tiny_size_over("xds-delta").await;
 }
 
+/// A named scenario at a tiny size over `protocol` with `flag`: it ran as
+/// asked, with no NACK and no stream error. Its report, parsed and as
+/// printed.
+async fn tiny_named_run(scenario: &str, protocol: &str, flag: Option<&str>) -> (serde_json::Value, String) {
+    let mut args = vec!["--scenario", scenario, "--tiny", "--protocol", protocol];
+    args.extend(flag);
+    let (report, json) = mcp_load(&args).await;
+    assert_eq!(report["scenario"], scenario, "{json}");
+    assert_eq!(report["shape"]["protocol"], protocol, "{json}");
+    assert_eq!(report["nacks"], 0, "{json}");
+    assert_eq!(report["stream_errors"], 0, "{json}");
+    (report, json)
+}
+
 /// The named (EDS) scenario at a tiny size, both v3 protocols, and its
 /// disjoint variant: every client gets every change to its names, and
 /// nothing else (no push without a change, nothing to a bystander).
@@ -80,15 +94,7 @@ async fn every_scenario_runs_over_xds_at_a_tiny_size() {
 async fn the_eds_scenario_runs_at_a_tiny_size() {
     for protocol in ["xds-sotw", "xds-delta"] {
         for disjoint in [false, true] {
-            let mut args = vec!["--scenario", "eds", "--tiny", "--protocol", protocol];
-            if disjoint {
-                args.push("--eds-disjoint");
-            }
-            let (report, json) = mcp_load(&args).await;
-            assert_eq!(report["scenario"], "eds", "{json}");
-            assert_eq!(report["shape"]["protocol"], protocol, "{json}");
-            assert_eq!(report["nacks"], 0, "{json}");
-            assert_eq!(report["stream_errors"], 0, "{json}");
+            let (report, json) = tiny_named_run("eds", protocol, disjoint.then_some("--eds-disjoint")).await;
             let eds = &report["eds"];
             assert_eq!(eds["disjoint"], disjoint, "{json}");
             // The tiny shape's seed reaches some client with its changes.
@@ -124,15 +130,7 @@ async fn the_eds_scenario_runs_at_a_tiny_size() {
 async fn the_reconnect_scenario_runs_at_a_tiny_size() {
     for protocol in ["xds-sotw", "xds-delta"] {
         for kill in [false, true] {
-            let mut args = vec!["--scenario", "reconnect", "--tiny", "--protocol", protocol];
-            if kill {
-                args.push("--kill");
-            }
-            let (report, json) = mcp_load(&args).await;
-            assert_eq!(report["scenario"], "reconnect", "{json}");
-            assert_eq!(report["shape"]["protocol"], protocol, "{json}");
-            assert_eq!(report["nacks"], 0, "{json}");
-            assert_eq!(report["stream_errors"], 0, "{json}");
+            let (report, json) = tiny_named_run("reconnect", protocol, kill.then_some("--kill")).await;
             let streams = report["streams"].as_u64().unwrap();
             let reconnect = &report["reconnect"];
             assert_eq!(reconnect["signal"], if kill { "SIGKILL" } else { "SIGTERM" }, "{json}");

@@ -954,8 +954,17 @@ fn percentiles(samples: &mut [Duration]) -> (f64, f64, f64) {
     (ms(at(0.50)), ms(at(0.99)), ms(samples[samples.len() - 1]))
 }
 
+/// Bytes as MiB, one decimal.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+/// p50, p99 and max in milliseconds, as one cell.
+fn three_ms(p50: f64, p99: f64, max: f64) -> String {
+    format!("{p50} / {p99} / {max} ms")
+}
+
 fn print_report(report: &Report) {
-    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
     let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".into());
     let seconds = |s: Option<f64>| or_dash(s.map(|c| format!("{c:.2} s")));
     let rows: Vec<(&str, String)> = vec![
@@ -969,10 +978,7 @@ fn print_report(report: &Report) {
         ("responses delivered", report.responses_delivered.to_string()),
         (
             "latency p50 / p99 / max",
-            format!(
-                "{} / {} / {} ms",
-                report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms
-            ),
+            three_ms(report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms),
         ),
         ("gateway CPU", seconds(report.gateway_cpu_seconds)),
         ("gateway CPU in the kernel", seconds(report.gateway_cpu_system_seconds)),

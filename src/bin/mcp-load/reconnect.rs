@@ -30,7 +30,7 @@ use crate::eds::{self, Endpoints, Named, Subscriptions, COLLECTION};
 use crate::gateway::{self, ChildGateway};
 use crate::publisher::Publisher;
 use crate::scenario::{ClientProtocol, NamedShape, Shape};
-use crate::{cost_figures, ms, percentiles, until, Costs, Report, Run, Sent, PHASE_LIMIT};
+use crate::{cost_figures, mib, ms, percentiles, three_ms, until, Costs, Report, Run, Sent, PHASE_LIMIT};
 
 /// The reconnect scenario's own figures.
 #[derive(Debug, Default, serde::Serialize)]
@@ -62,17 +62,13 @@ pub struct ReconnectFigures {
 impl ReconnectFigures {
     /// The printed table's rows.
     pub fn rows(&self) -> Vec<(&'static str, String)> {
-        let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
         vec![
             ("stopped with", self.signal.to_string()),
             ("names per client", self.names_per_client.to_string()),
             ("clients resynced", self.resynced.to_string()),
             (
                 "resynced p50 / p99 / max",
-                format!(
-                    "{} / {} / {} ms",
-                    self.resynced_p50_ms, self.resynced_p99_ms, self.resynced_max_ms
-                ),
+                three_ms(self.resynced_p50_ms, self.resynced_p99_ms, self.resynced_max_ms),
             ),
             ("resync gateway CPU", format!("{:.2} s", self.gateway_cpu_seconds)),
             ("resync gateway peak RSS", mib(self.peak_rss)),
