@@ -409,15 +409,15 @@ impl Named {
 
     /// [`Self::changes`], name by name.
     fn changes_by_name(&self, holds: Holds<'_>, to: &CollectionSnapshot) -> Diff {
-        let reported: Option<HashSet<&str>> = match &holds {
-            Holds::Reported(reported) => Some(reported.iter().collect()),
-            Holds::Snapshot(_) => None,
-        };
+        // The reported names as a set, made for the first name that is gone
+        // (rare): a reconnecting client whose names all exist is read
+        // without one.
+        let reported_set: std::cell::OnceCell<HashSet<&str>> = std::cell::OnceCell::new();
         // Whether the client holds `name` at `resource`'s version (with
         // `None`: at all).
         let holds_at = |name: &str, resource: Option<&CachedResource>| -> bool {
-            match (&holds, &reported) {
-                (Holds::Snapshot(from), _) => {
+            match &holds {
+                Holds::Snapshot(from) => {
                     self.held.covers(name)
                         && match (from.resources.get(name), resource) {
                             (Some(held), Some(now)) => same_content(held, now),
@@ -428,8 +428,9 @@ impl Named {
                 // What a client reports is what it last ACKed, not what it
                 // holds after a response it applied in part: every resource
                 // is sent again; a name it reports that is gone is removed.
-                (Holds::Reported(_), Some(reported)) => resource.is_none() && reported.contains(name),
-                (Holds::Reported(_), None) => unreachable!("read above"),
+                Holds::Reported(reported) => {
+                    resource.is_none() && reported_set.get_or_init(|| reported.iter().collect()).contains(name)
+                }
             }
         };
         let mut upserts: Vec<Arc<CachedResource>> = Vec::new();
@@ -468,8 +469,12 @@ impl Named {
                 .filter(|n| self.current.covers(n))
                 .for_each(&mut consider),
             Holds::Reported(reported) => {
+                // A name it asks for by name was considered above (a
+                // wildcard client's names only where they exist): looked up
+                // among its own names, not again in the collection.
+                let considered = |name: &str| !self.current.wildcard && self.current.names.contains(name);
                 for name in reported.iter() {
-                    if !to.resources.contains_key(name) {
+                    if !considered(name) && !to.resources.contains_key(name) {
                         consider(&Arc::from(name));
                     }
                 }

@@ -1304,6 +1304,17 @@ mod tests {
         assert_eq!(selected(&send(&mut s, &v3, "n4")), (vec!["a"], vec![]));
     }
 
+    /// A delta client's first request, subscribing to `names`.
+    fn subscribe(s: &mut TypeState, names: &[String]) -> Verdict {
+        s.on_request(Request {
+            names: NameChange::Change {
+                subscribe: names,
+                unsubscribe: &[],
+            },
+            ..Request::new("", None)
+        })
+    }
+
     #[test]
     fn a_delta_reconnect_is_sent_everything_it_asks_for_and_the_removals_of_what_it_reports() {
         let (cache, mut writer) = Cache::new();
@@ -1313,18 +1324,31 @@ mod tests {
         let reported = ReportedNames::with_versions([("a", ha.as_str()), ("b", hb.as_str()), ("gone", "x")]);
         let mut s = family_state(Family::Xds, Mode::Incremental, Held::Reported(reported));
         let sub = names(&["*", "b"]);
-        let verdict = s.on_request(Request {
-            names: NameChange::Change {
-                subscribe: &sub,
-                unsubscribe: &[],
-            },
-            ..Request::new("", None)
-        });
-        assert_eq!(verdict, Verdict::First);
+        assert_eq!(subscribe(&mut s, &sub), Verdict::First);
         // "a" and "b" are reported at their versions, but what an xDS client
         // reports is what it last ACKed, not what it holds after a response
         // it applied in part: sent again, like "c"; "gone" is removed.
         assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a", "b", "c"], vec!["gone"]));
+    }
+
+    /// The same by name only: a reported name it asks for is answered once,
+    /// whether it exists (sent again) or is gone (removed), and a reported
+    /// name it no longer asks for is removed where it is gone.
+    #[test]
+    fn a_named_delta_reconnect_answers_each_reported_name_once() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
+        let ha = v1.resources["a"].content_version();
+        let reported =
+            ReportedNames::with_versions([("a", ha.as_str()), ("asked-gone", "x"), ("b", "old"), ("gone", "x")]);
+        let mut s = family_state(Family::Xds, Mode::Incremental, Held::Reported(reported));
+        let sub = names(&["a", "asked-gone", "c"]);
+        assert_eq!(subscribe(&mut s, &sub), Verdict::First);
+        assert_eq!(
+            selected(&send(&mut s, &v1, "n1")),
+            (vec!["a", "c"], vec!["asked-gone", "gone"]),
+            "b is reported but no longer asked for, and exists: neither sent nor removed"
+        );
     }
 
     #[test]

@@ -30,6 +30,18 @@ async fn mcp_load(args: &[&str]) -> (serde_json::Value, String) {
     (report, json)
 }
 
+/// `object` reports a `times_wire` figure: a ratio, 0 where the gateway and
+/// null where the writer took less than one clock tick of CPU (a tiny run's
+/// few bytes; Linux counts CPU in 10 ms ticks). A missing field is not
+/// reported.
+fn reports_times_wire(object: &serde_json::Value) -> bool {
+    match object.get("times_wire") {
+        Some(serde_json::Value::Null) => true,
+        Some(x) => x.as_f64().is_some_and(|x| x >= 0.0),
+        None => false,
+    }
+}
+
 /// Every scenario at a tiny size with the clients speaking `protocol`.
 async fn every_scenario_runs_at_a_tiny_size_over(protocol: &str) {
     for scenario in ["big-config", "fan-out", "incremental", "idle"] {
@@ -61,6 +73,20 @@ async fn every_scenario_runs_over_xds_at_a_tiny_size() {
     every_scenario_runs_at_a_tiny_size_over("xds-delta").await;
 }
 
+/// A named scenario at a tiny size over `protocol` with `flag`: it ran as
+/// asked, with no NACK and no stream error. Its report, parsed and as
+/// printed.
+async fn tiny_named_run(scenario: &str, protocol: &str, flag: Option<&str>) -> (serde_json::Value, String) {
+    let mut args = vec!["--scenario", scenario, "--tiny", "--protocol", protocol];
+    args.extend(flag);
+    let (report, json) = mcp_load(&args).await;
+    assert_eq!(report["scenario"], scenario, "{json}");
+    assert_eq!(report["shape"]["protocol"], protocol, "{json}");
+    assert_eq!(report["nacks"], 0, "{json}");
+    assert_eq!(report["stream_errors"], 0, "{json}");
+    (report, json)
+}
+
 /// The named (EDS) scenario at a tiny size, both v3 protocols, and its
 /// disjoint variant: every client gets every change to its names, and
 /// nothing else (no push without a change, nothing to a bystander).
@@ -68,15 +94,7 @@ async fn every_scenario_runs_over_xds_at_a_tiny_size() {
 async fn the_eds_scenario_runs_at_a_tiny_size() {
     for protocol in ["xds-sotw", "xds-delta"] {
         for disjoint in [false, true] {
-            let mut args = vec!["--scenario", "eds", "--tiny", "--protocol", protocol];
-            if disjoint {
-                args.push("--eds-disjoint");
-            }
-            let (report, json) = mcp_load(&args).await;
-            assert_eq!(report["scenario"], "eds", "{json}");
-            assert_eq!(report["shape"]["protocol"], protocol, "{json}");
-            assert_eq!(report["nacks"], 0, "{json}");
-            assert_eq!(report["stream_errors"], 0, "{json}");
+            let (report, json) = tiny_named_run("eds", protocol, disjoint.then_some("--eds-disjoint")).await;
             let eds = &report["eds"];
             assert_eq!(eds["disjoint"], disjoint, "{json}");
             // The tiny shape's seed reaches some client with its changes.
@@ -91,6 +109,9 @@ async fn the_eds_scenario_runs_at_a_tiny_size() {
                 "{json}"
             );
             assert!(report["wire"]["bytes"].as_u64().unwrap() > 0, "{json}");
+            // The goals' figures (numbers live in BENCHMARKS.md).
+            assert!(reports_times_wire(&report), "{json}");
+            assert!(eds["gateway_rss_per_client_bytes"].as_f64().is_some(), "{json}");
             if disjoint {
                 assert!(eds["bystanders"].as_u64().unwrap() > 0, "{json}");
                 assert_eq!(eds["bystander_responses"], 0, "{json}");
@@ -98,6 +119,37 @@ async fn the_eds_scenario_runs_at_a_tiny_size() {
             } else {
                 assert!(eds["bystanders"].is_null(), "{json}");
             }
+        }
+    }
+}
+
+/// The reconnect scenario at a tiny size, both v3 protocols, the gateway
+/// stopped with SIGTERM and with SIGKILL: every client holds the current
+/// state again after the restart, and the report says what that cost.
+#[tokio::test]
+async fn the_reconnect_scenario_runs_at_a_tiny_size() {
+    for protocol in ["xds-sotw", "xds-delta"] {
+        for kill in [false, true] {
+            let (report, json) = tiny_named_run("reconnect", protocol, kill.then_some("--kill")).await;
+            let streams = report["streams"].as_u64().unwrap();
+            let reconnect = &report["reconnect"];
+            assert_eq!(reconnect["signal"], if kill { "SIGKILL" } else { "SIGTERM" }, "{json}");
+            assert_eq!(reconnect["resynced"].as_u64().unwrap(), streams, "{json}");
+            let (p50, p99, max) = (
+                reconnect["resynced_p50_ms"].as_f64().unwrap(),
+                reconnect["resynced_p99_ms"].as_f64().unwrap(),
+                reconnect["resynced_max_ms"].as_f64().unwrap(),
+            );
+            assert!(0.0 < p50 && p50 <= p99 && p99 <= max, "{json}");
+            assert!(reconnect["gateway_cpu_seconds"].as_f64().is_some(), "{json}");
+            assert!(reconnect["peak_rss"].as_u64().unwrap() > 0, "{json}");
+            // Nothing changed across the restart: what was sent, the
+            // clients held (less each response's framing).
+            let sent = reconnect["bytes_sent"].as_u64().unwrap();
+            let held = reconnect["bytes_already_held"].as_u64().unwrap();
+            assert!(reconnect["responses"].as_u64().unwrap() >= streams, "{json}");
+            assert!(0 < held && held < sent, "{json}");
+            assert!(reports_times_wire(reconnect), "{json}");
         }
     }
 }
@@ -121,6 +173,10 @@ async fn eds_flags_that_do_not_fit_are_refused() {
             &["--scenario", "eds", "--eds-disjoint", "--streams", "300"][..],
             "--eds-disjoint",
         ),
+        (&["--scenario", "eds", "--kill"][..], "--kill"),
+        (&["--scenario", "reconnect", "--updates", "3"][..], "--updates"),
+        (&["--scenario", "reconnect", "--protocol", "mcp"][..], "--protocol"),
+        (&["--scenario", "reconnect", "--eds-disjoint"][..], "--eds-disjoint"),
     ] {
         let shown = format!("mcp-load {}", args.join(" "));
         let output = within(

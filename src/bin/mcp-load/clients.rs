@@ -522,6 +522,19 @@ impl<Req: prost::Message + Send + 'static> Drive<Req> {
         mut holder: H,
         watch: Watch<'_, H::Finals>,
     ) -> anyhow::Result<H> {
+        self.run_on(channel, ack, &mut holder, watch).await?;
+        Ok(holder)
+    }
+
+    /// [`Drive::run`] on a holder the caller keeps, so that what it held
+    /// survives a stream the gateway broke (a restart: `reconnect.rs`).
+    pub async fn run_on<H: Holder>(
+        self,
+        channel: Channel,
+        ack: impl Fn(&Envelope) -> Req,
+        holder: &mut H,
+        watch: Watch<'_, H::Finals>,
+    ) -> anyhow::Result<()> {
         let Watch {
             mut finals,
             progress,
@@ -536,16 +549,16 @@ impl<Req: prost::Message + Send + 'static> Drive<Req> {
                     let at = Instant::now();
                     tx.send(ack(&envelope)).await?;
                     holder.on_response(envelope, bytes, at)?;
-                    counted.update(&holder, progress, &finals.borrow());
+                    counted.update(&*holder, progress, &finals.borrow());
                 }
                 changed = finals.changed() => {
                     if changed.is_ok() {
-                        counted.update(&holder, progress, &finals.borrow_and_update());
+                        counted.update(&*holder, progress, &finals.borrow_and_update());
                     }
                 }
                 _ = stop.cancelled() => break,
             }
         }
-        Ok(holder)
+        Ok(())
     }
 }

@@ -197,6 +197,11 @@ impl Endpoints {
         }
     }
 
+    /// The resources' names, in their order.
+    pub fn names(&self) -> Arc<[Arc<str>]> {
+        self.names.clone()
+    }
+
     /// Each resource's final body digest.
     pub fn finals(&self) -> Arc<[u64]> {
         self.bodies.iter().map(|b| digest(b)).collect()
@@ -278,10 +283,17 @@ pub struct Named {
     deliveries: Vec<Delivery>,
     /// Resources received that the client did not ask for.
     not_subscribed: u64,
+    /// Delta: the version of each resource held, as the gateway named it;
+    /// state of the world: the last response's `version_info`. What the
+    /// client reports when it reconnects, as Envoy does.
+    versions: Vec<Option<String>>,
+    version_info: String,
+    /// Bytes of resources received at a content the client already held.
+    pub bytes_already_held: u64,
 }
 
 impl Named {
-    fn new(stream: usize, delta: bool, names: &[Arc<str>], resources: Vec<u32>) -> Self {
+    pub fn new(stream: usize, delta: bool, names: &[Arc<str>], resources: Vec<u32>) -> Self {
         Self {
             stream,
             delta,
@@ -291,13 +303,43 @@ impl Named {
                 .map(|(slot, &r)| (names[r as usize].clone(), slot))
                 .collect(),
             held: vec![None; resources.len()],
+            versions: vec![None; resources.len()],
             resources,
             holding: 0,
             pushes: Vec::new(),
             deliveries: Vec::new(),
             not_subscribed: 0,
+            version_info: String::new(),
+            bytes_already_held: 0,
         }
     }
+
+    pub fn stream(&self) -> usize {
+        self.stream
+    }
+
+    /// What the client reports when it opens its stream again: delta, the
+    /// version of each resource it holds (`initial_resource_versions`);
+    /// state of the world, the last `version_info`.
+    pub fn resume(&self, names: &[Arc<str>]) -> Resume {
+        let versions = self
+            .resources
+            .iter()
+            .zip(&self.versions)
+            .filter_map(|(&r, version)| Some((names[r as usize].to_string(), version.clone()?)))
+            .collect();
+        Resume {
+            versions,
+            version_info: self.version_info.clone(),
+        }
+    }
+}
+
+/// What a reconnecting client tells the gateway it holds.
+#[derive(Debug, Default)]
+pub struct Resume {
+    pub versions: HashMap<String, String>,
+    pub version_info: String,
 }
 
 /// The ClusterLoadAssignment in an `Any`.
@@ -324,6 +366,12 @@ fn delta_resource(resource: &[u8]) -> anyhow::Result<(&str, &[u8])> {
     Ok((std::str::from_utf8(name)?, assignment(any)?))
 }
 
+/// A delta `Resource`'s version (field 1).
+fn delta_version(resource: &[u8]) -> anyhow::Result<String> {
+    let version = length_delimited(resource, 1)?.unwrap_or_default();
+    Ok(std::str::from_utf8(version)?.to_owned())
+}
+
 impl Holder for Named {
     /// Each resource's final body digest.
     type Finals = Arc<[u64]>;
@@ -340,8 +388,13 @@ impl Holder for Named {
                 self.not_subscribed += 1;
                 continue;
             };
+            if self.delta {
+                self.versions[slot] = Some(delta_version(resource)?);
+            }
             let digest = digest(body);
-            if self.held[slot] != Some(digest) {
+            if self.held[slot] == Some(digest) {
+                self.bytes_already_held += resource.len() as u64;
+            } else {
                 if self.held[slot].replace(digest).is_none() {
                     self.holding += 1;
                 }
@@ -357,6 +410,7 @@ impl Holder for Named {
             let slot = self.slots.get(std::str::from_utf8(name)?).copied();
             if let Some(slot) = slot.filter(|&s| self.held[s].is_some()) {
                 self.held[slot] = None;
+                self.versions[slot] = None;
                 self.holding -= 1;
                 changed += 1;
             }
@@ -367,6 +421,9 @@ impl Holder for Named {
             resources: envelope.resources.len() as u32,
             changed,
         });
+        if !self.delta {
+            self.version_info = envelope.version;
+        }
         Ok(())
     }
 
@@ -382,24 +439,42 @@ impl Holder for Named {
     }
 }
 
-/// One named client as Envoy's EDS is: state of the world (`resource_names`
-/// on every request, each response ACKed with its version and nonce) or
-/// delta (`resource_names_subscribe` once, each response ACKed by nonce).
+/// One named client as Envoy's EDS is (see [`drive_named`]), from a fresh
+/// start.
 async fn named_stream(
-    client: Named,
+    mut client: Named,
     channel: Channel,
     names: Vec<String>,
     finals: watch::Receiver<Option<Arc<[u64]>>>,
     progress: Arc<Progress>,
     stop: CancellationToken,
 ) -> Option<Named> {
-    let index = client.stream;
+    let (index, delta) = (client.stream, client.delta);
     let watch = Watch {
         finals,
         progress: &progress,
         stop,
     };
-    let result = if client.delta {
+    let result = drive_named((index, delta), names, None, channel, &mut client, watch).await;
+    clients::kept(index, &progress, result.map(|()| client))
+}
+
+/// Drives one named client's stream as Envoy's EDS does: state of the world
+/// (`resource_names` on every request, each response ACKed with its version
+/// and nonce) or delta (`resource_names_subscribe` once, each response ACKed
+/// by nonce). With `resume`, the stream is opened again after a restart, as
+/// Envoy opens it: delta with `initial_resource_versions`, state of the
+/// world with its last `version_info`.
+pub async fn drive_named<H: Holder>(
+    (index, delta): (usize, bool),
+    names: Vec<String>,
+    resume: Option<Resume>,
+    channel: Channel,
+    holder: &mut H,
+    watch: Watch<'_, H::Finals>,
+) -> anyhow::Result<()> {
+    let resume = resume.unwrap_or_default();
+    if delta {
         let request = |nonce: &str| DeltaDiscoveryRequest {
             node: nonce.is_empty().then(|| xds_node(index)).flatten(),
             type_url: TYPE_URL.into(),
@@ -410,10 +485,13 @@ async fn named_stream(
         let drive = Drive {
             path: XDS_DELTA_PATH,
             fields: XDS_DELTA_NAMED,
-            initial: vec![request("")],
+            initial: vec![DeltaDiscoveryRequest {
+                initial_resource_versions: resume.versions,
+                ..request("")
+            }],
         };
         drive
-            .run(channel, |e: &Envelope| request(&e.nonce), client, watch)
+            .run_on(channel, |e: &Envelope| request(&e.nonce), holder, watch)
             .await
     } else {
         let request = |version: &str, nonce: &str| DiscoveryRequest {
@@ -427,13 +505,12 @@ async fn named_stream(
         let drive = Drive {
             path: XDS_SOTW_PATH,
             fields: XDS_SOTW_NAMED,
-            initial: vec![request("", "")],
+            initial: vec![request(&resume.version_info, "")],
         };
         drive
-            .run(channel, |e: &Envelope| request(&e.version, &e.nonce), client, watch)
+            .run_on(channel, |e: &Envelope| request(&e.version, &e.nonce), holder, watch)
             .await
-    };
-    clients::kept(index, &progress, result)
+    }
 }
 
 // === the run ===

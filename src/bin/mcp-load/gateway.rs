@@ -55,6 +55,17 @@ impl ChildGateway {
         collections: &[String],
         cores: Option<CpuSet>,
     ) -> anyhow::Result<Self> {
+        Self::spawn_with(binary, upstream, collections, cores, &[]).await
+    }
+
+    /// [`ChildGateway::spawn`] with `extra` flags (`--cache-dir DIR`).
+    pub async fn spawn_with(
+        binary: &Path,
+        upstream: SocketAddr,
+        collections: &[String],
+        cores: Option<CpuSet>,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
         if !binary.exists() {
             anyhow::bail!(
                 "--gateway {}: no such file; build it with `cargo build --release` or name one with --gateway",
@@ -71,6 +82,7 @@ impl ChildGateway {
             .args(["--upstream", &format!("http://{upstream}")])
             .args(["--collections", &collections.join(",")])
             .args(["--log-level", "info"])
+            .args(extra)
             .env_remove("RUST_LOG")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -142,6 +154,12 @@ impl ChildGateway {
             proc_field(&status, "VmRSS:")? * 1024,
             proc_field(&status, "VmHWM:")? * 1024,
         ))
+    }
+
+    /// Kills the gateway with SIGKILL (a crash: nothing is flushed or
+    /// closed) and waits for it to exit.
+    pub async fn kill(mut self) -> anyhow::Result<()> {
+        self.child.kill().await.context("cannot kill the gateway")
     }
 
     pub async fn stop(mut self) {

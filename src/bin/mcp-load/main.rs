@@ -10,6 +10,7 @@ mod eds;
 mod gateway;
 mod publisher;
 mod reader;
+mod reconnect;
 mod scenario;
 mod wire;
 
@@ -85,16 +86,16 @@ struct Args {
     /// mcp; with --scenario eds, xds-sotw (Envoy's EDS by name).
     #[arg(long, value_enum)]
     protocol: Option<ClientProtocol>,
-    /// With --scenario eds: names each client subscribes to, a random set drawn
-    /// with --seed [default: 50].
+    /// With --scenario eds or reconnect: names each client subscribes to, a
+    /// random set drawn with --seed [default: 50].
     #[arg(long)]
     names_per_client: Option<usize>,
     /// With --scenario eds: the share of the resources changed at each update, in
     /// percent, drawn at random with --seed [default: 1].
     #[arg(long)]
     change_percent: Option<f64>,
-    /// With --scenario eds: the seed of the clients' name sets and of which
-    /// resources change [default: 1].
+    /// With --scenario eds or reconnect: the seed of the clients' name sets
+    /// and of which resources change [default: 1].
     #[arg(long)]
     seed: Option<u64>,
     /// With --scenario eds: disjoint name sets (--streams x --names-per-client
@@ -103,6 +104,10 @@ struct Args {
     /// what the other half receive (goal: nothing).
     #[arg(long)]
     eds_disjoint: bool,
+    /// With --scenario reconnect: stop the gateway with SIGKILL (a crash)
+    /// rather than SIGTERM.
+    #[arg(long)]
+    kill: bool,
     /// The gateway binary to start (default: mcp-xds-gateway beside this one).
     #[arg(long, conflicts_with = "target")]
     gateway: Option<PathBuf>,
@@ -136,34 +141,56 @@ impl Args {
     /// Flags that contradict each other or the scenario; the message names
     /// them.
     fn check(&self) -> Result<(), String> {
-        let eds = self.scenario == Scenario::Eds;
-        let eds_only = [
+        let (eds, reconnect) = (self.scenario == Scenario::Eds, self.scenario == Scenario::Reconnect);
+        let named_only = [
             ("--names-per-client", self.names_per_client.is_some()),
-            ("--change-percent", self.change_percent.is_some()),
             ("--seed", self.seed.is_some()),
+        ];
+        if let (false, Some((flag, _))) = (eds || reconnect, named_only.iter().find(|(_, given)| *given)) {
+            return Err(format!("{flag} applies to --scenario eds or reconnect only"));
+        }
+        let eds_only = [
+            ("--change-percent", self.change_percent.is_some()),
             ("--eds-disjoint", self.eds_disjoint),
         ];
         if let (false, Some((flag, _))) = (eds, eds_only.iter().find(|(_, given)| *given)) {
             return Err(format!("{flag} applies to --scenario eds only"));
         }
-        if !eds {
+        if self.kill && !reconnect {
+            return Err("--kill applies to --scenario reconnect only".into());
+        }
+        if !eds && !reconnect {
             return Ok(());
         }
-        let not_with_eds = [
+        let scenario = if eds { "eds" } else { "reconnect" };
+        let not_with_named = [
             ("--target", self.target.is_some()),
             ("--abuse", self.abuse.is_some()),
             ("--collections", self.collections.is_some()),
             ("--incremental", self.incremental.is_some()),
             ("--changes-per-update", self.changes_per_update.is_some()),
         ];
-        if let Some((flag, _)) = not_with_eds.iter().find(|(_, given)| *given) {
+        let not_with_reconnect = [
+            ("--updates", self.updates.is_some()),
+            ("--update-interval", self.update_interval.is_some()),
+            ("--upstream-incremental", self.upstream_incremental.is_some()),
+            ("--chain", self.chain > 1),
+        ];
+        if let Some((flag, _)) = not_with_named
+            .iter()
+            .chain(not_with_reconnect.iter().filter(|_| reconnect))
+            .find(|(_, given)| *given)
+        {
             return Err(format!(
-                "{flag} does not apply to --scenario eds (it publishes one collection to named clients; \
-                 --change-percent sets the changes, --protocol the clients' kind)"
+                "{flag} does not apply to --scenario {scenario} (it publishes one collection to named clients; \
+                 --change-percent sets the changes of eds, --protocol the clients' kind; reconnect publishes \
+                 nothing after the clients synced, and restarts one gateway)"
             ));
         }
         if self.protocol == Some(ClientProtocol::Mcp) {
-            return Err("--scenario eds needs --protocol xds-sotw or xds-delta (names are xDS subscriptions)".into());
+            return Err(format!(
+                "--scenario {scenario} needs --protocol xds-sotw or xds-delta (names are xDS subscriptions)"
+            ));
         }
         let (shape, named) = (self.shape(), self.named());
         if !(0.0..=100.0).contains(&named.change_percent) {
@@ -207,7 +234,7 @@ impl Args {
         let base = if self.tiny { base.tiny() } else { base };
         let protocol = self.protocol.unwrap_or(base.protocol);
         let resources = self.resources.unwrap_or(base.resources);
-        if self.scenario == Scenario::Eds {
+        if matches!(self.scenario, Scenario::Eds | Scenario::Reconnect) {
             let named = self.named();
             // Disjoint sets: by default as many clients as the names allow.
             let fit = resources / named.names_per_client.max(1);
@@ -312,6 +339,9 @@ struct Report {
     /// With --scenario eds: the named clients' figures (the latency above is
     /// per changed resource, from the source to each client it reaches).
     eds: Option<eds::NamedFigures>,
+    /// With --scenario reconnect: the resync after the restart (the cost
+    /// figures above are the restarted gateway's, for the resync).
+    reconnect: Option<reconnect::ReconnectFigures>,
 }
 
 #[tokio::main]
@@ -477,6 +507,7 @@ async fn run(args: Args) -> anyhow::Result<Report> {
     };
     let mut report = match args.scenario {
         Scenario::Eds => eds::run(&binary, shape, args.named(), run).await?,
+        Scenario::Reconnect => reconnect::run(&binary, shape, args.named(), run, args.kill).await?,
         _ => {
             let names = collection_names(shape.collections, shape.protocol)?;
             run_with_child(&binary, shape, &names, run).await?
@@ -923,8 +954,17 @@ fn percentiles(samples: &mut [Duration]) -> (f64, f64, f64) {
     (ms(at(0.50)), ms(at(0.99)), ms(samples[samples.len() - 1]))
 }
 
+/// Bytes as MiB, one decimal.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+/// p50, p99 and max in milliseconds, as one cell.
+fn three_ms(p50: f64, p99: f64, max: f64) -> String {
+    format!("{p50} / {p99} / {max} ms")
+}
+
 fn print_report(report: &Report) {
-    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
     let or_dash = |value: Option<String>| value.unwrap_or_else(|| "-".into());
     let seconds = |s: Option<f64>| or_dash(s.map(|c| format!("{c:.2} s")));
     let rows: Vec<(&str, String)> = vec![
@@ -938,10 +978,7 @@ fn print_report(report: &Report) {
         ("responses delivered", report.responses_delivered.to_string()),
         (
             "latency p50 / p99 / max",
-            format!(
-                "{} / {} / {} ms",
-                report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms
-            ),
+            three_ms(report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms),
         ),
         ("gateway CPU", seconds(report.gateway_cpu_seconds)),
         ("gateway CPU in the kernel", seconds(report.gateway_cpu_system_seconds)),
@@ -1035,7 +1072,8 @@ fn print_report(report: &Report) {
     ];
     let rows = rows
         .into_iter()
-        .chain(report.eds.iter().flat_map(eds::NamedFigures::rows));
+        .chain(report.eds.iter().flat_map(eds::NamedFigures::rows))
+        .chain(report.reconnect.iter().flat_map(reconnect::ReconnectFigures::rows));
     for (name, value) in rows {
         println!("{name:<34} {value}");
     }

@@ -66,6 +66,11 @@ pub enum Scenario {
     /// v3 clients over 100 connections each subscribed to 50 of them by
     /// name, 1 % of them changing every 100 ms.
     Eds,
+    /// A restart under named clients: 2,000 delta clients of 50 names each
+    /// (of 10,000 ClusterLoadAssignments) synced, the gateway stopped
+    /// (SIGTERM, or SIGKILL with --kill) and started again with the same
+    /// --cache-dir, every client reconnecting with what it holds.
+    Reconnect,
 }
 
 impl Scenario {
@@ -141,6 +146,14 @@ impl Scenario {
                 incremental_clients: false,
                 protocol: ClientProtocol::XdsSotw,
             },
+            Scenario::Reconnect => Shape {
+                // Nothing is published after the clients synced.
+                updates: 0,
+                changes_per_update: 0,
+                incremental_clients: true,
+                protocol: ClientProtocol::XdsDelta,
+                ..Scenario::Eds.shape()
+            },
         }
     }
 
@@ -154,6 +167,9 @@ impl Scenario {
             Scenario::Eds => {
                 "no push without a change for the client; CPU per delivered byte <= 1.5 x wire; p99 <= 100 ms; \
                  <= 8 KiB per idle named client with 50 names"
+            }
+            Scenario::Reconnect => {
+                "every client resynced <= 2 s after the restart; gateway CPU for the resync <= 4 x the wire's"
             }
         }
     }
