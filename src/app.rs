@@ -376,6 +376,17 @@ impl CacheState {
             persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), tasks);
         }
         let skew = SkewTracker::new(cache.clone(), settings.client_generations.clone());
+        // What each group is served (a pin, a canary round), not the latest.
+        let served = rollout.clone();
+        skew.serve_from(crate::skew::ServedBy {
+            snapshots: Box::new(move |collection| {
+                [false, true]
+                    .into_iter()
+                    .map(|canary| served.watch(collection, canary).borrow().clone())
+                    .collect()
+            }),
+            changes: rollout.served_changes(),
+        });
         tasks.spawn(skew.clone().run(shutdown.clone()));
         Ok(Self {
             skew,

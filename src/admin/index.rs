@@ -163,10 +163,12 @@ pub async fn admin(
     let not_synced = syncz::problems_first(rows.iter().filter(|r| r.status != syncz::SyncStatus::Synced));
     let source = source_problems(&state);
     let skewed = super::skew::lead(&state);
+    let unchecked = super::skew::unchecked(&state);
     if wants_json(&headers) {
         return Json(json!({
             "source": syncz::source_json(&source),
             "skew": skewed,
+            "skew_not_checked": unchecked,
             "ready": state.not_ready().is_none(),
             "not_ready": state.not_ready(),
             "endpoints": endpoints_json(ADMIN_ENDPOINTS),
@@ -180,6 +182,7 @@ pub async fn admin(
     // in sync; the counts and the endpoints after.
     let mut body = String::from(NAVIGATION);
     problems_html(&source, &mut body);
+    problems_html(unchecked.as_slice(), &mut body);
     if let Some(skewed) = &skewed {
         body.push_str(&format!(
             "<p class=\"problem\" data-col=\"skew\">{} <a href=\"/debug/skew\">/debug/skew</a></p>",

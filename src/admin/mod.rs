@@ -66,6 +66,7 @@ impl AdminState {
     pub fn skew_lookup<'a>(&'a self, policy: &'a crate::transport::access::AccessPolicy) -> syncz::SkewLookup<'a> {
         syncz::SkewLookup {
             tracker: &self.skew,
+            rollout: &self.rollout,
             policy,
         }
     }
@@ -603,8 +604,10 @@ async fn syncz(
             value["not_delivered"] = not_delivered(&state);
             // The source's health (files that do not parse, ...): `status` exits 1 on it.
             value["source"] = syncz::source_json(&index::source_problems(&state));
-            // What connected clients' releases drop (`status` prints it).
+            // What connected clients' releases drop (`status` prints it),
+            // and who is not checked.
             value["skew"] = json!(skew::lead(&state));
+            value["skew_not_checked"] = json!(skew::unchecked(&state));
             // Why the gateway is not ready, if it is not (what /readyz says).
             value["not_ready"] = json!(state.not_ready());
             Json(value).into_response()

@@ -7,16 +7,19 @@ use std::collections::BTreeMap;
 
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use super::AdminState;
 use crate::skew::{ClientGeneration, Dropped, Generation, ResourceSkew, TrackedSkew, RELEASES};
 use crate::source::files::{self, Origins};
 
-/// File texts read for lines, once per view.
+/// Resources listed per collection and release.
+const LISTED: usize = 100;
+
+/// Files read for lines, once per view.
 #[derive(Default)]
-pub(super) struct Texts(BTreeMap<String, Option<String>>);
+pub(super) struct Texts(BTreeMap<String, Option<files::FileLines>>);
 
 impl Texts {
     /// The line of `dropped` in the file `collection`/`name` came from
@@ -29,12 +32,12 @@ impl Texts {
         dropped: &Dropped,
     ) -> Option<(String, usize)> {
         let (file, body_at) = origins.of(collection, name)?;
-        let text = self
+        let lines = self
             .0
             .entry(file.to_owned())
-            .or_insert_with(|| files::text_of(file, origins.max_file_bytes))
-            .as_deref()?;
-        let line = files::field_line(text, body_at, &dropped.path)?;
+            .or_insert_with(|| files::text_of(file, origins.max_file_bytes).map(|t| files::FileLines::of(&t)))
+            .as_ref()?;
+        let line = lines.field_line(body_at, &dropped.path, &dropped.proto_path)?;
         Some((file.to_owned(), line))
     }
 }
@@ -101,17 +104,22 @@ pub(super) fn view_json(state: &AdminState) -> Value {
             let collections: Vec<Value> = collections
                 .iter()
                 .map(|t| {
+                    // The first ones: the count says how many; `check --for`
+                    // lists them all.
                     let resources: Vec<Value> = t
                         .skewed
                         .iter()
+                        .take(LISTED)
                         .map(|(name, skew)| resource_json(&mut texts, &origins, &t.collection, name, *generation, skew))
                         .collect();
                     json!({
                         "collection": t.collection,
                         "version": t.version,
+                        // A canary round's new version (the canaries' only).
+                        "served_to": if t.canaries_only { "canaries" } else { "everyone" },
                         "checked": t.checked || t.version.is_none(),
                         "clients": t.clients,
-                        "resources": resources.len(),
+                        "resources": t.skewed.len(),
                         "dropped": resources,
                     })
                 })
@@ -120,7 +128,11 @@ pub(super) fn view_json(state: &AdminState) -> Value {
                 "release": generation.to_string(),
                 "protos": generation.release().map(|r| r.tag),
                 "clients": clients.get(generation).copied().unwrap_or_default(),
-                "resources": collections.iter().map(|c| c["resources"].as_u64().unwrap_or(0)).sum::<u64>(),
+                "resources": collections
+                    .iter()
+                    .filter(|c| c["served_to"] == "everyone")
+                    .map(|c| c["resources"].as_u64().unwrap_or(0))
+                    .sum::<u64>(),
                 "collections": collections,
             })
         })
@@ -141,7 +153,7 @@ pub(super) fn lead(state: &AdminState) -> Option<String> {
     let tracked = state.skew.tracked();
     let affected: Vec<String> = tracked
         .iter()
-        .filter(|t| !t.skewed.is_empty() && t.clients > 0)
+        .filter(|t| !t.skewed.is_empty() && t.clients > 0 && !t.canaries_only)
         .map(|t| {
             let example = t.skewed.iter().next().and_then(|(name, s)| {
                 s.dropped
@@ -167,6 +179,41 @@ pub(super) fn lead(state: &AdminState) -> Option<String> {
     })
 }
 
+/// Connected clients that read Istio's kinds and whose release is not known:
+/// what they drop is not checked (the index's line; `None` when none).
+pub(super) fn unchecked(state: &AdminState) -> Option<String> {
+    let unknown: Vec<String> = state
+        .registry
+        .streams()
+        .iter()
+        .filter(|s| s.generation == Some(ClientGeneration::Unknown))
+        .map(|s| match (&*s.node_id, s.peer) {
+            ("", Some(peer)) => peer.to_string(),
+            ("", None) => format!("stream {}", s.id),
+            (node, _) => node.to_owned(),
+        })
+        .collect();
+    (!unknown.is_empty()).then(|| {
+        format!(
+            "SKEW NOT CHECKED: {} connected client{} read{} Istio's kinds without saying which Istio {} (their wire \
+             does not tell): {}; name them with --client-generation GLOB=RELEASE (/debug/skew)",
+            unknown.len(),
+            if unknown.len() == 1 { "" } else { "s" },
+            if unknown.len() == 1 { "s" } else { "" },
+            if unknown.len() == 1 { "it is" } else { "they are" },
+            unknown.join(", ")
+        )
+    })
+}
+
 pub(super) async fn skew(State(state): State<AdminState>, headers: HeaderMap) -> Response {
-    super::view(&headers, "Version skew", view_json(&state))
+    // Files are read for the lines: on the blocking pool.
+    match tokio::task::spawn_blocking(move || view_json(&state)).await {
+        Ok(value) => super::view(&headers, "Version skew", value),
+        Err(e) => (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the skew view failed: {e}\n"),
+        )
+            .into_response(),
+    }
 }

@@ -144,6 +144,8 @@ pub struct RowSkew {
 /// Where the views look up what a client's release drops.
 pub struct SkewLookup<'a> {
     pub tracker: &'a SkewTracker,
+    /// The version each group is served (a pin, a canary round).
+    pub rollout: &'a Rollout,
     /// A client that may read part of a collection drops only of its part.
     pub policy: &'a AccessPolicy,
 }
@@ -151,9 +153,11 @@ pub struct SkewLookup<'a> {
 impl SkewLookup<'_> {
     fn of(&self, stream: &StreamView, view: &TypeView) -> Option<RowSkew> {
         let generation = stream.generation?;
+        // At the version its group is served: what it holds once SYNCED.
+        let served = self.rollout.served_version(&view.collection, stream.canary);
         let tracked = generation
             .generation()
-            .and_then(|g| self.tracker.get(&view.collection, g))
+            .and_then(|g| self.tracker.get(&view.collection, g, Some(served.as_deref()?)))
             .filter(|t| t.checked);
         let dropping = tracked.map(|tracked| {
             // A named subscription (listed whole) drops only of its names; a

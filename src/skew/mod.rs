@@ -23,5 +23,5 @@ mod tracker;
 mod walk;
 
 pub use releases::{ClientGeneration, Generation, GenerationRules, GenerationRulesError, Learned, Release, RELEASES};
-pub use tracker::{Interest, SkewTracker, TrackedSkew};
+pub use tracker::{Interest, ServedBy, SkewTracker, TrackedSkew};
 pub use walk::{body_of, dropped_by, Dropped, DroppedKind, ResourceSkew, MAX_FINDINGS};

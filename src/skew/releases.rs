@@ -149,7 +149,8 @@ impl serde::Serialize for ClientGeneration {
                 map.serialize_entry(
                     "why",
                     "its wire does not tell (ResourceSource and MCP over xDS look the same from Istio 1.1 to 1.7 and \
-                     on), it sent no ISTIO_VERSION, and no --client-generation rule names its node id or identity",
+                     on), it sent no ISTIO_VERSION that names a release (istiod's adsc sends 65536.65536.65536 when it \
+                     knows none), and no --client-generation rule names its node id or identity",
                 )?;
             }
         }

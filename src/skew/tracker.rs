@@ -1,10 +1,13 @@
 //! The skew of every collection a connected client of a known generation
-//! reads, for that generation: kept as the cache changes, off the fan-out
-//! path (its own task, on the blocking pool), at the cost of the change.
+//! reads, for that generation, at each version the collection is served (the
+//! latest, a pinned one, a canary round's): kept as the cache and the
+//! rollout change, off the fan-out path (its own task, on the blocking
+//! pool), at the cost of the change.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::releases::{Generation, GenerationRules};
@@ -15,13 +18,17 @@ use crate::source::files::Origins;
 
 type Key = (Arc<str>, Generation);
 
-/// One collection's skew for one generation, at one version.
+/// One collection's skew for one generation, at one version it is served.
 #[derive(Clone, Debug)]
 pub struct TrackedSkew {
     pub collection: Arc<str>,
     pub generation: Generation,
-    /// The collection's version it was found at (`None`: not delivered yet).
+    /// The version (`None`: not delivered yet, or its first check has not
+    /// run).
     pub version: Option<Arc<str>>,
+    /// Served to the canaries only (a canary round's new version); else to
+    /// everyone (the latest, or a pinned version).
+    pub canaries_only: bool,
     /// False for a collection whose kind is not one of Istio's in the
     /// releases' protos (Mixer's `Struct` kinds, MeshConfig): not checked.
     pub checked: bool,
@@ -38,7 +45,7 @@ pub struct TrackedSkew {
 /// not with the resources.
 #[derive(Debug, Default)]
 struct Interned {
-    distinct: std::collections::HashSet<Arc<ResourceSkew>>,
+    distinct: HashSet<Arc<ResourceSkew>>,
     /// Size after the last sweep of skews no resource holds any more.
     swept: usize,
 }
@@ -59,21 +66,45 @@ impl Interned {
     }
 }
 
+/// One served version's skew, with the resources it was found in (to diff
+/// against at the next version: an `imbl` map, shared with the cache's).
+#[derive(Clone)]
+struct Checked {
+    skew: TrackedSkew,
+    resources: ResourceMap,
+}
+
+/// A collection and generation in use: the versions served, everyone's
+/// first.
+#[derive(Default)]
+struct Tracked {
+    served: Vec<Checked>,
+    interned: Interned,
+}
+
 #[derive(Default)]
 struct State {
     /// Connected streams per collection and generation.
     interests: HashMap<Key, usize>,
-    /// What was found, with the resources it was found in (to diff against
-    /// at the next version: an `imbl` map, shared with the cache's).
-    tracked: BTreeMap<Key, (TrackedSkew, ResourceMap, Interned)>,
+    tracked: HashMap<Key, Tracked>,
+}
+
+/// What each group of clients is served of a collection (everyone's first,
+/// then the canaries'), and a signal when that changes without the cache
+/// changing (a pin, a promotion, a canary round released). Without it, the
+/// cache's latest.
+pub struct ServedBy {
+    pub snapshots: Box<dyn Fn(&Arc<str>) -> Vec<Option<Arc<CollectionSnapshot>>> + Send + Sync>,
+    pub changes: watch::Receiver<u64>,
 }
 
 /// The skew of what is served, for every generation in use.
 pub struct SkewTracker {
     cache: Arc<Cache>,
+    served: Mutex<Option<ServedBy>>,
     /// Where the files source's resources came from, for the lines of
     /// what is dropped.
-    origins: tokio::sync::watch::Sender<Arc<Origins>>,
+    origins: watch::Sender<Arc<Origins>>,
     rules: GenerationRules,
     state: Mutex<State>,
     wake: tokio::sync::Notify,
@@ -110,8 +141,6 @@ impl Drop for Interest {
             state.tracked.remove(&self.key);
             // No client of the generation reads it now: nothing is dropped.
             m::skew_resources(&self.key.0, self.key.1, 0);
-        } else if let Some((tracked, _, _)) = state.tracked.get_mut(&self.key) {
-            tracked.clients = *count;
         }
     }
 }
@@ -120,7 +149,8 @@ impl SkewTracker {
     pub fn new(cache: Arc<Cache>, rules: GenerationRules) -> Arc<Self> {
         Arc::new(Self {
             cache,
-            origins: tokio::sync::watch::Sender::new(Arc::default()),
+            served: Mutex::new(None),
+            origins: watch::Sender::new(Arc::default()),
             rules,
             state: Mutex::default(),
             wake: tokio::sync::Notify::new(),
@@ -128,8 +158,14 @@ impl SkewTracker {
         })
     }
 
+    /// Follows what the rollout serves each group rather than the cache's
+    /// latest (before [`SkewTracker::run`]).
+    pub fn serve_from(&self, served: ServedBy) {
+        *self.served.lock().unwrap_or_else(|e| e.into_inner()) = Some(served);
+    }
+
     /// Where the files source publishes where each resource came from.
-    pub fn origins_sender(&self) -> tokio::sync::watch::Sender<Arc<Origins>> {
+    pub fn origins_sender(&self) -> watch::Sender<Arc<Origins>> {
         self.origins.clone()
     }
 
@@ -152,15 +188,11 @@ impl SkewTracker {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let count = state.interests.entry(key.clone()).or_default();
         *count += 1;
-        let count = *count;
-        match state.tracked.get_mut(&key) {
-            Some((tracked, _, _)) => tracked.clients = count,
-            None => {
-                // At 0 until found: a series for every generation in use.
-                m::skew_resources(collection, generation, 0);
-                drop(state);
-                self.wake.notify_one();
-            }
+        if *count == 1 {
+            // At 0 until found: a series for every generation in use.
+            m::skew_resources(collection, generation, 0);
+            drop(state);
+            self.wake.notify_one();
         }
         Some(Interest {
             tracker: self.clone(),
@@ -173,40 +205,65 @@ impl SkewTracker {
         self.checks.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Every collection and generation in use, by collection then release.
+    /// Every collection and generation in use, at each version served, by
+    /// collection then release (everyone's version first).
     pub fn tracked(&self) -> Vec<TrackedSkew> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let mut all: Vec<TrackedSkew> = state.tracked.values().map(|(t, _, _)| t.clone()).collect();
-        // Interests whose first check has not run yet: shown as pending.
+        let mut all = Vec::new();
         for (key, clients) in &state.interests {
-            if !state.tracked.contains_key(key) {
-                all.push(TrackedSkew {
+            match state.tracked.get(key).filter(|t| !t.served.is_empty()) {
+                Some(tracked) => all.extend(tracked.served.iter().map(|c| TrackedSkew {
+                    clients: *clients,
+                    ..c.skew.clone()
+                })),
+                // Its first check has not run yet: shown as pending.
+                None => all.push(TrackedSkew {
                     collection: key.0.clone(),
                     generation: key.1,
                     version: None,
+                    canaries_only: false,
                     checked: true,
                     skewed: imbl::OrdMap::new(),
                     clients: *clients,
-                });
+                }),
             }
         }
-        all.sort_by(|a, b| (&a.collection, a.generation).cmp(&(&b.collection, b.generation)));
+        all.sort_by(|a, b| {
+            (&a.collection, a.generation, a.canaries_only).cmp(&(&b.collection, b.generation, b.canaries_only))
+        });
         all
     }
 
-    /// One collection's skew for one generation, if tracked.
-    pub fn get(&self, collection: &str, generation: Generation) -> Option<TrackedSkew> {
+    /// One collection's skew for one generation at the version everyone is
+    /// served, or at `version` when it is one of those served.
+    pub fn get(&self, collection: &str, generation: Generation, version: Option<&str>) -> Option<TrackedSkew> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state
-            .tracked
-            .get(&(Arc::from(collection), generation))
-            .map(|(t, _, _)| t.clone())
+        let key = (Arc::from(collection), generation);
+        let tracked = state.tracked.get(&key)?;
+        let clients = state.interests.get(&key).copied().unwrap_or_default();
+        let found = match version {
+            Some(version) => tracked
+                .served
+                .iter()
+                .find(|c| c.skew.version.as_deref() == Some(version))?,
+            None => tracked.served.first()?,
+        };
+        Some(TrackedSkew {
+            clients,
+            ..found.skew.clone()
+        })
     }
 
-    /// Keeps the skew as the cache and the interests change, until
-    /// `shutdown`.
+    /// Keeps the skew as the cache, the rollout and the interests change,
+    /// until `shutdown`.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         let mut changes = self.cache.changes();
+        let mut served = self
+            .served
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|s| s.changes.clone());
         loop {
             let this = self.clone();
             if tokio::task::spawn_blocking(move || this.refresh()).await.is_err() {
@@ -214,92 +271,134 @@ impl SkewTracker {
             }
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { return },
+                changed = async { served.as_mut().expect("guarded").changed().await }, if served.is_some() => {
+                    if changed.is_err() { served = None }
+                }
                 () = self.wake.notified() => {}
                 () = shutdown.cancelled() => return,
             }
         }
     }
 
-    /// Brings every interest's skew to its collection's current version:
-    /// the resources changed since the last check are checked, one check
-    /// per resource and generation. The lock is not held while checking.
-    pub fn refresh(&self) {
-        type Work = (Key, Arc<CollectionSnapshot>, Option<(TrackedSkew, ResourceMap, Interned)>);
-        // The keys whose collection moved on since their last check (the
-        // interner is only this task's: taken, not copied).
-        let work: Vec<Work> = {
-            let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let state = &mut *guard;
-            state
-                .interests
-                .keys()
-                .filter_map(|key| {
-                    let snapshot = self.cache.get(&key.0)?;
-                    let last = state.tracked.get_mut(key);
-                    if last
-                        .as_ref()
-                        .is_some_and(|(t, _, _)| t.version.as_deref() == Some(&*snapshot.version))
-                    {
-                        return None;
-                    }
-                    let last = last.map(|(t, r, i)| (t.clone(), r.clone(), std::mem::take(i)));
-                    Some((key.clone(), snapshot, last))
-                })
-                .collect()
+    /// What each group is served of `collection`, everyone's first, each
+    /// version once.
+    fn served_snapshots(&self, collection: &Arc<str>) -> Vec<(Arc<CollectionSnapshot>, bool)> {
+        let served = self.served.lock().unwrap_or_else(|e| e.into_inner());
+        let groups = match served.as_ref() {
+            Some(served) => (served.snapshots)(collection),
+            None => vec![self.cache.get(collection)],
         };
-        for (key, snapshot, last) in work {
+        let mut distinct: Vec<(Arc<CollectionSnapshot>, bool)> = Vec::new();
+        for (i, snapshot) in groups.into_iter().enumerate() {
+            let Some(snapshot) = snapshot else { continue };
+            if !distinct.iter().any(|(s, _)| s.version == snapshot.version) {
+                distinct.push((snapshot, i > 0));
+            }
+        }
+        distinct
+    }
+
+    /// Brings every interest's skew to the versions its collection is
+    /// served: each new version is made from one checked before (the
+    /// resources changed since are checked, one check per resource and
+    /// generation). The lock is not held while checking.
+    pub fn refresh(&self) {
+        let keys: Vec<Key> = {
+            let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.interests.keys().cloned().collect()
+        };
+        for key in keys {
+            let served = self.served_snapshots(&key.0);
+            // What was checked before (the interner is only this task's:
+            // taken, not copied).
+            let (before, mut interned) = {
+                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                match state.tracked.get_mut(&key) {
+                    None => (Vec::new(), Interned::default()),
+                    Some(tracked) => {
+                        let same = tracked.served.len() == served.len()
+                            && tracked
+                                .served
+                                .iter()
+                                .zip(&served)
+                                .all(|(c, (s, _))| c.skew.version.as_deref() == Some(&*s.version));
+                        if same {
+                            continue;
+                        }
+                        (tracked.served.clone(), std::mem::take(&mut tracked.interned))
+                    }
+                }
+            };
             let release = key
                 .1
                 .release()
                 .expect("interests are taken for releases the gateway has");
-            let (mut skew, before, mut interned) = last.unwrap_or_else(|| {
-                (
-                    TrackedSkew {
-                        collection: key.0.clone(),
-                        generation: key.1,
-                        version: None,
-                        checked: false,
-                        skewed: imbl::OrdMap::new(),
-                        clients: 0,
-                    },
-                    ResourceMap::default(),
-                    Interned::default(),
-                )
-            });
-            let diff = Diff::between(&before, &snapshot.resources);
-            for name in &diff.removed {
-                skew.skewed.remove(name);
-            }
-            let mut checked = skew.checked;
-            self.checks
-                .fetch_add(diff.upserts.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            for resource in &diff.upserts {
-                match check(release, resource) {
-                    Some(found) => {
-                        checked = true;
-                        if found.is_empty() {
+            let mut now = Vec::with_capacity(served.len());
+            for (snapshot, canaries_only) in &served {
+                let known = before
+                    .iter()
+                    .chain(now.iter())
+                    .find(|c: &&Checked| c.skew.version.as_deref() == Some(&*snapshot.version));
+                if let Some(known) = known {
+                    let mut known = known.clone();
+                    known.skew.canaries_only = *canaries_only;
+                    now.push(known);
+                    continue;
+                }
+                // From the version checked last (everyone's), at the cost
+                // of the change.
+                let base = before.first().cloned();
+                let (mut skew, resources) = match base {
+                    Some(c) => (c.skew, c.resources),
+                    None => (
+                        TrackedSkew {
+                            collection: key.0.clone(),
+                            generation: key.1,
+                            version: None,
+                            canaries_only: false,
+                            checked: false,
+                            skewed: imbl::OrdMap::new(),
+                            clients: 0,
+                        },
+                        ResourceMap::default(),
+                    ),
+                };
+                let diff = Diff::between(&resources, &snapshot.resources);
+                for name in &diff.removed {
+                    skew.skewed.remove(name);
+                }
+                self.checks
+                    .fetch_add(diff.upserts.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                for resource in &diff.upserts {
+                    match check(release, resource) {
+                        Some(found) => {
+                            skew.checked = true;
+                            if found.is_empty() {
+                                skew.skewed.remove(&resource.name);
+                            } else {
+                                skew.skewed.insert(resource.name.clone(), interned.intern(found));
+                            }
+                        }
+                        None => {
                             skew.skewed.remove(&resource.name);
-                        } else {
-                            skew.skewed.insert(resource.name.clone(), interned.intern(found));
                         }
                     }
-                    None => {
-                        skew.skewed.remove(&resource.name);
-                    }
                 }
+                skew.version = Some(snapshot.version.clone());
+                skew.canaries_only = *canaries_only;
+                now.push(Checked {
+                    skew,
+                    resources: snapshot.resources.clone(),
+                });
             }
-            skew.checked = checked;
-            skew.version = Some(snapshot.version.clone());
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
             // The last client may have gone while this was checked.
-            let Some(clients) = state.interests.get(&key).copied() else {
+            if !state.interests.contains_key(&key) {
                 continue;
-            };
-            skew.clients = clients;
-            m::skew_resources(&key.0, key.1, skew.skewed.len());
-            state
-                .tracked
-                .insert(key, (skew, snapshot.resources.clone(), interned));
+            }
+            let everyone = now.first().map_or(0, |c| c.skew.skewed.len());
+            m::skew_resources(&key.0, key.1, everyone);
+            state.tracked.insert(key, Tracked { served: now, interned });
         }
     }
 }
@@ -354,7 +453,9 @@ mod tests {
     #[tokio::test]
     async fn a_change_costs_one_check_per_generation_and_equal_skews_are_shared() {
         let (cache, mut writer) = Cache::new();
-        let rules: Vec<CachedResource> = (0..100).map(|i| rule(&format!("ns/r{i:03}"), "1", i % 2 == 0)).collect();
+        let rules: Vec<CachedResource> = (0..100)
+            .map(|i| rule(&format!("ns/r{i:03}"), "1", i % 2 == 0))
+            .collect();
         writer.apply(DR, Update::Full(rules), Origin::Files);
         let tracker = SkewTracker::new(cache.clone(), GenerationRules::default());
         let collection: Arc<str> = DR.into();
@@ -364,7 +465,7 @@ mod tests {
         assert!(tracker.interest(&collection, Generation::of(9)).is_none());
         tracker.refresh();
         assert_eq!(tracker.checks(), 200, "100 resources, two generations");
-        let found = tracker.get(DR, Generation::of(1)).unwrap();
+        let found = tracker.get(DR, Generation::of(1), None).unwrap();
         assert_eq!(found.skewed.len(), 50);
         assert_eq!(found.clients, 1);
         // The 50 resources that drop the same field share one skew.
@@ -376,15 +477,19 @@ mod tests {
         // One resource changes (now read whole): one check per generation.
         let mut changed = Vec::new();
         for i in 0..100 {
-            changed.push(rule(&format!("ns/r{i:03}"), if i == 0 { "2" } else { "1" }, i % 2 == 0 && i != 0));
+            changed.push(rule(
+                &format!("ns/r{i:03}"),
+                if i == 0 { "2" } else { "1" },
+                i % 2 == 0 && i != 0,
+            ));
         }
         writer.apply(DR, Update::Full(changed), Origin::Files);
         tracker.refresh();
         assert_eq!(tracker.checks(), 202);
-        assert_eq!(tracker.get(DR, Generation::of(3)).unwrap().skewed.len(), 49);
+        assert_eq!(tracker.get(DR, Generation::of(3), None).unwrap().skewed.len(), 49);
         // The last client of a generation leaves: its skew goes.
         drop(v11);
-        assert!(tracker.get(DR, Generation::of(1)).is_none());
+        assert!(tracker.get(DR, Generation::of(1), None).is_none());
         assert_eq!(tracker.tracked().len(), 1);
         drop(v13);
         assert!(tracker.tracked().is_empty());

@@ -13,6 +13,23 @@ use crate::source::proto_json::{self, PathStep};
 /// (a body made of unknown fields costs a count, not memory).
 pub const MAX_FINDINGS: usize = 16;
 
+/// The gateway's own Istio protos (the names shown, and which kinds are
+/// Istio's), decoded on first use: Istio's kinds only, not the Envoy types
+/// the files source and the config dump decode with (a gateway that only
+/// relays Galley's bytes never decodes those).
+fn current_pool() -> &'static DescriptorPool {
+    static POOL: std::sync::OnceLock<DescriptorPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        DescriptorPool::decode(proto_json::ISTIO_DESCRIPTORS).expect("build.rs wrote a valid descriptor set")
+    })
+}
+
+/// The gateway's descriptor of the message `type_url` names, if one of
+/// Istio's kinds.
+fn current_message(type_url: &str) -> Option<MessageDescriptor> {
+    current_pool().get_message_by_name(type_url.rsplit('/').next().unwrap_or(type_url))
+}
+
 /// Nesting deeper than this is not walked (protobuf's own default limit).
 const MAX_DEPTH: usize = 100;
 
@@ -23,8 +40,10 @@ const ANY: &str = "google.protobuf.Any";
 pub enum DroppedKind {
     /// A field its message does not have: the decoder skips it.
     Field,
-    /// A value its enum does not have (shown by the gateway's name for it).
-    EnumValue(String),
+    /// A number its enum does not have, with the gateway's name for it (a
+    /// release may know the name under another number: istio/api
+    /// renumbered values).
+    EnumValue { number: i32, name: Option<String> },
     /// A message type it cannot resolve (inside an `Any`, or the body's own
     /// type): the whole value is unreadable to it.
     Type(String),
@@ -36,6 +55,9 @@ pub struct Dropped {
     /// From the body's root (`trafficPolicy`, `outlierDetection`, ...);
     /// empty for the whole body.
     pub path: Vec<PathStep>,
+    /// The same by the protos' field names (`traffic_policy`), which YAML
+    /// may use instead: for finding its line.
+    pub proto_path: Vec<PathStep>,
     pub kind: DroppedKind,
     /// The first release the gateway carries that has it; `None`: none of
     /// them (added after 1.7).
@@ -66,8 +88,11 @@ impl Dropped {
         let path = self.shown_path();
         match &self.kind {
             DroppedKind::Field => format!("Istio {generation} clients drop {path} ({})", self.added()),
-            DroppedKind::EnumValue(value) => format!(
-                "Istio {generation} clients do not know the value {value} of {path} ({})",
+            DroppedKind::EnumValue { number, name } => format!(
+                "Istio {generation} clients read {path} = {number}{} as a value their enum lacks ({})",
+                name.as_ref()
+                    .map(|n| format!(" ({n} in the gateway's protos)"))
+                    .unwrap_or_default(),
                 self.added()
             ),
             DroppedKind::Type(name) => format!(
@@ -105,7 +130,7 @@ impl ResourceSkew {
 /// known).
 pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<ResourceSkew> {
     let name = type_url.rsplit('/').next().unwrap_or(type_url);
-    let current = proto_json::message_type(type_url);
+    let current = current_message(type_url);
     if !in_scope(name, current.as_ref()) {
         return None;
     }
@@ -113,6 +138,7 @@ pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<Reso
         release,
         found: ResourceSkew::default(),
         path: Vec::new(),
+        proto_path: Vec::new(),
     };
     match release.pool().get_message_by_name(name) {
         Some(old) => walk.message(body, current.as_ref(), &old, 0),
@@ -153,6 +179,9 @@ struct Walk<'r> {
     release: &'r Release,
     found: ResourceSkew,
     path: Vec<PathStep>,
+    /// The same path by the protos' field names (`traffic_policy`), as YAML
+    /// may spell it.
+    proto_path: Vec<PathStep>,
 }
 
 impl Walk<'_> {
@@ -168,6 +197,7 @@ impl Walk<'_> {
             .map(|r| r.generation);
         self.found.dropped.push(Dropped {
             path: self.path.clone(),
+            proto_path: self.proto_path.clone(),
             kind,
             added_in,
         });
@@ -176,31 +206,23 @@ impl Walk<'_> {
     /// Walks one message's bytes: `old` is the release's descriptor of it,
     /// `current` the gateway's (for the names shown; `None` where the
     /// gateway does not know the message).
-    fn message(
-        &mut self,
-        mut bytes: &[u8],
-        current: Option<&MessageDescriptor>,
-        old: &MessageDescriptor,
-        depth: usize,
-    ) {
+    fn message(&mut self, bytes: &[u8], current: Option<&MessageDescriptor>, old: &MessageDescriptor, depth: usize) {
         if depth > MAX_DEPTH {
             return;
         }
         // Repeated fields: the index of each occurrence, per field number.
         let mut seen: Vec<(u32, usize)> = Vec::new();
-        while !bytes.is_empty() {
-            let Ok((number, wire_type)) = decode_key(&mut bytes) else {
-                return;
-            };
-            let Some(value) = take_value(&mut bytes, wire_type) else {
-                return;
-            };
+        for (number, wire_type, value) in fields(bytes) {
             let old_field = old.get_field(number);
             let current_field = current.and_then(|c| c.get_field(number));
             let named = current_field.as_ref().or(old_field.as_ref());
-            let name = named.map_or_else(|| format!("(field {number})"), |f| f.json_name().to_owned());
+            let (name, proto_name) = named.map_or_else(
+                || (format!("(field {number})"), format!("(field {number})")),
+                |f| (f.json_name().to_owned(), f.name().to_owned()),
+            );
             let list = named.is_some_and(|f| f.is_list());
             self.path.push(PathStep::Key(name));
+            self.proto_path.push(PathStep::Key(proto_name));
             let index = list.then(|| {
                 let at = match seen.iter_mut().find(|(n, _)| *n == number) {
                     Some((_, count)) => {
@@ -213,6 +235,7 @@ impl Walk<'_> {
                     }
                 };
                 self.path.push(PathStep::Index(at));
+                self.proto_path.push(PathStep::Index(at));
             });
             match old_field {
                 None => self.push(
@@ -236,8 +259,10 @@ impl Walk<'_> {
             }
             if index.is_some() {
                 self.path.pop();
+                self.proto_path.pop();
             }
             self.path.pop();
+            self.proto_path.pop();
         }
     }
 
@@ -270,13 +295,12 @@ impl Walk<'_> {
             (Kind::Enum(old), value) => {
                 let mut check = |number: i32| {
                     if old.get_value(number).is_none() {
-                        let shown = match current {
+                        let name = match current {
                             Some(Kind::Enum(e)) => e.get_value(number).map(|v| v.name().to_owned()),
                             _ => None,
-                        }
-                        .unwrap_or_else(|| number.to_string());
+                        };
                         self.push(
-                            DroppedKind::EnumValue(shown),
+                            DroppedKind::EnumValue { number, name },
                             Anchor::EnumValue {
                                 name: old.full_name(),
                                 number,
@@ -320,7 +344,9 @@ impl Walk<'_> {
         };
         // The map's own step is the field's name: the key replaces nothing,
         // it is one more step.
-        self.path.push(PathStep::Key(key.unwrap_or_default()));
+        let key = PathStep::Key(key.unwrap_or_default());
+        self.path.push(key.clone());
+        self.proto_path.push(key);
         let current_kind = current.and_then(|c| c.get_field(2)).map(|f| f.kind());
         self.value(
             &old_value.kind(),
@@ -331,6 +357,7 @@ impl Walk<'_> {
             depth + 1,
         );
         self.path.pop();
+        self.proto_path.pop();
     }
 
     /// An `Any`: its type resolved in the release's protos, then walked.
@@ -340,7 +367,7 @@ impl Walk<'_> {
         if name.is_empty() {
             return;
         }
-        let current = proto_json::message_type(type_url);
+        let current = current_message(type_url);
         if !in_scope(name, current.as_ref()) && !name.starts_with("google.protobuf.") {
             // Envoy's or another project's type: not what the release's
             // Istio protos are about.
@@ -491,13 +518,19 @@ mod tests {
         let skew = dropped_by(release(1), DESTINATION_RULE, &body).unwrap();
         assert_eq!(skew.dropped.len(), 1, "{skew:?}");
         let dropped = &skew.dropped[0];
-        assert_eq!(dropped.kind, DroppedKind::EnumValue("ROUND_ROBIN".into()));
+        assert_eq!(
+            dropped.kind,
+            DroppedKind::EnumValue {
+                number: 4,
+                name: Some("ROUND_ROBIN".into())
+            }
+        );
         assert_eq!(dropped.shown_path(), "spec.trafficPolicy.loadBalancer.simple");
         assert_eq!(dropped.added_in, None);
         assert_eq!(
             dropped.message(Generation::of(1)),
-            "Istio 1.1 clients do not know the value ROUND_ROBIN of spec.trafficPolicy.loadBalancer.simple (added \
-             after 1.7)"
+            "Istio 1.1 clients read spec.trafficPolicy.loadBalancer.simple = 4 (ROUND_ROBIN in the gateway's protos) as \
+             a value their enum lacks (added after 1.7)"
         );
     }
 

@@ -1023,15 +1023,50 @@ impl LocalSource {
     }
 }
 
-/// The line in the file of the field at `path` (from the body's root) of a
-/// resource whose body is at `body_at` (see [`Parsed::body_at`]) in `text`,
-/// the file's text; the nearest line that is there when the field is not
-/// (written under its proto name, or through an alias). `None` when no
-/// document starts at that line.
-pub fn field_line(text: &str, body_at: &BodyAt, path: &[PathStep]) -> Option<usize> {
-    let (start, document) = documents(text).into_iter().find(|(start, _)| *start == body_at.0)?;
-    let steps: Vec<PathStep> = body_at.1.iter().chain(path).cloned().collect();
-    yaml_lines::line_of(&document, &steps).map(|line| start + line - 1)
+/// A file's documents, split once, for finding the lines of many fields in
+/// it (a view or `check` naming every field a release drops).
+pub struct FileLines {
+    /// (first line, text), in order.
+    documents: Vec<(usize, String)>,
+}
+
+impl FileLines {
+    pub fn of(text: &str) -> Self {
+        Self {
+            documents: documents(text),
+        }
+    }
+
+    /// The line of the field at `path` (from the body's root) of a resource
+    /// whose body is at `body_at` (see [`Parsed::body_at`]), each step found
+    /// by its JSON name or its proto name (`proto_path`), as the YAML spells
+    /// it; the nearest parent's line where a step is not there (through an
+    /// alias). `None` when no document starts at that line (the file changed).
+    pub fn field_line(&self, body_at: &BodyAt, path: &[PathStep], proto_path: &[PathStep]) -> Option<usize> {
+        let at = self
+            .documents
+            .binary_search_by_key(&body_at.0, |(start, _)| *start)
+            .ok()?;
+        let (start, document) = &self.documents[at];
+        let mut steps = body_at.1.clone();
+        let mut line = yaml_lines::exact_line(document, &steps);
+        for (json, proto) in path.iter().zip(proto_path) {
+            let spellings = if json == proto { vec![json] } else { vec![json, proto] };
+            let found = spellings.into_iter().find_map(|step| {
+                steps.push(step.clone());
+                let found = yaml_lines::exact_line(document, &steps);
+                if found.is_none() {
+                    steps.pop();
+                }
+                found
+            });
+            match found {
+                Some(found) => line = Some(found),
+                None => break,
+            }
+        }
+        line.map(|line| start + line - 1)
+    }
 }
 
 /// A source file's text as the files source reads it (the compiled-in

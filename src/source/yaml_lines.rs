@@ -26,7 +26,8 @@ pub fn line_of(document: &str, path: &[PathStep]) -> Option<usize> {
         .find_map(|len| exact_line(document, &path[..len]))
 }
 
-fn exact_line(document: &str, path: &[PathStep]) -> Option<usize> {
+/// The line of the node at `path` only when it is there (no parent's).
+pub fn exact_line(document: &str, path: &[PathStep]) -> Option<usize> {
     let deserializer = serde_norway::Deserializer::from_str(document);
     match (Walk { path }).deserialize(deserializer) {
         Err(e) if e.to_string().contains(HERE) => e.location().map(|at| at.line()),

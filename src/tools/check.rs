@@ -251,7 +251,7 @@ fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], max_file_
     if releases.is_empty() {
         return findings;
     }
-    let mut texts: BTreeMap<&str, Option<String>> = BTreeMap::new();
+    let mut texts: BTreeMap<&str, Option<crate::source::files::FileLines>> = BTreeMap::new();
     for (file, p) in parsed {
         let Some((type_url, body)) = crate::skew::body_of(&p.encoded) else {
             continue;
@@ -266,12 +266,12 @@ fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], max_file_
                 .iter()
                 .filter(|d| !(d.path.is_empty() && matches!(d.kind, DroppedKind::Type(_))))
             {
-                let text = texts
-                    .entry(file)
-                    .or_insert_with(|| crate::source::files::text_of(file, max_file_bytes));
-                let line = text
-                    .as_deref()
-                    .and_then(|t| crate::source::files::field_line(t, &p.body_at, &dropped.path))
+                let lines = texts.entry(file).or_insert_with(|| {
+                    crate::source::files::text_of(file, max_file_bytes).map(|t| crate::source::files::FileLines::of(&t))
+                });
+                let line = lines
+                    .as_ref()
+                    .and_then(|l| l.field_line(&p.body_at, &dropped.path, &dropped.proto_path))
                     .unwrap_or(p.line);
                 findings.push(Finding {
                     file: file.clone(),

@@ -238,18 +238,29 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         }
         // What its Istio release drops of the collection (it stays SYNCED:
         // the client cannot tell).
+        // Real Pilots send no node id: their address tells them apart.
+        let who = if text(&row["node_id"]).is_empty() {
+            format!("{node} {}", row["peer"].as_str().unwrap_or("-"))
+        } else {
+            node.clone()
+        };
         if let Some(count) = row["skew"]["resources"].as_u64().filter(|n| *n > 0) {
             cell.push_str(&format!(" SKEW {count}"));
             for dropped in row["skew"]["dropped"].as_array().into_iter().flatten() {
                 for field in dropped["fields"].as_array().into_iter().flatten() {
                     skews.push(format!(
-                        "{node} {} {}: {}",
+                        "SKEW {who} {} {}: {}",
                         text(&row["collection"]),
                         text(&dropped["name"]),
                         text(field)
                     ));
                 }
             }
+        } else if row["skew"]["release"] == "unknown" {
+            skews.push(format!(
+                "UNKNOWN RELEASE {who}: reads Istio's kinds and did not say which Istio it is, so what it drops is \
+                 not checked; name it with --client-generation (/debug/skew)"
+            ));
         }
         cells.insert(short(&text(&row["collection"])), cell);
         let nack = &row["nack"];
@@ -371,10 +382,13 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         let _ = writeln!(out, "DENIED {denial}");
     }
     // Each field a client's release drops (Istio's words: what the release
-    // lacks and the release that added it); /debug/skew has files and lines.
-    skews.dedup();
+    // lacks and the release that added it), and each client whose release is
+    // not known, once; /debug/skew has files and lines.
+    let mut shown = std::collections::HashSet::new();
     for skew in skews {
-        let _ = writeln!(out, "SKEW {skew}");
+        if shown.insert(skew.clone()) {
+            let _ = writeln!(out, "{skew}");
+        }
     }
     for line in rollout_lines(&syncz["rollout"]) {
         let _ = writeln!(out, "{line}");

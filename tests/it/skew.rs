@@ -161,6 +161,7 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
     v11.subscribe(DR);
     let response = v11.recv_type(DR).await;
     assert_eq!(response.resources.len(), 2);
+    let first_version = response.version_info.clone();
     v11.ack(&response);
     // Istio 1.0 (proto type URLs, `Client` node).
     let mut v10: V10SotwClient =
@@ -188,6 +189,9 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
     )
     .await;
     let _unknown = istiod(&gw, "sidecar~10.0.0.2~istiod-other.istio-system~x", "65536.65536.65536").await;
+    // One that says its release.
+    let said = "sidecar~10.0.0.3~istiod-said.istio-system~x";
+    let _said = istiod(&gw, said, "1.4.2").await;
 
     let pinned = "sidecar~10.0.0.1~istiod-pinned.istio-system~x";
     let unknown = "sidecar~10.0.0.2~istiod-other.istio-system~x";
@@ -198,6 +202,7 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
             ("pilot-1-0", Some(1)),
             ("pilot-sink", Some(1)),
             (pinned, Some(0)),
+            (said, Some(1)),
             (unknown, None),
         ],
     )
@@ -206,6 +211,7 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
         ("pilot-test", "1.1", "dialect"),
         ("pilot-1-0", "1.0", "dialect"),
         ("pilot-sink", "1.3", "flag"),
+        (said, "1.4", "istio-version"),
         (pinned, "1.7", "flag"),
     ] {
         let skew = &row(&syncz, node)["skew"];
@@ -245,8 +251,11 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
         .iter()
         .map(|g| (g["release"].as_str().unwrap().to_owned(), g))
         .collect();
-    assert_eq!(generations.keys().collect::<Vec<_>>(), ["1.0", "1.1", "1.3", "1.7"]);
-    for release in ["1.0", "1.1", "1.3"] {
+    assert_eq!(
+        generations.keys().collect::<Vec<_>>(),
+        ["1.0", "1.1", "1.3", "1.4", "1.7"]
+    );
+    for release in ["1.0", "1.1", "1.3", "1.4"] {
         let collection = &generations[release]["collections"][0];
         assert_eq!(collection["collection"], DR);
         assert_eq!(collection["resources"], 1, "{collection:#}");
@@ -261,7 +270,7 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
     assert_eq!(skew["not_checked"][0]["node_id"], unknown);
 
     // The gauge, per generation in use.
-    for (generation, count) in [("1.0", 1.0), ("1.1", 1.0), ("1.3", 1.0), ("1.7", 0.0)] {
+    for (generation, count) in [("1.0", 1.0), ("1.1", 1.0), ("1.3", 1.0), ("1.4", 1.0), ("1.7", 0.0)] {
         assert_eq!(skew_gauge(&gw, generation).await, Some(count), "{generation}");
     }
 
@@ -285,7 +294,7 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
         "{printed}"
     );
 
-    // A change of one resource costs one check per generation in use (4).
+    // A change of one resource costs one check per generation in use.
     let checked = skew["resources_checked"].as_u64().unwrap();
     // The 1.0 client leaves: its generation drops nothing any more.
     drop(v10);
@@ -299,17 +308,53 @@ async fn each_generation_is_shown_what_its_release_drops_and_nothing_else() {
     sink.recv_and_ack().await;
     // (The istiods do not ACK the new version: only the counts are read.)
     counts_are(&gw, &[("pilot-test", Some(0)), ("pilot-sink", Some(0))]).await;
-    for generation in ["1.1", "1.3", "1.7"] {
-        assert_eq!(skew_gauge(&gw, generation).await, Some(0.0), "{generation}");
+    for generation in ["1.1", "1.3", "1.4", "1.7"] {
+        eventually_async("the gauge at 0", || async {
+            skew_gauge(&gw, generation).await == Some(0.0)
+        })
+        .await;
     }
-    let after = get_json(gw.admin, "/debug/skew").await;
+    // Once every generation's skew is of the new version, exactly one check
+    // per generation was made for it.
+    let version = response.version_info.clone();
+    let after = crate::helpers::eventually_some("every generation checked at the new version", || {
+        let version = version.clone();
+        async move {
+            let skew = get_json(gw.admin, "/debug/skew").await;
+            let generations = skew["generations"].as_array()?;
+            let done = generations.len() == 4
+                && generations
+                    .iter()
+                    .all(|g| g["collections"][0]["version"].as_str() == Some(version.as_str()));
+            done.then_some(skew)
+        }
+    })
+    .await;
     assert_eq!(
         after["resources_checked"].as_u64().unwrap() - checked,
-        3,
-        "one changed resource, three generations in use (1.1, 1.3, 1.7): {after:#}"
+        4,
+        "one changed resource, four generations in use (1.1, 1.3, 1.4, 1.7): {after:#}"
     );
     let index = index_json(&gw).await;
     assert_eq!(index["skew"], Value::Null);
+
+    // A pin serves the version with the field again: the skew is of what
+    // is served, not of the latest.
+    let (status, body) =
+        crate::helpers::http_request(gw.admin, "POST", &format!("/pin/{DR}?version={first_version}"), "").await;
+    assert_eq!(status, 200, "{body}");
+    let response = v11.recv_type(DR).await;
+    assert_eq!(response.version_info, first_version);
+    v11.ack(&response);
+    sink.recv_and_ack().await;
+    counts_are(&gw, &[("pilot-test", Some(1)), ("pilot-sink", Some(1))]).await;
+    assert_eq!(skew_gauge(&gw, "1.1").await, Some(1.0));
+    let (status, body) = crate::helpers::http_request(gw.admin, "DELETE", &format!("/pin/{DR}"), "").await;
+    assert_eq!(status, 200, "{body}");
+    let response = v11.recv_type(DR).await;
+    v11.ack(&response);
+    sink.recv_and_ack().await;
+    counts_are(&gw, &[("pilot-test", Some(0)), ("pilot-sink", Some(0))]).await;
 }
 
 /// Runs `mcp-xds-gateway check ARGS…`: exit code, stdout, stderr.
@@ -358,6 +403,21 @@ async fn check_for_a_release_reports_what_it_drops_at_the_field_line() {
     let (code, _, err) = check(&[&path, "--for", "2.0"]).await;
     assert_eq!(code, Some(2));
     assert!(err.contains("\"2.0\" is not an Istio release"), "{err}");
+}
+
+/// YAML may spell a field by its proto name: its line is still found.
+#[tokio::test]
+async fn check_finds_the_line_of_a_field_spelt_by_its_proto_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = rules("consecutive5xxErrors")
+        .replace("trafficPolicy:", "traffic_policy:")
+        .replace("outlierDetection:", "outlier_detection:")
+        .replace("consecutive5xxErrors", "consecutive_5xx_errors");
+    let file = crate::helpers::certs::write(dir.path(), "rules.yaml", &text);
+    let path = file.display().to_string();
+    let (code, out, err) = check(&[&path, "--for", "1.1"]).await;
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(out, format!("{path}:{FIELD_LINE}: warning: {}\n", drop_message("1.1")));
 }
 
 /// The examples are served to every generation: every release reads them

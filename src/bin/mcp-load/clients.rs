@@ -393,10 +393,26 @@ where
     Ok(held.received)
 }
 
-/// istiod's node: its id on the first request of a stream.
+/// `--generations`: the Istio releases the v3 clients say they are
+/// (`ISTIO_VERSION` in their node), in turn by stream; unset: none say.
+pub static GENERATIONS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// istiod's node: its id on the first request of a stream, and with
+/// `--generations` the release it says it is.
 pub fn xds_node(index: usize) -> Option<Node> {
+    let metadata = GENERATIONS.get().filter(|g| !g.is_empty()).map(|releases| {
+        let version = prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue(
+                releases[index % releases.len()].clone(),
+            )),
+        };
+        prost_types::Struct {
+            fields: [("ISTIO_VERSION".to_owned(), version)].into(),
+        }
+    });
     Some(Node {
         id: format!("mcp-load-{index}"),
+        metadata,
         ..Default::default()
     })
 }

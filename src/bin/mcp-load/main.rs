@@ -135,6 +135,15 @@ struct Args {
     /// the default lets a full state travel in one frame.
     #[arg(long, default_value_t = 16_777_215, value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
     client_max_frame_size: u32,
+    /// The Istio releases the v3 clients say they are (ISTIO_VERSION in
+    /// their node), in turn by stream: `1.1` or `1.1,1.3,1.7` (the gateway
+    /// keeps the skew of what they read per release). Unset: none says.
+    #[arg(long, value_delimiter = ',')]
+    generations: Vec<String>,
+    /// Every body is an Istio DestinationRule of --body-bytes that sets a
+    /// field of Istio 1.5 (older releases drop it), not opaque bytes.
+    #[arg(long)]
+    istio_bodies: bool,
 }
 
 impl Args {
@@ -484,6 +493,8 @@ async fn start_clients(
 
 async fn run(args: Args) -> anyhow::Result<Report> {
     let shape = args.shape();
+    let _ = clients::GENERATIONS.set(args.generations.clone());
+    let _ = publisher::ISTIO_BODIES.set(args.istio_bodies);
     if let Some(target) = args.target {
         let names = collection_names(shape.collections, shape.protocol)?;
         return run_against_target(target, shape, &names, args.duration, args.client_max_frame_size).await;

@@ -195,10 +195,39 @@ struct Content {
     body: Vec<u8>,
 }
 
+/// `--istio-bodies`: every resource's body is an Istio DestinationRule that
+/// sets a field of Istio 1.5 (what clients of older releases drop), so the
+/// gateway's skew checks read real bodies; else opaque bytes.
+pub static ISTIO_BODIES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+const DESTINATION_RULE: &str = "type.googleapis.com/istio.networking.v1alpha3.DestinationRule";
+
+/// A DestinationRule of about `bytes`: an outlier detection with
+/// `consecutive5xxErrors` and as many subsets as make up the size.
+fn destination_rule(bytes: usize) -> Vec<u8> {
+    let mut subsets = Vec::new();
+    let mut body = Vec::new();
+    while body.len() < bytes {
+        let n = subsets.len();
+        subsets.push(serde_json::json!({"name": format!("v{n}"), "labels": {"version": format!("v{n}")}}));
+        let spec = serde_json::json!({
+            "host": "reviews.bookinfo.svc.cluster.local",
+            "trafficPolicy": {"outlierDetection": {"consecutive5xxErrors": 5, "interval": "60s"}},
+            "subsets": subsets,
+        });
+        body = mcp_xds_gateway::source::proto_json::encode(DESTINATION_RULE, spec).expect("a valid DestinationRule");
+    }
+    body
+}
+
 impl Content {
     fn body(&self) -> prost_types::Any {
+        let type_url = match ISTIO_BODIES.get() {
+            Some(true) => DESTINATION_RULE,
+            _ => "type.googleapis.com/mcp.load.Body",
+        };
         prost_types::Any {
-            type_url: "type.googleapis.com/mcp.load.Body".into(),
+            type_url: type_url.into(),
             value: self.body.clone(),
         }
     }
@@ -253,7 +282,10 @@ impl Collections {
                 versions: (0..shape.resources)
                     .map(|i| (format!("ns-{}/r-{i:06}", i % 20), "1".to_owned()))
                     .collect(),
-                body: (0..shape.body_bytes).map(|i| (i * 31 % 251) as u8).collect(),
+                body: match ISTIO_BODIES.get() {
+                    Some(true) => destination_rule(shape.body_bytes),
+                    _ => (0..shape.body_bytes).map(|i| (i * 31 % 251) as u8).collect(),
+                },
             })
             .collect();
         Self {

@@ -113,6 +113,8 @@ pub struct Rollout {
     /// Bumped whenever what [`Self::saved`] returns or a soak deadline
     /// changes.
     revision: watch::Sender<u64>,
+    /// Bumped whenever a group slot is given another version.
+    served: watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for Rollout {
@@ -144,6 +146,7 @@ impl Rollout {
             gates: Mutex::default(),
             restored: Mutex::new(restored.into_iter().collect()),
             revision: watch::Sender::new(0),
+            served: watch::Sender::new(0),
         });
         rollout.on_cache_change();
         rollout
@@ -279,7 +282,14 @@ impl Rollout {
                 );
             }
             slot.send_replace(snapshot);
+            self.served.send_modify(|n| *n += 1);
         }
+    }
+
+    /// Sees a new value whenever a group is served another version (the
+    /// latest, a pin, a promotion, a canary round).
+    pub fn served_changes(&self) -> watch::Receiver<u64> {
+        self.served.subscribe()
     }
 
     /// Every collection the cache holds: its newest version.
