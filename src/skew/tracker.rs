@@ -89,12 +89,15 @@ struct State {
     tracked: HashMap<Key, Tracked>,
 }
 
+/// The snapshot each group is served of a collection, everyone's first.
+pub type GroupSnapshots = dyn Fn(&Arc<str>) -> Vec<Option<Arc<CollectionSnapshot>>> + Send + Sync;
+
 /// What each group of clients is served of a collection (everyone's first,
 /// then the canaries'), and a signal when that changes without the cache
 /// changing (a pin, a promotion, a canary round released). Without it, the
 /// cache's latest.
 pub struct ServedBy {
-    pub snapshots: Box<dyn Fn(&Arc<str>) -> Vec<Option<Arc<CollectionSnapshot>>> + Send + Sync>,
+    pub snapshots: Box<GroupSnapshots>,
     pub changes: watch::Receiver<u64>,
 }
 
