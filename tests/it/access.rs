@@ -80,6 +80,18 @@ fn path(p: &Path) -> String {
 /// A gateway over mTLS on `dir/source`, with `policy` (if any) at
 /// `dir/policy.yaml`.
 async fn mtls_gateway(dir: &Path, ca: &Ca, policy: Option<&str>) -> mcp_xds_gateway::app::Bound {
+    let flags = mtls_flags(dir, ca, policy);
+    start_gateway(&flags.iter().map(String::as_str).collect::<Vec<_>>()).await
+}
+
+/// As [`mtls_gateway`], as a process of its own: its metrics are its own.
+async fn mtls_gateway_process(dir: &Path, ca: &Ca, policy: Option<&str>) -> crate::helpers::Running {
+    let flags = mtls_flags(dir, ca, policy);
+    crate::helpers::spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await
+}
+
+/// The flags of a gateway serving [`source_dir`] over mTLS with `policy`.
+fn mtls_flags(dir: &Path, ca: &Ca, policy: Option<&str>) -> Vec<String> {
     source_dir(&dir.join("source"), ca);
     let (cert, key) = write_leaf(dir, "server", &ca.leaf("gateway"));
     let ca_path = write(dir, "client-ca.pem", &ca.pem);
@@ -99,7 +111,7 @@ async fn mtls_gateway(dir: &Path, ca: &Ca, policy: Option<&str>) -> mcp_xds_gate
         std::fs::write(&policy_path, policy).unwrap();
         flags.extend(["--access-policy", &policy_path]);
     }
-    start_gateway(&flags).await
+    flags.into_iter().map(str::to_owned).collect()
 }
 
 async fn as_identity(addr: SocketAddr, ca: &Ca, identity: &str) -> Channel {
@@ -302,7 +314,8 @@ async fn without_a_policy_secrets_go_to_nobody_and_the_rest_to_everyone() {
 async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_the_last_good() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("mesh-ca");
-    let gw = mtls_gateway(dir.path(), &ca, Some(POLICY)).await;
+    // A process of its own: the reload and denial counts are this test's.
+    let gw = mtls_gateway_process(dir.path(), &ca, Some(POLICY)).await;
     let policy = dir.path().join("policy.yaml");
 
     let mut frontend = SotwStream::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW).await;
@@ -319,7 +332,7 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
             "mcp_gateway_access_policy_reloads_total",
             &["result=\"error\""],
         );
-        errors.filter(|e| *e >= 1.0).map(|_| ())
+        errors.filter(|e| *e == 1.0).map(|_| ())
     })
     .await;
     let shown = get_json(gw.admin, "/debug/config").await;
@@ -337,6 +350,28 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
     let status = within("the reload to end the stream", frontend.end_status()).await;
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
     assert!(status.message().contains(CLUSTER_TYPE), "{:?}", status.message());
+    // Counted: one bad file, one good reload, one collection refused.
+    let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
+    let count = |name: &str, labels: &[&str]| crate::helpers::sample(&metrics, name, labels);
+    assert_eq!(
+        count("mcp_gateway_access_policy_reloads_total", &["result=\"error\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        count("mcp_gateway_access_policy_reloads_total", &["result=\"ok\""]),
+        Some(1.0)
+    );
+    assert_eq!(
+        count(
+            "mcp_gateway_access_denied_total",
+            &[
+                "collection=\"envoy/config/cluster/v3/clusters\"",
+                "reason=\"collection\""
+            ]
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
