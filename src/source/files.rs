@@ -536,10 +536,20 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             let message = e.to_string();
             match e.location() {
                 // The line is reported in the file, not in the document.
-                Some(at) => fail(
-                    start + at.line().saturating_sub(1),
-                    yaml_lines::in_file(&message, start, at.line(), at.column()),
-                ),
+                Some(at) => {
+                    let message = yaml_lines::in_file(&message, start, at.line(), at.column());
+                    let last = start + document.lines().count().saturating_sub(1);
+                    let mut line = start + at.line().saturating_sub(1);
+                    // The end of the text ("unexpected end of stream") is
+                    // past its last line: the line the message names for
+                    // what was left open (a quoted scalar) is the one to fix.
+                    if line > last {
+                        line = yaml_lines::last_line_named(&message)
+                            .filter(|l| *l <= last)
+                            .unwrap_or(last);
+                    }
+                    fail(line, message)
+                }
                 None => fail(start, message),
             }
         })?;

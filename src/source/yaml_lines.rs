@@ -48,6 +48,20 @@ pub fn in_file(message: &str, start: usize, line: usize, column: usize) -> Strin
     format!("{message} (column {column})")
 }
 
+/// The last "line N" a message names.
+pub fn last_line_named(message: &str) -> Option<usize> {
+    message
+        .match_indices("line ")
+        .filter_map(|(at, _)| {
+            let digits: String = message[at + "line ".len()..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse().ok()
+        })
+        .last()
+}
+
 /// `message` with every "line N" counted from `start`.
 fn in_file_lines(message: &str, start: usize) -> String {
     let mut out = String::with_capacity(message.len());
