@@ -224,7 +224,11 @@ impl SkewTracker {
     /// the resources changed since the last check are checked, one check
     /// per resource and generation. The lock is not held while checking.
     pub fn refresh(&self) {
-        type Work = (Key, Arc<CollectionSnapshot>, Option<(TrackedSkew, ResourceMap, Interned)>);
+        type Work = (
+            Key,
+            Arc<CollectionSnapshot>,
+            Option<(TrackedSkew, ResourceMap, Interned)>,
+        );
         // The keys whose collection moved on since their last check (the
         // interner is only this task's: taken, not copied).
         let work: Vec<Work> = {
@@ -297,9 +301,7 @@ impl SkewTracker {
             };
             skew.clients = clients;
             m::skew_resources(&key.0, key.1, skew.skewed.len());
-            state
-                .tracked
-                .insert(key, (skew, snapshot.resources.clone(), interned));
+            state.tracked.insert(key, (skew, snapshot.resources.clone(), interned));
         }
     }
 }
@@ -354,7 +356,9 @@ mod tests {
     #[tokio::test]
     async fn a_change_costs_one_check_per_generation_and_equal_skews_are_shared() {
         let (cache, mut writer) = Cache::new();
-        let rules: Vec<CachedResource> = (0..100).map(|i| rule(&format!("ns/r{i:03}"), "1", i % 2 == 0)).collect();
+        let rules: Vec<CachedResource> = (0..100)
+            .map(|i| rule(&format!("ns/r{i:03}"), "1", i % 2 == 0))
+            .collect();
         writer.apply(DR, Update::Full(rules), Origin::Files);
         let tracker = SkewTracker::new(cache.clone(), GenerationRules::default());
         let collection: Arc<str> = DR.into();
@@ -376,7 +380,11 @@ mod tests {
         // One resource changes (now read whole): one check per generation.
         let mut changed = Vec::new();
         for i in 0..100 {
-            changed.push(rule(&format!("ns/r{i:03}"), if i == 0 { "2" } else { "1" }, i % 2 == 0 && i != 0));
+            changed.push(rule(
+                &format!("ns/r{i:03}"),
+                if i == 0 { "2" } else { "1" },
+                i % 2 == 0 && i != 0,
+            ));
         }
         writer.apply(DR, Update::Full(changed), Origin::Files);
         tracker.refresh();
