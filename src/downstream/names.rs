@@ -569,11 +569,13 @@ fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::cache::{Cache, Origin, Update};
 
-    fn resource(name: &str, version: &str) -> CachedResource {
+    /// A resource whose body is `name@version` (the wake index's tests
+    /// share it).
+    pub(in crate::downstream) fn resource(name: &str, version: &str) -> CachedResource {
         let none = std::collections::HashMap::<String, String>::new();
         let body = format!("{name}@{version}");
         let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
