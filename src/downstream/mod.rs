@@ -13,6 +13,7 @@ pub mod rollout;
 pub mod service;
 mod stream;
 pub mod type_state;
+pub mod wakes;
 pub mod wires;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -43,7 +43,7 @@ impl Default for NameSet {
 
 impl NameSet {
     /// From names in any order, repeats dropped.
-    fn from_unsorted(mut names: Vec<Arc<str>>) -> Self {
+    pub(crate) fn from_unsorted(mut names: Vec<Arc<str>>) -> Self {
         names.sort_unstable();
         names.dedup();
         NameSet(names.into())
@@ -59,8 +59,12 @@ impl NameSet {
     }
 
     /// The same names: the same storage, or equal.
-    fn same(&self, other: &NameSet) -> bool {
+    pub fn same(&self, other: &NameSet) -> bool {
         Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
+    }
+
+    pub fn get(&self, i: usize) -> Option<&Arc<str>> {
+        self.0.get(i)
     }
 
     pub fn len(&self) -> usize {
@@ -546,7 +550,7 @@ const CHANGED_NAMES_PER_SNAPSHOT: usize = 32;
 
 /// The names of the resources that differ between `from` and `to` (new,
 /// changed or gone), made once per pair and kept with `to`.
-fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<HashSet<Arc<str>>> {
+pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<HashSet<Arc<str>>> {
     let key = MemoKey::with("names.changed", from.version.clone());
     to.memo.get_or_make(key, CHANGED_NAMES_PER_SNAPSHOT, || {
         let diff = Diff::between(&from.resources, &to.resources);
@@ -565,11 +569,13 @@ fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::cache::{Cache, Origin, Update};
 
-    fn resource(name: &str, version: &str) -> CachedResource {
+    /// A resource whose body is `name@version` (the wake index's tests
+    /// share it).
+    pub(in crate::downstream) fn resource(name: &str, version: &str) -> CachedResource {
         let none = std::collections::HashMap::<String, String>::new();
         let body = format!("{name}@{version}");
         let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);

@@ -360,10 +360,37 @@ impl RegistryEntry {
         self.view.lock().expect("registry lock poisoned").gateway_id = Some(gateway_id.to_owned());
     }
 
+    /// A handle on the stream's view, for what is shown of it without its
+    /// task running ([`ViewHandle::untouched`]).
+    pub fn handle(&self) -> ViewHandle {
+        ViewHandle(self.view.clone())
+    }
+
     pub fn publish(&self, type_url: &str, state: TypeView) {
         let mut view = self.view.lock().expect("registry lock poisoned");
         // The key is copied only when the type is new.
         view.types.insert(type_url, state);
+    }
+}
+
+/// A stream's view, shared with the wake index.
+#[derive(Clone)]
+pub struct ViewHandle(Arc<Mutex<StreamView>>);
+
+impl ViewHandle {
+    /// A version `to` left every name the stream's type asks for as it was
+    /// at `from`: a client that held `from` (ACKed, nothing outstanding, no
+    /// NACK standing) holds `to` as well, as its task would have settled it
+    /// had it been woken (`TypeState::next`'s `UpToDate`).
+    pub fn untouched(&self, type_url: &str, from: &str, to: &Arc<str>) {
+        let mut view = self.0.lock().expect("registry lock poisoned");
+        let Some(state) = view.types.get_mut(type_url) else {
+            return;
+        };
+        let nacked = state.last_nack.as_ref().is_some_and(|n| !n.superseded);
+        if !state.outstanding && !nacked && state.acked_version.as_deref() == Some(from) {
+            state.acked_version = Some(to.clone());
+        }
     }
 }
 

@@ -22,6 +22,7 @@ use super::outbound::TrySendError;
 use super::registry::{Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::Rollout;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
+use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
     end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
@@ -46,6 +47,14 @@ struct Followed {
     /// read only some (`None`: all of them): it is served that part of the
     /// collection, as if the rest did not exist.
     grant: Option<Box<Restriction>>,
+    /// The index of the names a version changes, when the type may be
+    /// woken by it (`None`: a canary, or a type nobody serves, follows its
+    /// slot whatever it names).
+    named: Option<Arc<Wakes>>,
+    /// In `named`, while the client names what it reads, with no grant
+    /// (a restricted client's view has versions of its own, which the
+    /// index cannot show it at): it is woken by the index, not the slot.
+    registration: Option<Box<Registration>>,
 }
 
 /// A type the client may read part of: its grant, and the last view this
@@ -332,6 +341,9 @@ impl<W: Wire> TypedStream<W> {
             known: known.as_deref(),
             at: now,
         });
+        // Its names are in the index before the slot is read again: a
+        // version published meanwhile wakes it (see `wakes`).
+        let rewired = rewire(followed, &mut self.changes, &self.entry, &type_url);
         let collection = followed.state.view.collection.clone();
         match &verdict {
             Verdict::Stale { expected } => {
@@ -388,7 +400,7 @@ impl<W: Wire> TypedStream<W> {
         }
         // Published once, with whether it is still behind; the send that
         // follows decides from the same snapshot the request was read with.
-        let current = known;
+        let current = if rewired { current_of(followed) } else { known };
         followed.state.note_current(current.as_ref(), now);
         self.entry.publish(&type_url, followed.state.view.clone());
         if verdict == Verdict::Unrecoverable {
@@ -419,6 +431,44 @@ struct Accepted {
     type_url: String,
     current: Option<Arc<CollectionSnapshot>>,
     now: Stamp,
+}
+
+/// After a request (or a new grant), a type is woken by what it reads: by
+/// the index of the names a version changes while it names what it reads
+/// (and has no grant), by its slot otherwise. True when that changed: the
+/// slot is read again after it (see `wakes`).
+fn rewire(
+    followed: &mut Followed,
+    changes: &mut StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
+    entry: &RegistryEntry,
+    type_url: &str,
+) -> bool {
+    let (Some(index), Answer::Served(slot) | Answer::Overdue { slot, .. }) = (&followed.named, &followed.answer) else {
+        return false;
+    };
+    let names = match (&followed.grant, followed.state.named()) {
+        (None, Some(named)) if !named.current().wildcard => Some(&named.current().names),
+        _ => None,
+    };
+    match (names, &mut followed.registration) {
+        (Some(names), Some(registration)) if registration.is_for(names) => false,
+        (Some(names), Some(registration)) => {
+            registration.rename(names);
+            true
+        }
+        (Some(names), None) => {
+            let (registration, wake) = index.register(names, entry.handle(), type_url);
+            followed.registration = Some(Box::new(registration));
+            changes.insert(type_url.to_owned(), WatchStream::from_changes(wake));
+            true
+        }
+        (None, Some(_)) => {
+            followed.registration = None;
+            changes.insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
+            true
+        }
+        (None, None) => false,
+    }
 }
 
 /// What a followed type is answered from now: its group's version, or the
@@ -684,7 +734,7 @@ impl<W: Wire> TypedStream<W> {
             )),
         };
         let mut grant = None;
-        let (resolved, answer) = match target {
+        let (resolved, answer, named) = match target {
             Target::Collection(resolved) => {
                 // Not marked seen: a reload this stream has not yet applied
                 // to its other types still wakes it (`regrant`).
@@ -705,6 +755,7 @@ impl<W: Wire> TypedStream<W> {
                 // its own, which a canary round cannot count: it follows the
                 // round's versions as the stable group does.
                 let canary = self.canary.as_mut().filter(|_| grant.is_none());
+                let named = canary.is_none().then(|| rollout.named(&resolved.collection));
                 let slot = rollout.watch(&resolved.collection, canary.is_some());
                 if let Some(canary) = canary {
                     if !canary.collections.contains(&resolved.collection) {
@@ -719,7 +770,7 @@ impl<W: Wire> TypedStream<W> {
                 } else {
                     Answer::Served(slot)
                 };
-                (resolved, answer)
+                (resolved, answer, named)
             }
             Target::Unserved => {
                 let collection: Arc<str> = Arc::from(UNSERVED);
@@ -727,7 +778,7 @@ impl<W: Wire> TypedStream<W> {
                     collection: collection.clone(),
                     dialect: Dialect::Xds,
                 };
-                (resolved, Answer::Unserved(CollectionSnapshot::empty(collection)))
+                (resolved, Answer::Unserved(CollectionSnapshot::empty(collection)), None)
             }
         };
         self.note_generation(&resolved, request);
@@ -740,6 +791,8 @@ impl<W: Wire> TypedStream<W> {
                 metrics,
                 answer,
                 grant: grant.map(Restriction::new),
+                named,
+                registration: None,
             },
         );
         Ok(())
@@ -800,6 +853,7 @@ impl<W: Wire> TypedStream<W> {
             };
             if !same {
                 followed.grant = grant.map(Restriction::new);
+                rewire(followed, &mut self.changes, &self.entry, type_url);
                 changed.push(type_url.clone());
             }
         }
@@ -836,6 +890,8 @@ impl<W: Wire> TypedStream<W> {
                     "the source refused this collection: the type is answered empty"
                 );
                 followed.answer = Answer::Unserved(CollectionSnapshot::empty(collection));
+                followed.registration = None;
+                followed.named = None;
                 self.changes.remove(type_url);
                 answered.push(type_url.clone());
             } else if subscriptions.is_overdue(&collection) {

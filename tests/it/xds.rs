@@ -513,6 +513,75 @@ fn ack_sotw(stream: &SotwStream, response: &DiscoveryResponse) {
 /// names that do not exist are removed and stay subscribed, a name the
 /// client already has is sent again when it subscribes to it; a client
 /// naming too many is refused with the flag's name.
+/// A named client is woken only by a version that changes one of its names
+/// (issue 34's wake index): a version that leaves them alone sends it
+/// nothing and shows it synced at that version; a name it adds with an ACK
+/// wakes it from then on.
+#[tokio::test]
+async fn a_named_client_is_woken_by_its_names_only_and_shown_synced_at_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let clusters = |names: &[&str]| names.iter().map(|n| cluster_doc(n)).collect::<String>();
+    write(dir.path(), "clusters.yaml", &clusters(&["a", "b"]));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", &dir_flag]).await;
+    let names = |list: &[&str]| list.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    let ack = |response: &DiscoveryResponse, asked: &[&str]| DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        response_nonce: response.nonce.clone(),
+        version_info: response.version_info.clone(),
+        resource_names: names(asked),
+        ..Default::default()
+    };
+    // Its row once it shows the current version other than `not`, synced.
+    let synced_past = |not: String| {
+        let admin = gw.admin;
+        async move {
+            crate::helpers::eventually_some("the client shown synced at the new version", || {
+                let not = not.clone();
+                async move {
+                    let view = crate::helpers::get_json(admin, "/debug/syncz").await;
+                    view["rows"]
+                        .as_array()?
+                        .iter()
+                        .find(|r| r["type_url"] == CLUSTER && r["current_version"] != *not.as_str())
+                        .filter(|r| r["status"] == "SYNCED")
+                        .cloned()
+                }
+            })
+            .await
+        }
+    };
+
+    let mut sotw = SotwStream::open(gw.listen, SOTW).await;
+    sotw.send(DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        node: istiod_node(),
+        resource_names: names(&["a"]),
+        ..Default::default()
+    });
+    let first = sotw.recv().await;
+    assert_eq!(first.resources.len(), 1);
+    sotw.send(ack(&first, &["a"]));
+    // c appears: not its name. Nothing is sent; it holds the new version.
+    write(dir.path(), "clusters.yaml", &clusters(&["a", "b", "c"]));
+    let row = synced_past(first.version_info.clone()).await;
+    assert_eq!(row["acked"]["version"], row["current_version"], "{row}");
+    // It adds c with an ACK: answered at once, and c is its name from now on.
+    sotw.send(ack(&first, &["a", "c"]));
+    let with_c = sotw.recv().await;
+    assert_eq!(with_c.resources.len(), 2);
+    sotw.send(ack(&with_c, &["a", "c"]));
+    // b goes: not its name, nothing sent, synced again.
+    write(dir.path(), "clusters.yaml", &clusters(&["a", "c"]));
+    synced_past(with_c.version_info.clone()).await;
+    // c goes: its name. The next response is this one (none was sent for b).
+    write(dir.path(), "clusters.yaml", &clusters(&["a"]));
+    let without_c = within("the response without c", sotw.recv()).await;
+    let values: Vec<&[u8]> = without_c.resources.iter().map(|r| r.value.as_slice()).collect();
+    assert_eq!(values, [cluster_bytes("a")]);
+    assert_ne!(without_c.version_info, with_c.version_info);
+}
+
 #[tokio::test]
 async fn named_subscriptions_in_both_protocols() {
     let dir = tempfile::tempdir().unwrap();

@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::wakes::Wakes;
 use crate::cache::{Cache, CollectionSnapshot};
 use gate::{Gate, Hold, Policy, PromoteError, Version, WhenNone};
 use selector::Selector;
@@ -31,6 +32,10 @@ struct Gated {
     gate: Gate,
     everyone: Slot,
     canaries: Slot,
+    /// The named clients of `everyone`, woken by the names a version
+    /// changes. Canaries follow their slot whatever their names: each
+    /// settles every version, which is its ACK for the round.
+    named: Arc<Wakes>,
 }
 
 /// What a gate keeps across a restart.
@@ -181,6 +186,13 @@ impl Rollout {
         }
     }
 
+    /// The index of the named clients of `collection` that are not
+    /// canaries (see [`Wakes`]).
+    pub fn named(&self, collection: &Arc<str>) -> Arc<Wakes> {
+        let mut gates = self.gates.lock().expect("rollout lock poisoned");
+        self.gated(&mut gates, collection).named.clone()
+    }
+
     /// The version `collection` serves the group now.
     pub fn served_version(&self, collection: &str, canary: bool) -> Option<Version> {
         let gates = self.gates.lock().expect("rollout lock poisoned");
@@ -218,6 +230,7 @@ impl Rollout {
                 gate,
                 everyone: watch::Sender::new(None),
                 canaries: watch::Sender::new(None),
+                named: Arc::default(),
             };
             if let Some(latest) = self.cache.get(collection) {
                 gated.gate.on_latest(latest.version.clone(), Instant::now());
@@ -255,7 +268,10 @@ impl Rollout {
     /// the history.
     fn publish(&self, collection: &Arc<str>, gated: &mut Gated, hint: Option<Arc<CollectionSnapshot>>) {
         let served = gated.gate.served();
-        for (slot, version) in [(&gated.everyone, &served.everyone), (&gated.canaries, &served.canaries)] {
+        for (slot, version, named) in [
+            (&gated.everyone, &served.everyone, Some(&gated.named)),
+            (&gated.canaries, &served.canaries, None),
+        ] {
             let held = slot.borrow().as_ref().map(|s| s.version.clone());
             if held.as_ref() == version.as_ref() {
                 continue;
@@ -281,7 +297,11 @@ impl Rollout {
                      and new clients wait; pin another version, or DELETE /pin to serve the latest"
                 );
             }
-            slot.send_replace(snapshot);
+            // Replaced before the index is read: see `wakes`.
+            let before = slot.send_replace(snapshot.clone());
+            if let Some(named) = named {
+                named.published(before.as_ref(), snapshot.as_ref());
+            }
             self.served.send_modify(|n| *n += 1);
         }
     }
