@@ -628,11 +628,13 @@ pub fn render(report: &Report, output: CheckOutput) -> String {
 /// The summary line for stderr.
 pub fn summary(report: &Report) -> String {
     let errors = report.findings.iter().filter(|f| f.severity == Severity::Error).count();
+    let count = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
     format!(
-        "{} files, {} resources: {errors} errors, {} warnings",
-        report.files,
-        report.resources,
-        report.findings.len() - errors
+        "{}, {}: {}, {}",
+        count(report.files, "file"),
+        count(report.resources, "resource"),
+        count(errors, "error"),
+        count(report.findings.len() - errors, "warning")
     )
 }
 

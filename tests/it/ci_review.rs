@@ -194,7 +194,7 @@ async fn check_reports_each_bad_file_at_its_line_and_exits_1() {
         );
     }
     assert!(
-        stderr.contains("14 files, 1 resources: 13 errors, 0 warnings"),
+        stderr.contains("14 files, 1 resource: 13 errors, 0 warnings"),
         "the hidden file and notes.txt are not read: {stderr}"
     );
 
