@@ -182,7 +182,9 @@ pub async fn admin(
     // in sync; the counts and the endpoints after.
     let mut body = String::from(NAVIGATION);
     problems_html(&source, &mut body);
-    problems_html(unchecked.as_slice(), &mut body);
+    if let Some(line) = &unchecked {
+        body.push_str(&format!("<p class=\"problem\" data-col=\"skew\">{}</p>", escape(line)));
+    }
     if let Some(skewed) = &skewed {
         body.push_str(&format!(
             "<p class=\"problem\" data-col=\"skew\">{} <a href=\"/debug/skew\">/debug/skew</a></p>",

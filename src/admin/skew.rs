@@ -84,7 +84,7 @@ pub(super) fn view_json(state: &AdminState) -> Value {
     for stream in &streams {
         let who = || {
             json!({"stream": stream.id, "node_id": stream.node_id, "identity": stream.identity,
-                            "protocol": stream.protocol.as_str()})
+                   "peer": stream.peer.map(|p| p.to_string()), "protocol": stream.protocol.as_str()})
         };
         match stream.generation {
             Some(ClientGeneration::Known { generation, .. }) if generation.release().is_some() => {
@@ -128,10 +128,17 @@ pub(super) fn view_json(state: &AdminState) -> Value {
                 "release": generation.to_string(),
                 "protos": generation.release().map(|r| r.tag),
                 "clients": clients.get(generation).copied().unwrap_or_default(),
+                // Per collection, the most of the versions served (a canary
+                // round's counts: it is about to go to everyone).
                 "resources": collections
                     .iter()
-                    .filter(|c| c["served_to"] == "everyone")
-                    .map(|c| c["resources"].as_u64().unwrap_or(0))
+                    .fold(BTreeMap::<&str, u64>::new(), |mut most, c| {
+                        let n = c["resources"].as_u64().unwrap_or(0);
+                        let entry = most.entry(c["collection"].as_str().unwrap_or_default()).or_default();
+                        *entry = (*entry).max(n);
+                        most
+                    })
+                    .values()
                     .sum::<u64>(),
                 "collections": collections,
             })
@@ -153,7 +160,7 @@ pub(super) fn lead(state: &AdminState) -> Option<String> {
     let tracked = state.skew.tracked();
     let affected: Vec<String> = tracked
         .iter()
-        .filter(|t| !t.skewed.is_empty() && t.clients > 0 && !t.canaries_only)
+        .filter(|t| !t.skewed.is_empty() && t.clients > 0)
         .map(|t| {
             let example = t.skewed.iter().next().and_then(|(name, s)| {
                 s.dropped
@@ -161,9 +168,15 @@ pub(super) fn lead(state: &AdminState) -> Option<String> {
                     .map(|d| format!("{name}: {}", d.message(t.generation)))
             });
             format!(
-                "{} of {} for Istio {} ({} client{}){}",
+                "{} of {}{} for Istio {} ({} client{} of that release){}",
                 t.skewed.len(),
                 t.collection,
+                // A canary round's new version: about to go to everyone.
+                if t.canaries_only {
+                    " at the canaries' version"
+                } else {
+                    ""
+                },
                 t.generation,
                 t.clients,
                 if t.clients == 1 { "" } else { "s" },

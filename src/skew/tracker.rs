@@ -399,8 +399,11 @@ impl SkewTracker {
             if !state.interests.contains_key(&key) {
                 continue;
             }
-            let everyone = now.first().map_or(0, |c| c.skew.skewed.len());
-            m::skew_resources(&key.0, key.1, everyone);
+            // What a connected client of the generation may drop: during a
+            // canary round the canaries' version counts too (it is the one
+            // about to go to everyone).
+            let most = now.iter().map(|c| c.skew.skewed.len()).max().unwrap_or(0);
+            m::skew_resources(&key.0, key.1, most);
             state.tracked.insert(key, Tracked { served: now, interned });
         }
     }

@@ -435,3 +435,43 @@ async fn the_examples_are_read_whole_by_every_release() {
     .await;
     assert_eq!((code, out.as_str()), (Some(0), ""), "{err}");
 }
+
+/// During a canary round the canaries' version counts: it is about to go to
+/// everyone, and a canary of an older release already drops its field.
+#[tokio::test]
+async fn a_canary_rounds_new_version_counts_before_it_reaches_everyone() {
+    let dir = tempfile::tempdir().unwrap();
+    crate::helpers::certs::write(dir.path(), "rules.yaml", &rules("consecutiveErrors"));
+    let source = dir.path().to_str().unwrap().to_owned();
+    let gw = spawn_gateway(
+        None,
+        &["--source-dir", &source, "--canary", "canary-*", "--canary-soak", "1h"],
+    )
+    .await;
+    let mut v11 = sotw(gw.listen).await;
+    v11.subscribe(DR);
+    let response = v11.recv_type(DR).await;
+    v11.ack(&response);
+    let canary_node = "canary-1";
+    let mut canary = istiod(&gw, canary_node, "1.1.17").await;
+    counts_are(&gw, &[("pilot-test", Some(0)), (canary_node, Some(0))]).await;
+
+    // The new version goes to the canary only (the soak holds the others).
+    crate::helpers::certs::write(dir.path(), "rules.yaml", &rules("consecutive5xxErrors"));
+    let next = canary.recv().await;
+    canary.send(DiscoveryRequest {
+        type_url: next.type_url.clone(),
+        response_nonce: next.nonce.clone(),
+        version_info: next.version_info.clone(),
+        node: istiod_node(canary_node, "1.1.17"),
+        ..Default::default()
+    });
+    counts_are(&gw, &[("pilot-test", Some(0)), (canary_node, Some(1))]).await;
+    eventually_async("the gauge to count the canaries' version", || async {
+        skew_gauge(&gw, "1.1").await == Some(1.0)
+    })
+    .await;
+    let index = index_json(&gw).await;
+    let lead = index["skew"].as_str().unwrap_or_default();
+    assert!(lead.contains(&format!("1 of {DR} at the canaries' version for Istio 1.1")), "{index:#}");
+}
