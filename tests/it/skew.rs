@@ -473,5 +473,8 @@ async fn a_canary_rounds_new_version_counts_before_it_reaches_everyone() {
     .await;
     let index = index_json(&gw).await;
     let lead = index["skew"].as_str().unwrap_or_default();
-    assert!(lead.contains(&format!("1 of {DR} at the canaries' version for Istio 1.1")), "{index:#}");
+    assert!(
+        lead.contains(&format!("1 of {DR} at the canaries' version for Istio 1.1")),
+        "{index:#}"
+    );
 }
