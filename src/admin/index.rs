@@ -163,7 +163,7 @@ pub async fn admin(
     let not_synced = syncz::problems_first(rows.iter().filter(|r| r.status != syncz::SyncStatus::Synced));
     let source = source_problems(&state);
     let skewed = super::skew::lead(&state);
-    let unchecked = super::skew::unchecked(&state);
+    let unchecked = super::skew::unchecked(&streams);
     if wants_json(&headers) {
         return Json(json!({
             "source": syncz::source_json(&source),

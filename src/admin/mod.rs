@@ -66,7 +66,6 @@ impl AdminState {
     pub fn skew_lookup<'a>(&'a self, policy: &'a crate::transport::access::AccessPolicy) -> syncz::SkewLookup<'a> {
         syncz::SkewLookup {
             tracker: &self.skew,
-            rollout: &self.rollout,
             policy,
         }
     }
@@ -607,7 +606,7 @@ async fn syncz(
             // What connected clients' releases drop (`status` prints it),
             // and who is not checked.
             value["skew"] = json!(skew::lead(&state));
-            value["skew_not_checked"] = json!(skew::unchecked(&state));
+            value["skew_not_checked"] = json!(skew::unchecked(&streams));
             // Why the gateway is not ready, if it is not (what /readyz says).
             value["not_ready"] = json!(state.not_ready());
             Json(value).into_response()

@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use super::AdminState;
+use crate::downstream::registry::StreamView;
 use crate::skew::{ClientGeneration, Dropped, Generation, ResourceSkew, TrackedSkew, RELEASES};
 use crate::source::files::{self, Origins};
 
@@ -194,10 +195,8 @@ pub(super) fn lead(state: &AdminState) -> Option<String> {
 
 /// Connected clients that read Istio's kinds and whose release is not known:
 /// what they drop is not checked (the index's line; `None` when none).
-pub(super) fn unchecked(state: &AdminState) -> Option<String> {
-    let unknown: Vec<String> = state
-        .registry
-        .streams()
+pub(super) fn unchecked(streams: &[StreamView]) -> Option<String> {
+    let unknown: Vec<String> = streams
         .iter()
         .filter(|s| s.generation == Some(ClientGeneration::Unknown))
         .map(|s| match (&*s.node_id, s.peer) {

@@ -144,20 +144,18 @@ pub struct RowSkew {
 /// Where the views look up what a client's release drops.
 pub struct SkewLookup<'a> {
     pub tracker: &'a SkewTracker,
-    /// The version each group is served (a pin, a canary round).
-    pub rollout: &'a Rollout,
     /// A client that may read part of a collection drops only of its part.
     pub policy: &'a AccessPolicy,
 }
 
 impl SkewLookup<'_> {
-    fn of(&self, stream: &StreamView, view: &TypeView) -> Option<RowSkew> {
+    /// At `served`, the version its group is served: what it holds once
+    /// SYNCED.
+    fn of(&self, stream: &StreamView, view: &TypeView, served: Option<&str>) -> Option<RowSkew> {
         let generation = stream.generation?;
-        // At the version its group is served: what it holds once SYNCED.
-        let served = self.rollout.served_version(&view.collection, stream.canary);
         let tracked = generation
             .generation()
-            .and_then(|g| self.tracker.get(&view.collection, g, Some(served.as_deref()?)))
+            .and_then(|g| self.tracker.get(&view.collection, g, Some(served?)))
             .filter(|t| t.checked);
         let dropping = tracked.map(|tracked| {
             // A named subscription (listed whole) drops only of its names; a
@@ -201,15 +199,14 @@ pub fn rows<'a>(
     let mut rows = Vec::new();
     for stream in streams {
         for (type_url, view) in &stream.types {
-            // A client that may read part of the collection is current at
-            // the version of its part.
-            let current = match &view.access_version {
-                Some(version) => Some(version.clone()),
-                None => current
-                    .entry((&view.collection, stream.canary))
-                    .or_insert_with(|| rollout.served_version(&view.collection, stream.canary))
-                    .clone(),
-            };
+            // What its group is served, looked up once per collection and
+            // group; a client that may read part of the collection is
+            // current at the version of its part.
+            let served = current
+                .entry((&view.collection, stream.canary))
+                .or_insert_with(|| rollout.served_version(&view.collection, stream.canary))
+                .clone();
+            let current = view.access_version.clone().or_else(|| served.clone());
             let (status, since) = status(view, current.as_ref(), clock, stale_after);
             rows.push(Row {
                 stream,
@@ -218,7 +215,7 @@ pub fn rows<'a>(
                 status,
                 since,
                 current,
-                skew: skew.and_then(|s| s.of(stream, view)),
+                skew: skew.and_then(|s| s.of(stream, view, served.as_deref())),
             });
         }
     }

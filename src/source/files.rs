@@ -105,9 +105,6 @@ pub struct ParseError {
 /// file, and the path in that document to the body's root.
 pub type BodyAt = (usize, Vec<PathStep>);
 
-/// A resource by collection and name.
-type ResourceKey = (Arc<str>, Arc<str>);
-
 /// One resource as parsed from a file.
 #[derive(Clone, Debug)]
 pub struct Parsed {
@@ -123,7 +120,8 @@ pub struct Parsed {
     /// Where its body's fields are written: the first line of its document
     /// in the file, and the path in that document to the body's root (`spec`,
     /// `items[2].spec`, `body.json`): [`field_line`] finds a field's line.
-    pub body_at: BodyAt,
+    /// Shared: the files source's origins keep it for every resource served.
+    pub body_at: Arc<BodyAt>,
 }
 
 /// A document: a resource in the gateway's own form (`collection`, `name`,
@@ -597,7 +595,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
                 digest: resource.digest,
                 line,
                 struct_body,
-                body_at: (start, found.body_at),
+                body_at: Arc::new((start, found.body_at)),
             });
         }
     }
@@ -764,7 +762,8 @@ struct FileState {
 /// field from it.
 #[derive(Debug, Default)]
 pub struct Origins {
-    by_resource: HashMap<ResourceKey, (Arc<str>, BodyAt)>,
+    /// By collection, then name (looked up by `&str`, without a key made).
+    by_resource: HashMap<Arc<str>, HashMap<Arc<str>, (Arc<str>, Arc<BodyAt>)>>,
     /// The source's `--max-message-bytes`: a file is read again for its
     /// lines only within it.
     pub max_file_bytes: usize,
@@ -774,8 +773,9 @@ impl Origins {
     /// The file and where the body is, of `name` in `collection`.
     pub fn of(&self, collection: &str, name: &str) -> Option<(&str, &BodyAt)> {
         self.by_resource
-            .get(&(Arc::from(collection), Arc::from(name)))
-            .map(|(file, at)| (&**file, at))
+            .get(collection)?
+            .get(name)
+            .map(|(file, at)| (&**file, &**at))
     }
 }
 
@@ -976,6 +976,8 @@ impl LocalSource {
             ..Default::default()
         };
         for (path, state) in &self.files {
+            // Shared by the file's resources in the origins.
+            let file: Arc<str> = path.as_str().into();
             for parsed in &state.good {
                 let key = (parsed.collection.clone(), parsed.name.clone());
                 if let Some(first) = owner.get(&key) {
@@ -991,7 +993,9 @@ impl LocalSource {
                 if self.origins.is_some() {
                     origins
                         .by_resource
-                        .insert(key.clone(), (Arc::from(path.as_str()), parsed.body_at.clone()));
+                        .entry(key.0.clone())
+                        .or_default()
+                        .insert(key.1.clone(), (file.clone(), parsed.body_at.clone()));
                 }
                 owner.insert(key, path);
                 collections
