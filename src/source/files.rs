@@ -756,6 +756,9 @@ struct FileState {
     struct_bodies: BTreeSet<Arc<str>>,
 }
 
+/// A resource's file and where its body is written there.
+type FileOrigin = (Arc<str>, Arc<BodyAt>);
+
 /// Where each resource the files source serves came from: its file, and
 /// where its body is written there (see [`Parsed::body_at`]), by collection
 /// and name. Published after every read; `/debug/skew` names the line of a
@@ -763,7 +766,7 @@ struct FileState {
 #[derive(Debug, Default)]
 pub struct Origins {
     /// By collection, then name (looked up by `&str`, without a key made).
-    by_resource: HashMap<Arc<str>, HashMap<Arc<str>, (Arc<str>, Arc<BodyAt>)>>,
+    by_resource: HashMap<Arc<str>, HashMap<Arc<str>, FileOrigin>>,
     /// The source's `--max-message-bytes`: a file is read again for its
     /// lines only within it.
     pub max_file_bytes: usize,
