@@ -22,6 +22,8 @@
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Weak};
 
+use bytestring::ByteString;
+
 use super::type_state::ReportedNames;
 use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
@@ -105,8 +107,8 @@ pub struct Names {
 impl Names {
     /// Whether a state-of-the-world request's names are these, in order:
     /// what Envoy sends on every ACK, checked without allocating.
-    fn repeats(&self, names: &[String]) -> bool {
-        let mut asked = names.iter().map(String::as_str);
+    fn repeats(&self, names: &[ByteString]) -> bool {
+        let mut asked = names.iter().map(|n| &**n);
         let wildcard = self.wildcard && asked.next() == Some(WILDCARD);
         wildcard == self.wildcard && asked.eq(self.names.iter().map(|n| &**n))
     }
@@ -127,11 +129,11 @@ impl Names {
 #[derive(Clone, Copy, Debug)]
 pub enum NameChange<'a> {
     /// State of the world: every name the client wants now.
-    Replace(&'a [String]),
+    Replace(&'a [ByteString]),
     /// Delta: names added and removed.
     Change {
-        subscribe: &'a [String],
-        unsubscribe: &'a [String],
+        subscribe: &'a [ByteString],
+        unsubscribe: &'a [ByteString],
     },
 }
 
@@ -232,7 +234,7 @@ impl Named {
                 // Compared before anything is allocated: clients repeat the
                 // same names on every ACK.
                 let wildcard = names.iter().any(|n| n == WILDCARD);
-                let asked: BTreeSet<&str> = names.iter().map(String::as_str).filter(|n| *n != WILDCARD).collect();
+                let asked: BTreeSet<&str> = names.iter().map(|n| &**n).filter(|n| *n != WILDCARD).collect();
                 if asked.len() > max {
                     return Err(TooManyNames { count: asked.len() });
                 }
@@ -261,7 +263,7 @@ impl Named {
                         continue;
                     }
                     names.retain(|n| **n != **name);
-                    named.resend.remove(name.as_str());
+                    named.resend.remove(&**name);
                     // Still covered: the client may have dropped it.
                     if named.current.wildcard {
                         named.resend.insert(shared(name));
@@ -602,7 +604,7 @@ pub(super) mod tests {
             let name = |n: usize| format!("r{n:03}");
             let (cache, mut writer) = Cache::new();
             writer.apply("c", Update::Full((0..100).map(|n| resource(&name(n), "0")).collect()), Origin::Upstream);
-            let asked: Vec<String> = asked.iter().map(|&n| name(n)).collect();
+            let asked: Vec<ByteString> = asked.iter().map(|&n| name(n).into()).collect();
             let mut named = None;
             Named::apply(&mut named, NameChange::Replace(&asked), false, cache.get("c").as_deref(), 1000).unwrap();
             let named = named.as_mut().unwrap();
@@ -632,7 +634,7 @@ pub(super) mod tests {
                 );
                 let fresh: Vec<(String, String)> = asked
                     .iter()
-                    .filter_map(|n| to.resources.get(n.as_str()))
+                    .filter_map(|n| to.resources.get(&**n))
                     .map(|r| (r.name.to_string(), r.version.to_string()))
                     .collect();
                 if named.touched(&from, &to) {
@@ -669,7 +671,7 @@ pub(super) mod tests {
         );
         let v1 = cache.get("c").unwrap();
         let mut named = None;
-        let asked = vec![name(0), name(63)];
+        let asked: Vec<ByteString> = vec![name(0).into(), name(63).into()];
         Named::apply(&mut named, NameChange::Replace(&asked), false, Some(&v1), 1000).unwrap();
         let named = named.as_mut().unwrap();
         named.selected(None, &v1);
@@ -712,7 +714,7 @@ pub(super) mod tests {
             Origin::Upstream,
         );
         let v1 = cache.get("c").unwrap();
-        let strings = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let strings = |names: &[&str]| names.iter().map(|&n| ByteString::from(n)).collect::<Vec<_>>();
         let change = |named: &mut Option<Box<Named>>, subscribe: &[&str], unsubscribe: &[&str]| {
             let (subscribe, unsubscribe) = (strings(subscribe), strings(unsubscribe));
             let change = NameChange::Change {
@@ -758,7 +760,7 @@ pub(super) mod tests {
             .collect();
         writer.apply("c", Update::Full(resources), Origin::Upstream);
         let known = cache.get("c").unwrap();
-        let asked: Vec<String> = ["b", "a", "ghost", "a"].iter().map(|n| n.to_string()).collect();
+        let asked: Vec<ByteString> = ["b", "a", "ghost", "a"].iter().map(|&n| n.into()).collect();
         let mut named = None;
         let changed = Named::apply(&mut named, NameChange::Replace(&asked), false, Some(&known), 10).unwrap();
         assert!(changed);
@@ -775,7 +777,7 @@ pub(super) mod tests {
         let view = crate::downstream::registry::SubscribedView::from(named.current());
         assert!(Arc::ptr_eq(&view.first, &named.current.names.0), "and so does the view");
         // Too many names are refused before anything is kept.
-        let many: Vec<String> = (0..11).map(|i| i.to_string()).collect();
+        let many: Vec<ByteString> = (0..11).map(|i| i.to_string().into()).collect();
         let mut fresh = None;
         let refused = Named::apply(&mut fresh, NameChange::Replace(&many), false, None, 10);
         assert_eq!(refused, Err(TooManyNames { count: 11 }));

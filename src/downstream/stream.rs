@@ -290,7 +290,7 @@ impl<W: Wire> TypedStream<W> {
     /// for (with the cache's snapshot and the time it was read at), or `None`
     /// for a stale request; `Err` ends the stream.
     fn accept(&mut self, request: W::Request) -> Result<Option<Accepted>, Status> {
-        let request = W::read(request);
+        let request = W::read(request)?;
         if let Some(node) = &request.node_id {
             self.entry.set_node_id(node);
         }

@@ -554,6 +554,7 @@ mod tests {
     use crate::cache::{Cache, CacheWriter, CachedResource, Origin, Update};
     use crate::collections::{Dialect, Resolved};
     use crate::downstream::names::NameChange;
+    use bytestring::ByteString;
 
     const C: &str = "c";
 
@@ -1049,7 +1050,7 @@ mod tests {
         for (what, family, mode, held, steps) in cases {
             let mut s = family_state(family, mode, held);
             let mut nonce = 0;
-            let mut names_asked: Vec<String> = Vec::new();
+            let mut names_asked: Vec<ByteString> = Vec::new();
             for (i, step) in steps.into_iter().enumerate() {
                 match step {
                     Next(current, expected) => {
@@ -1152,8 +1153,13 @@ mod tests {
         cache.get(C).unwrap()
     }
 
-    fn names(names: &[&str]) -> Vec<String> {
-        names.iter().map(|n| n.to_string()).collect()
+    fn names(names: &[&str]) -> Vec<ByteString> {
+        names.iter().map(|&n| n.into()).collect()
+    }
+
+    /// Names as a request carries them.
+    fn wire(names: &[String]) -> Vec<ByteString> {
+        names.iter().map(|n| ByteString::from(n.as_str())).collect()
     }
 
     /// Sends what `next` decides with nonce `n{count}`; returns the push.
@@ -1280,7 +1286,7 @@ mod tests {
         let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
         let sub = names(&["a"]);
-        fn request<'a>(nonce: &'a str, nack: Option<Nack>, subscribe: &'a [String]) -> Request<'a> {
+        fn request<'a>(nonce: &'a str, nack: Option<Nack>, subscribe: &'a [ByteString]) -> Request<'a> {
             Request {
                 names: NameChange::Change {
                     subscribe,
@@ -1305,7 +1311,7 @@ mod tests {
     }
 
     /// A delta client's first request, subscribing to `names`.
-    fn subscribe(s: &mut TypeState, names: &[String]) -> Verdict {
+    fn subscribe(s: &mut TypeState, names: &[ByteString]) -> Verdict {
         s.on_request(Request {
             names: NameChange::Change {
                 subscribe: names,
@@ -1542,7 +1548,7 @@ mod tests {
                         let version = version.map(str::to_owned);
                         s.on_request(Request {
                             version: (family == Family::Xds).then_some(version.as_deref()).flatten(),
-                            names: NameChange::Replace(&asked),
+                            names: NameChange::Replace(&wire(&asked)),
                             ..Request::new(&last_nonce, nack)
                         });
                     }
@@ -1716,7 +1722,7 @@ mod tests {
                             asked.push("*".into());
                         }
                         s.on_request(Request {
-                            names: NameChange::Change { subscribe: &asked, unsubscribe: &[] },
+                            names: NameChange::Change { subscribe: &wire(&asked), unsubscribe: &[] },
                             ..Request::new("", None)
                         });
                     }
@@ -1741,7 +1747,7 @@ mod tests {
                         // covered is owed no more.
                         owed.retain(|n| wildcard || subscribed.contains(n));
                         s.on_request(Request {
-                            names: NameChange::Change { subscribe: &[], unsubscribe: &dropped },
+                            names: NameChange::Change { subscribe: &[], unsubscribe: &wire(&dropped) },
                             ..Request::new("", None)
                         });
                     }

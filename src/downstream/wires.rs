@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use bytestring::ByteString;
 
 use tonic::Status;
 
@@ -14,7 +15,7 @@ use super::type_state::{Family, Mode, Push};
 use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
 use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
-use crate::proto::wire::{DeltaXdsRequest, IncrementalRequest, SinkRequest, SotwRequest, XdsRequest};
+use crate::proto::wire::{utf8_names, DeltaXdsRequest, IncrementalRequest, SinkRequest, SotwRequest, XdsRequest};
 
 /// What a requested type is answered from.
 #[derive(Debug)]
@@ -56,9 +57,9 @@ pub struct WireRequest {
     pub reported: Vec<Bytes>,
     /// xDS: the names asked for (state of the world: all of them; delta:
     /// those subscribed by this request).
-    pub names: Vec<String>,
+    pub names: Vec<ByteString>,
     /// Delta xDS: the names unsubscribed by this request.
-    pub unsubscribe: Vec<String>,
+    pub unsubscribe: Vec<ByteString>,
 }
 
 impl WireRequest {
@@ -130,7 +131,9 @@ pub trait Wire: Send + 'static {
     /// world: Envoy repeats its last ACKed version after a NACK).
     const ACK_NAMES_VERSION: bool = false;
 
-    fn read(request: Self::Request) -> WireRequest;
+    /// `Err` (the stream ends with it): what the message's decoding left to
+    /// check (names read as bytes are UTF-8).
+    fn read(request: Self::Request) -> Result<WireRequest, Status>;
 
     /// What a requested type is answered from. MCP: a collection of the
     /// table, else the stream ends with `unsupported {TYPE_FIELD} "…"`, as
@@ -159,14 +162,14 @@ impl Wire for LegacySotw {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = false;
 
-    fn read(r: SotwRequest) -> WireRequest {
-        WireRequest::full(
+    fn read(r: SotwRequest) -> Result<WireRequest, Status> {
+        Ok(WireRequest::full(
             r.type_url,
             r.node.map(|n| n.into_parts()),
             r.response_nonce,
             r.version_info,
             r.error_detail,
-        )
+        ))
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -185,14 +188,14 @@ impl Wire for LegacyIncremental {
     const TYPE_FIELD: &'static str = "type_url";
     const ONE_TYPE: bool = true;
 
-    fn read(r: IncrementalRequest) -> WireRequest {
-        WireRequest::changes(
+    fn read(r: IncrementalRequest) -> Result<WireRequest, Status> {
+        Ok(WireRequest::changes(
             r.type_url,
             r.node.map(|n| n.into_parts()),
             r.response_nonce,
             r.error_detail,
             r.initial_resource_versions,
-        )
+        ))
     }
 
     fn encode(send: &Push, _type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -213,7 +216,7 @@ impl Wire for ResourceSourceWire {
     const TYPE_FIELD: &'static str = "collection";
     const ONE_TYPE: bool = false;
 
-    fn read(request: SinkRequest) -> WireRequest {
+    fn read(request: SinkRequest) -> Result<WireRequest, Status> {
         let (node_id, node_labels, gateway_id) = match request.sink_node {
             Some(node) => {
                 let gateway = node.annotations.get(GATEWAY_ID_ANNOTATION).cloned();
@@ -227,7 +230,7 @@ impl Wire for ResourceSourceWire {
         } else {
             Mode::Full
         };
-        WireRequest {
+        Ok(WireRequest {
             type_url: request.collection,
             node_id,
             node_labels,
@@ -242,7 +245,7 @@ impl Wire for ResourceSourceWire {
                 Vec::new()
             },
             ..Default::default()
-        }
+        })
     }
 
     fn encode(send: &Push, _collection: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -266,6 +269,13 @@ fn resolve_xds(shared: &Downstream, type_url: &str) -> Target {
         }
         _ => Target::Unserved,
     }
+}
+
+/// A request's names, checked as its decoding would check a `string` field:
+/// not UTF-8 ends the stream as a request that does not decode does.
+fn names<W: Wire>(field: &'static str, names: Vec<Bytes>) -> Result<Vec<ByteString>, Status> {
+    utf8_names(field, names)
+        .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", W::REQUEST)))
 }
 
 /// Both xDS responses carry `type_url` (4) and `nonce` (5). A GVK carries MCP
@@ -295,9 +305,9 @@ impl Wire for XdsSotw {
     const FAMILY: Family = Family::Xds;
     const ACK_NAMES_VERSION: bool = true;
 
-    fn read(r: XdsRequest) -> WireRequest {
-        WireRequest {
-            names: r.resource_names,
+    fn read(r: XdsRequest) -> Result<WireRequest, Status> {
+        Ok(WireRequest {
+            names: names::<Self>("resource_names", r.resource_names)?,
             ..WireRequest::full(
                 r.type_url,
                 r.node.map(|n| n.into_parts()),
@@ -305,7 +315,7 @@ impl Wire for XdsSotw {
                 r.version_info,
                 r.error_detail,
             )
-        }
+        })
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
@@ -327,10 +337,10 @@ impl Wire for XdsDelta {
     const ANSWERS_EVERY_TYPE: bool = true;
     const FAMILY: Family = Family::Xds;
 
-    fn read(r: DeltaXdsRequest) -> WireRequest {
-        WireRequest {
-            names: r.resource_names_subscribe,
-            unsubscribe: r.resource_names_unsubscribe,
+    fn read(r: DeltaXdsRequest) -> Result<WireRequest, Status> {
+        Ok(WireRequest {
+            names: names::<Self>("resource_names_subscribe", r.resource_names_subscribe)?,
+            unsubscribe: names::<Self>("resource_names_unsubscribe", r.resource_names_unsubscribe)?,
             ..WireRequest::changes(
                 r.type_url,
                 r.node.map(|n| n.into_parts()),
@@ -338,7 +348,7 @@ impl Wire for XdsDelta {
                 r.error_detail,
                 r.initial_resource_versions,
             )
-        }
+        })
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {

@@ -8,6 +8,7 @@
 //! each downstream protocol: `downstream/encode.rs`.)
 
 use bytes::{Bytes, BytesMut};
+use bytestring::ByteString;
 use prost::encoding::{self, WireType};
 
 /// Field 2 of `MeshConfigRequest`: a `Client{id, Struct metadata}` from Istio
@@ -89,6 +90,8 @@ pub enum WireError {
     Decode(#[from] prost::DecodeError),
     #[error("{0}")]
     Malformed(&'static str),
+    #[error("{field}[{index}] is not UTF-8")]
+    NotUtf8 { field: &'static str, index: usize },
 }
 
 /// A NACK as the gateway keeps it: the code and the start of the message.
@@ -245,8 +248,12 @@ pub struct XdsRequest {
     pub version_info: String,
     #[prost(message, optional, tag = "2")]
     pub node: Option<XdsNode>,
-    #[prost(string, repeated, tag = "3")]
-    pub resource_names: Vec<String>,
+    /// Slices of the request, not a `String` each: a client repeats its
+    /// names on every ACK (Envoy's EDS: 50), and they are compared with
+    /// what it asked for before, in place. Checked to be UTF-8 when read
+    /// ([`utf8_names`]).
+    #[prost(bytes = "bytes", repeated, tag = "3")]
+    pub resource_names: Vec<Bytes>,
     #[prost(string, tag = "4")]
     pub type_url: String,
     #[prost(string, tag = "5")]
@@ -263,10 +270,11 @@ pub struct DeltaXdsRequest {
     pub node: Option<XdsNode>,
     #[prost(string, tag = "2")]
     pub type_url: String,
-    #[prost(string, repeated, tag = "3")]
-    pub resource_names_subscribe: Vec<String>,
-    #[prost(string, repeated, tag = "4")]
-    pub resource_names_unsubscribe: Vec<String>,
+    /// As in [`XdsRequest::resource_names`].
+    #[prost(bytes = "bytes", repeated, tag = "3")]
+    pub resource_names_subscribe: Vec<Bytes>,
+    #[prost(bytes = "bytes", repeated, tag = "4")]
+    pub resource_names_unsubscribe: Vec<Bytes>,
     /// As in [`IncrementalRequest::initial_resource_versions`].
     #[prost(bytes = "bytes", repeated, tag = "5")]
     pub initial_resource_versions: Vec<Bytes>,
@@ -275,6 +283,16 @@ pub struct DeltaXdsRequest {
     /// As in [`SotwRequest::error_detail`].
     #[prost(bytes = "bytes", optional, tag = "7")]
     pub error_detail: Option<Bytes>,
+}
+
+/// Names read as bytes, each checked to be UTF-8 (as a `string` field is)
+/// and kept where it is: `field` names the field in the error.
+pub fn utf8_names(field: &'static str, names: Vec<Bytes>) -> Result<Vec<ByteString>, WireError> {
+    names
+        .into_iter()
+        .enumerate()
+        .map(|(i, name)| ByteString::try_from(name).map_err(|_| WireError::NotUtf8 { field, index: i }))
+        .collect()
 }
 
 /// `Resources` from a source, with each `Resource` kept as the bytes received.
@@ -392,6 +410,30 @@ pub mod test_support {
 mod tests {
     use super::*;
     use prost::Message;
+
+    /// An ACK's names are slices of the request as it was read, not copies:
+    /// Envoy repeats its 50 EDS names on every ACK.
+    #[test]
+    fn request_names_are_slices_of_the_request_checked_to_be_utf8() {
+        let request = crate::proto::envoy::service::discovery::v3::DiscoveryRequest {
+            resource_names: vec!["cluster-000001".into(), "cluster-000002".into()],
+            type_url: "t".into(),
+            ..Default::default()
+        };
+        let buffer = Bytes::from(request.encode_to_vec());
+        let read = XdsRequest::decode(buffer.clone()).unwrap();
+        let within = buffer.as_ptr_range();
+        let names = utf8_names("resource_names", read.resource_names).unwrap();
+        assert_eq!(names, ["cluster-000001", "cluster-000002"]);
+        for name in &names {
+            assert!(within.contains(&name.as_bytes().as_ptr()), "{name} is a copy");
+        }
+        let bad = utf8_names(
+            "resource_names",
+            vec![Bytes::from_static(b"ok"), Bytes::from_static(b"\xc3")],
+        );
+        assert_eq!(bad.unwrap_err().to_string(), "resource_names[1] is not UTF-8");
+    }
 
     #[test]
     fn node_labels_read_from_every_kind_of_node() {

@@ -694,3 +694,86 @@ async fn named_subscriptions_in_both_protocols() {
     assert!(status.message().contains("--max-subscribed-names=3"), "{status:?}");
     crate::limits::refusals_are(gw.monitoring, "max_subscribed_names", 2).await;
 }
+
+/// Names are read as slices of the request and checked to be UTF-8 as a
+/// `string` field's decoding would: a name that is not ends the stream
+/// `INVALID_ARGUMENT` naming the field, in both protocols, and a client
+/// beside it is served.
+#[tokio::test]
+async fn names_that_are_not_utf8_end_the_stream_naming_the_field() {
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawSotw {
+        #[prost(bytes = "vec", repeated, tag = "3")]
+        resource_names: Vec<Vec<u8>>,
+        #[prost(string, tag = "4")]
+        type_url: String,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct RawDelta {
+        #[prost(string, tag = "2")]
+        type_url: String,
+        #[prost(bytes = "vec", repeated, tag = "3")]
+        subscribe: Vec<Vec<u8>>,
+        #[prost(bytes = "vec", repeated, tag = "4")]
+        unsubscribe: Vec<Vec<u8>>,
+    }
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "clusters.yaml", &cluster_doc("backend"));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &dir_flag]).await;
+    let not_utf8 = vec![b'a', 0xff, b'b'];
+
+    let mut sotw: Bidi<RawSotw, DiscoveryResponse> =
+        Bidi::open_with(channel(gw.listen).await, SOTW, tonic_prost::ProstCodec::default()).await;
+    sotw.send(RawSotw {
+        resource_names: vec![b"backend".to_vec(), not_utf8.clone()],
+        type_url: CLUSTER.into(),
+    });
+    let status = sotw.end_status().await;
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert_eq!(
+        status.message(),
+        "the request is not a valid envoy.service.discovery.v3.DiscoveryRequest: resource_names[1] is not UTF-8"
+    );
+
+    for (subscribe, unsubscribe, field) in [
+        (vec![not_utf8.clone()], vec![], "resource_names_subscribe[0]"),
+        (
+            vec![b"backend".to_vec()],
+            vec![b"x".to_vec(), not_utf8.clone()],
+            "resource_names_unsubscribe[1]",
+        ),
+    ] {
+        let mut delta: Bidi<RawDelta, DeltaDiscoveryResponse> =
+            Bidi::open_with(channel(gw.listen).await, DELTA, tonic_prost::ProstCodec::default()).await;
+        delta.send(RawDelta {
+            type_url: CLUSTER.into(),
+            subscribe,
+            unsubscribe,
+        });
+        let status = delta.end_status().await;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert_eq!(
+            status.message(),
+            format!(
+                "the request is not a valid envoy.service.discovery.v3.DeltaDiscoveryRequest: {field} is not UTF-8"
+            )
+        );
+    }
+
+    // A client beside them, by name: served.
+    let mut good = SotwStream::open(gw.listen, SOTW).await;
+    good.send(DiscoveryRequest {
+        type_url: CLUSTER.into(),
+        resource_names: vec!["backend".into()],
+        ..Default::default()
+    });
+    let served = good.recv().await;
+    assert_eq!(
+        served.resources,
+        [prost_types::Any {
+            type_url: CLUSTER.into(),
+            value: cluster_bytes("backend")
+        }]
+    );
+}
