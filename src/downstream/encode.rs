@@ -143,37 +143,263 @@ pub enum Form {
 }
 
 impl Form {
-    /// The encoded resource in this form.
+    /// The encoded resource in this form, in one buffer.
     fn value(self, resource: &CachedResource) -> Bytes {
         match self {
             Form::Mcp => resource.encoded.clone(),
-            Form::McpAny => mcp_any(resource, resource.content_version()),
             Form::Body => body_of(resource),
-            Form::DeltaMcp => {
-                let version = resource.content_version();
-                let any = mcp_any(resource, version.clone());
-                delta_resource(resource, &version, bytes_field_len(2, &any), |buf| {
-                    put_bytes(2, &any, buf)
-                })
-            }
-            // Its `resource` record is the stored body record as it is
-            // (field 2 both), where it is written as the gateway would.
-            Form::DeltaBody => {
-                let version = resource.content_version();
-                match stored_body_record(&resource.encoded) {
-                    Some(record) => {
-                        let record = &resource.encoded[record];
-                        delta_resource(resource, &version, record.len(), |buf| buf.put_slice(record))
-                    }
-                    None => {
-                        let body = body_of(resource);
-                        delta_resource(resource, &version, bytes_field_len(2, &body), |buf| {
-                            put_bytes(2, &body, buf)
-                        })
-                    }
-                }
+            Form::McpAny | Form::DeltaMcp | Form::DeltaBody => {
+                let mut pieces = Pieces::copying();
+                self.frame(resource, None, &mut pieces);
+                pieces.into_one()
             }
         }
+    }
+
+    /// Writes the resource in this form into `pieces` as made bytes around a
+    /// slice of the stored bytes, behind its `tag` record's key and length
+    /// when a tag is given (`None`: the form's value alone). `false` for
+    /// the forms and resources that are not a slice of the stored bytes
+    /// (MCP's own, and an Envoy body not stored as the gateway writes it).
+    fn frame(self, resource: &CachedResource, tag: Option<u32>, pieces: &mut Pieces) -> bool {
+        let record = |len: usize, buf: &mut BytesMut| {
+            if let Some(tag) = tag {
+                encoding::encode_key(tag, WireType::LengthDelimited, buf);
+                encoding::encode_varint(len as u64, buf);
+            }
+        };
+        match self {
+            Form::Mcp => false,
+            Form::Body => {
+                // The stored body record is a response's `resources` record
+                // as it is (field 2 both).
+                let Some(stored) = stored_body_record(&resource.encoded).filter(|_| tag == Some(BODY_FIELD)) else {
+                    return false;
+                };
+                pieces.stored(resource.encoded.slice(stored));
+                true
+            }
+            Form::McpAny => {
+                let version = resource.content_version();
+                let any = McpAny::of(resource, &version);
+                record(any.len(), pieces.made());
+                any.put(resource, &version, pieces);
+                true
+            }
+            Form::DeltaMcp | Form::DeltaBody => {
+                let version = resource.content_version();
+                let (len, any) = match self {
+                    Form::DeltaMcp => {
+                        let any = McpAny::of(resource, &version);
+                        (bytes_len_of(2, any.len()), Some(any))
+                    }
+                    _ => match stored_body_record(&resource.encoded) {
+                        Some(stored) => (stored.len(), None),
+                        None => (bytes_len_of(2, body_of(resource).len()), None),
+                    },
+                };
+                let len = string_field_len(1, &version) + len + string_field_len(3, &resource.name);
+                let buf = pieces.made();
+                record(len, buf);
+                put_string(1, &version, buf);
+                match any {
+                    Some(any) => {
+                        encoding::encode_key(2, WireType::LengthDelimited, buf);
+                        encoding::encode_varint(any.len() as u64, buf);
+                        any.put(resource, &version, pieces);
+                    }
+                    // Its `resource` record is the stored body record as it
+                    // is (field 2 both).
+                    None => match stored_body_record(&resource.encoded) {
+                        Some(stored) => pieces.stored(resource.encoded.slice(stored)),
+                        None => put_bytes(2, &body_of(resource), pieces.made()),
+                    },
+                }
+                put_string(3, &resource.name, pieces.made());
+                true
+            }
+        }
+    }
+}
+
+/// `Any(istio.mcp.v1alpha1.Resource)` as MCP over xDS sends it: the stored
+/// `Resource` as it is, then a second `metadata` record (field 1) holding
+/// the content version and, where the stored metadata has none, a
+/// `create_time` (the epoch, the same on every replica). Protobuf merges a
+/// message field given twice, the later value of a scalar winning, so
+/// istiod reads the source's metadata with its version and time replaced,
+/// and the stored bytes are sent as a slice of the cache rather than kept
+/// a second time in this form.
+struct McpAny {
+    /// The appended metadata's length (its record's value).
+    metadata: usize,
+    create_time: bool,
+    /// The `Any`'s `value`.
+    value: usize,
+}
+
+impl McpAny {
+    fn of(resource: &CachedResource, version: &str) -> Self {
+        let create_time = !has_create_time(&resource.encoded);
+        let metadata = string_field_len(3, version) + if create_time { 2 } else { 0 };
+        McpAny {
+            metadata,
+            create_time,
+            value: resource.encoded.len() + bytes_len_of(1, metadata),
+        }
+    }
+
+    /// The `Any`'s length.
+    fn len(&self) -> usize {
+        string_field_len(1, MCP_RESOURCE_TYPE_URL) + bytes_len_of(2, self.value)
+    }
+
+    fn put(&self, resource: &CachedResource, version: &str, pieces: &mut Pieces) {
+        let buf = pieces.made();
+        put_string(1, MCP_RESOURCE_TYPE_URL, buf);
+        encoding::encode_key(2, WireType::LengthDelimited, buf);
+        encoding::encode_varint(self.value as u64, buf);
+        pieces.stored(resource.encoded.clone());
+        let buf = pieces.made();
+        encoding::encode_key(1, WireType::LengthDelimited, buf);
+        encoding::encode_varint(self.metadata as u64, buf);
+        put_string(3, version, buf);
+        if self.create_time {
+            // `create_time` (field 2): an empty `Timestamp`.
+            encoding::encode_key(2, WireType::LengthDelimited, buf);
+            encoding::encode_varint(0, buf);
+        }
+    }
+}
+
+/// Whether a stored `Resource`'s metadata (field 1, every record of it) sets
+/// `create_time` (field 2). Resources are validated before they reach the
+/// cache; what does not read as protobuf counts as not set.
+fn has_create_time(encoded: &[u8]) -> bool {
+    fields(encoded).any(|(field, value)| field == 1 && fields(value).any(|(field, _)| field == 2))
+}
+
+/// The top-level fields of a message: field number and, for a
+/// length-delimited field, its value (empty for the others). Stops at the
+/// first thing that does not read.
+fn fields(mut rest: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let key = encoding::decode_varint(&mut rest).ok()?;
+        let value: &[u8] = match key & 7 {
+            0 => {
+                encoding::decode_varint(&mut rest).ok()?;
+                &[]
+            }
+            1 => rest
+                .get(8..)
+                .map(|after| std::mem::replace(&mut rest, after))
+                .map(|_| &[][..])?,
+            2 => {
+                let len = usize::try_from(encoding::decode_varint(&mut rest).ok()?).ok()?;
+                let value = rest.get(..len)?;
+                rest = &rest[len..];
+                value
+            }
+            5 => rest
+                .get(4..)
+                .map(|after| std::mem::replace(&mut rest, after))
+                .map(|_| &[][..])?,
+            _ => return None,
+        };
+        Some((key >> 3, value))
+    })
+}
+
+/// A record's length: key, length and `len` bytes of value.
+fn bytes_len_of(tag: u32, len: usize) -> usize {
+    encoding::key_len(tag) + encoding::encoded_len_varint(len as u64) + len
+}
+
+/// A response's resources as pieces: made bytes (all of them in one buffer)
+/// between slices of the stored bytes. A stored slice shorter than
+/// `copy_below` is copied among the made bytes instead (see [`COPY_BELOW`]).
+pub(crate) struct Pieces {
+    made: BytesMut,
+    /// Where the made bytes not yet cut into a piece begin.
+    made_from: usize,
+    parts: Vec<Part>,
+    copy_below: usize,
+}
+
+enum Part {
+    Made(std::ops::Range<usize>),
+    Stored(Bytes),
+}
+
+/// Below this a stored slice is copied rather than sent as it is. h2 hands
+/// the socket 16 slices per write (`bytes::Take`) and a DATA frame is 16 KiB
+/// unless the peer allows more: slices of 1 KiB and more, each behind a
+/// piece of made bytes, take at most two writes per frame; smaller ones
+/// would take a write per few hundred bytes (Envoy's 512-byte clusters of
+/// the fan-out scenario: 32 writes per response instead of 2). So what is
+/// kept a second time is at most the resources smaller than this.
+const COPY_BELOW: usize = 1024;
+
+impl Pieces {
+    /// Pieces that keep stored slices of `COPY_BELOW` bytes and more as they are.
+    fn slicing() -> Self {
+        Self::new(COPY_BELOW)
+    }
+
+    /// Pieces that copy everything into one buffer.
+    fn copying() -> Self {
+        Self::new(usize::MAX)
+    }
+
+    fn new(copy_below: usize) -> Self {
+        Pieces {
+            made: BytesMut::new(),
+            made_from: 0,
+            parts: Vec::new(),
+            copy_below,
+        }
+    }
+
+    fn made(&mut self) -> &mut BytesMut {
+        &mut self.made
+    }
+
+    fn stored(&mut self, stored: Bytes) {
+        if stored.len() < self.copy_below {
+            self.made.put_slice(&stored);
+            return;
+        }
+        self.cut();
+        self.parts.push(Part::Stored(stored));
+    }
+
+    fn cut(&mut self) {
+        if self.made.len() > self.made_from {
+            self.parts.push(Part::Made(self.made_from..self.made.len()));
+            self.made_from = self.made.len();
+        }
+    }
+
+    /// The pieces, in order.
+    fn into_parts(mut self) -> Vec<Bytes> {
+        self.cut();
+        let made = self.made.freeze();
+        self.parts
+            .into_iter()
+            .map(|part| match part {
+                Part::Made(range) => made.slice(range),
+                Part::Stored(stored) => stored,
+            })
+            .collect()
+    }
+
+    /// Everything in one buffer (pieces made `copying`).
+    fn into_one(self) -> Bytes {
+        debug_assert!(self.parts.iter().all(|p| matches!(p, Part::Made(_))));
+        self.made.freeze()
     }
 }
 
@@ -233,38 +459,7 @@ fn stored_body_record(encoded: &[u8]) -> Option<std::ops::Range<usize>> {
 
 /// `Resource.body` and a response's `resources`: field 2, length-delimited.
 const BODY_RECORD_KEY: u8 = 2 << 3 | 2;
-
-/// `version`: the resource's content version.
-fn mcp_any(resource: &CachedResource, version: String) -> Bytes {
-    use prost::Message;
-    let (mut metadata, body) = parts_of(resource);
-    metadata.version = version;
-    // A source that gave none: the epoch, the same on every replica.
-    metadata.create_time.get_or_insert_with(prost_types::Timestamp::default);
-    let metadata = metadata.encode_to_vec();
-    let mut value = BytesMut::with_capacity(bytes_field_len(1, &metadata) + bytes_field_len(2, &body));
-    put_bytes(1, &metadata, &mut value);
-    put_bytes(2, &body, &mut value);
-    let mut any = BytesMut::with_capacity(string_field_len(1, MCP_RESOURCE_TYPE_URL) + bytes_field_len(2, &value));
-    put_string(1, MCP_RESOURCE_TYPE_URL, &mut any);
-    put_bytes(2, &value, &mut any);
-    any.freeze()
-}
-
-/// `envoy.service.discovery.v3.Resource{version=1, resource=2, name=3}`.
-/// `put_resource` writes the `resource` record (field 2), `len` bytes.
-fn delta_resource(
-    resource: &CachedResource,
-    version: &str,
-    len: usize,
-    put_resource: impl FnOnce(&mut BytesMut),
-) -> Bytes {
-    let mut buf = BytesMut::with_capacity(string_field_len(1, version) + len + string_field_len(3, &resource.name));
-    put_string(1, version, &mut buf);
-    put_resource(&mut buf);
-    put_string(3, &resource.name, &mut buf);
-    buf.freeze()
-}
+const BODY_FIELD: u32 = 2;
 
 /// The names `reported` holds that `to` does not, sorted, once each.
 fn gone<'a>(reported: &'a ReportedNames, to: &CollectionSnapshot) -> Vec<&'a str> {
@@ -374,31 +569,38 @@ pub const DELTA_BODY: Layout = Layout {
 };
 
 impl Layout {
-    /// A chunk's resources as this layout's `resources` field: the chunk's
-    /// storage itself when the field numbers agree, else re-framed once per
-    /// chunk and kept with it.
-    fn chunk(&self, chunk: &Chunk) -> Bytes {
-        if self.resources == STORAGE_FIELD && self.form == Form::Mcp {
-            return chunk.bytes().clone();
-        }
-        let framed = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
-            let (framed, lengths) = self.measured_fields(chunk.members());
-            // Each member's field is now a slice of the chunk's: one copy of
-            // the form, whoever reads it, by chunk or by name.
-            if self.form != Form::Mcp {
-                let mut at = 0;
-                for (member, len) in chunk.members().iter().zip(lengths) {
-                    // Only a record kept with its resource points there.
-                    if self.kept(member) {
-                        let field = framed.slice(at..at + len);
-                        member.memo.put(MemoKey::of(self.resource_key), Arc::new(field));
-                    }
-                    at += len;
-                }
+    /// A chunk's resources as this layout's `resources` field, appended to
+    /// `out`: the chunk's storage itself when the field numbers agree (MCP);
+    /// else pieces made once per chunk and kept with it, each resource's
+    /// made bytes around a slice of its stored bytes (not a second copy of
+    /// them: istiod's and Envoy's forms).
+    fn chunk(&self, chunk: &Chunk, out: &mut Vec<Bytes>) {
+        if self.form == Form::Mcp {
+            if self.resources == STORAGE_FIELD {
+                out.push(chunk.bytes().clone());
+            } else {
+                let framed = chunk
+                    .memo
+                    .get_or_make(MemoKey::of(self.chunk_key), 1, || self.fields(chunk.members()));
+                out.push(Bytes::clone(&framed));
             }
-            framed
+            return;
+        }
+        let parts = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
+            let mut pieces = Pieces::slicing();
+            for member in chunk.members() {
+                self.frame(member, &mut pieces);
+            }
+            Arc::<[Bytes]>::from(pieces.into_parts())
         });
-        Bytes::clone(&framed)
+        out.extend(parts.iter().cloned());
+    }
+
+    /// `resource`'s `resources` record, into `pieces`.
+    fn frame(&self, resource: &CachedResource, pieces: &mut Pieces) {
+        if !self.form.frame(resource, Some(self.resources), pieces) {
+            put_bytes(self.resources, &self.form.value(resource), pieces.made());
+        }
     }
 
     /// A resource's `resources` field in this layout. In the MCP form it is
@@ -408,14 +610,12 @@ impl Layout {
     /// resource, and shared by every response that carries it: the named
     /// responses of Envoy's EDS and RDS are assembled from these pieces.
     fn field(&self, resource: &CachedResource) -> Bytes {
-        let (tag, form) = (self.resources, self.form);
         let make = || {
-            let value = form.value(resource);
-            let mut buf = BytesMut::with_capacity(bytes_field_len(tag, &value));
-            put_bytes(tag, &value, &mut buf);
-            buf.freeze()
+            let mut pieces = Pieces::copying();
+            self.frame(resource, &mut pieces);
+            pieces.into_one()
         };
-        if form == Form::Mcp {
+        if self.form == Form::Mcp {
             return make();
         }
         if let Some(record) = self.stored_record(resource) {
@@ -433,12 +633,6 @@ impl Layout {
     /// record: cheap to make, so not kept.
     fn made_each_time(&self, resource: &CachedResource) -> bool {
         self.form == Form::DeltaBody && stored_body_record(&resource.encoded).is_some()
-    }
-
-    /// Whether `resource`'s record in this layout is kept with it (made once
-    /// per content version), not stored or made each time.
-    fn kept(&self, resource: &CachedResource) -> bool {
-        self.form != Form::Mcp && self.stored_record(resource).is_none() && !self.made_each_time(resource)
     }
 
     /// This layout's record of `resource` where it is a slice of the stored
@@ -530,9 +724,11 @@ impl Layout {
     /// The whole collection: the head, then every chunk. Once per snapshot.
     pub fn full(&self, to: &CollectionSnapshot) -> Arc<[Bytes]> {
         let parts = to.memo.get_or_make(MemoKey::of(self.full_key), 1, || {
-            std::iter::once(self.head(to))
-                .chain(to.chunks().map(|c| self.chunk(c)))
-                .collect::<Arc<[Bytes]>>()
+            let mut parts = vec![self.head(to)];
+            for chunk in to.chunks() {
+                self.chunk(chunk, &mut parts);
+            }
+            Arc::<[Bytes]>::from(parts)
         });
         Arc::clone(&parts)
     }
@@ -637,6 +833,38 @@ mod tests {
             encoded,
             digest,
         )
+    }
+
+    /// `version`: the resource's content version.
+    fn mcp_any(resource: &CachedResource, version: String) -> Bytes {
+        use prost::Message;
+        let (mut metadata, body) = parts_of(resource);
+        metadata.version = version;
+        // A source that gave none: the epoch, the same on every replica.
+        metadata.create_time.get_or_insert_with(prost_types::Timestamp::default);
+        let metadata = metadata.encode_to_vec();
+        let mut value = BytesMut::with_capacity(bytes_field_len(1, &metadata) + bytes_field_len(2, &body));
+        put_bytes(1, &metadata, &mut value);
+        put_bytes(2, &body, &mut value);
+        let mut any = BytesMut::with_capacity(string_field_len(1, MCP_RESOURCE_TYPE_URL) + bytes_field_len(2, &value));
+        put_string(1, MCP_RESOURCE_TYPE_URL, &mut any);
+        put_bytes(2, &value, &mut any);
+        any.freeze()
+    }
+
+    /// `envoy.service.discovery.v3.Resource{version=1, resource=2, name=3}`.
+    /// `put_resource` writes the `resource` record (field 2), `len` bytes.
+    fn delta_resource(
+        resource: &CachedResource,
+        version: &str,
+        len: usize,
+        put_resource: impl FnOnce(&mut BytesMut),
+    ) -> Bytes {
+        let mut buf = BytesMut::with_capacity(string_field_len(1, version) + len + string_field_len(3, &resource.name));
+        put_string(1, version, &mut buf);
+        put_resource(&mut buf);
+        put_string(3, &resource.name, &mut buf);
+        buf.freeze()
     }
 
     fn response(parts: Arc<[Bytes]>, suffix: Bytes) -> Bytes {
@@ -836,17 +1064,10 @@ mod tests {
             "r012's field is shared, not made again"
         );
         assert!(to.resources["r100"].memo.is_empty(), "nobody read r100");
-        // A wildcard client: the chunks are framed, and the pieces become
-        // slices of them.
-        let full = XDS_MCP.full(&to);
-        let again = XDS_MCP.encode(&Push::Selected {
-            to: to.clone(),
-            diff: named(&["r012"]),
-        });
-        assert!(
-            full[1..].iter().any(|chunk| within(&again[1], chunk)),
-            "r012's field is a slice of its chunk's"
-        );
+        // A wildcard client reads the chunks' pieces: nothing is kept per
+        // resource for them.
+        XDS_MCP.full(&to);
+        assert!(to.resources["r100"].memo.is_empty(), "nothing kept for r100");
         // Too many pieces for one write: one buffer.
         let names: Vec<String> = (0..13).map(|i| format!("r{i:03}")).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -857,5 +1078,105 @@ mod tests {
         assert!(many.len() <= 3, "{}", many.len());
         let decoded = DiscoveryResponse::decode(response(many, suffix(Some((4, C)), (5, "2"), None))).unwrap();
         assert_eq!(decoded.resources.len(), 13);
+    }
+
+    /// istiod's form (MCP over xDS, both protocols) is the stored `Resource`
+    /// as a slice of the cache, its metadata overridden by a record after
+    /// it: decoded, it is what the resource with its metadata rewritten
+    /// decodes to (content version; the source's `create_time` kept, the
+    /// epoch where it gave none), and a big resource's bytes are not copied.
+    #[test]
+    fn istiods_form_is_the_stored_resource_with_its_metadata_overridden_not_a_copy() {
+        use crate::proto::envoy::service::discovery::v3::{DeltaDiscoveryResponse, DiscoveryResponse};
+        use crate::proto::{Metadata, Resource};
+        let big = |name: &str, create_time: Option<prost_types::Timestamp>| {
+            let encoded: Bytes = Resource {
+                metadata: Some(Metadata {
+                    name: name.into(),
+                    create_time,
+                    version: "v9".into(),
+                    labels: [("app".to_owned(), "web".to_owned())].into(),
+                    annotations: [("a".to_owned(), "b".to_owned())].into(),
+                }),
+                body: Some(prost_types::Any {
+                    type_url: "type.googleapis.com/x.Y".into(),
+                    value: vec![7; 1500],
+                }),
+            }
+            .encode_to_vec()
+            .into();
+            let none = std::collections::HashMap::<String, String>::new();
+            let digest = crate::cache::content_digest(&encoded, &none, &none);
+            CachedResource::new(
+                name.into(),
+                "v9".into(),
+                "type.googleapis.com/x.Y".into(),
+                encoded,
+                digest,
+            )
+        };
+        let (cache, mut writer) = Cache::new();
+        let timed = prost_types::Timestamp { seconds: 42, nanos: 7 };
+        writer.apply(
+            C,
+            Update::Full(vec![
+                big("a-timed", Some(timed)),
+                big("b-untimed", None),
+                resource("c-small", "1"),
+            ]),
+            Origin::Upstream,
+        );
+        let to = cache.get(C).unwrap();
+        let expected = |name: &str| {
+            let r = &to.resources[name];
+            let any = prost_types::Any::decode(mcp_any(r, r.content_version())).unwrap();
+            Resource::decode(any.value.as_slice()).unwrap()
+        };
+        assert_eq!(expected("a-timed").metadata.unwrap().create_time, Some(timed));
+
+        let full = XDS_MCP.full(&to);
+        for name in ["a-timed", "b-untimed"] {
+            let stored = &to.resources[name].encoded;
+            assert!(
+                full.iter()
+                    .any(|part| part.as_ptr() == stored.as_ptr() && part.len() == stored.len()),
+                "{name}'s stored bytes are a piece of the response, not a copy"
+            );
+        }
+        let small = &to.resources["c-small"].encoded;
+        assert!(
+            !full.iter().any(|part| part.as_ptr() == small.as_ptr()),
+            "a small resource is copied among the made bytes"
+        );
+        let sotw = DiscoveryResponse::decode(response(full, suffix(Some((4, C)), (5, "1"), None))).unwrap();
+        let read: Vec<Resource> = sotw
+            .resources
+            .iter()
+            .map(|any| {
+                assert_eq!(any.type_url, MCP_RESOURCE_TYPE_URL);
+                Resource::decode(any.value.as_slice()).unwrap()
+            })
+            .collect();
+        assert_eq!(read, ["a-timed", "b-untimed", "c-small"].map(expected));
+
+        let delta = DELTA_MCP.full(&to);
+        let delta = DeltaDiscoveryResponse::decode(response(delta, suffix(Some((4, C)), (5, "2"), None))).unwrap();
+        for (got, name) in delta.resources.iter().zip(["a-timed", "b-untimed", "c-small"]) {
+            assert_eq!(got.name, name);
+            assert_eq!(got.version, to.resources[name].content_version());
+            let any = got.resource.as_ref().unwrap();
+            assert_eq!(Resource::decode(any.value.as_slice()).unwrap(), expected(name));
+        }
+        // By name: the same bytes as in the whole.
+        let one = XDS_MCP.field(&to.resources["b-untimed"]);
+        let mut record = &one[..];
+        assert_eq!(
+            encoding::decode_key(&mut record).unwrap(),
+            (2, WireType::LengthDelimited)
+        );
+        let len = encoding::decode_varint(&mut record).unwrap() as usize;
+        assert_eq!(len, record.len());
+        let any = prost_types::Any::decode(record).unwrap();
+        assert_eq!(Resource::decode(any.value.as_slice()).unwrap(), expected("b-untimed"));
     }
 }
