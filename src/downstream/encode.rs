@@ -22,12 +22,74 @@ use crate::metrics::CollectionMetrics;
 /// are normally at one or two versions; this bounds a pathological spread).
 const SHARED_DIFFS_PER_SNAPSHOT: usize = 32;
 
+/// What every client at a version receives, in order.
+#[derive(Clone, Debug)]
+pub enum Shared {
+    /// Parts made for this version (or for one client).
+    Flat(Arc<[Bytes]>),
+    /// Runs of parts: a chunk's pieces are kept with the chunk and shared
+    /// by every version that has it, not copied into a list per version
+    /// (istiod's and Envoy's forms are two pieces per resource).
+    Runs(Arc<[Arc<[Bytes]>]>),
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared::Flat(Arc::from([]))
+    }
+}
+
+impl From<Arc<[Bytes]>> for Shared {
+    fn from(parts: Arc<[Bytes]>) -> Self {
+        Shared::Flat(parts)
+    }
+}
+
+impl Shared {
+    /// Whether both are the same parts (not equal ones: the same memo).
+    #[cfg(test)]
+    fn ptr_eq(&self, other: &Shared) -> bool {
+        match (self, other) {
+            (Shared::Flat(a), Shared::Flat(b)) => Arc::ptr_eq(a, b),
+            (Shared::Runs(a), Shared::Runs(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// The parts, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &Bytes> {
+        let (flat, runs): (&[Bytes], &[Arc<[Bytes]>]) = match self {
+            Shared::Flat(parts) => (parts, &[]),
+            Shared::Runs(runs) => (&[], runs),
+        };
+        flat.iter().chain(runs.iter().flat_map(|run| run.iter()))
+    }
+
+    /// The part at `at` (a run and a part within it), and where the next
+    /// one is; `None` past the end.
+    pub fn part(&self, at: (usize, usize)) -> Option<(&Bytes, (usize, usize))> {
+        match self {
+            Shared::Flat(parts) => parts.get(at.1).map(|part| (part, (0, at.1 + 1))),
+            Shared::Runs(runs) => {
+                let (mut run, mut i) = at;
+                loop {
+                    let parts = runs.get(run)?;
+                    if let Some(part) = parts.get(i) {
+                        return Some((part, (run, i + 1)));
+                    }
+                    (run, i) = (run + 1, 0);
+                }
+            }
+        }
+    }
+}
+
 /// A response assembled from pre-encoded parts: `shared` is what every
 /// client at this version receives, in order; `suffix` holds the few
 /// per-client fields.
 #[derive(Clone, Debug, Default)]
 pub struct EncodedResponse {
-    pub shared: Arc<[Bytes]>,
+    pub shared: Shared,
     pub suffix: Bytes,
     /// For the metrics recorded when it is written; not part of the message.
     pub record: Option<Record>,
@@ -44,7 +106,8 @@ pub struct Record {
 }
 
 impl EncodedResponse {
-    pub fn new(shared: Arc<[Bytes]>, suffix: Bytes, record: Option<Record>) -> Self {
+    pub fn new(shared: impl Into<Shared>, suffix: Bytes, record: Option<Record>) -> Self {
+        let shared = shared.into();
         let len = shared.iter().map(Bytes::len).sum::<usize>() + suffix.len();
         Self {
             shared,
@@ -318,6 +381,12 @@ fn bytes_len_of(tag: u32, len: usize) -> usize {
     encoding::key_len(tag) + encoding::encoded_len_varint(len as u64) + len
 }
 
+/// A chunk in a layout: one part, or pieces kept with it.
+enum Chunked {
+    One(Bytes),
+    Pieces(Arc<[Bytes]>),
+}
+
 /// A response's resources as pieces: made bytes (all of them in one buffer)
 /// between slices of the stored bytes. A stored slice shorter than
 /// `copy_below` is copied among the made bytes instead (see [`COPY_BELOW`]).
@@ -574,17 +643,15 @@ impl Layout {
     /// else pieces made once per chunk and kept with it, each resource's
     /// made bytes around a slice of its stored bytes (not a second copy of
     /// them: istiod's and Envoy's forms).
-    fn chunk(&self, chunk: &Chunk, out: &mut Vec<Bytes>) {
+    fn chunk(&self, chunk: &Chunk) -> Chunked {
         if self.form == Form::Mcp {
             if self.resources == STORAGE_FIELD {
-                out.push(chunk.bytes().clone());
-            } else {
-                let framed = chunk
-                    .memo
-                    .get_or_make(MemoKey::of(self.chunk_key), 1, || self.fields(chunk.members()));
-                out.push(Bytes::clone(&framed));
+                return Chunked::One(chunk.bytes().clone());
             }
-            return;
+            let framed = chunk
+                .memo
+                .get_or_make(MemoKey::of(self.chunk_key), 1, || self.fields(chunk.members()));
+            return Chunked::One(Bytes::clone(&framed));
         }
         let parts = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
             let mut pieces = Pieces::slicing();
@@ -593,7 +660,7 @@ impl Layout {
             }
             Arc::<[Bytes]>::from(pieces.into_parts())
         });
-        out.extend(parts.iter().cloned());
+        Chunked::Pieces(Arc::clone(&parts))
     }
 
     /// `resource`'s `resources` record, into `pieces`.
@@ -721,16 +788,26 @@ impl Layout {
         buf.freeze()
     }
 
-    /// The whole collection: the head, then every chunk. Once per snapshot.
-    pub fn full(&self, to: &CollectionSnapshot) -> Arc<[Bytes]> {
+    /// The whole collection: the head, then every chunk. Once per snapshot:
+    /// MCP's chunks as one part each; the other forms' as the runs of
+    /// pieces their chunks keep.
+    pub fn full(&self, to: &CollectionSnapshot) -> Shared {
         let parts = to.memo.get_or_make(MemoKey::of(self.full_key), 1, || {
-            let mut parts = vec![self.head(to)];
-            for chunk in to.chunks() {
-                self.chunk(chunk, &mut parts);
+            if self.form == Form::Mcp {
+                let parts = std::iter::once(self.head(to)).chain(to.chunks().map(|c| match self.chunk(c) {
+                    Chunked::One(part) => part,
+                    Chunked::Pieces(_) => unreachable!("MCP's chunks are one part each"),
+                }));
+                return Shared::Flat(parts.collect());
             }
-            Arc::<[Bytes]>::from(parts)
+            let head: Arc<[Bytes]> = Arc::from([self.head(to)]);
+            let runs = std::iter::once(head).chain(to.chunks().map(|c| match self.chunk(c) {
+                Chunked::One(part) => Arc::from([part]),
+                Chunked::Pieces(pieces) => pieces,
+            }));
+            Shared::Runs(runs.collect())
         });
-        Arc::clone(&parts)
+        Shared::clone(&parts)
     }
 
     /// What changed from `from` to `to`: once per (from, to), shared by every
@@ -778,20 +855,22 @@ impl Layout {
     /// reuse for another body, and an xDS client reports the versions it
     /// last ACKed, not what it holds after a response it applied in part
     /// (Envoy's CDS and LDS, grpc).
-    pub fn first_from_reported(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Arc<[Bytes]> {
-        let mut parts = self.full(to).to_vec();
-        parts.push(string_fields(self.removed, &gone(reported, to)));
-        Arc::from(parts)
+    pub fn first_from_reported(&self, to: &CollectionSnapshot, reported: &ReportedNames) -> Shared {
+        let removed = string_fields(self.removed, &gone(reported, to));
+        match self.full(to) {
+            Shared::Flat(parts) => Shared::Flat(parts.iter().cloned().chain([removed]).collect()),
+            Shared::Runs(runs) => Shared::Runs(runs.iter().cloned().chain([Arc::from([removed])]).collect()),
+        }
     }
 
     /// The shared parts of what the state machine decided.
-    pub fn encode(&self, send: &Push) -> Arc<[Bytes]> {
+    pub fn encode(&self, send: &Push) -> Shared {
         match send {
             Push::Full { to } => self.full(to),
-            Push::Diff { from, to } => self.diff(from, to),
+            Push::Diff { from, to } => self.diff(from, to).into(),
             Push::FirstFromReported { to, reported } => self.first_from_reported(to, reported),
             // A client's own names: its own response.
-            Push::Selected { to, diff } => self.selected(to, diff),
+            Push::Selected { to, diff } => self.selected(to, diff).into(),
         }
     }
 }
@@ -867,7 +946,11 @@ mod tests {
         buf.freeze()
     }
 
-    fn response(parts: Arc<[Bytes]>, suffix: Bytes) -> Bytes {
+    fn parts(shared: &Shared) -> Vec<Bytes> {
+        shared.iter().cloned().collect()
+    }
+
+    fn response(parts: impl Into<Shared>, suffix: Bytes) -> Bytes {
         EncodedResponse::new(parts, suffix, None).to_bytes()
     }
 
@@ -892,7 +975,7 @@ mod tests {
         let to = cache.get(C).unwrap();
 
         let full = LEGACY.full(&to);
-        assert!(Arc::ptr_eq(&full, &LEGACY.full(&to)), "encoded once per snapshot");
+        assert!(full.ptr_eq(&LEGACY.full(&to)), "encoded once per snapshot");
         let sotw = MeshConfigResponse::decode(response(full, suffix(Some((3, C)), (4, "1"), None))).unwrap();
         assert_eq!(
             (sotw.version_info.as_str(), sotw.type_url.as_str(), sotw.nonce.as_str()),
@@ -1030,9 +1113,9 @@ mod tests {
             to: to.clone(),
             diff: named(&["r001", "r002"]),
         });
-        assert_eq!(one.len(), 3, "the head and one piece per resource");
+        assert_eq!(parts(&one).len(), 3, "the head and one piece per resource");
         assert!(
-            within(&one[2], &to.resources["r002"].encoded),
+            within(&parts(&one)[2], &to.resources["r002"].encoded),
             "r002's body record as stored"
         );
         assert!(to.resources["r002"].memo.is_empty(), "nothing made or kept for it");
@@ -1046,7 +1129,7 @@ mod tests {
             to: to.clone(),
             diff: named(&["r002"]),
         });
-        assert!(within(&again[1], &to.resources["r002"].encoded));
+        assert!(within(&parts(&again)[1], &to.resources["r002"].encoded));
         assert!(to.resources["r002"].memo.is_empty());
 
         // MCP over xDS: the form is made once and shared.
@@ -1059,8 +1142,8 @@ mod tests {
             diff: named(&["r012", "r013"]),
         });
         assert_eq!(
-            one[2].as_ptr(),
-            other[1].as_ptr(),
+            parts(&one)[2].as_ptr(),
+            parts(&other)[1].as_ptr(),
             "r012's field is shared, not made again"
         );
         assert!(to.resources["r100"].memo.is_empty(), "nobody read r100");
@@ -1075,7 +1158,7 @@ mod tests {
             to: to.clone(),
             diff: named(&names),
         });
-        assert!(many.len() <= 3, "{}", many.len());
+        assert!(parts(&many).len() <= 3, "{}", parts(&many).len());
         let decoded = DiscoveryResponse::decode(response(many, suffix(Some((4, C)), (5, "2"), None))).unwrap();
         assert_eq!(decoded.resources.len(), 13);
     }

@@ -21,7 +21,7 @@ use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
-use super::encode::Record;
+use super::encode::{Record, Shared};
 use super::wires::{LegacyIncremental, LegacySotw, ResourceSourceWire, XdsDelta, XdsSotw};
 use super::{Downstream, Responses};
 use crate::cache::provenance::CHAIN_HEADER;
@@ -171,16 +171,17 @@ pub struct FramedResponses {
 }
 
 struct Writing {
-    shared: Arc<[Bytes]>,
-    next: usize,
+    shared: Shared,
+    /// Where the next part is in `shared`.
+    next: (usize, usize),
     suffix: Option<Bytes>,
 }
 
 impl Writing {
     /// The next non-empty part of the message, if any is left.
     fn next_part(&mut self) -> Option<Bytes> {
-        while let Some(part) = self.shared.get(self.next) {
-            self.next += 1;
+        while let Some((part, next)) = self.shared.part(self.next) {
+            self.next = next;
             if !part.is_empty() {
                 return Some(part.clone());
             }
@@ -261,7 +262,7 @@ impl http_body::Body for FramedResponses {
                         header.put_u32(len);
                         this.writing = Some(Writing {
                             shared: response.shared,
-                            next: 0,
+                            next: (0, 0),
                             suffix: Some(response.suffix),
                         });
                         return Poll::Ready(Some(Ok(Frame::data(header.freeze()))));

@@ -2,14 +2,12 @@
 //! requests say and where its responses put things. Everything else is the
 //! shared stream (`stream.rs`) and state machine (`type_state.rs`).
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 use bytestring::ByteString;
 
 use tonic::Status;
 
-use super::encode::{suffix, Layout, DELTA_BODY, DELTA_MCP, LEGACY, RESOURCES, XDS_BODY, XDS_MCP};
+use super::encode::{suffix, Layout, Shared, DELTA_BODY, DELTA_MCP, LEGACY, RESOURCES, XDS_BODY, XDS_MCP};
 use super::registry::Protocol;
 use super::type_state::{Family, Mode, Push};
 use super::Downstream;
@@ -148,7 +146,7 @@ pub trait Wire: Send + 'static {
 
     /// The shared parts and the per-client suffix of the response for
     /// `send` on `type_url`.
-    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes);
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Shared, Bytes);
 }
 
 /// `AggregatedMeshConfigService.StreamAggregatedResources` (Istio 1.0/1.1):
@@ -172,7 +170,7 @@ impl Wire for LegacySotw {
         ))
     }
 
-    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Shared, Bytes) {
         (LEGACY.encode(send), suffix(Some((3, type_url)), (4, nonce), None))
     }
 }
@@ -198,7 +196,7 @@ impl Wire for LegacyIncremental {
         ))
     }
 
-    fn encode(send: &Push, _type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+    fn encode(send: &Push, _type_url: &str, nonce: &str) -> (Shared, Bytes) {
         (LEGACY.encode(send), suffix(None, (4, nonce), None))
     }
 }
@@ -248,7 +246,7 @@ impl Wire for ResourceSourceWire {
         })
     }
 
-    fn encode(send: &Push, _collection: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+    fn encode(send: &Push, _collection: &str, nonce: &str) -> (Shared, Bytes) {
         let incremental = !matches!(send, Push::Full { .. } | Push::Selected { .. });
         (
             RESOURCES.encode(send),
@@ -280,7 +278,7 @@ fn names<W: Wire>(field: &'static str, names: Vec<Bytes>) -> Result<Vec<ByteStri
 
 /// Both xDS responses carry `type_url` (4) and `nonce` (5). A GVK carries MCP
 /// resources (the first layout); a proto type URL (Envoy's) the bodies.
-fn xds_encode(send: &Push, type_url: &str, nonce: &str, [mcp, body]: [Layout; 2]) -> (Arc<[Bytes]>, Bytes) {
+fn xds_encode(send: &Push, type_url: &str, nonce: &str, [mcp, body]: [Layout; 2]) -> (Shared, Bytes) {
     let layout = if type_url.starts_with(TYPE_URL_PREFIX) {
         body
     } else {
@@ -318,7 +316,7 @@ impl Wire for XdsSotw {
         })
     }
 
-    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Shared, Bytes) {
         xds_encode(send, type_url, nonce, [XDS_MCP, XDS_BODY])
     }
 }
@@ -351,7 +349,7 @@ impl Wire for XdsDelta {
         })
     }
 
-    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Arc<[Bytes]>, Bytes) {
+    fn encode(send: &Push, type_url: &str, nonce: &str) -> (Shared, Bytes) {
         xds_encode(send, type_url, nonce, [DELTA_MCP, DELTA_BODY])
     }
 }
