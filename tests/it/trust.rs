@@ -298,7 +298,9 @@ async fn a_message_over_the_limit_never_resets_the_backoff() {
             .responses
             .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
             .unwrap();
-        let status = crate::helpers::upstream_failed(gw.admin, round, "the failure to be scheduled").await;
+        // The retry comes 10 ms later and connects: the count and the last
+        // error are read as they stay (the next failure is this test's doing).
+        let status = crate::helpers::upstream_failures_reach(gw.admin, round, "the failure to be counted").await;
         assert_eq!(status["consecutive_failures"], round, "{status}");
         let error = status["last_error"].as_str().unwrap();
         assert!(error.contains("--max-message-bytes=65536"), "{error}");
