@@ -841,6 +841,20 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     let _ = within("the large request's answer", big.read_to_end(&mut answer)).await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
+    // No endpoint reads a body: a request announcing one over the limit,
+    // of which not a byte is sent, is answered from its head, and the
+    // connection is closed rather than read on.
+    let mut with_body = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    with_body
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the answer and the close", with_body.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
     // Connections: an eighth of the cap per peer address.
     let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
