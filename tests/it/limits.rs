@@ -426,6 +426,70 @@ async fn connections_over_the_limit_get_goaway_when_every_one_carries_a_stream()
     canary.check().await;
 }
 
+/// On a TLS port the refusal is a close: a TLS handshake would cost what
+/// the limit saves. The connection over the limit gets not a byte (no
+/// ServerHello, no stream), a TLS client's handshake fails, the refusals are
+/// counted, and the connections at the limit are neither evicted nor held
+/// back. The gateway is a process of its own: its counts are exact.
+#[tokio::test]
+async fn a_tls_connection_over_the_limit_is_closed_before_its_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = crate::helpers::certs::Ca::new("full");
+    let (cert, key) = crate::helpers::certs::write_leaf(dir.path(), "server", &ca.leaf("gateway"));
+    let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
+    let source = canary_dir();
+    let gw = spawn_gateway(
+        None,
+        &[
+            "--source-dir",
+            source.path().to_str().unwrap(),
+            "--collections",
+            VS,
+            "--tls-cert",
+            cert,
+            "--tls-key",
+            key,
+            "--max-connections",
+            "2",
+        ],
+    )
+    .await;
+    // Two TLS clients, each with a live stream (answered), fill the slots.
+    let mut served = Vec::new();
+    for _ in 0..2 {
+        let channel = clients::tls_channel(gw.listen, &ca.pem, None)
+            .await
+            .expect("a TLS client within the limit connects");
+        let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
+        client.subscribe(VS);
+        let first = client.recv_type(VS).await;
+        assert_eq!(canary_generation(&first), 0);
+        client.ack(&first);
+        served.push(client);
+    }
+    // A third connection is closed without a byte written to it.
+    let mut over = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = within("the connection over the limit to be closed", async {
+        tokio::io::AsyncReadExt::read_to_end(&mut over, &mut answer).await
+    })
+    .await;
+    assert!(answer.is_empty(), "nothing is sent before the close: {answer:?}");
+    refusals_are(gw.monitoring, "max_connections", 1).await;
+    // A TLS client's handshake meets the same close.
+    let refused = clients::tls_channel(gw.listen, &ca.pem, None).await;
+    assert!(refused.is_err(), "no TLS session over the limit");
+    refusals_are(gw.monitoring, "max_connections", 2).await;
+    let evicted = "mcp_gateway_connections_evicted_total{listener=\"--listen\",reason=";
+    assert_eq!(metric(gw.monitoring, &format!("{evicted}\"idle\"}}")).await, 0);
+    assert_eq!(metric(gw.monitoring, &format!("{evicted}\"handshake\"}}")).await, 0);
+    // The two at the limit still get every change.
+    write_canary(source.path(), 1);
+    for client in &mut served {
+        assert_eq!(canary_generation(&client.recv_type(VS).await), 1);
+    }
+}
+
 /// An attacker's silent TCP connections (more than the slots, and reopened)
 /// never keep out a client that completes its handshake: each new
 /// connection takes the slot of the oldest one not handshaken, which is
