@@ -152,13 +152,30 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
     );
 }
 
+/// A gateway peer announcing `id` on `addr`'s `ResourceSource`, asking for VS.
+async fn gateway_peer(
+    addr: std::net::SocketAddr,
+    id: &str,
+) -> crate::helpers::clients::Bidi<mcp_xds_gateway::proto::RequestResources, mcp_xds_gateway::proto::Resources> {
+    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
+    use mcp_xds_gateway::proto::{RequestResources, SinkNode};
+    let peer = crate::helpers::clients::Bidi::open(addr, crate::helpers::clients::RESOURCE_SOURCE_PATH).await;
+    peer.send(RequestResources {
+        sink_node: Some(SinkNode {
+            id: "gateway-peer".into(),
+            annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), id.to_owned())].into(),
+        }),
+        collection: VS.into(),
+        ..Default::default()
+    });
+    peer
+}
+
 /// A peer that announces itself as this gateway, or as a gateway upstream
 /// of it, is refused: serving it would close a loop. Other clients are
 /// served all along.
 #[tokio::test]
 async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_loop() {
-    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
-    use mcp_xds_gateway::proto::{RequestResources, Resources, SinkNode};
     let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
     upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
     let b = chained(&a, &[]).await;
@@ -166,19 +183,7 @@ async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_lo
     let b_id = b.cache.provenance().gateway_id.to_string();
     let a_id = a.cache.provenance().gateway_id.to_string();
     for (who, id) in [("itself", &b_id), ("its upstream", &a_id)] {
-        let mut peer = crate::helpers::clients::Bidi::<RequestResources, Resources>::open(
-            b.listen,
-            crate::helpers::clients::RESOURCE_SOURCE_PATH,
-        )
-        .await;
-        peer.send(RequestResources {
-            sink_node: Some(SinkNode {
-                id: "gateway-peer".into(),
-                annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), id.clone())].into(),
-            }),
-            collection: VS.into(),
-            ..Default::default()
-        });
+        let mut peer = gateway_peer(b.listen, id).await;
         let status = peer.end_status().await;
         assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{who}: {status:?}");
         assert!(
@@ -246,8 +251,6 @@ impl Drop for Relay {
 /// served all along.
 #[tokio::test]
 async fn a_peer_that_becomes_upstream_later_is_refused_naming_the_loop() {
-    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
-    use mcp_xds_gateway::proto::{RequestResources, Resources, SinkNode};
     let (_galley, a, mut upstream_of_a) = galley_and_gateway(&[VS], &[]).await;
     upstream_of_a.push_full(VS, vec![resource("a", "2", b"from A")]).await;
     let a_id = a.cache.provenance().gateway_id.to_string();
@@ -264,19 +267,7 @@ async fn a_peer_that_becomes_upstream_later_is_refused_naming_the_loop() {
     assert!(b.cache.provenance().upstream_chain().is_empty());
 
     // A peer announcing A's id: not upstream of B, so it is served.
-    let mut peer = crate::helpers::clients::Bidi::<RequestResources, Resources>::open(
-        b.listen,
-        crate::helpers::clients::RESOURCE_SOURCE_PATH,
-    )
-    .await;
-    peer.send(RequestResources {
-        sink_node: Some(SinkNode {
-            id: "gateway-peer".into(),
-            annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), a_id.clone())].into(),
-        }),
-        collection: VS.into(),
-        ..Default::default()
-    });
+    let mut peer = gateway_peer(b.listen, &a_id).await;
     let served = peer.recv().await;
     assert_eq!(names(&served.resources), ["a"]);
     let mut client = sotw(b.listen).await;
