@@ -6,7 +6,7 @@
 use mcp_xds_gateway::app::Bound;
 
 use crate::helpers::clients::{sotw, PilotSink};
-use crate::helpers::galley::{incremental, resource};
+use crate::helpers::galley::{incremental, resource, FakeGalley};
 use crate::helpers::{
     eventually, free_addr, galley_and_gateway, get_json, names, spawn_gateway, start_gateway, start_gateway_on,
     upstream_failed, upstream_status_when, within, VS,
@@ -14,8 +14,12 @@ use crate::helpers::{
 
 /// A gateway whose upstream is `upstream`'s client port.
 async fn chained(upstream: &Bound, extra: &[&str]) -> Bound {
-    let url = format!("http://{}", upstream.listen);
-    let mut flags = vec!["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"];
+    chained_to(&format!("http://{}", upstream.listen), extra).await
+}
+
+/// A gateway whose upstream is `url`.
+async fn chained_to(url: &str, extra: &[&str]) -> Bound {
+    let mut flags = vec!["--upstream", url, "--collections", VS, "--reconnect-min-delay", "10ms"];
     flags.extend_from_slice(extra);
     start_gateway(&flags).await
 }
@@ -148,13 +152,30 @@ async fn a_gateway_that_is_its_own_upstream_refuses_the_loop() {
     );
 }
 
+/// A gateway peer announcing `id` on `addr`'s `ResourceSource`, asking for VS.
+async fn gateway_peer(
+    addr: std::net::SocketAddr,
+    id: &str,
+) -> crate::helpers::clients::Bidi<mcp_xds_gateway::proto::RequestResources, mcp_xds_gateway::proto::Resources> {
+    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
+    use mcp_xds_gateway::proto::{RequestResources, SinkNode};
+    let peer = crate::helpers::clients::Bidi::open(addr, crate::helpers::clients::RESOURCE_SOURCE_PATH).await;
+    peer.send(RequestResources {
+        sink_node: Some(SinkNode {
+            id: "gateway-peer".into(),
+            annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), id.to_owned())].into(),
+        }),
+        collection: VS.into(),
+        ..Default::default()
+    });
+    peer
+}
+
 /// A peer that announces itself as this gateway, or as a gateway upstream
 /// of it, is refused: serving it would close a loop. Other clients are
 /// served all along.
 #[tokio::test]
 async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_loop() {
-    use mcp_xds_gateway::cache::provenance::GATEWAY_ID_ANNOTATION;
-    use mcp_xds_gateway::proto::{RequestResources, Resources, SinkNode};
     let (_galley, a, mut upstream) = galley_and_gateway(&[VS], &[]).await;
     upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
     let b = chained(&a, &[]).await;
@@ -162,19 +183,7 @@ async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_lo
     let b_id = b.cache.provenance().gateway_id.to_string();
     let a_id = a.cache.provenance().gateway_id.to_string();
     for (who, id) in [("itself", &b_id), ("its upstream", &a_id)] {
-        let mut peer = crate::helpers::clients::Bidi::<RequestResources, Resources>::open(
-            b.listen,
-            crate::helpers::clients::RESOURCE_SOURCE_PATH,
-        )
-        .await;
-        peer.send(RequestResources {
-            sink_node: Some(SinkNode {
-                id: "gateway-peer".into(),
-                annotations: [(GATEWAY_ID_ANNOTATION.to_owned(), id.clone())].into(),
-            }),
-            collection: VS.into(),
-            ..Default::default()
-        });
+        let mut peer = gateway_peer(b.listen, id).await;
         let status = peer.end_status().await;
         assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{who}: {status:?}");
         assert!(
@@ -187,6 +196,106 @@ async fn a_peer_announcing_this_gateway_or_its_upstream_is_refused_naming_the_lo
     let mut client = sotw(b.listen).await;
     client.subscribe(VS);
     assert_eq!(names(&client.recv_type(VS).await.resources), ["a"]);
+}
+
+/// A TCP relay to a target the test switches: a gateway whose `--upstream`
+/// is the relay dials, from its next connection on, whatever the relay
+/// points at. Connections already relayed keep their target.
+struct Relay {
+    addr: std::net::SocketAddr,
+    target: std::sync::Arc<std::sync::Mutex<std::net::SocketAddr>>,
+    accepting: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn to(target: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let target = std::sync::Arc::new(std::sync::Mutex::new(target));
+        let current = target.clone();
+        let accepting = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let to = *current.lock().unwrap();
+                tokio::spawn(async move {
+                    // A target that is gone: the dialer sees its connection
+                    // closed, as it would without the relay.
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Self {
+            addr,
+            target,
+            accepting,
+        }
+    }
+
+    fn switch(&self, to: std::net::SocketAddr) {
+        *self.target.lock().unwrap() = to;
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.accepting.abort();
+    }
+}
+
+/// A gateway peer served while it is not upstream of this gateway is
+/// refused once it becomes so: B serves a peer announcing A's id while B's
+/// upstream is a Galley; then B's upstream becomes A (B's `--upstream`
+/// reaches A from its next connection), B learns A's chain, and the peer's
+/// stream ends `FAILED_PRECONDITION` naming the loop. Other clients of B are
+/// served all along.
+#[tokio::test]
+async fn a_peer_that_becomes_upstream_later_is_refused_naming_the_loop() {
+    let (_galley, a, mut upstream_of_a) = galley_and_gateway(&[VS], &[]).await;
+    upstream_of_a.push_full(VS, vec![resource("a", "2", b"from A")]).await;
+    let a_id = a.cache.provenance().gateway_id.to_string();
+
+    // B's upstream first: a Galley, which announces no chain.
+    let mut first = FakeGalley::start().await;
+    let relay = Relay::to(first.addr).await;
+    let b = chained_to(&format!("http://{}", relay.addr), &[]).await;
+    let mut upstream_of_b = first.next_stream().await;
+    upstream_of_b.initial_requests(1).await;
+    upstream_of_b
+        .push_full(VS, vec![resource("a", "1", b"from galley")])
+        .await;
+    assert!(b.cache.provenance().upstream_chain().is_empty());
+
+    // A peer announcing A's id: not upstream of B, so it is served.
+    let mut peer = gateway_peer(b.listen, &a_id).await;
+    let served = peer.recv().await;
+    assert_eq!(names(&served.resources), ["a"]);
+    let mut client = sotw(b.listen).await;
+    client.subscribe(VS);
+    let first_content = client.recv_type(VS).await;
+    assert_eq!(first_content.resources[0].metadata.as_ref().unwrap().version, "1");
+    client.ack(&first_content);
+
+    // B's upstream becomes A: its next connection reaches A.
+    relay.switch(a.listen);
+    first.stop().await;
+    let status = peer.end_status().await;
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().contains(&format!("gateway {a_id} is this gateway"))
+            && status.message().contains(&format!("(upstream chain: {a_id})"))
+            && status.message().contains("serving it would make a loop"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(
+        b.cache.provenance().upstream_chain(),
+        [std::sync::Arc::<str>::from(a_id.as_str())],
+        "B is chained behind A"
+    );
+    // The other client follows B's new upstream.
+    let from_a = client.recv_type(VS).await;
+    assert_eq!(from_a.resources[0].metadata.as_ref().unwrap().version, "2");
 }
 
 #[tokio::test]

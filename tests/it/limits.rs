@@ -426,6 +426,79 @@ async fn connections_over_the_limit_get_goaway_when_every_one_carries_a_stream()
     canary.check().await;
 }
 
+/// The flags of a TLS gateway serving the canary of `dir` (written there at
+/// generation 0, beside the server's certificate from `ca`).
+fn tls_canary_flags(dir: &std::path::Path, ca: &crate::helpers::certs::Ca) -> Vec<String> {
+    let (cert, key) = crate::helpers::certs::write_leaf(dir, "server", &ca.leaf("gateway"));
+    write_canary(dir, 0);
+    [
+        "--source-dir",
+        dir.to_str().unwrap(),
+        "--collections",
+        VS,
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// A TLS client of the gateway at `listen` (its certificate from `ca`) that
+/// follows the canary: served generation 0, ACKed.
+async fn tls_canary_client(listen: SocketAddr, ca: &crate::helpers::certs::Ca) -> SotwClient {
+    let channel = clients::tls_channel(listen, &ca.pem, None)
+        .await
+        .expect("the TLS client connects");
+    let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    assert_eq!(canary_generation(&first), 0);
+    client.ack(&first);
+    client
+}
+
+/// On a TLS port the refusal is a close: a TLS handshake would cost what
+/// the limit saves. The connection over the limit gets not a byte (no
+/// ServerHello, no stream), a TLS client's handshake fails, the refusals are
+/// counted, and the connections at the limit are neither evicted nor held
+/// back. The gateway is a process of its own: its counts are exact.
+#[tokio::test]
+async fn a_tls_connection_over_the_limit_is_closed_before_its_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = crate::helpers::certs::Ca::new("full");
+    let mut flags = tls_canary_flags(dir.path(), &ca);
+    flags.extend(["--max-connections", "2"].map(String::from));
+    let gw = spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    // Two TLS clients, each with a live stream (answered), fill the slots.
+    let mut served = Vec::new();
+    for _ in 0..2 {
+        served.push(tls_canary_client(gw.listen, &ca).await);
+    }
+    // A third connection is closed without a byte written to it.
+    let mut over = tokio::net::TcpStream::connect(gw.listen).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = within("the connection over the limit to be closed", async {
+        tokio::io::AsyncReadExt::read_to_end(&mut over, &mut answer).await
+    })
+    .await;
+    assert!(answer.is_empty(), "nothing is sent before the close: {answer:?}");
+    refusals_are(gw.monitoring, "max_connections", 1).await;
+    // A TLS client's handshake meets the same close.
+    let refused = clients::tls_channel(gw.listen, &ca.pem, None).await;
+    assert!(refused.is_err(), "no TLS session over the limit");
+    refusals_are(gw.monitoring, "max_connections", 2).await;
+    let evicted = "mcp_gateway_connections_evicted_total{listener=\"--listen\",reason=";
+    assert_eq!(metric(gw.monitoring, &format!("{evicted}\"idle\"}}")).await, 0);
+    assert_eq!(metric(gw.monitoring, &format!("{evicted}\"handshake\"}}")).await, 0);
+    // The two at the limit still get every change.
+    write_canary(dir.path(), 1);
+    for client in &mut served {
+        assert_eq!(canary_generation(&client.recv_type(VS).await), 1);
+    }
+}
+
 /// An attacker's silent TCP connections (more than the slots, and reopened)
 /// never keep out a client that completes its handshake: each new
 /// connection takes the slot of the oldest one not handshaken, which is
@@ -474,25 +547,9 @@ async fn half_open_connections_cannot_lock_out_a_client_that_completes_its_hands
 async fn unfinished_tls_handshakes_cannot_lock_out_a_tls_client() {
     let dir = tempfile::tempdir().unwrap();
     let ca = crate::helpers::certs::Ca::new("slots");
-    let (cert, key) = crate::helpers::certs::write_leaf(dir.path(), "server", &ca.leaf("gateway"));
-    let (cert, key) = (cert.to_str().unwrap(), key.to_str().unwrap());
-    write_canary(dir.path(), 0);
-    let source = dir.path().to_str().unwrap();
-    let gw = start_gateway(&[
-        "--source-dir",
-        source,
-        "--collections",
-        VS,
-        "--tls-cert",
-        cert,
-        "--tls-key",
-        key,
-        "--max-connections",
-        "2",
-        "--handshake-timeout",
-        "5m",
-    ])
-    .await;
+    let mut flags = tls_canary_flags(dir.path(), &ca);
+    flags.extend(["--max-connections", "2", "--handshake-timeout", "5m"].map(String::from));
+    let gw = start_gateway(&flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
     // Three for two slots: the third takes the first one's.
     let mut stalled = Vec::new();
     for _ in 0..3 {
@@ -504,13 +561,7 @@ async fn unfinished_tls_handshakes_cannot_lock_out_a_tls_client() {
     }
     assert_eq!(stalled[0].until_closed().await, None, "closed as it was");
     census_is(&gw, 2, 0, 0).await;
-    let channel = clients::tls_channel(gw.listen, &ca.pem, None)
-        .await
-        .expect("the TLS client connects");
-    let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
-    client.subscribe(VS);
-    let first = client.recv_type(VS).await;
-    assert_eq!(canary_generation(&first), 0);
+    let _client = tls_canary_client(gw.listen, &ca).await;
     assert_eq!(stalled[1].until_closed().await, None);
     census_is(&gw, 1, 0, 1).await;
 }

@@ -338,6 +338,65 @@ async fn corrupt_cache_files_are_skipped_and_upstream_replaces_what_was_loaded()
     .await;
 }
 
+/// A torn, a damaged and two foreign cache files (not a cache file; another
+/// collection's file under this one's name): each is skipped with a warning
+/// naming its path and why, the good file is served, and the collections of
+/// the skipped ones wait for upstream. The gateway is a process of its own:
+/// its start-up log is this test's to read.
+#[tokio::test]
+async fn corrupt_cache_files_are_skipped_each_logged_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = persisted(dir.path(), GW, &[resource("g", "1", b"g")]);
+    let file = |name: &str| dir.path().join(name);
+    let torn = file(&persisted::file_name(VS));
+    std::fs::write(&torn, &good[..good.len() / 2]).unwrap();
+    let foreign_collection = file(&persisted::file_name(DR));
+    std::fs::write(&foreign_collection, &good).unwrap();
+    let mut flipped = good.clone();
+    *flipped.last_mut().unwrap() ^= 0xff;
+    let damaged = file("damaged.mcpcache");
+    std::fs::write(&damaged, &flipped).unwrap();
+    let stray = file("stray.mcpcache");
+    std::fs::write(&stray, b"not a cache file").unwrap();
+
+    let mut galley = FakeGalley::start().await;
+    let cache_dir = dir.path().to_str().unwrap().to_owned();
+    let gw = crate::helpers::gateway_process_for(&galley, &[VS, GW, DR], &["--cache-dir", &cache_dir]).await;
+    for (path, reason) in [
+        (&torn, "checksum mismatch: the file is truncated or damaged"),
+        (&damaged, "checksum mismatch: the file is truncated or damaged"),
+        (&stray, "not a gateway cache file (bad header)"),
+        (&foreign_collection, &format!("holds collection \"{GW}\"")),
+    ] {
+        let path = path.display().to_string();
+        let line = gw
+            .log
+            .iter()
+            .find(|l| l.contains(&path))
+            .unwrap_or_else(|| panic!("no line names {path}: {:#?}", gw.log));
+        assert!(
+            line.contains("WARN") && line.contains("skipping a persisted collection") && line.contains(reason),
+            "{line}"
+        );
+    }
+    // Skipped: the good file is served at once, the others wait for upstream.
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(GW);
+    assert_eq!(names(&client.recv().await.resources), ["g"]);
+    let (code, body) = http_get(gw.admin, "/readyz").await;
+    assert_eq!(code, 503);
+    assert!(body.contains(VS) && body.contains(DR) && !body.contains(GW), "{body}");
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(3).await;
+    upstream.push_full(VS, vec![resource("v", "1", b"v")]).await;
+    upstream.push_full(DR, vec![resource("d", "1", b"d")]).await;
+    upstream.push_full(GW, vec![resource("g", "1", b"g")]).await;
+    crate::helpers::eventually_async("ready once upstream delivered the skipped collections", || async {
+        http_get(gw.admin, "/readyz").await.0 == 200
+    })
+    .await;
+}
+
 /// A dial-out source's messages are read up to `--max-message-bytes`: a
 /// large collection under it is applied; one over it ends the stream with
 /// an error naming the flag, and the cache keeps what it had.

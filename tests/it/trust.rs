@@ -298,7 +298,9 @@ async fn a_message_over_the_limit_never_resets_the_backoff() {
             .responses
             .send(Ok(full(VS, vec![resource("big", "1", &vec![b'x'; 100_000])])))
             .unwrap();
-        let status = crate::helpers::upstream_failed(gw.admin, round, "the failure to be scheduled").await;
+        // The retry comes 10 ms later and connects: the count and the last
+        // error are read as they stay (the next failure is this test's doing).
+        let status = crate::helpers::upstream_failures_reach(gw.admin, round, "the failure to be counted").await;
         assert_eq!(status["consecutive_failures"], round, "{status}");
         let error = status["last_error"].as_str().unwrap();
         assert!(error.contains("--max-message-bytes=65536"), "{error}");
@@ -468,6 +470,151 @@ async fn a_source_flooding_without_waiting_for_acks_is_answered_in_order() {
         assert!(reply.error_detail.is_none());
     }
     assert_eq!(&*gw.cache.get(VS).unwrap().resources["a"].version, "299");
+}
+
+/// A source that floods without reading its ACKs is held by HTTP/2 flow
+/// control: the ACKs the gateway owes fill the source's receive window and
+/// the gateway's few buffers, the gateway stops reading, and the source's
+/// send window runs dry and is not replenished; once the source reads its
+/// ACKs, the gateway reads on and every message is applied and ACKed in
+/// order. The source is a raw HTTP/2 server (the h2 crate): its windows are
+/// the test's to set and see.
+#[tokio::test]
+async fn a_source_that_does_not_read_its_acks_is_held_by_flow_control() {
+    use prost::Message;
+    use tonic::codegen::http;
+    // The source's receive window for the gateway's stream: a few ACKs.
+    const ACK_WINDOW: u32 = 1024;
+    // 256 messages of 64 KiB: 16 MiB, more than the gateway's receive
+    // window (hyper's: 5 MiB a connection) and its ACK path hold together.
+    const MESSAGES: usize = 256;
+    const BODY: usize = 64 << 10;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"]).await;
+    let (tcp, _) = within("the gateway to dial the source", listener.accept())
+        .await
+        .unwrap();
+    let mut conn = within(
+        "the HTTP/2 handshake",
+        h2::server::Builder::new()
+            .initial_window_size(ACK_WINDOW)
+            .handshake::<_, bytes::Bytes>(tcp),
+    )
+    .await
+    .unwrap();
+    let (request, mut respond) = within("the gateway's stream", conn.accept())
+        .await
+        .expect("a stream")
+        .unwrap();
+    assert_eq!(request.uri().path(), clients::RESOURCE_SOURCE_PATH);
+    // Accepting drives the connection (pings, window updates); the gateway
+    // opens no other stream.
+    let driver = tokio::spawn(async move { while let Some(Ok(_)) = conn.accept().await {} });
+    let answer = http::Response::builder()
+        .status(200)
+        .header("content-type", "application/grpc")
+        .body(())
+        .unwrap();
+    let mut sending = respond.send_response(answer, false).unwrap();
+    let mut acks = AckReader {
+        body: request.into_body(),
+        buffer: bytes::BytesMut::new(),
+    };
+    let initial = acks.next().await;
+    assert_eq!(initial.collection, VS);
+    assert!(initial.response_nonce.is_empty(), "{initial:?}");
+
+    // The flood: each message sent as the gateway's window allows.
+    let (progress, sent) = tokio::sync::watch::channel((0usize, false));
+    let flood = tokio::spawn(async move {
+        for n in 0..MESSAGES {
+            let mut message = full(VS, vec![resource("a", &n.to_string(), &[b'x'; BODY])]);
+            message.nonce = format!("flood-{n}");
+            let mut frame = vec![0u8];
+            frame.extend_from_slice(&u32::try_from(message.encoded_len()).unwrap().to_be_bytes());
+            message.encode(&mut frame).unwrap();
+            sending.reserve_capacity(frame.len());
+            while sending.capacity() < frame.len() {
+                progress.send_replace((n, true));
+                match std::future::poll_fn(|cx| sending.poll_capacity(cx)).await {
+                    Some(Ok(_)) => {}
+                    other => panic!("the gateway's window for message {n}: {other:?}"),
+                }
+            }
+            sending.send_data(frame.into(), false).unwrap();
+            progress.send_replace((n + 1, false));
+        }
+    });
+    let applied = || {
+        gw.cache
+            .get(VS)
+            .map_or(0, |s| s.resources["a"].version.parse::<usize>().unwrap() + 1)
+    };
+    let mut waiting = sent.clone();
+    within(
+        "the source's window to run dry",
+        waiting.wait_for(|(_, blocked)| *blocked),
+    )
+    .await
+    .unwrap();
+    // Time for the gateway to read on, were it going to: whatever it does,
+    // it cannot read past what its ACK path holds (the source's window of
+    // ACKs, the stream's queue of 64 replies, a message in hand), nor the
+    // source send past the gateway's window while the ACKs go unread.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Each ACK names the collection: the source's window holds fewer ACKs
+    // than it has room for that name; 64 more are queued, and a handful in
+    // flight (the stream's chunk in hand, the reply waiting for room, the
+    // message being applied).
+    let ack_path = ACK_WINDOW as usize / VS.len() + 64 + 4;
+    let read_then = applied();
+    assert!(
+        read_then <= ack_path,
+        "the gateway read {read_then} messages with its ACKs unread (its ACK path holds {ack_path})"
+    );
+    let sent_then = sent.borrow().0;
+    assert!(
+        sent_then < MESSAGES,
+        "the source's sends pend: {sent_then} sent, the gateway's window taken"
+    );
+    // The source reads its ACKs: the gateway reads on, in order, to the end.
+    for n in 0..MESSAGES {
+        let ack = acks.next().await;
+        assert_eq!(ack.response_nonce, format!("flood-{n}"));
+        assert!(ack.error_detail.is_none(), "{ack:?}");
+    }
+    within("the flood to be sent", flood).await.unwrap();
+    assert_eq!(applied(), MESSAGES);
+    driver.abort();
+}
+
+/// The gateway's requests on a raw HTTP/2 stream, each released to the
+/// gateway's window as it is read.
+struct AckReader {
+    body: h2::RecvStream,
+    buffer: bytes::BytesMut,
+}
+
+impl AckReader {
+    async fn next(&mut self) -> mcp_xds_gateway::proto::RequestResources {
+        use prost::Message;
+        loop {
+            if self.buffer.len() >= 5 {
+                let len = u32::from_be_bytes(self.buffer[1..5].try_into().unwrap()) as usize;
+                if self.buffer.len() >= 5 + len {
+                    let frame = self.buffer.split_to(5 + len);
+                    return mcp_xds_gateway::proto::RequestResources::decode(&frame[5..]).unwrap();
+                }
+            }
+            let chunk = within("a request from the gateway", self.body.data())
+                .await
+                .expect("the gateway's stream is open")
+                .unwrap();
+            self.body.flow_control().release_capacity(chunk.len()).unwrap();
+            self.buffer.extend_from_slice(&chunk);
+        }
+    }
 }
 
 #[tokio::test]
@@ -694,6 +841,20 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     let _ = within("the large request's answer", big.read_to_end(&mut answer)).await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 431"), "{answer}");
+    // No endpoint reads a body: a request announcing one over the limit,
+    // of which not a byte is sent, is answered from its head, and the
+    // connection is closed rather than read on.
+    let mut with_body = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    with_body
+        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the answer and the close", with_body.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
     // Connections: an eighth of the cap per peer address.
     let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;

@@ -114,6 +114,19 @@ pub async fn upstream_failed(admin: SocketAddr, failures: u64, what: &str) -> se
     .await
 }
 
+/// `/debug/upstream` at `admin` once it shows at least `failures`
+/// consecutive failures. Unlike [`upstream_failed`] it does not wait for the
+/// retry to be scheduled: with a short `--reconnect-min-delay` the retry may
+/// already have started (and connected) before a poll reads it, while the
+/// count and the last error stay until a stream makes progress.
+pub async fn upstream_failures_reach(admin: SocketAddr, failures: u64, what: &str) -> serde_json::Value {
+    eventually_some(what, || async move {
+        let status = get_json(admin, "/debug/upstream").await;
+        (status["consecutive_failures"].as_u64().is_some_and(|n| n >= failures)).then_some(status)
+    })
+    .await
+}
+
 /// Every port of the gateway on a free loopback port.
 pub const LOOPBACK_PORTS: [&str; 6] = [
     "--listen",
