@@ -812,17 +812,8 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
     ])
     .await;
     let mut client = h2_client(gw.listen).await;
-    // A stream that announces a 150 kB request and sends 1 kB of it: it
-    // holds most of the budget.
-    let stall = |client: &mut h2::client::SendRequest<bytes::Bytes>| {
-        let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
-        let mut partial = vec![0];
-        partial.extend_from_slice(&150_000u32.to_be_bytes());
-        partial.extend_from_slice(&[0u8; 1000]);
-        body.send_data(bytes::Bytes::from(partial), false).unwrap();
-        (response, body)
-    };
-    // Alone, it is ended by the read timeout, naming both flags.
+    // A stream that announces a 150 kB request and sends 1 kB of it,
+    // alone: it is ended by the read timeout, naming both flags.
     let (response, _body) = stall(&mut client);
     let (status, message) = grpc_end(response).await;
     assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
@@ -831,36 +822,76 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
         "names both flags: {message}"
     );
     refusals_are(gw.monitoring, "request_read_timeout", 1).await;
+    canary.check().await;
+}
 
-    // Again, and a large NACK (100 kB) meanwhile: it waits for room, and
-    // is read once the stalled request gives its room back (here: its
-    // client cancels it, so the NACK's own deadline is not at stake).
+/// A stream that announces a 150 kB request on `client` and sends 1 kB of
+/// it: it holds 150 kB of the budget until its client resets it.
+fn stall(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+    let mut partial = vec![0];
+    partial.extend_from_slice(&150_000u32.to_be_bytes());
+    partial.extend_from_slice(&[0u8; 1000]);
+    body.send_data(bytes::Bytes::from(partial), false).unwrap();
+    (response, body)
+}
+
+/// The wait for room itself. The read timeout is 60 s here, far beyond the
+/// test, so that nothing but the budget can hold the NACK back (the test
+/// above proves the timeout): a loaded machine that takes seconds between
+/// the steps cannot time the stall out and free the room early.
+#[tokio::test]
+async fn a_large_request_waits_for_room_until_the_budget_frees() {
+    let (gw, mut canary) = spawned_with_canary(&[
+        "--max-request-bytes",
+        "150000",
+        "--max-request-buffer-bytes",
+        "200000",
+        "--request-read-timeout",
+        "60s",
+    ])
+    .await;
+    let mut client = h2_client(gw.listen).await;
     let (_response, mut body) = stall(&mut client);
+    // A large NACK (100 kB) meanwhile: 150 + 100 kB do not fit in 200 kB.
     let mut nacking = sotw(gw.listen).await;
     nacking.subscribe(VS);
     let response_to_nack = nacking.recv_type(VS).await;
     nacking.nack(&response_to_nack, "", &"n".repeat(100_000));
-    // Small requests never wait: the canary is served all along.
+    // Small requests never wait: the canary is served meanwhile, a change
+    // written, pushed, ACKed and read while the NACK sat unread.
     canary.check().await;
+    canary.check().await;
+    assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK waits for room");
+    let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
+    assert!(
+        clients.as_array().unwrap().iter().all(|c| c["types"][VS]["last_nack"].is_null()),
+        "no NACK recorded while it waits: {clients}"
+    );
+    // The stalled request gives its room back (its client cancels it): the
+    // NACK is read whole and counted, once; nothing timed out.
     body.send_reset(h2::Reason::CANCEL);
-    // The NACK was read whole and counted, once; nothing else timed out.
     eventually_async("the large NACK to be counted", || async {
-        let (_, exposition) = http_get(gw.monitoring, "/metrics").await;
-        sample(
-            &exposition,
-            "istio_mcp_request_nacks_total",
-            &["component=\"downstream\"", &format!("collection=\"{VS}\"")],
-        ) == Some(1.0)
+        downstream_nacks(gw.monitoring).await == 1.0
     })
     .await;
-    assert_eq!(refusals(gw.monitoring, "request_read_timeout").await, 1);
+    assert_eq!(refusals(gw.monitoring, "request_read_timeout").await, 0);
     canary.check().await;
 }
 
-/// The `--max-receive-window-bytes` a client connection is given: the
-/// stream window in the server's SETTINGS (`SETTINGS_INITIAL_WINDOW_SIZE`)
-/// and the connection window, raised from HTTP/2's 65,535 by a
-/// WINDOW_UPDATE on stream 0.
+/// The NACKs of VS counted on the client side of the gateway at `monitoring`.
+async fn downstream_nacks(monitoring: SocketAddr) -> f64 {
+    let (_, exposition) = http_get(monitoring, "/metrics").await;
+    sample(
+        &exposition,
+        "istio_mcp_request_nacks_total",
+        &["component=\"downstream\"", &format!("collection=\"{VS}\"")],
+    )
+    .unwrap_or(0.0)
+}
+
 /// The server's SETTINGS (the first, not an ACK) on `conn`.
 async fn server_settings(conn: &mut RawConn) -> Vec<(u16, u32)> {
     conn.until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
@@ -869,6 +900,10 @@ async fn server_settings(conn: &mut RawConn) -> Vec<(u16, u32)> {
         .settings()
 }
 
+/// The `--max-receive-window-bytes` a client connection is given: the
+/// stream window in the server's SETTINGS (`SETTINGS_INITIAL_WINDOW_SIZE`)
+/// and the connection window, raised from HTTP/2's 65,535 by a
+/// WINDOW_UPDATE on stream 0.
 async fn advertised_windows(listen: SocketAddr) -> (u32, u32) {
     let mut conn = RawConn::http2(listen).await;
     let stream_window = server_settings(&mut conn)
