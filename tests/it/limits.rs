@@ -412,10 +412,23 @@ async fn connections_over_the_limit_get_goaway_when_every_one_carries_a_stream()
     // The canary holds one connection with a stream; one more fits, and
     // carries a stream too (answered: its slot is busy).
     let mut second = with_live_stream(gw.listen).await;
+    // The third: the server's SETTINGS first (its handshake is answered),
+    // then GOAWAY REFUSED_STREAM naming the flag, then the end of the
+    // connection (`until_closed` returns only there).
     let mut third = RawConn::http2(gw.listen).await;
+    let first = third.next_frame().await.expect("the server's SETTINGS");
+    assert!(
+        first.kind == h2raw::SETTINGS && first.flags & h2raw::ACK == 0,
+        "{first:?}"
+    );
     let (code, debug) = third.goaway().await.expect("a connection over the limit is refused");
     assert_eq!(code, h2raw::REFUSED_STREAM);
     assert!(debug.contains("--max-connections=2"), "{debug}");
+    let after = third.until_closed().await;
+    assert!(
+        after.as_ref().is_none_or(|(code, _)| *code == h2raw::REFUSED_STREAM),
+        "nothing but the refusal before the close: {after:?}"
+    );
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
     refusals_are(gw.monitoring, "max_connections", 1).await;
     let evicted = "mcp_gateway_connections_evicted_total{listener=\"--listen\",reason=";
@@ -607,10 +620,18 @@ async fn oversized_header_lists_are_refused() {
     let mut client = h2_client(gw.listen).await;
     let request = sotw_post().header("x-padding", "a".repeat(8000)).body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
-    match within("the answer to a large header list", response).await {
-        Ok(response) => assert_eq!(response.status(), http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
-        Err(e) => assert!(e.reason().is_some(), "the stream is refused: {e}"),
-    }
+    // Answered on its stream: 431, not a reset of the stream nor a GOAWAY
+    // of the client's whole connection.
+    let answer = within("the answer to a large header list", response).await;
+    let status = answer.expect("a 431 answer, not a reset").status();
+    assert_eq!(status, http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    // The same connection still serves a request of a normal size.
+    let (response, _body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+    let response = within("a normal request on the same connection", response).await;
+    assert_eq!(
+        response.expect("the connection survives").status(),
+        http::StatusCode::OK
+    );
     canary.check().await;
 }
 
@@ -867,7 +888,11 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
     assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK waits for room");
     let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
     assert!(
-        clients.as_array().unwrap().iter().all(|c| c["types"][VS]["last_nack"].is_null()),
+        clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["types"][VS]["last_nack"].is_null()),
         "no NACK recorded while it waits: {clients}"
     );
     // The stalled request gives its room back (its client cancels it): the
@@ -927,7 +952,19 @@ async fn advertised_windows(listen: SocketAddr) -> (u32, u32) {
 async fn the_receive_window_is_the_flag() {
     let (default, _) = with_canary(&[]).await;
     assert_eq!(advertised_windows(default.listen).await, (256 << 10, 256 << 10));
-    let (gw, mut canary) = with_canary(&["--max-receive-window-bytes", "100000"]).await;
+    // A small budget for large requests, and a read timeout far beyond the
+    // test: see the greedy stream below.
+    let (gw, mut canary) = with_canary(&[
+        "--max-receive-window-bytes",
+        "100000",
+        "--max-request-bytes",
+        "150000",
+        "--max-request-buffer-bytes",
+        "200000",
+        "--request-read-timeout",
+        "60s",
+    ])
+    .await;
     assert_eq!(advertised_windows(gw.listen).await, (100_000, 100_000));
     // The sink port, one authenticated source, keeps its own 4 MiB.
     let dial_out = start_gateway(&[
@@ -945,14 +982,22 @@ async fn the_receive_window_is_the_flag() {
 
     // Past the stream window without waiting for a WINDOW_UPDATE: the
     // request announces more than the window and sends all of it at once.
+    // The gateway must not read it meanwhile, or the window it releases
+    // lets the rest in: a stalled 150 kB request holds the budget first
+    // (its prefix is read while the canary's change goes round), so the
+    // greedy 120 kB message waits for room, unread past its first frame.
+    let mut stalling = h2_client(gw.listen).await;
+    let (_response, _stalled) = stall(&mut stalling);
+    canary.check().await;
     let mut greedy = RawConn::http2(gw.listen).await;
-    greedy.send(&grpc_headers(1, SOTW_PATH, 0)).await;
     let mut message = vec![0];
     message.extend_from_slice(&120_000u32.to_be_bytes());
     message.resize(5 + 120_000, 0);
+    let mut frames = grpc_headers(1, SOTW_PATH, 0);
     for chunk in message.chunks(16_384) {
-        greedy.send(&frame(0x0, 0, 1, chunk)).await;
+        frames.extend_from_slice(&frame(0x0, 0, 1, chunk));
     }
+    greedy.send(&frames).await;
     let refused = greedy
         .until(|f| (f.kind == h2raw::RST_STREAM && f.stream == 1) || f.kind == h2raw::GOAWAY)
         .await
