@@ -360,7 +360,9 @@ fn every_limit_and_bad_input_row_names_a_test_that_exists() {
     let mut missing = Vec::new();
     for (row, names) in &rows {
         if names.is_empty() {
-            missing.push(format!("row {row:?} names no test: put `module::test` in its last cell"));
+            missing.push(format!(
+                "row {row:?} names no test: put `module::test` in its last cell"
+            ));
         }
         for name in names {
             if let Err(e) = resolve(name) {
