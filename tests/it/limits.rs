@@ -769,11 +769,18 @@ async fn a_stream_follows_a_bounded_number_of_types() {
 #[tokio::test]
 async fn huge_nacks_are_kept_truncated_with_their_length() {
     // A gateway process of its own: the truncation is counted exactly.
-    let (gw, mut canary) = spawned_with_canary(&[]).await;
+    let (mut gw, mut canary) = spawned_with_canary(&[]).await;
     let mut client = sotw(gw.listen).await;
     client.subscribe(VS);
     let response = client.recv_type(VS).await;
     client.nack(&response, "", &"x".repeat(1 << 20));
+    // Logged as kept: its first 4 KiB and its full length.
+    let logged = gw.log_line("client NACKed").await;
+    assert!(logged.contains("(1048576 bytes in all)"), "{logged}");
+    assert!(
+        !logged.contains(&"x".repeat(4097)),
+        "no more than 4 KiB of it: {logged}"
+    );
     let message = eventually_some("the NACK to be recorded", || async {
         let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
         clients

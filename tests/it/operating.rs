@@ -1623,6 +1623,51 @@ async fn a_disconnected_upstream_is_shown_where_operators_look() {
     );
 }
 
+/// A file broken at run time is logged with its path, the line and the
+/// reason, and keeps its last good state; `mcp_gateway_source_files_broken`
+/// counts it. The gateway is a process of its own: the gauge is set from
+/// this gateway's state alone, and its log is this test's.
+#[tokio::test]
+async fn a_file_broken_at_run_time_is_logged_with_its_path_line_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let doc = |generation: u32| {
+        format!(
+            "collection: {VS}\nname: ns/a\nversion: \"{generation}\"\nbody:\n  struct: {{generation: {generation}}}\n"
+        )
+    };
+    let file = dir.path().join("vs.yaml");
+    std::fs::write(&file, doc(1)).unwrap();
+    let source = dir.path().to_str().unwrap().to_owned();
+    let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", &source, "--collections", VS]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    client.ack(&first);
+    assert_eq!(
+        crate::limits::metric(gw.monitoring, "mcp_gateway_source_files_broken ").await,
+        0
+    );
+
+    // A typo on line 4 (the `body` key).
+    std::fs::write(&file, doc(2).replace("body:", "bodee:")).unwrap();
+    let line = gw.log_line("a source file does not parse").await;
+    assert!(line.contains("its collections keep their last good state"), "{line}");
+    assert!(
+        line.contains(&format!("{}:4:", file.display())),
+        "the path and the line: {line}"
+    );
+    assert!(line.contains("unknown field `bodee`"), "the reason: {line}");
+    crate::limits::metric_is(gw.monitoring, "mcp_gateway_source_files_broken ", 1).await;
+
+    // Fixed: logged, no longer counted, and the fix is what is served.
+    std::fs::write(&file, doc(3)).unwrap();
+    let line = gw.log_line("a source file parses again").await;
+    assert!(line.contains(&file.display().to_string()), "{line}");
+    crate::limits::metric_is(gw.monitoring, "mcp_gateway_source_files_broken ", 0).await;
+    let fixed = client.recv_type(VS).await;
+    assert_eq!(fixed.resources[0].metadata.as_ref().unwrap().version, "3");
+}
+
 /// The files source's log lines say which file, and at start a broken file
 /// has no last good state to keep.
 #[tokio::test]

@@ -877,3 +877,51 @@ async fn hostile_files_in_the_source_directory_are_reported_and_never_fatal() {
     assert_eq!(snapshot.len(), 1, "only the canary's resource");
     canary.check().await;
 }
+
+/// Each hostile file is also in the log: one line per file, naming it and
+/// what is wrong with it. A process of its own: its log is this test's.
+#[tokio::test]
+async fn hostile_files_are_each_logged_naming_the_file_and_the_reason() {
+    let (mut gw, mut canary) = crate::limits::spawned_with_canary(&["--max-message-bytes", "65536"]).await;
+    let dir = canary.dir().to_owned();
+    let mut bomb = format!("collection: {VS}\nname: ns/bomb\nbody:\n  struct:\n    big: &big [");
+    bomb.push_str(&vec!["x"; 2000].join(","));
+    bomb.push_str("]\n    copies:\n");
+    bomb.push_str(&"      - *big\n".repeat(4000));
+    std::fs::write(dir.join("bomb.yaml"), bomb).unwrap();
+    std::os::unix::fs::symlink(dir.join("loop.yaml"), dir.join("loop.yaml")).unwrap();
+    crate::helpers::mkfifo(&dir.join("fifo.yaml"));
+    std::fs::write(dir.join("binary.yaml"), [0xff, 0xfe, 0x00, 0x80]).unwrap();
+    std::fs::write(dir.join("huge.yaml"), vec![b'#'; 100_000]).unwrap();
+    canary.check().await;
+    let mut reasons = std::collections::BTreeMap::new();
+    while reasons.len() < 5 {
+        let line = gw.log_line("a source file does not parse").await;
+        let file = ["bomb.yaml", "loop.yaml", "fifo.yaml", "binary.yaml", "huge.yaml"]
+            .into_iter()
+            .find(|f| line.contains(&*dir.join(f).to_string_lossy()))
+            .unwrap_or_else(|| panic!("names one of the files by its path: {line}"));
+        assert!(
+            reasons.insert(file, line.clone()).is_none(),
+            "one line per file: {line}"
+        );
+    }
+    assert!(reasons["bomb.yaml"].contains("expands"), "{}", reasons["bomb.yaml"]);
+    assert!(
+        reasons["huge.yaml"].contains("--max-message-bytes=65536"),
+        "{}",
+        reasons["huge.yaml"]
+    );
+    assert!(
+        reasons["fifo.yaml"].contains("not a regular file"),
+        "{}",
+        reasons["fifo.yaml"]
+    );
+    assert!(
+        reasons["binary.yaml"].contains("not UTF-8"),
+        "{}",
+        reasons["binary.yaml"]
+    );
+    assert!(reasons["loop.yaml"].contains("cannot read"), "{}", reasons["loop.yaml"]);
+    canary.check().await;
+}

@@ -223,7 +223,7 @@ async fn a_refused_collection_is_counted_once() {
     let mut galley = FakeGalley::start().await;
     let refused = "istio/policy/v1beta1/rules";
     galley.refuse(refused);
-    let gw = crate::helpers::gateway_process_for(&galley, &[VS, refused], &[]).await;
+    let mut gw = crate::helpers::gateway_process_for(&galley, &[VS, refused], &[]).await;
     let _first = galley.next_stream().await;
     let mut second = galley.next_stream().await;
     assert_eq!(second.initial_requests(1).await[0].collection, VS);
@@ -232,6 +232,10 @@ async fn a_refused_collection_is_counted_once() {
         |collection: &str| format!("mcp_gateway_upstream_refused_collections_total{{collection=\"{collection}\"}}");
     crate::limits::metric_is(gw.monitoring, &series(refused), 1).await;
     assert_eq!(crate::limits::metric(gw.monitoring, &series(VS)).await, 0);
+    // Logged, naming the collection and the source's words.
+    let line = gw.logged("the source does not serve this collection").await;
+    assert!(line.contains(refused), "{line}");
+    assert!(line.contains("unsupported collection"), "{line}");
 }
 
 #[tokio::test]

@@ -308,6 +308,34 @@ impl Running {
         })
         .await
     }
+
+    /// The first line with `needle`, logged before the gateway listened or
+    /// after: for an event that may come either side of the banner (an
+    /// upstream's first answer).
+    pub async fn logged(&mut self, needle: &str) -> String {
+        match self.log.iter().find(|l| l.contains(needle)) {
+            Some(line) => line.clone(),
+            None => self.log_line(needle).await,
+        }
+    }
+
+    /// The lines of the log up to and including the next one that contains
+    /// `needle`: what was logged before a marker line (for "logged once":
+    /// no second line before the marker).
+    pub async fn lines_until(&mut self, needle: &str) -> Vec<String> {
+        within(&format!("a log line with {needle:?}"), async {
+            let mut lines = Vec::new();
+            loop {
+                let line = self.later.recv().await.expect("the gateway logs before exiting");
+                let found = line.contains(needle);
+                lines.push(line);
+                if found {
+                    return lines;
+                }
+            }
+        })
+        .await
+    }
 }
 
 /// Starts the gateway binary with `args` on port 0 (from `cwd`, else the
