@@ -744,18 +744,25 @@ async fn connections_past_their_maximum_age_are_closed_and_clients_come_back() {
         "--max-connection-age",
         "300ms",
         "--max-connection-age-grace",
-        "200ms",
+        "1s",
     ];
     let gw = crate::helpers::spawn_gateway(None, &flags).await;
     // A connection with a live stream: past its age it gets GOAWAY
     // NO_ERROR, and is closed after the grace.
+    let connected = tokio::time::Instant::now();
     let mut conn = RawConn::http2(gw.listen).await;
     conn.send(&grpc_headers(1, crate::helpers::clients::SOTW_PATH, 0)).await;
-    let goaway = conn.until_closed().await;
-    assert_eq!(
-        goaway.map(|g| g.0),
-        Some(h2raw::NO_ERROR),
-        "GOAWAY NO_ERROR, then closed"
+    let goaway = conn.until(|f| f.kind == h2raw::GOAWAY).await.expect("a GOAWAY");
+    assert_eq!(goaway.goaway().map(|g| g.0), Some(h2raw::NO_ERROR), "{goaway:?}");
+    conn.until_closed().await;
+    // Measured from before the connection was made, so that a late read of
+    // either frame cannot shorten it: the close comes no earlier than the
+    // age (less its 10 % jitter) and then the whole grace. A gateway that
+    // closed at the GOAWAY would close at about 300 ms.
+    let lived = connected.elapsed();
+    assert!(
+        lived >= Duration::from_millis(270 + 1000),
+        "closed after {lived:?}: before the age and the grace"
     );
     crate::limits::metric_is(
         gw.monitoring,
