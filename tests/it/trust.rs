@@ -665,6 +665,59 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
     assert!(!index.contains("/debug"), "{index}");
 }
 
+/// A keep-alive connection left idle after its answer is closed at
+/// `--http-header-timeout` too (the next request's headers never came), and
+/// counted as such. A process of its own: the count is this test's.
+#[tokio::test]
+async fn an_idle_keep_alive_on_an_http_port_is_closed_at_the_header_timeout() {
+    let gw = crate::helpers::spawn_gateway(None, &["--http-header-timeout", "300ms"]).await;
+    let mut idle = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    idle.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The answer, whole (its head and the body its length announces).
+    let mut answer = Vec::new();
+    let head_and_body = within("the answer", async {
+        loop {
+            let mut chunk = [0u8; 4096];
+            let n = idle.read(&mut chunk).await.unwrap();
+            assert_ne!(n, 0, "closed before the answer: {:?}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&answer).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap())
+                    })
+                    .expect("a content-length");
+                if body.len() >= length {
+                    return (head.to_owned(), body.to_owned());
+                }
+            }
+        }
+    })
+    .await;
+    assert!(head_and_body.0.starts_with("HTTP/1.1 200"), "{head_and_body:?}");
+    assert!(
+        !head_and_body.0.to_ascii_lowercase().contains("connection: close"),
+        "kept alive: {head_and_body:?}"
+    );
+    // Then nothing is sent: the gateway closes it.
+    let mut rest = Vec::new();
+    within("the idle connection to be closed", idle.read_to_end(&mut rest))
+        .await
+        .unwrap();
+    assert!(
+        rest.is_empty(),
+        "nothing more sent: {:?}",
+        String::from_utf8_lossy(&rest)
+    );
+    crate::limits::refusals_are(gw.monitoring, "http_header_timeout", 1).await;
+}
+
 #[tokio::test]
 async fn the_http_ports_bound_slow_large_and_many_requests() {
     // Gateway processes of their own: the refusal counts are theirs.
