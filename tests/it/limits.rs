@@ -185,6 +185,40 @@ async fn control_frame_floods_get_goaway_enhance_your_calm() {
     }
 }
 
+/// The two frames the rows name beside those above. PING ACKs count
+/// against `--max-pings-per-minute` (an ACK nobody asked for costs the
+/// same). Empty DATA frames never reach `--max-control-frames-per-minute`:
+/// h2 itself ends the connection at the 101st on it, GOAWAY
+/// `ENHANCE_YOUR_CALM`, counted under `h2_resets` (h2's own bounds).
+#[tokio::test]
+async fn ping_ack_and_empty_data_floods_get_goaway_enhance_your_calm() {
+    let (gw, mut canary) = spawned_with_canary(&[]).await;
+    let mut acks = Vec::new();
+    for n in 0..70_000u64 {
+        acks.extend(frame(h2raw::PING, h2raw::ACK, 0, &n.to_be_bytes()));
+    }
+    let mut attacker = RawConn::http2(gw.listen).await;
+    attacker.send(&acks).await;
+    let (code, _) = attacker.goaway().await.expect("a GOAWAY");
+    assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "PING ACKs");
+    refusals_are(gw.monitoring, "pings", 1).await;
+    canary.check().await;
+
+    // Stream 1 opened (not ended), then 101 empty DATA frames on it.
+    let mut empty = grpc_headers(1, SOTW_PATH, 0);
+    for _ in 0..101 {
+        empty.extend(frame(0x0, 0, 1, &[]));
+    }
+    let mut attacker = RawConn::http2(gw.listen).await;
+    attacker.send(&empty).await;
+    let (code, _) = attacker.goaway().await.expect("a GOAWAY");
+    assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "empty DATA");
+    refusals_are(gw.monitoring, "h2_resets", 1).await;
+    assert_eq!(refusals(gw.monitoring, "control_frames").await, 0);
+    assert_eq!(refusals(gw.monitoring, "pings").await, 1);
+    canary.check().await;
+}
+
 #[tokio::test]
 async fn rapid_reset_after_acceptance_is_cut_within_a_thousand_streams() {
     let (gw, mut canary) = spawned_with_canary(&[]).await;
