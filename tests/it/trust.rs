@@ -272,6 +272,34 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     holder.abort();
 }
 
+/// The TLS step of `--connect-timeout`: an `https://` upstream that accepts
+/// TCP and never answers the ClientHello is a failed attempt whose error
+/// names the TLS handshake. (The TCP step needs an address that drops SYNs,
+/// which depends on the network the suite runs in: not tried.)
+#[tokio::test]
+async fn an_upstream_that_never_answers_the_tls_hello_is_a_failed_attempt_naming_the_step() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    // Accepts and holds every connection, says nothing.
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let url = format!("https://{addr}");
+    let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "300ms"]).await;
+    let status = crate::helpers::upstream_failed(gw.admin, 1, "a failed attempt").await;
+    let error = status["last_error"].as_str().unwrap();
+    assert!(
+        error.contains("TLS handshake") && error.contains("timed out"),
+        "{error}"
+    );
+    assert!(error.contains("--connect-timeout"), "{error}");
+    assert!(!error.contains("HTTP/2"), "the TLS step, not a later one: {error}");
+    holder.abort();
+}
+
 #[tokio::test]
 async fn a_message_over_the_limit_never_resets_the_backoff() {
     let mut galley = FakeGalley::start().await;
