@@ -135,9 +135,9 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
 async fn peers_outside_the_allow_lists_are_counted_by_listener() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("mesh-ca");
-    let sink = crate::helpers::free_addr();
-    let flags = mtls_flags(dir.path(), &ca, &sink.to_string());
+    let flags = mtls_flags(dir.path(), &ca, "127.0.0.1:0");
     let gw = crate::helpers::spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let sink = gw.sink.expect("the sink port in the banner");
     attacker_refused(sink, &ca).await;
     let outsider = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/sleep");
     let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
@@ -153,13 +153,12 @@ async fn a_second_source_learns_nothing_about_the_first() {
     // A gateway process of its own: its refusal count is its own (every
     // in-process gateway shares one recorder, which other dial-out tests
     // move too).
-    let sink = crate::helpers::free_addr();
-    let sink_flag = sink.to_string();
     let gw = crate::helpers::spawn_gateway(
         None,
-        &["--sink-listen", &sink_flag, "--sink-insecure", "--collections", VS],
+        &["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS],
     )
     .await;
+    let sink = gw.sink.expect("the sink port in the banner");
     let mut first = dial_out(clients::channel(sink).await, &[]).await.unwrap();
     first.initial_requests(1).await;
     let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
@@ -181,13 +180,11 @@ async fn a_second_source_learns_nothing_about_the_first() {
 #[tokio::test]
 async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
     // A gateway process of its own: the keepalive close is counted exactly.
-    let sink = crate::helpers::free_addr();
-    let sink_flag = sink.to_string();
     let gw = crate::helpers::spawn_gateway(
         None,
         &[
             "--sink-listen",
-            &sink_flag,
+            "127.0.0.1:0",
             "--sink-insecure",
             "--collections",
             VS,
@@ -196,6 +193,7 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
         ],
     )
     .await;
+    let sink = gw.sink.expect("the sink port in the banner");
     let connected = async || crate::helpers::get_json(gw.admin, "/debug/upstream").await["connected"] == true;
     // A source that opens its stream and then freezes: TCP up, nothing read,
     // no PING answered.

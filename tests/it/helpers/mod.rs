@@ -288,6 +288,9 @@ pub struct Running {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
     pub monitoring: SocketAddr,
+    /// The dial-out sink port (`--sink-listen`), as bound: read from the
+    /// banner, so a test can give port 0 rather than a port it freed.
+    pub sink: Option<SocketAddr>,
     /// Every line before "gateway listening".
     pub log: Vec<String>,
     /// The lines after it, as they come.
@@ -360,9 +363,22 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
         listen: field(&banner, "listen"),
         admin: field(&banner, "admin"),
         monitoring: field(&banner, "monitoring"),
+        sink: quoted_field(&banner, "sink"),
         log,
         later,
     }
+}
+
+/// `name="ADDR"` of a banner line (an optional field, logged quoted), if
+/// there.
+fn quoted_field(line: &str, name: &str) -> Option<SocketAddr> {
+    let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+    let value = line[start..].split('"').next()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}={value:?} in {line}: {e}")),
+    )
 }
 
 /// `mcp-xds-gateway source --source-dir DIR ARGS…` (a dial-out source:
