@@ -714,7 +714,7 @@ async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
     // Taken before the canary's ACK is sent: the soak starts when the
     // gateway reads it, so no earlier than this.
-    let before_the_ack = std::time::Instant::now();
+    let before_the_ack = tokio::time::Instant::now();
     assert_eq!(recv_ack(&mut canary, "canary-1").await, v2);
     let soaking = eventually_some("the soak to start", || async {
         let view = rollout_of(&gw).await;
