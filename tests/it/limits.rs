@@ -864,15 +864,7 @@ async fn incremental_initial_versions_are_not_held_until_ack() {
 
 #[tokio::test]
 async fn large_requests_share_a_budget_and_must_arrive_in_time() {
-    let (gw, mut canary) = spawned_with_canary(&[
-        "--max-request-bytes",
-        "150000",
-        "--max-request-buffer-bytes",
-        "200000",
-        "--request-read-timeout",
-        "2s",
-    ])
-    .await;
+    let (gw, mut canary) = with_a_small_budget("2s").await;
     let mut client = h2_client(gw.listen).await;
     // A stream that announces a 150 kB request and sends 1 kB of it,
     // alone: it is ended by the read timeout, naming both flags.
@@ -885,6 +877,21 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
     );
     refusals_are(gw.monitoring, "request_read_timeout", 1).await;
     canary.check().await;
+}
+
+/// A gateway process whose large requests share 200 kB
+/// (`--max-request-buffer-bytes`), each at most 150 kB, and must arrive
+/// within `read_timeout`: a [`stall`] holds most of it.
+async fn with_a_small_budget(read_timeout: &str) -> (Running, Canary) {
+    spawned_with_canary(&[
+        "--max-request-bytes",
+        "150000",
+        "--max-request-buffer-bytes",
+        "200000",
+        "--request-read-timeout",
+        read_timeout,
+    ])
+    .await
 }
 
 /// A stream that announces a 150 kB request on `client` and sends 1 kB of
@@ -906,15 +913,7 @@ fn stall(
 /// the steps cannot time the stall out and free the room early.
 #[tokio::test]
 async fn a_large_request_waits_for_room_until_the_budget_frees() {
-    let (gw, mut canary) = spawned_with_canary(&[
-        "--max-request-bytes",
-        "150000",
-        "--max-request-buffer-bytes",
-        "200000",
-        "--request-read-timeout",
-        "60s",
-    ])
-    .await;
+    let (gw, mut canary) = with_a_small_budget("60s").await;
     let mut client = h2_client(gw.listen).await;
     let (_response, mut body) = stall(&mut client);
     // A large NACK (100 kB) meanwhile: 150 + 100 kB do not fit in 200 kB.

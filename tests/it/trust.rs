@@ -222,15 +222,7 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
 
 #[tokio::test]
 async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step() {
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = silent.local_addr().unwrap();
-    // Accepts and holds every connection, says nothing.
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = silent.accept().await {
-            held.push(stream);
-        }
-    });
+    let (addr, holder) = silent_listener().await;
     let url = format!("http://{addr}");
     // A gateway process of its own, retrying a second apart: its failed
     // attempts are counted exactly, and a count read between two is still.
@@ -270,21 +262,27 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     holder.abort();
 }
 
-/// The TLS step of `--connect-timeout`: an `https://` upstream that accepts
-/// TCP and never answers the ClientHello is a failed attempt whose error
-/// names the TLS handshake. (The TCP step needs an address that drops SYNs,
-/// which depends on the network the suite runs in: not tried.)
-#[tokio::test]
-async fn an_upstream_that_never_answers_the_tls_hello_is_a_failed_attempt_naming_the_step() {
+/// A listener on a port of its own that accepts and holds every
+/// connection and says nothing; abort the task to close it.
+async fn silent_listener() -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = silent.local_addr().unwrap();
-    // Accepts and holds every connection, says nothing.
     let holder = tokio::spawn(async move {
         let mut held = Vec::new();
         while let Ok((stream, _)) = silent.accept().await {
             held.push(stream);
         }
     });
+    (addr, holder)
+}
+
+/// The TLS step of `--connect-timeout`: an `https://` upstream that accepts
+/// TCP and never answers the ClientHello is a failed attempt whose error
+/// names the TLS handshake. (The TCP step needs an address that drops SYNs,
+/// which depends on the network the suite runs in: not tried.)
+#[tokio::test]
+async fn an_upstream_that_never_answers_the_tls_hello_is_a_failed_attempt_naming_the_step() {
+    let (addr, holder) = silent_listener().await;
     let url = format!("https://{addr}");
     let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "300ms"]).await;
     let status = crate::helpers::upstream_failed(gw.admin, 1, "a failed attempt").await;
