@@ -247,7 +247,7 @@ async fn a_failed_start_prints_one_line_and_logs_nothing() {
     let _ = child.start_kill();
 }
 
-/// The binary started on port 0 from the package root./// The binary started on port 0 from the package root.
+/// The binary started on port 0 from the package root.
 async fn spawn(args: &[&str]) -> Running {
     spawn_gateway(None, args).await
 }
