@@ -701,6 +701,13 @@ async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
     };
     let status = status_after(gw.listen, vec![subscribe(VS)]).await;
     assert_refused_naming(&status, "--max-streams=2");
+    assert!(
+        status
+            .message()
+            .contains("the gateway serves at most --max-streams=2 streams"),
+        "the row's words: {}",
+        status.message()
+    );
     refusals_are(gw.monitoring, "max_streams", 1).await;
     canary.check().await;
 }
@@ -740,6 +747,11 @@ async fn new_streams_are_limited_per_peer_address() {
         "{served} streams served before the refusal, {refilled} s"
     );
     assert_refused_naming(&status, "--max-new-streams-per-second=1");
+    assert!(
+        status.message().contains("too many new streams from 127.0.0.1"),
+        "the row's words, naming the address: {}",
+        status.message()
+    );
     refusals_are(gw.monitoring, "new_streams_rate", 1).await;
     // Another address is not affected.
     let mut other = RawConn::tcp_from(gw.listen, IpAddr::from([127, 0, 0, 2])).await;
@@ -1193,14 +1205,14 @@ fn sotw_post() -> http::request::Builder {
     http::Request::post(format!("http://localhost{SOTW_PATH}")).header("content-type", "application/grpc")
 }
 
-/// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
-/// and its value.
 /// A gRPC status message as sent (percent-encoded) in `headers`.
 fn grpc_message(headers: &http::HeaderMap) -> String {
     let raw = headers.get("grpc-message").map(|v| v.as_bytes()).unwrap_or_default();
     percent_encoding::percent_decode(raw).decode_utf8_lossy().into_owned()
 }
 
+/// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
+/// and its value.
 fn assert_refused_naming(status: &tonic::Status, flag: &str) {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains(flag), "{}", status.message());

@@ -807,6 +807,50 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     drop(held);
 }
 
+/// `--http-max-connections` bounds the admin port as it does the
+/// monitoring port: a connection over this address's share is answered 503
+/// in the row's words, then closed; another address is served. A process of
+/// its own: the count is this test's.
+#[tokio::test]
+async fn the_admin_port_bounds_its_connections_too() {
+    let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
+    // 8 / 8: one connection per address, held here (answered: it was taken).
+    let mut held = tokio::net::TcpStream::connect(gw.admin).await.unwrap();
+    held.write_all(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = [0u8; 12];
+    within("the held connection's answer", held.read_exact(&mut answer))
+        .await
+        .unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let gw_admin = gw.admin;
+    // The whole answer, up to the close (`read_to_end` returns only there).
+    let whole_answer = |from: [u8; 4]| async move {
+        let mut conn = RawConn::tcp_from(gw_admin, IpAddr::from(from)).await;
+        conn.send(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await;
+        let mut answer = Vec::new();
+        within("the answer and the close", conn.stream.read_to_end(&mut answer))
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let answer = whole_answer([127, 0, 0, 1]).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("(an eighth of --http-max-connections=8) is reached"),
+        "the row's words: {answer}"
+    );
+    let answer = whole_answer([127, 0, 0, 3]).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "another address is served: {answer}"
+    );
+    crate::limits::refusals_are(gw.monitoring, "http_connections", 1).await;
+    drop(held);
+}
+
 /// A GET of `path` from the loopback address `from` (another peer): the
 /// whole response, head and body.
 async fn get_from(addr: SocketAddr, from: [u8; 4], path: &str) -> String {
