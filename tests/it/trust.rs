@@ -106,7 +106,12 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
     let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
     assert_eq!(refused.code(), Code::PermissionDenied);
-    assert!(refused.message().contains("--client-allow"), "{}", refused.message());
+    assert!(
+        refused.message().contains("spiffe://cluster.local/ns/default/sa/sleep")
+            && refused.message().contains("is not allowed by --client-allow"),
+        "names the identity and the flag: {}",
+        refused.message()
+    );
     let pilot = ca.spiffe_leaf("spiffe://cluster.local/ns/istio-system/sa/istio-pilot-service-account");
     let mut client = SotwClient::open_on(tls_channel(gw.listen, &ca.pem, Some(&pilot)).await.unwrap(), SOTW_PATH).await;
     client.subscribe(VS);
