@@ -1015,10 +1015,11 @@ async fn the_status_command_marks_a_nack_since_fixed() {
 
 /// "Since fixed" only while the client no longer refuses the current
 /// version. Pinned back to the version before the bad one, the NACKing
-/// client ACKs it; unpinned, the version it NACKed is the current one again
-/// (and never re-sent to it): its row is NACKED, so the NACK must read as
-/// current everywhere: not `superseded` in `/debug/syncz`, no "since fixed"
-/// in `status`, its message in the index's problem table.
+/// client ACKs it; unpinned, the version it NACKed is the current one again:
+/// its row is NACKED, so the NACK must read as current everywhere: not
+/// `superseded` in `/debug/syncz`, no "since fixed" in `status`, its message
+/// in the index's problem table. Having ACKed a later response, the client
+/// is sent that version again, and its ACK of it makes the NACK since fixed.
 #[tokio::test]
 async fn a_nack_of_the_version_current_again_after_an_unpin_is_not_since_fixed() {
     let Nacked {
@@ -1074,6 +1075,18 @@ async fn a_nack_of_the_version_current_again_after_an_unpin_is_not_since_fixed()
         index["not_synced"][0]["nack"], "bad route",
         "the problem table says why: {index}"
     );
+
+    // It ACKed a later response (the pinned one), so the cache going back
+    // to the version it NACKed is a change like any other and is sent
+    // (docs/protocols.md); once it ACKs that, the NACK is since fixed.
+    let again = client.recv().await;
+    assert_eq!(again.version_info, refused.version_info);
+    client.ack(&again);
+    crate::helpers::eventually_async("the NACK since fixed", || async {
+        let now = row().await;
+        now["status"] == "SYNCED" && now["nack"]["superseded"] == true
+    })
+    .await;
 }
 
 /// The rollout command prints 12 characters of each version and takes them
