@@ -1656,7 +1656,10 @@ async fn a_file_broken_at_run_time_is_logged_with_its_path_line_and_reason() {
         )
     };
     let file = dir.path().join("vs.yaml");
-    std::fs::write(&file, doc(1)).unwrap();
+    // Each version whole at once: a half-written file would be an error
+    // (and a log line) of its own.
+    let write = |text: String| crate::helpers::write_whole(dir.path(), "vs.yaml", text.as_bytes());
+    write(doc(1));
     let source = dir.path().to_str().unwrap().to_owned();
     let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", &source, "--collections", VS]).await;
     let mut client = sotw(gw.listen).await;
@@ -1669,7 +1672,7 @@ async fn a_file_broken_at_run_time_is_logged_with_its_path_line_and_reason() {
     );
 
     // A typo on line 4 (the `body` key).
-    std::fs::write(&file, doc(2).replace("body:", "bodee:")).unwrap();
+    write(doc(2).replace("body:", "bodee:"));
     let line = gw.log_line("a source file does not parse").await;
     assert!(line.contains("its collections keep their last good state"), "{line}");
     assert!(
@@ -1680,7 +1683,7 @@ async fn a_file_broken_at_run_time_is_logged_with_its_path_line_and_reason() {
     crate::limits::metric_is(gw.monitoring, "mcp_gateway_source_files_broken ", 1).await;
 
     // Fixed: logged, no longer counted, and the fix is what is served.
-    std::fs::write(&file, doc(3)).unwrap();
+    write(doc(3));
     let line = gw.log_line("a source file parses again").await;
     assert!(line.contains(&file.display().to_string()), "{line}");
     crate::limits::metric_is(gw.monitoring, "mcp_gateway_source_files_broken ", 0).await;

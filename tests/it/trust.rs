@@ -1014,11 +1014,13 @@ async fn hostile_files_are_each_logged_naming_the_file_and_the_reason() {
     bomb.push_str(&vec!["x"; 2000].join(","));
     bomb.push_str("]\n    copies:\n");
     bomb.push_str(&"      - *big\n".repeat(4000));
-    std::fs::write(dir.join("bomb.yaml"), bomb).unwrap();
+    // Each file whole at once (written aside, then renamed): a half-written
+    // file read by the watcher would be a line of its own.
+    crate::helpers::write_whole(&dir, "bomb.yaml", bomb.as_bytes());
     std::os::unix::fs::symlink(dir.join("loop.yaml"), dir.join("loop.yaml")).unwrap();
     crate::helpers::mkfifo(&dir.join("fifo.yaml"));
-    std::fs::write(dir.join("binary.yaml"), [0xff, 0xfe, 0x00, 0x80]).unwrap();
-    std::fs::write(dir.join("huge.yaml"), vec![b'#'; 100_000]).unwrap();
+    crate::helpers::write_whole(&dir, "binary.yaml", &[0xff, 0xfe, 0x00, 0x80]);
+    crate::helpers::write_whole(&dir, "huge.yaml", &[b'#'; 100_000]);
     canary.check().await;
     let mut reasons = std::collections::BTreeMap::new();
     while reasons.len() < 5 {

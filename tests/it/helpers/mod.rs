@@ -483,6 +483,15 @@ async fn spawn_until_listening(
     (child, log, line, later)
 }
 
+/// Writes `name` in `dir` whole at once: written aside under a name no
+/// source reads (`.NAME.tmp`), then renamed over it, so a directory watcher
+/// never reads it half written.
+pub fn write_whole(dir: &std::path::Path, name: &str, bytes: &[u8]) {
+    let aside = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&aside, bytes).unwrap();
+    std::fs::rename(&aside, dir.join(name)).unwrap();
+}
+
 /// Makes a FIFO at `path`, or fails the test: a case that needs one is
 /// never skipped.
 pub fn mkfifo(path: &std::path::Path) {
