@@ -374,6 +374,51 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
     );
 }
 
+/// An access denial is logged with the identity and the collection, once
+/// per identity and collection per 10 s: a client asking again and again
+/// cannot flood the log; another identity's denial is logged at once. A
+/// process of its own: its log and counts are this test's.
+#[tokio::test]
+async fn an_access_denial_is_logged_once_per_identity_and_collection_per_ten_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let mut gw = mtls_gateway_process(dir.path(), &ca, Some(POLICY)).await;
+    let (listen, monitoring) = (gw.listen, gw.monitoring);
+    // No rule grants clusters to the other namespace.
+    let denied = |identity: &'static str| {
+        let ca = &ca;
+        async move {
+            let mut stream = SotwStream::open_on(as_identity(listen, ca, identity).await, SOTW).await;
+            stream.send(sotw_request(CLUSTER_TYPE, &[], None));
+            let status = within("the denial", stream.end_status()).await;
+            assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
+        }
+    };
+    let denials = |count: u64| async move {
+        let series =
+            "mcp_gateway_access_denied_total{collection=\"envoy/config/cluster/v3/clusters\",reason=\"collection\"}";
+        crate::limits::metric_is(monitoring, series, count).await;
+    };
+    denied(OTHER).await;
+    denials(1).await;
+    let line = gw.log_line("access denied").await;
+    assert!(
+        line.contains(OTHER) && line.contains("envoy/config/cluster/v3/clusters"),
+        "names the identity and the collection: {line}"
+    );
+    // Again within 10 s: counted, not logged. Another identity's denial,
+    // after it, is the marker.
+    denied(OTHER).await;
+    denials(2).await;
+    const ELSE: &str = "spiffe://cluster.local/ns/else/sa/y";
+    denied(ELSE).await;
+    let lines = gw.lines_until(ELSE).await;
+    let logged: Vec<_> = lines.iter().filter(|l| l.contains("access denied")).collect();
+    assert_eq!(logged.len(), 1, "only the other identity's: {lines:#?}");
+    assert!(logged[0].contains(ELSE), "{lines:#?}");
+    denials(3).await;
+}
+
 #[tokio::test]
 async fn debug_access_answers_what_an_identity_would_read() {
     let dir = tempfile::tempdir().unwrap();

@@ -238,9 +238,9 @@ async fn web_pages_can_neither_drive_the_controls_nor_read_through_another_name(
     assert_eq!(status, 200);
 }
 
-/// (Their counts: `controls_and_refusals_are_counted_exactly`.)
-/// exactly: a gateway process of its own (in-process gateways share one
-/// recorder, and other tests pin and are refused too).
+/// Admin controls and refusals are counted, by control and code, exactly:
+/// a gateway process of its own (in-process gateways share one recorder,
+/// and other tests pin and are refused too).
 #[tokio::test]
 async fn controls_and_refusals_are_counted_exactly() {
     let (gw, _canary) = crate::limits::spawned_with_canary(&[]).await;

@@ -703,19 +703,25 @@ async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
 }
 
 /// With `--canary-soak`, the canaries' ACKs start the soak; the version
-/// goes to everyone when it has passed.
+/// goes to everyone when it has passed, never before. The soak is long
+/// (10 s) so that the view is read while it runs even on a loaded machine.
 #[tokio::test]
 async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
-    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-soak", "2s"]).await;
+    const SOAK: std::time::Duration = std::time::Duration::from_secs(10);
+    let (_galley, gw, mut upstream) =
+        galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-soak", "10s"]).await;
     let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    // Taken before the canary's ACK is sent: the soak starts when the
+    // gateway reads it, so no earlier than this.
+    let before_the_ack = tokio::time::Instant::now();
     assert_eq!(recv_ack(&mut canary, "canary-1").await, v2);
     let soaking = eventually_some("the soak to start", || async {
         let view = rollout_of(&gw).await;
         view["round"]["release_in_seconds"].as_f64().map(|s| (s, view))
     })
     .await;
-    assert!(soaking.0 > 0.0 && soaking.0 <= 2.0, "{}", soaking.1);
+    assert!(soaking.0 > 0.0 && soaking.0 <= SOAK.as_secs_f64(), "{}", soaking.1);
     assert_eq!(soaking.1["state"], "CANARY", "{}", soaking.1);
     assert_eq!(soaking.1["everyone"], *v1, "{}", soaking.1);
     assert_eq!(
@@ -723,6 +729,9 @@ async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
         v2,
         "released once the soak passed"
     );
+    // Late is allowed (a loaded machine), early never.
+    let released = before_the_ack.elapsed();
+    assert!(released >= SOAK, "released {released:?} after the ACK: before the soak");
     assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v2);
 }
 

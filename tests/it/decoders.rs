@@ -76,6 +76,49 @@ proptest! {
         let _ = mcp_xds_gateway::source::files::parse("fuzz.yaml", &text, &table);
     }
 
+    /// Frames cut anywhere across reads, one read per piece, after the
+    /// client's preface on the server side: every byte passes through, and
+    /// the PINGs among them are counted once each, wherever they were cut
+    /// (the 4th floods a limit of 3 a minute).
+    #[test]
+    fn the_frame_sniffer_counts_frames_split_across_reads(
+        frames in prop::collection::vec(
+            (prop::sample::select(vec![0x0u8, 0x1, 0x6, 0x7, 0x9]), any::<u8>(), any::<u32>(), prop::collection::vec(any::<u8>(), 1..40)),
+            0..8,
+        ),
+        cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..12),
+    ) {
+        use mcp_xds_gateway::transport::sniff::{FloodLimits, Side, Sniffed};
+        use tokio::io::AsyncReadExt;
+        let mut wire = Vec::new();
+        for (kind, flags, stream, payload) in &frames {
+            let len = payload.len();
+            wire.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, *kind, *flags]);
+            wire.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
+            wire.extend_from_slice(payload);
+        }
+        let pings = frames.iter().filter(|f| f.0 == 0x6).count();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            for side in [Side::Server, Side::Client] {
+                let mut bytes = if side == Side::Server { PREFACE.to_vec() } else { Vec::new() };
+                bytes.extend_from_slice(&wire);
+                let limits = FloodLimits {
+                    resets_per_minute: 3,
+                    pings_per_minute: 3,
+                    settings_per_minute: 3,
+                    control_frames_per_minute: 3,
+                };
+                let (mut sniffed, signals) = Sniffed::new(Pieces::cut(&bytes, &cuts), side, Some(limits));
+                let mut sink = Vec::new();
+                sniffed.read_to_end(&mut sink).await.unwrap();
+                prop_assert_eq!(&sink, &bytes);
+                prop_assert_eq!(signals.flooded(), (pings > 3).then_some("pings"), "{} PINGs, {:?}", pings, side);
+            }
+            Ok(())
+        })?;
+    }
+
     #[test]
     fn the_frame_sniffer_never_panics(chunks in prop::collection::vec(any_bytes(), 0..8)) {
         use tokio::io::AsyncReadExt;
@@ -99,5 +142,41 @@ proptest! {
             }
             Ok(())
         })?;
+    }
+}
+
+/// HTTP/2's client connection preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A reader that gives its bytes one piece per read.
+struct Pieces(std::collections::VecDeque<Vec<u8>>);
+
+impl Pieces {
+    /// `bytes` cut at the `cuts` (empty pieces dropped: an empty read is
+    /// the end).
+    fn cut(bytes: &[u8], cuts: &[prop::sample::Index]) -> Self {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c.index(bytes.len() + 1)).collect();
+        at.extend([0, bytes.len()]);
+        at.sort_unstable();
+        at.dedup();
+        Self(at.windows(2).map(|w| bytes[w[0]..w[1]].to_vec()).collect())
+    }
+}
+
+impl tokio::io::AsyncRead for Pieces {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if let Some(piece) = self.0.front_mut() {
+            let n = piece.len().min(buf.remaining());
+            buf.put_slice(&piece[..n]);
+            piece.drain(..n);
+            if piece.is_empty() {
+                self.0.pop_front();
+            }
+        }
+        std::task::Poll::Ready(Ok(()))
     }
 }

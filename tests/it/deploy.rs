@@ -339,7 +339,7 @@ fn sorted(mut docs: Vec<Value>) -> Vec<Value> {
 #[test]
 #[cfg_attr(
     not(peer_kubectl),
-    ignore = "needs kubectl: build and run with KUBECTL_BIN set to its binary (.ci/run sets it where kubectl is on PATH)"
+    ignore = "needs kubectl: build and run with KUBECTL_BIN set to its binary (.ci/run installs one under target/kubectl-venv)"
 )]
 fn the_renderer_agrees_with_kustomize() {
     for kustomization in kustomizations() {

@@ -191,6 +191,8 @@ async fn a_second_type_on_the_stream_ends_it() {
     let status = client.end_status().await;
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().contains("one type only"), "{}", status.message());
+    // Naming both: the type it follows and the one it asked for.
+    assert!(status.message().contains(VS), "{}", status.message());
     assert!(status.message().contains(GW), "{}", status.message());
 }
 

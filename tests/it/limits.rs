@@ -185,6 +185,40 @@ async fn control_frame_floods_get_goaway_enhance_your_calm() {
     }
 }
 
+/// The two frames the rows name beside those above. PING ACKs count
+/// against `--max-pings-per-minute` (an ACK nobody asked for costs the
+/// same). Empty DATA frames never reach `--max-control-frames-per-minute`:
+/// h2 itself ends the connection at the 101st on it, GOAWAY
+/// `ENHANCE_YOUR_CALM`, counted under `h2_resets` (h2's own bounds).
+#[tokio::test]
+async fn ping_ack_and_empty_data_floods_get_goaway_enhance_your_calm() {
+    let (gw, mut canary) = spawned_with_canary(&[]).await;
+    let mut acks = Vec::new();
+    for n in 0..70_000u64 {
+        acks.extend(frame(h2raw::PING, h2raw::ACK, 0, &n.to_be_bytes()));
+    }
+    let mut attacker = RawConn::http2(gw.listen).await;
+    attacker.send(&acks).await;
+    let (code, _) = attacker.goaway().await.expect("a GOAWAY");
+    assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "PING ACKs");
+    refusals_are(gw.monitoring, "pings", 1).await;
+    canary.check().await;
+
+    // Stream 1 opened (not ended), then 101 empty DATA frames on it.
+    let mut empty = grpc_headers(1, SOTW_PATH, 0);
+    for _ in 0..101 {
+        empty.extend(frame(0x0, 0, 1, &[]));
+    }
+    let mut attacker = RawConn::http2(gw.listen).await;
+    attacker.send(&empty).await;
+    let (code, _) = attacker.goaway().await.expect("a GOAWAY");
+    assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "empty DATA");
+    refusals_are(gw.monitoring, "h2_resets", 1).await;
+    assert_eq!(refusals(gw.monitoring, "control_frames").await, 0);
+    assert_eq!(refusals(gw.monitoring, "pings").await, 1);
+    canary.check().await;
+}
+
 #[tokio::test]
 async fn rapid_reset_after_acceptance_is_cut_within_a_thousand_streams() {
     let (gw, mut canary) = spawned_with_canary(&[]).await;
@@ -327,10 +361,30 @@ async fn garbage_http1_and_tls_on_the_grpc_port_are_closed() {
         .await;
     http1.until_closed().await;
 
-    // A TLS ClientHello to the plaintext port.
-    let tls = clients::tls_channel(gw.listen, &crate::helpers::certs::Ca::new("x").pem, None).await;
-    assert!(tls.is_err(), "TLS to a plaintext port fails");
+    // A TLS ClientHello to the plaintext port: closed like the others.
+    let mut tls = RawConn::tcp(gw.listen).await;
+    tls.send(&client_hello()).await;
+    tls.until_closed().await;
     canary.check().await;
+}
+
+/// The first flight of a TLS client (its ClientHello record), as rustls
+/// writes it.
+fn client_hello() -> Vec<u8> {
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let mut client = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    let mut hello = Vec::new();
+    while client.wants_write() {
+        client.write_tls(&mut hello).unwrap();
+    }
+    assert_eq!(hello[0], 0x16, "a handshake record");
+    hello
 }
 
 /// A client connection whose peer stops answering PINGs is dropped by
@@ -412,10 +466,23 @@ async fn connections_over_the_limit_get_goaway_when_every_one_carries_a_stream()
     // The canary holds one connection with a stream; one more fits, and
     // carries a stream too (answered: its slot is busy).
     let mut second = with_live_stream(gw.listen).await;
+    // The third: the server's SETTINGS first (its handshake is answered),
+    // then GOAWAY REFUSED_STREAM naming the flag, then the end of the
+    // connection (`until_closed` returns only there).
     let mut third = RawConn::http2(gw.listen).await;
+    let first = third.next_frame().await.expect("the server's SETTINGS");
+    assert!(
+        first.kind == h2raw::SETTINGS && first.flags & h2raw::ACK == 0,
+        "{first:?}"
+    );
     let (code, debug) = third.goaway().await.expect("a connection over the limit is refused");
     assert_eq!(code, h2raw::REFUSED_STREAM);
     assert!(debug.contains("--max-connections=2"), "{debug}");
+    let after = third.until_closed().await;
+    assert!(
+        after.as_ref().is_none_or(|(code, _)| *code == h2raw::REFUSED_STREAM),
+        "nothing but the refusal before the close: {after:?}"
+    );
     assert_eq!(http_get(gw.monitoring, "/readyz").await.0, 200);
     refusals_are(gw.monitoring, "max_connections", 1).await;
     let evicted = "mcp_gateway_connections_evicted_total{listener=\"--listen\",reason=";
@@ -658,10 +725,18 @@ async fn oversized_header_lists_are_refused() {
     let mut client = h2_client(gw.listen).await;
     let request = sotw_post().header("x-padding", "a".repeat(8000)).body(()).unwrap();
     let (response, _) = client.send_request(request, true).unwrap();
-    match within("the answer to a large header list", response).await {
-        Ok(response) => assert_eq!(response.status(), http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE),
-        Err(e) => assert!(e.reason().is_some(), "the stream is refused: {e}"),
-    }
+    // Answered on its stream: 431, not a reset of the stream nor a GOAWAY
+    // of the client's whole connection.
+    let answer = within("the answer to a large header list", response).await;
+    let status = answer.expect("a 431 answer, not a reset").status();
+    assert_eq!(status, http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    // The same connection still serves a request of a normal size.
+    let (response, _body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+    let response = within("a normal request on the same connection", response).await;
+    assert_eq!(
+        response.expect("the connection survives").status(),
+        http::StatusCode::OK
+    );
     canary.check().await;
 }
 
@@ -697,6 +772,13 @@ async fn streams_over_the_process_limit_are_refused_naming_the_flag() {
     };
     let status = status_after(gw.listen, vec![subscribe(VS)]).await;
     assert_refused_naming(&status, "--max-streams=2");
+    assert!(
+        status
+            .message()
+            .contains("the gateway serves at most --max-streams=2 streams"),
+        "the row's words: {}",
+        status.message()
+    );
     refusals_are(gw.monitoring, "max_streams", 1).await;
     canary.check().await;
 }
@@ -736,6 +818,11 @@ async fn new_streams_are_limited_per_peer_address() {
         "{served} streams served before the refusal, {refilled} s"
     );
     assert_refused_naming(&status, "--max-new-streams-per-second=1");
+    assert!(
+        status.message().contains("too many new streams from 127.0.0.1"),
+        "the row's words, naming the address: {}",
+        status.message()
+    );
     refusals_are(gw.monitoring, "new_streams_rate", 1).await;
     // Another address is not affected.
     let mut other = RawConn::tcp_from(gw.listen, IpAddr::from([127, 0, 0, 2])).await;
@@ -799,11 +886,18 @@ async fn a_stream_follows_a_bounded_number_of_types() {
 #[tokio::test]
 async fn huge_nacks_are_kept_truncated_with_their_length() {
     // A gateway process of its own: the truncation is counted exactly.
-    let (gw, mut canary) = spawned_with_canary(&[]).await;
+    let (mut gw, mut canary) = spawned_with_canary(&[]).await;
     let mut client = sotw(gw.listen).await;
     client.subscribe(VS);
     let response = client.recv_type(VS).await;
     client.nack(&response, "", &"x".repeat(1 << 20));
+    // Logged as kept: its first 4 KiB and its full length.
+    let logged = gw.log_line("client NACKed").await;
+    assert!(logged.contains("(1048576 bytes in all)"), "{logged}");
+    assert!(
+        !logged.contains(&"x".repeat(4097)),
+        "no more than 4 KiB of it: {logged}"
+    );
     let message = eventually_some("the NACK to be recorded", || async {
         let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
         clients
@@ -853,27 +947,10 @@ async fn incremental_initial_versions_are_not_held_until_ack() {
 
 #[tokio::test]
 async fn large_requests_share_a_budget_and_must_arrive_in_time() {
-    let (gw, mut canary) = spawned_with_canary(&[
-        "--max-request-bytes",
-        "150000",
-        "--max-request-buffer-bytes",
-        "200000",
-        "--request-read-timeout",
-        "2s",
-    ])
-    .await;
+    let (gw, mut canary) = with_a_small_budget("2s").await;
     let mut client = h2_client(gw.listen).await;
-    // A stream that announces a 150 kB request and sends 1 kB of it: it
-    // holds most of the budget.
-    let stall = |client: &mut h2::client::SendRequest<bytes::Bytes>| {
-        let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
-        let mut partial = vec![0];
-        partial.extend_from_slice(&150_000u32.to_be_bytes());
-        partial.extend_from_slice(&[0u8; 1000]);
-        body.send_data(bytes::Bytes::from(partial), false).unwrap();
-        (response, body)
-    };
-    // Alone, it is ended by the read timeout, naming both flags.
+    // A stream that announces a 150 kB request and sends 1 kB of it,
+    // alone: it is ended by the read timeout, naming both flags.
     let (response, _body) = stall(&mut client);
     let (status, message) = grpc_end(response).await;
     assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
@@ -882,36 +959,90 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
         "names both flags: {message}"
     );
     refusals_are(gw.monitoring, "request_read_timeout", 1).await;
+    canary.check().await;
+}
 
-    // Again, and a large NACK (100 kB) meanwhile: it waits for room, and
-    // is read once the stalled request gives its room back (here: its
-    // client cancels it, so the NACK's own deadline is not at stake).
+/// A gateway process whose large requests share 200 kB
+/// (`--max-request-buffer-bytes`), each at most 150 kB, and must arrive
+/// within `read_timeout`: a [`stall`] holds most of it.
+async fn with_a_small_budget(read_timeout: &str) -> (Running, Canary) {
+    spawned_with_canary(&[
+        "--max-request-bytes",
+        "150000",
+        "--max-request-buffer-bytes",
+        "200000",
+        "--request-read-timeout",
+        read_timeout,
+    ])
+    .await
+}
+
+/// A stream that announces a 150 kB request on `client` and sends 1 kB of
+/// it: it holds 150 kB of the budget until its client resets it.
+fn stall(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+    let mut partial = vec![0];
+    partial.extend_from_slice(&150_000u32.to_be_bytes());
+    partial.extend_from_slice(&[0u8; 1000]);
+    body.send_data(bytes::Bytes::from(partial), false).unwrap();
+    (response, body)
+}
+
+/// The wait for room itself. The read timeout is 60 s here, far beyond the
+/// test, so that nothing but the budget can hold the NACK back (the test
+/// above proves the timeout): a loaded machine that takes seconds between
+/// the steps cannot time the stall out and free the room early.
+#[tokio::test]
+async fn a_large_request_waits_for_room_until_the_budget_frees() {
+    let (gw, mut canary) = with_a_small_budget("60s").await;
+    let mut client = h2_client(gw.listen).await;
     let (_response, mut body) = stall(&mut client);
+    // A large NACK (100 kB) meanwhile: 150 + 100 kB do not fit in 200 kB.
     let mut nacking = sotw(gw.listen).await;
     nacking.subscribe(VS);
     let response_to_nack = nacking.recv_type(VS).await;
     nacking.nack(&response_to_nack, "", &"n".repeat(100_000));
-    // Small requests never wait: the canary is served all along.
-    canary.check().await;
+    // Small requests never wait: the canary is served meanwhile, change
+    // after change (each written, pushed, ACKed and read), for a second: an
+    // unblocked 100 kB NACK is counted within a fifth of that here.
+    let sent = tokio::time::Instant::now();
+    while sent.elapsed() < std::time::Duration::from_secs(1) {
+        canary.check().await;
+    }
+    assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK waits for room");
+    let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
+    assert!(
+        clients
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["types"][VS]["last_nack"].is_null()),
+        "no NACK recorded while it waits: {clients}"
+    );
+    // The stalled request gives its room back (its client cancels it): the
+    // NACK is read whole and counted, once; nothing timed out.
     body.send_reset(h2::Reason::CANCEL);
-    // The NACK was read whole and counted, once; nothing else timed out.
     eventually_async("the large NACK to be counted", || async {
-        let (_, exposition) = http_get(gw.monitoring, "/metrics").await;
-        sample(
-            &exposition,
-            "istio_mcp_request_nacks_total",
-            &["component=\"downstream\"", &format!("collection=\"{VS}\"")],
-        ) == Some(1.0)
+        downstream_nacks(gw.monitoring).await == 1.0
     })
     .await;
-    assert_eq!(refusals(gw.monitoring, "request_read_timeout").await, 1);
+    assert_eq!(refusals(gw.monitoring, "request_read_timeout").await, 0);
     canary.check().await;
 }
 
-/// The `--max-receive-window-bytes` a client connection is given: the
-/// stream window in the server's SETTINGS (`SETTINGS_INITIAL_WINDOW_SIZE`)
-/// and the connection window, raised from HTTP/2's 65,535 by a
-/// WINDOW_UPDATE on stream 0.
+/// The NACKs of VS counted on the client side of the gateway at `monitoring`.
+async fn downstream_nacks(monitoring: SocketAddr) -> f64 {
+    let (_, exposition) = http_get(monitoring, "/metrics").await;
+    sample(
+        &exposition,
+        "istio_mcp_request_nacks_total",
+        &["component=\"downstream\"", &format!("collection=\"{VS}\"")],
+    )
+    .unwrap_or(0.0)
+}
+
 /// The server's SETTINGS (the first, not an ACK) on `conn`.
 async fn server_settings(conn: &mut RawConn) -> Vec<(u16, u32)> {
     conn.until(|f| f.kind == h2raw::SETTINGS && f.flags & h2raw::ACK == 0)
@@ -920,6 +1051,10 @@ async fn server_settings(conn: &mut RawConn) -> Vec<(u16, u32)> {
         .settings()
 }
 
+/// The `--max-receive-window-bytes` a client connection is given: the
+/// stream window in the server's SETTINGS (`SETTINGS_INITIAL_WINDOW_SIZE`)
+/// and the connection window, raised from HTTP/2's 65,535 by a
+/// WINDOW_UPDATE on stream 0.
 async fn advertised_windows(listen: SocketAddr) -> (u32, u32) {
     let mut conn = RawConn::http2(listen).await;
     let stream_window = server_settings(&mut conn)
@@ -943,7 +1078,19 @@ async fn advertised_windows(listen: SocketAddr) -> (u32, u32) {
 async fn the_receive_window_is_the_flag() {
     let (default, _) = with_canary(&[]).await;
     assert_eq!(advertised_windows(default.listen).await, (256 << 10, 256 << 10));
-    let (gw, mut canary) = with_canary(&["--max-receive-window-bytes", "100000"]).await;
+    // A small budget for large requests, and a read timeout far beyond the
+    // test: see the greedy stream below.
+    let (gw, mut canary) = with_canary(&[
+        "--max-receive-window-bytes",
+        "100000",
+        "--max-request-bytes",
+        "150000",
+        "--max-request-buffer-bytes",
+        "200000",
+        "--request-read-timeout",
+        "60s",
+    ])
+    .await;
     assert_eq!(advertised_windows(gw.listen).await, (100_000, 100_000));
     // The sink port, one authenticated source, keeps its own 4 MiB.
     let dial_out = start_gateway(&[
@@ -961,14 +1108,22 @@ async fn the_receive_window_is_the_flag() {
 
     // Past the stream window without waiting for a WINDOW_UPDATE: the
     // request announces more than the window and sends all of it at once.
+    // The gateway must not read it meanwhile, or the window it releases
+    // lets the rest in: a stalled 150 kB request holds the budget first
+    // (its prefix is read while the canary's change goes round), so the
+    // greedy 120 kB message waits for room, unread past its first frame.
+    let mut stalling = h2_client(gw.listen).await;
+    let (_response, _stalled) = stall(&mut stalling);
+    canary.check().await;
     let mut greedy = RawConn::http2(gw.listen).await;
-    greedy.send(&grpc_headers(1, SOTW_PATH, 0)).await;
     let mut message = vec![0];
     message.extend_from_slice(&120_000u32.to_be_bytes());
     message.resize(5 + 120_000, 0);
+    let mut frames = grpc_headers(1, SOTW_PATH, 0);
     for chunk in message.chunks(16_384) {
-        greedy.send(&frame(0x0, 0, 1, chunk)).await;
+        frames.extend_from_slice(&frame(0x0, 0, 1, chunk));
     }
+    greedy.send(&frames).await;
     let refused = greedy
         .until(|f| (f.kind == h2raw::RST_STREAM && f.stream == 1) || f.kind == h2raw::GOAWAY)
         .await
@@ -1121,14 +1276,14 @@ fn sotw_post() -> http::request::Builder {
     http::Request::post(format!("http://localhost{SOTW_PATH}")).header("content-type", "application/grpc")
 }
 
-/// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
-/// and its value.
 /// A gRPC status message as sent (percent-encoded) in `headers`.
 fn grpc_message(headers: &http::HeaderMap) -> String {
     let raw = headers.get("grpc-message").map(|v| v.as_bytes()).unwrap_or_default();
     percent_encoding::percent_decode(raw).decode_utf8_lossy().into_owned()
 }
 
+/// A refusal for a limit: `RESOURCE_EXHAUSTED`, its message naming the flag
+/// and its value.
 fn assert_refused_naming(status: &tonic::Status, flag: &str) {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains(flag), "{}", status.message());

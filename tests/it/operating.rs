@@ -744,18 +744,25 @@ async fn connections_past_their_maximum_age_are_closed_and_clients_come_back() {
         "--max-connection-age",
         "300ms",
         "--max-connection-age-grace",
-        "200ms",
+        "1s",
     ];
     let gw = crate::helpers::spawn_gateway(None, &flags).await;
     // A connection with a live stream: past its age it gets GOAWAY
     // NO_ERROR, and is closed after the grace.
+    let connected = tokio::time::Instant::now();
     let mut conn = RawConn::http2(gw.listen).await;
     conn.send(&grpc_headers(1, crate::helpers::clients::SOTW_PATH, 0)).await;
-    let goaway = conn.until_closed().await;
-    assert_eq!(
-        goaway.map(|g| g.0),
-        Some(h2raw::NO_ERROR),
-        "GOAWAY NO_ERROR, then closed"
+    let goaway = conn.until(|f| f.kind == h2raw::GOAWAY).await.expect("a GOAWAY");
+    assert_eq!(goaway.goaway().map(|g| g.0), Some(h2raw::NO_ERROR), "{goaway:?}");
+    conn.until_closed().await;
+    // Measured from before the connection was made, so that a late read of
+    // either frame cannot shorten it: the close comes no earlier than the
+    // age (less its 10 % jitter) and then the whole grace. A gateway that
+    // closed at the GOAWAY would close at about 300 ms.
+    let lived = connected.elapsed();
+    assert!(
+        lived >= Duration::from_millis(270 + 1000),
+        "closed after {lived:?}: before the age and the grace"
     );
     crate::limits::metric_is(
         gw.monitoring,
@@ -1008,10 +1015,11 @@ async fn the_status_command_marks_a_nack_since_fixed() {
 
 /// "Since fixed" only while the client no longer refuses the current
 /// version. Pinned back to the version before the bad one, the NACKing
-/// client ACKs it; unpinned, the version it NACKed is the current one again
-/// (and never re-sent to it): its row is NACKED, so the NACK must read as
-/// current everywhere: not `superseded` in `/debug/syncz`, no "since fixed"
-/// in `status`, its message in the index's problem table.
+/// client ACKs it; unpinned, the version it NACKed is the current one again:
+/// its row is NACKED, so the NACK must read as current everywhere: not
+/// `superseded` in `/debug/syncz`, no "since fixed" in `status`, its message
+/// in the index's problem table. Having ACKed a later response, the client
+/// is sent that version again, and its ACK of it makes the NACK since fixed.
 #[tokio::test]
 async fn a_nack_of_the_version_current_again_after_an_unpin_is_not_since_fixed() {
     let Nacked {
@@ -1067,6 +1075,18 @@ async fn a_nack_of_the_version_current_again_after_an_unpin_is_not_since_fixed()
         index["not_synced"][0]["nack"], "bad route",
         "the problem table says why: {index}"
     );
+
+    // It ACKed a later response (the pinned one), so the cache going back
+    // to the version it NACKed is a change like any other and is sent
+    // (docs/protocols.md); once it ACKs that, the NACK is since fixed.
+    let again = client.recv().await;
+    assert_eq!(again.version_info, refused.version_info);
+    client.ack(&again);
+    crate::helpers::eventually_async("the NACK since fixed", || async {
+        let now = row().await;
+        now["status"] == "SYNCED" && now["nack"]["superseded"] == true
+    })
+    .await;
 }
 
 /// The rollout command prints 12 characters of each version and takes them
@@ -1621,6 +1641,54 @@ async fn a_disconnected_upstream_is_shown_where_operators_look() {
         (false.into(), true.into()),
         "{index}"
     );
+}
+
+/// A file broken at run time is logged with its path, the line and the
+/// reason, and keeps its last good state; `mcp_gateway_source_files_broken`
+/// counts it. The gateway is a process of its own: the gauge is set from
+/// this gateway's state alone, and its log is this test's.
+#[tokio::test]
+async fn a_file_broken_at_run_time_is_logged_with_its_path_line_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let doc = |generation: u32| {
+        format!(
+            "collection: {VS}\nname: ns/a\nversion: \"{generation}\"\nbody:\n  struct: {{generation: {generation}}}\n"
+        )
+    };
+    let file = dir.path().join("vs.yaml");
+    // Each version whole at once: a half-written file would be an error
+    // (and a log line) of its own.
+    let write = |text: String| crate::helpers::write_whole(dir.path(), "vs.yaml", text.as_bytes());
+    write(doc(1));
+    let source = dir.path().to_str().unwrap().to_owned();
+    let mut gw = crate::helpers::spawn_gateway(None, &["--source-dir", &source, "--collections", VS]).await;
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    client.ack(&first);
+    assert_eq!(
+        crate::limits::metric(gw.monitoring, "mcp_gateway_source_files_broken ").await,
+        0
+    );
+
+    // A typo on line 4 (the `body` key).
+    write(doc(2).replace("body:", "bodee:"));
+    let line = gw.log_line("a source file does not parse").await;
+    assert!(line.contains("its collections keep their last good state"), "{line}");
+    assert!(
+        line.contains(&format!("{}:4:", file.display())),
+        "the path and the line: {line}"
+    );
+    assert!(line.contains("unknown field `bodee`"), "the reason: {line}");
+    crate::limits::metric_is(gw.monitoring, "mcp_gateway_source_files_broken ", 1).await;
+
+    // Fixed: logged, no longer counted, and the fix is what is served.
+    write(doc(3));
+    let line = gw.log_line("a source file parses again").await;
+    assert!(line.contains(&file.display().to_string()), "{line}");
+    crate::limits::metric_is(gw.monitoring, "mcp_gateway_source_files_broken ", 0).await;
+    let fixed = client.recv_type(VS).await;
+    assert_eq!(fixed.resources[0].metadata.as_ref().unwrap().version, "3");
 }
 
 /// The files source's log lines say which file, and at start a broken file

@@ -200,9 +200,15 @@ async fn a_failed_start_prints_one_line_and_logs_nothing() {
     let below = format!("{file}/below");
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let taken = taken.local_addr().unwrap().to_string();
+    // A certificate that does not load: a PEM block that is not one.
+    let cert = dir.path().join("tls.crt");
+    std::fs::write(&cert, "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n").unwrap();
+    let key = dir.path().join("tls.key");
+    std::fs::write(&key, rcgen::KeyPair::generate().unwrap().serialize_pem()).unwrap();
+    let (cert, key) = (cert.to_str().unwrap().to_owned(), key.to_str().unwrap().to_owned());
     // Flags that warn once the gateway runs: the warnings must not come first.
     let warned = ["--keepalive-interval", "5s"];
-    let cases: [(Vec<&str>, &str); 5] = [
+    let cases: [(Vec<&str>, &str); 6] = [
         (
             vec!["--upstream", "http://127.0.0.1:1", "--cache-dir", &file],
             "--cache-dir",
@@ -214,6 +220,7 @@ async fn a_failed_start_prints_one_line_and_logs_nothing() {
         (vec!["--demo", "--admin-listen", &taken], "--admin-listen"),
         (vec!["--sink-listen", &taken, "--sink-insecure"], "--sink-listen"),
         (vec!["--max-connections", "0"], "--max-connections"),
+        (vec!["--tls-cert", &cert, "--tls-key", &key], "--tls-cert"),
     ];
     for (flags, flag) in cases {
         // Every port on 127.0.0.1:0 but the one the case takes.
@@ -236,6 +243,9 @@ async fn a_failed_start_prints_one_line_and_logs_nothing() {
         if flags.contains(&taken.as_str()) {
             assert!(stderr.contains(&taken), "names the address: {stderr}");
         }
+        if flag == "--tls-cert" {
+            assert!(stderr.contains(&cert), "names the file: {stderr}");
+        }
     }
 
     // Started: the warning is logged after the effective configuration.
@@ -247,7 +257,7 @@ async fn a_failed_start_prints_one_line_and_logs_nothing() {
     let _ = child.start_kill();
 }
 
-/// The binary started on port 0 from the package root./// The binary started on port 0 from the package root.
+/// The binary started on port 0 from the package root.
 async fn spawn(args: &[&str]) -> Running {
     spawn_gateway(None, args).await
 }

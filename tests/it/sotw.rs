@@ -86,6 +86,50 @@ async fn stale_nonces_are_counted_by_collection() {
     assert_eq!(crate::limits::metric(gw.monitoring, &stale).await, 1);
 }
 
+/// A stale request is logged with the nonce it carried and the one
+/// expected, once per stream per 10 s (a client sending stale nonces in a
+/// loop cannot flood the log); the nonce of another type's response is
+/// stale for this one and counted under this one. The gateway is a process
+/// of its own: its log and counts are this test's.
+#[tokio::test]
+async fn stale_nonces_are_logged_once_per_ten_seconds_and_another_types_nonce_is_counted() {
+    let (mut gw, mut canary) = crate::limits::spawned_with_canary(&[]).await;
+    let stale =
+        |collection: &str| format!("mcp_gateway_downstream_stale_requests_total{{collection=\"{collection}\"}}");
+    let mut client = sotw(gw.listen).await;
+    client.subscribe(VS);
+    let first = client.recv_type(VS).await;
+    client.ack(&first);
+    client.subscribe(GW);
+    let other = client.recv_type(GW).await;
+    client.ack(&other);
+    // GW's nonce, sent for VS: stale for VS, counted under VS.
+    client.request(VS, &first.version_info, &other.nonce);
+    crate::limits::metric_is(gw.monitoring, &stale(VS), 1).await;
+    assert_eq!(crate::limits::metric(gw.monitoring, &stale(GW)).await, 0);
+    let line = gw.log_line("stale request ignored").await;
+    assert!(
+        line.contains(&other.nonce) && line.contains(&first.nonce) && line.contains(VS),
+        "names the nonce sent, the one expected and the type: {line}"
+    );
+    // A second one within 10 s: counted, not logged. A NACK from another
+    // stream, sent once the count moved, is the marker it would precede.
+    client.request(VS, &first.version_info, "no-such-nonce");
+    crate::limits::metric_is(gw.monitoring, &stale(VS), 2).await;
+    let mut marker = sotw(gw.listen).await;
+    marker.subscribe(VS);
+    let response = marker.recv_type(VS).await;
+    marker.nack(&response, "", "the marker");
+    let lines = gw.lines_until("the marker").await;
+    assert!(
+        !lines.iter().any(|l| l.contains("stale request ignored")),
+        "one stale line per 10 s: {lines:#?}"
+    );
+    // Ignored: the client still gets the next content.
+    canary.check().await;
+    assert_ne!(client.recv_type(VS).await.version_info, first.version_info);
+}
+
 #[tokio::test]
 async fn stale_nonces_are_ignored() {
     let (_galley, mut upstream, gw) = setup().await;

@@ -106,7 +106,12 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
     let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
     let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
     assert_eq!(refused.code(), Code::PermissionDenied);
-    assert!(refused.message().contains("--client-allow"), "{}", refused.message());
+    assert!(
+        refused.message().contains("spiffe://cluster.local/ns/default/sa/sleep")
+            && refused.message().contains("is not allowed by --client-allow"),
+        "names the identity and the flag: {}",
+        refused.message()
+    );
     let pilot = ca.spiffe_leaf("spiffe://cluster.local/ns/istio-system/sa/istio-pilot-service-account");
     let mut client = SotwClient::open_on(tls_channel(gw.listen, &ca.pem, Some(&pilot)).await.unwrap(), SOTW_PATH).await;
     client.subscribe(VS);
@@ -135,9 +140,9 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
 async fn peers_outside_the_allow_lists_are_counted_by_listener() {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("mesh-ca");
-    let sink = crate::helpers::free_addr();
-    let flags = mtls_flags(dir.path(), &ca, &sink.to_string());
+    let flags = mtls_flags(dir.path(), &ca, "127.0.0.1:0");
     let gw = crate::helpers::spawn_gateway(None, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let sink = gw.sink.expect("the sink port in the banner");
     attacker_refused(sink, &ca).await;
     let outsider = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/sleep");
     let channel = tls_channel(gw.listen, &ca.pem, Some(&outsider)).await.unwrap();
@@ -153,13 +158,12 @@ async fn a_second_source_learns_nothing_about_the_first() {
     // A gateway process of its own: its refusal count is its own (every
     // in-process gateway shares one recorder, which other dial-out tests
     // move too).
-    let sink = crate::helpers::free_addr();
-    let sink_flag = sink.to_string();
     let gw = crate::helpers::spawn_gateway(
         None,
-        &["--sink-listen", &sink_flag, "--sink-insecure", "--collections", VS],
+        &["--sink-listen", "127.0.0.1:0", "--sink-insecure", "--collections", VS],
     )
     .await;
+    let sink = gw.sink.expect("the sink port in the banner");
     let mut first = dial_out(clients::channel(sink).await, &[]).await.unwrap();
     first.initial_requests(1).await;
     let refused = dial_out(clients::channel(sink).await, &[]).await.err().unwrap();
@@ -181,13 +185,11 @@ async fn a_second_source_learns_nothing_about_the_first() {
 #[tokio::test]
 async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
     // A gateway process of its own: the keepalive close is counted exactly.
-    let sink = crate::helpers::free_addr();
-    let sink_flag = sink.to_string();
     let gw = crate::helpers::spawn_gateway(
         None,
         &[
             "--sink-listen",
-            &sink_flag,
+            "127.0.0.1:0",
             "--sink-insecure",
             "--collections",
             VS,
@@ -196,6 +198,7 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
         ],
     )
     .await;
+    let sink = gw.sink.expect("the sink port in the banner");
     let connected = async || crate::helpers::get_json(gw.admin, "/debug/upstream").await["connected"] == true;
     // A source that opens its stream and then freezes: TCP up, nothing read,
     // no PING answered.
@@ -224,15 +227,7 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
 
 #[tokio::test]
 async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step() {
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = silent.local_addr().unwrap();
-    // Accepts and holds every connection, says nothing.
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = silent.accept().await {
-            held.push(stream);
-        }
-    });
+    let (addr, holder) = silent_listener().await;
     let url = format!("http://{addr}");
     // A gateway process of its own, retrying a second apart: its failed
     // attempts are counted exactly, and a count read between two is still.
@@ -269,6 +264,40 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
     upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
     assert!(within("shutdown", patient.shutdown()).await, "every task ended");
+    holder.abort();
+}
+
+/// A listener on a port of its own that accepts and holds every
+/// connection and says nothing; abort the task to close it.
+async fn silent_listener() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    (addr, holder)
+}
+
+/// The TLS step of `--connect-timeout`: an `https://` upstream that accepts
+/// TCP and never answers the ClientHello is a failed attempt whose error
+/// names the TLS handshake. (The TCP step needs an address that drops SYNs,
+/// which depends on the network the suite runs in: not tried.)
+#[tokio::test]
+async fn an_upstream_that_never_answers_the_tls_hello_is_a_failed_attempt_naming_the_step() {
+    let (addr, holder) = silent_listener().await;
+    let url = format!("https://{addr}");
+    let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "300ms"]).await;
+    let status = crate::helpers::upstream_failed(gw.admin, 1, "a failed attempt").await;
+    let error = status["last_error"].as_str().unwrap();
+    assert!(
+        error.contains("TLS handshake") && error.contains("timed out"),
+        "{error}"
+    );
+    assert!(error.contains("--connect-timeout"), "{error}");
+    assert!(!error.contains("HTTP/2"), "the TLS step, not a later one: {error}");
     holder.abort();
 }
 
@@ -812,6 +841,59 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
     assert!(!index.contains("/debug"), "{index}");
 }
 
+/// A keep-alive connection left idle after its answer is closed at
+/// `--http-header-timeout` too (the next request's headers never came), and
+/// counted as such. A process of its own: the count is this test's.
+#[tokio::test]
+async fn an_idle_keep_alive_on_an_http_port_is_closed_at_the_header_timeout() {
+    let gw = crate::helpers::spawn_gateway(None, &["--http-header-timeout", "300ms"]).await;
+    let mut idle = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    idle.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The answer, whole (its head and the body its length announces).
+    let mut answer = Vec::new();
+    let head_and_body = within("the answer", async {
+        loop {
+            let mut chunk = [0u8; 4096];
+            let n = idle.read(&mut chunk).await.unwrap();
+            assert_ne!(n, 0, "closed before the answer: {:?}", String::from_utf8_lossy(&answer));
+            answer.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&answer).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap())
+                    })
+                    .expect("a content-length");
+                if body.len() >= length {
+                    return (head.to_owned(), body.to_owned());
+                }
+            }
+        }
+    })
+    .await;
+    assert!(head_and_body.0.starts_with("HTTP/1.1 200"), "{head_and_body:?}");
+    assert!(
+        !head_and_body.0.to_ascii_lowercase().contains("connection: close"),
+        "kept alive: {head_and_body:?}"
+    );
+    // Then nothing is sent: the gateway closes it.
+    let mut rest = Vec::new();
+    within("the idle connection to be closed", idle.read_to_end(&mut rest))
+        .await
+        .unwrap();
+    assert!(
+        rest.is_empty(),
+        "nothing more sent: {:?}",
+        String::from_utf8_lossy(&rest)
+    );
+    crate::limits::refusals_are(gw.monitoring, "http_header_timeout", 1).await;
+}
+
 #[tokio::test]
 async fn the_http_ports_bound_slow_large_and_many_requests() {
     // Gateway processes of their own: the refusal counts are theirs.
@@ -888,6 +970,50 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
         Some(1.0),
         "the one 503, counted once"
     );
+    drop(held);
+}
+
+/// `--http-max-connections` bounds the admin port as it does the
+/// monitoring port: a connection over this address's share is answered 503
+/// in the row's words, then closed; another address is served. A process of
+/// its own: the count is this test's.
+#[tokio::test]
+async fn the_admin_port_bounds_its_connections_too() {
+    let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
+    // 8 / 8: one connection per address, held here (answered: it was taken).
+    let mut held = tokio::net::TcpStream::connect(gw.admin).await.unwrap();
+    held.write_all(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = [0u8; 12];
+    within("the held connection's answer", held.read_exact(&mut answer))
+        .await
+        .unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    let gw_admin = gw.admin;
+    // The whole answer, up to the close (`read_to_end` returns only there).
+    let whole_answer = |from: [u8; 4]| async move {
+        let mut conn = RawConn::tcp_from(gw_admin, IpAddr::from(from)).await;
+        conn.send(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await;
+        let mut answer = Vec::new();
+        within("the answer and the close", conn.stream.read_to_end(&mut answer))
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    let answer = whole_answer([127, 0, 0, 1]).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("(an eighth of --http-max-connections=8) is reached"),
+        "the row's words: {answer}"
+    );
+    let answer = whole_answer([127, 0, 0, 3]).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "another address is served: {answer}"
+    );
+    crate::limits::refusals_are(gw.monitoring, "http_connections", 1).await;
     drop(held);
 }
 
@@ -1036,5 +1162,55 @@ async fn hostile_files_in_the_source_directory_are_reported_and_never_fatal() {
     );
     let snapshot = gw.cache.get(VS).unwrap();
     assert_eq!(snapshot.len(), 1, "only the canary's resource");
+    canary.check().await;
+}
+
+/// Each hostile file is also in the log: one line per file, naming it and
+/// what is wrong with it. A process of its own: its log is this test's.
+#[tokio::test]
+async fn hostile_files_are_each_logged_naming_the_file_and_the_reason() {
+    let (mut gw, mut canary) = crate::limits::spawned_with_canary(&["--max-message-bytes", "65536"]).await;
+    let dir = canary.dir().to_owned();
+    let mut bomb = format!("collection: {VS}\nname: ns/bomb\nbody:\n  struct:\n    big: &big [");
+    bomb.push_str(&vec!["x"; 2000].join(","));
+    bomb.push_str("]\n    copies:\n");
+    bomb.push_str(&"      - *big\n".repeat(4000));
+    // Each file whole at once (written aside, then renamed): a half-written
+    // file read by the watcher would be a line of its own.
+    crate::helpers::write_whole(&dir, "bomb.yaml", bomb.as_bytes());
+    std::os::unix::fs::symlink(dir.join("loop.yaml"), dir.join("loop.yaml")).unwrap();
+    crate::helpers::mkfifo(&dir.join("fifo.yaml"));
+    crate::helpers::write_whole(&dir, "binary.yaml", &[0xff, 0xfe, 0x00, 0x80]);
+    crate::helpers::write_whole(&dir, "huge.yaml", &[b'#'; 100_000]);
+    canary.check().await;
+    let mut reasons = std::collections::BTreeMap::new();
+    while reasons.len() < 5 {
+        let line = gw.log_line("a source file does not parse").await;
+        let file = ["bomb.yaml", "loop.yaml", "fifo.yaml", "binary.yaml", "huge.yaml"]
+            .into_iter()
+            .find(|f| line.contains(&*dir.join(f).to_string_lossy()))
+            .unwrap_or_else(|| panic!("names one of the files by its path: {line}"));
+        assert!(
+            reasons.insert(file, line.clone()).is_none(),
+            "one line per file: {line}"
+        );
+    }
+    assert!(reasons["bomb.yaml"].contains("expands"), "{}", reasons["bomb.yaml"]);
+    assert!(
+        reasons["huge.yaml"].contains("--max-message-bytes=65536"),
+        "{}",
+        reasons["huge.yaml"]
+    );
+    assert!(
+        reasons["fifo.yaml"].contains("not a regular file"),
+        "{}",
+        reasons["fifo.yaml"]
+    );
+    assert!(
+        reasons["binary.yaml"].contains("not UTF-8"),
+        "{}",
+        reasons["binary.yaml"]
+    );
+    assert!(reasons["loop.yaml"].contains("cannot read"), "{}", reasons["loop.yaml"]);
     canary.check().await;
 }

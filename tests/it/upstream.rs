@@ -223,7 +223,7 @@ async fn a_refused_collection_is_counted_once() {
     let mut galley = FakeGalley::start().await;
     let refused = "istio/policy/v1beta1/rules";
     galley.refuse(refused);
-    let gw = crate::helpers::gateway_process_for(&galley, &[VS, refused], &[]).await;
+    let mut gw = crate::helpers::gateway_process_for(&galley, &[VS, refused], &[]).await;
     let _first = galley.next_stream().await;
     let mut second = galley.next_stream().await;
     assert_eq!(second.initial_requests(1).await[0].collection, VS);
@@ -232,6 +232,10 @@ async fn a_refused_collection_is_counted_once() {
         |collection: &str| format!("mcp_gateway_upstream_refused_collections_total{{collection=\"{collection}\"}}");
     crate::limits::metric_is(gw.monitoring, &series(refused), 1).await;
     assert_eq!(crate::limits::metric(gw.monitoring, &series(VS)).await, 0);
+    // Logged, naming the collection and the source's words.
+    let line = gw.logged("the source does not serve this collection").await;
+    assert!(line.contains(refused), "{line}");
+    assert!(line.contains("unsupported collection"), "{line}");
 }
 
 #[tokio::test]
@@ -258,7 +262,15 @@ async fn a_refused_collection_is_dropped_and_never_loops() {
     let mut client = sotw(gw.listen).await;
     client.subscribe(refused);
     client.subscribe(VS);
-    assert_eq!(client.recv().await.type_url, VS);
+    let first = client.recv().await;
+    assert_eq!(first.type_url, VS);
+    // A later event of the same upstream stream, so that a request the
+    // client's subscription would have set off has come before the counts
+    // are read: a change pushed (and ACKed) after it, and its delivery.
+    client.ack(&first);
+    second.push_full(VS, vec![resource("a", "2", b"y")]).await;
+    let changed = client.recv_type(VS).await;
+    assert_eq!(changed.resources[0].metadata.as_ref().unwrap().version, "2");
     assert!(!gw.subscriptions.current().wanted.iter().any(|c| &**c == refused));
     assert_eq!(galley.streams_opened(), 2, "exactly one reconnect");
     let asked: Vec<_> = galley.log().into_iter().filter(|r| r.collection == refused).collect();

@@ -265,9 +265,17 @@ async fn unserved_types_are_answered_once_under_one_metric_label() {
     for type_url in unserved {
         assert!(!exposition.contains(type_url), "no series names {type_url}");
     }
-    // Answered once: the next response is the served type's change.
+    // Answered once: the next response is the served type's change, and
+    // nothing of the unserved types follows it: after its ACK, the response
+    // to one more change is the served type's again.
     write(dir.path(), "config.yaml", &vs_doc("default/reviews", 2, "reviews-v2"));
-    assert_eq!(client.recv().await.type_url, VS_V1);
+    let second = client.recv().await;
+    assert_eq!(second.type_url, VS_V1);
+    ack(&client, &second);
+    write(dir.path(), "config.yaml", &vs_doc("default/reviews", 3, "reviews-v3"));
+    let third = client.recv().await;
+    assert_eq!(third.type_url, VS_V1, "no unserved type re-answered after a push");
+    assert_ne!(third.version_info, second.version_info);
 }
 
 #[tokio::test]

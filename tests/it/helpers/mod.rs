@@ -301,6 +301,9 @@ pub struct Running {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
     pub monitoring: SocketAddr,
+    /// The dial-out sink port (`--sink-listen`), as bound: read from the
+    /// banner, so a test can give port 0 rather than a port it freed.
+    pub sink: Option<SocketAddr>,
     /// Every line before "gateway listening".
     pub log: Vec<String>,
     /// The lines after it, as they come.
@@ -316,6 +319,34 @@ impl Running {
                 let line = self.later.recv().await.expect("the gateway logs before exiting");
                 if line.contains(needle) {
                     return line;
+                }
+            }
+        })
+        .await
+    }
+
+    /// The first line with `needle`, logged before the gateway listened or
+    /// after: for an event that may come either side of the banner (an
+    /// upstream's first answer).
+    pub async fn logged(&mut self, needle: &str) -> String {
+        match self.log.iter().find(|l| l.contains(needle)) {
+            Some(line) => line.clone(),
+            None => self.log_line(needle).await,
+        }
+    }
+
+    /// The lines of the log up to and including the next one that contains
+    /// `needle`: what was logged before a marker line (for "logged once":
+    /// no second line before the marker).
+    pub async fn lines_until(&mut self, needle: &str) -> Vec<String> {
+        within(&format!("a log line with {needle:?}"), async {
+            let mut lines = Vec::new();
+            loop {
+                let line = self.later.recv().await.expect("the gateway logs before exiting");
+                let found = line.contains(needle);
+                lines.push(line);
+                if found {
+                    return lines;
                 }
             }
         })
@@ -345,9 +376,22 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
         listen: field(&banner, "listen"),
         admin: field(&banner, "admin"),
         monitoring: field(&banner, "monitoring"),
+        sink: quoted_field(&banner, "sink"),
         log,
         later,
     }
+}
+
+/// `name="ADDR"` of a banner line (an optional field, logged quoted), if
+/// there.
+fn quoted_field(line: &str, name: &str) -> Option<SocketAddr> {
+    let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+    let value = line[start..].split('"').next()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}={value:?} in {line}: {e}")),
+    )
 }
 
 /// `mcp-xds-gateway source --source-dir DIR ARGS…` (a dial-out source:
@@ -450,6 +494,15 @@ async fn spawn_until_listening(
         }
     });
     (child, log, line, later)
+}
+
+/// Writes `name` in `dir` whole at once: written aside under a name no
+/// source reads (`.NAME.tmp`), then renamed over it, so a directory watcher
+/// never reads it half written.
+pub fn write_whole(dir: &std::path::Path, name: &str, bytes: &[u8]) {
+    let aside = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&aside, bytes).unwrap();
+    std::fs::rename(&aside, dir.join(name)).unwrap();
 }
 
 /// Makes a FIFO at `path`, or fails the test: a case that needs one is
