@@ -1059,15 +1059,7 @@ async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused()
     let (stalled, _stalled_body) = stall(&mut stalling);
     canary.check().await;
     // The rest of the NACK, all of it: it cannot fit beside the stall.
-    let nack = framed(&MeshConfigRequest {
-        response_nonce: to_nack.nonce.clone(),
-        error_detail: Some(tonic_types::Status {
-            code: 3,
-            message: "n".repeat(100_000),
-            details: vec![],
-        }),
-        ..subscribe(VS)
-    });
+    let nack = framed_nack(&to_nack.nonce, "n".repeat(100_000));
     body.send_data(nack.slice(1..), false).unwrap();
     // What makes the test: every byte sent well within the NACK's read
     // timeout, so that only the wait for room can run its clock out.
@@ -1269,15 +1261,7 @@ async fn a_large_nack_arriving_in_pieces_survives_changes_in_between() {
     body.send_data(framed(&subscribe(VS)), false).unwrap();
     let mut responses = within("the response headers", response).await.unwrap().into_body();
     let first = first_response(&mut responses).await;
-    let nack = framed(&MeshConfigRequest {
-        response_nonce: first.nonce.clone(),
-        error_detail: Some(tonic_types::Status {
-            code: 3,
-            message: "p".repeat(200_000),
-            details: vec![],
-        }),
-        ..subscribe(VS)
-    });
+    let nack = framed_nack(&first.nonce, "p".repeat(200_000));
     // Half the NACK, a change to the stream's collection, the rest.
     body.send_data(nack.slice(..nack.len() / 2), false).unwrap();
     canary.check().await;
@@ -1319,6 +1303,19 @@ fn framed(message: &MeshConfigRequest) -> bytes::Bytes {
     framed.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
     framed.extend_from_slice(&bytes);
     bytes::Bytes::from(framed)
+}
+
+/// A NACK of VS's response `nonce` saying `message`, as a gRPC message.
+fn framed_nack(nonce: &str, message: String) -> bytes::Bytes {
+    framed(&MeshConfigRequest {
+        response_nonce: nonce.into(),
+        error_detail: Some(tonic_types::Status {
+            code: 3,
+            message,
+            details: vec![],
+        }),
+        ..subscribe(VS)
+    })
 }
 
 /// The first response read off a raw legacy stream's body.
