@@ -1042,21 +1042,20 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
 async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused() {
     let read_timeout = std::time::Duration::from_secs(4);
     let (gw, mut canary) = with_a_small_budget("4s").await;
-    // The waiting stream first. Its subscription's DATA frame carries the
-    // first byte of the next message (the NACK), whose clock therefore
-    // starts when the subscription is read: before the response comes.
-    let mut waiting = h2_client(gw.listen).await;
-    let (response, mut body) = waiting.send_request(sotw_post().body(()).unwrap(), false).unwrap();
-    let mut first_bytes = framed(&subscribe(VS)).to_vec();
-    first_bytes.push(0);
+    // The waiting stream first, the first byte of its NACK beside its
+    // subscription.
     let no_later_than_its_clock = tokio::time::Instant::now();
-    body.send_data(first_bytes.into(), false).unwrap();
-    let mut responses = within("the response headers", response).await.unwrap().into_body();
-    let to_nack = first_response(&mut responses).await;
-    // The stall, whose clock starts after the NACK's; its prefix is read
-    // while the canary's change goes round, and it holds 150 of 200 kB.
+    let mut waiting = h2_client(gw.listen).await;
+    let (mut body, responses, to_nack) = subscribed_then(&mut waiting, &[0]).await;
+    // Then the stall, 150 of the 200 kB: its clock starts after the NACK's,
+    // and once its subscription is answered its stream goes straight on to
+    // the stall's prefix, already read, and takes the room (the canary's
+    // change going round meanwhile is more than that takes).
+    let mut stall_prefix = vec![0];
+    stall_prefix.extend_from_slice(&150_000u32.to_be_bytes());
+    stall_prefix.extend_from_slice(&[0u8; 1000]);
     let mut stalling = h2_client(gw.listen).await;
-    let (stalled, _stalled_body) = stall(&mut stalling);
+    let (_stalled_body, stalled, _) = subscribed_then(&mut stalling, &stall_prefix).await;
     canary.check().await;
     // The rest of the NACK, all of it: it cannot fit beside the stall.
     let nack = framed_nack(&to_nack.nonce, "n".repeat(100_000));
@@ -1078,11 +1077,32 @@ async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused()
     // Ended by its timer: no earlier than the timeout after its first byte.
     assert!(no_later_than_its_clock.elapsed() >= read_timeout);
     // The stall times out in turn; the NACK was never read, so never counted.
-    let (status, message) = grpc_end(stalled).await;
+    let (status, message) = body_end(stalled).await;
     assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
     refusals_are(gw.monitoring, "request_read_timeout", 2).await;
     assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK was never read");
     canary.check().await;
+}
+
+/// A legacy stream on `client` whose subscription to VS comes in one DATA
+/// frame with `next`, the start of the stream's next message: that
+/// message's read clock starts when the subscription is read, before the
+/// response to it (returned, with both halves of the stream) comes.
+async fn subscribed_then(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+    next: &[u8],
+) -> (
+    h2::SendStream<bytes::Bytes>,
+    h2::RecvStream,
+    mcp_xds_gateway::proto::MeshConfigResponse,
+) {
+    let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+    let mut first_bytes = framed(&subscribe(VS)).to_vec();
+    first_bytes.extend_from_slice(next);
+    body.send_data(first_bytes.into(), false).unwrap();
+    let mut responses = within("the response headers", response).await.unwrap().into_body();
+    let first = first_response(&mut responses).await;
+    (body, responses, first)
 }
 
 /// The NACKs of VS counted on the client side of the gateway at `monitoring`.
@@ -1256,11 +1276,7 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
 async fn a_large_nack_arriving_in_pieces_survives_changes_in_between() {
     let (gw, mut canary) = with_canary(&[]).await;
     let mut client = h2_client(gw.listen).await;
-    let request = sotw_post().body(()).unwrap();
-    let (response, mut body) = client.send_request(request, false).unwrap();
-    body.send_data(framed(&subscribe(VS)), false).unwrap();
-    let mut responses = within("the response headers", response).await.unwrap().into_body();
-    let first = first_response(&mut responses).await;
+    let (mut body, _responses, first) = subscribed_then(&mut client, &[]).await;
     let nack = framed_nack(&first.nonce, "p".repeat(200_000));
     // Half the NACK, a change to the stream's collection, the rest.
     body.send_data(nack.slice(..nack.len() / 2), false).unwrap();
