@@ -4,11 +4,13 @@
 //! It tells the connection's task two things h2 does not: when the peer's
 //! first SETTINGS frame has arrived (the handshake is complete, for the
 //! handshake and connect timeouts), and when the peer floods control frames
-//! (resets, pings, SETTINGS, window updates, priorities, empty DATA) faster
-//! than any real client does. h2 bounds resets of streams not yet accepted and
-//! resets it causes itself; resets of accepted streams (a rapid-reset flood
-//! that trickles in after acceptance) and ping or SETTINGS floods are counted
-//! here, so a flooding connection gets GOAWAY `ENHANCE_YOUR_CALM`.
+//! (resets, pings, SETTINGS, window updates, priorities, unknown types)
+//! faster than any real client does. h2 bounds resets of streams not yet
+//! accepted, resets it causes itself and empty or tiny DATA frames (empty
+//! ones are counted here too, but h2 cuts them first; the gateway counts
+//! h2's cuts as `h2_resets`); resets of accepted streams (a rapid-reset
+//! flood that trickles in after acceptance) and ping or SETTINGS floods are
+//! counted here, so a flooding connection gets GOAWAY `ENHANCE_YOUR_CALM`.
 
 use std::io;
 use std::pin::Pin;
@@ -146,7 +148,11 @@ impl Guard {
             PING => (&mut self.pings, "pings"),
             SETTINGS if flags & FLAG_ACK == 0 => (&mut self.settings, "settings"),
             PRIORITY | WINDOW_UPDATE => (&mut self.control, "control_frames"),
-            // An empty DATA frame that does not end its stream carries nothing.
+            // An empty DATA frame that does not end its stream carries
+            // nothing. Counted here too, but h2 ends the connection first,
+            // at its 101st empty DATA frame (counted as `h2_resets`), unless
+            // this budget runs out sooner (set to 100 a minute or fewer, or
+            // spent on other control frames).
             DATA if len == 0 && flags & FLAG_END_STREAM == 0 => (&mut self.control, "control_frames"),
             DATA | HEADERS | CONTINUATION | GOAWAY | PUSH_PROMISE | SETTINGS => return None,
             // Unknown frame types are ignored by HTTP/2, so they cost a

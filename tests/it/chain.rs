@@ -306,15 +306,17 @@ async fn two_gateways_feeding_each_other_are_refused() {
     let a = start_gateway_on(&a_addr, &flags(&b_url)).await;
     let b = start_gateway_on(&b_addr, &flags(&a_url)).await;
     // Whichever connects second finds itself in the other's chain, or is
-    // refused by the other; either way one of them reports the loop.
-    eventually("one of the two to report the loop", || {
-        [&a, &b].iter().any(|gw| {
-            gw.upstream
-                .borrow()
-                .last_error
-                .as_deref()
-                .is_some_and(|e| e.contains("loop"))
-        })
+    // refused by the other; either way one of them reports the loop in the
+    // words of the row (`--max-chain-depth`'s and the loop refusal's), with
+    // what to fix. Any other error mentioning a loop keeps the wait going.
+    let names_the_loop = |error: &str| {
+        (error.contains("includes this gateway: a loop") || error.contains("serving it would make a loop"))
+            && error.contains("--upstream so that config flows one way")
+    };
+    eventually("one of the two to report the loop in the row's words", || {
+        [&a, &b]
+            .iter()
+            .any(|gw| gw.upstream.borrow().last_error.as_deref().is_some_and(names_the_loop))
     })
     .await;
 }

@@ -1032,6 +1032,79 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
     canary.check().await;
 }
 
+/// The wait for room counts toward `--request-read-timeout`: a 100 kB NACK
+/// sent whole, stuck behind a stall that holds the budget, ends its stream
+/// `RESOURCE_EXHAUSTED` naming both flags when its clock runs out, though
+/// every byte of it has arrived. Its clock starts before the stall's, so the
+/// stall still holds the room then: a wait that did not count would last
+/// until the stall timed out, and the NACK would then be read whole.
+#[tokio::test]
+async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused() {
+    let read_timeout = std::time::Duration::from_secs(4);
+    let (gw, mut canary) = with_a_small_budget("4s").await;
+    // The waiting stream first, the first byte of its NACK beside its
+    // subscription.
+    let no_later_than_its_clock = tokio::time::Instant::now();
+    let mut waiting = h2_client(gw.listen).await;
+    let (mut body, responses, to_nack) = subscribed_then(&mut waiting, &[0]).await;
+    // Then the stall, 150 of the 200 kB: its clock starts after the NACK's,
+    // and once its subscription is answered its stream goes straight on to
+    // the stall's prefix, already read, and takes the room (the canary's
+    // change going round meanwhile is more than that takes).
+    let mut stall_prefix = vec![0];
+    stall_prefix.extend_from_slice(&150_000u32.to_be_bytes());
+    stall_prefix.extend_from_slice(&[0u8; 1000]);
+    let mut stalling = h2_client(gw.listen).await;
+    let (_stalled_body, stalled, _) = subscribed_then(&mut stalling, &stall_prefix).await;
+    canary.check().await;
+    // The rest of the NACK, all of it: it cannot fit beside the stall.
+    let nack = framed_nack(&to_nack.nonce, "n".repeat(100_000));
+    body.send_data(nack.slice(1..), false).unwrap();
+    // What makes the test: every byte sent well within the NACK's read
+    // timeout, so that only the wait for room can run its clock out.
+    let all_sent = no_later_than_its_clock.elapsed();
+    assert!(
+        all_sent < read_timeout / 2,
+        "the NACK took {all_sent:?} to send, too close to its {read_timeout:?} read timeout to tell the wait \
+         from a slow sender; the machine is too loaded for this test"
+    );
+    let (status, message) = body_end(responses).await;
+    assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
+    assert!(
+        message.contains("--request-read-timeout=4s") && message.contains("--max-request-buffer-bytes=200000"),
+        "names both flags: {message}"
+    );
+    // Ended by its timer: no earlier than the timeout after its first byte.
+    assert!(no_later_than_its_clock.elapsed() >= read_timeout);
+    // The stall times out in turn; the NACK was never read, so never counted.
+    let (status, message) = body_end(stalled).await;
+    assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
+    refusals_are(gw.monitoring, "request_read_timeout", 2).await;
+    assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK was never read");
+    canary.check().await;
+}
+
+/// A legacy stream on `client` whose subscription to VS comes in one DATA
+/// frame with `next`, the start of the stream's next message: that
+/// message's read clock starts when the subscription is read, before the
+/// response to it (returned, with both halves of the stream) comes.
+async fn subscribed_then(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+    next: &[u8],
+) -> (
+    h2::SendStream<bytes::Bytes>,
+    h2::RecvStream,
+    mcp_xds_gateway::proto::MeshConfigResponse,
+) {
+    let (response, mut body) = client.send_request(sotw_post().body(()).unwrap(), false).unwrap();
+    let mut first_bytes = framed(&subscribe(VS)).to_vec();
+    first_bytes.extend_from_slice(next);
+    body.send_data(first_bytes.into(), false).unwrap();
+    let mut responses = within("the response headers", response).await.unwrap().into_body();
+    let first = first_response(&mut responses).await;
+    (body, responses, first)
+}
+
 /// The NACKs of VS counted on the client side of the gateway at `monitoring`.
 async fn downstream_nacks(monitoring: SocketAddr) -> f64 {
     let (_, exposition) = http_get(monitoring, "/metrics").await;
@@ -1145,8 +1218,15 @@ async fn grpc_end(response: h2::client::ResponseFuture) -> (String, String) {
     if let Some(status) = header(response.headers(), "grpc-status") {
         return (status, header(response.headers(), "grpc-message").unwrap_or_default());
     }
-    let mut body = response.into_body();
-    while let Some(Ok(_)) = within("the body", body.data()).await {}
+    body_end(response.into_body()).await
+}
+
+/// [`grpc_end`] of a response whose headers were read: its trailers'.
+async fn body_end(mut body: h2::RecvStream) -> (String, String) {
+    let header = |map: &http::HeaderMap, name: &str| map.get(name).map(|v| v.to_str().unwrap().to_owned());
+    while let Some(Ok(chunk)) = within("the body", body.data()).await {
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
     let trailers = within("the trailers", body.trailers())
         .await
         .unwrap()
@@ -1196,38 +1276,8 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
 async fn a_large_nack_arriving_in_pieces_survives_changes_in_between() {
     let (gw, mut canary) = with_canary(&[]).await;
     let mut client = h2_client(gw.listen).await;
-    let request = sotw_post().body(()).unwrap();
-    let (response, mut body) = client.send_request(request, false).unwrap();
-    let framed = |message: &MeshConfigRequest| {
-        let bytes = message.encode_to_vec();
-        let mut framed = vec![0];
-        framed.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
-        framed.extend_from_slice(&bytes);
-        bytes::Bytes::from(framed)
-    };
-    body.send_data(framed(&subscribe(VS)), false).unwrap();
-    let mut responses = within("the response headers", response).await.unwrap().into_body();
-    let mut read = Vec::new();
-    let first = within("the first response", async {
-        loop {
-            let chunk = responses.data().await.unwrap().unwrap();
-            let _ = responses.flow_control().release_capacity(chunk.len());
-            read.extend_from_slice(&chunk);
-            if read.len() >= 5 && read.len() >= 5 + u32::from_be_bytes(read[1..5].try_into().unwrap()) as usize {
-                return mcp_xds_gateway::proto::MeshConfigResponse::decode(&read[5..]).unwrap();
-            }
-        }
-    })
-    .await;
-    let nack = framed(&MeshConfigRequest {
-        response_nonce: first.nonce.clone(),
-        error_detail: Some(tonic_types::Status {
-            code: 3,
-            message: "p".repeat(200_000),
-            details: vec![],
-        }),
-        ..subscribe(VS)
-    });
+    let (mut body, _responses, first) = subscribed_then(&mut client, &[]).await;
+    let nack = framed_nack(&first.nonce, "p".repeat(200_000));
     // Half the NACK, a change to the stream's collection, the rest.
     body.send_data(nack.slice(..nack.len() / 2), false).unwrap();
     canary.check().await;
@@ -1260,6 +1310,44 @@ async fn a_finished_handshake_is_not_timed_out() {
         "served, not closed"
     );
     canary.check().await;
+}
+
+/// `message` as a gRPC message: the 5-byte prefix, then its bytes.
+fn framed(message: &MeshConfigRequest) -> bytes::Bytes {
+    let bytes = message.encode_to_vec();
+    let mut framed = vec![0];
+    framed.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&bytes);
+    bytes::Bytes::from(framed)
+}
+
+/// A NACK of VS's response `nonce` saying `message`, as a gRPC message.
+fn framed_nack(nonce: &str, message: String) -> bytes::Bytes {
+    framed(&MeshConfigRequest {
+        response_nonce: nonce.into(),
+        error_detail: Some(tonic_types::Status {
+            code: 3,
+            message,
+            details: vec![],
+        }),
+        ..subscribe(VS)
+    })
+}
+
+/// The first response read off a raw legacy stream's body.
+async fn first_response(responses: &mut h2::RecvStream) -> mcp_xds_gateway::proto::MeshConfigResponse {
+    let mut read = Vec::new();
+    within("the first response", async {
+        loop {
+            let chunk = responses.data().await.unwrap().unwrap();
+            let _ = responses.flow_control().release_capacity(chunk.len());
+            read.extend_from_slice(&chunk);
+            if read.len() >= 5 && read.len() >= 5 + u32::from_be_bytes(read[1..5].try_into().unwrap()) as usize {
+                return mcp_xds_gateway::proto::MeshConfigResponse::decode(&read[5..]).unwrap();
+            }
+        }
+    })
+    .await
 }
 
 /// An HTTP/2 client connection to `addr`, driven in the background, ready

@@ -938,19 +938,9 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
-    // Connections: an eighth of the cap per peer address.
-    let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
-    // 8 / 8: one connection per address. This one holds it (answered: it
-    // was taken); the next from this address is refused.
-    let mut held = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
-    held.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut answer = [0u8; 12];
-    within("the held connection's answer", held.read_exact(&mut answer))
-        .await
-        .unwrap();
-    assert_eq!(&answer, b"HTTP/1.1 200");
+    // Connections: an eighth of the cap per peer address; the next from
+    // this address is refused.
+    let (gw, held) = one_connection_per_address_held(|gw| gw.monitoring).await;
     let (status, body) = http_get(gw.monitoring, "/readyz").await;
     assert_eq!(status, 503, "a second connection from this address is refused");
     assert!(body.contains("--http-max-connections=8"), "{body}");
@@ -973,15 +963,16 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     drop(held);
 }
 
-/// `--http-max-connections` bounds the admin port as it does the
-/// monitoring port: a connection over this address's share is answered 503
-/// in the row's words, then closed; another address is served. A process of
-/// its own: the count is this test's.
-#[tokio::test]
-async fn the_admin_port_bounds_its_connections_too() {
+/// A gateway process of its own with `--http-max-connections 8`: 8 / 8,
+/// one connection per peer address. This address's one, to the HTTP port
+/// `port` picks, is held, answered (so it was taken).
+async fn one_connection_per_address_held(
+    port: impl Fn(&crate::helpers::Running) -> SocketAddr,
+) -> (crate::helpers::Running, tokio::net::TcpStream) {
     let gw = crate::helpers::spawn_gateway(None, &["--http-max-connections", "8"]).await;
-    // 8 / 8: one connection per address, held here (answered: it was taken).
-    let mut held = tokio::net::TcpStream::connect(gw.admin).await.unwrap();
+    let mut held = within("a connection", tokio::net::TcpStream::connect(port(&gw)))
+        .await
+        .unwrap();
     held.write_all(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         .await
         .unwrap();
@@ -990,6 +981,16 @@ async fn the_admin_port_bounds_its_connections_too() {
         .await
         .unwrap();
     assert_eq!(&answer, b"HTTP/1.1 200");
+    (gw, held)
+}
+
+/// `--http-max-connections` bounds the admin port as it does the
+/// monitoring port: a connection over this address's share is answered 503
+/// in the row's words, then closed; another address is served. A process of
+/// its own: the count is this test's.
+#[tokio::test]
+async fn the_admin_port_bounds_its_connections_too() {
+    let (gw, held) = one_connection_per_address_held(|gw| gw.admin).await;
     let gw_admin = gw.admin;
     // The whole answer, up to the close (`read_to_end` returns only there).
     let whole_answer = |from: [u8; 4]| async move {
