@@ -1191,7 +1191,9 @@ async fn compressed_requests_and_oversized_frames_are_refused() {
 }
 
 /// A large request read in pieces while the stream's collection changes:
-/// the change is handled between pieces and nothing of the request is lost.
+/// nothing of the request is lost, it is read whole and taken as one
+/// request. Whether the change is handled between the pieces is not
+/// observable from outside, so it is not claimed.
 #[tokio::test]
 async fn a_large_nack_arriving_in_pieces_survives_changes_in_between() {
     let (gw, mut canary) = with_canary(&[]).await;
