@@ -204,14 +204,25 @@ async fn ping_ack_and_empty_data_floods_get_goaway_enhance_your_calm() {
     refusals_are(gw.monitoring, "pings", 1).await;
     canary.check().await;
 
-    // Stream 1 opened (not ended), then 101 empty DATA frames on it.
+    // Stream 1 opened (not ended), then 100 empty DATA frames on it: still
+    // served, shown by a PING answered after them (frames are handled in
+    // order) with no GOAWAY before it. Then the 101st is cut.
     let mut empty = grpc_headers(1, SOTW_PATH, 0);
-    for _ in 0..101 {
+    for _ in 0..100 {
         empty.extend(frame(0x0, 0, 1, &[]));
     }
+    const MARK: u64 = 0x00e5_e5e5;
+    empty.extend(ping(MARK));
     let mut attacker = RawConn::http2(gw.listen).await;
     attacker.send(&empty).await;
-    let (code, _) = attacker.goaway().await.expect("a GOAWAY");
+    let answer = attacker
+        .until(|f| f.kind == h2raw::GOAWAY || (f.kind == h2raw::PING && f.flags & h2raw::ACK != 0))
+        .await
+        .expect("the PING after 100 empty DATA frames answered");
+    assert_eq!(answer.goaway(), None, "100 empty DATA frames are allowed");
+    assert_eq!(answer.payload, MARK.to_be_bytes(), "the ACK of the PING sent after them");
+    attacker.send(&frame(0x0, 0, 1, &[])).await;
+    let (code, _) = attacker.goaway().await.expect("a GOAWAY at the 101st");
     assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "empty DATA");
     refusals_are(gw.monitoring, "h2_resets", 1).await;
     assert_eq!(refusals(gw.monitoring, "control_frames").await, 0);
