@@ -848,6 +848,11 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
 async fn an_idle_keep_alive_on_an_http_port_is_closed_at_the_header_timeout() {
     let gw = crate::helpers::spawn_gateway(None, &["--http-header-timeout", "300ms"]).await;
     let mut idle = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    // The idle time starts once the answer is written, after this: an
+    // instant taken here makes `elapsed` at the close a lower bound on it,
+    // which a slow machine can only lengthen. (Taken when the answer is
+    // read, it would start after the gateway's timer and could fall short.)
+    let before_the_request = tokio::time::Instant::now();
     idle.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .unwrap();
@@ -886,10 +891,16 @@ async fn an_idle_keep_alive_on_an_http_port_is_closed_at_the_header_timeout() {
     within("the idle connection to be closed", idle.read_to_end(&mut rest))
         .await
         .unwrap();
+    let idle_for = before_the_request.elapsed();
     assert!(
         rest.is_empty(),
         "nothing more sent: {:?}",
         String::from_utf8_lossy(&rest)
+    );
+    // Closed at the timeout, not right after the answer.
+    assert!(
+        idle_for >= Duration::from_millis(300),
+        "closed {idle_for:?} after the request, before --http-header-timeout=300ms"
     );
     crate::limits::refusals_are(gw.monitoring, "http_header_timeout", 1).await;
 }
