@@ -515,9 +515,16 @@ async fn a_source_that_does_not_read_its_acks_is_held_by_flow_control() {
     // The source's receive window for the gateway's stream: a few ACKs.
     const ACK_WINDOW: u32 = 1024;
     // 256 messages of 64 KiB: 16 MiB, more than the gateway's receive
-    // window (hyper's: 5 MiB a connection) and its ACK path hold together.
+    // window (hyper's client defaults, which the gateway keeps for its
+    // upstream: 2 MiB a stream, 5 MiB a connection) and its ACK path hold
+    // together.
     const MESSAGES: usize = 256;
     const BODY: usize = 64 << 10;
+    const GATEWAY_STREAM_WINDOW: usize = 2 << 20;
+    // Messages that fill the gateway's stream window, each a little over
+    // BODY once framed: sent before the window can run dry, whatever the
+    // gateway reads meanwhile (a read only opens it further).
+    const FILL: usize = GATEWAY_STREAM_WINDOW / (BODY + 1024);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"]).await;
@@ -581,9 +588,11 @@ async fn a_source_that_does_not_read_its_acks_is_held_by_flow_control() {
             .map_or(0, |s| s.resources["a"].version.parse::<usize>().unwrap() + 1)
     };
     let mut waiting = sent.clone();
+    // Blocked alone can come at message 0, before h2 has assigned any
+    // capacity; blocked after a window's worth sent is the window run dry.
     within(
         "the source's window to run dry",
-        waiting.wait_for(|(_, blocked)| *blocked),
+        waiting.wait_for(|(n, blocked)| *blocked && *n >= FILL),
     )
     .await
     .unwrap();
