@@ -229,13 +229,28 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
 async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step() {
     let (addr, holder) = silent_listener().await;
     let url = format!("http://{addr}");
-    // A gateway process of its own, retrying a second apart: its failed
-    // attempts are counted exactly, and a count read between two is still.
+    let _ = failed_attempts_name_the_step(&url, "HTTP/2 handshake").await;
+
+    // Shutdown never waits on the upstream: a gateway whose attempt could
+    // wait an hour for the handshake shuts down within the suite's wait
+    // (`within`), far sooner than its attempt would end.
+    let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
+    upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
+    assert!(within("shutdown", patient.shutdown()).await, "every task ended");
+    holder.abort();
+}
+
+/// Two failed attempts of a gateway process of its own against `url`,
+/// whose step `step` never completes: each error names the step, the
+/// timeout and its flag, and `terminations{reason="connect"}` counts each
+/// exactly (attempts a second apart, so a count read between two holds).
+/// Returns the last error.
+async fn failed_attempts_name_the_step(url: &str, step: &str) -> String {
     let gw = crate::helpers::spawn_gateway(
         None,
         &[
             "--upstream",
-            &url,
+            url,
             "--collections",
             VS,
             "--connect-timeout",
@@ -246,25 +261,17 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     )
     .await;
     let connect = "mcp_gateway_upstream_stream_terminations_total{reason=\"connect\"}";
+    let mut last = String::new();
     for attempt in 1..=2 {
         let status = crate::helpers::upstream_failed(gw.admin, attempt, "a failed attempt").await;
         let error = status["last_error"].as_str().unwrap();
-        assert!(
-            error.contains("HTTP/2 handshake") && error.contains("timed out"),
-            "{error}"
-        );
+        assert!(error.contains(step) && error.contains("timed out"), "{error}");
         assert!(error.contains("--connect-timeout"), "{error}");
         assert_eq!(status["connected"], false, "{status}");
         metric_is(gw.monitoring, connect, status["consecutive_failures"].as_u64().unwrap()).await;
+        last = error.to_owned();
     }
-
-    // Shutdown never waits on the upstream: a gateway whose attempt could
-    // wait an hour for the handshake shuts down within the suite's wait
-    // (`within`), far sooner than its attempt would end.
-    let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
-    upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
-    assert!(within("shutdown", patient.shutdown()).await, "every task ended");
-    holder.abort();
+    last
 }
 
 /// A listener on a port of its own that accepts and holds every
@@ -283,20 +290,13 @@ async fn silent_listener() -> (SocketAddr, tokio::task::JoinHandle<()>) {
 
 /// The TLS step of `--connect-timeout`: an `https://` upstream that accepts
 /// TCP and never answers the ClientHello is a failed attempt whose error
-/// names the TLS handshake. (The TCP step needs an address that drops SYNs,
+/// names the TLS handshake, counted as a `connect` termination. (The TCP step needs an address that drops SYNs,
 /// which depends on the network the suite runs in: not tried.)
 #[tokio::test]
 async fn an_upstream_that_never_answers_the_tls_hello_is_a_failed_attempt_naming_the_step() {
     let (addr, holder) = silent_listener().await;
     let url = format!("https://{addr}");
-    let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "300ms"]).await;
-    let status = crate::helpers::upstream_failed(gw.admin, 1, "a failed attempt").await;
-    let error = status["last_error"].as_str().unwrap();
-    assert!(
-        error.contains("TLS handshake") && error.contains("timed out"),
-        "{error}"
-    );
-    assert!(error.contains("--connect-timeout"), "{error}");
+    let error = failed_attempts_name_the_step(&url, "TLS handshake").await;
     assert!(!error.contains("HTTP/2"), "the TLS step, not a later one: {error}");
     holder.abort();
 }
