@@ -850,6 +850,32 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
     assert!(!index.contains("/debug"), "{index}");
 }
 
+/// No endpoint reads a body, the admin port's controls included: a control
+/// announcing a body over `--http-max-request-bytes`, of which not a byte
+/// is sent, takes effect from its head and is answered, and the gateway
+/// closes the connection rather than read on (the request asks for no
+/// close: the close is the gateway's). A process of its own, whose log
+/// filter this test may set.
+#[tokio::test]
+async fn an_admin_control_announcing_a_body_is_answered_from_its_head() {
+    let gw = crate::helpers::spawn_gateway(None, &["--http-max-request-bytes", "4096"]).await;
+    let mut control = tokio::net::TcpStream::connect(gw.admin).await.unwrap();
+    control
+        .write_all(b"POST /logging?level=debug HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1048576\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the answer and the close", control.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("log filter: debug"), "the control took effect: {answer}");
+    let (status, body) = crate::helpers::http_request(gw.admin, "POST", "/logging", "").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("now: debug"), "the filter set from the head holds: {body}");
+}
+
 /// A keep-alive connection left idle after its answer is closed at
 /// `--http-header-timeout` too (the next request's headers never came), and
 /// counted as such. A process of its own: the count is this test's.
