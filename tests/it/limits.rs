@@ -1120,9 +1120,14 @@ async fn the_receive_window_is_the_flag() {
     // Past the stream window without waiting for a WINDOW_UPDATE: the
     // request announces more than the window and sends all of it at once.
     // The gateway must not read it meanwhile, or the window it releases
-    // lets the rest in: a stalled 150 kB request holds the budget first
-    // (its prefix is read while the canary's change goes round), so the
-    // greedy 120 kB message waits for room, unread past its first frame.
+    // lets the rest in: a stalled 150 kB request holds the budget first,
+    // so the greedy 120 kB message waits for room, unread past its first
+    // frame. That the stall holds the budget before the greedy stream
+    // arrives is assumed, not shown: the gateway exposes no view of the
+    // budget in use to wait on, so the canary's round trip (the stall's
+    // prefix went out before it, on another connection) only lets time
+    // pass. Were the order missed, the greedy request would be read whole
+    // and no FLOW_CONTROL_ERROR come: the test fails, it does not pass.
     let mut stalling = h2_client(gw.listen).await;
     let (_response, _stalled) = stall(&mut stalling);
     canary.check().await;
