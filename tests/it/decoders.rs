@@ -158,7 +158,11 @@ async fn four_pings_each_cut_inside_its_header_flood_a_limit_of_three() {
     const FRAME: usize = 9 + 8;
     for pings in [3, 4] {
         for side in [Side::Server, Side::Client] {
-            let mut bytes = if side == Side::Server { PREFACE.to_vec() } else { Vec::new() };
+            let mut bytes = if side == Side::Server {
+                PREFACE.to_vec()
+            } else {
+                Vec::new()
+            };
             let start = bytes.len();
             for n in 0..pings {
                 bytes.extend_from_slice(&[0, 0, 8, 0x6, 0, 0, 0, 0, 0]);

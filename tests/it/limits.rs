@@ -220,7 +220,11 @@ async fn ping_ack_and_empty_data_floods_get_goaway_enhance_your_calm() {
         .await
         .expect("the PING after 100 empty DATA frames answered");
     assert_eq!(answer.goaway(), None, "100 empty DATA frames are allowed");
-    assert_eq!(answer.payload, MARK.to_be_bytes(), "the ACK of the PING sent after them");
+    assert_eq!(
+        answer.payload,
+        MARK.to_be_bytes(),
+        "the ACK of the PING sent after them"
+    );
     attacker.send(&frame(0x0, 0, 1, &[])).await;
     let (code, _) = attacker.goaway().await.expect("a GOAWAY at the 101st");
     assert_eq!(code, h2raw::ENHANCE_YOUR_CALM, "empty DATA");

@@ -870,10 +870,16 @@ async fn an_admin_control_announcing_a_body_is_answered_from_its_head() {
         .unwrap();
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    assert!(answer.contains("log filter: debug"), "the control took effect: {answer}");
+    assert!(
+        answer.contains("log filter: debug"),
+        "the control took effect: {answer}"
+    );
     let (status, body) = crate::helpers::http_request(gw.admin, "POST", "/logging", "").await;
     assert_eq!(status, 400, "{body}");
-    assert!(body.contains("now: debug"), "the filter set from the head holds: {body}");
+    assert!(
+        body.contains("now: debug"),
+        "the filter set from the head holds: {body}"
+    );
 }
 
 /// A keep-alive connection left idle after its answer is closed at
