@@ -79,11 +79,14 @@ proptest! {
     /// Frames cut anywhere across reads, one read per piece, after the
     /// client's preface on the server side: every byte passes through, and
     /// the PINGs among them are counted once each, wherever they were cut
-    /// (the 4th floods a limit of 3 a minute).
+    /// (the 4th floods a limit of 3 a minute). PING is drawn three times as
+    /// often as each other kind, so that 4 or more come up in about one case
+    /// in eleven, not one in 140; `four_pings_each_cut_inside_its_header_*`
+    /// reaches the flood for certain.
     #[test]
     fn the_frame_sniffer_counts_frames_split_across_reads(
         frames in prop::collection::vec(
-            (prop::sample::select(vec![0x0u8, 0x1, 0x6, 0x7, 0x9]), any::<u8>(), any::<u32>(), prop::collection::vec(any::<u8>(), 1..40)),
+            (prop::sample::select(vec![0x0u8, 0x1, 0x6, 0x6, 0x6, 0x7, 0x9]), any::<u8>(), any::<u32>(), prop::collection::vec(any::<u8>(), 1..40)),
             0..8,
         ),
         cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..12),
@@ -145,6 +148,48 @@ proptest! {
     }
 }
 
+/// The flood branch of the property above, for certain: PINGs each cut
+/// inside its 9-byte header are counted once each, so 3 pass a limit of 3
+/// a minute and the 4th floods it, on either side.
+#[tokio::test]
+async fn four_pings_each_cut_inside_its_header_flood_a_limit_of_three() {
+    use mcp_xds_gateway::transport::sniff::{FloodLimits, Side, Sniffed};
+    use tokio::io::AsyncReadExt;
+    const FRAME: usize = 9 + 8;
+    for pings in [3, 4] {
+        for side in [Side::Server, Side::Client] {
+            let mut bytes = if side == Side::Server {
+                PREFACE.to_vec()
+            } else {
+                Vec::new()
+            };
+            let start = bytes.len();
+            for n in 0..pings {
+                bytes.extend_from_slice(&[0, 0, 8, 0x6, 0, 0, 0, 0, 0]);
+                bytes.extend_from_slice(&[n as u8; 8]);
+            }
+            // 4 bytes into each header: its length and type in one read, its
+            // flags and stream in the next.
+            let cuts = (0..pings).map(|n| start + n * FRAME + 4).collect();
+            let limits = FloodLimits {
+                resets_per_minute: 3,
+                pings_per_minute: 3,
+                settings_per_minute: 3,
+                control_frames_per_minute: 3,
+            };
+            let (mut sniffed, signals) = Sniffed::new(Pieces::at(&bytes, cuts), side, Some(limits));
+            let mut sink = Vec::new();
+            sniffed.read_to_end(&mut sink).await.unwrap();
+            assert_eq!(sink, bytes);
+            assert_eq!(
+                signals.flooded(),
+                (pings > 3).then_some("pings"),
+                "{pings} PINGs, {side:?}"
+            );
+        }
+    }
+}
+
 /// HTTP/2's client connection preface.
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -155,7 +200,11 @@ impl Pieces {
     /// `bytes` cut at the `cuts` (empty pieces dropped: an empty read is
     /// the end).
     fn cut(bytes: &[u8], cuts: &[prop::sample::Index]) -> Self {
-        let mut at: Vec<usize> = cuts.iter().map(|c| c.index(bytes.len() + 1)).collect();
+        Self::at(bytes, cuts.iter().map(|c| c.index(bytes.len() + 1)).collect())
+    }
+
+    /// `bytes` cut at the offsets `at`.
+    fn at(bytes: &[u8], mut at: Vec<usize>) -> Self {
         at.extend([0, bytes.len()]);
         at.sort_unstable();
         at.dedup();

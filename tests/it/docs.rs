@@ -355,8 +355,19 @@ fn a_test_column_is_read_and_only_test_functions_resolve() {
 fn every_limit_and_bad_input_row_names_a_test_that_exists() {
     let reference = std::fs::read_to_string(root().join("docs/reference.md")).unwrap();
     let rows = named_tests(&reference, "Limits and bad input");
-    // A parse that found no table would pass while checking nothing.
-    assert!(!rows.is_empty(), "no table under \"Limits and bad input\"");
+    // A parse that lost a table (its heading raised to `##`, or the table
+    // moved out of the section) would pass while checking none of its
+    // rows: both tables' first rows must have been read.
+    for (table, first) in [
+        ("Limits table", "--max-connections"),
+        ("Bad input, and the answer", "a request that is not valid protobuf"),
+    ] {
+        assert!(
+            rows.iter().any(|(row, _)| row.starts_with(first)),
+            "the {table:?} under \"Limits and bad input\" was not read (no row {first:?}): \
+             keep both tables, as `###` sections, under that `##` heading"
+        );
+    }
     let mut missing = Vec::new();
     for (row, names) in &rows {
         if names.is_empty() {

@@ -229,13 +229,28 @@ async fn a_frozen_source_is_dropped_by_keepalive_and_the_slot_freed() {
 async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step() {
     let (addr, holder) = silent_listener().await;
     let url = format!("http://{addr}");
-    // A gateway process of its own, retrying a second apart: its failed
-    // attempts are counted exactly, and a count read between two is still.
+    let _ = failed_attempts_name_the_step(&url, "HTTP/2 handshake").await;
+
+    // Shutdown never waits on the upstream: a gateway whose attempt could
+    // wait an hour for the handshake shuts down within the suite's wait
+    // (`within`), far sooner than its attempt would end.
+    let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
+    upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
+    assert!(within("shutdown", patient.shutdown()).await, "every task ended");
+    holder.abort();
+}
+
+/// Two failed attempts of a gateway process of its own against `url`,
+/// whose step `step` never completes: each error names the step, the
+/// timeout and its flag, and `terminations{reason="connect"}` counts each
+/// exactly (attempts a second apart, so a count read between two holds).
+/// Returns the last error.
+async fn failed_attempts_name_the_step(url: &str, step: &str) -> String {
     let gw = crate::helpers::spawn_gateway(
         None,
         &[
             "--upstream",
-            &url,
+            url,
             "--collections",
             VS,
             "--connect-timeout",
@@ -246,25 +261,17 @@ async fn an_upstream_that_never_speaks_http2_is_a_failed_attempt_naming_the_step
     )
     .await;
     let connect = "mcp_gateway_upstream_stream_terminations_total{reason=\"connect\"}";
+    let mut last = String::new();
     for attempt in 1..=2 {
         let status = crate::helpers::upstream_failed(gw.admin, attempt, "a failed attempt").await;
         let error = status["last_error"].as_str().unwrap();
-        assert!(
-            error.contains("HTTP/2 handshake") && error.contains("timed out"),
-            "{error}"
-        );
+        assert!(error.contains(step) && error.contains("timed out"), "{error}");
         assert!(error.contains("--connect-timeout"), "{error}");
         assert_eq!(status["connected"], false, "{status}");
         metric_is(gw.monitoring, connect, status["consecutive_failures"].as_u64().unwrap()).await;
+        last = error.to_owned();
     }
-
-    // Shutdown never waits on the upstream: a gateway whose attempt could
-    // wait an hour for the handshake shuts down within the suite's wait
-    // (`within`), far sooner than its attempt would end.
-    let patient = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "1h"]).await;
-    upstream_status_when(&patient, "an attempt under way", |s| s.attempts >= 1 && !s.connected).await;
-    assert!(within("shutdown", patient.shutdown()).await, "every task ended");
-    holder.abort();
+    last
 }
 
 /// A listener on a port of its own that accepts and holds every
@@ -283,20 +290,13 @@ async fn silent_listener() -> (SocketAddr, tokio::task::JoinHandle<()>) {
 
 /// The TLS step of `--connect-timeout`: an `https://` upstream that accepts
 /// TCP and never answers the ClientHello is a failed attempt whose error
-/// names the TLS handshake. (The TCP step needs an address that drops SYNs,
+/// names the TLS handshake, counted as a `connect` termination. (The TCP step needs an address that drops SYNs,
 /// which depends on the network the suite runs in: not tried.)
 #[tokio::test]
 async fn an_upstream_that_never_answers_the_tls_hello_is_a_failed_attempt_naming_the_step() {
     let (addr, holder) = silent_listener().await;
     let url = format!("https://{addr}");
-    let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--connect-timeout", "300ms"]).await;
-    let status = crate::helpers::upstream_failed(gw.admin, 1, "a failed attempt").await;
-    let error = status["last_error"].as_str().unwrap();
-    assert!(
-        error.contains("TLS handshake") && error.contains("timed out"),
-        "{error}"
-    );
-    assert!(error.contains("--connect-timeout"), "{error}");
+    let error = failed_attempts_name_the_step(&url, "TLS handshake").await;
     assert!(!error.contains("HTTP/2"), "the TLS step, not a later one: {error}");
     holder.abort();
 }
@@ -515,9 +515,16 @@ async fn a_source_that_does_not_read_its_acks_is_held_by_flow_control() {
     // The source's receive window for the gateway's stream: a few ACKs.
     const ACK_WINDOW: u32 = 1024;
     // 256 messages of 64 KiB: 16 MiB, more than the gateway's receive
-    // window (hyper's: 5 MiB a connection) and its ACK path hold together.
+    // window (hyper's client defaults, which the gateway keeps for its
+    // upstream: 2 MiB a stream, 5 MiB a connection) and its ACK path hold
+    // together.
     const MESSAGES: usize = 256;
     const BODY: usize = 64 << 10;
+    const GATEWAY_STREAM_WINDOW: usize = 2 << 20;
+    // Messages that fill the gateway's stream window, each a little over
+    // BODY once framed: sent before the window can run dry, whatever the
+    // gateway reads meanwhile (a read only opens it further).
+    const FILL: usize = GATEWAY_STREAM_WINDOW / (BODY + 1024);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let gw = start_gateway(&["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"]).await;
@@ -581,9 +588,11 @@ async fn a_source_that_does_not_read_its_acks_is_held_by_flow_control() {
             .map_or(0, |s| s.resources["a"].version.parse::<usize>().unwrap() + 1)
     };
     let mut waiting = sent.clone();
+    // Blocked alone can come at message 0, before h2 has assigned any
+    // capacity; blocked after a window's worth sent is the window run dry.
     within(
         "the source's window to run dry",
-        waiting.wait_for(|(_, blocked)| *blocked),
+        waiting.wait_for(|(n, blocked)| *blocked && *n >= FILL),
     )
     .await
     .unwrap();
@@ -841,6 +850,38 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
     assert!(!index.contains("/debug"), "{index}");
 }
 
+/// No endpoint reads a body, the admin port's controls included: a control
+/// announcing a body over `--http-max-request-bytes`, of which not a byte
+/// is sent, takes effect from its head and is answered, and the gateway
+/// closes the connection rather than read on (the request asks for no
+/// close: the close is the gateway's). A process of its own, whose log
+/// filter this test may set.
+#[tokio::test]
+async fn an_admin_control_announcing_a_body_is_answered_from_its_head() {
+    let gw = crate::helpers::spawn_gateway(None, &["--http-max-request-bytes", "4096"]).await;
+    let mut control = tokio::net::TcpStream::connect(gw.admin).await.unwrap();
+    control
+        .write_all(b"POST /logging?level=debug HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1048576\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the answer and the close", control.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.contains("log filter: debug"),
+        "the control took effect: {answer}"
+    );
+    let (status, body) = crate::helpers::http_request(gw.admin, "POST", "/logging", "").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("now: debug"),
+        "the filter set from the head holds: {body}"
+    );
+}
+
 /// A keep-alive connection left idle after its answer is closed at
 /// `--http-header-timeout` too (the next request's headers never came), and
 /// counted as such. A process of its own: the count is this test's.
@@ -848,6 +889,11 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
 async fn an_idle_keep_alive_on_an_http_port_is_closed_at_the_header_timeout() {
     let gw = crate::helpers::spawn_gateway(None, &["--http-header-timeout", "300ms"]).await;
     let mut idle = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
+    // The idle time starts once the answer is written, after this: an
+    // instant taken here makes `elapsed` at the close a lower bound on it,
+    // which a slow machine can only lengthen. (Taken when the answer is
+    // read, it would start after the gateway's timer and could fall short.)
+    let before_the_request = tokio::time::Instant::now();
     idle.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .unwrap();
@@ -886,10 +932,16 @@ async fn an_idle_keep_alive_on_an_http_port_is_closed_at_the_header_timeout() {
     within("the idle connection to be closed", idle.read_to_end(&mut rest))
         .await
         .unwrap();
+    let idle_for = before_the_request.elapsed();
     assert!(
         rest.is_empty(),
         "nothing more sent: {:?}",
         String::from_utf8_lossy(&rest)
+    );
+    // Closed at the timeout, not right after the answer.
+    assert!(
+        idle_for >= Duration::from_millis(300),
+        "closed {idle_for:?} after the request, before --http-header-timeout=300ms"
     );
     crate::limits::refusals_are(gw.monitoring, "http_header_timeout", 1).await;
 }
