@@ -324,8 +324,9 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_SETTINGS_PER_MINUTE", default_value_t = 60)]
     pub max_settings_per_minute: u32,
 
-    /// Other HTTP/2 control frames (WINDOW_UPDATE, PRIORITY, empty DATA,
-    /// unknown types) a peer may send a minute on one connection.
+    /// Other HTTP/2 control frames (WINDOW_UPDATE, PRIORITY, unknown types;
+    /// empty DATA too, though h2 itself ends a connection at its 101st) a
+    /// peer may send a minute on one connection.
     #[arg(long, env = "MCP_GATEWAY_MAX_CONTROL_FRAMES_PER_MINUTE", default_value_t = 60_000)]
     pub max_control_frames_per_minute: u32,
 

@@ -859,16 +859,7 @@ async fn the_monitoring_port_serves_probes_and_metrics_only() {
 #[tokio::test]
 async fn an_admin_control_announcing_a_body_is_answered_from_its_head() {
     let gw = crate::helpers::spawn_gateway(None, &["--http-max-request-bytes", "4096"]).await;
-    let mut control = tokio::net::TcpStream::connect(gw.admin).await.unwrap();
-    control
-        .write_all(b"POST /logging?level=debug HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1048576\r\n\r\n")
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    within("the answer and the close", control.read_to_end(&mut answer))
-        .await
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = announcing_a_body(gw.admin, "POST /logging?level=debug").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(
         answer.contains("log filter: debug"),
@@ -978,24 +969,15 @@ async fn the_http_ports_bound_slow_large_and_many_requests() {
     // No endpoint reads a body: a request announcing one over the limit,
     // of which not a byte is sent, is answered from its head, and the
     // connection is closed rather than read on.
-    let mut with_body = tokio::net::TcpStream::connect(gw.monitoring).await.unwrap();
-    with_body
-        .write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 1048576\r\n\r\n")
-        .await
-        .unwrap();
-    let mut answer = Vec::new();
-    within("the answer and the close", with_body.read_to_end(&mut answer))
-        .await
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = announcing_a_body(gw.monitoring, "GET /readyz").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 
     // Connections: an eighth of the cap per peer address; the next from
     // this address is refused.
     let (gw, held) = one_connection_per_address_held(|gw| gw.monitoring).await;
-    let (status, body) = http_get(gw.monitoring, "/readyz").await;
-    assert_eq!(status, 503, "a second connection from this address is refused");
-    assert!(body.contains("--http-max-connections=8"), "{body}");
+    // A second connection from this address is refused, then closed.
+    let answer = refused_then_closed(gw.monitoring).await;
+    assert!(answer.contains("--http-max-connections=8"), "{answer}");
     let answer = get_from(gw.monitoring, [127, 0, 0, 3], "/readyz").await;
     assert!(
         answer.starts_with("HTTP/1.1 200"),
@@ -1043,25 +1025,12 @@ async fn one_connection_per_address_held(
 #[tokio::test]
 async fn the_admin_port_bounds_its_connections_too() {
     let (gw, held) = one_connection_per_address_held(|gw| gw.admin).await;
-    let gw_admin = gw.admin;
-    // The whole answer, up to the close (`read_to_end` returns only there).
-    let whole_answer = |from: [u8; 4]| async move {
-        let mut conn = RawConn::tcp_from(gw_admin, IpAddr::from(from)).await;
-        conn.send(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-            .await;
-        let mut answer = Vec::new();
-        within("the answer and the close", conn.stream.read_to_end(&mut answer))
-            .await
-            .unwrap();
-        String::from_utf8_lossy(&answer).into_owned()
-    };
-    let answer = whole_answer([127, 0, 0, 1]).await;
-    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    let answer = refused_then_closed(gw.admin).await;
     assert!(
         answer.contains("(an eighth of --http-max-connections=8) is reached"),
         "the row's words: {answer}"
     );
-    let answer = whole_answer([127, 0, 0, 3]).await;
+    let answer = get_from(gw.admin, [127, 0, 0, 3], "/readyz").await;
     assert!(
         answer.starts_with("HTTP/1.1 200"),
         "another address is served: {answer}"
@@ -1070,11 +1039,45 @@ async fn the_admin_port_bounds_its_connections_too() {
     drop(held);
 }
 
+/// `request` (method and target) announcing a 1 MiB body of which no byte
+/// is sent, without asking for a close: the whole answer, up to the close
+/// (`read_to_end` returns only there, so the close is the gateway's).
+async fn announcing_a_body(addr: SocketAddr, request: &str) -> String {
+    let mut conn = within("a connection", tokio::net::TcpStream::connect(addr))
+        .await
+        .unwrap();
+    conn.write_all(format!("{request} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1048576\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    within("the answer and the close", conn.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// A refused connection's whole answer: asked as keep-alive (so a close is
+/// the gateway's doing, not the client's), `503` saying `connection: close`,
+/// then closed (`read_to_end` returns only at the close).
+async fn refused_then_closed(addr: SocketAddr) -> String {
+    let mut conn = RawConn::tcp_from(addr, IpAddr::from([127, 0, 0, 1])).await;
+    conn.send(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n\r\n").await;
+    let mut answer = Vec::new();
+    within("the 503 and the close", conn.stream.read_to_end(&mut answer))
+        .await
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let head = answer.split("\r\n\r\n").next().unwrap_or_default().to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 503"), "{answer}");
+    assert!(head.contains("\r\nconnection: close"), "{answer}");
+    answer
+}
+
 /// A GET of `path` from the loopback address `from` (another peer): the
 /// whole response, head and body.
 async fn get_from(addr: SocketAddr, from: [u8; 4], path: &str) -> String {
     let mut conn = RawConn::tcp_from(addr, IpAddr::from(from)).await;
-    conn.send(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+    conn.send(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())
         .await;
     let mut answer = Vec::new();
     within(
