@@ -45,6 +45,8 @@ pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
 pub const BUILD_INFO: &str = "mcp_gateway_build_info";
 pub const LIMIT_REFUSALS: &str = "mcp_gateway_limit_refusals_total";
 pub const CONNECTIONS: &str = "mcp_gateway_connections";
+/// Bytes of large client requests being read now, of `--max-request-buffer-bytes`.
+pub const REQUEST_BUFFER_BYTES: &str = "mcp_gateway_request_buffer_bytes";
 pub const CONNECTIONS_CLOSED: &str = "mcp_gateway_connections_closed_total";
 pub const CONNECTIONS_EVICTED: &str = "mcp_gateway_connections_evicted_total";
 pub const ACCEPT_ERRORS: &str = "mcp_gateway_accept_errors_total";
@@ -270,6 +272,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     metrics::counter!(SINK_REFUSALS, "reason" => "another_source").absolute(0);
     metrics::counter!(UPSTREAM_CONNECT_ATTEMPTS).absolute(0);
     metrics::gauge!(CLIENTS, "component" => COMPONENT_DOWNSTREAM).set(0.0);
+    metrics::gauge!(REQUEST_BUFFER_BYTES).set(0.0);
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
     for control in ADMIN_CONTROL_NAMES {
         metrics::counter!(ADMIN_CONTROLS, "control" => control, "code" => "200").absolute(0);
@@ -453,6 +456,12 @@ pub fn describe() {
          client connected reads 0). See /debug/skew."
     );
     describe_gauge!(CLIENTS, "Connected downstream streams.");
+    describe_gauge!(
+        REQUEST_BUFFER_BYTES,
+        Unit::Bytes,
+        "Bytes of large client requests (64 KiB and more) being read now, held against --max-request-buffer-bytes: \
+         a request that finds no room waits for it."
+    );
     describe_histogram!(
         MESSAGE_SIZES,
         Unit::Bytes,

@@ -56,6 +56,33 @@ pub struct RequestBudget {
     pub read_timeout: Option<Duration>,
     /// Whose messages: a client's requests, or a source's responses.
     reads: Reads,
+    /// Client requests: `mcp_gateway_request_buffer_bytes`, the room in use.
+    in_use_gauge: Option<metrics::Gauge>,
+}
+
+/// Room taken from a budget for one large message, given back (and the
+/// gauge set) when dropped.
+struct Room {
+    permit: Option<OwnedSemaphorePermit>,
+    budget: Arc<RequestBudget>,
+}
+
+impl Room {
+    fn new(permit: OwnedSemaphorePermit, budget: Arc<RequestBudget>) -> Self {
+        let room = Room {
+            permit: Some(permit),
+            budget,
+        };
+        room.budget.show_in_use();
+        room
+    }
+}
+
+impl Drop for Room {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        self.budget.show_in_use();
+    }
 }
 
 /// Whose messages a stream reads: what its errors name, and how it ends.
@@ -81,6 +108,7 @@ impl RequestBudget {
             max_message_bytes,
             read_timeout: Some(read_timeout),
             reads: Reads::Requests,
+            in_use_gauge: Some(metrics::gauge!(crate::metrics::REQUEST_BUFFER_BYTES)),
         })
     }
 
@@ -94,6 +122,7 @@ impl RequestBudget {
             max_buffer_bytes: max_message_bytes,
             max_message_bytes,
             read_timeout: None,
+            in_use_gauge: None,
             reads: if dialed {
                 Reads::SourceResponses
             } else {
@@ -105,6 +134,12 @@ impl RequestBudget {
     /// Bytes of large messages being read now.
     pub fn in_use(&self) -> usize {
         self.max_buffer_bytes - self.permits.available_permits()
+    }
+
+    fn show_in_use(&self) {
+        if let Some(gauge) = &self.in_use_gauge {
+            gauge.set(self.in_use() as f64);
+        }
     }
 }
 
@@ -144,7 +179,7 @@ impl<T: prost::Message + Default> FromBuffer for T {
 /// it, the buffer it is read into.
 struct Large {
     len: usize,
-    reading: Option<(BytesMut, OwnedSemaphorePermit)>,
+    reading: Option<(BytesMut, Room)>,
 }
 
 /// The requests of one stream, decoded one at a time. `message` is
@@ -251,8 +286,9 @@ impl<T: FromBuffer> RequestStream<T> {
                     let permit = Box::pin(in_time(self.deadline(), &self.budget, permit))
                         .await?
                         .map_err(|_| Status::unavailable("the gateway is shutting down"))?;
+                    let room = Room::new(permit, self.budget.clone());
                     let large = self.large.as_mut().expect("checked");
-                    large.reading = Some((BytesMut::with_capacity(len), permit));
+                    large.reading = Some((BytesMut::with_capacity(len), room));
                     continue;
                 }
                 let (message, _) = large.reading.as_mut().expect("checked");

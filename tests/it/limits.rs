@@ -1167,8 +1167,9 @@ async fn the_receive_window_is_the_flag() {
     let (default, _) = with_canary(&[]).await;
     assert_eq!(advertised_windows(default.listen).await, (256 << 10, 256 << 10));
     // A small budget for large requests, and a read timeout far beyond the
-    // test: see the greedy stream below.
-    let (gw, mut canary) = with_canary(&[
+    // test: see the greedy stream below. A process of its own: the budget
+    // in use is read from its gauge.
+    let (gw, mut canary) = spawned_with_canary(&[
         "--max-receive-window-bytes",
         "100000",
         "--max-request-bytes",
@@ -1197,17 +1198,12 @@ async fn the_receive_window_is_the_flag() {
     // Past the stream window without waiting for a WINDOW_UPDATE: the
     // request announces more than the window and sends all of it at once.
     // The gateway must not read it meanwhile, or the window it releases
-    // lets the rest in: a stalled 150 kB request holds the budget first,
-    // so the greedy 120 kB message waits for room, unread past its first
-    // frame. That the stall holds the budget before the greedy stream
-    // arrives is assumed, not shown: the gateway exposes no view of the
-    // budget in use to wait on, so the canary's round trip (the stall's
-    // prefix went out before it, on another connection) only lets time
-    // pass. Were the order missed, the greedy request would be read whole
-    // and no FLOW_CONTROL_ERROR come: the test fails, it does not pass.
+    // lets the rest in: a stalled 150 kB request holds the budget first
+    // (shown by the gateway's gauge of the room in use), so the greedy
+    // 120 kB message waits for room, unread past its first frame.
     let mut stalling = h2_client(gw.listen).await;
     let (_response, _stalled) = stall(&mut stalling);
-    canary.check().await;
+    metric_is(gw.monitoring, "mcp_gateway_request_buffer_bytes", 150_000).await;
     let mut greedy = RawConn::http2(gw.listen).await;
     let mut message = vec![0];
     message.extend_from_slice(&120_000u32.to_be_bytes());
