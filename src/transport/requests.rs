@@ -60,28 +60,36 @@ pub struct RequestBudget {
     in_use_gauge: Option<metrics::Gauge>,
 }
 
-/// Room taken from a budget for one large message, given back (and the
-/// gauge set) when dropped.
+/// Room granted from a budget to one large message, given back when
+/// dropped. The gauge counts granted rooms only, each added and taken away
+/// as one step: the semaphore's free count also falls by what a request
+/// still waiting has been handed on its way to its whole room, which is
+/// not held (and goes back unseen if that wait is dropped).
 struct Room {
-    permit: Option<OwnedSemaphorePermit>,
-    budget: Arc<RequestBudget>,
+    _permit: OwnedSemaphorePermit,
+    gauge: Option<metrics::Gauge>,
+    len: f64,
 }
 
 impl Room {
-    fn new(permit: OwnedSemaphorePermit, budget: Arc<RequestBudget>) -> Self {
+    fn new(permit: OwnedSemaphorePermit, budget: &RequestBudget, len: usize) -> Self {
         let room = Room {
-            permit: Some(permit),
-            budget,
+            _permit: permit,
+            gauge: budget.in_use_gauge.clone(),
+            len: len as f64,
         };
-        room.budget.show_in_use();
+        if let Some(gauge) = &room.gauge {
+            gauge.increment(room.len);
+        }
         room
     }
 }
 
 impl Drop for Room {
     fn drop(&mut self) {
-        drop(self.permit.take());
-        self.budget.show_in_use();
+        if let Some(gauge) = &self.gauge {
+            gauge.decrement(self.len);
+        }
     }
 }
 
@@ -135,12 +143,6 @@ impl RequestBudget {
     pub fn in_use(&self) -> usize {
         self.max_buffer_bytes - self.permits.available_permits()
     }
-
-    fn show_in_use(&self) {
-        if let Some(gauge) = &self.in_use_gauge {
-            gauge.set(self.in_use() as f64);
-        }
-    }
 }
 
 /// Waits for `future`, within the current message's read deadline.
@@ -152,7 +154,16 @@ async fn in_time<F: std::future::Future>(
     let Some(deadline) = deadline else {
         return Ok(future.await);
     };
-    tokio::time::timeout_at(deadline, future).await.map_err(|_| {
+    // The deadline first: a message whose room or bytes come only after it
+    // is refused, even when both are ready by the time the task runs.
+    let in_time = async {
+        tokio::select! {
+            biased;
+            () = tokio::time::sleep_until(deadline) => None,
+            output = future => Some(output),
+        }
+    };
+    in_time.await.ok_or_else(|| {
         m::limit_refused("request_read_timeout");
         Status::resource_exhausted(format!(
             "a request did not arrive within --request-read-timeout={} of its first byte (large ones wait for \
@@ -286,7 +297,7 @@ impl<T: FromBuffer> RequestStream<T> {
                     let permit = Box::pin(in_time(self.deadline(), &self.budget, permit))
                         .await?
                         .map_err(|_| Status::unavailable("the gateway is shutting down"))?;
-                    let room = Room::new(permit, self.budget.clone());
+                    let room = Room::new(permit, &self.budget, len);
                     let large = self.large.as_mut().expect("checked");
                     large.reading = Some((BytesMut::with_capacity(len), room));
                     continue;

@@ -960,8 +960,12 @@ async fn incremental_initial_versions_are_not_held_until_ack() {
     assert_eq!(again.resources.len(), 1, "the whole collection again");
 }
 
+/// `--request-read-timeout`: a request not complete this long after its
+/// first byte (here a stream that announces 150 kB and sends 1 kB of it,
+/// alone) ends its stream `RESOURCE_EXHAUSTED` naming both flags, counted
+/// once; its room is given back; other clients are served.
 #[tokio::test]
-async fn large_requests_share_a_budget_and_must_arrive_in_time() {
+async fn a_request_not_complete_in_time_ends_naming_both_flags() {
     let (gw, mut canary) = with_a_small_budget("2s").await;
     let mut client = h2_client(gw.listen).await;
     // A stream that announces a 150 kB request and sends 1 kB of it,
@@ -974,8 +978,12 @@ async fn large_requests_share_a_budget_and_must_arrive_in_time() {
         "names both flags: {message}"
     );
     refusals_are(gw.monitoring, "request_read_timeout", 1).await;
+    metric_is(gw.monitoring, REQUEST_BUFFER_BYTES, 0).await;
     canary.check().await;
 }
+
+/// The gauge of the room large requests hold of `--max-request-buffer-bytes`.
+const REQUEST_BUFFER_BYTES: &str = "mcp_gateway_request_buffer_bytes";
 
 /// A gateway process whose large requests share 200 kB
 /// (`--max-request-buffer-bytes`), each at most 150 kB, and must arrive
@@ -1014,6 +1022,8 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
     let (gw, mut canary) = with_a_small_budget("60s").await;
     let mut client = h2_client(gw.listen).await;
     let (_response, mut body) = stall(&mut client);
+    // The stall holds its room (the gauge shows it granted).
+    metric_is(gw.monitoring, REQUEST_BUFFER_BYTES, 150_000).await;
     // A large NACK (100 kB) meanwhile: 150 + 100 kB do not fit in 200 kB.
     let mut nacking = sotw(gw.listen).await;
     nacking.subscribe(VS);
@@ -1044,6 +1054,8 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
     })
     .await;
     assert_eq!(refusals(gw.monitoring, "request_read_timeout").await, 0);
+    // Every room given back, the NACK's once it was read.
+    metric_is(gw.monitoring, REQUEST_BUFFER_BYTES, 0).await;
     canary.check().await;
 }
 
@@ -1055,23 +1067,21 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
 /// until the stall timed out, and the NACK would then be read whole.
 #[tokio::test]
 async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused() {
-    let read_timeout = std::time::Duration::from_secs(4);
-    let (gw, mut canary) = with_a_small_budget("4s").await;
+    let read_timeout = std::time::Duration::from_secs(6);
+    let (gw, mut canary) = with_a_small_budget("6s").await;
     // The waiting stream first, the first byte of its NACK beside its
     // subscription.
     let no_later_than_its_clock = tokio::time::Instant::now();
     let mut waiting = h2_client(gw.listen).await;
     let (mut body, responses, to_nack) = subscribed_then(&mut waiting, &[0]).await;
     // Then the stall, 150 of the 200 kB: its clock starts after the NACK's,
-    // and once its subscription is answered its stream goes straight on to
-    // the stall's prefix, already read, and takes the room (the canary's
-    // change going round meanwhile is more than that takes).
+    // and it takes the room (the gauge shows it granted).
     let mut stall_prefix = vec![0];
     stall_prefix.extend_from_slice(&150_000u32.to_be_bytes());
     stall_prefix.extend_from_slice(&[0u8; 1000]);
     let mut stalling = h2_client(gw.listen).await;
     let (_stalled_body, stalled, _) = subscribed_then(&mut stalling, &stall_prefix).await;
-    canary.check().await;
+    metric_is(gw.monitoring, REQUEST_BUFFER_BYTES, 150_000).await;
     // The rest of the NACK, all of it: it cannot fit beside the stall.
     let nack = framed_nack(&to_nack.nonce, "n".repeat(100_000));
     body.send_data(nack.slice(1..), false).unwrap();
@@ -1086,7 +1096,7 @@ async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused()
     let (status, message) = body_end(responses).await;
     assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
     assert!(
-        message.contains("--request-read-timeout=4s") && message.contains("--max-request-buffer-bytes=200000"),
+        message.contains("--request-read-timeout=6s") && message.contains("--max-request-buffer-bytes=200000"),
         "names both flags: {message}"
     );
     // Ended by its timer: no earlier than the timeout after its first byte.
@@ -1096,6 +1106,8 @@ async fn a_large_request_still_waiting_for_room_at_its_read_timeout_is_refused()
     assert_eq!(status, "8", "RESOURCE_EXHAUSTED: {message}");
     refusals_are(gw.monitoring, "request_read_timeout", 2).await;
     assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK was never read");
+    // No room left held: the NACK was never granted any.
+    metric_is(gw.monitoring, REQUEST_BUFFER_BYTES, 0).await;
     canary.check().await;
 }
 
@@ -1203,7 +1215,7 @@ async fn the_receive_window_is_the_flag() {
     // 120 kB message waits for room, unread past its first frame.
     let mut stalling = h2_client(gw.listen).await;
     let (_response, _stalled) = stall(&mut stalling);
-    metric_is(gw.monitoring, "mcp_gateway_request_buffer_bytes", 150_000).await;
+    metric_is(gw.monitoring, REQUEST_BUFFER_BYTES, 150_000).await;
     let mut greedy = RawConn::http2(gw.listen).await;
     let mut message = vec![0];
     message.extend_from_slice(&120_000u32.to_be_bytes());
