@@ -139,7 +139,10 @@ impl RequestBudget {
         })
     }
 
-    /// Bytes of large messages being read now.
+    /// Room not free: granted to large messages being read, and (while a
+    /// request waits) what it has been handed on its way to its whole room.
+    /// The gauge counts granted rooms only ([`Room`]).
+    #[cfg(test)]
     pub fn in_use(&self) -> usize {
         self.max_buffer_bytes - self.permits.available_permits()
     }

@@ -119,12 +119,18 @@ pub async fn refusals(monitoring: SocketAddr, limit: &str) -> u64 {
 
 pub async fn metric(monitoring: SocketAddr, series: &str) -> u64 {
     let (_, body) = http_get(monitoring, "/metrics").await;
-    body.lines()
-        .find_map(|line| {
-            line.strip_prefix(series)
-                .map(|v| v.trim().parse::<f64>().unwrap() as u64)
-        })
-        .unwrap_or_else(|| panic!("{series} is not exported"))
+    let value = body
+        .lines()
+        .find_map(|line| line.strip_prefix(series).map(|v| v.trim().parse::<f64>().unwrap()))
+        .unwrap_or_else(|| panic!("{series} is not exported"));
+    // A count or a gauge of bytes: a negative or fractional value is a
+    // defect, not something to round to a count (a room given back twice
+    // would read below 0).
+    assert!(
+        value >= 0.0 && value.fract() == 0.0,
+        "{series} reads {value}, not a whole count"
+    );
+    value as u64
 }
 
 /// Waits until `series` at `monitoring` reads exactly `count` (a count
@@ -1037,6 +1043,8 @@ async fn a_large_request_waits_for_room_until_the_budget_frees() {
         canary.check().await;
     }
     assert_eq!(downstream_nacks(gw.monitoring).await, 0.0, "the NACK waits for room");
+    // Waiting, it holds no room: only the stall's is counted.
+    assert_eq!(metric(gw.monitoring, REQUEST_BUFFER_BYTES).await, 150_000);
     let clients = crate::helpers::get_json(gw.admin, "/debug/clients").await;
     assert!(
         clients
