@@ -163,7 +163,7 @@ fn put_bytes(tag: u32, value: &[u8], buf: &mut BytesMut) {
 }
 
 fn bytes_field_len(tag: u32, value: &[u8]) -> usize {
-    encoding::key_len(tag) + encoding::encoded_len_varint(value.len() as u64) + value.len()
+    bytes_len_of(tag, value.len())
 }
 
 /// Strings as one field each, in one buffer.
@@ -206,19 +206,6 @@ pub enum Form {
 }
 
 impl Form {
-    /// The encoded resource in this form, in one buffer.
-    fn value(self, resource: &CachedResource) -> Bytes {
-        match self {
-            Form::Mcp => resource.encoded.clone(),
-            Form::Body => body_of(resource),
-            Form::McpAny | Form::DeltaMcp | Form::DeltaBody => {
-                let mut pieces = Pieces::copying();
-                self.frame(resource, None, &mut pieces);
-                pieces.into_one()
-            }
-        }
-    }
-
     /// Writes the resource in this form into `pieces` as made bytes around a
     /// slice of the stored bytes, behind its `tag` record's key and length
     /// when a tag is given (`None`: the form's value alone). `false` for
@@ -251,32 +238,37 @@ impl Form {
             }
             Form::DeltaMcp | Form::DeltaBody => {
                 let version = resource.content_version();
-                let (len, any) = match self {
-                    Form::DeltaMcp => {
-                        let any = McpAny::of(resource, &version);
-                        (bytes_len_of(2, any.len()), Some(any))
-                    }
+                // What goes in the `resource` record (field 2), found once.
+                enum Inner {
+                    Any(McpAny),
+                    /// The stored body record as it is (field 2 both).
+                    Stored(std::ops::Range<usize>),
+                    Made(Bytes),
+                }
+                let inner = match self {
+                    Form::DeltaMcp => Inner::Any(McpAny::of(resource, &version)),
                     _ => match stored_body_record(&resource.encoded) {
-                        Some(stored) => (stored.len(), None),
-                        None => (bytes_len_of(2, body_of(resource).len()), None),
+                        Some(stored) => Inner::Stored(stored),
+                        None => Inner::Made(body_of(resource)),
                     },
+                };
+                let len = match &inner {
+                    Inner::Any(any) => bytes_len_of(2, any.len()),
+                    Inner::Stored(stored) => stored.len(),
+                    Inner::Made(body) => bytes_field_len(2, body),
                 };
                 let len = string_field_len(1, &version) + len + string_field_len(3, &resource.name);
                 let buf = pieces.made();
                 record(len, buf);
                 put_string(1, &version, buf);
-                match any {
-                    Some(any) => {
+                match inner {
+                    Inner::Any(any) => {
                         encoding::encode_key(2, WireType::LengthDelimited, buf);
                         encoding::encode_varint(any.len() as u64, buf);
                         any.put(resource, &version, pieces);
                     }
-                    // Its `resource` record is the stored body record as it
-                    // is (field 2 both).
-                    None => match stored_body_record(&resource.encoded) {
-                        Some(stored) => pieces.stored(resource.encoded.slice(stored)),
-                        None => put_bytes(2, &body_of(resource), pieces.made()),
-                    },
+                    Inner::Stored(stored) => pieces.stored(resource.encoded.slice(stored)),
+                    Inner::Made(body) => put_bytes(2, &body, buf),
                 }
                 put_string(3, &resource.name, pieces.made());
                 true
@@ -379,12 +371,6 @@ fn fields(mut rest: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
 /// A record's length: key, length and `len` bytes of value.
 fn bytes_len_of(tag: u32, len: usize) -> usize {
     encoding::key_len(tag) + encoding::encoded_len_varint(len as u64) + len
-}
-
-/// A chunk in a layout: one part, or pieces kept with it.
-enum Chunked {
-    One(Bytes),
-    Pieces(Arc<[Bytes]>),
 }
 
 /// A response's resources as pieces: made bytes (all of them in one buffer)
@@ -638,21 +624,23 @@ pub const DELTA_BODY: Layout = Layout {
 };
 
 impl Layout {
-    /// A chunk's resources as this layout's `resources` field, appended to
-    /// `out`: the chunk's storage itself when the field numbers agree (MCP);
-    /// else pieces made once per chunk and kept with it, each resource's
-    /// made bytes around a slice of its stored bytes (not a second copy of
-    /// them: istiod's and Envoy's forms).
-    fn chunk(&self, chunk: &Chunk) -> Chunked {
-        if self.form == Form::Mcp {
-            if self.resources == STORAGE_FIELD {
-                return Chunked::One(chunk.bytes().clone());
-            }
-            let framed = chunk
-                .memo
-                .get_or_make(MemoKey::of(self.chunk_key), 1, || self.fields(chunk.members()));
-            return Chunked::One(Bytes::clone(&framed));
+    /// A chunk's resources in MCP's form, as one part: the chunk's storage
+    /// itself when the field numbers agree, else re-framed once per chunk
+    /// and kept with it.
+    fn mcp_chunk(&self, chunk: &Chunk) -> Bytes {
+        if self.resources == STORAGE_FIELD {
+            return chunk.bytes().clone();
         }
+        let framed = chunk
+            .memo
+            .get_or_make(MemoKey::of(self.chunk_key), 1, || self.fields(chunk.members()));
+        Bytes::clone(&framed)
+    }
+
+    /// A chunk's resources in istiod's and Envoy's forms: pieces made once
+    /// per chunk and kept with it, each resource's made bytes around a
+    /// slice of its stored bytes (not a second copy of them).
+    fn chunk_pieces(&self, chunk: &Chunk) -> Arc<[Bytes]> {
         let parts = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
             let mut pieces = Pieces::slicing();
             for member in chunk.members() {
@@ -660,13 +648,19 @@ impl Layout {
             }
             Arc::<[Bytes]>::from(pieces.into_parts())
         });
-        Chunked::Pieces(Arc::clone(&parts))
+        Arc::clone(&parts)
     }
 
     /// `resource`'s `resources` record, into `pieces`.
     fn frame(&self, resource: &CachedResource, pieces: &mut Pieces) {
         if !self.form.frame(resource, Some(self.resources), pieces) {
-            put_bytes(self.resources, &self.form.value(resource), pieces.made());
+            // MCP's own form, or an Envoy body not stored as the gateway
+            // writes it: the record is made around the value.
+            let value = match self.form {
+                Form::Mcp => resource.encoded.clone(),
+                _ => body_of(resource),
+            };
+            put_bytes(self.resources, &value, pieces.made());
         }
     }
 
@@ -794,17 +788,11 @@ impl Layout {
     pub fn full(&self, to: &CollectionSnapshot) -> Shared {
         let parts = to.memo.get_or_make(MemoKey::of(self.full_key), 1, || {
             if self.form == Form::Mcp {
-                let parts = std::iter::once(self.head(to)).chain(to.chunks().map(|c| match self.chunk(c) {
-                    Chunked::One(part) => part,
-                    Chunked::Pieces(_) => unreachable!("MCP's chunks are one part each"),
-                }));
+                let parts = std::iter::once(self.head(to)).chain(to.chunks().map(|c| self.mcp_chunk(c)));
                 return Shared::Flat(parts.collect());
             }
             let head: Arc<[Bytes]> = Arc::from([self.head(to)]);
-            let runs = std::iter::once(head).chain(to.chunks().map(|c| match self.chunk(c) {
-                Chunked::One(part) => Arc::from([part]),
-                Chunked::Pieces(pieces) => pieces,
-            }));
+            let runs = std::iter::once(head).chain(to.chunks().map(|c| self.chunk_pieces(c)));
             Shared::Runs(runs.collect())
         });
         Shared::clone(&parts)
