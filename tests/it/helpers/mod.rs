@@ -143,18 +143,30 @@ pub async fn start_gateway(flags: &[&str]) -> Bound {
 }
 
 /// Starts the gateway with its client port on `listen`.
+///
+/// The port is one a gateway of this test just let go of (a restart): until
+/// it binds again, anything on the machine may hold it for a moment as the
+/// source port of an outgoing connection, so "in use" is tried again, within
+/// the suite's wait; any other error fails the test.
 pub async fn start_gateway_on(listen: &str, flags: &[&str]) -> Bound {
     // The client port as given, the others as LOOPBACK_PORTS has them.
     let mut argv = vec!["mcp-xds-gateway", "--listen", listen];
     argv.extend_from_slice(&LOOPBACK_PORTS[2..]);
     argv.extend_from_slice(flags);
-    let settings = Args::try_parse_with_sources(argv)
-        .expect("valid flags")
-        .validate()
-        .expect("valid settings");
-    within("the gateway to start", app::build(settings))
-        .await
-        .expect("the gateway starts")
+    eventually_some("the gateway to start on its port again", || {
+        let settings = Args::try_parse_with_sources(argv.clone())
+            .expect("valid flags")
+            .validate()
+            .expect("valid settings");
+        async move {
+            match app::build(settings).await {
+                Ok(bound) => Some(bound),
+                Err(app::AppError::Bind { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => None,
+                Err(e) => panic!("the gateway starts: {e:?}"),
+            }
+        }
+    })
+    .await
 }
 
 /// A gateway subscribed to `collections` on `galley`, reconnecting quickly.
