@@ -68,6 +68,9 @@ pub const DIAL_OUT_ATTEMPTS: &str = "mcp_gateway_dial_out_attempts_total";
 pub const DIAL_OUT_STREAM_ENDS: &str = "mcp_gateway_dial_out_stream_ends_total";
 pub const CACHE_WRITE_FAILURES: &str = "mcp_gateway_cache_write_failures_total";
 pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_total";
+/// Changes of an Envoy type held back for another type of the same stream
+/// (make before break), by `collection` and `step` (`add`, `remove`).
+pub const ORDER_HOLDS: &str = "mcp_gateway_order_holds_total";
 pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
 pub const ADMIN_CONTROLS: &str = "mcp_gateway_admin_controls_total";
 pub const ADMIN_REFUSALS: &str = "mcp_gateway_admin_refusals_total";
@@ -223,6 +226,10 @@ pub fn accept_error(listener: &'static str, kind: &'static str) {
     metrics::counter!(ACCEPT_ERRORS, "listener" => listener, "kind" => kind).increment(1);
 }
 
+pub fn order_held(collection: &Arc<str>, step: &'static str) {
+    metrics::counter!(ORDER_HOLDS, "collection" => collection.clone(), "step" => step).increment(1);
+}
+
 pub fn access_denied(collection: &Arc<str>, reason: &'static str, count: u64) {
     metrics::counter!(ACCESS_DENIED, "collection" => collection.clone(), "reason" => reason).increment(count);
 }
@@ -289,6 +296,12 @@ pub fn register_defaults(collections: &[Arc<str>]) {
             metrics::counter!(ACCESS_DENIED, "collection" => c(), "reason" => reason).absolute(0);
         }
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
+        // Only Envoy's types are ordered.
+        if collection.starts_with("envoy/") {
+            for step in ["add", "remove"] {
+                metrics::counter!(ORDER_HOLDS, "collection" => c(), "step" => step).absolute(0);
+            }
+        }
         // A configured collection is never demanded; the series is there, at
         // 0, for the dashboards and the docs' promise of every series.
         metrics::counter!(DEMAND_TIMEOUTS, "collection" => c()).absolute(0);
@@ -650,6 +663,12 @@ pub fn describe() {
     describe_counter!(
         NACK_MESSAGES_TRUNCATED,
         "Client NACK messages longer than --max-nack-message-bytes, kept and logged truncated."
+    );
+    describe_counter!(
+        ORDER_HOLDS,
+        "Changes of an Envoy type held back for another type of the same stream (make before break): step add \
+         (its additions wait for the clusters, endpoints or listeners they depend on to be ACKed) or remove (its \
+         removals wait for the types that still name what it removes)."
     );
     describe_counter!(
         DOWNSTREAM_STREAM_ENDS,

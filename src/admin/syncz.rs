@@ -355,6 +355,14 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
         "behind_since": time(clock.wall(view.behind_since)),
         // Under --access-policy: resources it asks for that it may not read.
         "access": (view.withheld > 0).then(|| json!({"status": "DENIED", "withheld": view.withheld})),
+        // On an Envoy stream: a change held for another type (make before
+        // break); NACKED holds until the source changes that type.
+        "order": view.ordered.as_ref().map(|o| json!({
+            "status": "HELD",
+            "waits_for": o.waits_for,
+            "reason": o.reason,
+            "step": o.step,
+        })),
         "skew": row.skew.as_ref().map(skew_json),
     })
 }

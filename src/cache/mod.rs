@@ -305,6 +305,39 @@ impl CollectionSnapshot {
         self.view(resources, sum, chunks, bytes)
     }
 
+    /// This snapshot with the resources of `held` that it no longer has put
+    /// back: the "make" half of a change whose "break" half must wait (make
+    /// before break across Envoy's types, see `downstream::order`). Its
+    /// version follows the content rule, so every replica makes the same
+    /// one, and it is made at the cost of the removals; this very snapshot
+    /// when it removes nothing.
+    pub fn keeping(self: &Arc<Self>, held: &CollectionSnapshot) -> Arc<CollectionSnapshot> {
+        let diff = Diff::between(&held.resources, &self.resources);
+        if diff.removed.is_empty() {
+            return self.clone();
+        }
+        let mut resources = self.resources.clone();
+        let mut total = Total {
+            sum: self.content_sum,
+            bytes: self.bytes,
+            changed: Vec::new(),
+        };
+        for name in &diff.removed {
+            if let Some(resource) = held.resources.get(&**name) {
+                total.upsert(&mut resources, resource);
+            }
+        }
+        let Total {
+            sum,
+            bytes,
+            mut changed,
+        } = total;
+        changed.sort_unstable();
+        changed.dedup();
+        let chunks = rechunk(&self.chunks, &self.resources, &mut resources, &changed);
+        self.view(resources, sum, chunks, bytes)
+    }
+
     /// A view of this snapshot holding `resources`, with this one's times and
     /// origin.
     fn view(&self, resources: ResourceMap, sum: u128, chunks: Chunks, bytes: usize) -> Arc<CollectionSnapshot> {
@@ -501,6 +534,10 @@ pub struct Cache {
     /// Versions kept per collection, the current one included (at least 1;
     /// 0 only in a `Default` cache, read as 1).
     history_len: usize,
+    /// Held (write) while one step of a source changes several collections,
+    /// and (read) while [`Cache::snapshots`] lists them: whoever lists the
+    /// cache sees all of a step or none of it. Never held across an await.
+    step: RwLock<()>,
 }
 
 /// The one handle that writes the cache. Not `Clone`: whoever holds it is
@@ -792,8 +829,10 @@ impl Cache {
         slots.get(collection).and_then(|slot| slot.borrow().clone())
     }
 
-    /// Every delivered collection's current snapshot, sorted by name.
+    /// Every delivered collection's current snapshot, sorted by name: all
+    /// of a source's step or none of it (see [`CacheWriter::apply_step`]).
     pub fn snapshots(&self) -> Vec<Arc<CollectionSnapshot>> {
+        let _step = self.step.read().expect("cache lock poisoned");
         let slots = self.slots.read().expect("cache lock poisoned");
         let mut all: Vec<_> = slots.values().filter_map(|slot| slot.borrow().clone()).collect();
         all.sort_by(|a, b| a.collection.cmp(&b.collection));
@@ -831,7 +870,26 @@ impl CacheWriter {
 
     /// Applies an update. Readers are woken only when the content changed.
     pub fn apply(&mut self, collection: &str, update: Update, origin: Origin) -> Applied {
-        self.cache.apply(collection, update, origin, None)
+        let applied = self.cache.apply(collection, update, origin, None);
+        self.cache.woken(&[&applied]);
+        applied
+    }
+
+    /// Applies the updates of several collections as one step (one read of
+    /// a directory): whoever lists the cache (the rollout, which fills every
+    /// stream's slots from it) sees all of them or none, and is woken once.
+    /// A stream that orders Envoy's types (make before break) must never see
+    /// a route to a cluster without the cluster's change beside it.
+    pub fn apply_step(&mut self, updates: Vec<(Arc<str>, Update, Origin)>) -> Vec<Applied> {
+        let applied: Vec<Applied> = {
+            let _step = self.cache.step.write().expect("cache lock poisoned");
+            updates
+                .into_iter()
+                .map(|(collection, update, origin)| self.cache.apply(&collection, update, origin, None))
+                .collect()
+        };
+        self.cache.woken(&applied.iter().collect::<Vec<_>>());
+        applied
     }
 
     /// Applies an update decoded from `message`, a source's message whose
@@ -846,7 +904,9 @@ impl CacheWriter {
         origin: Origin,
         message: &Bytes,
     ) -> Applied {
-        self.cache.apply(collection, update, origin, Some(message))
+        let applied = self.cache.apply(collection, update, origin, Some(message));
+        self.cache.woken(&[&applied]);
+        applied
     }
 
     /// Puts back the history of `collection` kept elsewhere (`versions`,
@@ -957,8 +1017,15 @@ impl Cache {
         }
         self.remember(&snapshot, &changed);
         slot.send_replace(Some(snapshot));
-        self.generation.send_modify(|g| *g += 1);
         Applied::Changed { version }
+    }
+
+    /// Wakes whoever follows every collection when any of `applied` changed
+    /// one.
+    fn woken(&self, applied: &[&Applied]) {
+        if applied.iter().any(|a| matches!(a, Applied::Changed { .. })) {
+            self.generation.send_modify(|g| *g += 1);
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod by_type;
 pub mod encode;
 pub mod names;
+pub mod order;
 mod outbound;
 pub mod registry;
 pub mod rollout;

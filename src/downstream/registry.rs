@@ -175,6 +175,27 @@ pub struct TypeView {
     /// current version, in place of the collection's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub access_version: Option<Arc<str>>,
+    /// On an Envoy stream, a change of this type held back for another type
+    /// of the same stream (make before break, see `order`). Boxed: most
+    /// types never wait.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ordered: Option<Box<OrderedView>>,
+}
+
+/// A change held back for another type of the stream: which, and why.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct OrderedView {
+    /// The type it waits for (`clusters`, `endpoints`, `listeners`,
+    /// `routes`, `secrets`).
+    pub waits_for: &'static str,
+    /// `UNACKED` (its response is not answered yet), `NACKED` (the client
+    /// refused its last response: held until the source changes it) or
+    /// `PENDING` (it has a change of its own to send first).
+    pub reason: &'static str,
+    /// What waits: `add` (this type's additions and changes wait for a type
+    /// they depend on) or `remove` (its removals wait for the types that
+    /// still name what it removes).
+    pub step: &'static str,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -228,6 +249,7 @@ impl TypeView {
             subscribed: None,
             withheld: 0,
             access_version: None,
+            ordered: None,
         }
     }
 }

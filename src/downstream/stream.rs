@@ -17,9 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::by_type::ByType;
 use super::encode::{EncodedResponse, Record};
-use super::names::NameChange;
+use super::names::{NameChange, Names};
+use super::order::{self, Blocker, Change, Decision, Rank, Standing};
 use super::outbound::TrySendError;
-use super::registry::{Protocol, RegistryEntry, Stamp, TypeView};
+use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::Rollout;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wakes::{Registration, Wakes};
@@ -29,7 +30,7 @@ use super::{
 };
 use crate::cache::demand::SubscriptionState;
 use crate::cache::memo::MemoKey;
-use crate::cache::CollectionSnapshot;
+use crate::cache::{CollectionSnapshot, Diff};
 use crate::collections::{Dialect, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::proto::wire::{version_entry, ErrorDetail};
@@ -55,6 +56,18 @@ struct Followed {
     /// (a restricted client's view has versions of its own, which the
     /// index cannot show it at): it is woken by the index, not the slot.
     registration: Option<Box<Registration>>,
+    /// Where an Envoy type stands in the order of make before break
+    /// (`None`: a type whose order does not matter).
+    rank: Option<Rank>,
+    /// What the last response of a ranked type did to what the client
+    /// held (what an outstanding or refused response holds back).
+    sent_change: Change,
+}
+
+/// The ranked types of a stream whose change waits for another type.
+#[derive(Default)]
+struct Withheld {
+    types: Vec<String>,
 }
 
 /// A type the client may read part of: its grant, and the last view this
@@ -154,6 +167,10 @@ pub(super) struct TypedStream<W> {
     skew: Option<Box<StreamSkew>>,
     /// The access policy in effect, as it changes.
     policy: watch::Receiver<Arc<AccessPolicy>>,
+    /// Ranked types whose change waits for another type of the stream (make
+    /// before break), tried again after every step. Boxed: most streams
+    /// have none waiting.
+    withheld: Option<Box<Withheld>>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -180,6 +197,7 @@ impl<W: Wire> TypedStream<W> {
             identity,
             skew: None,
             policy,
+            withheld: None,
             _wire: PhantomData,
         }
     }
@@ -263,6 +281,12 @@ impl<W: Wire> TypedStream<W> {
                         Ok(sent) => sent,
                         Err(denied) => break (End::Refused, Some(denied)),
                     },
+                };
+                // A step may let a change held for another type go (an ACK of
+                // clusters lets the routes to them go). Rare: boxed.
+                let sent = match sent {
+                    Ok(()) if self.withheld.is_some() => Box::pin(self.retry_withheld(&out)).await,
+                    sent => sent,
                 };
                 if sent.is_err() {
                     break (End::ClientGone, None);
@@ -553,6 +577,77 @@ fn withheld(followed: &Followed, whole: &CollectionSnapshot, view: &CollectionSn
     u32::try_from(count).unwrap_or(u32::MAX)
 }
 
+/// The names a type's client asks for; `None`: everything.
+fn names_of(followed: &Followed) -> Option<&Names> {
+    followed.state.named().map(|n| n.current())
+}
+
+/// Distinct versions a change to one version is found from and kept with
+/// it (clients of a fleet hold a few).
+const ORDER_DIFFS_PER_SNAPSHOT: usize = 16;
+
+/// What going from `held` to `to` does, in the names asked for. The diff
+/// of two versions is found once and kept with `to`: every client of the
+/// fleet at `held` asks.
+fn change_of(held: Option<&Arc<CollectionSnapshot>>, to: &Arc<CollectionSnapshot>, names: Option<&Names>) -> Change {
+    let Some(held) = held.filter(|h| h.version != to.version) else {
+        return Change::between(held.map(|h| &**h), to, names);
+    };
+    let key = MemoKey::with("order.diff", held.version.clone());
+    let diff: Arc<Diff> = to.memo.get_or_make(key, ORDER_DIFFS_PER_SNAPSHOT, || {
+        Diff::between(&held.resources, &to.resources)
+    });
+    let covers = |name: &str| names.is_none_or(|n| n.covers(name));
+    Change {
+        makes: diff.upserts.iter().any(|r| covers(&r.name)),
+        breaks: diff.removed.iter().any(|n| covers(n)),
+    }
+}
+
+/// Distinct versions held whose removals a version is sent without, kept
+/// with it.
+const MAKES_FIRST_PER_SNAPSHOT: usize = 16;
+
+/// `to` with what `held` has and it removes kept: its additions and
+/// changes first (make before break). Made once per pair of versions and
+/// kept with `to`, so a fleet's clients share it and its encoding.
+fn makes_first(to: &Arc<CollectionSnapshot>, held: &CollectionSnapshot) -> Arc<CollectionSnapshot> {
+    let key = MemoKey::with("order.makes_first", held.version.clone());
+    // `None`: `to` itself (it removes nothing), which its own memo must
+    // not hold (a cycle: never freed).
+    let made: Arc<Option<Arc<CollectionSnapshot>>> = to.memo.get_or_make(key, MAKES_FIRST_PER_SNAPSHOT, || {
+        let first = to.keeping(held);
+        (!Arc::ptr_eq(&first, to)).then_some(first)
+    });
+    made.as_ref().clone().unwrap_or_else(|| to.clone())
+}
+
+/// Where a ranked type stands: what its outstanding or refused response
+/// did, and what it has yet to send.
+fn standing(followed: &Followed) -> Option<Standing> {
+    let rank = followed.rank?;
+    let state = &followed.state;
+    let outstanding = state.view.outstanding;
+    let refused = state.pending_nack();
+    let current = current_of(followed);
+    let mut pending = match &current {
+        // The version it refused is not sent again.
+        Some(c) if refused.is_some_and(|n| n.version == c.version) => Change::NONE,
+        Some(c) => change_of(state.last_sent(), c, names_of(followed)),
+        None => Change::NONE,
+    };
+    // Names it newly asks for are still to be sent.
+    if current.is_some() && state.named().is_some_and(|n| !n.settled()) {
+        pending.makes = true;
+    }
+    Some(Standing {
+        rank,
+        in_flight: outstanding.then_some(followed.sent_change),
+        pending,
+        refused: (!outstanding && refused.is_some()).then_some(followed.sent_change),
+    })
+}
+
 /// The refusal of a gateway peer that is this gateway or upstream of it.
 fn loop_refusal(shared: &Downstream, peer: &str) -> Option<Status> {
     let provenance = shared.inner.cache.provenance();
@@ -782,6 +877,8 @@ impl<W: Wire> TypedStream<W> {
             }
         };
         self.note_generation(&resolved, request);
+        // A type nobody serves is answered once, empty: nothing to order.
+        let rank = Rank::of(type_url).filter(|_| !matches!(answer, Answer::Unserved(_)));
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
         self.types.insert(
@@ -793,6 +890,8 @@ impl<W: Wire> TypedStream<W> {
                 grant: grant.map(Restriction::new),
                 named,
                 registration: None,
+                rank,
+                sent_change: Change::NONE,
             },
         );
         Ok(())
@@ -890,6 +989,7 @@ impl<W: Wire> TypedStream<W> {
                     "the source refused this collection: the type is answered empty"
                 );
                 followed.answer = Answer::Unserved(CollectionSnapshot::empty(collection));
+                followed.rank = None;
                 followed.registration = None;
                 followed.named = None;
                 self.changes.remove(type_url);
@@ -941,6 +1041,10 @@ impl<W: Wire> TypedStream<W> {
         if followed.grant.is_some() {
             self.note_withheld(type_url, current.as_ref());
         }
+        let Some(current) = self.ordered(type_url, current) else {
+            // Held for another type of the stream (make before break).
+            return Ok(());
+        };
         let Some(followed) = self.types.get_mut(type_url) else {
             return Ok(());
         };
@@ -991,6 +1095,184 @@ impl<W: Wire> TypedStream<W> {
                     }
                 })
                 .await
+            }
+        }
+    }
+
+    /// Make before break across Envoy's types (see [`order`]): what this
+    /// type is to be served now (`current`, or what it adds and changes
+    /// with what it removes kept), or `None` while its change waits for
+    /// another type of the stream. The types' versions are read in one cut
+    /// of the rollout (one step of the source: see `Rollout::consistent`).
+    fn ordered(
+        &mut self,
+        type_url: &str,
+        current: Option<Arc<CollectionSnapshot>>,
+    ) -> Option<Option<Arc<CollectionSnapshot>>> {
+        let followed = self.types.get(type_url)?;
+        let Some(rank) = followed.rank else {
+            return Some(current);
+        };
+        // An outstanding response is answered first (the machine waits);
+        // nothing delivered is nothing to order.
+        if followed.state.view.outstanding || current.is_none() {
+            return Some(current);
+        }
+        let others = self.types.values().filter(|f| f.rank.is_some()).count() - 1;
+        let rollout = self.shared.inner.rollout.clone();
+        let (current, standings) = if others == 0 {
+            (current, Vec::new())
+        } else {
+            rollout.consistent(|| {
+                let standings = self
+                    .types
+                    .iter()
+                    .filter(|(t, _)| t.as_str() != type_url)
+                    .filter_map(|(_, f)| standing(f))
+                    .collect();
+                (current_of(followed), standings)
+            })
+        };
+        let Some(to) = current else {
+            return Some(None);
+        };
+        let state = &followed.state;
+        // Names the client newly asks for are answered at once: Envoy asks
+        // for a new cluster's endpoints while it warms the cluster, before
+        // it ACKs it.
+        let owed = state.named().is_some_and(|n| !n.settled());
+        // The version it refused is not sent again: nothing to order.
+        let refused_again = state.pending_nack().is_some_and(|n| n.version == to.version);
+        let wants = if refused_again {
+            Change::NONE
+        } else if others == 0 {
+            // Alone, it waits for nothing: what it does is found only when
+            // another ranked type comes to wait for it.
+            Change {
+                makes: true,
+                breaks: true,
+            }
+        } else {
+            change_of(state.last_sent(), &to, names_of(followed))
+        };
+        if others == 0 || (!owed && !wants.any()) {
+            if owed || wants.any() {
+                self.types.get_mut(type_url)?.sent_change = Change { makes: true, ..wants };
+            }
+            self.release(type_url);
+            return Some(Some(to));
+        }
+        let decision = if owed {
+            // Its new names go at once; what it removes still waits for
+            // the types that name it (Envoy asks for a new cluster's
+            // endpoints while the route still names the old one's).
+            match order::decide(rank, Change { makes: false, ..wants }, &standings) {
+                Decision::Hold(blocker) => Decision::MakesFirst(blocker),
+                _ => Decision::Send,
+            }
+        } else {
+            order::decide(rank, wants, &standings)
+        };
+        let wants = Change {
+            makes: wants.makes || owed,
+            ..wants
+        };
+        match decision {
+            Decision::Send => {
+                self.types.get_mut(type_url)?.sent_change = wants;
+                self.release(type_url);
+                Some(Some(to))
+            }
+            Decision::MakesFirst(blocker) => {
+                // It removes something: it holds something.
+                let Some(held) = state.last_sent().cloned() else {
+                    return Some(Some(to));
+                };
+                let first = makes_first(&to, &held);
+                self.types.get_mut(type_url)?.sent_change = Change {
+                    makes: true,
+                    breaks: false,
+                };
+                self.hold(type_url, blocker);
+                Some(Some(first))
+            }
+            Decision::Hold(blocker) => {
+                self.hold(type_url, blocker);
+                None
+            }
+        }
+    }
+
+    /// A ranked type's change (or its removals) waits for `blocker`: shown
+    /// with the type, counted when it starts waiting, tried again after
+    /// every step of the stream.
+    fn hold(&mut self, type_url: &str, blocker: Blocker) {
+        let withheld = &mut self.withheld.get_or_insert_with(Box::default).types;
+        if !withheld.iter().any(|t| t == type_url) {
+            withheld.push(type_url.to_owned());
+        }
+        let Some(followed) = self.types.get_mut(type_url) else {
+            return;
+        };
+        let view = OrderedView {
+            waits_for: blocker.rank.as_str(),
+            reason: blocker.why.as_str(),
+            step: if blocker.removal { "remove" } else { "add" },
+        };
+        if followed.state.view.ordered.as_deref() == Some(&view) {
+            return;
+        }
+        if followed.state.view.ordered.is_none() {
+            m::order_held(&followed.state.view.collection, view.step);
+        }
+        if blocker.why == order::Why::Refused {
+            tracing::info!(
+                stream = self.id,
+                type_url = %type_url,
+                waits_for = view.waits_for,
+                step = view.step,
+                "a change is held: the client refused (NACKed) the change of the type it depends on; it goes once                  that type's change is ACKed"
+            );
+        }
+        followed.state.view.ordered = Some(Box::new(view));
+        self.entry.publish(type_url, followed.state.view.clone());
+    }
+
+    /// A ranked type waits for nothing any more.
+    fn release(&mut self, type_url: &str) {
+        if let Some(withheld) = &mut self.withheld {
+            withheld.types.retain(|t| t != type_url);
+            if withheld.types.is_empty() {
+                self.withheld = None;
+            }
+        }
+        if let Some(followed) = self.types.get_mut(type_url) {
+            if followed.state.view.ordered.take().is_some() {
+                self.entry.publish(type_url, followed.state.view.clone());
+            }
+        }
+    }
+
+    /// The types held for another are tried again, in Envoy's order, until
+    /// a round sends nothing (what one sends changes what the others wait
+    /// for, and the views say it).
+    async fn retry_withheld(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+        loop {
+            let Some(withheld) = &self.withheld else {
+                return Ok(());
+            };
+            let mut waiting: Vec<(Option<Rank>, String)> = withheld
+                .types
+                .iter()
+                .map(|t| (self.types.get(t).and_then(|f| f.rank), t.clone()))
+                .collect();
+            waiting.sort();
+            let before = self.last_nonce;
+            for (_, type_url) in waiting {
+                self.try_send(&type_url, out).await?;
+            }
+            if self.last_nonce == before {
+                return Ok(());
             }
         }
     }

@@ -294,6 +294,12 @@ impl TypeState {
         self.named.as_deref()
     }
 
+    /// What the client was last sent (or, after a reconnect whose first
+    /// response it took, holds); `None` before anything.
+    pub fn last_sent(&self) -> Option<&Arc<CollectionSnapshot>> {
+        last_sent(&self.sent, &self.held)
+    }
+
     /// A request for this type.
     pub fn on_request(&mut self, request: Request<'_>) -> Verdict {
         self.view.last_request_at = request.at;
@@ -366,7 +372,7 @@ impl TypeState {
     }
 
     /// Its last NACK, while no later response was ACKed.
-    fn pending_nack(&self) -> Option<&NackRecord> {
+    pub fn pending_nack(&self) -> Option<&NackRecord> {
         self.view.last_nack.as_deref().filter(|n| !n.superseded)
     }
 

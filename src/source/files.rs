@@ -1020,8 +1020,14 @@ impl LocalSource {
         for collection in wanted.into_iter().chain(self.published.iter().cloned()) {
             collections.entry(collection).or_default();
         }
-        for (collection, resources) in collections {
-            let applied = self.writer.apply(&collection, Update::Full(resources), Origin::Files);
+        // One read of the directory is one step: no client sees half of an
+        // edit (a route to a cluster whose change is not there yet).
+        let names: Vec<Arc<str>> = collections.keys().cloned().collect();
+        let step = collections
+            .into_iter()
+            .map(|(collection, resources)| (collection, Update::Full(resources), Origin::Files))
+            .collect();
+        for (collection, applied) in names.into_iter().zip(self.writer.apply_step(step)) {
             if matches!(applied, crate::cache::Applied::Changed { .. }) {
                 metrics::counter!(crate::metrics::UPDATES_APPLIED, "collection" => collection.clone(), "kind" => "full")
                     .increment(1);

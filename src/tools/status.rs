@@ -201,6 +201,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
     let mut urgency: BTreeMap<u64, usize> = BTreeMap::new();
     let mut nacks = Vec::new();
     let mut denials = Vec::new();
+    let mut holds = Vec::new();
     let mut skews = Vec::new();
     for row in &rows {
         let id = row["stream"].as_u64().unwrap_or_default();
@@ -234,6 +235,25 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
                 "{node} {}: {withheld} withheld from identity {} (/debug/access?identity=)",
                 text(&row["collection"]),
                 text(&row["identity"]),
+            ));
+        }
+        // On an Envoy stream: a change held for another type (make before
+        // break).
+        if let Some(reason) = row["order"]["reason"].as_str() {
+            cell.push_str(" HELD");
+            let waits_for = text(&row["order"]["waits_for"]);
+            let what = match row["order"]["step"].as_str() {
+                Some("remove") => "its removals wait for",
+                _ => "its change waits for",
+            };
+            let why = match reason {
+                "NACKED" => format!("which the client refused (NACKed): held until the source fixes the {waits_for}"),
+                "UNACKED" => "to be ACKed".to_owned(),
+                _ => format!("to send the {waits_for}' change first"),
+            };
+            holds.push(format!(
+                "{node} {}: {what} the {waits_for}, {why}",
+                text(&row["collection"])
             ));
         }
         // What its Istio release drops of the collection (it stays SYNCED:
@@ -315,6 +335,9 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
                 if let Some(withheld) = r["access"]["withheld"].as_u64() {
                     status.push_str(&format!(" DENIED {withheld}"));
                 }
+                if r["order"]["reason"].is_string() {
+                    status.push_str(" HELD");
+                }
                 if let Some(count) = r["skew"]["resources"].as_u64().filter(|n| *n > 0) {
                     status.push_str(&format!(" SKEW {count}"));
                 }
@@ -380,6 +403,9 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
     }
     for denial in denials {
         let _ = writeln!(out, "DENIED {denial}");
+    }
+    for hold in holds {
+        let _ = writeln!(out, "HELD {}", one_line(&hold));
     }
     // Each field a client's release drops (Istio's words: what the release
     // lacks and the release that added it), and each client whose release is

@@ -25,6 +25,7 @@ mod kubernetes;
 mod layout;
 mod limits;
 mod load;
+mod make_before_break;
 mod operating;
 mod process;
 mod properties;

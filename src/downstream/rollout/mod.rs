@@ -120,6 +120,11 @@ pub struct Rollout {
     revision: watch::Sender<u64>,
     /// Bumped whenever a group slot is given another version.
     served: watch::Sender<u64>,
+    /// Held (write) while the cache's changes fill the slots, and (read)
+    /// while a stream reads the slots of several types to order them (make
+    /// before break): a stream sees all of one of the cache's steps or none
+    /// of it. Never held across an await.
+    filling: std::sync::RwLock<()>,
 }
 
 impl std::fmt::Debug for Rollout {
@@ -152,6 +157,7 @@ impl Rollout {
             restored: Mutex::new(restored.into_iter().collect()),
             revision: watch::Sender::new(0),
             served: watch::Sender::new(0),
+            filling: std::sync::RwLock::default(),
         });
         rollout.on_cache_change();
         rollout
@@ -312,8 +318,18 @@ impl Rollout {
         self.served.subscribe()
     }
 
-    /// Every collection the cache holds: its newest version.
+    /// Reads slots with none of them being filled from the cache meanwhile:
+    /// every version read is of one step of the source (see
+    /// [`crate::cache::CacheWriter::apply_step`]).
+    pub fn consistent<R>(&self, read: impl FnOnce() -> R) -> R {
+        let _filling = self.filling.read().expect("rollout lock poisoned");
+        read()
+    }
+
+    /// Every collection the cache holds: its newest version, all in one
+    /// step (see [`Self::consistent`]).
     fn on_cache_change(&self) {
+        let _filling = self.filling.write().expect("rollout lock poisoned");
         for snapshot in self.cache.snapshots() {
             let version = snapshot.version.clone();
             self.step(&snapshot.collection, None, |gate, now| gate.on_latest(version, now));

@@ -1,0 +1,628 @@
+//! Make before break across Envoy's types on one ADS stream (see
+//! `downstream::order`): a change that adds a cluster and routes to it sends
+//! the cluster, then (once Envoy asks) its endpoints, then the route, each
+//! after the one before was ACKed; a change that routes away from a cluster
+//! and removes it sends the route first and the removal after its ACK; a
+//! switch does both, the old cluster kept until the route moved. A refused
+//! step holds what depends on it, and says so. The source is a directory
+//! swapped whole, as a Kubernetes volume is (`..data` renamed over): one
+//! read of it is one step, and no stream sees half of it.
+//!
+//! These clients are tonic clients that behave as Envoy does on the wire
+//! (asks for a new cluster's endpoints before it ACKs the cluster); the same
+//! transitions with a real Envoy and traffic through it are in
+//! `envoy_order`.
+
+use std::net::SocketAddr;
+
+use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+use mcp_xds_gateway::proto::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use prost::Message;
+use serde_json::Value;
+use tempfile::TempDir;
+
+use crate::helpers::clients::Bidi;
+use crate::helpers::{eventually_some, get_json, spawn_gateway, start_gateway};
+
+const SOTW: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+const DELTA: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+pub(crate) const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub(crate) const ENDPOINTS: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+pub(crate) const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+pub(crate) const ROUTE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+const ROUTE_NAME: &str = "local_route";
+
+type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
+type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
+
+// === the source: a directory swapped whole ===
+
+/// A directory laid out as Kubernetes mounts a ConfigMap: each file a link
+/// through `..data`, which a swap renames over a new directory at once.
+pub(crate) struct Volume {
+    pub(crate) dir: TempDir,
+    generation: u32,
+}
+
+/// The files every version of the volume has.
+const FILES: [&str; 4] = ["clusters.yaml", "endpoints.yaml", "listeners.yaml", "routes.yaml"];
+
+impl Volume {
+    pub(crate) fn new(config: &Config) -> Self {
+        let mut volume = Volume {
+            dir: tempfile::tempdir().unwrap(),
+            generation: 0,
+        };
+        volume.swap(config);
+        for file in FILES {
+            std::os::unix::fs::symlink(format!("..data/{file}"), volume.dir.path().join(file)).unwrap();
+        }
+        volume
+    }
+
+    pub(crate) fn path(&self) -> &str {
+        self.dir.path().to_str().unwrap()
+    }
+
+    /// The whole directory becomes `config` at once.
+    pub(crate) fn swap(&mut self, config: &Config) {
+        self.generation += 1;
+        let dir = self.dir.path();
+        let version = format!("..v{}", self.generation);
+        std::fs::create_dir(dir.join(&version)).unwrap();
+        for (file, text) in FILES.iter().zip(config.files()) {
+            std::fs::write(dir.join(&version).join(file), text).unwrap();
+        }
+        let link = dir.join("..data_tmp");
+        std::os::unix::fs::symlink(&version, &link).unwrap();
+        std::fs::rename(&link, dir.join("..data")).unwrap();
+    }
+}
+
+/// How a cluster finds its endpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Inline (`load_assignment`).
+    Static,
+    /// By name over the same stream (EDS).
+    Eds,
+}
+
+/// One version of the config: clusters (name, upstream port), the route's
+/// cluster, and a listener on `listener_port` (0: none) using the route.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) kind: Kind,
+    pub(crate) clusters: Vec<(String, u16)>,
+    pub(crate) route_to: String,
+    pub(crate) listener_port: u16,
+}
+
+impl Config {
+    pub(crate) fn new(kind: Kind, clusters: &[(&str, u16)], route_to: &str) -> Self {
+        Config {
+            kind,
+            clusters: clusters.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect(),
+            route_to: route_to.to_owned(),
+            listener_port: 0,
+        }
+    }
+
+    /// The files' texts, in the order of [`FILES`].
+    fn files(&self) -> [String; 4] {
+        let mut clusters = String::from("# clusters\n");
+        let mut endpoints = String::from("# endpoints\n");
+        for (name, port) in &self.clusters {
+            let assignment = format!(
+                "cluster_name: {name}\n    endpoints:\n    - lb_endpoints:\n      - endpoint: {{address: \
+                 {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}"
+            );
+            let how = match self.kind {
+                Kind::Static => format!("type: STATIC\n    load_assignment:\n      {}", indent(&assignment, 1)),
+                Kind::Eds => {
+                    endpoints.push_str(&format!(
+                        "---\ncollection: envoy/config/endpoint/v3/clusterloadassignments\nname: {name}\nbody:\n  \
+                         type_url: {ENDPOINTS}\n  json:\n    {assignment}\n"
+                    ));
+                    "type: EDS\n    eds_cluster_config: {eds_config: {ads: {}, resource_api_version: V3}}".to_owned()
+                }
+            };
+            clusters.push_str(&format!(
+                "---\ncollection: envoy/config/cluster/v3/clusters\nname: {name}\nbody:\n  type_url: {CLUSTER}\n  json:\n    \
+                 name: {name}\n    connect_timeout: 1s\n    {how}\n"
+            ));
+        }
+        let routes = format!(
+            "collection: envoy/config/route/v3/routeconfigurations\nname: {ROUTE_NAME}\nbody:\n  type_url: {ROUTE}\n  \
+             json:\n    name: {ROUTE_NAME}\n    virtual_hosts:\n    - name: all\n      domains: [\"*\"]\n      routes:\n      \
+             - match: {{prefix: /}}\n        route: {{cluster: {}}}\n",
+            self.route_to
+        );
+        let listeners = if self.listener_port == 0 {
+            "# listeners\n".to_owned()
+        } else {
+            format!(
+                "collection: envoy/config/listener/v3/listeners\nname: http\nbody:\n  type_url: {LISTENER}\n  json:\n    \
+                 name: http\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {}}}}}\n    \
+                 filter_chains:\n    - filters:\n      - name: envoy.filters.network.http_connection_manager\n        \
+                 typed_config:\n          \"@type\": \
+                 type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager\n          \
+                 stat_prefix: http\n          rds:\n            route_config_name: {ROUTE_NAME}\n            \
+                 config_source: {{ads: {{}}, resource_api_version: V3}}\n          http_filters:\n          - name: \
+                 envoy.filters.http.router\n            typed_config:\n              \"@type\": \
+                 type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n",
+                self.listener_port
+            )
+        };
+        [clusters, endpoints, listeners, routes]
+    }
+}
+
+/// `text`'s lines after the first indented by `levels` × 2 more spaces.
+fn indent(text: &str, levels: usize) -> String {
+    text.replace('\n', &format!("\n{}", "  ".repeat(levels)))
+}
+
+// === what a response holds ===
+
+/// The first field of Envoy's resources (`Cluster.name`,
+/// `ClusterLoadAssignment.cluster_name`, `RouteConfiguration.name`,
+/// `Listener.name`): enough to tell them apart without their Rust types.
+#[derive(Clone, PartialEq, prost::Message)]
+struct FirstField {
+    #[prost(string, tag = "1")]
+    name: String,
+}
+
+fn name_of(value: &[u8]) -> String {
+    FirstField::decode(value).expect("a resource named in field 1").name
+}
+
+/// The names a state-of-the-world response holds, sorted.
+fn sotw_names(response: &DiscoveryResponse) -> Vec<String> {
+    let mut names: Vec<String> = response.resources.iter().map(|r| name_of(&r.value)).collect();
+    names.sort();
+    names
+}
+
+/// The cluster the route of a response routes to (its bytes name it).
+fn routes_to(values: &[&[u8]], clusters: &[&str]) -> String {
+    let found: Vec<&str> = clusters
+        .iter()
+        .copied()
+        .filter(|c| values.iter().any(|v| v.windows(c.len()).any(|w| w == c.as_bytes())))
+        .collect();
+    assert_eq!(found.len(), 1, "one cluster named by the route, of {clusters:?}");
+    found[0].to_owned()
+}
+
+// === a client that does what Envoy does on the wire ===
+
+fn node() -> Option<Node> {
+    Some(Node {
+        id: "envoy-order".into(),
+        ..Default::default()
+    })
+}
+
+struct Sotw {
+    stream: SotwStream,
+}
+
+impl Sotw {
+    async fn open(addr: SocketAddr) -> Self {
+        Sotw {
+            stream: SotwStream::open(addr, SOTW).await,
+        }
+    }
+
+    fn request(&self, type_url: &str, names: &[&str], last: Option<&DiscoveryResponse>) {
+        self.stream.send(DiscoveryRequest {
+            type_url: type_url.into(),
+            resource_names: names.iter().map(|n| (*n).to_owned()).collect(),
+            version_info: last.map(|r| r.version_info.clone()).unwrap_or_default(),
+            response_nonce: last.map(|r| r.nonce.clone()).unwrap_or_default(),
+            node: node(),
+            ..Default::default()
+        });
+    }
+
+    /// An ACK, with the names the type subscribes to.
+    fn ack(&self, response: &DiscoveryResponse, names: &[&str]) {
+        self.request(&response.type_url, names, Some(response));
+    }
+
+    fn nack(&self, response: &DiscoveryResponse, held: &str, message: &str) {
+        self.stream.send(DiscoveryRequest {
+            type_url: response.type_url.clone(),
+            version_info: held.to_owned(),
+            response_nonce: response.nonce.clone(),
+            node: node(),
+            error_detail: Some(tonic_types::Status {
+                code: 3,
+                message: message.into(),
+                details: Vec::new(),
+            }),
+            ..Default::default()
+        });
+    }
+
+    /// The next response, which must be of `type_url`.
+    async fn next(&mut self, type_url: &str, what: &str) -> DiscoveryResponse {
+        let response = self.stream.recv().await;
+        assert_eq!(
+            response.type_url,
+            type_url,
+            "{what}: got {:?} first",
+            sotw_names(&response)
+        );
+        response
+    }
+}
+
+/// `/debug/syncz`'s row of the client's `type_url`.
+async fn row(admin: SocketAddr, type_url: &str) -> Value {
+    let syncz = get_json(admin, "/debug/syncz").await;
+    syncz["rows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["type_url"] == type_url)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+/// Waits until `/debug/syncz` shows `type_url` held for `waits_for`
+/// (`reason`, `step`): the gateway decided to hold it, which no wait on the
+/// stream can show.
+async fn held_for(admin: SocketAddr, type_url: &str, waits_for: &str, reason: &str, step: &str) {
+    let what = format!("{type_url} held for the {waits_for} ({reason}, {step})");
+    eventually_some(&what, || async {
+        let order = row(admin, type_url).await["order"].clone();
+        (order["waits_for"] == waits_for && order["reason"] == reason && order["step"] == step).then_some(())
+    })
+    .await;
+}
+
+/// Waits until no type of the client is held.
+async fn nothing_held(admin: SocketAddr) {
+    eventually_some("no type held", || async {
+        let syncz = get_json(admin, "/debug/syncz").await;
+        let rows = syncz["rows"].as_array().cloned().unwrap_or_default();
+        (!rows.is_empty() && rows.iter().all(|r| r["order"].is_null())).then_some(())
+    })
+    .await;
+}
+
+/// What Envoy does once clusters were removed: it stops asking for their
+/// endpoints (no answer needed), then ACKs the clusters.
+fn unsubscribe(envoy: &Sotw, clusters: &DiscoveryResponse, endpoints: &DiscoveryResponse, names: &[&str]) {
+    envoy.request(ENDPOINTS, names, Some(endpoints));
+    envoy.ack(clusters, &[]);
+}
+
+/// A route to a new EDS cluster goes after the cluster and its endpoints;
+/// back to the old cluster, the route goes first and the removal after;
+/// a switch keeps the old cluster until the route moved.
+#[tokio::test]
+async fn state_of_the_world_makes_before_it_breaks() {
+    let mut volume = Volume::new(&Config::new(Kind::Eds, &[("cluster-a", 1)], "cluster-a"));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let mut envoy = Sotw::open(gw.listen).await;
+
+    // Connecting: clusters (wildcard), their endpoints, the route by name.
+    envoy.request(CLUSTER, &[], None);
+    let clusters = envoy.next(CLUSTER, "the clusters").await;
+    assert_eq!(sotw_names(&clusters), ["cluster-a"]);
+    envoy.request(ENDPOINTS, &["cluster-a"], None);
+    envoy.ack(&clusters, &[]);
+    let endpoints = envoy.next(ENDPOINTS, "the endpoints").await;
+    envoy.ack(&endpoints, &["cluster-a"]);
+    envoy.request(ROUTE, &[ROUTE_NAME], None);
+    let route = envoy.next(ROUTE, "the route").await;
+    envoy.ack(&route, &[ROUTE_NAME]);
+    nothing_held(gw.admin).await;
+
+    // Add cluster-b and route to it: the cluster first, the route held.
+    volume.swap(&Config::new(
+        Kind::Eds,
+        &[("cluster-a", 1), ("cluster-b", 2)],
+        "cluster-b",
+    ));
+    let clusters = envoy.next(CLUSTER, "the added cluster before the route to it").await;
+    assert_eq!(sotw_names(&clusters), ["cluster-a", "cluster-b"]);
+    held_for(gw.admin, ROUTE, "clusters", "UNACKED", "add").await;
+    // Envoy asks for the new cluster's endpoints, then ACKs the cluster:
+    // the endpoints go at once, the route waits for them.
+    envoy.request(ENDPOINTS, &["cluster-a", "cluster-b"], Some(&endpoints));
+    envoy.ack(&clusters, &[]);
+    let endpoints = envoy
+        .next(ENDPOINTS, "the new cluster's endpoints before the route")
+        .await;
+    assert_eq!(sotw_names(&endpoints), ["cluster-a", "cluster-b"]);
+    held_for(gw.admin, ROUTE, "endpoints", "UNACKED", "add").await;
+    envoy.ack(&endpoints, &["cluster-a", "cluster-b"]);
+    let route = envoy.next(ROUTE, "the route once its cluster is warm").await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-b"]),
+        "cluster-b"
+    );
+    envoy.ack(&route, &[ROUTE_NAME]);
+    nothing_held(gw.admin).await;
+
+    // Back to cluster-a, cluster-b removed: the route first, the removals
+    // after its ACK (endpoints, then clusters: Envoy's order backwards).
+    volume.swap(&Config::new(Kind::Eds, &[("cluster-a", 1)], "cluster-a"));
+    let route = envoy
+        .next(ROUTE, "the route away from the cluster before its removal")
+        .await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-b"]),
+        "cluster-a"
+    );
+    held_for(gw.admin, CLUSTER, "routes", "UNACKED", "remove").await;
+    envoy.ack(&route, &[ROUTE_NAME]);
+    let endpoints = envoy
+        .next(ENDPOINTS, "the removed cluster's endpoints once the route moved")
+        .await;
+    assert_eq!(sotw_names(&endpoints), ["cluster-a"]);
+    held_for(gw.admin, CLUSTER, "endpoints", "UNACKED", "remove").await;
+    envoy.ack(&endpoints, &["cluster-a", "cluster-b"]);
+    let clusters = envoy.next(CLUSTER, "the cluster's removal last").await;
+    assert_eq!(sotw_names(&clusters), ["cluster-a"]);
+    unsubscribe(&envoy, &clusters, &endpoints, &["cluster-a"]);
+    nothing_held(gw.admin).await;
+
+    // A switch: cluster-c replaces cluster-a and the route moves to it.
+    // cluster-c comes with cluster-a kept, then its endpoints (cluster-a's
+    // kept too), then the route, then cluster-a goes.
+    volume.swap(&Config::new(Kind::Eds, &[("cluster-c", 3)], "cluster-c"));
+    let clusters = envoy.next(CLUSTER, "the new cluster, the old one kept").await;
+    assert_eq!(sotw_names(&clusters), ["cluster-a", "cluster-c"]);
+    held_for(gw.admin, ROUTE, "clusters", "UNACKED", "add").await;
+    envoy.request(ENDPOINTS, &["cluster-a", "cluster-c"], Some(&endpoints));
+    envoy.ack(&clusters, &[]);
+    let endpoints = envoy
+        .next(ENDPOINTS, "the new cluster's endpoints, the old one's kept")
+        .await;
+    assert_eq!(sotw_names(&endpoints), ["cluster-a", "cluster-c"]);
+    envoy.ack(&endpoints, &["cluster-a", "cluster-c"]);
+    let route = envoy.next(ROUTE, "the route to the new cluster").await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-c"]),
+        "cluster-c"
+    );
+    held_for(gw.admin, CLUSTER, "routes", "UNACKED", "remove").await;
+    envoy.ack(&route, &[ROUTE_NAME]);
+    let endpoints = envoy.next(ENDPOINTS, "the old cluster's endpoints removed").await;
+    assert_eq!(sotw_names(&endpoints), ["cluster-c"]);
+    envoy.ack(&endpoints, &["cluster-a", "cluster-c"]);
+    let clusters = envoy.next(CLUSTER, "the old cluster removed last").await;
+    assert_eq!(sotw_names(&clusters), ["cluster-c"]);
+    unsubscribe(&envoy, &clusters, &endpoints, &["cluster-c"]);
+    nothing_held(gw.admin).await;
+
+    // A change of one type goes at once.
+    volume.swap(&Config::new(Kind::Eds, &[("cluster-c", 4)], "cluster-c"));
+    let endpoints = envoy.next(ENDPOINTS, "an endpoint moved").await;
+    assert_eq!(sotw_names(&endpoints), ["cluster-c"]);
+    envoy.ack(&endpoints, &["cluster-c"]);
+    nothing_held(gw.admin).await;
+}
+
+struct Delta {
+    stream: DeltaStream,
+}
+
+impl Delta {
+    async fn open(addr: SocketAddr) -> Self {
+        Delta {
+            stream: DeltaStream::open(addr, DELTA).await,
+        }
+    }
+
+    /// Subscribes to (and unsubscribes from) names of `type_url`; the first
+    /// request of a type with none is wildcard.
+    fn subscribe(&self, type_url: &str, subscribe: &[&str], unsubscribe: &[&str]) {
+        self.stream.send(DeltaDiscoveryRequest {
+            type_url: type_url.into(),
+            resource_names_subscribe: subscribe.iter().map(|n| (*n).to_owned()).collect(),
+            resource_names_unsubscribe: unsubscribe.iter().map(|n| (*n).to_owned()).collect(),
+            node: node(),
+            ..Default::default()
+        });
+    }
+
+    fn ack(&self, response: &DeltaDiscoveryResponse) {
+        self.stream.send(DeltaDiscoveryRequest {
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            node: node(),
+            ..Default::default()
+        });
+    }
+
+    /// The next response, which must be of `type_url`: (the names it sends,
+    /// the names it removes), each sorted.
+    async fn next(&mut self, type_url: &str, what: &str) -> (DeltaDiscoveryResponse, Vec<String>, Vec<String>) {
+        let response = self.stream.recv().await;
+        let mut sent: Vec<String> = response.resources.iter().map(|r| r.name.clone()).collect();
+        sent.sort();
+        let mut removed = response.removed_resources.clone();
+        removed.sort();
+        assert_eq!(
+            response.type_url, type_url,
+            "{what}: got {sent:?} (removing {removed:?}) first"
+        );
+        (response, sent, removed)
+    }
+}
+
+/// The cluster the route of a delta response routes to.
+fn delta_routes_to(response: &DeltaDiscoveryResponse, clusters: &[&str]) -> String {
+    let values: Vec<&[u8]> = response
+        .resources
+        .iter()
+        .filter_map(|r| r.resource.as_ref().map(|a| &a.value[..]))
+        .collect();
+    routes_to(&values, clusters)
+}
+
+/// The same transitions over delta xDS: each step carries what changed, and
+/// a removal is a name in `removed_resources`, sent only once nothing names
+/// it any more.
+#[tokio::test]
+async fn delta_makes_before_it_breaks() {
+    let mut volume = Volume::new(&Config::new(Kind::Eds, &[("cluster-a", 1)], "cluster-a"));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let mut envoy = Delta::open(gw.listen).await;
+
+    envoy.subscribe(CLUSTER, &[], &[]);
+    let (clusters, sent, _) = envoy.next(CLUSTER, "the clusters").await;
+    assert_eq!(sent, ["cluster-a"]);
+    envoy.subscribe(ENDPOINTS, &["cluster-a"], &[]);
+    envoy.ack(&clusters);
+    let (endpoints, _, _) = envoy.next(ENDPOINTS, "the endpoints").await;
+    envoy.ack(&endpoints);
+    envoy.subscribe(ROUTE, &[ROUTE_NAME], &[]);
+    let (route, _, _) = envoy.next(ROUTE, "the route").await;
+    envoy.ack(&route);
+    nothing_held(gw.admin).await;
+
+    // A route to a new EDS cluster.
+    volume.swap(&Config::new(
+        Kind::Eds,
+        &[("cluster-a", 1), ("cluster-b", 2)],
+        "cluster-b",
+    ));
+    let (clusters, sent, removed) = envoy.next(CLUSTER, "the added cluster before the route to it").await;
+    assert_eq!((sent, removed), (vec!["cluster-b".to_owned()], vec![]));
+    held_for(gw.admin, ROUTE, "clusters", "UNACKED", "add").await;
+    envoy.subscribe(ENDPOINTS, &["cluster-b"], &[]);
+    envoy.ack(&clusters);
+    let (endpoints, sent, _) = envoy
+        .next(ENDPOINTS, "the new cluster's endpoints before the route")
+        .await;
+    assert_eq!(sent, ["cluster-b"]);
+    held_for(gw.admin, ROUTE, "endpoints", "UNACKED", "add").await;
+    envoy.ack(&endpoints);
+    let (route, _, _) = envoy.next(ROUTE, "the route once its cluster is warm").await;
+    assert_eq!(delta_routes_to(&route, &["cluster-a", "cluster-b"]), "cluster-b");
+    envoy.ack(&route);
+    nothing_held(gw.admin).await;
+
+    // Away from it, and it removed.
+    volume.swap(&Config::new(Kind::Eds, &[("cluster-a", 1)], "cluster-a"));
+    let (route, _, _) = envoy.next(ROUTE, "the route away before the removal").await;
+    assert_eq!(delta_routes_to(&route, &["cluster-a", "cluster-b"]), "cluster-a");
+    held_for(gw.admin, CLUSTER, "routes", "UNACKED", "remove").await;
+    envoy.ack(&route);
+    let (endpoints, sent, removed) = envoy.next(ENDPOINTS, "the endpoints' removal").await;
+    assert_eq!((sent, removed), (vec![], vec!["cluster-b".to_owned()]));
+    envoy.ack(&endpoints);
+    let (clusters, sent, removed) = envoy.next(CLUSTER, "the cluster's removal last").await;
+    assert_eq!((sent, removed), (vec![], vec!["cluster-b".to_owned()]));
+    envoy.subscribe(ENDPOINTS, &[], &["cluster-b"]);
+    envoy.ack(&clusters);
+    nothing_held(gw.admin).await;
+
+    // A switch: cluster-c for cluster-a.
+    volume.swap(&Config::new(Kind::Eds, &[("cluster-c", 3)], "cluster-c"));
+    let (clusters, sent, removed) = envoy.next(CLUSTER, "the new cluster, the old one kept").await;
+    assert_eq!((sent, removed), (vec!["cluster-c".to_owned()], vec![]));
+    envoy.subscribe(ENDPOINTS, &["cluster-c"], &[]);
+    envoy.ack(&clusters);
+    let (endpoints, sent, removed) = envoy.next(ENDPOINTS, "the new endpoints, the old kept").await;
+    assert_eq!((sent, removed), (vec!["cluster-c".to_owned()], vec![]));
+    envoy.ack(&endpoints);
+    let (route, _, _) = envoy.next(ROUTE, "the route to the new cluster").await;
+    assert_eq!(delta_routes_to(&route, &["cluster-a", "cluster-c"]), "cluster-c");
+    held_for(gw.admin, CLUSTER, "routes", "UNACKED", "remove").await;
+    envoy.ack(&route);
+    let (endpoints, sent, removed) = envoy.next(ENDPOINTS, "the old endpoints removed").await;
+    assert_eq!((sent, removed), (vec![], vec!["cluster-a".to_owned()]));
+    envoy.ack(&endpoints);
+    let (clusters, sent, removed) = envoy.next(CLUSTER, "the old cluster removed last").await;
+    assert_eq!((sent, removed), (vec![], vec!["cluster-a".to_owned()]));
+    envoy.subscribe(ENDPOINTS, &[], &["cluster-a"]);
+    envoy.ack(&clusters);
+    nothing_held(gw.admin).await;
+
+    // One type's change goes at once.
+    volume.swap(&Config::new(Kind::Eds, &[("cluster-c", 4)], "cluster-c"));
+    let (endpoints, sent, _) = envoy.next(ENDPOINTS, "an endpoint moved").await;
+    assert_eq!(sent, ["cluster-c"]);
+    envoy.ack(&endpoints);
+    nothing_held(gw.admin).await;
+}
+
+/// A cluster the client refuses holds the route to it, as `/debug/syncz`,
+/// `status`, the log and the metric say (a gateway process of its own: its
+/// count is this test's), until the source changes the cluster and the
+/// client takes it: then the route goes.
+#[tokio::test]
+async fn a_refused_cluster_holds_the_route_to_it_until_it_is_fixed() {
+    let mut volume = Volume::new(&Config::new(Kind::Static, &[("cluster-a", 1)], "cluster-a"));
+    let mut gw = spawn_gateway(None, &["--source-dir", volume.path()]).await;
+    let mut envoy = Sotw::open(gw.listen).await;
+    envoy.request(CLUSTER, &[], None);
+    let clusters = envoy.next(CLUSTER, "the clusters").await;
+    envoy.ack(&clusters, &[]);
+    envoy.request(ROUTE, &[ROUTE_NAME], None);
+    let route = envoy.next(ROUTE, "the route").await;
+    envoy.ack(&route, &[ROUTE_NAME]);
+    nothing_held(gw.admin).await;
+
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-b", 2)],
+        "cluster-b",
+    ));
+    let refused = envoy.next(CLUSTER, "the added cluster").await;
+    envoy.nack(&refused, &clusters.version_info, "cluster-b: refused by the test");
+    held_for(gw.admin, ROUTE, "clusters", "NACKED", "add").await;
+    let (code, stdout, _) = crate::operating::subcommand("status", &["--admin", &gw.admin.to_string()]).await;
+    assert_eq!(code, Some(1), "a held type is not synced:\n{stdout}");
+    assert!(
+        stdout.contains(
+            "HELD envoy-order envoy/config/route/v3/routeconfigurations: its change waits for the clusters, which \
+             the client refused (NACKed): held until the source fixes the clusters"
+        ),
+        "{stdout}"
+    );
+    let metrics = crate::helpers::http_get(gw.monitoring, "/metrics").await.1;
+    let held = crate::helpers::sample(
+        &metrics,
+        "mcp_gateway_order_holds_total",
+        &[
+            "collection=\"envoy/config/route/v3/routeconfigurations\"",
+            "step=\"add\"",
+        ],
+    );
+    assert_eq!(held, Some(1.0), "the route's hold counted once");
+    let logged = gw.log_line("a change is held").await;
+    assert!(
+        logged.contains("waits_for=\"clusters\"") || logged.contains("waits_for=clusters"),
+        "{logged}"
+    );
+
+    // The source fixes the cluster (another port): it goes, is taken, and
+    // the route follows.
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-b", 3)],
+        "cluster-b",
+    ));
+    let fixed = envoy.next(CLUSTER, "the fixed cluster before the route").await;
+    assert_eq!(sotw_names(&fixed), ["cluster-a", "cluster-b"]);
+    envoy.ack(&fixed, &[]);
+    let route = envoy.next(ROUTE, "the route once the cluster is taken").await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-b"]),
+        "cluster-b"
+    );
+    envoy.ack(&route, &[ROUTE_NAME]);
+    nothing_held(gw.admin).await;
+}
