@@ -91,13 +91,14 @@ pub(crate) enum Kind {
 }
 
 /// One version of the config: clusters (name, upstream port), the route's
-/// cluster, and a listener on `listener_port` (0: none) using the route.
+/// cluster, and (`listener`) an HTTP listener using the route, on a port of
+/// Envoy's choosing.
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) kind: Kind,
     pub(crate) clusters: Vec<(String, u16)>,
     pub(crate) route_to: String,
-    pub(crate) listener_port: u16,
+    pub(crate) listener: bool,
 }
 
 impl Config {
@@ -106,7 +107,7 @@ impl Config {
             kind,
             clusters: clusters.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect(),
             route_to: route_to.to_owned(),
-            listener_port: 0,
+            listener: false,
         }
     }
 
@@ -140,20 +141,19 @@ impl Config {
              - match: {{prefix: /}}\n        route: {{cluster: {}}}\n",
             self.route_to
         );
-        let listeners = if self.listener_port == 0 {
+        let listeners = if !self.listener {
             "# listeners\n".to_owned()
         } else {
             format!(
                 "collection: envoy/config/listener/v3/listeners\nname: http\nbody:\n  type_url: {LISTENER}\n  json:\n    \
-                 name: http\n    address: {{socket_address: {{address: 127.0.0.1, port_value: {}}}}}\n    \
+                 name: http\n    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}\n    \
                  filter_chains:\n    - filters:\n      - name: envoy.filters.network.http_connection_manager\n        \
                  typed_config:\n          \"@type\": \
                  type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager\n          \
                  stat_prefix: http\n          rds:\n            route_config_name: {ROUTE_NAME}\n            \
                  config_source: {{ads: {{}}, resource_api_version: V3}}\n          http_filters:\n          - name: \
                  envoy.filters.http.router\n            typed_config:\n              \"@type\": \
-                 type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n",
-                self.listener_port
+                 type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n"
             )
         };
         [clusters, endpoints, listeners, routes]

@@ -1,0 +1,270 @@
+//! A real Envoy 1.40 with traffic through it while its clusters and routes
+//! change (make before break, see `make_before_break` for the wire): the
+//! files source swapped whole as a Kubernetes volume is, a route moved to a
+//! new cluster, back, and from one cluster to another that replaces it, 20
+//! times, state of the world and delta, static and EDS clusters. Every
+//! request through Envoy's listener must be answered 200 by a backend: a
+//! route sent before its cluster (or its cluster's endpoints), or a cluster
+//! removed before the route away from it, is a 503 (`NC`, `UH`) here.
+//! Ignored (with the reason) where Envoy is not installed.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::helpers::envoy::{AdsApi, Envoy};
+use crate::helpers::{eventually_some, start_gateway, within};
+use crate::make_before_break::{Config, Kind, Volume};
+
+/// A backend that answers every HTTP/1.1 request 200 with its name, on
+/// kept-alive connections.
+async fn backend(name: &'static str) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(end) = find(&buf, b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let reply = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{name}", name.len());
+                        if socket.write_all(reply.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// What the traffic saw: every answer's status and backend, in order.
+#[derive(Default)]
+struct Seen {
+    ok: AtomicU64,
+    failures: Mutex<Vec<String>>,
+    /// The backends of the last answers (a window).
+    last: Mutex<std::collections::VecDeque<String>>,
+}
+
+impl Seen {
+    fn record(&self, status: u16, body: &str, headers: &str) {
+        if status == 200 {
+            self.ok.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let flags = headers
+                .lines()
+                .find(|l| l.to_ascii_lowercase().starts_with("x-envoy-response-flags"))
+                .unwrap_or_default()
+                .to_owned();
+            self.failures
+                .lock()
+                .unwrap()
+                .push(format!("{status} {flags} {}", body.trim()));
+        }
+        let mut last = self.last.lock().unwrap();
+        last.push_back(if status == 200 { body.to_owned() } else { status.to_string() });
+        if last.len() > 20 {
+            last.pop_front();
+        }
+    }
+
+    /// The last 20 answers all came from `name`.
+    fn settled_on(&self, name: &str) -> bool {
+        let last = self.last.lock().unwrap();
+        last.len() == 20 && last.iter().all(|b| b == name)
+    }
+}
+
+/// Sends GET / to `listener` over one kept-alive connection until `stop`,
+/// recording each answer; a connection that fails mid-request is a failure.
+async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(mut socket) = TcpStream::connect(listener).await else {
+            seen.failures.lock().unwrap().push("connect refused".into());
+            continue;
+        };
+        let mut buf = Vec::new();
+        'connection: while !stop.load(Ordering::Relaxed) {
+            if socket
+                .write_all(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
+                .await
+                .is_err()
+            {
+                seen.failures.lock().unwrap().push("write failed".into());
+                break;
+            }
+            // One response: headers, then content-length bytes.
+            let mut chunk = [0u8; 4096];
+            loop {
+                if let Some(end) = find(&buf, b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            let (name, value) = l.split_once(':')?;
+                            name.eq_ignore_ascii_case("content-length")
+                                .then(|| value.trim().parse().ok())
+                                .flatten()
+                        })
+                        .unwrap_or(0);
+                    if buf.len() >= end + 4 + length {
+                        let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + length]).into_owned();
+                        let status = head
+                            .split(' ')
+                            .nth(1)
+                            .and_then(|s| s.parse().ok())
+                            .unwrap_or(0);
+                        seen.record(status, &body, &head);
+                        buf.drain(..end + 4 + length);
+                        break;
+                    }
+                }
+                match tokio::time::timeout(Duration::from_secs(10), socket.read(&mut chunk)).await {
+                    Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                    _ => {
+                        seen.failures.lock().unwrap().push("connection closed mid-request".into());
+                        break 'connection;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Envoy's listener `http`, once it is up.
+async fn listener_address(envoy: &Envoy) -> SocketAddr {
+    eventually_some("Envoy's listener http to be up", || async {
+        let text = envoy.listeners().await;
+        text.lines()
+            .find_map(|l| l.strip_prefix("http::"))
+            .and_then(|a| a.trim().parse::<SocketAddr>().ok())
+            .filter(|a| a.port() != 0)
+    })
+    .await
+}
+
+async fn no_request_lost(api: AdsApi, kind: Kind) {
+    let a = backend("cluster-a").await.port();
+    let b = backend("cluster-b").await.port();
+    let version = |clusters: &[(&str, u16)], route_to: &str| {
+        let mut config = Config::new(kind, clusters, route_to);
+        config.listener = true;
+        config
+    };
+    let mut volume = Volume::new(&version(&[("cluster-a", a)], "cluster-a"));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let envoy = Envoy::start(gw.listen, api, "envoy-order")
+        .await
+        .unwrap_or_else(|why| panic!("Envoy: {why}"));
+    // Traffic once the listener is active (not warming: its route came).
+    envoy
+        .listeners_when("Envoy's listener to be active", |l| {
+            l.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>() == ["http"]
+        })
+        .await;
+    let listener = listener_address(&envoy).await;
+
+    let seen = Arc::new(Seen::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(traffic(listener, seen.clone(), stop.clone())))
+        .collect();
+    eventually_some("traffic to reach cluster-a", || async { seen.settled_on("cluster-a").then_some(()) }).await;
+
+    // Each transition, then its end state: the route's cluster answers every
+    // request and the clusters Envoy runs are the version's.
+    let transitions: [(&[(&str, u16)], &str, &[&str]); 4] = [
+        // A new cluster, and the route to it.
+        (&[("cluster-a", a), ("cluster-b", b)], "cluster-b", &["cluster-a", "cluster-b"]),
+        // Back, and the cluster removed.
+        (&[("cluster-a", a)], "cluster-a", &["cluster-a"]),
+        // A switch: cluster-b replaces cluster-a.
+        (&[("cluster-b", b)], "cluster-b", &["cluster-b"]),
+        // And back.
+        (&[("cluster-a", a)], "cluster-a", &["cluster-a"]),
+    ];
+    let mut took = Vec::new();
+    for round in 0..5 {
+        for (clusters, route_to, running) in transitions {
+            let before = seen.ok.load(Ordering::Relaxed);
+            let swapped = Instant::now();
+            volume.swap(&version(clusters, route_to));
+            eventually_some(&format!("round {round}: traffic to move to {route_to}"), || async {
+                seen.settled_on(route_to).then_some(())
+            })
+            .await;
+            took.push(swapped.elapsed());
+            envoy
+                .clusters_when(&format!("round {round}: Envoy to run {running:?}"), |c| {
+                    let mut names: Vec<&str> = c.iter().map(|(n, _)| n.as_str()).collect();
+                    names.sort_unstable();
+                    names == running
+                })
+                .await;
+            let during = seen.ok.load(Ordering::Relaxed) - before;
+            assert!(during >= 20, "round {round}: traffic flowed through the transition ({during} answers)");
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        within("the traffic to stop", worker).await.unwrap();
+    }
+    let failures = seen.failures.lock().unwrap().clone();
+    let ok = seen.ok.load(Ordering::Relaxed);
+    took.sort();
+    eprintln!(
+        "{api:?} {kind:?}: {ok} answered 200, {} failed over 20 transitions; swap to traffic moved: median {:?}, max {:?}",
+        failures.len(),
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+    assert!(
+        failures.is_empty(),
+        "{api:?} {kind:?}: {} of {} requests lost: {:?}\nEnvoy's log:\n{}",
+        failures.len(),
+        ok + failures.len() as u64,
+        &failures[..failures.len().min(20)],
+        crate::helpers::peers::tail(&envoy.log(), 40)
+    );
+    assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn no_request_is_lost_state_of_the_world_static_clusters() {
+    no_request_lost(AdsApi::Sotw, Kind::Static).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn no_request_is_lost_state_of_the_world_eds_clusters() {
+    no_request_lost(AdsApi::Sotw, Kind::Eds).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn no_request_is_lost_delta_static_clusters() {
+    no_request_lost(AdsApi::Delta, Kind::Static).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn no_request_is_lost_delta_eds_clusters() {
+    no_request_lost(AdsApi::Delta, Kind::Eds).await;
+}
