@@ -546,6 +546,9 @@ pub struct Cache {
 #[derive(Debug)]
 pub struct CacheWriter {
     cache: Arc<Cache>,
+    /// Inside [`CacheWriter::step`]: whether an apply changed something,
+    /// whom the step wakes once at its end.
+    stepping: Option<bool>,
 }
 
 // === impl Cache ===
@@ -564,7 +567,7 @@ impl Cache {
             history_len: versions.max(1),
             ..Cache::default()
         });
-        (cache.clone(), CacheWriter { cache })
+        (cache.clone(), CacheWriter { cache, stepping: None })
     }
 
     /// Versions kept per collection.
@@ -871,25 +874,51 @@ impl CacheWriter {
     /// Applies an update. Readers are woken only when the content changed.
     pub fn apply(&mut self, collection: &str, update: Update, origin: Origin) -> Applied {
         let applied = self.cache.apply(collection, update, origin, None);
-        self.cache.woken(&[&applied]);
+        self.applied(&applied);
         applied
     }
 
-    /// Applies the updates of several collections as one step (one read of
-    /// a directory): whoever lists the cache (the rollout, which fills every
-    /// stream's slots from it) sees all of them or none, and is woken once.
-    /// A stream that orders Envoy's types (make before break) must never see
-    /// a route to a cluster without the cluster's change beside it.
+    /// Runs `apply` as one step of the source (one read of a directory, the
+    /// messages of several collections that came together): whoever lists
+    /// the cache (the rollout, which fills every stream's versions from it)
+    /// sees all of its applies or none, and is woken once, at its end. A
+    /// stream that orders Envoy's types (make before break) must never see a
+    /// route to a cluster without the cluster's change beside it.
+    pub fn step<R>(&mut self, apply: impl FnOnce(&mut CacheWriter) -> R) -> R {
+        let cache = self.cache.clone();
+        let step = cache.step.write().expect("cache lock poisoned");
+        let outer = self.stepping.replace(false);
+        let result = apply(self);
+        let changed = std::mem::replace(&mut self.stepping, outer).unwrap_or(false);
+        drop(step);
+        if changed {
+            match &mut self.stepping {
+                Some(outer) => *outer = true,
+                None => cache.wake(),
+            }
+        }
+        result
+    }
+
+    /// Applies the updates of several collections as one [`Self::step`].
     pub fn apply_step(&mut self, updates: Vec<(Arc<str>, Update, Origin)>) -> Vec<Applied> {
-        let applied: Vec<Applied> = {
-            let _step = self.cache.step.write().expect("cache lock poisoned");
+        self.step(|writer| {
             updates
                 .into_iter()
-                .map(|(collection, update, origin)| self.cache.apply(&collection, update, origin, None))
+                .map(|(collection, update, origin)| writer.apply(&collection, update, origin))
                 .collect()
-        };
-        self.cache.woken(&applied.iter().collect::<Vec<_>>());
-        applied
+        })
+    }
+
+    /// Wakes whoever follows every collection, now or (in a step) at its
+    /// end, when `applied` changed one.
+    fn applied(&mut self, applied: &Applied) {
+        if matches!(applied, Applied::Changed { .. }) {
+            match &mut self.stepping {
+                Some(changed) => *changed = true,
+                None => self.cache.wake(),
+            }
+        }
     }
 
     /// Applies an update decoded from `message`, a source's message whose
@@ -905,7 +934,7 @@ impl CacheWriter {
         message: &Bytes,
     ) -> Applied {
         let applied = self.cache.apply(collection, update, origin, Some(message));
-        self.cache.woken(&[&applied]);
+        self.applied(&applied);
         applied
     }
 
@@ -1020,12 +1049,9 @@ impl Cache {
         Applied::Changed { version }
     }
 
-    /// Wakes whoever follows every collection when any of `applied` changed
-    /// one.
-    fn woken(&self, applied: &[&Applied]) {
-        if applied.iter().any(|a| matches!(a, Applied::Changed { .. })) {
-            self.generation.send_modify(|g| *g += 1);
-        }
+    /// Wakes whoever follows every collection.
+    fn wake(&self) {
+        self.generation.send_modify(|g| *g += 1);
     }
 }
 
@@ -1179,6 +1205,75 @@ impl Diff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a version removes, kept beside what it adds and changes: the
+    /// union, at the version the same content has anywhere (another replica
+    /// makes the same one); a version that removes nothing is itself.
+    #[test]
+    fn keeping_what_a_version_removes_is_the_union_at_its_content_version() {
+        let (cache, mut writer) = Cache::new();
+        writer.apply(
+            "c",
+            Update::Full(vec![resource("a", "1"), resource("b", "1")]),
+            Origin::Files,
+        );
+        let held = cache.get("c").unwrap();
+        writer.apply(
+            "c",
+            Update::Full(vec![resource("b", "2"), resource("c", "1")]),
+            Origin::Files,
+        );
+        let to = cache.get("c").unwrap();
+        let first = to.keeping(&held);
+        let versions: Vec<(String, String)> = first
+            .resources
+            .values()
+            .map(|r| (r.name.to_string(), r.version.to_string()))
+            .collect();
+        assert_eq!(
+            versions,
+            [("a", "1"), ("b", "2"), ("c", "1")].map(|(n, v)| (n.to_owned(), v.to_owned()))
+        );
+        let (elsewhere, mut other) = Cache::new();
+        other.apply(
+            "c",
+            Update::Full(vec![resource("a", "1"), resource("b", "2"), resource("c", "1")]),
+            Origin::Files,
+        );
+        assert_eq!(first.version, elsewhere.get("c").unwrap().version);
+        let members: usize = first.chunks().map(|c| c.members().len()).sum();
+        assert_eq!(members, 3, "its chunks hold what it holds");
+        assert!(Arc::ptr_eq(&to.keeping(&to), &to));
+    }
+
+    /// A step wakes whoever follows every collection once, at its end,
+    /// whatever it applied; a step that changed nothing wakes nobody.
+    #[test]
+    fn a_step_wakes_once_at_its_end() {
+        let (cache, mut writer) = Cache::new();
+        let mut changes = cache.changes();
+        changes.mark_unchanged();
+        let before = *changes.borrow();
+        let applied = writer.step(|writer| {
+            let a = writer.apply("a", Update::Full(vec![resource("x", "1")]), Origin::Files);
+            let b = writer.apply("b", Update::Full(vec![resource("y", "1")]), Origin::Files);
+            assert!(!changes.has_changed().unwrap(), "nobody woken before the step ends");
+            assert_eq!(cache.get("b").map(|s| s.len()), Some(1), "each apply is in its slot");
+            [a, b]
+        });
+        assert!(applied.iter().all(|a| matches!(a, Applied::Changed { .. })));
+        assert_eq!(*changes.borrow_and_update(), before + 1, "woken once");
+        let names: Vec<String> = cache.snapshots().iter().map(|s| s.collection.to_string()).collect();
+        assert_eq!(names, ["a", "b"]);
+
+        let applied = writer.apply_step(vec![(
+            "a".into(),
+            Update::Full(vec![resource("x", "1")]),
+            Origin::Files,
+        )]);
+        assert!(matches!(applied[..], [Applied::Unchanged { .. }]));
+        assert!(!changes.has_changed().unwrap(), "nothing changed: nobody woken");
+    }
 
     fn resource(name: &str, version: &str) -> CachedResource {
         with_body(name, version, &format!("{name}@{version}"))

@@ -213,10 +213,21 @@ impl Opened {
             tokio::select! {
                 message = inbound.message() => match message {
                     Ok(Some(message)) => {
-                        if let Err(end) = self.on_message(message, writer).await {
+                        // The messages that came with it (a source pushes each
+                        // collection of a change as a message of its own) are
+                        // applied as one step: no client sees half of the
+                        // change (make before break across Envoy's types).
+                        let (step, end) = came_with(message, inbound, self.session.max_message_bytes());
+                        if let Err(end) = self.on_messages(step, writer).await {
                             return end;
                         }
                         *progress = self.session.applied_every_collection();
+                        if let Some(status) = end {
+                            return match status {
+                                Some(status) => self.receive_failed(status),
+                                None => closed(),
+                            };
+                        }
                     }
                     Ok(None) => return closed(),
                     Err(status) => return self.receive_failed(status),
@@ -244,13 +255,35 @@ impl Opened {
     }
 
     async fn on_message(&mut self, message: Received, writer: &mut CacheWriter) -> Result<(), StreamEnd> {
-        let handled = self.session.handle(message, writer);
-        if self.tx.send(handled.reply).await.is_err() {
-            send_failed("Unavailable");
-            return Err(StreamEnd::Failed {
-                reason: Failure::Send,
-                message: "the stream to the source closed while sending an ACK".into(),
-            });
+        self.on_messages(vec![message], writer).await
+    }
+
+    /// Applies `messages` as one step of the cache, then ACKs or NACKs each,
+    /// in order.
+    async fn on_messages(&mut self, messages: Vec<Received>, writer: &mut CacheWriter) -> Result<(), StreamEnd> {
+        let messages_len = messages.len();
+        let session = &mut self.session;
+        let handle = |writer: &mut CacheWriter| -> Vec<RequestResources> {
+            messages
+                .into_iter()
+                .map(|message| session.handle(message, writer).reply)
+                .collect()
+        };
+        // One message is a step by itself (and a large one keeps nobody
+        // waiting for the step's lock while it is applied).
+        let replies = if messages_len == 1 {
+            handle(writer)
+        } else {
+            writer.step(handle)
+        };
+        for reply in replies {
+            if self.tx.send(reply).await.is_err() {
+                send_failed("Unavailable");
+                return Err(StreamEnd::Failed {
+                    reason: Failure::Send,
+                    message: "the stream to the source closed while sending an ACK".into(),
+                });
+            }
         }
         Ok(())
     }
@@ -264,6 +297,38 @@ impl Opened {
         .increment(1);
         classify(status, self.session.max_message_bytes())
     }
+}
+
+/// Messages of one step at most: a source's push of every collection.
+const STEP_MESSAGES: usize = 64;
+
+/// `first`, and the messages already read after it (none is waited for),
+/// up to [`STEP_MESSAGES`] and about `max_bytes` in all (one message's limit:
+/// a step holds at most twice what one message may), and how the stream
+/// ended if it did meanwhile (`Some(None)`: closed).
+fn came_with(
+    first: Received,
+    inbound: &mut Inbound,
+    max_bytes: usize,
+) -> (Vec<Received>, Option<Option<tonic::Status>>) {
+    let mut bytes = first.buffer.len();
+    let mut step = vec![first];
+    while step.len() < STEP_MESSAGES && bytes < max_bytes {
+        // Polled once: `message` is cancel-safe, and whatever is not read
+        // yet waits for the next turn of the loop.
+        let next = std::pin::pin!(inbound.message());
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        match std::future::Future::poll(next, &mut context) {
+            std::task::Poll::Ready(Ok(Some(message))) => {
+                bytes += message.buffer.len();
+                step.push(message);
+            }
+            std::task::Poll::Ready(Ok(None)) => return (step, Some(None)),
+            std::task::Poll::Ready(Err(status)) => return (step, Some(Some(status))),
+            std::task::Poll::Pending => break,
+        }
+    }
+    (step, None)
 }
 
 fn closed() -> StreamEnd {
@@ -318,6 +383,60 @@ pub fn classify(status: tonic::Status, max_message_bytes: usize) -> StreamEnd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A source's messages on a stream whose bytes come as `tx` sends them.
+    fn inbound() -> (tokio::sync::mpsc::UnboundedSender<bytes::Bytes>, Inbound) {
+        use tokio_stream::StreamExt;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<bytes::Bytes>();
+        let body = tonic::body::Body::new(http_body_util::StreamBody::new(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+                .map(|b| Ok::<_, tonic::Status>(http_body::Frame::data(b))),
+        ));
+        let budget = crate::transport::requests::RequestBudget::for_source(4 << 20, true);
+        (tx, Inbound::new(body, budget, "Resources"))
+    }
+
+    /// A message of `collection`, framed as gRPC sends it.
+    fn framed(collection: &str) -> Vec<u8> {
+        let message = prost::Message::encode_to_vec(&crate::proto::wire::RawResources {
+            collection: collection.into(),
+            nonce: "1".into(),
+            ..Default::default()
+        });
+        let mut bytes = vec![0];
+        bytes.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(&message);
+        bytes
+    }
+
+    /// The messages already read with the first are one step; the next,
+    /// not yet come, is not waited for; the end met meanwhile is kept.
+    #[tokio::test]
+    async fn the_messages_that_came_together_are_one_step() {
+        let (tx, mut inbound) = inbound();
+        tx.send([framed("a"), framed("b"), framed("c")].concat().into())
+            .unwrap();
+        let first = inbound.message().await.unwrap().unwrap();
+        let (step, end) = came_with(first, &mut inbound, 4 << 20);
+        let collections: Vec<&str> = step.iter().map(|m| m.message.collection.as_str()).collect();
+        assert_eq!(collections, ["a", "b", "c"]);
+        assert!(end.is_none(), "the stream goes on");
+
+        // Bounded by bytes: past one message's limit, the rest waits.
+        tx.send([framed("d"), framed("e")].concat().into()).unwrap();
+        let first = inbound.message().await.unwrap().unwrap();
+        let (step, _) = came_with(first, &mut inbound, 1);
+        assert_eq!(step.len(), 1);
+        let next = inbound.message().await.unwrap().unwrap();
+        assert_eq!(next.message.collection, "e");
+
+        tx.send(framed("f").into()).unwrap();
+        drop(tx);
+        let first = inbound.message().await.unwrap().unwrap();
+        let (step, end) = came_with(first, &mut inbound, 4 << 20);
+        assert_eq!(step.len(), 1);
+        assert!(end.is_some(), "the end met is kept for after the step");
+    }
 
     #[test]
     fn every_end_has_a_registered_reason() {

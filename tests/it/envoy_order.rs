@@ -11,7 +11,9 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -78,7 +80,11 @@ impl Seen {
                 .push(format!("{status} {flags} {}", body.trim()));
         }
         let mut last = self.last.lock().unwrap();
-        last.push_back(if status == 200 { body.to_owned() } else { status.to_string() });
+        last.push_back(if status == 200 {
+            body.to_owned()
+        } else {
+            status.to_string()
+        });
         if last.len() > 20 {
             last.pop_front();
         }
@@ -101,11 +107,7 @@ async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
         };
         let mut buf = Vec::new();
         'connection: while !stop.load(Ordering::Relaxed) {
-            if socket
-                .write_all(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
-                .await
-                .is_err()
-            {
+            if socket.write_all(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n").await.is_err() {
                 seen.failures.lock().unwrap().push("write failed".into());
                 break;
             }
@@ -125,11 +127,7 @@ async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
                         .unwrap_or(0);
                     if buf.len() >= end + 4 + length {
                         let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + length]).into_owned();
-                        let status = head
-                            .split(' ')
-                            .nth(1)
-                            .and_then(|s| s.parse().ok())
-                            .unwrap_or(0);
+                        let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
                         seen.record(status, &body, &head);
                         buf.drain(..end + 4 + length);
                         break;
@@ -138,7 +136,10 @@ async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
                 match tokio::time::timeout(Duration::from_secs(10), socket.read(&mut chunk)).await {
                     Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
                     _ => {
-                        seen.failures.lock().unwrap().push("connection closed mid-request".into());
+                        seen.failures
+                            .lock()
+                            .unwrap()
+                            .push("connection closed mid-request".into());
                         break 'connection;
                     }
                 }
@@ -158,6 +159,10 @@ async fn listener_address(envoy: &Envoy) -> SocketAddr {
     })
     .await
 }
+
+/// A version's clusters (name, port), the route's cluster, and the clusters
+/// Envoy runs once it took the version whole.
+type Transition<'a> = (&'a [(&'a str, u16)], &'a str, &'a [&'a str]);
 
 async fn no_request_lost(api: AdsApi, kind: Kind) {
     let a = backend("cluster-a").await.port();
@@ -185,13 +190,20 @@ async fn no_request_lost(api: AdsApi, kind: Kind) {
     let workers: Vec<_> = (0..2)
         .map(|_| tokio::spawn(traffic(listener, seen.clone(), stop.clone())))
         .collect();
-    eventually_some("traffic to reach cluster-a", || async { seen.settled_on("cluster-a").then_some(()) }).await;
+    eventually_some("traffic to reach cluster-a", || async {
+        seen.settled_on("cluster-a").then_some(())
+    })
+    .await;
 
     // Each transition, then its end state: the route's cluster answers every
     // request and the clusters Envoy runs are the version's.
-    let transitions: [(&[(&str, u16)], &str, &[&str]); 4] = [
+    let transitions: [Transition; 4] = [
         // A new cluster, and the route to it.
-        (&[("cluster-a", a), ("cluster-b", b)], "cluster-b", &["cluster-a", "cluster-b"]),
+        (
+            &[("cluster-a", a), ("cluster-b", b)],
+            "cluster-b",
+            &["cluster-a", "cluster-b"],
+        ),
         // Back, and the cluster removed.
         (&[("cluster-a", a)], "cluster-a", &["cluster-a"]),
         // A switch: cluster-b replaces cluster-a.
@@ -218,7 +230,10 @@ async fn no_request_lost(api: AdsApi, kind: Kind) {
                 })
                 .await;
             let during = seen.ok.load(Ordering::Relaxed) - before;
-            assert!(during >= 20, "round {round}: traffic flowed through the transition ({during} answers)");
+            assert!(
+                during >= 20,
+                "round {round}: traffic flowed through the transition ({during} answers)"
+            );
         }
     }
     stop.store(true, Ordering::Relaxed);
