@@ -71,6 +71,15 @@ pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_t
 /// Changes of an Envoy type held back for another type of the same stream
 /// (make before break), by `collection` and `step` (`add`, `remove`).
 pub const ORDER_HOLDS: &str = "mcp_gateway_order_holds_total";
+/// The collections of the types make before break orders (their type URLs
+/// are `downstream::order::Rank`'s), whose hold series are there from start.
+const ORDERED_COLLECTIONS: [&str; 5] = [
+    "envoy/extensions/transport_sockets/tls/v3/secrets",
+    "envoy/config/cluster/v3/clusters",
+    "envoy/config/endpoint/v3/clusterloadassignments",
+    "envoy/config/listener/v3/listeners",
+    "envoy/config/route/v3/routeconfigurations",
+];
 pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
 pub const ADMIN_CONTROLS: &str = "mcp_gateway_admin_controls_total";
 pub const ADMIN_REFUSALS: &str = "mcp_gateway_admin_refusals_total";
@@ -281,6 +290,11 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     metrics::gauge!(CLIENTS, "component" => COMPONENT_DOWNSTREAM).set(0.0);
     metrics::gauge!(REQUEST_BUFFER_BYTES).set(0.0);
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
+    for collection in ORDERED_COLLECTIONS {
+        for step in ["add", "remove"] {
+            metrics::counter!(ORDER_HOLDS, "collection" => collection, "step" => step).absolute(0);
+        }
+    }
     for control in ADMIN_CONTROL_NAMES {
         metrics::counter!(ADMIN_CONTROLS, "control" => control, "code" => "200").absolute(0);
     }
@@ -296,12 +310,6 @@ pub fn register_defaults(collections: &[Arc<str>]) {
             metrics::counter!(ACCESS_DENIED, "collection" => c(), "reason" => reason).absolute(0);
         }
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
-        // Only Envoy's types are ordered.
-        if collection.starts_with("envoy/") {
-            for step in ["add", "remove"] {
-                metrics::counter!(ORDER_HOLDS, "collection" => c(), "step" => step).absolute(0);
-            }
-        }
         // A configured collection is never demanded; the series is there, at
         // 0, for the dashboards and the docs' promise of every series.
         metrics::counter!(DEMAND_TIMEOUTS, "collection" => c()).absolute(0);

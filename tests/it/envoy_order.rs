@@ -260,6 +260,73 @@ async fn no_request_lost(api: AdsApi, kind: Kind) {
     assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(0));
 }
 
+/// Cluster `name`'s connect timeout among the active clusters of a config
+/// dump, when no cluster is warming.
+fn active_connect_timeout(dump: &serde_json::Value, name: &str) -> Option<String> {
+    let clusters = crate::helpers::envoy::section(dump, "ClustersConfigDump")?;
+    let warming = clusters["dynamic_warming_clusters"].as_array().map_or(0, Vec::len);
+    let active = clusters["dynamic_active_clusters"].as_array()?;
+    let cluster = active.iter().find(|c| c["cluster"]["name"] == name)?;
+    (warming == 0).then(|| cluster["cluster"]["connect_timeout"].as_str().map(str::to_owned))?
+}
+
+/// A changed EDS cluster is a new cluster to Envoy, warming until its
+/// endpoints come (the files give it 5 minutes: a cluster left without them
+/// would stay warming past the test's wait): they come, it takes over, and
+/// no request is lost.
+async fn a_changed_eds_cluster_takes_over(api: AdsApi) {
+    let a = backend("cluster-a").await.port();
+    let version = |connect_timeout: &'static str| {
+        let mut config = Config::new(Kind::Eds, &[("cluster-a", a)], "cluster-a");
+        config.listener = true;
+        config.connect_timeout = connect_timeout;
+        config
+    };
+    let mut volume = Volume::new(&version("1s"));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let envoy = Envoy::start(gw.listen, api, "envoy-order")
+        .await
+        .unwrap_or_else(|why| panic!("Envoy: {why}"));
+    envoy
+        .listeners_when("Envoy's listener to be active", |l| {
+            l.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>() == ["http"]
+        })
+        .await;
+    let listener = listener_address(&envoy).await;
+    let seen = Arc::new(Seen::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = tokio::spawn(traffic(listener, seen.clone(), stop.clone()));
+    eventually_some("traffic to reach cluster-a", || async {
+        seen.settled_on("cluster-a").then_some(())
+    })
+    .await;
+    for timeout in ["2s", "3s", "1s", "2s"] {
+        volume.swap(&version(timeout));
+        envoy
+            .dump_matches(&format!("cluster-a at connect timeout {timeout}, warm"), |d| {
+                active_connect_timeout(d, "cluster-a").as_deref() == Some(timeout)
+            })
+            .await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    within("the traffic to stop", worker).await.unwrap();
+    let failures = seen.failures.lock().unwrap().clone();
+    assert!(failures.is_empty(), "{api:?}: requests lost: {failures:?}");
+    assert!(seen.ok.load(Ordering::Relaxed) > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_changed_eds_cluster_takes_over_state_of_the_world() {
+    a_changed_eds_cluster_takes_over(AdsApi::Sotw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_changed_eds_cluster_takes_over_delta() {
+    a_changed_eds_cluster_takes_over(AdsApi::Delta).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn no_request_is_lost_state_of_the_world_static_clusters() {

@@ -99,6 +99,9 @@ pub(crate) struct Config {
     pub(crate) clusters: Vec<(String, u16)>,
     pub(crate) route_to: String,
     pub(crate) listener: bool,
+    /// Every cluster's connect timeout (a change of the clusters that
+    /// touches nothing else).
+    pub(crate) connect_timeout: &'static str,
 }
 
 impl Config {
@@ -108,6 +111,7 @@ impl Config {
             clusters: clusters.iter().map(|(n, p)| ((*n).to_owned(), *p)).collect(),
             route_to: route_to.to_owned(),
             listener: false,
+            connect_timeout: "1s",
         }
     }
 
@@ -127,12 +131,15 @@ impl Config {
                         "---\ncollection: envoy/config/endpoint/v3/clusterloadassignments\nname: {name}\nbody:\n  \
                          type_url: {ENDPOINTS}\n  json:\n    {assignment}\n"
                     ));
-                    "type: EDS\n    eds_cluster_config: {eds_config: {ads: {}, resource_api_version: V3}}".to_owned()
+                    "type: EDS\n    eds_cluster_config: {eds_config: {ads: {}, resource_api_version: V3, \
+                     initial_fetch_timeout: 300s}}"
+                        .to_owned()
                 }
             };
             clusters.push_str(&format!(
                 "---\ncollection: envoy/config/cluster/v3/clusters\nname: {name}\nbody:\n  type_url: {CLUSTER}\n  json:\n    \
-                 name: {name}\n    connect_timeout: 1s\n    {how}\n"
+                 name: {name}\n    connect_timeout: {}\n    {how}\n",
+                self.connect_timeout
             ));
         }
         let routes = format!(
