@@ -310,6 +310,11 @@ pub fn register_defaults(collections: &[Arc<str>]) {
             metrics::counter!(ACCESS_DENIED, "collection" => c(), "reason" => reason).absolute(0);
         }
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
+        // Only Envoy's types are ordered; like every collection-labelled
+        // family, the series of each configured collection is there.
+        for step in ["add", "remove"] {
+            metrics::counter!(ORDER_HOLDS, "collection" => c(), "step" => step).absolute(0);
+        }
         // A configured collection is never demanded; the series is there, at
         // 0, for the dashboards and the docs' promise of every series.
         metrics::counter!(DEMAND_TIMEOUTS, "collection" => c()).absolute(0);
