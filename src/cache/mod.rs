@@ -276,33 +276,21 @@ impl CollectionSnapshot {
     ) -> Arc<CollectionSnapshot> {
         let diff = Diff::between(&whole.resources, &self.resources);
         let mut resources = view.resources.clone();
-        let mut total = Total {
-            sum: view.content_sum,
-            bytes: view.bytes,
-            changed: Vec::new(),
-        };
+        let mut total = Total::of(view);
         for resource in diff.upserts.iter().filter(|r| keep(&r.name)) {
             total.upsert(&mut resources, resource);
         }
         for name in diff.removed.iter().filter(|n| keep(n)) {
             total.remove(&mut resources, name);
         }
-        let Total {
-            sum,
-            bytes,
-            mut changed,
-        } = total;
-        if changed.is_empty() {
+        if total.changed.is_empty() {
             return view.clone();
         }
         if resources.len() == self.resources.len() {
             // It keeps everything now: the whole, stored once.
             return self.clone();
         }
-        changed.sort_unstable();
-        changed.dedup();
-        let chunks = rechunk(&view.chunks, &view.resources, &mut resources, &changed);
-        self.view(resources, sum, chunks, bytes)
+        self.view_from(view, resources, total)
     }
 
     /// This snapshot with the resources of `held` that it no longer has put
@@ -317,16 +305,24 @@ impl CollectionSnapshot {
             return self.clone();
         }
         let mut resources = self.resources.clone();
-        let mut total = Total {
-            sum: self.content_sum,
-            bytes: self.bytes,
-            changed: Vec::new(),
-        };
+        let mut total = Total::of(self);
         for name in &diff.removed {
             if let Some(resource) = held.resources.get(&**name) {
                 total.upsert(&mut resources, resource);
             }
         }
+        self.view_from(self, resources, total)
+    }
+
+    /// A view of this snapshot holding `resources`: `base` (of the same
+    /// collection) after `total`'s changes, its chunks shared but where they
+    /// changed.
+    fn view_from(
+        &self,
+        base: &CollectionSnapshot,
+        mut resources: ResourceMap,
+        total: Total,
+    ) -> Arc<CollectionSnapshot> {
         let Total {
             sum,
             bytes,
@@ -334,7 +330,7 @@ impl CollectionSnapshot {
         } = total;
         changed.sort_unstable();
         changed.dedup();
-        let chunks = rechunk(&self.chunks, &self.resources, &mut resources, &changed);
+        let chunks = rechunk(&base.chunks, &base.resources, &mut resources, &changed);
         self.view(resources, sum, chunks, bytes)
     }
 
@@ -1064,6 +1060,15 @@ struct Total {
 }
 
 impl Total {
+    /// Nothing changed yet from `snapshot`.
+    fn of(snapshot: &CollectionSnapshot) -> Self {
+        Total {
+            sum: snapshot.content_sum,
+            bytes: snapshot.bytes,
+            changed: Vec::new(),
+        }
+    }
+
     fn upsert(&mut self, resources: &mut ResourceMap, resource: &Arc<CachedResource>) {
         if let Some(old) = resources.get(&*resource.name) {
             if old == resource {

@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::helpers::envoy::{AdsApi, Envoy};
 use crate::helpers::{eventually_some, start_gateway, within};
 use crate::make_before_break::{Config, Kind, Volume};
+use mcp_xds_gateway::app::Bound;
 
 /// A backend that answers every HTTP/1.1 request 200 with its name, on
 /// kept-alive connections.
@@ -148,6 +149,58 @@ async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
     }
 }
 
+/// A real Envoy on a gateway serving `volume`, and traffic through its
+/// listener on `connections` kept-alive connections.
+struct Running {
+    envoy: Envoy,
+    seen: Arc<Seen>,
+    stop: Arc<AtomicBool>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Starts them; returns once the traffic reaches backend `first` (the
+    /// listener active: its route came).
+    async fn start(volume: &Volume, api: AdsApi, connections: usize, first: &str) -> (Bound, Running) {
+        let gw = start_gateway(&["--source-dir", volume.path()]).await;
+        let envoy = Envoy::start(gw.listen, api, "envoy-order")
+            .await
+            .unwrap_or_else(|why| panic!("Envoy: {why}"));
+        envoy
+            .listeners_when("Envoy's listener to be active", |l| {
+                l.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>() == ["http"]
+            })
+            .await;
+        let listener = listener_address(&envoy).await;
+        let seen = Arc::new(Seen::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let workers = (0..connections)
+            .map(|_| tokio::spawn(traffic(listener, seen.clone(), stop.clone())))
+            .collect();
+        eventually_some(&format!("traffic to reach {first}"), || async {
+            seen.settled_on(first).then_some(())
+        })
+        .await;
+        let running = Running {
+            envoy,
+            seen,
+            stop,
+            workers,
+        };
+        (gw, running)
+    }
+
+    /// Stops the traffic: the failures, and how many were answered 200.
+    async fn stop(&mut self) -> (Vec<String>, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        for worker in self.workers.drain(..) {
+            within("the traffic to stop", worker).await.unwrap();
+        }
+        let failures = self.seen.failures.lock().unwrap().clone();
+        (failures, self.seen.ok.load(Ordering::Relaxed))
+    }
+}
+
 /// Envoy's listener `http`, once it is up.
 async fn listener_address(envoy: &Envoy) -> SocketAddr {
     eventually_some("Envoy's listener http to be up", || async {
@@ -173,27 +226,8 @@ async fn no_request_lost(api: AdsApi, kind: Kind) {
         config
     };
     let mut volume = Volume::new(&version(&[("cluster-a", a)], "cluster-a"));
-    let gw = start_gateway(&["--source-dir", volume.path()]).await;
-    let envoy = Envoy::start(gw.listen, api, "envoy-order")
-        .await
-        .unwrap_or_else(|why| panic!("Envoy: {why}"));
-    // Traffic once the listener is active (not warming: its route came).
-    envoy
-        .listeners_when("Envoy's listener to be active", |l| {
-            l.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>() == ["http"]
-        })
-        .await;
-    let listener = listener_address(&envoy).await;
-
-    let seen = Arc::new(Seen::default());
-    let stop = Arc::new(AtomicBool::new(false));
-    let workers: Vec<_> = (0..2)
-        .map(|_| tokio::spawn(traffic(listener, seen.clone(), stop.clone())))
-        .collect();
-    eventually_some("traffic to reach cluster-a", || async {
-        seen.settled_on("cluster-a").then_some(())
-    })
-    .await;
+    let (_gw, mut run) = Running::start(&volume, api, 2, "cluster-a").await;
+    let (envoy, seen) = (&run.envoy, run.seen.clone());
 
     // Each transition, then its end state: the route's cluster answers every
     // request and the clusters Envoy runs are the version's.
@@ -236,18 +270,37 @@ async fn no_request_lost(api: AdsApi, kind: Kind) {
             );
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    for worker in workers {
-        within("the traffic to stop", worker).await.unwrap();
+    // A change of one type (the route, between two clusters Envoy runs)
+    // waits for nothing: how long it takes is printed beside the others'.
+    let both = [("cluster-a", a), ("cluster-b", b)];
+    volume.swap(&version(&both, "cluster-a"));
+    envoy
+        .clusters_when("Envoy to run both clusters", |c| c.len() == 2)
+        .await;
+    let mut single = Vec::new();
+    for route_to in ["cluster-b", "cluster-a", "cluster-b", "cluster-a"] {
+        let swapped = Instant::now();
+        volume.swap(&version(&both, route_to));
+        eventually_some(&format!("the route alone to move to {route_to}"), || async {
+            seen.settled_on(route_to).then_some(())
+        })
+        .await;
+        single.push(swapped.elapsed());
     }
-    let failures = seen.failures.lock().unwrap().clone();
-    let ok = seen.ok.load(Ordering::Relaxed);
+    let (failures, ok) = run.stop().await;
+    let envoy = &run.envoy;
     took.sort();
+    single.sort();
+    // Each time includes the files source's settle (100 ms) and the 20
+    // answers the traffic waits for.
     eprintln!(
-        "{api:?} {kind:?}: {ok} answered 200, {} failed over 20 transitions; swap to traffic moved: median {:?}, max {:?}",
+        "{api:?} {kind:?}: {ok} answered 200, {} failed over 24 transitions; swap to traffic moved: median {:?}, \
+         max {:?} (several types); median {:?}, max {:?} (the route alone)",
         failures.len(),
         took[took.len() / 2],
-        took[took.len() - 1]
+        took[took.len() - 1],
+        single[single.len() / 2],
+        single[single.len() - 1],
     );
     assert!(
         failures.is_empty(),
@@ -283,36 +336,18 @@ async fn a_changed_eds_cluster_takes_over(api: AdsApi) {
         config
     };
     let mut volume = Volume::new(&version("1s"));
-    let gw = start_gateway(&["--source-dir", volume.path()]).await;
-    let envoy = Envoy::start(gw.listen, api, "envoy-order")
-        .await
-        .unwrap_or_else(|why| panic!("Envoy: {why}"));
-    envoy
-        .listeners_when("Envoy's listener to be active", |l| {
-            l.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>() == ["http"]
-        })
-        .await;
-    let listener = listener_address(&envoy).await;
-    let seen = Arc::new(Seen::default());
-    let stop = Arc::new(AtomicBool::new(false));
-    let worker = tokio::spawn(traffic(listener, seen.clone(), stop.clone()));
-    eventually_some("traffic to reach cluster-a", || async {
-        seen.settled_on("cluster-a").then_some(())
-    })
-    .await;
+    let (_gw, mut run) = Running::start(&volume, api, 1, "cluster-a").await;
     for timeout in ["2s", "3s", "1s", "2s"] {
         volume.swap(&version(timeout));
-        envoy
+        run.envoy
             .dump_matches(&format!("cluster-a at connect timeout {timeout}, warm"), |d| {
                 active_connect_timeout(d, "cluster-a").as_deref() == Some(timeout)
             })
             .await;
     }
-    stop.store(true, Ordering::Relaxed);
-    within("the traffic to stop", worker).await.unwrap();
-    let failures = seen.failures.lock().unwrap().clone();
+    let (failures, ok) = run.stop().await;
     assert!(failures.is_empty(), "{api:?}: requests lost: {failures:?}");
-    assert!(seen.ok.load(Ordering::Relaxed) > 0);
+    assert!(ok > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
