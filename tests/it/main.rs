@@ -28,6 +28,7 @@ mod load;
 mod operating;
 mod process;
 mod properties;
+mod reconnect;
 mod redaction;
 mod resource_source;
 mod rollout;
