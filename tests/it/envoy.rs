@@ -176,7 +176,7 @@ fn unbuildable_cluster(name: &str) -> String {
 }
 
 /// A TCP proxy to `cluster` on a port of the kernel's choosing.
-fn listener_doc(name: &str, cluster: &str) -> String {
+pub(crate) fn listener_doc(name: &str, cluster: &str) -> String {
     format!(
         "collection: {LISTENERS}\nname: {name}\nbody:\n  type_url: {LISTENER_TYPE}\n  json:\n    name: {name}\n    \
          address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}\n    filter_chains:\n    - filters:\n      \
@@ -199,7 +199,7 @@ fn write_clusters(dir: &Path, clusters: &[String]) {
 }
 
 /// The connect timeout of dynamic cluster `name` in a config dump.
-fn connect_timeout(dump: &Value, name: &str) -> Option<String> {
+pub(crate) fn connect_timeout(dump: &Value, name: &str) -> Option<String> {
     let clusters = section(dump, "ClustersConfigDump")?["dynamic_active_clusters"].as_array()?;
     let cluster = clusters.iter().find(|c| c["cluster"]["name"] == name)?;
     cluster["cluster"]["connect_timeout"].as_str().map(str::to_owned)
