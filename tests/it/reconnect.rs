@@ -490,6 +490,13 @@ async fn a_cluster_changed_while_the_gateway_is_down_is_warmed_and_serves(api: A
     );
     assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(0));
     assert_eq!(envoy.stat("cluster_manager.warming_clusters").await, Some(0));
+    // Warmed by its endpoints, not by giving up on them: without them,
+    // Envoy 1.40 waits its initial fetch timeout (15 s) and then serves.
+    assert_eq!(
+        envoy.stat("cluster.backend.init_fetch_timeout").await.unwrap_or(0),
+        0,
+        "backend's endpoints were not sent after it: Envoy gave up waiting"
+    );
 }
 
 #[tokio::test]
