@@ -423,7 +423,7 @@ pub struct TypeState {
     tally: Option<ReconnectTally>,
     /// Names whose holding was forgotten ([`Self::force_resend`]) for a
     /// client that names nothing (a subscription keeps its own).
-    forced: Option<Box<BTreeSet<Arc<str>>>>,
+    forced: BTreeSet<Arc<str>>,
     /// Delta xDS: what the outstanding (or last) response carried.
     carried: Option<Carried>,
     /// What the debug views show; kept in step with the state.
@@ -440,7 +440,7 @@ impl TypeState {
             named: None,
             reconnect: None,
             tally: None,
-            forced: None,
+            forced: BTreeSet::new(),
             carried: None,
             view,
         };
@@ -521,11 +521,7 @@ impl TypeState {
         let count = asked.len();
         match self.named.as_deref_mut() {
             Some(named) => named.resend(asked),
-            None if count > 0 => self
-                .forced
-                .get_or_insert_with(Box::default)
-                .extend(asked.into_iter().cloned()),
-            None => {}
+            None => self.forced.extend(asked.into_iter().cloned()),
         }
         count
     }
@@ -643,7 +639,7 @@ impl TypeState {
         // Newly requested names are answered whatever was NACKed: grpc asks
         // for a new cluster exactly when an operator routes away from a
         // broken one.
-        let owed = self.named.as_ref().is_some_and(|n| !n.settled()) || self.forced.is_some();
+        let owed = self.named.as_ref().is_some_and(|n| !n.settled()) || !self.forced.is_empty();
         if !owed {
             // The version it just refused is not sent again unprompted. Once
             // it ACKed a later response, the cache going back to that
@@ -657,22 +653,22 @@ impl TypeState {
             }
         }
         let to = current.clone();
-        let forced = self.forced.take();
+        let forced = std::mem::take(&mut self.forced);
+        // A client naming nothing, holding a snapshot, with names forced:
+        // what changed and those.
+        if let (Mode::Incremental, Family::Xds, Held::At(from), false) =
+            (self.mode, self.family, &self.held, forced.is_empty())
+        {
+            let mut diff = Diff::between(&from.resources, &to.resources);
+            diff.upserts
+                .extend(forced.iter().filter_map(|name| to.resources.get(name).cloned()));
+            diff.upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+            diff.upserts.dedup_by(|a, b| a.name == b.name);
+            let push = Push::Selected { to, diff };
+            self.note_carried(&push);
+            return Ok(push);
+        }
         let push = match (self.mode, self.family) {
-            // A client naming nothing, holding a snapshot, with names forced:
-            // what changed and those.
-            (Mode::Incremental, Family::Xds) if forced.is_some() && matches!(self.held, Held::At(_)) => {
-                let Held::At(from) = &self.held else {
-                    unreachable!("matched above")
-                };
-                let mut diff = Diff::between(&from.resources, &to.resources);
-                let forced = forced.iter().flat_map(|f| f.iter());
-                diff.upserts
-                    .extend(forced.filter_map(|name| to.resources.get(name).cloned()));
-                diff.upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
-                diff.upserts.dedup_by(|a, b| a.name == b.name);
-                Push::Selected { to, diff }
-            }
             (Mode::Full, _) => match self.named.as_deref_mut() {
                 Some(named) if !named.current().wildcard => {
                     let from = last_sent(&self.sent, &self.held);
