@@ -136,8 +136,13 @@ impl Unheld {
         }
     }
 
+    /// Nothing, or no names.
     pub fn is_nothing(&self) -> bool {
-        *self == Unheld::Nothing
+        match self {
+            Unheld::Nothing => true,
+            Unheld::Names(names) => names.is_empty(),
+            Unheld::Everything => false,
+        }
     }
 
     /// These and `other`.
