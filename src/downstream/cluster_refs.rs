@@ -38,19 +38,40 @@ pub fn load_assignments_forced_by(
     if type_url != CLUSTER_TYPE_URL {
         return Vec::new();
     }
-    let names = |resources: &mut dyn Iterator<Item = &Arc<CachedResource>>| -> Vec<Arc<str>> {
-        let names: BTreeSet<Arc<str>> = resources.filter_map(|r| eds_name(r)).collect();
-        names.into_iter().collect()
-    };
     match push {
-        Push::Full { to } => match previous {
-            Some(from) => names(&mut Diff::between(&from.resources, &to.resources).upserts.iter()),
-            None => names(&mut to.resources.values()),
+        Push::Full { to } | Push::FirstFromReported { to, .. } => match previous {
+            Some(from) if matches!(push, Push::Full { .. }) => changed(from, to),
+            _ => {
+                let all = to
+                    .memo
+                    .get_or_make(MemoKey::of("cluster_refs.all"), 1, || names(&mut to.resources.values()));
+                all.to_vec()
+            }
         },
-        Push::FirstFromReported { to, .. } => names(&mut to.resources.values()),
-        Push::Diff { from, to } => names(&mut Diff::between(&from.resources, &to.resources).upserts.iter()),
+        Push::Diff { from, to } => changed(from, to),
         Push::Selected { diff, .. } => names(&mut diff.upserts.iter()),
     }
+}
+
+/// The load assignments of the EDS clusters new or changed from `from` to
+/// `to`: found once per pair (every client at `from` asks) and kept with
+/// `to`.
+fn changed(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Vec<Arc<str>> {
+    let key = MemoKey::with("cluster_refs.changed", from.version.clone());
+    let made = to.memo.get_or_make(key, CHANGES_PER_SNAPSHOT, || {
+        names(&mut Diff::between(&from.resources, &to.resources).upserts.iter())
+    });
+    made.to_vec()
+}
+
+/// Distinct from-versions whose forced names a snapshot keeps.
+const CHANGES_PER_SNAPSHOT: usize = 32;
+
+/// The load assignments of the EDS clusters among `clusters`, sorted, once
+/// each.
+fn names(clusters: &mut dyn Iterator<Item = &Arc<CachedResource>>) -> Vec<Arc<str>> {
+    let names: BTreeSet<Arc<str>> = clusters.filter_map(|r| eds_name(r)).collect();
+    names.into_iter().collect()
 }
 
 /// The load assignment an EDS cluster asks for: its

@@ -803,7 +803,10 @@ impl<W: Wire> TypedStream<W> {
         let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
         let served = !matches!(answer, Answer::Unserved(_));
         let (node, identity) = (self.entry.who().0, display_identity(&self.identity));
-        let mut state = (self.shared.nack_memory()).follow(state, W::FAMILY, served, &node, identity, type_url);
+        let mut state = self
+            .shared
+            .nack_memory()
+            .follow(state, W::FAMILY, served, &node, identity, type_url);
         if let Some(names) = self.forced.as_mut().and_then(|f| f.take_pending(type_url)) {
             state.force_resend(&names);
         }
