@@ -510,3 +510,50 @@ async fn a_cluster_changed_while_the_gateway_is_down_is_warmed_and_serves_delta(
 async fn a_cluster_changed_while_the_gateway_is_down_is_warmed_and_serves_state_of_the_world() {
     a_cluster_changed_while_the_gateway_is_down_is_warmed_and_serves(AdsApi::Sotw).await;
 }
+
+/// istiod (MCP over xDS, state of the world, GVK types) is answered on
+/// every stream whatever `version_info` it reports: istiod 1.16+ is not
+/// ready until every type it asked for has answered, so a type it asks for
+/// is never skipped, nor one nobody serves. (istiod's `adsc` reconnects
+/// without a version; a client that does report one is answered all the
+/// same.)
+#[tokio::test]
+async fn istiods_types_are_answered_whatever_version_it_reports() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config");
+    let cache = tempfile::tempdir().unwrap();
+    let gw = gateway(&examples, cache.path()).await;
+    const VS: &str = "networking.istio.io/v1/VirtualService";
+    const MESH: &str = "core/v1alpha1/MeshConfig";
+    let ask = |version: String| {
+        let listen = gw.listen;
+        async move {
+            let stream = SotwStream::open_on(channel(listen).await, SOTW).await;
+            for (i, type_url) in [VS, MESH].into_iter().enumerate() {
+                stream.send(DiscoveryRequest {
+                    node: if i == 0 { node("istiod-1") } else { None },
+                    type_url: type_url.into(),
+                    version_info: version.clone(),
+                    ..Default::default()
+                });
+            }
+            stream
+        }
+    };
+    let mut first = ask(String::new()).await;
+    let mut versions = BTreeMap::new();
+    for _ in 0..2 {
+        let response = within("a response", first.recv()).await;
+        versions.insert(response.type_url.clone(), response.version_info.clone());
+    }
+    assert!(versions.contains_key(VS) && versions.contains_key(MESH));
+    drop(first);
+    let mut again = ask(versions[VS].clone()).await;
+    let mut answered = Vec::new();
+    for _ in 0..2 {
+        let response = within("istiod's types answered again", again.recv()).await;
+        answered.push(response.type_url);
+    }
+    answered.sort();
+    assert_eq!(answered, [MESH, VS]);
+    assert!(gw.stop().await);
+}
