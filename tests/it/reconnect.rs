@@ -557,3 +557,28 @@ async fn istiods_types_are_answered_whatever_version_it_reports() {
     assert_eq!(answered, [MESH, VS]);
     assert!(gw.stop().await);
 }
+
+/// A `nack-memory.json` that does not read (damaged, or foreign) is
+/// logged, and nothing is skipped on a reconnecting client's word for the
+/// life of that process: what clients NACKed before it is not known.
+#[tokio::test]
+async fn a_damaged_nack_memory_turns_the_skip_off() {
+    let (files, cache) = dirs();
+    config(files.path(), &[("a", "1s")], &[("a", 1001)]);
+    let gw = gateway(files.path(), cache.path()).await;
+    let mut client = DeltaClient::open(gw.listen, "envoy-5", &["a-eps"], Held::new()).await;
+    client.first_of_each().await;
+    assert!(gw.stop().await);
+
+    crate::helpers::certs::write(cache.path(), "nack-memory.json", "{\"entries\": [");
+    let mut gw = gateway(files.path(), cache.path()).await;
+    let warning = gw.logged("the saved NACK memory is unusable").await;
+    assert!(warning.contains("nack-memory.json"), "{warning}");
+    let held = std::mem::take(&mut client.held);
+    let mut client = DeltaClient::open(gw.listen, "envoy-5", &["a-eps"], held).await;
+    let resumed = client.first_of_each().await;
+    assert_eq!(carried(&resumed[CDS]), (vec!["a"], vec![]), "everything, as before");
+    assert_eq!(carried(&resumed[EDS]), (vec!["a-eps"], vec![]));
+    assert_eq!(counter(&gw, SKIPPED, &[]).await, 0.0);
+    assert!(gw.stop().await);
+}
