@@ -582,3 +582,25 @@ async fn a_damaged_nack_memory_turns_the_skip_off() {
     assert_eq!(counter(&gw, SKIPPED, &[]).await, 0.0);
     assert!(gw.stop().await);
 }
+
+/// With a real Envoy and `--cache-dir`: Envoy applies the valid part of a
+/// response it NACKs, the files are reverted to what it last ACKed while
+/// the gateway is down, and Envoy reconnects reporting that (state of the
+/// world: the version; delta: each resource's version). Its report is
+/// trusted, but not for what the response it NACKed carried, which the NACK
+/// memory kept across the restart: the revert reaches it.
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_that_nacked_state_of_the_world() {
+    let cache = tempfile::tempdir().unwrap();
+    let flags = ["--cache-dir", cache.path().to_str().unwrap()];
+    crate::envoy::a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Sotw, &flags).await;
+}
+
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_that_nacked_delta() {
+    let cache = tempfile::tempdir().unwrap();
+    let flags = ["--cache-dir", cache.path().to_str().unwrap()];
+    crate::envoy::a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Delta, &flags).await;
+}
