@@ -306,8 +306,12 @@ impl NackMemory {
         identity: &str,
         type_url: &str,
     ) -> TypeState {
+        if !self.trusts_reports() || family != Family::Xds {
+            return state;
+        }
+        let state = state.remembering_nacks();
         let answered_anyway = state.mode() == Mode::Full && !type_url.starts_with(TYPE_URL_PREFIX);
-        if !self.trusts_reports() || family != Family::Xds || !served || node.is_empty() || answered_anyway {
+        if !served || node.is_empty() || answered_anyway {
             return state;
         }
         let nacked = self.recall(node, identity, type_url, SystemTime::now());
@@ -316,7 +320,8 @@ impl NackMemory {
 
     /// An xDS client answered a response: a NACK is remembered with what it
     /// carried, an ACK makes that known again. `who` is read only when
-    /// needed.
+    /// needed. Nothing is remembered where reports are not trusted (no
+    /// `--cache-dir`): each response's names are then not kept either.
     pub fn answered(
         &self,
         verdict: &Verdict,
@@ -325,7 +330,9 @@ impl NackMemory {
         type_url: &str,
         who: impl FnOnce() -> (String, String),
     ) {
-        if family != Family::Xds || !self.enabled() {
+        // Kept only where it covers restarts: otherwise nothing is trusted,
+        // and nothing needs remembering.
+        if family != Family::Xds || !self.trusts_reports() {
             return;
         }
         match verdict {

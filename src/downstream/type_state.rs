@@ -429,8 +429,10 @@ pub struct TypeState {
     /// Names whose holding was forgotten ([`Self::force_resend`]) for a
     /// client that names nothing (a subscription keeps its own).
     forced: BTreeSet<Arc<str>>,
-    /// Delta xDS: what the outstanding (or last) response carried.
+    /// Delta xDS: what the outstanding (or last) response carried, kept
+    /// only where the NACK memory is (`remembering_nacks`).
     carried: Option<Carried>,
+    remembers_nacks: bool,
     /// What the debug views show; kept in step with the state.
     pub view: TypeView,
 }
@@ -447,6 +449,7 @@ impl TypeState {
             tally: None,
             forced: BTreeSet::new(),
             carried: None,
+            remembers_nacks: false,
             view,
         };
         if let Held::Version(version) = &state.held {
@@ -485,6 +488,13 @@ impl TypeState {
                 forced: BTreeSet::new(),
             }));
         }
+        self
+    }
+
+    /// What each response carries is kept until the next, for the NACK
+    /// memory ([`Self::carried`]); without it a NACK is of the whole type.
+    pub fn remembering_nacks(mut self) -> Self {
+        self.remembers_nacks = true;
         self
     }
 
@@ -537,7 +547,7 @@ impl TypeState {
         let Some(sent) = &self.sent else {
             return Unheld::Nothing;
         };
-        if !self.holds_what_was_sent() {
+        if !self.holds_what_was_sent() || !self.remembers_nacks {
             return Unheld::Everything;
         }
         match &self.carried {
@@ -730,7 +740,7 @@ impl TypeState {
 
     /// Delta xDS: what `push` carries, for the NACK memory.
     fn note_carried(&mut self, push: &Push) {
-        if !self.holds_what_was_sent() {
+        if !self.holds_what_was_sent() || !self.remembers_nacks {
             return;
         }
         self.carried = Some(match push {
@@ -1750,7 +1760,7 @@ mod tests {
         let (cache, mut writer) = Cache::new();
         let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
         let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("c", "1")]);
-        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing()).remembering_nacks();
         assert_eq!(s.carried(), Unheld::Nothing);
         send(&mut s, &v1, "n1");
         assert_eq!(s.carried(), Unheld::Everything, "the whole collection");
@@ -1758,7 +1768,7 @@ mod tests {
         send(&mut s, &v2, "n2");
         assert_eq!(answer(&mut s, "n2", true), Verdict::Nack);
         assert_eq!(s.carried(), nameset(&["a", "b", "c"]), "changed, added, removed");
-        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing()).remembering_nacks();
         let asked = names(&["a"]);
         s.on_request(Request {
             names: NameChange::Change {
@@ -1769,6 +1779,9 @@ mod tests {
         });
         send(&mut s, &v2, "n1");
         assert_eq!(s.carried(), nameset(&["a"]));
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
+        send(&mut s, &v2, "n1");
+        assert_eq!(s.carried(), Unheld::Everything, "not kept: the whole type");
         let mut s = family_state(Family::Xds, Mode::Full, nothing());
         send(&mut s, &v1, "n1");
         assert_eq!(s.carried(), Unheld::Everything);
