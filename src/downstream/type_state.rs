@@ -383,8 +383,10 @@ pub enum Push {
         to: Arc<CollectionSnapshot>,
     },
     /// The whole collection, and removals for the reported names that `to`
-    /// does not have: versions alone cannot show that a source reused one
-    /// for another body, so nothing is skipped on the client's word.
+    /// does not have, for a client whose report is not trusted (MCP:
+    /// versions alone cannot show that a source reused one for another
+    /// body; xDS without the NACK memory: see [`Reconnect`]): nothing is
+    /// skipped on its word. A trusted report gets [`Push::Selected`].
     FirstFromReported {
         to: Arc<CollectionSnapshot>,
         reported: ReportedNames,
