@@ -16,6 +16,7 @@ use crate::admin::{self, AdminState};
 use crate::cache::demand::{DemandRoute, Subscriptions};
 use crate::cache::Cache;
 use crate::config::{Serve, Settings, Source};
+use crate::downstream::nack_memory::{self, NackMemory};
 use crate::downstream::rollout::{Rollout, Saved};
 use crate::downstream::{AggregatedService, Downstream, Registry, ResourceSourceService, XdsService};
 use crate::skew::SkewTracker;
@@ -356,9 +357,10 @@ impl CacheState {
             mode: "none",
             ..Default::default()
         });
-        let (writer, persister) = match &settings.cache_dir {
-            Some(dir) => load_persisted(settings, dir, &cache, writer, shutdown, tasks).await?,
-            None => (writer, None),
+        let (writer, persister) = match (&settings.cache_dir, &settings.source) {
+            // The files are the files source's persisted state.
+            (Some(_), Source::Files(_)) | (None, _) => (writer, None),
+            (Some(dir), _) => load_persisted(settings, dir, &cache, writer, shutdown, tasks).await?,
         };
         let restored = match &settings.cache_dir {
             Some(dir) => load_rollout(dir),
@@ -504,6 +506,9 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         Serve::ResourceSource | Serve::DialOut(_) => downstream.as_source(),
     };
     crate::downstream::register_metrics(&downstream, &settings.collections);
+    if let Some(dir) = &settings.cache_dir {
+        keep_nack_memory(dir, downstream.nack_memory(), shutdown, tasks);
+    }
     let resource_source = ResourceSourceService::new(downstream.clone());
     const GATEWAY_SERVICES: &[&str] = &[
         <AggregatedService as tonic::server::NamedService>::NAME,
@@ -930,21 +935,34 @@ const MAX_ROLLOUT_FILE: u64 = 4 << 20;
 /// What the last run left of the rollout; nothing (with a warning) when the
 /// file is missing, damaged or too large.
 fn load_rollout(dir: &std::path::Path) -> std::collections::BTreeMap<String, Saved> {
-    let path = dir.join(ROLLOUT_FILE);
+    let saved: Option<SavedRollout> = load_state(
+        dir,
+        ROLLOUT_FILE,
+        MAX_ROLLOUT_FILE,
+        "the saved rollout state (pins, holds) is unusable: every collection starts unpinned",
+    );
+    saved.map(|s| s.collections).unwrap_or_default()
+}
+
+/// A state file of `--cache-dir` the gateway wrote for itself: `None` when
+/// missing, or (with `unusable` as a warning) damaged or too large.
+fn load_state<T: serde::de::DeserializeOwned>(
+    dir: &std::path::Path,
+    file: &str,
+    max: u64,
+    unusable: &'static str,
+) -> Option<T> {
+    let path = dir.join(file);
     if !path.exists() {
-        return Default::default();
+        return None;
     }
-    let read = persisted::read_file(&path, MAX_ROLLOUT_FILE)
-        .and_then(|bytes| serde_json::from_slice::<SavedRollout>(&bytes).map_err(|e| e.to_string()));
+    let read = persisted::read_file(&path, max)
+        .and_then(|bytes| serde_json::from_slice::<T>(&bytes).map_err(|e| e.to_string()));
     match read {
-        Ok(saved) => saved.collections,
+        Ok(saved) => Some(saved),
         Err(reason) => {
-            tracing::warn!(
-                path = %path.display(),
-                %reason,
-                "the saved rollout state (pins, holds) is unusable: every collection starts unpinned"
-            );
-            Default::default()
+            tracing::warn!(path = %path.display(), %reason, "{unusable}");
+            None
         }
     }
 }
@@ -958,7 +976,56 @@ struct SavedRollout {
 /// Writes the rollout's state to `dir` whenever it changes, and once more
 /// at shutdown.
 fn persist_rollout(dir: PathBuf, rollout: Arc<Rollout>, shutdown: CancellationToken, tasks: &TaskTracker) {
-    let mut revisions = rollout.revisions();
+    let revisions = rollout.revisions();
+    let saved = move || SavedRollout {
+        collections: rollout.saved(),
+    };
+    let what = "cannot save the rollout state (pins, holds); the next change is written again";
+    persist_state(dir, ROLLOUT_FILE, revisions, saved, what, shutdown, tasks);
+}
+
+/// The clients' NACKs from the last run, and written back as they change.
+fn keep_nack_memory(
+    dir: &std::path::Path,
+    memory: &Arc<NackMemory>,
+    shutdown: &CancellationToken,
+    tasks: &TaskTracker,
+) {
+    let unusable = "the saved NACK memory is unusable: until the gateway restarts, reconnecting clients are sent \
+                    everything they ask for (what they NACKed before is not known)";
+    let existed = dir.join(nack_memory::FILE).exists();
+    let saved: Option<nack_memory::Saved> = load_state(dir, nack_memory::FILE, nack_memory::MAX_FILE_BYTES, unusable);
+    if let Some(saved) = &saved {
+        let restored = memory.restore(saved, std::time::SystemTime::now());
+        tracing::info!(restored, "remembered NACKs read back from --cache-dir");
+    }
+    if saved.is_some() || !existed {
+        memory.keep_across_restarts();
+    }
+    let (revisions, memory) = (memory.revisions(), memory.clone());
+    let what = "cannot save the NACK memory; the next change is written again";
+    persist_state(
+        dir.to_path_buf(),
+        nack_memory::FILE,
+        revisions,
+        move || memory.saved(),
+        what,
+        shutdown.clone(),
+        tasks,
+    );
+}
+
+/// Writes `saved()` as `file` in `dir` whenever `revisions` changes (if it
+/// differs from what was written), and once more at shutdown.
+fn persist_state<T: serde::Serialize>(
+    dir: PathBuf,
+    file: &'static str,
+    mut revisions: watch::Receiver<u64>,
+    saved: impl Fn() -> T + Send + 'static,
+    cannot: &'static str,
+    shutdown: CancellationToken,
+    tasks: &TaskTracker,
+) {
     tasks.spawn(async move {
         let mut written = None;
         loop {
@@ -966,22 +1033,15 @@ fn persist_rollout(dir: PathBuf, rollout: Arc<Rollout>, shutdown: CancellationTo
                 changed = revisions.changed() => changed.is_err(),
                 _ = shutdown.cancelled() => true,
             };
-            let saved = SavedRollout {
-                collections: rollout.saved(),
-            };
-            let bytes = serde_json::to_vec_pretty(&saved).expect("the rollout state serializes");
+            let bytes = serde_json::to_vec_pretty(&saved()).expect("the gateway's state serializes");
             if written.as_ref() != Some(&bytes) {
-                let (into, file) = (dir.clone(), bytes.clone());
+                let (into, contents) = (dir.clone(), bytes.clone());
                 let result =
-                    tokio::task::spawn_blocking(move || persisted::write_atomically(&into, ROLLOUT_FILE, &file)).await;
+                    tokio::task::spawn_blocking(move || persisted::write_atomically(&into, file, &contents)).await;
                 match result {
                     Ok(Ok(())) => written = Some(bytes),
-                    Ok(Err(e)) => tracing::warn!(
-                        path = %dir.join(ROLLOUT_FILE).display(),
-                        error = %e,
-                        "cannot save the rollout state (pins, holds); the next change is written again"
-                    ),
-                    Err(e) => tracing::error!(error = %e, "the rollout state writer failed"),
+                    Ok(Err(e)) => tracing::warn!(path = %dir.join(file).display(), error = %e, "{cannot}"),
+                    Err(e) => tracing::error!(error = %e, file, "a state writer of --cache-dir failed"),
                 }
             }
             if last {

@@ -75,7 +75,10 @@ pub struct Args {
     pub demo: bool,
 
     /// Keep the upstream's last applied state of each collection here, and
-    /// serve it at start before the upstream connects.
+    /// serve it at start before the upstream connects; and, with any source,
+    /// the gateway's own state: the rollout's, and the clients' NACKs
+    /// (--nack-memory). The files source's collections are already on disk:
+    /// only the gateway's own state is kept for it.
     #[arg(long, env = "MCP_GATEWAY_CACHE_DIR", value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
 
@@ -301,6 +304,19 @@ pub struct Args {
     /// named subscriptions).
     #[arg(long, env = "MCP_GATEWAY_MAX_SUBSCRIBED_NAMES", default_value_t = 100_000)]
     pub max_subscribed_names: usize,
+
+    /// How long an xDS client's NACK is remembered (per node id, identity
+    /// and type; across restarts with --cache-dir): what the NACKed response
+    /// carried is sent again when the client reconnects, whatever version it
+    /// reports ("0s": nothing is remembered, and nothing a reconnecting
+    /// client reports holding is skipped).
+    #[arg(long, env = "MCP_GATEWAY_NACK_MEMORY", default_value = "24h", value_parser = parse_duration)]
+    pub nack_memory: Duration,
+
+    /// Clients and types whose NACKs are remembered; past it the oldest is
+    /// forgotten.
+    #[arg(long, env = "MCP_GATEWAY_MAX_NACK_MEMORY_ENTRIES", default_value_t = 100_000)]
+    pub max_nack_memory_entries: usize,
 
     /// A connection that has not finished TLS and the HTTP/2 preface and
     /// SETTINGS this long after it was accepted is closed.
@@ -820,13 +836,6 @@ impl Args {
                     insecure: !mtls,
                 })
             } else {
-                if self.cache_dir.is_some() {
-                    return Err(invalid(
-                        "--cache-dir",
-                        "keeps the last state of an upstream source; give --upstream or --sink-listen \
-                         (the local source's files are already on disk)",
-                    ));
-                }
                 let given = self.source_dir.is_some();
                 let dir = source_dir(self.source_dir, self.demo)?;
                 if !given {
@@ -861,6 +870,7 @@ impl Args {
             ("--max-requests-per-second", self.max_requests_per_second as usize),
             ("--max-types-per-stream", self.max_types_per_stream),
             ("--max-subscribed-names", self.max_subscribed_names),
+            ("--max-nack-memory-entries", self.max_nack_memory_entries),
             ("--history", self.history),
             ("--max-resets-per-minute", self.max_resets_per_minute as usize),
             ("--max-pings-per-minute", self.max_pings_per_minute as usize),
@@ -1057,6 +1067,8 @@ impl Args {
                 max_nack_message_bytes: self.max_nack_message_bytes,
                 max_types_per_stream: self.max_types_per_stream,
                 max_subscribed_names: self.max_subscribed_names,
+                nack_memory: self.nack_memory,
+                max_nack_memory_entries: self.max_nack_memory_entries,
             },
             http: HttpLimits {
                 max_connections: self.http_max_connections,
@@ -1296,7 +1308,6 @@ mod tests {
                 "--source-dir",
             ),
             (&["--source-dir", "/nonexistent/dir"][..], "--source-dir"),
-            (&["--cache-dir", "/tmp"][..], "--cache-dir"),
             (
                 &["--upstream", "http://g:1", "--upstream-ca", "/x.pem"][..],
                 "--upstream-ca",

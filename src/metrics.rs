@@ -80,6 +80,22 @@ const ORDERED_COLLECTIONS: [&str; 5] = [
     "envoy/config/listener/v3/listeners",
     "envoy/config/route/v3/routeconfigurations",
 ];
+/// Clients and types whose NACKs are remembered (`--nack-memory`).
+pub const NACK_MEMORY_ENTRIES: &str = "mcp_gateway_nack_memory_entries";
+/// Remembered NACKs dropped before their client ACKed, by `reason`.
+pub const NACK_MEMORY_DROPPED: &str = "mcp_gateway_nack_memory_dropped_total";
+/// The `reason` label of `NACK_MEMORY_DROPPED`.
+pub const NACK_MEMORY_DROP_REASONS: [&str; 2] = ["expired", "full"];
+/// Resources a reconnecting xDS client reported holding at the current
+/// content, not sent again.
+pub const RECONNECT_SKIPPED: &str = "mcp_gateway_reconnect_resources_skipped_total";
+/// Resources a reconnecting xDS client reported, sent again, by `reason`.
+pub const RECONNECT_RESENT: &str = "mcp_gateway_reconnect_resources_resent_total";
+/// The `reason` label of `RECONNECT_RESENT`.
+pub const RECONNECT_RESENT_REASONS: [&str; 3] = ["changed", "nacked", "forced"];
+/// Resources forced out again after another type's response (the load
+/// assignments of clusters sent).
+pub const FORCED_RESENDS: &str = "mcp_gateway_forced_resends_total";
 pub const DOWNSTREAM_STREAM_ENDS: &str = "mcp_gateway_downstream_stream_ends_total";
 pub const ADMIN_CONTROLS: &str = "mcp_gateway_admin_controls_total";
 pub const ADMIN_REFUSALS: &str = "mcp_gateway_admin_refusals_total";
@@ -319,6 +335,11 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         // 0, for the dashboards and the docs' promise of every series.
         metrics::counter!(DEMAND_TIMEOUTS, "collection" => c()).absolute(0);
         metrics::counter!(CACHE_WRITE_FAILURES, "collection" => c()).absolute(0);
+        metrics::counter!(RECONNECT_SKIPPED, "collection" => c()).absolute(0);
+        for reason in RECONNECT_RESENT_REASONS {
+            metrics::counter!(RECONNECT_RESENT, "collection" => c(), "reason" => reason).absolute(0);
+        }
+        metrics::counter!(FORCED_RESENDS, "collection" => c()).absolute(0);
         for kind in ["full", "incremental"] {
             metrics::counter!(UPDATES_APPLIED, "collection" => c(), "kind" => kind).absolute(0);
         }
@@ -676,6 +697,29 @@ pub fn describe() {
     describe_counter!(
         NACK_MESSAGES_TRUNCATED,
         "Client NACK messages longer than --max-nack-message-bytes, kept and logged truncated."
+    );
+    describe_gauge!(
+        NACK_MEMORY_ENTRIES,
+        "xDS clients and types whose NACKs are remembered (--nack-memory): what those responses carried is sent \
+         again when the client reconnects."
+    );
+    describe_counter!(
+        NACK_MEMORY_DROPPED,
+        "Remembered NACKs dropped before their client ACKed what they carried, by reason (expired: older than \
+         --nack-memory; full: --max-nack-memory-entries)."
+    );
+    describe_counter!(
+        RECONNECT_SKIPPED,
+        "Resources a reconnecting xDS client reported holding at the current content, not sent again."
+    );
+    describe_counter!(
+        RECONNECT_RESENT,
+        "Resources a reconnecting xDS client reported, sent again, by reason (changed: another content; nacked: a \
+         response it NACKed carried them; forced: the load assignment of a cluster sent on the stream)."
+    );
+    describe_counter!(
+        FORCED_RESENDS,
+        "Resources forced out again after another type's response: the load assignments of the clusters sent."
     );
     describe_counter!(
         ORDER_HOLDS,

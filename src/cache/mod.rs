@@ -97,6 +97,14 @@ impl CachedResource {
     pub fn content_version(&self) -> String {
         format!("{:016x}", self.entry() as u64)
     }
+
+    /// Whether `version` is [`Self::content_version`], read without making
+    /// it (a reconnecting client reports one per resource it holds).
+    pub fn has_content_version(&self, version: &str) -> bool {
+        version.len() == 16
+            && version.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+            && u64::from_str_radix(version, 16).is_ok_and(|v| v == self.entry() as u64)
+    }
 }
 
 /// The content digest of a resource: its body (the encoded `Any`, type URL

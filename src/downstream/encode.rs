@@ -517,7 +517,7 @@ const BODY_RECORD_KEY: u8 = 2 << 3 | 2;
 const BODY_FIELD: u32 = 2;
 
 /// The names `reported` holds that `to` does not, sorted, once each.
-fn gone<'a>(reported: &'a ReportedNames, to: &CollectionSnapshot) -> Vec<&'a str> {
+pub(super) fn gone<'a>(reported: &'a ReportedNames, to: &CollectionSnapshot) -> Vec<&'a str> {
     let mut removed: Vec<&str> = reported
         .iter()
         .filter(|name| !to.resources.contains_key(*name))

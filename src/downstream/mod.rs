@@ -5,7 +5,9 @@
 //! cache and never write it.
 
 pub mod by_type;
+pub mod cluster_refs;
 pub mod encode;
+pub mod nack_memory;
 pub mod names;
 pub mod order;
 mod outbound;
@@ -51,6 +53,10 @@ pub struct DownstreamLimits {
     pub max_nack_message_bytes: usize,
     pub max_types_per_stream: usize,
     pub max_subscribed_names: usize,
+    /// How long a client's NACK is remembered (`--nack-memory`; zero: not,
+    /// and nothing is skipped on a reconnecting client's word).
+    pub nack_memory: Duration,
+    pub max_nack_memory_entries: usize,
 }
 
 impl Default for DownstreamLimits {
@@ -63,6 +69,8 @@ impl Default for DownstreamLimits {
             max_nack_message_bytes: 4096,
             max_types_per_stream: 128,
             max_subscribed_names: 100_000,
+            nack_memory: Duration::from_secs(24 * 3600),
+            max_nack_memory_entries: 100_000,
         }
     }
 }
@@ -117,6 +125,8 @@ struct Shared {
     shutdown_message: &'static str,
     /// Each Istio client's generation, and the skew of what it reads.
     skew: Arc<SkewTracker>,
+    /// What xDS clients NACKed (`--nack-memory`).
+    nack_memory: Arc<nack_memory::NackMemory>,
 }
 
 // === impl Downstream ===
@@ -159,6 +169,7 @@ impl Downstream {
                 denial_logs: DashMap::new(),
                 shutdown_message: "the gateway is shutting down; reconnect to another replica",
                 skew,
+                nack_memory: nack_memory::NackMemory::new(limits.nack_memory, limits.max_nack_memory_entries),
             }),
         }
     }
@@ -174,6 +185,11 @@ impl Downstream {
 
     pub fn limits(&self) -> DownstreamLimits {
         self.inner.limits
+    }
+
+    /// What xDS clients NACKed: restored from and saved to `--cache-dir`.
+    pub fn nack_memory(&self) -> &Arc<nack_memory::NackMemory> {
+        &self.inner.nack_memory
     }
 
     /// The downstream metrics of a collection, made once.

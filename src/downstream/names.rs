@@ -24,7 +24,7 @@ use std::sync::{Arc, Weak};
 
 use bytestring::ByteString;
 
-use super::type_state::ReportedNames;
+use super::type_state::{ReportedNames, Trust};
 use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 
@@ -160,6 +160,11 @@ pub enum Holds<'a> {
     /// Before its first response: the names it reported (their versions
     /// are not trusted, see `changes`).
     Reported(&'a ReportedNames),
+    /// Before its first response: the names it reported, whose versions
+    /// the stream trusts (a reconnect: see [`Trust`]). A name it both
+    /// subscribes to and reports at the current content is held (Envoy
+    /// puts names in both on reconnect, envoy#16063).
+    Trusting(&'a ReportedNames, &'a Trust<'a>),
 }
 
 /// A type's subscription once the client named something (or sent `"*"`).
@@ -324,6 +329,16 @@ impl Named {
         self.current.wildcard && self.resend.is_empty()
     }
 
+    /// `names`, where it asks for them, are to be sent with the next
+    /// response whatever it holds.
+    pub fn resend<'a>(&mut self, names: impl IntoIterator<Item = &'a Arc<str>>) {
+        for name in names {
+            if self.current.covers(name) {
+                self.resend.insert(name.clone());
+            }
+        }
+    }
+
     /// A response went out for the current subscription: the client holds
     /// it, whether it ACKs or NACKs it (the same storage as the
     /// subscription's).
@@ -437,8 +452,13 @@ impl Named {
                 Holds::Reported(reported) => {
                     resource.is_none() && reported_set.get_or_init(|| reported.iter().collect()).contains(name)
                 }
+                Holds::Trusting(reported, trust) => match resource {
+                    Some(resource) => trust.holds(resource),
+                    None => reported_set.get_or_init(|| reported.iter().collect()).contains(name),
+                },
             }
         };
+        let trusting = matches!(holds, Holds::Trusting(..));
         let mut upserts: Vec<Arc<CachedResource>> = Vec::new();
         let mut removed: BTreeSet<Arc<str>> = BTreeSet::new();
         // A name is sent when it is to be re-sent or the client does not hold
@@ -447,7 +467,10 @@ impl Named {
         let mut consider = |name: &Arc<str>| {
             let resend = self.resend.contains(name);
             match to.resources.get(name) {
-                Some(resource) if resend || !holds_at(name, Some(resource)) => upserts.push(resource.clone()),
+                // A name subscribed on a trusted reconnect is sent if not held.
+                Some(resource) if (resend && !trusting) || !holds_at(name, Some(resource)) => {
+                    upserts.push(resource.clone())
+                }
                 Some(_) => {}
                 None if resend || holds_at(name, None) => {
                     removed.insert(name.clone());
@@ -474,7 +497,7 @@ impl Named {
                 .iter()
                 .filter(|n| self.current.covers(n))
                 .for_each(&mut consider),
-            Holds::Reported(reported) => {
+            Holds::Reported(reported) | Holds::Trusting(reported, _) => {
                 // A name it asks for by name was considered above (a
                 // wildcard client's names only where they exist): looked up
                 // among its own names, not again in the collection.

@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::by_type::ByType;
+use super::cluster_refs::{self, ForcedResends};
 use super::encode::{EncodedResponse, Record};
 use super::names::{NameChange, Names};
 use super::order::{self, Blocker, Change, Decision, Rank, Standing};
@@ -26,7 +27,8 @@ use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeStat
 use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
-    end_with, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
+    end_with, nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound,
+    StreamLogs,
 };
 use crate::cache::demand::SubscriptionState;
 use crate::cache::memo::MemoKey;
@@ -171,6 +173,9 @@ pub(super) struct TypedStream<W> {
     /// before break), tried again after every step. Boxed: most streams
     /// have none waiting.
     withheld: Option<Box<Withheld>>,
+    /// Resends one type's response forced on another (`cluster_refs`).
+    /// Boxed: most streams never force one.
+    forced: Option<Box<ForcedResends>>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -198,6 +203,7 @@ impl<W: Wire> TypedStream<W> {
             skew: None,
             policy,
             withheld: None,
+            forced: None,
             _wire: PhantomData,
         }
     }
@@ -282,10 +288,13 @@ impl<W: Wire> TypedStream<W> {
                         Err(denied) => break (End::Refused, Some(denied)),
                     },
                 };
-                // A step may let a change held for another type go (an ACK of
-                // clusters lets the routes to them go). Rare: boxed.
+                // Types another type's response forced a resend on (the
+                // endpoints of the clusters just sent) go right after it; a
+                // step may let a change held for another type go (an ACK of
+                // clusters lets the routes to them go), and what that sends
+                // may force a resend in turn. Rare: boxed.
                 let sent = match sent {
-                    Ok(()) if self.withheld.is_some() => Box::pin(self.retry_withheld(&out)).await,
+                    Ok(()) => Box::pin(self.after_step(&out)).await,
                     sent => sent,
                 };
                 if sent.is_err() {
@@ -422,6 +431,10 @@ impl<W: Wire> TypedStream<W> {
             }
             Verdict::Subscription => {}
         }
+        let (entry, identity) = (&self.entry, &self.identity);
+        let who = || (entry.who().0, display_identity(identity).to_owned());
+        let memory = self.shared.nack_memory();
+        memory.answered(&verdict, W::FAMILY, &followed.state, &type_url, who);
         // Published once, with whether it is still behind; the send that
         // follows decides from the same snapshot the request was read with.
         let current = if rewired { current_of(followed) } else { known };
@@ -881,6 +894,15 @@ impl<W: Wire> TypedStream<W> {
         let rank = Rank::of(type_url).filter(|_| !matches!(answer, Answer::Unserved(_)));
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
+        let served = !matches!(answer, Answer::Unserved(_));
+        let (node, identity) = (self.entry.who().0, display_identity(&self.identity));
+        let mut state = self
+            .shared
+            .nack_memory()
+            .follow(state, W::FAMILY, served, &node, identity, type_url);
+        if let Some(names) = self.forced.as_mut().and_then(|f| f.take_pending(type_url)) {
+            state.force_resend(&names);
+        }
         self.types.insert(
             type_url.to_owned(),
             Followed {
@@ -1049,7 +1071,11 @@ impl<W: Wire> TypedStream<W> {
             return Ok(());
         };
         let acked = followed.state.view.acked_version.clone();
-        let response = match followed.state.next(current.as_ref()) {
+        let decided = followed.state.next(current.as_ref());
+        if let Some(tally) = followed.state.take_reconnect_tally() {
+            nack_memory::record_tally(&followed.state.view.collection, tally);
+        }
+        let response = match decided {
             Ok(push @ Push::FirstFromReported { .. }) => {
                 // Work that grows with what the client sent: one stream at a
                 // time, and the turn is given back before the response is
@@ -1334,6 +1360,7 @@ impl<W: Wire> TypedStream<W> {
         now: Stamp,
     ) -> Box<EncodedResponse> {
         let followed = self.types.get_mut(type_url).expect("a followed type");
+        let forced = cluster_refs::load_assignments_forced_by(type_url, &push, followed.state.last_sent());
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
         let (parts, suffix) = W::encode(&push, type_url, &nonce);
@@ -1351,7 +1378,51 @@ impl<W: Wire> TypedStream<W> {
             .flatten();
         followed.metrics.pushes.increment(1);
         self.entry.publish(type_url, followed.state.view.clone());
+        if !forced.is_empty() {
+            self.force_resend(cluster_refs::LOAD_ASSIGNMENT_TYPE_URL, forced);
+        }
         Box::new(response)
+    }
+
+    /// The client is to be sent `names` of `type_url` again, whatever it
+    /// holds, right after the response going out (or, for a type it does
+    /// not follow yet, should it reconnect with it).
+    fn force_resend(&mut self, type_url: &str, names: Vec<Arc<str>>) {
+        let forced = self.forced.get_or_insert_with(Box::default);
+        match self.types.get_mut(type_url) {
+            Some(followed) => {
+                let count = followed.state.force_resend(&names);
+                metrics::counter!(m::FORCED_RESENDS, "collection" => followed.state.view.collection.clone())
+                    .increment(count as u64);
+                forced.owe(type_url);
+            }
+            None => forced.pend(type_url, names),
+        }
+    }
+
+    /// After a step: the resends it forced, then the types held for another
+    /// that it may let go, then the resends those forced.
+    async fn after_step(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+        let owed = |stream: &Self| stream.forced.as_ref().is_some_and(|f| f.is_owed());
+        if owed(self) {
+            self.send_forced(out).await?;
+        }
+        if self.withheld.is_some() {
+            self.retry_withheld(out).await?;
+            if owed(self) {
+                self.send_forced(out).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the types a resend was forced on.
+    async fn send_forced(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+        let owed = self.forced.as_mut().map(|f| f.take_owed()).unwrap_or_default();
+        for type_url in owed {
+            self.try_send(&type_url, out).await?;
+        }
+        Ok(())
     }
 }
 

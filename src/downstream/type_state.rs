@@ -31,14 +31,21 @@
 //!   every request, whatever its nonce, and newly requested names are
 //!   answered at once (or once the outstanding response is answered), even
 //!   at a NACKed version.
+//! - A reconnecting xDS client's word ([`Reconnect`], only where the stream
+//!   trusts it): what it reports holding at the current content version is
+//!   not sent again, except what a response it NACKed carried (its versions
+//!   lag what it holds) and what [`TypeState::force_resend`] names (the
+//!   load assignments of clusters just sent). State of the world: only a
+//!   wildcard subscription, whose `version_info` names all it holds.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use super::names::{Holds, NameChange, Named, TooManyNames};
+use super::names::{changed_names, Holds, NameChange, Named, TooManyNames};
 use super::registry::{NackRecord, Stamp, TypeView};
-use crate::cache::{CollectionSnapshot, Diff};
+use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 
 /// What a client holds after it NACKed a response: the protocol family's
 /// rule.
@@ -108,6 +115,160 @@ impl ReportedNames {
         };
         std::iter::from_fn(move || Some((text()?, text()?)))
     }
+}
+
+/// Resources a client may not hold as it reports them: none, some by name,
+/// or all of a type.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Unheld {
+    #[default]
+    Nothing,
+    Names(BTreeSet<Arc<str>>),
+    Everything,
+}
+
+impl Unheld {
+    pub fn covers(&self, name: &str) -> bool {
+        match self {
+            Unheld::Nothing => false,
+            Unheld::Names(names) => names.contains(name),
+            Unheld::Everything => true,
+        }
+    }
+
+    /// Nothing, or no names.
+    pub fn is_nothing(&self) -> bool {
+        match self {
+            Unheld::Nothing => true,
+            Unheld::Names(names) => names.is_empty(),
+            Unheld::Everything => false,
+        }
+    }
+
+    /// These and `other`.
+    pub fn add(&mut self, other: Unheld) {
+        match (&mut *self, other) {
+            (_, Unheld::Nothing) | (Unheld::Everything, _) => {}
+            (Unheld::Names(names), Unheld::Names(more)) => names.extend(more),
+            (this, other) => *this = other,
+        }
+    }
+}
+
+/// A reconnecting xDS client whose report the stream trusts: what it
+/// reports at the current content version is not sent again, except the
+/// names here. Kept until its first response is decided.
+#[derive(Debug, Default)]
+pub struct Reconnect {
+    /// What responses it NACKed carried (the NACK memory): it may hold
+    /// newer content than it reports (Envoy records versions only for a
+    /// response it accepted whole, and applies part of one it rejects).
+    nacked: Unheld,
+    /// Forced by [`TypeState::force_resend`] before the first response.
+    forced: BTreeSet<Arc<str>>,
+}
+
+impl Reconnect {
+    fn unheld(&self, name: &str) -> bool {
+        self.nacked.covers(name) || self.forced.contains(name)
+    }
+
+    /// Why a reported name is sent all the same.
+    fn reason(&self, name: &str) -> ResendReason {
+        if self.nacked.covers(name) {
+            ResendReason::Nacked
+        } else if self.forced.contains(name) {
+            ResendReason::Forced
+        } else {
+            ResendReason::Changed
+        }
+    }
+
+    fn trusts_everything(&self) -> bool {
+        self.nacked.is_nothing() && self.forced.is_empty()
+    }
+}
+
+/// Why a resource a reconnecting client reported is sent again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResendReason {
+    /// It reported another version, or the gateway has another.
+    Changed,
+    /// A response it NACKed carried it.
+    Nacked,
+    /// Forced: the load assignment of a cluster sent on the stream.
+    Forced,
+}
+
+/// What a reconnecting client's first response skipped and resent, by
+/// reason, of the resources it reported (the metrics' counts).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReconnectTally {
+    pub skipped: u64,
+    pub changed: u64,
+    pub nacked: u64,
+    pub forced: u64,
+}
+
+impl ReconnectTally {
+    fn count(&mut self, reason: ResendReason, n: u64) {
+        match reason {
+            ResendReason::Changed => self.changed += n,
+            ResendReason::Nacked => self.nacked += n,
+            ResendReason::Forced => self.forced += n,
+        }
+    }
+}
+
+/// A reconnecting client's report, read once for its first response.
+pub struct Trust<'a> {
+    versions: HashMap<&'a str, &'a str>,
+    reconnect: &'a Reconnect,
+}
+
+impl<'a> Trust<'a> {
+    fn new(reported: &'a ReportedNames, reconnect: &'a Reconnect) -> Self {
+        Self {
+            versions: reported.entries().collect(),
+            reconnect,
+        }
+    }
+
+    /// The client holds `resource` as it is: it reported its content
+    /// version, and nothing says its report lags.
+    pub fn holds(&self, resource: &CachedResource) -> bool {
+        !self.reconnect.unheld(&resource.name)
+            && self
+                .versions
+                .get(&*resource.name)
+                .is_some_and(|v| resource.has_content_version(v))
+    }
+
+    /// What the first response `diff` skipped and resent of the reported
+    /// resources `covered` keeps (those it asks for) that `to` has.
+    fn tally(&self, to: &CollectionSnapshot, covered: impl Fn(&str) -> bool, diff: &Diff) -> ReconnectTally {
+        let mut tally = ReconnectTally::default();
+        for name in self.versions.keys() {
+            if !covered(name) || !to.resources.contains_key(*name) {
+                continue;
+            }
+            match diff.upserts.binary_search_by(|r| (*r.name).cmp(name)) {
+                Ok(_) => tally.count(self.reconnect.reason(name), 1),
+                Err(_) => tally.skipped += 1,
+            }
+        }
+        tally
+    }
+}
+
+/// Delta xDS: what a response carried, for the NACK memory (what a NACK of
+/// it leaves unknown, what an ACK of it makes known again).
+#[derive(Clone, Debug)]
+enum Carried {
+    Everything,
+    Names(Arc<[Arc<str>]>),
+    /// What changed from this snapshot to the one sent.
+    Between(Arc<CollectionSnapshot>),
 }
 
 /// What the client holds, as far as the gateway knows.
@@ -222,8 +383,10 @@ pub enum Push {
         to: Arc<CollectionSnapshot>,
     },
     /// The whole collection, and removals for the reported names that `to`
-    /// does not have: versions alone cannot show that a source reused one
-    /// for another body, so nothing is skipped on the client's word.
+    /// does not have, for a client whose report is not trusted (MCP:
+    /// versions alone cannot show that a source reused one for another
+    /// body; xDS without the NACK memory: see [`Reconnect`]): nothing is
+    /// skipped on its word. A trusted report gets [`Push::Selected`].
     FirstFromReported {
         to: Arc<CollectionSnapshot>,
         reported: ReportedNames,
@@ -260,6 +423,18 @@ pub struct TypeState {
     /// The names the client asks for, once it named any (boxed: most
     /// clients take everything).
     named: Option<Box<Named>>,
+    /// A reconnecting client's report, trusted, until its first response is
+    /// decided (boxed: most clients are not reconnecting).
+    reconnect: Option<Box<Reconnect>>,
+    /// What that first decision skipped and resent, until the stream takes it.
+    tally: Option<ReconnectTally>,
+    /// Names whose holding was forgotten ([`Self::force_resend`]) for a
+    /// client that names nothing (a subscription keeps its own).
+    forced: BTreeSet<Arc<str>>,
+    /// Delta xDS: what the outstanding (or last) response carried, kept
+    /// only where the NACK memory is (`remembering_nacks`).
+    carried: Option<Carried>,
+    remembers_nacks: bool,
     /// What the debug views show; kept in step with the state.
     pub view: TypeView,
 }
@@ -272,6 +447,11 @@ impl TypeState {
             held,
             sent: None,
             named: None,
+            reconnect: None,
+            tally: None,
+            forced: BTreeSet::new(),
+            carried: None,
+            remembers_nacks: false,
             view,
         };
         if let Held::Version(version) = &state.held {
@@ -298,6 +478,91 @@ impl TypeState {
     /// response it took, holds); `None` before anything.
     pub fn last_sent(&self) -> Option<&Arc<CollectionSnapshot>> {
         last_sent(&self.sent, &self.held)
+    }
+
+    /// The stream trusts what this reconnecting client reports holding,
+    /// except for what responses it NACKed carried (`nacked`): see
+    /// [`Reconnect`]. A client that reports nothing is sent everything as
+    /// before.
+    pub fn trusting_reported(mut self, nacked: Unheld) -> Self {
+        let reports = match &self.held {
+            Held::Reported(reported) => !reported.is_empty(),
+            Held::Version(_) => true,
+            _ => false,
+        };
+        if reports && self.sent.is_none() {
+            self.reconnect = Some(Box::new(Reconnect {
+                nacked,
+                forced: BTreeSet::new(),
+            }));
+        }
+        self
+    }
+
+    /// What each response carries is kept until the next, for the NACK
+    /// memory ([`Self::carried`]); without it a NACK is of the whole type.
+    pub fn remembering_nacks(mut self) -> Self {
+        self.remembers_nacks = true;
+        self
+    }
+
+    /// Whether the first response is still to be decided on a trusted
+    /// report.
+    pub fn trusts_reported(&self) -> bool {
+        self.reconnect.is_some()
+    }
+
+    /// What the first response to a reconnecting client skipped and resent,
+    /// once it is decided (taken: counted once).
+    pub fn take_reconnect_tally(&mut self) -> Option<ReconnectTally> {
+        self.tally.take()
+    }
+
+    /// Forget that the client holds `names` (those it asks for): they are
+    /// sent again with the next response, whatever it holds or reported.
+    /// For the load assignments of clusters just sent (a cluster Envoy
+    /// warms waits for them: envoy#22418), and for anything else a
+    /// coordinator must see delivered again after another type.
+    /// How many of `names` it asks for (all, for a client that names
+    /// nothing): those forced.
+    pub fn force_resend<'a>(&mut self, names: impl IntoIterator<Item = &'a Arc<str>>) -> usize {
+        let named = self.named.as_deref_mut();
+        let asked = names
+            .into_iter()
+            .filter(|n| named.as_ref().is_none_or(|named| named.current().covers(n)));
+        if let Some(reconnect) = self.reconnect.as_deref_mut() {
+            // Before the first response: not skipped on the client's word.
+            let before = reconnect.forced.len();
+            reconnect.forced.extend(asked.cloned());
+            return reconnect.forced.len() - before;
+        }
+        if self.sent.is_none() {
+            // Nothing was sent, nor will be skipped: everything goes.
+            return 0;
+        }
+        let asked: Vec<&Arc<str>> = asked.collect();
+        let count = asked.len();
+        match self.named.as_deref_mut() {
+            Some(named) => named.resend(asked),
+            None => self.forced.extend(asked.into_iter().cloned()),
+        }
+        count
+    }
+
+    /// Delta xDS: what the response this client last answered carried, as
+    /// the NACK memory keeps it. State of the world: everything.
+    pub fn carried(&self) -> Unheld {
+        let Some(sent) = &self.sent else {
+            return Unheld::Nothing;
+        };
+        if !self.holds_what_was_sent() || !self.remembers_nacks {
+            return Unheld::Everything;
+        }
+        match &self.carried {
+            None | Some(Carried::Everything) => Unheld::Everything,
+            Some(Carried::Names(names)) => Unheld::Names(names.iter().cloned().collect()),
+            Some(Carried::Between(from)) => Unheld::Names(changed_names(from, sent).iter().cloned().collect()),
+        }
     }
 
     /// A request for this type.
@@ -383,10 +648,15 @@ impl TypeState {
             return Err(Wait::Outstanding);
         }
         let current = current.ok_or(Wait::NotDelivered)?;
+        if let Some(reconnect) = self.reconnect.take() {
+            if let Some(decided) = self.first_on_trust(&reconnect, current) {
+                return decided;
+            }
+        }
         // Newly requested names are answered whatever was NACKed: grpc asks
         // for a new cluster exactly when an operator routes away from a
         // broken one.
-        let owed = self.named.as_ref().is_some_and(|n| !n.settled());
+        let owed = self.named.as_ref().is_some_and(|n| !n.settled()) || !self.forced.is_empty();
         if !owed {
             // The version it just refused is not sent again unprompted. Once
             // it ACKed a later response, the cache going back to that
@@ -400,6 +670,21 @@ impl TypeState {
             }
         }
         let to = current.clone();
+        let forced = std::mem::take(&mut self.forced);
+        // A client naming nothing, holding a snapshot, with names forced:
+        // what changed and those.
+        if let (Mode::Incremental, Family::Xds, Held::At(from), false) =
+            (self.mode, self.family, &self.held, forced.is_empty())
+        {
+            let mut diff = Diff::between(&from.resources, &to.resources);
+            diff.upserts
+                .extend(forced.iter().filter_map(|name| to.resources.get(name).cloned()));
+            diff.upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+            diff.upserts.dedup_by(|a, b| a.name == b.name);
+            let push = Push::Selected { to, diff };
+            self.note_carried(&push);
+            return Ok(push);
+        }
         let push = match (self.mode, self.family) {
             (Mode::Full, _) => match self.named.as_deref_mut() {
                 Some(named) if !named.current().wildcard => {
@@ -451,7 +736,98 @@ impl TypeState {
                 }
             }
         };
+        self.note_carried(&push);
         Ok(push)
+    }
+
+    /// Delta xDS: what `push` carries, for the NACK memory.
+    fn note_carried(&mut self, push: &Push) {
+        if !self.holds_what_was_sent() || !self.remembers_nacks {
+            return;
+        }
+        self.carried = Some(match push {
+            Push::Selected { diff, .. } => Carried::Names(
+                diff.upserts
+                    .iter()
+                    .map(|r| r.name.clone())
+                    .chain(diff.removed.iter().cloned())
+                    .collect(),
+            ),
+            Push::Diff { from, .. } => Carried::Between(from.clone()),
+            Push::Full { .. } | Push::FirstFromReported { .. } => Carried::Everything,
+        });
+    }
+
+    /// The first response to a reconnecting client whose report is trusted:
+    /// `None` when it is decided as for any other client (a state-of-the-
+    /// world client naming resources, or one at another version: counted).
+    fn first_on_trust(
+        &mut self,
+        reconnect: &Reconnect,
+        current: &Arc<CollectionSnapshot>,
+    ) -> Option<Result<Push, Wait>> {
+        let to = current.clone();
+        let mut tally = ReconnectTally::default();
+        let decided = match (self.mode, self.family, &self.held) {
+            (Mode::Full, Family::Xds, Held::Version(version)) => {
+                // A version names the whole collection; a subscription's
+                // names may have changed after the version it reports (a
+                // name asked for just before the gateway went away), so a
+                // named client is answered (as go-control-plane does).
+                if self.named.as_deref().is_some_and(|n| !n.current().wildcard) {
+                    return None;
+                }
+                let resources = current.resources.len() as u64;
+                if **version == *current.version && reconnect.trusts_everything() {
+                    tally.skipped = resources;
+                    if let Some(named) = self.named.as_deref_mut() {
+                        named.on_sent();
+                    }
+                    self.settle(current);
+                    self.tally = Some(tally);
+                    return Some(Err(Wait::UpToDate));
+                }
+                let reason = if **version != *current.version {
+                    ResendReason::Changed
+                } else if !reconnect.nacked.is_nothing() {
+                    ResendReason::Nacked
+                } else {
+                    ResendReason::Forced
+                };
+                tally.count(reason, resources);
+                self.tally = Some(tally);
+                return None;
+            }
+            (Mode::Incremental, Family::Xds, Held::Reported(reported)) => {
+                let trust = Trust::new(reported, reconnect);
+                let (diff, tally) = if self.shared_first_or_diff() {
+                    let diff = Diff {
+                        upserts: current
+                            .resources
+                            .values()
+                            .filter(|r| !trust.holds(r))
+                            .cloned()
+                            .collect(),
+                        removed: gone(reported, current),
+                    };
+                    let tally = trust.tally(current, |_| true, &diff);
+                    (diff, tally)
+                } else {
+                    let named = self.named.as_deref().expect("not shared: named");
+                    let diff = named.changes(Holds::Trusting(reported, &trust), current);
+                    let tally = trust.tally(current, |n| named.current().covers(n), &diff);
+                    (diff, tally)
+                };
+                self.tally = Some(tally);
+                // Answered even when nothing is to be sent: an empty response
+                // is its first answer (the client ACKs it, and holds `to`).
+                Push::Selected { to, diff }
+            }
+            _ => return None,
+        };
+        self.held = Held::Reported(ReportedNames::default());
+        self.note_carried(&decided);
+        Some(Ok(decided))
     }
 
     /// Delta xDS: whether the response is the shared one (the whole
@@ -544,6 +920,11 @@ impl TypeState {
     }
 }
 
+/// The names `reported` holds that `to` does not, sorted, once each.
+fn gone(reported: &ReportedNames, to: &CollectionSnapshot) -> Vec<Arc<str>> {
+    super::encode::gone(reported, to).into_iter().map(Arc::from).collect()
+}
+
 /// The snapshot a client was last sent (or, after a reconnect whose first
 /// response it took, holds), if it is known; a free function so that the
 /// caller may hold the type's names mutably beside it.
@@ -559,7 +940,7 @@ mod tests {
     use super::*;
     use crate::cache::{Cache, CacheWriter, CachedResource, Origin, Update};
     use crate::collections::{Dialect, Resolved};
-    use crate::downstream::names::NameChange;
+    use crate::downstream::names::{NameChange, WILDCARD as WILDCARD_NAME};
     use bytestring::ByteString;
 
     const C: &str = "c";
@@ -1125,6 +1506,287 @@ mod tests {
                 Push::Selected { diff, .. } => listed(diff).trim_start().to_owned(),
             }
         }
+    }
+
+    /// What a client reports holding: each name at `snapshot`'s content
+    /// version, or at `version` where given.
+    fn reporting(snapshot: &CollectionSnapshot, names: &[(&str, Option<&str>)]) -> Held {
+        let versions: Vec<(String, String)> = names
+            .iter()
+            .map(|(n, v)| {
+                let version = v.map_or_else(|| snapshot.resources[*n].content_version(), str::to_owned);
+                (n.to_string(), version)
+            })
+            .collect();
+        Held::Reported(ReportedNames::with_versions(
+            versions.iter().map(|(n, v)| (n.as_str(), v.as_str())),
+        ))
+    }
+
+    /// An ACK (or NACK) of the outstanding response as the client's
+    /// protocol says it: state of the world repeats its names and the
+    /// version; delta changes nothing.
+    fn answer(s: &mut TypeState, nonce: &str, nacked: bool) -> Verdict {
+        let asked: Vec<ByteString> = s
+            .named()
+            .map(|n| {
+                let names = n.current().names.iter().map(|n| ByteString::from(&**n));
+                n.current()
+                    .wildcard
+                    .then(|| ByteString::from(WILDCARD_NAME))
+                    .into_iter()
+                    .chain(names)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let version = s.view.last_sent_version.clone();
+        let (names, version) = match s.mode() {
+            Mode::Full => (NameChange::Replace(&asked), version.as_deref()),
+            Mode::Incremental => (
+                NameChange::Change {
+                    subscribe: &[],
+                    unsubscribe: &[],
+                },
+                None,
+            ),
+        };
+        s.on_request(Request {
+            names,
+            version,
+            ..Request::new(nonce, nacked.then(|| nack("")).flatten())
+        })
+    }
+
+    fn nameset(names: &[&str]) -> Unheld {
+        Unheld::Names(names.iter().map(|&n| Arc::from(n)).collect())
+    }
+
+    /// A delta client subscribing `asked` (nothing: legacy wildcard) on its
+    /// first request, reporting `held`, trusted less `nacked`.
+    fn reconnecting(asked: &[&str], held: Held, nacked: Unheld) -> TypeState {
+        let mut s = family_state(Family::Xds, Mode::Incremental, held).trusting_reported(nacked);
+        let asked = names(asked);
+        let request = Request {
+            names: NameChange::Change {
+                subscribe: &asked,
+                unsubscribe: &[],
+            },
+            ..Request::new("", None)
+        };
+        assert_eq!(s.on_request(request), Verdict::First);
+        s
+    }
+
+    /// The first response's names sent and removed, and its tally.
+    fn first(s: &mut TypeState, current: &Arc<CollectionSnapshot>) -> ((Vec<String>, Vec<String>), ReconnectTally) {
+        let push = send(s, current, "n1");
+        let (sent, removed) = selected(&push);
+        let listed = (
+            sent.iter().map(|n| n.to_string()).collect(),
+            removed.iter().map(|n| n.to_string()).collect(),
+        );
+        (
+            listed,
+            s.take_reconnect_tally().expect("a first response on trust is tallied"),
+        )
+    }
+
+    /// A reconnecting delta client (Envoy's `initial_resource_versions`,
+    /// content versions being the same on every replica and after a
+    /// restart) is sent only what it does not hold at the current content:
+    /// not what it reports at another version, nor what a response it
+    /// NACKed carried (its versions lag what it holds), nor what a cluster
+    /// sent on the stream forces; a name it reports that is gone is
+    /// removed; an empty response answers it when nothing is owed.
+    #[test]
+    fn a_reconnecting_delta_client_is_sent_only_what_it_does_not_hold() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1"), ("d", "1")]);
+        let all: &[(&str, Option<&str>)] = &[("a", None), ("b", None), ("c", None)];
+        let tally = |skipped, changed, nacked, forced| ReconnectTally {
+            skipped,
+            changed,
+            nacked,
+            forced,
+        };
+        let none: (Vec<String>, Vec<String>) = (vec![], vec![]);
+        let strings = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+
+        // Named (Envoy's EDS and RDS): all held, nothing resent.
+        let mut s = reconnecting(&["a", "b", "c"], reporting(&v1, all), Unheld::Nothing);
+        assert_eq!(first(&mut s, &v1), (none.clone(), tally(3, 0, 0, 0)));
+        assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1"), ("c", "1"), ("d", "1")]);
+        assert_eq!(
+            selected(&send(&mut s, &v2, "n2")),
+            (vec!["a"], vec![]),
+            "then its changes"
+        );
+
+        // One at another version, one gone, one asked for and not reported.
+        let stale = &[("a", Some("0000000000000001")), ("b", None), ("gone", Some("0"))];
+        let mut s = reconnecting(&["a", "b", "c", "gone"], reporting(&v1, stale), Unheld::Nothing);
+        assert_eq!(
+            first(&mut s, &v1),
+            ((strings(&["a", "c"]), strings(&["gone"])), tally(1, 1, 0, 0))
+        );
+
+        // A response it NACKed before carried "b": sent again.
+        let mut s = reconnecting(&["a", "b", "c"], reporting(&v1, all), nameset(&["b"]));
+        assert_eq!(first(&mut s, &v1), ((strings(&["b"]), vec![]), tally(2, 0, 1, 0)));
+        let mut s = reconnecting(&["a", "b", "c"], reporting(&v1, all), Unheld::Everything);
+        assert_eq!(
+            first(&mut s, &v1),
+            ((strings(&["a", "b", "c"]), vec![]), tally(0, 0, 3, 0))
+        );
+
+        // A cluster sent before the first response forces its endpoints.
+        let mut s = reconnecting(&["a", "b", "c"], reporting(&v1, all), Unheld::Nothing);
+        let (c, elsewhere) = (Arc::from("c"), Arc::from("x"));
+        assert_eq!(s.force_resend([&c, &elsewhere]), 1, "only what it asks for");
+        assert_eq!(first(&mut s, &v1), ((strings(&["c"]), vec![]), tally(2, 0, 0, 1)));
+
+        // Wildcard, naming nothing (CDS, LDS): the same, from the collection.
+        let mut s = reconnecting(&[], reporting(&v1, all), Unheld::Nothing);
+        assert_eq!(first(&mut s, &v1), ((strings(&["d"]), vec![]), tally(3, 0, 0, 0)));
+        assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+        assert!(
+            matches!(send(&mut s, &v2, "n2"), Push::Diff { .. }),
+            "then shared diffs"
+        );
+
+        // Untrusted (MCP, or --nack-memory 0s): everything, as before.
+        let mut s = family_state(Family::Xds, Mode::Incremental, reporting(&v1, all));
+        assert!(matches!(send(&mut s, &v1, "n1"), Push::FirstFromReported { .. }));
+        assert_eq!(s.take_reconnect_tally(), None);
+    }
+
+    /// A state-of-the-world client reconnecting with the current
+    /// `version_info` is sent nothing when its subscription is the whole
+    /// collection (CDS, LDS), unless it NACKed a response of the type or a
+    /// resend was forced; a client naming resources is answered (its names
+    /// may be newer than the version it reports).
+    #[test]
+    fn a_reconnecting_state_of_the_world_client_is_skipped_only_whole() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1")]);
+        let at = |v: &Arc<CollectionSnapshot>| Held::Version(v.version.clone());
+        let sotw = |held, nacked| family_state(Family::Xds, Mode::Full, held).trusting_reported(nacked);
+
+        let mut s = sotw(at(&v1), Unheld::Nothing);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+        assert_eq!(s.take_reconnect_tally().map(|t| t.skipped), Some(2));
+        assert_eq!(s.view.acked_version.as_deref(), Some(&*v1.version));
+        assert!(matches!(send(&mut s, &v2, "n1"), Push::Full { .. }), "its next change");
+
+        let mut s = sotw(at(&v1), nameset(&["a"]));
+        assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }), "it NACKed before");
+        assert_eq!(s.take_reconnect_tally().map(|t| t.nacked), Some(2));
+
+        let mut s = sotw(at(&v1), Unheld::Nothing);
+        assert_eq!(s.force_resend([&Arc::from("a")]), 1);
+        assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }), "forced");
+
+        let mut s = sotw(at(&v1), Unheld::Nothing);
+        assert!(matches!(send(&mut s, &v2, "n1"), Push::Full { .. }), "another version");
+        assert_eq!(s.take_reconnect_tally().map(|t| t.changed), Some(2));
+
+        let mut s = sotw(at(&v1), Unheld::Nothing);
+        let asked = names(&["a"]);
+        s.on_request(Request {
+            version: Some(&v1.version),
+            names: NameChange::Replace(&asked),
+            ..Request::new("", None)
+        });
+        assert_eq!(
+            selected(&send(&mut s, &v1, "n1")),
+            (vec!["a"], vec![]),
+            "named: answered"
+        );
+    }
+
+    /// `force_resend` after a client was served: what it asks for of the
+    /// names goes with its next response, whatever it holds, in every form
+    /// (the coordinator's make-before-break reuses it).
+    #[test]
+    fn forced_names_are_sent_again_with_the_next_response() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
+        let (a, b, x) = (Arc::from("a"), Arc::from("b"), Arc::from("x"));
+        let ask = |s: &mut TypeState, names: &[&str]| {
+            let asked = self::names(names);
+            let change = match s.mode() {
+                Mode::Full => NameChange::Replace(&asked),
+                Mode::Incremental => NameChange::Change {
+                    subscribe: &asked,
+                    unsubscribe: &[],
+                },
+            };
+            s.on_request(Request {
+                names: change,
+                ..Request::new("", None)
+            });
+        };
+        for mode in [Mode::Incremental, Mode::Full] {
+            let mut s = family_state(Family::Xds, mode, nothing());
+            ask(&mut s, &["a", "b"]);
+            send(&mut s, &v1, "n1");
+            assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+            assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+            assert_eq!(s.force_resend([&a, &x]), 1);
+            let expected = match mode {
+                Mode::Incremental => vec!["a"],
+                Mode::Full => vec!["a", "b"],
+            };
+            assert_eq!(selected(&send(&mut s, &v1, "n2")), (expected, vec![]), "{mode:?}");
+            assert_eq!(answer(&mut s, "n2", false), Verdict::Ack);
+            assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate, "once");
+        }
+        // A delta client naming nothing.
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
+        send(&mut s, &v1, "n1");
+        assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+        assert_eq!(s.force_resend([&b]), 1);
+        assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["b"], vec![]));
+        assert_eq!(answer(&mut s, "n2", false), Verdict::Ack);
+        assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
+    }
+
+    /// What a delta response carried is what a NACK of it leaves unknown
+    /// (the NACK memory keeps it); a state-of-the-world response carries
+    /// the whole type.
+    #[test]
+    fn a_nack_is_of_what_the_response_carried() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("c", "1")]);
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing()).remembering_nacks();
+        assert_eq!(s.carried(), Unheld::Nothing);
+        send(&mut s, &v1, "n1");
+        assert_eq!(s.carried(), Unheld::Everything, "the whole collection");
+        answer(&mut s, "n1", false);
+        send(&mut s, &v2, "n2");
+        assert_eq!(answer(&mut s, "n2", true), Verdict::Nack);
+        assert_eq!(s.carried(), nameset(&["a", "b", "c"]), "changed, added, removed");
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing()).remembering_nacks();
+        let asked = names(&["a"]);
+        s.on_request(Request {
+            names: NameChange::Change {
+                subscribe: &asked,
+                unsubscribe: &[],
+            },
+            ..Request::new("", None)
+        });
+        send(&mut s, &v2, "n1");
+        assert_eq!(s.carried(), nameset(&["a"]));
+        let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
+        send(&mut s, &v2, "n1");
+        assert_eq!(s.carried(), Unheld::Everything, "not kept: the whole type");
+        let mut s = family_state(Family::Xds, Mode::Full, nothing());
+        send(&mut s, &v1, "n1");
+        assert_eq!(s.carried(), Unheld::Everything);
     }
 
     #[test]

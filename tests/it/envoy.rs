@@ -73,9 +73,16 @@ fn route_domains(dump: &Value, name: &str) -> Vec<String> {
 /// A files directory written by `write`, a gateway serving it and an Envoy
 /// reading from the gateway.
 async fn envoy_on_files(api: AdsApi, write: impl FnOnce(&Path)) -> (TempDir, Bound, Envoy) {
+    envoy_on_files_with(api, &[], write).await
+}
+
+/// As [`envoy_on_files`], the gateway started with `flags` as well.
+async fn envoy_on_files_with(api: AdsApi, flags: &[&str], write: impl FnOnce(&Path)) -> (TempDir, Bound, Envoy) {
     let dir = tempfile::tempdir().unwrap();
     write(dir.path());
-    let gw = start_gateway(&["--source-dir", dir.path().to_str().unwrap()]).await;
+    let mut args = vec!["--source-dir", dir.path().to_str().unwrap()];
+    args.extend_from_slice(flags);
+    let gw = start_gateway(&args).await;
     let envoy = Envoy::start(gw.listen, api, "envoy-1")
         .await
         .unwrap_or_else(|why| panic!("Envoy: {why}"));
@@ -176,7 +183,7 @@ fn unbuildable_cluster(name: &str) -> String {
 }
 
 /// A TCP proxy to `cluster` on a port of the kernel's choosing.
-fn listener_doc(name: &str, cluster: &str) -> String {
+pub(crate) fn listener_doc(name: &str, cluster: &str) -> String {
     format!(
         "collection: {LISTENERS}\nname: {name}\nbody:\n  type_url: {LISTENER_TYPE}\n  json:\n    name: {name}\n    \
          address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}\n    filter_chains:\n    - filters:\n      \
@@ -199,7 +206,7 @@ fn write_clusters(dir: &Path, clusters: &[String]) {
 }
 
 /// The connect timeout of dynamic cluster `name` in a config dump.
-fn connect_timeout(dump: &Value, name: &str) -> Option<String> {
+pub(crate) fn connect_timeout(dump: &Value, name: &str) -> Option<String> {
     let clusters = section(dump, "ClustersConfigDump")?["dynamic_active_clusters"].as_array()?;
     let cluster = clusters.iter().find(|c| c["cluster"]["name"] == name)?;
     cluster["cluster"]["connect_timeout"].as_str().map(str::to_owned)
@@ -317,9 +324,10 @@ fn backend_changed_beside_a_broken_cluster() -> [String; 2] {
 /// [`backend_changed_beside_a_broken_cluster`]: Envoy NACKed that response
 /// and runs the changed backend all the same. Returns backend's first
 /// document as well.
-async fn envoy_that_applied_part_of_a_nacked_response(api: AdsApi) -> (TempDir, Bound, Envoy, String) {
+async fn envoy_that_applied_part_of_a_nacked_response(api: AdsApi, flags: &[&str]) -> (TempDir, Bound, Envoy, String) {
     let backend = static_cluster("backend", "1s", "127.0.0.1");
-    let (dir, gw, envoy) = envoy_on_files(api, |dir| write_clusters(dir, std::slice::from_ref(&backend))).await;
+    let write = |dir: &Path| write_clusters(dir, std::slice::from_ref(&backend));
+    let (dir, gw, envoy) = envoy_on_files_with(api, flags, write).await;
     envoy
         .dump_matches("the cluster from the files, its connect timeout 1 s", |d| {
             connect_timeout(d, "backend").as_deref() == Some("1s")
@@ -344,7 +352,7 @@ async fn envoy_that_applied_part_of_a_nacked_response(api: AdsApi) -> (TempDir, 
 /// That differs from what Envoy holds, so it is sent, and Envoy runs the
 /// reverted clusters.
 async fn a_revert_after_a_nack_reaches_envoy(api: AdsApi) {
-    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
+    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api, &[]).await;
 
     // The revert reaches Envoy.
     write_clusters(dir.path(), &[backend]);
@@ -416,7 +424,7 @@ async fn a_cluster_removed_after_a_nack_is_removed_from_envoy_delta() {
 /// before and sent nothing, so Envoy kept the reverted backend, and
 /// `/debug/syncz` showed it NACKED though it had ACKed a later response.
 async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy(api: AdsApi) {
-    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
+    let (dir, _gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api, &[]).await;
 
     write_clusters(dir.path(), std::slice::from_ref(&backend));
     envoy
@@ -494,13 +502,18 @@ async fn a_reconnected_envoy_at_the_current_version_is_shown_synced_state_of_the
 /// resource's version, which only an accepted response updates), but it
 /// holds backend's rejected change: the revert must reach it. The gateway
 /// took the client's word and sent nothing: Envoy kept the rejected change.
-async fn a_revert_made_while_the_gateway_is_down_reaches_envoy(api: AdsApi) {
-    let (dir, gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api).await;
+///
+/// With `flags` (`--cache-dir`: reconnecting clients' reports are trusted,
+/// less what they NACKed, which the directory keeps across the restart).
+pub(crate) async fn a_revert_made_while_the_gateway_is_down_reaches_envoy(api: AdsApi, flags: &[&str]) {
+    let (dir, gw, envoy, backend) = envoy_that_applied_part_of_a_nacked_response(api, flags).await;
 
     let listen = gw.listen.to_string();
     assert!(gw.shutdown().await);
     write_clusters(dir.path(), std::slice::from_ref(&backend));
-    let _again = start_gateway_on(&listen, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    let mut args = vec!["--source-dir", dir.path().to_str().unwrap()];
+    args.extend_from_slice(flags);
+    let _again = start_gateway_on(&listen, &args).await;
     envoy
         .dump_matches(
             "the revert made while the gateway was down (backend's connect timeout 1 s) to reach Envoy",
@@ -512,11 +525,11 @@ async fn a_revert_made_while_the_gateway_is_down_reaches_envoy(api: AdsApi) {
 #[tokio::test]
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_state_of_the_world() {
-    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Sotw).await;
+    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Sotw, &[]).await;
 }
 
 #[tokio::test]
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn a_revert_made_while_the_gateway_is_down_reaches_envoy_delta() {
-    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Delta).await;
+    a_revert_made_while_the_gateway_is_down_reaches_envoy(AdsApi::Delta, &[]).await;
 }

@@ -30,6 +30,7 @@ mod make_before_break;
 mod operating;
 mod process;
 mod properties;
+mod reconnect;
 mod redaction;
 mod resource_source;
 mod rollout;

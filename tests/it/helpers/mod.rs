@@ -418,14 +418,26 @@ pub struct RunningSource {
 impl RunningSource {
     /// Sends SIGTERM and returns whether it exited 0 in time.
     pub async fn stop(mut self) -> bool {
-        let pid = self.child.id().expect("the source is running") as i32;
-        // SAFETY: kill(2) on the pid of a child this test started and has
-        // not reaped yet.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-        within("the source to exit after SIGTERM", self.child.wait())
-            .await
-            .is_ok_and(|s| s.success())
+        terminate(&mut self.child).await
     }
+}
+
+impl Running {
+    /// Sends SIGTERM and returns whether it exited 0 in time.
+    pub async fn stop(mut self) -> bool {
+        terminate(&mut self.child).await
+    }
+}
+
+/// Sends SIGTERM to `child` and returns whether it exited 0 in time.
+async fn terminate(child: &mut tokio::process::Child) -> bool {
+    let pid = child.id().expect("the child is running") as i32;
+    // SAFETY: kill(2) on the pid of a child this test started and has not
+    // reaped yet.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    within("the child to exit after SIGTERM", child.wait())
+        .await
+        .is_ok_and(|s| s.success())
 }
 
 /// Starts a dial-out source process on `dir`, its HTTP ports on port 0,
