@@ -891,6 +891,8 @@ fn log_effective(settings: &Settings) {
         max_request_bytes = settings.downstream.max_request_bytes,
         max_types_per_stream = settings.downstream.max_types_per_stream,
         max_subscribed_names = settings.downstream.max_subscribed_names,
+        nack_memory_seconds = seconds(settings.downstream.nack_memory),
+        max_nack_memory_entries = settings.downstream.max_nack_memory_entries,
         demand_timeout_seconds = seconds(settings.demand_timeout),
         handshake_timeout_seconds = seconds(grpc.handshake_timeout),
         idle_timeout_seconds = grpc.idle_timeout.map(seconds),
