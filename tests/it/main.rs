@@ -17,6 +17,7 @@ mod deploy;
 mod dialects;
 mod docs;
 mod envoy;
+mod extensions;
 mod failure_paths;
 mod grpc;
 mod history_persist;
