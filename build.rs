@@ -13,19 +13,25 @@ use tonic_build::manual::{Builder, Method, Service};
 
 const PACKAGE: &str = "istio.mcp.v1alpha1";
 
-/// The Envoy resources (and the extensions they commonly embed as `Any`)
-/// that the files source reads as proto-JSON.
-const ENVOY_JSON_ROOTS: &[&str] = &[
-    "envoy/config/cluster/v3/cluster.proto",
-    "envoy/config/listener/v3/listener.proto",
-    "envoy/config/route/v3/route.proto",
-    "envoy/config/endpoint/v3/endpoint.proto",
-    "envoy/extensions/transport_sockets/tls/v3/secret.proto",
-    "envoy/extensions/transport_sockets/tls/v3/tls.proto",
-    "envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto",
-    "envoy/extensions/filters/http/router/v3/router.proto",
-    "envoy/extensions/filters/network/tcp_proxy/v3/tcp_proxy.proto",
-];
+/// The trees under `proto/` whose every file the files source reads as
+/// proto-JSON: Envoy's v3 API (data-plane-api) and CNCF xds (`xds`, `udpa`),
+/// every resource and every extension (see proto/README.md).
+const ENVOY_JSON_TREES: &[&str] = &["envoy", "xds", "udpa"];
+
+/// Relative type names protox resolves differently from protoc, written
+/// out in full as protoc reads them: (file, name as written, full name).
+/// protoc looks a name's first part up among the packages of the file and
+/// its direct imports; protox among every package of its pool, so in
+/// `dynamic_forward_proxy/v3/cluster.proto` (in package
+/// `envoy.extensions.clusters.dynamic_forward_proxy.v3`) `common.` finds
+/// `envoy.extensions.clusters.common` (an indirect import's package)
+/// before `envoy.extensions.common`. The files stay as copied; the
+/// compiler reads them so rewritten.
+const PROTOC_NAMES: &[(&str, &str, &str)] = &[(
+    "envoy/extensions/clusters/dynamic_forward_proxy/v3/cluster.proto",
+    " common.dynamic_forward_proxy.v3.DnsCacheConfig ",
+    " .envoy.extensions.common.dynamic_forward_proxy.v3.DnsCacheConfig ",
+)];
 /// The Istio kinds the files source reads as Kubernetes YAML (their `spec`),
 /// from `proto/istio-api/` (its own include root, as in istio/api).
 const ISTIO_KIND_ROOTS: &[&str] = &[
@@ -104,9 +110,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // For gRPC server reflection on the downstream port.
     let descriptor_path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("mcp_descriptor.bin");
     std::fs::write(descriptor_path, prost::Message::encode_to_vec(&fds))?;
-    // The Envoy resources the files source reads as proto-JSON (descriptors
-    // only, no code, no comments): see proto/README.md.
-    write_descriptor_set("proto", ENVOY_JSON_ROOTS, "envoy_resources.bin")?;
+    // Every Envoy resource and extension, for the files source's proto-JSON
+    // (descriptors only, no code, no comments): see proto/README.md.
+    compile_envoy_descriptors()?;
     compile_istio_descriptors()?;
     compile_istio_releases()?;
     write_secret_types()?;
@@ -219,6 +225,85 @@ fn write_secret_types() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(out.join("secret_types.rs"), format!("&[{}]", list.join(", ")))?;
     println!("cargo:rerun-if-changed=src/source/secret_types.rs");
     Ok(())
+}
+
+/// Every file of `ENVOY_JSON_TREES` with its imports, as one descriptor
+/// set (no code, no comments): `OUT_DIR/envoy_resources.bin`.
+///
+/// One protox pool cannot hold them all: a relative type name resolves
+/// against every package of the pool (see `PROTOC_NAMES`), so a file read
+/// after another package `envoy.extensions.config` exists cannot name
+/// `config.core.v3.HttpUri` as protoc lets it. Each file goes to the first
+/// pool it compiles in, or to a new one (three in all); the pools' files,
+/// their names fully resolved, are then merged into one set (a file two
+/// pools hold is the same file, kept once).
+fn compile_envoy_descriptors() -> Result<(), Box<dyn std::error::Error>> {
+    let mut roots = Vec::new();
+    for tree in ENVOY_JSON_TREES {
+        proto_files(
+            std::path::Path::new("proto"),
+            &std::path::Path::new("proto").join(tree),
+            &mut roots,
+        )?;
+    }
+    roots.sort();
+    let mut pools: Vec<protox::Compiler> = Vec::new();
+    for root in &roots {
+        if pools.iter_mut().any(|pool| pool.open_file(root).is_ok()) {
+            continue;
+        }
+        let mut pool = protox::Compiler::with_file_resolver(ProtocNames::new("proto"));
+        pool.include_imports(true).include_source_info(false);
+        pool.open_file(root).map_err(|e| format!("{root}: {e}"))?;
+        pools.push(pool);
+    }
+    let mut merged = prost_reflect::DescriptorPool::new();
+    for pool in &pools {
+        // Encoded with the extension options (`file_descriptor_set()` drops
+        // them), which the merged pool keeps: the gateway reads
+        // `(udpa.annotations.sensitive)` to redact secrets in every view.
+        merged.decode_file_descriptor_set(&*pool.encode_file_descriptor_set())?;
+    }
+    let path = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("envoy_resources.bin");
+    std::fs::write(path, merged.encode_to_vec())?;
+    Ok(())
+}
+
+/// The files under an include root as protox reads them, but for the names
+/// `PROTOC_NAMES` writes out in full.
+struct ProtocNames(protox::file::ChainFileResolver);
+
+impl ProtocNames {
+    fn new(include: &str) -> Self {
+        let mut chain = protox::file::ChainFileResolver::new();
+        chain.add(protox::file::IncludeFileResolver::new(include.into()));
+        chain.add(protox::file::GoogleFileResolver::new());
+        Self(chain)
+    }
+}
+
+impl protox::file::FileResolver for ProtocNames {
+    fn resolve_path(&self, path: &std::path::Path) -> Option<String> {
+        self.0.resolve_path(path)
+    }
+
+    fn open_file(&self, name: &str) -> Result<protox::file::File, protox::Error> {
+        let file = self.0.open_file(name)?;
+        let mut fixes = PROTOC_NAMES.iter().filter(|(fixed, _, _)| *fixed == name).peekable();
+        if fixes.peek().is_none() {
+            return Ok(file);
+        }
+        let mut source = file.source().unwrap_or_default().to_owned();
+        for (_, written, full) in fixes {
+            // A proto updated past the fix must not keep it silently.
+            assert!(
+                source.contains(written),
+                "{name} no longer has {written:?}: update PROTOC_NAMES"
+            );
+            source = source.replace(written, full);
+        }
+        protox::file::File::from_source(name, &source)
+    }
 }
 
 /// The descriptors of `roots` and their imports (no code, no comments),

@@ -13,21 +13,13 @@ use crate::source::proto_json::{self, PathStep};
 /// (a body made of unknown fields costs a count, not memory).
 pub const MAX_FINDINGS: usize = 16;
 
-/// The gateway's own Istio protos (the names shown, and which kinds are
-/// Istio's), decoded on first use: Istio's kinds only, not the Envoy types
-/// the files source and the config dump decode with (a gateway that only
-/// relays Galley's bytes never decodes those).
-fn current_pool() -> &'static DescriptorPool {
-    static POOL: std::sync::OnceLock<DescriptorPool> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| {
-        DescriptorPool::decode(proto_json::ISTIO_DESCRIPTORS).expect("build.rs wrote a valid descriptor set")
-    })
-}
-
 /// The gateway's descriptor of the message `type_url` names, if one of
 /// Istio's kinds.
 fn current_message(type_url: &str) -> Option<MessageDescriptor> {
-    current_pool().get_message_by_name(type_url.rsplit('/').next().unwrap_or(type_url))
+    // Istio's kinds only, not the Envoy types the files source and the
+    // config dump decode with (a gateway that only relays Galley's bytes
+    // never decodes those).
+    proto_json::istio_pool().get_message_by_name(type_url.rsplit('/').next().unwrap_or(type_url))
 }
 
 /// Nesting deeper than this is not walked (protobuf's own default limit).

@@ -8,37 +8,167 @@
 //! has no descriptor for is an error naming the field's path.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor};
 use serde_json::Value;
 
-/// The descriptors `build.rs` compiled: Envoy's clusters, listeners, route
-/// configurations, endpoints, secrets, and the extensions they commonly
-/// embed (HTTP connection manager, router, TCP proxy, TLS).
+/// The descriptors `build.rs` compiled: Envoy's whole v3 API (every
+/// resource and every extension a `typed_config` may hold) and CNCF xds,
+/// with their imports (see proto/README.md).
 const ENVOY_DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/envoy_resources.bin"));
 
 /// Istio's kinds (`proto/istio-api/`): networking, security, telemetry,
 /// extensions, and Istio 1.0-1.4's authentication and rbac `v1alpha1`.
 pub const ISTIO_DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/istio_resources.bin"));
 
-/// Decoded on first use: only a directory with proto-JSON bodies, or a
-/// config dump, pays for it.
-fn pool() -> &'static DescriptorPool {
-    static POOL: OnceLock<DescriptorPool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        let mut pool = DescriptorPool::decode(ENVOY_DESCRIPTORS).expect("build.rs wrote a valid descriptor set");
-        // The well-known types both sets hold are the same files: skipped.
-        pool.decode_file_descriptor_set(ISTIO_DESCRIPTORS)
-            .expect("build.rs wrote a valid descriptor set");
-        pool
+/// A pool of descriptors with what its fields mark sensitive.
+#[derive(Debug)]
+struct Descriptors {
+    pool: DescriptorPool,
+    sensitivity: Sensitivity,
+}
+
+impl Descriptors {
+    fn new(pool: DescriptorPool) -> Self {
+        Self {
+            sensitivity: Sensitivity::of(&pool),
+            pool,
+        }
+    }
+}
+
+/// Istio's kinds alone, decoded on first use: a directory of Istio's kinds
+/// (the embedded examples among them), and the version skew's walk, never
+/// pay for Envoy's API.
+fn istio_descriptors() -> &'static Arc<Descriptors> {
+    static ISTIO: OnceLock<Arc<Descriptors>> = OnceLock::new();
+    ISTIO.get_or_init(|| {
+        let pool = DescriptorPool::decode(ISTIO_DESCRIPTORS).expect("build.rs wrote a valid descriptor set");
+        Arc::new(Descriptors::new(pool))
     })
 }
 
-/// The field option Envoy's protos mark secrets with (`(udpa.annotations.sensitive) = true`,
-/// field number 76569463 on `google.protobuf.FieldOptions`): private keys, passwords,
-/// PKCS#12, session ticket keys, generic secrets. Envoy's `/config_dump` redacts them.
-const SENSITIVE_OPTION: &str = "udpa.annotations.sensitive";
+/// Istio's kinds' descriptors (see [`istio_descriptors`]).
+pub fn istio_pool() -> &'static DescriptorPool {
+    &istio_descriptors().pool
+}
+
+#[path = "descriptor_files.rs"]
+mod descriptor_files;
+
+/// Envoy's API, CNCF xds and Istio's kinds, as the files decoded so far.
+struct Loaded {
+    index: descriptor_files::FileIndex,
+    files: HashSet<&'static str>,
+    current: Arc<Descriptors>,
+}
+
+/// The built-in sets' files, indexed on first use; a file is decoded the
+/// first time a message of its package is read (a `json` body, a view of a
+/// body, an `Any` in one), with what it imports. A gateway reads the types
+/// of a few dozen files of Envoy's 529: see BENCHMARKS.md.
+fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let index = descriptor_files::FileIndex::of(&[ENVOY_DESCRIPTORS, ISTIO_DESCRIPTORS])
+                .expect("build.rs wrote a valid descriptor set");
+            Mutex::new(Loaded {
+                index,
+                files: HashSet::new(),
+                current: Arc::new(Descriptors::new(DescriptorPool::new())),
+            })
+        })
+        .lock()
+        // Nothing is left half done by a panic: `current` and the files it
+        // holds are replaced together, once the files decoded.
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Loaded {
+    /// The descriptors with `files` (and what they import) decoded.
+    fn with(&mut self, files: &[&'static str]) -> Arc<Descriptors> {
+        // A file is decoded with its imports: one decoded has them.
+        if files.iter().all(|file| self.files.contains(file)) {
+            return self.current.clone();
+        }
+        let mut decoded = self.files.clone();
+        let set = self.index.set_of(files, &mut decoded);
+        if !set.is_empty() {
+            let mut pool = self.current.pool.clone();
+            pool.decode_file_descriptor_set(&set[..])
+                .expect("build.rs wrote a valid descriptor set");
+            self.current = Arc::new(Descriptors::new(pool));
+            self.files = decoded;
+        }
+        self.current.clone()
+    }
+}
+
+/// The built-in descriptors with the messages `names` (full names) and
+/// what they import decoded, and any decoded before.
+fn envoy_descriptors(names: &[&str]) -> Arc<Descriptors> {
+    let mut loaded = loaded();
+    let files: Vec<&'static str> = names
+        .iter()
+        .flat_map(|name| loaded.index.files_of(name).to_vec())
+        .collect();
+    loaded.with(&files)
+}
+
+/// Every file of the built-in sets decoded (an operator's `--descriptors`
+/// may import any).
+fn all_descriptors() -> Arc<Descriptors> {
+    let mut loaded = loaded();
+    let files: Vec<&'static str> = loaded.index.names().collect();
+    loaded.with(&files)
+}
+
+#[cfg(test)]
+fn pool() -> DescriptorPool {
+    all_descriptors().pool.clone()
+}
+
+/// The built-in descriptors the messages `names` are read with (the body's
+/// type first, then the types of `Any`s in it): Istio's alone for Istio's
+/// kinds (which embed no `Any`), else Envoy's with their files decoded.
+fn builtin(names: &[&str]) -> Arc<Descriptors> {
+    match names.first() {
+        Some(name) if name.starts_with("istio.") => istio_descriptors().clone(),
+        _ => envoy_descriptors(names),
+    }
+}
+
+/// The built-in descriptors `descriptor` is one of, decoded as far as now.
+fn builtin_of(descriptor: &MessageDescriptor) -> Arc<Descriptors> {
+    if descriptor.parent_pool() == istio_pool() {
+        istio_descriptors().clone()
+    } else {
+        envoy_descriptors(&[])
+    }
+}
+
+/// The full names of the types `@type` names in `json`, at any depth.
+fn any_types(json: &Value, names: &mut Vec<String>) {
+    match json {
+        Value::Object(fields) => {
+            if let Some(Value::String(url)) = fields.get("@type") {
+                names.push(url.rsplit('/').next().unwrap_or(url).to_owned());
+            }
+            fields.values().for_each(|value| any_types(value, names));
+        }
+        Value::Array(items) => items.iter().for_each(|value| any_types(value, names)),
+        _ => {}
+    }
+}
+
+/// The type prost-reflect could not find writing an `Any` (its error says
+/// "message 'x.y.Z' not found"), if that is the error.
+fn missing_type(error: &str) -> Option<&str> {
+    let (_, rest) = error.split_once("message '")?;
+    Some(rest.split_once("' not found")?.0)
+}
 
 /// Which fields of a pool are marked sensitive, and which messages hold one at any depth.
 #[derive(Debug, Default)]
@@ -55,13 +185,13 @@ pub struct Sensitivity {
 }
 
 impl Sensitivity {
+    /// The fields `pool` marks sensitive (see [`secret_types_of::SENSITIVE_OPTIONS`]):
+    /// private keys, passwords, PKCS#12, session ticket keys, generic
+    /// secrets, basic auth users, API keys, cloud credentials. Envoy's
+    /// `/config_dump` redacts them.
     fn of(pool: &DescriptorPool) -> Self {
-        let Some(option) = pool.get_extension_by_name(SENSITIVE_OPTION) else {
+        let Some(marked) = secret_types_of::sensitive_marks(pool) else {
             return Self::default();
-        };
-        let marked = |field: &FieldDescriptor| {
-            let options = field.options();
-            options.has_extension(&option) && options.get_extension(&option).as_bool() == Some(true)
         };
         let fields: HashSet<String> = pool
             .all_messages()
@@ -106,12 +236,6 @@ impl Sensitivity {
     }
 }
 
-/// The built-in descriptors' sensitivity, computed on first use.
-fn builtin_sensitivity() -> &'static Sensitivity {
-    static SENSITIVITY: OnceLock<Sensitivity> = OnceLock::new();
-    SENSITIVITY.get_or_init(|| Sensitivity::of(pool()))
-}
-
 /// The type URL of every message of the built-in descriptors whose values
 /// *are* secrets (see `secret_types.rs`), found when the gateway was built:
 /// the access policy's sensitive collections (nobody reads them without
@@ -121,8 +245,10 @@ pub fn secret_type_urls() -> Vec<String> {
     SECRET_TYPES.iter().map(|url| (*url).to_owned()).collect()
 }
 
-#[cfg(test)]
+/// Which fields mark secrets, shared with build.rs (which lists the
+/// collections of secrets with it; the test checks that list here).
 #[path = "secret_types.rs"]
+#[cfg_attr(not(test), allow(dead_code))]
 mod secret_types_of;
 
 /// One step of a path into a body: a field or map key, or a list index.
@@ -167,23 +293,14 @@ impl std::fmt::Display for JsonError {
     }
 }
 
-/// Every Envoy type a `json` body may name (for errors); Istio's kinds are
-/// named by the collection table.
-fn known_types() -> Vec<String> {
-    const ROOTS: &[&str] = &[
-        "envoy.config.cluster.v3.Cluster",
-        "envoy.config.listener.v3.Listener",
-        "envoy.config.route.v3.RouteConfiguration",
-        "envoy.config.endpoint.v3.ClusterLoadAssignment",
-        "envoy.extensions.transport_sockets.tls.v3.Secret",
-    ];
-    ROOTS.iter().map(|t| format!("type.googleapis.com/{t}")).collect()
-}
+/// What a `json` body (and an `Any` in one) may be, for errors.
+const READABLE: &str = "it reads every message of Envoy's v3 API and CNCF xds (resources and every extension's \
+                        typed_config, see proto/README.md) and Istio's kinds";
 
 /// The message type `type_url` names, if this gateway has its descriptor.
 pub fn message_type(type_url: &str) -> Option<MessageDescriptor> {
     let name = type_url.strip_prefix(crate::collections::TYPE_URL_PREFIX)?;
-    pool().get_message_by_name(name)
+    builtin(&[name]).pool.get_message_by_name(name)
 }
 
 /// The message `json` describes, encoded as `type_url` says.
@@ -197,11 +314,16 @@ pub fn encode(type_url: &str, json: Value) -> Result<Vec<u8>, JsonError> {
             "type_url {type_url:?} does not start with type.googleapis.com/"
         )));
     }
-    let descriptor = message_type(type_url).ok_or_else(|| {
+    // The body's type and every `@type` in it, decoded before it is read:
+    // the reader looks an `Any`'s type up in the body's pool.
+    let name = &type_url[crate::collections::TYPE_URL_PREFIX.len()..];
+    let mut names = vec![name.to_owned()];
+    any_types(&json, &mut names);
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let descriptor = builtin(&names).pool.get_message_by_name(name).ok_or_else(|| {
         fail(format!(
-            "type_url {type_url:?} is not a type this gateway can read as json (it reads {}, Istio's kinds, and the \
-             extensions listed in proto/README.md); give the encoded message as value_base64 instead",
-            known_types().join(", ")
+            "type_url {type_url:?} is not a type this gateway can read as json ({READABLE}); give the encoded \
+             message as value_base64 instead"
         ))
     })?;
     encode_message(&descriptor, json)
@@ -233,6 +355,15 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         if path_may_be_sensitive(descriptor, &json, &path) {
             message = redact_quoted(&message);
         }
+        // An `Any` of a type no descriptor here describes (prost-reflect
+        // says "message 'x.y.Z' not found"): the type named in full, and
+        // what reads instead.
+        if let Some(name) = missing_type(&message).map(str::to_owned) {
+            message = format!(
+                "@type names {name}, not a type this gateway can read as json ({READABLE}); give the resource as \
+                 value_base64 instead"
+            );
+        }
         // The path ends at the message that holds an unknown field: the
         // field itself is what the operator has to find.
         if let Some(field) = message
@@ -251,7 +382,8 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
 /// ends at (or cannot be followed past) a message holding one, such as an
 /// `Any` whose inner path the reader does not report.
 fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> bool {
-    let sensitivity = builtin_sensitivity();
+    let descriptors = builtin_of(descriptor);
+    let sensitivity = &descriptors.sensitivity;
     let mut message = descriptor.clone();
     let mut value = json;
     let mut steps = path.iter();
@@ -506,11 +638,10 @@ pub struct RedactedBody {
 /// `[redacted]`, at any depth and inside `Any`, as in Envoy's `/config_dump`.
 #[derive(Debug)]
 pub struct BodyDecoder {
-    /// The operator's set merged into the built-in one; `None` without one
-    /// (the built-in pool is then shared and decoded on first use).
-    pool: Option<DescriptorPool>,
-    /// The operator's pool's sensitive fields (`None`: the built-in pool's).
-    sensitivity: Option<Sensitivity>,
+    /// The operator's set merged into the built-in one, with its sensitive
+    /// fields; `None` without one (the built-in pools are then shared, each
+    /// decoded on first use).
+    own: Option<Arc<Descriptors>>,
     /// Type URLs marked sensitive whatever their descriptors say
     /// (`--type-map` rows written `sensitive: true`): one whose descriptor
     /// marks no field is shown `[redacted]` whole.
@@ -523,13 +654,12 @@ impl BodyDecoder {
     pub fn new(descriptors: Option<&std::path::Path>) -> Result<Self, String> {
         let Some(path) = descriptors else {
             return Ok(Self {
-                pool: None,
-                sensitivity: None,
+                own: None,
                 sensitive_types: HashSet::new(),
             });
         };
         let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
-        let mut pool = pool().clone();
+        let mut pool = all_descriptors().pool.clone();
         let not_a_set =
             |e: prost::DecodeError| format!("not a FileDescriptorSet (protoc -o FILE, or buf build -o FILE): {e}");
         // Read as a dynamic message, not as prost_types: the files' options
@@ -553,8 +683,7 @@ impl BodyDecoder {
         pool.decode_file_descriptor_set(&prost::Message::encode_to_vec(&set)[..])
             .map_err(|e| format!("its descriptors do not resolve: {e}"))?;
         Ok(Self {
-            sensitivity: Some(Sensitivity::of(&pool)),
-            pool: Some(pool),
+            own: Some(Arc::new(Descriptors::new(pool))),
             sensitive_types: HashSet::new(),
         })
     }
@@ -566,12 +695,12 @@ impl BodyDecoder {
         self
     }
 
-    fn pool(&self) -> &DescriptorPool {
-        self.pool.as_ref().unwrap_or_else(|| pool())
-    }
-
-    fn sensitivity(&self) -> &Sensitivity {
-        self.sensitivity.as_ref().unwrap_or_else(|| builtin_sensitivity())
+    /// The descriptors the messages `names` are read with (see [`builtin`]).
+    fn descriptors(&self, names: &[&str]) -> Arc<Descriptors> {
+        match &self.own {
+            Some(own) => own.clone(),
+            None => builtin(names),
+        }
     }
 
     /// Whether a body of `type_url` may hold a secret: its type is marked
@@ -579,7 +708,7 @@ impl BodyDecoder {
     /// then never shown.
     pub fn is_sensitive_type(&self, type_url: &str) -> bool {
         let name = type_url.rsplit('/').next().unwrap_or(type_url);
-        self.sensitive_types.contains(type_url) || self.sensitivity().holds_secrets(name)
+        self.sensitive_types.contains(type_url) || self.descriptors(&[name]).sensitivity.holds_secrets(name)
     }
 
     /// The body's message as proto-JSON, its sensitive fields `[redacted]`;
@@ -592,15 +721,35 @@ impl BodyDecoder {
     /// [`BodyDecoder::decode`], with digests of what was redacted.
     pub fn decode_redacted(&self, type_url: &str, value: &[u8]) -> Result<RedactedBody, String> {
         let name = type_url.rsplit('/').next().unwrap_or(type_url);
-        let descriptor = self
-            .pool()
-            .get_message_by_name(name)
-            .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
-        let message =
-            DynamicMessage::decode(descriptor.clone(), value).map_err(|e| format!("does not decode as {name}: {e}"))?;
-        let mut json = serde_json::to_value(&message).map_err(|e| format!("{name} has no JSON form: {e}"))?;
+        // The body's type, then each `Any`'s the body turns out to hold.
+        let mut names = vec![name.to_owned()];
+        let (descriptors, descriptor, mut json) = loop {
+            let wanted: Vec<&str> = names.iter().map(String::as_str).collect();
+            let descriptors = self.descriptors(&wanted);
+            let descriptor = descriptors
+                .pool
+                .get_message_by_name(name)
+                .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
+            let message = DynamicMessage::decode(descriptor.clone(), value)
+                .map_err(|e| format!("does not decode as {name}: {e}"))?;
+            match serde_json::to_value(&message) {
+                Ok(json) => break (descriptors, descriptor, json),
+                Err(e) => {
+                    let error = e.to_string();
+                    // An `Any` of a type not decoded yet: again with it (a
+                    // type tried once and still missing is not there).
+                    match missing_type(&error) {
+                        Some(missing) if self.own.is_none() && !names.iter().any(|n| n == missing) => {
+                            names.push(missing.to_owned());
+                        }
+                        _ => return Err(format!("{name} has no JSON form: {error}")),
+                    }
+                }
+            }
+        };
         let mut redactor = Redactor {
-            decoder: self,
+            descriptors: &descriptors,
+            sensitive_types: &self.sensitive_types,
             path: Vec::new(),
             secrets: BTreeMap::new(),
         };
@@ -615,7 +764,9 @@ impl BodyDecoder {
 /// Walks a body's proto-JSON beside its descriptor, replacing each
 /// sensitive field's value.
 struct Redactor<'a> {
-    decoder: &'a BodyDecoder,
+    /// The pool the body was read with (an `Any`'s type is in it).
+    descriptors: &'a Descriptors,
+    sensitive_types: &'a HashSet<String>,
     path: Vec<PathStep>,
     secrets: BTreeMap<String, u64>,
 }
@@ -624,8 +775,8 @@ impl Redactor<'_> {
     /// A body (or an `Any`'s value) of `type_url`: redacted whole if its
     /// type is marked sensitive and its descriptor marks no field.
     fn body(&mut self, type_url: &str, descriptor: &MessageDescriptor, json: &mut Value) {
-        if self.decoder.sensitive_types.contains(type_url)
-            && !self.decoder.sensitivity().holds_secrets(descriptor.full_name())
+        if self.sensitive_types.contains(type_url)
+            && !self.descriptors.sensitivity.holds_secrets(descriptor.full_name())
         {
             self.redact(json);
         } else {
@@ -650,7 +801,7 @@ impl Redactor<'_> {
                 continue;
             };
             self.path.push(PathStep::Key(key.clone()));
-            if self.decoder.sensitivity().is_sensitive_field(&field) {
+            if self.descriptors.sensitivity.is_sensitive_field(&field) {
                 self.redact(value);
             } else if let Kind::Message(inner) = field.kind() {
                 match value {
@@ -685,11 +836,11 @@ impl Redactor<'_> {
         };
         let name = type_url.rsplit('/').next().unwrap_or(&type_url);
         // Writing the `Any` as JSON needed its type: the pool has it.
-        let Some(inner) = self.decoder.pool().get_message_by_name(name) else {
+        let Some(inner) = self.descriptors.pool.get_message_by_name(name) else {
             return;
         };
-        let marked_whole = self.decoder.sensitive_types.contains(&type_url)
-            && !self.decoder.sensitivity().holds_secrets(inner.full_name());
+        let marked_whole =
+            self.sensitive_types.contains(&type_url) && !self.descriptors.sensitivity.holds_secrets(inner.full_name());
         if marked_whole {
             // Everything but the type is the marked message's.
             if let Value::Object(fields) = json {
@@ -747,13 +898,35 @@ mod tests {
 
     #[test]
     fn sensitive_fields_are_read_from_the_descriptors_and_followed_through_fields() {
-        let sensitivity = builtin_sensitivity();
+        let all = all_descriptors();
+        let sensitivity = &all.sensitivity;
         let mut fields: Vec<&str> = sensitivity.fields.iter().map(String::as_str).collect();
         fields.sort_unstable();
+        // Every field Envoy's v3 API marks (`grep -r 'sensitive) = true' proto/envoy`).
         assert_eq!(
             fields,
             [
                 "envoy.config.core.v3.GrpcService.GoogleGrpc.SslCredentials.private_key",
+                "envoy.config.grpc_credential.v3.FileBasedMetadataConfig.secret_data",
+                "envoy.config.trace.v3.ClientConfig.backend_token",
+                "envoy.extensions.common.aws.v3.AssumeRoleWithWebIdentityCredentialProvider.web_identity_token_data_source",
+                "envoy.extensions.common.aws.v3.CredentialsFileCredentialProvider.credentials_data_source",
+                "envoy.extensions.common.aws.v3.IAMRolesAnywhereCredentialProvider.private_key",
+                "envoy.extensions.common.aws.v3.InlineCredentialProvider.secret_access_key",
+                "envoy.extensions.common.aws.v3.InlineCredentialProvider.session_token",
+                "envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth.credentials",
+                "envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuthPerRoute.credentials",
+                "envoy.extensions.filters.http.basic_auth.v3.BasicAuth.users",
+                "envoy.extensions.filters.http.basic_auth.v3.BasicAuthPerRoute.users",
+                "envoy.extensions.filters.http.ext_authz.v3.CheckSettings.context_extensions",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProtocolOptions.Credential.auth_password",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProtocolOptions.Credential.auth_username",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProtocolOptions.auth_password",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProtocolOptions.auth_username",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProxy.downstream_auth_password",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProxy.downstream_auth_passwords",
+                "envoy.extensions.filters.network.redis_proxy.v3.RedisProxy.downstream_auth_username",
+                "envoy.extensions.grpc_service.call_credentials.file_based_metadata.v3.FileBasedMetadataCallCredentials.secret_data",
                 "envoy.extensions.transport_sockets.tls.v3.GenericSecret.secret",
                 "envoy.extensions.transport_sockets.tls.v3.GenericSecret.secrets",
                 "envoy.extensions.transport_sockets.tls.v3.PrivateKeyProvider.typed_config",
@@ -1106,6 +1279,86 @@ mod tests {
         assert!(err.message.contains("value_base64"), "{err}");
     }
 
+    /// A listener whose connection manager holds `filter` as its one HTTP
+    /// filter's `typed_config`.
+    fn listener_with_http_filter(filter: Value) -> Value {
+        json!({
+            "name": "l",
+            "filter_chains": [{"filters": [{"name": "hcm", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "s",
+                "access_log": [{"name": "file", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                    "path": "/dev/null",
+                }}],
+                "http_filters": [{"name": "f", "typed_config": filter}],
+            }}]}],
+        })
+    }
+
+    #[test]
+    fn any_extension_of_envoys_api_reads_and_a_type_of_none_is_named() {
+        let listener_url = "type.googleapis.com/envoy.config.listener.v3.Listener";
+        for filter in [
+            json!({"@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                   "default_source_code": {"inline_string": "function envoy_on_request(h) end"}}),
+            json!({"@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+                   "grpc_service": {"envoy_grpc": {"cluster_name": "authz"}, "timeout": "250ms"}}),
+            json!({"@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+                   "providers": {"p": {"issuer": "i", "local_jwks": {"inline_string": "{}"}}}}),
+            // CNCF xds's TypedStruct, as Wasm and Go filters are configured.
+            json!({"@type": "type.googleapis.com/xds.type.v3.TypedStruct",
+                   "type_url": "type.googleapis.com/example.Config", "value": {"k": "v"}}),
+        ] {
+            let bytes = encode(listener_url, listener_with_http_filter(filter.clone()))
+                .unwrap_or_else(|e| panic!("{filter}: {e}"));
+            let back = BodyDecoder::new(None).unwrap().decode(listener_url, &bytes).unwrap();
+            let hcm = &back["filterChains"][0]["filters"][0]["typedConfig"];
+            assert_eq!(hcm["httpFilters"][0]["typedConfig"]["@type"], filter["@type"], "{back}");
+            assert_eq!(hcm["accessLog"][0]["typedConfig"]["path"], "/dev/null", "{back}");
+        }
+        // The dynamic forward proxy's cluster, which protox reads only with
+        // its relative name written out (build.rs, PROTOC_NAMES).
+        let cluster = encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            json!({"name": "dfp", "cluster_type": {"name": "envoy.clusters.dynamic_forward_proxy", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.clusters.dynamic_forward_proxy.v3.ClusterConfig",
+                "dns_cache_config": {"name": "cache", "dns_lookup_family": "V4_ONLY"},
+            }}}),
+        );
+        assert!(cluster.is_ok(), "{cluster:?}");
+
+        let err = encode(
+            listener_url,
+            listener_with_http_filter(
+                json!({"@type": "type.googleapis.com/envoy.extensions.filters.http.nosuch.v3.NoSuch"}),
+            ),
+        )
+        .unwrap_err();
+        assert_eq!(
+            display_path(&err.path),
+            "filter_chains[0].filters[0].typed_config.http_filters[0].typed_config",
+            "{err}"
+        );
+        assert!(
+            err.message
+                .starts_with("@type names envoy.extensions.filters.http.nosuch.v3.NoSuch, not a type this gateway"),
+            "{err}"
+        );
+        assert!(err.message.contains("value_base64"), "{err}");
+    }
+
+    #[test]
+    fn istios_kinds_read_with_istios_descriptors_alone() {
+        let route = message_type("type.googleapis.com/istio.networking.v1alpha3.VirtualService").unwrap();
+        assert!(route.parent_pool() == istio_pool());
+        assert!(istio_pool()
+            .get_message_by_name("envoy.config.listener.v3.Listener")
+            .is_none());
+        let listener = message_type("type.googleapis.com/envoy.config.listener.v3.Listener").unwrap();
+        assert!(listener.parent_pool() != istio_pool());
+    }
+
     #[test]
     fn durations_read_as_go_and_as_proto_json_write_them() {
         for (written, proto_json) in [
@@ -1196,7 +1449,7 @@ mod secret_types {
         let urls = super::secret_type_urls();
         assert_eq!(
             urls,
-            super::secret_types_of::secret_type_urls_of(super::pool()),
+            super::secret_types_of::secret_type_urls_of(&super::pool()),
             "the list built in is what the embedded descriptors say"
         );
         let has = |name: &str| urls.iter().any(|u| u == &format!("type.googleapis.com/{name}"));

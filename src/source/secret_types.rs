@@ -9,20 +9,42 @@
 /// `session_ticket_keys.keys`).
 const SECRET_DEPTH: usize = 2;
 
+/// The field options that mark a secret: `(udpa.annotations.sensitive) =
+/// true` (field number 76569463 on `google.protobuf.FieldOptions`), which
+/// Envoy's protos use, and its successor in CNCF xds,
+/// `(xds.annotations.v3.sensitive)` (61008053).
+pub const SENSITIVE_OPTIONS: &[&str] = &["udpa.annotations.sensitive", "xds.annotations.v3.sensitive"];
+
+/// Whether a field of `pool` carries either mark; `None` when the pool
+/// defines neither option.
+pub fn sensitive_marks(
+    pool: &prost_reflect::DescriptorPool,
+) -> Option<impl Fn(&prost_reflect::FieldDescriptor) -> bool> {
+    let options: Vec<_> = SENSITIVE_OPTIONS
+        .iter()
+        .filter_map(|name| pool.get_extension_by_name(name))
+        .collect();
+    if options.is_empty() {
+        return None;
+    }
+    Some(move |field: &prost_reflect::FieldDescriptor| {
+        let set = field.options();
+        options
+            .iter()
+            .any(|option| set.has_extension(option) && set.get_extension(option).as_bool() == Some(true))
+    })
+}
+
 /// The type URL of every message of `pool` whose values *are* secrets: a
-/// field marked `(udpa.annotations.sensitive) = true` at most
+/// field marked sensitive ([`SENSITIVE_OPTIONS`]) at most
 /// [`SECRET_DEPTH`] fields down, sorted. Deeper secrets do not count: every
 /// Envoy resource reaches a private key through a `ConfigSource`'s gRPC
 /// credentials (seven fields down), and serving no cluster without a policy
 /// would be no default at all; the views still redact such a key wherever it
 /// is.
 pub fn secret_type_urls_of(pool: &prost_reflect::DescriptorPool) -> Vec<String> {
-    let Some(option) = pool.get_extension_by_name("udpa.annotations.sensitive") else {
+    let Some(marked) = sensitive_marks(pool) else {
         return Vec::new();
-    };
-    let marked = |field: &prost_reflect::FieldDescriptor| {
-        let options = field.options();
-        options.has_extension(&option) && options.get_extension(&option).as_bool() == Some(true)
     };
     fn within(
         message: &prost_reflect::MessageDescriptor,

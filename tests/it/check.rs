@@ -35,7 +35,7 @@ fn examples(dir: &str) -> String {
 }
 
 /// The findings of `--output json`: (file name, line, severity, message).
-fn findings(json: &str) -> Vec<(String, u64, String, String)> {
+pub(crate) fn findings(json: &str) -> Vec<(String, u64, String, String)> {
     let parsed: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
     parsed
         .as_array()

@@ -21,29 +21,33 @@ const LISTENERS: &str = "envoy/config/listener/v3/listeners";
 const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
 
-fn example_dir() -> std::path::PathBuf {
+pub(crate) fn example_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/envoy/config")
 }
 
 /// The example directory copied to `dir`, the listener on a port of the
-/// kernel's choosing (tests run side by side).
-fn copy_examples(dir: &Path) {
+/// kernel's choosing (tests run side by side), its file access log
+/// `dir/access.log`.
+pub(crate) fn copy_examples(dir: &Path) {
+    let access_log = format!("path: {}", dir.join("access.log").display());
     for entry in std::fs::read_dir(example_dir()).unwrap() {
         let path = entry.unwrap().path();
         let text = std::fs::read_to_string(&path).unwrap();
-        let text = text.replace("port_value: 10000", "port_value: 0");
+        let text = text
+            .replace("port_value: 10000", "port_value: 0")
+            .replace("path: /tmp/envoy-access.log", &access_log);
         crate::helpers::certs::write(dir, path.file_name().unwrap().to_str().unwrap(), &text);
     }
 }
 
 /// Edits `file` of `dir` (a copy of the examples): `from` must be there.
-fn edit(dir: &Path, file: &str, from: &str, to: &str) {
+pub(crate) fn edit(dir: &Path, file: &str, from: &str, to: &str) {
     let text = std::fs::read_to_string(dir.join(file)).unwrap();
     assert!(text.contains(from), "{file} has no {from:?}");
     crate::helpers::certs::write(dir, file, &text.replacen(from, to, 1));
 }
 
-fn names(found: &[(String, String)]) -> Vec<&str> {
+pub(crate) fn names(found: &[(String, String)]) -> Vec<&str> {
     let mut names: Vec<&str> = found.iter().map(|(name, _)| name.as_str()).collect();
     names.sort_unstable();
     names

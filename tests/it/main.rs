@@ -18,6 +18,7 @@ mod dialects;
 mod docs;
 mod envoy;
 mod envoy_order;
+mod extensions;
 mod failure_paths;
 mod grpc;
 mod history_persist;

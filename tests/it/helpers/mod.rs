@@ -234,6 +234,13 @@ pub async fn http_get_with(addr: SocketAddr, path: &str, headers: &str) -> (u16,
 /// An HTTP/1.1 request with no body: (status, body; a chunked body read
 /// whole).
 pub async fn http_request(addr: SocketAddr, method: &str, path: &str, headers: &str) -> (u16, String) {
+    let (status, _, body) = http_exchange(addr, method, path, headers).await;
+    (status, body)
+}
+
+/// As [`http_request`], with the response's head (status line and header
+/// lines, lowercased) between the status and the body.
+pub async fn http_exchange(addr: SocketAddr, method: &str, path: &str, headers: &str) -> (u16, String, String) {
     within(&format!("{method} {path} from {addr}"), async {
         let mut stream = tokio::net::TcpStream::connect(addr)
             .await
@@ -257,7 +264,7 @@ pub async fn http_request(addr: SocketAddr, method: &str, path: &str, headers: &
         } else {
             body.to_vec()
         };
-        (status, String::from_utf8_lossy(&body).into_owned())
+        (status, head, String::from_utf8_lossy(&body).into_owned())
     })
     .await
 }
