@@ -8,7 +8,7 @@
 //! has no descriptor for is an error naming the field's path.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor};
 use serde_json::Value;
@@ -41,10 +41,11 @@ impl Descriptors {
 /// Istio's kinds alone, decoded on first use: a directory of Istio's kinds
 /// (the embedded examples among them), and the version skew's walk, never
 /// pay for Envoy's API.
-fn istio_descriptors() -> &'static Descriptors {
-    static ISTIO: OnceLock<Descriptors> = OnceLock::new();
+fn istio_descriptors() -> &'static Arc<Descriptors> {
+    static ISTIO: OnceLock<Arc<Descriptors>> = OnceLock::new();
     ISTIO.get_or_init(|| {
-        Descriptors::new(DescriptorPool::decode(ISTIO_DESCRIPTORS).expect("build.rs wrote a valid descriptor set"))
+        let pool = DescriptorPool::decode(ISTIO_DESCRIPTORS).expect("build.rs wrote a valid descriptor set");
+        Arc::new(Descriptors::new(pool))
     })
 }
 
@@ -53,32 +54,120 @@ pub fn istio_pool() -> &'static DescriptorPool {
     &istio_descriptors().pool
 }
 
-/// Envoy's API, CNCF xds and Istio's kinds, decoded the first time a body
-/// of another type than Istio's kinds is read (a `json` body, a config
-/// dump of Envoy's resources): see BENCHMARKS.md for what that costs.
-fn all_descriptors() -> &'static Descriptors {
-    static ALL: OnceLock<Descriptors> = OnceLock::new();
-    ALL.get_or_init(|| {
-        let mut pool = DescriptorPool::decode(ENVOY_DESCRIPTORS).expect("build.rs wrote a valid descriptor set");
-        // The well-known types both sets hold are the same files: skipped.
-        pool.decode_file_descriptor_set(ISTIO_DESCRIPTORS)
-            .expect("build.rs wrote a valid descriptor set");
-        Descriptors::new(pool)
-    })
+#[path = "descriptor_files.rs"]
+mod descriptor_files;
+
+/// Envoy's API, CNCF xds and Istio's kinds, as the files decoded so far.
+struct Loaded {
+    index: descriptor_files::FileIndex,
+    files: HashSet<&'static str>,
+    current: Arc<Descriptors>,
 }
 
-fn pool() -> &'static DescriptorPool {
-    &all_descriptors().pool
+/// The built-in sets' files, indexed on first use; a file is decoded the
+/// first time a message of its package is read (a `json` body, a view of a
+/// body, an `Any` in one), with what it imports. A gateway reads the types
+/// of a few dozen files of Envoy's 529: see BENCHMARKS.md.
+fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let index = descriptor_files::FileIndex::of(&[ENVOY_DESCRIPTORS, ISTIO_DESCRIPTORS])
+                .expect("build.rs wrote a valid descriptor set");
+            Mutex::new(Loaded {
+                index,
+                files: HashSet::new(),
+                current: Arc::new(Descriptors::new(DescriptorPool::new())),
+            })
+        })
+        .lock()
+        // Nothing is left half done by a panic: `current` and the files it
+        // holds are replaced together, once the files decoded.
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The built-in descriptors a message named `name` is read with: Istio's
-/// alone for Istio's kinds (which embed no `Any`), else all of them.
-fn builtin(name: &str) -> &'static Descriptors {
-    if name.starts_with("istio.") {
-        istio_descriptors()
-    } else {
-        all_descriptors()
+impl Loaded {
+    /// The descriptors with `files` (and what they import) decoded.
+    fn with(&mut self, files: &[&'static str]) -> Arc<Descriptors> {
+        // A file is decoded with its imports: one decoded has them.
+        if files.iter().all(|file| self.files.contains(file)) {
+            return self.current.clone();
+        }
+        let mut decoded = self.files.clone();
+        let set = self.index.set_of(files, &mut decoded);
+        if !set.is_empty() {
+            let mut pool = self.current.pool.clone();
+            pool.decode_file_descriptor_set(&set[..])
+                .expect("build.rs wrote a valid descriptor set");
+            self.current = Arc::new(Descriptors::new(pool));
+            self.files = decoded;
+        }
+        self.current.clone()
     }
+}
+
+/// The built-in descriptors with the messages `names` (full names) and
+/// what they import decoded, and any decoded before.
+fn envoy_descriptors(names: &[&str]) -> Arc<Descriptors> {
+    let mut loaded = loaded();
+    let files: Vec<&'static str> = names
+        .iter()
+        .flat_map(|name| loaded.index.files_of(name).to_vec())
+        .collect();
+    loaded.with(&files)
+}
+
+/// Every file of the built-in sets decoded (an operator's `--descriptors`
+/// may import any).
+fn all_descriptors() -> Arc<Descriptors> {
+    let mut loaded = loaded();
+    let files: Vec<&'static str> = loaded.index.names().collect();
+    loaded.with(&files)
+}
+
+#[cfg(test)]
+fn pool() -> DescriptorPool {
+    all_descriptors().pool.clone()
+}
+
+/// The built-in descriptors the messages `names` are read with (the body's
+/// type first, then the types of `Any`s in it): Istio's alone for Istio's
+/// kinds (which embed no `Any`), else Envoy's with their files decoded.
+fn builtin(names: &[&str]) -> Arc<Descriptors> {
+    match names.first() {
+        Some(name) if name.starts_with("istio.") => istio_descriptors().clone(),
+        _ => envoy_descriptors(names),
+    }
+}
+
+/// The built-in descriptors `descriptor` is one of, decoded as far as now.
+fn builtin_of(descriptor: &MessageDescriptor) -> Arc<Descriptors> {
+    if descriptor.parent_pool() == istio_pool() {
+        istio_descriptors().clone()
+    } else {
+        envoy_descriptors(&[])
+    }
+}
+
+/// The full names of the types `@type` names in `json`, at any depth.
+fn any_types(json: &Value, names: &mut Vec<String>) {
+    match json {
+        Value::Object(fields) => {
+            if let Some(Value::String(url)) = fields.get("@type") {
+                names.push(url.rsplit('/').next().unwrap_or(url).to_owned());
+            }
+            fields.values().for_each(|value| any_types(value, names));
+        }
+        Value::Array(items) => items.iter().for_each(|value| any_types(value, names)),
+        _ => {}
+    }
+}
+
+/// The type prost-reflect could not find writing an `Any` (its error says
+/// "message 'x.y.Z' not found"), if that is the error.
+fn missing_type(error: &str) -> Option<&str> {
+    let (_, rest) = error.split_once("message '")?;
+    Some(rest.split_once("' not found")?.0)
 }
 
 /// Which fields of a pool are marked sensitive, and which messages hold one at any depth.
@@ -211,7 +300,7 @@ const READABLE: &str = "it reads every message of Envoy's v3 API and CNCF xds (r
 /// The message type `type_url` names, if this gateway has its descriptor.
 pub fn message_type(type_url: &str) -> Option<MessageDescriptor> {
     let name = type_url.strip_prefix(crate::collections::TYPE_URL_PREFIX)?;
-    builtin(name).pool.get_message_by_name(name)
+    builtin(&[name]).pool.get_message_by_name(name)
 }
 
 /// The message `json` describes, encoded as `type_url` says.
@@ -225,7 +314,13 @@ pub fn encode(type_url: &str, json: Value) -> Result<Vec<u8>, JsonError> {
             "type_url {type_url:?} does not start with type.googleapis.com/"
         )));
     }
-    let descriptor = message_type(type_url).ok_or_else(|| {
+    // The body's type and every `@type` in it, decoded before it is read:
+    // the reader looks an `Any`'s type up in the body's pool.
+    let name = &type_url[crate::collections::TYPE_URL_PREFIX.len()..];
+    let mut names = vec![name.to_owned()];
+    any_types(&json, &mut names);
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let descriptor = builtin(&names).pool.get_message_by_name(name).ok_or_else(|| {
         fail(format!(
             "type_url {type_url:?} is not a type this gateway can read as json ({READABLE}); give the encoded \
              message as value_base64 instead"
@@ -263,10 +358,7 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         // An `Any` of a type no descriptor here describes (prost-reflect
         // says "message 'x.y.Z' not found"): the type named in full, and
         // what reads instead.
-        if let Some(name) = message
-            .strip_prefix("message '")
-            .and_then(|rest| rest.strip_suffix("' not found"))
-        {
+        if let Some(name) = missing_type(&message).map(str::to_owned) {
             message = format!(
                 "@type names {name}, not a type this gateway can read as json ({READABLE}); give the resource as \
                  value_base64 instead"
@@ -290,7 +382,8 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
 /// ends at (or cannot be followed past) a message holding one, such as an
 /// `Any` whose inner path the reader does not report.
 fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> bool {
-    let sensitivity = &builtin(descriptor.full_name()).sensitivity;
+    let descriptors = builtin_of(descriptor);
+    let sensitivity = &descriptors.sensitivity;
     let mut message = descriptor.clone();
     let mut value = json;
     let mut steps = path.iter();
@@ -548,7 +641,7 @@ pub struct BodyDecoder {
     /// The operator's set merged into the built-in one, with its sensitive
     /// fields; `None` without one (the built-in pools are then shared, each
     /// decoded on first use).
-    own: Option<Descriptors>,
+    own: Option<Arc<Descriptors>>,
     /// Type URLs marked sensitive whatever their descriptors say
     /// (`--type-map` rows written `sensitive: true`): one whose descriptor
     /// marks no field is shown `[redacted]` whole.
@@ -566,7 +659,7 @@ impl BodyDecoder {
             });
         };
         let bytes = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
-        let mut pool = pool().clone();
+        let mut pool = all_descriptors().pool.clone();
         let not_a_set =
             |e: prost::DecodeError| format!("not a FileDescriptorSet (protoc -o FILE, or buf build -o FILE): {e}");
         // Read as a dynamic message, not as prost_types: the files' options
@@ -590,7 +683,7 @@ impl BodyDecoder {
         pool.decode_file_descriptor_set(&prost::Message::encode_to_vec(&set)[..])
             .map_err(|e| format!("its descriptors do not resolve: {e}"))?;
         Ok(Self {
-            own: Some(Descriptors::new(pool)),
+            own: Some(Arc::new(Descriptors::new(pool))),
             sensitive_types: HashSet::new(),
         })
     }
@@ -602,9 +695,12 @@ impl BodyDecoder {
         self
     }
 
-    /// The descriptors a message named `name` is read with.
-    fn descriptors(&self, name: &str) -> &Descriptors {
-        self.own.as_ref().unwrap_or_else(|| builtin(name))
+    /// The descriptors the messages `names` are read with (see [`builtin`]).
+    fn descriptors(&self, names: &[&str]) -> Arc<Descriptors> {
+        match &self.own {
+            Some(own) => own.clone(),
+            None => builtin(names),
+        }
     }
 
     /// Whether a body of `type_url` may hold a secret: its type is marked
@@ -612,7 +708,7 @@ impl BodyDecoder {
     /// then never shown.
     pub fn is_sensitive_type(&self, type_url: &str) -> bool {
         let name = type_url.rsplit('/').next().unwrap_or(type_url);
-        self.sensitive_types.contains(type_url) || self.descriptors(name).sensitivity.holds_secrets(name)
+        self.sensitive_types.contains(type_url) || self.descriptors(&[name]).sensitivity.holds_secrets(name)
     }
 
     /// The body's message as proto-JSON, its sensitive fields `[redacted]`;
@@ -625,16 +721,34 @@ impl BodyDecoder {
     /// [`BodyDecoder::decode`], with digests of what was redacted.
     pub fn decode_redacted(&self, type_url: &str, value: &[u8]) -> Result<RedactedBody, String> {
         let name = type_url.rsplit('/').next().unwrap_or(type_url);
-        let descriptors = self.descriptors(name);
-        let descriptor = descriptors
-            .pool
-            .get_message_by_name(name)
-            .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
-        let message =
-            DynamicMessage::decode(descriptor.clone(), value).map_err(|e| format!("does not decode as {name}: {e}"))?;
-        let mut json = serde_json::to_value(&message).map_err(|e| format!("{name} has no JSON form: {e}"))?;
+        // The body's type, then each `Any`'s the body turns out to hold.
+        let mut names = vec![name.to_owned()];
+        let (descriptors, descriptor, mut json) = loop {
+            let wanted: Vec<&str> = names.iter().map(String::as_str).collect();
+            let descriptors = self.descriptors(&wanted);
+            let descriptor = descriptors
+                .pool
+                .get_message_by_name(name)
+                .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
+            let message = DynamicMessage::decode(descriptor.clone(), value)
+                .map_err(|e| format!("does not decode as {name}: {e}"))?;
+            match serde_json::to_value(&message) {
+                Ok(json) => break (descriptors, descriptor, json),
+                Err(e) => {
+                    let error = e.to_string();
+                    // An `Any` of a type not decoded yet: again with it (a
+                    // type tried once and still missing is not there).
+                    match missing_type(&error) {
+                        Some(missing) if self.own.is_none() && !names.iter().any(|n| n == missing) => {
+                            names.push(missing.to_owned());
+                        }
+                        _ => return Err(format!("{name} has no JSON form: {error}")),
+                    }
+                }
+            }
+        };
         let mut redactor = Redactor {
-            descriptors,
+            descriptors: &descriptors,
             sensitive_types: &self.sensitive_types,
             path: Vec::new(),
             secrets: BTreeMap::new(),
@@ -784,7 +898,8 @@ mod tests {
 
     #[test]
     fn sensitive_fields_are_read_from_the_descriptors_and_followed_through_fields() {
-        let sensitivity = &all_descriptors().sensitivity;
+        let all = all_descriptors();
+        let sensitivity = &all.sensitivity;
         let mut fields: Vec<&str> = sensitivity.fields.iter().map(String::as_str).collect();
         fields.sort_unstable();
         // Every field Envoy's v3 API marks (`grep -r 'sensitive) = true' proto/envoy`).
@@ -1241,7 +1356,7 @@ mod tests {
             .get_message_by_name("envoy.config.listener.v3.Listener")
             .is_none());
         let listener = message_type("type.googleapis.com/envoy.config.listener.v3.Listener").unwrap();
-        assert!(listener.parent_pool() == pool());
+        assert!(listener.parent_pool() != istio_pool());
     }
 
     #[test]
@@ -1334,7 +1449,7 @@ mod secret_types {
         let urls = super::secret_type_urls();
         assert_eq!(
             urls,
-            super::secret_types_of::secret_type_urls_of(super::pool()),
+            super::secret_types_of::secret_type_urls_of(&super::pool()),
             "the list built in is what the embedded descriptors say"
         );
         let has = |name: &str| urls.iter().any(|u| u == &format!("type.googleapis.com/{name}"));
