@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use crate::check::findings;
 use crate::envoy::{copy_examples, edit, example_dir, names};
-use crate::helpers::envoy::{section, AdsApi, Envoy};
+use crate::helpers::envoy::{dynamic_routes, section, AdsApi, Envoy};
 use crate::helpers::{eventually, eventually_some, get_json, http_exchange, http_get, start_gateway};
 use crate::operating::subcommand;
 
@@ -149,9 +149,18 @@ async fn envoy_runs_the_example_listeners_extensions_on_requests() {
         );
     }
     let listener = listener_addr(&envoy, "http").await;
+    // The route (RDS) and the endpoint (EDS) before any request: requests
+    // answered 503 meanwhile would spend the local rate limit's tokens.
+    let endpoint = format!("backend::{backend}::");
+    envoy
+        .clusters_text_when("the upstream as the backend's endpoint", |t| t.contains(&endpoint))
+        .await;
+    envoy
+        .dump_matches("the example's route", |d| names(&dynamic_routes(d)) == ["local_route"])
+        .await;
 
-    // Through the route (RDS), the cluster and its endpoint (EDS) to the
-    // upstream, once Envoy has them all; Lua adds its header on the way back.
+    // Through the route, the cluster and its endpoint to the upstream; Lua
+    // adds its header on the way back.
     let (head, body) = eventually_some("a request answered by the upstream through Envoy", || async {
         let (status, head, body) = http_exchange(listener, "GET", "/hello", "").await;
         (status == 200).then_some((head, body))
