@@ -1223,20 +1223,27 @@ async fn sample(gateway: &ChildGateway, start: Instant, shared: &Shared, made: &
     })
 }
 
-/// Waits until the gateway holds `clients` connections (its own gauge),
-/// then samples it; after `PHASE_LIMIT`, samples it as it is.
+/// Waits until the gateway holds `clients` connections and streams (its
+/// own gauges) and, given a sample taken at rest `before`, no more
+/// descriptors and tasks than it did then (less `AT_REST_SLACK`): closed
+/// connections' tasks take a moment to end. Then, or after 30 s as it is,
+/// samples it; also returns how long it waited.
 async fn sample_at_rest(
     gateway: &ChildGateway,
     clients: u64,
-    start: Instant,
-    shared: &Shared,
-    made: &AtomicU64,
-) -> anyhow::Result<Sample> {
-    let give_up = Instant::now() + Duration::from_secs(30);
+    before: Option<&Sample>,
+    (start, shared, made): (Instant, &Shared, &AtomicU64),
+) -> anyhow::Result<(Sample, f64)> {
+    let began = Instant::now();
+    let give_up = began + Duration::from_secs(30);
     loop {
         let now = sample(gateway, start, shared, made).await?;
-        if (now.connections == clients && now.streams == clients) || Instant::now() >= give_up {
-            return Ok(now);
+        let settled = before.is_none_or(|b| {
+            now.open_fds as i64 - b.open_fds as i64 <= AT_REST_SLACK
+                && now.tasks as i64 - b.tasks as i64 <= AT_REST_SLACK
+        });
+        if (now.connections == clients && now.streams == clients && settled) || Instant::now() >= give_up {
+            return Ok((now, began.elapsed().as_secs_f64()));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -1288,7 +1295,9 @@ pub struct Verdict {
     pub rss_end_bytes: u64,
     pub rss_growth_percent: f64,
     pub rss_judged: bool,
-    /// File descriptors and tasks at rest after the churn, less before it.
+    /// File descriptors and tasks at rest after the churn, less before it,
+    /// and how long the gateway took to come to rest (30 s at most).
+    pub at_rest_after_seconds: f64,
     pub fds_growth: i64,
     pub tasks_growth: i64,
     /// Each failure, said in a line (which client and what differs).
@@ -1350,7 +1359,7 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
         usize::try_from(shared.counts.responses.load(Ordering::Relaxed)).unwrap_or(usize::MAX)
     })
     .await?;
-    let at_rest_before = sample_at_rest(&gateway, residents as u64, start, &shared, &made).await?;
+    let (at_rest_before, _) = sample_at_rest(&gateway, residents as u64, None, (start, &shared, &made)).await?;
 
     // The churn.
     let churn_start = Instant::now();
@@ -1440,7 +1449,13 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
     for task in churn_tasks.into_iter().chain(fresh_tasks) {
         ended.push(task.await.context("a client task panicked")?);
     }
-    let at_rest_after = sample_at_rest(&gateway, residents as u64, churn_start, &shared, &made).await?;
+    let (at_rest_after, waited) = sample_at_rest(
+        &gateway,
+        residents as u64,
+        Some(&at_rest_before),
+        (churn_start, &shared, &made),
+    )
+    .await?;
     let stream_ends = by_label(
         &gateway.metrics().await?,
         mcp_xds_gateway::metrics::DOWNSTREAM_STREAM_ENDS,
@@ -1518,13 +1533,14 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
     } else {
         verdict.failures.push("no sample was taken".into());
     }
+    verdict.at_rest_after_seconds = (waited * 10.0).round() / 10.0;
     verdict.fds_growth = at_rest_after.open_fds as i64 - at_rest_before.open_fds as i64;
     verdict.tasks_growth = at_rest_after.tasks as i64 - at_rest_before.tasks as i64;
     if verdict.fds_growth > AT_REST_SLACK || verdict.tasks_growth > AT_REST_SLACK {
         verdict.failures.push(format!(
             "at rest with the {residents} residents, the gateway held {} descriptors and {} tasks after the churn, \
              {} and {} before it",
-            at_rest_after.open_fds, at_rest_before.open_fds, at_rest_after.tasks, at_rest_before.tasks
+            at_rest_after.open_fds, at_rest_after.tasks, at_rest_before.open_fds, at_rest_before.tasks
         ));
     }
     verdict.passed = verdict.failures.is_empty();
@@ -1608,6 +1624,10 @@ impl SoakFigures {
             (
                 "at rest: tasks before / after",
                 format!("{} / {}", self.at_rest_before.tasks, self.at_rest_after.tasks),
+            ),
+            (
+                "at rest again after",
+                format!("{} s", self.verdict.at_rest_after_seconds),
             ),
             ("verdict", if v.passed { "passed".into() } else { "FAILED".into() }),
         ];
