@@ -403,6 +403,27 @@ struct Change {
     nonce: String,
 }
 
+impl Change {
+    /// A state-of-the-world response: the whole of `collection`.
+    fn state(
+        collection: Arc<str>,
+        resources: Vec<(String, Held)>,
+        type_url: String,
+        version: String,
+        nonce: String,
+    ) -> Self {
+        Self {
+            collection,
+            full: true,
+            resources,
+            removed: Vec::new(),
+            type_url,
+            version,
+            nonce,
+        }
+    }
+}
+
 /// A client: its kind, what it reads and holds, and its counts.
 struct Client {
     id: usize,
@@ -581,6 +602,17 @@ impl Client {
         }
     }
 
+    /// The v3 type URL of each collection it reads: a GVK (MCP over xDS),
+    /// or EDS's.
+    fn type_urls(&self, table: &CollectionTable) -> HashMap<String, Arc<str>> {
+        (self.collections.iter())
+            .map(|c| match &**c {
+                EDS => (EDS_TYPE_URL.to_owned(), c.clone()),
+                _ => (table.gvk(c).map(str::to_owned).unwrap_or_default(), c.clone()),
+            })
+            .collect()
+    }
+
     /// The versions it holds of `collection`, as it reports them resuming.
     fn held_versions(&self, collection: &str) -> HashMap<String, String> {
         self.held
@@ -604,6 +636,11 @@ fn sink_node(id: usize) -> Option<SinkNode> {
         id: format!("soak-{id}"),
         annotations: HashMap::new(),
     })
+}
+
+/// MCP resources: each name and what a client holds of it.
+fn mcp_resources(resources: &[Resource]) -> anyhow::Result<Vec<(String, Held)>> {
+    resources.iter().map(mcp_resource).collect()
 }
 
 /// An MCP resource: its name and what a client holds of it.
@@ -654,11 +691,10 @@ enum Leave {
 async fn session(
     client: &mut Client,
     shared: &Shared,
-    (until, leave): (Option<Instant>, Leave),
+    stay: (Option<Instant>, Leave),
     resume: bool,
     stop: &CancellationToken,
 ) -> Result<(), StreamError> {
-    let counts = &shared.counts;
     let channel = clients::connect(shared.addr, 1, shared.max_frame_size, shared.frames.clone())
         .await
         .map_err(|e| StreamError(format!("cannot connect: {e:#}")))?
@@ -666,53 +702,58 @@ async fn session(
     if !resume {
         client.forget();
     }
-    counts.sessions.fetch_add(1, Ordering::Relaxed);
+    shared.counts.sessions.fetch_add(1, Ordering::Relaxed);
     if resume {
-        counts.resumed.fetch_add(1, Ordering::Relaxed);
+        shared.counts.resumed.fetch_add(1, Ordering::Relaxed);
     }
-    let stay = (until, leave);
     let id = client.id;
-    let table = &shared.table;
-    let gvk_of = |c: &Arc<str>| table.gvk(c).map(str::to_owned).unwrap_or_default();
+    // State of the world: the version last ACKed of each type, resuming.
+    let reported = |client: &Client, type_url: &str| match resume {
+        true => client.acked.get(type_url).cloned().unwrap_or_default(),
+        false => String::new(),
+    };
+    // A state-of-the-world ACK names the version it ACKs, a NACK the one the
+    // client still holds.
+    let sotw_version = |c: &Change, nack: &Option<String>, acked: &str| match nack {
+        Some(_) => acked.to_owned(),
+        None => c.version.clone(),
+    };
+    let types = client.type_urls(&shared.table);
+    let names = client.names.clone();
+    let session = Session {
+        shared,
+        channel,
+        stay,
+        stop,
+    };
     match client.kind {
         Kind::McpSotw => {
-            let initial = client
-                .collections
-                .iter()
+            let initial = (client.collections.iter())
                 .map(|c| MeshConfigRequest {
-                    version_info: if resume {
-                        client.acked.get(&**c).cloned().unwrap_or_default()
-                    } else {
-                        String::new()
-                    },
+                    version_info: reported(client, c),
                     sink_node: sink_node(id),
                     type_url: c.to_string(),
                     ..Default::default()
                 })
                 .collect();
             let decode = |r: MeshConfigResponse| {
-                Ok(Change {
-                    collection: r.type_url.as_str().into(),
-                    full: true,
-                    resources: r.resources.iter().map(mcp_resource).collect::<anyhow::Result<_>>()?,
-                    removed: Vec::new(),
-                    type_url: r.type_url,
-                    version: r.version_info,
-                    nonce: r.nonce,
-                })
+                let resources = mcp_resources(&r.resources)?;
+                Ok(Change::state(
+                    r.type_url.as_str().into(),
+                    resources,
+                    r.type_url,
+                    r.version_info,
+                    r.nonce,
+                ))
             };
             let reply = |c: &Change, nack: Option<String>, acked: &str| MeshConfigRequest {
-                version_info: if nack.is_some() {
-                    acked.to_owned()
-                } else {
-                    c.version.clone()
-                },
+                version_info: sotw_version(c, &nack, acked),
                 sink_node: sink_node(id),
                 type_url: c.type_url.clone(),
                 response_nonce: c.nonce.clone(),
                 error_detail: nack.map(rejection),
             };
-            drive(client, shared, channel, SOTW_PATH, initial, decode, reply, stay, stop).await
+            session.drive(client, SOTW_PATH, initial, decode, reply).await
         }
         Kind::McpIncremental => {
             let collection = client.collections[0].clone();
@@ -726,7 +767,7 @@ async fn session(
                 Ok(Change {
                     collection: collection.clone(),
                     full: false,
-                    resources: r.resources.iter().map(mcp_resource).collect::<anyhow::Result<_>>()?,
+                    resources: mcp_resources(&r.resources)?,
                     removed: r.removed_resources,
                     type_url: collection.to_string(),
                     version: r.system_version_info,
@@ -740,24 +781,11 @@ async fn session(
                 error_detail: nack.map(rejection),
                 ..Default::default()
             };
-            drive(
-                client,
-                shared,
-                channel,
-                INCREMENTAL_PATH,
-                initial,
-                decode,
-                reply,
-                stay,
-                stop,
-            )
-            .await
+            session.drive(client, INCREMENTAL_PATH, initial, decode, reply).await
         }
         Kind::SourceSotw | Kind::SourceIncremental => {
             let incremental = client.kind == Kind::SourceIncremental;
-            let initial = client
-                .collections
-                .iter()
+            let initial = (client.collections.iter())
                 .map(|c| RequestResources {
                     sink_node: sink_node(id),
                     collection: c.to_string(),
@@ -774,7 +802,7 @@ async fn session(
                 Ok(Change {
                     collection: r.collection.as_str().into(),
                     full: !r.incremental,
-                    resources: r.resources.iter().map(mcp_resource).collect::<anyhow::Result<_>>()?,
+                    resources: mcp_resources(&r.resources)?,
                     removed: r.removed_resources,
                     type_url: r.collection,
                     version: r.system_version_info,
@@ -789,144 +817,68 @@ async fn session(
                 incremental,
                 ..Default::default()
             };
-            drive(
-                client,
-                shared,
-                channel,
-                RESOURCE_SOURCE_PATH,
-                initial,
-                decode,
-                reply,
-                stay,
-                stop,
-            )
-            .await
+            session
+                .drive(client, RESOURCE_SOURCE_PATH, initial, decode, reply)
+                .await
         }
         Kind::XdsSotw | Kind::NamedSotw => {
-            let types: HashMap<String, Arc<str>> = client
-                .collections
-                .iter()
-                .map(|c| {
-                    (
-                        if **c == *EDS {
-                            EDS_TYPE_URL.to_owned()
-                        } else {
-                            gvk_of(c)
-                        },
-                        c.clone(),
-                    )
-                })
-                .collect();
-            let names = client.names.clone();
-            let initial = types
-                .keys()
-                .enumerate()
+            let initial = (types.keys().enumerate())
                 .map(|(i, type_url)| DiscoveryRequest {
                     node: (i == 0).then(|| xds_node(id)).flatten(),
-                    version_info: if resume {
-                        client.acked.get(type_url).cloned().unwrap_or_default()
-                    } else {
-                        String::new()
-                    },
+                    version_info: reported(client, type_url),
                     resource_names: names.clone(),
                     type_url: type_url.clone(),
                     ..Default::default()
                 })
                 .collect();
             let decode = |r: DiscoveryResponse| {
-                let collection = types
-                    .get(&r.type_url)
-                    .with_context(|| format!("a response of type {:?}", r.type_url))?;
-                Ok(Change {
-                    collection: collection.clone(),
-                    full: true,
-                    resources: r
-                        .resources
-                        .iter()
-                        .map(|any| xds_body(collection, any, String::new()))
-                        .collect::<anyhow::Result<_>>()?,
-                    removed: Vec::new(),
-                    type_url: r.type_url,
-                    version: r.version_info,
-                    nonce: r.nonce,
-                })
+                let collection = collection_of(&types, &r.type_url)?;
+                let resources = r.resources.iter().map(|any| xds_body(collection, any, String::new()));
+                let resources = resources.collect::<anyhow::Result<_>>()?;
+                Ok(Change::state(
+                    collection.clone(),
+                    resources,
+                    r.type_url,
+                    r.version_info,
+                    r.nonce,
+                ))
             };
             let reply = |c: &Change, nack: Option<String>, acked: &str| DiscoveryRequest {
-                version_info: if nack.is_some() {
-                    acked.to_owned()
-                } else {
-                    c.version.clone()
-                },
+                version_info: sotw_version(c, &nack, acked),
                 resource_names: names.clone(),
                 type_url: c.type_url.clone(),
                 response_nonce: c.nonce.clone(),
                 error_detail: nack.map(rejection),
                 ..Default::default()
             };
-            drive(
-                client,
-                shared,
-                channel,
-                XDS_SOTW_PATH,
-                initial,
-                decode,
-                reply,
-                stay,
-                stop,
-            )
-            .await
+            session.drive(client, XDS_SOTW_PATH, initial, decode, reply).await
         }
         Kind::XdsDelta | Kind::NamedDelta => {
-            let types: HashMap<String, Arc<str>> = client
-                .collections
-                .iter()
-                .map(|c| {
-                    (
-                        if **c == *EDS {
-                            EDS_TYPE_URL.to_owned()
-                        } else {
-                            gvk_of(c)
-                        },
-                        c.clone(),
-                    )
-                })
-                .collect();
-            let initial = types
-                .iter()
-                .enumerate()
+            let initial = (types.iter().enumerate())
                 .map(|(i, (type_url, collection))| DeltaDiscoveryRequest {
                     node: (i == 0).then(|| xds_node(id)).flatten(),
                     type_url: type_url.clone(),
-                    resource_names_subscribe: client.names.clone(),
+                    resource_names_subscribe: names.clone(),
                     initial_resource_versions: client.held_versions(collection),
                     ..Default::default()
                 })
                 .collect();
             let decode = |r: DeltaDiscoveryResponse| {
-                let collection = types
-                    .get(&r.type_url)
-                    .with_context(|| format!("a response of type {:?}", r.type_url))?;
-                let resources = r
-                    .resources
-                    .iter()
-                    .map(|resource| {
-                        let any = resource.resource.as_ref().context("a delta resource without a body")?;
-                        // What it reports resuming: the version the gateway named.
-                        let (name, held) = xds_body(collection, any, resource.version.clone())?;
-                        let held = Held {
-                            version: resource.version.clone(),
-                            ..held
-                        };
-                        if name != resource.name {
-                            anyhow::bail!("a delta resource named {:?} whose body names {name:?}", resource.name);
-                        }
-                        Ok((name, held))
-                    })
-                    .collect::<anyhow::Result<_>>()?;
+                let collection = collection_of(&types, &r.type_url)?;
+                let resources = r.resources.iter().map(|resource| {
+                    let any = resource.resource.as_ref().context("a delta resource without a body")?;
+                    // What it reports resuming: the version the gateway named.
+                    let (name, held) = xds_body(collection, any, resource.version.clone())?;
+                    if name != resource.name {
+                        anyhow::bail!("a delta resource named {:?} whose body names {name:?}", resource.name);
+                    }
+                    let version = resource.version.clone();
+                    Ok((name, Held { version, ..held }))
+                });
                 Ok(Change {
                     collection: collection.clone(),
                     full: false,
-                    resources,
+                    resources: resources.collect::<anyhow::Result<_>>()?,
                     removed: r.removed_resources,
                     type_url: r.type_url,
                     version: r.system_version_info,
@@ -939,135 +891,144 @@ async fn session(
                 error_detail: nack.map(rejection),
                 ..Default::default()
             };
-            drive(
-                client,
-                shared,
-                channel,
-                XDS_DELTA_PATH,
-                initial,
-                decode,
-                reply,
-                stay,
-                stop,
-            )
-            .await
+            session.drive(client, XDS_DELTA_PATH, initial, decode, reply).await
         }
     }
 }
 
-/// One stream: the initial requests, then each response decoded into a
-/// [`Change`], applied (or not, where NACKed) and answered with `reply`,
-/// until `stop`, or `stay`'s time (then leaving as it says).
-#[allow(clippy::too_many_arguments)]
-async fn drive<Req, Resp>(
-    client: &mut Client,
-    shared: &Shared,
+/// The collection a v3 response's type URL is of.
+fn collection_of<'a>(types: &'a HashMap<String, Arc<str>>, type_url: &str) -> anyhow::Result<&'a Arc<str>> {
+    types
+        .get(type_url)
+        .with_context(|| format!("a response of type {type_url:?}"))
+}
+
+/// A session's connection, how long it stays and what stops it.
+struct Session<'a> {
+    shared: &'a Shared,
     channel: Channel,
-    path: &'static str,
-    initial: Vec<Req>,
-    decode: impl Fn(Resp) -> anyhow::Result<Change>,
-    reply: impl Fn(&Change, Option<String>, &str) -> Req,
-    (until, leave): (Option<Instant>, Leave),
-    stop: &CancellationToken,
-) -> Result<(), StreamError>
-where
-    Req: Message + Send + 'static,
-    Resp: Message + Default + Send + 'static,
-{
-    let failed = |what: &str, e: &dyn std::fmt::Display| StreamError(format!("{what}: {e}"));
-    let (tx, rx) = mpsc::channel(initial.len() + 16);
-    for request in initial {
-        tx.send(request).await.map_err(|e| failed("send", &e))?;
-    }
-    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(256 << 20);
-    grpc.ready().await.map_err(|e| failed("connection", &e))?;
-    let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
-    let response = grpc
-        .streaming(
-            tonic::Request::new(ReceiverStream::new(rx)),
-            http::uri::PathAndQuery::from_static(path),
-            codec,
-        )
-        .await
-        .map_err(|status| failed("open", &status))?;
-    let mut inbound = response.into_inner();
-    let mut finals = shared.finals.clone();
-    let mut counted_final = false;
-    // The types this session got a response of.
-    let mut answered = std::collections::HashSet::new();
-    let leave_at = until.unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600));
-    shared.counts.live.fetch_add(1, Ordering::Relaxed);
-    let live = scopeguard(&shared.counts.live);
-    let at_final = &shared.at_final;
-    let recount = |client: &Client, finals: &Option<Arc<Finals>>, counted: &mut bool| {
-        let now = finals.as_ref().is_some_and(|f| client.at_final(f));
-        if now != *counted {
-            *counted = now;
-            if now {
-                at_final.fetch_add(1, Ordering::Relaxed);
-            } else {
-                at_final.fetch_sub(1, Ordering::Relaxed);
-            }
+    stay: (Option<Instant>, Leave),
+    stop: &'a CancellationToken,
+}
+
+impl Session<'_> {
+    /// One stream of `client` on `path`: the initial requests, then each
+    /// response decoded into a [`Change`], applied (or not, where NACKed)
+    /// and answered with `reply(change, NACK message, version last ACKed)`,
+    /// until `stop`, or the stay's end (then leaving as it says).
+    async fn drive<Req, Resp>(
+        self,
+        client: &mut Client,
+        path: &'static str,
+        initial: Vec<Req>,
+        decode: impl Fn(Resp) -> anyhow::Result<Change>,
+        reply: impl Fn(&Change, Option<String>, &str) -> Req,
+    ) -> Result<(), StreamError>
+    where
+        Req: Message + Send + 'static,
+        Resp: Message + Default + Send + 'static,
+    {
+        let Session {
+            shared,
+            channel,
+            stay: (until, leave),
+            stop,
+        } = self;
+        let failed = |what: &str, e: &dyn std::fmt::Display| StreamError(format!("{what}: {e}"));
+        let (tx, rx) = mpsc::channel(initial.len() + 16);
+        for request in initial {
+            tx.send(request).await.map_err(|e| failed("send", &e))?;
         }
-    };
-    let result = loop {
-        tokio::select! {
-            message = inbound.message() => {
-                let response = match message {
-                    Ok(Some(response)) => response,
-                    Ok(None) => break Err(StreamError("the gateway ended the stream (OK)".into())),
-                    Err(status) => break Err(failed("the stream ended", &status)),
-                };
-                let change = match decode(response) {
-                    Ok(change) => change,
-                    Err(e) => break Err(failed("a response that does not read", &e)),
-                };
-                let acked = client.acked.get(&change.type_url).cloned().unwrap_or_default();
-                let first = answered.insert(change.type_url.clone());
-                let nack = client.on_change(&change, shared.nacking.load(Ordering::SeqCst), first);
-                shared.counts.responses.fetch_add(1, Ordering::Relaxed);
-                if nack.is_some() {
-                    shared.counts.nacks.fetch_add(1, Ordering::Relaxed);
+        let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(256 << 20);
+        grpc.ready().await.map_err(|e| failed("connection", &e))?;
+        let codec = tonic_prost::ProstCodec::<Req, Resp>::default();
+        let response = grpc
+            .streaming(
+                tonic::Request::new(ReceiverStream::new(rx)),
+                http::uri::PathAndQuery::from_static(path),
+                codec,
+            )
+            .await
+            .map_err(|status| failed("open", &status))?;
+        let mut inbound = response.into_inner();
+        let mut finals = shared.finals.clone();
+        let mut counted_final = false;
+        // The types this session got a response of.
+        let mut answered = std::collections::HashSet::new();
+        let leave_at = until.unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        shared.counts.live.fetch_add(1, Ordering::Relaxed);
+        let live = scopeguard(&shared.counts.live);
+        let at_final = &shared.at_final;
+        let recount = |client: &Client, finals: &Option<Arc<Finals>>, counted: &mut bool| {
+            let now = finals.as_ref().is_some_and(|f| client.at_final(f));
+            if now != *counted {
+                *counted = now;
+                if now {
+                    at_final.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    at_final.fetch_sub(1, Ordering::Relaxed);
                 }
-                if tx.send(reply(&change, nack, &acked)).await.is_err() {
-                    break Err(StreamError("the request stream closed".into()));
-                }
-                recount(client, &finals.borrow(), &mut counted_final);
             }
-            changed = finals.changed() => {
-                if changed.is_ok() {
-                    recount(client, &finals.borrow_and_update(), &mut counted_final);
+        };
+        let result = loop {
+            tokio::select! {
+                message = inbound.message() => {
+                    let response = match message {
+                        Ok(Some(response)) => response,
+                        Ok(None) => break Err(StreamError("the gateway ended the stream (OK)".into())),
+                        Err(status) => break Err(failed("the stream ended", &status)),
+                    };
+                    let change = match decode(response) {
+                        Ok(change) => change,
+                        Err(e) => break Err(failed("a response that does not read", &e)),
+                    };
+                    let acked = client.acked.get(&change.type_url).cloned().unwrap_or_default();
+                    let first = answered.insert(change.type_url.clone());
+                    let nack = client.on_change(&change, shared.nacking.load(Ordering::SeqCst), first);
+                    shared.counts.responses.fetch_add(1, Ordering::Relaxed);
+                    if nack.is_some() {
+                        shared.counts.nacks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if tx.send(reply(&change, nack, &acked)).await.is_err() {
+                        break Err(StreamError("the request stream closed".into()));
+                    }
+                    recount(client, &finals.borrow(), &mut counted_final);
                 }
-            }
-            () = tokio::time::sleep_until(leave_at), if leave != Leave::Never => {
-                if leave == Leave::Close {
-                    shared.counts.closed.fetch_add(1, Ordering::Relaxed);
-                    // Half-close, then read until the gateway ends the stream.
-                    drop(tx);
-                    let drained = tokio::time::timeout(Duration::from_secs(10), async {
-                        loop {
-                            match inbound.message().await {
-                                Ok(Some(_)) => continue,
-                                Ok(None) => break Ok(()),
-                                Err(status) if status.code() == tonic::Code::Ok => break Ok(()),
-                                Err(status) => break Err(failed("the stream ended after the client closed", &status)),
+                changed = finals.changed() => {
+                    if changed.is_ok() {
+                        recount(client, &finals.borrow_and_update(), &mut counted_final);
+                    }
+                }
+                () = tokio::time::sleep_until(leave_at), if leave != Leave::Never => {
+                    if leave == Leave::Close {
+                        shared.counts.closed.fetch_add(1, Ordering::Relaxed);
+                        // Half-close, then read until the gateway ends the stream.
+                        drop(tx);
+                        let drained = tokio::time::timeout(Duration::from_secs(10), async {
+                            loop {
+                                match inbound.message().await {
+                                    Ok(Some(_)) => continue,
+                                    Ok(None) => break Ok(()),
+                                    Err(status) if status.code() == tonic::Code::Ok => break Ok(()),
+                                    Err(status) => break Err(failed("the stream ended after the client closed", &status)),
+                                }
                             }
-                        }
-                    })
-                    .await;
-                    break drained.unwrap_or_else(|_| Err(StreamError("the gateway did not end a stream the client closed within 10s".into())));
+                        })
+                        .await;
+                        break drained.unwrap_or_else(|_| Err(StreamError("the gateway did not end a stream the client closed within 10s".into())));
+                    }
+                    shared.counts.cancelled.fetch_add(1, Ordering::Relaxed);
+                    break Ok(());
                 }
-                shared.counts.cancelled.fetch_add(1, Ordering::Relaxed);
-                break Ok(());
+                () = stop.cancelled() => break Ok(()),
             }
-            () = stop.cancelled() => break Ok(()),
+        };
+        if counted_final {
+            at_final.fetch_sub(1, Ordering::Relaxed);
         }
-    };
-    if counted_final {
-        at_final.fetch_sub(1, Ordering::Relaxed);
+        drop(live);
+        result
     }
-    drop(live);
-    result
 }
 
 /// Decrements `count` when dropped.
