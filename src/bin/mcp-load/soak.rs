@@ -77,6 +77,11 @@ pub struct SoakShape {
     /// Clients of each kind that connect at the end.
     pub fresh_per_kind: usize,
     pub seed: u64,
+    /// The gateway's `--max-connection-age` and its grace (`None`: its
+    /// defaults, 30 min): its GOAWAY, then the close of the streams still
+    /// open after the grace, which the clients come back from.
+    #[serde(with = "opt_secs")]
+    pub max_connection_age: Option<(Duration, Duration)>,
 }
 
 impl SoakShape {
@@ -90,6 +95,7 @@ impl SoakShape {
                 names_per_client: 4,
                 fresh_per_kind: 1,
                 seed: 1,
+                max_connection_age: None,
             }
         } else {
             Self {
@@ -100,7 +106,21 @@ impl SoakShape {
                 names_per_client: 20,
                 fresh_per_kind: 1,
                 seed: 1,
+                // Every resident comes through it five or six times an hour.
+                max_connection_age: Some((Duration::from_secs(600), Duration::from_secs(30))),
             }
+        }
+    }
+}
+
+mod opt_secs {
+    pub fn serialize<S: serde::Serializer>(
+        d: &Option<(std::time::Duration, std::time::Duration)>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match d {
+            Some((age, grace)) => s.serialize_some(&(age.as_secs_f64(), grace.as_secs_f64())),
+            None => s.serialize_none(),
         }
     }
 }
@@ -452,6 +472,8 @@ struct StreamError(String);
 struct Shared {
     /// The gateway the clients connect to.
     addr: std::net::SocketAddr,
+    /// Its `--max-connection-age` (less its jitter of 10 %).
+    max_age: Option<Duration>,
     finals: watch::Receiver<Option<Arc<Finals>>>,
     /// NACKs are sent while this holds.
     nacking: Arc<AtomicBool>,
@@ -474,6 +496,9 @@ struct Counts {
     nacks: AtomicU64,
     /// Clients connected now.
     live: AtomicUsize,
+    /// Streams that ended with their connection past the gateway's
+    /// `--max-connection-age` (its policy, not an error).
+    max_age_ends: AtomicU64,
     /// Stream errors: how many, and the first `ERRORS_KEPT` said.
     errors: AtomicU64,
     said: Mutex<Vec<String>>,
@@ -1073,9 +1098,22 @@ async fn live(
         // A client that comes back resumes half the time.
         let resume = !first && client.rng.bool();
         first = false;
+        let opened = Instant::now();
         let result = session(&mut client, &shared, (until, leave), resume, &stop).await;
         if stop.is_cancelled() {
             return (client, result.is_ok());
+        }
+        // The gateway closes a connection past its maximum age (after a
+        // GOAWAY and a grace): the client comes back at once, as grpc and
+        // Envoy do.
+        let aged = shared.max_age.is_some_and(|age| opened.elapsed() >= age);
+        if let (true, Err(StreamError(e))) = (aged, &result) {
+            shared.counts.max_age_ends.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "mcp-load: client {} ({:?}) after its connection's maximum age: {e}",
+                client.id, client.kind
+            );
+            continue;
         }
         if let Err(StreamError(e)) = result {
             let said = format!("client {} ({:?}): {e}", client.id, client.kind);
@@ -1237,6 +1275,11 @@ pub struct SoakFigures {
     pub nacks_sent: u64,
     /// The gateway's stream ends, by reason (`mcp_gateway_downstream_stream_ends_total`).
     pub gateway_stream_ends: BTreeMap<String, u64>,
+    /// Client streams that ended with their connection past the gateway's
+    /// `--max-connection-age` (the clients came back), and the connections
+    /// the gateway closed for it (`mcp_gateway_connections_closed_total`).
+    pub max_age_ends: u64,
+    pub gateway_max_age_closes: u64,
     pub verdict: Verdict,
 }
 
@@ -1284,7 +1327,20 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
     let made = catalog.made.clone();
     let eds_space = catalog.space;
     let mut publisher = Publisher::start(shape, catalog).await?;
-    let gateway = ChildGateway::spawn(binary, publisher.addr, &names, None).await?;
+    let age_flags: Vec<String> = soak
+        .max_connection_age
+        .iter()
+        .flat_map(|(age, grace)| {
+            [
+                "--max-connection-age".to_owned(),
+                format!("{}ms", age.as_millis()),
+                "--max-connection-age-grace".to_owned(),
+                format!("{}ms", grace.as_millis()),
+            ]
+        })
+        .collect();
+    let age_flags: Vec<&str> = age_flags.iter().map(String::as_str).collect();
+    let gateway = ChildGateway::spawn_with(binary, publisher.addr, &names, None, &age_flags).await?;
     tokio::time::timeout(PHASE_LIMIT, publisher.wait_initial_acks(names.len()))
         .await
         .context("the gateway did not ACK the initial state in time")??;
@@ -1292,6 +1348,8 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
     let (finals_tx, finals_rx) = watch::channel(None);
     let shared = Arc::new(Shared {
         addr: gateway.listen,
+        // Its jitter makes a connection's age 90 % of the flag at the least.
+        max_age: soak.max_connection_age.map(|(age, _)| age.mul_f64(0.9)),
         finals: finals_rx,
         nacking: Arc::new(AtomicBool::new(true)),
         at_final: Arc::new(AtomicUsize::new(0)),
@@ -1417,11 +1475,14 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
         (churn_start, &shared, &made),
     )
     .await?;
-    let stream_ends = by_label(
-        &gateway.metrics().await?,
-        mcp_xds_gateway::metrics::DOWNSTREAM_STREAM_ENDS,
-        "reason",
-    );
+    let exposition = gateway.metrics().await?;
+    let stream_ends = by_label(&exposition, mcp_xds_gateway::metrics::DOWNSTREAM_STREAM_ENDS, "reason");
+    let closed_for_age = gauge(
+        &exposition,
+        mcp_xds_gateway::metrics::CONNECTIONS_CLOSED,
+        "listener=\"--listen\",reason=\"max_age\"",
+    )
+    .unwrap_or(0.0) as u64;
     stop_residents.cancel();
     for task in resident_tasks {
         ended.push(task.await.context("a client task panicked")?);
@@ -1463,6 +1524,15 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
         verdict
             .failures
             .push(format!("{} more stream errors", errors - said.len() as u64));
+    }
+    // Every stream the tool let go as ended by the maximum age, the gateway
+    // closed so (one stream a connection).
+    let max_age_ends = shared.counts.max_age_ends.load(Ordering::Relaxed);
+    if max_age_ends > closed_for_age {
+        verdict.failures.push(format!(
+            "{max_age_ends} streams ended past their connection's maximum age, but the gateway closed \
+             {closed_for_age} connections for it"
+        ));
     }
     let nacks = publisher.nacks.load(Ordering::Relaxed);
     if nacks > 0 {
@@ -1524,6 +1594,8 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
         responses: counts.responses.load(Ordering::Relaxed),
         nacks_sent: counts.nacks.load(Ordering::Relaxed),
         gateway_stream_ends: stream_ends,
+        max_age_ends,
+        gateway_max_age_closes: closed_for_age,
         verdict,
     };
     let peak_rss = figures.samples.iter().map(|s| s.rss_bytes).max();
@@ -1563,6 +1635,10 @@ impl SoakFigures {
             ),
             ("client NACKs sent", self.nacks_sent.to_string()),
             ("gateway stream ends", format!("{:?}", self.gateway_stream_ends)),
+            (
+                "ends at the maximum age (gateway's)",
+                format!("{} ({})", self.max_age_ends, self.gateway_max_age_closes),
+            ),
             (
                 "clients at the final state",
                 format!("{} of {}", v.clients_at_final, v.clients_checked),
