@@ -43,6 +43,8 @@ pub const CLIENTS_BY_STATUS: &str = "mcp_gateway_clients";
 pub const SOURCE_FILES_BROKEN: &str = "mcp_gateway_source_files_broken";
 pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
 pub const BUILD_INFO: &str = "mcp_gateway_build_info";
+/// Tasks alive on the gateway's tokio runtime (a leak shows as growth).
+pub const RUNTIME_TASKS: &str = "mcp_gateway_runtime_tasks";
 pub const LIMIT_REFUSALS: &str = "mcp_gateway_limit_refusals_total";
 pub const CONNECTIONS: &str = "mcp_gateway_connections";
 /// Bytes of large client requests being read now, of `--max-request-buffer-bytes`.
@@ -650,6 +652,10 @@ pub fn describe() {
         "Responses above 4 MiB, the default receive limit of legacy clients (they reject them unless raised)."
     );
     describe_gauge!(BUILD_INFO, "Always 1; the version label is the gateway's version.");
+    describe_gauge!(
+        RUNTIME_TASKS,
+        "Tasks alive on the gateway's async runtime (spawned and not yet finished), read at scrape time."
+    );
     describe_counter!(
         LIMIT_REFUSALS,
         "Peers refused or connections closed by a limit, by limit (see the limits table of docs/reference.md)."

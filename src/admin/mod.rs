@@ -463,6 +463,9 @@ fn refresh_gauges(state: &AdminState) {
     metrics::gauge!(m::UPSTREAM_CONNECTED).set(if connected { 1.0 } else { 0.0 });
     metrics::gauge!(m::SOURCE_FILES_BROKEN).set(broken_files as f64);
     metrics::gauge!(m::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    // The runtime serving this scrape: the gateway's own.
+    let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    metrics::gauge!(m::RUNTIME_TASKS).set(tasks as f64);
     process_collector().collect();
 }
 

@@ -166,6 +166,56 @@ async fn the_reconnect_scenario_runs_at_a_tiny_size() {
     }
 }
 
+/// The soak at a tiny size (seconds of churn): clients of every protocol
+/// came, went, resumed and NACKed while the source changed, every client
+/// connected at the end held exactly the source's final state, the gateway
+/// was sampled through the churn, and at rest it held as many descriptors
+/// and tasks as before it.
+#[tokio::test]
+async fn the_soak_scenario_runs_at_a_tiny_size() {
+    let (report, json) = mcp_load(&["--scenario", "soak", "--tiny"]).await;
+    assert_eq!(report["scenario"], "soak", "{json}");
+    assert_eq!(report["nacks"], 0, "{json}");
+    assert_eq!(report["stream_errors"], 0, "{json}");
+    let soak = &report["soak"];
+    let verdict = &soak["verdict"];
+    assert_eq!(verdict["passed"], true, "{json}");
+    assert_eq!(verdict["failures"].as_array().unwrap().len(), 0, "{json}");
+    // Every resident, churning and fresh client was checked, and held it.
+    let everyone = ["residents", "churning", "fresh"]
+        .iter()
+        .map(|k| soak[k].as_u64().unwrap())
+        .sum::<u64>();
+    assert_eq!(verdict["clients_checked"].as_u64().unwrap(), everyone, "{json}");
+    assert_eq!(verdict["clients_at_final"], verdict["clients_checked"], "{json}");
+    assert_eq!(soak["kinds"].as_array().unwrap().len(), 8, "{json}");
+    // The churn happened: sessions beyond the first of each client, leaves
+    // of both kinds, resumes, NACKs, and many versions.
+    assert!(soak["sessions"].as_u64().unwrap() > everyone, "{json}");
+    assert!(soak["sessions_resumed"].as_u64().unwrap() > 0, "{json}");
+    assert!(soak["leaves_closed"].as_u64().unwrap() > 0, "{json}");
+    assert!(soak["leaves_cancelled"].as_u64().unwrap() > 0, "{json}");
+    assert!(soak["nacks_sent"].as_u64().unwrap() > 0, "{json}");
+    assert!(soak["updates_published"].as_u64().unwrap() > 20, "{json}");
+    // The gateway saw the leaves: streams the clients closed and cancelled.
+    let ends = &soak["gateway_stream_ends"];
+    assert!(ends["client_closed"].as_u64().unwrap() > 0, "{json}");
+    assert!(ends["client_gone"].as_u64().unwrap() > 0, "{json}");
+    // Samples were taken through the churn, each of a live gateway.
+    let samples = soak["samples"].as_array().unwrap();
+    assert!(samples.len() >= 3, "{json}");
+    for sample in samples {
+        assert!(sample["rss_bytes"].as_u64().unwrap() > 0, "{json}");
+        assert!(sample["open_fds"].as_u64().unwrap() > 0, "{json}");
+        assert!(sample["tasks"].as_u64().unwrap() > 0, "{json}");
+    }
+    let at = |i: usize| samples[i]["at_seconds"].as_f64().unwrap();
+    assert!(at(samples.len() - 1) > at(0), "{json}");
+    for rest in ["at_rest_before", "at_rest_after"] {
+        assert_eq!(soak[rest]["connections"], soak["residents"], "{json}");
+    }
+}
+
 /// Flags the eds scenario cannot honour are refused at start, naming them.
 #[tokio::test]
 async fn eds_flags_that_do_not_fit_are_refused() {
@@ -189,6 +239,13 @@ async fn eds_flags_that_do_not_fit_are_refused() {
         (&["--scenario", "reconnect", "--updates", "3"][..], "--updates"),
         (&["--scenario", "reconnect", "--protocol", "mcp"][..], "--protocol"),
         (&["--scenario", "reconnect", "--eds-disjoint"][..], "--eds-disjoint"),
+        (&["--scenario", "soak", "--protocol", "mcp"][..], "--protocol"),
+        (&["--scenario", "soak", "--streams", "4"][..], "--streams"),
+        (
+            &["--scenario", "fan-out", "--sample-interval", "1s"][..],
+            "--sample-interval",
+        ),
+        (&["--scenario", "fan-out", "--duration", "1s"][..], "--duration"),
     ] {
         let shown = format!("mcp-load {}", args.join(" "));
         let output = within(

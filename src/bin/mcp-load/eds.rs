@@ -36,14 +36,14 @@ pub const TYPE_URL: &str = "type.googleapis.com/envoy.config.endpoint.v3.Cluster
 
 /// A body's identity: what a client compares with what it holds, and the
 /// publisher's key for when it was published.
-fn digest(body: &[u8]) -> u64 {
+pub fn digest(body: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(body)
 }
 
 /// A ClusterLoadAssignment of `endpoints` endpoints in one locality, at the
 /// addresses of `serial` (each version of each resource gets addresses of its
 /// own, as replaced pods get new IPs), encoded against Envoy's protos.
-fn cluster_load_assignment(name: &str, serial: u64, endpoints: usize) -> Vec<u8> {
+pub fn cluster_load_assignment(name: &str, serial: u64, endpoints: usize) -> Vec<u8> {
     let lb_endpoints: Vec<serde_json::Value> = (0..endpoints as u64)
         .map(|j| {
             let ip = (serial * endpoints as u64 + j) % (1 << 24);
@@ -69,7 +69,7 @@ fn cluster_load_assignment(name: &str, serial: u64, endpoints: usize) -> Vec<u8>
 
 /// How many endpoints make a ClusterLoadAssignment of about `bytes` (at
 /// least one).
-fn endpoints_for(bytes: usize) -> usize {
+pub fn endpoints_for(bytes: usize) -> usize {
     let one = cluster_load_assignment("cluster-00000", 1 << 20, 1).len();
     let each = cluster_load_assignment("cluster-00000", 1 << 20, 2).len() - one;
     1 + bytes.saturating_sub(one) / each
@@ -235,6 +235,7 @@ impl Catalog for Endpoints {
             collection: COLLECTION.to_owned(),
             resources,
             incremental: self.incremental,
+            removed: Vec::new(),
         }
     }
 

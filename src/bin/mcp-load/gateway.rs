@@ -19,6 +19,8 @@ pub struct ChildGateway {
     child: Child,
     pid: u32,
     pub listen: SocketAddr,
+    /// Its monitoring port (`/metrics`).
+    pub monitoring: SocketAddr,
 }
 
 /// The gateway binary beside this one (`target/release/mcp-xds-gateway` for
@@ -108,19 +110,13 @@ impl ChildGateway {
         .with_context(|| format!("cannot start {}", binary.display()))?;
         let pid = child.id().context("the gateway exited at once")?;
         let mut lines = BufReader::new(child.stdout.take().context("no stdout")?).lines();
-        let listen = loop {
+        let (listen, monitoring) = loop {
             let line = lines
                 .next_line()
                 .await?
                 .context("the gateway exited before it was listening")?;
-            if let Some(start) = line.find("listen=") {
-                if line.contains("gateway listening") {
-                    let addr = line[start + "listen=".len()..]
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or_default();
-                    break addr.parse().with_context(|| format!("no address in {line:?}"))?;
-                }
+            if line.contains("gateway listening") {
+                break (logged_addr(&line, "listen=")?, logged_addr(&line, "monitoring=")?);
             }
         };
         // Drain the log so the gateway never blocks on a full pipe; pass on
@@ -132,7 +128,44 @@ impl ChildGateway {
                 }
             }
         });
-        Ok(Self { child, pid, listen })
+        Ok(Self {
+            child,
+            pid,
+            listen,
+            monitoring,
+        })
+    }
+
+    /// The gateway's open file descriptors (the entries of `/proc/<pid>/fd`).
+    pub fn open_fds(&self) -> anyhow::Result<usize> {
+        Ok(std::fs::read_dir(format!("/proc/{}/fd", self.pid))
+            .context("cannot list the gateway's file descriptors")?
+            .count())
+    }
+
+    /// The gateway's `/metrics` exposition, from its monitoring port.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let read = async {
+            let mut tcp = tokio::net::TcpStream::connect(self.monitoring).await?;
+            let request = format!("GET /metrics HTTP/1.0\r\nHost: {}\r\n\r\n", self.monitoring);
+            tcp.write_all(request.as_bytes()).await?;
+            let mut response = String::new();
+            tcp.read_to_string(&mut response).await?;
+            Ok::<_, std::io::Error>(response)
+        };
+        let response = tokio::time::timeout(std::time::Duration::from_secs(10), read)
+            .await
+            .context("the monitoring port did not answer within 10s")?
+            .context("cannot read the gateway's /metrics")?;
+        let (head, body) = response
+            .split_once("\r\n\r\n")
+            .context("a /metrics response without a body")?;
+        // HTTP/1.0: no chunked body, the connection closed after it.
+        if !head.lines().next().is_some_and(|status| status.contains(" 200 ")) {
+            anyhow::bail!("/metrics answered {}", head.lines().next().unwrap_or_default());
+        }
+        Ok(body.to_owned())
     }
 
     /// (user, system) CPU seconds the gateway has used.
@@ -174,6 +207,14 @@ impl ChildGateway {
             let _ = self.child.kill().await;
         }
     }
+}
+
+/// The address after `key` (`listen=`) in the gateway's start-up line.
+fn logged_addr(line: &str, key: &str) -> anyhow::Result<SocketAddr> {
+    let start = line.find(key).with_context(|| format!("no {key} in {line:?}"))?;
+    let addr = line[start + key.len()..].split_whitespace().next().unwrap_or_default();
+    addr.parse()
+        .with_context(|| format!("no address after {key} in {line:?}"))
 }
 
 /// The number after `name` on its line of a `/proc` file (`VmRSS:  123 kB`

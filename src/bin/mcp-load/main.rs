@@ -12,6 +12,7 @@ mod publisher;
 mod reader;
 mod reconnect;
 mod scenario;
+mod soak;
 mod wire;
 
 use std::collections::HashMap;
@@ -115,9 +116,14 @@ struct Args {
     /// latency is the spread from the first to the last client per version.
     #[arg(long)]
     target: Option<SocketAddr>,
-    /// How long to observe a --target.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
-    duration: Duration,
+    /// How long to observe a --target [default: 10s], or the soak's churn
+    /// lasts [default: 1h; --tiny: 3s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// With --scenario soak: how often the gateway's RSS, descriptors and
+    /// tasks are sampled [default: 30s; --tiny: 250ms].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    sample_interval: Option<Duration>,
     /// Attack the gateway while the scenario runs; the scenario's clients
     /// are the canaries whose latency is reported.
     #[arg(long, value_enum, conflicts_with = "target")]
@@ -151,12 +157,22 @@ impl Args {
     /// them.
     fn check(&self) -> Result<(), String> {
         let (eds, reconnect) = (self.scenario == Scenario::Eds, self.scenario == Scenario::Reconnect);
+        let soak = self.scenario == Scenario::Soak;
         let named_only = [
             ("--names-per-client", self.names_per_client.is_some()),
             ("--seed", self.seed.is_some()),
         ];
-        if let (false, Some((flag, _))) = (eds || reconnect, named_only.iter().find(|(_, given)| *given)) {
-            return Err(format!("{flag} applies to --scenario eds or reconnect only"));
+        if let (false, Some((flag, _))) = (eds || reconnect || soak, named_only.iter().find(|(_, given)| *given)) {
+            return Err(format!("{flag} applies to --scenario eds, reconnect or soak only"));
+        }
+        if self.sample_interval.is_some() && !soak {
+            return Err("--sample-interval applies to --scenario soak only".into());
+        }
+        if self.duration.is_some() && !soak && self.target.is_none() {
+            return Err("--duration applies to --target or --scenario soak only".into());
+        }
+        if soak {
+            return self.check_soak();
         }
         let eds_only = [
             ("--change-percent", self.change_percent.is_some()),
@@ -226,6 +242,57 @@ impl Args {
         Ok(())
     }
 
+    /// The soak's flags: it runs every protocol against one child gateway.
+    fn check_soak(&self) -> Result<(), String> {
+        let not_with_soak = [
+            ("--target", self.target.is_some()),
+            ("--abuse", self.abuse.is_some()),
+            ("--chain", self.chain > 1),
+            ("--pin", self.pin),
+            ("--protocol", self.protocol.is_some()),
+            ("--incremental", self.incremental.is_some()),
+            ("--updates", self.updates.is_some()),
+            ("--upstream-incremental", self.upstream_incremental.is_some()),
+            ("--connections", self.connections.is_some()),
+            ("--change-percent", self.change_percent.is_some()),
+            ("--eds-disjoint", self.eds_disjoint),
+            ("--kill", self.kill),
+        ];
+        if let Some((flag, _)) = not_with_soak.iter().find(|(_, given)| *given) {
+            return Err(format!(
+                "{flag} does not apply to --scenario soak (its clients speak every protocol, each on a connection \
+                 of its own, and it publishes until --duration has passed)"
+            ));
+        }
+        let soak = self.soak();
+        if soak.sample_interval.is_zero() || soak.duration.is_zero() {
+            return Err("--duration and --sample-interval must be more than 0".into());
+        }
+        let shape = self.shape();
+        if shape.streams < 2 * soak::KINDS.len() {
+            return Err(format!(
+                "--scenario soak needs --streams of at least {} (a resident and a churning client of each kind)",
+                2 * soak::KINDS.len()
+            ));
+        }
+        if soak.names_per_client == 0 {
+            return Err("--names-per-client must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The soak's duration, sampling and named clients.
+    fn soak(&self) -> soak::SoakShape {
+        let base = soak::SoakShape::new(self.tiny);
+        soak::SoakShape {
+            duration: self.duration.unwrap_or(base.duration),
+            sample_interval: self.sample_interval.unwrap_or(base.sample_interval),
+            names_per_client: self.names_per_client.unwrap_or(base.names_per_client),
+            seed: self.seed.unwrap_or(base.seed),
+            ..base
+        }
+    }
+
     /// The named scenario's subscriptions and changes.
     fn named(&self) -> NamedShape {
         let base = NamedShape::default();
@@ -263,6 +330,22 @@ impl Args {
                 connections: self.connections.unwrap_or(base.connections).min(streams.max(1)),
                 incremental_clients: protocol == ClientProtocol::XdsDelta,
                 protocol,
+                ..base
+            };
+        }
+        if self.scenario == Scenario::Soak {
+            // A resident and a churning client of each kind, even tiny.
+            let streams = self
+                .streams
+                .unwrap_or(if self.tiny { 2 * soak::KINDS.len() } else { base.streams });
+            return Shape {
+                collections: self.collections.unwrap_or(base.collections),
+                resources,
+                body_bytes: self.body_bytes.unwrap_or(base.body_bytes),
+                changes_per_update: self.changes_per_update.unwrap_or(base.changes_per_update),
+                update_interval: self.update_interval.unwrap_or(base.update_interval),
+                streams,
+                connections: streams,
                 ..base
             };
         }
@@ -351,6 +434,8 @@ struct Report {
     /// With --scenario reconnect: the resync after the restart (the cost
     /// figures above are the restarted gateway's, for the resync).
     reconnect: Option<reconnect::ReconnectFigures>,
+    /// With --scenario soak: the samples, the clients' churn and the verdict.
+    soak: Option<soak::SoakFigures>,
 }
 
 #[tokio::main]
@@ -368,6 +453,10 @@ async fn main() -> std::process::ExitCode {
             print_report(&report);
             if report.nacks > 0 || report.stream_errors > 0 {
                 eprintln!("mcp-load: the run had NACKs or stream errors");
+                return std::process::ExitCode::FAILURE;
+            }
+            if report.soak.as_ref().is_some_and(|s| !s.verdict.passed) {
+                eprintln!("mcp-load: the soak failed (see its failures)");
                 return std::process::ExitCode::FAILURE;
             }
             std::process::ExitCode::SUCCESS
@@ -497,7 +586,8 @@ async fn run(args: Args) -> anyhow::Result<Report> {
     let _ = publisher::ISTIO_BODIES.set(args.istio_bodies);
     if let Some(target) = args.target {
         let names = collection_names(shape.collections, shape.protocol)?;
-        return run_against_target(target, shape, &names, args.duration, args.client_max_frame_size).await;
+        let duration = args.duration.unwrap_or(Duration::from_secs(10));
+        return run_against_target(target, shape, &names, duration, args.client_max_frame_size).await;
     }
     let binary = match &args.gateway {
         Some(path) => path.clone(),
@@ -519,6 +609,7 @@ async fn run(args: Args) -> anyhow::Result<Report> {
     let mut report = match args.scenario {
         Scenario::Eds => eds::run(&binary, shape, args.named(), run).await?,
         Scenario::Reconnect => reconnect::run(&binary, shape, args.named(), run, args.kill).await?,
+        Scenario::Soak => soak::run(&binary, shape, args.soak(), run).await?,
         _ => {
             let names = collection_names(shape.collections, shape.protocol)?;
             run_with_child(&binary, shape, &names, run).await?
@@ -1084,7 +1175,8 @@ fn print_report(report: &Report) {
     let rows = rows
         .into_iter()
         .chain(report.eds.iter().flat_map(eds::NamedFigures::rows))
-        .chain(report.reconnect.iter().flat_map(reconnect::ReconnectFigures::rows));
+        .chain(report.reconnect.iter().flat_map(reconnect::ReconnectFigures::rows))
+        .chain(report.soak.iter().flat_map(soak::SoakFigures::rows));
     for (name, value) in rows {
         println!("{name:<34} {value}");
     }

@@ -36,6 +36,8 @@ pub struct Update {
     pub resources: Vec<Resource>,
     /// Only what changed (else the collection's full state).
     pub incremental: bool,
+    /// Names removed (an incremental update only).
+    pub removed: Vec<String>,
 }
 
 pub struct Publisher<C> {
@@ -148,26 +150,49 @@ impl<C: Catalog> Publisher<C> {
         read(&*self.catalog.lock().await)
     }
 
+    /// Changes the catalog (the soak's end: what it publishes next).
+    pub async fn write<R>(&self, write: impl FnOnce(&mut C) -> R) -> R {
+        write(&mut *self.catalog.lock().await)
+    }
+
     /// Publishes `shape.updates` updates, one per tick of
     /// `shape.update_interval`, and waits for each ACK (one outstanding
     /// update, as Galley does).
     pub async fn run_updates(&mut self) -> anyhow::Result<()> {
+        self.publish(0..self.shape.updates, None).await.map(|_| ())
+    }
+
+    /// Publishes the updates numbered `numbers`, one per tick of
+    /// `shape.update_interval`, each ACKed before the next, stopping at
+    /// `until`; returns how many it published.
+    pub async fn publish(
+        &mut self,
+        numbers: impl Iterator<Item = usize>,
+        until: Option<Instant>,
+    ) -> anyhow::Result<usize> {
         let link = self.link().await?;
         let mut ticker = tokio::time::interval(self.shape.update_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        for update in 0..self.shape.updates {
+        let mut published = 0;
+        for update in numbers {
             ticker.tick().await;
+            if until.is_some_and(|until| Instant::now() >= until) {
+                break;
+            }
+            published += 1;
             let mut catalog = self.catalog.lock().await;
             let Update {
                 collection,
                 resources,
                 incremental,
+                removed,
             } = catalog.next_update(update);
             catalog.published(&collection, &resources, Instant::now());
             drop(catalog);
             let message = Resources {
                 collection,
                 resources,
+                removed_resources: removed,
                 nonce: format!("u{update}"),
                 incremental,
                 ..Default::default()
@@ -183,7 +208,7 @@ impl<C: Catalog> Publisher<C> {
                 anyhow::bail!("the gateway NACKed update {update}: {}", error.message);
             }
         }
-        Ok(())
+        Ok(published)
     }
 }
 
@@ -339,6 +364,7 @@ impl Catalog for Collections {
                 content.all(update as u64 + 1)
             },
             incremental: self.shape.upstream_incremental,
+            removed: Vec::new(),
         }
     }
 

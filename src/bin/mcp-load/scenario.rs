@@ -71,6 +71,12 @@ pub enum Scenario {
     /// (SIGTERM, or SIGKILL with --kill) and started again with the same
     /// --cache-dir, every client reconnecting with what it holds.
     Reconnect,
+    /// An hour (--duration) of churn: 3 Istio collections and EDS of about
+    /// 300 resources of 512 B, an update (3 adds, edits or removals) every
+    /// 200 ms; 32 clients of every protocol, half of them coming, going
+    /// and NACKing; the gateway's RSS, descriptors and tasks sampled; every
+    /// client at the source's final state at the end.
+    Soak,
 }
 
 impl Scenario {
@@ -146,6 +152,24 @@ impl Scenario {
                 incremental_clients: false,
                 protocol: ClientProtocol::XdsSotw,
             },
+            Scenario::Soak => Shape {
+                // The Istio collections (each client kind reads them, or
+                // EDS by name).
+                collections: 3,
+                resources: 300,
+                body_bytes: 512,
+                changes_per_update: 3,
+                update_interval: Duration::from_millis(200),
+                // Published until --duration has passed.
+                updates: 0,
+                upstream_incremental: true,
+                // The clients connected at any one time: the first half
+                // resident, the rest churning; a connection each.
+                streams: 32,
+                connections: 32,
+                incremental_clients: false,
+                protocol: ClientProtocol::Mcp,
+            },
             Scenario::Reconnect => Shape {
                 // Nothing is published after the clients synced.
                 updates: 0,
@@ -170,6 +194,10 @@ impl Scenario {
             }
             Scenario::Reconnect => {
                 "every client resynced <= 2 s after the restart; gateway CPU for the resync <= 4 x the wire's"
+            }
+            Scenario::Soak => {
+                "RSS at the end within 10 % of RSS at 10 minutes; descriptors and tasks flat; every client at the \
+                 source's final state; 0 stream errors the scenario did not cause"
             }
         }
     }
