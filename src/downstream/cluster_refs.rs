@@ -111,6 +111,72 @@ fn read_eds_name(cluster: &CachedResource) -> Option<Arc<str>> {
     std::str::from_utf8(chosen).ok().map(Arc::from)
 }
 
+/// The clusters a route configuration's routes send to (a route action's
+/// `cluster`, and the names of its `weighted_clusters`), read from its body
+/// once and kept with the resource.
+pub fn route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
+    let made = route
+        .memo
+        .get_or_make(MemoKey::of("cluster_refs.route_clusters"), 1, || {
+            read_route_clusters(route)
+        });
+    Arc::clone(&made)
+}
+
+fn read_route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
+    let mut clusters: Vec<Arc<str>> = Vec::new();
+    let mut name = |bytes: &[u8]| {
+        if let Ok(text) = std::str::from_utf8(bytes) {
+            clusters.push(Arc::from(text));
+        }
+    };
+    let mut read = || -> Option<()> {
+        let resource = crate::proto::wire::RawResource::decode(route.encoded.clone()).ok()?;
+        let any = prost_types::Any::decode(resource.body?).ok()?;
+        // RouteConfiguration.virtual_hosts (2) . routes (3) . route (2:
+        // RouteAction) . cluster (1) | weighted_clusters (3) . clusters (1) . name (1)
+        for_each_field(&any.value, |tag, field| {
+            let (2, Field::Bytes(host)) = (tag, field) else {
+                return Some(());
+            };
+            for_each_field(host, |tag, field| {
+                let (3, Field::Bytes(entry)) = (tag, field) else {
+                    return Some(());
+                };
+                for_each_field(entry, |tag, field| {
+                    let (2, Field::Bytes(action)) = (tag, field) else {
+                        return Some(());
+                    };
+                    for_each_field(action, |tag, field| {
+                        match (tag, field) {
+                            (1, Field::Bytes(cluster)) => name(cluster),
+                            (3, Field::Bytes(weighted)) => {
+                                for_each_field(weighted, |tag, field| {
+                                    let (1, Field::Bytes(weight)) = (tag, field) else {
+                                        return Some(());
+                                    };
+                                    for_each_field(weight, |tag, field| {
+                                        if let (1, Field::Bytes(cluster)) = (tag, field) {
+                                            name(cluster);
+                                        }
+                                        Some(())
+                                    })
+                                })?;
+                            }
+                            _ => {}
+                        }
+                        Some(())
+                    })
+                })
+            })
+        })
+    };
+    let _ = read();
+    clusters.sort();
+    clusters.dedup();
+    clusters.into()
+}
+
 /// A field's value, as far as this module reads it.
 enum Field<'a> {
     Varint(u64),

@@ -641,11 +641,15 @@ fn standing(followed: &Followed) -> Option<Standing> {
     let rank = followed.rank?;
     let state = &followed.state;
     let outstanding = state.view.outstanding;
-    let refused = state.pending_nack();
     let current = current_of(followed);
+    // Refused, and still to be served what it refused (not sent again): once
+    // the source changes it, what it is to send decides (the fix of a
+    // refused change is a change like any other).
+    let refused = state
+        .pending_nack()
+        .is_some_and(|n| current.as_ref().is_some_and(|c| c.version == n.version));
     let mut pending = match &current {
-        // The version it refused is not sent again.
-        Some(c) if refused.is_some_and(|n| n.version == c.version) => Change::NONE,
+        Some(_) if refused => Change::NONE,
         Some(c) => change_of(state.last_sent(), c, names_of(followed)),
         None => Change::NONE,
     };
@@ -657,8 +661,44 @@ fn standing(followed: &Followed) -> Option<Standing> {
         rank,
         in_flight: outstanding.then_some(followed.sent_change),
         pending,
-        refused: (!outstanding && refused.is_some()).then_some(followed.sent_change),
+        refused: (!outstanding && refused).then_some(followed.sent_change),
     })
+}
+
+/// The clusters a refused response of clusters added or changed (against
+/// what the client last ACKed): what the client may not hold. `None`: not
+/// known (the ACKed version is not kept any more, or a view of a grant's).
+fn refused_clusters(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str>>> {
+    let state = &followed.state;
+    let refused = state.last_sent()?;
+    let acked = state.view.acked_version.as_ref()?;
+    let base = match state.held() {
+        Held::At(held) if held.version == *acked => held.clone(),
+        _ => shared.inner.cache.version_snapshot(&state.view.collection, acked)?,
+    };
+    let diff = Diff::between(&base.resources, &refused.resources);
+    Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
+}
+
+/// Whether the routes `to` adds or changes from `held` (in the names asked
+/// for) send to any of `clusters`.
+fn routes_name(
+    held: Option<&Arc<CollectionSnapshot>>,
+    to: &CollectionSnapshot,
+    names: Option<&Names>,
+    clusters: &[Arc<str>],
+) -> bool {
+    let covers = |name: &str| names.is_none_or(|n| n.covers(name));
+    let names_one = |route: &Arc<crate::cache::CachedResource>| {
+        covers(&route.name) && cluster_refs::route_clusters(route).iter().any(|c| clusters.contains(c))
+    };
+    match held {
+        Some(held) => Diff::between(&held.resources, &to.resources)
+            .upserts
+            .iter()
+            .any(names_one),
+        None => to.resources.values().any(names_one),
+    }
 }
 
 /// The refusal of a gateway peer that is this gateway or upstream of it.
@@ -1188,6 +1228,30 @@ impl<W: Wire> TypedStream<W> {
             self.release(type_url);
             return Some(Some(to));
         }
+        // A refused type holds another's additions only where they depend on
+        // what it refused: routes that send to a cluster of a refused
+        // response of clusters (a route away from a broken cluster goes:
+        // grpc asks for the new cluster exactly then).
+        let mut standings = standings;
+        if wants.makes {
+            let route = rank == Rank::Routes && self.types.values().any(|f| f.rank == Some(Rank::Clusters));
+            let depends = route
+                && standings
+                    .iter()
+                    .any(|s| s.rank == Rank::Clusters && s.refused.is_some_and(|c| c.makes))
+                && {
+                    let clusters = self.types.values().find(|f| f.rank == Some(Rank::Clusters));
+                    match clusters.and_then(|c| refused_clusters(&self.shared, c)) {
+                        Some(refused) => routes_name(state.last_sent(), &to, names_of(followed), &refused),
+                        None => true,
+                    }
+                };
+            for standing in standings.iter_mut().filter(|s| s.rank < rank) {
+                if !(depends && standing.rank == Rank::Clusters) {
+                    standing.refused = None;
+                }
+            }
+        }
         let decision = if owed {
             // Its new names go at once; what it removes still waits for
             // the types that name it (Envoy asks for a new cluster's
@@ -1210,8 +1274,14 @@ impl<W: Wire> TypedStream<W> {
                 Some(Some(to))
             }
             Decision::MakesFirst(blocker) => {
-                // It removes something: it holds something.
-                let Some(held) = state.last_sent().cloned() else {
+                // It removes something: it holds something. After a NACK, a
+                // state-of-the-world response keeps what the client ACKed,
+                // not what it refused (that would be refused again).
+                let held = match (state.pending_nack(), state.held(), state.mode()) {
+                    (Some(_), Held::At(acked), Mode::Full) => Some(acked.clone()),
+                    _ => state.last_sent().cloned(),
+                };
+                let Some(held) = held else {
                     return Some(Some(to));
                 };
                 let first = makes_first(&to, &held);

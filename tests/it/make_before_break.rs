@@ -633,3 +633,73 @@ async fn a_refused_cluster_holds_the_route_to_it_until_it_is_fixed() {
     envoy.ack(&route, &[ROUTE_NAME]);
     nothing_held(gw.admin).await;
 }
+
+/// A refused cluster holds only the routes that send to it: the fix that
+/// drops it and routes elsewhere goes (the route first, the refused
+/// cluster's removal after), and a fix that also replaces clusters keeps
+/// what the client ACKed, never what it refused (it would refuse it again).
+/// Found by an independent check: both used to leave the client held for
+/// good.
+#[tokio::test]
+async fn a_fix_of_a_refused_cluster_is_not_held_by_it() {
+    let mut volume = Volume::new(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-d", 2)],
+        "cluster-a",
+    ));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let mut envoy = Sotw::open(gw.listen).await;
+    envoy.request(CLUSTER, &[], None);
+    let clusters = envoy.next(CLUSTER, "the clusters").await;
+    envoy.ack(&clusters, &[]);
+    envoy.request(ROUTE, &[ROUTE_NAME], None);
+    let route = envoy.next(ROUTE, "the route").await;
+    envoy.ack(&route, &[ROUTE_NAME]);
+    nothing_held(gw.admin).await;
+
+    // A broken cluster and the route to it: refused, the route held.
+    let broken = [("cluster-a", 1), ("cluster-d", 2), ("cluster-bad", 3)];
+    volume.swap(&Config::new(Kind::Static, &broken, "cluster-bad"));
+    let refused = envoy.next(CLUSTER, "the broken cluster").await;
+    envoy.nack(&refused, &clusters.version_info, "cluster-bad: refused by the test");
+    held_for(gw.admin, ROUTE, "clusters", "NACKED", "add").await;
+
+    // The fix: the broken cluster dropped, the route to a cluster the client
+    // runs. The route goes first, the removal after.
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-d", 2)],
+        "cluster-d",
+    ));
+    let route = envoy.next(ROUTE, "the route away from the refused cluster").await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-d"]),
+        "cluster-d"
+    );
+    envoy.ack(&route, &[ROUTE_NAME]);
+    let clusters = envoy.next(CLUSTER, "the refused cluster's removal").await;
+    assert_eq!(sotw_names(&clusters), ["cluster-a", "cluster-d"]);
+    envoy.ack(&clusters, &[]);
+    nothing_held(gw.admin).await;
+
+    // Refused again; this time the fix replaces the clusters: its additions
+    // go first with what the client ACKed kept, not the refused one.
+    volume.swap(&Config::new(Kind::Static, &broken, "cluster-bad"));
+    let refused = envoy.next(CLUSTER, "the broken cluster again").await;
+    envoy.nack(&refused, &clusters.version_info, "cluster-bad: refused by the test");
+    held_for(gw.admin, ROUTE, "clusters", "NACKED", "add").await;
+    volume.swap(&Config::new(Kind::Static, &[("cluster-c", 4)], "cluster-c"));
+    let first = envoy.next(CLUSTER, "the new cluster, what was ACKed kept").await;
+    assert_eq!(sotw_names(&first), ["cluster-a", "cluster-c", "cluster-d"]);
+    envoy.ack(&first, &[]);
+    let route = envoy.next(ROUTE, "the route to the new cluster").await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-c"]),
+        "cluster-c"
+    );
+    envoy.ack(&route, &[ROUTE_NAME]);
+    let last = envoy.next(CLUSTER, "the old clusters removed").await;
+    assert_eq!(sotw_names(&last), ["cluster-c"]);
+    envoy.ack(&last, &[]);
+    nothing_held(gw.admin).await;
+}
