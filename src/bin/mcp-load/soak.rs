@@ -6,7 +6,10 @@
 //! connection) and come back (fresh, or resuming with what they hold), and
 //! half of them NACK some versions and ACK later ones. The gateway's RSS,
 //! open file descriptors and tokio tasks are sampled every
-//! `--sample-interval`.
+//! `--sample-interval`. The gateway runs at a 10-minute
+//! `--max-connection-age`: a stream it closes with its aged connection is its
+//! policy, not an error; the client comes back at once, and the report
+//! counts those ends against the gateway's own count of such closes.
 //!
 //! At the end the NACKs stop, one last change reaches every resource of
 //! every collection, a fresh set of clients connects, and every client still
