@@ -665,10 +665,10 @@ fn standing(followed: &Followed) -> Option<Standing> {
     })
 }
 
-/// The clusters a refused response of clusters added or changed (against
-/// what the client last ACKed): what the client may not hold. `None`: not
-/// known (the ACKed version is not kept any more, or a view of a grant's).
-fn refused_clusters(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str>>> {
+/// The names a refused response of a type added or changed (against what
+/// the client last ACKed): what the client may not hold. `None`: not known
+/// (the ACKed version is not kept any more, or a view of a grant's).
+fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str>>> {
     let state = &followed.state;
     let refused = state.last_sent()?;
     let acked = state.view.acked_version.as_ref()?;
@@ -680,25 +680,26 @@ fn refused_clusters(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<
     Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
 }
 
-/// Whether the routes `to` adds or changes from `held` (in the names asked
-/// for) send to any of `clusters`.
-fn routes_name(
+/// The clusters that the routes `to` adds or changes from `held` (in the
+/// names asked for) send to.
+fn route_targets(
     held: Option<&Arc<CollectionSnapshot>>,
     to: &CollectionSnapshot,
     names: Option<&Names>,
-    clusters: &[Arc<str>],
-) -> bool {
+) -> Vec<Arc<str>> {
     let covers = |name: &str| names.is_none_or(|n| n.covers(name));
-    let names_one = |route: &Arc<crate::cache::CachedResource>| {
-        covers(&route.name) && cluster_refs::route_clusters(route).iter().any(|c| clusters.contains(c))
+    let routes: Vec<Arc<crate::cache::CachedResource>> = match held {
+        Some(held) => Diff::between(&held.resources, &to.resources).upserts,
+        None => to.resources.values().cloned().collect(),
     };
-    match held {
-        Some(held) => Diff::between(&held.resources, &to.resources)
-            .upserts
-            .iter()
-            .any(names_one),
-        None => to.resources.values().any(names_one),
-    }
+    let mut targets: Vec<Arc<str>> = routes
+        .iter()
+        .filter(|r| covers(&r.name))
+        .flat_map(|r| cluster_refs::route_clusters(r).iter().cloned().collect::<Vec<_>>())
+        .collect();
+    targets.sort();
+    targets.dedup();
+    targets
 }
 
 /// The refusal of a gateway peer that is this gateway or upstream of it.
@@ -1230,24 +1231,45 @@ impl<W: Wire> TypedStream<W> {
         }
         // A refused type holds another's additions only where they depend on
         // what it refused: routes that send to a cluster of a refused
-        // response of clusters (a route away from a broken cluster goes:
-        // grpc asks for the new cluster exactly then).
+        // response of clusters, or to a cluster whose endpoints a refused
+        // response of endpoints carried (a route away from a broken cluster
+        // goes: grpc asks for the new cluster exactly then).
         let mut standings = standings;
         if wants.makes {
-            let route = rank == Rank::Routes && self.types.values().any(|f| f.rank == Some(Rank::Clusters));
-            let depends = route
-                && standings
-                    .iter()
-                    .any(|s| s.rank == Rank::Clusters && s.refused.is_some_and(|c| c.makes))
-                && {
-                    let clusters = self.types.values().find(|f| f.rank == Some(Rank::Clusters));
-                    match clusters.and_then(|c| refused_clusters(&self.shared, c)) {
-                        Some(refused) => routes_name(state.last_sent(), &to, names_of(followed), &refused),
-                        None => true,
+            let targets = (rank == Rank::Routes).then(|| route_targets(state.last_sent(), &to, names_of(followed)));
+            for standing in standings.iter_mut().filter(|s| s.rank < rank && s.refused.is_some()) {
+                let refused_by = self.types.values().find(|f| f.rank == Some(standing.rank));
+                let depends = match (&targets, standing.rank, refused_by) {
+                    (Some(targets), Rank::Clusters, Some(refused_by)) => {
+                        match refused_names(&self.shared, refused_by) {
+                            Some(refused) => targets.iter().any(|t| refused.contains(t)),
+                            // Not known: held, as a route to it would be.
+                            None => true,
+                        }
                     }
+                    // Endpoints: a route to a cluster whose load assignment the
+                    // refused response carried (the client may hold none of
+                    // it: a new cluster's would be `503 UH`). A response of
+                    // names newly asked for carries them unchanged, so the
+                    // response's content is read, not its change.
+                    (Some(targets), Rank::Endpoints, Some(refused_by)) => {
+                        let clusters = self.types.values().find(|f| f.rank == Some(Rank::Clusters));
+                        let clusters = clusters.and_then(current_of);
+                        let refused = refused_by.state.last_sent();
+                        let asked = names_of(refused_by);
+                        targets.iter().any(|t| {
+                            let eds = clusters
+                                .as_ref()
+                                .and_then(|c| c.resources.get(&**t))
+                                .and_then(|c| cluster_refs::eds_name(c));
+                            let eds = eds.as_ref().unwrap_or(t);
+                            asked.is_none_or(|n| n.covers(eds))
+                                && refused.is_some_and(|r| r.resources.contains_key(&**eds))
+                        })
+                    }
+                    _ => false,
                 };
-            for standing in standings.iter_mut().filter(|s| s.rank < rank) {
-                if !(depends && standing.rank == Rank::Clusters) {
+                if !depends {
                     standing.refused = None;
                 }
             }
