@@ -606,15 +606,21 @@ fn change_of(held: Option<&Arc<CollectionSnapshot>>, to: &Arc<CollectionSnapshot
     let Some(held) = held.filter(|h| h.version != to.version) else {
         return Change::between(held.map(|h| &**h), to, names);
     };
-    let key = MemoKey::with("order.diff", held.version.clone());
-    let diff: Arc<Diff> = to.memo.get_or_make(key, ORDER_DIFFS_PER_SNAPSHOT, || {
-        Diff::between(&held.resources, &to.resources)
-    });
+    let diff = diff_of(held, to);
     let covers = |name: &str| names.is_none_or(|n| n.covers(name));
     Change {
         makes: diff.upserts.iter().any(|r| covers(&r.name)),
         breaks: diff.removed.iter().any(|n| covers(n)),
     }
+}
+
+/// The diff from `held` to `to`, found once per pair of versions and kept
+/// with `to` (every client of the fleet at `held` asks).
+fn diff_of(held: &CollectionSnapshot, to: &Arc<CollectionSnapshot>) -> Arc<Diff> {
+    let key = MemoKey::with("order.diff", held.version.clone());
+    to.memo.get_or_make(key, ORDER_DIFFS_PER_SNAPSHOT, || {
+        Diff::between(&held.resources, &to.resources)
+    })
 }
 
 /// Distinct versions held whose removals a version is sent without, kept
@@ -684,16 +690,17 @@ fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str
 /// names asked for) send to.
 fn route_targets(
     held: Option<&Arc<CollectionSnapshot>>,
-    to: &CollectionSnapshot,
+    to: &Arc<CollectionSnapshot>,
     names: Option<&Names>,
 ) -> Vec<Arc<str>> {
     let covers = |name: &str| names.is_none_or(|n| n.covers(name));
-    let routes: Vec<Arc<crate::cache::CachedResource>> = match held {
-        Some(held) => Diff::between(&held.resources, &to.resources).upserts,
-        None => to.resources.values().cloned().collect(),
+    // The diff `change_of` found for the same pair of versions.
+    let diff = held.map(|held| diff_of(held, to));
+    let routes: Box<dyn Iterator<Item = &Arc<crate::cache::CachedResource>>> = match &diff {
+        Some(diff) => Box::new(diff.upserts.iter()),
+        None => Box::new(to.resources.values()),
     };
     let mut targets: Vec<Arc<str>> = routes
-        .iter()
         .filter(|r| covers(&r.name))
         .flat_map(|r| cluster_refs::route_clusters(r).iter().cloned().collect::<Vec<_>>())
         .collect();

@@ -225,6 +225,20 @@ impl Sotw {
         }
     }
 
+    /// A client of the clusters (wildcard) and the route (static clusters:
+    /// no endpoints), each ACKed, nothing held: and its clusters' response.
+    async fn synced(addr: SocketAddr, admin: SocketAddr) -> (Self, DiscoveryResponse) {
+        let mut envoy = Sotw::open(addr).await;
+        envoy.request(CLUSTER, &[], None);
+        let clusters = envoy.next(CLUSTER, "the clusters").await;
+        envoy.ack(&clusters, &[]);
+        envoy.request(ROUTE, &[ROUTE_NAME], None);
+        let route = envoy.next(ROUTE, "the route").await;
+        envoy.ack(&route, &[ROUTE_NAME]);
+        nothing_held(admin).await;
+        (envoy, clusters)
+    }
+
     fn request(&self, type_url: &str, names: &[&str], last: Option<&DiscoveryResponse>) {
         self.stream.send(DiscoveryRequest {
             type_url: type_url.into(),
@@ -573,14 +587,7 @@ async fn delta_makes_before_it_breaks() {
 async fn a_refused_cluster_holds_the_route_to_it_until_it_is_fixed() {
     let mut volume = Volume::new(&Config::new(Kind::Static, &[("cluster-a", 1)], "cluster-a"));
     let mut gw = spawn_gateway(None, &["--source-dir", volume.path()]).await;
-    let mut envoy = Sotw::open(gw.listen).await;
-    envoy.request(CLUSTER, &[], None);
-    let clusters = envoy.next(CLUSTER, "the clusters").await;
-    envoy.ack(&clusters, &[]);
-    envoy.request(ROUTE, &[ROUTE_NAME], None);
-    let route = envoy.next(ROUTE, "the route").await;
-    envoy.ack(&route, &[ROUTE_NAME]);
-    nothing_held(gw.admin).await;
+    let (mut envoy, clusters) = Sotw::synced(gw.listen, gw.admin).await;
 
     volume.swap(&Config::new(
         Kind::Static,
@@ -648,14 +655,7 @@ async fn a_fix_of_a_refused_cluster_is_not_held_by_it() {
         "cluster-a",
     ));
     let gw = start_gateway(&["--source-dir", volume.path()]).await;
-    let mut envoy = Sotw::open(gw.listen).await;
-    envoy.request(CLUSTER, &[], None);
-    let clusters = envoy.next(CLUSTER, "the clusters").await;
-    envoy.ack(&clusters, &[]);
-    envoy.request(ROUTE, &[ROUTE_NAME], None);
-    let route = envoy.next(ROUTE, "the route").await;
-    envoy.ack(&route, &[ROUTE_NAME]);
-    nothing_held(gw.admin).await;
+    let (mut envoy, clusters) = Sotw::synced(gw.listen, gw.admin).await;
 
     // A broken cluster and the route to it: refused, the route held.
     let broken = [("cluster-a", 1), ("cluster-d", 2), ("cluster-bad", 3)];
