@@ -9,3 +9,65 @@ pub mod dial_out;
 pub mod galley;
 pub mod rollout;
 pub mod status;
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
+/// Text a client or a source wrote (a node id, a NACK's message, a resource
+/// name, a file's value) as it may be printed on an operator's terminal: every
+/// control character (C0, DEL, C1) and every Unicode bidirectional control
+/// escaped as Rust writes it (`\n`, `\t`, `\x1b`, `\u{202e}`), and then every
+/// backslash doubled (a text with none of those is printed as it is), so what is printed
+/// is what was sent, and nothing a client wrote can move the cursor, clear
+/// the screen, retitle the window or reorder the line.
+pub fn terminal_safe(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(needs_escape) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x80 && needs_escape(c) => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c if needs_escape(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// A character a terminal acts on rather than shows.
+fn needs_escape(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{061c}')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::terminal_safe;
+
+    #[test]
+    fn control_characters_are_escaped_and_plain_text_is_borrowed() {
+        assert!(matches!(
+            terminal_safe("sidecar~10.0.0.1~a.b~cluster.local"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(terminal_safe("a\x1b[2Jb"), "a\\x1b[2Jb");
+        assert_eq!(terminal_safe("line\nnext\r\t"), "line\\nnext\\r\\t");
+        assert_eq!(terminal_safe("\x07\x7f\u{9b}"), "\\x07\\x7f\\u{9b}");
+        assert_eq!(terminal_safe("evil\u{202e}txt.exe"), "evil\\u{202e}txt.exe");
+        // A backslash is doubled once anything is escaped, so a client's
+        // literal `\x1b` is not mistaken for an escaped ESC.
+        assert_eq!(terminal_safe("\\x1b\x1b"), "\\\\x1b\\x1b");
+        // Alone, a backslash is printed as it is (Windows-like names stay readable).
+        assert_eq!(terminal_safe("a\\b"), "a\\b");
+        assert_eq!(terminal_safe("ünïcödé ✓"), "ünïcödé ✓");
+    }
+}
