@@ -3,8 +3,10 @@
 //! and Envoy's types natively, by the descriptors the files source encodes
 //! with, so YAML written in gives its spec back; others through
 //! `--descriptors`, else its size and a preview of its bytes). Every field
-//! marked `(udpa.annotations.sensitive) = true` reads `[redacted]`, and a
-//! body of a sensitive type that cannot be read shows no bytes.
+//! marked `(udpa.annotations.sensitive) = true` reads `[redacted]`, a body
+//! of a sensitive collection whose secrets the gateway does not know reads
+//! `[redacted]` whole, and a body of a sensitive type (or of no type: a
+//! type URL that is not one) that cannot be read shows no bytes.
 
 use std::collections::BTreeMap;
 
@@ -16,7 +18,7 @@ use serde_json::{json, Value};
 
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
-use crate::source::proto_json::BodyDecoder;
+use crate::source::proto_json::{BodyDecoder, REDACTED};
 
 /// `?bodies=`.
 #[derive(Debug, Default, serde::Deserialize)]
@@ -27,24 +29,36 @@ pub struct DumpQuery {
 /// How much of an undecodable body the dump shows.
 const PREVIEW_BYTES: usize = 64;
 
-/// A resource with its metadata and body.
-pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder) -> Value {
-    shown(resource, bodies).0
+/// A resource with its metadata and body; `sensitive`: whether its
+/// collection is (see [`shown`]).
+pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder, sensitive: bool) -> Value {
+    shown(resource, bodies, sensitive).0
 }
 
 /// [`resource`], with digests of what its body's redacted fields held, by
-/// path (for telling a changed secret apart; never shown).
-pub(super) fn shown(resource: &CachedResource, bodies: &BodyDecoder) -> (Value, BTreeMap<String, u64>) {
+/// path (for telling a changed secret apart; never shown). A body of a
+/// `sensitive` collection is shown only as far as the gateway knows its
+/// secrets (a `Secret`, a `Cluster`: those fields `[redacted]`); any other
+/// (a `Struct`, a `StringValue`, a type without marks, one that does not
+/// decode) is `[redacted]` whole, whatever its type URL says: the
+/// collection is what clients are refused, so it is what the views hide.
+pub(super) fn shown(
+    resource: &CachedResource,
+    bodies: &BodyDecoder,
+    sensitive: bool,
+) -> (Value, BTreeMap<String, u64>) {
     let raw = RawResource::decode(resource.encoded.clone()).unwrap_or_default();
     let metadata = raw.metadata.unwrap_or_default();
     let any = raw
         .body
         .and_then(|b| prost_types::Any::decode(b).ok())
         .unwrap_or_default();
+    let whole = sensitive && !bodies.knows_secrets_of(&any.type_url);
     let (body, secrets) = match bodies.decode_redacted(&any.type_url, &any.value) {
+        Ok(_) if whole => (json!(REDACTED), BTreeMap::from([(String::new(), digest(&any.value))])),
         Ok(body) => (body.json, body.secrets),
         // A secret's bytes are never shown, not even a few.
-        Err(why) if bodies.is_sensitive_type(&any.type_url) => (
+        Err(why) if whole || bodies.is_sensitive_type(&any.type_url) => (
             json!({"bytes": any.value.len(), "not_decoded": why, "sensitive": true}),
             BTreeMap::from([(String::new(), digest(&any.value))]),
         ),
@@ -87,8 +101,18 @@ fn digest(bytes: &[u8]) -> u64 {
 }
 
 /// The dump of `snapshot` (`head`: its summary) in `format`.
-pub fn dump(snapshot: &CollectionSnapshot, mut head: Value, format: &str, bodies: &BodyDecoder) -> Response {
-    head["resources"] = snapshot.resources.values().map(|r| resource(r, bodies)).collect();
+pub fn dump(
+    snapshot: &CollectionSnapshot,
+    mut head: Value,
+    format: &str,
+    bodies: &BodyDecoder,
+    sensitive: bool,
+) -> Response {
+    head["resources"] = snapshot
+        .resources
+        .values()
+        .map(|r| resource(r, bodies, sensitive))
+        .collect();
     match format {
         "json" => axum::Json(head).into_response(),
         "yaml" => match serde_norway::to_string(&head) {

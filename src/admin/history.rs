@@ -174,8 +174,8 @@ pub(super) async fn diff(
         match from_resources.get(&*resource.name) {
             None => added.push(json!(resource.name)),
             Some(old) if query.bodies.is_some() => {
-                let (before, before_secrets) = body_yaml(old, &state);
-                let (after, after_secrets) = body_yaml(resource, &state);
+                let (before, before_secrets) = body_yaml(old, collection, &state);
+                let (after, after_secrets) = body_yaml(resource, collection, &state);
                 let mut text = if before == after {
                     String::new()
                 } else {
@@ -210,8 +210,12 @@ pub(super) async fn diff(
 
 /// A resource as the config dump shows it, in YAML, with digests of its
 /// redacted fields.
-fn body_yaml(resource: &crate::cache::CachedResource, state: &AdminState) -> (String, BTreeMap<String, u64>) {
-    let (value, secrets) = super::dump::shown(resource, &state.bodies);
+fn body_yaml(
+    resource: &crate::cache::CachedResource,
+    collection: &str,
+    state: &AdminState,
+) -> (String, BTreeMap<String, u64>) {
+    let (value, secrets) = super::dump::shown(resource, &state.bodies, state.table.is_sensitive(collection));
     let text = serde_norway::to_string(&value).unwrap_or_else(|e| format!("# cannot write YAML: {e}\n"));
     (text, secrets)
 }

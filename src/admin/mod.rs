@@ -656,7 +656,8 @@ async fn cache_collection(
         return unknown_collection(collection);
     };
     if let Some(format) = &query.bodies {
-        return dump::dump(&snapshot, snapshot_json(&snapshot), format, &state.bodies);
+        let sensitive = state.table.is_sensitive(&snapshot.collection);
+        return dump::dump(&snapshot, snapshot_json(&snapshot), format, &state.bodies, sensitive);
     }
     let mut value = snapshot_json(&snapshot);
     value["resources"] = snapshot

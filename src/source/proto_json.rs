@@ -615,6 +615,24 @@ pub fn proto_json_duration(text: &str) -> Result<String, String> {
     })
 }
 
+/// The message full name a type URL names (after its last `/`), when it is
+/// written as a type URL: no whitespace or control character anywhere, and
+/// a full name's characters only (`a.b.C`, letters, digits and `_`). Type
+/// URLs are compared exactly everywhere: `…tls.v3.Secret ` is not `Secret`,
+/// and since it is no type at all, no view reads or previews it.
+pub fn type_name(type_url: &str) -> Option<&str> {
+    if type_url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return None;
+    }
+    let name = type_url.rsplit('/').next()?;
+    let well_formed = !name.is_empty()
+        && name.split('.').all(|part| {
+            part.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        });
+    well_formed.then_some(name)
+}
+
 /// What every view shows in place of a sensitive field's value.
 pub const REDACTED: &str = "[redacted]";
 
@@ -704,11 +722,23 @@ impl BodyDecoder {
     }
 
     /// Whether a body of `type_url` may hold a secret: its type is marked
-    /// sensitive, or its descriptor holds a sensitive field. Its bytes are
-    /// then never shown.
+    /// sensitive, or its descriptor holds a sensitive field, or it is not a
+    /// type URL at all (`…Secret ` with a space is no type the gateway
+    /// knows, and may be a secret all the same). Its bytes are then never
+    /// shown.
     pub fn is_sensitive_type(&self, type_url: &str) -> bool {
-        let name = type_url.rsplit('/').next().unwrap_or(type_url);
+        let Some(name) = type_name(type_url) else {
+            return true;
+        };
         self.sensitive_types.contains(type_url) || self.descriptors(&[name]).sensitivity.holds_secrets(name)
+    }
+
+    /// Whether the gateway knows which fields of a body of `type_url` hold
+    /// secrets, so that a body of a sensitive collection may be shown with
+    /// those fields `[redacted]` rather than hidden whole: its descriptor
+    /// marks one (a `Secret`, a `Cluster`), as [`Redactor::body`] reads it.
+    pub fn knows_secrets_of(&self, type_url: &str) -> bool {
+        type_name(type_url).is_some_and(|name| self.descriptors(&[name]).sensitivity.holds_secrets(name))
     }
 
     /// The body's message as proto-JSON, its sensitive fields `[redacted]`;
@@ -720,7 +750,12 @@ impl BodyDecoder {
 
     /// [`BodyDecoder::decode`], with digests of what was redacted.
     pub fn decode_redacted(&self, type_url: &str, value: &[u8]) -> Result<RedactedBody, String> {
-        let name = type_url.rsplit('/').next().unwrap_or(type_url);
+        let name = type_name(type_url).ok_or_else(|| {
+            format!(
+                "{:?} is not a type URL (a prefix, `/` and a message's full name, nothing else)",
+                type_url.chars().take(200).collect::<String>()
+            )
+        })?;
         // The body's type, then each `Any`'s the body turns out to hold.
         let mut names = vec![name.to_owned()];
         let (descriptors, descriptor, mut json) = loop {
@@ -879,6 +914,37 @@ impl Redactor<'_> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn type_urls_are_read_exactly() {
+        let secret = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+        assert_eq!(
+            super::type_name(secret),
+            Some("envoy.extensions.transport_sockets.tls.v3.Secret")
+        );
+        assert_eq!(super::type_name("example.com/x.Y_z"), Some("x.Y_z"));
+        for not_one in [
+            &format!("{secret} ")[..],
+            &format!(" {secret}"),
+            &format!("{secret}\n"),
+            "type.googleapis.com/",
+            "type.googleapis.com/a..b",
+            "type.googleapis.com/a.1b",
+            "type.googleapis.com/a-b",
+            "",
+        ] {
+            assert_eq!(super::type_name(not_one), None, "{not_one:?}");
+        }
+        let bodies = super::BodyDecoder::new(None).unwrap();
+        assert!(
+            bodies.is_sensitive_type(&format!("{secret} ")),
+            "a type URL that is not one may hide anything"
+        );
+        assert!(bodies.knows_secrets_of(secret));
+        assert!(!bodies.knows_secrets_of(&format!("{secret} ")));
+        assert!(!bodies.knows_secrets_of("type.googleapis.com/google.protobuf.Struct"));
+    }
+
     use super::*;
     use serde_json::json;
 

@@ -5,6 +5,7 @@
 //! served stays the bytes the source gave. The key is made by the test
 //! (rcgen); every check looks for the lines of its base64 body.
 
+use std::fmt::Write as _;
 use std::path::Path;
 
 use base64::Engine;
@@ -299,4 +300,122 @@ async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
         Some(hidden.as_str()),
         "{plain}"
     );
+}
+
+/// Redaction follows the collection, not the type URL a body claims: in the
+/// secrets collection and in a `--type-map` collection marked sensitive, a
+/// `Struct`, `StringValue` or `BytesValue` body is hidden whole in the dump
+/// (JSON and YAML), the diff and `rollout diff --bodies`; a `Secret` whose
+/// type URL has a trailing space is no type the gateway reads, and is never
+/// previewed, in a sensitive collection or not.
+#[tokio::test]
+async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() {
+    let ca = Ca::new("redaction-by-collection");
+    let leaf = ca.leaf("spaced");
+    let key = key_lines(&leaf.key);
+    let spaced = format!("{SECRET} ");
+    let secret_b64 = base64::engine::general_purpose::STANDARD
+        .encode(proto_json::encode(SECRET, secret_json("spaced", &leaf.cert, &leaf.key)).unwrap());
+    let b64 = |text: &str| base64::engine::general_purpose::STANDARD.encode(text);
+    // google.protobuf.StringValue / BytesValue: field 1, length-delimited.
+    let wrapped = |text: &str| {
+        let mut bytes = vec![0x0a, u8::try_from(text.len()).unwrap()];
+        bytes.extend_from_slice(text.as_bytes());
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let map = certs::write(
+        dir.path(),
+        "type-map.yaml",
+        "example.com/vault: {type_url: type.googleapis.com/example.Vault, sensitive: true}\n\
+         example.com/plain: type.googleapis.com/example.Plain\n",
+    );
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let write = |generation: &str| {
+        let mut text = String::new();
+        for collection in [SECRETS, "example.com/vault"] {
+            let _ = write!(
+                text,
+                "---\ncollection: {collection}\nname: a-struct\nbody: {{struct: {{token: hunter2-struct-{generation}}}}}\n\
+                 ---\ncollection: {collection}\nname: a-string\nbody: {{type_url: type.googleapis.com/google.protobuf.StringValue, value_base64: {}}}\n\
+                 ---\ncollection: {collection}\nname: some-bytes\nbody: {{type_url: type.googleapis.com/google.protobuf.BytesValue, value_base64: {}}}\n\
+                 ---\ncollection: {collection}\nname: spaced\nbody: {{type_url: \"{spaced}\", value_base64: {secret_b64}}}\n",
+                wrapped(&format!("hunter2-string-{generation}")),
+                wrapped(&format!("hunter2-bytes-{generation}")),
+            );
+        }
+        let _ = write!(
+            text,
+            "---\ncollection: example.com/plain\nname: spaced\nbody: {{type_url: \"{spaced}\", value_base64: {secret_b64}}}\n\
+             ---\ncollection: example.com/plain\nname: plain\nbody: {{type_url: type.googleapis.com/example.Plain, value_base64: {}}}\n",
+            b64("not-a-secret"),
+        );
+        certs::write(&source, "resources.yaml", &text);
+    };
+    write("one");
+    let (map, source_flag) = (map.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
+    let gw = start_gateway(&["--source-dir", &source_flag, "--type-map", &map]).await;
+    for (collection, count) in [(SECRETS, 4), ("example.com/vault", 4), ("example.com/plain", 2)] {
+        eventually(collection, || {
+            gw.cache.get(collection).is_some_and(|s| s.len() == count)
+        })
+        .await;
+    }
+    let markers = |text: &str, view: &str| {
+        for marker in ["hunter2", &b64("hunter2")[..8], &secret_b64[..24]] {
+            assert!(!text.contains(marker), "{view} shows {marker:?}:\n{text}");
+        }
+        assert_no_key(view, text, &[&key]);
+    };
+    for collection in [SECRETS, "example.com/vault", "example.com/plain"] {
+        let dump = get_json(gw.admin, &format!("/debug/cache/{collection}?bodies=json")).await;
+        markers(&dump.to_string(), &format!("the JSON dump of {collection}"));
+        let (status, yaml) = http_get(gw.admin, &format!("/debug/cache/{collection}?bodies=yaml")).await;
+        assert_eq!(status, 200, "{yaml}");
+        markers(&yaml, &format!("the YAML dump of {collection}"));
+        for resource in dump["resources"].as_array().unwrap() {
+            let body = &resource["body"];
+            match (collection, resource["name"].as_str().unwrap()) {
+                ("example.com/plain", "plain") => assert!(body["preview_base64"].is_string(), "{dump}"),
+                (_, "spaced") => {
+                    assert_eq!(body["sensitive"], true, "{dump}");
+                    assert!(
+                        body["not_decoded"].as_str().unwrap().contains("is not a type URL"),
+                        "{dump}"
+                    );
+                }
+                _ => assert_eq!(*body, json!("[redacted]"), "{dump}"),
+            }
+        }
+    }
+
+    // A change of each: the diffs say the body changed, and show none of it.
+    let before: Vec<String> = [SECRETS, "example.com/vault"]
+        .iter()
+        .map(|c| gw.cache.get(c).unwrap().version.to_string())
+        .collect();
+    write("two");
+    for (collection, first) in [SECRETS, "example.com/vault"].iter().zip(&before) {
+        eventually("the second generation", || {
+            gw.cache
+                .get(collection)
+                .is_some_and(|s| s.version.to_string() != *first)
+        })
+        .await;
+        let diff = get_json(gw.admin, &format!("/debug/diff/{collection}?from={first}&bodies=yaml")).await;
+        markers(&diff.to_string(), &format!("the diff of {collection}"));
+        let changed = diff["changed"].as_array().unwrap();
+        assert_eq!(changed.len(), 3, "{diff}");
+        assert!(changed.iter().all(|c| c["sensitive"] == json!(["the body"])), "{diff}");
+        let admin = format!("http://{}", gw.admin);
+        let (code, stdout, stderr) = subcommand(
+            "rollout",
+            &["diff", collection, "--from", first, "--bodies", "--admin", &admin],
+        )
+        .await;
+        assert_eq!(code, Some(0), "{stderr}");
+        markers(&format!("{stdout}{stderr}"), "rollout diff --bodies");
+        assert!(stdout.contains("changed (sensitive): the body"), "{stdout}");
+    }
 }
