@@ -520,7 +520,9 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         Serve::Gateway => GATEWAY_SERVICES,
         Serve::ResourceSource | Serve::DialOut(_) => SOURCE_SERVICES,
     };
-    let (health, health_service) = tonic_health::server::health_reporter();
+    let health = tonic_health::server::HealthReporter::new();
+    let health_service =
+        admin::HealthByAccess::new(health.clone(), watched.access.clone(), settings.table.clone(), services);
     health
         .set_service_status("", tonic_health::ServingStatus::NotServing)
         .await;

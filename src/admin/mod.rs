@@ -74,6 +74,35 @@ impl AdminState {
     pub fn not_ready(&self) -> Option<String> {
         not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow())
     }
+
+    /// [`not_ready`] for whoever may not read the details: counts only.
+    pub fn not_ready_counted(&self) -> Option<String> {
+        not_ready_counted(&self.subscriptions, &self.cache, &self.upstream.borrow())
+    }
+}
+
+/// Whether the gateway is ready, for a reader of the monitoring port or a
+/// client of the gRPC port (neither the operator): the count of collections
+/// without a first state and whether the source has an error, and where the
+/// details are. No collection, file, resource, address or message is named:
+/// a source's error quotes what it read (a file's line, a peer's words).
+pub fn not_ready_counted(subscriptions: &Subscriptions, cache: &Cache, upstream: &UpstreamStatus) -> Option<String> {
+    let missing = missing(subscriptions, cache).len();
+    if missing == 0 {
+        return None;
+    }
+    let problems = missing + usize::from(upstream.last_error.is_some());
+    let source = match (upstream.connected, upstream.last_error.is_some()) {
+        (_, true) => "the source has an error",
+        (true, false) => "the source is connected and has not sent them yet",
+        (false, false) => "the source is not connected yet",
+    };
+    Some(format!(
+        "not ready: {problems} problem{}: {missing} collection{} without a first state; {source}; \
+         the details are on the admin port (/readyz, /debug/upstream)",
+        if problems == 1 { "" } else { "s" },
+        if missing == 1 { "" } else { "s" },
+    ))
 }
 
 /// Configured collections without a first state: the gateway is ready when
@@ -147,7 +176,9 @@ pub const NOT_READY_HEADER: &str = "mcp-gateway-not-ready";
 
 /// The gRPC health service, each answer carrying [`NOT_READY_HEADER`] while
 /// the gateway is not ready, so `grpcurl -v` and `grpc_health_probe` users
-/// see why, as `/readyz` says it.
+/// see that it is not and how much is missing, as the monitoring port's
+/// `/readyz` says it (the details are the admin port's: a client is not the
+/// operator).
 #[derive(Clone)]
 pub struct HealthWithReason<S> {
     inner: S,
@@ -190,7 +221,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let reason = not_ready(&self.subscriptions, &self.cache, &self.upstream.borrow());
+        let reason = not_ready_counted(&self.subscriptions, &self.cache, &self.upstream.borrow());
         let answer = self.inner.call(request);
         Box::pin(async move {
             let mut response = answer.await?;
@@ -206,6 +237,78 @@ where
             }
             Ok(response)
         })
+    }
+}
+
+/// gRPC health as the client port answers it: the gateway (`""`) and its
+/// services to everyone the transport admits; a collection (its name as the
+/// service name) only to a client that may read some of it. Any other gets
+/// `NOT_FOUND`, as for a collection that does not exist: health tells no one
+/// what it may not read.
+pub struct HealthByAccess {
+    inner: tonic_health::server::HealthService,
+    access: Arc<crate::transport::access::AccessControl>,
+    table: Arc<crate::collections::CollectionTable>,
+    services: &'static [&'static str],
+}
+
+impl HealthByAccess {
+    pub fn new(
+        reporter: tonic_health::server::HealthReporter,
+        access: Arc<crate::transport::access::AccessControl>,
+        table: Arc<crate::collections::CollectionTable>,
+        services: &'static [&'static str],
+    ) -> tonic_health::pb::health_server::HealthServer<Self> {
+        tonic_health::pb::health_server::HealthServer::new(Self {
+            inner: tonic_health::server::HealthService::from_health_reporter(reporter),
+            access,
+            table,
+            services,
+        })
+    }
+
+    /// `NOT_FOUND` (tonic-health's own words for a service it does not
+    /// know) unless the request's client may read some of what it asks of.
+    fn visible(&self, request: &tonic::Request<tonic_health::pb::HealthCheckRequest>) -> Result<(), tonic::Status> {
+        let service = request.get_ref().service.as_str();
+        if service.is_empty() || self.services.contains(&service) {
+            return Ok(());
+        }
+        let readable = request
+            .extensions()
+            .get::<crate::transport::grpc::ConnInfo>()
+            .is_some_and(|conn| {
+                self.access
+                    .current()
+                    .grant(&conn.identity, service, self.table.is_sensitive(service))
+                    .is_some()
+            });
+        if readable {
+            Ok(())
+        } else {
+            Err(tonic::Status::not_found("service not registered"))
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl tonic_health::pb::health_server::Health for HealthByAccess {
+    async fn check(
+        &self,
+        request: tonic::Request<tonic_health::pb::HealthCheckRequest>,
+    ) -> Result<tonic::Response<tonic_health::pb::HealthCheckResponse>, tonic::Status> {
+        self.visible(&request)?;
+        self.inner.check(request).await
+    }
+
+    type WatchStream = tonic_health::server::WatchStream;
+
+    async fn watch(
+        &self,
+        request: tonic::Request<tonic_health::pb::HealthCheckRequest>,
+    ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+        self.visible(&request)?;
+        self.inner.watch(request).await
     }
 }
 
@@ -269,24 +372,28 @@ pub async fn track_health(
     }
 }
 
-/// Liveness, readiness and metrics: on both ports.
+/// Liveness and metrics: on both ports.
 fn probes() -> Router<AdminState> {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
 }
 
 /// The monitoring port: what Prometheus and the kubelet need, nothing that
-/// names a client or a resource.
+/// names a client or a resource: `/readyz` counts what is missing.
 pub fn monitoring_router(state: AdminState) -> Router {
-    probes().route("/", get(index::monitoring)).with_state(state)
+    probes()
+        .route("/readyz", get(readyz_counted))
+        .route("/", get(index::monitoring))
+        .with_state(state)
 }
 
-/// The admin port: the monitoring paths, every debug view and the
-/// controls, behind the guard against web pages ([`guard`]).
+/// The admin port: the monitoring paths (`/readyz` with its details), every
+/// debug view and the controls, behind the guard against web pages
+/// ([`guard`]).
 pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
     probes()
+        .route("/readyz", get(readyz))
         .route("/", get(index::admin))
         .route("/debug/clients", get(clients))
         .route("/debug/syncz", get(syncz))
@@ -313,6 +420,14 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
 /// 200 `ready`, or 503 and why not, on one line.
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     match state.not_ready() {
+        None => (StatusCode::OK, "ready\n".into()),
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+    }
+}
+
+/// 200 `ready`, or 503 with the count of problems: the monitoring port's.
+async fn readyz_counted(State(state): State<AdminState>) -> (StatusCode, String) {
+    match state.not_ready_counted() {
         None => (StatusCode::OK, "ready\n".into()),
         Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
     }

@@ -687,6 +687,14 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
         None => vec![key("body")],
     };
     let body = read_body(body).map_err(|(reason, steps)| {
+        // What a body of a sensitive collection holds is quoted nowhere (the
+        // log, /debug/upstream, the admin port's /readyz): the path says
+        // where the error is.
+        let reason = if table.is_sensitive(&collection) {
+            super::proto_json::redact_quoted(&reason)
+        } else {
+            reason
+        };
         (
             format!("body of {name:?}: {reason}"),
             [vec![key("body")], steps].concat(),
@@ -716,7 +724,7 @@ fn read_body(body: Body) -> Result<prost_types::Any, Refusal> {
             }
             let value = base64::engine::general_purpose::STANDARD
                 .decode(value.trim())
-                .map_err(|e| whole(format!("value_base64 is not base64: {e}")))?;
+                .map_err(|e| whole(format!("value_base64 is not base64: {}", base64_error(&e))))?;
             Ok(prost_types::Any { type_url, value })
         }
         (Some(type_url), None, None, Some(YamlValue(json))) => {
@@ -742,6 +750,21 @@ fn read_body(body: Body) -> Result<prost_types::Any, Refusal> {
             "give one of {type_url, value_base64}, {type_url, json: <the resource's proto-JSON>} or {struct: <mapping>}"
                 .into(),
         )),
+    }
+}
+
+/// Why `value_base64` does not decode, by where, never by what: the
+/// decoder's own words quote the offending symbol, which may be a secret's.
+fn base64_error(error: &base64::DecodeError) -> String {
+    match error {
+        base64::DecodeError::InvalidByte(offset, _) => format!("an invalid symbol at offset {offset}"),
+        base64::DecodeError::InvalidLastSymbol(offset, _) => {
+            format!("the last symbol, at offset {offset}, has bits set that padding would clear")
+        }
+        base64::DecodeError::InvalidLength(length) => {
+            format!("{length} symbols, a length no base64 text has (give whole groups of 4, with = padding)")
+        }
+        base64::DecodeError::InvalidPadding => "its `=` padding is wrong".to_owned(),
     }
 }
 

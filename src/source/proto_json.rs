@@ -351,10 +351,9 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         let mut message = e.to_string();
         // The error goes to the log and to /debug/upstream: a value it
         // quotes from a secret (a private key written as a plain string)
-        // is not repeated there.
-        if path_may_be_sensitive(descriptor, &json, &path) {
-            message = redact_quoted(&message);
-        }
+        // is not repeated there (decided on the path as reported, before
+        // the field below is added to it).
+        let sensitive = path_may_be_sensitive(descriptor, &json, &path);
         // An `Any` of a type no descriptor here describes (prost-reflect
         // says "message 'x.y.Z' not found"): the type named in full, and
         // what reads instead.
@@ -370,7 +369,10 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
             .strip_prefix("unrecognized field name '")
             .and_then(|rest| rest.split('\'').next())
         {
+            // A field's name is the schema's, never a value.
             path.push(PathStep::Key(field.to_owned()));
+        } else if sensitive {
+            message = redact_quoted(&message);
         }
         JsonError { path, message }
     })?;
@@ -429,9 +431,12 @@ fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[P
     }
 }
 
-/// `message` with every quoted value (`"..."`, as serde quotes strings, and
-/// `` `...` ``, as it quotes numbers and variants) written `[redacted]`.
-fn redact_quoted(message: &str) -> String {
+/// `message` with every quoted value (`"..."`, as serde quotes strings,
+/// `` `...` ``, as it quotes numbers and variants, and `'...'`, as
+/// prost-reflect quotes an enum's value) written `[redacted]`: an error
+/// about a body that may hold a secret, or about any body of a sensitive
+/// collection, as the log and the admin port show it.
+pub fn redact_quoted(message: &str) -> String {
     let mut shown = String::with_capacity(message.len());
     let mut chars = message.chars();
     while let Some(c) = chars.next() {
@@ -448,8 +453,14 @@ fn redact_quoted(message: &str) -> String {
                 }
                 shown.push_str(REDACTED);
             }
+            // A `'` opens a quote where a word may start (`value 'X'`),
+            // not inside one (`Envoy's`).
+            '\'' if !shown.chars().next_back().is_some_and(char::is_alphanumeric) => {
+                chars.by_ref().find(|closing| *closing == '\'');
+                shown.push_str(REDACTED);
+            }
             '`' => {
-                chars.by_ref().find(|c| *c == '`');
+                chars.by_ref().find(|closing| *closing == '`');
                 shown.push_str(REDACTED);
             }
             c => shown.push(c),
@@ -1222,6 +1233,10 @@ mod tests {
         assert_eq!(
             redact_quoted(r#"invalid type: string "a \"b\" c", expected `x` or y"#),
             "invalid type: string [redacted], expected [redacted] or y"
+        );
+        assert_eq!(
+            redact_quoted("unrecognized enum value 'HUNTER2' (Envoy's words)"),
+            "unrecognized enum value [redacted] (Envoy's words)"
         );
     }
 

@@ -419,3 +419,43 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         assert!(stdout.contains("changed (sensitive): the body"), "{stdout}");
     }
 }
+
+/// An error about any body of a sensitive collection quotes none of its
+/// values on the admin port (a `Secret`'s enum written wrongly, a
+/// `value_base64` with a bad symbol: where, never what), and the monitoring
+/// port's `/readyz` names no file, resource or value at all.
+#[tokio::test]
+async fn errors_about_secrets_files_quote_no_value_and_the_monitoring_port_names_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    for (file, body) in [
+        (
+            "enum.yaml",
+            format!("type_url: {SECRET}\n  json:\n    name: e\n    validation_context:\n      trust_chain_verification: HUNTER2_ENUM\n"),
+        ),
+        ("base64.yaml", format!("type_url: {SECRET}\n  value_base64: \"QUJDRE$GSEk=\"\n")),
+    ] {
+        certs::write(dir.path(), file, &format!("collection: {SECRETS}\nname: leaky-name\nbody:\n  {body}"));
+        let dir_flag = dir.path().to_str().unwrap().to_owned();
+        let gw = start_gateway(&["--source-dir", &dir_flag, "--collections", SECRETS]).await;
+        let admin = crate::helpers::eventually_some("the file's error on the admin port", || async {
+            let (status, why) = http_get(gw.admin, "/readyz").await;
+            assert_eq!(status, 503, "{why}");
+            why.contains(file).then_some(why)
+        })
+        .await;
+        let upstream = get_json(gw.admin, "/debug/upstream").await.to_string();
+        for shown in [&admin, &upstream] {
+            assert!(!shown.contains("HUNTER2") && !shown.contains("symbol 36"), "{file}: {shown}");
+        }
+        assert!(
+            admin.contains("unrecognized enum value [redacted]") || admin.contains("an invalid symbol at offset 6"),
+            "{admin}"
+        );
+        let (status, counted) = http_get(gw.monitoring, "/readyz").await;
+        assert_eq!(status, 503, "{counted}");
+        for named in [file, "leaky-name", SECRETS, "HUNTER2", "offset", &dir_flag] {
+            assert!(!counted.contains(named), "the monitoring port names {named:?}: {counted}");
+        }
+        std::fs::remove_file(dir.path().join(file)).unwrap();
+    }
+}
