@@ -144,7 +144,7 @@ async fn grpc_health_of_a_collection_answers_only_who_may_read_it() {
     })
     .await;
     let mut health = HealthClient::new(channel(gw.listen).await);
-    let mut check = |service: &str| {
+    let check = |service: &str| {
         let request = HealthCheckRequest {
             service: service.into(),
         };
