@@ -699,9 +699,9 @@ async fn syncz(
         }
         body.push_str(&syncz::counts_html(&rows));
         let rollouts = syncz::rollouts(&state.rollout, &filter);
-        if rollouts.as_array().is_some_and(|r| !r.is_empty()) {
+        if rollouts["collections"].as_array().is_some_and(|r| !r.is_empty()) {
             body.push_str("<h2>Collections pinned, held or in a canary round</h2>");
-            html(&rollouts, &mut body);
+            html(&rollouts["collections"], &mut body);
         }
         let not_delivered = not_delivered(&state);
         if not_delivered.as_array().is_some_and(|c| !c.is_empty()) {

@@ -14,7 +14,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
 
 use super::{unknown_collection, view, AdminState};
 use crate::downstream::rollout::{ControlError, RolloutView};
@@ -72,10 +71,7 @@ pub(super) async fn promote(State(state): State<AdminState>, Path(collection): P
 
 /// Every collection's rollout, and how rounds run.
 pub(super) async fn rollouts(State(state): State<AdminState>, headers: HeaderMap) -> Response {
-    let value = json!({
-        "canaries": state.rollout.policy_view(),
-        "collections": state.rollout.views(),
-    });
+    let value = super::syncz::rollout_document(&state.rollout, state.rollout.views());
     view(&headers, "Rollout", value)
 }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 use serde_json::{json, Value};
 
 use crate::downstream::registry::{Clock, NackRecord, Stamp, StreamView, TypeView};
-use crate::downstream::rollout::Rollout;
+use crate::downstream::rollout::{Rollout, RolloutView};
 use crate::skew::{ClientGeneration, ResourceSkew, SkewTracker};
 use crate::transport::access::{AccessPolicy, Grant};
 
@@ -267,17 +267,34 @@ pub fn filtered<'r, 'a>(rows: &'r [Row<'a>], filter: &Filter) -> Result<Vec<&'r 
         .collect())
 }
 
+/// The shape's version in [`rollout_document`]: 2 since `/debug/syncz`'s
+/// `rollout` (and so `status -o json`'s) was a bare list of collections.
+pub const ROLLOUT_API_VERSION: u64 = 2;
+
+/// The one JSON shape of a rollout, wherever it is shown (`/debug/rollout`,
+/// `/debug/syncz`'s `rollout`, `status -o json`, `rollout status -o json`):
+/// `{api_version, canaries: how rounds run, collections: [each shown]}`.
+pub fn rollout_document(rollout: &Rollout, collections: impl IntoIterator<Item = RolloutView>) -> Value {
+    let collections: Vec<Value> = collections
+        .into_iter()
+        .map(|v| serde_json::to_value(v).unwrap_or_default())
+        .collect();
+    json!({
+        "api_version": ROLLOUT_API_VERSION,
+        "canaries": rollout.policy_view(),
+        "collections": collections,
+    })
+}
+
 /// The collections whose rollout needs an operator's eye: pinned, held,
 /// in a canary round, or with a warning.
 pub fn rollouts(rollout: &Rollout, filter: &Filter) -> Value {
-    let shown: Vec<Value> = rollout
+    let shown = rollout
         .views()
         .into_iter()
         .filter(|v| v.state != "SERVING" || v.warning.is_some())
-        .filter(|v| filter.collection.as_ref().is_none_or(|c| **c == *v.collection))
-        .map(|v| serde_json::to_value(v).unwrap_or_default())
-        .collect();
-    Value::Array(shown)
+        .filter(|v| filter.collection.as_ref().is_none_or(|c| **c == *v.collection));
+    rollout_document(rollout, shown)
 }
 
 /// Counts of client streams' types per status, and per collection and

@@ -8,6 +8,8 @@ use clap::{Args as ClapArgs, Subcommand};
 use hyper::Method;
 use serde_json::Value;
 
+use super::terminal_safe;
+
 use super::status::{
     authority, call, encode, read_admin, render_table, rollout_lines, short_version, syncz_path, verdict, StatusOutput,
 };
@@ -142,14 +144,14 @@ async fn status(
     // Read first: every gateway's admin port serves it, so a failure here
     // is the wrong port (exit 2), and a 404 below an unknown collection.
     let syncz = read_admin(admin, &syncz_path(collection, None, None)).await?;
-    let rollout = match collection {
-        None => call(admin, Method::GET, "/debug/rollout").await?,
-        Some(collection) => call(admin, Method::GET, &format!("/debug/rollout/{}", path_of(collection))).await?,
-    };
-    let collections = match collection {
-        None => rollout["collections"].clone(),
-        Some(_) => Value::Array(vec![rollout.clone()]),
-    };
+    // One shape with or without COLLECTION (`/debug/rollout`'s): how rounds
+    // run, and the collections shown.
+    let mut rollout = call(admin, Method::GET, "/debug/rollout").await?;
+    if let Some(collection) = collection {
+        let one = call(admin, Method::GET, &format!("/debug/rollout/{}", path_of(collection))).await?;
+        rollout["collections"] = Value::Array(vec![one]);
+    }
+    let collections = rollout["collections"].clone();
     let mut why = verdict(&syncz);
     for held in collections
         .as_array()
@@ -161,7 +163,7 @@ async fn status(
             0,
             format!(
                 "HELD {}: a canary NACKed {}",
-                held["collection"].as_str().unwrap_or_default(),
+                terminal_safe(held["collection"].as_str().unwrap_or_default()),
                 short_version(&held["held"]["version"])
             ),
         );
@@ -282,17 +284,20 @@ pub fn diff_text(diff: &Value) -> String {
     );
     for (mark, key) in [("+", "added"), ("-", "removed")] {
         for name in diff[key].as_array().into_iter().flatten() {
-            let _ = writeln!(text, "{mark} {}", name.as_str().unwrap_or("-"));
+            let _ = writeln!(text, "{mark} {}", terminal_safe(name.as_str().unwrap_or("-")));
         }
     }
     for changed in diff["changed"].as_array().into_iter().flatten() {
         match changed.as_str() {
             Some(name) => {
-                let _ = writeln!(text, "~ {name}");
+                let _ = writeln!(text, "~ {}", terminal_safe(name));
             }
             None => {
-                let _ = writeln!(text, "~ {}", changed["name"].as_str().unwrap_or("-"));
-                text.push_str(changed["diff"].as_str().unwrap_or_default());
+                let _ = writeln!(text, "~ {}", terminal_safe(changed["name"].as_str().unwrap_or("-")));
+                // A unified diff: its lines as they are, each escaped.
+                for line in changed["diff"].as_str().unwrap_or_default().lines() {
+                    let _ = writeln!(text, "{}", terminal_safe(line));
+                }
             }
         }
     }

@@ -13,6 +13,8 @@ use clap::{Args as ClapArgs, ValueEnum};
 use http_body_util::BodyExt;
 use serde_json::Value;
 
+use super::terminal_safe;
+
 /// Flags of `mcp-xds-gateway status`.
 #[derive(Debug, ClapArgs)]
 pub struct StatusArgs {
@@ -167,7 +169,7 @@ pub(crate) async fn call(authority: &str, method: hyper::Method, path: &str) -> 
 /// A client's message on one line of the table: its line breaks shown as
 /// `\n`, trailing ones dropped.
 fn one_line(message: &str) -> String {
-    message.trim_end().replace('\r', "").replace('\n', "\\n")
+    terminal_safe(message.trim_end()).into_owned()
 }
 
 /// The status table of a `/debug/syncz` view.
@@ -179,7 +181,8 @@ pub fn render(syncz: &Value) -> String {
 /// sent, ACKed and current (12 hex).
 pub fn render_table(syncz: &Value, wide: bool) -> String {
     let rows = syncz["rows"].as_array().cloned().unwrap_or_default();
-    let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
+    // Every text a client or the source wrote, escaped for the terminal.
+    let text = |v: &Value| terminal_safe(v.as_str().unwrap_or("")).into_owned();
     // Columns: each collection by its last segment (the whole name when two
     // share one).
     let collections: BTreeSet<String> = rows.iter().map(|r| text(&r["collection"])).collect();
@@ -211,7 +214,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             .unwrap_or(STATUSES.len());
         let worst = urgency.entry(id).or_insert(rank);
         *worst = (*worst).min(rank);
-        let peer = row["peer"].as_str().unwrap_or("-").to_owned();
+        let peer = terminal_safe(row["peer"].as_str().unwrap_or("-")).into_owned();
         let node = match text(&row["node_id"]) {
             n if n.is_empty() => "(no node id)".to_owned(),
             n => n,
@@ -220,9 +223,12 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             Some(true) => format!("{node} (canary)"),
             _ => node,
         };
-        let (_, cells) = streams
-            .entry(id)
-            .or_insert_with(|| (vec![node.clone(), peer, text(&row["protocol"])], BTreeMap::new()));
+        let (_, cells) = streams.entry(id).or_insert_with(|| {
+            (
+                vec![node.clone(), peer.clone(), text(&row["protocol"])],
+                BTreeMap::new(),
+            )
+        });
         let status = text(&row["status"]);
         let mut cell = match (status.as_str(), row["for_seconds"].as_f64()) {
             ("SYNCED", _) | (_, None) => status.clone(),
@@ -260,7 +266,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         // the client cannot tell).
         // Real Pilots send no node id: their address tells them apart.
         let who = if text(&row["node_id"]).is_empty() {
-            format!("{node} {}", row["peer"].as_str().unwrap_or("-"))
+            format!("{node} {peer}")
         } else {
             node.clone()
         };
@@ -377,11 +383,11 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         .collect();
     let mut out = String::new();
     for problem in syncz["source"]["problems"].as_array().into_iter().flatten() {
-        let _ = writeln!(out, "{}", problem.as_str().unwrap_or_default());
+        let _ = writeln!(out, "{}", one_line(problem.as_str().unwrap_or_default()));
     }
     if let Some(why) = syncz["not_ready"].as_str() {
         let why = why.strip_prefix("not ready: ").unwrap_or(why);
-        let _ = writeln!(out, "NOT READY: {why}\n");
+        let _ = writeln!(out, "NOT READY: {}\n", one_line(why));
     }
     for line in std::iter::once(&header).chain(&lines) {
         let cells: Vec<String> = line.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
@@ -416,7 +422,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             let _ = writeln!(out, "{skew}");
         }
     }
-    for line in rollout_lines(&syncz["rollout"]) {
+    for line in rollout_lines(&syncz["rollout"]["collections"]) {
         let _ = writeln!(out, "{line}");
     }
     for overdue in syncz["not_delivered"].as_array().into_iter().flatten() {
@@ -424,7 +430,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
             out,
             "NOT DELIVERED {}: a client asked for it and the source neither delivered nor refused it within \
              --demand-timeout; clients that wait for every type (xDS) were answered empty",
-            overdue["collection"].as_str().unwrap_or_default()
+            terminal_safe(overdue["collection"].as_str().unwrap_or_default())
         );
     }
     out
@@ -446,16 +452,16 @@ pub(crate) fn short_version(version: &Value) -> String {
 pub fn rollout_lines(rollouts: &Value) -> Vec<String> {
     let mut lines = Vec::new();
     for r in rollouts.as_array().into_iter().flatten() {
-        let collection = r["collection"].as_str().unwrap_or_default();
+        let collection = terminal_safe(r["collection"].as_str().unwrap_or_default());
         let everyone = short_version(&r["everyone"]);
         let latest = short_version(&r["latest"]);
         let line = match r["state"].as_str().unwrap_or_default() {
             "PINNED" => format!("PINNED {collection}: every client is served {everyone} (latest {latest})"),
             "HELD" => format!(
-                "HELD {collection}: {} NACKed by canary {}: {:?}; the others stay on {everyone}",
+                "HELD {collection}: {} NACKed by canary {}: \"{}\"; the others stay on {everyone}",
                 short_version(&r["held"]["version"]),
-                r["held"]["node"].as_str().unwrap_or("-"),
-                r["held"]["message"].as_str().unwrap_or_default(),
+                one_line(r["held"]["node"].as_str().unwrap_or("-")),
+                one_line(r["held"]["message"].as_str().unwrap_or_default()),
             ),
             "WAITING" => format!(
                 "WAITING {collection}: {} waits for a canary to connect; the others stay on {everyone}",
@@ -475,7 +481,7 @@ pub fn rollout_lines(rollouts: &Value) -> Vec<String> {
         };
         lines.push(line);
         if let Some(warning) = r["warning"].as_str() {
-            lines.push(format!("WARNING {collection}: {warning}"));
+            lines.push(format!("WARNING {collection}: {}", one_line(warning)));
         }
     }
     lines
@@ -512,7 +518,7 @@ pub fn verdict(syncz: &Value) -> Vec<String> {
             .as_array()
             .into_iter()
             .flatten()
-            .filter_map(|p| p.as_str().map(str::to_owned)),
+            .filter_map(|p| p.as_str().map(one_line)),
     );
     lines
 }

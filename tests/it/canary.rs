@@ -168,7 +168,7 @@ async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sen
     assert_eq!(held["everyone"], *v1);
     assert_eq!(gauge(&gw, "mcp_gateway_held").await, Some(1.0));
     let syncz = get_json(gw.admin, "/debug/syncz").await;
-    assert_eq!(syncz["rollout"][0]["state"], "HELD", "{syncz}");
+    assert_eq!(syncz["rollout"]["collections"][0]["state"], "HELD", "{syncz}");
     let status = mcp_xds_gateway::tools::status::render(&syncz);
     assert!(
         status.contains("HELD istio/networking/v1alpha3/virtualservices") && status.contains("canary-1"),
@@ -293,7 +293,7 @@ async fn a_pin_rolls_every_client_back_and_the_unpin_forward() {
     assert_eq!(pinned["pinned"], *v1);
     assert_eq!(gauge(&gw, "mcp_gateway_pinned").await, Some(1.0));
     let syncz = get_json(gw.admin, "/debug/syncz").await;
-    assert_eq!(syncz["rollout"][0]["state"], "PINNED", "{syncz}");
+    assert_eq!(syncz["rollout"]["collections"][0]["state"], "PINNED", "{syncz}");
     let status = mcp_xds_gateway::tools::status::render(&syncz);
     assert!(
         status.contains(&format!("PINNED {VS}: every client is served {}", &v1[..12])),

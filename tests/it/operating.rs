@@ -1324,7 +1324,20 @@ async fn status_for_scripts_json_yaml_wide_and_exit_codes() {
     let (code, rollout, _) = subcommand("rollout", &["status", VS, "--admin", &admin, "-o", "json"]).await;
     assert_eq!(code, Some(1));
     let rollout: serde_json::Value = serde_json::from_str(&rollout).unwrap();
-    assert_eq!(rollout["rollout"]["collection"], VS, "{rollout}");
+    assert_eq!(rollout["rollout"]["collections"][0]["collection"], VS, "{rollout}");
+    assert_eq!(rollout["rollout"]["api_version"], 2, "{rollout}");
+    // `status -o json` has the same shape (the collections that need an eye).
+    let (_, status, _) = subcommand("status", &["--admin", &admin, "-o", "json"]).await;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let keys = |v: &serde_json::Value| -> Vec<String> {
+        v.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default()
+    };
+    assert_eq!(
+        keys(&status["rollout"]),
+        keys(&rollout["rollout"]),
+        "{status}\n{rollout}"
+    );
+    assert_eq!(status["rollout"]["canaries"], rollout["rollout"]["canaries"]);
     assert_eq!(rollout["rows"][0]["status"], "NACKED", "{rollout}");
 
     upstream.push_full(VS, vec![resource("a", "3", b"good")]).await;
@@ -1714,4 +1727,74 @@ async fn the_files_sources_log_names_the_file_and_what_is_kept() {
     std::fs::write(&file, &good).unwrap();
     let line = gw.log_line("a source file parses again").await;
     assert!(line.contains("networking.yaml"), "names the file: {line}");
+}
+
+/// What a client writes (its node id, its NACK's message) reaches the
+/// terminal escaped: `status`, `status -o wide` and `rollout status` print
+/// no control character but their own line ends, and a client's `\n` forges
+/// no line of theirs.
+#[tokio::test]
+async fn the_tools_print_what_clients_write_escaped() {
+    use mcp_xds_gateway::proto::MeshConfigRequest;
+
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let mut client = sotw(gw.listen).await;
+    let node = Some(mcp_xds_gateway::proto::SinkNode {
+        id: "evil\x1b[2J\x1b]0;owned\x07\nNACK forged-node".into(),
+        annotations: Default::default(),
+    });
+    let request = |version: &str, nonce: &str, error: Option<&str>| MeshConfigRequest {
+        version_info: version.into(),
+        sink_node: node.clone(),
+        type_url: VS.into(),
+        response_nonce: nonce.into(),
+        error_detail: error.map(|message| tonic_types::Status {
+            code: tonic::Code::InvalidArgument as i32,
+            message: message.into(),
+            details: vec![],
+        }),
+    };
+    client.send(request("", "", None));
+    let first = client.recv().await;
+    client.send(request(&first.version_info, &first.nonce, None));
+    upstream.push_full(VS, vec![resource("a", "2", b"bad")]).await;
+    let refused = client.recv().await;
+    client.send(request(
+        &first.version_info,
+        &refused.nonce,
+        Some("bad \x1b[31mred\x1b[0m\r\nNACK forged-node: all is well\u{202e}"),
+    ));
+    crate::helpers::eventually_async("the NACK in the view", || async {
+        first_row(gw.admin).await["status"] == "NACKED"
+    })
+    .await;
+    let admin = format!("http://{}", gw.admin);
+    for args in [
+        vec!["status", "--admin", &admin],
+        vec!["status", "--admin", &admin, "-o", "wide"],
+        vec!["rollout", "status", "--admin", &admin],
+        vec!["rollout", "status", "--admin", &admin, "-o", "wide"],
+    ] {
+        let (code, stdout, stderr) = subcommand(args[0], &args[1..]).await;
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        for (stream, text) in [("stdout", &stdout), ("stderr", &stderr)] {
+            let raw: Vec<char> = text
+                .chars()
+                .filter(|c| (c.is_control() && *c != '\n') || *c == '\u{202e}')
+                .collect();
+            assert!(raw.is_empty(), "{args:?} {stream} prints {raw:?}:\n{text}");
+            assert!(
+                !text.lines().any(|l| l.starts_with("NACK forged-node")),
+                "{args:?}: a client's newline forged a line:\n{text}"
+            );
+        }
+        if args[0] == "status" && args.len() == 3 {
+            assert!(
+                stdout.contains("NACK evil\\x1b[2J\\x1b]0;owned\\x07\\nNACK forged-node")
+                    && stdout.contains("bad \\x1b[31mred\\x1b[0m\\r\\nNACK forged-node: all is well\\u{202e}"),
+                "{stdout}"
+            );
+        }
+    }
 }
