@@ -84,6 +84,8 @@ const PEERS: &[(&str, &str)] = &[
     // kubectl, whose `kubectl kustomize` the deploy tests' renderer is
     // compared with.
     ("peer_kubectl", "KUBECTL_BIN"),
+    // openssl, which runs the certificate recipe of docs/operating.md.
+    ("peer_openssl", "OPENSSL_BIN"),
 ];
 
 /// Declares every peer's cfg, and sets those whose variable is set (and not

@@ -383,3 +383,179 @@ fn every_limit_and_bad_input_row_names_a_test_that_exists() {
     }
     assert!(missing.is_empty(), "rows naming no test:\n{}", missing.join("\n"));
 }
+
+/// The code block after the marker `<!-- {marker} -->` of
+/// `docs/operating.md`: the examples the tests below run as written.
+fn block_after(marker: &str) -> String {
+    let text = std::fs::read_to_string(root().join("docs/operating.md")).unwrap();
+    let at = text
+        .find(&format!("<!-- {marker}"))
+        .unwrap_or_else(|| panic!("docs/operating.md has no <!-- {marker} --> block"));
+    let fence = text[at..].find("```").expect("a code block after the marker") + at;
+    let body = text[fence..].find('\n').unwrap() + fence + 1;
+    let end = text[body..].find("```").expect("the block ends") + body;
+    text[body..end].to_owned()
+}
+
+/// The access policy examples of docs/operating.md, as one policy (their
+/// rules added up): each identity reads what its example says and no more;
+/// the broad `sa/*` of one example gives no tenant more.
+#[test]
+fn the_policy_examples_hold_together() {
+    use mcp_xds_gateway::transport::access::{AccessPolicy, Grant};
+    use mcp_xds_gateway::transport::identity::PeerIdentity;
+
+    let mut rules = String::from("rules:\n");
+    for example in ["policy: sds", "policy: istiod", "policy: tenant"] {
+        let block = block_after(example);
+        rules.push_str(block.strip_prefix("rules:\n").expect("each example is a policy"));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, &rules).unwrap();
+    let policy = AccessPolicy::load(&path).unwrap_or_else(|e| panic!("{e}\n{rules}"));
+    const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
+    const ROUTES: &str = "envoy/config/route/v3/routeconfigurations";
+    const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
+    const LISTENERS: &str = "envoy/config/listener/v3/listeners";
+    const VS: &str = "istio/networking/v1alpha3/virtualservices";
+    let reads = |identity: &PeerIdentity, collection: &str, name: &str| match policy.grant(
+        identity,
+        collection,
+        collection == SECRETS,
+    ) {
+        None => false,
+        Some(Grant::All) => true,
+        Some(Grant::Names(names)) => names.allows(name),
+    };
+    let uri = |id: &str| PeerIdentity::certified(vec![id.to_owned()], Vec::new());
+
+    let tenant = uri("spiffe://tools.example.com/tenant-a/config-reader");
+    for (collection, name, expected) in [
+        (ROUTES, "tenant-a/main", true),
+        (CLUSTERS, "tenant-a/backend", true),
+        (ROUTES, "tenant-b/main", false),
+        (CLUSTERS, "shared", false),
+        (LISTENERS, "tenant-a/http", false),
+        (SECRETS, "tenant-a/cert", false),
+        (VS, "tenant-a/vs", false),
+    ] {
+        assert_eq!(
+            reads(&tenant, collection, name),
+            expected,
+            "the tenant, {collection} {name}:\n{rules}"
+        );
+    }
+    // The same id as a DNS SAN is no SPIFFE id: nothing.
+    let spelled = PeerIdentity::certified(
+        Vec::new(),
+        vec!["spiffe://tools.example.com/tenant-a/config-reader".into()],
+    );
+    assert!(
+        !reads(&spelled, ROUTES, "tenant-a/main"),
+        "a DNS SAN spelling the tenant's id"
+    );
+
+    let workload = uri("spiffe://cluster.local/ns/shop/sa/frontend");
+    for (collection, name, expected) in [
+        (SECRETS, "shop/frontend-cert", true),
+        (SECRETS, "payments/cert", false),
+        (LISTENERS, "http", true),
+        (CLUSTERS, "tenant-a/backend", true),
+        (VS, "reviews", false),
+    ] {
+        assert_eq!(
+            reads(&workload, collection, name),
+            expected,
+            "a workload, {collection} {name}"
+        );
+    }
+
+    // istiod: the Istio kinds, and (as the docs say) what every workload reads.
+    let istiod = uri("spiffe://cluster.local/ns/istio-system/sa/istiod");
+    for (collection, name, expected) in [
+        (VS, "reviews", true),
+        (CLUSTERS, "any", true),
+        (SECRETS, "istio-system/ca", true),
+        (SECRETS, "shop/frontend-cert", false),
+    ] {
+        assert_eq!(
+            reads(&istiod, collection, name),
+            expected,
+            "istiod, {collection} {name}"
+        );
+    }
+}
+
+/// The `Secret` source file of docs/operating.md passes `check`.
+#[tokio::test]
+async fn the_secret_example_passes_check() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("frontend-cert.yaml"), block_after("source: secret")).unwrap();
+    let (code, stdout, stderr) = crate::operating::subcommand("check", &[dir.path().to_str().unwrap()]).await;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stderr.contains("1 file, 1 resource: 0 errors"), "{stderr}");
+}
+
+/// The certificate recipe of docs/operating.md, run line by line with
+/// openssl as written, makes what the gateway (mTLS, `--client-allow` the
+/// tenant's id) and the `client` command accept.
+#[tokio::test]
+#[cfg_attr(not(peer_openssl), ignore = "needs openssl (OPENSSL_BIN; .ci/run installs it)")]
+async fn the_certificate_recipe_makes_what_the_gateway_and_client_accept() {
+    let dir = tempfile::tempdir().unwrap();
+    for line in block_after("recipe: certificates").lines() {
+        let command = line.strip_prefix("$ ").expect("each line a command");
+        let output = crate::helpers::within(
+            "a command of the recipe",
+            tokio::process::Command::new("bash")
+                .args(["-c", command])
+                .current_dir(dir.path())
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .unwrap();
+        assert!(
+            output.status.success(),
+            "{command}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let file = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let source = root().join("examples/config");
+    let gw = crate::helpers::start_gateway(&[
+        "--source-dir",
+        source.to_str().unwrap(),
+        "--tls-cert",
+        &file("server.crt"),
+        "--tls-key",
+        &file("server.key"),
+        "--client-ca",
+        &file("ca.crt"),
+        "--client-allow",
+        "spiffe://tools.example.com/tenant-a/config-reader",
+    ])
+    .await;
+    let target = format!("https://{}", gw.listen);
+    let (code, stdout, stderr) = crate::operating::subcommand(
+        "client",
+        &[
+            "--target",
+            &target,
+            "--server-name",
+            "localhost",
+            "--ca",
+            &file("ca.crt"),
+            "--cert",
+            &file("client.crt"),
+            "--key",
+            &file("client.key"),
+            "--type-url",
+            "istio/networking/v1alpha3/virtualservices",
+            "--once",
+        ],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+}
