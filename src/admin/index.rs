@@ -29,6 +29,20 @@ pub(super) fn problems_html(problems: &[String], out: &mut String) {
     }
 }
 
+/// Warnings (what clients' releases drop, who is not checked) as the
+/// paragraphs a page shows after its problems, each `(/debug/skew)` a link.
+pub(super) fn warnings_html<'a>(warnings: impl IntoIterator<Item = &'a String>, out: &mut String) {
+    for warning in warnings {
+        let text = escape(warning.trim_end_matches(" (/debug/skew)"));
+        let link = if warning.contains("(/debug/skew)") {
+            " (<a href=\"/debug/skew\">/debug/skew</a>)"
+        } else {
+            ""
+        };
+        out.push_str(&format!("<p class=\"warning\" data-col=\"skew\">{text}{link}</p>"));
+    }
+}
+
 /// The admin port's endpoints: (path, what it shows).
 pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ("/", "this index: the endpoints, and every client not in sync"),
@@ -180,17 +194,11 @@ pub async fn admin(
     // What needs an operator first: the source (an edit that does not
     // apply while every client is in sync), readiness, then the clients not
     // in sync; the counts and the endpoints after.
+    // Most severe first: the source and readiness (red), the clients not in
+    // sync with their NACKs, then what clients' releases drop (a warning,
+    // yellow: they hold the config, minus a field).
     let mut body = String::from(NAVIGATION);
     problems_html(&source, &mut body);
-    if let Some(line) = &unchecked {
-        body.push_str(&format!("<p class=\"problem\" data-col=\"skew\">{}</p>", escape(line)));
-    }
-    if let Some(skewed) = &skewed {
-        body.push_str(&format!(
-            "<p class=\"problem\" data-col=\"skew\">{} <a href=\"/debug/skew\">/debug/skew</a></p>",
-            escape(skewed.trim_end_matches(" (/debug/skew)"))
-        ));
-    }
     if let Some(reason) = state.not_ready() {
         body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
     }
@@ -205,6 +213,7 @@ pub async fn admin(
     } else {
         syncz::rows_html(&not_synced, clock, &mut body);
     }
+    warnings_html(skewed.iter().chain(&unchecked), &mut body);
     body.push_str(&syncz::counts_html(&rows));
     body.push_str(&format!(
         "<p>(STALE: behind the cache for longer than --stale-after={}s; every client: <a \

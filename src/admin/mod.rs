@@ -693,10 +693,12 @@ async fn syncz(
         };
         let mut body = String::from(NAVIGATION);
         index::problems_html(&index::source_problems(&state), &mut body);
-        index::problems_html(skew::lead(&state).as_slice(), &mut body);
         if let Some(reason) = state.not_ready() {
             body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
         }
+        // What clients' releases drop, and who is not checked (the banner
+        // the JSON has as `skew_not_checked`): warnings, after the problems.
+        index::warnings_html(skew::lead(&state).iter().chain(&skew::unchecked(&streams)), &mut body);
         body.push_str(&syncz::counts_html(&rows));
         let rollouts = syncz::rollouts(&state.rollout, &filter);
         if rollouts["collections"].as_array().is_some_and(|r| !r.is_empty()) {
@@ -827,6 +829,22 @@ async fn config(State(state): State<AdminState>, Query(positions): Query<Positio
 #[derive(Debug, serde::Deserialize)]
 struct AccessQuery {
     identity: Option<String>,
+    /// The page lists every collection, not only those with content.
+    all: Option<String>,
+}
+
+/// The form `/debug/access`'s page leads with (`identity`: what was asked).
+fn access_form(identity: &str) -> String {
+    format!(
+        "<form method=\"get\" action=\"/debug/access\"><label>identity \
+         <input name=\"identity\" size=\"60\" value=\"{}\" \
+         placeholder=\"spiffe://cluster.local/ns/NS/sa/SA, a DNS name, or unauthenticated\"></label> \
+         <button type=\"submit\">what may it read?</button></form>\
+         <p>A client certificate's URI SAN (a SPIFFE id) or DNS SAN, or <code>unauthenticated</code>: what \
+         that identity reads of each collection under the policy in effect. Streams show theirs in \
+         <a href=\"/debug/syncz\">/debug/syncz</a> (identity).</p>",
+        escape(identity)
+    )
 }
 
 /// `/debug/access?identity=ID`: what that identity would read of each
@@ -835,6 +853,11 @@ struct AccessQuery {
 /// resources they match), or nothing.
 async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery>, headers: HeaderMap) -> Response {
     let Some(identity) = query.identity.filter(|i| !i.trim().is_empty()) else {
+        // A browser (the index links here) gets the form.
+        if wants_html(&headers) {
+            let body = format!("{NAVIGATION}{}", access_form(""));
+            return Html(document("Access", &body)).into_response();
+        }
         return (
             StatusCode::BAD_REQUEST,
             "give ?identity=ID: a client certificate's URI or DNS SAN (spiffe://cluster.local/ns/NS/sa/SA), or \
@@ -886,7 +909,32 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
         "policy": policy.path().map(|p| p.display().to_string()),
         "collections": rows,
     });
-    view(&headers, "Access", value)
+    if !wants_html(&headers) {
+        return Json(value).into_response();
+    }
+    // The page: the form, then the collections with content (the table
+    // knows some 75, most never populated); `?all=1` lists every one.
+    let all = query.all.is_some_and(|a| !matches!(a.as_str(), "" | "0" | "false"));
+    let (shown, empty): (Vec<&Value>, Vec<&Value>) = value["collections"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .partition(|row| all || row["resources_cached"].as_u64().is_some_and(|n| n > 0));
+    let mut body = format!("{NAVIGATION}{}", access_form(identity.trim()));
+    html(
+        &json!({"identity": value["identity"], "policy": value["policy"]}),
+        &mut body,
+    );
+    html(&Value::Array(shown.into_iter().cloned().collect()), &mut body);
+    if !empty.is_empty() {
+        body.push_str(&format!(
+            "<p>{} more collections hold nothing now: <a href=\"/debug/access?identity={}&amp;all=1\">list \
+             them too</a></p>",
+            empty.len(),
+            url_part(identity.trim())
+        ));
+    }
+    Html(document("Access", &body)).into_response()
 }
 
 /// `?level=FILTER`: tracing's EnvFilter syntax (`debug`,
@@ -1169,6 +1217,8 @@ const STYLE: &str = "body{font-family:sans-serif;font-size:13px;line-height:1.35
      vertical-align:top}\
      .nowrap{white-space:nowrap}\
      .message{min-width:24em;max-width:36em;overflow-wrap:anywhere}\
+     .wrap{max-width:22em;overflow-wrap:anywhere}\
+     .warning{background:#fffbea;border:1px solid #e0d090;padding:4px 8px}\
      .past{color:#777}\
      .NACKED{color:#b00000;font-weight:bold}.STALE{color:#a05a00;font-weight:bold}\
      .problem{background:#fff3f3;border:1px solid #e0b0b0;padding:4px 8px}";

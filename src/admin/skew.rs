@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
@@ -145,14 +145,87 @@ pub(super) fn view_json(state: &AdminState) -> Value {
             })
         })
         .collect();
+    // What clients drop first, then who is not checked; what the checks
+    // know and cost after.
     json!({
+        "generations": generations,
+        "not_checked": unchecked,
         "releases_known": RELEASES.iter().map(|r| r.tag).collect::<Vec<_>>(),
         "rules": state.skew.rules().shown(),
         // One per changed resource and release in use: the skew's cost.
         "resources_checked": state.skew.checks(),
-        "generations": generations,
-        "not_checked": unchecked,
     })
+}
+
+/// The page: each dropped field on a line of its own (release, collection,
+/// resource, field, what the release lacks, file:line), the field and the
+/// message wrapped so the first finding reads whole in a 1,400 px window;
+/// the clients not checked; then the releases' summary and the rules.
+fn view_html(value: &Value, positions: &super::Positions) -> String {
+    use super::{collection_html, escape};
+    let mut body = String::from(super::NAVIGATION);
+    let mut drops = String::new();
+    let mut count = 0;
+    for generation in value["generations"].as_array().into_iter().flatten() {
+        let release = generation["release"].as_str().unwrap_or_default();
+        for collection in generation["collections"].as_array().into_iter().flatten() {
+            let name = collection["collection"].as_str().unwrap_or_default();
+            for resource in collection["dropped"].as_array().into_iter().flatten() {
+                for field in resource["fields"].as_array().into_iter().flatten() {
+                    count += 1;
+                    let at = match (field["file"].as_str(), field["line"].as_u64()) {
+                        (Some(file), Some(line)) => format!("{file}:{line}"),
+                        (Some(file), None) => file.to_owned(),
+                        _ => resource["file"].as_str().unwrap_or("-").to_owned(),
+                    };
+                    drops.push_str(&format!(
+                        "<tr><td class=\"nowrap\">Istio {}</td><td>{}</td><td class=\"wrap\">{}</td>\
+                         <td class=\"wrap\" data-col=\"skew-field\"><code>{}</code></td>\
+                         <td class=\"message\" data-col=\"skew-message\">{}</td>\
+                         <td class=\"wrap\" data-col=\"skew-file\">{}</td></tr>",
+                        escape(release),
+                        collection_html(name),
+                        escape(resource["name"].as_str().unwrap_or_default()),
+                        escape(field["path"].as_str().unwrap_or_default()),
+                        escape(field["message"].as_str().unwrap_or_default()),
+                        escape(&at),
+                    ));
+                }
+            }
+        }
+    }
+    body.push_str("<h2>Fields connected clients drop without a NACK</h2>");
+    if count == 0 {
+        body.push_str("<p>none: every connected client of a known release reads all it is served</p>");
+    } else {
+        body.push_str(
+            "<table><tr><th>release</th><th>collection</th><th>resource</th><th>field</th>\
+             <th>what the release lacks</th><th>file:line</th></tr>",
+        );
+        body.push_str(&drops);
+        body.push_str("</table>");
+    }
+    if value["not_checked"].as_array().is_some_and(|c| !c.is_empty()) {
+        body.push_str("<h2>Clients not checked (release unknown: name it with --client-generation GLOB=RELEASE)</h2>");
+        super::html(&value["not_checked"], &mut body);
+    }
+    body.push_str("<h2>Releases in use</h2>");
+    let summary: Vec<Value> = value["generations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|g| json!({"release": g["release"], "protos": g["protos"], "clients": g["clients"], "resources": g["resources"]}))
+        .collect();
+    super::html(&Value::Array(summary), &mut body);
+    body.push_str("<h2>What the checks know</h2>");
+    let known = json!({
+        "releases_known": value["releases_known"],
+        "rules": value["rules"],
+        "resources_checked": value["resources_checked"],
+    });
+    super::html(&known, &mut body);
+    body.push_str(positions.script());
+    super::document("Version skew", &body)
 }
 
 /// The resources connected clients drop something of: the index's lead
@@ -218,10 +291,15 @@ pub(super) fn unchecked(streams: &[StreamView]) -> Option<String> {
     })
 }
 
-pub(super) async fn skew(State(state): State<AdminState>, headers: HeaderMap) -> Response {
+pub(super) async fn skew(
+    State(state): State<AdminState>,
+    Query(positions): Query<super::Positions>,
+    headers: HeaderMap,
+) -> Response {
     // Files are read for the lines: on the blocking pool.
     match tokio::task::spawn_blocking(move || view_json(&state)).await {
-        Ok(value) => super::view(&headers, "Version skew", value),
+        Ok(value) if super::wants_html(&headers) => axum::response::Html(view_html(&value, &positions)).into_response(),
+        Ok(value) => axum::Json(value).into_response(),
         Err(e) => (
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
             format!("the skew view failed: {e}\n"),

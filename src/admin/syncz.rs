@@ -496,7 +496,7 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
     use super::{collection_html, diff_link, escape, version_html};
     out.push_str(
         "<table class=\"sync\"><tr><th>status</th><th>for</th><th>collection</th><th>node</th><th>NACK</th>\
-         <th>sent</th><th>ACKed</th><th>current</th><th>protocol</th><th>peer</th></tr>",
+         <th>identity</th><th>sent</th><th>ACKed</th><th>current</th><th>protocol</th><th>peer</th></tr>",
     );
     let version = |v: Option<&Arc<str>>| v.map_or_else(String::new, |v| version_html(v));
     for row in rows {
@@ -521,8 +521,31 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
             ),
             _ => String::new(),
         };
+        // Names it may not read (DENIED), a change held for another type
+        // (HELD): beside the status too, as `status` prints them.
+        let denied = match view.withheld {
+            0 => String::new(),
+            n => format!(
+                " <a class=\"NACKED\" href=\"/debug/access?identity={}\" title=\"names it asks for that its \
+                 identity may not read\">DENIED {n}</a>",
+                super::url_part(&stream.identity)
+            ),
+        };
+        let held = match &view.ordered {
+            Some(order) => format!(
+                " <span class=\"STALE\" title=\"{}\">HELD</span>",
+                escape(&format!(
+                    "its {} waits for the {} ({})",
+                    if order.step == "remove" { "removals" } else { "change" },
+                    order.waits_for,
+                    order.reason
+                ))
+            ),
+            None => String::new(),
+        };
         out.push_str(&format!(
-            "<tr><td data-col=\"status\"><span class=\"{}\">{status}</span>{skew}</td><td class=\"nowrap\">{}</td>",
+            "<tr><td data-col=\"status\"><span class=\"{}\">{status}</span>{denied}{held}{skew}</td>\
+             <td class=\"nowrap\">{}</td>",
             status.replace(' ', "_"),
             age(clock.age(row.since)),
         ));
@@ -567,6 +590,10 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
             ));
         }
         out.push_str("</td>");
+        out.push_str(&format!(
+            "<td><span class=\"node\" data-col=\"identity\" title=\"{0}\">{0}</span></td>",
+            escape(&stream.identity)
+        ));
         out.push_str(&format!(
             "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"nowrap\">{}</td></tr>",
             version(view.last_sent_version.as_ref()),
