@@ -166,9 +166,11 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_SINK_INSECURE")]
     pub sink_insecure: bool,
 
-    /// An identity allowed to act as the dial-out source (repeatable): the
-    /// client certificate's URI SAN (SPIFFE id) or DNS SAN; a trailing `*`
-    /// matches a prefix. Needs --client-ca.
+    /// An identity allowed to act as the dial-out source (repeatable): a
+    /// pattern over the client certificate's SANs, the access policy's rule:
+    /// with a `scheme://` (a SPIFFE id) it matches URI SANs only, else DNS
+    /// SANs only; `*` matches any run of characters, `{name}` one segment.
+    /// Needs --client-ca.
     #[arg(
         long = "sink-allow",
         env = "MCP_GATEWAY_SINK_ALLOW",

@@ -104,8 +104,8 @@ pub const ADMIN_ENDPOINTS: &[(&str, &str)] = &[
     ),
     (
         "/debug/access",
-        "?identity=ID (a certificate's URI or DNS SAN, or unauthenticated): what that identity may read of each \
-         collection under --access-policy",
+        "?identity=ID (uri:SAN, dns:SAN, or unauthenticated): what that identity may read of each collection \
+         under --access-policy, and the rules that name it",
     ),
     (
         "/logging",

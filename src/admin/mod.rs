@@ -860,8 +860,8 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
         }
         return (
             StatusCode::BAD_REQUEST,
-            "give ?identity=ID: a client certificate's URI or DNS SAN (spiffe://cluster.local/ns/NS/sa/SA), or \
-             unauthenticated\n",
+            "give ?identity=ID: a client certificate's URI or DNS SAN with its kind (uri:spiffe://cluster.local/ns/NS/sa/SA, \
+             dns:web.example; without one, a SAN with a scheme:// is a URI SAN), or unauthenticated\n",
         )
             .into_response();
     };
@@ -901,11 +901,12 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
                 "names": names,
                 "resources_readable": readable,
                 "resources_cached": cached.as_ref().map(|s| s.len()),
+                "rules": policy.rules_for(collection),
             })
         })
         .collect();
     let value = json!({
-        "identity": identity.trim(),
+        "identity": crate::transport::identity::PeerIdentity::parse(&identity).to_string(),
         "policy": policy.path().map(|p| p.display().to_string()),
         "collections": rows,
     });

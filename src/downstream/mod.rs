@@ -264,8 +264,11 @@ impl Downstream {
             None => {
                 m::access_denied(collection, "collection", 1);
                 let why = policy.denial(identity, collection, None);
-                self.log_denial(identity, collection, &why);
-                Err(Status::permission_denied(format!("type_url {type_url:?}: {why}")))
+                self.log_denial(identity, collection, &why.log);
+                Err(Status::permission_denied(format!(
+                    "type_url {type_url:?}: {}",
+                    why.status
+                )))
             }
         }
     }
@@ -274,7 +277,7 @@ impl Downstream {
     /// [`LOG_INTERVAL`].
     fn log_denial(&self, identity: &PeerIdentity, collection: &Arc<str>, why: &str) {
         const MAX_REMEMBERED: usize = 10_000;
-        let who: Arc<str> = crate::transport::access::display_identity(identity).into();
+        let who: Arc<str> = identity.to_string().into();
         let now = tokio::time::Instant::now();
         let logs = &self.inner.denial_logs;
         let key = (who, collection.clone());

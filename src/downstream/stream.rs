@@ -37,7 +37,7 @@ use crate::collections::{Dialect, Resolved};
 use crate::metrics::{self as m, CollectionMetrics};
 use crate::proto::wire::{version_entry, ErrorDetail};
 use crate::skew::{ClientGeneration, Generation, Interest};
-use crate::transport::access::{display_identity, AccessPolicy, NameGrant};
+use crate::transport::access::{AccessPolicy, NameGrant};
 use crate::transport::bucket::TokenBucket;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::RequestStream;
@@ -186,7 +186,7 @@ impl<W: Wire> TypedStream<W> {
         let entry = shared
             .inner
             .registry
-            .register(id, peer, W::PROTOCOL, display_identity(&identity));
+            .register(id, peer, W::PROTOCOL, &identity.to_string());
         let policy = shared.watch_policy();
         Self {
             shared,
@@ -432,7 +432,7 @@ impl<W: Wire> TypedStream<W> {
             Verdict::Subscription => {}
         }
         let (entry, identity) = (&self.entry, &self.identity);
-        let who = || (entry.who().0, display_identity(identity).to_owned());
+        let who = || (entry.who().0, identity.to_string());
         let memory = self.shared.nack_memory();
         memory.answered(&verdict, W::FAMILY, &followed.state, &type_url, who);
         // Published once, with whether it is still behind; the send that
@@ -943,11 +943,11 @@ impl<W: Wire> TypedStream<W> {
         let metrics = self.shared.collection_metrics(&resolved.collection);
         let state = TypeState::new(TypeView::new(resolved), request.mode, W::FAMILY, held);
         let served = !matches!(answer, Answer::Unserved(_));
-        let (node, identity) = (self.entry.who().0, display_identity(&self.identity));
+        let (node, identity) = (self.entry.who().0, self.identity.to_string());
         let mut state = self
             .shared
             .nack_memory()
-            .follow(state, W::FAMILY, served, &node, identity, type_url);
+            .follow(state, W::FAMILY, served, &node, &identity, type_url);
         if let Some(names) = self.forced.as_mut().and_then(|f| f.take_pending(type_url)) {
             state.force_resend(&names);
         }
@@ -1442,7 +1442,7 @@ impl<W: Wire> TypedStream<W> {
             m::access_denied(collection, "name", u64::from(now - before));
             let policy = self.policy.borrow().clone();
             let example = withheld_names(followed, &whole).next();
-            let why = policy.denial(&self.identity, collection, example.map(|n| &**n));
+            let why = policy.denial(&self.identity, collection, example.map(|n| &**n)).log;
             self.shared
                 .log_denial(&self.identity, collection, &format!("{now} resources withheld: {why}"));
         }

@@ -5,10 +5,13 @@
 //! ones (those that hold secrets) is readable by every client the transport
 //! admits, and the sensitive ones by nobody.
 //!
-//! Patterns: `*` matches any run of characters (`/` included), `{name}`
-//! captures one segment (one or more characters other than `/`) of an
-//! identity, and the capture is used in the rule's `names`, where it stands
-//! for the captured text as it is (a `*` in a certificate is not a glob).
+//! Patterns ([`super::pattern`], the same as the allow-lists'): `*` matches
+//! any run of characters (`/` included), `{name}` captures one segment (one
+//! or more characters other than `/`) of an identity, once per pattern, and
+//! the capture is used in the rule's `names`, where it stands for the
+//! captured text as it is (a `*` in a certificate is not a glob). An
+//! identity pattern with a `scheme://` matches URI SANs only, any other DNS
+//! SANs only ([`IdentityPattern`]).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,264 +24,18 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::fswatch::DirWatch;
-use super::identity::PeerIdentity;
+use super::identity::{IdentityPattern, PeerIdentity};
+use super::pattern::{Captures, Pattern};
 use crate::metrics as m;
 
-/// The identity of a client with no certificate: plaintext, or TLS without
-/// a client certificate.
-pub const UNAUTHENTICATED: &str = "unauthenticated";
-
-/// Wildcards and captures one pattern may hold: identity patterns are
-/// matched by backtracking, and this bounds the work of one match.
-const MAX_WILDCARDS: usize = 8;
-
-/// The longest pattern accepted, in bytes.
-const MAX_PATTERN_BYTES: usize = 1024;
+pub use super::identity::UNAUTHENTICATED;
+pub use super::pattern::Glob;
 
 /// Rules one policy may hold (each stream's start reads them all).
 const MAX_RULES: usize = 10_000;
 
 /// The largest policy file read, in bytes.
 pub const MAX_POLICY_BYTES: u64 = 4 << 20;
-
-// === Patterns ===
-
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-enum Token {
-    Literal(String),
-    /// `*`: any run of characters, `/` included, possibly empty.
-    Star,
-    /// `{name}`: one segment, one or more characters other than `/`.
-    Capture(String),
-}
-
-/// A pattern as written, and its tokens.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Pattern {
-    text: String,
-    tokens: Vec<Token>,
-}
-
-impl Pattern {
-    /// Parses `text`; `captures` says whether `{name}` may appear.
-    fn parse(text: &str, captures: bool) -> Result<Self, String> {
-        if text.is_empty() {
-            return Err("an empty pattern matches nothing".into());
-        }
-        if text.len() > MAX_PATTERN_BYTES {
-            return Err(format!("a pattern is at most {MAX_PATTERN_BYTES} bytes"));
-        }
-        let mut tokens = Vec::new();
-        let mut literal = String::new();
-        let mut rest = text;
-        while let Some(c) = rest.chars().next() {
-            match c {
-                '*' => {
-                    push_literal(&mut tokens, &mut literal);
-                    // `**` is `*`.
-                    if tokens.last() != Some(&Token::Star) {
-                        tokens.push(Token::Star);
-                    }
-                    rest = &rest[1..];
-                }
-                '{' => {
-                    let Some(end) = rest.find('}') else {
-                        return Err(format!("{text:?}: a `{{` without its `}}`"));
-                    };
-                    let name = &rest[1..end];
-                    if !captures {
-                        return Err(format!(
-                            "{text:?}: captures ({{{name}}}) are taken from identities and used in names; they are not \
-                             allowed here"
-                        ));
-                    }
-                    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                        return Err(format!(
-                            "{text:?}: a capture is named with letters, digits and `_`, as {{namespace}}"
-                        ));
-                    }
-                    push_literal(&mut tokens, &mut literal);
-                    tokens.push(Token::Capture(name.to_owned()));
-                    rest = &rest[end + 1..];
-                }
-                '}' => return Err(format!("{text:?}: a `}}` without its `{{`")),
-                c => {
-                    literal.push(c);
-                    rest = &rest[c.len_utf8()..];
-                }
-            }
-        }
-        push_literal(&mut tokens, &mut literal);
-        let wild = tokens.iter().filter(|t| !matches!(t, Token::Literal(_))).count();
-        if wild > MAX_WILDCARDS {
-            return Err(format!(
-                "{text:?}: at most {MAX_WILDCARDS} wildcards and captures in one pattern"
-            ));
-        }
-        Ok(Pattern {
-            text: text.to_owned(),
-            tokens,
-        })
-    }
-
-    /// Written as a URI (`scheme://…`): it matches URI SANs; else DNS SANs.
-    fn is_uri(&self) -> bool {
-        self.text.contains("://")
-    }
-
-    fn captures(&self) -> impl Iterator<Item = &str> {
-        self.tokens.iter().filter_map(|t| match t {
-            Token::Capture(name) => Some(name.as_str()),
-            _ => None,
-        })
-    }
-
-    /// Whether `input` matches, with what each capture took.
-    fn matches<'i>(&self, input: &'i str) -> Option<Vec<(&str, &'i str)>> {
-        let mut captured = Vec::new();
-        match_tokens(&self.tokens, input, &mut captured).then_some(captured)
-    }
-
-    /// The pattern with each capture replaced by what it took, as literal
-    /// text: a glob of literals and stars.
-    fn substitute(&self, captured: &[(&str, &str)]) -> Glob {
-        let mut tokens = Vec::new();
-        let mut literal = String::new();
-        for token in &self.tokens {
-            match token {
-                Token::Literal(text) => literal.push_str(text),
-                Token::Capture(name) => {
-                    let value = captured
-                        .iter()
-                        .find(|(n, _)| n == name)
-                        .map(|(_, v)| *v)
-                        .expect("captures are checked against the rule's identities when the policy is read");
-                    literal.push_str(value);
-                }
-                Token::Star => {
-                    push_literal(&mut tokens, &mut literal);
-                    tokens.push(Token::Star);
-                }
-            }
-        }
-        push_literal(&mut tokens, &mut literal);
-        Glob { tokens }
-    }
-}
-
-fn push_literal(tokens: &mut Vec<Token>, literal: &mut String) {
-    if !literal.is_empty() {
-        tokens.push(Token::Literal(std::mem::take(literal)));
-    }
-}
-
-/// Backtracking over stars and captures; bounded by [`MAX_WILDCARDS`].
-fn match_tokens<'t, 'i>(tokens: &'t [Token], input: &'i str, captured: &mut Vec<(&'t str, &'i str)>) -> bool {
-    let Some((first, rest)) = tokens.split_first() else {
-        return input.is_empty();
-    };
-    match first {
-        Token::Literal(text) => input
-            .strip_prefix(text.as_str())
-            .is_some_and(|after| match_tokens(rest, after, captured)),
-        Token::Star => {
-            if rest.is_empty() {
-                return true;
-            }
-            input
-                .char_indices()
-                .map(|(i, _)| i)
-                .chain(std::iter::once(input.len()))
-                .any(|i| match_tokens(rest, &input[i..], captured))
-        }
-        Token::Capture(name) => {
-            let segment = input.find('/').unwrap_or(input.len());
-            // One or more characters of the segment, longest first.
-            for end in (1..=segment).rev().filter(|&end| input.is_char_boundary(end)) {
-                captured.push((name.as_str(), &input[..end]));
-                if match_tokens(rest, &input[end..], captured) {
-                    return true;
-                }
-                captured.pop();
-            }
-            false
-        }
-    }
-}
-
-/// A resource-name pattern with its captures filled in: literals and stars,
-/// matched in linear time (the hot path: each name a restricted client may
-/// be sent).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Glob {
-    tokens: Vec<Token>,
-}
-
-impl fmt::Display for Token {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            // A literal `*` (taken from a certificate) is written escaped so
-            // that two globs print alike only when they match alike.
-            Token::Literal(text) => f.write_str(&text.replace('\\', "\\\\").replace('*', "\\*")),
-            Token::Star => f.write_str("*"),
-            Token::Capture(name) => write!(f, "{{{name}}}"),
-        }
-    }
-}
-
-impl fmt::Display for Glob {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.tokens.iter().try_for_each(|t| t.fmt(f))
-    }
-}
-
-impl Glob {
-    fn is_everything(&self) -> bool {
-        self.tokens == [Token::Star]
-    }
-
-    /// Whether `name` matches: literals in order, stars between them.
-    pub fn matches(&self, name: &str) -> bool {
-        fn literal(token: &Token) -> Option<&str> {
-            match token {
-                Token::Literal(text) => Some(text.as_str()),
-                _ => None,
-            }
-        }
-        let mut rest = name;
-        let tokens = &self.tokens[..];
-        // Anchored at the start unless the pattern starts with a star.
-        let (first, mut tokens) = match tokens.split_first() {
-            None => return name.is_empty(),
-            Some((first, tail)) => (first, tail),
-        };
-        let mut floating = false;
-        match literal(first) {
-            Some(text) => match rest.strip_prefix(text) {
-                Some(after) => rest = after,
-                None => return false,
-            },
-            None => floating = true,
-        }
-        while let Some((token, tail)) = tokens.split_first() {
-            tokens = tail;
-            let Some(text) = literal(token) else {
-                floating = true;
-                continue;
-            };
-            if tail.is_empty() {
-                // The last literal is anchored at the end.
-                return if floating { rest.ends_with(text) } else { rest == text };
-            }
-            match rest.find(text) {
-                Some(at) if floating || at == 0 => rest = &rest[at + text.len()..],
-                _ => return false,
-            }
-            floating = false;
-        }
-        floating || rest.is_empty()
-    }
-}
 
 // === The policy file ===
 
@@ -300,7 +57,10 @@ struct RuleFile {
 /// One rule: who, which collections, which names.
 #[derive(Clone, Debug)]
 struct Rule {
-    identities: Vec<Pattern>,
+    /// The line of its `identities` in the file, where known (denials name
+    /// the rule by index and line).
+    line: Option<usize>,
+    identities: Vec<IdentityPattern>,
     collections: Vec<Pattern>,
     names: Vec<Pattern>,
 }
@@ -451,14 +211,39 @@ impl NameGrant {
     }
 }
 
-/// How a peer is named in logs and views: its first SAN (URI SANs come
-/// first), or `unauthenticated`.
-pub fn display_identity(identity: &PeerIdentity) -> &str {
-    match identity.names.first() {
-        Some(name) => name,
-        None if identity.certificate => "(a certificate without URI or DNS SANs)",
-        None => UNAUTHENTICATED,
+/// A rule that names a collection, for an operator: `/debug/access` and
+/// the log of a denial (never a refused client: a client learns nothing of
+/// the policy's rules).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RuleRef {
+    /// Its index in `rules`.
+    pub rule: usize,
+    /// The line of its `identities` in the file, where known.
+    pub line: Option<usize>,
+    pub identities: Vec<String>,
+    pub names: Vec<String>,
+}
+
+impl fmt::Display for RuleRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rules[{}]", self.rule)?;
+        if let Some(line) = self.line {
+            write!(f, " (line {line})")?;
+        }
+        write!(f, " grants names {:?} to identities {:?}", self.names, self.identities)
     }
+}
+
+/// Why an identity may not read a collection or a name: what the refused
+/// client is told, and what the log says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Denial {
+    /// Who, what, and a rule that would grant it, built from the client's
+    /// own identity: nothing of the policy's rules, nor its file.
+    pub status: String,
+    /// The same, then the rules that name the collection, by index and line
+    /// (none: no rule names it).
+    pub log: String,
 }
 
 impl AccessPolicy {
@@ -520,7 +305,7 @@ impl AccessPolicy {
                 let item = item.map(|n| format!("[{n}]")).unwrap_or_default();
                 (line, format!("rules[{i}].{field}{item}: {message}"))
             };
-            let patterns = |field: &str, values: &[String], captures: bool| -> Result<Vec<Pattern>, _> {
+            let patterns = |field: &str, values: &[String], captures: Captures| -> Result<Vec<Pattern>, _> {
                 if values.is_empty() {
                     return Err(at(field, None, "is empty: the rule would match nothing".into()));
                 }
@@ -530,10 +315,13 @@ impl AccessPolicy {
                     .map(|(n, v)| Pattern::parse(v.trim(), captures).map_err(|m| at(field, Some(n), m)))
                     .collect()
             };
-            let identities = patterns("identities", &rule.identities, true)?;
-            let collections = patterns("collections", &rule.collections, false)?;
+            let identities: Vec<IdentityPattern> = patterns("identities", &rule.identities, Captures::Take)?
+                .into_iter()
+                .map(IdentityPattern::from)
+                .collect();
+            let collections = patterns("collections", &rule.collections, Captures::None)?;
             let names_written = rule.names.clone().unwrap_or_else(|| vec!["*".into()]);
-            let names = patterns("names", &names_written, true)?;
+            let names = patterns("names", &names_written, Captures::Use)?;
             for (n, name) in names.iter().enumerate() {
                 for capture in name.captures() {
                     if let Some(identity) = identities.iter().find(|id| !id.captures().any(|c| c == capture)) {
@@ -543,7 +331,7 @@ impl AccessPolicy {
                             format!(
                                 "uses {{{capture}}}, which the rule's identity {:?} does not capture: every identity \
                                  of the rule must capture what its names use",
-                                identity.text
+                                identity.text()
                             ),
                         ));
                     }
@@ -555,6 +343,7 @@ impl AccessPolicy {
                 "names": names_written,
             }));
             rules.push(Rule {
+                line: line_of(text, i, "identities", None),
                 identities,
                 collections,
                 names,
@@ -593,29 +382,15 @@ impl AccessPolicy {
                 continue;
             }
             for pattern in &rule.identities {
-                let matched: Vec<Vec<(&str, &str)>> = if pattern.text == UNAUTHENTICATED {
-                    // Only a peer without a certificate; `*` and the other
-                    // globs match certificate identities only.
-                    if identity.certificate {
-                        Vec::new()
-                    } else {
-                        vec![Vec::new()]
-                    }
-                } else {
-                    // A URI pattern matches URI SANs, any other DNS SANs: a
-                    // DNS SAN that spells a SPIFFE id is not that identity.
-                    let uri = pattern.is_uri();
-                    identity
-                        .names
-                        .iter()
-                        .enumerate()
-                        .filter(|(i, _)| identity.is_uri(*i) == uri)
-                        .filter_map(|(_, name)| pattern.matches(name))
-                        .collect()
-                };
-                for captured in matched {
+                // A URI pattern matches URI SANs, any other DNS SANs: a DNS
+                // SAN that spells a SPIFFE id is not that identity.
+                for captured in pattern.matches(identity) {
                     for names in &rule.names {
-                        let glob = names.substitute(&captured);
+                        // Every name a rule's names use is captured by each
+                        // of its identities (checked at load).
+                        let Some(glob) = names.substitute(&captured) else {
+                            continue;
+                        };
                         if glob.is_everything() {
                             return Some(Grant::All);
                         }
@@ -627,43 +402,78 @@ impl AccessPolicy {
         (!globs.is_empty()).then(|| Grant::Names(Arc::new(NameGrant::new(globs))))
     }
 
-    /// Why `identity` may not read `collection` (or `name` of it), and the
-    /// rule that would grant it: for the log and the status of a refused
-    /// stream.
-    pub fn denial(&self, identity: &PeerIdentity, collection: &str, name: Option<&str>) -> String {
-        let who = display_identity(identity);
+    /// The rules whose collections match `collection`, for an operator.
+    pub fn rules_for(&self, collection: &str) -> Vec<RuleRef> {
+        self.rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule.collections.iter().any(|p| p.matches(collection).is_some()))
+            .map(|(i, rule)| RuleRef {
+                rule: i,
+                line: rule.line,
+                identities: rule.identities.iter().map(|p| p.text().to_owned()).collect(),
+                names: rule.names.iter().map(|p| p.text().to_owned()).collect(),
+            })
+            .collect()
+    }
+
+    /// Why `identity` may not read `collection` (or `name` of it): for the
+    /// status of a refused stream (a rule that would grant it) and the log
+    /// (with the rules that name the collection).
+    pub fn denial(&self, identity: &PeerIdentity, collection: &str, name: Option<&str>) -> Denial {
         let asked = match name {
             Some(name) => format!("{name:?} of {collection:?}"),
             None => format!("{collection:?}"),
         };
-        match &self.path {
-            None => format!(
-                "identity {who} may not read {asked}: it holds secrets, and no --access-policy is given (without one, \
-                 sensitive collections are served to nobody): no rule of --access-policy grants it"
-            ),
-            Some(path) => format!(
-                "identity {who} may not read {asked}: no rule of --access-policy grants it ({}); a rule that would: \
-                 {{identities: [{who:?}], collections: [{collection:?}], names: [{:?}]}}",
-                path.display(),
-                name.unwrap_or("*")
-            ),
-        }
+        let status = if self.path.is_none() {
+            format!(
+                "identity {identity} may not read {asked}: it holds secrets, and no --access-policy is given \
+                 (without one, sensitive collections are served to nobody): no rule of --access-policy grants it"
+            )
+        } else {
+            format!(
+                "identity {identity} may not read {asked}: no rule of --access-policy grants it; {}",
+                would_grant(identity, collection, name)
+            )
+        };
+        let rules = self.rules_for(collection);
+        let log = match (&self.path, rules.is_empty()) {
+            (None, _) => status.clone(),
+            (Some(_), true) => format!("{status} (no rule names {collection:?})"),
+            (Some(_), false) => {
+                let rules: Vec<String> = rules.iter().map(RuleRef::to_string).collect();
+                format!("{status} (rules naming {collection:?}: {})", rules.join("; "))
+            }
+        };
+        Denial { status, log }
     }
 
-    /// What `identity` (one SAN, or `unauthenticated`) would read of each
-    /// of `collections` (with whether each is sensitive): `/debug/access`.
+    /// What `identity` would read of each of `collections` (with whether
+    /// each is sensitive): `/debug/access`. `identity` as
+    /// [`PeerIdentity::parse`] reads it: `unauthenticated`, `uri:…`,
+    /// `dns:…`, or one SAN whose kind its `scheme://` tells.
     pub fn explain(&self, identity: &str, collections: &[(Arc<str>, bool)]) -> BTreeMap<Arc<str>, Option<Grant>> {
-        let peer = if identity == UNAUTHENTICATED {
-            PeerIdentity::default()
-        } else if identity.contains("://") {
-            PeerIdentity::certified(vec![identity.to_owned()], Vec::new())
-        } else {
-            PeerIdentity::certified(Vec::new(), vec![identity.to_owned()])
-        };
+        let peer = PeerIdentity::parse(identity);
         collections
             .iter()
             .map(|(c, sensitive)| (c.clone(), self.grant(&peer, c, *sensitive)))
             .collect()
+    }
+}
+
+/// A rule that would grant `identity` `collection` (or `name` of it), built
+/// from the identity alone; or why none can (no pattern matches a DNS SAN
+/// written with a `scheme://`, a URI SAN without one, or no SAN at all).
+fn would_grant(identity: &PeerIdentity, collection: &str, name: Option<&str>) -> String {
+    match identity.as_pattern() {
+        Some(pattern) => format!(
+            "a rule that would: {{identities: [{pattern:?}], collections: [{collection:?}], names: [{:?}]}}",
+            name.unwrap_or("*")
+        ),
+        None => format!(
+            "no rule can: no identity pattern matches {identity} (a pattern with a `scheme://` matches URI SANs \
+             only, any other DNS SANs only)"
+        ),
     }
 }
 
@@ -797,6 +607,7 @@ rules:
         assert_eq!(p.grant(&anyone, SECRETS, true), None);
         assert!(p
             .denial(&anyone, SECRETS, None)
+            .status
             .contains("no rule of --access-policy grants it"));
     }
 
@@ -866,7 +677,7 @@ rules:
         let p = policy(ISSUE);
         let sanless = PeerIdentity::certified(Vec::new(), Vec::new());
         assert_eq!(p.grant(&sanless, "envoy/config/cluster/v3/clusters", false), None);
-        assert_eq!(display_identity(&sanless), "(a certificate without URI or DNS SANs)");
+        assert_eq!(sanless.to_string(), "(a certificate without URI or DNS SANs)");
         let dns_spelling_a_uri = PeerIdentity::certified(Vec::new(), vec![FRONTEND_ID.into()]);
         assert_eq!(p.grant(&dns_spelling_a_uri, SECRETS, true), None);
         let p = policy("rules:\n- identities: [\"*.example\"]\n  collections: [c]\n");
@@ -884,31 +695,115 @@ rules:
 
     const FRONTEND_ID: &str = "spiffe://cluster.local/ns/shop/sa/frontend";
 
+    /// A refused client is told who it is (with its kind), what it asked,
+    /// and a rule that would grant it, never the policy's file nor its
+    /// rules; the log adds the rules that name the collection, by index
+    /// and line.
     #[test]
-    fn globs_match_in_order_and_anchored() {
-        let glob = |text: &str| Pattern::parse(text, false).unwrap().substitute(&[]);
-        for (pattern, yes, no) in [
-            ("abc", vec!["abc"], vec!["ab", "abcd", "xabc"]),
-            ("a*", vec!["a", "ab", "a/b/c"], vec!["ba", ""]),
-            ("*c", vec!["c", "abc"], vec!["ca"]),
-            (
-                "a*b*c",
-                vec!["abc", "aXbYc", "abbc", "a/b/c"],
-                vec!["ab", "acb", "abcx"],
-            ),
-            ("*", vec!["", "anything/at/all"], vec![]),
-            ("*a*", vec!["a", "xay"], vec!["xyz"]),
-            ("a**b", vec!["ab", "axb"], vec!["ba"]),
-            ("ab*ab", vec!["abab", "abxab"], vec!["aba"]),
-        ] {
-            let g = glob(pattern);
-            for y in yes {
-                assert!(g.matches(y), "{pattern} matches {y:?}");
-            }
-            for n in no {
-                assert!(!g.matches(n), "{pattern} does not match {n:?}");
-            }
-        }
+    fn a_denial_says_what_would_grant_and_the_log_which_rules_name_it() {
+        let p = policy(ISSUE);
+        let frontend = peer(&[FRONTEND_ID]);
+        let denial = p.denial(&frontend, "envoy/config/cluster/v3/clusters", None);
+        assert_eq!(
+            denial.status,
+            "identity uri:spiffe://cluster.local/ns/shop/sa/frontend may not read \"envoy/config/cluster/v3/clusters\": \
+             no rule of --access-policy grants it; a rule that would: {identities: \
+             [\"spiffe://cluster.local/ns/shop/sa/frontend\"], collections: [\"envoy/config/cluster/v3/clusters\"], \
+             names: [\"*\"]}"
+        );
+        assert!(!denial.status.contains("policy.yaml") && !denial.status.contains("rules["));
+        assert_eq!(
+            denial.log,
+            format!(
+                "{} (rules naming \"envoy/config/cluster/v3/clusters\": rules[2] (line 8) grants names [\"*\"] to \
+                 identities [\"unauthenticated\"])",
+                denial.status
+            )
+        );
+        let named = p.denial(&frontend, SECRETS, Some("other/key"));
+        assert!(
+            named.status.contains("may not read \"other/key\" of"),
+            "{}",
+            named.status
+        );
+        assert!(named.status.contains("names: [\"other/key\"]"), "{}", named.status);
+        assert!(
+            named
+                .log
+                .contains("rules[0] (line 3) grants names [\"{namespace}/*\"] to identities"),
+            "{}",
+            named.log
+        );
+        assert!(p
+            .denial(&frontend, "nothing/names/it", None)
+            .log
+            .ends_with("(no rule names \"nothing/names/it\")"));
+
+        // No pattern can spell a DNS SAN written as a URI: no rule is offered.
+        let spelled = PeerIdentity::certified(Vec::new(), vec![FRONTEND_ID.into()]);
+        let denial = p.denial(&spelled, SECRETS, None);
+        assert!(
+            denial
+                .status
+                .starts_with(&format!("identity dns:{FRONTEND_ID} may not read"))
+                && denial.status.contains("no rule can: no identity pattern matches"),
+            "{}",
+            denial.status
+        );
+        let unauthenticated = p.denial(&PeerIdentity::default(), SECRETS, None);
+        assert!(
+            unauthenticated.status.contains("{identities: [\"unauthenticated\"]"),
+            "{}",
+            unauthenticated.status
+        );
+    }
+
+    /// A name captured twice in one identity would have to match the same
+    /// text twice: refused at load, naming the line, so that `{ns}` never
+    /// stands for one segment while another grants it.
+    #[test]
+    fn a_capture_taken_twice_is_refused_at_load_naming_the_line() {
+        let (line, message) = AccessPolicy::parse(
+            "rules:\n- identities: [\"spiffe://x/*\"]\n  collections: [c]\n- identities:\n  - \"spiffe://cluster.local/ns/{ns}/sa/{ns}\"\n  collections: [c]\n  names: [\"{ns}/*\"]\n",
+        )
+        .unwrap_err();
+        assert_eq!(line, Some(5), "{message}");
+        assert!(
+            message
+                .starts_with("rules[1].identities[0]: \"spiffe://cluster.local/ns/{ns}/sa/{ns}\": captures {ns} twice"),
+            "{message}"
+        );
+        // Two names, or a name and a star: `shop/frontend` takes `shop`
+        // only from the namespace's segment.
+        let p = policy(
+            "rules:\n- identities: [\"spiffe://cluster.local/ns/{ns}/sa/{sa}\"]\n  collections: [c]\n  names: [\"{ns}/{sa}\", \"{ns}-{ns}\"]\n",
+        );
+        let Some(Grant::Names(g)) = p.grant(&peer(&[FRONTEND_ID]), "c", false) else {
+            panic!()
+        };
+        assert_eq!(g.patterns(), vec!["shop-shop", "shop/frontend"]);
+    }
+
+    /// `/debug/access?identity=` reads an identity with its kind: a DNS SAN
+    /// spelling a SPIFFE id is granted nothing the URI SAN is.
+    #[test]
+    fn explain_reads_the_kind_of_an_identity() {
+        let p = policy(ISSUE);
+        let collections = [(Arc::from(SECRETS), true)];
+        let grant = |identity: &str| p.explain(identity, &collections).into_values().next().flatten();
+        let shop = grant(&format!("uri:{FRONTEND_ID}"));
+        assert!(
+            matches!(&shop, Some(Grant::Names(g)) if g.patterns() == ["shop/*"]),
+            "{shop:?}"
+        );
+        assert_eq!(grant(FRONTEND_ID), shop, "a bare SAN with a scheme:// is a URI SAN");
+        assert_eq!(grant(&format!("dns:{FRONTEND_ID}")), None);
+        assert_eq!(
+            grant(&format!("dns:web.example, uri:{FRONTEND_ID}")),
+            shop,
+            "as /debug/syncz prints a stream's identity"
+        );
+        assert_eq!(grant("unauthenticated"), None);
     }
 
     #[test]
@@ -940,7 +835,7 @@ rules:
         assert!(message.contains("unknown field `rulez`"), "{message}");
         let (_, message) = err(&format!(
             "rules:\n- identities: [\"{}\"]\n  collections: [c]\n",
-            "*a".repeat(MAX_WILDCARDS + 1)
+            "*a".repeat(super::super::pattern::MAX_WILDCARDS + 1)
         ));
         assert!(message.contains("at most 8 wildcards"), "{message}");
     }

@@ -1,13 +1,16 @@
 //! Who a peer is: the URI and DNS subject alternative names of the client
 //! certificate it presented (a SPIFFE id such as
 //! `spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account`,
-//! or a DNS name), and the allow-lists (`--sink-allow`, `--client-allow`)
-//! matched against them.
+//! or a DNS name), how one is printed (with its kind: `uri:…`, `dns:…`),
+//! and the identity patterns of the allow-lists (`--sink-allow`,
+//! `--client-allow`) and the access policy: one rule for all three.
 
 use std::fmt;
 
 use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
+
+use super::pattern::{Captured, Captures, Pattern};
 
 /// A peer's identities, URI SANs first. Empty without a client certificate
 /// (and for a certificate without URI or DNS SANs: `certificate` tells the
@@ -63,80 +66,221 @@ impl PeerIdentity {
 }
 
 impl fmt::Display for PeerIdentity {
+    /// The one way an identity is printed (logs, refusals, views): each SAN
+    /// with its kind, URI SANs first (`uri:spiffe://…, dns:web.example`),
+    /// `unauthenticated` without a certificate. A DNS SAN spelling a SPIFFE
+    /// id prints `dns:spiffe://…`: not the URI identity it spells.
+    /// [`PeerIdentity::parse`] reads it back.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.names.is_empty() {
-            return f.write_str(if self.certificate {
-                "a certificate without URI or DNS SANs"
-            } else {
-                "no certificate identity"
-            });
+            return f.write_str(if self.certificate { SANLESS } else { UNAUTHENTICATED });
         }
-        f.write_str(&self.names.join(", "))
+        for (i, name) in self.names.iter().enumerate() {
+            let kind = if self.is_uri(i) { "uri:" } else { "dns:" };
+            let comma = if i == 0 { "" } else { ", " };
+            write!(f, "{comma}{kind}{name}")?;
+        }
+        Ok(())
     }
 }
 
-/// One allowed identity: exact, or a prefix when it ends in `*`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Pattern {
-    Exact(String),
-    Prefix(String),
+/// The identity of a client with no certificate: plaintext, or TLS without
+/// a client certificate.
+pub const UNAUTHENTICATED: &str = "unauthenticated";
+
+/// How a certificate without URI or DNS SANs is printed.
+const SANLESS: &str = "(a certificate without URI or DNS SANs)";
+
+impl PeerIdentity {
+    /// An identity as an operator writes it (`/debug/access?identity=`) or
+    /// as [`fmt::Display`] printed it: `unauthenticated`; SANs with their
+    /// kind (`uri:…`, `dns:…`, several joined by `, `); or one SAN without
+    /// its kind, a URI SAN when it has a `scheme://`, else a DNS SAN (the
+    /// patterns' rule). For views: a certificate is read with
+    /// [`PeerIdentity::from_der`].
+    pub fn parse(text: &str) -> Self {
+        let text = text.trim();
+        if text == UNAUTHENTICATED {
+            return Self::default();
+        }
+        if text == SANLESS {
+            return Self::certified(Vec::new(), Vec::new());
+        }
+        let (mut uris, mut dns) = (Vec::new(), Vec::new());
+        if !(text.starts_with("uri:") || text.starts_with("dns:")) {
+            if is_uri_text(text) {
+                uris.push(text.to_owned());
+            } else {
+                dns.push(text.to_owned());
+            }
+            return Self::certified(uris, dns);
+        }
+        // Split before each `, uri:` / `, dns:`.
+        let mut rest = text;
+        while !rest.is_empty() {
+            let next = [", uri:", ", dns:"]
+                .iter()
+                .filter_map(|sep| rest.find(sep))
+                .min()
+                .unwrap_or(rest.len());
+            let (one, after) = rest.split_at(next);
+            if let Some(uri) = one.strip_prefix("uri:") {
+                uris.push(uri.to_owned());
+            } else if let Some(name) = one.strip_prefix("dns:") {
+                dns.push(name.to_owned());
+            }
+            rest = after.strip_prefix(", ").unwrap_or(after);
+        }
+        Self::certified(uris, dns)
+    }
+
+    /// A pattern that matches this identity, for a refusal's "a rule that
+    /// would": `unauthenticated`, or its first SAN that a pattern of its
+    /// kind can spell (a DNS SAN with a `scheme://`, a URI SAN without one,
+    /// or one with a capture's braces, none can).
+    pub fn as_pattern(&self) -> Option<&str> {
+        if !self.certificate {
+            return Some(UNAUTHENTICATED);
+        }
+        self.names
+            .iter()
+            .enumerate()
+            .find(|(i, san)| self.is_uri(*i) == is_uri_text(san) && !san.contains(['{', '}']))
+            .map(|(_, san)| san.as_str())
+    }
 }
 
-impl Pattern {
-    fn matches(&self, name: &str) -> bool {
-        match self {
-            Pattern::Exact(exact) => name == exact,
-            Pattern::Prefix(prefix) => name.starts_with(prefix.as_str()),
-        }
+/// Whether a pattern or an identity is written as a URI: a `scheme://`.
+fn is_uri_text(text: &str) -> bool {
+    text.contains("://")
+}
+
+/// Which identities an [`IdentityPattern`] matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// `unauthenticated`: a peer without a certificate (the policy only).
+    Unauthenticated,
+    /// Written with a `scheme://`: URI SANs only.
+    Uri,
+    /// Anything else: DNS SANs only.
+    Dns,
+}
+
+/// An identity pattern, the same for `--client-allow`, `--sink-allow` and
+/// the access policy: a pattern with a `scheme://` matches URI SANs only,
+/// any other pattern DNS SANs only, with the glob and capture syntax of
+/// [`Pattern`] (`*`, `{name}`), in linear time. `unauthenticated` matches a
+/// peer without a certificate; no glob does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdentityPattern {
+    pattern: Pattern,
+    kind: Kind,
+}
+
+impl From<Pattern> for IdentityPattern {
+    /// A pattern parsed with [`Captures::Take`]: its kind is what its text
+    /// tells.
+    fn from(pattern: Pattern) -> Self {
+        let kind = if pattern.text() == UNAUTHENTICATED {
+            Kind::Unauthenticated
+        } else if is_uri_text(pattern.text()) {
+            Kind::Uri
+        } else {
+            Kind::Dns
+        };
+        Self { pattern, kind }
+    }
+}
+
+impl IdentityPattern {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        Pattern::parse(text, Captures::Take).map(Self::from)
+    }
+
+    /// The pattern as written.
+    pub fn text(&self) -> &str {
+        self.pattern.text()
+    }
+
+    /// The names it captures.
+    pub fn captures(&self) -> impl Iterator<Item = &str> {
+        self.pattern.captures()
+    }
+
+    /// What it captured of each of `identity`'s SANs of its kind that it
+    /// matches (empty: it matches none); for `unauthenticated`, one empty
+    /// capture when the peer has no certificate.
+    pub fn matches<'p, 'i>(&'p self, identity: &'i PeerIdentity) -> Vec<Captured<'p, 'i>> {
+        let uri = match self.kind {
+            Kind::Unauthenticated => {
+                return if identity.certificate {
+                    Vec::new()
+                } else {
+                    vec![Vec::new()]
+                };
+            }
+            Kind::Uri => true,
+            Kind::Dns => false,
+        };
+        identity
+            .names
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| identity.is_uri(*i) == uri)
+            .filter_map(|(_, name)| self.pattern.matches(name))
+            .collect()
+    }
+
+    /// Whether it matches any of `identity`'s SANs (or its absence).
+    pub fn admits(&self, identity: &PeerIdentity) -> bool {
+        !self.matches(identity).is_empty()
     }
 }
 
 /// The identities a listener accepts, with the flag that set them (for error
-/// messages).
+/// messages): [`IdentityPattern`]s, the policy's rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AllowList {
     pub flag: &'static str,
-    patterns: Vec<Pattern>,
+    patterns: Vec<IdentityPattern>,
 }
 
 impl AllowList {
-    /// Parses the flag's values; an empty or lone `*` entry is an error (use
-    /// no allow-list at all to accept every certificate the CA signed).
+    /// Parses the flag's values; an empty entry, a lone `*` and
+    /// `unauthenticated` are errors (use no allow-list at all to accept
+    /// every certificate the CA signed).
     pub fn parse(flag: &'static str, values: &[String]) -> Result<Self, String> {
         let mut patterns = Vec::new();
         for value in values {
             let value = value.trim();
-            match value.strip_suffix('*') {
-                _ if value.is_empty() => return Err("an empty identity matches nobody".into()),
-                Some("") => {
-                    return Err(
-                        "\"*\" alone allows every identity; leave the flag out to accept any certificate the CA signed"
-                            .into(),
-                    )
-                }
-                Some(prefix) => patterns.push(Pattern::Prefix(prefix.to_owned())),
-                None => patterns.push(Pattern::Exact(value.to_owned())),
+            if value.is_empty() {
+                return Err("an empty identity matches nobody".into());
             }
+            let pattern = IdentityPattern::parse(value).map_err(|e| format!("{value:?}: {e}"))?;
+            if pattern.kind == Kind::Unauthenticated {
+                return Err(format!(
+                    "{value:?}: an allow-list admits certificates, and a peer without one never reaches it (the \
+                     listener requires one); give a SAN pattern"
+                ));
+            }
+            if pattern.pattern.is_everything() {
+                return Err(
+                    "\"*\" alone allows every DNS SAN; leave the flag out to accept any certificate the CA signed"
+                        .into(),
+                );
+            }
+            patterns.push(pattern);
         }
         Ok(Self { flag, patterns })
     }
 
     pub fn allows(&self, identity: &PeerIdentity) -> bool {
-        identity
-            .names
-            .iter()
-            .any(|name| self.patterns.iter().any(|p| p.matches(name)))
+        self.patterns.iter().any(|p| p.admits(identity))
     }
 
     /// The entries as given, for logs and the effective configuration.
     pub fn entries(&self) -> Vec<String> {
-        self.patterns
-            .iter()
-            .map(|p| match p {
-                Pattern::Exact(e) => e.clone(),
-                Pattern::Prefix(p) => format!("{p}*"),
-            })
-            .collect()
+        self.patterns.iter().map(|p| p.text().to_owned()).collect()
     }
 }
 
@@ -144,35 +288,90 @@ impl AllowList {
 mod tests {
     use super::*;
 
+    /// A certificate's identities: URI SANs (with `://`), then DNS SANs.
     fn identity(names: &[&str]) -> PeerIdentity {
-        PeerIdentity::certified(names.iter().map(|n| n.to_string()).collect(), Vec::new())
+        let (uris, dns): (Vec<String>, Vec<String>) =
+            names.iter().map(|n| n.to_string()).partition(|n| n.contains("://"));
+        PeerIdentity::certified(uris, dns)
     }
 
+    const GALLEY: &str = "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account";
+
     #[test]
-    fn exact_and_prefix_entries() {
+    fn exact_and_glob_entries() {
         let allow = AllowList::parse(
             "--sink-allow",
             &[
-                "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account".into(),
+                GALLEY.into(),
                 "spiffe://east.example/*".into(),
+                "spiffe://west.example/ns/{ns}/sa/galley".into(),
+                "*.galley.example".into(),
             ],
         )
         .unwrap();
-        assert!(allow.allows(&identity(&[
-            "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account"
-        ])));
-        assert!(allow.allows(&identity(&["galley.example", "spiffe://east.example/ns/a/sa/b"])));
+        assert!(allow.allows(&identity(&[GALLEY])));
+        assert!(allow.allows(&identity(&["other.example", "spiffe://east.example/ns/a/sa/b"])));
+        assert!(allow.allows(&identity(&["spiffe://west.example/ns/a/sa/galley"])));
+        assert!(
+            !allow.allows(&identity(&["spiffe://west.example/ns/a/b/sa/galley"])),
+            "one segment"
+        );
+        assert!(allow.allows(&identity(&["a.galley.example"])));
         assert!(!allow.allows(&identity(&["spiffe://cluster.local/ns/default/sa/attacker"])));
-        assert!(!allow.allows(&identity(&[])), "no certificate identity");
-        assert!(!allow.allows(&identity(&[
-            "spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account/x"
-        ])));
+        assert!(!allow.allows(&identity(&[])), "a certificate without SANs");
+        assert!(!allow.allows(&PeerIdentity::default()), "no certificate");
+        assert!(!allow.allows(&identity(&[&format!("{GALLEY}/x")])));
+        assert_eq!(allow.entries()[1], "spiffe://east.example/*");
+    }
+
+    /// The policy's rule: a pattern with a `scheme://` matches URI SANs
+    /// only, any other pattern DNS SANs only. A certificate whose only SAN
+    /// is a DNS name spelling Galley's SPIFFE id is not Galley.
+    #[test]
+    fn a_san_matches_only_patterns_of_its_kind() {
+        let allow = AllowList::parse("--sink-allow", &[GALLEY.into(), "*.example".into()]).unwrap();
+        let spelled = PeerIdentity::certified(Vec::new(), vec![GALLEY.into()]);
+        assert!(!allow.allows(&spelled), "a DNS SAN spelling a SPIFFE id");
+        assert!(allow.allows(&PeerIdentity::certified(vec![GALLEY.into()], Vec::new())));
+        let uri_spelling_dns = PeerIdentity::certified(vec!["web.example".into()], Vec::new());
+        assert!(!allow.allows(&uri_spelling_dns), "a URI SAN against a DNS pattern");
+        assert!(allow.allows(&identity(&["web.example"])));
+        let prefix = AllowList::parse("--client-allow", &["spiffe://cluster.local/*".into()]).unwrap();
+        assert!(!prefix.allows(&PeerIdentity::certified(
+            Vec::new(),
+            vec!["spiffe://cluster.local/ns/x/sa/y".into()]
+        )));
     }
 
     #[test]
-    fn wildcards_that_allow_everyone_are_refused() {
-        assert!(AllowList::parse("--client-allow", &["*".into()]).is_err());
-        assert!(AllowList::parse("--client-allow", &[" ".into()]).is_err());
+    fn entries_that_allow_everyone_or_nobody_are_refused() {
+        let err = |value: &str| AllowList::parse("--client-allow", &[value.into()]).unwrap_err();
+        assert!(err("*").contains("alone allows every DNS SAN"));
+        assert!(err("**").contains("alone allows every DNS SAN"));
+        assert!(err(" ").contains("empty"));
+        assert!(err("unauthenticated").contains("admits certificates"));
+        assert!(err("spiffe://x/ns/{ns}/sa/{ns}").contains("captures {ns} twice"));
+        assert!(err("spiffe://x/{").contains("without its"));
+    }
+
+    /// The one way an identity is printed, with its kind; read back by
+    /// `parse` (what `/debug/access?identity=` takes).
+    #[test]
+    fn identities_print_with_their_kind_and_read_back() {
+        let both = PeerIdentity::certified(vec![GALLEY.into()], vec!["galley.example".into()]);
+        assert_eq!(both.to_string(), format!("uri:{GALLEY}, dns:galley.example"));
+        let spelled = PeerIdentity::certified(Vec::new(), vec![GALLEY.into()]);
+        assert_eq!(spelled.to_string(), format!("dns:{GALLEY}"));
+        assert_eq!(PeerIdentity::default().to_string(), "unauthenticated");
+        let sanless = PeerIdentity::certified(Vec::new(), Vec::new());
+        assert_eq!(sanless.to_string(), "(a certificate without URI or DNS SANs)");
+        let named_unauthenticated = PeerIdentity::certified(Vec::new(), vec!["unauthenticated".into()]);
+        assert_eq!(named_unauthenticated.to_string(), "dns:unauthenticated");
+        for identity in [both, spelled, PeerIdentity::default(), sanless, named_unauthenticated] {
+            assert_eq!(PeerIdentity::parse(&identity.to_string()), identity);
+        }
+        assert_eq!(PeerIdentity::parse(GALLEY).to_string(), format!("uri:{GALLEY}"));
+        assert_eq!(PeerIdentity::parse(" web.example ").to_string(), "dns:web.example");
     }
 
     #[test]

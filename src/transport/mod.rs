@@ -12,6 +12,7 @@ pub mod gather;
 pub mod grpc;
 pub mod http;
 pub mod identity;
+pub mod pattern;
 pub mod requests;
 pub mod slots;
 pub mod sniff;

@@ -156,6 +156,14 @@ fn sotw_request(type_url: &str, names: &[&str], ack: Option<&DiscoveryResponse>)
     }
 }
 
+/// Whether an identity as the views print it (each SAN with its kind, `, `
+/// between) holds the URI SAN `uri`.
+pub fn has_uri_san(printed: &serde_json::Value, uri: &str) -> bool {
+    printed
+        .as_str()
+        .is_some_and(|p| p.split(", ").any(|san| san.strip_prefix("uri:") == Some(uri)))
+}
+
 /// The `/debug/syncz` row of the one stream of `identity` for `type_url`.
 async fn syncz_row(admin: SocketAddr, identity: &str, type_url: &str, what: &str) -> serde_json::Value {
     eventually_some(what, || async {
@@ -163,7 +171,7 @@ async fn syncz_row(admin: SocketAddr, identity: &str, type_url: &str, what: &str
         view["rows"]
             .as_array()?
             .iter()
-            .find(|r| r["identity"] == identity && r["type_url"] == type_url && r["acked"].is_object())
+            .find(|r| has_uri_san(&r["identity"], identity) && r["type_url"] == type_url && r["acked"].is_object())
             .cloned()
     })
     .await
@@ -193,7 +201,7 @@ async fn each_namespace_reads_its_own_secrets_by_name_and_by_wildcard() {
     let table = mcp_xds_gateway::tools::status::render(&get_json(gw.admin, "/debug/syncz").await);
     assert!(table.contains("SYNCED DENIED 1"), "{table}");
     assert!(
-        table.contains(&format!("DENIED sidecar~10.0.0.1~frontend.shop~shop.svc.cluster.local {SECRETS}: 1 withheld from identity {FRONTEND}")),
+        table.contains(&format!("DENIED sidecar~10.0.0.1~frontend.shop~shop.svc.cluster.local {SECRETS}: 1 withheld from identity uri:{FRONTEND}, dns:localhost")),
         "{table}"
     );
 
@@ -232,13 +240,28 @@ async fn a_type_no_rule_grants_ends_the_stream_permission_denied_on_every_protoc
     other.send(sotw_request(CLUSTER_TYPE, &[], None));
     let status = other.end_status().await;
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
-    for needed in [CLUSTER_TYPE, OTHER, "no rule of --access-policy grants it"] {
+    let would = format!(
+        "a rule that would: {{identities: [\"{OTHER}\"], collections: [\"envoy/config/cluster/v3/clusters\"], names: \
+         [\"*\"]}}"
+    );
+    for needed in [
+        CLUSTER_TYPE,
+        &format!("identity uri:{OTHER}, dns:localhost may not read"),
+        "no rule of --access-policy grants it",
+        &would,
+    ] {
         assert!(
             status.message().contains(needed),
             "{needed:?} in {:?}",
             status.message()
         );
     }
+    // Neither the policy's file nor its rules reach the client.
+    assert!(
+        !status.message().contains("policy.yaml") && !status.message().contains("rules["),
+        "{:?}",
+        status.message()
+    );
 
     // The legacy service: a Pilot without istio/* is refused naming the collection...
     let mut pilot = SotwClient::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW_PATH).await;
@@ -442,6 +465,37 @@ async fn debug_access_answers_what_an_identity_would_read() {
     assert_eq!(secrets["sensitive"], true);
     assert_eq!(row("envoy/config/cluster/v3/clusters")["reads"], "all");
     assert_eq!(row(VS)["reads"], "nothing");
+    assert_eq!(
+        view["identity"],
+        format!("uri:{FRONTEND}"),
+        "a SAN with a scheme:// is a URI SAN"
+    );
+    // The rules that name each collection, by index and line.
+    assert_eq!(
+        secrets["rules"],
+        serde_json::json!([{"rule": 0, "line": 2, "identities": ["spiffe://cluster.local/ns/{namespace}/sa/*"],
+            "names": ["{namespace}/*"]}])
+    );
+    assert_eq!(
+        row(VS)["rules"],
+        serde_json::json!([{"rule": 1, "line": 5, "identities": ["spiffe://cluster.local/ns/istio-system/sa/istiod*"],
+            "names": ["*"]}]),
+        "the rule that would grant it, for the operator"
+    );
+    // A DNS SAN spelling the same id is granted nothing; with its kind, the
+    // URI SAN reads as before.
+    let spelled = get_json(gw.admin, &format!("/debug/access?identity=dns:{FRONTEND}")).await;
+    assert_eq!(spelled["identity"], format!("dns:{FRONTEND}"));
+    assert!(
+        spelled["collections"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["reads"] == "nothing"),
+        "{spelled}"
+    );
+    let kinded = get_json(gw.admin, &format!("/debug/access?identity=uri:{FRONTEND}")).await;
+    assert_eq!(kinded["collections"], view["collections"]);
     let (code, body) = http_get(gw.admin, "/debug/access").await;
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("?identity="), "{body}");
@@ -479,6 +533,15 @@ async fn a_bad_policy_at_start_exits_2_naming_the_file_the_line_and_the_field() 
             "capture.yaml:4: rules[0].names[0]: uses {namespace}, which the rule's identity \"spiffe://x/sa/*\" does \
              not capture"
                 .into(),
+        ),
+        // A capture taken twice would grant `shop/*` to `…/ns/shop/sa/x`
+        // by whichever segment it matched: refused, naming the line.
+        (
+            file(
+                "twice.yaml",
+                "rules:\n- identities: [\"spiffe://x/*\"]\n  collections: [c]\n- identities:\n  - \"spiffe://cluster.local/ns/{ns}/sa/{ns}\"\n  collections: [c]\n  names: [\"{ns}/*\"]\n",
+            ),
+            "twice.yaml:5: rules[1].identities[0]: \"spiffe://cluster.local/ns/{ns}/sa/{ns}\": captures {ns} twice".into(),
         ),
     ];
     for (path, expected) in cases {

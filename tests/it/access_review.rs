@@ -1062,7 +1062,11 @@ async fn a_delta_envoy_of_another_namespace_reads_shops_certificate_only_while_a
             view["rows"]
                 .as_array()?
                 .iter()
-                .find(|r| r["identity"] == OTHER && r["type_url"] == SECRET_TYPE && r["access"]["withheld"] == 1)
+                .find(|r| {
+                    crate::access::has_uri_san(&r["identity"], OTHER)
+                        && r["type_url"] == SECRET_TYPE
+                        && r["access"]["withheld"] == 1
+                })
                 .map(|_| ())
         })
         .await

@@ -13,7 +13,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use crate::helpers::certs::{tls_alert, write, write_leaf, Ca};
+use crate::helpers::certs::{tls_alert, write, write_leaf, Ca, Leaf};
 use crate::helpers::clients::{self, incremental, sotw, tls_channel, SotwClient, SOTW_PATH};
 use crate::helpers::galley::{dial_out, full, resource, FakeGalley};
 use crate::helpers::h2raw::{self, frame, grpc_headers, RawConn};
@@ -66,12 +66,22 @@ fn mtls_flags(dir: &Path, ca: &Ca, sink: &str) -> Vec<String> {
 /// A dial-out source whose identity `--sink-allow` does not take, refused
 /// `PERMISSION_DENIED`.
 async fn attacker_refused(sink: SocketAddr, ca: &Ca) -> tonic::Status {
-    let attacker = ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker");
-    let refused = dial_out(tls_channel(sink, &ca.pem, Some(&attacker)).await.unwrap(), &[])
+    source_refused(
+        sink,
+        ca,
+        &ca.spiffe_leaf("spiffe://cluster.local/ns/default/sa/attacker"),
+    )
+    .await
+}
+
+/// A dial-out source presenting `leaf`, refused `PERMISSION_DENIED`.
+async fn source_refused(sink: SocketAddr, ca: &Ca, leaf: &Leaf) -> tonic::Status {
+    let channel = tls_channel(sink, &ca.pem, Some(leaf)).await.unwrap();
+    let refused = within("the dial-out refusal", dial_out(channel, &[]))
         .await
         .err()
         .expect("a source outside --sink-allow is refused");
-    assert_eq!(refused.code(), Code::PermissionDenied);
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
     refused
 }
 
@@ -132,6 +142,56 @@ async fn peers_outside_the_allow_lists_are_refused_naming_their_identity() {
             "{what}: refused by TLS, before the allow-list"
         );
     }
+}
+
+/// `status` is `PERMISSION_DENIED` and its message says `says`.
+fn denied_saying(status: &tonic::Status, says: &str) {
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains(says), "{says:?} in {:?}", status.message());
+}
+
+/// The allow-lists follow the policy's rule: a pattern with a `scheme://`
+/// matches URI SANs only. A certificate the mesh's CA signed whose only SAN
+/// is a DNS name spelling Galley's SPIFFE id never becomes the source, and
+/// one spelling a client's id is no client; both refusals print the
+/// identity with its kind.
+#[tokio::test]
+async fn a_dns_san_spelling_an_allowed_spiffe_id_passes_neither_allow_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = mtls_gateway(dir.path(), &ca).await;
+    let sink = gw.sink.unwrap();
+
+    let refused = source_refused(sink, &ca, &ca.dns_only_leaf(GALLEY_ID)).await;
+    denied_saying(
+        &refused,
+        &format!("identity dns:{GALLEY_ID} is not allowed by --sink-allow"),
+    );
+    assert_eq!(gw.upstream.borrow().attempts, 0, "it never became the source");
+
+    let pilot = "spiffe://cluster.local/ns/istio-system/sa/istio-pilot-service-account";
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&ca.dns_only_leaf(pilot)))
+        .await
+        .unwrap();
+    let refused = SotwClient::try_open_on(channel, SOTW_PATH).await.err().unwrap();
+    denied_saying(
+        &refused,
+        &format!("identity dns:{pilot} is not allowed by --client-allow"),
+    );
+
+    // The same ids as URI SANs pass both.
+    let galley = ca.spiffe_leaf(GALLEY_ID);
+    let mut source = dial_out(tls_channel(sink, &ca.pem, Some(&galley)).await.unwrap(), &[])
+        .await
+        .expect("Galley's URI SAN is allowed");
+    source.initial_requests(1).await;
+    source.push_full(VS, vec![resource("a", "1", b"a")]).await;
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&ca.spiffe_leaf(pilot)))
+        .await
+        .unwrap();
+    let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
+    client.subscribe(VS);
+    assert_eq!(client.recv_type(VS).await.resources.len(), 1);
 }
 
 /// Each refusal by an allow-list is counted under its listener, exactly: a

@@ -49,6 +49,15 @@ impl Ca {
         })
     }
 
+    /// A client leaf whose only SAN is the DNS name `name`, whatever it
+    /// spells (a CA signs what it is asked to: `spiffe://…` included).
+    pub fn dns_only_leaf(&self, name: &str) -> Leaf {
+        let name = name.to_owned();
+        self.leaf_with("workload", move |params| {
+            params.subject_alt_names = vec![rcgen::SanType::DnsName(name.as_str().try_into().unwrap())];
+        })
+    }
+
     /// A client leaf with a SPIFFE id whose validity ended yesterday.
     pub fn expired_spiffe_leaf(&self, spiffe_id: &str) -> Leaf {
         let id = spiffe_id.to_owned();
