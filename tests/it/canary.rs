@@ -96,6 +96,21 @@ async fn canaries_counted(gw: &mcp_xds_gateway::app::Bound, n: u64) -> Value {
     .await
 }
 
+/// `rollout status VS`, as text.
+async fn rollout_status(gw: &mcp_xds_gateway::app::Bound) -> String {
+    use mcp_xds_gateway::tools::rollout::{run, Action, RolloutArgs};
+    let action = Action::Status {
+        collection: Some(VS.into()),
+        output: mcp_xds_gateway::tools::status::StatusOutput::Table,
+    };
+    let admin = format!("http://{}", gw.admin);
+    let mut out = Vec::new();
+    within("rollout status", run(RolloutArgs { admin, action }, &mut out))
+        .await
+        .unwrap();
+    String::from_utf8(out).unwrap()
+}
+
 /// Waits until a client's NACK of VS with `message` has been read.
 async fn nack_read(gw: &mcp_xds_gateway::app::Bound, message: &str) {
     crate::helpers::eventually(&format!("the NACK {message:?} to be read"), || {
@@ -959,18 +974,7 @@ async fn walkthrough_a_bad_virtualservice_is_held_by_a_proven_canary() {
     assert_eq!(recv_ack(&mut canary, "canary-pilot-0").await, v3);
     assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v3, "the Pilot never saw v2");
     assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
-    let mut out = Vec::new();
-    let args = mcp_xds_gateway::tools::rollout::RolloutArgs {
-        admin: format!("http://{}", gw.admin),
-        action: mcp_xds_gateway::tools::rollout::Action::Status {
-            collection: Some(VS.into()),
-            output: mcp_xds_gateway::tools::status::StatusOutput::Table,
-        },
-    };
-    within("rollout status", mcp_xds_gateway::tools::rollout::run(args, &mut out))
-        .await
-        .unwrap();
-    let said = String::from_utf8(out).unwrap();
+    let said = rollout_status(&gw).await;
     assert!(
         said.contains(&format!("SERVING {VS}: every client is served {}", &v3[..12])),
         "{said}"
@@ -1007,6 +1011,11 @@ async fn a_client_named_like_a_canary_without_the_identity_changes_no_ones_versi
     assert!(
         why.contains("no rule of --access-policy with canary: true") && why.contains(TENANT_ID),
         "{why}"
+    );
+    let (_, page) = crate::helpers::http_get_with(gw.admin, "/debug/rollout", "Accept: text/html\r\n").await;
+    assert!(
+        page.contains("not_canaries") && page.contains("canary-evil") && page.contains("no rule of --access-policy"),
+        "the HTML view says it too: {page}"
     );
     let syncz = get_json(gw.admin, "/debug/syncz").await;
     let status = mcp_xds_gateway::tools::status::render(&syncz);
@@ -1067,6 +1076,13 @@ async fn a_client_named_like_a_canary_without_the_identity_changes_no_ones_versi
     let view = nothing_held(&gw, "SERVING", &v3).await;
     assert_eq!(listed(&view, "canary_clients"), ["canary-pilot-0"], "{view}");
     assert_eq!(listed(&view, "not_canaries"), ["canary-evil"], "{view}");
+    let said = rollout_status(&gw).await;
+    assert!(
+        said.contains(&format!(
+            "NOT A CANARY canary-evil ({TENANT_ID}; --canary canary-*) of {VS}: no rule"
+        )) && said.contains("CANARY CLIENT canary-pilot-0"),
+        "{said}"
+    );
 }
 
 /// A reload that takes the canary rule away makes a connected canary an
