@@ -961,6 +961,10 @@ async fn walkthrough_a_bad_virtualservice_is_held_by_a_proven_canary() {
     ));
     let held = state_is(&gw, "HELD").await;
     assert_eq!(held["held"]["node"], "canary-pilot-0", "{held}");
+    assert_eq!(
+        held["held"]["identity"], CANARY_ID,
+        "who held it, kept once it leaves: {held}"
+    );
     assert_eq!(held["everyone"], *v1, "{held}");
     let status = mcp_xds_gateway::tools::status::render(&get_json(gw.admin, "/debug/syncz").await);
     assert!(

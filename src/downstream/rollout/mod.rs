@@ -577,8 +577,15 @@ impl Rollout {
     }
 
     pub fn canary_nacked(&self, collection: &Arc<str>, stream: u64, version: &str, node: &str, message: &str) {
+        // Who held it is kept with the hold: the canary may leave.
+        let identity = match self.membership {
+            Membership::Identity => self.record(collection, |gated| {
+                gated.members.get(&stream).map(|member| member.identity.clone())
+            }),
+            Membership::NodeIds => None,
+        };
         self.step(collection, None, |gate, _| {
-            gate.canary_nacked(stream, version, node, message)
+            gate.canary_nacked_by(stream, version, node, identity.as_deref(), message)
         });
     }
 
@@ -760,6 +767,7 @@ impl Phase {
                     %collection,
                     %version,
                     canary = %held.node,
+                    identity = held.identity.as_deref().unwrap_or("-"),
                     nack = %held.message,
                     everyone,
                     "a canary NACKed this version: it is held; clients that are not canaries stay on theirs \
