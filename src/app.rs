@@ -369,6 +369,7 @@ impl CacheState {
         let rollout = Rollout::new(
             cache.clone(),
             settings.canaries.clone(),
+            settings.canary_membership,
             settings.canary_when_none,
             settings.canary_soak,
             restored,

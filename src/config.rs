@@ -14,6 +14,7 @@ use clap::Parser;
 use crate::collections::CollectionTable;
 use crate::downstream::rollout::gate::WhenNone;
 use crate::downstream::rollout::selector::{Selector, MAX_SELECTORS};
+use crate::downstream::rollout::Membership;
 use crate::downstream::DownstreamLimits;
 use crate::proto::SinkNode;
 use crate::source::backoff::BackoffPolicy;
@@ -274,8 +275,18 @@ pub struct Args {
     /// the node id (`canary-*`), or KEY=VALUE matching a node annotation
     /// (MCP) or a metadata string (xDS). The others get a version once every
     /// connected canary ACKed it, and never when one NACKs it (it is held).
+    /// A selector chooses among the clients whose proven identity an
+    /// --access-policy rule with `canary: true` allows (mTLS); a client
+    /// only named like a canary is an ordinary client.
     #[arg(long = "canary", env = "MCP_GATEWAY_CANARY", value_name = "NODE_SELECTOR")]
     pub canary: Vec<String>,
+
+    /// Let --canary selectors alone decide who is a canary, without a
+    /// proven identity: any client that names itself so gets versions
+    /// first, and its NACK holds a version from everyone. Only where every
+    /// client that can connect is trusted (plaintext test setups).
+    #[arg(long, env = "MCP_GATEWAY_CANARY_TRUST_NODE_IDS")]
+    pub canary_trust_node_ids: bool,
 
     /// How long after the last canary ACK a new version waits before it goes
     /// to every client.
@@ -602,6 +613,9 @@ pub struct Settings {
     pub history: usize,
     /// `--canary`, `--canary-when-none`, `--canary-soak`.
     pub canaries: Vec<Selector>,
+    /// What makes a client that matches `canaries` one: its identity, or
+    /// (`--canary-trust-node-ids`) its node alone.
+    pub canary_membership: Membership,
     /// `--client-generation`.
     pub client_generations: crate::skew::GenerationRules,
     pub canary_when_none: WhenNone,
@@ -1003,6 +1017,13 @@ impl Args {
             .iter()
             .map(|text| Selector::parse(text).map_err(|e| invalid("--canary", e)))
             .collect::<Result<Vec<_>, _>>()?;
+        let canary_membership = canary_membership(
+            &self.canary,
+            self.canary_trust_node_ids,
+            mtls,
+            &access_policy,
+            &mut warnings,
+        )?;
         let client_generations = crate::skew::GenerationRules::parse(&self.client_generation)
             .map_err(|e| invalid("--client-generation", format!("{:?}: {}", e.rule, e.reason)))?;
         if self.canary_soak > MAX_CANARY_SOAK {
@@ -1022,6 +1043,7 @@ impl Args {
             cache_dir: self.cache_dir,
             history: self.history,
             canaries,
+            canary_membership,
             client_generations,
             canary_when_none: self.canary_when_none,
             canary_soak: self.canary_soak,
@@ -1092,6 +1114,60 @@ fn in_effect(effective: &mut [EffectiveFlag], flag: &str, value: &str, source: &
         entry.value = Some(value.to_owned());
         entry.source = source.to_owned();
     }
+}
+
+/// What makes a client whose node matches `--canary` a canary: secure by
+/// default, a proven identity the access policy allows; node ids alone only
+/// when `--canary-trust-node-ids` says so. Without a way for any client to
+/// prove it may be a canary, `--canary` is refused rather than silently
+/// making no canary.
+fn canary_membership(
+    selectors: &[String],
+    trust_node_ids: bool,
+    mtls: bool,
+    policy: &AccessPolicy,
+    warnings: &mut Vec<String>,
+) -> Result<Membership, ConfigError> {
+    const HOW: &str = "give --tls-cert, --tls-key and --client-ca (mTLS), and an --access-policy rule with \
+                       `canary: true` for your canaries' identities (the selectors then choose among them); or \
+                       --canary-trust-node-ids to let node ids, which any client writes, decide";
+    if selectors.is_empty() {
+        if trust_node_ids {
+            return Err(invalid("--canary-trust-node-ids", "only applies with --canary"));
+        }
+        return Ok(Membership::Identity);
+    }
+    if trust_node_ids {
+        warnings.push(
+            "--canary-trust-node-ids: node ids and metadata, which every client writes of itself, decide who is a \
+             canary: any client that can connect and names itself so gets new versions first, its NACK holds a \
+             version from everyone, and its ACK can release one"
+                .into(),
+        );
+        return Ok(Membership::NodeIds);
+    }
+    if !mtls {
+        return Err(invalid(
+            "--canary",
+            format!(
+                "a canary holds or releases versions for everyone, so it must prove who it is, and without \
+                 --client-ca no client proves an identity: {HOW}"
+            ),
+        ));
+    }
+    if policy.path().is_none() {
+        return Err(invalid(
+            "--canary",
+            format!("who may be a canary is a rule of --access-policy, and none is given: {HOW}"),
+        ));
+    }
+    if policy.canary_rules() == 0 {
+        return Err(invalid(
+            "--canary",
+            format!("no rule of --access-policy has `canary: true`, so no client could be a canary: {HOW}"),
+        ));
+    }
+    Ok(Membership::Identity)
 }
 
 fn allow_list(flag: &'static str, values: &[String], mtls: bool) -> Result<Option<AllowList>, ConfigError> {

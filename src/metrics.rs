@@ -34,6 +34,7 @@ pub const ROLLOUT_PINNED: &str = "mcp_gateway_pinned";
 pub const ROLLOUT_HELD: &str = "mcp_gateway_held";
 pub const ROLLOUT_CANARY_ROUND: &str = "mcp_gateway_canary_round";
 pub const ROLLOUT_CANARIES: &str = "mcp_gateway_canaries";
+pub const ROLLOUT_CANARY_CLAIMS_REFUSED: &str = "mcp_gateway_canary_claims_refused_total";
 pub const DOWNSTREAM_STREAMS: &str = "mcp_gateway_downstream_streams";
 pub const DOWNSTREAM_PUSHES: &str = "mcp_gateway_downstream_pushes_total";
 pub const DOWNSTREAM_STALE_REQUESTS: &str = "mcp_gateway_downstream_stale_requests_total";
@@ -342,6 +343,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
             metrics::counter!(RECONNECT_RESENT, "collection" => c(), "reason" => reason).absolute(0);
         }
         metrics::counter!(FORCED_RESENDS, "collection" => c()).absolute(0);
+        metrics::counter!(ROLLOUT_CANARY_CLAIMS_REFUSED, "collection" => c()).absolute(0);
         for kind in ["full", "incremental"] {
             metrics::counter!(UPDATES_APPLIED, "collection" => c(), "kind" => kind).absolute(0);
         }
@@ -606,6 +608,11 @@ pub fn describe() {
         "1 while a new version of a collection is served to the canaries only, waiting for their ACKs."
     );
     describe_gauge!(ROLLOUT_CANARIES, "Connected canary streams following each collection.");
+    describe_counter!(
+        ROLLOUT_CANARY_CLAIMS_REFUSED,
+        "Streams whose node matched --canary and that are not canaries of the collection (their proven identity has \
+         no --access-policy rule with canary: true for it, or they read only part of it): served as everyone is."
+    );
     describe_gauge!(
         HISTORY_BYTES,
         Unit::Bytes,

@@ -2,7 +2,9 @@
 //! serves every client that version from the history, `DELETE
 //! /pin/{collection}` the latest again, `POST /promote/{collection}` sends
 //! what the canaries are on to everyone; `/debug/rollout[/{collection}]`
-//! shows each collection's state (PINNED, HELD, WAITING, CANARY, SERVING).
+//! shows each collection's state (PINNED, HELD, WAITING, CANARY, SERVING),
+//! its canaries and what made each one (an identity and the policy's rule),
+//! and the clients whose node claims they are canaries and that are not.
 //!
 //! A collection goes in the path as it is, slashes included; a version is
 //! the whole one or a unique prefix of at least 8 characters. An unknown
@@ -16,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::{unknown_collection, view, AdminState};
-use crate::downstream::rollout::{ControlError, RolloutView};
+use crate::downstream::rollout::{ControlError, Membership, RolloutView};
 
 #[derive(Debug, Default, serde::Deserialize)]
 pub(super) struct PinQuery {
@@ -69,10 +71,25 @@ pub(super) async fn promote(State(state): State<AdminState>, Path(collection): P
     answer(state.rollout.promote(collection.trim_start_matches('/')))
 }
 
-/// Every collection's rollout, and how rounds run.
+/// Every collection's rollout (with its canaries and the clients that
+/// claim to be canaries and are not, each with why), and how rounds run.
 pub(super) async fn rollouts(State(state): State<AdminState>, headers: HeaderMap) -> Response {
-    let value = super::syncz::rollout_document(&state.rollout, state.rollout.views());
+    let value = super::syncz::rollout_document(canary_policy(&state), state.rollout.views());
     view(&headers, "Rollout", value)
+}
+
+/// How rounds run, what makes a client a canary, and the policy's rules
+/// that allow it (a reload may have taken them all away).
+pub(super) fn canary_policy(state: &AdminState) -> serde_json::Value {
+    let mut policy = state.rollout.policy_view();
+    let rules = state.access.current().canary_rules();
+    policy["access_policy_canary_rules"] = rules.into();
+    if state.rollout.has_canaries() && state.rollout.membership() == Membership::Identity && rules == 0 {
+        policy["warning"] = "no rule of the --access-policy in effect has canary: true: no client is a canary, and \
+                             a new version waits or goes to everyone by --canary-when-none"
+            .into();
+    }
+    policy
 }
 
 pub(super) async fn rollout(

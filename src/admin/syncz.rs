@@ -274,27 +274,28 @@ pub const ROLLOUT_API_VERSION: u64 = 2;
 /// The one JSON shape of a rollout, wherever it is shown (`/debug/rollout`,
 /// `/debug/syncz`'s `rollout`, `status -o json`, `rollout status -o json`):
 /// `{api_version, canaries: how rounds run, collections: [each shown]}`.
-pub fn rollout_document(rollout: &Rollout, collections: impl IntoIterator<Item = RolloutView>) -> Value {
+pub fn rollout_document(canaries: Value, collections: impl IntoIterator<Item = RolloutView>) -> Value {
     let collections: Vec<Value> = collections
         .into_iter()
         .map(|v| serde_json::to_value(v).unwrap_or_default())
         .collect();
     json!({
         "api_version": ROLLOUT_API_VERSION,
-        "canaries": rollout.policy_view(),
+        "canaries": canaries,
         "collections": collections,
     })
 }
 
 /// The collections whose rollout needs an operator's eye: pinned, held,
 /// in a canary round, or with a warning.
-pub fn rollouts(rollout: &Rollout, filter: &Filter) -> Value {
+/// `canaries`: how rounds run (`/debug/rollout`'s).
+pub fn rollouts(rollout: &Rollout, canaries: Value, filter: &Filter) -> Value {
     let shown = rollout
         .views()
         .into_iter()
         .filter(|v| v.state != "SERVING" || v.warning.is_some())
         .filter(|v| filter.collection.as_ref().is_none_or(|c| **c == *v.collection));
-    rollout_document(rollout, shown)
+    rollout_document(canaries, shown)
 }
 
 /// Counts of client streams' types per status, and per collection and

@@ -262,7 +262,9 @@ pub struct StreamView {
     pub node_id: String,
     /// Set when the peer is another gateway (its announced id).
     pub gateway_id: Option<String>,
-    /// A `--canary` selector matched its node: it gets new versions first.
+    /// A canary of some collection: a `--canary` selector matched its node,
+    /// and its proven identity allows it (see `rollout::Membership`); it
+    /// gets new versions first.
     pub canary: bool,
     /// What TLS proved of the peer: its first SAN, or `unauthenticated`.
     pub identity: Arc<str>,
@@ -370,8 +372,9 @@ impl RegistryEntry {
         self.registry.clock.now()
     }
 
-    pub fn set_canary(&self) {
-        self.view.lock().expect("registry lock poisoned").canary = true;
+    /// Whether the stream is a canary of some collection now.
+    pub fn set_canary(&self, canary: bool) {
+        self.view.lock().expect("registry lock poisoned").canary = canary;
     }
 
     pub fn set_generation(&self, generation: ClientGeneration) {

@@ -22,7 +22,7 @@ use super::names::{NameChange, Names};
 use super::order::{self, Blocker, Change, Decision, Rank, Standing};
 use super::outbound::TrySendError;
 use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
-use super::rollout::Rollout;
+use super::rollout::{CanaryClient, Rollout};
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
 use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
@@ -127,17 +127,71 @@ struct StreamSkew {
     interests: Vec<Interest>,
 }
 
-/// A canary stream: the rollout hears its ACKs and NACKs, and that it left.
+/// A stream whose node claims it is a canary (a `--canary` selector
+/// matched it): of the collections its proven identity lets it be one of,
+/// the rollout hears its ACKs and NACKs, and that it left; of the others,
+/// that it claimed in vain.
 struct Canary {
     rollout: Arc<Rollout>,
     stream: u64,
     node: String,
+    /// The selector its node matched.
+    selector: String,
+    /// The collections it is a canary of.
     collections: Vec<Arc<str>>,
+    /// The collections it claimed to be a canary of and is not.
+    refused: Vec<Arc<str>>,
+}
+
+impl Canary {
+    /// Whether it is a canary of `collection` now (its ACKs and NACKs count).
+    fn of(&self, collection: &str) -> bool {
+        self.collections.iter().any(|c| **c == *collection)
+    }
+
+    /// Decides whether it is a canary of `collection` under `policy` (at
+    /// its first request for it, and again when the policy changes), and
+    /// tells the rollout; true when it is one.
+    fn decide(
+        &mut self,
+        policy: &AccessPolicy,
+        identity: &PeerIdentity,
+        collection: &Arc<str>,
+        partial: bool,
+        entry: &RegistryEntry,
+    ) -> bool {
+        let decided = self.rollout.decide(policy, identity, collection, partial);
+        let member = decided.is_ok();
+        let client = CanaryClient {
+            stream: self.stream,
+            node: self.node.clone(),
+            identity: identity.to_string(),
+            selector: self.selector.clone(),
+            why: decided.unwrap_or_else(|why_not| why_not),
+        };
+        let (to, from) = if member {
+            (&mut self.collections, &mut self.refused)
+        } else {
+            (&mut self.refused, &mut self.collections)
+        };
+        let changed = !to.contains(collection);
+        if changed {
+            from.retain(|c| c != collection);
+            to.push(collection.clone());
+            if member {
+                self.rollout.canary_joined(collection, client);
+            } else {
+                self.rollout.canary_refused(collection, client);
+            }
+        }
+        entry.set_canary(!self.collections.is_empty());
+        member
+    }
 }
 
 impl Drop for Canary {
     fn drop(&mut self) {
-        for collection in &self.collections {
+        for collection in self.collections.iter().chain(&self.refused) {
             self.rollout.canary_left(collection, self.stream);
         }
     }
@@ -160,7 +214,8 @@ pub(super) struct TypedStream<W> {
     /// delivered. Boxed: most streams never have one.
     refusals: Option<Box<WatchStream<SubscriptionState>>>,
     /// Set when a `--canary` selector matched the node of the stream's
-    /// first request. Boxed: most streams are not canaries.
+    /// first request: its claim, which counts per collection (see
+    /// [`Canary::decide`]). Boxed: most streams claim nothing.
     canary: Option<Box<Canary>>,
     /// What TLS proved of the peer (the access policy's identity).
     identity: Arc<PeerIdentity>,
@@ -406,10 +461,10 @@ impl<W: Wire> TypedStream<W> {
                 // a canary that comes back (a broken connection, a restarted
                 // gateway) holding the round's version is not sent it again,
                 // and that is its ACK, or the round would wait for it.
-                if let (Some(canary), Some(version), None) =
-                    (&self.canary, &followed.state.view.acked_version, &followed.grant)
-                {
-                    canary.rollout.canary_acked(&collection, self.id, version);
+                if let (Some(canary), Some(version)) = (&self.canary, &followed.state.view.acked_version) {
+                    if canary.of(&collection) {
+                        canary.rollout.canary_acked(&collection, self.id, version);
+                    }
                 }
             }
             Verdict::Nack | Verdict::Unrecoverable => {
@@ -423,7 +478,7 @@ impl<W: Wire> TypedStream<W> {
                     &collection,
                     nack,
                 );
-                if let (Some(canary), None) = (&self.canary, &followed.grant) {
+                if let Some(canary) = self.canary.as_ref().filter(|c| c.of(&collection)) {
                     canary
                         .rollout
                         .canary_nacked(&collection, self.id, &nack.version, &canary.node, &nack.message);
@@ -506,6 +561,35 @@ fn rewire(
         }
         (None, None) => false,
     }
+}
+
+/// Moves a served type to the canaries' slot or to everyone's (a reload
+/// gave its stream the right to be a canary, or took it away); true when it
+/// moved. The type is then woken by its new slot (or, in everyone's group,
+/// by the names it reads, once rewired).
+fn regroup(
+    followed: &mut Followed,
+    canary: bool,
+    rollout: &Rollout,
+    changes: &mut StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
+    type_url: &str,
+) -> bool {
+    // A served type follows the canaries' slot exactly when it has no index
+    // of names (see `follow`).
+    let was_canary = followed.named.is_none();
+    if was_canary == canary || matches!(followed.answer, Answer::Unserved(_)) {
+        return false;
+    }
+    let collection = followed.state.view.collection.clone();
+    let slot = rollout.watch(&collection, canary);
+    followed.named = (!canary).then(|| rollout.named(&collection));
+    followed.registration = None;
+    followed.answer = match followed.answer {
+        Answer::Overdue { .. } => Answer::overdue(slot.clone(), collection),
+        _ => Answer::Served(slot.clone()),
+    };
+    changes.insert(type_url.to_owned(), WatchStream::from_changes(slot));
+    true
 }
 
 /// What a followed type is answered from now: its group's version, or the
@@ -849,16 +933,16 @@ impl<W: Wire> TypedStream<W> {
         }
     }
 
-    /// Whether the stream is a canary, from the node of its first request
-    /// (kept for the stream's life).
+    /// Whether the stream claims to be a canary, from the node of its
+    /// first request (kept for the stream's life; whether the claim counts
+    /// is decided per collection, by its identity).
     fn decide_group(&mut self, request: &WireRequest) {
         let rollout = &self.shared.inner.rollout;
         if !rollout.has_canaries() {
             return;
         }
         let node = request.node_id.as_deref().unwrap_or_default();
-        if rollout.is_canary(node, &request.node_labels) {
-            self.entry.set_canary();
+        if let Some(selector) = rollout.claim(node, &request.node_labels) {
             self.canary = Some(Box::new(Canary {
                 rollout: rollout.clone(),
                 stream: self.id,
@@ -867,7 +951,9 @@ impl<W: Wire> TypedStream<W> {
                 } else {
                     node.to_owned()
                 },
+                selector: selector.to_owned(),
                 collections: Vec::new(),
+                refused: Vec::new(),
             }));
         }
     }
@@ -907,18 +993,20 @@ impl<W: Wire> TypedStream<W> {
                 // Already overdue (another client waited for it): empty at once.
                 let overdue = awaited && self.shared.inner.subscriptions.is_overdue(&resolved.collection);
                 let rollout = &self.shared.inner.rollout;
-                // A client that reads part of a collection holds versions of
-                // its own, which a canary round cannot count: it follows the
-                // round's versions as the stable group does.
-                let canary = self.canary.as_mut().filter(|_| grant.is_none());
-                let named = canary.is_none().then(|| rollout.named(&resolved.collection));
-                let slot = rollout.watch(&resolved.collection, canary.is_some());
-                if let Some(canary) = canary {
-                    if !canary.collections.contains(&resolved.collection) {
-                        canary.collections.push(resolved.collection.clone());
-                        rollout.canary_joined(&resolved.collection, self.id);
-                    }
-                }
+                // A claim counts when its identity allows it, and not for a
+                // client that reads part of a collection: that holds
+                // versions of its own, which a canary round cannot count.
+                let canary = self.canary.as_mut().is_some_and(|canary| {
+                    canary.decide(
+                        &policy,
+                        &self.identity,
+                        &resolved.collection,
+                        grant.is_some(),
+                        &self.entry,
+                    )
+                });
+                let named = (!canary).then(|| rollout.named(&resolved.collection));
+                let slot = rollout.watch(&resolved.collection, canary);
                 self.changes
                     .insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
                 let answer = if overdue {
@@ -1020,8 +1108,21 @@ impl<W: Wire> TypedStream<W> {
                 (Some(a), Some(b)) => a.key == b.grant.key,
                 _ => false,
             };
+            // A claimed canary may have gained or lost the right to be one.
+            let canary = self.canary.as_mut().is_some_and(|canary| {
+                canary.decide(&policy, &self.identity, &collection, grant.is_some(), &self.entry)
+            });
+            let regrouped = regroup(
+                followed,
+                canary,
+                &self.shared.inner.rollout,
+                &mut self.changes,
+                type_url,
+            );
             if !same {
                 followed.grant = grant.map(Restriction::new);
+            }
+            if !same || regrouped {
                 rewire(followed, &mut self.changes, &self.entry, type_url);
                 changed.push(type_url.clone());
             }
@@ -1138,15 +1239,12 @@ impl<W: Wire> TypedStream<W> {
                 // touched holds the new version as well: that counts as its
                 // ACK for a canary round, which would otherwise wait for it.
                 let settled = followed.state.view.acked_version != acked;
-                if let (true, Some(canary), Some(version), None) = (
-                    settled,
-                    &self.canary,
-                    &followed.state.view.acked_version,
-                    &followed.grant,
-                ) {
-                    canary
-                        .rollout
-                        .canary_acked(&followed.state.view.collection, self.id, version);
+                if let (true, Some(canary), Some(version)) = (settled, &self.canary, &followed.state.view.acked_version)
+                {
+                    let collection = &followed.state.view.collection;
+                    if canary.of(collection) {
+                        canary.rollout.canary_acked(collection, self.id, version);
+                    }
                 }
                 // Whether it is behind may have changed.
                 if followed.state.note_current(current.as_ref(), now) || settled {

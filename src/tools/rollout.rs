@@ -179,6 +179,7 @@ async fn status(
                 text.push_str(&policy_line(&rollout["canaries"]));
             }
             text.push_str(&lines(rollout_lines(&collections)));
+            text.push_str(&lines(canary_client_lines(&collections)));
             if output == StatusOutput::Wide {
                 // The table without its own SOURCE lines: they are above.
                 let mut clients = syncz.clone();
@@ -202,11 +203,58 @@ fn policy_line(policy: &Value) -> String {
     match policy["selectors"].as_u64().unwrap_or(0) {
         0 => "no --canary selectors: every client gets each version at once\n".to_owned(),
         n => format!(
-            "{n} --canary selectors; with no canary connected: {}; soak {}s\n",
+            "{n} --canary selectors, among {}; with no canary connected: {}; soak {}s\n{}",
+            match policy["membership"].as_str() {
+                Some("node_ids") => "every client (--canary-trust-node-ids: node ids decide)".to_owned(),
+                _ => format!(
+                    "the identities of the {} --access-policy rules with canary: true",
+                    policy["access_policy_canary_rules"].as_u64().unwrap_or(0)
+                ),
+            },
             policy["when_none"].as_str().unwrap_or("-"),
-            policy["soak_seconds"].as_f64().unwrap_or(0.0)
+            policy["soak_seconds"].as_f64().unwrap_or(0.0),
+            policy["warning"]
+                .as_str()
+                .map(|w| format!("WARNING: {w}\n"))
+                .unwrap_or_default()
         ),
     }
+}
+
+/// Who is a canary and what made it one, and who claims to be one and is
+/// not and why: a line per client and verdict, with the collections it
+/// holds for (client-written text made terminal-safe).
+fn canary_client_lines(collections: &Value) -> Vec<String> {
+    use super::terminal_safe as safe;
+    let text = |v: &Value| safe(v.as_str().unwrap_or("-")).into_owned();
+    // By verdict, stream and why: the line's start and the collections.
+    let mut clients: std::collections::BTreeMap<(bool, u64, String), (String, Vec<String>)> = Default::default();
+    for rollout in collections.as_array().into_iter().flatten() {
+        for (refused, key) in [(false, "canary_clients"), (true, "not_canaries")] {
+            for client in rollout[key].as_array().into_iter().flatten() {
+                let who = (refused, client["stream"].as_u64().unwrap_or(0), text(&client["why"]));
+                let head = format!(
+                    "{} {} ({}; --canary {})",
+                    if refused { "NOT A CANARY" } else { "CANARY CLIENT" },
+                    text(&client["node"]),
+                    text(&client["identity"]),
+                    text(&client["selector"]),
+                );
+                let entry = clients.entry(who).or_insert_with(|| (head, Vec::new()));
+                entry.1.push(text(&rollout["collection"]));
+            }
+        }
+    }
+    clients
+        .into_iter()
+        .map(|((_, _, why), (head, of))| {
+            let of = match &of[..] {
+                [one] => one.clone(),
+                many => format!("{} collections", many.len()),
+            };
+            format!("{head} of {of}: {why}")
+        })
+        .collect()
 }
 
 fn lines(lines: Vec<String>) -> String {

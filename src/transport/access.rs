@@ -52,9 +52,14 @@ struct RuleFile {
     collections: Vec<String>,
     #[serde(default)]
     names: Option<Vec<String>>,
+    /// The rule's identities may also be canaries of its collections
+    /// (`--canary` selectors then choose among them): see [`AccessPolicy::canary`].
+    #[serde(default)]
+    canary: bool,
 }
 
-/// One rule: who, which collections, which names.
+/// One rule: who, which collections, which names, and whether its
+/// identities may be canaries of its collections.
 #[derive(Clone, Debug)]
 struct Rule {
     /// The line of its `identities` in the file, where known (denials name
@@ -63,6 +68,19 @@ struct Rule {
     identities: Vec<IdentityPattern>,
     collections: Vec<Pattern>,
     names: Vec<Pattern>,
+    canary: bool,
+}
+
+/// Why an identity may be a canary of a collection: the first rule with
+/// `canary: true` that grants it, and the SAN that matched.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CanaryPermit {
+    /// The rule's index in the file (`rules[N]`).
+    pub rule: usize,
+    /// The rule's identity pattern that matched, as written.
+    pub pattern: String,
+    /// The identity it matched, as printed (its SANs with their kinds).
+    pub identity: String,
 }
 
 // === The policy in effect ===
@@ -337,16 +355,43 @@ impl AccessPolicy {
                     }
                 }
             }
-            written.push(serde_json::json!({
+            if rule.canary {
+                // Canary membership rests on a proven identity, and a canary
+                // round counts only clients that read the whole collection.
+                if let Some(n) = identities.iter().position(|id| id.text() == UNAUTHENTICATED) {
+                    return Err(at(
+                        "identities",
+                        Some(n),
+                        "a rule with canary: true needs identities a certificate proves; an unauthenticated client \
+                         proves nothing (--canary-trust-node-ids lets node ids alone decide, if you must)"
+                            .into(),
+                    ));
+                }
+                if rule.names.as_ref().is_some_and(|n| n.iter().any(|n| n.trim() != "*")) {
+                    return Err(at(
+                        "canary",
+                        None,
+                        "a canary reads whole collections (a client that may read part of one has versions of its \
+                         own and takes no part in rounds): leave `names` out of a rule with canary: true"
+                            .into(),
+                    ));
+                }
+            }
+            let mut json = serde_json::json!({
                 "identities": rule.identities,
                 "collections": rule.collections,
                 "names": names_written,
-            }));
+            });
+            if rule.canary {
+                json["canary"] = true.into();
+            }
+            written.push(json);
             rules.push(Rule {
                 line: line_of(text, i, "identities", None),
                 identities,
                 collections,
                 names,
+                canary: rule.canary,
             });
         }
         Ok(Self {
@@ -368,6 +413,33 @@ impl AccessPolicy {
 
     pub fn rule_count(&self) -> usize {
         self.rules.len()
+    }
+
+    /// How many rules have `canary: true`.
+    pub fn canary_rules(&self) -> usize {
+        self.rules.iter().filter(|r| r.canary).count()
+    }
+
+    /// Whether `identity` may be a canary of `collection`: the first rule
+    /// with `canary: true` whose collections match it and whose identities
+    /// match one of its SANs (by the rule of [`Self::grant`]: a URI pattern
+    /// URI SANs, any other DNS SANs). Never without a certificate.
+    pub fn canary(&self, identity: &PeerIdentity, collection: &str) -> Option<CanaryPermit> {
+        let rules = self
+            .rules
+            .iter()
+            .enumerate()
+            .filter(|(_, rule)| rule.canary && rule.collections.iter().any(|p| p.matches(collection).is_some()));
+        for (rule, patterns) in rules.map(|(i, r)| (i, &r.identities)) {
+            if let Some(pattern) = patterns.iter().find(|pattern| pattern.admits(identity)) {
+                return Some(CanaryPermit {
+                    rule,
+                    pattern: pattern.text().to_owned(),
+                    identity: identity.to_string(),
+                });
+            }
+        }
+        None
     }
 
     /// What `identity` may read of `collection` (`sensitive`: it holds

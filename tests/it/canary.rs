@@ -9,12 +9,17 @@ use std::collections::{BTreeMap, HashMap};
 use mcp_xds_gateway::proto::{IncrementalMeshConfigResponse, MeshConfigRequest, MeshConfigResponse, SinkNode};
 use serde_json::Value;
 
-use crate::helpers::clients::{incremental, sotw, IncrementalClient, SotwClient};
+use crate::helpers::certs::{write, write_leaf, Ca};
+use crate::helpers::clients::{incremental, sotw, tls_channel, IncrementalClient, SotwClient, SOTW_PATH};
 use crate::helpers::{
     eventually_async, eventually_some, galley_and_gateway, get_json, http_get, http_request, sample, start_gateway,
     within, VS,
 };
 use crate::rollout::{push, vs};
+
+/// Canaries by node id alone (`--canary-trust-node-ids`): the tests of the
+/// rounds themselves, in plaintext.
+const BY_NODE_ID: &[&str] = &["--canary", "canary-*", "--canary-trust-node-ids"];
 
 /// A state-of-the-world request as node `node`.
 pub(crate) fn request_as(
@@ -83,6 +88,52 @@ async fn gauge(gw: &mcp_xds_gateway::app::Bound, name: &str) -> Option<f64> {
     sample(&text, name, &[&format!("collection=\"{VS}\"")])
 }
 
+/// Waits until `n` canaries of VS are connected; its rollout then.
+async fn canaries_counted(gw: &mcp_xds_gateway::app::Bound, n: u64) -> Value {
+    eventually_some(&format!("{n} canaries to be counted"), || async {
+        Some(rollout_of(gw).await).filter(|view| view["canaries_connected"] == n)
+    })
+    .await
+}
+
+/// `rollout status VS`, as text.
+async fn rollout_status(gw: &mcp_xds_gateway::app::Bound) -> String {
+    use mcp_xds_gateway::tools::rollout::{run, Action, RolloutArgs};
+    let action = Action::Status {
+        collection: Some(VS.into()),
+        output: mcp_xds_gateway::tools::status::StatusOutput::Table,
+    };
+    let admin = format!("http://{}", gw.admin);
+    let mut out = Vec::new();
+    within("rollout status", run(RolloutArgs { admin, action }, &mut out))
+        .await
+        .unwrap();
+    String::from_utf8(out).unwrap()
+}
+
+/// Waits until a client's NACK of VS with `message` has been read.
+async fn nack_read(gw: &mcp_xds_gateway::app::Bound, message: &str) {
+    crate::helpers::eventually(&format!("the NACK {message:?} to be read"), || {
+        gw.registry.streams().iter().any(|s| {
+            s.types
+                .get(VS)
+                .and_then(|t| t.last_nack.as_ref())
+                .is_some_and(|n| n.message == message)
+        })
+    })
+    .await;
+}
+
+/// VS's rollout, which must be `state` with everyone served `everyone` and
+/// nothing held.
+async fn nothing_held(gw: &mcp_xds_gateway::app::Bound, state: &str, everyone: &str) -> Value {
+    let view = rollout_of(gw).await;
+    assert_eq!(view["state"], state, "{view}");
+    assert_eq!(view["everyone"], everyone, "{view}");
+    assert!(view["held"].is_null(), "{view}");
+    view
+}
+
 /// A first version pushed and served to a canary (`canary-1`) and another
 /// client (`prod-1`), both ACKed, the canary counted: (v1, canary, other).
 async fn first_version_to_both(
@@ -94,10 +145,7 @@ async fn first_version_to_both(
     let mut other = client_as(gw, "prod-1").await;
     assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
     assert_eq!(recv_ack(&mut other, "prod-1").await, v1);
-    eventually_async("the canary to be counted", || async {
-        rollout_of(gw).await["canaries_connected"] == 1
-    })
-    .await;
+    canaries_counted(gw, 1).await;
     (v1, canary, other)
 }
 
@@ -128,7 +176,7 @@ async fn second_version_held(
 /// it was); a held version is sent anyway by a promotion.
 #[tokio::test]
 async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sends_it() {
-    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], BY_NODE_ID).await;
     let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
 
     // The first version goes to everyone.
@@ -141,10 +189,7 @@ async fn a_canary_nack_holds_a_version_a_newer_one_supersedes_it_and_promote_sen
     let first: IncrementalMeshConfigResponse = inc.recv().await;
     assert_eq!(first.system_version_info, v1);
     inc.reply(VS, &first.nonce, None);
-    eventually_async("the canary to be counted", || async {
-        rollout_of(&gw).await["canaries_connected"] == 1
-    })
-    .await;
+    canaries_counted(&gw, 1).await;
 
     // v2 goes to the canary only; its NACK holds it.
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "bad.local", 1.0)]).await;
@@ -369,8 +414,17 @@ async fn a_pin_rolls_every_client_back_and_the_unpin_forward() {
 #[tokio::test]
 async fn with_no_canary_connected_proceed_releases_and_hold_waits() {
     for policy in ["proceed", "hold"] {
-        let (_galley, gw, mut upstream) =
-            galley_and_gateway(&[VS], &["--canary", "track=canary", "--canary-when-none", policy]).await;
+        let (_galley, gw, mut upstream) = galley_and_gateway(
+            &[VS],
+            &[
+                "--canary",
+                "track=canary",
+                "--canary-trust-node-ids",
+                "--canary-when-none",
+                policy,
+            ],
+        )
+        .await;
         push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
         let mut other = client_as(&gw, "prod-1").await;
         recv_ack(&mut other, "prod-1").await;
@@ -416,14 +470,11 @@ async fn pins_survive_a_restart_with_cache_dir() {
     let dir = tempfile::tempdir().unwrap();
     let cache_dir = dir.path().to_str().unwrap().to_owned();
     let (galley, gw, mut upstream) =
-        galley_and_gateway(&[VS], &["--cache-dir", &cache_dir, "--canary", "canary-*"]).await;
+        galley_and_gateway(&[VS], &[&["--cache-dir", &cache_dir][..], BY_NODE_ID].concat()).await;
     let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
     let mut canary = client_as(&gw, "canary-1").await;
     assert_eq!(recv_ack(&mut canary, "canary-1").await, v1);
-    eventually_async("the canary to be counted", || async {
-        rollout_of(&gw).await["canaries_connected"] == 1
-    })
-    .await;
+    canaries_counted(&gw, 1).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
     let response = canary.recv_type(VS).await;
     canary.send(request_as("canary-1", VS, &v1, &response.nonce, Some("bad weight")));
@@ -440,17 +491,8 @@ async fn pins_survive_a_restart_with_cache_dir() {
     within("the Galley to stop", galley.stop()).await;
     assert!(within("the gateway to stop", gw.shutdown()).await);
 
-    let restarted = start_gateway(&[
-        "--upstream",
-        &url,
-        "--collections",
-        VS,
-        "--cache-dir",
-        &cache_dir,
-        "--canary",
-        "canary-*",
-    ])
-    .await;
+    let flags = ["--upstream", &url, "--collections", VS, "--cache-dir", &cache_dir];
+    let restarted = start_gateway(&[&flags[..], BY_NODE_ID].concat()).await;
     let pinned = state_is(&restarted, "PINNED").await;
     assert_eq!(pinned["everyone"], *v1, "{pinned}");
     assert_eq!(pinned["held"]["version"], *v2, "the hold is kept too: {pinned}");
@@ -584,7 +626,8 @@ async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
             ..Default::default()
         })
     };
-    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "ROLE=canary"]).await;
+    let (_galley, gw, mut upstream) =
+        galley_and_gateway(&[VS], &["--canary", "ROLE=canary", "--canary-trust-node-ids"]).await;
     let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
 
     let mut istiod = SotwStream::open(gw.listen, SOTW).await;
@@ -665,7 +708,7 @@ async fn an_xds_canary_gates_resource_source_and_legacy_clients() {
 /// pinned version to the latest, which the canary's ACK releases.
 #[tokio::test]
 async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
-    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], BY_NODE_ID).await;
     let (_, v2, mut canary, mut other) = second_version_held(&gw, &mut upstream).await;
 
     let (code, body) = http_request(gw.admin, "POST", &format!("/pin/{VS}?version={v2}"), "").await;
@@ -709,7 +752,7 @@ async fn a_pin_to_a_held_version_is_served_and_the_unpin_starts_a_round() {
 async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
     const SOAK: std::time::Duration = std::time::Duration::from_secs(10);
     let (_galley, gw, mut upstream) =
-        galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-soak", "10s"]).await;
+        galley_and_gateway(&[VS], &[BY_NODE_ID, &["--canary-soak", "10s"]].concat()).await;
     let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
     // Taken before the canary's ACK is sent: the soak starts when the
@@ -741,7 +784,7 @@ async fn a_version_the_canaries_acked_goes_to_everyone_after_the_soak() {
 #[tokio::test]
 async fn a_canary_that_reconnects_holding_the_rounds_version_counts_as_acked() {
     let (_galley, gw, mut upstream) =
-        galley_and_gateway(&[VS], &["--canary", "canary-*", "--canary-when-none", "hold"]).await;
+        galley_and_gateway(&[VS], &[BY_NODE_ID, &["--canary-when-none", "hold"]].concat()).await;
     let (v1, mut canary, mut other) = first_version_to_both(&gw, &mut upstream).await;
     let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
     assert_eq!(canary.recv_type(VS).await.version_info, v2);
@@ -767,7 +810,7 @@ async fn a_canary_that_reconnects_holding_the_rounds_version_counts_as_acked() {
 /// again, and its NACK of it holds nothing).
 #[tokio::test]
 async fn a_promoted_version_stays_promoted_through_a_pin_and_the_unpin() {
-    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], &["--canary", "canary-*"]).await;
+    let (_galley, gw, mut upstream) = galley_and_gateway(&[VS], BY_NODE_ID).await;
     let (v1, v2, canary, mut other) = second_version_held(&gw, &mut upstream).await;
     let (code, body) = http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
     assert_eq!(code, 200, "{body}");
@@ -794,19 +837,297 @@ async fn a_promoted_version_stays_promoted_through_a_pin_and_the_unpin() {
     let again = second.recv_type(VS).await;
     assert_eq!(again.version_info, v2);
     second.send(request_as("canary-2", VS, "", &again.nonce, Some("weights still")));
-    crate::helpers::eventually("the canary's second NACK to be recorded", || {
-        gw.registry.streams().iter().any(|s| {
-            s.types
-                .get(VS)
-                .and_then(|t| t.last_nack.as_ref())
-                .is_some_and(|n| n.message == "weights still")
-        })
-    })
-    .await;
-    let view = rollout_of(&gw).await;
-    assert_eq!(view["state"], "SERVING", "{view}");
-    assert_eq!(view["everyone"], *v2, "{view}");
-    assert!(view["held"].is_null(), "{view}");
+    nack_read(&gw, "weights still").await;
+    nothing_held(&gw, "SERVING", &v2).await;
     assert_eq!(gauge(&gw, "mcp_gateway_held").await, Some(0.0));
     drop(canary);
+}
+
+// === Canaries by proven identity ===
+
+/// Pilots of istio-system read the Istio collections; those whose SPIFFE id
+/// is `canary-*` may be canaries of the networking ones; the tenant reads
+/// them too, and may not be a canary.
+const CANARY_POLICY: &str = r#"
+rules:
+- identities: ["spiffe://cluster.local/ns/istio-system/sa/*", "spiffe://cluster.local/ns/tenant/sa/*"]
+  collections: ["istio/*"]
+- identities: ["spiffe://cluster.local/ns/istio-system/sa/canary-*"]
+  collections: ["istio/networking/*"]
+  canary: true
+"#;
+const CANARY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/canary-pilot";
+const PILOT_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/pilot";
+const TENANT_ID: &str = "spiffe://cluster.local/ns/tenant/sa/reader";
+
+/// A gateway fed by a fake Galley over mTLS, with [`CANARY_POLICY`] and
+/// `--canary 'canary-*'` (and `extra`): (its files, its CA, the Galley,
+/// the gateway, the Galley's stream).
+async fn proven_gateway(
+    extra: &[&str],
+) -> (
+    tempfile::TempDir,
+    Ca,
+    crate::helpers::galley::FakeGalley,
+    mcp_xds_gateway::app::Bound,
+    crate::helpers::galley::GalleyStream,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("canary test CA");
+    let (cert, key) = write_leaf(dir.path(), "gateway", &ca.leaf("gateway"));
+    let files = [
+        cert,
+        key,
+        write(dir.path(), "ca.pem", &ca.pem),
+        write(dir.path(), "policy.yaml", CANARY_POLICY),
+    ]
+    .map(|p| p.to_str().unwrap().to_owned());
+    let mut flags = vec![
+        "--tls-cert",
+        &files[0],
+        "--tls-key",
+        &files[1],
+        "--client-ca",
+        &files[2],
+        "--access-policy",
+        &files[3],
+        "--canary",
+        "canary-*",
+    ];
+    flags.extend(extra);
+    let (galley, gw, upstream) = galley_and_gateway(&[VS], &flags).await;
+    (dir, ca, galley, gw, upstream)
+}
+
+/// A state-of-the-world client over mTLS with a certificate for `identity`,
+/// as node `node`, subscribed to VS holding `version` ("" for nothing).
+async fn proven_client(
+    gw: &mcp_xds_gateway::app::Bound,
+    ca: &Ca,
+    identity: &str,
+    node: &str,
+    version: &str,
+) -> SotwClient {
+    let channel = tls_channel(gw.listen, &ca.pem, Some(&ca.spiffe_leaf(identity)))
+        .await
+        .unwrap();
+    let client = SotwClient::open_on(channel, SOTW_PATH).await;
+    client.send(request_as(node, VS, version, "", None));
+    client
+}
+
+/// The clients of VS's rollout view under `key` (`canary_clients` or
+/// `not_canaries`), by node.
+fn listed<'v>(view: &'v Value, key: &str) -> Vec<&'v str> {
+    view[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} in {view}"))
+        .iter()
+        .map(|c| c["node"].as_str().unwrap())
+        .collect()
+}
+
+/// The walkthrough of docs/operating.md ("a bad VirtualService held by a
+/// canary"), with the canary Pilot proven by its certificate: the bad
+/// version goes to it only, its NACK holds it, the fix goes to everyone
+/// once it ACKs, and the views and `rollout status` say which client is the
+/// canary and which rule made it one.
+#[tokio::test]
+async fn walkthrough_a_bad_virtualservice_is_held_by_a_proven_canary() {
+    let (_dir, ca, _galley, gw, mut upstream) = proven_gateway(&[]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("reviews", "1", "reviews.local", 1.0)]).await;
+    let mut canary = proven_client(&gw, &ca, CANARY_ID, "canary-pilot-0", "").await;
+    let mut pilot = proven_client(&gw, &ca, PILOT_ID, "pilot-1", "").await;
+    assert_eq!(recv_ack(&mut canary, "canary-pilot-0").await, v1);
+    assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v1);
+    let view = canaries_counted(&gw, 1).await;
+    assert_eq!(listed(&view, "canary_clients"), ["canary-pilot-0"], "{view}");
+    let why = view["canary_clients"][0]["why"].as_str().unwrap();
+    assert!(
+        why.starts_with(&format!("uri:{CANARY_ID}, dns:localhost matches rules[1]")),
+        "{why}"
+    );
+    assert_eq!(
+        view["canary_clients"][0]["identity"],
+        format!("uri:{CANARY_ID}, dns:localhost"),
+        "{view}"
+    );
+    assert_eq!(view["canary_clients"][0]["selector"], "canary-*", "{view}");
+    assert!(listed(&view, "not_canaries").is_empty(), "{view}");
+
+    // The typo: to the canary only, whose NACK holds it.
+    let v2 = push(&mut upstream, &gw, vec![vs("reviews", "2", "reviews.loca", 1.0)]).await;
+    let offered = canary.recv_type(VS).await;
+    assert_eq!(offered.version_info, v2);
+    canary.send(request_as(
+        "canary-pilot-0",
+        VS,
+        &v1,
+        &offered.nonce,
+        Some("route reviews: destination host \"reviews.loca\" not found"),
+    ));
+    let held = state_is(&gw, "HELD").await;
+    assert_eq!(held["held"]["node"], "canary-pilot-0", "{held}");
+    assert_eq!(
+        held["held"]["identity"],
+        format!("uri:{CANARY_ID}, dns:localhost"),
+        "who held it, kept once it leaves: {held}"
+    );
+    assert_eq!(held["everyone"], *v1, "{held}");
+    let status = mcp_xds_gateway::tools::status::render(&get_json(gw.admin, "/debug/syncz").await);
+    assert!(
+        status.contains("canary-pilot-0 (canary)") && status.contains(&format!("HELD {VS}")),
+        "{status}"
+    );
+
+    // The fix: a new round, the canary's ACK releases it; the Pilot's next
+    // version is the fix, it never saw the typo.
+    let v3 = push(&mut upstream, &gw, vec![vs("reviews", "3", "reviews.local", 1.0)]).await;
+    assert_eq!(recv_ack(&mut canary, "canary-pilot-0").await, v3);
+    assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v3, "the Pilot never saw v2");
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v3);
+    let said = rollout_status(&gw).await;
+    assert!(
+        said.contains(&format!("SERVING {VS}: every client is served {}", &v3[..12])),
+        "{said}"
+    );
+    assert!(
+        said.contains(&format!(
+            "CANARY CLIENT canary-pilot-0 (uri:{CANARY_ID}, dns:localhost; --canary canary-*) of {VS}: uri:"
+        )),
+        "{said}"
+    );
+}
+
+/// A tenant whose certificate the policy does not make a canary, connected
+/// as node `canary-evil`, is an ordinary client under
+/// `--canary-when-none=hold`: it is not sent a waiting version, its claim
+/// to hold it (a reconnect naming the round's version) releases nothing,
+/// its NACK holds nothing, and the views and a metric say it claimed in
+/// vain and why. A proven canary still decides as before.
+#[tokio::test]
+async fn a_client_named_like_a_canary_without_the_identity_changes_no_ones_version() {
+    let (_dir, ca, _galley, gw, mut upstream) = proven_gateway(&["--canary-when-none", "hold"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut evil = proven_client(&gw, &ca, TENANT_ID, "canary-evil", "").await;
+    let mut pilot = proven_client(&gw, &ca, PILOT_ID, "pilot-1", "").await;
+    assert_eq!(recv_ack(&mut evil, "canary-evil").await, v1);
+    assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v1);
+    let view = eventually_some("the claim to be refused", || async {
+        Some(rollout_of(&gw).await).filter(|view| view["not_canaries"].as_array().is_some_and(|a| !a.is_empty()))
+    })
+    .await;
+    assert_eq!(view["canaries_connected"], 0, "{view}");
+    assert_eq!(listed(&view, "not_canaries"), ["canary-evil"], "{view}");
+    let why = view["not_canaries"][0]["why"].as_str().unwrap();
+    assert!(
+        why.contains("no rule of --access-policy with canary: true") && why.contains(TENANT_ID),
+        "{why}"
+    );
+    let (_, page) = crate::helpers::http_get_with(gw.admin, "/debug/rollout", "Accept: text/html\r\n").await;
+    assert!(
+        page.contains("not_canaries") && page.contains("canary-evil") && page.contains("no rule of --access-policy"),
+        "the HTML view says it too: {page}"
+    );
+    let syncz = get_json(gw.admin, "/debug/syncz").await;
+    let status = mcp_xds_gateway::tools::status::render(&syncz);
+    assert!(!status.contains("(canary)"), "nobody is shown a canary: {status}");
+    let (_, metrics) = http_get(gw.admin, "/metrics").await;
+    let refused = sample(
+        &metrics,
+        "mcp_gateway_canary_claims_refused_total",
+        &[&format!("collection=\"{VS}\"")],
+    );
+    assert!(refused.is_some_and(|n| n >= 1.0), "{refused:?}");
+
+    // A new version waits for a canary: the tenant is none.
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    let waiting = state_is(&gw, "WAITING").await;
+    assert_eq!(waiting["everyone"], *v1, "{waiting}");
+    // It comes back saying it holds the waiting version (which a canary's
+    // reconnect counts as its ACK): nothing is released, and it is sent
+    // what everyone is; its NACK of that holds nothing.
+    drop(evil);
+    let mut back = proven_client(&gw, &ca, TENANT_ID, "canary-evil", &v2).await;
+    let sent = back.recv_type(VS).await;
+    assert_eq!(
+        sent.version_info, v1,
+        "what everyone is served, not the waiting version"
+    );
+    back.send(request_as("canary-evil", VS, &v2, &sent.nonce, Some("evil NACK")));
+    nack_read(&gw, "evil NACK").await;
+    let view = nothing_held(&gw, "WAITING", &v1).await;
+    assert_eq!(view["canaries_connected"], 0, "{view}");
+
+    // The proven canary connects, is sent v2 and ACKs it: released to
+    // everyone, the tenant included.
+    let mut canary = proven_client(&gw, &ca, CANARY_ID, "canary-pilot-0", "").await;
+    assert_eq!(recv_ack(&mut canary, "canary-pilot-0").await, v2);
+    assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v2);
+    assert_eq!(recv_ack(&mut back, "canary-evil").await, v2);
+    assert_eq!(state_is(&gw, "SERVING").await["everyone"], *v2);
+
+    // A round: the tenant gets v3 only once the canary ACKed it, and its
+    // NACK of it then holds nothing.
+    let v3 = push(&mut upstream, &gw, vec![vs("a", "3", "a.local", 1.0)]).await;
+    let offered = canary.recv_type(VS).await;
+    assert_eq!(offered.version_info, v3);
+    assert_eq!(state_is(&gw, "CANARY").await["everyone"], *v2);
+    canary.send(request_as("canary-pilot-0", VS, &v3, &offered.nonce, None));
+    let released = back.recv_type(VS).await;
+    assert_eq!(released.version_info, v3);
+    back.send(request_as(
+        "canary-evil",
+        VS,
+        &v2,
+        &released.nonce,
+        Some("evil NACK of v3"),
+    ));
+    assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v3);
+    nack_read(&gw, "evil NACK of v3").await;
+    let view = nothing_held(&gw, "SERVING", &v3).await;
+    assert_eq!(listed(&view, "canary_clients"), ["canary-pilot-0"], "{view}");
+    assert_eq!(listed(&view, "not_canaries"), ["canary-evil"], "{view}");
+    let said = rollout_status(&gw).await;
+    assert!(
+        said.contains(&format!(
+            "NOT A CANARY canary-evil (uri:{TENANT_ID}, dns:localhost; --canary canary-*) of {VS}: no rule"
+        )) && said.contains("CANARY CLIENT canary-pilot-0"),
+        "{said}"
+    );
+}
+
+/// A reload that takes the canary rule away makes a connected canary an
+/// ordinary client at once: it leaves the round, follows everyone's
+/// version, and the view says why.
+#[tokio::test]
+async fn a_reload_that_takes_the_canary_rule_away_makes_a_canary_ordinary() {
+    let (dir, ca, _galley, gw, mut upstream) = proven_gateway(&["--canary-when-none", "hold"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut canary = proven_client(&gw, &ca, CANARY_ID, "canary-pilot-0", "").await;
+    assert_eq!(recv_ack(&mut canary, "canary-pilot-0").await, v1);
+    canaries_counted(&gw, 1).await;
+    // A round the canary is in, and has not ACKed.
+    let v2 = push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    let offered = canary.recv_type(VS).await;
+    assert_eq!(offered.version_info, v2);
+    let without = CANARY_POLICY.replace("  canary: true\n", "");
+    write(dir.path(), "policy.yaml", &without);
+    let view = canaries_counted(&gw, 0).await;
+    assert_eq!(listed(&view, "not_canaries"), ["canary-pilot-0"], "{view}");
+    assert_eq!(view["state"], "WAITING", "{view}");
+    // Its ACK of v2 now releases nothing, and it follows everyone's
+    // version: v1 again.
+    canary.send(request_as("canary-pilot-0", VS, &v2, &offered.nonce, None));
+    assert_eq!(canary.recv_type(VS).await.version_info, v1);
+    nothing_held(&gw, "WAITING", &v1).await;
+    let policy = get_json(gw.admin, "/debug/rollout").await;
+    assert_eq!(policy["canaries"]["access_policy_canary_rules"], 0, "{policy}");
+    assert!(
+        policy["canaries"]["warning"]
+            .as_str()
+            .unwrap()
+            .contains("no client is a canary"),
+        "{policy}"
+    );
 }

@@ -110,6 +110,11 @@ async fn bad_flags_exit_non_zero_naming_the_flag() {
         (&["--handshake-timeout", "0s"][..], "--handshake-timeout"),
         (&["--canary", "canary-["][..], "--canary"),
         (&["--canary", "=x"][..], "--canary"),
+        // Canaries rest on a proven identity: refused in plaintext, the
+        // message naming the flag that would trust node ids instead.
+        (&["--canary", "canary-*"][..], "--client-ca"),
+        (&["--canary", "canary-*"][..], "--canary-trust-node-ids"),
+        (&["--canary-trust-node-ids"][..], "--canary-trust-node-ids"),
         (&["--canary-soak", "2d"][..], "--canary-soak"),
         (&["--demand-timeout", "0s"][..], "--demand-timeout"),
         (&["--demand-timeout", "2h"][..], "--demand-timeout"),
@@ -186,6 +191,37 @@ async fn start_up_errors_name_the_flag_or_file_and_exit_2() {
     let (code, stderr) = run(&["--type-map", &map]).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--type-map") && stderr.contains(&map), "{stderr}");
+
+    // --canary rests on a proven identity: without mTLS, without a policy,
+    // or with a policy that lets no identity be a canary, it is refused,
+    // naming the flag and the flag that would trust node ids instead.
+    use crate::helpers::certs::{write, write_leaf, Ca};
+    let ca = Ca::new("canary flags CA");
+    let (cert, key) = write_leaf(dir.path(), "gateway", &ca.leaf("gateway"));
+    let ca_path = write(dir.path(), "ca.pem", &ca.pem);
+    let policy = write(
+        dir.path(),
+        "policy.yaml",
+        "rules:\n- identities: [\"spiffe://cluster.local/*\"]\n  collections: [\"istio/*\"]\n",
+    );
+    let [cert, key, ca_path, policy] = [cert, key, ca_path, policy].map(|p| p.to_str().unwrap().to_owned());
+    let mtls = ["--tls-cert", &cert, "--tls-key", &key, "--client-ca", &ca_path];
+    let canary = ["--canary", "canary-*"];
+    for (args, says) in [
+        (canary.to_vec(), "without --client-ca no client proves an identity"),
+        ([&mtls[..], &canary].concat(), "none is given"),
+        (
+            [&mtls[..], &["--access-policy", &policy], &canary].concat(),
+            "no rule of --access-policy has `canary: true`",
+        ),
+    ] {
+        let (code, stderr) = run(&args).await;
+        assert_eq!(code, Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("--canary:") && stderr.contains(says) && stderr.contains("--canary-trust-node-ids"),
+            "{args:?}: {stderr}"
+        );
+    }
 }
 
 /// A failed start prints its one error and nothing else: every flag is
@@ -622,7 +658,16 @@ async fn the_effective_configuration_and_the_log_filter_at_run_time() {
 #[tokio::test]
 async fn releases_without_a_canary_and_pins_are_logged_as_warnings() {
     let mut galley = FakeGalley::start().await;
-    let mut gw = spawn(&["--collections", VS, "--upstream", &galley.url(), "--canary", "canary-*"]).await;
+    let mut gw = spawn(&[
+        "--collections",
+        VS,
+        "--upstream",
+        &galley.url(),
+        "--canary",
+        "canary-*",
+        "--canary-trust-node-ids",
+    ])
+    .await;
     let mut upstream = galley.next_stream().await;
     upstream.initial_requests(1).await;
     upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;

@@ -445,7 +445,15 @@ async fn a_canary_rounds_new_version_counts_before_it_reaches_everyone() {
     let source = dir.path().to_str().unwrap().to_owned();
     let gw = spawn_gateway(
         None,
-        &["--source-dir", &source, "--canary", "canary-*", "--canary-soak", "1h"],
+        &[
+            "--source-dir",
+            &source,
+            "--canary",
+            "canary-*",
+            "--canary-trust-node-ids",
+            "--canary-soak",
+            "1h",
+        ],
     )
     .await;
     let mut v11 = sotw(gw.listen).await;

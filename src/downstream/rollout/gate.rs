@@ -45,6 +45,10 @@ pub struct Hold {
     pub version: Version,
     /// The canary's node id (or its stream, when it sent none).
     pub node: String,
+    /// What its certificate proved (absent under `--canary-trust-node-ids`,
+    /// and in what a gateway before it saved): who held it, once it left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
     pub message: String,
 }
 
@@ -290,6 +294,11 @@ impl Gate {
 
     /// A canary NACKed `version`: when it is the round's, it is held.
     pub fn canary_nacked(&mut self, stream: u64, version: &str, node: &str, message: &str) {
+        self.canary_nacked_by(stream, version, node, None, message);
+    }
+
+    /// [`Self::canary_nacked`], with the identity the canary proved.
+    pub fn canary_nacked_by(&mut self, stream: u64, version: &str, node: &str, identity: Option<&str>, message: &str) {
         if !self.canaries.contains(&stream) || self.round.as_ref().is_none_or(|r| &*r.version != version) {
             return;
         }
@@ -297,6 +306,7 @@ impl Gate {
         let hold = Hold {
             version: round.version,
             node: node.to_owned(),
+            identity: identity.map(str::to_owned),
             message: message.to_owned(),
         };
         if self.nacked.len() == REMEMBERED_NACKS {

@@ -9,6 +9,14 @@
 //! pins and promotions. The state that must survive a restart (pins, what
 //! everyone was released, what is held) is [`Rollout::saved`], which the
 //! app writes to `--cache-dir`.
+//!
+//! Who is a canary: a client's node (id or labels) matching a `--canary`
+//! selector is only its claim, since any client writes its own node. The
+//! claim counts, per collection, when the access policy lets the client's
+//! proven identity be a canary of it (a rule with `canary: true`), or for
+//! every claim under `--canary-trust-node-ids` ([`Membership`]). A client
+//! whose claim does not count is an ordinary client: served when everyone
+//! is, its ACKs and NACKs decide nothing, and the views say why.
 
 pub mod gate;
 pub mod selector;
@@ -22,6 +30,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::wakes::Wakes;
 use crate::cache::{Cache, CollectionSnapshot};
+use crate::metrics as m;
+use crate::transport::access::AccessPolicy;
+use crate::transport::identity::PeerIdentity;
 use gate::{Gate, Hold, Policy, PromoteError, Version, WhenNone};
 use selector::Selector;
 
@@ -36,6 +47,44 @@ struct Gated {
     /// changes. Canaries follow their slot whatever their names: each
     /// settles every version, which is its ACK for the round.
     named: Arc<Wakes>,
+    /// The connected canaries, by stream, and what made each one.
+    members: BTreeMap<u64, CanaryClient>,
+    /// Connected clients that claim to be canaries and are not, and why.
+    refused: BTreeMap<u64, CanaryClient>,
+    /// When a refused claim was last logged (at most one line per
+    /// [`REFUSAL_LOG_EVERY`]; the metric counts them all).
+    refusal_logged: Option<Instant>,
+}
+
+/// A refused canary claim is logged at most this often per collection.
+const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What decides whether a client that claims to be a canary (its node
+/// matched a `--canary` selector) is one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Membership {
+    /// Its proven identity: a rule of `--access-policy` with `canary: true`
+    /// grants it the collection.
+    #[default]
+    Identity,
+    /// `--canary-trust-node-ids`: the claim alone (any client can make it).
+    NodeIds,
+}
+
+/// A client that claims to be a canary, with what made it one of a
+/// collection or why it is not one.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct CanaryClient {
+    pub stream: u64,
+    /// Its node id (or `(stream N)` when it sent none).
+    pub node: String,
+    /// What TLS proved of it: its first SAN, or `unauthenticated`.
+    pub identity: String,
+    /// The `--canary` selector its node matched.
+    pub selector: String,
+    /// What made it a canary, or why it is not one.
+    pub why: String,
 }
 
 /// What a gate keeps across a restart.
@@ -93,6 +142,12 @@ pub struct RolloutView {
     pub held: Option<Hold>,
     pub round: Option<RoundView>,
     pub canaries_connected: usize,
+    /// The connected canaries and what made each one (the identity and the
+    /// policy's rule, or `--canary-trust-node-ids`).
+    pub canary_clients: Vec<CanaryClient>,
+    /// Connected clients whose node claims they are canaries and that are
+    /// not (of this collection), and why: they are served as everyone is.
+    pub not_canaries: Vec<CanaryClient>,
     /// Something an operator should know (a release without canaries, a
     /// pin whose version is not available).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -112,6 +167,7 @@ pub struct Rollout {
     cache: Arc<Cache>,
     policy: Policy,
     selectors: Vec<Selector>,
+    membership: Membership,
     gates: Mutex<HashMap<Arc<str>, Gated>>,
     /// What a restart left, taken by each collection's gate when it is made.
     restored: Mutex<HashMap<String, Saved>>,
@@ -132,6 +188,7 @@ impl std::fmt::Debug for Rollout {
         f.debug_struct("Rollout")
             .field("policy", &self.policy)
             .field("selectors", &self.selectors.len())
+            .field("membership", &self.membership)
             .finish_non_exhaustive()
     }
 }
@@ -140,6 +197,7 @@ impl Rollout {
     pub fn new(
         cache: Arc<Cache>,
         selectors: Vec<Selector>,
+        membership: Membership,
         when_none: WhenNone,
         soak: std::time::Duration,
         restored: BTreeMap<String, Saved>,
@@ -153,6 +211,7 @@ impl Rollout {
             cache,
             policy,
             selectors,
+            membership,
             gates: Mutex::default(),
             restored: Mutex::new(restored.into_iter().collect()),
             revision: watch::Sender::new(0),
@@ -163,18 +222,62 @@ impl Rollout {
         rollout
     }
 
-    /// Whether a node is a canary.
-    pub fn is_canary(&self, node_id: &str, labels: &[(String, String)]) -> bool {
-        selector::is_canary(&self.selectors, node_id, labels)
+    /// The `--canary` selector a node matches: its claim to be a canary,
+    /// which [`Self::decide`] weighs per collection.
+    pub fn claim(&self, node_id: &str, labels: &[(String, String)]) -> Option<&str> {
+        selector::claimed_by(&self.selectors, node_id, labels).map(Selector::text)
     }
 
-    /// How rounds run, as `/debug/rollout` shows it.
+    /// Whether a client that claims to be a canary is one of `collection`:
+    /// `Ok` with what made it one, or `Err` with why not. `partial`: it may
+    /// read only part of the collection (its versions are its own).
+    pub fn decide(
+        &self,
+        policy: &AccessPolicy,
+        identity: &PeerIdentity,
+        collection: &str,
+        partial: bool,
+    ) -> Result<String, String> {
+        if partial {
+            return Err(
+                "it may read only part of the collection (--access-policy names): its versions are its own, \
+                        which a round cannot count"
+                    .into(),
+            );
+        }
+        if self.membership == Membership::NodeIds {
+            return Ok("--canary-trust-node-ids: its node alone decides".into());
+        }
+        match policy.canary(identity, collection) {
+            Some(permit) => Ok(format!(
+                "{} matches rules[{}] ({:?}) of --access-policy, which has canary: true",
+                permit.identity, permit.rule, permit.pattern
+            )),
+            None if !identity.certificate => Err(
+                "it presented no certificate: only a proven identity makes a canary (a rule of --access-policy with \
+                 canary: true)"
+                    .into(),
+            ),
+            None => Err(format!(
+                "no rule of --access-policy with canary: true grants its identity ({identity}) this collection"
+            )),
+        }
+    }
+
+    /// How rounds run, and what decides who is a canary, as
+    /// `/debug/rollout` shows it.
     pub fn policy_view(&self) -> serde_json::Value {
         serde_json::json!({
             "selectors": self.selectors.len(),
+            "membership": self.membership,
             "when_none": self.policy.when_none,
             "soak_seconds": self.policy.soak.as_secs_f64(),
         })
+    }
+
+    /// What makes a client that claims to be a canary one.
+    pub fn membership(&self) -> Membership {
+        self.membership
     }
 
     pub fn has_canaries(&self) -> bool {
@@ -237,6 +340,9 @@ impl Rollout {
                 everyone: watch::Sender::new(None),
                 canaries: watch::Sender::new(None),
                 named: Arc::default(),
+                members: BTreeMap::new(),
+                refused: BTreeMap::new(),
+                refusal_logged: None,
             };
             if let Some(latest) = self.cache.get(collection) {
                 gated.gate.on_latest(latest.version.clone(), Instant::now());
@@ -400,12 +506,66 @@ impl Rollout {
 
     // === canaries ===
 
-    pub fn canary_joined(&self, collection: &Arc<str>, stream: u64) {
+    /// A client is a canary of `collection` (see [`Self::decide`]).
+    pub fn canary_joined(&self, collection: &Arc<str>, client: CanaryClient) {
+        let stream = client.stream;
+        self.record(collection, |gated| {
+            gated.refused.remove(&stream);
+            gated.members.insert(stream, client);
+        });
         self.step(collection, None, |gate, now| gate.canary_joined(stream, now));
     }
 
+    /// A client claims to be a canary of `collection` and is not one (see
+    /// [`Self::decide`]): an ordinary client, which leaves the round if it
+    /// was in it (a reload took its permission away).
+    pub fn canary_refused(&self, collection: &Arc<str>, client: CanaryClient) {
+        let stream = client.stream;
+        let now = Instant::now();
+        let (was_member, log) = self.record(collection, |gated| {
+            let log = gated
+                .refusal_logged
+                .is_none_or(|at| now.saturating_duration_since(at) >= REFUSAL_LOG_EVERY);
+            if log {
+                gated.refusal_logged = Some(now);
+            }
+            gated.refused.insert(stream, client.clone());
+            (gated.members.remove(&stream).is_some(), log)
+        });
+        metrics::counter!(m::ROLLOUT_CANARY_CLAIMS_REFUSED, "collection" => collection.to_string()).increment(1);
+        if log {
+            tracing::warn!(
+                %collection,
+                stream,
+                node = %client.node,
+                identity = %client.identity,
+                selector = %client.selector,
+                why = %client.why,
+                "a client whose node matches --canary is not a canary: it is served as everyone is, and its ACKs and \
+                 NACKs decide nothing (one line per collection per 10s at most; \
+                 mcp_gateway_canary_claims_refused_total counts them all)"
+            );
+        }
+        if was_member {
+            self.step(collection, None, |gate, now| gate.canary_left(stream, now));
+        }
+    }
+
+    /// A stream that claimed to be a canary of `collection` left it.
     pub fn canary_left(&self, collection: &Arc<str>, stream: u64) {
-        self.step(collection, None, |gate, now| gate.canary_left(stream, now));
+        let was_member = self.record(collection, |gated| {
+            gated.refused.remove(&stream);
+            gated.members.remove(&stream).is_some()
+        });
+        if was_member {
+            self.step(collection, None, |gate, now| gate.canary_left(stream, now));
+        }
+    }
+
+    /// Changes what `collection`'s gate knows of its canaries' clients.
+    fn record<R>(&self, collection: &Arc<str>, f: impl FnOnce(&mut Gated) -> R) -> R {
+        let mut gates = self.gates.lock().expect("rollout lock poisoned");
+        f(self.gated(&mut gates, collection))
     }
 
     pub fn canary_acked(&self, collection: &Arc<str>, stream: u64, version: &str) {
@@ -413,8 +573,15 @@ impl Rollout {
     }
 
     pub fn canary_nacked(&self, collection: &Arc<str>, stream: u64, version: &str, node: &str, message: &str) {
+        // Who held it is kept with the hold: the canary may leave.
+        let identity = match self.membership {
+            Membership::Identity => self.record(collection, |gated| {
+                gated.members.get(&stream).map(|member| member.identity.clone())
+            }),
+            Membership::NodeIds => None,
+        };
         self.step(collection, None, |gate, _| {
-            gate.canary_nacked(stream, version, node, message)
+            gate.canary_nacked_by(stream, version, node, identity.as_deref(), message)
         });
     }
 
@@ -538,6 +705,8 @@ fn view_of(collection: &Arc<str>, gated: &Gated, policy: Policy) -> RolloutView 
                 .map(|at| (at.saturating_duration_since(now).as_secs_f64() * 10.0).round() / 10.0),
         }),
         canaries_connected: gate.canaries(),
+        canary_clients: gated.members.values().cloned().collect(),
+        not_canaries: gated.refused.values().cloned().collect(),
         warning,
     }
 }
@@ -594,6 +763,7 @@ impl Phase {
                     %collection,
                     %version,
                     canary = %held.node,
+                    identity = held.identity.as_deref().unwrap_or("-"),
                     nack = %held.message,
                     everyone,
                     "a canary NACKed this version: it is held; clients that are not canaries stay on theirs \
@@ -634,5 +804,155 @@ async fn sleep_until(deadline: Option<Instant>) {
     match deadline {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VS: &str = "istio/networking/v1alpha3/virtualservices";
+    const CANARY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/canary-pilot";
+
+    /// A policy read from a file, as `--access-policy` reads it.
+    fn policy(text: &str) -> Result<AccessPolicy, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        std::fs::write(&path, text).unwrap();
+        AccessPolicy::load(&path).map_err(|e| e.to_string())
+    }
+
+    fn rollout(membership: Membership) -> Arc<Rollout> {
+        let (cache, _writer) = Cache::new();
+        let selectors = vec![Selector::parse("canary-*").unwrap()];
+        Rollout::new(
+            cache,
+            selectors,
+            membership,
+            WhenNone::Proceed,
+            std::time::Duration::ZERO,
+            BTreeMap::new(),
+        )
+    }
+
+    const POLICY: &str = "rules:\n\
+        - identities: [\"spiffe://cluster.local/ns/*\"]\n  collections: [\"istio/*\"]\n\
+        - identities: [\"spiffe://cluster.local/ns/istio-system/sa/canary-*\", \"canary.example\"]\n  \
+          collections: [\"istio/networking/*\"]\n  canary: true\n";
+
+    /// A claim counts by the identity a certificate proves, with the policy's
+    /// rule for URI and DNS SANs, for the rule's collections only; never for
+    /// a client without a certificate or one that reads part of the
+    /// collection; always (for a whole reader) when node ids are trusted.
+    #[test]
+    fn a_claim_counts_by_the_proven_identity_and_the_rule_says_why() {
+        let p = policy(POLICY).unwrap();
+        assert_eq!(p.canary_rules(), 1);
+        let by_identity = rollout(Membership::Identity);
+        assert_eq!(by_identity.claim("canary-7", &[]), Some("canary-*"));
+        assert_eq!(by_identity.claim("pilot-7", &[]), None);
+        let proven = PeerIdentity::certified(vec![CANARY_ID.into()], Vec::new());
+        let why = by_identity.decide(&p, &proven, VS, false).unwrap();
+        assert_eq!(
+            why,
+            format!(
+                "uri:{CANARY_ID} matches rules[1] (\"spiffe://cluster.local/ns/istio-system/sa/canary-*\") of \
+                 --access-policy, which has canary: true"
+            )
+        );
+        let dns = PeerIdentity::certified(Vec::new(), vec!["canary.example".into()]);
+        assert!(by_identity
+            .decide(&p, &dns, VS, false)
+            .unwrap()
+            .starts_with("dns:canary.example matches rules[1]"));
+        // Not for a collection the rule does not name.
+        let why_not = by_identity
+            .decide(&p, &proven, "istio/mesh/v1alpha1/MeshConfig", false)
+            .unwrap_err();
+        assert!(
+            why_not.contains("no rule of --access-policy with canary: true"),
+            "{why_not}"
+        );
+        // A tenant, a DNS SAN spelling the canary's SPIFFE id, a URI SAN
+        // spelling the DNS name, no certificate: not canaries.
+        for (who, identity) in [
+            (
+                "a tenant",
+                PeerIdentity::certified(vec!["spiffe://cluster.local/ns/tenant/sa/reader".into()], vec![]),
+            ),
+            (
+                "a DNS SAN spelling the id",
+                PeerIdentity::certified(vec![], vec![CANARY_ID.into()]),
+            ),
+            (
+                "a URI SAN spelling the name",
+                PeerIdentity::certified(vec!["canary.example".into()], vec![]),
+            ),
+            ("no certificate", PeerIdentity::default()),
+        ] {
+            let why_not = by_identity.decide(&p, &identity, VS, false).unwrap_err();
+            assert!(why_not.contains("canary: true"), "{who}: {why_not}");
+        }
+        let partial = by_identity.decide(&p, &proven, VS, true).unwrap_err();
+        assert!(partial.contains("only part of the collection"), "{partial}");
+        // Without a policy nobody is one; with trusted node ids, every claim.
+        assert!(by_identity.decide(&AccessPolicy::none(), &proven, VS, false).is_err());
+        let by_node = rollout(Membership::NodeIds);
+        let why = by_node
+            .decide(&AccessPolicy::none(), &PeerIdentity::default(), VS, false)
+            .unwrap();
+        assert!(why.contains("--canary-trust-node-ids"), "{why}");
+        assert_eq!(by_node.policy_view()["membership"], "node_ids");
+    }
+
+    /// The members and the refused claims are listed with why; a refusal
+    /// takes a member out of the round (a reload took its right away).
+    #[test]
+    fn the_view_lists_canaries_and_refused_claims_and_a_refusal_leaves_the_round() {
+        let rollout = rollout(Membership::Identity);
+        let vs: Arc<str> = Arc::from(VS);
+        let client = |stream: u64, why: &str| CanaryClient {
+            stream,
+            node: format!("canary-{stream}"),
+            identity: "spiffe://x".into(),
+            selector: "canary-*".into(),
+            why: why.into(),
+        };
+        let gates = || rollout.gates.lock().unwrap();
+        rollout.canary_joined(&vs, client(1, "proven"));
+        rollout.canary_refused(&vs, client(2, "not proven"));
+        {
+            let gates = gates();
+            let gated = &gates[&vs];
+            assert_eq!(gated.gate.canaries(), 1);
+            let view = view_of(&vs, gated, rollout.policy);
+            assert_eq!(view.canary_clients, [client(1, "proven")]);
+            assert_eq!(view.not_canaries, [client(2, "not proven")]);
+        }
+        rollout.canary_refused(&vs, client(1, "taken away"));
+        assert_eq!(gates()[&vs].gate.canaries(), 0, "the refused member left the round");
+        rollout.canary_left(&vs, 1);
+        rollout.canary_left(&vs, 2);
+        let gates = gates();
+        assert!(gates[&vs].members.is_empty() && gates[&vs].refused.is_empty());
+    }
+
+    /// `canary: true` needs identities a certificate proves and whole
+    /// collections: the policy says so at load, naming the rule.
+    #[test]
+    fn a_canary_rule_for_unauthenticated_clients_or_some_names_does_not_load() {
+        let e = policy("rules:\n- identities: [unauthenticated]\n  collections: [c]\n  canary: true\n").unwrap_err();
+        assert!(
+            e.contains("rules[0].identities[0]") && e.contains("--canary-trust-node-ids"),
+            "{e}"
+        );
+        let e =
+            policy("rules:\n- identities: [\"*.example\"]\n  collections: [c]\n  names: [\"a/*\"]\n  canary: true\n")
+                .unwrap_err();
+        assert!(e.contains("rules[0].canary") && e.contains("leave `names` out"), "{e}");
+        let p = policy("rules:\n- identities: [\"*.example\"]\n  collections: [c]\n  names: [\"*\"]\n  canary: true\n")
+            .unwrap();
+        assert_eq!(p.rules_json()[0]["canary"], true);
+        assert_eq!(policy(POLICY).unwrap().rules_json()[0].get("canary"), None);
     }
 }

@@ -1,50 +1,68 @@
-//! `--canary NODE_SELECTOR`: which clients are canaries. A selector with an
-//! `=` matches a node label (MCP annotations, xDS metadata strings) exactly;
-//! any other is a glob over the node id (`*`, `?`, `[...]`).
+//! `--canary NODE_SELECTOR`: which clients say they are canaries. A
+//! selector with an `=` matches a node label (MCP annotations, xDS metadata
+//! strings) exactly; any other is a glob over the node id (`*`, `?`,
+//! `[...]`). What a client says of itself is a claim: it makes a canary only
+//! of a client whose proven identity the access policy lets be one (see
+//! [`super::Membership`]), unless `--canary-trust-node-ids`.
 
 use globset::{Glob, GlobMatcher};
 
 /// The most `--canary` selectors (each client is matched against all).
 pub const MAX_SELECTORS: usize = 64;
 
-/// One `--canary` selector.
+/// One `--canary` selector, and its text as given.
 #[derive(Clone, Debug)]
-pub enum Selector {
+pub struct Selector {
+    text: String,
+    matcher: Matcher,
+}
+
+#[derive(Clone, Debug)]
+enum Matcher {
     NodeId(GlobMatcher),
     Label { key: String, value: String },
 }
 
 impl Selector {
     pub fn parse(text: &str) -> Result<Self, String> {
-        if let Some((key, value)) = text.split_once('=') {
+        let matcher = if let Some((key, value)) = text.split_once('=') {
             let key = key.trim();
             if key.is_empty() {
                 return Err(format!("{text:?}: a label selector is KEY=VALUE, and the key is empty"));
             }
-            return Ok(Selector::Label {
+            Matcher::Label {
                 key: key.to_owned(),
                 value: value.trim().to_owned(),
-            });
-        }
-        if text.trim().is_empty() {
+            }
+        } else if text.trim().is_empty() {
             return Err("an empty selector would match no node id; give a glob (canary-*) or KEY=VALUE".into());
-        }
-        Glob::new(text)
-            .map(|glob| Selector::NodeId(glob.compile_matcher()))
-            .map_err(|e| format!("{text:?} is not a node id glob: {e}"))
+        } else {
+            Glob::new(text)
+                .map(|glob| Matcher::NodeId(glob.compile_matcher()))
+                .map_err(|e| format!("{text:?} is not a node id glob: {e}"))?
+        };
+        Ok(Self {
+            text: text.to_owned(),
+            matcher,
+        })
+    }
+
+    /// The selector as given.
+    pub fn text(&self) -> &str {
+        &self.text
     }
 
     pub fn matches(&self, node_id: &str, labels: &[(String, String)]) -> bool {
-        match self {
-            Selector::NodeId(glob) => glob.is_match(node_id),
-            Selector::Label { key, value } => labels.iter().any(|(k, v)| k == key && v == value),
+        match &self.matcher {
+            Matcher::NodeId(glob) => glob.is_match(node_id),
+            Matcher::Label { key, value } => labels.iter().any(|(k, v)| k == key && v == value),
         }
     }
 }
 
-/// Whether a node is a canary: any selector matches it.
-pub fn is_canary(selectors: &[Selector], node_id: &str, labels: &[(String, String)]) -> bool {
-    selectors.iter().any(|s| s.matches(node_id, labels))
+/// The first selector that matches a node: what it claims by.
+pub fn claimed_by<'s>(selectors: &'s [Selector], node_id: &str, labels: &[(String, String)]) -> Option<&'s Selector> {
+    selectors.iter().find(|s| s.matches(node_id, labels))
 }
 
 #[cfg(test)]
@@ -58,11 +76,12 @@ mod tests {
             .map(|s| Selector::parse(s).unwrap())
             .collect();
         let label = |k: &str, v: &str| vec![(k.to_owned(), v.to_owned())];
-        assert!(is_canary(&selectors, "canary-7", &[]));
-        assert!(!is_canary(&selectors, "prod-7", &[]));
-        assert!(is_canary(&selectors, "prod-7", &label("track", "canary")));
-        assert!(!is_canary(&selectors, "prod-7", &label("track", "stable")));
-        assert!(!is_canary(&selectors, "prod-7", &label("canary", "track")));
+        let claim = |node: &str, labels: &[(String, String)]| claimed_by(&selectors, node, labels).map(Selector::text);
+        assert_eq!(claim("canary-7", &[]), Some("canary-*"));
+        assert_eq!(claim("prod-7", &[]), None);
+        assert_eq!(claim("prod-7", &label("track", "canary")), Some("track=canary"));
+        assert_eq!(claim("prod-7", &label("track", "stable")), None);
+        assert_eq!(claim("prod-7", &label("canary", "track")), None);
         // Globs span the whole id, slashes included (Istio ids have them).
         let sidecar = Selector::parse("sidecar~*~canary-*").unwrap();
         assert!(sidecar.matches("sidecar~10.0.0.1~canary-1.default~default.svc.cluster.local", &[]));
