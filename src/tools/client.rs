@@ -352,6 +352,7 @@ async fn connect(args: &ClientArgs) -> anyhow::Result<(Dial, Channel)> {
         tls: tls.then_some(files),
         timeout: Duration::from_secs(10),
         keepalive: None,
+        caller: crate::transport::dial_why::Caller::Client,
     };
     let channel = crate::transport::connect::connect(&dial).await?;
     Ok((dial, channel))
