@@ -403,6 +403,46 @@ mod tests {
         assert!(!Arc::ptr_eq(&before, &tls.current.read().unwrap()));
     }
 
+    /// `openssl x509 -req` without `-extfile`: an X.509 v1 certificate (a
+    /// certificate only; no key is checked in, and none is read: the
+    /// certificate is refused first).
+    const V1_CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----
+MIIBGDCBvgIUREaxh558RAHrsRndo3TIQHgyNxQwCgYIKoZIzj0EAwIwDTELMAkG
+A1UEAwwCY2EwHhcNMjYxMjAyMDMzMTU3WhcNMjYxMjEyMDMzMTU3WjAQMQ4wDAYD
+VQQDDAVub3NhbjBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABFev9KIf8ckGImA5
+dUgfgiuEHBsDxGQGJQvGiVOqkdF+fai87RXZnwbECichBpYNh6A1EMwdDrlE1pdy
+klaOzzQwCgYIKoZIzj0EAwIDSQAwRgIhANHZEUV6WsYCtReYb0TucMkg/NYeNX62
+rjnH2NzS3v5iAiEAiCWeoBJBrqUCA8G77qP+oy+OzOJGLapHmIqywWVAfy4=
+-----END CERTIFICATE-----
+";
+
+    #[test]
+    fn a_v1_certificate_is_named_as_the_certificates_fault_not_the_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = dir.path().join("nosan.crt");
+        std::fs::write(&cert, V1_CERTIFICATE).unwrap();
+        let key = dir.path().join("absent.key");
+        let client = ClientTlsFiles {
+            ca: Some(leaf(dir.path(), "ca").cert),
+            cert: Some(cert.clone()),
+            key: Some(key.clone()),
+            server_name: None,
+            flag_prefix: "--",
+        };
+        let error = client.load().unwrap_err();
+        assert_eq!(error.flag, "--cert", "{error}");
+        assert!(
+            error.message.starts_with("is an X.509 v1 certificate; TLS needs v3"),
+            "{error}"
+        );
+        let server = ServerTlsFiles {
+            cert,
+            key,
+            client_ca: None,
+        };
+        assert_eq!(server.load().unwrap_err().flag, "--tls-cert");
+    }
+
     #[test]
     fn a_key_from_another_pair_names_tls_key() {
         let dir = tempfile::tempdir().unwrap();
