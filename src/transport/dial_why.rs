@@ -114,8 +114,8 @@ fn not_tls(wire: &[u8], caller: Caller) -> String {
     } else if wire.starts_with(b"HTTP/") {
         "the server speaks plaintext HTTP/1, not TLS: it answered the TLS ClientHello with an HTTP response".to_owned()
     } else if wire.is_empty() {
-        "the server closed the connection without answering the TLS ClientHello: it does not speak TLS on this port \
-         (a plaintext port)"
+        "the server closed the connection without answering the TLS ClientHello: a plaintext port, or a server \
+         refusing connections (at a connection limit)"
             .to_owned()
     } else {
         format!(
@@ -230,6 +230,14 @@ pub fn alert_received(alert: AlertDescription, files: &ClientTlsFiles) -> String
         AlertDescription::CertificateRevoked => "it is revoked",
         AlertDescription::AccessDenied => "the server does not allow this client",
         AlertDescription::DecryptError => "its signature does not verify",
+        AlertDescription::HandshakeFailure if certificate.is_none() => {
+            return format!(
+                "the server ended the TLS handshake with alert {name}: it may require a client certificate (mTLS: \
+                 give {} and {}), or share no cipher suite with this client",
+                files.flag("cert"),
+                files.flag("key")
+            )
+        }
         AlertDescription::ProtocolVersion
         | AlertDescription::HandshakeFailure
         | AlertDescription::InsufficientSecurity => {
