@@ -1245,21 +1245,20 @@ mod tests {
         ] {
             check_xds_type_url(known, &bodies).unwrap();
         }
-        let error = check_xds_type_url("type.googleapis.com/envoy.config.cluster.v3.Clustr", &bodies).unwrap_err();
-        assert!(error.downcast_ref::<Usage>().is_some());
-        assert!(
-            error
-                .to_string()
-                .ends_with("did you mean type.googleapis.com/envoy.config.cluster.v3.Cluster?"),
-            "{error}"
-        );
-        let error = check_xds_type_url("networking.istio.io/v1/VirtualServce", &bodies).unwrap_err();
-        assert!(
-            error
-                .to_string()
-                .ends_with("did you mean networking.istio.io/v1/VirtualService?"),
-            "{error}"
-        );
+        for (typo, near) in [
+            (
+                "type.googleapis.com/envoy.config.cluster.v3.Clustr",
+                "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            ),
+            (
+                "networking.istio.io/v1/VirtualServce",
+                "networking.istio.io/v1/VirtualService",
+            ),
+        ] {
+            let error = check_xds_type_url(typo, &bodies).unwrap_err();
+            assert!(error.downcast_ref::<Usage>().is_some());
+            assert!(error.to_string().ends_with(&format!("did you mean {near}?")), "{error}");
+        }
         let error = check_xds_type_url("nothing-like-it", &bodies).unwrap_err();
         assert!(error.to_string().contains("give a type URL as Envoy asks"), "{error}");
     }

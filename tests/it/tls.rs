@@ -175,6 +175,12 @@ async fn the_upstream_is_dialled_over_mtls() {
     })
     .await;
     assert!(!without_cert.upstream.borrow().connected);
+    let error = without_cert.upstream.borrow().last_error.clone().unwrap();
+    assert!(
+        error.contains("requires a client certificate (mTLS; TLS alert certificate_required)")
+            && error.contains("give --upstream-cert and --upstream-key"),
+        "the refusal named: {error}"
+    );
     assert_eq!(
         galley.streams_opened(),
         1,
@@ -311,6 +317,11 @@ async fn the_upstream_client_rereads_its_files_on_every_attempt() {
     })
     .await;
     assert_eq!(galley.streams_opened(), 0);
+    let error = gw.upstream.borrow().last_error.clone().unwrap();
+    assert!(
+        error.contains("the server's certificate is not signed by a CA in --upstream-ca"),
+        "{error}"
+    );
 
     // The CA bundle rotates on disk: the next attempt uses it.
     write(dir.path(), "ca.pem", &new_ca.pem);
