@@ -1209,6 +1209,48 @@ mod tests {
         assert_eq!(names, "  a\\x1b[2Jb\n  \\u{202e}x removed\n");
     }
 
+    /// Plain xDS in state of the world: every resource carries the
+    /// response's version, so a change is told by its body.
+    #[test]
+    fn a_sotw_resource_changes_when_its_body_does() {
+        let any = |body: &[u8]| prost_types::Any {
+            type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(),
+            value: body.to_vec(),
+        };
+        let bodies = BodyDecoder::new(None).unwrap();
+        let response = |version: &str, a: &[u8], b: &[u8]| {
+            let raw = vec![
+                xds_resource(any(a), Some("a".into()), version.into(), &bodies),
+                xds_resource(any(b), Some("b".into()), version.into(), &bodies),
+            ];
+            Update {
+                type_url: "t".into(),
+                version: version.into(),
+                resources: summary(&raw, true),
+                raw,
+                removed: Vec::new(),
+                full: true,
+            }
+        };
+        let mut held = BTreeMap::new();
+        let (first, _) = printed(&mut held, response("v1", b"\x0a\x01a", b"\x0a\x01b"));
+        assert_eq!(first, "t version=v1 resources=2 added=2 changed=0 removed=0\n");
+        let mut second = response("v2", b"\x0a\x01a", b"\x0a\x02bb");
+        assert!(
+            second.resources.iter().all(|r| r.version == "v2"),
+            "the response's version"
+        );
+        let counts = apply(&mut held, &mut second);
+        assert_eq!(
+            counts,
+            Counts {
+                added: 0,
+                changed: 1,
+                removed: 0
+            }
+        );
+    }
+
     #[test]
     fn names_go_to_the_type_they_name() {
         const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
