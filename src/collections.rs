@@ -381,6 +381,20 @@ impl CollectionTable {
         }
     }
 
+    /// Every xDS type URL the table answers with a collection: the GVKs
+    /// (MCP over xDS) and the proto type URLs a collection owns (plain
+    /// xDS), sorted.
+    pub fn xds_type_urls(&self) -> Vec<&str> {
+        let mut all: Vec<&str> = self
+            .by_gvk
+            .keys()
+            .chain(self.owner_by_type_url.keys())
+            .map(String::as_str)
+            .collect();
+        all.sort_unstable();
+        all
+    }
+
     /// A GVK that names `collection` (of several aliases, the first in
     /// sorted order), if any does.
     pub fn gvk(&self, collection: &str) -> Option<&str> {

@@ -120,12 +120,19 @@ fn serve(
     }
 }
 
-/// `mcp-xds-gateway client`: output on stdout, errors on stderr, exit 1 on error.
+/// `mcp-xds-gateway client`: output on stdout, errors on stderr, exit 1 on
+/// error, 2 when it cannot run as asked (`client::Usage`).
 fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
+    use mcp_xds_gateway::tools::client;
     run_tool(async move {
-        mcp_xds_gateway::tools::client::run(args, &mut std::io::stdout())
-            .await
-            .map(|()| 0)
+        match client::run(args, &mut std::io::stdout()).await {
+            Ok(()) => Ok(0),
+            Err(e) if e.downcast_ref::<client::Usage>().is_some() => {
+                eprintln!("error: {e:#}");
+                Ok(2)
+            }
+            Err(e) => Err(e),
+        }
     })
 }
 

@@ -243,6 +243,7 @@ impl SourceArgs {
                         tls,
                         timeout: self.connect_timeout,
                         keepalive: (!self.keepalive_interval.is_zero()).then_some(self.keepalive_interval),
+                        caller: crate::transport::dial_why::Caller::Source,
                     },
                     backoff: BackoffPolicy {
                         min: self.reconnect_min_delay,

@@ -47,6 +47,7 @@ impl ClientSettings {
             tls: self.tls.clone(),
             timeout: self.connect_timeout,
             keepalive: self.keepalive,
+            caller: crate::transport::dial_why::Caller::Upstream,
         }
     }
 }

@@ -8,6 +8,14 @@
 //! the stream (GOAWAY as it recycles connections, a restart, the network), it
 //! says so on stderr and reconnects with backoff, an incremental stream
 //! resuming from what it holds (`initial_resource_versions`).
+//!
+//! A flag it cannot act on (a type URL over xDS that neither the gateway's
+//! table nor the descriptors know, `--names` it cannot place, a TLS file
+//! that does not load) is a usage error ([`Usage`], exit 2); a dial that
+//! fails says why (the TLS alert, the certificate's fault, a TLS port
+//! dialled in plaintext: `transport::dial_why`) within `--timeout`. Every
+//! text the gateway wrote (names, versions, error messages) is printed
+//! through [`terminal_safe`].
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -28,8 +36,20 @@ use crate::proto::envoy::service::discovery::v3::{
 };
 use crate::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, Resource, SinkNode};
 use crate::source::proto_json::BodyDecoder;
+use crate::tools::terminal_safe;
 use crate::transport::connect::Dial;
+use crate::transport::dial_why::Caller;
 use crate::transport::tls::ClientTlsFiles;
+
+/// The command cannot run as asked (a flag, a file it names, a type URL):
+/// exit 2, as a bad flag of the gateway's.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
+
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    Usage(message.into()).into()
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Show {
@@ -92,9 +112,11 @@ pub struct ClientArgs {
     #[arg(long, value_enum, default_value_t = Protocol::Mcp)]
     pub protocol: Protocol,
 
-    /// With an xds protocol: subscribe to these resource names only (of
-    /// every type), as Envoy asks for routes, endpoints and secrets.
-    #[arg(long, value_name = "A,B,...", value_delimiter = ',')]
+    /// With an xds protocol: subscribe by name, as Envoy asks for routes,
+    /// endpoints and secrets: TYPE=A,B for one --type-url (repeatable; a
+    /// type given no names is a wildcard subscription), or A,B when a single
+    /// --type-url is given.
+    #[arg(long, value_name = "[TYPE=]A,B,...")]
     pub names: Vec<String>,
 
     /// Exit after the first response of every type, once the gateway has read
@@ -102,7 +124,8 @@ pub struct ClientArgs {
     #[arg(long)]
     pub once: bool,
 
-    /// With --once: how long to wait for every type.
+    /// How long the connection to the gateway may take (TCP, TLS, HTTP/2),
+    /// and with --once how long to wait for every type, from the start.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub timeout: Duration,
 
@@ -146,14 +169,27 @@ fn parse_duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| format!("{value:?} is not a duration like 30s: {e}"))
 }
 
+/// One resource of a response, as the printer needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Shown {
+    name: String,
+    version: String,
+    body_type_url: String,
+    /// What tells a change: the version, or where the version is the
+    /// response's (plain xDS in state of the world) a digest of the body.
+    fingerprint: String,
+}
+
 /// One response, as the printer needs it.
 struct Update {
     type_url: String,
     version: String,
-    /// Full state (SotW) or upserts (incremental): name, version, body type.
-    resources: Vec<(String, String, String)>,
+    /// Full state (SotW) or upserts (incremental).
+    resources: Vec<Shown>,
     /// The same, whole (for --output json|yaml).
     raw: Vec<Resource>,
+    /// The names the response removed (incremental); in state of the world
+    /// the names held before and absent now, filled in by [`apply`].
     removed: Vec<String>,
     full: bool,
 }
@@ -190,7 +226,7 @@ fn ended(status: Option<&tonic::Status>) -> (String, bool) {
     let Some(status) = status else {
         return ("the gateway ended the stream".into(), true);
     };
-    let message = status.message();
+    let message = terminal_safe(status.message());
     let retry = !matches!(
         status.code(),
         tonic::Code::InvalidArgument
@@ -214,14 +250,27 @@ fn ended(status: Option<&tonic::Status>) -> (String, bool) {
 /// Runs the client; the output goes to `out`.
 pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Result<()> {
     if args.protocol != Protocol::Mcp && args.incremental {
-        bail!("--incremental is for --protocol mcp; xds-delta is Envoy's incremental xDS");
+        return Err(usage(
+            "--incremental is for --protocol mcp; xds-delta is Envoy's incremental xDS",
+        ));
     }
     if args.protocol == Protocol::Mcp && !args.names.is_empty() {
-        bail!("--names needs --protocol xds-sotw or xds-delta: the legacy MCP services have no resource names");
+        return Err(usage(
+            "--names needs --protocol xds-sotw or xds-delta: the legacy MCP services have no resource names",
+        ));
     }
     let bodies = std::sync::Arc::new(
-        BodyDecoder::new(args.descriptors.as_deref()).map_err(|e| anyhow::anyhow!("--descriptors: {e}"))?,
+        BodyDecoder::new(args.descriptors.as_deref()).map_err(|e| usage(format!("--descriptors: {e}")))?,
     );
+    let names = names_by_type(&args.names, &args.type_urls)?;
+    if args.protocol != Protocol::Mcp {
+        for type_url in &args.type_urls {
+            check_xds_type_url(type_url, &bodies)?;
+        }
+    }
+    // --timeout counts from here: the connection, then with --once every
+    // type's first response.
+    let started = tokio::time::Instant::now();
     let (dial, channel) = connect(&args).await?;
     let node = SinkNode {
         id: args.node_id.clone(),
@@ -270,7 +319,7 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
                     ..Default::default()
                 },
                 type_urls: args.type_urls.clone(),
-                names: args.names.clone(),
+                names,
                 delta: args.protocol == Protocol::XdsDelta,
                 once,
                 bodies: bodies.clone(),
@@ -282,7 +331,11 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
 
     let mut held: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
     let mut waiting: HashSet<&str> = args.type_urls.iter().map(String::as_str).collect();
-    let deadline = tokio::time::sleep(if args.once { args.timeout } else { Duration::MAX / 4 });
+    let deadline = tokio::time::sleep_until(if args.once {
+        started + args.timeout
+    } else {
+        started + Duration::from_secs(100 * 365 * 24 * 3600)
+    });
     tokio::pin!(deadline);
     loop {
         let event = tokio::select! {
@@ -311,13 +364,12 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
                     return Ok(());
                 }
             }
-            Some(Event::Update(update)) => {
+            Some(Event::Update(mut update)) => {
                 let state = held.entry(update.type_url.clone()).or_default();
+                let counts = apply(state, &mut update);
                 // JSON and YAML stay machine-readable: no update line.
-                if matches!(args.output, Output::Json | Output::Yaml) {
-                    print_update(&mut std::io::sink(), state, &update, args.show, &bodies)?;
-                } else {
-                    print_update(out, state, &update, args.show, &bodies)?;
+                if !matches!(args.output, Output::Json | Output::Yaml) {
+                    print_update(out, &update, counts, state.len(), args.show, &bodies)?;
                 }
                 print_resources(out, &update, args.output, &bodies)?;
                 waiting.remove(update.type_url.as_str());
@@ -345,13 +397,18 @@ async fn connect(args: &ClientArgs) -> anyhow::Result<(Dial, Channel)> {
     if tls {
         // The same files and checks as the gateway's upstream flags, under
         // this command's names; checked before dialling.
-        files.load()?;
+        files.load().map_err(|e| usage(e.to_string()))?;
+    } else if let Some(flag) = files.first_flag() {
+        return Err(usage(format!(
+            "{flag} is for TLS: give --ca or an https:// --target (the target is {url})"
+        )));
     }
     let dial = Dial {
         address: url,
         tls: tls.then_some(files),
-        timeout: Duration::from_secs(10),
+        timeout: args.timeout,
         keepalive: None,
+        caller: Caller::Client,
     };
     let channel = crate::transport::connect::connect(&dial).await?;
     Ok((dial, channel))
@@ -382,15 +439,108 @@ impl Dialer {
     }
 }
 
-fn summary(resources: &[Resource]) -> Vec<(String, String, String)> {
+/// Each resource's name, version and body type; `by_body`: its version is
+/// the response's (plain xDS in state of the world), so a change is told by
+/// its body.
+fn summary(resources: &[Resource], by_body: bool) -> Vec<Shown> {
     resources
         .iter()
         .map(|r| {
             let metadata = r.metadata.clone().unwrap_or_default();
-            let body = r.body.as_ref().map(|b| b.type_url.clone()).unwrap_or_default();
-            (metadata.name, metadata.version, body)
+            let body = r.body.as_ref();
+            let fingerprint = if by_body {
+                format!(
+                    "{:016x}",
+                    xxhash_rust::xxh3::xxh3_64(body.map_or(&[][..], |b| &b.value[..]))
+                )
+            } else {
+                metadata.version.clone()
+            };
+            Shown {
+                name: metadata.name,
+                version: metadata.version,
+                body_type_url: body.map(|b| b.type_url.clone()).unwrap_or_default(),
+                fingerprint,
+            }
         })
         .collect()
+}
+
+/// `--names` as each type's subscription: `TYPE=A,B` for a `--type-url`
+/// (a type not named is a wildcard), or `A,B` when one `--type-url` is
+/// given. Plain names with several types are a usage error: which type
+/// each name is of cannot be told, and a name asked of every type comes
+/// back removed from each type that lacks it.
+fn names_by_type(values: &[String], type_urls: &[String]) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
+    let mut by_type: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for value in values {
+        let (type_url, names) = match value.split_once('=') {
+            Some((type_url, names)) if type_urls.iter().any(|t| t == type_url) => (type_url.to_owned(), names),
+            Some((type_url, _)) if type_url.contains('/') => {
+                let hint = closest(type_url, type_urls.iter().map(String::as_str))
+                    .map(|c| format!("; did you mean {c}?"))
+                    .unwrap_or_default();
+                return Err(usage(format!(
+                    "--names {value}: {type_url} is not one of the --type-url values{hint}"
+                )));
+            }
+            _ => match type_urls {
+                [only] => (only.clone(), value.as_str()),
+                _ => {
+                    return Err(usage(format!(
+                        "--names {value}: with several --type-url, say which type the names are of: \
+                         --names TYPE=A,B (a type given no names is a wildcard subscription)"
+                    )))
+                }
+            },
+        };
+        let names = names.split(',').filter(|n| !n.is_empty()).map(str::to_owned);
+        by_type.entry(type_url).or_default().extend(names);
+    }
+    if let Some((type_url, _)) = by_type.iter().find(|(_, names)| names.is_empty()) {
+        return Err(usage(format!(
+            "--names {type_url}=: no names given; leave the type out of --names for a wildcard subscription"
+        )));
+    }
+    Ok(by_type)
+}
+
+/// The known name closest to `wanted`, if one is close enough to be a typo
+/// of it (at most a third of its length apart).
+fn closest<'a>(wanted: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    known
+        .into_iter()
+        .map(|k| (strsim::levenshtein(wanted, k), k))
+        .filter(|(distance, _)| *distance <= wanted.chars().count().div_ceil(3).max(2))
+        .min()
+        .map(|(_, k)| k)
+}
+
+/// An xDS type URL the gateway answers, or at least knows: a GVK or type
+/// URL of its collection table, istiod's MeshConfig and debug types, or a
+/// message of the descriptors (built in, or `--descriptors`). Another is a
+/// typo the gateway would answer empty: a usage error naming the closest.
+fn check_xds_type_url(type_url: &str, bodies: &BodyDecoder) -> anyhow::Result<()> {
+    let table = crate::collections::CollectionTable::builtin();
+    let known = type_url == crate::collections::MESH_CONFIG_GVK
+        || type_url.starts_with("istio.io/")
+        || table.resolve_xds(type_url) != crate::collections::XdsType::Unserved
+        || (type_url.starts_with(crate::collections::TYPE_URL_PREFIX) && bodies.decode(type_url, &[]).is_ok());
+    if known {
+        return Ok(());
+    }
+    let candidates = table.xds_type_urls();
+    let hint = match closest(type_url, candidates.iter().copied()) {
+        Some(near) => format!("did you mean {near}?"),
+        None => "give a type URL as Envoy asks (type.googleapis.com/envoy.config.cluster.v3.Cluster) or a GVK as \
+                 istiod asks (networking.istio.io/v1/VirtualService)"
+            .to_owned(),
+    };
+    Err(usage(format!(
+        "--type-url {}: neither the gateway's collections nor the descriptors know this type (the gateway \
+         would answer it empty); {hint}",
+        terminal_safe(type_url)
+    )))
 }
 
 fn round_ms(delay: Duration) -> Duration {
@@ -540,7 +690,7 @@ async fn sotw_once(
     let update = |response: crate::proto::MeshConfigResponse| Update {
         type_url: response.type_url,
         version: response.version_info,
-        resources: summary(&response.resources),
+        resources: summary(&response.resources, false),
         raw: response.resources,
         removed: Vec::new(),
         full: true,
@@ -654,11 +804,11 @@ async fn incremental_once(
         (type_url.clone(), request)
     };
     let update = |response: crate::proto::IncrementalMeshConfigResponse| {
-        let resources = summary(&response.resources);
+        let resources = summary(&response.resources, false);
         {
             let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
-            for (name, version, _) in &resources {
-                held.insert(name.clone(), version.clone());
+            for shown in &resources {
+                held.insert(shown.name.clone(), shown.version.clone());
             }
             for name in &response.removed_resources {
                 held.remove(name);
@@ -686,8 +836,8 @@ struct Xds {
     dialer: std::sync::Arc<Dialer>,
     node: Node,
     type_urls: Vec<String>,
-    /// Named subscriptions (of every type); empty: wildcard.
-    names: Vec<String>,
+    /// Named subscriptions, by type; a type not here: wildcard.
+    names: BTreeMap<String, Vec<String>>,
     delta: bool,
     once: bool,
     /// Reads a state-of-the-world resource's name from its body.
@@ -714,9 +864,11 @@ async fn xds(xds: Xds, events: mpsc::UnboundedSender<Event>) {
 }
 
 /// An xDS resource as the printer reads it: MCP over xDS carries an
-/// `istio.mcp.v1alpha1.Resource` whole; plain xDS the body itself, named by
-/// delta's `Resource` or, in state of the world, by its own `name` (a load
-/// assignment's `cluster_name`), as Envoy names it.
+/// `istio.mcp.v1alpha1.Resource` whole (its own name and version); plain
+/// xDS the body itself, named by delta's `Resource` or, in state of the
+/// world, by its own `name` (a load assignment's `cluster_name`), as Envoy
+/// names it, and versioned by delta's `Resource` or, in state of the world,
+/// by the response's `version_info` (the version Envoy shows it at).
 fn xds_resource(any: prost_types::Any, name: Option<String>, version: String, bodies: &BodyDecoder) -> Resource {
     if any.type_url == MCP_RESOURCE {
         if let Ok(resource) = <Resource as prost::Message>::decode(&*any.value) {
@@ -764,7 +916,7 @@ async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool
     let request = |type_url: &str, version: &str, nonce: &str| DiscoveryRequest {
         version_info: version.to_owned(),
         node: Some(xds.node.clone()),
-        resource_names: xds.names.clone(),
+        resource_names: xds.names.get(type_url).cloned().unwrap_or_default(),
         type_url: type_url.to_owned(),
         response_nonce: nonce.to_owned(),
         ..Default::default()
@@ -787,15 +939,16 @@ async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool
         (response.type_url.clone(), request)
     };
     let update = |response: DiscoveryResponse| {
+        let plain = response.resources.iter().any(|any| any.type_url != MCP_RESOURCE);
         let raw: Vec<Resource> = response
             .resources
             .into_iter()
-            .map(|any| xds_resource(any, None, String::new(), &xds.bodies))
+            .map(|any| xds_resource(any, None, response.version_info.clone(), &xds.bodies))
             .collect();
         Update {
             type_url: response.type_url,
             version: response.version_info,
-            resources: summary(&raw),
+            resources: summary(&raw, plain),
             raw,
             removed: Vec::new(),
             full: true,
@@ -812,7 +965,7 @@ async fn xds_delta_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (boo
         let _ = tx.send(DeltaDiscoveryRequest {
             node: Some(xds.node.clone()),
             type_url: type_url.clone(),
-            resource_names_subscribe: xds.names.clone(),
+            resource_names_subscribe: xds.names.get(type_url).cloned().unwrap_or_default(),
             ..Default::default()
         });
     }
@@ -846,7 +999,7 @@ async fn xds_delta_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (boo
         Update {
             type_url: response.type_url,
             version: response.system_version_info,
-            resources: summary(&raw),
+            resources: summary(&raw, false),
             raw,
             removed: response.removed_resources,
             full: false,
@@ -860,9 +1013,10 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
     match output {
         Output::Summary => Ok(()),
         Output::Names => {
-            for (name, _, _) in &update.resources {
-                writeln!(out, "  {name}")?;
+            for shown in &update.resources {
+                writeln!(out, "  {}", terminal_safe(&shown.name))?;
             }
+            print_removed(out, update)?;
             out.flush()
         }
         Output::Json | Output::Yaml => {
@@ -872,16 +1026,13 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
                 .map(|r| {
                     let metadata = r.metadata.clone().unwrap_or_default();
                     let body = r.body.clone().unwrap_or_default();
-                    let decoded = bodies
-                        .decode(&body.type_url, &body.value)
-                        .unwrap_or_else(|why| serde_json::json!({"bytes": body.value.len(), "not_decoded": why}));
                     serde_json::json!({
                         "name": metadata.name,
                         "version": metadata.version,
                         "labels": metadata.labels,
                         "annotations": metadata.annotations,
                         "type_url": body.type_url,
-                        "body": decoded,
+                        "body": read_body(bodies, &body),
                     })
                 })
                 .collect();
@@ -903,58 +1054,97 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
     }
 }
 
-/// Applies an update to what the client holds and prints it:
-/// `TYPE version=V resources=N added=A changed=C removed=R`.
-fn print_update(
-    out: &mut impl Write,
-    held: &mut BTreeMap<String, String>,
-    update: &Update,
-    show: Option<Show>,
-    bodies: &BodyDecoder,
-) -> std::io::Result<()> {
-    let (mut added, mut changed, mut removed) = (0, 0, 0);
+/// A body read back as JSON, or why it cannot be.
+fn read_body(bodies: &BodyDecoder, body: &prost_types::Any) -> serde_json::Value {
+    bodies
+        .decode(&body.type_url, &body.value)
+        .unwrap_or_else(|why| serde_json::json!({"bytes": body.value.len(), "not_decoded": why}))
+}
+
+/// Each name the update removed, a line each.
+fn print_removed(out: &mut impl Write, update: &Update) -> std::io::Result<()> {
+    for name in &update.removed {
+        writeln!(out, "  {} removed", terminal_safe(name))?;
+    }
+    Ok(())
+}
+
+/// What an update did to what the client held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Counts {
+    added: usize,
+    changed: usize,
+    removed: usize,
+}
+
+/// Applies an update to what the client holds of its type (name to
+/// fingerprint) and counts what it did. In state of the world the names
+/// held before and absent now become the update's `removed`; an
+/// incremental update's `removed` are counted as the gateway sent them
+/// (a name asked for that does not exist comes back removed, never held).
+fn apply(held: &mut BTreeMap<String, String>, update: &mut Update) -> Counts {
+    let (mut added, mut changed) = (0, 0);
     let mut next = if update.full { BTreeMap::new() } else { held.clone() };
-    for (name, version, _) in &update.resources {
-        match held.get(name) {
+    for shown in &update.resources {
+        match held.get(&shown.name) {
             None => added += 1,
-            Some(old) if old != version => changed += 1,
+            Some(old) if *old != shown.fingerprint => changed += 1,
             Some(_) => {}
         }
-        next.insert(name.clone(), version.clone());
+        next.insert(shown.name.clone(), shown.fingerprint.clone());
     }
     if update.full {
-        removed = held.keys().filter(|name| !next.contains_key(*name)).count();
+        update.removed = held.keys().filter(|name| !next.contains_key(*name)).cloned().collect();
     } else {
         for name in &update.removed {
-            if next.remove(name).is_some() {
-                removed += 1;
-            }
+            next.remove(name);
         }
     }
     *held = next;
+    Counts {
+        added,
+        changed,
+        removed: update.removed.len(),
+    }
+}
+
+/// Prints an update's line, `TYPE version=V resources=N added=A changed=C
+/// removed=R` (`resources`: how many the client holds now), and with
+/// `--show` each resource under it.
+fn print_update(
+    out: &mut impl Write,
+    update: &Update,
+    counts: Counts,
+    holding: usize,
+    show: Option<Show>,
+    bodies: &BodyDecoder,
+) -> std::io::Result<()> {
+    let Counts {
+        added,
+        changed,
+        removed,
+    } = counts;
     writeln!(
         out,
-        "{} version={} resources={} added={added} changed={changed} removed={removed}",
-        update.type_url,
-        update.version,
-        held.len()
+        "{} version={} resources={holding} added={added} changed={changed} removed={removed}",
+        terminal_safe(&update.type_url),
+        terminal_safe(&update.version),
     )?;
     if show.is_some() {
-        for (i, (name, version, body_type_url)) in update.resources.iter().enumerate() {
-            writeln!(out, "  {name} version={version} body={body_type_url}")?;
+        for (i, shown) in update.resources.iter().enumerate() {
+            writeln!(
+                out,
+                "  {} version={} body={}",
+                terminal_safe(&shown.name),
+                terminal_safe(&shown.version),
+                terminal_safe(&shown.body_type_url)
+            )?;
             if show == Some(Show::Bodies) {
                 let body = update.raw.get(i).and_then(|r| r.body.clone()).unwrap_or_default();
-                let read = bodies
-                    .decode(&body.type_url, &body.value)
-                    .unwrap_or_else(|why| serde_json::json!({"bytes": body.value.len(), "not_decoded": why}));
-                writeln!(out, "    {read}")?;
+                writeln!(out, "    {}", terminal_safe(&read_body(bodies, &body).to_string()))?;
             }
         }
-        if !update.full {
-            for name in &update.removed {
-                writeln!(out, "  {name} removed")?;
-            }
-        }
+        print_removed(out, update)?;
     }
     out.flush()
 }
@@ -969,7 +1159,12 @@ mod tests {
             version: "v".into(),
             resources: resources
                 .iter()
-                .map(|(n, v)| (n.to_string(), v.to_string(), "b".into()))
+                .map(|(n, v)| Shown {
+                    name: n.to_string(),
+                    version: v.to_string(),
+                    body_type_url: "b".into(),
+                    fingerprint: v.to_string(),
+                })
                 .collect(),
             raw: Vec::new(),
             removed: removed.iter().map(|s| s.to_string()).collect(),
@@ -977,20 +1172,136 @@ mod tests {
         }
     }
 
-    fn line(held: &mut BTreeMap<String, String>, update: &Update) -> String {
-        let mut out = Vec::new();
-        print_update(&mut out, held, update, None, &BodyDecoder::new(None).unwrap()).unwrap();
-        String::from_utf8(out).unwrap()
+    /// The update line, and what `-o names` prints under it.
+    fn printed(held: &mut BTreeMap<String, String>, mut update: Update) -> (String, String) {
+        let bodies = BodyDecoder::new(None).unwrap();
+        let counts = apply(held, &mut update);
+        let (mut line, mut names) = (Vec::new(), Vec::new());
+        print_update(&mut line, &update, counts, held.len(), None, &bodies).unwrap();
+        print_resources(&mut names, &update, Output::Names, &bodies).unwrap();
+        (String::from_utf8(line).unwrap(), String::from_utf8(names).unwrap())
     }
 
     #[test]
     fn counts_added_changed_and_removed_for_both_protocols() {
         let mut held = BTreeMap::new();
-        let first = line(&mut held, &update(&[("a", "1"), ("b", "1")], &[], true));
+        let (first, _) = printed(&mut held, update(&[("a", "1"), ("b", "1")], &[], true));
         assert_eq!(first, "t version=v resources=2 added=2 changed=0 removed=0\n");
-        let second = line(&mut held, &update(&[("a", "2"), ("c", "1")], &[], true));
+        // State of the world: what is no longer there was removed, and is
+        // listed as such.
+        let (second, names) = printed(&mut held, update(&[("a", "2"), ("c", "1")], &[], true));
         assert_eq!(second, "t version=v resources=2 added=1 changed=1 removed=1\n");
-        let diff = line(&mut held, &update(&[("d", "1")], &["a", "zzz"], false));
-        assert_eq!(diff, "t version=v resources=2 added=1 changed=0 removed=1\n");
+        assert_eq!(names, "  a\n  c\n  b removed\n");
+        // Incremental: every name the gateway removed is counted and listed,
+        // held or not (a name asked for that does not exist).
+        let (diff, names) = printed(&mut held, update(&[("d", "1")], &["a", "zzz"], false));
+        assert_eq!(diff, "t version=v resources=2 added=1 changed=0 removed=2\n");
+        assert_eq!(names, "  d\n  a removed\n  zzz removed\n");
+    }
+
+    #[test]
+    fn what_the_gateway_wrote_is_printed_terminal_safe() {
+        let mut held = BTreeMap::new();
+        let mut evil = update(&[("a\x1b[2Jb", "1\n2")], &["\u{202e}x"], false);
+        evil.type_url = "t\x07".into();
+        let (line, names) = printed(&mut held, evil);
+        assert_eq!(line, "t\\x07 version=v resources=1 added=1 changed=0 removed=1\n");
+        assert_eq!(names, "  a\\x1b[2Jb\n  \\u{202e}x removed\n");
+    }
+
+    /// Plain xDS in state of the world: every resource carries the
+    /// response's version, so a change is told by its body.
+    #[test]
+    fn a_sotw_resource_changes_when_its_body_does() {
+        let any = |body: &[u8]| prost_types::Any {
+            type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(),
+            value: body.to_vec(),
+        };
+        let bodies = BodyDecoder::new(None).unwrap();
+        let response = |version: &str, a: &[u8], b: &[u8]| {
+            let raw = vec![
+                xds_resource(any(a), Some("a".into()), version.into(), &bodies),
+                xds_resource(any(b), Some("b".into()), version.into(), &bodies),
+            ];
+            Update {
+                type_url: "t".into(),
+                version: version.into(),
+                resources: summary(&raw, true),
+                raw,
+                removed: Vec::new(),
+                full: true,
+            }
+        };
+        let mut held = BTreeMap::new();
+        let (first, _) = printed(&mut held, response("v1", b"\x0a\x01a", b"\x0a\x01b"));
+        assert_eq!(first, "t version=v1 resources=2 added=2 changed=0 removed=0\n");
+        let mut second = response("v2", b"\x0a\x01a", b"\x0a\x02bb");
+        assert!(
+            second.resources.iter().all(|r| r.version == "v2"),
+            "the response's version"
+        );
+        let counts = apply(&mut held, &mut second);
+        assert_eq!(
+            counts,
+            Counts {
+                added: 0,
+                changed: 1,
+                removed: 0
+            }
+        );
+    }
+
+    #[test]
+    fn names_go_to_the_type_they_name() {
+        const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        const RDS: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+        let types = [CDS.to_owned(), RDS.to_owned()];
+        let given = |values: &[&str], types: &[String]| {
+            names_by_type(&values.iter().map(|v| v.to_string()).collect::<Vec<_>>(), types)
+        };
+        // CDS wildcard, RDS by name, as Envoy asks.
+        let names = given(&[&format!("{RDS}=local_route,other")], &types).unwrap();
+        assert_eq!(names.len(), 1);
+        assert_eq!(names[RDS], ["local_route", "other"]);
+        // One type: plain names are its own.
+        let names = given(&["a,b", "c"], &types[..1]).unwrap();
+        assert_eq!(names[CDS], ["a", "b", "c"]);
+        // Several types: plain names cannot be placed.
+        let error = given(&["local_route"], &types).unwrap_err();
+        assert!(error.downcast_ref::<Usage>().is_some());
+        assert!(error.to_string().contains("--names TYPE=A,B"), "{error}");
+        // A type that is not subscribed, with the closest that is.
+        let error = given(&[&format!("{CDS}s=a")], &types).unwrap_err();
+        assert!(error.to_string().contains(&format!("did you mean {CDS}?")), "{error}");
+    }
+
+    #[test]
+    fn a_mistyped_xds_type_url_is_a_usage_error_naming_the_closest() {
+        let bodies = BodyDecoder::new(None).unwrap();
+        for known in [
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            "networking.istio.io/v1/VirtualService",
+            crate::collections::MESH_CONFIG_GVK,
+            // Not a collection, but a message the descriptors know.
+            "type.googleapis.com/envoy.config.core.v3.Address",
+        ] {
+            check_xds_type_url(known, &bodies).unwrap();
+        }
+        for (typo, near) in [
+            (
+                "type.googleapis.com/envoy.config.cluster.v3.Clustr",
+                "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            ),
+            (
+                "networking.istio.io/v1/VirtualServce",
+                "networking.istio.io/v1/VirtualService",
+            ),
+        ] {
+            let error = check_xds_type_url(typo, &bodies).unwrap_err();
+            assert!(error.downcast_ref::<Usage>().is_some());
+            assert!(error.to_string().ends_with(&format!("did you mean {near}?")), "{error}");
+        }
+        let error = check_xds_type_url("nothing-like-it", &bodies).unwrap_err();
+        assert!(error.to_string().contains("give a type URL as Envoy asks"), "{error}");
     }
 }

@@ -69,6 +69,28 @@ pub fn read_certs(flag: &'static str, path: &Path) -> Result<(Vec<u8>, Vec<Certi
     Ok((pem, certs))
 }
 
+/// The certificate a side presents (the first of its file) is X.509 v3, as
+/// TLS needs: an older one is refused by rustls as the key's mismatch, so it
+/// is named here as the certificate's fault.
+fn check_presented(flag: &'static str, path: &Path, certs: &[CertificateDer<'static>]) -> Result<(), TlsError> {
+    let Some(Ok((_, cert))) = certs.first().map(|der| x509_parser::parse_x509_certificate(der)) else {
+        return Ok(());
+    };
+    let version = cert.version();
+    if version != x509_parser::x509::X509Version::V3 {
+        return Err(tls_error(
+            flag,
+            path,
+            format!(
+                "is an X.509 v{} certificate; TLS needs v3, with extensions (subjectAltName, extendedKeyUsage): \
+                 openssl x509 -req makes v1 unless given -extfile; reissue it with one",
+                version.0 + 1
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The private key in a PEM file (PKCS#8, PKCS#1 or SEC1).
 pub fn read_key(flag: &'static str, path: &Path) -> Result<(Vec<u8>, PrivateKeyDer<'static>), TlsError> {
     let pem = read(flag, path)?;
@@ -95,6 +117,7 @@ impl ServerTlsFiles {
     /// Reads and checks every file and builds the rustls configuration.
     pub fn load(&self) -> Result<Arc<ServerConfig>, TlsError> {
         let (_, certs) = read_certs("--tls-cert", &self.cert)?;
+        check_presented("--tls-cert", &self.cert, &certs)?;
         let (_, key) = read_key("--tls-key", &self.key)?;
         let provider = provider();
         let builder = ServerConfig::builder_with_provider(provider.clone())
@@ -234,7 +257,7 @@ impl Default for ClientTlsFiles {
 }
 
 impl ClientTlsFiles {
-    fn flag(&self, name: &'static str) -> &'static str {
+    pub(crate) fn flag(&self, name: &'static str) -> &'static str {
         match (self.flag_prefix, name) {
             ("--", "ca") => "--ca",
             ("--", "cert") => "--cert",
@@ -299,6 +322,7 @@ impl ClientTlsFiles {
         let mut config = match (&self.cert, &self.key) {
             (Some(cert), Some(key)) => {
                 let (_, certs) = read_certs(self.flag("cert"), cert)?;
+                check_presented(self.flag("cert"), cert, &certs)?;
                 let (_, private) = read_key(self.flag("key"), key)?;
                 builder.with_client_auth_cert(certs, private).map_err(|e| {
                     tls_error(
@@ -377,6 +401,46 @@ mod tests {
         leaf(dir.path(), "server");
         tls.reload().unwrap();
         assert!(!Arc::ptr_eq(&before, &tls.current.read().unwrap()));
+    }
+
+    /// `openssl x509 -req` without `-extfile`: an X.509 v1 certificate (a
+    /// certificate only; no key is checked in, and none is read: the
+    /// certificate is refused first).
+    const V1_CERTIFICATE: &str = "-----BEGIN CERTIFICATE-----
+MIIBGDCBvgIUREaxh558RAHrsRndo3TIQHgyNxQwCgYIKoZIzj0EAwIwDTELMAkG
+A1UEAwwCY2EwHhcNMjYxMjAyMDMzMTU3WhcNMjYxMjEyMDMzMTU3WjAQMQ4wDAYD
+VQQDDAVub3NhbjBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABFev9KIf8ckGImA5
+dUgfgiuEHBsDxGQGJQvGiVOqkdF+fai87RXZnwbECichBpYNh6A1EMwdDrlE1pdy
+klaOzzQwCgYIKoZIzj0EAwIDSQAwRgIhANHZEUV6WsYCtReYb0TucMkg/NYeNX62
+rjnH2NzS3v5iAiEAiCWeoBJBrqUCA8G77qP+oy+OzOJGLapHmIqywWVAfy4=
+-----END CERTIFICATE-----
+";
+
+    #[test]
+    fn a_v1_certificate_is_named_as_the_certificates_fault_not_the_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = dir.path().join("nosan.crt");
+        std::fs::write(&cert, V1_CERTIFICATE).unwrap();
+        let key = dir.path().join("absent.key");
+        let client = ClientTlsFiles {
+            ca: Some(leaf(dir.path(), "ca").cert),
+            cert: Some(cert.clone()),
+            key: Some(key.clone()),
+            server_name: None,
+            flag_prefix: "--",
+        };
+        let error = client.load().unwrap_err();
+        assert_eq!(error.flag, "--cert", "{error}");
+        assert!(
+            error.message.starts_with("is an X.509 v1 certificate; TLS needs v3"),
+            "{error}"
+        );
+        let server = ServerTlsFiles {
+            cert,
+            key,
+            client_ca: None,
+        };
+        assert_eq!(server.load().unwrap_err().flag, "--tls-cert");
     }
 
     #[test]

@@ -1476,7 +1476,9 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
     let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/envoy/config");
     let gw = crate::helpers::spawn_gateway(None, &["--source-dir", examples]).await;
     let target = gw.listen.to_string();
-    let names = "backend,local_route";
+    // Each type by name, as Envoy asks for endpoints and routes.
+    let names = [(CLA, "backend"), (ROUTES, "local_route")];
+    let (cla_names, route_names) = (format!("{CLA}=backend"), format!("{ROUTES}=local_route"));
     let args = [
         "--target",
         &target,
@@ -1487,7 +1489,9 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
         "--type-url",
         ROUTES,
         "--names",
-        names,
+        &cla_names,
+        "--names",
+        &route_names,
         "--once",
     ];
     let (code, stdout, stderr) = client_command(&[&args[..], &["--output", "json"]].concat()).await;
@@ -1515,14 +1519,14 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
         DELTA,
     )
     .await;
-    for type_url in [CLA, ROUTES] {
+    for (type_url, name) in names {
         delta.send(DeltaDiscoveryRequest {
             node: Some(Node {
                 id: "envoy-1".into(),
                 ..Default::default()
             }),
             type_url: type_url.into(),
-            resource_names_subscribe: names.split(',').map(String::from).collect(),
+            resource_names_subscribe: vec![name.into()],
             ..Default::default()
         });
     }
@@ -1598,13 +1602,136 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
             .all(|l| l.ends_with("body=type.googleapis.com/istio.networking.v1alpha3.VirtualService")),
         "MCP over xDS: each an istio.mcp.v1alpha1.Resource read back: {text}"
     );
-    // Names are an xDS notion.
+    // State of the world shows each resource at its version: the
+    // Resource's own in MCP over xDS.
+    assert!(
+        lines[1..].iter().all(|l| !l.contains(" version= ")),
+        "every resource has a version: {text}"
+    );
+    // Names are an xDS notion: a usage error.
     let (code, _, stderr) = client_command(&["--target", &target, "--type-url", VS, "--names", "a", "--once"]).await;
-    assert_eq!(code, Some(1));
+    assert_eq!(code, Some(2));
     assert!(
         stderr.contains("--names needs --protocol xds-sotw or xds-delta"),
         "{stderr}"
     );
+}
+
+/// Envoy's usual subscription in one run (clusters wildcard, routes by
+/// name), what it removes in the summary and the names, each resource's
+/// version in state of the world, and a mistyped type URL refused with the
+/// closest known one.
+#[tokio::test]
+async fn the_client_mimics_envoys_subscriptions_and_refuses_unknown_types() {
+    const CDS: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+    const ROUTES: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/envoy/config");
+    let gw = crate::helpers::start_gateway(&["--source-dir", examples]).await;
+    let target = gw.listen.to_string();
+    let routes = format!("{ROUTES}=local_route,no_such_route");
+    let run = |protocol: &'static str, output: &'static str| {
+        let args = [
+            "--target",
+            &target,
+            "--protocol",
+            protocol,
+            "--type-url",
+            CDS,
+            "--type-url",
+            ROUTES,
+            "--names",
+            &routes,
+            "--once",
+            "-o",
+            output,
+        ]
+        .map(str::to_owned);
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            client_command(&args).await
+        }
+    };
+
+    let (code, text, stderr) = run("xds-delta", "names").await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let lines: Vec<&str> = text.lines().collect();
+    let cds = lines.iter().position(|l| l.starts_with(CDS)).expect(&text);
+    let rds = lines.iter().position(|l| l.starts_with(ROUTES)).expect(&text);
+    // Clusters: the wildcard, nothing removed.
+    assert!(lines[cds].ends_with("removed=0"), "{text}");
+    assert!(
+        lines[cds + 1..]
+            .iter()
+            .take_while(|l| l.starts_with("  "))
+            .any(|l| *l == "  backend"),
+        "{text}"
+    );
+    // Routes by name: the one that exists, the one that does not removed,
+    // counted and listed.
+    assert!(lines[rds].contains("resources=1 added=1 changed=0 removed=1"), "{text}");
+    let listed: Vec<&str> = lines[rds + 1..]
+        .iter()
+        .take_while(|l| l.starts_with("  "))
+        .copied()
+        .collect();
+    assert_eq!(listed, ["  local_route", "  no_such_route removed"], "{text}");
+
+    let (code, json, stderr) = run("xds-sotw", "json").await;
+    assert_eq!(code, Some(0), "{stderr}");
+    for line in json.lines() {
+        let update: serde_json::Value = serde_json::from_str(line).unwrap();
+        let version = update["version"].as_str().unwrap();
+        assert!(!version.is_empty(), "{line}");
+        for resource in update["resources"].as_array().unwrap() {
+            assert_eq!(
+                resource["version"], version,
+                "plain xDS: the response's version: {line}"
+            );
+        }
+        if update["type_url"] == ROUTES {
+            let names: Vec<&str> = update["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["name"].as_str().unwrap())
+                .collect();
+            assert_eq!(names, ["local_route"], "{line}");
+        }
+    }
+
+    let typo = "type.googleapis.com/envoy.config.cluster.v3.Clustr";
+    let (code, stdout, stderr) = client_command(&[
+        "--target",
+        &target,
+        "--protocol",
+        "xds-delta",
+        "--type-url",
+        typo,
+        "--once",
+    ])
+    .await;
+    assert_eq!(code, Some(2), "{stdout}{stderr}");
+    assert!(
+        stderr.contains(&format!("--type-url {typo}")) && stderr.contains(&format!("did you mean {CDS}?")),
+        "{stderr}"
+    );
+    // Plain names with several types cannot be placed.
+    let (code, _, stderr) = client_command(&[
+        "--target",
+        &target,
+        "--protocol",
+        "xds-sotw",
+        "--type-url",
+        CDS,
+        "--type-url",
+        ROUTES,
+        "--names",
+        "local_route",
+        "--once",
+    ])
+    .await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--names TYPE=A,B"), "{stderr}");
 }
 
 /// The NACK warning says who NACKed: the stream, its node and its peer, and

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Certificate, Channel, Endpoint, Identity, ServerTlsConfig};
 
-use crate::helpers::certs::{tls_alert, write, write_leaf, Ca, Leaf};
+use crate::helpers::certs::{self_signed_leaf, tls_alert, write, write_leaf, Ca, Leaf};
 use crate::helpers::clients::{node, tls_channel, SotwClient, SOTW_PATH};
 use crate::helpers::galley::{dial_out, resource, FakeGalley};
 use crate::helpers::{eventually, names, start_gateway, within, VS};
@@ -175,6 +175,12 @@ async fn the_upstream_is_dialled_over_mtls() {
     })
     .await;
     assert!(!without_cert.upstream.borrow().connected);
+    let error = without_cert.upstream.borrow().last_error.clone().unwrap();
+    assert!(
+        error.contains("requires a client certificate (mTLS; TLS alert certificate_required)")
+            && error.contains("give --upstream-cert and --upstream-key"),
+        "the refusal named: {error}"
+    );
     assert_eq!(
         galley.streams_opened(),
         1,
@@ -311,6 +317,11 @@ async fn the_upstream_client_rereads_its_files_on_every_attempt() {
     })
     .await;
     assert_eq!(galley.streams_opened(), 0);
+    let error = gw.upstream.borrow().last_error.clone().unwrap();
+    assert!(
+        error.contains("the server's certificate is not signed by a CA in --upstream-ca"),
+        "{error}"
+    );
 
     // The CA bundle rotates on disk: the next attempt uses it.
     write(dir.path(), "ca.pem", &new_ca.pem);
@@ -318,4 +329,116 @@ async fn the_upstream_client_rereads_its_files_on_every_attempt() {
     upstream.initial_requests(1).await;
     upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
     assert!(gw.upstream.borrow().connected);
+}
+
+/// `client --once --timeout 5s --type-url VS --target TARGET EXTRA…`.
+async fn client_at(target: &str, extra: &[&str]) -> (Option<i32>, String, String) {
+    let mut args = vec!["--target", target, "--type-url", VS, "--once", "--timeout", "5s"];
+    args.extend_from_slice(extra);
+    crate::operating::subcommand("client", &args).await
+}
+
+/// The `client` command names why TLS failed, whichever side refused what,
+/// and exits 1 (a failed dial, as documented) well within `--timeout`: the
+/// suite's wait (`subcommand`) is the bound; no timing is asserted.
+#[tokio::test]
+async fn the_client_command_names_the_tls_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let gw = tls_gateway(dir.path(), &ca, true, &[]).await;
+    let plain = crate::helpers::start_gateway(&[]).await;
+    let ca_path = path(&write(dir.path(), "ca.pem", &ca.pem));
+    let other_ca = path(&write(dir.path(), "other-ca.pem", &Ca::new("other-ca").pem));
+    let leaf = |name: &str, leaf: &Leaf| {
+        let (cert, key) = write_leaf(dir.path(), name, leaf);
+        (path(&cert), path(&key))
+    };
+    let (good, good_key) = leaf("good", &ca.leaf("pilot"));
+    let (server_only, server_only_key) = leaf("server-only", &ca.server_only_leaf("pilot"));
+    let (own, own_key) = leaf("own", &self_signed_leaf("pilot"));
+    let expired = ca.expired_spiffe_leaf("spiffe://cluster.local/ns/istio-system/sa/pilot");
+    let (expired, expired_key) = leaf("expired", &expired);
+    let target = gw.listen.to_string();
+
+    let (code, stdout, stderr) = client_at(&target, &["--ca", &ca_path, "--cert", &good, "--key", &good_key]).await;
+    assert_eq!(code, Some(0), "the allowed client is served: {stderr}");
+    assert!(stdout.contains("resources=2"), "{stdout}");
+
+    for (what, flags, said) in [
+        (
+            "a serverAuth-only client certificate",
+            vec!["--ca", &ca_path, "--cert", &server_only, "--key", &server_only_key],
+            vec![
+                "TLS alert unsupported_certificate",
+                "does not allow client authentication (clientAuth), only serverAuth",
+            ],
+        ),
+        (
+            "a self-signed client certificate",
+            vec!["--ca", &ca_path, "--cert", &own, "--key", &own_key],
+            vec!["TLS alert unknown_ca", "it is self-signed (CN=pilot)"],
+        ),
+        (
+            "an expired client certificate",
+            vec!["--ca", &ca_path, "--cert", &expired, "--key", &expired_key],
+            vec!["TLS alert certificate_expired", "it expired on"],
+        ),
+        (
+            "no client certificate",
+            vec!["--ca", &ca_path],
+            vec!["requires a client certificate", "give --cert and --key"],
+        ),
+        (
+            "a CA that did not sign the gateway's certificate",
+            vec!["--ca", &other_ca, "--cert", &good, "--key", &good_key],
+            vec!["the server's certificate is not signed by a CA in --ca", "(unknown CA)"],
+        ),
+        (
+            "a name the gateway's certificate does not carry",
+            vec![
+                "--ca",
+                &ca_path,
+                "--cert",
+                &good,
+                "--key",
+                &good_key,
+                "--server-name",
+                "gateway.example",
+            ],
+            vec!["does not carry the name dialled", "--server-name"],
+        ),
+        (
+            "plaintext against the mTLS port",
+            vec![],
+            vec!["the server speaks TLS", "give an https:// --target or --ca"],
+        ),
+    ] {
+        let (code, _, stderr) = client_at(&target, &flags).await;
+        assert_eq!(code, Some(1), "{what}: {stderr}");
+        for said in said {
+            assert!(stderr.contains(said), "{what}: {said:?} in {stderr}");
+        }
+        assert!(!stderr.contains("timed out"), "{what}: {stderr}");
+    }
+
+    // TLS against a plaintext port.
+    let target = plain.listen.to_string();
+    let (code, _, stderr) = crate::operating::subcommand(
+        "client",
+        &["--target", &target, "--ca", &ca_path, "--type-url", VS, "--once"],
+    )
+    .await;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("the server speaks plaintext HTTP/2, not TLS") && stderr.contains("give an http:// --target"),
+        "{stderr}"
+    );
+    // A file the client cannot use is a usage error naming its flag.
+    let (code, _, stderr) = crate::operating::subcommand(
+        "client",
+        &["--target", &target, "--ca", "/nonexistent.pem", "--type-url", VS],
+    )
+    .await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--ca /nonexistent.pem"), "{stderr}");
 }

@@ -71,6 +71,14 @@ impl Ca {
         })
     }
 
+    /// A leaf whose extended key usage is serverAuth only: no client may
+    /// present it.
+    pub fn server_only_leaf(&self, common_name: &str) -> Leaf {
+        self.leaf_with(common_name, |params| {
+            params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        })
+    }
+
     fn leaf_with(&self, common_name: &str, edit: impl FnOnce(&mut CertificateParams)) -> Leaf {
         let mut params = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
         params.distinguished_name.push(DnType::CommonName, common_name);
@@ -82,6 +90,20 @@ impl Ca {
             cert: cert.pem(),
             key: key.serialize_pem(),
         }
+    }
+}
+
+/// A leaf for localhost signed by its own key (not a CA): no CA vouches
+/// for it.
+pub fn self_signed_leaf(common_name: &str) -> Leaf {
+    let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    params.distinguished_name.push(DnType::CommonName, common_name);
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let key = KeyPair::generate().unwrap();
+    let cert = params.self_signed(&key).unwrap();
+    Leaf {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
     }
 }
 
