@@ -1032,7 +1032,7 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
                         "labels": metadata.labels,
                         "annotations": metadata.annotations,
                         "type_url": body.type_url,
-                        "body": read_body(bodies, &body),
+                        "body": read_body(bodies, &update.type_url, &body),
                     })
                 })
                 .collect();
@@ -1054,11 +1054,32 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
     }
 }
 
-/// A body read back as JSON, or why it cannot be.
-fn read_body(bodies: &BodyDecoder, body: &prost_types::Any) -> serde_json::Value {
-    bodies
-        .decode(&body.type_url, &body.value)
-        .unwrap_or_else(|why| serde_json::json!({"bytes": body.value.len(), "not_decoded": why}))
+/// A body read back as JSON, or why it cannot be. A body of a collection
+/// of secrets (`type_url`: the collection asked for, or its body type over
+/// xDS) is shown only as far as its secret fields are known, as the
+/// gateway's views show it: any other body there reads `[redacted]` whole.
+fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> serde_json::Value {
+    let sensitive = sensitive_type(type_url);
+    if sensitive && !bodies.knows_secrets_of(&body.type_url) {
+        return serde_json::json!(crate::source::proto_json::REDACTED);
+    }
+    bodies.decode(&body.type_url, &body.value).unwrap_or_else(|why| {
+        let sensitive = sensitive || bodies.is_sensitive_type(&body.type_url);
+        serde_json::json!({"bytes": body.value.len(), "not_decoded": why, "sensitive": sensitive})
+    })
+}
+
+/// Whether what `type_url` asks for is a collection of secrets (by the
+/// built-in table: an MCP collection, or an xDS body type of one).
+fn sensitive_type(type_url: &str) -> bool {
+    static TABLE: std::sync::OnceLock<(crate::collections::CollectionTable, Vec<String>)> = std::sync::OnceLock::new();
+    let (table, body_types) = TABLE.get_or_init(|| {
+        let table = crate::collections::CollectionTable::builtin()
+            .with_sensitive_types(crate::source::proto_json::secret_type_urls());
+        let body_types = table.sensitive_body_types();
+        (table, body_types)
+    });
+    table.is_sensitive(type_url) || body_types.iter().any(|t| t == type_url)
 }
 
 /// Each name the update removed, a line each.
@@ -1141,7 +1162,11 @@ fn print_update(
             )?;
             if show == Some(Show::Bodies) {
                 let body = update.raw.get(i).and_then(|r| r.body.clone()).unwrap_or_default();
-                writeln!(out, "    {}", terminal_safe(&read_body(bodies, &body).to_string()))?;
+                writeln!(
+                    out,
+                    "    {}",
+                    terminal_safe(&read_body(bodies, &update.type_url, &body).to_string())
+                )?;
             }
         }
         print_removed(out, update)?;

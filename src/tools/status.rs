@@ -133,7 +133,24 @@ async fn get(authority: &str, path: &str) -> anyhow::Result<Value> {
 
 /// `method` on `path` of the admin port; the answer as JSON, or the error
 /// its body gives.
+/// How long `status` and `rollout` wait for the admin port, from the
+/// connect to the answer's last byte: a port that accepts and says nothing
+/// (not the admin port, a stuck proxy) ends the command, exit 2.
+pub(crate) const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 pub(crate) async fn call(authority: &str, method: hyper::Method, path: &str) -> anyhow::Result<Value> {
+    tokio::time::timeout(ADMIN_TIMEOUT, call_unbounded(authority, method.clone(), path))
+        .await
+        .unwrap_or_else(|_| {
+            Err(anyhow::anyhow!(
+                "{method} {path}: the admin port at {authority} did not answer within {}s; is it the gateway's admin \
+                 port (--admin-listen)?",
+                ADMIN_TIMEOUT.as_secs()
+            ))
+        })
+}
+
+async fn call_unbounded(authority: &str, method: hyper::Method, path: &str) -> anyhow::Result<Value> {
     let stream = tokio::net::TcpStream::connect(authority)
         .await
         .with_context(|| format!("cannot connect to the admin port at {authority}"))?;

@@ -355,19 +355,48 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
     };
     write("one");
     let (map, source_flag) = (map.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
-    let gw = start_gateway(&["--source-dir", &source_flag, "--type-map", &map]).await;
-    for (collection, count) in [(SECRETS, 4), ("example.com/vault", 4), ("example.com/plain", 2)] {
-        eventually(collection, || {
-            gw.cache.get(collection).is_some_and(|s| s.len() == count)
-        })
-        .await;
-    }
     let markers = |text: &str, view: &str| {
         for marker in ["hunter2", &b64("hunter2")[..8], &secret_b64[..24]] {
             assert!(!text.contains(marker), "{view} shows {marker:?}:\n{text}");
         }
         assert_no_key(view, text, &[&key]);
     };
+    // A policy that grants everything to plaintext clients: the `client`
+    // command reads the secrets too.
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "rules:\n- identities: [unauthenticated]\n  collections: [\"*\"]\n",
+    )
+    .unwrap();
+    let gw = start_gateway(&[
+        "--source-dir",
+        &source_flag,
+        "--type-map",
+        &map,
+        "--access-policy",
+        policy.to_str().unwrap(),
+    ])
+    .await;
+    for (collection, count) in [(SECRETS, 4), ("example.com/vault", 4), ("example.com/plain", 2)] {
+        eventually(collection, || {
+            gw.cache.get(collection).is_some_and(|s| s.len() == count)
+        })
+        .await;
+    }
+    // `client --output json|yaml` and `--show bodies` of the secrets (the
+    // client knows the built-in table, not the gateway's --type-map).
+    let listen = gw.listen.to_string();
+    for args in [["--output", "json"], ["--output", "yaml"], ["--show", "bodies"]] {
+        let (code, stdout, stderr) = subcommand(
+            "client",
+            &[&["--target", &listen, "--type-url", SECRETS, "--once"][..], &args[..]].concat(),
+        )
+        .await;
+        assert_eq!(code, Some(0), "{stderr}");
+        markers(&format!("{stdout}{stderr}"), &format!("client {args:?}"));
+        assert!(stdout.contains("[redacted]"), "{stdout}");
+    }
     for collection in [SECRETS, "example.com/vault", "example.com/plain"] {
         let dump = get_json(gw.admin, &format!("/debug/cache/{collection}?bodies=json")).await;
         markers(&dump.to_string(), &format!("the JSON dump of {collection}"));
