@@ -417,3 +417,41 @@ async fn versions_are_taken_by_a_unique_prefix_of_at_least_eight() {
     assert_eq!(status, 404, "{body}");
     assert!(body.contains(unknown), "{body}");
 }
+
+/// `/debug/access` in a browser: without `?identity` a form (the index links
+/// here), not a bare 400; with one, the form filled in and the collections
+/// with content, the rest behind `?all=1`. JSON callers keep the 400 and
+/// every collection.
+#[tokio::test]
+async fn the_access_page_is_a_form_and_lists_the_collections_with_content() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("vs.yaml"),
+        "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata: {name: a, namespace: ns}\nspec:\n  hosts: [a]\n",
+    )
+    .unwrap();
+    let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap()]).await;
+    crate::helpers::eventually("the VirtualService", || gw.cache.get(VS).is_some_and(|s| s.len() == 1)).await;
+    let html = "Accept: text/html\r\n";
+    let (status, page) = crate::helpers::http_get_with(gw.admin, "/debug/access", html).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("<form") && page.contains("name=\"identity\""), "{page}");
+    assert_eq!(http_get(gw.admin, "/debug/access").await.0, 400, "JSON callers");
+
+    let (status, page) = crate::helpers::http_get_with(gw.admin, "/debug/access?identity=unauthenticated", html).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("value=\"unauthenticated\""), "the form filled in: {page}");
+    assert!(page.contains(VS), "{page}");
+    assert!(
+        !page.contains("envoy/config/listener/v3/listeners"),
+        "no empty collection: {page}"
+    );
+    assert!(page.contains("more collections hold nothing now"), "{page}");
+    let (_, all) = crate::helpers::http_get_with(gw.admin, "/debug/access?identity=unauthenticated&all=1", html).await;
+    assert!(all.contains("envoy/config/listener/v3/listeners"), "{all}");
+    let json = get_json(gw.admin, "/debug/access?identity=unauthenticated").await;
+    assert!(
+        json["collections"].as_array().unwrap().len() > 20,
+        "JSON lists every collection: {json}"
+    );
+}

@@ -270,3 +270,91 @@ async fn the_config_page_fits_1400_px() {
         "the page scrolls sideways: {recorded}"
     );
 }
+
+/// What clients' releases drop (`/debug/skew`): its first finding (the
+/// field, what the release lacks, the file and line) reads whole in a
+/// 1,400 px window, and the index shows a client's NACK above that warning.
+#[tokio::test]
+#[cfg_attr(
+    not(peer_chromium),
+    ignore = "needs Chromium: build and run with CHROMIUM_BIN set to its binary (.ci/run installs Debian's chromium)"
+)]
+async fn the_skew_page_fits_1400_px_and_the_index_puts_a_nack_above_skew() {
+    const DR: &str = "istio/networking/v1alpha3/destinationrules";
+    let chromium =
+        std::env::var("CHROMIUM_BIN").expect("CHROMIUM_BIN, set when the tests were built, is set when they run");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("rules.yaml"),
+        crate::skew::rules("consecutive5xxErrors"),
+    )
+    .unwrap();
+    let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap(), "--collections", DR]).await;
+    // Istio 1.1 Pilots (the legacy service): one in sync, one NACKing.
+    let reader = synced(&gw, &sidecar("istio-pilot-7d9f8c6b5-abcde", 20), DR).await;
+    let nacking_node = sidecar("istio-pilot-7d9f8c6b5-fghij", 21);
+    let mut nacking = sotw(gw.listen).await;
+    nacking.send(request_as(&nacking_node, DR, "", "", None));
+    let refused = nacking.recv().await;
+    nacking.send(request_as(
+        &nacking_node,
+        DR,
+        "",
+        &refused.nonce,
+        Some("pilot refused the rules"),
+    ));
+    eventually_async("the NACK and the skew in /debug/syncz", || async {
+        let syncz = get_json(gw.admin, "/debug/syncz").await;
+        let rows = syncz["rows"].as_array().cloned().unwrap_or_default();
+        rows.iter().any(|r| r["status"] == "NACKED") && syncz["skew"].is_string()
+    })
+    .await;
+
+    let url = format!("http://{}/debug/skew?positions", gw.admin);
+    let recorded = positions(&render(&chromium, &url).await);
+    for col in ["skew-field", "skew-message", "skew-file"] {
+        let first = *cells(&recorded, col)
+            .first()
+            .unwrap_or_else(|| panic!("/debug/skew: no {col}: {recorded}"));
+        let (left, right) = (first["left"].as_f64().unwrap(), first["right"].as_f64().unwrap());
+        assert!(
+            left >= 0.0 && right <= WIDTH,
+            "/debug/skew: {col} off-screen at 1,400 px: {first}"
+        );
+    }
+    assert!(
+        cells(&recorded, "skew-field")[0]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("consecutive5xxErrors")),
+        "the whole path: {recorded}"
+    );
+    assert!(
+        cells(&recorded, "skew-file")[0]["text"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("rules.yaml:11")),
+        "the file and the line: {recorded}"
+    );
+
+    let url = format!("http://{}/?positions", gw.admin);
+    let recorded = positions(&render(&chromium, &url).await);
+    let nack = cells(&recorded, "nack")
+        .into_iter()
+        .find(|c| c["text"].as_str().unwrap_or_default().contains("pilot refused"))
+        .unwrap_or_else(|| panic!("the index: the NACK: {recorded}"));
+    let skew = *cells(&recorded, "skew")
+        .first()
+        .unwrap_or_else(|| panic!("the index: the skew warning: {recorded}"));
+    assert!(
+        nack["top"].as_f64().unwrap() < skew["top"].as_f64().unwrap(),
+        "the index: a NACK above a skew warning: {nack} {skew}"
+    );
+    // /debug/syncz's page has the identity column (`unauthenticated` here).
+    let url = format!("http://{}/debug/syncz?positions", gw.admin);
+    let recorded = positions(&render(&chromium, &url).await);
+    let identities = cells(&recorded, "identity");
+    assert!(
+        !identities.is_empty() && identities.iter().all(|c| c["text"] == "unauthenticated"),
+        "/debug/syncz: the identity column: {recorded}"
+    );
+    drop((reader, nacking));
+}

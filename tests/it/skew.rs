@@ -24,7 +24,7 @@ const FIELD_LINE: usize = 11;
 
 /// Two DestinationRules: `reviews` sets a field of Istio 1.5 (at
 /// [`FIELD_LINE`]); `ratings` is read whole by every release.
-fn rules(errors_field: &str) -> String {
+pub(crate) fn rules(errors_field: &str) -> String {
     format!(
         "apiVersion: networking.istio.io/v1alpha3
 kind: DestinationRule
