@@ -13,9 +13,7 @@
 //! little of a buffer is still stored, what is left is copied out, so the
 //! buffer is freed and never held for a few resources.
 
-use std::collections::BTreeMap;
-#[cfg(test)]
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -60,6 +58,18 @@ pub struct Chunk {
     bytes: Bytes,
     /// Encodings readers made of this chunk.
     pub memo: Memo,
+    /// Where this chunk is a run of another's members, kept by a view of
+    /// the collection (an access policy's grant): that chunk, and which of
+    /// its members. Its bytes are a slice of that chunk's, and its
+    /// encodings are slices of that chunk's (made once for every view).
+    run_of: Option<RunOf>,
+}
+
+/// A run of a chunk's members (see [`Chunk::run_of`]).
+#[derive(Debug)]
+pub struct RunOf {
+    pub chunk: Arc<Chunk>,
+    pub members: Range<usize>,
 }
 
 impl Chunk {
@@ -72,12 +82,62 @@ impl Chunk {
         &self.members
     }
 
+    /// Where this chunk is a run of another's members (a view's), that one
+    /// and which of its members: what its encodings are slices of.
+    pub fn run_of(&self) -> Option<&RunOf> {
+        self.run_of.as_ref()
+    }
+
     fn new(members: Vec<Arc<CachedResource>>, bytes: Bytes) -> Arc<Self> {
         Arc::new(Chunk {
             members,
             bytes,
             memo: Memo::default(),
+            run_of: None,
         })
+    }
+
+    /// The runs of this chunk's members that `keep` keeps, in order: this
+    /// very chunk when it keeps all of them, else a chunk per run, its
+    /// members the same `Arc`s and its bytes a slice of this one's (no
+    /// copy). `keep` is asked once per member.
+    fn runs(self: &Arc<Self>, keep: &mut impl FnMut(&Arc<CachedResource>) -> bool) -> Vec<Arc<Chunk>> {
+        let members = &self.members;
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < members.len() {
+            if !keep(&members[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            i += 1;
+            while i < members.len() && keep(&members[i]) {
+                i += 1;
+            }
+            if start == 0 && i == members.len() {
+                return vec![self.clone()];
+            }
+            // Runs of a run (a view of a view) are runs of the chunk it is
+            // a run of.
+            let (of, offset) = match &self.run_of {
+                Some(run) => (run.chunk.clone(), run.members.start),
+                None => (self.clone(), 0),
+            };
+            let bytes = self
+                .bytes
+                .slice(self.record_of(&members[start]).start..self.record_of(&members[i - 1]).end);
+            runs.push(Arc::new(Chunk {
+                members: members[start..i].to_vec(),
+                bytes,
+                memo: Memo::default(),
+                run_of: Some(RunOf {
+                    chunk: of,
+                    members: offset + start..offset + i,
+                }),
+            }));
+        }
+        runs
     }
 
     /// Where `member`'s storage record lies in the chunk's bytes.
@@ -216,6 +276,65 @@ impl Chunks {
             chunks.buffers.insert(buffer, Buffer { len, used });
         }
         chunks
+    }
+
+    /// The chunks of a view of these that keeps the members `keep` keeps,
+    /// in order, none of their bytes copied: a chunk it keeps whole is that
+    /// very chunk, one it keeps in part is a chunk per run of kept members
+    /// (see [`Chunk::runs`]). What a view holds of its own is then a few
+    /// pointers per resource, whatever the resources' size.
+    ///
+    /// `base`: earlier chunks of the collection and the view `keep` made of
+    /// them. A chunk both these and those have is kept as that view kept
+    /// it, so the cost is the chunks that changed; `keep` is asked only
+    /// about their members.
+    pub(super) fn restricted(
+        &self,
+        mut keep: impl FnMut(&Arc<CachedResource>) -> bool,
+        base: Option<(&Chunks, &Chunks)>,
+    ) -> Chunks {
+        // What the base's view kept of each of the base's chunks (nothing,
+        // for a chunk it kept none of).
+        let mut earlier: HashMap<*const Chunk, Vec<Arc<Chunk>>> = HashMap::new();
+        if let Some((whole, view)) = base {
+            let whole: HashSet<*const Chunk> = whole.iter().map(Arc::as_ptr).collect();
+            for chunk in view.iter() {
+                let of = chunk
+                    .run_of
+                    .as_ref()
+                    .map_or(Arc::as_ptr(chunk), |r| Arc::as_ptr(&r.chunk));
+                if whole.contains(&of) {
+                    earlier.entry(of).or_default().push(chunk.clone());
+                }
+            }
+            for chunk in whole {
+                earlier.entry(chunk).or_default();
+            }
+        }
+        let mut view = Chunks {
+            next_buffer: self.next_buffer,
+            ..Chunks::default()
+        };
+        // Per buffer: its length, and the bytes of it the view keeps.
+        let mut buffers: BTreeMap<u64, Buffer> = BTreeMap::new();
+        for (place, chunk) in self.order.iter() {
+            let kept = match earlier.get(&Arc::as_ptr(chunk)) {
+                Some(kept) => kept.clone(),
+                None => chunk.runs(&mut keep),
+            };
+            let len = self.buffers.get(&place.buffer).map_or(chunk.bytes.len(), |b| b.len);
+            for run in kept {
+                buffers.entry(place.buffer).or_insert(Buffer { len, used: 0 }).used += run.bytes.len();
+                view.put(place.buffer, run);
+            }
+        }
+        for (buffer, use_of) in buffers {
+            // A chunk kept whole that is the whole of its buffer stays so.
+            if self.buffers.contains_key(&buffer) || use_of.used != use_of.len {
+                view.buffers.insert(buffer, use_of);
+            }
+        }
+        view
     }
 
     /// These chunks after a change: `gone`, resources they store (replaced
