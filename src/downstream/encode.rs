@@ -987,9 +987,13 @@ mod tests {
     const C: &str = "istio/networking/v1alpha3/gateways";
 
     fn resource(name: &str, version: &str) -> CachedResource {
-        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, version.as_bytes());
+        resource_with_body(name, version, version.as_bytes())
+    }
+
+    fn resource_with_body(name: &str, version: &str, body: &[u8]) -> CachedResource {
+        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, body);
         let none = std::collections::HashMap::<String, String>::new();
-        let digest = crate::cache::content_digest(version.as_bytes(), &none, &none);
+        let digest = crate::cache::content_digest(body, &none, &none);
         CachedResource::new(
             name.into(),
             version.into(),
@@ -1372,18 +1376,7 @@ mod tests {
                     format!("shared-{i:03}")
                 }
             };
-            let make = |name: &str, version: &str| {
-                let encoded = crate::proto::wire::test_support::encoded_resource(name, version, &body);
-                let none = std::collections::HashMap::<String, String>::new();
-                let digest = crate::cache::content_digest(&encoded, &none, &none);
-                CachedResource::new(
-                    name.into(),
-                    version.into(),
-                    "type.googleapis.com/x.Y".into(),
-                    encoded,
-                    digest,
-                )
-            };
+            let make = |name: &str, version: &str| resource_with_body(name, version, &body);
             writer.apply(
                 C,
                 Update::Full((0..300).map(|i| make(&named(i), "1")).collect()),

@@ -16,12 +16,14 @@ use crate::metrics as m;
 /// How many distinct grants of a collection are served when not told.
 pub const DEFAULT_MAX_GRANTS_PER_VERSION: usize = 1024;
 
-/// The grants held, per collection: each distinct grant's key and how many
-/// streams hold it.
+/// Per collection, each distinct grant's key and how many streams hold it.
+type Held = HashMap<Arc<str>, HashMap<Arc<str>, usize>>;
+
+/// The grants held.
 #[derive(Debug)]
 pub struct Grants {
     max: usize,
-    held: Mutex<HashMap<Arc<str>, HashMap<Arc<str>, usize>>>,
+    held: Mutex<Held>,
 }
 
 /// A stream's hold on its grant of a collection: the grant counts as served
@@ -80,7 +82,7 @@ impl Grants {
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Arc<str>, HashMap<Arc<str>, usize>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
