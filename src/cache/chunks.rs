@@ -827,6 +827,89 @@ mod tests {
         assert!(snapshot.resources.values().all(|r| !within(&message, &r.encoded)));
     }
 
+    /// What a view's chunks must be: every resource it keeps once, as the
+    /// very `Arc` its map holds, each chunk its members' records in order,
+    /// the buffers accounted for, and (made by `restricted`) no byte of its
+    /// own: its chunks are the whole's or slices of them.
+    fn check_view(view: &CollectionSnapshot, whole: &CollectionSnapshot) -> Result<(), TestCaseError> {
+        let mut stored = 0;
+        for chunk in view.chunks() {
+            let mut records = BytesMut::new();
+            for member in chunk.members() {
+                put_record(&member.encoded, &mut records);
+                let held = view.resources.get(&*member.name);
+                prop_assert!(held.is_some_and(|h| Arc::ptr_eq(h, member)), "{:?}", member.name);
+            }
+            prop_assert_eq!(&records[..], &chunk.bytes()[..]);
+            stored += chunk.members().len();
+        }
+        prop_assert_eq!(stored, view.len(), "every resource once");
+        prop_assert!(view.chunks.accounted());
+        prop_assert_eq!(view.bytes_apart_from(whole), 0);
+        prop_assert_eq!(&*view.version, collection_version(&view.resources));
+        Ok(())
+    }
+
+    proptest! {
+        /// A grant's view, made afresh or from the last one through any
+        /// changes, holds what it keeps as slices of the whole's chunks,
+        /// in the whole's order; and the view with a version's removals put
+        /// back (make before break) stores every resource once.
+        #[test]
+        fn views_refer_to_the_whole_through_any_changes(
+            steps in proptest::collection::vec(
+                (
+                    proptest::bool::weighted(0.2),
+                    proptest::collection::vec((0u16..400, 0u8..3), 0..120),
+                    proptest::collection::vec(0u16..400, 0..40),
+                ),
+                1..8,
+            ),
+            modulus in 2u16..7,
+        ) {
+            let keep = |name: &str| name[1..].parse::<u16>().is_ok_and(|i| i % modulus != 1);
+            let (cache, mut writer) = Cache::new();
+            // The whole the last view was made of, the view, and the whole
+            // whose chunks it refers to (an older one while nothing it
+            // keeps changed).
+            type Last = (Arc<CollectionSnapshot>, Arc<CollectionSnapshot>, Arc<CollectionSnapshot>);
+            let mut last: Option<Last> = None;
+            for (full, upserts, removed) in steps {
+                match step(full, &upserts, &removed) {
+                    (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
+                    (update, None) => writer.apply(C, update, Origin::Upstream),
+                };
+                let whole = cache.get(C).unwrap();
+                let afresh = whole.restricted(keep);
+                check_view(&afresh, &whole)?;
+                let order = |s: &CollectionSnapshot| -> Vec<Arc<str>> {
+                    s.chunks().flat_map(|c| c.members().iter().map(|m| m.name.clone())).collect()
+                };
+                let kept: Vec<Arc<str>> = order(&whole).into_iter().filter(|n| keep(n)).collect();
+                prop_assert_eq!(order(&afresh), kept.clone(), "in the whole's order");
+                last = Some(match last.take() {
+                    Some((before, view, view_of)) => {
+                        let from_last = whole.restricted_after(Some((&before, &view)), keep);
+                        let of = if Arc::ptr_eq(&from_last, &view) { view_of } else { whole.clone() };
+                        check_view(&from_last, &of)?;
+                        prop_assert_eq!(&from_last.version, &afresh.version);
+                        if Arc::ptr_eq(&of, &whole) {
+                            prop_assert_eq!(order(&from_last), kept);
+                        } else {
+                            prop_assert_eq!(order(&from_last).len(), kept.len());
+                        }
+                        let first = from_last.keeping(&view);
+                        let stored: usize = first.chunks().map(|c| c.members().len()).sum();
+                        prop_assert_eq!(stored, first.len());
+                        prop_assert!(first.chunks.accounted());
+                        (whole.clone(), from_last, of)
+                    }
+                    None => (whole.clone(), afresh.clone(), whole.clone()),
+                });
+            }
+        }
+    }
+
     /// An update of generated names (`n{i}`) at versions `v`: incremental, or
     /// a full state of those upserts in the order given, in a message.
     fn step(full: bool, upserts: &[(u16, u8)], removed: &[u16]) -> (Update, Option<Bytes>) {

@@ -323,9 +323,28 @@ impl CollectionSnapshot {
             // It keeps everything now: the whole, stored once.
             return self.clone();
         }
-        let chunks = self
-            .chunks
-            .restricted(|r| keep(&r.name), Some((&whole.chunks, &view.chunks)));
+        // What it keeps of the chunks that changed: a resource the change
+        // moved to another chunk (the same content, stored anew) is taken
+        // as that chunk holds it, so the map and the chunks hold one `Arc`.
+        let mut fresh = Vec::new();
+        let chunks = self.chunks.restricted(
+            |resource| {
+                let kept = keep(&resource.name);
+                if kept {
+                    fresh.push(resource.clone());
+                }
+                kept
+            },
+            Some((&whole.chunks, &view.chunks)),
+        );
+        for resource in fresh {
+            if resources
+                .get(&*resource.name)
+                .is_none_or(|held| !Arc::ptr_eq(held, &resource))
+            {
+                resources.insert(resource.name.clone(), resource);
+            }
+        }
         debug_assert_eq!(chunks.iter().map(|c| c.members().len()).sum::<usize>(), resources.len());
         self.view(resources, total.sum, chunks, total.bytes)
     }
