@@ -690,11 +690,11 @@ mod tests {
         range.contains(&(inner.as_ptr() as usize))
     }
 
-    /// What every snapshot's chunks must be: each resource stored once, in
-    /// one chunk, as the very `Arc` the snapshot's map holds, its bytes a
-    /// slice of its chunk's; each chunk its members' storage records in
-    /// order; the collection in few parts; no buffer held for little.
-    fn check_stored(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
+    /// What every snapshot's chunks must be (views' too): each resource
+    /// stored once, in one chunk, as the very `Arc` the snapshot's map
+    /// holds, its bytes a slice of its chunk's; each chunk its members'
+    /// storage records in order; every buffer accounted for.
+    fn check_members(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
         let mut stored = 0;
         for chunk in snapshot.chunks() {
             let mut records = BytesMut::new();
@@ -709,12 +709,19 @@ mod tests {
             stored += chunk.members().len();
         }
         prop_assert_eq!(stored, snapshot.len(), "every resource once");
+        prop_assert!(snapshot.chunks.accounted());
+        prop_assert_eq!(&*snapshot.version, collection_version(&snapshot.resources));
+        Ok(())
+    }
+
+    /// What a collection's own chunks must be besides: the collection in
+    /// few parts; no buffer held for little.
+    fn check_stored(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
+        check_members(snapshot)?;
         // Pieces hold at least `MIN_MEMBERS`; the end holds at most
         // `END_CARRY - 1` small chunks of each size class below full.
         prop_assert!(snapshot.chunk_count() <= snapshot.len() / MIN_MEMBERS + 3 * (END_CARRY - 1) + 1);
-        prop_assert!(snapshot.chunks.accounted());
         prop_assert!(snapshot.chunks.held_bytes() <= 2 * snapshot.chunks.used_bytes() + 64);
-        prop_assert_eq!(&*snapshot.version, collection_version(&snapshot.resources));
         Ok(())
     }
 
@@ -827,26 +834,11 @@ mod tests {
         assert!(snapshot.resources.values().all(|r| !within(&message, &r.encoded)));
     }
 
-    /// What a view's chunks must be: every resource it keeps once, as the
-    /// very `Arc` its map holds, each chunk its members' records in order,
-    /// the buffers accounted for, and (made by `restricted`) no byte of its
-    /// own: its chunks are the whole's or slices of them.
+    /// What a view's chunks must be besides (made by `restricted`): no byte
+    /// of its own, its chunks `whole`'s or slices of them.
     fn check_view(view: &CollectionSnapshot, whole: &CollectionSnapshot) -> Result<(), TestCaseError> {
-        let mut stored = 0;
-        for chunk in view.chunks() {
-            let mut records = BytesMut::new();
-            for member in chunk.members() {
-                put_record(&member.encoded, &mut records);
-                let held = view.resources.get(&*member.name);
-                prop_assert!(held.is_some_and(|h| Arc::ptr_eq(h, member)), "{:?}", member.name);
-            }
-            prop_assert_eq!(&records[..], &chunk.bytes()[..]);
-            stored += chunk.members().len();
-        }
-        prop_assert_eq!(stored, view.len(), "every resource once");
-        prop_assert!(view.chunks.accounted());
+        check_members(view)?;
         prop_assert_eq!(view.bytes_apart_from(whole), 0);
-        prop_assert_eq!(&*view.version, collection_version(&view.resources));
         Ok(())
     }
 
@@ -857,14 +849,7 @@ mod tests {
         /// back (make before break) stores every resource once.
         #[test]
         fn views_refer_to_the_whole_through_any_changes(
-            steps in proptest::collection::vec(
-                (
-                    proptest::bool::weighted(0.2),
-                    proptest::collection::vec((0u16..400, 0u8..3), 0..120),
-                    proptest::collection::vec(0u16..400, 0..40),
-                ),
-                1..8,
-            ),
+            steps in any_steps(1..8),
             modulus in 2u16..7,
         ) {
             let keep = |name: &str| name[1..].parse::<u16>().is_ok_and(|i| i % modulus != 1);
@@ -875,10 +860,7 @@ mod tests {
             type Last = (Arc<CollectionSnapshot>, Arc<CollectionSnapshot>, Arc<CollectionSnapshot>);
             let mut last: Option<Last> = None;
             for (full, upserts, removed) in steps {
-                match step(full, &upserts, &removed) {
-                    (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
-                    (update, None) => writer.apply(C, update, Origin::Upstream),
-                };
+                apply_step(&mut writer, full, &upserts, &removed);
                 let whole = cache.get(C).unwrap();
                 let afresh = whole.restricted(keep);
                 check_view(&afresh, &whole)?;
@@ -908,6 +890,27 @@ mod tests {
                 });
             }
         }
+    }
+
+    /// `count` steps of `step`'s kind: full states now and then, upserts
+    /// at versions 0 to 2 of 400 names, removals.
+    fn any_steps(count: std::ops::Range<usize>) -> impl Strategy<Value = Vec<(bool, Vec<(u16, u8)>, Vec<u16>)>> {
+        proptest::collection::vec(
+            (
+                proptest::bool::weighted(0.2),
+                proptest::collection::vec((0u16..400, 0u8..3), 0..120),
+                proptest::collection::vec(0u16..400, 0..40),
+            ),
+            count,
+        )
+    }
+
+    /// Applies `step`'s update to `C`.
+    fn apply_step(writer: &mut CacheWriter, full: bool, upserts: &[(u16, u8)], removed: &[u16]) {
+        match step(full, upserts, removed) {
+            (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
+            (update, None) => writer.apply(C, update, Origin::Upstream),
+        };
     }
 
     /// An update of generated names (`n{i}`) at versions `v`: incremental, or
@@ -941,21 +944,11 @@ mod tests {
         /// does too.
         #[test]
         fn chunks_hold_every_resource_once_under_any_changes(
-            steps in proptest::collection::vec(
-                (
-                    proptest::bool::weighted(0.2),
-                    proptest::collection::vec((0u16..400, 0u8..3), 0..120),
-                    proptest::collection::vec(0u16..400, 0..40),
-                ),
-                1..10,
-            ),
+            steps in any_steps(1..10),
         ) {
             let (cache, mut writer) = Cache::with_history(3);
             for (full, upserts, removed) in steps {
-                match step(full, &upserts, &removed) {
-                    (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
-                    (update, None) => writer.apply(C, update, Origin::Upstream),
-                };
+                apply_step(&mut writer, full, &upserts, &removed);
                 let now = cache.get(C).unwrap();
                 check_stored(&now)?;
                 for entry in cache.history(C).unwrap() {
