@@ -892,9 +892,12 @@ mod tests {
         }
     }
 
+    /// A step: a full state or not, upserts (name, version), removals.
+    type Step = (bool, Vec<(u16, u8)>, Vec<u16>);
+
     /// `count` steps of `step`'s kind: full states now and then, upserts
     /// at versions 0 to 2 of 400 names, removals.
-    fn any_steps(count: std::ops::Range<usize>) -> impl Strategy<Value = Vec<(bool, Vec<(u16, u8)>, Vec<u16>)>> {
+    fn any_steps(count: std::ops::Range<usize>) -> impl Strategy<Value = Vec<Step>> {
         proptest::collection::vec(
             (
                 proptest::bool::weighted(0.2),
