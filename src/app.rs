@@ -893,6 +893,7 @@ fn log_effective(settings: &Settings) {
         max_requests_per_second = settings.downstream.max_requests_per_second,
         max_request_bytes = settings.downstream.max_request_bytes,
         max_types_per_stream = settings.downstream.max_types_per_stream,
+        max_grants_per_version = settings.downstream.max_grants_per_version,
         max_subscribed_names = settings.downstream.max_subscribed_names,
         nack_memory_seconds = seconds(settings.downstream.nack_memory),
         max_nack_memory_entries = settings.downstream.max_nack_memory_entries,

@@ -264,6 +264,14 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_TYPES_PER_STREAM", default_value_t = 128)]
     pub max_types_per_stream: usize,
 
+    /// Distinct name grants of one collection served at once (under
+    /// --access-policy, identities granted part of a collection: one view
+    /// of each version per distinct grant, shared by its clients). A client
+    /// whose grant would be one more is refused RESOURCE_EXHAUSTED; clients
+    /// already served are never cut off to make room.
+    #[arg(long, env = "MCP_GATEWAY_MAX_GRANTS_PER_VERSION", default_value_t = 1024)]
+    pub max_grants_per_version: usize,
+
     /// Versions of each collection kept (the current one included) for
     /// `/debug/history` and `/debug/diff`. Unchanged resources are shared
     /// between versions: memory grows with the changes, not with N times the
@@ -885,6 +893,7 @@ impl Args {
             ("--max-new-streams-per-second", self.max_new_streams_per_second as usize),
             ("--max-requests-per-second", self.max_requests_per_second as usize),
             ("--max-types-per-stream", self.max_types_per_stream),
+            ("--max-grants-per-version", self.max_grants_per_version),
             ("--max-subscribed-names", self.max_subscribed_names),
             ("--max-nack-memory-entries", self.max_nack_memory_entries),
             ("--history", self.history),
@@ -1090,6 +1099,7 @@ impl Args {
                 request_read_timeout: self.request_read_timeout,
                 max_nack_message_bytes: self.max_nack_message_bytes,
                 max_types_per_stream: self.max_types_per_stream,
+                max_grants_per_version: self.max_grants_per_version,
                 max_subscribed_names: self.max_subscribed_names,
                 nack_memory: self.nack_memory,
                 max_nack_memory_entries: self.max_nack_memory_entries,

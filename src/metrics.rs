@@ -57,6 +57,9 @@ pub const PEERS_NOT_ALLOWED: &str = "mcp_gateway_peers_not_allowed_total";
 /// `--access-policy` refusals: a collection (the stream ends) or names
 /// (withheld), by `reason`.
 pub const ACCESS_DENIED: &str = "mcp_gateway_access_denied_total";
+/// Distinct name grants of a collection served now, by `collection`
+/// (`--max-grants-per-version`).
+pub const ACCESS_GRANTS: &str = "mcp_gateway_access_grants";
 /// `--access-policy` files read again after a change, by `result`.
 pub const ACCESS_POLICY_RELOADS: &str = "mcp_gateway_access_policy_reloads_total";
 /// Resources of a collection that a connected client's release drops a field
@@ -203,6 +206,7 @@ pub const LIMITS: &[&str] = &[
     "max_message_bytes",
     "request_read_timeout",
     "refused_streams",
+    "max_grants_per_version",
 ];
 
 /// Every listener label: the flag that configured the port.
@@ -267,6 +271,11 @@ pub fn skew_resources(collection: &Arc<str>, generation: impl std::fmt::Display,
         .set(count as f64);
 }
 
+/// Distinct name grants of `collection` served now.
+pub fn access_grants(collection: &Arc<str>, held: usize) {
+    metrics::gauge!(ACCESS_GRANTS, "collection" => collection.clone()).set(held as f64);
+}
+
 pub fn access_policy_reloaded(ok: bool) {
     metrics::counter!(ACCESS_POLICY_RELOADS, "result" => if ok { "ok" } else { "error" }).increment(1);
 }
@@ -328,6 +337,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         for reason in ACCESS_DENIAL_REASONS {
             metrics::counter!(ACCESS_DENIED, "collection" => c(), "reason" => reason).absolute(0);
         }
+        metrics::gauge!(ACCESS_GRANTS, "collection" => c()).set(0.0);
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
         // Only Envoy's types are ordered; like every collection-labelled
         // family, the series of each configured collection is there.
@@ -524,6 +534,12 @@ pub fn describe() {
         "Reads the --access-policy refused, by collection and reason: collection (a client asked for a type it may \
          not read; its stream ended PERMISSION_DENIED) or name (resources withheld from a client that may read \
          only some names)."
+    );
+    describe_gauge!(
+        ACCESS_GRANTS,
+        "Distinct name grants of a collection served now (identities the --access-policy grants part of it, each \
+         grant's view shared by its clients), of --max-grants-per-version: a client whose grant would be one more \
+         is refused RESOURCE_EXHAUSTED."
     );
     describe_counter!(
         ACCESS_POLICY_RELOADS,

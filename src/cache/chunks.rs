@@ -13,9 +13,7 @@
 //! little of a buffer is still stored, what is left is copied out, so the
 //! buffer is freed and never held for a few resources.
 
-use std::collections::BTreeMap;
-#[cfg(test)]
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -60,6 +58,18 @@ pub struct Chunk {
     bytes: Bytes,
     /// Encodings readers made of this chunk.
     pub memo: Memo,
+    /// Where this chunk is a run of another's members, kept by a view of
+    /// the collection (an access policy's grant): that chunk, and which of
+    /// its members. Its bytes are a slice of that chunk's, and its
+    /// encodings are slices of that chunk's (made once for every view).
+    run_of: Option<RunOf>,
+}
+
+/// A run of a chunk's members (see [`Chunk::run_of`]).
+#[derive(Debug)]
+pub struct RunOf {
+    pub chunk: Arc<Chunk>,
+    pub members: Range<usize>,
 }
 
 impl Chunk {
@@ -72,12 +82,62 @@ impl Chunk {
         &self.members
     }
 
+    /// Where this chunk is a run of another's members (a view's), that one
+    /// and which of its members: what its encodings are slices of.
+    pub fn run_of(&self) -> Option<&RunOf> {
+        self.run_of.as_ref()
+    }
+
     fn new(members: Vec<Arc<CachedResource>>, bytes: Bytes) -> Arc<Self> {
         Arc::new(Chunk {
             members,
             bytes,
             memo: Memo::default(),
+            run_of: None,
         })
+    }
+
+    /// The runs of this chunk's members that `keep` keeps, in order: this
+    /// very chunk when it keeps all of them, else a chunk per run, its
+    /// members the same `Arc`s and its bytes a slice of this one's (no
+    /// copy). `keep` is asked once per member.
+    fn runs(self: &Arc<Self>, keep: &mut impl FnMut(&Arc<CachedResource>) -> bool) -> Vec<Arc<Chunk>> {
+        let members = &self.members;
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < members.len() {
+            if !keep(&members[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            i += 1;
+            while i < members.len() && keep(&members[i]) {
+                i += 1;
+            }
+            if start == 0 && i == members.len() {
+                return vec![self.clone()];
+            }
+            // Runs of a run (a view of a view) are runs of the chunk it is
+            // a run of.
+            let (of, offset) = match &self.run_of {
+                Some(run) => (run.chunk.clone(), run.members.start),
+                None => (self.clone(), 0),
+            };
+            let bytes = self
+                .bytes
+                .slice(self.record_of(&members[start]).start..self.record_of(&members[i - 1]).end);
+            runs.push(Arc::new(Chunk {
+                members: members[start..i].to_vec(),
+                bytes,
+                memo: Memo::default(),
+                run_of: Some(RunOf {
+                    chunk: of,
+                    members: offset + start..offset + i,
+                }),
+            }));
+        }
+        runs
     }
 
     /// Where `member`'s storage record lies in the chunk's bytes.
@@ -216,6 +276,65 @@ impl Chunks {
             chunks.buffers.insert(buffer, Buffer { len, used });
         }
         chunks
+    }
+
+    /// The chunks of a view of these that keeps the members `keep` keeps,
+    /// in order, none of their bytes copied: a chunk it keeps whole is that
+    /// very chunk, one it keeps in part is a chunk per run of kept members
+    /// (see [`Chunk::runs`]). What a view holds of its own is then a few
+    /// pointers per resource, whatever the resources' size.
+    ///
+    /// `base`: earlier chunks of the collection and the view `keep` made of
+    /// them. A chunk both these and those have is kept as that view kept
+    /// it, so the cost is the chunks that changed; `keep` is asked only
+    /// about their members.
+    pub(super) fn restricted(
+        &self,
+        mut keep: impl FnMut(&Arc<CachedResource>) -> bool,
+        base: Option<(&Chunks, &Chunks)>,
+    ) -> Chunks {
+        // What the base's view kept of each of the base's chunks (nothing,
+        // for a chunk it kept none of).
+        let mut earlier: HashMap<*const Chunk, Vec<Arc<Chunk>>> = HashMap::new();
+        if let Some((whole, view)) = base {
+            let whole: HashSet<*const Chunk> = whole.iter().map(Arc::as_ptr).collect();
+            for chunk in view.iter() {
+                let of = chunk
+                    .run_of
+                    .as_ref()
+                    .map_or(Arc::as_ptr(chunk), |r| Arc::as_ptr(&r.chunk));
+                if whole.contains(&of) {
+                    earlier.entry(of).or_default().push(chunk.clone());
+                }
+            }
+            for chunk in whole {
+                earlier.entry(chunk).or_default();
+            }
+        }
+        let mut view = Chunks {
+            next_buffer: self.next_buffer,
+            ..Chunks::default()
+        };
+        // Per buffer: its length, and the bytes of it the view keeps.
+        let mut buffers: BTreeMap<u64, Buffer> = BTreeMap::new();
+        for (place, chunk) in self.order.iter() {
+            let kept = match earlier.get(&Arc::as_ptr(chunk)) {
+                Some(kept) => kept.clone(),
+                None => chunk.runs(&mut keep),
+            };
+            let len = self.buffers.get(&place.buffer).map_or(chunk.bytes.len(), |b| b.len);
+            for run in kept {
+                buffers.entry(place.buffer).or_insert(Buffer { len, used: 0 }).used += run.bytes.len();
+                view.put(place.buffer, run);
+            }
+        }
+        for (buffer, use_of) in buffers {
+            // A chunk kept whole that is the whole of its buffer stays so.
+            if self.buffers.contains_key(&buffer) || use_of.used != use_of.len {
+                view.buffers.insert(buffer, use_of);
+            }
+        }
+        view
     }
 
     /// These chunks after a change: `gone`, resources they store (replaced
@@ -571,11 +690,11 @@ mod tests {
         range.contains(&(inner.as_ptr() as usize))
     }
 
-    /// What every snapshot's chunks must be: each resource stored once, in
-    /// one chunk, as the very `Arc` the snapshot's map holds, its bytes a
-    /// slice of its chunk's; each chunk its members' storage records in
-    /// order; the collection in few parts; no buffer held for little.
-    fn check_stored(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
+    /// What every snapshot's chunks must be (views' too): each resource
+    /// stored once, in one chunk, as the very `Arc` the snapshot's map
+    /// holds, its bytes a slice of its chunk's; each chunk its members'
+    /// storage records in order; every buffer accounted for.
+    fn check_members(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
         let mut stored = 0;
         for chunk in snapshot.chunks() {
             let mut records = BytesMut::new();
@@ -590,12 +709,19 @@ mod tests {
             stored += chunk.members().len();
         }
         prop_assert_eq!(stored, snapshot.len(), "every resource once");
+        prop_assert!(snapshot.chunks.accounted());
+        prop_assert_eq!(&*snapshot.version, collection_version(&snapshot.resources));
+        Ok(())
+    }
+
+    /// What a collection's own chunks must be besides: the collection in
+    /// few parts; no buffer held for little.
+    fn check_stored(snapshot: &CollectionSnapshot) -> Result<(), TestCaseError> {
+        check_members(snapshot)?;
         // Pieces hold at least `MIN_MEMBERS`; the end holds at most
         // `END_CARRY - 1` small chunks of each size class below full.
         prop_assert!(snapshot.chunk_count() <= snapshot.len() / MIN_MEMBERS + 3 * (END_CARRY - 1) + 1);
-        prop_assert!(snapshot.chunks.accounted());
         prop_assert!(snapshot.chunks.held_bytes() <= 2 * snapshot.chunks.used_bytes() + 64);
-        prop_assert_eq!(&*snapshot.version, collection_version(&snapshot.resources));
         Ok(())
     }
 
@@ -708,6 +834,88 @@ mod tests {
         assert!(snapshot.resources.values().all(|r| !within(&message, &r.encoded)));
     }
 
+    /// What a view's chunks must be besides (made by `restricted`): no byte
+    /// of its own, its chunks `whole`'s or slices of them.
+    fn check_view(view: &CollectionSnapshot, whole: &CollectionSnapshot) -> Result<(), TestCaseError> {
+        check_members(view)?;
+        prop_assert_eq!(view.bytes_apart_from(whole), 0);
+        Ok(())
+    }
+
+    proptest! {
+        /// A grant's view, made afresh or from the last one through any
+        /// changes, holds what it keeps as slices of the whole's chunks,
+        /// in the whole's order; and the view with a version's removals put
+        /// back (make before break) stores every resource once.
+        #[test]
+        fn views_refer_to_the_whole_through_any_changes(
+            steps in any_steps(1..8),
+            modulus in 2u16..7,
+        ) {
+            let keep = |name: &str| name[1..].parse::<u16>().is_ok_and(|i| i % modulus != 1);
+            let (cache, mut writer) = Cache::new();
+            // The whole the last view was made of, the view, and the whole
+            // whose chunks it refers to (an older one while nothing it
+            // keeps changed).
+            type Last = (Arc<CollectionSnapshot>, Arc<CollectionSnapshot>, Arc<CollectionSnapshot>);
+            let mut last: Option<Last> = None;
+            for (full, upserts, removed) in steps {
+                apply_step(&mut writer, full, &upserts, &removed);
+                let whole = cache.get(C).unwrap();
+                let afresh = whole.restricted(keep);
+                check_view(&afresh, &whole)?;
+                let order = |s: &CollectionSnapshot| -> Vec<Arc<str>> {
+                    s.chunks().flat_map(|c| c.members().iter().map(|m| m.name.clone())).collect()
+                };
+                let kept: Vec<Arc<str>> = order(&whole).into_iter().filter(|n| keep(n)).collect();
+                prop_assert_eq!(order(&afresh), kept.clone(), "in the whole's order");
+                last = Some(match last.take() {
+                    Some((before, view, view_of)) => {
+                        let from_last = whole.restricted_after(Some((&before, &view)), keep);
+                        let of = if Arc::ptr_eq(&from_last, &view) { view_of } else { whole.clone() };
+                        check_view(&from_last, &of)?;
+                        prop_assert_eq!(&from_last.version, &afresh.version);
+                        if Arc::ptr_eq(&of, &whole) {
+                            prop_assert_eq!(order(&from_last), kept);
+                        } else {
+                            prop_assert_eq!(order(&from_last).len(), kept.len());
+                        }
+                        let first = from_last.keeping(&view);
+                        let stored: usize = first.chunks().map(|c| c.members().len()).sum();
+                        prop_assert_eq!(stored, first.len());
+                        prop_assert!(first.chunks.accounted());
+                        (whole.clone(), from_last, of)
+                    }
+                    None => (whole.clone(), afresh.clone(), whole.clone()),
+                });
+            }
+        }
+    }
+
+    /// A step: a full state or not, upserts (name, version), removals.
+    type Step = (bool, Vec<(u16, u8)>, Vec<u16>);
+
+    /// `count` steps of `step`'s kind: full states now and then, upserts
+    /// at versions 0 to 2 of 400 names, removals.
+    fn any_steps(count: std::ops::Range<usize>) -> impl Strategy<Value = Vec<Step>> {
+        proptest::collection::vec(
+            (
+                proptest::bool::weighted(0.2),
+                proptest::collection::vec((0u16..400, 0u8..3), 0..120),
+                proptest::collection::vec(0u16..400, 0..40),
+            ),
+            count,
+        )
+    }
+
+    /// Applies `step`'s update to `C`.
+    fn apply_step(writer: &mut CacheWriter, full: bool, upserts: &[(u16, u8)], removed: &[u16]) {
+        match step(full, upserts, removed) {
+            (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
+            (update, None) => writer.apply(C, update, Origin::Upstream),
+        };
+    }
+
     /// An update of generated names (`n{i}`) at versions `v`: incremental, or
     /// a full state of those upserts in the order given, in a message.
     fn step(full: bool, upserts: &[(u16, u8)], removed: &[u16]) -> (Update, Option<Bytes>) {
@@ -739,21 +947,11 @@ mod tests {
         /// does too.
         #[test]
         fn chunks_hold_every_resource_once_under_any_changes(
-            steps in proptest::collection::vec(
-                (
-                    proptest::bool::weighted(0.2),
-                    proptest::collection::vec((0u16..400, 0u8..3), 0..120),
-                    proptest::collection::vec(0u16..400, 0..40),
-                ),
-                1..10,
-            ),
+            steps in any_steps(1..10),
         ) {
             let (cache, mut writer) = Cache::with_history(3);
             for (full, upserts, removed) in steps {
-                match step(full, &upserts, &removed) {
-                    (update, Some(message)) => writer.apply_message(C, update, Origin::Upstream, &message),
-                    (update, None) => writer.apply(C, update, Origin::Upstream),
-                };
+                apply_step(&mut writer, full, &upserts, &removed);
                 let now = cache.get(C).unwrap();
                 check_stored(&now)?;
                 for entry in cache.history(C).unwrap() {

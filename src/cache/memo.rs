@@ -79,6 +79,49 @@ impl Memo {
         made
     }
 
+    /// The value for `key` while anyone holds it, made by `make` when
+    /// nobody does. The memo refers to it without keeping it alive: it goes
+    /// with the last reader that holds it, not with the memo's owner (a
+    /// grant's view of a snapshot, freed when its clients left). At most
+    /// `max_of_kind` values of one kind are referred to; values nobody
+    /// holds any more make room first, and past that `make`'s value is
+    /// returned and not referred to.
+    pub fn get_or_make_held<T: Any + Send + Sync>(
+        &self,
+        key: MemoKey,
+        max_of_kind: usize,
+        make: impl FnOnce() -> Arc<T>,
+    ) -> Arc<T> {
+        let held = |v: &Arc<dyn Any + Send + Sync>| v.downcast_ref::<std::sync::Weak<T>>().and_then(|w| w.upgrade());
+        if let Some(found) = self.find_with(&key, held) {
+            return found;
+        }
+        let made = make();
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(found) = value_of(&entries, &key).and_then(held) {
+            return found;
+        }
+        let weak: Arc<dyn Any + Send + Sync> = Arc::new(Arc::downgrade(&made));
+        if let Some((_, slot)) = entries.iter_mut().find(|(k, _)| *k == key) {
+            // Its last holder left: the new one takes its place.
+            *slot = weak;
+            return made;
+        }
+        let of_kind = |entries: &[Entry]| entries.iter().filter(|(k, _)| k.kind == key.kind).count();
+        if of_kind(&entries) >= max_of_kind {
+            entries.retain(|(k, v)| k.kind != key.kind || held(v).is_some());
+        }
+        if of_kind(&entries) < max_of_kind {
+            entries.push((key, weak));
+        }
+        made
+    }
+
+    fn find_with<R>(&self, key: &MemoKey, read: impl FnOnce(&Arc<dyn Any + Send + Sync>) -> Option<R>) -> Option<R> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        value_of(&entries, key).and_then(read)
+    }
+
     fn find<T: Any + Send + Sync>(&self, key: &MemoKey) -> Option<Arc<T>> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         value_of(&entries, key).and_then(|v| v.clone().downcast::<T>().ok())
@@ -195,6 +238,32 @@ mod tests {
             memo.get_or_make(MemoKey::with("diff", v.into()), 2, || v.len());
         }
         assert_eq!(memo.len(), 3, "one of kind k, two of kind diff");
+    }
+
+    #[test]
+    fn a_held_value_lives_as_long_as_its_holders_and_frees_its_place() {
+        let memo = Memo::default();
+        let key = |k: &str| MemoKey::with("view", k.into());
+        let a = memo.get_or_make_held(key("a"), 2, || Arc::new(1u32));
+        let again = memo.get_or_make_held(key("a"), 2, || Arc::new(9u32));
+        assert!(Arc::ptr_eq(&a, &again), "shared while held");
+        let weak = Arc::downgrade(&a);
+        drop((a, again));
+        assert!(weak.upgrade().is_none(), "the memo does not keep it alive");
+        let a = memo.get_or_make_held(key("a"), 2, || Arc::new(2u32));
+        assert_eq!(*a, 2, "made again once nobody held it, in its old place");
+        let b = memo.get_or_make_held(key("b"), 2, || Arc::new(3u32));
+        // Full of held values: a third is made but not referred to.
+        let c = memo.get_or_make_held(key("c"), 2, || Arc::new(4u32));
+        let c2 = memo.get_or_make_held(key("c"), 2, || Arc::new(5u32));
+        assert_eq!((*c, *c2), (4, 5));
+        assert_eq!(memo.len(), 2);
+        // One leaves: the next new value takes its place.
+        drop(b);
+        let d = memo.get_or_make_held(key("d"), 2, || Arc::new(6u32));
+        assert!(Arc::ptr_eq(&d, &memo.get_or_make_held(key("d"), 2, || Arc::new(7u32))));
+        assert_eq!(memo.len(), 2);
+        drop(a);
     }
 
     #[test]

@@ -187,6 +187,10 @@ pub struct CollectionSnapshot {
     /// Whether a response of this version above the legacy clients' limit
     /// was logged: once per version, not once per client.
     pub oversized_logged: std::sync::atomic::AtomicBool,
+    /// A view of a snapshot (a grant's part of it, or one with removals
+    /// held back), made for some clients: its encodings refer to what the
+    /// snapshot's keep rather than copy it.
+    view: bool,
 }
 
 impl CollectionSnapshot {
@@ -212,6 +216,7 @@ impl CollectionSnapshot {
             chunks,
             memo: Memo::default(),
             oversized_logged: Default::default(),
+            view: false,
         }
     }
 
@@ -234,11 +239,17 @@ impl CollectionSnapshot {
     /// (and replicas) restricted alike see one version, and keeping
     /// everything is this very snapshot.
     ///
+    /// A view holds references, not copies: its resources are this one's
+    /// (the same `Arc`s, so what readers keep with a resource is shared
+    /// too), its chunks this one's or runs of them ([`Chunks::restricted`]),
+    /// and its map shares this one's nodes where it keeps most of them. What
+    /// a view costs is a few pointers per name it keeps, whatever the
+    /// resources' size.
+    ///
     /// `base`: an earlier whole snapshot of the collection and the view
     /// `keep` made of it. The view is then made from it at the cost of the
-    /// change (its map and chunks shared, as an apply shares them), and is
-    /// that view itself when nothing it keeps changed. Without a base, the
-    /// view is stored afresh.
+    /// change (its map and chunks shared), and is that view itself when
+    /// nothing it keeps changed.
     pub fn restricted_after(
         self: &Arc<Self>,
         base: Option<(&CollectionSnapshot, &Arc<CollectionSnapshot>)>,
@@ -252,24 +263,38 @@ impl CollectionSnapshot {
 
     /// [`Self::restricted_after`] without a base.
     pub fn restricted(self: &Arc<Self>, keep: impl Fn(&str) -> bool) -> Arc<CollectionSnapshot> {
-        let mut resources = ResourceMap::new();
-        let (mut sum, mut bytes) = (0u128, 0usize);
-        // In the order the chunks hold them: a response reads alike.
-        let mut kept = Vec::new();
-        for chunk in self.chunks.iter() {
-            for resource in chunk.members() {
-                if keep(&resource.name) {
-                    sum = sum.wrapping_add(resource.entry());
-                    bytes += resource.encoded.len();
-                    resources.insert(resource.name.clone(), resource.clone());
-                    kept.push(resource.clone());
+        let mut withheld: Vec<Arc<str>> = Vec::new();
+        let chunks = self.chunks.restricted(
+            |resource| {
+                let kept = keep(&resource.name);
+                if !kept {
+                    withheld.push(resource.name.clone());
                 }
-            }
-        }
-        if kept.len() == self.resources.len() {
+                kept
+            },
+            None,
+        );
+        if withheld.is_empty() {
             return self.clone();
         }
-        let chunks = Chunks::build(kept, None, &mut resources);
+        let kept = || chunks.iter().flat_map(|c| c.members().iter());
+        let resources = if withheld.len() * 2 <= self.resources.len() {
+            // Most of it: this map without the rest, sharing every node the
+            // rest is not in (names a grant keeps are mostly runs in name
+            // order: a prefix, a namespace).
+            let mut resources = self.resources.clone();
+            for name in &withheld {
+                resources.remove(&**name);
+            }
+            resources
+        } else {
+            kept().map(|r| (r.name.clone(), r.clone())).collect()
+        };
+        let (mut sum, mut bytes) = (0u128, 0usize);
+        for resource in kept() {
+            sum = sum.wrapping_add(resource.entry());
+            bytes += resource.encoded.len();
+        }
         self.view(resources, sum, chunks, bytes)
     }
 
@@ -298,7 +323,47 @@ impl CollectionSnapshot {
             // It keeps everything now: the whole, stored once.
             return self.clone();
         }
-        self.view_from(view, resources, total)
+        // What it keeps of the chunks that changed: a resource the change
+        // moved to another chunk (the same content, stored anew) is taken
+        // as that chunk holds it, so the map and the chunks hold one `Arc`.
+        let mut fresh = Vec::new();
+        let chunks = self.chunks.restricted(
+            |resource| {
+                let kept = keep(&resource.name);
+                if kept {
+                    fresh.push(resource.clone());
+                }
+                kept
+            },
+            Some((&whole.chunks, &view.chunks)),
+        );
+        for resource in fresh {
+            if resources
+                .get(&*resource.name)
+                .is_none_or(|held| !Arc::ptr_eq(held, &resource))
+            {
+                resources.insert(resource.name.clone(), resource);
+            }
+        }
+        debug_assert_eq!(chunks.iter().map(|c| c.members().len()).sum::<usize>(), resources.len());
+        self.view(resources, total.sum, chunks, total.bytes)
+    }
+
+    /// Bytes of this snapshot's chunks that are not slices of `whole`'s:
+    /// what a view of `whole` stores of its own (nothing, as views are
+    /// made; a copy of what it keeps, were it copied).
+    pub fn bytes_apart_from(&self, whole: &CollectionSnapshot) -> usize {
+        let within = |bytes: &Bytes| {
+            let (start, end) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+            whole.chunks().any(|c| {
+                let at = c.bytes().as_ptr() as usize;
+                at <= start && end <= at + c.bytes().len()
+            })
+        };
+        self.chunks()
+            .filter(|c| !within(c.bytes()))
+            .map(|c| c.bytes().len())
+            .sum()
     }
 
     /// This snapshot with the resources of `held` that it no longer has put
@@ -348,7 +413,15 @@ impl CollectionSnapshot {
         let mut view = CollectionSnapshot::new(self.collection.clone(), resources, sum, chunks, bytes, self.origin);
         view.updated_at = self.updated_at;
         view.applied_at = self.applied_at;
+        view.view = true;
         Arc::new(view)
+    }
+
+    /// Whether this is a view of a snapshot made for some clients (a
+    /// grant's part of it, or one with removals held back), not a version
+    /// of the collection.
+    pub fn is_view(&self) -> bool {
+        self.view
     }
 
     /// The chunks that hold the resources, in their order (the order the

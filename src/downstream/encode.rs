@@ -382,6 +382,8 @@ pub(crate) struct Pieces {
     made_from: usize,
     parts: Vec<Part>,
     copy_below: usize,
+    /// Bytes of the stored slices kept as they are.
+    stored_len: usize,
 }
 
 enum Part {
@@ -415,7 +417,13 @@ impl Pieces {
             made_from: 0,
             parts: Vec::new(),
             copy_below,
+            stored_len: 0,
         }
+    }
+
+    /// Bytes written so far, made and stored.
+    fn len(&self) -> usize {
+        self.made.len() + self.stored_len
     }
 
     fn made(&mut self) -> &mut BytesMut {
@@ -428,6 +436,7 @@ impl Pieces {
             return;
         }
         self.cut();
+        self.stored_len += stored.len();
         self.parts.push(Part::Stored(stored));
     }
 
@@ -623,32 +632,90 @@ pub const DELTA_BODY: Layout = Layout {
     ..DELTA_MCP
 };
 
+/// A chunk's resources in one layout's form, kept with the chunk: its
+/// parts, and where each member's record ends in them (counted from the
+/// first part's start), so that a run of its members (a view's) is a slice
+/// of them, not a second encoding.
+struct Framed {
+    parts: Arc<[Bytes]>,
+    ends: Box<[usize]>,
+}
+
+impl Framed {
+    /// The parts of members `members`: slices of these parts.
+    fn members(&self, members: std::ops::Range<usize>) -> Arc<[Bytes]> {
+        if members.start == 0 && members.end == self.ends.len() {
+            return self.parts.clone();
+        }
+        let start = members.start.checked_sub(1).map_or(0, |before| self.ends[before]);
+        let end = members.end.checked_sub(1).map_or(0, |last| self.ends[last]);
+        let mut sliced = Vec::new();
+        let mut at = 0;
+        for part in self.parts.iter() {
+            let (from, to) = (at, at + part.len());
+            at = to;
+            if to <= start || from >= end {
+                continue;
+            }
+            sliced.push(part.slice(start.max(from) - from..end.min(to) - from));
+        }
+        sliced.into()
+    }
+}
+
 impl Layout {
     /// A chunk's resources in MCP's form, as one part: the chunk's storage
     /// itself when the field numbers agree, else re-framed once per chunk
-    /// and kept with it.
-    fn mcp_chunk(&self, chunk: &Chunk) -> Bytes {
+    /// and kept with it (a view's run of a chunk: a slice of that chunk's).
+    fn mcp_chunk(&self, chunk: &Chunk) -> Arc<[Bytes]> {
         if self.resources == STORAGE_FIELD {
-            return chunk.bytes().clone();
+            return Arc::from([chunk.bytes().clone()]);
         }
-        let framed = chunk
-            .memo
-            .get_or_make(MemoKey::of(self.chunk_key), 1, || self.fields(chunk.members()));
-        Bytes::clone(&framed)
+        self.framed(chunk, |members| {
+            let mut ends = Vec::with_capacity(members.len());
+            let mut end = 0;
+            for member in members {
+                end += bytes_field_len(self.resources, &member.encoded);
+                ends.push(end);
+            }
+            Framed {
+                parts: Arc::from([self.fields(members)]),
+                ends: ends.into(),
+            }
+        })
     }
 
     /// A chunk's resources in istiod's and Envoy's forms: pieces made once
     /// per chunk and kept with it, each resource's made bytes around a
-    /// slice of its stored bytes (not a second copy of them).
+    /// slice of its stored bytes (not a second copy of them); a view's run
+    /// of a chunk: slices of that chunk's pieces.
     fn chunk_pieces(&self, chunk: &Chunk) -> Arc<[Bytes]> {
-        let parts = chunk.memo.get_or_make(MemoKey::of(self.chunk_key), 1, || {
+        self.framed(chunk, |members| {
             let mut pieces = Pieces::slicing();
-            for member in chunk.members() {
+            let mut ends = Vec::with_capacity(members.len());
+            for member in members {
                 self.frame(member, &mut pieces);
+                ends.push(pieces.len());
             }
-            Arc::<[Bytes]>::from(pieces.into_parts())
-        });
-        Arc::clone(&parts)
+            Framed {
+                parts: Arc::from(pieces.into_parts()),
+                ends: ends.into(),
+            }
+        })
+    }
+
+    /// `chunk`'s resources as `frame` frames a chunk's members, made once
+    /// per chunk and kept with it; for a run of another chunk's members,
+    /// slices of that chunk's.
+    fn framed(&self, chunk: &Chunk, frame: impl FnOnce(&[Arc<CachedResource>]) -> Framed) -> Arc<[Bytes]> {
+        let (of, members) = match chunk.run_of() {
+            Some(run) => (&*run.chunk, run.members.clone()),
+            None => (chunk, 0..chunk.members().len()),
+        };
+        let framed = of
+            .memo
+            .get_or_make(MemoKey::of(self.chunk_key), 1, || frame(of.members()));
+        framed.members(members)
     }
 
     /// `resource`'s `resources` record, into `pieces`.
@@ -788,8 +855,11 @@ impl Layout {
     pub fn full(&self, to: &CollectionSnapshot) -> Shared {
         let parts = to.memo.get_or_make(MemoKey::of(self.full_key), 1, || {
             if self.form == Form::Mcp {
-                let parts = std::iter::once(self.head(to)).chain(to.chunks().map(|c| self.mcp_chunk(c)));
-                return Shared::Flat(parts.collect());
+                let mut parts = vec![self.head(to)];
+                for chunk in to.chunks() {
+                    parts.extend(self.mcp_chunk(chunk).iter().cloned());
+                }
+                return Shared::Flat(parts.into());
             }
             let head: Arc<[Bytes]> = Arc::from([self.head(to)]);
             let runs = std::iter::once(head).chain(to.chunks().map(|c| self.chunk_pieces(c)));
@@ -804,9 +874,36 @@ impl Layout {
     pub fn diff(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<[Bytes]> {
         let key = MemoKey::with(self.diff_key, from.version.clone());
         let parts = to.memo.get_or_make(key, SHARED_DIFFS_PER_SNAPSHOT, || {
-            self.changes(to, &Diff::between(&from.resources, &to.resources))
+            let diff = Diff::between(&from.resources, &to.resources);
+            if to.is_view() {
+                self.referenced(to, &diff)
+            } else {
+                self.changes(to, &diff)
+            }
         });
         Arc::clone(&parts)
+    }
+
+    /// A view's change (a grant's, made for its clients): each resource as
+    /// made bytes around a slice of its stored bytes (or the form kept with
+    /// the resource, which every view shares), not a copy per view.
+    fn referenced(&self, to: &CollectionSnapshot, diff: &Diff) -> Arc<[Bytes]> {
+        let mut pieces = Pieces::new(0);
+        for resource in &diff.upserts {
+            if self.form == Form::Mcp {
+                let made = pieces.made();
+                encoding::encode_key(self.resources, WireType::LengthDelimited, made);
+                encoding::encode_varint(resource.encoded.len() as u64, made);
+                pieces.stored(resource.encoded.clone());
+            } else {
+                self.frame(resource, &mut pieces);
+            }
+        }
+        let removed = string_fields(self.removed, &diff.removed_names());
+        std::iter::once(self.head(to))
+            .chain(pieces.into_parts())
+            .chain((!removed.is_empty()).then_some(removed))
+            .collect()
     }
 
     /// `diff`'s resources and removed names, at `to`'s version, in one
@@ -890,9 +987,13 @@ mod tests {
     const C: &str = "istio/networking/v1alpha3/gateways";
 
     fn resource(name: &str, version: &str) -> CachedResource {
-        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, version.as_bytes());
+        resource_with_body(name, version, version.as_bytes())
+    }
+
+    fn resource_with_body(name: &str, version: &str, body: &[u8]) -> CachedResource {
+        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, body);
         let none = std::collections::HashMap::<String, String>::new();
-        let digest = crate::cache::content_digest(version.as_bytes(), &none, &none);
+        let digest = crate::cache::content_digest(body, &none, &none);
         CachedResource::new(
             name.into(),
             version.into(),
@@ -1249,5 +1350,90 @@ mod tests {
         assert_eq!(len, record.len());
         let any = prost_types::Any::decode(record).unwrap();
         assert_eq!(Resource::decode(any.value.as_slice()).unwrap(), expected("b-untimed"));
+    }
+
+    /// Distinct grants' views of a snapshot (each the shared part and one
+    /// resource of its own, as distinct identities get) are encoded as
+    /// slices of what the whole's encodings keep, in every layout and for
+    /// resources above and below the size pieces copy: a view holds no copy
+    /// of what it grants, whatever its size, and reads as if encoded afresh.
+    /// So does a view's change for incremental clients.
+    #[test]
+    fn views_of_distinct_grants_refer_to_the_whole_and_copy_nothing() {
+        const LAYOUTS: [Layout; 6] = [LEGACY, RESOURCES, XDS_MCP, XDS_BODY, DELTA_MCP, DELTA_BODY];
+        let concat = |parts: &[Bytes]| parts.iter().flat_map(|p| p.iter().copied()).collect::<Vec<u8>>();
+        let within = |outer: &Bytes, inner: &Bytes| {
+            let (o, i) = (outer.as_ptr() as usize, inner.as_ptr() as usize);
+            o <= i && i + inner.len() <= o + outer.len()
+        };
+        for size in [5000, 600] {
+            let (cache, mut writer) = Cache::new();
+            let body = vec![b'x'; size];
+            let named = |i: usize| {
+                if i % 3 == 0 {
+                    format!("own-{i:03}")
+                } else {
+                    format!("shared-{i:03}")
+                }
+            };
+            let make = |name: &str, version: &str| resource_with_body(name, version, &body);
+            writer.apply(
+                C,
+                Update::Full((0..300).map(|i| make(&named(i), "1")).collect()),
+                Origin::Upstream,
+            );
+            let whole = cache.get(C).unwrap();
+            writer.apply(
+                C,
+                Update::Incremental {
+                    upserts: vec![make("shared-001", "2"), make("own-003", "2"), make("shared-new", "1")],
+                    removed: vec!["shared-002".into(), "own-006".into()],
+                },
+                Origin::Upstream,
+            );
+            let next = cache.get(C).unwrap();
+            // What everyone shares: the wholes' encodings.
+            let kept: Vec<Vec<Bytes>> = LAYOUTS
+                .iter()
+                .flat_map(|l| [parts(&l.full(&whole)), parts(&l.full(&next))])
+                .collect();
+            let referred = |part: &Bytes| kept.iter().flatten().any(|k| within(k, part));
+            for i in (0..300).step_by(3).take(8) {
+                let own = named(i);
+                let keep = |name: &str| name.starts_with("shared-") || name == own;
+                let view = whole.restricted(keep);
+                assert_eq!(view.len(), 201);
+                assert_eq!(view.bytes_apart_from(&whole), 0, "{size}: no stored bytes of its own");
+                let changed = next.restricted_after(Some((&whole, &view)), keep);
+                assert_eq!(changed.version, next.restricted(keep).version);
+                assert_eq!(changed.bytes_apart_from(&next), 0);
+                for layout in LAYOUTS {
+                    for view in [&view, &changed] {
+                        let full = parts(&layout.full(view));
+                        let afresh: Vec<Bytes> = std::iter::once(layout.head(view))
+                            .chain(view.chunks().flat_map(|c| c.members().iter().map(|r| layout.field(r))))
+                            .collect();
+                        assert_eq!(concat(&full), concat(&afresh), "{size} {}", layout.full_key);
+                        let own_bytes: usize = full.iter().filter(|p| !referred(p)).map(Bytes::len).sum();
+                        assert_eq!(
+                            own_bytes,
+                            layout.head(view).len(),
+                            "{size} {}: only its head",
+                            layout.full_key
+                        );
+                    }
+                    if layout.removed != 0 {
+                        let diff = layout.diff(&view, &changed);
+                        let made = layout.changes(&changed, &Diff::between(&view.resources, &changed.resources));
+                        assert_eq!(concat(&diff), concat(&made), "{size} {}", layout.diff_key);
+                        // Its own: the head, the names removed and each
+                        // resource's few made bytes (a version, a name),
+                        // never a resource.
+                        let own: usize = diff.iter().skip(1).filter(|p| !referred(p)).map(Bytes::len).sum();
+                        assert!(own <= 3 * 200, "{size} {}: {own} bytes of its own", layout.diff_key);
+                    }
+                }
+            }
+        }
     }
 }

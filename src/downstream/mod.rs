@@ -7,6 +7,7 @@
 pub mod by_type;
 pub mod cluster_refs;
 pub mod encode;
+pub mod grants;
 pub mod nack_memory;
 pub mod names;
 pub mod order;
@@ -52,6 +53,9 @@ pub struct DownstreamLimits {
     pub request_read_timeout: Duration,
     pub max_nack_message_bytes: usize,
     pub max_types_per_stream: usize,
+    /// Distinct name grants of one collection served at once
+    /// (`--max-grants-per-version`).
+    pub max_grants_per_version: usize,
     pub max_subscribed_names: usize,
     /// How long a client's NACK is remembered (`--nack-memory`; zero: not,
     /// and nothing is skipped on a reconnecting client's word).
@@ -68,6 +72,7 @@ impl Default for DownstreamLimits {
             request_read_timeout: Duration::from_secs(10),
             max_nack_message_bytes: 4096,
             max_types_per_stream: 128,
+            max_grants_per_version: grants::DEFAULT_MAX_GRANTS_PER_VERSION,
             max_subscribed_names: 100_000,
             nack_memory: Duration::from_secs(24 * 3600),
             max_nack_memory_entries: 100_000,
@@ -127,6 +132,9 @@ struct Shared {
     skew: Arc<SkewTracker>,
     /// What xDS clients NACKed (`--nack-memory`).
     nack_memory: Arc<nack_memory::NackMemory>,
+    /// The distinct grants each collection is served to
+    /// (`--max-grants-per-version`).
+    grants: Arc<grants::Grants>,
 }
 
 // === impl Downstream ===
@@ -170,6 +178,7 @@ impl Downstream {
                 shutdown_message: "the gateway is shutting down; reconnect to another replica",
                 skew,
                 nack_memory: nack_memory::NackMemory::new(limits.nack_memory, limits.max_nack_memory_entries),
+                grants: grants::Grants::new(limits.max_grants_per_version),
             }),
         }
     }
@@ -271,6 +280,29 @@ impl Downstream {
                 )))
             }
         }
+    }
+
+    /// Holds `grant` of `collection` for a stream: a new distinct grant
+    /// past `--max-grants-per-version` ends a new stream's type
+    /// `RESOURCE_EXHAUSTED` naming the flag (counted); `enforce: false` (a
+    /// connected client's grant a reload changed) holds it anyway.
+    fn hold_grant(
+        &self,
+        collection: &Arc<str>,
+        grant: &access::NameGrant,
+        enforce: bool,
+    ) -> Result<grants::GrantHold, Status> {
+        let grants = &self.inner.grants;
+        grants.hold(collection, &grant.key, enforce).map_err(|full| {
+            m::limit_refused("max_grants_per_version");
+            let max = grants.max();
+            Status::resource_exhausted(format!(
+                "{collection}: {} distinct grants of it are served to connected clients, the limit \
+                 (--max-grants-per-version={max}); a client of one of them is served, a new one once one is no \
+                 longer in use",
+                full.held
+            ))
+        })
     }
 
     /// Logs an access denial, once per identity and collection per

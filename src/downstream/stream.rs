@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::by_type::ByType;
 use super::cluster_refs::{self, ForcedResends};
 use super::encode::{EncodedResponse, Record};
+use super::grants::GrantHold;
 use super::names::{NameChange, Names};
 use super::order::{self, Blocker, Change, Decision, Rank, Standing};
 use super::outbound::TrySendError;
@@ -77,6 +78,9 @@ struct Withheld {
 /// at the cost of the change.
 struct Restriction {
     grant: Arc<NameGrant>,
+    /// The stream's hold on its grant: the grant is served while held
+    /// (`--max-grants-per-version`).
+    hold: GrantHold,
     last: std::cell::RefCell<Option<(Arc<CollectionSnapshot>, Arc<CollectionSnapshot>)>>,
     /// The whole and the names the count of withheld names was last made
     /// for: it is made again only when either changes (a named client's
@@ -85,9 +89,10 @@ struct Restriction {
 }
 
 impl Restriction {
-    fn new(grant: Arc<NameGrant>) -> Box<Self> {
+    fn new(grant: Arc<NameGrant>, hold: GrantHold) -> Box<Self> {
         Box::new(Self {
             grant,
+            hold,
             last: Default::default(),
             counted: None,
         })
@@ -633,12 +638,14 @@ fn withheld_names<'a>(
     }
 }
 
-/// Distinct grants whose view of one version is kept with it.
-const RESTRICTED_PER_SNAPSHOT: usize = 1024;
-
 /// The part of `whole` that `grant` lets a client read: made once per
-/// version and grant, and shared by every client of that grant (so their
-/// responses are encoded once, as for everyone else).
+/// version and grant while a client of it reads that version, and shared by
+/// every client of that grant (so their responses are encoded once, as for
+/// everyone else). The whole refers to its views without keeping them:
+/// a view goes with the last client that reads it, and at most
+/// `--max-grants-per-version` are referred to (the distinct grants served).
+/// A view holds references to the whole's resources and chunks, not copies
+/// ([`CollectionSnapshot::restricted`]).
 fn restricted(whole: &Arc<CollectionSnapshot>, restriction: &Restriction) -> Arc<CollectionSnapshot> {
     let grant = &restriction.grant;
     let mut last = restriction.last.borrow_mut();
@@ -648,15 +655,13 @@ fn restricted(whole: &Arc<CollectionSnapshot>, restriction: &Restriction) -> Arc
         }
     }
     let key = MemoKey::with("access.restricted", grant.key.clone());
-    // `None`: the view is the whole itself (its grant keeps everything),
-    // which the whole's own memo must not hold (a cycle: never freed).
-    let made: Arc<Option<Arc<CollectionSnapshot>>> = whole.memo.get_or_make(key, RESTRICTED_PER_SNAPSHOT, || {
+    // Referred to, not held: a view that is the whole itself (its grant
+    // keeps everything) is no cycle.
+    let view = whole.memo.get_or_make_held(key, restriction.hold.max(), || {
         // From this stream's last view of the same grant: the change only.
         let base = last.as_ref().map(|(seen, view)| (&**seen, view));
-        let view = whole.restricted_after(base, |name| grant.allows(name));
-        (!Arc::ptr_eq(&view, whole)).then_some(view)
+        whole.restricted_after(base, |name| grant.allows(name))
     });
-    let view = made.as_ref().clone().unwrap_or_else(|| whole.clone());
     *last = Some((whole.clone(), view.clone()));
     view
 }
@@ -981,9 +986,16 @@ impl<W: Wire> TypedStream<W> {
                 // Not marked seen: a reload this stream has not yet applied
                 // to its other types still wakes it (`regrant`).
                 let policy = self.policy.borrow().clone();
-                grant = self
+                grant = match self
                     .shared
-                    .grant(&policy, &self.identity, type_url, &resolved.collection)?;
+                    .grant(&policy, &self.identity, type_url, &resolved.collection)?
+                {
+                    Some(names) => {
+                        let hold = self.shared.hold_grant(&resolved.collection, &names, true)?;
+                        Some(Restriction::new(names, hold))
+                    }
+                    None => None,
+                };
                 self.shared.follow(&resolved.collection);
                 let awaited = W::ANSWERS_EVERY_TYPE && self.shared.inner.cache.get(&resolved.collection).is_none();
                 if awaited && self.refusals.is_none() {
@@ -1045,7 +1057,7 @@ impl<W: Wire> TypedStream<W> {
                 state,
                 metrics,
                 answer,
-                grant: grant.map(Restriction::new),
+                grant,
                 named,
                 registration: None,
                 rank,
@@ -1120,7 +1132,15 @@ impl<W: Wire> TypedStream<W> {
                 type_url,
             );
             if !same {
-                followed.grant = grant.map(Restriction::new);
+                followed.grant = match grant {
+                    // A connected client's new grant: held past the limit
+                    // rather than cut off.
+                    Some(names) => Some(Restriction::new(
+                        names.clone(),
+                        self.shared.hold_grant(&collection, &names, false)?,
+                    )),
+                    None => None,
+                };
             }
             if !same || regrouped {
                 rewire(followed, &mut self.changes, &self.entry, type_url);
@@ -1647,6 +1667,13 @@ mod tests {
         }
     }
 
+    /// A stream's restriction to `names`, held among `grants`.
+    fn restricted_to(grants: &Arc<super::super::grants::Grants>, names: &str) -> Box<Restriction> {
+        let grant = grant_of(names);
+        let hold = grants.hold(&"c".into(), &grant.key, true).unwrap();
+        Restriction::new(grant, hold)
+    }
+
     fn resource(name: &str, version: &str) -> CachedResource {
         let body = bytes::Bytes::from(format!("{name}@{version}"));
         let digest = crate::cache::content_digest(&body, std::iter::empty(), std::iter::empty());
@@ -1665,7 +1692,8 @@ mod tests {
     #[test]
     fn a_view_that_keeps_everything_is_the_whole_and_frees_it() {
         let (cache, mut writer) = Cache::with_history(1);
-        let restriction = Restriction::new(grant_of("r*"));
+        let grants = super::super::grants::Grants::new(8);
+        let restriction = restricted_to(&grants, "r*");
         writer.apply(
             "c",
             Update::Full(vec![resource("r1", "1"), resource("r2", "1")]),
@@ -1686,13 +1714,21 @@ mod tests {
         assert!(gone.upgrade().is_none(), "the first version is freed");
 
         // A grant that keeps part: a view of its own, made once per version.
-        let part = Restriction::new(grant_of("r1"));
+        let part = restricted_to(&grants, "r1");
         let view = restricted(&second, &part);
         assert_eq!(view.len(), 1);
-        let other_stream = Restriction::new(grant_of("r1"));
+        let other_stream = restricted_to(&grants, "r1");
         assert!(
             Arc::ptr_eq(&restricted(&second, &other_stream), &view),
             "shared by the grant's clients"
         );
+        assert_eq!(grants.held("c"), 2, "r* and r1");
+
+        // The view goes with the last stream that reads it, and so does its
+        // grant's place among those served.
+        let weak = Arc::downgrade(&view);
+        drop((view, part, other_stream));
+        assert!(weak.upgrade().is_none(), "nobody reads it: freed, the version kept");
+        assert_eq!(grants.held("c"), 1);
     }
 }

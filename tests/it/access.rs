@@ -26,7 +26,7 @@ pub(crate) const FRONTEND: &str = "spiffe://cluster.local/ns/shop/sa/frontend";
 pub(crate) const OTHER: &str = "spiffe://cluster.local/ns/other/sa/x";
 pub(crate) const ISTIOD: &str = "spiffe://cluster.local/ns/istio-system/sa/istiod";
 
-type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
+pub(crate) type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
 type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
 
 /// The policy of the issue: each namespace its own secrets, istiod the
@@ -91,7 +91,7 @@ async fn mtls_gateway_process(dir: &Path, ca: &Ca, policy: Option<&str>) -> crat
 }
 
 /// The flags of a gateway serving [`source_dir`] over mTLS with `policy`.
-fn mtls_flags(dir: &Path, ca: &Ca, policy: Option<&str>) -> Vec<String> {
+pub(crate) fn mtls_flags(dir: &Path, ca: &Ca, policy: Option<&str>) -> Vec<String> {
     source_dir(&dir.join("source"), ca);
     let (cert, key) = write_leaf(dir, "server", &ca.leaf("gateway"));
     let ca_path = write(dir, "client-ca.pem", &ca.pem);
@@ -114,7 +114,7 @@ fn mtls_flags(dir: &Path, ca: &Ca, policy: Option<&str>) -> Vec<String> {
     flags.into_iter().map(str::to_owned).collect()
 }
 
-async fn as_identity(addr: SocketAddr, ca: &Ca, identity: &str) -> Channel {
+pub(crate) async fn as_identity(addr: SocketAddr, ca: &Ca, identity: &str) -> Channel {
     tls_channel(addr, &ca.pem, Some(&ca.spiffe_leaf(identity)))
         .await
         .unwrap()
@@ -134,7 +134,7 @@ struct SecretName {
     name: String,
 }
 
-fn names_of(response: &DiscoveryResponse) -> Vec<String> {
+pub(crate) fn names_of(response: &DiscoveryResponse) -> Vec<String> {
     use prost::Message;
     let mut names: Vec<String> = response
         .resources
@@ -145,7 +145,7 @@ fn names_of(response: &DiscoveryResponse) -> Vec<String> {
     names
 }
 
-fn sotw_request(type_url: &str, names: &[&str], ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
+pub(crate) fn sotw_request(type_url: &str, names: &[&str], ack: Option<&DiscoveryResponse>) -> DiscoveryRequest {
     DiscoveryRequest {
         node: envoy("sidecar~10.0.0.1~frontend.shop~shop.svc.cluster.local"),
         type_url: type_url.into(),

@@ -216,6 +216,33 @@ async fn the_soak_scenario_runs_at_a_tiny_size() {
     }
 }
 
+/// The distinct identities scenario at a tiny size, with a limit below its
+/// identities: each identity connected over mTLS and read its grant (the
+/// tool checks every one read the shared part and its own), those past the
+/// limit were refused naming the flag, and the gateway's memory was read.
+#[tokio::test]
+async fn the_grants_scenario_runs_at_a_tiny_size() {
+    let (report, json) = mcp_load(&["--scenario", "grants", "--tiny", "--max-grants-per-version", "4"]).await;
+    assert_eq!(report["scenario"], "grants", "{json}");
+    let grants = &report["grants"];
+    assert_eq!(grants["identities"], 6, "{json}");
+    assert_eq!(
+        (&grants["served"], &grants["refused"]),
+        (&4.into(), &2.into()),
+        "{json}"
+    );
+    assert!(
+        grants["refusal_example"]
+            .as_str()
+            .unwrap()
+            .contains("--max-grants-per-version=4"),
+        "{json}"
+    );
+    for rss in ["rss_before_bytes", "rss_connected_bytes", "rss_after_bytes"] {
+        assert!(grants[rss].as_u64().unwrap() > 0, "{json}");
+    }
+}
+
 /// Flags the eds scenario cannot honour are refused at start, naming them.
 #[tokio::test]
 async fn eds_flags_that_do_not_fit_are_refused() {
@@ -246,6 +273,11 @@ async fn eds_flags_that_do_not_fit_are_refused() {
             "--sample-interval",
         ),
         (&["--scenario", "fan-out", "--duration", "1s"][..], "--duration"),
+        (
+            &["--scenario", "fan-out", "--max-grants-per-version", "3"][..],
+            "--max-grants-per-version",
+        ),
+        (&["--scenario", "grants", "--protocol", "mcp"][..], "--protocol"),
     ] {
         let shown = format!("mcp-load {}", args.join(" "));
         let output = within(

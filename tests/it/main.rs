@@ -20,6 +20,7 @@ mod envoy;
 mod envoy_order;
 mod extensions;
 mod failure_paths;
+mod grants;
 mod grpc;
 mod history_persist;
 mod incremental;

@@ -8,6 +8,7 @@ mod abuse;
 mod clients;
 mod eds;
 mod gateway;
+mod grants;
 mod publisher;
 mod reader;
 mod reconnect;
@@ -124,6 +125,10 @@ struct Args {
     /// tasks are sampled [default: 30s; --tiny: 250ms].
     #[arg(long, value_parser = humantime::parse_duration)]
     sample_interval: Option<Duration>,
+    /// With --scenario grants: the gateway's --max-grants-per-version (not
+    /// given: its default, or a gateway without the flag).
+    #[arg(long)]
+    max_grants_per_version: Option<usize>,
     /// Attack the gateway while the scenario runs; the scenario's clients
     /// are the canaries whose latency is reported.
     #[arg(long, value_enum, conflicts_with = "target")]
@@ -164,6 +169,31 @@ impl Args {
         ];
         if let (false, Some((flag, _))) = (eds || reconnect || soak, named_only.iter().find(|(_, given)| *given)) {
             return Err(format!("{flag} applies to --scenario eds, reconnect or soak only"));
+        }
+        let grants = self.scenario == Scenario::Grants;
+        if self.max_grants_per_version.is_some() && !grants {
+            return Err("--max-grants-per-version applies to --scenario grants only".into());
+        }
+        if grants {
+            let not_with_grants = [
+                ("--target", self.target.is_some()),
+                ("--abuse", self.abuse.is_some()),
+                ("--chain", self.chain > 1),
+                ("--pin", self.pin),
+                ("--protocol", self.protocol.is_some()),
+                ("--collections", self.collections.is_some()),
+                ("--updates", self.updates.is_some()),
+            ];
+            if let Some((flag, _)) = not_with_grants.iter().find(|(_, given)| *given) {
+                return Err(format!(
+                    "{flag} does not apply to --scenario grants (one collection of clusters, read once by each \
+                     identity over mTLS, as Envoy's CDS)"
+                ));
+            }
+            let shape = self.shape();
+            if shape.streams == 0 || shape.resources < 2 {
+                return Err("--scenario grants needs --streams of at least 1 and --resources of at least 2".into());
+            }
         }
         if self.sample_interval.is_some() && !soak {
             return Err("--sample-interval applies to --scenario soak only".into());
@@ -436,6 +466,8 @@ struct Report {
     reconnect: Option<reconnect::ReconnectFigures>,
     /// With --scenario soak: the samples, the clients' churn and the verdict.
     soak: Option<soak::SoakFigures>,
+    /// With --scenario grants: what each distinct identity's grant cost.
+    grants: Option<grants::GrantsFigures>,
 }
 
 #[tokio::main]
@@ -610,6 +642,13 @@ async fn run(args: Args) -> anyhow::Result<Report> {
         Scenario::Eds => eds::run(&binary, shape, args.named(), run).await?,
         Scenario::Reconnect => reconnect::run(&binary, shape, args.named(), run, args.kill).await?,
         Scenario::Soak => soak::run(&binary, shape, args.soak(), run).await?,
+        Scenario::Grants => {
+            let grants = grants::GrantsShape {
+                max_grants_per_version: args.max_grants_per_version,
+                settle: Duration::from_millis(if args.tiny { 100 } else { 1000 }),
+            };
+            grants::run(&binary, shape, grants).await?
+        }
         _ => {
             let names = collection_names(shape.collections, shape.protocol)?;
             run_with_child(&binary, shape, &names, run).await?
@@ -1176,7 +1215,8 @@ fn print_report(report: &Report) {
         .into_iter()
         .chain(report.eds.iter().flat_map(eds::NamedFigures::rows))
         .chain(report.reconnect.iter().flat_map(reconnect::ReconnectFigures::rows))
-        .chain(report.soak.iter().flat_map(soak::SoakFigures::rows));
+        .chain(report.soak.iter().flat_map(soak::SoakFigures::rows))
+        .chain(report.grants.iter().flat_map(grants::GrantsFigures::rows));
     for (name, value) in rows {
         println!("{name:<34} {value}");
     }

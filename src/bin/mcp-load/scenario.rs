@@ -77,6 +77,11 @@ pub enum Scenario {
     /// and NACKing; the gateway's RSS, descriptors and tasks sampled; every
     /// client at the source's final state at the end.
     Soak,
+    /// Distinct identities: 2,000 Envoy clusters of ~1 KiB (2 MB), a policy
+    /// granting each namespace the shared clusters and its own, and 300
+    /// clients of distinct identities (mTLS) connecting one after another,
+    /// each reading the collection once and staying connected.
+    Grants,
 }
 
 impl Scenario {
@@ -170,6 +175,19 @@ impl Scenario {
                 incremental_clients: false,
                 protocol: ClientProtocol::Mcp,
             },
+            Scenario::Grants => Shape {
+                collections: 1,
+                resources: 2_000,
+                body_bytes: 1024,
+                changes_per_update: 0,
+                update_interval: Duration::from_millis(100),
+                updates: 0,
+                upstream_incremental: false,
+                streams: 300,
+                connections: 300,
+                incremental_clients: false,
+                protocol: ClientProtocol::XdsSotw,
+            },
             Scenario::Reconnect => Shape {
                 // Nothing is published after the clients synced.
                 updates: 0,
@@ -195,6 +213,7 @@ impl Scenario {
             Scenario::Reconnect => {
                 "every client resynced <= 2 s after the restart; gateway CPU for the resync <= 4 x the wire's"
             }
+            Scenario::Grants => "200 distinct grants over a 2 MB collection add at most 60 MB of gateway RSS",
             Scenario::Soak => {
                 "RSS at the end within 10 % of RSS at 10 minutes; descriptors and tasks flat; every client at the \
                  source's final state; 0 stream errors the scenario did not cause"
