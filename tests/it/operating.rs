@@ -1862,32 +1862,20 @@ async fn the_files_sources_log_names_the_file_and_what_is_kept() {
 /// no line of theirs.
 #[tokio::test]
 async fn the_tools_print_what_clients_write_escaped() {
-    use mcp_xds_gateway::proto::MeshConfigRequest;
+    use crate::canary::request_as;
 
     let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
     upstream.push_full(VS, vec![resource("a", "1", b"a")]).await;
     let mut client = sotw(gw.listen).await;
-    let node = Some(mcp_xds_gateway::proto::SinkNode {
-        id: "evil\x1b[2J\x1b]0;owned\x07\nNACK forged-node".into(),
-        annotations: Default::default(),
-    });
-    let request = |version: &str, nonce: &str, error: Option<&str>| MeshConfigRequest {
-        version_info: version.into(),
-        sink_node: node.clone(),
-        type_url: VS.into(),
-        response_nonce: nonce.into(),
-        error_detail: error.map(|message| tonic_types::Status {
-            code: tonic::Code::InvalidArgument as i32,
-            message: message.into(),
-            details: vec![],
-        }),
-    };
-    client.send(request("", "", None));
+    let node = "evil\x1b[2J\x1b]0;owned\x07\nNACK forged-node";
+    client.send(request_as(node, VS, "", "", None));
     let first = client.recv().await;
-    client.send(request(&first.version_info, &first.nonce, None));
+    client.send(request_as(node, VS, &first.version_info, &first.nonce, None));
     upstream.push_full(VS, vec![resource("a", "2", b"bad")]).await;
     let refused = client.recv().await;
-    client.send(request(
+    client.send(request_as(
+        node,
+        VS,
         &first.version_info,
         &refused.nonce,
         Some("bad \x1b[31mred\x1b[0m\r\nNACK forged-node: all is well\u{202e}"),
