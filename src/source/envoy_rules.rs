@@ -110,6 +110,16 @@ fn set_str(rules: &DynamicMessage, name: &str) -> Option<String> {
     set(rules, name).and_then(|v| v.as_str().map(str::to_owned))
 }
 
+/// A repeated string field of a rules message (`in`, `not_in`).
+fn strings(rules: &DynamicMessage, name: &str) -> Vec<String> {
+    set(rules, name)
+        .and_then(|v| {
+            v.as_list()
+                .map(|l| l.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
+        })
+        .unwrap_or_default()
+}
+
 /// The rules message of the `type` oneof of a `FieldRules` that is set, and its name.
 fn rule_kind(rules: &DynamicMessage) -> Option<(String, DynamicMessage)> {
     rules
@@ -458,19 +468,11 @@ fn scalar_problem(field: &FieldDescriptor, kind: &str, rules: &DynamicMessage, v
         .map(|problem| problem.replace("value", "duration")),
         ("any", Value::Message(any)) => {
             let type_url = any.get_field_by_name("type_url")?.as_str()?.to_owned();
-            let listed = |name: &str| -> Vec<String> {
-                set(rules, name)
-                    .and_then(|v| {
-                        v.as_list()
-                            .map(|l| l.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
-                    })
-                    .unwrap_or_default()
-            };
-            let allowed = listed("in");
+            let allowed = strings(rules, "in");
             if !allowed.is_empty() && !allowed.contains(&type_url) {
                 return Some(format!("type URL must be in list [{}]", allowed.join(", ")));
             }
-            listed("not_in")
+            strings(rules, "not_in")
                 .contains(&type_url)
                 .then(|| format!("type URL {type_url} is not allowed here"))
         }
@@ -632,19 +634,11 @@ fn string_problem(rules: &DynamicMessage, text: &str) -> Option<String> {
     if let Some(not) = set_str(rules, "not_contains").filter(|not| text.contains(not.as_str())) {
         return Some(format!("value must not contain {not:?}"));
     }
-    let listed = |name: &str| -> Vec<String> {
-        set(rules, name)
-            .and_then(|v| {
-                v.as_list()
-                    .map(|l| l.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
-            })
-            .unwrap_or_default()
-    };
-    let allowed = listed("in");
+    let allowed = strings(rules, "in");
     if !allowed.is_empty() && !allowed.iter().any(|a| a == text) {
         return Some(format!("value must be in list [{}]", allowed.join(", ")));
     }
-    if listed("not_in").iter().any(|a| a == text) {
+    if strings(rules, "not_in").iter().any(|a| a == text) {
         return Some(format!("value must not be {text:?}"));
     }
     let strict = set(rules, "strict").and_then(|v| v.as_bool()).unwrap_or(true);

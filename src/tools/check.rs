@@ -749,28 +749,21 @@ fn istio_subsets(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
         for kind in ["http", "tcp", "tls"] {
             for (index, route) in read.body[kind].as_array().into_iter().flatten().enumerate() {
                 let route_at = [key(kind), PathStep::Index(index)];
-                let routes = route["route"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .enumerate()
-                    .map(|(i, r)| {
-                        (
-                            &r["destination"],
-                            vec![key("route"), PathStep::Index(i), key("destination")],
-                        )
-                    });
-                let mirrors = route["mirrors"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .enumerate()
-                    .map(|(i, m)| {
-                        (
-                            &m["destination"],
-                            vec![key("mirrors"), PathStep::Index(i), key("destination")],
-                        )
-                    });
+                // The destinations of a list of routes or mirrors.
+                let listed = |field: &'static str| {
+                    route[field]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .enumerate()
+                        .map(move |(i, r)| {
+                            (
+                                &r["destination"],
+                                vec![key(field), PathStep::Index(i), key("destination")],
+                            )
+                        })
+                };
+                let (routes, mirrors) = (listed("route"), listed("mirrors"));
                 let destinations = routes.chain([(&route["mirror"], vec![key("mirror")])]).chain(mirrors);
                 for (destination, steps) in destinations {
                     if let (Some(host), Some(subset)) = (destination["host"].as_str(), destination["subset"].as_str()) {
