@@ -244,8 +244,11 @@ fn unknown_kind(table: &CollectionTable, api_version: &str, kind: &str) -> Strin
             table.api_groups().join(", ")
         )
     } else {
+        let meant = proto_json::closest(kind, kinds.iter().copied())
+            .map(|near| format!("did you mean {near}? "))
+            .unwrap_or_default();
         format!(
-            "kind {kind:?} is not a kind of {api_version} this gateway reads (it reads {})",
+            "kind {kind:?} is not a kind of {api_version} this gateway reads ({meant}it reads {})",
             kinds.join(", ")
         )
     }

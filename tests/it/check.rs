@@ -162,7 +162,7 @@ async fn every_bad_file_is_its_own_finding_at_its_line() {
         (
             "kind.yaml",
             2,
-            "kind \"VirtualServce\" is not a kind of networking.istio.io/v1",
+            "kind \"VirtualServce\" is not a kind of networking.istio.io/v1 this gateway reads (did you mean VirtualService? it reads",
         ),
         ("loop.yaml", 0, "cannot read"),
         ("noname.yaml", 3, "metadata.name is missing"),
@@ -571,6 +571,81 @@ body:
         found[2].3
     );
     assert!(found[3].3.contains("cluster \"backendd\""), "{}", found[3].3);
+}
+
+/// A STATIC cluster of `address:port`, or a DNS one (`kind`).
+fn cluster_doc(name: &str, kind: &str, address: &str, port: u32) -> String {
+    format!(
+        "collection: envoy/config/cluster/v3/clusters
+name: {name}
+body:
+  type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster
+  json:
+    name: {name}
+    connect_timeout: 1s
+    type: {kind}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {address}, port_value: {port}}}}}}}
+---
+"
+    )
+}
+
+/// What check calls an error Envoy would refuse, Envoy 1.40 refuses (its
+/// NACK says the same), and what check passes it takes: the gateway serves
+/// both as written.
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn what_check_says_envoy_refuses_a_real_envoy_refuses() {
+    use crate::helpers::envoy::{AdsApi, Envoy};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap().to_owned();
+    let good = [
+        cluster_doc("ok", "STATIC", "127.0.0.1", 9),
+        cluster_doc("dns", "STRICT_DNS", "localhost", 9),
+    ]
+    .concat();
+    std::fs::write(dir.path().join("clusters.yaml"), &good).unwrap();
+    let (code, stdout, stderr) = check(&[&path]).await;
+    assert_eq!((code, stdout.as_str()), (Some(0), ""), "{stderr}");
+    let gw = crate::helpers::start_gateway(&["--source-dir", &path]).await;
+    let envoy = Envoy::start(gw.listen, AdsApi::Sotw, "envoy-check")
+        .await
+        .unwrap_or_else(|why| panic!("Envoy: {why}"));
+    envoy
+        .clusters_when("the clusters check passes", |c| crate::envoy::names(c) == ["dns", "ok"])
+        .await;
+    assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(0));
+
+    for (rejected, bad, says) in [
+        (
+            1,
+            cluster_doc("bad", "STATIC", "not-an-ip", 9),
+            "malformed IP address: not-an-ip",
+        ),
+        (
+            2,
+            cluster_doc("bad", "STATIC", "127.0.0.1", 70000),
+            "value must be less than or equal to 65535",
+        ),
+    ] {
+        let text = format!("{good}{bad}");
+        std::fs::write(dir.path().join("clusters.yaml"), &text).unwrap();
+        let (code, stdout, _) = check(&["-o", "json", &path]).await;
+        assert_eq!(code, Some(1), "{stdout}");
+        assert_found(
+            &stdout,
+            &[("clusters.yaml", text.lines().count() as u64 - 1, says)],
+            "error",
+        );
+        envoy
+            .stat_when("cluster_manager.cds.update_rejected", |v| v == rejected)
+            .await;
+        crate::helpers::eventually("Envoy's log to say why it refused", || envoy.log().contains(says)).await;
+    }
 }
 
 /// A value written in a file reaches the terminal escaped: no escape
