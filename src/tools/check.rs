@@ -1,9 +1,13 @@
 //! `mcp-xds-gateway check PATH…`: reads files and directories exactly as the
 //! files source does (`source::files::read_path`: the same reader, parser,
-//! descriptors and limits) and exits without serving, for CI. Beyond what
-//! does not parse, it reports as warnings the cross-references a deploy
+//! descriptors and limits) and exits without serving, for CI. Errors: every
+//! error of a file (read past each, where the gateway stops at the first
+//! and refuses the file), what Envoy would refuse of a resource that reads
+//! (`source::envoy_rules`: the `validate.rules` of its protos, its address
+//! rule), a name defined twice. Warnings: the cross-references a deploy
 //! would trip on (an Envoy route to a cluster no file defines, an Istio
-//! route to a subset no `DestinationRule` defines, a name in two files).
+//! route to a subset no `DestinationRule` defines), each at the line of the
+//! field naming it, and with `--for` what older Istio clients drop.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
@@ -22,10 +26,11 @@ use crate::tools::terminal_safe;
 /// How findings are printed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum CheckOutput {
-    /// `FILE:LINE: message`, one per line (warnings say so).
+    /// `FILE:LINE: error: message` or `FILE:LINE: warning: message`, one per line.
     #[default]
     Text,
-    /// One JSON array of `{file, line, collection, name, severity, message}`.
+    /// One JSON array of `{file, line, collection, name, severity, message}`
+    /// (and `strict: true` on a warning --strict made an error).
     Json,
     /// GitHub Actions workflow annotations (`::error file=…,line=…::…`).
     Github,
@@ -43,7 +48,7 @@ pub struct CheckArgs {
     #[arg(long, short = 'o', value_enum, default_value_t = CheckOutput::Text)]
     pub output: CheckOutput,
 
-    /// Make the cross-reference warnings errors (exit 1).
+    /// Make every warning an error (exit 1), shown `error: [strict] …`.
     #[arg(long)]
     pub strict: bool,
 
