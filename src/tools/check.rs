@@ -149,6 +149,21 @@ pub struct Finding {
     pub message: String,
 }
 
+impl Finding {
+    /// A finding about a resource that read, at `line` of its file.
+    fn about(file: &str, parsed: &Parsed, line: usize, severity: Severity, message: String) -> Self {
+        Self {
+            file: file.to_owned(),
+            line,
+            collection: Some(parsed.collection.to_string()),
+            name: Some(parsed.name.to_string()),
+            severity,
+            strict: false,
+            message,
+        }
+    }
+}
+
 /// What was checked, and what was found.
 #[derive(Debug, Default)]
 pub struct Report {
@@ -331,20 +346,13 @@ fn envoy_refuses(parsed: &[(String, Parsed)], lines: &mut Lines) -> Vec<Finding>
         };
         for violation in envoy_rules::violations(&body.type_url, &body.value) {
             let line = lines.of(file, p, &violation.path, &violation.proto_path);
-            findings.push(Finding {
-                file: file.clone(),
-                line,
-                collection: Some(p.collection.to_string()),
-                name: Some(p.name.to_string()),
-                severity: Severity::Error,
-                strict: false,
-                message: format!(
-                    "{}: {} ({}); Envoy refuses (NACKs) the resource",
-                    field_shown(&body_root(p), &violation.proto_path),
-                    violation.message,
-                    violation.rule
-                ),
-            });
+            let message = format!(
+                "{}: {} ({}); Envoy refuses (NACKs) the resource",
+                field_shown(&body_root(p), &violation.proto_path),
+                violation.message,
+                violation.rule
+            );
+            findings.push(Finding::about(file, p, line, Severity::Error, message));
         }
     }
     findings
@@ -395,15 +403,7 @@ fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], lines: &m
                 }
             }
         }
-        let finding = |line: usize, message: String| Finding {
-            file: file.clone(),
-            line,
-            collection: Some(p.collection.to_string()),
-            name: Some(p.name.to_string()),
-            severity: Severity::Warning,
-            strict: false,
-            message,
-        };
+        let finding = |line: usize, message: String| Finding::about(file, p, line, Severity::Warning, message);
         for (drop, by) in dropped {
             let line = lines.of(file, p, &drop.path, &drop.proto_path);
             findings.push(finding(line, drop.message_for(&by)));
@@ -462,15 +462,7 @@ struct Read<'a> {
 impl Read<'_> {
     /// A warning at `line`.
     fn warning(&self, line: usize, message: String) -> Finding {
-        Finding {
-            file: self.file.to_owned(),
-            line,
-            collection: Some(self.parsed.collection.to_string()),
-            name: Some(self.parsed.name.to_string()),
-            severity: Severity::Warning,
-            strict: false,
-            message,
-        }
+        Finding::about(self.file, self.parsed, line, Severity::Warning, message)
     }
 
     /// The line of the field at `path` (JSON names, as the body read back
@@ -507,17 +499,12 @@ fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable, lines:
         // As in one file (where the gateway refuses the file), a name
         // defined twice is an error: one of the two is never served.
         if let Some((other, line)) = first.get(&(&*p.collection, &*p.name)) {
-            findings.push(Finding {
-                severity: Severity::Error,
-                ..read.warning(
-                    p.name_line,
-                    format!(
-                        "{:?} in {} is also defined at {other}:{line}; names must be unique in a collection across \
-                         the files: the gateway serves the first file's (by name) and ignores this one",
-                        p.name, p.collection
-                    ),
-                )
-            });
+            let message = format!(
+                "{:?} in {} is also defined at {other}:{line}; names must be unique in a collection across the \
+                 files: the gateway serves the first file's (by name) and ignores this one",
+                p.name, p.collection
+            );
+            findings.push(Finding::about(file, p, p.name_line, Severity::Error, message));
             continue;
         }
         first.insert((&*p.collection, &*p.name), (file, p.name_line));

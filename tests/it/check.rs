@@ -485,28 +485,6 @@ spec:
 #[tokio::test]
 async fn what_envoy_would_refuse_is_an_error_at_the_field() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = |name: &str, kind: &str, address: &str, port: u32| {
-        format!(
-            "collection: envoy/config/cluster/v3/clusters
-name: {name}
-body:
-  type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster
-  json:
-    name: {name}
-    connect_timeout: 1s
-    type: {kind}
-    load_assignment:
-      cluster_name: {name}
-      endpoints:
-      - lb_endpoints:
-        - endpoint:
-            address:
-              socket_address:
-                address: {address}
-                port_value: {port}
-"
-        )
-    };
     let routes = "\
 collection: envoy/config/route/v3/routeconfigurations
 name: local_route
@@ -523,11 +501,11 @@ body:
           cluster: backendd
 ";
     let clusters = [
-        cluster("backend", "STATIC", "not-an-ip", 8080),
-        cluster("dns", "STRICT_DNS", "backend.example.com", 80),
-        cluster("port", "STATIC", "10.0.0.1", 70000),
+        cluster_doc("backend", "STATIC", "not-an-ip", 8080),
+        cluster_doc("dns", "STRICT_DNS", "backend.example.com", 80),
+        cluster_doc("port", "STATIC", "10.0.0.1", 70000),
     ]
-    .join("---\n");
+    .concat();
     std::fs::write(dir.path().join("clusters.yaml"), &clusters).unwrap();
     std::fs::write(dir.path().join("routes.yaml"), routes).unwrap();
     let path = dir.path().display().to_string();
