@@ -26,6 +26,7 @@
 //! refuses is still the operator's to serve).
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 use prost_reflect::{
@@ -136,6 +137,11 @@ struct Walk {
     /// Inside a DNS cluster's endpoints (or a custom cluster type's), where
     /// an address may be a host name.
     names_resolve: usize,
+    /// Each field's rules, read from its options once (by full name).
+    rules: HashMap<String, Option<DynamicMessage>>,
+    /// Each message's `disabled`/`ignored` and each oneof's `required`,
+    /// read once (by full name).
+    flags: HashMap<String, bool>,
 }
 
 impl Walk {
@@ -183,12 +189,19 @@ impl Walk {
         let Some(options) = Options::of(descriptor.parent_pool()) else {
             return;
         };
-        let message_options = descriptor.options();
-        if flag(&message_options, options.disabled.as_ref()) || flag(&message_options, options.ignored.as_ref()) {
+        let unchecked = self.flags.entry(descriptor.full_name().to_owned()).or_insert_with(|| {
+            let message_options = descriptor.options();
+            flag(&message_options, options.disabled.as_ref()) || flag(&message_options, options.ignored.as_ref())
+        });
+        if *unchecked {
             return;
         }
         for oneof in descriptor.oneofs().filter(|o| !o.is_synthetic()) {
-            if flag(&oneof.options(), options.required.as_ref()) && !oneof.fields().any(|f| message.has_field(&f)) {
+            let required = *self
+                .flags
+                .entry(oneof.full_name().to_owned())
+                .or_insert_with(|| flag(&oneof.options(), options.required.as_ref()));
+            if required && !oneof.fields().any(|f| message.has_field(&f)) {
                 let names: Vec<String> = oneof.fields().map(|f| f.json_name().to_owned()).collect();
                 self.violation(
                     format!("validate.required of oneof {}", oneof.full_name()),
@@ -198,10 +211,16 @@ impl Walk {
         }
         self.socket_address(message);
         for field in descriptor.fields() {
-            let field_options = field.options();
-            let rules = (field_options.has_extension(&options.rules))
-                .then(|| field_options.get_extension(&options.rules).as_message().cloned())
-                .flatten();
+            let rules = self
+                .rules
+                .entry(field.full_name().to_owned())
+                .or_insert_with(|| {
+                    let field_options = field.options();
+                    (field_options.has_extension(&options.rules))
+                        .then(|| field_options.get_extension(&options.rules).as_message().cloned())
+                        .flatten()
+                })
+                .clone();
             let in_oneof = field.containing_oneof().is_some_and(|o| !o.is_synthetic());
             let present = message.has_field(&field);
             self.push(

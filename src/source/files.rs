@@ -1231,6 +1231,14 @@ impl FileLines {
             .binary_search_by_key(&body_at.0, |(start, _)| *start)
             .ok()?;
         let (start, document) = &self.documents[at];
+        // The whole path in one spelling (the usual case): one walk.
+        for spelled in [proto_path, path] {
+            if !spelled.is_empty() {
+                if let Some(line) = yaml_lines::exact_line(document, &[&body_at.1[..], spelled].concat()) {
+                    return Some(start + line - 1);
+                }
+            }
+        }
         let mut steps = body_at.1.clone();
         let mut line = yaml_lines::exact_line(document, &steps);
         for (json, proto) in path.iter().zip(proto_path) {

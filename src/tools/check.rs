@@ -452,6 +452,9 @@ fn yaml_below(dir: &std::path::Path) -> Vec<String> {
     found
 }
 
+/// The most cross-reference warnings of one resource listed at their lines.
+const MAX_REFERENCE_FINDINGS: usize = 100;
+
 /// A served resource, its body read back.
 struct Read<'a> {
     file: &'a str,
@@ -463,6 +466,27 @@ impl Read<'_> {
     /// A warning at `line`.
     fn warning(&self, line: usize, message: String) -> Finding {
         Finding::about(self.file, self.parsed, line, Severity::Warning, message)
+    }
+
+    /// Warnings at the line of each field (`pending`: its path and the
+    /// message), at most [`MAX_REFERENCE_FINDINGS`]; past them one more
+    /// at the resource counts the rest (each line is a walk of its YAML
+    /// document: a resource naming thousands of missing things costs a
+    /// bounded number of them).
+    fn warnings_at(&self, lines: &mut Lines, pending: Vec<(Vec<PathStep>, String)>) -> Vec<Finding> {
+        let rest = pending.len().saturating_sub(MAX_REFERENCE_FINDINGS);
+        let mut found: Vec<Finding> = pending
+            .into_iter()
+            .take(MAX_REFERENCE_FINDINGS)
+            .map(|(path, message)| self.warning(self.line(lines, &path), message))
+            .collect();
+        if rest > 0 {
+            found.push(self.warning(
+                self.parsed.line,
+                format!("{rest} more names this resource refers to are defined by no file (not listed)"),
+            ));
+        }
+        found
     }
 
     /// The line of the field at `path` (JSON names, as the body read back
@@ -547,6 +571,8 @@ fn envoy_references(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
         .iter()
         .filter(|r| r.parsed.body_type_url.starts_with("type.googleapis.com/envoy."))
     {
+        // (the path of the naming field, the message), lines looked up last.
+        let mut pending: Vec<(Vec<PathStep>, String)> = Vec::new();
         let mut refs = References::default();
         refs.walk(&read.body, &mut Vec::new());
         if read.parsed.body_type_url == CLUSTER && read.body["type"] == "EDS" {
@@ -557,9 +583,8 @@ fn envoy_references(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
                     None => (read.envoy_name(), "edsConfig"),
                 };
                 if !endpoints.contains(&service) {
-                    let path = [key("edsClusterConfig"), key(at)];
-                    findings.push(read.warning(
-                        read.line(lines, &path),
+                    pending.push((
+                        vec![key("edsClusterConfig"), key(at)],
                         format!(
                             "EDS cluster {service:?} has no load assignment: no file defines {service:?} in \
                              envoy/config/endpoint/v3/clusterloadassignments, so Envoy waits for its endpoints"
@@ -568,36 +593,75 @@ fn envoy_references(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
                 }
             }
         }
-        for (cluster, path) in refs.clusters.iter().filter(|(c, _)| !clusters.contains(c)) {
-            findings.push(read.warning(
-                read.line(lines, path),
-                format!("routes to cluster {cluster:?}, which no file defines in envoy/config/cluster/v3/clusters"),
+        let missing = |refs: Vec<Reference>, defined: &BTreeSet<String>| {
+            first_places(refs.into_iter().filter(|(name, _)| !defined.contains(name)))
+        };
+        for (cluster, path, more) in missing(refs.clusters, &clusters) {
+            pending.push((
+                path,
+                format!(
+                    "routes to cluster {cluster:?}, which no file defines in envoy/config/cluster/v3/clusters{}",
+                    more_places(more)
+                ),
             ));
         }
-        for (route, path) in refs.routes.iter().filter(|(r, _)| !routes.contains(r)) {
-            findings.push(read.warning(
-                read.line(lines, path),
+        for (route, path, more) in missing(refs.routes, &routes) {
+            pending.push((
+                path,
                 format!(
                     "RDS name {route:?} has no route configuration: no file defines it in \
-                     envoy/config/route/v3/routeconfigurations"
+                     envoy/config/route/v3/routeconfigurations{}",
+                    more_places(more)
                 ),
             ));
         }
-        for (secret, path) in refs.secrets.iter().filter(|(s, _)| !secrets.contains(s)) {
-            findings.push(read.warning(
-                read.line(lines, path),
+        for (secret, path, more) in missing(refs.secrets, &secrets) {
+            pending.push((
+                path,
                 format!(
                     "SDS name {secret:?} has no secret: no file defines it in \
-                     envoy/extensions/transport_sockets/tls/v3/secrets"
+                     envoy/extensions/transport_sockets/tls/v3/secrets{}",
+                    more_places(more)
                 ),
             ));
         }
+        findings.extend(read.warnings_at(lines, pending));
     }
     findings
 }
 
 fn key(name: &str) -> PathStep {
     PathStep::Key(name.to_owned())
+}
+
+/// Each name once, at the first place it is written, with how many more
+/// places of the resource write it: a route configuration with a thousand
+/// routes to one missing cluster is one finding (and its line is looked up
+/// once).
+fn first_places<K: std::hash::Hash + Eq + Clone>(
+    refs: impl IntoIterator<Item = (K, Vec<PathStep>)>,
+) -> Vec<(K, Vec<PathStep>, usize)> {
+    let mut grouped: Vec<(K, Vec<PathStep>, usize)> = Vec::new();
+    let mut at: std::collections::HashMap<K, usize> = std::collections::HashMap::new();
+    for (name, path) in refs {
+        match at.get(&name) {
+            Some(index) => grouped[*index].2 += 1,
+            None => {
+                at.insert(name.clone(), grouped.len());
+                grouped.push((name, path, 0));
+            }
+        }
+    }
+    grouped
+}
+
+/// `(and 3 more places in this resource)`, or nothing.
+fn more_places(more: usize) -> String {
+    match more {
+        0 => String::new(),
+        1 => " (and 1 more place in this resource)".to_owned(),
+        n => format!(" (and {n} more places in this resource)"),
+    }
 }
 
 /// A name a resource refers to, and the path of the field naming it.
@@ -736,8 +800,8 @@ fn istio_subsets(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
     let mut findings = Vec::new();
     for read in served.iter().filter(|r| r.parsed.body_type_url == VIRTUAL_SERVICE) {
         let ns = namespace(&read.parsed.name);
-        // (host, subset, the path of its `subset` field)
-        let mut wanted: Vec<(&str, &str, Vec<PathStep>)> = Vec::new();
+        // ((host, subset), the path of its `subset` field)
+        let mut wanted: Vec<((&str, &str), Vec<PathStep>)> = Vec::new();
         for kind in ["http", "tcp", "tls"] {
             for (index, route) in read.body[kind].as_array().into_iter().flatten().enumerate() {
                 let route_at = [key(kind), PathStep::Index(index)];
@@ -759,26 +823,30 @@ fn istio_subsets(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
                 let destinations = routes.chain([(&route["mirror"], vec![key("mirror")])]).chain(mirrors);
                 for (destination, steps) in destinations {
                     if let (Some(host), Some(subset)) = (destination["host"].as_str(), destination["subset"].as_str()) {
-                        wanted.push((host, subset, [&route_at[..], &steps, &[key("subset")]].concat()));
+                        wanted.push(((host, subset), [&route_at[..], &steps, &[key("subset")]].concat()));
                     }
                 }
             }
         }
-        for (host, subset, path) in wanted {
+        let undefined = wanted.into_iter().filter(|((host, subset), _)| {
             let full = fqdn(host, ns);
-            let defined = rules
+            !rules
                 .iter()
-                .any(|(rule_host, subsets)| covers(rule_host, &full) && subsets.contains(subset));
-            if !defined {
-                findings.push(read.warning(
-                    read.line(lines, &path),
-                    format!(
-                        "routes to subset {subset:?} of host {host:?}, which no DestinationRule for {full} defines \
-                         (Envoy answers such routes 503)"
-                    ),
-                ));
-            }
+                .any(|(rule_host, subsets)| covers(rule_host, &full) && subsets.contains(subset))
+        });
+        let mut pending = Vec::new();
+        for ((host, subset), path, more) in first_places(undefined) {
+            let full = fqdn(host, ns);
+            pending.push((
+                path,
+                format!(
+                    "routes to subset {subset:?} of host {host:?}, which no DestinationRule for {full} defines \
+                     (Envoy answers such routes 503){}",
+                    more_places(more)
+                ),
+            ));
         }
+        findings.extend(read.warnings_at(lines, pending));
     }
     findings
 }

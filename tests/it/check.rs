@@ -368,6 +368,39 @@ async fn cross_references_a_deploy_would_trip_on_are_warnings_at_the_field_and_s
     );
 }
 
+/// A name missing in many places of one resource is one finding, at its
+/// first place, counting the others; past 100 names of one resource the
+/// rest are counted in one finding at the resource.
+#[tokio::test]
+async fn a_missing_name_is_one_finding_and_many_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut routes: Vec<String> = (0..3)
+        .map(|i| format!("      - {{match: {{prefix: /same{i}}}, route: {{cluster: missing}}}}\n"))
+        .collect();
+    routes.extend((0..105).map(|i| format!("      - {{match: {{prefix: /m{i}}}, route: {{cluster: m{i}}}}}\n")));
+    let text = format!(
+        "collection: envoy/config/route/v3/routeconfigurations\nname: r\nbody:\n  type_url: \
+         type.googleapis.com/envoy.config.route.v3.RouteConfiguration\n  json:\n    name: r\n    virtual_hosts:\n    \
+         - name: all\n      domains: ['*']\n      routes:\n{}",
+        routes.concat()
+    );
+    std::fs::write(dir.path().join("routes.yaml"), &text).unwrap();
+    let path = dir.path().display().to_string();
+    let (code, stdout, stderr) = check(&["-o", "json", &path]).await;
+    assert_eq!(code, Some(0), "{stderr}");
+    let found = findings(&stdout);
+    assert_eq!(found.len(), 101, "{stderr}");
+    assert_eq!(found[0].1, 1, "the count, at the resource");
+    assert!(found[0].3.starts_with("6 more names"), "{}", found[0].3);
+    assert_eq!(found[1].1, line_of(&text, "cluster: missing"));
+    assert!(
+        found[1].3.ends_with("(and 2 more places in this resource)"),
+        "{}",
+        found[1].3
+    );
+    assert_eq!(found[100].1, line_of(&text, "cluster: m98}"));
+}
+
 /// A name defined twice is an error wherever the second one is: in the
 /// same file (the gateway refuses the file) or in another (the gateway
 /// serves the first file's and ignores the other): either way one
