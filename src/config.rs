@@ -548,7 +548,8 @@ pub enum Command {
     Source(Box<source::SourceArgs>),
     /// Check files and directories of config as the files source reads them,
     /// without serving (for CI): exit 0 when everything would be served, 1
-    /// when anything would not, 2 for usage.
+    /// when anything would not or Envoy would refuse it (every error of a
+    /// file, at its line), 2 for usage.
     Check(crate::tools::check::CheckArgs),
 }
 

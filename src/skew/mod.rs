@@ -24,4 +24,4 @@ mod walk;
 
 pub use releases::{ClientGeneration, Generation, GenerationRules, GenerationRulesError, Learned, Release, RELEASES};
 pub use tracker::{Interest, ServedBy, SkewTracker, TrackedSkew};
-pub use walk::{body_of, dropped_by, Dropped, DroppedKind, ResourceSkew, MAX_FINDINGS};
+pub use walk::{body_of, dropped_by, releases_shown, Dropped, DroppedKind, ResourceSkew, MAX_FINDINGS};

@@ -77,21 +77,38 @@ impl Dropped {
 
     /// `Istio 1.1 clients drop spec.x.y (added in 1.5)`.
     pub fn message(&self, generation: Generation) -> String {
+        self.message_for(&[generation])
+    }
+
+    /// As [`Dropped::message`], for the clients of several releases at once
+    /// (`Istio 1.0, 1.1 and 1.2 clients drop …`).
+    pub fn message_for(&self, releases: &[Generation]) -> String {
+        let who = releases_shown(releases);
         let path = self.shown_path();
         match &self.kind {
-            DroppedKind::Field => format!("Istio {generation} clients drop {path} ({})", self.added()),
+            DroppedKind::Field => format!("Istio {who} clients drop {path} ({})", self.added()),
             DroppedKind::EnumValue { number, name } => format!(
-                "Istio {generation} clients read {path} = {number}{} as a value their enum lacks ({})",
+                "Istio {who} clients read {path} = {number}{} as a value their enum lacks ({})",
                 name.as_ref()
                     .map(|n| format!(" ({n} in the gateway's protos)"))
                     .unwrap_or_default(),
                 self.added()
             ),
             DroppedKind::Type(name) => format!(
-                "Istio {generation} clients cannot read {path}: its type {name} is not in their protos ({})",
+                "Istio {who} clients cannot read {path}: its type {name} is not in their protos ({})",
                 self.added()
             ),
         }
+    }
+}
+
+/// Releases as a sentence lists them: `1.0, 1.1 and 1.2`.
+pub fn releases_shown(releases: &[Generation]) -> String {
+    let shown: Vec<String> = releases.iter().map(ToString::to_string).collect();
+    match shown.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+        None => String::new(),
     }
 }
 

@@ -99,6 +99,10 @@ pub struct ParseError {
     pub path: String,
     pub line: usize,
     pub reason: String,
+    /// The collection and name of the resource it is about, when the
+    /// document says them (see [`identity`]).
+    pub collection: Option<Arc<str>>,
+    pub name: Option<String>,
 }
 
 /// Where a body's fields are written: the first line of its document in the
@@ -115,6 +119,8 @@ pub struct Parsed {
     pub encoded: Bytes,
     pub digest: u128,
     pub line: usize,
+    /// The line of its name (`metadata.name`, or `name`).
+    pub name_line: usize,
     /// A `struct:` body in a collection whose clients decode another type.
     pub struct_body: bool,
     /// Where its body's fields are written: the first line of its document
@@ -516,52 +522,92 @@ fn key(name: &str) -> PathStep {
 }
 
 /// Parses one file's text. Every document must be valid for any to count.
-/// Every error names the line in the file.
+/// Every error names the line in the file; the first one is returned.
 pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Parsed>, ParseError> {
+    let (parsed, mut errors) = parse_all(path, text, table, 1);
+    match errors.is_empty() {
+        true => Ok(parsed),
+        false => Err(errors.swap_remove(0)),
+    }
+}
+
+/// Parses one file's text: the resources that read, and the errors, up to
+/// `max_errors` (at least one), in the file's order. The files source asks
+/// for one (a file with an error is refused whole, so the first is enough
+/// and nothing is read after it); `check` for every error of a file, read
+/// past each: the next document, the next item of a `List`, the next field
+/// of a body. A file with an error serves nothing, whatever else read.
+pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: usize) -> (Vec<Parsed>, Vec<ParseError>) {
+    let max_errors = max_errors.max(1);
     let mut parsed = Vec::new();
+    let mut errors: Vec<ParseError> = Vec::new();
     let mut seen: HashMap<(Arc<str>, String), usize> = HashMap::new();
     for (start, document) in documents(text) {
-        let fail = |line: usize, reason: String| ParseError {
-            path: path.to_owned(),
-            line,
-            reason,
+        if errors.len() >= max_errors {
+            break;
+        }
+        let fail = |line: usize, reason: String, at: &[PathStep]| {
+            let (collection, name) = identity(&document, at, table);
+            ParseError {
+                path: path.to_owned(),
+                line,
+                reason,
+                collection,
+                name,
+            }
         };
         // The line in the file of the node at `steps` (or of its nearest
         // parent found).
         let line_of = |steps: &[PathStep]| start + yaml_lines::line_of(&document, steps).map_or(0, |l| l - 1);
         VALUES_LEFT.with(|left| left.set(value_budget(&document)));
-        let doc: Document = serde_norway::from_str(&document).map_err(|e| {
-            let message = e.to_string();
-            match e.location() {
-                // The line is reported in the file, not in the document.
-                Some(at) => {
-                    let message = yaml_lines::in_file(&message, start, at.line(), at.column());
-                    let last = start + document.lines().count().saturating_sub(1);
-                    let mut line = start + at.line().saturating_sub(1);
-                    // The end of the text ("unexpected end of stream") is
-                    // past its last line: the line the message names for
-                    // what was left open (a quoted scalar) is the one to fix.
-                    if line > last {
-                        line = yaml_lines::last_line_named(&message)
-                            .filter(|l| *l <= last)
-                            .unwrap_or(last);
+        let doc: Document = match serde_norway::from_str(&document) {
+            Ok(doc) => doc,
+            Err(e) => {
+                let message = e.to_string();
+                errors.push(match e.location() {
+                    // The line is reported in the file, not in the document.
+                    Some(at) => {
+                        let message = yaml_lines::in_file(&message, start, at.line(), at.column());
+                        let last = start + document.lines().count().saturating_sub(1);
+                        let mut line = start + at.line().saturating_sub(1);
+                        // The end of the text ("unexpected end of stream") is
+                        // past its last line: the line the message names for
+                        // what was left open (a quoted scalar) is the one to fix.
+                        if line > last {
+                            line = yaml_lines::last_line_named(&message)
+                                .filter(|l| *l <= last)
+                                .unwrap_or(last);
+                        }
+                        fail(line, message, &[])
                     }
-                    fail(line, message)
-                }
-                None => fail(start, message),
+                    None => fail(start, message, &[]),
+                });
+                continue;
             }
-        })?;
-        let found = resources(doc, table).map_err(|(reason, steps)| fail(line_of(&steps), reason))?;
+        };
+        let (found, refused) = resources(doc, table, max_errors - errors.len());
+        errors.extend(
+            refused
+                .into_iter()
+                .map(|(reason, steps)| fail(line_of(&steps), reason, &steps)),
+        );
         for found in found {
+            if errors.len() >= max_errors {
+                break;
+            }
             let name_line = line_of(&found.name_at);
             if let Some(first) = seen.insert((found.collection.clone(), found.name.clone()), name_line) {
-                return Err(fail(
-                    name_line,
-                    format!(
+                errors.push(ParseError {
+                    path: path.to_owned(),
+                    line: name_line,
+                    reason: format!(
                         "{:?} in {} is defined twice (first at line {first}); names must be unique",
                         found.name, found.collection
                     ),
-                ));
+                    collection: Some(found.collection.clone()),
+                    name: Some(found.name.clone()),
+                });
+                continue;
             }
             let line = line_of(&found.at);
             let struct_body = found.body.type_url == STRUCT_TYPE_URL
@@ -569,7 +615,7 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
                     .get(&found.collection)
                     .is_some_and(|c| c.body_type_url != STRUCT_TYPE_URL);
             let metadata = Metadata {
-                name: found.name,
+                name: found.name.clone(),
                 version: found.version.unwrap_or_default(),
                 labels: found.labels.into_iter().collect(),
                 annotations: found.annotations.into_iter().collect(),
@@ -582,10 +628,19 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
             .encode_to_vec()
             .into();
             // The same validation, and the same version rule, as upstream data.
-            let resource = crate::source::validate::decode_resources(&found.collection, &[encoded])
-                .map_err(|nack| fail(line, nack.message))?
-                .pop()
-                .expect("one resource in, one out");
+            let resource = match crate::source::validate::decode_resources(&found.collection, &[encoded]) {
+                Ok(mut resources) => resources.pop().expect("one resource in, one out"),
+                Err(nack) => {
+                    errors.push(ParseError {
+                        path: path.to_owned(),
+                        line,
+                        reason: nack.message,
+                        collection: Some(found.collection.clone()),
+                        name: Some(found.name.clone()),
+                    });
+                    continue;
+                }
+            };
             parsed.push(Parsed {
                 collection: found.collection,
                 name: resource.name.clone(),
@@ -594,16 +649,107 @@ pub fn parse(path: &str, text: &str, table: &CollectionTable) -> Result<Vec<Pars
                 encoded: resource.encoded.clone(),
                 digest: resource.digest,
                 line,
+                name_line,
                 struct_body,
                 body_at: Arc::new((start, found.body_at)),
             });
         }
     }
-    Ok(parsed)
+    // In the file's order (a `List`'s duplicate is found after its items).
+    errors.sort_by_key(|e| e.line);
+    errors.truncate(max_errors);
+    (parsed, errors)
 }
 
-/// The resources of a document, in either form.
-fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refusal> {
+/// The collection and name of the resource an error at `at` in `document`
+/// is about, when the document says them (its kind and `metadata.name`, or
+/// `collection` and `name`), however broken the rest is: a finding names
+/// the resource. Read only for an error.
+fn identity(document: &str, at: &[PathStep], table: &CollectionTable) -> (Option<Arc<str>>, Option<String>) {
+    #[derive(Deserialize)]
+    struct Named {
+        #[serde(default, rename = "apiVersion")]
+        api_version: Option<String>,
+        #[serde(default)]
+        kind: Option<String>,
+        #[serde(default)]
+        metadata: Option<NamedMeta>,
+        #[serde(default)]
+        collection: Option<String>,
+        #[serde(default)]
+        name: Option<String>,
+        #[serde(default)]
+        items: Option<Vec<Named>>,
+    }
+    #[derive(Deserialize)]
+    struct NamedMeta {
+        #[serde(default)]
+        name: Option<String>,
+        #[serde(default)]
+        namespace: Option<String>,
+    }
+    // Other fields are skipped unread; a document that does not read even
+    // so (a syntax error) names nothing.
+    let Ok(mut named) = serde_norway::from_str::<Named>(document) else {
+        return (None, None);
+    };
+    if let [PathStep::Key(items), PathStep::Index(index), ..] = at {
+        if items == "items" {
+            match named
+                .items
+                .take()
+                .map(|mut items| (*index < items.len()).then(|| items.swap_remove(*index)))
+            {
+                Some(Some(item)) => named = item,
+                _ => return (None, None),
+            }
+        }
+    }
+    if let Some(collection) = &named.collection {
+        return (
+            table.name(collection.trim()),
+            named.name.filter(|n| !n.trim().is_empty()),
+        );
+    }
+    let (Some(api_version), Some(kind)) = (&named.api_version, &named.kind) else {
+        return (None, None);
+    };
+    let Some(info) = table.kind(api_version.trim(), kind.trim()) else {
+        return (None, None);
+    };
+    let metadata = named.metadata.unwrap_or(NamedMeta {
+        name: None,
+        namespace: None,
+    });
+    let name = metadata
+        .name
+        .as_deref()
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(|name| kubernetes::resource_name(info.cluster_scoped, name, metadata.namespace.as_deref()));
+    (Some(info.collection.clone()), name)
+}
+
+/// The resources of a document, in either form, and why it is refused (up
+/// to `max_errors` reasons).
+/// The items of a `List` that read are found beside those that do not.
+fn resources(doc: Document, table: &CollectionTable, max_errors: usize) -> (Vec<Found>, Vec<Refusal>) {
+    let mut refused = Vec::new();
+    match resources_of(doc, table, max_errors, &mut refused) {
+        Ok(found) => (found, refused),
+        Err(mut whole) => {
+            refused.append(&mut whole);
+            (Vec::new(), refused)
+        }
+    }
+}
+
+fn resources_of(
+    doc: Document,
+    table: &CollectionTable,
+    max_errors: usize,
+    refused_items: &mut Vec<Refusal>,
+) -> Result<Vec<Found>, Vec<Refusal>> {
     if doc.api_version.is_some() || doc.kind.is_some() {
         for (field, given) in [
             ("collection", doc.collection.is_some()),
@@ -614,13 +760,13 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
             ("body", doc.body.is_some()),
         ] {
             if given {
-                return Err((
+                return Err(vec![(
                     format!(
                         "{field} belongs to the gateway's own form (collection, name, body); a Kubernetes resource \
                          (apiVersion, kind) has its name, labels and annotations under metadata, and its body as spec"
                     ),
                     vec![key(field)],
-                ));
+                )]);
             }
         }
         let object = kubernetes::Object {
@@ -630,7 +776,8 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
             spec: doc.spec,
             items: doc.items,
         };
-        let read = object.read(table).map_err(|e| (e.reason, e.path))?;
+        let (read, refused) = object.read(table, max_errors);
+        refused_items.extend(refused.into_iter().map(|e| (e.reason, e.path)));
         return Ok(read
             .into_iter()
             .map(|r| Found {
@@ -652,53 +799,62 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
         ("items", doc.items.is_some()),
     ] {
         if given {
-            return Err((
+            return Err(vec![(
                 format!("{field} belongs to a Kubernetes resource, which names its apiVersion and kind"),
                 vec![key(field)],
-            ));
+            )]);
         }
     }
     let missing = |field: &str| {
-        (
+        vec![(
             format!(
                 "missing field `{field}`: a document is a resource in the gateway's form (collection, name, body) \
                  or a Kubernetes resource (apiVersion, kind, metadata, spec)"
             ),
             Vec::new(),
-        )
+        )]
     };
     let (Some(collection), Some(name)) = (doc.collection, doc.name) else {
         return Err(missing("collection` or `name"));
     };
     let body = doc.body.ok_or_else(|| missing("body"))?;
     let collection = table.name(collection.trim()).ok_or_else(|| {
-        (
+        vec![(
             format!(
                 "collection {collection:?} is not a known collection; add it with --type-map (collection: type_url)"
             ),
             vec![key("collection")],
-        )
+        )]
     })?;
     if name.trim().is_empty() {
-        return Err(("name is empty; every resource needs a name".into(), vec![key("name")]));
+        return Err(vec![(
+            "name is empty; every resource needs a name".into(),
+            vec![key("name")],
+        )]);
     }
     let body_at = match body.json {
         Some(_) => vec![key("body"), key("json")],
         None => vec![key("body")],
     };
-    let body = read_body(body).map_err(|(reason, steps)| {
+    let body = read_body(body, max_errors).map_err(|refused| {
         // What a body of a sensitive collection holds is quoted nowhere (the
         // log, /debug/upstream, the admin port's /readyz): the path says
         // where the error is.
-        let reason = if table.is_sensitive(&collection) {
-            super::proto_json::redact_quoted(&reason)
-        } else {
-            reason
-        };
-        (
-            format!("body of {name:?}: {reason}"),
-            [vec![key("body")], steps].concat(),
-        )
+        let sensitive = table.is_sensitive(&collection);
+        refused
+            .into_iter()
+            .map(|(reason, steps)| {
+                let reason = if sensitive {
+                    super::proto_json::redact_quoted(&reason)
+                } else {
+                    reason
+                };
+                (
+                    format!("body of {name:?}: {reason}"),
+                    [vec![key("body")], steps].concat(),
+                )
+            })
+            .collect::<Vec<_>>()
     })?;
     Ok(vec![Found {
         collection,
@@ -714,9 +870,9 @@ fn resources(doc: Document, table: &CollectionTable) -> Result<Vec<Found>, Refus
 }
 
 /// The body as an `Any`; an error says why, and which field of a `json`
-/// body failed (a path from the body).
-fn read_body(body: Body) -> Result<prost_types::Any, Refusal> {
-    let whole = |reason: String| (reason, Vec::new());
+/// body failed (a path from the body), up to `max_errors` of them.
+fn read_body(body: Body, max_errors: usize) -> Result<prost_types::Any, Vec<Refusal>> {
+    let whole = |reason: String| vec![(reason, Vec::new())];
     match (body.type_url, body.value_base64, body.structure, body.json) {
         (Some(type_url), Some(value), None, None) => {
             if type_url.trim().is_empty() {
@@ -728,13 +884,18 @@ fn read_body(body: Body) -> Result<prost_types::Any, Refusal> {
             Ok(prost_types::Any { type_url, value })
         }
         (Some(type_url), None, None, Some(YamlValue(json))) => {
-            let value = super::proto_json::encode(type_url.trim(), json).map_err(|e| {
-                let reason = if e.path.is_empty() {
-                    e.message.clone()
-                } else {
-                    format!("json.{e}")
-                };
-                (reason, [vec![key("json")], e.path].concat())
+            let value = super::proto_json::encode_all(type_url.trim(), json, max_errors).map_err(|errors| {
+                errors
+                    .into_iter()
+                    .map(|e| {
+                        let reason = if e.path.is_empty() {
+                            e.message.clone()
+                        } else {
+                            format!("json.{e}")
+                        };
+                        (reason, [vec![key("json")], e.path].concat())
+                    })
+                    .collect::<Vec<_>>()
             })?;
             Ok(prost_types::Any {
                 type_url: type_url.trim().to_owned(),
@@ -1094,6 +1255,14 @@ impl FileLines {
             .binary_search_by_key(&body_at.0, |(start, _)| *start)
             .ok()?;
         let (start, document) = &self.documents[at];
+        // The whole path in one spelling (the usual case): one walk.
+        for spelled in [proto_path, path] {
+            if !spelled.is_empty() {
+                if let Some(line) = yaml_lines::exact_line(document, &[&body_at.1[..], spelled].concat()) {
+                    return Some(start + line - 1);
+                }
+            }
+        }
         let mut steps = body_at.1.clone();
         let mut line = yaml_lines::exact_line(document, &steps);
         for (json, proto) in path.iter().zip(proto_path) {
@@ -1138,7 +1307,20 @@ fn read_all(
     table: &CollectionTable,
     max_file_bytes: usize,
 ) -> std::io::Result<Vec<(String, ParsedFile)>> {
-    let texts: Vec<(String, Result<String, String>)> = match dir {
+    Ok(texts(dir, max_file_bytes)?
+        .into_iter()
+        .map(|(path, text)| {
+            let parsed = text
+                .map_err(|reason| unreadable(&path, reason))
+                .and_then(|text| parse(&path, &text, table));
+            (path, parsed)
+        })
+        .collect())
+}
+
+/// Every YAML file of `dir` (in order) and its text, or why it cannot be read.
+fn texts(dir: &SourceDir, max_file_bytes: usize) -> std::io::Result<Vec<(String, Result<String, String>)>> {
+    Ok(match dir {
         SourceDir::Embedded => EMBEDDED_EXAMPLES
             .iter()
             .map(|(name, text)| (format!("<embedded>/{name}"), Ok(text.to_string())))
@@ -1157,46 +1339,57 @@ fn read_all(
                 })
                 .collect()
         }
-    };
-    Ok(texts
-        .into_iter()
-        .map(|(path, text)| {
-            let parsed = text
-                .map_err(|reason| ParseError {
-                    path: path.clone(),
-                    line: 0,
-                    reason,
-                })
-                .and_then(|text| parse(&path, &text, table));
-            (path, parsed)
-        })
-        .collect())
+    })
+}
+
+/// A file that cannot be read: an error of the whole file (line 0).
+fn unreadable(path: &str, reason: String) -> ParseError {
+    ParseError {
+        path: path.to_owned(),
+        line: 0,
+        reason,
+        collection: None,
+        name: None,
+    }
+}
+
+/// One file as `check` reads it: what parsed, and every error (up to the
+/// limit asked for). As served, a file with an error serves nothing.
+pub struct CheckedFile {
+    pub path: String,
+    pub parsed: Vec<Parsed>,
+    pub errors: Vec<ParseError>,
 }
 
 /// What `mcp-xds-gateway check` reads: a directory as `--source-dir` reads
 /// it, or one file, each YAML file with what it parses to, by the same
-/// reader and parser as the local source (the same limits). A path that is
-/// not there is an `Err`. Blocking.
+/// reader and parser as the local source (the same limits), each file read
+/// past its errors up to `max_errors` of them ([`parse_all`]). A path that
+/// is not there is an `Err`. Blocking.
 pub fn read_path(
     path: &Path,
     table: &CollectionTable,
     max_file_bytes: usize,
-) -> std::io::Result<Vec<(String, ParsedFile)>> {
+    max_errors: usize,
+) -> std::io::Result<Vec<CheckedFile>> {
     // Only a path that is not there at all is refused: a link loop or a
     // FIFO given by name is the file's error, as in a directory.
     std::fs::symlink_metadata(path)?;
-    if path.is_dir() {
-        return read_all(&SourceDir::Dir(path.to_owned()), table, max_file_bytes);
-    }
-    let shown = path.display().to_string();
-    let parsed = read_text(path, max_file_bytes)
-        .map_err(|reason| ParseError {
-            path: shown.clone(),
-            line: 0,
-            reason,
+    let texts = if path.is_dir() {
+        texts(&SourceDir::Dir(path.to_owned()), max_file_bytes)?
+    } else {
+        vec![(path.display().to_string(), read_text(path, max_file_bytes))]
+    };
+    Ok(texts
+        .into_iter()
+        .map(|(path, text)| {
+            let (parsed, errors) = match text {
+                Ok(text) => parse_all(&path, &text, table, max_errors),
+                Err(reason) => (Vec::new(), vec![unreadable(&path, reason)]),
+            };
+            CheckedFile { path, parsed, errors }
         })
-        .and_then(|text| parse(&shown, &text, table));
-    Ok(vec![(shown, parsed)])
+        .collect())
 }
 
 /// A source file's text: a regular file (links are followed: Kubernetes
@@ -1608,6 +1801,72 @@ body:
             assert_eq!(error.line, line, "{text}: {error}");
             assert!(error.reason.contains(reason), "{text}: {error}");
         }
+    }
+
+    #[test]
+    fn every_error_of_a_file_is_found_with_its_resource_and_the_first_is_what_is_served() {
+        let text = "\
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: a, namespace: ns}
+spec:
+  hosts: [a]
+  http:
+  - timout: 5s
+    route:
+    - destination: {host: a, subst: v1}
+---
+apiVersion: networking.istio.io/v1
+kind: Gateway
+metadata: {name: g}
+spec: {}
+---
+apiVersion: v1
+kind: List
+items:
+- apiVersion: networking.istio.io/v1
+  kind: Gateway
+  metadata: {name: g}
+- apiVersion: networking.istio.io/v1
+  kind: Sidecar
+  metadata: {name: s}
+  spec: {egres: []}
+- apiVersion: networking.istio.io/v1
+  kind: Sidecarr
+  metadata: {name: t}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: p}
+spec: {mtls: {mode: STRICT}}
+bogus: 1
+";
+        let (parsed, errors) = parse_all("f.yaml", text, &table(), 100);
+        let shown: Vec<(usize, Option<&str>, Option<&str>, &str)> = errors
+            .iter()
+            .map(|e| (e.line, e.collection.as_deref(), e.name.as_deref(), e.reason.as_str()))
+            .collect();
+        let vs = Some("istio/networking/v1alpha3/virtualservices");
+        assert_eq!(shown.len(), 6, "{shown:#?}");
+        assert_eq!((shown[0].0, shown[0].1, shown[0].2), (7, vs, Some("ns/a")));
+        assert_eq!(shown[1].0, 9);
+        assert!(shown[0].3.contains("'timout' (did you mean 'timeout'?)"), "{shown:?}");
+        assert!(shown[1].3.contains("'subst' (did you mean 'subset'?)"), "{shown:?}");
+        // The List's first item repeats the Gateway: a duplicate in the file.
+        assert_eq!((shown[2].0, shown[2].2), (21, Some("default/g")));
+        assert!(shown[2].3.contains("defined twice (first at line 13)"), "{shown:?}");
+        assert_eq!((shown[3].0, shown[3].2), (25, Some("default/s")));
+        assert_eq!((shown[4].0, shown[4].1), (27, None));
+        // A document that does not read even so still names its resource.
+        assert_eq!(
+            (shown[5].1, shown[5].2),
+            (Some("istio/security/v1beta1/peerauthentications"), Some("default/p"))
+        );
+        assert!(shown[3].3.contains("'egres' (did you mean 'egress'?)"), "{shown:?}");
+        assert_eq!(parsed.len(), 1, "the Gateway read; the file is still refused");
+        let first = parse("f.yaml", text, &table()).unwrap_err();
+        assert_eq!(first, errors[0]);
+        assert_eq!(parse_all("f.yaml", text, &table(), 2).1.len(), 2);
     }
 
     #[test]

@@ -83,54 +83,70 @@ pub(super) struct ObjectError {
 }
 
 impl Object {
-    /// The resources this object holds: itself, or the items of a `List`.
-    pub(super) fn read(self, table: &CollectionTable) -> Result<Vec<Read>, ObjectError> {
+    /// The resources this object holds (itself, or the items of a `List`),
+    /// and why it or an item cannot be read: up to `max_errors` reasons,
+    /// each item of a `List` read past an item that fails.
+    pub(super) fn read(self, table: &CollectionTable, max_errors: usize) -> (Vec<Read>, Vec<ObjectError>) {
+        let refused = |error: ObjectError| (Vec::new(), vec![error]);
         if self.kind.as_deref() == Some("List") {
-            let items = self.items.ok_or_else(|| ObjectError {
-                reason: "a kind: List holds its resources under items".into(),
-                path: vec![key("kind")],
-            })?;
+            let Some(items) = self.items else {
+                return refused(ObjectError {
+                    reason: "a kind: List holds its resources under items".into(),
+                    path: vec![key("kind")],
+                });
+            };
             if self.spec.is_some() || self.metadata.as_ref().is_some_and(|m| m.name.is_some()) {
-                return Err(ObjectError {
+                return refused(ObjectError {
                     reason: "a kind: List has items, not a spec or a name of its own".into(),
                     path: vec![key(if self.spec.is_some() { "spec" } else { "metadata" })],
                 });
             }
-            return items
-                .into_iter()
-                .enumerate()
-                .map(|(index, item)| {
-                    let at = vec![key("items"), PathStep::Index(index)];
-                    let object = Object {
-                        api_version: item.api_version,
-                        kind: item.kind,
-                        metadata: item.metadata,
-                        spec: item.spec,
-                        items: item.items,
-                    };
-                    if object.kind.as_deref() == Some("List") || object.items.is_some() {
-                        return Err(ObjectError {
-                            reason: "a List inside a List: give the items of one List".into(),
-                            path: [at.clone(), vec![key("kind")]].concat(),
-                        });
-                    }
-                    object.read_one(table, at)
-                })
-                .collect();
+            let (mut read, mut errors) = (Vec::new(), Vec::new());
+            for (index, item) in items.into_iter().enumerate() {
+                if errors.len() >= max_errors {
+                    break;
+                }
+                let at = vec![key("items"), PathStep::Index(index)];
+                let object = Object {
+                    api_version: item.api_version,
+                    kind: item.kind,
+                    metadata: item.metadata,
+                    spec: item.spec,
+                    items: item.items,
+                };
+                if object.kind.as_deref() == Some("List") || object.items.is_some() {
+                    errors.push(ObjectError {
+                        reason: "a List inside a List: give the items of one List".into(),
+                        path: [at.clone(), vec![key("kind")]].concat(),
+                    });
+                    continue;
+                }
+                match object.read_one(table, at, max_errors - errors.len()) {
+                    Ok(one) => read.push(one),
+                    Err(refused) => errors.extend(refused),
+                }
+            }
+            errors.truncate(max_errors);
+            return (read, errors);
         }
         if self.items.is_some() {
-            return Err(ObjectError {
+            return refused(ObjectError {
                 reason: "items belongs to a kind: List".into(),
                 path: vec![key("items")],
             });
         }
-        Ok(vec![self.read_one(table, Vec::new())?])
+        match self.read_one(table, Vec::new(), max_errors) {
+            Ok(one) => (vec![one], Vec::new()),
+            Err(errors) => (Vec::new(), errors),
+        }
     }
 
-    fn read_one(self, table: &CollectionTable, at: Vec<PathStep>) -> Result<Read, ObjectError> {
-        let fail = |reason: String, steps: &[&str]| ObjectError {
-            reason,
-            path: [at.clone(), steps.iter().map(|s| key(s)).collect()].concat(),
+    fn read_one(self, table: &CollectionTable, at: Vec<PathStep>, max_errors: usize) -> Result<Read, Vec<ObjectError>> {
+        let fail = |reason: String, steps: &[&str]| {
+            vec![ObjectError {
+                reason,
+                path: [at.clone(), steps.iter().map(|s| key(s)).collect()].concat(),
+            }]
         };
         let api_version = given(&self.api_version)
             .ok_or_else(|| fail("apiVersion is missing (networking.istio.io/v1, ...)".into(), &["kind"]))?;
@@ -155,13 +171,7 @@ impl Object {
                 ));
             }
         }
-        // Galley named a resource `namespace/name`, and a cluster-scoped one
-        // (MeshPolicy, ClusterRbacConfig) by its name alone.
-        let name = if info.cluster_scoped {
-            name.to_owned()
-        } else {
-            format!("{}/{name}", namespace.unwrap_or(DEFAULT_NAMESPACE))
-        };
+        let name = resource_name(info.cluster_scoped, name, namespace);
         let collection = info.collection.clone();
         let type_url = table
             .get(&collection)
@@ -175,12 +185,17 @@ impl Object {
             Some(YamlValue(spec)) if !spec.is_null() => spec,
             _ => serde_json::Value::Object(Default::default()),
         };
-        let value = proto_json::encode_message(&descriptor, spec).map_err(|e| {
-            let path = [vec![key("spec")], e.path].concat();
-            ObjectError {
-                reason: format!("{}: {}", proto_json::display_path(&path), e.message),
-                path: [at.clone(), path].concat(),
-            }
+        let value = proto_json::encode_message_all(&descriptor, spec, max_errors).map_err(|errors| {
+            errors
+                .into_iter()
+                .map(|e| {
+                    let path = [vec![key("spec")], e.path].concat();
+                    ObjectError {
+                        reason: format!("{}: {}", proto_json::display_path(&path), e.message),
+                        path: [at.clone(), path].concat(),
+                    }
+                })
+                .collect::<Vec<_>>()
         })?;
         let strings = |map: BTreeMap<YamlString, YamlString>| map.into_iter().map(|(k, v)| (k.0, v.0)).collect();
         Ok(Read {
@@ -191,6 +206,23 @@ impl Object {
             body: prost_types::Any { type_url, value },
             at,
         })
+    }
+}
+
+/// The name Galley gave a resource: `namespace/name` (the namespace
+/// `default` when none is given, as `kubectl apply`), and a cluster-scoped
+/// one (MeshPolicy, ClusterRbacConfig) by its name alone.
+pub(super) fn resource_name(cluster_scoped: bool, name: &str, namespace: Option<&str>) -> String {
+    if cluster_scoped {
+        name.to_owned()
+    } else {
+        format!(
+            "{}/{name}",
+            namespace
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .unwrap_or(DEFAULT_NAMESPACE)
+        )
     }
 }
 
@@ -212,8 +244,11 @@ fn unknown_kind(table: &CollectionTable, api_version: &str, kind: &str) -> Strin
             table.api_groups().join(", ")
         )
     } else {
+        let meant = proto_json::closest(kind, kinds.iter().copied())
+            .map(|near| format!("did you mean {near}? "))
+            .unwrap_or_default();
         format!(
-            "kind {kind:?} is not a kind of {api_version} this gateway reads (it reads {})",
+            "kind {kind:?} is not a kind of {api_version} this gateway reads ({meant}it reads {})",
             kinds.join(", ")
         )
     }

@@ -5,12 +5,14 @@
 //! clients asked for (`probe`), and the deadline of those demands
 //! (`overdue`); the local files (`files`, with Kubernetes objects in
 //! `kubernetes`, proto-JSON bodies in `proto_json`); the persisted snapshot
-//! (`persisted`); the validation they share (`validate`). Sources never talk
+//! (`persisted`); the validation they share (`validate`), and what Envoy
+//! would refuse of a resource, for `check` (`envoy_rules`). Sources never talk
 //! to downstream streams: what clients want reaches them as the cache's
 //! demand.
 
 pub mod backoff;
 pub mod client;
+pub mod envoy_rules;
 pub mod files;
 mod kubernetes;
 pub mod overdue;

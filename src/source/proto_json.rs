@@ -305,9 +305,16 @@ pub fn message_type(type_url: &str) -> Option<MessageDescriptor> {
 
 /// The message `json` describes, encoded as `type_url` says.
 pub fn encode(type_url: &str, json: Value) -> Result<Vec<u8>, JsonError> {
-    let fail = |message: String| JsonError {
-        path: Vec::new(),
-        message,
+    encode_all(type_url, json, 1).map_err(first_error)
+}
+
+/// As [`encode`], with up to `max_errors` errors (see [`encode_message_all`]).
+pub fn encode_all(type_url: &str, json: Value, max_errors: usize) -> Result<Vec<u8>, Vec<JsonError>> {
+    let fail = |message: String| {
+        vec![JsonError {
+            path: Vec::new(),
+            message,
+        }]
     };
     if !type_url.starts_with(crate::collections::TYPE_URL_PREFIX) {
         return Err(fail(format!(
@@ -326,11 +333,77 @@ pub fn encode(type_url: &str, json: Value) -> Result<Vec<u8>, JsonError> {
              message as value_base64 instead"
         ))
     })?;
-    encode_message(&descriptor, json)
+    encode_message_all(&descriptor, json, max_errors)
+}
+
+fn first_error(mut errors: Vec<JsonError>) -> JsonError {
+    errors.swap_remove(0)
 }
 
 /// `json` read as `descriptor`'s message, encoded.
-pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8>, JsonError> {
+pub fn encode_message(descriptor: &MessageDescriptor, json: Value) -> Result<Vec<u8>, JsonError> {
+    encode_message_all(descriptor, json, 1).map_err(first_error)
+}
+
+/// `json` read as `descriptor`'s message, encoded; or its errors, up to
+/// `max_errors` of them (at least one), in the order the reader meets them.
+/// The reader stops at the first; each next one is found by reading again
+/// without what failed (the field, or the list it is an item of), so one
+/// typo does not hide the next. The served files source asks for one (a
+/// file with an error is refused whole); `check` for all of them.
+pub fn encode_message_all(
+    descriptor: &MessageDescriptor,
+    mut json: Value,
+    max_errors: usize,
+) -> Result<Vec<u8>, Vec<JsonError>> {
+    let mut errors = Vec::new();
+    loop {
+        let more = errors.len() + 1 < max_errors;
+        let attempt = if more { json.clone() } else { std::mem::take(&mut json) };
+        match encode_once(descriptor, attempt) {
+            Ok(bytes) if errors.is_empty() => return Ok(bytes),
+            Ok(_) => return Err(errors),
+            Err(error) => {
+                let pruned = more && prune(&mut json, &error.path);
+                errors.push(error);
+                if !pruned {
+                    return Err(errors);
+                }
+            }
+        }
+    }
+}
+
+/// Removes the node at `path` from `json` (the list holding it, for an
+/// item); whether anything was removed.
+fn prune(json: &mut Value, path: &[PathStep]) -> bool {
+    let keyed = match path.iter().rposition(|step| matches!(step, PathStep::Key(_))) {
+        Some(at) => &path[..=at],
+        None => return false,
+    };
+    let Some((PathStep::Key(last), parent)) = keyed.split_last() else {
+        return false;
+    };
+    let mut node = json;
+    for step in parent {
+        node = match (step, node) {
+            (PathStep::Key(key), Value::Object(fields)) => match fields.get_mut(key) {
+                Some(next) => next,
+                None => return false,
+            },
+            (PathStep::Index(index), Value::Array(items)) => match items.get_mut(*index) {
+                Some(next) => next,
+                None => return false,
+            },
+            _ => return false,
+        };
+    }
+    node.as_object_mut().is_some_and(|fields| fields.remove(last).is_some())
+}
+
+/// One read of `json` as `descriptor`'s message: its bytes, or the first
+/// error, with the closest field name or enum value when one is misspelt.
+fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8>, JsonError> {
     normalize_durations(descriptor, &mut json, &mut Vec::new())?;
     let mut track = serde_path_to_error::Track::new();
     let message = {
@@ -352,7 +425,8 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         // The error goes to the log and to /debug/upstream: a value it
         // quotes from a secret (a private key written as a plain string)
         // is not repeated there (decided on the path as reported, before
-        // the field below is added to it).
+        // the field below is added to it; a field's name is the schema's,
+        // never a value, and stays).
         let sensitive = path_may_be_sensitive(descriptor, &json, &path);
         // An `Any` of a type no descriptor here describes (prost-reflect
         // says "message 'x.y.Z' not found"): the type named in full, and
@@ -368,15 +442,181 @@ pub fn encode_message(descriptor: &MessageDescriptor, mut json: Value) -> Result
         if let Some(field) = message
             .strip_prefix("unrecognized field name '")
             .and_then(|rest| rest.split('\'').next())
+            .map(str::to_owned)
         {
-            // A field's name is the schema's, never a value.
-            path.push(PathStep::Key(field.to_owned()));
+            if let Some(near) = message_at(descriptor, &json, &path).and_then(|m| closest_field(&m, &field)) {
+                message.push_str(&format!(" (did you mean '{near}'?)"));
+            }
+            path.push(PathStep::Key(field));
+        } else if let Some(value) = message
+            .strip_prefix("unrecognized enum value '")
+            .and_then(|rest| rest.split('\'').next())
+            .filter(|_| !sensitive)
+        {
+            if let Some(near) = enum_at(descriptor, &json, &path).and_then(|e| {
+                closest(
+                    value,
+                    e.values()
+                        .map(|v| v.name().to_owned())
+                        .collect::<Vec<_>>()
+                        .iter()
+                        .map(String::as_str),
+                )
+                .map(str::to_owned)
+            }) {
+                message.push_str(&format!(" (did you mean '{near}'?)"));
+            }
         } else if sensitive {
             message = redact_quoted(&message);
         }
         JsonError { path, message }
     })?;
     Ok(prost::Message::encode_to_vec(&message))
+}
+
+/// The message the node at `path` of a body of `descriptor` (written
+/// `json`) is, through lists, maps and `Any`s; `None` where the path leads
+/// to no message known here.
+fn message_at(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> Option<MessageDescriptor> {
+    follow(descriptor, json, path, &mut Vec::new())
+}
+
+/// `path` (of JSON names, as a body read back has them) of a body of
+/// `type_url` (written `json`) by the protos' field names
+/// (`loadAssignment` → `load_assignment`), which YAML may use instead: for
+/// finding a field's line. Steps past what the descriptors know are kept.
+pub fn proto_path(type_url: &str, json: &Value, path: &[PathStep]) -> Vec<PathStep> {
+    let mut names = Vec::new();
+    if let Some(descriptor) = message_type(type_url) {
+        follow(&descriptor, json, path, &mut names);
+    }
+    names.extend(path[names.len()..].iter().cloned());
+    names
+}
+
+/// Walks `path` down a body of `descriptor`, each step it follows written
+/// to `names` by its proto name; the message it ends at.
+fn follow(
+    descriptor: &MessageDescriptor,
+    json: &Value,
+    path: &[PathStep],
+    names: &mut Vec<PathStep>,
+) -> Option<MessageDescriptor> {
+    let mut message = descriptor.clone();
+    let mut value = json;
+    let mut steps = path.iter();
+    loop {
+        if message.full_name() == "google.protobuf.Any" {
+            message = value.get("@type").and_then(Value::as_str).and_then(message_type)?;
+        }
+        let Some(step) = steps.next() else {
+            return Some(message);
+        };
+        let PathStep::Key(key) = step else {
+            return None;
+        };
+        let field = field_named(&message, key)?;
+        names.push(PathStep::Key(field.name().to_owned()));
+        value = value.get(key.as_str()).unwrap_or(&Value::Null);
+        let Kind::Message(inner) = field.kind() else {
+            return None;
+        };
+        message = inner;
+        if field.is_map() || field.is_list() {
+            if field.is_map() {
+                let Kind::Message(item) = message.map_entry_value_field().kind() else {
+                    return None;
+                };
+                message = item;
+            }
+            let step = steps.next()?;
+            names.push(step.clone());
+            value = match step {
+                PathStep::Key(entry) => value.get(entry.as_str()),
+                PathStep::Index(index) => value.get(*index),
+            }
+            .unwrap_or(&Value::Null);
+        }
+    }
+}
+
+/// The enum of the field at `path` (an item of a list or a map's value
+/// included).
+fn enum_at(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> Option<prost_reflect::EnumDescriptor> {
+    let keyed = &path[..path.iter().rposition(|step| matches!(step, PathStep::Key(_)))?];
+    let (field, parent) = (path.get(keyed.len())?, keyed);
+    let PathStep::Key(field) = field else { return None };
+    let message = message_at(descriptor, json, parent)?;
+    let field = field_named(&message, field)?;
+    let kind = if field.is_map() {
+        match field.kind() {
+            Kind::Message(entry) => entry.map_entry_value_field().kind(),
+            other => other,
+        }
+    } else {
+        field.kind()
+    };
+    match kind {
+        Kind::Enum(values) => Some(values),
+        _ => None,
+    }
+}
+
+/// The field of `message` closest to a misspelt `name`, as the file would
+/// spell it (the JSON name, or the proto name for a name with `_`).
+fn closest_field(message: &MessageDescriptor, name: &str) -> Option<String> {
+    let names: Vec<String> = message
+        .fields()
+        .map(|f| if name.contains('_') { f.name() } else { f.json_name() }.to_owned())
+        .collect();
+    closest(name, names.iter().map(String::as_str)).map(str::to_owned)
+}
+
+/// The candidate closest to a misspelt `wanted` (edit distance, ignoring
+/// case), when it is close enough to be what was meant (about one edit in
+/// three characters) and no other is as close.
+pub fn closest<'a>(wanted: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let wanted_lower = wanted.to_lowercase();
+    let limit = (wanted.chars().count() / 3).max(1);
+    let mut best: Option<(usize, &str)> = None;
+    let mut tied = false;
+    for candidate in candidates {
+        if candidate == wanted {
+            continue;
+        }
+        let distance = edit_distance(&wanted_lower, &candidate.to_lowercase());
+        match best {
+            _ if distance > limit => {}
+            Some((kept, _)) if distance > kept => {}
+            Some((kept, name)) if distance == kept => tied |= name != candidate,
+            _ => {
+                best = Some((distance, candidate));
+                tied = false;
+            }
+        }
+    }
+    best.filter(|_| !tied).map(|(_, candidate)| candidate)
+}
+
+/// Edit distance in characters (insertions, deletions, substitutions and
+/// swaps of two neighbours, each one edit: `hots` is one from `host`).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    // Three rows: two back (for swaps), the last, and this one.
+    let mut before: Vec<usize> = vec![0; b.len() + 1];
+    let mut last: Vec<usize> = (0..=b.len()).collect();
+    for i in 1..=a.len() {
+        let mut row = vec![i; b.len() + 1];
+        for j in 1..=b.len() {
+            let substitution = last[j - 1] + usize::from(a[i - 1] != b[j - 1]);
+            row[j] = substitution.min(last[j] + 1).min(row[j - 1] + 1);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                row[j] = row[j].min(before[j - 2] + 1);
+            }
+        }
+        before = std::mem::replace(&mut last, row);
+    }
+    last[b.len()]
 }
 
 /// Whether the value at `path` of a body of `descriptor` (written `json`)
@@ -1269,6 +1509,65 @@ mod tests {
         // A type whose descriptor marks fields is redacted field by field.
         let route = encode(route_url, json!({"name": "r"})).unwrap();
         assert_eq!(decoder.decode(route_url, &route).unwrap(), json!({"name": "r"}));
+    }
+
+    #[test]
+    fn misspelt_fields_and_enum_values_name_the_closest_and_every_error_is_found() {
+        assert_eq!(edit_distance("hots", "host"), 1, "a swap is one edit");
+        assert_eq!(edit_distance("timout", "timeout"), 1);
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(closest("timout", ["timeout", "retries"]), Some("timeout"));
+        assert_eq!(closest("STRICTT", ["STRICT", "PERMISSIVE"]), Some("STRICT"));
+        assert_eq!(closest("zzz", ["timeout"]), None, "too far to be meant");
+        assert_eq!(closest("ab", ["ac", "ad"]), None, "two as close: neither is named");
+        let route = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
+        let body = json!({"hosts": ["r"], "http": [{"timout": "5s", "route": [{"destination": {"hots": "r"}}]}]});
+        let errors = encode_all(route, body.clone(), 10).unwrap_err();
+        let shown: Vec<String> = errors.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            shown,
+            [
+                "http[0].timout: unrecognized field name 'timout' (did you mean 'timeout'?)",
+                "http[0].route[0].destination.hots: unrecognized field name 'hots' (did you mean 'host'?)",
+            ]
+        );
+        // One asked for: the first alone, as the served source reads.
+        assert_eq!(encode_all(route, body, 1).unwrap_err().len(), 1);
+        let peer = "type.googleapis.com/istio.security.v1beta1.PeerAuthentication";
+        let err = encode(peer, json!({"mtls": {"mode": "STRICTT"}})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "mtls.mode: unrecognized enum value 'STRICTT' (did you mean 'STRICT'?)"
+        );
+        // A field of an `Any`, by its proto name.
+        let err = encode(
+            "type.googleapis.com/envoy.config.listener.v3.Listener",
+            listener_with_http_filter(json!({
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router",
+                "suppress_envoy_header": true,
+            })),
+        )
+        .unwrap_err();
+        assert!(
+            err.message.contains("(did you mean 'suppress_envoy_headers'?)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_path_of_json_names_reads_by_proto_names() {
+        let listener = "type.googleapis.com/envoy.config.listener.v3.Listener";
+        let json = json!({"filterChains": [{"filters": [{"typedConfig": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            "statPrefix": "s"}}]}]});
+        let path: Vec<PathStep> = ["filterChains", "0", "filters", "0", "typedConfig", "statPrefix", "x"]
+            .iter()
+            .map(|s| s.parse().map_or_else(|_| PathStep::Key(s.to_string()), PathStep::Index))
+            .collect();
+        assert_eq!(
+            display_path(&proto_path(listener, &json, &path)),
+            "filter_chains[0].filters[0].typed_config.stat_prefix.x"
+        );
     }
 
     #[test]

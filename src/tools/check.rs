@@ -1,9 +1,13 @@
 //! `mcp-xds-gateway check PATH…`: reads files and directories exactly as the
 //! files source does (`source::files::read_path`: the same reader, parser,
-//! descriptors and limits) and exits without serving, for CI. Beyond what
-//! does not parse, it reports as warnings the cross-references a deploy
+//! descriptors and limits) and exits without serving, for CI. Errors: every
+//! error of a file (read past each, where the gateway stops at the first
+//! and refuses the file), what Envoy would refuse of a resource that reads
+//! (`source::envoy_rules`: the `validate.rules` of its protos, its address
+//! rule), a name defined twice. Warnings: the cross-references a deploy
 //! would trip on (an Envoy route to a cluster no file defines, an Istio
-//! route to a subset no `DestinationRule` defines, a name in two files).
+//! route to a subset no `DestinationRule` defines), each at the line of the
+//! field naming it, and with `--for` what older Istio clients drop.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
@@ -13,17 +17,20 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::collections::CollectionTable;
-use crate::skew::{DroppedKind, Generation, RELEASES};
-use crate::source::files::{read_path, Parsed};
-use crate::source::proto_json::BodyDecoder;
+use crate::skew::{Dropped, DroppedKind, Generation, RELEASES};
+use crate::source::envoy_rules;
+use crate::source::files::{read_path, text_of, CheckedFile, FileLines, Parsed};
+use crate::source::proto_json::{display_path, proto_path, BodyDecoder, PathStep};
+use crate::tools::terminal_safe;
 
 /// How findings are printed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
 pub enum CheckOutput {
-    /// `FILE:LINE: message`, one per line (warnings say so).
+    /// `FILE:LINE: error: message` or `FILE:LINE: warning: message`, one per line.
     #[default]
     Text,
-    /// One JSON array of `{file, line, collection, name, severity, message}`.
+    /// One JSON array of `{file, line, collection, name, severity, message}`
+    /// (and `strict: true` on a warning --strict made an error).
     Json,
     /// GitHub Actions workflow annotations (`::error file=…,line=…::…`).
     Github,
@@ -41,7 +48,7 @@ pub struct CheckArgs {
     #[arg(long, short = 'o', value_enum, default_value_t = CheckOutput::Text)]
     pub output: CheckOutput,
 
-    /// Make the cross-reference warnings errors (exit 1).
+    /// Make every warning an error (exit 1), shown `error: [strict] …`.
     #[arg(long)]
     pub strict: bool,
 
@@ -52,6 +59,12 @@ pub struct CheckArgs {
     /// As the gateway's --max-message-bytes: the largest file it serves.
     #[arg(long, value_name = "N", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
+
+    /// The most errors reported of one file (each file is read past its
+    /// errors to find the next; the gateway stops at the first, since a
+    /// file with an error serves nothing).
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    pub max_errors_per_file: usize,
 
     /// Report what clients of an Istio release would drop without a word
     /// (repeatable): every field, enum value or type in a resource that the
@@ -114,7 +127,8 @@ fn releases_for(asked: &[ForReleases]) -> Vec<Generation> {
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
     /// The file would not be served (it keeps its last good state, or holds
-    /// everything back at start).
+    /// everything back at start), or Envoy would refuse (NACK) what it
+    /// holds, or a name is defined twice (one definition is never served).
     Error,
     /// Served, but what it names is not there: a deploy would trip on it.
     Warning,
@@ -129,7 +143,25 @@ pub struct Finding {
     pub collection: Option<String>,
     pub name: Option<String>,
     pub severity: Severity,
+    /// A warning that `--strict` made an error (`severity` says `error`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub strict: bool,
     pub message: String,
+}
+
+impl Finding {
+    /// A finding about a resource that read, at `line` of its file.
+    fn about(file: &str, parsed: &Parsed, line: usize, severity: Severity, message: String) -> Self {
+        Self {
+            file: file.to_owned(),
+            line,
+            collection: Some(parsed.collection.to_string()),
+            name: Some(parsed.name.to_string()),
+            severity,
+            strict: false,
+            message,
+        }
+    }
 }
 
 /// What was checked, and what was found.
@@ -183,12 +215,19 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     };
     let mut report = Report::default();
     let mut read = HashSet::new();
-    let mut parsed: Vec<(String, Parsed)> = Vec::new();
+    // What is served: the resources of the files without an error.
+    let mut served: Vec<(String, Parsed)> = Vec::new();
+    // Every resource that read, also in a file with an error: what Envoy
+    // would refuse of it is reported now, not one CI round later.
+    let mut readable: Vec<(String, Parsed)> = Vec::new();
     for path in &args.paths {
-        let files = read_path(path, &table, args.max_message_bytes).map_err(|error| UsageError::Path {
-            path: path.display().to_string(),
-            error,
-        })?;
+        let files =
+            read_path(path, &table, args.max_message_bytes, args.max_errors_per_file.max(1)).map_err(|error| {
+                UsageError::Path {
+                    path: path.display().to_string(),
+                    error,
+                }
+            })?;
         if files.is_empty() {
             let below = yaml_below(path);
             if !below.is_empty() {
@@ -203,38 +242,45 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
                 collection: None,
                 name: None,
                 severity: Severity::Warning,
+                strict: false,
                 message: "no *.yaml or *.yml file directly in this directory (subdirectories are not read)".into(),
             });
         }
-        for (file, result) in files {
+        for CheckedFile { path, parsed, errors } in files {
             // A file named twice (itself and its directory) is read once.
-            if !read.insert(file.clone()) {
+            if !read.insert(path.clone()) {
                 continue;
             }
             report.files += 1;
-            match result {
-                Ok(resources) => parsed.extend(resources.into_iter().map(|p| (file.clone(), p))),
-                Err(error) => report.findings.push(Finding {
-                    file: error.path,
-                    line: error.line,
-                    collection: None,
-                    name: None,
-                    severity: Severity::Error,
-                    message: error.reason,
-                }),
+            let broken = !errors.is_empty();
+            report.findings.extend(errors.into_iter().map(|error| Finding {
+                file: error.path,
+                line: error.line,
+                collection: error.collection.map(|c| c.to_string()),
+                name: error.name,
+                severity: Severity::Error,
+                strict: false,
+                message: error.reason,
+            }));
+            for p in parsed {
+                if !broken {
+                    served.push((path.clone(), p.clone()));
+                }
+                readable.push((path.clone(), p));
             }
         }
     }
-    report.resources = parsed.len();
-    report.findings.extend(cross_references(&parsed, &table));
-    report.findings.extend(skew_findings(
-        &parsed,
-        &releases_for(&args.for_releases),
-        args.max_message_bytes,
-    ));
+    report.resources = served.len();
+    let mut lines = Lines::new(args.max_message_bytes);
+    report.findings.extend(envoy_refuses(&readable, &mut lines));
+    report.findings.extend(cross_references(&served, &table, &mut lines));
+    report
+        .findings
+        .extend(skew_findings(&served, &releases_for(&args.for_releases), &mut lines));
     if args.strict {
-        for finding in &mut report.findings {
+        for finding in report.findings.iter_mut().filter(|f| f.severity == Severity::Warning) {
             finding.severity = Severity::Error;
+            finding.strict = true;
         }
     }
     report
@@ -243,58 +289,134 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     Ok(report)
 }
 
-/// What clients of each release would drop, each at the line of the field
-/// in its file. A kind a release's protos lack altogether is not reported
-/// for it: its clients never ask for that collection.
-fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], max_file_bytes: usize) -> Vec<Finding> {
+/// The lines of fields in the files checked, each file read again once.
+struct Lines {
+    max_file_bytes: usize,
+    files: BTreeMap<String, Option<FileLines>>,
+}
+
+impl Lines {
+    fn new(max_file_bytes: usize) -> Self {
+        Self {
+            max_file_bytes,
+            files: BTreeMap::new(),
+        }
+    }
+
+    /// The line of the field at `path` (JSON names; `proto_path` the same by
+    /// proto names) of a resource's body; the nearest parent's line where
+    /// the field is not written (a default, an alias), the resource's
+    /// first line where the file changed since.
+    fn of(&mut self, file: &str, parsed: &Parsed, path: &[PathStep], proto_path: &[PathStep]) -> usize {
+        let max = self.max_file_bytes;
+        self.files
+            .entry(file.to_owned())
+            .or_insert_with(|| text_of(file, max).map(|t| FileLines::of(&t)))
+            .as_ref()
+            .and_then(|l| l.field_line(&parsed.body_at, path, proto_path))
+            .unwrap_or(parsed.line)
+    }
+}
+
+/// How a body's root is written in its file, for messages: `spec` or `json`.
+fn body_root(parsed: &Parsed) -> String {
+    match parsed.body_at.1.last() {
+        Some(PathStep::Key(key)) => key.clone(),
+        _ => "body".to_owned(),
+    }
+}
+
+/// `root.path` as the parse errors write a field (`json.load_assignment…`).
+fn field_shown(root: &str, path: &[PathStep]) -> String {
+    match display_path(path) {
+        inner if inner.is_empty() => root.to_owned(),
+        inner if inner.starts_with('[') => format!("{root}{inner}"),
+        inner => format!("{root}.{inner}"),
+    }
+}
+
+/// What Envoy would refuse (NACK) of each resource that read: the
+/// `validate.rules` of its protos and its address rule (see
+/// `source::envoy_rules`), each an error at the line of the field.
+fn envoy_refuses(parsed: &[(String, Parsed)], lines: &mut Lines) -> Vec<Finding> {
+    let mut findings = Vec::new();
+    for (file, p) in parsed {
+        let Some(body) = body_any(p) else {
+            continue;
+        };
+        for violation in envoy_rules::violations(&body.type_url, &body.value) {
+            let line = lines.of(file, p, &violation.path, &violation.proto_path);
+            let message = format!(
+                "{}: {} ({}); Envoy refuses (NACKs) the resource",
+                field_shown(&body_root(p), &violation.proto_path),
+                violation.message,
+                violation.rule
+            );
+            findings.push(Finding::about(file, p, line, Severity::Error, message));
+        }
+    }
+    findings
+}
+
+/// A resource's body, as encoded.
+fn body_any(parsed: &Parsed) -> Option<prost_types::Any> {
+    <crate::proto::Resource as prost::Message>::decode(parsed.encoded.clone())
+        .ok()
+        .and_then(|r| r.body)
+}
+
+/// What clients of the releases would drop, each at the line of the field
+/// in its file, one finding for every release that drops it. A kind a
+/// release's protos lack altogether is not reported for it: its clients
+/// never ask for that collection.
+fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], lines: &mut Lines) -> Vec<Finding> {
     let mut findings = Vec::new();
     if releases.is_empty() {
         return findings;
     }
-    let mut texts: BTreeMap<&str, Option<crate::source::files::FileLines>> = BTreeMap::new();
     for (file, p) in parsed {
         let Some((type_url, body)) = crate::skew::body_of(&p.encoded) else {
             continue;
         };
+        // Each drop with the releases that drop it, in body order.
+        let mut dropped: Vec<(Dropped, Vec<Generation>)> = Vec::new();
+        let mut more: Vec<(usize, Vec<Generation>)> = Vec::new();
         for generation in releases {
             let release = generation.release().expect("--for takes releases the gateway has");
             let Some(skew) = crate::skew::dropped_by(release, type_url, body) else {
                 continue;
             };
-            for dropped in skew
+            for drop in skew
                 .dropped
-                .iter()
+                .into_iter()
                 .filter(|d| !(d.path.is_empty() && matches!(d.kind, DroppedKind::Type(_))))
             {
-                let lines = texts.entry(file).or_insert_with(|| {
-                    crate::source::files::text_of(file, max_file_bytes).map(|t| crate::source::files::FileLines::of(&t))
-                });
-                let line = lines
-                    .as_ref()
-                    .and_then(|l| l.field_line(&p.body_at, &dropped.path, &dropped.proto_path))
-                    .unwrap_or(p.line);
-                findings.push(Finding {
-                    file: file.clone(),
-                    line,
-                    collection: Some(p.collection.to_string()),
-                    name: Some(p.name.to_string()),
-                    severity: Severity::Warning,
-                    message: dropped.message(*generation),
-                });
+                match dropped.iter_mut().find(|(known, _)| *known == drop) {
+                    Some((_, by)) => by.push(*generation),
+                    None => dropped.push((drop, vec![*generation])),
+                }
             }
             if skew.more > 0 {
-                findings.push(Finding {
-                    file: file.clone(),
-                    line: p.line,
-                    collection: Some(p.collection.to_string()),
-                    name: Some(p.name.to_string()),
-                    severity: Severity::Warning,
-                    message: format!(
-                        "Istio {generation} clients drop {} more fields of {}",
-                        skew.more, p.name
-                    ),
-                });
+                match more.iter_mut().find(|(count, _)| *count == skew.more) {
+                    Some((_, by)) => by.push(*generation),
+                    None => more.push((skew.more, vec![*generation])),
+                }
             }
+        }
+        let finding = |line: usize, message: String| Finding::about(file, p, line, Severity::Warning, message);
+        for (drop, by) in dropped {
+            let line = lines.of(file, p, &drop.path, &drop.proto_path);
+            findings.push(finding(line, drop.message_for(&by)));
+        }
+        for (count, by) in more {
+            findings.push(finding(
+                p.line,
+                format!(
+                    "Istio {} clients drop {count} more fields of {}",
+                    crate::skew::releases_shown(&by),
+                    p.name
+                ),
+            ));
         }
     }
     findings
@@ -330,6 +452,9 @@ fn yaml_below(dir: &std::path::Path) -> Vec<String> {
     found
 }
 
+/// The most cross-reference warnings of one resource listed at their lines.
+const MAX_REFERENCE_FINDINGS: usize = 100;
+
 /// A served resource, its body read back.
 struct Read<'a> {
     file: &'a str,
@@ -338,15 +463,37 @@ struct Read<'a> {
 }
 
 impl Read<'_> {
-    fn warning(&self, message: String) -> Finding {
-        Finding {
-            file: self.file.to_owned(),
-            line: self.parsed.line,
-            collection: Some(self.parsed.collection.to_string()),
-            name: Some(self.parsed.name.to_string()),
-            severity: Severity::Warning,
-            message,
+    /// A warning at `line`.
+    fn warning(&self, line: usize, message: String) -> Finding {
+        Finding::about(self.file, self.parsed, line, Severity::Warning, message)
+    }
+
+    /// Warnings at the line of each field (`pending`: its path and the
+    /// message), at most [`MAX_REFERENCE_FINDINGS`]; past them one more
+    /// at the resource counts the rest (each line is a walk of its YAML
+    /// document: a resource naming thousands of missing things costs a
+    /// bounded number of them).
+    fn warnings_at(&self, lines: &mut Lines, pending: Vec<(Vec<PathStep>, String)>) -> Vec<Finding> {
+        let rest = pending.len().saturating_sub(MAX_REFERENCE_FINDINGS);
+        let mut found: Vec<Finding> = pending
+            .into_iter()
+            .take(MAX_REFERENCE_FINDINGS)
+            .map(|(path, message)| self.warning(self.line(lines, &path), message))
+            .collect();
+        if rest > 0 {
+            found.push(self.warning(
+                self.parsed.line,
+                format!("{rest} more names this resource refers to are defined by no file (not listed)"),
+            ));
         }
+        found
+    }
+
+    /// The line of the field at `path` (JSON names, as the body read back
+    /// has them) of this resource.
+    fn line(&self, lines: &mut Lines, path: &[PathStep]) -> usize {
+        let proto = proto_path(&self.parsed.body_type_url, &self.body, path);
+        lines.of(self.file, self.parsed, path, &proto)
     }
 
     /// The name Envoy knows the resource by: its own `name` field (a load
@@ -359,9 +506,10 @@ impl Read<'_> {
     }
 }
 
-/// The warnings of a set of parsed resources: names in two files, `struct:`
-/// bodies their clients cannot decode, and references to what no file defines.
-fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable) -> Vec<Finding> {
+/// The findings of a set of served resources: names in two files, `struct:`
+/// bodies their clients cannot decode, and references to what no file
+/// defines, each at the line of the field.
+fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable, lines: &mut Lines) -> Vec<Finding> {
     let mut findings = Vec::new();
     let mut first: BTreeMap<(&str, &str), (&str, usize)> = BTreeMap::new();
     let mut served = Vec::new();
@@ -372,25 +520,30 @@ fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable) -> Vec
             parsed: p,
             body: Value::Null,
         };
+        // As in one file (where the gateway refuses the file), a name
+        // defined twice is an error: one of the two is never served.
         if let Some((other, line)) = first.get(&(&*p.collection, &*p.name)) {
-            findings.push(read.warning(format!(
-                "{:?} in {} is also defined at {other}:{line}; the first file by name is served and this one is \
-                 ignored",
+            let message = format!(
+                "{:?} in {} is also defined at {other}:{line}; names must be unique in a collection across the \
+                 files: the gateway serves the first file's (by name) and ignores this one",
                 p.name, p.collection
-            )));
+            );
+            findings.push(Finding::about(file, p, p.name_line, Severity::Error, message));
             continue;
         }
-        first.insert((&*p.collection, &*p.name), (file, p.line));
+        first.insert((&*p.collection, &*p.name), (file, p.name_line));
         if p.struct_body {
             let kind = table.get(&p.collection).map_or("", |c| &*c.body_type_url);
-            findings.push(read.warning(format!(
-                "a struct: body is served as google.protobuf.Struct, which clients of {} decode as {kind} and \
-                 cannot read; write the resource as Kubernetes YAML (apiVersion, kind, metadata, spec)",
-                p.collection
-            )));
+            findings.push(read.warning(
+                p.line,
+                format!(
+                    "a struct: body is served as google.protobuf.Struct, which clients of {} decode as {kind} and \
+                     cannot read; write the resource as Kubernetes YAML (apiVersion, kind, metadata, spec)",
+                    p.collection
+                ),
+            ));
         }
-        let resource = <crate::proto::Resource as prost::Message>::decode(p.encoded.clone());
-        let Some(body) = resource.ok().and_then(|r| r.body) else {
+        let Some(body) = body_any(p) else {
             continue;
         };
         // A body no descriptor here reads has no references to check.
@@ -398,13 +551,13 @@ fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable) -> Vec
             served.push(Read { body, ..read });
         }
     }
-    findings.extend(envoy_references(&served));
-    findings.extend(istio_subsets(&served));
+    findings.extend(envoy_references(&served, lines));
+    findings.extend(istio_subsets(&served, lines));
     findings
 }
 
 /// What Envoy resources name over ADS and no file defines.
-fn envoy_references(served: &[Read]) -> Vec<Finding> {
+fn envoy_references(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
     let names = |type_url: &str| -> BTreeSet<String> {
         served
             .iter()
@@ -418,87 +571,183 @@ fn envoy_references(served: &[Read]) -> Vec<Finding> {
         .iter()
         .filter(|r| r.parsed.body_type_url.starts_with("type.googleapis.com/envoy."))
     {
+        // (the path of the naming field, the message), lines looked up last.
+        let mut pending: Vec<(Vec<PathStep>, String)> = Vec::new();
         let mut refs = References::default();
-        refs.walk(&read.body);
+        refs.walk(&read.body, &mut Vec::new());
         if read.parsed.body_type_url == CLUSTER && read.body["type"] == "EDS" {
             let eds = &read.body["edsClusterConfig"];
             if from_this_server(&eds["edsConfig"]) {
-                let service = eds["serviceName"]
-                    .as_str()
-                    .map_or_else(|| read.envoy_name(), str::to_owned);
+                let (service, at) = match eds["serviceName"].as_str() {
+                    Some(service) => (service.to_owned(), "serviceName"),
+                    None => (read.envoy_name(), "edsConfig"),
+                };
                 if !endpoints.contains(&service) {
-                    findings.push(read.warning(format!(
-                        "EDS cluster {service:?} has no load assignment: no file defines {service:?} in \
-                         envoy/config/endpoint/v3/clusterloadassignments, so Envoy waits for its endpoints"
-                    )));
+                    pending.push((
+                        vec![key("edsClusterConfig"), key(at)],
+                        format!(
+                            "EDS cluster {service:?} has no load assignment: no file defines {service:?} in \
+                             envoy/config/endpoint/v3/clusterloadassignments, so Envoy waits for its endpoints"
+                        ),
+                    ));
                 }
             }
         }
-        for cluster in refs.clusters.iter().filter(|c| !clusters.contains(*c)) {
-            findings.push(read.warning(format!(
-                "routes to cluster {cluster:?}, which no file defines in envoy/config/cluster/v3/clusters"
-            )));
+        let missing = |refs: Vec<Reference>, defined: &BTreeSet<String>| {
+            first_places(refs.into_iter().filter(|(name, _)| !defined.contains(name)))
+        };
+        for (cluster, path, more) in missing(refs.clusters, &clusters) {
+            pending.push((
+                path,
+                format!(
+                    "routes to cluster {cluster:?}, which no file defines in envoy/config/cluster/v3/clusters{}",
+                    more_places(more)
+                ),
+            ));
         }
-        for route in refs.routes.iter().filter(|r| !routes.contains(*r)) {
-            findings.push(read.warning(format!(
-                "RDS name {route:?} has no route configuration: no file defines it in \
-                 envoy/config/route/v3/routeconfigurations"
-            )));
+        for (route, path, more) in missing(refs.routes, &routes) {
+            pending.push((
+                path,
+                format!(
+                    "RDS name {route:?} has no route configuration: no file defines it in \
+                     envoy/config/route/v3/routeconfigurations{}",
+                    more_places(more)
+                ),
+            ));
         }
-        for secret in refs.secrets.iter().filter(|s| !secrets.contains(*s)) {
-            findings.push(read.warning(format!(
-                "SDS name {secret:?} has no secret: no file defines it in \
-                 envoy/extensions/transport_sockets/tls/v3/secrets"
-            )));
+        for (secret, path, more) in missing(refs.secrets, &secrets) {
+            pending.push((
+                path,
+                format!(
+                    "SDS name {secret:?} has no secret: no file defines it in \
+                     envoy/extensions/transport_sockets/tls/v3/secrets{}",
+                    more_places(more)
+                ),
+            ));
         }
+        findings.extend(read.warnings_at(lines, pending));
     }
     findings
 }
 
+fn key(name: &str) -> PathStep {
+    PathStep::Key(name.to_owned())
+}
+
+/// Each name once, at the first place it is written, with how many more
+/// places of the resource write it: a route configuration with a thousand
+/// routes to one missing cluster is one finding (and its line is looked up
+/// once).
+fn first_places<K: std::hash::Hash + Eq + Clone>(
+    refs: impl IntoIterator<Item = (K, Vec<PathStep>)>,
+) -> Vec<(K, Vec<PathStep>, usize)> {
+    let mut grouped: Vec<(K, Vec<PathStep>, usize)> = Vec::new();
+    let mut at: std::collections::HashMap<K, usize> = std::collections::HashMap::new();
+    for (name, path) in refs {
+        match at.get(&name) {
+            Some(index) => grouped[*index].2 += 1,
+            None => {
+                at.insert(name.clone(), grouped.len());
+                grouped.push((name, path, 0));
+            }
+        }
+    }
+    grouped
+}
+
+/// `(and 3 more places in this resource)`, or nothing.
+fn more_places(more: usize) -> String {
+    match more {
+        0 => String::new(),
+        1 => " (and 1 more place in this resource)".to_owned(),
+        n => format!(" (and {n} more places in this resource)"),
+    }
+}
+
+/// A name a resource refers to, and the path of the field naming it.
+type Reference = (String, Vec<PathStep>);
+
 /// The names an Envoy resource asks this server for, wherever they are in
 /// it (a listener's filters and transport sockets, a route configuration's
-/// routes, inline route configurations).
+/// routes, inline route configurations), each where it is written.
 #[derive(Default)]
 struct References {
-    clusters: BTreeSet<String>,
-    routes: BTreeSet<String>,
-    secrets: BTreeSet<String>,
+    clusters: Vec<Reference>,
+    routes: Vec<Reference>,
+    secrets: Vec<Reference>,
 }
 
 impl References {
-    fn walk(&mut self, value: &Value) {
+    fn walk(&mut self, value: &Value, path: &mut Vec<PathStep>) {
+        let at = |path: &[PathStep], steps: &[PathStep]| [path, steps].concat();
         match value {
-            Value::Array(values) => values.iter().for_each(|v| self.walk(v)),
+            Value::Array(values) => {
+                for (index, value) in values.iter().enumerate() {
+                    path.push(PathStep::Index(index));
+                    self.walk(value, path);
+                    path.pop();
+                }
+            }
             Value::Object(fields) => {
                 if let Some(cluster) = fields.get("route").and_then(|r| r["cluster"].as_str()) {
-                    self.clusters.insert(cluster.to_owned());
+                    self.clusters
+                        .push((cluster.to_owned(), at(path, &[key("route"), key("cluster")])));
                 }
                 if fields.get("@type").and_then(Value::as_str) == Some(TCP_PROXY) {
-                    self.clusters
-                        .extend(fields.get("cluster").and_then(Value::as_str).map(str::to_owned));
+                    if let Some(cluster) = fields.get("cluster").and_then(Value::as_str) {
+                        self.clusters.push((cluster.to_owned(), at(path, &[key("cluster")])));
+                    }
                 }
                 if let Some(Value::Array(weighted)) = fields.get("weightedClusters").map(|w| &w["clusters"]) {
-                    self.clusters
-                        .extend(weighted.iter().filter_map(|c| c["name"].as_str()).map(str::to_owned));
+                    for (index, cluster) in weighted.iter().enumerate() {
+                        if let Some(name) = cluster["name"].as_str() {
+                            let steps = [
+                                key("weightedClusters"),
+                                key("clusters"),
+                                PathStep::Index(index),
+                                key("name"),
+                            ];
+                            self.clusters.push((name.to_owned(), at(path, &steps)));
+                        }
+                    }
                 }
                 if let Some(rds) = fields.get("rds") {
                     if from_this_server(&rds["configSource"]) {
-                        self.routes.extend(rds["routeConfigName"].as_str().map(str::to_owned));
+                        if let Some(name) = rds["routeConfigName"].as_str() {
+                            self.routes
+                                .push((name.to_owned(), at(path, &[key("rds"), key("routeConfigName")])));
+                        }
                     }
                 }
-                let sds = fields
+                let listed = fields
                     .get("tlsCertificateSdsSecretConfigs")
                     .and_then(Value::as_array)
                     .into_iter()
                     .flatten()
-                    .chain(fields.get("validationContextSdsSecretConfig"));
-                for config in sds {
+                    .enumerate()
+                    .map(|(index, config)| {
+                        (
+                            vec![key("tlsCertificateSdsSecretConfigs"), PathStep::Index(index)],
+                            config,
+                        )
+                    });
+                let validation = fields
+                    .get("validationContextSdsSecretConfig")
+                    .map(|config| (vec![key("validationContextSdsSecretConfig")], config));
+                for (steps, config) in listed.chain(validation) {
                     // Without sds_config the secret is the bootstrap's own.
                     if from_this_server(&config["sdsConfig"]) {
-                        self.secrets.extend(config["name"].as_str().map(str::to_owned));
+                        if let Some(name) = config["name"].as_str() {
+                            self.secrets
+                                .push((name.to_owned(), at(path, &[steps, vec![key("name")]].concat())));
+                        }
                     }
                 }
-                fields.values().for_each(|v| self.walk(v));
+                for (name, value) in fields {
+                    path.push(key(name));
+                    self.walk(value, path);
+                    path.pop();
+                }
             }
             _ => {}
         }
@@ -535,7 +784,7 @@ fn namespace(name: &str) -> &str {
 
 /// Istio routes to a subset no `DestinationRule` of the host defines: Envoy
 /// gets a route to a cluster that does not exist (503 NR).
-fn istio_subsets(served: &[Read]) -> Vec<Finding> {
+fn istio_subsets(served: &[Read], lines: &mut Lines) -> Vec<Finding> {
     let rules: Vec<(String, BTreeSet<&str>)> = served
         .iter()
         .filter(|r| r.parsed.body_type_url == DESTINATION_RULE)
@@ -551,49 +800,74 @@ fn istio_subsets(served: &[Read]) -> Vec<Finding> {
     let mut findings = Vec::new();
     for read in served.iter().filter(|r| r.parsed.body_type_url == VIRTUAL_SERVICE) {
         let ns = namespace(&read.parsed.name);
-        let mut wanted = BTreeSet::new();
+        // ((host, subset), the path of its `subset` field)
+        let mut wanted: Vec<((&str, &str), Vec<PathStep>)> = Vec::new();
         for kind in ["http", "tcp", "tls"] {
-            for route in read.body[kind].as_array().into_iter().flatten() {
-                let routes = route["route"].as_array().into_iter().flatten();
-                let destinations = routes.map(|r| &r["destination"]).chain([&route["mirror"]]).chain(
-                    route["mirrors"]
+            for (index, route) in read.body[kind].as_array().into_iter().flatten().enumerate() {
+                let route_at = [key(kind), PathStep::Index(index)];
+                // The destinations of a list of routes or mirrors.
+                let listed = |field: &'static str| {
+                    route[field]
                         .as_array()
                         .into_iter()
                         .flatten()
-                        .map(|m| &m["destination"]),
-                );
-                for destination in destinations {
+                        .enumerate()
+                        .map(move |(i, r)| {
+                            (
+                                &r["destination"],
+                                vec![key(field), PathStep::Index(i), key("destination")],
+                            )
+                        })
+                };
+                let (routes, mirrors) = (listed("route"), listed("mirrors"));
+                let destinations = routes.chain([(&route["mirror"], vec![key("mirror")])]).chain(mirrors);
+                for (destination, steps) in destinations {
                     if let (Some(host), Some(subset)) = (destination["host"].as_str(), destination["subset"].as_str()) {
-                        wanted.insert((host, subset));
+                        wanted.push(((host, subset), [&route_at[..], &steps, &[key("subset")]].concat()));
                     }
                 }
             }
         }
-        for (host, subset) in wanted {
+        let undefined = wanted.into_iter().filter(|((host, subset), _)| {
             let full = fqdn(host, ns);
-            let defined = rules
+            !rules
                 .iter()
-                .any(|(rule_host, subsets)| covers(rule_host, &full) && subsets.contains(subset));
-            if !defined {
-                findings.push(read.warning(format!(
+                .any(|(rule_host, subsets)| covers(rule_host, &full) && subsets.contains(subset))
+        });
+        let mut pending = Vec::new();
+        for ((host, subset), path, more) in first_places(undefined) {
+            let full = fqdn(host, ns);
+            pending.push((
+                path,
+                format!(
                     "routes to subset {subset:?} of host {host:?}, which no DestinationRule for {full} defines \
-                     (Envoy answers such routes 503)"
-                )));
-            }
+                     (Envoy answers such routes 503){}",
+                    more_places(more)
+                ),
+            ));
         }
+        findings.extend(read.warnings_at(lines, pending));
     }
     findings
 }
 
-/// The findings in the chosen form.
+/// The findings in the chosen form. What a file holds (its path, names,
+/// values quoted in messages) is printed through `terminal_safe` in text
+/// and annotations; JSON holds it as it is, escaped as JSON escapes.
 pub fn render(report: &Report, output: CheckOutput) -> String {
     match output {
         CheckOutput::Text => report
             .findings
             .iter()
-            .map(|f| match f.severity {
-                Severity::Error => format!("{}:{}: {}\n", f.file, f.line, f.message),
-                Severity::Warning => format!("{}:{}: warning: {}\n", f.file, f.line, f.message),
+            .map(|f| {
+                format!(
+                    "{}:{}: {}: {}{}\n",
+                    terminal_safe(&f.file),
+                    f.line,
+                    level(f),
+                    if f.strict { "[strict] " } else { "" },
+                    terminal_safe(&f.message)
+                )
             })
             .collect(),
         CheckOutput::Json => {
@@ -605,23 +879,32 @@ pub fn render(report: &Report, output: CheckOutput) -> String {
             .findings
             .iter()
             .map(|f| {
-                let level = match f.severity {
-                    Severity::Error => "error",
-                    Severity::Warning => "warning",
-                };
-                let mut properties = format!("file={}", annotation_property(&f.file));
+                let mut properties = format!("file={}", annotation_property(&terminal_safe(&f.file)));
                 if f.line > 0 {
                     properties.push_str(&format!(",line={}", f.line));
                 }
                 if let (Some(collection), Some(name)) = (&f.collection, &f.name) {
                     properties.push_str(&format!(
                         ",title={}",
-                        annotation_property(&format!("{collection} {name}"))
+                        annotation_property(&terminal_safe(&format!("{collection} {name}")))
                     ));
                 }
-                format!("::{level} {properties}::{}\n", annotation_data(&f.message))
+                format!(
+                    "::{} {properties}::{}{}\n",
+                    level(f),
+                    if f.strict { "[strict] " } else { "" },
+                    annotation_data(&terminal_safe(&f.message))
+                )
             })
             .collect(),
+    }
+}
+
+/// A finding's tag: `error` or `warning`.
+fn level(finding: &Finding) -> &'static str {
+    match finding.severity {
+        Severity::Error => "error",
+        Severity::Warning => "warning",
     }
 }
 

@@ -183,12 +183,29 @@ async fn check_reports_each_bad_file_at_its_line_and_exits_1() {
     let shown: Vec<(&str, u64)> = found.iter().map(|f| (f.0.as_str(), f.1)).collect();
     let wanted: Vec<(&str, u64)> = expected.iter().map(|e| (e.0, e.1)).collect();
     assert_eq!(shown, wanted, "{stdout}");
-    for (finding, (_, _, message)) in found.iter().zip(&expected) {
+    // A finding names the resource whenever its kind (or collection) and
+    // name were read, however broken the rest.
+    let dr = "istio/networking/v1alpha3/destinationrules";
+    let identities: [(Option<&str>, Option<&str>); 13] = [
+        (None, None),
+        (Some(dr), Some("shop/lb")),
+        (Some("istio/networking/v1alpha3/sidecars"), Some("shop/sc")),
+        (Some(dr), Some("shop/tls")),
+        (Some("istio/networking/v1alpha3/serviceentries"), None),
+        (None, None),
+        (Some(dr), Some("shop/twin")),
+        (Some("envoy/config/cluster/v3/clusters"), Some("web")),
+        (Some("istio/networking/v1alpha3/gateways"), Some("default/bomb")),
+        (None, None),
+        (None, None),
+        (None, None),
+        (None, None),
+    ];
+    for ((finding, (_, _, message)), (collection, name)) in found.iter().zip(&expected).zip(identities) {
         assert!(finding.3.contains(message), "{}: {}", finding.0, finding.3);
-        // A file that does not parse names no resource.
         assert_eq!(
             (finding.2.as_str(), &finding.4, &finding.5),
-            ("error", &Value::Null, &Value::Null),
+            ("error", &json!(collection), &json!(name)),
             "{}",
             finding.0
         );
@@ -205,7 +222,11 @@ async fn check_reports_each_bad_file_at_its_line_and_exits_1() {
     assert_eq!(lines.len(), 13, "{text}");
     assert!(
         lines.contains(
-            &format!("{path}/e-enum.yaml:7: spec.trafficPolicy.tls.mode: unrecognized enum value 'MUTUALL'").as_str()
+            &format!(
+                "{path}/e-enum.yaml:7: error: spec.trafficPolicy.tls.mode: unrecognized enum value 'MUTUALL' (did you \
+                 mean 'MUTUAL'?)"
+            )
+            .as_str()
         ),
         "{text}"
     );
@@ -239,12 +260,12 @@ async fn check_reports_each_bad_file_at_its_line_and_exits_1() {
 }
 
 /// Envoy names over ADS that nothing defines, Istio subsets no rule of the
-/// host defines, and one name in two files: warnings at the resource's
-/// first line (exit 0), errors with `--strict` (exit 1). What is defined,
+/// host defines: warnings at the line of the field naming them, errors with
+/// `--strict` (exit 1); one name in two files: an error. What is defined,
 /// or taken from Envoy's disk, is not a finding: an EDS `service_name`, a
 /// validation context, a mirror's subset, a `path_config_source`.
 #[tokio::test]
-async fn check_cross_references_are_warnings_at_the_resource_and_strict_errors() {
+async fn check_cross_references_are_warnings_at_the_field_and_strict_errors() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = |name: &str, eds: &str| {
         format!(
@@ -357,71 +378,79 @@ body:
         ],
     );
     let path = dir.path().display().to_string();
-    let expected: [(&str, u64, &str, &str, &str); 8] = [
+    // The line of the field naming what is missing (the first line of
+    // `text` holding `part`).
+    let at = |text: &str, part: &str| text.lines().position(|l| l.contains(part)).unwrap() as u64 + 1;
+    let lines = |text: &str, part: &str| {
+        let first = at(text, part);
+        (
+            first,
+            text.lines()
+                .skip(first as usize)
+                .position(|l| l.contains(part))
+                .map(|n| first + n as u64 + 1),
+        )
+    };
+    let warnings: [(&str, u64, &str, &str, &str); 7] = [
         (
             "1-clusters.yaml",
-            7,
+            lines(&clusters, "eds_cluster_config").1.unwrap(),
             "EDS cluster \"db\" has no load assignment",
             "envoy/config/cluster/v3/clusters",
             "db",
         ),
         (
             "2-listeners.yaml",
-            1,
+            at(listeners, "cluster: cache"),
             "routes to cluster \"cache\", which no file defines",
             "envoy/config/listener/v3/listeners",
             "tcp",
         ),
         (
             "2-listeners.yaml",
-            1,
+            at(listeners, "name: client-ca"),
             "SDS name \"client-ca\" has no secret",
             "envoy/config/listener/v3/listeners",
             "tcp",
         ),
         (
             "2-listeners.yaml",
-            20,
+            at(listeners, "route_config_name: front"),
             "RDS name \"front\" has no route configuration",
             "envoy/config/listener/v3/listeners",
             "http",
         ),
         (
             "3-routes.yaml",
-            7,
+            at(routes_and_secret, "cluster: search"),
             "routes to cluster \"search\", which no file defines",
             "envoy/config/route/v3/routeconfigurations",
             "inner",
         ),
         (
             "4-istio.yaml",
-            1,
-            "routes to subset \"old\" of host \"cart\"",
-            "istio/networking/v1alpha3/virtualservices",
-            "shop/shop",
-        ),
-        (
-            "4-istio.yaml",
-            1,
+            at(&istio_resources, "subset: v9"),
             "routes to subset \"v9\" of host \"pay.other.svc.cluster.local\"",
             "istio/networking/v1alpha3/virtualservices",
             "shop/shop",
         ),
         (
-            "5-again.yaml",
-            2,
-            "\"other/pay\" in istio/networking/v1alpha3/destinationrules is also defined at",
-            "istio/networking/v1alpha3/destinationrules",
-            "other/pay",
+            "4-istio.yaml",
+            at(&istio_resources, "subset: old"),
+            "routes to subset \"old\" of host \"cart\"",
+            "istio/networking/v1alpha3/virtualservices",
+            "shop/shop",
         ),
     ];
 
     let (code, stdout, stderr) = subcommand("check", &["-o", "json", &path]).await;
-    assert_eq!(code, Some(0), "warnings alone pass: {stdout}{stderr}");
-    assert!(stderr.contains("0 errors, 8 warnings"), "{stderr}");
+    // The name in two files is an error (one of the two is never served),
+    // as in one file; the rest are warnings.
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("1 error, 7 warnings"), "{stderr}");
     let found = parse_findings(&stdout);
-    assert_eq!(found.len(), expected.len(), "{stdout}");
-    for (f, (file, line, message, collection, name)) in found.iter().zip(&expected) {
+    assert_eq!(found.len(), warnings.len() + 1, "{stdout}");
+    for (f, (file, line, message, collection, name)) in found.iter().zip(&warnings) {
         assert_eq!(
             (f.0.as_str(), f.1, f.2.as_str(), &f.4, &f.5),
             (*file, *line, "warning", &json!(collection), &json!(name)),
@@ -430,17 +459,32 @@ body:
         );
         assert!(f.3.contains(message), "{}", f.3);
     }
-    // The duplicate names where the first one is.
+    // The duplicate, at its name, naming where the first one is.
+    let twice = &found[7];
+    assert_eq!(
+        (twice.0.as_str(), twice.1, twice.2.as_str(), &twice.4, &twice.5),
+        (
+            "5-again.yaml",
+            at(&again, "name: pay"),
+            "error",
+            &json!("istio/networking/v1alpha3/destinationrules"),
+            &json!("other/pay")
+        )
+    );
     assert!(
-        found[7].3.contains(&format!("{path}/4-istio.yaml:22")),
+        twice
+            .3
+            .contains(&format!("{path}/4-istio.yaml:{}", at(&istio_resources, "name: pay"))),
         "{}",
-        found[7].3
+        twice.3
     );
     let (code, text, _) = subcommand("check", &[&path]).await;
-    assert_eq!(code, Some(0));
+    assert_eq!(code, Some(1));
     assert!(
-        text.lines()
-            .any(|l| l.starts_with(&format!("{path}/1-clusters.yaml:7: warning: EDS cluster \"db\""))),
+        text.lines().any(|l| l.starts_with(&format!(
+            "{path}/1-clusters.yaml:{}: warning: EDS cluster \"db\"",
+            warnings[0].1
+        ))),
         "{text}"
     );
     let (code, github, stderr) = subcommand("check", &["--strict", "-o", "github", &path]).await;
@@ -449,13 +493,18 @@ body:
     assert_eq!(github.lines().count(), 8, "{github}");
     assert!(
         github.lines().any(|l| l.starts_with(&format!(
-            "::error file={path}/2-listeners.yaml,line=20,title=envoy/config/listener/v3/listeners http::RDS name"
+            "::error file={path}/2-listeners.yaml,line={},title=envoy/config/listener/v3/listeners http::[strict] RDS name",
+            warnings[3].1
         ))),
         "{github}"
     );
     let (code, github, _) = subcommand("check", &["-o", "github", &path]).await;
-    assert_eq!(code, Some(0));
-    assert!(github.lines().all(|l| l.starts_with("::warning file=")), "{github}");
+    assert_eq!(code, Some(1));
+    assert_eq!(
+        github.lines().filter(|l| l.starts_with("::warning file=")).count(),
+        7,
+        "{github}"
+    );
 }
 
 /// `check examples/`: the examples live in subdirectories, which check (as
