@@ -599,24 +599,10 @@ pub fn closest<'a>(wanted: &str, candidates: impl IntoIterator<Item = &'a str>) 
 }
 
 /// Edit distance in characters (insertions, deletions, substitutions and
-/// swaps of two neighbours, each one edit: `hots` is one from `host`).
+/// swaps of two neighbours, each one edit: `hots` is one from `host`):
+/// strsim's optimal string alignment.
 fn edit_distance(a: &str, b: &str) -> usize {
-    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
-    // Three rows: two back (for swaps), the last, and this one.
-    let mut before: Vec<usize> = vec![0; b.len() + 1];
-    let mut last: Vec<usize> = (0..=b.len()).collect();
-    for i in 1..=a.len() {
-        let mut row = vec![i; b.len() + 1];
-        for j in 1..=b.len() {
-            let substitution = last[j - 1] + usize::from(a[i - 1] != b[j - 1]);
-            row[j] = substitution.min(last[j] + 1).min(row[j - 1] + 1);
-            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
-                row[j] = row[j].min(before[j - 2] + 1);
-            }
-        }
-        before = std::mem::replace(&mut last, row);
-    }
-    last[b.len()]
+    strsim::osa_distance(a, b)
 }
 
 /// Whether the value at `path` of a body of `descriptor` (written `json`)

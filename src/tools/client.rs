@@ -35,7 +35,7 @@ use crate::proto::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
 use crate::proto::{IncrementalMeshConfigRequest, MeshConfigRequest, Resource, SinkNode};
-use crate::source::proto_json::BodyDecoder;
+use crate::source::proto_json::{closest, BodyDecoder};
 use crate::tools::terminal_safe;
 use crate::transport::connect::Dial;
 use crate::transport::dial_why::Caller;
@@ -503,17 +503,6 @@ fn names_by_type(values: &[String], type_urls: &[String]) -> anyhow::Result<BTre
         )));
     }
     Ok(by_type)
-}
-
-/// The known name closest to `wanted`, if one is close enough to be a typo
-/// of it (at most a third of its length apart).
-fn closest<'a>(wanted: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
-    known
-        .into_iter()
-        .map(|k| (strsim::levenshtein(wanted, k), k))
-        .filter(|(distance, _)| *distance <= wanted.chars().count().div_ceil(3).max(2))
-        .min()
-        .map(|(_, k)| k)
 }
 
 /// An xDS type URL the gateway answers, or at least knows: a GVK or type
