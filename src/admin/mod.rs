@@ -696,9 +696,6 @@ async fn syncz(
         if let Some(reason) = state.not_ready() {
             body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
         }
-        // What clients' releases drop, and who is not checked (the banner
-        // the JSON has as `skew_not_checked`): warnings, after the problems.
-        index::warnings_html(skew::lead(&state).iter().chain(&skew::unchecked(&streams)), &mut body);
         body.push_str(&syncz::counts_html(&rows));
         let rollouts = syncz::rollouts(&state.rollout, rollout::canary_policy(&state), &filter);
         if rollouts["collections"].as_array().is_some_and(|r| !r.is_empty()) {
@@ -712,6 +709,10 @@ async fn syncz(
         }
         body.push_str("<h2>Every client stream and type, those that need an eye first</h2>");
         syncz::rows_html(&syncz::problems_first(shown), clock, &mut body);
+        // What clients' releases drop, and who is not checked (the banner
+        // the JSON has as `skew_not_checked`): warnings, after the clients
+        // with their NACKs, as on the index.
+        index::warnings_html(skew::lead(&state).iter().chain(&skew::unchecked(&streams)), &mut body);
         body.push_str("<h2>Per collection</h2>");
         html(&syncz::summary(&rows)["by_collection"], &mut body);
         body.push_str(positions.script());

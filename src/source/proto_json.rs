@@ -598,6 +598,19 @@ pub fn closest<'a>(wanted: &str, candidates: impl IntoIterator<Item = &'a str>) 
     best.filter(|_| !tied).map(|(_, candidate)| candidate)
 }
 
+/// `Invalid symbol [redacted] #33, offset 16` as `Invalid symbol [redacted],
+/// offset 16`: the code after each mark dropped.
+fn strip_symbol_codes(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("[redacted] #") {
+        out.push_str(&rest[..at + "[redacted]".len()]);
+        rest = rest[at + "[redacted] #".len()..].trim_start_matches(|c: char| c.is_ascii_digit());
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Edit distance in characters (insertions, deletions, substitutions and
 /// swaps of two neighbours, each one edit: `hots` is one from `host`):
 /// strsim's optimal string alignment.
@@ -663,6 +676,10 @@ fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[P
 /// about a body that may hold a secret, or about any body of a sensitive
 /// collection, as the log and the admin port show it.
 pub fn redact_quoted(message: &str) -> String {
+    // A base64 decoder's "Invalid symbol 33, offset 16" gives away a byte of
+    // the value: only where it is stays.
+    let message = &message.replace("Invalid symbol ", "Invalid symbol [redacted] #");
+    let message = &strip_symbol_codes(message);
     let mut shown = String::with_capacity(message.len());
     let mut chars = message.chars();
     while let Some(c) = chars.next() {
@@ -1459,6 +1476,10 @@ mod tests {
         assert_eq!(
             redact_quoted(r#"invalid type: string "a \"b\" c", expected `x` or y"#),
             "invalid type: string [redacted], expected [redacted] or y"
+        );
+        assert_eq!(
+            redact_quoted("invalid base64: Invalid symbol 33, offset 16."),
+            "invalid base64: Invalid symbol [redacted], offset 16."
         );
         assert_eq!(
             redact_quoted("unrecognized enum value 'HUNTER2' (Envoy's words)"),

@@ -144,6 +144,12 @@ pub struct ClientArgs {
     #[arg(long, value_name = "FILE")]
     pub descriptors: Option<PathBuf>,
 
+    /// The gateway's --type-map: its rows marked `sensitive: true` are
+    /// collections of secrets here too (their bodies read `[redacted]`
+    /// whole unless their secret fields are known).
+    #[arg(long, value_name = "FILE")]
+    pub type_map: Option<PathBuf>,
+
     /// The node id sent with every request.
     #[arg(long, default_value = "mcp-xds-gateway-client")]
     pub node_id: String,
@@ -262,6 +268,12 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
     let bodies = std::sync::Arc::new(
         BodyDecoder::new(args.descriptors.as_deref()).map_err(|e| usage(format!("--descriptors: {e}")))?,
     );
+    if let Some(path) = &args.type_map {
+        let table = crate::collections::CollectionTable::builtin()
+            .with_type_map_file(path)
+            .map_err(|e| usage(format!("--type-map {}: {e}", path.display())))?;
+        let _ = SENSITIVE.set(sensitive_table(table));
+    }
     let names = names_by_type(&args.names, &args.type_urls)?;
     if args.protocol != Protocol::Mcp {
         for type_url in &args.type_urls {
@@ -1033,7 +1045,7 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
                 "removed": update.removed,
             });
             if output == Output::Json {
-                writeln!(out, "{document}")?;
+                writeln!(out, "{}", super::json_terminal_safe(document.to_string()))?;
             } else {
                 let yaml = serde_norway::to_string(&document).map_err(std::io::Error::other)?;
                 write!(out, "---\n{yaml}")?;
@@ -1061,14 +1073,18 @@ fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> s
 /// Whether what `type_url` asks for is a collection of secrets (by the
 /// built-in table: an MCP collection, or an xDS body type of one).
 fn sensitive_type(type_url: &str) -> bool {
-    static TABLE: std::sync::OnceLock<(crate::collections::CollectionTable, Vec<String>)> = std::sync::OnceLock::new();
-    let (table, body_types) = TABLE.get_or_init(|| {
-        let table = crate::collections::CollectionTable::builtin()
-            .with_sensitive_types(crate::source::proto_json::secret_type_urls());
-        let body_types = table.sensitive_body_types();
-        (table, body_types)
-    });
+    let (table, body_types) = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
     table.is_sensitive(type_url) || body_types.iter().any(|t| t == type_url)
+}
+
+/// The collection table the bodies are shown by (the built-in one, or with
+/// `--type-map`), set once when the command starts.
+static SENSITIVE: std::sync::OnceLock<(crate::collections::CollectionTable, Vec<String>)> = std::sync::OnceLock::new();
+
+fn sensitive_table(table: crate::collections::CollectionTable) -> (crate::collections::CollectionTable, Vec<String>) {
+    let table = table.with_sensitive_types(crate::source::proto_json::secret_type_urls());
+    let body_types = table.sensitive_body_types();
+    (table, body_types)
 }
 
 /// Each name the update removed, a line each.

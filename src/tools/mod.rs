@@ -43,6 +43,30 @@ pub fn terminal_safe(text: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// JSON for a terminal: what [`terminal_safe`] escapes and JSON does not
+/// (C1 controls, DEL, the bidirectional ones) written `\u00XX` inside its
+/// strings, which is the same JSON to any reader.
+pub fn json_terminal_safe(json: String) -> String {
+    // JSON escapes C0 in its strings itself: one outside them is its own
+    // whitespace (a pretty-printed line end), kept.
+    let escaped = |c: char| needs_escape(c) && c >= ' ';
+    if !json.chars().any(escaped) {
+        return json;
+    }
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        if escaped(c) {
+            let mut units = [0u16; 2];
+            for unit in c.encode_utf16(&mut units) {
+                let _ = write!(out, "\\u{unit:04x}");
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A character a terminal acts on rather than shows.
 fn needs_escape(c: char) -> bool {
     c.is_control()
@@ -69,5 +93,14 @@ mod tests {
         // Alone, a backslash is printed as it is (Windows-like names stay readable).
         assert_eq!(terminal_safe("a\\b"), "a\\b");
         assert_eq!(terminal_safe("ünïcödé ✓"), "ünïcödé ✓");
+        let json = serde_json::to_string(&serde_json::json!({"node": "a\u{9b}31m\u{202e}b\x1b"})).unwrap();
+        let safe = super::json_terminal_safe(json);
+        assert_eq!(safe, r#"{"node":"a\u009b31m\u202eb\u001b"}"#);
+        let pretty = serde_json::to_string_pretty(&serde_json::json!({"a": "\u{9b}"})).unwrap();
+        assert_eq!(super::json_terminal_safe(pretty), "{\n  \"a\": \"\\u009b\"\n}");
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&safe).unwrap()["node"],
+            "a\u{9b}31m\u{202e}b\x1b"
+        );
     }
 }

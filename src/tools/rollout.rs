@@ -170,7 +170,11 @@ async fn status(
     }
     let document = serde_json::json!({"rollout": rollout, "source": syncz["source"], "rows": syncz["rows"]});
     match output {
-        StatusOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(&document)?)?,
+        StatusOutput::Json => writeln!(
+            out,
+            "{}",
+            super::json_terminal_safe(serde_json::to_string_pretty(&document)?)
+        )?,
         StatusOutput::Yaml => out.write_all(serde_norway::to_string(&document)?.as_bytes())?,
         StatusOutput::Table | StatusOutput::Wide => {
             // The first lines say why the exit is 1.

@@ -143,8 +143,8 @@ pub(crate) async fn call(authority: &str, method: hyper::Method, path: &str) -> 
         .await
         .unwrap_or_else(|_| {
             Err(anyhow::anyhow!(
-                "{method} {path}: the admin port at {authority} did not answer within {}s; is it the gateway's admin \
-                 port (--admin-listen)?",
+                "{method} {path}: the admin port at {authority} did not answer within {}s (a port that accepts \
+                 and says nothing is not the gateway's admin port, --admin-listen)",
                 ADMIN_TIMEOUT.as_secs()
             ))
         })
@@ -254,10 +254,11 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         // Under --access-policy: names it asks for that it may not read.
         if let Some(withheld) = row["access"]["withheld"].as_u64() {
             cell.push_str(&format!(" DENIED {withheld}"));
+            let identity = text(&row["identity"]);
             denials.push(format!(
-                "{node} {}: {withheld} withheld from identity {} (/debug/access?identity=)",
+                "{node} {}: {withheld} withheld from identity {identity} (/debug/access?identity={})",
                 text(&row["collection"]),
-                text(&row["identity"]),
+                encode(&identity),
             ));
         }
         // On an Envoy stream: a change held for another type (make before
@@ -552,7 +553,11 @@ pub fn print(syncz: &Value, output: StatusOutput, out: &mut impl std::io::Write)
             }
             out.write_all(render_table(syncz, output == StatusOutput::Wide).as_bytes())?;
         }
-        StatusOutput::Json => writeln!(out, "{}", serde_json::to_string_pretty(syncz)?)?,
+        StatusOutput::Json => writeln!(
+            out,
+            "{}",
+            super::json_terminal_safe(serde_json::to_string_pretty(syncz)?)
+        )?,
         StatusOutput::Yaml => out.write_all(serde_norway::to_string(syncz)?.as_bytes())?,
     }
     if matches!(output, StatusOutput::Json | StatusOutput::Yaml) {

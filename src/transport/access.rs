@@ -500,7 +500,8 @@ impl AccessPolicy {
         let status = if self.path.is_none() {
             format!(
                 "identity {identity} may not read {asked}: it holds secrets, and no --access-policy is given \
-                 (without one, sensitive collections are served to nobody): no rule of --access-policy grants it"
+                 (without one, sensitive collections are served to nobody); an --access-policy rule naming this \
+                 identity and collection would grant it"
             )
         } else {
             format!(
@@ -680,7 +681,7 @@ rules:
         assert!(p
             .denial(&anyone, SECRETS, None)
             .status
-            .contains("no rule of --access-policy grants it"));
+            .contains("no --access-policy is given"));
     }
 
     #[test]

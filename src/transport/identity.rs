@@ -194,7 +194,19 @@ impl From<Pattern> for IdentityPattern {
 
 impl IdentityPattern {
     pub fn parse(text: &str) -> Result<Self, String> {
-        Pattern::parse(text, Captures::Take).map(Self::from)
+        let pattern = Self::from(Pattern::parse(text, Captures::Take)?);
+        // A DNS name holds neither `/` nor `:`: such a pattern can match only
+        // a DNS SAN that spells something else (a SPIFFE id without its
+        // scheme written in the pattern), which is how a certificate would
+        // pass for an identity it is not.
+        if pattern.kind == Kind::Dns && text.contains(['/', ':']) {
+            return Err(format!(
+                "{text:?} holds '/' or ':', which no DNS name does, so it would match only DNS SANs that spell a \
+                 URI; a SPIFFE id is matched with its scheme written out (spiffe://TRUST_DOMAIN/ns/NS/sa/SA, \
+                 spiffe://*/ns/NS/sa/* for any trust domain)"
+            ));
+        }
+        Ok(pattern)
     }
 
     /// The pattern as written.
@@ -227,6 +239,10 @@ impl IdentityPattern {
             .iter()
             .enumerate()
             .filter(|(i, _)| identity.is_uri(*i) == uri)
+            // A DNS SAN with `/` or `:` is no DNS name (it spells a URI, as
+            // `spiffe://…` written as a DNS SAN): no pattern matches it,
+            // however broad (`spiffe*`, `*`).
+            .filter(|(_, name)| uri || !name.contains(['/', ':']))
             .filter_map(|(_, name)| self.pattern.matches(name))
             .collect()
     }
@@ -286,6 +302,24 @@ impl AllowList {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_dns_pattern_that_spells_a_uri_is_refused() {
+        for spelled in ["*/ns/istio-system/sa/*", "{a}:*", "*/*", "cluster.local/ns/x"] {
+            let refused = super::IdentityPattern::parse(spelled).unwrap_err();
+            assert!(refused.contains("no DNS name does"), "{spelled}: {refused}");
+        }
+        assert!(super::IdentityPattern::parse("spiffe://*/ns/istio-system/sa/*").is_ok());
+        assert!(super::IdentityPattern::parse("*.mesh.example").is_ok());
+        // A DNS SAN spelling a URI matches no pattern, however broad.
+        let spelled = super::PeerIdentity::certified(Vec::new(), vec!["spiffe://cluster.local/ns/a/sa/b".into()]);
+        for broad in ["spiffe*", "*", "**.local*"] {
+            if let Ok(pattern) = super::IdentityPattern::parse(broad) {
+                assert!(!pattern.admits(&spelled), "{broad}");
+            }
+        }
+    }
+
     use super::*;
 
     /// A certificate's identities: URI SANs (with `://`), then DNS SANs.

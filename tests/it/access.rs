@@ -323,7 +323,7 @@ async fn without_a_policy_secrets_go_to_nobody_and_the_rest_to_everyone() {
         SECRET_TYPE,
         "unauthenticated",
         "no --access-policy is given",
-        "no rule of --access-policy grants it",
+        "an --access-policy rule naming this identity and collection would grant it",
     ] {
         assert!(
             status.message().contains(needed),

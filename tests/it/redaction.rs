@@ -396,6 +396,26 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         assert_eq!(code, Some(0), "{stderr}");
         markers(&format!("{stdout}{stderr}"), &format!("client {args:?}"));
         assert!(stdout.contains("[redacted]"), "{stdout}");
+        // A --type-map collection marked sensitive, given the same map.
+        let (code, stdout, stderr) = subcommand(
+            "client",
+            &[
+                &[
+                    "--target",
+                    &listen,
+                    "--type-url",
+                    "example.com/vault",
+                    "--once",
+                    "--type-map",
+                    &map,
+                ][..],
+                &args[..],
+            ]
+            .concat(),
+        )
+        .await;
+        assert_eq!(code, Some(0), "{stderr}");
+        markers(&format!("{stdout}{stderr}"), &format!("client --type-map {args:?}"));
     }
     for collection in [SECRETS, "example.com/vault", "example.com/plain"] {
         let dump = get_json(gw.admin, &format!("/debug/cache/{collection}?bodies=json")).await;

@@ -762,9 +762,11 @@ impl Phase {
                 tracing::warn!(
                     %collection,
                     %version,
-                    canary = %held.node,
+                    // What the client wrote, escaped (Debug): no line of the
+                    // log is forged by a NACK's newline.
+                    canary = ?held.node,
                     identity = held.identity.as_deref().unwrap_or("-"),
-                    nack = %held.message,
+                    nack = ?held.message,
                     everyone,
                     "a canary NACKed this version: it is held; clients that are not canaries stay on theirs \
                      (POST /promote/{collection} sends it anyway)"
