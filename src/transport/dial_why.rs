@@ -308,7 +308,7 @@ pub fn client_certificate_problems(flag: &'static str, path: &Path) -> Vec<Strin
             problems.push("it is a CA certificate (basicConstraints CA:TRUE), not a client's".to_owned());
         }
     }
-    if cert.subject() == cert.issuer() {
+    if self_signed(&cert) {
         problems.push(format!(
             "it is self-signed ({}): the server trusts only certificates its client CA signed",
             cert.subject()
@@ -320,6 +320,30 @@ pub fn client_certificate_problems(flag: &'static str, path: &Path) -> Vec<Strin
         ));
     }
     problems
+}
+
+/// Whether `cert` signed itself: its issuer is its subject and, where it
+/// names them, the key that signed it (authority key identifier) is its own
+/// (subject key identifier). A leaf whose CA shares its name is not.
+fn self_signed(cert: &x509_parser::certificate::X509Certificate<'_>) -> bool {
+    use x509_parser::extensions::ParsedExtension;
+    if cert.subject() != cert.issuer() {
+        return false;
+    }
+    let (mut authority, mut subject) = (None, None);
+    for extension in cert.extensions() {
+        match extension.parsed_extension() {
+            ParsedExtension::AuthorityKeyIdentifier(aki) => authority = aki.key_identifier.as_ref().map(|k| k.0),
+            ParsedExtension::SubjectKeyIdentifier(ski) => subject = Some(ski.0),
+            _ => {}
+        }
+    }
+    match (authority, subject) {
+        (Some(authority), Some(subject)) => authority == subject,
+        // Signed by a key it names, and has none of its own to be it.
+        (Some(_), None) => false,
+        (None, _) => true,
+    }
 }
 
 /// A TLS connection the server ended right after the handshake without an
@@ -395,8 +419,12 @@ pub fn ended_before_settings(
         );
     }
     match (closed, tls) {
+        // A TLS server answers plaintext with a TLS record (above); an
+        // HTTP/1 server (the gateway's admin or monitoring port) closes.
         (true, None) => format!(
-            "the server closed the connection after the HTTP/2 preface without a word: it may speak TLS; {}",
+            "the server closed the connection after the HTTP/2 preface without a word: most likely an HTTP/1 \
+             port, not a gRPC one (the gateway's admin and monitoring ports close so; its gRPC port is \
+             --listen, 15010 by default); if it is a TLS port that sent no alert, {}",
             caller.use_tls()
         ),
         (true, Some(files)) => closed_after_handshake(files, "closed"),
@@ -407,6 +435,30 @@ pub fn ended_before_settings(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_leaf_whose_ca_shares_its_name_is_not_self_signed() {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
+        let named = |ca: bool| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.distinguished_name.push(DnType::CommonName, "otherca");
+            params.use_authority_key_identifier_extension = !ca;
+            params.key_identifier_method = rcgen::KeyIdMethod::Sha256;
+            if ca {
+                params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            }
+            params
+        };
+        let ca_key = KeyPair::generate().unwrap();
+        let ca = named(true).self_signed(&ca_key).unwrap();
+        let ca_params = named(true);
+        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+        let leaf_key = KeyPair::generate().unwrap();
+        let leaf = named(false).signed_by(&leaf_key, &issuer).unwrap();
+        let self_signed = |der: &[u8]| super::self_signed(&x509_parser::parse_x509_certificate(der).unwrap().1);
+        assert!(!self_signed(leaf.der()), "signed by a CA of the same name");
+        assert!(self_signed(ca.der()), "the CA signed itself");
+    }
 
     #[test]
     fn alerts_are_named_as_tls_names_them() {
