@@ -1211,12 +1211,19 @@ impl LocalSource {
             .into_iter()
             .map(|(collection, resources)| (collection, Update::Full(resources), Origin::Files))
             .collect();
+        let mut changed = Vec::new();
         for (collection, applied) in names.into_iter().zip(self.writer.apply_step(step)) {
-            if matches!(applied, crate::cache::Applied::Changed { .. }) {
+            if let crate::cache::Applied::Changed { version } = &applied {
                 metrics::counter!(crate::metrics::UPDATES_APPLIED, "collection" => collection.clone(), "kind" => "full")
                     .increment(1);
+                changed.push(format!("{collection}@{}", &version[..version.len().min(12)]));
             }
             self.published.insert(collection);
+        }
+        // An edit that applies says so once, with what it changed (the
+        // history and /debug/diff have the rest).
+        if !changed.is_empty() {
+            tracing::info!(collections = %changed.join(", "), "the source directory's change is applied");
         }
         let errors: Vec<String> = self
             .files

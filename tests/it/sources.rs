@@ -460,3 +460,31 @@ async fn a_file_broken_at_start_holds_everything_back_until_it_parses() {
     eventually("the error shown", || gw.upstream.borrow().last_error.is_some()).await;
     assert_eq!(gw.cache.get(VS).unwrap().len(), 1, "a typo never empties a collection");
 }
+
+/// An edit that applies is logged once, with the collections it changed
+/// and their new versions; an edit that changes nothing is not.
+#[tokio::test]
+async fn an_applied_edit_is_logged_with_what_it_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("vs.yaml");
+    let vs = |host: &str| {
+        format!(
+            "apiVersion: networking.istio.io/v1\nkind: VirtualService\nmetadata: {{name: a, namespace: ns}}\nspec:\n  hosts: [{host}]\n"
+        )
+    };
+    std::fs::write(&file, vs("a")).unwrap();
+    let flag = dir.path().to_str().unwrap().to_owned();
+    let mut running = crate::helpers::spawn_gateway(None, &["--source-dir", &flag]).await;
+    const APPLIED: &str = "the source directory's change is applied";
+    let first = match running.log.iter().find(|l| l.contains(APPLIED)) {
+        Some(line) => line.clone(),
+        None => running.log_line(APPLIED).await,
+    };
+    assert!(first.contains("istio/networking/v1alpha3/virtualservices@"), "{first}");
+    std::fs::write(&file, vs("b")).unwrap();
+    let second = running.log_line(APPLIED).await;
+    assert!(
+        second.contains("istio/networking/v1alpha3/virtualservices@") && second != first,
+        "{second}"
+    );
+}
