@@ -166,7 +166,7 @@ impl DialOut {
             tracing::warn!(
                 sink = %address,
                 reason = ended.reason(),
-                message = %ended.message(),
+                message = ?ended.message(),
                 retry_in_seconds = delay.as_secs_f64(),
                 "the stream to the sink ended; dialling again"
             );
@@ -350,7 +350,7 @@ impl CallState {
         let mut log = self.lock();
         if log.sink_node.is_none() {
             let node = request.sink_node.as_ref().map(|n| n.id.clone()).unwrap_or_default();
-            tracing::info!(sink_node = %node, collection = %request.collection, "the sink asks for its collections");
+            tracing::info!(sink_node = ?node, collection = ?request.collection, "the sink asks for its collections");
             log.sink_node = Some(node);
         }
         if !request.response_nonce.is_empty() && request.error_detail.is_none() {

@@ -537,10 +537,11 @@ impl Rollout {
             tracing::warn!(
                 %collection,
                 stream,
-                node = %client.node,
+                // What the client wrote, escaped (Debug).
+                node = ?client.node,
                 identity = %client.identity,
                 selector = %client.selector,
-                why = %client.why,
+                why = ?client.why,
                 "a client whose node matches --canary is not a canary: it is served as everyone is, and its ACKs and \
                  NACKs decide nothing (one line per collection per 10s at most; \
                  mcp_gateway_canary_claims_refused_total counts them all)"
