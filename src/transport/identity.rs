@@ -151,6 +151,13 @@ impl PeerIdentity {
 }
 
 /// Whether a pattern or an identity is written as a URI: a `scheme://`.
+/// A DNS name as a certificate's DNS SAN holds one: ASCII letters, digits,
+/// `-` and `.`, a `*.` first for a wildcard certificate, nothing else.
+fn is_dns_name(name: &str) -> bool {
+    let name = name.strip_prefix("*.").unwrap_or(name);
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
+}
+
 fn is_uri_text(text: &str) -> bool {
     text.contains("://")
 }
@@ -239,10 +246,11 @@ impl IdentityPattern {
             .iter()
             .enumerate()
             .filter(|(i, _)| identity.is_uri(*i) == uri)
-            // A DNS SAN with `/` or `:` is no DNS name (it spells a URI, as
-            // `spiffe://…` written as a DNS SAN): no pattern matches it,
-            // however broad (`spiffe*`, `*`).
-            .filter(|(_, name)| uri || !name.contains(['/', ':']))
+            // A DNS SAN that is no DNS name (it spells a URI, as
+            // `spiffe://…` written as a DNS SAN, or looks like one with
+            // `∕` or `%2F`): no pattern matches it, however broad
+            // (`spiffe*`, `*`).
+            .filter(|(_, name)| uri || is_dns_name(name))
             .filter_map(|(_, name)| self.pattern.matches(name))
             .collect()
     }
@@ -312,12 +320,25 @@ mod tests {
         assert!(super::IdentityPattern::parse("spiffe://*/ns/istio-system/sa/*").is_ok());
         assert!(super::IdentityPattern::parse("*.mesh.example").is_ok());
         // A DNS SAN spelling a URI matches no pattern, however broad.
-        let spelled = super::PeerIdentity::certified(Vec::new(), vec!["spiffe://cluster.local/ns/a/sa/b".into()]);
-        for broad in ["spiffe*", "*", "**.local*"] {
-            if let Ok(pattern) = super::IdentityPattern::parse(broad) {
-                assert!(!pattern.admits(&spelled), "{broad}");
+        for spelling in [
+            "spiffe://cluster.local/ns/a/sa/b",
+            "spiffe\u{2236}\u{2215}\u{2215}cluster.local\u{2215}ns\u{2215}a",
+            "spiffe%3A%2F%2Fcluster.local%2Fns%2Fa",
+            "spiffe\\cluster.local",
+        ] {
+            let spelled = super::PeerIdentity::certified(Vec::new(), vec![spelling.into()]);
+            for broad in ["spiffe*", "*", "**.local*", "*cluster*"] {
+                if let Ok(pattern) = super::IdentityPattern::parse(broad) {
+                    assert!(!pattern.admits(&spelled), "{broad} {spelling}");
+                }
             }
         }
+        let real = super::PeerIdentity::certified(Vec::new(), vec!["istio-galley.istio-system.svc".into()]);
+        assert!(super::IdentityPattern::parse("*.svc").unwrap().admits(&real));
+        let wildcard = super::PeerIdentity::certified(Vec::new(), vec!["*.mesh.example".into()]);
+        assert!(super::IdentityPattern::parse("*.mesh.example")
+            .unwrap()
+            .admits(&wildcard));
     }
 
     use super::*;
