@@ -21,26 +21,27 @@ pub(super) fn source_problems(state: &AdminState) -> Vec<String> {
 
 /// `problems` as the paragraphs a page leads with.
 pub(super) fn problems_html(problems: &[String], out: &mut String) {
-    for problem in problems {
-        out.push_str(&format!(
-            "<p class=\"problem\" data-col=\"source\">{}</p>",
-            escape(problem)
-        ));
+    paragraphs_html(problems, "problem", "source", out);
+}
+
+/// Each line as a paragraph of `class`, a trailing `(/debug/skew)` made a
+/// link.
+fn paragraphs_html<'a>(lines: impl IntoIterator<Item = &'a String>, class: &str, col: &str, out: &mut String) {
+    for line in lines {
+        let text = escape(line.trim_end_matches(" (/debug/skew)"));
+        let link = if line.ends_with(" (/debug/skew)") {
+            " (<a href=\"/debug/skew\">/debug/skew</a>)"
+        } else {
+            ""
+        };
+        out.push_str(&format!("<p class=\"{class}\" data-col=\"{col}\">{text}{link}</p>"));
     }
 }
 
 /// Warnings (what clients' releases drop, who is not checked) as the
 /// paragraphs a page shows after its problems, each `(/debug/skew)` a link.
 pub(super) fn warnings_html<'a>(warnings: impl IntoIterator<Item = &'a String>, out: &mut String) {
-    for warning in warnings {
-        let text = escape(warning.trim_end_matches(" (/debug/skew)"));
-        let link = if warning.contains("(/debug/skew)") {
-            " (<a href=\"/debug/skew\">/debug/skew</a>)"
-        } else {
-            ""
-        };
-        out.push_str(&format!("<p class=\"warning\" data-col=\"skew\">{text}{link}</p>"));
-    }
+    paragraphs_html(warnings, "warning", "skew", out);
 }
 
 /// The admin port's endpoints: (path, what it shows).

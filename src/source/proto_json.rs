@@ -981,10 +981,7 @@ impl BodyDecoder {
     /// knows, and may be a secret all the same). Its bytes are then never
     /// shown.
     pub fn is_sensitive_type(&self, type_url: &str) -> bool {
-        let Some(name) = type_name(type_url) else {
-            return true;
-        };
-        self.sensitive_types.contains(type_url) || self.descriptors(&[name]).sensitivity.holds_secrets(name)
+        type_name(type_url).is_none() || self.sensitive_types.contains(type_url) || self.knows_secrets_of(type_url)
     }
 
     /// Whether the gateway knows which fields of a body of `type_url` hold
