@@ -1073,18 +1073,21 @@ fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> s
 /// Whether what `type_url` asks for is a collection of secrets (by the
 /// built-in table: an MCP collection, or an xDS body type of one).
 fn sensitive_type(type_url: &str) -> bool {
-    let (table, body_types) = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
-    table.is_sensitive(type_url) || body_types.iter().any(|t| t == type_url)
+    let table = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
+    // Over xDS, the collection the gateway serves the type URL from.
+    let collection = match table.resolve_xds(type_url) {
+        crate::collections::XdsType::Collection { collection, .. } => collection,
+        crate::collections::XdsType::Unserved => type_url.into(),
+    };
+    table.is_sensitive(type_url) || table.is_sensitive(&collection)
 }
 
 /// The collection table the bodies are shown by (the built-in one, or with
 /// `--type-map`), set once when the command starts.
-static SENSITIVE: std::sync::OnceLock<(crate::collections::CollectionTable, Vec<String>)> = std::sync::OnceLock::new();
+static SENSITIVE: std::sync::OnceLock<crate::collections::CollectionTable> = std::sync::OnceLock::new();
 
-fn sensitive_table(table: crate::collections::CollectionTable) -> (crate::collections::CollectionTable, Vec<String>) {
-    let table = table.with_sensitive_types(crate::source::proto_json::secret_type_urls());
-    let body_types = table.sensitive_body_types();
-    (table, body_types)
+fn sensitive_table(table: crate::collections::CollectionTable) -> crate::collections::CollectionTable {
+    table.with_sensitive_types(crate::source::proto_json::secret_type_urls())
 }
 
 /// Each name the update removed, a line each.
