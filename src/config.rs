@@ -339,6 +339,14 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_NACK_MEMORY_ENTRIES", default_value_t = 100_000)]
     pub max_nack_memory_entries: usize,
 
+    /// How long an Envoy drains a listener it replaced or removed (its
+    /// `--drain-time-s`, 600 s by default): a cluster (and its load
+    /// assignment) that such a listener still sends its open connections
+    /// to is removed this long after the listener's change settled, not at
+    /// once ("0s": at once, as with Envoy's `--drain-strategy immediate`).
+    #[arg(long, env = "MCP_GATEWAY_LISTENER_DRAIN_TIME", default_value = "600s", value_parser = parse_duration)]
+    pub listener_drain_time: Duration,
+
     /// A connection that has not finished TLS and the HTTP/2 preface and
     /// SETTINGS this long after it was accepted is closed.
     #[arg(long, env = "MCP_GATEWAY_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -1104,6 +1112,7 @@ impl Args {
                 max_subscribed_names: self.max_subscribed_names,
                 nack_memory: self.nack_memory,
                 max_nack_memory_entries: self.max_nack_memory_entries,
+                listener_drain_time: self.listener_drain_time,
             },
             http: HttpLimits {
                 max_connections: self.http_max_connections,

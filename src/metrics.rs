@@ -77,6 +77,8 @@ pub const NACK_MESSAGES_TRUNCATED: &str = "mcp_gateway_nack_messages_truncated_t
 /// Changes of an Envoy type held back for another type of the same stream
 /// (make before break), by `collection` and `step` (`add`, `remove`).
 pub const ORDER_HOLDS: &str = "mcp_gateway_order_holds_total";
+/// The steps of [`ORDER_HOLDS`].
+pub const ORDER_HOLD_STEPS: [&str; 3] = ["add", "remove", "drain"];
 /// The collections of the types make before break orders (their type URLs
 /// are `downstream::order::Rank`'s), whose hold series are there from start.
 const ORDERED_COLLECTIONS: [&str; 5] = [
@@ -319,7 +321,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     metrics::gauge!(REQUEST_BUFFER_BYTES).set(0.0);
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
     for collection in ORDERED_COLLECTIONS {
-        for step in ["add", "remove"] {
+        for step in ORDER_HOLD_STEPS {
             metrics::counter!(ORDER_HOLDS, "collection" => collection, "step" => step).absolute(0);
         }
     }
@@ -341,7 +343,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         metrics::counter!(UPSTREAM_REFUSED_COLLECTIONS, "collection" => c()).absolute(0);
         // Only Envoy's types are ordered; like every collection-labelled
         // family, the series of each configured collection is there.
-        for step in ["add", "remove"] {
+        for step in ORDER_HOLD_STEPS {
             metrics::counter!(ORDER_HOLDS, "collection" => c(), "step" => step).absolute(0);
         }
         // A configured collection is never demanded; the series is there, at

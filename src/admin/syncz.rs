@@ -67,6 +67,9 @@ impl SyncStatus {
     }
 }
 
+/// The reason of a removal that waits for a drain of listeners.
+const DRAINING: &str = "DRAINING";
+
 /// Whether a NACK is past ("since fixed"): the client ACKed a later
 /// response, and either the version it refused is not the one it is to get
 /// now, or it has ACKed that one too (a client that routed away from a
@@ -102,6 +105,15 @@ pub fn status(
         return (SyncStatus::Nacked, nack.at);
     }
     if view.acked_version.as_ref() == Some(current) {
+        return (SyncStatus::Synced, view.acked_at);
+    }
+    // Its removals wait for a listener the client drains (make before
+    // break): it ACKed everything the source adds and changes, and what it
+    // removes goes when the drain ends (`--listener-drain-time`).
+    if view.ordered.as_ref().is_some_and(|o| o.reason == DRAINING)
+        && !view.outstanding
+        && view.acked_version == view.last_sent_version
+    {
         return (SyncStatus::Synced, view.acked_at);
     }
     if clock.age(view.behind_since).is_some_and(|age| age > stale_after) {
@@ -375,12 +387,18 @@ fn row_json(row: &Row<'_>, clock: &Clock) -> Value {
         "access": (view.withheld > 0).then(|| json!({"status": "DENIED", "withheld": view.withheld})),
         // On an Envoy stream: a change held for another type (make before
         // break); NACKED holds until the source changes that type.
-        "order": view.ordered.as_ref().map(|o| json!({
-            "status": "HELD",
-            "waits_for": o.waits_for,
-            "reason": o.reason,
-            "step": o.step,
-        })),
+        "order": view.ordered.as_ref().map(|o| {
+            let mut order = json!({
+                "status": if o.reason == DRAINING { DRAINING } else { "HELD" },
+                "waits_for": o.waits_for,
+                "reason": o.reason,
+                "step": o.step,
+            });
+            if o.reason == DRAINING {
+                order["until"] = time(clock.wall(o.until));
+            }
+            order
+        }),
         "skew": row.skew.as_ref().map(skew_json),
     })
 }
@@ -533,6 +551,13 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
             ),
         };
         let held = match &view.ordered {
+            Some(order) if order.reason == DRAINING => format!(
+                " <span title=\"{}\">DRAINING</span>",
+                escape(&format!(
+                    "its removals wait for a listener the client drains, until {}",
+                    clock.wall(order.until).map(super::time).unwrap_or_default()
+                ))
+            ),
             Some(order) => format!(
                 " <span class=\"STALE\" title=\"{}\">HELD</span>",
                 escape(&format!(

@@ -20,6 +20,7 @@ use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 
 pub const CLUSTER_TYPE_URL: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+pub const ROUTE_CONFIGURATION_TYPE_URL: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
 pub const LOAD_ASSIGNMENT_TYPE_URL: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
 
 /// `Cluster.DiscoveryType.EDS`.
@@ -85,10 +86,9 @@ pub fn eds_name(cluster: &CachedResource) -> Option<Arc<str>> {
 }
 
 fn read_eds_name(cluster: &CachedResource) -> Option<Arc<str>> {
-    let resource = crate::proto::wire::RawResource::decode(cluster.encoded.clone()).ok()?;
-    let any = prost_types::Any::decode(resource.body?).ok()?;
+    let body = body_of(cluster)?;
     let (mut name, mut kind, mut service) = (None, 0, None);
-    for_each_field(&any.value, |tag, field| {
+    for_each_field(&body, |tag, field| {
         match (tag, field) {
             (1, Field::Bytes(bytes)) => name = Some(bytes),
             (2, Field::Varint(value)) => kind = value,
@@ -124,57 +124,158 @@ pub fn route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
 }
 
 fn read_route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
-    let mut clusters: Vec<Arc<str>> = Vec::new();
-    let mut name = |bytes: &[u8]| {
+    let mut clusters = Names::default();
+    if let Some(body) = body_of(route) {
+        let _ = route_config_clusters(&body, &mut clusters);
+    }
+    clusters.done()
+}
+
+/// The body of a cached resource (its `Any`'s value), as stored.
+fn body_of(resource: &CachedResource) -> Option<bytes::Bytes> {
+    let resource = crate::proto::wire::RawResource::decode(resource.encoded.clone()).ok()?;
+    Some(prost_types::Any::decode(resource.body?).ok()?.value.into())
+}
+
+/// Names read from bodies, sorted and once each when done.
+#[derive(Default)]
+struct Names(Vec<Arc<str>>);
+
+impl Names {
+    fn add(&mut self, bytes: &[u8]) {
         if let Ok(text) = std::str::from_utf8(bytes) {
-            clusters.push(Arc::from(text));
+            self.0.push(Arc::from(text));
         }
-    };
-    let mut read = || -> Option<()> {
-        let resource = crate::proto::wire::RawResource::decode(route.encoded.clone()).ok()?;
-        let any = prost_types::Any::decode(resource.body?).ok()?;
-        // RouteConfiguration.virtual_hosts (2) . routes (3) . route (2:
-        // RouteAction) . cluster (1) | weighted_clusters (3) . clusters (1) . name (1)
-        for_each_field(&any.value, |tag, field| {
-            let (2, Field::Bytes(host)) = (tag, field) else {
+    }
+
+    fn done(mut self) -> Arc<[Arc<str>]> {
+        self.0.sort();
+        self.0.dedup();
+        self.0.into()
+    }
+}
+
+/// The clusters a `RouteConfiguration`'s routes send to: virtual_hosts (2)
+/// . routes (3) . route (2: RouteAction) . cluster (1) | weighted_clusters
+/// (3) . clusters (1) . name (1).
+fn route_config_clusters(config: &[u8], clusters: &mut Names) -> Option<()> {
+    for_each_field(config, |tag, field| {
+        let (2, Field::Bytes(host)) = (tag, field) else {
+            return Some(());
+        };
+        for_each_field(host, |tag, field| {
+            let (3, Field::Bytes(entry)) = (tag, field) else {
                 return Some(());
             };
-            for_each_field(host, |tag, field| {
-                let (3, Field::Bytes(entry)) = (tag, field) else {
+            for_each_field(entry, |tag, field| {
+                let (2, Field::Bytes(action)) = (tag, field) else {
                     return Some(());
                 };
-                for_each_field(entry, |tag, field| {
-                    let (2, Field::Bytes(action)) = (tag, field) else {
-                        return Some(());
-                    };
-                    for_each_field(action, |tag, field| {
-                        match (tag, field) {
-                            (1, Field::Bytes(cluster)) => name(cluster),
-                            (3, Field::Bytes(weighted)) => {
-                                for_each_field(weighted, |tag, field| {
-                                    let (1, Field::Bytes(weight)) = (tag, field) else {
-                                        return Some(());
-                                    };
-                                    for_each_field(weight, |tag, field| {
-                                        if let (1, Field::Bytes(cluster)) = (tag, field) {
-                                            name(cluster);
-                                        }
-                                        Some(())
-                                    })
-                                })?;
-                            }
-                            _ => {}
-                        }
-                        Some(())
-                    })
+                for_each_field(action, |tag, field| {
+                    match (tag, field) {
+                        (1, Field::Bytes(cluster)) => clusters.add(cluster),
+                        (3, Field::Bytes(weighted)) => weighted_names(weighted, clusters)?,
+                        _ => {}
+                    }
+                    Some(())
                 })
             })
         })
-    };
-    let _ = read();
-    clusters.sort();
-    clusters.dedup();
-    clusters.into()
+    })
+}
+
+/// The names of a weighted cluster list (route's `WeightedCluster` and tcp
+/// proxy's alike: clusters (1) . name (1)).
+fn weighted_names(weighted: &[u8], clusters: &mut Names) -> Option<()> {
+    for_each_field(weighted, |tag, field| {
+        let (1, Field::Bytes(weight)) = (tag, field) else {
+            return Some(());
+        };
+        for_each_field(weight, |tag, field| {
+            if let (1, Field::Bytes(cluster)) = (tag, field) {
+                clusters.add(cluster);
+            }
+            Some(())
+        })
+    })
+}
+
+/// What a listener's filters name of the types before it: the clusters its
+/// TCP proxies and inline route configurations send to, and the route
+/// configurations its HTTP connection managers read by RDS.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct ListenerRefs {
+    pub clusters: Arc<[Arc<str>]>,
+    pub routes: Arc<[Arc<str>]>,
+}
+
+const HCM_TYPE_URL: &str =
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
+const TCP_PROXY_TYPE_URL: &str = "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy";
+
+/// A listener's [`ListenerRefs`], read from its body once and kept with the
+/// resource. Read: `filter_chains` (3) and `default_filter_chain` (25), each
+/// chain's `filters` (3) with their `typed_config` (4, an `Any`); of an
+/// `HttpConnectionManager`, `rds` (3) . `route_config_name` (2) and the
+/// inline `route_config` (4); of a `TcpProxy`, `cluster` (2) and
+/// `weighted_clusters` (10). Not read: scoped routes, an API listener (a
+/// client's, never drained), other filters.
+pub fn listener_refs(listener: &CachedResource) -> Arc<ListenerRefs> {
+    listener
+        .memo
+        .get_or_make(MemoKey::of("cluster_refs.listener_refs"), 1, || {
+            read_listener_refs(listener)
+        })
+}
+
+fn read_listener_refs(listener: &CachedResource) -> ListenerRefs {
+    let (mut clusters, mut routes) = (Names::default(), Names::default());
+    if let Some(body) = body_of(listener) {
+        let _ = for_each_field(&body, |tag, field| {
+            let (3 | 25, Field::Bytes(chain)) = (tag, field) else {
+                return Some(());
+            };
+            for_each_field(chain, |tag, field| {
+                let (3, Field::Bytes(filter)) = (tag, field) else {
+                    return Some(());
+                };
+                for_each_field(filter, |tag, field| {
+                    let (4, Field::Bytes(any)) = (tag, field) else {
+                        return Some(());
+                    };
+                    let any = prost_types::Any::decode(any).ok()?;
+                    match any.type_url.as_str() {
+                        HCM_TYPE_URL => for_each_field(&any.value, |tag, field| {
+                            match (tag, field) {
+                                (3, Field::Bytes(rds)) => for_each_field(rds, |tag, field| {
+                                    if let (2, Field::Bytes(name)) = (tag, field) {
+                                        routes.add(name);
+                                    }
+                                    Some(())
+                                })?,
+                                (4, Field::Bytes(config)) => route_config_clusters(config, &mut clusters)?,
+                                _ => {}
+                            }
+                            Some(())
+                        }),
+                        TCP_PROXY_TYPE_URL => for_each_field(&any.value, |tag, field| {
+                            match (tag, field) {
+                                (2, Field::Bytes(cluster)) => clusters.add(cluster),
+                                (10, Field::Bytes(weighted)) => weighted_names(weighted, &mut clusters)?,
+                                _ => {}
+                            }
+                            Some(())
+                        }),
+                        _ => Some(()),
+                    }
+                })
+            })
+        });
+    }
+    ListenerRefs {
+        clusters: clusters.done(),
+        routes: routes.done(),
+    }
 }
 
 /// A field's value, as far as this module reads it.

@@ -6,6 +6,7 @@
 
 pub mod by_type;
 pub mod cluster_refs;
+pub mod drains;
 pub mod encode;
 pub mod grants;
 pub mod nack_memory;
@@ -61,7 +62,13 @@ pub struct DownstreamLimits {
     /// and nothing is skipped on a reconnecting client's word).
     pub nack_memory: Duration,
     pub max_nack_memory_entries: usize,
+    /// How long the removal of what a changed or removed listener sent to
+    /// waits for Envoy's drain of it (`--listener-drain-time`; zero: not).
+    pub listener_drain_time: Duration,
 }
+
+/// Envoy's own default `--drain-time-s`.
+pub const DEFAULT_LISTENER_DRAIN_TIME: Duration = Duration::from_secs(600);
 
 impl Default for DownstreamLimits {
     fn default() -> Self {
@@ -76,6 +83,7 @@ impl Default for DownstreamLimits {
             max_subscribed_names: 100_000,
             nack_memory: Duration::from_secs(24 * 3600),
             max_nack_memory_entries: 100_000,
+            listener_drain_time: DEFAULT_LISTENER_DRAIN_TIME,
         }
     }
 }

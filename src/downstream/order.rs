@@ -9,8 +9,9 @@
 //! then listeners, then routes, secrets before all of them; removals the
 //! other way. A type's additions and changes wait until every type before
 //! it holds what it is to add (ACKed); its removals wait until every type
-//! after it is settled (nothing outstanding, nothing to send, nothing
-//! refused). A type whose change both adds and removes sends its additions
+//! that may name what it removes is settled (nothing outstanding, nothing
+//! to send, nothing refused): the types after it, except that nothing names
+//! a listener and route configurations are named by listeners. A type whose change both adds and removes sends its additions
 //! first, keeping what it removes, and the removals once the types after it
 //! settled. A type the client refused (NACKed) holds the types that depend
 //! on it: a route to a cluster Envoy rejected is not sent.
@@ -48,6 +49,20 @@ impl Rank {
             | "envoy.config.route.v3.VirtualHost" => Rank::Routes,
             _ => return None,
         })
+    }
+
+    /// Whether a resource of type `other` may name one of this type: its
+    /// removals wait for `other` to settle. Every type after it, except
+    /// that nothing names a listener, and of the types after them only
+    /// listeners name route configurations (by RDS): a route configuration
+    /// goes once the listener that read it moved on (Envoy's draining
+    /// listener still reads it, see `drains`).
+    pub fn named_by(self, other: Rank) -> bool {
+        match self {
+            Rank::Listeners => false,
+            Rank::Routes => other == Rank::Listeners,
+            _ => other > self,
+        }
     }
 
     /// As the views name it.
@@ -156,6 +171,9 @@ pub enum Why {
     Refused,
     /// The other has a change of its own to send first.
     Pending,
+    /// What it removes was named by a listener that Envoy still drains
+    /// (see `drains`): the removal goes when the drain ends.
+    Draining,
 }
 
 impl Why {
@@ -164,6 +182,7 @@ impl Why {
             Why::Unacked => "UNACKED",
             Why::Refused => "NACKED",
             Why::Pending => "PENDING",
+            Why::Draining => "DRAINING",
         }
     }
 }
@@ -190,6 +209,25 @@ pub enum Decision {
     Hold(Blocker),
 }
 
+/// `decision` for a change that does `wants`, when its removals must
+/// also wait for a drain of listeners (`draining`): what it adds goes as
+/// decided, what it removes waits.
+pub fn after_drain(decision: Decision, wants: Change, draining: bool) -> Decision {
+    if !draining || !wants.breaks || !matches!(decision, Decision::Send) {
+        return decision;
+    }
+    let blocker = Blocker {
+        rank: Rank::Listeners,
+        why: Why::Draining,
+        removal: true,
+    };
+    if wants.makes {
+        Decision::MakesFirst(blocker)
+    } else {
+        Decision::Hold(blocker)
+    }
+}
+
 /// Whether the type at `rank`, whose change does `wants`, may send it,
 /// given the stream's other ranked types.
 pub fn decide(rank: Rank, wants: Change, others: &[Standing]) -> Decision {
@@ -211,7 +249,7 @@ pub fn decide(rank: Rank, wants: Change, others: &[Standing]) -> Decision {
     if wants.breaks {
         let after = others
             .iter()
-            .filter(|o| o.rank > rank)
+            .filter(|o| rank.named_by(o.rank))
             .filter_map(|o| o.unsettled().map(|why| (o.rank, why)))
             .max_by_key(|(rank, _)| *rank);
         if let Some((rank, why)) = after {
@@ -444,6 +482,29 @@ mod tests {
         );
     }
 
+    /// A route configuration goes once the listeners moved off it (a
+    /// listener reads it by RDS), and a listener's removal waits for no
+    /// route: a listener and its routes removed together go without a cycle.
+    #[test]
+    fn route_configurations_go_after_the_listeners_that_read_them() {
+        assert_eq!(
+            decide(Rank::Routes, BREAKS, &[pending(Rank::Listeners, BOTH)]),
+            hold(Rank::Listeners, Why::Pending, true)
+        );
+        assert_eq!(
+            decide(Rank::Routes, BREAKS, &[in_flight(Rank::Listeners, MAKES)]),
+            hold(Rank::Listeners, Why::Unacked, true)
+        );
+        assert_eq!(
+            decide(Rank::Listeners, BREAKS, &[pending(Rank::Routes, BREAKS)]),
+            Decision::Send
+        );
+        assert_eq!(
+            decide(Rank::Routes, BREAKS, &[settled(Rank::Listeners)]),
+            Decision::Send
+        );
+    }
+
     /// Secrets come before the clusters and listeners that name them, and
     /// go after them.
     #[test]
@@ -457,6 +518,23 @@ mod tests {
             decide(Rank::Secrets, BREAKS, &[pending(Rank::Listeners, MAKES)]),
             hold(Rank::Listeners, Why::Pending, true)
         );
+    }
+
+    /// A drain holds only removals that the order would let go: what the
+    /// change adds goes first.
+    #[test]
+    fn a_drain_holds_removals_only() {
+        let drain = Blocker {
+            rank: Rank::Listeners,
+            why: Why::Draining,
+            removal: true,
+        };
+        assert_eq!(after_drain(Decision::Send, BOTH, true), Decision::MakesFirst(drain));
+        assert_eq!(after_drain(Decision::Send, BREAKS, true), Decision::Hold(drain));
+        assert_eq!(after_drain(Decision::Send, MAKES, true), Decision::Send);
+        assert_eq!(after_drain(Decision::Send, BREAKS, false), Decision::Send);
+        let routes = hold(Rank::Routes, Why::Pending, true);
+        assert_eq!(after_drain(routes, BREAKS, true), routes, "the routes first");
     }
 
     /// Every mix of standings is decided without a cycle: whatever the

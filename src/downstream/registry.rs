@@ -190,12 +190,16 @@ pub struct OrderedView {
     pub waits_for: &'static str,
     /// `UNACKED` (its response is not answered yet), `NACKED` (the client
     /// refused its last response: held until the source changes it) or
-    /// `PENDING` (it has a change of its own to send first).
+    /// `PENDING` (it has a change of its own to send first) or `DRAINING`
+    /// (its removals wait for a listener Envoy drains: `until`).
     pub reason: &'static str,
     /// What waits: `add` (this type's additions and changes wait for a type
     /// they depend on) or `remove` (its removals wait for the types that
     /// still name what it removes).
     pub step: &'static str,
+    /// `DRAINING`: when the drain ends and the removals go.
+    #[serde(skip)]
+    pub until: Stamp,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -370,6 +374,11 @@ impl RegistryEntry {
     /// Now, on the registry's clock.
     pub fn now(&self) -> Stamp {
         self.registry.clock.now()
+    }
+
+    /// `at`, on the registry's clock.
+    pub fn stamp(&self, at: tokio::time::Instant) -> Stamp {
+        self.registry.clock.stamp(at)
     }
 
     /// Whether the stream is a canary of some collection now.

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::by_type::ByType;
 use super::cluster_refs::{self, ForcedResends};
+use super::drains::Drains;
 use super::encode::{EncodedResponse, Record};
 use super::grants::GrantHold;
 use super::names::{NameChange, Names};
@@ -65,6 +66,43 @@ struct Followed {
     /// What the last response of a ranked type did to what the client
     /// held (what an outstanding or refused response holds back).
     sent_change: Change,
+}
+
+/// A stream's drains, and the timer set for the first to end.
+struct Draining {
+    drains: Drains,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+    /// The timer is set (for the drains' next deadline).
+    armed: bool,
+}
+
+impl Draining {
+    fn new(drain_time: std::time::Duration) -> Box<Self> {
+        Box::new(Self {
+            drains: Drains::new(drain_time),
+            timer: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
+            armed: false,
+        })
+    }
+
+    /// Sets the timer for the next drain to end.
+    fn arm(&mut self) {
+        match self.drains.next_deadline() {
+            Some(deadline) => {
+                self.timer.as_mut().reset(deadline);
+                self.armed = true;
+            }
+            None => self.armed = false,
+        }
+    }
+}
+
+/// The first of a stream's drains ends (never, with none set).
+async fn drain_ended(draining: &mut Option<Box<Draining>>) {
+    match draining {
+        Some(draining) if draining.armed => draining.timer.as_mut().await,
+        _ => std::future::pending().await,
+    }
 }
 
 /// The ranked types of a stream whose change waits for another type.
@@ -236,6 +274,9 @@ pub(super) struct TypedStream<W> {
     /// Resends one type's response forced on another (`cluster_refs`).
     /// Boxed: most streams never force one.
     forced: Option<Box<ForcedResends>>,
+    /// Listeners the client drains, whose clusters' removal waits (see
+    /// `drains`). Boxed: most streams never change a listener.
+    draining: Option<Box<Draining>>,
     _wire: PhantomData<fn() -> W>,
 }
 
@@ -264,6 +305,7 @@ impl<W: Wire> TypedStream<W> {
             policy,
             withheld: None,
             forced: None,
+            draining: None,
             _wire: PhantomData,
         }
     }
@@ -333,6 +375,9 @@ impl<W: Wire> TypedStream<W> {
                     // past --demand-timeout: a type waiting for it is answered
                     // empty.
                     () = refusals_changed(&mut self.refusals) => Step::AnswerRefused,
+                    // A listener's drain ended: the removals that waited for
+                    // it are tried again (after the step).
+                    () = drain_ended(&mut self.draining) => Step::DrainEnded,
                     Ok(()) = self.policy.changed() => Step::PolicyChanged,
                 };
                 let sent = match step {
@@ -342,6 +387,10 @@ impl<W: Wire> TypedStream<W> {
                     Step::Changed(type_url) => self.try_send(&type_url, &out).await,
                     // Rare: boxed.
                     Step::AnswerRefused => Box::pin(self.answer_refused(&out)).await,
+                    Step::DrainEnded => {
+                        self.drain_ended();
+                        Ok(())
+                    }
                     // Rare: boxed.
                     Step::PolicyChanged => match Box::pin(self.regrant(&out)).await {
                         Ok(sent) => sent,
@@ -521,6 +570,8 @@ enum Step {
     AnswerRefused,
     /// The access policy was reloaded.
     PolicyChanged,
+    /// A listener's drain ended.
+    DrainEnded,
 }
 
 /// A request taken: its type, and the snapshot and time it was decided at.
@@ -752,6 +803,17 @@ fn standing(followed: &Followed) -> Option<Standing> {
     if current.is_some() && state.named().is_some_and(|n| !n.settled()) {
         pending.makes = true;
     }
+    // What it removes waits for a drain of listeners: so does what names
+    // it (the clusters of load assignments waiting), which waits for the
+    // drain itself rather than for this type.
+    if state
+        .view
+        .ordered
+        .as_ref()
+        .is_some_and(|o| o.reason == order::Why::Draining.as_str())
+    {
+        pending.breaks = false;
+    }
     Some(Standing {
         rank,
         in_flight: outstanding.then_some(followed.sent_change),
@@ -775,30 +837,54 @@ fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str
     Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
 }
 
-/// The clusters that the routes `to` adds or changes from `held` (in the
-/// names asked for) send to.
-fn route_targets(
+/// The names going from `held` to `to` removes, in the names asked for.
+fn removed_names(
     held: Option<&Arc<CollectionSnapshot>>,
     to: &Arc<CollectionSnapshot>,
     names: Option<&Names>,
 ) -> Vec<Arc<str>> {
+    let Some(held) = held.filter(|h| h.version != to.version) else {
+        return Vec::new();
+    };
+    let covers = |name: &str| names.is_none_or(|n| n.covers(name));
+    diff_of(held, to)
+        .removed
+        .iter()
+        .filter(|n| covers(n))
+        .cloned()
+        .collect()
+}
+
+/// The clusters that the routes or listeners `to` adds or changes from
+/// `held` (in the names asked for) send to: a route's actions, a listener's
+/// TCP proxies and inline routes. `None` for any other type.
+fn send_targets(
+    rank: Rank,
+    held: Option<&Arc<CollectionSnapshot>>,
+    to: &Arc<CollectionSnapshot>,
+    names: Option<&Names>,
+) -> Option<Vec<Arc<str>>> {
+    let read: fn(&crate::cache::CachedResource) -> Arc<[Arc<str>]> = match rank {
+        Rank::Routes => cluster_refs::route_clusters,
+        Rank::Listeners => |listener| cluster_refs::listener_refs(listener).clusters.clone(),
+        _ => return None,
+    };
     let covers = |name: &str| names.is_none_or(|n| n.covers(name));
     // The diff `change_of` found for the same pair of versions.
     let diff = held.map(|held| diff_of(held, to));
-    let routes: Box<dyn Iterator<Item = &Arc<crate::cache::CachedResource>>> = match &diff {
+    let changed: Box<dyn Iterator<Item = &Arc<crate::cache::CachedResource>>> = match &diff {
         Some(diff) => Box::new(diff.upserts.iter()),
         None => Box::new(to.resources.values()),
     };
-    let mut targets: Vec<Arc<str>> = routes
+    let mut targets: Vec<Arc<str>> = changed
         .filter(|r| covers(&r.name))
-        .flat_map(|r| cluster_refs::route_clusters(r).iter().cloned().collect::<Vec<_>>())
+        .flat_map(|r| read(r).iter().cloned().collect::<Vec<_>>())
         .collect();
     targets.sort();
     targets.dedup();
-    targets
+    Some(targets)
 }
 
-/// The refusal of a gateway peer that is this gateway or upstream of it.
 fn loop_refusal(shared: &Downstream, peer: &str) -> Option<Status> {
     let provenance = shared.inner.cache.provenance();
     provenance.is_upstream_or_self(peer).then(|| {
@@ -1355,13 +1441,14 @@ impl<W: Wire> TypedStream<W> {
             return Some(Some(to));
         }
         // A refused type holds another's additions only where they depend on
-        // what it refused: routes that send to a cluster of a refused
-        // response of clusters, or to a cluster whose endpoints a refused
-        // response of endpoints carried (a route away from a broken cluster
-        // goes: grpc asks for the new cluster exactly then).
+        // what it refused: routes (or listeners, by their TCP proxies and
+        // inline routes) that send to a cluster of a refused response of
+        // clusters, or to a cluster whose endpoints a refused response of
+        // endpoints carried (a route away from a broken cluster goes: grpc
+        // asks for the new cluster exactly then).
         let mut standings = standings;
         if wants.makes {
-            let targets = (rank == Rank::Routes).then(|| route_targets(state.last_sent(), &to, names_of(followed)));
+            let targets = send_targets(rank, state.last_sent(), &to, names_of(followed));
             for standing in standings.iter_mut().filter(|s| s.rank < rank && s.refused.is_some()) {
                 let refused_by = self.types.values().find(|f| f.rank == Some(standing.rank));
                 let depends = match (&targets, standing.rank, refused_by) {
@@ -1410,10 +1497,26 @@ impl<W: Wire> TypedStream<W> {
         } else {
             order::decide(rank, wants, &standings)
         };
+        // What it removes may be what a listener Envoy drains still sends
+        // to: the removal waits for the drain (once the order would let it go).
+        let mut drain_until = None;
+        let decision = match (&mut self.draining, decision) {
+            (Some(draining), Decision::Send) if wants.breaks => {
+                let removed = removed_names(state.last_sent(), &to, names_of(followed));
+                let until = draining
+                    .drains
+                    .holds(rank, removed.iter().map(|n| &**n), tokio::time::Instant::now());
+                draining.arm();
+                drain_until = until;
+                order::after_drain(decision, wants, until.is_some())
+            }
+            (_, decision) => decision,
+        };
         let wants = Change {
             makes: wants.makes || owed,
             ..wants
         };
+        let until = drain_until.map_or(Stamp::NEVER, |until| self.entry.stamp(until));
         match decision {
             Decision::Send => {
                 self.types.get_mut(type_url)?.sent_change = wants;
@@ -1436,20 +1539,20 @@ impl<W: Wire> TypedStream<W> {
                     makes: true,
                     breaks: false,
                 };
-                self.hold(type_url, blocker);
+                self.hold(type_url, blocker, until);
                 Some(Some(first))
             }
             Decision::Hold(blocker) => {
-                self.hold(type_url, blocker);
+                self.hold(type_url, blocker, until);
                 None
             }
         }
     }
 
-    /// A ranked type's change (or its removals) waits for `blocker`: shown
-    /// with the type, counted when it starts waiting, tried again after
-    /// every step of the stream.
-    fn hold(&mut self, type_url: &str, blocker: Blocker) {
+    /// A ranked type's change (or its removals) waits for `blocker` (a
+    /// drain: `until`): shown with the type, counted when it starts
+    /// waiting, tried again after every step of the stream.
+    fn hold(&mut self, type_url: &str, blocker: Blocker, until: Stamp) {
         let withheld = &mut self.withheld.get_or_insert_with(Box::default).types;
         if !withheld.iter().any(|t| t == type_url) {
             withheld.push(type_url.to_owned());
@@ -1461,12 +1564,22 @@ impl<W: Wire> TypedStream<W> {
             waits_for: blocker.rank.as_str(),
             reason: blocker.why.as_str(),
             step: if blocker.removal { "remove" } else { "add" },
+            until,
         };
         if followed.state.view.ordered.as_deref() == Some(&view) {
             return;
         }
-        if followed.state.view.ordered.is_none() {
-            m::order_held(&followed.state.view.collection, view.step);
+        let draining = blocker.why == order::Why::Draining;
+        let counted = match &followed.state.view.ordered {
+            None => true,
+            // A removal that waited for the routes now waits for a drain.
+            Some(was) => draining && was.reason != view.reason,
+        };
+        if counted {
+            m::order_held(
+                &followed.state.view.collection,
+                if draining { "drain" } else { view.step },
+            );
         }
         if blocker.why == order::Why::Refused {
             tracing::info!(
@@ -1474,7 +1587,18 @@ impl<W: Wire> TypedStream<W> {
                 type_url = %type_url,
                 waits_for = view.waits_for,
                 step = view.step,
-                "a change is held: the client refused (NACKed) the change of the type it depends on; it goes once                  that type's change is ACKed"
+                "a change is held: the client refused (NACKed) the change of the type it depends on; it goes once \
+                 that type's change is ACKed"
+            );
+        }
+        if draining && counted {
+            tracing::info!(
+                stream = self.id,
+                type_url = %type_url,
+                drain_seconds = self.shared.limits().listener_drain_time.as_secs(),
+                "a removal waits for a listener the client drains: a listener that sent to what it removes was \
+                 changed or removed, and keeps serving its open connections until the drain ends \
+                 (--listener-drain-time)"
             );
         }
         followed.state.view.ordered = Some(Box::new(view));
@@ -1578,6 +1702,12 @@ impl<W: Wire> TypedStream<W> {
     ) -> Box<EncodedResponse> {
         let followed = self.types.get_mut(type_url).expect("a followed type");
         let forced = cluster_refs::load_assignments_forced_by(type_url, &push, followed.state.last_sent());
+        // A listener it changes or removes drains: what the old one sent to
+        // stays until the drain ends.
+        let drains = (followed.rank == Some(Rank::Listeners) && !self.shared.limits().listener_drain_time.is_zero())
+            .then(|| followed.state.last_sent().cloned())
+            .flatten()
+            .map(|held| (held, push.to().clone()));
         self.last_nonce += 1;
         let nonce = self.last_nonce.to_string();
         let (parts, suffix) = W::encode(&push, type_url, &nonce);
@@ -1598,7 +1728,95 @@ impl<W: Wire> TypedStream<W> {
         if !forced.is_empty() {
             self.force_resend(cluster_refs::LOAD_ASSIGNMENT_TYPE_URL, forced);
         }
+        if let Some((held, to)) = drains {
+            self.note_drains(&held, &to);
+        }
         Box::new(response)
+    }
+
+    /// A response of listeners goes from `held` to `to`: each listener it
+    /// changes or removes drains, and what the old one sent to (its TCP
+    /// proxies' and inline routes' clusters, and those of the route
+    /// configurations it read that the source no longer serves: one it
+    /// still serves reaches the draining listener as it changes) waits for
+    /// the drain, with those clusters' load assignments.
+    fn note_drains(&mut self, held: &Arc<CollectionSnapshot>, to: &Arc<CollectionSnapshot>) {
+        let diff = diff_of(held, to);
+        let changed = diff
+            .upserts
+            .iter()
+            .map(|r| &r.name)
+            .filter(|name| held.resources.contains_key(&***name))
+            .chain(diff.removed.iter());
+        let routes = self.types.get(cluster_refs::ROUTE_CONFIGURATION_TYPE_URL);
+        let routes_held = routes.and_then(|f| f.state.last_sent());
+        let routes_now = routes.and_then(current_of);
+        let mut clusters = std::collections::BTreeSet::new();
+        for name in changed {
+            let Some(old) = held.resources.get(&**name) else {
+                continue;
+            };
+            let refs = cluster_refs::listener_refs(old);
+            clusters.extend(refs.clusters.iter().cloned());
+            for route in refs.routes.iter() {
+                if routes_now
+                    .as_ref()
+                    .is_some_and(|now| now.resources.contains_key(&**route))
+                {
+                    continue;
+                }
+                if let Some(route) = routes_held.and_then(|held| held.resources.get(&**route)) {
+                    clusters.extend(cluster_refs::route_clusters(route).iter().cloned());
+                }
+            }
+        }
+        if clusters.is_empty() {
+            return;
+        }
+        let clusters_held = self
+            .types
+            .get(cluster_refs::CLUSTER_TYPE_URL)
+            .and_then(|f| f.state.last_sent());
+        let load_assignments = clusters
+            .iter()
+            .filter_map(|c| clusters_held.and_then(|held| held.resources.get(&**c)))
+            .filter_map(|c| cluster_refs::eds_name(c))
+            .collect();
+        let drain_time = self.shared.limits().listener_drain_time;
+        let draining = self.draining.get_or_insert_with(|| Draining::new(drain_time));
+        draining.drains.note(clusters, load_assignments);
+    }
+
+    /// The first of the stream's drains ended: the removals that waited
+    /// for it are tried again after this step.
+    fn drain_ended(&mut self) {
+        let Some(draining) = &mut self.draining else {
+            return;
+        };
+        if draining.drains.expire(tokio::time::Instant::now()) {
+            self.draining = None;
+        } else {
+            draining.arm();
+        }
+    }
+
+    /// The stream's listeners and routes settled (nothing outstanding,
+    /// refused or to send): a listener changed before is warm, and Envoy
+    /// drains the one it replaced from now.
+    fn note_settled(&mut self) {
+        if !self.draining.as_ref().is_some_and(|d| d.drains.unsettled()) {
+            return;
+        }
+        let settled = self
+            .types
+            .values()
+            .filter(|f| matches!(f.rank, Some(Rank::Listeners | Rank::Routes)))
+            .filter_map(standing)
+            .all(|s| s.in_flight.is_none() && s.refused.is_none() && !s.pending.any());
+        if let (true, Some(draining)) = (settled, &mut self.draining) {
+            draining.drains.settled(tokio::time::Instant::now());
+            draining.arm();
+        }
     }
 
     /// The client is to be sent `names` of `type_url` again, whatever it
@@ -1630,6 +1848,7 @@ impl<W: Wire> TypedStream<W> {
                 self.send_forced(out).await?;
             }
         }
+        self.note_settled();
         Ok(())
     }
 

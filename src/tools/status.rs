@@ -263,7 +263,15 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         }
         // On an Envoy stream: a change held for another type (make before
         // break).
-        if let Some(reason) = row["order"]["reason"].as_str() {
+        if row["order"]["reason"] == "DRAINING" {
+            cell.push_str(" DRAINING");
+            holds.push(format!(
+                "DRAINING {node} {}: its removals wait for a listener the client drains (--listener-drain-time), \
+                 until {}",
+                text(&row["collection"]),
+                text(&row["order"]["until"])
+            ));
+        } else if let Some(reason) = row["order"]["reason"].as_str() {
             cell.push_str(" HELD");
             let waits_for = text(&row["order"]["waits_for"]);
             let what = match row["order"]["step"].as_str() {
@@ -276,7 +284,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
                 _ => format!("to send the {waits_for}' change first"),
             };
             holds.push(format!(
-                "{node} {}: {what} the {waits_for}, {why}",
+                "HELD {node} {}: {what} the {waits_for}, {why}",
                 text(&row["collection"])
             ));
         }
@@ -359,7 +367,9 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
                 if let Some(withheld) = r["access"]["withheld"].as_u64() {
                     status.push_str(&format!(" DENIED {withheld}"));
                 }
-                if r["order"]["reason"].is_string() {
+                if r["order"]["reason"] == "DRAINING" {
+                    status.push_str(" DRAINING");
+                } else if r["order"]["reason"].is_string() {
                     status.push_str(" HELD");
                 }
                 if let Some(count) = r["skew"]["resources"].as_u64().filter(|n| *n > 0) {
@@ -429,7 +439,7 @@ pub fn render_table(syncz: &Value, wide: bool) -> String {
         let _ = writeln!(out, "DENIED {denial}");
     }
     for hold in holds {
-        let _ = writeln!(out, "HELD {}", one_line(&hold));
+        let _ = writeln!(out, "{}", one_line(&hold));
     }
     // Each field a client's release drops (Istio's words: what the release
     // lacks and the release that added it), and each client whose release is

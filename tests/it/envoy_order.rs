@@ -131,6 +131,11 @@ async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
                         let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
                         seen.record(status, &body, &head);
                         buf.drain(..end + 4 + length);
+                        // A listener Envoy drains closes its connections
+                        // after a response that says so: a new one follows.
+                        if head.to_ascii_lowercase().contains("\r\nconnection: close") {
+                            break 'connection;
+                        }
                         break;
                     }
                 }
@@ -162,8 +167,23 @@ impl Running {
     /// Starts them; returns once the traffic reaches backend `first` (the
     /// listener active: its route came).
     async fn start(volume: &Volume, api: AdsApi, connections: usize, first: &str) -> (Bound, Running) {
-        let gw = start_gateway(&["--source-dir", volume.path()]).await;
-        let envoy = Envoy::start(gw.listen, api, "envoy-order")
+        Self::start_with(volume, api, connections, first, &[], &[]).await
+    }
+
+    /// As [`Running::start`], with more of the gateway's flags and Envoy's.
+    async fn start_with(
+        volume: &Volume,
+        api: AdsApi,
+        connections: usize,
+        first: &str,
+        gateway_flags: &[&str],
+        envoy_args: &[&str],
+    ) -> (Bound, Running) {
+        let mut flags = vec!["--source-dir", volume.path()];
+        flags.extend_from_slice(gateway_flags);
+        let gw = start_gateway(&flags).await;
+        let bootstrap = crate::helpers::envoy::bootstrap(gw.listen, api, "envoy-order");
+        let envoy = Envoy::start_with_args(bootstrap, envoy_args)
             .await
             .unwrap_or_else(|why| panic!("Envoy: {why}"));
         envoy
@@ -348,6 +368,108 @@ async fn a_changed_eds_cluster_takes_over(api: AdsApi) {
     let (failures, ok) = run.stop().await;
     assert!(failures.is_empty(), "{api:?}: requests lost: {failures:?}");
     assert!(ok > 0);
+}
+
+/// Envoy's drain of a replaced listener, and the gateway's, in seconds:
+/// the gateway waits longer than Envoy drains.
+const ENVOY_DRAIN_SECONDS: &str = "2";
+const GATEWAY_DRAIN: &str = "4s";
+
+/// A listener switched to another route configuration, and the cluster the
+/// old one sent to removed in the same change: Envoy drains the old
+/// listener, whose open connections keep its old routes, so the old
+/// cluster must stay until the drain ends (`--listener-drain-time`), then
+/// go. Meanwhile `/debug/syncz` shows the clusters DRAINING, counted as
+/// SYNCED. Back and forth: no request answered but 200.
+async fn a_drained_listener_keeps_its_cluster(api: AdsApi, kind: Kind) {
+    let a = backend("cluster-a").await.port();
+    let b = backend("cluster-b").await.port();
+    let version = |cluster: &'static str, port: u16, route_name: &'static str| {
+        let mut config = Config::new(kind, &[(cluster, port)], cluster);
+        config.listener = true;
+        config.route_name = route_name;
+        config
+    };
+    let mut volume = Volume::new(&version("cluster-a", a, "route-a"));
+    let (gw, mut run) = Running::start_with(
+        &volume,
+        api,
+        4,
+        "cluster-a",
+        &["--listener-drain-time", GATEWAY_DRAIN],
+        &["--drain-time-s", ENVOY_DRAIN_SECONDS],
+    )
+    .await;
+    let (envoy, seen) = (&run.envoy, run.seen.clone());
+    let admin = gw.admin;
+    for (round, (cluster, port, route, old)) in [
+        ("cluster-b", b, "route-b", "cluster-a"),
+        ("cluster-a", a, "route-a", "cluster-b"),
+        ("cluster-b", b, "route-b", "cluster-a"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        volume.swap(&version(cluster, port, route));
+        // The new listener's connections reach the new cluster while the
+        // old cluster stays for the draining one's.
+        eventually_some(&format!("round {round}: traffic to move to {cluster}"), || async {
+            seen.settled_on(cluster).then_some(())
+        })
+        .await;
+        let row = eventually_some(
+            &format!("round {round}: the clusters' removal to wait for the drain"),
+            || async {
+                let syncz = crate::helpers::get_json(admin, "/debug/syncz?node=envoy-order").await;
+                syncz["rows"]
+                    .as_array()?
+                    .iter()
+                    .find(|r| {
+                        r["collection"] == "envoy/config/cluster/v3/clusters" && r["order"]["status"] == "DRAINING"
+                    })
+                    .cloned()
+            },
+        )
+        .await;
+        assert_eq!(
+            row["status"], "SYNCED",
+            "a removal waiting for a drain is in sync: {row}"
+        );
+        assert_eq!(row["order"]["reason"], "DRAINING");
+        assert!(row["order"]["until"].is_string(), "{row}");
+        // Then the drain ends and the old cluster goes.
+        envoy
+            .clusters_when(&format!("round {round}: Envoy to run {cluster} alone"), |c| {
+                c.len() == 1 && c[0].0 == cluster
+            })
+            .await;
+        assert!(
+            envoy.dynamic_clusters().await.iter().all(|(n, _)| n != old),
+            "round {round}: {old} removed"
+        );
+    }
+    let (failures, ok) = run.stop().await;
+    assert!(
+        failures.is_empty(),
+        "{api:?} {kind:?}: {} of {} requests lost over 3 listener switches: {:?}\nEnvoy's log:\n{}",
+        failures.len(),
+        ok + failures.len() as u64,
+        &failures[..failures.len().min(20)],
+        crate::helpers::peers::tail(&run.envoy.log(), 40)
+    );
+    assert!(ok > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_drained_listener_keeps_its_cluster_state_of_the_world_eds() {
+    a_drained_listener_keeps_its_cluster(AdsApi::Sotw, Kind::Eds).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn a_drained_listener_keeps_its_cluster_delta_static() {
+    a_drained_listener_keeps_its_cluster(AdsApi::Delta, Kind::Static).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

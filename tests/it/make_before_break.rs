@@ -102,6 +102,11 @@ pub(crate) struct Config {
     /// Every cluster's connect timeout (a change of the clusters that
     /// touches nothing else).
     pub(crate) connect_timeout: &'static str,
+    /// The route configuration's name, which the listener reads by RDS (a
+    /// change of it is a change of the listener: Envoy drains the old one).
+    pub(crate) route_name: &'static str,
+    /// A TCP listener (`tcp`) whose proxy sends to this cluster.
+    pub(crate) tcp_to: Option<&'static str>,
 }
 
 impl Config {
@@ -112,6 +117,8 @@ impl Config {
             route_to: route_to.to_owned(),
             listener: false,
             connect_timeout: "1s",
+            route_name: ROUTE_NAME,
+            tcp_to: None,
         }
     }
 
@@ -143,13 +150,24 @@ impl Config {
             ));
         }
         let routes = format!(
-            "collection: envoy/config/route/v3/routeconfigurations\nname: {ROUTE_NAME}\nbody:\n  type_url: {ROUTE}\n  \
-             json:\n    name: {ROUTE_NAME}\n    virtual_hosts:\n    - name: all\n      domains: [\"*\"]\n      routes:\n      \
+            "collection: envoy/config/route/v3/routeconfigurations\nname: {route_name}\nbody:\n  type_url: {ROUTE}\n  \
+             json:\n    name: {route_name}\n    virtual_hosts:\n    - name: all\n      domains: [\"*\"]\n      routes:\n      \
              - match: {{prefix: /}}\n        route: {{cluster: {}}}\n",
-            self.route_to
+            self.route_to,
+            route_name = self.route_name,
         );
+        let tcp = self.tcp_to.map(|cluster| {
+            format!(
+                "---\ncollection: envoy/config/listener/v3/listeners\nname: tcp\nbody:\n  type_url: {LISTENER}\n  json:\n    \
+                 name: tcp\n    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}\n    \
+                 filter_chains:\n    - filters:\n      - name: envoy.filters.network.tcp_proxy\n        \
+                 typed_config:\n          \"@type\": \
+                 type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy\n          \
+                 stat_prefix: tcp\n          cluster: {cluster}\n"
+            )
+        });
         let listeners = if !self.listener {
-            "# listeners\n".to_owned()
+            format!("# listeners\n{}", tcp.unwrap_or_default())
         } else {
             format!(
                 "collection: envoy/config/listener/v3/listeners\nname: http\nbody:\n  type_url: {LISTENER}\n  json:\n    \
@@ -157,10 +175,12 @@ impl Config {
                  filter_chains:\n    - filters:\n      - name: envoy.filters.network.http_connection_manager\n        \
                  typed_config:\n          \"@type\": \
                  type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager\n          \
-                 stat_prefix: http\n          rds:\n            route_config_name: {ROUTE_NAME}\n            \
+                 stat_prefix: http\n          rds:\n            route_config_name: {}\n            \
                  config_source: {{ads: {{}}, resource_api_version: V3}}\n          http_filters:\n          - name: \
                  envoy.filters.http.router\n            typed_config:\n              \"@type\": \
-                 type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n"
+                 type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n{}",
+                self.route_name,
+                tcp.unwrap_or_default()
             )
         };
         [clusters, endpoints, listeners, routes]
@@ -702,4 +722,116 @@ async fn a_fix_of_a_refused_cluster_is_not_held_by_it() {
     assert_eq!(sotw_names(&last), ["cluster-c"]);
     envoy.ack(&last, &[]);
     nothing_held(gw.admin).await;
+}
+
+/// A listener's TCP proxy names its cluster as a route does: a refused
+/// cluster holds a listener change that sends to it (it would be a listener
+/// without its cluster), until the source fixes the cluster.
+#[tokio::test]
+async fn a_refused_cluster_holds_a_tcp_listener_that_sends_to_it() {
+    let version = |clusters: &[(&str, u16)], tcp_to: &'static str| {
+        let mut config = Config::new(Kind::Static, clusters, "cluster-a");
+        config.tcp_to = Some(tcp_to);
+        config
+    };
+    let mut volume = Volume::new(&version(&[("cluster-a", 1)], "cluster-a"));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let mut envoy = Sotw::open(gw.listen).await;
+    envoy.request(CLUSTER, &[], None);
+    let clusters = envoy.next(CLUSTER, "the clusters").await;
+    envoy.ack(&clusters, &[]);
+    envoy.request(LISTENER, &[], None);
+    let listeners = envoy.next(LISTENER, "the listeners").await;
+    envoy.ack(&listeners, &[]);
+    nothing_held(gw.admin).await;
+
+    // A new cluster and the TCP listener moved to it: the cluster refused.
+    volume.swap(&version(&[("cluster-a", 1), ("cluster-b", 2)], "cluster-b"));
+    let refused = envoy.next(CLUSTER, "the new cluster before the listener").await;
+    envoy.nack(&refused, &clusters.version_info, "cluster-b: refused by the test");
+    held_for(gw.admin, LISTENER, "clusters", "NACKED", "add").await;
+
+    // Fixed: the cluster goes, is taken, and the listener follows.
+    volume.swap(&version(&[("cluster-a", 1), ("cluster-b", 3)], "cluster-b"));
+    let fixed = envoy.next(CLUSTER, "the fixed cluster before the listener").await;
+    assert_eq!(sotw_names(&fixed), ["cluster-a", "cluster-b"]);
+    envoy.ack(&fixed, &[]);
+    let listener = envoy.next(LISTENER, "the listener once its cluster is taken").await;
+    assert_eq!(
+        routes_to(&[&listener.resources[0].value], &["cluster-a", "cluster-b"]),
+        "cluster-b"
+    );
+    envoy.ack(&listener, &[]);
+    nothing_held(gw.admin).await;
+}
+
+/// A listener switched to another route configuration, with the cluster the
+/// old one's routes sent to removed in the same change: Envoy drains the old
+/// listener, which keeps those routes for its open connections, so the
+/// cluster's removal waits `--listener-drain-time` (600 s by default, as
+/// Envoy's `--drain-time-s`) after the listener and routes were ACKed. The
+/// client counts as SYNCED meanwhile; `status` says what waits, until when.
+/// (`envoy_order` runs it with a real Envoy and traffic, drains shortened.)
+#[tokio::test]
+async fn a_cluster_a_drained_listener_sent_to_goes_after_the_drain() {
+    let version = |cluster: &str, route_name: &'static str| {
+        let mut config = Config::new(Kind::Static, &[(cluster, 1)], cluster);
+        config.listener = true;
+        config.route_name = route_name;
+        config
+    };
+    let mut volume = Volume::new(&version("cluster-a", "route-a"));
+    let mut gw = spawn_gateway(None, &["--source-dir", volume.path()]).await;
+    let mut envoy = Sotw::open(gw.listen).await;
+    envoy.request(CLUSTER, &[], None);
+    let clusters = envoy.next(CLUSTER, "the clusters").await;
+    envoy.ack(&clusters, &[]);
+    envoy.request(LISTENER, &[], None);
+    let listeners = envoy.next(LISTENER, "the listener").await;
+    envoy.ack(&listeners, &[]);
+    envoy.request(ROUTE, &["route-a"], None);
+    let route = envoy.next(ROUTE, "route-a").await;
+    envoy.ack(&route, &["route-a"]);
+    nothing_held(gw.admin).await;
+
+    volume.swap(&version("cluster-b", "route-b"));
+    let first = envoy.next(CLUSTER, "the new cluster, the old one kept").await;
+    assert_eq!(sotw_names(&first), ["cluster-a", "cluster-b"]);
+    envoy.ack(&first, &[]);
+    let listeners = envoy.next(LISTENER, "the listener on route-b").await;
+    envoy.ack(&listeners, &[]);
+    // Envoy asks for the new route configuration and, while the old
+    // listener drains, still for the old one.
+    // (The removal of route-a may come first: ACKed with both names.)
+    envoy.request(ROUTE, &["route-a", "route-b"], Some(&route));
+    let mut routes = envoy.next(ROUTE, "route-b").await;
+    while sotw_names(&routes) != ["route-b"] {
+        assert!(routes.resources.is_empty(), "{:?}", sotw_names(&routes));
+        envoy.ack(&routes, &["route-a", "route-b"]);
+        routes = envoy.next(ROUTE, "route-b").await;
+    }
+    envoy.ack(&routes, &["route-a", "route-b"]);
+    held_for(gw.admin, CLUSTER, "listeners", "DRAINING", "remove").await;
+    let row = row(gw.admin, CLUSTER).await;
+    assert_eq!(row["status"], "SYNCED", "{row}");
+    assert_eq!(row["order"]["status"], "DRAINING", "{row}");
+
+    let (code, stdout, _) = crate::operating::subcommand("status", &["--admin", &gw.admin.to_string()]).await;
+    assert_eq!(code, Some(0), "a removal waiting for a drain is in sync:\n{stdout}");
+    assert!(
+        stdout.contains(
+            "DRAINING envoy-order envoy/config/cluster/v3/clusters: its removals wait for a listener the client \
+             drains (--listener-drain-time), until "
+        ),
+        "{stdout}"
+    );
+    let metrics = crate::helpers::http_get(gw.monitoring, "/metrics").await.1;
+    let drained = crate::helpers::sample(
+        &metrics,
+        "mcp_gateway_order_holds_total",
+        &["collection=\"envoy/config/cluster/v3/clusters\"", "step=\"drain\""],
+    );
+    assert_eq!(drained, Some(1.0), "the drain's hold counted once");
+    let logged = gw.log_line("a removal waits for a listener the client drains").await;
+    assert!(logged.contains("drain_seconds=600"), "{logged}");
 }

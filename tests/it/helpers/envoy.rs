@@ -95,6 +95,12 @@ impl Envoy {
     /// As [`Envoy::start`], with a bootstrap made by the test (e.g. from
     /// [`bootstrap`], with TLS to the gateway).
     pub async fn start_with(bootstrap: Value) -> Result<Envoy, String> {
+        Self::start_with_args(bootstrap, &[]).await
+    }
+
+    /// As [`Envoy::start_with`], with more of Envoy's flags (e.g.
+    /// `--drain-time-s`).
+    pub async fn start_with_args(bootstrap: Value, args: &[&str]) -> Result<Envoy, String> {
         let bin = envoy_binary()?;
         let dir = tempfile::Builder::new()
             .prefix("envoy-")
@@ -127,6 +133,7 @@ impl Envoy {
             // Envoy writes its log file out every 10 s by default: too late
             // to read it when a test fails.
             .args(["--file-flush-interval-msec", "20"])
+            .args(args)
             .stdin(Stdio::null())
             .stdout(stdio)
             .stderr(stdio_err)
