@@ -1047,7 +1047,7 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
             if output == Output::Json {
                 writeln!(out, "{}", super::json_terminal_safe(document.to_string()))?;
             } else {
-                let yaml = serde_norway::to_string(&document).map_err(std::io::Error::other)?;
+                let yaml = super::yaml_terminal_safe(&document).map_err(std::io::Error::other)?;
                 write!(out, "---\n{yaml}")?;
             }
             out.flush()
