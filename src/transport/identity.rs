@@ -158,6 +158,7 @@ fn is_dns_name(name: &str) -> bool {
     !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
 }
 
+/// Whether a pattern or an identity is written as a URI: a `scheme://`.
 fn is_uri_text(text: &str) -> bool {
     text.contains("://")
 }
@@ -184,36 +185,62 @@ pub struct IdentityPattern {
     kind: Kind,
 }
 
-impl From<Pattern> for IdentityPattern {
+impl TryFrom<Pattern> for IdentityPattern {
+    type Error = String;
+
     /// A pattern parsed with [`Captures::Take`]: its kind is what its text
-    /// tells.
-    fn from(pattern: Pattern) -> Self {
-        let kind = if pattern.text() == UNAUTHENTICATED {
+    /// tells. A pattern without a `scheme://` that writes anything a DNS
+    /// name does not hold (`/`, `:`, `%`, `\`, `_`, a space, a look-alike
+    /// `∕`: anything but ASCII letters, digits, `-` and `.` besides its `*`
+    /// and captures) is refused: no DNS SAN it could match matches any
+    /// pattern, so it would be a rule that never applies.
+    fn try_from(pattern: Pattern) -> Result<Self, String> {
+        let text = pattern.text();
+        let kind = if text == UNAUTHENTICATED {
             Kind::Unauthenticated
-        } else if is_uri_text(pattern.text()) {
+        } else if is_uri_text(text) {
             Kind::Uri
         } else {
             Kind::Dns
         };
-        Self { pattern, kind }
-    }
-}
-
-impl IdentityPattern {
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let pattern = Self::from(Pattern::parse(text, Captures::Take)?);
         // A DNS name holds neither `/` nor `:`: such a pattern can match only
         // a DNS SAN that spells something else (a SPIFFE id without its
         // scheme written in the pattern), which is how a certificate would
-        // pass for an identity it is not.
-        if pattern.kind == Kind::Dns && text.contains(['/', ':']) {
+        // pass for an identity it is not; as no such SAN matches any
+        // pattern, it is a rule that never applies.
+        if kind == Kind::Dns && text.contains(['/', ':']) {
             return Err(format!(
                 "{text:?} holds '/' or ':', which no DNS name does, so it would match only DNS SANs that spell a \
                  URI; a SPIFFE id is matched with its scheme written out (spiffe://TRUST_DOMAIN/ns/NS/sa/SA, \
                  spiffe://*/ns/NS/sa/* for any trust domain)"
             ));
         }
-        Ok(pattern)
+        if kind == Kind::Dns {
+            // What the pattern writes itself: outside its captures' braces.
+            let mut in_capture = false;
+            let odd = text.chars().find(|&c| {
+                match c {
+                    '{' => in_capture = true,
+                    '}' => in_capture = false,
+                    _ => {}
+                }
+                !(in_capture || c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '*' | '}'))
+            });
+            if let Some(odd) = odd {
+                return Err(format!(
+                    "{text:?} holds {odd:?}, which no DNS name does (ASCII letters, digits, '-' and '.'), and a DNS \
+                     SAN that is no DNS name matches no pattern: the rule would never apply; a SPIFFE id is matched \
+                     with its scheme written out (spiffe://TRUST_DOMAIN/ns/NS/sa/SA)"
+                ));
+            }
+        }
+        Ok(Self { pattern, kind })
+    }
+}
+
+impl IdentityPattern {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        Self::try_from(Pattern::parse(text, Captures::Take)?)
     }
 
     /// The pattern as written.
@@ -319,6 +346,17 @@ mod tests {
         }
         assert!(super::IdentityPattern::parse("spiffe://*/ns/istio-system/sa/*").is_ok());
         assert!(super::IdentityPattern::parse("*.mesh.example").is_ok());
+        assert!(super::IdentityPattern::parse("{ns_name}.svc").is_ok());
+        for dead in [
+            "spiffe\u{2236}\u{2215}\u{2215}*",
+            "spiffe%3A%2F%2F*",
+            "spiffe\\*",
+            "_acme.example",
+            "web .example",
+        ] {
+            let refused = super::IdentityPattern::parse(dead).unwrap_err();
+            assert!(refused.contains("which no DNS name does"), "{dead}: {refused}");
+        }
         // A DNS SAN spelling a URI matches no pattern, however broad.
         for spelling in [
             "spiffe://cluster.local/ns/a/sa/b",
