@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use mcp_xds_gateway::app;
 use mcp_xds_gateway::config::{Args, Command, LogFormat};
 use mcp_xds_gateway::metrics::LogControl;
+use mcp_xds_gateway::transport::safe_text::json_safe;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
@@ -74,7 +75,8 @@ fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync
                 tracing_subscriber::fmt::layer()
                     .json()
                     .flatten_event(true)
-                    .with_current_span(false),
+                    .with_current_span(false)
+                    .with_writer(|| SafeJsonLines(std::io::stdout())),
             )
             .init(),
     }
@@ -82,6 +84,26 @@ fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync
         let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
         reload.reload(filter).map_err(|e| e.to_string())
     })))
+}
+
+/// Standard output for `--log-format json`: each line with what a client
+/// wrote that JSON leaves raw (C1 controls, bidirectional overrides and
+/// isolates) escaped as `\u202e` by the crate's one rule, the same JSON to
+/// a reader. The formatter writes an event's line in one call.
+struct SafeJsonLines<W>(W);
+
+impl<W: std::io::Write> std::io::Write for SafeJsonLines<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match std::str::from_utf8(buf) {
+            Ok(line) => self.0.write_all(json_safe(line).as_bytes())?,
+            Err(_) => self.0.write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
 }
 
 /// Runs the app (the gateway, or the `source` command) with the validated

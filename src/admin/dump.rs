@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
 use crate::source::proto_json::{BodyDecoder, REDACTED};
+use crate::transport::safe_text::yaml_terminal_safe;
 
 /// `?bodies=`.
 #[derive(Debug, Default, serde::Deserialize)]
@@ -115,7 +116,7 @@ pub fn dump(
         .collect();
     match format {
         "json" => axum::Json(head).into_response(),
-        "yaml" => match serde_norway::to_string(&head) {
+        "yaml" => match yaml_terminal_safe(&head) {
             Ok(text) => ([(header::CONTENT_TYPE, "application/yaml; charset=utf-8")], text).into_response(),
             Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write YAML: {e}\n")).into_response(),
         },

@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use super::versions::{self, VersionError};
 use super::{time, unknown_collection, view, wants_html, AdminState};
 use crate::cache::{Cache, Diff, HistoryEntry, ResourceMap};
+use crate::transport::safe_text::yaml_terminal_safe;
 
 /// Lines of context around each change in a body's diff.
 const CONTEXT_LINES: usize = 3;
@@ -216,7 +217,7 @@ fn body_yaml(
     state: &AdminState,
 ) -> (String, BTreeMap<String, u64>) {
     let (value, secrets) = super::dump::shown(resource, &state.bodies, state.table.is_sensitive(collection));
-    let text = serde_norway::to_string(&value).unwrap_or_else(|e| format!("# cannot write YAML: {e}\n"));
+    let text = yaml_terminal_safe(&value).unwrap_or_else(|e| format!("# cannot write YAML: {e}\n"));
     (text, secrets)
 }
 

@@ -24,6 +24,7 @@ use crate::downstream::registry::{StreamView, TypeView};
 use crate::downstream::Registry;
 use crate::metrics as m;
 use crate::source::UpstreamStatus;
+use crate::transport::safe_text::{json_safe, lines_safe};
 
 mod dump;
 pub mod guard;
@@ -414,7 +415,38 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
         .route("/debug/skew", get(skew::skew))
         .route("/logging", axum::routing::post(logging))
         .with_state(state)
+        .layer(axum::middleware::from_fn(json_safe_body))
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
+}
+
+/// Every JSON answer of the admin port with what a client wrote (node ids,
+/// NACK messages, names, metadata) escaped by the crate's one rule, as
+/// `\u202e` inside its strings: the same JSON to a parser, nothing raw on a
+/// terminal that prints it (`curl`) or a page that shows it.
+async fn json_safe_body(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let response = next.run(request).await;
+    let json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !json {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
+    // The views' JSON is built whole before it is sent: no limit to add.
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(bytes) => bytes,
+        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("cannot write JSON: {e}\n")).into_response(),
+    };
+    let body = match std::str::from_utf8(&bytes).map(json_safe) {
+        Ok(std::borrow::Cow::Owned(safe)) => {
+            parts.headers.remove(header::CONTENT_LENGTH);
+            axum::body::Body::from(safe)
+        }
+        _ => axum::body::Body::from(bytes),
+    };
+    Response::from_parts(parts, body)
 }
 
 /// 200 `ready`, or 503 and why not, on one line.
@@ -1065,7 +1097,13 @@ fn not_delivered(state: &AdminState) -> Value {
 
 // === HTML ===
 
+/// `text` in HTML: `<>&"` as entities, and every character the crate's
+/// one rule escapes (`transport::safe_text`: C0 and C1 controls, the
+/// bidirectional overrides and isolates that would reorder what an operator
+/// reads) shown as its escape (`\x1b`, `\u{202e}`); line ends and tabs,
+/// which HTML shows as spaces, kept.
 fn escape(text: &str) -> String {
+    let text = lines_safe(text);
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {

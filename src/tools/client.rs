@@ -273,6 +273,10 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
             .with_type_map_file(path)
             .map_err(|e| usage(format!("--type-map {}: {e}", path.display())))?;
         let _ = SENSITIVE.set(sensitive_table(table));
+    } else if args.output == Output::Json || args.output == Output::Yaml || args.show == Some(Show::Bodies) {
+        for note in unknown_collection_notes(&args.type_urls) {
+            eprintln!("{note}");
+        }
     }
     let names = names_by_type(&args.names, &args.type_urls)?;
     if args.protocol != Protocol::Mcp {
@@ -1047,7 +1051,7 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
             if output == Output::Json {
                 writeln!(out, "{}", super::json_terminal_safe(document.to_string()))?;
             } else {
-                let yaml = serde_norway::to_string(&document).map_err(std::io::Error::other)?;
+                let yaml = super::yaml_terminal_safe(&document).map_err(std::io::Error::other)?;
                 write!(out, "---\n{yaml}")?;
             }
             out.flush()
@@ -1068,6 +1072,27 @@ fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> s
         let sensitive = sensitive || bodies.is_sensitive_type(&body.type_url);
         serde_json::json!({"bytes": body.value.len(), "not_decoded": why, "sensitive": sensitive})
     })
+}
+
+/// Without `--type-map`, bodies are shown: a line for each type URL of a
+/// collection the built-in table does not know (one of the gateway's
+/// `--type-map`, which may mark it `sensitive: true`; this command cannot
+/// learn that from the gateway), saying how to have them redacted.
+fn unknown_collection_notes(type_urls: &[String]) -> Vec<String> {
+    let builtin = crate::collections::CollectionTable::builtin();
+    type_urls
+        .iter()
+        .filter(|t| {
+            builtin.resolve(t).is_err() && matches!(builtin.resolve_xds(t), crate::collections::XdsType::Unserved)
+        })
+        .map(|t| {
+            format!(
+                "note: {}: not a built-in collection, so its bodies are shown as they are; if the gateway's \
+                 --type-map marks it sensitive: true, give that file as --type-map to have them redacted here too",
+                terminal_safe(t)
+            )
+        })
+        .collect()
 }
 
 /// Whether what `type_url` asks for is a collection of secrets (by the

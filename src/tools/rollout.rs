@@ -175,7 +175,7 @@ async fn status(
             "{}",
             super::json_terminal_safe(serde_json::to_string_pretty(&document)?)
         )?,
-        StatusOutput::Yaml => out.write_all(serde_norway::to_string(&document)?.as_bytes())?,
+        StatusOutput::Yaml => out.write_all(super::yaml_terminal_safe(&document)?.as_bytes())?,
         StatusOutput::Table | StatusOutput::Wide => {
             // The first lines say why the exit is 1.
             let mut text = lines(why.clone());

@@ -568,7 +568,7 @@ pub fn print(syncz: &Value, output: StatusOutput, out: &mut impl std::io::Write)
             "{}",
             super::json_terminal_safe(serde_json::to_string_pretty(syncz)?)
         )?,
-        StatusOutput::Yaml => out.write_all(serde_norway::to_string(syncz)?.as_bytes())?,
+        StatusOutput::Yaml => out.write_all(super::yaml_terminal_safe(syncz)?.as_bytes())?,
     }
     if matches!(output, StatusOutput::Json | StatusOutput::Yaml) {
         for line in &verdict {

@@ -333,10 +333,13 @@ impl AccessPolicy {
                     .map(|(n, v)| Pattern::parse(v.trim(), captures).map_err(|m| at(field, Some(n), m)))
                     .collect()
             };
+            // The flags' rule: a pattern without a `scheme://` that holds
+            // `/` or `:` is refused (it would be a rule that never applies).
             let identities: Vec<IdentityPattern> = patterns("identities", &rule.identities, Captures::Take)?
                 .into_iter()
-                .map(IdentityPattern::from)
-                .collect();
+                .enumerate()
+                .map(|(n, p)| IdentityPattern::try_from(p).map_err(|m| at("identities", Some(n), m)))
+                .collect::<Result<_, _>>()?;
             let collections = patterns("collections", &rule.collections, Captures::None)?;
             let names_written = rule.names.clone().unwrap_or_else(|| vec!["*".into()]);
             let names = patterns("names", &names_written, Captures::Use)?;
@@ -911,6 +914,41 @@ rules:
             "*a".repeat(super::super::pattern::MAX_WILDCARDS + 1)
         ));
         assert!(message.contains("at most 8 wildcards"), "{message}");
+    }
+
+    /// A pattern without a `scheme://` that holds `/` or `:` could match
+    /// only a DNS SAN that spells a URI, and none matches: refused at load
+    /// as the flags refuse it, naming the rule, its line and what to write.
+    #[test]
+    fn a_scheme_less_identity_with_a_slash_or_colon_is_refused_naming_the_rule() {
+        for dead in ["cluster.local/ns/shop/sa/*", "spiffe:cluster.local", "*/sa/{sa}", "a:b"] {
+            let (line, message) = AccessPolicy::parse(&format!(
+                "rules:\n- identities: [web.example]\n  collections: [c]\n- identities:\n  - unauthenticated\n  - \"{dead}\"\n  collections: [c]\n"
+            ))
+            .unwrap_err();
+            assert_eq!(line, Some(6), "{dead}: {message}");
+            assert!(
+                message.starts_with(&format!("rules[1].identities[1]: {dead:?} holds '/' or ':'")),
+                "{message}"
+            );
+            assert!(message.contains("spiffe://"), "{message}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        std::fs::write(
+            &path,
+            "rules:\n- identities: [\"cluster.local/ns/a/sa/b\"]\n  collections: [c]\n",
+        )
+        .unwrap();
+        let e = AccessPolicy::load(&path).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with(&format!("{}:2: rules[0].identities[0]: ", path.display())),
+            "{e}"
+        );
+        // A DNS name and a URI pattern load.
+        AccessPolicy::parse("rules:\n- identities: [\"*.svc\", \"spiffe://*/ns/a/sa/*\"]\n  collections: [c]\n")
+            .unwrap();
     }
 
     #[test]

@@ -11,6 +11,7 @@ use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use super::pattern::{Captured, Captures, Pattern};
+use super::safe_text::{exact_safe, unescape};
 
 /// A peer's identities, URI SANs first. Empty without a client certificate
 /// (and for a certificate without URI or DNS SANs: `certificate` tells the
@@ -69,7 +70,11 @@ impl fmt::Display for PeerIdentity {
     /// The one way an identity is printed (logs, refusals, views): each SAN
     /// with its kind, URI SANs first (`uri:spiffe://…, dns:web.example`),
     /// `unauthenticated` without a certificate. A DNS SAN spelling a SPIFFE
-    /// id prints `dns:spiffe://…`: not the URI identity it spells.
+    /// id prints `dns:spiffe://…`: not the URI identity it spells. A SAN
+    /// is printed by the crate's one escaping rule, exactly
+    /// ([`exact_safe`]: a control character, a bidirectional override,
+    /// a backslash escaped, `\u{202e}`, `\\`), so no certificate writes
+    /// raw into a log line, a refusal or a view.
     /// [`PeerIdentity::parse`] reads it back.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.names.is_empty() {
@@ -78,7 +83,7 @@ impl fmt::Display for PeerIdentity {
         for (i, name) in self.names.iter().enumerate() {
             let kind = if self.is_uri(i) { "uri:" } else { "dns:" };
             let comma = if i == 0 { "" } else { ", " };
-            write!(f, "{comma}{kind}{name}")?;
+            write!(f, "{comma}{kind}{}", exact_safe(name))?;
         }
         Ok(())
     }
@@ -109,9 +114,9 @@ impl PeerIdentity {
         let (mut uris, mut dns) = (Vec::new(), Vec::new());
         if !(text.starts_with("uri:") || text.starts_with("dns:")) {
             if is_uri_text(text) {
-                uris.push(text.to_owned());
+                uris.push(unescape(text).into_owned());
             } else {
-                dns.push(text.to_owned());
+                dns.push(unescape(text).into_owned());
             }
             return Self::certified(uris, dns);
         }
@@ -125,9 +130,9 @@ impl PeerIdentity {
                 .unwrap_or(rest.len());
             let (one, after) = rest.split_at(next);
             if let Some(uri) = one.strip_prefix("uri:") {
-                uris.push(uri.to_owned());
+                uris.push(unescape(uri).into_owned());
             } else if let Some(name) = one.strip_prefix("dns:") {
-                dns.push(name.to_owned());
+                dns.push(unescape(name).into_owned());
             }
             rest = after.strip_prefix(", ").unwrap_or(after);
         }
@@ -136,8 +141,8 @@ impl PeerIdentity {
 
     /// A pattern that matches this identity, for a refusal's "a rule that
     /// would": `unauthenticated`, or its first SAN that a pattern of its
-    /// kind can spell (a DNS SAN with a `scheme://`, a URI SAN without one,
-    /// or one with a capture's braces, none can).
+    /// kind can spell (a DNS SAN that is no DNS name, a URI SAN without a
+    /// `scheme://`, or one with a capture's braces, none can).
     pub fn as_pattern(&self) -> Option<&str> {
         if !self.certificate {
             return Some(UNAUTHENTICATED);
@@ -145,12 +150,18 @@ impl PeerIdentity {
         self.names
             .iter()
             .enumerate()
-            .find(|(i, san)| self.is_uri(*i) == is_uri_text(san) && !san.contains(['{', '}']))
+            .find(|(i, san)| {
+                let spelled = if self.is_uri(*i) {
+                    is_uri_text(san)
+                } else {
+                    is_dns_name(san)
+                };
+                spelled && !san.contains(['{', '}'])
+            })
             .map(|(_, san)| san.as_str())
     }
 }
 
-/// Whether a pattern or an identity is written as a URI: a `scheme://`.
 /// A DNS name as a certificate's DNS SAN holds one: ASCII letters, digits,
 /// `-` and `.`, a `*.` first for a wildcard certificate, nothing else.
 fn is_dns_name(name: &str) -> bool {
@@ -158,6 +169,7 @@ fn is_dns_name(name: &str) -> bool {
     !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.')
 }
 
+/// Whether a pattern or an identity is written as a URI: a `scheme://`.
 fn is_uri_text(text: &str) -> bool {
     text.contains("://")
 }
@@ -184,36 +196,62 @@ pub struct IdentityPattern {
     kind: Kind,
 }
 
-impl From<Pattern> for IdentityPattern {
+impl TryFrom<Pattern> for IdentityPattern {
+    type Error = String;
+
     /// A pattern parsed with [`Captures::Take`]: its kind is what its text
-    /// tells.
-    fn from(pattern: Pattern) -> Self {
-        let kind = if pattern.text() == UNAUTHENTICATED {
+    /// tells. A pattern without a `scheme://` that writes anything a DNS
+    /// name does not hold (`/`, `:`, `%`, `\`, `_`, a space, a look-alike
+    /// `∕`: anything but ASCII letters, digits, `-` and `.` besides its `*`
+    /// and captures) is refused: no DNS SAN it could match matches any
+    /// pattern, so it would be a rule that never applies.
+    fn try_from(pattern: Pattern) -> Result<Self, String> {
+        let text = pattern.text();
+        let kind = if text == UNAUTHENTICATED {
             Kind::Unauthenticated
-        } else if is_uri_text(pattern.text()) {
+        } else if is_uri_text(text) {
             Kind::Uri
         } else {
             Kind::Dns
         };
-        Self { pattern, kind }
-    }
-}
-
-impl IdentityPattern {
-    pub fn parse(text: &str) -> Result<Self, String> {
-        let pattern = Self::from(Pattern::parse(text, Captures::Take)?);
         // A DNS name holds neither `/` nor `:`: such a pattern can match only
         // a DNS SAN that spells something else (a SPIFFE id without its
         // scheme written in the pattern), which is how a certificate would
-        // pass for an identity it is not.
-        if pattern.kind == Kind::Dns && text.contains(['/', ':']) {
+        // pass for an identity it is not; as no such SAN matches any
+        // pattern, it is a rule that never applies.
+        if kind == Kind::Dns && text.contains(['/', ':']) {
             return Err(format!(
                 "{text:?} holds '/' or ':', which no DNS name does, so it would match only DNS SANs that spell a \
                  URI; a SPIFFE id is matched with its scheme written out (spiffe://TRUST_DOMAIN/ns/NS/sa/SA, \
                  spiffe://*/ns/NS/sa/* for any trust domain)"
             ));
         }
-        Ok(pattern)
+        if kind == Kind::Dns {
+            // What the pattern writes itself: outside its captures' braces.
+            let mut in_capture = false;
+            let odd = text.chars().find(|&c| {
+                match c {
+                    '{' => in_capture = true,
+                    '}' => in_capture = false,
+                    _ => {}
+                }
+                !(in_capture || c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '*' | '}'))
+            });
+            if let Some(odd) = odd {
+                return Err(format!(
+                    "{text:?} holds {odd:?}, which no DNS name does (ASCII letters, digits, '-' and '.'), and a DNS \
+                     SAN that is no DNS name matches no pattern: the rule would never apply; a SPIFFE id is matched \
+                     with its scheme written out (spiffe://TRUST_DOMAIN/ns/NS/sa/SA)"
+                ));
+            }
+        }
+        Ok(Self { pattern, kind })
+    }
+}
+
+impl IdentityPattern {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        Self::try_from(Pattern::parse(text, Captures::Take)?)
     }
 
     /// The pattern as written.
@@ -319,6 +357,17 @@ mod tests {
         }
         assert!(super::IdentityPattern::parse("spiffe://*/ns/istio-system/sa/*").is_ok());
         assert!(super::IdentityPattern::parse("*.mesh.example").is_ok());
+        assert!(super::IdentityPattern::parse("{ns_name}.svc").is_ok());
+        for dead in [
+            "spiffe\u{2236}\u{2215}\u{2215}*",
+            "spiffe%3A%2F%2F*",
+            "spiffe\\*",
+            "_acme.example",
+            "web .example",
+        ] {
+            let refused = super::IdentityPattern::parse(dead).unwrap_err();
+            assert!(refused.contains("which no DNS name does"), "{dead}: {refused}");
+        }
         // A DNS SAN spelling a URI matches no pattern, however broad.
         for spelling in [
             "spiffe://cluster.local/ns/a/sa/b",
@@ -327,6 +376,8 @@ mod tests {
             "spiffe\\cluster.local",
         ] {
             let spelled = super::PeerIdentity::certified(Vec::new(), vec![spelling.into()]);
+            // A refusal suggests no rule for it: none could match it.
+            assert_eq!(spelled.as_pattern(), None, "{spelling}");
             for broad in ["spiffe*", "*", "**.local*", "*cluster*"] {
                 if let Ok(pattern) = super::IdentityPattern::parse(broad) {
                     assert!(!pattern.admits(&spelled), "{broad} {spelling}");
@@ -335,6 +386,7 @@ mod tests {
         }
         let real = super::PeerIdentity::certified(Vec::new(), vec!["istio-galley.istio-system.svc".into()]);
         assert!(super::IdentityPattern::parse("*.svc").unwrap().admits(&real));
+        assert_eq!(real.as_pattern(), Some("istio-galley.istio-system.svc"));
         let wildcard = super::PeerIdentity::certified(Vec::new(), vec!["*.mesh.example".into()]);
         assert!(super::IdentityPattern::parse("*.mesh.example")
             .unwrap()
@@ -425,6 +477,17 @@ mod tests {
         for identity in [both, spelled, PeerIdentity::default(), sanless, named_unauthenticated] {
             assert_eq!(PeerIdentity::parse(&identity.to_string()), identity);
         }
+        // A SAN a certificate may carry but a terminal must not show raw
+        // prints escaped, and reads back exactly.
+        let odd = PeerIdentity::certified(
+            vec!["spiffe://x/\u{202e}a\\u{202e}".into()],
+            vec!["a\x1b[2J\nb\u{9b}\u{2066}".into(), "c\\d".into()],
+        );
+        assert_eq!(
+            odd.to_string(),
+            "uri:spiffe://x/\\u{202e}a\\\\u{202e}, dns:a\\x1b[2J\\nb\\u{9b}\\u{2066}, dns:c\\\\d"
+        );
+        assert_eq!(PeerIdentity::parse(&odd.to_string()), odd);
         assert_eq!(PeerIdentity::parse(GALLEY).to_string(), format!("uri:{GALLEY}"));
         assert_eq!(PeerIdentity::parse(" web.example ").to_string(), "dns:web.example");
     }

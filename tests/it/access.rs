@@ -338,7 +338,7 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("mesh-ca");
     // A process of its own: the reload and denial counts are this test's.
-    let gw = mtls_gateway_process(dir.path(), &ca, Some(POLICY)).await;
+    let mut gw = mtls_gateway_process(dir.path(), &ca, Some(POLICY)).await;
     let policy = dir.path().join("policy.yaml");
 
     let mut frontend = SotwStream::open_on(as_identity(gw.listen, &ca, FRONTEND).await, SOTW).await;
@@ -346,20 +346,54 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
     let first = frontend.recv().await;
     frontend.send(sotw_request(CLUSTER_TYPE, &[], Some(&first)));
 
+    // Waits until `count` reloads failed.
+    let monitoring = gw.monitoring;
+    let reload_errors_are = |count: f64| {
+        eventually_some("the bad policy to be read", move || async move {
+            let (_, metrics) = http_get(monitoring, "/metrics").await;
+            let errors = crate::helpers::sample(
+                &metrics,
+                "mcp_gateway_access_policy_reloads_total",
+                &["result=\"error\""],
+            );
+            errors.filter(|e| *e == count).map(|_| ())
+        })
+    };
+
     // A bad file: the last good policy stays (the stream goes on).
     std::fs::write(&policy, "rules:\n- identities: [a]\n  collections: [c]\n  nmes: [x]\n").unwrap();
-    eventually_some("the bad policy to be read", || async {
-        let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
-        let errors = crate::helpers::sample(
-            &metrics,
-            "mcp_gateway_access_policy_reloads_total",
-            &["result=\"error\""],
-        );
-        errors.filter(|e| *e == 1.0).map(|_| ())
-    })
-    .await;
+    reload_errors_are(1.0).await;
     let shown = get_json(gw.admin, "/debug/config").await;
     assert_eq!(shown["access_policy"]["rules"].as_array().unwrap().len(), 3);
+    let first = gw.log_line("does not load").await;
+    assert!(first.contains("nmes"), "{first}");
+
+    // A dead rule (a SPIFFE id without its scheme: it could match only a
+    // DNS SAN spelling one, and none matches) is refused as the flags refuse
+    // it: the last good policy stays, counted and logged like any bad file,
+    // naming the file, the rule, its line and what to write instead.
+    std::fs::write(
+        &policy,
+        POLICY.replace(
+            "[\"spiffe://cluster.local/ns/shop/sa/*\", \"unauthenticated\"]",
+            "[\"cluster.local/ns/shop/sa/*\", \"unauthenticated\"]",
+        ),
+    )
+    .unwrap();
+    let refused = gw.log_line("does not load").await;
+    for needed in [
+        format!("{}:7: rules[2].identities[0]", policy.display()).as_str(),
+        "cluster.local/ns/shop/sa/*",
+        "spiffe://",
+    ] {
+        assert!(refused.contains(needed), "{needed:?} in {refused}");
+    }
+    reload_errors_are(2.0).await;
+    let shown = get_json(gw.admin, "/debug/config").await;
+    assert_eq!(
+        shown["access_policy"]["rules"][2]["identities"][0],
+        "spiffe://cluster.local/ns/shop/sa/*"
+    );
 
     // Clusters no longer granted to shop: its stream ends.
     std::fs::write(
@@ -373,12 +407,12 @@ async fn a_reload_that_takes_a_grant_away_ends_the_stream_and_a_bad_file_keeps_t
     let status = within("the reload to end the stream", frontend.end_status()).await;
     assert_eq!(status.code(), tonic::Code::PermissionDenied, "{status:?}");
     assert!(status.message().contains(CLUSTER_TYPE), "{:?}", status.message());
-    // Counted: one bad file, one good reload, one collection refused.
+    // Counted: two bad files, one good reload, one collection refused.
     let (_, metrics) = http_get(gw.monitoring, "/metrics").await;
     let count = |name: &str, labels: &[&str]| crate::helpers::sample(&metrics, name, labels);
     assert_eq!(
         count("mcp_gateway_access_policy_reloads_total", &["result=\"error\""]),
-        Some(1.0)
+        Some(2.0)
     );
     assert_eq!(
         count("mcp_gateway_access_policy_reloads_total", &["result=\"ok\""]),

@@ -1913,3 +1913,187 @@ async fn the_tools_print_what_clients_write_escaped() {
         }
     }
 }
+
+/// Issue 42's re-check: a node id and a NACK's message (what a client
+/// writes) and a resource's name and label (what a source writes) holding
+/// ESC, a C1 CSI (`U+009B`), a bidi override (`U+202E`) and isolate
+/// (`U+2066`) reach none of the outputs raw: the `--log-format json` log,
+/// every admin JSON, YAML and HTML view, and the tools' `-o yaml` and
+/// `-o json`. Where the output is JSON or YAML, a parser reads back the text
+/// that was sent; an HTML page shows the escape (`\u{202e}`).
+#[tokio::test]
+async fn what_clients_and_sources_write_reaches_no_output_raw() {
+    use crate::canary::request_as;
+    const NODE: &str = "evil-\x1b[31m\u{9b}2J\u{202e}exe.txt\u{2066}node\u{2069}";
+    const NACK: &str = "bad \x1b]0;owned\x07\u{9b}31m\u{202e}all is well\u{2066}";
+    const NAME: &str = "cfg-\u{202e}txt\u{2066}\u{9b}";
+    const LABEL: &str = "team-\x1b[2J\u{9b}\u{202e}\u{2066}";
+    fn raw(text: &str) -> Vec<char> {
+        text.chars()
+            .filter(|&c| {
+                (c.is_control() && c != '\n')
+                    || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+            })
+            .collect()
+    }
+    /// Every string of a JSON value (keys too).
+    fn strings(value: &serde_json::Value, out: &mut Vec<String>) {
+        match value {
+            serde_json::Value::String(s) => out.push(s.clone()),
+            serde_json::Value::Array(items) => items.iter().for_each(|v| strings(v, out)),
+            serde_json::Value::Object(map) => map.iter().for_each(|(k, v)| {
+                out.push(k.clone());
+                strings(v, out);
+            }),
+            _ => {}
+        }
+    }
+    let holds = |value: &serde_json::Value, text: &str| {
+        let mut all = Vec::new();
+        strings(value, &mut all);
+        all.iter().any(|s| s.contains(text))
+    };
+    let hostile_resource = |version: &str| {
+        let mut r = resource(NAME, version, version.as_bytes());
+        r.metadata.as_mut().unwrap().labels.insert("team".into(), LABEL.into());
+        r
+    };
+
+    let mut galley = FakeGalley::start().await;
+    let mut gw = crate::helpers::gateway_process_for(
+        &galley,
+        &[VS],
+        &["--log-format", "json", "--canary", "evil-*", "--canary-trust-node-ids"],
+    )
+    .await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    upstream.push_full(VS, vec![hostile_resource("1")]).await;
+    let mut client = sotw(gw.listen).await;
+    client.send(request_as(NODE, VS, "", "", None));
+    let first = client.recv_type(VS).await;
+    client.send(request_as(NODE, VS, &first.version_info, &first.nonce, None));
+    upstream.push_full(VS, vec![hostile_resource("2")]).await;
+    let offered = client.recv_type(VS).await;
+    assert_ne!(offered.version_info, first.version_info);
+    client.send(request_as(NODE, VS, &first.version_info, &offered.nonce, Some(NACK)));
+    crate::helpers::eventually_async("the canary's NACK to hold the version", || async {
+        json(gw.admin, "/debug/rollout").await.to_string().contains("HELD")
+    })
+    .await;
+
+    // The admin port's JSON views: valid JSON, nothing raw, the text read back.
+    let admin = gw.admin;
+    let views = [
+        "/debug/clients".to_owned(),
+        "/debug/syncz".to_owned(),
+        "/debug/rollout".to_owned(),
+        format!("/debug/rollout/{VS}"),
+        "/debug/cache".to_owned(),
+        format!("/debug/cache/{VS}"),
+        format!("/debug/cache/{VS}?bodies=json"),
+        format!("/debug/history/{VS}"),
+        "/debug/upstream".to_owned(),
+        "/debug/config".to_owned(),
+        "/debug/skew".to_owned(),
+    ];
+    for path in &views {
+        let (code, body) = http_get(admin, path).await;
+        assert_eq!(code, 200, "{path}: {body}");
+        assert_eq!(raw(&body), Vec::<char>::new(), "{path} prints raw: {body}");
+        let value: serde_json::Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} is not JSON ({e}): {body}"));
+        for (view, texts) in [
+            ("/debug/clients", &[NODE][..]),
+            ("/debug/syncz", &[NODE, NACK]),
+            ("/debug/rollout", &[NODE, NACK]),
+            (&format!("/debug/cache/{VS}?bodies=json") as &str, &[NAME, LABEL]),
+        ] {
+            if path == view {
+                for text in texts {
+                    assert!(holds(&value, text), "{path} reads back {text:?}: {value}");
+                }
+            }
+        }
+    }
+    // The YAML views: valid YAML, nothing raw, the text read back.
+    for path in [format!("/debug/cache/{VS}?bodies=yaml")] {
+        let (code, body) = http_get(admin, &path).await;
+        assert_eq!(code, 200, "{path}: {body}");
+        assert_eq!(raw(&body), Vec::<char>::new(), "{path} prints raw: {body}");
+        let value: serde_json::Value =
+            serde_norway::from_str(&body).unwrap_or_else(|e| panic!("{path} is not YAML ({e}): {body}"));
+        assert!(holds(&value, NAME) && holds(&value, LABEL), "{path}: {value}");
+    }
+    // The HTML pages: nothing raw; the escape shown.
+    for path in views.iter().chain([&"/".to_owned()]) {
+        let (code, page) = http_get_with(admin, path, "Accept: text/html\r\n").await;
+        assert_eq!(code, 200, "{path}: {page}");
+        assert_eq!(raw(&page), Vec::<char>::new(), "{path} shows raw: {page}");
+    }
+    let (_, syncz_page) = http_get_with(admin, "/debug/syncz", "Accept: text/html\r\n").await;
+    assert!(
+        syncz_page.contains("evil-\\x1b[31m\\u{9b}2J\\u{202e}exe.txt"),
+        "{syncz_page}"
+    );
+
+    // The tools' -o yaml and -o json.
+    let admin_url = format!("http://{admin}");
+    let target = gw.listen.to_string();
+    let mut runs = Vec::new();
+    for output in ["yaml", "json"] {
+        runs.push((vec!["status", "--admin", &admin_url, "-o", output], &[NODE, NACK][..]));
+        runs.push((
+            vec!["rollout", "status", "--admin", &admin_url, "-o", output],
+            &[NODE, NACK][..],
+        ));
+        let client = vec![
+            "client",
+            "--target",
+            &target,
+            "--type-url",
+            VS,
+            "--once",
+            "--output",
+            output,
+        ];
+        runs.push((client, &[NAME, LABEL][..]));
+    }
+    for (args, texts) in runs {
+        let (_, stdout, stderr) = subcommand(args[0], &args[1..]).await;
+        assert_eq!(raw(&stdout), Vec::<char>::new(), "{args:?} prints raw: {stdout}");
+        assert_eq!(raw(&stderr), Vec::<char>::new(), "{args:?} prints raw: {stderr}");
+        // The document: the client's YAML starts with `---`, its JSON is a
+        // line; the others' verdict lines follow the document on stderr.
+        let value: serde_json::Value = if args.last() == Some(&"yaml") {
+            let documents: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(&stdout)
+                .map(|d| serde::Deserialize::deserialize(d).unwrap_or_else(|e| panic!("{args:?}: {e}: {stdout}")))
+                .collect();
+            serde_json::Value::Array(documents)
+        } else {
+            let documents: Vec<serde_json::Value> = serde_json::Deserializer::from_str(&stdout)
+                .into_iter()
+                .map(|d| d.unwrap_or_else(|e| panic!("{args:?}: {e}: {stdout}")))
+                .collect();
+            serde_json::Value::Array(documents)
+        };
+        for text in texts {
+            assert!(holds(&value, text), "{args:?} reads back {text:?}: {value}");
+        }
+    }
+
+    // The JSON log: every line JSON, nothing raw, the node id read back.
+    drop(client);
+    let lines = gw.lines_until("client left").await;
+    let mut node_logged = false;
+    for line in &lines {
+        assert_eq!(raw(line), Vec::<char>::new(), "a log line prints raw: {line}");
+        let entry: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        node_logged |= entry["node"] == NODE;
+    }
+    assert!(node_logged, "{lines:#?}");
+    assert!(
+        lines.iter().any(|l| l.contains("\\u202e")),
+        "the override is written as JSON's escape: {lines:#?}"
+    );
+}

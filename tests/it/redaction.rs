@@ -416,6 +416,24 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         .await;
         assert_eq!(code, Some(0), "{stderr}");
         markers(&format!("{stdout}{stderr}"), &format!("client --type-map {args:?}"));
+        assert!(!stderr.contains("not a built-in collection"), "{stderr}");
+        // Without the map, the command cannot know the collection is
+        // sensitive: it shows the bodies (documented) and says how not to.
+        let (code, _, stderr) = subcommand(
+            "client",
+            &[
+                &["--target", &listen, "--type-url", "example.com/vault", "--once"][..],
+                &args[..],
+            ]
+            .concat(),
+        )
+        .await;
+        assert_eq!(code, Some(0), "{stderr}");
+        assert!(
+            stderr.contains("note: example.com/vault: not a built-in collection")
+                && stderr.contains("give that file as --type-map"),
+            "{stderr}"
+        );
     }
     for collection in [SECRETS, "example.com/vault", "example.com/plain"] {
         let dump = get_json(gw.admin, &format!("/debug/cache/{collection}?bodies=json")).await;

@@ -194,6 +194,121 @@ async fn a_dns_san_spelling_an_allowed_spiffe_id_passes_neither_allow_list() {
     assert_eq!(client.recv_type(VS).await.resources.len(), 1);
 }
 
+/// Issue 42's attacker re-check of the DNS-name rule, over real TLS: a
+/// certificate the mesh's CA signed whose only SAN is a DNS SAN that is no
+/// DNS name (a SPIFFE id spelled in ASCII, with look-alike `∶∕`, fullwidth
+/// `／`, `%2F`, backslashes, a NUL, a bidi override; byte for byte in the
+/// certificate, as a CA that signs what it is asked to writes it) passes
+/// neither `--client-allow` nor `--sink-allow` nor an access policy rule,
+/// all three with broad DNS patterns (`spiffe*`, `*cluster*`), while a DNS
+/// name those patterns match passes all three.
+#[tokio::test]
+async fn a_dns_san_that_is_no_dns_name_passes_no_allow_list_and_no_policy_rule() {
+    use crate::access::{sotw_request, SotwStream, CLUSTER_TYPE, SOTW};
+    const BROAD: &str = "spiffe*,*cluster*";
+    const SPELLINGS: &[&[u8]] = &[
+        b"spiffe://cluster.local/ns/istio-system/sa/istio-galley-service-account",
+        "spiffe\u{2236}\u{2215}\u{2215}cluster.local\u{2215}ns\u{2215}istio-system".as_bytes(),
+        "spiffe\u{ff1a}\u{ff0f}\u{ff0f}cluster.local\u{ff0f}ns".as_bytes(),
+        b"spiffe%3A%2F%2Fcluster.local%2Fns%2Fistio-system",
+        b"spiffe:\\\\cluster.local\\ns\\istio-system",
+        b"spiffe\\cluster.local",
+        b"spiffe.cluster.local\0.attacker.example",
+        "spiffe.cluster.local\u{202e}".as_bytes(),
+        b"spiffe.cluster.local\x1b[2J\nforged line",
+        b"spiffe_cluster.local",
+        b"spiffe.cluster.local ",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let mut flags = mtls_flags(dir.path(), &ca, "127.0.0.1:0");
+    for flag in ["--sink-allow", "--client-allow"] {
+        let at = flags.iter().position(|f| f == flag).unwrap();
+        flags[at + 1] = BROAD.to_owned();
+    }
+    let gw = start_gateway(&flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    let sink = gw.sink.unwrap();
+    let policy = "rules:\n- identities: [\"spiffe*\", \"*cluster*\"]\n  collections: [\"envoy/config/*\"]\n";
+    let policy_flags = crate::access::mtls_flags(&dir.path().join("policy"), &ca, Some(policy));
+    let policy_gw = start_gateway(&policy_flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+
+    fn status_text(status: &tonic::Status) -> String {
+        format!("{:?}: {}", status.code(), status.message())
+    }
+
+    // What each place does with a leaf: Ok (admitted, served) or how it
+    // was refused.
+    let (pem, listen, policy_listen) = (ca.pem.as_str(), gw.listen, policy_gw.listen);
+    let connect = |addr: SocketAddr, leaf: Leaf| async move {
+        tls_channel(addr, pem, Some(&leaf))
+            .await
+            .map_err(|e| format!("TLS: {e}"))
+    };
+    let client = |leaf: Leaf| async move {
+        let channel = connect(listen, leaf).await?;
+        SotwClient::try_open_on(channel, SOTW_PATH)
+            .await
+            .map(drop)
+            .map_err(|s| status_text(&s))
+    };
+    let source = |leaf: Leaf| async move {
+        let channel = connect(sink, leaf).await?;
+        let dialled = within("the dial-out", dial_out(channel, &[])).await;
+        dialled.map(drop).map_err(|s| status_text(&s))
+    };
+    let reader = |leaf: Leaf| async move {
+        let channel = connect(policy_listen, leaf).await?;
+        let mut stream = SotwStream::try_open_on(channel, SOTW)
+            .await
+            .map_err(|s| status_text(&s))?;
+        stream.send(sotw_request(CLUSTER_TYPE, &[], None));
+        let response = stream.try_recv().await.map_err(|s| status_text(&s))?;
+        if response.resources.is_empty() {
+            return Err(format!("answered with nothing: {response:?}"));
+        }
+        Ok(())
+    };
+    let refused = |place: &str, spelling: &[u8], outcome: Result<(), String>| {
+        let Err(why) = outcome else {
+            panic!(
+                "{place} admitted a DNS SAN that is no DNS name: {:?}",
+                String::from_utf8_lossy(spelling)
+            )
+        };
+        // A certificate whose SAN x509 cannot read has no identity; one it
+        // reads is refused by the pattern rule: both PERMISSION_DENIED.
+        assert!(why.contains("PermissionDenied"), "{place}: {why}");
+        // The policy's refusal suggests no rule: none could match it.
+        assert!(
+            place != "the policy" || why.contains("no rule can: no identity pattern matches dns:"),
+            "{place}: {why}"
+        );
+        // The identity is printed escaped: nothing raw, even to the peer.
+        assert!(
+            !why.chars().any(|c| c.is_control() || c == '\u{202e}'),
+            "{place}: {why:?}"
+        );
+        println!("{place} {:?}: {why:?}", String::from_utf8_lossy(spelling));
+    };
+    for spelling in SPELLINGS {
+        refused("--client-allow", spelling, client(ca.raw_dns_leaf(spelling)).await);
+        refused("the policy", spelling, reader(ca.raw_dns_leaf(spelling)).await);
+        refused("--sink-allow", spelling, source(ca.raw_dns_leaf(spelling)).await);
+    }
+    // A DNS name the broad patterns match passes all three: the refusals
+    // above are the rule's, not the certificates'.
+    let dns_name = b"spiffe.cluster.local";
+    client(ca.raw_dns_leaf(dns_name))
+        .await
+        .expect("--client-allow admits a DNS name");
+    reader(ca.raw_dns_leaf(dns_name))
+        .await
+        .expect("the policy grants a DNS name");
+    source(ca.raw_dns_leaf(dns_name))
+        .await
+        .expect("--sink-allow admits a DNS name");
+}
+
 /// Each refusal by an allow-list is counted under its listener, exactly: a
 /// gateway process of its own (in-process gateways share one recorder).
 #[tokio::test]

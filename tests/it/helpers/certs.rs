@@ -58,6 +58,34 @@ impl Ca {
         })
     }
 
+    /// A client leaf whose only SAN is a DNS SAN of exactly `name`'s bytes,
+    /// whatever they are (non-ASCII, NUL, `/`): written into the DER by
+    /// hand, as a CA that signs what it is asked to would write them (rcgen
+    /// itself takes ASCII only).
+    pub fn raw_dns_leaf(&self, name: &[u8]) -> Leaf {
+        /// A DER length.
+        fn length(n: usize) -> Vec<u8> {
+            match n {
+                0..=0x7f => vec![n as u8],
+                0x80..=0xff => vec![0x81, n as u8],
+                _ => vec![0x82, (n >> 8) as u8, n as u8],
+            }
+        }
+        // GeneralNames ::= SEQUENCE { dNSName [2] IMPLICIT IA5String }
+        let mut dns = vec![0x82];
+        dns.extend(length(name.len()));
+        dns.extend(name);
+        let mut names = vec![0x30];
+        names.extend(length(dns.len()));
+        names.extend(dns);
+        self.leaf_with("workload", move |params| {
+            params.subject_alt_names.clear();
+            params
+                .custom_extensions
+                .push(rcgen::CustomExtension::from_oid_content(&[2, 5, 29, 17], names));
+        })
+    }
+
     /// A client leaf with a SPIFFE id whose validity ended yesterday.
     pub fn expired_spiffe_leaf(&self, spiffe_id: &str) -> Leaf {
         let id = spiffe_id.to_owned();

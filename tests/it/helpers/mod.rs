@@ -401,9 +401,23 @@ pub async fn spawn_gateway_with_env(cwd: Option<&std::path::Path>, args: &[&str]
     }
 }
 
+/// `"name":"ADDR"` of a banner line logged with `--log-format json`.
+fn json_field(line: &str, name: &str) -> Option<SocketAddr> {
+    let entry: serde_json::Value = serde_json::from_str(line).ok()?;
+    let value = entry[name].as_str()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|e| panic!("{name}={value:?} in {line}: {e}")),
+    )
+}
+
 /// `name="ADDR"` of a banner line (an optional field, logged quoted), if
 /// there.
 fn quoted_field(line: &str, name: &str) -> Option<SocketAddr> {
+    if line.starts_with('{') {
+        return json_field(line, name);
+    }
     let start = line.find(&format!("{name}=\""))? + name.len() + 2;
     let value = line[start..].split('"').next()?;
     Some(
@@ -465,6 +479,9 @@ pub async fn spawn_dial_out_source(dir: &std::path::Path, args: &[&str]) -> Runn
 
 /// The address logged as `name=ADDR` in `line`.
 fn field(line: &str, name: &str) -> SocketAddr {
+    if let Some(addr) = json_field(line, name) {
+        return addr;
+    }
     let start = line
         .find(&format!("{name}="))
         .unwrap_or_else(|| panic!("no {name}= in {line}"))
