@@ -246,7 +246,7 @@ impl UpstreamClient {
             };
         }
         if !chain.is_empty() {
-            tracing::info!(chain = %chain.join(" <- "), "the upstream is a gateway");
+            tracing::info!(chain = %crate::transport::safe_text::terminal_safe(&chain.join(" <- ")), "the upstream is a gateway");
         }
         self.writer.set_upstream_chain(chain);
         tracing::info!(address = %self.settings.address, "upstream stream established");

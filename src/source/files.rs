@@ -60,6 +60,7 @@ use crate::source::proto_json::PathStep;
 use crate::source::yaml_lines;
 use crate::source::UpstreamStatus;
 use crate::transport::fswatch::DirWatch;
+use crate::transport::safe_text::terminal_safe;
 
 pub const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
 
@@ -1088,7 +1089,7 @@ impl LocalSource {
         match result {
             Ok(parsed) => {
                 if state.error.take().is_some() {
-                    tracing::info!(file = %path, resources = parsed.len(), "a source file parses again");
+                    tracing::info!(file = %terminal_safe(&path), resources = parsed.len(), "a source file parses again");
                 }
                 let struct_bodies: BTreeSet<Arc<str>> = parsed
                     .iter()
@@ -1097,7 +1098,7 @@ impl LocalSource {
                     .collect();
                 for collection in struct_bodies.difference(&state.struct_bodies) {
                     tracing::warn!(
-                        file = %path,
+                        file = %terminal_safe(&path),
                         %collection,
                         "struct: bodies are served as google.protobuf.Struct, not decodable by Pilot or istiod; \
                          write the resource as Kubernetes YAML (apiVersion, kind, metadata, spec)"

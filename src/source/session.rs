@@ -220,7 +220,7 @@ impl SinkSession {
                     .increment(1);
                 tracing::debug!(
                     collection = %message.collection,
-                    nonce = %message.nonce,
+                    nonce = %crate::transport::safe_text::terminal_safe(&message.nonce),
                     source_version = %message.system_version_info,
                     incremental = message.incremental,
                     resources = count,
@@ -251,7 +251,7 @@ impl SinkSession {
                 .increment(1);
                 tracing::warn!(
                     collection = %message.collection,
-                    nonce = %message.nonce,
+                    nonce = %crate::transport::safe_text::terminal_safe(&message.nonce),
                     code = m::code_label(nack.code as i32),
                     reason = %nack.message,
                     "NACK sent upstream; the cache keeps its previous state"

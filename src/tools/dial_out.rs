@@ -357,7 +357,7 @@ impl CallState {
             if !log.acked {
                 tracing::info!(
                     collection = %request.collection,
-                    nonce = %request.response_nonce,
+                    nonce = %crate::transport::safe_text::terminal_safe(&request.response_nonce),
                     "the sink ACKed its first response on this stream"
                 );
             }

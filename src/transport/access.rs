@@ -548,7 +548,7 @@ fn would_grant(identity: &PeerIdentity, collection: &str, name: Option<&str>) ->
         ),
         None => format!(
             "no rule can: no identity pattern matches {identity} (a pattern with a `scheme://` matches URI SANs \
-             only, any other DNS SANs only)"
+             only, any other DNS SANs only; a SAN holding `*`, `{{` or `}}` only globs that match others too)"
         ),
     }
 }

@@ -142,7 +142,7 @@ impl PeerIdentity {
     /// A pattern that matches this identity, for a refusal's "a rule that
     /// would": `unauthenticated`, or its first SAN that a pattern of its
     /// kind can spell (a DNS SAN that is no DNS name, a URI SAN without a
-    /// `scheme://`, or one with a capture's braces, none can).
+    /// `scheme://`, or one with a capture's braces or a `*`, none can).
     pub fn as_pattern(&self) -> Option<&str> {
         if !self.certificate {
             return Some(UNAUTHENTICATED);
@@ -156,7 +156,9 @@ impl PeerIdentity {
                 } else {
                     is_dns_name(san)
                 };
-                spelled && !san.contains(['{', '}'])
+                // A SAN holding a pattern's own characters is matched only by
+                // globs that match other identities too: never suggested.
+                spelled && !san.contains(['{', '}', '*'])
             })
             .map(|(_, san)| san.as_str())
     }
@@ -391,6 +393,10 @@ mod tests {
         assert!(super::IdentityPattern::parse("*.mesh.example")
             .unwrap()
             .admits(&wildcard));
+        // A SAN holding `*` would be suggested as a glob granting others too.
+        assert_eq!(wildcard.as_pattern(), None);
+        let starred = super::PeerIdentity::certified(vec!["spiffe://cluster.local/ns/a/sa/*".into()], Vec::new());
+        assert_eq!(starred.as_pattern(), None);
     }
 
     use super::*;
