@@ -373,7 +373,18 @@ impl CollectionSnapshot {
     /// one, and it is made at the cost of the removals; this very snapshot
     /// when it removes nothing.
     pub fn keeping(self: &Arc<Self>, held: &CollectionSnapshot) -> Arc<CollectionSnapshot> {
-        let diff = Diff::between(&held.resources, &self.resources);
+        self.keeping_only(held, |_| true)
+    }
+
+    /// As [`Self::keeping`], keeping only the removed resources `keep`
+    /// chooses (the rest go now).
+    pub fn keeping_only(
+        self: &Arc<Self>,
+        held: &CollectionSnapshot,
+        keep: impl Fn(&str) -> bool,
+    ) -> Arc<CollectionSnapshot> {
+        let mut diff = Diff::between(&held.resources, &self.resources);
+        diff.removed.retain(|name| keep(name));
         if diff.removed.is_empty() {
             return self.clone();
         }

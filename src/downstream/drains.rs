@@ -7,7 +7,7 @@
 //! `503 NC` if it goes meanwhile. So the removal of such a cluster (and of
 //! its load assignment) waits `--listener-drain-time` from the moment the
 //! listener's change settled (its response and the routes' ACKed: Envoy
-//! drains once the new listener is warm).
+//! drains once the new listener is warm); the other removals go.
 //!
 //! Per stream and pure: the stream says what each listener change named
 //! and when the listeners settled, asks whether a removal waits, and wakes
@@ -90,34 +90,37 @@ impl Drains {
     }
 
     /// Until when a removal of `removed` of the type at `rank` waits, at
-    /// `now`; `None`: it waits for no drain. Asked when the order would let
-    /// the removal go, which is when the types after it settled: a drain
-    /// that had not begun begins.
+    /// `now`, and which of `removed` wait; `None`: none waits for a drain.
+    /// Asked when the order would let the removal go, which is when the
+    /// types after it settled: a drain that had not begun begins.
     pub fn holds<'a>(
         &mut self,
         rank: Rank,
         removed: impl IntoIterator<Item = &'a str>,
         now: Instant,
-    ) -> Option<Instant> {
+    ) -> Option<(Instant, BTreeSet<Arc<str>>)> {
         if !matches!(rank, Rank::Clusters | Rank::Endpoints) {
             return None;
         }
         let removed: Vec<&str> = removed.into_iter().collect();
-        let mut until: Option<Instant> = None;
+        let mut held: Option<(Instant, BTreeSet<Arc<str>>)> = None;
         for drain in &mut self.records {
             let names = match rank {
                 Rank::Clusters => &drain.clusters,
                 _ => &drain.load_assignments,
             };
-            if !removed.iter().any(|r| names.contains(*r)) {
+            let draining: Vec<Arc<str>> = names.iter().filter(|n| removed.contains(&&***n)).cloned().collect();
+            if draining.is_empty() {
                 continue;
             }
             let end = *drain.until.get_or_insert(now + self.drain_time);
             if end > now {
-                until = until.max(Some(end));
+                let (until, names) = held.get_or_insert_with(|| (end, BTreeSet::new()));
+                *until = (*until).max(end);
+                names.extend(draining);
             }
         }
-        until
+        held
     }
 
     /// When the first drain ends: the stream tries its held removals then.
@@ -154,8 +157,14 @@ mod tests {
         assert_eq!(drains.holds(Rank::Clusters, ["b"], start), None);
         let later = start + Duration::from_secs(2);
         // The removal would go: the drain begins now.
-        assert_eq!(drains.holds(Rank::Clusters, ["b", "a"], later), Some(later + DRAIN));
-        assert_eq!(drains.holds(Rank::Endpoints, ["a-eds"], later), Some(later + DRAIN));
+        assert_eq!(
+            drains.holds(Rank::Clusters, ["b", "a"], later),
+            Some((later + DRAIN, set(&["a"])))
+        );
+        assert_eq!(
+            drains.holds(Rank::Endpoints, ["a-eds"], later),
+            Some((later + DRAIN, set(&["a-eds"])))
+        );
         assert_eq!(
             drains.holds(Rank::Endpoints, ["a"], later),
             None,
@@ -202,6 +211,6 @@ mod tests {
         let now = start + Duration::from_secs(40);
         assert!(drains
             .holds(Rank::Clusters, ["a"], now)
-            .is_some_and(|u| u > start + DRAIN));
+            .is_some_and(|(u, _)| u > start + DRAIN));
     }
 }

@@ -212,7 +212,9 @@ pub enum Decision {
 /// `decision` for a change that does `wants`, when its removals must
 /// also wait for a drain of listeners (`draining`): what it adds goes as
 /// decided, what it removes waits.
-pub fn after_drain(decision: Decision, wants: Change, draining: bool) -> Decision {
+/// `partly`: some of its removals need not wait (they go with what it
+/// adds, the drained ones kept).
+pub fn after_drain(decision: Decision, wants: Change, draining: bool, partly: bool) -> Decision {
     if !draining || !wants.breaks || !matches!(decision, Decision::Send) {
         return decision;
     }
@@ -221,7 +223,7 @@ pub fn after_drain(decision: Decision, wants: Change, draining: bool) -> Decisio
         why: Why::Draining,
         removal: true,
     };
-    if wants.makes {
+    if wants.makes || partly {
         Decision::MakesFirst(blocker)
     } else {
         Decision::Hold(blocker)
@@ -529,12 +531,20 @@ mod tests {
             why: Why::Draining,
             removal: true,
         };
-        assert_eq!(after_drain(Decision::Send, BOTH, true), Decision::MakesFirst(drain));
-        assert_eq!(after_drain(Decision::Send, BREAKS, true), Decision::Hold(drain));
-        assert_eq!(after_drain(Decision::Send, MAKES, true), Decision::Send);
-        assert_eq!(after_drain(Decision::Send, BREAKS, false), Decision::Send);
+        assert_eq!(
+            after_drain(Decision::Send, BOTH, true, false),
+            Decision::MakesFirst(drain)
+        );
+        assert_eq!(after_drain(Decision::Send, BREAKS, true, false), Decision::Hold(drain));
+        assert_eq!(
+            after_drain(Decision::Send, BREAKS, true, true),
+            Decision::MakesFirst(drain),
+            "the removals that need not wait go"
+        );
+        assert_eq!(after_drain(Decision::Send, MAKES, true, false), Decision::Send);
+        assert_eq!(after_drain(Decision::Send, BREAKS, false, false), Decision::Send);
         let routes = hold(Rank::Routes, Why::Pending, true);
-        assert_eq!(after_drain(routes, BREAKS, true), routes, "the routes first");
+        assert_eq!(after_drain(routes, BREAKS, true, false), routes, "the routes first");
     }
 
     /// Every mix of standings is decided without a cycle: whatever the

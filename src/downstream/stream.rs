@@ -66,6 +66,20 @@ struct Followed {
     /// What the last response of a ranked type did to what the client
     /// held (what an outstanding or refused response holds back).
     sent_change: Change,
+    /// The version of the collection a ranked type's last response was
+    /// made for: itself, or what it adds and changes first (make before
+    /// break) or keeps for a drain. A NACK of it refuses that version.
+    sent_for: Option<Arc<str>>,
+}
+
+impl Followed {
+    /// Its last response was refused (NACKed, nothing ACKed since), and it
+    /// was made for `version`: the client refused `version`'s change.
+    fn refused(&self, version: &str) -> bool {
+        self.state
+            .pending_nack()
+            .is_some_and(|n| *n.version == *version || self.sent_for.as_deref() == Some(version))
+    }
 }
 
 /// A stream's drains, and the timer set for the first to end.
@@ -791,9 +805,7 @@ fn standing(followed: &Followed) -> Option<Standing> {
     // Refused, and still to be served what it refused (not sent again): once
     // the source changes it, what it is to send decides (the fix of a
     // refused change is a change like any other).
-    let refused = state
-        .pending_nack()
-        .is_some_and(|n| current.as_ref().is_some_and(|c| c.version == n.version));
+    let refused = current.as_ref().is_some_and(|c| followed.refused(&c.version));
     let mut pending = match &current {
         Some(_) if refused => Change::NONE,
         Some(c) => change_of(state.last_sent(), c, names_of(followed)),
@@ -1148,6 +1160,7 @@ impl<W: Wire> TypedStream<W> {
                 registration: None,
                 rank,
                 sent_change: Change::NONE,
+                sent_for: None,
             },
         );
         Ok(())
@@ -1315,6 +1328,9 @@ impl<W: Wire> TypedStream<W> {
         let Some(followed) = self.types.get_mut(type_url) else {
             return Ok(());
         };
+        // A ranked type's response is made for this version (what it sends
+        // may be a part of it: make before break).
+        let made_for = followed.rank.and(current.as_ref()).map(|c| c.version.clone());
         if followed.grant.is_some() {
             self.note_withheld(type_url, current.as_ref());
         }
@@ -1339,7 +1355,15 @@ impl<W: Wire> TypedStream<W> {
                 let _turn = Box::pin(shared.heavy_work()).await;
                 self.respond(type_url, push, current.as_ref(), now)
             }
-            Ok(push) => self.respond(type_url, push, current.as_ref(), now),
+            Ok(push) => {
+                let response = self.respond(type_url, push, current.as_ref(), now);
+                if made_for.is_some() {
+                    if let Some(followed) = self.types.get_mut(type_url) {
+                        followed.sent_for = made_for;
+                    }
+                }
+                response
+            }
             Err(_) => {
                 // Nothing to send. A named client that none of the change
                 // touched holds the new version as well: that counts as its
@@ -1420,7 +1444,7 @@ impl<W: Wire> TypedStream<W> {
         // it ACKs it.
         let owed = state.named().is_some_and(|n| !n.settled());
         // The version it refused is not sent again: nothing to order.
-        let refused_again = state.pending_nack().is_some_and(|n| n.version == to.version);
+        let refused_again = followed.refused(&to.version);
         let wants = if refused_again {
             Change::NONE
         } else if others == 0 {
@@ -1447,7 +1471,7 @@ impl<W: Wire> TypedStream<W> {
         // endpoints carried (a route away from a broken cluster goes: grpc
         // asks for the new cluster exactly then).
         let mut standings = standings;
-        if wants.makes {
+        if wants.makes || owed {
             let targets = send_targets(rank, state.last_sent(), &to, names_of(followed));
             for standing in standings.iter_mut().filter(|s| s.rank < rank && s.refused.is_some()) {
                 let refused_by = self.types.values().find(|f| f.rank == Some(standing.rank));
@@ -1487,31 +1511,52 @@ impl<W: Wire> TypedStream<W> {
             }
         }
         let decision = if owed {
-            // Its new names go at once; what it removes still waits for
-            // the types that name it (Envoy asks for a new cluster's
-            // endpoints while the route still names the old one's).
-            match order::decide(rank, Change { makes: false, ..wants }, &standings) {
-                Decision::Hold(blocker) => Decision::MakesFirst(blocker),
-                _ => Decision::Send,
-            }
+            // Its new names go without waiting for the type that names
+            // them (Envoy asks for a new cluster's endpoints, and a new
+            // listener's routes, before it ACKs that type: they warm until
+            // these come), but after the types they name (a reconnecting
+            // Envoy's routes wait for its clusters); what it removes still
+            // waits for the types that name it.
+            let parent = match rank {
+                Rank::Endpoints => Some(Rank::Clusters),
+                Rank::Routes => Some(Rank::Listeners),
+                _ => None,
+            };
+            let unmade = |c: Change| Change { makes: false, ..c };
+            let standings: Vec<Standing> = standings
+                .iter()
+                .map(|s| match Some(s.rank) == parent {
+                    true => Standing {
+                        in_flight: s.in_flight.map(unmade),
+                        pending: unmade(s.pending),
+                        refused: s.refused.map(unmade),
+                        ..*s
+                    },
+                    false => *s,
+                })
+                .collect();
+            order::decide(rank, Change { makes: true, ..wants }, &standings)
         } else {
             order::decide(rank, wants, &standings)
         };
         // What it removes may be what a listener Envoy drains still sends
         // to: the removal waits for the drain (once the order would let it go).
-        let mut drain_until = None;
+        let mut drained = None;
         let decision = match (&mut self.draining, decision) {
             (Some(draining), Decision::Send) if wants.breaks => {
                 let removed = removed_names(state.last_sent(), &to, names_of(followed));
-                let until = draining
+                let held = draining
                     .drains
                     .holds(rank, removed.iter().map(|n| &**n), tokio::time::Instant::now());
                 draining.arm();
-                drain_until = until;
-                order::after_drain(decision, wants, until.is_some())
+                let partly = held.as_ref().is_some_and(|(_, names)| names.len() < removed.len());
+                let decision = order::after_drain(decision, wants, held.is_some(), partly);
+                drained = held;
+                decision
             }
             (_, decision) => decision,
         };
+        let drain_until = drained.as_ref().map(|(until, _)| *until);
         let wants = Change {
             makes: wants.makes || owed,
             ..wants
@@ -1534,7 +1579,11 @@ impl<W: Wire> TypedStream<W> {
                 let Some(held) = held else {
                     return Some(Some(to));
                 };
-                let first = makes_first(&to, &held);
+                let first = match &drained {
+                    // Only what a drained listener still sends to is kept.
+                    Some((_, names)) => to.keeping_only(&held, |name| names.contains(name)),
+                    None => makes_first(&to, &held),
+                };
                 self.types.get_mut(type_url)?.sent_change = Change {
                     makes: true,
                     breaks: false,
@@ -1624,10 +1673,15 @@ impl<W: Wire> TypedStream<W> {
     /// a round sends nothing (what one sends changes what the others wait
     /// for, and the views say it).
     async fn retry_withheld(&mut self, out: &Outbound) -> Result<(), ClientGone> {
-        loop {
+        // A round can also change what a held type waits for without
+        // sending (the endpoints' removal now waits for a drain, so the
+        // clusters' does too): rounds go on while either moves, a few at
+        // most (one per ranked type).
+        for _ in 0..8 {
             let Some(withheld) = &self.withheld else {
                 return Ok(());
             };
+            let reasons_before = self.held_reasons();
             let mut waiting: Vec<(Option<Rank>, String)> = withheld
                 .types
                 .iter()
@@ -1638,10 +1692,25 @@ impl<W: Wire> TypedStream<W> {
             for (_, type_url) in waiting {
                 self.try_send(&type_url, out).await?;
             }
-            if self.last_nonce == before {
+            if self.last_nonce == before && self.held_reasons() == reasons_before {
                 return Ok(());
             }
         }
+        Ok(())
+    }
+
+    /// What each held type waits for, and why.
+    fn held_reasons(&self) -> Vec<(&'static str, &'static str)> {
+        let Some(withheld) = &self.withheld else {
+            return Vec::new();
+        };
+        withheld
+            .types
+            .iter()
+            .filter_map(|t| self.types.get(t))
+            .filter_map(|f| f.state.view.ordered.as_ref())
+            .map(|o| (o.waits_for, o.reason))
+            .collect()
     }
 
     /// A restricted type: how many of the resources the client asks for its

@@ -435,6 +435,15 @@ pub struct TypeState {
     /// only where the NACK memory is (`remembering_nacks`).
     carried: Option<Carried>,
     remembers_nacks: bool,
+    /// Delta xDS: what the client last ACKed. A client that NACKs a
+    /// response may have applied part of it (Envoy's CDS applies the valid
+    /// clusters): after a NACK the next response goes from this, so what
+    /// the refused response carried is sent again with the fix (a cluster
+    /// refused and left as it was is not taken as held).
+    acked: Option<Arc<CollectionSnapshot>>,
+    /// Delta xDS: its last answer was a NACK, and the next version's
+    /// response is still to go from [`Self::acked`].
+    revert_pending: bool,
     /// What the debug views show; kept in step with the state.
     pub view: TypeView,
 }
@@ -452,6 +461,8 @@ impl TypeState {
             forced: BTreeSet::new(),
             carried: None,
             remembers_nacks: false,
+            acked: None,
+            revert_pending: false,
             view,
         };
         if let Held::Version(version) = &state.held {
@@ -609,6 +620,10 @@ impl TypeState {
                     at: request.at,
                     superseded: false,
                 }));
+                // It holds what it ACKed and any part of this response: the
+                // response of the source's next version goes from what it
+                // ACKed, with what this one carried again (see `next`).
+                self.revert_pending = self.holds_what_was_sent();
                 match (self.family, &self.held) {
                     (Family::Mcp, Held::AwaitingFirst { reported_names: true }) => Verdict::Unrecoverable,
                     // It still holds nothing.
@@ -624,6 +639,10 @@ impl TypeState {
                 self.view.acked_at = request.at;
                 if let Some(nack) = &mut self.view.last_nack {
                     nack.superseded = true;
+                }
+                if self.holds_what_was_sent() {
+                    self.acked = Some(sent.clone());
+                    self.revert_pending = false;
                 }
                 self.held = Held::At(sent);
                 Verdict::Ack
@@ -653,6 +672,9 @@ impl TypeState {
                 return decided;
             }
         }
+        if self.revert_pending && self.pending_nack().is_some_and(|n| n.version != current.version) {
+            self.revert_after_nack();
+        }
         // Newly requested names are answered whatever was NACKed: grpc asks
         // for a new cluster exactly when an operator routes away from a
         // broken one.
@@ -681,6 +703,16 @@ impl TypeState {
                 .extend(forced.iter().filter_map(|name| to.resources.get(name).cloned()));
             diff.upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
             diff.upserts.dedup_by(|a, b| a.name == b.name);
+            // A forced name that is gone is removed (again: the client may
+            // hold it from a response it refused).
+            diff.removed.extend(
+                forced
+                    .iter()
+                    .filter(|name| !to.resources.contains_key(&***name))
+                    .cloned(),
+            );
+            diff.removed.sort_unstable();
+            diff.removed.dedup();
             let push = Push::Selected { to, diff };
             self.note_carried(&push);
             return Ok(push);
@@ -740,6 +772,35 @@ impl TypeState {
         Ok(push)
     }
 
+    /// Delta xDS, the source changed after a NACK: the client holds what it
+    /// ACKed, and of the refused response any part (Envoy's CDS applies the
+    /// valid clusters of a response it rejects, and its removals). So the
+    /// next response goes from what it ACKed, and carries again every name
+    /// the refused one carried: a refused cluster the fix left as it was is
+    /// sent with it (not taken as held), and one it took and the source
+    /// reverted goes back.
+    fn revert_after_nack(&mut self) {
+        self.revert_pending = false;
+        let carried: Vec<Arc<str>> = match (&self.acked, &self.sent) {
+            (Some(acked), Some(sent)) => {
+                let diff = Diff::between(&acked.resources, &sent.resources);
+                diff.upserts
+                    .iter()
+                    .map(|r| r.name.clone())
+                    .chain(diff.removed.iter().cloned())
+                    .collect()
+            }
+            // Nothing ACKed on this stream: all the refused one carried.
+            (None, Some(sent)) => sent.resources.keys().cloned().collect(),
+            _ => Vec::new(),
+        };
+        self.held = match &self.acked {
+            Some(acked) => Held::At(acked.clone()),
+            None => Held::Reported(ReportedNames::default()),
+        };
+        self.force_resend(carried.iter());
+    }
+
     /// Delta xDS: what `push` carries, for the NACK memory.
     fn note_carried(&mut self, push: &Push) {
         if !self.holds_what_was_sent() || !self.remembers_nacks {
@@ -784,6 +845,9 @@ impl TypeState {
                         named.on_sent();
                     }
                     self.settle(current);
+                    // It holds the version it reported: shown as sent and
+                    // ACKed (SYNCED), not as never sent.
+                    self.view.last_sent_version = Some(current.version.clone());
                     self.tally = Some(tally);
                     return Some(Err(Wait::UpToDate));
                 }
@@ -1238,7 +1302,7 @@ mod tests {
                 ],
             ),
             (
-                "delta: after a NACK, an unrelated change does not re-send the NACKed content",
+                "delta: after a NACK, the next change goes from what it ACKed with the NACKed names again (Envoy applies the valid part of a response it refuses: a refused resource is not held)",
                 xds,
                 incremental,
                 nothing(),
@@ -1248,13 +1312,13 @@ mod tests {
                     Next(&v2, Ok("diff +a")),
                     Req("n2", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
-                    Next(&v3, Ok("diff +c")),
+                    Next(&v3, Ok("+a +c")),
                     Req("n3", Ack(None), Verdict::Ack),
                     Shown(Some(&v3), false),
                 ],
             ),
             (
-                "delta: a revert after a NACK is sent as what differs from what was sent",
+                "delta: a revert after a NACK sends the NACKed names again, as the ACKed version has them",
                 xds,
                 incremental,
                 nothing(),
@@ -1263,11 +1327,11 @@ mod tests {
                     Req("n1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff +a")),
                     Req("n2", Nack(None), Verdict::Nack),
-                    Next(&reverted, Ok("diff +a")),
+                    Next(&reverted, Ok("+a")),
                 ],
             ),
             (
-                "delta, partial acceptance: after a NACK of a response that changed a (broken) and b, the fix sends a only",
+                "delta, partial acceptance: after a NACK of a response that changed a (broken) and b, the fix sends both again (it may hold either)",
                 xds,
                 incremental,
                 nothing(),
@@ -1276,7 +1340,7 @@ mod tests {
                     Req("n1", Ack(None), Verdict::Ack),
                     Next(&v4, Ok("diff +a +b")),
                     Req("n2", Nack(None), Verdict::Nack),
-                    Next(&v5, Ok("diff +a")),
+                    Next(&v5, Ok("+a +b")),
                 ],
             ),
             (
@@ -1379,7 +1443,8 @@ mod tests {
                     Next(&v2, Ok("first")),
                     Req("n1", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
-                    Next(&v3, Ok("diff +c")),
+                    // Nothing ACKed on this stream: everything.
+                    Next(&v3, Ok("full")),
                 ],
             ),
             (
@@ -1421,7 +1486,7 @@ mod tests {
                     Req("n1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff +a")),
                     Req("n2", Nack(None), Verdict::Nack),
-                    Next(&v3, Ok("diff +c")),
+                    Next(&v3, Ok("+a +c")),
                     Req("n3", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff -c")),
                 ],
@@ -2288,6 +2353,11 @@ mod tests {
             let mut holds: BTreeMap<String, String> = BTreeMap::new();
             // Names it asked for (again) since its last response.
             let mut owed: BTreeSet<String> = BTreeSet::new();
+            // What its last response carried, and, after NACKs since its
+            // last ACK, what they carried: it may hold any of it, so it may
+            // be sent again.
+            let mut last_push: BTreeSet<String> = BTreeSet::new();
+            let mut resendable: BTreeSet<String> = BTreeSet::new();
             let mut nonce = 0;
             let ops = std::iter::once(Op::Ask(first, false)).chain(ops);
             for op in ops {
@@ -2308,6 +2378,7 @@ mod tests {
                                         for name in &owed {
                                             proptest::prop_assert!(answered.contains(name.as_str()), "{} not answered", name);
                                         }
+                                        last_push = answered.iter().map(|n| n.to_string()).collect();
                                         for r in &diff.upserts {
                                             // What it does not ask for it drops.
                                             if !wildcard && !subscribed.contains(&*r.name) {
@@ -2315,7 +2386,9 @@ mod tests {
                                             }
                                             let content = content_of(current, &r.name).unwrap();
                                             proptest::prop_assert!(
-                                                owed.contains(&*r.name) || holds.get(&*r.name) != Some(&content),
+                                                owed.contains(&*r.name)
+                                                    || resendable.contains(&*r.name)
+                                                    || holds.get(&*r.name) != Some(&content),
                                                 "{} sent, unchanged", r.name
                                             );
                                             holds.insert(r.name.to_string(), content);
@@ -2324,8 +2397,12 @@ mod tests {
                                             if !wildcard && !subscribed.contains(&**name) {
                                                 continue;
                                             }
+                                            // After a NACK it may hold anything the refused
+                                            // response's version had: a removal re-asserts.
                                             proptest::prop_assert!(
-                                                owed.contains(&**name) || holds.contains_key(&**name),
+                                                owed.contains(&**name)
+                                                    || !resendable.is_empty()
+                                                    || holds.contains_key(&**name),
                                                 "{} removed, not held", name
                                             );
                                             holds.remove(&**name);
@@ -2333,6 +2410,12 @@ mod tests {
                                     }
                                     Push::Diff { from, to } => {
                                         let diff = Diff::between(&from.resources, &to.resources);
+                                        last_push = diff
+                                            .upserts
+                                            .iter()
+                                            .map(|r| r.name.to_string())
+                                            .chain(diff.removed.iter().map(|n| n.to_string()))
+                                            .collect();
                                         for r in &diff.upserts {
                                             holds.insert(r.name.to_string(), content_of(to, &r.name).unwrap());
                                         }
@@ -2341,6 +2424,7 @@ mod tests {
                                         }
                                     }
                                     Push::Full { to } => {
+                                        last_push = to.resources.keys().map(|n| n.to_string()).collect();
                                         for (name, _) in to.resources.iter() {
                                             holds.insert(name.to_string(), content_of(to, name).unwrap());
                                         }
@@ -2375,6 +2459,12 @@ mod tests {
                     }
                     Op::Ack | Op::Nack => {
                         let nack = matches!(op, Op::Nack).then(|| Nack { code: 3, message: "bad".into() });
+                        if s.view.outstanding {
+                            match nack {
+                                Some(_) => resendable.extend(last_push.iter().cloned()),
+                                None => resendable.clear(),
+                            }
+                        }
                         let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
                         s.on_request(Request {
                             names: NameChange::Change { subscribe: &[], unsubscribe: &[] },
