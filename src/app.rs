@@ -82,6 +82,8 @@ pub struct Bound {
     pub upstream: watch::Receiver<UpstreamStatus>,
     /// The client port's connection slots (`--max-connections`).
     pub connections: Arc<crate::transport::slots::ConnectionSlots>,
+    /// The version skew kept for the generations of connected clients.
+    pub skew: Arc<SkewTracker>,
     shutdown: CancellationToken,
     tasks: TaskTracker,
     grace: Duration,
@@ -217,6 +219,7 @@ pub async fn build_with_logs(
         registry,
         upstream: status_rx,
         connections: served.connections,
+        skew,
         shutdown,
         tasks,
         grace: shutdown_grace,

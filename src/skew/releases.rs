@@ -1,10 +1,12 @@
 //! The Istio releases whose config-kind protos the gateway carries, and a
 //! client's generation: which release it is, and how that was learned.
 
-use std::sync::{LazyLock, OnceLock};
+use std::sync::LazyLock;
 
 use globset::{Glob, GlobMatcher};
-use prost_reflect::DescriptorPool;
+use prost_reflect::{EnumDescriptor, MessageDescriptor};
+
+use crate::source::proto_json::LazyPool;
 
 /// `(release tag, descriptor set)`, oldest first: written by `build.rs` from
 /// `proto/istio-api-releases/<tag>/`.
@@ -57,14 +59,16 @@ impl serde::Serialize for Generation {
     }
 }
 
-/// One release's descriptors, decoded on first use (a gateway whose
-/// clients are all of one generation decodes one).
+/// One release's descriptors, decoded as they are used: a file the first
+/// time a type of its package is looked up, with what it imports (a
+/// gateway whose clients are all of one generation and read VirtualServices
+/// decodes `istio.networking.v1alpha3` of that release, not its RBAC and
+/// authentication protos).
 pub struct Release {
     pub generation: Generation,
     /// The istio/api tag the protos are from (`1.1.17`).
     pub tag: &'static str,
-    bytes: &'static [u8],
-    pool: OnceLock<DescriptorPool>,
+    descriptors: LazyPool,
 }
 
 impl std::fmt::Debug for Release {
@@ -74,10 +78,15 @@ impl std::fmt::Debug for Release {
 }
 
 impl Release {
-    pub fn pool(&self) -> &DescriptorPool {
-        self.pool.get_or_init(|| {
-            DescriptorPool::decode(self.bytes).expect("build.rs wrote a valid descriptor set for every release")
-        })
+    /// The release's descriptor of the message `name` (a full name), its
+    /// package decoded if it was not yet.
+    pub fn message(&self, name: &str) -> Option<MessageDescriptor> {
+        self.descriptors.message(name)
+    }
+
+    /// The release's descriptor of the enum `name` (a full name).
+    pub fn enumeration(&self, name: &str) -> Option<EnumDescriptor> {
+        self.descriptors.enumeration(name)
     }
 }
 
@@ -88,8 +97,7 @@ pub static RELEASES: LazyLock<Vec<Release>> = LazyLock::new(|| {
         .map(|(tag, bytes)| Release {
             generation: Generation::parse(tag).expect("release folders are named by their tag"),
             tag,
-            bytes,
-            pool: OnceLock::new(),
+            descriptors: LazyPool::new(bytes),
         })
         .collect()
 });
@@ -283,6 +291,34 @@ mod tests {
     }
 
     #[test]
+    fn a_release_decodes_the_package_of_a_kind_looked_up_and_its_imports_only() {
+        // A release of its own, not the shared static (other tests look up
+        // other kinds of it).
+        let (tag, bytes) = RELEASE_SETS[1];
+        let release = Release {
+            generation: Generation::parse(tag).unwrap(),
+            tag,
+            descriptors: LazyPool::new(bytes),
+        };
+        assert!(release.message("istio.networking.v1alpha3.VirtualService").is_some());
+        let decoded = |prefix: &str| {
+            let files = release.descriptors.decoded();
+            files.iter().filter(|f| f.starts_with(prefix)).count()
+        };
+        assert!(decoded("networking/v1alpha3/") > 0);
+        assert_eq!(
+            decoded("rbac/"),
+            0,
+            "RBAC's protos are not decoded for a VirtualService"
+        );
+        assert_eq!(decoded("authentication/"), 0);
+        // Another package when one of its types is looked up.
+        assert!(release.message("istio.rbac.v1alpha1.RbacConfig").is_some());
+        assert!(decoded("rbac/") > 0);
+        assert!(release.message("istio.nothing.v1.Nothing").is_none());
+    }
+
+    #[test]
     fn every_release_folder_decodes_and_is_in_order() {
         let tags: Vec<&str> = RELEASES.iter().map(|r| r.tag).collect();
         assert_eq!(
@@ -291,10 +327,7 @@ mod tests {
         );
         for release in RELEASES.iter() {
             assert!(
-                release
-                    .pool()
-                    .get_message_by_name("istio.networking.v1alpha3.DestinationRule")
-                    .is_some(),
+                release.message("istio.networking.v1alpha3.DestinationRule").is_some(),
                 "{}",
                 release.tag
             );

@@ -4,7 +4,7 @@
 //! release's message and, for the names shown, the gateway's own.
 
 use prost::encoding::{decode_key, decode_varint, WireType};
-use prost_reflect::{DescriptorPool, Kind, MessageDescriptor};
+use prost_reflect::{Kind, MessageDescriptor};
 
 use super::releases::{Generation, Release, RELEASES};
 use crate::source::proto_json::{self, PathStep};
@@ -19,7 +19,7 @@ fn current_message(type_url: &str) -> Option<MessageDescriptor> {
     // Istio's kinds only, not the Envoy types the files source and the
     // config dump decode with (a gateway that only relays Galley's bytes
     // never decodes those).
-    proto_json::istio_pool().get_message_by_name(type_url.rsplit('/').next().unwrap_or(type_url))
+    proto_json::ISTIO_LAZY.message(type_url.rsplit('/').next().unwrap_or(type_url))
 }
 
 /// Nesting deeper than this is not walked (protobuf's own default limit).
@@ -149,7 +149,7 @@ pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<Reso
         path: Vec::new(),
         proto_path: Vec::new(),
     };
-    match release.pool().get_message_by_name(name) {
+    match release.message(name) {
         Some(old) => walk.message(body, current.as_ref(), &old, 0),
         None => walk.push(DroppedKind::Type(name.to_owned()), Anchor::Type(name)),
     }
@@ -159,8 +159,7 @@ pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<Reso
 /// An Istio kind: one of the releases has it, or the gateway encodes it as
 /// one of Istio's (a kind added after 1.7).
 fn in_scope(name: &str, current: Option<&MessageDescriptor>) -> bool {
-    name.starts_with("istio.")
-        && (current.is_some() || RELEASES.iter().any(|r| r.pool().get_message_by_name(name).is_some()))
+    name.starts_with("istio.") && (current.is_some() || RELEASES.iter().any(|r| r.message(name).is_some()))
 }
 
 /// What a drop is, for finding the release that added it.
@@ -171,15 +170,15 @@ enum Anchor<'a> {
 }
 
 impl Anchor<'_> {
-    fn in_pool(&self, pool: &DescriptorPool) -> bool {
+    fn in_release(&self, release: &Release) -> bool {
         match self {
-            Anchor::Field { message, number } => pool
-                .get_message_by_name(message)
-                .is_some_and(|m| m.get_field(*number).is_some()),
-            Anchor::EnumValue { name, number } => pool
-                .get_enum_by_name(name)
+            Anchor::Field { message, number } => {
+                release.message(message).is_some_and(|m| m.get_field(*number).is_some())
+            }
+            Anchor::EnumValue { name, number } => release
+                .enumeration(name)
                 .is_some_and(|e| e.get_value(*number).is_some()),
-            Anchor::Type(name) => pool.get_message_by_name(name).is_some(),
+            Anchor::Type(name) => release.message(name).is_some(),
         }
     }
 }
@@ -202,7 +201,7 @@ impl Walk<'_> {
         let added_in = RELEASES
             .iter()
             .filter(|r| r.generation > self.release.generation)
-            .find(|r| anchor.in_pool(r.pool()))
+            .find(|r| anchor.in_release(r))
             .map(|r| r.generation);
         self.found.dropped.push(Dropped {
             path: self.path.clone(),
@@ -382,7 +381,7 @@ impl Walk<'_> {
             // Istio protos are about.
             return;
         }
-        match self.release.pool().get_message_by_name(name) {
+        match self.release.message(name) {
             Some(old) => self.message(inner, current.as_ref(), &old, depth + 1),
             None => self.push(DroppedKind::Type(name.to_owned()), Anchor::Type(name)),
         }

@@ -3,6 +3,9 @@
 //! files (17 MB decoded), and a gateway reads the types of a few dozen.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, PoisonError};
+
+use prost_reflect::{DescriptorPool, EnumDescriptor, MessageDescriptor};
 
 use prost::encoding::{decode_key, decode_varint, skip_field, DecodeContext, WireType};
 
@@ -90,6 +93,72 @@ impl FileIndex {
             self.write_with_imports(dependency, loaded, set);
         }
         set.extend_from_slice(file.encoded);
+    }
+}
+
+/// A descriptor set decoded as it is used: a file the first time a type of
+/// its package is looked up, with what it imports.
+pub struct LazyPool {
+    set: &'static [u8],
+    loaded: Mutex<Option<Loaded>>,
+}
+
+/// What of a set is decoded: its files indexed, those decoded so far.
+struct Loaded {
+    index: FileIndex,
+    files: HashSet<&'static str>,
+    pool: DescriptorPool,
+}
+
+impl LazyPool {
+    /// `set`, a `FileDescriptorSet` build.rs wrote, nothing of it decoded.
+    pub const fn new(set: &'static [u8]) -> Self {
+        Self {
+            set,
+            loaded: Mutex::new(None),
+        }
+    }
+
+    /// The descriptor of the message `name` (a full name), its package
+    /// decoded if it was not yet.
+    pub fn message(&self, name: &str) -> Option<MessageDescriptor> {
+        self.with_package_of(name, |pool| pool.get_message_by_name(name))
+    }
+
+    /// The descriptor of the enum `name` (a full name).
+    pub fn enumeration(&self, name: &str) -> Option<EnumDescriptor> {
+        self.with_package_of(name, |pool| pool.get_enum_by_name(name))
+    }
+
+    /// The files decoded so far.
+    #[cfg(test)]
+    pub fn decoded(&self) -> Vec<&'static str> {
+        let loaded = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
+        loaded.iter().flat_map(|l| l.files.iter().copied()).collect()
+    }
+
+    /// `find` in the descriptors decoded, once more after decoding the
+    /// package `name` is in (and what it imports) when not found there.
+    fn with_package_of<T>(&self, name: &str, find: impl Fn(&DescriptorPool) -> Option<T>) -> Option<T> {
+        let mut guard = self.loaded.lock().unwrap_or_else(PoisonError::into_inner);
+        let loaded = guard.get_or_insert_with(|| Loaded {
+            index: FileIndex::of(&[self.set]).expect("build.rs wrote a valid descriptor set"),
+            files: HashSet::new(),
+            pool: DescriptorPool::new(),
+        });
+        if let Some(found) = find(&loaded.pool) {
+            return Some(found);
+        }
+        let wanted = loaded.index.files_of(name).to_vec();
+        let set = loaded.index.set_of(&wanted, &mut loaded.files);
+        if set.is_empty() {
+            return None;
+        }
+        loaded
+            .pool
+            .decode_file_descriptor_set(&set[..])
+            .expect("build.rs wrote a valid descriptor set");
+        find(&loaded.pool)
     }
 }
 

@@ -56,6 +56,13 @@ pub fn istio_pool() -> &'static DescriptorPool {
 
 #[path = "descriptor_files.rs"]
 mod descriptor_files;
+pub use descriptor_files::LazyPool;
+
+/// Istio's kinds, a package decoded the first time one of its types is
+/// looked up: what the version skew's walk names fields by (a gateway
+/// relaying VirtualServices decodes `istio.networking.v1alpha3`, not the
+/// whole set, 1.3 MB decoded).
+pub static ISTIO_LAZY: LazyPool = LazyPool::new(ISTIO_DESCRIPTORS);
 
 /// Envoy's API, CNCF xds and Istio's kinds, as the files decoded so far.
 struct Loaded {

@@ -3,10 +3,15 @@
 
 mod helpers;
 
+/// Counts the heap of the gateways the heap budgets measure (`budgets`).
+#[global_allocator]
+static ALLOCATOR: helpers::heap::Counting = helpers::heap::Counting;
+
 mod access;
 mod access_review;
 mod admin;
 mod browser;
+mod budgets;
 mod canary;
 mod chain;
 mod check;

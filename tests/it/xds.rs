@@ -327,7 +327,7 @@ async fn delta(addr: std::net::SocketAddr, type_url: &str, held: &[(&str, &str)]
     stream
 }
 
-fn delta_ack(stream: &DeltaStream, response: &DeltaDiscoveryResponse) {
+pub(crate) fn delta_ack(stream: &DeltaStream, response: &DeltaDiscoveryResponse) {
     stream.send(DeltaDiscoveryRequest {
         type_url: response.type_url.clone(),
         response_nonce: response.nonce.clone(),
@@ -452,7 +452,7 @@ fn cluster_bytes(name: &str) -> Vec<u8> {
     bytes
 }
 
-fn cluster_doc(name: &str) -> String {
+pub(crate) fn cluster_doc(name: &str) -> String {
     use base64::Engine;
     let value = base64::engine::general_purpose::STANDARD.encode(cluster_bytes(name));
     format!("collection: envoy/config/cluster/v3/clusters\nname: {name}\nbody:\n  type_url: {CLUSTER}\n  value_base64: {value}\n---\n")
@@ -507,7 +507,7 @@ async fn envoy_types_are_served_as_their_bodies_in_both_protocols() {
     assert_eq!(now.resources.len(), 1);
 }
 
-fn ack_sotw(stream: &SotwStream, response: &DiscoveryResponse) {
+pub(crate) fn ack_sotw(stream: &SotwStream, response: &DiscoveryResponse) {
     stream.send(DiscoveryRequest {
         type_url: response.type_url.clone(),
         response_nonce: response.nonce.clone(),

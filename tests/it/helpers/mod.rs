@@ -8,6 +8,7 @@ pub mod envoy;
 pub mod galley;
 pub mod grpc;
 pub mod h2raw;
+pub mod heap;
 pub mod kustomize;
 pub mod peers;
 

@@ -1,0 +1,358 @@
+//! Heap budgets: what an idle stream of each protocol, a resource in the
+//! cache and a distinct access grant cost the gateway's heap, counted
+//! exactly (bytes asked of the allocator by the gateway's own threads, see
+//! `helpers::heap`), never timed. Each figure is measured over many (the
+//! difference between the heap with a few and with many more, divided), and
+//! compared with a budget: a change that adds to one of these structures
+//! fails here, naming the budget, and the budget moves only with a commit
+//! that says why. BENCHMARKS.md ("Heap budgets") says which measured figure
+//! depends on which budget.
+
+use mcp_xds_gateway::proto::envoy::config::core::v3::Node;
+use mcp_xds_gateway::proto::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use mcp_xds_gateway::skew::Generation;
+use tonic::transport::Channel;
+
+use crate::access::{as_identity, mtls_flags, sotw_request, CLUSTER_TYPE as CLUSTER, DELTA, POLICY, SECRET_TYPE, SOTW};
+use crate::helpers::certs::Ca;
+use crate::helpers::clients::{channel, Bidi, SotwClient, SOTW_PATH};
+use crate::helpers::galley::{resource, FakeGalley, GalleyStream};
+use crate::helpers::heap::{within_budget, CountedGateway};
+use crate::helpers::{eventually, VS};
+use crate::xds::{ack_sotw, cluster_doc, delta_ack};
+
+// Each budget: what it covers, what was measured when it last moved, and
+// the commit that moved it ("heap budgets" is the commit that added them).
+// The room above the measured figure is for the growth of hash tables
+// whose layout depends on a random seed (a few bytes either way, run to
+// run), not for growth: a structure that grows moves its budget.
+
+/// An idle legacy stream (`AggregatedMeshConfigService`, Istio 1.1's
+/// dialect, one collection of 50 resources × 512 B, synced and ACKed), on a
+/// connection of many streams: its task, its state, its registry entry, its
+/// interest in the skew of its generation, and its h2 stream. Measured
+/// 3,817 to 3,823 B. Moved by: heap budgets.
+const LEGACY_STREAM: i64 = 3_900;
+/// An idle plaintext connection with one idle legacy stream on it (the
+/// stream included): the connection's task, h2's codec (its read and write
+/// buffers and HPACK tables, as h2 sizes them) and its streams' store, the
+/// socket's registration. The same whatever the size of the responses it
+/// carried (1 to 400 resources × 512 B): measured 44,226 to 44,296 B. Moved
+/// by: "budgets: an idle connection of one legacy stream" (added).
+const LEGACY_CONNECTION: i64 = 45_000;
+/// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
+/// clusters, its own node, synced and ACKed), on a connection of many
+/// streams: as the legacy one, and its names, its subscription's view and
+/// its wake-index entries. Measured 4,662 to 4,684 B. Moved by: heap
+/// budgets.
+const NAMED_SOTW_STREAM: i64 = 4_750;
+/// An idle named delta ADS stream (as the state-of-the-world one, delta),
+/// with what it keeps of the versions its client holds. Measured 4,628 to
+/// 4,655 B. Moved by: heap budgets.
+const NAMED_DELTA_STREAM: i64 = 4_750;
+/// A resource in the cache, 512 B of body, as Galley sends it, no client
+/// connected: the body (held in the message it arrived in) and its framing,
+/// its entry in the collection's map, its name, version and digest, and its
+/// share of its chunk. Measured 879 to 881 B (512 of them the body). Moved by:
+/// heap budgets.
+const CACHE_RESOURCE: i64 = 900;
+/// A distinct access grant: what a client whose identity's grant no other
+/// client has costs above a client of a grant already served (the same
+/// certificate and name sizes): the grant's view of the version and its
+/// bookkeeping. Measured 836 to 854 B. Moved by: heap budgets.
+const DISTINCT_GRANT: i64 = 950;
+
+/// Streams opened on each connection before the heap is first measured
+/// (what is paid once: the connection, the first encodings, the metrics'
+/// label sets), and then measured, on each of `CONNECTIONS`.
+const WARM_PER_CONNECTION: usize = 10;
+const MEASURED_PER_CONNECTION: usize = 45;
+const CONNECTIONS: usize = 2;
+const MEASURED: usize = MEASURED_PER_CONNECTION * CONNECTIONS;
+
+/// Waits until the gateway has `streams` streams, each with every type it
+/// asked for sent and ACKed, and the skew of what they read checked for
+/// their generation (legacy clients are Istio 1.1's).
+async fn all_acked(gw: &CountedGateway, streams: usize) {
+    eventually("every stream to have ACKed what it was sent", || {
+        let all = gw.registry.streams();
+        all.len() == streams
+            && all.iter().all(|s| {
+                !s.types.is_empty()
+                    && s.types
+                        .values()
+                        .all(|t| !t.outstanding && t.acked_version.is_some() && t.acked_version == t.last_sent_version)
+            })
+            && gw.skew.tracked().iter().all(|t| t.version.is_some())
+    })
+    .await;
+}
+
+/// The heap per stream that `open` adds: `WARM_PER_CONNECTION` streams on
+/// each connection, measured, `MEASURED_PER_CONNECTION` more, measured
+/// again, the difference divided. `open(channel, i)` opens stream `i`
+/// (counted over the whole test), synced and ACKed, and returns what keeps
+/// it open (held until the end of the test).
+async fn per_stream<T, F: std::future::Future<Output = T>>(
+    gw: &CountedGateway,
+    mut open: impl FnMut(Channel, usize) -> F,
+) -> (i64, Vec<T>) {
+    let mut channels = Vec::new();
+    for _ in 0..CONNECTIONS {
+        channels.push(channel(gw.listen).await);
+    }
+    let mut held = Vec::new();
+    let mut heap = Vec::new();
+    for per_connection in [WARM_PER_CONNECTION, MEASURED_PER_CONNECTION] {
+        for channel in &channels {
+            for _ in 0..per_connection {
+                let stream = open(channel.clone(), held.len()).await;
+                held.push(stream);
+            }
+        }
+        all_acked(gw, held.len()).await;
+        heap.push(gw.settled_heap().await);
+    }
+    ((heap[1] - heap[0]) / MEASURED as i64, held)
+}
+
+/// Named subscriptions: 50 clusters, stream `i` naming 5 of them from
+/// `5 × i` on (wrapping), each stream with a node of its own.
+const CLUSTERS: usize = 50;
+const NAMES_PER_STREAM: usize = 5;
+
+fn names_of_stream(i: usize) -> Vec<String> {
+    (0..NAMES_PER_STREAM)
+        .map(|k| format!("cluster-{:02}", (i * NAMES_PER_STREAM + k) % CLUSTERS))
+        .collect()
+}
+
+fn envoy_node(i: usize) -> Option<Node> {
+    Some(Node {
+        id: format!(
+            "sidecar~10.0.{}.{}~app-{i:04}.default~default.svc.cluster.local",
+            i / 250,
+            i % 250
+        ),
+        cluster: "app.default".into(),
+        ..Default::default()
+    })
+}
+
+/// A gateway serving `CLUSTERS` clusters from a files source in `dir`.
+async fn clusters_gateway(dir: &std::path::Path) -> CountedGateway {
+    let docs: String = (0..CLUSTERS).map(|i| cluster_doc(&format!("cluster-{i:02}"))).collect();
+    crate::helpers::certs::write(dir, "clusters.yaml", &docs);
+    let dir_flag = dir.to_str().unwrap().to_owned();
+    let gw = CountedGateway::start(&["--source-dir", &dir_flag]).await;
+    eventually("the clusters to be read", || {
+        gw.cache.get("envoy/config/cluster/v3/clusters").is_some()
+    })
+    .await;
+    gw
+}
+
+/// A gateway relaying one collection of 50 VirtualServices × 512 B from
+/// Galley (returned with Galley and its stream, which keep it fed).
+async fn legacy_gateway() -> (FakeGalley, GalleyStream, CountedGateway) {
+    // Istio 1.1's descriptors are decoded once per process, whichever
+    // gateway of the test binary checks a resource for 1.1 first: those of
+    // VirtualService decoded here, outside the count, so none of them falls
+    // in what is measured.
+    let release = Generation::of(1).release().expect("1.1's protos");
+    assert!(release.message("istio.networking.v1alpha3.VirtualService").is_some());
+    let mut galley = FakeGalley::start().await;
+    let url = galley.url();
+    let gw = CountedGateway::start(&["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    let body = [b'x'; 512];
+    let resources = (0..50)
+        .map(|i| resource(&format!("default/vs-{i:03}"), "1", &body))
+        .collect();
+    upstream.push_full(VS, resources).await;
+    (galley, upstream, gw)
+}
+
+/// A legacy client's stream on `channel`, synced and ACKed.
+async fn legacy_stream(channel: Channel) -> SotwClient {
+    let mut client = SotwClient::open_on(channel, SOTW_PATH).await;
+    client.subscribe(VS);
+    let response = client.recv_type(VS).await;
+    assert_eq!(response.resources.len(), 50);
+    client.ack(&response);
+    client
+}
+
+#[tokio::test]
+async fn an_idle_legacy_stream_stays_within_its_heap_budget() {
+    let (_galley, _upstream, gw) = legacy_gateway().await;
+    let (measured, _streams) = per_stream(&gw, |channel, _| legacy_stream(channel)).await;
+    within_budget(
+        "LEGACY_STREAM",
+        LEGACY_STREAM,
+        measured,
+        "idle legacy stream",
+        "AggregatedMeshConfigService, one collection, ACKed",
+    );
+}
+
+#[tokio::test]
+async fn an_idle_connection_of_one_legacy_stream_stays_within_its_heap_budget() {
+    const WARM: usize = 10;
+    const MORE: usize = 40;
+    let (_galley, _upstream, gw) = legacy_gateway().await;
+    let mut held = Vec::new();
+    let mut heap = Vec::new();
+    for count in [WARM, MORE] {
+        for _ in 0..count {
+            held.push(legacy_stream(channel(gw.listen).await).await);
+        }
+        all_acked(&gw, held.len()).await;
+        heap.push(gw.settled_heap().await);
+    }
+    within_budget(
+        "LEGACY_CONNECTION",
+        LEGACY_CONNECTION,
+        (heap[1] - heap[0]) / MORE as i64,
+        "idle connection of one legacy stream",
+        "plaintext HTTP/2, the stream's own cost included",
+    );
+}
+
+type SotwStream = Bidi<DiscoveryRequest, DiscoveryResponse>;
+type DeltaStream = Bidi<DeltaDiscoveryRequest, DeltaDiscoveryResponse>;
+
+/// An idle named stream of either protocol: `budget` checked against the
+/// heap per stream `open` adds on a gateway serving the clusters.
+async fn named_stream_budget<T, F: std::future::Future<Output = T>>(
+    budget: (&str, i64, &str),
+    open: impl FnMut(Channel, usize) -> F,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = clusters_gateway(dir.path()).await;
+    let (measured, _streams) = per_stream(&gw, open).await;
+    let (name, limit, unit) = budget;
+    within_budget(name, limit, measured, unit, "Envoy's CDS, 5 names, ACKed");
+}
+
+#[tokio::test]
+async fn an_idle_named_sotw_stream_stays_within_its_heap_budget() {
+    let budget = (
+        "NAMED_SOTW_STREAM",
+        NAMED_SOTW_STREAM,
+        "idle named state-of-the-world ADS stream",
+    );
+    named_stream_budget(budget, |channel, i| async move {
+        let mut stream = SotwStream::open_on(channel, SOTW).await;
+        stream.send(DiscoveryRequest {
+            node: envoy_node(i),
+            type_url: CLUSTER.into(),
+            resource_names: names_of_stream(i),
+            ..Default::default()
+        });
+        let response = stream.recv().await;
+        assert_eq!(response.resources.len(), NAMES_PER_STREAM);
+        ack_sotw(&stream, &response);
+        stream
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_idle_named_delta_stream_stays_within_its_heap_budget() {
+    let budget = ("NAMED_DELTA_STREAM", NAMED_DELTA_STREAM, "idle named delta ADS stream");
+    named_stream_budget(budget, |channel, i| async move {
+        let mut stream = DeltaStream::open_on(channel, DELTA).await;
+        stream.send(DeltaDiscoveryRequest {
+            node: envoy_node(i),
+            type_url: CLUSTER.into(),
+            resource_names_subscribe: names_of_stream(i),
+            ..Default::default()
+        });
+        let response = stream.recv().await;
+        assert_eq!(response.resources.len(), NAMES_PER_STREAM);
+        delta_ack(&stream, &response);
+        stream
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_resource_in_the_cache_stays_within_its_heap_budget() {
+    const FIRST: usize = 100;
+    const MORE: usize = 1_000;
+    let mut galley = FakeGalley::start().await;
+    let url = galley.url();
+    let gw = CountedGateway::start(&["--upstream", &url, "--collections", VS, "--reconnect-min-delay", "10ms"]).await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    let body = [b'x'; 512];
+    let resources = |n: usize| {
+        (0..n)
+            .map(|i| resource(&format!("default/vs-{i:05}"), "1", &body))
+            .collect()
+    };
+    // Galley's ACK comes once the version is in the cache.
+    upstream.push_full(VS, resources(FIRST)).await;
+    let before = gw.settled_heap().await;
+    upstream.push_full(VS, resources(FIRST + MORE)).await;
+    let after = gw.settled_heap().await;
+    assert_eq!(gw.cache.get(VS).map(|c| c.len()), Some(FIRST + MORE));
+    within_budget(
+        "CACHE_RESOURCE",
+        CACHE_RESOURCE,
+        (after - before) / MORE as i64,
+        "resource in the cache",
+        "512 B of body from Galley, no client",
+    );
+}
+
+#[tokio::test]
+async fn a_distinct_access_grant_stays_within_its_heap_budget() {
+    const WARM: usize = 5;
+    const EACH: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("mesh-ca");
+    let flags = mtls_flags(dir.path(), &ca, Some(POLICY));
+    let gw = CountedGateway::start(&flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    // Namespaces of the same length: every client's certificate and names
+    // are the same size, only whether its grant is shared differs.
+    let open = |namespace: String| {
+        let ca = &ca;
+        let listen = gw.listen;
+        async move {
+            let identity = format!("spiffe://cluster.local/ns/{namespace}/sa/x");
+            let mut stream = SotwStream::open_on(as_identity(listen, ca, &identity).await, SOTW).await;
+            stream.send(sotw_request(SECRET_TYPE, &[], None));
+            let response = stream.recv().await;
+            stream.send(sotw_request(SECRET_TYPE, &[], Some(&response)));
+            stream
+        }
+    };
+    let mut held = Vec::new();
+    let mut heap = Vec::new();
+    for (count, distinct) in [(WARM, false), (EACH, false), (EACH, true)] {
+        for i in 0..count {
+            let namespace = if distinct {
+                format!("g{i:03}")
+            } else {
+                "gsam".to_owned()
+            };
+            held.push(open(namespace).await);
+        }
+        all_acked(&gw, held.len()).await;
+        heap.push(gw.settled_heap().await);
+    }
+    let shared = (heap[1] - heap[0]) / EACH as i64;
+    let distinct = (heap[2] - heap[1]) / EACH as i64;
+    within_budget(
+        "DISTINCT_GRANT",
+        DISTINCT_GRANT,
+        distinct - shared,
+        "distinct access grant",
+        &format!("a client of a grant of its own ({distinct} B) against one of a shared grant ({shared} B)"),
+    );
+}
