@@ -1457,6 +1457,13 @@ impl<W: Wire> TypedStream<W> {
         } else {
             change_of(state.last_sent(), &to, names_of(followed))
         };
+        // The client refused what was made for this version (its additions
+        // first, or drained clusters kept): nothing goes until the source
+        // changes (the machine would see another version and send it).
+        if refused_again && !owed {
+            self.release(type_url);
+            return None;
+        }
         if others == 0 || (!owed && !wants.any()) {
             if owed || wants.any() {
                 self.types.get_mut(type_url)?.sent_change = Change { makes: true, ..wants };

@@ -835,3 +835,44 @@ async fn a_cluster_a_drained_listener_sent_to_goes_after_the_drain() {
     let logged = gw.log_line("a removal waits for a listener the client drains").await;
     assert!(logged.contains("drain_seconds=600"), "{logged}");
 }
+
+/// A NACK of a response that carries a change's additions with drained
+/// clusters kept refuses that change: the route to the refused cluster is
+/// held (issue 41's independent check: it went, `503 NC`, while a drain was
+/// running).
+#[tokio::test]
+async fn a_refused_cluster_holds_its_route_while_a_drain_runs() {
+    let version = |clusters: &[(&str, u16)], route_to: &str| {
+        let mut config = Config::new(Kind::Static, clusters, route_to);
+        config.tcp_to = Some("cluster-a");
+        config
+    };
+    let mut first = version(&[("cluster-a", 1), ("cluster-t", 2)], "cluster-a");
+    first.tcp_to = Some("cluster-t");
+    let mut volume = Volume::new(&first);
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let mut envoy = Sotw::open(gw.listen).await;
+    envoy.request(CLUSTER, &[], None);
+    let clusters = envoy.next(CLUSTER, "the clusters").await;
+    envoy.ack(&clusters, &[]);
+    envoy.request(LISTENER, &[], None);
+    let listeners = envoy.next(LISTENER, "the listener").await;
+    envoy.ack(&listeners, &[]);
+    envoy.request(ROUTE, &[ROUTE_NAME], None);
+    let route = envoy.next(ROUTE, "the route").await;
+    envoy.ack(&route, &[ROUTE_NAME]);
+    nothing_held(gw.admin).await;
+
+    // The TCP listener moves off cluster-t, which goes: it drains (600 s).
+    volume.swap(&version(&[("cluster-a", 1)], "cluster-a"));
+    let listeners = envoy.next(LISTENER, "the listener moved to cluster-a").await;
+    envoy.ack(&listeners, &[]);
+    held_for(gw.admin, CLUSTER, "listeners", "DRAINING", "remove").await;
+
+    // A new cluster, refused, and the route to it: the route waits.
+    volume.swap(&version(&[("cluster-a", 1), ("cluster-y", 3)], "cluster-y"));
+    let refused = envoy.next(CLUSTER, "the new cluster, cluster-t kept").await;
+    assert_eq!(sotw_names(&refused), ["cluster-a", "cluster-t", "cluster-y"]);
+    envoy.nack(&refused, &clusters.version_info, "cluster-y: refused by the test");
+    held_for(gw.admin, ROUTE, "clusters", "NACKED", "add").await;
+}
