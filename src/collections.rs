@@ -274,6 +274,17 @@ impl CollectionTable {
         })
     }
 
+    /// The body type URL a sensitive collection declares (`None`: not
+    /// sensitive): the only type whose bodies there are shown with their
+    /// secret fields redacted; a body claiming any other type is hidden
+    /// whole (its bytes may be a secret under another name).
+    pub fn sensitive_body_type(&self, collection: &str) -> Option<&str> {
+        self.by_name
+            .get(collection)
+            .filter(|_| self.is_sensitive(collection))
+            .map(|info| info.body_type_url.as_str())
+    }
+
     /// The body type URL of every sensitive collection, for the views that
     /// show bodies (a type marked by `--type-map` alone is shown redacted whole).
     pub fn sensitive_body_types(&self) -> Vec<String> {

@@ -30,9 +30,9 @@ pub struct DumpQuery {
 /// How much of an undecodable body the dump shows.
 const PREVIEW_BYTES: usize = 64;
 
-/// A resource with its metadata and body; `sensitive`: whether its
-/// collection is (see [`shown`]).
-pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder, sensitive: bool) -> Value {
+/// A resource with its metadata and body; `sensitive`: the body type its
+/// collection declares, when it is a sensitive one (see [`shown`]).
+pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder, sensitive: Option<&str>) -> Value {
     shown(resource, bodies, sensitive).0
 }
 
@@ -43,10 +43,14 @@ pub(super) fn resource(resource: &CachedResource, bodies: &BodyDecoder, sensitiv
 /// (a `Struct`, a `StringValue`, a type without marks, one that does not
 /// decode) is `[redacted]` whole, whatever its type URL says: the
 /// collection is what clients are refused, so it is what the views hide.
+/// Only the collection's own body type (`sensitive`) is read: a body there
+/// claiming another type is hidden whole (a `Secret`'s bytes labelled a
+/// `RouteConfiguration` would decode as one, its key in a field no mark
+/// covers).
 pub(super) fn shown(
     resource: &CachedResource,
     bodies: &BodyDecoder,
-    sensitive: bool,
+    sensitive: Option<&str>,
 ) -> (Value, BTreeMap<String, u64>) {
     let raw = RawResource::decode(resource.encoded.clone()).unwrap_or_default();
     let metadata = raw.metadata.unwrap_or_default();
@@ -54,7 +58,7 @@ pub(super) fn shown(
         .body
         .and_then(|b| prost_types::Any::decode(b).ok())
         .unwrap_or_default();
-    let whole = sensitive && !bodies.knows_secrets_of(&any.type_url);
+    let whole = sensitive.is_some_and(|declared| any.type_url != declared || !bodies.knows_secrets_of(&any.type_url));
     let (body, secrets) = match bodies.decode_redacted(&any.type_url, &any.value) {
         Ok(_) if whole => (json!(REDACTED), BTreeMap::from([(String::new(), digest(&any.value))])),
         Ok(body) => (body.json, body.secrets),
@@ -107,7 +111,7 @@ pub fn dump(
     mut head: Value,
     format: &str,
     bodies: &BodyDecoder,
-    sensitive: bool,
+    sensitive: Option<&str>,
 ) -> Response {
     head["resources"] = snapshot
         .resources

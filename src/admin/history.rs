@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use super::versions::{self, VersionError};
 use super::{time, unknown_collection, view, wants_html, AdminState};
 use crate::cache::{Cache, Diff, HistoryEntry, ResourceMap};
-use crate::transport::safe_text::yaml_terminal_safe;
+use crate::transport::safe_text::{exact_safe, yaml_terminal_safe};
 
 /// Lines of context around each change in a body's diff.
 const CONTEXT_LINES: usize = 3;
@@ -184,8 +184,8 @@ pub(super) async fn diff(
                         .unified_diff()
                         .context_radius(CONTEXT_LINES)
                         .header(
-                            &format!("{}@{from}", resource.name),
-                            &format!("{}@{to_version}", resource.name),
+                            &format!("{}@{from}", exact_safe(&resource.name)),
+                            &format!("{}@{to_version}", exact_safe(&resource.name)),
                         )
                         .to_string()
                 };
@@ -216,7 +216,7 @@ fn body_yaml(
     collection: &str,
     state: &AdminState,
 ) -> (String, BTreeMap<String, u64>) {
-    let (value, secrets) = super::dump::shown(resource, &state.bodies, state.table.is_sensitive(collection));
+    let (value, secrets) = super::dump::shown(resource, &state.bodies, state.table.sensitive_body_type(collection));
     let text = yaml_terminal_safe(&value).unwrap_or_else(|e| format!("# cannot write YAML: {e}\n"));
     (text, secrets)
 }

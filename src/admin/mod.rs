@@ -806,7 +806,7 @@ async fn cache_collection(
         return unknown_collection(collection);
     };
     if let Some(format) = &query.bodies {
-        let sensitive = state.table.is_sensitive(&snapshot.collection);
+        let sensitive = state.table.sensitive_body_type(&snapshot.collection);
         return dump::dump(&snapshot, snapshot_json(&snapshot), format, &state.bodies, sensitive);
     }
     let mut value = snapshot_json(&snapshot);

@@ -1113,12 +1113,12 @@ impl LocalSource {
                     // the file holds is not served until it parses.
                     if state.good.is_empty() && state.error.is_none() {
                         tracing::warn!(
-                            %error,
+                            error = %terminal_safe(&error.to_string()),
                             "a source file does not parse; what it holds is not served until it does"
                         );
                     } else {
                         tracing::warn!(
-                            %error,
+                            error = %terminal_safe(&error.to_string()),
                             kept = state.good.len(),
                             "a source file does not parse; its collections keep their last good state"
                         );

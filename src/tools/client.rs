@@ -1065,7 +1065,10 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
 /// gateway's views show it: any other body there reads `[redacted]` whole.
 fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> serde_json::Value {
     let sensitive = sensitive_type(type_url);
-    if sensitive && !bodies.knows_secrets_of(&body.type_url) {
+    // Only the collection's own body type is read there: a body claiming
+    // another may be a secret's bytes under another name.
+    let foreign = sensitive && body.type_url != declared_type(type_url);
+    if foreign || (sensitive && !bodies.knows_secrets_of(&body.type_url)) {
         return serde_json::json!(crate::source::proto_json::REDACTED);
     }
     bodies.decode(&body.type_url, &body.value).unwrap_or_else(|why| {
@@ -1093,6 +1096,15 @@ fn unknown_collection_notes(type_urls: &[String]) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// The body type of the collection `type_url` asks for (an MCP collection's
+/// body type URL; over xDS, the type URL itself).
+fn declared_type(type_url: &str) -> String {
+    let table = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
+    table
+        .sensitive_body_type(type_url)
+        .map_or_else(|| type_url.to_owned(), str::to_owned)
 }
 
 /// Whether what `type_url` asks for is a collection of secrets (by the

@@ -32,8 +32,8 @@ pub fn terminal_safe(text: &str) -> Cow<'_, str> {
     visible(text, false, false)
 }
 
-/// [`terminal_safe`] for a page that shows text in lines: line ends and
-/// tabs kept, everything else the same.
+/// [`terminal_safe`] for a page that shows text in lines: line feeds and
+/// tabs kept, everything else (a carriage return too) the same.
 pub fn lines_safe(text: &str) -> Cow<'_, str> {
     visible(text, true, false)
 }
@@ -97,7 +97,9 @@ pub fn unescape(text: &str) -> Cow<'_, str> {
 }
 
 fn visible(text: &str, keep_whitespace: bool, exact: bool) -> Cow<'_, str> {
-    let escaped = |c: char| needs_escape(c) && !(keep_whitespace && matches!(c, '\n' | '\r' | '\t'));
+    // A carriage return is escaped even in lines: on a terminal it would
+    // write over what the line showed before it.
+    let escaped = |c: char| needs_escape(c) && !(keep_whitespace && matches!(c, '\n' | '\t'));
     if !text.chars().any(|c| escaped(c) || (exact && c == '\\')) {
         return Cow::Borrowed(text);
     }

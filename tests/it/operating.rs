@@ -2097,3 +2097,33 @@ async fn what_clients_and_sources_write_reaches_no_output_raw() {
         "the override is written as JSON's escape: {lines:#?}"
     );
 }
+
+/// What a source writes reaches no output raw (issue 42's re-check): a
+/// resource name with a line feed in `rollout diff --bodies`' unified-diff
+/// header (it forged a line), and a file whose name holds ESC, CR and a line
+/// feed in the text log's "does not parse" line (it forged a log line).
+#[tokio::test]
+async fn a_source_written_name_forges_no_line() {
+    let (_galley, gw, mut upstream) = crate::helpers::galley_and_gateway(&[VS], &[]).await;
+    use crate::rollout::{push, vs};
+    let name = "a\nFAKE LINE";
+    push(&mut upstream, &gw, vec![vs(name, "1", "a.example", 1.0)]).await;
+    let v2 = push(&mut upstream, &gw, vec![vs(name, "2", "b.example", 1.0)]).await;
+    let admin = format!("http://{}", gw.admin);
+    let (code, diff, stderr) = subcommand(
+        "rollout",
+        &["diff", VS, "--to", &v2[..8], "--bodies", "--admin", &admin],
+    )
+    .await;
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(diff.contains("--- a\\nFAKE LINE@"), "{diff}");
+    assert!(!diff.lines().any(|l| l.starts_with("FAKE")), "{diff}");
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ok.yaml"), "# nothing\n").unwrap();
+    let mut files = crate::helpers::spawn_gateway(None, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    std::fs::write(dir.path().join("x\u{1b}[31m\r\nFAKE.yaml"), "kind: [\n").unwrap();
+    let line = files.log_line("a source file does not parse").await;
+    assert!(!line.contains('\u{1b}') && !line.contains('\r'), "{line:?}");
+    assert!(line.contains("x\\x1b[31m\\r\\nFAKE.yaml"), "{line:?}");
+}

@@ -310,6 +310,12 @@ async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
 /// previewed, in a sensitive collection or not.
 #[tokio::test]
 async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() {
+    // A Secret's bytes labelled a type whose tree holds marked fields
+    // elsewhere (issue 42's re-check: it decoded, the key in a string).
+    const ROUTE_TYPE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+    // Secret{name: s, tls_certificate{certificate_chain: "CERTPEM",
+    // private_key: "MARKER-KEY"}}: decodes as a RouteConfiguration too.
+    const SMALL_SECRET: &str = "CgFzEhkKCRoHQ0VSVFBFTRIMGgpNQVJLRVItS0VZ";
     let ca = Ca::new("redaction-by-collection");
     let leaf = ca.leaf("spaced");
     let key = key_lines(&leaf.key);
@@ -340,7 +346,9 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
                 "---\ncollection: {collection}\nname: a-struct\nbody: {{struct: {{token: hunter2-struct-{generation}}}}}\n\
                  ---\ncollection: {collection}\nname: a-string\nbody: {{type_url: type.googleapis.com/google.protobuf.StringValue, value_base64: {}}}\n\
                  ---\ncollection: {collection}\nname: some-bytes\nbody: {{type_url: type.googleapis.com/google.protobuf.BytesValue, value_base64: {}}}\n\
-                 ---\ncollection: {collection}\nname: spaced\nbody: {{type_url: \"{spaced}\", value_base64: {secret_b64}}}\n",
+                 ---\ncollection: {collection}\nname: spaced\nbody: {{type_url: \"{spaced}\", value_base64: {secret_b64}}}\n\
+                 ---\ncollection: {collection}\nname: mislabelled\nbody: {{type_url: {ROUTE_TYPE}, value_base64: {secret_b64}}}\n\
+                 ---\ncollection: {collection}\nname: mislabelled-small\nbody: {{type_url: {ROUTE_TYPE}, value_base64: {SMALL_SECRET}}}\n",
                 wrapped(&format!("hunter2-string-{generation}")),
                 wrapped(&format!("hunter2-bytes-{generation}")),
             );
@@ -356,7 +364,13 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
     write("one");
     let (map, source_flag) = (map.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
     let markers = |text: &str, view: &str| {
-        for marker in ["hunter2", &b64("hunter2")[..8], &secret_b64[..24]] {
+        for marker in [
+            "hunter2",
+            &b64("hunter2")[..8],
+            &secret_b64[..24],
+            "MARKER-KEY",
+            "TUFSS0VS",
+        ] {
             assert!(!text.contains(marker), "{view} shows {marker:?}:\n{text}");
         }
         assert_no_key(view, text, &[&key]);
@@ -378,7 +392,7 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         policy.to_str().unwrap(),
     ])
     .await;
-    for (collection, count) in [(SECRETS, 4), ("example.com/vault", 4), ("example.com/plain", 2)] {
+    for (collection, count) in [(SECRETS, 6), ("example.com/vault", 6), ("example.com/plain", 2)] {
         eventually(collection, || {
             gw.cache.get(collection).is_some_and(|s| s.len() == count)
         })
@@ -451,6 +465,12 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
                         body["not_decoded"].as_str().unwrap().contains("is not a type URL"),
                         "{dump}"
                     );
+                }
+                // Not read as the type it claims in a sensitive collection:
+                // hidden whole (here it does not even decode as it).
+                (_, "mislabelled") => {
+                    assert_eq!(body["sensitive"], true, "{dump}");
+                    assert!(body.get("preview_base64").is_none(), "{dump}");
                 }
                 _ => assert_eq!(*body, json!("[redacted]"), "{dump}"),
             }
