@@ -815,6 +815,14 @@ fn standing(followed: &Followed) -> Option<Standing> {
     if current.is_some() && state.named().is_some_and(|n| !n.settled()) {
         pending.makes = true;
     }
+    // Refused, and the source changed since: its next response carries
+    // again what the refused one did (the whole type, or delta's names
+    // carried again), so the types after it wait for that response's
+    // answer, whatever the change itself does (a change that only removes
+    // an unrelated cluster must not let a route to the refused one go).
+    if let (Some(current), false) = (&current, refused) {
+        pending.makes |= carries_refused(followed, current);
+    }
     // What it removes waits for a drain of listeners: so does what names
     // it (the clusters of load assignments waiting), which waits for the
     // drain itself rather than for this type.
@@ -831,6 +839,21 @@ fn standing(followed: &Followed) -> Option<Standing> {
         in_flight: outstanding.then_some(followed.sent_change),
         pending,
         refused: (!outstanding && refused).then_some(followed.sent_change),
+    })
+}
+
+/// After a NACK, whether the response for `to` carries again something the
+/// refused response added or changed (it is still in `to`): the types after
+/// it wait for that response's answer. Not known: it does.
+fn carries_refused(followed: &Followed, to: &CollectionSnapshot) -> bool {
+    if followed.state.pending_nack().is_none() {
+        return false;
+    }
+    let names = names_of(followed);
+    followed.state.refused_names().is_none_or(|refused| {
+        refused
+            .iter()
+            .any(|n| to.resources.contains_key(&**n) && names.is_none_or(|asked| asked.covers(n)))
     })
 }
 
@@ -1455,7 +1478,11 @@ impl<W: Wire> TypedStream<W> {
                 breaks: true,
             }
         } else {
-            change_of(state.last_sent(), &to, names_of(followed))
+            let mut wants = change_of(state.last_sent(), &to, names_of(followed));
+            // After a NACK, the next response carries again what the refused
+            // one did (see `standing`).
+            wants.makes |= carries_refused(followed, &to);
+            wants
         };
         // The client refused what was made for this version (its additions
         // first, or drained clusters kept): nothing goes until the source

@@ -772,6 +772,24 @@ impl TypeState {
         Ok(push)
     }
 
+    /// The names its last response added or changed against what it last
+    /// ACKed, while that response is refused (NACKed, nothing ACKed
+    /// since): what it may not hold. `None`: not known (nothing ACKed).
+    pub fn refused_names(&self) -> Option<Vec<Arc<str>>> {
+        self.pending_nack()?;
+        let base = if self.holds_what_was_sent() {
+            self.acked.as_ref()?
+        } else {
+            match &self.held {
+                Held::At(acked) => acked,
+                _ => return None,
+            }
+        };
+        let sent = self.sent.as_ref()?;
+        let diff = Diff::between(&base.resources, &sent.resources);
+        Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
+    }
+
     /// Delta xDS, the source changed after a NACK: the client holds what it
     /// ACKed, and of the refused response any part (Envoy's CDS applies the
     /// valid clusters of a response it rejects, and its removals). So the
@@ -943,6 +961,11 @@ impl TypeState {
         }
         if !nacked {
             self.view.acked_version = Some(current.version.clone());
+            // Held without a response (a reconnect at the current version):
+            // shown as sent and ACKed, not as never sent.
+            if self.view.last_sent_version.is_none() {
+                self.view.last_sent_version = Some(current.version.clone());
+            }
         }
     }
 

@@ -876,3 +876,55 @@ async fn a_refused_cluster_holds_its_route_while_a_drain_runs() {
     envoy.nack(&refused, &clusters.version_info, "cluster-y: refused by the test");
     held_for(gw.admin, ROUTE, "clusters", "NACKED", "add").await;
 }
+
+/// A refused cluster keeps holding the route to it when the source changes
+/// something else of the clusters (an unused one removed): the next
+/// clusters response carries the refused one again, and the route waits for
+/// its answer (issue 41's re-check: the route went, `503 NC`).
+#[tokio::test]
+async fn a_refused_cluster_holds_its_route_through_an_unrelated_removal() {
+    let mut volume = Volume::new(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-u", 2)],
+        "cluster-a",
+    ));
+    let gw = start_gateway(&["--source-dir", volume.path()]).await;
+    let (mut envoy, clusters) = Sotw::synced(gw.listen, gw.admin).await;
+
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-u", 2), ("cluster-x", 3)],
+        "cluster-x",
+    ));
+    let refused = envoy.next(CLUSTER, "the refused cluster").await;
+    envoy.nack(&refused, &clusters.version_info, "cluster-x: refused by the test");
+    held_for(gw.admin, ROUTE, "clusters", "NACKED", "add").await;
+
+    // Only the unused cluster goes: the route waits for the clusters (whose
+    // next response would be the refused one again: nothing goes).
+    let before = row(gw.admin, CLUSTER).await["current_version"].clone();
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-x", 3)],
+        "cluster-x",
+    ));
+    eventually_some("the clusters' new version", || async {
+        (row(gw.admin, CLUSTER).await["current_version"] != before).then_some(())
+    })
+    .await;
+    assert!(row(gw.admin, ROUTE).await["order"]["status"] == "HELD");
+    // Fixed: the clusters come first (nothing came between), then the route.
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-x", 4)],
+        "cluster-x",
+    ));
+    let fixed = envoy.next(CLUSTER, "the fixed cluster before any route").await;
+    assert_eq!(sotw_names(&fixed), ["cluster-a", "cluster-u", "cluster-x"]);
+    envoy.ack(&fixed, &[]);
+    let route = envoy.next(ROUTE, "the route once its cluster is taken").await;
+    assert_eq!(
+        routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-x"]),
+        "cluster-x"
+    );
+}

@@ -1555,6 +1555,13 @@ async fn the_client_speaks_envoys_ads_by_name_as_envoy_does() {
             .collect();
         assert_eq!(resources, received, "{stdout}");
         assert_eq!(received.len(), 1, "one named resource of each type");
+        // ACKed, as Envoy does: the routes go once the endpoints they may
+        // send to are ACKed (make before break).
+        delta.send(DeltaDiscoveryRequest {
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            ..Default::default()
+        });
     }
     // The text form: the update line, each resource and its body.
     let (code, text, stderr) = client_command(&[&args[..], &["--show", "bodies"]].concat()).await;
