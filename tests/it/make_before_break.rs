@@ -259,6 +259,32 @@ impl Sotw {
         (envoy, clusters)
     }
 
+    /// A client of the clusters and listeners (wildcard) and, by name, the
+    /// route configuration `route` (if any), each ACKed, nothing held: and
+    /// its clusters' and route's responses.
+    async fn synced_with_listeners(
+        addr: SocketAddr,
+        admin: SocketAddr,
+        route: Option<&str>,
+    ) -> (Self, DiscoveryResponse, Option<DiscoveryResponse>) {
+        let mut envoy = Sotw::open(addr).await;
+        envoy.request(CLUSTER, &[], None);
+        let clusters = envoy.next(CLUSTER, "the clusters").await;
+        envoy.ack(&clusters, &[]);
+        envoy.request(LISTENER, &[], None);
+        let listeners = envoy.next(LISTENER, "the listeners").await;
+        envoy.ack(&listeners, &[]);
+        let mut routes = None;
+        if let Some(route) = route {
+            envoy.request(ROUTE, &[route], None);
+            let response = envoy.next(ROUTE, "the route").await;
+            envoy.ack(&response, &[route]);
+            routes = Some(response);
+        }
+        nothing_held(admin).await;
+        (envoy, clusters, routes)
+    }
+
     fn request(&self, type_url: &str, names: &[&str], last: Option<&DiscoveryResponse>) {
         self.stream.send(DiscoveryRequest {
             type_url: type_url.into(),
@@ -736,14 +762,7 @@ async fn a_refused_cluster_holds_a_tcp_listener_that_sends_to_it() {
     };
     let mut volume = Volume::new(&version(&[("cluster-a", 1)], "cluster-a"));
     let gw = start_gateway(&["--source-dir", volume.path()]).await;
-    let mut envoy = Sotw::open(gw.listen).await;
-    envoy.request(CLUSTER, &[], None);
-    let clusters = envoy.next(CLUSTER, "the clusters").await;
-    envoy.ack(&clusters, &[]);
-    envoy.request(LISTENER, &[], None);
-    let listeners = envoy.next(LISTENER, "the listeners").await;
-    envoy.ack(&listeners, &[]);
-    nothing_held(gw.admin).await;
+    let (mut envoy, clusters, _) = Sotw::synced_with_listeners(gw.listen, gw.admin, None).await;
 
     // A new cluster and the TCP listener moved to it: the cluster refused.
     volume.swap(&version(&[("cluster-a", 1), ("cluster-b", 2)], "cluster-b"));
@@ -782,17 +801,8 @@ async fn a_cluster_a_drained_listener_sent_to_goes_after_the_drain() {
     };
     let mut volume = Volume::new(&version("cluster-a", "route-a"));
     let mut gw = spawn_gateway(None, &["--source-dir", volume.path()]).await;
-    let mut envoy = Sotw::open(gw.listen).await;
-    envoy.request(CLUSTER, &[], None);
-    let clusters = envoy.next(CLUSTER, "the clusters").await;
-    envoy.ack(&clusters, &[]);
-    envoy.request(LISTENER, &[], None);
-    let listeners = envoy.next(LISTENER, "the listener").await;
-    envoy.ack(&listeners, &[]);
-    envoy.request(ROUTE, &["route-a"], None);
-    let route = envoy.next(ROUTE, "route-a").await;
-    envoy.ack(&route, &["route-a"]);
-    nothing_held(gw.admin).await;
+    let (mut envoy, _, route) = Sotw::synced_with_listeners(gw.listen, gw.admin, Some("route-a")).await;
+    let route = route.expect("route-a");
 
     volume.swap(&version("cluster-b", "route-b"));
     let first = envoy.next(CLUSTER, "the new cluster, the old one kept").await;
@@ -851,17 +861,7 @@ async fn a_refused_cluster_holds_its_route_while_a_drain_runs() {
     first.tcp_to = Some("cluster-t");
     let mut volume = Volume::new(&first);
     let gw = start_gateway(&["--source-dir", volume.path()]).await;
-    let mut envoy = Sotw::open(gw.listen).await;
-    envoy.request(CLUSTER, &[], None);
-    let clusters = envoy.next(CLUSTER, "the clusters").await;
-    envoy.ack(&clusters, &[]);
-    envoy.request(LISTENER, &[], None);
-    let listeners = envoy.next(LISTENER, "the listener").await;
-    envoy.ack(&listeners, &[]);
-    envoy.request(ROUTE, &[ROUTE_NAME], None);
-    let route = envoy.next(ROUTE, "the route").await;
-    envoy.ack(&route, &[ROUTE_NAME]);
-    nothing_held(gw.admin).await;
+    let (mut envoy, clusters, _) = Sotw::synced_with_listeners(gw.listen, gw.admin, Some(ROUTE_NAME)).await;
 
     // The TCP listener moves off cluster-t, which goes: it drains (600 s).
     volume.swap(&version(&[("cluster-a", 1)], "cluster-a"));
