@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
-use crate::source::proto_json::{BodyDecoder, REDACTED};
+use crate::source::proto_json::{redact_quoted, BodyDecoder, REDACTED};
 use crate::transport::safe_text::yaml_terminal_safe;
 
 /// `?bodies=`.
@@ -63,8 +63,10 @@ pub(super) fn shown(
         Ok(_) if whole => (json!(REDACTED), BTreeMap::from([(String::new(), digest(&any.value))])),
         Ok(body) => (body.json, body.secrets),
         // A secret's bytes are never shown, not even a few.
+        // Nor what the error quotes of them (a type URL an `Any` inside it
+        // names, a string it holds).
         Err(why) if whole || bodies.is_sensitive_type(&any.type_url) => (
-            json!({"bytes": any.value.len(), "not_decoded": why, "sensitive": true}),
+            json!({"bytes": any.value.len(), "not_decoded": redact_quoted(&why), "sensitive": true}),
             BTreeMap::from([(String::new(), digest(&any.value))]),
         ),
         Err(why) => (

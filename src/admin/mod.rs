@@ -453,7 +453,12 @@ async fn json_safe_body(request: axum::extract::Request, next: axum::middleware:
 async fn readyz(State(state): State<AdminState>) -> (StatusCode, String) {
     match state.not_ready() {
         None => (StatusCode::OK, "ready\n".into()),
-        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+        // Plain text an operator reads with curl: what a source wrote in it
+        // (a file's name, a quoted value) escaped.
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{}\n", crate::transport::safe_text::terminal_safe(&reason)),
+        ),
     }
 }
 

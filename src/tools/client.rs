@@ -1073,6 +1073,12 @@ fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> s
     }
     bodies.decode(&body.type_url, &body.value).unwrap_or_else(|why| {
         let sensitive = sensitive || bodies.is_sensitive_type(&body.type_url);
+        // What the error quotes of a body that may hold a secret is not shown.
+        let why = if sensitive {
+            crate::source::proto_json::redact_quoted(&why)
+        } else {
+            why
+        };
         serde_json::json!({"bytes": body.value.len(), "not_decoded": why, "sensitive": sensitive})
     })
 }

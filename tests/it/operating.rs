@@ -2133,4 +2133,14 @@ async fn a_source_written_name_forges_no_line() {
     let line = files.log_line("a source file does not parse").await;
     assert!(!line.contains('\u{1b}') && !line.contains('\r'), "{line:?}");
     assert!(line.contains("x\\x1b[31m\\r\\nFAKE.yaml"), "{line:?}");
+
+    // A file that does not parse at start: the admin port's /readyz (plain
+    // text, read with curl) names it escaped.
+    let broken = tempfile::tempdir().unwrap();
+    std::fs::write(broken.path().join("f\u{1b}]0;TITLE\u{7}.yaml"), "kind: [\n").unwrap();
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", broken.path().to_str().unwrap()]).await;
+    let (status, text) = http_get(gw.admin, "/readyz").await;
+    assert_eq!(status, 503, "{text}");
+    assert!(!text.contains('\u{1b}') && !text.contains('\u{7}'), "{text:?}");
+    assert!(text.contains("f\\x1b]0;TITLE\\x07.yaml"), "{text:?}");
 }

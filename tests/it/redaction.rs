@@ -316,6 +316,8 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
     // Secret{name: s, tls_certificate{certificate_chain: "CERTPEM",
     // private_key: "MARKER-KEY"}}: decodes as a RouteConfiguration too.
     const SMALL_SECRET: &str = "CgFzEhkKCRoHQ0VSVFBFTRIMGgpNQVJLRVItS0VZ";
+    // An Any whose type URL is a secret: its decoding error quoted it.
+    const ANY_QUOTING: &str = "ChRQUklWQVRFLUtFWS1NQVRFUklBTA==";
     let ca = Ca::new("redaction-by-collection");
     let leaf = ca.leaf("spaced");
     let key = key_lines(&leaf.key);
@@ -348,7 +350,8 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
                  ---\ncollection: {collection}\nname: some-bytes\nbody: {{type_url: type.googleapis.com/google.protobuf.BytesValue, value_base64: {}}}\n\
                  ---\ncollection: {collection}\nname: spaced\nbody: {{type_url: \"{spaced}\", value_base64: {secret_b64}}}\n\
                  ---\ncollection: {collection}\nname: mislabelled\nbody: {{type_url: {ROUTE_TYPE}, value_base64: {secret_b64}}}\n\
-                 ---\ncollection: {collection}\nname: mislabelled-small\nbody: {{type_url: {ROUTE_TYPE}, value_base64: {SMALL_SECRET}}}\n",
+                 ---\ncollection: {collection}\nname: mislabelled-small\nbody: {{type_url: {ROUTE_TYPE}, value_base64: {SMALL_SECRET}}}\n\
+                 ---\ncollection: {collection}\nname: an-any\nbody: {{type_url: type.googleapis.com/google.protobuf.Any, value_base64: {ANY_QUOTING}}}\n",
                 wrapped(&format!("hunter2-string-{generation}")),
                 wrapped(&format!("hunter2-bytes-{generation}")),
             );
@@ -370,6 +373,7 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
             &secret_b64[..24],
             "MARKER-KEY",
             "TUFSS0VS",
+            "PRIVATE-KEY",
         ] {
             assert!(!text.contains(marker), "{view} shows {marker:?}:\n{text}");
         }
@@ -392,7 +396,7 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         policy.to_str().unwrap(),
     ])
     .await;
-    for (collection, count) in [(SECRETS, 6), ("example.com/vault", 6), ("example.com/plain", 2)] {
+    for (collection, count) in [(SECRETS, 7), ("example.com/vault", 7), ("example.com/plain", 2)] {
         eventually(collection, || {
             gw.cache.get(collection).is_some_and(|s| s.len() == count)
         })
@@ -468,7 +472,7 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
                 }
                 // Not read as the type it claims in a sensitive collection:
                 // hidden whole (here it does not even decode as it).
-                (_, "mislabelled") => {
+                (_, "mislabelled" | "an-any") => {
                     assert_eq!(body["sensitive"], true, "{dump}");
                     assert!(body.get("preview_base64").is_none(), "{dump}");
                 }
