@@ -850,10 +850,11 @@ fn carries_refused(followed: &Followed, to: &CollectionSnapshot) -> bool {
         return false;
     }
     let names = names_of(followed);
-    followed.state.refused_names().is_none_or(|refused| {
-        refused
+    followed.state.refused_between().is_none_or(|(acked, refused)| {
+        diff_of(acked, refused)
+            .upserts
             .iter()
-            .any(|n| to.resources.contains_key(&**n) && names.is_none_or(|asked| asked.covers(n)))
+            .any(|r| to.resources.contains_key(&*r.name) && names.is_none_or(|asked| asked.covers(&r.name)))
     })
 }
 
@@ -862,13 +863,16 @@ fn carries_refused(followed: &Followed, to: &CollectionSnapshot) -> bool {
 /// (the ACKed version is not kept any more, or a view of a grant's).
 fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str>>> {
     let state = &followed.state;
-    let refused = state.last_sent()?;
-    let acked = state.view.acked_version.as_ref()?;
-    let base = match state.held() {
-        Held::At(held) if held.version == *acked => held.clone(),
-        _ => shared.inner.cache.version_snapshot(&state.view.collection, acked)?,
+    let diff = match state.refused_between() {
+        Some((acked, refused)) => diff_of(acked, refused),
+        // The ACKed snapshot not kept by the state: the cache's history.
+        None => {
+            let refused = state.last_sent()?;
+            let acked = state.view.acked_version.as_ref()?;
+            let base = shared.inner.cache.version_snapshot(&state.view.collection, acked)?;
+            diff_of(&base, refused)
+        }
     };
-    let diff = Diff::between(&base.resources, &refused.resources);
     Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
 }
 

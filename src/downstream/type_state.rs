@@ -772,10 +772,11 @@ impl TypeState {
         Ok(push)
     }
 
-    /// The names its last response added or changed against what it last
-    /// ACKed, while that response is refused (NACKed, nothing ACKed
-    /// since): what it may not hold. `None`: not known (nothing ACKed).
-    pub fn refused_names(&self) -> Option<Vec<Arc<str>>> {
+    /// While its last response is refused (NACKed, nothing ACKed since):
+    /// what it last ACKed and that response; what the one adds or changes
+    /// over the other the client may not hold. `None`: not known here
+    /// (nothing ACKed, or the ACKed snapshot not kept).
+    pub fn refused_between(&self) -> Option<(&Arc<CollectionSnapshot>, &Arc<CollectionSnapshot>)> {
         self.pending_nack()?;
         let base = if self.holds_what_was_sent() {
             self.acked.as_ref()?
@@ -785,9 +786,7 @@ impl TypeState {
                 _ => return None,
             }
         };
-        let sent = self.sent.as_ref()?;
-        let diff = Diff::between(&base.resources, &sent.resources);
-        Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
+        Some((base, self.sent.as_ref()?))
     }
 
     /// Delta xDS, the source changed after a NACK: the client holds what it
