@@ -88,6 +88,14 @@ impl Chunk {
         self.run_of.as_ref()
     }
 
+    /// The chunk this one is a run of, or this one: the chunk of the
+    /// whole collection it stores a part of.
+    pub(super) fn of_whole(self: &Arc<Self>) -> *const Chunk {
+        self.run_of
+            .as_ref()
+            .map_or(Arc::as_ptr(self), |r| Arc::as_ptr(&r.chunk))
+    }
+
     fn new(members: Vec<Arc<CachedResource>>, bytes: Bytes) -> Arc<Self> {
         Arc::new(Chunk {
             members,
@@ -299,10 +307,7 @@ impl Chunks {
         if let Some((whole, view)) = base {
             let whole: HashSet<*const Chunk> = whole.iter().map(Arc::as_ptr).collect();
             for chunk in view.iter() {
-                let of = chunk
-                    .run_of
-                    .as_ref()
-                    .map_or(Arc::as_ptr(chunk), |r| Arc::as_ptr(&r.chunk));
+                let of = chunk.of_whole();
                 if whole.contains(&of) {
                     earlier.entry(of).or_default().push(chunk.clone());
                 }
@@ -840,6 +845,33 @@ mod tests {
         check_members(view)?;
         prop_assert_eq!(view.bytes_apart_from(whole), 0);
         Ok(())
+    }
+
+    /// A change that keeps what a view keeps but moves it to other chunks
+    /// (the rest of a cut chunk copied to the end) hands on a view that
+    /// refers to the new chunks: the next change, made from it, stores
+    /// every resource the view keeps (it once lost those the move took).
+    #[test]
+    fn a_view_follows_its_resources_when_a_change_moves_them() {
+        let all: Vec<(String, String)> = (0..64).map(|i| (format!("n{i:03}"), "0".to_owned())).collect();
+        let (cache, mut writer, _) = adopted(&all);
+        let keep = |name: &str| name[1..].parse::<u16>().is_ok_and(|i| i % 2 == 0);
+        let first = cache.get(C).unwrap();
+        let view = first.restricted(keep);
+        // Odd names only: nothing the view keeps changes, but the chunk is
+        // cut into pieces too small to stay, so the even ones move.
+        apply_step(&mut writer, false, &[], &(1..50).step_by(2).collect::<Vec<u16>>());
+        let moved = cache.get(C).unwrap();
+        let after_move = moved.restricted_after(Some((&first, &view)), keep);
+        assert_eq!(after_move.version, view.version);
+        check_view(&after_move, &moved).unwrap();
+        apply_step(&mut writer, false, &[(0, 1)], &[]);
+        let changed = cache.get(C).unwrap();
+        let view = changed.restricted_after(Some((&moved, &after_move)), keep);
+        check_view(&view, &changed).unwrap();
+        let stored: usize = view.chunks().map(|c| c.members().len()).sum();
+        assert_eq!((stored, view.len()), (32, 32));
+        assert_eq!(view.version, changed.restricted(keep).version);
     }
 
     proptest! {

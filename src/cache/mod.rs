@@ -20,7 +20,7 @@ pub mod demand;
 pub mod memo;
 pub mod provenance;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
@@ -316,7 +316,12 @@ impl CollectionSnapshot {
         for name in diff.removed.iter().filter(|n| keep(n)) {
             total.remove(&mut resources, name);
         }
-        if total.changed.is_empty() {
+        // Nothing it keeps changed: it is that view itself, unless the
+        // change moved what it keeps to other chunks (a cut chunk's rest
+        // stored anew). A view handed on as this snapshot's must refer to
+        // this snapshot's chunks, as the next change reads it so (what it
+        // kept of a chunk both have is what it keeps of it now).
+        if total.changed.is_empty() && view.refers_to_chunks_of(self) {
             return view.clone();
         }
         if resources.len() == self.resources.len() {
@@ -347,6 +352,13 @@ impl CollectionSnapshot {
         }
         debug_assert_eq!(chunks.iter().map(|c| c.members().len()).sum::<usize>(), resources.len());
         self.view(resources, total.sum, chunks, total.bytes)
+    }
+
+    /// Whether each of this view's chunks is one of `whole`'s chunks or a
+    /// run of one.
+    fn refers_to_chunks_of(&self, whole: &CollectionSnapshot) -> bool {
+        let chunks: HashSet<*const Chunk> = whole.chunks().map(Arc::as_ptr).collect();
+        self.chunks().all(|chunk| chunks.contains(&chunk.of_whole()))
     }
 
     /// Bytes of this snapshot's chunks that are not slices of `whole`'s:
