@@ -339,6 +339,12 @@ impl Named {
         }
     }
 
+    /// `names` are not to be sent with the next response after all (a
+    /// reconnecting client holds them, and their removal waits).
+    pub fn unresend(&mut self, names: &BTreeSet<Arc<str>>) {
+        self.resend.retain(|name| !names.contains(name));
+    }
+
     /// A response went out for the current subscription: the client holds
     /// it, whether it ACKs or NACKs it (the same storage as the
     /// subscription's).

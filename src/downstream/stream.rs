@@ -123,6 +123,19 @@ async fn drain_ended(draining: &mut Option<Box<Draining>>) {
 #[derive(Default)]
 struct Withheld {
     types: Vec<String>,
+    /// Per type: names a reconnecting client reported holding that the
+    /// source no longer has, whose removal waits (see
+    /// [`TypedStream::unremoved`]).
+    unremoved: Vec<Unremoved>,
+}
+
+/// Names of one type a reconnecting client reported holding that the
+/// source no longer has, whose removal waits.
+struct Unremoved {
+    type_url: String,
+    names: std::collections::BTreeSet<Arc<str>>,
+    /// Their drain was noted (once the order let them go).
+    drained: bool,
 }
 
 /// A type the client may read part of: its grant, and the last view this
@@ -1465,6 +1478,19 @@ impl<W: Wire> TypedStream<W> {
         let Some(to) = current else {
             return Some(None);
         };
+        // A type whose removals of names reported on reconnect wait is not
+        // settled: the types it names wait for those too.
+        let mut standings = standings;
+        if let Some(withheld) = &self.withheld {
+            for unremoved in &withheld.unremoved {
+                let rank = self.types.get(&unremoved.type_url).and_then(|f| f.rank);
+                for standing in standings.iter_mut().filter(|s| Some(s.rank) == rank) {
+                    standing.pending.breaks = true;
+                }
+            }
+        }
+        let unremoved = self.unremoved(type_url, rank, &to, &standings);
+        let followed = self.types.get(type_url)?;
         let state = &followed.state;
         // Names the client newly asks for are answered at once: Envoy asks
         // for a new cluster's endpoints while it warms the cluster, before
@@ -1499,7 +1525,7 @@ impl<W: Wire> TypedStream<W> {
             if owed || wants.any() {
                 self.types.get_mut(type_url)?.sent_change = Change { makes: true, ..wants };
             }
-            self.release(type_url);
+            self.release_or_hold(type_url, unremoved);
             return Some(Some(to));
         }
         // A refused type holds another's additions only where they depend on
@@ -1508,7 +1534,6 @@ impl<W: Wire> TypedStream<W> {
         // clusters, or to a cluster whose endpoints a refused response of
         // endpoints carried (a route away from a broken cluster goes: grpc
         // asks for the new cluster exactly then).
-        let mut standings = standings;
         if wants.makes || owed {
             let targets = send_targets(rank, state.last_sent(), &to, names_of(followed));
             for standing in standings.iter_mut().filter(|s| s.rank < rank && s.refused.is_some()) {
@@ -1603,7 +1628,7 @@ impl<W: Wire> TypedStream<W> {
         match decision {
             Decision::Send => {
                 self.types.get_mut(type_url)?.sent_change = wants;
-                self.release(type_url);
+                self.release_or_hold(type_url, unremoved);
                 Some(Some(to))
             }
             Decision::MakesFirst(blocker) => {
@@ -1692,11 +1717,138 @@ impl<W: Wire> TypedStream<W> {
         self.entry.publish(type_url, followed.state.view.clone());
     }
 
+    /// A ranked type's change goes whole, but for the removals of names it
+    /// reported on reconnect that still wait (`unremoved`): shown held
+    /// until those go.
+    fn release_or_hold(&mut self, type_url: &str, unremoved: Option<(Blocker, Stamp)>) {
+        match unremoved {
+            Some((blocker, until)) => self.hold(type_url, blocker, until),
+            None => self.release(type_url),
+        }
+    }
+
+    /// Delta xDS, a type that others name (clusters, load assignments,
+    /// route configurations): names the client holds, that the source no
+    /// longer has, of which the gateway holds no copy to keep: those a
+    /// reconnecting client reports (removed while it was away, or while a
+    /// listener drained when the gateway restarted). Their removal is a
+    /// removal like any other: it waits for the types that may name them
+    /// to settle (the route away from a cluster goes first), and for a
+    /// cluster or load assignment, for a drain (`--listener-drain-time`
+    /// from then: what the client's listeners drained before it came is
+    /// not known, so the drain begins again). The first response goes
+    /// without those removals, and each goes once it may. Returns what
+    /// the removals still wait for.
+    fn unremoved(
+        &mut self,
+        type_url: &str,
+        rank: Rank,
+        to: &Arc<CollectionSnapshot>,
+        standings: &[Standing],
+    ) -> Option<(Blocker, Stamp)> {
+        if rank == Rank::Listeners {
+            return None;
+        }
+        let followed = self.types.get(type_url)?;
+        let reported_gone = followed.state.reported_gone(to);
+        let mut entry = self
+            .withheld
+            .as_mut()
+            .and_then(|w| {
+                let at = w.unremoved.iter().position(|u| u.type_url == type_url)?;
+                Some(w.unremoved.swap_remove(at))
+            })
+            .unwrap_or_else(|| Unremoved {
+                type_url: type_url.to_owned(),
+                names: Default::default(),
+                drained: false,
+            });
+        if entry.names.is_empty() && reported_gone.is_empty() {
+            return None;
+        }
+        entry.names.extend(reported_gone.iter().cloned());
+        // The source has it again: what it has is sent as any change.
+        entry.names.retain(|name| !to.resources.contains_key(&**name));
+        let removal = Change {
+            makes: false,
+            breaks: true,
+        };
+        let mut waits = match order::decide(rank, removal, standings) {
+            // Never with the first response: a reconnecting Envoy asks for
+            // all its types at once, and the types that name these may not
+            // have been asked for yet when the first type's is decided.
+            Decision::Send if !reported_gone.is_empty() => Some((
+                Blocker {
+                    rank,
+                    why: order::Why::Unacked,
+                    removal: true,
+                },
+                Stamp::NEVER,
+            )),
+            Decision::Send => None,
+            Decision::MakesFirst(blocker) | Decision::Hold(blocker) => Some((blocker, Stamp::NEVER)),
+        };
+        // A drain of what the client's listeners may still send to, from
+        // when its listeners settle on this stream (a client that follows no
+        // listeners drains none of ours; a reconnecting one asks for them
+        // in the same breath as for its clusters, which may be answered
+        // first: noted at the first try that finds them).
+        let drain_time = self.shared.limits().listener_drain_time;
+        let follows_listeners = self.types.values().any(|f| f.rank == Some(Rank::Listeners));
+        if !entry.drained
+            && follows_listeners
+            && !drain_time.is_zero()
+            && matches!(rank, Rank::Clusters | Rank::Endpoints)
+        {
+            entry.drained = true;
+            let draining = self.draining.get_or_insert_with(|| Draining::new(drain_time));
+            match rank {
+                Rank::Clusters => draining.drains.note(entry.names.clone(), Default::default()),
+                _ => draining.drains.note(Default::default(), entry.names.clone()),
+            }
+        }
+        let mut names = std::mem::take(&mut entry.names);
+        let mut go = std::collections::BTreeSet::new();
+        match (&waits, &mut self.draining) {
+            (None, Some(draining)) => {
+                let now = tokio::time::Instant::now();
+                let held = draining.drains.holds(rank, names.iter().map(|n| &**n), now);
+                draining.arm();
+                if let Some((until, held)) = held {
+                    let blocker = Blocker {
+                        rank: Rank::Listeners,
+                        why: order::Why::Draining,
+                        removal: true,
+                    };
+                    waits = Some((blocker, self.entry.stamp(until)));
+                    go = names.iter().filter(|n| !held.contains(*n)).cloned().collect();
+                    names = held;
+                } else {
+                    go = std::mem::take(&mut names);
+                }
+            }
+            (None, None) => go = std::mem::take(&mut names),
+            (Some(_), _) => {}
+        }
+        let state = &mut self.types.get_mut(type_url)?.state;
+        // Before the first response, it removes what may go, not the rest;
+        // after, what may go is removed with the next.
+        if !state.reported_removals(&go, &names) && !go.is_empty() {
+            state.force_resend(go.iter());
+        }
+        if names.is_empty() {
+            return None;
+        }
+        entry.names = names;
+        self.withheld.get_or_insert_with(Box::default).unremoved.push(entry);
+        waits
+    }
+
     /// A ranked type waits for nothing any more.
     fn release(&mut self, type_url: &str) {
         if let Some(withheld) = &mut self.withheld {
             withheld.types.retain(|t| t != type_url);
-            if withheld.types.is_empty() {
+            if withheld.types.is_empty() && withheld.unremoved.is_empty() {
                 self.withheld = None;
             }
         }

@@ -560,6 +560,52 @@ impl TypeState {
         count
     }
 
+    /// Delta xDS, before the first response to a reconnecting client: the
+    /// names it reports holding that `to` does not have (in the names it
+    /// asks for), which that response would remove. Otherwise none.
+    pub fn reported_gone(&self, to: &CollectionSnapshot) -> Vec<Arc<str>> {
+        if !self.holds_what_was_sent() || self.sent.is_some() {
+            return Vec::new();
+        }
+        let Held::Reported(reported) = &self.held else {
+            return Vec::new();
+        };
+        let named = self.named.as_deref();
+        gone(reported, to)
+            .into_iter()
+            .filter(|name| named.is_none_or(|n| n.current().covers(name)))
+            .collect()
+    }
+
+    /// Delta xDS, before the first response to a reconnecting client: of
+    /// the names it reports that the source no longer has, the first
+    /// response removes `go` and not `kept` (their removal is the stream's
+    /// to send later: [`Self::force_resend`] of a name that is gone removes
+    /// it). `false` once the first response went: nothing done.
+    pub fn reported_removals(&mut self, go: &BTreeSet<Arc<str>>, kept: &BTreeSet<Arc<str>>) -> bool {
+        if !self.holds_what_was_sent() || self.sent.is_some() {
+            return false;
+        }
+        let Held::Reported(reported) = &self.held else {
+            return false;
+        };
+        let entries: Vec<(&str, &str)> = reported.entries().filter(|(name, _)| !kept.contains(*name)).collect();
+        let listed: std::collections::HashSet<&str> = entries.iter().map(|(name, _)| *name).collect();
+        let back = go
+            .iter()
+            .filter(|name| !listed.contains(&***name))
+            .map(|name| (&**name, ""));
+        let reported = ReportedNames::with_versions(entries.iter().copied().chain(back));
+        self.held = Held::Reported(reported);
+        // A name newly asked for is answered (removed, when it does not
+        // exist) whatever it reports: not these.
+        if let Some(named) = self.named.as_deref_mut() {
+            named.unresend(kept);
+            named.resend(go.iter());
+        }
+        true
+    }
+
     /// Delta xDS: what the response this client last answered carried, as
     /// the NACK memory keeps it. State of the world: everything.
     pub fn carried(&self) -> Unheld {

@@ -257,11 +257,13 @@ async fn envoy_follows_edits_and_never_gets_a_refused_version_again(api: AdsApi)
     assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(1));
 
     // The gateway restarts on the same port, with a cluster gone meanwhile:
-    // Envoy reconnects and converges.
+    // Envoy reconnects and converges. (A delta Envoy's cluster removed while
+    // it was away goes after a drain, `--listener-drain-time`, as its
+    // listeners may have been draining: none here. See `make_before_break`.)
     let listen = gw.listen.to_string();
     assert!(gw.shutdown().await);
     write_config(dir.path(), &[("backend", true), ("web", true)]);
-    let _again = start_gateway_on(&listen, &["--source-dir", &dir_flag]).await;
+    let _again = start_gateway_on(&listen, &["--source-dir", &dir_flag, "--listener-drain-time", "0s"]).await;
     envoy
         .clusters_when("the clusters after the restart", |c| names(c) == ["backend", "web"])
         .await;

@@ -502,6 +502,18 @@ impl Delta {
         });
     }
 
+    /// A reconnecting client's first request of `type_url`: the names it
+    /// asks for, and what it holds (name, version).
+    fn resume(&self, type_url: &str, subscribe: &[&str], held: &[(&str, &str)]) {
+        self.stream.send(DeltaDiscoveryRequest {
+            type_url: type_url.into(),
+            resource_names_subscribe: subscribe.iter().map(|n| (*n).to_owned()).collect(),
+            initial_resource_versions: held.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect(),
+            node: node(),
+            ..Default::default()
+        });
+    }
+
     fn ack(&self, response: &DeltaDiscoveryResponse) {
         self.stream.send(DeltaDiscoveryRequest {
             type_url: response.type_url.clone(),
@@ -509,6 +521,19 @@ impl Delta {
             node: node(),
             ..Default::default()
         });
+    }
+
+    /// `cluster`'s endpoints removed, then (after their ACK) the cluster,
+    /// the endpoints unsubscribed as Envoy does: nothing held after.
+    async fn removed_last(&mut self, cluster: &str, admin: SocketAddr) {
+        let (endpoints, sent, removed) = self.next(ENDPOINTS, "the endpoints' removal").await;
+        assert_eq!((sent, removed), (vec![], vec![cluster.to_owned()]));
+        self.ack(&endpoints);
+        let (clusters, sent, removed) = self.next(CLUSTER, "the cluster's removal last").await;
+        assert_eq!((sent, removed), (vec![], vec![cluster.to_owned()]));
+        self.subscribe(ENDPOINTS, &[], &[cluster]);
+        self.ack(&clusters);
+        nothing_held(admin).await;
     }
 
     /// The next response, which must be of `type_url`: (the names it sends,
@@ -586,14 +611,7 @@ async fn delta_makes_before_it_breaks() {
     assert_eq!(delta_routes_to(&route, &["cluster-a", "cluster-b"]), "cluster-a");
     held_for(gw.admin, CLUSTER, "routes", "UNACKED", "remove").await;
     envoy.ack(&route);
-    let (endpoints, sent, removed) = envoy.next(ENDPOINTS, "the endpoints' removal").await;
-    assert_eq!((sent, removed), (vec![], vec!["cluster-b".to_owned()]));
-    envoy.ack(&endpoints);
-    let (clusters, sent, removed) = envoy.next(CLUSTER, "the cluster's removal last").await;
-    assert_eq!((sent, removed), (vec![], vec!["cluster-b".to_owned()]));
-    envoy.subscribe(ENDPOINTS, &[], &["cluster-b"]);
-    envoy.ack(&clusters);
-    nothing_held(gw.admin).await;
+    envoy.removed_last("cluster-b", gw.admin).await;
 
     // A switch: cluster-c for cluster-a.
     volume.swap(&Config::new(Kind::Eds, &[("cluster-c", 3)], "cluster-c"));
@@ -623,6 +641,58 @@ async fn delta_makes_before_it_breaks() {
     assert_eq!(sent, ["cluster-c"]);
     envoy.ack(&endpoints);
     nothing_held(gw.admin).await;
+}
+
+/// A cluster removed while the client was away (the gateway restarted,
+/// or the client moved to another replica), with the route to it: the
+/// client reports it, the gateway has no copy of it to keep, and its first
+/// responses keep it all the same (they do not remove it). The route away
+/// goes first; the endpoints' removal and then the cluster's follow, after
+/// a drain (`--listener-drain-time`: the client's listeners may have been
+/// draining when it left). Issue 41's independent check: removed at once
+/// in the first response, `503 NC` on every restart.
+#[tokio::test]
+async fn a_cluster_removed_while_the_client_was_away_goes_after_the_route_away() {
+    // A drain of 1 s: the removals follow once it ends, in the same order.
+    for drain in ["0s", "600s", "1s"] {
+        let volume = Volume::new(&Config::new(Kind::Eds, &[("cluster-a", 1)], "cluster-a"));
+        let gw = start_gateway(&["--source-dir", volume.path(), "--listener-drain-time", drain]).await;
+        let mut envoy = Delta::open(gw.listen).await;
+        // It held cluster-b and a route to it when the gateway went away.
+        let held = [("cluster-a", "old"), ("cluster-b", "old")];
+        envoy.resume(CLUSTER, &[], &held);
+        envoy.resume(ENDPOINTS, &["cluster-a", "cluster-b"], &held);
+        envoy.resume(LISTENER, &[], &[]);
+        envoy.resume(ROUTE, &[ROUTE_NAME], &[(ROUTE_NAME, "old")]);
+        let mut removed_first = Vec::new();
+        let mut route_to = None;
+        for _ in 0..4 {
+            let response = envoy.stream.recv().await;
+            removed_first.extend(response.removed_resources.iter().cloned());
+            if response.type_url == ROUTE {
+                route_to = Some(delta_routes_to(&response, &["cluster-a", "cluster-b"]));
+            }
+            envoy.ack(&response);
+        }
+        assert_eq!(
+            removed_first,
+            Vec::<String>::new(),
+            "{drain}: nothing removed before the route moved"
+        );
+        assert_eq!(route_to.as_deref(), Some("cluster-a"), "{drain}");
+        if drain == "600s" {
+            // The endpoints' removal waits for the drain, the cluster's for
+            // the endpoints'; each type in sync.
+            held_for(gw.admin, ENDPOINTS, "listeners", "DRAINING", "remove").await;
+            held_for(gw.admin, CLUSTER, "endpoints", "PENDING", "remove").await;
+            for type_url in [CLUSTER, ENDPOINTS] {
+                let row = row(gw.admin, type_url).await;
+                assert_eq!(row["status"], "SYNCED", "{row}");
+            }
+            continue;
+        }
+        envoy.removed_last("cluster-b", gw.admin).await;
+    }
 }
 
 /// A cluster the client refuses holds the route to it, as `/debug/syncz`,
