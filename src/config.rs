@@ -681,9 +681,12 @@ impl Args {
     /// Validates every flag; the first bad one is reported by name.
     pub fn validate(self) -> Result<Settings, ConfigError> {
         let table = match &self.type_map {
-            Some(path) => CollectionTable::builtin()
-                .with_type_map_file(path)
-                .map_err(|e| invalid("--type-map", e.to_string()))?,
+            Some(path) => CollectionTable::builtin().with_type_map_file(path).map_err(|e| {
+                invalid(
+                    "--type-map",
+                    crate::transport::safe_text::terminal_safe(&e.to_string()).into_owned(),
+                )
+            })?,
             None => CollectionTable::builtin(),
         }
         // Which body types are secrets is the descriptors' word, and they

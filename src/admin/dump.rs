@@ -79,6 +79,23 @@ pub(super) fn shown(
             BTreeMap::new(),
         ),
     };
+    // Annotations of a sensitive collection's resource are redacted too:
+    // `kubectl apply` keeps a copy of the whole object in one
+    // (`kubectl.kubernetes.io/last-applied-configuration`), and any may
+    // hold what the body does. Their keys stay; a change of one is told
+    // apart by its digest, as a redacted field is.
+    let mut secrets = secrets;
+    let annotations: BTreeMap<String, String> = match sensitive {
+        Some(_) => metadata
+            .annotations
+            .iter()
+            .map(|(key, value)| {
+                secrets.insert(format!("annotations.{key}"), digest(value.as_bytes()));
+                (key.clone(), REDACTED.to_owned())
+            })
+            .collect(),
+        None => metadata.annotations.clone().into_iter().collect(),
+    };
     let create_time = metadata.create_time.map(|t| {
         let at = std::time::UNIX_EPOCH
             + std::time::Duration::new(
@@ -93,7 +110,7 @@ pub(super) fn shown(
         "content_version": resource.content_version(),
         "create_time": create_time,
         "labels": metadata.labels,
-        "annotations": metadata.annotations,
+        "annotations": annotations,
         "type_url": any.type_url,
         "body": body,
     });

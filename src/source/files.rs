@@ -549,6 +549,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
         }
         let fail = |line: usize, reason: String, at: &[PathStep]| {
             let (collection, name) = identity(&document, at, table);
+            let reason = redacted_in(reason, collection.as_deref(), name.as_deref(), table);
             ParseError {
                 path: path.to_owned(),
                 line,
@@ -660,6 +661,28 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
     errors.sort_by_key(|e| e.line);
     errors.truncate(max_errors);
     (parsed, errors)
+}
+
+/// An error of a document of `collection` (the resource `name`), as the
+/// files source and `check` say it: in a sensitive collection, what it
+/// quotes of the document is redacted (the log, `/debug/upstream`, the
+/// admin port's `/readyz`, `status` and `check` quote it nowhere: the line
+/// and the path say where the error is), whichever form the document has
+/// and whatever failed to read (the body, a field the form does not have,
+/// a Kubernetes resource's spec, the document's shape).
+fn redacted_in(reason: String, collection: Option<&str>, name: Option<&str>, table: &CollectionTable) -> String {
+    if !collection.is_some_and(|c| table.is_sensitive(c)) {
+        return reason;
+    }
+    // The resource's name is no secret: it stays where the error names it.
+    if let Some(rest) = name.and_then(|n| reason.strip_prefix(&format!("body of {n:?}: "))) {
+        return format!(
+            "body of {:?}: {}",
+            name.unwrap_or_default(),
+            super::proto_json::redact_quoted(rest)
+        );
+    }
+    super::proto_json::redact_quoted(&reason)
 }
 
 /// The collection and name of the resource an error at `at` in `document`
@@ -838,18 +861,11 @@ fn resources_of(
         None => vec![key("body")],
     };
     let body = read_body(body, max_errors).map_err(|refused| {
-        // What a body of a sensitive collection holds is quoted nowhere (the
-        // log, /debug/upstream, the admin port's /readyz): the path says
-        // where the error is.
-        let sensitive = table.is_sensitive(&collection);
+        // Redacted, in a sensitive collection, with every error of the
+        // document (see `redacted_in`).
         refused
             .into_iter()
             .map(|(reason, steps)| {
-                let reason = if sensitive {
-                    super::proto_json::redact_quoted(&reason)
-                } else {
-                    reason
-                };
                 (
                     format!("body of {name:?}: {reason}"),
                     [vec![key("body")], steps].concat(),

@@ -227,7 +227,7 @@ impl Probe {
                         if asked.contains(message.collection.as_str()) && self.subscriptions.deliver(&message.collection) {
                             *progress = true;
                             tracing::info!(
-                                collection = %message.collection,
+                                collection = %crate::transport::safe_text::terminal_safe(&message.collection),
                                 upstream = %self.dial.address,
                                 "the source serves a collection a client asked for: subscribed on the main stream"
                             );

@@ -704,19 +704,30 @@ pub fn redact_quoted(message: &str) -> String {
                 shown.push_str(REDACTED);
             }
             // A `'` opens a quote where a word may start (`value 'X'`),
-            // not inside one (`Envoy's`).
+            // not inside one (`Envoy's`). What it quotes is not escaped (a
+            // value may hold a `'`), nor is a backtick's: redacted to the
+            // last one of the message, so no part of the value is left
+            // (what follows it in the message goes too).
             '\'' if !shown.chars().next_back().is_some_and(char::is_alphanumeric) => {
-                chars.by_ref().find(|closing| *closing == '\'');
+                redact_to_last(&mut chars, '\'');
                 shown.push_str(REDACTED);
             }
             '`' => {
-                chars.by_ref().find(|closing| *closing == '`');
+                redact_to_last(&mut chars, '`');
                 shown.push_str(REDACTED);
             }
             c => shown.push(c),
         }
     }
     shown
+}
+
+/// Moves `chars` past the last `quote` it holds (to its end when it holds
+/// none: an unclosed quote hides the rest).
+fn redact_to_last(chars: &mut std::str::Chars<'_>, quote: char) {
+    let rest = chars.as_str();
+    let end = rest.rfind(quote).map_or(rest.len(), |at| at + quote.len_utf8());
+    *chars = rest[end..].chars();
 }
 
 /// The field of `descriptor` a proto-JSON key names: its JSON name
@@ -985,10 +996,19 @@ impl BodyDecoder {
     /// Whether a body of `type_url` may hold a secret: its type is marked
     /// sensitive, or its descriptor holds a sensitive field, or it is not a
     /// type URL at all (`…Secret ` with a space is no type the gateway
-    /// knows, and may be a secret all the same). Its bytes are then never
+    /// knows, and may be a secret all the same), or its message is named
+    /// like one in any case (`…tls.v3.SECRET`, Envoy v2's
+    /// `envoy.api.v2.auth.Secret`: types the gateway has no descriptor of,
+    /// whose bytes would otherwise be previewed). Its bytes are then never
     /// shown.
     pub fn is_sensitive_type(&self, type_url: &str) -> bool {
-        type_name(type_url).is_none() || self.sensitive_types.contains(type_url) || self.knows_secrets_of(type_url)
+        let Some(name) = type_name(type_url) else {
+            return true;
+        };
+        let message = name.rsplit('.').next().unwrap_or(name);
+        self.sensitive_types.contains(type_url)
+            || message.to_ascii_lowercase().contains("secret")
+            || self.knows_secrets_of(type_url)
     }
 
     /// Whether the gateway knows which fields of a body of `type_url` hold
@@ -1487,7 +1507,19 @@ mod tests {
         );
         assert_eq!(
             redact_quoted("unrecognized enum value 'HUNTER2' (Envoy's words)"),
-            "unrecognized enum value [redacted] (Envoy's words)"
+            "unrecognized enum value [redacted]s words)",
+            "to the last quote: what it quotes is not escaped"
+        );
+        // A quote inside the value (issue 42's fourth check: `'x'` was
+        // taken for the whole value, the rest shown).
+        assert_eq!(
+            redact_quoted("trust_chain_verification: unrecognized enum value 'x'MARKER-E13'"),
+            "trust_chain_verification: unrecognized enum value [redacted]"
+        );
+        assert_eq!(redact_quoted("value 'unclosed MARKER"), "value [redacted]");
+        assert_eq!(
+            redact_quoted("invalid type: integer `9876`, expected `x` or `y`"),
+            "invalid type: integer [redacted]"
         );
     }
 

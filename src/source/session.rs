@@ -219,9 +219,9 @@ impl SinkSession {
                 metrics::counter!(m::REQUEST_ACKS, "component" => m::COMPONENT_UPSTREAM, "collection" => collection_label)
                     .increment(1);
                 tracing::debug!(
-                    collection = %message.collection,
+                    collection = %crate::transport::safe_text::terminal_safe(&message.collection),
                     nonce = %crate::transport::safe_text::terminal_safe(&message.nonce),
-                    source_version = %message.system_version_info,
+                    source_version = %crate::transport::safe_text::terminal_safe(&message.system_version_info),
                     incremental = message.incremental,
                     resources = count,
                     changed = matches!(applied, crate::cache::Applied::Changed { .. }),
@@ -250,10 +250,10 @@ impl SinkSession {
                 )
                 .increment(1);
                 tracing::warn!(
-                    collection = %message.collection,
+                    collection = %crate::transport::safe_text::terminal_safe(&message.collection),
                     nonce = %crate::transport::safe_text::terminal_safe(&message.nonce),
                     code = m::code_label(nack.code as i32),
-                    reason = %nack.message,
+                    reason = %crate::transport::safe_text::terminal_safe(&nack.message),
                     "NACK sent upstream; the cache keeps its previous state"
                 );
                 self.nack_reply(&message, nack)

@@ -239,7 +239,7 @@ impl Opened {
                     // Collections subscribed since (a client's demand the
                     // source delivered on the probe) join the live stream.
                     for request in initial_requests(&mut self.session, &mut self.subscriptions) {
-                        tracing::info!(collection = %request.collection, "subscribing on the live stream");
+                        tracing::info!(collection = %crate::transport::safe_text::terminal_safe(&request.collection), "subscribing on the live stream");
                         if self.tx.send(request).await.is_err() {
                             send_failed("Unavailable");
                             return StreamEnd::Failed {

@@ -210,9 +210,9 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     // The collections of secrets as the gateway knows them: an error about
     // one of their bodies quotes no value, in CI logs as on the admin port.
     let table = match &args.type_map {
-        Some(path) => CollectionTable::builtin()
-            .with_type_map_file(path)
-            .map_err(|e| UsageError::TypeMap(e.to_string()))?,
+        Some(path) => CollectionTable::builtin().with_type_map_file(path).map_err(|e| {
+            UsageError::TypeMap(crate::transport::safe_text::terminal_safe(&e.to_string()).into_owned())
+        })?,
         None => CollectionTable::builtin(),
     }
     .with_sensitive_types(crate::source::proto_json::secret_type_urls());
@@ -227,7 +227,7 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
         let files =
             read_path(path, &table, args.max_message_bytes, args.max_errors_per_file.max(1)).map_err(|error| {
                 UsageError::Path {
-                    path: path.display().to_string(),
+                    path: crate::transport::safe_text::terminal_safe(&path.display().to_string()).into_owned(),
                     error,
                 }
             })?;
@@ -235,7 +235,7 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
             let below = yaml_below(path);
             if !below.is_empty() {
                 return Err(UsageError::OnlyBelow {
-                    path: path.display().to_string(),
+                    path: crate::transport::safe_text::terminal_safe(&path.display().to_string()).into_owned(),
                     below: below.join(", "),
                 });
             }

@@ -271,7 +271,7 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
     if let Some(path) = &args.type_map {
         let table = crate::collections::CollectionTable::builtin()
             .with_type_map_file(path)
-            .map_err(|e| usage(format!("--type-map {}: {e}", path.display())))?;
+            .map_err(|e| usage(terminal_safe(&format!("--type-map {}: {e}", path.display())).into_owned()))?;
         let _ = SENSITIVE.set(sensitive_table(table));
     } else if args.output == Output::Json || args.output == Output::Yaml || args.show == Some(Show::Bodies) {
         for note in unknown_collection_notes(&args.type_urls) {
@@ -367,10 +367,11 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
         };
         match event {
             None => return Ok(()),
-            Some(Event::Refused { type_url, error }) => bail!("{type_url}: {error}"),
+            Some(Event::Refused { type_url, error }) => bail!("{}", terminal_safe(&format!("{type_url}: {error}"))),
             Some(Event::Reconnecting { type_url, why, delay }) => {
                 eprintln!(
-                    "{type_url}: {why}; reconnecting in {}",
+                    "{}: {why}; reconnecting in {}",
+                    terminal_safe(&type_url),
                     humantime::format_duration(round_ms(delay))
                 );
             }

@@ -356,7 +356,7 @@ impl CallState {
         if !request.response_nonce.is_empty() && request.error_detail.is_none() {
             if !log.acked {
                 tracing::info!(
-                    collection = %request.collection,
+                    collection = %crate::transport::safe_text::terminal_safe(&request.collection),
                     nonce = %crate::transport::safe_text::terminal_safe(&request.response_nonce),
                     "the sink ACKed its first response on this stream"
                 );

@@ -550,3 +550,135 @@ async fn errors_about_secrets_files_quote_no_value_and_the_monitoring_port_names
         std::fs::remove_file(dir.path().join(file)).unwrap();
     }
 }
+
+/// Issue 42's fourth independent check: an error about a document of a
+/// sensitive collection quotes none of it, whatever failed to read (the
+/// body's shape before its type is known, a Kubernetes resource's spec, an
+/// enum value holding a quote); a sensitive collection's annotations (where
+/// `kubectl apply` keeps a copy of the object) are redacted with its body;
+/// a body whose type is named like a secret (`…SECRET`, Envoy v2's
+/// `envoy.api.v2.auth.Secret`) is never previewed, in any collection.
+#[tokio::test]
+async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations() {
+    const EF: &str = "istio/networking/v1alpha3/envoyfilters";
+    const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
+    let dir = tempfile::tempdir().unwrap();
+    let map = certs::write(
+        dir.path(),
+        "type-map.yaml",
+        &format!("{EF}: {{type_url: type.googleapis.com/istio.networking.v1alpha3.EnvoyFilter, sensitive: true}}\n"),
+    );
+    let envoy_filter = |name: &str, annotation: &str, value: &str| {
+        format!(
+            "apiVersion: networking.istio.io/v1alpha3\nkind: EnvoyFilter\nmetadata:\n  name: {name}\n  namespace: \
+             default\n  annotations:\n    kubectl.kubernetes.io/last-applied-configuration: '{annotation}'\nspec:\n  \
+             configPatches:\n  - applyTo: CLUSTER\n    patch:\n      operation: MERGE\n      value: {value}\n"
+        )
+    };
+    let bad = dir.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    for (file, text) in [
+        ("shape.yaml", format!("collection: {SECRETS}\nname: e01\nbody: MARKER-E01\n")),
+        (
+            "quote.yaml",
+            format!(
+                "collection: {SECRETS}\nname: e13\nbody:\n  type_url: {SECRET}\n  json: {{name: e13, validation_context: \
+                 {{trust_chain_verification: \"x'MARKER-E13\"}}}}\n"
+            ),
+        ),
+        ("spec.yaml", envoy_filter("e27", "{}", "\"-----BEGIN PRIVATE KEY----- MARKER-E27\"")),
+    ] {
+        certs::write(&bad, file, &text);
+    }
+    let (map_flag, bad_flag) = (map.to_str().unwrap().to_owned(), bad.to_str().unwrap().to_owned());
+    let (code, stdout, stderr) = subcommand("check", &["--type-map", &map_flag, &bad_flag]).await;
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    for file in ["shape.yaml", "quote.yaml", "spec.yaml"] {
+        assert!(stdout.contains(file), "every file's error is reported: {stdout}");
+    }
+    assert!(
+        !format!("{stdout}{stderr}").contains("MARKER"),
+        "check quotes a sensitive value:\n{stdout}{stderr}"
+    );
+    let gw = start_gateway(&["--source-dir", &bad_flag, "--type-map", &map_flag]).await;
+    let admin = crate::helpers::eventually_some("the files' errors on the admin port", || async {
+        let (status, why) = http_get(gw.admin, "/readyz").await;
+        assert_eq!(status, 503, "{why}");
+        why.contains(".yaml").then_some(why)
+    })
+    .await;
+    let upstream = get_json(gw.admin, "/debug/upstream").await.to_string();
+    for shown in [&admin, &upstream] {
+        assert!(!shown.contains("MARKER"), "{shown}");
+    }
+    drop(gw);
+
+    // Read: the annotations hidden with the body; a secret-like type URL
+    // in a collection that is not sensitive, not previewed.
+    let good = dir.path().join("good");
+    std::fs::create_dir(&good).unwrap();
+    let secret_bytes = base64::engine::general_purpose::STANDARD.encode(
+        proto_json::encode(
+            SECRET,
+            json!({"name": "s", "generic_secret": {"secret": {"inline_string": "MARKER-GS"}}}),
+        )
+        .unwrap(),
+    );
+    certs::write(
+        &good,
+        "resources.yaml",
+        &format!(
+            "{}---\ncollection: {CLUSTERS}\nname: upper\nbody: {{type_url: \
+             type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.SECRET, value_base64: {secret_bytes}}}\n\
+             ---\ncollection: {CLUSTERS}\nname: v2\nbody: {{type_url: type.googleapis.com/envoy.api.v2.auth.Secret, \
+             value_base64: {secret_bytes}}}\n",
+            envoy_filter("ef", r#"{"private_key":"MARKER-ANNOTATION"}"#, "{a: b}"),
+        ),
+    );
+    let good_flag = good.to_str().unwrap().to_owned();
+    let gw = start_gateway(&["--source-dir", &good_flag, "--type-map", &map_flag]).await;
+    eventually("the resources", || {
+        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 2)
+    })
+    .await;
+    for view in [
+        format!("/debug/cache/{EF}?bodies=yaml"),
+        format!("/debug/cache/{EF}?bodies=json"),
+        format!("/debug/cache/{CLUSTERS}?bodies=json"),
+    ] {
+        let (status, shown) = http_get(gw.admin, &view).await;
+        assert_eq!(status, 200, "{view}: {shown}");
+        let marker_b64 = base64::engine::general_purpose::STANDARD.encode("MARKER");
+        assert!(
+            !shown.contains("MARKER") && !shown.contains(&secret_bytes[..16]) && !shown.contains(&marker_b64[..6]),
+            "{view}: {shown}"
+        );
+        assert!(!shown.contains("preview_base64"), "{view}: {shown}");
+    }
+    let ef = get_json(gw.admin, &format!("/debug/cache/{EF}?bodies=json")).await;
+    assert_eq!(
+        ef["resources"][0]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"], "[redacted]",
+        "{ef}"
+    );
+}
+
+/// Text an operator typed is printed as safely as text a client wrote: a
+/// path given to `check` that does not exist, a `--type-map` path, are
+/// echoed with their control characters escaped.
+#[tokio::test]
+async fn an_operators_typed_path_is_echoed_escaped() {
+    let evil = "/nonexistent/evil\u{1b}[31mRED\u{7}\nFAKE";
+    for args in [vec![evil], vec!["--type-map", evil, "."]] {
+        let (code, stdout, stderr) = subcommand("check", &args).await;
+        assert_eq!(code, Some(2), "{stdout}{stderr}");
+        let printed = format!("{stdout}{stderr}");
+        assert!(
+            printed.contains("evil\\x1b[31mRED\\x07\\nFAKE"),
+            "{args:?}: {printed:?}"
+        );
+        assert!(
+            !printed.contains('\u{1b}') && !printed.contains('\u{7}'),
+            "{args:?}: {printed:?}"
+        );
+    }
+}
