@@ -25,7 +25,7 @@ use super::order::{self, Blocker, Change, Decision, Rank, Standing};
 use super::outbound::TrySendError;
 use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::{CanaryClient, Rollout};
-use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Verdict};
+use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
 use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
@@ -879,12 +879,22 @@ fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str
     let diff = match state.refused_between() {
         Some((acked, refused)) => diff_of(acked, refused),
         // The ACKed snapshot not kept by the state: the cache's history.
-        None => {
-            let refused = state.last_sent()?;
-            let acked = state.view.acked_version.as_ref()?;
-            let base = shared.inner.cache.version_snapshot(&state.view.collection, acked)?;
-            diff_of(&base, refused)
-        }
+        None => match state.view.acked_version.as_ref() {
+            Some(acked) => {
+                let refused = state.last_sent()?;
+                let base = shared.inner.cache.version_snapshot(&state.view.collection, acked)?;
+                diff_of(&base, refused)
+            }
+            // Nothing ACKed on this stream (a reconnect's first response
+            // refused): delta, with the NACK memory, says what it carried,
+            // the rest it holds as it reported.
+            None => {
+                return match state.carried() {
+                    Unheld::Names(names) => Some(names.into_iter().collect()),
+                    Unheld::Nothing | Unheld::Everything => None,
+                };
+            }
+        },
     };
     Some(diff.upserts.iter().map(|r| r.name.clone()).collect())
 }
@@ -1479,12 +1489,25 @@ impl<W: Wire> TypedStream<W> {
             return Some(None);
         };
         // A type whose removals of names reported on reconnect wait is not
-        // settled: the types it names wait for those too.
+        // settled: the types it names wait for those too (as for any
+        // removal, not while it waits for a drain: those wait for the drain
+        // itself, see `standing`).
         let mut standings = standings;
         if let Some(withheld) = &self.withheld {
             for unremoved in &withheld.unremoved {
-                let rank = self.types.get(&unremoved.type_url).and_then(|f| f.rank);
-                for standing in standings.iter_mut().filter(|s| Some(s.rank) == rank) {
+                let Some(followed) = self.types.get(&unremoved.type_url) else {
+                    continue;
+                };
+                let draining = followed
+                    .state
+                    .view
+                    .ordered
+                    .as_ref()
+                    .is_some_and(|o| o.reason == order::Why::Draining.as_str());
+                for standing in standings
+                    .iter_mut()
+                    .filter(|s| Some(s.rank) == followed.rank && !draining)
+                {
                     standing.pending.breaks = true;
                 }
             }

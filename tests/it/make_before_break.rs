@@ -514,6 +514,21 @@ impl Delta {
         });
     }
 
+    /// A NACK of `response`.
+    fn nack(&self, response: &DeltaDiscoveryResponse) {
+        self.stream.send(DeltaDiscoveryRequest {
+            type_url: response.type_url.clone(),
+            response_nonce: response.nonce.clone(),
+            node: node(),
+            error_detail: Some(tonic_types::Status {
+                code: 3,
+                message: "refused".into(),
+                details: Vec::new(),
+            }),
+            ..Default::default()
+        });
+    }
+
     fn ack(&self, response: &DeltaDiscoveryResponse) {
         self.stream.send(DeltaDiscoveryRequest {
             type_url: response.type_url.clone(),
@@ -647,13 +662,13 @@ async fn delta_makes_before_it_breaks() {
 /// or the client moved to another replica), with the route to it: the
 /// client reports it, the gateway has no copy of it to keep, and its first
 /// responses keep it all the same (they do not remove it). The route away
-/// goes first; the endpoints' removal and then the cluster's follow, after
-/// a drain (`--listener-drain-time`: the client's listeners may have been
-/// draining when it left). Issue 41's independent check: removed at once
-/// in the first response, `503 NC` on every restart.
+/// goes first; the endpoints' removal and then the cluster's follow, or
+/// both after a drain (`--listener-drain-time`: the client's listeners may
+/// have been draining when it left). Issue 41's independent check: removed
+/// at once in the first response, `503 NC` on every restart.
 #[tokio::test]
 async fn a_cluster_removed_while_the_client_was_away_goes_after_the_route_away() {
-    // A drain of 1 s: the removals follow once it ends, in the same order.
+    // A drain of 1 s: the removals follow once it ends.
     for drain in ["0s", "600s", "1s"] {
         let volume = Volume::new(&Config::new(Kind::Eds, &[("cluster-a", 1)], "cluster-a"));
         let gw = start_gateway(&["--source-dir", volume.path(), "--listener-drain-time", drain]).await;
@@ -681,17 +696,34 @@ async fn a_cluster_removed_while_the_client_was_away_goes_after_the_route_away()
         );
         assert_eq!(route_to.as_deref(), Some("cluster-a"), "{drain}");
         if drain == "600s" {
-            // The endpoints' removal waits for the drain, the cluster's for
-            // the endpoints'; each type in sync.
+            // Both removals wait for the drain; each type in sync.
             held_for(gw.admin, ENDPOINTS, "listeners", "DRAINING", "remove").await;
-            held_for(gw.admin, CLUSTER, "endpoints", "PENDING", "remove").await;
+            held_for(gw.admin, CLUSTER, "listeners", "DRAINING", "remove").await;
             for type_url in [CLUSTER, ENDPOINTS] {
                 let row = row(gw.admin, type_url).await;
                 assert_eq!(row["status"], "SYNCED", "{row}");
             }
             continue;
         }
-        envoy.removed_last("cluster-b", gw.admin).await;
+        if drain == "0s" {
+            envoy.removed_last("cluster-b", gw.admin).await;
+            continue;
+        }
+        // Once the drain ends, both go (as drained removals do, together).
+        let mut removed = Vec::new();
+        for _ in 0..2 {
+            let response = envoy.stream.recv().await;
+            assert!(response.resources.is_empty(), "{drain}: {:?}", response.type_url);
+            removed.push((response.type_url.clone(), response.removed_resources.clone()));
+            if response.type_url == CLUSTER {
+                envoy.subscribe(ENDPOINTS, &[], &["cluster-b"]);
+            }
+            envoy.ack(&response);
+        }
+        removed.sort();
+        let b = vec!["cluster-b".to_owned()];
+        assert_eq!(removed, [(CLUSTER.to_owned(), b.clone()), (ENDPOINTS.to_owned(), b)]);
+        nothing_held(gw.admin).await;
     }
 }
 
@@ -997,4 +1029,95 @@ async fn a_refused_cluster_holds_its_route_through_an_unrelated_removal() {
         routes_to(&[&route.resources[0].value], &["cluster-a", "cluster-x"]),
         "cluster-x"
     );
+}
+
+/// A client that refused a cluster before the gateway restarted, and
+/// refuses it again when it comes back (the NACK memory resends it): a
+/// route change that names only clusters it holds goes all the same
+/// (issue 41's re-check: every listener and route change of that client
+/// waited until the source changed the refused cluster; nothing was
+/// known of what the refused first response carried). The refused
+/// response's names come from the NACK memory's record of it.
+#[tokio::test]
+async fn a_cluster_refused_across_a_restart_holds_only_what_sends_to_it() {
+    let cache = tempfile::tempdir().unwrap();
+    let cache_flag = cache.path().to_str().unwrap().to_owned();
+    let mut volume = Volume::new(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-z", 2)],
+        "cluster-a",
+    ));
+    let gw = spawn_gateway(None, &["--source-dir", volume.path(), "--cache-dir", &cache_flag]).await;
+    let mut envoy = Delta::open(gw.listen).await;
+    let mut held: std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>> = Default::default();
+    let mut record = |response: &DeltaDiscoveryResponse| {
+        let of = held.entry(response.type_url.clone()).or_default();
+        for r in &response.resources {
+            of.insert(r.name.clone(), r.version.clone());
+        }
+        for name in &response.removed_resources {
+            of.remove(name);
+        }
+    };
+    envoy.subscribe(CLUSTER, &[], &[]);
+    let (clusters, _, _) = envoy.next(CLUSTER, "the clusters").await;
+    envoy.ack(&clusters);
+    record(&clusters);
+    envoy.subscribe(ROUTE, &[ROUTE_NAME], &[]);
+    let (route, _, _) = envoy.next(ROUTE, "the route").await;
+    envoy.ack(&route);
+    record(&route);
+    // cluster-b comes, and the client refuses it.
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-b", 3), ("cluster-z", 2)],
+        "cluster-a",
+    ));
+    let (clusters, sent, _) = envoy.next(CLUSTER, "cluster-b").await;
+    assert_eq!(sent, ["cluster-b"]);
+    envoy.nack(&clusters);
+    let mut gw = gw;
+    gw.logged("client NACKed").await;
+    assert!(gw.stop().await);
+
+    // While it is down, the route moves to cluster-z, which it holds.
+    volume.swap(&Config::new(
+        Kind::Static,
+        &[("cluster-a", 1), ("cluster-b", 3), ("cluster-z", 2)],
+        "cluster-z",
+    ));
+    let gw = spawn_gateway(None, &["--source-dir", volume.path(), "--cache-dir", &cache_flag]).await;
+    let mut envoy = Delta::open(gw.listen).await;
+    let reported = |type_url: &str| -> Vec<(String, String)> {
+        held.get(type_url)
+            .map(|h| h.clone().into_iter().collect())
+            .unwrap_or_default()
+    };
+    let (clusters_held, route_held) = (reported(CLUSTER), reported(ROUTE));
+    envoy.resume(CLUSTER, &[], &as_refs(&clusters_held));
+    envoy.resume(ROUTE, &[ROUTE_NAME], &as_refs(&route_held));
+    let mut route_to = None;
+    for _ in 0..2 {
+        let response = envoy.stream.recv().await;
+        if response.type_url == CLUSTER {
+            // cluster-b again (what it refused is resent): refused again.
+            let sent: Vec<&str> = response.resources.iter().map(|r| r.name.as_str()).collect();
+            assert_eq!(sent, ["cluster-b"], "the refused cluster resent, the held ones not");
+            envoy.nack(&response);
+        } else {
+            route_to = Some(delta_routes_to(&response, &["cluster-a", "cluster-b", "cluster-z"]));
+            envoy.ack(&response);
+        }
+    }
+    assert_eq!(
+        route_to.as_deref(),
+        Some("cluster-z"),
+        "the route to a held cluster is not held"
+    );
+    assert!(gw.stop().await);
+}
+
+/// `(name, version)` pairs as the borrowed pairs `Delta::resume` takes.
+fn as_refs(held: &[(String, String)]) -> Vec<(&str, &str)> {
+    held.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect()
 }
