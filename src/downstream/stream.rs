@@ -1790,8 +1790,13 @@ impl<W: Wire> TypedStream<W> {
             return None;
         }
         entry.names.extend(reported_gone.iter().cloned());
-        // The source has it again: what it has is sent as any change.
-        entry.names.retain(|name| !to.resources.contains_key(&**name));
+        // The source has it again: what it has is sent as any change. A name
+        // the client no longer asks for (Envoy drops a cluster's load
+        // assignment with the cluster) is nothing to remove.
+        let asked = names_of(followed);
+        entry
+            .names
+            .retain(|name| !to.resources.contains_key(&**name) && asked.is_none_or(|n| n.covers(name)));
         let removal = Change {
             makes: false,
             breaks: true,
