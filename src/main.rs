@@ -12,7 +12,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
-    let mut args = Args::try_parse_with_sources(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    let mut args = Args::try_parse_with_sources(std::env::args_os()).unwrap_or_else(|e| exit_with(&e));
     match args.command.take() {
         Some(Command::Client(client)) => return run_client(client),
         Some(Command::Status(status)) => return run_status(status),
@@ -55,7 +55,7 @@ fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync
     let filter = match filter {
         Ok(filter) => filter,
         Err(e) => {
-            eprintln!("error: --log-level: {level:?} is not a log filter: {e}");
+            say_error(format!("--log-level: {level:?} is not a log filter: {e}"));
             return Err(ExitCode::from(2));
         }
     };
@@ -115,14 +115,14 @@ fn serve(
     let settings = match settings {
         Ok(settings) => settings,
         Err(e) => {
-            eprintln!("error: {e}");
+            say_error(format!("{}", e));
             return ExitCode::from(2);
         }
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            say_error(format!("cannot start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -131,11 +131,11 @@ fn serve(
         // Its message already holds its cause: printed once, not as a chain.
         Err(e) => match e.downcast_ref::<app::AppError>() {
             Some(start_up) => {
-                eprintln!("error: {start_up}");
+                say_error(format!("{}", start_up));
                 ExitCode::from(start_up.exit_code())
             }
             None => {
-                eprintln!("error: {e:#}");
+                say_error(format!("{:#}", e));
                 ExitCode::FAILURE
             }
         },
@@ -150,7 +150,7 @@ fn run_client(args: mcp_xds_gateway::tools::client::ClientArgs) -> ExitCode {
         match client::run(args, &mut std::io::stdout()).await {
             Ok(()) => Ok(0),
             Err(e) if e.downcast_ref::<client::Usage>().is_some() => {
-                eprintln!("error: {e:#}");
+                say_error(format!("{:#}", e));
                 Ok(2)
             }
             Err(e) => Err(e),
@@ -177,7 +177,7 @@ fn run_check(args: mcp_xds_gateway::tools::check::CheckArgs) -> ExitCode {
             ExitCode::from(report.exit_code())
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            say_error(format!("{}", e));
             ExitCode::from(2)
         }
     }
@@ -189,14 +189,14 @@ fn run_tool(tool: impl std::future::Future<Output = anyhow::Result<u8>>) -> Exit
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            say_error(format!("cannot start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(tool) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            say_error(format!("{:#}", e));
             match e.downcast_ref::<mcp_xds_gateway::tools::status::AdminUnreadable>() {
                 Some(_) => ExitCode::from(2),
                 None => ExitCode::FAILURE,
@@ -224,4 +224,24 @@ async fn wait_for_signal() -> anyhow::Result<()> {
         _ = terminate.recv() => {}
     }
     Ok(())
+}
+
+/// An error, printed for an operator's terminal: what it quotes of what
+/// anyone typed or sent (an address given to `--admin`, a flag's value)
+/// with its control characters escaped (lines kept).
+fn say_error(text: String) {
+    eprintln!("error: {}", mcp_xds_gateway::transport::safe_text::lines_safe(&text));
+}
+
+/// A flag that does not parse (or `--help`): clap's words, as
+/// [`say_error`] prints (the value it quotes is the operator's).
+fn exit_with(e: &clap::Error) -> ! {
+    let text = e.render().to_string();
+    let text = mcp_xds_gateway::transport::safe_text::lines_safe(&text);
+    if e.use_stderr() {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
+    std::process::exit(e.exit_code())
 }

@@ -1392,6 +1392,7 @@ impl<W: Wire> TypedStream<W> {
             return Ok(());
         };
         let acked = followed.state.view.acked_version.clone();
+        let shown_sent = followed.state.view.last_sent_version.is_some();
         let decided = followed.state.next(current.as_ref());
         if let Some(tally) = followed.state.take_reconnect_tally() {
             nack_memory::record_tally(&followed.state.view.collection, tally);
@@ -1426,8 +1427,11 @@ impl<W: Wire> TypedStream<W> {
                         canary.rollout.canary_acked(collection, self.id, version);
                     }
                 }
-                // Whether it is behind may have changed.
-                if followed.state.note_current(current.as_ref(), now) || settled {
+                // Whether it is behind may have changed; a reconnect at the
+                // current version is shown as sent and ACKed (it holds it),
+                // not as never sent.
+                let held_as_sent = !shown_sent && followed.state.view.last_sent_version.is_some();
+                if followed.state.note_current(current.as_ref(), now) || settled || held_as_sent {
                     self.entry.publish(type_url, followed.state.view.clone());
                 }
                 return Ok(());

@@ -676,13 +676,54 @@ fn redacted_in(reason: String, collection: Option<&str>, name: Option<&str>, tab
     }
     // The resource's name is no secret: it stays where the error names it.
     if let Some(rest) = name.and_then(|n| reason.strip_prefix(&format!("body of {n:?}: "))) {
-        return format!(
-            "body of {:?}: {}",
-            name.unwrap_or_default(),
-            super::proto_json::redact_quoted(rest)
-        );
+        return format!("body of {:?}: {}", name.unwrap_or_default(), redacted_reason(rest));
     }
-    super::proto_json::redact_quoted(&reason)
+    redacted_reason(&reason)
+}
+
+/// A reason of a sensitive document's error: what it quotes redacted, and
+/// of the path it starts with (`json.tls_certificate.private_key.X: …`)
+/// the steps that are the schema's field names (lower-case identifiers, as
+/// every field of Envoy's and Istio's protos is), the rest (a map's key, a
+/// key no field has: the document's own text, which may be a secret)
+/// `[redacted]`, and always the field an "unknown field" error names. The
+/// error's line in the file still says where.
+fn redacted_reason(reason: &str) -> String {
+    let mut reason = super::proto_json::redact_quoted(reason);
+    // The type an `Any` of the body names (unquoted: it is the operator's
+    // to read elsewhere, but here the body's own text).
+    const NAMES: &str = "@type names ";
+    if let Some(at) = reason.find(NAMES).map(|at| at + NAMES.len()) {
+        let end = reason[at..].find(',').map_or(reason.len(), |e| at + e);
+        reason.replace_range(at..end, super::proto_json::REDACTED);
+    }
+    let Some((path, rest)) = reason.split_once(": ").filter(|(path, _)| !path.contains(' ')) else {
+        return reason;
+    };
+    let field = |step: &str| {
+        let name = step.split('[').next().unwrap_or_default();
+        let indexes = &step[name.len()..];
+        name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_' || c == '@')
+            && name[1..]
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            && indexes.chars().all(|c| c.is_ascii_digit() || c == '[' || c == ']')
+    };
+    let unknown = rest.starts_with("unrecognized field") || rest.starts_with("unknown field");
+    let steps: Vec<&str> = path.split('.').collect();
+    let last = steps.len() - 1;
+    let shown: Vec<&str> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, step)| {
+            if field(step) && !(unknown && i == last && i > 0) {
+                step
+            } else {
+                super::proto_json::REDACTED
+            }
+        })
+        .collect();
+    format!("{}: {rest}", shown.join("."))
 }
 
 /// The collection and name of the resource an error at `at` in `document`

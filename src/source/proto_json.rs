@@ -722,6 +722,29 @@ pub fn redact_quoted(message: &str) -> String {
     shown
 }
 
+/// Whether a type the gateway may have no descriptor of may hold a secret
+/// all the same: any Envoy, xDS or UDPA type (their v2 and v4alpha
+/// versions, the admin's config dumps, discovery responses: every one of
+/// them can carry a key), or one named like a secret's holder anywhere in
+/// its type URL, in any case (`…Secret`, `…/SECRET/x`, `foo.PrivateKey`,
+/// `…TlsCertificate`, credentials, passwords, tokens). Its bytes are never
+/// previewed.
+fn looks_secret(type_url: &str, name: &str) -> bool {
+    const PACKAGES: &[&str] = &["envoy.", "xds.", "udpa.", "istio.security."];
+    const WORDS: &[&str] = &[
+        "secret",
+        "key",
+        "tls",
+        "cert",
+        "credential",
+        "password",
+        "token",
+        "auth",
+    ];
+    let url = type_url.to_ascii_lowercase();
+    PACKAGES.iter().any(|p| name.starts_with(p)) || WORDS.iter().any(|w| url.contains(w))
+}
+
 /// Moves `chars` past the last `quote` it holds (to its end when it holds
 /// none: an unclosed quote hides the rest).
 fn redact_to_last(chars: &mut std::str::Chars<'_>, quote: char) {
@@ -1005,10 +1028,7 @@ impl BodyDecoder {
         let Some(name) = type_name(type_url) else {
             return true;
         };
-        let message = name.rsplit('.').next().unwrap_or(name);
-        self.sensitive_types.contains(type_url)
-            || message.to_ascii_lowercase().contains("secret")
-            || self.knows_secrets_of(type_url)
+        self.sensitive_types.contains(type_url) || looks_secret(type_url, name) || self.knows_secrets_of(type_url)
     }
 
     /// Whether the gateway knows which fields of a body of `type_url` hold

@@ -1030,8 +1030,16 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
                 .raw
                 .iter()
                 .map(|r| {
-                    let metadata = r.metadata.clone().unwrap_or_default();
+                    let mut metadata = r.metadata.clone().unwrap_or_default();
                     let body = r.body.clone().unwrap_or_default();
+                    // A collection of secrets: its annotations too, as the
+                    // gateway's views show them (`kubectl apply` keeps a copy
+                    // of the whole object in one).
+                    if sensitive_type(&update.type_url) {
+                        for value in metadata.annotations.values_mut() {
+                            *value = crate::source::proto_json::REDACTED.to_owned();
+                        }
+                    }
                     serde_json::json!({
                         "name": metadata.name,
                         "version": metadata.version,

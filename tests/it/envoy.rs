@@ -469,7 +469,15 @@ async fn a_change_made_again_after_a_nack_and_a_revert_reaches_envoy_delta() {
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn a_reconnected_envoy_at_the_current_version_is_shown_synced_state_of_the_world() {
     use crate::helpers::grpc::{status_when, syncz};
-    let (dir, gw, envoy) = envoy_on_files(AdsApi::Sotw, |dir| write_config(dir, &[("backend", true)])).await;
+    // With `--cache-dir` (the NACK memory) the reconnect's report is
+    // trusted and nothing is sent at all (issue 41's check: shown NOT SENT
+    // then, `status` exit 1).
+    let cache = tempfile::tempdir().unwrap();
+    let cache_flag = cache.path().to_str().unwrap().to_owned();
+    let (dir, gw, envoy) = envoy_on_files_with(AdsApi::Sotw, &["--cache-dir", &cache_flag], |dir| {
+        write_config(dir, &[("backend", true)])
+    })
+    .await;
     envoy
         .clusters_when("the cluster from the files", |c| names(c) == ["backend"])
         .await;
@@ -482,7 +490,11 @@ async fn a_reconnected_envoy_at_the_current_version_is_shown_synced_state_of_the
 
     let listen = gw.listen.to_string();
     assert!(gw.shutdown().await);
-    let again = start_gateway_on(&listen, &["--source-dir", dir.path().to_str().unwrap()]).await;
+    let again = start_gateway_on(
+        &listen,
+        &["--source-dir", dir.path().to_str().unwrap(), "--cache-dir", &cache_flag],
+    )
+    .await;
     crate::helpers::eventually_async("Envoy to reconnect with both types", || async {
         syncz(again.admin, "envoy-1").await.len() == 2
     })

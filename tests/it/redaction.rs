@@ -587,13 +587,29 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
             ),
         ),
         ("spec.yaml", envoy_filter("e27", "{}", "\"-----BEGIN PRIVATE KEY----- MARKER-E27\"")),
+        // A key of the body in the error's path; an `Any`'s type (the fifth
+        // check).
+        (
+            "key.yaml",
+            format!(
+                "collection: {SECRETS}\nname: n01\nbody:\n  type_url: {SECRET}\n  json: {{name: n01, tls_certificate: \
+                 {{private_key: {{MARKER-N01-FIELD: x}}}}}}\n"
+            ),
+        ),
+        (
+            "any.yaml",
+            format!(
+                "collection: {SECRETS}\nname: n16\nbody:\n  type_url: {SECRET}\n  json: {{name: n16, tls_certificate: \
+                 {{private_key_provider: {{provider_name: p, typed_config: {{'@type': type.googleapis.com/MARKER.N16}}}}}}}}\n"
+            ),
+        ),
     ] {
         certs::write(&bad, file, &text);
     }
     let (map_flag, bad_flag) = (map.to_str().unwrap().to_owned(), bad.to_str().unwrap().to_owned());
     let (code, stdout, stderr) = subcommand("check", &["--type-map", &map_flag, &bad_flag]).await;
     assert_eq!(code, Some(1), "{stdout}{stderr}");
-    for file in ["shape.yaml", "quote.yaml", "spec.yaml"] {
+    for file in ["shape.yaml", "quote.yaml", "spec.yaml", "key.yaml", "any.yaml"] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
     assert!(
@@ -631,14 +647,15 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
             "{}---\ncollection: {CLUSTERS}\nname: upper\nbody: {{type_url: \
              type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.SECRET, value_base64: {secret_bytes}}}\n\
              ---\ncollection: {CLUSTERS}\nname: v2\nbody: {{type_url: type.googleapis.com/envoy.api.v2.auth.Secret, \
-             value_base64: {secret_bytes}}}\n",
+             value_base64: {secret_bytes}}}\n---\ncollection: {CLUSTERS}\nname: v2-tls\nbody: {{type_url: \
+             type.googleapis.com/envoy.api.v2.auth.TlsCertificate, value_base64: {secret_bytes}}}\n",
             envoy_filter("ef", r#"{"private_key":"MARKER-ANNOTATION"}"#, "{a: b}"),
         ),
     );
     let good_flag = good.to_str().unwrap().to_owned();
     let gw = start_gateway(&["--source-dir", &good_flag, "--type-map", &map_flag]).await;
     eventually("the resources", || {
-        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 2)
+        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 3)
     })
     .await;
     for view in [
