@@ -402,12 +402,26 @@ impl Rollout {
                     .or_else(|| self.cache.version_snapshot(collection, version))
             });
             if snapshot.is_none() && version.is_some() {
-                tracing::error!(
-                    %collection,
-                    version = version.as_deref().unwrap_or_default(),
-                    "the version to serve is in neither the cache nor its history: clients keep what they have, \
-                     and new clients wait; pin another version, or DELETE /pin to serve the latest"
-                );
+                let version = version.as_deref().unwrap_or_default();
+                if gated.gate.pinned().is_some() {
+                    tracing::error!(
+                        %collection,
+                        version,
+                        "the version to serve is in neither the cache nor its history: clients keep what they have, \
+                         and new clients wait; pin another version, or DELETE /pin to serve the latest"
+                    );
+                } else {
+                    // Not pinned: a version served before a restart that the
+                    // source has not delivered again yet (it clears once it
+                    // does), or one held back that left the history.
+                    tracing::warn!(
+                        %collection,
+                        version,
+                        "the version to serve is not in the cache (served before a restart and not delivered by the \
+                         source yet, or held back and no longer in the history): clients keep what they have, and new \
+                         clients wait until the source delivers a version to serve"
+                    );
+                }
             }
             // Replaced before the index is read: see `wakes`.
             let before = slot.send_replace(snapshot.clone());
