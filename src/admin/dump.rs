@@ -53,7 +53,7 @@ pub(super) fn shown(
     sensitive: Option<&str>,
 ) -> (Value, BTreeMap<String, u64>) {
     let raw = RawResource::decode(resource.encoded.clone()).unwrap_or_default();
-    let metadata = raw.metadata.unwrap_or_default();
+    let mut metadata = raw.metadata.unwrap_or_default();
     let any = raw
         .body
         .and_then(|b| prost_types::Any::decode(b).ok())
@@ -94,7 +94,7 @@ pub(super) fn shown(
                 (key.clone(), REDACTED.to_owned())
             })
             .collect(),
-        None => metadata.annotations.clone().into_iter().collect(),
+        None => std::mem::take(&mut metadata.annotations).into_iter().collect(),
     };
     let create_time = metadata.create_time.map(|t| {
         let at = std::time::UNIX_EPOCH

@@ -839,12 +839,7 @@ fn standing(followed: &Followed) -> Option<Standing> {
     // What it removes waits for a drain of listeners: so does what names
     // it (the clusters of load assignments waiting), which waits for the
     // drain itself rather than for this type.
-    if state
-        .view
-        .ordered
-        .as_ref()
-        .is_some_and(|o| o.reason == order::Why::Draining.as_str())
-    {
+    if draining(followed) {
         pending.breaks = false;
     }
     Some(Standing {
@@ -869,6 +864,13 @@ fn carries_refused(followed: &Followed, to: &CollectionSnapshot) -> bool {
             .iter()
             .any(|r| to.resources.contains_key(&*r.name) && names.is_none_or(|asked| asked.covers(&r.name)))
     })
+}
+
+/// Whether a ranked type's removals wait for a drain of listeners (shown
+/// `DRAINING`).
+fn draining(followed: &Followed) -> bool {
+    let ordered = followed.state.view.ordered.as_ref();
+    ordered.is_some_and(|o| o.reason == order::Why::Draining.as_str())
 }
 
 /// The names a refused response of a type added or changed (against what
@@ -1502,15 +1504,10 @@ impl<W: Wire> TypedStream<W> {
                 let Some(followed) = self.types.get(&unremoved.type_url) else {
                     continue;
                 };
-                let draining = followed
-                    .state
-                    .view
-                    .ordered
-                    .as_ref()
-                    .is_some_and(|o| o.reason == order::Why::Draining.as_str());
+                let waits_for_drain = draining(followed);
                 for standing in standings
                     .iter_mut()
-                    .filter(|s| Some(s.rank) == followed.rank && !draining)
+                    .filter(|s| Some(s.rank) == followed.rank && !waits_for_drain)
                 {
                     standing.pending.breaks = true;
                 }

@@ -210,6 +210,22 @@ impl Running {
         (gw, running)
     }
 
+    /// Stops the traffic, says what it saw over `what`, and requires that
+    /// no request was lost and some were answered.
+    async fn lost_nothing(&mut self, who: &str, what: &str) {
+        let (failures, ok) = self.stop().await;
+        eprintln!("{who}: {ok} answered 200, {} failed over {what}", failures.len());
+        assert!(
+            failures.is_empty(),
+            "{who}: {} of {} requests lost over {what}: {:?}\nEnvoy's log:\n{}",
+            failures.len(),
+            ok + failures.len() as u64,
+            &failures[..failures.len().min(20)],
+            crate::helpers::peers::tail(&self.envoy.log(), 40)
+        );
+        assert!(ok > 0);
+    }
+
     /// Stops the traffic: the failures, and how many were answered 200.
     async fn stop(&mut self) -> (Vec<String>, u64) {
         self.stop.store(true, Ordering::Relaxed);
@@ -219,6 +235,24 @@ impl Running {
         let failures = self.seen.failures.lock().unwrap().clone();
         (failures, self.seen.ok.load(Ordering::Relaxed))
     }
+}
+
+/// Stops `gw`, does `meanwhile` to `volume` (a change of the source while
+/// it is down), and starts it again on the same port on `volume` with
+/// `flags`.
+async fn restart(
+    gw: Bound,
+    volume: &mut Volume,
+    flags: &[&str],
+    round: usize,
+    meanwhile: impl FnOnce(&mut Volume),
+) -> Bound {
+    let listen = gw.listen.to_string();
+    assert!(gw.shutdown().await, "round {round}: the gateway stops");
+    meanwhile(volume);
+    let mut again = vec!["--source-dir", volume.path()];
+    again.extend_from_slice(flags);
+    crate::helpers::start_gateway_on(&listen, &again).await
 }
 
 /// Envoy's listener `http`, once it is up.
@@ -538,12 +572,7 @@ async fn a_restart_during_a_change_loses_nothing(kind: Kind) {
             (&[("cluster-a", a)][..], "cluster-a", &["cluster-a"][..]),
             (&both[..], "cluster-b", &["cluster-a", "cluster-b"][..]),
         ] {
-            let listen = gw.listen.to_string();
-            assert!(gw.shutdown().await, "round {round}: the gateway stops");
-            volume.swap(&version(clusters, route_to));
-            let mut again = vec!["--source-dir", volume.path()];
-            again.extend_from_slice(&flags);
-            gw = crate::helpers::start_gateway_on(&listen, &again).await;
+            gw = restart(gw, &mut volume, &flags, round, |v| v.swap(&version(clusters, route_to))).await;
             eventually_some(&format!("round {round}: traffic to move to {route_to}"), || async {
                 seen.settled_on(route_to).then_some(())
             })
@@ -557,20 +586,8 @@ async fn a_restart_during_a_change_loses_nothing(kind: Kind) {
                 .await;
         }
     }
-    let (failures, ok) = run.stop().await;
-    eprintln!(
-        "Delta {kind:?}: {ok} answered 200, {} failed over 6 restarts during a change",
-        failures.len()
-    );
-    assert!(
-        failures.is_empty(),
-        "Delta {kind:?}: {} of {} requests lost over 6 restarts: {:?}\nEnvoy's log:\n{}",
-        failures.len(),
-        ok + failures.len() as u64,
-        &failures[..failures.len().min(20)],
-        crate::helpers::peers::tail(&run.envoy.log(), 40)
-    );
-    assert!(ok > 0);
+    run.lost_nothing(&format!("Delta {kind:?}"), "6 restarts during a change")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -629,11 +646,7 @@ async fn a_restart_during_a_drain_loses_nothing(kind: Kind) {
         )
         .await;
         // The gateway restarts during the drain.
-        let listen = gw.listen.to_string();
-        assert!(gw.shutdown().await, "round {round}: the gateway stops");
-        let mut again = vec!["--source-dir", volume.path()];
-        again.extend_from_slice(&flags);
-        gw = crate::helpers::start_gateway_on(&listen, &again).await;
+        gw = restart(gw, &mut volume, &flags, round, |_| {}).await;
         eventually_some(&format!("round {round}: traffic to move to {cluster}"), || async {
             seen.settled_on(cluster).then_some(())
         })
@@ -645,20 +658,8 @@ async fn a_restart_during_a_drain_loses_nothing(kind: Kind) {
             )
             .await;
     }
-    let (failures, ok) = run.stop().await;
-    eprintln!(
-        "Delta {kind:?}: {ok} answered 200, {} failed over 2 restarts during a drain",
-        failures.len()
-    );
-    assert!(
-        failures.is_empty(),
-        "Delta {kind:?}: {} of {} requests lost over 2 restarts during a drain: {:?}\nEnvoy's log:\n{}",
-        failures.len(),
-        ok + failures.len() as u64,
-        &failures[..failures.len().min(20)],
-        crate::helpers::peers::tail(&run.envoy.log(), 40)
-    );
-    assert!(ok > 0);
+    run.lost_nothing(&format!("Delta {kind:?}"), "2 restarts during a drain")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -516,24 +516,27 @@ impl Delta {
 
     /// A NACK of `response`.
     fn nack(&self, response: &DeltaDiscoveryResponse) {
-        self.stream.send(DeltaDiscoveryRequest {
-            type_url: response.type_url.clone(),
-            response_nonce: response.nonce.clone(),
-            node: node(),
-            error_detail: Some(tonic_types::Status {
+        self.answer(
+            response,
+            Some(tonic_types::Status {
                 code: 3,
                 message: "refused".into(),
                 details: Vec::new(),
             }),
-            ..Default::default()
-        });
+        );
     }
 
     fn ack(&self, response: &DeltaDiscoveryResponse) {
+        self.answer(response, None);
+    }
+
+    /// `response` answered: ACKed, or NACKed with `error_detail`.
+    fn answer(&self, response: &DeltaDiscoveryResponse, error_detail: Option<tonic_types::Status>) {
         self.stream.send(DeltaDiscoveryRequest {
             type_url: response.type_url.clone(),
             response_nonce: response.nonce.clone(),
             node: node(),
+            error_detail,
             ..Default::default()
         });
     }
