@@ -118,6 +118,8 @@ pub async fn build_with_logs(
     let metrics = crate::metrics::install(settings.demo);
     crate::metrics::register_defaults(&settings.collections);
     crate::source::register_metrics();
+    crate::memory::describe();
+    crate::memory::register();
     // Everything that can refuse the flags comes before the first log line:
     // a failed start prints its one error, nothing else.
     let listeners = Listeners::bind(&settings).await?;
@@ -126,6 +128,9 @@ pub async fn build_with_logs(
     let started = shutdown.clone().drop_guard();
     let tasks = TaskTracker::new();
     let watched = Watched::start(&settings, &shutdown, &tasks)?;
+    if let (Some(interval), Some(allocator)) = (settings.memory_trim_interval, crate::memory::installed()) {
+        tasks.spawn(crate::memory::run(allocator, interval, shutdown.clone()));
+    }
     reflection()?;
     log_start(&settings);
     let state = CacheState::make(&settings, &shutdown, &tasks).await?;

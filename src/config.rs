@@ -272,6 +272,13 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_GRANTS_PER_VERSION", default_value_t = 1024)]
     pub max_grants_per_version: usize,
 
+    /// How often the allocator's free heap is checked: past 1 MiB freed and
+    /// kept, its free pages go back to the kernel (after a burst: every
+    /// client syncing, a reconnect storm, a big version), so RSS at rest is
+    /// the heap in use, not the burst's peak ("0s": never; glibc builds).
+    #[arg(long, env = "MCP_GATEWAY_MEMORY_TRIM_INTERVAL", default_value = "2s", value_parser = parse_duration)]
+    pub memory_trim_interval: Duration,
+
     /// Versions of each collection kept (the current one included) for
     /// `/debug/history` and `/debug/diff`. Unchanged resources are shared
     /// between versions: memory grows with the changes, not with N times the
@@ -609,6 +616,8 @@ pub enum Serve {
 pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 
 /// The longest `--canary-soak`.
+/// `--memory-trim-interval`'s shortest period.
+pub const MIN_MEMORY_TRIM_INTERVAL: Duration = Duration::from_millis(100);
 pub const MAX_CANARY_SOAK: Duration = Duration::from_secs(24 * 3600);
 
 /// The longest `--demand-timeout`.
@@ -673,6 +682,8 @@ pub struct Settings {
     pub http: HttpLimits,
     /// `--max-message-bytes`, for the local source's files.
     pub max_source_file_bytes: usize,
+    /// `--memory-trim-interval`; `None`: never.
+    pub memory_trim_interval: Option<Duration>,
 }
 
 // === impl Args ===
@@ -1047,6 +1058,16 @@ impl Args {
         )?;
         let client_generations = crate::skew::GenerationRules::parse(&self.client_generation)
             .map_err(|e| invalid("--client-generation", format!("{:?}: {}", e.rule, e.reason)))?;
+        if !self.memory_trim_interval.is_zero() && self.memory_trim_interval < MIN_MEMORY_TRIM_INTERVAL {
+            return Err(invalid(
+                "--memory-trim-interval",
+                format!(
+                    "{} is below the minimum of {} (each check walks the allocator's free lists; \"0s\" turns trimming off)",
+                    humantime::format_duration(self.memory_trim_interval),
+                    humantime::format_duration(MIN_MEMORY_TRIM_INTERVAL)
+                ),
+            ));
+        }
         if self.canary_soak > MAX_CANARY_SOAK {
             return Err(invalid(
                 "--canary-soak",
@@ -1123,6 +1144,7 @@ impl Args {
                 max_request_bytes: self.http_max_request_bytes,
             },
             max_source_file_bytes: self.max_message_bytes,
+            memory_trim_interval: (!self.memory_trim_interval.is_zero()).then_some(self.memory_trim_interval),
         })
     }
 }

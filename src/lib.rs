@@ -12,6 +12,7 @@ pub mod cache;
 pub mod collections;
 pub mod config;
 pub mod downstream;
+pub mod memory;
 pub mod metrics;
 pub mod proto;
 pub mod skew;

@@ -209,6 +209,7 @@ async fn run(
     settings: mcp_xds_gateway::config::Settings,
     logs: std::sync::Arc<mcp_xds_gateway::metrics::LogControl>,
 ) -> anyhow::Result<()> {
+    glibc::install();
     let bound = app::build_with_logs(settings, Some(logs)).await?;
     wait_for_signal().await?;
     tracing::info!("shutting down");
@@ -244,4 +245,46 @@ fn exit_with(e: &clap::Error) -> ! {
         print!("{text}");
     }
     std::process::exit(e.exit_code())
+}
+
+/// glibc's malloc, for `--memory-trim-interval` (`mcp_xds_gateway::memory`):
+/// the two calls it needs, the only unsafe code of the package.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+mod glibc {
+    use mcp_xds_gateway::memory::{Allocator, HeapStats};
+
+    struct Glibc;
+
+    impl Allocator for Glibc {
+        fn stats(&self) -> Option<HeapStats> {
+            // SAFETY: `mallinfo2` takes nothing and returns a plain struct
+            // by value (glibc 2.33+, which the `libc` crate's binding needs).
+            let info = unsafe { libc::mallinfo2() };
+            Some(HeapStats {
+                // Arena bytes in use and the chunks mapped on their own.
+                in_use: (info.uordblks + info.hblkhd) as u64,
+                // Free chunks in the arenas, resident or already returned:
+                // what `malloc_trim` can give back is within it.
+                free: info.fordblks as u64,
+            })
+        }
+
+        fn trim(&self) {
+            // SAFETY: `malloc_trim` takes a size and touches only the
+            // allocator's own free chunks, under its own locks.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
+    }
+
+    pub fn install() {
+        mcp_xds_gateway::memory::install(Box::new(Glibc));
+    }
+}
+
+/// Another libc: nothing to trim with.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+mod glibc {
+    pub fn install() {}
 }

@@ -23,6 +23,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("collections", &[]),
     ("proto", &[]),
     ("metrics", &[]),
+    ("memory", &[]),
     ("transport", &["metrics"]),
     ("cache", &[]),
     ("source", &["cache", "proto", "transport", "metrics", "collections"]),

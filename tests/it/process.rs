@@ -7,7 +7,9 @@ use mcp_xds_gateway::source::persisted;
 
 use crate::helpers::clients::sotw;
 use crate::helpers::galley::{resource, FakeGalley};
-use crate::helpers::{eventually, get_json, http_get, http_request, names, spawn_gateway, within, Running, GW, VS};
+use crate::helpers::{
+    eventually, eventually_async, get_json, http_get, http_request, names, spawn_gateway, within, Running, GW, VS,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_mcp-xds-gateway");
 
@@ -518,7 +520,10 @@ async fn every_documented_series_exists_at_zero_from_start() {
     for (family, series, value) in &samples {
         // The runtime's tasks: its listeners and the scrape itself, never 0.
         let tasks = *family == "mcp_gateway_runtime_tasks";
+        // The allocator's figures, read (and trimmed) from the start.
+        let allocator = family.starts_with("mcp_gateway_heap_") || family.starts_with("mcp_gateway_memory_");
         let never_zero = family.starts_with("process_")
+            || allocator
             || *family == "mcp_gateway_build_info"
             || tasks
             || series.starts_with("mcp_gateway_connections{listener=\"--admin-listen\"");
@@ -529,6 +534,81 @@ async fn every_documented_series_exists_at_zero_from_start() {
         }
     }
     let _ = child.start_kill();
+}
+
+/// The heap a burst of clients freed goes back to the kernel once they
+/// left (glibc keeps it otherwise): 100 clients, each on a connection of
+/// its own (h2's buffers, the stream's state: tens of KiB each), synced and
+/// gone; the next check finds the freed heap resident, trims, and counts
+/// what the process's RSS fell by.
+#[tokio::test]
+async fn freed_memory_goes_back_to_the_kernel_after_a_burst() {
+    let mut galley = FakeGalley::start().await;
+    let Running {
+        mut child,
+        listen,
+        admin,
+        ..
+    } = spawn(&[
+        "--collections",
+        VS,
+        "--upstream",
+        &galley.url(),
+        "--memory-trim-interval",
+        "100ms",
+        "--max-new-streams-per-second",
+        "100000",
+    ])
+    .await;
+    let mut upstream = galley.next_stream().await;
+    upstream.initial_requests(1).await;
+    let bodies: Vec<_> = (0..200)
+        .map(|i| resource(&format!("vs-{i}"), "1", &vec![b'x'; 512]))
+        .collect();
+    upstream.push_full(VS, bodies).await;
+    let series = |body: &str, name: &str| -> f64 {
+        body.lines()
+            .find_map(|line| line.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("{name} in /metrics"))
+    };
+    // The allocator's figures are read: the binary installed glibc's calls.
+    eventually_async("the heap in use to be read", || async {
+        series(&http_get(admin, "/metrics").await.1, "mcp_gateway_heap_in_use_bytes ") > 0.0
+    })
+    .await;
+
+    let mut clients = Vec::new();
+    for _ in 0..100 {
+        let client = sotw(listen).await;
+        client.subscribe(VS);
+        clients.push(client);
+    }
+    for client in &mut clients {
+        assert_eq!(client.recv().await.resources.len(), 200);
+    }
+    let before = http_get(admin, "/metrics").await.1;
+    let (trims, returned) = (
+        series(&before, "mcp_gateway_memory_trims_total "),
+        series(&before, "mcp_gateway_memory_returned_bytes_total "),
+    );
+    drop(clients);
+    eventually_async("the freed heap to go back to the kernel", || async {
+        let body = http_get(admin, "/metrics").await.1;
+        series(&body, "mcp_gateway_memory_trims_total ") > trims
+            && series(&body, "mcp_gateway_memory_returned_bytes_total ") >= returned + 1024.0 * 1024.0
+    })
+    .await;
+    let _ = child.start_kill();
+}
+
+#[tokio::test]
+async fn a_trim_interval_below_the_minimum_is_refused_naming_the_flag() {
+    let (code, stderr) = run(&["--demo", "--memory-trim-interval", "10ms"]).await;
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--memory-trim-interval") && stderr.contains("100ms"),
+        "{stderr}"
+    );
 }
 
 /// Outside a checkout, with no source flag, the gateway does not serve the

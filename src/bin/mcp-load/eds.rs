@@ -551,6 +551,8 @@ pub struct NamedFigures {
     /// Gateway RSS with every client synced and idle, less before the first
     /// client: per client and per subscribed name.
     pub gateway_rss_per_client_bytes: f64,
+    /// The same at rest (`--rest` after the sync).
+    pub gateway_rss_per_client_at_rest_bytes: Option<f64>,
     pub gateway_rss_per_subscribed_name_bytes: f64,
     /// With --eds-disjoint: the clients none of whose names change, and the
     /// responses and bytes they received while the others' changed (goal: 0).
@@ -608,6 +610,11 @@ impl NamedFigures {
                     self.gateway_rss_per_client_bytes / 1024.0,
                     self.gateway_rss_per_subscribed_name_bytes
                 ),
+            ),
+            (
+                "gateway RSS per client at rest",
+                self.gateway_rss_per_client_at_rest_bytes
+                    .map_or_else(|| "-".to_owned(), |b| format!("{:.1} KiB", b / 1024.0)),
             ),
         ];
         if let (Some(clients), Some(responses), Some(bytes)) =
@@ -708,6 +715,7 @@ pub async fn run(binary: &Path, shape: Shape, named: NamedShape, run: Run) -> an
     };
     let rss_per_client = phases.rss_per_stream(shape.streams);
     figures.gateway_rss_per_client_bytes = rss_per_client;
+    figures.gateway_rss_per_client_at_rest_bytes = phases.rss_per_stream_at_rest(shape.streams);
     figures.gateway_rss_per_subscribed_name_bytes = rss_per_client / named.names_per_client.max(1) as f64;
     report.config_bytes = config_bytes;
     report.eds = Some(figures);

@@ -146,6 +146,12 @@ struct Args {
     /// the default lets a full state travel in one frame.
     #[arg(long, default_value_t = 16_777_215, value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
     client_max_frame_size: u32,
+    /// How long after every stream synced the gateway's RSS is read again,
+    /// at rest (the sync's burst over, its freed memory given back if the
+    /// gateway does: its --memory-trim-interval is 2 s by default). "0s":
+    /// not read.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    rest: std::time::Duration,
     /// The Istio releases the v3 clients say they are (ISTIO_VERSION in
     /// their node), in turn by stream: `1.1` or `1.1,1.3,1.7` (the gateway
     /// keeps the skew of what they read per release). Unset: none says.
@@ -419,6 +425,9 @@ struct Report {
     gateway_cpu_ms_per_delivered_update: Option<f64>,
     gateway_peak_rss_bytes: Option<u64>,
     gateway_rss_per_stream_bytes: Option<f64>,
+    /// The same, read --rest after the streams synced: what idle streams
+    /// keep once the sync's burst is over.
+    gateway_rss_per_stream_at_rest_bytes: Option<f64>,
     config_bytes: usize,
     bytes_per_client_per_update: f64,
     nacks: usize,
@@ -637,6 +646,7 @@ async fn run(args: Args) -> anyhow::Result<Report> {
         chain: usize::from(args.chain),
         pinning,
         max_frame_size: args.client_max_frame_size,
+        rest: args.rest,
     };
     let mut report = match args.scenario {
         Scenario::Eds => eds::run(&binary, shape, args.named(), run).await?,
@@ -665,6 +675,8 @@ struct Run {
     chain: usize,
     pinning: Option<wire::Pinning>,
     max_frame_size: u32,
+    /// `--rest`.
+    rest: std::time::Duration,
 }
 
 /// The gateways under test: the one the clients read (the last of a chain)
@@ -839,6 +851,8 @@ struct Phases<T> {
     /// --abuse), and its peak.
     rss_before_clients: u64,
     rss_synced: u64,
+    /// `run.rest` later, before any update; `None` with `--rest 0s`.
+    rss_at_rest: Option<u64>,
     rss_under_attack: u64,
     peak_rss: u64,
     update_start: Instant,
@@ -885,6 +899,12 @@ where
     .await?;
     let initial_sync = sync_start.elapsed();
     let rss_synced = gateway.memory()?.0;
+    let rss_at_rest = if run.rest.is_zero() {
+        None
+    } else {
+        tokio::time::sleep(run.rest).await;
+        Some(gateway.memory()?.0)
+    };
 
     let attack_stop = CancellationToken::new();
     let attack = run.abuse.map(|(kind, tiny)| {
@@ -919,6 +939,7 @@ where
         initial_sync,
         rss_before_clients,
         rss_synced,
+        rss_at_rest,
         rss_under_attack,
         peak_rss,
         update_start,
@@ -935,6 +956,12 @@ impl<T> Phases<T> {
     /// The gateway's RSS per client: synced and idle, less before the first.
     fn rss_per_stream(&self, streams: usize) -> f64 {
         self.rss_synced.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64
+    }
+
+    /// The same at rest (`--rest` after the sync).
+    fn rss_per_stream_at_rest(&self, streams: usize) -> Option<f64> {
+        self.rss_at_rest
+            .map(|rss| rss.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64)
     }
 
     /// The report every scenario makes: `latencies` from the source to the
@@ -964,6 +991,7 @@ impl<T> Phases<T> {
             gateway_cpu_ms_per_delivered_update: (delivered > 0).then(|| cpu * 1000.0 / delivered as f64),
             gateway_peak_rss_bytes: Some(self.peak_rss),
             gateway_rss_per_stream_bytes: Some(self.rss_per_stream(shape.streams)),
+            gateway_rss_per_stream_at_rest_bytes: self.rss_per_stream_at_rest(shape.streams),
             config_bytes: shape.config_bytes(),
             bytes_per_client_per_update: if shape.updates > 0 {
                 update_bytes as f64 / (shape.streams * shape.updates) as f64
@@ -1138,6 +1166,14 @@ fn print_report(report: &Report) {
             or_dash(
                 report
                     .gateway_rss_per_stream_bytes
+                    .map(|b| format!("{:.1} KiB", b / 1024.0)),
+            ),
+        ),
+        (
+            "gateway RSS per stream at rest",
+            or_dash(
+                report
+                    .gateway_rss_per_stream_at_rest_bytes
                     .map(|b| format!("{:.1} KiB", b / 1024.0)),
             ),
         ),
