@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::Buf;
 use bytes::Bytes;
 use h2::server::SendResponse;
-use h2::{Reason, RecvStream};
+use h2::{Reason, RecvStream, SendStream};
 use http_body::{Body as _, Frame};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
@@ -701,14 +701,34 @@ enum Ready {
 /// frame header, shared chunks and suffix) goes in one DATA frame, which h2
 /// writes with one vectored write when the peer's frame size and window
 /// allow. Returns when the body ends or the peer resets.
-async fn write_response(mut respond: SendResponse<Gathered>, response: http::Response<Body>) -> Result<(), h2::Error> {
-    let (parts, body) = response.into_parts();
-    let mut body = std::pin::pin!(body);
+///
+/// The headers go before the future exists: it holds only the body and the
+/// send side while the stream is idle, not the response's parts and the
+/// responder too (an `async fn` keeps its arguments for its whole life).
+fn write_response(
+    mut respond: SendResponse<Gathered>,
+    response: http::Response<Body>,
+) -> impl std::future::Future<Output = Result<(), h2::Error>> {
+    let (parts, mut body) = response.into_parts();
     let end = body.is_end_stream();
-    let mut send = respond.send_response(http::Response::from_parts(parts, ()), end)?;
-    if end {
-        return Ok(());
+    let mut sent = respond.send_response(http::Response::from_parts(parts, ()), end);
+    drop(respond);
+    async move {
+        // Used in place: a value moved out of what the future captured
+        // would be room in it twice.
+        let send = match &mut sent {
+            Ok(send) => send,
+            Err(_) => return sent.map(drop),
+        };
+        if end {
+            return Ok(());
+        }
+        send_body(send, &mut body).await
     }
+}
+
+/// The body of [`write_response`], once its headers went.
+async fn send_body(send: &mut SendStream<Gathered>, body: &mut Body) -> Result<(), h2::Error> {
     loop {
         // Backpressure: wait until what was sent has been given window
         // before taking more from the body.
@@ -733,7 +753,7 @@ async fn write_response(mut respond: SendResponse<Gathered>, response: http::Res
                 return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
             }
             while data.remaining() < GATHER_LIMIT {
-                match body.as_mut().poll_frame(cx) {
+                match std::pin::Pin::new(&mut *body).poll_frame(cx) {
                     Poll::Pending if data.is_empty() => return Poll::Pending,
                     Poll::Pending => break,
                     Poll::Ready(None) => return Poll::Ready(Ok(Ready::End(None))),

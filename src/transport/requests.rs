@@ -253,7 +253,14 @@ impl<T: FromBuffer> RequestStream<T> {
         loop {
             let (deadline, budget) = (self.deadline(), self.budget.clone());
             let frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut self.body).poll_frame(cx));
-            match in_time(deadline, &budget, frame).await? {
+            let frame = match deadline {
+                // Between messages (an idle stream), no clock runs.
+                None => frame.await,
+                // Boxed: the timer would otherwise be room in every idle
+                // stream's future, and a message rarely spans frames.
+                Some(_) => Box::pin(in_time(deadline, &budget, frame)).await?,
+            };
+            match frame {
                 Some(Ok(frame)) => {
                     let trailers = match frame.into_data() {
                         Ok(data) => {

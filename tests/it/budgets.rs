@@ -37,8 +37,12 @@ use crate::xds::{ack_sotw, cluster_doc, delta_ack};
 /// stream's task future holds one more select branch and a pointer for its
 /// drains, each type what it ACKed and the version a response was made
 /// for). Moved by: "order and delta: fixes from issue 41's independent
-/// check" (+150 B: a follow-up is to box the rare branches' state).
-const LEGACY_STREAM: i64 = 4_050;
+/// check" (+150 B). 3,586 to 3,589 B since "streams: smaller idle tasks"
+/// (issue 44): no request-read timer in an idle stream's future (1,048 →
+/// 832 B), the response writer's future without the response's parts and
+/// a second copy of its send side (384 → 256 B): each task one size class
+/// of tokio's 128-byte-aligned task cells down.
+const LEGACY_STREAM: i64 = 3_700;
 /// An idle plaintext connection with one idle legacy stream on it (the
 /// stream included): the connection's task, h2's codec (its read and write
 /// buffers and HPACK tables, as h2 sizes them) and its streams' store, the
@@ -51,13 +55,15 @@ const LEGACY_CONNECTION: i64 = 45_000;
 /// streams: as the legacy one, and its names, its subscription's view and
 /// its wake-index entries. Measured 4,662 to 4,684 B; 4,802 B after issue
 /// 41's drains and NACK rule (as the legacy stream's). Moved by: "order and
-/// delta: fixes from issue 41's independent check".
-const NAMED_SOTW_STREAM: i64 = 4_900;
+/// delta: fixes from issue 41's independent check". 4,433 to 4,443 B since
+/// "streams: smaller idle tasks" (as the legacy stream's).
+const NAMED_SOTW_STREAM: i64 = 4_550;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
-/// and delta: fixes from issue 41's independent check".
-const NAMED_DELTA_STREAM: i64 = 4_900;
+/// and delta: fixes from issue 41's independent check". 4,407 to 4,409 B
+/// since "streams: smaller idle tasks" (as the legacy stream's).
+const NAMED_DELTA_STREAM: i64 = 4_550;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,
 /// its entry in the collection's map, its name, version and digest, and its
