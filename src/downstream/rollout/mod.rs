@@ -410,6 +410,16 @@ impl Rollout {
                         "the version to serve is in neither the cache nor its history: clients keep what they have, \
                          and new clients wait; pin another version, or DELETE /pin to serve the latest"
                     );
+                } else if self.cache.get(collection).is_none() {
+                    // Not pinned, and the source delivered nothing of the
+                    // collection since start: a client that connected in
+                    // the moment before the source's first read waits for
+                    // it, as at any start (no operator's concern).
+                    tracing::debug!(
+                        %collection,
+                        version,
+                        "the version to serve waits for the source's first delivery since start"
+                    );
                 } else {
                     // Not pinned: a version served before a restart that the
                     // source has not delivered again yet (it clears once it
