@@ -670,8 +670,19 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
 /// and the path say where the error is), whichever form the document has
 /// and whatever failed to read (the body, a field the form does not have,
 /// a Kubernetes resource's spec, the document's shape).
+///
+/// A document whose collection cannot be told (its `collection` unreadable,
+/// an unknown kind) may be a secret's as well as any: what an error quotes
+/// of its body or spec is redacted too (an error about the collection or
+/// kind itself still quotes what the operator wrote there).
 fn redacted_in(reason: String, collection: Option<&str>, name: Option<&str>, table: &CollectionTable) -> String {
-    if !collection.is_some_and(|c| table.is_sensitive(c)) {
+    let sensitive = match collection {
+        Some(collection) => table.is_sensitive(collection),
+        None => ["body", "spec", "items", "json", "value_base64"]
+            .iter()
+            .any(|field| reason.starts_with(field)),
+    };
+    if !sensitive {
         return reason;
     }
     // The resource's name is no secret: it stays where the error names it.
@@ -731,27 +742,37 @@ fn redacted_reason(reason: &str) -> String {
 /// `collection` and `name`), however broken the rest is: a finding names
 /// the resource. Read only for an error.
 fn identity(document: &str, at: &[PathStep], table: &CollectionTable) -> (Option<Arc<str>>, Option<String>) {
+    // Each field read when it has the shape it should and skipped when not
+    // (`name: [x]`, `metadata: 5`): a field of the wrong type must not
+    // hide which collection the document is of, and so whether what its
+    // errors quote is a secret.
     #[derive(Deserialize)]
     struct Named {
         #[serde(default, rename = "apiVersion")]
-        api_version: Option<String>,
+        api_version: Lenient<String>,
         #[serde(default)]
-        kind: Option<String>,
+        kind: Lenient<String>,
         #[serde(default)]
-        metadata: Option<NamedMeta>,
+        metadata: Lenient<NamedMeta>,
         #[serde(default)]
-        collection: Option<String>,
+        collection: Lenient<String>,
         #[serde(default)]
-        name: Option<String>,
+        name: Lenient<String>,
         #[serde(default)]
-        items: Option<Vec<Named>>,
+        items: Lenient<Vec<Lenient<Named>>>,
     }
     #[derive(Deserialize)]
     struct NamedMeta {
         #[serde(default)]
-        name: Option<String>,
+        name: Lenient<String>,
         #[serde(default)]
-        namespace: Option<String>,
+        namespace: Lenient<String>,
+    }
+    impl Shaped for Named {
+        const SHAPE: Shape = Shape::Mapping;
+    }
+    impl Shaped for NamedMeta {
+        const SHAPE: Shape = Shape::Mapping;
     }
     // Other fields are skipped unread; a document that does not read even
     // so (a syntax error) names nothing.
@@ -762,37 +783,125 @@ fn identity(document: &str, at: &[PathStep], table: &CollectionTable) -> (Option
         if items == "items" {
             match named
                 .items
+                .0
                 .take()
-                .map(|mut items| (*index < items.len()).then(|| items.swap_remove(*index)))
+                .map(|mut items| (*index < items.len()).then(|| items.swap_remove(*index).0))
             {
-                Some(Some(item)) => named = item,
+                Some(Some(Some(item))) => named = item,
                 _ => return (None, None),
             }
         }
     }
-    if let Some(collection) = &named.collection {
-        return (
-            table.name(collection.trim()),
-            named.name.filter(|n| !n.trim().is_empty()),
-        );
+    let (api_version, kind, collection, name) = (named.api_version.0, named.kind.0, named.collection.0, named.name.0);
+    if let Some(collection) = &collection {
+        return (table.name(collection.trim()), name.filter(|n| !n.trim().is_empty()));
     }
-    let (Some(api_version), Some(kind)) = (&named.api_version, &named.kind) else {
+    let (Some(api_version), Some(kind)) = (&api_version, &kind) else {
         return (None, None);
     };
     let Some(info) = table.kind(api_version.trim(), kind.trim()) else {
         return (None, None);
     };
-    let metadata = named.metadata.unwrap_or(NamedMeta {
-        name: None,
-        namespace: None,
-    });
-    let name = metadata
-        .name
+    let (name, namespace) = named.metadata.0.map_or((None, None), |m| (m.name.0, m.namespace.0));
+    let name = name
         .as_deref()
         .map(str::trim)
         .filter(|n| !n.is_empty())
-        .map(|name| kubernetes::resource_name(info.cluster_scoped, name, metadata.namespace.as_deref()));
+        .map(|name| kubernetes::resource_name(info.cluster_scoped, name, namespace.as_deref()));
     (Some(info.collection.clone()), name)
+}
+
+/// A value read when the document gives it the expected shape, and `None`
+/// (skipped, unread) when it gives another: a string where a mapping was
+/// expected, a list where a string was.
+struct Lenient<T>(Option<T>);
+
+/// The shape a [`Lenient`] value is read from.
+trait Shaped {
+    const SHAPE: Shape;
+}
+
+#[derive(PartialEq, Eq)]
+enum Shape {
+    Text,
+    Mapping,
+    List,
+}
+
+impl Shaped for String {
+    const SHAPE: Shape = Shape::Text;
+}
+
+impl<T> Shaped for Vec<T> {
+    const SHAPE: Shape = Shape::List;
+}
+
+impl<T> Default for Lenient<T> {
+    fn default() -> Self {
+        Lenient(None)
+    }
+}
+
+impl<'de, T: Deserialize<'de> + Shaped> Deserialize<'de> for Lenient<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer, StrDeserializer, StringDeserializer};
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct Reader<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de> + Shaped> Visitor<'de> for Reader<T> {
+            type Value = Lenient<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Lenient(T::deserialize(StrDeserializer::<E>::new(v)).ok()))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Lenient(T::deserialize(StringDeserializer::<E>::new(v)).ok()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                if T::SHAPE != Shape::Mapping {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    return Ok(Lenient(None));
+                }
+                T::deserialize(MapAccessDeserializer::new(map)).map(|t| Lenient(Some(t)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                if T::SHAPE != Shape::List {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    return Ok(Lenient(None));
+                }
+                T::deserialize(SeqAccessDeserializer::new(seq)).map(|t| Lenient(Some(t)))
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                Lenient::deserialize(d)
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Lenient(None))
+            }
+            fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<Self::Value, A::Error> {
+                // A tagged value (`!!float x`): read past, unread.
+                let (IgnoredAny, variant) = data.variant::<IgnoredAny>()?;
+                serde::de::VariantAccess::newtype_variant::<IgnoredAny>(variant)?;
+                Ok(Lenient(None))
+            }
+        }
+        deserializer.deserialize_any(Reader(std::marker::PhantomData))
+    }
 }
 
 /// The resources of a document, in either form, and why it is refused (up

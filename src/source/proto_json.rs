@@ -252,6 +252,19 @@ pub fn secret_type_urls() -> Vec<String> {
     SECRET_TYPES.iter().map(|url| (*url).to_owned()).collect()
 }
 
+/// Whether `type_url` is one of [`secret_type_urls`]: a type whose values
+/// *are* secrets, every one of them marked within two fields. Only such a
+/// body is shown in a sensitive collection with its secret fields
+/// `[redacted]`; any other (a `Cluster` in a collection `--type-map` marks
+/// sensitive: its marks are deep and few, and the operator said the whole
+/// collection is secret) is hidden whole.
+pub fn is_secret_type(type_url: &str) -> bool {
+    static SECRET_TYPES: std::sync::OnceLock<std::collections::HashSet<String>> = std::sync::OnceLock::new();
+    SECRET_TYPES
+        .get_or_init(|| secret_type_urls().into_iter().collect())
+        .contains(type_url)
+}
+
 /// Which fields mark secrets, shared with build.rs (which lists the
 /// collections of secrets with it; the test checks that list here).
 #[path = "secret_types.rs"]
@@ -411,7 +424,12 @@ fn prune(json: &mut Value, path: &[PathStep]) -> bool {
 /// One read of `json` as `descriptor`'s message: its bytes, or the first
 /// error, with the closest field name or enum value when one is misspelt.
 fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8>, JsonError> {
-    normalize_durations(descriptor, &mut json, &mut Vec::new())?;
+    if let Err(error) = normalize_durations(descriptor, &mut json, &mut Vec::new()) {
+        return Err(match sensitive_from(descriptor, &json, &error.path) {
+            Some(from) => redact_error(error, from),
+            None => error,
+        });
+    }
     let mut track = serde_path_to_error::Track::new();
     let message = {
         let deserializer = serde_path_to_error::Deserializer::new(&json, &mut track);
@@ -434,7 +452,8 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
         // is not repeated there (decided on the path as reported, before
         // the field below is added to it; a field's name is the schema's,
         // never a value, and stays).
-        let sensitive = path_may_be_sensitive(descriptor, &json, &path);
+        let sensitive_from = sensitive_from(descriptor, &json, &path);
+        let sensitive = sensitive_from.is_some();
         // An `Any` of a type no descriptor here describes (prost-reflect
         // says "message 'x.y.Z' not found"): the type named in full, and
         // what reads instead.
@@ -473,10 +492,12 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
             }) {
                 message.push_str(&format!(" (did you mean '{near}'?)"));
             }
-        } else if sensitive {
-            message = redact_quoted(&message);
         }
-        JsonError { path, message }
+        let error = JsonError { path, message };
+        match sensitive_from {
+            Some(from) => redact_error(error, from),
+            None => error,
+        }
     })?;
     Ok(prost::Message::encode_to_vec(&message))
 }
@@ -628,33 +649,46 @@ fn edit_distance(a: &str, b: &str) -> usize {
 /// Whether the value at `path` of a body of `descriptor` (written `json`)
 /// may be a secret: the path goes through a field marked sensitive, or it
 /// ends at (or cannot be followed past) a message holding one, such as an
-/// `Any` whose inner path the reader does not report.
-fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> bool {
+/// `Any` whose inner path the reader does not report. `Some(k)`: it may,
+/// and the steps from `k` on are inside it (a sensitive map's keys, a
+/// field a secret's text wrote, an unknown `Any`'s fields): the document's
+/// own text, shown `[redacted]` in the path; the steps before `k` are the
+/// schema's fields.
+fn sensitive_from(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> Option<usize> {
     let descriptors = builtin_of(descriptor);
     let sensitivity = &descriptors.sensitivity;
     let mut message = descriptor.clone();
     let mut value = json;
-    let mut steps = path.iter();
+    let mut at = 0;
+    let holds = |message: &MessageDescriptor, at: usize| sensitivity.holds_secrets(message.full_name()).then_some(at);
     loop {
         if message.full_name() == "google.protobuf.Any" {
             match value.get("@type").and_then(Value::as_str).and_then(message_type) {
                 Some(inner) => message = inner,
                 // An `Any` of a type not known here: nothing says it is harmless.
-                None => return true,
+                None => return Some(at),
             }
         }
-        let Some(PathStep::Key(key)) = steps.next() else {
+        let Some(PathStep::Key(key)) = path.get(at) else {
             // The path ends here, or steps on where a field was expected.
-            return sensitivity.holds_secrets(message.full_name());
+            return holds(&message, at);
         };
         let Some(field) = field_named(&message, key) else {
-            return sensitivity.holds_secrets(message.full_name());
+            // A key no field has (a typo, usually): the document's text
+            // inside a secret's own message, a schema's mistake elsewhere.
+            return is_secret_type(&format!(
+                "{}{}",
+                crate::collections::TYPE_URL_PREFIX,
+                message.full_name()
+            ))
+            .then_some(at);
         };
+        at += 1;
         if sensitivity.is_sensitive_field(&field) {
-            return true;
+            return Some(at);
         }
         let Kind::Message(inner) = field.kind() else {
-            return false;
+            return None;
         };
         value = value.get(key.as_str()).unwrap_or(&Value::Null);
         message = inner;
@@ -664,17 +698,36 @@ fn path_may_be_sensitive(descriptor: &MessageDescriptor, json: &Value, path: &[P
             } else {
                 Kind::Message(message.clone())
             }) else {
-                return false;
+                return None;
             };
-            match steps.next() {
+            match path.get(at) {
                 Some(PathStep::Key(entry)) => value = value.get(entry.as_str()).unwrap_or(&Value::Null),
                 Some(PathStep::Index(index)) => value = value.get(*index).unwrap_or(&Value::Null),
                 // The error is about the list or map itself.
-                None => return sensitivity.holds_secrets(item.full_name()),
+                None => return holds(&item, at),
             }
+            at += 1;
             message = item;
         }
     }
+}
+
+/// An error about a value that may be a secret (`from`: see
+/// [`sensitive_from`]), said without the document's text: what its message
+/// quotes, a type an `Any` names, and the path's steps from `from` on.
+fn redact_error(mut error: JsonError, from: usize) -> JsonError {
+    error.message = redact_quoted(&error.message);
+    const NAMES: &str = "@type names ";
+    if let Some(at) = error.message.find(NAMES).map(|at| at + NAMES.len()) {
+        let end = error.message[at..].find(',').map_or(error.message.len(), |e| at + e);
+        error.message.replace_range(at..end, REDACTED);
+    }
+    for step in error.path.iter_mut().skip(from) {
+        if let PathStep::Key(key) = step {
+            *key = REDACTED.to_owned();
+        }
+    }
+    error
 }
 
 /// `message` with every quoted value (`"..."`, as serde quotes strings,

@@ -1077,7 +1077,7 @@ fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> s
     // Only the collection's own body type is read there: a body claiming
     // another may be a secret's bytes under another name.
     let foreign = sensitive && body.type_url != declared_type(type_url);
-    if foreign || (sensitive && !bodies.knows_secrets_of(&body.type_url)) {
+    if foreign || (sensitive && !crate::source::proto_json::is_secret_type(&body.type_url)) {
         return serde_json::json!(crate::source::proto_json::REDACTED);
     }
     bodies.decode(&body.type_url, &body.value).unwrap_or_else(|why| {

@@ -469,10 +469,13 @@ const STATUSES: [&str; 5] = ["NACKED", "STALE", "SENT", "NOT SENT", "SYNCED"];
 
 /// A version as a person reads it: its first 12 characters (any prefix of
 /// 8 or more names it to the rollout commands).
+/// A version's first 12 characters, terminal-safe: a client writes the
+/// version it reports (its ACKED column).
 pub(crate) fn short_version(version: &Value) -> String {
-    version
-        .as_str()
-        .map_or_else(|| "-".to_owned(), |v| v.chars().take(12).collect())
+    version.as_str().map_or_else(
+        || "-".to_owned(),
+        |v| terminal_safe(&v.chars().take(12).collect::<String>()).into_owned(),
+    )
 }
 
 /// One line per collection rollout (`/debug/rollout`'s entries), and one per
@@ -605,6 +608,13 @@ pub async fn run(args: StatusArgs, out: &mut impl std::io::Write) -> anyhow::Res
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_version_a_client_reports_is_shown_escaped() {
+        let shown = super::short_version(&serde_json::json!("\u{1b}[2J\u{9b}\u{202e}VV-and-more"));
+        assert!(!shown.chars().any(|c| c.is_control() || c == '\u{202e}'), "{shown:?}");
+        assert!(shown.starts_with("\\x1b[2J"), "{shown:?}");
+    }
+
     #[test]
     fn a_nack_message_with_line_breaks_stays_on_its_line() {
         let syncz = serde_json::json!({

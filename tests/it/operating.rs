@@ -1887,8 +1887,35 @@ async fn the_tools_print_what_clients_write_escaped() {
         &refused.nonce,
         Some("bad \x1b[31mred\x1b[0m\r\nNACK forged-node: all is well\u{202e}"),
     ));
-    crate::helpers::eventually_async("the NACK in the view", || async {
-        first_row(gw.admin).await["status"] == "NACKED"
+    // The version an xDS client says it holds is its own text too (the
+    // ACKED column of `-o wide`: the sixth check of issue 42).
+    use mcp_xds_gateway::proto::envoy::service::discovery::v3::DiscoveryRequest;
+    let hostile = "\x1b[2J\u{9b}\u{202e}VV";
+    let gvk = "networking.istio.io/v1alpha3/VirtualService";
+    let mut ads = crate::xds::SotwStream::open(gw.listen, crate::xds::SOTW).await;
+    ads.send(DiscoveryRequest {
+        type_url: gvk.into(),
+        version_info: hostile.into(),
+        node: crate::xds::istiod_node(),
+        ..Default::default()
+    });
+    let served = ads.recv().await;
+    ads.send(DiscoveryRequest {
+        type_url: gvk.into(),
+        version_info: hostile.into(),
+        response_nonce: served.nonce.clone(),
+        node: crate::xds::istiod_node(),
+        error_detail: Some(tonic_types::Status {
+            code: 3,
+            message: "no".into(),
+            details: Vec::new(),
+        }),
+        ..Default::default()
+    });
+    crate::helpers::eventually_async("both NACKs in the view", || async {
+        let rows = json(gw.admin, "/debug/syncz").await["rows"].clone();
+        rows.as_array()
+            .is_some_and(|rows| rows.iter().filter(|r| r["status"] == "NACKED").count() == 2)
     })
     .await;
     let admin = format!("http://{}", gw.admin);

@@ -259,6 +259,7 @@ async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
         "type-map.yaml",
         "example.com/vault: {type_url: type.googleapis.com/example.Vault, sensitive: true}\n\
          example.com/tokens: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n\
+         example.com/clusters: {type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster, sensitive: true}\n\
          example.com/plain: type.googleapis.com/example.Plain\n",
     );
     let source = dir.path().join("source");
@@ -270,12 +271,19 @@ async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
         &format!(
             "collection: example.com/vault\nname: v\nbody: {{type_url: type.googleapis.com/example.Vault, value_base64: {hidden}}}\n\
              ---\ncollection: example.com/tokens\nname: t\nbody: {{struct: {{token: hunter2}}}}\n\
-             ---\ncollection: example.com/plain\nname: p\nbody: {{type_url: type.googleapis.com/example.Plain, value_base64: {hidden}}}\n"
+             ---\ncollection: example.com/plain\nname: p\nbody: {{type_url: type.googleapis.com/example.Plain, value_base64: {hidden}}}\n\
+             ---\ncollection: example.com/clusters\nname: c\nbody: {{type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster, \
+             json: {{name: hunter2-cluster, alt_stat_name: hunter2-alt}}}}\n"
         ),
     );
     let (map, source) = (map.to_str().unwrap().to_owned(), source.to_str().unwrap().to_owned());
     let gw = start_gateway(&["--source-dir", &source, "--type-map", &map]).await;
-    for collection in ["example.com/vault", "example.com/tokens", "example.com/plain"] {
+    for collection in [
+        "example.com/vault",
+        "example.com/tokens",
+        "example.com/plain",
+        "example.com/clusters",
+    ] {
         eventually(collection, || gw.cache.get(collection).is_some_and(|s| s.len() == 1)).await;
     }
     let body = |dump: &Value| dump["resources"][0]["body"].clone();
@@ -292,6 +300,17 @@ async fn a_collection_the_type_map_marks_sensitive_shows_none_of_its_bodies() {
     let tokens = get_json(gw.admin, "/debug/cache/example.com/tokens?bodies=json").await;
     assert!(!tokens.to_string().contains("hunter2"), "{tokens}");
     assert_eq!(body(&tokens), "[redacted]", "{tokens}");
+
+    // A type whose few secret fields the gateway marks (a Cluster's lie
+    // deep) is no secret type: the operator said the collection is secret,
+    // and its bodies are hidden whole (the sixth check of issue 42).
+    for format in ["json", "yaml"] {
+        let clusters = http_get(gw.admin, &format!("/debug/cache/example.com/clusters?bodies={format}"))
+            .await
+            .1;
+        assert!(!clusters.contains("hunter2"), "{clusters}");
+        assert!(clusters.contains("[redacted]"), "{clusters}");
+    }
 
     // A row without the flag shows a preview, as before.
     let plain = get_json(gw.admin, "/debug/cache/example.com/plain?bodies=json").await;
@@ -562,6 +581,8 @@ async fn errors_about_secrets_files_quote_no_value_and_the_monitoring_port_names
 async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations() {
     const EF: &str = "istio/networking/v1alpha3/envoyfilters";
     const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
+    const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+    const UPSTREAM_TLS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
     let dir = tempfile::tempdir().unwrap();
     let map = certs::write(
         dir.path(),
@@ -603,13 +624,68 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  {{private_key_provider: {{provider_name: p, typed_config: {{'@type': type.googleapis.com/MARKER.N16}}}}}}}}\n"
             ),
         ),
+        // The sixth check: identity fields of the wrong type (the
+        // collection must still be read, so must its sensitivity) ...
+        ("ident-name.yaml", format!("collection: {SECRETS}\nbody: MARKER-G01\nname: [x]\n")),
+        (
+            "ident-api.yaml",
+            format!("collection: {SECRETS}\nname: g02\nbody: {{struct: {{a: !!float MARKER-G02}}}}\napiVersion: {{a: 1}}\n"),
+        ),
+        (
+            "ident-items.yaml",
+            format!(
+                "collection: {SECRETS}\nname: g03\nbody: {{type_url: {SECRET}, json: {{name: a, MARKER-G03: 1, MARKER-G03: \
+                 2}}}}\nitems: [1]\n"
+            ),
+        ),
+        // ... and secrets inside a collection that is not sensitive: a
+        // sensitive field's duration, its map's key, an unknown field in a
+        // private key, an `Any`'s type inside a sensitive field.
+        (
+            "field-duration.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: f02\nbody:\n  type_url: {CLUSTER}\n  json: {{name: f02, transport_socket: \
+                 {{name: tls, typed_config: {{'@type': {UPSTREAM_TLS}, common_tls_context: {{tls_certificates: \
+                 [{{private_key_provider: {{provider_name: p, typed_config: {{'@type': {CLUSTER}, connect_timeout: \
+                 MARKER-F02}}}}}}]}}}}}}}}\n"
+            ),
+        ),
+        (
+            "field-unknown.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: f04\nbody:\n  type_url: {CLUSTER}\n  json: {{name: f04, transport_socket: \
+                 {{name: tls, typed_config: {{'@type': {UPSTREAM_TLS}, common_tls_context: {{tls_certificates: \
+                 [{{private_key: {{inline_string: x, MARKER-F04: 1}}}}]}}}}}}}}\n"
+            ),
+        ),
+        (
+            "field-any.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: f06\nbody:\n  type_url: {CLUSTER}\n  json: {{name: f06, transport_socket: \
+                 {{name: tls, typed_config: {{'@type': {UPSTREAM_TLS}, common_tls_context: {{tls_certificates: \
+                 [{{private_key_provider: {{provider_name: p, typed_config: {{'@type': \
+                 type.googleapis.com/MARKER.F06}}}}}}]}}}}}}}}\n"
+            ),
+        ),
     ] {
         certs::write(&bad, file, &text);
     }
     let (map_flag, bad_flag) = (map.to_str().unwrap().to_owned(), bad.to_str().unwrap().to_owned());
     let (code, stdout, stderr) = subcommand("check", &["--type-map", &map_flag, &bad_flag]).await;
     assert_eq!(code, Some(1), "{stdout}{stderr}");
-    for file in ["shape.yaml", "quote.yaml", "spec.yaml", "key.yaml", "any.yaml"] {
+    for file in [
+        "shape.yaml",
+        "quote.yaml",
+        "spec.yaml",
+        "key.yaml",
+        "any.yaml",
+        "ident-name.yaml",
+        "ident-api.yaml",
+        "ident-items.yaml",
+        "field-duration.yaml",
+        "field-unknown.yaml",
+        "field-any.yaml",
+    ] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
     assert!(
