@@ -675,14 +675,28 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
 /// an unknown kind) may be a secret's as well as any: what an error quotes
 /// of its body or spec is redacted too (an error about the collection or
 /// kind itself still quotes what the operator wrote there).
+///
+/// In a collection that is not sensitive, an error the YAML reader made
+/// inside a body (`body.json.…`: a tag, a key written twice, before the
+/// body could be read as its type) is said as the body's own errors are:
+/// nothing of what lies in a secret's field quoted (`proto_json::secrecy`).
 fn redacted_in(reason: String, collection: Option<&str>, name: Option<&str>, table: &CollectionTable) -> String {
+    const BODY: &str = "body.json.";
     let sensitive = match collection {
         Some(collection) => table.is_sensitive(collection),
-        None => ["body", "spec", "items", "json", "value_base64"]
+        // Which collection cannot be told (a key written twice, an unknown
+        // kind): anything but what the error says of the identity itself.
+        None => !["collection \"", "kind \"", "apiVersion \""]
             .iter()
-            .any(|field| reason.starts_with(field)),
+            .any(|about| reason.starts_with(about)),
     };
     if !sensitive {
+        let body = collection.and_then(|c| table.get(c)).map(|c| c.body_type_url.clone());
+        if let (Some(type_url), Some((path, rest))) = (body, reason.strip_prefix(BODY).and_then(|r| r.split_once(": ")))
+        {
+            let (path, rest) = super::proto_json::redact_body_error(&type_url, path, rest);
+            return format!("{BODY}{path}: {rest}");
+        }
         return reason;
     }
     // The resource's name is no secret: it stays where the error names it.

@@ -425,10 +425,8 @@ fn prune(json: &mut Value, path: &[PathStep]) -> bool {
 /// error, with the closest field name or enum value when one is misspelt.
 fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8>, JsonError> {
     if let Err(error) = normalize_durations(descriptor, &mut json, &mut Vec::new()) {
-        return Err(match sensitive_from(descriptor, &json, &error.path) {
-            Some(from) => redact_error(error, from),
-            None => error,
-        });
+        let secrecy = secrecy(descriptor, &json, &error.path);
+        return Err(redact_error(error, secrecy));
     }
     let mut track = serde_path_to_error::Track::new();
     let message = {
@@ -452,8 +450,8 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
         // is not repeated there (decided on the path as reported, before
         // the field below is added to it; a field's name is the schema's,
         // never a value, and stays).
-        let sensitive_from = sensitive_from(descriptor, &json, &path);
-        let sensitive = sensitive_from.is_some();
+        let mut secrecy = secrecy(descriptor, &json, &path);
+        let sensitive = secrecy.quoted;
         // An `Any` of a type no descriptor here describes (prost-reflect
         // says "message 'x.y.Z' not found"): the type named in full, and
         // what reads instead.
@@ -473,6 +471,10 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
             if let Some(near) = message_at(descriptor, &json, &path).and_then(|m| closest_field(&m, &field)) {
                 message.push_str(&format!(" (did you mean '{near}'?)"));
             }
+            // What it quotes is the field it names: hidden where that is
+            // the secret's text (inside a secret, or in a secret type's
+            // message), shown where it is a typo in the schema's place.
+            secrecy.quoted = secrecy.text_from.is_some_and(|from| from <= path.len());
             path.push(PathStep::Key(field));
         } else if let Some(value) = message
             .strip_prefix("unrecognized enum value '")
@@ -493,11 +495,7 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
                 message.push_str(&format!(" (did you mean '{near}'?)"));
             }
         }
-        let error = JsonError { path, message };
-        match sensitive_from {
-            Some(from) => redact_error(error, from),
-            None => error,
-        }
+        redact_error(JsonError { path, message }, secrecy)
     })?;
     Ok(prost::Message::encode_to_vec(&message))
 }
@@ -646,49 +644,87 @@ fn edit_distance(a: &str, b: &str) -> usize {
     strsim::osa_distance(a, b)
 }
 
-/// Whether the value at `path` of a body of `descriptor` (written `json`)
-/// may be a secret: the path goes through a field marked sensitive, or it
-/// ends at (or cannot be followed past) a message holding one, such as an
-/// `Any` whose inner path the reader does not report. `Some(k)`: it may,
-/// and the steps from `k` on are inside it (a sensitive map's keys, a
-/// field a secret's text wrote, an unknown `Any`'s fields): the document's
-/// own text, shown `[redacted]` in the path; the steps before `k` are the
-/// schema's fields.
-fn sensitive_from(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> Option<usize> {
+/// What an error at a path of a body may not show of the document's text
+/// (see [`secrecy`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Secrecy {
+    /// The value the error is about may be a secret: what it quotes is
+    /// redacted.
+    pub quoted: bool,
+    /// The path's steps from here on (and a field an unknown-field error
+    /// adds) are the secret's own text (a sensitive map's keys, a key in a
+    /// secret's message that no field has, what lies in an `Any` of a type
+    /// not known here, inside a secret).
+    pub text_from: Option<usize>,
+    /// A type an `Any` inside a secret names is the secret's text too.
+    pub any_type: bool,
+}
+
+/// How much of an error at `path` of a body of `descriptor` (written
+/// `json`, or `Null` where it did not read) may be shown: the value may be
+/// a secret when the path goes through a field marked sensitive, reaches
+/// an `Any` of a type not known here, or ends at (or at an unknown key of)
+/// a message holding a secret at any depth. Inside a secret (past a marked
+/// field), its field names stay (the schema's) and what is not a field is
+/// its text; outside, only a secret type's message (`Secret`,
+/// `TlsCertificate`: its values are secrets) makes an unknown key text.
+pub fn secrecy(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) -> Secrecy {
     let descriptors = builtin_of(descriptor);
     let sensitivity = &descriptors.sensitivity;
+    let secret_type = |message: &MessageDescriptor| {
+        is_secret_type(&format!(
+            "{}{}",
+            crate::collections::TYPE_URL_PREFIX,
+            message.full_name()
+        ))
+    };
     let mut message = descriptor.clone();
     let mut value = json;
+    let mut inside = false;
     let mut at = 0;
-    let holds = |message: &MessageDescriptor, at: usize| sensitivity.holds_secrets(message.full_name()).then_some(at);
+    let mut hops = 0;
     loop {
-        if message.full_name() == "google.protobuf.Any" {
+        while message.full_name() == "google.protobuf.Any" {
+            hops += 1;
             match value.get("@type").and_then(Value::as_str).and_then(message_type) {
-                Some(inner) => message = inner,
-                // An `Any` of a type not known here: nothing says it is harmless.
-                None => return Some(at),
+                // An `Any` of an `Any` holds the inner one under `value`.
+                Some(inner) if inner.full_name() == "google.protobuf.Any" && hops < 64 => {
+                    value = value.get("value").unwrap_or(&Value::Null);
+                }
+                Some(inner) if inner.full_name() != "google.protobuf.Any" => message = inner,
+                // An `Any` of a type not known here: nothing says it is
+                // harmless, and nothing in it is the schema's.
+                _ => {
+                    return Secrecy {
+                        quoted: true,
+                        text_from: Some(at),
+                        any_type: inside,
+                    }
+                }
             }
         }
+        let holds = inside || sensitivity.holds_secrets(message.full_name());
+        let end = |text: bool| Secrecy {
+            quoted: holds,
+            text_from: text.then_some(at),
+            any_type: inside,
+        };
         let Some(PathStep::Key(key)) = path.get(at) else {
-            // The path ends here, or steps on where a field was expected.
-            return holds(&message, at);
+            // The error is about this message's value, or names a field of
+            // it that is not there (added after `at`).
+            return end(inside || secret_type(&message));
         };
         let Some(field) = field_named(&message, key) else {
-            // A key no field has (a typo, usually): the document's text
-            // inside a secret's own message, a schema's mistake elsewhere.
-            return is_secret_type(&format!(
-                "{}{}",
-                crate::collections::TYPE_URL_PREFIX,
-                message.full_name()
-            ))
-            .then_some(at);
+            return end(inside || secret_type(&message));
         };
         at += 1;
-        if sensitivity.is_sensitive_field(&field) {
-            return Some(at);
-        }
+        inside |= sensitivity.is_sensitive_field(&field);
         let Kind::Message(inner) = field.kind() else {
-            return None;
+            return Secrecy {
+                quoted: inside,
+                text_from: inside.then_some(at),
+                any_type: inside,
+            };
         };
         value = value.get(key.as_str()).unwrap_or(&Value::Null);
         message = inner;
@@ -698,13 +734,33 @@ fn sensitive_from(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep
             } else {
                 Kind::Message(message.clone())
             }) else {
-                return None;
+                // A map or list of scalars: its keys (a secret's) and values.
+                return Secrecy {
+                    quoted: inside,
+                    text_from: inside.then_some(at),
+                    any_type: inside,
+                };
             };
             match path.get(at) {
-                Some(PathStep::Key(entry)) => value = value.get(entry.as_str()).unwrap_or(&Value::Null),
+                Some(PathStep::Key(entry)) => {
+                    if inside {
+                        return Secrecy {
+                            quoted: true,
+                            text_from: Some(at),
+                            any_type: true,
+                        };
+                    }
+                    value = value.get(entry.as_str()).unwrap_or(&Value::Null);
+                }
                 Some(PathStep::Index(index)) => value = value.get(*index).unwrap_or(&Value::Null),
                 // The error is about the list or map itself.
-                None => return holds(&item, at),
+                None => {
+                    return Secrecy {
+                        quoted: inside || sensitivity.holds_secrets(item.full_name()),
+                        text_from: inside.then_some(at),
+                        any_type: inside,
+                    }
+                }
             }
             at += 1;
             message = item;
@@ -712,19 +768,73 @@ fn sensitive_from(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep
     }
 }
 
-/// An error about a value that may be a secret (`from`: see
-/// [`sensitive_from`]), said without the document's text: what its message
-/// quotes, a type an `Any` names, and the path's steps from `from` on.
-fn redact_error(mut error: JsonError, from: usize) -> JsonError {
-    error.message = redact_quoted(&error.message);
+/// An error the YAML reader made at `path` (written as [`display_path`]
+/// writes one) inside a body of `type_url`, before the body could be read
+/// as its type (a tag, a key written twice): said as [`secrecy`] allows,
+/// with nothing of the body to tell an `Any`'s type (what lies in one is
+/// taken for a secret's). A type not known here: its quoted values hidden.
+pub fn redact_body_error(type_url: &str, path: &str, message: &str) -> (String, String) {
+    let steps: Vec<PathStep> = path
+        .split('.')
+        .flat_map(|part| {
+            let mut steps = Vec::new();
+            let mut rest = part;
+            if let Some(open) = rest.find('[') {
+                steps.push(PathStep::Key(rest[..open].to_owned()));
+                rest = &rest[open..];
+                while let Some(index) = rest
+                    .strip_prefix('[')
+                    .and_then(|r| r.split_once(']'))
+                    .and_then(|(n, after)| n.parse().ok().map(|n| (n, after)))
+                {
+                    steps.push(PathStep::Index(index.0));
+                    rest = index.1;
+                }
+            } else {
+                steps.push(PathStep::Key(rest.to_owned()));
+            }
+            steps
+        })
+        .collect();
+    let secrecy = match message_type(type_url) {
+        Some(descriptor) => secrecy(&descriptor, &Value::Null, &steps),
+        None => Secrecy {
+            quoted: true,
+            ..Secrecy::default()
+        },
+    };
+    let error = redact_error(
+        JsonError {
+            path: steps,
+            message: message.to_owned(),
+        },
+        secrecy,
+    );
+    (display_path(&error.path), error.message)
+}
+
+/// An error about a value that may be a secret (see [`secrecy`]), said
+/// without the document's text: what its message quotes, a type an `Any`
+/// inside a secret names, and the path's steps that are the secret's text.
+fn redact_error(mut error: JsonError, secrecy: Secrecy) -> JsonError {
+    if secrecy.quoted {
+        error.message = redact_quoted(&error.message);
+    }
     const NAMES: &str = "@type names ";
-    if let Some(at) = error.message.find(NAMES).map(|at| at + NAMES.len()) {
+    if let Some(at) = error
+        .message
+        .find(NAMES)
+        .map(|at| at + NAMES.len())
+        .filter(|_| secrecy.any_type)
+    {
         let end = error.message[at..].find(',').map_or(error.message.len(), |e| at + e);
         error.message.replace_range(at..end, REDACTED);
     }
-    for step in error.path.iter_mut().skip(from) {
-        if let PathStep::Key(key) = step {
-            *key = REDACTED.to_owned();
+    if let Some(from) = secrecy.text_from {
+        for step in error.path.iter_mut().skip(from) {
+            if let PathStep::Key(key) = step {
+                *key = REDACTED.to_owned();
+            }
         }
     }
     error
@@ -832,6 +942,17 @@ fn normalize_durations(
         // An `Any` holds its own type's fields beside `@type`.
         let inner = fields.get("@type").and_then(Value::as_str).and_then(message_type);
         return match inner {
+            // An `Any` of an `Any` holds the inner one under `value` (read
+            // again as itself, it would never end).
+            Some(inner) if inner.full_name() == "google.protobuf.Any" => match fields.get_mut("value") {
+                Some(value) => {
+                    path.push(PathStep::Key("value".to_owned()));
+                    normalize_durations(&inner, value, path)?;
+                    path.pop();
+                    Ok(())
+                }
+                None => Ok(()),
+            },
             Some(inner) if inner.full_name() != DURATION => normalize_durations(&inner, json, path),
             _ => Ok(()),
         };
@@ -1522,6 +1643,25 @@ mod tests {
         assert_eq!((read.json, read.secrets.len()), (json!({"name": "backend"}), 0));
     }
 
+    /// An `Any` whose type is `Any` holds the inner one under `value`: read
+    /// as such, never as itself again (that recursed until the stack
+    /// overflowed, ending `check` and the gateway: issue 42's seventh check).
+    #[test]
+    fn an_any_of_an_any_reads_and_ends() {
+        const ANY: &str = "type.googleapis.com/google.protobuf.Any";
+        let wrapped =
+            json!({"@type": ANY, "value": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": "ok"}});
+        assert!(encode(ANY, wrapped.clone()).is_ok());
+        assert!(encode(ANY, json!({"@type": ANY})).is_err());
+        let cluster = json!({"name": "c", "transport_socket": {"name": "t", "typed_config": wrapped}});
+        assert!(encode("type.googleapis.com/envoy.config.cluster.v3.Cluster", cluster).is_ok());
+        let mut deep = json!({"@type": ANY});
+        for _ in 0..200 {
+            deep = json!({"@type": ANY, "value": deep});
+        }
+        let _ = encode(ANY, deep);
+    }
+
     #[test]
     fn errors_about_a_secret_name_its_path_never_its_value() {
         let pem = "-----BEGIN PRIVATE KEY-----\nTUlJRXZRSUJBREFOQmdrcWhraUc5dzBC\n-----END PRIVATE KEY-----\n";
@@ -1536,7 +1676,9 @@ mod tests {
             ),
             (
                 json!({"name": "s", "generic_secret": {"secrets": {"a": pem}}}),
-                "generic_secret.secrets.a",
+                // A sensitive map's keys are its text too (issue 42's
+                // sixth check: ext_authz's context_extensions).
+                "generic_secret.secrets.[redacted]",
             ),
             (
                 json!({"name": "s", "session_ticket_keys": {"keys": [pem]}}),

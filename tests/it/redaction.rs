@@ -667,6 +667,33 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  type.googleapis.com/MARKER.F06}}}}}}]}}}}}}}}\n"
             ),
         ),
+        // The seventh check: an identity key written twice (the collection
+        // cannot be told: the annotation's value stays hidden), a YAML
+        // tag inside a secret of a cluster (an error made before the body
+        // reads as its type), and an `Any` of an `Any` (read, not a stack
+        // overflow that ends `check` and the gateway).
+        (
+            "ident-twice.yaml",
+            format!(
+                "collection: {SECRETS}\nname: a04\nannotations: {{k: !!float MARKER-A04}}\nbody: {{type_url: {SECRET}, \
+                 json: {{}}}}\nname: again\n"
+            ),
+        ),
+        (
+            "yaml-in-secret.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: b01\nbody:\n  type_url: {CLUSTER}\n  json: {{name: b01, transport_socket: \
+                 {{name: tls, typed_config: {{'@type': {UPSTREAM_TLS}, common_tls_context: {{tls_certificates: \
+                 [{{private_key: {{inline_string: !!float MARKER-B01}}}}]}}}}}}}}\n"
+            ),
+        ),
+        (
+            "any-of-any.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: s3\nbody: {{type_url: type.googleapis.com/google.protobuf.Any, json: \
+                 {{'@type': type.googleapis.com/google.protobuf.Any}}}}\n"
+            ),
+        ),
     ] {
         certs::write(&bad, file, &text);
     }
@@ -685,6 +712,9 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "field-duration.yaml",
         "field-unknown.yaml",
         "field-any.yaml",
+        "ident-twice.yaml",
+        "yaml-in-secret.yaml",
+        "any-of-any.yaml",
     ] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
