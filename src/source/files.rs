@@ -549,7 +549,13 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
         }
         let fail = |line: usize, reason: String, at: &[PathStep]| {
             let (collection, name) = identity(&document, at, table);
-            let reason = redacted_in(reason, collection.as_deref(), name.as_deref(), table);
+            // Text that is no YAML at all (a syntax error) names no value,
+            // only the token the reader expected (`','`).
+            let yaml = collection.is_some() || serde_norway::from_str::<serde::de::IgnoredAny>(&document).is_ok();
+            let reason = match yaml {
+                true => redacted_in(reason, collection.as_deref(), name.as_deref(), table),
+                false => reason,
+            };
             ParseError {
                 path: path.to_owned(),
                 line,
