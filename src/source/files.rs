@@ -553,7 +553,13 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             // only the token the reader expected (`','`).
             let yaml = collection.is_some() || serde_norway::from_str::<serde::de::IgnoredAny>(&document).is_ok();
             let reason = match yaml {
-                true => redacted_in(reason, collection.as_deref(), name.as_deref(), table),
+                true => redacted_in(
+                    reason,
+                    collection.as_deref(),
+                    name.as_deref(),
+                    declared_type(&document),
+                    table,
+                ),
                 false => reason,
             };
             ParseError {
@@ -618,6 +624,24 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
                 continue;
             }
             let line = line_of(&found.at);
+            // A secret's body in a collection clients may read unasked (the
+            // collections of secrets are read by nobody an access policy
+            // does not grant them): refused, not served to every client.
+            if super::proto_json::is_secret_type(&found.body.type_url) && !table.is_sensitive(&found.collection) {
+                errors.push(ParseError {
+                    path: path.to_owned(),
+                    line,
+                    reason: format!(
+                        "a body of {} holds secrets, and {} is not a collection of secrets (clients read it unless \
+                         --access-policy says otherwise): put it in a collection of secrets, or mark this one \
+                         sensitive: true with --type-map",
+                        found.body.type_url, found.collection
+                    ),
+                    collection: Some(found.collection.clone()),
+                    name: Some(found.name.clone()),
+                });
+                continue;
+            }
             let struct_body = found.body.type_url == STRUCT_TYPE_URL
                 && table
                     .get(&found.collection)
@@ -686,7 +710,13 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
 /// inside a body (`body.json.…`: a tag, a key written twice, before the
 /// body could be read as its type) is said as the body's own errors are:
 /// nothing of what lies in a secret's field quoted (`proto_json::secrecy`).
-fn redacted_in(reason: String, collection: Option<&str>, name: Option<&str>, table: &CollectionTable) -> String {
+fn redacted_in(
+    reason: String,
+    collection: Option<&str>,
+    name: Option<&str>,
+    declared: Option<String>,
+    table: &CollectionTable,
+) -> String {
     const BODY: &str = "body.json.";
     let sensitive = match collection {
         Some(collection) => table.is_sensitive(collection),
@@ -696,13 +726,17 @@ fn redacted_in(reason: String, collection: Option<&str>, name: Option<&str>, tab
             .iter()
             .any(|about| reason.starts_with(about)),
     };
-    if !sensitive {
-        let body = collection.and_then(|c| table.get(c)).map(|c| c.body_type_url.clone());
-        if let (Some(type_url), Some((path, rest))) = (body, reason.strip_prefix(BODY).and_then(|r| r.split_once(": ")))
-        {
-            let (path, rest) = super::proto_json::redact_body_error(&type_url, path, rest);
-            return format!("{BODY}{path}: {rest}");
+    // The type the body says it is (a `Secret` may be written into any
+    // collection), else the collection's.
+    let body_type = declared.or_else(|| collection.and_then(|c| table.get(c)).map(|c| c.body_type_url.clone()));
+    let reason = match (&body_type, reason.strip_prefix(BODY).and_then(|r| r.split_once(": "))) {
+        (Some(type_url), Some((path, rest))) => {
+            let (path, rest) = super::proto_json::redact_body_error(type_url, path, rest);
+            format!("{BODY}{path}: {rest}")
         }
+        _ => reason,
+    };
+    if !sensitive {
         return reason;
     }
     // The resource's name is no secret: it stays where the error names it.
@@ -829,6 +863,26 @@ fn identity(document: &str, at: &[PathStep], table: &CollectionTable) -> (Option
         .filter(|n| !n.is_empty())
         .map(|name| kubernetes::resource_name(info.cluster_scoped, name, namespace.as_deref()));
     (Some(info.collection.clone()), name)
+}
+
+/// The type URL a document's body says it is (`body.type_url`), when it
+/// says one it can read: for an error made before the body is read.
+fn declared_type(document: &str) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Doc {
+        #[serde(default)]
+        body: Lenient<Body>,
+    }
+    #[derive(Deserialize)]
+    struct Body {
+        #[serde(default)]
+        type_url: Lenient<String>,
+    }
+    impl Shaped for Body {
+        const SHAPE: Shape = Shape::Mapping;
+    }
+    let doc: Doc = serde_norway::from_str(document).ok()?;
+    doc.body.0?.type_url.0.map(|t| t.trim().to_owned())
 }
 
 /// A value read when the document gives it the expected shape, and `None`

@@ -768,6 +768,48 @@ pub fn secrecy(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) 
     }
 }
 
+/// How deep `Any`s may nest in a body read back (an `Any` holding an `Any`
+/// holding …): Envoy's own limit for a message's nesting is 100.
+pub const MAX_ANY_DEPTH: usize = 32;
+
+/// How deep `Any`s nest in `message`, `depth` deep already; past
+/// [`MAX_ANY_DEPTH`] it stops looking. An `Any` of a type `pool` does not
+/// have counts as one level.
+pub fn any_depth(message: &DynamicMessage, pool: &prost_reflect::DescriptorPool, depth: usize) -> usize {
+    if depth > MAX_ANY_DEPTH {
+        return depth;
+    }
+    if prost_reflect::ReflectMessage::descriptor(message).full_name() == "google.protobuf.Any" {
+        let inner = message
+            .get_field_by_name("type_url")
+            .and_then(|t| t.as_str().map(|t| t.rsplit('/').next().unwrap_or(t).to_owned()))
+            .and_then(|name| pool.get_message_by_name(&name))
+            .zip(message.get_field_by_name("value").and_then(|v| v.as_bytes().cloned()))
+            .and_then(|(inner, bytes)| DynamicMessage::decode(inner, bytes).ok());
+        return match inner {
+            Some(inner) => any_depth(&inner, pool, depth + 1),
+            None => depth + 1,
+        };
+    }
+    let mut deepest = depth;
+    for (_, value) in message.fields() {
+        let mut visit = |value: &prost_reflect::Value| {
+            if let prost_reflect::Value::Message(inner) = value {
+                deepest = deepest.max(any_depth(inner, pool, depth));
+            }
+        };
+        match value {
+            prost_reflect::Value::List(items) => items.iter().for_each(&mut visit),
+            prost_reflect::Value::Map(entries) => entries.values().for_each(&mut visit),
+            other => visit(other),
+        }
+        if deepest > MAX_ANY_DEPTH {
+            break;
+        }
+    }
+    deepest
+}
+
 /// An error the YAML reader made at `path` (written as [`display_path`]
 /// writes one) inside a body of `type_url`, before the body could be read
 /// as its type (a tag, a key written twice): said as [`secrecy`] allows,
@@ -1239,6 +1281,13 @@ impl BodyDecoder {
                 .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
             let message = DynamicMessage::decode(descriptor.clone(), value)
                 .map_err(|e| format!("does not decode as {name}: {e}"))?;
+            // Written as JSON, each `Any` is decoded inside the one holding
+            // it: a chain of thousands would overflow the stack.
+            if any_depth(&message, &descriptors.pool, 0) > MAX_ANY_DEPTH {
+                return Err(format!(
+                    "its Anys nest more than {MAX_ANY_DEPTH} deep: not read back (Envoy would not either)"
+                ));
+            }
             match serde_json::to_value(&message) {
                 Ok(json) => break (descriptors, descriptor, json),
                 Err(e) => {
@@ -1346,6 +1395,31 @@ impl Redactor<'_> {
         let Some(inner) = self.descriptors.pool.get_message_by_name(name) else {
             return;
         };
+        if matches!(
+            inner.full_name(),
+            "xds.type.v3.TypedStruct" | "udpa.type.v1.TypedStruct"
+        ) {
+            // Envoy reads a TypedStruct's `value` as the type its `type_url`
+            // names: that type's secrets lie in a Struct, which marks none.
+            // Unless the type is known here and holds none, hidden whole.
+            let named = ["typeUrl", "type_url"]
+                .iter()
+                .find_map(|k| json.get(*k).and_then(Value::as_str))
+                .map(|url| url.rsplit('/').next().unwrap_or(url).to_owned());
+            let harmless = named.as_deref().is_some_and(|name| {
+                message_type(&format!("{}{name}", crate::collections::TYPE_URL_PREFIX))
+                    .is_some_and(|m| !builtin_of(&m).sensitivity.holds_secrets(m.full_name()))
+                    && !self.sensitive_types.iter().any(|t| t.ends_with(&format!("/{name}")))
+            });
+            if !harmless {
+                if let Some(value) = json.get_mut("value") {
+                    self.path.push(PathStep::Key("value".into()));
+                    self.redact(value);
+                    self.path.pop();
+                }
+            }
+            return;
+        }
         let marked_whole =
             self.sensitive_types.contains(&type_url) && !self.descriptors.sensitivity.holds_secrets(inner.full_name());
         if marked_whole {
@@ -1660,6 +1734,40 @@ mod tests {
             deep = json!({"@type": ANY, "value": deep});
         }
         let _ = encode(ANY, deep);
+    }
+
+    /// A body whose `Any`s nest thousands deep (as `value_base64`: it is
+    /// never read at the source) is not read back for a view: written as
+    /// JSON each is decoded inside the one holding it, and a chain of 2,000
+    /// overflowed the stack of the request's worker (issue 42's eighth
+    /// check).
+    #[test]
+    fn a_body_of_anys_nested_thousands_deep_is_not_read_back() {
+        use prost::Message as _;
+        const ANY: &str = "type.googleapis.com/google.protobuf.Any";
+        let mut any = prost_types::Any {
+            type_url: "type.googleapis.com/google.protobuf.StringValue".into(),
+            value: "ok".to_owned().encode_to_vec(),
+        };
+        for _ in 0..2000 {
+            any = prost_types::Any {
+                type_url: ANY.into(),
+                value: any.encode_to_vec(),
+            };
+        }
+        let bodies = BodyDecoder::new(None).unwrap();
+        let why = bodies.decode(ANY, &any.encode_to_vec()).unwrap_err();
+        assert!(why.contains(&format!("more than {MAX_ANY_DEPTH} deep")), "{why}");
+        // A few levels read.
+        let shallow = prost_types::Any {
+            type_url: ANY.into(),
+            value: prost_types::Any {
+                type_url: "type.googleapis.com/google.protobuf.StringValue".into(),
+                value: "ok".to_owned().encode_to_vec(),
+            }
+            .encode_to_vec(),
+        };
+        assert!(bodies.decode(ANY, &shallow.encode_to_vec()).is_ok());
     }
 
     #[test]

@@ -694,6 +694,24 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  {{'@type': type.googleapis.com/google.protobuf.Any}}}}\n"
             ),
         ),
+        // The eighth check: a YAML error in a body whose type is not its
+        // collection's (a Secret in destinationrules) is read by the type
+        // the body says; a Secret's body in a collection every client may
+        // read is refused, not served.
+        (
+            "declared-secret.yaml",
+            format!(
+                "collection: istio/networking/v1alpha3/destinationrules\nname: default/w\nbody:\n  type_url: \
+                 {SECRET}\n  json:\n    tls_certificate: {{private_key: {{inline_string: !!int MARKER-W01}}}}\n"
+            ),
+        ),
+        (
+            "secret-in-clusters.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: s1\nbody: {{type_url: {SECRET}, json: {{name: s1, tls_certificate: \
+                 {{private_key: {{inline_string: MARKER-S01}}}}}}}}\n"
+            ),
+        ),
     ] {
         certs::write(&bad, file, &text);
     }
@@ -715,6 +733,8 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "ident-twice.yaml",
         "yaml-in-secret.yaml",
         "any-of-any.yaml",
+        "declared-secret.yaml",
+        "secret-in-clusters.yaml",
     ] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
@@ -754,20 +774,25 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
              type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.SECRET, value_base64: {secret_bytes}}}\n\
              ---\ncollection: {CLUSTERS}\nname: v2\nbody: {{type_url: type.googleapis.com/envoy.api.v2.auth.Secret, \
              value_base64: {secret_bytes}}}\n---\ncollection: {CLUSTERS}\nname: v2-tls\nbody: {{type_url: \
-             type.googleapis.com/envoy.api.v2.auth.TlsCertificate, value_base64: {secret_bytes}}}\n",
+             type.googleapis.com/envoy.api.v2.auth.TlsCertificate, value_base64: {secret_bytes}}}\n\
+             ---\ncollection: {CLUSTERS}\nname: typed-struct\nbody:\n  type_url: {CLUSTER}\n  json: {{name: ts, \
+             transport_socket: {{name: tls, typed_config: {{'@type': type.googleapis.com/xds.type.v3.TypedStruct, \
+             type_url: {UPSTREAM_TLS}, value: {{common_tls_context: {{tls_certificates: [{{certificate_chain: \
+             {{inline_string: c}}, private_key: {{inline_string: MARKER-TS}}}}]}}}}}}}}}}\n",
             envoy_filter("ef", r#"{"private_key":"MARKER-ANNOTATION"}"#, "{a: b}"),
         ),
     );
     let good_flag = good.to_str().unwrap().to_owned();
     let gw = start_gateway(&["--source-dir", &good_flag, "--type-map", &map_flag]).await;
     eventually("the resources", || {
-        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 3)
+        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 4)
     })
     .await;
     for view in [
         format!("/debug/cache/{EF}?bodies=yaml"),
         format!("/debug/cache/{EF}?bodies=json"),
         format!("/debug/cache/{CLUSTERS}?bodies=json"),
+        format!("/debug/cache/{CLUSTERS}?bodies=yaml"),
     ] {
         let (status, shown) = http_get(gw.admin, &view).await;
         assert_eq!(status, 200, "{view}: {shown}");
