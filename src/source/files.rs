@@ -722,9 +722,15 @@ fn redacted_in(
         Some(collection) => table.is_sensitive(collection),
         // Which collection cannot be told (a key written twice, an unknown
         // kind): anything but what the error says of the identity itself.
-        None => !["collection \"", "kind \"", "apiVersion \""]
-            .iter()
-            .any(|about| reason.starts_with(about)),
+        None => ![
+            "collection \"",
+            "kind \"",
+            "apiVersion \"",
+            "missing field `",
+            "unknown field `",
+        ]
+        .iter()
+        .any(|about| reason.starts_with(about)),
     };
     // The type the body says it is (a `Secret` may be written into any
     // collection), else the collection's.
