@@ -712,6 +712,15 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  {{private_key: {{inline_string: MARKER-S01}}}}}}}}\n"
             ),
         ),
+        // The ninth check: a secret's line that slipped out of its block
+        // scalar is a top-level key of a document without a collection.
+        (
+            "slipped-line.yaml",
+            format!(
+                "name: k25\nbody:\n  type_url: {SECRET}\n  json:\n    generic_secret:\n      secret:\n        \
+                 inline_string: |\n          line1\nMARKER-K25: x\n"
+            ),
+        ),
     ] {
         certs::write(&bad, file, &text);
     }
@@ -735,6 +744,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "any-of-any.yaml",
         "declared-secret.yaml",
         "secret-in-clusters.yaml",
+        "slipped-line.yaml",
     ] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
