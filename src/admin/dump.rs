@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
-use crate::source::proto_json::{is_secret_type, redact_quoted, BodyDecoder, REDACTED};
+use crate::source::proto_json::{hidden_whole, redact_quoted, BodyDecoder, REDACTED};
 use crate::transport::safe_text::yaml_terminal_safe;
 
 /// `?bodies=`.
@@ -58,7 +58,7 @@ pub(super) fn shown(
         .body
         .and_then(|b| prost_types::Any::decode(b).ok())
         .unwrap_or_default();
-    let whole = sensitive.is_some_and(|declared| any.type_url != declared || !is_secret_type(&any.type_url));
+    let whole = hidden_whole(sensitive, &any.type_url);
     let (body, secrets) = match bodies.decode_redacted(&any.type_url, &any.value) {
         Ok(_) if whole => (json!(REDACTED), BTreeMap::from([(String::new(), digest(&any.value))])),
         Ok(body) => (body.json, body.secrets),

@@ -553,13 +553,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             // only the token the reader expected (`','`).
             let yaml = collection.is_some() || serde_norway::from_str::<serde::de::IgnoredAny>(&document).is_ok();
             let reason = match yaml {
-                true => redacted_in(
-                    reason,
-                    collection.as_deref(),
-                    name.as_deref(),
-                    declared_type(&document),
-                    table,
-                ),
+                true => redacted_in(reason, collection.as_deref(), name.as_deref(), &document, table),
                 false => reason,
             };
             ParseError {
@@ -714,7 +708,7 @@ fn redacted_in(
     reason: String,
     collection: Option<&str>,
     name: Option<&str>,
-    declared: Option<String>,
+    document: &str,
     table: &CollectionTable,
 ) -> String {
     const BODY: &str = "body.json.";
@@ -728,15 +722,22 @@ fn redacted_in(
             .iter()
             .any(|about| reason.starts_with(about)),
     };
-    // The type the body says it is (a `Secret` may be written into any
-    // collection), else the collection's.
-    let body_type = declared.or_else(|| collection.and_then(|c| table.get(c)).map(|c| c.body_type_url.clone()));
-    let reason = match (&body_type, reason.strip_prefix(BODY).and_then(|r| r.split_once(": "))) {
-        (Some(type_url), Some((path, rest))) => {
-            let (path, rest) = super::proto_json::redact_body_error(type_url, path, rest);
-            format!("{BODY}{path}: {rest}")
+    // Read against the type the body says it is (a `Secret` may be
+    // written into any collection), else the collection's; the document is
+    // read for it only for such an error.
+    let reason = match reason.strip_prefix(BODY).and_then(|r| r.split_once(": ")) {
+        Some((path, rest)) => {
+            match declared_type(document)
+                .or_else(|| collection.and_then(|c| table.get(c)).map(|c| c.body_type_url.clone()))
+            {
+                Some(type_url) => {
+                    let (path, rest) = super::proto_json::redact_body_error(&type_url, path, rest);
+                    format!("{BODY}{path}: {rest}")
+                }
+                None => reason,
+            }
         }
-        _ => reason,
+        None => reason,
     };
     if !sensitive {
         return reason;
@@ -759,11 +760,7 @@ fn redacted_reason(reason: &str) -> String {
     let mut reason = super::proto_json::redact_quoted(reason);
     // The type an `Any` of the body names (unquoted: it is the operator's
     // to read elsewhere, but here the body's own text).
-    const NAMES: &str = "@type names ";
-    if let Some(at) = reason.find(NAMES).map(|at| at + NAMES.len()) {
-        let end = reason[at..].find(',').map_or(reason.len(), |e| at + e);
-        reason.replace_range(at..end, super::proto_json::REDACTED);
-    }
+    super::proto_json::redact_any_type(&mut reason);
     let Some((path, rest)) = reason.split_once(": ").filter(|(path, _)| !path.contains(' ')) else {
         return reason;
     };

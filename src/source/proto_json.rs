@@ -265,6 +265,15 @@ pub fn is_secret_type(type_url: &str) -> bool {
         .contains(type_url)
 }
 
+/// Whether a body of `type_url` in a collection declaring `declared` (its
+/// body type; `None`: not a sensitive collection) is hidden whole in every
+/// view: in a sensitive collection, any body but one of the collection's
+/// own type that is a secret type (shown with its secret fields hidden).
+/// The views and `client` decide by it alike.
+pub fn hidden_whole(declared: Option<&str>, type_url: &str) -> bool {
+    declared.is_some_and(|declared| type_url != declared || !is_secret_type(type_url))
+}
+
 /// Which fields mark secrets, shared with build.rs (which lists the
 /// collections of secrets with it; the test checks that list here).
 #[path = "secret_types.rs"]
@@ -660,6 +669,18 @@ pub struct Secrecy {
     pub any_type: bool,
 }
 
+impl Secrecy {
+    /// At a value that is a secret's when the path went through a marked
+    /// field (`inside`), `at` steps down: then it and what follows are.
+    fn within(inside: bool, at: usize) -> Self {
+        Secrecy {
+            quoted: inside,
+            text_from: inside.then_some(at),
+            any_type: inside,
+        }
+    }
+}
+
 /// How much of an error at `path` of a body of `descriptor` (written
 /// `json`, or `Null` where it did not read) may be shown: the value may be
 /// a secret when the path goes through a field marked sensitive, reaches
@@ -720,11 +741,7 @@ pub fn secrecy(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) 
         at += 1;
         inside |= sensitivity.is_sensitive_field(&field);
         let Kind::Message(inner) = field.kind() else {
-            return Secrecy {
-                quoted: inside,
-                text_from: inside.then_some(at),
-                any_type: inside,
-            };
+            return Secrecy::within(inside, at);
         };
         value = value.get(key.as_str()).unwrap_or(&Value::Null);
         message = inner;
@@ -735,11 +752,7 @@ pub fn secrecy(descriptor: &MessageDescriptor, json: &Value, path: &[PathStep]) 
                 Kind::Message(message.clone())
             }) else {
                 // A map or list of scalars: its keys (a secret's) and values.
-                return Secrecy {
-                    quoted: inside,
-                    text_from: inside.then_some(at),
-                    any_type: inside,
-                };
+                return Secrecy::within(inside, at);
             };
             match path.get(at) {
                 Some(PathStep::Key(entry)) => {
@@ -862,15 +875,8 @@ fn redact_error(mut error: JsonError, secrecy: Secrecy) -> JsonError {
     if secrecy.quoted {
         error.message = redact_quoted(&error.message);
     }
-    const NAMES: &str = "@type names ";
-    if let Some(at) = error
-        .message
-        .find(NAMES)
-        .map(|at| at + NAMES.len())
-        .filter(|_| secrecy.any_type)
-    {
-        let end = error.message[at..].find(',').map_or(error.message.len(), |e| at + e);
-        error.message.replace_range(at..end, REDACTED);
+    if secrecy.any_type {
+        redact_any_type(&mut error.message);
     }
     if let Some(from) = secrecy.text_from {
         for step in error.path.iter_mut().skip(from) {
@@ -880,6 +886,16 @@ fn redact_error(mut error: JsonError, secrecy: Secrecy) -> JsonError {
         }
     }
     error
+}
+
+/// `message` without the type an `Any` names in it (`@type names X, …`,
+/// unquoted): the body's own text where the `Any` lies in a secret.
+pub fn redact_any_type(message: &mut String) {
+    const NAMES: &str = "@type names ";
+    if let Some(at) = message.find(NAMES).map(|at| at + NAMES.len()) {
+        let end = message[at..].find(',').map_or(message.len(), |e| at + e);
+        message.replace_range(at..end, REDACTED);
+    }
 }
 
 /// `message` with every quoted value (`"..."`, as serde quotes strings,

@@ -1074,10 +1074,11 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
 /// gateway's views show it: any other body there reads `[redacted]` whole.
 fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> serde_json::Value {
     let sensitive = sensitive_type(type_url);
-    // Only the collection's own body type is read there: a body claiming
-    // another may be a secret's bytes under another name.
-    let foreign = sensitive && body.type_url != declared_type(type_url);
-    if foreign || (sensitive && !crate::source::proto_json::is_secret_type(&body.type_url)) {
+    // Only the collection's own body type is read there, and only a secret
+    // type: a body claiming another may be a secret's bytes under another
+    // name.
+    let declared = sensitive.then(|| declared_type(type_url));
+    if crate::source::proto_json::hidden_whole(declared.as_deref(), &body.type_url) {
         return serde_json::json!(crate::source::proto_json::REDACTED);
     }
     bodies.decode(&body.type_url, &body.value).unwrap_or_else(|why| {

@@ -955,13 +955,17 @@ where
 impl<T> Phases<T> {
     /// The gateway's RSS per client: synced and idle, less before the first.
     fn rss_per_stream(&self, streams: usize) -> f64 {
-        self.rss_synced.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64
+        self.per_stream(self.rss_synced, streams)
     }
 
     /// The same at rest (`--rest` after the sync).
     fn rss_per_stream_at_rest(&self, streams: usize) -> Option<f64> {
-        self.rss_at_rest
-            .map(|rss| rss.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64)
+        self.rss_at_rest.map(|rss| self.per_stream(rss, streams))
+    }
+
+    /// `rss` less the RSS before the first client, per stream.
+    fn per_stream(&self, rss: u64, streams: usize) -> f64 {
+        rss.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64
     }
 
     /// The report every scenario makes: `latencies` from the source to the
