@@ -2117,6 +2117,46 @@ bogus: 1
     }
 
     #[test]
+    fn deeply_nested_documents_are_refused_at_the_readers_depth_limit() {
+        // libyaml's scanner costs time quadratic in the depth of nested flow
+        // collections; the reader stops at its depth limit (128) instead of
+        // scanning the rest (400,000 levels took minutes before). The error
+        // names the line and column of the first collection too deep.
+        let gateway = "collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n";
+        let deep = |open: &str, close: &str| {
+            let n = 400_000;
+            format!("{gateway}  struct: {{a: {}{}}}\n", open.repeat(n), close.repeat(n))
+        };
+        for (text, column) in [
+            (deep("[", "]"), 14 + 125),
+            (deep("{a: ", "}"), 14 + 125 * 4),
+            // Unclosed, as an attacker would not bother to close them.
+            (format!("{gateway}  struct: {{a: {}\n", "[".repeat(400_000)), 14 + 125),
+        ] {
+            let error = parse("deep.yaml", &text, &table()).unwrap_err();
+            let shown = format!("deep.yaml:4: recursion limit exceeded (column {})", column + 1);
+            assert_eq!(error.to_string(), shown);
+        }
+        // A Kubernetes-shaped document and one without a collection too.
+        let k8s = format!(
+            "apiVersion: networking.istio.io/v1\nkind: Gateway\nmetadata: {{name: a}}\nspec: {}\n",
+            "[".repeat(400_000)
+        );
+        let error = parse("deep.yaml", &k8s, &table()).unwrap_err();
+        assert!(error.reason.contains("recursion limit exceeded"), "{error}");
+        let bare = "{a: ".repeat(400_000);
+        assert!(parse("deep.yaml", &bare, &table()).is_err());
+        // 128 levels in all still read: the limit is the deserializer's own.
+        let within = format!("{gateway}  struct: {{a: {}{}}}\n", "[".repeat(125), "]".repeat(125));
+        parse("within.yaml", &within, &table()).unwrap();
+        let past = format!("{gateway}  struct: {{a: {}{}}}\n", "[".repeat(126), "]".repeat(126));
+        assert!(parse("past.yaml", &past, &table())
+            .unwrap_err()
+            .reason
+            .contains("recursion limit"));
+    }
+
+    #[test]
     fn yaml_bombs_are_refused_with_a_clear_error() {
         // Billion laughs: serde_norway bounds the alias jumps.
         let mut laughs = String::from("collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct:\n");

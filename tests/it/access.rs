@@ -576,6 +576,12 @@ async fn a_bad_policy_at_start_exits_2_naming_the_file_the_line_and_the_field() 
                 "rules:\n- identities: [\"spiffe://x/*\"]\n  collections: [c]\n- identities:\n  - \"spiffe://cluster.local/ns/{ns}/sa/{ns}\"\n  collections: [c]\n  names: [\"{ns}/*\"]\n",
             ),
             "twice.yaml:5: rules[1].identities[0]: \"spiffe://cluster.local/ns/{ns}/sa/{ns}\": captures {ns} twice".into(),
+        ),        // Nested past the YAML reader's depth limit (128): refused at the
+        // first collection too deep, without reading the rest (libyaml's
+        // scanner is quadratic in the depth of flow collections).
+        (
+            file("deep.yaml", &format!("rules:\n- identities: {}\n", "[".repeat(400_000))),
+            "deep.yaml:2: rules[0].identities[0]: invalid type: sequence, expected a string".into(),
         ),
     ];
     for (path, expected) in cases {

@@ -401,6 +401,37 @@ async fn a_missing_name_is_one_finding_and_many_are_bounded() {
     assert_eq!(found[100].1, line_of(&text, "cluster: m98}"));
 }
 
+/// A document nested past the YAML reader's depth limit is one finding at
+/// its line, found without reading the rest: 400,000 levels of flow
+/// collections once held `check` (and the files source) for minutes.
+#[tokio::test]
+async fn a_document_nested_too_deep_is_a_finding_without_reading_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let deep = format!(
+        "collection: istio/networking/v1alpha3/gateways\nname: a\nbody:\n  struct: {{a: {}\n",
+        "[".repeat(400_000)
+    );
+    std::fs::write(dir.path().join("deep.yaml"), deep).unwrap();
+    let maps = format!(
+        "apiVersion: networking.istio.io/v1\nkind: Gateway\nmetadata: {{name: m}}\nspec: {}\n",
+        "{a: ".repeat(400_000)
+    );
+    std::fs::write(dir.path().join("maps.yaml"), maps).unwrap();
+    let path = dir.path().display().to_string();
+    let (code, stdout, stderr) = check(&["-o", "json", &path]).await;
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    let found = findings(&stdout);
+    assert_eq!(found.len(), 2, "{stdout}");
+    for (file, line) in [("deep.yaml", 4), ("maps.yaml", 4)] {
+        let finding = found
+            .iter()
+            .find(|f| f.0 == file)
+            .unwrap_or_else(|| panic!("{file}: {stdout}"));
+        assert_eq!((finding.1, finding.2.as_str()), (line, "error"), "{stdout}");
+        assert!(finding.3.contains("recursion limit exceeded"), "{stdout}");
+    }
+}
+
 /// A name defined twice is an error wherever the second one is: in the
 /// same file (the gateway refuses the file) or in another (the gateway
 /// serves the first file's and ignores the other): either way one
