@@ -596,7 +596,7 @@ pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) 
 /// The same resource content: the same version and body digest (which
 /// covers labels and annotations).
 fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
-    a.digest == b.digest && a.version == b.version
+    a.digest() == b.digest() && a.version == b.version
 }
 
 #[cfg(test)]

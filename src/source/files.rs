@@ -673,7 +673,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
                 version: resource.version.clone(),
                 body_type_url: resource.body_type_url.to_string(),
                 encoded: resource.encoded.clone(),
-                digest: resource.digest,
+                digest: resource.digest(),
                 line,
                 name_line,
                 struct_body,
