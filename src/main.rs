@@ -51,7 +51,10 @@ fn log_level_origin(effective: &[mcp_xds_gateway::config::EffectiveFlag]) -> Str
 /// the admin port's `POST /logging` changes at run time; `origin` says where
 /// `level` came from.
 fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync::Arc<LogControl>, ExitCode> {
-    let filter = EnvFilter::try_from_default_env().or_else(|_| EnvFilter::try_new(level));
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(env) if EnvFilter::try_new(&env).is_ok() => EnvFilter::try_new(watcher_capped(&env)),
+        _ => EnvFilter::try_new(watcher_capped(level)),
+    };
     let filter = match filter {
         Ok(filter) => filter,
         Err(e) => {
@@ -81,9 +84,24 @@ fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync
             .init(),
     }
     Ok(std::sync::Arc::new(LogControl::new(initial, origin, move |filter| {
-        let filter = EnvFilter::try_new(filter).map_err(|e| e.to_string())?;
+        let filter = EnvFilter::try_new(watcher_capped(filter)).map_err(|e| e.to_string())?;
         reload.reload(filter).map_err(|e| e.to_string())
     })))
+}
+
+/// `filter` with the file watcher's own logs at debug at most when every
+/// target is at trace and the filter names no `notify` directive: its
+/// trace logs one line per file event, so a log written into a watched
+/// directory (the access policy's, the source directory) would write a
+/// line per line it wrote, without end. Naming `notify=trace` still has them.
+fn watcher_capped(filter: &str) -> String {
+    let directives: Vec<&str> = filter.split(',').map(str::trim).collect();
+    let all_trace = directives.iter().any(|d| d.eq_ignore_ascii_case("trace"));
+    if all_trace && !directives.iter().any(|d| d.starts_with("notify")) {
+        format!("{filter},notify=debug")
+    } else {
+        filter.to_owned()
+    }
 }
 
 /// Standard output for `--log-format json`: each line with what a client

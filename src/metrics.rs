@@ -42,6 +42,7 @@ pub const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
 pub const CLIENTS_BEHIND: &str = "mcp_gateway_clients_behind";
 pub const CLIENTS_BY_STATUS: &str = "mcp_gateway_clients";
 pub const SOURCE_FILES_BROKEN: &str = "mcp_gateway_source_files_broken";
+pub const SOURCE_FILES_PARSED: &str = "mcp_gateway_source_files_parsed_total";
 pub const OVERSIZED_RESPONSES: &str = "mcp_gateway_oversized_responses_total";
 pub const BUILD_INFO: &str = "mcp_gateway_build_info";
 /// Tasks alive on the gateway's tokio runtime (a leak shows as growth).
@@ -320,6 +321,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
     metrics::gauge!(CLIENTS, "component" => COMPONENT_DOWNSTREAM).set(0.0);
     metrics::gauge!(REQUEST_BUFFER_BYTES).set(0.0);
     metrics::counter!(NACK_MESSAGES_TRUNCATED).absolute(0);
+    metrics::counter!(SOURCE_FILES_PARSED).absolute(0);
     for collection in ORDERED_COLLECTIONS {
         for step in ORDER_HOLD_STEPS {
             metrics::counter!(ORDER_HOLDS, "collection" => collection, "step" => step).absolute(0);
@@ -666,6 +668,11 @@ pub fn describe() {
         SOURCE_FILES_BROKEN,
         "Files of the local source (--source-dir) that do not parse; each keeps serving what it held when it last \
          parsed (/debug/upstream names the file, the line and the reason)."
+    );
+    describe_counter!(
+        SOURCE_FILES_PARSED,
+        "Files of the local source parsed: at start, then each file whose text changed (a rescan reads every file \
+         and parses only those)."
     );
     describe_gauge!(
         CLIENTS_BY_STATUS,

@@ -16,7 +16,6 @@ pub fn resource(i: usize, version: usize) -> CachedResource {
     CachedResource::new(
         name.into(),
         version.to_string().into(),
-        "type.googleapis.com/istio.networking.v1alpha3.VirtualService".into(),
         Bytes::from(body.clone()),
         content_digest(body.as_bytes(), &none, &none),
     )

@@ -634,13 +634,7 @@ mod tests {
     /// Resource `name` at `version`, with bytes of its own.
     fn resource(name: &str, version: &str) -> CachedResource {
         let body = format!("{name}@{version}");
-        CachedResource::new(
-            name.into(),
-            version.into(),
-            "t".into(),
-            Bytes::from(body.clone()),
-            digest(&body),
-        )
+        CachedResource::new(name.into(), version.into(), Bytes::from(body.clone()), digest(&body))
     }
 
     /// A source's message holding `resources` in the order given, as the
@@ -666,7 +660,6 @@ mod tests {
                 CachedResource::new(
                     name.as_str().into(),
                     version.as_str().into(),
-                    "t".into(),
                     message.slice(at),
                     digest(&body),
                 )

@@ -450,7 +450,6 @@ mod tests {
         CachedResource::new(
             name.into(),
             version.into(),
-            DR_TYPE_URL.into(),
             encoded.into(),
             crate::cache::content_digest(&body, &none, &none),
         )

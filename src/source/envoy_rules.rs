@@ -53,6 +53,20 @@ pub struct Violation {
     pub message: String,
     /// Whose rule it is: `validate.rules of envoy.config.core.v3.SocketAddress.address`.
     pub rule: String,
+    /// The body's own text `message` repeats (an address that is no IP
+    /// address), for a reader that must not show it (a sensitive collection).
+    pub quotes: Option<String>,
+}
+
+impl Violation {
+    /// `message` without the body's text it repeats, nor anything quoted.
+    pub fn message_redacted(&self) -> String {
+        let message = match &self.quotes {
+            Some(text) if !text.is_empty() => self.message.replace(text.as_str(), super::proto_json::REDACTED),
+            _ => self.message.clone(),
+        };
+        super::proto_json::redact_quoted(&message)
+    }
 }
 
 /// The rules a body of `type_url` breaks (its `Any`s followed); nothing
@@ -156,12 +170,17 @@ impl Walk {
     }
 
     fn violation(&mut self, rule: String, message: String) {
+        self.violation_quoting(rule, message, None);
+    }
+
+    fn violation_quoting(&mut self, rule: String, message: String, quotes: Option<String>) {
         if self.found.len() < MAX_VIOLATIONS {
             self.found.push(Violation {
                 path: self.path.clone(),
                 proto_path: self.proto_path.clone(),
                 message,
                 rule,
+                quotes,
             });
         }
     }
@@ -415,12 +434,13 @@ impl Walk {
             PathStep::Key(address.json_name().to_owned()),
             PathStep::Key(address.name().to_owned()),
         );
-        self.violation(
+        self.violation_quoting(
             format!("Envoy's own rule for {}", address.full_name()),
             format!(
                 "malformed IP address: {address_value}; a host name needs a STRICT_DNS or LOGICAL_DNS cluster \
                  (or resolver_name)"
             ),
+            Some(address_value.to_string()),
         );
         self.pop();
     }

@@ -621,15 +621,23 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             // A secret's body in a collection clients may read unasked (the
             // collections of secrets are read by nobody an access policy
             // does not grant them): refused, not served to every client.
-            if super::proto_json::is_secret_type(&found.body.type_url) && !table.is_sensitive(&found.collection) {
+            // So is one that wraps a secret's type (an `Any` of it, a
+            // TypedStruct naming it): Envoy reads it as that type.
+            let secret = super::proto_json::secret_type_within(&found.body);
+            if let Some(secret) = secret.filter(|_| !table.is_sensitive(&found.collection)) {
+                let wrapped = if secret == found.body.type_url {
+                    String::new()
+                } else {
+                    format!(" (within a {})", found.body.type_url)
+                };
                 errors.push(ParseError {
                     path: path.to_owned(),
                     line,
                     reason: format!(
-                        "a body of {} holds secrets, and {} is not a collection of secrets (clients read it unless \
-                         --access-policy says otherwise): put it in a collection of secrets, or mark this one \
-                         sensitive: true with --type-map",
-                        found.body.type_url, found.collection
+                        "a body of {secret}{wrapped} holds secrets, and {} is not a collection of secrets (clients \
+                         read it unless --access-policy says otherwise): put it in a collection of secrets, or mark \
+                         this one sensitive: true with --type-map",
+                        found.collection
                     ),
                     collection: Some(found.collection.clone()),
                     name: Some(found.name.clone()),
@@ -647,6 +655,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
                 annotations: found.annotations.into_iter().collect(),
                 ..Default::default()
             };
+            let body_type_url = found.body.type_url.clone();
             let encoded: Bytes = Resource {
                 metadata: Some(metadata),
                 body: Some(found.body),
@@ -671,7 +680,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
                 collection: found.collection,
                 name: resource.name.clone(),
                 version: resource.version.clone(),
-                body_type_url: resource.body_type_url.to_string(),
+                body_type_url,
                 encoded: resource.encoded.clone(),
                 digest: resource.digest(),
                 line,
@@ -1178,6 +1187,10 @@ struct FileState {
     /// The collections it gives `struct:` bodies that their clients decode
     /// as another type (logged once per file and collection).
     struct_bodies: BTreeSet<Arc<str>>,
+    /// A digest of the text this state was read from: a rescan parses the
+    /// file again only when its text changed (one large file, broken or
+    /// not, costs the edits of the others nothing).
+    text: Option<u128>,
 }
 
 /// A resource's file and where its body is written there.
@@ -1305,12 +1318,23 @@ impl LocalSource {
         let dir = self.dir.clone();
         let table = self.table.clone();
         let max = self.max_file_bytes;
-        let read = tokio::task::spawn_blocking(move || read_all(&dir, &table, max)).await;
+        let known: HashMap<String, u128> = self
+            .files
+            .iter()
+            .filter_map(|(path, state)| Some((path.clone(), state.text?)))
+            .collect();
+        let read = tokio::task::spawn_blocking(move || read_all(&dir, &table, max, &known)).await;
         match read {
             Ok(Ok(contents)) => {
                 self.files.retain(|path, _| contents.iter().any(|(p, _)| p == path));
-                for (path, parsed) in contents {
-                    self.update_file(path, parsed);
+                for (path, read) in contents {
+                    if let FileRead::Changed { text, parsed } = read {
+                        metrics::counter!(crate::metrics::SOURCE_FILES_PARSED).increment(1);
+                        self.update_file(path.clone(), parsed);
+                        if let Some(state) = self.files.get_mut(&path) {
+                            state.text = text;
+                        }
+                    }
                 }
             }
             Ok(Err(e)) => tracing::warn!(
@@ -1431,7 +1455,6 @@ impl LocalSource {
                     .push(CachedResource::new(
                         parsed.name.clone(),
                         parsed.version.clone(),
-                        parsed.body_type_url.as_str().into(),
                         parsed.encoded.clone(),
                         parsed.digest,
                     ));
@@ -1547,20 +1570,38 @@ pub fn text_of(path: &str, max_file_bytes: usize) -> Option<String> {
 /// What one file parses to.
 pub type ParsedFile = Result<Vec<Parsed>, ParseError>;
 
-/// Every YAML file's path and what it parses to (an unreadable file is a
-/// parse error at line 0). Blocking: run on the blocking pool.
+/// What a rescan found of one file.
+enum FileRead {
+    /// The same text as the state it has was read from: not parsed again.
+    Unchanged,
+    /// What it parses to now (an unreadable file is a parse error at line
+    /// 0), and its text's digest (`None`: unreadable, read again next time).
+    Changed { text: Option<u128>, parsed: ParsedFile },
+}
+
+/// Every YAML file's path and what it parses to, parsing only the files
+/// whose text is not the one `known` gives a digest of. Blocking: run on
+/// the blocking pool.
 fn read_all(
     dir: &SourceDir,
     table: &CollectionTable,
     max_file_bytes: usize,
-) -> std::io::Result<Vec<(String, ParsedFile)>> {
+    known: &HashMap<String, u128>,
+) -> std::io::Result<Vec<(String, FileRead)>> {
     Ok(texts(dir, max_file_bytes)?
         .into_iter()
         .map(|(path, text)| {
+            let digest = text
+                .as_ref()
+                .ok()
+                .map(|text| xxhash_rust::xxh3::xxh3_128(text.as_bytes()));
+            if digest.is_some() && known.get(&path) == digest.as_ref() {
+                return (path, FileRead::Unchanged);
+            }
             let parsed = text
                 .map_err(|reason| unreadable(&path, reason))
                 .and_then(|text| parse(&path, &text, table));
-            (path, parsed)
+            (path, FileRead::Changed { text: digest, parsed })
         })
         .collect())
 }
@@ -2114,6 +2155,54 @@ bogus: 1
         let first = parse("f.yaml", text, &table()).unwrap_err();
         assert_eq!(first, errors[0]);
         assert_eq!(parse_all("f.yaml", text, &table(), 2).1.len(), 2);
+    }
+
+    #[test]
+    fn a_body_that_is_or_wraps_a_secret_is_refused_outside_the_collections_of_secrets() {
+        const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+        let secret = "{name: s, generic_secret: {secret: {inline_string: MARKER}}}";
+        let bodies = [
+            (format!("{{type_url: {SECRET}, json: {secret}}}"), String::new()),
+            (
+                format!("{{type_url: type.googleapis.com/google.protobuf.Any, json: {{'@type': {SECRET}, name: s}}}}"),
+                " (within a type.googleapis.com/google.protobuf.Any)".to_owned(),
+            ),
+            (
+                format!("{{type_url: type.googleapis.com/xds.type.v3.TypedStruct, json: {{type_url: {SECRET}, value: {secret}}}}}"),
+                " (within a type.googleapis.com/xds.type.v3.TypedStruct)".to_owned(),
+            ),
+            (
+                format!("{{type_url: type.googleapis.com/udpa.type.v1.TypedStruct, json: {{type_url: {SECRET}, value: {{}}}}}}"),
+                " (within a type.googleapis.com/udpa.type.v1.TypedStruct)".to_owned(),
+            ),
+        ];
+        for (body, within) in bodies {
+            let text = format!("collection: envoy/config/cluster/v3/clusters\nname: c\nbody: {body}\n");
+            let error = parse("s.yaml", &text, &table()).unwrap_err();
+            assert!(
+                error.reason.starts_with(&format!("a body of {SECRET}{within} holds secrets, and envoy/config/cluster/v3/clusters is not a collection of secrets")),
+                "{error}"
+            );
+            assert!(!error.reason.contains("MARKER"), "{error}");
+        }
+        // A TypedStruct of a type that is no secret (its secrets hidden in
+        // the views) is read; so is a wrapped secret in the secrets' own.
+        let tls = "{type_url: type.googleapis.com/xds.type.v3.TypedStruct, json: {type_url: \
+                   type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext, value: {}}}";
+        parse(
+            "t.yaml",
+            &format!("collection: envoy/config/cluster/v3/clusters\nname: c\nbody: {tls}\n"),
+            &table(),
+        )
+        .unwrap();
+        let wrapped =
+            format!("{{type_url: type.googleapis.com/google.protobuf.Any, json: {{'@type': {SECRET}, name: s}}}}");
+        parse(
+            "w.yaml",
+            &format!("collection: envoy/extensions/transport_sockets/tls/v3/secrets\nname: s\nbody: {wrapped}\n"),
+            &table().with_sensitive_types(crate::source::proto_json::secret_type_urls()),
+        )
+        .unwrap();
     }
 
     #[test]

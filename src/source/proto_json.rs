@@ -252,6 +252,43 @@ pub fn secret_type_urls() -> Vec<String> {
     SECRET_TYPES.iter().map(|url| (*url).to_owned()).collect()
 }
 
+/// CNCF xds's TypedStruct (and udpa's before it): a type URL and a Struct
+/// Envoy reads as that type.
+fn is_typed_struct(full_name: &str) -> bool {
+    matches!(full_name, "xds.type.v3.TypedStruct" | "udpa.type.v1.TypedStruct")
+}
+
+/// The secret type a body is, or wraps at its top (an `Any` of it, a
+/// TypedStruct naming it, to [`MAX_ANY_DEPTH`]): such a body is a secret
+/// whatever the type URL it is sent under.
+pub fn secret_type_within(body: &prost_types::Any) -> Option<String> {
+    use prost::Message as _;
+    let mut type_url = body.type_url.clone();
+    let mut value = body.value.clone();
+    for _ in 0..MAX_ANY_DEPTH {
+        if is_secret_type(&type_url) {
+            return Some(type_url);
+        }
+        let name = type_url.rsplit('/').next().unwrap_or(&type_url);
+        if name == "google.protobuf.Any" {
+            let inner = prost_types::Any::decode(value.as_slice()).ok()?;
+            (type_url, value) = (inner.type_url, inner.value);
+        } else if is_typed_struct(name) {
+            // A TypedStruct's `type_url` is its field 1, as an `Any`'s is.
+            let named = crate::proto::wire::AnyTypeUrl::decode(value.as_slice()).ok()?.type_url;
+            let wrapped = format!(
+                "{}{}",
+                crate::collections::TYPE_URL_PREFIX,
+                named.rsplit('/').next().unwrap_or(&named)
+            );
+            return is_secret_type(&wrapped).then_some(wrapped);
+        } else {
+            return None;
+        }
+    }
+    None
+}
+
 /// Whether `type_url` is one of [`secret_type_urls`]: a type whose values
 /// *are* secrets, every one of them marked within two fields. Only such a
 /// body is shown in a sensitive collection with its secret fields
@@ -1360,6 +1397,9 @@ impl Redactor<'_> {
         if descriptor.full_name() == "google.protobuf.Any" {
             return self.any(json);
         }
+        if is_typed_struct(descriptor.full_name()) {
+            return self.typed_struct(json);
+        }
         // The other well-known types hold no secret and have JSON forms of
         // their own (a Struct's keys are not its fields).
         if descriptor.package_name() == "google.protobuf" {
@@ -1411,30 +1451,8 @@ impl Redactor<'_> {
         let Some(inner) = self.descriptors.pool.get_message_by_name(name) else {
             return;
         };
-        if matches!(
-            inner.full_name(),
-            "xds.type.v3.TypedStruct" | "udpa.type.v1.TypedStruct"
-        ) {
-            // Envoy reads a TypedStruct's `value` as the type its `type_url`
-            // names: that type's secrets lie in a Struct, which marks none.
-            // Unless the type is known here and holds none, hidden whole.
-            let named = ["typeUrl", "type_url"]
-                .iter()
-                .find_map(|k| json.get(*k).and_then(Value::as_str))
-                .map(|url| url.rsplit('/').next().unwrap_or(url).to_owned());
-            let harmless = named.as_deref().is_some_and(|name| {
-                message_type(&format!("{}{name}", crate::collections::TYPE_URL_PREFIX))
-                    .is_some_and(|m| !builtin_of(&m).sensitivity.holds_secrets(m.full_name()))
-                    && !self.sensitive_types.iter().any(|t| t.ends_with(&format!("/{name}")))
-            });
-            if !harmless {
-                if let Some(value) = json.get_mut("value") {
-                    self.path.push(PathStep::Key("value".into()));
-                    self.redact(value);
-                    self.path.pop();
-                }
-            }
-            return;
+        if is_typed_struct(inner.full_name()) {
+            return self.typed_struct(json);
         }
         let marked_whole =
             self.sensitive_types.contains(&type_url) && !self.descriptors.sensitivity.holds_secrets(inner.full_name());
@@ -1459,6 +1477,29 @@ impl Redactor<'_> {
         } else {
             // `@type` is no field of the message: the walk passes it by.
             self.message(&inner, json);
+        }
+    }
+
+    /// A TypedStruct, as an `Any`'s type or a body's own: Envoy reads its
+    /// `value` as the type its `type_url` names, whose secrets then lie in
+    /// a Struct, which marks none. Unless that type is known here and holds
+    /// none, the value is hidden whole.
+    fn typed_struct(&mut self, json: &mut Value) {
+        let named = ["typeUrl", "type_url"]
+            .iter()
+            .find_map(|k| json.get(*k).and_then(Value::as_str))
+            .map(|url| url.rsplit('/').next().unwrap_or(url).to_owned());
+        let harmless = named.as_deref().is_some_and(|name| {
+            message_type(&format!("{}{name}", crate::collections::TYPE_URL_PREFIX))
+                .is_some_and(|m| !builtin_of(&m).sensitivity.holds_secrets(m.full_name()))
+                && !self.sensitive_types.iter().any(|t| t.ends_with(&format!("/{name}")))
+        });
+        if !harmless {
+            if let Some(value) = json.get_mut("value") {
+                self.path.push(PathStep::Key("value".into()));
+                self.redact(value);
+                self.path.pop();
+            }
         }
     }
 
@@ -1614,6 +1655,42 @@ mod tests {
 
     const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
     const KEY: &str = "-----BEGIN PRIVATE KEY-----\nTUlJRXZRSUJBREFOQmdrcWhraUc5dzBC\n-----END PRIVATE KEY-----\n";
+
+    #[test]
+    fn a_typed_struct_body_hides_its_value_as_a_nested_one_does() {
+        let decoder = BodyDecoder::new(None).unwrap();
+        for typed_struct in [
+            "type.googleapis.com/xds.type.v3.TypedStruct",
+            "type.googleapis.com/udpa.type.v1.TypedStruct",
+        ] {
+            for (named, hidden) in [
+                (SECRET, true),
+                (
+                    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                    true,
+                ),
+                ("type.googleapis.com/example.Unknown", true),
+                ("type.googleapis.com/envoy.config.core.v3.SocketAddress", false),
+            ] {
+                let body = encode(
+                    typed_struct,
+                    json!({"type_url": named, "value": {"private_key": {"inline_string": KEY}}}),
+                )
+                .unwrap();
+                let read = decoder.decode_redacted(typed_struct, &body).unwrap();
+                let shown = read.json.to_string();
+                assert_eq!(
+                    read.json["value"] == REDACTED,
+                    hidden,
+                    "{typed_struct} of {named}: {shown}"
+                );
+                assert_eq!(read.json["typeUrl"], named, "{shown}");
+                if !hidden {
+                    assert_eq!(read.json["value"]["private_key"]["inline_string"], KEY, "{shown}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn sensitive_fields_read_redacted_at_any_depth_in_lists_maps_and_any() {

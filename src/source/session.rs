@@ -357,7 +357,10 @@ mod tests {
         let decoded = decode_resources(C, std::slice::from_ref(&bytes)).unwrap();
         assert_eq!(decoded[0].encoded, bytes);
         assert_eq!(&*decoded[0].version, "7");
-        assert_eq!(&*decoded[0].body_type_url, "type.googleapis.com/x.Y");
+        assert_eq!(
+            crate::proto::wire::resource_body_type_url(&decoded[0].encoded).as_deref(),
+            Some("type.googleapis.com/x.Y")
+        );
     }
 
     #[test]

@@ -30,7 +30,6 @@ pub fn decode_shared_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<Ar
 fn decode<R: From<CachedResource>>(collection: &str, raw: &[Bytes]) -> Result<Vec<R>, Nack> {
     let mut seen = HashSet::with_capacity(raw.len());
     let mut resources = Vec::with_capacity(raw.len());
-    let mut type_url: Option<Arc<str>> = None;
     for (index, bytes) in raw.iter().enumerate() {
         let resource = RawResource::decode(bytes.clone()).map_err(|e| {
             Nack::invalid(format!(
@@ -54,19 +53,13 @@ fn decode<R: From<CachedResource>>(collection: &str, raw: &[Bytes]) -> Result<Ve
                 "resource {name:?} of collection {collection:?} has no body"
             )));
         };
-        let body_type_url = AnyTypeUrl::decode(body.clone())
-            .map_err(|e| {
-                Nack::invalid(format!(
-                    "resource {name:?} of collection {collection:?} has a body that is not a google.protobuf.Any: {e}"
-                ))
-            })?
-            .type_url;
-        // A collection's bodies are nearly always of one type: one string
-        // for all of them, not one per resource (about 90 bytes each).
-        let body_type_url = match &type_url {
-            Some(shared) if **shared == *body_type_url => Arc::clone(shared),
-            _ => type_url.insert(Arc::from(body_type_url)).clone(),
-        };
+        // The body must be an `Any`; its type URL is read back from the
+        // stored bytes when a view asks (`CachedResource::body_type_url`).
+        AnyTypeUrl::decode(body.clone()).map_err(|e| {
+            Nack::invalid(format!(
+                "resource {name:?} of collection {collection:?} has a body that is not a google.protobuf.Any: {e}"
+            ))
+        })?;
         // The name's own `Arc`: a full state's set of names costs its table.
         if !seen.insert(name.clone()) {
             return Err(Nack::invalid(format!(
@@ -85,13 +78,7 @@ fn decode<R: From<CachedResource>>(collection: &str, raw: &[Bytes]) -> Result<Ve
         } else {
             (metadata.version.clone(), bytes.clone())
         };
-        resources.push(R::from(CachedResource::new(
-            name,
-            version.into(),
-            body_type_url,
-            encoded,
-            digest,
-        )));
+        resources.push(R::from(CachedResource::new(name, version.into(), encoded, digest)));
     }
     Ok(resources)
 }
@@ -113,16 +100,14 @@ mod tests {
     use crate::proto::wire::test_support::encoded_resource;
 
     #[test]
-    fn resources_of_one_body_type_share_its_name() {
-        let raw = [
-            encoded_resource("a", "1", b"x"),
-            encoded_resource("b", "1", b"y"),
-            encoded_resource("c", "1", b"z"),
-        ];
+    fn a_resources_body_type_is_read_back_from_its_bytes() {
+        let raw = [encoded_resource("a", "1", b"x"), encoded_resource("b", "", b"y")];
         let decoded = decode_resources("c", &raw).unwrap();
-        assert_eq!(&*decoded[0].body_type_url, "type.googleapis.com/x.Y");
-        assert!(decoded
-            .windows(2)
-            .all(|w| Arc::ptr_eq(&w[0].body_type_url, &w[1].body_type_url)));
+        for resource in &decoded {
+            assert_eq!(
+                crate::proto::wire::resource_body_type_url(&resource.encoded).as_deref(),
+                Some("type.googleapis.com/x.Y")
+            );
+        }
     }
 }

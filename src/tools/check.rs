@@ -275,7 +275,7 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     }
     report.resources = served.len();
     let mut lines = Lines::new(args.max_message_bytes);
-    report.findings.extend(envoy_refuses(&readable, &mut lines));
+    report.findings.extend(envoy_refuses(&readable, &table, &mut lines));
     report.findings.extend(cross_references(&served, &table, &mut lines));
     report
         .findings
@@ -341,18 +341,24 @@ fn field_shown(root: &str, path: &[PathStep]) -> String {
 /// What Envoy would refuse (NACK) of each resource that read: the
 /// `validate.rules` of its protos and its address rule (see
 /// `source::envoy_rules`), each an error at the line of the field.
-fn envoy_refuses(parsed: &[(String, Parsed)], lines: &mut Lines) -> Vec<Finding> {
+/// In a sensitive collection, a finding repeats nothing of the body.
+fn envoy_refuses(parsed: &[(String, Parsed)], table: &CollectionTable, lines: &mut Lines) -> Vec<Finding> {
     let mut findings = Vec::new();
     for (file, p) in parsed {
         let Some(body) = body_any(p) else {
             continue;
         };
+        let sensitive = table.is_sensitive(&p.collection);
         for violation in envoy_rules::violations(&body.type_url, &body.value) {
             let line = lines.of(file, p, &violation.path, &violation.proto_path);
             let message = format!(
                 "{}: {} ({}); Envoy refuses (NACKs) the resource",
                 field_shown(&body_root(p), &violation.proto_path),
-                violation.message,
+                if sensitive {
+                    violation.message_redacted()
+                } else {
+                    violation.message.clone()
+                },
                 violation.rule
             );
             findings.push(Finding::about(file, p, line, Severity::Error, message));

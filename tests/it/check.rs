@@ -690,6 +690,39 @@ async fn what_check_says_envoy_refuses_a_real_envoy_refuses() {
     }
 }
 
+/// What Envoy would refuse of a body in a collection `--type-map` marks
+/// sensitive is found at its field, repeating nothing of the body.
+#[tokio::test]
+async fn what_envoy_refuses_in_a_sensitive_collection_is_said_without_its_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = dir.path().join("types.yaml");
+    std::fs::write(
+        &map,
+        "custom/private-clusters: {type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster, sensitive: true}\n",
+    )
+    .unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let text = [
+        cluster_doc("plain", "STATIC", "MARKER-PLAIN", 9),
+        cluster_doc("hidden", "STATIC", "MARKER-HIDDEN", 9).replace(
+            "collection: envoy/config/cluster/v3/clusters",
+            "collection: custom/private-clusters",
+        ),
+    ]
+    .concat();
+    std::fs::write(src.join("clusters.yaml"), &text).unwrap();
+    for format in ["text", "json", "github"] {
+        let (code, stdout, stderr) =
+            check(&["-o", format, "--type-map", map.to_str().unwrap(), src.to_str().unwrap()]).await;
+        assert_eq!(code, Some(1), "{stdout}{stderr}");
+        let shown = format!("{stdout}{stderr}");
+        assert!(shown.contains("malformed IP address: MARKER-PLAIN"), "{shown}");
+        assert!(shown.contains("malformed IP address: [redacted]"), "{shown}");
+        assert!(!shown.contains("MARKER-HIDDEN"), "{format}: {shown}");
+    }
+}
+
 /// A value written in a file reaches the terminal escaped: no escape
 /// sequence of a file's is acted on.
 #[tokio::test]

@@ -785,3 +785,50 @@ async fn releases_without_a_canary_and_pins_are_logged_as_warnings() {
     let line = gw.log_line("collection pinned").await;
     assert!(line.contains("WARN") && line.contains(&latest), "{line}");
 }
+
+/// `RUST_LOG=trace` with the log written into the directory the gateway
+/// watches: the file watcher's own trace lines (one per file event, so one
+/// per line the log gets) are capped at debug, or the log would feed
+/// itself without end and fill the disk.
+#[tokio::test]
+async fn a_trace_log_written_into_the_watched_directory_does_not_feed_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config/networking.yaml");
+    std::fs::copy(&example, src.join("networking.yaml")).unwrap();
+    let log = src.join("gateway.log");
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "exec '{BIN}' --source-dir '{}' --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+             --monitoring-listen 127.0.0.1:0 > '{}' 2>&1",
+            src.display(),
+            log.display()
+        ))
+        .env("RUST_LOG", "trace")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    eventually("the gateway to listen", || read().contains("gateway listening")).await;
+    // A change the watcher sees, applied: every event before it was logged.
+    let more = std::fs::read_to_string(&example).unwrap().replace("name: ", "name: x");
+    std::fs::write(src.join("more.yaml"), more).unwrap();
+    eventually("the change to be applied", || {
+        read().contains("the source directory's change is applied")
+    })
+    .await;
+    let text = read();
+    assert!(text.contains("TRACE"), "the gateway's own traces are on");
+    assert!(
+        !text.lines().any(|l| l.contains("TRACE") && l.contains("notify")),
+        "{}",
+        text.lines()
+            .filter(|l| l.contains("notify"))
+            .take(5)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    child.start_kill().unwrap();
+    within("the gateway to exit", child.wait()).await.unwrap();
+}

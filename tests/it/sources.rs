@@ -244,6 +244,55 @@ async fn a_file_that_does_not_parse_keeps_its_last_good_state() {
     eventually("the error to clear", || gw.upstream.borrow().last_error.is_none()).await;
 }
 
+/// A rescan parses only the files whose text changed: a large file, broken
+/// or not, costs the edits of the others nothing (it took seconds per edit
+/// when every file was parsed again).
+#[tokio::test]
+async fn a_rescan_parses_only_the_files_that_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "a.yaml", &vs_doc("a", 1));
+    write(dir.path(), "other.yaml", &vs_doc("x", 1));
+    let dir_flag = dir.path().to_str().unwrap().to_owned();
+    let gw = crate::helpers::spawn_gateway(None, &["--source-dir", &dir_flag, "--collections", VS]).await;
+    let parsed = || crate::limits::metric(gw.monitoring, "mcp_gateway_source_files_parsed_total ");
+    let served = |names: &'static [&'static str]| {
+        let admin = gw.admin;
+        async move {
+            let (status, body) = http_get(admin, &format!("/debug/cache/{VS}")).await;
+            let cache: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            let shown: Vec<&str> = cache["resources"]
+                .as_array()
+                .map(|r| r.iter().filter_map(|r| r["name"].as_str()).collect())
+                .unwrap_or_default();
+            status == 200 && shown == names
+        }
+    };
+    crate::helpers::eventually_async("the files served", || served(&["a", "x"])).await;
+    assert_eq!(parsed().await, 2, "each file once at start");
+    // Broken, a file keeps its last good state, and is not parsed again
+    // until its text changes.
+    for (name, text, count, names) in [
+        (
+            "other.yaml",
+            vs_doc("x", 2).replace("body:", "bodee:"),
+            3,
+            &["a", "x"][..],
+        ),
+        ("b.yaml", vs_doc("b", 1), 4, &["a", "b", "x"][..]),
+        ("a.yaml", vs_doc("a", 2), 5, &["a", "b", "x"][..]),
+        ("c.yaml", vs_doc("c", 1), 6, &["a", "b", "c", "x"][..]),
+    ] {
+        write(dir.path(), name, &text);
+        crate::helpers::eventually_async("the file parsed", || async { parsed().await >= count }).await;
+        crate::helpers::eventually_async("the change served", || served(names)).await;
+        assert_eq!(
+            parsed().await,
+            count,
+            "{name}: only the file that changed is parsed again"
+        );
+    }
+}
+
 #[tokio::test]
 async fn with_no_source_flag_the_shipped_examples_are_served() {
     // `cargo test` runs in the package root, where examples/config is.
