@@ -106,7 +106,7 @@ pub(super) fn shown(
     });
     let value = json!({
         "name": resource.name,
-        "version": resource.version,
+        "version": resource.version.as_str(),
         "content_version": resource.content_version(),
         "create_time": create_time,
         "labels": metadata.labels,

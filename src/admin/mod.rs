@@ -818,7 +818,7 @@ async fn cache_collection(
     value["resources"] = snapshot
         .resources
         .values()
-        .map(|r| json!({"name": r.name, "version": r.version, "body_type_url": crate::proto::wire::resource_body_type_url(&r.encoded)}))
+        .map(|r| json!({"name": r.name, "version": r.version.as_str(), "body_type_url": crate::proto::wire::resource_body_type_url(&r.encoded)}))
         .collect();
     view(&headers, &format!("Cache: {collection}"), value)
 }

@@ -679,7 +679,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             parsed.push(Parsed {
                 collection: found.collection,
                 name: resource.name.clone(),
-                version: resource.version.clone(),
+                version: resource.version.as_str().into(),
                 body_type_url,
                 encoded: resource.encoded.clone(),
                 digest: resource.digest(),
