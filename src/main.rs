@@ -93,11 +93,18 @@ fn init_logs(level: &str, format: LogFormat, origin: String) -> Result<std::sync
 /// target is at trace and the filter names no `notify` directive: its
 /// trace logs one line per file event, so a log written into a watched
 /// directory (the access policy's, the source directory) would write a
-/// line per line it wrote, without end. Naming `notify=trace` still has them.
+/// line per line it wrote, without end. Naming `notify` (or
+/// `notify::inotify`) with a level still has them.
 fn watcher_capped(filter: &str) -> String {
     let directives: Vec<&str> = filter.split(',').map(str::trim).collect();
     let all_trace = directives.iter().any(|d| d.eq_ignore_ascii_case("trace"));
-    if all_trace && !directives.iter().any(|d| d.starts_with("notify")) {
+    // Only a directive for the watcher itself, or the module that logs each
+    // event, says the operator wants those lines (`notify::poll=info` does not).
+    let names_watcher = directives.iter().any(|d| {
+        let target = d.split(['=', '[']).next().unwrap_or(d);
+        matches!(target, "notify" | "notify::inotify")
+    });
+    if all_trace && !names_watcher {
         format!("{filter},notify=debug")
     } else {
         filter.to_owned()

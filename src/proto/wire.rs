@@ -382,6 +382,16 @@ pub struct AnyTypeUrl {
     pub type_url: String,
 }
 
+/// A TypedStruct (`xds.type.v3` or `udpa.type.v1`): the type it names and
+/// the Struct Envoy reads as that type.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TypedStructView {
+    #[prost(string, tag = "1")]
+    pub type_url: String,
+    #[prost(message, optional, tag = "2")]
+    pub value: Option<prost_types::Struct>,
+}
+
 /// The body's type URL of an MCP `Resource` (`body`, field 2), read
 /// without its metadata or the body's value.
 #[derive(Clone, PartialEq, prost::Message)]

@@ -625,8 +625,13 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             // TypedStruct naming it): Envoy reads it as that type.
             let secret = super::proto_json::secret_type_within(&found.body);
             if let Some(secret) = secret.filter(|_| !table.is_sensitive(&found.collection)) {
+                // The body's own type URL spelling the secret's differently
+                // (another prefix, spaces) is read as it, not wrapped.
+                let own = found.body.type_url.rsplit('/').next().unwrap_or_default().trim();
                 let wrapped = if secret == found.body.type_url {
                     String::new()
+                } else if secret.rsplit('/').next() == Some(own) {
+                    format!(" (its type URL {:?} read as that)", found.body.type_url)
                 } else {
                     format!(" (within a {})", found.body.type_url)
                 };
@@ -1614,9 +1619,11 @@ fn texts(dir: &SourceDir, max_file_bytes: usize) -> std::io::Result<Vec<(String,
             .map(|(name, text)| (format!("<embedded>/{name}"), Ok(text.to_string())))
             .collect(),
         SourceDir::Dir(dir) => {
+            let own_log = own_log();
             let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| is_yaml(p))
+                .filter(|p| !is_own_log(p, &own_log))
                 .collect();
             paths.sort();
             paths
@@ -1711,6 +1718,35 @@ fn read_text(path: &Path, max: usize) -> Result<String, String> {
         ));
     }
     String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
+}
+
+/// The files this process writes its log to (its standard output and
+/// error, when they are files), by device and inode.
+fn own_log() -> Vec<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    ["/proc/self/fd/1", "/proc/self/fd/2"]
+        .iter()
+        .filter_map(|fd| std::fs::metadata(fd).ok())
+        .filter(|m| m.is_file())
+        .map(|m| (m.dev(), m.ino()))
+        .collect()
+}
+
+/// Whether `path` is this process's own log: never read as a source file
+/// (it would never parse, and each error logged would change it and be
+/// read again), said once.
+fn is_own_log(path: &Path, own_log: &[(u64, u64)]) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let own = std::fs::metadata(path).is_ok_and(|m| own_log.contains(&(m.dev(), m.ino())));
+    if own && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            file = %terminal_safe(&path.display().to_string()),
+            "this file is the gateway's own log (its standard output or error): not read as a source file; \
+             write the log outside the source directory"
+        );
+    }
+    own
 }
 
 fn is_yaml(path: &Path) -> bool {
@@ -2176,7 +2212,41 @@ bogus: 1
                 " (within a type.googleapis.com/udpa.type.v1.TypedStruct)".to_owned(),
             ),
         ];
-        for (body, within) in bodies {
+        // Chains of wrappers, and a prefix that is not the default one
+        // (Envoy reads the name after the last `/`).
+        let ts = "type.googleapis.com/xds.type.v3.TypedStruct";
+        let chains = [
+            (
+                format!("{{type_url: {ts}, json: {{type_url: {ts}, value: {{type_url: {SECRET}, value: {secret}}}}}}}"),
+                format!(" (within a {ts})"),
+            ),
+            (
+                format!("{{type_url: {ts}, json: {{type_url: type.googleapis.com/google.protobuf.Any, value: {{'@type': {SECRET}, name: s}}}}}}"),
+                format!(" (within a {ts})"),
+            ),
+            (
+                "{type_url: type.googleapis.com/google.protobuf.Any, json: {'@type': \
+                 example.com/envoy.extensions.transport_sockets.tls.v3.Secret, name: s}}"
+                    .to_owned(),
+                " (within a type.googleapis.com/google.protobuf.Any)".to_owned(),
+            ),
+            (
+                format!("{{type_url: type.googleapis.com/google.protobuf.Any, json: {{'@type': {ts}, type_url: {ts}, value: {{type_url: {SECRET}, value: {{}}}}}}}}"),
+                " (within a type.googleapis.com/google.protobuf.Any)".to_owned(),
+            ),
+            // Its own type URL with a trailing space, or another prefix:
+            // read as the Secret it spells (`CgFz`: name "s").
+            (
+                format!("{{type_url: \"{SECRET} \", value_base64: CgFz}}"),
+                format!(" (its type URL \"{SECRET} \" read as that)"),
+            ),
+            (
+                "{type_url: example.com/envoy.extensions.transport_sockets.tls.v3.Secret, value_base64: CgFz}".to_owned(),
+                " (its type URL \"example.com/envoy.extensions.transport_sockets.tls.v3.Secret\" read as that)"
+                    .to_owned(),
+            ),
+        ];
+        for (body, within) in bodies.into_iter().chain(chains) {
             let text = format!("collection: envoy/config/cluster/v3/clusters\nname: c\nbody: {body}\n");
             let error = parse("s.yaml", &text, &table()).unwrap_err();
             assert!(

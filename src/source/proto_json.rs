@@ -258,33 +258,92 @@ fn is_typed_struct(full_name: &str) -> bool {
     matches!(full_name, "xds.type.v3.TypedStruct" | "udpa.type.v1.TypedStruct")
 }
 
+/// Whether a message of `descriptor`, at any depth, can hold what its
+/// descriptor does not describe (an `Any`, a `Struct` or its values, a
+/// TypedStruct): a secret may lie there that no field marks.
+fn holds_opaque_values(descriptor: &MessageDescriptor) -> bool {
+    let opaque = |name: &str| {
+        is_typed_struct(name)
+            || matches!(
+                name,
+                "google.protobuf.Any"
+                    | "google.protobuf.Struct"
+                    | "google.protobuf.Value"
+                    | "google.protobuf.ListValue"
+            )
+    };
+    let mut seen = HashSet::new();
+    let mut pending = vec![descriptor.clone()];
+    while let Some(message) = pending.pop() {
+        if opaque(message.full_name()) {
+            return true;
+        }
+        if !seen.insert(message.full_name().to_owned()) {
+            continue;
+        }
+        for field in message.fields() {
+            if let Kind::Message(inner) = field.kind() {
+                pending.push(inner);
+            }
+        }
+    }
+    false
+}
+
 /// The secret type a body is, or wraps at its top (an `Any` of it, a
-/// TypedStruct naming it, to [`MAX_ANY_DEPTH`]): such a body is a secret
-/// whatever the type URL it is sent under.
+/// TypedStruct naming it, any chain of them, to [`MAX_ANY_DEPTH`]): such a
+/// body is a secret whatever the type URL it is sent under. A type is read
+/// as Envoy reads it, by the name after the last `/`, whatever the prefix.
 pub fn secret_type_within(body: &prost_types::Any) -> Option<String> {
     use prost::Message as _;
+    use prost_types::value::Kind as JsonKind;
+    /// What is being looked into: bytes of a type, or a Struct Envoy reads
+    /// as one (a TypedStruct's value, an `Any` within it).
+    enum Wrapped {
+        Bytes(Vec<u8>),
+        Json(prost_types::Struct),
+    }
+    let text = |fields: &prost_types::Struct, keys: &[&str]| {
+        keys.iter()
+            .find_map(|key| match fields.fields.get(*key).and_then(|v| v.kind.as_ref()) {
+                Some(JsonKind::StringValue(text)) => Some(text.clone()),
+                _ => None,
+            })
+    };
+    let inner_struct =
+        |fields: &prost_types::Struct, key: &str| match fields.fields.get(key).and_then(|v| v.kind.as_ref()) {
+            Some(JsonKind::StructValue(inner)) => Some(inner.clone()),
+            _ => None,
+        };
     let mut type_url = body.type_url.clone();
-    let mut value = body.value.clone();
+    let mut wrapped = Wrapped::Bytes(body.value.clone());
     for _ in 0..MAX_ANY_DEPTH {
-        if is_secret_type(&type_url) {
-            return Some(type_url);
+        let name = type_url.rsplit('/').next().unwrap_or(&type_url).trim().to_owned();
+        let canonical = format!("{}{name}", crate::collections::TYPE_URL_PREFIX);
+        if is_secret_type(&canonical) {
+            return Some(canonical);
         }
-        let name = type_url.rsplit('/').next().unwrap_or(&type_url);
-        if name == "google.protobuf.Any" {
-            let inner = prost_types::Any::decode(value.as_slice()).ok()?;
-            (type_url, value) = (inner.type_url, inner.value);
-        } else if is_typed_struct(name) {
-            // A TypedStruct's `type_url` is its field 1, as an `Any`'s is.
-            let named = crate::proto::wire::AnyTypeUrl::decode(value.as_slice()).ok()?.type_url;
-            let wrapped = format!(
-                "{}{}",
-                crate::collections::TYPE_URL_PREFIX,
-                named.rsplit('/').next().unwrap_or(&named)
-            );
-            return is_secret_type(&wrapped).then_some(wrapped);
-        } else {
-            return None;
-        }
+        (type_url, wrapped) = match (name.as_str(), wrapped) {
+            ("google.protobuf.Any", Wrapped::Bytes(bytes)) => {
+                let inner = prost_types::Any::decode(bytes.as_slice()).ok()?;
+                (inner.type_url, Wrapped::Bytes(inner.value))
+            }
+            (typed, Wrapped::Bytes(bytes)) if is_typed_struct(typed) => {
+                let inner = crate::proto::wire::TypedStructView::decode(bytes.as_slice()).ok()?;
+                (inner.type_url, Wrapped::Json(inner.value.unwrap_or_default()))
+            }
+            // An `Any` written as JSON: `@type` and its fields (or `value`).
+            ("google.protobuf.Any", Wrapped::Json(fields)) => {
+                let named = text(&fields, &["@type"])?;
+                let rest = inner_struct(&fields, "value").unwrap_or(fields);
+                (named, Wrapped::Json(rest))
+            }
+            (typed, Wrapped::Json(fields)) if is_typed_struct(typed) => {
+                let named = text(&fields, &["type_url", "typeUrl"])?;
+                (named, Wrapped::Json(inner_struct(&fields, "value").unwrap_or_default()))
+            }
+            _ => return None,
+        };
     }
     None
 }
@@ -1491,7 +1550,7 @@ impl Redactor<'_> {
             .map(|url| url.rsplit('/').next().unwrap_or(url).to_owned());
         let harmless = named.as_deref().is_some_and(|name| {
             message_type(&format!("{}{name}", crate::collections::TYPE_URL_PREFIX))
-                .is_some_and(|m| !builtin_of(&m).sensitivity.holds_secrets(m.full_name()))
+                .is_some_and(|m| !builtin_of(&m).sensitivity.holds_secrets(m.full_name()) && !holds_opaque_values(&m))
                 && !self.sensitive_types.iter().any(|t| t.ends_with(&format!("/{name}")))
         });
         if !harmless {
@@ -1670,6 +1729,12 @@ mod tests {
                     true,
                 ),
                 ("type.googleapis.com/example.Unknown", true),
+                // What can hold what no descriptor marks: a TypedStruct, an
+                // `Any`, a type with an `Any` inside.
+                ("type.googleapis.com/xds.type.v3.TypedStruct", true),
+                ("type.googleapis.com/google.protobuf.Any", true),
+                ("type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig", true),
+                ("type.googleapis.com/envoy.config.listener.v3.Filter", true),
                 ("type.googleapis.com/envoy.config.core.v3.SocketAddress", false),
             ] {
                 let body = encode(

@@ -276,10 +276,16 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     report.resources = served.len();
     let mut lines = Lines::new(args.max_message_bytes);
     report.findings.extend(envoy_refuses(&readable, &table, &mut lines));
-    report.findings.extend(cross_references(&served, &table, &mut lines));
-    report
-        .findings
-        .extend(skew_findings(&served, &releases_for(&args.for_releases), &mut lines));
+    let mut about_bodies = cross_references(&served, &table, &mut lines);
+    about_bodies.extend(skew_findings(&served, &releases_for(&args.for_releases), &mut lines));
+    // About a sensitive collection's resource, a finding quotes none of its
+    // body (a cluster a route names, a field's value).
+    for finding in &mut about_bodies {
+        if finding.collection.as_deref().is_some_and(|c| table.is_sensitive(c)) {
+            finding.message = crate::source::proto_json::redact_quoted(&finding.message);
+        }
+    }
+    report.findings.extend(about_bodies);
     if args.strict {
         for finding in report.findings.iter_mut().filter(|f| f.severity == Severity::Warning) {
             finding.severity = Severity::Error;
@@ -351,16 +357,23 @@ fn envoy_refuses(parsed: &[(String, Parsed)], table: &CollectionTable, lines: &m
         let sensitive = table.is_sensitive(&p.collection);
         for violation in envoy_rules::violations(&body.type_url, &body.value) {
             let line = lines.of(file, p, &violation.path, &violation.proto_path);
-            let message = format!(
-                "{}: {} ({}); Envoy refuses (NACKs) the resource",
-                field_shown(&body_root(p), &violation.proto_path),
-                if sensitive {
-                    violation.message_redacted()
-                } else {
-                    violation.message.clone()
-                },
-                violation.rule
-            );
+            // A sensitive body's path may hold its text (a map's keys): the
+            // line and the rule's field name say where.
+            let message = if sensitive {
+                format!(
+                    "{}.[redacted]: {} ({}); Envoy refuses (NACKs) the resource",
+                    body_root(p),
+                    violation.message_redacted(),
+                    violation.rule
+                )
+            } else {
+                format!(
+                    "{}: {} ({}); Envoy refuses (NACKs) the resource",
+                    field_shown(&body_root(p), &violation.proto_path),
+                    violation.message,
+                    violation.rule
+                )
+            };
             findings.push(Finding::about(file, p, line, Severity::Error, message));
         }
     }

@@ -698,7 +698,9 @@ async fn what_envoy_refuses_in_a_sensitive_collection_is_said_without_its_values
     let map = dir.path().join("types.yaml");
     std::fs::write(
         &map,
-        "custom/private-clusters: {type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster, sensitive: true}\n",
+        "custom/private-clusters: {type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster, sensitive: true}\n\
+         custom/private-routes: {type_url: type.googleapis.com/envoy.config.route.v3.RouteConfiguration, \
+         sensitive: true}\n",
     )
     .unwrap();
     let src = dir.path().join("src");
@@ -712,6 +714,15 @@ async fn what_envoy_refuses_in_a_sensitive_collection_is_said_without_its_values
     ]
     .concat();
     std::fs::write(src.join("clusters.yaml"), &text).unwrap();
+    // A route to a cluster no file defines: a warning, naming nothing of
+    // the sensitive body.
+    std::fs::write(
+        src.join("routes.yaml"),
+        "collection: custom/private-routes\nname: r\nbody:\n  type_url: \
+         type.googleapis.com/envoy.config.route.v3.RouteConfiguration\n  json:\n    name: r\n    virtual_hosts:\n    \
+         - name: v\n      domains: ['*']\n      routes:\n      - {match: {prefix: /}, route: {cluster: MARKER-ROUTED}}\n",
+    )
+    .unwrap();
     for format in ["text", "json", "github"] {
         let (code, stdout, stderr) =
             check(&["-o", format, "--type-map", map.to_str().unwrap(), src.to_str().unwrap()]).await;
@@ -719,7 +730,11 @@ async fn what_envoy_refuses_in_a_sensitive_collection_is_said_without_its_values
         let shown = format!("{stdout}{stderr}");
         assert!(shown.contains("malformed IP address: MARKER-PLAIN"), "{shown}");
         assert!(shown.contains("malformed IP address: [redacted]"), "{shown}");
-        assert!(!shown.contains("MARKER-HIDDEN"), "{format}: {shown}");
+        assert!(shown.contains("which no file defines"), "{shown}");
+        assert!(
+            !shown.contains("MARKER-HIDDEN") && !shown.contains("MARKER-ROUTED"),
+            "{format}: {shown}"
+        );
     }
 }
 

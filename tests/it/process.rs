@@ -792,33 +792,7 @@ async fn releases_without_a_canary_and_pins_are_logged_as_warnings() {
 /// itself without end and fill the disk.
 #[tokio::test]
 async fn a_trace_log_written_into_the_watched_directory_does_not_feed_itself() {
-    let dir = tempfile::tempdir().unwrap();
-    let src = dir.path();
-    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config/networking.yaml");
-    std::fs::copy(&example, src.join("networking.yaml")).unwrap();
-    let log = src.join("gateway.log");
-    let mut child = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "exec '{BIN}' --source-dir '{}' --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
-             --monitoring-listen 127.0.0.1:0 > '{}' 2>&1",
-            src.display(),
-            log.display()
-        ))
-        .env("RUST_LOG", "trace")
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let read = || std::fs::read_to_string(&log).unwrap_or_default();
-    eventually("the gateway to listen", || read().contains("gateway listening")).await;
-    // A change the watcher sees, applied: every event before it was logged.
-    let more = std::fs::read_to_string(&example).unwrap().replace("name: ", "name: x");
-    std::fs::write(src.join("more.yaml"), more).unwrap();
-    eventually("the change to be applied", || {
-        read().contains("the source directory's change is applied")
-    })
-    .await;
-    let text = read();
+    let text = log_into_the_source_directory("gateway.log", Some("trace")).await;
     assert!(text.contains("TRACE"), "the gateway's own traces are on");
     assert!(
         !text.lines().any(|l| l.contains("TRACE") && l.contains("notify")),
@@ -829,6 +803,53 @@ async fn a_trace_log_written_into_the_watched_directory_does_not_feed_itself() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+/// The gateway's log written into the source directory under a YAML name
+/// is not read as a source file (it would never parse, and each error
+/// logged would change it): said once, and the rest is served.
+#[tokio::test]
+async fn the_gateways_own_log_in_the_source_directory_is_not_read() {
+    let text = log_into_the_source_directory("gateway.yaml", None).await;
+    assert_eq!(text.matches("is the gateway's own log").count(), 1, "{text}");
+    assert!(!text.contains("does not parse"), "{text}");
+}
+
+/// Runs the gateway on a source directory with its log written into it as
+/// `log_name` (`RUST_LOG` as given), adds a file the watcher sees, and
+/// returns the log once that change is applied.
+async fn log_into_the_source_directory(log_name: &str, rust_log: Option<&str>) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/config/networking.yaml");
+    std::fs::copy(&example, src.join("networking.yaml")).unwrap();
+    let log = src.join(log_name);
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg(format!(
+            "exec '{BIN}' --source-dir '{}' --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+             --monitoring-listen 127.0.0.1:0 > '{}' 2>&1",
+            src.display(),
+            log.display()
+        ))
+        .kill_on_drop(true);
+    match rust_log {
+        Some(filter) => command.env("RUST_LOG", filter),
+        None => command.env_remove("RUST_LOG"),
+    };
+    let mut child = command.spawn().unwrap();
+    let read = || std::fs::read_to_string(&log).unwrap_or_default();
+    eventually("the gateway to listen", || read().contains("gateway listening")).await;
+    // A change the watcher sees, applied: every event before it was logged.
+    let more = std::fs::read_to_string(&example).unwrap().replace("name: ", "name: x");
+    std::fs::write(src.join("more.yaml"), more).unwrap();
+    eventually("the change to be applied", || {
+        read().contains("the source directory's change is applied")
+    })
+    .await;
+    let text = read();
     child.start_kill().unwrap();
     within("the gateway to exit", child.wait()).await.unwrap();
+    text
 }
