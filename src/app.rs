@@ -685,6 +685,7 @@ async fn start_source(
                 subscriptions,
                 persister,
                 max_message_bytes: upstream.max_message_bytes,
+                secrets: Arc::new(crate::source::validate::SecretGuard::new(table.clone())),
             };
             let client = UpstreamClient::new(upstream, context, status_tx, writer);
             tasks.spawn(client.run(shutdown.clone()));
@@ -704,6 +705,7 @@ async fn start_source(
                 subscriptions,
                 persister,
                 max_message_bytes: sink_settings.max_message_bytes,
+                secrets: Arc::new(crate::source::validate::SecretGuard::new(table.clone())),
             };
             let allow = sink_settings.allow.clone();
             let service = SinkServer::new(

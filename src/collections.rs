@@ -29,6 +29,18 @@ pub const MESH_CONFIG_GVK: &str = "core/v1alpha1/MeshConfig";
 /// The prefix that marks a downstream `type_url` as a proto type URL (1.0).
 pub const TYPE_URL_PREFIX: &str = "type.googleapis.com/";
 
+/// Whether `type_url` names a message called like a secret (`…Secret`, in
+/// any case and package, read after the last `/` as Envoy reads it): Envoy
+/// v2's `envoy.api.v2.auth.Secret`, Kubernetes' `k8s.io.api.core.v1.Secret`,
+/// whose descriptors (when an operator gives them) mark no field. A
+/// collection of such bodies is a collection of secrets, and such a body
+/// is refused outside one.
+pub fn named_like_a_secret(type_url: &str) -> bool {
+    let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    let message = name.rsplit('.').next().unwrap_or(name);
+    message.to_ascii_lowercase().ends_with("secret")
+}
+
 /// Shared by every Mixer adapter/template collection: never addressable by
 /// type URL, since it cannot name one collection.
 const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
@@ -265,12 +277,16 @@ impl CollectionTable {
     /// Whether `collection`'s bodies are secrets: its body type is one the
     /// gateway was handed as such (from the descriptors: a field marked
     /// `(udpa.annotations.sensitive) = true` within two fields, Envoy's
-    /// `Secret`; see `source::proto_json::secret_type_urls`), or a
-    /// `--type-map` row marks it `sensitive: true`.
+    /// `Secret`; see `source::proto_json::secret_type_urls`), or a message
+    /// named like a secret ([`named_like_a_secret`]: Envoy v2's, Kubernetes'
+    /// `Secret`, whose descriptors mark nothing), or a `--type-map` row
+    /// marks it `sensitive: true`.
     /// An unknown collection is not sensitive.
     pub fn is_sensitive(&self, collection: &str) -> bool {
         self.by_name.get(collection).is_some_and(|info| {
-            self.marked_sensitive.contains(&info.name) || self.sensitive_types.contains(&info.body_type_url)
+            self.marked_sensitive.contains(&info.name)
+                || self.sensitive_types.contains(&info.body_type_url)
+                || named_like_a_secret(&info.body_type_url)
         })
     }
 
@@ -295,6 +311,23 @@ impl CollectionTable {
             .collect()
     }
 
+    /// The body types that are secrets wherever they are sent: a sensitive
+    /// collection's body type that no other collection declares (an
+    /// operator's `foo.Vault` marked `sensitive: true`; not a `Cluster` of
+    /// a collection so marked, which the clusters collection serves, nor
+    /// `google.protobuf`'s own, which carry anything).
+    pub fn secret_only_body_types(&self) -> Vec<String> {
+        let open: HashSet<&str> = self
+            .by_name
+            .values()
+            .filter(|info| !self.is_sensitive(&info.name))
+            .map(|info| info.body_type_url.as_str())
+            .collect();
+        let mut types = self.sensitive_body_types();
+        types.retain(|t| !open.contains(t.as_str()) && !t.starts_with("type.googleapis.com/google.protobuf."));
+        types
+    }
+
     /// Adds or overrides rows from a YAML file of `collection: type_url` rows
     /// (or `collection: {type_url: ..., sensitive: true}`).
     /// A row from the file owns its type URL (the operator's word wins over the
@@ -312,6 +345,13 @@ impl CollectionTable {
             })?;
         self.with_type_map(map)
             .map_err(|reason| CollectionError::InvalidTypeMap { path: shown, reason })
+    }
+
+    /// [`Self::with_type_map_file`] from its text.
+    #[cfg(test)]
+    pub fn with_type_map_yaml(self, text: &str) -> Result<Self, String> {
+        let map: BTreeMap<String, TypeMapRow> = serde_norway::from_str(text).map_err(|e| e.to_string())?;
+        self.with_type_map(map)
     }
 
     fn with_type_map(mut self, map: BTreeMap<String, TypeMapRow>) -> Result<Self, String> {
@@ -626,8 +666,35 @@ mod tests {
         assert_eq!(sensitive, ["envoy/extensions/transport_sockets/tls/v3/secrets"]);
         assert!(!table.is_sensitive(VS));
         assert!(!table.is_sensitive("no/such/collection"));
-        // Without the descriptors' word, the table knows nothing sensitive.
-        assert!(!CollectionTable::builtin().is_sensitive("envoy/extensions/transport_sockets/tls/v3/secrets"));
+        // Without the descriptors' word, the table knows what is named
+        // like a secret, and nothing more.
+        let builtin = CollectionTable::builtin();
+        let named: Vec<&str> = builtin
+            .by_name
+            .keys()
+            .filter(|collection| builtin.is_sensitive(collection))
+            .map(|collection| &**collection)
+            .collect();
+        assert_eq!(named, ["envoy/extensions/transport_sockets/tls/v3/secrets"]);
+    }
+
+    #[test]
+    fn a_collection_of_a_type_named_like_a_secret_is_sensitive_whatever_its_descriptors() {
+        let map: BTreeMap<String, TypeMapRow> = [
+            ("custom/v2/secrets", "type.googleapis.com/envoy.api.v2.auth.Secret"),
+            ("k8s/core/v1/secrets", "type.googleapis.com/k8s.io.api.core.v1.Secret"),
+            ("custom/spaced", "type.googleapis.com/x.SECRET "),
+            ("custom/plain", "type.googleapis.com/x.SecretRef"),
+        ]
+        .into_iter()
+        .map(|(c, t)| (c.to_owned(), TypeMapRow::TypeUrl(t.to_owned())))
+        .collect();
+        let table = CollectionTable::builtin().with_type_map(map).unwrap();
+        for collection in ["custom/v2/secrets", "k8s/core/v1/secrets", "custom/spaced"] {
+            assert!(table.is_sensitive(collection), "{collection}");
+        }
+        assert!(!table.is_sensitive("custom/plain"));
+        assert!(!table.is_sensitive(VS));
     }
 
     #[test]

@@ -128,8 +128,8 @@ pub const MONITORING_ENDPOINTS: &[(&str, &str)] = &[
     ("/healthz", "liveness"),
     (
         "/readyz",
-        "readiness: 200 once every configured collection has a first state, else 503 and why, on one line: \
-         what is missing and the source's last error",
+        "readiness: 200 once every configured collection has a first state, else 503 with the count of \
+         problems only (this port names no file, collection or value: the admin port's /readyz says which)",
     ),
 ];
 

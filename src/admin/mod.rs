@@ -734,7 +734,12 @@ async fn syncz(
             body.push_str(&format!("<p class=\"problem\">{}</p>", escape(&reason)));
         }
         body.push_str(&syncz::counts_html(&rows));
-        let rollouts = syncz::rollouts(&state.rollout, rollout::canary_policy(&state), &filter);
+        let rollouts = syncz::rollouts(
+            &state.rollout,
+            &state.access.current(),
+            rollout::canary_policy(&state),
+            &filter,
+        );
         if rollouts["collections"].as_array().is_some_and(|r| !r.is_empty()) {
             body.push_str("<h2>Collections pinned, held or in a canary round</h2>");
             html(&rollouts["collections"], &mut body);
@@ -757,7 +762,12 @@ async fn syncz(
     }
     match syncz::view(&rows, clock, &filter) {
         Ok(mut value) => {
-            value["rollout"] = syncz::rollouts(&state.rollout, rollout::canary_policy(&state), &filter);
+            value["rollout"] = syncz::rollouts(
+                &state.rollout,
+                &state.access.current(),
+                rollout::canary_policy(&state),
+                &filter,
+            );
             value["not_delivered"] = not_delivered(&state);
             // The source's health (files that do not parse, ...): `status` exits 1 on it.
             value["source"] = syncz::source_json(&index::source_problems(&state));

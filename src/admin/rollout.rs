@@ -74,7 +74,13 @@ pub(super) async fn promote(State(state): State<AdminState>, Path(collection): P
 /// Every collection's rollout (with its canaries and the clients that
 /// claim to be canaries and are not, each with why), and how rounds run.
 pub(super) async fn rollouts(State(state): State<AdminState>, headers: HeaderMap) -> Response {
-    let value = super::syncz::rollout_document(canary_policy(&state), state.rollout.views());
+    let access = state.access.current();
+    let views = state
+        .rollout
+        .views()
+        .into_iter()
+        .map(|v| state.rollout.explained(&access, v));
+    let value = super::syncz::rollout_document(canary_policy(&state), views);
     view(&headers, "Rollout", value)
 }
 
@@ -102,7 +108,7 @@ pub(super) async fn rollout(
         Some(rollout) => view(
             &headers,
             &format!("Rollout: {collection}"),
-            serde_json::to_value(rollout).unwrap_or_default(),
+            serde_json::to_value(state.rollout.explained(&state.access.current(), rollout)).unwrap_or_default(),
         ),
         None => unknown_collection(collection),
     }

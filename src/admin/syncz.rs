@@ -301,10 +301,11 @@ pub fn rollout_document(canaries: Value, collections: impl IntoIterator<Item = R
 /// The collections whose rollout needs an operator's eye: pinned, held,
 /// in a canary round, or with a warning.
 /// `canaries`: how rounds run (`/debug/rollout`'s).
-pub fn rollouts(rollout: &Rollout, canaries: Value, filter: &Filter) -> Value {
+pub fn rollouts(rollout: &Rollout, access: &AccessPolicy, canaries: Value, filter: &Filter) -> Value {
     let shown = rollout
         .views()
         .into_iter()
+        .map(|v| rollout.explained(access, v))
         .filter(|v| v.state != "SERVING" || v.warning.is_some())
         .filter(|v| filter.collection.as_ref().is_none_or(|c| **c == *v.collection));
     rollout_document(canaries, shown)

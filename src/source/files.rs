@@ -543,6 +543,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
     let mut parsed = Vec::new();
     let mut errors: Vec<ParseError> = Vec::new();
     let mut seen: HashMap<(Arc<str>, String), usize> = HashMap::new();
+    let secrets = super::proto_json::SecretTypes::of(table);
     for (start, document) in documents(text) {
         if errors.len() >= max_errors {
             break;
@@ -623,27 +624,17 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             // does not grant them): refused, not served to every client.
             // So is one that wraps a secret's type (an `Any` of it, a
             // TypedStruct naming it): Envoy reads it as that type.
-            let secret = super::proto_json::secret_type_within(&found.body);
-            if let Some(secret) = secret.filter(|_| !table.is_sensitive(&found.collection)) {
-                // The body's own type URL spelling the secret's differently
-                // (another prefix, spaces) is read as it, not wrapped.
-                let own = found.body.type_url.rsplit('/').next().unwrap_or_default().trim();
-                let wrapped = if secret == found.body.type_url {
-                    String::new()
-                } else if secret.rsplit('/').next() == Some(own) {
-                    format!(" (its type URL {:?} read as that)", found.body.type_url)
-                } else {
-                    format!(" (within a {})", found.body.type_url)
-                };
+            let refusal = secrets.refusal(
+                &found.collection,
+                table.is_sensitive(&found.collection),
+                &found.body.type_url,
+                &found.body.value,
+            );
+            if let Some(reason) = refusal {
                 errors.push(ParseError {
                     path: path.to_owned(),
                     line,
-                    reason: format!(
-                        "a body of {secret}{wrapped} holds secrets, and {} is not a collection of secrets (clients \
-                         read it unless --access-policy says otherwise): put it in a collection of secrets, or mark \
-                         this one sensitive: true with --type-map",
-                        found.collection
-                    ),
+                    reason,
                     collection: Some(found.collection.clone()),
                     name: Some(found.name.clone()),
                 });

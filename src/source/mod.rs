@@ -71,6 +71,8 @@ pub struct SinkContext {
     pub persister: Option<crate::source::persisted::Persister>,
     /// `--max-message-bytes`, for error messages.
     pub max_message_bytes: usize,
+    /// Refuses a secret's body outside the collections of secrets.
+    pub secrets: Arc<validate::SecretGuard>,
 }
 
 impl SinkContext {
@@ -85,7 +87,8 @@ impl SinkContext {
     ) {
         let session = SinkSession::new(self.node.clone(), self.incremental, writer.cache().clone())
             .persisting(self.persister.clone())
-            .with_max_message_bytes(self.max_message_bytes);
+            .with_max_message_bytes(self.max_message_bytes)
+            .refusing_secrets(Some(self.secrets.clone()));
         stream::open(session, &self.subscriptions)
     }
 }

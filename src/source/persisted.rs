@@ -300,6 +300,7 @@ pub fn read_file(path: &Path, max: u64) -> Result<Vec<u8>, String> {
     if !metadata.is_file() {
         return Err("not a regular file".into());
     }
+    trusted(&metadata)?;
     if metadata.len() > max {
         return Err(format!(
             "{} bytes is larger than a cache file may be ({max})",
@@ -314,6 +315,51 @@ pub fn read_file(path: &Path, max: u64) -> Result<Vec<u8>, String> {
         return Err(format!("larger than a cache file may be ({max} bytes)"));
     }
     Ok(bytes)
+}
+
+/// Whether a cache file is the gateway's own: owned by the user it runs as,
+/// and not writable by every user (the gateway writes them 0600; a group's
+/// write bit is allowed: Kubernetes sets it on a volume with an `fsGroup`).
+/// Any other may have been planted by another user of the machine (config,
+/// or a secret, served to every client as if the source had sent it):
+/// never loaded.
+fn trusted(metadata: &std::fs::Metadata) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let user = nix::unistd::geteuid().as_raw();
+    if metadata.uid() != user {
+        return Err(format!(
+            "owned by uid {}, not by the user the gateway runs as ({user}): a file another user wrote is never loaded",
+            metadata.uid()
+        ));
+    }
+    if metadata.mode() & 0o002 != 0 {
+        return Err(format!(
+            "writable by every user (mode {:03o}): never loaded (the gateway writes its files 0600)",
+            metadata.mode() & 0o777
+        ));
+    }
+    Ok(())
+}
+
+/// Warns when the cache directory lets every user replace its files
+/// (writable by others without the sticky bit, or owned by another user):
+/// files they write are refused, but they may remove the gateway's own.
+fn warn_if_shared(dir: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(metadata) = std::fs::metadata(dir) else {
+        return;
+    };
+    let user = nix::unistd::geteuid().as_raw();
+    let open = metadata.mode() & 0o002 != 0 && metadata.mode() & 0o1000 == 0;
+    if open || metadata.uid() != user {
+        tracing::warn!(
+            path = %dir.display(),
+            mode = format!("{:03o}", metadata.mode() & 0o7777),
+            owner = metadata.uid(),
+            "--cache-dir is writable by every user or owned by another: they may remove or replace the gateway's \
+             files (files not the gateway's own are never loaded); give it a directory of its own, mode 0700"
+        );
+    }
 }
 
 /// The largest cache file loaded: a collection as large as the largest
@@ -355,6 +401,7 @@ pub struct Loaded {
 /// at all. Files over `max_file_bytes` are skipped.
 pub fn load(dir: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> std::io::Result<Loaded> {
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    warn_if_shared(dir);
     let mut loaded = Loaded::default();
     let mut paths: Vec<(PathBuf, std::fs::FileType)> = std::fs::read_dir(dir)?
         .filter_map(|entry| {
@@ -723,6 +770,42 @@ mod tests {
         assert!(reasons.iter().any(|r| r.contains("larger than")), "{reasons:?}");
         let not_regular = reasons.iter().filter(|r| r.contains("not a regular file")).count();
         assert_eq!(not_regular, 2, "the link and the FIFO: {reasons:?}");
+    }
+
+    /// A cache file another user may have written (writable by everyone,
+    /// or owned by another user) is never loaded: it could plant config or
+    /// a secret served as if the source had sent it. A group's write bit
+    /// (Kubernetes' `fsGroup`) is allowed.
+    #[test]
+    fn files_another_user_may_have_written_are_never_loaded() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
+        let good = encode(&cache.get(C).unwrap());
+        let path = dir.path().join(file_name(C));
+        std::fs::write(&path, &good).unwrap();
+        let load_with = |mode: u32| {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let (fresh, mut fresh_writer) = Cache::new();
+            let loaded = load(dir.path(), &mut fresh_writer, u64::MAX).unwrap();
+            (fresh.get(C).is_some(), loaded.skipped)
+        };
+        let (read, skipped) = load_with(0o666);
+        assert!(!read, "{skipped:?}");
+        assert!(
+            skipped[0].1.contains("writable by every user (mode 666)"),
+            "{skipped:?}"
+        );
+        let (read, skipped) = load_with(0o660);
+        assert!(read && skipped.is_empty(), "{skipped:?}");
+        // Another owner: only a privileged test run can make one.
+        if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+            let (read, skipped) = load_with(0o600);
+            assert!(!read, "{skipped:?}");
+            assert!(skipped[0].1.contains("owned by uid 65534"), "{skipped:?}");
+        }
     }
 
     /// A cache with history `keep` that went through four versions of C

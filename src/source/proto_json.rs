@@ -290,11 +290,74 @@ fn holds_opaque_values(descriptor: &MessageDescriptor) -> bool {
     false
 }
 
+/// The types whose values are secrets wherever they are sent, for one
+/// collection table: the types the descriptors mark ([`is_secret_type`]),
+/// any message named like a secret
+/// ([`crate::collections::named_like_a_secret`]: Envoy v2's, Kubernetes'),
+/// and the body type of a collection `--type-map` marks `sensitive: true`
+/// that no other collection declares
+/// ([`crate::collections::CollectionTable::secret_only_body_types`]). A
+/// body that is or wraps one is refused outside the collections of
+/// secrets, by every source alike.
+#[derive(Clone, Debug, Default)]
+pub struct SecretTypes(std::collections::HashSet<String>);
+
+impl SecretTypes {
+    pub fn of(table: &crate::collections::CollectionTable) -> Self {
+        Self(table.secret_only_body_types().into_iter().collect())
+    }
+
+    /// Whether `type_url` (as Envoy reads it: canonical) is a secret's type.
+    pub fn contains(&self, type_url: &str) -> bool {
+        is_secret_type(type_url) || crate::collections::named_like_a_secret(type_url) || self.0.contains(type_url)
+    }
+
+    /// Whether a body of `type_url` needs its value read to tell: it is a
+    /// secret's type or a wrapper that may carry one. Every other body is
+    /// no secret by its type URL alone (the cheap path of a large update).
+    pub fn may_hold(&self, type_url: &str) -> bool {
+        let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+        name == "google.protobuf.Any" || is_typed_struct(name) || self.contains(&canonical_type_url(type_url))
+    }
+
+    /// Why a body of `type_url` and `value` may not be in `collection`
+    /// (`sensitive`: a collection of secrets, where it may): it is or
+    /// wraps a secret's type. The reason quotes no value.
+    pub fn refusal(&self, collection: &str, sensitive: bool, type_url: &str, value: &[u8]) -> Option<String> {
+        if sensitive || !self.may_hold(type_url) {
+            return None;
+        }
+        let secret = secret_type_within(type_url, value, self)?;
+        // The body's own type URL spelling the secret's differently
+        // (another prefix, spaces) is read as it, not wrapped.
+        let own = type_url.rsplit('/').next().unwrap_or_default().trim();
+        let wrapped = if secret == type_url {
+            String::new()
+        } else if secret.rsplit('/').next() == Some(own) {
+            format!(" (its type URL {type_url:?} read as that)")
+        } else {
+            format!(" (within a {type_url})")
+        };
+        Some(format!(
+            "a body of {secret}{wrapped} holds secrets, and {collection} is not a collection of secrets (clients \
+             read it unless --access-policy says otherwise): put it in a collection of secrets, or mark this one \
+             sensitive: true with --type-map"
+        ))
+    }
+}
+
+/// A type URL as Envoy reads it: the name after the last `/`, trimmed,
+/// under the default prefix.
+fn canonical_type_url(type_url: &str) -> String {
+    let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    format!("{}{name}", crate::collections::TYPE_URL_PREFIX)
+}
+
 /// The secret type a body is, or wraps at its top (an `Any` of it, a
 /// TypedStruct naming it, any chain of them, to [`MAX_ANY_DEPTH`]): such a
 /// body is a secret whatever the type URL it is sent under. A type is read
 /// as Envoy reads it, by the name after the last `/`, whatever the prefix.
-pub fn secret_type_within(body: &prost_types::Any) -> Option<String> {
+fn secret_type_within(type_url: &str, value: &[u8], secrets: &SecretTypes) -> Option<String> {
     use prost::Message as _;
     use prost_types::value::Kind as JsonKind;
     /// What is being looked into: bytes of a type, or a Struct Envoy reads
@@ -315,15 +378,15 @@ pub fn secret_type_within(body: &prost_types::Any) -> Option<String> {
             Some(JsonKind::StructValue(inner)) => Some(inner.clone()),
             _ => None,
         };
-    let mut type_url = body.type_url.clone();
-    let mut wrapped = Wrapped::Bytes(body.value.clone());
+    let mut type_url = type_url.to_owned();
+    let mut wrapped = Wrapped::Bytes(value.to_vec());
     for _ in 0..MAX_ANY_DEPTH {
-        let name = type_url.rsplit('/').next().unwrap_or(&type_url).trim().to_owned();
-        let canonical = format!("{}{name}", crate::collections::TYPE_URL_PREFIX);
-        if is_secret_type(&canonical) {
+        let canonical = canonical_type_url(&type_url);
+        if secrets.contains(&canonical) {
             return Some(canonical);
         }
-        (type_url, wrapped) = match (name.as_str(), wrapped) {
+        let name = &canonical[crate::collections::TYPE_URL_PREFIX.len()..];
+        (type_url, wrapped) = match (name, wrapped) {
             ("google.protobuf.Any", Wrapped::Bytes(bytes)) => {
                 let inner = prost_types::Any::decode(bytes.as_slice()).ok()?;
                 (inner.type_url, Wrapped::Bytes(inner.value))

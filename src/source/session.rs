@@ -10,7 +10,7 @@ use bytes::{Bytes, BytesMut};
 use prost::Message;
 use tonic::Code;
 
-use super::validate::decode_shared_resources;
+use super::validate::{decode_shared_resources, SecretGuard};
 use crate::cache::{Applied, Cache, CacheWriter, Origin, Update};
 use crate::metrics as m;
 use crate::proto::wire::RawResources;
@@ -88,6 +88,8 @@ pub struct SinkSession {
     persister: Option<Persister>,
     /// `--max-message-bytes`, for error messages.
     max_message_bytes: usize,
+    /// Refuses a secret's body outside the collections of secrets.
+    secrets: Option<Arc<SecretGuard>>,
 }
 
 // === impl SinkSession ===
@@ -103,7 +105,14 @@ impl SinkSession {
             applied: HashSet::new(),
             persister: None,
             max_message_bytes: usize::MAX,
+            secrets: None,
         }
+    }
+
+    /// Refuses (NACKs) a secret's body outside the collections of secrets.
+    pub fn refusing_secrets(mut self, secrets: Option<Arc<SecretGuard>>) -> Self {
+        self.secrets = secrets;
+        self
     }
 
     /// The receive limit the transport enforces, for error messages.
@@ -285,7 +294,7 @@ impl SinkSession {
                  (incremental: false); send the complete collection"
             )));
         }
-        let resources = decode_shared_resources(collection, &raw)?;
+        let resources = decode_shared_resources(collection, &raw, self.secrets.as_deref())?;
         drop(raw);
         if message.incremental {
             let upserted: HashSet<&str> = resources.iter().map(|r| &*r.name).collect();

@@ -219,7 +219,7 @@ impl Opened {
                         // change (make before break across Envoy's types).
                         let (step, end) = came_with(message, inbound, self.session.max_message_bytes());
                         if let Err(end) = self.on_messages(step, writer).await {
-                            return end;
+                            return self.why_it_closed(end, inbound).await;
                         }
                         *progress = self.session.applied_every_collection();
                         if let Some(status) = end {
@@ -242,10 +242,11 @@ impl Opened {
                         tracing::info!(collection = %crate::transport::safe_text::terminal_safe(&request.collection), "subscribing on the live stream");
                         if self.tx.send(request).await.is_err() {
                             send_failed("Unavailable");
-                            return StreamEnd::Failed {
+                            let end = StreamEnd::Failed {
                                 reason: Failure::Send,
                                 message: "the stream to the source closed while subscribing".into(),
                             };
+                            return self.why_it_closed(end, inbound).await;
                         }
                     }
                 }
@@ -286,6 +287,29 @@ impl Opened {
             }
         }
         Ok(())
+    }
+
+    /// A send that failed because the source ended the stream: the status
+    /// it ended it with (a `PERMISSION_DENIED` naming what it refused) says
+    /// more than "closed while sending", and is what the stream's end, the
+    /// log and `/readyz` then say. Read for a moment at most; `end` if the
+    /// source said nothing.
+    async fn why_it_closed(&self, end: StreamEnd, inbound: &mut Inbound) -> StreamEnd {
+        const WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+        let status = tokio::time::timeout(WAIT, async {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return None,
+                    Err(status) => return Some(status),
+                }
+            }
+        })
+        .await;
+        match status {
+            Ok(Some(status)) => self.receive_failed(status),
+            _ => end,
+        }
     }
 
     fn receive_failed(&self, status: tonic::Status) -> StreamEnd {

@@ -10,24 +10,63 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 
+use super::proto_json::SecretTypes;
 use super::session::Nack;
 use crate::cache::{body_version, content_digest, CachedResource};
+use crate::collections::CollectionTable;
 use crate::proto::wire::{AnyTypeUrl, RawResource};
+
+/// What keeps a secret's body out of the collections every client may read,
+/// for a source that may write any collection (Galley, a chained gateway,
+/// Galley's dial-out): a body that is or wraps a secret's type
+/// ([`SecretTypes`]) is refused outside the collections of secrets, as the
+/// files source refuses it.
+#[derive(Clone, Debug)]
+pub struct SecretGuard {
+    table: Arc<CollectionTable>,
+    types: SecretTypes,
+}
+
+impl SecretGuard {
+    pub fn new(table: Arc<CollectionTable>) -> Self {
+        let types = SecretTypes::of(&table);
+        Self { table, types }
+    }
+
+    /// Why `body` (an encoded `Any` of `type_url`) may not be in `collection`.
+    fn refusal(&self, collection: &str, type_url: &str, body: &Bytes) -> Option<String> {
+        if !self.types.may_hold(type_url) || self.table.is_sensitive(collection) {
+            return None;
+        }
+        // Only a secret's type or a wrapper gets here: its value is read.
+        let any = prost_types::Any::decode(body.clone()).ok()?;
+        self.types.refusal(collection, false, &any.type_url, &any.value)
+    }
+}
 
 /// Validates every resource of a message and turns it into cache entries.
 /// Nothing is applied unless every resource is valid.
 pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
-    decode(collection, raw)
+    decode(collection, raw, None)
 }
 
 /// As [`decode_resources`], each entry in the `Arc` the cache shares it by:
 /// a large message's entries are then not held twice while they are taken
-/// in (as values, then in `Arc`s).
-pub fn decode_shared_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<Arc<CachedResource>>, Nack> {
-    decode(collection, raw)
+/// in (as values, then in `Arc`s). With `secrets`, a secret's body outside
+/// the collections of secrets is refused ([`SecretGuard`]).
+pub fn decode_shared_resources(
+    collection: &str,
+    raw: &[Bytes],
+    secrets: Option<&SecretGuard>,
+) -> Result<Vec<Arc<CachedResource>>, Nack> {
+    decode(collection, raw, secrets)
 }
 
-fn decode<R: From<CachedResource>>(collection: &str, raw: &[Bytes]) -> Result<Vec<R>, Nack> {
+fn decode<R: From<CachedResource>>(
+    collection: &str,
+    raw: &[Bytes],
+    secrets: Option<&SecretGuard>,
+) -> Result<Vec<R>, Nack> {
     let mut seen = HashSet::with_capacity(raw.len());
     let mut resources = Vec::with_capacity(raw.len());
     for (index, bytes) in raw.iter().enumerate() {
@@ -55,11 +94,16 @@ fn decode<R: From<CachedResource>>(collection: &str, raw: &[Bytes]) -> Result<Ve
         };
         // The body must be an `Any`; its type URL is read back from the
         // stored bytes when a view asks (`CachedResource::body_type_url`).
-        AnyTypeUrl::decode(body.clone()).map_err(|e| {
+        let any = AnyTypeUrl::decode(body.clone()).map_err(|e| {
             Nack::invalid(format!(
                 "resource {name:?} of collection {collection:?} has a body that is not a google.protobuf.Any: {e}"
             ))
         })?;
+        if let Some(reason) = secrets.and_then(|s| s.refusal(collection, &any.type_url, &body)) {
+            return Err(Nack::invalid(format!(
+                "resource {name:?} of collection {collection:?}: {reason}"
+            )));
+        }
         // The name's own `Arc`: a full state's set of names costs its table.
         if !seen.insert(name.clone()) {
             return Err(Nack::invalid(format!(
@@ -98,6 +142,104 @@ fn encode_resource(metadata: &crate::proto::Metadata, body: &Bytes) -> Bytes {
 mod tests {
     use super::*;
     use crate::proto::wire::test_support::encoded_resource;
+
+    fn resource(type_url: &str, value: Vec<u8>) -> Bytes {
+        crate::tools::galley::resource("r", "1", type_url, &value)
+            .encode_to_vec()
+            .into()
+    }
+
+    /// What the files source refuses, an upstream's update is NACKed for:
+    /// a secret's body (a v3 `Secret`, one named like a secret, a type
+    /// `--type-map` marks sensitive, any of them wrapped) outside the
+    /// collections of secrets. The reason quotes none of it.
+    #[test]
+    fn an_upstreams_secret_outside_the_collections_of_secrets_is_refused() {
+        const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+        // Secret{name: "MARKER-NAME"}.
+        let secret = b"\x0a\x0bMARKER-NAME".to_vec();
+        let any = |type_url: &str, value: Vec<u8>| {
+            prost_types::Any {
+                type_url: type_url.into(),
+                value,
+            }
+            .encode_to_vec()
+        };
+        let table = CollectionTable::builtin()
+            .with_type_map_yaml(
+                "custom/vault: {type_url: type.googleapis.com/example.Vault, sensitive: true}\n\
+                 custom/anything: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n\
+                 custom/private-clusters: {type_url: type.googleapis.com/envoy.config.cluster.v3.Cluster, sensitive: true}\n",
+            )
+            .unwrap()
+            .with_sensitive_types(crate::source::proto_json::secret_type_urls());
+        let guard = SecretGuard::new(Arc::new(table));
+        let plain = "envoy/config/cluster/v3/clusters";
+        let refused = [
+            (SECRET.to_owned(), secret.clone()),
+            (
+                "type.googleapis.com/google.protobuf.Any".to_owned(),
+                any(SECRET, secret.clone()),
+            ),
+            (format!("{SECRET} "), secret.clone()),
+            (
+                "type.googleapis.com/envoy.api.v2.auth.Secret".to_owned(),
+                b"\x0a\x0bMARKER-NAME".to_vec(),
+            ),
+            (
+                "type.googleapis.com/k8s.io.api.core.v1.Secret".to_owned(),
+                b"MARKER".to_vec(),
+            ),
+            ("type.googleapis.com/example.Vault".to_owned(), b"MARKER".to_vec()),
+            (
+                "type.googleapis.com/google.protobuf.Any".to_owned(),
+                any("type.googleapis.com/example.Vault", b"MARKER".to_vec()),
+            ),
+        ];
+        for (type_url, value) in refused {
+            let nack = decode_shared_resources(plain, &[resource(&type_url, value.clone())], Some(&guard)).unwrap_err();
+            assert!(
+                nack.message
+                    .contains("holds secrets, and envoy/config/cluster/v3/clusters is not a collection of secrets"),
+                "{type_url}: {}",
+                nack.message
+            );
+            assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+            // In a collection of secrets, or without the guard (a file the
+            // gateway wrote itself), it is read.
+            decode_shared_resources(
+                "envoy/extensions/transport_sockets/tls/v3/secrets",
+                &[resource(&type_url, value.clone())],
+                Some(&guard),
+            )
+            .unwrap();
+            decode_shared_resources(plain, &[resource(&type_url, value)], None).unwrap();
+        }
+        // An ordinary body (a Cluster: a collection of them marked sensitive
+        // does not make the clusters collection's a secret), and a Struct
+        // (nor does a Struct row make every Struct one: the views hide those).
+        decode_shared_resources(
+            plain,
+            &[resource("type.googleapis.com/envoy.config.cluster.v3.Cluster", vec![])],
+            Some(&guard),
+        )
+        .unwrap();
+        decode_shared_resources(
+            plain,
+            &[resource(
+                "type.googleapis.com/google.protobuf.Any",
+                any("type.googleapis.com/x.Y", vec![]),
+            )],
+            Some(&guard),
+        )
+        .unwrap();
+        decode_shared_resources(
+            plain,
+            &[resource("type.googleapis.com/google.protobuf.Struct", vec![])],
+            Some(&guard),
+        )
+        .unwrap();
+    }
 
     #[test]
     fn a_resources_body_type_is_read_back_from_its_bytes() {

@@ -265,9 +265,6 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
             "--names needs --protocol xds-sotw or xds-delta: the legacy MCP services have no resource names",
         ));
     }
-    let bodies = std::sync::Arc::new(
-        BodyDecoder::new(args.descriptors.as_deref()).map_err(|e| usage(format!("--descriptors: {e}")))?,
-    );
     if let Some(path) = &args.type_map {
         let table = crate::collections::CollectionTable::builtin()
             .with_type_map_file(path)
@@ -278,6 +275,14 @@ pub async fn run(args: ClientArgs, out: &mut (impl Write + Send)) -> anyhow::Res
             eprintln!("{note}");
         }
     }
+    // A body of a type the table calls sensitive is hidden whole in any
+    // collection, as the gateway's views hide it.
+    let table = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
+    let bodies = std::sync::Arc::new(
+        BodyDecoder::new(args.descriptors.as_deref())
+            .map_err(|e| usage(format!("--descriptors: {e}")))?
+            .with_sensitive_types(table.sensitive_body_types()),
+    );
     let names = names_by_type(&args.names, &args.type_urls)?;
     if args.protocol != Protocol::Mcp {
         for type_url in &args.type_urls {

@@ -423,6 +423,14 @@ impl AccessPolicy {
         self.rules.iter().filter(|r| r.canary).count()
     }
 
+    /// Whether any identity may be a canary of `collection`: a rule with
+    /// `canary: true` grants it.
+    pub fn canary_covers(&self, collection: &str) -> bool {
+        self.rules
+            .iter()
+            .any(|rule| rule.canary && rule.collections.iter().any(|p| p.matches(collection).is_some()))
+    }
+
     /// Whether `identity` may be a canary of `collection`: the first rule
     /// with `canary: true` whose collections match it and whose identities
     /// match one of its SANs (by the rule of [`Self::grant`]: a URI pattern

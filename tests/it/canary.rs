@@ -860,18 +860,25 @@ const CANARY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/canary-pilot"
 const PILOT_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/pilot";
 const TENANT_ID: &str = "spiffe://cluster.local/ns/tenant/sa/reader";
 
-/// A gateway fed by a fake Galley over mTLS, with [`CANARY_POLICY`] and
-/// `--canary 'canary-*'` (and `extra`): (its files, its CA, the Galley,
-/// the gateway, the Galley's stream).
-async fn proven_gateway(
-    extra: &[&str],
-) -> (
+/// What [`proven_gateway`] makes: its files, its CA, the Galley, the
+/// gateway, the Galley's stream.
+type Proven = (
     tempfile::TempDir,
     Ca,
     crate::helpers::galley::FakeGalley,
     mcp_xds_gateway::app::Bound,
     crate::helpers::galley::GalleyStream,
-) {
+);
+
+/// A gateway fed by a fake Galley over mTLS, with [`CANARY_POLICY`] and
+/// `--canary 'canary-*'` (and `extra`): (its files, its CA, the Galley,
+/// the gateway, the Galley's stream).
+async fn proven_gateway(extra: &[&str]) -> Proven {
+    proven_gateway_with(CANARY_POLICY, extra).await
+}
+
+/// [`proven_gateway`] with another policy.
+async fn proven_gateway_with(policy: &str, extra: &[&str]) -> Proven {
     let dir = tempfile::tempdir().unwrap();
     let ca = Ca::new("canary test CA");
     let (cert, key) = write_leaf(dir.path(), "gateway", &ca.leaf("gateway"));
@@ -879,7 +886,7 @@ async fn proven_gateway(
         cert,
         key,
         write(dir.path(), "ca.pem", &ca.pem),
-        write(dir.path(), "policy.yaml", CANARY_POLICY),
+        write(dir.path(), "policy.yaml", policy),
     ]
     .map(|p| p.to_str().unwrap().to_owned());
     let mut flags = vec![
@@ -997,6 +1004,38 @@ async fn walkthrough_a_bad_virtualservice_is_held_by_a_proven_canary() {
         )),
         "{said}"
     );
+}
+
+/// `--canary-when-none=hold` over a collection no rule with `canary: true`
+/// grants: no client can ever be its canary. Its new version still waits
+/// (hold promised nothing goes out unvetted), and the views say why and
+/// what to do, so a certificate rotation is not stalled unseen; a promote
+/// sends it.
+#[tokio::test]
+async fn a_round_no_client_can_ever_decide_says_so() {
+    let policy = CANARY_POLICY.replace(
+        "  collections: [\"istio/networking/*\"]\n  canary: true",
+        "  collections: [\"istio/networking/v1alpha3/gateways\"]\n  canary: true",
+    );
+    assert_ne!(policy, CANARY_POLICY);
+    let (_dir, ca, _galley, gw, mut upstream) = proven_gateway_with(&policy, &["--canary-when-none", "hold"]).await;
+    let v1 = push(&mut upstream, &gw, vec![vs("a", "1", "a.local", 1.0)]).await;
+    let mut pilot = proven_client(&gw, &ca, PILOT_ID, "pilot-1", "").await;
+    assert_eq!(recv_ack(&mut pilot, "pilot-1").await, v1);
+    push(&mut upstream, &gw, vec![vs("a", "2", "a.local", 1.0)]).await;
+    let waiting = state_is(&gw, "WAITING").await;
+    let warning = waiting["warning"].as_str().unwrap_or_default();
+    assert!(
+        warning.contains(&format!("no rule of --access-policy with canary: true grants {VS}"))
+            && warning.contains(&format!("POST /promote/{VS}")),
+        "{waiting}"
+    );
+    // `status` shows it among what needs an operator's eye.
+    let syncz = get_json(gw.admin, "/debug/syncz").await;
+    assert!(syncz.to_string().contains("no client can be its canary"), "{syncz}");
+    let (code, body) = crate::helpers::http_request(gw.admin, "POST", &format!("/promote/{VS}"), "").await;
+    assert_eq!(code, 200, "{body}");
+    state_is(&gw, "SERVING").await;
 }
 
 /// A tenant whose certificate the policy does not make a canary, connected

@@ -390,3 +390,40 @@ async fn a_chain_longer_than_max_chain_depth_is_refused() {
         "nothing taken from a chain too long: {cache}"
     );
 }
+
+/// A chained gateway asking its upstream for what the upstream refuses it
+/// (the secrets, without an access policy there): its last error says the
+/// upstream's reason, not that the stream closed while it was sending.
+#[tokio::test]
+async fn a_refusal_by_the_upstream_is_said_with_its_reason() {
+    const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
+    let a = start_gateway(&[]).await;
+    let url = format!("http://{}", a.listen);
+    let b = start_gateway(&[
+        "--upstream",
+        &url,
+        "--collections",
+        &format!("{VS},{SECRETS}"),
+        "--reconnect-min-delay",
+        "10ms",
+        "--reconnect-max-delay",
+        "50ms",
+    ])
+    .await;
+    // Several attempts, each with the upstream's reason.
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let status = upstream_status_when(&b, "a failed attempt", |s| {
+            s.last_error.is_some() && s.attempts > seen.len() as u64
+        })
+        .await;
+        seen.push(status.last_error.clone().unwrap());
+    }
+    for error in &seen {
+        assert!(!error.contains("closed while"), "{seen:?}");
+        assert!(
+            error.contains("PermissionDenied") || error.contains("permission"),
+            "{seen:?}"
+        );
+    }
+}

@@ -712,6 +712,19 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  {{private_key: {{inline_string: MARKER-S01}}}}}}}}\n"
             ),
         ),
+        // The twelfth check: a message named like a secret (any case, Envoy
+        // v2's, Kubernetes') outside the collections of secrets is refused
+        // like Envoy's v3 `Secret` (`CglNQVJLRVItTkw=`: Secret{name: MARKER-NL}).
+        (
+            "named-like-secret.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: upper\nbody: {{type_url: \
+                 type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.SECRET, value_base64: CglNQVJLRVItTkw=}}\n\
+                 ---\ncollection: {CLUSTERS}\nname: v2\nbody: {{type_url: type.googleapis.com/envoy.api.v2.auth.Secret, \
+                 value_base64: CglNQVJLRVItTkw=}}\n---\ncollection: {CLUSTERS}\nname: k8s\nbody: {{type_url: \
+                 type.googleapis.com/k8s.io.api.core.v1.Secret, value_base64: CglNQVJLRVItTkw=}}\n"
+            ),
+        ),
         // The ninth check: a secret's line that slipped out of its block
         // scalar is a top-level key of a document without a collection.
         (
@@ -745,6 +758,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "declared-secret.yaml",
         "secret-in-clusters.yaml",
         "slipped-line.yaml",
+        "named-like-secret.yaml",
     ] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
@@ -780,10 +794,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         &good,
         "resources.yaml",
         &format!(
-            "{}---\ncollection: {CLUSTERS}\nname: upper\nbody: {{type_url: \
-             type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.SECRET, value_base64: {secret_bytes}}}\n\
-             ---\ncollection: {CLUSTERS}\nname: v2\nbody: {{type_url: type.googleapis.com/envoy.api.v2.auth.Secret, \
-             value_base64: {secret_bytes}}}\n---\ncollection: {CLUSTERS}\nname: v2-tls\nbody: {{type_url: \
+            "{}---\ncollection: {CLUSTERS}\nname: v2-tls\nbody: {{type_url: \
              type.googleapis.com/envoy.api.v2.auth.TlsCertificate, value_base64: {secret_bytes}}}\n\
              ---\ncollection: {CLUSTERS}\nname: typed-struct\nbody:\n  type_url: {CLUSTER}\n  json: {{name: ts, \
              transport_socket: {{name: tls, typed_config: {{'@type': type.googleapis.com/xds.type.v3.TypedStruct, \
@@ -795,7 +806,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
     let good_flag = good.to_str().unwrap().to_owned();
     let gw = start_gateway(&["--source-dir", &good_flag, "--type-map", &map_flag]).await;
     eventually("the resources", || {
-        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 4)
+        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 2)
     })
     .await;
     for view in [
@@ -838,5 +849,116 @@ async fn an_operators_typed_path_is_echoed_escaped() {
             !printed.contains('\u{1b}') && !printed.contains('\u{7}'),
             "{args:?}: {printed:?}"
         );
+    }
+}
+
+/// A source that may write any collection (Galley, a chained gateway,
+/// Galley's dial-out: one sink for both) is held to the files source's
+/// rule: a body that is or wraps a secret (a v3 `Secret`, Envoy v2's,
+/// Kubernetes', an `Any` of one) in a collection every client may read is
+/// NACKed, the reason quoting none of it, and the cache keeps what it had.
+/// The same bodies in the collection of secrets are taken.
+#[tokio::test]
+async fn an_upstreams_secret_in_a_collection_clients_read_is_nacked() {
+    use prost::Message as _;
+    const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
+    // Secret{name: "MARKER-NAME"}: a Secret of any of these types decodes.
+    let secret = b"\x0a\x0bMARKER-NAME".to_vec();
+    let body = |type_url: &str, value: Vec<u8>| mcp_xds_gateway::tools::galley::resource("r", "1", type_url, &value);
+    let mut galley = crate::helpers::galley::FakeGalley::start().await;
+    let gw = crate::helpers::gateway_for(&galley, &[CLUSTERS, SECRETS], &[]).await;
+    let mut stream = galley.next_stream().await;
+    stream.initial_requests(2).await;
+    stream.push_full(CLUSTERS, vec![]).await;
+    let bodies = [
+        body(SECRET, secret.clone()),
+        body(
+            "type.googleapis.com/google.protobuf.Any",
+            prost_types::Any {
+                type_url: SECRET.into(),
+                value: secret.clone(),
+            }
+            .encode_to_vec(),
+        ),
+        body("type.googleapis.com/envoy.api.v2.auth.Secret", secret.clone()),
+        body("type.googleapis.com/k8s.io.api.core.v1.Secret", secret.clone()),
+    ];
+    for resource in bodies {
+        let reply = stream
+            .send(crate::helpers::galley::full(CLUSTERS, vec![resource.clone()]))
+            .await;
+        let nack = reply.error_detail.expect("a NACK");
+        assert!(
+            nack.message
+                .contains("holds secrets, and envoy/config/cluster/v3/clusters is not a collection of secrets"),
+            "{}",
+            nack.message
+        );
+        assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+        assert_eq!(gw.cache.get(CLUSTERS).unwrap().len(), 0, "the cache keeps what it had");
+        stream.push_full(SECRETS, vec![resource]).await;
+    }
+}
+
+/// `client --type-map` hides what the gateway's views hide: a body of a
+/// type the map marks sensitive (here `Struct`, by a collection of them)
+/// reads `[redacted]` whole in any collection, not only in the marked one.
+#[tokio::test]
+async fn the_client_hides_a_sensitive_type_in_any_collection_as_the_views_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = certs::write(
+        dir.path(),
+        "served.yaml",
+        "example.com/plain: type.googleapis.com/example.Plain\n",
+    );
+    let marked = certs::write(
+        dir.path(),
+        "marked.yaml",
+        "example.com/plain: type.googleapis.com/example.Plain\n\
+         example.com/tokens: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n",
+    );
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    certs::write(
+        &source,
+        "resources.yaml",
+        "collection: example.com/plain\nname: p\nbody: {struct: {token: MARKER-STRUCT}}\n",
+    );
+    let gw = start_gateway(&[
+        "--source-dir",
+        source.to_str().unwrap(),
+        "--type-map",
+        served.to_str().unwrap(),
+    ])
+    .await;
+    eventually("the resource", || {
+        gw.cache.get("example.com/plain").is_some_and(|s| s.len() == 1)
+    })
+    .await;
+    let listen = gw.listen.to_string();
+    let read = |map: Option<String>, output: &'static [&'static str]| {
+        let listen = listen.clone();
+        async move {
+            let mut args = vec![
+                "--target".to_owned(),
+                listen,
+                "--type-url".into(),
+                "example.com/plain".into(),
+                "--once".into(),
+            ];
+            args.extend(map.into_iter().flat_map(|m| ["--type-map".to_owned(), m]));
+            args.extend(output.iter().map(|a| (*a).to_owned()));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (code, stdout, stderr) = subcommand("client", &args).await;
+            assert_eq!(code, Some(0), "{stderr}");
+            stdout
+        }
+    };
+    // Without the mark, the body is the operator's to read.
+    assert!(read(None, &["--output", "yaml"]).await.contains("MARKER-STRUCT"));
+    for output in [&["--output", "yaml"][..], &["--output", "json"], &["--show", "bodies"]] {
+        let shown = read(Some(marked.to_str().unwrap().to_owned()), output).await;
+        assert!(!shown.contains("MARKER"), "{output:?}: {shown}");
+        assert!(shown.contains("[redacted]"), "{output:?}: {shown}");
     }
 }

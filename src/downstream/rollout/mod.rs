@@ -669,6 +669,28 @@ impl Rollout {
         views
     }
 
+    /// A view as an operator reads it under the access policy in effect: a
+    /// round that waits for a canary no client can ever be (no rule with
+    /// `canary: true` grants the collection) says so. It keeps waiting:
+    /// `--canary-when-none=hold` promised that no version goes out unvetted,
+    /// and a collection left out of the canary rules (the secrets' own, a
+    /// certificate's rotation) is the operator's to promote or to cover.
+    pub fn explained(&self, access: &AccessPolicy, mut view: RolloutView) -> RolloutView {
+        let uncovered = self.policy.canaries
+            && self.membership == Membership::Identity
+            && self.policy.when_none == WhenNone::Hold
+            && !access.canary_covers(&view.collection);
+        if uncovered && view.state == "WAITING" {
+            view.warning = Some(format!(
+                "no rule of --access-policy with canary: true grants {0}: no client can be its canary, so each new \
+                 version waits (--canary-when-none=hold) until POST /promote/{0}; give a rule canary: true for it, \
+                 or promote",
+                view.collection
+            ));
+        }
+        view
+    }
+
     /// One collection's rollout; `None` when it is not in the cache.
     pub fn view(&self, collection: &str) -> Option<RolloutView> {
         let name = self.known(collection).ok()?;
