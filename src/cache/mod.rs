@@ -61,10 +61,10 @@ pub struct CachedResource {
 const _: () = assert!(std::mem::size_of::<CachedResource>() <= 96);
 
 impl CachedResource {
-    pub fn new(name: Arc<str>, version: Arc<str>, encoded: Bytes, digest: u128) -> Self {
+    pub fn new(name: Arc<str>, version: &str, encoded: Bytes, digest: u128) -> Self {
         Self {
             name,
-            version: compact_str::CompactString::from(&*version),
+            version: compact_str::CompactString::from(version),
             encoded,
             digest: [digest as u64, (digest >> 64) as u64],
             memo: LazyMemo::default(),
@@ -1403,7 +1403,7 @@ mod tests {
         let none = HashMap::<String, String>::new();
         CachedResource::new(
             name.into(),
-            version.into(),
+            version,
             Bytes::from(body.to_owned()),
             content_digest(body.as_bytes(), &none, &none),
         )
@@ -1629,7 +1629,7 @@ mod tests {
         let none = HashMap::new();
         let labelled = CachedResource::new(
             "a".into(),
-            "1".into(),
+            "1",
             Bytes::from_static(b"new"),
             content_digest(b"new", &labels, &none),
         );

@@ -610,7 +610,7 @@ pub(super) mod tests {
         let none = std::collections::HashMap::<String, String>::new();
         let body = format!("{name}@{version}");
         let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
-        CachedResource::new(name.into(), version.into(), bytes::Bytes::from(body), digest)
+        CachedResource::new(name.into(), version, bytes::Bytes::from(body), digest)
     }
 
     /// A state-of-the-world selection made from the last one (only the
@@ -772,7 +772,7 @@ pub(super) mod tests {
             .map(|n| {
                 let none = std::collections::HashMap::<String, String>::new();
                 let digest = crate::cache::content_digest(n.as_bytes(), &none, &none);
-                CachedResource::new((*n).into(), "1".into(), bytes::Bytes::from_static(b"x"), digest)
+                CachedResource::new((*n).into(), "1", bytes::Bytes::from_static(b"x"), digest)
             })
             .collect();
         writer.apply("c", Update::Full(resources), Origin::Upstream);

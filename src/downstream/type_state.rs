@@ -1947,7 +1947,7 @@ mod tests {
                 let body = Bytes::from(body.to_string());
                 let none = std::collections::HashMap::<String, String>::new();
                 let digest = crate::cache::content_digest(&body, &none, &none);
-                CachedResource::new((*n).into(), "1".into(), body, digest)
+                CachedResource::new((*n).into(), "1", body, digest)
             })
             .collect();
         writer.apply(C, Update::Full(resources), Origin::Upstream);
@@ -2217,7 +2217,7 @@ mod tests {
             let body = Bytes::from(format!("r{n}@{body}"));
             let none = std::collections::HashMap::<String, String>::new();
             let digest = crate::cache::content_digest(&body, &none, &none);
-            CachedResource::new(format!("r{n}").into(), "1".into(), body, digest)
+            CachedResource::new(format!("r{n}").into(), "1", body, digest)
         };
         writer.apply(
             C,

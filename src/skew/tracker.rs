@@ -449,7 +449,7 @@ mod tests {
         let none = std::collections::HashMap::<String, String>::new();
         CachedResource::new(
             name.into(),
-            version.into(),
+            version,
             encoded.into(),
             crate::cache::content_digest(&body, &none, &none),
         )

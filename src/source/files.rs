@@ -1450,7 +1450,7 @@ impl LocalSource {
                     .or_default()
                     .push(CachedResource::new(
                         parsed.name.clone(),
-                        parsed.version.clone(),
+                        &parsed.version,
                         parsed.encoded.clone(),
                         parsed.digest,
                     ));

@@ -317,7 +317,15 @@ impl SecretTypes {
     /// no secret by its type URL alone (the cheap path of a large update).
     pub fn may_hold(&self, type_url: &str) -> bool {
         let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
-        name == "google.protobuf.Any" || is_typed_struct(name) || self.contains(&canonical_type_url(type_url))
+        if name == "google.protobuf.Any" || is_typed_struct(name) {
+            return true;
+        }
+        // Read in place when written as Envoy reads it (every body of a
+        // large update): no copy per resource.
+        match type_url.strip_prefix(crate::collections::TYPE_URL_PREFIX) {
+            Some(rest) if rest == name => self.contains(type_url),
+            _ => self.contains(&canonical_type_url(type_url)),
+        }
     }
 
     /// Why a body of `type_url` and `value` may not be in `collection`

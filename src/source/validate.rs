@@ -122,7 +122,7 @@ fn decode<R: From<CachedResource>>(
         } else {
             (metadata.version.clone(), bytes.clone())
         };
-        resources.push(R::from(CachedResource::new(name, version.into(), encoded, digest)));
+        resources.push(R::from(CachedResource::new(name, &version, encoded, digest)));
     }
     Ok(resources)
 }
