@@ -433,8 +433,9 @@ async fn load_persisted(
     let (returned, loaded) = {
         let reading = dir.to_path_buf();
         let max = persisted::max_file_bytes(max_message_bytes);
+        let secrets = crate::source::validate::SecretGuard::new(settings.table.clone());
         tokio::task::spawn_blocking(move || {
-            let loaded = persisted::load(&reading, &mut writer, max);
+            let loaded = persisted::load(&reading, &mut writer, max, Some(&secrets));
             (writer, loaded)
         })
         .await

@@ -27,6 +27,7 @@
 //! history of a few versions keeps well under the bound, and one larger than
 //! a cache file may be costs only the history.
 
+use crate::source::validate::SecretGuard;
 use std::collections::HashSet;
 use std::io::Write;
 use std::os::unix::fs::DirBuilderExt;
@@ -226,7 +227,7 @@ pub fn decode_history(file: Bytes) -> Result<PersistedHistory, String> {
 
 /// The versions a history file holds, their old resources validated as a
 /// collection file's are.
-fn kept_versions(history: PersistedHistory) -> Result<Vec<KeptVersion>, String> {
+fn kept_versions(history: PersistedHistory, secrets: Option<&SecretGuard>) -> Result<Vec<KeptVersion>, String> {
     let collection = &history.collection;
     history
         .versions
@@ -235,7 +236,7 @@ fn kept_versions(history: PersistedHistory) -> Result<Vec<KeptVersion>, String> 
             let origin = origin_named(&version.origin)
                 .ok_or_else(|| format!("version {} has an unknown origin {:?}", version.version, version.origin))?;
             let held: Vec<Bytes> = version.undo.iter().filter_map(|u| u.resource.clone()).collect();
-            let mut decoded = crate::source::validate::decode_resources(collection, &held)
+            let mut decoded = crate::source::validate::decode_resources_refusing(collection, &held, secrets)
                 .map_err(|nack| format!("version {}: {}", version.version, nack.message))?
                 .into_iter();
             let undo = version
@@ -399,7 +400,12 @@ pub struct Loaded {
 /// Loads every cache file in `dir` into the cache (origin `Disk`). Creates
 /// the directory when missing (mode 0700); fails only when it cannot be used
 /// at all. Files over `max_file_bytes` are skipped.
-pub fn load(dir: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> std::io::Result<Loaded> {
+pub fn load(
+    dir: &Path,
+    writer: &mut CacheWriter,
+    max_file_bytes: u64,
+    secrets: Option<&SecretGuard>,
+) -> std::io::Result<Loaded> {
     std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
     warn_if_shared(dir);
     let mut loaded = Loaded::default();
@@ -439,10 +445,10 @@ pub fn load(dir: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> std::i
         if path.extension().and_then(|e| e.to_str()) != Some(EXTENSION) {
             continue;
         }
-        match load_file(&path, writer, max_file_bytes) {
+        match load_file(&path, writer, max_file_bytes, secrets) {
             Ok(found) => {
                 let history = dir.join(history_file_name(&found.0));
-                match load_history(&history, &found.0, writer, max_file_bytes) {
+                match load_history(&history, &found.0, writer, max_file_bytes, secrets) {
                     Ok(None) => {}
                     Ok(Some(versions)) => {
                         tracing::info!(collection = %found.0, versions, "restored the persisted history");
@@ -472,7 +478,12 @@ pub fn load(dir: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> std::i
     Ok(loaded)
 }
 
-fn load_file(path: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> Result<(String, String, usize), String> {
+fn load_file(
+    path: &Path,
+    writer: &mut CacheWriter,
+    max_file_bytes: u64,
+    secrets: Option<&SecretGuard>,
+) -> Result<(String, String, usize), String> {
     let message = decode_bytes(read_file(path, max_file_bytes)?.into())?;
     if message.collection.is_empty() {
         return Err("names no collection".into());
@@ -486,8 +497,9 @@ fn load_file(path: &Path, writer: &mut CacheWriter, max_file_bytes: u64) -> Resu
             message.collection
         ));
     }
-    let resources = crate::source::validate::decode_resources(&message.collection, &message.resources)
-        .map_err(|nack| nack.message)?;
+    let resources =
+        crate::source::validate::decode_resources_refusing(&message.collection, &message.resources, secrets)
+            .map_err(|nack| nack.message)?;
     let count = resources.len();
     let applied = writer.apply(&message.collection, Update::Full(resources), Origin::Disk);
     Ok((message.collection, applied.version().to_string(), count))
@@ -501,6 +513,8 @@ fn load_history(
     collection: &str,
     writer: &mut CacheWriter,
     max_file_bytes: u64,
+
+    secrets: Option<&SecretGuard>,
 ) -> Result<Option<usize>, String> {
     if std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound) {
         return Ok(None);
@@ -512,7 +526,9 @@ fn load_history(
             history.collection
         ));
     }
-    writer.restore_history(collection, kept_versions(history)?).map(Some)
+    writer
+        .restore_history(collection, kept_versions(history, secrets)?)
+        .map(Some)
 }
 
 /// Hands collections to the writer task; cheap to clone.
@@ -640,7 +656,7 @@ mod tests {
         write_atomically(dir.path(), &file_name(C), &encode(&snapshot)).unwrap();
 
         let (restarted, mut restarted_writer) = Cache::new();
-        let loaded = load(dir.path(), &mut restarted_writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut restarted_writer, u64::MAX, None).unwrap();
         assert!(loaded.skipped.is_empty(), "{:?}", loaded.skipped);
         let reloaded = restarted.get(C).unwrap();
         assert_eq!(reloaded.version, snapshot.version);
@@ -677,7 +693,7 @@ mod tests {
         std::fs::write(&in_progress, &good).unwrap();
 
         let (fresh, mut fresh_writer) = Cache::new();
-        let loaded = load(dir.path(), &mut fresh_writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut fresh_writer, u64::MAX, None).unwrap();
         assert!(loaded.collections.is_empty());
         assert_eq!(loaded.skipped.len(), 3);
         assert!(
@@ -712,7 +728,7 @@ mod tests {
         file.extend_from_slice(&payload);
         std::fs::write(dir.path().join(file_name(C)), file).unwrap();
         let (cache, mut cache_writer) = Cache::new();
-        let loaded = load(dir.path(), &mut cache_writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut cache_writer, u64::MAX, None).unwrap();
         assert_eq!(loaded.skipped.len(), 1);
         assert!(loaded.skipped[0].1.contains("metadata.name"), "{:?}", loaded.skipped);
         assert!(cache.get(C).is_none());
@@ -764,7 +780,7 @@ mod tests {
         std::fs::write(dir.path().join("big.mcpcache"), &good).unwrap();
 
         let (fresh, mut fresh_writer) = Cache::new();
-        let loaded = load(dir.path(), &mut fresh_writer, good.len() as u64 - 1).unwrap();
+        let loaded = load(dir.path(), &mut fresh_writer, good.len() as u64 - 1, None).unwrap();
         assert!(fresh.get(C).is_none(), "nothing is read through a link");
         let reasons: Vec<&str> = loaded.skipped.iter().map(|(_, r)| r.as_str()).collect();
         assert!(reasons.iter().any(|r| r.contains("larger than")), "{reasons:?}");
@@ -788,7 +804,7 @@ mod tests {
         let load_with = |mode: u32| {
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
             let (fresh, mut fresh_writer) = Cache::new();
-            let loaded = load(dir.path(), &mut fresh_writer, u64::MAX).unwrap();
+            let loaded = load(dir.path(), &mut fresh_writer, u64::MAX, None).unwrap();
             (fresh.get(C).is_some(), loaded.skipped)
         };
         let (read, skipped) = load_with(0o666);
@@ -806,6 +822,34 @@ mod tests {
             assert!(!read, "{skipped:?}");
             assert!(skipped[0].1.contains("owned by uid 65534"), "{skipped:?}");
         }
+    }
+
+    /// A persisted secret's body in a collection every client reads (a file
+    /// from a build that took it, or one planted) is refused on load as
+    /// the source would refuse it: the collection waits for the source.
+    #[test]
+    fn a_persisted_secret_outside_the_collections_of_secrets_is_not_loaded() {
+        use prost::Message as _;
+        let clusters = "envoy/config/cluster/v3/clusters";
+        let secret = crate::tools::galley::resource(
+            "s",
+            "1",
+            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret",
+            b"\x0a\x0bMARKER-NAME",
+        );
+        let decoded = crate::source::validate::decode_resources(clusters, &[secret.encode_to_vec().into()]).unwrap();
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply(clusters, Update::Full(decoded), Origin::Upstream);
+        let dir = tempfile::tempdir().unwrap();
+        write_atomically(dir.path(), &file_name(clusters), &encode(&cache.get(clusters).unwrap())).unwrap();
+        let table = crate::collections::CollectionTable::builtin()
+            .with_sensitive_types(crate::source::proto_json::secret_type_urls());
+        let guard = SecretGuard::new(Arc::new(table));
+        let (fresh, mut fresh_writer) = Cache::new();
+        let loaded = load(dir.path(), &mut fresh_writer, u64::MAX, Some(&guard)).unwrap();
+        assert!(fresh.get(clusters).is_none());
+        assert!(loaded.skipped[0].1.contains("holds secrets"), "{:?}", loaded.skipped);
+        assert!(!loaded.skipped[0].1.contains("MARKER"), "{:?}", loaded.skipped);
     }
 
     /// A cache with history `keep` that went through four versions of C
@@ -864,7 +908,7 @@ mod tests {
         );
 
         let (restarted, mut writer) = Cache::with_history(10);
-        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut writer, u64::MAX, None).unwrap();
         assert!(loaded.histories_skipped.is_empty(), "{:?}", loaded.histories_skipped);
         assert_eq!(loaded.histories, [(C.to_owned(), 4)]);
         let mut expected = listed(before.history(C).unwrap());
@@ -884,7 +928,7 @@ mod tests {
 
         // A shorter --history keeps the newest versions.
         let (short, mut writer) = Cache::with_history(2);
-        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut writer, u64::MAX, None).unwrap();
         assert_eq!(loaded.histories, [(C.to_owned(), 2)]);
         assert_eq!(listed(short.history(C).unwrap()), expected[..2]);
         assert!(
@@ -915,7 +959,7 @@ mod tests {
         );
 
         let (restarted, mut writer) = Cache::new();
-        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut writer, u64::MAX, None).unwrap();
         assert_eq!(loaded.collections.len(), 1, "the collection loads");
         assert_eq!(restarted.get(C).unwrap().version, newer.version);
         assert_eq!(loaded.histories_skipped.len(), 1);
@@ -964,7 +1008,7 @@ mod tests {
         for (what, bytes, reason) in cases {
             std::fs::write(&path, bytes).unwrap();
             let (restarted, mut writer) = Cache::new();
-            let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+            let loaded = load(dir.path(), &mut writer, u64::MAX, None).unwrap();
             assert_eq!(
                 restarted.get(C).unwrap().version,
                 version,
@@ -993,7 +1037,7 @@ mod tests {
         );
         let bound = good.len() as u64 - 1;
         let (_, mut writer) = Cache::new();
-        let loaded = load(dir.path(), &mut writer, bound).unwrap();
+        let loaded = load(dir.path(), &mut writer, bound, None).unwrap();
         assert_eq!(loaded.collections.len(), 1);
         assert!(
             loaded.histories_skipped[0].1.contains("larger than"),
@@ -1004,7 +1048,7 @@ mod tests {
         std::fs::rename(&path, elsewhere.path().join("h")).unwrap();
         std::os::unix::fs::symlink(elsewhere.path().join("h"), &path).unwrap();
         let (_, mut writer) = Cache::new();
-        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut writer, u64::MAX, None).unwrap();
         assert!(
             loaded.histories_skipped[0].1.contains("links are not followed"),
             "{:?}",
@@ -1013,7 +1057,7 @@ mod tests {
         // No history file at all is not a problem.
         std::fs::remove_file(&path).unwrap();
         let (_, mut writer) = Cache::new();
-        let loaded = load(dir.path(), &mut writer, u64::MAX).unwrap();
+        let loaded = load(dir.path(), &mut writer, u64::MAX, None).unwrap();
         assert!(loaded.histories.is_empty() && loaded.histories_skipped.is_empty());
     }
 

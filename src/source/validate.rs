@@ -50,6 +50,18 @@ pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedRes
     decode(collection, raw, None)
 }
 
+/// As [`decode_resources`], refusing a secret's body outside the
+/// collections of secrets with `secrets` ([`SecretGuard`]): what was
+/// persisted is held to the rule the source is (a file written by an
+/// earlier build, or by anyone else, is not trusted more).
+pub fn decode_resources_refusing(
+    collection: &str,
+    raw: &[Bytes],
+    secrets: Option<&SecretGuard>,
+) -> Result<Vec<CachedResource>, Nack> {
+    decode(collection, raw, secrets)
+}
+
 /// As [`decode_resources`], each entry in the `Arc` the cache shares it by:
 /// a large message's entries are then not held twice while they are taken
 /// in (as values, then in `Arc`s). With `secrets`, a secret's body outside
