@@ -382,6 +382,16 @@ pub struct AnyTypeUrl {
     pub type_url: String,
 }
 
+/// A `google.protobuf.Any` whose value is a slice of the message it was
+/// read from, not a copy.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct AnyBytes {
+    #[prost(string, tag = "1")]
+    pub type_url: String,
+    #[prost(bytes = "bytes", tag = "2")]
+    pub value: bytes::Bytes,
+}
+
 /// A TypedStruct (`xds.type.v3` or `udpa.type.v1`): the type it names and
 /// the Struct Envoy reads as that type.
 #[derive(Clone, PartialEq, prost::Message)]

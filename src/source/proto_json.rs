@@ -300,16 +300,51 @@ fn holds_opaque_values(descriptor: &MessageDescriptor) -> bool {
 /// body that is or wraps one is refused outside the collections of
 /// secrets, by every source alike.
 #[derive(Clone, Debug, Default)]
-pub struct SecretTypes(std::collections::HashSet<String>);
+pub struct SecretTypes {
+    extra: std::collections::HashSet<String>,
+    /// What a body's bytes must hold (ASCII, any case) for an `Any` deep in
+    /// it to name a secret's type: each secret type's message name, and
+    /// `secret` (the end of every name like a secret's). A body holding
+    /// none is read no further.
+    needles: Vec<Vec<u8>>,
+}
 
 impl SecretTypes {
     pub fn of(table: &crate::collections::CollectionTable) -> Self {
-        Self(table.secret_only_body_types().into_iter().collect())
+        let extra: std::collections::HashSet<String> = table.secret_only_body_types().into_iter().collect();
+        let mut needles: Vec<Vec<u8>> = extra
+            .iter()
+            .map(String::as_str)
+            .chain(SECRETS_THEMSELVES.iter().copied())
+            .map(|url| {
+                let name = url.rsplit('/').next().unwrap_or(url);
+                name.rsplit('.')
+                    .next()
+                    .unwrap_or(name)
+                    .to_ascii_lowercase()
+                    .into_bytes()
+            })
+            .chain([b"secret".to_vec()])
+            .collect();
+        needles.sort();
+        needles.dedup();
+        Self { extra, needles }
+    }
+
+    /// Whether a value of `type_url` (canonical) is a secret itself, not a
+    /// configuration that may carry one (a `DownstreamTlsContext` in a
+    /// listener's transport socket is the usual way to name a secret, and
+    /// is not refused): a message named like a secret, Envoy's TLS key
+    /// material, or a type only collections of secrets declare.
+    fn is_a_secret_itself(&self, type_url: &str) -> bool {
+        crate::collections::named_like_a_secret(type_url)
+            || SECRETS_THEMSELVES.contains(&type_url)
+            || self.extra.contains(type_url)
     }
 
     /// Whether `type_url` (as Envoy reads it: canonical) is a secret's type.
     pub fn contains(&self, type_url: &str) -> bool {
-        is_secret_type(type_url) || crate::collections::named_like_a_secret(type_url) || self.0.contains(type_url)
+        is_secret_type(type_url) || crate::collections::named_like_a_secret(type_url) || self.extra.contains(type_url)
     }
 
     /// Whether a body of `type_url` needs its value read to tell: it is a
@@ -332,10 +367,25 @@ impl SecretTypes {
     /// (`sensitive`: a collection of secrets, where it may): it is or
     /// wraps a secret's type. The reason quotes no value.
     pub fn refusal(&self, collection: &str, sensitive: bool, type_url: &str, value: &[u8]) -> Option<String> {
-        if sensitive || !self.may_hold(type_url) {
+        if sensitive {
             return None;
         }
-        let secret = secret_type_within(type_url, value, self)?;
+        let at_top = self
+            .may_hold(type_url)
+            .then(|| secret_type_within(type_url, value, &|url| self.contains(url)))
+            .flatten();
+        let secret = match at_top {
+            Some(secret) => secret,
+            None => {
+                let (secret, field) = self.nested(type_url, value)?;
+                return Some(format!(
+                    "a body of {type_url} holds a {secret} in an Any at {field}, and {collection} is not a \
+                     collection of secrets (clients read it unless --access-policy says otherwise): put the \
+                     secret in a collection of secrets and name it (SDS), or mark this one sensitive: true with \
+                     --type-map"
+                ));
+            }
+        };
         // The body's own type URL spelling the secret's differently
         // (another prefix, spaces) is read as it, not wrapped.
         let own = type_url.rsplit('/').next().unwrap_or_default().trim();
@@ -354,6 +404,131 @@ impl SecretTypes {
     }
 }
 
+impl SecretTypes {
+    /// Whether `bytes` (a body, or its `Any`) hold the name of a secret's
+    /// type, in any case: only then may an `Any` deep in it be a secret.
+    pub fn may_nest(&self, bytes: &[u8]) -> bool {
+        self.needles.iter().any(|needle| holds_ignoring_case(bytes, needle))
+    }
+
+    /// A secret's type an `Any` (or a TypedStruct) anywhere inside a body
+    /// of `type_url` is or wraps, and the field path it is at: a `Cluster`
+    /// whose `transport_socket.typed_config` is a `Secret` serves that
+    /// secret to every reader of the clusters. Read only when the bytes
+    /// hold a secret type's name (any case), by the built-in descriptors;
+    /// a type they do not know is not read.
+    fn nested(&self, type_url: &str, value: &[u8]) -> Option<(String, String)> {
+        if !self.may_nest(value) {
+            return None;
+        }
+        let name = type_name(type_url)?;
+        // The body's type, then each `Any`'s it turns out to hold, loaded
+        // as found (the built-in descriptors are read a package at a time).
+        let mut names = vec![name.to_owned()];
+        for _ in 0..MAX_ANY_DEPTH {
+            let wanted: Vec<&str> = names.iter().map(String::as_str).collect();
+            let descriptors = builtin(&wanted);
+            let descriptor = descriptors.pool.get_message_by_name(name)?;
+            let message = DynamicMessage::decode(descriptor, value).ok()?;
+            let mut path = Vec::new();
+            match self.nested_in(&message, &descriptors.pool, &mut path, 0) {
+                Nested::Found(secret, field) => return Some((secret, field)),
+                Nested::Unknown(missing) if !names.contains(&missing) => names.push(missing),
+                _ => return None,
+            }
+        }
+        None
+    }
+
+    fn nested_in(
+        &self,
+        message: &DynamicMessage,
+        pool: &prost_reflect::DescriptorPool,
+        path: &mut Vec<String>,
+        depth: usize,
+    ) -> Nested {
+        if depth > MAX_ANY_DEPTH {
+            return Nested::None;
+        }
+        if prost_reflect::ReflectMessage::descriptor(message).full_name() == "google.protobuf.Any" {
+            let type_url = message
+                .get_field_by_name("type_url")
+                .and_then(|t| t.as_str().map(str::to_owned))
+                .unwrap_or_default();
+            let bytes = message
+                .get_field_by_name("value")
+                .and_then(|v| v.as_bytes().cloned())
+                .unwrap_or_default();
+            if let Some(secret) = secret_type_within(&type_url, &bytes, &|url| self.is_a_secret_itself(url)) {
+                return Nested::Found(secret, path.join("."));
+            }
+            let name = type_url.rsplit('/').next().unwrap_or(&type_url).trim().to_owned();
+            return match pool.get_message_by_name(&name) {
+                Some(inner) => match DynamicMessage::decode(inner, bytes) {
+                    Ok(inner) => self.nested_in(&inner, pool, path, depth + 1),
+                    Err(_) => Nested::None,
+                },
+                None if name.is_empty() => Nested::None,
+                None => Nested::Unknown(name),
+            };
+        }
+        let mut unknown = Nested::None;
+        for (field, value) in message.fields() {
+            path.push(field.name().to_owned());
+            let mut found = Nested::None;
+            let mut visit = |value: &prost_reflect::Value| {
+                if let (prost_reflect::Value::Message(inner), Nested::None | Nested::Unknown(_)) = (value, &found) {
+                    match self.nested_in(inner, pool, path, depth) {
+                        Nested::None => {}
+                        other => found = other,
+                    }
+                }
+            };
+            match value {
+                prost_reflect::Value::List(items) => items.iter().for_each(&mut visit),
+                prost_reflect::Value::Map(entries) => entries.values().for_each(&mut visit),
+                other => visit(other),
+            }
+            path.pop();
+            match found {
+                Nested::Found(..) => return found,
+                Nested::Unknown(_) => unknown = found,
+                Nested::None => {}
+            }
+        }
+        unknown
+    }
+}
+
+/// Envoy's types whose values are key material themselves (beside the
+/// messages named like a secret).
+const SECRETS_THEMSELVES: &[&str] = &[
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsCertificate",
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsSessionTicketKeys",
+];
+
+/// What [`SecretTypes::nested_in`] found: a secret's type at a field path,
+/// an `Any` of a type the descriptors read so far do not hold, or nothing.
+enum Nested {
+    Found(String, String),
+    Unknown(String),
+    None,
+}
+
+/// Whether `bytes` hold `needle` (lowercase ASCII) in any case: its first
+/// letter found by `memchr`, then the rest compared (a body of 1 KB is
+/// read in tens of nanoseconds when it holds neither form of that letter).
+fn holds_ignoring_case(bytes: &[u8], needle: &[u8]) -> bool {
+    let Some(&first) = needle.first() else {
+        return true;
+    };
+    memchr::memchr2_iter(first, first.to_ascii_uppercase(), bytes).any(|at| {
+        bytes
+            .get(at..at + needle.len())
+            .is_some_and(|w| w.eq_ignore_ascii_case(needle))
+    })
+}
+
 /// A type URL as Envoy reads it: the name after the last `/`, trimmed,
 /// under the default prefix.
 fn canonical_type_url(type_url: &str) -> String {
@@ -365,7 +540,7 @@ fn canonical_type_url(type_url: &str) -> String {
 /// TypedStruct naming it, any chain of them, to [`MAX_ANY_DEPTH`]): such a
 /// body is a secret whatever the type URL it is sent under. A type is read
 /// as Envoy reads it, by the name after the last `/`, whatever the prefix.
-fn secret_type_within(type_url: &str, value: &[u8], secrets: &SecretTypes) -> Option<String> {
+fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> bool) -> Option<String> {
     use prost::Message as _;
     use prost_types::value::Kind as JsonKind;
     /// What is being looked into: bytes of a type, or a Struct Envoy reads
@@ -390,7 +565,7 @@ fn secret_type_within(type_url: &str, value: &[u8], secrets: &SecretTypes) -> Op
     let mut wrapped = Wrapped::Bytes(value.to_vec());
     for _ in 0..MAX_ANY_DEPTH {
         let canonical = canonical_type_url(&type_url);
-        if secrets.contains(&canonical) {
+        if is_secret(&canonical) {
             return Some(canonical);
         }
         let name = &canonical[crate::collections::TYPE_URL_PREFIX.len()..];

@@ -218,8 +218,13 @@ impl Opened {
                         // applied as one step: no client sees half of the
                         // change (make before break across Envoy's types).
                         let (step, end) = came_with(message, inbound, self.session.max_message_bytes());
-                        if let Err(end) = self.on_messages(step, writer).await {
-                            return self.why_it_closed(end, inbound).await;
+                        if let Err(failed) = self.on_messages(step, writer).await {
+                            // The source's own word, when it already ended
+                            // the stream behind these messages.
+                            return match end {
+                                Some(Some(status)) => self.receive_failed(status),
+                                _ => self.why_it_closed(failed, inbound).await,
+                            };
                         }
                         *progress = self.session.applied_every_collection();
                         if let Some(status) = end {

@@ -35,11 +35,12 @@ impl SecretGuard {
 
     /// Why `body` (an encoded `Any` of `type_url`) may not be in `collection`.
     fn refusal(&self, collection: &str, type_url: &str, body: &Bytes) -> Option<String> {
-        if !self.types.may_hold(type_url) || self.table.is_sensitive(collection) {
+        if !(self.types.may_hold(type_url) || self.types.may_nest(body)) || self.table.is_sensitive(collection) {
             return None;
         }
-        // Only a secret's type or a wrapper gets here: its value is read.
-        let any = prost_types::Any::decode(body.clone()).ok()?;
+        // Only a secret's type, a wrapper, or a body naming a secret's type
+        // gets here: its value is read (in place).
+        let any = crate::proto::wire::AnyBytes::decode(body.clone()).ok()?;
         self.types.refusal(collection, false, &any.type_url, &any.value)
     }
 }
@@ -251,6 +252,35 @@ mod tests {
             Some(&guard),
         )
         .unwrap();
+
+        // Deep in an ordinary body: a Secret as a cluster's transport
+        // socket is refused, naming where; an UpstreamTlsContext there (the
+        // usual way to name a secret, its inline key hidden in the views)
+        // and a name that merely says "secret" are read.
+        const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        let cluster = |typed_config: serde_json::Value| {
+            crate::source::proto_json::encode(
+                CLUSTER,
+                serde_json::json!({"name": "my-secret-cluster", "transport_socket": {"name": "tls", "typed_config": typed_config}}),
+            )
+            .unwrap()
+        };
+        let nested = cluster(serde_json::json!({"@type": SECRET, "name": "MARKER-NAME"}));
+        let nack = decode_shared_resources(plain, &[resource(CLUSTER, nested)], Some(&guard)).unwrap_err();
+        assert!(
+            nack.message.contains(&format!(
+                "a body of {CLUSTER} holds a {SECRET} in an Any at transport_socket.typed_config"
+            )),
+            "{}",
+            nack.message
+        );
+        assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+        let tls = cluster(serde_json::json!({
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": {"tls_certificates": [{"private_key": {"inline_string": "k"}}],
+                                   "tls_certificate_sds_secret_configs": [{"name": "secret-1"}]}
+        }));
+        decode_shared_resources(plain, &[resource(CLUSTER, tls)], Some(&guard)).unwrap();
     }
 
     #[test]

@@ -725,6 +725,16 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  type.googleapis.com/k8s.io.api.core.v1.Secret, value_base64: CglNQVJLRVItTkw=}}\n"
             ),
         ),
+        // The thirteenth check: a Secret deep in an ordinary body (as a
+        // cluster's transport socket) is refused like one at its top.
+        (
+            "nested-secret.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: q2\nbody:\n  type_url: {CLUSTER}\n  json: {{name: q2, transport_socket: \
+                 {{name: tls, typed_config: {{'@type': {SECRET}, tls_certificate: {{private_key: {{inline_string: \
+                 MARKER-Q2}}}}}}}}}}\n"
+            ),
+        ),
         // The ninth check: a secret's line that slipped out of its block
         // scalar is a top-level key of a document without a collection.
         (
@@ -759,6 +769,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "secret-in-clusters.yaml",
         "slipped-line.yaml",
         "named-like-secret.yaml",
+        "nested-secret.yaml",
     ] {
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
