@@ -450,6 +450,18 @@ impl SecretTypes {
         if depth > MAX_ANY_DEPTH {
             return Nested::None;
         }
+        // A Struct is JSON another reader turns into a type (a TypedStruct's
+        // value, an EnvoyFilter's patch): every `@type` in it is an `Any`
+        // to Envoy and istiod.
+        if prost_reflect::ReflectMessage::descriptor(message).full_name() == "google.protobuf.Struct" {
+            return match serde_json::to_value(message) {
+                Ok(json) => match self.secret_in_json(&json, path, 0) {
+                    Some(secret) => Nested::Found(secret, path.join(".")),
+                    None => Nested::None,
+                },
+                Err(_) => Nested::None,
+            };
+        }
         if prost_reflect::ReflectMessage::descriptor(message).full_name() == "google.protobuf.Any" {
             let type_url = message
                 .get_field_by_name("type_url")
@@ -506,6 +518,43 @@ const SECRETS_THEMSELVES: &[&str] = &[
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsCertificate",
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsSessionTicketKeys",
 ];
+
+impl SecretTypes {
+    /// A secret's type that an object of `json` names as its type (`@type`,
+    /// or a TypedStruct's `type_url`), at any depth; `path` ends at it.
+    fn secret_in_json(&self, json: &Value, path: &mut Vec<String>, depth: usize) -> Option<String> {
+        if depth > MAX_JSON_DEPTH {
+            return None;
+        }
+        match json {
+            Value::Object(fields) => {
+                for key in ["@type", "type_url", "typeUrl"] {
+                    if let Some(Value::String(named)) = fields.get(key) {
+                        let canonical = canonical_type_url(named);
+                        if self.is_a_secret_itself(&canonical) {
+                            return Some(canonical);
+                        }
+                    }
+                }
+                for (key, value) in fields {
+                    path.push(key.clone());
+                    let found = self.secret_in_json(value, path, depth + 1);
+                    if found.is_some() {
+                        return found;
+                    }
+                    path.pop();
+                }
+                None
+            }
+            Value::Array(items) => items.iter().find_map(|item| self.secret_in_json(item, path, depth + 1)),
+            _ => None,
+        }
+    }
+}
+
+/// How deep [`SecretTypes::secret_in_json`] reads (a Struct nested past
+/// it is no config Envoy reads; the YAML reader stops at 128).
+const MAX_JSON_DEPTH: usize = 256;
 
 /// What [`SecretTypes::nested_in`] found: a secret's type at a field path,
 /// an `Any` of a type the descriptors read so far do not hold, or nothing.

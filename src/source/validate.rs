@@ -281,6 +281,44 @@ mod tests {
                                    "tls_certificate_sds_secret_configs": [{"name": "secret-1"}]}
         }));
         decode_shared_resources(plain, &[resource(CLUSTER, tls)], Some(&guard)).unwrap();
+        // Inside a TypedStruct's JSON value, which Envoy reads as the type
+        // it names: its `@type`s are Anys too.
+        let typed = cluster(serde_json::json!({
+            "@type": "type.googleapis.com/xds.type.v3.TypedStruct",
+            "type_url": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "value": {"common_tls_context": {"custom_handshaker": {"name": "h", "typed_config": {
+                "@type": SECRET, "name": "MARKER-NAME"}}}}
+        }));
+        let nack = decode_shared_resources(plain, &[resource(CLUSTER, typed)], Some(&guard)).unwrap_err();
+        assert!(
+            nack.message.contains(&format!(
+                "holds a {SECRET} in an Any at transport_socket.typed_config.value.common_tls_context.custom_handshaker.typed_config"
+            )),
+            "{}",
+            nack.message
+        );
+        assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+        // An EnvoyFilter's patch, which istiod turns into the Any it names.
+        const ENVOY_FILTER: &str = "type.googleapis.com/istio.networking.v1alpha3.EnvoyFilter";
+        let filter = crate::source::proto_json::encode(
+            ENVOY_FILTER,
+            serde_json::json!({"configPatches": [{"applyTo": "CLUSTER", "patch": {"operation": "MERGE",
+                "value": {"transport_socket": {"name": "tls", "typed_config": {"@type": SECRET, "name": "MARKER-NAME"}}}}}]}),
+        )
+        .unwrap();
+        let nack = decode_shared_resources(
+            "istio/networking/v1alpha3/envoyfilters",
+            &[resource(ENVOY_FILTER, filter)],
+            Some(&guard),
+        )
+        .unwrap_err();
+        assert!(
+            nack.message.contains(&format!(
+                "holds a {SECRET} in an Any at config_patches.patch.value.transport_socket.typed_config"
+            )),
+            "{}",
+            nack.message
+        );
     }
 
     #[test]
