@@ -324,7 +324,9 @@ impl SecretTypes {
                     .to_ascii_lowercase()
                     .into_bytes()
             })
-            .chain([b"secret".to_vec()])
+            // A Bootstrap holds its secrets as a typed field, whose type
+            // the bytes do not name.
+            .chain([b"secret".to_vec(), b"bootstrap".to_vec()])
             .collect();
         needles.sort();
         needles.dedup();
@@ -375,9 +377,13 @@ impl SecretTypes {
             .then(|| secret_type_within(type_url, value, &|url| self.contains(url)))
             .flatten();
         let secret = match at_top {
+            Some(secret) if secret == TOO_DEEP => return Some(too_deep(type_url, "", collection)),
             Some(secret) => secret,
             None => {
                 let (secret, field) = self.nested(type_url, value)?;
+                if secret == TOO_DEEP {
+                    return Some(too_deep(type_url, &field, collection));
+                }
                 return Some(format!(
                     "a body of {type_url} holds a {secret} in an Any at {field}, and {collection} is not a \
                      collection of secrets (clients read it unless --access-policy says otherwise): put the \
@@ -448,7 +454,17 @@ impl SecretTypes {
         depth: usize,
     ) -> Nested {
         if depth > MAX_ANY_DEPTH {
-            return Nested::None;
+            return Nested::Found(TOO_DEEP.to_owned(), path.join("."));
+        }
+        // A secret held as a field of its own type (a Bootstrap's
+        // `static_resources.secrets`), not in an `Any`. (A TLS context's
+        // `tls_certificates` is the usual inline key, read as before.)
+        let full_name = prost_reflect::ReflectMessage::descriptor(message)
+            .full_name()
+            .to_owned();
+        let canonical = format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX);
+        if crate::collections::named_like_a_secret(&canonical) || self.extra.contains(&canonical) {
+            return Nested::Found(canonical, path.join("."));
         }
         // A Struct is JSON another reader turns into a type (a TypedStruct's
         // value, an EnvoyFilter's patch): every `@type` in it is an `Any`
@@ -524,7 +540,7 @@ impl SecretTypes {
     /// or a TypedStruct's `type_url`), at any depth; `path` ends at it.
     fn secret_in_json(&self, json: &Value, path: &mut Vec<String>, depth: usize) -> Option<String> {
         if depth > MAX_JSON_DEPTH {
-            return None;
+            return Some(TOO_DEEP.to_owned());
         }
         match json {
             Value::Object(fields) => {
@@ -576,6 +592,21 @@ fn holds_ignoring_case(bytes: &[u8], needle: &[u8]) -> bool {
             .get(at..at + needle.len())
             .is_some_and(|w| w.eq_ignore_ascii_case(needle))
     })
+}
+
+/// The refusal of a body of `type_url` whose wrappers, `Any`s or JSON go
+/// deeper (at `field`) than the gateway reads into to look for a secret.
+fn too_deep(type_url: &str, field: &str, collection: &str) -> String {
+    let at = if field.is_empty() {
+        String::new()
+    } else {
+        format!(" at {field}")
+    };
+    format!(
+        "a body of {type_url} nests Anys, TypedStructs or JSON{at} deeper than {MAX_ANY_DEPTH} levels, too deep to \
+         tell whether it holds a secret, and {collection} is not a collection of secrets: refused (no config Envoy \
+         reads nests so deep)"
+    )
 }
 
 /// A type URL as Envoy reads it: the name after the last `/`, trimmed,
@@ -640,8 +671,14 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
             _ => return None,
         };
     }
-    None
+    // Wrapped deeper than any reader unwraps here: not read, so not taken.
+    Some(TOO_DEEP.to_owned())
 }
+
+/// What a body too deep to read through is refused as (see
+/// [`SecretTypes::refusal`]): a chain of wrappers or `Any`s, or JSON, past
+/// what the gateway reads into.
+const TOO_DEEP: &str = "(too deep)";
 
 /// Whether `type_url` is one of [`secret_type_urls`]: a type whose values
 /// *are* secrets, every one of them marked within two fields. Only such a

@@ -319,6 +319,33 @@ mod tests {
             "{}",
             nack.message
         );
+        // A Bootstrap's secrets, a typed field (the fifteenth check).
+        let bootstrap = cluster(serde_json::json!({
+            "@type": "type.googleapis.com/envoy.config.bootstrap.v3.Bootstrap",
+            "static_resources": {"secrets": [{"name": "MARKER-NAME"}]}
+        }));
+        let nack = decode_shared_resources(plain, &[resource(CLUSTER, bootstrap)], Some(&guard)).unwrap_err();
+        assert!(
+            nack.message.contains(&format!(
+                "holds a {SECRET} in an Any at transport_socket.typed_config.static_resources.secrets"
+            )),
+            "{}",
+            nack.message
+        );
+        // Anys nested past what is read into: refused, not taken unread.
+        let mut deep = prost_types::Any {
+            type_url: SECRET.into(),
+            value: b"\x0a\x0bMARKER-NAME".to_vec(),
+        };
+        for _ in 0..70 {
+            deep = prost_types::Any {
+                type_url: "type.googleapis.com/google.protobuf.Any".into(),
+                value: deep.encode_to_vec(),
+            };
+        }
+        let nack = decode_shared_resources(plain, &[resource(&deep.type_url, deep.value)], Some(&guard)).unwrap_err();
+        assert!(nack.message.contains("deeper than 32 levels"), "{}", nack.message);
+        assert!(!nack.message.contains("MARKER"), "{}", nack.message);
     }
 
     #[test]
