@@ -290,6 +290,13 @@ fn holds_opaque_values(descriptor: &MessageDescriptor) -> bool {
     false
 }
 
+/// Envoy's types whose values are key material themselves (beside the
+/// messages named like a secret).
+const SECRETS_THEMSELVES: &[&str] = &[
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsCertificate",
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsSessionTicketKeys",
+];
+
 /// The types whose values are secrets wherever they are sent, for one
 /// collection table: the types the descriptors mark ([`is_secret_type`]),
 /// any message named like a secret
@@ -408,9 +415,7 @@ impl SecretTypes {
              sensitive: true with --type-map"
         ))
     }
-}
 
-impl SecretTypes {
     /// Whether `bytes` (a body, or its `Any`) hold the name of a secret's
     /// type, in any case: only then may an `Any` deep in it be a secret.
     pub fn may_nest(&self, bytes: &[u8]) -> bool {
@@ -459,17 +464,20 @@ impl SecretTypes {
         // A secret held as a field of its own type (a Bootstrap's
         // `static_resources.secrets`), not in an `Any`. (A TLS context's
         // `tls_certificates` is the usual inline key, read as before.)
-        let full_name = prost_reflect::ReflectMessage::descriptor(message)
-            .full_name()
-            .to_owned();
-        let canonical = format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX);
-        if crate::collections::named_like_a_secret(&canonical) || self.extra.contains(&canonical) {
-            return Nested::Found(canonical, path.join("."));
+        let descriptor = prost_reflect::ReflectMessage::descriptor(message);
+        let full_name = descriptor.full_name();
+        // The type URL is made only where it is compared (a type-map's own
+        // types), not for every message walked.
+        let as_url = || format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX);
+        if crate::collections::named_like_a_secret(full_name)
+            || (!self.extra.is_empty() && self.extra.contains(&as_url()))
+        {
+            return Nested::Found(as_url(), path.join("."));
         }
         // A Struct is JSON another reader turns into a type (a TypedStruct's
         // value, an EnvoyFilter's patch): every `@type` in it is an `Any`
         // to Envoy and istiod.
-        if prost_reflect::ReflectMessage::descriptor(message).full_name() == "google.protobuf.Struct" {
+        if full_name == "google.protobuf.Struct" {
             return match serde_json::to_value(message) {
                 Ok(json) => match self.secret_in_json(&json, path, 0) {
                     Some(secret) => Nested::Found(secret, path.join(".")),
@@ -478,7 +486,7 @@ impl SecretTypes {
                 Err(_) => Nested::None,
             };
         }
-        if prost_reflect::ReflectMessage::descriptor(message).full_name() == "google.protobuf.Any" {
+        if full_name == "google.protobuf.Any" {
             let type_url = message
                 .get_field_by_name("type_url")
                 .and_then(|t| t.as_str().map(str::to_owned))
@@ -526,16 +534,7 @@ impl SecretTypes {
         }
         unknown
     }
-}
 
-/// Envoy's types whose values are key material themselves (beside the
-/// messages named like a secret).
-const SECRETS_THEMSELVES: &[&str] = &[
-    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsCertificate",
-    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsSessionTicketKeys",
-];
-
-impl SecretTypes {
     /// A secret's type that an object of `json` names as its type (`@type`,
     /// or a TypedStruct's `type_url`), at any depth; `path` ends at it.
     fn secret_in_json(&self, json: &Value, path: &mut Vec<String>, depth: usize) -> Option<String> {
