@@ -235,21 +235,39 @@ async fn run(
     logs: std::sync::Arc<mcp_xds_gateway::metrics::LogControl>,
 ) -> anyhow::Result<()> {
     glibc::install();
+    // The handlers are in place before the "listening" line: a SIGTERM sent
+    // as soon as that line is read (a supervisor, a test) is a clean stop,
+    // not the default action that kills the process mid-start.
+    let signals = Signals::install()?;
     let bound = app::build_with_logs(settings, Some(logs)).await?;
-    wait_for_signal().await?;
+    signals.wait().await?;
     tracing::info!("shutting down");
     let _ = bound.shutdown().await;
     Ok(())
 }
 
-async fn wait_for_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = signal(SignalKind::terminate())?;
-    tokio::select! {
-        result = tokio::signal::ctrl_c() => result?,
-        _ = terminate.recv() => {}
+/// SIGTERM and SIGINT, listened for from start-up on.
+struct Signals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self {
+            terminate: signal(SignalKind::terminate())?,
+            interrupt: signal(SignalKind::interrupt())?,
+        })
     }
-    Ok(())
+
+    async fn wait(mut self) -> anyhow::Result<()> {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+        Ok(())
+    }
 }
 
 /// An error, printed for an operator's terminal: what it quotes of what

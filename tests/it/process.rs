@@ -336,6 +336,22 @@ async fn serves_on_port_zero_and_exits_cleanly_on_sigterm() {
     assert_eq!(client.end_status().await.code(), tonic::Code::Unavailable);
 }
 
+/// A SIGTERM sent the moment the "listening" line is read (a supervisor's
+/// stop right after start) is a clean stop: the handlers are in place
+/// before that line, not after it.
+#[tokio::test]
+async fn a_sigterm_right_after_the_listening_line_is_a_clean_stop() {
+    for round in 0..5 {
+        let Running { mut child, .. } = spawn(&["--demo"]).await;
+        let pid = child.id().unwrap() as i32;
+        // SAFETY: kill(2) on the pid of a child this test started and has
+        // not reaped yet.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let status = within("the gateway to exit after SIGTERM", child.wait()).await.unwrap();
+        assert!(status.success(), "round {round}: {status}");
+    }
+}
+
 #[tokio::test]
 async fn the_persisted_cache_survives_a_hard_kill_with_upstream_down() {
     let dir = tempfile::tempdir().unwrap();

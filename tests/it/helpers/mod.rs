@@ -457,9 +457,17 @@ async fn terminate(child: &mut tokio::process::Child) -> bool {
     // SAFETY: kill(2) on the pid of a child this test started and has not
     // reaped yet.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    within("the child to exit after SIGTERM", child.wait())
-        .await
-        .is_ok_and(|s| s.success())
+    match within("the child to exit after SIGTERM", child.wait()).await {
+        Ok(status) if status.success() => true,
+        Ok(status) => {
+            eprintln!("the child (pid {pid}) ended after SIGTERM with {status}");
+            false
+        }
+        Err(e) => {
+            eprintln!("waiting for the child (pid {pid}) after SIGTERM: {e}");
+            false
+        }
+    }
 }
 
 /// Starts a dial-out source process on `dir`, its HTTP ports on port 0,
