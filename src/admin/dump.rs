@@ -65,7 +65,7 @@ pub(super) fn shown(
         // A secret's bytes are never shown, not even a few.
         // Nor what the error quotes of them (a type URL an `Any` inside it
         // names, a string it holds).
-        Err(why) if whole || bodies.is_sensitive_type(&any.type_url) => (
+        Err(why) if whole || !bodies.previewable(&any.type_url, &any.value) => (
             json!({"bytes": any.value.len(), "not_decoded": redact_quoted(&why), "sensitive": true}),
             BTreeMap::from([(String::new(), digest(&any.value))]),
         ),

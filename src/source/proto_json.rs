@@ -391,8 +391,11 @@ impl SecretTypes {
                 if secret == TOO_DEEP {
                     return Some(too_deep(type_url, &field, collection));
                 }
+                if secret == UNDECODABLE {
+                    return Some(undecodable(type_url, &field, collection));
+                }
                 return Some(format!(
-                    "a body of {type_url} holds a {secret} in an Any at {field}, and {collection} is not a \
+                    "a body of {type_url} holds a {secret} at {field}, and {collection} is not a \
                      collection of secrets (clients read it unless --access-policy says otherwise): put the \
                      secret in a collection of secrets and name it (SDS), or mark this one sensitive: true with \
                      --type-map"
@@ -440,7 +443,12 @@ impl SecretTypes {
             let wanted: Vec<&str> = names.iter().map(String::as_str).collect();
             let descriptors = builtin(&wanted);
             let descriptor = descriptors.pool.get_message_by_name(name)?;
-            let message = DynamicMessage::decode(descriptor, value).ok()?;
+            let Ok(message) = DynamicMessage::decode(descriptor, value) else {
+                // Its bytes name a secret's type and it does not decode:
+                // a client's parser that skips what it cannot read (upb,
+                // Envoy's) may find a secret in what this one cannot walk.
+                return Some((UNDECODABLE.to_owned(), String::new()));
+            };
             let mut path = Vec::new();
             match self.nested_in(&message, &descriptors.pool, &mut path, 0) {
                 Nested::Found(secret, field) => return Some((secret, field)),
@@ -483,7 +491,7 @@ impl SecretTypes {
                     Some(secret) => Nested::Found(secret, path.join(".")),
                     None => Nested::None,
                 },
-                Err(_) => Nested::None,
+                Err(_) => Nested::Found(UNDECODABLE.to_owned(), path.join(".")),
             };
         }
         if full_name == "google.protobuf.Any" {
@@ -500,8 +508,10 @@ impl SecretTypes {
             }
             let name = type_url.rsplit('/').next().unwrap_or(&type_url).trim().to_owned();
             return match pool.get_message_by_name(&name) {
-                Some(inner) => match DynamicMessage::decode(inner, bytes) {
+                Some(inner) => match DynamicMessage::decode(inner, bytes.clone()) {
                     Ok(inner) => self.nested_in(&inner, pool, path, depth + 1),
+                    // As for the body itself ([`Self::nested`]).
+                    Err(_) if self.may_nest(&bytes) => Nested::Found(UNDECODABLE.to_owned(), path.join(".")),
                     Err(_) => Nested::None,
                 },
                 None if name.is_empty() => Nested::None,
@@ -672,6 +682,27 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
     }
     // Wrapped deeper than any reader unwraps here: not read, so not taken.
     Some(TOO_DEEP.to_owned())
+}
+
+/// What a body whose bytes name a secret's type, and that does not decode
+/// as its type (or an `Any` in it as its own), is refused as (see
+/// [`SecretTypes::refusal`]).
+const UNDECODABLE: &str = "(does not decode)";
+
+/// The refusal of a body of `type_url` that names a secret's type in its
+/// bytes and does not decode (at `field`, an `Any`'s value, when not the
+/// body itself).
+fn undecodable(type_url: &str, field: &str, collection: &str) -> String {
+    let what = if field.is_empty() {
+        format!("as a {}", type_url.rsplit('/').next().unwrap_or(type_url).trim())
+    } else {
+        format!("at {field} (an Any's value)")
+    };
+    format!(
+        "a body of {type_url} names a secret's type in its bytes and does not decode {what}, and {collection} is \
+         not a collection of secrets: refused (a client that skips what it cannot read may find a secret in it; \
+         check how the body was encoded)"
+    )
 }
 
 /// What a body too deep to read through is refused as (see
@@ -1688,6 +1719,35 @@ impl BodyDecoder {
             return true;
         };
         self.sensitive_types.contains(type_url) || looks_secret(type_url, name) || self.knows_secrets_of(type_url)
+    }
+
+    /// Whether a few bytes of `value`, a body of `type_url` that does not
+    /// decode, may be shown: its type holds no secret the gateway knows of
+    /// ([`Self::is_sensitive_type`]), nor anything opaque (an `Any`, a
+    /// Struct) that could carry one, and its bytes name no secret's type.
+    /// Any other body (`google.protobuf.Any` itself, a `Cluster`) shows its
+    /// size and why it does not decode, never its bytes: an `Any` written
+    /// value first shows whatever it wraps in its first bytes. (A type the
+    /// gateway has no descriptor of is previewed: it cannot tell what it
+    /// holds, and every reader of the collection is sent it whole.)
+    pub fn previewable(&self, type_url: &str, value: &[u8]) -> bool {
+        let Some(name) = type_name(type_url) else {
+            return false;
+        };
+        let names_a_secret = ["secret", "bootstrap", "tlscertificate", "ticketkey"]
+            .iter()
+            .any(|needle| holds_ignoring_case(value, needle.as_bytes()))
+            || self.sensitive_types.iter().any(|t| {
+                let own = t.rsplit('/').next().unwrap_or(t).trim().to_ascii_lowercase();
+                holds_ignoring_case(value, own.as_bytes())
+            });
+        !names_a_secret
+            && !self.is_sensitive_type(type_url)
+            && !self
+                .descriptors(&[name])
+                .pool
+                .get_message_by_name(name)
+                .is_some_and(|m| holds_opaque_values(&m))
     }
 
     /// Whether the gateway knows which fields of a body of `type_url` hold

@@ -269,7 +269,7 @@ mod tests {
         let nack = decode_shared_resources(plain, &[resource(CLUSTER, nested)], Some(&guard)).unwrap_err();
         assert!(
             nack.message.contains(&format!(
-                "a body of {CLUSTER} holds a {SECRET} in an Any at transport_socket.typed_config"
+                "a body of {CLUSTER} holds a {SECRET} at transport_socket.typed_config"
             )),
             "{}",
             nack.message
@@ -292,7 +292,7 @@ mod tests {
         let nack = decode_shared_resources(plain, &[resource(CLUSTER, typed)], Some(&guard)).unwrap_err();
         assert!(
             nack.message.contains(&format!(
-                "holds a {SECRET} in an Any at transport_socket.typed_config.value.common_tls_context.custom_handshaker.typed_config"
+                "holds a {SECRET} at transport_socket.typed_config.value.common_tls_context.custom_handshaker.typed_config"
             )),
             "{}",
             nack.message
@@ -314,7 +314,7 @@ mod tests {
         .unwrap_err();
         assert!(
             nack.message.contains(&format!(
-                "holds a {SECRET} in an Any at config_patches.patch.value.transport_socket.typed_config"
+                "holds a {SECRET} at config_patches.patch.value.transport_socket.typed_config"
             )),
             "{}",
             nack.message
@@ -327,7 +327,7 @@ mod tests {
         let nack = decode_shared_resources(plain, &[resource(CLUSTER, bootstrap)], Some(&guard)).unwrap_err();
         assert!(
             nack.message.contains(&format!(
-                "holds a {SECRET} in an Any at transport_socket.typed_config.static_resources.secrets"
+                "holds a {SECRET} at transport_socket.typed_config.static_resources.secrets"
             )),
             "{}",
             nack.message
@@ -346,6 +346,76 @@ mod tests {
         let nack = decode_shared_resources(plain, &[resource(&deep.type_url, deep.value)], Some(&guard)).unwrap_err();
         assert!(nack.message.contains("deeper than 32 levels"), "{}", nack.message);
         assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+
+        // Bytes that name a secret's type and do not decode (the sixteenth
+        // check): a field whose wire type is not its declaration's makes
+        // this reader fail, where upb and Envoy's parser skip the field and
+        // read the rest, a Secret included. Refused, at the body or at the
+        // Any whose value does not decode.
+        let mismatch = |mut bytes: Vec<u8>| {
+            // Field 24 (a Cluster's transport_socket, a message) as a varint.
+            bytes.extend_from_slice(&[0xc0, 0x01, 0x05]);
+            bytes
+        };
+        let nested = cluster(serde_json::json!({"@type": SECRET, "name": "MARKER-NAME"}));
+        let nack = decode_shared_resources(plain, &[resource(CLUSTER, mismatch(nested))], Some(&guard)).unwrap_err();
+        assert!(
+            nack.message.contains(&format!(
+                "a body of {CLUSTER} names a secret's type in its bytes and does not decode as a \
+                 envoy.config.cluster.v3.Cluster"
+            )),
+            "{}",
+            nack.message
+        );
+        assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+        // In an Any of an Any: the Cluster decodes, the inner Any does not
+        // (its type_url, field 1, written as a varint).
+        let mut inner = vec![0x08, 0x05];
+        inner.extend(any(SECRET, b"\x0a\x0bMARKER-NAME".to_vec()));
+        let mut socket = Vec::new();
+        prost::encoding::string::encode(1, &"tls".to_owned(), &mut socket);
+        prost::encoding::message::encode(
+            3,
+            &prost_types::Any {
+                type_url: "type.googleapis.com/google.protobuf.Any".into(),
+                value: inner,
+            },
+            &mut socket,
+        );
+        let mut wrapped = Vec::new();
+        prost::encoding::string::encode(1, &"c".to_owned(), &mut wrapped);
+        prost::encoding::bytes::encode(24, &socket, &mut wrapped);
+        let nack = decode_shared_resources(plain, &[resource(CLUSTER, wrapped)], Some(&guard)).unwrap_err();
+        assert!(
+            nack.message
+                .contains("does not decode at transport_socket.typed_config (an Any's value)"),
+            "{}",
+            nack.message
+        );
+        // An Any written value first, its type_url a varint, then a
+        // Secret's type URL: the body of a VirtualService collection.
+        let mut value_first = vec![0x08, 0x01];
+        prost::encoding::bytes::encode(2, &b"\x12\x0bMARKER-NAME".to_vec(), &mut value_first);
+        prost::encoding::string::encode(1, &SECRET.to_owned(), &mut value_first);
+        let nack = decode_shared_resources(
+            "istio/networking/v1alpha3/virtualservices",
+            &[resource("type.googleapis.com/google.protobuf.Any", value_first)],
+            Some(&guard),
+        )
+        .unwrap_err();
+        assert!(
+            nack.message.contains("does not decode as a google.protobuf.Any"),
+            "{}",
+            nack.message
+        );
+        // Bytes that do not decode and name no secret are no secret's
+        // business (a source's bad body is the client's to refuse).
+        decode_shared_resources(
+            plain,
+            &[resource(CLUSTER, mismatch(b"\x0a\x01c".to_vec()))],
+            Some(&guard),
+        )
+        .unwrap();
     }
 
     #[test]

@@ -568,9 +568,21 @@ fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable, lines:
         let Some(body) = body_any(p) else {
             continue;
         };
-        // A body no descriptor here reads has no references to check.
-        if let Ok(body) = decoder.decode(&body.type_url, &body.value) {
-            served.push(Read { body, ..read });
+        // A body no descriptor here reads has no references to check; one
+        // of a type it knows that does not decode as it is served all the
+        // same, and read by each client as its parser reads it (a strict
+        // one refuses it, upb and Envoy's skip the field they cannot read).
+        match decoder.decode(&body.type_url, &body.value) {
+            Ok(body) => served.push(Read { body, ..read }),
+            Err(why) if why.starts_with("does not decode as") => findings.push(read.warning(
+                p.line,
+                format!(
+                    "the body {}; clients read it as their parser does (a strict one refuses it, Envoy's skips \
+                     the field it cannot read): check how it was encoded",
+                    crate::source::proto_json::redact_quoted(&why)
+                ),
+            )),
+            Err(_) => {}
         }
     }
     findings.extend(envoy_references(&served, lines));

@@ -432,6 +432,39 @@ async fn a_document_nested_too_deep_is_a_finding_without_reading_the_rest() {
     }
 }
 
+/// A body of a type the gateway knows that does not decode as it (a field
+/// of the wrong wire type) is served, and each client reads it as its
+/// parser does: a warning, at the document. One that names a secret's type
+/// is refused outside the collections of secrets: an error (issue 42's
+/// sixteenth check).
+#[tokio::test]
+async fn a_body_that_does_not_decode_as_its_type_is_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    // Cluster{name: "c"}, then field 24 (transport_socket) as a varint.
+    std::fs::write(
+        dir.path().join("bad-wire.yaml"),
+        "collection: envoy/config/cluster/v3/clusters\nname: c\nbody: {type_url: \
+         type.googleapis.com/envoy.config.cluster.v3.Cluster, value_base64: CgFjwAEF}\n",
+    )
+    .unwrap();
+    let path = dir.path().display().to_string();
+    let (code, stdout, stderr) = check(&["-o", "json", &path]).await;
+    assert_eq!(code, Some(0), "warnings only: {stdout}{stderr}");
+    let found = findings(&stdout);
+    assert_eq!(found.len(), 1, "{stdout}");
+    assert_eq!(
+        (found[0].0.as_str(), found[0].1, found[0].2.as_str()),
+        ("bad-wire.yaml", 1, "warning"),
+        "{stdout}"
+    );
+    assert!(
+        found[0]
+            .3
+            .contains("does not decode as envoy.config.cluster.v3.Cluster"),
+        "{stdout}"
+    );
+}
+
 /// A name defined twice is an error wherever the second one is: in the
 /// same file (the gateway refuses the file) or in another (the gateway
 /// serves the first file's and ignores the other): either way one

@@ -379,7 +379,9 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         let _ = write!(
             text,
             "---\ncollection: example.com/plain\nname: plain\nbody: {{type_url: type.googleapis.com/example.Plain, value_base64: {}}}\n",
-            b64("not-a-secret"),
+            // (Bytes naming a secret, as "not-a-secret" does, would not be
+            // previewed: a body that does not decode may hide an `Any`.)
+            b64("plain-bytes"),
         );
         certs::write(&source, "resources.yaml", &text);
     };
@@ -735,6 +737,16 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  MARKER-Q2}}}}}}}}}}\n"
             ),
         ),
+        // The sixteenth check: a Cluster with a field of the wrong wire type
+        // (transport_socket as a varint) before a Secret as its transport
+        // socket, which this reader cannot decode and upb reads past.
+        (
+            "mismatched-secret.yaml",
+            format!(
+                "collection: {CLUSTERS}\nname: w10\nbody: {{type_url: {CLUSTER}, value_base64: \
+                 CgN3MTDAAQXCAaIBCgN0bHMamgEKRHR5cGUuZ29vZ2xlYXBpcy5jb20vZW52b3kuZXh0ZW5zaW9ucy50cmFuc3BvcnRfc29ja2V0cy50bHMudjMuU2VjcmV0ElIKAXgSTQoLGglDRVJUQ0hBSU4SPho8LS0tLS1CRUdJTiBQUklWQVRFIEtFWS0tLS0tCk1BUktXCi0tLS0tRU5EIFBSSVZBVEUgS0VZLS0tLS0K}}\n"
+            ),
+        ),
         // The ninth check: a secret's line that slipped out of its block
         // scalar is a top-level key of a document without a collection.
         (
@@ -767,6 +779,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "any-of-any.yaml",
         "declared-secret.yaml",
         "secret-in-clusters.yaml",
+        "mismatched-secret.yaml",
         "slipped-line.yaml",
         "named-like-secret.yaml",
         "nested-secret.yaml",
@@ -774,7 +787,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         assert!(stdout.contains(file), "every file's error is reported: {stdout}");
     }
     assert!(
-        !format!("{stdout}{stderr}").contains("MARKER"),
+        !format!("{stdout}{stderr}").contains("MARKER") && !format!("{stdout}{stderr}").contains("MARKW"),
         "check quotes a sensitive value:\n{stdout}{stderr}"
     );
     let gw = start_gateway(&["--source-dir", &bad_flag, "--type-map", &map_flag]).await;
@@ -814,13 +827,29 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
             envoy_filter("ef", r#"{"private_key":"MARKER-ANNOTATION"}"#, "{a: b}"),
         ),
     );
+    // An `Any` that does not decode (its type_url, field 1, a varint) and
+    // names no secret: read, and shown without its bytes, which an `Any`
+    // written value first would fill with what it wraps.
+    certs::write(
+        &good,
+        "undecodable-any.yaml",
+        "collection: istio/networking/v1alpha3/virtualservices\nname: default/any\nbody: {type_url: \
+         type.googleapis.com/google.protobuf.Any, value_base64: CAESBk1BUktFUg==}\n",
+    );
     let good_flag = good.to_str().unwrap().to_owned();
     let gw = start_gateway(&["--source-dir", &good_flag, "--type-map", &map_flag]).await;
     eventually("the resources", || {
-        gw.cache.get(EF).is_some_and(|s| s.len() == 1) && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 2)
+        gw.cache.get(EF).is_some_and(|s| s.len() == 1)
+            && gw.cache.get(CLUSTERS).is_some_and(|s| s.len() == 2)
+            && gw
+                .cache
+                .get("istio/networking/v1alpha3/virtualservices")
+                .is_some_and(|s| s.len() == 1)
     })
     .await;
     for view in [
+        "/debug/cache/istio/networking/v1alpha3/virtualservices?bodies=json".to_owned(),
+        "/debug/cache/istio/networking/v1alpha3/virtualservices?bodies=yaml".to_owned(),
         format!("/debug/cache/{EF}?bodies=yaml"),
         format!("/debug/cache/{EF}?bodies=json"),
         format!("/debug/cache/{CLUSTERS}?bodies=json"),
