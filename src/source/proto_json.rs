@@ -7,7 +7,7 @@
 //! `300ms`); an unknown field, a wrong kind of value or a type this gateway
 //! has no descriptor for is an error naming the field's path.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor};
@@ -309,6 +309,9 @@ const SECRETS_THEMSELVES: &[&str] = &[
 #[derive(Clone, Debug, Default)]
 pub struct SecretTypes {
     extra: std::collections::HashSet<String>,
+    /// Per body type, whether its descriptor holds a secret as a typed
+    /// field at some depth ([`Self::holds_typed_secret`]): read once.
+    typed: Arc<Mutex<HashMap<String, bool>>>,
     /// What a body's bytes must hold (ASCII, any case) for an `Any` deep in
     /// it to name a secret's type: each secret type's message name, and
     /// `secret` (the end of every name like a secret's). A body holding
@@ -337,7 +340,88 @@ impl SecretTypes {
             .collect();
         needles.sort();
         needles.dedup();
-        Self { extra, needles }
+        Self {
+            extra,
+            needles,
+            typed: Default::default(),
+        }
+    }
+
+    /// Whether a message of `name` (a full name) holds a secret's type as a
+    /// typed field at some depth (a `Bootstrap`'s `static_resources.secrets`),
+    /// not in an `Any`: its bytes then need not name the secret's type. Read
+    /// from the built-in descriptors once per type; a type they do not hold
+    /// is not known to.
+    fn holds_typed_secret(&self, name: &str) -> bool {
+        let mut known = self.typed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(&holds) = known.get(name) {
+            return holds;
+        }
+        let holds = builtin(&[name]).pool.get_message_by_name(name).is_some_and(|top| {
+            let mut seen = HashSet::new();
+            let mut pending = vec![top];
+            while let Some(message) = pending.pop() {
+                let full_name = message.full_name();
+                if crate::collections::named_like_a_secret(full_name)
+                    || (!self.extra.is_empty()
+                        && self
+                            .extra
+                            .contains(&format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX)))
+                {
+                    return true;
+                }
+                if seen.insert(full_name.to_owned()) {
+                    pending.extend(message.fields().filter_map(|field| match field.kind() {
+                        Kind::Message(inner) => Some(inner),
+                        _ => None,
+                    }));
+                }
+            }
+            false
+        });
+        known.insert(name.to_owned(), holds);
+        holds
+    }
+
+    /// A secret's type named in `bytes` as a type URL would name it (a
+    /// full name of three parts or more, the last named like a secret, or
+    /// one of the secrets themselves), for bytes the descriptors cannot
+    /// walk: a body, or an `Any` in it, of a type the gateway has no
+    /// descriptor for, whose own `Any` of a `Secret` names it so.
+    fn named_within(&self, bytes: &[u8]) -> Option<String> {
+        let is_name = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'.';
+        let mut at = 0;
+        while at < bytes.len() {
+            if !is_name(bytes[at]) {
+                at += 1;
+                continue;
+            }
+            let end = bytes[at..]
+                .iter()
+                .position(|&b| !is_name(b))
+                .map_or(bytes.len(), |n| at + n);
+            let run = std::str::from_utf8(&bytes[at..end])
+                .unwrap_or_default()
+                .trim_matches('.');
+            let url = format!("{}{run}", crate::collections::TYPE_URL_PREFIX);
+            if (run.split('.').count() >= 3 && crate::collections::named_like_a_secret(run))
+                || SECRETS_THEMSELVES.contains(&url.as_str())
+                || self.extra.contains(&url)
+            {
+                return Some(url);
+            }
+            at = end;
+        }
+        None
+    }
+
+    /// The first word of a secret type's name `bytes` hold (any case), for
+    /// saying why a body was read further.
+    fn needle_in(&self, bytes: &[u8]) -> Option<&str> {
+        self.needles
+            .iter()
+            .find(|needle| holds_ignoring_case(bytes, needle))
+            .and_then(|needle| std::str::from_utf8(needle).ok())
     }
 
     /// Whether a value of `type_url` (canonical) is a secret itself, not a
@@ -392,7 +476,15 @@ impl SecretTypes {
                     return Some(too_deep(type_url, &field, collection));
                 }
                 if secret == UNDECODABLE {
-                    return Some(undecodable(type_url, &field, collection));
+                    let word = self.needle_in(value).unwrap_or("secret");
+                    return Some(undecodable(type_url, &field, collection, word));
+                }
+                if field == UNWALKED {
+                    return Some(format!(
+                        "a body of {type_url} names {secret} in an Any of a type the gateway has no descriptor for, \
+                         and {collection} is not a collection of secrets (clients read it unless --access-policy \
+                         says otherwise): put the secret in a collection of secrets and name it (SDS)"
+                    ));
                 }
                 return Some(format!(
                     "a body of {type_url} holds a {secret} at {field}, and {collection} is not a \
@@ -432,28 +524,38 @@ impl SecretTypes {
     /// hold a secret type's name (any case), by the built-in descriptors;
     /// a type they do not know is not read.
     fn nested(&self, type_url: &str, value: &[u8]) -> Option<(String, String)> {
-        if !self.may_nest(value) {
+        let name = type_name(type_url)?;
+        // Its bytes name no secret's type and its type holds none as a
+        // field: the cheap path of a large update.
+        if !self.may_nest(value) && !self.holds_typed_secret(name) {
             return None;
         }
-        let name = type_name(type_url)?;
         // The body's type, then each `Any`'s it turns out to hold, loaded
         // as found (the built-in descriptors are read a package at a time).
         let mut names = vec![name.to_owned()];
         for _ in 0..MAX_ANY_DEPTH {
             let wanted: Vec<&str> = names.iter().map(String::as_str).collect();
             let descriptors = builtin(&wanted);
-            let descriptor = descriptors.pool.get_message_by_name(name)?;
+            let Some(descriptor) = descriptors.pool.get_message_by_name(name) else {
+                // No descriptor to walk it by: the type URL an `Any` of a
+                // secret in it would carry.
+                return self.named_within(value).map(|secret| (secret, UNWALKED.to_owned()));
+            };
             let Ok(message) = DynamicMessage::decode(descriptor, value) else {
-                // Its bytes name a secret's type and it does not decode:
-                // a client's parser that skips what it cannot read (upb,
-                // Envoy's) may find a secret in what this one cannot walk.
+                // Its bytes name a secret's type (or its type holds one)
+                // and it does not decode: a client's parser that skips what
+                // it cannot read (upb, Envoy's) may find a secret in what
+                // this one cannot walk.
                 return Some((UNDECODABLE.to_owned(), String::new()));
             };
             let mut path = Vec::new();
             match self.nested_in(&message, &descriptors.pool, &mut path, 0) {
                 Nested::Found(secret, field) => return Some((secret, field)),
                 Nested::Unknown(missing) if !names.contains(&missing) => names.push(missing),
-                _ => return None,
+                Nested::Unknown(_) => {
+                    return self.named_within(value).map(|secret| (secret, UNWALKED.to_owned()));
+                }
+                Nested::None => return None,
             }
         }
         None
@@ -692,18 +794,22 @@ const UNDECODABLE: &str = "(does not decode)";
 /// The refusal of a body of `type_url` that names a secret's type in its
 /// bytes and does not decode (at `field`, an `Any`'s value, when not the
 /// body itself).
-fn undecodable(type_url: &str, field: &str, collection: &str) -> String {
+fn undecodable(type_url: &str, field: &str, collection: &str, word: &str) -> String {
     let what = if field.is_empty() {
-        format!("as a {}", type_url.rsplit('/').next().unwrap_or(type_url).trim())
+        format!("as {}", type_url.rsplit('/').next().unwrap_or(type_url).trim())
     } else {
         format!("at {field} (an Any's value)")
     };
     format!(
-        "a body of {type_url} names a secret's type in its bytes and does not decode {what}, and {collection} is \
-         not a collection of secrets: refused (a client that skips what it cannot read may find a secret in it; \
-         check how the body was encoded)"
+        "a body of {type_url} does not decode {what}, and it may hold a secret (its bytes hold {word:?}, a word of \
+         a secret type's name, or its type holds a secret as a field) that a client which skips what it cannot \
+         read would find; {collection} is not a collection of secrets: refused (check how the body was encoded)"
     )
 }
+
+/// Where [`SecretTypes::nested`] found a secret's type URL named in bytes
+/// it had no descriptor to walk by.
+const UNWALKED: &str = "(no descriptor)";
 
 /// What a body too deep to read through is refused as (see
 /// [`SecretTypes::refusal`]): a chain of wrappers or `Any`s, or JSON, past
@@ -1727,9 +1833,9 @@ impl BodyDecoder {
     /// Struct) that could carry one, and its bytes name no secret's type.
     /// Any other body (`google.protobuf.Any` itself, a `Cluster`) shows its
     /// size and why it does not decode, never its bytes: an `Any` written
-    /// value first shows whatever it wraps in its first bytes. (A type the
-    /// gateway has no descriptor of is previewed: it cannot tell what it
-    /// holds, and every reader of the collection is sent it whole.)
+    /// value first shows whatever it wraps in its first bytes. Nor is a
+    /// body of a type the gateway has no descriptor for: what it holds
+    /// cannot be told (give `--descriptors` to read it).
     pub fn previewable(&self, type_url: &str, value: &[u8]) -> bool {
         let Some(name) = type_name(type_url) else {
             return false;
@@ -1743,11 +1849,11 @@ impl BodyDecoder {
             });
         !names_a_secret
             && !self.is_sensitive_type(type_url)
-            && !self
+            && self
                 .descriptors(&[name])
                 .pool
                 .get_message_by_name(name)
-                .is_some_and(|m| holds_opaque_values(&m))
+                .is_some_and(|m| !holds_opaque_values(&m))
     }
 
     /// Whether the gateway knows which fields of a body of `type_url` hold
@@ -1967,6 +2073,28 @@ impl Redactor<'_> {
 
 #[cfg(test)]
 mod tests {
+
+    /// Which types hold a secret as a typed field, whose bytes need not
+    /// name it: a Bootstrap, not the config Envoy is served (whose secrets
+    /// are in `Any`s, or named by SDS), which keeps the cheap path cheap.
+    #[test]
+    fn only_types_that_hold_a_secret_as_a_field_are_walked_without_a_needle() {
+        let types = super::SecretTypes::of(&crate::collections::CollectionTable::builtin());
+        for (name, holds) in [
+            ("envoy.config.bootstrap.v3.Bootstrap", true),
+            ("envoy.config.bootstrap.v3.Bootstrap.StaticResources", true),
+            ("envoy.config.cluster.v3.Cluster", false),
+            ("envoy.config.listener.v3.Listener", false),
+            ("envoy.config.route.v3.RouteConfiguration", false),
+            ("envoy.config.endpoint.v3.ClusterLoadAssignment", false),
+            ("envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext", false),
+            ("istio.networking.v1alpha3.VirtualService", false),
+            ("istio.networking.v1alpha3.EnvoyFilter", false),
+            ("acme.v1.Unknown", false),
+        ] {
+            assert_eq!(types.holds_typed_secret(name), holds, "{name}");
+        }
+    }
 
     #[test]
     fn type_urls_are_read_exactly() {

@@ -361,8 +361,8 @@ mod tests {
         let nack = decode_shared_resources(plain, &[resource(CLUSTER, mismatch(nested))], Some(&guard)).unwrap_err();
         assert!(
             nack.message.contains(&format!(
-                "a body of {CLUSTER} names a secret's type in its bytes and does not decode as a \
-                 envoy.config.cluster.v3.Cluster"
+                "a body of {CLUSTER} does not decode as envoy.config.cluster.v3.Cluster, and it may hold a \
+                 secret (its bytes hold \"secret\""
             )),
             "{}",
             nack.message
@@ -404,10 +404,73 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            nack.message.contains("does not decode as a google.protobuf.Any"),
+            nack.message.contains("does not decode as google.protobuf.Any"),
             "{}",
             nack.message
         );
+        // The seventeenth check: a Bootstrap as the body itself holds its
+        // secrets as a typed field, whose type its bytes do not name.
+        const BOOTSTRAP: &str = "type.googleapis.com/envoy.config.bootstrap.v3.Bootstrap";
+        let secrets = serde_json::json!({"secrets": [{"name": "MARKER-NAME", "tls_certificate": {
+            "private_key": {"inline_string": "MARKER-KEY"}}}]});
+        for (type_url, json) in [
+            (BOOTSTRAP.to_owned(), serde_json::json!({ "static_resources": secrets })),
+            (format!("{BOOTSTRAP}.StaticResources"), secrets.clone()),
+        ] {
+            let body = crate::source::proto_json::encode(&type_url, json).unwrap();
+            let nack = decode_shared_resources(plain, &[resource(&type_url, body.clone())], Some(&guard)).unwrap_err();
+            assert!(
+                nack.message.contains(&format!("holds a {SECRET} at ")),
+                "{type_url}: {}",
+                nack.message
+            );
+            assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+            // Not decodable (field 1, a message of either, as a varint):
+            // refused as one that may hold a secret.
+            let undecodable = [&[0x08, 0x05][..], &body].concat();
+            let nack = decode_shared_resources(plain, &[resource(&type_url, undecodable)], Some(&guard)).unwrap_err();
+            assert!(
+                nack.message.contains("does not decode as"),
+                "{type_url}: {}",
+                nack.message
+            );
+        }
+        // An Any of a type the gateway has no descriptor for (Envoy's
+        // contrib extensions, anyone's) holding an Any of a Secret: the
+        // secret's type URL in its bytes, where no descriptor walks.
+        let unknown = any(
+            "type.googleapis.com/acme.v1.Wrapper",
+            any(SECRET, b"\x0a\x0bMARKER-NAME".to_vec()),
+        );
+        let mut socket = Vec::new();
+        prost::encoding::string::encode(1, &"tls".to_owned(), &mut socket);
+        prost::encoding::bytes::encode(3, &unknown, &mut socket);
+        let mut in_cluster = Vec::new();
+        prost::encoding::string::encode(1, &"c".to_owned(), &mut in_cluster);
+        prost::encoding::bytes::encode(24, &socket, &mut in_cluster);
+        let as_body = any(SECRET, b"\x0a\x0bMARKER-NAME".to_vec());
+        for (type_url, body) in [(CLUSTER, in_cluster), ("type.googleapis.com/acme.v1.Wrapper", as_body)] {
+            let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
+            assert!(
+                nack.message.contains(&format!(
+                    "names {SECRET} in an Any of a type the gateway has no descriptor for"
+                )),
+                "{type_url}: {}",
+                nack.message
+            );
+        }
+        // A type of no descriptor whose bytes merely say "secret" (an SDS
+        // name in a contrib filter's config) is not refused.
+        decode_shared_resources(
+            plain,
+            &[resource(
+                "type.googleapis.com/acme.v1.Filter",
+                b"\x0a\x09my-secret".to_vec(),
+            )],
+            Some(&guard),
+        )
+        .unwrap();
+
         // Bytes that do not decode and name no secret are no secret's
         // business (a source's bad body is the client's to refuse).
         decode_shared_resources(

@@ -1181,8 +1181,10 @@ async fn the_config_dump_reads_bodies_back() {
 
     let handlers = json(gw.admin, "/debug/cache/istio/policy/v1beta1/handlers?bodies=json").await;
     let body = &handlers["resources"][0]["body"];
+    // A type the gateway has no descriptor for: what it holds cannot be
+    // told, so none of its bytes are shown.
     assert!(
-        body["bytes"].as_u64().unwrap() > 0 && body["preview_base64"].is_string(),
+        body["bytes"].as_u64().unwrap() > 0 && body.get("preview_base64").is_none(),
         "{body}"
     );
     assert!(
