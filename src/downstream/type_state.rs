@@ -249,7 +249,7 @@ impl<'a> Trust<'a> {
     fn tally(&self, to: &CollectionSnapshot, covered: impl Fn(&str) -> bool, diff: &Diff) -> ReconnectTally {
         let mut tally = ReconnectTally::default();
         for name in self.versions.keys() {
-            if !covered(name) || !to.resources.contains_key(*name) {
+            if !covered(name) || !to.resources.contains_key(name) {
                 continue;
             }
             match diff.upserts.binary_search_by(|r| (*r.name).cmp(name)) {
@@ -754,7 +754,7 @@ impl TypeState {
             diff.removed.extend(
                 forced
                     .iter()
-                    .filter(|name| !to.resources.contains_key(&***name))
+                    .filter(|name| !to.resources.contains_key(name))
                     .cloned(),
             );
             diff.removed.sort_unstable();
