@@ -34,11 +34,24 @@ pub const TYPE_URL_PREFIX: &str = "type.googleapis.com/";
 /// v2's `envoy.api.v2.auth.Secret`, Kubernetes' `k8s.io.api.core.v1.Secret`,
 /// whose descriptors (when an operator gives them) mark no field. A
 /// collection of such bodies is a collection of secrets, and such a body
-/// is refused outside one.
+/// is refused outside one (unless the gateway's own descriptors know the
+/// type and mark nothing in it: `source::proto_json::secret_by_name`).
 pub fn named_like_a_secret(type_url: &str) -> bool {
     let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
     let message = name.rsplit('.').next().unwrap_or(name);
     message.to_ascii_lowercase().ends_with("secret")
+}
+
+/// [`named_like_a_secret`], or named like Envoy's key material in any
+/// package and version (`…TlsCertificate`, `…TlsSessionTicketKeys`: v2's
+/// `envoy.api.v2.auth`, v4alpha's), whose descriptors the gateway may not
+/// have: values that are secrets themselves.
+pub fn named_like_key_material(type_url: &str) -> bool {
+    let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    let message = name.rsplit('.').next().unwrap_or(name);
+    named_like_a_secret(type_url)
+        || message.eq_ignore_ascii_case("TlsCertificate")
+        || message.eq_ignore_ascii_case("TlsSessionTicketKeys")
 }
 
 /// Shared by every Mixer adapter/template collection: never addressable by
@@ -286,7 +299,7 @@ impl CollectionTable {
         self.by_name.get(collection).is_some_and(|info| {
             self.marked_sensitive.contains(&info.name)
                 || self.sensitive_types.contains(&info.body_type_url)
-                || named_like_a_secret(&info.body_type_url)
+                || named_like_key_material(&info.body_type_url)
         })
     }
 

@@ -2047,10 +2047,7 @@ impl<W: Wire> TypedStream<W> {
             let refs = cluster_refs::listener_refs(old);
             clusters.extend(refs.clusters.iter().cloned());
             for route in refs.routes.iter() {
-                if routes_now
-                    .as_ref()
-                    .is_some_and(|now| now.resources.contains_key(route))
-                {
+                if routes_now.as_ref().is_some_and(|now| now.resources.contains_key(route)) {
                     continue;
                 }
                 if let Some(route) = routes_held.and_then(|held| held.resources.get(route)) {

@@ -751,12 +751,8 @@ impl TypeState {
             diff.upserts.dedup_by(|a, b| a.name == b.name);
             // A forced name that is gone is removed (again: the client may
             // hold it from a response it refused).
-            diff.removed.extend(
-                forced
-                    .iter()
-                    .filter(|name| !to.resources.contains_key(name))
-                    .cloned(),
-            );
+            diff.removed
+                .extend(forced.iter().filter(|name| !to.resources.contains_key(name)).cloned());
             diff.removed.sort_unstable();
             diff.removed.dedup();
             let push = Push::Selected { to, diff };

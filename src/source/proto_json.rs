@@ -297,6 +297,30 @@ const SECRETS_THEMSELVES: &[&str] = &[
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.TlsSessionTicketKeys",
 ];
 
+/// Whether a message of `name` (a full name or a type URL) is a secret by
+/// its name ([`crate::collections::named_like_a_secret`], or with
+/// `key_material` [`crate::collections::named_like_key_material`]), as
+/// decided by the built-in descriptors when they know the type: one named
+/// so whose values are not secrets ([`is_secret_type`]: Envoy's access-log
+/// formatter `GenericSecret` maps names to SDS configs) is no secret; one
+/// they do not know (Envoy v2's `auth.Secret` and `auth.TlsCertificate`,
+/// Kubernetes' `Secret`) is.
+fn secret_by_name(name: &str, key_material: bool) -> bool {
+    let named = if key_material {
+        crate::collections::named_like_key_material(name)
+    } else {
+        crate::collections::named_like_a_secret(name)
+    };
+    if !named {
+        return false;
+    }
+    let full_name = name.rsplit('/').next().unwrap_or(name).trim();
+    match builtin(&[full_name]).pool.get_message_by_name(full_name) {
+        Some(known) => is_secret_type(&format!("{}{}", crate::collections::TYPE_URL_PREFIX, known.full_name())),
+        None => true,
+    }
+}
+
 /// The types whose values are secrets wherever they are sent, for one
 /// collection table: the types the descriptors mark ([`is_secret_type`]),
 /// any message named like a secret
@@ -362,7 +386,7 @@ impl SecretTypes {
             let mut pending = vec![top];
             while let Some(message) = pending.pop() {
                 let full_name = message.full_name();
-                if crate::collections::named_like_a_secret(full_name)
+                if secret_by_name(full_name, false)
                     || (!self.extra.is_empty()
                         && self
                             .extra
@@ -404,11 +428,11 @@ impl SecretTypes {
                 .unwrap_or_default()
                 .trim_matches('.');
             let url = format!("{}{run}", crate::collections::TYPE_URL_PREFIX);
-            if (run.split('.').count() >= 3 && crate::collections::named_like_a_secret(run))
+            if (run.split('.').count() >= 3 && secret_by_name(run, true))
                 || SECRETS_THEMSELVES.contains(&url.as_str())
                 || self.extra.contains(&url)
             {
-                return Some(url);
+                return Some(run.to_owned());
             }
             at = end;
         }
@@ -430,14 +454,12 @@ impl SecretTypes {
     /// is not refused): a message named like a secret, Envoy's TLS key
     /// material, or a type only collections of secrets declare.
     fn is_a_secret_itself(&self, type_url: &str) -> bool {
-        crate::collections::named_like_a_secret(type_url)
-            || SECRETS_THEMSELVES.contains(&type_url)
-            || self.extra.contains(type_url)
+        secret_by_name(type_url, true) || SECRETS_THEMSELVES.contains(&type_url) || self.extra.contains(type_url)
     }
 
     /// Whether `type_url` (as Envoy reads it: canonical) is a secret's type.
     pub fn contains(&self, type_url: &str) -> bool {
-        is_secret_type(type_url) || crate::collections::named_like_a_secret(type_url) || self.extra.contains(type_url)
+        is_secret_type(type_url) || secret_by_name(type_url, true) || self.extra.contains(type_url)
     }
 
     /// Whether a body of `type_url` needs its value read to tell: it is a
@@ -481,9 +503,10 @@ impl SecretTypes {
                 }
                 if field == UNWALKED {
                     return Some(format!(
-                        "a body of {type_url} names {secret} in an Any of a type the gateway has no descriptor for, \
-                         and {collection} is not a collection of secrets (clients read it unless --access-policy \
-                         says otherwise): put the secret in a collection of secrets and name it (SDS)"
+                        "a body of {type_url} names the type {secret} (a secret's, by its name) in an Any of a type \
+                         the gateway has no descriptor for, and {collection} is not a collection of secrets (clients \
+                         read it unless --access-policy says otherwise): put the secret in a collection of secrets \
+                         and name it (SDS)"
                     ));
                 }
                 return Some(format!(
@@ -579,9 +602,7 @@ impl SecretTypes {
         // The type URL is made only where it is compared (a type-map's own
         // types), not for every message walked.
         let as_url = || format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX);
-        if crate::collections::named_like_a_secret(full_name)
-            || (!self.extra.is_empty() && self.extra.contains(&as_url()))
-        {
+        if secret_by_name(full_name, false) || (!self.extra.is_empty() && self.extra.contains(&as_url())) {
             return Nested::Found(as_url(), path.join("."));
         }
         // A Struct is JSON another reader turns into a type (a TypedStruct's

@@ -453,12 +453,45 @@ mod tests {
             let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
             assert!(
                 nack.message.contains(&format!(
-                    "names {SECRET} in an Any of a type the gateway has no descriptor for"
+                    "names the type {} (a secret's, by its name) in an Any of a type the gateway has no descriptor for",
+                    SECRET.rsplit('/').next().unwrap()
                 )),
                 "{type_url}: {}",
                 nack.message
             );
         }
+        // The eighteenth check: Envoy's key material of other versions
+        // (v2's `auth`, v4alpha's), which the gateway has no descriptors
+        // for, as the body, in an Any, or in an Any of an unknown type.
+        for key_material in [
+            "type.googleapis.com/envoy.api.v2.auth.TlsCertificate",
+            "type.googleapis.com/envoy.api.v2.auth.TlsSessionTicketKeys",
+            "type.googleapis.com/envoy.extensions.transport_sockets.tls.v4alpha.TlsCertificate",
+        ] {
+            let value = b"\x12\x0c\x1a\x0aMARKER-KEY".to_vec();
+            let wrapped = any(key_material, value.clone());
+            for (type_url, body) in [
+                (key_material, value),
+                ("type.googleapis.com/google.protobuf.Any", wrapped.clone()),
+                ("type.googleapis.com/acme.v1.Wrapper", wrapped),
+            ] {
+                let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
+                assert!(
+                    nack.message
+                        .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
+                    "{key_material} as {type_url}: {}",
+                    nack.message
+                );
+                assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+            }
+        }
+        // A type the descriptors know that is named like a secret and marks
+        // nothing (Envoy's access-log formatter `GenericSecret`, which maps
+        // names to SDS secrets) is no secret.
+        let formatter = cluster(serde_json::json!({
+            "@type": "type.googleapis.com/envoy.extensions.formatter.generic_secret.v3.GenericSecret"
+        }));
+        decode_shared_resources(plain, &[resource(CLUSTER, formatter)], Some(&guard)).unwrap();
         // A type of no descriptor whose bytes merely say "secret" (an SDS
         // name in a contrib filter's config) is not refused.
         decode_shared_resources(

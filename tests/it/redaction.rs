@@ -483,7 +483,10 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
             match (collection, resource["name"].as_str().unwrap()) {
                 ("example.com/plain", "plain") => {
                     assert!(body.get("preview_base64").is_none(), "{dump}");
-                    assert!(body["not_decoded"].as_str().unwrap().contains("no descriptor for"), "{dump}");
+                    assert!(
+                        body["not_decoded"].as_str().unwrap().contains("no descriptor for"),
+                        "{dump}"
+                    );
                 }
                 (_, "spaced") => {
                     assert_eq!(body["sensitive"], true, "{dump}");
@@ -725,7 +728,9 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
                  type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.SECRET, value_base64: CglNQVJLRVItTkw=}}\n\
                  ---\ncollection: {CLUSTERS}\nname: v2\nbody: {{type_url: type.googleapis.com/envoy.api.v2.auth.Secret, \
                  value_base64: CglNQVJLRVItTkw=}}\n---\ncollection: {CLUSTERS}\nname: k8s\nbody: {{type_url: \
-                 type.googleapis.com/k8s.io.api.core.v1.Secret, value_base64: CglNQVJLRVItTkw=}}\n"
+                 type.googleapis.com/k8s.io.api.core.v1.Secret, value_base64: CglNQVJLRVItTkw=}}\n\
+                 ---\ncollection: {CLUSTERS}\nname: v2-key\nbody: {{type_url: \
+                 type.googleapis.com/envoy.api.v2.auth.TlsCertificate, value_base64: CglNQVJLRVItTkw=}}\n"
             ),
         ),
         // The thirteenth check: a Secret deep in an ordinary body (as a
@@ -804,8 +809,9 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
     }
     drop(gw);
 
-    // Read: the annotations hidden with the body; a secret-like type URL
-    // in a collection that is not sensitive, not previewed.
+    // Read: the annotations hidden with the body; a type of no descriptor
+    // in a collection that is not sensitive (Envoy v2's TLS context), not
+    // previewed.
     let good = dir.path().join("good");
     std::fs::create_dir(&good).unwrap();
     let secret_bytes = base64::engine::general_purpose::STANDARD.encode(
@@ -820,7 +826,7 @@ async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations(
         "resources.yaml",
         &format!(
             "{}---\ncollection: {CLUSTERS}\nname: v2-tls\nbody: {{type_url: \
-             type.googleapis.com/envoy.api.v2.auth.TlsCertificate, value_base64: {secret_bytes}}}\n\
+             type.googleapis.com/envoy.api.v2.auth.UpstreamTlsContext, value_base64: {secret_bytes}}}\n\
              ---\ncollection: {CLUSTERS}\nname: typed-struct\nbody:\n  type_url: {CLUSTER}\n  json: {{name: ts, \
              transport_socket: {{name: tls, typed_config: {{'@type': type.googleapis.com/xds.type.v3.TypedStruct, \
              type_url: {UPSTREAM_TLS}, value: {{common_tls_context: {{tls_certificates: [{{certificate_chain: \
