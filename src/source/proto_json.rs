@@ -457,9 +457,15 @@ impl SecretTypes {
         secret_by_name(type_url, true) || SECRETS_THEMSELVES.contains(&type_url) || self.extra.contains(type_url)
     }
 
-    /// Whether `type_url` (as Envoy reads it: canonical) is a secret's type.
+    /// Whether `type_url` (as Envoy reads it: canonical) is a secret's type:
+    /// one whose values are secrets in the built-in descriptors, in another
+    /// version of Envoy's API ([`another_version_of_a_secret`]), named like
+    /// a secret, or declared only by sensitive collections.
     pub fn contains(&self, type_url: &str) -> bool {
-        is_secret_type(type_url) || secret_by_name(type_url, true) || self.extra.contains(type_url)
+        is_secret_type(type_url)
+            || secret_by_name(type_url, true)
+            || another_version_of_a_secret(type_url)
+            || self.extra.contains(type_url)
     }
 
     /// Whether a body of `type_url` needs its value read to tell: it is a
@@ -848,6 +854,60 @@ pub fn is_secret_type(type_url: &str) -> bool {
     SECRET_TYPES
         .get_or_init(|| secret_type_urls().into_iter().collect())
         .contains(type_url)
+}
+
+/// Envoy's extensions outside its API (`contrib`) whose configs hold a
+/// private key inline, which the built-in descriptors do not hold: a body
+/// of one is a secret (inside a TLS context's `private_key_provider`, as
+/// Envoy takes them, they are read like the context).
+const CONTRIB_KEY_CONFIGS: &[&str] = &[
+    "envoy.extensions.private_key_providers.cryptomb.v3alpha.CryptoMbPrivateKeyMethodConfig",
+    "envoy.extensions.private_key_providers.qat.v3alpha.QatPrivateKeyMethodConfig",
+];
+
+/// Whether `type_url` names, in Envoy's family of packages (`envoy.`,
+/// `udpa.`, `xds.`), a type the built-in descriptors do not hold whose
+/// message (its name from the first capitalised part:
+/// `GrpcService.GoogleGrpc.SslCredentials`) is that of a built-in secret
+/// type ([`is_secret_type`]): the same values in another version of the API
+/// (v2's `envoy.api.v2.core…`, v2alpha's, v4alpha's), which Envoy 1.8 to
+/// 1.17 and the control planes of their day read; or a contrib extension
+/// holding a key ([`CONTRIB_KEY_CONFIGS`]). Read once per type.
+fn another_version_of_a_secret(type_url: &str) -> bool {
+    static KNOWN: OnceLock<Mutex<HashMap<String, bool>>> = OnceLock::new();
+    static PATHS: OnceLock<HashSet<String>> = OnceLock::new();
+    let full_name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    if !["envoy.", "udpa.", "xds."]
+        .iter()
+        .any(|family| full_name.starts_with(family))
+    {
+        return false;
+    }
+    let known = KNOWN.get_or_init(Default::default);
+    let mut known = known.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(&is) = known.get(full_name) {
+        return is;
+    }
+    let message_path = |name: &str| -> Option<String> {
+        let at = name
+            .split('.')
+            .position(|part| part.starts_with(|c: char| c.is_ascii_uppercase()))?;
+        Some(name.split('.').skip(at).collect::<Vec<_>>().join("."))
+    };
+    let is = CONTRIB_KEY_CONFIGS.contains(&full_name)
+        || (builtin(&[full_name]).pool.get_message_by_name(full_name).is_none()
+            && message_path(full_name).is_some_and(|path| {
+                PATHS
+                    .get_or_init(|| {
+                        secret_type_urls()
+                            .iter()
+                            .filter_map(|url| message_path(url.rsplit('/').next().unwrap_or(url)))
+                            .collect()
+                    })
+                    .contains(&path)
+            }));
+    known.insert(full_name.to_owned(), is);
+    is
 }
 
 /// Whether a body of `type_url` in a collection declaring `declared` (its

@@ -485,6 +485,35 @@ mod tests {
                 assert!(!nack.message.contains("MARKER"), "{}", nack.message);
             }
         }
+        // The nineteenth check: the values of a built-in secret type in
+        // another version of Envoy's API (v2's, v2alpha's, v4alpha's: no
+        // descriptors here), and contrib's key providers, as the body.
+        for other_version in [
+            "type.googleapis.com/envoy.api.v2.core.GrpcService.GoogleGrpc.SslCredentials",
+            "type.googleapis.com/envoy.config.core.v4alpha.GrpcService.GoogleGrpc.SslCredentials",
+            "type.googleapis.com/envoy.api.v2.auth.DownstreamTlsContext",
+            "type.googleapis.com/envoy.config.grpc_credential.v2alpha.FileBasedMetadataConfig",
+            "type.googleapis.com/envoy.config.filter.network.redis_proxy.v2.RedisProxy",
+            "type.googleapis.com/envoy.extensions.private_key_providers.cryptomb.v3alpha.CryptoMbPrivateKeyMethodConfig",
+        ] {
+            let nack = decode_shared_resources(plain, &[resource(other_version, b"\x12\x06MARKER".to_vec())], Some(&guard))
+                .unwrap_err();
+            assert!(
+                nack.message.contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
+                "{other_version}: {}",
+                nack.message
+            );
+        }
+        // Another version's type whose values are no secret is read.
+        decode_shared_resources(
+            plain,
+            &[resource(
+                "type.googleapis.com/envoy.api.v2.Cluster",
+                b"\x0a\x01c".to_vec(),
+            )],
+            Some(&guard),
+        )
+        .unwrap();
         // A type the descriptors know that is named like a secret and marks
         // nothing (Envoy's access-log formatter `GenericSecret`, which maps
         // names to SDS secrets) is no secret.
