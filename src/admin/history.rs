@@ -172,7 +172,7 @@ pub(super) async fn diff(
     let diff = Diff::between(&from_resources, &to_resources);
     let (mut added, mut changed) = (Vec::new(), Vec::new());
     for resource in &diff.upserts {
-        match from_resources.get(&resource.name) {
+        match from_resources.get(&*resource.name) {
             None => added.push(json!(resource.name)),
             Some(old) if query.bodies.is_some() => {
                 let (before, before_secrets) = body_yaml(old, collection, &state);

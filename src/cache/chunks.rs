@@ -495,7 +495,7 @@ impl Chunks {
             .map(|(r, start)| Arc::new(r.repointed(bytes.slice(start..start + r.encoded.len()))))
             .collect();
         for member in &members {
-            resources.insert(member.clone());
+            resources.insert(member.name.clone(), member.clone());
         }
         let buffer = self.number_buffer();
         self.put(buffer, Chunk::new(members, bytes));
@@ -693,7 +693,7 @@ mod tests {
             let mut records = BytesMut::new();
             for member in chunk.members() {
                 put_record(&member.encoded, &mut records);
-                let held = snapshot.resources.get(&member.name);
+                let held = snapshot.resources.get(&*member.name);
                 prop_assert!(held.is_some_and(|h| Arc::ptr_eq(h, member)), "{:?}", member.name);
                 prop_assert!(within(chunk.bytes(), &member.encoded));
             }

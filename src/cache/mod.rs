@@ -19,7 +19,6 @@ pub mod chunks;
 pub mod demand;
 pub mod memo;
 pub mod provenance;
-pub mod resource_map;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -30,7 +29,7 @@ pub use chunks::{Chunk, STORAGE_FIELD};
 use memo::{LazyMemo, Memo};
 
 use bytes::Bytes;
-pub use resource_map::ResourceMap;
+use imbl::OrdMap;
 use tokio::sync::watch;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
@@ -165,6 +164,8 @@ impl PartialEq for CachedResource {
     }
 }
 
+pub type ResourceMap = OrdMap<Arc<str>, Arc<CachedResource>>;
+
 /// Where a collection's current state came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -294,11 +295,11 @@ impl CollectionSnapshot {
             // order: a prefix, a namespace).
             let mut resources = self.resources.clone();
             for name in &withheld {
-                resources.remove(name);
+                resources.remove(&**name);
             }
             resources
         } else {
-            kept().cloned().collect()
+            kept().map(|r| (r.name.clone(), r.clone())).collect()
         };
         let (mut sum, mut bytes) = (0u128, 0usize);
         for resource in kept() {
@@ -354,10 +355,10 @@ impl CollectionSnapshot {
         );
         for resource in fresh {
             if resources
-                .get(&resource.name)
+                .get(&*resource.name)
                 .is_none_or(|held| !Arc::ptr_eq(held, &resource))
             {
-                resources.insert(resource);
+                resources.insert(resource.name.clone(), resource);
             }
         }
         debug_assert_eq!(chunks.iter().map(|c| c.members().len()).sum::<usize>(), resources.len());
@@ -413,7 +414,7 @@ impl CollectionSnapshot {
         let mut resources = self.resources.clone();
         let mut total = Total::of(self);
         for name in &diff.removed {
-            if let Some(resource) = held.resources.get(name) {
+            if let Some(resource) = held.resources.get(&**name) {
                 total.upsert(&mut resources, resource);
             }
         }
@@ -605,8 +606,8 @@ impl Rebuilt {
     fn undo(&mut self, undo: &[(Arc<str>, Option<Arc<CachedResource>>)]) {
         for (name, had) in undo {
             let replaced = match had {
-                Some(resource) => self.resources.insert(resource.clone()),
-                None => self.resources.remove(name),
+                Some(resource) => self.resources.insert(name.clone(), resource.clone()),
+                None => self.resources.remove(&**name),
             };
             if let Some(old) = replaced {
                 self.sum = self.sum.wrapping_sub(old.entry());
@@ -877,8 +878,8 @@ impl Cache {
         let (mut added, mut removed) = (0, 0);
         let mut undo = Vec::with_capacity(changed.len());
         for name in changed {
-            let had = previous.as_ref().and_then(|p| p.resources.get(name));
-            match (had.is_some(), snapshot.resources.contains_key(name)) {
+            let had = previous.as_ref().and_then(|p| p.resources.get(&**name));
+            match (had.is_some(), snapshot.resources.contains_key(&**name)) {
                 (false, true) => added += 1,
                 (true, false) => removed += 1,
                 _ => {}
@@ -1130,7 +1131,7 @@ impl Cache {
                     resources = arrived_map(&whole, &resources);
                 }
                 // Each name once, as the map holds it.
-                whole.retain(|r| resources.get(&r.name).is_some_and(|held| Arc::ptr_eq(held, r)));
+                whole.retain(|r| resources.get(&*r.name).is_some_and(|held| Arc::ptr_eq(held, r)));
                 Chunks::build(whole, message, &mut resources)
             }
             None => match &current {
@@ -1184,7 +1185,7 @@ impl Total {
     }
 
     fn upsert(&mut self, resources: &mut ResourceMap, resource: &Arc<CachedResource>) {
-        if let Some(old) = resources.get(&resource.name) {
+        if let Some(old) = resources.get(&*resource.name) {
             if old == resource {
                 return;
             }
@@ -1194,7 +1195,7 @@ impl Total {
         self.sum = self.sum.wrapping_add(resource.entry());
         self.bytes += resource.encoded.len();
         self.changed.push(resource.name.clone());
-        resources.insert(resource.clone());
+        resources.insert(resource.name.clone(), resource.clone());
     }
 
     fn remove(&mut self, resources: &mut ResourceMap, name: &str) {
@@ -1216,7 +1217,7 @@ fn rechunk(
     changed: &[Arc<str>],
 ) -> Chunks {
     let held = |map: &ResourceMap| -> Vec<Arc<CachedResource>> {
-        changed.iter().filter_map(|name| map.get(name)).cloned().collect()
+        changed.iter().filter_map(|name| map.get(&**name)).cloned().collect()
     };
     let (gone, added) = (held(previous_resources), held(resources));
     previous.change(&gone, &added, resources)
@@ -1244,8 +1245,8 @@ fn shared<R: Into<Arc<CachedResource>>>(mut resources: Vec<R>) -> Vec<Arc<Cached
 fn arrived_map(whole: &[Arc<CachedResource>], resources: &ResourceMap) -> ResourceMap {
     let mut arrived = ResourceMap::new();
     for resource in whole {
-        if resources.contains_key(&resource.name) {
-            arrived.insert(resource.clone());
+        if resources.contains_key(&*resource.name) {
+            arrived.insert(resource.name.clone(), resource.clone());
         }
     }
     arrived
@@ -1309,10 +1310,12 @@ impl Diff {
     /// when the two share structure (consecutive applies do).
     pub fn between(from: &ResourceMap, to: &ResourceMap) -> Self {
         let mut diff = Diff::default();
-        for change in from.diff(to) {
-            match change {
-                resource_map::Change::Added(new) | resource_map::Change::Changed(new) => diff.upserts.push(new.clone()),
-                resource_map::Change::Removed(old) => diff.removed.push(old.name.clone()),
+        for item in from.diff(to) {
+            match item {
+                imbl::ordmap::DiffItem::Add(_, new) | imbl::ordmap::DiffItem::Update { new: (_, new), .. } => {
+                    diff.upserts.push(new.clone())
+                }
+                imbl::ordmap::DiffItem::Remove(name, _) => diff.removed.push(name.clone()),
             }
         }
         diff
@@ -1695,9 +1698,9 @@ mod tests {
         assert_ne!(va, vc);
         // Length prefixes: ("ab","c") is not ("a","bc").
         let mut m1 = ResourceMap::new();
-        m1.insert(Arc::new(resource("ab", "c")));
+        m1.insert("ab".into(), Arc::new(resource("ab", "c")));
         let mut m2 = ResourceMap::new();
-        m2.insert(Arc::new(resource("a", "bc")));
+        m2.insert("a".into(), Arc::new(resource("a", "bc")));
         assert_ne!(collection_version(&m1), collection_version(&m2));
     }
 
@@ -1799,11 +1802,11 @@ mod tests {
                     let expected: Vec<&str> = to
                         .resources
                         .iter()
-                        .filter(|(n, r)| from.resources.get(n).is_none_or(|f| f != *r))
+                        .filter(|(n, r)| from.resources.get(*n).is_none_or(|f| f != *r))
                         .map(|(n, _)| &**n)
                         .collect();
                     proptest::prop_assert_eq!(upserts, expected);
-                    let gone: Vec<&str> = from.resources.keys().filter(|n| !to.resources.contains_key(n)).map(|n| &**n).collect();
+                    let gone: Vec<&str> = from.resources.keys().filter(|n| !to.resources.contains_key(*n)).map(|n| &**n).collect();
                     let removed: Vec<&str> = diff.removed.iter().map(|n| &**n).collect();
                     proptest::prop_assert_eq!(removed, gone);
                 }

@@ -529,7 +529,7 @@ const BODY_FIELD: u32 = 2;
 pub(super) fn gone<'a>(reported: &'a ReportedNames, to: &CollectionSnapshot) -> Vec<&'a str> {
     let mut removed: Vec<&str> = reported
         .iter()
-        .filter(|name| !to.resources.contains_key(name))
+        .filter(|name| !to.resources.contains_key(*name))
         .collect();
     removed.sort_unstable();
     removed.dedup();

@@ -229,8 +229,8 @@ impl Named {
         });
         let shared = |name: &str| -> Arc<str> {
             known
-                .and_then(|k| k.resources.get(name))
-                .map_or_else(|| Arc::from(name), |resource| resource.name.clone())
+                .and_then(|k| k.resources.get_key_value(name))
+                .map_or_else(|| Arc::from(name), |(key, _)| key.clone())
         };
         let mut changed = false;
         match change {
@@ -657,7 +657,7 @@ pub(super) mod tests {
                 );
                 let fresh: Vec<(String, String)> = asked
                     .iter()
-                    .filter_map(|n| to.resources.get(n))
+                    .filter_map(|n| to.resources.get(&**n))
                     .map(|r| (r.name.to_string(), r.version.to_string()))
                     .collect();
                 if named.touched(&from, &to) {
@@ -784,7 +784,7 @@ pub(super) mod tests {
         let named = named.as_mut().unwrap();
         let names: Vec<&str> = named.current().names.iter().map(|n| &**n).collect();
         assert_eq!(names, ["a", "b", "ghost"], "in order, once each");
-        let key = &known.resources.get("a").unwrap().name;
+        let (key, _) = known.resources.get_key_value("a").unwrap();
         assert!(Arc::ptr_eq(key, &named.current().names.iter().next().unwrap().clone()));
         named.on_sent();
         assert!(

@@ -103,7 +103,7 @@ impl Change {
         let covers = |name: &str| names.is_none_or(|n| n.covers(name));
         let Some(held) = held else {
             let makes = match names {
-                Some(n) if !n.wildcard => n.names.iter().any(|name| to.resources.contains_key(name)),
+                Some(n) if !n.wildcard => n.names.iter().any(|name| to.resources.contains_key(&**name)),
                 _ => !to.is_empty(),
             };
             return Change { makes, breaks: false };

@@ -710,7 +710,7 @@ fn withheld_names<'a>(
             names
                 .names
                 .iter()
-                .filter(move |n| whole.resources.contains_key(n) && !grant.allows(n)),
+                .filter(move |n| whole.resources.contains_key(&***n) && !grant.allows(n)),
         ),
         _ => Box::new(whole.resources.keys().filter(move |n| !grant.allows(n))),
     }
@@ -862,7 +862,7 @@ fn carries_refused(followed: &Followed, to: &CollectionSnapshot) -> bool {
         diff_of(acked, refused)
             .upserts
             .iter()
-            .any(|r| to.resources.contains_key(&r.name) && names.is_none_or(|asked| asked.covers(&r.name)))
+            .any(|r| to.resources.contains_key(&*r.name) && names.is_none_or(|asked| asked.covers(&r.name)))
     })
 }
 
@@ -1583,11 +1583,11 @@ impl<W: Wire> TypedStream<W> {
                         targets.iter().any(|t| {
                             let eds = clusters
                                 .as_ref()
-                                .and_then(|c| c.resources.get(t))
+                                .and_then(|c| c.resources.get(&**t))
                                 .and_then(|c| cluster_refs::eds_name(c));
                             let eds = eds.as_ref().unwrap_or(t);
                             asked.is_none_or(|n| n.covers(eds))
-                                && refused.is_some_and(|r| r.resources.contains_key(eds))
+                                && refused.is_some_and(|r| r.resources.contains_key(&**eds))
                         })
                     }
                     _ => false,
@@ -1797,7 +1797,7 @@ impl<W: Wire> TypedStream<W> {
         let asked = names_of(followed);
         entry
             .names
-            .retain(|name| !to.resources.contains_key(name) && asked.is_none_or(|n| n.covers(name)));
+            .retain(|name| !to.resources.contains_key(&**name) && asked.is_none_or(|n| n.covers(name)));
         let removal = Change {
             makes: false,
             breaks: true,
@@ -2034,23 +2034,26 @@ impl<W: Wire> TypedStream<W> {
             .upserts
             .iter()
             .map(|r| &r.name)
-            .filter(|name| held.resources.contains_key(name))
+            .filter(|name| held.resources.contains_key(&***name))
             .chain(diff.removed.iter());
         let routes = self.types.get(cluster_refs::ROUTE_CONFIGURATION_TYPE_URL);
         let routes_held = routes.and_then(|f| f.state.last_sent());
         let routes_now = routes.and_then(current_of);
         let mut clusters = std::collections::BTreeSet::new();
         for name in changed {
-            let Some(old) = held.resources.get(name) else {
+            let Some(old) = held.resources.get(&**name) else {
                 continue;
             };
             let refs = cluster_refs::listener_refs(old);
             clusters.extend(refs.clusters.iter().cloned());
             for route in refs.routes.iter() {
-                if routes_now.as_ref().is_some_and(|now| now.resources.contains_key(route)) {
+                if routes_now
+                    .as_ref()
+                    .is_some_and(|now| now.resources.contains_key(&**route))
+                {
                     continue;
                 }
-                if let Some(route) = routes_held.and_then(|held| held.resources.get(route)) {
+                if let Some(route) = routes_held.and_then(|held| held.resources.get(&**route)) {
                     clusters.extend(cluster_refs::route_clusters(route).iter().cloned());
                 }
             }
@@ -2064,7 +2067,7 @@ impl<W: Wire> TypedStream<W> {
             .and_then(|f| f.state.last_sent());
         let load_assignments = clusters
             .iter()
-            .filter_map(|c| clusters_held.and_then(|held| held.resources.get(c)))
+            .filter_map(|c| clusters_held.and_then(|held| held.resources.get(&**c)))
             .filter_map(|c| cluster_refs::eds_name(c))
             .collect();
         let drain_time = self.shared.limits().listener_drain_time;

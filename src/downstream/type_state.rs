@@ -249,7 +249,7 @@ impl<'a> Trust<'a> {
     fn tally(&self, to: &CollectionSnapshot, covered: impl Fn(&str) -> bool, diff: &Diff) -> ReconnectTally {
         let mut tally = ReconnectTally::default();
         for name in self.versions.keys() {
-            if !covered(name) || !to.resources.contains_key(name) {
+            if !covered(name) || !to.resources.contains_key(*name) {
                 continue;
             }
             match diff.upserts.binary_search_by(|r| (*r.name).cmp(name)) {
@@ -751,8 +751,12 @@ impl TypeState {
             diff.upserts.dedup_by(|a, b| a.name == b.name);
             // A forced name that is gone is removed (again: the client may
             // hold it from a response it refused).
-            diff.removed
-                .extend(forced.iter().filter(|name| !to.resources.contains_key(name)).cloned());
+            diff.removed.extend(
+                forced
+                    .iter()
+                    .filter(|name| !to.resources.contains_key(&***name))
+                    .cloned(),
+            );
             diff.removed.sort_unstable();
             diff.removed.dedup();
             let push = Push::Selected { to, diff };
