@@ -402,6 +402,16 @@ pub struct TypedStructView {
     pub value: Option<prost_types::Struct>,
 }
 
+/// A wrapper of one resource that clients unwrap by themselves: xDS's
+/// `envoy.service.discovery.v3.Resource` and v2's `envoy.api.v2.Resource`
+/// (`resource`, field 2), MCP's `Resource` (`body`, field 2): the `Any` it
+/// wraps, the rest skipped.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WrappedResourceView {
+    #[prost(message, optional, tag = "2")]
+    pub resource: Option<prost_types::Any>,
+}
+
 /// The body's type URL of an MCP `Resource` (`body`, field 2), read
 /// without its metadata or the body's value.
 #[derive(Clone, PartialEq, prost::Message)]

@@ -258,6 +258,17 @@ fn is_typed_struct(full_name: &str) -> bool {
     matches!(full_name, "xds.type.v3.TypedStruct" | "udpa.type.v1.TypedStruct")
 }
 
+/// Whether `full_name` wraps one resource in an `Any` that its readers
+/// unwrap by themselves ([`crate::proto::wire::WrappedResourceView`]):
+/// Envoy and grpc's xDS clients take a `discovery.v3.Resource` as what it
+/// wraps.
+fn is_resource_wrapper(full_name: &str) -> bool {
+    matches!(
+        full_name,
+        "envoy.service.discovery.v3.Resource" | "envoy.api.v2.Resource" | "istio.mcp.v1alpha1.Resource"
+    )
+}
+
 /// Whether a message of `descriptor`, at any depth, can hold what its
 /// descriptor does not describe (an `Any`, a `Struct` or its values, a
 /// TypedStruct): a secret may lie there that no field marks.
@@ -473,7 +484,7 @@ impl SecretTypes {
     /// no secret by its type URL alone (the cheap path of a large update).
     pub fn may_hold(&self, type_url: &str) -> bool {
         let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
-        if name == "google.protobuf.Any" || is_typed_struct(name) {
+        if name == "google.protobuf.Any" || is_typed_struct(name) || is_resource_wrapper(name) {
             return true;
         }
         // Read in place when written as Envoy reads it (every body of a
@@ -533,10 +544,16 @@ impl SecretTypes {
         } else {
             format!(" (within a {type_url})")
         };
+        // A type no descriptor here reads is decided by its name.
+        let by_name = if message_type(&secret).is_some() {
+            ""
+        } else {
+            " (no descriptor here reads that type: its name is that of a type whose values are or hold secrets)"
+        };
         Some(format!(
             "a body of {secret}{wrapped} holds secrets, and {collection} is not a collection of secrets (clients \
              read it unless --access-policy says otherwise): put it in a collection of secrets, or mark this one \
-             sensitive: true with --type-map"
+             sensitive: true with --type-map{by_name}"
         ))
     }
 
@@ -792,6 +809,12 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
                 let inner = prost_types::Any::decode(bytes.as_slice()).ok()?;
                 (inner.type_url, Wrapped::Bytes(inner.value))
             }
+            (wrapper, Wrapped::Bytes(bytes)) if is_resource_wrapper(wrapper) => {
+                let inner = crate::proto::wire::WrappedResourceView::decode(bytes.as_slice())
+                    .ok()?
+                    .resource?;
+                (inner.type_url, Wrapped::Bytes(inner.value))
+            }
             (typed, Wrapped::Bytes(bytes)) if is_typed_struct(typed) => {
                 let inner = crate::proto::wire::TypedStructView::decode(bytes.as_slice()).ok()?;
                 (inner.type_url, Wrapped::Json(inner.value.unwrap_or_default()))
@@ -856,14 +879,20 @@ pub fn is_secret_type(type_url: &str) -> bool {
         .contains(type_url)
 }
 
-/// Envoy's extensions outside its API (`contrib`) whose configs hold a
-/// private key inline, which the built-in descriptors do not hold: a body
-/// of one is a secret (inside a TLS context's `private_key_provider`, as
-/// Envoy takes them, they are read like the context).
-const CONTRIB_KEY_CONFIGS: &[&str] = &[
-    "envoy.extensions.private_key_providers.cryptomb.v3alpha.CryptoMbPrivateKeyMethodConfig",
-    "envoy.extensions.private_key_providers.qat.v3alpha.QatPrivateKeyMethodConfig",
-];
+/// Whether `full_name` is the config of a private key provider of Envoy's
+/// `contrib` extensions (CryptoMb, QAT, KAE, any later one), which holds a
+/// private key inline and which the built-in descriptors do not hold: a
+/// body of one is a secret (inside a TLS context's `private_key_provider`,
+/// as Envoy takes them, they are read like the context).
+fn contrib_key_config(full_name: &str) -> bool {
+    full_name.starts_with("envoy.extensions.private_key_providers.") && full_name.ends_with("PrivateKeyMethodConfig")
+}
+
+/// The messages (their names from the first capitalised part) of the
+/// built-in types that hold a secret as a typed field
+/// ([`SecretTypes::holds_typed_secret`]; a test checks the list against the
+/// descriptors): another version of one cannot be walked, and may hold one.
+const TYPED_SECRET_HOLDERS: &[&str] = &["Bootstrap", "Bootstrap.StaticResources", "BootstrapConfigDump"];
 
 /// Whether `type_url` names, in Envoy's family of packages (`envoy.`,
 /// `udpa.`, `xds.`), a type the built-in descriptors do not hold whose
@@ -871,8 +900,9 @@ const CONTRIB_KEY_CONFIGS: &[&str] = &[
 /// `GrpcService.GoogleGrpc.SslCredentials`) is that of a built-in secret
 /// type ([`is_secret_type`]): the same values in another version of the API
 /// (v2's `envoy.api.v2.core…`, v2alpha's, v4alpha's), which Envoy 1.8 to
-/// 1.17 and the control planes of their day read; or a contrib extension
-/// holding a key ([`CONTRIB_KEY_CONFIGS`]). Read once per type.
+/// 1.17 and the control planes of their day read), or of a built-in type
+/// that holds one as a typed field ([`TYPED_SECRET_HOLDERS`]); or a contrib
+/// extension holding a key ([`contrib_key_config`]). Read once per type.
 fn another_version_of_a_secret(type_url: &str) -> bool {
     static KNOWN: OnceLock<Mutex<HashMap<String, bool>>> = OnceLock::new();
     static PATHS: OnceLock<HashSet<String>> = OnceLock::new();
@@ -894,17 +924,18 @@ fn another_version_of_a_secret(type_url: &str) -> bool {
             .position(|part| part.starts_with(|c: char| c.is_ascii_uppercase()))?;
         Some(name.split('.').skip(at).collect::<Vec<_>>().join("."))
     };
-    let is = CONTRIB_KEY_CONFIGS.contains(&full_name)
-        || (builtin(&[full_name]).pool.get_message_by_name(full_name).is_none()
-            && message_path(full_name).is_some_and(|path| {
-                PATHS
-                    .get_or_init(|| {
-                        secret_type_urls()
-                            .iter()
-                            .filter_map(|url| message_path(url.rsplit('/').next().unwrap_or(url)))
-                            .collect()
-                    })
-                    .contains(&path)
+    let is = builtin(&[full_name]).pool.get_message_by_name(full_name).is_none()
+        && (contrib_key_config(full_name)
+            || message_path(full_name).is_some_and(|path| {
+                TYPED_SECRET_HOLDERS.contains(&path.as_str())
+                    || PATHS
+                        .get_or_init(|| {
+                            secret_type_urls()
+                                .iter()
+                                .filter_map(|url| message_path(url.rsplit('/').next().unwrap_or(url)))
+                                .collect()
+                        })
+                        .contains(&path)
             }));
     known.insert(full_name.to_owned(), is);
     is
@@ -2175,6 +2206,33 @@ mod tests {
         ] {
             assert_eq!(types.holds_typed_secret(name), holds, "{name}");
         }
+    }
+
+    /// Every built-in type that holds a secret as a typed field is in
+    /// [`super::TYPED_SECRET_HOLDERS`], so that another version of it is
+    /// refused unread.
+    #[test]
+    fn the_list_of_typed_secret_holders_is_the_descriptors() {
+        let types = super::SecretTypes::of(&crate::collections::CollectionTable::builtin());
+        let pool = super::pool();
+        let mut holders: Vec<String> = pool
+            .all_messages()
+            .filter(|m| m.full_name().starts_with("envoy.") && types.holds_typed_secret(m.full_name()))
+            .filter(|m| !crate::collections::named_like_key_material(m.full_name()))
+            .map(|m| {
+                let name = m.full_name();
+                let at = name
+                    .split('.')
+                    .position(|p| p.starts_with(|c: char| c.is_ascii_uppercase()))
+                    .unwrap();
+                name.split('.').skip(at).collect::<Vec<_>>().join(".")
+            })
+            .collect();
+        holders.sort();
+        holders.dedup();
+        let mut listed: Vec<String> = super::TYPED_SECRET_HOLDERS.iter().map(|s| s.to_string()).collect();
+        listed.sort();
+        assert_eq!(holders, listed);
     }
 
     #[test]

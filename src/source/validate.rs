@@ -504,6 +504,49 @@ mod tests {
                 nack.message
             );
         }
+        // The twentieth check: a resource wrapper clients unwrap by
+        // themselves (xDS's `discovery.v3.Resource`, v2's), around a type
+        // refused as a body; the KAE key provider (any contrib provider);
+        // another version of a Bootstrap (it cannot be walked).
+        let ssl = any(
+            "type.googleapis.com/envoy.config.core.v3.GrpcService.GoogleGrpc.SslCredentials",
+            b"\x12\x0c\x1a\x0aMARKER-KEY".to_vec(),
+        );
+        let mut wrapper = Vec::new();
+        prost::encoding::string::encode(3, &"w1".to_owned(), &mut wrapper);
+        prost::encoding::bytes::encode(2, &ssl, &mut wrapper);
+        for (type_url, body) in [
+            (
+                "type.googleapis.com/envoy.service.discovery.v3.Resource",
+                wrapper.clone(),
+            ),
+            ("type.googleapis.com/envoy.api.v2.Resource", wrapper.clone()),
+            (
+                "type.googleapis.com/google.protobuf.Any",
+                any("type.googleapis.com/envoy.service.discovery.v3.Resource", wrapper),
+            ),
+            (
+                "type.googleapis.com/envoy.extensions.private_key_providers.kae.v3alpha.KaePrivateKeyMethodConfig",
+                b"\x0a\x0c\x1a\x0aMARKER-KEY".to_vec(),
+            ),
+            (
+                "type.googleapis.com/envoy.config.bootstrap.v2.Bootstrap",
+                b"\x12\x06MARKER".to_vec(),
+            ),
+            (
+                "type.googleapis.com/envoy.config.bootstrap.v4alpha.Bootstrap",
+                b"\x12\x06MARKER".to_vec(),
+            ),
+        ] {
+            let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
+            assert!(
+                nack.message
+                    .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
+                "{type_url}: {}",
+                nack.message
+            );
+            assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+        }
         // Another version's type whose values are no secret is read.
         decode_shared_resources(
             plain,
