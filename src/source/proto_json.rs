@@ -804,6 +804,14 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
             return Some(canonical);
         }
         let name = &canonical[crate::collections::TYPE_URL_PREFIX.len()..];
+        // A type holding its secrets as a typed field (a Bootstrap's
+        // `static_resources.secrets`), given as JSON (a TypedStruct's
+        // value): its `secrets`, written, are secrets.
+        if let Wrapped::Json(fields) = &wrapped {
+            if typed_secret_holder(name) && json_lists_secrets(fields, 0) {
+                return Some(canonical);
+            }
+        }
         (type_url, wrapped) = match (name, wrapped) {
             ("google.protobuf.Any", Wrapped::Bytes(bytes)) => {
                 let inner = prost_types::Any::decode(bytes.as_slice()).ok()?;
@@ -828,6 +836,14 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
             (typed, Wrapped::Json(fields)) if is_typed_struct(typed) => {
                 let named = text(&fields, &["type_url", "typeUrl"])?;
                 (named, Wrapped::Json(inner_struct(&fields, "value").unwrap_or_default()))
+            }
+            // A resource wrapper written as JSON: its `resource` (MCP's
+            // `body`) is an `Any` as JSON.
+            (wrapper, Wrapped::Json(fields)) if is_resource_wrapper(wrapper) => {
+                let inner = inner_struct(&fields, "resource").or_else(|| inner_struct(&fields, "body"))?;
+                let named = text(&inner, &["@type"])?;
+                let rest = inner_struct(&inner, "value").unwrap_or(inner);
+                (named, Wrapped::Json(rest))
             }
             _ => return None,
         };
@@ -877,6 +893,33 @@ pub fn is_secret_type(type_url: &str) -> bool {
     SECRET_TYPES
         .get_or_init(|| secret_type_urls().into_iter().collect())
         .contains(type_url)
+}
+
+/// Whether `full_name` is, in any version, a type that holds secrets as a
+/// typed field ([`TYPED_SECRET_HOLDERS`]: a Bootstrap and its parts).
+fn typed_secret_holder(full_name: &str) -> bool {
+    let at = full_name
+        .split('.')
+        .position(|part| part.starts_with(|c: char| c.is_ascii_uppercase()));
+    at.is_some_and(|at| {
+        let path = full_name.split('.').skip(at).collect::<Vec<_>>().join(".");
+        full_name.starts_with("envoy.") && TYPED_SECRET_HOLDERS.contains(&path.as_str())
+    })
+}
+
+/// Whether `fields` (a Bootstrap and its parts as JSON) hold a `secrets`
+/// list that is not empty, at any depth: the typed field a Bootstrap keeps
+/// its secrets in.
+fn json_lists_secrets(fields: &prost_types::Struct, depth: usize) -> bool {
+    use prost_types::value::Kind;
+    if depth > MAX_JSON_DEPTH {
+        return true;
+    }
+    fields.fields.iter().any(|(key, value)| match value.kind.as_ref() {
+        Some(Kind::ListValue(list)) => key == "secrets" && !list.values.is_empty(),
+        Some(Kind::StructValue(inner)) => json_lists_secrets(inner, depth + 1),
+        _ => false,
+    })
 }
 
 /// Whether `full_name` is the config of a private key provider of Envoy's

@@ -547,6 +547,61 @@ mod tests {
             );
             assert!(!nack.message.contains("MARKER"), "{}", nack.message);
         }
+        // The twenty-first check: a TypedStruct naming a resource wrapper,
+        // or a Bootstrap, with its value as JSON.
+        let typed_struct = |type_url: &str, value: serde_json::Value| {
+            crate::source::proto_json::encode(
+                "type.googleapis.com/xds.type.v3.TypedStruct",
+                serde_json::json!({"type_url": type_url, "value": value}),
+            )
+            .unwrap()
+        };
+        for body in [
+            typed_struct(
+                "type.googleapis.com/envoy.service.discovery.v3.Resource",
+                serde_json::json!({"resource": {
+                    "@type": "type.googleapis.com/envoy.config.core.v3.GrpcService.GoogleGrpc.SslCredentials",
+                    "private_key": {"inline_string": "MARKER-KEY"}}}),
+            ),
+            typed_struct(
+                "type.googleapis.com/envoy.config.bootstrap.v3.Bootstrap",
+                serde_json::json!({"static_resources": {"secrets": [{"name": "s", "tls_certificate": {
+                    "private_key": {"inline_string": "MARKER-KEY"}}}]}}),
+            ),
+            typed_struct(
+                "type.googleapis.com/envoy.service.discovery.v3.Resource",
+                serde_json::json!({"resource": {
+                    "@type": "type.googleapis.com/envoy.config.bootstrap.v3.Bootstrap",
+                    "static_resources": {"secrets": [{"name": "s"}]}}}),
+            ),
+        ] {
+            let nack = decode_shared_resources(
+                plain,
+                &[resource("type.googleapis.com/xds.type.v3.TypedStruct", body)],
+                Some(&guard),
+            )
+            .unwrap_err();
+            assert!(
+                nack.message
+                    .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
+                "{}",
+                nack.message
+            );
+            assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+        }
+        // A Bootstrap as JSON without secrets is read.
+        decode_shared_resources(
+            plain,
+            &[resource(
+                "type.googleapis.com/xds.type.v3.TypedStruct",
+                typed_struct(
+                    "type.googleapis.com/envoy.config.bootstrap.v3.Bootstrap",
+                    serde_json::json!({"static_resources": {"secrets": []}}),
+                ),
+            )],
+            Some(&guard),
+        )
+        .unwrap();
         // Another version's type whose values are no secret is read.
         decode_shared_resources(
             plain,
