@@ -830,7 +830,7 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
             // An `Any` written as JSON: `@type` and its fields (or `value`).
             ("google.protobuf.Any", Wrapped::Json(fields)) => {
                 let named = text(&fields, &["@type"])?;
-                let rest = inner_struct(&fields, "value").unwrap_or(fields);
+                let rest = any_json_payload(&named, fields);
                 (named, Wrapped::Json(rest))
             }
             (typed, Wrapped::Json(fields)) if is_typed_struct(typed) => {
@@ -842,7 +842,7 @@ fn secret_type_within(type_url: &str, value: &[u8], is_secret: &dyn Fn(&str) -> 
             (wrapper, Wrapped::Json(fields)) if is_resource_wrapper(wrapper) => {
                 let inner = inner_struct(&fields, "resource").or_else(|| inner_struct(&fields, "body"))?;
                 let named = text(&inner, &["@type"])?;
-                let rest = inner_struct(&inner, "value").unwrap_or(inner);
+                let rest = any_json_payload(&named, inner);
                 (named, Wrapped::Json(rest))
             }
             _ => return None,
@@ -893,6 +893,23 @@ pub fn is_secret_type(type_url: &str) -> bool {
     SECRET_TYPES
         .get_or_init(|| secret_type_urls().into_iter().collect())
         .contains(type_url)
+}
+
+/// What an `Any` written as JSON (`@type` and the rest) holds of the type
+/// `named`: its fields beside `@type`, or, for a well-known type with a JSON
+/// form of its own (a Struct, a Duration), its `value` (proto3's JSON
+/// mapping). A TypedStruct's own `value` field is its, not the `Any`'s.
+fn any_json_payload(named: &str, fields: prost_types::Struct) -> prost_types::Struct {
+    let well_known = named
+        .rsplit('/')
+        .next()
+        .unwrap_or(named)
+        .trim()
+        .starts_with("google.protobuf.");
+    match fields.fields.get("value").and_then(|v| v.kind.as_ref()) {
+        Some(prost_types::value::Kind::StructValue(inner)) if well_known => inner.clone(),
+        _ => fields,
+    }
 }
 
 /// Whether `full_name` is, in any version, a type that holds secrets as a

@@ -574,6 +574,21 @@ mod tests {
                     "@type": "type.googleapis.com/envoy.config.bootstrap.v3.Bootstrap",
                     "static_resources": {"secrets": [{"name": "s"}]}}}),
             ),
+            // The twenty-second check: a TypedStruct as JSON inside the
+            // wrapper (its own `value` is its, not the Any's).
+            typed_struct(
+                "type.googleapis.com/envoy.service.discovery.v3.Resource",
+                serde_json::json!({"resource": {
+                    "@type": "type.googleapis.com/xds.type.v3.TypedStruct",
+                    "type_url": "type.googleapis.com/envoy.config.core.v3.GrpcService.GoogleGrpc.SslCredentials",
+                    "value": {"private_key": {"inline_string": "MARKER-KEY"}}}}),
+            ),
+            typed_struct(
+                "type.googleapis.com/google.protobuf.Any",
+                serde_json::json!({"@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
+                    "typeUrl": "type.googleapis.com/envoy.extensions.private_key_providers.kae.v3alpha.KaePrivateKeyMethodConfig",
+                    "value": {"private_key": {"inline_string": "MARKER-KEY"}}}),
+            ),
         ] {
             let nack = decode_shared_resources(
                 plain,
