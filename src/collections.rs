@@ -37,9 +37,15 @@ pub const TYPE_URL_PREFIX: &str = "type.googleapis.com/";
 /// is refused outside one (unless the gateway's own descriptors know the
 /// type and mark nothing in it: `source::proto_json::secret_by_name`).
 pub fn named_like_a_secret(type_url: &str) -> bool {
-    let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    let name = full_name(type_url);
     let message = name.rsplit('.').next().unwrap_or(name);
     message.to_ascii_lowercase().ends_with("secret")
+}
+
+/// The message's full name in `type_url` as Envoy reads it: after the last
+/// `/`, trimmed.
+pub fn full_name(type_url: &str) -> &str {
+    type_url.rsplit('/').next().unwrap_or(type_url).trim()
 }
 
 /// [`named_like_a_secret`], or named like Envoy's key material in any
@@ -47,7 +53,7 @@ pub fn named_like_a_secret(type_url: &str) -> bool {
 /// `envoy.api.v2.auth`, v4alpha's), whose descriptors the gateway may not
 /// have: values that are secrets themselves.
 pub fn named_like_key_material(type_url: &str) -> bool {
-    let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    let name = full_name(type_url);
     let message = name.rsplit('.').next().unwrap_or(name);
     named_like_a_secret(type_url)
         || message.eq_ignore_ascii_case("TlsCertificate")

@@ -325,7 +325,7 @@ fn secret_by_name(name: &str, key_material: bool) -> bool {
     if !named {
         return false;
     }
-    let full_name = name.rsplit('/').next().unwrap_or(name).trim();
+    let full_name = crate::collections::full_name(name);
     match builtin(&[full_name]).pool.get_message_by_name(full_name) {
         Some(known) => is_secret_type(&format!("{}{}", crate::collections::TYPE_URL_PREFIX, known.full_name())),
         None => true,
@@ -483,7 +483,7 @@ impl SecretTypes {
     /// secret's type or a wrapper that may carry one. Every other body is
     /// no secret by its type URL alone (the cheap path of a large update).
     pub fn may_hold(&self, type_url: &str) -> bool {
-        let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+        let name = crate::collections::full_name(type_url);
         if name == "google.protobuf.Any" || is_typed_struct(name) || is_resource_wrapper(name) {
             return true;
         }
@@ -560,7 +560,7 @@ impl SecretTypes {
     /// Whether `bytes` (a body, or its `Any`) hold the name of a secret's
     /// type, in any case: only then may an `Any` deep in it be a secret.
     pub fn may_nest(&self, bytes: &[u8]) -> bool {
-        self.needles.iter().any(|needle| holds_ignoring_case(bytes, needle))
+        self.needle_in(bytes).is_some()
     }
 
     /// A secret's type an `Any` (or a TypedStruct) anywhere inside a body
@@ -767,7 +767,7 @@ fn too_deep(type_url: &str, field: &str, collection: &str) -> String {
 /// A type URL as Envoy reads it: the name after the last `/`, trimmed,
 /// under the default prefix.
 fn canonical_type_url(type_url: &str) -> String {
-    let name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    let name = crate::collections::full_name(type_url);
     format!("{}{name}", crate::collections::TYPE_URL_PREFIX)
 }
 
@@ -862,7 +862,7 @@ const UNDECODABLE: &str = "(does not decode)";
 /// body itself).
 fn undecodable(type_url: &str, field: &str, collection: &str, word: &str) -> String {
     let what = if field.is_empty() {
-        format!("as {}", type_url.rsplit('/').next().unwrap_or(type_url).trim())
+        format!("as {}", crate::collections::full_name(type_url))
     } else {
         format!("at {field} (an Any's value)")
     };
@@ -895,33 +895,41 @@ pub fn is_secret_type(type_url: &str) -> bool {
         .contains(type_url)
 }
 
+/// How [`BodyDecoder::decode`]'s error begins for bytes that do not decode
+/// as their (known) type, as `check` tells that case apart.
+pub const DOES_NOT_DECODE: &str = "does not decode as";
+
 /// What an `Any` written as JSON (`@type` and the rest) holds of the type
 /// `named`: its fields beside `@type`, or, for a well-known type with a JSON
 /// form of its own (a Struct, a Duration), its `value` (proto3's JSON
 /// mapping). A TypedStruct's own `value` field is its, not the `Any`'s.
 fn any_json_payload(named: &str, fields: prost_types::Struct) -> prost_types::Struct {
-    let well_known = named
-        .rsplit('/')
-        .next()
-        .unwrap_or(named)
-        .trim()
-        .starts_with("google.protobuf.");
+    let well_known = crate::collections::full_name(named).starts_with("google.protobuf.");
     match fields.fields.get("value").and_then(|v| v.kind.as_ref()) {
         Some(prost_types::value::Kind::StructValue(inner)) if well_known => inner.clone(),
         _ => fields,
     }
 }
 
+/// A message's name without its package, from its first capitalised part
+/// (`GrpcService.GoogleGrpc.SslCredentials` of
+/// `envoy.config.core.v3.GrpcService.GoogleGrpc.SslCredentials`): the same
+/// in every version of Envoy's API.
+fn message_path(full_name: &str) -> Option<&str> {
+    let mut at = 0;
+    for part in full_name.split('.') {
+        if part.starts_with(|c: char| c.is_ascii_uppercase()) {
+            return Some(&full_name[at..]);
+        }
+        at += part.len() + 1;
+    }
+    None
+}
+
 /// Whether `full_name` is, in any version, a type that holds secrets as a
 /// typed field ([`TYPED_SECRET_HOLDERS`]: a Bootstrap and its parts).
 fn typed_secret_holder(full_name: &str) -> bool {
-    let at = full_name
-        .split('.')
-        .position(|part| part.starts_with(|c: char| c.is_ascii_uppercase()));
-    at.is_some_and(|at| {
-        let path = full_name.split('.').skip(at).collect::<Vec<_>>().join(".");
-        full_name.starts_with("envoy.") && TYPED_SECRET_HOLDERS.contains(&path.as_str())
-    })
+    full_name.starts_with("envoy.") && message_path(full_name).is_some_and(|path| TYPED_SECRET_HOLDERS.contains(&path))
 }
 
 /// Whether `fields` (a Bootstrap and its parts as JSON) hold a `secrets`
@@ -966,7 +974,7 @@ const TYPED_SECRET_HOLDERS: &[&str] = &["Bootstrap", "Bootstrap.StaticResources"
 fn another_version_of_a_secret(type_url: &str) -> bool {
     static KNOWN: OnceLock<Mutex<HashMap<String, bool>>> = OnceLock::new();
     static PATHS: OnceLock<HashSet<String>> = OnceLock::new();
-    let full_name = type_url.rsplit('/').next().unwrap_or(type_url).trim();
+    let full_name = crate::collections::full_name(type_url);
     if !["envoy.", "udpa.", "xds."]
         .iter()
         .any(|family| full_name.starts_with(family))
@@ -978,24 +986,19 @@ fn another_version_of_a_secret(type_url: &str) -> bool {
     if let Some(&is) = known.get(full_name) {
         return is;
     }
-    let message_path = |name: &str| -> Option<String> {
-        let at = name
-            .split('.')
-            .position(|part| part.starts_with(|c: char| c.is_ascii_uppercase()))?;
-        Some(name.split('.').skip(at).collect::<Vec<_>>().join("."))
-    };
     let is = builtin(&[full_name]).pool.get_message_by_name(full_name).is_none()
         && (contrib_key_config(full_name)
             || message_path(full_name).is_some_and(|path| {
-                TYPED_SECRET_HOLDERS.contains(&path.as_str())
+                TYPED_SECRET_HOLDERS.contains(&path)
                     || PATHS
                         .get_or_init(|| {
                             secret_type_urls()
                                 .iter()
-                                .filter_map(|url| message_path(url.rsplit('/').next().unwrap_or(url)))
+                                .filter_map(|url| message_path(crate::collections::full_name(url)))
+                                .map(str::to_owned)
                                 .collect()
                         })
-                        .contains(&path)
+                        .contains(path)
             }));
     known.insert(full_name.to_owned(), is);
     is
@@ -2016,7 +2019,7 @@ impl BodyDecoder {
             .iter()
             .any(|needle| holds_ignoring_case(value, needle.as_bytes()))
             || self.sensitive_types.iter().any(|t| {
-                let own = t.rsplit('/').next().unwrap_or(t).trim().to_ascii_lowercase();
+                let own = crate::collections::full_name(t).to_ascii_lowercase();
                 holds_ignoring_case(value, own.as_bytes())
             });
         !names_a_secret
@@ -2061,7 +2064,7 @@ impl BodyDecoder {
                 .get_message_by_name(name)
                 .ok_or_else(|| format!("no descriptor for {name} (give --descriptors FILE with it)"))?;
             let message = DynamicMessage::decode(descriptor.clone(), value)
-                .map_err(|e| format!("does not decode as {name}: {e}"))?;
+                .map_err(|e| format!("{DOES_NOT_DECODE} {name}: {e}"))?;
             // Written as JSON, each `Any` is decoded inside the one holding
             // it: a chain of thousands would overflow the stack.
             if any_depth(&message, &descriptors.pool, 0) > MAX_ANY_DEPTH {
@@ -2279,14 +2282,7 @@ mod tests {
             .all_messages()
             .filter(|m| m.full_name().starts_with("envoy.") && types.holds_typed_secret(m.full_name()))
             .filter(|m| !crate::collections::named_like_key_material(m.full_name()))
-            .map(|m| {
-                let name = m.full_name();
-                let at = name
-                    .split('.')
-                    .position(|p| p.starts_with(|c: char| c.is_ascii_uppercase()))
-                    .unwrap();
-                name.split('.').skip(at).collect::<Vec<_>>().join(".")
-            })
+            .map(|m| super::message_path(m.full_name()).unwrap().to_owned())
             .collect();
         holders.sort();
         holders.dedup();

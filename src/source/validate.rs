@@ -460,6 +460,18 @@ mod tests {
                 nack.message
             );
         }
+        // A body refused in the clusters collection as a secret: the NACK's
+        // message.
+        let nack_in_clusters = |type_url: &str, body: Vec<u8>| {
+            let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
+            assert!(
+                nack.message
+                    .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
+                "{type_url}: {}",
+                nack.message
+            );
+            nack.message
+        };
         // The eighteenth check: Envoy's key material of other versions
         // (v2's `auth`, v4alpha's), which the gateway has no descriptors
         // for, as the body, in an Any, or in an Any of an unknown type.
@@ -475,14 +487,8 @@ mod tests {
                 ("type.googleapis.com/google.protobuf.Any", wrapped.clone()),
                 ("type.googleapis.com/acme.v1.Wrapper", wrapped),
             ] {
-                let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
-                assert!(
-                    nack.message
-                        .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
-                    "{key_material} as {type_url}: {}",
-                    nack.message
-                );
-                assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+                let message = nack_in_clusters(type_url, body);
+                assert!(!message.contains("MARKER"), "{key_material} as {type_url}: {message}");
             }
         }
         // The nineteenth check: the values of a built-in secret type in
@@ -496,13 +502,7 @@ mod tests {
             "type.googleapis.com/envoy.config.filter.network.redis_proxy.v2.RedisProxy",
             "type.googleapis.com/envoy.extensions.private_key_providers.cryptomb.v3alpha.CryptoMbPrivateKeyMethodConfig",
         ] {
-            let nack = decode_shared_resources(plain, &[resource(other_version, b"\x12\x06MARKER".to_vec())], Some(&guard))
-                .unwrap_err();
-            assert!(
-                nack.message.contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
-                "{other_version}: {}",
-                nack.message
-            );
+            nack_in_clusters(other_version, b"\x12\x06MARKER".to_vec());
         }
         // The twentieth check: a resource wrapper clients unwrap by
         // themselves (xDS's `discovery.v3.Resource`, v2's), around a type
@@ -538,14 +538,8 @@ mod tests {
                 b"\x12\x06MARKER".to_vec(),
             ),
         ] {
-            let nack = decode_shared_resources(plain, &[resource(type_url, body)], Some(&guard)).unwrap_err();
-            assert!(
-                nack.message
-                    .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
-                "{type_url}: {}",
-                nack.message
-            );
-            assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+            let message = nack_in_clusters(type_url, body);
+            assert!(!message.contains("MARKER"), "{message}");
         }
         // The twenty-first check: a TypedStruct naming a resource wrapper,
         // or a Bootstrap, with its value as JSON.
@@ -590,19 +584,8 @@ mod tests {
                     "value": {"private_key": {"inline_string": "MARKER-KEY"}}}),
             ),
         ] {
-            let nack = decode_shared_resources(
-                plain,
-                &[resource("type.googleapis.com/xds.type.v3.TypedStruct", body)],
-                Some(&guard),
-            )
-            .unwrap_err();
-            assert!(
-                nack.message
-                    .contains("envoy/config/cluster/v3/clusters is not a collection of secrets"),
-                "{}",
-                nack.message
-            );
-            assert!(!nack.message.contains("MARKER"), "{}", nack.message);
+            let message = nack_in_clusters("type.googleapis.com/xds.type.v3.TypedStruct", body);
+            assert!(!message.contains("MARKER"), "{message}");
         }
         // A Bootstrap as JSON without secrets is read.
         decode_shared_resources(

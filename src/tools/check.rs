@@ -574,7 +574,7 @@ fn cross_references(parsed: &[(String, Parsed)], table: &CollectionTable, lines:
         // one refuses it, upb and Envoy's skip the field they cannot read).
         match decoder.decode(&body.type_url, &body.value) {
             Ok(body) => served.push(Read { body, ..read }),
-            Err(why) if why.starts_with("does not decode as") => findings.push(read.warning(
+            Err(why) if why.starts_with(crate::source::proto_json::DOES_NOT_DECODE) => findings.push(read.warning(
                 p.line,
                 format!(
                     "the body {}; clients read it as their parser does (a strict one refuses it, Envoy's skips \
