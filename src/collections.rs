@@ -6,6 +6,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::SharedStr;
+
 /// Istio's collections (copied from `shared/design/istio-collections.tsv`).
 const BUILTIN_TSV: &str = include_str!("../data/istio-collections.tsv");
 
@@ -115,7 +117,7 @@ impl Dialect {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CollectionInfo {
-    pub name: Arc<str>,
+    pub name: SharedStr,
     pub body_type_url: String,
     pub default_subscribed: bool,
 }
@@ -126,7 +128,7 @@ pub enum XdsType {
     /// A collection: its resources, each wrapped as an
     /// `istio.mcp.v1alpha1.Resource` (a GVK, MCP over xDS) or as the body
     /// itself (an Envoy type URL, plain xDS).
-    Collection { collection: Arc<str>, wrapped: bool },
+    Collection { collection: SharedStr, wrapped: bool },
     /// No collection answers it (an unknown GVK, `core/v1alpha1/MeshConfig`,
     /// istiod's `istio.io/*` debug types): answered once, empty.
     Unserved,
@@ -135,7 +137,7 @@ pub enum XdsType {
 /// A Kubernetes kind the files source reads (`apiVersion` + `kind`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KindInfo {
-    pub collection: Arc<str>,
+    pub collection: SharedStr,
     /// A cluster-scoped kind (MeshPolicy, ClusterRbacConfig): its resources
     /// are named `name`, as Galley named them, not `namespace/name`.
     pub cluster_scoped: bool,
@@ -144,16 +146,16 @@ pub struct KindInfo {
 /// A resolved downstream `type_url`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Resolved {
-    pub collection: Arc<str>,
+    pub collection: SharedStr,
     pub dialect: Dialect,
 }
 
 #[derive(Clone, Debug)]
 pub struct CollectionTable {
-    by_name: BTreeMap<Arc<str>, CollectionInfo>,
-    owner_by_type_url: HashMap<String, Arc<str>>,
+    by_name: BTreeMap<SharedStr, CollectionInfo>,
+    owner_by_type_url: HashMap<String, SharedStr>,
     /// GVK (`networking.istio.io/v1/VirtualService`) to collection.
-    by_gvk: HashMap<String, Arc<str>>,
+    by_gvk: HashMap<String, SharedStr>,
     /// `apiVersion/kind` to collection, for the files source: every GVK
     /// above and the kinds of [`KINDS_TSV`].
     by_kind: HashMap<String, KindInfo>,
@@ -163,7 +165,7 @@ pub struct CollectionTable {
     /// [`CollectionTable::with_sensitive_types`], since this room imports none.
     sensitive_types: Arc<HashSet<String>>,
     /// Collections a `--type-map` row marks `sensitive: true`, whatever their type.
-    marked_sensitive: HashSet<Arc<str>>,
+    marked_sensitive: HashSet<SharedStr>,
 }
 
 /// A `--type-map` row: `collection: type_url`, or
@@ -259,7 +261,7 @@ impl CollectionTable {
                 "no" => Ok(false),
                 _ => Err(bad("flags are yes or no")),
             };
-            let name: Arc<str> = Arc::from(cols[0]);
+            let name: SharedStr = SharedStr::from(cols[0]);
             if flag(cols[4])? && owner_by_type_url.insert(cols[1].to_owned(), name.clone()).is_some() {
                 return Err(bad("a second owner for one type URL"));
             }
@@ -394,7 +396,7 @@ impl CollectionTable {
             }
         }
         for (collection, row) in map {
-            let name: Arc<str> = Arc::from(collection.as_str());
+            let name: SharedStr = SharedStr::from(collection.as_str());
             if row.sensitive() {
                 self.marked_sensitive.insert(name.clone());
             } else {
@@ -511,11 +513,11 @@ impl CollectionTable {
     }
 
     /// The collection as the table names it (one shared allocation per name).
-    pub fn name(&self, collection: &str) -> Option<Arc<str>> {
+    pub fn name(&self, collection: &str) -> Option<SharedStr> {
         self.by_name.get(collection).map(|c| c.name.clone())
     }
 
-    pub fn default_subscriptions(&self) -> Vec<Arc<str>> {
+    pub fn default_subscriptions(&self) -> Vec<SharedStr> {
         self.by_name
             .values()
             .filter(|c| c.default_subscribed)
@@ -528,7 +530,7 @@ impl CollectionTable {
     }
 
     /// Every collection the table has, in name order.
-    pub fn collection_names(&self) -> impl Iterator<Item = &Arc<str>> {
+    pub fn collection_names(&self) -> impl Iterator<Item = &SharedStr> {
         self.by_name.keys()
     }
 

@@ -27,6 +27,7 @@ use crate::transport::http::HttpLimits;
 use crate::transport::identity::AllowList;
 use crate::transport::sniff::FloodLimits;
 use crate::transport::tls::{ClientTlsFiles, ServerTlsFiles, TlsError};
+use crate::SharedStr;
 
 /// The default `--max-connections` where the open file limit allows more:
 /// about 300 MiB of idle HTTP/2 connections at most.
@@ -656,7 +657,7 @@ pub struct Settings {
     pub type_map: Option<PathBuf>,
     /// Configured collections: subscribed at start, and what readiness
     /// waits for.
-    pub collections: Vec<Arc<str>>,
+    pub collections: Vec<SharedStr>,
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub monitoring_listen: SocketAddr,

@@ -19,3 +19,10 @@ pub mod skew;
 pub mod source;
 pub mod tools;
 pub mod transport;
+
+/// The gateway's shared string: resource names (a collection's map keys,
+/// the resources, the named clients' name sets share one allocation),
+/// collection names, versions. One pointer, its length and count in the
+/// allocation (`Arc<str>` is a pointer and a length: 16 bytes in every map
+/// key and struct that holds one).
+pub type SharedStr = arcstr::ArcStr;

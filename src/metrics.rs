@@ -3,11 +3,13 @@
 //! collection, code, reason, kind, protocol, dialect, component; never a
 //! client, a node id or an address.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Counter, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::SharedStr;
 
 /// Istio's own names, so existing alerts keep working.
 pub const CLIENTS: &str = "istio_mcp_clients_total";
@@ -261,22 +263,22 @@ pub fn accept_error(listener: &'static str, kind: &'static str) {
     metrics::counter!(ACCEPT_ERRORS, "listener" => listener, "kind" => kind).increment(1);
 }
 
-pub fn order_held(collection: &Arc<str>, step: &'static str) {
-    metrics::counter!(ORDER_HOLDS, "collection" => collection.clone(), "step" => step).increment(1);
+pub fn order_held(collection: &SharedStr, step: &'static str) {
+    metrics::counter!(ORDER_HOLDS, "collection" => label(collection), "step" => step).increment(1);
 }
 
-pub fn access_denied(collection: &Arc<str>, reason: &'static str, count: u64) {
-    metrics::counter!(ACCESS_DENIED, "collection" => collection.clone(), "reason" => reason).increment(count);
+pub fn access_denied(collection: &SharedStr, reason: &'static str, count: u64) {
+    metrics::counter!(ACCESS_DENIED, "collection" => label(collection), "reason" => reason).increment(count);
 }
 
-pub fn skew_resources(collection: &Arc<str>, generation: impl std::fmt::Display, count: usize) {
-    metrics::gauge!(SKEW_RESOURCES, "collection" => collection.clone(), "generation" => generation.to_string())
+pub fn skew_resources(collection: &SharedStr, generation: impl std::fmt::Display, count: usize) {
+    metrics::gauge!(SKEW_RESOURCES, "collection" => label(collection), "generation" => generation.to_string())
         .set(count as f64);
 }
 
 /// Distinct name grants of `collection` served now.
-pub fn access_grants(collection: &Arc<str>, held: usize) {
-    metrics::gauge!(ACCESS_GRANTS, "collection" => collection.clone()).set(held as f64);
+pub fn access_grants(collection: &SharedStr, held: usize) {
+    metrics::gauge!(ACCESS_GRANTS, "collection" => label(collection)).set(held as f64);
 }
 
 pub fn access_policy_reloaded(ok: bool) {
@@ -290,7 +292,7 @@ pub fn peer_not_allowed(listener: &'static str) {
 /// Registers every documented series with its label values at 0, so alerts
 /// and dashboards see them before the first event (a counter that appears at
 /// 1 has no increase to rate).
-pub fn register_defaults(collections: &[Arc<str>]) {
+pub fn register_defaults(collections: &[SharedStr]) {
     for component in [COMPONENT_UPSTREAM, COMPONENT_DOWNSTREAM] {
         metrics::counter!(RECONNECTIONS, "component" => component).absolute(0);
         for code in CODES {
@@ -337,7 +339,7 @@ pub fn register_defaults(collections: &[Arc<str>]) {
         metrics::counter!(ACCESS_POLICY_RELOADS, "result" => result).absolute(0);
     }
     for collection in collections {
-        let c = || collection.clone();
+        let c = || label(collection);
         for reason in ACCESS_DENIAL_REASONS {
             metrics::counter!(ACCESS_DENIED, "collection" => c(), "reason" => reason).absolute(0);
         }
@@ -418,8 +420,8 @@ pub struct CollectionMetrics {
 }
 
 impl CollectionMetrics {
-    pub fn new(collection: &Arc<str>) -> Self {
-        let c = || collection.clone();
+    pub fn new(collection: &SharedStr) -> Self {
+        let c = || label(collection);
         Self {
             pushes: metrics::counter!(DOWNSTREAM_PUSHES, "collection" => c()),
             acks: metrics::counter!(REQUEST_ACKS, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
@@ -770,6 +772,13 @@ pub fn describe() {
         "Downstream streams that ended, by protocol and reason (client_closed, client_gone, shutdown, limit, \
          invalid_request, refused)."
     );
+}
+
+/// A collection's name as a label value. The metrics crate shares an
+/// `Arc<str>` but not the gateway's [`SharedStr`], so the name is copied:
+/// only where a series is looked up, never per resource.
+pub fn label(collection: &SharedStr) -> metrics::SharedString {
+    metrics::SharedString::from(String::from(collection.as_str()))
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ use crate::downstream::Registry;
 use crate::metrics as m;
 use crate::source::UpstreamStatus;
 use crate::transport::safe_text::{json_safe, lines_safe};
+use crate::SharedStr;
 
 mod dump;
 pub mod guard;
@@ -328,7 +329,7 @@ pub async fn track_health(
     let mut changes = cache.changes();
     let mut wanted = subscriptions.watch();
     let mut reported = None;
-    let mut collections: BTreeMap<Arc<str>, ServingStatus> = BTreeMap::new();
+    let mut collections: BTreeMap<SharedStr, ServingStatus> = BTreeMap::new();
     loop {
         let status = if missing(&subscriptions, &cache).is_empty() {
             ServingStatus::Serving
@@ -343,7 +344,7 @@ pub async fn track_health(
             reported = Some(status);
         }
         let current = subscriptions.current();
-        let names: Vec<Arc<str>> = current
+        let names: Vec<SharedStr> = current
             .wanted
             .into_iter()
             .chain(current.demanded.into_keys())
@@ -521,25 +522,27 @@ fn refresh_gauges(state: &AdminState) {
             m::HISTORY_BYTES,
             m::LAST_UPDATE,
         ] {
-            metrics::gauge!(name, "collection" => collection.clone()).set(0.0);
+            metrics::gauge!(name, "collection" => crate::metrics::label(collection)).set(0.0);
         }
     }
-    let mut delivered: Vec<Arc<str>> = Vec::new();
+    let mut delivered: Vec<SharedStr> = Vec::new();
     for snapshot in &snapshots {
         let collection = snapshot.collection.clone();
-        metrics::gauge!(m::CACHE_RESOURCES, "collection" => collection.clone()).set(snapshot.len() as f64);
-        metrics::gauge!(m::CACHE_BYTES, "collection" => collection.clone()).set(snapshot.bytes as f64);
+        metrics::gauge!(m::CACHE_RESOURCES, "collection" => crate::metrics::label(&collection))
+            .set(snapshot.len() as f64);
+        metrics::gauge!(m::CACHE_BYTES, "collection" => crate::metrics::label(&collection)).set(snapshot.bytes as f64);
         let (versions, bytes) = state.cache.history_usage(&collection);
-        metrics::gauge!(m::HISTORY_VERSIONS, "collection" => collection.clone()).set(versions as f64);
-        metrics::gauge!(m::HISTORY_BYTES, "collection" => collection.clone()).set(bytes as f64);
-        metrics::gauge!(m::LAST_UPDATE, "collection" => collection.clone()).set(unix_seconds(snapshot.updated_at));
+        metrics::gauge!(m::HISTORY_VERSIONS, "collection" => crate::metrics::label(&collection)).set(versions as f64);
+        metrics::gauge!(m::HISTORY_BYTES, "collection" => crate::metrics::label(&collection)).set(bytes as f64);
+        metrics::gauge!(m::LAST_UPDATE, "collection" => crate::metrics::label(&collection))
+            .set(unix_seconds(snapshot.updated_at));
         delivered.push(collection);
     }
 
     let flag = |on: bool| f64::from(u8::from(on));
     // (pinned, held, in a round, canaries) per collection: nothing for a
     // configured collection not delivered yet.
-    let mut rollouts: BTreeMap<Arc<str>, [f64; 4]> = configured.iter().map(|c| (c.clone(), [0.0; 4])).collect();
+    let mut rollouts: BTreeMap<SharedStr, [f64; 4]> = configured.iter().map(|c| (c.clone(), [0.0; 4])).collect();
     for rollout in state.rollout.views() {
         rollouts.insert(
             rollout.collection.clone(),
@@ -552,10 +555,10 @@ fn refresh_gauges(state: &AdminState) {
         );
     }
     for (collection, [pinned, held, round, canaries]) in rollouts {
-        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => collection.clone()).set(pinned);
-        metrics::gauge!(m::ROLLOUT_HELD, "collection" => collection.clone()).set(held);
-        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => collection.clone()).set(round);
-        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => collection).set(canaries);
+        metrics::gauge!(m::ROLLOUT_PINNED, "collection" => crate::metrics::label(&collection)).set(pinned);
+        metrics::gauge!(m::ROLLOUT_HELD, "collection" => crate::metrics::label(&collection)).set(held);
+        metrics::gauge!(m::ROLLOUT_CANARY_ROUND, "collection" => crate::metrics::label(&collection)).set(round);
+        metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => m::label(&collection)).set(canaries);
     }
 
     let streams = state.registry.streams();
@@ -589,7 +592,7 @@ fn refresh_gauges(state: &AdminState) {
     );
     // Behind what its group is served (a pin or a canary round keeps
     // clients on an older version on purpose): each row's current version.
-    let mut behind: BTreeMap<Arc<str>, f64> = delivered
+    let mut behind: BTreeMap<SharedStr, f64> = delivered
         .into_iter()
         .chain(configured.iter().cloned())
         .map(|c| (c, 0.0))
@@ -602,10 +605,10 @@ fn refresh_gauges(state: &AdminState) {
         }
     }
     for (collection, count) in behind {
-        metrics::gauge!(m::CLIENTS_BEHIND, "collection" => collection).set(count);
+        metrics::gauge!(m::CLIENTS_BEHIND, "collection" => m::label(&collection)).set(count);
     }
     for ((status, collection), count) in syncz::counts(&rows, configured) {
-        metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => collection)
+        metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => m::label(&collection))
             .set(count as f64);
     }
     let (connected, broken_files) = {
@@ -914,7 +917,7 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
             .into_response();
     };
     let policy = state.access.current();
-    let mut collections: Vec<(Arc<str>, bool)> = state
+    let mut collections: Vec<(SharedStr, bool)> = state
         .table
         .collection_names()
         .map(|c| (c.clone(), state.table.is_sensitive(c)))
@@ -926,7 +929,7 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
         }
     }
     let grants = policy.explain(identity.trim(), &collections);
-    let sensitive: std::collections::BTreeMap<Arc<str>, bool> = collections.into_iter().collect();
+    let sensitive: std::collections::BTreeMap<SharedStr, bool> = collections.into_iter().collect();
     let rows: Vec<Value> = grants
         .iter()
         .map(|(collection, grant)| {

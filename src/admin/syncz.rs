@@ -12,6 +12,7 @@ use crate::downstream::registry::{Clock, NackRecord, Stamp, StreamView, TypeView
 use crate::downstream::rollout::{Rollout, RolloutView};
 use crate::skew::{ClientGeneration, ResourceSkew, SkewTracker};
 use crate::transport::access::{AccessPolicy, Grant};
+use crate::SharedStr;
 
 /// Where a client stands on one type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -76,7 +77,7 @@ const DRAINING: &str = "DRAINING";
 /// broken resource ACKs the same version without it). A pin and unpin can
 /// make the refused version current again: until the client ACKs it, the
 /// NACK is current.
-pub fn is_past(nack: &NackRecord, current: Option<&Arc<str>>, acked: Option<&Arc<str>>) -> bool {
+pub fn is_past(nack: &NackRecord, current: Option<&SharedStr>, acked: Option<&SharedStr>) -> bool {
     nack.superseded && (current != Some(&nack.version) || acked == current)
 }
 
@@ -84,7 +85,7 @@ pub fn is_past(nack: &NackRecord, current: Option<&Arc<str>>, acked: Option<&Arc
 /// and since when.
 pub fn status(
     view: &TypeView,
-    current: Option<&Arc<str>>,
+    current: Option<&SharedStr>,
     clock: &Clock,
     stale_after: Duration,
 ) -> (SyncStatus, Stamp) {
@@ -138,7 +139,7 @@ pub struct Row<'a> {
     pub view: &'a TypeView,
     pub status: SyncStatus,
     pub since: Stamp,
-    pub current: Option<Arc<str>>,
+    pub current: Option<SharedStr>,
     /// An Istio client's: what its release drops of the collection.
     pub skew: Option<RowSkew>,
 }
@@ -150,7 +151,7 @@ pub struct RowSkew {
     /// gateway serves now. `None`: not checked (its release is unknown or
     /// one the gateway has no protos of, the collection is not one of
     /// Istio's kinds, or the first check has not run yet).
-    pub dropping: Option<Vec<(Arc<str>, Arc<ResourceSkew>)>>,
+    pub dropping: Option<Vec<(SharedStr, Arc<ResourceSkew>)>>,
 }
 
 /// Where the views look up what a client's release drops.
@@ -207,7 +208,7 @@ pub fn rows<'a>(
     clock: &Clock,
     stale_after: Duration,
 ) -> Vec<Row<'a>> {
-    let mut current: BTreeMap<(&str, bool), Option<Arc<str>>> = BTreeMap::new();
+    let mut current: BTreeMap<(&str, bool), Option<SharedStr>> = BTreeMap::new();
     let mut rows = Vec::new();
     for stream in streams {
         for (type_url, view) in &stream.types {
@@ -518,7 +519,7 @@ pub fn rows_html(rows: &[&Row<'_>], clock: &Clock, out: &mut String) {
         "<table class=\"sync\"><tr><th>status</th><th>for</th><th>collection</th><th>node</th><th>NACK</th>\
          <th>identity</th><th>sent</th><th>ACKed</th><th>current</th><th>protocol</th><th>peer</th></tr>",
     );
-    let version = |v: Option<&Arc<str>>| v.map_or_else(String::new, |v| version_html(v));
+    let version = |v: Option<&SharedStr>| v.map_or_else(String::new, |v| version_html(v));
     for row in rows {
         let (stream, view) = (row.stream, row.view);
         let status = row.status.as_str();
@@ -653,8 +654,8 @@ pub fn counts_html(rows: &[Row<'_>]) -> String {
 /// collection a client follows.
 pub fn counts<'a>(
     rows: &[Row<'a>],
-    collections: impl IntoIterator<Item = Arc<str>>,
-) -> BTreeMap<(SyncStatus, Arc<str>), usize> {
+    collections: impl IntoIterator<Item = SharedStr>,
+) -> BTreeMap<(SyncStatus, SharedStr), usize> {
     let mut counts = BTreeMap::new();
     for collection in collections {
         for status in SyncStatus::ALL {
@@ -677,7 +678,7 @@ mod tests {
     async fn statuses_follow_the_current_version_and_the_clock() {
         let clock = Clock::default();
         let stale = Duration::from_secs(30);
-        let current: Arc<str> = Arc::from("v2");
+        let current: SharedStr = SharedStr::from("v2");
         let mut view = TypeView::new(Resolved {
             collection: "c".into(),
             dialect: Dialect::V1_1,

@@ -619,6 +619,7 @@ impl Chunks {
 
 #[cfg(test)]
 mod tests {
+    use crate::SharedStr;
     use proptest::prelude::*;
 
     use super::*;
@@ -722,7 +723,7 @@ mod tests {
     fn a_collection_in_any_order_is_stored_as_the_message_it_came_in() {
         let (cache, mut writer) = Cache::new();
         let (message, decoded) = a_message(&names(0..2000));
-        let arrived: Vec<Arc<str>> = decoded.iter().map(|r| r.name.clone()).collect();
+        let arrived: Vec<SharedStr> = decoded.iter().map(|r| r.name.clone()).collect();
         writer.apply_message(C, Update::Full(decoded), Origin::Upstream, &message);
         let snapshot = cache.get(C).unwrap();
         check_stored(&snapshot).unwrap();
@@ -732,7 +733,7 @@ mod tests {
             "every chunk is a slice of the message: nothing copied"
         );
         assert_eq!(snapshot.chunks.held_bytes(), message.len());
-        let order: Vec<Arc<str>> = snapshot
+        let order: Vec<SharedStr> = snapshot
             .chunks()
             .flat_map(|c| c.members().iter().map(|m| m.name.clone()))
             .collect();
@@ -884,10 +885,10 @@ mod tests {
                 let whole = cache.get(C).unwrap();
                 let afresh = whole.restricted(keep);
                 check_view(&afresh, &whole)?;
-                let order = |s: &CollectionSnapshot| -> Vec<Arc<str>> {
+                let order = |s: &CollectionSnapshot| -> Vec<SharedStr> {
                     s.chunks().flat_map(|c| c.members().iter().map(|m| m.name.clone())).collect()
                 };
-                let kept: Vec<Arc<str>> = order(&whole).into_iter().filter(|n| keep(n)).collect();
+                let kept: Vec<SharedStr> = order(&whole).into_iter().filter(|n| keep(n)).collect();
                 prop_assert_eq!(order(&afresh), kept.clone(), "in the whole's order");
                 last = Some(match last.take() {
                     Some((before, view, view_of)) => {

@@ -10,11 +10,12 @@
 //! answered (xDS) are answered empty meanwhile.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+use crate::SharedStr;
 
 /// `--demand-timeout`'s default.
 pub const DEFAULT_DEMAND_TIMEOUT: Duration = Duration::from_secs(5);
@@ -56,16 +57,16 @@ pub struct Demand {
 pub struct SubscriptionState {
     /// Configured at start (`--collections`, or the default set): what
     /// readiness waits for. A client's demand never changes it.
-    pub configured: BTreeSet<Arc<str>>,
+    pub configured: BTreeSet<SharedStr>,
     /// Subscribed: configured at start, or asked for by a downstream client
     /// and delivered by the source (or at once, for the files source).
-    pub wanted: BTreeSet<Arc<str>>,
+    pub wanted: BTreeSet<SharedStr>,
     /// Asked for by a client, not configured, and neither delivered nor
     /// refused by the source yet.
-    pub demanded: BTreeMap<Arc<str>, Demand>,
+    pub demanded: BTreeMap<SharedStr, Demand>,
     /// Refused by the source (`unsupported collection`), with its message.
     /// Never asked for again until restart: a refusal must not cause a loop.
-    pub refused: BTreeMap<Arc<str>, String>,
+    pub refused: BTreeMap<SharedStr, String>,
 }
 
 /// The subscription set, shared by upstream (reads it, refuses from it),
@@ -83,12 +84,12 @@ pub struct Subscriptions {
 impl Subscriptions {
     /// The files source's subscriptions: every collection asked for is
     /// subscribed at once.
-    pub fn new(initial: impl IntoIterator<Item = Arc<str>>) -> Self {
+    pub fn new(initial: impl IntoIterator<Item = SharedStr>) -> Self {
         Self::with_route(initial, DemandRoute::Subscribe, DEFAULT_DEMAND_TIMEOUT)
     }
 
-    pub fn with_route(initial: impl IntoIterator<Item = Arc<str>>, route: DemandRoute, timeout: Duration) -> Self {
-        let configured: BTreeSet<Arc<str>> = initial.into_iter().collect();
+    pub fn with_route(initial: impl IntoIterator<Item = SharedStr>, route: DemandRoute, timeout: Duration) -> Self {
+        let configured: BTreeSet<SharedStr> = initial.into_iter().collect();
         let state = SubscriptionState {
             wanted: configured.clone(),
             configured,
@@ -113,7 +114,7 @@ impl Subscriptions {
     /// Adds a collection a downstream client asked for: subscribed, or
     /// demanded as the route says. Returns false when the source refused it
     /// earlier (it is not asked for again).
-    pub fn request(&self, collection: &Arc<str>) -> bool {
+    pub fn request(&self, collection: &SharedStr) -> bool {
         let mut accepted = true;
         self.state.send_if_modified(|state| {
             if state.refused.contains_key(collection) {
@@ -187,7 +188,7 @@ impl Subscriptions {
     }
 
     /// The collections demanded and not yet delivered or refused, in order.
-    pub fn demanded(&self) -> Vec<Arc<str>> {
+    pub fn demanded(&self) -> Vec<SharedStr> {
         self.state.borrow().demanded.keys().cloned().collect()
     }
 
@@ -206,7 +207,7 @@ impl Subscriptions {
 
     /// Marks the demands whose clock ran `--demand-timeout` by `now` as
     /// overdue; returns those newly marked.
-    pub fn expire(&self, now: Instant) -> Vec<Arc<str>> {
+    pub fn expire(&self, now: Instant) -> Vec<SharedStr> {
         let mut expired = Vec::new();
         self.state.send_if_modified(|state| {
             for (collection, demand) in &mut state.demanded {
@@ -239,7 +240,7 @@ impl Subscriptions {
 
     /// Configured collections still subscribed (not refused by the source):
     /// the gateway is ready when the cache holds each of them.
-    pub fn awaited(&self) -> Vec<Arc<str>> {
+    pub fn awaited(&self) -> Vec<SharedStr> {
         let state = self.state.borrow();
         state
             .configured
@@ -263,19 +264,19 @@ mod tests {
     const TELEMETRY: &str = "istio/telemetry/v1alpha1/telemetries";
 
     fn probing() -> Subscriptions {
-        Subscriptions::with_route([Arc::from(VS)], DemandRoute::Probe, Duration::from_secs(5))
+        Subscriptions::with_route([SharedStr::from(VS)], DemandRoute::Probe, Duration::from_secs(5))
     }
 
     #[test]
     fn the_files_source_subscribes_what_a_client_asks_for_at_once() {
-        let subscriptions = Subscriptions::new([Arc::from(VS)]);
-        assert!(subscriptions.request(&Arc::from(WG)));
+        let subscriptions = Subscriptions::new([SharedStr::from(VS)]);
+        assert!(subscriptions.request(&SharedStr::from(WG)));
         let state = subscriptions.current();
         assert!(state.wanted.contains(WG));
         assert!(state.demanded.is_empty());
         assert_eq!(
             subscriptions.awaited(),
-            [Arc::from(VS)],
+            [SharedStr::from(VS)],
             "a client's demand is not awaited"
         );
     }
@@ -285,32 +286,36 @@ mod tests {
         let subscriptions = probing();
         let mut watch = subscriptions.watch();
         watch.borrow_and_update();
-        assert!(subscriptions.request(&Arc::from(WG)));
+        assert!(subscriptions.request(&SharedStr::from(WG)));
         assert!(watch.has_changed().unwrap(), "the probe hears of it");
         let state = subscriptions.current();
         assert!(!state.wanted.contains(WG), "not on the main stream");
-        assert_eq!(subscriptions.demanded(), [Arc::from(WG)]);
+        assert_eq!(subscriptions.demanded(), [SharedStr::from(WG)]);
         // Asking again changes nothing; a configured collection is not demanded.
         watch.borrow_and_update();
-        assert!(subscriptions.request(&Arc::from(WG)));
-        assert!(subscriptions.request(&Arc::from(VS)));
+        assert!(subscriptions.request(&SharedStr::from(WG)));
+        assert!(subscriptions.request(&SharedStr::from(VS)));
         assert!(!watch.has_changed().unwrap());
 
         assert!(subscriptions.deliver(WG));
         let state = subscriptions.current();
         assert!(state.wanted.contains(WG) && state.demanded.is_empty());
         assert!(!subscriptions.deliver(WG), "delivered once");
-        assert_eq!(subscriptions.awaited(), [Arc::from(VS)], "readiness never waits for it");
+        assert_eq!(
+            subscriptions.awaited(),
+            [SharedStr::from(VS)],
+            "readiness never waits for it"
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_refused_demand_is_never_asked_again() {
         let subscriptions = probing();
-        subscriptions.request(&Arc::from(WG));
+        subscriptions.request(&SharedStr::from(WG));
         assert!(subscriptions.refuse(WG, "unsupported collection".into()));
         assert!(subscriptions.is_refused(WG));
         assert!(subscriptions.demanded().is_empty());
-        assert!(!subscriptions.request(&Arc::from(WG)), "refused until restart");
+        assert!(!subscriptions.request(&SharedStr::from(WG)), "refused until restart");
         assert!(subscriptions.demanded().is_empty());
         assert!(!subscriptions.refuse(WG, "again".into()), "refused once");
         // A configured collection the source refuses leaves the subscription.
@@ -322,7 +327,7 @@ mod tests {
     async fn a_demand_is_overdue_once_the_timeout_passes_and_only_once() {
         let subscriptions = probing();
         assert_eq!(subscriptions.next_deadline(), None);
-        subscriptions.request(&Arc::from(WG));
+        subscriptions.request(&SharedStr::from(WG));
         // The upstream is down: the source has not been given a chance.
         tokio::time::advance(Duration::from_secs(60)).await;
         assert_eq!(
@@ -335,14 +340,14 @@ mod tests {
         assert!(subscriptions.start_clocks(start), "up: the clock starts");
         assert!(!subscriptions.start_clocks(start), "once");
         tokio::time::advance(Duration::from_secs(2)).await;
-        subscriptions.request(&Arc::from(TELEMETRY));
+        subscriptions.request(&SharedStr::from(TELEMETRY));
         subscriptions.start_clocks(Instant::now());
         assert_eq!(subscriptions.next_deadline(), Some(start + Duration::from_secs(5)));
 
         assert!(subscriptions.expire(Instant::now()).is_empty());
         assert!(!subscriptions.is_overdue(WG));
         tokio::time::advance(Duration::from_secs(3)).await;
-        assert_eq!(subscriptions.expire(Instant::now()), [Arc::from(WG)]);
+        assert_eq!(subscriptions.expire(Instant::now()), [SharedStr::from(WG)]);
         assert!(subscriptions.is_overdue(WG));
         assert!(!subscriptions.is_overdue(TELEMETRY));
         assert_eq!(

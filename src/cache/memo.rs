@@ -7,13 +7,15 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
+use crate::SharedStr;
+
 /// What a memoized value is.
 #[derive(Clone, Debug, Eq)]
 pub struct MemoKey {
     /// Whose and what (`"mcp.sotw"`), one name per kind of value.
     pub kind: &'static str,
     /// What it depends on besides its owner, if anything.
-    pub arg: Option<Arc<str>>,
+    pub arg: Option<SharedStr>,
 }
 
 /// Kinds are static names: the same name is mostly the same pointer, which
@@ -29,7 +31,7 @@ impl MemoKey {
         Self { kind, arg: None }
     }
 
-    pub fn with(kind: &'static str, arg: Arc<str>) -> Self {
+    pub fn with(kind: &'static str, arg: SharedStr) -> Self {
         Self { kind, arg: Some(arg) }
     }
 }

@@ -33,10 +33,12 @@ use imbl::OrdMap;
 use tokio::sync::watch;
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 
+use crate::SharedStr;
+
 /// One resource as the cache holds it: encoded once, when it entered.
 #[derive(Debug)]
 pub struct CachedResource {
-    pub name: Arc<str>,
+    pub name: SharedStr,
     /// Upstream `metadata.version`, or a hash of the body when that was empty.
     /// Inline when 24 bytes or fewer (every version seen in practice).
     pub version: compact_str::CompactString,
@@ -53,15 +55,16 @@ pub struct CachedResource {
     pub memo: LazyMemo,
 }
 
-// 96 bytes and the `Arc`'s two counts: 112 bytes asked, glibc's 128-byte
-// chunk, the version inline (a Kubernetes resourceVersion, a 16-hex content
-// version: 24 bytes at most) rather than a 32 or 48-byte chunk of its own.
-// Each 16 bytes more costs a size class, ~1 MiB per 60,000 resources: move
-// this only with a commit that says why.
-const _: () = assert!(std::mem::size_of::<CachedResource>() <= 96);
+// 88 bytes and the `Arc`'s two counts: 104 bytes asked, glibc's 112-byte
+// chunk: the name one pointer (its length and count in its allocation), the
+// version inline (a Kubernetes resourceVersion, a 16-hex content version: 24
+// bytes at most) rather than a 32 or 48-byte chunk of its own. Each 16 bytes
+// more costs a size class, ~1 MiB per 60,000 resources: move this only with
+// a commit that says why.
+const _: () = assert!(std::mem::size_of::<CachedResource>() <= 88);
 
 impl CachedResource {
-    pub fn new(name: Arc<str>, version: &str, encoded: Bytes, digest: u128) -> Self {
+    pub fn new(name: SharedStr, version: &str, encoded: Bytes, digest: u128) -> Self {
         Self {
             name,
             version: compact_str::CompactString::from(version),
@@ -164,7 +167,7 @@ impl PartialEq for CachedResource {
     }
 }
 
-pub type ResourceMap = OrdMap<Arc<str>, Arc<CachedResource>>;
+pub type ResourceMap = OrdMap<SharedStr, Arc<CachedResource>>;
 
 /// Where a collection's current state came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -180,8 +183,8 @@ pub enum Origin {
 /// A collection at one version. Immutable: a change makes a new snapshot.
 #[derive(Debug)]
 pub struct CollectionSnapshot {
-    pub collection: Arc<str>,
-    pub version: Arc<str>,
+    pub collection: SharedStr,
+    pub version: SharedStr,
     pub resources: ResourceMap,
     /// The sum of the resources' entry hashes, kept as resources change so a
     /// version costs the change, not the collection.
@@ -207,14 +210,14 @@ pub struct CollectionSnapshot {
 impl CollectionSnapshot {
     #[allow(clippy::too_many_arguments)]
     fn new(
-        collection: Arc<str>,
+        collection: SharedStr,
         resources: ResourceMap,
         content_sum: u128,
         chunks: Chunks,
         bytes: usize,
         origin: Origin,
     ) -> Self {
-        let version: Arc<str> = version_from_sum(content_sum, resources.len()).into();
+        let version: SharedStr = version_from_sum(content_sum, resources.len()).into();
         Self {
             version,
             bytes,
@@ -233,7 +236,7 @@ impl CollectionSnapshot {
 
     /// A collection with nothing in it, for a type no source serves: it is
     /// answered (empty) and never changes. Not in the cache.
-    pub fn empty(collection: Arc<str>) -> Arc<Self> {
+    pub fn empty(collection: SharedStr) -> Arc<Self> {
         Arc::new(Self::new(
             collection,
             ResourceMap::default(),
@@ -274,7 +277,7 @@ impl CollectionSnapshot {
 
     /// [`Self::restricted_after`] without a base.
     pub fn restricted(self: &Arc<Self>, keep: impl Fn(&str) -> bool) -> Arc<CollectionSnapshot> {
-        let mut withheld: Vec<Arc<str>> = Vec::new();
+        let mut withheld: Vec<SharedStr> = Vec::new();
         let chunks = self.chunks.restricted(
             |resource| {
                 let kept = keep(&resource.name);
@@ -528,13 +531,13 @@ pub enum Update<R = CachedResource> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Applied {
     /// The content changed; readers were notified.
-    Changed { version: Arc<str> },
+    Changed { version: SharedStr },
     /// The content equals what the cache held: nobody was notified.
-    Unchanged { version: Arc<str> },
+    Unchanged { version: SharedStr },
 }
 
 impl Applied {
-    pub fn version(&self) -> &Arc<str> {
+    pub fn version(&self) -> &SharedStr {
         match self {
             Applied::Changed { version } | Applied::Unchanged { version } => version,
         }
@@ -550,7 +553,7 @@ pub const DEFAULT_HISTORY: usize = 10;
 /// One version of a collection in its history, as `/debug/history` lists it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HistoryEntry {
-    pub version: Arc<str>,
+    pub version: SharedStr,
     pub updated_at: SystemTime,
     pub origin: Origin,
     pub resources: usize,
@@ -568,7 +571,7 @@ pub struct HistoryEntry {
 #[derive(Debug)]
 struct Kept {
     entry: HistoryEntry,
-    undo: Vec<(Arc<str>, Option<Arc<CachedResource>>)>,
+    undo: Vec<(SharedStr, Option<Arc<CachedResource>>)>,
     snapshot: Option<Arc<CollectionSnapshot>>,
 }
 
@@ -578,7 +581,7 @@ struct Kept {
 #[derive(Clone, Debug)]
 pub struct KeptVersion {
     pub entry: HistoryEntry,
-    pub undo: Vec<(Arc<str>, Option<Arc<CachedResource>>)>,
+    pub undo: Vec<(SharedStr, Option<Arc<CachedResource>>)>,
 }
 
 /// A version being rebuilt from the history, one undo at a time from the
@@ -589,7 +592,7 @@ struct Rebuilt {
     resources: ResourceMap,
     sum: u128,
     bytes: usize,
-    changed: Vec<Arc<str>>,
+    changed: Vec<SharedStr>,
 }
 
 impl Rebuilt {
@@ -603,7 +606,7 @@ impl Rebuilt {
     }
 
     /// One version further back: the older version's undo applied.
-    fn undo(&mut self, undo: &[(Arc<str>, Option<Arc<CachedResource>>)]) {
+    fn undo(&mut self, undo: &[(SharedStr, Option<Arc<CachedResource>>)]) {
         for (name, had) in undo {
             let replaced = match had {
                 Some(resource) => self.resources.insert(name.clone(), resource.clone()),
@@ -635,13 +638,13 @@ type History = std::collections::VecDeque<Kept>;
 #[derive(Debug, Default)]
 pub struct Cache {
     // Held only to find or create a slot, never across an await.
-    slots: RwLock<HashMap<Arc<str>, Slot>>,
+    slots: RwLock<HashMap<SharedStr, Slot>>,
     /// Bumped on every change to any collection (readiness follows it).
     generation: watch::Sender<u64>,
     provenance: provenance::Provenance,
     /// The last versions of each collection. Written by the one writer
     /// after its slot; held only to copy or push, never across an await.
-    histories: RwLock<HashMap<Arc<str>, History>>,
+    histories: RwLock<HashMap<SharedStr, History>>,
     /// Versions kept per collection, the current one included (at least 1;
     /// 0 only in a `Default` cache, read as 1).
     history_len: usize,
@@ -871,7 +874,7 @@ impl Cache {
     /// Records `snapshot`, a new version, as the newest of its collection,
     /// turns the version it replaces into its undo, and drops what falls
     /// past the history's length.
-    fn remember(&self, snapshot: &Arc<CollectionSnapshot>, changed: &[Arc<str>]) {
+    fn remember(&self, snapshot: &Arc<CollectionSnapshot>, changed: &[SharedStr]) {
         let mut histories = self.histories.write().expect("cache lock poisoned");
         let history = histories.entry(snapshot.collection.clone()).or_default();
         let previous = history.back_mut().and_then(|newest| newest.snapshot.take());
@@ -927,7 +930,7 @@ impl Cache {
         self.slots
             .write()
             .expect("cache lock poisoned")
-            .entry(Arc::from(collection))
+            .entry(SharedStr::from(collection))
             .or_insert_with(|| watch::Sender::new(None))
             .clone()
     }
@@ -978,7 +981,7 @@ impl CacheWriter {
 
     /// The gateways upstream of the source now writing (empty when the
     /// source is not a gateway).
-    pub fn set_upstream_chain(&mut self, chain: Vec<Arc<str>>) {
+    pub fn set_upstream_chain(&mut self, chain: Vec<SharedStr>) {
         self.cache.provenance.set_upstream_chain(chain);
     }
 
@@ -1012,7 +1015,7 @@ impl CacheWriter {
     }
 
     /// Applies the updates of several collections as one [`Self::step`].
-    pub fn apply_step(&mut self, updates: Vec<(Arc<str>, Update, Origin)>) -> Vec<Applied> {
+    pub fn apply_step(&mut self, updates: Vec<(SharedStr, Update, Origin)>) -> Vec<Applied> {
         self.step(|writer| {
             updates
                 .into_iter()
@@ -1073,7 +1076,7 @@ impl Cache {
         let name = current
             .as_ref()
             .map(|s| s.collection.clone())
-            .unwrap_or_else(|| Arc::from(collection));
+            .unwrap_or_else(|| SharedStr::from(collection));
         let mut resources = current.as_ref().map(|s| s.resources.clone()).unwrap_or_default();
         let was_empty = resources.is_empty();
         let mut total = Total {
@@ -1095,7 +1098,7 @@ impl Cache {
                     total.upsert(&mut resources, resource);
                 }
                 if !was_empty && seen.len() != resources.len() {
-                    let gone: Vec<Arc<str>> = resources.keys().filter(|n| !seen.contains(*n)).cloned().collect();
+                    let gone: Vec<SharedStr> = resources.keys().filter(|n| !seen.contains(*n)).cloned().collect();
                     for name in gone {
                         total.remove(&mut resources, &name);
                     }
@@ -1171,7 +1174,7 @@ impl Cache {
 struct Total {
     sum: u128,
     bytes: usize,
-    changed: Vec<Arc<str>>,
+    changed: Vec<SharedStr>,
 }
 
 impl Total {
@@ -1214,7 +1217,7 @@ fn rechunk(
     previous: &Chunks,
     previous_resources: &ResourceMap,
     resources: &mut ResourceMap,
-    changed: &[Arc<str>],
+    changed: &[SharedStr],
 ) -> Chunks {
     let held = |map: &ResourceMap| -> Vec<Arc<CachedResource>> {
         changed.iter().filter_map(|name| map.get(&**name)).cloned().collect()
@@ -1253,9 +1256,9 @@ fn arrived_map(whole: &[Arc<CachedResource>], resources: &ResourceMap) -> Resour
 }
 
 /// The difference between two states of one collection. Removed names are
-/// the cache's own (`Arc<str>`) or borrowed from a client's request (`&str`).
+/// the cache's own (`SharedStr`) or borrowed from a client's request (`&str`).
 #[derive(Debug)]
-pub struct Diff<R = Arc<str>> {
+pub struct Diff<R = SharedStr> {
     pub upserts: Vec<Arc<CachedResource>>,
     pub removed: Vec<R>,
 }

@@ -5,9 +5,10 @@
 //! where it would form.
 
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Arc;
 
 use tokio::sync::watch;
+
+use crate::SharedStr;
 
 /// The sink-node annotation in which a gateway announces itself to its
 /// upstream.
@@ -21,8 +22,8 @@ pub const CHAIN_HEADER: &str = "x-mcp-gateway-chain";
 #[derive(Debug)]
 pub struct Provenance {
     /// Random per process: two gateways never share one.
-    pub gateway_id: Arc<str>,
-    upstream_chain: watch::Sender<Vec<Arc<str>>>,
+    pub gateway_id: SharedStr,
+    upstream_chain: watch::Sender<Vec<SharedStr>>,
 }
 
 impl Default for Provenance {
@@ -39,12 +40,12 @@ impl Default for Provenance {
 
 impl Provenance {
     /// The gateways upstream of this one, nearest first.
-    pub fn upstream_chain(&self) -> Vec<Arc<str>> {
+    pub fn upstream_chain(&self) -> Vec<SharedStr> {
         self.upstream_chain.borrow().clone()
     }
 
     /// Sees every change of the upstream chain.
-    pub fn watch_upstream_chain(&self) -> watch::Receiver<Vec<Arc<str>>> {
+    pub fn watch_upstream_chain(&self) -> watch::Receiver<Vec<SharedStr>> {
         self.upstream_chain.subscribe()
     }
 
@@ -57,7 +58,7 @@ impl Provenance {
             .join(",")
     }
 
-    pub(super) fn set_upstream_chain(&self, chain: Vec<Arc<str>>) {
+    pub(super) fn set_upstream_chain(&self, chain: Vec<SharedStr>) {
         self.upstream_chain.send_if_modified(|current| {
             let changed = *current != chain;
             *current = chain;
@@ -67,12 +68,12 @@ impl Provenance {
 }
 
 /// The chain another gateway announced (`announced`), nearest first.
-pub fn parse_chain(header: &str) -> Vec<Arc<str>> {
+pub fn parse_chain(header: &str) -> Vec<SharedStr> {
     header
         .split(',')
         .map(str::trim)
         .filter(|id| !id.is_empty())
-        .map(Arc::from)
+        .map(SharedStr::from)
         .collect()
 }
 
@@ -80,9 +81,9 @@ pub fn parse_chain(header: &str) -> Vec<Arc<str>> {
 #[derive(Debug, PartialEq, Eq)]
 pub enum ChainError {
     /// This gateway is upstream of itself.
-    Loop { chain: Vec<Arc<str>> },
+    Loop { chain: Vec<SharedStr> },
     /// More gateways than `--max-chain-depth`.
-    TooLong { chain: Vec<Arc<str>>, max: usize },
+    TooLong { chain: Vec<SharedStr>, max: usize },
 }
 
 impl std::fmt::Display for ChainError {
@@ -108,7 +109,7 @@ impl std::fmt::Display for ChainError {
 impl Provenance {
     /// Checks the chain an upstream announced: this gateway must not be in
     /// it, and with this gateway it must be at most `max` long.
-    pub fn check_upstream(&self, chain: &[Arc<str>], max: usize) -> Result<(), ChainError> {
+    pub fn check_upstream(&self, chain: &[SharedStr], max: usize) -> Result<(), ChainError> {
         if chain.contains(&self.gateway_id) {
             return Err(ChainError::Loop { chain: chain.to_vec() });
         }
@@ -137,8 +138,8 @@ mod tests {
         let me = Provenance::default();
         let other = Provenance::default();
         assert_ne!(me.gateway_id, other.gateway_id);
-        let a: Arc<str> = "gw-a".into();
-        let b: Arc<str> = "gw-b".into();
+        let a: SharedStr = "gw-a".into();
+        let b: SharedStr = "gw-b".into();
         assert_eq!(me.check_upstream(&[a.clone(), b.clone()], 4), Ok(()));
         assert_eq!(me.check_upstream(&[a.clone(), b.clone(), "gw-c".into()], 4), Ok(()));
         let long = vec![a.clone(), b.clone(), "gw-c".into(), "gw-d".into()];

@@ -18,6 +18,7 @@ use prost::Message;
 use super::type_state::Push;
 use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
+use crate::SharedStr;
 
 pub const CLUSTER_TYPE_URL: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 pub const ROUTE_CONFIGURATION_TYPE_URL: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
@@ -35,7 +36,7 @@ pub fn load_assignments_forced_by(
     type_url: &str,
     push: &Push,
     previous: Option<&Arc<CollectionSnapshot>>,
-) -> Vec<Arc<str>> {
+) -> Vec<SharedStr> {
     if type_url != CLUSTER_TYPE_URL {
         return Vec::new();
     }
@@ -57,7 +58,7 @@ pub fn load_assignments_forced_by(
 /// The load assignments of the EDS clusters new or changed from `from` to
 /// `to`: found once per pair (every client at `from` asks) and kept with
 /// `to`.
-fn changed(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Vec<Arc<str>> {
+fn changed(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Vec<SharedStr> {
     let key = MemoKey::with("cluster_refs.changed", from.version.clone());
     let made = to.memo.get_or_make(key, CHANGES_PER_SNAPSHOT, || {
         names(&mut Diff::between(&from.resources, &to.resources).upserts.iter())
@@ -70,22 +71,22 @@ const CHANGES_PER_SNAPSHOT: usize = 32;
 
 /// The load assignments of the EDS clusters among `clusters`, sorted, once
 /// each.
-fn names(clusters: &mut dyn Iterator<Item = &Arc<CachedResource>>) -> Vec<Arc<str>> {
-    let names: BTreeSet<Arc<str>> = clusters.filter_map(|r| eds_name(r)).collect();
+fn names(clusters: &mut dyn Iterator<Item = &Arc<CachedResource>>) -> Vec<SharedStr> {
+    let names: BTreeSet<SharedStr> = clusters.filter_map(|r| eds_name(r)).collect();
     names.into_iter().collect()
 }
 
 /// The load assignment an EDS cluster asks for: its
 /// `eds_cluster_config.service_name`, or its name when that is empty.
 /// `None` for any other cluster, or a body that does not read as one.
-pub fn eds_name(cluster: &CachedResource) -> Option<Arc<str>> {
+pub fn eds_name(cluster: &CachedResource) -> Option<SharedStr> {
     let made = cluster
         .memo
         .get_or_make(MemoKey::of("cluster_refs.eds_name"), 1, || read_eds_name(cluster));
     Option::clone(&made)
 }
 
-fn read_eds_name(cluster: &CachedResource) -> Option<Arc<str>> {
+fn read_eds_name(cluster: &CachedResource) -> Option<SharedStr> {
     let body = body_of(cluster)?;
     let (mut name, mut kind, mut service) = (None, 0, None);
     for_each_field(&body, |tag, field| {
@@ -108,13 +109,13 @@ fn read_eds_name(cluster: &CachedResource) -> Option<Arc<str>> {
         return None;
     }
     let chosen = service.filter(|s| !s.is_empty()).or(name)?;
-    std::str::from_utf8(chosen).ok().map(Arc::from)
+    std::str::from_utf8(chosen).ok().map(SharedStr::from)
 }
 
 /// The clusters a route configuration's routes send to (a route action's
 /// `cluster`, and the names of its `weighted_clusters`), read from its body
 /// once and kept with the resource.
-pub fn route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
+pub fn route_clusters(route: &CachedResource) -> Arc<[SharedStr]> {
     let made = route
         .memo
         .get_or_make(MemoKey::of("cluster_refs.route_clusters"), 1, || {
@@ -123,7 +124,7 @@ pub fn route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
     Arc::clone(&made)
 }
 
-fn read_route_clusters(route: &CachedResource) -> Arc<[Arc<str>]> {
+fn read_route_clusters(route: &CachedResource) -> Arc<[SharedStr]> {
     let mut clusters = Names::default();
     if let Some(body) = body_of(route) {
         let _ = route_config_clusters(&body, &mut clusters);
@@ -139,16 +140,16 @@ fn body_of(resource: &CachedResource) -> Option<bytes::Bytes> {
 
 /// Names read from bodies, sorted and once each when done.
 #[derive(Default)]
-struct Names(Vec<Arc<str>>);
+struct Names(Vec<SharedStr>);
 
 impl Names {
     fn add(&mut self, bytes: &[u8]) {
         if let Ok(text) = std::str::from_utf8(bytes) {
-            self.0.push(Arc::from(text));
+            self.0.push(SharedStr::from(text));
         }
     }
 
-    fn done(mut self) -> Arc<[Arc<str>]> {
+    fn done(mut self) -> Arc<[SharedStr]> {
         self.0.sort();
         self.0.dedup();
         self.0.into()
@@ -205,8 +206,8 @@ fn weighted_names(weighted: &[u8], clusters: &mut Names) -> Option<()> {
 /// configurations its HTTP connection managers read by RDS.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct ListenerRefs {
-    pub clusters: Arc<[Arc<str>]>,
-    pub routes: Arc<[Arc<str>]>,
+    pub clusters: Arc<[SharedStr]>,
+    pub routes: Arc<[SharedStr]>,
 }
 
 const HCM_TYPE_URL: &str =
@@ -320,18 +321,18 @@ fn for_each_field<'a>(message: &'a [u8], mut read: impl FnMut(u32, Field<'a>) ->
 /// a send since a force.
 #[derive(Debug, Default)]
 pub struct ForcedResends {
-    pending: BTreeMap<String, BTreeSet<Arc<str>>>,
+    pending: BTreeMap<String, BTreeSet<SharedStr>>,
     owed: Vec<String>,
 }
 
 impl ForcedResends {
     /// `names` forced on `type_url`, which the stream does not follow.
-    pub fn pend(&mut self, type_url: &str, names: Vec<Arc<str>>) {
+    pub fn pend(&mut self, type_url: &str, names: Vec<SharedStr>) {
         self.pending.entry(type_url.to_owned()).or_default().extend(names);
     }
 
     /// What was forced on `type_url` before the stream followed it.
-    pub fn take_pending(&mut self, type_url: &str) -> Option<BTreeSet<Arc<str>>> {
+    pub fn take_pending(&mut self, type_url: &str) -> Option<BTreeSet<SharedStr>> {
         self.pending.remove(type_url)
     }
 
@@ -411,13 +412,17 @@ mod tests {
         let v2 = cache.get(c).unwrap();
         let full = Push::Full { to: v2.clone() };
         let forced = |push: &Push, previous| load_assignments_forced_by(CLUSTER_TYPE_URL, push, previous);
-        assert_eq!(forced(&full, None), [Arc::from("e"), Arc::from("svc-a")], "all, first");
-        assert_eq!(forced(&full, Some(&v1)), [Arc::from("e")], "those that changed");
+        assert_eq!(
+            forced(&full, None),
+            [SharedStr::from("e"), SharedStr::from("svc-a")],
+            "all, first"
+        );
+        assert_eq!(forced(&full, Some(&v1)), [SharedStr::from("e")], "those that changed");
         let diff = Push::Diff {
             from: v1.clone(),
             to: v2.clone(),
         };
-        assert_eq!(forced(&diff, None), [Arc::from("e")]);
+        assert_eq!(forced(&diff, None), [SharedStr::from("e")]);
         assert!(load_assignments_forced_by(LOAD_ASSIGNMENT_TYPE_URL, &full, None).is_empty());
     }
 }

@@ -14,12 +14,13 @@
 //! at [`Drains::next_deadline`].
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::order::Rank;
+
+use crate::SharedStr;
 
 /// Drains of one stream whose end has not come.
 #[derive(Debug)]
@@ -32,8 +33,8 @@ pub struct Drains {
 /// drain has not begun, the change has not settled yet).
 #[derive(Debug)]
 struct Drain {
-    clusters: BTreeSet<Arc<str>>,
-    load_assignments: BTreeSet<Arc<str>>,
+    clusters: BTreeSet<SharedStr>,
+    load_assignments: BTreeSet<SharedStr>,
     until: Option<Instant>,
 }
 
@@ -52,7 +53,7 @@ impl Drains {
 
     /// A listener change named these clusters and load assignments (what
     /// its old listeners send to): they drain once it settles.
-    pub fn note(&mut self, clusters: BTreeSet<Arc<str>>, load_assignments: BTreeSet<Arc<str>>) {
+    pub fn note(&mut self, clusters: BTreeSet<SharedStr>, load_assignments: BTreeSet<SharedStr>) {
         if clusters.is_empty() && load_assignments.is_empty() {
             return;
         }
@@ -98,18 +99,18 @@ impl Drains {
         rank: Rank,
         removed: impl IntoIterator<Item = &'a str>,
         now: Instant,
-    ) -> Option<(Instant, BTreeSet<Arc<str>>)> {
+    ) -> Option<(Instant, BTreeSet<SharedStr>)> {
         if !matches!(rank, Rank::Clusters | Rank::Endpoints) {
             return None;
         }
         let removed: Vec<&str> = removed.into_iter().collect();
-        let mut held: Option<(Instant, BTreeSet<Arc<str>>)> = None;
+        let mut held: Option<(Instant, BTreeSet<SharedStr>)> = None;
         for drain in &mut self.records {
             let names = match rank {
                 Rank::Clusters => &drain.clusters,
                 _ => &drain.load_assignments,
             };
-            let draining: Vec<Arc<str>> = names.iter().filter(|n| removed.contains(&&***n)).cloned().collect();
+            let draining: Vec<SharedStr> = names.iter().filter(|n| removed.contains(&&***n)).cloned().collect();
             if draining.is_empty() {
                 continue;
             }
@@ -139,8 +140,8 @@ impl Drains {
 mod tests {
     use super::*;
 
-    fn set(names: &[&str]) -> BTreeSet<Arc<str>> {
-        names.iter().map(|n| Arc::from(*n)).collect()
+    fn set(names: &[&str]) -> BTreeSet<SharedStr> {
+        names.iter().map(|n| SharedStr::from(*n)).collect()
     }
 
     const DRAIN: Duration = Duration::from_secs(600);

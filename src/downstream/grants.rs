@@ -12,12 +12,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::metrics as m;
+use crate::SharedStr;
 
 /// How many distinct grants of a collection are served when not told.
 pub const DEFAULT_MAX_GRANTS_PER_VERSION: usize = 1024;
 
 /// Per collection, each distinct grant's key and how many streams hold it.
-type Held = HashMap<Arc<str>, HashMap<Arc<str>, usize>>;
+type Held = HashMap<SharedStr, HashMap<SharedStr, usize>>;
 
 /// The grants held.
 #[derive(Debug)]
@@ -31,8 +32,8 @@ pub struct Grants {
 #[derive(Debug)]
 pub struct GrantHold {
     grants: Arc<Grants>,
-    collection: Arc<str>,
-    key: Arc<str>,
+    collection: SharedStr,
+    key: SharedStr,
 }
 
 /// A new distinct grant past the limit: how many are held.
@@ -64,7 +65,7 @@ impl Grants {
     /// `enforce` (a new stream's), and held anyway when not (a connected
     /// client's grant that a policy reload changed: reloads never cut
     /// anyone off; the views past the limit are then made per stream).
-    pub fn hold(self: &Arc<Self>, collection: &Arc<str>, key: &Arc<str>, enforce: bool) -> Result<GrantHold, Full> {
+    pub fn hold(self: &Arc<Self>, collection: &SharedStr, key: &SharedStr, enforce: bool) -> Result<GrantHold, Full> {
         let mut held = self.lock();
         let of = held.entry(collection.clone()).or_default();
         if let Some(count) = of.get_mut(key) {
@@ -121,8 +122,8 @@ mod tests {
     #[test]
     fn a_new_grant_past_the_limit_is_refused_and_held_ones_are_shared() {
         let grants = Grants::new(2);
-        let c: Arc<str> = "c".into();
-        let key = |k: &str| -> Arc<str> { k.into() };
+        let c: SharedStr = "c".into();
+        let key = |k: &str| -> SharedStr { k.into() };
         let a = grants.hold(&c, &key("a"), true).unwrap();
         let a2 = grants.hold(&c, &key("a"), true).unwrap();
         let b = grants.hold(&c, &key("b"), true).unwrap();

@@ -40,6 +40,7 @@ use crate::transport::access::{self, AccessControl, AccessPolicy, Grant};
 use crate::transport::bucket::PeerBuckets;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::{RequestBudget, RequestStream};
+use crate::SharedStr;
 use encode::EncodedResponse;
 use registry::NackRecord;
 pub use registry::Registry;
@@ -123,7 +124,7 @@ struct Shared {
     /// `initial_resource_versions`) runs one stream at a time.
     heavy: tokio::sync::Semaphore,
     /// Per collection (collections are the table's, so this is bounded).
-    metrics: DashMap<Arc<str>, Arc<CollectionMetrics>>,
+    metrics: DashMap<SharedStr, Arc<CollectionMetrics>>,
     /// Client connect and leave lines: a burst of 20 per peer address, then
     /// one a second; the lines skipped meanwhile are counted in the next.
     peer_logs: PeerBuckets,
@@ -132,7 +133,7 @@ struct Shared {
     access: Arc<AccessControl>,
     /// Access denials logged: once per identity and collection per
     /// [`LOG_INTERVAL`].
-    denial_logs: DashMap<(Arc<str>, Arc<str>), tokio::time::Instant>,
+    denial_logs: DashMap<(SharedStr, SharedStr), tokio::time::Instant>,
     /// What clients are told at shutdown: this gateway, or the `source`
     /// command's server, is going away.
     shutdown_message: &'static str,
@@ -210,7 +211,7 @@ impl Downstream {
     }
 
     /// The downstream metrics of a collection, made once.
-    pub fn collection_metrics(&self, collection: &Arc<str>) -> Arc<CollectionMetrics> {
+    pub fn collection_metrics(&self, collection: &SharedStr) -> Arc<CollectionMetrics> {
         if let Some(metrics) = self.inner.metrics.get(collection) {
             return metrics.clone();
         }
@@ -273,7 +274,7 @@ impl Downstream {
         policy: &AccessPolicy,
         identity: &PeerIdentity,
         type_url: &str,
-        collection: &Arc<str>,
+        collection: &SharedStr,
     ) -> Result<Option<Arc<access::NameGrant>>, Status> {
         match policy.grant(identity, collection, self.inner.table.is_sensitive(collection)) {
             Some(Grant::All) => Ok(None),
@@ -296,7 +297,7 @@ impl Downstream {
     /// connected client's grant a reload changed) holds it anyway.
     fn hold_grant(
         &self,
-        collection: &Arc<str>,
+        collection: &SharedStr,
         grant: &access::NameGrant,
         enforce: bool,
     ) -> Result<grants::GrantHold, Status> {
@@ -315,9 +316,9 @@ impl Downstream {
 
     /// Logs an access denial, once per identity and collection per
     /// [`LOG_INTERVAL`].
-    fn log_denial(&self, identity: &PeerIdentity, collection: &Arc<str>, why: &str) {
+    fn log_denial(&self, identity: &PeerIdentity, collection: &SharedStr, why: &str) {
         const MAX_REMEMBERED: usize = 10_000;
-        let who: Arc<str> = identity.to_string().into();
+        let who: SharedStr = identity.to_string().into();
         let now = tokio::time::Instant::now();
         let logs = &self.inner.denial_logs;
         let key = (who, collection.clone());
@@ -341,7 +342,7 @@ impl Downstream {
 
     /// Starts following a collection for a stream: subscribes upstream when a
     /// client is the first to ask for it.
-    fn follow(&self, collection: &Arc<str>) {
+    fn follow(&self, collection: &SharedStr) {
         if !self.inner.subscriptions.request(collection) {
             tracing::warn!(
                 %collection,
@@ -416,13 +417,13 @@ fn record_nack(
     who: impl FnOnce() -> (String, Option<std::net::SocketAddr>),
     logs: &mut StreamLogs,
     type_url: &str,
-    collection: &Arc<str>,
+    collection: &SharedStr,
     nack: &NackRecord,
 ) {
     metrics::counter!(
         m::REQUEST_NACKS,
         "component" => m::COMPONENT_DOWNSTREAM,
-        "collection" => collection.clone(),
+        "collection" => crate::metrics::label(collection),
         "code" => m::code_number(nack.code)
     )
     .increment(1);
@@ -521,7 +522,7 @@ struct ClientGone;
 
 /// Registers the downstream series at 0, so dashboards and alerts see them
 /// before the first event.
-pub fn register_metrics(downstream: &Downstream, collections: &[Arc<str>]) {
+pub fn register_metrics(downstream: &Downstream, collections: &[SharedStr]) {
     for protocol in registry::Protocol::ALL {
         for end in End::ALL {
             metrics::counter!(m::DOWNSTREAM_STREAM_ENDS, "protocol" => protocol.as_str(), "reason" => end.as_str())

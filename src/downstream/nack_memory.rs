@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use super::type_state::{Family, Mode, ReconnectTally, TypeState, Unheld, Verdict};
 use crate::collections::TYPE_URL_PREFIX;
 use crate::metrics as m;
+use crate::SharedStr;
 
 /// Names kept for one client and type; a NACK of more is remembered as
 /// "everything of the type" (sent again whole: the safe side).
@@ -271,7 +272,12 @@ impl NackMemory {
         for entry in &saved.entries {
             let remembered = Remembered {
                 unheld: match &entry.names {
-                    Some(names) => Unheld::Names(names.iter().map(|n| Arc::from(n.as_str())).collect::<BTreeSet<_>>()),
+                    Some(names) => Unheld::Names(
+                        names
+                            .iter()
+                            .map(|n| SharedStr::from(n.as_str()))
+                            .collect::<BTreeSet<_>>(),
+                    ),
                     None => Unheld::Everything,
                 },
                 at: SystemTime::UNIX_EPOCH + Duration::from_secs(entry.at),
@@ -365,15 +371,15 @@ fn bound_names(unheld: &mut Unheld) {
 }
 
 /// Counts what a reconnecting client's first response skipped and resent.
-pub fn record_tally(collection: &Arc<str>, tally: ReconnectTally) {
-    metrics::counter!(m::RECONNECT_SKIPPED, "collection" => collection.clone()).increment(tally.skipped);
+pub fn record_tally(collection: &SharedStr, tally: ReconnectTally) {
+    metrics::counter!(m::RECONNECT_SKIPPED, "collection" => crate::metrics::label(collection)).increment(tally.skipped);
     for (reason, count) in [
         ("changed", tally.changed),
         ("nacked", tally.nacked),
         ("forced", tally.forced),
     ] {
         if count > 0 {
-            metrics::counter!(m::RECONNECT_RESENT, "collection" => collection.clone(), "reason" => reason)
+            metrics::counter!(m::RECONNECT_RESENT, "collection" => crate::metrics::label(collection), "reason" => reason)
                 .increment(count);
         }
     }
@@ -392,7 +398,7 @@ mod tests {
     }
 
     fn names(names: &[&str]) -> Unheld {
-        Unheld::Names(names.iter().map(|&n| Arc::from(n)).collect())
+        Unheld::Names(names.iter().map(|&n| SharedStr::from(n)).collect())
     }
 
     /// A NACK is remembered per client and type, merged, made known again
@@ -444,7 +450,7 @@ mod tests {
         let many: Vec<String> = (0..=MAX_NAMES_PER_ENTRY).map(|i| format!("r{i}")).collect();
         memory.remember(
             who("c"),
-            Unheld::Names(many.iter().map(|n| Arc::from(n.as_str())).collect()),
+            Unheld::Names(many.iter().map(|n| SharedStr::from(n.as_str())).collect()),
             t0,
         );
         assert_eq!(memory.recall("c", "spiffe://a", "t", t0), Unheld::Everything);

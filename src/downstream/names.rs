@@ -27,6 +27,7 @@ use bytestring::ByteString;
 use super::type_state::{ReportedNames, Trust};
 use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
+use crate::SharedStr;
 
 /// The wildcard name.
 pub const WILDCARD: &str = "*";
@@ -35,7 +36,7 @@ pub const WILDCARD: &str = "*";
 /// holds of it and the debug view are one allocation while they are equal,
 /// and each name is the cache's own `Arc` where the collection has it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NameSet(Arc<[Arc<str>]>);
+pub struct NameSet(Arc<[SharedStr]>);
 
 impl Default for NameSet {
     fn default() -> Self {
@@ -45,7 +46,7 @@ impl Default for NameSet {
 
 impl NameSet {
     /// From names in any order, repeats dropped.
-    pub(crate) fn from_unsorted(mut names: Vec<Arc<str>>) -> Self {
+    pub(crate) fn from_unsorted(mut names: Vec<SharedStr>) -> Self {
         names.sort_unstable();
         names.dedup();
         NameSet(names.into())
@@ -65,7 +66,7 @@ impl NameSet {
         Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
     }
 
-    pub fn get(&self, i: usize) -> Option<&Arc<str>> {
+    pub fn get(&self, i: usize) -> Option<&SharedStr> {
         self.0.get(i)
     }
 
@@ -77,12 +78,12 @@ impl NameSet {
         self.0.is_empty()
     }
 
-    pub fn iter(&self) -> std::slice::Iter<'_, Arc<str>> {
+    pub fn iter(&self) -> std::slice::Iter<'_, SharedStr> {
         self.0.iter()
     }
 
     /// The first `n` names: the same storage when there are no more.
-    pub fn first(&self, n: usize) -> Arc<[Arc<str>]> {
+    pub fn first(&self, n: usize) -> Arc<[SharedStr]> {
         if self.0.len() <= n {
             return self.0.clone();
         }
@@ -176,7 +177,7 @@ pub struct Named {
     /// since. Always within `current`.
     held: Names,
     /// Names it must be sent (or told are gone) whatever it holds.
-    resend: BTreeSet<Arc<str>>,
+    resend: BTreeSet<SharedStr>,
     /// State of the world: the resources its names selected last, so that
     /// the next selection reads only the names that changed since (an
     /// Envoy asks for ~50 endpoints of tens of thousands; each push changes
@@ -193,7 +194,7 @@ pub struct Named {
 #[derive(Clone, Debug)]
 struct Selection {
     names: NameSet,
-    version: Arc<str>,
+    version: SharedStr,
     resources: Vec<Option<Weak<CachedResource>>>,
 }
 
@@ -227,10 +228,10 @@ impl Named {
                 selection: None,
             })
         });
-        let shared = |name: &str| -> Arc<str> {
+        let shared = |name: &str| -> SharedStr {
             known
                 .and_then(|k| k.resources.get_key_value(name))
-                .map_or_else(|| Arc::from(name), |(key, _)| key.clone())
+                .map_or_else(|| SharedStr::from(name), |(key, _)| key.clone())
         };
         let mut changed = false;
         match change {
@@ -259,7 +260,7 @@ impl Named {
                 }
             }
             NameChange::Change { subscribe, unsubscribe } => {
-                let mut names: Vec<Arc<str>> = named.current.names.iter().cloned().collect();
+                let mut names: Vec<SharedStr> = named.current.names.iter().cloned().collect();
                 let before = names.len();
                 for name in unsubscribe {
                     if name == WILDCARD {
@@ -331,7 +332,7 @@ impl Named {
 
     /// `names`, where it asks for them, are to be sent with the next
     /// response whatever it holds.
-    pub fn resend<'a>(&mut self, names: impl IntoIterator<Item = &'a Arc<str>>) {
+    pub fn resend<'a>(&mut self, names: impl IntoIterator<Item = &'a SharedStr>) {
         for name in names {
             if self.current.covers(name) {
                 self.resend.insert(name.clone());
@@ -341,7 +342,7 @@ impl Named {
 
     /// `names` are not to be sent with the next response after all (a
     /// reconnecting client holds them, and their removal waits).
-    pub fn unresend(&mut self, names: &BTreeSet<Arc<str>>) {
+    pub fn unresend(&mut self, names: &BTreeSet<SharedStr>) {
         self.resend.retain(|name| !names.contains(name));
     }
 
@@ -413,7 +414,7 @@ impl Named {
 
     /// The client's names are as selected at `from` in `to` as well (none of
     /// them changed): the last selection holds for `to`.
-    pub fn untouched_since(&mut self, from: &str, to: &Arc<str>) {
+    pub fn untouched_since(&mut self, from: &str, to: &SharedStr) {
         let current = &self.current.names;
         match self.selection.as_mut() {
             Some(selection) if *selection.version == *from && selection.names.same(current) => {
@@ -466,11 +467,11 @@ impl Named {
         };
         let trusting = matches!(holds, Holds::Trusting(..));
         let mut upserts: Vec<Arc<CachedResource>> = Vec::new();
-        let mut removed: BTreeSet<Arc<str>> = BTreeSet::new();
+        let mut removed: BTreeSet<SharedStr> = BTreeSet::new();
         // A name is sent when it is to be re-sent or the client does not hold
         // it at its version; it is removed when it is gone and the client
         // holds it or is owed an answer for it.
-        let mut consider = |name: &Arc<str>| {
+        let mut consider = |name: &SharedStr| {
             let resend = self.resend.contains(name);
             match to.resources.get(name) {
                 // A name subscribed on a trusted reconnect is sent if not held.
@@ -510,7 +511,7 @@ impl Named {
                 let considered = |name: &str| !self.current.wildcard && self.current.names.contains(name);
                 for name in reported.iter() {
                     if !considered(name) && !to.resources.contains_key(name) {
-                        consider(&Arc::from(name));
+                        consider(&SharedStr::from(name));
                     }
                 }
             }
@@ -540,8 +541,8 @@ impl Named {
 
     /// The client's names among `changed`, in order: from whichever of the
     /// two is smaller.
-    fn mine<'a>(&'a self, changed: &'a HashSet<Arc<str>>) -> Vec<&'a Arc<str>> {
-        let mut mine: Vec<&Arc<str>> = self.among(changed).collect();
+    fn mine<'a>(&'a self, changed: &'a HashSet<SharedStr>) -> Vec<&'a SharedStr> {
+        let mut mine: Vec<&SharedStr> = self.among(changed).collect();
         if changed.len() < self.current.names.len() {
             // Found in the set's order.
             mine.sort_unstable();
@@ -551,7 +552,7 @@ impl Named {
 
     /// The client's names among `changed`, found from whichever of the two
     /// is smaller (in name order only when found from its names).
-    fn among<'a>(&'a self, changed: &'a HashSet<Arc<str>>) -> impl Iterator<Item = &'a Arc<str>> + 'a {
+    fn among<'a>(&'a self, changed: &'a HashSet<SharedStr>) -> impl Iterator<Item = &'a SharedStr> + 'a {
         let names = &self.current.names;
         let from_changed = changed.len() < names.len();
         let by_changed = from_changed.then(|| changed.iter().filter(move |n| names.contains(n)));
@@ -581,7 +582,7 @@ const CHANGED_NAMES_PER_SNAPSHOT: usize = 32;
 
 /// The names of the resources that differ between `from` and `to` (new,
 /// changed or gone), made once per pair and kept with `to`.
-pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<HashSet<Arc<str>>> {
+pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<HashSet<SharedStr>> {
     let key = MemoKey::with("names.changed", from.version.clone());
     to.memo.get_or_make(key, CHANGED_NAMES_PER_SNAPSHOT, || {
         let diff = Diff::between(&from.resources, &to.resources);
@@ -785,7 +786,7 @@ pub(super) mod tests {
         let names: Vec<&str> = named.current().names.iter().map(|n| &**n).collect();
         assert_eq!(names, ["a", "b", "ghost"], "in order, once each");
         let (key, _) = known.resources.get_key_value("a").unwrap();
-        assert!(Arc::ptr_eq(key, &named.current().names.iter().next().unwrap().clone()));
+        assert!(SharedStr::ptr_eq(key, named.current().names.iter().next().unwrap()));
         named.on_sent();
         assert!(
             Arc::ptr_eq(&named.held.names.0, &named.current.names.0),

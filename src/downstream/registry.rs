@@ -11,6 +11,7 @@ use dashmap::DashMap;
 use super::by_type::ByType;
 use crate::collections::Dialect;
 use crate::skew::ClientGeneration;
+use crate::SharedStr;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -61,7 +62,7 @@ impl Protocol {
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct NackRecord {
     /// The version the client refused; it is never sent to this client again.
-    pub version: Arc<str>,
+    pub version: SharedStr,
     pub code: i32,
     pub message: String,
     /// When it came.
@@ -134,13 +135,13 @@ impl Clock {
 /// One type on one stream, as `/debug/clients` shows it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct TypeView {
-    pub collection: Arc<str>,
+    pub collection: SharedStr,
     pub dialect: Dialect,
     /// The client asked for changes only (not the whole collection each time).
     pub incremental: bool,
-    pub last_sent_version: Option<Arc<str>>,
+    pub last_sent_version: Option<SharedStr>,
     pub last_sent_nonce: Option<String>,
-    pub acked_version: Option<Arc<str>>,
+    pub acked_version: Option<SharedStr>,
     pub outstanding: bool,
     /// When the client last sent a request for the type.
     #[serde(skip)]
@@ -174,7 +175,7 @@ pub struct TypeView {
     /// collection: the version of its part that it is to hold now (its
     /// current version, in place of the collection's).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub access_version: Option<Arc<str>>,
+    pub access_version: Option<SharedStr>,
     /// On an Envoy stream, a change of this type held back for another type
     /// of the same stream (make before break, see `order`). Boxed: most
     /// types never wait.
@@ -215,7 +216,7 @@ pub struct SubscribedView {
     /// The names subscribed (at most `--max-subscribed-names`).
     pub count: usize,
     /// The first [`SubscribedView::SHOWN`] names.
-    pub first: Arc<[Arc<str>]>,
+    pub first: Arc<[SharedStr]>,
 }
 
 impl SubscribedView {
@@ -271,7 +272,7 @@ pub struct StreamView {
     /// gets new versions first.
     pub canary: bool,
     /// What TLS proved of the peer: its first SAN, or `unauthenticated`.
-    pub identity: Arc<str>,
+    pub identity: SharedStr,
     /// An Istio client's release (absent: not an Istio client, such as
     /// Envoy or grpc, or no Istio collection asked for yet).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -416,7 +417,7 @@ impl ViewHandle {
     /// at `from`: a client that held `from` (ACKed, nothing outstanding, no
     /// NACK standing) holds `to` as well, as its task would have settled it
     /// had it been woken (`TypeState::next`'s `UpToDate`).
-    pub fn untouched(&self, type_url: &str, from: &str, to: &Arc<str>) {
+    pub fn untouched(&self, type_url: &str, from: &str, to: &SharedStr) {
         let mut view = self.0.lock().expect("registry lock poisoned");
         let Some(state) = view.types.get_mut(type_url) else {
             return;

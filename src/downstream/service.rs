@@ -286,6 +286,7 @@ impl http_body::Body for FramedResponses {
 
 #[cfg(test)]
 mod tests {
+    use crate::SharedStr;
     use std::io::Write;
     use std::sync::Mutex;
 
@@ -309,7 +310,7 @@ mod tests {
 
     #[test]
     fn an_oversized_version_is_logged_once_however_many_clients_get_it() {
-        let collection: Arc<str> = "c".into();
+        let collection: SharedStr = "c".into();
         let metrics = Arc::new(CollectionMetrics::new(&collection));
         let version = |snapshot| Record {
             snapshot,

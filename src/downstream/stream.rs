@@ -43,6 +43,7 @@ use crate::transport::access::{AccessPolicy, NameGrant};
 use crate::transport::bucket::TokenBucket;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::RequestStream;
+use crate::SharedStr;
 
 struct Followed {
     state: TypeState,
@@ -69,7 +70,7 @@ struct Followed {
     /// The version of the collection a ranked type's last response was
     /// made for: itself, or what it adds and changes first (make before
     /// break) or keeps for a drain. A NACK of it refuses that version.
-    sent_for: Option<Arc<str>>,
+    sent_for: Option<SharedStr>,
 }
 
 impl Followed {
@@ -133,7 +134,7 @@ struct Withheld {
 /// source no longer has, whose removal waits.
 struct Unremoved {
     type_url: String,
-    names: std::collections::BTreeSet<Arc<str>>,
+    names: std::collections::BTreeSet<SharedStr>,
     /// Their drain was noted (once the order let them go).
     drained: bool,
 }
@@ -181,7 +182,7 @@ enum Answer {
 
 impl Answer {
     /// Answered empty until the slot has a version.
-    fn overdue(slot: watch::Receiver<Option<Arc<CollectionSnapshot>>>, collection: Arc<str>) -> Self {
+    fn overdue(slot: watch::Receiver<Option<Arc<CollectionSnapshot>>>, collection: SharedStr) -> Self {
         Answer::Overdue {
             slot,
             empty: CollectionSnapshot::empty(collection),
@@ -208,9 +209,9 @@ struct Canary {
     /// The selector its node matched.
     selector: String,
     /// The collections it is a canary of.
-    collections: Vec<Arc<str>>,
+    collections: Vec<SharedStr>,
     /// The collections it claimed to be a canary of and is not.
-    refused: Vec<Arc<str>>,
+    refused: Vec<SharedStr>,
 }
 
 impl Canary {
@@ -226,7 +227,7 @@ impl Canary {
         &mut self,
         policy: &AccessPolicy,
         identity: &PeerIdentity,
-        collection: &Arc<str>,
+        collection: &SharedStr,
         partial: bool,
         entry: &RegistryEntry,
     ) -> bool {
@@ -701,7 +702,7 @@ fn source_of(followed: &Followed) -> Option<Arc<CollectionSnapshot>> {
 fn withheld_names<'a>(
     followed: &'a Followed,
     whole: &'a CollectionSnapshot,
-) -> Box<dyn Iterator<Item = &'a Arc<str>> + 'a> {
+) -> Box<dyn Iterator<Item = &'a SharedStr> + 'a> {
     let Some(grant) = followed.grant.as_ref().map(|r| &r.grant) else {
         return Box::new(std::iter::empty());
     };
@@ -876,7 +877,7 @@ fn draining(followed: &Followed) -> bool {
 /// The names a refused response of a type added or changed (against what
 /// the client last ACKed): what the client may not hold. `None`: not known
 /// (the ACKed version is not kept any more, or a view of a grant's).
-fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<Arc<str>>> {
+fn refused_names(shared: &Downstream, followed: &Followed) -> Option<Vec<SharedStr>> {
     let state = &followed.state;
     let diff = match state.refused_between() {
         Some((acked, refused)) => diff_of(acked, refused),
@@ -906,7 +907,7 @@ fn removed_names(
     held: Option<&Arc<CollectionSnapshot>>,
     to: &Arc<CollectionSnapshot>,
     names: Option<&Names>,
-) -> Vec<Arc<str>> {
+) -> Vec<SharedStr> {
     let Some(held) = held.filter(|h| h.version != to.version) else {
         return Vec::new();
     };
@@ -927,8 +928,8 @@ fn send_targets(
     held: Option<&Arc<CollectionSnapshot>>,
     to: &Arc<CollectionSnapshot>,
     names: Option<&Names>,
-) -> Option<Vec<Arc<str>>> {
-    let read: fn(&crate::cache::CachedResource) -> Arc<[Arc<str>]> = match rank {
+) -> Option<Vec<SharedStr>> {
+    let read: fn(&crate::cache::CachedResource) -> Arc<[SharedStr]> = match rank {
         Rank::Routes => cluster_refs::route_clusters,
         Rank::Listeners => |listener| cluster_refs::listener_refs(listener).clusters.clone(),
         _ => return None,
@@ -940,7 +941,7 @@ fn send_targets(
         Some(diff) => Box::new(diff.upserts.iter()),
         None => Box::new(to.resources.values()),
     };
-    let mut targets: Vec<Arc<str>> = changed
+    let mut targets: Vec<SharedStr> = changed
         .filter(|r| covers(&r.name))
         .flat_map(|r| read(r).iter().cloned().collect::<Vec<_>>())
         .collect();
@@ -966,7 +967,7 @@ fn loop_refusal(shared: &Downstream, peer: &str) -> Option<Status> {
 /// stream: most peers are not gateways.
 struct PeerGateway {
     id: String,
-    chain: WatchStream<Vec<Arc<str>>>,
+    chain: WatchStream<Vec<SharedStr>>,
 }
 
 /// Waits for a change of this gateway's upstream chain that makes the
@@ -1179,7 +1180,7 @@ impl<W: Wire> TypedStream<W> {
                 (resolved, answer, named)
             }
             Target::Unserved => {
-                let collection: Arc<str> = Arc::from(UNSERVED);
+                let collection: SharedStr = SharedStr::from(UNSERVED);
                 let resolved = Resolved {
                     collection: collection.clone(),
                     dialect: Dialect::Xds,
@@ -2110,12 +2111,12 @@ impl<W: Wire> TypedStream<W> {
     /// The client is to be sent `names` of `type_url` again, whatever it
     /// holds, right after the response going out (or, for a type it does
     /// not follow yet, should it reconnect with it).
-    fn force_resend(&mut self, type_url: &str, names: Vec<Arc<str>>) {
+    fn force_resend(&mut self, type_url: &str, names: Vec<SharedStr>) {
         let forced = self.forced.get_or_insert_with(Box::default);
         match self.types.get_mut(type_url) {
             Some(followed) => {
                 let count = followed.state.force_resend(&names);
-                metrics::counter!(m::FORCED_RESENDS, "collection" => followed.state.view.collection.clone())
+                metrics::counter!(m::FORCED_RESENDS, "collection" => crate::metrics::label(&followed.state.view.collection))
                     .increment(count as u64);
                 forced.owe(type_url);
             }

@@ -46,6 +46,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use super::names::{changed_names, Holds, NameChange, Named, TooManyNames};
 use super::registry::{NackRecord, Stamp, TypeView};
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
+use crate::SharedStr;
 
 /// What a client holds after it NACKed a response: the protocol family's
 /// rule.
@@ -123,7 +124,7 @@ impl ReportedNames {
 pub enum Unheld {
     #[default]
     Nothing,
-    Names(BTreeSet<Arc<str>>),
+    Names(BTreeSet<SharedStr>),
     Everything,
 }
 
@@ -165,7 +166,7 @@ pub struct Reconnect {
     /// response it accepted whole, and applies part of one it rejects).
     nacked: Unheld,
     /// Forced by [`TypeState::force_resend`] before the first response.
-    forced: BTreeSet<Arc<str>>,
+    forced: BTreeSet<SharedStr>,
 }
 
 impl Reconnect {
@@ -266,7 +267,7 @@ impl<'a> Trust<'a> {
 #[derive(Clone, Debug)]
 enum Carried {
     Everything,
-    Names(Arc<[Arc<str>]>),
+    Names(Arc<[SharedStr]>),
     /// What changed from this snapshot to the one sent.
     Between(Arc<CollectionSnapshot>),
 }
@@ -279,7 +280,7 @@ pub enum Held {
     Reported(ReportedNames),
     /// Before the first response: the version it reported holding (a
     /// state-of-the-world client reconnecting).
-    Version(Arc<str>),
+    Version(SharedStr),
     /// The first response, built from reported names, is not answered yet.
     AwaitingFirst { reported_names: bool },
     /// The snapshot it last ACKed.
@@ -430,7 +431,7 @@ pub struct TypeState {
     tally: Option<ReconnectTally>,
     /// Names whose holding was forgotten ([`Self::force_resend`]) for a
     /// client that names nothing (a subscription keeps its own).
-    forced: BTreeSet<Arc<str>>,
+    forced: BTreeSet<SharedStr>,
     /// Delta xDS: what the outstanding (or last) response carried, kept
     /// only where the NACK memory is (`remembering_nacks`).
     carried: Option<Carried>,
@@ -536,7 +537,7 @@ impl TypeState {
     /// coordinator must see delivered again after another type.
     /// How many of `names` it asks for (all, for a client that names
     /// nothing): those forced.
-    pub fn force_resend<'a>(&mut self, names: impl IntoIterator<Item = &'a Arc<str>>) -> usize {
+    pub fn force_resend<'a>(&mut self, names: impl IntoIterator<Item = &'a SharedStr>) -> usize {
         let named = self.named.as_deref_mut();
         let asked = names
             .into_iter()
@@ -551,7 +552,7 @@ impl TypeState {
             // Nothing was sent, nor will be skipped: everything goes.
             return 0;
         }
-        let asked: Vec<&Arc<str>> = asked.collect();
+        let asked: Vec<&SharedStr> = asked.collect();
         let count = asked.len();
         match self.named.as_deref_mut() {
             Some(named) => named.resend(asked),
@@ -563,7 +564,7 @@ impl TypeState {
     /// Delta xDS, before the first response to a reconnecting client: the
     /// names it reports holding that `to` does not have (in the names it
     /// asks for), which that response would remove. Otherwise none.
-    pub fn reported_gone(&self, to: &CollectionSnapshot) -> Vec<Arc<str>> {
+    pub fn reported_gone(&self, to: &CollectionSnapshot) -> Vec<SharedStr> {
         if !self.holds_what_was_sent() || self.sent.is_some() {
             return Vec::new();
         }
@@ -582,7 +583,7 @@ impl TypeState {
     /// response removes `go` and not `kept` (their removal is the stream's
     /// to send later: [`Self::force_resend`] of a name that is gone removes
     /// it). `false` once the first response went: nothing done.
-    pub fn reported_removals(&mut self, go: &BTreeSet<Arc<str>>, kept: &BTreeSet<Arc<str>>) -> bool {
+    pub fn reported_removals(&mut self, go: &BTreeSet<SharedStr>, kept: &BTreeSet<SharedStr>) -> bool {
         if !self.holds_what_was_sent() || self.sent.is_some() {
             return false;
         }
@@ -844,7 +845,7 @@ impl TypeState {
     /// reverted goes back.
     fn revert_after_nack(&mut self) {
         self.revert_pending = false;
-        let carried: Vec<Arc<str>> = match (&self.acked, &self.sent) {
+        let carried: Vec<SharedStr> = match (&self.acked, &self.sent) {
             (Some(acked), Some(sent)) => {
                 let diff = Diff::between(&acked.resources, &sent.resources);
                 diff.upserts
@@ -1053,8 +1054,11 @@ impl TypeState {
 }
 
 /// The names `reported` holds that `to` does not, sorted, once each.
-fn gone(reported: &ReportedNames, to: &CollectionSnapshot) -> Vec<Arc<str>> {
-    super::encode::gone(reported, to).into_iter().map(Arc::from).collect()
+fn gone(reported: &ReportedNames, to: &CollectionSnapshot) -> Vec<SharedStr> {
+    super::encode::gone(reported, to)
+        .into_iter()
+        .map(SharedStr::from)
+        .collect()
 }
 
 /// The snapshot a client was last sent (or, after a reconnect whose first
@@ -1691,7 +1695,7 @@ mod tests {
     }
 
     fn nameset(names: &[&str]) -> Unheld {
-        Unheld::Names(names.iter().map(|&n| Arc::from(n)).collect())
+        Unheld::Names(names.iter().map(|&n| SharedStr::from(n)).collect())
     }
 
     /// A delta client subscribing `asked` (nothing: legacy wildcard) on its
@@ -1776,7 +1780,7 @@ mod tests {
 
         // A cluster sent before the first response forces its endpoints.
         let mut s = reconnecting(&["a", "b", "c"], reporting(&v1, all), Unheld::Nothing);
-        let (c, elsewhere) = (Arc::from("c"), Arc::from("x"));
+        let (c, elsewhere) = (SharedStr::from("c"), SharedStr::from("x"));
         assert_eq!(s.force_resend([&c, &elsewhere]), 1, "only what it asks for");
         assert_eq!(first(&mut s, &v1), ((strings(&["c"]), vec![]), tally(2, 0, 0, 1)));
 
@@ -1819,7 +1823,7 @@ mod tests {
         assert_eq!(s.take_reconnect_tally().map(|t| t.nacked), Some(2));
 
         let mut s = sotw(at(&v1), Unheld::Nothing);
-        assert_eq!(s.force_resend([&Arc::from("a")]), 1);
+        assert_eq!(s.force_resend([&SharedStr::from("a")]), 1);
         assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }), "forced");
 
         let mut s = sotw(at(&v1), Unheld::Nothing);
@@ -1847,7 +1851,7 @@ mod tests {
     fn forced_names_are_sent_again_with_the_next_response() {
         let (cache, mut writer) = Cache::new();
         let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
-        let (a, b, x) = (Arc::from("a"), Arc::from("b"), Arc::from("x"));
+        let (a, b, x) = (SharedStr::from("a"), SharedStr::from("b"), SharedStr::from("x"));
         let ask = |s: &mut TypeState, names: &[&str]| {
             let asked = self::names(names);
             let change = match s.mode() {

@@ -33,6 +33,7 @@ use tokio::sync::watch;
 use super::names::{changed_names, NameSet};
 use super::registry::ViewHandle;
 use crate::cache::CollectionSnapshot;
+use crate::SharedStr;
 
 /// Versions in a row that leave a client alone before it is woken to let go
 /// of the one it was sent.
@@ -60,7 +61,7 @@ impl std::fmt::Debug for Wakes {
 #[derive(Default)]
 struct Index {
     /// By resource name, the keys of the clients that asked for it.
-    by_name: HashMap<Arc<str>, Vec<u64>>,
+    by_name: HashMap<SharedStr, Vec<u64>>,
     clients: HashMap<u64, Client>,
     next: u64,
 }
@@ -238,7 +239,7 @@ mod tests {
     use crate::downstream::registry::{Protocol, Registry, TypeView};
 
     fn names(names: &[&str]) -> NameSet {
-        NameSet::from_unsorted(names.iter().map(|n| Arc::from(*n)).collect())
+        NameSet::from_unsorted(names.iter().map(|n| SharedStr::from(*n)).collect())
     }
 
     /// A version wakes the clients whose names it changed and no other; a

@@ -15,17 +15,18 @@ use super::walk::{body_of, dropped_by, ResourceSkew};
 use crate::cache::{Cache, CachedResource, CollectionSnapshot, Diff, ResourceMap};
 use crate::metrics as m;
 use crate::source::files::Origins;
+use crate::SharedStr;
 
-type Key = (Arc<str>, Generation);
+type Key = (SharedStr, Generation);
 
 /// One collection's skew for one generation, at one version it is served.
 #[derive(Clone, Debug)]
 pub struct TrackedSkew {
-    pub collection: Arc<str>,
+    pub collection: SharedStr,
     pub generation: Generation,
     /// The version (`None`: not delivered yet, or its first check has not
     /// run).
-    pub version: Option<Arc<str>>,
+    pub version: Option<SharedStr>,
     /// Served to the canaries only (a canary round's new version); else to
     /// everyone (the latest, or a pinned version).
     pub canaries_only: bool,
@@ -34,7 +35,7 @@ pub struct TrackedSkew {
     pub checked: bool,
     /// The resources its clients drop something of, by name (shared between
     /// the tracker and the views: a copy costs nothing).
-    pub skewed: imbl::OrdMap<Arc<str>, Arc<ResourceSkew>>,
+    pub skewed: imbl::OrdMap<SharedStr, Arc<ResourceSkew>>,
     /// Connected streams of the generation that read the collection.
     pub clients: usize,
 }
@@ -90,7 +91,7 @@ struct State {
 }
 
 /// The snapshot each group is served of a collection, everyone's first.
-pub type GroupSnapshots = dyn Fn(&Arc<str>) -> Vec<Option<Arc<CollectionSnapshot>>> + Send + Sync;
+pub type GroupSnapshots = dyn Fn(&SharedStr) -> Vec<Option<Arc<CollectionSnapshot>>> + Send + Sync;
 
 /// What each group of clients is served of a collection (everyone's first,
 /// then the canaries'), and a signal when that changes without the cache
@@ -185,7 +186,7 @@ impl SkewTracker {
     /// A stream of `generation` reads `collection`: its skew is kept while
     /// the interest is held. `None` for a generation the gateway has no
     /// protos of (nothing to check against).
-    pub fn interest(self: &Arc<Self>, collection: &Arc<str>, generation: Generation) -> Option<Interest> {
+    pub fn interest(self: &Arc<Self>, collection: &SharedStr, generation: Generation) -> Option<Interest> {
         generation.release()?;
         let key = (collection.clone(), generation);
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -241,7 +242,7 @@ impl SkewTracker {
     /// served, or at `version` when it is one of those served.
     pub fn get(&self, collection: &str, generation: Generation, version: Option<&str>) -> Option<TrackedSkew> {
         let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let key = (Arc::from(collection), generation);
+        let key = (SharedStr::from(collection), generation);
         let tracked = state.tracked.get(&key)?;
         let clients = state.interests.get(&key).copied().unwrap_or_default();
         let found = match version {
@@ -285,7 +286,7 @@ impl SkewTracker {
 
     /// What each group is served of `collection`, everyone's first, each
     /// version once.
-    fn served_snapshots(&self, collection: &Arc<str>) -> Vec<(Arc<CollectionSnapshot>, bool)> {
+    fn served_snapshots(&self, collection: &SharedStr) -> Vec<(Arc<CollectionSnapshot>, bool)> {
         let served = self.served.lock().unwrap_or_else(|e| e.into_inner());
         let groups = match served.as_ref() {
             Some(served) => (served.snapshots)(collection),
@@ -463,7 +464,7 @@ mod tests {
             .collect();
         writer.apply(DR, Update::Full(rules), Origin::Files);
         let tracker = SkewTracker::new(cache.clone(), GenerationRules::default());
-        let collection: Arc<str> = DR.into();
+        let collection: SharedStr = DR.into();
         let v11 = tracker.interest(&collection, Generation::of(1)).unwrap();
         let v13 = tracker.interest(&collection, Generation::of(3)).unwrap();
         // A release the gateway has no protos of: nothing to keep.

@@ -61,6 +61,7 @@ use crate::source::yaml_lines;
 use crate::source::UpstreamStatus;
 use crate::transport::fswatch::DirWatch;
 use crate::transport::safe_text::terminal_safe;
+use crate::SharedStr;
 
 pub const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";
 
@@ -102,7 +103,7 @@ pub struct ParseError {
     pub reason: String,
     /// The collection and name of the resource it is about, when the
     /// document says them (see [`identity`]).
-    pub collection: Option<Arc<str>>,
+    pub collection: Option<SharedStr>,
     pub name: Option<String>,
 }
 
@@ -113,9 +114,9 @@ pub type BodyAt = (usize, Vec<PathStep>);
 /// One resource as parsed from a file.
 #[derive(Clone, Debug)]
 pub struct Parsed {
-    pub collection: Arc<str>,
-    pub name: Arc<str>,
-    pub version: Arc<str>,
+    pub collection: SharedStr,
+    pub name: SharedStr,
+    pub version: SharedStr,
     pub body_type_url: String,
     pub encoded: Bytes,
     pub digest: u128,
@@ -501,7 +502,7 @@ fn documents(text: &str) -> Vec<(usize, String)> {
 /// What a document names: the resources it holds, each with where it
 /// is in the document.
 struct Found {
-    collection: Arc<str>,
+    collection: SharedStr,
     name: String,
     version: Option<String>,
     labels: BTreeMap<String, String>,
@@ -542,7 +543,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
     let max_errors = max_errors.max(1);
     let mut parsed = Vec::new();
     let mut errors: Vec<ParseError> = Vec::new();
-    let mut seen: HashMap<(Arc<str>, String), usize> = HashMap::new();
+    let mut seen: HashMap<(SharedStr, String), usize> = HashMap::new();
     let secrets = super::proto_json::SecretTypes::of(table);
     for (start, document) in documents(text) {
         if errors.len() >= max_errors {
@@ -799,7 +800,7 @@ fn redacted_reason(reason: &str) -> String {
 /// is about, when the document says them (its kind and `metadata.name`, or
 /// `collection` and `name`), however broken the rest is: a finding names
 /// the resource. Read only for an error.
-fn identity(document: &str, at: &[PathStep], table: &CollectionTable) -> (Option<Arc<str>>, Option<String>) {
+fn identity(document: &str, at: &[PathStep], table: &CollectionTable) -> (Option<SharedStr>, Option<String>) {
     // Each field read when it has the shape it should and skipped when not
     // (`name: [x]`, `metadata: 5`): a field of the wrong type must not
     // hide which collection the document is of, and so whether what its
@@ -1182,7 +1183,7 @@ struct FileState {
     error: Option<ParseError>,
     /// The collections it gives `struct:` bodies that their clients decode
     /// as another type (logged once per file and collection).
-    struct_bodies: BTreeSet<Arc<str>>,
+    struct_bodies: BTreeSet<SharedStr>,
     /// A digest of the text this state was read from: a rescan parses the
     /// file again only when its text changed (one large file, broken or
     /// not, costs the edits of the others nothing).
@@ -1190,7 +1191,7 @@ struct FileState {
 }
 
 /// A resource's file and where its body is written there.
-type FileOrigin = (Arc<str>, Arc<BodyAt>);
+type FileOrigin = (SharedStr, Arc<BodyAt>);
 
 /// Where each resource the files source serves came from: its file, and
 /// where its body is written there (see [`Parsed::body_at`]), by collection
@@ -1199,7 +1200,7 @@ type FileOrigin = (Arc<str>, Arc<BodyAt>);
 #[derive(Debug, Default)]
 pub struct Origins {
     /// By collection, then name (looked up by `&str`, without a key made).
-    by_resource: HashMap<Arc<str>, HashMap<Arc<str>, FileOrigin>>,
+    by_resource: HashMap<SharedStr, HashMap<SharedStr, FileOrigin>>,
     /// The source's `--max-message-bytes`: a file is read again for its
     /// lines only within it.
     pub max_file_bytes: usize,
@@ -1225,7 +1226,7 @@ pub struct LocalSource {
     files: BTreeMap<String, FileState>,
     /// Every collection published so far (a collection whose last file went
     /// away is published empty, not left behind).
-    published: BTreeSet<Arc<str>>,
+    published: BTreeSet<SharedStr>,
     /// `--max-message-bytes`: a larger file is an error, not read.
     max_file_bytes: usize,
     /// Where the resources served came from.
@@ -1350,7 +1351,7 @@ impl LocalSource {
                 if state.error.take().is_some() {
                     tracing::info!(file = %terminal_safe(&path), resources = parsed.len(), "a source file parses again");
                 }
-                let struct_bodies: BTreeSet<Arc<str>> = parsed
+                let struct_bodies: BTreeSet<SharedStr> = parsed
                     .iter()
                     .filter(|p| p.struct_body)
                     .map(|p| p.collection.clone())
@@ -1416,15 +1417,15 @@ impl LocalSource {
             });
             return;
         }
-        let mut collections: BTreeMap<Arc<str>, Vec<CachedResource>> = BTreeMap::new();
-        let mut owner: HashMap<(Arc<str>, Arc<str>), &str> = HashMap::new();
+        let mut collections: BTreeMap<SharedStr, Vec<CachedResource>> = BTreeMap::new();
+        let mut owner: HashMap<(SharedStr, SharedStr), &str> = HashMap::new();
         let mut origins = Origins {
             max_file_bytes: self.max_file_bytes,
             ..Default::default()
         };
         for (path, state) in &self.files {
             // Shared by the file's resources in the origins.
-            let file: Arc<str> = path.as_str().into();
+            let file: SharedStr = path.as_str().into();
             for parsed in &state.good {
                 let key = (parsed.collection.clone(), parsed.name.clone());
                 if let Some(first) = owner.get(&key) {
@@ -1465,7 +1466,7 @@ impl LocalSource {
         }
         // One read of the directory is one step: no client sees half of an
         // edit (a route to a cluster whose change is not there yet).
-        let names: Vec<Arc<str>> = collections.keys().cloned().collect();
+        let names: Vec<SharedStr> = collections.keys().cloned().collect();
         let step = collections
             .into_iter()
             .map(|(collection, resources)| (collection, Update::Full(resources), Origin::Files))
@@ -1473,7 +1474,7 @@ impl LocalSource {
         let mut changed = Vec::new();
         for (collection, applied) in names.into_iter().zip(self.writer.apply_step(step)) {
             if let crate::cache::Applied::Changed { version } = &applied {
-                metrics::counter!(crate::metrics::UPDATES_APPLIED, "collection" => collection.clone(), "kind" => "full")
+                metrics::counter!(crate::metrics::UPDATES_APPLIED, "collection" => crate::metrics::label(&collection), "kind" => "full")
                     .increment(1);
                 changed.push(format!("{collection}@{}", &version[..version.len().min(12)]));
             }

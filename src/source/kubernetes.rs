@@ -6,13 +6,13 @@
 //! they are sent. `status` and the other metadata fields are ignored.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use serde::Deserialize;
 
 use super::files::{YamlString, YamlValue, STRUCT_TYPE_URL};
 use super::proto_json::{self, PathStep};
 use crate::collections::CollectionTable;
+use crate::SharedStr;
 
 /// A Kubernetes object's fields, as the files source reads them from a
 /// document (or from an item of a `List`).
@@ -64,7 +64,7 @@ const DEFAULT_NAMESPACE: &str = "default";
 /// One resource read from an object.
 #[derive(Debug)]
 pub(super) struct Read {
-    pub(super) collection: Arc<str>,
+    pub(super) collection: SharedStr,
     /// `namespace/name`, or `name` for a cluster-scoped kind.
     pub(super) name: String,
     pub(super) labels: BTreeMap<String, String>,

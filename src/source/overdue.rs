@@ -38,7 +38,7 @@ pub async fn expire_overdue(
             if cache.get(&collection).is_some() {
                 continue;
             }
-            metrics::counter!(m::DEMAND_TIMEOUTS, "collection" => collection.clone()).increment(1);
+            metrics::counter!(m::DEMAND_TIMEOUTS, "collection" => crate::metrics::label(&collection)).increment(1);
             let timeout_seconds = subscriptions.timeout().as_secs_f64();
             match subscriptions.route() {
                 DemandRoute::Hold => tracing::warn!(
@@ -80,6 +80,7 @@ pub async fn expire_overdue(
 
 #[cfg(test)]
 mod tests {
+    use crate::SharedStr;
     use std::time::Duration;
 
     use super::*;
@@ -92,7 +93,7 @@ mod tests {
     async fn the_expiry_task_marks_demands_overdue_on_time() {
         let (cache, mut writer) = Cache::new();
         let subscriptions = Arc::new(Subscriptions::with_route(
-            [Arc::from(VS)],
+            [SharedStr::from(VS)],
             DemandRoute::Hold,
             Duration::from_secs(5),
         ));
@@ -105,7 +106,7 @@ mod tests {
             "0.0.0.0:9901".into(),
             shutdown.clone(),
         ));
-        subscriptions.request(&Arc::from(WG));
+        subscriptions.request(&SharedStr::from(WG));
         // Down for a minute: nothing is overdue, whatever the time.
         tokio::time::advance(Duration::from_secs(60)).await;
         tokio::task::yield_now().await;
@@ -121,7 +122,7 @@ mod tests {
             crate::cache::Update::Full(Vec::new()),
             crate::cache::Origin::Disk,
         );
-        subscriptions.request(&Arc::from(TELEMETRY));
+        subscriptions.request(&SharedStr::from(TELEMETRY));
         while subscriptions.current().demanded.values().any(|d| d.clock.is_none()) {
             tokio::task::yield_now().await;
         }

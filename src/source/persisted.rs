@@ -28,6 +28,7 @@
 //! a cache file may be costs only the history.
 
 use crate::source::validate::SecretGuard;
+use crate::SharedStr;
 use std::collections::HashSet;
 use std::io::Write;
 use std::os::unix::fs::DirBuilderExt;
@@ -244,7 +245,7 @@ fn kept_versions(history: PersistedHistory, secrets: Option<&SecretGuard>) -> Re
                 .into_iter()
                 .map(|u| {
                     let had = u.resource.is_some().then(|| decoded.next().map(Arc::new)).flatten();
-                    (Arc::from(u.name), had)
+                    (SharedStr::from(u.name), had)
                 })
                 .collect();
             let count = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
@@ -534,7 +535,7 @@ fn load_history(
 /// Hands collections to the writer task; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Persister {
-    tx: mpsc::UnboundedSender<Arc<str>>,
+    tx: mpsc::UnboundedSender<SharedStr>,
 }
 
 impl Persister {
@@ -542,7 +543,7 @@ impl Persister {
     /// collection it is told about (bursts coalesce), and drains what is
     /// pending before it stops at `shutdown`.
     pub fn start(dir: PathBuf, cache: Arc<Cache>, shutdown: CancellationToken, tasks: &TaskTracker) -> Self {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Arc<str>>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<SharedStr>();
         tasks.spawn(async move {
             loop {
                 let first = tokio::select! {
@@ -600,17 +601,18 @@ impl Persister {
 
     /// Schedules a write of the collection's current state and history.
     pub fn changed(&self, collection: &str) {
-        let _ = self.tx.send(Arc::from(collection));
+        let _ = self.tx.send(SharedStr::from(collection));
     }
 }
 
 /// Writes one of `collection`'s files, counting and reporting a failure:
 /// whether it was written.
-fn write_persisted(dir: &Path, collection: &Arc<str>, name: &str, bytes: impl FnOnce() -> Vec<u8>) -> bool {
+fn write_persisted(dir: &Path, collection: &SharedStr, name: &str, bytes: impl FnOnce() -> Vec<u8>) -> bool {
     let Err(e) = write_atomically(dir, name, &bytes()) else {
         return true;
     };
-    metrics::counter!(crate::metrics::CACHE_WRITE_FAILURES, "collection" => collection.clone()).increment(1);
+    metrics::counter!(crate::metrics::CACHE_WRITE_FAILURES, "collection" => crate::metrics::label(collection))
+        .increment(1);
     tracing::warn!(
         %collection,
         path = %dir.join(name).display(),

@@ -24,6 +24,7 @@ use crate::proto::{RequestResources, SinkNode, RESOURCE_SOURCE_PATH};
 use crate::transport::call;
 use crate::transport::connect::{self, Dial};
 use crate::transport::requests::RequestBudget;
+use crate::SharedStr;
 
 /// Every `reason` label of `mcp_gateway_upstream_probe_ends_total`: how a
 /// probe stream ended. `delivered`: nothing it asked for is left.
@@ -180,7 +181,7 @@ impl Probe {
         shutdown: &CancellationToken,
         progress: &mut bool,
         one_at_a_time: Option<usize>,
-        asked: &mut BTreeSet<Arc<str>>,
+        asked: &mut BTreeSet<SharedStr>,
     ) -> Option<StreamEnd> {
         let channel = tokio::select! {
             connected = connect::connect(&self.dial) => match connected {
@@ -189,7 +190,7 @@ impl Probe {
             },
             _ = shutdown.cancelled() => return Some(StreamEnd::Shutdown),
         };
-        let mut pending: Vec<Arc<str>> = demand.borrow_and_update().demanded.keys().cloned().collect();
+        let mut pending: Vec<SharedStr> = demand.borrow_and_update().demanded.keys().cloned().collect();
         if pending.is_empty() {
             return None;
         }
@@ -248,7 +249,7 @@ impl Probe {
                     if changed.is_err() {
                         return Some(StreamEnd::Shutdown);
                     }
-                    let demanded: Vec<Arc<str>> = demand.borrow_and_update().demanded.keys().cloned().collect();
+                    let demanded: Vec<SharedStr> = demand.borrow_and_update().demanded.keys().cloned().collect();
                     if demanded.is_empty() || (one_at_a_time.is_some() && !demanded.iter().any(|c| asked.contains(c))) {
                         return None;
                     }
@@ -297,7 +298,7 @@ impl Probe {
     /// A probe of one collection that the source ends as a request it
     /// will not serve (`INVALID_ARGUMENT`, `UNIMPLEMENTED`, `NOT_FOUND`) is
     /// a refusal of that one, whatever the message says.
-    fn classify(&self, status: tonic::Status, asked: &BTreeSet<Arc<str>>) -> StreamEnd {
+    fn classify(&self, status: tonic::Status, asked: &BTreeSet<SharedStr>) -> StreamEnd {
         let refusal = matches!(
             status.code(),
             tonic::Code::InvalidArgument | tonic::Code::Unimplemented | tonic::Code::NotFound
@@ -322,12 +323,12 @@ impl Probe {
     }
 
     /// The collections asked for here and still demanded, for the status.
-    fn publish_asking<'a>(&self, asked: &BTreeSet<Arc<str>>, demanded: impl Iterator<Item = &'a Arc<str>>) {
+    fn publish_asking<'a>(&self, asked: &BTreeSet<SharedStr>, demanded: impl Iterator<Item = &'a SharedStr>) {
         let asking: Vec<String> = demanded.filter(|c| asked.contains(*c)).map(|c| c.to_string()).collect();
         self.update(|p| p.asking = asking);
     }
 }
 
-fn join(collections: &BTreeSet<Arc<str>>) -> String {
+fn join(collections: &BTreeSet<SharedStr>) -> String {
     collections.iter().map(|c| &**c).collect::<Vec<_>>().join(",")
 }

@@ -17,6 +17,7 @@ use crate::proto::wire::RawResources;
 use crate::proto::{RequestResources, SinkNode};
 use crate::source::persisted::Persister;
 use crate::transport::requests::FromBuffer;
+use crate::SharedStr;
 
 /// The collection of Galley's dial-out trigger from 1.2 on.
 pub const TRIGGER_COLLECTION: &str = "$triggerCollection";
@@ -81,9 +82,9 @@ pub struct SinkSession {
     cache: Arc<Cache>,
     origin: Origin,
     /// Subscribed collections on this stream → whether incremental was asked.
-    collections: HashMap<Arc<str>, bool>,
+    collections: HashMap<SharedStr, bool>,
     /// Subscribed collections applied (ACKed) at least once on this stream.
-    applied: HashSet<Arc<str>>,
+    applied: HashSet<SharedStr>,
     /// Writes each changed collection to `--cache-dir`.
     persister: Option<Persister>,
     /// `--max-message-bytes`, for error messages.
@@ -144,7 +145,7 @@ impl SinkSession {
     /// The initial request for a collection on this stream, or `None` when it
     /// was already requested. With incremental on, it carries the versions the
     /// cache holds so a source could resume from them.
-    pub fn subscribe(&mut self, collection: Arc<str>) -> Option<RequestResources> {
+    pub fn subscribe(&mut self, collection: SharedStr) -> Option<RequestResources> {
         // Collection "" is Galley's trigger, never a collection to ask for.
         if collection.is_empty() || self.collections.contains_key(&collection) {
             return None;

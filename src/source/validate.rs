@@ -15,6 +15,7 @@ use super::session::Nack;
 use crate::cache::{body_version, content_digest, CachedResource};
 use crate::collections::CollectionTable;
 use crate::proto::wire::{AnyTypeUrl, RawResource};
+use crate::SharedStr;
 
 /// What keeps a secret's body out of the collections every client may read,
 /// for a source that may write any collection (Galley, a chained gateway,
@@ -99,7 +100,7 @@ fn decode<R: From<CachedResource>>(
                  every resource needs a name unique in its collection"
             )));
         }
-        let name: Arc<str> = Arc::from(metadata.name.as_str());
+        let name: SharedStr = SharedStr::from(metadata.name.as_str());
         let Some(body) = resource.body else {
             return Err(Nack::invalid(format!(
                 "resource {name:?} of collection {collection:?} has no body"

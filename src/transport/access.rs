@@ -27,6 +27,7 @@ use super::fswatch::DirWatch;
 use super::identity::{IdentityPattern, PeerIdentity};
 use super::pattern::{Captures, Pattern};
 use crate::metrics as m;
+use crate::SharedStr;
 
 pub use super::identity::UNAUTHENTICATED;
 pub use super::pattern::Glob;
@@ -204,7 +205,7 @@ pub enum Grant {
 /// grant share what is made for it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct NameGrant {
-    pub key: Arc<str>,
+    pub key: SharedStr,
     globs: Vec<Glob>,
 }
 
@@ -536,7 +537,7 @@ impl AccessPolicy {
     /// each is sensitive): `/debug/access`. `identity` as
     /// [`PeerIdentity::parse`] reads it: `unauthenticated`, `uri:…`,
     /// `dns:…`, or one SAN whose kind its `scheme://` tells.
-    pub fn explain(&self, identity: &str, collections: &[(Arc<str>, bool)]) -> BTreeMap<Arc<str>, Option<Grant>> {
+    pub fn explain(&self, identity: &str, collections: &[(SharedStr, bool)]) -> BTreeMap<SharedStr, Option<Grant>> {
         let peer = PeerIdentity::parse(identity);
         collections
             .iter()
@@ -730,7 +731,7 @@ rules:
         assert!(g.allows("*/x"));
         assert!(!g.allows("shop/x"), "the captured * is literal");
         assert_ne!(
-            g.key.as_ref(),
+            g.key.as_str(),
             "[\"*/x\"]",
             "a literal star is written escaped in the key"
         );
@@ -873,7 +874,7 @@ rules:
     #[test]
     fn explain_reads_the_kind_of_an_identity() {
         let p = policy(ISSUE);
-        let collections = [(Arc::from(SECRETS), true)];
+        let collections = [(SharedStr::from(SECRETS), true)];
         let grant = |identity: &str| p.explain(identity, &collections).into_values().next().flatten();
         let shop = grant(&format!("uri:{FRONTEND_ID}"));
         assert!(

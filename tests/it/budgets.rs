@@ -41,8 +41,11 @@ use crate::xds::{ack_sotw, cluster_doc, delta_ack};
 /// (issue 44): no request-read timer in an idle stream's future (1,048 →
 /// 832 B), the response writer's future without the response's parts and
 /// a second copy of its send side (384 → 256 B): each task one size class
-/// of tokio's 128-byte-aligned task cells down.
-const LEGACY_STREAM: i64 = 3_700;
+/// of tokio's 128-byte-aligned task cells down. 3,476 to 3,478 B since
+/// "cache: names and versions one pointer" (issue 44: the stream's
+/// collection, versions and names are `SharedStr`, 8 bytes where an
+/// `Arc<str>` took 16).
+const LEGACY_STREAM: i64 = 3_600;
 /// An idle plaintext connection with one idle legacy stream on it (the
 /// stream included): the connection's task, h2's codec (its read and write
 /// buffers and HPACK tables, as h2 sizes them) and its streams' store, the
@@ -56,14 +59,16 @@ const LEGACY_CONNECTION: i64 = 45_000;
 /// its wake-index entries. Measured 4,662 to 4,684 B; 4,802 B after issue
 /// 41's drains and NACK rule (as the legacy stream's). Moved by: "order and
 /// delta: fixes from issue 41's independent check". 4,433 to 4,443 B since
-/// "streams: smaller idle tasks" (as the legacy stream's).
-const NAMED_SOTW_STREAM: i64 = 4_550;
+/// "streams: smaller idle tasks" (as the legacy stream's). 4,300 to 4,315 B
+/// since "cache: names and versions one pointer" (its names 8 bytes each).
+const NAMED_SOTW_STREAM: i64 = 4_450;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
 /// and delta: fixes from issue 41's independent check". 4,407 to 4,409 B
-/// since "streams: smaller idle tasks" (as the legacy stream's).
-const NAMED_DELTA_STREAM: i64 = 4_550;
+/// since "streams: smaller idle tasks" (as the legacy stream's). 4,267 to
+/// 4,284 B since "cache: names and versions one pointer".
+const NAMED_DELTA_STREAM: i64 = 4_450;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,
 /// its entry in the collection's map, its name, version and digest, and its
@@ -71,13 +76,16 @@ const NAMED_DELTA_STREAM: i64 = 4_550;
 /// heap budgets. 854 to 869 B since "cache: a cached resource of 88 bytes"
 /// (no body type URL kept beside the bytes, a one-pointer memo, the digest
 /// without padding; a compile-time assertion holds the struct's size);
-/// 839 B with the version inline ("cache: a resource's version inline").
-const CACHE_RESOURCE: i64 = 890;
+/// 839 B with the version inline ("cache: a resource's version inline");
+/// 805 to 811 B with the name one pointer ("cache: names and versions one
+/// pointer": the resource 88 bytes, a 112-byte chunk, and the map's key 8).
+const CACHE_RESOURCE: i64 = 850;
 /// A distinct access grant: what a client whose identity's grant no other
 /// client has costs above a client of a grant already served (the same
 /// certificate and name sizes): the grant's view of the version and its
-/// bookkeeping. Measured 836 to 854 B. Moved by: heap budgets.
-const DISTINCT_GRANT: i64 = 950;
+/// bookkeeping. Measured 836 to 854 B. Moved by: heap budgets. 771 to
+/// 784 B since "cache: names and versions one pointer" (the grant's names).
+const DISTINCT_GRANT: i64 = 850;
 
 /// Streams opened on each connection before the heap is first measured
 /// (what is paid once: the connection, the first encodings, the metrics'

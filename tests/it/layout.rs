@@ -79,7 +79,9 @@ fn imported_rooms(text: &str) -> BTreeSet<String> {
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect();
-        if !room.is_empty() {
+        // A type of the crate root (`crate::SharedStr`) is the crate's
+        // shared vocabulary, not a room: rooms are modules, lower case.
+        if room.starts_with(|c: char| c.is_ascii_lowercase()) {
             rooms.insert(room);
         }
     }

@@ -11,13 +11,14 @@
 //! when one NACKs it.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::SharedStr;
+
 /// A collection's content version, as clients see it.
-pub type Version = Arc<str>;
+pub type Version = SharedStr;
 
 /// What a round does when no canary is connected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
@@ -378,7 +379,7 @@ mod tests {
     use super::*;
 
     fn v(text: &str) -> Version {
-        Arc::from(text)
+        SharedStr::from(text)
     }
 
     fn canary_policy(when_none: WhenNone, soak: Duration) -> Policy {

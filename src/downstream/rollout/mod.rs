@@ -33,6 +33,7 @@ use crate::cache::{Cache, CollectionSnapshot};
 use crate::metrics as m;
 use crate::transport::access::AccessPolicy;
 use crate::transport::identity::PeerIdentity;
+use crate::SharedStr;
 use gate::{Gate, Hold, Policy, PromoteError, Version, WhenNone};
 use selector::Selector;
 
@@ -129,7 +130,7 @@ impl ControlError {
 /// `rollout status` command show it.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct RolloutView {
-    pub collection: Arc<str>,
+    pub collection: SharedStr,
     /// PINNED, HELD, WAITING (a round no canary is connected to decide),
     /// CANARY (a round in progress) or SERVING.
     pub state: &'static str,
@@ -168,7 +169,7 @@ pub struct Rollout {
     policy: Policy,
     selectors: Vec<Selector>,
     membership: Membership,
-    gates: Mutex<HashMap<Arc<str>, Gated>>,
+    gates: Mutex<HashMap<SharedStr, Gated>>,
     /// What a restart left, taken by each collection's gate when it is made.
     restored: Mutex<HashMap<String, Saved>>,
     /// Bumped whenever what [`Self::saved`] returns or a soak deadline
@@ -285,7 +286,7 @@ impl Rollout {
     }
 
     /// The slot of `collection` a stream of the group follows.
-    pub fn watch(&self, collection: &Arc<str>, canary: bool) -> watch::Receiver<Option<Arc<CollectionSnapshot>>> {
+    pub fn watch(&self, collection: &SharedStr, canary: bool) -> watch::Receiver<Option<Arc<CollectionSnapshot>>> {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
         let gated = self.gated(&mut gates, collection);
         if canary {
@@ -297,7 +298,7 @@ impl Rollout {
 
     /// The index of the named clients of `collection` that are not
     /// canaries (see [`Wakes`]).
-    pub fn named(&self, collection: &Arc<str>) -> Arc<Wakes> {
+    pub fn named(&self, collection: &SharedStr) -> Arc<Wakes> {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
         self.gated(&mut gates, collection).named.clone()
     }
@@ -313,7 +314,7 @@ impl Rollout {
 
     /// The gate of `collection`, made (from what a restart left, and the
     /// cache's newest version) when it is first needed.
-    fn gated<'a>(&self, gates: &'a mut HashMap<Arc<str>, Gated>, collection: &Arc<str>) -> &'a mut Gated {
+    fn gated<'a>(&self, gates: &'a mut HashMap<SharedStr, Gated>, collection: &SharedStr) -> &'a mut Gated {
         gates.entry(collection.clone()).or_insert_with(|| {
             let saved = self
                 .restored
@@ -355,7 +356,7 @@ impl Rollout {
     /// Steps `collection`'s gate, fills its slots, and logs what changed.
     fn step<R>(
         &self,
-        collection: &Arc<str>,
+        collection: &SharedStr,
         hint: Option<Arc<CollectionSnapshot>>,
         f: impl FnOnce(&mut Gate, Instant) -> R,
     ) -> R {
@@ -378,7 +379,7 @@ impl Rollout {
     /// Fills the group slots with the snapshots of the versions the gate
     /// serves: the one they hold, the cache's newest, or one rebuilt from
     /// the history.
-    fn publish(&self, collection: &Arc<str>, gated: &mut Gated, hint: Option<Arc<CollectionSnapshot>>) {
+    fn publish(&self, collection: &SharedStr, gated: &mut Gated, hint: Option<Arc<CollectionSnapshot>>) {
         let served = gated.gate.served();
         for (slot, version, named) in [
             (&gated.everyone, &served.everyone, Some(&gated.named)),
@@ -468,7 +469,7 @@ impl Rollout {
 
     /// Soaks that ended release their rounds.
     fn tick(&self) {
-        let collections: Vec<Arc<str>> = {
+        let collections: Vec<SharedStr> = {
             let gates = self.gates.lock().expect("rollout lock poisoned");
             gates.keys().cloned().collect()
         };
@@ -531,7 +532,7 @@ impl Rollout {
     // === canaries ===
 
     /// A client is a canary of `collection` (see [`Self::decide`]).
-    pub fn canary_joined(&self, collection: &Arc<str>, client: CanaryClient) {
+    pub fn canary_joined(&self, collection: &SharedStr, client: CanaryClient) {
         let stream = client.stream;
         self.record(collection, |gated| {
             gated.refused.remove(&stream);
@@ -543,7 +544,7 @@ impl Rollout {
     /// A client claims to be a canary of `collection` and is not one (see
     /// [`Self::decide`]): an ordinary client, which leaves the round if it
     /// was in it (a reload took its permission away).
-    pub fn canary_refused(&self, collection: &Arc<str>, client: CanaryClient) {
+    pub fn canary_refused(&self, collection: &SharedStr, client: CanaryClient) {
         let stream = client.stream;
         let now = Instant::now();
         let (was_member, log) = self.record(collection, |gated| {
@@ -577,7 +578,7 @@ impl Rollout {
     }
 
     /// A stream that claimed to be a canary of `collection` left it.
-    pub fn canary_left(&self, collection: &Arc<str>, stream: u64) {
+    pub fn canary_left(&self, collection: &SharedStr, stream: u64) {
         let was_member = self.record(collection, |gated| {
             gated.refused.remove(&stream);
             gated.members.remove(&stream).is_some()
@@ -588,16 +589,16 @@ impl Rollout {
     }
 
     /// Changes what `collection`'s gate knows of its canaries' clients.
-    fn record<R>(&self, collection: &Arc<str>, f: impl FnOnce(&mut Gated) -> R) -> R {
+    fn record<R>(&self, collection: &SharedStr, f: impl FnOnce(&mut Gated) -> R) -> R {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
         f(self.gated(&mut gates, collection))
     }
 
-    pub fn canary_acked(&self, collection: &Arc<str>, stream: u64, version: &str) {
+    pub fn canary_acked(&self, collection: &SharedStr, stream: u64, version: &str) {
         self.step(collection, None, |gate, now| gate.canary_acked(stream, version, now));
     }
 
-    pub fn canary_nacked(&self, collection: &Arc<str>, stream: u64, version: &str, node: &str, message: &str) {
+    pub fn canary_nacked(&self, collection: &SharedStr, stream: u64, version: &str, node: &str, message: &str) {
         // Who held it is kept with the hold: the canary may leave.
         let identity = match self.membership {
             Membership::Identity => self.record(collection, |gated| {
@@ -612,7 +613,7 @@ impl Rollout {
 
     // === controls (the admin port) ===
 
-    fn known(&self, collection: &str) -> Result<Arc<str>, ControlError> {
+    fn known(&self, collection: &str) -> Result<SharedStr, ControlError> {
         self.cache
             .get(collection)
             .map(|s| s.collection.clone())
@@ -718,7 +719,7 @@ fn saved_of(gate: &Gate) -> Saved {
     }
 }
 
-fn view_of(collection: &Arc<str>, gated: &Gated, policy: Policy) -> RolloutView {
+fn view_of(collection: &SharedStr, gated: &Gated, policy: Policy) -> RolloutView {
     let gate = &gated.gate;
     let served = gate.served();
     let now = Instant::now();
@@ -959,7 +960,7 @@ mod tests {
     #[test]
     fn the_view_lists_canaries_and_refused_claims_and_a_refusal_leaves_the_round() {
         let rollout = rollout(Membership::Identity);
-        let vs: Arc<str> = Arc::from(VS);
+        let vs: SharedStr = SharedStr::from(VS);
         let client = |stream: u64, why: &str| CanaryClient {
             stream,
             node: format!("canary-{stream}"),
