@@ -523,9 +523,24 @@ fn effective(command: &clap::Command, matches: &clap::ArgMatches) -> Vec<Effecti
                 return None;
             }
             let id = arg.get_id().as_str();
+            // KEY=VALUE pairs (`--node-annotation`, `--sink-meta`) show a
+            // credential's value redacted; the flag's own parser reads the
+            // pairs. No other flag holds a secret itself (paths only).
+            let pairs = matches!(long, "node-annotation" | "sink-meta");
             let value = matches.get_raw(id).map(|values| {
                 values
-                    .map(|v| v.to_string_lossy().into_owned())
+                    .map(|v| {
+                        let v = v.to_string_lossy();
+                        match v.split_once('=') {
+                            Some((key, value)) if pairs => {
+                                format!(
+                                    "{key}={}",
+                                    crate::transport::safe_text::credential_shown(key.trim(), value)
+                                )
+                            }
+                            _ => v.into_owned(),
+                        }
+                    })
                     .collect::<Vec<_>>()
                     .join(",")
             });
@@ -1281,6 +1296,19 @@ fn source_dir(dir: Option<PathBuf>, demo: bool) -> Result<SourceDir, ConfigError
 }
 
 fn validate_upstream(url: &str) -> Result<String, ConfigError> {
+    // User info (`user:password@`) is never sent by gRPC, and the address is
+    // logged and shown in views: refused, without quoting it.
+    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return Err(invalid(
+            "--upstream",
+            "the URL holds user info (USER:PASSWORD@), which gRPC never sends and the logs would show; give \
+             http://HOST:PORT or https://HOST:PORT alone (a client certificate authenticates the gateway: \
+             --upstream-cert)"
+                .to_owned(),
+        ));
+    }
     let uri: tonic::transport::Uri = url.parse().map_err(|e| {
         invalid(
             "--upstream",
@@ -1379,6 +1407,33 @@ mod tests {
             (node.value.as_deref(), node.source.as_str()),
             (Some("gw-7"), "command line")
         );
+    }
+
+    #[test]
+    fn credentials_given_in_flags_are_never_shown() {
+        // User info in --upstream is refused without quoting it.
+        for url in ["http://user:pw-7Q@galley:9901", "https://pw-7Q@galley:9901/x"] {
+            let err = parse(&["--upstream", url]).unwrap_err();
+            assert!(err.contains("--upstream") && err.contains("user info"), "{err}");
+            assert!(!err.contains("pw-7Q"), "{err}");
+        }
+        // An '@' past the authority is no user info.
+        assert!(parse(&["--upstream", "http://galley:9901/a@b"]).is_ok());
+        // A credential's value among the annotations is redacted in the
+        // effective configuration (`/debug/config`, the first log line);
+        // the others are shown, and both are sent.
+        let args = Args::try_parse_with_sources(["mcp-xds-gateway", "--node-annotation", "auth-token=pw-7Q,zone=eu-1"])
+            .unwrap();
+        assert!(args
+            .node_annotations
+            .contains(&("auth-token".to_owned(), "pw-7Q".to_owned())));
+        let settings = args.validate().unwrap();
+        let shown = settings
+            .effective
+            .iter()
+            .find(|f| f.flag == "--node-annotation")
+            .unwrap();
+        assert_eq!(shown.value.as_deref(), Some("auth-token=[redacted],zone=eu-1"));
     }
 
     #[test]

@@ -388,6 +388,7 @@ pub fn monitoring_router(state: AdminState) -> Router {
         .route("/readyz", get(readyz_counted))
         .route("/", get(index::monitoring))
         .with_state(state)
+        .layer(axum::middleware::map_response(nosniff))
 }
 
 /// The admin port: the monitoring paths (`/readyz` with its details), every
@@ -418,6 +419,17 @@ pub fn admin_router(state: AdminState, guard: guard::Guard) -> Router {
         .with_state(state)
         .layer(axum::middleware::from_fn(json_safe_body))
         .layer(axum::middleware::from_fn_with_state(guard, guard::guard))
+        .layer(axum::middleware::map_response(nosniff))
+}
+
+/// Every answer is read as the type it says: a YAML or text view holding
+/// what a source wrote (`<script>` in a name) is never sniffed into HTML.
+async fn nosniff(mut response: Response) -> Response {
+    response.headers_mut().insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
+    response
 }
 
 /// Every JSON answer of the admin port with what a client wrote (node ids,

@@ -749,8 +749,8 @@ fn redacted_in(
         return reason;
     }
     // The resource's name is no secret: it stays where the error names it.
-    if let Some(rest) = name.and_then(|n| reason.strip_prefix(&format!("body of {n:?}: "))) {
-        return format!("body of {:?}: {}", name.unwrap_or_default(), redacted_reason(rest));
+    if let Some(rest) = name.and_then(|n| reason.strip_prefix(&format!("body of \"{n}\": "))) {
+        return format!("body of \"{}\": {}", name.unwrap_or_default(), redacted_reason(rest));
     }
     redacted_reason(&reason)
 }
@@ -1096,7 +1096,9 @@ fn resources_of(
             .into_iter()
             .map(|(reason, steps)| {
                 (
-                    format!("body of {name:?}: {reason}"),
+                    // Quoted, not escaped: what prints the message escapes
+                    // it once, the name with the rest.
+                    format!("body of \"{name}\": {reason}"),
                     [vec![key("body")], steps].concat(),
                 )
             })

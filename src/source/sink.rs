@@ -269,14 +269,20 @@ impl SinkServer {
 }
 
 /// The source's gRPC metadata: Galley's `--sinkMeta` pairs and
-/// `config.source.version`, without the transport's own headers.
+/// `config.source.version`, without the transport's own headers, as the log
+/// and `/debug/upstream` show them: a credential's value (`authorization`,
+/// a token) redacted.
 fn source_metadata(headers: &HeaderMap) -> BTreeMap<String, String> {
+    use crate::transport::safe_text::credential_shown;
     headers
         .iter()
         .filter(|(name, _)| {
             let name = name.as_str();
             !matches!(name, "content-type" | "te" | "user-agent") && !name.starts_with("grpc-")
         })
-        .filter_map(|(name, value)| Some((name.as_str().to_owned(), value.to_str().ok()?.to_owned())))
+        .filter_map(|(name, value)| {
+            let name = name.as_str();
+            Some((name.to_owned(), credential_shown(name, value.to_str().ok()?).to_owned()))
+        })
         .collect()
 }

@@ -24,6 +24,39 @@ pub fn needs_escape(c: char) -> bool {
     c.is_control() || (!c.is_ascii() && c.escape_debug().len() > 1)
 }
 
+/// Whether a metadata or annotation key names a credential: a source's
+/// gRPC metadata (`authorization: Bearer …`), Galley's `--sinkMeta` pairs,
+/// the gateway's own `--node-annotation` and `--sink-meta`. Its value is
+/// never printed (logs, views, the effective configuration): shown as
+/// `[redacted]` ([`credential_shown`]). A key is matched in any case, by the
+/// words credentials go by; a harmless value under such a key is hidden too.
+pub fn names_a_credential(key: &str) -> bool {
+    const WORDS: [&str; 10] = [
+        "auth",
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "credential",
+        "apikey",
+        "api-key",
+        "api_key",
+        "cookie",
+    ];
+    let key = key.to_ascii_lowercase();
+    WORDS.iter().any(|word| key.contains(word))
+}
+
+/// `value` as a view or a log may show it under `key`: `[redacted]` when
+/// the key names a credential ([`names_a_credential`]).
+pub fn credential_shown<'a>(key: &str, value: &'a str) -> &'a str {
+    if names_a_credential(key) {
+        "[redacted]"
+    } else {
+        value
+    }
+}
+
 /// `text` as it may be printed on an operator's terminal: every character
 /// of [`needs_escape`] escaped as Rust writes it (`\n`, `\t`, `\x1b`,
 /// `\u{202e}`), and then every backslash doubled (a text with none of those
@@ -156,9 +189,11 @@ pub fn json_safe(json: &str) -> Cow<'_, str> {
 }
 
 /// `value` as YAML in which every string holding a character of
-/// [`needs_escape`] (but line ends alone) is a double-quoted scalar with that character escaped
-/// (`"\u202E"`, `"\e"` …): valid YAML that reads back as the text that
-/// was sent, and shows nothing raw. Every other string is written as
+/// [`needs_escape`] (a line end too) is a double-quoted scalar with that
+/// character escaped (`"\u202E"`, `"\n"` …): valid YAML that reads back as
+/// the text that was sent, and shows nothing raw. A line end is escaped
+/// like the rest: in a literal block the text a source wrote would start
+/// lines of its own on the terminal. Every other string is written as
 /// `serde_norway` writes it.
 pub fn yaml_terminal_safe<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, serde_norway::Error> {
     let mut tree = serde_norway::to_value(value)?;
@@ -200,9 +235,7 @@ fn any_string(value: &serde_norway::Value, test: &dyn Fn(&str) -> bool) -> bool 
 fn take_escaped(value: &mut serde_norway::Value, mark: &str, taken: &mut Vec<String>) {
     use serde_norway::Value;
     let take = |s: &mut String, taken: &mut Vec<String>| {
-        // Line ends alone are left to serde_norway (a literal block, or
-        // escaped in quotes): a multi-line text stays readable in lines.
-        if s.chars().any(|c| needs_escape(c) && c != '\n') {
+        if s.chars().any(needs_escape) {
             let placeholder = format!("{mark}{}z", taken.len());
             taken.push(std::mem::replace(s, placeholder));
         }
@@ -268,8 +301,29 @@ mod tests {
     /// isolates, a zero-width space, a line separator.
     const HOSTILE: &str = "evil\x1b[31m\u{9b}2J\u{202e}gnp.exe\u{2066}x\u{2069}\u{200b}\u{2028}\u{200f}\u{61c}\u{feff}";
 
+    /// The first character of `text` that would reach a terminal raw but
+    /// its own line ends.
     fn raw(text: &str) -> Option<char> {
-        text.chars().find(|&c| needs_escape(c) && c != '\n')
+        text.split('\n').flat_map(str::chars).find(|&c| needs_escape(c))
+    }
+
+    #[test]
+    fn credentials_are_named_in_any_case_and_shown_redacted() {
+        for key in [
+            "authorization",
+            "Proxy-Authorization",
+            "x-auth-token",
+            "cookie",
+            "API_KEY",
+            "db-password",
+        ] {
+            assert!(super::names_a_credential(key), "{key}");
+            assert_eq!(super::credential_shown(key, "Bearer abc"), "[redacted]");
+        }
+        for key in ["component", "config.source.version", "istio-version", "cluster"] {
+            assert!(!super::names_a_credential(key), "{key}");
+            assert_eq!(super::credential_shown(key, "v1"), "v1");
+        }
     }
 
     #[test]
@@ -357,12 +411,25 @@ mod tests {
             node: HOSTILE.into(),
             plain: "sidecar~10.0.0.1~a.b~cluster.local mcpgwescaped0z".into(),
             lines: format!("first\nsecond {HOSTILE}\n\"quoted\" \\ \u{1F600} \u{E0001}"),
-            names: vec![HOSTILE.into(), "ok".into(), format!("{HOSTILE}2")],
+            names: vec![
+                HOSTILE.into(),
+                "ok".into(),
+                format!("{HOSTILE}2"),
+                "ctl/lf\nFORGED SYNCED".into(),
+            ],
             by_node: [(HOSTILE.to_owned(), 1), ("plain".to_owned(), 2), (long_key.clone(), 3)].into(),
             tag: Some(Kind::Nacked(HOSTILE.into())),
         };
         let yaml = yaml_terminal_safe(&shown).unwrap();
         assert_eq!(raw(&yaml), None, "{yaml}");
+        // A line end of a string is escaped too, with nothing else to
+        // escape beside it: no text a source wrote starts a line.
+        assert!(
+            !yaml
+                .lines()
+                .any(|l| l.trim_start().starts_with("second") || l.trim_start().starts_with("FORGED")),
+            "{yaml}"
+        );
         let mut back: Shown = serde_norway::from_str(&yaml).unwrap();
         // The over-long key is escaped visibly; everything else reads back.
         let long = back.by_node.remove(&terminal_safe(&long_key).into_owned());

@@ -786,6 +786,18 @@ async fn values_from_a_file_are_printed_terminal_safe() {
         assert!(!stdout.contains('\x1b'), "{stdout:?}");
         assert!(stdout.contains("unrecognized field name 'x\\x1b[2J'"), "{stdout}");
     }
+    // A resource's name and a field of its body in one message: each
+    // escaped once, by the printing, not the name twice.
+    let dir = tempfile::tempdir().unwrap();
+    let text = "collection: envoy/config/cluster/v3/clusters\nname: \"a\\e]0;T\\a\\nFAKE\"\nbody:\n  type_url: \
+                type.googleapis.com/envoy.config.cluster.v3.Cluster\n  json: {\"\\e[31mbad\": 1}\n";
+    std::fs::write(dir.path().join("named.yaml"), text).unwrap();
+    let (code, stdout, _) = check(&[&dir.path().display().to_string()]).await;
+    assert_eq!(code, Some(1), "{stdout}");
+    assert!(
+        stdout.contains("body of \"a\\x1b]0;T\\x07\\nFAKE\": json.\\x1b[31mbad: unrecognized field name"),
+        "{stdout}"
+    );
 }
 
 #[tokio::test]

@@ -1145,8 +1145,16 @@ async fn the_config_dump_reads_bodies_back() {
     )
     .unwrap();
     let gw = crate::helpers::start_gateway(&["--source-dir", dir.path().to_str().unwrap()]).await;
-    let (status, yaml) = http_get(gw.admin, "/debug/cache/envoy/config/cluster/v3/clusters?bodies=yaml").await;
+    let (status, head, yaml) = crate::helpers::http_exchange(
+        gw.admin,
+        "GET",
+        "/debug/cache/envoy/config/cluster/v3/clusters?bodies=yaml",
+        "",
+    )
+    .await;
     assert_eq!(status, 200, "{yaml}");
+    // Read as the YAML it says it is, never sniffed into a page.
+    assert!(head.contains("\r\nx-content-type-options: nosniff"), "{head}");
     let dump: serde_json::Value = serde_norway::from_str(&yaml).unwrap();
     let cluster = &dump["resources"][0];
     assert_eq!(cluster["name"], "backend");
@@ -1964,6 +1972,9 @@ async fn what_clients_and_sources_write_reaches_no_output_raw() {
     const NACK: &str = "bad \x1b]0;owned\x07\u{9b}31m\u{202e}all is well\u{2066}";
     const NAME: &str = "cfg-\u{202e}txt\u{2066}\u{9b}";
     const LABEL: &str = "team-\x1b[2J\u{9b}\u{202e}\u{2066}";
+    // A line end alone: in YAML too it is an escape, no line of its own.
+    const LINES: &str = "cfg-lf\nFORGED SYNCED";
+    let forged = |text: &str| text.lines().any(|l| l.trim_start().starts_with("FORGED"));
     fn raw(text: &str) -> Vec<char> {
         text.chars()
             .filter(|&c| {
@@ -2004,12 +2015,16 @@ async fn what_clients_and_sources_write_reaches_no_output_raw() {
     .await;
     let mut upstream = galley.next_stream().await;
     upstream.initial_requests(1).await;
-    upstream.push_full(VS, vec![hostile_resource("1")]).await;
+    upstream
+        .push_full(VS, vec![hostile_resource("1"), resource(LINES, "1", b"1")])
+        .await;
     let mut client = sotw(gw.listen).await;
     client.send(request_as(NODE, VS, "", "", None));
     let first = client.recv_type(VS).await;
     client.send(request_as(NODE, VS, &first.version_info, &first.nonce, None));
-    upstream.push_full(VS, vec![hostile_resource("2")]).await;
+    upstream
+        .push_full(VS, vec![hostile_resource("2"), resource(LINES, "1", b"1")])
+        .await;
     let offered = client.recv_type(VS).await;
     assert_ne!(offered.version_info, first.version_info);
     client.send(request_as(NODE, VS, &first.version_info, &offered.nonce, Some(NACK)));
@@ -2060,6 +2075,7 @@ async fn what_clients_and_sources_write_reaches_no_output_raw() {
         let value: serde_json::Value =
             serde_norway::from_str(&body).unwrap_or_else(|e| panic!("{path} is not YAML ({e}): {body}"));
         assert!(holds(&value, NAME) && holds(&value, LABEL), "{path}: {value}");
+        assert!(holds(&value, LINES) && !forged(&body), "{path}: {body}");
     }
     // The HTML pages: nothing raw; the escape shown.
     for path in views.iter().chain([&"/".to_owned()]) {
@@ -2093,12 +2109,16 @@ async fn what_clients_and_sources_write_reaches_no_output_raw() {
             "--output",
             output,
         ];
-        runs.push((client, &[NAME, LABEL][..]));
+        runs.push((client, &[NAME, LABEL, LINES][..]));
     }
     for (args, texts) in runs {
         let (_, stdout, stderr) = subcommand(args[0], &args[1..]).await;
         assert_eq!(raw(&stdout), Vec::<char>::new(), "{args:?} prints raw: {stdout}");
         assert_eq!(raw(&stderr), Vec::<char>::new(), "{args:?} prints raw: {stderr}");
+        assert!(
+            !forged(&stdout) && !forged(&stderr),
+            "{args:?} starts a line: {stdout}{stderr}"
+        );
         // The document: the client's YAML starts with `---`, its JSON is a
         // line; the others' verdict lines follow the document on stderr.
         let value: serde_json::Value = if args.last() == Some(&"yaml") {

@@ -33,7 +33,11 @@ async fn galleys_dial_out_is_served_like_client_mode() {
     let sink = gw.sink.expect("a sink listener");
     let mut galley = dial_out(
         channel(sink).await,
-        &[("config.source.version", "1.3.0"), ("team", "mesh")],
+        &[
+            ("config.source.version", "1.3.0"),
+            ("team", "mesh"),
+            ("authorization", "Bearer pw-7Q"),
+        ],
     )
     .await
     .expect("the first source is accepted");
@@ -81,6 +85,11 @@ async fn galleys_dial_out_is_served_like_client_mode() {
     );
     assert_eq!(status.source_metadata.get("team").map(String::as_str), Some("mesh"));
     assert!(!status.source_metadata.contains_key("content-type"));
+    // A credential among the metadata is kept (and logged) redacted.
+    assert_eq!(
+        status.source_metadata.get("authorization").map(String::as_str),
+        Some("[redacted]")
+    );
 }
 
 /// The three ways a dial-out source opens, each then served as usual: Galley
