@@ -311,6 +311,11 @@ impl CollectionTable {
         })
     }
 
+    /// Every sensitive collection ([`Self::is_sensitive`]), in name order.
+    pub fn sensitive_collections(&self) -> impl Iterator<Item = &SharedStr> + '_ {
+        self.by_name.keys().filter(|name| self.is_sensitive(name))
+    }
+
     /// The body type URL a sensitive collection declares (`None`: not
     /// sensitive): the only type whose bodies there are shown with their
     /// secret fields redacted; a body claiming any other type is hidden
@@ -539,6 +544,45 @@ impl CollectionTable {
     }
 }
 
+/// The response header a stream of the gateway's carries, naming the
+/// sensitive collections its client may read (a `--type-map` row marked
+/// `sensitive: true` among them), each by its name and its body type URL,
+/// so that the `client` command redacts their bodies as the gateway's views
+/// do without being given the gateway's `--type-map`. Absent when the client
+/// may read none.
+pub const SENSITIVE_HEADER: &str = "x-mcp-gateway-sensitive";
+
+/// Any byte of a collection's name but these is percent-encoded in the
+/// header (a name may hold anything, a header value only visible ASCII).
+const HEADER_KEEPS: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'/')
+    .remove(b'.')
+    .remove(b'-')
+    .remove(b'_');
+
+/// [`SENSITIVE_HEADER`]'s value: `names`, each percent-encoded, joined by `,`.
+pub fn sensitive_header<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    names
+        .into_iter()
+        .map(|name| percent_encoding::utf8_percent_encode(name, HEADER_KEEPS).to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The collections a [`SENSITIVE_HEADER`] value names (what does not
+/// decode is taken as written: only more is redacted).
+pub fn from_sensitive_header(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .filter(|name| !name.is_empty())
+        .map(|name| {
+            percent_encoding::percent_decode_str(name)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -668,6 +712,16 @@ mod tests {
     /// descriptors say about secrets.
     fn with_descriptors(table: CollectionTable) -> CollectionTable {
         table.with_sensitive_types(crate::source::proto_json::secret_type_urls())
+    }
+
+    #[test]
+    fn the_sensitive_header_names_any_collection_and_reads_back() {
+        let names = ["custom/creds", "a,b c/\u{202e}ü", "plain.v1-x_y"];
+        let value = super::sensitive_header(names);
+        assert!(value.bytes().all(|b| b.is_ascii_graphic()), "{value}");
+        assert_eq!(value.split(',').count(), 3, "{value}");
+        assert_eq!(super::from_sensitive_header(&value), names);
+        assert!(super::from_sensitive_header("").is_empty());
     }
 
     #[test]

@@ -291,6 +291,22 @@ impl Downstream {
         }
     }
 
+    /// The sensitive collections `identity` may read, as the stream's
+    /// [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER) says them
+    /// (`None`: none; without a policy nobody reads a sensitive collection).
+    fn sensitive_readable(&self, identity: &PeerIdentity) -> Option<String> {
+        let policy = self.inner.access.current();
+        let table = &self.inner.table;
+        // Each by its name (MCP) and its body type URL (xDS asks by that).
+        let readable: Vec<&str> = table
+            .sensitive_collections()
+            .filter(|collection| policy.grant(identity, collection, true).is_some())
+            .flat_map(|collection| [Some(collection.as_str()), table.sensitive_body_type(collection)])
+            .flatten()
+            .collect();
+        (!readable.is_empty()).then(|| crate::collections::sensitive_header(readable))
+    }
+
     /// Holds `grant` of `collection` for a stream: a new distinct grant
     /// past `--max-grants-per-version` ends a new stream's type
     /// `RESOURCE_EXHAUSTED` naming the flag (counted); `enforce: false` (a

@@ -143,10 +143,15 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
             .get::<ConnInfo>()
             .map(|info| info.identity.clone())
             .unwrap_or_default();
+        let sensitive = self.downstream.sensitive_readable(&identity);
         let responses = start(&self.downstream, request.into_body(), peer, identity);
         let mut response = http::Response::new(Body::new(FramedResponses::new(responses)));
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        // Percent-encoded: always a valid value.
+        if let Some(value) = sensitive.and_then(|v| HeaderValue::try_from(v).ok()) {
+            headers.insert(crate::collections::SENSITIVE_HEADER, value);
+        }
         if M::ANNOUNCES_CHAIN {
             // Gateway ids are ASCII; an invalid value is only left out.
             if let Ok(chain) = HeaderValue::try_from(self.downstream.inner.cache.provenance().announced()) {

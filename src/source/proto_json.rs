@@ -356,7 +356,13 @@ pub struct SecretTypes {
 
 impl SecretTypes {
     pub fn of(table: &crate::collections::CollectionTable) -> Self {
-        let extra: std::collections::HashSet<String> = table.secret_only_body_types().into_iter().collect();
+        // In any case, as Envoy's own secret types are matched: a type
+        // named `acme.v1.creds` beside a sensitive `acme.v1.Creds` is one.
+        let extra: std::collections::HashSet<String> = table
+            .secret_only_body_types()
+            .into_iter()
+            .map(|url| url.to_ascii_lowercase())
+            .collect();
         let mut needles: Vec<Vec<u8>> = extra
             .iter()
             .map(String::as_str)
@@ -399,9 +405,7 @@ impl SecretTypes {
                 let full_name = message.full_name();
                 if secret_by_name(full_name, false)
                     || (!self.extra.is_empty()
-                        && self
-                            .extra
-                            .contains(&format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX)))
+                        && self.extra_has(&format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX)))
                 {
                     return true;
                 }
@@ -441,7 +445,7 @@ impl SecretTypes {
             let url = format!("{}{run}", crate::collections::TYPE_URL_PREFIX);
             if (run.split('.').count() >= 3 && secret_by_name(run, true))
                 || SECRETS_THEMSELVES.contains(&url.as_str())
-                || self.extra.contains(&url)
+                || self.extra_has(&url)
             {
                 return Some(run.to_owned());
             }
@@ -465,7 +469,13 @@ impl SecretTypes {
     /// is not refused): a message named like a secret, Envoy's TLS key
     /// material, or a type only collections of secrets declare.
     fn is_a_secret_itself(&self, type_url: &str) -> bool {
-        secret_by_name(type_url, true) || SECRETS_THEMSELVES.contains(&type_url) || self.extra.contains(type_url)
+        secret_by_name(type_url, true) || SECRETS_THEMSELVES.contains(&type_url) || self.extra_has(type_url)
+    }
+
+    /// Whether `type_url` is a type only collections of secrets declare
+    /// (a `--type-map` row's, in any case).
+    fn extra_has(&self, type_url: &str) -> bool {
+        !self.extra.is_empty() && self.extra.contains(&type_url.to_ascii_lowercase())
     }
 
     /// Whether `type_url` (as Envoy reads it: canonical) is a secret's type:
@@ -476,7 +486,7 @@ impl SecretTypes {
         is_secret_type(type_url)
             || secret_by_name(type_url, true)
             || another_version_of_a_secret(type_url)
-            || self.extra.contains(type_url)
+            || self.extra_has(type_url)
     }
 
     /// Whether a body of `type_url` needs its value read to tell: it is a
@@ -625,7 +635,7 @@ impl SecretTypes {
         // The type URL is made only where it is compared (a type-map's own
         // types), not for every message walked.
         let as_url = || format!("{}{full_name}", crate::collections::TYPE_URL_PREFIX);
-        if secret_by_name(full_name, false) || (!self.extra.is_empty() && self.extra.contains(&as_url())) {
+        if secret_by_name(full_name, false) || (!self.extra.is_empty() && self.extra_has(&as_url())) {
             return Nested::Found(as_url(), path.join("."));
         }
         // A Struct is JSON another reader turns into a type (a TypedStruct's
@@ -2269,6 +2279,25 @@ mod tests {
         ] {
             assert_eq!(types.holds_typed_secret(name), holds, "{name}");
         }
+    }
+
+    /// A type only a `--type-map` collection marked sensitive declares is a
+    /// secret in any case, as Envoy's own secret types are (the
+    /// twenty-third check of issue 42).
+    #[test]
+    fn a_sensitive_type_map_rows_type_is_a_secret_in_any_case() {
+        let table = crate::collections::CollectionTable::builtin()
+            .with_type_map_yaml("example.com/vault: {type_url: type.googleapis.com/acme.v1.Creds, sensitive: true}\n")
+            .unwrap();
+        let types = super::SecretTypes::of(&table);
+        for url in [
+            "type.googleapis.com/acme.v1.Creds",
+            "type.googleapis.com/acme.v1.creds",
+            "type.googleapis.com/ACME.V1.CREDS",
+        ] {
+            assert!(types.contains(url) && types.is_a_secret_itself(url), "{url}");
+        }
+        assert!(!types.contains("type.googleapis.com/acme.v1.Plain"));
     }
 
     /// Every built-in type that holds a secret as a typed field is in

@@ -683,7 +683,10 @@ async fn sotw_once(
         .stream_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
     {
-        Ok(response) => response.into_inner(),
+        Ok(response) => {
+            gateway_says_sensitive(response.metadata());
+            response.into_inner()
+        }
         Err(status) => return (false, Some(status)),
     };
     let firsts = FirstResponses::new(once, &type_urls);
@@ -798,7 +801,10 @@ async fn incremental_once(
         .incremental_aggregated_resources(UnboundedReceiverStream::new(rx))
         .await
     {
-        Ok(response) => response.into_inner(),
+        Ok(response) => {
+            gateway_says_sensitive(response.metadata());
+            response.into_inner()
+        }
         Err(status) => return (false, Some(status)),
     };
     if resuming > 0 {
@@ -916,7 +922,9 @@ async fn open_ads<T, Opened>(
 where
     Opened: std::future::Future<Output = Result<tonic::Response<tonic::Streaming<T>>, tonic::Status>>,
 {
-    Ok(open(xds_client(xds).await?).await?.into_inner())
+    let response = open(xds_client(xds).await?).await?;
+    gateway_says_sensitive(response.metadata());
+    Ok(response.into_inner())
 }
 
 /// One state-of-the-world ADS stream: each type asked for (by name with
@@ -1098,10 +1106,10 @@ fn read_body(bodies: &BodyDecoder, type_url: &str, body: &prost_types::Any) -> s
     })
 }
 
-/// Without `--type-map`, bodies are shown: a line for each type URL of a
-/// collection the built-in table does not know (one of the gateway's
-/// `--type-map`, which may mark it `sensitive: true`; this command cannot
-/// learn that from the gateway), saying how to have them redacted.
+/// Without `--type-map`, bodies are shown unless the gateway says the
+/// collection is sensitive: a line for each type URL of a collection the
+/// built-in table does not know (one of the gateway's `--type-map`, which
+/// may mark it `sensitive: true`), saying so.
 fn unknown_collection_notes(type_urls: &[String]) -> Vec<String> {
     let builtin = crate::collections::CollectionTable::builtin();
     type_urls
@@ -1111,8 +1119,9 @@ fn unknown_collection_notes(type_urls: &[String]) -> Vec<String> {
         })
         .map(|t| {
             format!(
-                "note: {}: not a built-in collection, so its bodies are shown as they are; if the gateway's \
-                 --type-map marks it sensitive: true, give that file as --type-map to have them redacted here too",
+                "note: {}: not a built-in collection: its bodies are shown as they are unless the gateway says it \
+                 is sensitive (mcp-xds-gateway does, for a --type-map row marked sensitive: true); with another \
+                 server, give its type map as --type-map to have them redacted",
                 terminal_safe(t)
             )
         })
@@ -1129,7 +1138,8 @@ fn declared_type(type_url: &str) -> String {
 }
 
 /// Whether what `type_url` asks for is a collection of secrets (by the
-/// built-in table: an MCP collection, or an xDS body type of one).
+/// built-in table: an MCP collection, or an xDS body type of one), or one
+/// the gateway said is ([`gateway_says_sensitive`]).
 fn sensitive_type(type_url: &str) -> bool {
     let table = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
     // Over xDS, the collection the gateway serves the type URL from.
@@ -1137,7 +1147,34 @@ fn sensitive_type(type_url: &str) -> bool {
         crate::collections::XdsType::Collection { collection, .. } => collection,
         crate::collections::XdsType::Unserved => type_url.into(),
     };
-    table.is_sensitive(type_url) || table.is_sensitive(&collection)
+    let marked = MARKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    table.is_sensitive(type_url)
+        || table.is_sensitive(&collection)
+        || marked.contains(type_url)
+        || marked.contains(collection.as_str())
+}
+
+/// What the gateway's [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER)
+/// named on a stream this command opened: collections (and their body type
+/// URLs) whose bodies are redacted here as its views redact them. A server
+/// can only add to it (more is redacted), never take from the built-in
+/// table or `--type-map`.
+static MARKED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Reads the gateway's word on which collections are sensitive from a
+/// stream's response headers.
+fn gateway_says_sensitive(headers: &tonic::metadata::MetadataMap) {
+    let Some(value) = headers
+        .get(crate::collections::SENSITIVE_HEADER)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return;
+    };
+    MARKED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .extend(crate::collections::from_sensitive_header(value));
 }
 
 /// The collection table the bodies are shown by (the built-in one, or with

@@ -424,6 +424,32 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
     // `client --output json|yaml` and `--show bodies` of the secrets (the
     // client knows the built-in table, not the gateway's --type-map).
     let listen = gw.listen.to_string();
+    let vault_descriptors = {
+        use prost::Message;
+        use prost_types::field_descriptor_proto::{Label, Type};
+        let file = prost_types::FileDescriptorProto {
+            name: Some("example/vault.proto".into()),
+            package: Some("example".into()),
+            syntax: Some("proto3".into()),
+            message_type: vec![prost_types::DescriptorProto {
+                name: Some("Vault".into()),
+                field: vec![prost_types::FieldDescriptorProto {
+                    name: Some("key".into()),
+                    json_name: Some("key".into()),
+                    number: Some(1),
+                    label: Some(Label::Optional as i32),
+                    r#type: Some(Type::String as i32),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let set = prost_types::FileDescriptorSet { file: vec![file] };
+        let path = dir.path().join("vault.pb");
+        std::fs::write(&path, set.encode_to_vec()).unwrap();
+        path
+    };
     for args in [["--output", "json"], ["--output", "yaml"], ["--show", "bodies"]] {
         let (code, stdout, stderr) = subcommand(
             "client",
@@ -454,23 +480,37 @@ async fn every_body_of_a_sensitive_collection_is_hidden_whatever_its_type_url() 
         assert_eq!(code, Some(0), "{stderr}");
         markers(&format!("{stdout}{stderr}"), &format!("client --type-map {args:?}"));
         assert!(!stderr.contains("not a built-in collection"), "{stderr}");
-        // Without the map, the command cannot know the collection is
-        // sensitive: it shows the bodies (documented) and says how not to.
-        let (code, _, stderr) = subcommand(
-            "client",
+        // Without the map, the gateway says on the stream which of what the
+        // client may read is sensitive: the bodies are hidden all the same,
+        // over MCP by the collection's name and over xDS by its body type
+        // (which the client asks for knowing the type from --descriptors).
+        for by in [
+            &["--type-url", "example.com/vault"][..],
             &[
-                &["--target", &listen, "--type-url", "example.com/vault", "--once"][..],
-                &args[..],
-            ]
-            .concat(),
-        )
-        .await;
-        assert_eq!(code, Some(0), "{stderr}");
-        assert!(
-            stderr.contains("note: example.com/vault: not a built-in collection")
-                && stderr.contains("give that file as --type-map"),
-            "{stderr}"
-        );
+                "--protocol",
+                "xds-sotw",
+                "--type-url",
+                "type.googleapis.com/example.Vault",
+                "--descriptors",
+                vault_descriptors.to_str().unwrap(),
+            ],
+        ] {
+            let (code, stdout, stderr) = subcommand(
+                "client",
+                &[&["--target", &listen, "--once"][..], by, &args[..]].concat(),
+            )
+            .await;
+            assert_eq!(code, Some(0), "{stderr}");
+            markers(
+                &format!("{stdout}{stderr}"),
+                &format!("client without --type-map {by:?} {args:?}"),
+            );
+            assert!(stdout.contains("[redacted]"), "{by:?} {args:?}: {stdout}");
+            assert!(
+                stderr.contains("not a built-in collection") && stderr.contains("unless the gateway says"),
+                "{stderr}"
+            );
+        }
     }
     for collection in [SECRETS, "example.com/vault", "example.com/plain"] {
         let dump = get_json(gw.admin, &format!("/debug/cache/{collection}?bodies=json")).await;
