@@ -386,7 +386,11 @@ impl CacheState {
         if let Some(dir) = &settings.cache_dir {
             persist_rollout(dir.clone(), rollout.clone(), shutdown.clone(), tasks);
         }
-        let skew = SkewTracker::new(cache.clone(), settings.client_generations.clone());
+        let skew = SkewTracker::new(
+            cache.clone(),
+            settings.client_generations.clone(),
+            settings.table.sensitive_collections().map(|c| c.to_string()),
+        );
         // What each group is served (a pin, a canary round), not the latest.
         let served = rollout.clone();
         skew.serve_from(crate::skew::ServedBy {

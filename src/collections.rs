@@ -569,16 +569,31 @@ pub fn sensitive_header<'a>(names: impl IntoIterator<Item = &'a str>) -> String 
         .join(",")
 }
 
-/// The collections a [`SENSITIVE_HEADER`] value names (what does not
-/// decode is taken as written: only more is redacted).
-pub fn from_sensitive_header(value: &str) -> Vec<String> {
+/// The collections a [`SENSITIVE_HEADER`] value names; `None` when an
+/// entry is not as [`sensitive_header`] writes it (a byte it would have
+/// encoded, a `%` not followed by two hex digits, text that is not UTF-8):
+/// its reader then cannot tell what is sensitive.
+pub fn from_sensitive_header(value: &str) -> Option<Vec<String>> {
+    let written = |name: &str| {
+        let bytes = name.as_bytes();
+        let mut at = 0;
+        while at < bytes.len() {
+            match bytes[at] {
+                b'%' if bytes.len() > at + 2 && bytes[at + 1..at + 3].iter().all(u8::is_ascii_hexdigit) => at += 3,
+                b if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'.' | b'-' | b'_') => at += 1,
+                _ => return false,
+            }
+        }
+        true
+    };
     value
         .split(',')
         .filter(|name| !name.is_empty())
         .map(|name| {
-            percent_encoding::percent_decode_str(name)
-                .decode_utf8_lossy()
-                .into_owned()
+            written(name)
+                .then(|| percent_encoding::percent_decode_str(name).decode_utf8().ok())
+                .flatten()
+                .map(|decoded| decoded.into_owned())
         })
         .collect()
 }
@@ -720,8 +735,19 @@ mod tests {
         let value = super::sensitive_header(names);
         assert!(value.bytes().all(|b| b.is_ascii_graphic()), "{value}");
         assert_eq!(value.split(',').count(), 3, "{value}");
-        assert_eq!(super::from_sensitive_header(&value), names);
-        assert!(super::from_sensitive_header("").is_empty());
+        assert_eq!(super::from_sensitive_header(&value).unwrap(), names);
+        assert_eq!(super::from_sensitive_header(""), Some(vec![]));
+        // Not as the gateway writes it: its reader cannot tell.
+        for bad in [
+            "custom/creds%",
+            "%zz",
+            "custom/creds;x",
+            " custom/creds ",
+            "%ff%fe",
+            "a,b c",
+        ] {
+            assert_eq!(super::from_sensitive_header(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -1295,20 +1295,33 @@ fn source_dir(dir: Option<PathBuf>, demo: bool) -> Result<SourceDir, ConfigError
     }
 }
 
-fn validate_upstream(url: &str) -> Result<String, ConfigError> {
-    // User info (`user:password@`) is never sent by gRPC, and the address is
-    // logged and shown in views: refused, without quoting it.
-    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+/// An address a flag dials: user info (`user:password@`), a query or a
+/// fragment is never sent by gRPC, and the address is logged and shown in
+/// views; refused without quoting it (it may hold a credential).
+pub(crate) fn refuse_credentials_in_address(flag: &'static str, address: &str) -> Result<(), ConfigError> {
+    let authority = address.split_once("://").map_or(address, |(_, rest)| rest);
     let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
     if authority.contains('@') {
         return Err(invalid(
-            "--upstream",
-            "the URL holds user info (USER:PASSWORD@), which gRPC never sends and the logs would show; give \
-             http://HOST:PORT or https://HOST:PORT alone (a client certificate authenticates the gateway: \
-             --upstream-cert)"
+            flag,
+            "the address holds user info (USER:PASSWORD@), which gRPC never sends and the logs would show; give \
+             the host and port alone (a client certificate authenticates the gateway)"
                 .to_owned(),
         ));
     }
+    if address.contains(['?', '#']) {
+        return Err(invalid(
+            flag,
+            "the address holds a query or a fragment, which gRPC never sends and the logs would show; give the \
+             host and port alone"
+                .to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_upstream(url: &str) -> Result<String, ConfigError> {
+    refuse_credentials_in_address("--upstream", url)?;
     let uri: tonic::transport::Uri = url.parse().map_err(|e| {
         invalid(
             "--upstream",
@@ -1415,6 +1428,14 @@ mod tests {
         for url in ["http://user:pw-7Q@galley:9901", "https://pw-7Q@galley:9901/x"] {
             let err = parse(&["--upstream", url]).unwrap_err();
             assert!(err.contains("--upstream") && err.contains("user info"), "{err}");
+            assert!(!err.contains("pw-7Q"), "{err}");
+        }
+        for url in ["http://galley:9901/?token=pw-7Q", "http://galley:9901#pw-7Q"] {
+            let err = parse(&["--upstream", url]).unwrap_err();
+            assert!(
+                err.contains("--upstream") && err.contains("a query or a fragment"),
+                "{err}"
+            );
             assert!(!err.contains("pw-7Q"), "{err}");
         }
         // An '@' past the authority is no user info.

@@ -274,6 +274,7 @@ impl SourceArgs {
 
 /// `HOST:PORT` as the URL the dialler takes.
 fn sink_address(sink: &str, scheme: &str) -> Result<String, ConfigError> {
+    super::refuse_credentials_in_address("--sink", sink)?;
     if sink.contains("://") {
         return Err(invalid(
             "--sink",
@@ -370,6 +371,7 @@ mod tests {
             (&["--sink", "http://g:1", "--sink-insecure"][..], "--sink"),
             (&["--sink", "g", "--sink-insecure"][..], "--sink"),
             (&["--sink", "g:1/x", "--sink-insecure"][..], "--sink"),
+            (&["--sink", "user:pw@g:1", "--sink-insecure"][..], "user info"),
             (&["--sink", "g:1", "--sink-insecure", "--ca", "/ca.pem"][..], "--ca"),
             (
                 &["--sink", "g:1", "--sink-insecure", "--tls-cert", "/c.pem"][..],

@@ -115,6 +115,8 @@ pub struct SkewTracker {
     /// Resources checked since start (one per changed resource and
     /// generation in use): what the skew costs, in `/debug/skew`.
     checks: std::sync::atomic::AtomicU64,
+    /// The sensitive collections, whose bodies' values no finding says.
+    sensitive: std::collections::HashSet<String>,
 }
 
 impl std::fmt::Debug for SkewTracker {
@@ -150,7 +152,9 @@ impl Drop for Interest {
 }
 
 impl SkewTracker {
-    pub fn new(cache: Arc<Cache>, rules: GenerationRules) -> Arc<Self> {
+    /// `sensitive`: the collections whose bodies' values are never said
+    /// (a map's key, an enum's value: [`dropped_by`]).
+    pub fn new(cache: Arc<Cache>, rules: GenerationRules, sensitive: impl IntoIterator<Item = String>) -> Arc<Self> {
         Arc::new(Self {
             cache,
             served: Mutex::new(None),
@@ -159,6 +163,7 @@ impl SkewTracker {
             state: Mutex::default(),
             wake: tokio::sync::Notify::new(),
             checks: Default::default(),
+            sensitive: sensitive.into_iter().collect(),
         })
     }
 
@@ -337,6 +342,7 @@ impl SkewTracker {
                 .1
                 .release()
                 .expect("interests are taken for releases the gateway has");
+            let sensitive = self.sensitive.contains(key.0.as_str());
             let mut now = Vec::with_capacity(served.len());
             for (snapshot, canaries_only) in &served {
                 let known = before
@@ -374,7 +380,7 @@ impl SkewTracker {
                 self.checks
                     .fetch_add(diff.upserts.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 for resource in &diff.upserts {
-                    match check(release, resource) {
+                    match check(release, resource, sensitive) {
                         Some(found) => {
                             skew.checked = true;
                             if found.is_empty() {
@@ -410,10 +416,11 @@ impl SkewTracker {
     }
 }
 
-/// One resource's skew for one release (`None`: not an Istio kind).
-fn check(release: &super::releases::Release, resource: &CachedResource) -> Option<ResourceSkew> {
+/// One resource's skew for one release (`None`: not an Istio kind), none of
+/// its values said when its collection is `sensitive`.
+fn check(release: &super::releases::Release, resource: &CachedResource, sensitive: bool) -> Option<ResourceSkew> {
     let (type_url, body) = body_of(&resource.encoded)?;
-    dropped_by(release, type_url, body)
+    dropped_by(release, type_url, body, sensitive)
 }
 
 #[cfg(test)]
@@ -463,7 +470,7 @@ mod tests {
             .map(|i| rule(&format!("ns/r{i:03}"), "1", i % 2 == 0))
             .collect();
         writer.apply(DR, Update::Full(rules), Origin::Files);
-        let tracker = SkewTracker::new(cache.clone(), GenerationRules::default());
+        let tracker = SkewTracker::new(cache.clone(), GenerationRules::default(), []);
         let collection: SharedStr = DR.into();
         let v11 = tracker.interest(&collection, Generation::of(1)).unwrap();
         let v13 = tracker.interest(&collection, Generation::of(3)).unwrap();

@@ -34,8 +34,9 @@ pub enum DroppedKind {
     Field,
     /// A number its enum does not have, with the gateway's name for it (a
     /// release may know the name under another number: istio/api
-    /// renumbered values).
-    EnumValue { number: i32, name: Option<String> },
+    /// renumbered values). `None` in a body of a sensitive collection,
+    /// whose values are never shown.
+    EnumValue { number: Option<i32>, name: Option<String> },
     /// A message type it cannot resolve (inside an `Any`, or the body's own
     /// type): the whole value is unreadable to it.
     Type(String),
@@ -87,11 +88,18 @@ impl Dropped {
         let path = self.shown_path();
         match &self.kind {
             DroppedKind::Field => format!("Istio {who} clients drop {path} ({})", self.added()),
-            DroppedKind::EnumValue { number, name } => format!(
+            DroppedKind::EnumValue {
+                number: Some(number),
+                name,
+            } => format!(
                 "Istio {who} clients read {path} = {number}{} as a value their enum lacks ({})",
                 name.as_ref()
                     .map(|n| format!(" ({n} in the gateway's protos)"))
                     .unwrap_or_default(),
+                self.added()
+            ),
+            DroppedKind::EnumValue { number: None, .. } => format!(
+                "Istio {who} clients read {path} as a value their enum lacks ({})",
                 self.added()
             ),
             DroppedKind::Type(name) => format!(
@@ -137,7 +145,12 @@ impl ResourceSkew {
 /// A body that does not decode is walked as far as it does (the gateway
 /// serves it as the source sent it; what a client drops of it is what is
 /// known).
-pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<ResourceSkew> {
+///
+/// `sensitive`: the body is of a sensitive collection, whose values are
+/// never shown: a map's key is written `[redacted]` in a path, an enum's
+/// number and name and an `Any`'s type are left out (the fields' names,
+/// the schema's, are shown).
+pub fn dropped_by(release: &Release, type_url: &str, body: &[u8], sensitive: bool) -> Option<ResourceSkew> {
     let name = type_url.rsplit('/').next().unwrap_or(type_url);
     let current = current_message(type_url);
     if !in_scope(name, current.as_ref()) {
@@ -148,6 +161,7 @@ pub fn dropped_by(release: &Release, type_url: &str, body: &[u8]) -> Option<Reso
         found: ResourceSkew::default(),
         path: Vec::new(),
         proto_path: Vec::new(),
+        sensitive,
     };
     match release.message(name) {
         Some(old) => walk.message(body, current.as_ref(), &old, 0),
@@ -190,6 +204,8 @@ struct Walk<'r> {
     /// The same path by the protos' field names (`traffic_policy`), as YAML
     /// may spell it.
     proto_path: Vec<PathStep>,
+    /// A body of a sensitive collection: no value of it in what is found.
+    sensitive: bool,
 }
 
 impl Walk<'_> {
@@ -304,11 +320,12 @@ impl Walk<'_> {
                 let mut check = |number: i32| {
                     if old.get_value(number).is_none() {
                         let name = match current {
-                            Some(Kind::Enum(e)) => e.get_value(number).map(|v| v.name().to_owned()),
+                            Some(Kind::Enum(e)) if !self.sensitive => e.get_value(number).map(|v| v.name().to_owned()),
                             _ => None,
                         };
+                        let shown = (!self.sensitive).then_some(number);
                         self.push(
-                            DroppedKind::EnumValue { number, name },
+                            DroppedKind::EnumValue { number: shown, name },
                             Anchor::EnumValue {
                                 name: old.full_name(),
                                 number,
@@ -352,7 +369,10 @@ impl Walk<'_> {
         };
         // The map's own step is the field's name: the key replaces nothing,
         // it is one more step.
-        let key = PathStep::Key(key.unwrap_or_default());
+        let key = match self.sensitive {
+            true => PathStep::Key(crate::source::proto_json::REDACTED.to_owned()),
+            false => PathStep::Key(key.unwrap_or_default()),
+        };
         self.path.push(key.clone());
         self.proto_path.push(key);
         let current_kind = current.and_then(|c| c.get_field(2)).map(|f| f.kind());
@@ -383,7 +403,14 @@ impl Walk<'_> {
         }
         match self.release.message(name) {
             Some(old) => self.message(inner, current.as_ref(), &old, depth + 1),
-            None => self.push(DroppedKind::Type(name.to_owned()), Anchor::Type(name)),
+            None => {
+                // What a source wrote in the `Any`: a value.
+                let shown = match self.sensitive {
+                    true => crate::source::proto_json::REDACTED.to_owned(),
+                    false => name.to_owned(),
+                };
+                self.push(DroppedKind::Type(shown), Anchor::Type(name))
+            }
         }
     }
 }
@@ -479,7 +506,7 @@ mod tests {
             json!({"host": "reviews", "trafficPolicy": {"outlierDetection": {
                 "consecutive5xxErrors": 5, "interval": "60s", "baseEjectionTime": "180s"}}}),
         );
-        let skew = dropped_by(release(1), DESTINATION_RULE, &body).unwrap();
+        let skew = dropped_by(release(1), DESTINATION_RULE, &body, false).unwrap();
         assert_eq!(skew.dropped.len(), 1, "{skew:?}");
         let dropped = &skew.dropped[0];
         assert_eq!(
@@ -493,7 +520,9 @@ mod tests {
         );
         // 1.5 and later read it whole.
         for minor in 5..=7 {
-            assert!(dropped_by(release(minor), DESTINATION_RULE, &body).unwrap().is_empty());
+            assert!(dropped_by(release(minor), DESTINATION_RULE, &body, false)
+                .unwrap()
+                .is_empty());
         }
     }
 
@@ -507,10 +536,60 @@ mod tests {
                 {"route": [{"destination": {"host": "a"}}], "mirrorPercentage": {"value": 5.0}},
             ]}),
         );
-        let skew = dropped_by(release(1), url, &body).unwrap();
+        let skew = dropped_by(release(1), url, &body, false).unwrap();
         let paths: Vec<String> = skew.dropped.iter().map(Dropped::shown_path).collect();
         assert_eq!(paths, ["spec.http[1].mirrorPercentage"]);
         assert_eq!(skew.dropped[0].added_in, Some(Generation::of(5)));
+    }
+
+    /// In a body of a sensitive collection, what is dropped is said by the
+    /// schema's names alone: a map's key, an enum's value and an `Any`'s
+    /// type are values (the twenty-fourth check of issue 42).
+    #[test]
+    fn a_sensitive_bodys_values_are_never_in_what_is_dropped() {
+        // VirtualService.http[0].match[0].headers["k-MARKER"] = a StringMatch
+        // holding field 50, which no release has.
+        let ld = |field: u32, bytes: &[u8]| {
+            let mut out = Vec::new();
+            prost::encoding::encode_key(field, prost::encoding::WireType::LengthDelimited, &mut out);
+            prost::encoding::encode_varint(bytes.len() as u64, &mut out);
+            out.extend_from_slice(bytes);
+            out
+        };
+        let mut string_match = Vec::new();
+        prost::encoding::encode_key(50, prost::encoding::WireType::Varint, &mut string_match);
+        prost::encoding::encode_varint(1, &mut string_match);
+        let entry = [ld(1, b"k-MARKER"), ld(2, &string_match)].concat();
+        let body = ld(3, &ld(1, &ld(5, &entry)));
+        let url = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
+        let open = dropped_by(release(1), url, &body, false).unwrap();
+        assert_eq!(
+            open.dropped[0].shown_path(),
+            "spec.http[0].match[0].headers.k-MARKER.(field 50)"
+        );
+        let hidden = dropped_by(release(1), url, &body, true).unwrap();
+        assert_eq!(
+            hidden.dropped[0].shown_path(),
+            "spec.http[0].match[0].headers.[redacted].(field 50)"
+        );
+
+        let lb = encoded(
+            DESTINATION_RULE,
+            json!({"host": "r", "trafficPolicy": {"loadBalancer": {"simple": "ROUND_ROBIN"}}}),
+        );
+        let hidden = dropped_by(release(1), DESTINATION_RULE, &lb, true).unwrap();
+        assert_eq!(
+            hidden.dropped[0].kind,
+            DroppedKind::EnumValue {
+                number: None,
+                name: None
+            }
+        );
+        let said = hidden.dropped[0].message(Generation::of(1));
+        assert_eq!(
+            said,
+            "Istio 1.1 clients read spec.trafficPolicy.loadBalancer.simple as a value their enum lacks (added after 1.7)"
+        );
     }
 
     #[test]
@@ -523,13 +602,13 @@ mod tests {
             json!({"host": "r", "trafficPolicy": {"loadBalancer": {"simple": "ROUND_ROBIN"}},
                    "subsets": [{"name": "v1", "trafficPolicy": {"loadBalancer": {"simple": "RANDOM"}}}]}),
         );
-        let skew = dropped_by(release(1), DESTINATION_RULE, &body).unwrap();
+        let skew = dropped_by(release(1), DESTINATION_RULE, &body, false).unwrap();
         assert_eq!(skew.dropped.len(), 1, "{skew:?}");
         let dropped = &skew.dropped[0];
         assert_eq!(
             dropped.kind,
             DroppedKind::EnumValue {
-                number: 4,
+                number: Some(4),
                 name: Some("ROUND_ROBIN".into())
             }
         );
@@ -546,7 +625,7 @@ mod tests {
     fn a_type_a_release_lacks_is_the_whole_resource() {
         let url = "type.googleapis.com/istio.networking.v1alpha3.Sidecar";
         let body = encoded(url, json!({"egress": [{"hosts": ["./*"]}]}));
-        let skew = dropped_by(release(0), url, &body).unwrap();
+        let skew = dropped_by(release(0), url, &body, false).unwrap();
         assert_eq!(skew.dropped.len(), 1);
         assert_eq!(
             skew.dropped[0].kind,
@@ -554,16 +633,16 @@ mod tests {
         );
         assert_eq!(skew.dropped[0].shown_path(), "spec");
         assert_eq!(skew.dropped[0].added_in, Some(Generation::of(1)));
-        assert!(dropped_by(release(1), url, &body).unwrap().is_empty());
+        assert!(dropped_by(release(1), url, &body, false).unwrap().is_empty());
     }
 
     #[test]
     fn types_outside_istio_kinds_are_not_checked() {
         let envoy = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
         let body = encoded(envoy, json!({"name": "c"}));
-        assert_eq!(dropped_by(release(1), envoy, &body), None);
+        assert_eq!(dropped_by(release(1), envoy, &body, false), None);
         assert_eq!(
-            dropped_by(release(1), "type.googleapis.com/google.protobuf.Struct", b""),
+            dropped_by(release(1), "type.googleapis.com/google.protobuf.Struct", b"", false),
             None
         );
     }
@@ -574,13 +653,13 @@ mod tests {
         for number in 100..140u32 {
             prost::encoding::string::encode(number, &"x".to_owned(), &mut body);
         }
-        let skew = dropped_by(release(7), DESTINATION_RULE, &body).unwrap();
+        let skew = dropped_by(release(7), DESTINATION_RULE, &body, false).unwrap();
         assert_eq!(skew.dropped.len(), MAX_FINDINGS);
         assert_eq!(skew.count(), 40);
         assert_eq!(skew.dropped[0].shown_path(), "spec.(field 100)");
         assert_eq!(skew.dropped[0].added_in, None);
         for cut in 0..body.len() {
-            let _ = dropped_by(release(1), DESTINATION_RULE, &body[..cut]);
+            let _ = dropped_by(release(1), DESTINATION_RULE, &body[..cut], false);
         }
     }
 

@@ -245,6 +245,31 @@ impl UpstreamClient {
                 message: refused.to_string(),
             };
         }
+        // An upstream gateway says which collections it serves as
+        // sensitive: one this gateway would serve (and show) as not is
+        // taken from it by no one until the operator marks it so.
+        let sensitive = headers
+            .get_all(crate::collections::SENSITIVE_HEADER)
+            .iter()
+            .filter_map(|v| v.to_str().ok().and_then(crate::collections::from_sensitive_header))
+            .flatten()
+            .collect::<Vec<_>>();
+        let open = opened.session.served_open(&sensitive);
+        if !open.is_empty() {
+            let shown: Vec<String> = open
+                .iter()
+                .map(|c| crate::transport::safe_text::terminal_safe(c).into_owned())
+                .collect();
+            return StreamEnd::Failed {
+                reason: Failure::SensitiveElsewhere,
+                message: format!(
+                    "the upstream gateway serves {} as sensitive (its --type-map marks it sensitive: true) and this \
+                     gateway's --type-map does not: its secrets would be served to every client and shown in every \
+                     view; mark it sensitive: true here to take config from this upstream",
+                    shown.join(", ")
+                ),
+            };
+        }
         if !chain.is_empty() {
             tracing::info!(chain = %crate::transport::safe_text::terminal_safe(&chain.join(" <- ")), "the upstream is a gateway");
         }

@@ -110,6 +110,15 @@ impl SinkSession {
         }
     }
 
+    /// Of what an upstream gateway serves as sensitive, the collections
+    /// this session would take in as not sensitive
+    /// ([`SecretGuard::served_open`]; none without a guard).
+    pub fn served_open(&self, sensitive: &[String]) -> Vec<String> {
+        self.secrets
+            .as_deref()
+            .map_or_else(Vec::new, |guard| guard.served_open(sensitive))
+    }
+
     /// Refuses (NACKs) a secret's body outside the collections of secrets.
     pub fn refusing_secrets(mut self, secrets: Option<Arc<SecretGuard>>) -> Self {
         self.secrets = secrets;

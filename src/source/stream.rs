@@ -56,6 +56,9 @@ pub enum Failure {
     Loop,
     /// The upstream's chain is longer than `--max-chain-depth` allows.
     ChainTooLong,
+    /// The upstream gateway serves as sensitive a collection this one would
+    /// serve as not (its `--type-map` lacks `sensitive: true`).
+    SensitiveElsewhere,
 }
 
 impl Failure {
@@ -68,13 +71,14 @@ impl Failure {
             Failure::MessageTooLarge => "message_too_large",
             Failure::Loop => "loop",
             Failure::ChainTooLong => "chain_too_long",
+            Failure::SensitiveElsewhere => "sensitive_upstream",
         }
     }
 }
 
 impl StreamEnd {
     /// Every `reason` label of `mcp_gateway_upstream_stream_terminations_total`.
-    pub const REASONS: [&'static str; 9] = [
+    pub const REASONS: [&'static str; 10] = [
         "connect",
         "status",
         "closed",
@@ -82,6 +86,7 @@ impl StreamEnd {
         "message_too_large",
         "loop",
         "chain_too_long",
+        "sensitive_upstream",
         "refused_collection",
         "shutdown",
     ];
@@ -477,6 +482,7 @@ mod tests {
             Failure::MessageTooLarge,
             Failure::Loop,
             Failure::ChainTooLong,
+            Failure::SensitiveElsewhere,
         ];
         let mut ends: Vec<StreamEnd> = failures
             .into_iter()

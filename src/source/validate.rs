@@ -34,6 +34,17 @@ impl SecretGuard {
         Self { table, types }
     }
 
+    /// Of `sensitive` (what an upstream gateway says it serves as
+    /// sensitive: collections and body type URLs), the collections this
+    /// gateway serves but not as sensitive.
+    pub fn served_open(&self, sensitive: &[String]) -> Vec<String> {
+        sensitive
+            .iter()
+            .filter(|name| self.table.get(name).is_some() && !self.table.is_sensitive(name))
+            .cloned()
+            .collect()
+    }
+
     /// Why `body` (an encoded `Any` of `type_url`) may not be in `collection`.
     fn refusal(&self, collection: &str, type_url: &str, body: &Bytes) -> Option<String> {
         if !(self.types.may_hold(type_url) || self.types.may_nest(body)) || self.table.is_sensitive(collection) {

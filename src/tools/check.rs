@@ -277,7 +277,12 @@ pub fn check(args: &CheckArgs) -> Result<Report, UsageError> {
     let mut lines = Lines::new(args.max_message_bytes);
     report.findings.extend(envoy_refuses(&readable, &table, &mut lines));
     let mut about_bodies = cross_references(&served, &table, &mut lines);
-    about_bodies.extend(skew_findings(&served, &releases_for(&args.for_releases), &mut lines));
+    about_bodies.extend(skew_findings(
+        &served,
+        &releases_for(&args.for_releases),
+        &table,
+        &mut lines,
+    ));
     // About a sensitive collection's resource, a finding quotes none of its
     // body (a cluster a route names, a field's value).
     for finding in &mut about_bodies {
@@ -391,7 +396,12 @@ fn body_any(parsed: &Parsed) -> Option<prost_types::Any> {
 /// in its file, one finding for every release that drops it. A kind a
 /// release's protos lack altogether is not reported for it: its clients
 /// never ask for that collection.
-fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], lines: &mut Lines) -> Vec<Finding> {
+fn skew_findings(
+    parsed: &[(String, Parsed)],
+    releases: &[Generation],
+    table: &CollectionTable,
+    lines: &mut Lines,
+) -> Vec<Finding> {
     let mut findings = Vec::new();
     if releases.is_empty() {
         return findings;
@@ -405,7 +415,10 @@ fn skew_findings(parsed: &[(String, Parsed)], releases: &[Generation], lines: &m
         let mut more: Vec<(usize, Vec<Generation>)> = Vec::new();
         for generation in releases {
             let release = generation.release().expect("--for takes releases the gateway has");
-            let Some(skew) = crate::skew::dropped_by(release, type_url, body) else {
+            // A sensitive collection's values (a map's key, an enum's)
+            // are not said, as the gateway's views do not say them.
+            let sensitive = table.is_sensitive(&p.collection);
+            let Some(skew) = crate::skew::dropped_by(release, type_url, body, sensitive) else {
                 continue;
             };
             for drop in skew

@@ -1148,11 +1148,19 @@ fn sensitive_type(type_url: &str) -> bool {
         crate::collections::XdsType::Unserved => type_url.into(),
     };
     let marked = MARKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let unknown = table.resolve(type_url).is_err()
+        && matches!(table.resolve_xds(type_url), crate::collections::XdsType::Unserved);
     table.is_sensitive(type_url)
         || table.is_sensitive(&collection)
         || marked.contains(type_url)
         || marked.contains(collection.as_str())
+        || (unknown && UNREADABLE.load(std::sync::atomic::Ordering::Relaxed))
 }
+
+/// The gateway sent a [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER)
+/// this command cannot read: every collection the built-in table (or
+/// `--type-map`) does not know is then taken as sensitive.
+static UNREADABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// What the gateway's [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER)
 /// named on a stream this command opened: collections (and their body type
@@ -1165,16 +1173,23 @@ static MARKED: std::sync::Mutex<std::collections::BTreeSet<String>> =
 /// Reads the gateway's word on which collections are sensitive from a
 /// stream's response headers.
 fn gateway_says_sensitive(headers: &tonic::metadata::MetadataMap) {
-    let Some(value) = headers
-        .get(crate::collections::SENSITIVE_HEADER)
-        .and_then(|v| v.to_str().ok())
-    else {
-        return;
-    };
-    MARKED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .extend(crate::collections::from_sensitive_header(value));
+    for value in headers.get_all(crate::collections::SENSITIVE_HEADER) {
+        match value.to_str().ok().and_then(crate::collections::from_sensitive_header) {
+            Some(names) => MARKED
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(names),
+            None => {
+                if !UNREADABLE.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    eprintln!(
+                        "warning: the server's {} header does not read as this command writes it; the bodies of \
+                         every collection not built in (nor in --type-map) are redacted",
+                        crate::collections::SENSITIVE_HEADER
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// The collection table the bodies are shown by (the built-in one, or with

@@ -35,22 +35,31 @@ pub fn names_a_credential(key: &str) -> bool {
         "auth",
         "token",
         "secret",
-        "password",
-        "passwd",
+        "passw",
         "credential",
-        "apikey",
-        "api-key",
-        "api_key",
+        "key",
         "cookie",
+        "jwt",
+        "session",
+        "signature",
     ];
     let key = key.to_ascii_lowercase();
     WORDS.iter().any(|word| key.contains(word))
 }
 
+/// Whether `value` is written as an HTTP credential is (`Bearer …`,
+/// `Basic …`, in any case), whatever the key it is under.
+fn written_as_a_credential(value: &str) -> bool {
+    let value = value.trim_start().as_bytes();
+    let starts = |word: &[u8]| value.len() >= word.len() && value[..word.len()].eq_ignore_ascii_case(word);
+    starts(b"bearer ") || starts(b"basic ")
+}
+
 /// `value` as a view or a log may show it under `key`: `[redacted]` when
-/// the key names a credential ([`names_a_credential`]).
+/// the key names a credential ([`names_a_credential`]) or the value is
+/// written as one (`Bearer …`).
 pub fn credential_shown<'a>(key: &str, value: &'a str) -> &'a str {
-    if names_a_credential(key) {
+    if names_a_credential(key) || written_as_a_credential(value) {
         "[redacted]"
     } else {
         value
@@ -316,10 +325,19 @@ mod tests {
             "cookie",
             "API_KEY",
             "db-password",
+            "x-jwt-assertion",
+            "x-private-key",
+            "x-session",
+            "x-signature",
         ] {
             assert!(super::names_a_credential(key), "{key}");
-            assert_eq!(super::credential_shown(key, "Bearer abc"), "[redacted]");
+            assert_eq!(super::credential_shown(key, "abc"), "[redacted]");
         }
+        // Written as a credential, under any key.
+        for value in ["Bearer abc", "bearer abc", " BASIC dXNlcjpwdw=="] {
+            assert_eq!(super::credential_shown("x-plain", value), "[redacted]", "{value}");
+        }
+        assert_eq!(super::credential_shown("x-plain", "Bear"), "Bear");
         for key in ["component", "config.source.version", "istio-version", "cluster"] {
             assert!(!super::names_a_credential(key), "{key}");
             assert_eq!(super::credential_shown(key, "v1"), "v1");

@@ -427,3 +427,90 @@ async fn a_refusal_by_the_upstream_is_said_with_its_reason() {
         );
     }
 }
+
+/// A gateway whose `--type-map` serves as open a collection its upstream
+/// gateway serves as sensitive takes nothing from it: the upstream says on
+/// the stream which collections are sensitive (`x-mcp-gateway-sensitive`),
+/// and the secrets are not served to every client of the next gateway nor
+/// shown in its views (the twenty-fourth check of issue 42).
+#[tokio::test]
+async fn a_collection_the_upstream_serves_as_sensitive_is_not_taken_as_open() {
+    const CREDS: &str = "custom/creds";
+    let dir = tempfile::tempdir().unwrap();
+    let marked = crate::helpers::certs::write(
+        dir.path(),
+        "marked.yaml",
+        "custom/creds: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n",
+    );
+    let open = crate::helpers::certs::write(
+        dir.path(),
+        "open.yaml",
+        "custom/creds: type.googleapis.com/google.protobuf.Struct\n",
+    );
+    // A reads the secret from its files and grants every collection to
+    // plaintext clients: B may read it.
+    let policy = crate::helpers::certs::write(
+        dir.path(),
+        "policy.yaml",
+        "rules:\n- identities: [unauthenticated]\n  collections: [\"*\"]\n",
+    );
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    crate::helpers::certs::write(
+        &source,
+        "creds.yaml",
+        "collection: custom/creds\nname: c\nbody: {struct: {token: MARKER-CHAIN}}\n",
+    );
+    let a = start_gateway(&[
+        "--source-dir",
+        source.to_str().unwrap(),
+        "--type-map",
+        marked.to_str().unwrap(),
+        "--access-policy",
+        policy.to_str().unwrap(),
+    ])
+    .await;
+    eventually("A to read the secret", || a.cache.get(CREDS).is_some()).await;
+    let url = format!("http://{}", a.listen);
+    let b = spawn_gateway(
+        None,
+        &[
+            "--upstream",
+            &url,
+            "--collections",
+            CREDS,
+            "--type-map",
+            open.to_str().unwrap(),
+            "--reconnect-min-delay",
+            "1s",
+        ],
+    )
+    .await;
+    let status = upstream_failed(b.admin, 1, "B to refuse an open custom/creds").await;
+    let error = status["last_error"].as_str().unwrap();
+    assert!(
+        error.contains("serves custom/creds as sensitive") && error.contains("mark it sensitive: true here"),
+        "{error}"
+    );
+    let cache = get_json(b.admin, "/debug/cache").await;
+    assert!(
+        !cache.as_array().unwrap().iter().any(|c| c["collection"] == CREDS),
+        "nothing taken: {cache}"
+    );
+    let reason = "mcp_gateway_upstream_stream_terminations_total{reason=\"sensitive_upstream\"}";
+    crate::limits::metric_is(b.monitoring, reason, status["consecutive_failures"].as_u64().unwrap()).await;
+
+    // Marked here too, the same upstream is taken from.
+    let c = start_gateway(&[
+        "--upstream",
+        &url,
+        "--collections",
+        CREDS,
+        "--type-map",
+        marked.to_str().unwrap(),
+        "--reconnect-min-delay",
+        "10ms",
+    ])
+    .await;
+    eventually("C to take the secret in", || c.cache.get(CREDS).is_some()).await;
+}
