@@ -1309,6 +1309,15 @@ pub(crate) fn refuse_credentials_in_address(flag: &'static str, address: &str) -
                 .to_owned(),
         ));
     }
+    let rest = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let path = rest.find('/').map_or("", |at| &rest[at..]);
+    if !path.is_empty() && path != "/" && !path.contains(['?', '#']) {
+        return Err(invalid(
+            flag,
+            "the address holds a path, which gRPC never uses and the logs would show; give the host and port alone"
+                .to_owned(),
+        ));
+    }
     if address.contains(['?', '#']) {
         return Err(invalid(
             flag,
@@ -1438,8 +1447,10 @@ mod tests {
             );
             assert!(!err.contains("pw-7Q"), "{err}");
         }
-        // An '@' past the authority is no user info.
-        assert!(parse(&["--upstream", "http://galley:9901/a@b"]).is_ok());
+        // A path is refused too, without quoting it.
+        let err = parse(&["--upstream", "http://galley:9901/pw-7Q"]).unwrap_err();
+        assert!(err.contains("a path") && !err.contains("pw-7Q"), "{err}");
+        assert!(parse(&["--upstream", "http://galley:9901/"]).is_ok());
         // A credential's value among the annotations is redacted in the
         // effective configuration (`/debug/config`, the first log line);
         // the others are shown, and both are sent.

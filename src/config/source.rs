@@ -278,19 +278,18 @@ fn sink_address(sink: &str, scheme: &str) -> Result<String, ConfigError> {
     if sink.contains("://") {
         return Err(invalid(
             "--sink",
-            format!("{sink:?}: give HOST:PORT, as Galley's --sinkAddress (TLS unless --sink-insecure)"),
+            "give HOST:PORT, not a URL, as Galley's --sinkAddress (TLS unless --sink-insecure)",
         ));
     }
     let url = format!("{scheme}://{sink}");
-    let uri: tonic::transport::Uri = url
-        .parse()
-        .map_err(|e| invalid("--sink", format!("{sink:?} is not HOST:PORT: {e}")))?;
+    let uri: tonic::transport::Uri = url.parse().map_err(|_| invalid("--sink", "is not HOST:PORT"))?;
     let host_given = uri.host().is_some_and(|h| !h.is_empty());
     let bare = uri
         .path_and_query()
         .is_none_or(|p| p.as_str() == "/" || p.as_str().is_empty());
     if !host_given || uri.port_u16().is_none() || !bare {
-        return Err(invalid("--sink", format!("{sink:?} is not HOST:PORT")));
+        // Not quoted: what follows the port may be a credential.
+        return Err(invalid("--sink", "is not HOST:PORT"));
     }
     Ok(url)
 }

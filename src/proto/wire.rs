@@ -310,6 +310,12 @@ pub struct RawResources {
     pub nonce: String,
     #[prost(bool, tag = "6")]
     pub incremental: bool,
+    /// Not MCP's: set only in the gateway's own `--cache-dir` files, when
+    /// the collection was sensitive as it was written (a reader that
+    /// would serve it as open then does not restore it). Ignored on the
+    /// wire.
+    #[prost(bool, tag = "1000")]
+    pub persisted_sensitive: bool,
 }
 
 impl RawResources {
@@ -636,6 +642,7 @@ mod tests {
                 removed_resources: removed,
                 nonce,
                 incremental,
+                persisted_sensitive: false,
             };
             fields.encode(&mut buf).unwrap();
             if collection_last && !collection.is_empty() {

@@ -76,12 +76,15 @@ fn escaped(collection: &str, extension: &str) -> String {
     name
 }
 
-/// A snapshot as the bytes of its file.
-pub fn encode(snapshot: &CollectionSnapshot) -> Vec<u8> {
+/// A snapshot as the bytes of its file; `sensitive`: its collection is
+/// one of secrets here, and a gateway that would serve it as open does not
+/// restore it ([`load`]).
+pub fn encode(snapshot: &CollectionSnapshot, sensitive: bool) -> Vec<u8> {
     let payload = RawResources {
         system_version_info: snapshot.version.to_string(),
         collection: snapshot.collection.to_string(),
         resources: snapshot.resources.values().map(|r| r.encoded.clone()).collect(),
+        persisted_sensitive: sensitive,
         ..Default::default()
     }
     .encode_to_vec();
@@ -498,6 +501,15 @@ fn load_file(
             message.collection
         ));
     }
+    // Written while the collection was one of secrets, read by a gateway
+    // that would serve it as open: not restored.
+    if message.persisted_sensitive && secrets.is_some_and(|guard| !guard.is_sensitive(&message.collection)) {
+        return Err(format!(
+            "was written while {} was sensitive, and this gateway's --type-map serves it as open: not restored \
+             (mark it sensitive: true, or delete the file)",
+            message.collection
+        ));
+    }
     let resources =
         crate::source::validate::decode_resources_refusing(&message.collection, &message.resources, secrets)
             .map_err(|nack| nack.message)?;
@@ -542,7 +554,16 @@ impl Persister {
     /// Starts the writer. It writes the cache's current state of each
     /// collection it is told about (bursts coalesce), and drains what is
     /// pending before it stops at `shutdown`.
-    pub fn start(dir: PathBuf, cache: Arc<Cache>, shutdown: CancellationToken, tasks: &TaskTracker) -> Self {
+    /// `sensitive`: the collections of secrets here, marked so in their
+    /// files.
+    pub fn start(
+        dir: PathBuf,
+        cache: Arc<Cache>,
+        sensitive: HashSet<String>,
+        shutdown: CancellationToken,
+        tasks: &TaskTracker,
+    ) -> Self {
+        let sensitive = Arc::new(sensitive);
         let (tx, mut rx) = mpsc::unbounded_channel::<SharedStr>();
         tasks.spawn(async move {
             loop {
@@ -563,6 +584,7 @@ impl Persister {
                 // The snapshot and its history, taken together so they agree.
                 let exports: Vec<_> = pending.iter().filter_map(|c| cache.export_history(c)).collect();
                 let dir = dir.clone();
+                let sensitive = sensitive.clone();
                 let written = tokio::task::spawn_blocking(move || {
                     for (snapshot, history) in exports {
                         if snapshot.origin != Origin::Upstream {
@@ -573,7 +595,7 @@ impl Persister {
                         // the two costs the history, never the collection.
                         let written =
                             write_persisted(&dir, &snapshot.collection, &file_name(&snapshot.collection), || {
-                                encode(&snapshot)
+                                encode(&snapshot, sensitive.contains(snapshot.collection.as_str()))
                             }) && write_persisted(
                                 &dir,
                                 &snapshot.collection,
@@ -655,7 +677,7 @@ mod tests {
             Origin::Upstream,
         );
         let snapshot = cache.get(C).unwrap();
-        write_atomically(dir.path(), &file_name(C), &encode(&snapshot)).unwrap();
+        write_atomically(dir.path(), &file_name(C), &encode(&snapshot, false)).unwrap();
 
         let (restarted, mut restarted_writer) = Cache::new();
         let loaded = load(dir.path(), &mut restarted_writer, u64::MAX, None).unwrap();
@@ -674,7 +696,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cache, mut cache_writer) = Cache::new();
         cache_writer.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
-        let good = encode(&cache.get(C).unwrap());
+        let good = encode(&cache.get(C).unwrap(), false);
         // Torn: the first half of a valid file.
         std::fs::write(dir.path().join("torn.mcpcache"), &good[..good.len() / 2]).unwrap();
         // Damaged: one payload byte flipped.
@@ -766,7 +788,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cache, mut cache_writer) = Cache::new();
         cache_writer.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
-        let good = encode(&cache.get(C).unwrap());
+        let good = encode(&cache.get(C).unwrap(), false);
         let elsewhere = tempfile::tempdir().unwrap();
         let outside = elsewhere.path().join("outside.mcpcache");
         std::fs::write(&outside, &good).unwrap();
@@ -800,7 +822,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cache, mut cache_writer) = Cache::new();
         cache_writer.apply(C, Update::Full(vec![resource("a", "1")]), Origin::Upstream);
-        let good = encode(&cache.get(C).unwrap());
+        let good = encode(&cache.get(C).unwrap(), false);
         let path = dir.path().join(file_name(C));
         std::fs::write(&path, &good).unwrap();
         let load_with = |mode: u32| {
@@ -843,7 +865,12 @@ mod tests {
         let (cache, mut cache_writer) = Cache::new();
         cache_writer.apply(clusters, Update::Full(decoded), Origin::Upstream);
         let dir = tempfile::tempdir().unwrap();
-        write_atomically(dir.path(), &file_name(clusters), &encode(&cache.get(clusters).unwrap())).unwrap();
+        write_atomically(
+            dir.path(),
+            &file_name(clusters),
+            &encode(&cache.get(clusters).unwrap(), false),
+        )
+        .unwrap();
         let table = crate::collections::CollectionTable::builtin()
             .with_sensitive_types(crate::source::proto_json::secret_type_urls());
         let guard = SecretGuard::new(Arc::new(table));
@@ -852,6 +879,40 @@ mod tests {
         assert!(fresh.get(clusters).is_none());
         assert!(loaded.skipped[0].1.contains("holds secrets"), "{:?}", loaded.skipped);
         assert!(!loaded.skipped[0].1.contains("MARKER"), "{:?}", loaded.skipped);
+    }
+
+    /// A collection written while it was sensitive is not restored by a
+    /// gateway whose `--type-map` serves it as open (the twenty-fifth
+    /// check of issue 42: a chained gateway's cache would otherwise serve
+    /// what its upstream called secret); one that still marks it is.
+    #[test]
+    fn a_collection_persisted_as_sensitive_is_not_restored_as_open() {
+        let (cache, mut cache_writer) = Cache::new();
+        cache_writer.apply("custom/creds", Update::Full(vec![resource("c", "1")]), Origin::Upstream);
+        let dir = tempfile::tempdir().unwrap();
+        let file = encode(&cache.get("custom/creds").unwrap(), true);
+        write_atomically(dir.path(), &file_name("custom/creds"), &file).unwrap();
+        let guard = |row: &str| {
+            let table = crate::collections::CollectionTable::builtin()
+                .with_type_map_yaml(row)
+                .unwrap();
+            SecretGuard::new(Arc::new(table))
+        };
+        let open = guard("custom/creds: type.googleapis.com/google.protobuf.Struct\n");
+        let (fresh, mut fresh_writer) = Cache::new();
+        let loaded = load(dir.path(), &mut fresh_writer, u64::MAX, Some(&open)).unwrap();
+        assert!(fresh.get("custom/creds").is_none());
+        assert!(
+            loaded.skipped[0]
+                .1
+                .contains("was written while custom/creds was sensitive"),
+            "{:?}",
+            loaded.skipped
+        );
+        let marked = guard("custom/creds: {type_url: type.googleapis.com/google.protobuf.Struct, sensitive: true}\n");
+        let (fresh, mut fresh_writer) = Cache::new();
+        load(dir.path(), &mut fresh_writer, u64::MAX, Some(&marked)).unwrap();
+        assert_eq!(fresh.get("custom/creds").unwrap().len(), 1);
     }
 
     /// A cache with history `keep` that went through four versions of C
@@ -883,7 +944,7 @@ mod tests {
 
     fn write_both(dir: &Path, cache: &Cache) {
         let (snapshot, history) = cache.export_history(C).unwrap();
-        write_atomically(dir, &file_name(C), &encode(&snapshot)).unwrap();
+        write_atomically(dir, &file_name(C), &encode(&snapshot, false)).unwrap();
         write_atomically(dir, &history_file_name(C), &encode_history(C, &history)).unwrap();
     }
 
@@ -954,7 +1015,7 @@ mod tests {
             Origin::Upstream,
         );
         let newer = next.get(C).unwrap();
-        write_atomically(dir.path(), &file_name(C), &encode(&newer)).unwrap();
+        write_atomically(dir.path(), &file_name(C), &encode(&newer, false)).unwrap();
         assert_eq!(
             std::fs::read(dir.path().join(history_file_name(C))).unwrap(),
             history_then
@@ -1000,7 +1061,7 @@ mod tests {
         let cases: [(&str, Vec<u8>, &str); 7] = [
             ("torn", good[..good.len() / 2].to_vec(), "checksum"),
             ("damaged", damaged, "checksum"),
-            ("a cache file", encode(&cache.get(C).unwrap()), "bad header"),
+            ("a cache file", encode(&cache.get(C).unwrap(), false), "bad header"),
             ("another collection's", payload(&other), "virtualservices"),
             ("misnamed", payload(&misnamed), "zzz"),
             ("tampered", payload(&tampered), "rebuilds to"),

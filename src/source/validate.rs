@@ -34,6 +34,11 @@ impl SecretGuard {
         Self { table, types }
     }
 
+    /// Whether `collection` is one of secrets here.
+    pub fn is_sensitive(&self, collection: &str) -> bool {
+        self.table.is_sensitive(collection)
+    }
+
     /// Of `sensitive` (what an upstream gateway says it serves as
     /// sensitive: collections and body type URLs), the collections this
     /// gateway serves but not as sensitive.

@@ -31,28 +31,38 @@ pub fn needs_escape(c: char) -> bool {
 /// `[redacted]` ([`credential_shown`]). A key is matched in any case, by the
 /// words credentials go by; a harmless value under such a key is hidden too.
 pub fn names_a_credential(key: &str) -> bool {
-    const WORDS: [&str; 10] = [
+    const WORDS: [&str; 13] = [
         "auth",
         "token",
         "secret",
         "passw",
+        "pwd",
         "credential",
+        "cred",
         "key",
         "cookie",
         "jwt",
         "session",
-        "signature",
+        "sig",
+        "otp",
     ];
     let key = key.to_ascii_lowercase();
     WORDS.iter().any(|word| key.contains(word))
 }
 
 /// Whether `value` is written as an HTTP credential is (`Bearer …`,
-/// `Basic …`, in any case), whatever the key it is under.
+/// `Basic …`, `Token …`, `Digest …`, in any case, with a space or a colon),
+/// or as a JSON Web Token (`eyJ…` in three dotted parts), whatever the key
+/// it is under.
 fn written_as_a_credential(value: &str) -> bool {
-    let value = value.trim_start().as_bytes();
-    let starts = |word: &[u8]| value.len() >= word.len() && value[..word.len()].eq_ignore_ascii_case(word);
-    starts(b"bearer ") || starts(b"basic ")
+    let trimmed = value.trim_start();
+    let bytes = trimmed.as_bytes();
+    let scheme = ["bearer", "basic", "token", "digest"].iter().any(|word| {
+        bytes.len() > word.len()
+            && bytes[..word.len()].eq_ignore_ascii_case(word.as_bytes())
+            && matches!(bytes[word.len()], b' ' | b':')
+    });
+    scheme || (trimmed.starts_with("eyJ") && trimmed.split('.').count() == 3)
 }
 
 /// `value` as a view or a log may show it under `key`: `[redacted]` when
@@ -329,12 +339,24 @@ mod tests {
             "x-private-key",
             "x-session",
             "x-signature",
+            "x-credz",
+            "x-pwd",
+            "x-api-sig",
+            "x-otp",
         ] {
             assert!(super::names_a_credential(key), "{key}");
             assert_eq!(super::credential_shown(key, "abc"), "[redacted]");
         }
         // Written as a credential, under any key.
-        for value in ["Bearer abc", "bearer abc", " BASIC dXNlcjpwdw=="] {
+        for value in [
+            "Bearer abc",
+            "bearer abc",
+            " BASIC dXNlcjpwdw==",
+            "Bearer:abc",
+            "Token abc",
+            "Digest username=x",
+            "eyJhbGciOiJIUzI1NiJ9.e30.c2ln",
+        ] {
             assert_eq!(super::credential_shown("x-plain", value), "[redacted]", "{value}");
         }
         assert_eq!(super::credential_shown("x-plain", "Bear"), "Bear");

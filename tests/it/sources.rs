@@ -341,7 +341,7 @@ fn persisted(dir: &Path, collection: &str, resources: &[mcp_xds_gateway::proto::
     let encoded: Vec<Bytes> = resources.iter().map(|r| r.encode_to_vec().into()).collect();
     let decoded = decode_resources(collection, &encoded).unwrap();
     writer.apply(collection, Update::Full(decoded), Origin::Upstream);
-    let bytes = persisted::encode(&cache.get(collection).unwrap());
+    let bytes = persisted::encode(&cache.get(collection).unwrap(), false);
     persisted::write_atomically(dir, &persisted::file_name(collection), &bytes).unwrap();
     bytes
 }
