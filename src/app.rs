@@ -461,8 +461,13 @@ async fn load_persisted(
             "some persisted collections were unusable; they wait for the upstream source"
         );
     }
-    let sensitive = settings.table.sensitive_collections().map(|c| c.to_string()).collect();
-    let persister = Persister::start(dir.to_path_buf(), cache.clone(), sensitive, shutdown.clone(), tasks);
+    let persister = Persister::start(
+        dir.to_path_buf(),
+        cache.clone(),
+        settings.table.clone(),
+        shutdown.clone(),
+        tasks,
+    );
     Ok((returned, Some(persister)))
 }
 

@@ -1299,8 +1299,8 @@ fn source_dir(dir: Option<PathBuf>, demo: bool) -> Result<SourceDir, ConfigError
 /// fragment is never sent by gRPC, and the address is logged and shown in
 /// views; refused without quoting it (it may hold a credential).
 pub(crate) fn refuse_credentials_in_address(flag: &'static str, address: &str) -> Result<(), ConfigError> {
-    let authority = address.split_once("://").map_or(address, |(_, rest)| rest);
-    let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+    let rest = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
     if authority.contains('@') {
         return Err(invalid(
             flag,
@@ -1309,7 +1309,6 @@ pub(crate) fn refuse_credentials_in_address(flag: &'static str, address: &str) -
                 .to_owned(),
         ));
     }
-    let rest = address.split_once("://").map_or(address, |(_, rest)| rest);
     let path = rest.find('/').map_or("", |at| &rest[at..]);
     if !path.is_empty() && path != "/" && !path.contains(['?', '#']) {
         return Err(invalid(

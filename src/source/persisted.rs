@@ -554,16 +554,15 @@ impl Persister {
     /// Starts the writer. It writes the cache's current state of each
     /// collection it is told about (bursts coalesce), and drains what is
     /// pending before it stops at `shutdown`.
-    /// `sensitive`: the collections of secrets here, marked so in their
+    /// `table`: which collections are of secrets here, marked so in their
     /// files.
     pub fn start(
         dir: PathBuf,
         cache: Arc<Cache>,
-        sensitive: HashSet<String>,
+        table: Arc<crate::collections::CollectionTable>,
         shutdown: CancellationToken,
         tasks: &TaskTracker,
     ) -> Self {
-        let sensitive = Arc::new(sensitive);
         let (tx, mut rx) = mpsc::unbounded_channel::<SharedStr>();
         tasks.spawn(async move {
             loop {
@@ -584,7 +583,7 @@ impl Persister {
                 // The snapshot and its history, taken together so they agree.
                 let exports: Vec<_> = pending.iter().filter_map(|c| cache.export_history(c)).collect();
                 let dir = dir.clone();
-                let sensitive = sensitive.clone();
+                let table = table.clone();
                 let written = tokio::task::spawn_blocking(move || {
                     for (snapshot, history) in exports {
                         if snapshot.origin != Origin::Upstream {
@@ -595,7 +594,7 @@ impl Persister {
                         // the two costs the history, never the collection.
                         let written =
                             write_persisted(&dir, &snapshot.collection, &file_name(&snapshot.collection), || {
-                                encode(&snapshot, sensitive.contains(snapshot.collection.as_str()))
+                                encode(&snapshot, table.is_sensitive(&snapshot.collection))
                             }) && write_persisted(
                                 &dir,
                                 &snapshot.collection,

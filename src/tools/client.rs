@@ -1114,9 +1114,7 @@ fn unknown_collection_notes(type_urls: &[String]) -> Vec<String> {
     let builtin = crate::collections::CollectionTable::builtin();
     type_urls
         .iter()
-        .filter(|t| {
-            builtin.resolve(t).is_err() && matches!(builtin.resolve_xds(t), crate::collections::XdsType::Unserved)
-        })
+        .filter(|t| not_in(&builtin, t))
         .map(|t| {
             format!(
                 "note: {}: not a built-in collection: its bodies are shown as they are unless the gateway says it \
@@ -1148,13 +1146,16 @@ fn sensitive_type(type_url: &str) -> bool {
         crate::collections::XdsType::Unserved => type_url.into(),
     };
     let marked = MARKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let unknown = table.resolve(type_url).is_err()
-        && matches!(table.resolve_xds(type_url), crate::collections::XdsType::Unserved);
     table.is_sensitive(type_url)
         || table.is_sensitive(&collection)
         || marked.contains(type_url)
         || marked.contains(collection.as_str())
-        || (unknown && UNREADABLE.load(std::sync::atomic::Ordering::Relaxed))
+        || (UNREADABLE.load(std::sync::atomic::Ordering::Relaxed) && not_in(table, type_url))
+}
+
+/// Whether `table` knows neither a collection nor an xDS type by `type_url`.
+fn not_in(table: &crate::collections::CollectionTable, type_url: &str) -> bool {
+    table.resolve(type_url).is_err() && matches!(table.resolve_xds(type_url), crate::collections::XdsType::Unserved)
 }
 
 /// The gateway sent a [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER)
