@@ -571,8 +571,9 @@ pub fn sensitive_header<'a>(names: impl IntoIterator<Item = &'a str>) -> String 
 
 /// The collections a [`SENSITIVE_HEADER`] value names; `None` when an
 /// entry is not as [`sensitive_header`] writes it (a byte it would have
-/// encoded, a `%` not followed by two hex digits, text that is not UTF-8):
-/// its reader then cannot tell what is sensitive.
+/// encoded, a `%` not followed by two hex digits, text that is not UTF-8,
+/// an empty entry between commas): its reader then cannot tell what is
+/// sensitive.
 pub fn from_sensitive_header(value: &str) -> Option<Vec<String>> {
     let written = |name: &str| {
         let bytes = name.as_bytes();
@@ -586,11 +587,13 @@ pub fn from_sensitive_header(value: &str) -> Option<Vec<String>> {
         }
         true
     };
+    if value.is_empty() {
+        return Some(Vec::new());
+    }
     value
         .split(',')
-        .filter(|name| !name.is_empty())
         .map(|name| {
-            written(name)
+            (!name.is_empty() && written(name))
                 .then(|| percent_encoding::percent_decode_str(name).decode_utf8().ok())
                 .flatten()
                 .map(|decoded| decoded.into_owned())
@@ -745,6 +748,10 @@ mod tests {
             " custom/creds ",
             "%ff%fe",
             "a,b c",
+            ",,,",
+            "custom/creds,",
+            ",custom/creds",
+            "a,,b",
         ] {
             assert_eq!(super::from_sensitive_header(bad), None, "{bad}");
         }

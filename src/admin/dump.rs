@@ -18,7 +18,9 @@ use serde_json::{json, Value};
 
 use crate::cache::{CachedResource, CollectionSnapshot};
 use crate::proto::wire::RawResource;
-use crate::source::proto_json::{hidden_whole, redact_quoted, BodyDecoder, REDACTED};
+use crate::source::proto_json::{
+    hidden_whole, redact_quoted, shown_type_url, without_type_name, BodyDecoder, REDACTED,
+};
 use crate::transport::safe_text::yaml_terminal_safe;
 
 /// `?bodies=`.
@@ -66,7 +68,14 @@ pub(super) fn shown(
         // Nor what the error quotes of them (a type URL an `Any` inside it
         // names, a string it holds).
         Err(why) if whole || !bodies.previewable(&any.type_url, &any.value) => (
-            json!({"bytes": any.value.len(), "not_decoded": redact_quoted(&why), "sensitive": true}),
+            json!({
+                "bytes": any.value.len(),
+                "not_decoded": match shown_type_url(sensitive, &any.type_url) {
+                    shown if shown == any.type_url => redact_quoted(&why),
+                    _ => without_type_name(&redact_quoted(&why), &any.type_url),
+                },
+                "sensitive": true,
+            }),
             BTreeMap::from([(String::new(), digest(&any.value))]),
         ),
         Err(why) => (
@@ -111,7 +120,7 @@ pub(super) fn shown(
         "create_time": create_time,
         "labels": metadata.labels,
         "annotations": annotations,
-        "type_url": any.type_url,
+        "type_url": shown_type_url(sensitive, &any.type_url),
         "body": body,
     });
     (value, secrets)

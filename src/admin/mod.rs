@@ -835,15 +835,19 @@ async fn cache_collection(
     let Some(snapshot) = state.cache.get(collection) else {
         return unknown_collection(collection);
     };
+    let sensitive = state.table.sensitive_body_type(&snapshot.collection);
     if let Some(format) = &query.bodies {
-        let sensitive = state.table.sensitive_body_type(&snapshot.collection);
         return dump::dump(&snapshot, snapshot_json(&snapshot), format, &state.bodies, sensitive);
     }
     let mut value = snapshot_json(&snapshot);
     value["resources"] = snapshot
         .resources
         .values()
-        .map(|r| json!({"name": r.name, "version": r.version.as_str(), "body_type_url": crate::proto::wire::resource_body_type_url(&r.encoded)}))
+        .map(|r| {
+            let body_type_url = crate::proto::wire::resource_body_type_url(&r.encoded)
+                .map(|t| crate::source::proto_json::shown_type_url(sensitive, &t).to_owned());
+            json!({"name": r.name, "version": r.version.as_str(), "body_type_url": body_type_url})
+        })
         .collect();
     view(&headers, &format!("Cache: {collection}"), value)
 }

@@ -248,12 +248,24 @@ impl UpstreamClient {
         // An upstream gateway says which collections it serves as
         // sensitive: one this gateway would serve (and show) as not is
         // taken from it by no one until the operator marks it so.
-        let sensitive = headers
+        // A header that does not read as a gateway writes it names no one
+        // can tell what: nothing is taken from that upstream.
+        let Some(sensitive) = headers
             .get_all(crate::collections::SENSITIVE_HEADER)
             .iter()
-            .filter_map(|v| v.to_str().ok().and_then(crate::collections::from_sensitive_header))
-            .flatten()
-            .collect::<Vec<_>>();
+            .map(|v| v.to_str().ok().and_then(crate::collections::from_sensitive_header))
+            .collect::<Option<Vec<_>>>()
+            .map(|lists| lists.concat())
+        else {
+            return StreamEnd::Failed {
+                reason: Failure::SensitiveElsewhere,
+                message: format!(
+                    "the upstream's {} header does not read as a gateway writes it: which of its collections are \
+                     sensitive cannot be told, so nothing is taken from it",
+                    crate::collections::SENSITIVE_HEADER
+                ),
+            };
+        };
         let open = opened.session.served_open(&sensitive);
         if !open.is_empty() {
             let shown: Vec<String> = open

@@ -1023,6 +1023,34 @@ pub fn hidden_whole(declared: Option<&str>, type_url: &str) -> bool {
     declared.is_some_and(|declared| type_url != declared || !is_secret_type(type_url))
 }
 
+/// The body type URL a view shows for a body of a collection whose body
+/// type is `declared` when it is a sensitive one: any other type URL there
+/// reads `[redacted]`. Its upstream chose that name, and it may carry what
+/// the body does; the collection's own type is no one's secret.
+pub fn shown_type_url<'a>(declared: Option<&str>, type_url: &'a str) -> &'a str {
+    match declared {
+        Some(declared) if type_url != declared => REDACTED,
+        _ => type_url,
+    }
+}
+
+/// `message` with the type `type_url` names (whole, and its message name)
+/// written `[redacted]`: what a decoding error says of a body whose type URL
+/// [`shown_type_url`] hides.
+pub fn without_type_name(message: &str, type_url: &str) -> String {
+    let name = type_url.rsplit('/').next().unwrap_or_default().trim();
+    let message = if type_url.trim().is_empty() {
+        message.to_owned()
+    } else {
+        message.replace(type_url, REDACTED)
+    };
+    if name.is_empty() {
+        message
+    } else {
+        message.replace(name, REDACTED)
+    }
+}
+
 /// Which fields mark secrets, shared with build.rs (which lists the
 /// collections of secrets with it; the test checks that list here).
 #[path = "secret_types.rs"]

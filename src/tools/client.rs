@@ -1058,7 +1058,7 @@ fn print_resources(out: &mut impl Write, update: &Update, output: Output, bodies
                         "version": metadata.version,
                         "labels": metadata.labels,
                         "annotations": metadata.annotations,
-                        "type_url": body.type_url,
+                        "type_url": shown_body_type(&update.type_url, &body.type_url),
                         "body": read_body(bodies, &update.type_url, &body),
                     })
                 })
@@ -1124,6 +1124,14 @@ fn unknown_collection_notes(type_urls: &[String]) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// A body's type URL as shown for a resource of what `type_url` asks for:
+/// in a collection of secrets, one other than the collection's own reads
+/// `[redacted]`, as the gateway's views show it.
+fn shown_body_type<'a>(type_url: &str, body_type_url: &'a str) -> &'a str {
+    let declared = sensitive_type(type_url).then(|| declared_type(type_url));
+    crate::source::proto_json::shown_type_url(declared.as_deref(), body_type_url)
 }
 
 /// The body type of the collection `type_url` asks for (an MCP collection's
@@ -1277,7 +1285,7 @@ fn print_update(
                 "  {} version={} body={}",
                 terminal_safe(&shown.name),
                 terminal_safe(&shown.version),
-                terminal_safe(&shown.body_type_url)
+                terminal_safe(shown_body_type(&update.type_url, &shown.body_type_url))
             )?;
             if show == Some(Show::Bodies) {
                 let body = update.raw.get(i).and_then(|r| r.body.clone()).unwrap_or_default();

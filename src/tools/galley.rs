@@ -46,6 +46,9 @@ struct State {
     live: Mutex<Vec<mpsc::UnboundedSender<Sent>>>,
     /// Every stream served (not those killed at once), in the order opened.
     records: Mutex<Vec<Record>>,
+    /// Response headers every stream is opened with (as a gateway upstream
+    /// sends its own).
+    headers: Mutex<Vec<(&'static str, String)>>,
 }
 
 /// One stream as the fake saw it.
@@ -203,7 +206,14 @@ impl ResourceSource for Service {
             responses: tx,
             next_nonce: 0,
         });
-        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+        let mut response = Response::new(UnboundedReceiverStream::new(rx));
+        for (name, value) in State::lock(&self.state.headers).iter() {
+            let value = value
+                .parse()
+                .map_err(|_| Status::internal(format!("fake galley: {name}: not a header value")))?;
+            response.metadata_mut().append(*name, value);
+        }
+        Ok(response)
     }
 }
 
@@ -271,6 +281,12 @@ impl FakeGalley {
     /// "bad request": a source that refuses it without saying which.
     pub fn refuse_unnamed(&self, collection: &str) {
         State::lock(&self.state.refuse_unnamed).insert(collection.to_owned());
+    }
+
+    /// Opens every later stream with the response header `name: value`
+    /// (once per call: a header given twice is sent as two lines).
+    pub fn send_header(&self, name: &'static str, value: &str) {
+        State::lock(&self.state.headers).push((name, value.to_owned()));
     }
 
     /// Never answers a collection any stream asks for, and never hands its

@@ -106,6 +106,10 @@ pub(crate) fn authority(admin: &str) -> anyhow::Result<String> {
         anyhow::bail!("--admin {admin}: the admin port speaks plain HTTP (it listens on loopback by default)");
     }
     let rest = admin.strip_prefix("http://").unwrap_or(admin).trim_end_matches('/');
+    // Not quoted: what an operator typed there may be a password.
+    if rest.contains('@') {
+        anyhow::bail!("--admin: the address holds user info (USER:PASSWORD@), which the admin port never asks for; give HOST:PORT or http://HOST:PORT");
+    }
     if rest.is_empty() || rest.contains('/') {
         anyhow::bail!("--admin {admin}: give HOST:PORT or http://HOST:PORT");
     }
@@ -690,6 +694,10 @@ mod tests {
         assert_eq!(authority("http://127.0.0.1:15000/").unwrap(), "127.0.0.1:15000");
         assert_eq!(authority("localhost:1").unwrap(), "localhost:1");
         assert!(authority("https://x:1").is_err());
+        let said = authority("http://admin:MARKER-PW@127.0.0.1:15000")
+            .unwrap_err()
+            .to_string();
+        assert!(said.contains("user info") && !said.contains("MARKER"), "{said}");
         assert_eq!(human(5.2), "5s");
         assert_eq!(human(303.0), "5m 3s");
         assert_eq!(human(7440.0), "2h 4m");

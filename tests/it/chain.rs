@@ -514,3 +514,44 @@ async fn a_collection_the_upstream_serves_as_sensitive_is_not_taken_as_open() {
     .await;
     eventually("C to take the secret in", || c.cache.get(CREDS).is_some()).await;
 }
+
+/// An upstream whose `x-mcp-gateway-sensitive` header does not read as a
+/// gateway writes it (an empty entry, a byte it would have encoded) gives
+/// nothing: which of its collections are sensitive cannot be told, and a
+/// gateway that took them could serve a secret as open. The next gateway
+/// says why; one whose header reads is taken from as before.
+#[tokio::test]
+async fn an_upstream_whose_sensitive_header_does_not_read_gives_nothing() {
+    for (header, taken) in [
+        (Some("custom/creds,,"), false),
+        (Some("custom creds"), false),
+        (Some("other/kind"), true),
+        (None, true),
+    ] {
+        let galley = FakeGalley::start().await;
+        if let Some(value) = header {
+            galley.send_header("x-mcp-gateway-sensitive", value);
+        }
+        galley.publish(VS, vec![resource("vs-a", "1", b"x")]);
+        let b = start_gateway(&[
+            "--upstream",
+            &galley.url(),
+            "--collections",
+            VS,
+            "--reconnect-min-delay",
+            "1s",
+        ])
+        .await;
+        if taken {
+            eventually("the collection taken in", || b.cache.get(VS).is_some()).await;
+        } else {
+            let status = upstream_failed(b.admin, 1, "the upstream refused").await;
+            let error = status["last_error"].as_str().unwrap();
+            assert!(
+                error.contains("does not read as a gateway writes it"),
+                "{header:?}: {error}"
+            );
+            assert!(b.cache.get(VS).is_none(), "{header:?}: nothing taken");
+        }
+    }
+}

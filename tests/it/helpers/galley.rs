@@ -76,6 +76,11 @@ impl FakeGalley {
         self.inner.refuse_unnamed(collection);
     }
 
+    /// Opens every later stream with the response header `name: value`.
+    pub fn send_header(&self, name: &'static str, value: &str) {
+        self.inner.send_header(name, value);
+    }
+
     /// Never answers `collection`: a source that neither serves nor refuses it.
     pub fn ignore(&self, collection: &str) {
         self.inner.ignore(collection);
