@@ -336,6 +336,7 @@ where
                             // memory goes back until a frame comes or goes
                             // (mcp-xds-gateway's patch).
                             self.codec.release_idle_buffers();
+                            self.inner.streams.release_idle_buffers();
                             return Poll::Pending;
                         }
                     };

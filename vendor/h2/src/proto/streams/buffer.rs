@@ -33,6 +33,15 @@ impl<T> Buffer<T> {
     pub fn is_empty(&self) -> bool {
         self.slab.is_empty()
     }
+
+    /// Gives back the slab's memory while it holds no frame
+    /// (mcp-xds-gateway's patch: a burst's frames grow it, and an idle
+    /// connection kept that size for its life).
+    pub fn release_if_empty(&mut self) {
+        if self.slab.is_empty() && self.slab.capacity() > 0 {
+            self.slab = Slab::new();
+        }
+    }
 }
 
 impl Deque {

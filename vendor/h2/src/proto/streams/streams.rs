@@ -186,6 +186,15 @@ where
             .clear_expired_reset_streams(&mut me.store, &mut me.counts);
     }
 
+    /// Gives back the memory of the received and the queued frames' buffers
+    /// while they hold none (mcp-xds-gateway's patch: they grow to a burst's
+    /// frames, and an idle connection kept them at that size for its life).
+    pub fn release_idle_buffers(&self) {
+        let mut me = self.inner.lock().unwrap();
+        me.actions.recv.release_idle_buffer();
+        self.send_buffer.inner.lock().unwrap().release_if_empty();
+    }
+
     pub fn poll_complete<T>(
         &mut self,
         cx: &mut Context,
