@@ -257,6 +257,13 @@ impl Listeners {
         };
         if let Some(dir) = &settings.cache_dir {
             check_cache_dir(dir)?;
+            if !settings.table.has_version_key() {
+                let key = kept_version_key(dir).map_err(|source| AppError::CacheDir {
+                    dir: dir.to_owned(),
+                    source,
+                })?;
+                settings.table.set_version_key(key);
+            }
         }
         Ok(Self {
             grpc,
@@ -827,6 +834,42 @@ fn check_cache_dir(dir: &std::path::Path) -> Result<(), AppError> {
         .tempfile_in(dir)
         .map_err(unusable)?;
     Ok(())
+}
+
+/// The file in `--cache-dir` that keeps the key of sensitive collections'
+/// versions across restarts, when `--sensitive-version-key` gives none.
+pub const VERSION_KEY_FILE: &str = "sensitive-version.key";
+
+/// The version key kept in `dir`: read, or made (random, 0600) when there
+/// is none, so a restart makes the same versions of the same secrets.
+fn kept_version_key(dir: &std::path::Path) -> std::io::Result<crate::collections::VersionKey> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(VERSION_KEY_FILE);
+    let key = crate::collections::VersionKey::random();
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+    {
+        Ok(mut file) => {
+            file.write_all(key.bytes())?;
+            file.sync_all()?;
+            Ok(key)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let bytes = std::fs::read(&path)?;
+            crate::collections::VersionKey::new(&bytes).ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "{VERSION_KEY_FILE} holds {} bytes, fewer than the key's {} (delete it to have a new one made)",
+                    bytes.len(),
+                    crate::collections::VersionKey::MIN_BYTES
+                ))
+            })
+        }
+        Err(e) => Err(e),
+    }
 }
 
 fn server_tls_on(tls: &Option<crate::transport::tls::ServerTlsFiles>) -> &'static str {

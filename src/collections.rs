@@ -166,6 +166,45 @@ pub struct CollectionTable {
     sensitive_types: Arc<HashSet<String>>,
     /// Collections a `--type-map` row marks `sensitive: true`, whatever their type.
     marked_sensitive: HashSet<SharedStr>,
+    /// The key the versions of sensitive collections' resources are made
+    /// with ([`CollectionTable::version_key`]), shared by the table's clones.
+    version_key: Arc<std::sync::OnceLock<VersionKey>>,
+}
+
+/// A key that versions of a sensitive collection's resources are made with
+/// (keyed digests, not plain hashes of their content: a version shown in a
+/// view is no test of a guessed secret). Never printed.
+#[derive(Clone)]
+pub struct VersionKey(Arc<[u8]>);
+
+impl VersionKey {
+    /// The fewest bytes a key may have.
+    pub const MIN_BYTES: usize = 32;
+
+    /// A key of `bytes`; `None` when they are fewer than [`Self::MIN_BYTES`].
+    pub fn new(bytes: &[u8]) -> Option<Self> {
+        (bytes.len() >= Self::MIN_BYTES).then(|| Self(bytes.into()))
+    }
+
+    /// A new random key.
+    pub fn random() -> Self {
+        use ring::rand::SecureRandom;
+        let mut bytes = [0u8; Self::MIN_BYTES];
+        ring::rand::SystemRandom::new()
+            .fill(&mut bytes)
+            .expect("the system's random source is readable");
+        Self(bytes.as_slice().into())
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for VersionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("VersionKey([redacted])")
+    }
 }
 
 /// A `--type-map` row: `collection: type_url`, or
@@ -281,6 +320,7 @@ impl CollectionTable {
             by_kind: HashMap::new(),
             sensitive_types: Arc::default(),
             marked_sensitive: HashSet::new(),
+            version_key: Arc::default(),
         })
     }
 
@@ -320,6 +360,26 @@ impl CollectionTable {
     /// sensitive): the only type whose bodies there are shown with their
     /// secret fields redacted; a body claiming any other type is hidden
     /// whole (its bytes may be a secret under another name).
+    /// Sets the key the versions of sensitive collections' resources are
+    /// made with (`--sensitive-version-key`, or the one kept in
+    /// `--cache-dir`), before any is made; `false` when one was in use.
+    pub fn set_version_key(&self, key: VersionKey) -> bool {
+        self.version_key.set(key).is_ok()
+    }
+
+    /// Whether a version key is set (or was made at first use).
+    pub fn has_version_key(&self) -> bool {
+        self.version_key.get().is_some()
+    }
+
+    /// The key versions of `collection`'s resources are made with when it
+    /// is sensitive: the one set, or a random one made at first use (this
+    /// process's own: versions then differ from other replicas').
+    pub fn version_key(&self, collection: &str) -> Option<&VersionKey> {
+        self.is_sensitive(collection)
+            .then(|| self.version_key.get_or_init(VersionKey::random))
+    }
+
     pub fn sensitive_body_type(&self, collection: &str) -> Option<&str> {
         self.by_name
             .get(collection)

@@ -84,6 +84,14 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_CACHE_DIR", value_name = "DIR")]
     pub cache_dir: Option<PathBuf>,
 
+    /// A file of 32 bytes or more (a Secret's key, mounted) that the
+    /// versions of sensitive collections' resources are made with (keyed
+    /// digests: a version a view shows tests no guess of a secret). Give
+    /// every replica the same file for the same versions. Default: a key
+    /// made once and kept in --cache-dir, or this process's own.
+    #[arg(long, env = "MCP_GATEWAY_SENSITIVE_VERSION_KEY", value_name = "FILE")]
+    pub sensitive_version_key: Option<PathBuf>,
+
     /// CA certificate(s) (PEM) that sign the https --upstream's certificate
     /// (default: the system's roots).
     #[arg(long, env = "MCP_GATEWAY_UPSTREAM_CA", value_name = "FILE")]
@@ -719,6 +727,28 @@ impl Args {
         // Which body types are secrets is the descriptors' word, and they
         // live in `source`, a room `collections` does not import.
         .with_sensitive_types(crate::source::proto_json::secret_type_urls());
+        if let Some(path) = &self.sensitive_version_key {
+            let bytes = std::fs::read(path).map_err(|e| {
+                invalid(
+                    "--sensitive-version-key",
+                    format!(
+                        "cannot read {}: {e}",
+                        crate::transport::safe_text::terminal_safe(&path.display().to_string())
+                    ),
+                )
+            })?;
+            let key = crate::collections::VersionKey::new(&bytes).ok_or_else(|| {
+                invalid(
+                    "--sensitive-version-key",
+                    format!(
+                        "the file holds {} bytes, fewer than {} (make one with: head -c 32 /dev/urandom > FILE)",
+                        bytes.len(),
+                        crate::collections::VersionKey::MIN_BYTES
+                    ),
+                )
+            })?;
+            table.set_version_key(key);
+        }
         let collections = match &self.collections {
             None => table.default_subscriptions(),
             Some(list) => {
@@ -1330,26 +1360,44 @@ pub(crate) fn refuse_credentials_in_address(flag: &'static str, address: &str) -
 
 fn validate_upstream(url: &str) -> Result<String, ConfigError> {
     refuse_credentials_in_address("--upstream", url)?;
-    let uri: tonic::transport::Uri = url.parse().map_err(|e| {
-        invalid(
-            "--upstream",
-            format!("{url:?} is not a URL like http://galley:9901: {e}"),
-        )
-    })?;
+    // Not quoted back: the logs would show it, and what follows a port may
+    // be anything.
+    let uri: tonic::transport::Uri = url
+        .parse()
+        .map_err(|e| invalid("--upstream", format!("not a URL like http://galley:9901: {e}")))?;
     match uri.scheme_str() {
         Some("http") => {}
         Some("https") => {}
         _ => {
             return Err(invalid(
                 "--upstream",
-                format!("{url:?} needs the scheme http:// or https://, as in http://galley:9901"),
+                "needs the scheme http:// or https://, as in http://galley:9901",
             ))
         }
     }
-    if uri.host().is_none_or(str::is_empty) {
+    // The authority as written (the URL parser reads `g:9901;x` as a port
+    // it cannot number, which would dial 80).
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let (host, port) = match authority.rfind(':') {
+        Some(at) if !authority[at..].contains(']') => (&authority[..at], Some(&authority[at + 1..])),
+        _ => (authority, None),
+    };
+    if host.is_empty() {
+        return Err(invalid("--upstream", "has no host; use http://HOST:PORT"));
+    }
+    if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._[]:".contains(&b))
+    {
         return Err(invalid(
             "--upstream",
-            format!("{url:?} has no host; use http://HOST:PORT"),
+            "the host holds what no host name or address does; use http://HOST:PORT",
+        ));
+    }
+    if port.is_some_and(|p| p.parse::<u16>().is_err() || p == "0") {
+        return Err(invalid(
+            "--upstream",
+            "the port is not a number from 1 to 65535; use http://HOST:PORT",
         ));
     }
     Ok(url.trim_end_matches('/').to_owned())
@@ -1450,6 +1498,19 @@ mod tests {
         let err = parse(&["--upstream", "http://galley:9901/pw-7Q"]).unwrap_err();
         assert!(err.contains("a path") && !err.contains("pw-7Q"), "{err}");
         assert!(parse(&["--upstream", "http://galley:9901/"]).is_ok());
+        assert!(parse(&["--upstream", "http://[::1]:9901"]).is_ok());
+        // What follows a port, a port that is no number, a host no name
+        // holds: refused without quoting (`;x` read as a port dialled 80).
+        for bad in [
+            "http://galley:9901;pw-7Q",
+            "http://galley:pw-7Q",
+            "http://gal;pw-7Q:9901",
+            "ftp://pw-7Q:9901",
+            "pw-7Q:9901",
+        ] {
+            let err = parse(&["--upstream", bad]).unwrap_err();
+            assert!(err.contains("--upstream") && !err.contains("pw-7Q"), "{bad}: {err}");
+        }
         // A credential's value among the annotations is redacted in the
         // effective configuration (`/debug/config`, the first log line);
         // the others are shown, and both are sent.
@@ -1542,6 +1603,12 @@ mod tests {
             (&["--keepalive-interval", "soon"][..], "--keepalive-interval"),
             (&["--listen", "nowhere"][..], "--listen"),
             (&["--type-map", "/nonexistent/map.yaml"][..], "--type-map"),
+            (
+                &["--sensitive-version-key", "/nonexistent/key"][..],
+                "--sensitive-version-key",
+            ),
+            // Fewer than 32 bytes.
+            (&["--sensitive-version-key", "/dev/null"][..], "--sensitive-version-key"),
         ] {
             let err = parse(args).unwrap_err();
             assert!(err.contains(flag), "{args:?}: {err}");

@@ -932,6 +932,26 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
         )
             .into_response();
     };
+    // One at a time, on the blocking pool: a policy of many rules matched
+    // against a long identity, and its name patterns against every cached
+    // name, is work the runtime's threads (the monitoring port's `/healthz`
+    // among what they serve) do not wait on.
+    static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+    let Ok(_turn) = ONE_AT_A_TIME.acquire().await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    let asked = identity.clone();
+    let Ok(value) = tokio::task::spawn_blocking(move || access_value(&state, &asked)).await else {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "the access view failed\n").into_response();
+    };
+    if !wants_html(&headers) {
+        return Json(value).into_response();
+    }
+    access_page(query.all.as_deref(), &identity, &value)
+}
+
+/// What [`access`] answers for `identity`, as JSON.
+fn access_value(state: &AdminState, identity: &str) -> Value {
     let policy = state.access.current();
     let mut collections: Vec<(SharedStr, bool)> = state
         .table
@@ -972,17 +992,18 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
             })
         })
         .collect();
-    let value = json!({
-        "identity": crate::transport::identity::PeerIdentity::parse(&identity).to_string(),
+    json!({
+        "identity": crate::transport::identity::PeerIdentity::parse(identity).to_string(),
         "policy": policy.path().map(|p| p.display().to_string()),
         "collections": rows,
-    });
-    if !wants_html(&headers) {
-        return Json(value).into_response();
-    }
+    })
+}
+
+/// [`access`]'s page: the form, then `value`'s collections.
+fn access_page(all: Option<&str>, identity: &str, value: &Value) -> Response {
     // The page: the form, then the collections with content (the table
     // knows some 75, most never populated); `?all=1` lists every one.
-    let all = query.all.is_some_and(|a| !matches!(a.as_str(), "" | "0" | "false"));
+    let all = all.is_some_and(|a| !matches!(a, "" | "0" | "false"));
     let (shown, empty): (Vec<&Value>, Vec<&Value>) = value["collections"]
         .as_array()
         .into_iter()

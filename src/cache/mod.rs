@@ -129,10 +129,51 @@ pub fn content_digest<'a>(
     annotations: impl IntoIterator<Item = (&'a String, &'a String)>,
 ) -> u128 {
     let mut hasher = Xxh3::new();
+    content_fields(body, labels, annotations, |bytes| hasher.update(bytes));
+    hasher.digest128()
+}
+
+/// [`content_digest`] keyed with `key` (HMAC-SHA-256, its first 128 bits):
+/// for a sensitive collection, whose versions views show and whose content
+/// a plain hash would let anyone who sees one test guesses against.
+pub fn keyed_content_digest<'a>(
+    key: &[u8],
+    body: &[u8],
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+    annotations: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> u128 {
+    let mut context = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
+    context.update(b"content\0");
+    content_fields(body, labels, annotations, |bytes| context.update(bytes));
+    first_128(context.sign().as_ref())
+}
+
+/// [`body_version`] keyed with `key`, as [`keyed_content_digest`].
+pub fn keyed_body_version(key: &[u8], body: &[u8]) -> String {
+    let mut context = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
+    context.update(b"version\0");
+    context.update(body);
+    format!("{:032x}", first_128(context.sign().as_ref()))
+}
+
+fn first_128(tag: &[u8]) -> u128 {
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&tag[..16]);
+    u128::from_le_bytes(bytes)
+}
+
+/// The content of a resource as a sequence of length-prefixed fields: its
+/// body, then its labels and annotations in key order.
+fn content_fields<'a>(
+    body: &[u8],
+    labels: impl IntoIterator<Item = (&'a String, &'a String)>,
+    annotations: impl IntoIterator<Item = (&'a String, &'a String)>,
+    mut update: impl FnMut(&[u8]),
+) {
     let mut field = |bytes: &[u8]| {
         // Length prefixes keep ("ab","c") and ("a","bc") apart.
-        hasher.update(&(bytes.len() as u64).to_le_bytes());
-        hasher.update(bytes);
+        update(&(bytes.len() as u64).to_le_bytes());
+        update(bytes);
     };
     field(body);
     for map in [
@@ -145,7 +186,6 @@ pub fn content_digest<'a>(
             field(value.as_bytes());
         }
     }
-    hasher.digest128()
 }
 
 fn entry_hash(name: &str, version: &str, digest: u128) -> u128 {

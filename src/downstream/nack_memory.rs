@@ -189,7 +189,7 @@ impl NackMemory {
                 bound_names(&mut remembered.unheld);
             }
             None => {
-                self.make_room(&mut entries, now);
+                self.make_room(&mut entries, &who.identity, now);
                 let mut unheld = unheld;
                 bound_names(&mut unheld);
                 entries.insert(key, Remembered { who, unheld, at: now });
@@ -198,8 +198,12 @@ impl NackMemory {
         self.changed(&entries);
     }
 
-    /// Room for one more entry: the expired go, then the oldest.
-    fn make_room(&self, entries: &mut HashMap<u64, Remembered>, now: SystemTime) {
+    /// Room for one more entry of `identity`'s: the expired go, then the
+    /// oldest of the identity that holds the most (`identity` itself on a
+    /// tie). A client NACKing under many node ids makes room from its own
+    /// entries, never from another identity's, which keeps what its clients
+    /// NACKed.
+    fn make_room(&self, entries: &mut HashMap<u64, Remembered>, identity: &str, now: SystemTime) {
         if entries.len() < self.max_entries {
             return;
         }
@@ -210,7 +214,22 @@ impl NackMemory {
             metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => "expired").increment(expired as u64);
         }
         while entries.len() >= self.max_entries.max(1) {
-            let Some((&oldest, _)) = entries.iter().min_by_key(|(_, r)| r.at) else {
+            let mut held: HashMap<&str, usize> = HashMap::new();
+            for remembered in entries.values() {
+                *held.entry(remembered.who.identity.as_str()).or_default() += 1;
+            }
+            let Some(most) = held
+                .into_iter()
+                .max_by_key(|&(holder, count)| (count, holder == identity))
+                .map(|(holder, _)| holder.to_owned())
+            else {
+                break;
+            };
+            let Some((&oldest, _)) = entries
+                .iter()
+                .filter(|(_, r)| r.who.identity == most)
+                .min_by_key(|(_, r)| r.at)
+            else {
                 break;
             };
             entries.remove(&oldest);
@@ -286,7 +305,13 @@ impl NackMemory {
             if !self.enabled() || self.expired(&remembered, now) || remembered.unheld.is_nothing() {
                 continue;
             }
-            self.make_room(&mut entries, now);
+            // A file of more than the memory holds (a lower limit than the
+            // one it was written under): the rest is dropped, without a
+            // search for room per entry.
+            if entries.len() >= self.max_entries {
+                metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => "full").increment(1);
+                continue;
+            }
             let key = ClientType::hash_of(&remembered.who.node, &remembered.who.identity, &remembered.who.type_url);
             entries.insert(key, remembered);
         }
@@ -459,5 +484,39 @@ mod tests {
         let off = NackMemory::new(Duration::ZERO, 2);
         off.remember(who("a"), names(&["x"]), t0);
         assert!(off.is_empty() && !off.enabled());
+    }
+
+    /// A full memory makes room from the identity that holds the most: one
+    /// identity NACKing under many node ids evicts its own entries, never
+    /// another identity's (the twenty-sixth check of issue 42).
+    #[test]
+    fn a_full_memory_makes_room_from_the_identity_that_holds_the_most() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let memory = NackMemory::new(Duration::from_secs(3600), 4);
+        let client = |node: &str, identity: &str| ClientType {
+            node: node.into(),
+            identity: identity.into(),
+            type_url: "t".into(),
+        };
+        memory.remember(client("victim", "spiffe://victim"), names(&["x"]), t0);
+        for n in 0..30 {
+            let at = t0 + Duration::from_secs(n + 1);
+            memory.remember(client(&format!("evil-{n}"), "spiffe://evil"), names(&["y"]), at);
+        }
+        assert_eq!(memory.len(), 4);
+        assert_eq!(
+            memory.recall("victim", "spiffe://victim", "t", t0),
+            names(&["x"]),
+            "the victim's NACK is kept"
+        );
+        // The evil identity kept its newest three.
+        assert_eq!(memory.recall("evil-29", "spiffe://evil", "t", t0), names(&["y"]));
+        assert_eq!(memory.recall("evil-0", "spiffe://evil", "t", t0), Unheld::Nothing);
+        // Two identities of equal share: the one making room gives it.
+        let even = NackMemory::new(Duration::from_secs(3600), 2);
+        even.remember(client("a", "spiffe://a"), names(&["x"]), t0);
+        even.remember(client("b", "spiffe://b"), names(&["x"]), t0 + Duration::from_secs(1));
+        even.remember(client("b2", "spiffe://b"), names(&["x"]), t0 + Duration::from_secs(2));
+        assert_eq!(even.recall("a", "spiffe://a", "t", t0), names(&["x"]));
     }
 }

@@ -660,7 +660,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             .encode_to_vec()
             .into();
             // The same validation, and the same version rule, as upstream data.
-            let resource = match crate::source::validate::decode_resources(&found.collection, &[encoded]) {
+            let resource = match crate::source::validate::decode_resources_of(table, &found.collection, &[encoded]) {
                 Ok(mut resources) => resources.pop().expect("one resource in, one out"),
                 Err(nack) => {
                     errors.push(ParseError {

@@ -12,7 +12,7 @@ use prost::Message;
 
 use super::proto_json::SecretTypes;
 use super::session::Nack;
-use crate::cache::{body_version, content_digest, CachedResource};
+use crate::cache::{body_version, content_digest, keyed_body_version, keyed_content_digest, CachedResource};
 use crate::collections::CollectionTable;
 use crate::proto::wire::{AnyTypeUrl, RawResource};
 use crate::SharedStr;
@@ -37,6 +37,11 @@ impl SecretGuard {
     /// Whether `collection` is one of secrets here.
     pub fn is_sensitive(&self, collection: &str) -> bool {
         self.table.is_sensitive(collection)
+    }
+
+    /// The key `collection`'s versions are made with, when it is sensitive.
+    fn version_key(&self, collection: &str) -> Option<&crate::collections::VersionKey> {
+        self.table.version_key(collection)
     }
 
     /// Of `sensitive` (what an upstream gateway says it serves as
@@ -65,7 +70,17 @@ impl SecretGuard {
 /// Validates every resource of a message and turns it into cache entries.
 /// Nothing is applied unless every resource is valid.
 pub fn decode_resources(collection: &str, raw: &[Bytes]) -> Result<Vec<CachedResource>, Nack> {
-    decode(collection, raw, None)
+    decode(collection, raw, None, None)
+}
+
+/// As [`decode_resources`], the versions of a collection `table` says is
+/// sensitive made with its key (the files source's rule, as the upstream's).
+pub fn decode_resources_of(
+    table: &CollectionTable,
+    collection: &str,
+    raw: &[Bytes],
+) -> Result<Vec<CachedResource>, Nack> {
+    decode(collection, raw, None, table.version_key(collection))
 }
 
 /// As [`decode_resources`], refusing a secret's body outside the
@@ -77,7 +92,12 @@ pub fn decode_resources_refusing(
     raw: &[Bytes],
     secrets: Option<&SecretGuard>,
 ) -> Result<Vec<CachedResource>, Nack> {
-    decode(collection, raw, secrets)
+    decode(
+        collection,
+        raw,
+        secrets,
+        secrets.and_then(|s| s.version_key(collection)),
+    )
 }
 
 /// As [`decode_resources`], each entry in the `Arc` the cache shares it by:
@@ -89,13 +109,21 @@ pub fn decode_shared_resources(
     raw: &[Bytes],
     secrets: Option<&SecretGuard>,
 ) -> Result<Vec<Arc<CachedResource>>, Nack> {
-    decode(collection, raw, secrets)
+    decode(
+        collection,
+        raw,
+        secrets,
+        secrets.and_then(|s| s.version_key(collection)),
+    )
 }
 
+/// Decodes and checks `raw`; with `key` (a sensitive collection's), its
+/// versions and content digests are keyed ([`keyed_content_digest`]).
 fn decode<R: From<CachedResource>>(
     collection: &str,
     raw: &[Bytes],
     secrets: Option<&SecretGuard>,
+    key: Option<&crate::collections::VersionKey>,
 ) -> Result<Vec<R>, Nack> {
     let mut seen = HashSet::with_capacity(raw.len());
     let mut resources = Vec::with_capacity(raw.len());
@@ -141,12 +169,18 @@ fn decode<R: From<CachedResource>>(
                  names must be unique in a collection"
             )));
         }
-        let digest = content_digest(&body, &metadata.labels, &metadata.annotations);
+        let digest = match key {
+            Some(key) => keyed_content_digest(key.bytes(), &body, &metadata.labels, &metadata.annotations),
+            None => content_digest(&body, &metadata.labels, &metadata.annotations),
+        };
         // Keep the bytes as received. Only a missing version is filled in (a
         // hash of the body), so incremental clients can report it back; the
         // body itself is never re-encoded.
         let (version, encoded) = if metadata.version.is_empty() {
-            let version = body_version(&body);
+            let version = match key {
+                Some(key) => keyed_body_version(key.bytes(), &body),
+                None => body_version(&body),
+            };
             metadata.version = version.clone();
             (version, encode_resource(&metadata, &body))
         } else {

@@ -1148,17 +1148,35 @@ fn declared_type(type_url: &str) -> String {
 /// the gateway said is ([`gateway_says_sensitive`]).
 fn sensitive_type(type_url: &str) -> bool {
     let table = SENSITIVE.get_or_init(|| sensitive_table(crate::collections::CollectionTable::builtin()));
+    let marked = MARKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    sensitive_in(
+        table,
+        &marked,
+        UNREADABLE.load(std::sync::atomic::Ordering::Relaxed),
+        type_url,
+    )
+}
+
+/// [`sensitive_type`] by `table`, what the gateway `marked`, and whether
+/// its word was `unreadable`.
+fn sensitive_in(
+    table: &crate::collections::CollectionTable,
+    marked: &std::collections::BTreeSet<String>,
+    unreadable: bool,
+    type_url: &str,
+) -> bool {
     // Over xDS, the collection the gateway serves the type URL from.
     let collection = match table.resolve_xds(type_url) {
         crate::collections::XdsType::Collection { collection, .. } => collection,
         crate::collections::XdsType::Unserved => type_url.into(),
     };
-    let marked = MARKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     table.is_sensitive(type_url)
         || table.is_sensitive(&collection)
         || marked.contains(type_url)
         || marked.contains(collection.as_str())
-        || (UNREADABLE.load(std::sync::atomic::Ordering::Relaxed) && not_in(table, type_url))
+        // A gateway may mark a built-in collection sensitive too: which it
+        // marked cannot be told, so every body is.
+        || unreadable
 }
 
 /// Whether `table` knows neither a collection nor an xDS type by `type_url`.
@@ -1167,8 +1185,8 @@ fn not_in(table: &crate::collections::CollectionTable, type_url: &str) -> bool {
 }
 
 /// The gateway sent a [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER)
-/// this command cannot read: every collection the built-in table (or
-/// `--type-map`) does not know is then taken as sensitive.
+/// this command cannot read: every collection is then taken as sensitive
+/// (a gateway may mark a built-in one so).
 static UNREADABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// What the gateway's [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER)
@@ -1191,8 +1209,8 @@ fn gateway_says_sensitive(headers: &tonic::metadata::MetadataMap) {
             None => {
                 if !UNREADABLE.swap(true, std::sync::atomic::Ordering::Relaxed) {
                     eprintln!(
-                        "warning: the server's {} header does not read as this command writes it; the bodies of \
-                         every collection not built in (nor in --type-map) are redacted",
+                        "warning: the server's {} header does not read as this command writes it: which \
+                         collections it says are sensitive cannot be told, so every body is redacted",
                         crate::collections::SENSITIVE_HEADER
                     );
                 }
@@ -1303,6 +1321,28 @@ fn print_update(
 
 #[cfg(test)]
 mod tests {
+    /// What the gateway says is sensitive adds to the built-in table; when
+    /// its word does not read, every collection is taken as sensitive, the
+    /// built-in ones too (a gateway may mark `clusters` so: the twenty-sixth
+    /// check of issue 42).
+    #[test]
+    fn a_word_that_does_not_read_makes_every_collection_sensitive() {
+        let table = crate::collections::CollectionTable::builtin();
+        let cluster = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        let none = std::collections::BTreeSet::new();
+        assert!(!super::sensitive_in(&table, &none, false, cluster));
+        assert!(!super::sensitive_in(&table, &none, false, "example.com/custom"));
+        let marked = std::collections::BTreeSet::from([cluster.to_owned()]);
+        assert!(super::sensitive_in(&table, &marked, false, cluster));
+        for type_url in [
+            cluster,
+            "istio/networking/v1alpha3/virtualservices",
+            "example.com/custom",
+        ] {
+            assert!(super::sensitive_in(&table, &none, true, type_url), "{type_url}");
+        }
+    }
+
     use super::*;
 
     fn update(resources: &[(&str, &str)], removed: &[&str], full: bool) -> Update {

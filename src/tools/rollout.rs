@@ -23,7 +23,7 @@ pub struct RolloutArgs {
         global = true,
         value_name = "URL",
         default_value = "http://127.0.0.1:15000",
-        value_parser = super::status::admin_url
+        value_parser = super::status::admin_url()
     )]
     pub admin: String,
 

@@ -19,7 +19,7 @@ use super::terminal_safe;
 #[derive(Debug, ClapArgs)]
 pub struct StatusArgs {
     /// The gateway's admin port: HOST:PORT or http://HOST:PORT.
-    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:15000", value_parser = admin_url)]
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:15000", value_parser = admin_url())]
     pub admin: String,
 
     /// Only clients of this collection.
@@ -96,22 +96,56 @@ pub(crate) async fn read_admin(authority: &str, path: &str) -> Result<Value, Adm
 
 /// `--admin` checked when the arguments are parsed, so a bad one is a
 /// usage error (exit 2) that names the flag.
-pub(crate) fn admin_url(admin: &str) -> Result<String, String> {
-    authority(admin).map(|_| admin.to_owned()).map_err(|e| e.to_string())
+pub(crate) fn admin_url() -> AdminUrl {
+    AdminUrl
+}
+
+/// [`admin_url`]'s parser: its refusal says what is wrong without quoting
+/// the value (clap's own `invalid value '…'` would, and a value with user
+/// info holds a password).
+#[derive(Clone)]
+pub(crate) struct AdminUrl;
+
+impl clap::builder::TypedValueParser for AdminUrl {
+    type Value = String;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<String, clap::Error> {
+        let refused =
+            |why: String| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{why}\n")).with_cmd(cmd);
+        let admin = value
+            .to_str()
+            .ok_or_else(|| refused("--admin: not UTF-8; give HOST:PORT or http://HOST:PORT".to_owned()))?;
+        authority(admin)
+            .map(|_| admin.to_owned())
+            .map_err(|e| refused(e.to_string()))
+    }
 }
 
 /// The admin address as HOST:PORT.
 pub(crate) fn authority(admin: &str) -> anyhow::Result<String> {
+    // Nothing of the value is quoted back: what an operator typed there may
+    // be a password.
     if admin.starts_with("https://") {
-        anyhow::bail!("--admin {admin}: the admin port speaks plain HTTP (it listens on loopback by default)");
+        anyhow::bail!(
+            "--admin: the admin port speaks plain HTTP (it listens on loopback by default); give http://HOST:PORT"
+        );
     }
     let rest = admin.strip_prefix("http://").unwrap_or(admin).trim_end_matches('/');
-    // Not quoted: what an operator typed there may be a password.
     if rest.contains('@') {
         anyhow::bail!("--admin: the address holds user info (USER:PASSWORD@), which the admin port never asks for; give HOST:PORT or http://HOST:PORT");
     }
-    if rest.is_empty() || rest.contains('/') {
-        anyhow::bail!("--admin {admin}: give HOST:PORT or http://HOST:PORT");
+    let host_and_port = rest.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.[]:".contains(&b))
+            && port.parse::<u16>().is_ok()
+    });
+    if !host_and_port {
+        anyhow::bail!("--admin: give HOST:PORT or http://HOST:PORT (a host, a port, and nothing after them)");
     }
     Ok(rest.to_owned())
 }
@@ -694,6 +728,21 @@ mod tests {
         assert_eq!(authority("http://127.0.0.1:15000/").unwrap(), "127.0.0.1:15000");
         assert_eq!(authority("localhost:1").unwrap(), "localhost:1");
         assert!(authority("https://x:1").is_err());
+        assert_eq!(authority("[::1]:15000").unwrap(), "[::1]:15000");
+        for bad in [
+            "http://127.0.0.1:15000?t=MARKER",
+            "127.0.0.1:15000;MARKER",
+            "127.0.0.1:MARKER",
+            "http://127.0.0.1:15000/MARKER",
+            "127.0.0.1",
+            "https://MARKER:1",
+        ] {
+            let said = authority(bad).unwrap_err().to_string();
+            assert!(
+                said.starts_with("--admin: ") && !said.contains("MARKER"),
+                "{bad}: {said}"
+            );
+        }
         let said = authority("http://admin:MARKER-PW@127.0.0.1:15000")
             .unwrap_err()
             .to_string();

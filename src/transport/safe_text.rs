@@ -24,52 +24,95 @@ pub fn needs_escape(c: char) -> bool {
     c.is_control() || (!c.is_ascii() && c.escape_debug().len() > 1)
 }
 
-/// Whether a metadata or annotation key names a credential: a source's
-/// gRPC metadata (`authorization: Bearer …`), Galley's `--sinkMeta` pairs,
-/// the gateway's own `--node-annotation` and `--sink-meta`. Its value is
-/// never printed (logs, views, the effective configuration): shown as
-/// `[redacted]` ([`credential_shown`]). A key is matched in any case, by the
-/// words credentials go by; a harmless value under such a key is hidden too.
-pub fn names_a_credential(key: &str) -> bool {
-    const WORDS: [&str; 13] = [
-        "auth",
-        "token",
-        "secret",
-        "passw",
-        "pwd",
-        "credential",
-        "cred",
-        "key",
-        "cookie",
-        "jwt",
-        "session",
-        "sig",
-        "otp",
+/// Whether the value of a metadata or annotation key may be printed: a
+/// source's gRPC metadata (`config.source.version`), Galley's `--sinkMeta`
+/// pairs, the gateway's own `--node-annotation` and `--sink-meta`. Only the
+/// keys known to name no secret are (the component, the cluster, zone and
+/// region, a version, a namespace, a node's name and role), in any case and
+/// with `-`, `_` or `.` between words: any other value (`authorization`, a
+/// `passphrase`, an `x-refresh`, whatever a list of credential words would
+/// miss) is shown as `[redacted]` in the logs, the views and the effective
+/// configuration ([`credential_shown`]), and sent as it is.
+pub fn shows_its_value(key: &str) -> bool {
+    const SHOWN: [&str; 20] = [
+        "component",
+        "configsourceversion",
+        "istioversion",
+        "version",
+        "cluster",
+        "clusterid",
+        "clustername",
+        "zone",
+        "region",
+        "namespace",
+        "node",
+        "nodeid",
+        "nodename",
+        "role",
+        "app",
+        "env",
+        "environment",
+        "meshid",
+        "network",
+        "name",
     ];
-    let key = key.to_ascii_lowercase();
-    WORDS.iter().any(|word| key.contains(word))
+    let key: String = key
+        .chars()
+        .filter(|c| !matches!(c, '-' | '_' | '.'))
+        .map(|c| c.to_ascii_lowercase())
+        .collect();
+    SHOWN.contains(&key.as_str())
 }
 
-/// Whether `value` is written as an HTTP credential is (`Bearer …`,
-/// `Basic …`, `Token …`, `Digest …`, in any case, with a space or a colon),
-/// or as a JSON Web Token (`eyJ…` in three dotted parts), whatever the key
-/// it is under.
+/// Whether `value` is written as a credential is, whatever the key it is
+/// under: an HTTP authorization scheme (`Bearer`, `Basic`, `Token`,
+/// `Digest`, `Negotiate`, `MAC`, `AWS4-HMAC-SHA256`, in any case, then a
+/// space, a tab, a colon or `%20`), a JSON Web Token anywhere in it (`eyJ…`
+/// and a dot), a URL with user info (`postgres://u:pw@db`), or a token of a
+/// known shape (`ghp_…`, `github_pat_…`, `xox…-`, `AKIA…`).
 fn written_as_a_credential(value: &str) -> bool {
     let trimmed = value.trim_start();
     let bytes = trimmed.as_bytes();
-    let scheme = ["bearer", "basic", "token", "digest"].iter().any(|word| {
+    let scheme = [
+        "bearer",
+        "basic",
+        "token",
+        "digest",
+        "negotiate",
+        "mac",
+        "aws4-hmac-sha256",
+    ]
+    .iter()
+    .any(|word| {
         bytes.len() > word.len()
             && bytes[..word.len()].eq_ignore_ascii_case(word.as_bytes())
-            && matches!(bytes[word.len()], b' ' | b':')
+            && (matches!(bytes[word.len()], b' ' | b'\t' | b':') || bytes[word.len()..].starts_with(b"%20"))
     });
-    scheme || (trimmed.starts_with("eyJ") && trimmed.split('.').count() == 3)
+    let jwt = trimmed.match_indices("eyJ").any(|(at, _)| trimmed[at..].contains('.'));
+    let user_info = trimmed
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.split(['/', '?', '#']).next().is_some_and(|a| a.contains('@')));
+    let shaped = [
+        "ghp_",
+        "gho_",
+        "ghs_",
+        "github_pat_",
+        "xoxb-",
+        "xoxp-",
+        "AKIA",
+        "glpat-",
+        "sk-",
+    ]
+    .iter()
+    .any(|prefix| trimmed.starts_with(prefix));
+    scheme || jwt || user_info || shaped
 }
 
-/// `value` as a view or a log may show it under `key`: `[redacted]` when
-/// the key names a credential ([`names_a_credential`]) or the value is
-/// written as one (`Bearer …`).
+/// `value` as a view or a log may show it under `key`: `[redacted]` unless
+/// the key is one whose value is shown ([`shows_its_value`]) and the value
+/// is not written as a credential (`Bearer …`).
 pub fn credential_shown<'a>(key: &str, value: &'a str) -> &'a str {
-    if names_a_credential(key) || written_as_a_credential(value) {
+    if !shows_its_value(key) || written_as_a_credential(value) {
         "[redacted]"
     } else {
         value
@@ -327,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn credentials_are_named_in_any_case_and_shown_redacted() {
+    fn only_values_of_keys_known_to_name_no_secret_are_shown() {
         for key in [
             "authorization",
             "Proxy-Authorization",
@@ -343,25 +386,45 @@ mod tests {
             "x-pwd",
             "x-api-sig",
             "x-otp",
+            "passphrase",
+            "x-pin",
+            "x-refresh",
+            "anything-else",
         ] {
-            assert!(super::names_a_credential(key), "{key}");
+            assert!(!super::shows_its_value(key), "{key}");
             assert_eq!(super::credential_shown(key, "abc"), "[redacted]");
         }
-        // Written as a credential, under any key.
+        // Written as a credential, under a key whose value is shown.
         for value in [
             "Bearer abc",
             "bearer abc",
             " BASIC dXNlcjpwdw==",
             "Bearer:abc",
+            "Bearer\tabc",
+            "Basic%20dXNlcjpwdw==",
             "Token abc",
             "Digest username=x",
+            "Negotiate YII",
+            "MAC id=x",
+            "AWS4-HMAC-SHA256 Credential=x",
             "eyJhbGciOiJIUzI1NiJ9.e30.c2ln",
+            "eyJhbGciOiJIUzI1NiJ9.e30",
+            "id=eyJhbGciOiJIUzI1NiJ9.e30.c2ln",
+            "postgres://u:pw@db/x",
+            "ghp_abcdef",
         ] {
-            assert_eq!(super::credential_shown("x-plain", value), "[redacted]", "{value}");
+            assert_eq!(super::credential_shown("cluster", value), "[redacted]", "{value}");
         }
-        assert_eq!(super::credential_shown("x-plain", "Bear"), "Bear");
-        for key in ["component", "config.source.version", "istio-version", "cluster"] {
-            assert!(!super::names_a_credential(key), "{key}");
+        assert_eq!(super::credential_shown("cluster", "Bear"), "Bear");
+        for key in [
+            "component",
+            "config.source.version",
+            "istio-version",
+            "ISTIO_VERSION",
+            "cluster",
+            "zone",
+        ] {
+            assert!(super::shows_its_value(key), "{key}");
             assert_eq!(super::credential_shown(key, "v1"), "v1");
         }
     }

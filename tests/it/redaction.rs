@@ -1056,3 +1056,119 @@ async fn the_client_hides_a_sensitive_type_in_any_collection_as_the_views_do() {
         assert!(shown.contains("[redacted]"), "{output:?}: {shown}");
     }
 }
+
+/// The versions of a sensitive collection's resources are keyed digests: a
+/// plain hash of the body, which every view shows, let anyone who sees a
+/// view test guesses of a short secret (a PIN, a password) offline (the
+/// twenty-sixth check of issue 42). An open collection's versions stay the
+/// plain content hash, the same on every replica. Gateways given the same
+/// `--sensitive-version-key` make the same versions; without one, a key is
+/// made and kept in `--cache-dir` (the same versions after a restart), or is
+/// the process's own.
+#[tokio::test]
+async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
+    use mcp_xds_gateway::cache::body_version;
+    use prost::Message;
+    let dir = tempfile::tempdir().unwrap();
+    let map = certs::write(
+        dir.path(),
+        "type-map.yaml",
+        "example.com/plain: type.googleapis.com/google.protobuf.Struct\n",
+    );
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let pin = json!({"name": "shop/pin", "generic_secret": {"secret": {"inline_string": "482913"}}});
+    let documents = [
+        json!({"collection": SECRETS, "name": "shop/pin", "body": {"type_url": SECRET, "json": pin}}),
+        json!({"collection": "example.com/plain", "name": "plain", "body": {"struct": {"a": "b"}}}),
+    ];
+    certs::write(
+        &source,
+        "resources.yaml",
+        &documents.iter().map(|d| format!("---\n{d}\n")).collect::<String>(),
+    );
+    let key = dir.path().join("version.key");
+    std::fs::write(&key, [7u8; 32]).unwrap();
+    let cache_dir = dir.path().join("cache");
+    let (map, source, key, cache_dir) = (
+        map.to_str().unwrap().to_owned(),
+        source.to_str().unwrap().to_owned(),
+        key.to_str().unwrap().to_owned(),
+        cache_dir.to_str().unwrap().to_owned(),
+    );
+    // The version of `name` in `collection`, and the plain hash of its body.
+    let versions = |gw: &mcp_xds_gateway::app::Bound, collection: &str, name: &str| {
+        let snapshot = gw.cache.get(collection).unwrap();
+        let resource = snapshot.resources.get(name).unwrap().clone();
+        let body = mcp_xds_gateway::proto::Resource::decode(resource.encoded.clone())
+            .unwrap()
+            .body
+            .unwrap()
+            .encode_to_vec();
+        (
+            resource.version.to_string(),
+            body_version(&body),
+            snapshot.version.to_string(),
+        )
+    };
+    let start = |extra: &'static [&'static str], flag: Option<(&'static str, String)>| {
+        let mut args = vec![
+            "--source-dir".to_owned(),
+            source.clone(),
+            "--type-map".to_owned(),
+            map.clone(),
+        ];
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        if let Some((flag, value)) = flag {
+            args.push(flag.to_owned());
+            args.push(value);
+        }
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let gw = start_gateway(&args).await;
+            for collection in [SECRETS, "example.com/plain"] {
+                eventually(collection, || gw.cache.get(collection).is_some_and(|s| s.len() == 1)).await;
+            }
+            gw
+        }
+    };
+    let keyed_a = start(&[], Some(("--sensitive-version-key", key.clone()))).await;
+    let keyed_b = start(&[], Some(("--sensitive-version-key", key.clone()))).await;
+    let (version, plain_hash, collection_version) = versions(&keyed_a, SECRETS, "shop/pin");
+    assert_ne!(version, plain_hash, "a secret's version is no plain hash of it");
+    assert_eq!(version.len(), 32, "{version}");
+    // The same key, the same versions (of the resource and the collection).
+    assert_eq!(
+        versions(&keyed_b, SECRETS, "shop/pin"),
+        (version.clone(), plain_hash.clone(), collection_version)
+    );
+    // An open collection's version is the content's plain hash, as before.
+    let (open, open_hash, _) = versions(&keyed_a, "example.com/plain", "plain");
+    assert_eq!(open, open_hash);
+    // Without the flag: a key kept in --cache-dir, the same after a restart.
+    let kept = start(&[], Some(("--cache-dir", cache_dir.clone()))).await;
+    let kept_version = versions(&kept, SECRETS, "shop/pin").0;
+    assert_ne!(kept_version, version);
+    assert_ne!(kept_version, plain_hash);
+    let key_file = std::path::Path::new(&cache_dir).join("sensitive-version.key");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(&key_file).unwrap();
+        assert_eq!(meta.len(), 32);
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    }
+    drop(kept);
+    let restarted = start(&[], Some(("--cache-dir", cache_dir.clone()))).await;
+    assert_eq!(versions(&restarted, SECRETS, "shop/pin").0, kept_version);
+    // Neither: the process's own key, unlike either.
+    let own = start(&[], None).await;
+    let own_version = versions(&own, SECRETS, "shop/pin").0;
+    assert!(
+        ![&version, &kept_version, &plain_hash].contains(&&own_version),
+        "{own_version}"
+    );
+    // What the views show is the keyed version.
+    let listing = get_json(own.admin, &format!("/debug/cache/{SECRETS}")).await;
+    assert!(listing.to_string().contains(&own_version), "{listing}");
+    assert!(!listing.to_string().contains(&plain_hash), "{listing}");
+}
