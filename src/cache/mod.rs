@@ -133,27 +133,40 @@ pub fn content_digest<'a>(
     hasher.digest128()
 }
 
-/// [`content_digest`] keyed with `key` (HMAC-SHA-256, its first 128 bits):
-/// for a sensitive collection, whose versions views show and whose content
-/// a plain hash would let anyone who sees one test guesses against.
+/// [`content_digest`] keyed with `key` (HMAC-SHA-256, its first 128 bits),
+/// of the resource `name` of `collection`: for a sensitive collection,
+/// whose versions views show and whose content a plain hash would let
+/// anyone who sees one test guesses against. The collection and the name
+/// are in it: two secrets of equal content have versions that do not say so.
 pub fn keyed_content_digest<'a>(
     key: &[u8],
+    collection: &str,
+    name: &str,
     body: &[u8],
     labels: impl IntoIterator<Item = (&'a String, &'a String)>,
     annotations: impl IntoIterator<Item = (&'a String, &'a String)>,
 ) -> u128 {
-    let mut context = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
-    context.update(b"content\0");
+    let mut context = keyed(key, b"content", collection, name);
     content_fields(body, labels, annotations, |bytes| context.update(bytes));
     first_128(context.sign().as_ref())
 }
 
 /// [`body_version`] keyed with `key`, as [`keyed_content_digest`].
-pub fn keyed_body_version(key: &[u8], body: &[u8]) -> String {
-    let mut context = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
-    context.update(b"version\0");
+pub fn keyed_body_version(key: &[u8], collection: &str, name: &str, body: &[u8]) -> String {
+    let mut context = keyed(key, b"version", collection, name);
     context.update(body);
     format!("{:032x}", first_128(context.sign().as_ref()))
+}
+
+/// An HMAC-SHA-256 context under `key` for `what` of `collection`'s
+/// resource `name`, each length-prefixed.
+fn keyed(key: &[u8], what: &[u8], collection: &str, name: &str) -> ring::hmac::Context {
+    let mut context = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
+    for field in [what, collection.as_bytes(), name.as_bytes()] {
+        context.update(&(field.len() as u64).to_le_bytes());
+        context.update(field);
+    }
+    context
 }
 
 fn first_128(tag: &[u8]) -> u128 {

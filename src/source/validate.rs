@@ -170,7 +170,14 @@ fn decode<R: From<CachedResource>>(
             )));
         }
         let digest = match key {
-            Some(key) => keyed_content_digest(key.bytes(), &body, &metadata.labels, &metadata.annotations),
+            Some(key) => keyed_content_digest(
+                key.bytes(),
+                collection,
+                &name,
+                &body,
+                &metadata.labels,
+                &metadata.annotations,
+            ),
             None => content_digest(&body, &metadata.labels, &metadata.annotations),
         };
         // Keep the bytes as received. Only a missing version is filled in (a
@@ -178,7 +185,7 @@ fn decode<R: From<CachedResource>>(
         // body itself is never re-encoded.
         let (version, encoded) = if metadata.version.is_empty() {
             let version = match key {
-                Some(key) => keyed_body_version(key.bytes(), &body),
+                Some(key) => keyed_body_version(key.bytes(), collection, &name, &body),
                 None => body_version(&body),
             };
             metadata.version = version.clone();

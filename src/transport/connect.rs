@@ -347,11 +347,13 @@ pub async fn connect(dial: &Dial) -> Result<Channel, ConnectError> {
     let address = &dial.address;
     let uri: Uri = address
         .parse()
-        .map_err(|e| failed("address", format!("{address} is not a URL: {e}")))?;
+        // Not quoted: what follows a host may be anything the logs should
+        // not hold.
+        .map_err(|e| failed("address", format!("the address is not a URL: {e}")))?;
     let https = uri.scheme_str() == Some("https");
     let host = uri
         .host()
-        .ok_or_else(|| failed("address", format!("{address} has no host")))?
+        .ok_or_else(|| failed("address", "the address has no host".to_owned()))?
         .to_owned();
     let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
     let deadline = Instant::now() + dial.timeout;

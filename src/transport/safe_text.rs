@@ -68,8 +68,11 @@ pub fn shows_its_value(key: &str) -> bool {
 /// under: an HTTP authorization scheme (`Bearer`, `Basic`, `Token`,
 /// `Digest`, `Negotiate`, `MAC`, `AWS4-HMAC-SHA256`, in any case, then a
 /// space, a tab, a colon or `%20`), a JSON Web Token anywhere in it (`eyJ…`
-/// and a dot), a URL with user info (`postgres://u:pw@db`), or a token of a
-/// known shape (`ghp_…`, `github_pat_…`, `xox…-`, `AKIA…`).
+/// and a dot), a URL with user info (`postgres://u:pw@db`), a token of a
+/// known shape (`ghp_…`, `github_pat_…`, `xox…-`, `AKIA…`, `sk_live_…`), or
+/// any run of 24 or more letters, digits, `_`, `-`, `+`, `/` or `=` that
+/// holds both letters and digits (a random token of a shape not listed; no
+/// version, zone or cluster name is written so).
 fn written_as_a_credential(value: &str) -> bool {
     let trimmed = value.trim_start();
     let bytes = trimmed.as_bytes();
@@ -102,10 +105,22 @@ fn written_as_a_credential(value: &str) -> bool {
         "AKIA",
         "glpat-",
         "sk-",
+        "sk_",
+        "rk_",
+        "pk_live_",
+        "whsec_",
+        "npm_",
+        "pypi-",
+        "hf_",
     ]
     .iter()
     .any(|prefix| trimmed.starts_with(prefix));
-    scheme || jwt || user_info || shaped
+    let random = trimmed
+        .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+' | '/' | '=')))
+        .any(|run| {
+            run.len() >= 24 && run.bytes().any(|b| b.is_ascii_alphabetic()) && run.bytes().any(|b| b.is_ascii_digit())
+        });
+    scheme || jwt || user_info || shaped || random
 }
 
 /// `value` as a view or a log may show it under `key`: `[redacted]` unless
@@ -412,10 +427,20 @@ mod tests {
             "id=eyJhbGciOiJIUzI1NiJ9.e30.c2ln",
             "postgres://u:pw@db/x",
             "ghp_abcdef",
+            "sk_live_abc",
+            "v=Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MA",
         ] {
             assert_eq!(super::credential_shown("cluster", value), "[redacted]", "{value}");
         }
         assert_eq!(super::credential_shown("cluster", "Bear"), "Bear");
+        for plain in [
+            "1.3.0-20190611",
+            "eu-west-1",
+            "cluster-a.prod.example.com",
+            "istio-system",
+        ] {
+            assert_eq!(super::credential_shown("version", plain), plain);
+        }
         for key in [
             "component",
             "config.source.version",

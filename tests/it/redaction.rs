@@ -1080,6 +1080,8 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
     let pin = json!({"name": "shop/pin", "generic_secret": {"secret": {"inline_string": "482913"}}});
     let documents = [
         json!({"collection": SECRETS, "name": "shop/pin", "body": {"type_url": SECRET, "json": pin}}),
+        // The same body under another name: equal secrets, unequal versions.
+        json!({"collection": SECRETS, "name": "bank/pin", "body": {"type_url": SECRET, "json": pin}}),
         json!({"collection": "example.com/plain", "name": "plain", "body": {"struct": {"a": "b"}}}),
     ];
     certs::write(
@@ -1126,8 +1128,11 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
         async move {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let gw = start_gateway(&args).await;
-            for collection in [SECRETS, "example.com/plain"] {
-                eventually(collection, || gw.cache.get(collection).is_some_and(|s| s.len() == 1)).await;
+            for (collection, count) in [(SECRETS, 2), ("example.com/plain", 1)] {
+                eventually(collection, || {
+                    gw.cache.get(collection).is_some_and(|s| s.len() == count)
+                })
+                .await;
             }
             gw
         }
@@ -1136,6 +1141,9 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
     let keyed_b = start(&[], Some(("--sensitive-version-key", key.clone()))).await;
     let (version, plain_hash, collection_version) = versions(&keyed_a, SECRETS, "shop/pin");
     assert_ne!(version, plain_hash, "a secret's version is no plain hash of it");
+    let (other, other_plain_hash, _) = versions(&keyed_a, SECRETS, "bank/pin");
+    assert_eq!(other_plain_hash, plain_hash, "the same body");
+    assert_ne!(other, version, "equal secrets' versions do not say so");
     assert_eq!(version.len(), 32, "{version}");
     // The same key, the same versions (of the resource and the collection).
     assert_eq!(
