@@ -350,10 +350,21 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_NACK_MEMORY", default_value = "24h", value_parser = parse_duration)]
     pub nack_memory: Duration,
 
-    /// Clients and types whose NACKs are remembered; past it the oldest is
-    /// forgotten.
+    /// Clients and types whose NACKs are remembered; past it the expired go,
+    /// then the oldest of the identity whose NACK needs the room (never
+    /// another identity's).
     #[arg(long, env = "MCP_GATEWAY_MAX_NACK_MEMORY_ENTRIES", default_value_t = 100_000)]
     pub max_nack_memory_entries: usize,
+
+    /// Of --max-nack-memory-entries, the entries one identity (a client
+    /// certificate's SANs, or unauthenticated) may hold; past it, its own
+    /// oldest is forgotten.
+    #[arg(
+        long,
+        env = "MCP_GATEWAY_MAX_NACK_MEMORY_ENTRIES_PER_IDENTITY",
+        default_value_t = 10_000
+    )]
+    pub max_nack_memory_entries_per_identity: usize,
 
     /// How long an Envoy drains a listener it replaced or removed (its
     /// `--drain-time-s`, 600 s by default): a cluster (and its load
@@ -965,6 +976,10 @@ impl Args {
             ("--max-grants-per-version", self.max_grants_per_version),
             ("--max-subscribed-names", self.max_subscribed_names),
             ("--max-nack-memory-entries", self.max_nack_memory_entries),
+            (
+                "--max-nack-memory-entries-per-identity",
+                self.max_nack_memory_entries_per_identity,
+            ),
             ("--history", self.history),
             ("--max-resets-per-minute", self.max_resets_per_minute as usize),
             ("--max-pings-per-minute", self.max_pings_per_minute as usize),
@@ -1182,6 +1197,7 @@ impl Args {
                 max_subscribed_names: self.max_subscribed_names,
                 nack_memory: self.nack_memory,
                 max_nack_memory_entries: self.max_nack_memory_entries,
+                max_nack_memory_entries_per_identity: self.max_nack_memory_entries_per_identity,
                 listener_drain_time: self.listener_drain_time,
             },
             http: HttpLimits {
@@ -1375,13 +1391,7 @@ fn validate_upstream(url: &str) -> Result<String, ConfigError> {
             ))
         }
     }
-    // The authority as written (the URL parser reads `g:9901;x` as a port
-    // it cannot number, which would dial 80).
-    let authority = uri.authority().map_or("", |a| a.as_str());
-    let (host, port) = match authority.rfind(':') {
-        Some(at) if !authority[at..].contains(']') => (&authority[..at], Some(&authority[at + 1..])),
-        _ => (authority, None),
-    };
+    let (host, port) = crate::transport::connect::host_and_port(&uri);
     if host.is_empty() {
         return Err(invalid("--upstream", "has no host; use http://HOST:PORT"));
     }
@@ -1394,7 +1404,7 @@ fn validate_upstream(url: &str) -> Result<String, ConfigError> {
             "the host holds what no host name or address does; use http://HOST:PORT",
         ));
     }
-    if port.is_some_and(|p| p.parse::<u16>().is_err() || p == "0") {
+    if port.is_some_and(|p| !crate::transport::connect::is_port(p)) {
         return Err(invalid(
             "--upstream",
             "the port is not a number from 1 to 65535; use http://HOST:PORT",

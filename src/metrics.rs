@@ -96,7 +96,7 @@ pub const NACK_MEMORY_ENTRIES: &str = "mcp_gateway_nack_memory_entries";
 /// Remembered NACKs dropped before their client ACKed, by `reason`.
 pub const NACK_MEMORY_DROPPED: &str = "mcp_gateway_nack_memory_dropped_total";
 /// The `reason` label of `NACK_MEMORY_DROPPED`.
-pub const NACK_MEMORY_DROP_REASONS: [&str; 2] = ["expired", "full"];
+pub const NACK_MEMORY_DROP_REASONS: [&str; 3] = ["expired", "full", "identity_full"];
 /// Resources a reconnecting xDS client reported holding at the current
 /// content, not sent again.
 pub const RECONNECT_SKIPPED: &str = "mcp_gateway_reconnect_resources_skipped_total";

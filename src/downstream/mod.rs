@@ -63,6 +63,9 @@ pub struct DownstreamLimits {
     /// and nothing is skipped on a reconnecting client's word).
     pub nack_memory: Duration,
     pub max_nack_memory_entries: usize,
+    /// Of those, the entries one identity may hold
+    /// (`--max-nack-memory-entries-per-identity`).
+    pub max_nack_memory_entries_per_identity: usize,
     /// How long the removal of what a changed or removed listener sent to
     /// waits for Envoy's drain of it (`--listener-drain-time`; zero: not).
     pub listener_drain_time: Duration,
@@ -84,6 +87,7 @@ impl Default for DownstreamLimits {
             max_subscribed_names: 100_000,
             nack_memory: Duration::from_secs(24 * 3600),
             max_nack_memory_entries: 100_000,
+            max_nack_memory_entries_per_identity: 10_000,
             listener_drain_time: DEFAULT_LISTENER_DRAIN_TIME,
         }
     }
@@ -186,7 +190,11 @@ impl Downstream {
                 denial_logs: DashMap::new(),
                 shutdown_message: "the gateway is shutting down; reconnect to another replica",
                 skew,
-                nack_memory: nack_memory::NackMemory::new(limits.nack_memory, limits.max_nack_memory_entries),
+                nack_memory: nack_memory::NackMemory::new(
+                    limits.nack_memory,
+                    limits.max_nack_memory_entries,
+                    limits.max_nack_memory_entries_per_identity,
+                ),
                 grants: grants::Grants::new(limits.max_grants_per_version),
             }),
         }

@@ -61,6 +61,64 @@ struct Remembered {
     at: SystemTime,
 }
 
+/// The remembered NACKs, and how many each identity holds (kept as they
+/// change: a full memory asks it on every new NACK).
+#[derive(Default)]
+struct Entries {
+    map: HashMap<u64, Remembered>,
+    per_identity: HashMap<String, usize>,
+}
+
+impl Entries {
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn held_by(&self, identity: &str) -> usize {
+        self.per_identity.get(identity).copied().unwrap_or(0)
+    }
+
+    fn insert(&mut self, key: u64, remembered: Remembered) {
+        *self.per_identity.entry(remembered.who.identity.clone()).or_default() += 1;
+        if let Some(replaced) = self.map.insert(key, remembered) {
+            self.uncount(&replaced.who.identity);
+        }
+    }
+
+    fn remove(&mut self, key: &u64) {
+        if let Some(removed) = self.map.remove(key) {
+            self.uncount(&removed.who.identity);
+        }
+    }
+
+    fn uncount(&mut self, identity: &str) {
+        if let Some(count) = self.per_identity.get_mut(identity) {
+            *count -= 1;
+            if *count == 0 {
+                self.per_identity.remove(identity);
+            }
+        }
+    }
+
+    /// Removes what `drop` says; returns how many went.
+    fn remove_where(&mut self, mut drop: impl FnMut(&Remembered) -> bool) -> usize {
+        let keys: Vec<u64> = self.map.iter().filter(|(_, r)| drop(r)).map(|(k, _)| *k).collect();
+        for key in &keys {
+            self.remove(key);
+        }
+        keys.len()
+    }
+
+    /// The key of `identity`'s oldest entry.
+    fn oldest_of(&self, identity: &str) -> Option<u64> {
+        self.map
+            .iter()
+            .filter(|(_, r)| r.who.identity == identity)
+            .min_by_key(|(_, r)| r.at)
+            .map(|(k, _)| *k)
+    }
+}
+
 /// What the file holds.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Saved {
@@ -81,7 +139,9 @@ struct SavedEntry {
 pub struct NackMemory {
     ttl: Duration,
     max_entries: usize,
-    entries: Mutex<HashMap<u64, Remembered>>,
+    /// Entries one identity may hold (`--max-nack-memory-entries-per-identity`).
+    max_per_identity: usize,
+    entries: Mutex<Entries>,
     /// Read without the lock: ACKs look only when something is remembered.
     len: AtomicUsize,
     /// Bumped on every change, for whoever writes the file.
@@ -96,7 +156,7 @@ pub struct NackMemory {
 impl NackMemory {
     /// `ttl` zero: nothing is remembered, and (see [`Self::follow`])
     /// nothing is skipped on a client's word.
-    pub fn new(ttl: Duration, max_entries: usize) -> Arc<Self> {
+    pub fn new(ttl: Duration, max_entries: usize, max_per_identity: usize) -> Arc<Self> {
         metrics::gauge!(m::NACK_MEMORY_ENTRIES).set(0.0);
         for reason in m::NACK_MEMORY_DROP_REASONS {
             metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => reason).absolute(0);
@@ -104,7 +164,8 @@ impl NackMemory {
         Arc::new(Self {
             ttl,
             max_entries,
-            entries: Mutex::new(HashMap::new()),
+            max_per_identity: max_per_identity.max(1),
+            entries: Mutex::new(Entries::default()),
             len: AtomicUsize::new(0),
             revision: watch::channel(0).0,
             kept: AtomicBool::new(false),
@@ -141,12 +202,12 @@ impl NackMemory {
         self.revision.subscribe()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Remembered>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// After a change under the lock: the gauge, the count, the writer.
-    fn changed(&self, entries: &HashMap<u64, Remembered>) {
+    fn changed(&self, entries: &Entries) {
         self.len.store(entries.len(), Ordering::Relaxed);
         metrics::gauge!(m::NACK_MEMORY_ENTRIES).set(entries.len() as f64);
         self.revision.send_modify(|r| *r += 1);
@@ -163,7 +224,7 @@ impl NackMemory {
         }
         let key = ClientType::hash_of(node, identity, type_url);
         let mut entries = self.lock();
-        let Some(remembered) = entries.get(&key).filter(|r| r.who.is(node, identity, type_url)) else {
+        let Some(remembered) = entries.map.get(&key).filter(|r| r.who.is(node, identity, type_url)) else {
             return Unheld::Nothing;
         };
         if self.expired(remembered, now) {
@@ -182,14 +243,16 @@ impl NackMemory {
         }
         let key = ClientType::hash_of(&who.node, &who.identity, &who.type_url);
         let mut entries = self.lock();
-        match entries.get_mut(&key).filter(|r| r.who == who) {
+        match entries.map.get_mut(&key).filter(|r| r.who == who) {
             Some(remembered) => {
                 remembered.unheld.add(unheld);
                 remembered.at = now;
                 bound_names(&mut remembered.unheld);
             }
             None => {
-                self.make_room(&mut entries, &who.identity, now);
+                if !self.make_room(&mut entries, &who.identity, now) {
+                    return;
+                }
                 let mut unheld = unheld;
                 bound_names(&mut unheld);
                 entries.insert(key, Remembered { who, unheld, at: now });
@@ -198,42 +261,38 @@ impl NackMemory {
         self.changed(&entries);
     }
 
-    /// Room for one more entry of `identity`'s: the expired go, then the
-    /// oldest of the identity that holds the most (`identity` itself on a
-    /// tie). A client NACKing under many node ids makes room from its own
-    /// entries, never from another identity's, which keeps what its clients
-    /// NACKed.
-    fn make_room(&self, entries: &mut HashMap<u64, Remembered>, identity: &str, now: SystemTime) {
-        if entries.len() < self.max_entries {
-            return;
+    /// Room for one more entry of `identity`'s; `false` when there is none
+    /// to be had. Room is never taken from another identity: an identity at
+    /// its share (`--max-nack-memory-entries-per-identity`) forgets its own
+    /// oldest; a full memory forgets the expired, then the inserting
+    /// identity's own oldest, and when it holds none the new NACK is not
+    /// remembered. So a client NACKing under many node ids costs only its
+    /// own identity's entries, never another's (the twenty-eighth check of
+    /// issue 42).
+    fn make_room(&self, entries: &mut Entries, identity: &str, now: SystemTime) -> bool {
+        if entries.held_by(identity) >= self.max_per_identity {
+            if let Some(oldest) = entries.oldest_of(identity) {
+                entries.remove(&oldest);
+                metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => "identity_full").increment(1);
+            }
         }
-        let before = entries.len();
-        entries.retain(|_, r| !self.expired(r, now));
-        let expired = before - entries.len();
+        if entries.len() < self.max_entries {
+            return true;
+        }
+        let expired = entries.remove_where(|r| self.expired(r, now));
         if expired > 0 {
             metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => "expired").increment(expired as u64);
         }
-        while entries.len() >= self.max_entries.max(1) {
-            let mut held: HashMap<&str, usize> = HashMap::new();
-            for remembered in entries.values() {
-                *held.entry(remembered.who.identity.as_str()).or_default() += 1;
+        if entries.len() < self.max_entries.max(1) {
+            return true;
+        }
+        metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => "full").increment(1);
+        match entries.oldest_of(identity) {
+            Some(oldest) => {
+                entries.remove(&oldest);
+                true
             }
-            let Some(most) = held
-                .into_iter()
-                .max_by_key(|&(holder, count)| (count, holder == identity))
-                .map(|(holder, _)| holder.to_owned())
-            else {
-                break;
-            };
-            let Some((&oldest, _)) = entries
-                .iter()
-                .filter(|(_, r)| r.who.identity == most)
-                .min_by_key(|(_, r)| r.at)
-            else {
-                break;
-            };
-            entries.remove(&oldest);
-            metrics::counter!(m::NACK_MEMORY_DROPPED, "reason" => "full").increment(1);
+            None => false,
         }
     }
 
@@ -245,7 +304,7 @@ impl NackMemory {
         }
         let key = ClientType::hash_of(node, identity, type_url);
         let mut entries = self.lock();
-        let Some(remembered) = entries.get_mut(&key).filter(|r| r.who.is(node, identity, type_url)) else {
+        let Some(remembered) = entries.map.get_mut(&key).filter(|r| r.who.is(node, identity, type_url)) else {
             return;
         };
         let gone = match (&mut remembered.unheld, known) {
@@ -270,6 +329,7 @@ impl NackMemory {
     pub fn saved(&self) -> Saved {
         let entries = self.lock();
         let mut saved: Vec<SavedEntry> = entries
+            .map
             .values()
             .map(|r| SavedEntry {
                 who: r.who.clone(),
@@ -432,7 +492,7 @@ mod tests {
     #[test]
     fn nacks_are_remembered_per_client_until_acked_or_expired() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        let memory = NackMemory::new(Duration::from_secs(3600), 2);
+        let memory = NackMemory::new(Duration::from_secs(3600), 2, 2);
         memory.remember(who("a"), names(&["x", "y"]), t0);
         memory.remember(who("a"), names(&["z"]), t0);
         assert_eq!(memory.recall("a", "spiffe://a", "t", t0), names(&["x", "y", "z"]));
@@ -453,7 +513,7 @@ mod tests {
         memory.remember(who("b"), Unheld::Everything, t0 + Duration::from_secs(3000));
         let json = serde_json::to_string(&memory.saved()).unwrap();
         let later = t0 + Duration::from_secs(3700);
-        let restarted = NackMemory::new(Duration::from_secs(3600), 2);
+        let restarted = NackMemory::new(Duration::from_secs(3600), 2, 2);
         assert_eq!(restarted.restore(&serde_json::from_str(&json).unwrap(), later), 1);
         assert_eq!(
             restarted.recall("a", "spiffe://a", "t", later),
@@ -481,42 +541,71 @@ mod tests {
         assert_eq!(memory.recall("c", "spiffe://a", "t", t0), Unheld::Everything);
 
         // Off: nothing remembered.
-        let off = NackMemory::new(Duration::ZERO, 2);
+        let off = NackMemory::new(Duration::ZERO, 2, 2);
         off.remember(who("a"), names(&["x"]), t0);
         assert!(off.is_empty() && !off.enabled());
     }
 
-    /// A full memory makes room from the identity that holds the most: one
-    /// identity NACKing under many node ids evicts its own entries, never
-    /// another identity's (the twenty-sixth check of issue 42).
+    /// Room is never taken from another identity (the twenty-sixth and
+    /// twenty-eighth checks of issue 42): one identity NACKing under many
+    /// node ids forgets its own oldest, whatever another identity holds; an
+    /// identity at its share forgets its own; a full memory with nothing of
+    /// the inserting identity's does not remember the new NACK.
     #[test]
-    fn a_full_memory_makes_room_from_the_identity_that_holds_the_most() {
+    fn one_identity_never_takes_another_identitys_room() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        let memory = NackMemory::new(Duration::from_secs(3600), 4);
         let client = |node: &str, identity: &str| ClientType {
             node: node.into(),
             identity: identity.into(),
             type_url: "t".into(),
         };
-        memory.remember(client("victim", "spiffe://victim"), names(&["x"]), t0);
-        for n in 0..30 {
-            let at = t0 + Duration::from_secs(n + 1);
-            memory.remember(client(&format!("evil-{n}"), "spiffe://evil"), names(&["y"]), at);
+        let at = |n: u64| t0 + Duration::from_secs(n);
+        // 15 pilots of one identity, then 30 NACKs of another: the pilots
+        // keep all 15 (check 28's case), the other holds what is left.
+        let memory = NackMemory::new(Duration::from_secs(3600), 20, 20);
+        for n in 0..15 {
+            memory.remember(client(&format!("pilot-{n}"), "spiffe://pilot"), names(&["x"]), at(n));
         }
-        assert_eq!(memory.len(), 4);
-        assert_eq!(
-            memory.recall("victim", "spiffe://victim", "t", t0),
-            names(&["x"]),
-            "the victim's NACK is kept"
-        );
-        // The evil identity kept its newest three.
+        for n in 0..30 {
+            memory.remember(
+                client(&format!("evil-{n}"), "spiffe://evil"),
+                names(&["y"]),
+                at(100 + n),
+            );
+        }
+        assert_eq!(memory.len(), 20);
+        for n in 0..15 {
+            assert_eq!(
+                memory.recall(&format!("pilot-{n}"), "spiffe://pilot", "t", t0),
+                names(&["x"]),
+                "pilot-{n}"
+            );
+        }
         assert_eq!(memory.recall("evil-29", "spiffe://evil", "t", t0), names(&["y"]));
         assert_eq!(memory.recall("evil-0", "spiffe://evil", "t", t0), Unheld::Nothing);
-        // Two identities of equal share: the one making room gives it.
-        let even = NackMemory::new(Duration::from_secs(3600), 2);
-        even.remember(client("a", "spiffe://a"), names(&["x"]), t0);
-        even.remember(client("b", "spiffe://b"), names(&["x"]), t0 + Duration::from_secs(1));
-        even.remember(client("b2", "spiffe://b"), names(&["x"]), t0 + Duration::from_secs(2));
-        assert_eq!(even.recall("a", "spiffe://a", "t", t0), names(&["x"]));
+        // A third identity finds the memory full and holds nothing: its NACK
+        // is not remembered, and no one else's is forgotten.
+        memory.remember(client("late", "spiffe://late"), names(&["z"]), at(200));
+        assert_eq!(memory.recall("late", "spiffe://late", "t", t0), Unheld::Nothing);
+        assert_eq!(memory.len(), 20);
+        // An identity at its share forgets its own oldest, with room left.
+        let shared = NackMemory::new(Duration::from_secs(3600), 100, 3);
+        memory_fill(&shared, "spiffe://a", 5, t0);
+        assert_eq!(shared.len(), 3);
+        assert_eq!(shared.recall("n-4", "spiffe://a", "t", t0), names(&["x"]));
+        assert_eq!(shared.recall("n-1", "spiffe://a", "t", t0), Unheld::Nothing);
+        memory_fill(&shared, "spiffe://b", 2, t0);
+        assert_eq!(shared.len(), 5);
+    }
+
+    fn memory_fill(memory: &NackMemory, identity: &str, count: u64, t0: SystemTime) {
+        for n in 0..count {
+            let who = ClientType {
+                node: format!("n-{n}"),
+                identity: identity.into(),
+                type_url: "t".into(),
+            };
+            memory.remember(who, names(&["x"]), t0 + Duration::from_secs(n));
+        }
     }
 }

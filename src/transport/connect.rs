@@ -342,6 +342,22 @@ impl tower::Service<Uri> for Established {
     }
 }
 
+/// The host and the port (if one is written) of `uri`'s authority as
+/// written: the URL parser reads `h:9901;x` as a port it cannot number,
+/// which would dial the scheme's default port.
+pub fn host_and_port(uri: &Uri) -> (&str, Option<&str>) {
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    match authority.rfind(':') {
+        Some(at) if !authority[at..].contains(']') => (&authority[..at], Some(&authority[at + 1..])),
+        _ => (authority, None),
+    }
+}
+
+/// Whether `port`, as written, is a port number (1 to 65535).
+pub fn is_port(port: &str) -> bool {
+    port.parse::<u16>().is_ok_and(|p| p != 0)
+}
+
 /// Connects, or says which step failed or timed out.
 pub async fn connect(dial: &Dial) -> Result<Channel, ConnectError> {
     let address = &dial.address;
@@ -355,6 +371,12 @@ pub async fn connect(dial: &Dial) -> Result<Channel, ConnectError> {
         .host()
         .ok_or_else(|| failed("address", "the address has no host".to_owned()))?
         .to_owned();
+    if host_and_port(&uri).1.is_some_and(|p| !is_port(p)) {
+        return Err(failed(
+            "address",
+            "the address's port is not a number from 1 to 65535".to_owned(),
+        ));
+    }
     let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
     let deadline = Instant::now() + dial.timeout;
     let timeout = humantime::format_duration(dial.timeout);

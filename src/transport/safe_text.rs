@@ -75,7 +75,14 @@ pub fn shows_its_value(key: &str) -> bool {
 /// version, zone or cluster name is written so).
 fn written_as_a_credential(value: &str) -> bool {
     let trimmed = value.trim_start();
-    let bytes = trimmed.as_bytes();
+    let lower = trimmed.to_lowercase();
+    // Where a word starts: the value's start, or after a character that is
+    // neither a letter nor a digit (`task-runner` holds no `sk-`).
+    let starts = |word: &str| {
+        lower
+            .match_indices(word)
+            .any(|(at, _)| lower[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric()))
+    };
     let scheme = [
         "bearer",
         "basic",
@@ -87,9 +94,9 @@ fn written_as_a_credential(value: &str) -> bool {
     ]
     .iter()
     .any(|word| {
-        bytes.len() > word.len()
-            && bytes[..word.len()].eq_ignore_ascii_case(word.as_bytes())
-            && (matches!(bytes[word.len()], b' ' | b'\t' | b':') || bytes[word.len()..].starts_with(b"%20"))
+        lower
+            .strip_prefix(word)
+            .is_some_and(|rest| rest.starts_with(|c: char| c.is_whitespace() || c == ':') || rest.starts_with("%20"))
     });
     let jwt = trimmed.match_indices("eyJ").any(|(at, _)| trimmed[at..].contains('.'));
     let user_info = trimmed
@@ -102,8 +109,9 @@ fn written_as_a_credential(value: &str) -> bool {
         "github_pat_",
         "xoxb-",
         "xoxp-",
-        "AKIA",
+        "akia",
         "glpat-",
+        "glsa_",
         "sk-",
         "sk_",
         "rk_",
@@ -112,15 +120,39 @@ fn written_as_a_credential(value: &str) -> bool {
         "npm_",
         "pypi-",
         "hf_",
+        "aiza",
+        "sg.",
+        "shpat_",
+        "dop_v1_",
+        "ya29.",
+        "-----begin",
     ]
     .iter()
-    .any(|prefix| trimmed.starts_with(prefix));
+    .any(|prefix| starts(prefix));
+    // `password=…` inside a value (a connection string, a URL's query).
+    let pair = [
+        "password=",
+        "passwd=",
+        "pwd=",
+        "pass=",
+        "token=",
+        "secret=",
+        "sig=",
+        "signature=",
+        "apikey=",
+        "api_key=",
+        "key=",
+        "access_key=",
+        "auth=",
+    ]
+    .iter()
+    .any(|word| starts(word));
     let random = trimmed
-        .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+' | '/' | '=')))
+        .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+' | '/' | '=' | '%' | '.')))
         .any(|run| {
             run.len() >= 24 && run.bytes().any(|b| b.is_ascii_alphabetic()) && run.bytes().any(|b| b.is_ascii_digit())
         });
-    scheme || jwt || user_info || shaped || random
+    scheme || jwt || user_info || shaped || pair || random
 }
 
 /// `value` as a view or a log may show it under `key`: `[redacted]` unless
@@ -429,6 +461,21 @@ mod tests {
             "ghp_abcdef",
             "sk_live_abc",
             "v=Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5MA",
+            "SK_LIVE_abc",
+            "x sk_live_abc",
+            "AIzaSyabc",
+            "SG.abc.x",
+            "shpat_abc",
+            "dop_v1_abc",
+            "ya29.abc",
+            "glsa_abc",
+            "Server=db;Password=abc;",
+            "password=abc",
+            "https://h/x?token=abc",
+            "-----BEGIN PRIVATE KEY-----abc",
+            "Bearer\u{a0}abc",
+            "Zm9vYmFyYmF6%2BcXV4cXV1Qz25%3D%3D",
+            "abcd1234.abcd1234.abcd1234",
         ] {
             assert_eq!(super::credential_shown("cluster", value), "[redacted]", "{value}");
         }
@@ -438,6 +485,9 @@ mod tests {
             "eu-west-1",
             "cluster-a.prod.example.com",
             "istio-system",
+            "task-runner",
+            "disk-1",
+            "monkey",
         ] {
             assert_eq!(super::credential_shown("version", plain), plain);
         }
