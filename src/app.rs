@@ -961,6 +961,7 @@ fn log_effective(settings: &Settings) {
         max_subscribed_names = settings.downstream.max_subscribed_names,
         nack_memory_seconds = seconds(settings.downstream.nack_memory),
         max_nack_memory_entries = settings.downstream.max_nack_memory_entries,
+        max_nack_memory_entries_per_identity = settings.downstream.max_nack_memory_entries_per_identity,
         demand_timeout_seconds = seconds(settings.demand_timeout),
         handshake_timeout_seconds = seconds(grpc.handshake_timeout),
         idle_timeout_seconds = grpc.idle_timeout.map(seconds),

@@ -135,7 +135,7 @@ pub struct Args {
         env = "MCP_GATEWAY_NODE_ANNOTATIONS",
         value_name = "KEY=VALUE",
         value_delimiter = ',',
-        value_parser = parse_key_value
+        value_parser = parse_key_value()
     )]
     pub node_annotations: Vec<(String, String)>,
 
@@ -358,13 +358,9 @@ pub struct Args {
 
     /// Of --max-nack-memory-entries, the entries one identity (a client
     /// certificate's SANs, or unauthenticated) may hold; past it, its own
-    /// oldest is forgotten.
-    #[arg(
-        long,
-        env = "MCP_GATEWAY_MAX_NACK_MEMORY_ENTRIES_PER_IDENTITY",
-        default_value_t = 10_000
-    )]
-    pub max_nack_memory_entries_per_identity: usize,
+    /// oldest is forgotten. Default: a tenth of --max-nack-memory-entries.
+    #[arg(long, env = "MCP_GATEWAY_MAX_NACK_MEMORY_ENTRIES_PER_IDENTITY")]
+    pub max_nack_memory_entries_per_identity: Option<usize>,
 
     /// How long an Envoy drains a listener it replaced or removed (its
     /// `--drain-time-s`, 600 s by default): a cluster (and its load
@@ -978,7 +974,7 @@ impl Args {
             ("--max-nack-memory-entries", self.max_nack_memory_entries),
             (
                 "--max-nack-memory-entries-per-identity",
-                self.max_nack_memory_entries_per_identity,
+                self.max_nack_memory_entries_per_identity.unwrap_or(1),
             ),
             ("--history", self.history),
             ("--max-resets-per-minute", self.max_resets_per_minute as usize),
@@ -1197,7 +1193,12 @@ impl Args {
                 max_subscribed_names: self.max_subscribed_names,
                 nack_memory: self.nack_memory,
                 max_nack_memory_entries: self.max_nack_memory_entries,
-                max_nack_memory_entries_per_identity: self.max_nack_memory_entries_per_identity,
+                // A tenth of the memory unless given: one identity never
+                // fills it, whatever the total.
+                max_nack_memory_entries_per_identity: self
+                    .max_nack_memory_entries_per_identity
+                    .unwrap_or(self.max_nack_memory_entries / 10)
+                    .clamp(1, self.max_nack_memory_entries.max(1)),
                 listener_drain_time: self.listener_drain_time,
             },
             http: HttpLimits {
@@ -1413,10 +1414,39 @@ fn validate_upstream(url: &str) -> Result<String, ConfigError> {
     Ok(url.trim_end_matches('/').to_owned())
 }
 
-pub(crate) fn parse_key_value(value: &str) -> Result<(String, String), String> {
-    match value.split_once('=') {
-        Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_owned(), value.to_owned())),
-        _ => Err(format!("{value:?} is not KEY=VALUE")),
+pub(crate) fn parse_key_value() -> KeyValue {
+    KeyValue
+}
+
+/// A `KEY=VALUE` flag's parser (`--node-annotation`, `--sink-meta`): its
+/// refusal quotes nothing (clap's own `invalid value '…'` would, and the
+/// part of a value after a comma, which splits the flag's values, may be a
+/// credential's tail).
+#[derive(Clone)]
+pub(crate) struct KeyValue;
+
+impl clap::builder::TypedValueParser for KeyValue {
+    type Value = (String, String);
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<(String, String), clap::Error> {
+        let flag = arg.and_then(clap::Arg::get_long).unwrap_or("the flag");
+        let refused = || {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("--{flag}: a value is not KEY=VALUE (values are split at commas: a value cannot hold one)\n"),
+            )
+            .with_cmd(cmd)
+        };
+        let value = value.to_str().ok_or_else(refused)?;
+        match value.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => Ok((key.trim().to_owned(), value.to_owned())),
+            _ => Err(refused()),
+        }
     }
 }
 
@@ -1509,6 +1539,10 @@ mod tests {
         assert!(err.contains("a path") && !err.contains("pw-7Q"), "{err}");
         assert!(parse(&["--upstream", "http://galley:9901/"]).is_ok());
         assert!(parse(&["--upstream", "http://[::1]:9901"]).is_ok());
+        // A value's tail after a comma (split off as a value of its own)
+        // is not quoted by the refusal.
+        let err = parse(&["--node-annotation", "authorization=Bearer abc,pw-7Q"]).unwrap_err();
+        assert!(err.contains("--node-annotation") && !err.contains("pw-7Q"), "{err}");
         // What follows a port, a port that is no number, a host no name
         // holds: refused without quoting (`;x` read as a port dialled 80).
         for bad in [

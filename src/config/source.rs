@@ -111,7 +111,7 @@ pub struct SourceArgs {
         env = "MCP_SOURCE_SINK_META",
         value_name = "KEY=VALUE",
         value_delimiter = ',',
-        value_parser = parse_key_value
+        value_parser = parse_key_value()
     )]
     pub sink_meta: Vec<(String, String)>,
 

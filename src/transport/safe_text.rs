@@ -129,30 +129,59 @@ fn written_as_a_credential(value: &str) -> bool {
     ]
     .iter()
     .any(|prefix| starts(prefix));
-    // `password=…` inside a value (a connection string, a URL's query).
+    // `password=…` inside a value (a connection string, a URL's query, a
+    // header line, JSON): a credential word, then `=` or `:` (spaces, quotes
+    // or a percent-encoded `=` between).
     let pair = [
-        "password=",
-        "passwd=",
-        "pwd=",
-        "pass=",
-        "token=",
-        "secret=",
-        "sig=",
-        "signature=",
-        "apikey=",
-        "api_key=",
-        "key=",
-        "access_key=",
-        "auth=",
+        "password",
+        "passwd",
+        "pwd",
+        "pass",
+        "token",
+        "secret",
+        "sig",
+        "signature",
+        "apikey",
+        "api_key",
+        "api-key",
+        "key",
+        "access_key",
+        "access_token",
+        "client_secret",
+        "private_key",
+        "auth",
+        "credential",
+        "accountkey",
     ]
     .iter()
-    .any(|word| starts(word));
+    .any(|word| {
+        lower.match_indices(word).any(|(at, _)| {
+            let boundary = lower[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric());
+            let rest = lower[at + word.len()..].trim_start_matches([' ', '\t', '"', '\'']);
+            boundary && (rest.starts_with(['=', ':']) || rest.starts_with("%3d"))
+        })
+    });
+    // An AWS temporary key id (`ASIA` and capitals or digits; in capitals
+    // only: `asia-east1` is a region).
+    let temporary_key = trimmed.match_indices("ASIA").any(|(at, _)| {
+        trimmed[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric())
+            && trimmed[at + 4..]
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+    });
+    // `user:password@host` without a scheme.
+    let bare_user_info = trimmed.split_whitespace().any(|token| {
+        token
+            .split_once('@')
+            .is_some_and(|(user, host)| user.contains(':') && !host.is_empty() && !user.contains('/'))
+    });
     let random = trimmed
-        .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '+' | '/' | '=' | '%' | '.')))
+        .split(|c: char| !(c.is_alphanumeric() || matches!(c, '_' | '-' | '+' | '/' | '=' | '%' | '.')))
         .any(|run| {
-            run.len() >= 24 && run.bytes().any(|b| b.is_ascii_alphabetic()) && run.bytes().any(|b| b.is_ascii_digit())
+            run.chars().count() >= 24 && run.chars().any(char::is_alphabetic) && run.chars().any(char::is_numeric)
         });
-    scheme || jwt || user_info || shaped || pair || random
+    scheme || jwt || user_info || bare_user_info || shaped || pair || temporary_key || random
 }
 
 /// `value` as a view or a log may show it under `key`: `[redacted]` unless
@@ -476,6 +505,16 @@ mod tests {
             "Bearer\u{a0}abc",
             "Zm9vYmFyYmF6%2BcXV4cXV1Qz25%3D%3D",
             "abcd1234.abcd1234.abcd1234",
+            "password: abc",
+            "password = abc",
+            "{\"password\":\"abc\"}",
+            "Password%3Dabc",
+            "x-api-key: abc",
+            "credential=abc",
+            "AccountKey=abc",
+            "ASIAQZ7",
+            "u:abc@host",
+            "ａｂｃｄｅｆｇｈｉｊ０１２３４５６７８９ａｂｃｄ",
         ] {
             assert_eq!(super::credential_shown("cluster", value), "[redacted]", "{value}");
         }
@@ -488,6 +527,8 @@ mod tests {
             "task-runner",
             "disk-1",
             "monkey",
+            "asia-east1-a",
+            "Asia",
         ] {
             assert_eq!(super::credential_shown("version", plain), plain);
         }
