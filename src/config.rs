@@ -549,7 +549,8 @@ fn effective(command: &clap::Command, matches: &clap::ArgMatches) -> Vec<Effecti
                         match v.split_once('=') {
                             Some((key, value)) if pairs => {
                                 format!(
-                                    "{key}={}",
+                                    "{}={}",
+                                    crate::transport::safe_text::key_shown(key.trim()),
                                     crate::transport::safe_text::credential_shown(key.trim(), value)
                                 )
                             }
@@ -1541,6 +1542,21 @@ mod tests {
         assert!(parse(&["--upstream", "http://[::1]:9901"]).is_ok());
         // A value's tail after a comma (split off as a value of its own)
         // is not quoted by the refusal.
+        // A token left in a key (`authorization: Bearer …==` split at its
+        // first `=`) is not shown as a key.
+        let settings = Args::try_parse_with_sources([
+            "mcp-xds-gateway",
+            "--node-annotation",
+            "authorization: Bearer pw-7Qc2VjcmV0==",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        let shown = format!("{:?}", settings.effective);
+        assert!(
+            !shown.contains("pw-7Q") && shown.contains("[redacted]=[redacted]"),
+            "{shown}"
+        );
         let err = parse(&["--node-annotation", "authorization=Bearer abc,pw-7Q"]).unwrap_err();
         assert!(err.contains("--node-annotation") && !err.contains("pw-7Q"), "{err}");
         // What follows a port, a port that is no number, a host no name

@@ -307,7 +307,12 @@ fn sink_metadata(pairs: &[(String, String)]) -> Result<HeaderMap, ConfigError> {
             ));
         }
         let name = HeaderName::from_bytes(lower.as_bytes())
-            .map_err(|_| invalid("--sink-meta", format!("{key:?} is not a metadata name")))?;
+            .map_err(|_| {
+                invalid(
+                    "--sink-meta",
+                    "a key is not a metadata name (letters, digits, '-', '_' and '.'; not quoted: it may hold what was meant as its value)",
+                )
+            })?;
         let value = HeaderValue::from_str(value)
             .map_err(|_| invalid("--sink-meta", format!("the value of {key:?} is not a metadata value")))?;
         metadata.append(name, value);

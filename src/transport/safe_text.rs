@@ -134,6 +134,14 @@ fn written_as_a_credential(value: &str) -> bool {
     // or a percent-encoded `=` between).
     let pair = [
         "password",
+        "passwords",
+        "passphrase",
+        "pw",
+        "sas",
+        "credentials",
+        "creds",
+        "authorization",
+        "cookie",
         "passwd",
         "pwd",
         "pass",
@@ -182,6 +190,22 @@ fn written_as_a_credential(value: &str) -> bool {
             run.chars().count() >= 24 && run.chars().any(char::is_alphabetic) && run.chars().any(char::is_numeric)
         });
     scheme || jwt || user_info || bare_user_info || shaped || pair || temporary_key || random
+}
+
+/// A metadata or annotation key as a view or a log may show it: as it is
+/// when it is a plain name (letters, digits, `-`, `_`, `.`) not written as
+/// a credential, else `[redacted]` (`authorization: Bearer …=` split at its
+/// first `=` leaves the token in the key).
+pub fn key_shown(key: &str) -> &str {
+    let plain = !key.is_empty()
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain && !written_as_a_credential(key) {
+        key
+    } else {
+        "[redacted]"
+    }
 }
 
 /// `value` as a view or a log may show it under `key`: `[redacted]` unless
@@ -512,6 +536,9 @@ mod tests {
             "x-api-key: abc",
             "credential=abc",
             "AccountKey=abc",
+            "credentials=abc",
+            "Authorization: abc",
+            "passphrase=abc",
             "ASIAQZ7",
             "u:abc@host",
             "ａｂｃｄｅｆｇｈｉｊ０１２３４５６７８９ａｂｃｄ",
