@@ -175,7 +175,11 @@ pub struct CollectionTable {
 /// (keyed digests, not plain hashes of their content: a version shown in a
 /// view is no test of a guessed secret). Never printed.
 #[derive(Clone)]
-pub struct VersionKey(Arc<[u8]>);
+pub struct VersionKey {
+    bytes: Arc<[u8]>,
+    /// The HMAC key made of `bytes` once, not per resource.
+    hmac: ring::hmac::Key,
+}
 
 impl VersionKey {
     /// The fewest bytes a key may have.
@@ -183,7 +187,10 @@ impl VersionKey {
 
     /// A key of `bytes`; `None` when they are fewer than [`Self::MIN_BYTES`].
     pub fn new(bytes: &[u8]) -> Option<Self> {
-        (bytes.len() >= Self::MIN_BYTES).then(|| Self(bytes.into()))
+        (bytes.len() >= Self::MIN_BYTES).then(|| Self {
+            bytes: bytes.into(),
+            hmac: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, bytes),
+        })
     }
 
     /// A new random key.
@@ -193,11 +200,17 @@ impl VersionKey {
         ring::rand::SystemRandom::new()
             .fill(&mut bytes)
             .expect("the system's random source is readable");
-        Self(bytes.as_slice().into())
+        Self::new(&bytes).expect("MIN_BYTES bytes")
     }
 
+    /// The key's bytes (what `--cache-dir` keeps).
     pub fn bytes(&self) -> &[u8] {
-        &self.0
+        &self.bytes
+    }
+
+    /// The HMAC-SHA-256 key versions are made with.
+    pub fn hmac(&self) -> &ring::hmac::Key {
+        &self.hmac
     }
 }
 

@@ -139,7 +139,7 @@ pub fn content_digest<'a>(
 /// anyone who sees one test guesses against. The collection and the name
 /// are in it: two secrets of equal content have versions that do not say so.
 pub fn keyed_content_digest<'a>(
-    key: &[u8],
+    key: &ring::hmac::Key,
     collection: &str,
     name: &str,
     body: &[u8],
@@ -152,7 +152,7 @@ pub fn keyed_content_digest<'a>(
 }
 
 /// [`body_version`] keyed with `key`, as [`keyed_content_digest`].
-pub fn keyed_body_version(key: &[u8], collection: &str, name: &str, body: &[u8]) -> String {
+pub fn keyed_body_version(key: &ring::hmac::Key, collection: &str, name: &str, body: &[u8]) -> String {
     let mut context = keyed(key, b"version", collection, name);
     context.update(body);
     format!("{:032x}", first_128(context.sign().as_ref()))
@@ -160,8 +160,8 @@ pub fn keyed_body_version(key: &[u8], collection: &str, name: &str, body: &[u8])
 
 /// An HMAC-SHA-256 context under `key` for `what` of `collection`'s
 /// resource `name`, each length-prefixed.
-fn keyed(key: &[u8], what: &[u8], collection: &str, name: &str) -> ring::hmac::Context {
-    let mut context = ring::hmac::Context::with_key(&ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key));
+fn keyed(key: &ring::hmac::Key, what: &[u8], collection: &str, name: &str) -> ring::hmac::Context {
+    let mut context = ring::hmac::Context::with_key(key);
     for field in [what, collection.as_bytes(), name.as_bytes()] {
         context.update(&(field.len() as u64).to_le_bytes());
         context.update(field);

@@ -171,7 +171,7 @@ fn decode<R: From<CachedResource>>(
         }
         let digest = match key {
             Some(key) => keyed_content_digest(
-                key.bytes(),
+                key.hmac(),
                 collection,
                 &name,
                 &body,
@@ -185,7 +185,7 @@ fn decode<R: From<CachedResource>>(
         // body itself is never re-encoded.
         let (version, encoded) = if metadata.version.is_empty() {
             let version = match key {
-                Some(key) => keyed_body_version(key.bytes(), collection, &name, &body),
+                Some(key) => keyed_body_version(key.hmac(), collection, &name, &body),
                 None => body_version(&body),
             };
             metadata.version = version.clone();

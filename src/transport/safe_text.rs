@@ -73,16 +73,19 @@ pub fn shows_its_value(key: &str) -> bool {
 /// any run of 24 or more letters, digits, `_`, `-`, `+`, `/` or `=` that
 /// holds both letters and digits (a random token of a shape not listed; no
 /// version, zone or cluster name is written so).
+/// Whether `at` in `text` starts a word: the text's start, or after a
+/// character that is neither a letter nor a digit (`task-runner` holds no
+/// `sk-`).
+fn at_word_start(text: &str, at: usize) -> bool {
+    text[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric())
+}
+
 fn written_as_a_credential(value: &str) -> bool {
     let trimmed = value.trim_start();
     let lower = trimmed.to_lowercase();
     // Where a word starts: the value's start, or after a character that is
     // neither a letter nor a digit (`task-runner` holds no `sk-`).
-    let starts = |word: &str| {
-        lower
-            .match_indices(word)
-            .any(|(at, _)| lower[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric()))
-    };
+    let starts = |word: &str| lower.match_indices(word).any(|(at, _)| at_word_start(&lower, at));
     let scheme = [
         "bearer",
         "basic",
@@ -164,7 +167,7 @@ fn written_as_a_credential(value: &str) -> bool {
     .iter()
     .any(|word| {
         lower.match_indices(word).any(|(at, _)| {
-            let boundary = lower[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric());
+            let boundary = at_word_start(&lower, at);
             let rest = lower[at + word.len()..].trim_start_matches([' ', '\t', '"', '\'']);
             boundary && (rest.starts_with(['=', ':']) || rest.starts_with("%3d"))
         })
@@ -172,7 +175,7 @@ fn written_as_a_credential(value: &str) -> bool {
     // An AWS temporary key id (`ASIA` and capitals or digits; in capitals
     // only: `asia-east1` is a region).
     let temporary_key = trimmed.match_indices("ASIA").any(|(at, _)| {
-        trimmed[..at].chars().next_back().is_none_or(|c| !c.is_alphanumeric())
+        at_word_start(trimmed, at)
             && trimmed[at + 4..]
                 .chars()
                 .next()
