@@ -211,11 +211,30 @@ pub fn key_shown(key: &str) -> &str {
     }
 }
 
+/// Whether `value` is written as the plain names those keys hold (a
+/// version, a zone, a cluster, a node id): at most 253 bytes of ASCII
+/// letters, digits, `.`, `-`, `_`, `~`, `:`, `+` and `/`, with no run of 24
+/// or more letters or digits. Anything else (a space, `=`, `%`, `&`, `@`, a
+/// backslash, a fullwidth or other non-ASCII letter, a long random run)
+/// could be an encoding of a credential form that no list of forms would
+/// name (`password%253D…`, `password&#61;…`, `ｐａｓｓｗｏｒｄ=…`), so it is
+/// not shown.
+fn written_as_a_plain_name(value: &str) -> bool {
+    value.len() <= 253
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b'~' | b':' | b'+' | b'/'))
+        && value
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .all(|run| run.len() < 24)
+}
+
 /// `value` as a view or a log may show it under `key`: `[redacted]` unless
 /// the key is one whose value is shown ([`shows_its_value`]) and the value
-/// is not written as a credential (`Bearer …`).
+/// is a plain name ([`written_as_a_plain_name`]) not written as a
+/// credential (`Bearer:…`, `password:…`).
 pub fn credential_shown<'a>(key: &str, value: &'a str) -> &'a str {
-    if !shows_its_value(key) || written_as_a_credential(value) {
+    if !shows_its_value(key) || !written_as_a_plain_name(value) || written_as_a_credential(value) {
         "[redacted]"
     } else {
         value
@@ -545,6 +564,25 @@ mod tests {
             "ASIAQZ7",
             "u:abc@host",
             "ａｂｃｄｅｆｇｈｉｊ０１２３４５６７８９ａｂｃｄ",
+            // Encodings no list of forms names, and single-class runs.
+            "password%253Dabc",
+            "p%61ssword=abc",
+            "password%3Aabc",
+            "password&#61;abc",
+            "password\\u003dabc",
+            "password\\x3dabc",
+            "password＝abc",
+            "ｐａｓｓｗｏｒｄ=abc",
+            "ＡＳＩＡabc",
+            "//u:abc@host",
+            "u%3Aabc%40host",
+            "@u:abc@h",
+            "u:abc@",
+            "abcdefghijklmnopqrstuvwxyzab",
+            "123456789012345678901234567",
+            "x 123456789012345678901234567",
+            "cookie: session=abc",
+            "a b",
         ] {
             assert_eq!(super::credential_shown("cluster", value), "[redacted]", "{value}");
         }
@@ -559,6 +597,9 @@ mod tests {
             "monkey",
             "asia-east1-a",
             "Asia",
+            "sidecar~10.0.0.1~a.b~cluster.local",
+            "v1.2.3+build.5",
+            "",
         ] {
             assert_eq!(super::credential_shown("version", plain), plain);
         }
