@@ -175,14 +175,16 @@ fn string_fields(tag: u32, values: &[&str]) -> Bytes {
     buf.freeze()
 }
 
-/// Pieces a response for one client is written in as they are. h2 hands a
-/// DATA frame's payload to the socket through `bytes::Take`, which gives a
-/// vectored write 16 slices at most, of which the gRPC frame header, the
-/// head, the removed names and the suffix take four: past 12 pieces, a
-/// response took a write per 16 (4 writes for Envoy's 50 endpoints by name,
-/// measured), so they are copied into one buffer instead (one memcpy of the
-/// response, cheaper than the writes).
-const MAX_PIECES: usize = 12;
+/// Pieces a response for one client is written in as they are. The
+/// vendored h2 hands a DATA frame's payload to one vectored write, 256
+/// slices at most (`vendor/README.md`), of which the frame's head, the gRPC
+/// frame header, the head, the removed names and the suffix take a few:
+/// past 240 pieces, a response is copied into one buffer instead (one
+/// memcpy of the response; more slices would take a second write). Below,
+/// each resource is the cache's stored piece, shared, not copied per
+/// client. (Before the patch, `bytes::Take` gave 16 slices a write, and
+/// this was 12: Envoy's 50 endpoints by name took 4 writes as pieces.)
+const MAX_PIECES: usize = 240;
 
 /// The type URL of an MCP `Resource` packed in an `Any` (MCP over xDS).
 pub const MCP_RESOURCE_TYPE_URL: &str = "type.googleapis.com/istio.mcp.v1alpha1.Resource";
@@ -391,13 +393,14 @@ enum Part {
     Stored(Bytes),
 }
 
-/// Below this a stored slice is copied rather than sent as it is. h2 hands
-/// the socket 16 slices per write (`bytes::Take`) and a DATA frame is 16 KiB
-/// unless the peer allows more: slices of 1 KiB and more, each behind a
-/// piece of made bytes, take at most two writes per frame; smaller ones
-/// would take a write per few hundred bytes (Envoy's 512-byte clusters of
-/// the fan-out scenario: 32 writes per response instead of 2). So what is
-/// kept a second time is at most the resources smaller than this.
+/// Below this a stored slice is copied rather than sent as it is. The
+/// vendored h2 hands the socket 256 slices per write (16 before its patch,
+/// through `bytes::Take`): slices of 1 KiB and more, each behind a piece of
+/// made bytes, keep a 16 KiB frame to one write and a whole collection to a
+/// write per 128 resources; smaller ones would take more writes (Envoy's
+/// 512-byte clusters of the fan-out scenario, 500 in one response: 4 writes
+/// instead of 1) for a second copy of at most the resources smaller than
+/// this.
 const COPY_BELOW: usize = 1024;
 
 impl Pieces {
@@ -1234,8 +1237,17 @@ mod tests {
         // resource for them.
         XDS_MCP.full(&to);
         assert!(to.resources["r100"].memo.is_empty(), "nothing kept for r100");
+        // Envoy's 50 endpoints by name: each its stored piece, no copy.
+        let names: Vec<String> = (0..50).map(|i| format!("r{i:03}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let fifty = XDS_BODY.encode(&Push::Selected {
+            to: to.clone(),
+            diff: named(&names),
+        });
+        assert_eq!(parts(&fifty).len(), 51, "the head and 50 pieces");
+        assert!(within(&parts(&fifty)[50], &to.resources["r049"].encoded));
         // Too many pieces for one write: one buffer.
-        let names: Vec<String> = (0..13).map(|i| format!("r{i:03}")).collect();
+        let names: Vec<String> = (0..=MAX_PIECES).map(|i| format!("r{i:03}")).collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let many = XDS_BODY.encode(&Push::Selected {
             to: to.clone(),
@@ -1243,7 +1255,7 @@ mod tests {
         });
         assert!(parts(&many).len() <= 3, "{}", parts(&many).len());
         let decoded = DiscoveryResponse::decode(response(many, suffix(Some((4, C)), (5, "2"), None))).unwrap();
-        assert_eq!(decoded.resources.len(), 13);
+        assert_eq!(decoded.resources.len(), MAX_PIECES + 1);
     }
 
     /// istiod's form (MCP over xDS, both protocols) is the stored `Resource`

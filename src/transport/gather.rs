@@ -106,4 +106,68 @@ mod tests {
         assert_eq!(rest, b"ared-1shared-2x");
         assert!(gathered.is_empty());
     }
+
+    /// The vendored h2 writes a frame of many parts with up to 256 slices a
+    /// write, trimming the last slice where the frame is cut (by 16 KiB
+    /// frames and a small window here, in the middle of parts): what the
+    /// peer reads is every part, in order, over a real TCP socket (the
+    /// vectored path).
+    #[tokio::test]
+    async fn a_frame_of_hundreds_of_parts_cut_anywhere_arrives_whole() {
+        use std::time::Duration;
+        let within = |what: &'static str| move |_| -> String { format!("timed out: {what}") };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // 700 parts of 1 to 600 bytes, each byte its position's.
+        let mut sent = Vec::new();
+        let mut gathered = Gathered::default();
+        for i in 0..700usize {
+            let part: Vec<u8> = (0..1 + (i * 37) % 600)
+                .map(|j| ((sent.len() + j) % 251) as u8)
+                .collect();
+            sent.extend_from_slice(&part);
+            gathered.push(Bytes::from(part));
+        }
+        let expected = sent.clone();
+        let server = tokio::spawn(async move {
+            let (socket, _) = listener.accept().await.unwrap();
+            let mut connection = h2::server::Builder::new()
+                .handshake::<_, Gathered>(socket)
+                .await
+                .unwrap();
+            let (_request, mut respond) = connection.accept().await.unwrap().unwrap();
+            let mut send = respond.send_response(http::Response::new(()), false).unwrap();
+            send.send_data(gathered, true).unwrap();
+            // Drives the connection until the client is done.
+            while connection.accept().await.is_some() {}
+        });
+        let socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (client, connection) = h2::client::Builder::new()
+            .initial_window_size(7_001)
+            .max_frame_size(16_384)
+            .handshake::<_, Bytes>(socket)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let mut client = client.ready().await.unwrap();
+        let request = http::Request::get("http://127.0.0.1/").body(()).unwrap();
+        let (response, _) = client.send_request(request, true).unwrap();
+        let read = async {
+            let mut body = response.await.unwrap().into_body();
+            let mut got = Vec::new();
+            while let Some(data) = body.data().await {
+                let data = data.unwrap();
+                body.flow_control().release_capacity(data.len()).unwrap();
+                got.extend_from_slice(&data);
+            }
+            got
+        };
+        let got = tokio::time::timeout(Duration::from_secs(10), read)
+            .await
+            .map_err(within("the body"))
+            .unwrap();
+        assert_eq!(got.len(), expected.len());
+        assert!(got == expected, "the bytes arrived out of order or changed");
+        server.abort();
+    }
 }

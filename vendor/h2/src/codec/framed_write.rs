@@ -7,7 +7,6 @@ use bytes::{Buf, BufMut, BytesMut};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio_util::io::poll_write_buf;
 
 use std::io::{self, Cursor};
 
@@ -195,6 +194,33 @@ where
         }
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
+}
+
+/// The most slices one vectored write hands the socket (mcp-xds-gateway's
+/// patch; `tokio_util::io::poll_write_buf` gives 64): a DATA frame whose
+/// payload is many parts (a response made of the cache's stored pieces)
+/// goes in one `writev`. Linux takes 1,024 (`UIO_MAXIOV`); the array is on
+/// the connection task's stack, 16 bytes a slice.
+const MAX_IO_SLICES: usize = 256;
+
+/// `tokio_util::io::poll_write_buf` with [`MAX_IO_SLICES`] slices.
+fn poll_write_buf<T: AsyncWrite + ?Sized, B: Buf>(
+    io: Pin<&mut T>,
+    cx: &mut Context<'_>,
+    buf: &mut B,
+) -> Poll<io::Result<usize>> {
+    if !buf.has_remaining() {
+        return Poll::Ready(Ok(0));
+    }
+    let n = if io.is_write_vectored() {
+        let mut slices = [io::IoSlice::new(&[]); MAX_IO_SLICES];
+        let cnt = buf.chunks_vectored(&mut slices);
+        ready!(io.poll_write_vectored(cx, &slices[..cnt]))?
+    } else {
+        ready!(io.poll_write(cx, buf.chunk()))?
+    };
+    buf.advance(n);
+    Poll::Ready(Ok(n))
 }
 
 #[must_use]

@@ -936,7 +936,28 @@ where
     }
 
     fn chunks_vectored<'a>(&'a self, dst: &mut [std::io::IoSlice<'a>]) -> usize {
-        self.inner.chunks_vectored(dst)
+        // mcp-xds-gateway's patch: every slice the buffer has, as many as
+        // `dst` holds, the last one trimmed to the frame's cut (by the frame
+        // size or the window). `bytes::Take` gives 16 at most, so a payload
+        // of many parts took a write per 16.
+        let mut left = self.inner.limit();
+        if left == 0 {
+            return 0;
+        }
+        let cnt = self.inner.get_ref().chunks_vectored(dst);
+        for (i, slot) in dst[..cnt].iter_mut().enumerate() {
+            if slot.len() >= left {
+                // SAFETY: `slot` is an `IoSlice<'a>`, so the bytes it points
+                // at are borrowed for `'a` (from the buffer `&'a self`
+                // holds); the first `left` of them, `left <= slot.len()`,
+                // are as well. (`IoSlice::as_slice` is not stable.)
+                let part: &'a [u8] = unsafe { std::slice::from_raw_parts(slot.as_ptr(), left) };
+                *slot = std::io::IoSlice::new(part);
+                return i + 1;
+            }
+            left -= slot.len();
+        }
+        cnt
     }
 
     fn advance(&mut self, cnt: usize) {
