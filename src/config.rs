@@ -1066,6 +1066,15 @@ impl Args {
                 self.listen
             ));
         }
+        if let Some(per_identity) = self.max_nack_memory_entries_per_identity {
+            let identities = self.max_nack_memory_entries / per_identity.max(1);
+            if per_identity.saturating_mul(10) > self.max_nack_memory_entries {
+                warnings.push(format!(
+                    "--max-nack-memory-entries-per-identity={per_identity} is more than a tenth of                      --max-nack-memory-entries={}: {identities} identities whose NACKs fill their share fill                      the memory, and the next identity's NACKs are not remembered (room is never taken from                      another identity)",
+                    self.max_nack_memory_entries
+                ));
+            }
+        }
         let idle_timeout = (!self.idle_timeout.is_zero()).then_some(self.idle_timeout);
         let bodies = crate::source::proto_json::BodyDecoder::new(self.descriptors.as_deref()).map_err(|e| {
             let file = self
@@ -1076,6 +1085,11 @@ impl Args {
             invalid("--descriptors", format!("{file}: {e}"))
         })?;
         let bodies = Arc::new(bodies.with_sensitive_types(table.sensitive_body_types()));
+        if self.descriptors.is_some() {
+            // Their marked fields are redacted in the views: a body only they
+            // read has its versions keyed (`validate::decode`).
+            table.set_described_elsewhere();
+        }
         if self.history > MAX_HISTORY {
             return Err(invalid(
                 "--history",
@@ -1511,6 +1525,25 @@ mod tests {
             "{:?}",
             settings.warnings
         );
+        // A NACK memory share above a tenth: said, with what it allows.
+        let shares = |args: &[&str]| {
+            parse(args)
+                .warnings
+                .iter()
+                .any(|w| w.starts_with("--max-nack-memory-entries-per-identity=15 is more than a tenth"))
+        };
+        assert!(shares(&[
+            "--max-nack-memory-entries",
+            "20",
+            "--max-nack-memory-entries-per-identity",
+            "15"
+        ]));
+        assert!(!shares(&[
+            "--max-nack-memory-entries",
+            "200",
+            "--max-nack-memory-entries-per-identity",
+            "15"
+        ]));
         let given = parse(&["--node-id", "gw-7"]);
         let node = given.effective.iter().find(|f| f.flag == "--node-id").unwrap();
         assert_eq!(

@@ -491,9 +491,10 @@ impl<W: Wire> TypedStream<W> {
         let followed = self.types.get_mut(&type_url).expect("followed above");
         let limits = self.shared.limits();
         let now = self.entry.now();
+        let sensitive = self.shared.inner.table.is_sensitive(&followed.state.view.collection);
         let nack = request
             .error_detail
-            .map(|detail| read_nack(detail, limits.max_nack_message_bytes));
+            .map(|detail| read_nack(detail, limits.max_nack_message_bytes, sensitive));
         let names = match request.mode {
             Mode::Full => NameChange::Replace(&request.names),
             Mode::Incremental => NameChange::Change {
@@ -998,14 +999,22 @@ async fn refusals_changed(refusals: &mut Option<Box<WatchStream<SubscriptionStat
 }
 
 /// A NACK's code and message, the message read up to `max` bytes and kept
-/// with its full length.
-fn read_nack(detail: Bytes, max: usize) -> Nack {
+/// with its full length. Of a collection of secrets (`sensitive`), the
+/// message is not kept: a client's error about a secret may quote it
+/// (Envoy's validation errors quote the field's value), and every view, the
+/// log and `status` would show it; its length and code are.
+fn read_nack(detail: Bytes, max: usize, sensitive: bool) -> Nack {
     let detail = ErrorDetail::parse(detail, max).unwrap_or_else(|e| ErrorDetail {
         code: tonic::Code::Unknown as i32,
         message: format!("(the NACK's error_detail does not decode: {e})"),
         message_len: 0,
     });
-    let message = if detail.message_len > detail.message.len() {
+    let message = if sensitive {
+        format!(
+            "[redacted: the message of a NACK of a collection of secrets, {} bytes; the client's log has it]",
+            detail.message_len.max(detail.message.len())
+        )
+    } else if detail.message_len > detail.message.len() {
         metrics::counter!(m::NACK_MESSAGES_TRUNCATED).increment(1);
         format!("{}… ({} bytes in all)", detail.message, detail.message_len)
     } else {

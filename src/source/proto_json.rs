@@ -1940,6 +1940,211 @@ pub fn type_name(type_url: &str) -> Option<&str> {
 /// What every view shows in place of a sensitive field's value.
 pub const REDACTED: &str = "[redacted]";
 
+/// Whether a body of `type_url` (the `Any`'s value `value`) in a collection
+/// that is not one of secrets holds a value the views show `[redacted]`: a
+/// field marked `(udpa.annotations.sensitive) = true`, set, at any depth
+/// and inside any `Any` (a cluster's `UpstreamTlsContext` with an inline
+/// key or its password). Its version is then keyed as a secret's is: a
+/// plain hash of a body whose every other byte a view shows would test a
+/// guess of the redacted value offline. Read with the built-in descriptors;
+/// with `described_elsewhere` (`--descriptors`, whose marked fields the
+/// views redact too), a body they cannot read all through counts.
+///
+/// Cheap for what cannot hold one: a type whose descriptor marks no field at
+/// any depth and reaches no `Any` (every Istio kind), or whose bytes hold
+/// no `/` (no `Any`'s type URL: Envoy's endpoints), is not decoded.
+pub fn holds_redacted_values(type_url: &str, value: &[u8], described_elsewhere: bool) -> bool {
+    static DECODER: OnceLock<BodyDecoder> = OnceLock::new();
+    let decoder = DECODER.get_or_init(|| BodyDecoder::new(None).expect("no descriptors to read"));
+    let Some(name) = type_name(type_url) else {
+        // No type the views read either: they show its size.
+        return false;
+    };
+    let Some(reaches_any) = reaches_an_any(name) else {
+        // No built-in descriptor: only `--descriptors` can read it.
+        return described_elsewhere;
+    };
+    let may_hold = decoder.knows_secrets_of(type_url) || (reaches_any && value.contains(&b'/'));
+    if !may_hold {
+        return false;
+    }
+    let descriptors = builtin(&[name]);
+    let Some(descriptor) = descriptors.pool.get_message_by_name(name) else {
+        return described_elsewhere;
+    };
+    match sensitive_on_the_wire(&descriptors, &descriptor, value, 0) {
+        Wire::Found => true,
+        Wire::Clean => false,
+        Wire::Unread => described_elsewhere,
+        // What the wire walk does not follow (a TypedStruct's Struct read
+        // as its type): as the views read it.
+        Wire::AsTheViews => match decoder.decode_redacted(type_url, value) {
+            Ok(body) => !body.secrets.is_empty(),
+            Err(_) => described_elsewhere,
+        },
+    }
+}
+
+/// What [`sensitive_on_the_wire`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Wire {
+    /// A field marked sensitive is on the wire.
+    Found,
+    /// None is.
+    Clean,
+    /// An `Any` of a type the built-in descriptors do not have, or bytes
+    /// that do not read as the message.
+    Unread,
+    /// Something only a decode reads (a `TypedStruct`, a group, nesting
+    /// past the views' depth).
+    AsTheViews,
+}
+
+/// Whether a field marked sensitive is on the wire in `bytes`, a message of
+/// `descriptor`, without decoding it: only fields of a message type that
+/// holds a marked field or reaches an `Any` are walked into, an `Any`'s
+/// value by the type it names (each found once per type), everything else
+/// skipped by its length. A marked field present counts, whatever it holds
+/// (the views redact it so).
+fn sensitive_on_the_wire(
+    descriptors: &Descriptors,
+    descriptor: &MessageDescriptor,
+    bytes: &[u8],
+    depth: usize,
+) -> Wire {
+    fn varint(bytes: &mut &[u8]) -> Option<u64> {
+        let mut value = 0u64;
+        for shift in (0..64).step_by(7) {
+            let (&byte, rest) = bytes.split_first()?;
+            *bytes = rest;
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Some(value);
+            }
+        }
+        None
+    }
+    fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Option<&'a [u8]> {
+        (bytes.len() >= len).then(|| {
+            let (taken, rest) = bytes.split_at(len);
+            *bytes = rest;
+            taken
+        })
+    }
+    if depth > 2 * MAX_ANY_DEPTH + 64 {
+        return Wire::AsTheViews;
+    }
+    let mut rest = bytes;
+    let mut outcome = Wire::Clean;
+    while !rest.is_empty() {
+        let Some(key) = varint(&mut rest) else {
+            return Wire::Unread;
+        };
+        let (number, wire_type) = ((key >> 3) as u32, key & 7);
+        let field = descriptor.get_field(number);
+        if field
+            .as_ref()
+            .is_some_and(|f| descriptors.sensitivity.is_sensitive_field(f))
+        {
+            return Wire::Found;
+        }
+        let payload = match wire_type {
+            0 => varint(&mut rest).map(|_| None),
+            1 => take(&mut rest, 8).map(|_| None),
+            5 => take(&mut rest, 4).map(|_| None),
+            2 => varint(&mut rest)
+                .and_then(|len| usize::try_from(len).ok())
+                .and_then(|len| take(&mut rest, len))
+                .map(Some),
+            _ => return Wire::AsTheViews,
+        };
+        let Some(payload) = payload else {
+            return Wire::Unread;
+        };
+        let (Some(field), Some(payload)) = (field, payload) else {
+            continue;
+        };
+        let Kind::Message(inner) = field.kind() else {
+            continue;
+        };
+        let found = match inner.full_name() {
+            "google.protobuf.Any" => any_on_the_wire(payload, depth),
+            name if is_typed_struct(name) => Wire::AsTheViews,
+            name if descriptors.sensitivity.holds_secrets(name) || reaches_an_any(name) == Some(true) => {
+                sensitive_on_the_wire(descriptors, &inner, payload, depth + 1)
+            }
+            _ => continue,
+        };
+        match found {
+            Wire::Found => return Wire::Found,
+            Wire::Clean => {}
+            // Kept while the rest may still find one; a decode, if any
+            // part needs one, reads the whole.
+            Wire::AsTheViews => outcome = Wire::AsTheViews,
+            Wire::Unread if outcome == Wire::Clean => outcome = Wire::Unread,
+            Wire::Unread => {}
+        }
+    }
+    outcome
+}
+
+/// [`sensitive_on_the_wire`] for an `Any`'s bytes: its value by the type
+/// its URL names, in the built-in descriptors.
+fn any_on_the_wire(bytes: &[u8], depth: usize) -> Wire {
+    let Ok(any) = <crate::proto::wire::AnyBytes as prost::Message>::decode(bytes) else {
+        return Wire::Unread;
+    };
+    let Some(name) = type_name(&any.type_url) else {
+        return Wire::Unread;
+    };
+    let descriptors = builtin(&[name]);
+    match descriptors.pool.get_message_by_name(name) {
+        Some(descriptor) => sensitive_on_the_wire(&descriptors, &descriptor, &any.value, depth + 1),
+        None => Wire::Unread,
+    }
+}
+
+/// Whether the built-in message `name` reaches an `Any` (or a
+/// `TypedStruct`) through its fields at any depth; `None`: no built-in
+/// descriptor of it. Found once per type.
+fn reaches_an_any(name: &str) -> Option<bool> {
+    static FOUND: OnceLock<Mutex<HashMap<String, bool>>> = OnceLock::new();
+    let found = FOUND.get_or_init(Mutex::default);
+    if let Some(known) = found
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(name)
+    {
+        return Some(*known);
+    }
+    let descriptors = builtin(&[name]);
+    let reaches = descriptors.pool.get_message_by_name(name).map(|descriptor| {
+        let mut seen = HashSet::new();
+        let mut pending = vec![descriptor];
+        while let Some(message) = pending.pop() {
+            if message.full_name() == "google.protobuf.Any" || is_typed_struct(message.full_name()) {
+                return true;
+            }
+            if seen.insert(message.full_name().to_owned()) {
+                pending.extend(message.fields().filter_map(|field| match field.kind() {
+                    Kind::Message(inner) => Some(inner),
+                    _ => None,
+                }));
+            }
+        }
+        false
+    });
+    // Only the built-in types are kept (a finite set): a name a source made
+    // up is looked up again, never remembered.
+    if reaches.is_some() {
+        found
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(name.to_owned(), reaches == Some(true));
+    }
+    reaches
+}
+
 /// A body read back for a person: its proto-JSON with every sensitive field
 /// `[redacted]`, and what the redacted fields held as digests (never shown),
 /// by path, so two versions of a body can be told apart by their secrets
@@ -2786,6 +2991,71 @@ mod tests {
             )]
             .into(),
         })
+    }
+
+    /// What keys a resource's versions in an open collection: a value the
+    /// views redact, through an `Any` too; nothing else is decoded.
+    #[test]
+    fn a_body_holding_a_redacted_value_is_found_and_others_are_not() {
+        use super::holds_redacted_values;
+        const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        let cluster = |tls: serde_json::Value| {
+            encode(
+                CLUSTER,
+                serde_json::json!({"name": "c", "transport_socket": {"name": "tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "common_tls_context": tls}}}),
+            )
+            .unwrap()
+        };
+        let password = cluster(serde_json::json!({"tls_certificates": [{"password": {"inline_string": "pw"}}]}));
+        let ca = cluster(serde_json::json!({"validation_context": {"trusted_ca": {"filename": "/ca.pem"}}}));
+        assert!(holds_redacted_values(CLUSTER, &password, false));
+        assert!(!holds_redacted_values(CLUSTER, &ca, false));
+        // Deeper: a listener's filter chain's TLS context, its key inline.
+        const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+        let listener = encode(
+            LISTENER,
+            serde_json::json!({"name": "l", "filter_chains": [{"transport_socket": {"name": "tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                "common_tls_context": {"tls_certificates": [{"private_key": {"inline_string": "k"}}]}}}}]}),
+        )
+        .unwrap();
+        assert!(holds_redacted_values(LISTENER, &listener, false));
+        // Endpoints: walked, nothing marked.
+        const CLA: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+        let cla = encode(
+            CLA,
+            serde_json::json!({"cluster_name": "c", "endpoints": [{"lb_endpoints": [{"endpoint": {"address":
+                {"socket_address": {"address": "10.0.0.1", "port_value": 80}}}}]}]}),
+        )
+        .unwrap();
+        assert!(!holds_redacted_values(CLA, &cla, false));
+        // An `Any` of a type only --descriptors could read.
+        let mut unknown = Vec::new();
+        prost::Message::encode(
+            &crate::proto::wire::AnyBytes {
+                type_url: "type.googleapis.com/acme.v1.Options".into(),
+                value: bytes::Bytes::from_static(b"\x0a\x01x"),
+            },
+            &mut unknown,
+        )
+        .unwrap();
+        // Cluster.typed_extension_protocol_options (field 36), a map entry
+        // of a key and that `Any`.
+        let mut entry = vec![0x0a, 1, b'k', 0x12, unknown.len() as u8];
+        entry.extend_from_slice(&unknown);
+        let mut options = vec![0xa2, 0x02, entry.len() as u8];
+        options.extend_from_slice(&entry);
+        assert!(!holds_redacted_values(CLUSTER, &options, false));
+        assert!(holds_redacted_values(CLUSTER, &options, true));
+        let vs = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
+        let body = encode(vs, serde_json::json!({"hosts": ["a/b"]})).unwrap();
+        assert!(!holds_redacted_values(vs, &body, true), "Istio's kinds hold none");
+        // A type no built-in descriptor has: only --descriptors read it.
+        assert!(!holds_redacted_values("type.googleapis.com/acme.v1.Thing", b"x", false));
+        assert!(holds_redacted_values("type.googleapis.com/acme.v1.Thing", b"x", true));
+        assert!(!holds_redacted_values("no type url", b"x", true));
     }
 
     #[test]

@@ -271,9 +271,12 @@ impl SinkServer {
 /// The source's gRPC metadata: Galley's `--sinkMeta` pairs and
 /// `config.source.version`, without the transport's own headers, as the log
 /// and `/debug/upstream` show them: a credential's value (`authorization`,
-/// a token) redacted.
+/// a token) redacted, and a key written as one (`ghp_…`, a 40-digit hex
+/// token: a `--sinkMeta` pair mistyped) too, each such key numbered
+/// (`[redacted]`, `[redacted 2]`, …) so none hides another.
 fn source_metadata(headers: &HeaderMap) -> BTreeMap<String, String> {
-    use crate::transport::safe_text::credential_shown;
+    use crate::transport::safe_text::{credential_shown, key_shown, REDACTED};
+    let mut hidden = 0;
     headers
         .iter()
         .filter(|(name, _)| {
@@ -282,7 +285,17 @@ fn source_metadata(headers: &HeaderMap) -> BTreeMap<String, String> {
         })
         .filter_map(|(name, value)| {
             let name = name.as_str();
-            Some((name.to_owned(), credential_shown(name, value.to_str().ok()?).to_owned()))
+            let value = value.to_str().ok()?;
+            if key_shown(name) == REDACTED {
+                hidden += 1;
+                let key = if hidden == 1 {
+                    REDACTED.to_owned()
+                } else {
+                    format!("[redacted {hidden}]")
+                };
+                return Some((key, REDACTED.to_owned()));
+            }
+            Some((name.to_owned(), credential_shown(name, value).to_owned()))
         })
         .collect()
 }

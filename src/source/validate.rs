@@ -10,11 +10,11 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 
-use super::proto_json::SecretTypes;
+use super::proto_json::{holds_redacted_values, SecretTypes};
 use super::session::Nack;
 use crate::cache::{body_version, content_digest, keyed_body_version, keyed_content_digest, CachedResource};
 use crate::collections::CollectionTable;
-use crate::proto::wire::{AnyTypeUrl, RawResource};
+use crate::proto::wire::{AnyBytes, RawResource};
 use crate::SharedStr;
 
 /// What keeps a secret's body out of the collections every client may read,
@@ -37,11 +37,6 @@ impl SecretGuard {
     /// Whether `collection` is one of secrets here.
     pub fn is_sensitive(&self, collection: &str) -> bool {
         self.table.is_sensitive(collection)
-    }
-
-    /// The key `collection`'s versions are made with, when it is sensitive.
-    fn version_key(&self, collection: &str) -> Option<&crate::collections::VersionKey> {
-        self.table.version_key(collection)
     }
 
     /// Of `sensitive` (what an upstream gateway says it serves as
@@ -80,7 +75,7 @@ pub fn decode_resources_of(
     collection: &str,
     raw: &[Bytes],
 ) -> Result<Vec<CachedResource>, Nack> {
-    decode(collection, raw, None, table.version_key(collection))
+    decode(collection, raw, None, Some(table))
 }
 
 /// As [`decode_resources`], refusing a secret's body outside the
@@ -92,12 +87,7 @@ pub fn decode_resources_refusing(
     raw: &[Bytes],
     secrets: Option<&SecretGuard>,
 ) -> Result<Vec<CachedResource>, Nack> {
-    decode(
-        collection,
-        raw,
-        secrets,
-        secrets.and_then(|s| s.version_key(collection)),
-    )
+    decode(collection, raw, secrets, secrets.map(|s| &*s.table))
 }
 
 /// As [`decode_resources`], each entry in the `Arc` the cache shares it by:
@@ -109,22 +99,21 @@ pub fn decode_shared_resources(
     raw: &[Bytes],
     secrets: Option<&SecretGuard>,
 ) -> Result<Vec<Arc<CachedResource>>, Nack> {
-    decode(
-        collection,
-        raw,
-        secrets,
-        secrets.and_then(|s| s.version_key(collection)),
-    )
+    decode(collection, raw, secrets, secrets.map(|s| &*s.table))
 }
 
-/// Decodes and checks `raw`; with `key` (a sensitive collection's), its
-/// versions and content digests are keyed ([`keyed_content_digest`]).
+/// Decodes and checks `raw`. With `table`, the versions and content
+/// digests of a sensitive collection's resources, and of any resource whose
+/// body holds a value the views redact ([`holds_redacted_values`]), are
+/// keyed ([`keyed_content_digest`]): a version is then no test of a guessed
+/// secret.
 fn decode<R: From<CachedResource>>(
     collection: &str,
     raw: &[Bytes],
     secrets: Option<&SecretGuard>,
-    key: Option<&crate::collections::VersionKey>,
+    table: Option<&CollectionTable>,
 ) -> Result<Vec<R>, Nack> {
+    let collection_key = table.and_then(|t| t.version_key(collection));
     let mut seen = HashSet::with_capacity(raw.len());
     let mut resources = Vec::with_capacity(raw.len());
     for (index, bytes) in raw.iter().enumerate() {
@@ -152,7 +141,7 @@ fn decode<R: From<CachedResource>>(
         };
         // The body must be an `Any`; its type URL is read back from the
         // stored bytes when a view asks (`CachedResource::body_type_url`).
-        let any = AnyTypeUrl::decode(body.clone()).map_err(|e| {
+        let any = AnyBytes::decode(body.clone()).map_err(|e| {
             Nack::invalid(format!(
                 "resource {name:?} of collection {collection:?} has a body that is not a google.protobuf.Any: {e}"
             ))
@@ -169,6 +158,11 @@ fn decode<R: From<CachedResource>>(
                  names must be unique in a collection"
             )));
         }
+        let key = collection_key.or_else(|| {
+            table
+                .filter(|t| holds_redacted_values(&any.type_url, &any.value, t.described_elsewhere()))
+                .map(CollectionTable::redacted_values_key)
+        });
         let digest = match key {
             Some(key) => keyed_content_digest(
                 key.hmac(),

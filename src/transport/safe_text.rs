@@ -24,6 +24,9 @@ pub fn needs_escape(c: char) -> bool {
     c.is_control() || (!c.is_ascii() && c.escape_debug().len() > 1)
 }
 
+/// What a view or a log shows in place of a value (or a key) it does not.
+pub const REDACTED: &str = "[redacted]";
+
 /// Whether the value of a metadata or annotation key may be printed: a
 /// source's gRPC metadata (`config.source.version`), Galley's `--sinkMeta`
 /// pairs, the gateway's own `--node-annotation` and `--sink-meta`. Only the
@@ -207,7 +210,7 @@ pub fn key_shown(key: &str) -> &str {
     if plain && !written_as_a_credential(key) {
         key
     } else {
-        "[redacted]"
+        REDACTED
     }
 }
 
@@ -235,7 +238,7 @@ fn written_as_a_plain_name(value: &str) -> bool {
 /// credential (`Bearer:…`, `password:…`).
 pub fn credential_shown<'a>(key: &str, value: &'a str) -> &'a str {
     if !shows_its_value(key) || !written_as_a_plain_name(value) || written_as_a_credential(value) {
-        "[redacted]"
+        REDACTED
     } else {
         value
     }

@@ -210,6 +210,27 @@ async fn each_namespace_reads_its_own_secrets_by_name_and_by_wildcard() {
     wildcard.send(sotw_request(SECRET_TYPE, &[], None));
     let all = wildcard.recv().await;
     assert_eq!(names_of(&all), vec!["shop/backend-cert", "shop/frontend-cert"]);
+    // A NACK of a secret may quote it (Envoy's validation errors do): its
+    // message is kept by no view, log or `status` (the thirty-first check of
+    // issue 42), its length is.
+    let mut nack = sotw_request(SECRET_TYPE, &[], None);
+    nack.response_nonce = all.nonce.clone();
+    nack.error_detail = Some(tonic_types::Status {
+        code: tonic::Code::InvalidArgument as i32,
+        message: "inline_string: \"MARKER-NACKED-SECRET\" password=MARKER-PW".into(),
+        ..Default::default()
+    });
+    wildcard.send(nack);
+    let clients = eventually_some("the NACK recorded", || async {
+        let view = get_json(gw.admin, "/debug/clients").await.to_string();
+        view.contains("a NACK of a collection of secrets").then_some(view)
+    })
+    .await;
+    let syncz = get_json(gw.admin, "/debug/syncz").await;
+    let table = mcp_xds_gateway::tools::status::render(&syncz);
+    for shown in [&clients, &syncz.to_string(), &table] {
+        assert!(!shown.contains("MARKER"), "{shown}");
+    }
 
     // Delta: subscribed to both, sent its own, never the other.
     let mut delta = DeltaStream::open_on(as_identity(gw.listen, &ca, OTHER).await, DELTA).await;

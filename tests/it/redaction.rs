@@ -19,6 +19,8 @@ use crate::operating::subcommand;
 use crate::xds::{istiod_node, SotwStream, SOTW};
 
 const SECRETS: &str = "envoy/extensions/transport_sockets/tls/v3/secrets";
+const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
+const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
 const SECRET: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 
 /// The base64 lines of a PEM private key: what must never be shown.
@@ -633,8 +635,6 @@ async fn errors_about_secrets_files_quote_no_value_and_the_monitoring_port_names
 #[tokio::test]
 async fn nothing_of_a_sensitive_document_is_quoted_by_its_errors_or_annotations() {
     const EF: &str = "istio/networking/v1alpha3/envoyfilters";
-    const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
-    const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
     const UPSTREAM_TLS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
     let dir = tempfile::tempdir().unwrap();
     let map = certs::write(
@@ -955,7 +955,7 @@ async fn an_operators_typed_path_is_echoed_escaped() {
 #[tokio::test]
 async fn an_upstreams_secret_in_a_collection_clients_read_is_nacked() {
     use prost::Message as _;
-    const CLUSTERS: &str = "envoy/config/cluster/v3/clusters";
+
     // Secret{name: "MARKER-NAME"}: a Secret of any of these types decodes.
     let secret = b"\x0a\x0bMARKER-NAME".to_vec();
     let body = |type_url: &str, value: Vec<u8>| mcp_xds_gateway::tools::galley::resource("r", "1", type_url, &value);
@@ -1064,7 +1064,12 @@ async fn the_client_hides_a_sensitive_type_in_any_collection_as_the_views_do() {
 /// plain content hash, the same on every replica. Gateways given the same
 /// `--sensitive-version-key` make the same versions; without one, a key is
 /// made and kept in `--cache-dir` (the same versions after a restart), or is
-/// the process's own.
+/// the process's own. A resource of an open collection whose body holds a
+/// value the views redact (a cluster's inline TLS key password, inside its
+/// transport socket's `Any`) has keyed versions too, or its version would
+/// test a guess of the password against the rest of the body, which the
+/// views show (the thirty-first check); a cluster without one keeps its
+/// plain content hash.
 #[tokio::test]
 async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
     use mcp_xds_gateway::cache::body_version;
@@ -1083,6 +1088,20 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
         // The same body under another name: equal secrets, unequal versions.
         json!({"collection": SECRETS, "name": "bank/pin", "body": {"type_url": SECRET, "json": pin}}),
         json!({"collection": "example.com/plain", "name": "plain", "body": {"struct": {"a": "b"}}}),
+        json!({"collection": CLUSTERS, "name": "tls-pin", "body": {"type_url": CLUSTER, "json": {
+            "name": "tls-pin", "connect_timeout": "1s",
+            "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"tls_certificates": [{
+                    "certificate_chain": {"filename": "/etc/certs/cert.pem"},
+                    "private_key": {"filename": "/etc/certs/key.pem"},
+                    "password": {"inline_string": "Summer2026!"}}]}}}}}}),
+        json!({"collection": CLUSTERS, "name": "plain-tls", "body": {"type_url": CLUSTER, "json": {
+            "name": "plain-tls", "connect_timeout": "1s",
+            "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "common_tls_context": {"validation_context": {
+                    "trusted_ca": {"filename": "/etc/certs/ca.pem"}}}}}}}}),
     ];
     certs::write(
         &source,
@@ -1128,7 +1147,7 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
         async move {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let gw = start_gateway(&args).await;
-            for (collection, count) in [(SECRETS, 2), ("example.com/plain", 1)] {
+            for (collection, count) in [(SECRETS, 2), ("example.com/plain", 1), (CLUSTERS, 2)] {
                 eventually(collection, || {
                     gw.cache.get(collection).is_some_and(|s| s.len() == count)
                 })
@@ -1153,6 +1172,24 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
     // An open collection's version is the content's plain hash, as before.
     let (open, open_hash, _) = versions(&keyed_a, "example.com/plain", "plain");
     assert_eq!(open, open_hash);
+    let (plain_tls, plain_tls_hash, _) = versions(&keyed_a, CLUSTERS, "plain-tls");
+    assert_eq!(plain_tls, plain_tls_hash, "a cluster with no value the views redact");
+    // Unless its body holds a value the views redact: keyed, the same with
+    // the same key.
+    let (tls_pin, tls_pin_hash, clusters_version) = versions(&keyed_a, CLUSTERS, "tls-pin");
+    assert_ne!(
+        tls_pin, tls_pin_hash,
+        "a redacted password's cluster's version is no plain hash"
+    );
+    assert_eq!(
+        versions(&keyed_b, CLUSTERS, "tls-pin"),
+        (tls_pin.clone(), tls_pin_hash.clone(), clusters_version)
+    );
+    let dump = get_json(keyed_a.admin, &format!("/debug/cache/{CLUSTERS}?bodies=json"))
+        .await
+        .to_string();
+    assert!(!dump.contains("Summer2026!") && !dump.contains(&tls_pin_hash), "{dump}");
+    assert!(dump.contains(&tls_pin), "{dump}");
     // Without the flag: a key kept in --cache-dir, the same after a restart.
     let kept = start(&[], Some(("--cache-dir", cache_dir.clone()))).await;
     let kept_version = versions(&kept, SECRETS, "shop/pin").0;

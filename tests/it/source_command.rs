@@ -189,6 +189,12 @@ async fn a_dial_out_gateway_follows_source_sink_over_mtls() {
             &path(&source_key),
             "--sink-meta",
             "team=mesh",
+            // Keys written as credentials (a mistyped pair): hidden, each
+            // its own (the thirty-first check of issue 42).
+            "--sink-meta",
+            "a94a8fe5ccb19ba61c4c0873d391e987982fbbd3=1",
+            "--sink-meta",
+            "glpat-qzkq12345=x",
         ],
     )
     .await;
@@ -206,6 +212,16 @@ async fn a_dial_out_gateway_follows_source_sink_over_mtls() {
     // A key not known to name no secret: its value is kept redacted.
     assert_eq!(
         status.source_metadata.get("team").map(String::as_str),
+        Some("[redacted]")
+    );
+    let shown = format!("{:?}", status.source_metadata);
+    assert!(!shown.contains("a94a8fe5") && !shown.contains("qzkq"), "{shown}");
+    assert_eq!(
+        status.source_metadata.get("[redacted]").map(String::as_str),
+        Some("[redacted]")
+    );
+    assert_eq!(
+        status.source_metadata.get("[redacted 2]").map(String::as_str),
         Some("[redacted]")
     );
     assert!(
