@@ -169,9 +169,6 @@ pub struct CollectionTable {
     /// The key the versions of sensitive collections' resources are made
     /// with ([`CollectionTable::version_key`]), shared by the table's clones.
     version_key: Arc<std::sync::OnceLock<VersionKey>>,
-    /// `--descriptors` was given: the views read bodies the built-in
-    /// descriptors do not ([`CollectionTable::set_described_elsewhere`]).
-    described_elsewhere: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A key that versions of a sensitive collection's resources are made with
@@ -337,7 +334,6 @@ impl CollectionTable {
             sensitive_types: Arc::default(),
             marked_sensitive: HashSet::new(),
             version_key: Arc::default(),
-            described_elsewhere: Arc::default(),
         })
     }
 
@@ -398,25 +394,11 @@ impl CollectionTable {
     }
 
     /// The key the versions of a resource of any collection are made with
-    /// when its body holds a value the views redact (an inline private key
-    /// in a cluster): the sensitive collections' key (see
+    /// when the views hide part of its body (an inline private key in a
+    /// cluster): the sensitive collections' key (see
     /// [`Self::version_key`]).
     pub fn redacted_values_key(&self) -> &VersionKey {
         self.version_key.get_or_init(VersionKey::random)
-    }
-
-    /// Says the views read bodies with an operator's descriptors
-    /// (`--descriptors`), whose marked fields they redact too: a body the
-    /// built-in descriptors cannot read all through then has its versions
-    /// keyed, as one that holds a redacted value.
-    pub fn set_described_elsewhere(&self) {
-        self.described_elsewhere
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether [`Self::set_described_elsewhere`] was called.
-    pub fn described_elsewhere(&self) -> bool {
-        self.described_elsewhere.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn sensitive_body_type(&self, collection: &str) -> Option<&str> {

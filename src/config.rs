@@ -1067,11 +1067,19 @@ impl Args {
             ));
         }
         if let Some(per_identity) = self.max_nack_memory_entries_per_identity {
-            let identities = self.max_nack_memory_entries / per_identity.max(1);
-            if per_identity.saturating_mul(10) > self.max_nack_memory_entries {
+            let total = self.max_nack_memory_entries;
+            // How many identities, each at its share, fill the memory.
+            let identities = total.div_ceil(per_identity.clamp(1, total.max(1))).max(1);
+            if per_identity.saturating_mul(10) > total {
+                let fill = if identities == 1 {
+                    "one identity whose NACKs fill its share fills".to_owned()
+                } else {
+                    format!("{identities} identities whose NACKs fill their share fill")
+                };
                 warnings.push(format!(
-                    "--max-nack-memory-entries-per-identity={per_identity} is more than a tenth of                      --max-nack-memory-entries={}: {identities} identities whose NACKs fill their share fill                      the memory, and the next identity's NACKs are not remembered (room is never taken from                      another identity)",
-                    self.max_nack_memory_entries
+                    "--max-nack-memory-entries-per-identity={per_identity} is more than a tenth of \
+                     --max-nack-memory-entries={total}: {fill} the memory, and the next identity's NACKs are not \
+                     remembered (room is never taken from another identity)"
                 ));
             }
         }
@@ -1085,11 +1093,6 @@ impl Args {
             invalid("--descriptors", format!("{file}: {e}"))
         })?;
         let bodies = Arc::new(bodies.with_sensitive_types(table.sensitive_body_types()));
-        if self.descriptors.is_some() {
-            // Their marked fields are redacted in the views: a body only they
-            // read has its versions keyed (`validate::decode`).
-            table.set_described_elsewhere();
-        }
         if self.history > MAX_HISTORY {
             return Err(invalid(
                 "--history",
@@ -1544,6 +1547,23 @@ mod tests {
             "--max-nack-memory-entries-per-identity",
             "15"
         ]));
+        // How many identities fill it: rounded up, one when a share is all.
+        let said = |total: &str, share: &str| {
+            parse(&[
+                "--max-nack-memory-entries",
+                total,
+                "--max-nack-memory-entries-per-identity",
+                share,
+            ])
+            .warnings
+            .into_iter()
+            .find(|w| w.contains("is more than a tenth"))
+            .unwrap()
+        };
+        assert!(said("20", "15").contains(": 2 identities whose NACKs fill their share fill the memory"));
+        assert!(said("20", "3").contains(": 7 identities"));
+        assert!(said("20", "40").contains(": one identity whose NACKs fill its share fills the memory"));
+        assert!(!said("20", "40").contains("  "), "{}", said("20", "40"));
         let given = parse(&["--node-id", "gw-7"]);
         let node = given.effective.iter().find(|f| f.flag == "--node-id").unwrap();
         assert_eq!(

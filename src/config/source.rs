@@ -151,6 +151,14 @@ pub struct SourceArgs {
     #[arg(long, env = "MCP_SOURCE_TYPE_MAP", value_name = "FILE")]
     pub type_map: Option<PathBuf>,
 
+    /// A file of 32 bytes or more the versions of secrets (and of resources
+    /// whose bodies the views hide in part) are made with, as the
+    /// gateway's flag: the same versions after a restart and on every
+    /// source given it (without it, the process's own key: they change at
+    /// every restart, and every client is sent those resources again).
+    #[arg(long, env = "MCP_SOURCE_SENSITIVE_VERSION_KEY", value_name = "FILE")]
+    pub sensitive_version_key: Option<PathBuf>,
+
     /// Largest file of --source-dir, in bytes.
     #[arg(long, env = "MCP_SOURCE_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
@@ -180,6 +188,7 @@ impl SourceArgs {
         gateway.admin_listen = self.admin_listen;
         gateway.monitoring_listen = self.monitoring_listen;
         gateway.type_map = self.type_map;
+        gateway.sensitive_version_key = self.sensitive_version_key;
         gateway.access_policy = self.access_policy;
         gateway.max_message_bytes = self.max_message_bytes;
         gateway.keepalive_interval = self.keepalive_interval;

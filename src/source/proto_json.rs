@@ -1283,7 +1283,118 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
         }
         redact_error(JsonError { path, message }, secrecy)
     })?;
-    Ok(prost::Message::encode_to_vec(&message))
+    Ok(canonical(descriptor, &prost::Message::encode_to_vec(&message), 0))
+}
+
+/// `bytes`, a message of `descriptor`, with every map's entries in the order
+/// of their bytes, at any depth and inside `Any`s of a type `descriptor`'s
+/// pool has: prost-reflect writes a map (a `Struct`'s fields, an
+/// `EnvoyFilter`'s patch, a cluster's `typed_extension_protocol_options`)
+/// in its hash map's order, which is each process's own, so the same file
+/// would make other bytes, and another version, on every replica and at
+/// every restart. Nothing else moves: every field keeps its bytes and its
+/// place, so the lengths around it stay. Bytes that do not read as the
+/// message are left as they are.
+fn canonical(descriptor: &MessageDescriptor, bytes: &[u8], depth: usize) -> Vec<u8> {
+    /// A field on the wire: its number, where its key begins, where its
+    /// payload (a length-delimited field's) begins, and where it ends.
+    struct Field {
+        number: u32,
+        start: usize,
+        payload: Option<usize>,
+        end: usize,
+    }
+    fn fields(bytes: &[u8]) -> Option<Vec<Field>> {
+        let mut out = Vec::new();
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let start = bytes.len() - rest.len();
+            let key = wire_varint(&mut rest)?;
+            let payload = match key & 7 {
+                0 => wire_varint(&mut rest).map(|_| None),
+                1 => wire_take(&mut rest, 8).map(|_| None),
+                5 => wire_take(&mut rest, 4).map(|_| None),
+                2 => {
+                    let len = usize::try_from(wire_varint(&mut rest)?).ok()?;
+                    let at = bytes.len() - rest.len();
+                    wire_take(&mut rest, len).map(|_| Some(at))
+                }
+                _ => None,
+            }?;
+            out.push(Field {
+                number: (key >> 3) as u32,
+                start,
+                payload,
+                end: bytes.len() - rest.len(),
+            });
+        }
+        Some(out)
+    }
+    let Some(found) = fields(bytes).filter(|_| depth <= 2 * MAX_ANY_DEPTH + 64) else {
+        return bytes.to_vec();
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut maps_written = HashSet::new();
+    for field in &found {
+        let descriptor_field = descriptor.get_field(field.number);
+        let (Some(payload), Some(described)) = (field.payload, descriptor_field) else {
+            out.extend_from_slice(&bytes[field.start..field.end]);
+            continue;
+        };
+        let Kind::Message(inner) = described.kind() else {
+            out.extend_from_slice(&bytes[field.start..field.end]);
+            continue;
+        };
+        if described.is_map() {
+            // Every entry of the map, where its first one was, in order.
+            if !maps_written.insert(field.number) {
+                continue;
+            }
+            let mut entries: Vec<Vec<u8>> = found
+                .iter()
+                .filter(|f| f.number == field.number && f.payload.is_some())
+                .map(|f| {
+                    let at = f.payload.expect("filtered");
+                    let mut entry = bytes[f.start..at].to_vec();
+                    entry.extend(canonical(&inner, &bytes[at..f.end], depth + 1));
+                    entry
+                })
+                .collect();
+            entries.sort_unstable();
+            entries.iter().for_each(|entry| out.extend_from_slice(entry));
+            continue;
+        }
+        out.extend_from_slice(&bytes[field.start..payload]);
+        let value = &bytes[payload..field.end];
+        if inner.full_name() == "google.protobuf.Any" {
+            out.extend(canonical_any(&inner, value, depth));
+        } else {
+            out.extend(canonical(&inner, value, depth + 1));
+        }
+    }
+    out
+}
+
+/// [`canonical`] of an `Any`: its value by the type its URL names, in the
+/// pool of `any` (the `Any`'s own descriptor).
+fn canonical_any(any: &MessageDescriptor, bytes: &[u8], depth: usize) -> Vec<u8> {
+    let Ok(mut read) = <crate::proto::wire::AnyBytes as prost::Message>::decode(bytes) else {
+        return bytes.to_vec();
+    };
+    let Some(inner) = type_name(&read.type_url).and_then(|name| any.parent_pool().get_message_by_name(name)) else {
+        return bytes.to_vec();
+    };
+    let value = canonical(&inner, &read.value, depth + 1);
+    if value[..] == read.value[..] {
+        return bytes.to_vec();
+    }
+    read.value = value.into();
+    // The same fields, the same lengths: only the value's bytes moved.
+    let mut out = Vec::with_capacity(bytes.len());
+    // An `Any` prost-reflect wrote is its type URL then its value; one
+    // written otherwise is written again the same way (prost's order).
+    prost::Message::encode(&read, &mut out).expect("a Vec grows");
+    out
 }
 
 /// The message the node at `path` of a body of `descriptor` (written
@@ -1940,49 +2051,65 @@ pub fn type_name(type_url: &str) -> Option<&str> {
 /// What every view shows in place of a sensitive field's value.
 pub const REDACTED: &str = "[redacted]";
 
-/// Whether a body of `type_url` (the `Any`'s value `value`) in a collection
-/// that is not one of secrets holds a value the views show `[redacted]`: a
-/// field marked `(udpa.annotations.sensitive) = true`, set, at any depth
-/// and inside any `Any` (a cluster's `UpstreamTlsContext` with an inline
-/// key or its password). Its version is then keyed as a secret's is: a
-/// plain hash of a body whose every other byte a view shows would test a
-/// guess of the redacted value offline. Read with the built-in descriptors;
-/// with `described_elsewhere` (`--descriptors`, whose marked fields the
-/// views redact too), a body they cannot read all through counts.
+/// Whether the views hide part of a body of `type_url` (the `Any`'s value
+/// `value`) in a collection that is not one of secrets, as possibly secret:
+/// a field marked `(udpa.annotations.sensitive) = true`, present, at any
+/// depth and inside any `Any` (a cluster's `UpstreamTlsContext` with an
+/// inline key or its password); a `TypedStruct` (its value is shown
+/// `[redacted]` whole); an `Any` or a body of a type the built-in
+/// descriptors do not have, or bytes that do not read as their type (shown
+/// by size). Its versions are then keyed as a secret's are: a plain hash of
+/// a body whose every other byte a view shows (or of a short body a view
+/// hides whole) would test a guess of what is hidden offline. A body the
+/// views show whole (every Istio kind, a `Struct`, endpoints) keeps plain
+/// hashes, the same on every replica.
 ///
-/// Cheap for what cannot hold one: a type whose descriptor marks no field at
-/// any depth and reaches no `Any` (every Istio kind), or whose bytes hold
-/// no `/` (no `Any`'s type URL: Envoy's endpoints), is not decoded.
-pub fn holds_redacted_values(type_url: &str, value: &[u8], described_elsewhere: bool) -> bool {
+/// Cheap for what cannot hide anything: a type whose descriptor marks no
+/// field at any depth and reaches no `Any` is not read; any other is walked
+/// on the wire ([`sensitive_on_the_wire`]), not decoded.
+pub fn hidden_in_part(type_url: &str, value: &[u8]) -> bool {
     static DECODER: OnceLock<BodyDecoder> = OnceLock::new();
     let decoder = DECODER.get_or_init(|| BodyDecoder::new(None).expect("no descriptors to read"));
     let Some(name) = type_name(type_url) else {
-        // No type the views read either: they show its size.
-        return false;
+        // No type the views read: shown by its size.
+        return true;
     };
     let Some(reaches_any) = reaches_an_any(name) else {
-        // No built-in descriptor: only `--descriptors` can read it.
-        return described_elsewhere;
+        // No built-in descriptor: shown by its size (or, with
+        // `--descriptors`, read by those, whose marked fields are redacted).
+        return true;
     };
-    let may_hold = decoder.knows_secrets_of(type_url) || (reaches_any && value.contains(&b'/'));
-    if !may_hold {
+    if !decoder.knows_secrets_of(type_url) && !reaches_any {
         return false;
     }
     let descriptors = builtin(&[name]);
     let Some(descriptor) = descriptors.pool.get_message_by_name(name) else {
-        return described_elsewhere;
+        return true;
     };
-    match sensitive_on_the_wire(&descriptors, &descriptor, value, 0) {
-        Wire::Found => true,
-        Wire::Clean => false,
-        Wire::Unread => described_elsewhere,
-        // What the wire walk does not follow (a TypedStruct's Struct read
-        // as its type): as the views read it.
-        Wire::AsTheViews => match decoder.decode_redacted(type_url, value) {
-            Ok(body) => !body.secrets.is_empty(),
-            Err(_) => described_elsewhere,
-        },
+    sensitive_on_the_wire(&descriptors, &descriptor, value, 0) != Wire::Clean
+}
+
+/// A varint read from the front of `bytes`.
+fn wire_varint(bytes: &mut &[u8]) -> Option<u64> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let (&byte, rest) = bytes.split_first()?;
+        *bytes = rest;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(value);
+        }
     }
+    None
+}
+
+/// `len` bytes taken from the front of `bytes`.
+fn wire_take<'a>(bytes: &mut &'a [u8], len: usize) -> Option<&'a [u8]> {
+    (bytes.len() >= len).then(|| {
+        let (taken, rest) = bytes.split_at(len);
+        *bytes = rest;
+        taken
+    })
 }
 
 /// What [`sensitive_on_the_wire`] found.
@@ -1995,8 +2122,8 @@ enum Wire {
     /// An `Any` of a type the built-in descriptors do not have, or bytes
     /// that do not read as the message.
     Unread,
-    /// Something only a decode reads (a `TypedStruct`, a group, nesting
-    /// past the views' depth).
+    /// Something the views hide whole or do not read (a `TypedStruct`, a
+    /// group, nesting past the views' depth).
     AsTheViews,
 }
 
@@ -2012,26 +2139,8 @@ fn sensitive_on_the_wire(
     bytes: &[u8],
     depth: usize,
 ) -> Wire {
-    fn varint(bytes: &mut &[u8]) -> Option<u64> {
-        let mut value = 0u64;
-        for shift in (0..64).step_by(7) {
-            let (&byte, rest) = bytes.split_first()?;
-            *bytes = rest;
-            value |= u64::from(byte & 0x7f) << shift;
-            if byte & 0x80 == 0 {
-                return Some(value);
-            }
-        }
-        None
-    }
-    fn take<'a>(bytes: &mut &'a [u8], len: usize) -> Option<&'a [u8]> {
-        (bytes.len() >= len).then(|| {
-            let (taken, rest) = bytes.split_at(len);
-            *bytes = rest;
-            taken
-        })
-    }
-    if depth > 2 * MAX_ANY_DEPTH + 64 {
+    let (varint, take) = (wire_varint, wire_take);
+    if depth > 2 * MAX_ANY_DEPTH + 64 || is_typed_struct(descriptor.full_name()) {
         return Wire::AsTheViews;
     }
     let mut rest = bytes;
@@ -2993,11 +3102,11 @@ mod tests {
         })
     }
 
-    /// What keys a resource's versions in an open collection: a value the
-    /// views redact, through an `Any` too; nothing else is decoded.
+    /// What keys a resource's versions in an open collection: what the
+    /// views hide, through an `Any` too; nothing else is decoded.
     #[test]
-    fn a_body_holding_a_redacted_value_is_found_and_others_are_not() {
-        use super::holds_redacted_values;
+    fn a_body_the_views_hide_in_part_is_found_and_others_are_not() {
+        use super::hidden_in_part;
         const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
         let cluster = |tls: serde_json::Value| {
             encode(
@@ -3010,8 +3119,8 @@ mod tests {
         };
         let password = cluster(serde_json::json!({"tls_certificates": [{"password": {"inline_string": "pw"}}]}));
         let ca = cluster(serde_json::json!({"validation_context": {"trusted_ca": {"filename": "/ca.pem"}}}));
-        assert!(holds_redacted_values(CLUSTER, &password, false));
-        assert!(!holds_redacted_values(CLUSTER, &ca, false));
+        assert!(hidden_in_part(CLUSTER, &password));
+        assert!(!hidden_in_part(CLUSTER, &ca));
         // Deeper: a listener's filter chain's TLS context, its key inline.
         const LISTENER: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
         let listener = encode(
@@ -3021,7 +3130,7 @@ mod tests {
                 "common_tls_context": {"tls_certificates": [{"private_key": {"inline_string": "k"}}]}}}}]}),
         )
         .unwrap();
-        assert!(holds_redacted_values(LISTENER, &listener, false));
+        assert!(hidden_in_part(LISTENER, &listener));
         // Endpoints: walked, nothing marked.
         const CLA: &str = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
         let cla = encode(
@@ -3030,7 +3139,7 @@ mod tests {
                 {"socket_address": {"address": "10.0.0.1", "port_value": 80}}}}]}]}),
         )
         .unwrap();
-        assert!(!holds_redacted_values(CLA, &cla, false));
+        assert!(!hidden_in_part(CLA, &cla));
         // An `Any` of a type only --descriptors could read.
         let mut unknown = Vec::new();
         prost::Message::encode(
@@ -3047,15 +3156,73 @@ mod tests {
         entry.extend_from_slice(&unknown);
         let mut options = vec![0xa2, 0x02, entry.len() as u8];
         options.extend_from_slice(&entry);
-        assert!(!holds_redacted_values(CLUSTER, &options, false));
-        assert!(holds_redacted_values(CLUSTER, &options, true));
+        assert!(hidden_in_part(CLUSTER, &options), "shown by its size");
         let vs = "type.googleapis.com/istio.networking.v1alpha3.VirtualService";
         let body = encode(vs, serde_json::json!({"hosts": ["a/b"]})).unwrap();
-        assert!(!holds_redacted_values(vs, &body, true), "Istio's kinds hold none");
-        // A type no built-in descriptor has: only --descriptors read it.
-        assert!(!holds_redacted_values("type.googleapis.com/acme.v1.Thing", b"x", false));
-        assert!(holds_redacted_values("type.googleapis.com/acme.v1.Thing", b"x", true));
-        assert!(!holds_redacted_values("no type url", b"x", true));
+        assert!(!hidden_in_part(vs, &body), "Istio's kinds hold none");
+        let structure = "type.googleapis.com/google.protobuf.Struct";
+        let body = encode(structure, serde_json::json!({"a": "b"})).unwrap();
+        assert!(!hidden_in_part(structure, &body));
+        // A type no built-in descriptor has, a body that does not read:
+        // shown by their size.
+        assert!(hidden_in_part("type.googleapis.com/acme.v1.Thing", b"x"));
+        assert!(hidden_in_part("no type url", b"x"));
+        assert!(hidden_in_part(CLUSTER, b"\x0a\xff"));
+        // A TypedStruct: its value is shown [redacted] whole.
+        let typed = cluster_typed_struct();
+        assert!(hidden_in_part(CLUSTER, &typed));
+    }
+
+    /// A map written from YAML or JSON (a `Struct`'s fields, at any depth and
+    /// inside an `Any`) is encoded in one order, whatever the hash map's:
+    /// the same file makes the same bytes, and version, on every replica.
+    #[test]
+    fn maps_are_encoded_in_the_order_of_their_bytes() {
+        let fields: serde_json::Map<String, serde_json::Value> = (0..20)
+            .map(|i| {
+                (
+                    format!("k{i:02}"),
+                    serde_json::json!({"n": i, "inner": {"z": 1, "a": 2}}),
+                )
+            })
+            .collect();
+        let structure = serde_json::Value::Object(fields);
+        let ordered = |bytes: &[u8]| {
+            let at = |needle: &[u8]| bytes.windows(needle.len()).position(|w| w == needle);
+            (0..20)
+                .map(|i| at(format!("k{i:02}").as_bytes()).unwrap())
+                .collect::<Vec<_>>()
+                .windows(2)
+                .all(|w| w[0] < w[1])
+        };
+        let first = encode("type.googleapis.com/google.protobuf.Struct", structure.clone()).unwrap();
+        assert!(ordered(&first));
+        // Inside an `Any` (a TypedStruct in a cluster's transport socket).
+        let cluster = serde_json::json!({"name": "c", "transport_socket": {"name": "t", "typed_config": {
+            "@type": "type.googleapis.com/xds.type.v3.TypedStruct", "type_url": "x/y", "value": structure}}});
+        let url = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+        let wrapped = encode(url, cluster.clone()).unwrap();
+        assert!(ordered(&wrapped));
+        for _ in 0..10 {
+            assert_eq!(encode(url, cluster.clone()).unwrap(), wrapped);
+        }
+        let back = BodyDecoder::new(None).unwrap().decode(url, &wrapped).unwrap();
+        assert_eq!(
+            back["transportSocket"]["typedConfig"]["@type"],
+            "type.googleapis.com/xds.type.v3.TypedStruct"
+        );
+    }
+
+    /// A cluster whose transport socket is a TypedStruct of a TLS context.
+    fn cluster_typed_struct() -> Vec<u8> {
+        encode(
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster",
+            serde_json::json!({"name": "c", "transport_socket": {"name": "tls", "typed_config": {
+                "@type": "type.googleapis.com/xds.type.v3.TypedStruct",
+                "type_url": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "value": {"sni": "x"}}}}),
+        )
+        .unwrap()
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message;
 
-use super::proto_json::{holds_redacted_values, SecretTypes};
+use super::proto_json::{hidden_in_part, SecretTypes};
 use super::session::Nack;
 use crate::cache::{body_version, content_digest, keyed_body_version, keyed_content_digest, CachedResource};
 use crate::collections::CollectionTable;
@@ -104,7 +104,7 @@ pub fn decode_shared_resources(
 
 /// Decodes and checks `raw`. With `table`, the versions and content
 /// digests of a sensitive collection's resources, and of any resource whose
-/// body holds a value the views redact ([`holds_redacted_values`]), are
+/// body the views hide in part ([`hidden_in_part`]), are
 /// keyed ([`keyed_content_digest`]): a version is then no test of a guessed
 /// secret.
 fn decode<R: From<CachedResource>>(
@@ -160,7 +160,7 @@ fn decode<R: From<CachedResource>>(
         }
         let key = collection_key.or_else(|| {
             table
-                .filter(|t| holds_redacted_values(&any.type_url, &any.value, t.described_elsewhere()))
+                .filter(|_| hidden_in_part(&any.type_url, &any.value))
                 .map(CollectionTable::redacted_values_key)
         });
         let digest = match key {

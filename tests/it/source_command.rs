@@ -295,6 +295,18 @@ fn bad_source_flags_exit_2_naming_the_flag() {
             vec!["source", "--source-dir", "/nonexistent", "--listen"],
             "--source-dir",
         ),
+        (
+            vec![
+                "source",
+                "--source-dir",
+                &dir,
+                "--listen",
+                "127.0.0.1:0",
+                "--sensitive-version-key",
+                "/dev/null",
+            ],
+            "--sensitive-version-key",
+        ),
     ] {
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_mcp-xds-gateway"))
             .args(&args)

@@ -249,7 +249,10 @@ impl Content {
     fn body(&self) -> prost_types::Any {
         let type_url = match ISTIO_BODIES.get() {
             Some(true) => DESTINATION_RULE,
-            _ => "type.googleapis.com/mcp.load.Body",
+            // A type the gateway knows and shows whole (a body of a type it
+            // has no descriptor for has keyed versions, which this tool's
+            // expected versions, plain content hashes, would not match).
+            _ => "type.googleapis.com/google.protobuf.BytesValue",
         };
         prost_types::Any {
             type_url: type_url.into(),

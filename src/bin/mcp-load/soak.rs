@@ -50,8 +50,10 @@ use crate::reader::length_delimited;
 use crate::scenario::Shape;
 use crate::{mib, Report, Run, PHASE_LIMIT};
 
-/// The body type of the Istio collections' resources (opaque bytes).
-const BODY_TYPE_URL: &str = "type.googleapis.com/mcp.load.Body";
+/// The body type of the Istio collections' resources (opaque bytes): a
+/// type the gateway knows and shows whole: its versions are plain
+/// content hashes (a type it has no descriptor for has keyed ones).
+const BODY_TYPE_URL: &str = "type.googleapis.com/google.protobuf.BytesValue";
 
 /// Every `FULL_STATE_EVERY`-th update of a collection is its full state
 /// (the others carry only what changed, removals included).
