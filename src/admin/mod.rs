@@ -914,6 +914,10 @@ fn access_form(identity: &str) -> String {
     )
 }
 
+/// How long a `/debug/access` request waits for the one answer being made
+/// before it is told to retry (503, `Retry-After: 1`).
+const ACCESS_WAIT: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// `/debug/access?identity=ID`: what that identity would read of each
 /// collection under the policy in effect (an operator's "why can't it see
 /// X"): all of it, the names its rules grant (with how many of the cached
@@ -935,10 +939,19 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
     // One at a time, on the blocking pool: a policy of many rules matched
     // against a long identity, and its name patterns against every cached
     // name, is work the runtime's threads (the monitoring port's `/healthz`
-    // among what they serve) do not wait on.
+    // among what they serve) do not wait on. A request waits for its turn
+    // at most `ACCESS_WAIT`, then is told to retry: an answer never queues
+    // behind many others (16 callers asking about 60,000-character
+    // identities at once took up to 2 s each when every one waited; the
+    // thirty-third check of issue 42).
     static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
-    let Ok(_turn) = ONE_AT_A_TIME.acquire().await else {
-        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    let Ok(Ok(_turn)) = tokio::time::timeout(ACCESS_WAIT, ONE_AT_A_TIME.acquire()).await else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(axum::http::header::RETRY_AFTER, "1")],
+            "another /debug/access answer is being made (one at a time); retry\n",
+        )
+            .into_response();
     };
     let asked = identity.clone();
     let Ok(value) = tokio::task::spawn_blocking(move || access_value(&state, &asked)).await else {
