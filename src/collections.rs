@@ -389,8 +389,7 @@ impl CollectionTable {
     /// is sensitive: the one set, or a random one made at first use (this
     /// process's own: versions then differ from other replicas').
     pub fn version_key(&self, collection: &str) -> Option<&VersionKey> {
-        self.is_sensitive(collection)
-            .then(|| self.version_key.get_or_init(VersionKey::random))
+        self.is_sensitive(collection).then(|| self.redacted_values_key())
     }
 
     /// The key the versions of a resource of any collection are made with

@@ -491,10 +491,13 @@ impl<W: Wire> TypedStream<W> {
         let followed = self.types.get_mut(&type_url).expect("followed above");
         let limits = self.shared.limits();
         let now = self.entry.now();
-        let sensitive = self.shared.inner.table.is_sensitive(&followed.state.view.collection);
-        let nack = request
-            .error_detail
-            .map(|detail| read_nack(detail, limits.max_nack_message_bytes, sensitive));
+        // Whether its collection is one of secrets is looked up for a NACK
+        // only, not for every ACK.
+        let table = &self.shared.inner.table;
+        let nack = request.error_detail.map(|detail| {
+            let sensitive = table.is_sensitive(&followed.state.view.collection);
+            read_nack(detail, limits.max_nack_message_bytes, sensitive)
+        });
         let names = match request.mode {
             Mode::Full => NameChange::Replace(&request.names),
             Mode::Incremental => NameChange::Change {

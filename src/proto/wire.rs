@@ -388,6 +388,58 @@ pub struct AnyTypeUrl {
     pub type_url: String,
 }
 
+/// One field of a message as it is on the wire: its number, where its key
+/// begins, where a length-delimited field's payload begins, and where it
+/// ends (offsets into the message).
+#[derive(Clone, Copy, Debug)]
+pub struct WireField {
+    pub number: u32,
+    pub start: usize,
+    pub payload: Option<usize>,
+    pub end: usize,
+}
+
+/// The fields of `message` in order, read with prost's own decoding; an
+/// `Err` where the bytes do not read (truncated, or a group, which no
+/// message here has), after which nothing more is read.
+pub fn wire_fields(message: &[u8]) -> impl Iterator<Item = Result<WireField, ()>> + '_ {
+    let mut rest = message;
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if rest.is_empty() || failed {
+            return None;
+        }
+        let start = message.len() - rest.len();
+        let field = (|| {
+            let (number, wire_type) = encoding::decode_key(&mut rest).map_err(drop)?;
+            let skip = |rest: &mut &[u8], len: usize| -> Result<(), ()> {
+                *rest = rest.get(len..).ok_or(())?;
+                Ok(())
+            };
+            let payload = match wire_type {
+                WireType::Varint => encoding::decode_varint(&mut rest).map(|_| None).map_err(drop)?,
+                WireType::SixtyFourBit => skip(&mut rest, 8).map(|()| None)?,
+                WireType::ThirtyTwoBit => skip(&mut rest, 4).map(|()| None)?,
+                WireType::LengthDelimited => {
+                    let len = usize::try_from(encoding::decode_varint(&mut rest).map_err(drop)?).map_err(drop)?;
+                    let at = message.len() - rest.len();
+                    skip(&mut rest, len)?;
+                    Some(at)
+                }
+                WireType::StartGroup | WireType::EndGroup => return Err(()),
+            };
+            Ok(WireField {
+                number,
+                start,
+                payload,
+                end: message.len() - rest.len(),
+            })
+        })();
+        failed = field.is_err();
+        Some(field)
+    })
+}
+
 /// A `google.protobuf.Any` whose value is a slice of the message it was
 /// read from, not a copy.
 #[derive(Clone, PartialEq, prost::Message)]

@@ -11,6 +11,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, MessageDescriptor};
+
+use crate::proto::wire::{wire_fields, WireField};
 use serde_json::Value;
 
 /// The descriptors `build.rs` compiled: Envoy's whole v3 API (every
@@ -273,7 +275,7 @@ fn is_resource_wrapper(full_name: &str) -> bool {
 /// descriptor does not describe (an `Any`, a `Struct` or its values, a
 /// TypedStruct): a secret may lie there that no field marks.
 fn holds_opaque_values(descriptor: &MessageDescriptor) -> bool {
-    let opaque = |name: &str| {
+    reaches_one_of(descriptor, |name| {
         is_typed_struct(name)
             || matches!(
                 name,
@@ -282,23 +284,7 @@ fn holds_opaque_values(descriptor: &MessageDescriptor) -> bool {
                     | "google.protobuf.Value"
                     | "google.protobuf.ListValue"
             )
-    };
-    let mut seen = HashSet::new();
-    let mut pending = vec![descriptor.clone()];
-    while let Some(message) = pending.pop() {
-        if opaque(message.full_name()) {
-            return true;
-        }
-        if !seen.insert(message.full_name().to_owned()) {
-            continue;
-        }
-        for field in message.fields() {
-            if let Kind::Message(inner) = field.kind() {
-                pending.push(inner);
-            }
-        }
-    }
-    false
+    })
 }
 
 /// Envoy's types whose values are key material themselves (beside the
@@ -1296,41 +1282,8 @@ fn encode_once(descriptor: &MessageDescriptor, mut json: Value) -> Result<Vec<u8
 /// place, so the lengths around it stay. Bytes that do not read as the
 /// message are left as they are.
 fn canonical(descriptor: &MessageDescriptor, bytes: &[u8], depth: usize) -> Vec<u8> {
-    /// A field on the wire: its number, where its key begins, where its
-    /// payload (a length-delimited field's) begins, and where it ends.
-    struct Field {
-        number: u32,
-        start: usize,
-        payload: Option<usize>,
-        end: usize,
-    }
-    fn fields(bytes: &[u8]) -> Option<Vec<Field>> {
-        let mut out = Vec::new();
-        let mut rest = bytes;
-        while !rest.is_empty() {
-            let start = bytes.len() - rest.len();
-            let key = wire_varint(&mut rest)?;
-            let payload = match key & 7 {
-                0 => wire_varint(&mut rest).map(|_| None),
-                1 => wire_take(&mut rest, 8).map(|_| None),
-                5 => wire_take(&mut rest, 4).map(|_| None),
-                2 => {
-                    let len = usize::try_from(wire_varint(&mut rest)?).ok()?;
-                    let at = bytes.len() - rest.len();
-                    wire_take(&mut rest, len).map(|_| Some(at))
-                }
-                _ => None,
-            }?;
-            out.push(Field {
-                number: (key >> 3) as u32,
-                start,
-                payload,
-                end: bytes.len() - rest.len(),
-            });
-        }
-        Some(out)
-    }
-    let Some(found) = fields(bytes).filter(|_| depth <= 2 * MAX_ANY_DEPTH + 64) else {
+    let found: Result<Vec<WireField>, ()> = wire_fields(bytes).collect();
+    let Some(found) = found.ok().filter(|_| depth <= 2 * MAX_ANY_DEPTH + 64) else {
         return bytes.to_vec();
     };
     let mut out = Vec::with_capacity(bytes.len());
@@ -2049,7 +2002,7 @@ pub fn type_name(type_url: &str) -> Option<&str> {
 }
 
 /// What every view shows in place of a sensitive field's value.
-pub const REDACTED: &str = "[redacted]";
+pub use crate::transport::safe_text::REDACTED;
 
 /// Whether the views hide part of a body of `type_url` (the `Any`'s value
 /// `value`) in a collection that is not one of secrets, as possibly secret:
@@ -2066,192 +2019,113 @@ pub const REDACTED: &str = "[redacted]";
 ///
 /// Cheap for what cannot hide anything: a type whose descriptor marks no
 /// field at any depth and reaches no `Any` is not read; any other is walked
-/// on the wire ([`sensitive_on_the_wire`]), not decoded.
+/// on the wire ([`hidden_on_the_wire`]), not decoded.
 pub fn hidden_in_part(type_url: &str, value: &[u8]) -> bool {
-    static DECODER: OnceLock<BodyDecoder> = OnceLock::new();
-    let decoder = DECODER.get_or_init(|| BodyDecoder::new(None).expect("no descriptors to read"));
     let Some(name) = type_name(type_url) else {
         // No type the views read: shown by its size.
         return true;
     };
-    let Some(reaches_any) = reaches_an_any(name) else {
+    let descriptors = builtin(&[name]);
+    let Some(descriptor) = descriptors.pool.get_message_by_name(name) else {
         // No built-in descriptor: shown by its size (or, with
         // `--descriptors`, read by those, whose marked fields are redacted).
         return true;
     };
-    if !decoder.knows_secrets_of(type_url) && !reaches_any {
+    if !descriptors.sensitivity.holds_secrets(name) && !reaches_an_any(&descriptor) {
         return false;
     }
-    let descriptors = builtin(&[name]);
-    let Some(descriptor) = descriptors.pool.get_message_by_name(name) else {
+    hidden_on_the_wire(&descriptors, &descriptor, value, 0)
+}
+
+/// Whether the views hide part of `bytes`, a message of `descriptor`,
+/// found without decoding it: a field marked sensitive present (whatever
+/// it holds: the views redact it so), a `TypedStruct`, an `Any` of a type
+/// the built-in descriptors lack, or bytes that do not read. Only fields of
+/// a message type that holds a marked field or reaches an `Any` are walked
+/// into, an `Any`'s value by the type it names; everything else is skipped
+/// by its length.
+fn hidden_on_the_wire(descriptors: &Descriptors, descriptor: &MessageDescriptor, bytes: &[u8], depth: usize) -> bool {
+    if depth > 2 * MAX_ANY_DEPTH + 64 || is_typed_struct(descriptor.full_name()) {
+        return true;
+    }
+    for field in wire_fields(bytes) {
+        let Ok(field) = field else {
+            return true;
+        };
+        let Some(described) = descriptor.get_field(field.number) else {
+            continue;
+        };
+        if descriptors.sensitivity.is_sensitive_field(&described) {
+            return true;
+        }
+        let (Some(at), Kind::Message(inner)) = (field.payload, described.kind()) else {
+            continue;
+        };
+        let payload = &bytes[at..field.end];
+        let hidden = match inner.full_name() {
+            "google.protobuf.Any" => any_hidden_on_the_wire(payload, depth),
+            name if descriptors.sensitivity.holds_secrets(name) || reaches_an_any(&inner) => {
+                hidden_on_the_wire(descriptors, &inner, payload, depth + 1)
+            }
+            _ => false,
+        };
+        if hidden {
+            return true;
+        }
+    }
+    false
+}
+
+/// [`hidden_on_the_wire`] for an `Any`'s bytes: its value by the type its
+/// URL names, in the built-in descriptors.
+fn any_hidden_on_the_wire(bytes: &[u8], depth: usize) -> bool {
+    let Ok(any) = <crate::proto::wire::AnyBytes as prost::Message>::decode(bytes) else {
         return true;
     };
-    sensitive_on_the_wire(&descriptors, &descriptor, value, 0) != Wire::Clean
-}
-
-/// A varint read from the front of `bytes`.
-fn wire_varint(bytes: &mut &[u8]) -> Option<u64> {
-    let mut value = 0u64;
-    for shift in (0..64).step_by(7) {
-        let (&byte, rest) = bytes.split_first()?;
-        *bytes = rest;
-        value |= u64::from(byte & 0x7f) << shift;
-        if byte & 0x80 == 0 {
-            return Some(value);
-        }
-    }
-    None
-}
-
-/// `len` bytes taken from the front of `bytes`.
-fn wire_take<'a>(bytes: &mut &'a [u8], len: usize) -> Option<&'a [u8]> {
-    (bytes.len() >= len).then(|| {
-        let (taken, rest) = bytes.split_at(len);
-        *bytes = rest;
-        taken
-    })
-}
-
-/// What [`sensitive_on_the_wire`] found.
-#[derive(Debug, PartialEq, Eq)]
-enum Wire {
-    /// A field marked sensitive is on the wire.
-    Found,
-    /// None is.
-    Clean,
-    /// An `Any` of a type the built-in descriptors do not have, or bytes
-    /// that do not read as the message.
-    Unread,
-    /// Something the views hide whole or do not read (a `TypedStruct`, a
-    /// group, nesting past the views' depth).
-    AsTheViews,
-}
-
-/// Whether a field marked sensitive is on the wire in `bytes`, a message of
-/// `descriptor`, without decoding it: only fields of a message type that
-/// holds a marked field or reaches an `Any` are walked into, an `Any`'s
-/// value by the type it names (each found once per type), everything else
-/// skipped by its length. A marked field present counts, whatever it holds
-/// (the views redact it so).
-fn sensitive_on_the_wire(
-    descriptors: &Descriptors,
-    descriptor: &MessageDescriptor,
-    bytes: &[u8],
-    depth: usize,
-) -> Wire {
-    let (varint, take) = (wire_varint, wire_take);
-    if depth > 2 * MAX_ANY_DEPTH + 64 || is_typed_struct(descriptor.full_name()) {
-        return Wire::AsTheViews;
-    }
-    let mut rest = bytes;
-    let mut outcome = Wire::Clean;
-    while !rest.is_empty() {
-        let Some(key) = varint(&mut rest) else {
-            return Wire::Unread;
-        };
-        let (number, wire_type) = ((key >> 3) as u32, key & 7);
-        let field = descriptor.get_field(number);
-        if field
-            .as_ref()
-            .is_some_and(|f| descriptors.sensitivity.is_sensitive_field(f))
-        {
-            return Wire::Found;
-        }
-        let payload = match wire_type {
-            0 => varint(&mut rest).map(|_| None),
-            1 => take(&mut rest, 8).map(|_| None),
-            5 => take(&mut rest, 4).map(|_| None),
-            2 => varint(&mut rest)
-                .and_then(|len| usize::try_from(len).ok())
-                .and_then(|len| take(&mut rest, len))
-                .map(Some),
-            _ => return Wire::AsTheViews,
-        };
-        let Some(payload) = payload else {
-            return Wire::Unread;
-        };
-        let (Some(field), Some(payload)) = (field, payload) else {
-            continue;
-        };
-        let Kind::Message(inner) = field.kind() else {
-            continue;
-        };
-        let found = match inner.full_name() {
-            "google.protobuf.Any" => any_on_the_wire(payload, depth),
-            name if is_typed_struct(name) => Wire::AsTheViews,
-            name if descriptors.sensitivity.holds_secrets(name) || reaches_an_any(name) == Some(true) => {
-                sensitive_on_the_wire(descriptors, &inner, payload, depth + 1)
-            }
-            _ => continue,
-        };
-        match found {
-            Wire::Found => return Wire::Found,
-            Wire::Clean => {}
-            // Kept while the rest may still find one; a decode, if any
-            // part needs one, reads the whole.
-            Wire::AsTheViews => outcome = Wire::AsTheViews,
-            Wire::Unread if outcome == Wire::Clean => outcome = Wire::Unread,
-            Wire::Unread => {}
-        }
-    }
-    outcome
-}
-
-/// [`sensitive_on_the_wire`] for an `Any`'s bytes: its value by the type
-/// its URL names, in the built-in descriptors.
-fn any_on_the_wire(bytes: &[u8], depth: usize) -> Wire {
-    let Ok(any) = <crate::proto::wire::AnyBytes as prost::Message>::decode(bytes) else {
-        return Wire::Unread;
-    };
     let Some(name) = type_name(&any.type_url) else {
-        return Wire::Unread;
+        return true;
     };
     let descriptors = builtin(&[name]);
     match descriptors.pool.get_message_by_name(name) {
-        Some(descriptor) => sensitive_on_the_wire(&descriptors, &descriptor, &any.value, depth + 1),
-        None => Wire::Unread,
+        Some(descriptor) => hidden_on_the_wire(&descriptors, &descriptor, &any.value, depth + 1),
+        None => true,
     }
 }
 
-/// Whether the built-in message `name` reaches an `Any` (or a
-/// `TypedStruct`) through its fields at any depth; `None`: no built-in
-/// descriptor of it. Found once per type.
-fn reaches_an_any(name: &str) -> Option<bool> {
+/// Whether a message of `descriptor` reaches an `Any` (or a `TypedStruct`)
+/// through its fields at any depth. Found once per type; only described
+/// types get here (a finite set), never a name a source made up.
+fn reaches_an_any(descriptor: &MessageDescriptor) -> bool {
     static FOUND: OnceLock<Mutex<HashMap<String, bool>>> = OnceLock::new();
     let found = FOUND.get_or_init(Mutex::default);
-    if let Some(known) = found
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(name)
-    {
-        return Some(*known);
+    let lock = || found.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(known) = lock().get(descriptor.full_name()) {
+        return *known;
     }
-    let descriptors = builtin(&[name]);
-    let reaches = descriptors.pool.get_message_by_name(name).map(|descriptor| {
-        let mut seen = HashSet::new();
-        let mut pending = vec![descriptor];
-        while let Some(message) = pending.pop() {
-            if message.full_name() == "google.protobuf.Any" || is_typed_struct(message.full_name()) {
-                return true;
-            }
-            if seen.insert(message.full_name().to_owned()) {
-                pending.extend(message.fields().filter_map(|field| match field.kind() {
-                    Kind::Message(inner) => Some(inner),
-                    _ => None,
-                }));
-            }
-        }
-        false
+    let reaches = reaches_one_of(descriptor, |name| {
+        name == "google.protobuf.Any" || is_typed_struct(name)
     });
-    // Only the built-in types are kept (a finite set): a name a source made
-    // up is looked up again, never remembered.
-    if reaches.is_some() {
-        found
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(name.to_owned(), reaches == Some(true));
-    }
+    lock().insert(descriptor.full_name().to_owned(), reaches);
     reaches
+}
+
+/// Whether `descriptor`, or a message its fields reach at any depth, is one
+/// `wanted` names.
+fn reaches_one_of(descriptor: &MessageDescriptor, wanted: impl Fn(&str) -> bool) -> bool {
+    let mut seen = HashSet::new();
+    let mut pending = vec![descriptor.clone()];
+    while let Some(message) = pending.pop() {
+        if wanted(message.full_name()) {
+            return true;
+        }
+        if seen.insert(message.full_name().to_owned()) {
+            pending.extend(message.fields().filter_map(|field| match field.kind() {
+                Kind::Message(inner) => Some(inner),
+                _ => None,
+            }));
+        }
+    }
+    false
 }
 
 /// A body read back for a person: its proto-JSON with every sensitive field
