@@ -220,6 +220,11 @@ impl PartialEq for CachedResource {
     }
 }
 
+// An equivalence (equal digests, names and versions): with it, `Arc`'s
+// equality compares pointers first, so a diff reads the content of none of
+// the resources two versions share.
+impl Eq for CachedResource {}
+
 pub type ResourceMap = OrdMap<SharedStr, Arc<CachedResource>>;
 
 /// Where a collection's current state came from.
