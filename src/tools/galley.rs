@@ -217,6 +217,20 @@ impl ResourceSource for Service {
     }
 }
 
+/// `listener`'s connections with Nagle's algorithm off, as Galley's are (Go
+/// sets `TCP_NODELAY` on every connection). tonic sets it only on listeners
+/// it binds itself: with it on, the last segment of an update waited for the
+/// gateway's delayed ACK, and `mcp-load` counted 40 ms of every update's
+/// latency (its median ACK round trip, 43.6 ms; 2.2 ms without) that no
+/// real source adds.
+fn without_nagle(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    TcpListenerStream::new(listener).map(|accepted| {
+        let tcp = accepted?;
+        tcp.set_nodelay(true)?;
+        Ok(tcp)
+    })
+}
+
 // === impl FakeGalley ===
 
 impl FakeGalley {
@@ -247,7 +261,7 @@ impl FakeGalley {
             let mut builder = builder;
             if let Err(e) = builder
                 .add_service(service)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+                .serve_with_incoming_shutdown(without_nagle(listener), shutdown.cancelled_owned())
                 .await
             {
                 tracing::error!(error = %e, "the fake galley failed");

@@ -168,6 +168,14 @@ impl ChildGateway {
         Ok(body.to_owned())
     }
 
+    /// The gateway's push-latency histogram (`mcp_gateway_push_latency_seconds`:
+    /// from a version's apply to its response handed to the client's
+    /// connection), every collection's summed: each bucket's bound in
+    /// seconds and its cumulative count, in bound order.
+    pub async fn push_latency(&self) -> anyhow::Result<Vec<(f64, u64)>> {
+        Ok(histogram_buckets(&self.metrics().await?, PUSH_LATENCY))
+    }
+
     /// (user, system) CPU seconds the gateway has used.
     pub fn cpu_seconds(&self) -> anyhow::Result<(f64, f64)> {
         cpu_seconds(&format!("/proc/{}/stat", self.pid))
@@ -228,4 +236,66 @@ fn proc_field(text: &str, name: &str) -> anyhow::Result<u64> {
         .with_context(|| format!("no value for {name} in /proc"))?
         .parse()
         .with_context(|| format!("malformed {name} in /proc"))
+}
+
+/// The gateway's push latency histogram.
+const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
+
+/// A histogram's buckets in a Prometheus exposition, summed over its label
+/// sets: each bound (`le`) and its cumulative count, in bound order.
+fn histogram_buckets(exposition: &str, name: &str) -> Vec<(f64, u64)> {
+    let prefix = format!("{name}_bucket{{");
+    let mut buckets: Vec<(f64, u64)> = Vec::new();
+    for line in exposition.lines() {
+        let Some(rest) = line.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let bound = labels
+            .split(',')
+            .find_map(|label| label.trim().strip_prefix("le=\""))
+            .and_then(|b| b.strip_suffix('"'))
+            .and_then(|b| {
+                if b == "+Inf" {
+                    Some(f64::INFINITY)
+                } else {
+                    b.parse().ok()
+                }
+            });
+        let (Some(bound), Ok(count)) = (bound, value.trim().parse::<f64>()) else {
+            continue;
+        };
+        match buckets.iter_mut().find(|(b, _)| *b == bound) {
+            Some((_, total)) => *total += count as u64,
+            None => buckets.push((bound, count as u64)),
+        }
+    }
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_histograms_buckets_are_summed_over_its_label_sets() {
+        let exposition = "\
+# TYPE mcp_gateway_push_latency_seconds histogram
+mcp_gateway_push_latency_seconds_bucket{collection=\"a\",le=\"0.025\"} 3
+mcp_gateway_push_latency_seconds_bucket{collection=\"a\",le=\"0.05\"} 5
+mcp_gateway_push_latency_seconds_bucket{collection=\"a\",le=\"+Inf\"} 6
+mcp_gateway_push_latency_seconds_bucket{collection=\"b\",le=\"0.025\"} 1
+mcp_gateway_push_latency_seconds_bucket{collection=\"b\",le=\"0.05\"} 1
+mcp_gateway_push_latency_seconds_bucket{collection=\"b\",le=\"+Inf\"} 2
+mcp_gateway_push_latency_seconds_sum{collection=\"a\"} 0.2
+mcp_gateway_message_size_bytes_bucket{le=\"0.05\"} 99
+";
+        assert_eq!(
+            histogram_buckets(exposition, PUSH_LATENCY),
+            vec![(0.025, 4), (0.05, 6), (f64::INFINITY, 8)]
+        );
+    }
 }

@@ -467,6 +467,8 @@ struct Report {
     wire_cpu_us_per_mb: Option<f64>,
     /// The headline: gateway CPU per delivered byte / the wire's.
     times_wire: Option<f64>,
+    /// The gateway's own share of the latency above (see [`PushLatency`]).
+    gateway_push_latency: Option<PushLatency>,
     /// With --scenario eds: the named clients' figures (the latency above is
     /// per changed resource, from the source to each client it reaches).
     eds: Option<eds::NamedFigures>,
@@ -862,6 +864,9 @@ struct Phases<T> {
     errors: usize,
     nacks: usize,
     attack: Option<(abuse::Abuse, Arc<abuse::Attack>)>,
+    /// The measured gateway's push-latency buckets counted during the
+    /// updates (see [`PushLatency`]).
+    push_latency: Vec<(f64, u64)>,
 }
 
 /// The phases of a run against child gateways: `catalog` published by the
@@ -918,6 +923,7 @@ where
         .await?;
     }
 
+    let pushes_before = gateway.push_latency().await?;
     let meter = Meter::start(&gateways, &frames)?;
     let update_start = Instant::now();
     publisher.run_updates().await?;
@@ -928,6 +934,7 @@ where
     .await?;
     let update_phase = update_start.elapsed();
     let costs = meter.stop(&gateways, &frames)?;
+    let push_latency = counted_since(&pushes_before, gateway.push_latency().await?);
     let rss_under_attack = gateway.memory()?.0;
     attack_stop.cancel();
     let peak_rss = gateway.memory()?.1;
@@ -948,8 +955,45 @@ where
         errors,
         nacks: publisher.nacks.load(Ordering::Relaxed),
         attack: attack.map(|(kind, _, attack)| (kind, attack)),
+        push_latency,
     };
     Ok((phases, publisher))
+}
+
+/// Cumulative histogram buckets counted from `before` to `after` (the same
+/// bounds; a bound `before` lacks counts from zero).
+fn counted_since(before: &[(f64, u64)], after: Vec<(f64, u64)>) -> Vec<(f64, u64)> {
+    after
+        .into_iter()
+        .map(|(bound, count)| {
+            let earlier = before.iter().find(|(b, _)| *b == bound).map_or(0, |(_, c)| *c);
+            (bound, count.saturating_sub(earlier))
+        })
+        .collect()
+}
+
+/// The gateway's own share of the latency: of the responses it handed to
+/// their connections during the updates, the share within each bound of
+/// its push-latency histogram (from the version's apply in its cache; the
+/// ingest before it, and the socket and the client after it, are not in
+/// it). Read from the gateway's `/metrics` before and after the updates.
+#[derive(Debug, serde::Serialize)]
+struct PushLatency {
+    pushes: u64,
+    /// (bound in ms, share of the pushes within it), the finite bounds.
+    within_ms: Vec<(f64, f64)>,
+}
+
+impl PushLatency {
+    fn of(buckets: &[(f64, u64)]) -> Option<Self> {
+        let pushes = buckets.iter().map(|(_, c)| *c).max().filter(|n| *n > 0)?;
+        let within_ms = buckets
+            .iter()
+            .filter(|(bound, _)| bound.is_finite())
+            .map(|(bound, count)| (bound * 1000.0, *count as f64 / pushes as f64))
+            .collect();
+        Some(PushLatency { pushes, within_ms })
+    }
 }
 
 impl<T> Phases<T> {
@@ -1013,6 +1057,7 @@ impl<T> Phases<T> {
             chain: run.chain,
             chain_upstream_cpu_seconds: (run.chain > 1).then_some(self.costs.upstream_cpu),
             client_max_frame_size: run.max_frame_size,
+            gateway_push_latency: PushLatency::of(&self.push_latency),
             ..measured
         })
     }
@@ -1152,6 +1197,17 @@ fn print_report(report: &Report) {
         (
             "latency p50 / p99 / max",
             three_ms(report.latency_p50_ms, report.latency_p99_ms, report.latency_max_ms),
+        ),
+        (
+            "gateway: apply to write, within",
+            or_dash(report.gateway_push_latency.as_ref().map(|p| {
+                p.within_ms
+                    .iter()
+                    .filter(|(ms, _)| (5.0..=250.0).contains(ms))
+                    .map(|(ms, share)| format!("{ms} ms {:.1} %", share * 100.0))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })),
         ),
         ("gateway CPU", seconds(report.gateway_cpu_seconds)),
         ("gateway CPU in the kernel", seconds(report.gateway_cpu_system_seconds)),
