@@ -38,11 +38,12 @@ const MAX_MEMBERS: usize = 64;
 /// takes 256 slices (the vendored h2): at 1 % of 10,000 resources changed
 /// per version, a change re-stored 11.5 unchanged resources with 16 and 6.1
 /// with 8, for at most 559 chunks rather than 325 (a whole collection's
-/// response: 3 writes rather than 2). Each resource re-stored is a new
-/// `Arc`, which every named client's selection holding it then finds again
-/// by name, and a map entry that diffs read: eds's CPU per response fell by
-/// a fifth, fan-out's full states were the same within the spread
-/// (BENCHMARKS, session 12). See `a_change_re_stores_a_bounded_multiple_of_itself`.
+/// response in large frames: 3 writes rather than 2; in 16 KiB frames a
+/// write per frame either way). Each resource re-stored is a new `Arc`,
+/// which every named client's selection holding it then finds again by
+/// name, and a map entry that diffs read: with the lookups' cheaper hash
+/// and `read_ahead`, eds's CPU per response fell by a fifth; fan-out's full
+/// states were the same within the spread (BENCHMARKS, session 12). See `a_change_re_stores_a_bounded_multiple_of_itself`.
 const MIN_MEMBERS: usize = 8;
 
 /// How many chunks of one size class the end gathers before they are merged

@@ -578,9 +578,12 @@ impl Named {
 
 /// Names that changed between two versions, looked up by every named
 /// client those versions touch (50 names each for an Envoy's EDS): hashed
-/// with foldhash, keyed per process, rather than std's SipHash (the
-/// lookups took 6.6 % of the gateway's samples in `mcp-load --scenario
-/// eds`, 2.4 % with foldhash; BENCHMARKS, session 12).
+/// with foldhash (randomly seeded) rather than std's SipHash (the lookups
+/// took 6.6 % of the gateway's samples in `mcp-load --scenario eds`, 2.4 %
+/// with foldhash; BENCHMARKS, session 12). Its keys are the cache's names,
+/// never a client's: a client's names are only looked up in it, so no
+/// client chooses what collides. (The wake index, keyed by the names
+/// clients ask for, keeps std's keyed SipHash.)
 pub(super) type ChangedNames = HashSet<SharedStr, foldhash::fast::RandomState>;
 
 /// Distinct from-versions whose changed names a snapshot keeps (clients

@@ -61,7 +61,7 @@ impl std::fmt::Debug for Wakes {
 #[derive(Default)]
 struct Index {
     /// By resource name, the keys of the clients that asked for it.
-    by_name: HashMap<SharedStr, Vec<u64>, foldhash::fast::RandomState>,
+    by_name: HashMap<SharedStr, Vec<u64>>,
     clients: HashMap<u64, Client>,
     next: u64,
 }

@@ -1,6 +1,7 @@
 //! The gateway under test as a child process, and its CPU time and memory as
 //! Linux reports them in `/proc`.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -173,7 +174,10 @@ impl ChildGateway {
     /// connection), every collection's summed: each bucket's bound in
     /// seconds and its cumulative count, in bound order.
     pub async fn push_latency(&self) -> anyhow::Result<Vec<(f64, u64)>> {
-        Ok(histogram_buckets(&self.metrics().await?, PUSH_LATENCY))
+        Ok(histogram_buckets(
+            &self.metrics().await?,
+            mcp_xds_gateway::metrics::PUSH_LATENCY,
+        ))
     }
 
     /// (user, system) CPU seconds the gateway has used.
@@ -238,40 +242,40 @@ fn proc_field(text: &str, name: &str) -> anyhow::Result<u64> {
         .with_context(|| format!("malformed {name} in /proc"))
 }
 
-/// The gateway's push latency histogram.
-const PUSH_LATENCY: &str = "mcp_gateway_push_latency_seconds";
+/// The series of `name`, by the value of `label`, summed.
+pub fn by_label(exposition: &str, name: &str, label: &str) -> BTreeMap<String, u64> {
+    let mut all = BTreeMap::new();
+    let key = format!("{label}=\"");
+    for line in exposition.lines().filter(|l| !l.starts_with('#')) {
+        let Some(rest) = line.strip_prefix(name).filter(|r| r.starts_with('{')) else {
+            continue;
+        };
+        let Some((series, value)) = rest.rsplit_once(' ') else {
+            continue;
+        };
+        let Some(start) = series.find(&key) else { continue };
+        let tail = &series[start + key.len()..];
+        let Some(end) = tail.find('"') else { continue };
+        let value = value.parse::<f64>().unwrap_or(0.0) as u64;
+        *all.entry(tail[..end].to_owned()).or_insert(0) += value;
+    }
+    all
+}
 
 /// A histogram's buckets in a Prometheus exposition, summed over its label
 /// sets: each bound (`le`) and its cumulative count, in bound order.
 fn histogram_buckets(exposition: &str, name: &str) -> Vec<(f64, u64)> {
-    let prefix = format!("{name}_bucket{{");
-    let mut buckets: Vec<(f64, u64)> = Vec::new();
-    for line in exposition.lines() {
-        let Some(rest) = line.strip_prefix(&prefix) else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let bound = labels
-            .split(',')
-            .find_map(|label| label.trim().strip_prefix("le=\""))
-            .and_then(|b| b.strip_suffix('"'))
-            .and_then(|b| {
-                if b == "+Inf" {
-                    Some(f64::INFINITY)
-                } else {
-                    b.parse().ok()
-                }
-            });
-        let (Some(bound), Ok(count)) = (bound, value.trim().parse::<f64>()) else {
-            continue;
-        };
-        match buckets.iter_mut().find(|(b, _)| *b == bound) {
-            Some((_, total)) => *total += count as u64,
-            None => buckets.push((bound, count as u64)),
-        }
-    }
+    let mut buckets: Vec<(f64, u64)> = by_label(exposition, &format!("{name}_bucket"), "le")
+        .into_iter()
+        .filter_map(|(bound, count)| {
+            let bound = if bound == "+Inf" {
+                f64::INFINITY
+            } else {
+                bound.parse().ok()?
+            };
+            Some((bound, count))
+        })
+        .collect();
     buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     buckets
 }
@@ -294,7 +298,7 @@ mcp_gateway_push_latency_seconds_sum{collection=\"a\"} 0.2
 mcp_gateway_message_size_bytes_bucket{le=\"0.05\"} 99
 ";
         assert_eq!(
-            histogram_buckets(exposition, PUSH_LATENCY),
+            histogram_buckets(exposition, mcp_xds_gateway::metrics::PUSH_LATENCY),
             vec![(0.025, 4), (0.05, 6), (f64::INFINITY, 8)]
         );
     }

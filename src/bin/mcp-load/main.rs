@@ -467,7 +467,8 @@ struct Report {
     wire_cpu_us_per_mb: Option<f64>,
     /// The headline: gateway CPU per delivered byte / the wire's.
     times_wire: Option<f64>,
-    /// The gateway's own share of the latency above (see [`PushLatency`]).
+    /// The measured (last) gateway's own share of the latency above (see
+    /// [`PushLatency`]).
     gateway_push_latency: Option<PushLatency>,
     /// With --scenario eds: the named clients' figures (the latency above is
     /// per changed resource, from the source to each client it reaches).
@@ -923,7 +924,7 @@ where
         .await?;
     }
 
-    let pushes_before = gateway.push_latency().await?;
+    let pushes_before = push_latency(gateway).await;
     let meter = Meter::start(&gateways, &frames)?;
     let update_start = Instant::now();
     publisher.run_updates().await?;
@@ -934,7 +935,10 @@ where
     .await?;
     let update_phase = update_start.elapsed();
     let costs = meter.stop(&gateways, &frames)?;
-    let push_latency = counted_since(&pushes_before, gateway.push_latency().await?);
+    let push_latency = match (pushes_before, push_latency(gateway).await) {
+        (Some(before), Some(after)) => counted_since(&before, after),
+        _ => Vec::new(),
+    };
     let rss_under_attack = gateway.memory()?.0;
     attack_stop.cancel();
     let peak_rss = gateway.memory()?.1;
@@ -960,6 +964,16 @@ where
     Ok((phases, publisher))
 }
 
+/// The gateway's push-latency buckets, or `None` (said on stderr) where its
+/// `/metrics` cannot be read: an optional figure, not worth a finished run.
+async fn push_latency(gateway: &ChildGateway) -> Option<Vec<(f64, u64)>> {
+    gateway
+        .push_latency()
+        .await
+        .inspect_err(|e| eprintln!("the gateway's push latency is left out of the report: {e:#}"))
+        .ok()
+}
+
 /// Cumulative histogram buckets counted from `before` to `after` (the same
 /// bounds; a bound `before` lacks counts from zero).
 fn counted_since(before: &[(f64, u64)], after: Vec<(f64, u64)>) -> Vec<(f64, u64)> {
@@ -972,11 +986,13 @@ fn counted_since(before: &[(f64, u64)], after: Vec<(f64, u64)>) -> Vec<(f64, u64
         .collect()
 }
 
-/// The gateway's own share of the latency: of the responses it handed to
-/// their connections during the updates, the share within each bound of
-/// its push-latency histogram (from the version's apply in its cache; the
-/// ingest before it, and the socket and the client after it, are not in
-/// it). Read from the gateway's `/metrics` before and after the updates.
+/// The measured gateway's own share of the latency: of the responses it
+/// handed to their connections during the updates, the share within each
+/// bound of its push-latency histogram (from the version's apply in its
+/// cache; the ingest before it, the socket and the client after it are not
+/// in it, nor, with `--chain`, the gateways before it; with `--abuse`, the
+/// attackers' streams are). Read from its `/metrics` before and after the
+/// updates.
 #[derive(Debug, serde::Serialize)]
 struct PushLatency {
     pushes: u64,

@@ -1187,26 +1187,6 @@ fn gauge(exposition: &str, name: &str, labels: &str) -> Option<f64> {
     found
 }
 
-/// The series of `name`, by the value of `label`, summed.
-fn by_label(exposition: &str, name: &str, label: &str) -> BTreeMap<String, u64> {
-    let mut all = BTreeMap::new();
-    let key = format!("{label}=\"");
-    for line in exposition.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = line.strip_prefix(name).filter(|r| r.starts_with('{')) else {
-            continue;
-        };
-        let Some((series, value)) = rest.rsplit_once(' ') else {
-            continue;
-        };
-        let Some(start) = series.find(&key) else { continue };
-        let tail = &series[start + key.len()..];
-        let Some(end) = tail.find('"') else { continue };
-        let value = value.parse::<f64>().unwrap_or(0.0) as u64;
-        *all.entry(tail[..end].to_owned()).or_insert(0) += value;
-    }
-    all
-}
-
 /// Takes a sample of `gateway`.
 async fn sample(gateway: &ChildGateway, start: Instant, shared: &Shared, made: &AtomicU64) -> anyhow::Result<Sample> {
     let metrics = gateway.metrics().await?;
@@ -1481,7 +1461,7 @@ pub async fn run(binary: &Path, shape: Shape, soak: SoakShape, run: Run) -> anyh
     )
     .await?;
     let exposition = gateway.metrics().await?;
-    let stream_ends = by_label(&exposition, mcp_xds_gateway::metrics::DOWNSTREAM_STREAM_ENDS, "reason");
+    let stream_ends = crate::gateway::by_label(&exposition, mcp_xds_gateway::metrics::DOWNSTREAM_STREAM_ENDS, "reason");
     let closed_for_age = gauge(
         &exposition,
         mcp_xds_gateway::metrics::CONNECTIONS_CLOSED,
