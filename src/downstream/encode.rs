@@ -17,6 +17,7 @@ use super::type_state::{Push, ReportedNames};
 use crate::cache::memo::MemoKey;
 use crate::cache::{CachedResource, Chunk, CollectionSnapshot, Diff, STORAGE_FIELD};
 use crate::metrics::CollectionMetrics;
+use crate::proto::wire::wire_fields;
 
 /// Distinct from-versions whose diffs a snapshot keeps per protocol (clients
 /// are normally at one or two versions; this bounds a pathological spread).
@@ -339,35 +340,10 @@ fn has_create_time(encoded: &[u8]) -> bool {
 /// The top-level fields of a message: field number and, for a
 /// length-delimited field, its value (empty for the others). Stops at the
 /// first thing that does not read.
-fn fields(mut rest: &[u8]) -> impl Iterator<Item = (u64, &[u8])> {
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let key = encoding::decode_varint(&mut rest).ok()?;
-        let value: &[u8] = match key & 7 {
-            0 => {
-                encoding::decode_varint(&mut rest).ok()?;
-                &[]
-            }
-            1 => rest
-                .get(8..)
-                .map(|after| std::mem::replace(&mut rest, after))
-                .map(|_| &[][..])?,
-            2 => {
-                let len = usize::try_from(encoding::decode_varint(&mut rest).ok()?).ok()?;
-                let value = rest.get(..len)?;
-                rest = &rest[len..];
-                value
-            }
-            5 => rest
-                .get(4..)
-                .map(|after| std::mem::replace(&mut rest, after))
-                .map(|_| &[][..])?,
-            _ => return None,
-        };
-        Some((key >> 3, value))
-    })
+fn fields(message: &[u8]) -> impl Iterator<Item = (u32, &[u8])> {
+    wire_fields(message)
+        .map_while(Result::ok)
+        .map(move |f| (f.number, f.payload.map_or(&[][..], |at| &message[at..f.end])))
 }
 
 /// A record's length: key, length and `len` bytes of value.
@@ -493,33 +469,20 @@ fn body_of(resource: &CachedResource) -> Bytes {
 /// written as the gateway would write it (no body, a body given twice, a key
 /// or length not in its shortest form): the record is then made.
 fn stored_body_record(encoded: &[u8]) -> Option<std::ops::Range<usize>> {
-    let mut rest = encoded;
     let mut found = None;
-    while !rest.is_empty() {
-        let start = encoded.len() - rest.len();
-        let key = encoding::decode_varint(&mut rest).ok()?;
-        let len = match key & 7 {
-            0 => {
-                encoding::decode_varint(&mut rest).ok()?;
-                0
-            }
-            1 => 8,
-            2 => usize::try_from(encoding::decode_varint(&mut rest).ok()?).ok()?,
-            5 => 4,
-            _ => return None,
-        };
-        let header = encoded.len() - rest.len() - start;
-        if len > rest.len() {
+    for field in wire_fields(encoded) {
+        let field = field.ok()?;
+        if field.number != BODY_FIELD {
+            continue;
+        }
+        // Length-delimited, its key in one byte and its length in the
+        // fewest: the record the gateway writes.
+        let payload = field.payload?;
+        let shortest = payload - field.start == 1 + encoding::encoded_len_varint((field.end - payload) as u64);
+        if found.is_some() || !shortest {
             return None;
         }
-        if key >> 3 == 2 {
-            let shortest = key == u64::from(BODY_RECORD_KEY) && header == 1 + encoding::encoded_len_varint(len as u64);
-            if found.is_some() || !shortest {
-                return None;
-            }
-            found = Some(start..start + header + len);
-        }
-        rest = &rest[len..];
+        found = Some(field.start..field.end);
     }
     found
 }
@@ -542,7 +505,6 @@ fn read_ahead(resources: &[Arc<CachedResource>]) {
 }
 
 /// `Resource.body` and a response's `resources`: field 2, length-delimited.
-const BODY_RECORD_KEY: u8 = 2 << 3 | 2;
 const BODY_FIELD: u32 = 2;
 
 /// The names `reported` holds that `to` does not, sorted, once each.
@@ -786,7 +748,7 @@ impl Layout {
     /// This layout's record of `resource` where it is a slice of the stored
     /// bytes (Envoy's bodies, state of the world).
     fn stored_record(&self, resource: &CachedResource) -> Option<std::ops::Range<usize>> {
-        (self.form == Form::Body && self.resources == u32::from(BODY_RECORD_KEY >> 3))
+        (self.form == Form::Body && self.resources == BODY_FIELD)
             .then(|| stored_body_record(&resource.encoded))
             .flatten()
     }

@@ -865,9 +865,8 @@ struct Phases<T> {
     errors: usize,
     nacks: usize,
     attack: Option<(abuse::Abuse, Arc<abuse::Attack>)>,
-    /// The measured gateway's push-latency buckets counted during the
-    /// updates (see [`PushLatency`]).
-    push_latency: Vec<(f64, u64)>,
+    /// The measured gateway's push latency during the updates.
+    push_latency: Option<PushLatency>,
 }
 
 /// The phases of a run against child gateways: `catalog` published by the
@@ -936,8 +935,8 @@ where
     let update_phase = update_start.elapsed();
     let costs = meter.stop(&gateways, &frames)?;
     let push_latency = match (pushes_before, push_latency(gateway).await) {
-        (Some(before), Some(after)) => counted_since(&before, after),
-        _ => Vec::new(),
+        (Some(before), Some(after)) => PushLatency::of(&counted_since(&before, after)),
+        _ => None,
     };
     let rss_under_attack = gateway.memory()?.0;
     attack_stop.cancel();
@@ -993,7 +992,7 @@ fn counted_since(before: &[(f64, u64)], after: Vec<(f64, u64)>) -> Vec<(f64, u64
 /// in it, nor, with `--chain`, the gateways before it; with `--abuse`, the
 /// attackers' streams are). Read from its `/metrics` before and after the
 /// updates.
-#[derive(Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize)]
 struct PushLatency {
     pushes: u64,
     /// (bound in ms, share of the pushes within it), the finite bounds.
@@ -1073,7 +1072,7 @@ impl<T> Phases<T> {
             chain: run.chain,
             chain_upstream_cpu_seconds: (run.chain > 1).then_some(self.costs.upstream_cpu),
             client_max_frame_size: run.max_frame_size,
-            gateway_push_latency: PushLatency::of(&self.push_latency),
+            gateway_push_latency: self.push_latency.clone(),
             ..measured
         })
     }
