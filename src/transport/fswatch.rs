@@ -17,7 +17,41 @@ pub const SETTLE: Duration = Duration::from_millis(100);
 /// A live watch: `changed` yields once per settled burst of changes.
 pub struct DirWatch {
     _watcher: notify::RecommendedWatcher,
-    changes: mpsc::Receiver<()>,
+    changes: Settling,
+}
+
+/// Change signals, reported once they settle.
+struct Settling {
+    signals: mpsc::Receiver<()>,
+    /// A change was heard and not yet reported: kept across a `changed`
+    /// dropped while it waited for the burst to settle.
+    heard: bool,
+}
+
+impl Settling {
+    fn new(signals: mpsc::Receiver<()>) -> Self {
+        Self { signals, heard: false }
+    }
+
+    /// See [`DirWatch::changed`].
+    async fn changed(&mut self) -> bool {
+        if !self.heard {
+            if self.signals.recv().await.is_none() {
+                return false;
+            }
+            self.heard = true;
+        }
+        loop {
+            match tokio::time::timeout(SETTLE, self.signals.recv()).await {
+                Err(_) => {
+                    self.heard = false;
+                    return true;
+                }
+                Ok(Some(())) => continue,
+                Ok(None) => return false,
+            }
+        }
+    }
 }
 
 impl DirWatch {
@@ -65,23 +99,20 @@ impl DirWatch {
         }
         Ok(Self {
             _watcher: watcher,
-            changes,
+            changes: Settling::new(changes),
         })
     }
 
     /// Waits for the next change, then for the changes to settle. Returns
     /// `false` when the watcher is gone.
+    ///
+    /// Cancel-safe: a change heard by a call dropped before it settled (its
+    /// caller's `select!` took another branch) is reported by the next call,
+    /// not lost (the files source, whose select also follows subscriptions,
+    /// missed a Kubernetes volume swap that way and served the old files
+    /// until the next change).
     pub async fn changed(&mut self) -> bool {
-        if self.changes.recv().await.is_none() {
-            return false;
-        }
-        loop {
-            match tokio::time::timeout(SETTLE, self.changes.recv()).await {
-                Err(_) => return true,
-                Ok(Some(())) => continue,
-                Ok(None) => return false,
-            }
-        }
+        self.changes.changed().await
     }
 }
 
@@ -100,6 +131,26 @@ pub fn parent_dir(path: &std::path::Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wait dropped while a change settles does not lose the change.
+    #[tokio::test(start_paused = true)]
+    async fn a_change_heard_by_a_dropped_wait_is_reported_by_the_next() {
+        let (tx, rx) = mpsc::channel(1);
+        let mut settling = Settling::new(rx);
+        tx.try_send(()).unwrap();
+        // Dropped halfway through the settling time, the signal taken.
+        let dropped = tokio::time::timeout(SETTLE / 2, settling.changed()).await;
+        assert!(dropped.is_err());
+        assert!(tx.try_send(()).is_ok(), "the signal was taken from the channel");
+        let _ = settling.signals.try_recv();
+        let reported = tokio::time::timeout(SETTLE * 2, settling.changed()).await;
+        assert_eq!(reported.ok(), Some(true), "the change heard before is reported");
+        // Reported once: nothing more is pending.
+        let again = tokio::time::timeout(SETTLE * 10, settling.changed()).await;
+        assert!(again.is_err(), "a change is reported once");
+        drop(tx);
+        assert!(!settling.changed().await, "the watcher gone");
+    }
 
     /// A watch of named files hears them and a volume's `..data` swap, and
     /// not the other files of their directory (a log written beside a
