@@ -44,6 +44,7 @@ use crate::SharedStr;
 use encode::EncodedResponse;
 use registry::NackRecord;
 pub use registry::Registry;
+use service::Outbound;
 pub use service::{AggregatedService, ResourceSourceService, XdsService};
 
 /// Per-stream limits of the downstream services.
@@ -93,17 +94,20 @@ impl Default for DownstreamLimits {
     }
 }
 
-/// Responses queued per stream. A stream has at most one response outstanding
-/// per type, so a client that stops reading holds at most this many (and then
-/// only its own task waits).
+/// Responses queued per stream, where a queue carries them (a stream the
+/// gateway dialed out). A stream has at most one response outstanding per
+/// type, so a client that stops reading holds at most this many (and then
+/// only its own task waits). A stream of the gateway's own listeners writes
+/// one response beyond its client's window, then waits.
 const OUTBOUND_QUEUE: usize = 16;
 
 /// How long a stream that ends with an error waits to hand its status to a
 /// client that is not reading.
 const STATUS_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Boxed: a queued response is 16 bytes, not 56.
-type Outbound = outbound::Sender<Result<Box<EncodedResponse>, Status>>;
+/// A response, or the status that ends the stream. Boxed: a queued
+/// response is 16 bytes, not 56.
+type Item = Result<Box<EncodedResponse>, Status>;
 
 /// What every stream shares.
 #[derive(Clone)]
@@ -481,11 +485,11 @@ fn send_failed() {
 
 /// Ends a stream's response with `status`, or gives up if the client does not
 /// read it in time.
-async fn end_with(out: &Outbound, status: Status) {
-    let _ = tokio::time::timeout(STATUS_SEND_TIMEOUT, out.send(Err(status))).await;
+async fn end_with(out: &mut Outbound, status: Status) {
+    let _ = tokio::time::timeout(STATUS_SEND_TIMEOUT, out.end(status)).await;
 }
 
-type Responses = outbound::Receiver<Result<Box<EncodedResponse>, Status>>;
+type Responses = outbound::Receiver<Item>;
 
 /// Why a downstream stream ended: the `reason` of
 /// `mcp_gateway_downstream_stream_ends_total` and of the log line.
@@ -559,20 +563,20 @@ pub fn register_metrics(downstream: &Downstream, collections: &[SharedStr]) {
 }
 
 impl Downstream {
-    /// Starts a stream of protocol `W`: its task, and the responses it sends.
+    /// Starts a stream of protocol `W`: its task, which sends its responses
+    /// to `out`.
     fn start<W: wires::Wire>(
         &self,
         body: tonic::body::Body,
         peer: Option<std::net::SocketAddr>,
         identity: Arc<PeerIdentity>,
-    ) -> Responses {
+        out: Outbound,
+    ) {
         let inbound = RequestStream::new(body, self.inner.requests.clone(), W::REQUEST);
-        let (tx, rx) = outbound::queue(OUTBOUND_QUEUE);
         let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer, identity);
         self.inner
             .tasks
-            .spawn(stream.drive(inbound, tx, self.inner.shutdown.clone()));
-        rx
+            .spawn(stream.drive(inbound, out, self.inner.shutdown.clone()));
     }
 }
 

@@ -1,5 +1,8 @@
 //! The queue from a stream's task to its response body: responses in order,
 //! at most `capacity` waiting, and each side told when the other is gone.
+//! Used where the transport writes the body (a stream the gateway dialed
+//! out); on the gateway's own listeners a stream's task writes to its
+//! HTTP/2 stream itself (`service::Outbound`).
 //!
 //! Every stream holds one, idle or not, so it is kept small: a `VecDeque`
 //! under a mutex with the two sides' wakers, about 100 bytes, and a few more

@@ -6,13 +6,14 @@
 //! collection.
 
 use std::convert::Infallible;
+use std::io::IoSlice;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use http_body::Frame;
 use tokio::time::Instant;
 use tonic::body::Body;
@@ -21,14 +22,16 @@ use tonic::server::NamedService;
 use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
-use super::encode::{Record, Shared};
+use super::encode::{EncodedResponse, Record, Shared};
+use super::outbound::{self, TrySendError};
 use super::wires::{LegacyIncremental, LegacySotw, ResourceSourceWire, XdsDelta, XdsSotw};
-use super::{Downstream, Responses};
+use super::{ClientGone, Downstream, Item, Responses, OUTBOUND_QUEUE};
 use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
 use crate::transport::call;
 use crate::transport::grpc::ConnInfo;
 use crate::transport::identity::PeerIdentity;
+use crate::transport::respond::{ResponseSlot, ResponseWriter};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
@@ -36,8 +39,8 @@ pub use crate::proto::RESOURCE_SOURCE_PATH;
 pub const XDS_SOTW_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 pub const XDS_DELTA_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
-/// Starts one method's stream.
-type Start = fn(&Downstream, Body, Option<SocketAddr>, Arc<PeerIdentity>) -> Responses;
+/// Starts one method's stream, its responses sent to the `Outbound`.
+type Start = fn(&Downstream, Body, Option<SocketAddr>, Arc<PeerIdentity>, Outbound);
 
 /// One gRPC service: its name and its methods.
 pub trait Methods: Send + Sync + 'static {
@@ -144,9 +147,7 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
             .map(|info| info.identity.clone())
             .unwrap_or_default();
         let sensitive = self.downstream.sensitive_readable(&identity);
-        let responses = start(&self.downstream, request.into_body(), peer, identity);
-        let mut response = http::Response::new(Body::new(FramedResponses::new(responses)));
-        let headers = response.headers_mut();
+        let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         // Percent-encoded: always a valid value.
         if let Some(value) = sensitive.and_then(|v| HeaderValue::try_from(v).ok()) {
@@ -158,7 +159,137 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
                 headers.insert(CHAIN_HEADER, chain);
             }
         }
+        // On the gateway's own listeners the stream's task writes its
+        // responses itself: one task per stream. Elsewhere (a stream the
+        // gateway dialed out, tonic's server in tests) it queues them for a
+        // body the transport writes.
+        let unanswered = request.extensions().get::<ResponseSlot>().and_then(ResponseSlot::take);
+        let body = request.into_body();
+        if let Some(unanswered) = unanswered {
+            // `None`: the client reset the stream before its headers went.
+            if let Some(writer) = unanswered.answer(headers) {
+                start(&self.downstream, body, peer, identity, Outbound::direct(writer));
+            }
+            // Not written: the slot was taken.
+            return std::future::ready(Ok(http::Response::new(Body::empty())));
+        }
+        let (tx, rx) = outbound::queue(OUTBOUND_QUEUE);
+        start(&self.downstream, body, peer, identity, Outbound(Out::Queue(tx)));
+        let mut response = http::Response::new(Body::new(FramedResponses::new(rx)));
+        *response.headers_mut() = headers;
         std::future::ready(Ok(response))
+    }
+}
+
+// === impl Outbound ===
+
+/// Where a stream's task sends its responses.
+pub struct Outbound(Out);
+
+enum Out {
+    /// To a queue that a body returned to the transport is read from.
+    Queue(outbound::Sender<Item>),
+    /// Written to the client's HTTP/2 stream by the stream's task itself.
+    Direct(Direct),
+}
+
+/// What [`Outbound::try_send`] did.
+pub(super) enum TrySend {
+    Sent,
+    /// A response is still waiting for the client to read: the item back.
+    Full(Item),
+    /// The client is gone: its stream was reset or its connection closed.
+    Gone,
+}
+
+impl Outbound {
+    fn direct(writer: ResponseWriter) -> Self {
+        Outbound(Out::Direct(Direct {
+            writer,
+            started: Instant::now(),
+        }))
+    }
+
+    /// Sends `item` if nothing waits for the client to read.
+    pub(super) fn try_send(&mut self, item: Item) -> TrySend {
+        match &mut self.0 {
+            Out::Queue(tx) => match tx.try_send(item) {
+                Ok(()) => TrySend::Sent,
+                Err(TrySendError::Full(item)) => TrySend::Full(item),
+                Err(TrySendError::Closed(_)) => TrySend::Gone,
+            },
+            Out::Direct(direct) => {
+                if !direct.writer.is_ready() {
+                    return TrySend::Full(item);
+                }
+                match direct.write(item) {
+                    Ok(()) => TrySend::Sent,
+                    Err(ClientGone) => TrySend::Gone,
+                }
+            }
+        }
+    }
+
+    /// Sends `item`, waiting until the client has read what waits.
+    pub(super) async fn send(&mut self, item: Item) -> Result<(), ClientGone> {
+        match &mut self.0 {
+            Out::Queue(tx) => tx.send(item).await.map_err(|_| ClientGone),
+            Out::Direct(direct) => {
+                std::future::poll_fn(|cx| direct.writer.poll_ready(cx))
+                    .await
+                    .map_err(|_| ClientGone)?;
+                direct.write(item)
+            }
+        }
+    }
+
+    /// Ends the stream's responses with `status`, after what was sent: on
+    /// the client's stream at once, in a queue once it has room.
+    pub(super) async fn end(&mut self, status: Status) {
+        match &mut self.0 {
+            Out::Queue(tx) => {
+                let _ = tx.send(Err(status)).await;
+            }
+            Out::Direct(direct) => direct.writer.finish(trailers(&status)),
+        }
+    }
+
+    /// Completes when the client is gone.
+    pub(super) async fn closed(&mut self) {
+        match &mut self.0 {
+            Out::Queue(tx) => tx.closed().await,
+            Out::Direct(direct) => std::future::poll_fn(|cx| direct.writer.poll_gone(cx)).await,
+        }
+    }
+}
+
+/// A stream's responses written by its own task.
+struct Direct {
+    writer: ResponseWriter,
+    /// When the stream began (push latency counts only later changes).
+    started: Instant,
+}
+
+impl Direct {
+    /// Writes `item`: a response as one write of its frame header, shared
+    /// parts and suffix; a status as the trailers that end the stream.
+    fn write(&mut self, item: Item) -> Result<(), ClientGone> {
+        let status = match item.and_then(|response| framed(*response, self.started)) {
+            Ok((len, parts)) => return self.writer.write(FramedBuf::new(len, parts)).map_err(|_| ClientGone),
+            Err(status) => status,
+        };
+        self.writer.finish(trailers(&status));
+        Ok(())
+    }
+}
+
+/// A stream whose task ends without a status ends with OK, as a queue's
+/// body does when its sender goes.
+impl Drop for Direct {
+    fn drop(&mut self) {
+        if !self.writer.is_finished() {
+            self.writer.finish(trailers(&Status::ok("")));
+        }
     }
 }
 
@@ -175,23 +306,147 @@ pub struct FramedResponses {
     started: Instant,
 }
 
+/// Where a response's next part is: among its shared parts, then its
+/// suffix, then none.
+#[derive(Clone, Copy)]
+enum At {
+    Shared((usize, usize)),
+    End,
+}
+
+/// A response's parts, in order: its shared parts, then its suffix.
 struct Writing {
     shared: Shared,
-    /// Where the next part is in `shared`.
-    next: (usize, usize),
-    suffix: Option<Bytes>,
+    suffix: Bytes,
+    /// The next part.
+    at: At,
 }
 
 impl Writing {
+    fn new(shared: Shared, suffix: Bytes) -> Self {
+        Self {
+            shared,
+            suffix,
+            at: At::Shared((0, 0)),
+        }
+    }
+
+    /// The part at `at` (possibly empty) and where the one after it is;
+    /// `None` past the suffix.
+    fn part(&self, at: At) -> Option<(&Bytes, At)> {
+        match at {
+            At::Shared(i) => Some(match self.shared.part(i) {
+                Some((part, next)) => (part, At::Shared(next)),
+                None => (&self.suffix, At::End),
+            }),
+            At::End => None,
+        }
+    }
+
     /// The next non-empty part of the message, if any is left.
     fn next_part(&mut self) -> Option<Bytes> {
-        while let Some((part, next)) = self.shared.part(self.next) {
-            self.next = next;
-            if !part.is_empty() {
-                return Some(part.clone());
+        while let Some((part, next)) = self.part(self.at) {
+            let part = (!part.is_empty()).then(|| part.clone());
+            self.at = next;
+            if part.is_some() {
+                return part;
             }
         }
-        self.suffix.take().filter(|s| !s.is_empty())
+        None
+    }
+}
+
+/// A response's gRPC message as h2 writes it from the stream's own task
+/// ([`Direct`]): its 5-byte header, then its parts read where they lie, with
+/// no list of them made per write and no reference counted per part.
+struct FramedBuf {
+    header: [u8; 5],
+    /// How much of the header was written.
+    head: usize,
+    parts: Writing,
+    /// How much of the part at `parts.at` was written.
+    offset: usize,
+    remaining: usize,
+}
+
+impl FramedBuf {
+    fn new(len: u32, parts: Writing) -> Self {
+        let mut buf = Self {
+            header: frame_header(len),
+            head: 0,
+            parts,
+            offset: 0,
+            remaining: FRAME_HEADER + len as usize,
+        };
+        buf.skip_written();
+        buf
+    }
+
+    /// Moves past the parts that are empty or written whole, so that the
+    /// part at `parts.at` has bytes left (or there is none).
+    fn skip_written(&mut self) {
+        while let Some((part, next)) = self.parts.part(self.parts.at) {
+            if self.offset < part.len() {
+                return;
+            }
+            (self.parts.at, self.offset) = (next, 0);
+        }
+    }
+}
+
+impl Buf for FramedBuf {
+    fn remaining(&self) -> usize {
+        self.remaining
+    }
+
+    fn chunk(&self) -> &[u8] {
+        if self.head < FRAME_HEADER {
+            return &self.header[self.head..];
+        }
+        self.parts
+            .part(self.parts.at)
+            .map_or(&[], |(part, _)| &part[self.offset..])
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {
+        let mut n = 0;
+        if self.head < FRAME_HEADER && !dst.is_empty() {
+            dst[0] = IoSlice::new(&self.header[self.head..]);
+            n = 1;
+        }
+        let (mut at, mut offset) = (self.parts.at, self.offset);
+        while n < dst.len() {
+            let Some((part, next)) = self.parts.part(at) else {
+                break;
+            };
+            if offset < part.len() {
+                dst[n] = IoSlice::new(&part[offset..]);
+                n += 1;
+            }
+            (at, offset) = (next, 0);
+        }
+        n
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        assert!(cnt <= self.remaining, "advanced past the end of a response");
+        self.remaining -= cnt;
+        let head = cnt.min(FRAME_HEADER - self.head);
+        self.head += head;
+        cnt -= head;
+        while cnt > 0 {
+            let Some((part, next)) = self.parts.part(self.parts.at) else {
+                break;
+            };
+            let left = part.len() - self.offset;
+            if cnt < left {
+                self.offset += cnt;
+                return;
+            }
+            cnt -= left;
+            (self.parts.at, self.offset) = (next, 0);
+        }
+        self.skip_written();
     }
 }
 
@@ -204,6 +459,32 @@ impl FramedResponses {
             started: Instant::now(),
         }
     }
+}
+
+/// A gRPC message's frame header: not compressed, then its length.
+const FRAME_HEADER: usize = 5;
+
+fn frame_header(len: u32) -> [u8; FRAME_HEADER] {
+    let mut header = [0; FRAME_HEADER];
+    header[1..].copy_from_slice(&len.to_be_bytes());
+    header
+}
+
+/// A response as gRPC frames it: its length (for its frame header), then
+/// its parts, with its metrics recorded as it is handed to the client's
+/// connection; a response too large to frame is the status that ends the
+/// stream.
+fn framed(response: EncodedResponse, stream_started: Instant) -> Result<(u32, Writing), Status> {
+    let len = response.len();
+    if let Some(record) = &response.record {
+        record_write(record, stream_started, len);
+    }
+    let Ok(len) = u32::try_from(len) else {
+        return Err(Status::resource_exhausted(format!(
+            "a response of {len} bytes is larger than gRPC can frame (4 GiB)"
+        )));
+    };
+    Ok((len, Writing::new(response.shared, response.suffix)))
 }
 
 /// The metrics of a response handed to the client's connection.
@@ -255,29 +536,14 @@ impl http_body::Body for FramedResponses {
             return Poll::Ready(None);
         }
         let status = match ready!(this.responses.poll_recv(cx)) {
-            Some(Ok(response)) => {
-                let len = response.len();
-                if let Some(record) = &response.record {
-                    record_write(record, this.started, len);
+            Some(item) => match item.and_then(|response| framed(*response, this.started)) {
+                Ok((len, writing)) => {
+                    this.writing = Some(writing);
+                    let header = Bytes::copy_from_slice(&frame_header(len));
+                    return Poll::Ready(Some(Ok(Frame::data(header))));
                 }
-                match u32::try_from(len) {
-                    Ok(len) => {
-                        let mut header = BytesMut::with_capacity(5);
-                        header.put_u8(0); // not compressed
-                        header.put_u32(len);
-                        this.writing = Some(Writing {
-                            shared: response.shared,
-                            next: (0, 0),
-                            suffix: Some(response.suffix),
-                        });
-                        return Poll::Ready(Some(Ok(Frame::data(header.freeze()))));
-                    }
-                    Err(_) => Status::resource_exhausted(format!(
-                        "a response of {len} bytes is larger than gRPC can frame (4 GiB)"
-                    )),
-                }
-            }
-            Some(Err(status)) => status,
+                Err(status) => status,
+            },
             None => Status::ok(""),
         };
         this.done = true;
@@ -311,6 +577,58 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    /// A response's bytes as h2 reads them from a [`FramedBuf`], whatever
+    /// its parts (empty ones, runs of them) and however it is read: in
+    /// chunks, in slices of any number, advanced by any count.
+    #[test]
+    fn a_framed_buf_reads_as_its_header_and_parts_in_order() {
+        use proptest::prelude::*;
+        let part = proptest::collection::vec(any::<u8>(), 0..40);
+        let runs = proptest::collection::vec(proptest::collection::vec(part.clone(), 0..5), 0..5);
+        let steps = proptest::collection::vec((1usize..64, 0usize..6), 1..40);
+        proptest!(|(runs in runs, flat in any::<bool>(), suffix in part, steps in steps)| {
+            let bytes = |p: &Vec<u8>| Bytes::copy_from_slice(p);
+            let shared = if flat {
+                Shared::Flat(runs.iter().flatten().map(bytes).collect())
+            } else {
+                Shared::Runs(runs.iter().map(|run| run.iter().map(bytes).collect()).collect())
+            };
+            let mut expected: Vec<u8> = runs.iter().flatten().flatten().copied().collect();
+            expected.extend_from_slice(&suffix);
+            let len = u32::try_from(expected.len()).unwrap();
+            let mut whole = frame_header(len).to_vec();
+            whole.extend_from_slice(&expected);
+
+            let mut buf = FramedBuf::new(len, Writing::new(shared, Bytes::from(suffix)));
+            let mut read = Vec::new();
+            for (count, slices) in steps.iter().cycle().take(10_000) {
+                if !buf.has_remaining() {
+                    break;
+                }
+                prop_assert_eq!(buf.remaining(), whole.len() - read.len());
+                prop_assert!(!buf.chunk().is_empty(), "a chunk while bytes remain");
+                // What the slices show is what comes next.
+                let mut dst = vec![IoSlice::new(&[]); *slices];
+                let n = buf.chunks_vectored(&mut dst);
+                let shown: Vec<u8> = dst[..n].iter().flat_map(|s| s.iter().copied()).collect();
+                prop_assert!(n == *slices || shown.len() == buf.remaining());
+                prop_assert_eq!(&shown[..], &whole[read.len()..read.len() + shown.len()]);
+                let take = (*count).min(buf.remaining());
+                let mut taken = 0;
+                while taken < take {
+                    let chunk = buf.chunk();
+                    let n = chunk.len().min(take - taken);
+                    read.extend_from_slice(&chunk[..n]);
+                    buf.advance(n);
+                    taken += n;
+                }
+            }
+            prop_assert_eq!(read, whole);
+            prop_assert_eq!(buf.remaining(), 0);
+            prop_assert!(buf.chunk().is_empty());
+        });
     }
 
     #[test]

@@ -22,9 +22,9 @@ use super::encode::{EncodedResponse, Record};
 use super::grants::GrantHold;
 use super::names::{NameChange, Names};
 use super::order::{self, Blocker, Change, Decision, Rank, Standing};
-use super::outbound::TrySendError;
 use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::{CanaryClient, Rollout};
+use super::service::TrySend;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
 use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
@@ -349,7 +349,7 @@ impl<W: Wire> TypedStream<W> {
     pub(super) fn drive(
         mut self,
         mut inbound: RequestStream<W::Request>,
-        out: Outbound,
+        mut out: Outbound,
         shutdown: CancellationToken,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         async move {
@@ -410,17 +410,17 @@ impl<W: Wire> TypedStream<W> {
                 };
                 let sent = match step {
                     Step::Send(Accepted { type_url, current, now }) => {
-                        self.send_from(&type_url, current, now, &out).await
+                        self.send_from(&type_url, current, now, &mut out).await
                     }
-                    Step::Changed(type_url) => self.try_send(&type_url, &out).await,
+                    Step::Changed(type_url) => self.try_send(&type_url, &mut out).await,
                     // Rare: boxed.
-                    Step::AnswerRefused => Box::pin(self.answer_refused(&out)).await,
+                    Step::AnswerRefused => Box::pin(self.answer_refused(&mut out)).await,
                     Step::DrainEnded => {
                         self.drain_ended();
                         Ok(())
                     }
                     // Rare: boxed.
-                    Step::PolicyChanged => match Box::pin(self.regrant(&out)).await {
+                    Step::PolicyChanged => match Box::pin(self.regrant(&mut out)).await {
                         Ok(sent) => sent,
                         Err(denied) => break (End::Refused, Some(denied)),
                     },
@@ -431,7 +431,7 @@ impl<W: Wire> TypedStream<W> {
                 // clusters lets the routes to them go), and what that sends
                 // may force a resend in turn. Rare: boxed.
                 let sent = match sent {
-                    Ok(()) => Box::pin(self.after_step(&out)).await,
+                    Ok(()) => Box::pin(self.after_step(&mut out)).await,
                     sent => sent,
                 };
                 if sent.is_err() {
@@ -451,7 +451,7 @@ impl<W: Wire> TypedStream<W> {
             if let Some(status) = status {
                 // Boxed: it is needed once, and would otherwise be room in
                 // every stream's future.
-                Box::pin(end_with(&out, status)).await;
+                Box::pin(end_with(&mut out, status)).await;
             }
         }
     }
@@ -1270,7 +1270,7 @@ impl<W: Wire> TypedStream<W> {
     /// grants (a type it no longer grants ends the stream
     /// `PERMISSION_DENIED`; a changed grant sends the client its new view
     /// of the collection, which takes away what it may no longer read).
-    async fn regrant(&mut self, out: &Outbound) -> Result<Result<(), ClientGone>, Status> {
+    async fn regrant(&mut self, out: &mut Outbound) -> Result<Result<(), ClientGone>, Status> {
         let policy = self.policy.borrow_and_update().clone();
         let mut changed = Vec::new();
         for (type_url, followed) in self.types.iter_mut() {
@@ -1323,7 +1323,7 @@ impl<W: Wire> TypedStream<W> {
     /// answered empty, as if nobody served them; those waiting for one the
     /// source left unanswered past `--demand-timeout` are answered empty
     /// until it delivers it. The watch ends when no type waits any more.
-    async fn answer_refused(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+    async fn answer_refused(&mut self, out: &mut Outbound) -> Result<(), ClientGone> {
         let cache = &self.shared.inner.cache;
         let subscriptions = &self.shared.inner.subscriptions;
         let mut answered = Vec::new();
@@ -1373,7 +1373,7 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// Sends what the type's state machine decides, if anything.
-    async fn try_send(&mut self, type_url: &str, out: &Outbound) -> Result<(), ClientGone> {
+    async fn try_send(&mut self, type_url: &str, out: &mut Outbound) -> Result<(), ClientGone> {
         let Some(followed) = self.types.get(type_url) else {
             return Ok(());
         };
@@ -1388,7 +1388,7 @@ impl<W: Wire> TypedStream<W> {
         type_url: &str,
         current: Option<Arc<CollectionSnapshot>>,
         now: Stamp,
-        out: &Outbound,
+        out: &mut Outbound,
     ) -> Result<(), ClientGone> {
         let Some(followed) = self.types.get_mut(type_url) else {
             return Ok(());
@@ -1453,15 +1453,15 @@ impl<W: Wire> TypedStream<W> {
             }
         };
         match out.try_send(Ok(response)) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Closed(_)) => Err(ClientGone),
-            // The client is not reading: wait for room (boxed, as this is
-            // rare and the future is large), but never past shutdown.
-            Err(TrySendError::Full(response)) => {
+            TrySend::Sent => Ok(()),
+            TrySend::Gone => Err(ClientGone),
+            // The client has not read what was sent: wait for it (boxed, as
+            // this is rare and the future is large), but never past shutdown.
+            TrySend::Full(response) => {
                 let shutdown = self.shared.inner.shutdown.clone();
                 Box::pin(async move {
                     tokio::select! {
-                        sent = out.send(response) => sent.map_err(|_| ClientGone),
+                        sent = out.send(response) => sent,
                         _ = shutdown.cancelled() => Ok(()),
                     }
                 })
@@ -1904,7 +1904,7 @@ impl<W: Wire> TypedStream<W> {
     /// The types held for another are tried again, in Envoy's order, until
     /// a round sends nothing (what one sends changes what the others wait
     /// for, and the views say it).
-    async fn retry_withheld(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+    async fn retry_withheld(&mut self, out: &mut Outbound) -> Result<(), ClientGone> {
         // A round can also change what a held type waits for without
         // sending (the endpoints' removal now waits for a drain, so the
         // clusters' does too): rounds go on while either moves, a few at
@@ -2138,7 +2138,7 @@ impl<W: Wire> TypedStream<W> {
 
     /// After a step: the resends it forced, then the types held for another
     /// that it may let go, then the resends those forced.
-    async fn after_step(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+    async fn after_step(&mut self, out: &mut Outbound) -> Result<(), ClientGone> {
         let owed = |stream: &Self| stream.forced.as_ref().is_some_and(|f| f.is_owed());
         if owed(self) {
             self.send_forced(out).await?;
@@ -2154,7 +2154,7 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// Sends the types a resend was forced on.
-    async fn send_forced(&mut self, out: &Outbound) -> Result<(), ClientGone> {
+    async fn send_forced(&mut self, out: &mut Outbound) -> Result<(), ClientGone> {
         let owed = self.forced.as_mut().map(|f| f.take_owed()).unwrap_or_default();
         for type_url in owed {
             self.try_send(&type_url, out).await?;

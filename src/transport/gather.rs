@@ -80,6 +80,57 @@ impl Buf for Gathered {
     }
 }
 
+/// What a stream's `send_data` writes: parts gathered by the listener (a
+/// body's frames), or a buffer a service made itself (a response read from
+/// where its parts lie, with no list of them made per write).
+pub enum Payload {
+    Parts(Gathered),
+    Made(Box<dyn Buf + Send>),
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Payload").field("remaining", &self.remaining()).finish()
+    }
+}
+
+impl Buf for Payload {
+    fn remaining(&self) -> usize {
+        match self {
+            Payload::Parts(parts) => parts.remaining(),
+            Payload::Made(buf) => buf.remaining(),
+        }
+    }
+
+    fn chunk(&self) -> &[u8] {
+        match self {
+            Payload::Parts(parts) => parts.chunk(),
+            Payload::Made(buf) => buf.chunk(),
+        }
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {
+        match self {
+            Payload::Parts(parts) => parts.chunks_vectored(dst),
+            Payload::Made(buf) => buf.chunks_vectored(dst),
+        }
+    }
+
+    fn advance(&mut self, cnt: usize) {
+        match self {
+            Payload::Parts(parts) => parts.advance(cnt),
+            Payload::Made(buf) => buf.advance(cnt),
+        }
+    }
+
+    fn copy_to_bytes(&mut self, len: usize) -> Bytes {
+        match self {
+            Payload::Parts(parts) => parts.copy_to_bytes(len),
+            Payload::Made(buf) => buf.copy_to_bytes(len),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,7 +7,10 @@
 //!
 //! One task per connection drives its h2 state and timers; one task per
 //! stream runs the service and writes its response with h2's flow control
-//! (at most one response chunk buffered beyond the peer's window).
+//! (at most one response chunk buffered beyond the peer's window). A
+//! service may take the stream's response from the request
+//! ([`super::respond`]) and write it from its own task: the discovery
+//! services do, so each of their streams is one task.
 
 use std::convert::Infallible;
 use std::future::poll_fn;
@@ -34,8 +37,9 @@ use tonic::Status;
 use tower::ServiceExt;
 
 use super::bucket::{PeerBuckets, TokenBucket};
-use super::gather::Gathered;
+use super::gather::{Gathered, Payload};
 use super::identity::{AllowList, PeerIdentity};
+use super::respond::ResponseSlot;
 use super::slots::{Admission, ConnectionSlots, Evicted, Slot};
 use super::sniff::{FloodLimits, Side, Sniffed};
 use super::tls::ServerTls;
@@ -374,7 +378,7 @@ where
             .initial_window_size(limits.receive_window)
             .initial_connection_window_size(limits.receive_window)
             .max_send_buffer_size(1 << 20);
-        let handshake = tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Gathered>(io));
+        let handshake = tokio::time::timeout_at(handshake_deadline, builder.handshake::<_, Payload>(io));
         let mut h2 = match unless_evicted(&streams.slot, handshake).await {
             None => return Closed::Evicted,
             Some(Ok(Ok(h2))) => h2,
@@ -585,6 +589,14 @@ impl StreamCount {
 /// Decrements the count when a stream's task ends, however it ends.
 struct StreamGuard(Arc<StreamCount>);
 
+/// What keeps a stream counted as open: on its connection (its idle timer
+/// and its slot) and under `--max-streams`. Dropped when the stream's
+/// response ends, whoever writes it (see [`super::respond`]).
+pub(super) struct Hold {
+    _guard: StreamGuard,
+    _permit: OwnedSemaphorePermit,
+}
+
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         self.0.slot.stream_ended();
@@ -651,24 +663,36 @@ where
     /// The stream's task. The request is prepared and the service's call
     /// made here, before the task exists: an `async fn`'s arguments stay in
     /// its future for its whole life, and what an idle stream keeps is only
-    /// its guard, its permit and the response being written (the call,
-    /// boxed, is freed when it returns).
+    /// its hold and the response being written (the call, boxed, is freed
+    /// when it returns).
+    ///
+    /// A service that writes its own response takes it from the request's
+    /// [`ResponseSlot`] (with the hold): then this task ends when the call
+    /// returns, and the stream is the service's task alone.
     fn run(
         self,
         request: http::Request<RecvStream>,
-        respond: SendResponse<Gathered>,
+        respond: SendResponse<Payload>,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let guard = StreamGuard(self.count);
-        let permit = self.permit;
+        let hold = Hold {
+            _guard: StreamGuard(self.count),
+            _permit: self.permit,
+        };
+        let slot = ResponseSlot::new(respond, hold);
         let (parts, body) = request.into_parts();
         let mut request = http::Request::from_parts(parts, Body::new(RecvBody { stream: body }));
         request.extensions_mut().insert(self.connect_info);
         request.extensions_mut().insert(self.info);
+        request.extensions_mut().insert(slot.clone());
         let call = Box::pin(self.service.oneshot(request));
         async move {
-            let _guard = guard;
-            let _permit = permit;
             let Ok(response) = call.await;
+            // Taken: the service writes the response itself.
+            let Some(unanswered) = slot.take() else {
+                return;
+            };
+            drop(slot);
+            let (respond, _hold) = unanswered.into_parts();
             // Errors here are the client's reset or a closed connection: the
             // stream is gone either way.
             let _ = write_response(respond, response).await;
@@ -677,7 +701,7 @@ where
 }
 
 /// A trailers-only gRPC response with `status`.
-fn refuse(respond: &mut SendResponse<Gathered>, status: Status) {
+fn refuse(respond: &mut SendResponse<Payload>, status: Status) {
     let (parts, _) = status.into_http::<()>().into_parts();
     let _ = respond.send_response(http::Response::from_parts(parts, ()), true);
 }
@@ -706,7 +730,7 @@ enum Ready {
 /// send side while the stream is idle, not the response's parts and the
 /// responder too (an `async fn` keeps its arguments for its whole life).
 fn write_response(
-    mut respond: SendResponse<Gathered>,
+    mut respond: SendResponse<Payload>,
     response: http::Response<Body>,
 ) -> impl std::future::Future<Output = Result<(), h2::Error>> {
     let (parts, mut body) = response.into_parts();
@@ -728,7 +752,7 @@ fn write_response(
 }
 
 /// The body of [`write_response`], once its headers went.
-async fn send_body(send: &mut SendStream<Gathered>, body: &mut Body) -> Result<(), h2::Error> {
+async fn send_body(send: &mut SendStream<Payload>, body: &mut Body) -> Result<(), h2::Error> {
     loop {
         // Backpressure: wait until what was sent has been given window
         // before taking more from the body.
@@ -768,11 +792,11 @@ async fn send_body(send: &mut SendStream<Gathered>, body: &mut Body) -> Result<(
         })
         .await?;
         match ready {
-            Ready::More => send.send_data(data, false)?,
-            Ready::End(None) => return send.send_data(data, true),
+            Ready::More => send.send_data(Payload::Parts(data), false)?,
+            Ready::End(None) => return send.send_data(Payload::Parts(data), true),
             Ready::End(Some(trailers)) => {
                 if !data.is_empty() {
-                    send.send_data(data, false)?;
+                    send.send_data(Payload::Parts(data), false)?;
                 }
                 return send.send_trailers(trailers);
             }

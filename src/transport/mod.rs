@@ -15,6 +15,7 @@ pub mod http;
 pub mod identity;
 pub mod pattern;
 pub mod requests;
+pub mod respond;
 pub mod safe_text;
 pub mod slots;
 pub mod sniff;

@@ -44,8 +44,11 @@ use crate::xds::{ack_sotw, cluster_doc, delta_ack};
 /// of tokio's 128-byte-aligned task cells down. 3,476 to 3,478 B since
 /// "cache: names and versions one pointer" (issue 44: the stream's
 /// collection, versions and names are `SharedStr`, 8 bytes where an
-/// `Arc<str>` took 16).
-const LEGACY_STREAM: i64 = 3_600;
+/// `Arc<str>` took 16). 2,784 to 2,786 B since "streams: one task per
+/// stream" (issue 44: the stream's task writes its responses to its h2
+/// stream itself; no second task to write them, 384 B, no queue between
+/// the two, 104 B, no boxed response body, 104 B, nor the queue's slots).
+const LEGACY_STREAM: i64 = 2_900;
 /// An idle plaintext connection with one idle legacy stream on it (the
 /// stream included): the connection's task, h2's codec (its read and write
 /// buffers and HPACK tables, as h2 sizes them) and its streams' store, the
@@ -55,8 +58,10 @@ const LEGACY_STREAM: i64 = 3_600;
 /// since h2 gives back an idle connection's read and write buffers
 /// ("transport: an idle connection without its buffers", vendor/README.md);
 /// 18,015 to 18,022 B since h2 also gives back the slabs of its received
-/// and queued frames while they hold none (the same patch).
-const LEGACY_CONNECTION: i64 = 19_000;
+/// and queued frames while they hold none (the same patch); 17,329 to
+/// 17,336 B since "streams: one task per stream" (its stream's share, as
+/// `LEGACY_STREAM`).
+const LEGACY_CONNECTION: i64 = 18_300;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many
 /// streams: as the legacy one, and its names, its subscription's view and
@@ -65,14 +70,17 @@ const LEGACY_CONNECTION: i64 = 19_000;
 /// delta: fixes from issue 41's independent check". 4,433 to 4,443 B since
 /// "streams: smaller idle tasks" (as the legacy stream's). 4,300 to 4,315 B
 /// since "cache: names and versions one pointer" (its names 8 bytes each).
-const NAMED_SOTW_STREAM: i64 = 4_450;
+/// 3,616 to 3,622 B since "streams: one task per stream" (as the legacy
+/// stream's).
+const NAMED_SOTW_STREAM: i64 = 3_750;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
 /// and delta: fixes from issue 41's independent check". 4,407 to 4,409 B
 /// since "streams: smaller idle tasks" (as the legacy stream's). 4,267 to
-/// 4,284 B since "cache: names and versions one pointer".
-const NAMED_DELTA_STREAM: i64 = 4_450;
+/// 4,284 B since "cache: names and versions one pointer". 3,584 to 3,598 B
+/// since "streams: one task per stream".
+const NAMED_DELTA_STREAM: i64 = 3_750;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,
 /// its entry in the collection's map, its name, version and digest, and its
