@@ -720,7 +720,7 @@ async fn clients(State(state): State<AdminState>, headers: HeaderMap) -> Respons
                 "protocol": s.protocol.as_str(),
                 "dialect": stream_dialect(s),
                 "connected_since": time(s.connected_since),
-                "types": s.types.iter().map(|(url, t)| (url.clone(), type_json(t))).collect::<serde_json::Map<_, _>>(),
+                "types": s.types.iter().map(|(url, t)| (url.to_string(), type_json(t))).collect::<serde_json::Map<_, _>>(),
             })
         })
         .collect();

@@ -7,11 +7,13 @@
 //! by `--max-types-per-stream`, so a lookup by binary search and an insert
 //! that shifts the tail stay cheap.
 
-use std::borrow::Borrow;
+use crate::SharedStr;
 
+/// Keys are shared: a stream's type URL is one string, whether its state,
+/// its wake-ups or its registry entry names it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ByType<V> {
-    entries: Vec<(String, V)>,
+    entries: Vec<(SharedStr, V)>,
 }
 
 impl<V> Default for ByType<V> {
@@ -42,16 +44,21 @@ impl<V> ByType<V> {
     }
 
     /// Sets `key`'s entry; returns the one it replaces.
-    pub fn insert(&mut self, key: impl Borrow<str> + Into<String>, value: V) -> Option<V> {
-        match self.find(key.borrow()) {
+    pub fn insert(&mut self, key: &SharedStr, value: V) -> Option<V> {
+        match self.find(key) {
             Ok(at) => Some(std::mem::replace(&mut self.entries[at].1, value)),
             Err(at) => {
                 // One more slot, not double: the common stream has one type.
                 self.entries.reserve_exact(1);
-                self.entries.insert(at, (key.into(), value));
+                self.entries.insert(at, (key.clone(), value));
                 None
             }
         }
+    }
+
+    /// The key equal to `key`, shared.
+    pub fn key(&self, key: &str) -> Option<&SharedStr> {
+        self.find(key).ok().map(|at| &self.entries[at].0)
     }
 
     pub fn len(&self) -> usize {
@@ -63,16 +70,16 @@ impl<V> ByType<V> {
     }
 
     /// In key order.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &V)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&SharedStr, &V)> {
         self.entries.iter().map(|(k, v)| (k, v))
     }
 
     /// In key order.
-    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&String, &mut V)> {
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&SharedStr, &mut V)> {
         self.entries.iter_mut().map(|(k, v)| (&*k, v))
     }
 
-    pub fn keys(&self) -> impl Iterator<Item = &String> {
+    pub fn keys(&self) -> impl Iterator<Item = &SharedStr> {
         self.entries.iter().map(|(k, _)| k)
     }
 
@@ -94,8 +101,9 @@ impl<V> std::ops::Index<&str> for ByType<V> {
 }
 
 impl<'a, V> IntoIterator for &'a ByType<V> {
-    type Item = (&'a String, &'a V);
-    type IntoIter = std::iter::Map<std::slice::Iter<'a, (String, V)>, fn(&'a (String, V)) -> (&'a String, &'a V)>;
+    type Item = (&'a SharedStr, &'a V);
+    type IntoIter =
+        std::iter::Map<std::slice::Iter<'a, (SharedStr, V)>, fn(&'a (SharedStr, V)) -> (&'a SharedStr, &'a V)>;
 
     fn into_iter(self) -> Self::IntoIter {
         self.entries.iter().map(|(k, v)| (k, v))
@@ -124,11 +132,11 @@ mod tests {
             let mut ours = ByType::new();
             let mut model = BTreeMap::new();
             for (key, value) in inserts {
-                prop_assert_eq!(ours.insert(key.clone(), value), model.insert(key, value));
+                prop_assert_eq!(ours.insert(&SharedStr::from(key.as_str()), value), model.insert(key, value));
                 prop_assert_eq!(ours.entries.capacity(), ours.len());
             }
             prop_assert_eq!(ours.len(), model.len());
-            prop_assert!(ours.iter().eq(model.iter()));
+            prop_assert!(ours.iter().map(|(k, v)| (k.as_str(), v)).eq(model.iter().map(|(k, v)| (k.as_str(), v))));
             for key in ["a", "ab", "e", "zz"] {
                 prop_assert_eq!(ours.get(key), model.get(key));
                 prop_assert_eq!(ours.contains_key(key), model.contains_key(key));

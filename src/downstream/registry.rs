@@ -140,7 +140,7 @@ pub struct TypeView {
     /// The client asked for changes only (not the whole collection each time).
     pub incremental: bool,
     pub last_sent_version: Option<SharedStr>,
-    pub last_sent_nonce: Option<String>,
+    pub last_sent_nonce: Option<SharedStr>,
     pub acked_version: Option<SharedStr>,
     pub outstanding: bool,
     /// When the client last sent a request for the type.
@@ -401,9 +401,9 @@ impl RegistryEntry {
         ViewHandle(self.view.clone())
     }
 
-    pub fn publish(&self, type_url: &str, state: TypeView) {
+    pub fn publish(&self, type_url: &SharedStr, state: TypeView) {
         let mut view = self.view.lock().expect("registry lock poisoned");
-        // The key is copied only when the type is new.
+        // The key is the stream's own, shared.
         view.types.insert(type_url, state);
     }
 }

@@ -123,7 +123,7 @@ async fn drain_ended(draining: &mut Option<Box<Draining>>) {
 /// The ranked types of a stream whose change waits for another type.
 #[derive(Default)]
 struct Withheld {
-    types: Vec<String>,
+    types: Vec<SharedStr>,
     /// Per type: names a reconnecting client reported holding that the
     /// source no longer has, whose removal waits (see
     /// [`TypedStream::unremoved`]).
@@ -133,7 +133,7 @@ struct Withheld {
 /// Names of one type a reconnecting client reported holding that the
 /// source no longer has, whose removal waits.
 struct Unremoved {
-    type_url: String,
+    type_url: SharedStr,
     names: std::collections::BTreeSet<SharedStr>,
     /// Their drain was noted (once the order let them go).
     drained: bool,
@@ -268,13 +268,16 @@ impl Drop for Canary {
     }
 }
 
+/// What wakes each followed type, by its type URL.
+type Changes = StreamMap<SharedStr, WatchStream<Option<Arc<CollectionSnapshot>>>>;
+
 pub(super) struct TypedStream<W> {
     shared: Downstream,
     entry: RegistryEntry,
     id: u64,
     /// By the type the client named.
     types: ByType<Followed>,
-    changes: StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
+    changes: Changes,
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
     /// Made at the first stale request or NACK: most streams have neither.
@@ -322,7 +325,9 @@ impl<W: Wire> TypedStream<W> {
             entry,
             id,
             types: ByType::new(),
-            changes: StreamMap::new(),
+            // Most streams follow one type: room for one (`StreamMap` would
+            // make room for four at its first insert).
+            changes: StreamMap::with_capacity(1),
             last_nonce: 0,
             logs: None,
             peer_gateway: None,
@@ -597,7 +602,7 @@ enum Step {
     /// Send what a request decided.
     Send(Accepted),
     /// Send what the type's group is served now.
-    Changed(String),
+    Changed(SharedStr),
     /// Answer the types the source refused.
     AnswerRefused,
     /// The access policy was reloaded.
@@ -608,7 +613,7 @@ enum Step {
 
 /// A request taken: its type, and the snapshot and time it was decided at.
 struct Accepted {
-    type_url: String,
+    type_url: SharedStr,
     current: Option<Arc<CollectionSnapshot>>,
     now: Stamp,
 }
@@ -617,12 +622,7 @@ struct Accepted {
 /// the index of the names a version changes while it names what it reads
 /// (and has no grant), by its slot otherwise. True when that changed: the
 /// slot is read again after it (see `wakes`).
-fn rewire(
-    followed: &mut Followed,
-    changes: &mut StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
-    entry: &RegistryEntry,
-    type_url: &str,
-) -> bool {
+fn rewire(followed: &mut Followed, changes: &mut Changes, entry: &RegistryEntry, type_url: &SharedStr) -> bool {
     let (Some(index), Answer::Served(slot) | Answer::Overdue { slot, .. }) = (&followed.named, &followed.answer) else {
         return false;
     };
@@ -639,12 +639,12 @@ fn rewire(
         (Some(names), None) => {
             let (registration, wake) = index.register(names, entry.handle(), type_url);
             followed.registration = Some(Box::new(registration));
-            changes.insert(type_url.to_owned(), WatchStream::from_changes(wake));
+            changes.insert(type_url.clone(), WatchStream::from_changes(wake));
             true
         }
         (None, Some(_)) => {
             followed.registration = None;
-            changes.insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
+            changes.insert(type_url.clone(), WatchStream::from_changes(slot.clone()));
             true
         }
         (None, None) => false,
@@ -659,8 +659,8 @@ fn regroup(
     followed: &mut Followed,
     canary: bool,
     rollout: &Rollout,
-    changes: &mut StreamMap<String, WatchStream<Option<Arc<CollectionSnapshot>>>>,
-    type_url: &str,
+    changes: &mut Changes,
+    type_url: &SharedStr,
 ) -> bool {
     // A served type follows the canaries' slot exactly when it has no index
     // of names (see `follow`).
@@ -676,7 +676,7 @@ fn regroup(
         Answer::Overdue { .. } => Answer::overdue(slot.clone(), collection),
         _ => Answer::Served(slot.clone()),
     };
-    changes.insert(type_url.to_owned(), WatchStream::from_changes(slot));
+    changes.insert(type_url.clone(), WatchStream::from_changes(slot));
     true
 }
 
@@ -1087,13 +1087,19 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// The type a request is for.
-    fn type_for(&self, requested: &str) -> Result<String, Status> {
+    fn type_for(&self, requested: &str) -> Result<SharedStr, Status> {
         if !W::ONE_TYPE {
-            return Ok(requested.to_owned());
+            // A type followed already: its key, shared, not a new string per
+            // request.
+            return Ok(self
+                .types
+                .key(requested)
+                .cloned()
+                .unwrap_or_else(|| SharedStr::from(requested)));
         }
         match self.types.keys().next() {
-            None => Ok(requested.to_owned()),
-            Some(only) if requested.is_empty() || requested == only => Ok(only.clone()),
+            None => Ok(SharedStr::from(requested)),
+            Some(only) if requested.is_empty() || *requested == **only => Ok(only.clone()),
             Some(only) => Err(Status::invalid_argument(format!(
                 "this stream carries type_url {only:?}, and a stream carries one type only (its responses have no \
                  type_url); open another stream for {requested:?}"
@@ -1128,7 +1134,7 @@ impl<W: Wire> TypedStream<W> {
 
     /// Starts following a type: resolves it, subscribes to its collection,
     /// and notes what the client says it holds.
-    fn follow(&mut self, type_url: &str, request: &WireRequest) -> Result<(), Status> {
+    fn follow(&mut self, type_url: &SharedStr, request: &WireRequest) -> Result<(), Status> {
         let target = W::resolve(&self.shared, type_url)?;
         self.shared.check_type_count(self.types.len())?;
         if let Some(e) = request.reported.iter().find_map(|e| version_entry(e).err()) {
@@ -1183,7 +1189,7 @@ impl<W: Wire> TypedStream<W> {
                 let named = (!canary).then(|| rollout.named(&resolved.collection));
                 let slot = rollout.watch(&resolved.collection, canary);
                 self.changes
-                    .insert(type_url.to_owned(), WatchStream::from_changes(slot.clone()));
+                    .insert(type_url.clone(), WatchStream::from_changes(slot.clone()));
                 let answer = if overdue {
                     Answer::overdue(slot, resolved.collection.clone())
                 } else {
@@ -1215,7 +1221,7 @@ impl<W: Wire> TypedStream<W> {
             state.force_resend(&names);
         }
         self.types.insert(
-            type_url.to_owned(),
+            type_url,
             Followed {
                 state,
                 metrics,
@@ -1373,7 +1379,7 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// Sends what the type's state machine decides, if anything.
-    async fn try_send(&mut self, type_url: &str, out: &mut Outbound) -> Result<(), ClientGone> {
+    async fn try_send(&mut self, type_url: &SharedStr, out: &mut Outbound) -> Result<(), ClientGone> {
         let Some(followed) = self.types.get(type_url) else {
             return Ok(());
         };
@@ -1385,7 +1391,7 @@ impl<W: Wire> TypedStream<W> {
     /// As [`Self::try_send`], with the cache at `current`, read `now`.
     async fn send_from(
         &mut self,
-        type_url: &str,
+        type_url: &SharedStr,
         current: Option<Arc<CollectionSnapshot>>,
         now: Stamp,
         out: &mut Outbound,
@@ -1477,7 +1483,7 @@ impl<W: Wire> TypedStream<W> {
     /// of the rollout (one step of the source: see `Rollout::consistent`).
     fn ordered(
         &mut self,
-        type_url: &str,
+        type_url: &SharedStr,
         current: Option<Arc<CollectionSnapshot>>,
     ) -> Option<Option<Arc<CollectionSnapshot>>> {
         let followed = self.types.get(type_url)?;
@@ -1701,10 +1707,10 @@ impl<W: Wire> TypedStream<W> {
     /// A ranked type's change (or its removals) waits for `blocker` (a
     /// drain: `until`): shown with the type, counted when it starts
     /// waiting, tried again after every step of the stream.
-    fn hold(&mut self, type_url: &str, blocker: Blocker, until: Stamp) {
+    fn hold(&mut self, type_url: &SharedStr, blocker: Blocker, until: Stamp) {
         let withheld = &mut self.withheld.get_or_insert_with(Box::default).types;
         if !withheld.iter().any(|t| t == type_url) {
-            withheld.push(type_url.to_owned());
+            withheld.push(type_url.clone());
         }
         let Some(followed) = self.types.get_mut(type_url) else {
             return;
@@ -1757,7 +1763,7 @@ impl<W: Wire> TypedStream<W> {
     /// A ranked type's change goes whole, but for the removals of names it
     /// reported on reconnect that still wait (`unremoved`): shown held
     /// until those go.
-    fn release_or_hold(&mut self, type_url: &str, unremoved: Option<(Blocker, Stamp)>) {
+    fn release_or_hold(&mut self, type_url: &SharedStr, unremoved: Option<(Blocker, Stamp)>) {
         match unremoved {
             Some((blocker, until)) => self.hold(type_url, blocker, until),
             None => self.release(type_url),
@@ -1778,7 +1784,7 @@ impl<W: Wire> TypedStream<W> {
     /// the removals still wait for.
     fn unremoved(
         &mut self,
-        type_url: &str,
+        type_url: &SharedStr,
         rank: Rank,
         to: &Arc<CollectionSnapshot>,
         standings: &[Standing],
@@ -1792,11 +1798,11 @@ impl<W: Wire> TypedStream<W> {
             .withheld
             .as_mut()
             .and_then(|w| {
-                let at = w.unremoved.iter().position(|u| u.type_url == type_url)?;
+                let at = w.unremoved.iter().position(|u| u.type_url == *type_url)?;
                 Some(w.unremoved.swap_remove(at))
             })
             .unwrap_or_else(|| Unremoved {
-                type_url: type_url.to_owned(),
+                type_url: type_url.clone(),
                 names: Default::default(),
                 drained: false,
             });
@@ -1887,7 +1893,7 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// A ranked type waits for nothing any more.
-    fn release(&mut self, type_url: &str) {
+    fn release(&mut self, type_url: &SharedStr) {
         if let Some(withheld) = &mut self.withheld {
             withheld.types.retain(|t| t != type_url);
             if withheld.types.is_empty() && withheld.unremoved.is_empty() {
@@ -1914,7 +1920,7 @@ impl<W: Wire> TypedStream<W> {
                 return Ok(());
             };
             let reasons_before = self.held_reasons();
-            let mut waiting: Vec<(Option<Rank>, String)> = withheld
+            let mut waiting: Vec<(Option<Rank>, SharedStr)> = withheld
                 .types
                 .iter()
                 .map(|t| (self.types.get(t).and_then(|f| f.rank), t.clone()))
@@ -1948,7 +1954,7 @@ impl<W: Wire> TypedStream<W> {
     /// A restricted type: how many of the resources the client asks for its
     /// grant withholds, shown with the type and counted as they grow (the
     /// first time a name is withheld, logged).
-    fn note_withheld(&mut self, type_url: &str, view: Option<&Arc<CollectionSnapshot>>) {
+    fn note_withheld(&mut self, type_url: &SharedStr, view: Option<&Arc<CollectionSnapshot>>) {
         let Some(followed) = self.types.get_mut(type_url) else {
             return;
         };
@@ -1996,7 +2002,7 @@ impl<W: Wire> TypedStream<W> {
     /// the cache at `current`.
     fn respond(
         &mut self,
-        type_url: &str,
+        type_url: &SharedStr,
         push: Push,
         current: Option<&Arc<CollectionSnapshot>>,
         now: Stamp,
@@ -2157,7 +2163,10 @@ impl<W: Wire> TypedStream<W> {
     async fn send_forced(&mut self, out: &mut Outbound) -> Result<(), ClientGone> {
         let owed = self.forced.as_mut().map(|f| f.take_owed()).unwrap_or_default();
         for type_url in owed {
-            self.try_send(&type_url, out).await?;
+            // Only a followed type is sent (its key, shared).
+            if let Some(type_url) = self.types.key(&type_url).cloned() {
+                self.try_send(&type_url, out).await?;
+            }
         }
         Ok(())
     }

@@ -653,7 +653,7 @@ impl TypeState {
                 (true, _) => Verdict::Subscription,
                 (false, true) => Verdict::Repeat,
                 (false, false) => Verdict::Stale {
-                    expected: sent_nonce.clone(),
+                    expected: sent_nonce.to_string(),
                 },
             };
         }
@@ -1034,12 +1034,12 @@ impl TypeState {
     }
 
     /// The response chosen by [`Self::next`] went out with `nonce` at `at`.
-    pub fn sent_at(&mut self, nonce: String, to: Arc<CollectionSnapshot>, at: Stamp) {
+    pub fn sent_at(&mut self, nonce: impl Into<SharedStr>, to: Arc<CollectionSnapshot>, at: Stamp) {
         self.view.last_sent_at = at;
         self.sent(nonce, to);
     }
 
-    pub fn sent(&mut self, nonce: String, to: Arc<CollectionSnapshot>) {
+    pub fn sent(&mut self, nonce: impl Into<SharedStr>, to: Arc<CollectionSnapshot>) {
         if let Some(named) = &mut self.named {
             named.on_sent();
         }
@@ -1047,7 +1047,7 @@ impl TypeState {
             self.held = Held::At(to.clone());
         }
         self.view.outstanding = true;
-        self.view.last_sent_nonce = Some(nonce);
+        self.view.last_sent_nonce = Some(nonce.into());
         self.view.last_sent_version = Some(to.version.clone());
         self.sent = Some(to);
     }
@@ -1127,7 +1127,7 @@ mod tests {
             Push::FirstFromReported { .. } => "first",
             Push::Selected { .. } => "selected",
         };
-        state.sent(nonce.into(), send.to().clone());
+        state.sent(nonce, send.to().clone());
         Ok(kind)
     }
 
@@ -1970,7 +1970,7 @@ mod tests {
     /// Sends what `next` decides with nonce `n{count}`; returns the push.
     fn send(s: &mut TypeState, current: &Arc<CollectionSnapshot>, nonce: &str) -> Push {
         let push = s.next(Some(current)).expect("something to send");
-        s.sent(nonce.into(), push.to().clone());
+        s.sent(nonce, push.to().clone());
         push
     }
 

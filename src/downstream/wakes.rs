@@ -267,7 +267,7 @@ mod tests {
             dialect: Dialect::Xds,
         });
         view.acked_version = Some(v1.version.clone());
-        entry_b.publish("t", view);
+        entry_b.publish(&SharedStr::from("t"), view);
         let (mut b, mut wake_b) = wakes.register(&names(&["b", "c"]), entry_b.handle(), "t");
         let (_none, wake_none) = wakes.register(&NameSet::default(), entry(3), "t");
         wakes.published(Some(&v1), Some(&v2));

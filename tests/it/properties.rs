@@ -462,7 +462,8 @@ impl World {
                     tokio::task::yield_now().await;
                     continue;
                 };
-                let answered = view.last_sent_nonce.is_some() && view.last_sent_nonce == client.answered;
+                let answered =
+                    view.last_sent_nonce.is_some() && view.last_sent_nonce.as_deref() == client.answered.as_deref();
                 if view.outstanding && !answered {
                     client.pending = client.recv().await;
                     assert!(!client.ended, "{}: no NACK while settling", client.node);
