@@ -101,8 +101,8 @@ impl Default for DownstreamLimits {
 /// one response beyond its client's window, then waits.
 const OUTBOUND_QUEUE: usize = 16;
 
-/// How long a stream that ends with an error waits to hand its status to a
-/// client that is not reading.
+/// How long a stream that ends waits for a client that is not reading to
+/// take what was sent and its status (then its stream is reset).
 const STATUS_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A response, or the status that ends the stream. Boxed: a queued
@@ -481,12 +481,6 @@ fn record_ack(metrics: &CollectionMetrics) {
 fn send_failed() {
     metrics::counter!(m::SEND_FAILURES, "component" => m::COMPONENT_DOWNSTREAM, "code" => m::code_number(1))
         .increment(1);
-}
-
-/// Ends a stream's response with `status`, or gives up if the client does not
-/// read it in time.
-async fn end_with(out: &mut Outbound, status: Status) {
-    let _ = tokio::time::timeout(STATUS_SEND_TIMEOUT, out.end(status)).await;
 }
 
 type Responses = outbound::Receiver<Item>;

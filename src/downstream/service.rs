@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http_body::Frame;
@@ -31,7 +32,7 @@ use crate::metrics as m;
 use crate::transport::call;
 use crate::transport::grpc::ConnInfo;
 use crate::transport::identity::PeerIdentity;
-use crate::transport::respond::{ResponseSlot, ResponseWriter};
+use crate::transport::respond::{ResponseSlot, ResponseWriter, MAX_WRITE};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
 pub const INCREMENTAL_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/IncrementalAggregatedResources";
@@ -243,14 +244,31 @@ impl Outbound {
         }
     }
 
-    /// Ends the stream's responses with `status`, after what was sent: on
-    /// the client's stream at once, in a queue once it has room.
-    pub(super) async fn end(&mut self, status: Status) {
+    /// Ends the stream's responses with `status` (none: OK) after what was
+    /// sent, waiting at most `wait` for the client to read. A queue takes the
+    /// status once it has room. A stream of the gateway's own listeners waits
+    /// until what it wrote has been given window, then sends its trailers,
+    /// or resets the stream if the client does not read in time: what h2
+    /// holds of the stream goes when its place under `--max-streams` does.
+    pub(super) async fn close(mut self, status: Option<Status>, wait: Duration) {
         match &mut self.0 {
             Out::Queue(tx) => {
-                let _ = tx.send(Err(status)).await;
+                if let Some(status) = status {
+                    let _ = tokio::time::timeout(wait, tx.send(Err(status))).await;
+                }
             }
-            Out::Direct(direct) => direct.writer.finish(trailers(&status)),
+            Out::Direct(direct) if direct.writer.is_finished() => {}
+            Out::Direct(direct) => {
+                let drained = tokio::time::timeout(wait, std::future::poll_fn(|cx| direct.writer.poll_ready(cx))).await;
+                match drained {
+                    Ok(Ok(())) => direct
+                        .writer
+                        .finish(trailers(&status.unwrap_or_else(|| Status::ok("")))),
+                    // Gone: nothing to end.
+                    Ok(Err(_)) => {}
+                    Err(_) => direct.writer.reset(false),
+                }
+            }
         }
     }
 
@@ -272,22 +290,32 @@ struct Direct {
 
 impl Direct {
     /// Writes `item`: a response as one write of its frame header, shared
-    /// parts and suffix; a status as the trailers that end the stream.
+    /// parts and suffix. A status, or a response too large to frame or to
+    /// write, is sent as the trailers that end the stream (`Err`: the stream
+    /// ends, as a queue's body ends it).
     fn write(&mut self, item: Item) -> Result<(), ClientGone> {
         let status = match item.and_then(|response| framed(*response, self.started)) {
-            Ok((len, parts)) => return self.writer.write(FramedBuf::new(len, parts)).map_err(|_| ClientGone),
+            Ok((len, parts)) if FRAME_HEADER + len as usize <= MAX_WRITE => {
+                return self.writer.write(FramedBuf::new(len, parts)).map_err(|_| ClientGone)
+            }
+            Ok((len, _)) => Status::resource_exhausted(format!(
+                "a response of {len} bytes is larger than one HTTP/2 write takes ({MAX_WRITE} bytes)"
+            )),
             Err(status) => status,
         };
         self.writer.finish(trailers(&status));
-        Ok(())
+        Err(ClientGone)
     }
 }
 
-/// A stream whose task ends without a status ends with OK, as a queue's
-/// body does when its sender goes.
+/// A stream whose task ends without closing its responses (it panicked, or
+/// its runtime stopped) ends with OK, as a queue's body does when its
+/// sender goes, or with a reset if its task panicked.
 impl Drop for Direct {
     fn drop(&mut self) {
-        if !self.writer.is_finished() {
+        if std::thread::panicking() {
+            self.writer.reset(true);
+        } else if !self.writer.is_finished() {
             self.writer.finish(trailers(&Status::ok("")));
         }
     }

@@ -29,8 +29,8 @@ use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeStat
 use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
-    end_with, nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound,
-    StreamLogs,
+    nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
+    STATUS_SEND_TIMEOUT,
 };
 use crate::cache::demand::SubscriptionState;
 use crate::cache::memo::MemoKey;
@@ -453,11 +453,9 @@ impl<W: Wire> TypedStream<W> {
             )
             .increment(1);
             self.log_left(end, status.as_ref());
-            if let Some(status) = status {
-                // Boxed: it is needed once, and would otherwise be room in
-                // every stream's future.
-                Box::pin(end_with(&mut out, status)).await;
-            }
+            // Boxed: it is needed once, and would otherwise be room in every
+            // stream's future.
+            Box::pin(out.close(status, STATUS_SEND_TIMEOUT)).await;
         }
     }
 

@@ -23,32 +23,39 @@ pub struct DirWatch {
 /// Change signals, reported once they settle.
 struct Settling {
     signals: mpsc::Receiver<()>,
-    /// A change was heard and not yet reported: kept across a `changed`
-    /// dropped while it waited for the burst to settle.
-    heard: bool,
+    /// When the changes heard and not yet reported settle (`SETTLE` after
+    /// the last): kept across a `changed` dropped while it waited, so the
+    /// next one neither loses the change nor starts the wait again.
+    quiet_at: Option<tokio::time::Instant>,
 }
 
 impl Settling {
     fn new(signals: mpsc::Receiver<()>) -> Self {
-        Self { signals, heard: false }
+        Self {
+            signals,
+            quiet_at: None,
+        }
     }
 
     /// See [`DirWatch::changed`].
     async fn changed(&mut self) -> bool {
-        if !self.heard {
-            if self.signals.recv().await.is_none() {
-                return false;
-            }
-            self.heard = true;
-        }
         loop {
-            match tokio::time::timeout(SETTLE, self.signals.recv()).await {
-                Err(_) => {
-                    self.heard = false;
+            let Some(quiet_at) = self.quiet_at else {
+                if self.signals.recv().await.is_none() {
+                    return false;
+                }
+                self.quiet_at = Some(tokio::time::Instant::now() + SETTLE);
+                continue;
+            };
+            tokio::select! {
+                signal = self.signals.recv() => match signal {
+                    Some(()) => self.quiet_at = Some(tokio::time::Instant::now() + SETTLE),
+                    None => return false,
+                },
+                () = tokio::time::sleep_until(quiet_at) => {
+                    self.quiet_at = None;
                     return true;
                 }
-                Ok(Some(())) => continue,
-                Ok(None) => return false,
             }
         }
     }
@@ -107,10 +114,11 @@ impl DirWatch {
     /// `false` when the watcher is gone.
     ///
     /// Cancel-safe: a change heard by a call dropped before it settled (its
-    /// caller's `select!` took another branch) is reported by the next call,
-    /// not lost (the files source, whose select also follows subscriptions,
-    /// missed a Kubernetes volume swap that way and served the old files
-    /// until the next change).
+    /// caller's `select!` took another branch) is reported by the next call
+    /// when it settles, neither lost (the files source, whose select also
+    /// follows subscriptions, missed a Kubernetes volume swap that way and
+    /// served the old files until the next change) nor put off by calls
+    /// dropped again and again.
     pub async fn changed(&mut self) -> bool {
         self.changes.changed().await
     }
@@ -143,7 +151,9 @@ mod tests {
         assert!(dropped.is_err());
         assert!(tx.try_send(()).is_ok(), "the signal was taken from the channel");
         let _ = settling.signals.try_recv();
-        let reported = tokio::time::timeout(SETTLE * 2, settling.changed()).await;
+        // Within what was left of the settling time: the wait is not started
+        // again by each new call.
+        let reported = tokio::time::timeout(SETTLE * 3 / 4, settling.changed()).await;
         assert_eq!(reported.ok(), Some(true), "the change heard before is reported");
         // Reported once: nothing more is pending.
         let again = tokio::time::timeout(SETTLE * 10, settling.changed()).await;

@@ -39,7 +39,7 @@ use tower::ServiceExt;
 use super::bucket::{PeerBuckets, TokenBucket};
 use super::gather::{Gathered, Payload};
 use super::identity::{AllowList, PeerIdentity};
-use super::respond::ResponseSlot;
+use super::respond::{poll_window, ResponseSlot};
 use super::slots::{Admission, ConnectionSlots, Evicted, Slot};
 use super::sniff::{FloodLimits, Side, Sniffed};
 use super::tls::ServerTls;
@@ -756,21 +756,7 @@ async fn send_body(send: &mut SendStream<Payload>, body: &mut Body) -> Result<()
     loop {
         // Backpressure: wait until what was sent has been given window
         // before taking more from the body.
-        send.reserve_capacity(1);
-        poll_fn(|cx| -> Poll<Result<(), h2::Error>> {
-            if let Poll::Ready(reset) = send.poll_reset(cx) {
-                return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
-            }
-            if send.capacity() > 0 {
-                return Poll::Ready(Ok(()));
-            }
-            match ready!(send.poll_capacity(cx)) {
-                Some(Ok(_)) => Poll::Ready(Ok(())),
-                Some(Err(e)) => Poll::Ready(Err(e)),
-                None => Poll::Ready(Err(h2::Error::from(Reason::CANCEL))),
-            }
-        })
-        .await?;
+        poll_fn(|cx| poll_window(send, cx)).await?;
         let mut data = Gathered::default();
         let ready = poll_fn(|cx| {
             if let Poll::Ready(reset) = send.poll_reset(cx) {

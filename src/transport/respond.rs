@@ -11,7 +11,7 @@
 //! listener writes as before.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
 use h2::server::SendResponse;
 use h2::SendStream;
@@ -64,12 +64,34 @@ impl Unanswered {
     }
 }
 
+/// The most one write takes: h2 refuses a larger one (a DATA payload's
+/// window is at most 2^31 - 1).
+pub const MAX_WRITE: usize = i32::MAX as usize;
+
+/// Ready once all that was written to `send` has been given window (the
+/// capacity asked for is beyond what is buffered: it is there only once the
+/// buffered data has all been given window); `Err` once the peer is gone.
+pub(super) fn poll_window(send: &mut SendStream<Payload>, cx: &mut Context<'_>) -> Poll<Result<(), h2::Error>> {
+    if let Poll::Ready(reset) = send.poll_reset(cx) {
+        return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
+    }
+    send.reserve_capacity(1);
+    if send.capacity() > 0 {
+        return Poll::Ready(Ok(()));
+    }
+    match ready!(send.poll_capacity(cx)) {
+        Some(Ok(_)) => Poll::Ready(Ok(())),
+        Some(Err(e)) => Poll::Ready(Err(e)),
+        None => Poll::Ready(Err(h2::Error::from(h2::Reason::CANCEL))),
+    }
+}
+
 /// The peer is gone: it reset the stream, or its connection closed.
 #[derive(Debug)]
 pub struct Gone;
 
-/// Writes a response body with h2's flow control: a write is taken whole
-/// (h2 frames it as the peer's window allows), and the writer is
+/// Writes a response body with h2's flow control: a write is taken whole, up
+/// to [`MAX_WRITE`] bytes (h2 frames it as the peer's window allows), and the writer is
 /// [ready](Self::poll_ready) for the next once everything written before has
 /// been given window, so at most one write waits beyond the peer's window.
 pub struct ResponseWriter {
@@ -83,20 +105,7 @@ impl ResponseWriter {
     /// Ready once all that was written has been given window (or at once
     /// when nothing waits); `Err` once the peer is gone.
     pub fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Gone>> {
-        if self.send.poll_reset(cx).is_ready() {
-            return Poll::Ready(Err(Gone));
-        }
-        // The capacity asked for is beyond what is buffered: it is there
-        // only once the buffered data has all been given window.
-        self.send.reserve_capacity(1);
-        if self.send.capacity() > 0 {
-            return Poll::Ready(Ok(()));
-        }
-        match self.send.poll_capacity(cx) {
-            Poll::Ready(Some(Ok(_))) => Poll::Ready(Ok(())),
-            Poll::Ready(Some(Err(_)) | None) => Poll::Ready(Err(Gone)),
-            Poll::Pending => Poll::Pending,
-        }
+        poll_window(&mut self.send, cx).map_err(|_| Gone)
     }
 
     /// Whether a write now would not wait beyond the peer's window (see
@@ -111,7 +120,8 @@ impl ResponseWriter {
         self.send.poll_reset(cx).map(drop)
     }
 
-    /// Writes `data` (held by h2 until the peer's window takes it).
+    /// Writes `data` (held by h2 until the peer's window takes it), at most
+    /// [`MAX_WRITE`] bytes.
     pub fn write(&mut self, data: impl Buf + Send + 'static) -> Result<(), Gone> {
         if !data.has_remaining() {
             return Ok(());
@@ -128,7 +138,20 @@ impl ResponseWriter {
         }
     }
 
-    /// Whether trailers were sent.
+    /// Ends the stream with a reset, dropping what h2 still holds of it:
+    /// `CANCEL`, or `INTERNAL_ERROR` when the service `failed`.
+    pub fn reset(&mut self, failed: bool) {
+        if !std::mem::replace(&mut self.ended, true) {
+            let reason = if failed {
+                h2::Reason::INTERNAL_ERROR
+            } else {
+                h2::Reason::CANCEL
+            };
+            self.send.send_reset(reason);
+        }
+    }
+
+    /// Whether trailers or a reset were sent.
     pub fn is_finished(&self) -> bool {
         self.ended
     }
