@@ -75,8 +75,7 @@ pub(super) fn poll_window(send: &mut SendStream<Payload>, cx: &mut Context<'_>) 
     if let Poll::Ready(reset) = send.poll_reset(cx) {
         return Poll::Ready(Err(reset.map_or_else(|e| e, h2::Error::from)));
     }
-    send.reserve_capacity(1);
-    if send.capacity() > 0 {
+    if has_window(send) {
         return Poll::Ready(Ok(()));
     }
     match ready!(send.poll_capacity(cx)) {
@@ -84,6 +83,13 @@ pub(super) fn poll_window(send: &mut SendStream<Payload>, cx: &mut Context<'_>) 
         Some(Err(e)) => Poll::Ready(Err(e)),
         None => Poll::Ready(Err(h2::Error::from(h2::Reason::CANCEL))),
     }
+}
+
+/// Whether all that was written to `send` has been given window, without
+/// waiting (see [`poll_window`]).
+fn has_window(send: &mut SendStream<Payload>) -> bool {
+    send.reserve_capacity(1);
+    send.capacity() > 0
 }
 
 /// The peer is gone: it reset the stream, or its connection closed.
@@ -111,8 +117,7 @@ impl ResponseWriter {
     /// Whether a write now would not wait beyond the peer's window (see
     /// [`Self::poll_ready`]), without waiting.
     pub fn is_ready(&mut self) -> bool {
-        self.send.reserve_capacity(1);
-        self.send.capacity() > 0
+        has_window(&mut self.send)
     }
 
     /// Completes when the peer is gone.
