@@ -264,6 +264,14 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_REQUEST_READ_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub request_read_timeout: Duration,
 
+    /// How long a client stream that ends (its client closed it, a limit
+    /// or a policy refused it, the gateway is stopping) waits for its
+    /// client to take what it was sent and the status; a client not
+    /// reading by then has its stream reset (CANCEL), and what was held
+    /// for it, and its place under --max-streams, is freed.
+    #[arg(long, env = "MCP_GATEWAY_STREAM_END_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub stream_end_timeout: Duration,
+
     /// A NACK's message is kept and logged up to this many bytes (with its
     /// full length).
     #[arg(long, env = "MCP_GATEWAY_MAX_NACK_MESSAGE_BYTES", default_value_t = 4096)]
@@ -1026,6 +1034,7 @@ impl Args {
             ("--handshake-timeout", self.handshake_timeout),
             ("--http-header-timeout", self.http_header_timeout),
             ("--request-read-timeout", self.request_read_timeout),
+            ("--stream-end-timeout", self.stream_end_timeout),
         ] {
             if value.is_zero() {
                 return Err(invalid(flag, "must be above zero"));
@@ -1205,6 +1214,7 @@ impl Args {
                 max_request_bytes: self.max_request_bytes,
                 max_request_buffer_bytes: self.max_request_buffer_bytes,
                 request_read_timeout: self.request_read_timeout,
+                stream_end_timeout: self.stream_end_timeout,
                 max_nack_message_bytes: self.max_nack_message_bytes,
                 max_types_per_stream: self.max_types_per_stream,
                 max_grants_per_version: self.max_grants_per_version,
@@ -1710,6 +1720,7 @@ mod tests {
             (&["--collections", ","][..], "--collections"),
             (&["--max-message-bytes", "10"][..], "--max-message-bytes"),
             (&["--reconnect-min-delay", "0s"][..], "--reconnect-min-delay"),
+            (&["--stream-end-timeout", "0s"][..], "--stream-end-timeout"),
             (&["--reconnect-max-delay", "1ms"][..], "--reconnect-max-delay"),
             (&["--node-id", " "][..], "--node-id"),
             (&["--node-annotation", "novalue"][..], "--node-annotation"),

@@ -212,6 +212,7 @@ pub const LIMITS: &[&str] = &[
     "request_read_timeout",
     "refused_streams",
     "max_grants_per_version",
+    "stream_end_timeout",
 ];
 
 /// Every listener label: the flag that configured the port.

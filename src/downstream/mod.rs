@@ -54,6 +54,9 @@ pub struct DownstreamLimits {
     pub max_request_bytes: usize,
     pub max_request_buffer_bytes: usize,
     pub request_read_timeout: Duration,
+    /// How long a stream that ends waits for its client to take what it
+    /// was sent and its status before it is reset (`--stream-end-timeout`).
+    pub stream_end_timeout: Duration,
     pub max_nack_message_bytes: usize,
     pub max_types_per_stream: usize,
     /// Distinct name grants of one collection served at once
@@ -82,6 +85,7 @@ impl Default for DownstreamLimits {
             max_request_bytes: 4 << 20,
             max_request_buffer_bytes: 64 << 20,
             request_read_timeout: Duration::from_secs(10),
+            stream_end_timeout: Duration::from_secs(5),
             max_nack_message_bytes: 4096,
             max_types_per_stream: 128,
             max_grants_per_version: grants::DEFAULT_MAX_GRANTS_PER_VERSION,
@@ -100,10 +104,6 @@ impl Default for DownstreamLimits {
 /// only its own task waits). A stream of the gateway's own listeners writes
 /// one response beyond its client's window, then waits.
 const OUTBOUND_QUEUE: usize = 16;
-
-/// How long a stream that ends waits for a client that is not reading to
-/// take what was sent and its status (then its stream is reset).
-const STATUS_SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A response, or the status that ends the stream. Boxed: a queued
 /// response is 16 bytes, not 56.

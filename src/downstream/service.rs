@@ -254,7 +254,9 @@ impl Outbound {
         match &mut self.0 {
             Out::Queue(tx) => {
                 if let Some(status) = status {
-                    let _ = tokio::time::timeout(wait, tx.send(Err(status))).await;
+                    if tokio::time::timeout(wait, tx.send(Err(status))).await.is_err() {
+                        m::limit_refused("stream_end_timeout");
+                    }
                 }
             }
             Out::Direct(direct) if direct.writer.is_finished() => {}
@@ -266,7 +268,10 @@ impl Outbound {
                         .finish(trailers(&status.unwrap_or_else(|| Status::ok("")))),
                     // Gone: nothing to end.
                     Ok(Err(_)) => {}
-                    Err(_) => direct.writer.reset(false),
+                    Err(_) => {
+                        m::limit_refused("stream_end_timeout");
+                        direct.writer.reset(false);
+                    }
                 }
             }
         }

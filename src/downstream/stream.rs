@@ -30,7 +30,6 @@ use super::wakes::{Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
     nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
-    STATUS_SEND_TIMEOUT,
 };
 use crate::cache::demand::SubscriptionState;
 use crate::cache::memo::MemoKey;
@@ -455,7 +454,8 @@ impl<W: Wire> TypedStream<W> {
             self.log_left(end, status.as_ref());
             // Boxed: it is needed once, and would otherwise be room in every
             // stream's future.
-            Box::pin(out.close(status, STATUS_SEND_TIMEOUT)).await;
+            let wait = self.shared.limits().stream_end_timeout;
+            Box::pin(out.close(status, wait)).await;
         }
     }
 

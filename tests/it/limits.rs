@@ -874,6 +874,66 @@ async fn a_request_loop_on_one_stream_is_cut() {
     canary.check().await;
 }
 
+/// `--stream-end-timeout`: a stream that ends while its client is not
+/// reading (a request loop cut by `--max-requests-per-second`, the response
+/// before it beyond the client's window and never read) waits that long for
+/// the client to take it, then is reset `CANCEL` and counted; its place is
+/// freed. A client that reads gets its status (every other limit's test).
+#[tokio::test]
+async fn a_stream_that_ends_while_its_client_is_not_reading_is_reset_after_the_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    // 4 × 64 KiB: past HTTP/2's initial window of 65,535 bytes, which this
+    // client never opens further.
+    for i in 0..4 {
+        let pad = "x".repeat(64 << 10);
+        let text = format!("collection: {VS}\nname: ns/big-{i}\nversion: \"1\"\nbody:\n  struct: {{pad: {pad}}}\n");
+        std::fs::write(dir.path().join(format!("big-{i}.yaml")), text).unwrap();
+    }
+    let source = dir.path().to_str().unwrap().to_owned();
+    let gw = spawn_gateway(
+        None,
+        &[
+            "--source-dir",
+            &source,
+            "--collections",
+            VS,
+            "--max-requests-per-second",
+            "1",
+            "--stream-end-timeout",
+            "300ms",
+        ],
+    )
+    .await;
+    let mut client = RawConn::http2(gw.listen).await;
+    let stale = MeshConfigRequest {
+        response_nonce: "not-a-nonce".into(),
+        ..subscribe(VS)
+    };
+    let mut messages = framed(&subscribe(VS)).to_vec();
+    for _ in 0..40 {
+        messages.extend_from_slice(&framed(&stale));
+    }
+    let mut request = grpc_headers(1, SOTW_PATH, 0);
+    request.extend(frame(h2raw::DATA, 0, 1, &messages));
+    client.send(&request).await;
+    let reset = client
+        .until(|f| f.stream == 1 && (f.kind == h2raw::RST_STREAM || f.flags & h2raw::END_STREAM != 0))
+        .await
+        .expect("the stream ends");
+    assert_eq!(
+        reset.kind,
+        h2raw::RST_STREAM,
+        "reset, not ended with trailers the client could not be sent"
+    );
+    assert_eq!(
+        u32::from_be_bytes(reset.payload[..4].try_into().unwrap()),
+        h2raw::CANCEL
+    );
+    refusals_are(gw.monitoring, "requests_rate", 1).await;
+    refusals_are(gw.monitoring, "stream_end_timeout", 1).await;
+    metric_is(gw.monitoring, "istio_mcp_clients_total{component=\"downstream\"}", 0).await;
+}
+
 #[tokio::test]
 async fn oversized_requests_are_refused_naming_the_limit() {
     let (gw, mut canary) = spawned_with_canary(&["--max-request-bytes", "2048"]).await;

@@ -10,6 +10,7 @@ use tokio::net::TcpStream;
 
 use super::within;
 
+pub const DATA: u8 = 0x0;
 pub const HEADERS: u8 = 0x1;
 pub const RST_STREAM: u8 = 0x3;
 pub const SETTINGS: u8 = 0x4;
@@ -22,6 +23,7 @@ pub const ACK: u8 = 0x1;
 
 pub const ENHANCE_YOUR_CALM: u32 = 0xb;
 pub const REFUSED_STREAM: u32 = 0x7;
+pub const CANCEL: u32 = 0x8;
 pub const NO_ERROR: u32 = 0x0;
 
 pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
