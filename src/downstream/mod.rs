@@ -568,9 +568,7 @@ impl Downstream {
     ) {
         let inbound = RequestStream::new(body, self.inner.requests.clone(), W::REQUEST);
         let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer, identity);
-        self.inner
-            .tasks
-            .spawn(stream.drive(inbound, out, self.inner.shutdown.clone()));
+        self.inner.tasks.spawn(stream.drive(inbound, out));
     }
 }
 

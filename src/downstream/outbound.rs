@@ -117,11 +117,14 @@ impl<T> Sender<T> {
     }
 
     /// Completes when the receiver is gone.
+    /// Completes when the receiver is gone.
+    #[cfg(test)]
     pub async fn closed(&self) {
         poll_fn(|cx| self.poll_closed(cx)).await;
     }
 
-    fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
+    /// Ready once the receiver is gone.
+    pub fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
         let mut state = self.shared.lock();
         if state.receiver_gone {
             return Poll::Ready(());

@@ -277,12 +277,13 @@ impl Outbound {
         }
     }
 
-    /// Completes when the client is gone.
-    pub(super) async fn closed(&mut self) {
-        match &mut self.0 {
-            Out::Queue(tx) => tx.closed().await,
-            Out::Direct(direct) => std::future::poll_fn(|cx| direct.writer.poll_gone(cx)).await,
-        }
+    /// Completes when the client is gone. A poll function over the borrow,
+    /// not an async fn: every idle stream's task holds it.
+    pub(super) fn closed(&mut self) -> impl std::future::Future<Output = ()> + '_ {
+        std::future::poll_fn(move |cx| match &mut self.0 {
+            Out::Queue(tx) => tx.poll_closed(cx),
+            Out::Direct(direct) => direct.writer.poll_gone(cx).map(|_| ()),
+        })
     }
 }
 
