@@ -1075,6 +1075,14 @@ impl Args {
                 self.listen
             ));
         }
+        if self.stream_end_timeout >= self.shutdown_grace {
+            warnings.push(format!(
+                "--stream-end-timeout={} is not below --shutdown-grace={}: at shutdown, a stream whose client is \
+                 not reading waits past the grace, and the gateway exits with it still open",
+                humantime::format_duration(self.stream_end_timeout),
+                humantime::format_duration(self.shutdown_grace)
+            ));
+        }
         if let Some(per_identity) = self.max_nack_memory_entries_per_identity {
             let total = self.max_nack_memory_entries;
             // How many identities, each at its share, fill the memory.
@@ -1538,6 +1546,16 @@ mod tests {
             "{:?}",
             settings.warnings
         );
+        // A stream's end that may outwait the shutdown: said; the defaults
+        // (5 s, 10 s) say nothing.
+        let outwaits = |args: &[&str]| {
+            parse(args)
+                .warnings
+                .iter()
+                .any(|w| w.starts_with("--stream-end-timeout=10s is not below --shutdown-grace=10s"))
+        };
+        assert!(outwaits(&["--stream-end-timeout", "10s"]));
+        assert!(!parse(&[]).warnings.iter().any(|w| w.contains("--stream-end-timeout")));
         // A NACK memory share above a tenth: said, with what it allows.
         let shares = |args: &[&str]| {
             parse(args)

@@ -117,7 +117,6 @@ impl<T> Sender<T> {
     }
 
     /// Completes when the receiver is gone.
-    /// Completes when the receiver is gone.
     #[cfg(test)]
     pub async fn closed(&self) {
         poll_fn(|cx| self.poll_closed(cx)).await;

@@ -250,12 +250,16 @@ impl Outbound {
     /// until what it wrote has been given window, then sends its trailers,
     /// or resets the stream if the client does not read in time: what h2
     /// holds of the stream goes when its place under `--max-streams` does.
-    pub(super) async fn close(mut self, status: Option<Status>, wait: Duration) {
+    /// True when it was reset for that (`--stream-end-timeout`, counted).
+    pub(super) async fn close(mut self, status: Option<Status>, wait: Duration) -> bool {
         match &mut self.0 {
             Out::Queue(tx) => {
                 if let Some(status) = status {
                     if tokio::time::timeout(wait, tx.send(Err(status))).await.is_err() {
+                        // The body ends after what the queue holds, without
+                        // the status.
                         m::limit_refused("stream_end_timeout");
+                        return true;
                     }
                 }
             }
@@ -271,10 +275,12 @@ impl Outbound {
                     Err(_) => {
                         m::limit_refused("stream_end_timeout");
                         direct.writer.reset(false);
+                        return true;
                     }
                 }
             }
         }
+        false
     }
 
     /// Completes when the client is gone. A poll function over the borrow,
@@ -282,7 +288,7 @@ impl Outbound {
     pub(super) fn closed(&mut self) -> impl std::future::Future<Output = ()> + '_ {
         std::future::poll_fn(move |cx| match &mut self.0 {
             Out::Queue(tx) => tx.poll_closed(cx),
-            Out::Direct(direct) => direct.writer.poll_gone(cx).map(|_| ()),
+            Out::Direct(direct) => direct.writer.poll_gone(cx),
         })
     }
 }

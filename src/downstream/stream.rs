@@ -466,7 +466,9 @@ impl<W: Wire> TypedStream<W> {
             // Boxed: it is needed once, and would otherwise be room in every
             // stream's future.
             let wait = self.shared.limits().stream_end_timeout;
-            Box::pin(out.close(status, wait)).await;
+            if Box::pin(out.close(status, wait)).await {
+                self.log_cut_short(wait);
+            }
         }
     }
 
@@ -1069,6 +1071,24 @@ impl<W: Wire> TypedStream<W> {
 
     /// The stream ended: why, after how long, and what it had ACKed of each
     /// type (`type=version`; `-` for nothing).
+    /// The stream's end waited `wait` (`--stream-end-timeout`) for its
+    /// client to take what it was sent, in vain: it was reset (or, on a
+    /// stream the gateway dialed out, ended after what its queue held).
+    fn log_cut_short(&self, wait: std::time::Duration) {
+        let (node, peer) = self.entry.who();
+        if let Some(skipped) = self.shared.peer_log(peer) {
+            tracing::info!(
+                stream = self.id,
+                peer = peer.map(|p| p.to_string()),
+                node,
+                skipped,
+                "the client did not take what it was sent within --stream-end-timeout={}: its stream was cut short \
+                 (reset CANCEL), without its status",
+                humantime::format_duration(wait)
+            );
+        }
+    }
+
     fn log_left(&self, end: End, status: Option<&Status>) {
         let view = self.entry.view();
         // A refusal is a configuration error (a loop of gateways, a client

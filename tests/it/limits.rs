@@ -915,6 +915,7 @@ async fn a_stream_that_ends_while_its_client_is_not_reading_is_reset_after_the_t
     }
     let mut request = grpc_headers(1, SOTW_PATH, 0);
     request.extend(frame(h2raw::DATA, 0, 1, &messages));
+    let sent = tokio::time::Instant::now();
     client.send(&request).await;
     let reset = client
         .until(|f| f.stream == 1 && (f.kind == h2raw::RST_STREAM || f.flags & h2raw::END_STREAM != 0))
@@ -928,6 +929,14 @@ async fn a_stream_that_ends_while_its_client_is_not_reading_is_reset_after_the_t
     assert_eq!(
         u32::from_be_bytes(reset.payload[..4].try_into().unwrap()),
         h2raw::CANCEL
+    );
+    // The flag's wait, not the default's 5 s (a bound, not a timing: the
+    // reset cannot come before the wait, and a machine would have to stall
+    // for seconds to pass the default's).
+    let waited = sent.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(300) && waited < std::time::Duration::from_secs(4),
+        "reset after {waited:?}: --stream-end-timeout=300ms"
     );
     refusals_are(gw.monitoring, "requests_rate", 1).await;
     refusals_are(gw.monitoring, "stream_end_timeout", 1).await;
