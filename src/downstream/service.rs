@@ -250,7 +250,8 @@ impl Outbound {
     /// until what it wrote has been given window, then sends its trailers,
     /// or resets the stream if the client does not read in time: what h2
     /// holds of the stream goes when its place under `--max-streams` does.
-    /// True when it was reset for that (`--stream-end-timeout`, counted).
+    /// True when the client took nothing for `wait`, so the stream was cut
+    /// short without its status (its caller counts and logs it).
     pub(super) async fn close(mut self, status: Option<Status>, wait: Duration) -> bool {
         match &mut self.0 {
             Out::Queue(tx) => {
@@ -258,7 +259,6 @@ impl Outbound {
                     if tokio::time::timeout(wait, tx.send(Err(status))).await.is_err() {
                         // The body ends after what the queue holds, without
                         // the status.
-                        m::limit_refused("stream_end_timeout");
                         return true;
                     }
                 }
@@ -273,7 +273,6 @@ impl Outbound {
                     // Gone: nothing to end.
                     Ok(Err(_)) => {}
                     Err(_) => {
-                        m::limit_refused("stream_end_timeout");
                         direct.writer.reset(false);
                         return true;
                     }

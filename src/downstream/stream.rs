@@ -467,7 +467,7 @@ impl<W: Wire> TypedStream<W> {
             // stream's future.
             let wait = self.shared.limits().stream_end_timeout;
             if Box::pin(out.close(status, wait)).await {
-                self.log_cut_short(wait);
+                self.cut_short(wait);
             }
         }
     }
@@ -1069,12 +1069,12 @@ impl<W: Wire> TypedStream<W> {
         }
     }
 
-    /// The stream ended: why, after how long, and what it had ACKed of each
-    /// type (`type=version`; `-` for nothing).
     /// The stream's end waited `wait` (`--stream-end-timeout`) for its
     /// client to take what it was sent, in vain: it was reset (or, on a
     /// stream the gateway dialed out, ended after what its queue held).
-    fn log_cut_short(&self, wait: std::time::Duration) {
+    /// Counted, and logged per peer.
+    fn cut_short(&self, wait: std::time::Duration) {
+        m::limit_refused("stream_end_timeout");
         let (node, peer) = self.entry.who();
         if let Some(skipped) = self.shared.peer_log(peer) {
             tracing::info!(
@@ -1083,12 +1083,14 @@ impl<W: Wire> TypedStream<W> {
                 node,
                 skipped,
                 "the client did not take what it was sent within --stream-end-timeout={}: its stream was cut short \
-                 (reset CANCEL), without its status",
+                 without its status (reset CANCEL; a dialed-out stream ends after what its queue holds)",
                 humantime::format_duration(wait)
             );
         }
     }
 
+    /// The stream ended: why, after how long, and what it had ACKed of each
+    /// type (`type=version`; `-` for nothing).
     fn log_left(&self, end: End, status: Option<&Status>) {
         let view = self.entry.view();
         // A refusal is a configuration error (a loop of gateways, a client

@@ -884,10 +884,10 @@ async fn a_stream_that_ends_while_its_client_is_not_reading_is_reset_after_the_t
     let dir = tempfile::tempdir().unwrap();
     // 4 × 64 KiB: past HTTP/2's initial window of 65,535 bytes, which this
     // client never opens further.
+    let pad = "x".repeat(64 << 10);
     for i in 0..4 {
-        let pad = "x".repeat(64 << 10);
         let text = format!("collection: {VS}\nname: ns/big-{i}\nversion: \"1\"\nbody:\n  struct: {{pad: {pad}}}\n");
-        std::fs::write(dir.path().join(format!("big-{i}.yaml")), text).unwrap();
+        crate::helpers::certs::write(dir.path(), &format!("big-{i}.yaml"), &text);
     }
     let source = dir.path().to_str().unwrap().to_owned();
     let gw = spawn_gateway(
