@@ -21,7 +21,7 @@ pub mod type_state;
 pub mod wakes;
 pub mod wires;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -125,6 +125,8 @@ struct Shared {
     shutdown: CancellationToken,
     tasks: TaskTracker,
     next_stream_id: AtomicU64,
+    /// The broadcasts' relay is started ([`Downstream::relay_broadcasts`]).
+    relaying: AtomicBool,
     limits: DownstreamLimits,
     /// Large requests being read, across all streams.
     requests: Arc<RequestBudget>,
@@ -180,6 +182,7 @@ impl Downstream {
                 shutdown,
                 tasks,
                 next_stream_id: AtomicU64::new(1),
+                relaying: AtomicBool::new(false),
                 limits,
                 requests: RequestBudget::new(
                     limits.max_request_buffer_bytes,
@@ -361,6 +364,35 @@ impl Downstream {
         }
         logs.insert(key, now);
         tracing::warn!(%collection, "access denied: {why}");
+    }
+
+    /// Starts, once, the task that relays the gateway's broadcasts to every
+    /// stream: it wakes each stream's [`RegistryEntry::control`] after the
+    /// access policy changed and at shutdown (a stream registers there, then
+    /// reads both, so no broadcast is lost). Ends at shutdown.
+    fn relay_broadcasts(&self) {
+        if self.inner.relaying.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let shutdown = self.inner.shutdown.clone();
+        let registry = self.inner.registry.clone();
+        let mut policy = self.watch_policy();
+        self.inner.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    changed = policy.changed() => match changed {
+                        Ok(()) => registry.wake_all(),
+                        // No policy can change any more.
+                        Err(_) => {
+                            shutdown.cancelled().await;
+                            break;
+                        }
+                    },
+                }
+            }
+            registry.wake_all();
+        });
     }
 
     /// The policy in effect, as it changes.

@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use atomic_waker::AtomicWaker;
 use dashmap::DashMap;
 
 use super::by_type::ByType;
@@ -284,8 +285,22 @@ pub struct StreamView {
 
 #[derive(Debug, Default)]
 pub struct Registry {
-    streams: DashMap<u64, Arc<Mutex<StreamView>>>,
+    streams: DashMap<u64, Arc<Tracked>>,
     clock: Clock,
+}
+
+/// A stream as the registry holds it: its view, and the waker of its task's
+/// wait for the gateway's broadcasts ([`Registry::wake_all`]).
+#[derive(Debug)]
+struct Tracked {
+    view: Mutex<StreamView>,
+    control: AtomicWaker,
+}
+
+impl Tracked {
+    fn lock(&self) -> std::sync::MutexGuard<'_, StreamView> {
+        self.view.lock().expect("registry lock poisoned")
+    }
 }
 
 // === impl Registry ===
@@ -299,18 +314,21 @@ impl Registry {
         protocol: Protocol,
         identity: &str,
     ) -> RegistryEntry {
-        let view = Arc::new(Mutex::new(StreamView {
-            id,
-            peer,
-            protocol,
-            node_id: String::new(),
-            gateway_id: None,
-            canary: false,
-            identity: identity.into(),
-            generation: None,
-            connected_since: SystemTime::now(),
-            types: ByType::new(),
-        }));
+        let view = Arc::new(Tracked {
+            view: Mutex::new(StreamView {
+                id,
+                peer,
+                protocol,
+                node_id: String::new(),
+                gateway_id: None,
+                canary: false,
+                identity: identity.into(),
+                generation: None,
+                connected_since: SystemTime::now(),
+                types: ByType::new(),
+            }),
+            control: AtomicWaker::new(),
+        });
         self.streams.insert(id, view.clone());
         RegistryEntry {
             registry: self.clone(),
@@ -321,17 +339,22 @@ impl Registry {
 
     /// Every connected stream, ordered by id.
     pub fn streams(&self) -> Vec<StreamView> {
-        let mut all: Vec<StreamView> = self
-            .streams
-            .iter()
-            .map(|entry| entry.value().lock().expect("registry lock poisoned").clone())
-            .collect();
+        let mut all: Vec<StreamView> = self.streams.iter().map(|entry| entry.value().lock().clone()).collect();
         all.sort_by_key(|s| s.id);
         all
     }
 
     pub fn len(&self) -> usize {
         self.streams.len()
+    }
+
+    /// Wakes every stream's wait for the gateway's broadcasts (its shutdown,
+    /// a new access policy: see [`RegistryEntry::control`]), once what they
+    /// announce is in place. O(streams), for what is rare.
+    pub fn wake_all(&self) {
+        for entry in self.streams.iter() {
+            entry.value().control.wake();
+        }
     }
 
     /// The clock of the views' times.
@@ -349,24 +372,31 @@ impl Registry {
 pub struct RegistryEntry {
     registry: Arc<Registry>,
     id: u64,
-    view: Arc<Mutex<StreamView>>,
+    view: Arc<Tracked>,
 }
 
 impl RegistryEntry {
+    /// The waker [`Registry::wake_all`] wakes: a stream registers its task
+    /// here, then reads what a broadcast would have changed (a waiter of its
+    /// own for each would be room in every idle stream's task).
+    pub fn control(&self) -> &AtomicWaker {
+        &self.view.control
+    }
+
     /// A copy of the stream's view (for its leave line).
     pub fn view(&self) -> StreamView {
-        self.view.lock().expect("registry lock poisoned").clone()
+        self.view.lock().clone()
     }
 
     /// Who the stream is, for a log line: its node id and peer address
     /// (without copying the rest of its view).
     pub fn who(&self) -> (String, Option<SocketAddr>) {
-        let view = self.view.lock().expect("registry lock poisoned");
+        let view = self.view.lock();
         (view.node_id.clone(), view.peer)
     }
 
     pub fn set_node_id(&self, node_id: &str) {
-        let mut view = self.view.lock().expect("registry lock poisoned");
+        let mut view = self.view.lock();
         if view.node_id != node_id {
             view.node_id = node_id.to_owned();
         }
@@ -384,15 +414,15 @@ impl RegistryEntry {
 
     /// Whether the stream is a canary of some collection now.
     pub fn set_canary(&self, canary: bool) {
-        self.view.lock().expect("registry lock poisoned").canary = canary;
+        self.view.lock().canary = canary;
     }
 
     pub fn set_generation(&self, generation: ClientGeneration) {
-        self.view.lock().expect("registry lock poisoned").generation = Some(generation);
+        self.view.lock().generation = Some(generation);
     }
 
     pub fn set_gateway_id(&self, gateway_id: &str) {
-        self.view.lock().expect("registry lock poisoned").gateway_id = Some(gateway_id.to_owned());
+        self.view.lock().gateway_id = Some(gateway_id.to_owned());
     }
 
     /// A handle on the stream's view, for what is shown of it without its
@@ -402,7 +432,7 @@ impl RegistryEntry {
     }
 
     pub fn publish(&self, type_url: &SharedStr, state: TypeView) {
-        let mut view = self.view.lock().expect("registry lock poisoned");
+        let mut view = self.view.lock();
         // The key is the stream's own, shared.
         view.types.insert(type_url, state);
     }
@@ -410,7 +440,7 @@ impl RegistryEntry {
 
 /// A stream's view, shared with the wake index.
 #[derive(Clone)]
-pub struct ViewHandle(Arc<Mutex<StreamView>>);
+pub struct ViewHandle(Arc<Tracked>);
 
 impl ViewHandle {
     /// A version `to` left every name the stream's type asks for as it was
@@ -418,7 +448,7 @@ impl ViewHandle {
     /// NACK standing) holds `to` as well, as its task would have settled it
     /// had it been woken (`TypeState::next`'s `UpToDate`).
     pub fn untouched(&self, type_url: &str, from: &str, to: &SharedStr) {
-        let mut view = self.0.lock().expect("registry lock poisoned");
+        let mut view = self.0.lock();
         let Some(state) = view.types.get_mut(type_url) else {
             return;
         };
@@ -438,6 +468,38 @@ impl Drop for RegistryEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A waker that counts its wakes.
+    struct Counted(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// A broadcast wakes every registered stream's task, once each, and
+    /// none of a stream that has left.
+    #[test]
+    fn wake_all_wakes_each_registered_stream_once() {
+        let registry = Arc::new(Registry::default());
+        let stay = registry.register(1, None, Protocol::Sotw, "");
+        let leave = registry.register(2, None, Protocol::Sotw, "");
+        let (stayed, left) = (
+            Arc::new(Counted(Default::default())),
+            Arc::new(Counted(Default::default())),
+        );
+        stay.control().register(&stayed.clone().into());
+        leave.control().register(&left.clone().into());
+        drop(leave);
+        registry.wake_all();
+        assert_eq!(stayed.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(left.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+        // Woken once: the next broadcast finds no waker until the stream's
+        // task registers again.
+        registry.wake_all();
+        assert_eq!(stayed.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
 
     /// A time read back from a stamp is never earlier than the event, so a
     /// type's times never read before its stream's `connected_since`.

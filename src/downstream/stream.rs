@@ -126,6 +126,43 @@ fn drain_ended(draining: &mut Option<Box<Draining>>) -> impl Future<Output = ()>
     })
 }
 
+/// What a stream's type is to send (see [`TypedStream::make`]).
+enum Made {
+    Nothing,
+    Response(Box<EncodedResponse>),
+    /// A first response from what a reconnecting client reported, made in
+    /// its turn ([`TypedStream::respond_in_turn`]).
+    InTurn(Push, Option<Arc<CollectionSnapshot>>),
+}
+
+/// What the gateway announced to every stream.
+enum Broadcast {
+    Shutdown,
+    PolicyChanged,
+}
+
+/// The gateway's shutdown, or a new access policy: a poll function that
+/// registers the stream's task in its registry entry and then reads both,
+/// woken by the relay that [`Downstream::relay_broadcasts`] starts. A waiter
+/// of its own for each (the shutdown's token, 72 bytes; the policy's watch,
+/// 120) was room in every idle stream's task.
+fn broadcast<'a>(
+    entry: &'a RegistryEntry,
+    shared: &'a Downstream,
+    policy: &'a watch::Receiver<Arc<AccessPolicy>>,
+) -> impl Future<Output = Broadcast> + 'a {
+    std::future::poll_fn(move |cx| {
+        entry.control().register(cx.waker());
+        if shared.inner.shutdown.is_cancelled() {
+            Poll::Ready(Broadcast::Shutdown)
+        } else if policy.has_changed().unwrap_or(false) {
+            Poll::Ready(Broadcast::PolicyChanged)
+        } else {
+            Poll::Pending
+        }
+    })
+}
+
 /// The ranked types of a stream whose change waits for another type.
 #[derive(Default)]
 struct Withheld {
@@ -326,6 +363,7 @@ impl<W: Wire> TypedStream<W> {
             .registry
             .register(id, peer, W::PROTOCOL, &identity.to_string());
         let policy = shared.watch_policy();
+        shared.relay_broadcasts();
         Self {
             shared,
             entry,
@@ -355,12 +393,13 @@ impl<W: Wire> TypedStream<W> {
     /// Every idle stream is this future, so its size is kept down: an async
     /// block rather than an `async fn` (whose arguments its future holds twice,
     /// rust-lang/rust#62958), nothing of the `select!` (its futures, a
-    /// request) held while a response is queued, rare paths boxed, the
-    /// waits for rare events poll functions over what they borrow, and the
-    /// gateway's shutdown read from `shared` rather than held again. 784
-    /// bytes (release build) with the tokio task's header and the task
-    /// tracker's token make a 896-byte task (tokio aligns tasks to 128):
-    /// 8 bytes more cost 128 per stream (the heap budgets say so).
+    /// request) held while a response is queued, a response made before
+    /// its send waits and rare paths boxed, the waits for rare events poll functions
+    /// over what they borrow, and the gateway's broadcasts (its shutdown, a
+    /// new policy) one poll function woken through the registry. 616 bytes
+    /// (release build) with the tokio task's header and the task tracker's
+    /// token make a 768-byte task (tokio aligns tasks to 128); past 656
+    /// bytes it would cost 128 more per stream (the heap budgets say so).
     #[allow(clippy::manual_async_fn, reason = "an async fn would store its arguments twice")]
     pub(super) fn drive(
         mut self,
@@ -378,10 +417,13 @@ impl<W: Wire> TypedStream<W> {
             let (end, status) = loop {
                 // What the select chose, done once its futures are gone.
                 let step = tokio::select! {
-                    _ = self.shared.inner.shutdown.cancelled() => break (
-                        End::Shutdown,
-                        Some(Status::unavailable(self.shared.inner.shutdown_message)),
-                    ),
+                    broadcast = broadcast(&self.entry, &self.shared, &self.policy) => match broadcast {
+                        Broadcast::Shutdown => break (
+                            End::Shutdown,
+                            Some(Status::unavailable(self.shared.inner.shutdown_message)),
+                        ),
+                        Broadcast::PolicyChanged => Step::PolicyChanged,
+                    },
                     _ = out.closed() => break (End::ClientGone, None),
                     request = inbound.message() => match request {
                         Ok(Some(_)) if !requests.take() => {
@@ -421,7 +463,6 @@ impl<W: Wire> TypedStream<W> {
                     // A listener's drain ended: the removals that waited for
                     // it are tried again (after the step).
                     () = drain_ended(&mut self.draining) => Step::DrainEnded,
-                    Ok(()) = self.policy.changed() => Step::PolicyChanged,
                 };
                 let sent = match step {
                     Step::Send(Accepted { type_url, current, now }) => {
@@ -1432,6 +1473,10 @@ impl<W: Wire> TypedStream<W> {
     }
 
     /// As [`Self::try_send`], with the cache at `current`, read `now`.
+    ///
+    /// The response is made before any wait (in [`Self::make`]), and each
+    /// wait is boxed (both are rare): this future holds little but its
+    /// arguments, and every stream's task holds room for it.
     async fn send_from(
         &mut self,
         type_url: &SharedStr,
@@ -1439,8 +1484,51 @@ impl<W: Wire> TypedStream<W> {
         now: Stamp,
         out: &mut Outbound,
     ) -> Result<(), ClientGone> {
+        let response = match self.make(type_url, current, now) {
+            Made::Nothing => return Ok(()),
+            Made::Response(response) => response,
+            Made::InTurn(push, current) => Box::pin(self.respond_in_turn(type_url, push, current, now)).await,
+        };
+        match out.try_send(Ok(response)) {
+            TrySend::Sent => Ok(()),
+            TrySend::Gone => Err(ClientGone),
+            // The client has not read what was sent: wait for it (boxed, as
+            // this is rare and the future is large), but never past shutdown.
+            TrySend::Full(response) => {
+                let shutdown = self.shared.inner.shutdown.clone();
+                Box::pin(async move {
+                    tokio::select! {
+                        sent = out.send(response) => sent,
+                        _ = shutdown.cancelled() => Ok(()),
+                    }
+                })
+                .await
+            }
+        }
+    }
+
+    /// A first response made from what a reconnecting client reported:
+    /// work that grows with what the client sent, so one stream at a time,
+    /// and the turn is given back before the response is queued (a client
+    /// that does not read never holds it).
+    async fn respond_in_turn(
+        &mut self,
+        type_url: &SharedStr,
+        push: Push,
+        current: Option<Arc<CollectionSnapshot>>,
+        now: Stamp,
+    ) -> Box<EncodedResponse> {
+        let shared = self.shared.clone();
+        let _turn = Box::pin(shared.heavy_work()).await;
+        self.respond(type_url, push, current.as_ref(), now)
+    }
+
+    /// What the type's state machine decides to send with the cache at
+    /// `current`, read `now`: made here, without waiting, unless it must
+    /// wait for its turn.
+    fn make(&mut self, type_url: &SharedStr, current: Option<Arc<CollectionSnapshot>>, now: Stamp) -> Made {
         let Some(followed) = self.types.get_mut(type_url) else {
-            return Ok(());
+            return Made::Nothing;
         };
         // A ranked type's response is made for this version (what it sends
         // may be a part of it: make before break).
@@ -1450,10 +1538,10 @@ impl<W: Wire> TypedStream<W> {
         }
         let Some(current) = self.ordered(type_url, current) else {
             // Held for another type of the stream (make before break).
-            return Ok(());
+            return Made::Nothing;
         };
         let Some(followed) = self.types.get_mut(type_url) else {
-            return Ok(());
+            return Made::Nothing;
         };
         let acked = followed.state.view.acked_version.clone();
         let shown_sent = followed.state.view.last_sent_version.is_some();
@@ -1461,15 +1549,8 @@ impl<W: Wire> TypedStream<W> {
         if let Some(tally) = followed.state.take_reconnect_tally() {
             nack_memory::record_tally(&followed.state.view.collection, tally);
         }
-        let response = match decided {
-            Ok(push @ Push::FirstFromReported { .. }) => {
-                // Work that grows with what the client sent: one stream at a
-                // time, and the turn is given back before the response is
-                // queued (a client that does not read never holds it).
-                let shared = self.shared.clone();
-                let _turn = Box::pin(shared.heavy_work()).await;
-                self.respond(type_url, push, current.as_ref(), now)
-            }
+        match decided {
+            Ok(push @ Push::FirstFromReported { .. }) => Made::InTurn(push, current),
             Ok(push) => {
                 let response = self.respond(type_url, push, current.as_ref(), now);
                 if made_for.is_some() {
@@ -1477,7 +1558,7 @@ impl<W: Wire> TypedStream<W> {
                         followed.sent_for = made_for;
                     }
                 }
-                response
+                Made::Response(response)
             }
             Err(_) => {
                 // Nothing to send. A named client that none of the change
@@ -1498,23 +1579,7 @@ impl<W: Wire> TypedStream<W> {
                 if followed.state.note_current(current.as_ref(), now) || settled || held_as_sent {
                     self.entry.publish(type_url, followed.state.view.clone());
                 }
-                return Ok(());
-            }
-        };
-        match out.try_send(Ok(response)) {
-            TrySend::Sent => Ok(()),
-            TrySend::Gone => Err(ClientGone),
-            // The client has not read what was sent: wait for it (boxed, as
-            // this is rare and the future is large), but never past shutdown.
-            TrySend::Full(response) => {
-                let shutdown = self.shared.inner.shutdown.clone();
-                Box::pin(async move {
-                    tokio::select! {
-                        sent = out.send(response) => sent,
-                        _ = shutdown.cancelled() => Ok(()),
-                    }
-                })
-                .await
+                Made::Nothing
             }
         }
     }

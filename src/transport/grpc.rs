@@ -414,12 +414,30 @@ where
         let mut hard_deadline: Option<Instant> = None;
         let mut idle_since = Some(started);
         let mut draining: Option<Closed> = None;
-        let far = || Instant::now() + Duration::from_secs(86_400 * 365);
+        // One timer for the connection's deadlines (handshake, idle, age,
+        // the drain's end, keepalive), set to the earliest: an idle
+        // connection's task holds one timer, not one per deadline.
+        let mut timer = std::pin::pin!(sleep_until(handshake_deadline));
         loop {
             let idle_deadline = match (idle_since, limits.idle_timeout) {
                 (Some(since), Some(timeout)) if draining.is_none() => Some(since + timeout),
                 _ => None,
             };
+            let next_deadline = [
+                awaiting_handshake.then_some(handshake_deadline),
+                idle_deadline,
+                age_deadline,
+                hard_deadline,
+                next_ping,
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            if let Some(deadline) = next_deadline {
+                if timer.deadline() != deadline {
+                    timer.as_mut().reset(deadline);
+                }
+            }
             tokio::select! {
                 accepted = h2.accept() => match accepted {
                     Some(Ok((request, mut respond))) => match admit(&self.config, &info) {
@@ -481,15 +499,6 @@ where
                         streams.slot.handshake_done();
                     }
                 }
-                _ = sleep_until(handshake_deadline), if awaiting_handshake => {
-                    if signals.handshake_done() {
-                        awaiting_handshake = false;
-                        streams.slot.handshake_done();
-                        continue;
-                    }
-                    m::limit_refused("handshake_timeout");
-                    return Closed::HandshakeTimeout;
-                }
                 _ = streams.ended() => {
                     if streams.slot.open_streams() == 0 {
                         idle_since = Some(Instant::now());
@@ -504,35 +513,48 @@ where
                     h2.abrupt_shutdown(Reason::NO_ERROR);
                     return finish(&mut h2, Closed::Evicted).await;
                 }
-                _ = sleep_until(idle_deadline.unwrap_or_else(far)), if idle_deadline.is_some() => {
-                    if streams.slot.open_streams() == 0 {
-                        h2.graceful_shutdown();
-                        draining = Some(Closed::Idle);
-                        hard_deadline = Some(Instant::now() + CLOSE_FLUSH);
-                    }
-                }
-                _ = sleep_until(age_deadline.unwrap_or_else(far)), if age_deadline.is_some() => {
-                    age_deadline = None;
-                    if draining.is_none() {
-                        h2.graceful_shutdown();
-                        draining = Some(Closed::MaxAge);
-                        hard_deadline = Some(Instant::now() + limits.max_connection_age_grace);
-                    }
-                }
-                _ = sleep_until(hard_deadline.unwrap_or_else(far)), if hard_deadline.is_some() => {
-                    return draining.unwrap_or(Closed::Shutdown);
-                }
-                _ = sleep_until(next_ping.unwrap_or_else(far)), if next_ping.is_some() => {
+                _ = timer.as_mut(), if next_deadline.is_some() => {
                     let now = Instant::now();
-                    if pong_deadline.is_some_and(|d| now >= d) {
-                        return Closed::KeepaliveTimeout;
+                    if awaiting_handshake && now >= handshake_deadline {
+                        if !signals.handshake_done() {
+                            m::limit_refused("handshake_timeout");
+                            return Closed::HandshakeTimeout;
+                        }
+                        awaiting_handshake = false;
+                        streams.slot.handshake_done();
                     }
-                    if pong_deadline.is_none() && ping.send_ping(h2::Ping::opaque()).is_ok() {
-                        let timeout = keepalive_timeout(keepalive.expect("pinging"));
-                        pong_deadline = Some(now + timeout);
-                        next_ping = Some(now + timeout);
-                    } else if pong_deadline.is_none() {
-                        next_ping = keepalive.map(|k| now + k);
+                    if hard_deadline.is_some_and(|d| now >= d) {
+                        return draining.unwrap_or(Closed::Shutdown);
+                    }
+                    if idle_deadline.is_some_and(|d| now >= d) {
+                        // Not idle if a stream opened meanwhile (its accept
+                        // cleared `idle_since` too).
+                        idle_since = None;
+                        if streams.slot.open_streams() == 0 {
+                            h2.graceful_shutdown();
+                            draining = Some(Closed::Idle);
+                            hard_deadline = Some(now + CLOSE_FLUSH);
+                        }
+                    }
+                    if age_deadline.is_some_and(|d| now >= d) {
+                        age_deadline = None;
+                        if draining.is_none() {
+                            h2.graceful_shutdown();
+                            draining = Some(Closed::MaxAge);
+                            hard_deadline = Some(now + limits.max_connection_age_grace);
+                        }
+                    }
+                    if next_ping.is_some_and(|d| now >= d) {
+                        if pong_deadline.is_some_and(|d| now >= d) {
+                            return Closed::KeepaliveTimeout;
+                        }
+                        if pong_deadline.is_none() && ping.send_ping(h2::Ping::opaque()).is_ok() {
+                            let timeout = keepalive_timeout(keepalive.expect("pinging"));
+                            pong_deadline = Some(now + timeout);
+                            next_ping = Some(now + timeout);
+                        } else if pong_deadline.is_none() {
+                            next_ping = keepalive.map(|k| now + k);
+                        }
                     }
                 }
                 pong = poll_fn(|cx| ping.poll_pong(cx)), if pong_deadline.is_some() => {

@@ -55,8 +55,15 @@ use crate::xds::{ack_sotw, cluster_doc, delta_ack};
 /// "streams and connections: smaller idle tasks" (the stream's task one
 /// 128-byte size class down, 1,024 → 896 B: its waits for rare events poll
 /// functions over what they borrow, the shutdown read from the stream's
-/// shared state).
-const LEGACY_STREAM: i64 = 2_500;
+/// shared state). 2,337 to 2,342 B since "streams and connections: a
+/// connection's slots and timers, one waker for the broadcasts" (the
+/// stream's task one size class down again, 896 → 768 B: the gateway's
+/// shutdown and a new policy one poll function woken through the registry,
+/// +24 B there, and a response made before its send waits; h2's slab of the
+/// connection's streams grown by a quarter, so these 45 streams a
+/// connection take 53 slots where doubling took 48: +36 B a stream here,
+/// fewer in general, see `LEGACY_CONNECTION`).
+const LEGACY_STREAM: i64 = 2_450;
 /// An idle plaintext connection with one idle legacy stream on it (the
 /// stream included): the connection's task, h2's codec (its read and write
 /// buffers and HPACK tables, as h2 sizes them) and its streams' store, the
@@ -72,8 +79,12 @@ const LEGACY_STREAM: i64 = 2_500;
 /// nonce shared"; 14,761 to 14,765 B since "streams and connections:
 /// smaller idle tasks" (the TLS and HTTP/2 handshakes' futures boxed, no
 /// longer room in the connection's task for its whole life; the stream's
-/// task as `LEGACY_STREAM`).
-const LEGACY_CONNECTION: i64 = 15_500;
+/// task as `LEGACY_STREAM`). 13,492 to 13,495 B since "streams and
+/// connections: a connection's slots and timers, one waker for the
+/// broadcasts" (h2's slab of streams one slot for one stream, not four,
+/// vendor/README.md's fourth part; one timer in the connection's task for
+/// its five deadlines; the stream as `LEGACY_STREAM`).
+const LEGACY_CONNECTION: i64 = 14_000;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many
 /// streams: as the legacy one, and its names, its subscription's view and
@@ -85,8 +96,10 @@ const LEGACY_CONNECTION: i64 = 15_500;
 /// 3,616 to 3,622 B since "streams: one task per stream" (as the legacy
 /// stream's). 3,345 to 3,357 B since "streams: a type URL and a nonce
 /// shared"; 3,220 to 3,226 B since "streams and connections: smaller idle
-/// tasks" (as the legacy stream's).
-const NAMED_SOTW_STREAM: i64 = 3_350;
+/// tasks" (as the legacy stream's); 3,147 to 3,155 B since "streams and
+/// connections: a connection's slots and timers, one waker for the
+/// broadcasts" (as the legacy stream's).
+const NAMED_SOTW_STREAM: i64 = 3_250;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
@@ -95,8 +108,10 @@ const NAMED_SOTW_STREAM: i64 = 3_350;
 /// 4,284 B since "cache: names and versions one pointer". 3,584 to 3,598 B
 /// since "streams: one task per stream"; 3,318 to 3,328 B since "streams: a
 /// type URL and a nonce shared"; 3,186 to 3,207 B since "streams and
-/// connections: smaller idle tasks".
-const NAMED_DELTA_STREAM: i64 = 3_300;
+/// connections: smaller idle tasks"; 3,131 to 3,138 B since "streams and
+/// connections: a connection's slots and timers, one waker for the
+/// broadcasts".
+const NAMED_DELTA_STREAM: i64 = 3_250;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,
 /// its entry in the collection's map, its name, version and digest, and its
