@@ -367,16 +367,24 @@ impl Downstream {
     }
 
     /// Starts, once, the task that relays the gateway's broadcasts to every
-    /// stream: it wakes each stream's [`RegistryEntry::control`] after the
-    /// access policy changed and at shutdown (a stream registers there, then
-    /// reads both, so no broadcast is lost). Ends at shutdown.
+    /// stream: it wakes each stream's [`registry::RegistryEntry::control`]
+    /// after the access policy changed and at shutdown (a stream registers
+    /// there, then reads both, so no broadcast is lost). Ends at shutdown.
+    ///
+    /// The relay's view of the policy is taken before the relay is claimed:
+    /// a stream that finds it claimed (and only then is polled) waits after
+    /// it, so a policy that changes once that stream has read it is one the
+    /// relay sees change.
     fn relay_broadcasts(&self) {
-        if self.inner.relaying.swap(true, Ordering::Relaxed) {
+        if self.inner.relaying.load(Ordering::Acquire) {
+            return;
+        }
+        let mut policy = self.watch_policy();
+        if self.inner.relaying.swap(true, Ordering::AcqRel) {
             return;
         }
         let shutdown = self.inner.shutdown.clone();
         let registry = self.inner.registry.clone();
-        let mut policy = self.watch_policy();
         self.inner.tasks.spawn(async move {
             loop {
                 tokio::select! {

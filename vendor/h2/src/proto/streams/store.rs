@@ -83,9 +83,9 @@ pub(super) trait Resolve {
 /// than four (gateway patch, see vendor/README.md). A stream's slot is some
 /// 330 bytes, kept for the connection's life: doubling left a connection of
 /// one stream four slots and one of twenty thirty-two. Growing by a quarter
-/// keeps a stream's insertion amortised O(1) (it copies each slot about five
-/// times over the slab's growth instead of once); streams open far less
-/// often than they live.
+/// keeps a stream's insertion amortised O(1) (it copies each slot four to
+/// five times over the slab's growth instead of once); streams open far
+/// less often than they live.
 fn insert_slot(slab: &mut slab::Slab<Stream>, value: Stream) -> usize {
     if slab.len() == slab.capacity() {
         slab.reserve_exact((slab.len() / 4).max(1));
