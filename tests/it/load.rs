@@ -57,6 +57,14 @@ async fn every_scenario_runs_at_a_tiny_size_over(protocol: &str) {
         if scenario == "idle" {
             // The idle scenario measures streams at rest: it publishes nothing.
             assert_eq!(updates, 0, "{json}");
+            // At rest, the RSS is read with what it is made of.
+            let split = &report["gateway_rss_anon_file_per_stream_at_rest_bytes"];
+            assert!(
+                split
+                    .as_array()
+                    .is_some_and(|s| s.len() == 2 && s.iter().all(|b| b.as_f64().is_some_and(|b| b >= 0.0))),
+                "{json}"
+            );
         } else {
             // Every other scenario publishes (a tiny run: a few updates), so
             // a run that published nothing is a broken tool, not a pass.

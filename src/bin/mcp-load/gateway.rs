@@ -201,6 +201,16 @@ impl ChildGateway {
         ))
     }
 
+    /// What its RSS is made of now: anonymous (heap, stacks) and file-backed
+    /// (the binary's pages it has touched), in bytes.
+    pub fn resident(&self) -> anyhow::Result<Resident> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
+        Ok(Resident {
+            anonymous: proc_field(&status, "RssAnon:")? * 1024,
+            file: proc_field(&status, "RssFile:")? * 1024,
+        })
+    }
+
     /// Kills the gateway with SIGKILL (a crash: nothing is flushed or
     /// closed) and waits for it to exit.
     pub async fn kill(mut self) -> anyhow::Result<()> {
@@ -219,6 +229,13 @@ impl ChildGateway {
             let _ = self.child.kill().await;
         }
     }
+}
+
+/// A process's resident memory by kind (`/proc/<pid>/status`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Resident {
+    pub anonymous: u64,
+    pub file: u64,
 }
 
 /// The address after `key` (`listen=`) in the gateway's start-up line.

@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use clients::{Progress, Received};
-use gateway::ChildGateway;
+use gateway::{ChildGateway, Resident};
 use publisher::{Catalog, Collections, Publisher};
 use scenario::{ClientProtocol, NamedShape, Scenario, Shape};
 use tonic::transport::Channel;
@@ -428,6 +428,9 @@ struct Report {
     /// The same, read --rest after the streams synced: what idle streams
     /// keep once the sync's burst is over.
     gateway_rss_per_stream_at_rest_bytes: Option<f64>,
+    /// The same, [anonymous, file-backed]: the heap's part, and the
+    /// binary's pages first touched by the clients' paths.
+    gateway_rss_anon_file_per_stream_at_rest_bytes: Option<[f64; 2]>,
     config_bytes: usize,
     bytes_per_client_per_update: f64,
     nacks: usize,
@@ -856,6 +859,9 @@ struct Phases<T> {
     rss_synced: u64,
     /// `run.rest` later, before any update; `None` with `--rest 0s`.
     rss_at_rest: Option<u64>,
+    /// What the RSS before the first client and at rest are made of.
+    resident_before_clients: Resident,
+    resident_at_rest: Option<Resident>,
     rss_under_attack: u64,
     peak_rss: u64,
     update_start: Instant,
@@ -893,6 +899,7 @@ where
     let gateways = Gateways::start(binary, &mut publisher, names, run.chain, run.pinning).await?;
     let gateway = &gateways.measured;
     let rss_before_clients = gateway.memory()?.0;
+    let resident_before_clients = gateway.resident()?;
 
     let frames = Arc::new(clients::Frames::default());
     let sync_start = Instant::now();
@@ -904,11 +911,11 @@ where
     .await?;
     let initial_sync = sync_start.elapsed();
     let rss_synced = gateway.memory()?.0;
-    let rss_at_rest = if run.rest.is_zero() {
-        None
+    let (rss_at_rest, resident_at_rest) = if run.rest.is_zero() {
+        (None, None)
     } else {
         tokio::time::sleep(run.rest).await;
-        Some(gateway.memory()?.0)
+        (Some(gateway.memory()?.0), Some(gateway.resident()?))
     };
 
     let attack_stop = CancellationToken::new();
@@ -950,6 +957,8 @@ where
         rss_before_clients,
         rss_synced,
         rss_at_rest,
+        resident_before_clients,
+        resident_at_rest,
         rss_under_attack,
         peak_rss,
         update_start,
@@ -1022,6 +1031,15 @@ impl<T> Phases<T> {
         self.rss_at_rest.map(|rss| self.per_stream(rss, streams))
     }
 
+    /// The same split into anonymous and file-backed memory (each less its
+    /// part before the first client): what the heap keeps, and the binary's
+    /// pages the clients' paths touched, which no heap change moves.
+    fn resident_per_stream_at_rest(&self, streams: usize) -> Option<[f64; 2]> {
+        let (before, rest) = (self.resident_before_clients, self.resident_at_rest?);
+        let per = |now: u64, then: u64| now.saturating_sub(then) as f64 / streams.max(1) as f64;
+        Some([per(rest.anonymous, before.anonymous), per(rest.file, before.file)])
+    }
+
     /// `rss` less the RSS before the first client, per stream.
     fn per_stream(&self, rss: u64, streams: usize) -> f64 {
         rss.saturating_sub(self.rss_before_clients) as f64 / streams.max(1) as f64
@@ -1055,6 +1073,7 @@ impl<T> Phases<T> {
             gateway_peak_rss_bytes: Some(self.peak_rss),
             gateway_rss_per_stream_bytes: Some(self.rss_per_stream(shape.streams)),
             gateway_rss_per_stream_at_rest_bytes: self.rss_per_stream_at_rest(shape.streams),
+            gateway_rss_anon_file_per_stream_at_rest_bytes: self.resident_per_stream_at_rest(shape.streams),
             config_bytes: shape.config_bytes(),
             bytes_per_client_per_update: if shape.updates > 0 {
                 update_bytes as f64 / (shape.streams * shape.updates) as f64
@@ -1250,6 +1269,14 @@ fn print_report(report: &Report) {
                 report
                     .gateway_rss_per_stream_at_rest_bytes
                     .map(|b| format!("{:.1} KiB", b / 1024.0)),
+            ),
+        ),
+        (
+            "  of which anonymous / file-backed",
+            or_dash(
+                report
+                    .gateway_rss_anon_file_per_stream_at_rest_bytes
+                    .map(|[anon, file]| format!("{:.2} / {:.2} KiB", anon / 1024.0, file / 1024.0)),
             ),
         ),
         (
