@@ -616,6 +616,7 @@ async fn serve(settings: &Settings, serving: Serving<'_>, shutdown: &Cancellatio
         upstream: state.status_rx.clone(),
         metrics,
         stale_after: settings.stale_after,
+        access_wait: settings.debug_access_wait,
         bodies: settings.bodies.clone(),
         config: Arc::new(serde_json::to_value(&settings.effective).unwrap_or_default()),
         logs,

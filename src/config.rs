@@ -475,6 +475,13 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_STALE_AFTER", default_value = "30s", value_parser = parse_duration)]
     pub stale_after: Duration,
 
+    /// `/debug/access` makes one answer at a time (a policy matched against
+    /// an identity, its patterns against every cached name); a request
+    /// waits this long for its turn, then is answered 503 with
+    /// `Retry-After: 1` ("0s": never waits).
+    #[arg(long, env = "MCP_GATEWAY_DEBUG_ACCESS_WAIT", default_value = "300ms", value_parser = parse_duration)]
+    pub debug_access_wait: Duration,
+
     /// Log filter (tracing's EnvFilter syntax); RUST_LOG, when set, wins.
     /// The HTTP/2 library logs only errors by default: what a misbehaving
     /// peer does is in the gateway's own rate-limited lines.
@@ -703,6 +710,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// `--stale-after`.
     pub stale_after: Duration,
+    /// `--debug-access-wait`.
+    pub debug_access_wait: Duration,
     /// `--demand-timeout`.
     pub demand_timeout: Duration,
     /// Reads bodies back for the config dump (`--descriptors`).
@@ -1192,6 +1201,7 @@ impl Args {
             monitoring_listen: self.monitoring_listen,
             shutdown_grace: self.shutdown_grace,
             stale_after: self.stale_after,
+            debug_access_wait: self.debug_access_wait,
             demand_timeout: self.demand_timeout,
             bodies,
             effective,

@@ -213,6 +213,7 @@ pub const LIMITS: &[&str] = &[
     "refused_streams",
     "max_grants_per_version",
     "stream_end_timeout",
+    "debug_access_wait",
 ];
 
 /// Every listener label: the flag that configured the port.

@@ -49,6 +49,9 @@ pub struct AdminState {
     pub metrics: Option<PrometheusHandle>,
     /// `--stale-after`.
     pub stale_after: std::time::Duration,
+    /// `--debug-access-wait`: how long a `/debug/access` request waits for
+    /// the one answer being made before it is told to retry.
+    pub access_wait: std::time::Duration,
     /// Reads bodies back for the config dump.
     pub bodies: Arc<crate::source::proto_json::BodyDecoder>,
     /// Every flag's effective value and where it came from (`/debug/config`).
@@ -914,10 +917,6 @@ fn access_form(identity: &str) -> String {
     )
 }
 
-/// How long a `/debug/access` request waits for the one answer being made
-/// before it is told to retry (503, `Retry-After: 1`).
-const ACCESS_WAIT: std::time::Duration = std::time::Duration::from_millis(300);
-
 /// `/debug/access?identity=ID`: what that identity would read of each
 /// collection under the policy in effect (an operator's "why can't it see
 /// X"): all of it, the names its rules grant (with how many of the cached
@@ -940,12 +939,14 @@ async fn access(State(state): State<AdminState>, Query(query): Query<AccessQuery
     // against a long identity, and its name patterns against every cached
     // name, is work the runtime's threads (the monitoring port's `/healthz`
     // among what they serve) do not wait on. A request waits for its turn
-    // at most `ACCESS_WAIT`, then is told to retry: an answer never queues
+    // at most `--debug-access-wait`, then is told to retry (counted as that
+    // limit's refusal): an answer never queues
     // behind many others (16 callers asking about 60,000-character
     // identities at once took up to 2 s each when every one waited; the
     // thirty-third check of issue 42).
     static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
-    let Ok(Ok(_turn)) = tokio::time::timeout(ACCESS_WAIT, ONE_AT_A_TIME.acquire()).await else {
+    let Ok(Ok(_turn)) = tokio::time::timeout(state.access_wait, ONE_AT_A_TIME.acquire()).await else {
+        m::limit_refused("debug_access_wait");
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             [(axum::http::header::RETRY_AFTER, "1")],

@@ -425,13 +425,13 @@ async fn versions_are_taken_by_a_unique_prefix_of_at_least_eight() {
 /// 42 measured 2 s answers when every one waited).
 #[tokio::test]
 async fn concurrent_access_questions_are_answered_or_told_to_retry() {
-    let gw = crate::helpers::start_gateway(&[]).await;
+    let gw = crate::helpers::start_gateway(&["--debug-access-wait", "300ms"]).await;
     let identity = format!("dns:{}", "a".repeat(60_000));
     let asks = (0..12).map(|_| {
         let path = format!("/debug/access?identity={identity}");
         tokio::spawn(async move { crate::helpers::http_exchange(gw.admin, "GET", &path, "").await })
     });
-    let mut answered = 0;
+    let (mut answered, mut retried) = (0, 0);
     for ask in asks {
         let (status, head, body) = ask.await.unwrap();
         match status {
@@ -439,11 +439,14 @@ async fn concurrent_access_questions_are_answered_or_told_to_retry() {
             503 => {
                 assert!(head.contains("retry-after: 1"), "{head}");
                 assert!(body.contains("one at a time"), "{body}");
+                retried += 1;
             }
             other => panic!("{other}: {body}"),
         }
     }
     assert!(answered >= 1, "the first in line is answered");
+    // Each request told to retry is counted as the limit's refusal.
+    crate::limits::refusals_are(gw.monitoring, "debug_access_wait", retried).await;
 }
 
 /// `/debug/access` in a browser: without `?identity` a form (the index links
