@@ -394,9 +394,10 @@ impl<W: Wire> TypedStream<W> {
     /// block rather than an `async fn` (whose arguments its future holds twice,
     /// rust-lang/rust#62958), nothing of the `select!` (its futures, a
     /// request) held while a response is queued, a response made before
-    /// its send waits and rare paths boxed, the waits for rare events poll functions
-    /// over what they borrow, and the gateway's broadcasts (its shutdown, a
-    /// new policy) one poll function woken through the registry. 616 bytes
+    /// its send waits and rare paths boxed, the waits for rare events poll
+    /// functions over what they borrow, and the gateway's broadcasts (its
+    /// shutdown, a new policy) one poll function woken through the
+    /// registry. 616 bytes
     /// (release build) with the tokio task's header and the task tracker's
     /// token make a 768-byte task (tokio aligns tasks to 128); past 656
     /// bytes it would cost 128 more per stream (the heap budgets say so).

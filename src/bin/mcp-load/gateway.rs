@@ -201,11 +201,12 @@ impl ChildGateway {
         ))
     }
 
-    /// What its RSS is made of now: anonymous (heap, stacks) and file-backed
-    /// (the binary's pages it has touched), in bytes.
+    /// Its RSS now, and what it is made of: anonymous (heap, stacks) and
+    /// file-backed (the binary's pages it has touched), in bytes.
     pub fn resident(&self) -> anyhow::Result<Resident> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid))?;
         Ok(Resident {
+            total: proc_field(&status, "VmRSS:")? * 1024,
             anonymous: proc_field(&status, "RssAnon:")? * 1024,
             file: proc_field(&status, "RssFile:")? * 1024,
         })
@@ -234,6 +235,7 @@ impl ChildGateway {
 /// A process's resident memory by kind (`/proc/<pid>/status`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Resident {
+    pub total: u64,
     pub anonymous: u64,
     pub file: u64,
 }

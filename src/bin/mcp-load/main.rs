@@ -898,8 +898,8 @@ where
     let mut publisher = Publisher::start(*shape, catalog).await?;
     let gateways = Gateways::start(binary, &mut publisher, names, run.chain, run.pinning).await?;
     let gateway = &gateways.measured;
-    let rss_before_clients = gateway.memory()?.0;
     let resident_before_clients = gateway.resident()?;
+    let rss_before_clients = resident_before_clients.total;
 
     let frames = Arc::new(clients::Frames::default());
     let sync_start = Instant::now();
@@ -915,7 +915,8 @@ where
         (None, None)
     } else {
         tokio::time::sleep(run.rest).await;
-        (Some(gateway.memory()?.0), Some(gateway.resident()?))
+        let resident = gateway.resident()?;
+        (Some(resident.total), Some(resident))
     };
 
     let attack_stop = CancellationToken::new();
