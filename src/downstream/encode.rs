@@ -903,16 +903,44 @@ impl Layout {
     }
 
     /// A client's own response (its names): each resource's field as the
-    /// piece it is kept as, no copy, unless there are too many pieces for
-    /// one write.
+    /// piece it is kept as, no copy; a field made for each response
+    /// (delta's Envoy form) as made bytes around a slice of the stored body
+    /// record, the made bytes of the whole response in one buffer. Past
+    /// the pieces of one write, everything in one buffer.
+    ///
+    /// Not a buffer per resource: a named delta client's first response
+    /// held 50 of them (~20 KB in 50 chunks) until it was written, and a
+    /// sync of 2,000 clients left the heap those chunks were spread over
+    /// fragmented (BENCHMARKS, session 16).
     fn selected(&self, to: &CollectionSnapshot, diff: &Diff) -> Arc<[Bytes]> {
-        if diff.upserts.len() > MAX_PIECES {
+        // A made field takes two pieces (its made bytes, its stored slice)
+        // and the last name one more; a kept field, one.
+        let most = if self.form == Form::DeltaBody {
+            2 * diff.upserts.len() + 1
+        } else {
+            diff.upserts.len()
+        };
+        if most > MAX_PIECES {
             return self.changes(to, diff);
         }
         let removed = string_fields(self.removed, &diff.removed_names());
         read_ahead(&diff.upserts);
+        let mut pieces = Pieces::new(0);
+        // A made field's bytes beside its body: the record's head, the
+        // content version (16 digits) and the name behind their keys.
+        if self.form == Form::DeltaBody {
+            let made: usize = diff.upserts.iter().map(|r| r.name.len() + 32).sum();
+            pieces.made().reserve(made);
+        }
+        for resource in &diff.upserts {
+            if self.made_each_time(resource) {
+                self.frame(resource, &mut pieces);
+            } else {
+                pieces.stored(self.field(resource));
+            }
+        }
         std::iter::once(self.head(to))
-            .chain(diff.upserts.iter().map(|r| self.field(r)))
+            .chain(pieces.into_parts())
             .chain((!removed.is_empty()).then_some(removed))
             .collect()
     }
@@ -1085,7 +1113,7 @@ mod tests {
     fn delta_bodies_are_made_around_the_stored_record_and_not_kept() {
         use crate::proto::envoy::service::discovery::v3::DeltaDiscoveryResponse;
         let (cache, mut writer) = Cache::new();
-        let many: Vec<_> = (0..100).map(|i| resource(&format!("r{i:03}"), "1")).collect();
+        let many: Vec<_> = (0..150).map(|i| resource(&format!("r{i:03}"), "1")).collect();
         writer.apply(C, Update::Full(many), Origin::Upstream);
         let to = cache.get(C).unwrap();
         let r = &to.resources["r007"];
@@ -1097,14 +1125,14 @@ mod tests {
         });
         put_bytes(DELTA_BODY.resources, &value, &mut made);
         assert_eq!(DELTA_BODY.field(r), made.freeze());
-        let parts = DELTA_BODY.encode(&Push::Selected {
+        let encoded = DELTA_BODY.encode(&Push::Selected {
             to: to.clone(),
             diff: Diff {
                 upserts: vec![r.clone(), to.resources["r008"].clone()],
                 removed: vec!["gone".into()],
             },
         });
-        let decoded = DeltaDiscoveryResponse::decode(response(parts, suffix(Some((4, C)), (5, "1"), None))).unwrap();
+        let decoded = DeltaDiscoveryResponse::decode(response(encoded, suffix(Some((4, C)), (5, "1"), None))).unwrap();
         assert_eq!(decoded.resources.len(), 2);
         assert_eq!(decoded.resources[0].name, "r007");
         assert_eq!(decoded.resources[0].version, r.content_version());
@@ -1114,6 +1142,53 @@ mod tests {
         );
         assert_eq!(decoded.removed_resources, ["gone"]);
         assert!(r.memo.is_empty(), "nothing kept for it");
+        // Each body record a slice of the stored bytes, the made bytes
+        // around them in one buffer: the head, made, r007's body, made,
+        // r008's body, made, the removed name.
+        let selected = |names: &[String], removed: &[&str]| {
+            DELTA_BODY.encode(&Push::Selected {
+                to: to.clone(),
+                diff: Diff {
+                    upserts: names.iter().map(|n| to.resources[n.as_str()].clone()).collect(),
+                    removed: removed.iter().map(|&n| n.into()).collect(),
+                },
+            })
+        };
+        let two = parts(&selected(&["r007".into(), "r008".into()], &["gone"]));
+        assert_eq!(two.len(), 7, "{two:?}");
+        let within = |piece: &Bytes, whole: &[u8]| {
+            let start = whole.as_ptr() as usize;
+            (start..start + whole.len()).contains(&(piece.as_ptr() as usize))
+        };
+        assert!(within(&two[2], &r.encoded), "r007's body record as stored");
+        assert!(within(&two[4], &to.resources["r008"].encoded));
+        assert!(
+            [&two[1], &two[3], &two[5]]
+                .windows(2)
+                .all(|w| w[0].as_ptr() as usize + w[0].len() == w[1].as_ptr() as usize),
+            "the made bytes are one buffer"
+        );
+        // Too many pieces for one write: one buffer, the same records.
+        for count in [MAX_PIECES / 2 - 1, MAX_PIECES / 2] {
+            let names: Vec<String> = (0..count).map(|i| format!("r{i:03}")).collect();
+            let encoded = selected(&names, &[]);
+            let pieces = parts(&encoded).len();
+            if count < MAX_PIECES / 2 {
+                assert_eq!(pieces, 2 * count + 2, "pieces of {count}");
+            } else {
+                assert!(pieces <= 3, "{count} in {pieces} pieces");
+            }
+            let decoded =
+                DeltaDiscoveryResponse::decode(response(encoded, suffix(Some((4, C)), (5, "1"), None))).unwrap();
+            assert_eq!(decoded.resources.len(), count);
+            let last = &to.resources[names[count - 1].as_str()];
+            assert_eq!(decoded.resources[count - 1].name, *last.name);
+            assert_eq!(decoded.resources[count - 1].version, last.content_version());
+            assert_eq!(
+                decoded.resources[count - 1].resource.as_ref().unwrap().encode_to_vec(),
+                body_of(last)
+            );
+        }
         // Whole, for a wildcard client: the same records, nothing kept per
         // resource either.
         DELTA_BODY.full(&to);
