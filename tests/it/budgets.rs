@@ -83,8 +83,12 @@ const LEGACY_STREAM: i64 = 2_450;
 /// connections: a connection's slots and timers, one waker for the
 /// broadcasts" (h2's slab of streams one slot for one stream, not four,
 /// vendor/README.md's fourth part; one timer in the connection's task for
-/// its five deadlines; the stream as `LEGACY_STREAM`).
-const LEGACY_CONNECTION: i64 = 14_000;
+/// its five deadlines; the stream as `LEGACY_STREAM`). 9,401 to 9,403 B since
+/// "h2: the HPACK decoder's scratch buffer made for a header block" (its
+/// 4,096-byte buffer, which the decoded strings kept in the dynamic table
+/// shared, given back after each header block; vendor/README.md's fifth
+/// part).
+const LEGACY_CONNECTION: i64 = 9_900;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many
 /// streams: as the legacy one, and its names, its subscription's view and
@@ -98,8 +102,10 @@ const LEGACY_CONNECTION: i64 = 14_000;
 /// shared"; 3,220 to 3,226 B since "streams and connections: smaller idle
 /// tasks" (as the legacy stream's); 3,147 to 3,155 B since "streams and
 /// connections: a connection's slots and timers, one waker for the
-/// broadcasts" (as the legacy stream's).
-const NAMED_SOTW_STREAM: i64 = 3_250;
+/// broadcasts" (as the legacy stream's). 3,053 to 3,063 B since "h2: the
+/// HPACK decoder's scratch buffer made for a header block" (the streams'
+/// share of their connection's 4,096-byte buffer, 45 streams a connection).
+const NAMED_SOTW_STREAM: i64 = 3_150;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
@@ -110,8 +116,9 @@ const NAMED_SOTW_STREAM: i64 = 3_250;
 /// type URL and a nonce shared"; 3,186 to 3,207 B since "streams and
 /// connections: smaller idle tasks"; 3,131 to 3,138 B since "streams and
 /// connections: a connection's slots and timers, one waker for the
-/// broadcasts".
-const NAMED_DELTA_STREAM: i64 = 3_250;
+/// broadcasts". 3,033 to 3,050 B since "h2: the HPACK decoder's scratch
+/// buffer made for a header block" (as the state-of-the-world stream's).
+const NAMED_DELTA_STREAM: i64 = 3_150;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,
 /// its entry in the collection's map, its name, version and digest, and its

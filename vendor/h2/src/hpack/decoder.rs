@@ -19,6 +19,8 @@ pub struct Decoder {
     max_size_update: Option<usize>,
     last_max_update: usize,
     table: Table,
+    /// Scratch space for a Huffman-coded string, made for a header block
+    /// and given back at its end (vendor/README.md, fifth part).
     buffer: BytesMut,
 }
 
@@ -158,7 +160,7 @@ impl Decoder {
             max_size_update: None,
             last_max_update: size,
             table: Table::new(size),
-            buffer: BytesMut::with_capacity(4096),
+            buffer: BytesMut::new(),
         }
     }
 
@@ -174,7 +176,22 @@ impl Decoder {
     }
 
     /// Decodes the headers found in the given buffer.
-    pub fn decode<F>(
+    ///
+    /// The scratch space of Huffman-coded strings is given back when the
+    /// block is decoded: each decoded string is copied out of it (its own
+    /// allocation, as long as the string), so neither a header kept in the
+    /// dynamic table nor the decoder holds a 4 KiB buffer for the
+    /// connection's whole life.
+    pub fn decode<F>(&mut self, src: &mut Cursor<&mut BytesMut>, f: F) -> Result<(), DecoderError>
+    where
+        F: FnMut(Header) -> ControlFlow<()>,
+    {
+        let decoded = self.decode_block(src, f);
+        self.buffer = BytesMut::new();
+        decoded
+    }
+
+    fn decode_block<F>(
         &mut self,
         src: &mut Cursor<&mut BytesMut>,
         mut f: F,
@@ -338,7 +355,9 @@ impl Decoder {
                 huffman::decode(raw, &mut self.buffer).map(|buf| StringMarker {
                     offset,
                     len,
-                    string: Some(BytesMut::freeze(buf)),
+                    // Copied out: a piece of the scratch buffer would keep
+                    // all of it.
+                    string: Some(Bytes::copy_from_slice(&buf)),
                 })
             };
 
