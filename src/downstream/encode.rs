@@ -881,6 +881,12 @@ impl Layout {
                 self.frame(resource, &mut pieces);
             }
         }
+        self.assembled(to, pieces, diff)
+    }
+
+    /// A response of `diff` whose resources are `pieces`: `to`'s head, the
+    /// pieces as they are, and the names `diff` removes.
+    fn assembled(&self, to: &CollectionSnapshot, pieces: Pieces, diff: &Diff) -> Arc<[Bytes]> {
         let removed = string_fields(self.removed, &diff.removed_names());
         std::iter::once(self.head(to))
             .chain(pieces.into_parts())
@@ -923,7 +929,6 @@ impl Layout {
         if most > MAX_PIECES {
             return self.changes(to, diff);
         }
-        let removed = string_fields(self.removed, &diff.removed_names());
         read_ahead(&diff.upserts);
         let mut pieces = Pieces::new(0);
         // A made field's bytes beside its body: the record's head, the
@@ -939,10 +944,7 @@ impl Layout {
                 pieces.stored(self.field(resource));
             }
         }
-        std::iter::once(self.head(to))
-            .chain(pieces.into_parts())
-            .chain((!removed.is_empty()).then_some(removed))
-            .collect()
+        self.assembled(to, pieces, diff)
     }
 
     /// The whole collection (shared), and removals for the reported names
