@@ -404,7 +404,7 @@ impl CacheState {
             snapshots: Box::new(move |collection| {
                 [false, true]
                     .into_iter()
-                    .map(|canary| served.watch(collection, canary).borrow().clone())
+                    .map(|canary| served.served_snapshot(collection, canary))
                     .collect()
             }),
             changes: rollout.served_changes(),

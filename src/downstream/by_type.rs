@@ -61,6 +61,12 @@ impl<V> ByType<V> {
         self.find(key).ok().map(|at| &self.entries[at].0)
     }
 
+    /// The entry at `at` (in key order): panics past the end.
+    pub fn at_mut(&mut self, at: usize) -> (&SharedStr, &mut V) {
+        let (key, value) = &mut self.entries[at];
+        (key, value)
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }

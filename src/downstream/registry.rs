@@ -290,7 +290,8 @@ pub struct Registry {
 }
 
 /// A stream as the registry holds it: its view, and the waker of its task's
-/// wait for the gateway's broadcasts ([`Registry::wake_all`]).
+/// waits for the gateway's broadcasts ([`Registry::wake_all`]) and for the
+/// versions of the types it follows (`wakes`).
 #[derive(Debug)]
 struct Tracked {
     view: Mutex<StreamView>,
@@ -376,9 +377,10 @@ pub struct RegistryEntry {
 }
 
 impl RegistryEntry {
-    /// The waker [`Registry::wake_all`] wakes: a stream registers its task
-    /// here, then reads what a broadcast would have changed (a waiter of its
-    /// own for each would be room in every idle stream's task).
+    /// The waker [`Registry::wake_all`] and the slots' followers (`wakes`)
+    /// wake: a stream registers its task here, then reads what a broadcast
+    /// or a version would have changed (a waiter of its own for each would
+    /// be room in every idle stream's task).
     pub fn control(&self) -> &AtomicWaker {
         &self.view.control
     }
@@ -426,7 +428,7 @@ impl RegistryEntry {
     }
 
     /// A handle on the stream's view, for what is shown of it without its
-    /// task running ([`ViewHandle::untouched`]).
+    /// task running ([`ViewHandle::untouched`]), and on its task's waker.
     pub fn handle(&self) -> ViewHandle {
         ViewHandle(self.view.clone())
     }
@@ -443,6 +445,11 @@ impl RegistryEntry {
 pub struct ViewHandle(Arc<Tracked>);
 
 impl ViewHandle {
+    /// Wakes the stream's task (its wait for what changed: see `wakes`).
+    pub fn wake(&self) {
+        self.0.control.wake();
+    }
+
     /// A version `to` left every name the stream's type asks for as it was
     /// at `from`: a client that held `from` (ACKed, nothing outstanding, no
     /// NACK standing) holds `to` as well, as its task would have settled it

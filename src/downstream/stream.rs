@@ -11,7 +11,7 @@ use std::task::Poll;
 
 use bytes::Bytes;
 use tokio_stream::wrappers::WatchStream;
-use tokio_stream::{Stream, StreamExt, StreamMap};
+use tokio_stream::Stream;
 use tonic::Status;
 
 use tokio::sync::watch;
@@ -27,7 +27,7 @@ use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::{CanaryClient, Rollout};
 use super::service::TrySend;
 use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
-use super::wakes::{Registration, Wakes};
+use super::wakes::{Following, Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
     nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
@@ -57,10 +57,11 @@ struct Followed {
     /// woken by it (`None`: a canary, or a type nobody serves, follows its
     /// slot whatever it names).
     named: Option<Arc<Wakes>>,
-    /// In `named`, while the client names what it reads, with no grant
-    /// (a restricted client's view has versions of its own, which the
-    /// index cannot show it at): it is woken by the index, not the slot.
-    registration: Option<Box<Registration>>,
+    /// What says its slot changed: the index (`named`) while the client
+    /// names what it reads, with no grant (a restricted client's view has
+    /// versions of its own, which the index cannot show it at); every
+    /// version of its slot otherwise.
+    woken_by: WokenBy,
     /// Where an Envoy type stands in the order of make before break
     /// (`None`: a type whose order does not matter).
     rank: Option<Rank>,
@@ -73,7 +74,35 @@ struct Followed {
     sent_for: Option<SharedStr>,
 }
 
+/// What tells a stream that a followed type's slot was served a version
+/// the type must look at (see `wakes`).
+enum WokenBy {
+    /// Nothing: a type nobody serves, answered once.
+    Nothing,
+    /// Every version of its slot: its receiver of the slot says so.
+    Slot(#[allow(dead_code, reason = "held: the type leaves its slot's followers when it is dropped")] Following),
+    /// The versions that change a name it asks for.
+    Names(Box<Registration>),
+}
+
 impl Followed {
+    /// Whether its slot changed in a way that concerns it since this was
+    /// last asked (asking marks it seen).
+    fn take_change(&mut self) -> bool {
+        match (&self.woken_by, &mut self.answer) {
+            (WokenBy::Names(registration), _) => registration.take_woken(),
+            (WokenBy::Slot(_), Answer::Served(slot) | Answer::Overdue { slot, .. }) => {
+                // A slot whose sender is gone never changes again.
+                let changed = slot.has_changed().unwrap_or(false);
+                if changed {
+                    slot.mark_unchanged();
+                }
+                changed
+            }
+            _ => false,
+        }
+    }
+
     /// Its last response was refused (NACKed, nothing ACKed since), and it
     /// was made for `version`: the client refused `version`'s change.
     fn refused(&self, version: &str) -> bool {
@@ -160,6 +189,31 @@ fn broadcast<'a>(
         } else {
             Poll::Pending
         }
+    })
+}
+
+/// The next followed type whose slot changed (see `wakes`): a poll function
+/// that registers the stream's task in its registry entry, then asks each
+/// type, from the one after the type it last found (so that no type's
+/// changes keep another's waiting). A watch per type was a boxed future in
+/// every idle stream's heap (160 bytes a type).
+fn changed<'a>(
+    entry: &'a RegistryEntry,
+    types: &'a mut ByType<Followed>,
+    turn: &'a mut usize,
+) -> impl Future<Output = SharedStr> + 'a {
+    std::future::poll_fn(move |cx| {
+        entry.control().register(cx.waker());
+        let count = types.len();
+        for i in 0..count {
+            let at = (*turn + i) % count;
+            let (type_url, followed) = types.at_mut(at);
+            if followed.take_change() {
+                *turn = at + 1;
+                return Poll::Ready(type_url.clone());
+            }
+        }
+        Poll::Pending
     })
 }
 
@@ -311,16 +365,14 @@ impl Drop for Canary {
     }
 }
 
-/// What wakes each followed type, by its type URL.
-type Changes = StreamMap<SharedStr, WatchStream<Option<Arc<CollectionSnapshot>>>>;
-
 pub(super) struct TypedStream<W> {
     shared: Downstream,
     entry: RegistryEntry,
     id: u64,
     /// By the type the client named.
     types: ByType<Followed>,
-    changes: Changes,
+    /// Where [`changed`] looks first: after the type it last found.
+    turn: usize,
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
     /// Made at the first stale request or NACK: most streams have neither.
@@ -369,9 +421,7 @@ impl<W: Wire> TypedStream<W> {
             entry,
             id,
             types: ByType::new(),
-            // Most streams follow one type: room for one (`StreamMap` would
-            // make room for four at its first insert).
-            changes: StreamMap::with_capacity(1),
+            turn: 0,
             last_nonce: 0,
             logs: None,
             peer_gateway: None,
@@ -451,7 +501,7 @@ impl<W: Wire> TypedStream<W> {
                             break (End::of(&status), Some(status));
                         }
                     },
-                    Some((type_url, _)) = self.changes.next() => Step::Changed(type_url),
+                    type_url = changed(&self.entry, &mut self.types, &mut self.turn) => Step::Changed(type_url),
                     // This gateway's upstream chain changed: a gateway peer that
                     // is now upstream of it would close a loop.
                     refused = chain_changed(&mut self.peer_gateway, &self.shared) => {
@@ -575,7 +625,7 @@ impl<W: Wire> TypedStream<W> {
         });
         // Its names are in the index before the slot is read again: a
         // version published meanwhile wakes it (see `wakes`).
-        let rewired = rewire(followed, &mut self.changes, &self.entry, &type_url);
+        let rewired = rewire(followed, &self.entry, &type_url);
         let collection = followed.state.view.collection.clone();
         match &verdict {
             Verdict::Stale { expected } => {
@@ -675,32 +725,32 @@ struct Accepted {
 /// the index of the names a version changes while it names what it reads
 /// (and has no grant), by its slot otherwise. True when that changed: the
 /// slot is read again after it (see `wakes`).
-fn rewire(followed: &mut Followed, changes: &mut Changes, entry: &RegistryEntry, type_url: &SharedStr) -> bool {
-    let (Some(index), Answer::Served(slot) | Answer::Overdue { slot, .. }) = (&followed.named, &followed.answer) else {
+fn rewire(followed: &mut Followed, entry: &RegistryEntry, type_url: &SharedStr) -> bool {
+    let (Some(index), Answer::Served(slot) | Answer::Overdue { slot, .. }) = (&followed.named, &mut followed.answer)
+    else {
         return false;
     };
     let names = match (&followed.grant, followed.state.named()) {
         (None, Some(named)) if !named.current().wildcard => Some(&named.current().names),
         _ => None,
     };
-    match (names, &mut followed.registration) {
-        (Some(names), Some(registration)) if registration.is_for(names) => false,
-        (Some(names), Some(registration)) => {
+    match (names, &mut followed.woken_by) {
+        (Some(names), WokenBy::Names(registration)) if registration.is_for(names) => false,
+        (Some(names), WokenBy::Names(registration)) => {
             registration.rename(names);
             true
         }
-        (Some(names), None) => {
-            let (registration, wake) = index.register(names, entry.handle(), type_url);
-            followed.registration = Some(Box::new(registration));
-            changes.insert(type_url.clone(), WatchStream::from_changes(wake));
+        (Some(names), _) => {
+            followed.woken_by = WokenBy::Names(Box::new(index.register(names, entry.handle(), type_url)));
             true
         }
-        (None, Some(_)) => {
-            followed.registration = None;
-            changes.insert(type_url.clone(), WatchStream::from_changes(slot.clone()));
+        (None, WokenBy::Names(_)) => {
+            followed.woken_by = WokenBy::Slot(index.follow(entry.handle()));
+            // What the slot holds now is read after this.
+            slot.mark_unchanged();
             true
         }
-        (None, None) => false,
+        (None, _) => false,
     }
 }
 
@@ -708,13 +758,7 @@ fn rewire(followed: &mut Followed, changes: &mut Changes, entry: &RegistryEntry,
 /// gave its stream the right to be a canary, or took it away); true when it
 /// moved. The type is then woken by its new slot (or, in everyone's group,
 /// by the names it reads, once rewired).
-fn regroup(
-    followed: &mut Followed,
-    canary: bool,
-    rollout: &Rollout,
-    changes: &mut Changes,
-    type_url: &SharedStr,
-) -> bool {
+fn regroup(followed: &mut Followed, canary: bool, rollout: &Rollout, entry: &RegistryEntry) -> bool {
     // A served type follows the canaries' slot exactly when it has no index
     // of names (see `follow`).
     let was_canary = followed.named.is_none();
@@ -722,14 +766,13 @@ fn regroup(
         return false;
     }
     let collection = followed.state.view.collection.clone();
-    let slot = rollout.watch(&collection, canary);
-    followed.named = (!canary).then(|| rollout.named(&collection));
-    followed.registration = None;
+    let (slot, wakes) = rollout.watch(&collection, canary);
+    followed.woken_by = WokenBy::Slot(wakes.follow(entry.handle()));
+    followed.named = (!canary).then_some(wakes);
     followed.answer = match followed.answer {
-        Answer::Overdue { .. } => Answer::overdue(slot.clone(), collection),
-        _ => Answer::Served(slot.clone()),
+        Answer::Overdue { .. } => Answer::overdue(slot, collection),
+        _ => Answer::Served(slot),
     };
-    changes.insert(type_url.clone(), WatchStream::from_changes(slot));
     true
 }
 
@@ -1235,7 +1278,7 @@ impl<W: Wire> TypedStream<W> {
             )),
         };
         let mut grant = None;
-        let (resolved, answer, named) = match target {
+        let (resolved, answer, named, woken_by) = match target {
             Target::Collection(resolved) => {
                 // Not marked seen: a reload this stream has not yet applied
                 // to its other types still wakes it (`regrant`).
@@ -1271,16 +1314,16 @@ impl<W: Wire> TypedStream<W> {
                         &self.entry,
                     )
                 });
-                let named = (!canary).then(|| rollout.named(&resolved.collection));
-                let slot = rollout.watch(&resolved.collection, canary);
-                self.changes
-                    .insert(type_url.clone(), WatchStream::from_changes(slot.clone()));
+                let (slot, wakes) = rollout.watch(&resolved.collection, canary);
+                // Among its slot's followers before the slot is read.
+                let woken_by = WokenBy::Slot(wakes.follow(self.entry.handle()));
+                let named = (!canary).then_some(wakes);
                 let answer = if overdue {
                     Answer::overdue(slot, resolved.collection.clone())
                 } else {
                     Answer::Served(slot)
                 };
-                (resolved, answer, named)
+                (resolved, answer, named, woken_by)
             }
             Target::Unserved => {
                 let collection: SharedStr = SharedStr::from(UNSERVED);
@@ -1288,7 +1331,12 @@ impl<W: Wire> TypedStream<W> {
                     collection: collection.clone(),
                     dialect: Dialect::Xds,
                 };
-                (resolved, Answer::Unserved(CollectionSnapshot::empty(collection)), None)
+                (
+                    resolved,
+                    Answer::Unserved(CollectionSnapshot::empty(collection)),
+                    None,
+                    WokenBy::Nothing,
+                )
             }
         };
         self.note_generation(&resolved, request);
@@ -1313,7 +1361,7 @@ impl<W: Wire> TypedStream<W> {
                 answer,
                 grant,
                 named,
-                registration: None,
+                woken_by,
                 rank,
                 sent_change: Change::NONE,
                 sent_for: None,
@@ -1379,13 +1427,7 @@ impl<W: Wire> TypedStream<W> {
             let canary = self.canary.as_mut().is_some_and(|canary| {
                 canary.decide(&policy, &self.identity, &collection, grant.is_some(), &self.entry)
             });
-            let regrouped = regroup(
-                followed,
-                canary,
-                &self.shared.inner.rollout,
-                &mut self.changes,
-                type_url,
-            );
+            let regrouped = regroup(followed, canary, &self.shared.inner.rollout, &self.entry);
             if !same {
                 followed.grant = match grant {
                     // A connected client's new grant: held past the limit
@@ -1398,7 +1440,7 @@ impl<W: Wire> TypedStream<W> {
                 };
             }
             if !same || regrouped {
-                rewire(followed, &mut self.changes, &self.entry, type_url);
+                rewire(followed, &self.entry, type_url);
                 changed.push(type_url.clone());
             }
         }
@@ -1436,9 +1478,8 @@ impl<W: Wire> TypedStream<W> {
                 );
                 followed.answer = Answer::Unserved(CollectionSnapshot::empty(collection));
                 followed.rank = None;
-                followed.registration = None;
+                followed.woken_by = WokenBy::Nothing;
                 followed.named = None;
-                self.changes.remove(type_url);
                 answered.push(type_url.clone());
             } else if subscriptions.is_overdue(&collection) {
                 tracing::info!(

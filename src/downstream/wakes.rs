@@ -1,12 +1,26 @@
-//! Which named clients a version touches (issue 34): an index from resource
-//! name to the streams that subscribed to it by name, kept with their
-//! subscriptions, so that a new version wakes exactly the clients whose
-//! names it changed. Waking every client of a type on every version, and
-//! each finding (most of the time) that nothing it asks for changed, was
-//! the first cost of a named fan-out: 60 % of an Envoy fleet's EDS clients
-//! are woken for nothing at 1 % of the endpoints changing.
+//! What wakes a stream's task when a slot is served a new version (issue
+//! 34, issue 44): its registry entry's waker, which the stream registers
+//! its task with at every wait ([`super::registry::RegistryEntry::control`]),
+//! and, per followed type, what says the type is the one that changed.
 //!
-//! Wildcard clients follow their slot as before (every version is theirs).
+//! Two kinds of follower per slot (a collection, for one group of clients):
+//! - A named client (it subscribed to names, not wildcard, and has no
+//!   grant) is in an index from resource name to the clients that asked for
+//!   it, so a new version wakes exactly the clients whose names it changed
+//!   and sets their [`Registration`]'s flag. Waking every client of a type
+//!   on every version, and each finding (most of the time) that nothing it
+//!   asks for changed, was the first cost of a named fan-out: 60 % of an
+//!   Envoy fleet's EDS clients are woken for nothing at 1 % of the
+//!   endpoints changing.
+//! - Every other served type ([`Following`]: a legacy or wildcard client, a
+//!   canary, a client with a grant) is woken by every version of its slot,
+//!   and reads its own receiver of the slot to see that it changed.
+//!
+//! A waker of the stream's own rather than a watch per followed type: the
+//! `changed()` future a watch is awaited with is boxed for each type a
+//! stream follows (160 bytes in every idle stream's heap), and a named
+//! client's watch of its own was a channel (~400 bytes) besides.
+//!
 //! A named client a version leaves alone holds that version as well: it is
 //! shown at it (its registry view, as its task would have settled it),
 //! without its task running.
@@ -19,16 +33,20 @@
 //! an eds run's peak grew by 18 MiB, old versions kept by clients that no
 //! version touched).
 //!
-//! The order that loses no wake: a stream registers its names before it
-//! reads the slot; the publisher replaces the slot's snapshot before it
-//! reads the index. A version published before the registration is read by
-//! the stream; one published after it finds the stream in the index.
+//! The order that loses no wake: a stream registers (its names, or itself
+//! as a follower) before it reads the slot; the publisher replaces the
+//! slot's snapshot before it reads the index. A version published before
+//! the registration is read by the stream; one published after it finds
+//! the stream in the index. The stream's task registers its waker before
+//! it reads the flags and receivers, and the publisher sets them before it
+//! wakes it.
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::watch;
+use slab::Slab;
 
 use super::names::{changed_names, NameSet};
 use super::registry::ViewHandle;
@@ -39,12 +57,7 @@ use crate::SharedStr;
 /// of the one it was sent.
 pub const SETTLE_AFTER: u8 = 4;
 
-/// What a woken stream's watch carries: never a snapshot (`None`), so that
-/// a client the versions leave alone pins none of them; the stream reads
-/// its slot when woken.
-pub type Wake = watch::Receiver<Option<Arc<CollectionSnapshot>>>;
-
-/// One slot's named clients (a collection, for one group of clients).
+/// One slot's followers (a collection, for one group of clients).
 #[derive(Default)]
 pub struct Wakes(Mutex<Index>);
 
@@ -54,6 +67,7 @@ impl std::fmt::Debug for Wakes {
         f.debug_struct("Wakes")
             .field("clients", &index.clients.len())
             .field("names", &index.by_name.len())
+            .field("following", &index.following.len())
             .finish()
     }
 }
@@ -64,11 +78,18 @@ struct Index {
     by_name: HashMap<SharedStr, Vec<u64>>,
     clients: HashMap<u64, Client>,
     next: u64,
+    /// The streams woken by every version (a slab: 16 bytes a stream,
+    /// where a hash map took ~35 with its growth).
+    following: Slab<ViewHandle>,
+    /// The state of the generator of the followers' wake order.
+    order: u64,
 }
 
 struct Client {
-    wake: watch::Sender<Option<Arc<CollectionSnapshot>>>,
-    /// Its registry view and type, shown at a version that leaves it alone.
+    /// Set when a version changed one of its names (or it is to settle).
+    woken: Arc<AtomicBool>,
+    /// Its registry view and type, shown at a version that leaves it alone,
+    /// and the waker of its task.
     view: ViewHandle,
     type_url: Box<str>,
     /// Versions in a row that left it alone.
@@ -78,7 +99,9 @@ struct Client {
 impl Client {
     fn wake(&mut self) {
         self.untouched = 0;
-        self.wake.send_replace(None);
+        // Set before the task is woken: it reads the flag once woken.
+        self.woken.store(true, AtomicOrdering::Release);
+        self.view.wake();
     }
 }
 
@@ -89,8 +112,8 @@ impl Wakes {
 
     /// A stream's type asks for `names` (not wildcard): it is woken when a
     /// version changes one of them, until the registration is dropped.
-    pub fn register(self: &Arc<Self>, names: &NameSet, view: ViewHandle, type_url: &str) -> (Registration, Wake) {
-        let (wake, receiver) = watch::channel(None);
+    pub fn register(self: &Arc<Self>, names: &NameSet, view: ViewHandle, type_url: &str) -> Registration {
+        let woken = Arc::new(AtomicBool::new(false));
         let mut index = self.lock();
         let key = index.next;
         index.next += 1;
@@ -100,25 +123,37 @@ impl Wakes {
         index.clients.insert(
             key,
             Client {
-                wake,
+                woken: woken.clone(),
                 view,
                 type_url: type_url.into(),
                 untouched: 0,
             },
         );
         drop(index);
-        let registration = Registration {
+        Registration {
             wakes: self.clone(),
             key,
             names: names.clone(),
-        };
-        (registration, receiver)
+            woken,
+        }
     }
 
-    /// The slot went from `from` to `to`: the clients whose names changed
-    /// are woken, and the others shown at `to` when they held `from`.
+    /// A stream's type follows every version of the slot: its task is
+    /// woken by each, until the returned guard is dropped.
+    pub fn follow(self: &Arc<Self>, view: ViewHandle) -> Following {
+        let key = self.lock().following.insert(view);
+        Following {
+            wakes: self.clone(),
+            key,
+        }
+    }
+
+    /// The slot went from `from` to `to`: its followers are woken; of the
+    /// named clients, those whose names changed are woken, and the others
+    /// shown at `to` when they held `from`.
     pub fn published(&self, from: Option<&Arc<CollectionSnapshot>>, to: Option<&Arc<CollectionSnapshot>>) {
         let mut index = self.lock();
+        index.wake_followers();
         if index.clients.is_empty() {
             return;
         }
@@ -154,10 +189,11 @@ impl Wakes {
         }
     }
 
-    /// The named clients, for tests.
+    /// The named clients and the followers, for tests.
     #[cfg(test)]
-    fn clients(&self) -> usize {
-        self.lock().clients.len()
+    fn clients(&self) -> (usize, usize) {
+        let index = self.lock();
+        (index.clients.len(), index.following.len())
     }
 }
 
@@ -166,12 +202,19 @@ pub struct Registration {
     wakes: Arc<Wakes>,
     key: u64,
     names: NameSet,
+    woken: Arc<AtomicBool>,
 }
 
 impl Registration {
     /// Whether these are the names it is registered with.
     pub fn is_for(&self, names: &NameSet) -> bool {
         self.names.same(names)
+    }
+
+    /// Whether a version changed one of its names (or it is to settle)
+    /// since this was last asked; asking clears it.
+    pub fn take_woken(&self) -> bool {
+        self.woken.swap(false, AtomicOrdering::AcqRel)
     }
 
     /// The client now asks for `names`: the index follows, name by name
@@ -210,6 +253,35 @@ impl Registration {
 }
 
 impl Index {
+    /// Wakes every follower, in an order of its own at each version: the
+    /// keys as a random affine permutation (an odd multiplier and an
+    /// offset, modulo a power of two at least the slab's size), so that no
+    /// stream is woken first or last at every version. Woken in the order
+    /// of their keys, the same streams waited longest at each version of a
+    /// fan-out, and the median response took 40 % longer (BENCHMARKS,
+    /// session 18).
+    fn wake_followers(&mut self) {
+        if self.following.is_empty() {
+            return;
+        }
+        if self.order == 0 {
+            use std::hash::{BuildHasher, Hasher};
+            self.order = std::collections::hash_map::RandomState::new().build_hasher().finish() | 1;
+        }
+        // xorshift64: cheap, and only an order depends on it.
+        self.order ^= self.order << 13;
+        self.order ^= self.order >> 7;
+        self.order ^= self.order << 17;
+        let span = self.following.capacity().next_power_of_two();
+        let (stride, offset) = ((self.order | 1) as usize, (self.order >> 32) as usize);
+        for i in 0..span {
+            let key = stride.wrapping_mul(i).wrapping_add(offset) & (span - 1);
+            if let Some(follower) = self.following.get(key) {
+                follower.wake();
+            }
+        }
+    }
+
     fn forget(&mut self, name: &str, key: u64) {
         if let Some(keys) = self.by_name.get_mut(name) {
             keys.retain(|k| *k != key);
@@ -230,82 +302,224 @@ impl Drop for Registration {
     }
 }
 
+/// A stream's type among a slot's followers; it leaves when dropped.
+pub struct Following {
+    wakes: Arc<Wakes>,
+    key: usize,
+}
+
+impl Drop for Following {
+    fn drop(&mut self) {
+        self.wakes.lock().following.remove(self.key);
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
     use super::*;
-    use crate::cache::{Cache, CacheWriter, Origin, Update};
+    use crate::cache::{Cache, Origin, Update};
     use crate::collections::{Dialect, Resolved};
     use crate::downstream::names::tests::resource;
-    use crate::downstream::registry::{Protocol, Registry, TypeView};
+    use crate::downstream::registry::{Protocol, Registry, RegistryEntry, TypeView};
 
     fn names(names: &[&str]) -> NameSet {
         NameSet::from_unsorted(names.iter().map(|n| SharedStr::from(*n)).collect())
     }
 
-    /// A version wakes the clients whose names it changed and no other; a
-    /// renamed client is woken by its new names only; a dropped one leaves
-    /// the index; a delivery (or a collection gone) wakes every client.
-    #[tokio::test]
-    async fn a_version_wakes_exactly_the_clients_whose_names_it_changed() {
+    /// The versions of a collection that its full states make, applied
+    /// in turn.
+    fn versions<const N: usize>(states: [&[(&str, &str)]; N]) -> [Arc<CollectionSnapshot>; N] {
         let (cache, mut writer) = Cache::new();
-        let put = |writer: &mut CacheWriter, entries: &[(&str, &str)]| {
+        states.map(|entries| {
             let resources = entries.iter().map(|(n, v)| resource(n, v)).collect();
             writer.apply("c", Update::Full(resources), Origin::Upstream);
             cache.get("c").expect("applied")
-        };
-        let v1 = put(&mut writer, &[("a", "1"), ("b", "1"), ("c", "1")]);
-        let v2 = put(&mut writer, &[("a", "2"), ("b", "1"), ("c", "1"), ("d", "1")]);
+        })
+    }
+
+    /// A waker that counts its wakes.
+    struct Counted(AtomicUsize);
+
+    impl std::task::Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, AtomicOrdering::SeqCst);
+        }
+    }
+
+    /// A stream's task as the index wakes it: its registry entry, with a
+    /// counting waker registered as the task's.
+    struct Task {
+        entry: RegistryEntry,
+        waker: Arc<Counted>,
+    }
+
+    impl Task {
+        fn new(registry: &Arc<Registry>, id: u64) -> Self {
+            let entry = registry.register(id, None, Protocol::XdsSotw, "x");
+            let waker = Arc::new(Counted(AtomicUsize::new(0)));
+            entry.control().register(&waker.clone().into());
+            Task { entry, waker }
+        }
+
+        /// Whether the task was woken since this was last asked; its waker
+        /// is registered again, as the task's next wait does.
+        fn woken(&self) -> bool {
+            let wakes = self.waker.0.swap(0, AtomicOrdering::SeqCst);
+            self.entry.control().register(&self.waker.clone().into());
+            wakes > 0
+        }
+    }
+
+    /// A slot's index, and `N` streams' tasks (ids 1 to `N`).
+    fn tasks<const N: usize>() -> (Arc<Wakes>, [Task; N]) {
         let registry = Arc::new(Registry::default());
-        let wakes = Arc::new(Wakes::default());
-        let entry = |id| registry.register(id, None, Protocol::XdsSotw, "x").handle();
-        let (a, mut wake_a) = wakes.register(&names(&["a", "b"]), entry(1), "t");
+        let tasks = std::array::from_fn(|i| Task::new(&registry, i as u64 + 1));
+        (Arc::new(Wakes::default()), tasks)
+    }
+
+    /// A version wakes the clients whose names it changed and no other,
+    /// their tasks and their flags; a renamed client is woken by its new
+    /// names only; a dropped one leaves the index; a delivery (or a
+    /// collection gone) wakes every client.
+    #[tokio::test]
+    async fn a_version_wakes_exactly_the_clients_whose_names_it_changed() {
+        let [v1, v2] = versions([
+            &[("a", "1"), ("b", "1"), ("c", "1")],
+            &[("a", "2"), ("b", "1"), ("c", "1"), ("d", "1")],
+        ]);
+        let (wakes, [task_a, task_b, task_none]) = tasks();
+        let a = wakes.register(&names(&["a", "b"]), task_a.entry.handle(), "t");
         // b's client ACKed v1: a version that leaves its names alone shows
         // it at that version.
-        let entry_b = registry.register(2, None, Protocol::XdsSotw, "x");
         let mut view = TypeView::new(Resolved {
             collection: "c".into(),
             dialect: Dialect::Xds,
         });
         view.acked_version = Some(v1.version.clone());
-        entry_b.publish(&SharedStr::from("t"), view);
-        let (mut b, mut wake_b) = wakes.register(&names(&["b", "c"]), entry_b.handle(), "t");
-        let (_none, wake_none) = wakes.register(&NameSet::default(), entry(3), "t");
+        task_b.entry.publish(&SharedStr::from("t"), view);
+        let mut b = wakes.register(&names(&["b", "c"]), task_b.entry.handle(), "t");
+        let none = wakes.register(&NameSet::default(), task_none.entry.handle(), "t");
         wakes.published(Some(&v1), Some(&v2));
-        assert!(wake_a.has_changed().unwrap(), "a changed: its client is woken");
-        assert!(!wake_b.has_changed().unwrap(), "neither b nor c changed");
-        let shown = entry_b.view().types.get("t").and_then(|t| t.acked_version.clone());
+        assert!(a.take_woken() && task_a.woken(), "a changed: its client is woken");
+        assert!(!a.take_woken(), "asking clears it");
+        assert!(!b.take_woken() && !task_b.woken(), "neither b nor c changed");
+        let shown = task_b.entry.view().types.get("t").and_then(|t| t.acked_version.clone());
         assert_eq!(shown, Some(v2.version.clone()), "untouched, it holds v2 as well");
-        assert!(!wake_none.has_changed().unwrap(), "no names: never touched");
-        wake_a.mark_unchanged();
+        assert!(!none.take_woken() && !task_none.woken(), "no names: never touched");
         // The same version again: nobody.
         wakes.published(Some(&v2), Some(&v2));
-        assert!(!wake_a.has_changed().unwrap());
+        assert!(!a.take_woken() && !task_a.woken());
         // `d` was added: the client that renames to it is woken by it.
         b.rename(&names(&["c", "d"]));
         wakes.published(Some(&v1), Some(&v2));
-        assert!(wake_b.has_changed().unwrap(), "d is new since v1");
-        wake_b.mark_unchanged();
-        wake_a.mark_unchanged();
+        assert!(b.take_woken() && task_b.woken(), "d is new since v1");
+        a.take_woken();
         b.rename(&names(&["c"]));
         wakes.published(Some(&v1), Some(&v2));
-        assert!(!wake_b.has_changed().unwrap(), "d left its names");
+        assert!(!b.take_woken() && !task_b.woken(), "d left its names");
         // Left alone SETTLE_AFTER versions in a row (one above): woken to
         // let go of the version it holds.
         for _ in 1..SETTLE_AFTER - 1 {
             wakes.published(Some(&v1), Some(&v2));
-            assert!(!wake_b.has_changed().unwrap());
+            assert!(!b.take_woken());
         }
         wakes.published(Some(&v1), Some(&v2));
-        assert!(wake_b.has_changed().unwrap(), "settled after {SETTLE_AFTER} versions");
-        wake_b.mark_unchanged();
+        assert!(
+            b.take_woken() && task_b.woken(),
+            "settled after {SETTLE_AFTER} versions"
+        );
         wakes.published(None, Some(&v2));
-        assert!(wake_b.has_changed().unwrap() && wake_none.has_changed().unwrap());
+        assert!(b.take_woken() && none.take_woken() && task_none.woken());
         drop(a);
-        assert_eq!(wakes.clients(), 2);
-        assert!(wake_a.has_changed().is_err(), "a dropped registration closes its wake");
+        assert_eq!(wakes.clients(), (2, 0));
         drop(b);
         let index = wakes.lock();
         assert_eq!(index.by_name.len(), 0, "no name is kept for clients that left");
         drop(index);
+    }
+
+    /// A type that follows its slot is woken by every version of it,
+    /// whatever the version changed, until it stops following; a named
+    /// client of the same slot is not woken by a version that leaves its
+    /// names alone.
+    #[tokio::test]
+    async fn a_follower_is_woken_by_every_version_until_it_leaves() {
+        let [v1, v2] = versions([&[("a", "1"), ("b", "1")], &[("a", "2"), ("b", "1")]]);
+        let (wakes, [follower, other, named]) = tasks();
+        let following = wakes.follow(follower.entry.handle());
+        let also = wakes.follow(other.entry.handle());
+        let b = wakes.register(&names(&["b"]), named.entry.handle(), "t");
+        assert_eq!(wakes.clients(), (1, 2));
+        wakes.published(None, Some(&v1));
+        assert!(follower.woken() && other.woken(), "delivered: every follower");
+        assert!(b.take_woken() && named.woken(), "delivered: every named client");
+        wakes.published(Some(&v1), Some(&v2));
+        assert!(follower.woken() && other.woken(), "a version that changed a only");
+        assert!(!b.take_woken() && !named.woken(), "b did not change");
+        drop(following);
+        assert_eq!(wakes.clients(), (1, 1));
+        wakes.published(Some(&v2), None);
+        assert!(!follower.woken(), "it left");
+        assert!(other.woken() && b.take_woken());
+        drop(also);
+        assert_eq!(wakes.clients(), (1, 0));
+    }
+
+    /// A waker that logs its stream's id when woken.
+    struct Logged {
+        id: u64,
+        log: Arc<Mutex<Vec<u64>>>,
+    }
+
+    impl std::task::Wake for Logged {
+        fn wake(self: Arc<Self>) {
+            self.log.lock().unwrap().push(self.id);
+        }
+    }
+
+    /// Every version wakes each follower once, those that left none, and
+    /// not in the same order each time: no stream is always woken last.
+    #[tokio::test]
+    async fn followers_are_each_woken_once_a_version_in_an_order_that_moves() {
+        let [v1] = versions([&[("a", "1")]]);
+        let registry = Arc::new(Registry::default());
+        let wakes = Arc::new(Wakes::default());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut streams: Vec<_> = (0..37)
+            .map(|id| {
+                let entry = registry.register(id, None, Protocol::Sotw, "x");
+                let waker = Arc::new(Logged { id, log: log.clone() });
+                let following = wakes.follow(entry.handle());
+                (entry, waker, Some(following))
+            })
+            .collect();
+        // Some leave: their keys are vacant in the slab.
+        for gone in [0, 5, 17, 36] {
+            streams[gone].2 = None;
+        }
+        let staying: Vec<u64> = streams
+            .iter()
+            .filter(|s| s.2.is_some())
+            .map(|s| s.0.view().id)
+            .collect();
+        let mut orders = Vec::new();
+        for _ in 0..8 {
+            for (entry, waker, _) in &streams {
+                entry.control().register(&waker.clone().into());
+            }
+            wakes.published(None, Some(&v1));
+            let order = std::mem::take(&mut *log.lock().unwrap());
+            let mut woken = order.clone();
+            woken.sort_unstable();
+            assert_eq!(woken, staying, "each follower once, and none that left");
+            orders.push(order);
+        }
+        assert!(
+            orders.iter().any(|order| order != &orders[0]),
+            "eight versions woke the followers in one order: {:?}",
+            orders[0]
+        );
     }
 }

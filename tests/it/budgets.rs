@@ -62,8 +62,11 @@ use crate::xds::{ack_sotw, cluster_doc, delta_ack};
 /// +24 B there, and a response made before its send waits; h2's slab of the
 /// connection's streams grown by a quarter, so these 45 streams a
 /// connection take 53 slots where doubling took 48: +36 B a stream here,
-/// fewer in general, see `LEGACY_CONNECTION`).
-const LEGACY_STREAM: i64 = 2_450;
+/// fewer in general, see `LEGACY_CONNECTION`). 2,185 to 2,189 B since
+/// "streams: woken through their registry entry" (its slot wakes it through
+/// the registry entry's waker, and a slab of 16 bytes a follower, where a
+/// `WatchStream` boxed a 160-byte `changed()` future per followed type).
+const LEGACY_STREAM: i64 = 2_300;
 /// An idle plaintext connection with one idle legacy stream on it (the
 /// stream included): the connection's task, h2's codec (its read and write
 /// buffers and HPACK tables, as h2 sizes them) and its streams' store, the
@@ -87,8 +90,9 @@ const LEGACY_STREAM: i64 = 2_450;
 /// "h2: the HPACK decoder's scratch buffer made for a header block" (its
 /// 4,096-byte buffer, which the decoded strings kept in the dynamic table
 /// shared, given back after each header block; vendor/README.md's fifth
-/// part).
-const LEGACY_CONNECTION: i64 = 9_900;
+/// part). 9,250 to 9,252 B since "streams: woken through their registry
+/// entry" (the stream as `LEGACY_STREAM`).
+const LEGACY_CONNECTION: i64 = 9_750;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many
 /// streams: as the legacy one, and its names, its subscription's view and
@@ -105,7 +109,11 @@ const LEGACY_CONNECTION: i64 = 9_900;
 /// broadcasts" (as the legacy stream's). 3,053 to 3,063 B since "h2: the
 /// HPACK decoder's scratch buffer made for a header block" (the streams'
 /// share of their connection's 4,096-byte buffer, 45 streams a connection).
-const NAMED_SOTW_STREAM: i64 = 3_150;
+/// 2,564 to 2,566 B since "streams: woken through their registry entry"
+/// (the wake index sets a flag and wakes the stream through its registry
+/// entry, where each named type had a watch channel of its own, ~350 B,
+/// and a `WatchStream` boxing its `changed()` future, 160 B).
+const NAMED_SOTW_STREAM: i64 = 2_650;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
@@ -118,7 +126,9 @@ const NAMED_SOTW_STREAM: i64 = 3_150;
 /// connections: a connection's slots and timers, one waker for the
 /// broadcasts". 3,033 to 3,050 B since "h2: the HPACK decoder's scratch
 /// buffer made for a header block" (as the state-of-the-world stream's).
-const NAMED_DELTA_STREAM: i64 = 3_150;
+/// 2,548 to 2,551 B since "streams: woken through their registry entry"
+/// (as the state-of-the-world stream's).
+const NAMED_DELTA_STREAM: i64 = 2_650;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,
 /// its entry in the collection's map, its name, version and digest, and its

@@ -44,10 +44,13 @@ struct Gated {
     gate: Gate,
     everyone: Slot,
     canaries: Slot,
-    /// The named clients of `everyone`, woken by the names a version
-    /// changes. Canaries follow their slot whatever their names: each
-    /// settles every version, which is its ACK for the round.
-    named: Arc<Wakes>,
+    /// The followers of `everyone`: its named clients, woken by the names
+    /// a version changes, and the others, woken by every version.
+    everyone_wakes: Arc<Wakes>,
+    /// The followers of `canaries`. Canaries follow their slot whatever
+    /// their names: each settles every version, which is its ACK for the
+    /// round.
+    canary_wakes: Arc<Wakes>,
     /// The connected canaries, by stream, and what made each one.
     members: BTreeMap<u64, CanaryClient>,
     /// Connected clients that claim to be canaries and are not, and why.
@@ -285,22 +288,29 @@ impl Rollout {
         self.policy.canaries
     }
 
-    /// The slot of `collection` a stream of the group follows.
-    pub fn watch(&self, collection: &SharedStr, canary: bool) -> watch::Receiver<Option<Arc<CollectionSnapshot>>> {
+    /// The slot of `collection` a stream of the group follows (its current
+    /// snapshot marked seen), and its followers, whom each version wakes.
+    pub fn watch(
+        &self,
+        collection: &SharedStr,
+        canary: bool,
+    ) -> (watch::Receiver<Option<Arc<CollectionSnapshot>>>, Arc<Wakes>) {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
         let gated = self.gated(&mut gates, collection);
         if canary {
-            gated.canaries.subscribe()
+            (gated.canaries.subscribe(), gated.canary_wakes.clone())
         } else {
-            gated.everyone.subscribe()
+            (gated.everyone.subscribe(), gated.everyone_wakes.clone())
         }
     }
 
-    /// The index of the named clients of `collection` that are not
-    /// canaries (see [`Wakes`]).
-    pub fn named(&self, collection: &SharedStr) -> Arc<Wakes> {
+    /// The snapshot `collection` serves the group now.
+    pub fn served_snapshot(&self, collection: &SharedStr, canary: bool) -> Option<Arc<CollectionSnapshot>> {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
-        self.gated(&mut gates, collection).named.clone()
+        let gated = self.gated(&mut gates, collection);
+        let slot = if canary { &gated.canaries } else { &gated.everyone };
+        let snapshot = slot.borrow().clone();
+        snapshot
     }
 
     /// The version `collection` serves the group now.
@@ -340,7 +350,8 @@ impl Rollout {
                 gate,
                 everyone: watch::Sender::new(None),
                 canaries: watch::Sender::new(None),
-                named: Arc::default(),
+                everyone_wakes: Arc::default(),
+                canary_wakes: Arc::default(),
                 members: BTreeMap::new(),
                 refused: BTreeMap::new(),
                 refusal_logged: None,
@@ -381,9 +392,9 @@ impl Rollout {
     /// the history.
     fn publish(&self, collection: &SharedStr, gated: &mut Gated, hint: Option<Arc<CollectionSnapshot>>) {
         let served = gated.gate.served();
-        for (slot, version, named) in [
-            (&gated.everyone, &served.everyone, Some(&gated.named)),
-            (&gated.canaries, &served.canaries, None),
+        for (slot, version, wakes) in [
+            (&gated.everyone, &served.everyone, &gated.everyone_wakes),
+            (&gated.canaries, &served.canaries, &gated.canary_wakes),
         ] {
             let held = slot.borrow().as_ref().map(|s| s.version.clone());
             if held.as_ref() == version.as_ref() {
@@ -436,9 +447,7 @@ impl Rollout {
             }
             // Replaced before the index is read: see `wakes`.
             let before = slot.send_replace(snapshot.clone());
-            if let Some(named) = named {
-                named.published(before.as_ref(), snapshot.as_ref());
-            }
+            wakes.published(before.as_ref(), snapshot.as_ref());
             self.served.send_modify(|n| *n += 1);
         }
     }
