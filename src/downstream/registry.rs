@@ -440,7 +440,8 @@ impl RegistryEntry {
     }
 }
 
-/// A stream's view, shared with the wake index.
+/// A stream's view and its task's waker, shared with the slots' followers
+/// and named clients (`wakes`).
 #[derive(Clone)]
 pub struct ViewHandle(Arc<Tracked>);
 

@@ -445,12 +445,15 @@ impl<W: Wire> TypedStream<W> {
     /// rust-lang/rust#62958), nothing of the `select!` (its futures, a
     /// request) held while a response is queued, a response made before
     /// its send waits and rare paths boxed, the waits for rare events poll
-    /// functions over what they borrow, and the gateway's broadcasts (its
-    /// shutdown, a new policy) one poll function woken through the
-    /// registry. 616 bytes
-    /// (release build) with the tokio task's header and the task tracker's
-    /// token make a 768-byte task (tokio aligns tasks to 128); past 656
-    /// bytes it would cost 128 more per stream (the heap budgets say so).
+    /// functions over what they borrow, and what wakes an idle stream but its
+    /// connection (the gateway's shutdown, a new policy, the versions of the
+    /// types it follows) two poll functions woken through its registry
+    /// entry. 616 bytes (release build, measured before the versions woke
+    /// it that way, which moved it by a few bytes and not a size class:
+    /// `LEGACY_STREAM` fell by what it measured) with the tokio task's
+    /// header and the task tracker's token make a 768-byte task (tokio
+    /// aligns tasks to 128); past 656 bytes it would cost 128 more per
+    /// stream (the heap budgets say so).
     #[allow(clippy::manual_async_fn, reason = "an async fn would store its arguments twice")]
     pub(super) fn drive(
         mut self,
