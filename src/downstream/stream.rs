@@ -164,53 +164,46 @@ enum Made {
     InTurn(Push, Option<Arc<CollectionSnapshot>>),
 }
 
-/// What the gateway announced to every stream.
-enum Broadcast {
+/// What woke a stream through its registry entry: the gateway's
+/// announcements to every stream, or a followed type's slot.
+enum Woken {
     Shutdown,
     PolicyChanged,
+    /// The next followed type whose slot changed (see `wakes`).
+    Changed(SharedStr),
 }
 
-/// The gateway's shutdown, or a new access policy: a poll function that
-/// registers the stream's task in its registry entry and then reads both,
-/// woken by the relay that [`Downstream::relay_broadcasts`] starts. A waiter
-/// of its own for each (the shutdown's token, 72 bytes; the policy's watch,
-/// 120) was room in every idle stream's task.
-fn broadcast<'a>(
+/// Whatever wakes an idle stream but its own connection: the gateway's
+/// shutdown, a new access policy (woken by the relay that
+/// [`Downstream::relay_broadcasts`] starts), and the versions of the types
+/// it follows. One poll function that registers the stream's task in its
+/// registry entry once, then reads all three; the types from the one after
+/// the type it last found, so that no type's changes keep another's
+/// waiting. A waiter of its own for each (the shutdown's token, 72 bytes;
+/// the policy's watch, 120; a boxed watch future per followed type, 160)
+/// was room in every idle stream.
+fn woken<'a>(
     entry: &'a RegistryEntry,
     shared: &'a Downstream,
     policy: &'a watch::Receiver<Arc<AccessPolicy>>,
-) -> impl Future<Output = Broadcast> + 'a {
+    types: &'a mut ByType<Followed>,
+    turn: &'a mut usize,
+) -> impl Future<Output = Woken> + 'a {
     std::future::poll_fn(move |cx| {
         entry.control().register(cx.waker());
         if shared.inner.shutdown.is_cancelled() {
-            Poll::Ready(Broadcast::Shutdown)
-        } else if policy.has_changed().unwrap_or(false) {
-            Poll::Ready(Broadcast::PolicyChanged)
-        } else {
-            Poll::Pending
+            return Poll::Ready(Woken::Shutdown);
         }
-    })
-}
-
-/// The next followed type whose slot changed (see `wakes`): a poll function
-/// that registers the stream's task in its registry entry, then asks each
-/// type, from the one after the type it last found (so that no type's
-/// changes keep another's waiting). A watch per type was a boxed future in
-/// every idle stream's heap (160 bytes a type).
-fn changed<'a>(
-    entry: &'a RegistryEntry,
-    types: &'a mut ByType<Followed>,
-    turn: &'a mut usize,
-) -> impl Future<Output = SharedStr> + 'a {
-    std::future::poll_fn(move |cx| {
-        entry.control().register(cx.waker());
+        if policy.has_changed().unwrap_or(false) {
+            return Poll::Ready(Woken::PolicyChanged);
+        }
         let count = types.len();
         for i in 0..count {
             let at = (*turn + i) % count;
             let (type_url, followed) = types.at_mut(at);
             if followed.take_change() {
                 *turn = at + 1;
-                return Poll::Ready(type_url.clone());
+                return Poll::Ready(Woken::Changed(type_url.clone()));
             }
         }
         Poll::Pending
@@ -371,7 +364,7 @@ pub(super) struct TypedStream<W> {
     id: u64,
     /// By the type the client named.
     types: ByType<Followed>,
-    /// Where [`changed`] looks first: after the type it last found.
+    /// Where [`woken`] looks first: after the type it last found.
     turn: usize,
     /// Per stream, decimal, as Istio's server did.
     last_nonce: u64,
@@ -447,7 +440,7 @@ impl<W: Wire> TypedStream<W> {
     /// its send waits and rare paths boxed, the waits for rare events poll
     /// functions over what they borrow, and what wakes an idle stream but its
     /// connection (the gateway's shutdown, a new policy, the versions of the
-    /// types it follows) two poll functions woken through its registry
+    /// types it follows) one poll function woken through its registry
     /// entry. 616 bytes (release build, measured before the versions woke
     /// it that way, which moved it by a few bytes and not a size class:
     /// `LEGACY_STREAM` fell by what it measured) with the tokio task's
@@ -471,12 +464,13 @@ impl<W: Wire> TypedStream<W> {
             let (end, status) = loop {
                 // What the select chose, done once its futures are gone.
                 let step = tokio::select! {
-                    broadcast = broadcast(&self.entry, &self.shared, &self.policy) => match broadcast {
-                        Broadcast::Shutdown => break (
+                    woken = woken(&self.entry, &self.shared, &self.policy, &mut self.types, &mut self.turn) => match woken {
+                        Woken::Shutdown => break (
                             End::Shutdown,
                             Some(Status::unavailable(self.shared.inner.shutdown_message)),
                         ),
-                        Broadcast::PolicyChanged => Step::PolicyChanged,
+                        Woken::PolicyChanged => Step::PolicyChanged,
+                        Woken::Changed(type_url) => Step::Changed(type_url),
                     },
                     _ = out.closed() => break (End::ClientGone, None),
                     request = inbound.message() => match request {
@@ -504,7 +498,6 @@ impl<W: Wire> TypedStream<W> {
                             break (End::of(&status), Some(status));
                         }
                     },
-                    type_url = changed(&self.entry, &mut self.types, &mut self.turn) => Step::Changed(type_url),
                     // This gateway's upstream chain changed: a gateway peer that
                     // is now upstream of it would close a loop.
                     refused = chain_changed(&mut self.peer_gateway, &self.shared) => {

@@ -60,6 +60,17 @@ struct Gated {
     refusal_logged: Option<Instant>,
 }
 
+impl Gated {
+    /// A group's slot and its followers: the canaries' or everyone's.
+    fn group(&self, canary: bool) -> (&Slot, &Arc<Wakes>) {
+        if canary {
+            (&self.canaries, &self.canary_wakes)
+        } else {
+            (&self.everyone, &self.everyone_wakes)
+        }
+    }
+}
+
 /// A refused canary claim is logged at most this often per collection.
 const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -296,29 +307,27 @@ impl Rollout {
         canary: bool,
     ) -> (watch::Receiver<Option<Arc<CollectionSnapshot>>>, Arc<Wakes>) {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
-        let gated = self.gated(&mut gates, collection);
-        if canary {
-            (gated.canaries.subscribe(), gated.canary_wakes.clone())
-        } else {
-            (gated.everyone.subscribe(), gated.everyone_wakes.clone())
-        }
+        let (slot, wakes) = self.gated(&mut gates, collection).group(canary);
+        (slot.subscribe(), wakes.clone())
     }
 
     /// The snapshot `collection` serves the group now.
     pub fn served_snapshot(&self, collection: &SharedStr, canary: bool) -> Option<Arc<CollectionSnapshot>> {
         let mut gates = self.gates.lock().expect("rollout lock poisoned");
-        let gated = self.gated(&mut gates, collection);
-        let slot = if canary { &gated.canaries } else { &gated.everyone };
-        let snapshot = slot.borrow().clone();
+        let snapshot = self.gated(&mut gates, collection).group(canary).0.borrow().clone();
         snapshot
     }
 
     /// The version `collection` serves the group now.
     pub fn served_version(&self, collection: &str, canary: bool) -> Option<Version> {
         let gates = self.gates.lock().expect("rollout lock poisoned");
-        let gated = gates.get(collection)?;
-        let slot = if canary { &gated.canaries } else { &gated.everyone };
-        let version = slot.borrow().as_ref().map(|s| s.version.clone());
+        let version = gates
+            .get(collection)?
+            .group(canary)
+            .0
+            .borrow()
+            .as_ref()
+            .map(|s| s.version.clone());
         version
     }
 
