@@ -358,13 +358,14 @@ impl Chunks {
     /// small to stay on its own or its buffer is mostly unused. Resources
     /// copied into new chunks are re-pointed in `resources`. The cost is the
     /// change: the chunks it falls in are cut (no copy), and the end's few
-    /// small chunks merged now and then.
+    /// small chunks merged now and then. With them, every resource stored
+    /// anew (each a new `Arc`): `added`, and what moved with it.
     pub(super) fn change(
         &self,
         gone: &[Arc<CachedResource>],
         added: &[Arc<CachedResource>],
         resources: &mut ResourceMap,
-    ) -> Self {
+    ) -> (Self, Vec<Arc<CachedResource>>) {
         let mut next = self.clone();
         // The chunks that lose members, and the addresses of those members.
         let mut hit: BTreeMap<Place, Vec<usize>> = BTreeMap::new();
@@ -435,7 +436,7 @@ impl Chunks {
         let mut end = moved;
         end.extend(added.iter().cloned());
         if end.is_empty() {
-            return next;
+            return (next, Vec::new());
         }
         // The end keeps a few small chunks of its own, as a base-4 counter
         // keeps digits: a smaller chunk than what is stored now is merged
@@ -470,30 +471,34 @@ impl Chunks {
             merged.append(&mut end);
             end = merged;
         }
+        let mut stored = Vec::with_capacity(end.len());
         for run in end.chunks(MAX_MEMBERS) {
-            next.store_run(&mut run.to_vec(), None, None, resources);
+            if let Some(chunk) = next.store_run(&mut run.to_vec(), None, None, resources) {
+                stored.extend(chunk.members.iter().cloned());
+            }
         }
-        next
+        (next, stored)
     }
 
     /// Stores `run` (emptied) as one chunk at the end: the records
     /// `record` of `message` (whose buffer is numbered as given) where it
     /// is a slice of it, else a copy in a buffer of its own, its members
-    /// re-pointed in `resources`.
+    /// re-pointed in `resources`. The chunk stored, if `run` was not empty.
     fn store_run(
         &mut self,
         run: &mut Vec<Arc<CachedResource>>,
         record: Option<Range<usize>>,
         message: Option<(&Bytes, u64)>,
         resources: &mut ResourceMap,
-    ) {
+    ) -> Option<Arc<Chunk>> {
         if run.is_empty() {
-            return;
+            return None;
         }
         if let (Some(record), Some((message, buffer))) = (record, message) {
             let bytes = message.slice(record);
-            self.put(buffer, Chunk::new(std::mem::take(run), bytes));
-            return;
+            let chunk = Chunk::new(std::mem::take(run), bytes);
+            self.put(buffer, chunk.clone());
+            return Some(chunk);
         }
         let len: usize = run.iter().map(|r| header_len(r.encoded.len()) + r.encoded.len()).sum();
         let mut buf = BytesMut::with_capacity(len);
@@ -508,7 +513,9 @@ impl Chunks {
             resources.insert(member.name.clone(), member.clone());
         }
         let buffer = self.number_buffer();
-        self.put(buffer, Chunk::new(members, bytes));
+        let chunk = Chunk::new(members, bytes);
+        self.put(buffer, chunk.clone());
+        Some(chunk)
     }
 
     /// `piece` (emptied), what is left of `chunk` between changes: a chunk

@@ -19,6 +19,7 @@ pub mod chunks;
 pub mod demand;
 pub mod memo;
 pub mod provenance;
+pub mod recent;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
@@ -263,6 +264,9 @@ pub struct CollectionSnapshot {
     /// held back), made for some clients: its encodings refer to what the
     /// snapshot's keep rather than copy it.
     view: bool,
+    /// What the last few applies stored anew and removed, by name (see
+    /// [`Self::resource`]).
+    recent: recent::Recent,
 }
 
 impl CollectionSnapshot {
@@ -289,6 +293,26 @@ impl CollectionSnapshot {
             memo: Memo::default(),
             oversized_logged: Default::default(),
             view: false,
+            recent: recent::Recent::default(),
+        }
+    }
+
+    /// The resource named `name`, as [`Self::resources`] holds it: found
+    /// among what the last few applies stored anew where they stored it
+    /// (a hash probe or two), else looked up in the map. How a reader
+    /// whose weak reference the cache let go (the resource moved to
+    /// another chunk, or changed) finds it again (see [`recent`]).
+    pub fn resource(&self, name: &str) -> Option<Arc<CachedResource>> {
+        match self.recent.find(name) {
+            Some(found) => {
+                debug_assert_eq!(
+                    found.as_ref().map(Arc::as_ptr),
+                    self.resources.get(name).map(Arc::as_ptr),
+                    "the window's newest record of {name:?} is what the snapshot holds"
+                );
+                found
+            }
+            None => self.resources.get(name).cloned(),
         }
     }
 
@@ -498,7 +522,7 @@ impl CollectionSnapshot {
         } = total;
         changed.sort_unstable();
         changed.dedup();
-        let chunks = rechunk(&base.chunks, &base.resources, &mut resources, &changed);
+        let chunks = rechunk(&base.chunks, &base.resources, &mut resources, &changed).chunks;
         self.view(resources, sum, chunks, bytes)
     }
 
@@ -812,7 +836,8 @@ impl Cache {
             &newest.resources,
             &mut rebuilt.resources,
             &rebuilt.changed,
-        );
+        )
+        .chunks;
         let mut snapshot = CollectionSnapshot::new(
             newest.collection.clone(),
             rebuilt.resources,
@@ -1184,7 +1209,9 @@ impl Cache {
         // A new collection, or one mostly changed, is stored afresh in the
         // order it arrived (its message, where it can, as the storage);
         // else only the change is stored.
-        let chunks = match whole.filter(|_| was_empty || changed.len() * 2 > resources.len()) {
+        // Stored afresh, every resource is a new `Arc`: the window starts
+        // empty.
+        let (chunks, recent) = match whole.filter(|_| was_empty || changed.len() * 2 > resources.len()) {
             Some(mut whole) => {
                 if !was_empty {
                     // The arrived resources, not the equal ones held before:
@@ -1193,14 +1220,20 @@ impl Cache {
                 }
                 // Each name once, as the map holds it.
                 whole.retain(|r| resources.get(&*r.name).is_some_and(|held| Arc::ptr_eq(held, r)));
-                Chunks::build(whole, message, &mut resources)
+                (Chunks::build(whole, message, &mut resources), recent::Recent::default())
             }
             None => match &current {
-                Some(current) => rechunk(&current.chunks, &current.resources, &mut resources, &changed),
-                None => Chunks::default(),
+                Some(current) => {
+                    let rechunked = rechunk(&current.chunks, &current.resources, &mut resources, &changed);
+                    let recent = current.recent.after(&rechunked.stored, &rechunked.removed);
+                    (rechunked.chunks, recent)
+                }
+                None => (Chunks::default(), recent::Recent::default()),
             },
         };
-        let snapshot = Arc::new(CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin));
+        let mut snapshot = CollectionSnapshot::new(name, resources, sum, chunks, bytes, origin);
+        snapshot.recent = recent;
+        let snapshot = Arc::new(snapshot);
         let version = snapshot.version.clone();
         // The one decision, for the slot and the history alike.
         if let Some(old) = current.filter(|old| old.version == snapshot.version) {
@@ -1268,6 +1301,15 @@ impl Total {
     }
 }
 
+/// What [`rechunk`] made.
+struct Rechunked {
+    chunks: Chunks,
+    /// Every resource stored anew: what changed, and what moved with it.
+    stored: Vec<Arc<CachedResource>>,
+    /// The names that changed to nothing.
+    removed: Vec<SharedStr>,
+}
+
 /// `previous` (the chunks of `previous_resources`) after the `changed`
 /// names became what `resources` holds: what they had is taken out of its
 /// chunks, what they have is stored at the end.
@@ -1276,12 +1318,26 @@ fn rechunk(
     previous_resources: &ResourceMap,
     resources: &mut ResourceMap,
     changed: &[SharedStr],
-) -> Chunks {
-    let held = |map: &ResourceMap| -> Vec<Arc<CachedResource>> {
-        changed.iter().filter_map(|name| map.get(&**name)).cloned().collect()
-    };
-    let (gone, added) = (held(previous_resources), held(resources));
-    previous.change(&gone, &added, resources)
+) -> Rechunked {
+    let gone: Vec<Arc<CachedResource>> = changed
+        .iter()
+        .filter_map(|name| previous_resources.get(&**name))
+        .cloned()
+        .collect();
+    let mut added = Vec::with_capacity(changed.len());
+    let mut removed = Vec::new();
+    for name in changed {
+        match resources.get(&**name) {
+            Some(now) => added.push(now.clone()),
+            None => removed.push(name.clone()),
+        }
+    }
+    let (chunks, stored) = previous.change(&gone, &added, resources);
+    Rechunked {
+        chunks,
+        stored,
+        removed,
+    }
 }
 
 /// `resources`, in order, each in the `Arc` the cache shares it by. Values

@@ -497,11 +497,29 @@ fn stored_body_record(encoded: &[u8]) -> Option<std::ops::Range<usize>> {
 /// instead took the same time off but 16 bytes more per cached resource
 /// (a malloc size class: +0.8 MiB of big-config's peak; BENCHMARKS,
 /// session 12).
+///
+/// Then, the same way, the byte after each resource's first field: the
+/// body's key where the metadata comes first, on the next cache line for
+/// most resources. Read by the parse, each of those misses waited for the
+/// slice of the resource before it, whose reference count is a locked
+/// increment (two thirds of `wire_fields`' samples were that one load;
+/// BENCHMARKS, session 19).
 fn read_ahead(resources: &[Arc<CachedResource>]) {
     let first = resources
         .iter()
         .fold(0u8, |seen, r| seen ^ r.encoded.first().copied().unwrap_or(0));
-    std::hint::black_box(first);
+    let second = resources
+        .iter()
+        .fold(0u8, |seen, r| seen ^ after_first_field(&r.encoded).unwrap_or(0));
+    std::hint::black_box((first, second));
+}
+
+/// The byte after `encoded`'s first field, where that field is
+/// length-delimited with a one-byte key (the metadata).
+fn after_first_field(encoded: &[u8]) -> Option<u8> {
+    let mut rest = encoded.get(1..)?;
+    let len = usize::try_from(encoding::decode_varint(&mut rest).ok()?).ok()?;
+    rest.get(len).copied()
 }
 
 /// `Resource.body` and a response's `resources`: field 2, length-delimited.

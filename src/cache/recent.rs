@@ -1,0 +1,207 @@
+//! Where the last few versions of a collection stored resources anew, by
+//! name: how a reader holding a resource the cache has since moved finds it
+//! again without a lookup in the collection's map.
+//!
+//! A change re-stores more than what changed: the unchanged rest of a chunk
+//! it cuts below `MIN_MEMBERS`, and the end's small chunks as they merge
+//! (`chunks::Chunks::change`). Each is a new `Arc` of the same content, so a
+//! named client's selection (weak references to what it was last sent)
+//! finds ~9 of its 50 resources gone per response in `mcp-load --scenario
+//! eds`, each once looked up by name in the map: a B-tree walk comparing
+//! names that each lie in an allocation of their own, 7 % of the gateway's
+//! samples (BENCHMARKS, session 19). Here each is a hash probe or two.
+//!
+//! A snapshot's window records, newest first, what each of the applies
+//! that made it and its predecessors stored anew and removed, unbroken
+//! back to the oldest it holds: every apply between that one and the
+//! snapshot is in it. So the newest record of a name is what the snapshot
+//! holds for it: a later apply that stored it anew or removed it would be
+//! recorded before it. A snapshot made another way (a whole collection
+//! stored afresh, a view, a version rebuilt from the history) starts with
+//! an empty window, which knows nothing: readers look names up.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+use super::CachedResource;
+use crate::SharedStr;
+
+/// The applies a window records at most: a named client is normally a
+/// version or two behind, and is rarely left untouched by eight versions
+/// in a row.
+const VERSIONS: usize = 8;
+
+/// Names an apply may store anew and remove and still be recorded; one
+/// storing more resets the window. Each costs ~24 bytes for `VERSIONS`
+/// applies, a fifth of what storing it cost. Not smaller: when a buffer
+/// falls below half used, what it still stores moves at once (half of
+/// eds's 10,000 resources once in a run, most of every client's names),
+/// and that version's responses are the ones that need the window most.
+const MAX_RECORDED: usize = 1 << 16;
+
+/// What one apply stored anew (the resource, held weakly: the window pins
+/// no content) and removed (`None`), by name. Keyed by the cache's names,
+/// which no client chooses: foldhash, randomly seeded.
+type Stored = HashMap<SharedStr, Option<Weak<CachedResource>>, foldhash::fast::RandomState>;
+
+/// A snapshot's record of the last applies (see the module's doc).
+#[derive(Clone, Debug, Default)]
+pub struct Recent(Option<Arc<[Arc<Stored>]>>);
+
+impl Recent {
+    /// The window of the snapshot an apply made from the one holding this
+    /// window, having stored `stored` anew and removed `removed`: that apply
+    /// first, then this window's newest.
+    pub(super) fn after(&self, stored: &[Arc<CachedResource>], removed: &[SharedStr]) -> Recent {
+        if stored.len() + removed.len() > MAX_RECORDED {
+            return Recent::default();
+        }
+        let mut now = Stored::with_capacity_and_hasher(stored.len() + removed.len(), Default::default());
+        now.extend(removed.iter().map(|name| (name.clone(), None)));
+        now.extend(stored.iter().map(|r| (r.name.clone(), Some(Arc::downgrade(r)))));
+        let before = self.0.iter().flat_map(|w| w.iter()).take(VERSIONS - 1).cloned();
+        Recent(Some(std::iter::once(Arc::new(now)).chain(before).collect()))
+    }
+
+    /// What the snapshot holds for `name`, where its window records it:
+    /// `Some(None)` where it was removed; `None` where no apply the window
+    /// holds stored or removed it (look it up).
+    pub(super) fn find(&self, name: &str) -> Option<Option<Arc<CachedResource>>> {
+        let newest = self
+            .0
+            .iter()
+            .flat_map(|w| w.iter())
+            .find_map(|stored| stored.get(name))?;
+        // The snapshot holds what is recorded, so it is there to upgrade;
+        // should it not be, the caller looks the name up.
+        match newest {
+            Some(held) => held.upgrade().map(Some),
+            None => Some(None),
+        }
+    }
+
+    /// How many applies it records.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, |w| w.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::cache::{Cache, Origin, Update};
+
+    const C: &str = "envoy/config/endpoint/v3/clusterloadassignments";
+
+    fn resource(name: &str, version: &str) -> CachedResource {
+        let none = std::collections::HashMap::<String, String>::new();
+        let body = format!("{name}@{version}");
+        let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
+        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes());
+        CachedResource::new(name.into(), version, encoded, digest)
+    }
+
+    fn name(i: usize) -> String {
+        format!("r{i:04}")
+    }
+
+    /// Applies a change of `upserts` and `removed` to `C`.
+    fn change(writer: &mut crate::cache::CacheWriter, upserts: Vec<CachedResource>, removed: Vec<String>) {
+        writer.apply(C, Update::Incremental { upserts, removed }, Origin::Upstream);
+    }
+
+    /// Through changes, removals and names coming back, every name a
+    /// snapshot's window records is what the snapshot holds; every resource
+    /// a change moved (the same content, a new `Arc`) is among them; the
+    /// window holds at most `VERSIONS` applies, and a collection stored
+    /// afresh starts it again.
+    #[test]
+    fn the_newest_record_of_a_name_is_what_the_snapshot_holds() {
+        const NAMES: usize = 400;
+        proptest::proptest!(proptest::test_runner::Config::with_cases(24), |(
+            versions in proptest::collection::vec(
+                (proptest::collection::btree_set(0usize..NAMES, 1..30),
+                 proptest::collection::btree_set(0usize..NAMES, 0..8)),
+                1..24,
+            ),
+        )| {
+            let (cache, mut writer) = Cache::new();
+            let all: Vec<CachedResource> = (0..NAMES).map(|i| resource(&name(i), "0")).collect();
+            writer.apply(C, Update::Full(all), Origin::Upstream);
+            proptest::prop_assert_eq!(cache.get(C).unwrap().recent.len(), 0, "stored afresh");
+            let mut found = 0;
+            for (v, (upserted, removed)) in versions.iter().enumerate() {
+                let before = cache.get(C).unwrap();
+                let removed: BTreeSet<usize> = removed.difference(upserted).copied().collect();
+                change(
+                    &mut writer,
+                    upserted.iter().map(|&i| resource(&name(i), &format!("{}", v + 1))).collect(),
+                    removed.iter().map(|&i| name(i)).collect(),
+                );
+                let after = cache.get(C).unwrap();
+                proptest::prop_assert!(after.recent.len() <= VERSIONS);
+                for i in 0..NAMES {
+                    let n = name(i);
+                    let held = after.resources.get(n.as_str());
+                    if let Some(recorded) = after.recent.find(&n) {
+                        found += 1;
+                        proptest::prop_assert_eq!(recorded.as_ref().map(Arc::as_ptr), held.map(Arc::as_ptr), "{}", n);
+                    }
+                    proptest::prop_assert_eq!(after.resource(&n).as_ref().map(Arc::as_ptr), held.map(Arc::as_ptr));
+                    let was = before.resources.get(n.as_str());
+                    if let (Some(was), Some(held)) = (was, held) {
+                        if **was == **held && !Arc::ptr_eq(was, held) {
+                            let recorded = after.recent.find(&n).flatten();
+                            proptest::prop_assert!(
+                                recorded.is_some_and(|r| Arc::ptr_eq(&r, held)),
+                                "{} moved and is not in the window", n
+                            );
+                        }
+                    }
+                }
+            }
+            proptest::prop_assert!(found > 0, "the window answered nothing");
+            let all: Vec<CachedResource> = (0..NAMES).map(|i| resource(&name(i), "again")).collect();
+            writer.apply(C, Update::Full(all), Origin::Upstream);
+            proptest::prop_assert_eq!(cache.get(C).unwrap().recent.len(), 0, "stored afresh again");
+        });
+    }
+
+    /// Moves are what the window is for: a run of changes over a
+    /// collection of whole chunks moves some unchanged resources, and the
+    /// window finds them.
+    #[test]
+    fn resources_a_change_moved_are_found_in_the_window() {
+        let (cache, mut writer) = Cache::new();
+        writer.apply(
+            C,
+            Update::Full((0..640).map(|i| resource(&name(i), "0")).collect()),
+            Origin::Upstream,
+        );
+        let mut moved = 0;
+        for v in 1..=20usize {
+            let before = cache.get(C).unwrap();
+            // One name in each chunk of 64: every chunk cut.
+            let upserts = (0..10)
+                .map(|c| resource(&name(c * 64 + v * 3 % 64), &v.to_string()))
+                .collect();
+            change(&mut writer, upserts, vec![]);
+            let after = cache.get(C).unwrap();
+            for (n, held) in after.resources.iter() {
+                let was = &before.resources[n];
+                if **was == **held && !Arc::ptr_eq(was, held) {
+                    moved += 1;
+                    let recorded = after.recent.find(n).flatten();
+                    assert!(
+                        recorded.is_some_and(|r| Arc::ptr_eq(&r, held)),
+                        "{n} moved and is not in the window"
+                    );
+                }
+            }
+        }
+        assert!(moved > 0, "no change moved anything: the test shows nothing");
+    }
+}
