@@ -41,7 +41,8 @@ const MAX_MEMBERS: usize = 64;
 /// response in large frames: 3 writes rather than 2; in 16 KiB frames a
 /// write per frame either way). Each resource re-stored is a new `Arc`,
 /// which every named client's selection holding it then finds again by
-/// name, and a map entry that diffs read: with the lookups' cheaper hash
+/// name (where the last applies stored it, `super::recent`, since session
+/// 19), and a map entry that diffs read: with the lookups' cheaper hash
 /// and `read_ahead`, eds's CPU per response fell by a fifth; fan-out's full
 /// states were the same within the spread (BENCHMARKS, session 12). See
 /// `a_change_re_stores_a_bounded_multiple_of_itself`.

@@ -6,10 +6,12 @@
 //! it cuts below `MIN_MEMBERS`, and the end's small chunks as they merge
 //! (`chunks::Chunks::change`). Each is a new `Arc` of the same content, so a
 //! named client's selection (weak references to what it was last sent)
-//! finds ~9 of its 50 resources gone per response in `mcp-load --scenario
-//! eds`, each once looked up by name in the map: a B-tree walk comparing
-//! names that each lie in an allocation of their own, 7 % of the gateway's
-//! samples (BENCHMARKS, session 19). Here each is a hash probe or two.
+//! finds some of its 50 resources gone at each response in `mcp-load
+//! --scenario eds` (8.8 on average when session 12 counted them, with
+//! `MIN_MEMBERS` 16), each once looked up by name in the map: a B-tree walk
+//! comparing names that each lie in an allocation of their own, 7 % of the
+//! gateway's samples (BENCHMARKS, session 19). Here each is a hash probe or
+//! two.
 //!
 //! A snapshot's window records, newest first, what each of the applies
 //! that made it and its predecessors stored anew and removed, unbroken
