@@ -33,13 +33,16 @@ use crate::SharedStr;
 /// in a row.
 const VERSIONS: usize = 8;
 
-/// Names an apply may store anew and remove and still be recorded; one
-/// storing more resets the window. Each costs ~24 bytes for `VERSIONS`
-/// applies, a fifth of what storing it cost. Not smaller: when a buffer
-/// falls below half used, what it still stores moves at once (half of
-/// eds's 10,000 resources once in a run, most of every client's names),
-/// and that version's responses are the ones that need the window most.
-const MAX_RECORDED: usize = 1 << 16;
+/// Names a window records at most, over all its applies: older applies
+/// leave it first, and an apply storing more than this alone resets it.
+/// Each record is ~24 bytes of map, and its weak reference holds the 112-B
+/// allocation of a resource gone since: ~2.5 MB at most per collection,
+/// whatever the churn (a big collection changing in large parts keeps only
+/// its newest applies). Not smaller: when a buffer falls below half used,
+/// what it still stores moves at once (half of eds's 10,000 resources once
+/// in a run, most of every client's names), and that version's responses
+/// are the ones that need the window most.
+const MAX_RECORDED: usize = 1 << 14;
 
 /// What one apply stored anew (the resource, held weakly: the window pins
 /// no content) and removed (`None`), by name. Keyed by the cache's names,
@@ -55,13 +58,24 @@ impl Recent {
     /// window, having stored `stored` anew and removed `removed`: that apply
     /// first, then this window's newest.
     pub(super) fn after(&self, stored: &[Arc<CachedResource>], removed: &[SharedStr]) -> Recent {
-        if stored.len() + removed.len() > MAX_RECORDED {
+        let mut recorded = stored.len() + removed.len();
+        if recorded > MAX_RECORDED {
             return Recent::default();
         }
-        let mut now = Stored::with_capacity_and_hasher(stored.len() + removed.len(), Default::default());
+        let mut now = Stored::with_capacity_and_hasher(recorded, Default::default());
         now.extend(removed.iter().map(|name| (name.clone(), None)));
         now.extend(stored.iter().map(|r| (r.name.clone(), Some(Arc::downgrade(r)))));
-        let before = self.0.iter().flat_map(|w| w.iter()).take(VERSIONS - 1).cloned();
+        // The newest that fit: the window stays unbroken from this apply.
+        let before = self
+            .0
+            .iter()
+            .flat_map(|w| w.iter())
+            .take(VERSIONS - 1)
+            .take_while(|older| {
+                recorded += older.len();
+                recorded <= MAX_RECORDED
+            })
+            .cloned();
         Recent(Some(std::iter::once(Arc::new(now)).chain(before).collect()))
     }
 
@@ -86,6 +100,12 @@ impl Recent {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.0.as_ref().map_or(0, |w| w.len())
+    }
+
+    /// How many names it records, over all its applies.
+    #[cfg(test)]
+    fn records(&self) -> usize {
+        self.0.iter().flat_map(|w| w.iter()).map(|stored| stored.len()).sum()
     }
 }
 
@@ -145,6 +165,7 @@ mod tests {
                 );
                 let after = cache.get(C).unwrap();
                 proptest::prop_assert!(after.recent.len() <= VERSIONS);
+                proptest::prop_assert!(after.recent.records() <= MAX_RECORDED);
                 for i in 0..NAMES {
                     let n = name(i);
                     let held = after.resources.get(n.as_str());
@@ -205,5 +226,31 @@ mod tests {
             }
         }
         assert!(moved > 0, "no change moved anything: the test shows nothing");
+    }
+
+    /// A collection changing in large parts keeps only its newest applies
+    /// (at most `MAX_RECORDED` names in all), still answering for the
+    /// newest; one change larger than that alone leaves the window empty.
+    #[test]
+    fn a_window_records_a_bounded_number_of_names() {
+        let big = MAX_RECORDED / 3 + 1;
+        let (cache, mut writer) = Cache::new();
+        writer.apply(
+            C,
+            Update::Full((0..8 * big).map(|i| resource(&name(i), "0")).collect()),
+            Origin::Upstream,
+        );
+        for v in 1..=4usize {
+            let upserts = (0..big).map(|i| resource(&name(i), &v.to_string())).collect();
+            change(&mut writer, upserts, vec![]);
+            let now = cache.get(C).unwrap();
+            assert!(now.recent.records() <= MAX_RECORDED, "{} records", now.recent.records());
+            let found = now.recent.find(&name(0)).flatten();
+            assert!(found.is_some_and(|r| Arc::ptr_eq(&r, &now.resources[name(0).as_str()])));
+        }
+        assert!(cache.get(C).unwrap().recent.len() < 4, "older applies left");
+        let upserts = (0..MAX_RECORDED + 1).map(|i| resource(&name(i), "last")).collect();
+        change(&mut writer, upserts, vec![]);
+        assert_eq!(cache.get(C).unwrap().recent.len(), 0);
     }
 }
