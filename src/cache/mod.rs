@@ -529,6 +529,7 @@ impl CollectionSnapshot {
     /// A view of this snapshot holding `resources`, with this one's times and
     /// origin.
     fn view(&self, resources: ResourceMap, sum: u128, chunks: Chunks, bytes: usize) -> Arc<CollectionSnapshot> {
+        // With an empty window of its own, never this one's: see `recent`.
         let mut view = CollectionSnapshot::new(self.collection.clone(), resources, sum, chunks, bytes, self.origin);
         view.updated_at = self.updated_at;
         view.applied_at = self.applied_at;

@@ -20,7 +20,10 @@
 //! holds for it: a later apply that stored it anew or removed it would be
 //! recorded before it. A snapshot made another way (a whole collection
 //! stored afresh, a view, a version rebuilt from the history) starts with
-//! an empty window, which knows nothing: readers look names up.
+//! an empty window, which knows nothing: readers look names up. A view
+//! must never share its collection's window: it holds less than the
+//! collection (a grant's part), and a record would answer with a resource
+//! the view does not hold.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};

@@ -488,30 +488,27 @@ fn stored_body_record(encoded: &[u8]) -> Option<std::ops::Range<usize>> {
 }
 
 /// Reads the first byte of each resource's stored bytes before any of them
-/// is parsed. A named response's resources lie all over the cache, each
-/// first read a cache miss; read one after another by
-/// [`stored_body_record`], each miss waited for the one before (8 % of the
-/// gateway's samples in `mcp-load --scenario eds`, all on that first load).
-/// These loads depend on nothing but their resource, so the processor has
-/// them in flight together. Keeping the record's place in each resource
-/// instead took the same time off but 16 bytes more per cached resource
-/// (a malloc size class: +0.8 MiB of big-config's peak; BENCHMARKS,
-/// session 12).
-///
-/// Then, the same way, the byte after each resource's first field: the
-/// body's key where the metadata comes first, on the next cache line for
-/// most resources. Read by the parse, each of those misses waited for the
-/// slice of the resource before it, whose reference count is a locked
-/// increment (two thirds of `wire_fields`' samples were that one load;
-/// BENCHMARKS, session 19).
+/// is parsed ([`super::read_together`]): read by [`stored_body_record`],
+/// each miss waited for the one before (8 % of the gateway's samples in
+/// `mcp-load --scenario eds`, all on that first load). Keeping the record's
+/// place in each resource instead took the same time off but 16 bytes more
+/// per cached resource (a malloc size class: +0.8 MiB of big-config's
+/// peak; BENCHMARKS, session 12). Then the byte after each resource's first
+/// field: the body's key where the metadata comes first, on the next cache
+/// line for most resources, whose load waited for the locked increment of
+/// the slice of the resource before it (two thirds of `wire_fields`'
+/// samples; BENCHMARKS, session 19).
 fn read_ahead(resources: &[Arc<CachedResource>]) {
-    let first = resources
-        .iter()
-        .fold(0u8, |seen, r| seen ^ r.encoded.first().copied().unwrap_or(0));
-    let second = resources
-        .iter()
-        .fold(0u8, |seen, r| seen ^ after_first_field(&r.encoded).unwrap_or(0));
-    std::hint::black_box((first, second));
+    super::read_together(
+        resources
+            .iter()
+            .map(|r| usize::from(r.encoded.first().copied().unwrap_or(0))),
+    );
+    super::read_together(
+        resources
+            .iter()
+            .map(|r| usize::from(after_first_field(&r.encoded).unwrap_or(0))),
+    );
 }
 
 /// The byte after `encoded`'s first field, where that field is

@@ -512,6 +512,19 @@ fn record_nack(
     }
 }
 
+/// Issues one load from each of many allocations together, before the
+/// work that reads them one after another, and does nothing with what it
+/// read (`values` names the loads; `black_box` keeps them). A named
+/// response reads ~50 resources and names that lie all over the heap, each
+/// a cache miss; read by that work, each miss waits for the one before,
+/// all the more where the work takes a reference (a locked instruction,
+/// which lets no later load start before it). These loads depend on
+/// nothing but their allocation, so the processor has them in flight
+/// together (BENCHMARKS, sessions 12 and 19).
+pub(super) fn read_together(values: impl Iterator<Item = usize>) {
+    std::hint::black_box(values.fold(0usize, |seen, value| seen ^ value));
+}
+
 /// Counts a client's ACK.
 fn record_ack(metrics: &CollectionMetrics) {
     metrics.acks.increment(1);

@@ -90,14 +90,12 @@ impl NameSet {
         self.0[..n].into()
     }
 
-    /// Reads each name's length, before the names are compared or hashed
-    /// one after another. Each name is an allocation of its own (the
-    /// cache's), a cache miss: read together, the misses are in flight
-    /// together, rather than each after the work on the name before
-    /// (an ACK's comparison of its names, a version's lookups of them;
-    /// BENCHMARKS, session 19).
+    /// Reads each name's length ([`super::read_together`]) before the names
+    /// are compared or hashed one after another: each is an allocation of
+    /// its own (the cache's), a miss for an ACK's comparison of its names
+    /// and a version's lookups of them (BENCHMARKS, session 19).
     fn read_ahead(&self) {
-        std::hint::black_box(self.0.iter().fold(0usize, |seen, n| seen ^ n.len()));
+        super::read_together(self.0.iter().map(|n| n.len()));
     }
 
     /// Those names that `keep` keeps (the same storage if it keeps all).
@@ -403,7 +401,11 @@ impl Named {
             }
             _ => names.iter().map(|n| to.resources.get(n).map(Arc::downgrade)).collect(),
         };
-        read_counts_ahead(&entries);
+        // Each reference count read before any is taken: taking one
+        // (`Weak::upgrade`) is a locked compare-and-swap, and two thirds of
+        // this function's own samples were that load (BENCHMARKS, session
+        // 19; see `read_together`).
+        super::read_together(entries.iter().flatten().map(Weak::strong_count));
         let mut resources = Vec::with_capacity(entries.len());
         for (entry, name) in entries.iter_mut().zip(names.iter()) {
             let Some(held) = entry else { continue };
@@ -620,21 +622,6 @@ pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) 
             .chain(diff.removed)
             .collect()
     })
-}
-
-/// Reads the reference count of each resource a selection holds before
-/// any is taken. They lie all over the cache, each a cache miss, and taking
-/// one (`Weak::upgrade`) is a locked compare-and-swap, which lets no later
-/// load start before it: taken one after another, the 50 misses of a named
-/// response waited for each other (two thirds of `Named::selected`'s own
-/// samples were that one load; BENCHMARKS, session 19). These loads take
-/// nothing, so the processor has them in flight together.
-fn read_counts_ahead(entries: &[Option<Weak<CachedResource>>]) {
-    let seen = entries
-        .iter()
-        .flatten()
-        .fold(0usize, |seen, held| seen ^ held.strong_count());
-    std::hint::black_box(seen);
 }
 
 /// The same resource content: the same version and body digest (which
