@@ -451,6 +451,16 @@ impl ViewHandle {
         self.0.control.wake();
     }
 
+    /// A key of the stream's connection, the same for the streams of one
+    /// connection: its peer's address (0 without one).
+    pub fn connection(&self) -> u64 {
+        use std::hash::BuildHasher;
+        let Some(peer) = self.0.lock().peer else {
+            return 0;
+        };
+        foldhash::fast::FixedState::with_seed(0).hash_one(peer)
+    }
+
     /// A version `to` left every name the stream's type asks for as it was
     /// at `from`: a client that held `from` (ACKed, nothing outstanding, no
     /// NACK standing) holds `to` as well, as its task would have settled it

@@ -94,6 +94,9 @@ struct Client {
     /// and the waker of its task.
     view: ViewHandle,
     type_url: Box<str>,
+    /// Its stream's connection (see [`ViewHandle::connection`]): the clients
+    /// a version wakes are woken a connection at a time.
+    connection: u64,
     /// Versions in a row that left it alone.
     untouched: u8,
 }
@@ -122,10 +125,12 @@ impl Wakes {
         for name in names.iter() {
             index.by_name.entry(name.clone()).or_default().push(key);
         }
+        let connection = view.connection();
         index.clients.insert(
             key,
             Client {
                 woken: woken.clone(),
+                connection,
                 view,
                 type_url: type_url.into(),
                 untouched: 0,
@@ -164,7 +169,8 @@ impl Wakes {
             (Some(from), Some(to)) => (from, to),
             // Delivered, or gone: every name changed.
             _ => {
-                index.clients.values_mut().for_each(Client::wake);
+                let order = index.next_order();
+                wake_by_connection(index.clients.values_mut().collect(), order);
                 return;
             }
         };
@@ -177,18 +183,21 @@ impl Wakes {
             .collect();
         touched.sort_unstable();
         touched.dedup();
+        let order = index.next_order();
+        let mut woken = Vec::with_capacity(touched.len());
         for (key, client) in &mut index.clients {
             if touched.binary_search(key).is_ok() {
-                client.wake();
+                woken.push(client);
                 continue;
             }
             client.untouched += 1;
             if client.untouched >= SETTLE_AFTER {
-                client.wake();
+                woken.push(client);
             } else {
                 client.view.untouched(&client.type_url, &from.version, &to.version);
             }
         }
+        wake_by_connection(woken, order);
     }
 
     /// The named clients and the followers, for tests.
@@ -197,6 +206,28 @@ impl Wakes {
         let index = self.lock();
         (index.clients.len(), index.following.len())
     }
+}
+
+/// Wakes `clients` a connection at a time, the connections in an order
+/// drawn from `order` (a version's draw: none is always first or last).
+/// The clients of one connection woken one after another write their
+/// responses one after another, and the connection's task, deferred until
+/// they have run (`transport::defer`), writes them all in one `writev`;
+/// woken in the index's order, they were spread over the whole version and
+/// each response took a write of its own.
+fn wake_by_connection(mut clients: Vec<&mut Client>, order: u64) {
+    clients.sort_unstable_by_key(|client| mix(client.connection ^ order));
+    clients.into_iter().for_each(Client::wake);
+}
+
+/// A 64-bit mix (splitmix64's finaliser): the connections' order at a
+/// version, from their keys and that version's draw.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// A stream's type in the index; its names leave it when it is dropped.
@@ -271,6 +302,19 @@ impl Index {
         if self.following.is_empty() {
             return;
         }
+        let order = self.next_order();
+        let span = self.following.capacity().next_power_of_two();
+        let (stride, offset) = ((order | 1) as usize, (order >> 32) as usize);
+        for i in 0..span {
+            let key = stride.wrapping_mul(i).wrapping_add(offset) & (span - 1);
+            if let Some(follower) = self.following.get(key) {
+                follower.wake();
+            }
+        }
+    }
+
+    /// The next state of the generator of the wake orders.
+    fn next_order(&mut self) -> u64 {
         if self.order == 0 {
             use std::hash::{BuildHasher, Hasher};
             self.order = std::collections::hash_map::RandomState::new().build_hasher().finish() | 1;
@@ -279,14 +323,7 @@ impl Index {
         self.order ^= self.order << 13;
         self.order ^= self.order >> 7;
         self.order ^= self.order << 17;
-        let span = self.following.capacity().next_power_of_two();
-        let (stride, offset) = ((self.order | 1) as usize, (self.order >> 32) as usize);
-        for i in 0..span {
-            let key = stride.wrapping_mul(i).wrapping_add(offset) & (span - 1);
-            if let Some(follower) = self.following.get(key) {
-                follower.wake();
-            }
-        }
+        self.order
     }
 
     fn forget(&mut self, name: &str, key: u64) {
@@ -527,6 +564,60 @@ mod tests {
             orders.iter().any(|order| order != &orders[0]),
             "eight versions woke the followers in one order: {:?}",
             orders[0]
+        );
+    }
+
+    /// The named clients a version wakes are woken a connection at a time:
+    /// each connection's clients one after another, the connections in an
+    /// order that moves from version to version.
+    #[tokio::test]
+    async fn named_clients_are_woken_a_connection_at_a_time() {
+        let [v1, v2] = versions([&[("a", "1"), ("b", "1")], &[("a", "2"), ("b", "1")]]);
+        let registry = Arc::new(Registry::default());
+        let wakes = Arc::new(Wakes::default());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        // Five connections of four streams each, opened in turn; the last
+        // stream of each asks for `b` only.
+        let streams: Vec<_> = (0..20u64)
+            .map(|id| {
+                let peer = std::net::SocketAddr::from(([127, 0, 0, 1], 40_000 + (id % 5) as u16));
+                let entry = registry.register(id, Some(peer), Protocol::XdsSotw, "x");
+                let waker = Arc::new(Logged { id, log: log.clone() });
+                let asks = if id >= 15 { names(&["b"]) } else { names(&["a", "b"]) };
+                let registration = wakes.register(&asks, entry.handle(), "t");
+                (entry, waker, registration)
+            })
+            .collect();
+        let connection = |id: u64| id % 5;
+        let mut firsts = Vec::new();
+        for version in 0..8 {
+            for (entry, waker, registration) in &streams {
+                registration.take_woken();
+                entry.control().register(&waker.clone().into());
+            }
+            // Delivered, then a version changing `a`.
+            let (from, to) = if version % 2 == 0 {
+                (None, &v1)
+            } else {
+                (Some(&v1), &v2)
+            };
+            wakes.published(from, Some(to));
+            let order = std::mem::take(&mut *log.lock().unwrap());
+            let expected = if version % 2 == 0 { 20 } else { 15 };
+            assert_eq!(order.len(), expected, "version {version}: {order:?}");
+            let mut runs: Vec<u64> = order.iter().map(|id| connection(*id)).collect();
+            runs.dedup();
+            assert_eq!(
+                runs.len(),
+                5,
+                "version {version}: each connection's clients together: {order:?}"
+            );
+            firsts.push(runs[0]);
+        }
+        assert!(
+            firsts.iter().any(|first| *first != firsts[0]),
+            "eight versions woke connection {} first",
+            firsts[0]
         );
     }
 }

@@ -190,7 +190,7 @@ pub fn serve<S>(
                     ended: Notify::new(),
                 }),
             };
-            tracker.spawn(connection.run(stream));
+            tracker.spawn(super::defer::deferred(connection.run(stream)));
         }
     });
 }

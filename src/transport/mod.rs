@@ -7,6 +7,7 @@ pub mod access;
 pub mod bucket;
 pub mod call;
 pub mod connect;
+pub mod defer;
 pub mod dial_why;
 pub mod fswatch;
 pub mod gather;

@@ -91,7 +91,10 @@ const LEGACY_STREAM: i64 = 2_300;
 /// 4,096-byte buffer, which the decoded strings kept in the dynamic table
 /// shared, given back after each header block; vendor/README.md's fifth
 /// part). 9,250 to 9,252 B since "streams: woken through their registry
-/// entry" (the stream as `LEGACY_STREAM`).
+/// entry" (the stream as `LEGACY_STREAM`). 9,309 to 9,316 B since
+/// "transport: a connection's responses in one write" (the connection's
+/// task deferred until the streams woken with it have run: a flag and the
+/// task's waker in an `Arc`, `transport::defer`).
 const LEGACY_CONNECTION: i64 = 9_750;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many
@@ -112,7 +115,10 @@ const LEGACY_CONNECTION: i64 = 9_750;
 /// 2,564 to 2,566 B since "streams: woken through their registry entry"
 /// (the wake index sets a flag and wakes the stream through its registry
 /// entry, where each named type had a watch channel of its own, ~350 B,
-/// and a `WatchStream` boxing its `changed()` future, 160 B).
+/// and a `WatchStream` boxing its `changed()` future, 160 B). 2,579 to
+/// 2,598 B since "transport: a connection's responses in one write" (the
+/// wake index keeps each named client's connection, 8 B, to wake a
+/// connection's clients together; its table's growth moves the rest).
 const NAMED_SOTW_STREAM: i64 = 2_650;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
@@ -127,7 +133,9 @@ const NAMED_SOTW_STREAM: i64 = 2_650;
 /// broadcasts". 3,033 to 3,050 B since "h2: the HPACK decoder's scratch
 /// buffer made for a header block" (as the state-of-the-world stream's).
 /// 2,548 to 2,551 B since "streams: woken through their registry entry"
-/// (as the state-of-the-world stream's).
+/// (as the state-of-the-world stream's). 2,544 to 2,568 B since
+/// "transport: a connection's responses in one write" (as the
+/// state-of-the-world stream's).
 const NAMED_DELTA_STREAM: i64 = 2_650;
 /// A resource in the cache, 512 B of body, as Galley sends it, no client
 /// connected: the body (held in the message it arrived in) and its framing,

@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use std::collections::VecDeque;
 use std::io::{self, Cursor};
 
 // A macro to get around a method needing to borrow &mut self
@@ -37,8 +38,15 @@ struct Encoder<B> {
     /// TODO: Should this be a ring buffer?
     buf: Cursor<BytesMut>,
 
-    /// Next frame to encode
-    next: Option<Next<B>>,
+    /// DATA frames whose payloads are written from where they lie, in
+    /// order, each after the buffer's bytes up to its place
+    /// (mcp-xds-gateway's patch: h2 held one, so each write carried one
+    /// frame).
+    queued: VecDeque<Queued<B>>,
+
+    /// The rest of a header block too large for the buffer, encoded once
+    /// the buffer is written.
+    continuation: Option<frame::Continuation>,
 
     /// Last data frame
     last_data_frame: Option<frame::Data<B>>,
@@ -53,11 +61,23 @@ struct Encoder<B> {
     min_buffer_capacity: usize,
 }
 
+/// A DATA frame whose payload goes to the socket as it lies, after the
+/// write buffer's bytes up to `at` (mcp-xds-gateway's patch).
 #[derive(Debug)]
-enum Next<B> {
-    Data(frame::Data<B>),
-    Continuation(frame::Continuation),
+struct Queued<B> {
+    at: usize,
+    frame: frame::Data<B>,
+    /// Its stream's data goes on past it: once written, it is handed back
+    /// (`take_last_data_frame`) for the rest, and nothing is queued after it
+    /// until then. A frame that is its stream's whole buffer is dropped once
+    /// written, and others may follow it in the same write.
+    returned: bool,
 }
+
+/// The most DATA frames one flush carries (mcp-xds-gateway's patch): the
+/// responses of a connection's streams written together, up to
+/// [`MAX_IO_SLICES`] slices a `writev`.
+const MAX_QUEUED_FRAMES: usize = 64;
 
 /// Initialize the connection with this amount of write buffer.
 ///
@@ -95,7 +115,8 @@ where
                 // Made when the first frame is buffered
                 // (`Encoder::buffer`), given back when idle.
                 buf: Cursor::new(BytesMut::new()),
-                next: None,
+                queued: VecDeque::new(),
+                continuation: None,
                 last_data_frame: None,
                 max_frame_size: frame::DEFAULT_MAX_FRAME_SIZE,
                 chain_threshold,
@@ -135,6 +156,17 @@ where
         self.encoder.buffer(item)
     }
 
+    /// Buffers a DATA frame whose payload is its stream's whole buffer
+    /// (mcp-xds-gateway's patch): dropped once written, never handed back,
+    /// so more frames may be queued behind it for the same write.
+    /// `poll_ready` must be called first, as for [`Self::buffer`].
+    pub fn buffer_whole_data(&mut self, frame: frame::Data<B>) -> Result<(), UserError> {
+        assert!(self.encoder.has_capacity());
+        self.encoder.make_buffer();
+        tracing::debug!(frame = ?frame, "send");
+        self.encoder.buffer_data(frame, true)
+    }
+
     /// Flush buffered data to the wire
     pub fn flush(&mut self, cx: &mut Context) -> Poll<io::Result<()>> {
         let span = tracing::trace_span!("FramedWrite::flush");
@@ -142,21 +174,12 @@ where
 
         loop {
             while !self.encoder.is_empty() {
-                let n = match self.encoder.next {
-                    Some(Next::Data(ref mut frame)) => {
-                        tracing::trace!(queued_data_frame = true);
-                        let mut buf = (&mut self.encoder.buf).chain(frame.payload_mut());
-                        ready!(poll_write_buf(Pin::new(&mut self.inner), cx, &mut buf))?
-                    }
-                    _ => {
-                        tracing::trace!(queued_data_frame = false);
-                        ready!(poll_write_buf(
-                            Pin::new(&mut self.inner),
-                            cx,
-                            &mut self.encoder.buf
-                        ))?
-                    }
-                };
+                tracing::trace!(queued_data_frames = self.encoder.queued.len());
+                let n = ready!(poll_write_buf(
+                    Pin::new(&mut self.inner),
+                    cx,
+                    &mut Pending(&mut self.encoder)
+                ))?;
                 if n == 0 {
                     // No progress is possible; retrying would busy-loop.
                     tracing::trace!("write returned zero, but non-zero bytes remaining");
@@ -181,8 +204,16 @@ where
     /// (mcp-xds-gateway's patch); `Encoder::buffer` makes it again.
     pub(crate) fn release_idle_buffer(&mut self) {
         let encoder = &mut self.encoder;
-        if encoder.next.is_none() && !encoder.buf.has_remaining() && encoder.buf.get_ref().capacity() > 0 {
+        if encoder.queued.is_empty()
+            && encoder.continuation.is_none()
+            && !encoder.buf.has_remaining()
+            && encoder.buf.get_ref().capacity() > 0
+        {
             encoder.buf = Cursor::new(BytesMut::new());
+        }
+        // The queue of a burst's frames goes with it.
+        if encoder.queued.is_empty() && encoder.queued.capacity() > 0 {
+            encoder.queued = VecDeque::new();
         }
     }
 
@@ -201,7 +232,7 @@ where
 /// payload is many parts (a response made of the cache's stored pieces)
 /// goes in one `writev`. Linux takes 1,024 (`UIO_MAXIOV`); the array is on
 /// the connection task's stack, 16 bytes a slice.
-const MAX_IO_SLICES: usize = 256;
+const MAX_IO_SLICES: usize = 1024;
 
 /// `tokio_util::io::poll_write_buf` with [`MAX_IO_SLICES`] slices.
 fn poll_write_buf<T: AsyncWrite + ?Sized, B: Buf>(
@@ -223,6 +254,85 @@ fn poll_write_buf<T: AsyncWrite + ?Sized, B: Buf>(
     Poll::Ready(Ok(n))
 }
 
+/// What an encoder holds to write, in order: the buffer's bytes up to each
+/// queued frame's place, that frame's payload, and the buffer's bytes after
+/// the last (mcp-xds-gateway's patch).
+struct Pending<'a, B>(&'a mut Encoder<B>);
+
+impl<B: Buf> Buf for Pending<'_, B> {
+    fn remaining(&self) -> usize {
+        let encoder = &*self.0;
+        encoder.buf.remaining() + encoder.queued.iter().map(|q| q.frame.payload().remaining()).sum::<usize>()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        let encoder = &*self.0;
+        let pos = encoder.buf.position() as usize;
+        match encoder.queued.front() {
+            Some(q) if pos < q.at => &encoder.buf.get_ref()[pos..q.at],
+            Some(q) => q.frame.payload().chunk(),
+            None => encoder.buf.chunk(),
+        }
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [io::IoSlice<'a>]) -> usize {
+        let encoder = &*self.0;
+        let buf = &encoder.buf.get_ref()[..];
+        let mut pos = encoder.buf.position() as usize;
+        let mut n = 0;
+        for q in &encoder.queued {
+            if n == dst.len() {
+                return n;
+            }
+            if pos < q.at {
+                dst[n] = io::IoSlice::new(&buf[pos..q.at]);
+                n += 1;
+                pos = q.at;
+                if n == dst.len() {
+                    return n;
+                }
+            }
+            n += q.frame.payload().chunks_vectored(&mut dst[n..]);
+            if n == dst.len() {
+                // Its payload may have more slices than were room: what
+                // follows it waits for the next write.
+                return n;
+            }
+        }
+        if pos < buf.len() && n < dst.len() {
+            dst[n] = io::IoSlice::new(&buf[pos..]);
+            n += 1;
+        }
+        n
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        let encoder = &mut *self.0;
+        while cnt > 0 {
+            let Some(q) = encoder.queued.front_mut() else {
+                encoder.buf.advance(cnt);
+                return;
+            };
+            let pos = encoder.buf.position() as usize;
+            if pos < q.at {
+                let n = cnt.min(q.at - pos);
+                encoder.buf.advance(n);
+                cnt -= n;
+                continue;
+            }
+            let n = cnt.min(q.frame.payload().remaining());
+            q.frame.payload_mut().advance(n);
+            cnt -= n;
+            if !q.frame.payload().has_remaining() {
+                let q = encoder.queued.pop_front().expect("the front frame");
+                if q.returned {
+                    encoder.last_data_frame = Some(q.frame);
+                }
+            }
+        }
+    }
+}
+
 #[must_use]
 enum ControlFlow {
     Continue,
@@ -233,23 +343,26 @@ impl<B> Encoder<B>
 where
     B: Buf,
 {
+    /// A released (or not yet made) buffer made whole.
+    fn make_buffer(&mut self) {
+        if self.buf.get_ref().capacity() == 0 {
+            self.buf.get_mut().reserve(DEFAULT_BUFFER_CAPACITY);
+        }
+    }
+
     fn unset_frame(&mut self) -> ControlFlow {
-        // Clear internal buffer
+        // Everything buffered and queued was written (each queued frame
+        // handed back or dropped as its payload went, `Pending::advance`).
+        debug_assert!(self.queued.is_empty());
         self.buf.set_position(0);
         self.buf.get_mut().clear();
 
-        // The data frame has been written, so unset it
-        match self.next.take() {
-            Some(Next::Data(frame)) => {
-                self.last_data_frame = Some(frame);
-                debug_assert!(self.is_empty());
-                ControlFlow::Break
-            }
-            Some(Next::Continuation(frame)) => {
+        match self.continuation.take() {
+            Some(frame) => {
                 // Buffer the continuation frame, then try to write again
                 let mut buf = limited_write_buf!(self);
                 if let Some(continuation) = frame.encode(&mut buf) {
-                    self.next = Some(Next::Continuation(continuation));
+                    self.continuation = Some(continuation);
                 }
                 ControlFlow::Continue
             }
@@ -260,58 +373,24 @@ where
     fn buffer(&mut self, item: Frame<B>) -> Result<(), UserError> {
         // Ensure that we have enough capacity to accept the write.
         assert!(self.has_capacity());
-        // A released (or not yet made) buffer is made whole.
-        if self.buf.get_ref().capacity() == 0 {
-            self.buf.get_mut().reserve(DEFAULT_BUFFER_CAPACITY);
-        }
+        self.make_buffer();
         let span = tracing::trace_span!("FramedWrite::buffer", frame = ?item);
         let _e = span.enter();
 
         tracing::debug!(frame = ?item, "send");
 
         match item {
-            Frame::Data(mut v) => {
-                // Ensure that the payload is not greater than the max frame.
-                let len = v.payload().remaining();
-
-                if len > self.max_frame_size() {
-                    return Err(PayloadTooBig);
-                }
-
-                if len >= self.chain_threshold {
-                    let head = v.head();
-
-                    // Encode the frame head to the buffer
-                    head.encode(len, self.buf.get_mut());
-
-                    if self.buf.get_ref().remaining() < self.chain_threshold {
-                        let extra_bytes = self.chain_threshold - self.buf.remaining();
-                        self.buf.get_mut().put(v.payload_mut().take(extra_bytes));
-                    }
-
-                    // Save the data frame
-                    self.next = Some(Next::Data(v));
-                } else {
-                    v.encode_chunk(self.buf.get_mut());
-
-                    // The chunk has been fully encoded, so there is no need to
-                    // keep it around
-                    assert_eq!(v.payload().remaining(), 0, "chunk not fully encoded");
-
-                    // Save off the last frame...
-                    self.last_data_frame = Some(v);
-                }
-            }
+            Frame::Data(v) => self.buffer_data(v, false)?,
             Frame::Headers(v) => {
                 let mut buf = limited_write_buf!(self);
                 if let Some(continuation) = v.encode(&mut self.hpack, &mut buf) {
-                    self.next = Some(Next::Continuation(continuation));
+                    self.continuation = Some(continuation);
                 }
             }
             Frame::PushPromise(v) => {
                 let mut buf = limited_write_buf!(self);
                 if let Some(continuation) = v.encode(&mut self.hpack, &mut buf) {
-                    self.next = Some(Next::Continuation(continuation));
+                    self.continuation = Some(continuation);
                 }
             }
             Frame::Settings(v) => {
@@ -347,19 +426,62 @@ where
         Ok(())
     }
 
+    /// Buffers a DATA frame. `whole`: its payload is all its stream's
+    /// buffer holds, so nothing is handed back once it is written
+    /// (mcp-xds-gateway's patch; see [`Queued::returned`]).
+    fn buffer_data(&mut self, mut v: frame::Data<B>, whole: bool) -> Result<(), UserError> {
+        // Ensure that the payload is not greater than the max frame.
+        let len = v.payload().remaining();
+
+        if len > self.max_frame_size() {
+            return Err(PayloadTooBig);
+        }
+
+        if len >= self.chain_threshold {
+            let head = v.head();
+
+            // Encode the frame head to the buffer
+            head.encode(len, self.buf.get_mut());
+
+            if self.buf.get_ref().remaining() < self.chain_threshold {
+                let extra_bytes = self.chain_threshold - self.buf.remaining();
+                self.buf.get_mut().put(v.payload_mut().take(extra_bytes));
+            }
+
+            // Queue the data frame, its payload after what is buffered.
+            let at = self.buf.get_ref().len();
+            self.queued.push_back(Queued {
+                at,
+                frame: v,
+                returned: !whole,
+            });
+        } else {
+            v.encode_chunk(self.buf.get_mut());
+
+            // The chunk has been fully encoded, so there is no need to
+            // keep it around
+            assert_eq!(v.payload().remaining(), 0, "chunk not fully encoded");
+
+            // Save off the last frame...
+            if !whole {
+                self.last_data_frame = Some(v);
+            }
+        }
+        Ok(())
+    }
+
     fn has_capacity(&self) -> bool {
         // A buffer of no capacity is a released one, made whole by `buffer`.
-        self.next.is_none()
+        self.continuation.is_none()
+            && self.queued.back().is_none_or(|q| !q.returned)
+            && self.queued.len() < MAX_QUEUED_FRAMES
             && (self.buf.get_ref().capacity() == 0
                 || self.buf.get_ref().capacity() - self.buf.get_ref().len()
                     >= self.min_buffer_capacity)
     }
 
     fn is_empty(&self) -> bool {
-        match self.next {
-            Some(Next::Data(ref frame)) => !frame.payload().has_remaining(),
-            _ => !self.buf.has_remaining(),
-        }
+        self.queued.is_empty() && !self.buf.has_remaining()
     }
 }
 

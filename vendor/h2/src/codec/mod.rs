@@ -160,6 +160,12 @@ where
         self.framed_write().buffer(item)
     }
 
+    /// Buffer a DATA frame that is its stream's whole buffer
+    /// (mcp-xds-gateway's patch, `FramedWrite::buffer_whole_data`).
+    pub(crate) fn buffer_whole_data(&mut self, frame: Data<B>) -> Result<(), UserError> {
+        self.framed_write().buffer_whole_data(frame)
+    }
+
     /// Flush buffered data to the wire
     pub fn flush(&mut self, cx: &mut Context) -> Poll<io::Result<()>> {
         self.framed_write().flush(cx)

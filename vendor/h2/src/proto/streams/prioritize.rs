@@ -535,6 +535,15 @@ impl Prioritize {
             }
 
             match self.pop_frame(buffer, store, max_frame_len, counts) {
+                Some(Frame::Data(frame)) if frame.payload().is_whole() => {
+                    // mcp-xds-gateway's patch: nothing of its stream's data
+                    // is past it, so nothing is reclaimed once it is written
+                    // and the codec may queue more frames behind it (one
+                    // write carries the responses of many streams).
+                    tracing::trace!(?frame, "writing whole");
+                    debug_assert_eq!(self.in_flight_data_frame, InFlightData::Nothing);
+                    dst.buffer_whole_data(frame).expect("invalid frame");
+                }
                 Some(frame) => {
                     tracing::trace!(?frame, "writing");
 
@@ -922,6 +931,14 @@ impl Prioritize {
 }
 
 // ===== impl Prioritized =====
+
+impl<B: Buf> Prioritized<B> {
+    /// The frame's cut takes all its stream's buffer holds
+    /// (mcp-xds-gateway's patch).
+    fn is_whole(&self) -> bool {
+        self.inner.get_ref().remaining() <= self.inner.limit()
+    }
+}
 
 impl<B> Buf for Prioritized<B>
 where
