@@ -616,11 +616,12 @@ impl Downstream {
         &self,
         body: tonic::body::Body,
         peer: Option<std::net::SocketAddr>,
+        gate: Option<crate::transport::defer::ConnectionGate>,
         identity: Arc<PeerIdentity>,
         out: Outbound,
     ) {
         let inbound = RequestStream::new(body, self.inner.requests.clone(), W::REQUEST);
-        let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer, identity);
+        let stream = stream::TypedStream::<W>::new(self.clone(), self.next_id(), peer, gate, identity);
         self.inner.tasks.spawn(stream.drive(inbound, out));
     }
 }

@@ -12,6 +12,7 @@ use dashmap::DashMap;
 use super::by_type::ByType;
 use crate::collections::Dialect;
 use crate::skew::ClientGeneration;
+use crate::transport::defer::ConnectionGate;
 use crate::SharedStr;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -296,6 +297,10 @@ pub struct Registry {
 struct Tracked {
     view: Mutex<StreamView>,
     control: AtomicWaker,
+    /// Its connection's gate: armed before a version wakes the stream, so
+    /// that the connection writes the responses of its streams together
+    /// (`transport::defer`). None for a stream without one (dialed out).
+    connection: Option<ConnectionGate>,
 }
 
 impl Tracked {
@@ -314,6 +319,7 @@ impl Registry {
         peer: Option<SocketAddr>,
         protocol: Protocol,
         identity: &str,
+        connection: Option<ConnectionGate>,
     ) -> RegistryEntry {
         let view = Arc::new(Tracked {
             view: Mutex::new(StreamView {
@@ -329,6 +335,7 @@ impl Registry {
                 types: ByType::new(),
             }),
             control: AtomicWaker::new(),
+            connection,
         });
         self.streams.insert(id, view.clone());
         RegistryEntry {
@@ -452,13 +459,17 @@ impl ViewHandle {
     }
 
     /// A key of the stream's connection, the same for the streams of one
-    /// connection: its peer's address (0 without one).
+    /// connection while it lives (0 without one).
     pub fn connection(&self) -> u64 {
-        use std::hash::BuildHasher;
-        let Some(peer) = self.0.lock().peer else {
-            return 0;
-        };
-        foldhash::fast::FixedState::with_seed(0).hash_one(peer)
+        self.0.connection.as_ref().map_or(0, ConnectionGate::key)
+    }
+
+    /// Its connection's next poll waits for the streams a version is
+    /// waking (`transport::defer`): called before they are woken.
+    pub fn arm_connection(&self) {
+        if let Some(gate) = &self.0.connection {
+            gate.arm();
+        }
     }
 
     /// A version `to` left every name the stream's type asks for as it was
@@ -501,8 +512,8 @@ mod tests {
     #[test]
     fn wake_all_wakes_each_registered_stream_once() {
         let registry = Arc::new(Registry::default());
-        let stay = registry.register(1, None, Protocol::Sotw, "");
-        let leave = registry.register(2, None, Protocol::Sotw, "");
+        let stay = registry.register(1, None, Protocol::Sotw, "", None);
+        let leave = registry.register(2, None, Protocol::Sotw, "", None);
         let (stayed, left) = (
             Arc::new(Counted(Default::default())),
             Arc::new(Counted(Default::default())),

@@ -30,6 +30,7 @@ use super::{ClientGone, Downstream, Item, Responses, OUTBOUND_QUEUE};
 use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
 use crate::transport::call;
+use crate::transport::defer::ConnectionGate;
 use crate::transport::grpc::ConnInfo;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::respond::{ResponseSlot, ResponseWriter, MAX_WRITE};
@@ -41,7 +42,7 @@ pub const XDS_SOTW_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscovery
 pub const XDS_DELTA_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
 /// Starts one method's stream, its responses sent to the `Outbound`.
-type Start = fn(&Downstream, Body, Option<SocketAddr>, Arc<PeerIdentity>, Outbound);
+type Start = fn(&Downstream, Body, Option<SocketAddr>, Option<ConnectionGate>, Arc<PeerIdentity>, Outbound);
 
 /// One gRPC service: its name and its methods.
 pub trait Methods: Send + Sync + 'static {
@@ -142,11 +143,9 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
         // What TLS proved of the peer; without the listener's word (the
         // `source` command's dial-out serves a stream it dialed), none:
         // `unauthenticated`.
-        let identity = request
-            .extensions()
-            .get::<ConnInfo>()
-            .map(|info| info.identity.clone())
-            .unwrap_or_default();
+        let conn_info = request.extensions().get::<ConnInfo>();
+        let identity = conn_info.map(|info| info.identity.clone()).unwrap_or_default();
+        let gate = conn_info.map(|info| info.gate.clone());
         let sensitive = self.downstream.sensitive_readable(&identity);
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
@@ -169,13 +168,13 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
         if let Some(unanswered) = unanswered {
             // `None`: the client reset the stream before its headers went.
             if let Some(writer) = unanswered.answer(headers) {
-                start(&self.downstream, body, peer, identity, Outbound::direct(writer));
+                start(&self.downstream, body, peer, gate, identity, Outbound::direct(writer));
             }
             // Not written: the slot was taken.
             return std::future::ready(Ok(http::Response::new(Body::empty())));
         }
         let (tx, rx) = outbound::queue(OUTBOUND_QUEUE);
-        start(&self.downstream, body, peer, identity, Outbound(Out::Queue(tx)));
+        start(&self.downstream, body, peer, gate, identity, Outbound(Out::Queue(tx)));
         let mut response = http::Response::new(Body::new(FramedResponses::new(rx)));
         *response.headers_mut() = headers;
         std::future::ready(Ok(response))

@@ -41,6 +41,7 @@ use crate::proto::wire::{version_entry, ErrorDetail};
 use crate::skew::{ClientGeneration, Generation, Interest};
 use crate::transport::access::{AccessPolicy, NameGrant};
 use crate::transport::bucket::TokenBucket;
+use crate::transport::defer::ConnectionGate;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::RequestStream;
 use crate::SharedStr;
@@ -402,11 +403,17 @@ pub(super) struct TypedStream<W> {
 // === impl TypedStream ===
 
 impl<W: Wire> TypedStream<W> {
-    pub(super) fn new(shared: Downstream, id: u64, peer: Option<SocketAddr>, identity: Arc<PeerIdentity>) -> Self {
+    pub(super) fn new(
+        shared: Downstream,
+        id: u64,
+        peer: Option<SocketAddr>,
+        gate: Option<ConnectionGate>,
+        identity: Arc<PeerIdentity>,
+    ) -> Self {
         let entry = shared
             .inner
             .registry
-            .register(id, peer, W::PROTOCOL, &identity.to_string());
+            .register(id, peer, W::PROTOCOL, &identity.to_string(), gate);
         let policy = shared.watch_policy();
         shared.relay_broadcasts();
         Self {

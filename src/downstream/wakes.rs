@@ -209,15 +209,23 @@ impl Wakes {
 }
 
 /// Wakes `clients` a connection at a time, the connections in an order
-/// drawn from `order` (a version's draw: none is always first or last).
-/// The clients of one connection woken one after another write their
-/// responses one after another, and the connection's task, deferred until
-/// they have run (`transport::defer`), writes them all in one `writev`;
-/// woken in the index's order, they were spread over the whole version and
-/// each response took a write of its own.
+/// drawn from `order` (a version's draw: none is always first or last),
+/// each connection armed before its clients are woken. The clients of one
+/// connection woken one after another write their responses one after
+/// another, and the connection's task, deferred until they have run
+/// (`transport::defer`), writes them all in one `writev`; woken in the
+/// index's order, they were spread over the whole version and each
+/// response took a write of its own.
 fn wake_by_connection(mut clients: Vec<&mut Client>, order: u64) {
     clients.sort_unstable_by_key(|client| mix(client.connection ^ order));
-    clients.into_iter().for_each(Client::wake);
+    let mut armed = None;
+    for client in clients {
+        if armed != Some(client.connection) {
+            client.view.arm_connection();
+            armed = Some(client.connection);
+        }
+        client.wake();
+    }
 }
 
 /// A 64-bit mix (splitmix64's finaliser): the connections' order at a
@@ -308,6 +316,9 @@ impl Index {
         for i in 0..span {
             let key = stride.wrapping_mul(i).wrapping_add(offset) & (span - 1);
             if let Some(follower) = self.following.get(key) {
+                // Its connection writes what the version's wakes queue
+                // together (`transport::defer`).
+                follower.arm_connection();
                 follower.wake();
             }
         }
@@ -367,6 +378,7 @@ mod tests {
     use crate::collections::{Dialect, Resolved};
     use crate::downstream::names::tests::resource;
     use crate::downstream::registry::{Protocol, Registry, RegistryEntry, TypeView};
+    use crate::transport::defer::ConnectionGate;
 
     fn names(names: &[&str]) -> NameSet {
         NameSet::from_unsorted(names.iter().map(|n| SharedStr::from(*n)).collect())
@@ -401,7 +413,7 @@ mod tests {
 
     impl Task {
         fn new(registry: &Arc<Registry>, id: u64) -> Self {
-            let entry = registry.register(id, None, Protocol::XdsSotw, "x");
+            let entry = registry.register(id, None, Protocol::XdsSotw, "x", None);
             let waker = Arc::new(Counted(AtomicUsize::new(0)));
             entry.control().register(&waker.clone().into());
             Task { entry, waker }
@@ -533,7 +545,7 @@ mod tests {
         let log = Arc::new(Mutex::new(Vec::new()));
         let mut streams: Vec<_> = (0..37)
             .map(|id| {
-                let entry = registry.register(id, None, Protocol::Sotw, "x");
+                let entry = registry.register(id, None, Protocol::Sotw, "x", None);
                 let waker = Arc::new(Logged { id, log: log.clone() });
                 let following = wakes.follow(entry.handle());
                 (entry, waker, Some(following))
@@ -567,7 +579,8 @@ mod tests {
         );
     }
 
-    /// The named clients a version wakes are woken a connection at a time:
+    /// The named clients a version wakes are woken a connection at a time,
+    /// each connection armed (its task writes their responses together):
     /// each connection's clients one after another, the connections in an
     /// order that moves from version to version.
     #[tokio::test]
@@ -578,10 +591,11 @@ mod tests {
         let log = Arc::new(Mutex::new(Vec::new()));
         // Five connections of four streams each, opened in turn; the last
         // stream of each asks for `b` only.
+        let gates: Vec<ConnectionGate> = (0..5).map(|_| ConnectionGate::default()).collect();
         let streams: Vec<_> = (0..20u64)
             .map(|id| {
-                let peer = std::net::SocketAddr::from(([127, 0, 0, 1], 40_000 + (id % 5) as u16));
-                let entry = registry.register(id, Some(peer), Protocol::XdsSotw, "x");
+                let gate = gates[(id % 5) as usize].clone();
+                let entry = registry.register(id, None, Protocol::XdsSotw, "x", Some(gate));
                 let waker = Arc::new(Logged { id, log: log.clone() });
                 let asks = if id >= 15 { names(&["b"]) } else { names(&["a", "b"]) };
                 let registration = wakes.register(&asks, entry.handle(), "t");
@@ -611,6 +625,10 @@ mod tests {
                 runs.len(),
                 5,
                 "version {version}: each connection's clients together: {order:?}"
+            );
+            assert!(
+                gates.iter().all(ConnectionGate::take_armed),
+                "version {version}: each connection armed"
             );
             firsts.push(runs[0]);
         }

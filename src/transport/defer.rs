@@ -1,13 +1,19 @@
-//! A connection's task run after the tasks that are runnable when it is
-//! woken, so that its writes carry what they queued.
+//! A connection's writes deferred while the streams a version woke write
+//! their responses, so that one `writev` carries them.
 //!
 //! A stream's task writes a response into h2 and wakes its connection's
 //! task, which tokio runs next (the woken task goes to the worker's LIFO
 //! slot): one `writev` per response, even when the connection's other
-//! streams have responses of the same version coming. Deferred, the
-//! connection's task is polled once the worker has run what was runnable
-//! (at most `event_interval` tasks, 61 by default, before tokio wakes what
-//! was deferred), and its write carries every response queued by then.
+//! streams have responses of the same version coming. The wake index arms
+//! a connection's [`ConnectionGate`] before it wakes the connection's
+//! streams; armed, the connection's next poll is deferred to when tokio
+//! wakes deferred tasks (`yield_now`'s rule: once the worker has run what
+//! was runnable, or every `event_interval` tasks, 61 by default), and its
+//! write carries every response queued by then. A connection not armed
+//! (a client's first request, an ACK, anything but a version) is polled at
+//! once, as before: only a version's wakes are gathered, so the sync of
+//! many clients keeps each response alive only until it is written (the
+//! heap it leaves behind at rest is the same).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,46 +23,66 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use atomic_waker::AtomicWaker;
 
+/// A connection's switch for deferring its next poll, shared by its task
+/// and the registry entries of its streams.
+#[derive(Clone, Default)]
+pub struct ConnectionGate(Arc<Flag>);
+
+impl std::fmt::Debug for ConnectionGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ConnectionGate").field(&self.key()).finish()
+    }
+}
+
+impl ConnectionGate {
+    /// The connection's next poll is deferred: its streams are about to be
+    /// woken by a version.
+    pub fn arm(&self) {
+        self.0.armed.store(true, Ordering::Release);
+    }
+
+    /// Whether it was armed since this was last asked (for tests).
+    #[cfg(test)]
+    pub fn take_armed(&self) -> bool {
+        self.0.armed.swap(false, Ordering::AcqRel)
+    }
+
+    /// A key of the connection, the same for all its streams while it lives.
+    pub fn key(&self) -> u64 {
+        Arc::as_ptr(&self.0) as usize as u64
+    }
+}
+
 pin_project_lite::pin_project! {
-    /// `future`, each of its polls after a wake deferred to when tokio
-    /// wakes deferred tasks (`yield_now`'s rule). A struct rather than an
-    /// async fn: an async fn's state kept the future twice (its argument
-    /// and the pinned local), and a connection's task is as large as its
-    /// future for the connection's whole life.
+    /// A connection's task future with its polls deferred while its gate
+    /// is armed. A struct rather than an async fn: an async fn's state kept
+    /// the future twice (its argument and the pinned local), and a
+    /// connection's task is as large as its future for the connection's
+    /// whole life.
     pub struct Deferred<F> {
         #[pin]
         future: F,
-        defer: Defer,
+        gate: ConnectionGate,
+        // A deferral is pending: polls before it fires are spurious.
+        waiting: bool,
     }
 }
 
-/// Runs `future` deferred (see [`Deferred`]).
-pub fn deferred<F: Future>(future: F) -> Deferred<F> {
-    Deferred {
-        future,
-        defer: Defer::default(),
+impl<F> Deferred<F> {
+    pub fn new(gate: ConnectionGate, future: F) -> Self {
+        Deferred {
+            future,
+            gate,
+            waiting: false,
+        }
     }
 }
 
-impl<F: Future> Future for Deferred<F> {
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = self.project();
-        this.defer.poll(cx, this.future)
-    }
-}
-
-#[derive(Default)]
-struct Defer {
-    flag: Arc<Flag>,
-    /// A deferral is pending: polls before it fires are spurious.
-    waiting: bool,
-}
-
-/// Set when the deferral fires; the task's waker, to wake it then.
+/// Set when the deferral fires (and whether one is asked for); the task's
+/// waker, to wake it then.
 #[derive(Default)]
 struct Flag {
+    armed: AtomicBool,
     fired: AtomicBool,
     task: AtomicWaker,
 }
@@ -72,24 +98,34 @@ impl Wake for Flag {
     }
 }
 
-impl Defer {
-    fn poll<F: Future>(&mut self, cx: &mut Context<'_>, future: Pin<&mut F>) -> Poll<F::Output> {
-        self.flag.task.register(cx.waker());
-        if !self.waiting {
-            self.waiting = true;
-            let waker = Waker::from(self.flag.clone());
+impl<F: Future> Future for Deferred<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        let flag = &this.gate.0;
+        if !*this.waiting {
+            // Read before it is cleared: most polls find it unarmed, and a
+            // load writes nothing to the shared line.
+            if !(flag.armed.load(Ordering::Acquire) && flag.armed.swap(false, Ordering::AcqRel)) {
+                return this.future.poll(cx);
+            }
+            flag.task.register(cx.waker());
+            *this.waiting = true;
+            let waker = Waker::from(flag.clone());
             // Registers the deferral; its own completion is not needed.
             let yielded = std::pin::pin!(tokio::task::yield_now());
             let _ = yielded.poll(&mut Context::from_waker(&waker));
             return Poll::Pending;
         }
-        if !self.flag.fired.swap(false, Ordering::AcqRel) {
+        flag.task.register(cx.waker());
+        if !flag.fired.swap(false, Ordering::AcqRel) {
             // Woken again before the deferral fired (another stream wrote):
             // the deferral still comes.
             return Poll::Pending;
         }
-        self.waiting = false;
-        future.poll(cx)
+        *this.waiting = false;
+        this.future.poll(cx)
     }
 }
 
@@ -100,36 +136,48 @@ mod tests {
 
     use super::*;
 
-    /// Woken while other tasks are runnable, a deferred task runs after
-    /// them, once, however often it was woken in between; it completes with
-    /// its future's output.
-    #[tokio::test]
-    async fn a_deferred_task_runs_after_the_tasks_runnable_when_it_is_woken() {
+    /// A connection's task as a channel's reader that logs what each of
+    /// its future's polls took; `others` tasks each send one value and log.
+    /// Returns the log once the reader has taken `1 + others` values, and
+    /// its future's polls.
+    async fn woken_while_others_run(armed: bool, others: u32) -> (Vec<String>, usize) {
         let log = Arc::new(Mutex::new(Vec::new()));
         let polls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<u32>();
-        let deferred_task = tokio::spawn({
+        let gate = ConnectionGate::default();
+        let want = 1 + others as usize;
+        let reader = tokio::spawn({
             let (log, polls) = (log.clone(), polls.clone());
-            deferred(std::future::poll_fn(move |cx| {
-                polls.fetch_add(1, Ordering::SeqCst);
-                let mut got = Vec::new();
-                while let Poll::Ready(Some(n)) = rx.poll_recv(cx) {
-                    got.push(n);
-                }
-                if got.is_empty() {
-                    return Poll::Pending;
-                }
-                log.lock().unwrap().push(format!("deferred got {got:?}"));
-                Poll::Ready(got.len())
-            }))
+            let mut got = Vec::new();
+            Deferred::new(
+                gate.clone(),
+                std::future::poll_fn(move |cx| {
+                    polls.fetch_add(1, Ordering::SeqCst);
+                    let before = got.len();
+                    while let Poll::Ready(Some(n)) = rx.poll_recv(cx) {
+                        got.push(n);
+                    }
+                    if got.len() > before {
+                        log.lock().unwrap().push(format!("reader took {:?}", &got[before..]));
+                    }
+                    if got.len() == want {
+                        Poll::Ready(())
+                    } else {
+                        Poll::Pending
+                    }
+                }),
+            )
         });
-        // It waits, having been polled once (after its first deferral).
+        // It waits, polled once.
         while polls.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
-        // Woken, then made runnable again by each of two other tasks.
+        if armed {
+            gate.arm();
+        }
+        // Woken, then made runnable again by each of the other tasks.
         tx.send(1).unwrap();
-        let others: Vec<_> = (2..4)
+        let others: Vec<_> = (2..2 + others)
             .map(|n| {
                 let (log, tx) = (log.clone(), tx.clone());
                 tokio::spawn(async move {
@@ -138,23 +186,36 @@ mod tests {
                 })
             })
             .collect();
-        let got = tokio::time::timeout(Duration::from_secs(5), deferred_task)
+        tokio::time::timeout(Duration::from_secs(5), reader)
             .await
-            .expect("the deferred task completes")
+            .expect("the reader completes")
             .unwrap();
         for other in others {
             other.await.unwrap();
         }
-        assert_eq!(got, 3, "one poll took all three");
+        let log = log.lock().unwrap().clone();
+        (log, polls.load(Ordering::SeqCst))
+    }
+
+    /// Armed, a connection's task woken while other tasks are runnable runs
+    /// after them, its future polled once however often it was woken in
+    /// between: one poll takes what they all queued.
+    #[tokio::test]
+    async fn an_armed_connection_runs_after_the_tasks_runnable_when_it_is_woken() {
+        let (log, polls) = woken_while_others_run(true, 2).await;
         assert_eq!(
-            *log.lock().unwrap(),
-            ["task 2", "task 3", "deferred got [1, 2, 3]"],
+            log,
+            ["task 2", "task 3", "reader took [1, 2, 3]"],
             "it ran after the tasks runnable when it was woken"
         );
-        assert_eq!(
-            polls.load(Ordering::SeqCst),
-            2,
-            "its future was polled once more, not once a wake"
-        );
+        assert_eq!(polls, 2, "its future was polled once more, not once a wake");
+    }
+
+    /// Not armed (anything but a version's wakes), it is polled at once:
+    /// each value is taken as it comes.
+    #[tokio::test]
+    async fn a_connection_not_armed_is_polled_at_once() {
+        let (log, _) = woken_while_others_run(false, 2).await;
+        assert_eq!(log, ["reader took [1]", "task 2", "task 3", "reader took [2, 3]"]);
     }
 }

@@ -37,6 +37,7 @@ use tonic::Status;
 use tower::ServiceExt;
 
 use super::bucket::{PeerBuckets, TokenBucket};
+use super::defer::{ConnectionGate, Deferred};
 use super::gather::{Gathered, Payload};
 use super::identity::{AllowList, PeerIdentity};
 use super::respond::{poll_window, ResponseSlot};
@@ -133,6 +134,9 @@ pub struct ConnInfo {
     pub listener: &'static str,
     pub peer: SocketAddr,
     pub identity: Arc<PeerIdentity>,
+    /// Armed by a version's wakes of the connection's streams, so that its
+    /// task writes their responses together (`defer`).
+    pub gate: ConnectionGate,
 }
 
 /// Accepts connections until `shutdown` and serves each with `service`.
@@ -179,6 +183,7 @@ pub fn serve<S>(
                 }
             };
             let _ = stream.set_nodelay(true);
+            let gate = ConnectionGate::default();
             let connection = Connection {
                 config: config.clone(),
                 service: service.clone(),
@@ -189,8 +194,9 @@ pub fn serve<S>(
                     slot,
                     ended: Notify::new(),
                 }),
+                gate: gate.clone(),
             };
-            tracker.spawn(super::defer::deferred(connection.run(stream)));
+            tracker.spawn(Deferred::new(gate, connection.run(stream)));
         }
     });
 }
@@ -256,6 +262,7 @@ struct Connection<S> {
     /// Its slot and open streams; the slot is given back when the
     /// connection and its last stream are gone.
     streams: Arc<StreamCount>,
+    gate: ConnectionGate,
 }
 
 /// Why a connection closed (a metric label).
@@ -398,6 +405,7 @@ where
             listener: self.config.name,
             peer: self.peer,
             identity: Arc::new(identity),
+            gate: self.gate.clone(),
         };
         let connect_info = TcpConnectInfo {
             local_addr: local,

@@ -66,6 +66,9 @@ use crate::xds::{ack_sotw, cluster_doc, delta_ack};
 /// "streams: woken through their registry entry" (its slot wakes it through
 /// the registry entry's waker, and a slab of 16 bytes a follower, where a
 /// `WatchStream` boxed a 160-byte `changed()` future per followed type).
+/// 2,196 to 2,200 B since "transport: a connection's responses in one
+/// write" (the registry entry holds its connection's gate, 8 B, which a
+/// version arms before it wakes the stream).
 const LEGACY_STREAM: i64 = 2_300;
 /// An idle plaintext connection with one idle legacy stream on it (the
 /// stream included): the connection's task, h2's codec (its read and write
@@ -91,10 +94,11 @@ const LEGACY_STREAM: i64 = 2_300;
 /// 4,096-byte buffer, which the decoded strings kept in the dynamic table
 /// shared, given back after each header block; vendor/README.md's fifth
 /// part). 9,250 to 9,252 B since "streams: woken through their registry
-/// entry" (the stream as `LEGACY_STREAM`). 9,309 to 9,316 B since
+/// entry" (the stream as `LEGACY_STREAM`). 9,342 to 9,346 B since
 /// "transport: a connection's responses in one write" (the connection's
-/// task deferred until the streams woken with it have run: a flag and the
-/// task's waker in an `Arc`, `transport::defer`).
+/// gate, deferring its task while a version's streams write: two flags and
+/// the task's waker in an `Arc`, held by the task and its streams,
+/// `transport::defer`; the stream as `LEGACY_STREAM`).
 const LEGACY_CONNECTION: i64 = 9_750;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many
@@ -118,7 +122,8 @@ const LEGACY_CONNECTION: i64 = 9_750;
 /// and a `WatchStream` boxing its `changed()` future, 160 B). 2,579 to
 /// 2,598 B since "transport: a connection's responses in one write" (the
 /// wake index keeps each named client's connection, 8 B, to wake a
-/// connection's clients together; its table's growth moves the rest).
+/// connection's clients together, and the registry entry its gate, 8 B;
+/// the index's table's growth moves the rest).
 const NAMED_SOTW_STREAM: i64 = 2_650;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
@@ -133,7 +138,7 @@ const NAMED_SOTW_STREAM: i64 = 2_650;
 /// broadcasts". 3,033 to 3,050 B since "h2: the HPACK decoder's scratch
 /// buffer made for a header block" (as the state-of-the-world stream's).
 /// 2,548 to 2,551 B since "streams: woken through their registry entry"
-/// (as the state-of-the-world stream's). 2,544 to 2,568 B since
+/// (as the state-of-the-world stream's). 2,544 to 2,579 B since
 /// "transport: a connection's responses in one write" (as the
 /// state-of-the-world stream's).
 const NAMED_DELTA_STREAM: i64 = 2_650;
