@@ -47,7 +47,9 @@ impl ConnectionGate {
         self.0.armed.swap(false, Ordering::AcqRel)
     }
 
-    /// A key of the connection, the same for all its streams while it lives.
+    /// A key of the connection, the same for all its streams while it lives
+    /// (its gate's address: a connection opened after this one closed may
+    /// get it again, which only orders wakes).
     pub fn key(&self) -> u64 {
         Arc::as_ptr(&self.0) as usize as u64
     }
