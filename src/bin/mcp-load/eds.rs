@@ -700,7 +700,13 @@ pub async fn run(binary: &Path, shape: Shape, named: NamedShape, run: Run) -> an
             }
         })
         .await;
-    let mut report = phases.report(shape, &run, latencies, sent).await?;
+    // The responses' records as the cache holds them: one of the
+    // collection's mean size, anywhere in it.
+    let scattered = crate::wire::Source::Scattered {
+        record: config_bytes / shape.resources.max(1),
+        pool: config_bytes,
+    };
+    let mut report = phases.report(shape, &run, latencies, sent, Some(scattered)).await?;
 
     let client_intervals = (shape.streams * shape.updates.max(1)) as f64;
     let seconds = phases.update_phase.as_secs_f64().max(f64::EPSILON);

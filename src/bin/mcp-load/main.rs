@@ -470,6 +470,12 @@ struct Report {
     wire_cpu_us_per_mb: Option<f64>,
     /// The headline: gateway CPU per delivered byte / the wire's.
     times_wire: Option<f64>,
+    /// With --scenario eds: a writer sending the same responses as records
+    /// read at random from a buffer the collection's size, its CPU per MB,
+    /// and the gateway's as a multiple of it (beside the headline).
+    wire_scattered: Option<wire::WireRun>,
+    wire_scattered_cpu_us_per_mb: Option<f64>,
+    times_wire_scattered: Option<f64>,
     /// The measured (last) gateway's own share of the latency above (see
     /// [`PushLatency`]).
     gateway_push_latency: Option<PushLatency>,
@@ -801,11 +807,16 @@ struct Sent {
 /// responses `sent`, against a plain loopback TCP writer sending the same
 /// responses (gRPC framing included) over as many connections, pinned like
 /// the gateway.
+///
+/// With `scattered`, a second writer sends the same responses' bytes as
+/// records read at random from a buffer the cache's size (see
+/// [`wire::Source::Scattered`]): a figure beside the headline.
 async fn cost_figures(
     costs: &Costs,
     mut sent: Vec<Sent>,
     connections: usize,
     pinning: Option<wire::Pinning>,
+    scattered: Option<wire::Source>,
 ) -> anyhow::Result<Report> {
     // In order of arrival, on their connections, as the writer sends them.
     sent.sort_unstable_by_key(|s| s.at);
@@ -817,14 +828,26 @@ async fn cost_figures(
     let count = responses.len();
     let per_response = |n: u64| (count > 0).then(|| n as f64 / count as f64);
     let per_mb = |cpu: f64, bytes: u64| (bytes > 0).then(|| cpu * 1e6 / (bytes as f64 / 1e6));
-    let wire = if responses.is_empty() {
-        None
-    } else {
-        Some(tokio::task::spawn_blocking(move || wire::measure(&responses, connections, pinning)).await??)
+    let responses = Arc::new(responses);
+    let measure = |source: wire::Source| {
+        let responses = responses.clone();
+        async move {
+            if responses.is_empty() {
+                return Ok::<_, anyhow::Error>(None);
+            }
+            let run = tokio::task::spawn_blocking(move || wire::measure(&responses, connections, pinning, source));
+            Ok(Some(run.await??))
+        }
+    };
+    let wire = measure(wire::Source::Hot).await?;
+    let wire_scattered = match scattered {
+        Some(source) => measure(source).await?,
+        None => None,
     };
     let cpu = costs.cpu_user + costs.cpu_system;
     let gateway_per_mb = per_mb(cpu, bytes_received);
     let wire_per_mb = wire.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
+    let scattered_per_mb = wire_scattered.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
     let (written, syscalls) = (costs.written, costs.syscalls);
     Ok(Report {
         gateway_cpu_seconds: Some(cpu),
@@ -843,6 +866,11 @@ async fn cost_figures(
         wire,
         wire_cpu_us_per_mb: wire_per_mb,
         times_wire: gateway_per_mb.zip(wire_per_mb.filter(|w| *w > 0.0)).map(|(g, w)| g / w),
+        wire_scattered,
+        wire_scattered_cpu_us_per_mb: scattered_per_mb,
+        times_wire_scattered: gateway_per_mb
+            .zip(scattered_per_mb.filter(|w| *w > 0.0))
+            .map(|(g, w)| g / w),
         ..Default::default()
     })
 }
@@ -1054,11 +1082,12 @@ impl<T> Phases<T> {
         run: &Run,
         mut latencies: Vec<Duration>,
         sent: Vec<Sent>,
+        scattered: Option<wire::Source>,
     ) -> anyhow::Result<Report> {
         let delivered = latencies.len();
         let (p50, p99, max) = percentiles(&mut latencies);
         let update_bytes: usize = sent.iter().map(|s| s.bytes).sum();
-        let measured = cost_figures(&self.costs, sent, shape.connections, run.pinning).await?;
+        let measured = cost_figures(&self.costs, sent, shape.connections, run.pinning, scattered).await?;
         let cpu = self.costs.cpu_user + self.costs.cpu_system;
         let attack = self.attack.as_ref();
         Ok(Report {
@@ -1129,7 +1158,7 @@ async fn run_with_child(binary: &std::path::Path, shape: Shape, names: &[String]
             bytes: r.bytes,
         })
         .collect();
-    phases.report(shape, &run, latencies, sent).await
+    phases.report(shape, &run, latencies, sent, None).await
 }
 
 /// gRPC's per-message prefix: a compression flag and a 4-byte length.
@@ -1325,6 +1354,15 @@ fn print_report(report: &Report) {
             or_dash(report.wire_cpu_us_per_mb.map(|c| format!("{c:.0} µs"))),
         ),
         ("× wire", or_dash(report.times_wire.map(|x| format!("{x:.2}")))),
+        (
+            "writer of records at random, per MB (×)",
+            or_dash(
+                report
+                    .wire_scattered_cpu_us_per_mb
+                    .zip(report.times_wire_scattered)
+                    .map(|(c, x)| format!("{c:.0} µs ({x:.2})")),
+            ),
+        ),
         ("NACKs", report.nacks.to_string()),
         ("stream errors", report.stream_errors.to_string()),
         ("abuse", or_dash(report.abuse.map(|a| format!("{a:?}")))),

@@ -311,7 +311,7 @@ pub async fn run(binary: &Path, shape: Shape, named: NamedShape, run: Run, kill:
         upstream_cpu: 0.0,
         tool_cpu: (tool_cpu_now.0 + tool_cpu_now.1) - (tool_cpu.0 + tool_cpu.1),
     };
-    let measured = cost_figures(&costs, sent, shape.connections, run.pinning).await?;
+    let measured = cost_figures(&costs, sent, shape.connections, run.pinning, None).await?;
     let figures = ReconnectFigures {
         signal: if kill { "SIGKILL" } else { "SIGTERM" },
         names_per_client: named.names_per_client,

@@ -3,7 +3,7 @@
 //! response sizes over as many connections, whose CPU per byte is what the
 //! kernel's loopback costs on this machine.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
@@ -88,13 +88,34 @@ pub struct WireRun {
     pub cpu_seconds: f64,
     /// Each pass's, in order.
     pub pass_cpu_seconds: [f64; PASSES],
+    /// What its readers read, in all passes: every byte of every pass.
+    pub bytes_read: u64,
+}
+
+/// Where the plain writer's bytes come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Source {
+    /// One buffer, the size of the largest response, in the core's cache:
+    /// the loopback's own cost.
+    Hot,
+    /// Records of `record` bytes, each response as many of them as it
+    /// holds, read from random places in a buffer of `pool` bytes (one
+    /// `writev` a response): what it costs to send the records of a cache
+    /// that size, which a gateway serving named clients from one reads in
+    /// no order (eds: 50 of the 10,000 records of 4 MB a response).
+    Scattered { record: usize, pool: usize },
 }
 
 /// Sends `responses` (connection index, bytes) in order from one thread, with
-/// one blocking `write` per response (`TCP_NODELAY`, as the gateway), pinned
-/// like the gateway, [`PASSES`] times; reader threads on the load's cores
-/// drain them.
-pub fn measure(responses: &[(usize, usize)], connections: usize, pinning: Option<Pinning>) -> anyhow::Result<WireRun> {
+/// one blocking `write` per response (`TCP_NODELAY`, as the gateway), the
+/// bytes read from `source`, pinned like the gateway, [`PASSES`] times;
+/// reader threads on the load's cores drain them.
+pub fn measure(
+    responses: &[(usize, usize)],
+    connections: usize,
+    pinning: Option<Pinning>,
+    source: Source,
+) -> anyhow::Result<WireRun> {
     let connections = connections.max(1);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
@@ -115,7 +136,11 @@ pub fn measure(responses: &[(usize, usize)], connections: usize, pinning: Option
         .map(|mut reader| {
             std::thread::Builder::new().stack_size(128 << 10).spawn(move || {
                 let mut buf = vec![0u8; 256 << 10];
-                while matches!(reader.read(&mut buf), Ok(n) if n > 0) {}
+                let mut read = 0u64;
+                while let Ok(n @ 1..) = reader.read(&mut buf) {
+                    read += n as u64;
+                }
+                read
             })
         })
         .collect::<Result<Vec<_>, _>>()?;
@@ -125,30 +150,68 @@ pub fn measure(responses: &[(usize, usize)], connections: usize, pinning: Option
         if let Some(pinning) = pinning {
             sched_setaffinity(Pid::from_raw(0), &pinning.gateway_set()?)?;
         }
-        let payload = vec![0x5au8; largest];
+        let (record, pool) = match source {
+            Source::Hot => (largest.max(1), largest),
+            Source::Scattered { record, pool } => (record.max(1), pool.max(record)),
+        };
+        let payload = vec![0x5au8; pool];
+        let records = (pool / record).max(1);
+        // xorshift64: the records' order, the same in every pass.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next_record = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % records as u64) as usize * record
+        };
         let mut run = WireRun {
             bytes: responses.iter().map(|(_, len)| *len as u64).sum(),
             writes: responses.len() as u64,
             ..WireRun::default()
         };
+        let mut slices: Vec<IoSlice<'_>> = Vec::new();
         for pass in &mut run.pass_cpu_seconds {
             let before = thread_cpu()?;
             for &(connection, len) in &responses {
-                writers[connection % connections].write_all(&payload[..len])?;
+                let writer = &mut writers[connection % connections];
+                match source {
+                    Source::Hot => writer.write_all(&payload[..len])?,
+                    Source::Scattered { .. } => {
+                        slices.clear();
+                        slices.extend((0..len.div_ceil(record)).map(|i| {
+                            let at = next_record();
+                            IoSlice::new(&payload[at..at + record.min(len - i * record)])
+                        }));
+                        write_all_vectored(writer, &mut slices)?;
+                    }
+                }
             }
             *pass = thread_cpu()? - before;
         }
         run.cpu_seconds = run.pass_cpu_seconds.iter().copied().fold(f64::INFINITY, f64::min);
         Ok((run, writers))
     });
-    let (run, writers) = writer
+    let (mut run, writers) = writer
         .join()
         .map_err(|_| anyhow::anyhow!("the wire writer panicked"))??;
     drop(writers);
     for drain in drains {
-        let _ = drain.join();
+        run.bytes_read += drain.join().unwrap_or(0);
     }
     Ok(run)
+}
+
+/// Writes every slice, as `Write::write_all` does one buffer.
+fn write_all_vectored(writer: &mut TcpStream, mut slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    while !slices.is_empty() {
+        match writer.write_vectored(slices) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// This thread's CPU seconds (user + system).
@@ -156,4 +219,30 @@ fn thread_cpu() -> anyhow::Result<f64> {
     let usage = getrusage(UsageWho::RUSAGE_THREAD)?;
     let seconds = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
     Ok(seconds(usage.user_time()) + seconds(usage.system_time()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both writers deliver every byte of every response in every pass, the
+    /// scattered one in records from across its buffer (the last of a
+    /// response shorter), and count them once per pass.
+    #[test]
+    fn both_writers_send_every_byte() {
+        let responses = [(0, 1_000), (1, 37), (0, 4_096), (2, 1), (1, 10_007)];
+        let sent: u64 = responses.iter().map(|(_, len)| *len as u64).sum();
+        for source in [
+            Source::Hot,
+            Source::Scattered {
+                record: 403,
+                pool: 40_300,
+            },
+        ] {
+            let run = measure(&responses, 3, None, source).unwrap();
+            assert_eq!((run.bytes, run.writes), (sent, 5), "{source:?}");
+            assert_eq!(run.bytes_read, sent * PASSES as u64, "{source:?}");
+            assert!(run.pass_cpu_seconds.iter().all(|c| *c >= 0.0) && run.cpu_seconds >= 0.0);
+        }
+    }
 }
