@@ -71,11 +71,11 @@ fn pin_process(pid: u32, set: &CpuSet) -> anyhow::Result<()> {
 }
 
 /// How many times the plain writer sends the responses: its figure is the
-/// least CPU of these passes. One pass's figure is bimodal on a shared
-/// machine (~350 and ~700 µs per MB on this project's, in about one run in
-/// six), and a slow pass made the gateway look twice as good against it;
-/// the least of three is the loopback's cost without what else the core
-/// was doing (BENCHMARKS, session 22).
+/// least CPU of these passes. On a shared machine a pass can cost twice the
+/// usual (~700 against ~350 µs per MB on this project's), which made the
+/// gateway look twice as good against it; the least of three takes out a
+/// slow pass, and the passes in the report show a run whose passes were
+/// all slow, which happens too (BENCHMARKS, session 22).
 pub const PASSES: usize = 3;
 
 /// What the plain writer did.
@@ -156,14 +156,6 @@ pub fn measure(
         };
         let payload = vec![0x5au8; pool];
         let records = (pool / record).max(1);
-        // xorshift64: the records' order, the same in every pass.
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next_record = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % records as u64) as usize * record
-        };
         let mut run = WireRun {
             bytes: responses.iter().map(|(_, len)| *len as u64).sum(),
             writes: responses.len() as u64,
@@ -171,6 +163,14 @@ pub fn measure(
         };
         let mut slices: Vec<IoSlice<'_>> = Vec::new();
         for pass in &mut run.pass_cpu_seconds {
+            // The records' places: the same in every pass (xorshift64).
+            let mut state = 0x9e37_79b9_7f4a_7c15u64;
+            let mut next_record = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % records as u64) as usize * record
+            };
             let before = thread_cpu()?;
             for &(connection, len) in &responses {
                 let writer = &mut writers[connection % connections];
