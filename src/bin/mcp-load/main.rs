@@ -846,8 +846,16 @@ async fn cost_figures(
     };
     let cpu = costs.cpu_user + costs.cpu_system;
     let gateway_per_mb = per_mb(cpu, bytes_received);
-    let wire_per_mb = wire.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
-    let scattered_per_mb = wire_scattered.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
+    // A writer's CPU per MB, and the gateway's as a multiple of it.
+    let against = |run: Option<wire::WireRun>| {
+        let writer_per_mb = run.and_then(|w| per_mb(w.cpu_seconds, w.bytes));
+        let times = gateway_per_mb
+            .zip(writer_per_mb.filter(|w| *w > 0.0))
+            .map(|(g, w)| g / w);
+        (writer_per_mb, times)
+    };
+    let (wire_per_mb, times_wire) = against(wire);
+    let (scattered_per_mb, times_wire_scattered) = against(wire_scattered);
     let (written, syscalls) = (costs.written, costs.syscalls);
     Ok(Report {
         gateway_cpu_seconds: Some(cpu),
@@ -865,12 +873,10 @@ async fn cost_figures(
         gateway_cpu_us_per_mb: gateway_per_mb,
         wire,
         wire_cpu_us_per_mb: wire_per_mb,
-        times_wire: gateway_per_mb.zip(wire_per_mb.filter(|w| *w > 0.0)).map(|(g, w)| g / w),
+        times_wire,
         wire_scattered,
         wire_scattered_cpu_us_per_mb: scattered_per_mb,
-        times_wire_scattered: gateway_per_mb
-            .zip(scattered_per_mb.filter(|w| *w > 0.0))
-            .map(|(g, w)| g / w),
+        times_wire_scattered,
         ..Default::default()
     })
 }
