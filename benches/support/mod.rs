@@ -15,7 +15,6 @@ pub fn resource(i: usize, version: usize) -> CachedResource {
     let none = HashMap::<String, String>::new();
     CachedResource::new(
         name.into(),
-        &version.to_string(),
         Bytes::from(body.clone()),
         content_digest(body.as_bytes(), &none, &none),
     )

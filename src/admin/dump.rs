@@ -115,7 +115,7 @@ pub(super) fn shown(
     });
     let value = json!({
         "name": resource.name,
-        "version": resource.version.as_str(),
+        "version": resource.version(),
         "content_version": resource.content_version(),
         "create_time": create_time,
         "labels": metadata.labels,

@@ -849,7 +849,7 @@ async fn cache_collection(
         .map(|r| {
             let body_type_url = crate::proto::wire::resource_body_type_url(&r.encoded)
                 .map(|t| crate::source::proto_json::shown_type_url(sensitive, &t).to_owned());
-            json!({"name": r.name, "version": r.version.as_str(), "body_type_url": body_type_url})
+            json!({"name": r.name, "version": r.version(), "body_type_url": body_type_url})
         })
         .collect();
     view(&headers, &format!("Cache: {collection}"), value)

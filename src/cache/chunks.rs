@@ -653,7 +653,7 @@ mod tests {
     /// Resource `name` at `version`, with bytes of its own.
     fn resource(name: &str, version: &str) -> CachedResource {
         let body = format!("{name}@{version}");
-        CachedResource::new(name.into(), version, Bytes::from(body.clone()), digest(&body))
+        CachedResource::new(name.into(), Bytes::from(body.clone()), digest(&body))
     }
 
     /// A source's message holding `resources` in the order given, as the
@@ -676,7 +676,7 @@ mod tests {
             .zip(at)
             .map(|((name, version), at)| {
                 let body = format!("{name}@{version}");
-                CachedResource::new(name.as_str().into(), version.as_str(), message.slice(at), digest(&body))
+                CachedResource::new(name.as_str().into(), message.slice(at), digest(&body))
             })
             .collect();
         (message, decoded)

@@ -40,11 +40,9 @@ use crate::SharedStr;
 #[derive(Debug)]
 pub struct CachedResource {
     pub name: SharedStr,
-    /// Upstream `metadata.version`, or a hash of the body when that was empty.
-    /// Inline when 24 bytes or fewer (every version seen in practice).
-    pub version: compact_str::CompactString,
     /// A whole encoded `Resource` message, written into responses as is
-    /// (in the cache: a slice of its chunk).
+    /// (in the cache: a slice of its chunk). Its `metadata.version` is the
+    /// resource's version ([`Self::version`]).
     pub encoded: Bytes,
     /// The content: a digest of the body, labels and annotations. A changed
     /// body under an unchanged version is a change. Two halves, not a
@@ -56,23 +54,31 @@ pub struct CachedResource {
     pub memo: LazyMemo,
 }
 
-// 88 bytes and the `Arc`'s two counts: 104 bytes asked, glibc's 112-byte
+// 64 bytes and the `Arc`'s two counts: 80 bytes asked, glibc's 96-byte
 // chunk: the name one pointer (its length and count in its allocation), the
-// version inline (a Kubernetes resourceVersion, a 16-hex content version: 24
-// bytes at most) rather than a 32 or 48-byte chunk of its own. Each 16 bytes
-// more costs a size class, ~1 MiB per 60,000 resources: move this only with
-// a commit that says why.
-const _: () = assert!(std::mem::size_of::<CachedResource>() <= 88);
+// version read from the stored bytes, where it always is (a source's, or
+// the body's hash written into them when the source gave none), rather than
+// kept beside them (24 bytes inline: a 112-byte chunk). Each 16 bytes more
+// costs a size class, ~1 MiB per 60,000 resources: move this only with a
+// commit that says why.
+const _: () = assert!(std::mem::size_of::<CachedResource>() <= 64);
 
 impl CachedResource {
-    pub fn new(name: SharedStr, version: &str, encoded: Bytes, digest: u128) -> Self {
+    /// A resource of the encoded `Resource` `encoded`, whose
+    /// `metadata.version` is its version.
+    pub fn new(name: SharedStr, encoded: Bytes, digest: u128) -> Self {
         Self {
             name,
-            version: compact_str::CompactString::from(version),
             encoded,
             digest: [digest as u64, (digest >> 64) as u64],
             memo: LazyMemo::default(),
         }
+    }
+
+    /// Upstream `metadata.version`, or a hash of the body when that was
+    /// empty: read from the stored bytes.
+    pub fn version(&self) -> &str {
+        crate::proto::wire::resource_version(&self.encoded)
     }
 
     /// The content digest: see the field.
@@ -91,7 +97,6 @@ impl CachedResource {
         debug_assert_eq!(encoded, self.encoded);
         Self {
             name: self.name.clone(),
-            version: self.version.clone(),
             encoded,
             digest: self.digest,
             memo: self.memo.carried(),
@@ -103,7 +108,7 @@ impl CachedResource {
     /// encodings that are memoized), not stored: 32 bytes less per resource
     /// with the padding it took.
     fn entry(&self) -> u128 {
-        entry_hash(&self.name, &self.version, self.digest())
+        entry_hash(&self.name, self.version(), self.digest())
     }
 
     /// A version of this resource that changes whenever its name, version
@@ -217,7 +222,7 @@ fn entry_hash(name: &str, version: &str, digest: u128) -> u128 {
 /// edited but its `version:` kept) still changes the resource.
 impl PartialEq for CachedResource {
     fn eq(&self, other: &Self) -> bool {
-        self.digest == other.digest && self.name == other.name && self.version == other.version
+        self.digest == other.digest && self.name == other.name && self.version() == other.version()
     }
 }
 
@@ -384,7 +389,7 @@ impl CollectionSnapshot {
             }
             resources
         } else {
-            kept().map(|r| (r.name.clone(), r.clone())).collect()
+            packed_map(kept().cloned())
         };
         let (mut sum, mut bytes) = (0u128, 0usize);
         for resource in kept() {
@@ -1048,7 +1053,7 @@ impl Cache {
                 snapshot
                     .resources
                     .iter()
-                    .map(|(name, r)| (name.to_string(), r.version.to_string()))
+                    .map(|(name, r)| (name.to_string(), r.version().to_string()))
                     .collect()
             })
             .unwrap_or_default()
@@ -1170,18 +1175,21 @@ impl Cache {
         };
         // What arrived, in its order, when it is the whole collection.
         let whole: Option<Vec<Arc<CachedResource>>> = match update {
+            Update::Full(incoming) if was_empty => {
+                let incoming = shared(incoming);
+                total.fill(&mut resources, &incoming);
+                Some(incoming)
+            }
             Update::Full(incoming) => {
                 let incoming = shared(incoming);
                 // Start from the current map and touch only what changed, so
                 // unchanged subtrees stay shared with the previous snapshot.
-                let mut seen = std::collections::HashSet::with_capacity(if was_empty { 0 } else { incoming.len() });
+                let mut seen = std::collections::HashSet::with_capacity(incoming.len());
                 for resource in &incoming {
-                    if !was_empty {
-                        seen.insert(resource.name.clone());
-                    }
+                    seen.insert(resource.name.clone());
                     total.upsert(&mut resources, resource);
                 }
-                if !was_empty && seen.len() != resources.len() {
+                if seen.len() != resources.len() {
                     let gone: Vec<SharedStr> = resources.keys().filter(|n| !seen.contains(*n)).cloned().collect();
                     for name in gone {
                         total.remove(&mut resources, &name);
@@ -1191,8 +1199,12 @@ impl Cache {
             }
             Update::Incremental { upserts, removed } => {
                 let upserts = shared(upserts);
-                for resource in &upserts {
-                    total.upsert(&mut resources, resource);
+                if was_empty {
+                    total.fill(&mut resources, &upserts);
+                } else {
+                    for resource in &upserts {
+                        total.upsert(&mut resources, resource);
+                    }
                 }
                 for name in removed {
                     total.remove(&mut resources, &name);
@@ -1287,10 +1299,25 @@ impl Total {
             self.sum = self.sum.wrapping_sub(old.entry());
             self.bytes -= old.encoded.len();
         }
+        self.added(resource);
+        resources.insert(resource.name.clone(), resource.clone());
+    }
+
+    /// `resource` is in the map, where nothing of its name was.
+    fn added(&mut self, resource: &CachedResource) {
         self.sum = self.sum.wrapping_add(resource.entry());
         self.bytes += resource.encoded.len();
         self.changed.push(resource.name.clone());
-        resources.insert(resource.name.clone(), resource.clone());
+    }
+
+    /// `resources` (the last of a name counts) into an empty map, its
+    /// leaves full ([`packed_map`]).
+    fn fill(&mut self, resources: &mut ResourceMap, incoming: &[Arc<CachedResource>]) {
+        debug_assert!(resources.is_empty());
+        *resources = packed_map(incoming.iter().cloned());
+        for resource in resources.values() {
+            self.added(resource);
+        }
     }
 
     fn remove(&mut self, resources: &mut ResourceMap, name: &str) {
@@ -1361,13 +1388,31 @@ fn shared<R: Into<Arc<CachedResource>>>(mut resources: Vec<R>) -> Vec<Arc<Cached
 /// The resources of `whole`, a collection as it arrived, whose names
 /// `resources` holds (the last of a name counts, as in an apply).
 fn arrived_map(whole: &[Arc<CachedResource>], resources: &ResourceMap) -> ResourceMap {
-    let mut arrived = ResourceMap::new();
-    for resource in whole {
-        if resources.contains_key(&*resource.name) {
-            arrived.insert(resource.name.clone(), resource.clone());
-        }
+    packed_map(whole.iter().filter(|r| resources.contains_key(&*r.name)).cloned())
+}
+
+/// A map of `resources` built whole (the last of a name counts, as in an
+/// apply), its leaves full. `imbl` splits a full leaf at its median and
+/// never merges what a split left, so a map built by inserts is half full
+/// where the names come in order and about two thirds where they come at
+/// random (41 and 28 bytes asked per entry of 16). Inserting every other
+/// name in order first leaves each leaf half full with a gap after each of
+/// its names; the rest then fill the gaps without a split (20.5 bytes per
+/// entry). The order is only the layout: any order makes the same map.
+/// The heap budget `CACHE_RESOURCE` holds the layout (`tests/it/budgets.rs`);
+/// `a_map_built_whole_is_the_map_its_inserts_make` its content.
+fn packed_map(resources: impl IntoIterator<Item = Arc<CachedResource>>) -> ResourceMap {
+    let mut sorted: Vec<Arc<CachedResource>> = resources.into_iter().collect();
+    // Stable, then each name's run reversed: its last to arrive first.
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    sorted.reverse();
+    sorted.dedup_by(|a, b| a.name == b.name);
+    sorted.reverse();
+    let mut map = ResourceMap::new();
+    for resource in sorted.iter().step_by(2).chain(sorted.iter().skip(1).step_by(2)) {
+        map.insert(resource.name.clone(), resource.clone());
     }
-    arrived
+    map
 }
 
 /// The difference between two states of one collection. Removed names are
@@ -1413,7 +1458,7 @@ impl<'a> Diff<&'a str> {
             let held = known.next_if(|(name, _)| **name == *resource.name);
             // A name given twice: the first one counts.
             while known.next_if(|(name, _)| **name == *resource.name).is_some() {}
-            if held.is_none_or(|(_, version)| **version != *resource.version) {
+            if held.is_none_or(|(_, version)| **version != *resource.version()) {
                 diff.upserts.push(resource.clone());
             }
         }
@@ -1466,7 +1511,7 @@ mod tests {
         let versions: Vec<(String, String)> = first
             .resources
             .values()
-            .map(|r| (r.name.to_string(), r.version.to_string()))
+            .map(|r| (r.name.to_string(), r.version().to_string()))
             .collect();
         assert_eq!(
             versions,
@@ -1517,12 +1562,12 @@ mod tests {
         with_body(name, version, &format!("{name}@{version}"))
     }
 
+    /// A `Resource` of `body` at `version`, as a source sends it.
     fn with_body(name: &str, version: &str, body: &str) -> CachedResource {
         let none = HashMap::<String, String>::new();
         CachedResource::new(
             name.into(),
-            version,
-            Bytes::from(body.to_owned()),
+            crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes()),
             content_digest(body.as_bytes(), &none, &none),
         )
     }
@@ -1683,7 +1728,7 @@ mod tests {
         assert_eq!(versions[2].entry.version, newest.version);
         let undone: Vec<Option<&str>> = versions
             .iter()
-            .map(|v| v.undo.first().and_then(|(_, had)| had.as_ref()).map(|r| &*r.version))
+            .map(|v| v.undo.first().and_then(|(_, had)| had.as_ref()).map(|r| r.version()))
             .collect();
         assert_eq!(undone, [Some("2"), Some("3"), None], "each older version's a");
 
@@ -1741,14 +1786,15 @@ mod tests {
         assert_ne!(first.version(), second.version());
         assert!(rx.has_changed().unwrap(), "readers are woken");
         let snapshot = cache.get(C).unwrap();
-        assert_eq!(&snapshot.resources["a"].encoded[..], b"new");
+        let stored =
+            <crate::proto::Resource as prost::Message>::decode(snapshot.resources["a"].encoded.clone()).unwrap();
+        assert_eq!(stored.body.unwrap().value, b"new");
         // The same through an incremental update, and labels count too.
         let labels: HashMap<String, String> = [("app".to_owned(), "x".to_owned())].into();
         let none = HashMap::new();
         let labelled = CachedResource::new(
             "a".into(),
-            "1",
-            Bytes::from_static(b"new"),
+            crate::proto::wire::test_support::encoded_resource("a", "1", b"new"),
             content_digest(b"new", &labels, &none),
         );
         let third = cache_writer.apply(
@@ -1783,7 +1829,7 @@ mod tests {
         let entries: Vec<(String, String, u128)> = snapshot
             .resources
             .values()
-            .map(|r| (r.name.to_string(), r.version.to_string(), r.digest()))
+            .map(|r| (r.name.to_string(), r.version().to_string(), r.digest()))
             .collect();
         assert_eq!(
             *snapshot.version,
@@ -1864,7 +1910,7 @@ mod tests {
         let got: Vec<(String, String)> = snapshot
             .resources
             .values()
-            .map(|r| (r.name.to_string(), r.version.to_string()))
+            .map(|r| (r.name.to_string(), r.version().to_string()))
             .collect();
         assert_eq!(got, [("b".into(), "2".into()), ("c".into(), "1".into())]);
     }
@@ -1972,6 +2018,25 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// A map built whole holds what inserting the resources one by one
+        /// in their order holds: each name's last resource, in name order.
+        #[test]
+        fn a_map_built_whole_is_the_map_its_inserts_make(
+            arrived in proptest::collection::vec((0u16..300, 0u8..3), 0..400),
+        ) {
+            let arrived: Vec<Arc<CachedResource>> = arrived
+                .iter()
+                .map(|(i, v)| Arc::new(resource(&format!("n{i:03}"), &v.to_string())))
+                .collect();
+            let mut inserted = ResourceMap::new();
+            for resource in &arrived {
+                inserted.insert(resource.name.clone(), resource.clone());
+            }
+            let packed = packed_map(arrived.iter().cloned());
+            let entries = |m: &ResourceMap| m.iter().map(|(k, v)| (k.clone(), Arc::as_ptr(v))).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(entries(&packed), entries(&inserted));
+        }
+
         /// Under any applies, every version the history still holds rebuilds
         /// to exactly the resources it had, with its content version, and
         /// the history holds the last N distinct versions.

@@ -126,7 +126,7 @@ mod tests {
         let body = format!("{name}@{version}");
         let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
         let encoded = crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes());
-        CachedResource::new(name.into(), version, encoded, digest)
+        CachedResource::new(name.into(), encoded, digest)
     }
 
     fn name(i: usize) -> String {

@@ -375,7 +375,7 @@ mod tests {
         let encoded = crate::proto::wire::test_support::encoded_resource(name, "1", &value);
         let none = std::collections::HashMap::<String, String>::new();
         let digest = crate::cache::content_digest(&value, &none, &none);
-        CachedResource::new(name.into(), "1", encoded, digest)
+        CachedResource::new(name.into(), encoded, digest)
     }
 
     #[test]

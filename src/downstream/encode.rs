@@ -1022,7 +1022,7 @@ mod tests {
         let encoded = crate::proto::wire::test_support::encoded_resource(name, version, body);
         let none = std::collections::HashMap::<String, String>::new();
         let digest = crate::cache::content_digest(body, &none, &none);
-        CachedResource::new(name.into(), version, encoded, digest)
+        CachedResource::new(name.into(), encoded, digest)
     }
 
     /// `version`: the resource's content version.
@@ -1357,7 +1357,7 @@ mod tests {
             .into();
             let none = std::collections::HashMap::<String, String>::new();
             let digest = crate::cache::content_digest(&encoded, &none, &none);
-            CachedResource::new(name.into(), "v9", encoded, digest)
+            CachedResource::new(name.into(), encoded, digest)
         };
         let (cache, mut writer) = Cache::new();
         let timed = prost_types::Timestamp { seconds: 42, nanos: 7 };

@@ -627,7 +627,7 @@ pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) 
 /// The same resource content: the same version and body digest (which
 /// covers labels and annotations).
 fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
-    a.digest() == b.digest() && a.version == b.version
+    a.digest() == b.digest() && a.version() == b.version()
 }
 
 #[cfg(test)]
@@ -641,7 +641,7 @@ pub(super) mod tests {
         let none = std::collections::HashMap::<String, String>::new();
         let body = format!("{name}@{version}");
         let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
-        CachedResource::new(name.into(), version, bytes::Bytes::from(body), digest)
+        CachedResource::new(name.into(), bytes::Bytes::from(body), digest)
     }
 
     /// A state-of-the-world selection made from the last one (only the
@@ -678,7 +678,7 @@ pub(super) mod tests {
                 let to = cache.get("c").unwrap();
                 // Delta: the changed names alone give what name by name does.
                 let listed = |diff: Diff| {
-                    let upserts: Vec<String> = diff.upserts.iter().map(|r| format!("{}@{}", r.name, r.version)).collect();
+                    let upserts: Vec<String> = diff.upserts.iter().map(|r| format!("{}@{}", r.name, r.version())).collect();
                     (upserts, diff.removed)
                 };
                 proptest::prop_assert!(named.holds_its_names());
@@ -689,13 +689,13 @@ pub(super) mod tests {
                 let fresh: Vec<(String, String)> = asked
                     .iter()
                     .filter_map(|n| to.resources.get(&**n))
-                    .map(|r| (r.name.to_string(), r.version.to_string()))
+                    .map(|r| (r.name.to_string(), r.version().to_string()))
                     .collect();
                 if named.touched(&from, &to) {
                     let got: Vec<(String, String)> = named
                         .selected(Some(&from), &to)
                         .iter()
-                        .map(|r| (r.name.to_string(), r.version.to_string()))
+                        .map(|r| (r.name.to_string(), r.version().to_string()))
                         .collect();
                     proptest::prop_assert_eq!(got, fresh);
                 } else {
@@ -803,7 +803,7 @@ pub(super) mod tests {
             .map(|n| {
                 let none = std::collections::HashMap::<String, String>::new();
                 let digest = crate::cache::content_digest(n.as_bytes(), &none, &none);
-                CachedResource::new((*n).into(), "1", bytes::Bytes::from_static(b"x"), digest)
+                CachedResource::new((*n).into(), bytes::Bytes::from_static(b"x"), digest)
             })
             .collect();
         writer.apply("c", Update::Full(resources), Origin::Upstream);

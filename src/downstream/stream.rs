@@ -2359,7 +2359,7 @@ mod tests {
     fn resource(name: &str, version: &str) -> CachedResource {
         let body = bytes::Bytes::from(format!("{name}@{version}"));
         let digest = crate::cache::content_digest(&body, std::iter::empty(), std::iter::empty());
-        CachedResource::new(name.into(), version, body, digest)
+        CachedResource::new(name.into(), body, digest)
     }
 
     /// A grant whose names happen to keep everything is served the whole

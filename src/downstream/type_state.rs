@@ -1951,7 +1951,7 @@ mod tests {
                 let body = Bytes::from(body.to_string());
                 let none = std::collections::HashMap::<String, String>::new();
                 let digest = crate::cache::content_digest(&body, &none, &none);
-                CachedResource::new((*n).into(), "1", body, digest)
+                CachedResource::new((*n).into(), body, digest)
             })
             .collect();
         writer.apply(C, Update::Full(resources), Origin::Upstream);
@@ -2221,7 +2221,7 @@ mod tests {
             let body = Bytes::from(format!("r{n}@{body}"));
             let none = std::collections::HashMap::<String, String>::new();
             let digest = crate::cache::content_digest(&body, &none, &none);
-            CachedResource::new(format!("r{n}").into(), "1", body, digest)
+            CachedResource::new(format!("r{n}").into(), body, digest)
         };
         writer.apply(
             C,

@@ -457,7 +457,6 @@ mod tests {
         let none = std::collections::HashMap::<String, String>::new();
         CachedResource::new(
             name.into(),
-            version,
             encoded.into(),
             crate::cache::content_digest(&body, &none, &none),
         )

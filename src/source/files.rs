@@ -676,7 +676,7 @@ pub fn parse_all(path: &str, text: &str, table: &CollectionTable, max_errors: us
             parsed.push(Parsed {
                 collection: found.collection,
                 name: resource.name.clone(),
-                version: resource.version.as_str().into(),
+                version: resource.version().into(),
                 body_type_url,
                 encoded: resource.encoded.clone(),
                 digest: resource.digest(),
@@ -1453,7 +1453,6 @@ impl LocalSource {
                     .or_default()
                     .push(CachedResource::new(
                         parsed.name.clone(),
-                        &parsed.version,
                         parsed.encoded.clone(),
                         parsed.digest,
                     ));

@@ -375,7 +375,7 @@ mod tests {
         let bytes = encoded("a", "7", Some(b"\x0a\x03abc"));
         let decoded = decode_resources(C, std::slice::from_ref(&bytes)).unwrap();
         assert_eq!(decoded[0].encoded, bytes);
-        assert_eq!(&*decoded[0].version, "7");
+        assert_eq!(decoded[0].version(), "7");
         assert_eq!(
             crate::proto::wire::resource_body_type_url(&decoded[0].encoded).as_deref(),
             Some("type.googleapis.com/x.Y")
@@ -387,9 +387,9 @@ mod tests {
         let bytes = encoded("a", "", Some(b"body"));
         let decoded = decode_resources(C, &[bytes]).unwrap();
         let resource = Resource::decode(decoded[0].encoded.clone()).unwrap();
-        assert_eq!(resource.metadata.unwrap().version, *decoded[0].version);
+        assert_eq!(resource.metadata.unwrap().version, decoded[0].version());
         assert_eq!(resource.body.unwrap().value, b"body");
-        assert_eq!(decoded[0].version.len(), 32);
+        assert_eq!(decoded[0].version().len(), 32);
     }
 
     #[test]

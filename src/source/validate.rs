@@ -177,17 +177,17 @@ fn decode<R: From<CachedResource>>(
         // Keep the bytes as received. Only a missing version is filled in (a
         // hash of the body), so incremental clients can report it back; the
         // body itself is never re-encoded.
-        let (version, encoded) = if metadata.version.is_empty() {
-            let version = match key {
+        // The version is read back from these bytes (`CachedResource::version`).
+        let encoded = if metadata.version.is_empty() {
+            metadata.version = match key {
                 Some(key) => keyed_body_version(key.hmac(), collection, &name, &body),
                 None => body_version(&body),
             };
-            metadata.version = version.clone();
-            (version, encode_resource(&metadata, &body))
+            encode_resource(&metadata, &body)
         } else {
-            (metadata.version.clone(), bytes.clone())
+            bytes.clone()
         };
-        resources.push(R::from(CachedResource::new(name, &version, encoded, digest)));
+        resources.push(R::from(CachedResource::new(name, encoded, digest)));
     }
     Ok(resources)
 }

@@ -1127,7 +1127,7 @@ async fn a_sensitive_collections_versions_are_keyed_not_hashes_of_the_secret() {
             .unwrap()
             .encode_to_vec();
         (
-            resource.version.to_string(),
+            resource.version().to_string(),
             body_version(&body),
             snapshot.version.to_string(),
         )

@@ -673,7 +673,7 @@ async fn a_source_flooding_without_waiting_for_acks_is_answered_in_order() {
         assert_eq!(reply.response_nonce, format!("flood-{n}"));
         assert!(reply.error_detail.is_none());
     }
-    assert_eq!(&*gw.cache.get(VS).unwrap().resources["a"].version, "299");
+    assert_eq!(gw.cache.get(VS).unwrap().resources["a"].version(), "299");
 }
 
 /// A source that floods without reading its ACKs is held by HTTP/2 flow
@@ -760,7 +760,7 @@ async fn a_source_that_does_not_read_its_acks_is_held_by_flow_control() {
     let applied = || {
         gw.cache
             .get(VS)
-            .map_or(0, |s| s.resources["a"].version.parse::<usize>().unwrap() + 1)
+            .map_or(0, |s| s.resources["a"].version().parse::<usize>().unwrap() + 1)
     };
     let mut waiting = sent.clone();
     // Blocked alone can come at message 0, before h2 has assigned any

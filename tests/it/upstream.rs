@@ -428,13 +428,13 @@ async fn a_missing_resource_version_becomes_a_content_hash() {
         ..resource("a", "", b"body")
     };
     stream.push_full(VS, vec![unversioned.clone()]).await;
-    let first = gw.cache.get(VS).unwrap().resources["a"].version.clone();
+    let first = gw.cache.get(VS).unwrap().resources["a"].version().to_owned();
     assert_eq!(first.len(), 32);
     // The same body again is the same version; another body is not.
     stream.push_full(VS, vec![unversioned]).await;
-    assert_eq!(gw.cache.get(VS).unwrap().resources["a"].version, first);
+    assert_eq!(gw.cache.get(VS).unwrap().resources["a"].version(), first);
     stream.push_full(VS, vec![resource("a", "", b"other")]).await;
-    assert_ne!(gw.cache.get(VS).unwrap().resources["a"].version, first);
+    assert_ne!(gw.cache.get(VS).unwrap().resources["a"].version(), first);
 }
 
 /// `(name, version)` of every resource the gateway holds for `collection`.
@@ -444,7 +444,7 @@ fn held(gw: &mcp_xds_gateway::app::Bound, collection: &str) -> Vec<(String, Stri
         .unwrap()
         .resources
         .values()
-        .map(|r| (r.name.to_string(), r.version.to_string()))
+        .map(|r| (r.name.to_string(), r.version().to_string()))
         .collect()
 }
 
