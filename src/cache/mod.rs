@@ -76,9 +76,9 @@ impl CachedResource {
     }
 
     /// Upstream `metadata.version`, or a hash of the body when that was
-    /// empty: read from the stored bytes.
+    /// empty: read from the stored bytes ([`stored_version`]).
     pub fn version(&self) -> &str {
-        crate::proto::wire::resource_version(&self.encoded)
+        stored_version(&self.encoded)
     }
 
     /// The content digest: see the field.
@@ -204,6 +204,62 @@ fn content_fields<'a>(
             field(key.as_bytes());
             field(value.as_bytes());
         }
+    }
+}
+
+/// The `metadata.version` (field 3 of field 1) of an encoded `Resource`,
+/// read in place: the last one given, as protobuf's merge of a message
+/// field given twice reads it; "" where there is none, or for bytes that do
+/// not read as a `Resource` (a source's resources were decoded when they
+/// entered, so their versions are UTF-8). The cache keeps a resource's
+/// version only in its bytes: 24 bytes less per resource, a malloc size
+/// class smaller.
+fn stored_version(encoded: &[u8]) -> &str {
+    const METADATA: u32 = 1;
+    const VERSION: u32 = 3;
+    let mut version: &[u8] = &[];
+    for_each_bytes_field(encoded, |number, metadata| {
+        if number == METADATA {
+            for_each_bytes_field(metadata, |number, value| {
+                if number == VERSION {
+                    version = value;
+                }
+            });
+        }
+    });
+    std::str::from_utf8(version).unwrap_or_default()
+}
+
+/// Calls `each` with the number and payload of each length-delimited field
+/// of `message`, in order, until its end or the first bytes that do not
+/// read as a field.
+fn for_each_bytes_field<'a>(message: &'a [u8], mut each: impl FnMut(u32, &'a [u8])) {
+    use prost::encoding::{decode_key, decode_varint, WireType};
+    let mut rest = message;
+    while !rest.is_empty() {
+        let Ok((number, wire_type)) = decode_key(&mut rest) else {
+            return;
+        };
+        let len = match wire_type {
+            WireType::Varint => match decode_varint(&mut rest) {
+                Ok(_) => continue,
+                Err(_) => return,
+            },
+            WireType::SixtyFourBit => 8,
+            WireType::ThirtyTwoBit => 4,
+            WireType::LengthDelimited => match decode_varint(&mut rest).ok().and_then(|l| usize::try_from(l).ok()) {
+                Some(len) => len,
+                None => return,
+            },
+            WireType::StartGroup | WireType::EndGroup => return,
+        };
+        let Some((value, after)) = rest.split_at_checked(len) else {
+            return;
+        };
+        if wire_type == WireType::LengthDelimited {
+            each(number, value);
+        }
+        rest = after;
     }
 }
 
@@ -2015,6 +2071,63 @@ mod tests {
                 .collect(),
             removed: removed.iter().map(|i| name(*i)).collect(),
         }
+    }
+
+    #[test]
+    fn a_resource_version_is_read_as_protobuf_merges_it() {
+        use prost::encoding::{bytes as field, string};
+        let metadata = |fields: &[(u32, &str)]| {
+            let mut buf = Vec::new();
+            for (number, value) in fields {
+                string::encode(*number, &(*value).to_owned(), &mut buf);
+            }
+            buf
+        };
+        let resource = |metadatas: &[Vec<u8>]| {
+            let mut buf = Vec::new();
+            for m in metadatas {
+                field::encode(1, m, &mut buf);
+            }
+            field::encode(2, &Vec::new(), &mut buf);
+            buf
+        };
+        // As a source sends it: name, then version.
+        let one = crate::proto::wire::test_support::encoded_resource("a", "17", b"x");
+        assert_eq!(stored_version(&one), "17");
+        assert_eq!(
+            stored_version(&one),
+            <crate::proto::Resource as prost::Message>::decode(one.clone())
+                .unwrap()
+                .metadata
+                .unwrap()
+                .version
+        );
+        // Given twice, in one metadata or in two: the last one counts,
+        // as prost's decoding reads it (an explicit "" too).
+        for (bytes, expected) in [
+            (resource(&[metadata(&[(1, "a"), (3, "1"), (3, "2")])]), "2"),
+            (resource(&[metadata(&[(3, "1")]), metadata(&[(1, "a"), (3, "3")])]), "3"),
+            (resource(&[metadata(&[(3, "1")]), metadata(&[(3, "")])]), ""),
+            (resource(&[metadata(&[(3, "1")]), metadata(&[(1, "a")])]), "1"),
+            (resource(&[metadata(&[(1, "a")])]), ""),
+            (resource(&[]), ""),
+        ] {
+            let decoded = <crate::proto::Resource as prost::Message>::decode(&bytes[..]).unwrap();
+            assert_eq!(stored_version(&bytes), expected);
+            assert_eq!(decoded.metadata.unwrap_or_default().version, expected);
+        }
+        // Bytes that are no `Resource`: no version, and no panic.
+        for bad in [&b"\xff\xff\xff"[..], &b"\x0a\x05ab"[..], &b"\x0a\x02\x1a\x05"[..], b"x"] {
+            assert_eq!(stored_version(bad), "");
+        }
+        let not_utf8 = resource(&[]);
+        let mut not_utf8 = not_utf8.clone();
+        let mut m = Vec::new();
+        field::encode(3, &vec![0xc3], &mut m);
+        let mut bytes = Vec::new();
+        field::encode(1, &m, &mut bytes);
+        not_utf8.splice(0..0, bytes);
+        assert_eq!(stored_version(&not_utf8), "");
     }
 
     proptest::proptest! {

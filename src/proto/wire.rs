@@ -489,37 +489,6 @@ pub fn resource_body_type_url(encoded: &bytes::Bytes) -> Option<String> {
         .map(|any| any.type_url)
 }
 
-/// The `metadata.version` of an encoded `Resource`, read in place: the last
-/// one given, as protobuf's merge of a repeated message field and scalar
-/// reads it; "" where there is none, or for bytes that do not read as a
-/// `Resource` (a source's resources were decoded when they entered, so
-/// their versions are UTF-8). The cache keeps a resource's version only in
-/// its bytes: 24 bytes less per resource and a smaller malloc size class.
-pub fn resource_version(encoded: &[u8]) -> &str {
-    const METADATA: u32 = 1;
-    const VERSION: u32 = 3;
-    let payload = |f: WireField, message: &[u8]| -> Option<(usize, usize)> {
-        f.payload
-            .map(|at| (at, f.end))
-            .filter(|&(at, end)| at <= end && end <= message.len())
-    };
-    let mut version: &[u8] = &[];
-    for field in wire_fields(encoded) {
-        let Ok(field) = field else { break };
-        let Some((at, end)) = payload(field, encoded).filter(|_| field.number == METADATA) else {
-            continue;
-        };
-        let metadata = &encoded[at..end];
-        for inner in wire_fields(metadata) {
-            let Ok(inner) = inner else { break };
-            if let Some((at, end)) = payload(inner, metadata).filter(|_| inner.number == VERSION) {
-                version = &metadata[at..end];
-            }
-        }
-    }
-    std::str::from_utf8(version).unwrap_or_default()
-}
-
 /// Resources as a source sends them, for the unit tests of other rooms.
 #[cfg(test)]
 pub mod test_support {
@@ -571,63 +540,6 @@ mod tests {
             vec![Bytes::from_static(b"ok"), Bytes::from_static(b"\xc3")],
         );
         assert_eq!(bad.unwrap_err().to_string(), "resource_names[1] is not UTF-8");
-    }
-
-    #[test]
-    fn a_resource_version_is_read_as_protobuf_merges_it() {
-        use prost::encoding::{bytes as field, string};
-        let metadata = |fields: &[(u32, &str)]| {
-            let mut buf = Vec::new();
-            for (number, value) in fields {
-                string::encode(*number, &(*value).to_owned(), &mut buf);
-            }
-            buf
-        };
-        let resource = |metadatas: &[Vec<u8>]| {
-            let mut buf = Vec::new();
-            for m in metadatas {
-                field::encode(1, m, &mut buf);
-            }
-            field::encode(2, &Vec::new(), &mut buf);
-            buf
-        };
-        // As a source sends it: name, then version.
-        let one = test_support::encoded_resource("a", "17", b"x");
-        assert_eq!(resource_version(&one), "17");
-        assert_eq!(
-            resource_version(&one),
-            <crate::proto::Resource as Message>::decode(one.clone())
-                .unwrap()
-                .metadata
-                .unwrap()
-                .version
-        );
-        // Given twice, in one metadata or in two: the last one counts,
-        // as prost's decoding reads it (an explicit "" too).
-        for (bytes, expected) in [
-            (resource(&[metadata(&[(1, "a"), (3, "1"), (3, "2")])]), "2"),
-            (resource(&[metadata(&[(3, "1")]), metadata(&[(1, "a"), (3, "3")])]), "3"),
-            (resource(&[metadata(&[(3, "1")]), metadata(&[(3, "")])]), ""),
-            (resource(&[metadata(&[(3, "1")]), metadata(&[(1, "a")])]), "1"),
-            (resource(&[metadata(&[(1, "a")])]), ""),
-            (resource(&[]), ""),
-        ] {
-            let decoded = <crate::proto::Resource as Message>::decode(&bytes[..]).unwrap();
-            assert_eq!(resource_version(&bytes), expected);
-            assert_eq!(decoded.metadata.unwrap_or_default().version, expected);
-        }
-        // Bytes that are no `Resource`: no version, and no panic.
-        for bad in [&b"\xff\xff\xff"[..], &b"\x0a\x05ab"[..], &b"\x0a\x02\x1a\x05"[..], b"x"] {
-            assert_eq!(resource_version(bad), "");
-        }
-        let not_utf8 = resource(&[]);
-        let mut not_utf8 = not_utf8.clone();
-        let mut m = Vec::new();
-        field::encode(3, &vec![0xc3], &mut m);
-        let mut bytes = Vec::new();
-        field::encode(1, &m, &mut bytes);
-        not_utf8.splice(0..0, bytes);
-        assert_eq!(resource_version(&not_utf8), "");
     }
 
     #[test]
