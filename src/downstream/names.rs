@@ -465,7 +465,7 @@ impl Named {
                 Holds::Snapshot(from) => {
                     self.held.covers(name)
                         && match (from.resources.get(name), resource) {
-                            (Some(held), Some(now)) => same_content(held, now),
+                            (Some(held), Some(now)) => held.same_content(now),
                             (held, None) => held.is_some(),
                             (None, Some(_)) => false,
                         }
@@ -622,12 +622,6 @@ pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) 
             .chain(diff.removed)
             .collect()
     })
-}
-
-/// The same resource content: the same version and body digest (which
-/// covers labels and annotations).
-fn same_content(a: &CachedResource, b: &CachedResource) -> bool {
-    a.digest() == b.digest() && a.version() == b.version()
 }
 
 #[cfg(test)]
