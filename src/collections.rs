@@ -62,6 +62,25 @@ pub fn named_like_key_material(type_url: &str) -> bool {
         || message.eq_ignore_ascii_case("TlsSessionTicketKeys")
 }
 
+/// Whether a state-of-the-world response of `type_url`, to a client that
+/// names the resources it asks for, may carry only some of them (what
+/// changed since it was last sent, and what it newly asks for): the client
+/// keeps what a response leaves out. Envoy's xDS protocol ("Grouping
+/// Resources into Responses") groups every type but listeners and clusters
+/// "in the same way as in the incremental protocol variants"; Envoy's gRPC
+/// mux updates only the watches a response names, and grpc's xDS clients
+/// take a left-out resource as deleted only where the type requires all
+/// resources in every response (`AllResourcesRequiredInSotW`: listeners and
+/// clusters). Of those types, the two the gateway tests with both: Envoy's
+/// v3 `RouteConfiguration` and `ClusterLoadAssignment`.
+pub fn sotw_keeps_what_is_left_out(type_url: &str) -> bool {
+    matches!(
+        type_url,
+        "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+            | "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+    )
+}
+
 /// Shared by every Mixer adapter/template collection: never addressable by
 /// type URL, since it cannot name one collection.
 const STRUCT_TYPE_URL: &str = "type.googleapis.com/google.protobuf.Struct";

@@ -350,6 +350,16 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MAX_SUBSCRIBED_NAMES", default_value_t = 100_000)]
     pub max_subscribed_names: usize,
 
+    /// State of the world, to a client naming the route configurations or
+    /// load assignments it asks for (Envoy's RDS and EDS, grpc): send every
+    /// one it asks for in every response. By default a response after the
+    /// first carries only what changed since the client was last sent and
+    /// what it newly asks for, and the client keeps the rest (Envoy's xDS
+    /// protocol allows it for every type but listeners and clusters; Envoy
+    /// and grpc do keep it). After a NACK the next response carries all.
+    #[arg(long, env = "MCP_GATEWAY_SOTW_RESEND_UNCHANGED")]
+    pub sotw_resend_unchanged: bool,
+
     /// How long an xDS client's NACK is remembered (per node id, identity
     /// and type; across restarts with --cache-dir): what the NACKed response
     /// carried is sent again when the client reconnects, whatever version it
@@ -1237,6 +1247,7 @@ impl Args {
                 max_types_per_stream: self.max_types_per_stream,
                 max_grants_per_version: self.max_grants_per_version,
                 max_subscribed_names: self.max_subscribed_names,
+                sotw_resend_unchanged: self.sotw_resend_unchanged,
                 nack_memory: self.nack_memory,
                 max_nack_memory_entries: self.max_nack_memory_entries,
                 // A tenth of the memory unless given: one identity never

@@ -47,7 +47,8 @@ pub use registry::Registry;
 use service::Outbound;
 pub use service::{AggregatedService, ResourceSourceService, XdsService};
 
-/// Per-stream limits of the downstream services.
+/// Per-stream limits (and how responses are grouped) of the downstream
+/// services.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DownstreamLimits {
     pub max_requests_per_second: u32,
@@ -63,6 +64,11 @@ pub struct DownstreamLimits {
     /// (`--max-grants-per-version`).
     pub max_grants_per_version: usize,
     pub max_subscribed_names: usize,
+    /// `--sotw-resend-unchanged`: every state-of-the-world response to a
+    /// client naming route configurations or load assignments carries all
+    /// it asks for (by default, after the first, only what changed and
+    /// what it newly asks for: `collections::sotw_keeps_what_is_left_out`).
+    pub sotw_resend_unchanged: bool,
     /// How long a client's NACK is remembered (`--nack-memory`; zero: not,
     /// and nothing is skipped on a reconnecting client's word).
     pub nack_memory: Duration,
@@ -90,6 +96,7 @@ impl Default for DownstreamLimits {
             max_types_per_stream: 128,
             max_grants_per_version: grants::DEFAULT_MAX_GRANTS_PER_VERSION,
             max_subscribed_names: 100_000,
+            sotw_resend_unchanged: false,
             nack_memory: Duration::from_secs(24 * 3600),
             max_nack_memory_entries: 100_000,
             max_nack_memory_entries_per_identity: 10_000,

@@ -429,6 +429,12 @@ impl Named {
         resources
     }
 
+    /// No selection is kept: the next is made anew (a client sent only
+    /// what changed needs none).
+    pub fn forget_selection(&mut self) {
+        self.selection = None;
+    }
+
     /// The client's names are as selected at `from` in `to` as well (none of
     /// them changed): the last selection holds for `to`.
     pub fn untouched_since(&mut self, from: &str, to: &SharedStr) {

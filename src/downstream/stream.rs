@@ -26,7 +26,7 @@ use super::order::{self, Blocker, Change, Decision, Rank, Standing};
 use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::{CanaryClient, Rollout};
 use super::service::TrySend;
-use super::type_state::{Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
+use super::type_state::{Family, Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
 use super::wakes::{Following, Registration, Wakes};
 use super::wires::{Target, Wire, WireRequest, UNSERVED};
 use super::{
@@ -119,6 +119,8 @@ struct Draining {
     timer: std::pin::Pin<Box<tokio::time::Sleep>>,
     /// The timer is set (for the drains' next deadline).
     armed: bool,
+    /// Per type, the end of the drain its hold was last counted for.
+    counted: Vec<(SharedStr, Stamp)>,
 }
 
 impl Draining {
@@ -127,7 +129,20 @@ impl Draining {
             drains: Drains::new(drain_time),
             timer: Box::pin(tokio::time::sleep(std::time::Duration::ZERO)),
             armed: false,
+            counted: Vec::new(),
         })
+    }
+
+    /// Whether `type_url`'s hold for the drain ending `until` is its first
+    /// (noted: the next is not).
+    fn first_hold_of(&mut self, type_url: &SharedStr, until: Stamp) -> bool {
+        match self.counted.iter_mut().find(|(t, _)| t == type_url) {
+            Some((_, counted)) => std::mem::replace(counted, until) != until,
+            None => {
+                self.counted.push((type_url.clone(), until));
+                true
+            }
+        }
     }
 
     /// Sets the timer for the next drain to end.
@@ -1353,6 +1368,12 @@ impl<W: Wire> TypedStream<W> {
             .shared
             .nack_memory()
             .follow(state, W::FAMILY, served, &node, &identity, type_url);
+        if W::FAMILY == Family::Xds
+            && !self.shared.limits().sotw_resend_unchanged
+            && crate::collections::sotw_keeps_what_is_left_out(type_url)
+        {
+            state = state.sending_changes_only();
+        }
         if let Some(names) = self.forced.as_mut().and_then(|f| f.take_pending(type_url)) {
             state.force_resend(&names);
         }
@@ -1883,6 +1904,14 @@ impl<W: Wire> TypedStream<W> {
             // A removal that waited for the routes now waits for a drain.
             Some(was) => draining && was.reason != view.reason,
         };
+        // A drain's hold is counted once, however often another wait comes
+        // between (a response of routes in flight while it drains).
+        let counted = counted
+            && !(draining
+                && self
+                    .draining
+                    .as_mut()
+                    .is_some_and(|d| !d.first_hold_of(type_url, until)));
         if counted {
             m::order_held(
                 &followed.state.view.collection,

@@ -436,6 +436,11 @@ pub struct TypeState {
     /// only where the NACK memory is (`remembering_nacks`).
     carried: Option<Carried>,
     remembers_nacks: bool,
+    /// State of the world, a client naming what it asks for: a response
+    /// after the first carries only what changed since the client was last
+    /// sent and what it newly asks for (the type's clients keep the rest:
+    /// [`crate::collections::sotw_keeps_what_is_left_out`]).
+    changes_only: bool,
     /// Delta xDS: what the client last ACKed. A client that NACKs a
     /// response may have applied part of it (Envoy's CDS applies the valid
     /// clusters): after a NACK the next response goes from this, so what
@@ -462,6 +467,7 @@ impl TypeState {
             forced: BTreeSet::new(),
             carried: None,
             remembers_nacks: false,
+            changes_only: false,
             acked: None,
             revert_pending: false,
             view,
@@ -515,6 +521,15 @@ impl TypeState {
     /// memory ([`Self::carried`]); without it a NACK is of the whole type.
     pub fn remembering_nacks(mut self) -> Self {
         self.remembers_nacks = true;
+        self
+    }
+
+    /// State of the world, a client naming what it asks for: each response
+    /// after the first carries what changed since the client was last sent
+    /// and what it newly asks for, not all it asks for; after a NACK, all
+    /// (what the client kept of the refused response is not known).
+    pub fn sending_changes_only(mut self) -> Self {
+        self.changes_only = true;
         self
     }
 
@@ -768,9 +783,36 @@ impl TypeState {
             (Mode::Full, _) => match self.named.as_deref_mut() {
                 Some(named) if !named.current().wildcard => {
                     let from = last_sent(&self.sent, &self.held);
+                    let nacked = self.view.last_nack.as_deref().is_some_and(|n| !n.superseded);
+                    let upserts = match from {
+                        // It holds what it was last sent of every name it
+                        // asks for (it ACKed that response): what changed
+                        // since, and what it newly asks for. A name gone is
+                        // not told: it keeps it, as it would if left out of
+                        // the whole.
+                        Some(from) if self.changes_only && !nacked => {
+                            let upserts = named.changes(Holds::Snapshot(from), &to).upserts;
+                            if upserts.is_empty() {
+                                // Nothing it asks for exists anew: it holds
+                                // `to` of its names as they are.
+                                named.on_sent();
+                                self.settle(current);
+                                return Err(Wait::UpToDate);
+                            }
+                            upserts
+                        }
+                        _ => {
+                            let upserts = named.selected(from.map(|s| &**s), &to);
+                            if self.changes_only {
+                                // The next selection is of what changed.
+                                named.forget_selection();
+                            }
+                            upserts
+                        }
+                    };
                     Push::Selected {
                         diff: Diff {
-                            upserts: named.selected(from.map(|s| &**s), &to),
+                            upserts,
                             removed: Vec::new(),
                         },
                         to,
@@ -2401,6 +2443,234 @@ mod tests {
         };
         let bodies: Vec<&[u8]> = diff.upserts.iter().map(|r| &r.encoded[..]).collect();
         assert_eq!(bodies, [&b"a2"[..], &b"b2"[..]]);
+    }
+
+    /// State of the world, a type whose clients keep what a response leaves
+    /// out (EDS, RDS): the first response carries every name asked for;
+    /// after it, what changed and what is newly asked for; a name gone is
+    /// not told; after a NACK, everything.
+    #[test]
+    fn a_client_that_keeps_what_is_left_out_is_sent_what_changed() {
+        let (cache, mut writer) = Cache::new();
+        let v1 = with_bodies(&cache, &mut writer, &[("a", "a1"), ("b", "b1"), ("c", "c1")]);
+        let v2 = with_bodies(&cache, &mut writer, &[("a", "a2"), ("b", "b1"), ("c", "c1")]);
+        let v3 = with_bodies(&cache, &mut writer, &[("a", "a2"), ("c", "c1")]);
+        let v4 = with_bodies(&cache, &mut writer, &[("a", "a3"), ("b", "b2"), ("c", "c2")]);
+        let v5 = with_bodies(&cache, &mut writer, &[("a", "a4"), ("b", "b2"), ("c", "c2")]);
+        let mut s = family_state(Family::Xds, Mode::Full, nothing()).sending_changes_only();
+        let ask = |s: &mut TypeState, nonce: &str, version: Option<&str>, asked: &[&str], nack: bool| {
+            let asked = names(asked);
+            let nack = nack.then(|| Nack {
+                code: 3,
+                message: "bad".into(),
+            });
+            s.on_request(Request {
+                version,
+                names: NameChange::Replace(&asked),
+                ..Request::new(nonce, nack)
+            })
+        };
+        let bodies = |push: &Push| -> Vec<String> {
+            let Push::Selected { diff, .. } = push else {
+                panic!("expected a response of its own, got {push:?}");
+            };
+            assert!(diff.removed.is_empty(), "state of the world removes nothing");
+            let bodies = diff
+                .upserts
+                .iter()
+                .map(|r| String::from_utf8_lossy(&r.encoded).into_owned());
+            bodies.collect()
+        };
+        assert_eq!(ask(&mut s, "", None, &["a", "b"], false), Verdict::First);
+        assert_eq!(bodies(&send(&mut s, &v1, "n1")), ["a1", "b1"], "the first: all");
+        assert_eq!(ask(&mut s, "n1", Some(&v1.version), &["a", "b"], false), Verdict::Ack);
+        assert_eq!(bodies(&send(&mut s, &v2, "n2")), ["a2"], "what changed");
+        assert_eq!(ask(&mut s, "n2", Some(&v2.version), &["a", "b"], false), Verdict::Ack);
+        // "b" went: it keeps it, as it would if left out of the whole.
+        assert_eq!(s.next(Some(&v3)).unwrap_err(), Wait::UpToDate);
+        assert_eq!(s.view.acked_version.as_deref(), Some(&*v3.version), "shown at v3");
+        // A name asked for anew: it alone.
+        assert_eq!(
+            ask(&mut s, "n2", Some(&v3.version), &["a", "b", "c"], false),
+            Verdict::Subscription
+        );
+        assert_eq!(bodies(&send(&mut s, &v3, "n3")), ["c1"], "the new name");
+        assert_eq!(
+            ask(&mut s, "n3", Some(&v3.version), &["a", "b", "c"], false),
+            Verdict::Ack
+        );
+        // Refused: it may hold any part of it.
+        assert_eq!(bodies(&send(&mut s, &v4, "n4")), ["a3", "b2", "c2"]);
+        assert_eq!(
+            ask(&mut s, "n4", Some(&v3.version), &["a", "b", "c"], true),
+            Verdict::Nack
+        );
+        assert_eq!(s.next(Some(&v4)).unwrap_err(), Wait::Nacked);
+        assert_eq!(
+            bodies(&send(&mut s, &v5, "n5")),
+            ["a4", "b2", "c2"],
+            "after a NACK: all"
+        );
+        assert_eq!(
+            ask(&mut s, "n5", Some(&v5.version), &["a", "b", "c"], false),
+            Verdict::Ack
+        );
+        // A name dropped and asked for again is sent again.
+        assert_eq!(
+            ask(&mut s, "n5", Some(&v5.version), &["a", "c"], false),
+            Verdict::Subscription
+        );
+        assert_eq!(s.next(Some(&v5)).unwrap_err(), Wait::UpToDate);
+        assert_eq!(
+            ask(&mut s, "n5", Some(&v5.version), &["a", "b", "c"], false),
+            Verdict::Subscription
+        );
+        assert_eq!(bodies(&send(&mut s, &v5, "n6")), ["b2"]);
+        // Forced (the load assignment of a cluster just sent): sent again.
+        assert_eq!(
+            ask(&mut s, "n6", Some(&v5.version), &["a", "b", "c"], false),
+            Verdict::Ack
+        );
+        assert_eq!(s.force_resend([&SharedStr::from("c")]), 1);
+        assert_eq!(bodies(&send(&mut s, &v5, "n7")), ["c2"]);
+    }
+
+    /// A client that keeps what a state-of-the-world response leaves out
+    /// (EDS, RDS), through any sequence of name changes, ACKs, NACKs (of
+    /// which it applies any part) and versions (changes, reverts, pins back,
+    /// an overdue collection's empty answer): whenever it is told it is up
+    /// to date (its last answer not a NACK), and after each response it
+    /// ACKs, it holds each name it asks for as that version has it; and
+    /// unless its last answer was a NACK,
+    /// it is never sent what it holds (but for a name that went and came
+    /// back: what it kept of it is not known).
+    /// A response a model client has not answered yet: its version, each
+    /// name it carries at its content, and the names asked for since it
+    /// was sent.
+    type InFlight = (
+        String,
+        std::collections::BTreeMap<String, Option<String>>,
+        std::collections::BTreeSet<String>,
+    );
+
+    #[test]
+    fn a_client_that_keeps_what_is_left_out_holds_its_names_exactly() {
+        use std::collections::{BTreeMap, BTreeSet};
+        proptest::proptest!(proptest::test_runner::Config::with_cases(256), |(
+            changes in proptest::collection::vec(proptest::collection::vec((0u8..8, 0u8..3), 1..4), 1..8),
+            ops in proptest::collection::vec(op(), 1..40),
+            applied in proptest::collection::vec(proptest::bool::ANY, 64),
+            first in proptest::collection::vec(0u8..8, 1..4),
+        )| {
+            let versions = versions(&changes);
+            let mut s = family_state(Family::Xds, Mode::Full, nothing()).sending_changes_only();
+            let mut asked: BTreeSet<String> = first.iter().map(|n| format!("r{n}")).collect();
+            let wire_names: Vec<String> = asked.iter().cloned().collect();
+            s.on_request(Request {
+                names: NameChange::Replace(&wire(&wire_names)),
+                ..Request::new("", None)
+            });
+            let mut holds: BTreeMap<String, Option<String>> = BTreeMap::new();
+            let mut in_flight: Option<InFlight> = None;
+            let mut nacked = false;
+            let mut coin = applied.iter().cycle();
+            let mut nonce = 0;
+            for op in ops {
+                match op {
+                    Op::Next(i) => {
+                        let current = &versions[i % versions.len()];
+                        let before = s.last_sent().cloned();
+                        match s.next(Some(current)) {
+                            Ok(push) => {
+                                let Push::Selected { to, diff } = &push else {
+                                    proptest::prop_assert!(false, "not its own: {:?}", push);
+                                    unreachable!();
+                                };
+                                proptest::prop_assert!(diff.removed.is_empty());
+                                let mut carried = BTreeMap::new();
+                                for r in &diff.upserts {
+                                    proptest::prop_assert!(asked.contains(&*r.name), "{} not asked for", r.name);
+                                    let content = content_of(to, &r.name);
+                                    // What went and came back is sent: it may
+                                    // hold it, or not (a name it dropped).
+                                    let came_back = before.as_ref().is_none_or(|b| !b.resources.contains_key(&*r.name));
+                                    proptest::prop_assert!(
+                                        nacked || came_back || holds.get(&*r.name) != Some(&content),
+                                        "sent {} again, held", r.name
+                                    );
+                                    carried.insert(r.name.to_string(), content);
+                                }
+                                nonce += 1;
+                                s.sent(format!("n{nonce}"), to.clone());
+                                in_flight = Some((to.version.to_string(), carried, asked.clone()));
+                            }
+                            // What it refused is not sent again unprompted.
+                            Err(Wait::UpToDate) if !nacked => {
+                                for name in &asked {
+                                    if let Some(content) = content_of(current, name) {
+                                        proptest::prop_assert_eq!(
+                                            holds.get(name), Some(&Some(content)),
+                                            "{} at {}, told up to date", name, current.version
+                                        );
+                                    }
+                                }
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                    Op::Ack | Op::Nack | Op::Ask(..) => {
+                        if let Op::Ask(names, _) = &op {
+                            asked = names.iter().map(|n| format!("r{n}")).collect();
+                            // A name dropped is dropped: its watch goes.
+                            holds.retain(|n, _| asked.contains(n));
+                            if let Some((_, carried, then)) = &mut in_flight {
+                                carried.retain(|n, _| asked.contains(n));
+                                then.retain(|n| asked.contains(n));
+                            }
+                        }
+                        let nack = matches!(op, Op::Nack).then(|| Nack { code: 3, message: "bad".into() });
+                        // As Envoy: the version it ACKs, else the last it
+                        // ACKed ("" before any).
+                        let version = match &op {
+                            Op::Ack => s.view.last_sent_version.clone(),
+                            _ => s.view.acked_version.clone(),
+                        };
+                        let version = version.map_or_else(String::new, |v| v.to_string());
+                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let wire_names: Vec<String> = asked.iter().cloned().collect();
+                        let verdict = s.on_request(Request {
+                            version: Some(&version),
+                            names: NameChange::Replace(&wire(&wire_names)),
+                            ..Request::new(&last_nonce, nack)
+                        });
+                        match verdict {
+                            Verdict::Ack => {
+                                let (version, carried, then) = in_flight.take().expect("an answer of a response");
+                                holds.extend(carried);
+                                nacked = false;
+                                let to = versions.iter().find(|v| *v.version == *version).unwrap();
+                                for name in asked.intersection(&then) {
+                                    if let Some(content) = content_of(to, name) {
+                                        proptest::prop_assert_eq!(
+                                            holds.get(name), Some(&Some(content)),
+                                            "{} at {}, ACKed", name, version
+                                        );
+                                    }
+                                }
+                            }
+                            Verdict::Nack => {
+                                let (_, carried, _) = in_flight.take().expect("an answer of a response");
+                                // Envoy applies the watches it could.
+                                holds.extend(carried.into_iter().filter(|_| *coin.next().unwrap()));
+                                nacked = true;
+                            }
+                            _ => {}
+                        }
+                    }
+                    Op::Drop(..) => {}
+                }
+            }
+        });
     }
 
     /// A named delta client, through any sequence of subscribes and

@@ -28,6 +28,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::Channel;
 
+use crate::collections::sotw_keeps_what_is_left_out;
 use crate::proto::aggregated_mesh_config_service_client::AggregatedMeshConfigServiceClient;
 use crate::proto::envoy::config::core::v3::Node;
 use crate::proto::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
@@ -197,6 +198,10 @@ struct Update {
     /// The names the response removed (incremental); in state of the world
     /// the names held before and absent now, filled in by [`apply`].
     removed: Vec<String>,
+    /// It is the whole state: what it leaves out is gone. Not for a state
+    /// of the world response of the types whose clients keep what it leaves
+    /// out, asked for by name (EDS, RDS): those are kept, as Envoy and grpc
+    /// keep them.
     full: bool,
 }
 
@@ -957,7 +962,14 @@ async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool
         let request = request(&response.type_url, &response.version_info, &response.nonce);
         (response.type_url.clone(), request)
     };
+    // Asked for by name, not everything.
+    let named = |type_url: &str| {
+        xds.names
+            .get(type_url)
+            .is_some_and(|names| !names.is_empty() && !names.iter().any(|n| n == "*"))
+    };
     let update = |response: DiscoveryResponse| {
+        let full = !(named(&response.type_url) && sotw_keeps_what_is_left_out(&response.type_url));
         let plain = response.resources.iter().any(|any| any.type_url != MCP_RESOURCE);
         let raw: Vec<Resource> = response
             .resources
@@ -970,7 +982,7 @@ async fn xds_sotw_once(xds: &Xds, events: mpsc::UnboundedSender<Event>) -> (bool
             resources: summary(&raw, plain),
             raw,
             removed: Vec::new(),
-            full: true,
+            full,
         }
     };
     follow(stream, tx, firsts, ack, update, &events).await

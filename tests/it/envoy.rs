@@ -150,6 +150,55 @@ async fn the_example_directory_configures_envoy(api: AdsApi) {
     assert_eq!(envoy.stat("cluster_manager.cds.update_rejected").await, Some(0));
 }
 
+/// State of the world: a change of one EDS cluster's endpoints goes to Envoy
+/// in a response that carries that load assignment alone
+/// (`collections::sotw_keeps_what_is_left_out`). Envoy keeps the other
+/// cluster's endpoints, and does not even call that cluster's watch
+/// (`cluster.web.update_success` stays); with `--sotw-resend-unchanged` the
+/// response carries both, and it does.
+#[tokio::test]
+#[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
+async fn envoy_keeps_the_endpoints_a_response_leaves_out() {
+    for resend in [false, true] {
+        let flags: &[&str] = if resend { &["--sotw-resend-unchanged"] } else { &[] };
+        let (dir, _gw, envoy) = envoy_on_files_with(AdsApi::Sotw, flags, |dir| {
+            copy_examples(dir);
+            let web_cluster = std::fs::read_to_string(dir.join("clusters.yaml"))
+                .unwrap()
+                .replace("name: backend", "name: web");
+            crate::helpers::certs::write(dir, "web-cluster.yaml", &web_cluster);
+            let web_endpoints = std::fs::read_to_string(dir.join("endpoints.yaml"))
+                .unwrap()
+                .replace("backend", "web")
+                .replace("8080", "8082");
+            crate::helpers::certs::write(dir, "web-endpoints.yaml", &web_endpoints);
+        })
+        .await;
+        envoy
+            .clusters_text_when("both clusters' endpoints", |t| {
+                t.contains("backend::127.0.0.1:8080::") && t.contains("web::127.0.0.1:8082::")
+            })
+            .await;
+        let before = envoy.stat_when("cluster.web.update_success", |n| n >= 1).await;
+
+        edit(dir.path(), "endpoints.yaml", "port_value: 8080", "port_value: 8081");
+        envoy
+            .clusters_text_when("backend's endpoint moved, web's kept", |t| {
+                t.contains("backend::127.0.0.1:8081::")
+                    && !t.contains("backend::127.0.0.1:8080::")
+                    && t.contains("web::127.0.0.1:8082::")
+            })
+            .await;
+        let after = envoy.stat("cluster.web.update_success").await.unwrap();
+        if resend {
+            assert!(after > before, "web's watch called: {before} then {after}");
+        } else {
+            assert_eq!(after, before, "web left out, its watch not called");
+        }
+        assert_eq!(envoy.stat("cluster.web.update_rejected").await, Some(0));
+    }
+}
+
 #[tokio::test]
 #[cfg_attr(not(peer_envoy), ignore = "needs Envoy 1.40 (.ci/run sets ENVOY_BIN)")]
 async fn the_example_directory_configures_envoy_state_of_the_world() {

@@ -82,6 +82,49 @@ async fn grpc_follows_an_endpoint_edit() {
     synced(gw.admin, "grpc-1", "grpc to ACK the edit").await;
 }
 
+/// State of the world: an edit of one service's endpoints, then of its
+/// route, goes to grpc in a response carrying that load assignment or route
+/// configuration alone (`collections::sotw_keeps_what_is_left_out`). grpc
+/// keeps the other service's, which the responses left out (it takes a
+/// left-out resource as deleted only for listeners and clusters), and calls
+/// to both services go on.
+#[tokio::test]
+#[cfg_attr(not(peer_grpcio), ignore = "needs grpcio (.ci/run sets GRPCIO_PYTHON)")]
+async fn grpc_keeps_the_endpoints_and_routes_a_response_leaves_out() {
+    const OTHER: &str = "xds:///other";
+    let (_backends, port) = Worker::backends(&["a", "b", "c"]).await;
+    let files = |greeter_to: &str, greeter_port: u16| {
+        vec![
+            listener("greeter", "greeter-routes"),
+            route("greeter-routes", &[("", greeter_to)]),
+            listener("other", "other-routes"),
+            route("other-routes", &[("", "cluster-b")]),
+            eds_cluster("cluster-a", "cluster-a"),
+            eds_cluster("cluster-b", "cluster-b"),
+            endpoints("cluster-a", &[greeter_port]),
+            endpoints("cluster-b", &[port["b"]]),
+        ]
+    };
+    let (dir, gw, mut grpc) = grpc_on(&files("cluster-a", port["a"]), "a").await;
+    grpc.answered_by(OTHER, "b", "the other service").await;
+    synced(gw.admin, "grpc-1", "grpc to ACK both services").await;
+
+    write_files(dir.path(), &files("cluster-a", port["c"]));
+    grpc.answered_by(SERVICE, "c", "greeter's moved endpoint").await;
+    assert_eq!(grpc.answers(OTHER, 5).await, ["b"; 5], "the other's endpoints kept");
+
+    write_files(dir.path(), &files("cluster-b", port["c"]));
+    grpc.answered_by(SERVICE, "b", "greeter's route moved to cluster-b")
+        .await;
+    assert_eq!(grpc.answers(OTHER, 5).await, ["b"; 5], "the other's route kept");
+    synced(gw.admin, "grpc-1", "grpc to ACK the edits").await;
+    let rows = syncz(gw.admin, "grpc-1").await;
+    assert!(
+        rows.values().all(|row| row["nack"].is_null()),
+        "nothing NACKed: {rows:#?}"
+    );
+}
+
 /// Two endpoints of one locality are called in turn (round robin, the
 /// cluster's default policy).
 #[tokio::test]

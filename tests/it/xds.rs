@@ -590,6 +590,99 @@ async fn a_named_client_is_woken_by_its_names_only_and_shown_synced_at_the_other
     assert_ne!(without_c.version_info, with_c.version_info);
 }
 
+/// The `cluster_name` (field 1, written first) of a `ClusterLoadAssignment`
+/// the files source encoded.
+fn load_assignment_name(body: &[u8]) -> String {
+    assert_eq!(body[0], 0x0a, "cluster_name first");
+    let len = body[1] as usize;
+    assert!(len < 0x80, "a short name");
+    String::from_utf8(body[2..2 + len].to_vec()).unwrap()
+}
+
+/// State of the world, to a client naming the load assignments it asks for
+/// (Envoy's EDS; route configurations the same): the first response carries
+/// every name that exists, each after it only what changed and what it newly
+/// asks for, and a version that only removes one of its names sends it
+/// nothing (it keeps it, as it would if left out of the whole) and shows it
+/// synced there. With `--sotw-resend-unchanged`, every response carries all.
+#[tokio::test]
+async fn named_load_assignment_responses_carry_what_changed() {
+    use crate::helpers::grpc::{endpoints, write_files, EDS};
+    for resend in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let files = |docs: &[(&str, u16)]| -> Vec<String> { docs.iter().map(|(n, p)| endpoints(n, &[*p])).collect() };
+        write_files(dir.path(), &files(&[("a", 1), ("b", 1), ("c", 1)]));
+        let dir_flag = dir.path().to_str().unwrap().to_owned();
+        let mut flags = vec!["--source-dir", &dir_flag];
+        if resend {
+            flags.push("--sotw-resend-unchanged");
+        }
+        let gw = crate::helpers::spawn_gateway(None, &flags).await;
+        let asked = |list: &[&str]| list.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let carried = |response: &DiscoveryResponse| -> Vec<String> {
+            assert!(response.resources.iter().all(|r| r.type_url == EDS), "{response:?}");
+            response
+                .resources
+                .iter()
+                .map(|r| load_assignment_name(&r.value))
+                .collect()
+        };
+        let ack = |sotw: &SotwStream, response: &DiscoveryResponse, names: &[&str]| {
+            sotw.send(DiscoveryRequest {
+                type_url: EDS.into(),
+                response_nonce: response.nonce.clone(),
+                version_info: response.version_info.clone(),
+                resource_names: asked(names),
+                ..Default::default()
+            })
+        };
+        let all_or = |all: &[&str], changed: &[&str]| -> Vec<String> { asked(if resend { all } else { changed }) };
+
+        let mut sotw = SotwStream::open(gw.listen, SOTW).await;
+        sotw.send(DiscoveryRequest {
+            type_url: EDS.into(),
+            node: istiod_node(),
+            resource_names: asked(&["a", "b"]),
+            ..Default::default()
+        });
+        let first = sotw.recv().await;
+        assert_eq!(carried(&first), ["a", "b"], "the first: every name");
+        ack(&sotw, &first, &["a", "b"]);
+        // a changes.
+        write_files(dir.path(), &files(&[("a", 2), ("b", 1), ("c", 1)]));
+        let second = within("a's change", sotw.recv()).await;
+        assert_eq!(carried(&second), all_or(&["a", "b"], &["a"]), "resend={resend}");
+        // c asked for anew, with the ACK: at the same version.
+        ack(&sotw, &second, &["a", "b", "c"]);
+        let third = within("the new name", sotw.recv()).await;
+        assert_eq!(third.version_info, second.version_info);
+        assert_eq!(carried(&third), all_or(&["a", "b", "c"], &["c"]), "resend={resend}");
+        ack(&sotw, &third, &["a", "b", "c"]);
+        // b goes: nothing to send but to the client that is sent all.
+        write_files(dir.path(), &files(&[("a", 2), ("c", 1)]));
+        if resend {
+            let fourth = within("the response without b", sotw.recv()).await;
+            assert_eq!(carried(&fourth), ["a", "c"]);
+            ack(&sotw, &fourth, &["a", "b", "c"]);
+        } else {
+            crate::helpers::eventually_some("the client shown synced past b's removal", || async {
+                let view = crate::helpers::get_json(gw.admin, "/debug/syncz").await;
+                view["rows"]
+                    .as_array()?
+                    .iter()
+                    .find(|r| r["type_url"] == EDS && r["current_version"] != *third.version_info.as_str())
+                    .filter(|r| r["status"] == "SYNCED")
+                    .cloned()
+            })
+            .await;
+        }
+        // c changes: the next response is this one.
+        write_files(dir.path(), &files(&[("a", 2), ("c", 3)]));
+        let last = within("c's change", sotw.recv()).await;
+        assert_eq!(carried(&last), all_or(&["a", "c"], &["c"]), "resend={resend}");
+    }
+}
+
 #[tokio::test]
 async fn named_subscriptions_in_both_protocols() {
     let dir = tempfile::tempdir().unwrap();

@@ -405,6 +405,14 @@ impl Kind {
     fn applies_nacked(self) -> bool {
         matches!(self, Kind::XdsDelta | Kind::NamedDelta)
     }
+
+    /// It keeps what a state-of-the-world response leaves out, as Envoy's
+    /// and grpc's EDS do (`collections::sotw_keeps_what_is_left_out`): a
+    /// response carries what changed, and a resource the source removed is
+    /// kept (state of the world cannot tell it).
+    fn keeps_left_out(self) -> bool {
+        matches!(self, Kind::NamedSotw)
+    }
 }
 
 /// A resource a client holds.
@@ -578,7 +586,11 @@ impl Client {
         for (collection, expected) in self.expected(finals) {
             let held = &self.held[&collection];
             let missing: Vec<&String> = expected.keys().filter(|n| !held.contains_key(*n)).collect();
-            let extra: Vec<&String> = held.keys().filter(|n| !expected.contains_key(*n)).collect();
+            let extra: Vec<&String> = if self.kind.keeps_left_out() {
+                Vec::new()
+            } else {
+                held.keys().filter(|n| !expected.contains_key(*n)).collect()
+            };
             let stale: Vec<&String> = expected
                 .iter()
                 .filter(|(n, d)| held.get(*n).is_some_and(|h| h.digest != **d))
@@ -861,17 +873,14 @@ async fn session(
                     ..Default::default()
                 })
                 .collect();
+            let kind = client.kind;
             let decode = |r: DiscoveryResponse| {
                 let collection = collection_of(&types, &r.type_url)?;
                 let resources = r.resources.iter().map(|any| xds_body(collection, any, String::new()));
                 let resources = resources.collect::<anyhow::Result<_>>()?;
-                Ok(Change::state(
-                    collection.clone(),
-                    resources,
-                    r.type_url,
-                    r.version_info,
-                    r.nonce,
-                ))
+                let mut change = Change::state(collection.clone(), resources, r.type_url, r.version_info, r.nonce);
+                change.full = !kind.keeps_left_out();
+                Ok(change)
             };
             let reply = |c: &Change, nack: Option<String>, acked: &str| DiscoveryRequest {
                 version_info: sotw_version(c, &nack, acked),
