@@ -1025,6 +1025,9 @@ impl TypeState {
             return false;
         }
         match self.named.as_deref() {
+            // What it is sent is what changed: the response finds that once
+            // (and settles when it is nothing), not a look here first.
+            Some(named) if !named.current().wildcard && self.changes_only && !self.nack_pending() => true,
             Some(named) if !named.current().wildcard => named.touched(from, current),
             _ => true,
         }
