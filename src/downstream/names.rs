@@ -22,7 +22,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, Weak};
 
-use bytestring::ByteString;
+use crate::proto::wire::NameList;
 
 use super::type_state::{ReportedNames, Trust};
 use crate::cache::memo::MemoKey;
@@ -116,11 +116,11 @@ pub struct Names {
 impl Names {
     /// Whether a state-of-the-world request's names are these, in order:
     /// what Envoy sends on every ACK, checked without allocating.
-    fn repeats(&self, names: &[ByteString]) -> bool {
+    fn repeats(&self, names: &NameList) -> bool {
         if names.len() == self.names.len() + usize::from(self.wildcard) {
             self.names.read_ahead();
         }
-        let mut asked = names.iter().map(|n| &**n);
+        let mut asked = names.iter();
         let wildcard = self.wildcard && asked.next() == Some(WILDCARD);
         wildcard == self.wildcard && asked.eq(self.names.iter().map(|n| &**n))
     }
@@ -141,11 +141,11 @@ impl Names {
 #[derive(Clone, Copy, Debug)]
 pub enum NameChange<'a> {
     /// State of the world: every name the client wants now.
-    Replace(&'a [ByteString]),
+    Replace(&'a NameList),
     /// Delta: names added and removed.
     Change {
-        subscribe: &'a [ByteString],
-        unsubscribe: &'a [ByteString],
+        subscribe: &'a NameList,
+        unsubscribe: &'a NameList,
     },
 }
 
@@ -192,8 +192,24 @@ pub struct Named {
     /// State of the world: the resources its names selected last, so that
     /// the next selection reads only the names that changed since (an
     /// Envoy asks for ~50 endpoints of tens of thousands; each push changes
-    /// one or two of them).
-    selection: Option<Selection>,
+    /// one or two of them). Boxed: a delta client and one sent only what
+    /// changed keep none.
+    selection: Option<Box<Selection>>,
+    /// State of the world: a keyed hash of the names of the request that
+    /// made `current`, in its order ([`NameList::hash`]); 0 for none. An
+    /// Envoy sends the same names on every ACK: the same hash is the same
+    /// subscription, found without a name compared. A client that found
+    /// another list of names with the same hash would only keep its own
+    /// subscription from changing.
+    asked: u64,
+}
+
+/// The key of the hashes of requests' names ([`Named::asked`]): random per
+/// process, so that no client can choose names that collide.
+fn names_seed() -> u64 {
+    use std::hash::BuildHasher;
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0u64))
 }
 
 /// The resources of `names` in the collection at `version` (an entry per
@@ -237,6 +253,7 @@ impl Named {
                 },
                 resend: BTreeSet::new(),
                 selection: None,
+                asked: 0,
             })
         });
         let shared = |name: &str| -> SharedStr {
@@ -246,12 +263,15 @@ impl Named {
         };
         let mut changed = false;
         match change {
-            NameChange::Replace(names) if named.current.repeats(names) => {}
+            // Compared before anything is allocated: clients repeat the same
+            // names on every ACK.
+            NameChange::Replace(names) if named.asked != 0 && named.asked == names.hash(names_seed()) => {}
+            NameChange::Replace(names) if named.current.repeats(names) => {
+                named.asked = names.hash(names_seed());
+            }
             NameChange::Replace(names) => {
-                // Compared before anything is allocated: clients repeat the
-                // same names on every ACK.
                 let wildcard = names.iter().any(|n| n == WILDCARD);
-                let asked: BTreeSet<&str> = names.iter().map(|n| &**n).filter(|n| *n != WILDCARD).collect();
+                let asked: BTreeSet<&str> = names.iter().filter(|n| *n != WILDCARD).collect();
                 if asked.len() > max {
                     return Err(TooManyNames { count: asked.len() });
                 }
@@ -269,18 +289,20 @@ impl Named {
                     named.held.names.retain(|n| current.contains(n));
                     changed = true;
                 }
+                named.asked = names.hash(names_seed());
             }
             NameChange::Change { subscribe, unsubscribe } => {
+                named.asked = 0;
                 let mut names: Vec<SharedStr> = named.current.names.iter().cloned().collect();
                 let before = names.len();
-                for name in unsubscribe {
+                for name in unsubscribe.iter() {
                     if name == WILDCARD {
                         changed |= std::mem::replace(&mut named.current.wildcard, false);
                         named.held.wildcard = false;
                         continue;
                     }
-                    names.retain(|n| **n != **name);
-                    named.resend.remove(&**name);
+                    names.retain(|n| **n != *name);
+                    named.resend.remove(name);
                     // Still covered: the client may have dropped it.
                     if named.current.wildcard {
                         named.resend.insert(shared(name));
@@ -288,7 +310,7 @@ impl Named {
                     }
                 }
                 changed |= names.len() != before;
-                for name in subscribe {
+                for name in subscribe.iter() {
                     if name == WILDCARD {
                         changed |= !std::mem::replace(&mut named.current.wildcard, true);
                         continue;
@@ -421,11 +443,11 @@ impl Named {
                 }
             }
         }
-        self.selection = Some(Selection {
+        self.selection = Some(Box::new(Selection {
             names,
             version: to.version.clone(),
             resources: entries,
-        });
+        }));
         resources
     }
 
@@ -658,7 +680,7 @@ pub(super) mod tests {
             let name = |n: usize| format!("r{n:03}");
             let (cache, mut writer) = Cache::new();
             writer.apply("c", Update::Full((0..100).map(|n| resource(&name(n), "0")).collect()), Origin::Upstream);
-            let asked: Vec<ByteString> = asked.iter().map(|&n| name(n).into()).collect();
+            let asked = NameList::from_names(asked.iter().map(|&n| name(n)));
             let mut named = None;
             Named::apply(&mut named, NameChange::Replace(&asked), false, cache.get("c").as_deref(), 1000).unwrap();
             let named = named.as_mut().unwrap();
@@ -688,7 +710,7 @@ pub(super) mod tests {
                 );
                 let fresh: Vec<(String, String)> = asked
                     .iter()
-                    .filter_map(|n| to.resources.get(&**n))
+                    .filter_map(|n| to.resources.get(n))
                     .map(|r| (r.name.to_string(), r.version().to_string()))
                     .collect();
                 if named.touched(&from, &to) {
@@ -725,7 +747,7 @@ pub(super) mod tests {
         );
         let v1 = cache.get("c").unwrap();
         let mut named = None;
-        let asked: Vec<ByteString> = vec![name(0).into(), name(63).into()];
+        let asked = NameList::from_names([name(0), name(63)]);
         Named::apply(&mut named, NameChange::Replace(&asked), false, Some(&v1), 1000).unwrap();
         let named = named.as_mut().unwrap();
         named.selected(None, &v1);
@@ -768,7 +790,7 @@ pub(super) mod tests {
             Origin::Upstream,
         );
         let v1 = cache.get("c").unwrap();
-        let strings = |names: &[&str]| names.iter().map(|&n| ByteString::from(n)).collect::<Vec<_>>();
+        let strings = |names: &[&str]| NameList::from_names(names.iter().copied());
         let change = |named: &mut Option<Box<Named>>, subscribe: &[&str], unsubscribe: &[&str]| {
             let (subscribe, unsubscribe) = (strings(subscribe), strings(unsubscribe));
             let change = NameChange::Change {
@@ -808,7 +830,7 @@ pub(super) mod tests {
             .collect();
         writer.apply("c", Update::Full(resources), Origin::Upstream);
         let known = cache.get("c").unwrap();
-        let asked: Vec<ByteString> = ["b", "a", "ghost", "a"].iter().map(|&n| n.into()).collect();
+        let asked = NameList::from_names(["b", "a", "ghost", "a"]);
         let mut named = None;
         let changed = Named::apply(&mut named, NameChange::Replace(&asked), false, Some(&known), 10).unwrap();
         assert!(changed);
@@ -825,7 +847,8 @@ pub(super) mod tests {
         let view = crate::downstream::registry::SubscribedView::from(named.current());
         assert!(Arc::ptr_eq(&view.first, &named.current.names.0), "and so does the view");
         // Too many names are refused before anything is kept.
-        let many: Vec<ByteString> = (0..11).map(|i| i.to_string().into()).collect();
+        let many: Vec<String> = (0..11).map(|i| i.to_string()).collect();
+        let many = NameList::from_names(many.iter().map(String::as_str));
         let mut fresh = None;
         let refused = Named::apply(&mut fresh, NameChange::Replace(&many), false, None, 10);
         assert_eq!(refused, Err(TooManyNames { count: 11 }));

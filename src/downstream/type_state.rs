@@ -46,6 +46,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use super::names::{changed_names, Holds, NameChange, Named, TooManyNames};
 use super::registry::{NackRecord, Stamp, TypeView};
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
+use crate::proto::wire::NameList;
 use crate::SharedStr;
 
 /// What a client holds after it NACKed a response: the protocol family's
@@ -294,6 +295,9 @@ pub struct Nack {
     pub message: String,
 }
 
+/// A request that names nothing.
+static NO_NAMES: NameList = NameList::new();
+
 /// A client's request for this type, as an adapter read it.
 #[derive(Debug)]
 pub struct Request<'a> {
@@ -322,7 +326,7 @@ impl<'a> Request<'a> {
             nonce,
             nack,
             version: None,
-            names: NameChange::Replace(&[]),
+            names: NameChange::Replace(&NO_NAMES),
             max_names: usize::MAX,
             known: None,
             at: Stamp::NEVER,
@@ -1122,7 +1126,6 @@ mod tests {
     use crate::cache::{Cache, CacheWriter, CachedResource, Origin, Update};
     use crate::collections::{Dialect, Resolved};
     use crate::downstream::names::{NameChange, WILDCARD as WILDCARD_NAME};
-    use bytestring::ByteString;
 
     const C: &str = "c";
 
@@ -1619,7 +1622,7 @@ mod tests {
         for (what, family, mode, held, steps) in cases {
             let mut s = family_state(family, mode, held);
             let mut nonce = 0;
-            let mut names_asked: Vec<ByteString> = Vec::new();
+            let mut names_asked = NameList::new();
             for (i, step) in steps.into_iter().enumerate() {
                 match step {
                     Next(current, expected) => {
@@ -1639,13 +1642,13 @@ mod tests {
                         }
                         let subscribe = match says {
                             Subscribe(asked) => self::names(asked),
-                            _ => Vec::new(),
+                            _ => NameList::new(),
                         };
                         let names = match mode {
                             Mode::Full => NameChange::Replace(&names_asked),
                             Mode::Incremental => NameChange::Change {
                                 subscribe: &subscribe,
-                                unsubscribe: &[],
+                                unsubscribe: &NO_NAMES,
                             },
                         };
                         let (version, nacked) = match says {
@@ -1709,16 +1712,11 @@ mod tests {
     /// protocol says it: state of the world repeats its names and the
     /// version; delta changes nothing.
     fn answer(s: &mut TypeState, nonce: &str, nacked: bool) -> Verdict {
-        let asked: Vec<ByteString> = s
+        let asked: NameList = s
             .named()
             .map(|n| {
-                let names = n.current().names.iter().map(|n| ByteString::from(&**n));
-                n.current()
-                    .wildcard
-                    .then(|| ByteString::from(WILDCARD_NAME))
-                    .into_iter()
-                    .chain(names)
-                    .collect()
+                let names = n.current().names.iter().map(|n| &**n);
+                NameList::from_names(n.current().wildcard.then_some(WILDCARD_NAME).into_iter().chain(names))
             })
             .unwrap_or_default();
         let version = s.view.last_sent_version.clone();
@@ -1726,8 +1724,8 @@ mod tests {
             Mode::Full => (NameChange::Replace(&asked), version.as_deref()),
             Mode::Incremental => (
                 NameChange::Change {
-                    subscribe: &[],
-                    unsubscribe: &[],
+                    subscribe: &NO_NAMES,
+                    unsubscribe: &NO_NAMES,
                 },
                 None,
             ),
@@ -1751,7 +1749,7 @@ mod tests {
         let request = Request {
             names: NameChange::Change {
                 subscribe: &asked,
-                unsubscribe: &[],
+                unsubscribe: &NO_NAMES,
             },
             ..Request::new("", None)
         };
@@ -1903,7 +1901,7 @@ mod tests {
                 Mode::Full => NameChange::Replace(&asked),
                 Mode::Incremental => NameChange::Change {
                     subscribe: &asked,
-                    unsubscribe: &[],
+                    unsubscribe: &NO_NAMES,
                 },
             };
             s.on_request(Request {
@@ -1957,7 +1955,7 @@ mod tests {
         s.on_request(Request {
             names: NameChange::Change {
                 subscribe: &asked,
-                unsubscribe: &[],
+                unsubscribe: &NO_NAMES,
             },
             ..Request::new("", None)
         });
@@ -2003,13 +2001,13 @@ mod tests {
         cache.get(C).unwrap()
     }
 
-    fn names(names: &[&str]) -> Vec<ByteString> {
-        names.iter().map(|&n| n.into()).collect()
+    fn names(names: &[&str]) -> NameList {
+        NameList::from_names(names.iter().copied())
     }
 
     /// Names as a request carries them.
-    fn wire(names: &[String]) -> Vec<ByteString> {
-        names.iter().map(|n| ByteString::from(n.as_str())).collect()
+    fn wire(names: &[String]) -> NameList {
+        NameList::from_names(names.iter().map(String::as_str))
     }
 
     /// Sends what `next` decides with nonce `n{count}`; returns the push.
@@ -2136,36 +2134,36 @@ mod tests {
         let v1 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "1")]);
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
         let sub = names(&["a"]);
-        fn request<'a>(nonce: &'a str, nack: Option<Nack>, subscribe: &'a [ByteString]) -> Request<'a> {
+        fn request<'a>(nonce: &'a str, nack: Option<Nack>, subscribe: &'a NameList) -> Request<'a> {
             Request {
                 names: NameChange::Change {
                     subscribe,
-                    unsubscribe: &[],
+                    unsubscribe: &NO_NAMES,
                 },
                 ..Request::new(nonce, nack)
             }
         }
         assert_eq!(s.on_request(request("", None, &sub)), Verdict::First);
         send(&mut s, &v1, "n1");
-        assert_eq!(s.on_request(request("n1", None, &[])), Verdict::Ack);
+        assert_eq!(s.on_request(request("n1", None, &NO_NAMES)), Verdict::Ack);
         let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1")]);
         send(&mut s, &v2, "n2");
-        assert_eq!(s.on_request(request("n2", nack("v2"), &[])), Verdict::Nack);
+        assert_eq!(s.on_request(request("n2", nack("v2"), &NO_NAMES)), Verdict::Nack);
         // The new name at once, at the NACKed version; "a" was sent already.
         let b = names(&["b"]);
         assert_eq!(s.on_request(request("", None, &b)), Verdict::Subscription);
         assert_eq!(selected(&send(&mut s, &v2, "n3")), (vec!["b"], vec![]));
-        assert_eq!(s.on_request(request("n3", None, &[])), Verdict::Ack);
+        assert_eq!(s.on_request(request("n3", None, &NO_NAMES)), Verdict::Ack);
         let v3 = with_bodies(&cache, &mut writer, &[("a", "3"), ("b", "1")]);
         assert_eq!(selected(&send(&mut s, &v3, "n4")), (vec!["a"], vec![]));
     }
 
     /// A delta client's first request, subscribing to `names`.
-    fn subscribe(s: &mut TypeState, names: &[ByteString]) -> Verdict {
+    fn subscribe(s: &mut TypeState, names: &NameList) -> Verdict {
         s.on_request(Request {
             names: NameChange::Change {
                 subscribe: names,
-                unsubscribe: &[],
+                unsubscribe: &NO_NAMES,
             },
             ..Request::new("", None)
         })
@@ -2812,7 +2810,7 @@ mod tests {
                         }
                         let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
                         s.on_request(Request {
-                            names: NameChange::Change { subscribe: &[], unsubscribe: &[] },
+                            names: NameChange::Change { subscribe: &NO_NAMES, unsubscribe: &NO_NAMES },
                             ..Request::new(&last_nonce, nack)
                         });
                     }
@@ -2825,7 +2823,7 @@ mod tests {
                             asked.push("*".into());
                         }
                         s.on_request(Request {
-                            names: NameChange::Change { subscribe: &wire(&asked), unsubscribe: &[] },
+                            names: NameChange::Change { subscribe: &wire(&asked), unsubscribe: &NO_NAMES },
                             ..Request::new("", None)
                         });
                     }
@@ -2850,7 +2848,7 @@ mod tests {
                         // covered is owed no more.
                         owed.retain(|n| wildcard || subscribed.contains(n));
                         s.on_request(Request {
-                            names: NameChange::Change { subscribe: &[], unsubscribe: &wire(&dropped) },
+                            names: NameChange::Change { subscribe: &NO_NAMES, unsubscribe: &wire(&dropped) },
                             ..Request::new("", None)
                         });
                     }

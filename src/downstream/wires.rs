@@ -3,7 +3,6 @@
 //! shared stream (`stream.rs`) and state machine (`type_state.rs`).
 
 use bytes::Bytes;
-use bytestring::ByteString;
 
 use tonic::Status;
 
@@ -13,7 +12,9 @@ use super::type_state::{Family, Mode, Push};
 use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
 use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
-use crate::proto::wire::{utf8_names, DeltaXdsRequest, IncrementalRequest, SinkRequest, SotwRequest, XdsRequest};
+use crate::proto::wire::{
+    DeltaXdsRequest, IncrementalRequest, NameList, SinkRequest, SotwRequest, WireError, XdsRequest,
+};
 
 /// What a requested type is answered from.
 #[derive(Debug)]
@@ -55,9 +56,9 @@ pub struct WireRequest {
     pub reported: Vec<Bytes>,
     /// xDS: the names asked for (state of the world: all of them; delta:
     /// those subscribed by this request).
-    pub names: Vec<ByteString>,
+    pub names: NameList,
     /// Delta xDS: the names unsubscribed by this request.
-    pub unsubscribe: Vec<ByteString>,
+    pub unsubscribe: NameList,
 }
 
 impl WireRequest {
@@ -271,9 +272,8 @@ fn resolve_xds(shared: &Downstream, type_url: &str) -> Target {
 
 /// A request's names, checked as its decoding would check a `string` field:
 /// not UTF-8 ends the stream as a request that does not decode does.
-fn names<W: Wire>(field: &'static str, names: Vec<Bytes>) -> Result<Vec<ByteString>, Status> {
-    utf8_names(field, names)
-        .map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", W::REQUEST)))
+fn names<W: Wire>(names: Result<NameList, WireError>) -> Result<NameList, Status> {
+    names.map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", W::REQUEST)))
 }
 
 /// Both xDS responses carry `type_url` (4) and `nonce` (5). A GVK carries MCP
@@ -305,7 +305,7 @@ impl Wire for XdsSotw {
 
     fn read(r: XdsRequest) -> Result<WireRequest, Status> {
         Ok(WireRequest {
-            names: names::<Self>("resource_names", r.resource_names)?,
+            names: names::<Self>(r.resource_names.checked("resource_names"))?,
             ..WireRequest::full(
                 r.type_url,
                 r.node.map(|n| n.into_parts()),
@@ -337,8 +337,14 @@ impl Wire for XdsDelta {
 
     fn read(r: DeltaXdsRequest) -> Result<WireRequest, Status> {
         Ok(WireRequest {
-            names: names::<Self>("resource_names_subscribe", r.resource_names_subscribe)?,
-            unsubscribe: names::<Self>("resource_names_unsubscribe", r.resource_names_unsubscribe)?,
+            names: names::<Self>(NameList::from_wire(
+                "resource_names_subscribe",
+                r.resource_names_subscribe,
+            ))?,
+            unsubscribe: names::<Self>(NameList::from_wire(
+                "resource_names_unsubscribe",
+                r.resource_names_unsubscribe,
+            ))?,
             ..WireRequest::changes(
                 r.type_url,
                 r.node.map(|n| n.into_parts()),
