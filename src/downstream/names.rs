@@ -262,13 +262,15 @@ impl Named {
                 .map_or_else(|| SharedStr::from(name), |(key, _)| key.clone())
         };
         let mut changed = false;
+        // Compared before anything is allocated: clients repeat the same
+        // names on every ACK.
+        let hash = match change {
+            NameChange::Replace(names) => names.hash(names_seed()),
+            NameChange::Change { .. } => 0,
+        };
         match change {
-            // Compared before anything is allocated: clients repeat the same
-            // names on every ACK.
-            NameChange::Replace(names) if named.asked != 0 && named.asked == names.hash(names_seed()) => {}
-            NameChange::Replace(names) if named.current.repeats(names) => {
-                named.asked = names.hash(names_seed());
-            }
+            NameChange::Replace(_) if named.asked != 0 && named.asked == hash => {}
+            NameChange::Replace(names) if named.current.repeats(names) => named.asked = hash,
             NameChange::Replace(names) => {
                 let wildcard = names.iter().any(|n| n == WILDCARD);
                 let asked: BTreeSet<&str> = names.iter().filter(|n| *n != WILDCARD).collect();
@@ -289,7 +291,7 @@ impl Named {
                     named.held.names.retain(|n| current.contains(n));
                     changed = true;
                 }
-                named.asked = names.hash(names_seed());
+                named.asked = hash;
             }
             NameChange::Change { subscribe, unsubscribe } => {
                 named.asked = 0;

@@ -27,7 +27,11 @@
 //!   ACKed state; a delta xDS client holds what it was sent, NACK or not.
 //! - xDS clients may name the resources they want ([`super::names`]): their
 //!   responses are their own, built from their names, and a change that
-//!   touches none of them sends them nothing. Subscription changes count on
+//!   touches none of them sends them nothing. To a client that keeps what a
+//!   state-of-the-world response leaves out (named routes and endpoints:
+//!   [`TypeState::sending_changes_only`]), a response after the first
+//!   carries what changed since it was last sent and what it newly asks
+//!   for; after a NACK, everything. Subscription changes count on
 //!   every request, whatever its nonce, and newly requested names are
 //!   answered at once (or once the outstanding response is answered), even
 //!   at a NACKed version.
@@ -783,11 +787,11 @@ impl TypeState {
             self.note_carried(&push);
             return Ok(push);
         }
+        let nacked = self.nack_pending();
         let push = match (self.mode, self.family) {
             (Mode::Full, _) => match self.named.as_deref_mut() {
                 Some(named) if !named.current().wildcard => {
                     let from = last_sent(&self.sent, &self.held);
-                    let nacked = self.view.last_nack.as_deref().is_some_and(|n| !n.superseded);
                     let upserts = match from {
                         // It holds what it was last sent of every name it
                         // asks for (it ACKed that response): what changed
