@@ -541,6 +541,13 @@ impl TypeState {
         self
     }
 
+    /// A named state-of-the-world response now carries what changed: the
+    /// type is sent so ([`Self::sending_changes_only`]) and no NACK is
+    /// pending (after one, everything goes).
+    fn sends_changes_now(&self) -> bool {
+        self.changes_only && !self.nack_pending()
+    }
+
     /// Whether the first response is still to be decided on a trusted
     /// report.
     pub fn trusts_reported(&self) -> bool {
@@ -787,7 +794,7 @@ impl TypeState {
             self.note_carried(&push);
             return Ok(push);
         }
-        let nacked = self.nack_pending();
+        let changes_now = self.sends_changes_now();
         let push = match (self.mode, self.family) {
             (Mode::Full, _) => match self.named.as_deref_mut() {
                 Some(named) if !named.current().wildcard => {
@@ -798,7 +805,7 @@ impl TypeState {
                         // since, and what it newly asks for. A name gone is
                         // not told: it keeps it, as it would if left out of
                         // the whole.
-                        Some(from) if self.changes_only && !nacked => {
+                        Some(from) if changes_now => {
                             let upserts = named.changes(Holds::Snapshot(from), &to).upserts;
                             if upserts.is_empty() {
                                 // Nothing it asks for exists anew: it holds
@@ -1035,7 +1042,7 @@ impl TypeState {
         match self.named.as_deref() {
             // What it is sent is what changed: the response finds that once
             // (and settles when it is nothing), not a look here first.
-            Some(named) if !named.current().wildcard && self.changes_only && !self.nack_pending() => true,
+            Some(named) if !named.current().wildcard && self.sends_changes_now() => true,
             Some(named) if !named.current().wildcard => named.touched(from, current),
             _ => true,
         }

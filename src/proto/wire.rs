@@ -382,25 +382,18 @@ impl RequestNames {
     }
 
     fn encode(&self, tag: u32, buf: &mut impl bytes::BufMut) {
-        let mut start = 0;
-        for &end in &self.ends {
-            let name = &self.bytes[start..end as usize];
+        for span in spans(&self.ends) {
+            let name = &self.bytes[span];
             encoding::encode_key(tag, WireType::LengthDelimited, buf);
             encoding::encode_varint(name.len() as u64, buf);
             buf.put_slice(name);
-            start = end as usize;
         }
     }
 
     fn encoded_len(&self, tag: u32) -> usize {
-        let mut start = 0;
-        let mut len = 0;
-        for &end in &self.ends {
-            let n = end as usize - start;
-            len += encoding::key_len(tag) + encoding::encoded_len_varint(n as u64) + n;
-            start = end as usize;
-        }
-        len
+        spans(&self.ends)
+            .map(|span| encoding::key_len(tag) + encoding::encoded_len_varint(span.len() as u64) + span.len())
+            .sum()
     }
 
     /// Each name checked to be UTF-8, as a `string` field's decoding would:
@@ -431,16 +424,20 @@ fn underflow() -> prost::DecodeError {
     .expect_err("a length past the end")
 }
 
+/// Where each name lies in a buffer of names ending at `ends`.
+fn spans(ends: &[u32]) -> impl ExactSizeIterator<Item = std::ops::Range<usize>> + Clone + '_ {
+    (0..ends.len()).map(|i| {
+        let start = if i == 0 { 0 } else { ends[i - 1] as usize };
+        start..ends[i] as usize
+    })
+}
+
 /// The first of the names in `bytes` (ending at `ends`) that is not UTF-8.
 fn first_not_utf8(field: &'static str, bytes: &[u8], ends: &[u32]) -> WireError {
-    let mut start = 0;
-    for (index, &end) in ends.iter().enumerate() {
-        if std::str::from_utf8(&bytes[start..end as usize]).is_err() {
-            return WireError::NotUtf8 { field, index };
-        }
-        start = end as usize;
+    match spans(ends).position(|span| std::str::from_utf8(&bytes[span]).is_err()) {
+        Some(index) => WireError::NotUtf8 { field, index },
+        None => WireError::Malformed("names that read as UTF-8 each and not together"),
     }
-    WireError::Malformed("names that read as UTF-8 each and not together")
 }
 
 /// Names a request carries, in its order, each checked to be UTF-8, in
@@ -471,16 +468,16 @@ impl NameList {
         list
     }
 
-    /// From a field read as a slice per name, each checked to be UTF-8.
+    /// From a field read as a slice per name, each checked to be UTF-8 as
+    /// [`RequestNames::checked`] checks them.
     pub fn from_wire(field: &'static str, names: Vec<Bytes>) -> Result<Self, WireError> {
-        let mut list = NameList::default();
-        for (index, name) in names.iter().enumerate() {
-            let name = std::str::from_utf8(name).map_err(|_| WireError::NotUtf8 { field, index })?;
-            list.text.push_str(name);
-            list.ends
-                .push(u32::try_from(list.text.len()).map_err(|_| WireError::Malformed("names too long"))?);
+        let mut read = RequestNames::default();
+        for name in &names {
+            read.bytes.extend_from_slice(name);
+            let end = u32::try_from(read.bytes.len()).map_err(|_| WireError::Malformed("names too long"))?;
+            read.ends.push(end);
         }
-        Ok(list)
+        read.checked(field)
     }
 
     pub fn len(&self) -> usize {
@@ -493,10 +490,7 @@ impl NameList {
 
     /// The names, in the request's order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = &str> + Clone + '_ {
-        (0..self.ends.len()).map(|i| {
-            let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
-            &self.text[start..self.ends[i] as usize]
-        })
+        spans(&self.ends).map(|span| &self.text[span])
     }
 
     /// A hash of the names in order, keyed with `seed`: the same names in
