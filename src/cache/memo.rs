@@ -124,7 +124,8 @@ impl Memo {
         value_of(&entries, key).and_then(read)
     }
 
-    fn find<T: Any + Send + Sync>(&self, key: &MemoKey) -> Option<Arc<T>> {
+    /// The value for `key`, if one is kept.
+    pub fn find<T: Any + Send + Sync>(&self, key: &MemoKey) -> Option<Arc<T>> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         value_of(&entries, key).and_then(|v| v.clone().downcast::<T>().ok())
     }

@@ -69,6 +69,15 @@ pub struct CachedResource {
 // resources: move this only with a commit that says why.
 const _: () = assert!(std::mem::size_of::<CachedResource>() <= 72);
 
+/// What identifies a resource's content (its body digest and its version's
+/// hash), kept where the resource itself is not: the same for two resources
+/// exactly when [`CachedResource::same_content`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Content {
+    digest: [u64; 2],
+    version_hash: u64,
+}
+
 impl CachedResource {
     /// A resource of the encoded `Resource` `encoded`, whose
     /// `metadata.version` is its version.
@@ -86,7 +95,15 @@ impl CachedResource {
     /// covers labels and annotations) and version, its name aside. The
     /// versions are compared by their 64-bit hashes, kept beside the bytes.
     pub fn same_content(&self, other: &CachedResource) -> bool {
-        self.digest == other.digest && self.version_hash == other.version_hash
+        self.content() == other.content()
+    }
+
+    /// What [`Self::same_content`] compares, to keep without the resource.
+    pub fn content(&self) -> Content {
+        Content {
+            digest: self.digest,
+            version_hash: self.version_hash,
+        }
     }
 
     /// Upstream `metadata.version`, or a hash of the body when that was

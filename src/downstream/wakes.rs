@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 
 use slab::Slab;
 
-use super::names::{changed_names, NameSet};
+use super::names::{published_changes, NameSet};
 use super::registry::ViewHandle;
 use crate::cache::CollectionSnapshot;
 use crate::SharedStr;
@@ -177,7 +177,7 @@ impl Wakes {
                 return;
             }
         };
-        let changed = changed_names(from, to);
+        let changed = published_changes(from, to);
         let mut touched: Vec<u64> = changed
             .iter()
             .filter_map(|name| index.by_name.get(name))
