@@ -228,8 +228,8 @@ async fn the_shipped_alerts_pass_promtool_and_fire_on_their_conditions_only() {
 /// `promtool check metrics` on a busy gateway's exposition finds nothing
 /// but Istio's own names (kept so Istio's alerts keep working:
 /// `istio_mcp_clients_total` is a gauge, `istio_mcp_reconnections` a
-/// counter without `_total`); the process's CPU time is a counter with
-/// sub-second resolution.
+/// counter without `_total`); the process's CPU time is a counter, the
+/// kernel's count of it.
 #[tokio::test]
 #[cfg_attr(not(peer_prometheus), ignore = "needs Prometheus (.ci/run sets PROMETHEUS_DIR)")]
 async fn promtool_finds_nothing_but_istios_own_names_in_the_metrics() {
@@ -248,8 +248,15 @@ async fn promtool_finds_nothing_but_istios_own_names_in_the_metrics() {
     client.subscribe(VS);
     let response = client.recv().await;
     client.ack(&response);
+    // The gateway's CPU time as the kernel counts it (in USER_HZ ticks,
+    // 100 a second), read before and after the scrape: the exposition's
+    // lies between. (Not "above 0": a gateway that started and served one
+    // client may not have used a tick yet.)
+    let pid = gateway.id().expect("the gateway runs");
+    let before = cpu_ticks(pid);
     let (status, exposition) = http_get(admin, "/metrics").await;
     assert_eq!(status, 200);
+    let after = cpu_ticks(pid);
 
     let mut check = Command::new(bin.join("promtool"))
         .args(["check", "metrics"])
@@ -280,8 +287,21 @@ async fn promtool_finds_nothing_but_istios_own_names_in_the_metrics() {
         "{exposition}"
     );
     let cpu: f64 = crate::helpers::sample(&exposition, "process_cpu_seconds_total", &[]).expect("the CPU time");
-    assert!(cpu > 0.0, "{cpu}");
+    let (low, high) = (before as f64 / 100.0, after as f64 / 100.0);
+    assert!(
+        low - 1e-6 <= cpu && cpu <= high + 1e-6,
+        "process_cpu_seconds_total {cpu}, the kernel's count {low} to {high} s"
+    );
     let _ = gateway.start_kill();
+}
+
+/// A process's user and system CPU time, in USER_HZ ticks (`/proc/PID/stat`'s
+/// 14th and 15th fields, counted after the parenthesised command name).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("the gateway's /proc stat");
+    let (_, rest) = stat.rsplit_once(')').expect("a command name in parentheses");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
 }
 
 /// A query string value, percent-encoded.
