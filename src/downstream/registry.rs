@@ -183,6 +183,11 @@ pub struct TypeView {
     /// types never wait.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ordered: Option<Box<OrderedView>>,
+    /// A named client's link to the versions of its slot: a version that
+    /// leaves its names alone shows it at that version when read
+    /// ([`TypeView::untouched`]), without the version looking at it.
+    #[serde(skip)]
+    pub left_alone: Option<super::wakes::LeftAlone>,
 }
 
 /// A change held back for another type of the stream: which, and why.
@@ -257,6 +262,24 @@ impl TypeView {
             withheld: 0,
             access_version: None,
             ordered: None,
+            left_alone: None,
+        }
+    }
+
+    /// As its task would have settled it had the versions since it was
+    /// last woken woken it (`TypeState::next`'s `UpToDate`): a client that
+    /// holds what it ACKed (nothing outstanding, no NACK standing) holds
+    /// the slot's newest version as well when none since changed its names.
+    fn untouched(&mut self) {
+        let Some(left_alone) = &self.left_alone else {
+            return;
+        };
+        let nacked = self.last_nack.as_ref().is_some_and(|n| !n.superseded);
+        if self.outstanding || nacked {
+            return;
+        }
+        if let Some(newest) = self.acked_version.as_deref().and_then(|acked| left_alone.newest(acked)) {
+            self.acked_version = Some(newest);
         }
     }
 }
@@ -307,6 +330,16 @@ impl Tracked {
     fn lock(&self) -> std::sync::MutexGuard<'_, StreamView> {
         self.view.lock().expect("registry lock poisoned")
     }
+
+    /// A copy of its view, each named type at the version it holds now
+    /// ([`TypeView::untouched`], read after the lock is let go).
+    fn view(&self) -> StreamView {
+        let mut view = self.lock().clone();
+        for (_, state) in view.types.iter_mut() {
+            state.untouched();
+        }
+        view
+    }
 }
 
 // === impl Registry ===
@@ -347,7 +380,7 @@ impl Registry {
 
     /// Every connected stream, ordered by id.
     pub fn streams(&self) -> Vec<StreamView> {
-        let mut all: Vec<StreamView> = self.streams.iter().map(|entry| entry.value().lock().clone()).collect();
+        let mut all: Vec<StreamView> = self.streams.iter().map(|entry| entry.value().view()).collect();
         all.sort_by_key(|s| s.id);
         all
     }
@@ -394,7 +427,7 @@ impl RegistryEntry {
 
     /// A copy of the stream's view (for its leave line).
     pub fn view(&self) -> StreamView {
-        self.view.lock().clone()
+        self.view.view()
     }
 
     /// Who the stream is, for a log line: its node id and peer address
@@ -434,8 +467,7 @@ impl RegistryEntry {
         self.view.lock().gateway_id = Some(gateway_id.to_owned());
     }
 
-    /// A handle on the stream's view, for what is shown of it without its
-    /// task running ([`ViewHandle::untouched`]), and on its task's waker.
+    /// A handle on the stream's task's waker and its connection's gate.
     pub fn handle(&self) -> ViewHandle {
         ViewHandle(self.view.clone())
     }
@@ -469,21 +501,6 @@ impl ViewHandle {
     pub fn arm_connection(&self) {
         if let Some(gate) = &self.0.connection {
             gate.arm();
-        }
-    }
-
-    /// A version `to` left every name the stream's type asks for as it was
-    /// at `from`: a client that held `from` (ACKed, nothing outstanding, no
-    /// NACK standing) holds `to` as well, as its task would have settled it
-    /// had it been woken (`TypeState::next`'s `UpToDate`).
-    pub fn untouched(&self, type_url: &str, from: &str, to: &SharedStr) {
-        let mut view = self.0.lock();
-        let Some(state) = view.types.get_mut(type_url) else {
-            return;
-        };
-        let nacked = state.last_nack.as_ref().is_some_and(|n| !n.superseded);
-        if !state.outstanding && !nacked && state.acked_version.as_deref() == Some(from) {
-            state.acked_version = Some(to.clone());
         }
     }
 }

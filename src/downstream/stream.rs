@@ -643,7 +643,7 @@ impl<W: Wire> TypedStream<W> {
         });
         // Its names are in the index before the slot is read again: a
         // version published meanwhile wakes it (see `wakes`).
-        let rewired = rewire(followed, &self.entry, &type_url);
+        let rewired = rewire(followed, &self.entry);
         let collection = followed.state.view.collection.clone();
         match &verdict {
             Verdict::Stale { expected } => {
@@ -743,7 +743,7 @@ struct Accepted {
 /// the index of the names a version changes while it names what it reads
 /// (and has no grant), by its slot otherwise. True when that changed: the
 /// slot is read again after it (see `wakes`).
-fn rewire(followed: &mut Followed, entry: &RegistryEntry, type_url: &SharedStr) -> bool {
+fn rewire(followed: &mut Followed, entry: &RegistryEntry) -> bool {
     let (Some(index), Answer::Served(slot) | Answer::Overdue { slot, .. }) = (&followed.named, &mut followed.answer)
     else {
         return false;
@@ -759,11 +759,15 @@ fn rewire(followed: &mut Followed, entry: &RegistryEntry, type_url: &SharedStr) 
             true
         }
         (Some(names), _) => {
-            followed.woken_by = WokenBy::Names(Box::new(index.register(names, entry.handle(), type_url)));
+            let registration = index.register(names, entry.handle());
+            // Its view is shown at the versions that leave its names alone.
+            followed.state.view.left_alone = Some(registration.left_alone());
+            followed.woken_by = WokenBy::Names(Box::new(registration));
             true
         }
         (None, WokenBy::Names(_)) => {
             followed.woken_by = WokenBy::Slot(index.follow(entry.handle()));
+            followed.state.view.left_alone = None;
             // What the slot holds now is read after this.
             slot.mark_unchanged();
             true
@@ -786,6 +790,7 @@ fn regroup(followed: &mut Followed, canary: bool, rollout: &Rollout, entry: &Reg
     let collection = followed.state.view.collection.clone();
     let (slot, wakes) = rollout.watch(&collection, canary);
     followed.woken_by = WokenBy::Slot(wakes.follow(entry.handle()));
+    followed.state.view.left_alone = None;
     followed.named = (!canary).then_some(wakes);
     followed.answer = match followed.answer {
         Answer::Overdue { .. } => Answer::overdue(slot, collection),
@@ -1464,7 +1469,7 @@ impl<W: Wire> TypedStream<W> {
                 };
             }
             if !same || regrouped {
-                rewire(followed, &self.entry, type_url);
+                rewire(followed, &self.entry);
                 changed.push(type_url.clone());
             }
         }

@@ -23,12 +23,19 @@
 //!
 //! A named client a version leaves alone holds that version as well: it is
 //! shown at it (its registry view, as its task would have settled it),
-//! without its task running.
+//! without its task running, and without the version looking at it: the
+//! view, when read, finds the version its client ACKed among the slot's
+//! last versions ([`LeftAlone`]), at or after the last one that changed one of
+//! its names. A version's work is the clients it touches (and those due to
+//! settle, below), not a pass over every client of the slot: that pass,
+//! and each untouched client's view locked and moved on, was 2 % of an eds
+//! fan-out's publishing, for clients most of which no reader ever looks at.
 //!
 //! A client left alone still holds the last version it was sent, and with
 //! it that version's storage (the chunks of every resource changed since):
 //! one left alone for [`SETTLE_AFTER`] versions in a row is woken to settle
-//! and let go of it. Memory stays bounded by a few versions, and of the
+//! and let go of it (found by the version it was last woken at: each
+//! version looks at the clients woken `SETTLE_AFTER` versions before it). Memory stays bounded by a few versions, and of the
 //! wakes for nothing one in `SETTLE_AFTER` is left (measured: without it,
 //! an eds run's peak grew by 18 MiB, old versions kept by clients that no
 //! version touched).
@@ -44,8 +51,8 @@
 //! change once more, which costs a look and loses nothing.)
 
 use std::cmp::Ordering;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 
 use slab::Slab;
@@ -61,7 +68,13 @@ pub const SETTLE_AFTER: u8 = 4;
 
 /// One slot's followers (a collection, for one group of clients).
 #[derive(Default)]
-pub struct Wakes(Mutex<Index>);
+pub struct Wakes {
+    index: Mutex<Index>,
+    /// Its last versions, read by the views of the clients they left
+    /// alone: a lock of its own, so that reading a view never waits for a
+    /// version's wakes.
+    published: Arc<Published>,
+}
 
 impl std::fmt::Debug for Wakes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -85,58 +98,154 @@ struct Index {
     following: Slab<ViewHandle>,
     /// The state of the generator of the followers' wake order.
     order: u64,
+    /// The versions published since the slot was made (the count at the
+    /// last: what a client's [`Shared::woken_at`] is read against).
+    versions: u64,
+    /// By the count of the version that woke them, modulo
+    /// [`SETTLE_AFTER`], the keys of the clients woken then (or registered,
+    /// or renamed): a version looks at those of `SETTLE_AFTER` versions
+    /// before it, and wakes the ones no version woke since. A key woken
+    /// again is in a later list too, and skipped in this one: at most
+    /// `SETTLE_AFTER` keys a client, each looked at once.
+    settle: [Vec<u64>; SETTLE_AFTER as usize],
+    /// Clients looked at by versions, for tests.
+    #[cfg(test)]
+    looked_at: usize,
 }
 
 struct Client {
-    /// Set when a version changed one of its names (or it is to settle).
-    woken: Arc<AtomicBool>,
-    /// Its registry view and type, shown at a version that leaves it alone,
-    /// and the waker of its task.
+    /// What its stream shares: its flag, and when it was last woken.
+    shared: Arc<Shared>,
+    /// Its registry view's handle: the waker of its task.
     view: ViewHandle,
-    type_url: Box<str>,
     /// Its stream's connection (see [`ViewHandle::connection`]): the clients
     /// a version wakes are woken a connection at a time. Kept here rather
     /// than read through the view when needed: the wake order's sort reads
     /// it O(n log n) times a version, and through the view each read is two
     /// pointers more (the registry entry, its gate).
     connection: u64,
-    /// Versions in a row that left it alone.
-    untouched: u8,
 }
 
 impl Client {
-    fn wake(&mut self) {
-        self.untouched = 0;
+    /// The count of the version that last woke it.
+    fn woken_at(&self) -> u64 {
+        self.shared.woken_at.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Marks it woken by the version of count `at`; false when it already
+    /// was (the version changed more than one of its names). Seen by its
+    /// view once the version is among the slot's [`Published`] (stored
+    /// before, under the index's lock).
+    fn mark_woken(&self, at: u64) -> bool {
+        self.shared.woken_at.swap(at, AtomicOrdering::Relaxed) != at
+    }
+
+    fn wake(&self) {
         // Set before the task is woken: it reads the flag once woken.
-        self.woken.store(true, AtomicOrdering::Release);
+        self.shared.woken.store(true, AtomicOrdering::Release);
         self.view.wake();
+    }
+}
+
+/// What a named client's stream, its registry view and the index share.
+struct Shared {
+    /// Set when a version changed one of its names (or it is to settle).
+    woken: AtomicBool,
+    /// The index's count of versions when it was last woken (or
+    /// registered, or renamed): every version since left its names alone.
+    /// Stored before the version is among the slot's [`Published`].
+    woken_at: AtomicU64,
+    /// Its slot's last versions.
+    published: Arc<Published>,
+}
+
+/// A slot's last [`SETTLE_AFTER`] versions, oldest first, each with its
+/// count in the index: a client left alone since it was last woken holds
+/// the newest as well as the one it ACKed, if that is among them at or
+/// after its wake. No more are needed: a client left alone by
+/// `SETTLE_AFTER` versions is woken, and shown at what it ACKed until its
+/// task settles it. Emptied when the collection is gone.
+#[derive(Default)]
+struct Published(Mutex<VecDeque<(SharedStr, u64)>>);
+
+impl Published {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(SharedStr, u64)>> {
+        self.0.lock().expect("published versions lock poisoned")
+    }
+}
+
+/// A named client's link to its slot's last versions, for its registry
+/// view: what the version it ACKed stands for now (see
+/// [`LeftAlone::newest`]). Equal when it is the same client's.
+#[derive(Clone)]
+pub struct LeftAlone(Arc<Shared>);
+
+impl LeftAlone {
+    /// The slot's newest version, when the client's ACKed version `acked`
+    /// is one the slot published at or after the last version that changed
+    /// one of its names: every version since left its names as `acked` has
+    /// them, so it holds the newest as well. `None` otherwise (a version
+    /// changed them since, or `acked` is older than the versions kept).
+    /// For a client that holds `acked`: nothing outstanding, no NACK
+    /// standing.
+    pub fn newest(&self, acked: &str) -> Option<SharedStr> {
+        let published = self.0.published.lock();
+        // Read with the versions locked: a count a version stored before
+        // it was published is seen with it.
+        let since = self.0.woken_at.load(AtomicOrdering::Acquire);
+        let (newest, _) = published.back()?;
+        published
+            .iter()
+            .rev()
+            .take_while(|(_, at)| *at >= since)
+            .any(|(version, _)| **version == *acked)
+            .then(|| newest.clone())
+    }
+}
+
+impl PartialEq for LeftAlone {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for LeftAlone {}
+
+impl std::fmt::Debug for LeftAlone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeftAlone")
+            .field("woken_at", &self.0.woken_at.load(AtomicOrdering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 
 impl Wakes {
     fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
-        self.0.lock().expect("wake index lock poisoned")
+        self.index.lock().expect("wake index lock poisoned")
     }
 
     /// A stream's type asks for `names` (not wildcard): it is woken when a
     /// version changes one of them, until the registration is dropped.
-    pub fn register(self: &Arc<Self>, names: &NameSet, view: ViewHandle, type_url: &str) -> Registration {
-        let woken = Arc::new(AtomicBool::new(false));
+    pub fn register(self: &Arc<Self>, names: &NameSet, view: ViewHandle) -> Registration {
         let mut index = self.lock();
         let key = index.next;
         index.next += 1;
         for name in names.iter() {
             index.by_name.entry(name.clone()).or_default().push(key);
         }
+        let shared = Arc::new(Shared {
+            woken: AtomicBool::new(false),
+            woken_at: AtomicU64::new(index.versions),
+            published: self.published.clone(),
+        });
+        index.due_to_settle(key);
         let connection = view.connection();
         index.clients.insert(
             key,
             Client {
-                woken: woken.clone(),
+                shared: shared.clone(),
                 connection,
                 view,
-                type_url: type_url.into(),
-                untouched: 0,
             },
         );
         drop(index);
@@ -144,7 +253,7 @@ impl Wakes {
             wakes: self.clone(),
             key,
             names: names.clone(),
-            woken,
+            shared,
         }
     }
 
@@ -159,48 +268,79 @@ impl Wakes {
     }
 
     /// The slot went from `from` to `to`: its followers are woken; of the
-    /// named clients, those whose names changed are woken, and the others
-    /// shown at `to` when they held `from`.
+    /// named clients, those whose names changed and those due to settle.
+    /// The others are not looked at: their views find `to` among the
+    /// slot's versions when read ([`LeftAlone`]).
     pub fn published(&self, from: Option<&Arc<CollectionSnapshot>>, to: Option<&Arc<CollectionSnapshot>>) {
         let mut index = self.lock();
         index.wake_followers();
-        if index.clients.is_empty() {
-            return;
-        }
-        let (from, to) = match (from, to) {
-            (Some(from), Some(to)) if from.version == to.version => return,
-            (Some(from), Some(to)) => (from, to),
-            // Delivered, or gone: every name changed.
-            _ => {
-                let order = index.next_order();
-                wake_by_connection(index.clients.values_mut().collect(), order);
+        if let (Some(from), Some(to)) = (from, to) {
+            if from.version == to.version {
                 return;
             }
-        };
-        let changed = published_changes(from, to);
-        let mut touched: Vec<u64> = changed
-            .iter()
-            .filter_map(|name| index.by_name.get(name))
-            .flatten()
-            .copied()
-            .collect();
-        touched.sort_unstable();
-        touched.dedup();
-        let order = index.next_order();
-        let mut woken = Vec::with_capacity(touched.len());
-        for (key, client) in &mut index.clients {
-            if touched.binary_search(key).is_ok() {
-                woken.push(client);
-                continue;
-            }
-            client.untouched += 1;
-            if client.untouched >= SETTLE_AFTER {
-                woken.push(client);
-            } else {
-                client.view.untouched(&client.type_url, &from.version, &to.version);
-            }
         }
-        wake_by_connection(woken, order);
+        index.versions += 1;
+        let at = index.versions;
+        let order = index.next_order();
+        let Index {
+            by_name,
+            clients,
+            settle,
+            ..
+        } = &mut *index;
+        let slot = (at % u64::from(SETTLE_AFTER)) as usize;
+        // Woken `SETTLE_AFTER` versions ago (or registered then); those
+        // woken since are in a later list.
+        let due = std::mem::take(&mut settle[slot]);
+        let mut woken = Vec::new();
+        #[cfg(test)]
+        let mut looked_at = due.len();
+        match (from, to) {
+            (Some(from), Some(to)) => {
+                if !clients.is_empty() {
+                    let changed = published_changes(from, to);
+                    let touched = changed.iter().filter_map(|name| by_name.get(name)).flatten();
+                    woken.extend(touched.filter_map(|key| clients.get_key_value(key)));
+                }
+                #[cfg(test)]
+                {
+                    looked_at += woken.len();
+                }
+                let settled_at = at.checked_sub(u64::from(SETTLE_AFTER));
+                let settling = due.iter().filter_map(|key| clients.get_key_value(key));
+                woken.extend(settling.filter(|(_, client)| Some(client.woken_at()) == settled_at));
+            }
+            // Delivered, or gone: every name changed.
+            _ => woken.extend(clients.iter()),
+        }
+        // Once a version, however many of its names it changed.
+        woken.retain(|(_, client)| client.mark_woken(at));
+        let mut keys = due;
+        keys.clear();
+        keys.extend(woken.iter().map(|(key, _)| **key));
+        wake_by_connection(woken.into_iter().map(|(_, client)| client).collect(), order);
+        settle[slot] = keys;
+        #[cfg(test)]
+        {
+            index.looked_at += looked_at;
+        }
+        // After the clients' counts, under the index's lock (versions are
+        // published in turn): a view that finds `to` here sees the counts.
+        let mut published = self.published.lock();
+        match to {
+            Some(to) => {
+                // The slot's first version (made with it, not published
+                // here): what every client registered since holds.
+                if let (true, Some(from)) = (published.is_empty(), from) {
+                    published.push_back((from.version.clone(), at - 1));
+                }
+                if published.len() == usize::from(SETTLE_AFTER) {
+                    published.pop_front();
+                }
+                published.push_back((to.version.clone(), at));
+            }
+            None => published.clear(),
+        }
     }
 
     /// The named clients and the followers, for tests.
@@ -219,7 +359,7 @@ impl Wakes {
 /// (`transport::defer`), writes them all in one `writev`; woken in the
 /// index's order, they were spread over the whole version and each
 /// response took a write of its own.
-fn wake_by_connection(mut clients: Vec<&mut Client>, order: u64) {
+fn wake_by_connection(mut clients: Vec<&Client>, order: u64) {
     clients.sort_unstable_by_key(|client| mix(client.connection ^ order));
     let mut armed = None;
     for client in clients {
@@ -246,7 +386,7 @@ pub struct Registration {
     wakes: Arc<Wakes>,
     key: u64,
     names: NameSet,
-    woken: Arc<AtomicBool>,
+    shared: Arc<Shared>,
 }
 
 impl Registration {
@@ -260,13 +400,22 @@ impl Registration {
     /// cleared: a stream asks at every turn of its loop, most often for
     /// nothing, and a load writes nothing to the shared line.
     pub fn take_woken(&self) -> bool {
-        self.woken.load(AtomicOrdering::Acquire) && self.woken.swap(false, AtomicOrdering::AcqRel)
+        let woken = &self.shared.woken;
+        woken.load(AtomicOrdering::Acquire) && woken.swap(false, AtomicOrdering::AcqRel)
+    }
+
+    /// Its link to the slot's versions, for its registry view.
+    pub fn left_alone(&self) -> LeftAlone {
+        LeftAlone(self.shared.clone())
     }
 
     /// The client now asks for `names`: the index follows, name by name
-    /// for those that differ (both sets are sorted).
+    /// for those that differ (both sets are sorted). Its view holds no
+    /// version past this (what it ACKed was for its old names).
     pub fn rename(&mut self, names: &NameSet) {
         let mut index = self.wakes.lock();
+        self.shared.woken_at.store(index.versions, AtomicOrdering::Relaxed);
+        index.due_to_settle(self.key);
         let (old, new) = (&self.names, names);
         let (mut i, mut j) = (0, 0);
         loop {
@@ -325,6 +474,13 @@ impl Index {
                 follower.wake();
             }
         }
+    }
+
+    /// `key` was woken (or registered) at the index's count now: the
+    /// version `SETTLE_AFTER` later looks at it.
+    fn due_to_settle(&mut self, key: u64) {
+        let slot = (self.versions % u64::from(SETTLE_AFTER)) as usize;
+        self.settle[slot].push(key);
     }
 
     /// The next state of the generator of the wake orders.
@@ -431,6 +587,17 @@ mod tests {
         }
     }
 
+    /// A named type's view that ACKed `version`, linked to `registration`.
+    fn acked(version: &CollectionSnapshot, registration: &Registration) -> TypeView {
+        let mut view = TypeView::new(Resolved {
+            collection: "c".into(),
+            dialect: Dialect::Xds,
+        });
+        view.acked_version = Some(version.version.clone());
+        view.left_alone = Some(registration.left_alone());
+        view
+    }
+
     /// A slot's index, and `N` streams' tasks (ids 1 to `N`).
     fn tasks<const N: usize>() -> (Arc<Wakes>, [Task; N]) {
         let registry = Arc::new(Registry::default());
@@ -449,17 +616,12 @@ mod tests {
             &[("a", "2"), ("b", "1"), ("c", "1"), ("d", "1")],
         ]);
         let (wakes, [task_a, task_b, task_none]) = tasks();
-        let a = wakes.register(&names(&["a", "b"]), task_a.entry.handle(), "t");
+        let a = wakes.register(&names(&["a", "b"]), task_a.entry.handle());
+        let mut b = wakes.register(&names(&["b", "c"]), task_b.entry.handle());
         // b's client ACKed v1: a version that leaves its names alone shows
         // it at that version.
-        let mut view = TypeView::new(Resolved {
-            collection: "c".into(),
-            dialect: Dialect::Xds,
-        });
-        view.acked_version = Some(v1.version.clone());
-        task_b.entry.publish(&SharedStr::from("t"), view);
-        let mut b = wakes.register(&names(&["b", "c"]), task_b.entry.handle(), "t");
-        let none = wakes.register(&NameSet::default(), task_none.entry.handle(), "t");
+        task_b.entry.publish(&SharedStr::from("t"), acked(&v1, &b));
+        let none = wakes.register(&NameSet::default(), task_none.entry.handle());
         wakes.published(Some(&v1), Some(&v2));
         assert!(a.take_woken() && task_a.woken(), "a changed: its client is woken");
         assert!(!a.take_woken(), "asking clears it");
@@ -499,6 +661,143 @@ mod tests {
         drop(index);
     }
 
+    /// What a named client's view shows, read without its task running: the
+    /// newest version while every version since the one it ACKed left its
+    /// names alone; what it ACKed once a version changed one of them (until
+    /// its task settles), while a response is outstanding or a NACK stands,
+    /// after it renamed, and once the collection is gone. A version that
+    /// comes back (the same content, the same version) is found as well.
+    #[tokio::test]
+    async fn a_client_left_alone_is_shown_at_the_newest_version_and_no_further() {
+        let [v1, v2, v3, v4, v5] = versions([
+            &[("a", "1"), ("b", "1")],
+            &[("a", "2"), ("b", "1")],
+            &[("a", "2"), ("b", "2")],
+            &[("a", "3"), ("b", "2")],
+            &[("a", "2"), ("b", "2")],
+        ]);
+        assert_eq!(v5.version, v3.version, "the same content, the same version");
+        let (wakes, [task]) = tasks();
+        let t = SharedStr::from("t");
+        let mut b = wakes.register(&names(&["b"]), task.entry.handle());
+        let shown = || task.entry.view().types.get("t").and_then(|t| t.acked_version.clone());
+        task.entry.publish(&t, acked(&v1, &b));
+        assert_eq!(shown(), Some(v1.version.clone()));
+        // The slot's first version was made with it: v1 is among its versions.
+        wakes.published(Some(&v1), Some(&v2));
+        assert!(!b.take_woken());
+        assert_eq!(shown(), Some(v2.version.clone()), "v2 left b alone");
+        wakes.published(Some(&v2), Some(&v3));
+        assert!(b.take_woken() && task.woken(), "v3 changed b");
+        assert_eq!(
+            shown(),
+            Some(v1.version.clone()),
+            "not past a change, until its task settles"
+        );
+        task.entry.publish(&t, acked(&v3, &b));
+        wakes.published(Some(&v3), Some(&v4));
+        assert!(!b.take_woken());
+        assert_eq!(shown(), Some(v4.version.clone()));
+        wakes.published(Some(&v4), Some(&v5));
+        assert_eq!(shown(), Some(v3.version.clone()), "v3's content is back: v5 is v3");
+        // What it holds is not known while a response is outstanding or a
+        // NACK stands.
+        let mut outstanding = acked(&v3, &b);
+        outstanding.outstanding = true;
+        task.entry.publish(&t, outstanding);
+        wakes.published(Some(&v5), Some(&v4));
+        assert_eq!(shown(), Some(v3.version.clone()), "outstanding");
+        let mut nacked = acked(&v3, &b);
+        nacked.last_nack = Some(Box::new(crate::downstream::registry::NackRecord {
+            version: v4.version.clone(),
+            code: 3,
+            message: "refused".into(),
+            at: crate::downstream::registry::Stamp::NEVER,
+            superseded: false,
+        }));
+        task.entry.publish(&t, nacked);
+        assert_eq!(shown(), Some(v3.version.clone()), "a NACK stands");
+        task.entry.publish(&t, acked(&v3, &b));
+        assert_eq!(shown(), Some(v4.version.clone()));
+        // Renamed: what it ACKed was for its old names.
+        b.rename(&names(&["a", "b"]));
+        assert_eq!(shown(), Some(v3.version.clone()), "renamed since it ACKed v3");
+        // Gone: nothing is held past what it ACKed.
+        task.entry.publish(&t, acked(&v4, &b));
+        assert_eq!(shown(), Some(v4.version.clone()));
+        wakes.published(Some(&v4), None);
+        assert!(b.take_woken());
+        assert_eq!(shown(), Some(v4.version.clone()));
+        // A view without a link to the slot (a follower's) is as published.
+        let mut follower = acked(&v1, &b);
+        follower.left_alone = None;
+        task.entry.publish(&t, follower);
+        wakes.published(None, Some(&v2));
+        assert_eq!(shown(), Some(v1.version.clone()));
+    }
+
+    /// A version looks at the clients whose names it changed and at those
+    /// woken `SETTLE_AFTER` versions before it, never at the others: with a
+    /// thousand clients, a version that changes one name looks at one
+    /// client, until the clients registered together are due to settle.
+    #[tokio::test]
+    async fn a_version_looks_only_at_the_clients_it_touches_and_those_due_to_settle() {
+        const CLIENTS: usize = 1_000;
+        let registry = Arc::new(Registry::default());
+        let (cache, mut writer) = Cache::new();
+        let mut state: Vec<(String, u32)> = (0..CLIENTS).map(|i| (format!("n{i}"), 0)).collect();
+        let mut version = |changed: Option<usize>| {
+            if let Some(i) = changed {
+                state[i].1 += 1;
+            }
+            let resources = state.iter().map(|(n, v)| resource(n, &v.to_string())).collect();
+            writer.apply("c", Update::Full(resources), Origin::Upstream);
+            cache.get("c").expect("applied")
+        };
+        let wakes = Arc::new(Wakes::default());
+        let streams: Vec<_> = (0..CLIENTS)
+            .map(|i| {
+                let entry = registry.register(i as u64, None, Protocol::XdsSotw, "x", None);
+                let registration = wakes.register(&names(&[&format!("n{i}")]), entry.handle());
+                (entry, registration)
+            })
+            .collect();
+        let looked_at = || std::mem::take(&mut wakes.lock().looked_at);
+        let woken = || {
+            let ids: Vec<usize> = (0..CLIENTS).filter(|i| streams[*i].1.take_woken()).collect();
+            ids
+        };
+        let mut from = version(None);
+        for at in 1..=3 {
+            let to = version(Some(at));
+            wakes.published(Some(&from), Some(&to));
+            assert_eq!(looked_at(), 1, "version {at}: the client of the one name it changed");
+            assert_eq!(woken(), vec![at]);
+            from = to;
+        }
+        // Every client registered at the count of version 0; all but the
+        // three woken since are due at version 4 (which touches a fourth).
+        let to = version(Some(10));
+        wakes.published(Some(&from), Some(&to));
+        assert_eq!(looked_at(), 1 + CLIENTS);
+        let due: Vec<usize> = (0..CLIENTS).filter(|i| !(1..=3).contains(i)).collect();
+        assert_eq!(woken(), due, "version 4: the one it touched and those due to settle");
+        from = to;
+        // Versions 5 to 7 look at the one they touch and the one woken four
+        // versions before (woken since by this version or not).
+        for at in 5..=7 {
+            let to = version(Some(at + 10));
+            wakes.published(Some(&from), Some(&to));
+            assert_eq!(looked_at(), 2, "version {at}");
+            let mut expected = vec![at - 4, at + 10];
+            expected.sort_unstable();
+            assert_eq!(woken(), expected, "version {at}");
+            from = to;
+        }
+        drop(streams);
+        assert_eq!(wakes.clients(), (0, 0));
+    }
+
     /// A type that follows its slot is woken by every version of it,
     /// whatever the version changed, until it stops following; a named
     /// client of the same slot is not woken by a version that leaves its
@@ -509,7 +808,7 @@ mod tests {
         let (wakes, [follower, other, named]) = tasks();
         let following = wakes.follow(follower.entry.handle());
         let also = wakes.follow(other.entry.handle());
-        let b = wakes.register(&names(&["b"]), named.entry.handle(), "t");
+        let b = wakes.register(&names(&["b"]), named.entry.handle());
         assert_eq!(wakes.clients(), (1, 2));
         wakes.published(None, Some(&v1));
         assert!(follower.woken() && other.woken(), "delivered: every follower");
@@ -601,7 +900,7 @@ mod tests {
                 let entry = registry.register(id, None, Protocol::XdsSotw, "x", Some(gate));
                 let waker = Arc::new(Logged { id, log: log.clone() });
                 let asks = if id >= 15 { names(&["b"]) } else { names(&["a", "b"]) };
-                let registration = wakes.register(&asks, entry.handle(), "t");
+                let registration = wakes.register(&asks, entry.handle());
                 (entry, waker, registration)
             })
             .collect();
