@@ -238,7 +238,6 @@ impl Wakes {
             woken_at: AtomicU64::new(index.versions),
             published: self.published.clone(),
         });
-        index.due_to_settle(key);
         let connection = view.connection();
         index.clients.insert(
             key,
@@ -248,6 +247,7 @@ impl Wakes {
                 view,
             },
         );
+        index.due_to_settle(key);
         drop(index);
         Registration {
             wakes: self.clone(),
@@ -414,8 +414,12 @@ impl Registration {
     /// version past this (what it ACKed was for its old names).
     pub fn rename(&mut self, names: &NameSet) {
         let mut index = self.wakes.lock();
-        self.shared.woken_at.store(index.versions, AtomicOrdering::Relaxed);
-        index.due_to_settle(self.key);
+        // In the list of the count now once, however often it renames
+        // before the next version (a client renaming in a loop between
+        // versions adds nothing).
+        if self.shared.woken_at.swap(index.versions, AtomicOrdering::Relaxed) != index.versions {
+            index.due_to_settle(self.key);
+        }
         let (old, new) = (&self.names, names);
         let (mut i, mut j) = (0, 0);
         loop {
@@ -478,9 +482,19 @@ impl Index {
 
     /// `key` was woken (or registered) at the index's count now: the
     /// version `SETTLE_AFTER` later looks at it.
+    /// A list grows only between versions, by the clients registered or
+    /// renamed at its count; the keys of those gone since (streams opened
+    /// and closed again and again while no version is published) are
+    /// dropped once they could be half of it, so that it stays within
+    /// twice the clients.
     fn due_to_settle(&mut self, key: u64) {
         let slot = (self.versions % u64::from(SETTLE_AFTER)) as usize;
-        self.settle[slot].push(key);
+        let list = &mut self.settle[slot];
+        list.push(key);
+        if list.len() > 2 * self.clients.len() + 64 {
+            let (clients, versions) = (&self.clients, self.versions);
+            list.retain(|key| clients.get(key).is_some_and(|client| client.woken_at() == versions));
+        }
     }
 
     /// The next state of the generator of the wake orders.
@@ -794,6 +808,31 @@ mod tests {
             assert_eq!(woken(), expected, "version {at}");
             from = to;
         }
+        // A client renaming again and again between two versions is in the
+        // list of the count once.
+        let listed = |wakes: &Wakes| wakes.lock().settle.iter().map(Vec::len).sum::<usize>();
+        let before = listed(&wakes);
+        let mut renamed = wakes.register(&names(&["r"]), streams[0].0.handle());
+        for i in 0..1_000 {
+            renamed.rename(&names(&[if i % 2 == 0 { "s" } else { "r" }]));
+        }
+        assert_eq!(
+            listed(&wakes),
+            before + 1,
+            "registered and renamed at one count: listed once"
+        );
+        drop(renamed);
+        // Streams opened and closed again and again while no version is
+        // published: the list keeps within twice the clients.
+        for _ in 0..10_000 {
+            drop(wakes.register(&names(&["r"]), streams[0].0.handle()));
+        }
+        let most = before + 1 + 2 * CLIENTS + 64;
+        assert!(
+            listed(&wakes) <= most,
+            "{} keys listed for {CLIENTS} clients",
+            listed(&wakes)
+        );
         drop(streams);
         assert_eq!(wakes.clients(), (0, 0));
     }
