@@ -25,20 +25,21 @@
 //! shown at it (its registry view, as its task would have settled it),
 //! without its task running, and without the version looking at it: the
 //! view, when read, finds the version its client ACKed among the slot's
-//! last versions ([`LeftAlone`]), at or after the last one that changed one of
-//! its names. A version's work is the clients it touches (and those due to
-//! settle, below), not a pass over every client of the slot: that pass,
-//! and each untouched client's view locked and moved on, was 2 % of an eds
-//! fan-out's publishing, for clients most of which no reader ever looks at.
+//! last versions ([`LeftAlone`]), at or after the last one that changed
+//! one of its names. A version's work is the clients it touches (and those
+//! due to settle, below), not a pass over every client of the slot: that
+//! pass, and each untouched client's view locked and moved on, was 2 % of
+//! an eds fan-out's publishing, for clients most of which no reader ever
+//! looks at.
 //!
 //! A client left alone still holds the last version it was sent, and with
 //! it that version's storage (the chunks of every resource changed since):
 //! one left alone for [`SETTLE_AFTER`] versions in a row is woken to settle
 //! and let go of it (found by the version it was last woken at: each
-//! version looks at the clients woken `SETTLE_AFTER` versions before it). Memory stays bounded by a few versions, and of the
-//! wakes for nothing one in `SETTLE_AFTER` is left (measured: without it,
-//! an eds run's peak grew by 18 MiB, old versions kept by clients that no
-//! version touched).
+//! version looks at the clients woken `SETTLE_AFTER` versions before it).
+//! Memory stays bounded by a few versions, and of the wakes for nothing
+//! one in `SETTLE_AFTER` is left (measured: without it, an eds run's peak
+//! grew by 18 MiB, old versions kept by clients that no version touched).
 //!
 //! The order that loses no wake: a stream registers (its names, or itself
 //! as a follower) before it reads the slot; the publisher replaces the
@@ -480,9 +481,10 @@ impl Index {
         }
     }
 
-    /// `key` was woken (or registered) at the index's count now: the
+    /// `key` was registered or renamed at the index's count now: the
     /// version `SETTLE_AFTER` later looks at it.
-    /// A list grows only between versions, by the clients registered or
+    ///
+    /// A list grows between versions only by the clients registered or
     /// renamed at its count; the keys of those gone since (streams opened
     /// and closed again and again while no version is published) are
     /// dropped once they could be half of it, so that it stays within
