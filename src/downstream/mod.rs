@@ -127,6 +127,12 @@ struct Shared {
     /// What each group of clients is served of each collection.
     rollout: Arc<rollout::Rollout>,
     table: Arc<CollectionTable>,
+    /// The table's sensitive collections, each by its name (MCP) and its
+    /// body type URL (xDS asks by that): what a stream's
+    /// [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER) names of
+    /// them, found once (the table is the gateway's for its life), not by a
+    /// pass over every collection at each stream's start.
+    sensitive: Box<[(SharedStr, Option<String>)]>,
     subscriptions: Arc<Subscriptions>,
     registry: Arc<Registry>,
     shutdown: CancellationToken,
@@ -179,11 +185,21 @@ impl Downstream {
         access: Arc<AccessControl>,
         skew: Arc<SkewTracker>,
     ) -> Self {
+        let sensitive = table
+            .sensitive_collections()
+            .map(|collection| {
+                (
+                    collection.clone(),
+                    table.sensitive_body_type(collection).map(str::to_owned),
+                )
+            })
+            .collect();
         Self {
             inner: Arc::new(Shared {
                 cache,
                 rollout,
                 table,
+                sensitive,
                 subscriptions,
                 registry,
                 shutdown,
@@ -317,13 +333,16 @@ impl Downstream {
     /// [`SENSITIVE_HEADER`](crate::collections::SENSITIVE_HEADER) says them
     /// (`None`: none; without a policy nobody reads a sensitive collection).
     fn sensitive_readable(&self, identity: &PeerIdentity) -> Option<String> {
+        if self.inner.sensitive.is_empty() {
+            return None;
+        }
         let policy = self.inner.access.current();
-        let table = &self.inner.table;
-        // Each by its name (MCP) and its body type URL (xDS asks by that).
-        let readable: Vec<&str> = table
-            .sensitive_collections()
-            .filter(|collection| policy.grant(identity, collection, true).is_some())
-            .flat_map(|collection| [Some(collection.as_str()), table.sensitive_body_type(collection)])
+        let readable: Vec<&str> = self
+            .inner
+            .sensitive
+            .iter()
+            .filter(|(collection, _)| policy.grant(identity, collection, true).is_some())
+            .flat_map(|(collection, body_type)| [Some(collection.as_str()), body_type.as_deref()])
             .flatten()
             .collect();
         (!readable.is_empty()).then(|| crate::collections::sensitive_header(readable))
