@@ -2084,7 +2084,8 @@ enum Look {
 impl WalkPlan {
     /// The plan of the message type `name` (a full name), made the first
     /// time; `None` where the built-in descriptors have no such type (not
-    /// kept: only described types, a finite set, are).
+    /// kept: only described types, a finite set, are; all of them planned
+    /// hold under a MiB, a test says).
     fn of(name: &str) -> Option<Arc<WalkPlan>> {
         type Plans = HashMap<String, Arc<WalkPlan>, foldhash::fast::RandomState>;
         static PLANS: OnceLock<Mutex<Plans>> = OnceLock::new();
@@ -3184,6 +3185,27 @@ mod tests {
         // The same nesting with the action's Any left out hides nothing.
         let bare = nest(0x1a, nest(0x0a, nest(0x1a, nest(0x12, Vec::new()))));
         assert!(!hidden_in_part(&url, &bare));
+    }
+
+    /// The plans are kept for the life of the process, one per type a body
+    /// or an `Any` in one named: with every built-in type planned (what a
+    /// source naming each of them in turn would leave), they hold under a
+    /// MiB.
+    #[test]
+    fn every_built_in_types_walk_planned_is_under_a_mebibyte() {
+        use super::{Look, MessageWalk, WalkPlan};
+        let pool = super::all_descriptors().pool.clone();
+        let mut bytes = 0;
+        for message in pool.all_messages() {
+            let plan = WalkPlan::of(message.full_name()).unwrap();
+            let looks: usize = plan.messages.iter().map(|walk| walk.fields.len()).sum();
+            bytes += std::mem::size_of::<WalkPlan>()
+                + message.full_name().len()
+                + plan.messages.len() * std::mem::size_of::<MessageWalk>()
+                + looks * std::mem::size_of::<(u32, Look)>();
+        }
+        assert!(pool.all_messages().count() > 1_000, "Envoy's API and Istio's kinds");
+        assert!(bytes < 1 << 20, "{bytes} B of plans");
     }
 
     /// A map written from YAML or JSON (a `Struct`'s fields, at any depth and
