@@ -287,11 +287,10 @@ impl Named {
                 if wildcard != named.current.wildcard
                     || !asked.iter().copied().eq(named.current.names.iter().map(|n| &**n))
                 {
-                    named.current = Names {
+                    named.subscribe(Names {
                         wildcard,
                         names: NameSet(asked.into_iter().map(shared).collect()),
-                    };
-                    named.hashes = std::cell::OnceCell::new();
+                    });
                     // A name dropped is dropped by the client too: asked
                     // for again, it is sent again.
                     named.held.wildcard &= wildcard;
@@ -348,12 +347,20 @@ impl Named {
                 if names != named.current.names {
                     let current = &names;
                     named.held.names.retain(|n| current.contains(n));
-                    named.current.names = names;
-                    named.hashes = std::cell::OnceCell::new();
+                    let wildcard = named.current.wildcard;
+                    named.subscribe(Names { wildcard, names });
                 }
             }
         }
         Ok(changed)
+    }
+
+    /// The client now asks for `current`: the one place its names change,
+    /// so the hashes made of them ([`Named::hashes`]) are made again when
+    /// next needed, never read for other names.
+    fn subscribe(&mut self, current: Names) {
+        self.current = current;
+        self.hashes = std::cell::OnceCell::new();
     }
 
     pub fn current(&self) -> &Names {
