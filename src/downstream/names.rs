@@ -437,7 +437,8 @@ impl Named {
         let mut entries = match (last, from) {
             (Some(last), Some(from)) => {
                 let mut entries = last.resources;
-                for name in self.mine(&changed_names(from, to)) {
+                // Each name finds its own place: in any order.
+                for name in self.among(&changed_names(from, to)) {
                     if let Some(i) = names.position(name) {
                         entries[i] = to.resource(name).as_ref().map(Arc::downgrade);
                     }
@@ -607,17 +608,6 @@ impl Named {
             && self.held.names.same(&self.current.names)
     }
 
-    /// The client's names among `changed`, in order: from whichever of the
-    /// two is smaller.
-    fn mine<'a>(&'a self, changed: &'a ChangedNames) -> Vec<&'a SharedStr> {
-        let mut mine: Vec<&SharedStr> = self.among(changed).collect();
-        if changed.len() < self.current.names.len() {
-            // Found in the set's order.
-            mine.sort_unstable();
-        }
-        mine
-    }
-
     /// The client's names among `changed`, found from whichever of the two
     /// is smaller (in name order only when found from its names).
     fn among<'a>(&'a self, changed: &'a ChangedNames) -> impl Iterator<Item = &'a SharedStr> + 'a {
@@ -641,11 +631,17 @@ impl Named {
     fn changed_since(&self, from: &CollectionSnapshot, to: &CollectionSnapshot) -> Diff {
         let changed = changed_names(from, to);
         let mut diff = Diff::default();
-        for name in self.mine(&changed) {
+        // Read as found, not gathered first (an allocation per response).
+        for name in self.among(&changed) {
             match to.resource(name) {
                 Some(now) => diff.upserts.push(now),
                 None => diff.removed.push(name.clone()),
             }
+        }
+        if changed.len() < self.current.names.len() {
+            // Found in the set's order: each list put in name order.
+            diff.upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+            diff.removed.sort_unstable();
         }
         diff
     }
@@ -1043,7 +1039,7 @@ pub(super) mod tests {
         Named::apply(&mut named, NameChange::Replace(&asked), false, None, 1000).unwrap();
         let named = named.unwrap();
         for _ in 0..2 {
-            let mine: Vec<&str> = named.mine(&changed).into_iter().map(|n| &**n).collect();
+            let mine: Vec<&str> = named.among(&changed).map(|n| &**n).collect();
             assert_eq!(mine, ["b", "d"]);
         }
         assert_eq!(named.hashes.get().map(|h| h.len()), Some(5));

@@ -706,7 +706,7 @@ impl<W: Wire> TypedStream<W> {
         // follows decides from the same snapshot the request was read with.
         let current = if rewired { current_of(followed) } else { known };
         followed.state.note_current(current.as_ref(), now);
-        self.entry.publish(&type_url, followed.state.view.clone());
+        self.entry.publish(&type_url, &followed.state.view);
         if verdict == Verdict::Unrecoverable {
             return Err(Status::failed_precondition(
                 "the first response, built from initial_resource_versions, was NACKed: the gateway cannot know what \
@@ -1648,7 +1648,7 @@ impl<W: Wire> TypedStream<W> {
                 // not as never sent.
                 let held_as_sent = !shown_sent && followed.state.view.last_sent_version.is_some();
                 if followed.state.note_current(current.as_ref(), now) || settled || held_as_sent {
-                    self.entry.publish(type_url, followed.state.view.clone());
+                    self.entry.publish(type_url, &followed.state.view);
                 }
                 Made::Nothing
             }
@@ -1944,7 +1944,7 @@ impl<W: Wire> TypedStream<W> {
             );
         }
         followed.state.view.ordered = Some(Box::new(view));
-        self.entry.publish(type_url, followed.state.view.clone());
+        self.entry.publish(type_url, &followed.state.view);
     }
 
     /// A ranked type's change goes whole, but for the removals of names it
@@ -2089,7 +2089,7 @@ impl<W: Wire> TypedStream<W> {
         }
         if let Some(followed) = self.types.get_mut(type_url) {
             if followed.state.view.ordered.take().is_some() {
-                self.entry.publish(type_url, followed.state.view.clone());
+                self.entry.publish(type_url, &followed.state.view);
             }
         }
     }
@@ -2182,7 +2182,7 @@ impl<W: Wire> TypedStream<W> {
             self.shared
                 .log_denial(&self.identity, collection, &format!("{now} resources withheld: {why}"));
         }
-        self.entry.publish(type_url, followed.state.view.clone());
+        self.entry.publish(type_url, &followed.state.view);
     }
 
     /// Encodes `push` with the next nonce and records it as sent `now`, with
@@ -2218,7 +2218,7 @@ impl<W: Wire> TypedStream<W> {
             .then(|| std::num::NonZeroU32::new(u32::try_from(len).unwrap_or(u32::MAX)))
             .flatten();
         followed.metrics.pushes.increment(1);
-        self.entry.publish(type_url, followed.state.view.clone());
+        self.entry.publish(type_url, &followed.state.view);
         if !forced.is_empty() {
             self.force_resend(cluster_refs::LOAD_ASSIGNMENT_TYPE_URL, forced);
         }

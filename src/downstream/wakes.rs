@@ -636,7 +636,7 @@ mod tests {
         let mut b = wakes.register(&names(&["b", "c"]), task_b.entry.handle());
         // b's client ACKed v1: a version that leaves its names alone shows
         // it at that version.
-        task_b.entry.publish(&SharedStr::from("t"), acked(&v1, &b));
+        task_b.entry.publish(&SharedStr::from("t"), &acked(&v1, &b));
         let none = wakes.register(&NameSet::default(), task_none.entry.handle());
         wakes.published(Some(&v1), Some(&v2));
         assert!(a.take_woken() && task_a.woken(), "a changed: its client is woken");
@@ -697,7 +697,7 @@ mod tests {
         let t = SharedStr::from("t");
         let mut b = wakes.register(&names(&["b"]), task.entry.handle());
         let shown = || task.entry.view().types.get("t").and_then(|t| t.acked_version.clone());
-        task.entry.publish(&t, acked(&v1, &b));
+        task.entry.publish(&t, &acked(&v1, &b));
         assert_eq!(shown(), Some(v1.version.clone()));
         // The slot's first version was made with it: v1 is among its versions.
         wakes.published(Some(&v1), Some(&v2));
@@ -710,7 +710,7 @@ mod tests {
             Some(v1.version.clone()),
             "not past a change, until its task settles"
         );
-        task.entry.publish(&t, acked(&v3, &b));
+        task.entry.publish(&t, &acked(&v3, &b));
         wakes.published(Some(&v3), Some(&v4));
         assert!(!b.take_woken());
         assert_eq!(shown(), Some(v4.version.clone()));
@@ -720,7 +720,7 @@ mod tests {
         // NACK stands.
         let mut outstanding = acked(&v3, &b);
         outstanding.outstanding = true;
-        task.entry.publish(&t, outstanding);
+        task.entry.publish(&t, &outstanding);
         wakes.published(Some(&v5), Some(&v4));
         assert_eq!(shown(), Some(v3.version.clone()), "outstanding");
         let mut nacked = acked(&v3, &b);
@@ -731,15 +731,15 @@ mod tests {
             at: crate::downstream::registry::Stamp::NEVER,
             superseded: false,
         }));
-        task.entry.publish(&t, nacked);
+        task.entry.publish(&t, &nacked);
         assert_eq!(shown(), Some(v3.version.clone()), "a NACK stands");
-        task.entry.publish(&t, acked(&v3, &b));
+        task.entry.publish(&t, &acked(&v3, &b));
         assert_eq!(shown(), Some(v4.version.clone()));
         // Renamed: what it ACKed was for its old names.
         b.rename(&names(&["a", "b"]));
         assert_eq!(shown(), Some(v3.version.clone()), "renamed since it ACKed v3");
         // Gone: nothing is held past what it ACKed.
-        task.entry.publish(&t, acked(&v4, &b));
+        task.entry.publish(&t, &acked(&v4, &b));
         assert_eq!(shown(), Some(v4.version.clone()));
         wakes.published(Some(&v4), None);
         assert!(b.take_woken());
@@ -747,7 +747,7 @@ mod tests {
         // A view without a link to the slot (a follower's) is as published.
         let mut follower = acked(&v1, &b);
         follower.left_alone = None;
-        task.entry.publish(&t, follower);
+        task.entry.publish(&t, &follower);
         wakes.published(None, Some(&v2));
         assert_eq!(shown(), Some(v1.version.clone()));
     }
