@@ -63,9 +63,29 @@ struct Seen {
     failures: Mutex<Vec<String>>,
     /// The backends of the last answers (a window).
     last: Mutex<std::collections::VecDeque<String>>,
+    /// What the test is doing (a round's restart, say) and since when: a
+    /// failure names it, so a lost request says which step lost it.
+    phase: Mutex<Option<(String, std::time::Instant)>>,
 }
 
 impl Seen {
+    /// The test's next step, named in the failures that follow.
+    fn phase(&self, what: String) {
+        *self.phase.lock().unwrap() = Some((what, std::time::Instant::now()));
+    }
+
+    /// A failure as it is reported: the step it came in, how long after
+    /// the step began, and when on the wall clock in UTC (Envoy's log's
+    /// clock, see `Envoy::start_with_args`).
+    fn failed(&self, what: String) {
+        let phase = match &*self.phase.lock().unwrap() {
+            Some((name, since)) => format!("{name} +{} ms", since.elapsed().as_millis()),
+            None => "start".to_owned(),
+        };
+        let at = humantime::format_rfc3339_millis(std::time::SystemTime::now());
+        self.failures.lock().unwrap().push(format!("{phase} at {at}: {what}"));
+    }
+
     fn record(&self, status: u16, body: &str, headers: &str) {
         if status == 200 {
             self.ok.fetch_add(1, Ordering::Relaxed);
@@ -75,10 +95,7 @@ impl Seen {
                 .find(|l| l.to_ascii_lowercase().starts_with("x-envoy-response-flags"))
                 .unwrap_or_default()
                 .to_owned();
-            self.failures
-                .lock()
-                .unwrap()
-                .push(format!("{status} {flags} {}", body.trim()));
+            self.failed(format!("{status} {flags} {}", body.trim()));
         }
         let mut last = self.last.lock().unwrap();
         last.push_back(if status == 200 {
@@ -103,13 +120,13 @@ impl Seen {
 async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
         let Ok(mut socket) = TcpStream::connect(listener).await else {
-            seen.failures.lock().unwrap().push("connect refused".into());
+            seen.failed("connect refused".into());
             continue;
         };
         let mut buf = Vec::new();
         'connection: while !stop.load(Ordering::Relaxed) {
             if socket.write_all(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n").await.is_err() {
-                seen.failures.lock().unwrap().push("write failed".into());
+                seen.failed("write failed".into());
                 break;
             }
             // One response: headers, then content-length bytes.
@@ -142,10 +159,7 @@ async fn traffic(listener: SocketAddr, seen: Arc<Seen>, stop: Arc<AtomicBool>) {
                 match tokio::time::timeout(Duration::from_secs(10), socket.read(&mut chunk)).await {
                     Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
                     _ => {
-                        seen.failures
-                            .lock()
-                            .unwrap()
-                            .push("connection closed mid-request".into());
+                        seen.failed("connection closed mid-request".into());
                         break 'connection;
                     }
                 }
@@ -215,13 +229,15 @@ impl Running {
     async fn lost_nothing(&mut self, who: &str, what: &str) {
         let (failures, ok) = self.stop().await;
         eprintln!("{who}: {ok} answered 200, {} failed over {what}", failures.len());
+        let log = self.envoy.log();
         assert!(
             failures.is_empty(),
-            "{who}: {} of {} requests lost over {what}: {:?}\nEnvoy's log:\n{}",
+            "{who}: {} of {} requests lost over {what}: {:#?}\nEnvoy's log around the first:\n{}\nEnvoy's log's end:\n{}",
             failures.len(),
             ok + failures.len() as u64,
             &failures[..failures.len().min(20)],
-            crate::helpers::peers::tail(&self.envoy.log(), 40)
+            failures.first().map_or_else(String::new, |first| around(&log, first, 60)),
+            crate::helpers::peers::tail(&log, 40)
         );
         assert!(ok > 0);
     }
@@ -235,6 +251,22 @@ impl Running {
         let failures = self.seen.failures.lock().unwrap().clone();
         (failures, self.seen.ok.load(Ordering::Relaxed))
     }
+}
+
+/// The lines of Envoy's `log` (UTC) up to the second of `failure` (as
+/// [`Seen::failed`] writes it), the last `n` of them.
+fn around(log: &str, failure: &str, n: usize) -> String {
+    // `... at 2026-12-05T23:10:50.936Z: ...` against `[2026-12-05 23:10:50.936]`.
+    let Some(second) = failure.split(" at ").nth(1).and_then(|at| at.get(..19)) else {
+        return String::new();
+    };
+    let second = second.replacen('T', " ", 1);
+    let lines: Vec<&str> = log.lines().collect();
+    let end = lines
+        .iter()
+        .rposition(|line| line.get(1..20).is_some_and(|at| at <= second.as_str()))
+        .map_or(0, |at| at + 1);
+    lines[end.saturating_sub(n)..end].join("\n")
 }
 
 /// Stops `gw`, does `meanwhile` to `volume` (a change of the source while
@@ -572,7 +604,9 @@ async fn a_restart_during_a_change_loses_nothing(kind: Kind) {
             (&[("cluster-a", a)][..], "cluster-a", &["cluster-a"][..]),
             (&both[..], "cluster-b", &["cluster-a", "cluster-b"][..]),
         ] {
+            seen.phase(format!("round {round}: the restart to route to {route_to}"));
             gw = restart(gw, &mut volume, &flags, round, |v| v.swap(&version(clusters, route_to))).await;
+            seen.phase(format!("round {round}: restarted, routing to {route_to}"));
             eventually_some(&format!("round {round}: traffic to move to {route_to}"), || async {
                 seen.settled_on(route_to).then_some(())
             })

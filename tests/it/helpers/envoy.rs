@@ -113,6 +113,9 @@ impl Envoy {
         let stdio = File::create(dir.path().join("stdio.log")).map_err(|e| format!("stdio.log: {e}"))?;
         let stdio_err = stdio.try_clone().map_err(|e| format!("stdio.log: {e}"))?;
         let mut child = tokio::process::Command::new(&bin)
+            // Its log's times in UTC, as the tests write theirs (a lost
+            // request is matched with the log's lines of its second).
+            .env("TZ", "UTC")
             .arg("--config-path")
             .arg(&bootstrap_path)
             .arg("--admin-address-path")
