@@ -253,20 +253,25 @@ impl Running {
     }
 }
 
-/// The lines of Envoy's `log` (UTC) up to the second of `failure` (as
-/// [`Seen::failed`] writes it), the last `n` of them.
+/// The lines of Envoy's `log` (UTC) around `failure` (as [`Seen::failed`]
+/// writes it): the `n` up to its millisecond and `n / 2` after.
 fn around(log: &str, failure: &str, n: usize) -> String {
     // `... at 2026-12-05T23:10:50.936Z: ...` against `[2026-12-05 23:10:50.936]`.
-    let Some(second) = failure.split(" at ").nth(1).and_then(|at| at.get(..19)) else {
+    let Some(at) = failure.split(" at ").nth(1).and_then(|at| at.get(..23)) else {
         return String::new();
     };
-    let second = second.replacen('T', " ", 1);
+    let at = at.replacen('T', " ", 1);
     let lines: Vec<&str> = log.lines().collect();
     let end = lines
         .iter()
-        .rposition(|line| line.get(1..20).is_some_and(|at| at <= second.as_str()))
-        .map_or(0, |at| at + 1);
-    lines[end.saturating_sub(n)..end].join("\n")
+        .rposition(|line| line.get(1..24).is_some_and(|stamp| stamp <= at.as_str()))
+        .map_or(0, |last| last + 1);
+    let after = (end + n / 2).min(lines.len());
+    format!(
+        "{}\n--- the failure ---\n{}",
+        lines[end.saturating_sub(n)..end].join("\n"),
+        lines[end..after].join("\n")
+    )
 }
 
 /// Stops `gw`, does `meanwhile` to `volume` (a change of the source while
