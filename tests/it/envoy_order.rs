@@ -65,13 +65,13 @@ struct Seen {
     last: Mutex<std::collections::VecDeque<String>>,
     /// What the test is doing (a round's restart, say) and since when: a
     /// failure names it, so a lost request says which step lost it.
-    phase: Mutex<Option<(String, std::time::Instant)>>,
+    phase: Mutex<Option<(String, Instant)>>,
 }
 
 impl Seen {
     /// The test's next step, named in the failures that follow.
     fn phase(&self, what: String) {
-        *self.phase.lock().unwrap() = Some((what, std::time::Instant::now()));
+        *self.phase.lock().unwrap() = Some((what, Instant::now()));
     }
 
     /// A failure as it is reported: the step it came in, how long after
