@@ -269,9 +269,10 @@ impl TypeView {
     /// Made equal to `state`, keeping each shared field that is already
     /// `state`'s own: a response or an ACK changes a few of a view's
     /// fields, and copying the whole (a reference count taken per shared
-    /// field, and the old copy's let go) after each was 2.8 % of the
-    /// gateway's samples in `mcp-load --scenario eds` (BENCHMARKS, session
-    /// 28). Every field is named here, so a new one cannot be left stale.
+    /// field, and the old copy's let go) after each was about 3 % of the
+    /// gateway's samples in `mcp-load --scenario eds`, a sixth less this
+    /// way (BENCHMARKS, session 28). Every field is named here, so a new
+    /// one cannot be left stale.
     fn refresh_from(&mut self, state: &TypeView) {
         let TypeView {
             collection,
