@@ -608,11 +608,18 @@ impl Named {
             && self.held.names.same(&self.current.names)
     }
 
+    /// Whether [`Self::among`] finds the client's names from `changed` (the
+    /// smaller), in that set's order, not from its own names in name order.
+    fn found_from_changed(&self, changed: &ChangedNames) -> bool {
+        changed.len() < self.current.names.len()
+    }
+
     /// The client's names among `changed`, found from whichever of the two
-    /// is smaller (in name order only when found from its names).
+    /// is smaller (in name order only when found from its names: see
+    /// [`Self::found_from_changed`]).
     fn among<'a>(&'a self, changed: &'a ChangedNames) -> impl Iterator<Item = &'a SharedStr> + 'a {
         let names = &self.current.names;
-        let from_changed = changed.len() < names.len();
+        let from_changed = self.found_from_changed(changed);
         let by_changed = from_changed.then(|| changed.iter().filter(move |n| names.contains(n)));
         let by_names = (!from_changed).then(|| {
             let hashes = self.hashes.get_or_init(|| names.iter().map(|n| name_hash(n)).collect());
@@ -638,7 +645,7 @@ impl Named {
                 None => diff.removed.push(name.clone()),
             }
         }
-        if changed.len() < self.current.names.len() {
+        if self.found_from_changed(&changed) {
             // Found in the set's order: each list put in name order.
             diff.upserts.sort_unstable_by(|a, b| a.name.cmp(&b.name));
             diff.removed.sort_unstable();

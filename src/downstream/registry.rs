@@ -297,9 +297,9 @@ impl TypeView {
         share_str(&mut self.collection, collection);
         self.dialect = *dialect;
         self.incremental = *incremental;
-        share_optional_str(&mut self.last_sent_version, last_sent_version);
-        share_optional_str(&mut self.last_sent_nonce, last_sent_nonce);
-        share_optional_str(&mut self.acked_version, acked_version);
+        share_optional(&mut self.last_sent_version, last_sent_version, SharedStr::ptr_eq);
+        share_optional(&mut self.last_sent_nonce, last_sent_nonce, SharedStr::ptr_eq);
+        share_optional(&mut self.acked_version, acked_version, SharedStr::ptr_eq);
         self.outstanding = *outstanding;
         self.last_request_at = *last_request_at;
         self.last_sent_at = *last_sent_at;
@@ -309,15 +309,9 @@ impl TypeView {
             self.last_nack.clone_from(last_nack);
         }
         self.oversized_bytes = *oversized_bytes;
-        let same_subscription = match (&self.subscribed, subscribed) {
-            (Some(shown), Some(now)) => Arc::ptr_eq(shown, now),
-            (shown, now) => shown.is_none() && now.is_none(),
-        };
-        if !same_subscription {
-            self.subscribed.clone_from(subscribed);
-        }
+        share_optional(&mut self.subscribed, subscribed, Arc::ptr_eq);
         self.withheld = *withheld;
-        share_optional_str(&mut self.access_version, access_version);
+        share_optional(&mut self.access_version, access_version, SharedStr::ptr_eq);
         if self.ordered != *ordered {
             self.ordered.clone_from(ordered);
         }
@@ -352,10 +346,11 @@ fn share_str(shown: &mut SharedStr, now: &SharedStr) {
     }
 }
 
-/// [`share_str`] for a string that may be absent.
-fn share_optional_str(shown: &mut Option<SharedStr>, now: &Option<SharedStr>) {
-    match (shown.as_mut(), now) {
-        (Some(shown), Some(now)) => share_str(shown, now),
+/// `shown` made `now`, a shared value that may be absent, unless it is
+/// `now`'s own already (`same`: the same pointer).
+fn share_optional<T: Clone>(shown: &mut Option<T>, now: &Option<T>, same: impl Fn(&T, &T) -> bool) {
+    match (shown.as_ref(), now) {
+        (Some(held), Some(now)) if same(held, now) => {}
         (None, None) => {}
         _ => shown.clone_from(now),
     }
