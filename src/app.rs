@@ -174,6 +174,7 @@ pub async fn build_with_logs(
         status_rx,
         persister,
         skew,
+        rollout,
         ..
     } = state;
     let source_settings = SourceStart {
@@ -189,6 +190,10 @@ pub async fn build_with_logs(
         origins: skew.origins_sender(),
     };
     let sink = start_source(source, sink_listener, source_settings, &shutdown, &tasks).await?;
+    // The local files' first read is served from the "listening" line on,
+    // not from the rollout task's next turn (a stream that follows a type
+    // before the slots are filled waits for the fill: see `Rollout`).
+    rollout.fill();
     if let Serve::DialOut(dial_out) = &serving {
         // After the local source's first read: the sink is served what the
         // files hold from its first request on.

@@ -196,6 +196,13 @@ pub struct Rollout {
     /// before break): a stream sees all of one of the cache's steps or none
     /// of it. Never held across an await.
     filling: std::sync::RwLock<()>,
+    /// Each collection's snapshot as the slots were last filled (the
+    /// cache's step this rollout has reached): a gate made between a step of
+    /// the cache and its fill starts here, with the slots of the same step,
+    /// not at the cache's newest (a stream that followed one type before a
+    /// step and another after it would see half of the step: at a restart,
+    /// an Envoy's routes to a new cluster before its clusters, `503 NC`).
+    filled: Mutex<HashMap<SharedStr, Arc<CollectionSnapshot>>>,
 }
 
 impl std::fmt::Debug for Rollout {
@@ -232,6 +239,7 @@ impl Rollout {
             revision: watch::Sender::new(0),
             served: watch::Sender::new(0),
             filling: std::sync::RwLock::default(),
+            filled: Mutex::default(),
         });
         rollout.on_cache_change();
         rollout
@@ -332,7 +340,8 @@ impl Rollout {
     }
 
     /// The gate of `collection`, made (from what a restart left, and the
-    /// cache's newest version) when it is first needed.
+    /// version of the cache's step the slots were last filled from, see
+    /// `filled`) when it is first needed.
     fn gated<'a>(&self, gates: &'a mut HashMap<SharedStr, Gated>, collection: &SharedStr) -> &'a mut Gated {
         gates.entry(collection.clone()).or_insert_with(|| {
             let saved = self
@@ -365,10 +374,16 @@ impl Rollout {
                 refused: BTreeMap::new(),
                 refusal_logged: None,
             };
-            if let Some(latest) = self.cache.get(collection) {
+            let filled = self
+                .filled
+                .lock()
+                .expect("rollout lock poisoned")
+                .get(collection)
+                .cloned();
+            if let Some(latest) = &filled {
                 gated.gate.on_latest(latest.version.clone(), Instant::now());
             }
-            self.publish(collection, &mut gated, None);
+            self.publish(collection, &mut gated, filled);
             gated
         })
     }
@@ -475,11 +490,23 @@ impl Rollout {
         read()
     }
 
+    /// Fills the slots from the cache's newest step now, not at the rollout
+    /// task's next turn: at start, once the local files were read.
+    pub fn fill(&self) {
+        self.on_cache_change();
+    }
+
     /// Every collection the cache holds: its newest version, all in one
     /// step (see [`Self::consistent`]).
     fn on_cache_change(&self) {
         let _filling = self.filling.write().expect("rollout lock poisoned");
-        for snapshot in self.cache.snapshots() {
+        let snapshots = self.cache.snapshots();
+        {
+            let mut filled = self.filled.lock().expect("rollout lock poisoned");
+            filled.clear();
+            filled.extend(snapshots.iter().map(|s| (s.collection.clone(), s.clone())));
+        }
+        for snapshot in snapshots {
             let version = snapshot.version.clone();
             self.step(&snapshot.collection, None, |gate, now| gate.on_latest(version, now));
         }
@@ -901,6 +928,80 @@ mod tests {
             std::time::Duration::ZERO,
             BTreeMap::new(),
         )
+    }
+
+    /// A resource `name` at `version`, its body naming both.
+    fn resource(name: &str, version: &str) -> crate::cache::CachedResource {
+        let body = format!("{name}@{version}");
+        let none = HashMap::<String, String>::new();
+        crate::cache::CachedResource::new(
+            name.into(),
+            crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes()),
+            crate::cache::content_digest(body.as_bytes(), &none, &none),
+        )
+    }
+
+    /// A type followed between a step of the cache and the rollout's fill
+    /// of the slots from it reads the step the other slots hold, not the
+    /// cache's newest: a stream sees all of a step or none of it, whenever
+    /// it follows each type. Found by a real Envoy across a restart: it
+    /// asked for its clusters before the source's first step, and for its
+    /// listeners and routes after the step but before the fill; they were
+    /// served the new step while its clusters were not yet delivered, and
+    /// the route to a new cluster went first (`503 NC`).
+    #[test]
+    fn a_slot_made_before_the_fill_reads_the_step_the_others_hold() {
+        use crate::cache::{Origin, Update};
+        let (cache, mut writer) = Cache::new();
+        let rollout = Rollout::new(
+            cache.clone(),
+            Vec::new(),
+            Membership::Identity,
+            WhenNone::Proceed,
+            std::time::Duration::ZERO,
+            BTreeMap::new(),
+        );
+        let (clusters, routes, endpoints): (SharedStr, SharedStr, SharedStr) =
+            ("clusters".into(), "routes".into(), "endpoints".into());
+        let (clusters_slot, _) = rollout.watch(&clusters, false);
+        let step = |writer: &mut crate::cache::CacheWriter, n: &str| {
+            writer.apply_step(vec![
+                (clusters.clone(), Update::Full(vec![resource("b", n)]), Origin::Files),
+                (routes.clone(), Update::Full(vec![resource("to-b", n)]), Origin::Files),
+                (endpoints.clone(), Update::Full(vec![resource("b", n)]), Origin::Files),
+            ])
+        };
+        // The first step, not yet filled: routes, followed now, wait with
+        // the clusters.
+        step(&mut writer, "1");
+        let (routes_slot, _) = rollout.watch(&routes, false);
+        assert!(clusters_slot.borrow().is_none());
+        assert!(
+            routes_slot.borrow().is_none(),
+            "the routes of a step the clusters do not have yet"
+        );
+        rollout.on_cache_change();
+        let version =
+            |slot: &watch::Receiver<Option<Arc<CollectionSnapshot>>>| slot.borrow().as_ref().map(|s| s.version.clone());
+        assert_eq!(version(&clusters_slot), cache.get(&clusters).map(|s| s.version.clone()));
+        assert_eq!(version(&routes_slot), cache.get(&routes).map(|s| s.version.clone()));
+        // A later step: a type first followed before its fill reads the
+        // step before, as the others do, then all move together.
+        let first_clusters = version(&clusters_slot);
+        let first_endpoints = cache.get(&endpoints).map(|s| s.version.clone());
+        step(&mut writer, "2");
+        let (endpoints_slot, _) = rollout.watch(&endpoints, false);
+        assert_eq!(version(&endpoints_slot), first_endpoints, "the step the clusters hold");
+        assert_eq!(version(&clusters_slot), first_clusters);
+        rollout.on_cache_change();
+        for (slot, collection) in [
+            (&endpoints_slot, &endpoints),
+            (&clusters_slot, &clusters),
+            (&routes_slot, &routes),
+        ] {
+            assert_eq!(version(slot), cache.get(collection).map(|s| s.version.clone()));
+        }
+        assert_ne!(version(&endpoints_slot), first_endpoints);
     }
 
     const POLICY: &str = "rules:\n\
