@@ -1573,8 +1573,31 @@ impl Diff {
     }
 }
 
+/// Resources as a source sends them, for the tests of the cache and of
+/// what reads it.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::{content_digest, CachedResource};
+
+    /// A `Resource` `name` at `version`, its body naming both.
+    pub fn resource(name: &str, version: &str) -> CachedResource {
+        with_body(name, version, &format!("{name}@{version}"))
+    }
+
+    /// A `Resource` of `body` at `version`.
+    pub fn with_body(name: &str, version: &str, body: &str) -> CachedResource {
+        let none = std::collections::HashMap::<String, String>::new();
+        CachedResource::new(
+            name.into(),
+            crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes()),
+            content_digest(body.as_bytes(), &none, &none),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_support::{resource, with_body};
     use super::*;
 
     /// What a version removes, kept beside what it adds and changes: the
@@ -1644,20 +1667,6 @@ mod tests {
         )]);
         assert!(matches!(applied[..], [Applied::Unchanged { .. }]));
         assert!(!changes.has_changed().unwrap(), "nothing changed: nobody woken");
-    }
-
-    fn resource(name: &str, version: &str) -> CachedResource {
-        with_body(name, version, &format!("{name}@{version}"))
-    }
-
-    /// A `Resource` of `body` at `version`, as a source sends it.
-    fn with_body(name: &str, version: &str, body: &str) -> CachedResource {
-        let none = HashMap::<String, String>::new();
-        CachedResource::new(
-            name.into(),
-            crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes()),
-            content_digest(body.as_bytes(), &none, &none),
-        )
     }
 
     /// A restricted view made from the last one, at the cost of the change,

@@ -117,17 +117,10 @@ mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
+    use crate::cache::test_support::resource;
     use crate::cache::{Cache, Origin, Update};
 
     const C: &str = "envoy/config/endpoint/v3/clusterloadassignments";
-
-    fn resource(name: &str, version: &str) -> CachedResource {
-        let none = std::collections::HashMap::<String, String>::new();
-        let body = format!("{name}@{version}");
-        let digest = crate::cache::content_digest(body.as_bytes(), &none, &none);
-        let encoded = crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes());
-        CachedResource::new(name.into(), encoded, digest)
-    }
 
     fn name(i: usize) -> String {
         format!("r{i:04}")

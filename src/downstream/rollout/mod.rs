@@ -930,17 +930,6 @@ mod tests {
         )
     }
 
-    /// A resource `name` at `version`, its body naming both.
-    fn resource(name: &str, version: &str) -> crate::cache::CachedResource {
-        let body = format!("{name}@{version}");
-        let none = HashMap::<String, String>::new();
-        crate::cache::CachedResource::new(
-            name.into(),
-            crate::proto::wire::test_support::encoded_resource(name, version, body.as_bytes()),
-            crate::cache::content_digest(body.as_bytes(), &none, &none),
-        )
-    }
-
     /// A type followed between a step of the cache and the rollout's fill
     /// of the slots from it reads the step the other slots hold, not the
     /// cache's newest: a stream sees all of a step or none of it, whenever
@@ -951,6 +940,7 @@ mod tests {
     /// the route to a new cluster went first (`503 NC`).
     #[test]
     fn a_slot_made_before_the_fill_reads_the_step_the_others_hold() {
+        use crate::cache::test_support::resource;
         use crate::cache::{Origin, Update};
         let (cache, mut writer) = Cache::new();
         let rollout = Rollout::new(
