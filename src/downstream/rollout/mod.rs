@@ -202,7 +202,8 @@ pub struct Rollout {
     /// not at the cache's newest (a stream that followed one type before a
     /// step and another after it would see half of the step: at a restart,
     /// an Envoy's routes to a new cluster before its clusters, `503 NC`).
-    filled: Mutex<HashMap<SharedStr, Arc<CollectionSnapshot>>>,
+    /// The cache's list as it gave it, sorted by collection.
+    filled: Mutex<Arc<[Arc<CollectionSnapshot>]>>,
 }
 
 impl std::fmt::Debug for Rollout {
@@ -239,9 +240,9 @@ impl Rollout {
             revision: watch::Sender::new(0),
             served: watch::Sender::new(0),
             filling: std::sync::RwLock::default(),
-            filled: Mutex::default(),
+            filled: Mutex::new(Arc::new([])),
         });
-        rollout.on_cache_change();
+        rollout.fill();
         rollout
     }
 
@@ -374,12 +375,11 @@ impl Rollout {
                 refused: BTreeMap::new(),
                 refusal_logged: None,
             };
-            let filled = self
-                .filled
-                .lock()
-                .expect("rollout lock poisoned")
-                .get(collection)
-                .cloned();
+            let filled = {
+                let filled = self.filled.lock().expect("rollout lock poisoned");
+                let at = filled.binary_search_by(|s| (*s.collection).cmp(&**collection));
+                at.ok().map(|at| filled[at].clone())
+            };
             if let Some(latest) = &filled {
                 gated.gate.on_latest(latest.version.clone(), Instant::now());
             }
@@ -490,23 +490,16 @@ impl Rollout {
         read()
     }
 
-    /// Fills the slots from the cache's newest step now, not at the rollout
-    /// task's next turn: at start, once the local files were read.
+    /// Fills the slots from the cache's newest step, every collection the
+    /// cache holds at its newest version, all in one step (see
+    /// [`Self::consistent`]): at each change of the cache, and at start once
+    /// the local files were read (not at the rollout task's next turn).
     pub fn fill(&self) {
-        self.on_cache_change();
-    }
-
-    /// Every collection the cache holds: its newest version, all in one
-    /// step (see [`Self::consistent`]).
-    fn on_cache_change(&self) {
         let _filling = self.filling.write().expect("rollout lock poisoned");
-        let snapshots = self.cache.snapshots();
-        {
-            let mut filled = self.filled.lock().expect("rollout lock poisoned");
-            filled.clear();
-            filled.extend(snapshots.iter().map(|s| (s.collection.clone(), s.clone())));
-        }
-        for snapshot in snapshots {
+        let snapshots: Arc<[Arc<CollectionSnapshot>]> = self.cache.snapshots().into();
+        // Before the gates step: one made meanwhile starts at this step.
+        *self.filled.lock().expect("rollout lock poisoned") = snapshots.clone();
+        for snapshot in snapshots.iter() {
             let version = snapshot.version.clone();
             self.step(&snapshot.collection, None, |gate, now| gate.on_latest(version, now));
         }
@@ -533,7 +526,7 @@ impl Rollout {
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         let mut changes = self.cache.changes();
         let mut revision = self.revision.subscribe();
-        self.on_cache_change();
+        self.fill();
         loop {
             let deadline = self.deadline();
             tokio::select! {
@@ -542,7 +535,7 @@ impl Rollout {
                     if changed.is_err() {
                         return;
                     }
-                    self.on_cache_change();
+                    self.fill();
                 }
                 // A deadline may have moved.
                 _ = revision.changed() => {}
@@ -970,12 +963,13 @@ mod tests {
             routes_slot.borrow().is_none(),
             "the routes of a step the clusters do not have yet"
         );
-        rollout.on_cache_change();
+        rollout.fill();
         let version =
             |slot: &watch::Receiver<Option<Arc<CollectionSnapshot>>>| slot.borrow().as_ref().map(|s| s.version.clone());
         assert_eq!(version(&clusters_slot), cache.get(&clusters).map(|s| s.version.clone()));
         assert_eq!(version(&routes_slot), cache.get(&routes).map(|s| s.version.clone()));
-        // A later step: a type first followed before its fill reads the
+        // A later step: a type followed before its fill (its gate made by
+        // the first fill, as every collection the cache held) reads the
         // step before, as the others do, then all move together.
         let first_clusters = version(&clusters_slot);
         let first_endpoints = cache.get(&endpoints).map(|s| s.version.clone());
@@ -983,7 +977,7 @@ mod tests {
         let (endpoints_slot, _) = rollout.watch(&endpoints, false);
         assert_eq!(version(&endpoints_slot), first_endpoints, "the step the clusters hold");
         assert_eq!(version(&clusters_slot), first_clusters);
-        rollout.on_cache_change();
+        rollout.fill();
         for (slot, collection) in [
             (&endpoints_slot, &endpoints),
             (&clusters_slot, &clusters),
