@@ -576,15 +576,26 @@ fn refresh_gauges(state: &AdminState) {
         metrics::gauge!(m::ROLLOUT_CANARIES, "collection" => m::label(&collection)).set(canaries);
     }
 
-    let streams = state.registry.streams();
-    metrics::gauge!(m::CLIENTS, "component" => m::COMPONENT_DOWNSTREAM).set(streams.len() as f64);
+    // Counted in place (`Registry::each`), not from a copy of every view.
+    let mut streams = 0usize;
     let mut by_kind: BTreeMap<(&'static str, &'static str), f64> = BTreeMap::new();
     for protocol in crate::downstream::registry::Protocol::ALL {
         for dialect in protocol.dialects().iter().map(|d| d.as_str()).chain(["none"]) {
             by_kind.insert((protocol.as_str(), dialect), 0.0);
         }
     }
-    for stream in &streams {
+    // Behind what its group is served (a pin or a canary round keeps
+    // clients on an older version on purpose): each type's current version.
+    let mut behind: BTreeMap<SharedStr, f64> = delivered
+        .into_iter()
+        .chain(configured.iter().cloned())
+        .map(|c| (c, 0.0))
+        .collect();
+    let mut by_status = syncz::StatusCounts::new(configured);
+    let mut served = syncz::Served::default();
+    let clock = state.registry.clock();
+    state.registry.each(|stream| {
+        streams += 1;
         let mut dialects: Vec<&'static str> = stream.types.values().map(|t| t.dialect.as_str()).collect();
         dialects.sort_unstable();
         dialects.dedup();
@@ -594,35 +605,25 @@ fn refresh_gauges(state: &AdminState) {
         for dialect in dialects {
             *by_kind.entry((stream.protocol.as_str(), dialect)).or_default() += 1.0;
         }
-    }
+        for (_, view) in &stream.types {
+            let view = view.as_held();
+            let found = syncz::TypeStatus::of(stream, &view, &mut served, &state.rollout, clock, state.stale_after);
+            if let Some(count) = behind.get_mut(&view.collection) {
+                if found.behind(&view) {
+                    *count += 1.0;
+                }
+            }
+            by_status.add(found.status, &view.collection);
+        }
+    });
+    metrics::gauge!(m::CLIENTS, "component" => m::COMPONENT_DOWNSTREAM).set(streams as f64);
     for ((protocol, dialect), count) in by_kind {
         metrics::gauge!(m::DOWNSTREAM_STREAMS, "protocol" => protocol, "dialect" => dialect).set(count);
-    }
-    let rows = syncz::rows(
-        &streams,
-        &state.rollout,
-        None,
-        state.registry.clock(),
-        state.stale_after,
-    );
-    // Behind what its group is served (a pin or a canary round keeps
-    // clients on an older version on purpose): each row's current version.
-    let mut behind: BTreeMap<SharedStr, f64> = delivered
-        .into_iter()
-        .chain(configured.iter().cloned())
-        .map(|c| (c, 0.0))
-        .collect();
-    for row in &rows {
-        if let Some(count) = behind.get_mut(&row.view.collection) {
-            if row.current.is_some() && row.view.acked_version != row.current {
-                *count += 1.0;
-            }
-        }
     }
     for (collection, count) in behind {
         metrics::gauge!(m::CLIENTS_BEHIND, "collection" => m::label(&collection)).set(count);
     }
-    for ((status, collection), count) in syncz::counts(&rows, configured) {
+    for ((status, collection), count) in by_status.into_map() {
         metrics::gauge!(m::CLIENTS_BY_STATUS, "status" => status.as_str(), "collection" => m::label(&collection))
             .set(count as f64);
     }

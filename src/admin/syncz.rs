@@ -198,6 +198,57 @@ impl SkewLookup<'_> {
     }
 }
 
+/// What each group of each collection is served, read from the rollout
+/// once per collection and group in a pass over the clients.
+#[derive(Default)]
+pub struct Served(BTreeMap<(SharedStr, bool), Option<SharedStr>>);
+
+impl Served {
+    fn of(&mut self, rollout: &Rollout, collection: &SharedStr, canary: bool) -> Option<SharedStr> {
+        self.0
+            .entry((collection.clone(), canary))
+            .or_insert_with(|| rollout.served_version(collection, canary))
+            .clone()
+    }
+}
+
+/// A stream's type as the views show it: the version its group is served,
+/// the version it is current at (a client that may read part of the
+/// collection is current at the version of its part), its status and since
+/// when.
+pub struct TypeStatus {
+    pub served: Option<SharedStr>,
+    pub current: Option<SharedStr>,
+    pub status: SyncStatus,
+    pub since: Stamp,
+}
+
+impl TypeStatus {
+    pub fn of(
+        stream: &StreamView,
+        view: &TypeView,
+        served: &mut Served,
+        rollout: &Rollout,
+        clock: &Clock,
+        stale_after: Duration,
+    ) -> Self {
+        let served = served.of(rollout, &view.collection, stream.canary);
+        let current = view.access_version.clone().or_else(|| served.clone());
+        let (status, since) = status(view, current.as_ref(), clock, stale_after);
+        TypeStatus {
+            served,
+            current,
+            status,
+            since,
+        }
+    }
+
+    /// The client holds another version than the one it is current at.
+    pub fn behind(&self, view: &TypeView) -> bool {
+        self.current.is_some() && view.acked_version != self.current
+    }
+}
+
 /// Every client stream's types with their status, by stream then type. A
 /// client's current version is the one its group is served (canaries get
 /// new versions first; a pin serves an older one).
@@ -208,27 +259,19 @@ pub fn rows<'a>(
     clock: &Clock,
     stale_after: Duration,
 ) -> Vec<Row<'a>> {
-    let mut current: BTreeMap<(&str, bool), Option<SharedStr>> = BTreeMap::new();
+    let mut served = Served::default();
     let mut rows = Vec::new();
     for stream in streams {
         for (type_url, view) in &stream.types {
-            // What its group is served, looked up once per collection and
-            // group; a client that may read part of the collection is
-            // current at the version of its part.
-            let served = current
-                .entry((&view.collection, stream.canary))
-                .or_insert_with(|| rollout.served_version(&view.collection, stream.canary))
-                .clone();
-            let current = view.access_version.clone().or_else(|| served.clone());
-            let (status, since) = status(view, current.as_ref(), clock, stale_after);
+            let found = TypeStatus::of(stream, view, &mut served, rollout, clock, stale_after);
             rows.push(Row {
                 stream,
                 type_url,
                 view,
-                status,
-                since,
-                current,
-                skew: skew.and_then(|s| s.of(stream, view, served.as_deref())),
+                status: found.status,
+                since: found.since,
+                skew: skew.and_then(|s| s.of(stream, view, found.served.as_deref())),
+                current: found.current,
             });
         }
     }
@@ -650,22 +693,28 @@ pub fn counts_html(rows: &[Row<'_>]) -> String {
 }
 
 /// Counts per (status, collection) for `mcp_gateway_clients`: every status
-/// of every collection in `collections` (zero where none), and of any other
+/// of every collection it is made with (zero where none), and of any other
 /// collection a client follows.
-pub fn counts<'a>(
-    rows: &[Row<'a>],
-    collections: impl IntoIterator<Item = SharedStr>,
-) -> BTreeMap<(SyncStatus, SharedStr), usize> {
-    let mut counts = BTreeMap::new();
-    for collection in collections {
-        for status in SyncStatus::ALL {
-            counts.insert((status, collection.clone()), 0);
+pub struct StatusCounts(BTreeMap<(SyncStatus, SharedStr), usize>);
+
+impl StatusCounts {
+    pub fn new(collections: impl IntoIterator<Item = SharedStr>) -> Self {
+        let mut counts = BTreeMap::new();
+        for collection in collections {
+            for status in SyncStatus::ALL {
+                counts.insert((status, collection.clone()), 0);
+            }
         }
+        StatusCounts(counts)
     }
-    for row in rows {
-        *counts.entry((row.status, row.view.collection.clone())).or_default() += 1;
+
+    pub fn add(&mut self, status: SyncStatus, collection: &SharedStr) {
+        *self.0.entry((status, collection.clone())).or_default() += 1;
     }
-    counts
+
+    pub fn into_map(self) -> BTreeMap<(SyncStatus, SharedStr), usize> {
+        self.0
+    }
 }
 
 #[cfg(test)]

@@ -696,7 +696,17 @@ mod tests {
         let (wakes, [task]) = tasks();
         let t = SharedStr::from("t");
         let mut b = wakes.register(&names(&["b"]), task.entry.handle());
-        let shown = || task.entry.view().types.get("t").and_then(|t| t.acked_version.clone());
+        // The copy a view shows and the registry's views read in place (what
+        // a scrape counts) agree at every step.
+        let shown = || {
+            let copied = task.entry.view().types.get("t").and_then(|t| t.acked_version.clone());
+            let mut in_place = Vec::new();
+            task.entry
+                .registry()
+                .each(|stream| in_place.push(stream.types.get("t").and_then(|t| t.as_held().acked_version.clone())));
+            assert_eq!(in_place, std::slice::from_ref(&copied), "read in place as in the copy");
+            copied
+        };
         task.entry.publish(&t, &acked(&v1, &b));
         assert_eq!(shown(), Some(v1.version.clone()));
         // The slot's first version was made with it: v1 is among its versions.
