@@ -281,6 +281,14 @@ impl Outbound {
         false
     }
 
+    /// Whether the client is gone, now. For a stream about to end: the
+    /// client's leaving no longer wakes its task after this (the wait is
+    /// polled with a waker that does nothing).
+    pub(super) fn is_gone(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        std::future::Future::poll(std::pin::pin!(self.closed()), &mut cx).is_ready()
+    }
+
     /// Completes when the client is gone. A poll function over the borrow,
     /// not an async fn: every idle stream's task holds it.
     pub(super) fn closed(&mut self) -> impl std::future::Future<Output = ()> + '_ {

@@ -508,6 +508,11 @@ impl<W: Wire> TypedStream<W> {
                             Err(status) => break (End::of(&status), Some(status)),
                         },
                         Ok(None) => break (End::ClientClosed, None),
+                        // A client that left (its stream reset, its connection
+                        // closed) reaches the requests as an error as well as
+                        // the response; the select may read either first (from
+                        // a random branch): gone, not a failed receive.
+                        Err(_) if out.is_gone() => break (End::ClientGone, None),
                         // A request that cannot be read ends the stream with its
                         // status; after a client's cancel nobody reads it.
                         Err(status) => {

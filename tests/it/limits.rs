@@ -240,6 +240,41 @@ async fn ping_ack_and_empty_data_floods_get_goaway_enhance_your_calm() {
     canary.check().await;
 }
 
+/// A client that resets its stream ends it as gone, never as a failed
+/// receive: the reset reaches the stream's requests as an error as well as
+/// its response, and a stream's select reads either first (from a random
+/// branch, the requests one time in six). Counted as a receive failure, an
+/// alert on `istio_mcp_recv_failures_total` fired on clients that merely
+/// left. Sixty resets: with the old reading, all sixty ended as gone with a
+/// chance of (5/6)^60, about 2 in 100,000.
+#[tokio::test]
+async fn a_client_that_resets_its_stream_is_gone_not_a_failed_receive() {
+    const STREAMS: u32 = 60;
+    let (gw, mut canary) = spawned_with_canary(&[]).await;
+    let mut client = RawConn::http2(gw.listen).await;
+    for n in 0..STREAMS {
+        let id = 2 * n + 1;
+        client.send(&grpc_headers(id, SOTW_PATH, 0)).await;
+        // Accepted (its response headers), then reset: CANCEL.
+        let answer = client.until(|f| f.kind == h2raw::HEADERS && f.stream == id).await;
+        assert!(answer.is_some(), "stream {id} answered");
+        client.send(&frame(h2raw::RST_STREAM, 0, id, &8u32.to_be_bytes())).await;
+    }
+    metric_is(
+        gw.monitoring,
+        "mcp_gateway_downstream_stream_ends_total{protocol=\"sotw\",reason=\"client_gone\"}",
+        STREAMS.into(),
+    )
+    .await;
+    let (_, text) = http_get(gw.monitoring, "/metrics").await;
+    let failed: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("istio_mcp_recv_failures_total{component=\"downstream\"") && !l.ends_with(" 0"))
+        .collect();
+    assert!(failed.is_empty(), "{failed:?}");
+    canary.check().await;
+}
+
 #[tokio::test]
 async fn rapid_reset_after_acceptance_is_cut_within_a_thousand_streams() {
     let (gw, mut canary) = spawned_with_canary(&[]).await;
