@@ -472,9 +472,10 @@ impl Registry {
     /// scrape, with no copy of the views ([`Self::streams`] copies them
     /// all: about 8 ms of CPU for 10,000 streams, and heap glibc kept;
     /// BENCHMARKS, session 30). `read` sees a named type as it was
-    /// published; [`TypeView::as_held`] shows it as a copy does. That reads
-    /// the wake index's versions under the stream's lock, which is safe:
-    /// nothing takes a stream's lock while it holds them.
+    /// published; [`TypeView::as_held`] shows it as a copy does. A scrape
+    /// reads the wake index's versions (`as_held`) and the rollout's gates
+    /// (what each group is served) under a stream's lock: nothing takes a
+    /// stream's lock while it holds either, so the order makes no cycle.
     pub fn each(&self, mut read: impl FnMut(&StreamView)) {
         for entry in self.streams.iter() {
             read(&entry.value().lock());
