@@ -199,15 +199,20 @@ impl SkewLookup<'_> {
 }
 
 /// What each group of each collection is served, read from the rollout
-/// once per collection and group in a pass over the clients.
+/// once per collection and group in a pass over the clients. Found by the
+/// collection's name: its key is taken once, when first read, not for
+/// every client's type (a scrape reads every connected stream's).
 #[derive(Default)]
-pub struct Served(BTreeMap<(SharedStr, bool), Option<SharedStr>>);
+pub struct Served(BTreeMap<SharedStr, [Option<Option<SharedStr>>; 2]>);
 
 impl Served {
     fn of(&mut self, rollout: &Rollout, collection: &SharedStr, canary: bool) -> Option<SharedStr> {
-        self.0
-            .entry((collection.clone(), canary))
-            .or_insert_with(|| rollout.served_version(collection, canary))
+        let groups = match self.0.get_mut(collection.as_str()) {
+            Some(groups) => groups,
+            None => self.0.entry(collection.clone()).or_default(),
+        };
+        groups[usize::from(canary)]
+            .get_or_insert_with(|| rollout.served_version(collection, canary))
             .clone()
     }
 }
