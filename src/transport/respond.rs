@@ -161,3 +161,120 @@ impl ResponseWriter {
         self.ended
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::Wake;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use tokio::sync::Notify;
+
+    use super::*;
+
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(LIMIT, f)
+            .await
+            .unwrap_or_else(|_| panic!("{what} in time"))
+    }
+
+    /// A waker that counts its wakes and says so.
+    #[derive(Default)]
+    struct Counted {
+        wakes: AtomicUsize,
+        woken: Notify,
+    }
+
+    impl Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.wakes.fetch_add(1, Ordering::SeqCst);
+            self.woken.notify_one();
+        }
+    }
+
+    /// The gateway's stream task waits on its response stream for the
+    /// client's end (`poll_reset`) while idle. h2 used the same waker for a
+    /// task waiting for capacity, and woke it whenever the stream's
+    /// capacity grew: after every response it sent (its DATA frame went
+    /// out) and every WINDOW_UPDATE the client sent. Each was a poll of the
+    /// stream's task for nothing, a third of its polls in `mcp-load
+    /// --scenario eds`. The vendored h2 wakes on capacity only a task that
+    /// polled for it; the end wakes both.
+    #[tokio::test]
+    async fn a_task_waiting_for_the_end_is_not_woken_by_capacity_and_one_waiting_for_capacity_is() {
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        let serving = tokio::spawn(async move {
+            let mut connection = h2::server::handshake(server_io).await.expect("a handshake");
+            let (_request, mut respond) = connection.accept().await.expect("a stream").expect("no error");
+            // The connection is driven while the test writes.
+            tokio::spawn(async move { while connection.accept().await.is_some() {} });
+            respond
+                .send_response(http::Response::new(()), false)
+                .expect("headers sent")
+        });
+        let (mut client, connection) = within("a handshake", h2::client::handshake(client_io))
+            .await
+            .expect("a handshake");
+        let mut connection = connection;
+        let mut ping_pong = connection.ping_pong().expect("a ping");
+        tokio::spawn(connection);
+        let request = http::Request::post("http://gateway/x").body(()).unwrap();
+        let (response, mut client_send) = client.send_request(request, false).expect("a stream");
+        let mut send: SendStream<Bytes> = within("the server's stream", serving).await.unwrap();
+        let mut body = within("the response", response).await.expect("headers").into_body();
+
+        // Waiting only for the end: a response goes out and its window comes
+        // back, and the task is not woken.
+        let end = Arc::new(Counted::default());
+        let end_waker = std::task::Waker::from(end.clone());
+        assert!(send.poll_reset(&mut Context::from_waker(&end_waker)).is_pending());
+        // As the gateway's writer does before each write (`has_window`): a
+        // byte of window asked for beyond what it wrote.
+        send.reserve_capacity(1);
+        assert!(send.capacity() > 0);
+        send.send_data(Bytes::from(vec![7u8; 1000]), false).expect("sent");
+        send.reserve_capacity(1);
+        let data = within("the data", body.data()).await.expect("data").expect("no error");
+        body.flow_control().release_capacity(data.len()).expect("released");
+        // Every frame before the PING is read by the server before it
+        // answers it: the WINDOW_UPDATE has been taken in.
+        within("a pong", ping_pong.ping(h2::Ping::opaque()))
+            .await
+            .expect("a pong");
+        assert_eq!(end.wakes.load(Ordering::SeqCst), 0, "not woken by capacity");
+
+        // Waiting for capacity: woken when the client's window comes back.
+        send.reserve_capacity(1 << 20);
+        let capacity = Arc::new(Counted::default());
+        let capacity_waker = std::task::Waker::from(capacity.clone());
+        let mut cx = Context::from_waker(&capacity_waker);
+        // Take what the client's window gives until none is left.
+        let mut given = 0;
+        while let Poll::Ready(Some(Ok(n))) = send.poll_capacity(&mut cx) {
+            given += n;
+            send.send_data(Bytes::from(vec![1u8; n]), false).expect("sent");
+            if given > 1 << 20 {
+                break;
+            }
+        }
+        let mut read = 0;
+        while read < given {
+            let data = within("the data", body.data()).await.expect("data").expect("no error");
+            read += data.len();
+            body.flow_control().release_capacity(data.len()).expect("released");
+        }
+        within("a wake for capacity", capacity.woken.notified()).await;
+        assert!(capacity.wakes.load(Ordering::SeqCst) >= 1);
+
+        // The end wakes a task that waits for it.
+        let end = Arc::new(Counted::default());
+        let end_waker = std::task::Waker::from(end.clone());
+        assert!(send.poll_reset(&mut Context::from_waker(&end_waker)).is_pending());
+        client_send.send_reset(h2::Reason::CANCEL);
+        within("a wake for the end", end.woken.notified()).await;
+        assert!(send.poll_reset(&mut Context::from_waker(&end_waker)).is_ready());
+    }
+}

@@ -390,7 +390,7 @@ impl Send {
         }
 
         if !stream.send_capacity_inc {
-            stream.wait_send(cx);
+            stream.wait_send_capacity(cx);
             return Poll::Pending;
         }
 
@@ -401,10 +401,11 @@ impl Send {
         // If capacity has been reduced to zero, for example due to a race
         // with a SETTINGS frame, return Pending instead of Ready(Ok(0)).
         if capacity == 0 {
-            stream.wait_send(cx);
+            stream.wait_send_capacity(cx);
             return Poll::Pending;
         }
 
+        stream.capacity_taken();
         Poll::Ready(Some(Ok(capacity)))
     }
 

@@ -51,6 +51,11 @@ pub(super) struct Stream {
     /// Task tracking additional send capacity (i.e. window updates).
     send_task: Option<Waker>,
 
+    /// The send task waits for capacity (`poll_capacity` was pending), not
+    /// only for the stream's end (`poll_reset`): only then is it woken when
+    /// the stream's capacity grows. Patched in the gateway's copy.
+    send_task_wants_capacity: bool,
+
     /// Frames pending for this stream being sent to the socket
     pub pending_send: buffer::Deque,
 
@@ -171,6 +176,7 @@ impl Stream {
             requested_send_capacity: 0,
             buffered_send_data: 0,
             send_task: None,
+            send_task_wants_capacity: false,
             pending_send: buffer::Deque::new(),
             is_pending_send_capacity: false,
             next_pending_send_capacity: None,
@@ -330,8 +336,14 @@ impl Stream {
     /// then consider waking the send task again...
     pub fn notify_capacity(&mut self) {
         self.send_capacity_inc = true;
-        tracing::trace!("  notifying task");
-        self.notify_send();
+        // A task that waits only for the stream's end (`poll_reset`) is not
+        // woken by every change of its capacity (each DATA frame sent, each
+        // WINDOW_UPDATE): a task that polls `poll_capacity` again finds
+        // `send_capacity_inc` set. Patched in the gateway's copy.
+        if self.send_task_wants_capacity {
+            tracing::trace!("  notifying task");
+            self.notify_send();
+        }
     }
 
     /// Returns `Err` when the decrement cannot be completed due to overflow.
@@ -359,6 +371,7 @@ impl Stream {
     }
 
     pub fn notify_send(&mut self) {
+        self.send_task_wants_capacity = false;
         if let Some(task) = self.send_task.take() {
             task.wake();
         }
@@ -366,6 +379,18 @@ impl Stream {
 
     pub fn wait_send(&mut self, cx: &Context) {
         self.send_task = Some(cx.waker().clone());
+    }
+
+    /// As [`Self::wait_send`], for a task that waits for capacity: it is
+    /// woken when the capacity grows, as well as by the stream's end.
+    pub fn wait_send_capacity(&mut self, cx: &Context) {
+        self.send_task_wants_capacity = true;
+        self.wait_send(cx);
+    }
+
+    /// The send task's wait for capacity is over (it got some).
+    pub fn capacity_taken(&mut self) {
+        self.send_task_wants_capacity = false;
     }
 
     pub fn notify_recv(&mut self) {
