@@ -142,6 +142,9 @@ impl Names {
 pub enum NameChange<'a> {
     /// State of the world: every name the client wants now.
     Replace(&'a NameList),
+    /// State of the world: the names the type's last request asked for,
+    /// known by their hash ([`Named::asked`]) and not read again.
+    Repeated,
     /// Delta: names added and removed.
     Change {
         subscribe: &'a NameList,
@@ -154,6 +157,7 @@ impl NameChange<'_> {
     fn is_silent(&self) -> bool {
         match self {
             NameChange::Replace(names) => names.is_empty(),
+            NameChange::Repeated => false,
             NameChange::Change { subscribe, unsubscribe } => subscribe.is_empty() && unsubscribe.is_empty(),
         }
     }
@@ -212,7 +216,7 @@ pub struct Named {
 
 /// The key of the hashes of requests' names ([`Named::asked`]): random per
 /// process, so that no client can choose names that collide.
-fn names_seed() -> u64 {
+pub fn names_seed() -> u64 {
     use std::hash::BuildHasher;
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *SEED.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0u64))
@@ -232,6 +236,13 @@ struct Selection {
 }
 
 impl Named {
+    /// Whether a state-of-the-world request's names, hashed with
+    /// [`names_seed`] before they are read, are those the last
+    /// request asked for ([`NameChange::Repeated`]).
+    pub fn repeats_asked(&self, hash: u64) -> bool {
+        self.asked != 0 && self.asked == hash
+    }
+
     /// A request `change`s the names of a type followed with `named`;
     /// `sent_everything`: a response went out under legacy wildcard (the
     /// client holds all it had); `known`: the collection as the cache has
@@ -273,9 +284,10 @@ impl Named {
         // names on every ACK.
         let hash = match change {
             NameChange::Replace(names) => names.hash(names_seed()),
-            NameChange::Change { .. } => 0,
+            NameChange::Repeated | NameChange::Change { .. } => 0,
         };
         match change {
+            NameChange::Repeated => {}
             NameChange::Replace(_) if named.asked != 0 && named.asked == hash => {}
             NameChange::Replace(names) if named.current.repeats(names) => named.asked = hash,
             NameChange::Replace(names) => {

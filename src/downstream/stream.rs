@@ -21,14 +21,14 @@ use super::cluster_refs::{self, ForcedResends};
 use super::drains::Drains;
 use super::encode::{EncodedResponse, Record};
 use super::grants::GrantHold;
-use super::names::{NameChange, Names};
+use super::names::{names_seed, NameChange, Names};
 use super::order::{self, Blocker, Change, Decision, Rank, Standing};
 use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::{CanaryClient, Rollout};
 use super::service::TrySend;
 use super::type_state::{Family, Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
 use super::wakes::{Following, Registration, Wakes};
-use super::wires::{Target, Wire, WireRequest, UNSERVED};
+use super::wires::{names, Target, Wire, WireRequest, SOTW_NAMES_FIELD, UNSERVED};
 use super::{
     nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
 };
@@ -591,7 +591,8 @@ impl<W: Wire> TypedStream<W> {
     /// for (with the cache's snapshot and the time it was read at), or `None`
     /// for a stale request; `Err` ends the stream.
     fn accept(&mut self, request: W::Request) -> Result<Option<Accepted>, Status> {
-        let request = W::read(request)?;
+        let mut request = W::read(request)?;
+        let repeated = self.read_names(&mut request)?;
         if let Some(node) = &request.node_id {
             self.entry.set_node_id(node);
         }
@@ -630,6 +631,7 @@ impl<W: Wire> TypedStream<W> {
             read_nack(detail, limits.max_nack_message_bytes, sensitive)
         });
         let names = match request.mode {
+            Mode::Full if repeated => NameChange::Repeated,
             Mode::Full => NameChange::Replace(&request.names),
             Mode::Incremental => NameChange::Change {
                 subscribe: &request.names,
@@ -719,6 +721,25 @@ impl<W: Wire> TypedStream<W> {
             ));
         }
         Ok(Some(Accepted { type_url, current, now }))
+    }
+}
+
+impl<W: Wire> TypedStream<W> {
+    /// State-of-the-world xDS: the request's names read into it (an error
+    /// ends the stream, as a request that does not decode does), or left
+    /// unread where they hash as the names its type last asked for, as on
+    /// every ACK: true then. Read right after the request, before anything
+    /// of it is taken in, as its decoding read them before.
+    fn read_names(&self, request: &mut WireRequest) -> Result<bool, Status> {
+        let Some(unread) = request.unread_names.take() else {
+            return Ok(false);
+        };
+        let named = self.types.get(&request.type_url).and_then(|f| f.state.named());
+        if named.is_some_and(|named| named.repeats_asked(unread.hash(names_seed()))) {
+            return Ok(true);
+        }
+        request.names = names::<W>(unread.checked(SOTW_NAMES_FIELD))?;
+        Ok(false)
     }
 }
 

@@ -2,7 +2,7 @@
 //! requests say and where its responses put things. Everything else is the
 //! shared stream (`stream.rs`) and state machine (`type_state.rs`).
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use tonic::Status;
 
@@ -13,8 +13,31 @@ use super::Downstream;
 use crate::cache::provenance::GATEWAY_ID_ANNOTATION;
 use crate::collections::{Dialect, Resolved, XdsType, TYPE_URL_PREFIX};
 use crate::proto::wire::{
-    DeltaXdsRequest, IncrementalRequest, NameList, SinkRequest, SotwRequest, WireError, XdsRequest,
+    decode_shared, DeltaXdsRequest, IncrementalRequest, NameList, RequestNames, SinkRequest, SotwRequest, WireError,
+    XdsRequest,
 };
+use crate::transport::requests::FromBuffer;
+
+/// Each protocol's requests read through `MessageBuf` (a slice's speed,
+/// `bytes` fields shares of the request), state-of-the-world xDS with its
+/// names kept as they came ([`XdsRequest::read_shared`]).
+macro_rules! read_shared {
+    ($($request:ty),*) => {$(
+        impl FromBuffer for $request {
+            fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+                decode_shared(&buf.freeze())
+            }
+        }
+    )*};
+}
+
+read_shared!(SotwRequest, IncrementalRequest, SinkRequest, DeltaXdsRequest);
+
+impl FromBuffer for XdsRequest {
+    fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+        XdsRequest::read_shared(&buf.freeze())
+    }
+}
 
 /// What a requested type is answered from.
 #[derive(Debug)]
@@ -57,6 +80,12 @@ pub struct WireRequest {
     /// xDS: the names asked for (state of the world: all of them; delta:
     /// those subscribed by this request).
     pub names: NameList,
+    /// State-of-the-world xDS: the names as the request carried them, not
+    /// read yet. The stream reads them into `names` (the error naming the
+    /// request, as [`names`] makes it) unless they hash as the names its
+    /// type last asked for: an ACK repeats them (Envoy's 50 EDS names), and
+    /// reading them was a sixth of a response's instructions.
+    pub unread_names: Option<RequestNames>,
     /// Delta xDS: the names unsubscribed by this request.
     pub unsubscribe: NameList,
 }
@@ -108,7 +137,7 @@ impl WireRequest {
 
 /// How one protocol's messages look.
 pub trait Wire: Send + 'static {
-    type Request: prost::Message + Default + Send + 'static;
+    type Request: FromBuffer + Send + 'static;
     const PROTOCOL: Protocol;
     /// The request message's name, for errors about it.
     const REQUEST: &'static str;
@@ -270,9 +299,12 @@ fn resolve_xds(shared: &Downstream, type_url: &str) -> Target {
     }
 }
 
+/// The field of a state-of-the-world xDS request's names, as errors name it.
+pub(super) const SOTW_NAMES_FIELD: &str = "resource_names";
+
 /// A request's names, checked as its decoding would check a `string` field:
 /// not UTF-8 ends the stream as a request that does not decode does.
-fn names<W: Wire>(names: Result<NameList, WireError>) -> Result<NameList, Status> {
+pub(super) fn names<W: Wire>(names: Result<NameList, WireError>) -> Result<NameList, Status> {
     names.map_err(|e| Status::invalid_argument(format!("the request is not a valid {}: {e}", W::REQUEST)))
 }
 
@@ -305,7 +337,7 @@ impl Wire for XdsSotw {
 
     fn read(r: XdsRequest) -> Result<WireRequest, Status> {
         Ok(WireRequest {
-            names: names::<Self>(r.resource_names.checked("resource_names"))?,
+            unread_names: Some(r.resource_names),
             ..WireRequest::full(
                 r.type_url,
                 r.node.map(|n| n.into_parts()),

@@ -56,6 +56,14 @@ impl FromBuffer for Received {
     }
 }
 
+/// A source's response as the probe reads it (`probe.rs`): prost's decoding,
+/// its resources shares of the message.
+impl FromBuffer for RawResources {
+    fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+        crate::proto::wire::decode_shared(&buf.freeze())
+    }
+}
+
 /// A message without a buffer to keep (tests, messages made in the gateway).
 impl From<RawResources> for Received {
     fn from(message: RawResources) -> Self {

@@ -178,15 +178,11 @@ async fn in_time<F: std::future::Future>(
 }
 
 /// How a stream's messages are made from the buffer each is read into (a
-/// buffer of its own: the message may keep it, and change it first).
+/// buffer of its own: the message may keep it, and change it first). The
+/// rooms that read each message say how (`downstream::wires`: through
+/// `proto::wire::MessageBuf`, a slice's speed with `bytes` fields shared).
 pub trait FromBuffer: Sized {
     fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError>;
-}
-
-impl<T: prost::Message + Default> FromBuffer for T {
-    fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
-        T::decode(buf.freeze())
-    }
 }
 
 /// A large message being read: its size, and once the budget has room for
@@ -411,6 +407,21 @@ impl<T: FromBuffer> RequestStream<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request as these tests read it: two fields of a `MeshConfigRequest`.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct TestRequest {
+        #[prost(string, tag = "1")]
+        version_info: String,
+        #[prost(string, tag = "4")]
+        type_url: String,
+    }
+
+    impl FromBuffer for TestRequest {
+        fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+            prost::Message::decode(buf.freeze())
+        }
+    }
     use bytes::Bytes;
     use std::future::Future;
     use std::pin::Pin;
@@ -448,12 +459,7 @@ mod tests {
         bytes
     }
 
-    fn stream(
-        bytes: Vec<u8>,
-        chunk: usize,
-        end: bool,
-        budget: Arc<RequestBudget>,
-    ) -> RequestStream<crate::proto::wire::SotwRequest> {
+    fn stream(bytes: Vec<u8>, chunk: usize, end: bool, budget: Arc<RequestBudget>) -> RequestStream<TestRequest> {
         let chunks = bytes.chunks(chunk).map(Bytes::copy_from_slice).collect();
         RequestStream::new(
             Body::new(Chunks {
@@ -467,10 +473,9 @@ mod tests {
     }
 
     fn request(version: &str) -> Vec<u8> {
-        prost::Message::encode_to_vec(&crate::proto::wire::SotwRequest {
+        prost::Message::encode_to_vec(&TestRequest {
             version_info: version.into(),
             type_url: "t".into(),
-            ..Default::default()
         })
     }
 
@@ -503,8 +508,7 @@ mod tests {
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
                 .map(|b| Ok::<_, Status>(http_body::Frame::data(b))),
         ));
-        let mut requests: RequestStream<crate::proto::wire::SotwRequest> =
-            RequestStream::new(body, budget, "MeshConfigRequest");
+        let mut requests: RequestStream<TestRequest> = RequestStream::new(body, budget, "MeshConfigRequest");
         let mut got = Vec::new();
         for chunk in bytes.chunks(999) {
             tx.send(Bytes::copy_from_slice(chunk)).unwrap();
@@ -573,11 +577,7 @@ mod tests {
     }
 
     /// A source's responses as the upstream client reads them.
-    fn responses(
-        bytes: Vec<u8>,
-        chunk: usize,
-        status: Option<(i32, &str)>,
-    ) -> RequestStream<crate::proto::wire::SotwRequest> {
+    fn responses(bytes: Vec<u8>, chunk: usize, status: Option<(i32, &str)>) -> RequestStream<TestRequest> {
         let trailers = status.map(|(code, message)| {
             let mut map = http::HeaderMap::new();
             map.insert("grpc-status", code.into());

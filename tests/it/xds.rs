@@ -804,10 +804,14 @@ async fn named_subscriptions_in_both_protocols() {
 async fn names_that_are_not_utf8_end_the_stream_naming_the_field() {
     #[derive(Clone, PartialEq, prost::Message)]
     struct RawSotw {
+        #[prost(string, tag = "1")]
+        version_info: String,
         #[prost(bytes = "vec", repeated, tag = "3")]
         resource_names: Vec<Vec<u8>>,
         #[prost(string, tag = "4")]
         type_url: String,
+        #[prost(string, tag = "5")]
+        response_nonce: String,
     }
     #[derive(Clone, PartialEq, prost::Message)]
     struct RawDelta {
@@ -829,13 +833,41 @@ async fn names_that_are_not_utf8_end_the_stream_naming_the_field() {
     sotw.send(RawSotw {
         resource_names: vec![b"backend".to_vec(), not_utf8.clone()],
         type_url: CLUSTER.into(),
+        ..Default::default()
     });
     let status = sotw.end_status().await;
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
-    assert_eq!(
-        status.message(),
-        "the request is not a valid envoy.service.discovery.v3.DiscoveryRequest: resource_names[1] is not UTF-8"
-    );
+    let sotw_not_utf8 =
+        "the request is not a valid envoy.service.discovery.v3.DiscoveryRequest: resource_names[1] is not UTF-8";
+    assert_eq!(status.message(), sotw_not_utf8);
+
+    // An ACK's names are not read again where they repeat the last
+    // request's (known by their hash); names that change are read, and
+    // checked, as a first request's are.
+    let mut acking: Bidi<RawSotw, DiscoveryResponse> =
+        Bidi::open_with(channel(gw.listen).await, SOTW, tonic_prost::ProstCodec::default()).await;
+    acking.send(RawSotw {
+        resource_names: vec![b"backend".to_vec()],
+        type_url: CLUSTER.into(),
+        ..Default::default()
+    });
+    let first = acking.recv().await;
+    assert_eq!(first.resources.len(), 1);
+    acking.send(RawSotw {
+        version_info: first.version_info.clone(),
+        resource_names: vec![b"backend".to_vec()],
+        type_url: CLUSTER.into(),
+        response_nonce: first.nonce.clone(),
+    });
+    acking.send(RawSotw {
+        version_info: first.version_info.clone(),
+        resource_names: vec![b"backend".to_vec(), not_utf8.clone()],
+        type_url: CLUSTER.into(),
+        response_nonce: first.nonce.clone(),
+    });
+    let status = acking.end_status().await;
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert_eq!(status.message(), sotw_not_utf8);
 
     for (subscribe, unsubscribe, field) in [
         (vec![not_utf8.clone()], vec![], "resource_names_subscribe[0]"),
