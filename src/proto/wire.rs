@@ -392,6 +392,17 @@ impl XdsRequest {
                     return Err(underflow());
                 }
                 bytes::Buf::advance(&mut buf, len as usize);
+                // The records that follow, each a one-byte key of field 3
+                // and a one-byte length (as every name of fewer than 128
+                // bytes is written), in one tight loop: what the loop
+                // above would read of them, a record at a time.
+                while let [NAMES_KEY, len, ..] = *bytes::Buf::chunk(&buf) {
+                    let record = 2 + usize::from(len);
+                    if len >= 0x80 || record > bytes::Buf::remaining(&buf) {
+                        break;
+                    }
+                    bytes::Buf::advance(&mut buf, record);
+                }
                 let end = at(&buf);
                 match &mut run {
                     Some(names) if names.end == start => names.end = end,
@@ -551,7 +562,7 @@ impl RequestNames {
     /// never the same for other names). Not checked to be UTF-8.
     pub fn hash(&self, seed: u64) -> u64 {
         if self.run.is_empty() {
-            records_hash(self.names(), self.bytes.len() + 3 * self.ends.len(), seed)
+            records_hash(self.names(), seed)
         } else {
             xxhash_rust::xxh3::xxh3_64_with_seed(&self.run, seed)
         }
@@ -589,17 +600,41 @@ fn records(mut run: &[u8]) -> impl Iterator<Item = &[u8]> + '_ {
 /// (`resource_names`): the records [`records_hash`] hashes are of it.
 const NAMES_FIELD: u32 = 3;
 
+/// The one-byte key of a [`NAMES_FIELD`] record: the field, length-delimited.
+const NAMES_KEY: u8 = (NAMES_FIELD << 3) as u8 | WireType::LengthDelimited as u8;
+
 /// A keyed hash of `names` as a state-of-the-world request carries them:
 /// a record of [`NAMES_FIELD`] each (its key, its length in as few bytes as
-/// it takes, the name), one after another. `capacity`: about their size.
-fn records_hash<'a>(names: impl Iterator<Item = &'a [u8]>, capacity: usize, seed: u64) -> u64 {
-    let mut records = Vec::with_capacity(capacity);
+/// it takes, the name), one after another. The records are gathered on the
+/// stack and hashed a block at a time (the streaming hash gives what one
+/// pass over them gives), with nothing allocated: a stream hashes its
+/// names whenever they change, 2,000 at once at a fleet's first requests.
+fn records_hash<'a>(names: impl Iterator<Item = &'a [u8]>, seed: u64) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+    let mut block = [0u8; 512];
+    let mut filled = 0;
+    let mut put = |bytes: &[u8], hasher: &mut xxhash_rust::xxh3::Xxh3| {
+        if filled + bytes.len() > block.len() {
+            hasher.update(&block[..filled]);
+            filled = 0;
+        }
+        if bytes.len() > block.len() {
+            hasher.update(bytes);
+        } else {
+            block[filled..filled + bytes.len()].copy_from_slice(bytes);
+            filled += bytes.len();
+        }
+    };
     for name in names {
-        encoding::encode_key(NAMES_FIELD, WireType::LengthDelimited, &mut records);
-        encoding::encode_varint(name.len() as u64, &mut records);
-        records.extend_from_slice(name);
+        let mut head = [NAMES_KEY; 11];
+        let mut length = &mut head[1..];
+        encoding::encode_varint(name.len() as u64, &mut length);
+        let head_len = 11 - length.len();
+        put(&head[..head_len], &mut hasher);
+        put(name, &mut hasher);
     }
-    xxhash_rust::xxh3::xxh3_64_with_seed(&records, seed)
+    hasher.update(&block[..filled]);
+    hasher.digest()
 }
 
 /// prost's own error for a field longer than what is left of the message.
@@ -691,8 +726,7 @@ impl NameList {
     /// them (their records of `resource_names`), so a request's names
     /// hash the same before they are read ([`RequestNames::hash`]).
     pub fn hash(&self, seed: u64) -> u64 {
-        let names = self.iter().map(str::as_bytes);
-        records_hash(names, self.text.len() + 3 * self.ends.len(), seed)
+        records_hash(self.iter().map(str::as_bytes), seed)
     }
 }
 
@@ -977,7 +1011,9 @@ mod tests {
         assert_ne!(hash(&["a", "bc"]), hash(&["bc", "a"]));
         // The hash of the names as a request's records of field 3.
         for count in [0, 1, 64, 130] {
-            let names: Vec<String> = (0..count).map(|i| format!("cluster-{i}")).collect();
+            let mut names: Vec<String> = (0..count).map(|i| format!("cluster-{i}")).collect();
+            // A name longer than the block the records are gathered in.
+            names.insert(names.len() / 2, "y".repeat(700));
             let mut records = Vec::new();
             for name in &names {
                 encoding::string::encode(3, name, &mut records);
@@ -1161,6 +1197,21 @@ mod tests {
         assert_eq!(read.resource_names.hash(7), list.hash(7));
         assert_ne!(read.resource_names.hash(8), list.hash(7), "keyed");
         assert_eq!(read.resource_names.clone().checked("n").unwrap(), list);
+        assert_eq!(read_names(read), XdsRequest::decode(whole.clone()).unwrap());
+
+        // A name of 128 bytes or more (its length in two bytes) among
+        // short ones: still one run, read as prost reads it.
+        let long = "x".repeat(200);
+        let mixed = ["a", long.as_str(), "b", "c"];
+        let mut records = BytesMut::new();
+        for name in mixed {
+            encoding::string::encode(3, &name.to_owned(), &mut records);
+        }
+        encoding::string::encode(5, &"9".to_owned(), &mut records);
+        let whole = records.freeze();
+        let read = XdsRequest::read_shared(&whole).unwrap();
+        assert!(read.resource_names.ends.is_empty(), "one run");
+        assert_eq!(read.resource_names.hash(7), NameList::from_names(mixed).hash(7));
         assert_eq!(read_names(read), XdsRequest::decode(whole.clone()).unwrap());
 
         // Names among other fields: read one by one, in order.
