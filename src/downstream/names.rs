@@ -288,7 +288,7 @@ impl Named {
         };
         match change {
             NameChange::Repeated => {}
-            NameChange::Replace(_) if named.asked != 0 && named.asked == hash => {}
+            NameChange::Replace(_) if named.repeats_asked(hash) => {}
             NameChange::Replace(names) if named.current.repeats(names) => named.asked = hash,
             NameChange::Replace(names) => {
                 let wildcard = names.iter().any(|n| n == WILDCARD);

@@ -406,26 +406,21 @@ impl XdsRequest {
                 let end = at(&buf);
                 match &mut run {
                     Some(names) if names.end == start => names.end = end,
+                    None if request.resource_names.ends.is_empty() => run = Some(start..end),
                     // Names before other fields and after them: read one
                     // by one, in order, from here.
-                    Some(_) => {
-                        request.resource_names.run = whole.slice(run.take().expect("matched"));
-                        request.resource_names.read_run();
-                        request.resource_names.run = whole.slice(start..end);
-                        request.resource_names.read_run();
-                    }
-                    None if request.resource_names.ends.is_empty() => run = Some(start..end),
-                    None => {
-                        request.resource_names.run = whole.slice(start..end);
-                        request.resource_names.read_run();
+                    _ => {
+                        if let Some(names) = run.take() {
+                            request.resource_names.read_records(&whole[names]);
+                        }
+                        request.resource_names.read_records(&whole[start..end]);
                     }
                 }
                 continue;
             }
             if tag == NAMES_FIELD {
                 if let Some(names) = run.take() {
-                    request.resource_names.run = whole.slice(names);
-                    request.resource_names.read_run();
+                    request.resource_names.read_records(&whole[names]);
                 }
             }
             prost::Message::merge_field(
@@ -522,17 +517,22 @@ impl RequestNames {
         Ok(())
     }
 
-    /// The names of `run` (records read and checked by the reader that
-    /// kept them: one key byte, a length, the name) read into `bytes`.
+    /// The names of `run`, if any, read into `bytes` ([`Self::read_records`]).
     fn read_run(&mut self) {
-        if self.run.is_empty() {
-            return;
+        if !self.run.is_empty() {
+            let run = std::mem::take(&mut self.run);
+            self.read_records(&run);
         }
-        let run = std::mem::take(&mut self.run);
-        self.bytes.reserve(run.len());
-        for name in records(&run) {
+    }
+
+    /// The names of `records` (read and checked by the reader that found
+    /// them: one key byte, a length, the name) read into `bytes`, after
+    /// those already there.
+    fn read_records(&mut self, records_of: &[u8]) {
+        self.bytes.reserve(records_of.len());
+        for name in records(records_of) {
             self.bytes.extend_from_slice(name);
-            self.end_name().expect("a run within a request of less than 4 GiB");
+            self.end_name().expect("records within a request of less than 4 GiB");
         }
     }
 
