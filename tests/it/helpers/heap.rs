@@ -31,6 +31,10 @@ use super::within;
 const SLOTS: usize = 16;
 
 static COUNTED: [AtomicI64; SLOTS] = [const { AtomicI64::new(0) }; SLOTS];
+/// Per slot: how many allocations were of the size h2 makes a connection's
+/// write buffer with (16 KiB, `vendor/README.md`).
+static WRITE_BUFFERS: [AtomicI64; SLOTS] = [const { AtomicI64::new(0) }; SLOTS];
+const WRITE_BUFFER_SIZE: usize = 16 * 1024;
 /// Which slots are taken, a bit each (bit 0, "not counted", always).
 static TAKEN: AtomicU32 = AtomicU32::new(1);
 
@@ -50,6 +54,16 @@ fn count(bytes: i64) {
     }
 }
 
+/// An allocation of `size` bytes made (not freed).
+fn count_made(size: usize) {
+    if size == WRITE_BUFFER_SIZE {
+        let slot = SLOT.try_with(Cell::get).unwrap_or(0);
+        if slot != 0 {
+            WRITE_BUFFERS[slot].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 fn signed(size: usize) -> i64 {
     i64::try_from(size).unwrap_or(i64::MAX)
 }
@@ -62,6 +76,7 @@ unsafe impl GlobalAlloc for Counting {
         let ptr = unsafe { System.alloc(layout) };
         if !ptr.is_null() {
             count(signed(layout.size()));
+            count_made(layout.size());
         }
         ptr
     }
@@ -71,6 +86,7 @@ unsafe impl GlobalAlloc for Counting {
         let ptr = unsafe { System.alloc_zeroed(layout) };
         if !ptr.is_null() {
             count(signed(layout.size()));
+            count_made(layout.size());
         }
         ptr
     }
@@ -86,6 +102,7 @@ unsafe impl GlobalAlloc for Counting {
         let moved = unsafe { System.realloc(ptr, layout, new_size) };
         if !moved.is_null() {
             count(signed(new_size) - signed(layout.size()));
+            count_made(new_size);
         }
         moved
     }
@@ -104,6 +121,7 @@ impl Slot {
         // The lowest clear bit of what was taken is the one just set.
         let slot = (!taken).trailing_zeros() as usize;
         COUNTED[slot].store(0, Ordering::Relaxed);
+        WRITE_BUFFERS[slot].store(0, Ordering::Relaxed);
         Slot(slot)
     }
 }
@@ -121,6 +139,8 @@ struct Line {
     ask: Notify,
     answered: Notify,
     answer: AtomicI64,
+    /// With the answer: [`WRITE_BUFFERS`] of the gateway's slot.
+    buffers: AtomicI64,
     stop: Notify,
 }
 
@@ -179,6 +199,13 @@ impl CountedGateway {
         within("the counted gateway to measure its heap", answered).await;
         self.line.answer.load(Ordering::Acquire)
     }
+
+    /// How many allocations of the size of h2's connection write buffer
+    /// (16 KiB) the gateway has made, once it has settled.
+    pub async fn settled_write_buffers(&self) -> i64 {
+        self.settled_heap().await;
+        self.line.buffers.load(Ordering::Acquire)
+    }
 }
 
 /// Stops the gateway; its thread gives the slot back once it has stopped
@@ -205,6 +232,7 @@ async fn serve(flags: Vec<String>, line: Arc<Line>, started: tokio::sync::onesho
             () = line.stop.notified() => break,
             () = line.ask.notified() => {
                 line.answer.store(settle(slot).await, Ordering::Release);
+                line.buffers.store(WRITE_BUFFERS[slot].load(Ordering::Relaxed), Ordering::Release);
                 line.answered.notify_one();
             }
         }

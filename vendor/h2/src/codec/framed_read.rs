@@ -20,7 +20,7 @@ use tokio_util::codec::{LengthDelimitedCodec, LengthDelimitedCodecError};
 
 /// What a released read buffer is made again with: tokio-util's
 /// `FramedRead` starts with 8 KiB.
-const READ_BUFFER_CAPACITY: usize = 8 * 1024;
+pub(super) const READ_BUFFER_CAPACITY: usize = 8 * 1024;
 
 // 16 MB "sane default" taken from golang http2
 const DEFAULT_SETTINGS_MAX_HEADER_LIST_SIZE: usize = 16 << 20;
@@ -80,7 +80,8 @@ impl<T> FramedRead<T> {
     /// from it keeps its own share); [`Stream::poll_next`] makes it again.
     pub(crate) fn release_idle_buffer(&mut self) {
         if self.inner.read_buffer().is_empty() && self.inner.read_buffer().capacity() > 0 {
-            *self.inner.read_buffer_mut() = BytesMut::new();
+            let buf = std::mem::take(self.inner.read_buffer_mut());
+            super::pool::give(super::pool::Kind::Read, buf);
         }
     }
 
@@ -437,7 +438,7 @@ where
             // with, not grown from nothing by one read of a few bytes after
             // another.
             if self.inner.read_buffer().capacity() == 0 {
-                self.inner.read_buffer_mut().reserve(READ_BUFFER_CAPACITY);
+                *self.inner.read_buffer_mut() = super::pool::take(super::pool::Kind::Read);
             }
             let bytes = match ready!(Pin::new(&mut self.inner).poll_next(cx)) {
                 Some(Ok(bytes)) => bytes,

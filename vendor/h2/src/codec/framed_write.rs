@@ -83,7 +83,7 @@ const MAX_QUEUED_FRAMES: usize = 64;
 ///
 /// The minimum MAX_FRAME_SIZE is 16kb, so always be able to send a HEADERS
 /// frame that big.
-const DEFAULT_BUFFER_CAPACITY: usize = 16 * 1_024;
+pub(super) const DEFAULT_BUFFER_CAPACITY: usize = 16 * 1_024;
 
 /// Chain payloads bigger than this when vectored I/O is enabled. The remote
 /// will never advertise a max frame size less than this (well, the spec says
@@ -209,7 +209,8 @@ where
             && !encoder.buf.has_remaining()
             && encoder.buf.get_ref().capacity() > 0
         {
-            encoder.buf = Cursor::new(BytesMut::new());
+            let buf = std::mem::replace(&mut encoder.buf, Cursor::new(BytesMut::new())).into_inner();
+            super::pool::give(super::pool::Kind::Write, buf);
         }
         // The queue of a burst's frames goes with it.
         if encoder.queued.is_empty() && encoder.queued.capacity() > 0 {
@@ -346,7 +347,7 @@ where
     /// A released (or not yet made) buffer made whole.
     fn make_buffer(&mut self) {
         if self.buf.get_ref().capacity() == 0 {
-            self.buf.get_mut().reserve(DEFAULT_BUFFER_CAPACITY);
+            *self.buf.get_mut() = super::pool::take(super::pool::Kind::Write);
         }
     }
 
