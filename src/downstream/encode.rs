@@ -32,6 +32,9 @@ pub enum Shared {
     /// by every version that has it, not copied into a list per version
     /// (istiod's and Envoy's forms are two pieces per resource).
     Runs(Arc<[Arc<[Bytes]>]>),
+    /// One client's small response whole, its suffix included
+    /// ([`Layout::response`]): one buffer, no list of parts.
+    One(Bytes),
 }
 
 impl Default for Shared {
@@ -53,6 +56,7 @@ impl Shared {
         match (self, other) {
             (Shared::Flat(a), Shared::Flat(b)) => Arc::ptr_eq(a, b),
             (Shared::Runs(a), Shared::Runs(b)) => Arc::ptr_eq(a, b),
+            (Shared::One(a), Shared::One(b)) => a.as_ptr() == b.as_ptr() && a.len() == b.len(),
             _ => false,
         }
     }
@@ -62,6 +66,7 @@ impl Shared {
         let (flat, runs): (&[Bytes], &[Arc<[Bytes]>]) = match self {
             Shared::Flat(parts) => (parts, &[]),
             Shared::Runs(runs) => (&[], runs),
+            Shared::One(one) => (std::slice::from_ref(one), &[]),
         };
         flat.iter().chain(runs.iter().flat_map(|run| run.iter()))
     }
@@ -71,6 +76,7 @@ impl Shared {
     pub fn part(&self, at: (usize, usize)) -> Option<(&Bytes, (usize, usize))> {
         match self {
             Shared::Flat(parts) => parts.get(at.1).map(|part| (part, (0, at.1 + 1))),
+            Shared::One(one) => (at.1 == 0).then_some((one, (0, 1))),
             Shared::Runs(runs) => {
                 let (mut run, mut i) = at;
                 loop {
@@ -972,6 +978,7 @@ impl Layout {
         let removed = string_fields(self.removed, &gone(reported, to));
         match self.full(to) {
             Shared::Flat(parts) => Shared::Flat(parts.iter().cloned().chain([removed]).collect()),
+            Shared::One(one) => Shared::Flat(Arc::from([one, removed])),
             Shared::Runs(runs) => Shared::Runs(runs.iter().cloned().chain([Arc::from([removed])]).collect()),
         }
     }
@@ -986,23 +993,129 @@ impl Layout {
             Push::Selected { to, diff } => self.selected(to, diff).into(),
         }
     }
+
+    /// What the state machine decided, as the response's parts and its
+    /// per-client suffix: a client's own small response ([`ONE_BUFFER_AT_MOST`])
+    /// whole in one buffer, its suffix included; anything else its parts as
+    /// [`Self::encode`] makes them, and the suffix apart.
+    pub fn response(&self, send: &Push, suffix: Suffix<'_>) -> (Shared, Bytes) {
+        if let Push::Selected { to, diff } = send {
+            if let Some(one) = self.one_buffer(to, diff, &suffix) {
+                return (Shared::One(one), Bytes::new());
+            }
+        }
+        (self.encode(send), suffix.bytes())
+    }
+
+    /// A client's own response (its names) and `suffix` in one buffer, if
+    /// it takes about [`ONE_BUFFER_AT_MOST`] bytes or fewer: the same bytes
+    /// [`Self::selected`]'s parts and the suffix are, copied once.
+    fn one_buffer(&self, to: &CollectionSnapshot, diff: &Diff, suffix: &Suffix<'_>) -> Option<Bytes> {
+        // MCP's form is made for each response; a layout that removes
+        // nothing is sent no removals (`selected` asserts it).
+        if self.form == Form::Mcp || (self.removed == 0 && !diff.removed.is_empty()) {
+            return None;
+        }
+        let head = string_field_len(self.version, &to.version)
+            + self.collection.map_or(0, |tag| string_field_len(tag, &to.collection));
+        let removed: usize = diff
+            .removed
+            .iter()
+            .map(|name| bytes_field_len(self.removed, name.as_bytes()))
+            .sum();
+        // Each resource's field is about its stored bytes and its name
+        // behind a few keys, lengths and a content version.
+        let mut len = head + removed + suffix.len();
+        for resource in &diff.upserts {
+            len += resource.encoded.len() + resource.name.len() + 64;
+            if len > ONE_BUFFER_AT_MOST {
+                return None;
+            }
+        }
+        let mut pieces = Pieces::copying();
+        pieces.made().reserve(len);
+        put_string(self.version, &to.version, pieces.made());
+        if let Some(tag) = self.collection {
+            put_string(tag, &to.collection, pieces.made());
+        }
+        let key = MemoKey::of(self.resource_key);
+        for resource in &diff.upserts {
+            if self.made_each_time(resource) {
+                self.frame(resource, &mut pieces);
+            } else if let Some(record) = self.stored_record(resource) {
+                pieces.made().put_slice(&resource.encoded[record]);
+            } else if resource
+                .memo
+                .read(&key, |field: &Bytes| pieces.made().put_slice(field))
+                .is_none()
+            {
+                let field = self.field(resource);
+                pieces.made().put_slice(&field);
+            }
+        }
+        for name in &diff.removed {
+            put_bytes(self.removed, name.as_bytes(), pieces.made());
+        }
+        suffix.put(pieces.made());
+        Some(pieces.into_one())
+    }
 }
 
-/// The per-client suffix: an optional string field (a type URL), the nonce,
-/// and an optional `true` flag (`Resources.incremental`).
+/// A client's own response (its names) of at most this many bytes (about:
+/// its resources' fields are counted at their stored size and a little
+/// more) is made whole in one buffer, its suffix included
+/// ([`Layout::response`]): a copy of its bytes costs less than a list of
+/// parts, a reference taken and let go for each, and a second buffer for
+/// its suffix (eds's responses of one or two endpoints: about 700 bytes).
+/// Larger ones (a client's first response of its 50 endpoints, 20 KB) are
+/// the cache's pieces, not a copy per client: 2,000 of them queued at once
+/// would be 40 MB (BENCHMARKS, "A write path past h2's 16 slices").
+pub const ONE_BUFFER_AT_MOST: usize = 4096;
+
+/// The per-client fields a response ends with: an optional string field (a
+/// type URL), the nonce, and an optional `true` flag
+/// (`Resources.incremental`).
+#[derive(Clone, Copy, Debug)]
+pub struct Suffix<'a> {
+    string: Option<(u32, &'a str)>,
+    nonce: (u32, &'a str),
+    flag: Option<u32>,
+}
+
+impl<'a> Suffix<'a> {
+    pub fn new(string: Option<(u32, &'a str)>, nonce: (u32, &'a str), flag: Option<u32>) -> Self {
+        Self { string, nonce, flag }
+    }
+
+    fn len(&self) -> usize {
+        self.string.map_or(0, |(tag, s)| string_field_len(tag, s))
+            + string_field_len(self.nonce.0, self.nonce.1)
+            + self.flag.map_or(0, |tag| encoding::key_len(tag) + 1)
+    }
+
+    fn put(&self, buf: &mut BytesMut) {
+        if let Some((tag, value)) = self.string {
+            put_string(tag, value, buf);
+        }
+        put_string(self.nonce.0, self.nonce.1, buf);
+        if let Some(tag) = self.flag {
+            encoding::encode_key(tag, WireType::Varint, buf);
+            encoding::encode_varint(1, buf);
+        }
+    }
+
+    /// The suffix in a buffer of its own.
+    pub fn bytes(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(self.len());
+        self.put(&mut buf);
+        buf.freeze()
+    }
+}
+
+/// The per-client suffix in a buffer of its own ([`Suffix`]).
+#[cfg(test)]
 pub fn suffix(string: Option<(u32, &str)>, nonce: (u32, &str), flag: Option<u32>) -> Bytes {
-    let mut buf = BytesMut::with_capacity(
-        string.map_or(0, |(tag, s)| string_field_len(tag, s)) + string_field_len(nonce.0, nonce.1) + 2,
-    );
-    if let Some((tag, value)) = string {
-        put_string(tag, value, &mut buf);
-    }
-    put_string(nonce.0, nonce.1, &mut buf);
-    if let Some(tag) = flag {
-        encoding::encode_key(tag, WireType::Varint, &mut buf);
-        encoding::encode_varint(1, &mut buf);
-    }
-    buf.freeze()
+    Suffix::new(string, nonce, flag).bytes()
 }
 
 #[cfg(test)]
@@ -1010,6 +1123,7 @@ mod tests {
     use super::*;
     use crate::cache::{Cache, Origin, Update};
     use crate::proto::{IncrementalMeshConfigResponse, MeshConfigResponse, Resource, Resources};
+    use crate::SharedStr;
     use prost::Message;
 
     const C: &str = "istio/networking/v1alpha3/gateways";
@@ -1243,6 +1357,80 @@ mod tests {
         let mut made = BytesMut::new();
         put_bytes(2, &body_of(&stored), &mut made);
         assert_eq!(stored.encoded[record], made[..]);
+    }
+
+    /// A client's own small response is made whole in one buffer, its
+    /// suffix included: the same bytes as its parts and the suffix apart,
+    /// in every layout that names resources (removals included); one past
+    /// [`ONE_BUFFER_AT_MOST`], MCP's form (made for each response) and a
+    /// response shared by every client at a version stay parts.
+    #[test]
+    fn a_small_named_response_is_one_buffer_of_the_bytes_its_parts_and_suffix_are() {
+        let (cache, mut writer) = Cache::new();
+        let body = [b'b'; 200];
+        let many: Vec<_> = (0..40)
+            .map(|i| resource_with_body(&format!("r{i:02}"), "1", &body))
+            .collect();
+        writer.apply(C, Update::Full(many), Origin::Upstream);
+        let to = cache.get(C).unwrap();
+        let selected = |names: &[&str], removed: &[&str]| Push::Selected {
+            to: to.clone(),
+            diff: Diff {
+                upserts: names.iter().map(|n| to.resources[*n].clone()).collect(),
+                removed: removed.iter().map(|n| SharedStr::from(*n)).collect(),
+            },
+        };
+        let suffix_of = Suffix::new(Some((4, C)), (5, "17"), None);
+        let whole = |(shared, suffix): (Shared, Bytes)| response(shared, suffix);
+        let apart = |layout: &Layout, push: &Push| response(layout.encode(push), suffix_of.bytes());
+        let few = ["r01", "r02"];
+        let past: Vec<String> = (0..20).map(|i| format!("r{i:02}")).collect();
+        let past: Vec<&str> = past.iter().map(String::as_str).collect();
+        for (layout, removes) in [
+            (XDS_BODY, false),
+            (XDS_MCP, false),
+            (DELTA_BODY, true),
+            (DELTA_MCP, true),
+        ] {
+            let removed: &[&str] = if removes { &["gone-1", "gone-2"] } else { &[] };
+            let push = selected(&few, removed);
+            let (shared, suffix) = layout.response(&push, suffix_of);
+            assert!(matches!(shared, Shared::One(_)), "{}: one buffer", layout.full_key);
+            assert!(suffix.is_empty(), "{}: the suffix inside it", layout.full_key);
+            assert_eq!(
+                whole((shared, suffix)),
+                apart(&layout, &push),
+                "{}: the same bytes",
+                layout.full_key
+            );
+            // Past the bound: parts, the suffix apart, the same bytes.
+            let push = selected(&past, removed);
+            let (shared, suffix) = layout.response(&push, suffix_of);
+            assert!(
+                !matches!(shared, Shared::One(_)),
+                "{}: parts past the bound",
+                layout.full_key
+            );
+            assert_eq!(suffix, suffix_of.bytes());
+            assert_eq!(whole((shared, suffix)), apart(&layout, &push));
+        }
+        // MCP's form, and what every client at a version shares: parts.
+        for (layout, push) in [
+            (RESOURCES, selected(&few, &[])),
+            (XDS_BODY, Push::Full { to: to.clone() }),
+        ] {
+            let (shared, suffix) = layout.response(&push, suffix_of);
+            assert!(!matches!(shared, Shared::One(_)), "{}", layout.full_key);
+            assert_eq!(whole((shared, suffix)), apart(&layout, &push));
+        }
+        // Decoded as Envoy reads it.
+        let decoded = crate::proto::envoy::service::discovery::v3::DeltaDiscoveryResponse::decode(whole(
+            DELTA_BODY.response(&selected(&few, &["gone-1"]), suffix_of),
+        ))
+        .unwrap();
+        assert_eq!(decoded.resources.len(), 2);
+        assert_eq!(decoded.removed_resources, ["gone-1"]);
+        assert_eq!((decoded.type_url.as_str(), decoded.nonce.as_str()), (C, "17"));
     }
 
     /// Envoy's EDS and RDS: each client names its own resources. Its

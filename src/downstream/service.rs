@@ -314,7 +314,11 @@ impl Direct {
     fn write(&mut self, item: Item) -> Result<(), ClientGone> {
         let status = match item.and_then(|response| framed(*response, self.started)) {
             Ok((len, parts)) if FRAME_HEADER + len as usize <= MAX_WRITE => {
-                return self.writer.write(FramedBuf::new(len, parts)).map_err(|_| ClientGone)
+                let written = match parts.into_one() {
+                    Ok(one) => self.writer.write_message(frame_header(len), one),
+                    Err(parts) => self.writer.write(FramedBuf::new(len, parts)),
+                };
+                return written.map_err(|_| ClientGone);
             }
             Ok((len, _)) => Status::resource_exhausted(format!(
                 "a response of {len} bytes is larger than one HTTP/2 write takes ({MAX_WRITE} bytes)"
@@ -374,6 +378,15 @@ impl Writing {
             shared,
             suffix,
             at: At::Shared((0, 0)),
+        }
+    }
+
+    /// The message as one buffer, if it is one ([`Shared::One`], no suffix
+    /// apart); else itself.
+    fn into_one(self) -> Result<Bytes, Self> {
+        match self.shared {
+            Shared::One(one) if self.suffix.is_empty() && matches!(self.at, At::Shared((0, 0))) => Ok(one),
+            shared => Err(Self { shared, ..self }),
         }
     }
 

@@ -6,7 +6,7 @@ use bytes::{Bytes, BytesMut};
 
 use tonic::Status;
 
-use super::encode::{suffix, Layout, Shared, DELTA_BODY, DELTA_MCP, LEGACY, RESOURCES, XDS_BODY, XDS_MCP};
+use super::encode::{Layout, Shared, Suffix, DELTA_BODY, DELTA_MCP, LEGACY, RESOURCES, XDS_BODY, XDS_MCP};
 use super::registry::Protocol;
 use super::type_state::{Family, Mode, Push};
 use super::Downstream;
@@ -201,7 +201,7 @@ impl Wire for LegacySotw {
     }
 
     fn encode(send: &Push, type_url: &str, nonce: &str) -> (Shared, Bytes) {
-        (LEGACY.encode(send), suffix(Some((3, type_url)), (4, nonce), None))
+        LEGACY.response(send, Suffix::new(Some((3, type_url)), (4, nonce), None))
     }
 }
 
@@ -227,7 +227,7 @@ impl Wire for LegacyIncremental {
     }
 
     fn encode(send: &Push, _type_url: &str, nonce: &str) -> (Shared, Bytes) {
-        (LEGACY.encode(send), suffix(None, (4, nonce), None))
+        LEGACY.response(send, Suffix::new(None, (4, nonce), None))
     }
 }
 
@@ -278,10 +278,7 @@ impl Wire for ResourceSourceWire {
 
     fn encode(send: &Push, _collection: &str, nonce: &str) -> (Shared, Bytes) {
         let incremental = !matches!(send, Push::Full { .. } | Push::Selected { .. });
-        (
-            RESOURCES.encode(send),
-            suffix(None, (5, nonce), incremental.then_some(6)),
-        )
+        RESOURCES.response(send, Suffix::new(None, (5, nonce), incremental.then_some(6)))
     }
 }
 
@@ -316,7 +313,7 @@ fn xds_encode(send: &Push, type_url: &str, nonce: &str, [mcp, body]: [Layout; 2]
     } else {
         mcp
     };
-    (layout.encode(send), suffix(Some((4, type_url)), (5, nonce), None))
+    layout.response(send, Suffix::new(Some((4, type_url)), (5, nonce), None))
 }
 
 /// Envoy's v3 `AggregatedDiscoveryService.StreamAggregatedResources`: state

@@ -82,10 +82,61 @@ impl Buf for Gathered {
 
 /// What a stream's `send_data` writes: parts gathered by the listener (a
 /// body's frames), or a buffer a service made itself (a response read from
-/// where its parts lie, with no list of them made per write).
+/// where its parts lie, with no list of them made per write), or a message
+/// whole in one buffer behind its 5-byte gRPC frame header.
 pub enum Payload {
     Parts(Gathered),
     Made(Box<dyn Buf + Send>),
+    Message(Message),
+}
+
+/// A gRPC message in one buffer behind its frame header: nothing boxed, no
+/// list of parts (a small response made whole, `ResponseWriter::write_message`).
+#[derive(Debug)]
+pub struct Message {
+    header: [u8; 5],
+    /// How much of the header was written.
+    head: usize,
+    body: Bytes,
+}
+
+impl Message {
+    pub fn new(header: [u8; 5], body: Bytes) -> Self {
+        Self { header, head: 0, body }
+    }
+}
+
+impl Buf for Message {
+    fn remaining(&self) -> usize {
+        self.header.len() - self.head + self.body.len()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        if self.head < self.header.len() {
+            &self.header[self.head..]
+        } else {
+            &self.body
+        }
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {
+        let mut n = 0;
+        let header = &self.header[self.head..];
+        for part in [header, &self.body[..]] {
+            if n < dst.len() && !part.is_empty() {
+                dst[n] = IoSlice::new(part);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn advance(&mut self, cnt: usize) {
+        assert!(cnt <= self.remaining(), "advanced past the end of a message");
+        let head = cnt.min(self.header.len() - self.head);
+        self.head += head;
+        self.body.advance(cnt - head);
+    }
 }
 
 impl std::fmt::Debug for Payload {
@@ -99,6 +150,7 @@ impl Buf for Payload {
         match self {
             Payload::Parts(parts) => parts.remaining(),
             Payload::Made(buf) => buf.remaining(),
+            Payload::Message(message) => message.remaining(),
         }
     }
 
@@ -106,6 +158,7 @@ impl Buf for Payload {
         match self {
             Payload::Parts(parts) => parts.chunk(),
             Payload::Made(buf) => buf.chunk(),
+            Payload::Message(message) => message.chunk(),
         }
     }
 
@@ -113,6 +166,7 @@ impl Buf for Payload {
         match self {
             Payload::Parts(parts) => parts.chunks_vectored(dst),
             Payload::Made(buf) => buf.chunks_vectored(dst),
+            Payload::Message(message) => message.chunks_vectored(dst),
         }
     }
 
@@ -120,6 +174,7 @@ impl Buf for Payload {
         match self {
             Payload::Parts(parts) => parts.advance(cnt),
             Payload::Made(buf) => buf.advance(cnt),
+            Payload::Message(message) => message.advance(cnt),
         }
     }
 
@@ -127,6 +182,7 @@ impl Buf for Payload {
         match self {
             Payload::Parts(parts) => parts.copy_to_bytes(len),
             Payload::Made(buf) => buf.copy_to_bytes(len),
+            Payload::Message(message) => message.copy_to_bytes(len),
         }
     }
 }
@@ -156,6 +212,39 @@ mod tests {
         }
         assert_eq!(rest, b"ared-1shared-2x");
         assert!(gathered.is_empty());
+    }
+
+    /// A message whole in one buffer reads as its header, then its body,
+    /// however it is read: in chunks, in slices of any number, advanced by
+    /// any count.
+    #[test]
+    fn a_message_reads_as_its_header_then_its_body_across_any_advance() {
+        use proptest::prelude::*;
+        let steps = proptest::collection::vec((1usize..16, 0usize..4), 1..20);
+        proptest!(|(body in proptest::collection::vec(any::<u8>(), 0..40), steps in steps)| {
+            let header = [0, 0, 0, 0, u8::try_from(body.len()).unwrap()];
+            let mut whole = header.to_vec();
+            whole.extend_from_slice(&body);
+            let mut message = Payload::Message(Message::new(header, Bytes::from(body)));
+            let mut read = Vec::new();
+            for (count, slices) in steps.iter().cycle().take(1_000) {
+                if !message.has_remaining() {
+                    break;
+                }
+                prop_assert_eq!(message.remaining(), whole.len() - read.len());
+                prop_assert!(!message.chunk().is_empty());
+                let mut dst = vec![IoSlice::new(&[]); *slices];
+                let n = message.chunks_vectored(&mut dst);
+                let shown: Vec<u8> = dst[..n].iter().flat_map(|s| s.iter().copied()).collect();
+                prop_assert!(dst[..n].iter().all(|s| !s.is_empty()));
+                prop_assert_eq!(&shown[..], &whole[read.len()..read.len() + shown.len()]);
+                let take = (*count).min(message.remaining());
+                read.extend_from_slice(&whole[read.len()..read.len() + take]);
+                message.advance(take);
+            }
+            prop_assert_eq!(read, whole);
+            prop_assert_eq!(message.remaining(), 0);
+        });
     }
 
     /// The vendored h2 writes a frame of many parts with up to 1,024 slices a

@@ -17,9 +17,9 @@ use h2::server::SendResponse;
 use h2::SendStream;
 use tonic::codegen::http::{self, HeaderMap};
 
-use bytes::Buf;
+use bytes::{Buf, Bytes};
 
-use super::gather::Payload;
+use super::gather::{Message, Payload};
 use super::grpc::Hold;
 
 /// The stream's response, not yet answered: in the request's extensions
@@ -133,6 +133,15 @@ impl ResponseWriter {
         }
         self.send
             .send_data(Payload::Made(Box::new(data)), false)
+            .map_err(|_| Gone)
+    }
+
+    /// Writes a gRPC message whole from one buffer behind its frame
+    /// `header` (held by h2 as [`Self::write`]'s data is), at most
+    /// [`MAX_WRITE`] bytes.
+    pub fn write_message(&mut self, header: [u8; 5], body: Bytes) -> Result<(), Gone> {
+        self.send
+            .send_data(Payload::Message(Message::new(header, body)), false)
             .map_err(|_| Gone)
     }
 
