@@ -642,7 +642,7 @@ impl<W: Wire> TypedStream<W> {
         let verdict = followed.state.on_request(Request {
             nonce: &request.nonce,
             nack,
-            version: W::ACK_NAMES_VERSION.then_some(request.version_info.as_str()),
+            version: W::ACK_NAMES_VERSION.then_some(&*request.version_info),
             names,
             max_names: limits.max_subscribed_names,
             known: known.as_deref(),
@@ -1320,7 +1320,7 @@ impl<W: Wire> TypedStream<W> {
             )));
         }
         let held = match request.mode {
-            Mode::Full if !request.version_info.is_empty() => Held::Version(request.version_info.as_str().into()),
+            Mode::Full if !request.version_info.is_empty() => Held::Version((&*request.version_info).into()),
             Mode::Full => Held::Reported(ReportedNames::default()),
             Mode::Incremental => Held::Reported(ReportedNames::with_versions(
                 request.reported.iter().filter_map(|e| version_entry(e).ok()),

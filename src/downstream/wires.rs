@@ -3,6 +3,7 @@
 //! shared stream (`stream.rs`) and state machine (`type_state.rs`).
 
 use bytes::{Bytes, BytesMut};
+use bytestring::ByteString;
 
 use tonic::Status;
 
@@ -59,17 +60,19 @@ type Node = (String, Vec<(String, String)>);
 /// What a protocol's request says, read once.
 #[derive(Debug, Default)]
 pub struct WireRequest {
-    /// The type: a type URL or a collection name.
-    pub type_url: String,
+    /// The type: a type URL or a collection name. The strings a client
+    /// repeats on every ACK are shares of the request where its wire reads
+    /// them so (`XdsRequest`), not copies.
+    pub type_url: ByteString,
     pub node_id: Option<String>,
     /// The node's annotations (MCP) or metadata strings (xDS), as `--canary`
     /// selectors match them.
     pub node_labels: Vec<(String, String)>,
     /// The peer's gateway id, when the peer is another gateway.
     pub gateway_id: Option<String>,
-    pub nonce: String,
+    pub nonce: ByteString,
     /// State of the world: the version the client holds (`version_info`).
-    pub version_info: String,
+    pub version_info: ByteString,
     pub error_detail: Option<Bytes>,
     /// How responses for this type carry the collection (the first request
     /// of a type decides).
@@ -93,19 +96,19 @@ pub struct WireRequest {
 impl WireRequest {
     /// A state-of-the-world request: the client names the version it holds.
     fn full(
-        type_url: String,
+        type_url: impl Into<ByteString>,
         node: Option<Node>,
-        nonce: String,
-        version_info: String,
+        nonce: impl Into<ByteString>,
+        version_info: impl Into<ByteString>,
         error_detail: Option<Bytes>,
     ) -> Self {
         let (node_id, node_labels) = node.unzip();
         WireRequest {
-            type_url,
+            type_url: type_url.into(),
             node_id,
             node_labels: node_labels.unwrap_or_default(),
-            nonce,
-            version_info,
+            nonce: nonce.into(),
+            version_info: version_info.into(),
             error_detail,
             mode: Mode::Full,
             ..Default::default()
@@ -115,18 +118,18 @@ impl WireRequest {
     /// A request for changes: the client reports what it holds (first
     /// request of a type).
     fn changes(
-        type_url: String,
+        type_url: impl Into<ByteString>,
         node: Option<Node>,
-        nonce: String,
+        nonce: impl Into<ByteString>,
         error_detail: Option<Bytes>,
         reported: Vec<Bytes>,
     ) -> Self {
         let (node_id, node_labels) = node.unzip();
         WireRequest {
-            type_url,
+            type_url: type_url.into(),
             node_id,
             node_labels: node_labels.unwrap_or_default(),
-            nonce,
+            nonce: nonce.into(),
             error_detail,
             mode: Mode::Incremental,
             reported,
@@ -259,11 +262,11 @@ impl Wire for ResourceSourceWire {
             Mode::Full
         };
         Ok(WireRequest {
-            type_url: request.collection,
+            type_url: request.collection.into(),
             node_id,
             node_labels,
             gateway_id,
-            nonce: request.response_nonce,
+            nonce: request.response_nonce.into(),
             error_detail: request.error_detail,
             mode,
             // A sink that asks for full state gets it whatever it holds.

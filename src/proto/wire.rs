@@ -8,6 +8,7 @@
 //! each downstream protocol: `downstream/encode.rs`.)
 
 use bytes::{Bytes, BytesMut};
+use bytestring::ByteString;
 use prost::encoding::{self, WireType};
 
 /// Field 2 of `MeshConfigRequest`: a `Client{id, Struct metadata}` from Istio
@@ -295,14 +296,17 @@ pub fn decode_shared<M: prost::Message + Default>(whole: &Bytes) -> Result<M, pr
 /// it. `Node.id` is field 1, as in MCP's nodes.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct XdsRequest {
-    pub version_info: String,
+    /// Its strings shares of the request's buffer where it is read whole
+    /// (`read_shared`), not a copy each: an ACK of every response carries
+    /// three of them.
+    pub version_info: ByteString,
     pub node: Option<XdsNode>,
     /// Read into one buffer, not a `String` or a slice each: a client
     /// repeats its names on every ACK (Envoy's EDS: 50). Checked to be
     /// UTF-8 when read ([`RequestNames::checked`]).
     pub resource_names: RequestNames,
-    pub type_url: String,
-    pub response_nonce: String,
+    pub type_url: ByteString,
+    pub response_nonce: ByteString,
     /// As in [`SotwRequest::error_detail`].
     pub error_detail: Option<Bytes>,
 }
@@ -310,19 +314,13 @@ pub struct XdsRequest {
 /// By hand for `resource_names` (field 3); the rest as the derive writes it.
 impl prost::Message for XdsRequest {
     fn encode_raw(&self, buf: &mut impl bytes::BufMut) {
-        if !self.version_info.is_empty() {
-            encoding::string::encode(1, &self.version_info, buf);
-        }
+        encode_shared_string(1, &self.version_info, buf);
         if let Some(node) = &self.node {
             encoding::message::encode(2, node, buf);
         }
         self.resource_names.encode(3, buf);
-        if !self.type_url.is_empty() {
-            encoding::string::encode(4, &self.type_url, buf);
-        }
-        if !self.response_nonce.is_empty() {
-            encoding::string::encode(5, &self.response_nonce, buf);
-        }
+        encode_shared_string(4, &self.type_url, buf);
+        encode_shared_string(5, &self.response_nonce, buf);
         if let Some(detail) = &self.error_detail {
             encoding::bytes::encode(6, detail, buf);
         }
@@ -336,22 +334,22 @@ impl prost::Message for XdsRequest {
         ctx: encoding::DecodeContext,
     ) -> Result<(), prost::DecodeError> {
         match tag {
-            1 => encoding::string::merge(wire_type, &mut self.version_info, buf, ctx),
+            1 => merge_shared_string(wire_type, &mut self.version_info, buf, ctx),
             2 => encoding::message::merge(wire_type, self.node.get_or_insert_with(Default::default), buf, ctx),
             3 => self.resource_names.merge(wire_type, buf),
-            4 => encoding::string::merge(wire_type, &mut self.type_url, buf, ctx),
-            5 => encoding::string::merge(wire_type, &mut self.response_nonce, buf, ctx),
+            4 => merge_shared_string(wire_type, &mut self.type_url, buf, ctx),
+            5 => merge_shared_string(wire_type, &mut self.response_nonce, buf, ctx),
             6 => encoding::bytes::merge(wire_type, self.error_detail.get_or_insert_with(Bytes::new), buf, ctx),
             _ => encoding::skip_field(wire_type, tag, buf, ctx),
         }
     }
 
     fn encoded_len(&self) -> usize {
-        let string = |tag, s: &String| {
+        let string = |tag, s: &ByteString| {
             if s.is_empty() {
                 0
             } else {
-                encoding::string::encoded_len(tag, s)
+                encoding::bytes::encoded_len(tag, s.as_bytes())
             }
         };
         string(1, &self.version_info)
@@ -367,6 +365,40 @@ impl prost::Message for XdsRequest {
 
     fn clear(&mut self) {
         *self = Self::default();
+    }
+}
+
+/// A proto3 string field held as a [`ByteString`], as prost writes a
+/// `String`'s (an empty one omitted).
+fn encode_shared_string(tag: u32, value: &ByteString, buf: &mut impl bytes::BufMut) {
+    if !value.is_empty() {
+        encoding::bytes::encode(tag, value.as_bytes(), buf);
+    }
+}
+
+/// Reads a string field as prost reads a `String` (the same errors), into
+/// a [`ByteString`]: from a [`MessageBuf`], a share of the message's
+/// buffer, not a copy.
+fn merge_shared_string(
+    wire_type: WireType,
+    value: &mut ByteString,
+    buf: &mut impl bytes::Buf,
+    ctx: encoding::DecodeContext,
+) -> Result<(), prost::DecodeError> {
+    let mut bytes = Bytes::new();
+    encoding::bytes::merge(wire_type, &mut bytes, buf, ctx.clone())?;
+    match ByteString::try_from(bytes) {
+        Ok(read) => {
+            *value = read;
+            Ok(())
+        }
+        Err(_) => {
+            *value = ByteString::new();
+            // prost's own error for a string that is not UTF-8.
+            let mut scratch = String::new();
+            let not_utf8: &mut &[u8] = &mut &[1u8, 0xff][..];
+            encoding::string::merge(WireType::LengthDelimited, &mut scratch, not_utf8, ctx).and(Err(underflow()))
+        }
     }
 }
 
@@ -1193,6 +1225,10 @@ mod tests {
         let read = XdsRequest::read_shared(&whole).unwrap();
         assert!(read.resource_names.ends.is_empty(), "not read name by name");
         assert!(lies_in(&read.resource_names.run, &whole));
+        // Its strings too are shares of the request, not copies.
+        for string in [&read.version_info, &read.type_url, &read.response_nonce] {
+            assert!(lies_in(string.as_bytes(), &whole), "{string}");
+        }
         let list = NameList::from_names(&names);
         assert_eq!(read.resource_names.hash(7), list.hash(7));
         assert_ne!(read.resource_names.hash(8), list.hash(7), "keyed");
@@ -1276,6 +1312,24 @@ mod tests {
         assert!(read.initial_resource_versions.iter().all(|e| lies_in(e, &whole)));
     }
 
+    /// `XdsRequest` as prost's derive reads it, its strings `String`s (and
+    /// its names bytes: `XdsRequest` checks them after, not as it reads).
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct StringsXdsRequest {
+        #[prost(string, tag = "1")]
+        version_info: String,
+        #[prost(message, optional, tag = "2")]
+        node: Option<XdsNode>,
+        #[prost(bytes = "vec", repeated, tag = "3")]
+        resource_names: Vec<Vec<u8>>,
+        #[prost(string, tag = "4")]
+        type_url: String,
+        #[prost(string, tag = "5")]
+        response_nonce: String,
+        #[prost(bytes = "bytes", optional, tag = "6")]
+        error_detail: Option<Bytes>,
+    }
+
     proptest::proptest! {
         /// Any bytes read through [`MessageBuf`] decode as they do from
         /// `Bytes`: the same request, or an error with the same words.
@@ -1320,6 +1374,18 @@ mod tests {
                     decoded.resource_names.clone().checked("n").map_err(|e| e.to_string())
                 );
             }
+            // Its strings (shares of the request) read as prost reads
+            // `String`s: the same values, or the same error.
+            let reference = StringsXdsRequest::decode(whole.clone()).map_err(|e| {
+                ["version_info", "node", "resource_names", "type_url", "response_nonce", "error_detail"]
+                    .iter()
+                    .fold(e.to_string(), |text, field| text.replace(&format!("StringsXdsRequest.{field}: "), ""))
+            });
+            let strings = from_bytes
+                .clone()
+                .map(|r| (r.version_info.to_string(), r.type_url.to_string(), r.response_nonce.to_string()));
+            let reference = reference.map(|r| (r.version_info, r.type_url, r.response_nonce));
+            proptest::prop_assert_eq!(strings, reference);
             proptest::prop_assert_eq!(shared.map(read_names), from_bytes);
             let (through, from_bytes) = both::<DeltaXdsRequest>(&whole);
             proptest::prop_assert_eq!(through, from_bytes);
