@@ -1024,10 +1024,11 @@ impl Layout {
             .map(|name| bytes_field_len(self.removed, name.as_bytes()))
             .sum();
         // Each resource's field is about its stored bytes and its name
-        // behind a few keys, lengths and a content version.
+        // behind a few keys and lengths, a content version and (MCP over
+        // xDS) an `Any`'s type URL: the buffer is made this size once.
         let mut len = head + removed + suffix.len();
         for resource in &diff.upserts {
-            len += resource.encoded.len() + resource.name.len() + 64;
+            len += resource.encoded.len() + resource.name.len() + 128;
             if len > ONE_BUFFER_AT_MOST {
                 return None;
             }

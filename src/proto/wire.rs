@@ -397,7 +397,8 @@ fn merge_shared_string(
             // prost's own error for a string that is not UTF-8.
             let mut scratch = String::new();
             let not_utf8: &mut &[u8] = &mut &[1u8, 0xff][..];
-            encoding::string::merge(WireType::LengthDelimited, &mut scratch, not_utf8, ctx).and(Err(underflow()))
+            encoding::string::merge(WireType::LengthDelimited, &mut scratch, not_utf8, ctx)
+                .and_then(|()| Err(underflow()))
         }
     }
 }

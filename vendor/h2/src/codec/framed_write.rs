@@ -209,7 +209,9 @@ where
             && !encoder.buf.has_remaining()
             && encoder.buf.get_ref().capacity() > 0
         {
-            let buf = std::mem::replace(&mut encoder.buf, Cursor::new(BytesMut::new())).into_inner();
+            // Everything in it was written: what it holds is spent.
+            let mut buf = std::mem::replace(&mut encoder.buf, Cursor::new(BytesMut::new())).into_inner();
+            buf.clear();
             super::pool::give(super::pool::Kind::Write, buf);
         }
         // The queue of a burst's frames goes with it.
