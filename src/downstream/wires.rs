@@ -57,22 +57,61 @@ pub const UNSERVED: &str = "(unserved)";
 /// A node's id and labels.
 type Node = (String, Vec<(String, String)>);
 
+/// A request's string as its wire read it: a share of the request
+/// (`XdsRequest`'s strings) or the `String` the other wires' requests hold,
+/// each taken as it is (a `String` made a `ByteString` would cost its ACK an
+/// allocation whenever its capacity is not its length).
+#[derive(Clone, Debug)]
+pub enum Text {
+    Shared(ByteString),
+    Owned(String),
+}
+
+impl Default for Text {
+    fn default() -> Self {
+        Text::Owned(String::new())
+    }
+}
+
+impl std::ops::Deref for Text {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match self {
+            Text::Shared(text) => text,
+            Text::Owned(text) => text,
+        }
+    }
+}
+
+impl From<ByteString> for Text {
+    fn from(text: ByteString) -> Self {
+        Text::Shared(text)
+    }
+}
+
+impl From<String> for Text {
+    fn from(text: String) -> Self {
+        Text::Owned(text)
+    }
+}
+
 /// What a protocol's request says, read once.
 #[derive(Debug, Default)]
 pub struct WireRequest {
     /// The type: a type URL or a collection name. The strings a client
     /// repeats on every ACK are shares of the request where its wire reads
     /// them so (`XdsRequest`), not copies.
-    pub type_url: ByteString,
+    pub type_url: Text,
     pub node_id: Option<String>,
     /// The node's annotations (MCP) or metadata strings (xDS), as `--canary`
     /// selectors match them.
     pub node_labels: Vec<(String, String)>,
     /// The peer's gateway id, when the peer is another gateway.
     pub gateway_id: Option<String>,
-    pub nonce: ByteString,
+    pub nonce: Text,
     /// State of the world: the version the client holds (`version_info`).
-    pub version_info: ByteString,
+    pub version_info: Text,
     pub error_detail: Option<Bytes>,
     /// How responses for this type carry the collection (the first request
     /// of a type decides).
@@ -96,10 +135,10 @@ pub struct WireRequest {
 impl WireRequest {
     /// A state-of-the-world request: the client names the version it holds.
     fn full(
-        type_url: impl Into<ByteString>,
+        type_url: impl Into<Text>,
         node: Option<Node>,
-        nonce: impl Into<ByteString>,
-        version_info: impl Into<ByteString>,
+        nonce: impl Into<Text>,
+        version_info: impl Into<Text>,
         error_detail: Option<Bytes>,
     ) -> Self {
         let (node_id, node_labels) = node.unzip();
@@ -118,9 +157,9 @@ impl WireRequest {
     /// A request for changes: the client reports what it holds (first
     /// request of a type).
     fn changes(
-        type_url: impl Into<ByteString>,
+        type_url: impl Into<Text>,
         node: Option<Node>,
-        nonce: impl Into<ByteString>,
+        nonce: impl Into<Text>,
         error_detail: Option<Bytes>,
         reported: Vec<Bytes>,
     ) -> Self {
