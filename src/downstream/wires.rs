@@ -28,6 +28,10 @@ macro_rules! read_shared {
             fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
                 decode_shared(&buf.freeze())
             }
+
+            fn from_frame(bytes: Bytes) -> Result<Self, prost::DecodeError> {
+                decode_shared(&bytes)
+            }
         }
     )*};
 }
@@ -37,6 +41,10 @@ read_shared!(SotwRequest, IncrementalRequest, SinkRequest, DeltaXdsRequest);
 impl FromBuffer for XdsRequest {
     fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
         XdsRequest::read_shared(&buf.freeze())
+    }
+
+    fn from_frame(bytes: Bytes) -> Result<Self, prost::DecodeError> {
+        XdsRequest::read_shared(&bytes)
     }
 }
 

@@ -17,7 +17,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body::Body as _;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -183,6 +183,14 @@ async fn in_time<F: std::future::Future>(
 /// `proto::wire::MessageBuf`, a slice's speed with `bytes` fields shared).
 pub trait FromBuffer: Sized {
     fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError>;
+
+    /// A message that came whole in one frame, read where the frame is (a
+    /// share of the connection's read buffer, let go with the message). By
+    /// default copied into a buffer of its own, for readers that change
+    /// theirs.
+    fn from_frame(bytes: Bytes) -> Result<Self, prost::DecodeError> {
+        Self::from_buffer(BytesMut::from(&bytes[..]))
+    }
 }
 
 /// A large message being read: its size, and once the budget has room for
@@ -201,6 +209,11 @@ pub struct RequestStream<T> {
     /// What is read but not yet decoded (small messages, and what follows
     /// a large message's part).
     buf: BytesMut,
+    /// A frame read while nothing else was: the messages wholly in it are
+    /// read from it as they are, not copied into `buf` (an ACK, most
+    /// often); what is left of it is copied into `buf` when the next one
+    /// is not whole in it.
+    frame: Option<Bytes>,
     /// Boxed: most streams never read one, and every idle stream holds this.
     large: Option<Box<Large>>,
     /// When the message being read began: it must be complete within the
@@ -221,6 +234,7 @@ impl<T: FromBuffer> RequestStream<T> {
             body,
             budget,
             buf: BytesMut::new(),
+            frame: None,
             large: None,
             started: None,
             message,
@@ -260,10 +274,16 @@ impl<T: FromBuffer> RequestStream<T> {
                 Some(Ok(frame)) => {
                     let trailers = match frame.into_data() {
                         Ok(data) => {
-                            if self.started.is_none() && !data.is_empty() {
-                                self.started = Some(Instant::now());
+                            if self.buf.is_empty() && self.large.is_none() && self.frame.is_none() {
+                                // Its clock starts if a message is left
+                                // incomplete in it (`message`).
+                                self.frame = Some(data);
+                            } else {
+                                if self.started.is_none() && !data.is_empty() {
+                                    self.started = Some(Instant::now());
+                                }
+                                self.buf.put(data);
                             }
-                            self.buf.put(data);
                             return Ok(true);
                         }
                         Err(frame) => frame.into_trailers(),
@@ -322,6 +342,20 @@ impl<T: FromBuffer> RequestStream<T> {
                 }
                 continue;
             }
+            if let Some(mut frame) = self.frame.take() {
+                if let Some(len) = self.whole_in(&frame)? {
+                    frame.advance(HEADER);
+                    let message = frame.split_to(len);
+                    self.frame = (!frame.is_empty()).then_some(frame);
+                    return self.decode_frame(message).map(Some);
+                }
+                // A message it begins and does not hold: its clock starts
+                // now (the frame came in this poll).
+                if self.started.is_none() && !frame.is_empty() {
+                    self.started = Some(Instant::now());
+                }
+                self.buf.put(frame);
+            }
             if self.buf.len() < HEADER {
                 if !self.fill().await? {
                     return if self.buf.is_empty() {
@@ -335,16 +369,7 @@ impl<T: FromBuffer> RequestStream<T> {
                 }
                 continue;
             }
-            let prefix = self.buf[..HEADER].try_into().expect("checked");
-            let len = message_len(prefix).map_err(|flag| {
-                Status::unimplemented(format!(
-                    "a compressed {} (flag {flag}); send uncompressed messages",
-                    self.message
-                ))
-            })?;
-            if len > self.budget.max_message_bytes {
-                return Err(self.too_large(len));
-            }
+            let len = self.prefixed_len(&self.buf[..HEADER])?;
             if len >= LARGE_REQUEST {
                 self.buf.advance(HEADER);
                 self.large = Some(Box::new(Large { len, reading: None }));
@@ -362,6 +387,32 @@ impl<T: FromBuffer> RequestStream<T> {
         }
     }
 
+    /// The length of the message `prefix` begins, refused where it is
+    /// compressed or larger than the limit.
+    fn prefixed_len(&self, prefix: &[u8]) -> Result<usize, Status> {
+        let prefix = prefix.try_into().expect("a whole prefix");
+        let len = message_len(prefix).map_err(|flag| {
+            Status::unimplemented(format!(
+                "a compressed {} (flag {flag}); send uncompressed messages",
+                self.message
+            ))
+        })?;
+        if len > self.budget.max_message_bytes {
+            return Err(self.too_large(len));
+        }
+        Ok(len)
+    }
+
+    /// The length of the message `frame` begins, if it is small and wholly
+    /// in it (a large one is read into a buffer of its size).
+    fn whole_in(&self, frame: &[u8]) -> Result<Option<usize>, Status> {
+        if frame.len() < HEADER {
+            return Ok(None);
+        }
+        let len = self.prefixed_len(&frame[..HEADER])?;
+        Ok((len < LARGE_REQUEST && frame.len() >= HEADER + len).then_some(len))
+    }
+
     /// Decodes a complete message; the next message's clock starts with its
     /// first byte.
     fn decode(&mut self, bytes: BytesMut) -> Result<T, Status> {
@@ -371,8 +422,17 @@ impl<T: FromBuffer> RequestStream<T> {
             // message just decoded.
             self.buf = BytesMut::new();
         }
-        T::from_buffer(bytes)
-            .map_err(|e| Status::invalid_argument(format!("the {} is not a valid {}: {e}", self.what(), self.message)))
+        T::from_buffer(bytes).map_err(|e| self.invalid(e))
+    }
+
+    /// [`Self::decode`] for a message read where its frame is.
+    fn decode_frame(&mut self, bytes: Bytes) -> Result<T, Status> {
+        self.started = self.frame.is_some().then(Instant::now);
+        T::from_frame(bytes).map_err(|e| self.invalid(e))
+    }
+
+    fn invalid(&self, e: prost::DecodeError) -> Status {
+        Status::invalid_argument(format!("the {} is not a valid {}: {e}", self.what(), self.message))
     }
 
     fn cut_short(&self) -> Status {
@@ -422,7 +482,6 @@ mod tests {
             prost::Message::decode(buf.freeze())
         }
     }
-    use bytes::Bytes;
     use std::future::Future;
     use std::pin::Pin;
     use std::task::{Context, Poll};
@@ -492,6 +551,166 @@ mod tests {
         assert_eq!(budget.in_use(), 0, "the room is given back once decoded");
         assert_eq!(requests.message().await.unwrap().unwrap().version_info, "b");
         assert!(requests.message().await.unwrap().is_none());
+    }
+
+    /// A request that says where it was read: in its frame (the address of
+    /// its first byte) or copied into a buffer of its own.
+    #[derive(Debug, PartialEq)]
+    struct Located {
+        version_info: String,
+        in_frame: Option<usize>,
+    }
+
+    impl FromBuffer for Located {
+        fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
+            let read: TestRequest = prost::Message::decode(buf.freeze())?;
+            Ok(Located {
+                version_info: read.version_info,
+                in_frame: None,
+            })
+        }
+
+        fn from_frame(bytes: Bytes) -> Result<Self, prost::DecodeError> {
+            let read: TestRequest = prost::Message::decode(bytes.clone())?;
+            Ok(Located {
+                version_info: read.version_info,
+                in_frame: Some(bytes.as_ptr() as usize),
+            })
+        }
+    }
+
+    /// Messages wholly in the frame they came in are read there (no copy:
+    /// an ACK in its DATA frame); one that a frame only begins is read
+    /// through the stream's buffer, and a frame read while that buffer
+    /// holds a part is added to it.
+    #[tokio::test(start_paused = true)]
+    async fn a_message_whole_in_its_frame_is_read_in_place() {
+        let budget = RequestBudget::new(1 << 20, 1 << 20, Duration::from_secs(10));
+        let (a, b, c) = (framed(&request("a")), framed(&request("bb")), framed(&request("ccc")));
+        // One frame: a, b, and the first half of c; then the rest of c.
+        let mut first = [a.clone(), b.clone()].concat();
+        let half = c.len() / 2;
+        first.extend_from_slice(&c[..half]);
+        let first = Bytes::from(first);
+        let second = Bytes::copy_from_slice(&c[half..]);
+        let mut requests = RequestStream::<Located>::new(
+            Body::new(Chunks {
+                chunks: [first.clone(), second].into(),
+                end: true,
+                trailers: None,
+            }),
+            budget,
+            "MeshConfigRequest",
+        );
+        let at = first.as_ptr() as usize;
+        let read = |message: Result<Result<Option<Located>, Status>, _>| message.unwrap().unwrap().unwrap();
+        let within = Duration::from_secs(5);
+        assert_eq!(
+            read(tokio::time::timeout(within, requests.message()).await),
+            Located {
+                version_info: "a".into(),
+                in_frame: Some(at + HEADER)
+            }
+        );
+        assert_eq!(
+            read(tokio::time::timeout(within, requests.message()).await),
+            Located {
+                version_info: "bb".into(),
+                in_frame: Some(at + a.len() + HEADER)
+            }
+        );
+        assert_eq!(
+            read(tokio::time::timeout(within, requests.message()).await),
+            Located {
+                version_info: "ccc".into(),
+                in_frame: None
+            }
+        );
+        assert!(tokio::time::timeout(within, requests.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .is_none());
+        assert!(requests.frame.is_none() && requests.buf.is_empty());
+    }
+
+    /// A small message begun in a frame and never finished is cut off by
+    /// the read timeout, counted from that frame, as any message is.
+    #[tokio::test(start_paused = true)]
+    async fn a_small_message_left_incomplete_in_its_frame_times_out() {
+        let budget = RequestBudget::new(1 << 20, 1 << 20, Duration::from_secs(10));
+        let whole = framed(&request("incomplete"));
+        let mut requests = stream(whole[..whole.len() - 3].to_vec(), 1 << 10, false, budget);
+        let started = Instant::now();
+        let status = tokio::time::timeout(Duration::from_secs(60), requests.message())
+            .await
+            .expect("cut off by the read timeout, not waiting on")
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status.message().contains("--request-read-timeout=10s"),
+            "{}",
+            status.message()
+        );
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+    }
+
+    /// Whatever the frames' sizes, small and large messages decode in
+    /// order, and a small one is read in its frame exactly when it is whole
+    /// in one and begins it or follows a message read in it (nothing of
+    /// the frame went into the stream's buffer before it).
+    #[test]
+    fn messages_decode_in_order_however_the_frames_cut_them() {
+        use proptest::prelude::*;
+        let sizes = proptest::collection::vec(prop_oneof![4 => 0usize..40, 1 => 70_000usize..70_100], 1..6);
+        let cuts = proptest::collection::vec(1usize..300, 1..20);
+        proptest!(ProptestConfig::with_cases(64), |(sizes in sizes, cuts in cuts)| {
+            let versions: Vec<String> = sizes.iter().enumerate().map(|(i, n)| format!("{i}{}", "v".repeat(*n))).collect();
+            let bytes: Vec<u8> = versions.iter().flat_map(|v| framed(&request(v))).collect();
+            let mut chunks = std::collections::VecDeque::new();
+            let (mut at, mut turn) = (0, 0);
+            while at < bytes.len() {
+                let n = (cuts[turn % cuts.len()] * if turn % 3 == 0 { 1 } else { 37 }).min(bytes.len() - at);
+                chunks.push_back(Bytes::copy_from_slice(&bytes[at..at + n]));
+                at += n;
+                turn += 1;
+            }
+            // Each chunk's place in the bytes, and where its bytes are.
+            let mut places = Vec::new();
+            let mut start = 0;
+            for chunk in &chunks {
+                places.push((start, start + chunk.len(), chunk.as_ptr() as usize));
+                start += chunk.len();
+            }
+            let budget = RequestBudget::new(1 << 20, 1 << 20, Duration::from_secs(10));
+            let mut requests = RequestStream::<Located>::new(
+                Body::new(Chunks { chunks, end: true, trailers: None }),
+                budget,
+                "MeshConfigRequest",
+            );
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+            let read: Vec<Located> = runtime.block_on(async {
+                let mut read = Vec::new();
+                while let Some(message) = tokio::time::timeout(Duration::from_secs(5), requests.message()).await.unwrap().unwrap() {
+                    read.push(message);
+                }
+                read
+            });
+            prop_assert_eq!(read.iter().map(|r| r.version_info.clone()).collect::<Vec<_>>(), versions.clone());
+            // A message is read in its frame when it is small and whole in
+            // one, and begins the frame or follows one read in it.
+            let (mut at, mut before_in_place) = (0, false);
+            for (message, version) in read.iter().zip(&versions) {
+                let len = framed(&request(version)).len();
+                let &(from, to, ptr) = places.iter().find(|(from, to, _)| (*from..*to).contains(&at)).unwrap();
+                let small = len - HEADER < LARGE_REQUEST;
+                let in_place = small && at + len <= to && (at == from || before_in_place);
+                let expected = in_place.then_some(ptr + at - from + HEADER);
+                prop_assert_eq!(message.in_frame, expected, "the message at {} of the chunk {}..{}", at, from, to);
+                before_in_place = in_place && at + len < to;
+                at += len;
+            }
+        });
     }
 
     /// Every await of `message` may be dropped (another `select!` branch won)
