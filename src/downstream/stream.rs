@@ -559,9 +559,15 @@ impl<W: Wire> TypedStream<W> {
                 // endpoints of the clusters just sent) go right after it; a
                 // step may let a change held for another type go (an ACK of
                 // clusters lets the routes to them go), and what that sends
-                // may force a resend in turn. Rare: boxed.
+                // may force a resend in turn. Rare: boxed, and only made
+                // when there is one (a step after which nothing is owed
+                // and nothing held only notes that it settled).
                 let sent = match sent {
-                    Ok(()) => Box::pin(self.after_step(&mut out)).await,
+                    Ok(()) if self.owes_after_step() => Box::pin(self.after_step(&mut out)).await,
+                    Ok(()) => {
+                        self.note_settled();
+                        Ok(())
+                    }
                     sent => sent,
                 };
                 if sent.is_err() {
@@ -2229,7 +2235,9 @@ impl<W: Wire> TypedStream<W> {
             .flatten()
             .map(|held| (held, push.to().clone()));
         self.last_nonce += 1;
-        let nonce = self.last_nonce.to_string();
+        // Written straight into the shared string the state keeps: one
+        // allocation, not a `String` first.
+        let nonce = SharedStr::from(itoa::Buffer::new().format(self.last_nonce));
         let (parts, suffix) = W::encode(&push, type_url, &nonce);
         let to = push.to().clone();
         followed.state.sent_at(nonce, to.clone(), now);
@@ -2355,16 +2363,25 @@ impl<W: Wire> TypedStream<W> {
         }
     }
 
+    /// Whether [`Self::after_step`] has more to do than note that the
+    /// stream settled: a resend owed, or a type held for another.
+    fn owes_after_step(&self) -> bool {
+        self.owes_forced() || self.withheld.is_some()
+    }
+
+    fn owes_forced(&self) -> bool {
+        self.forced.as_ref().is_some_and(|f| f.is_owed())
+    }
+
     /// After a step: the resends it forced, then the types held for another
     /// that it may let go, then the resends those forced.
     async fn after_step(&mut self, out: &mut Outbound) -> Result<(), ClientGone> {
-        let owed = |stream: &Self| stream.forced.as_ref().is_some_and(|f| f.is_owed());
-        if owed(self) {
+        if self.owes_forced() {
             self.send_forced(out).await?;
         }
         if self.withheld.is_some() {
             self.retry_withheld(out).await?;
-            if owed(self) {
+            if self.owes_forced() {
                 self.send_forced(out).await?;
             }
         }
