@@ -1507,14 +1507,18 @@ fn packed_map(resources: impl IntoIterator<Item = Arc<CachedResource>>) -> Resou
 /// the cache's own (`SharedStr`) or borrowed from a client's request (`&str`).
 #[derive(Debug)]
 pub struct Diff<R = SharedStr> {
-    pub upserts: Vec<Arc<CachedResource>>,
+    pub upserts: Upserts,
     pub removed: Vec<R>,
 }
+
+/// A diff's changed resources: two inline, so that a named client's
+/// response of one or two (eds's) allocates nothing for them.
+pub type Upserts = smallvec::SmallVec<[Arc<CachedResource>; 2]>;
 
 impl<R> Default for Diff<R> {
     fn default() -> Self {
         Self {
-            upserts: Vec::new(),
+            upserts: Upserts::new(),
             removed: Vec::new(),
         }
     }
@@ -1599,6 +1603,17 @@ pub(crate) mod test_support {
 mod tests {
     use super::test_support::{resource, with_body};
     use super::*;
+
+    /// A diff's changed resources hold two inline in a `Vec`'s room: the
+    /// diffs a version shares are no larger for it.
+    #[test]
+    fn a_diffs_changed_resources_take_a_vecs_room() {
+        assert_eq!(
+            std::mem::size_of::<Upserts>(),
+            std::mem::size_of::<Vec<Arc<CachedResource>>>()
+        );
+        assert!(!Upserts::from_iter([Arc::new(resource("a", "1")), Arc::new(resource("b", "1"))]).spilled());
+    }
 
     /// What a version removes, kept beside what it adds and changes: the
     /// union, at the version the same content has anywhere (another replica

@@ -1260,7 +1260,7 @@ mod tests {
         let encoded = DELTA_BODY.encode(&Push::Selected {
             to: to.clone(),
             diff: Diff {
-                upserts: vec![r.clone(), to.resources["r008"].clone()],
+                upserts: smallvec::smallvec![r.clone(), to.resources["r008"].clone()],
                 removed: vec!["gone".into()],
             },
         });

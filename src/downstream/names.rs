@@ -547,7 +547,7 @@ impl Named {
             }
         };
         let trusting = matches!(holds, Holds::Trusting(..));
-        let mut upserts: Vec<Arc<CachedResource>> = Vec::new();
+        let mut upserts = crate::cache::Upserts::new();
         let mut removed: BTreeSet<SharedStr> = BTreeSet::new();
         // A name is sent when it is to be re-sent or the client does not hold
         // it at its version; it is removed when it is gone and the client

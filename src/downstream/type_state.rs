@@ -822,7 +822,7 @@ impl TypeState {
                                 // The next selection is of what changed.
                                 named.forget_selection();
                             }
-                            upserts
+                            upserts.into()
                         }
                     };
                     Push::Selected {
