@@ -1,7 +1,8 @@
 //! gRPC messages read from a body: the requests of the gateway's own
 //! streaming services, and the responses of a source it dials. Unlike a
 //! general-purpose decoder it never keeps a large buffer: small messages
-//! (subscriptions, ACKs) go through a small buffer, and a large one (a long
+//! (subscriptions, ACKs) are read where their frame is when they come whole
+//! in one (no copy), or else through a small buffer, and a large one (a long
 //! NACK, a big `initial_resource_versions`, a source's whole collection) is
 //! read into a buffer of exactly its size that is freed once it is decoded
 //! (tonic's decoder grows one buffer to the largest message and keeps it
