@@ -280,10 +280,7 @@ impl<T: FromBuffer> RequestStream<T> {
                                 // incomplete in it (`message`).
                                 self.frame = Some(data);
                             } else {
-                                if self.started.is_none() && !data.is_empty() {
-                                    self.started = Some(Instant::now());
-                                }
-                                self.buf.put(data);
+                                self.buffer(data);
                             }
                             return Ok(true);
                         }
@@ -350,12 +347,9 @@ impl<T: FromBuffer> RequestStream<T> {
                     self.frame = (!frame.is_empty()).then_some(frame);
                     return self.decode_frame(message).map(Some);
                 }
-                // A message it begins and does not hold: its clock starts
-                // now (the frame came in this poll).
-                if self.started.is_none() && !frame.is_empty() {
-                    self.started = Some(Instant::now());
-                }
-                self.buf.put(frame);
+                // A message it begins and does not hold: read through the
+                // buffer, its clock started now (the frame came in this poll).
+                self.buffer(frame);
             }
             if self.buf.len() < HEADER {
                 if !self.fill().await? {
@@ -386,6 +380,15 @@ impl<T: FromBuffer> RequestStream<T> {
             let bytes = self.buf.split_to(len);
             return self.decode(bytes).map(Some);
         }
+    }
+
+    /// Adds `bytes` to what waits to be decoded; a message's first byte
+    /// starts its clock.
+    fn buffer(&mut self, bytes: Bytes) {
+        if self.started.is_none() && !bytes.is_empty() {
+            self.started = Some(Instant::now());
+        }
+        self.buf.put(bytes);
     }
 
     /// The length of the message `prefix` begins, refused where it is
