@@ -21,12 +21,13 @@ use crate::transport::requests::FromBuffer;
 
 /// Each protocol's requests read through `MessageBuf` (a slice's speed,
 /// `bytes` fields shares of the request), state-of-the-world xDS with its
-/// names kept as they came ([`XdsRequest::read_shared`]).
+/// names kept as they came ([`XdsRequest::read_shared`]). They read shared
+/// bytes either way: a buffer is frozen and read as a frame is.
 macro_rules! read_shared {
     ($($request:ty),*) => {$(
         impl FromBuffer for $request {
             fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
-                decode_shared(&buf.freeze())
+                Self::from_frame(buf.freeze())
             }
 
             fn from_frame(bytes: Bytes) -> Result<Self, prost::DecodeError> {
@@ -40,7 +41,7 @@ read_shared!(SotwRequest, IncrementalRequest, SinkRequest, DeltaXdsRequest);
 
 impl FromBuffer for XdsRequest {
     fn from_buffer(buf: BytesMut) -> Result<Self, prost::DecodeError> {
-        XdsRequest::read_shared(&buf.freeze())
+        Self::from_frame(buf.freeze())
     }
 
     fn from_frame(bytes: Bytes) -> Result<Self, prost::DecodeError> {
