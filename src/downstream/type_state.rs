@@ -727,6 +727,27 @@ impl TypeState {
         }
     }
 
+    /// Whether the client answered its last response by ACKing `current`'s
+    /// version and is owed nothing: [`Self::next`] would then find nothing
+    /// to send and change nothing (`settle` at the version it was sent is
+    /// a no-op). What a stream reads on the usual ACK, before it makes
+    /// anything: every condition here is one `next` reads before it
+    /// decides `UpToDate` (the test `holds_current_is_what_next_finds_up_to_date`).
+    pub fn holds_current(&self, current: Option<&Arc<CollectionSnapshot>>) -> bool {
+        let Some(current) = current else {
+            return false;
+        };
+        !self.view.outstanding
+            && matches!(&self.held, Held::At(held) if held.version == current.version)
+            && self.sent.as_ref().is_some_and(|sent| sent.version == current.version)
+            && self.view.acked_version.as_ref() == Some(&current.version)
+            && self.reconnect.is_none()
+            && !self.revert_pending
+            && self.forced.is_empty()
+            && self.pending_nack().is_none()
+            && self.named.as_deref().is_none_or(Named::settled)
+    }
+
     /// Its last answer was a NACK.
     fn nack_pending(&self) -> bool {
         self.pending_nack().is_some()
@@ -2410,6 +2431,111 @@ mod tests {
                             names: NameChange::Replace(&wire(&asked)),
                             ..Request::new(&last_nonce, nack)
                         });
+                    }
+                }
+            }
+        });
+    }
+
+    /// What a stream reads on the usual ACK before it makes anything: for
+    /// any client (either mode and family, named or not, changes only or
+    /// not), after any sequence of requests, responses and versions,
+    /// wherever `holds_current` says so, `next` finds it up to date and
+    /// changes nothing of the state; and after an ACK with nothing forced
+    /// or newly asked, it says so of the version ACKed (a stream finds the
+    /// usual ACK).
+    #[test]
+    fn holds_current_is_what_next_finds_up_to_date() {
+        proptest::proptest!(proptest::test_runner::Config::with_cases(512), |(
+            changes in proptest::collection::vec(proptest::collection::vec((0u8..8, 0u8..3), 1..4), 1..8),
+            ops in proptest::collection::vec(op(), 1..40),
+            family in proptest::bool::ANY,
+            incremental in proptest::bool::ANY,
+            changes_only in proptest::bool::ANY,
+        )| {
+            let versions = versions(&changes);
+            let family = if family { Family::Xds } else { Family::Mcp };
+            let mode = if incremental { Mode::Incremental } else { Mode::Full };
+            let mut s = family_state(family, mode, nothing());
+            if changes_only && mode == Mode::Full {
+                s = s.sending_changes_only();
+            }
+            let mut nonce = 0;
+            for op in ops {
+                match op {
+                    Op::Next(i) => {
+                        let current = &versions[i % versions.len()];
+                        let holds = s.holds_current(Some(current));
+                        let before = format!("{s:?}");
+                        match s.next(Some(current)) {
+                            Ok(push) => {
+                                proptest::prop_assert!(!holds, "holds {} and was sent {:?}", current.version, push);
+                                nonce += 1;
+                                s.sent(format!("n{nonce}"), push.to().clone());
+                            }
+                            Err(wait) if holds => {
+                                proptest::prop_assert_eq!(wait, Wait::UpToDate);
+                                proptest::prop_assert_eq!(format!("{s:?}"), before, "changed at {}", current.version);
+                            }
+                            Err(_) => {}
+                        }
+                    }
+                    Op::Ack | Op::Nack | Op::Ask(..) | Op::Drop(..) => {
+                        let nack = matches!(op, Op::Nack).then(|| Nack { code: 3, message: "bad".into() });
+                        let mut asked = Vec::new();
+                        let mut wildcard = false;
+                        if let Op::Ask(names, w) | Op::Drop(names, w) = &op {
+                            asked = names.iter().map(|n| format!("r{n}")).collect();
+                            asked.sort();
+                            asked.dedup();
+                            wildcard = *w;
+                        }
+                        if wildcard {
+                            asked.insert(0, "*".into());
+                        }
+                        let listed = wire(&asked);
+                        let names = match (&op, mode) {
+                            (Op::Ack | Op::Nack, Mode::Incremental) => NameChange::Change {
+                                subscribe: &NO_NAMES,
+                                unsubscribe: &NO_NAMES,
+                            },
+                            (Op::Ask(..), Mode::Incremental) => NameChange::Change {
+                                subscribe: &listed,
+                                unsubscribe: &NO_NAMES,
+                            },
+                            (Op::Drop(..) | Op::Next(_), Mode::Incremental) => NameChange::Change {
+                                subscribe: &NO_NAMES,
+                                unsubscribe: &listed,
+                            },
+                            (Op::Drop(..), Mode::Full) => continue,
+                            // State of the world repeats its names on an
+                            // answer; asking is a new list.
+                            (Op::Ack | Op::Nack, Mode::Full) => match s.named() {
+                                Some(_) => NameChange::Repeated,
+                                None => NameChange::Replace(&NO_NAMES),
+                            },
+                            (_, Mode::Full) => NameChange::Replace(&listed),
+                        };
+                        let version = match &op {
+                            Op::Ack => s.view.last_sent_version.clone(),
+                            _ => s.view.acked_version.clone(),
+                        };
+                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let version = version.map(|v| v.to_string());
+                        let verdict = s.on_request(Request {
+                            version: (family == Family::Xds && mode == Mode::Full).then_some(version.as_deref()).flatten(),
+                            names,
+                            ..Request::new(&last_nonce, nack)
+                        });
+                        // An ACK of the version the cache still has, nothing
+                        // owed: the usual ACK is found.
+                        if verdict == Verdict::Ack && s.named().is_none_or(|n| n.settled()) {
+                            let sent = s.last_sent().cloned().expect("an ACK answers a response");
+                            proptest::prop_assert!(
+                                !s.forced.is_empty() || s.holds_current(Some(&sent)),
+                                "an ACK of {} not found", sent.version
+                            );
+                        }
                     }
                 }
             }
