@@ -387,15 +387,15 @@ impl Chunks {
                 used: chunk.bytes.len(),
             });
             buffer.used -= chunk.bytes.len();
-            let mut piece = Vec::new();
-            for member in &chunk.members {
+            // Each run of members between lost ones, by where it lies.
+            let mut start = 0;
+            for (at, member) in chunk.members.iter().enumerate() {
                 if lost.contains(&(member.encoded.as_ptr() as usize)) {
-                    buffer.used += next.keep_piece(&chunk, &mut piece, place.buffer, &mut moved);
-                } else {
-                    piece.push(member.clone());
+                    buffer.used += next.keep_piece(&chunk, start..at, place.buffer, &mut moved);
+                    start = at + 1;
                 }
             }
-            buffer.used += next.keep_piece(&chunk, &mut piece, place.buffer, &mut moved);
+            buffer.used += next.keep_piece(&chunk, start..chunk.members.len(), place.buffer, &mut moved);
             if buffer.used == 0 {
                 next.buffers.remove(&place.buffer);
             } else {
@@ -519,26 +519,32 @@ impl Chunks {
         Some(chunk)
     }
 
-    /// `piece` (emptied), what is left of `chunk` between changes: a chunk
-    /// of its own, a slice of the same bytes, if it is large enough, else
-    /// added to `moved`. Returns the bytes it keeps of the buffer.
+    /// The members `piece` of `chunk`, what is left of it between changes:
+    /// a chunk of its own, a slice of the same bytes, if it is large
+    /// enough, else added to `moved`. Returns the bytes it keeps of the
+    /// buffer. Its members are copied once, into a vector of their number
+    /// (pushed one by one, a piece grew by doubling: reallocations, and a
+    /// chunk that kept the room it did not fill).
     fn keep_piece(
         &mut self,
         chunk: &Chunk,
-        piece: &mut Vec<Arc<CachedResource>>,
+        piece: Range<usize>,
         buffer: u64,
         moved: &mut Vec<Arc<CachedResource>>,
     ) -> usize {
-        if piece.len() < MIN_MEMBERS {
-            moved.append(piece);
+        let members = &chunk.members[piece];
+        let (Some(first), Some(last)) = (members.first(), members.last()) else {
+            return 0;
+        };
+        if members.len() < MIN_MEMBERS {
+            moved.extend(members.iter().cloned());
             return 0;
         }
-        let (first, last) = (&piece[0], &piece[piece.len() - 1]);
         let bytes = chunk
             .bytes
             .slice(chunk.record_of(first).start..chunk.record_of(last).end);
         let kept = bytes.len();
-        self.put(buffer, Chunk::new(std::mem::take(piece), bytes));
+        self.put(buffer, Chunk::new(members.to_vec(), bytes));
         kept
     }
 
