@@ -1039,12 +1039,9 @@ pub(super) mod tests {
         });
     }
 
-    /// A set of changed names' filter holds every name in it (a client's
-    /// name that changed is never skipped), and lets few others through:
-    /// under 5 % at 64 bits a name (about 1.5 % expected), and under 25 %
-    /// at its largest with more names than that (16,384 names in 65,536
-    /// bits: about 22 %). A client's names found through it are those found
-    /// by name.
+    /// Two name sets are equal when they share their storage, or hold the
+    /// same names (the test of the storage first is what makes a settled
+    /// client's check cheap).
     #[test]
     fn name_sets_are_equal_by_storage_or_by_names() {
         let of = |names: &[&str]| NameSet::from_unsorted(names.iter().map(|n| SharedStr::from(*n)).collect());
@@ -1062,6 +1059,12 @@ pub(super) mod tests {
         assert_eq!(NameSet::default(), of(&[]));
     }
 
+    /// A set of changed names' filter holds every name in it (a client's
+    /// name that changed is never skipped), and lets few others through:
+    /// under 5 % at 64 bits a name (about 1.5 % expected), and under 25 %
+    /// at its largest with more names than that (16,384 names in 65,536
+    /// bits: about 22 %). A client's names found through it are those found
+    /// by name.
     #[test]
     fn changed_names_filter_holds_every_name_and_few_others() {
         let others: Vec<String> = (0..20_000).map(|i| format!("other-{i}")).collect();
