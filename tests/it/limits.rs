@@ -118,11 +118,18 @@ pub async fn refusals(monitoring: SocketAddr, limit: &str) -> u64 {
 }
 
 pub async fn metric(monitoring: SocketAddr, series: &str) -> u64 {
+    exported(monitoring, series)
+        .await
+        .unwrap_or_else(|| panic!("{series} is not exported"))
+}
+
+/// [`metric`], or `None` while the series is not exported (a counter's
+/// first increment makes it).
+async fn exported(monitoring: SocketAddr, series: &str) -> Option<u64> {
     let (_, body) = http_get(monitoring, "/metrics").await;
     let value = body
         .lines()
-        .find_map(|line| line.strip_prefix(series).map(|v| v.trim().parse::<f64>().unwrap()))
-        .unwrap_or_else(|| panic!("{series} is not exported"));
+        .find_map(|line| line.strip_prefix(series).map(|v| v.trim().parse::<f64>().unwrap()))?;
     // A count or a gauge of bytes: a negative or fractional value is a
     // defect, not something to round to a count (a room given back twice
     // would read below 0).
@@ -130,15 +137,18 @@ pub async fn metric(monitoring: SocketAddr, series: &str) -> u64 {
         value >= 0.0 && value.fract() == 0.0,
         "{series} reads {value}, not a whole count"
     );
-    value as u64
+    Some(value as u64)
 }
 
 /// Waits until `series` at `monitoring` reads exactly `count` (a count
 /// moved on the way out of a closing connection may land a moment after the
 /// peer saw the close; one that goes past `count` never matches).
+/// Waits for `series` to read `count`; a series not exported yet is not
+/// there yet (a counter appears with its first increment, which may come a
+/// moment after what the test saw of the event it counts).
 pub async fn metric_is(monitoring: SocketAddr, series: &str, count: u64) {
     eventually_async(&format!("{series} to be {count}"), || async move {
-        metric(monitoring, series).await == count
+        exported(monitoring, series).await == Some(count)
     })
     .await;
 }

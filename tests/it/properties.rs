@@ -162,6 +162,8 @@ struct Client {
     pending: Option<Received>,
     /// The nonce of the last response this client answered.
     answered: Option<String>,
+    /// The version of the response it last NACKed, until it ACKs another.
+    nacked: Option<String>,
     /// The gateway ended the stream (an incremental client NACKed a first
     /// response built from its reported names): it starts again.
     ended: bool,
@@ -202,6 +204,7 @@ impl Client {
             acked,
             pending: None,
             answered: None,
+            nacked: None,
             ended: false,
         }
     }
@@ -272,6 +275,7 @@ impl Client {
             }
             self.acked = Some(response.version.clone());
         }
+        self.nacked = nack.then(|| response.version.clone());
         let error = nack.then(|| tonic_types::Status {
             code: 3,
             message: "rejected by the property test".into(),
@@ -518,7 +522,16 @@ impl World {
                 assert_eq!(client.held, self.model, "{}: at the current content", client.node);
                 assert_eq!(client.acked.as_deref(), Some(&*current));
             } else {
-                assert_ne!(client.acked.as_deref(), Some(&*current), "{}", client.node);
+                // Its last answer was a NACK of the current version (what it
+                // holds is what it last ACKed, checked above). That may be
+                // the current content as well: a response that went back to
+                // the version it held, refused.
+                assert_eq!(
+                    client.nacked.as_deref(),
+                    Some(&*current),
+                    "{}: the gateway shows a NACK of the current version it did not send last",
+                    client.node
+                );
             }
         }
     }
