@@ -38,11 +38,11 @@ pub const WILDCARD: &str = "*";
 #[derive(Clone, Debug, Eq)]
 pub struct NameSet(Arc<[SharedStr]>);
 
-/// The same storage first: `Arc<[T]>`'s own `==` reads every element
-/// (std has no pointer test for it), which for a settled client's 50 names
-/// was a read of 400 bytes and their strings' heads on every response and
-/// ACK (`Named::settled`: 374 instructions and 5.7 misses of a 2 MB cache a
-/// response in eds, BENCHMARKS session 36).
+/// The same names: the same storage first, or equal. `Arc<[T]>`'s own `==`
+/// reads every element (std has no pointer test for it), which for a
+/// settled client's 50 names was a read of 400 bytes and their strings'
+/// heads on every response and ACK (`Named::settled`: 374 instructions and
+/// 5.7 misses of a 2 MB cache a response in eds, BENCHMARKS session 36).
 impl PartialEq for NameSet {
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.0, &other.0) || self.0 == other.0
@@ -70,11 +70,6 @@ impl NameSet {
     /// Where `name` is among them.
     fn position(&self, name: &str) -> Option<usize> {
         self.0.binary_search_by(|n| (**n).cmp(name)).ok()
-    }
-
-    /// The same names: the same storage, or equal.
-    pub fn same(&self, other: &NameSet) -> bool {
-        self == other
     }
 
     pub fn get(&self, i: usize) -> Option<&SharedStr> {
@@ -456,7 +451,7 @@ impl Named {
         let last = self
             .selection
             .take()
-            .filter(|last| last.names.same(&names) && from.is_some_and(|from| from.version == last.version));
+            .filter(|last| last.names == names && from.is_some_and(|from| from.version == last.version));
         let mut entries = match (last, from) {
             (Some(last), Some(from)) => {
                 let mut entries = last.resources;
@@ -509,7 +504,7 @@ impl Named {
     pub fn untouched_since(&mut self, from: &str, to: &SharedStr) {
         let current = &self.current.names;
         match self.selection.as_mut() {
-            Some(selection) if *selection.version == *from && selection.names.same(current) => {
+            Some(selection) if *selection.version == *from && selection.names == *current => {
                 selection.version = to.clone();
             }
             // Of other names or another version: what holds for `to` is
@@ -625,10 +620,7 @@ impl Named {
     /// It holds exactly the names it asks for (by name), nothing to re-send:
     /// the settled subscription of an Envoy's EDS or RDS.
     fn holds_its_names(&self) -> bool {
-        !self.current.wildcard
-            && !self.held.wildcard
-            && self.resend.is_empty()
-            && self.held.names.same(&self.current.names)
+        !self.current.wildcard && !self.held.wildcard && self.resend.is_empty() && self.held.names == self.current.names
     }
 
     /// Whether [`Self::among`] finds the client's names from `changed` (the
@@ -1051,11 +1043,9 @@ pub(super) mod tests {
         assert_eq!(a, shared);
         // Other storage, the same names (in any order given): equal.
         assert_eq!(a, of(&["a", "b"]));
-        assert!(a.same(&of(&["a", "b"])));
         // Other names, or fewer: not.
         assert_ne!(a, of(&["a", "c"]));
         assert_ne!(a, of(&["a"]));
-        assert!(!a.same(&of(&["a"])));
         assert_eq!(NameSet::default(), of(&[]));
     }
 

@@ -1630,11 +1630,13 @@ impl<W: Wire> TypedStream<W> {
     /// `current`, read `now`: made here, without waiting, unless it must
     /// wait for its turn.
     fn make(&mut self, type_url: &SharedStr, current: Option<Arc<CollectionSnapshot>>, now: Stamp) -> Made {
-        let Some(followed) = self.types.get_mut(type_url) else {
+        let Some(mut followed) = self.types.get_mut(type_url) else {
             return Made::Nothing;
         };
+        let rank = followed.rank;
         if followed.grant.is_some() {
             self.note_withheld(type_url, current.as_ref());
+            followed = self.types.get_mut(type_url).expect("followed above");
         }
         // The usual ACK: the client holds `current` and is owed nothing of
         // this type, and no type of the stream is held for another. Neither
@@ -1642,23 +1644,15 @@ impl<W: Wire> TypedStream<W> {
         // nothing) nor the machine (`holds_current`) would do anything, so
         // neither is asked; a change published since `current` was read
         // wakes the stream as ever.
-        if self.withheld.is_none() {
-            let followed = self.types.get_mut(type_url).expect("followed above");
-            if followed.state.holds_current(current.as_ref()) {
-                if followed.state.note_current(current.as_ref(), now) {
-                    self.entry.publish(type_url, &followed.state.view);
-                }
-                return Made::Nothing;
+        if self.withheld.is_none() && followed.state.holds_current(current.as_ref()) {
+            if followed.state.note_current(current.as_ref(), now) {
+                self.entry.publish(type_url, &followed.state.view);
             }
+            return Made::Nothing;
         }
         // A ranked type's response is made for this version (what it sends
         // may be a part of it: make before break).
-        let made_for = self
-            .types
-            .get(type_url)
-            .and_then(|f| f.rank)
-            .and(current.as_ref())
-            .map(|c| c.version.clone());
+        let made_for = rank.and(current.as_ref()).map(|c| c.version.clone());
         let Some(current) = self.ordered(type_url, current) else {
             // Held for another type of the stream (make before break).
             return Made::Nothing;

@@ -393,7 +393,7 @@ pub struct Registration {
 impl Registration {
     /// Whether these are the names it is registered with.
     pub fn is_for(&self, names: &NameSet) -> bool {
-        self.names.same(names)
+        self.names == *names
     }
 
     /// Whether a version changed one of its names (or it is to settle)
