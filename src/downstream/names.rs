@@ -786,18 +786,16 @@ const LINEAGE_STEPS: usize = 8;
 
 /// Changed names a lineage keeps at most over its steps: a quarter of its
 /// collection (past that, a diff of the two maps costs about what a union
-/// of the steps does), at least [`LINEAGE_NAMES_MIN`] and at most
-/// [`LINEAGE_NAMES_MAX`]. A step larger than that alone is not kept (a
-/// collection delivered whole, or changing in large parts): the snapshot
-/// knows no lineage, its clients diff, and the next step starts a new one.
-/// Each name ~80 bytes of map: at most ~1.3 MB per snapshot whatever the
-/// churn, ~70 KB for eds's 1 % of 10,000 changing.
+/// of the steps does), within the bounds of what a snapshot keeps of its
+/// apply's change ([`crate::cache::step_names`]: at least 64, at most
+/// 16,384). A step larger than that alone is not kept (a collection
+/// delivered whole, or changing in large parts): the snapshot knows no
+/// lineage, its clients diff, and the next step starts a new one. Each
+/// name ~80 bytes of map: at most ~1.3 MB per snapshot whatever the churn,
+/// ~70 KB for eds's 1 % of 10,000 changing.
 fn lineage_names(collection: usize) -> usize {
-    (collection / 4).clamp(LINEAGE_NAMES_MIN, LINEAGE_NAMES_MAX)
+    crate::cache::step_names(collection)
 }
-
-const LINEAGE_NAMES_MIN: usize = 64;
-const LINEAGE_NAMES_MAX: usize = 1 << 14;
 
 /// What one published version changed from the one published before it:
 /// each changed name's content before and after (`None`: absent).
@@ -822,6 +820,40 @@ impl Lineage {
     /// the steps of `from`'s lineage that fit.
     fn after(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Self {
         let bound = lineage_names(to.resources.len());
+        let step = match to.changed_from(&from.version) {
+            // What the apply that made `to` from `from` changed: looked up,
+            // not found by a walk of both maps (every leaf the change
+            // touched, which at 1 % of eds's 10,000 is most of them).
+            Some(changed) if changed.len() <= bound => {
+                let content =
+                    |snapshot: &CollectionSnapshot, name: &str| snapshot.resources.get(name).map(|r| r.content());
+                changed
+                    .iter()
+                    .map(|name| (name.clone(), (content(from, name), content(to, name))))
+                    .filter(|(_, (before, after))| before != after)
+                    .collect()
+            }
+            Some(_) => return Self::default(),
+            None => match Self::diffed(from, to, bound) {
+                Some(step) => step,
+                None => return Self::default(),
+            },
+        };
+        let mut kept = step.len();
+        let mut steps = vec![(from.version.clone(), Arc::new(step))];
+        if let Some(before) = from.memo.find::<Lineage>(&LINEAGE) {
+            let older = before.steps.iter().take(LINEAGE_STEPS - 1).take_while(|(_, step)| {
+                kept += step.len();
+                kept <= bound
+            });
+            steps.extend(older.cloned());
+        }
+        Self { steps }
+    }
+
+    /// The step from `from` to `to` found by a diff of their maps; `None`
+    /// past `bound` names.
+    fn diffed(from: &CollectionSnapshot, to: &CollectionSnapshot, bound: usize) -> Option<Step> {
         let mut step = Step::default();
         for item in from.resources.diff(&to.resources) {
             let (name, change) = match item {
@@ -833,19 +865,10 @@ impl Lineage {
             };
             step.insert(name.clone(), change);
             if step.len() > bound {
-                return Self::default();
+                return None;
             }
         }
-        let mut kept = step.len();
-        let mut steps = vec![(from.version.clone(), Arc::new(step))];
-        if let Some(before) = from.memo.find::<Lineage>(&LINEAGE) {
-            let older = before.steps.iter().take(LINEAGE_STEPS - 1).take_while(|(_, step)| {
-                kept += step.len();
-                kept <= bound
-            });
-            steps.extend(older.cloned());
-        }
-        Self { steps }
+        Some(step)
     }
 
     /// The names that differ between `version` and the snapshot, if
@@ -986,6 +1009,17 @@ pub(super) mod tests {
                 let last = published.last().unwrap();
                 if *publish && to.version != last.version {
                     published_changes(last, &to);
+                    // Published right after the version it was applied on:
+                    // the step is made from what the apply touched (a name
+                    // added and removed again among them), the diff's own.
+                    if let (Some(changed), Some(lineage)) = (to.changed_from(&last.version), to.memo.find::<Lineage>(&LINEAGE)) {
+                        let diffed = Lineage::diffed(last, &to, usize::MAX).unwrap();
+                        proptest::prop_assert!(diffed.keys().all(|name| changed.binary_search(name).is_ok()));
+                        if let Some((from, step)) = lineage.steps.first() {
+                            proptest::prop_assert_eq!(from, &last.version);
+                            proptest::prop_assert_eq!(&**step, &diffed);
+                        }
+                    }
                     // The sizes of the steps the lineage keeps, newest
                     // first: this one, then the last one's while they fit.
                     let size = Diff::between(&last.resources, &to.resources);
