@@ -142,10 +142,10 @@ async fn exported(monitoring: SocketAddr, series: &str) -> Option<u64> {
 
 /// Waits until `series` at `monitoring` reads exactly `count` (a count
 /// moved on the way out of a closing connection may land a moment after the
-/// peer saw the close; one that goes past `count` never matches).
-/// Waits for `series` to read `count`; a series not exported yet is not
-/// there yet (a counter appears with its first increment, which may come a
-/// moment after what the test saw of the event it counts).
+/// peer saw the close; one that goes past `count` never matches). A series
+/// not exported yet is waited for too: a counter appears with its first
+/// increment, which may come a moment after what the test saw of the event
+/// it counts.
 pub async fn metric_is(monitoring: SocketAddr, series: &str, count: u64) {
     eventually_async(&format!("{series} to be {count}"), || async move {
         exported(monitoring, series).await == Some(count)
