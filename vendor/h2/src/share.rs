@@ -423,6 +423,21 @@ impl RecvStream {
         self.inner.inner.poll_data(cx).map_err(Into::into)
     }
 
+    /// Polls for the next data frame with its capacity released at once
+    /// (one lock of the connection's streams, where `poll_data` and
+    /// `FlowControl::release_capacity` take two), and whether another poll
+    /// may find more without waiting: `false` when nothing more is buffered
+    /// and the stream is still open for receiving, and then the task is
+    /// registered to be woken by the next frame (or the stream's end), as a
+    /// `Pending` poll registers it. A reader may then wait for that wake
+    /// before it polls again.
+    pub fn poll_data_released(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<(Bytes, bool), crate::Error>>> {
+        self.inner.inner.poll_data_released(cx).map_err(Into::into)
+    }
+
     #[doc(hidden)]
     pub fn poll_trailers(
         &mut self,

@@ -1242,6 +1242,23 @@ impl Recv {
         }
     }
 
+    /// Whether a poll of `stream`'s data would find something without
+    /// waiting (a frame or trailers buffered, or its receiving side closed
+    /// or failed); if not, the task is registered to be woken by the next
+    /// frame, as `schedule_recv` registers it.
+    pub fn register_if_drained(&mut self, cx: &Context, stream: &mut Stream) -> bool {
+        if !stream.pending_recv.is_empty() {
+            return true;
+        }
+        match stream.state.ensure_recv_open() {
+            Ok(true) => {
+                stream.recv_task = Some(cx.waker().clone());
+                false
+            }
+            Ok(false) | Err(_) => true,
+        }
+    }
+
     pub fn poll_trailers(
         &mut self,
         cx: &Context,

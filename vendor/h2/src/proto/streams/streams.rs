@@ -1530,6 +1530,44 @@ impl OpaqueStreamRef {
         me.actions.recv.is_end_stream(&stream)
     }
 
+    /// `poll_data`, with the frame's capacity released at once (as
+    /// `release_capacity` would) under the same lock, and whether another
+    /// poll may find more without waiting (`true`): a frame still
+    /// buffered, or the stream's receiving side closed or failed. When it
+    /// is `false`, the task is registered to be woken by the next frame, as
+    /// a `Pending` poll registers it.
+    pub fn poll_data_released(
+        &mut self,
+        cx: &Context,
+    ) -> Poll<Option<Result<(Bytes, bool), proto::Error>>> {
+        let mut me = self.inner.lock().unwrap();
+        let me = &mut *me;
+
+        let mut stream = me.store.resolve(self.key);
+
+        let data = match me.actions.recv.poll_data(cx, &mut stream) {
+            Poll::Ready(Some(Ok(data))) => data,
+            Poll::Ready(Some(Err(err))) => return Poll::Ready(Some(Err(err))),
+            Poll::Ready(None) => return Poll::Ready(None),
+            Poll::Pending => return Poll::Pending,
+        };
+        let len = data.payload.len();
+        if data.is_budgeted {
+            me.counts.release_data_frame(len);
+        }
+        if len > 0 {
+            // Within what is in flight: the frame was counted in it when
+            // received (`ReleaseCapacityTooBig` cannot be returned here).
+            let _ = me.actions.recv.release_capacity(
+                len as WindowSize,
+                &mut stream,
+                &mut me.actions.task,
+            );
+        }
+        let more = me.actions.recv.register_if_drained(cx, &mut stream);
+        Poll::Ready(Some(Ok((data.payload, more))))
+    }
+
     pub fn poll_data(&mut self, cx: &Context) -> Poll<Option<Result<Bytes, proto::Error>>> {
         let mut me = self.inner.lock().unwrap();
         let me = &mut *me;
