@@ -289,6 +289,19 @@ impl Outbound {
         std::future::Future::poll(std::pin::pin!(self.closed()), &mut cx).is_ready()
     }
 
+    /// Whether the client's leaving is to be watched for apart from its
+    /// requests ([`Self::closed`]). A queue's reader (a body the transport
+    /// reads) can go while the requests still read. A stream written
+    /// directly cannot: a reset, or its connection's close, reaches its
+    /// requests as an error as well (h2 fails a stream's reads and writes
+    /// together), and a client that ends its requests ends the stream. Not
+    /// watching it saves each of the stream's polls a lock of the
+    /// connection's streams and a waker stored (about 400 instructions a
+    /// response of eds; BENCHMARKS, session 38).
+    pub(super) fn watches_gone(&self) -> bool {
+        matches!(self.0, Out::Queue(_))
+    }
+
     /// Completes when the client is gone. A poll function over the borrow,
     /// not an async fn: every idle stream's task holds it.
     pub(super) fn closed(&mut self) -> impl std::future::Future<Output = ()> + '_ {

@@ -494,7 +494,8 @@ impl<W: Wire> TypedStream<W> {
                         Woken::PolicyChanged => Step::PolicyChanged,
                         Woken::Changed(type_url) => Step::Changed(type_url),
                     },
-                    _ = out.closed() => break (End::ClientGone, None),
+                    // Only where its requests would not say so (a queue's).
+                    _ = out.closed(), if out.watches_gone() => break (End::ClientGone, None),
                     request = inbound.message() => match request {
                         Ok(Some(_)) if !requests.take() => {
                             m::limit_refused("requests_rate");
