@@ -140,6 +140,12 @@ struct Shared {
     next_stream_id: AtomicU64,
     /// The broadcasts' relay is started ([`Downstream::relay_broadcasts`]).
     relaying: AtomicBool,
+    /// Set by the broadcasts' relay when the gateway's shutdown begins,
+    /// before it wakes every stream: what a stream's wait reads. The
+    /// token's own `is_cancelled` locks its mutex, one for every stream,
+    /// on each of their polls (3.9 a response in eds's update phase).
+    /// Its own allocation: the relay holds it, not the whole of this.
+    shutting_down: Arc<AtomicBool>,
     limits: DownstreamLimits,
     /// Large requests being read, across all streams.
     requests: Arc<RequestBudget>,
@@ -206,6 +212,7 @@ impl Downstream {
                 tasks,
                 next_stream_id: AtomicU64::new(1),
                 relaying: AtomicBool::new(false),
+                shutting_down: Arc::new(AtomicBool::new(false)),
                 limits,
                 requests: RequestBudget::new(
                     limits.max_request_buffer_bytes,
@@ -411,6 +418,7 @@ impl Downstream {
         }
         let shutdown = self.inner.shutdown.clone();
         let registry = self.inner.registry.clone();
+        let shutting_down = self.inner.shutting_down.clone();
         self.inner.tasks.spawn(async move {
             loop {
                 tokio::select! {
@@ -425,8 +433,15 @@ impl Downstream {
                     },
                 }
             }
+            // Set before the wakes: a stream registers, then reads it.
+            shutting_down.store(true, Ordering::Release);
             registry.wake_all();
         });
+    }
+
+    /// The gateway's shutdown has begun (as the broadcasts' relay says).
+    fn shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::Acquire)
     }
 
     /// The policy in effect, as it changes.

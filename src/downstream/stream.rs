@@ -207,7 +207,7 @@ fn woken<'a>(
 ) -> impl Future<Output = Woken> + 'a {
     std::future::poll_fn(move |cx| {
         entry.control().register(cx.waker());
-        if shared.inner.shutdown.is_cancelled() {
+        if shared.shutting_down() {
             return Poll::Ready(Woken::Shutdown);
         }
         if policy.has_changed().unwrap_or(false) {
