@@ -387,6 +387,16 @@ fn merge_shared_string(
 ) -> Result<(), prost::DecodeError> {
     let mut bytes = Bytes::new();
     encoding::bytes::merge(wire_type, &mut bytes, buf, ctx.clone())?;
+    set_shared_string(value, bytes, ctx)
+}
+
+/// Sets a string field read as `bytes`, as prost sets a `String` (its
+/// error for bytes that are not UTF-8).
+fn set_shared_string(
+    value: &mut ByteString,
+    bytes: Bytes,
+    ctx: encoding::DecodeContext,
+) -> Result<(), prost::DecodeError> {
     match ByteString::try_from(bytes) {
         Ok(read) => {
             *value = read;
@@ -454,6 +464,31 @@ impl XdsRequest {
             if tag == NAMES_FIELD {
                 if let Some(names) = run.take() {
                     request.resource_names.read_records(&whole[names]);
+                }
+            }
+            // The strings every ACK carries (its version, type and nonce):
+            // each a share of `whole`, sliced here, not through prost's
+            // generic merge (which reads to the same share).
+            if wire_type == WireType::LengthDelimited {
+                let field = match tag {
+                    1 => Some(&mut request.version_info),
+                    4 => Some(&mut request.type_url),
+                    5 => Some(&mut request.response_nonce),
+                    _ => None,
+                };
+                if let Some(field) = field {
+                    let len = encoding::decode_varint(&mut buf)?;
+                    if len > bytes::Buf::remaining(&buf) as u64 {
+                        return Err(underflow());
+                    }
+                    let from = at(&buf);
+                    bytes::Buf::advance(&mut buf, len as usize);
+                    set_shared_string(
+                        field,
+                        whole.slice(from..from + len as usize),
+                        encoding::DecodeContext::default(),
+                    )?;
+                    continue;
                 }
             }
             prost::Message::merge_field(
