@@ -640,7 +640,9 @@ impl Named {
             let hashes = self.hashes.get_or_init(|| names.iter().map(|n| name_hash(n)).collect());
             FilterHits {
                 names: &names.0,
-                hashes,
+                // As many as the names (the same list's, made with it):
+                // never a hash without its name.
+                hashes: &hashes[..hashes.len().min(names.len())],
                 changed,
                 next: 0,
                 base: 0,

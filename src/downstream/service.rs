@@ -296,7 +296,7 @@ impl Outbound {
     /// requests as an error as well (h2 fails a stream's reads and writes
     /// together), and a client that ends its requests ends the stream. Not
     /// watching it saves each of the stream's polls a lock of the
-    /// connection's streams and a waker stored (about 400 instructions a
+    /// connection's streams and a waker stored (about 350 instructions a
     /// response of eds; BENCHMARKS, session 38).
     pub(super) fn watches_gone(&self) -> bool {
         matches!(self.0, Out::Queue(_))
