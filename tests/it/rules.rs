@@ -318,11 +318,7 @@ fn encode(value: &str) -> String {
 /// A free port on 127.0.0.1 for Prometheus, which cannot say which port it
 /// took when given 0.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    crate::helpers::free_addr().port()
 }
 
 /// GET a Prometheus API path as JSON.

@@ -298,9 +298,37 @@ pub async fn get_json(addr: SocketAddr, path: &str) -> serde_json::Value {
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} is not JSON ({e}): {body}"))
 }
 
-/// An address on 127.0.0.1 free a moment ago: for gateways that must know
-/// their own port (or each other's) before they start.
+/// An address on 127.0.0.1 free a moment ago: for peers that must know
+/// their own port (or each other's) before they start (gateways, an Envoy's
+/// listener, Prometheus).
+///
+/// Taken below the range the kernel gives ports from when asked for port 0
+/// (`ip_local_port_range`), so that nothing started meanwhile on port 0 can
+/// be given it. A port of the kernel's choice, let go at once, was: an
+/// Envoy's admin port took the one its listener was then to bind
+/// ("Address already in use"). Each call in this process takes the next
+/// port from a place of the process's own, so two calls never return one
+/// port.
 pub fn free_addr() -> SocketAddr {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOWEST: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768)
+        .min(65_536);
+    let span = ephemeral_from.saturating_sub(LOWEST);
+    if span >= 1_000 {
+        let start = std::process::id() % span;
+        for _ in 0..span {
+            let port = LOWEST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+            if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port as u16)) {
+                return listener.local_addr().unwrap();
+            }
+        }
+    }
+    // No room below the kernel's range: its choice.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
     listener.local_addr().unwrap()
 }
