@@ -278,12 +278,13 @@ impl bytes::Buf for MessageBuf<'_> {
         self.rest = &self.rest[cnt..];
     }
 
-    /// A share of the message's buffer: a `bytes` field is not copied.
+    /// A share of the message's buffer: a `bytes` field is not copied. Cut
+    /// by its offset in the whole (`slice_ref` would find it again from
+    /// the pointers, with its checks).
     fn copy_to_bytes(&mut self, len: usize) -> Bytes {
-        let (field, rest) = self.rest.split_at(len);
-        let shared = self.whole.slice_ref(field);
-        self.rest = rest;
-        shared
+        let at = self.whole.len() - self.rest.len();
+        self.rest = &self.rest[len..];
+        self.whole.slice(at..at + len)
     }
 }
 
@@ -385,19 +386,15 @@ fn merge_shared_string(
     buf: &mut impl bytes::Buf,
     ctx: encoding::DecodeContext,
 ) -> Result<(), prost::DecodeError> {
-    let mut bytes = Bytes::new();
-    encoding::bytes::merge(wire_type, &mut bytes, buf, ctx.clone())?;
-    set_shared_string(value, bytes, ctx)
-}
-
-/// Sets a string field read as `bytes`, as prost sets a `String` (its
-/// error for bytes that are not UTF-8).
-fn set_shared_string(
-    value: &mut ByteString,
-    bytes: Bytes,
-    ctx: encoding::DecodeContext,
-) -> Result<(), prost::DecodeError> {
-    match ByteString::try_from(bytes) {
+    // As prost's `bytes::merge` reads a field (its checks and errors, in
+    // its order), without its generic step through a second `Buf`: a
+    // request's version, type and nonce on every ACK.
+    encoding::check_wire_type(WireType::LengthDelimited, wire_type)?;
+    let len = encoding::decode_varint(buf)?;
+    if len > buf.remaining() as u64 {
+        return Err(underflow());
+    }
+    match ByteString::try_from(buf.copy_to_bytes(len as usize)) {
         Ok(read) => {
             *value = read;
             Ok(())
@@ -464,31 +461,6 @@ impl XdsRequest {
             if tag == NAMES_FIELD {
                 if let Some(names) = run.take() {
                     request.resource_names.read_records(&whole[names]);
-                }
-            }
-            // The strings every ACK carries (its version, type and nonce):
-            // each a share of `whole`, sliced here, not through prost's
-            // generic merge (which reads to the same share).
-            if wire_type == WireType::LengthDelimited {
-                let field = match tag {
-                    1 => Some(&mut request.version_info),
-                    4 => Some(&mut request.type_url),
-                    5 => Some(&mut request.response_nonce),
-                    _ => None,
-                };
-                if let Some(field) = field {
-                    let len = encoding::decode_varint(&mut buf)?;
-                    if len > bytes::Buf::remaining(&buf) as u64 {
-                        return Err(underflow());
-                    }
-                    let from = at(&buf);
-                    bytes::Buf::advance(&mut buf, len as usize);
-                    set_shared_string(
-                        field,
-                        whole.slice(from..from + len as usize),
-                        encoding::DecodeContext::default(),
-                    )?;
-                    continue;
                 }
             }
             prost::Message::merge_field(
