@@ -932,6 +932,7 @@ impl http_body::Body for RecvBody {
 
 #[cfg(test)]
 mod tests {
+    use super::super::respond::tests::{within, Counted};
     use super::*;
 
     #[test]
@@ -948,22 +949,6 @@ mod tests {
         for _ in 0..100 {
             let age = jittered(Duration::from_secs(100)).as_secs_f64();
             assert!((90.0..=110.0).contains(&age), "{age}");
-        }
-    }
-
-    async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
-        tokio::time::timeout(Duration::from_secs(10), f)
-            .await
-            .unwrap_or_else(|_| panic!("{what} in time"))
-    }
-
-    /// A waker that counts its wakes.
-    #[derive(Default)]
-    struct Counted(std::sync::atomic::AtomicUsize);
-
-    impl std::task::Wake for Counted {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
     }
 
@@ -1034,7 +1019,7 @@ mod tests {
         let reader = Arc::new(Counted::default());
         let waker = std::task::Waker::from(reader.clone());
         let mut cx = Context::from_waker(&waker);
-        let woken = |reader: &Counted| reader.0.load(std::sync::atomic::Ordering::SeqCst);
+        let woken = |reader: &Counted| reader.wakes.load(std::sync::atomic::Ordering::SeqCst);
 
         // Nothing yet: the reader waits for h2.
         assert!(std::pin::Pin::new(&mut body).poll_frame(&mut cx).is_pending());

@@ -172,7 +172,7 @@ impl ResponseWriter {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::task::Wake;
     use std::time::Duration;
@@ -184,16 +184,17 @@ mod tests {
 
     const LIMIT: Duration = Duration::from_secs(10);
 
-    async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    /// `f`, or a panic naming `what` after 10 s (the transport's tests).
+    pub(in crate::transport) async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
         tokio::time::timeout(LIMIT, f)
             .await
             .unwrap_or_else(|_| panic!("{what} in time"))
     }
 
-    /// A waker that counts its wakes and says so.
+    /// A waker that counts its wakes and says so (the transport's tests).
     #[derive(Default)]
-    struct Counted {
-        wakes: AtomicUsize,
+    pub(in crate::transport) struct Counted {
+        pub(in crate::transport) wakes: AtomicUsize,
         woken: Notify,
     }
 
