@@ -144,8 +144,10 @@ const LEGACY_CONNECTION: i64 = 9_750;
 /// its names' 2-byte hashes, filled when a response first looks its names
 /// up in what changed: empty in this idle client). 2,626 to 2,630 B since
 /// "transport: a request body asks h2 for a frame only after h2's wake"
-/// (as `LEGACY_STREAM`).
-const NAMED_SOTW_STREAM: i64 = 2_650;
+/// (as `LEGACY_STREAM`), and 2,654 B in a clean checkout's CI run: the
+/// request body's signal took the headroom, so the budget moves 2,650 →
+/// 2,700.
+const NAMED_SOTW_STREAM: i64 = 2_700;
 /// An idle named delta ADS stream (as the state-of-the-world one, delta),
 /// with what it keeps of the versions its client holds. Measured 4,628 to
 /// 4,655 B; 4,825 B after issue 41's drains and NACK rule. Moved by: "order
