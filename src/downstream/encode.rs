@@ -396,6 +396,14 @@ impl Pieces {
         Self::new(usize::MAX)
     }
 
+    /// [`Self::copying`] into a buffer made with room for `len` bytes (not
+    /// grown to it: a reserve on an empty buffer is `bytes`' slow path).
+    fn copying_into(len: usize) -> Self {
+        let mut pieces = Self::copying();
+        pieces.made = BytesMut::with_capacity(len);
+        pieces
+    }
+
     fn new(copy_below: usize) -> Self {
         Pieces {
             made: BytesMut::new(),
@@ -1025,25 +1033,38 @@ impl Layout {
             .sum();
         // Each resource's field is about its stored bytes and its name
         // behind a few keys and lengths, a content version and (MCP over
-        // xDS) an `Any`'s type URL: the buffer is made this size once.
-        let mut len = head + removed + suffix.len();
+        // xDS) an `Any`'s type URL: what is held to the bound.
+        let fixed = head + removed + suffix.len();
+        let mut about = fixed;
         for resource in &diff.upserts {
-            len += resource.encoded.len() + resource.name.len() + 128;
-            if len > ONE_BUFFER_AT_MOST {
+            about += resource.encoded.len() + resource.name.len() + 128;
+            if about > ONE_BUFFER_AT_MOST {
                 return None;
             }
         }
-        let mut pieces = Pieces::copying();
-        pieces.made().reserve(len);
+        // The buffer is made once, exactly the response's size where each
+        // record is a slice of the resource's stored bytes (Envoy's state of
+        // the world: found here, copied below), so that it is frozen without
+        // `bytes`' shared header (an allocation a response, made for a
+        // buffer with room to spare); else at the size above.
+        let records: smallvec::SmallVec<[Option<std::ops::Range<usize>>; 4]> =
+            diff.upserts.iter().map(|r| self.stored_record(r)).collect();
+        let exact = records.iter().all(Option::is_some);
+        let len = if exact {
+            fixed + records.iter().flatten().map(ExactSizeIterator::len).sum::<usize>()
+        } else {
+            about
+        };
+        let mut pieces = Pieces::copying_into(len);
         put_string(self.version, &to.version, pieces.made());
         if let Some(tag) = self.collection {
             put_string(tag, &to.collection, pieces.made());
         }
         let key = MemoKey::of(self.resource_key);
-        for resource in &diff.upserts {
+        for (resource, record) in diff.upserts.iter().zip(records) {
             if self.made_each_time(resource) {
                 self.frame(resource, &mut pieces);
-            } else if let Some(record) = self.stored_record(resource) {
+            } else if let Some(record) = record {
                 pieces.made().put_slice(&resource.encoded[record]);
             } else if resource
                 .memo
@@ -1058,6 +1079,10 @@ impl Layout {
             put_bytes(self.removed, name.as_bytes(), pieces.made());
         }
         suffix.put(pieces.made());
+        debug_assert!(
+            !exact || pieces.len() == len,
+            "a response of found records is {len} bytes"
+        );
         Some(pieces.into_one())
     }
 }
