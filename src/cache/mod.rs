@@ -371,6 +371,8 @@ pub struct CollectionSnapshot {
 struct AppliedStep {
     from: SharedStr,
     changed: Box<[SharedStr]>,
+    /// What a reader made of the step, once ([`CollectionSnapshot::step_made`]).
+    made: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 /// Names a snapshot keeps of what its apply changed at most
@@ -426,6 +428,21 @@ impl CollectionSnapshot {
             .as_ref()
             .filter(|applied| *applied.from == *version)
             .map(|applied| &*applied.changed)
+    }
+
+    /// What `make` makes of the step from `version` to this snapshot, made
+    /// once and kept with the step, where this snapshot was applied on
+    /// `version`'s (as [`Self::changed_from`] says); `None` otherwise, or
+    /// where what is kept is of another type. For what every reader at the
+    /// version before looks up (the names that changed, for each named
+    /// client a version touches): a field of its own, not among
+    /// [`Self::memo`]'s entries, which a reader finds under a lock by a
+    /// walk of them (about 150 instructions a response of eds; BENCHMARKS,
+    /// session 39).
+    pub fn step_made<T: std::any::Any + Send + Sync>(&self, version: &str, make: impl FnOnce() -> T) -> Option<Arc<T>> {
+        let applied = self.applied.as_ref().filter(|applied| *applied.from == *version)?;
+        let made = applied.made.get_or_init(|| Arc::new(make()));
+        made.clone().downcast().ok()
     }
 
     /// The resource named `name`, as [`Self::resources`] holds it: found
@@ -1369,6 +1386,7 @@ impl Cache {
                     applied = (changed.len() <= step_names(resources.len())).then(|| AppliedStep {
                         from: current.version.clone(),
                         changed: changed.as_slice().into(),
+                        made: std::sync::OnceLock::new(),
                     });
                     (rechunked.chunks, recent)
                 }

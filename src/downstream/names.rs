@@ -821,23 +821,35 @@ const CHANGED_NAMES_PER_SNAPSHOT: usize = 32;
 /// size of the change), else by a diff of the two maps (a walk of every
 /// part of them that is not shared, which between versions a client
 /// skipped is most of a collection).
+///
+/// Between `to` and the version it was applied on (where every client a
+/// version touched was, unless it skipped one), kept with `to`'s step
+/// ([`CollectionSnapshot::step_made`]); between any other pair, among
+/// `to`'s memos.
 pub(super) fn changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> Arc<ChangedNames> {
+    if let Some(changed) = to.step_made(&from.version, || made_changed_names(from, to)) {
+        return changed;
+    }
     let key = MemoKey::with("names.changed", from.version.clone());
-    to.memo.get_or_make(key, CHANGED_NAMES_PER_SNAPSHOT, || {
-        if let Some(changed) = to
-            .memo
-            .find::<Lineage>(&LINEAGE)
-            .and_then(|l| l.changed_since(&from.version))
-        {
-            return changed;
-        }
-        let diff = Diff::between(&from.resources, &to.resources);
-        diff.upserts
-            .into_iter()
-            .map(|r| r.name.clone())
-            .chain(diff.removed)
-            .collect()
-    })
+    to.memo
+        .get_or_make(key, CHANGED_NAMES_PER_SNAPSHOT, || made_changed_names(from, to))
+}
+
+/// [`changed_names`], made: from `to`'s [`Lineage`], else by a diff.
+fn made_changed_names(from: &CollectionSnapshot, to: &CollectionSnapshot) -> ChangedNames {
+    if let Some(changed) = to
+        .memo
+        .find::<Lineage>(&LINEAGE)
+        .and_then(|l| l.changed_since(&from.version))
+    {
+        return changed;
+    }
+    let diff = Diff::between(&from.resources, &to.resources);
+    diff.upserts
+        .into_iter()
+        .map(|r| r.name.clone())
+        .chain(diff.removed)
+        .collect()
 }
 
 /// [`changed_names`] for `to` published after `from` in one slot, which
@@ -954,8 +966,11 @@ impl Lineage {
         }
         // Oldest first: a name's content before the oldest step that has
         // it, and after the newest.
+        // With room for every name of the steps: not grown by rehashes
+        // (a lineage of a few steps holds a few hundred names).
+        let most = steps.iter().map(|(_, step)| step.len()).sum();
         let mut net: HashMap<&SharedStr, (Option<Content>, Option<Content>), foldhash::fast::RandomState> =
-            HashMap::default();
+            HashMap::with_capacity_and_hasher(most, Default::default());
         for (_, step) in steps.iter().rev() {
             for (name, &(before, after)) in step.iter() {
                 net.entry(name)
