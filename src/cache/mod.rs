@@ -1666,6 +1666,50 @@ mod tests {
     use super::test_support::{resource, with_body};
     use super::*;
 
+    /// What a reader makes of a snapshot's step is made once and kept for
+    /// the version the snapshot was applied on only, of the type it was
+    /// made as; a snapshot stored afresh has no step.
+    #[test]
+    fn a_step_keeps_what_was_made_of_it_for_its_own_version_only() {
+        let (cache, mut writer) = Cache::new();
+        let many = |v: &str| (0..20).map(|i| resource(&format!("r{i:02}"), v)).collect::<Vec<_>>();
+        writer.apply("c", Update::Full(many("1")), Origin::Files);
+        let first = cache.get("c").unwrap();
+        assert!(
+            first.step_made(&first.version, || 1u32).is_none(),
+            "stored afresh: no step"
+        );
+        let change = |v: &str| Update::Incremental {
+            upserts: vec![resource("r03", v)],
+            removed: Vec::new(),
+        };
+        writer.apply("c", change("2"), Origin::Files);
+        let second = cache.get("c").unwrap();
+        writer.apply("c", change("3"), Origin::Files);
+        let third = cache.get("c").unwrap();
+        let made = std::cell::Cell::new(0);
+        let make = |n: u32| {
+            made.set(made.get() + 1);
+            n
+        };
+        assert_eq!(third.step_made(&second.version, || make(7)).as_deref(), Some(&7));
+        assert_eq!(
+            third.step_made(&second.version, || make(8)).as_deref(),
+            Some(&7),
+            "kept"
+        );
+        assert_eq!(made.get(), 1, "made once");
+        assert!(third.step_made(&first.version, || make(9)).is_none(), "not its step");
+        assert!(third.step_made(&third.version, || make(9)).is_none(), "not its step");
+        assert!(third.step_made(&second.version, String::new).is_none(), "another type");
+        assert_eq!(made.get(), 1);
+        assert_eq!(
+            second.step_made(&first.version, || 5u32).as_deref(),
+            Some(&5),
+            "each step its own"
+        );
+    }
+
     /// A diff's changed resources hold two inline in a `Vec`'s room: the
     /// diffs a version shares are no larger for it.
     #[test]

@@ -42,6 +42,7 @@ impl<V> ByType<V> {
         }
     }
 
+    /// [`Self::find`] by content: out of line, as it is rare.
     #[inline(never)]
     fn search(&self, key: &str) -> Result<usize, usize> {
         self.entries.binary_search_by(|(k, _)| k.as_str().cmp(key))

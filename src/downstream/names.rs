@@ -964,11 +964,11 @@ impl Lineage {
         if let [(_, step)] = steps {
             return Some(step.keys().cloned().collect());
         }
-        // Oldest first: a name's content before the oldest step that has
-        // it, and after the newest.
         // With room for every name of the steps: not grown by rehashes
         // (a lineage of a few steps holds a few hundred names).
         let most = steps.iter().map(|(_, step)| step.len()).sum();
+        // Oldest first: a name's content before the oldest step that has
+        // it, and after the newest.
         let mut net: HashMap<&SharedStr, (Option<Content>, Option<Content>), foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(most, Default::default());
         for (_, step) in steps.iter().rev() {
