@@ -388,25 +388,20 @@ const COPY_BELOW: usize = 1024;
 impl Pieces {
     /// Pieces that keep stored slices of `COPY_BELOW` bytes and more as they are.
     fn slicing() -> Self {
-        Self::new(COPY_BELOW)
+        Self::new(COPY_BELOW, 0)
     }
 
     /// Pieces that copy everything into one buffer.
     fn copying() -> Self {
-        Self::new(usize::MAX)
+        Self::new(usize::MAX, 0)
     }
 
-    /// [`Self::copying`] into a buffer made with room for `len` bytes (not
-    /// grown to it: a reserve on an empty buffer is `bytes`' slow path).
-    fn copying_into(len: usize) -> Self {
-        let mut pieces = Self::copying();
-        pieces.made = BytesMut::with_capacity(len);
-        pieces
-    }
-
-    fn new(copy_below: usize) -> Self {
+    /// Pieces whose made bytes' buffer is made with room for `room` bytes
+    /// (not reserved after: a reserve on an empty buffer is `bytes`' slow
+    /// path).
+    fn new(copy_below: usize, room: usize) -> Self {
         Pieces {
-            made: BytesMut::new(),
+            made: BytesMut::with_capacity(room),
             made_from: 0,
             parts: Vec::new(),
             copy_below,
@@ -899,7 +894,7 @@ impl Layout {
     /// made bytes around a slice of its stored bytes (or the form kept with
     /// the resource, which every view shares), not a copy per view.
     fn referenced(&self, to: &CollectionSnapshot, diff: &Diff) -> Arc<[Bytes]> {
-        let mut pieces = Pieces::new(0);
+        let mut pieces = Pieces::new(0, 0);
         for resource in &diff.upserts {
             if self.form == Form::Mcp {
                 let made = pieces.made();
@@ -959,13 +954,14 @@ impl Layout {
             return self.changes(to, diff);
         }
         read_ahead(&diff.upserts);
-        let mut pieces = Pieces::new(0);
         // A made field's bytes beside its body: the record's head, the
         // content version (16 digits) and the name behind their keys.
-        if self.form == Form::DeltaBody {
-            let made: usize = diff.upserts.iter().map(|r| r.name.len() + 32).sum();
-            pieces.made().reserve(made);
-        }
+        let room = if self.form == Form::DeltaBody {
+            diff.upserts.iter().map(|r| r.name.len() + 32).sum()
+        } else {
+            0
+        };
+        let mut pieces = Pieces::new(0, room);
         for resource in &diff.upserts {
             if self.made_each_time(resource) {
                 self.frame(resource, &mut pieces);
@@ -1055,7 +1051,7 @@ impl Layout {
         } else {
             about
         };
-        let mut pieces = Pieces::copying_into(len);
+        let mut pieces = Pieces::new(usize::MAX, len);
         put_string(self.version, &to.version, pieces.made());
         if let Some(tag) = self.collection {
             put_string(tag, &to.collection, pieces.made());
