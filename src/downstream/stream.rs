@@ -1663,7 +1663,11 @@ impl<W: Wire> TypedStream<W> {
         };
         let acked = followed.state.view.acked_version.clone();
         let shown_sent = followed.state.view.last_sent_version.is_some();
-        let decided = followed.state.next(current.as_ref());
+        let woken = match &followed.woken_by {
+            WokenBy::Names(registration) => Some(&**registration),
+            _ => None,
+        };
+        let decided = followed.state.next_woken(current.as_ref(), woken);
         if let Some(tally) = followed.state.take_reconnect_tally() {
             nack_memory::record_tally(&followed.state.view.collection, tally);
         }

@@ -49,6 +49,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 
 use super::names::{changed_names, Holds, NameChange, Named, TooManyNames};
 use super::registry::{NackRecord, Stamp, TypeView};
+use super::wakes::Registration;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 use crate::proto::wire::NameList;
 use crate::SharedStr;
@@ -761,6 +762,16 @@ impl TypeState {
     /// What to send now, given the cache's current snapshot. When it says
     /// `Push`, the adapter must send it and then call [`Self::sent`].
     pub fn next(&mut self, current: Option<&Arc<CollectionSnapshot>>) -> Result<Push, Wait> {
+        self.next_woken(current, None)
+    }
+
+    /// [`Self::next`], for a type the wake index wakes by its names
+    /// (`woken`: its registration there), whose changes it reads there.
+    pub fn next_woken(
+        &mut self,
+        current: Option<&Arc<CollectionSnapshot>>,
+        woken: Option<&Registration>,
+    ) -> Result<Push, Wait> {
         if self.view.outstanding || matches!(self.held, Held::AwaitingFirst { .. }) {
             return Err(Wait::Outstanding);
         }
@@ -827,7 +838,7 @@ impl TypeState {
                         // not told: it keeps it, as it would if left out of
                         // the whole.
                         Some(from) if changes_now => {
-                            let upserts = named.changes(Holds::Snapshot(from), &to).upserts;
+                            let upserts = named.changes_woken(Holds::Snapshot(from), &to, woken).upserts;
                             if upserts.is_empty() {
                                 // Nothing it asks for exists anew: it holds
                                 // `to` of its names as they are.
@@ -859,7 +870,7 @@ impl TypeState {
             (Mode::Incremental, Family::Xds) if !self.shared_first_or_diff() => {
                 let named = self.named.as_deref().expect("shared without names");
                 let diff = match &self.held {
-                    Held::At(from) => named.changes(Holds::Snapshot(from), &to),
+                    Held::At(from) => named.changes_woken(Holds::Snapshot(from), &to, woken),
                     Held::Reported(reported) => named.changes(Holds::Reported(reported), &to),
                     Held::Version(_) | Held::AwaitingFirst { .. } => {
                         named.changes(Holds::Reported(&ReportedNames::default()), &to)

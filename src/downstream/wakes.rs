@@ -41,6 +41,16 @@
 //! one in `SETTLE_AFTER` is left (measured: without it, an eds run's peak
 //! grew by 18 MiB, old versions kept by clients that no version touched).
 //!
+//! A woken client reads which of its names changed from the index too:
+//! each kept version holds, in client order, the pairs of a client and a
+//! changed name of its that the version's wakes found
+//! ([`Registration::changed_between`]), so the client's response looks up
+//! only those, not each of its names among what changed (the filter that
+//! did so was about 1,000 instructions a response of eds, with its names'
+//! hashes made at the first wake: BENCHMARKS, session 40). Where the index
+//! cannot say (versions it did not keep, names registered since, a name
+//! changed twice between), the client looks its names up as before.
+//!
 //! The order that loses no wake: a stream registers (its names, or itself
 //! as a follower) before it reads the slot; the publisher replaces the
 //! slot's snapshot before it reads the index. A version published before
@@ -163,19 +173,51 @@ struct Shared {
     published: Arc<Published>,
 }
 
-/// A slot's last [`SETTLE_AFTER`] versions, oldest first, each with its
-/// count in the index: a client left alone since it was last woken holds
-/// the newest as well as the one it ACKed, if that is among them at or
-/// after its wake. No more are needed: a client left alone by
+/// A slot's last [`SETTLE_AFTER`] + 1 versions, oldest first, each with
+/// its count in the index: a client left alone since it was last woken
+/// holds the newest as well as the one it ACKed, if that is among them at
+/// or after its wake. No more are needed: a client left alone by
 /// `SETTLE_AFTER` versions is woken, and shown at what it ACKed until its
-/// task settles it. Emptied when the collection is gone.
+/// task settles it; the one more is the version such a client holds, so
+/// that it finds what the versions since changed of its names
+/// ([`Registration::changed_between`]). Emptied when the collection is
+/// gone.
 #[derive(Default)]
-struct Published(Mutex<VecDeque<(SharedStr, u64)>>);
+struct Published(Mutex<VecDeque<Step>>);
 
 impl Published {
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(SharedStr, u64)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Step>> {
         self.0.lock().expect("published versions lock poisoned")
     }
+}
+
+/// Versions a slot's [`Published`] keeps.
+const STEPS_KEPT: usize = SETTLE_AFTER as usize + 1;
+
+/// A version a slot published, as its clients' views and tasks read it.
+struct Step {
+    version: SharedStr,
+    /// Its count in the index.
+    at: u64,
+    /// The version it replaced (`None`: none, or not known).
+    from: Option<SharedStr>,
+    /// For each named client and each of its names that this version
+    /// changed from `from`, the client's key and the name, in key order:
+    /// what the index found as it woke them, read by each woken client in
+    /// place of looking its names up among the changed ones. `None`: not
+    /// kept (the slot's first version, one after a delivery or a removal
+    /// of the collection, or one whose names touched more than
+    /// [`hits_kept`] clients' names).
+    hits: Option<Box<[(u64, SharedStr)]>>,
+}
+
+/// Pairs of a client and a changed name a [`Step`] keeps at most: twice
+/// its slot's named clients, at least 1,024 (eds's 1 % of 10,000 changing
+/// touches ~1,000 names of 2,000 clients). The pairs of a version's kept
+/// steps are then within ten a client (16 bytes each); a larger change's
+/// clients look their names up among what changed, as without them.
+fn hits_kept(clients: usize) -> usize {
+    clients.saturating_mul(2).max(1024)
 }
 
 /// A named client's link to its slot's last versions, for its registry
@@ -197,12 +239,12 @@ impl LeftAlone {
         // Read with the versions locked: a count a version stored before
         // it was published is seen with it.
         let since = self.0.woken_at.load(AtomicOrdering::Acquire);
-        let (newest, _) = published.back()?;
+        let newest = &published.back()?.version;
         published
             .iter()
             .rev()
-            .take_while(|(_, at)| *at >= since)
-            .any(|(version, _)| **version == *acked)
+            .take_while(|step| step.at >= since)
+            .any(|step| *step.version == *acked)
             .then(|| newest.clone())
     }
 }
@@ -237,9 +279,10 @@ impl Wakes {
         for name in names.iter() {
             index.by_name.entry(name.clone()).or_default().push(key);
         }
+        let named_at = index.versions;
         let shared = Arc::new(Shared {
             woken: AtomicBool::new(false),
-            woken_at: AtomicU64::new(index.versions),
+            woken_at: AtomicU64::new(named_at),
             published: self.published.clone(),
         });
         let connection = view.connection();
@@ -257,6 +300,7 @@ impl Wakes {
             wakes: self.clone(),
             key,
             names: names.clone(),
+            named_at,
             shared,
         }
     }
@@ -297,14 +341,28 @@ impl Wakes {
         // woken since are in a later list.
         let due = std::mem::take(&mut settle[slot]);
         let mut woken = Vec::new();
+        let mut hits = None;
         #[cfg(test)]
         let mut looked_at = due.len();
         match (from, to) {
             (Some(from), Some(to)) => {
                 if !clients.is_empty() {
                     let changed = published_changes(from, to);
-                    let touched = changed.iter().filter_map(|name| by_name.get(name)).flatten();
-                    woken.extend(touched.filter_map(|key| clients.get_key_value(key)));
+                    let most = hits_kept(clients.len());
+                    let mut pairs = Some(Vec::new());
+                    for (name, keys) in changed.iter().filter_map(|name| Some(name).zip(by_name.get(name))) {
+                        woken.extend(keys.iter().filter_map(|key| clients.get_key_value(key)));
+                        match &mut pairs {
+                            Some(kept) if kept.len() + keys.len() <= most => {
+                                kept.extend(keys.iter().map(|key| (*key, name.clone())));
+                            }
+                            _ => pairs = None,
+                        }
+                    }
+                    hits = pairs.map(|mut pairs| {
+                        pairs.sort_unstable_by_key(|(key, _)| *key);
+                        pairs.into_boxed_slice()
+                    });
                 }
                 #[cfg(test)]
                 {
@@ -336,12 +394,22 @@ impl Wakes {
                 // The slot's first version (made with it, not published
                 // here): what every client registered since holds.
                 if let (true, Some(from)) = (published.is_empty(), from) {
-                    published.push_back((from.version.clone(), at - 1));
+                    published.push_back(Step {
+                        version: from.version.clone(),
+                        at: at - 1,
+                        from: None,
+                        hits: None,
+                    });
                 }
-                if published.len() == usize::from(SETTLE_AFTER) {
+                if published.len() == STEPS_KEPT {
                     published.pop_front();
                 }
-                published.push_back((to.version.clone(), at));
+                published.push_back(Step {
+                    version: to.version.clone(),
+                    at,
+                    from: from.map(|from| from.version.clone()),
+                    hits,
+                });
             }
             None => published.clear(),
         }
@@ -394,6 +462,9 @@ pub struct Registration {
     wakes: Arc<Wakes>,
     key: u64,
     names: NameSet,
+    /// The index's count of versions when it was registered with `names`:
+    /// the versions after it found its names among what they changed.
+    named_at: u64,
     shared: Arc<Shared>,
 }
 
@@ -412,6 +483,44 @@ impl Registration {
         woken.load(AtomicOrdering::Acquire) && woken.swap(false, AtomicOrdering::AcqRel)
     }
 
+    /// Its names that changed from the slot's version `from` to `to`, as
+    /// the index found them when it published each version between, each
+    /// handed to `each` once, in name order (a woken client reads them
+    /// here rather than looking each of its names up among what changed).
+    /// False, with none handed, where the index cannot say: `to` is not
+    /// among the slot's last versions, `from` is not one of the versions
+    /// `to` was published after (one by one), a version between was
+    /// published before its names were registered or kept none, or one of
+    /// its names changed in more than one of them (it may have changed
+    /// back: the caller compares).
+    pub fn changed_between(&self, from: &SharedStr, to: &SharedStr, mut each: impl FnMut(&SharedStr)) -> bool {
+        let steps = self.shared.published.lock();
+        let Some(mut at) = steps.iter().rposition(|step| step.version == *to) else {
+            return false;
+        };
+        let mut names: smallvec::SmallVec<[&SharedStr; 8]> = smallvec::SmallVec::new();
+        loop {
+            let step = &steps[at];
+            let Some(hits) = step.hits.as_deref().filter(|_| step.at > self.named_at) else {
+                return false;
+            };
+            let first = hits.partition_point(|(key, _)| *key < self.key);
+            let mine = hits[first..].iter().take_while(|(key, _)| *key == self.key);
+            names.extend(mine.map(|(_, name)| name));
+            match (&step.from, at.checked_sub(1)) {
+                (Some(before), _) if before == from => break,
+                (Some(before), Some(older)) if steps[older].version == *before => at = older,
+                _ => return false,
+            }
+        }
+        names.sort_unstable();
+        if names.windows(2).any(|pair| pair[0] == pair[1]) {
+            return false;
+        }
+        names.into_iter().for_each(&mut each);
+        true
+    }
+
     /// Its link to the slot's versions, for its registry view.
     pub fn left_alone(&self) -> LeftAlone {
         LeftAlone(self.shared.clone())
@@ -428,6 +537,7 @@ impl Registration {
         if self.shared.woken_at.swap(index.versions, AtomicOrdering::Relaxed) != index.versions {
             index.due_to_settle(self.key);
         }
+        self.named_at = index.versions;
         let (old, new) = (&self.names, names);
         let (mut i, mut j) = (0, 0);
         loop {
