@@ -738,6 +738,43 @@ mod tests {
         (Arc::new(Wakes::default()), tasks)
     }
 
+    /// A version keeps its pairs of a client and a changed name only up to
+    /// [`hits_kept`]: past it, its clients are told the index cannot say
+    /// (and look their names up), and a smaller change after it is kept
+    /// again. Its clients are woken either way.
+    #[tokio::test]
+    async fn a_version_keeps_its_clients_changed_names_within_its_bound() {
+        let all: Vec<String> = (0..1_100).map(|n| format!("r{n:04}")).collect();
+        // Every name at "0"; every name at "1"; the first ten at "2".
+        let (cache, mut writer) = Cache::new();
+        let [v1, v2, v3] = [("0", 0), ("1", 0), ("1", 10)].map(|(version, at_two)| {
+            let resources = all
+                .iter()
+                .enumerate()
+                .map(|(i, n)| resource(n, if i < at_two { "2" } else { version }))
+                .collect();
+            writer.apply("c", Update::Full(resources), Origin::Upstream);
+            cache.get("c").expect("applied")
+        });
+        let (wakes, [task]) = tasks();
+        let mine = NameSet::from_unsorted(all.iter().map(|n| SharedStr::from(n.as_str())).collect());
+        let registration = wakes.register(&mine, task.entry.handle());
+        assert!(hits_kept(1) < all.len(), "the bound is below the change");
+        wakes.published(Some(&v1), Some(&v2));
+        assert!(registration.take_woken(), "woken past the bound");
+        assert!(
+            !registration.changed_between(&v1.version, &v2.version, |_| ()),
+            "1,100 pairs: not kept"
+        );
+        wakes.published(Some(&v2), Some(&v3));
+        assert!(registration.take_woken());
+        let mut found = Vec::new();
+        assert!(registration.changed_between(&v2.version, &v3.version, |name| found.push(name.to_string())));
+        assert_eq!(found, all[..10], "ten pairs: kept, in name order");
+        // Over both versions: one of them kept none.
+        assert!(!registration.changed_between(&v1.version, &v3.version, |_| ()));
+    }
+
     /// A version wakes the clients whose names it changed and no other,
     /// their tasks and their flags; a renamed client is woken by its new
     /// names only; a dropped one leaves the index; a delivery (or a
