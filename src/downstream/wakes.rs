@@ -492,7 +492,10 @@ impl Registration {
     /// `to` was published after (one by one), a version between was
     /// published before its names were registered or kept none, or one of
     /// its names changed in more than one of them (it may have changed
-    /// back: the caller compares).
+    /// back: the caller compares). `each` is called with the slot's
+    /// versions locked, so it must not publish or read a view of this slot
+    /// (a snapshot's own reads, as `CollectionSnapshot::resource`, take no
+    /// lock).
     pub fn changed_between(&self, from: &SharedStr, to: &SharedStr, mut each: impl FnMut(&SharedStr)) -> bool {
         let steps = self.shared.published.lock();
         let Some(mut at) = steps.iter().rposition(|step| step.version == *to) else {
