@@ -214,7 +214,8 @@ pub struct Named {
     /// subscription from changing.
     asked: u64,
     /// Each name of `current`'s [`name_hash`], in its order, made when
-    /// first needed after the names changed: a response looks the
+    /// first needed after the names changed: a response the wake index
+    /// cannot hand its changed names ([`Self::changes_woken`]) looks the
     /// client's names up in what changed by these ([`ChangedNames::may_hold_each`])
     /// without reading a name (each a cache miss of its own: 4 to 6 % of
     /// eds's update phase), and reads only the few that may have changed.

@@ -171,23 +171,17 @@ fn drain_ended(draining: &mut Option<Box<Draining>>) -> impl Future<Output = ()>
     })
 }
 
-/// A stream's rare events, the last branch of its `select!`.
-enum Rare {
-    /// This gateway's upstream chain changed: a gateway peer that is now
-    /// upstream of it would close a loop.
-    Refused(Status),
-    /// The source refused a collection, or left it unanswered past
-    /// --demand-timeout: a type waiting for it is answered empty.
-    AnswerRefused,
-    /// A listener's drain ended: the removals that waited for it are tried
-    /// again (after the step).
-    DrainEnded,
-}
-
-/// The first of a stream's [`Rare`] events, in that order: one branch of
-/// its `select!` rather than one each. Every poll of the select goes
-/// through its branches from a random one (its fairness), and with six a
-/// branch's index was a division and each branch a poll of its own, about
+/// A stream's rare events, the last branch of its `select!`, in this
+/// order: this gateway's upstream chain changed so that a gateway peer now
+/// upstream of it would close a loop (`Err`: the stream ends with it); the
+/// source refused a collection, or left it unanswered past
+/// --demand-timeout, so a type waiting for it is answered empty
+/// ([`Step::AnswerRefused`]); a listener's drain ended, so the removals
+/// that waited for it are tried again ([`Step::DrainEnded`]).
+///
+/// One branch of the select rather than one each. Every poll of the select
+/// goes through its branches from a random one (its fairness), and with six
+/// a branch's index was a division and each branch a poll of its own, about
 /// 400 instructions a response of eds with four polls a response
 /// (BENCHMARKS, session 40); four branches are a mask.
 fn rare<'a>(
@@ -195,19 +189,19 @@ fn rare<'a>(
     shared: &'a Downstream,
     refusals: &'a mut Option<Box<WatchStream<SubscriptionState>>>,
     draining: &'a mut Option<Box<Draining>>,
-) -> impl Future<Output = Rare> + 'a {
+) -> impl Future<Output = Result<Step, Status>> + 'a {
     let mut chain = chain_changed(peer_gateway, shared);
     let mut refused = refusals_changed(refusals);
     let mut drained = drain_ended(draining);
     std::future::poll_fn(move |cx| {
         if let Poll::Ready(status) = std::pin::Pin::new(&mut chain).poll(cx) {
-            return Poll::Ready(Rare::Refused(status));
+            return Poll::Ready(Err(status));
         }
         if let Poll::Ready(()) = std::pin::Pin::new(&mut refused).poll(cx) {
-            return Poll::Ready(Rare::AnswerRefused);
+            return Poll::Ready(Ok(Step::AnswerRefused));
         }
         if let Poll::Ready(()) = std::pin::Pin::new(&mut drained).poll(cx) {
-            return Poll::Ready(Rare::DrainEnded);
+            return Poll::Ready(Ok(Step::DrainEnded));
         }
         Poll::Pending
     })
@@ -569,9 +563,8 @@ impl<W: Wire> TypedStream<W> {
                         }
                     },
                     rare = rare(&mut self.peer_gateway, &self.shared, &mut self.refusals, &mut self.draining) => match rare {
-                        Rare::Refused(refused) => break (End::Refused, Some(refused)),
-                        Rare::AnswerRefused => Step::AnswerRefused,
-                        Rare::DrainEnded => Step::DrainEnded,
+                        Ok(step) => step,
+                        Err(refused) => break (End::Refused, Some(refused)),
                     },
                 };
                 let sent = match step {
