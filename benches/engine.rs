@@ -14,7 +14,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criteri
 use mcp_xds_gateway::cache::{Cache, CacheWriter, Diff, Origin, Update};
 use mcp_xds_gateway::collections::{Dialect, Resolved};
 use mcp_xds_gateway::downstream::encode::{LEGACY, XDS_MCP};
-use mcp_xds_gateway::downstream::registry::TypeView;
+use mcp_xds_gateway::downstream::registry::{Nonce, TypeView};
 use mcp_xds_gateway::downstream::type_state::{Family, Held, Mode, Request, TypeState};
 
 mod support;
@@ -157,8 +157,7 @@ fn state_machine(c: &mut Criterion) {
                 let sent = nonce.to_string();
                 let _ = state.on_request(Request::new(&sent, None));
                 let push = state.next(current.as_ref()).expect("a new version to send");
-                nonce += 1;
-                state.sent(nonce.to_string(), push.to().clone());
+                state.sent(Nonce::next(&mut nonce), push.to().clone());
             },
             BatchSize::SmallInput,
         )

@@ -15,6 +15,61 @@ use crate::skew::ClientGeneration;
 use crate::transport::defer::ConnectionGate;
 use crate::SharedStr;
 
+/// A response's nonce: the stream's count of the responses it sent (from
+/// 1), written in decimal on the wire and in the views. Kept as the number,
+/// not as its text: a response then allocates nothing for its nonce, and
+/// each copy of it (the type's state, its view here) is a plain copy, not a
+/// shared string's count (BENCHMARKS, session 41).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Nonce(std::num::NonZeroU64);
+
+impl Nonce {
+    /// The stream's next nonce after `count` responses: `count` goes up by
+    /// one.
+    pub fn next(count: &mut u64) -> Self {
+        *count = count.saturating_add(1);
+        Self(std::num::NonZeroU64::new(*count).unwrap_or(std::num::NonZeroU64::MAX))
+    }
+
+    /// Its text, written into `buf`.
+    pub fn text(self, buf: &mut itoa::Buffer) -> &str {
+        buf.format(self.0.get())
+    }
+
+    /// Whether `text`, a nonce as a client sent it back, is this one: the
+    /// same decimal text exactly.
+    pub fn is(self, text: &str) -> bool {
+        self.text(&mut itoa::Buffer::new()) == text
+    }
+}
+
+impl std::fmt::Display for Nonce {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.text(&mut itoa::Buffer::new()))
+    }
+}
+
+/// Its text, as the views showed it when it was kept as text.
+impl serde::Serialize for Nonce {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.text(&mut itoa::Buffer::new()))
+    }
+}
+
+/// A nonce's decimal text, as [`Nonce::text`] writes it (tests name the
+/// nonces they send by it).
+impl std::str::FromStr for Nonce {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        text.parse::<std::num::NonZeroU64>()
+            .ok()
+            .map(Self)
+            .filter(|nonce| nonce.is(text))
+            .ok_or_else(|| format!("{text:?} is not a nonce the gateway writes"))
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Protocol {
@@ -142,7 +197,7 @@ pub struct TypeView {
     /// The client asked for changes only (not the whole collection each time).
     pub incremental: bool,
     pub last_sent_version: Option<SharedStr>,
-    pub last_sent_nonce: Option<SharedStr>,
+    pub last_sent_nonce: Option<Nonce>,
     pub acked_version: Option<SharedStr>,
     pub outstanding: bool,
     /// When the client last sent a request for the type.
@@ -298,7 +353,7 @@ impl TypeView {
         self.dialect = *dialect;
         self.incremental = *incremental;
         share_optional(&mut self.last_sent_version, last_sent_version, SharedStr::ptr_eq);
-        share_optional(&mut self.last_sent_nonce, last_sent_nonce, SharedStr::ptr_eq);
+        self.last_sent_nonce = *last_sent_nonce;
         share_optional(&mut self.acked_version, acked_version, SharedStr::ptr_eq);
         self.outstanding = *outstanding;
         self.last_request_at = *last_request_at;
@@ -632,6 +687,44 @@ impl Drop for RegistryEntry {
 mod tests {
     use super::*;
 
+    /// A stream's nonces count its responses from 1, and a nonce a client
+    /// sends back is its own only as the same decimal text: not with a
+    /// leading zero or sign, not another number, not what another server
+    /// wrote. The views show the text.
+    #[test]
+    fn a_nonce_is_its_count_in_decimal_and_only_that_text_answers_it() {
+        let mut count = 0;
+        let first = Nonce::next(&mut count);
+        let second = Nonce::next(&mut count);
+        assert_eq!(
+            (count, first.to_string(), second.to_string()),
+            (2, "1".into(), "2".into())
+        );
+        let mut count = u64::MAX - 1;
+        assert_eq!(Nonce::next(&mut count).to_string(), u64::MAX.to_string());
+        assert_eq!(Nonce::next(&mut count).to_string(), u64::MAX.to_string(), "saturates");
+        assert!(second.is("2"));
+        for other in ["", "02", "+2", " 2", "2 ", "1", "3", "n2", "2.0", "0x2", "２"] {
+            assert!(!second.is(other), "{other:?} is not nonce 2");
+        }
+        assert_eq!("17".parse::<Nonce>().map(|n| n.to_string()), Ok("17".into()));
+        for bad in ["0", "017", "+17", "-1", "n1", "", "18446744073709551616"] {
+            assert!(
+                bad.parse::<Nonce>().is_err(),
+                "{bad:?} is not a nonce the gateway writes"
+            );
+        }
+        let shown = serde_json::to_value(TypeView {
+            last_sent_nonce: Some(second),
+            ..TypeView::new(crate::collections::Resolved {
+                collection: "c".into(),
+                dialect: Dialect::Xds,
+            })
+        })
+        .expect("a view serializes");
+        assert_eq!(shown["last_sent_nonce"], "2");
+    }
+
     /// A waker that counts its wakes.
     struct Counted(std::sync::atomic::AtomicUsize);
 
@@ -680,7 +773,7 @@ mod tests {
         };
         next(&|s| {
             s.last_sent_version = Some("v1".into());
-            s.last_sent_nonce = Some("n1".into());
+            s.last_sent_nonce = Some("1".parse().unwrap());
             s.outstanding = true;
             s.last_sent_at = Stamp(5);
         });

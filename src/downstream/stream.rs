@@ -23,7 +23,7 @@ use super::encode::{EncodedResponse, Record};
 use super::grants::GrantHold;
 use super::names::{names_seed, NameChange, Names};
 use super::order::{self, Blocker, Change, Decision, Rank, Standing};
-use super::registry::{OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
+use super::registry::{Nonce, OrderedView, Protocol, RegistryEntry, Stamp, TypeView};
 use super::rollout::{CanaryClient, Rollout};
 use super::service::TrySend;
 use super::type_state::{Family, Held, Mode, Nack, Push, ReportedNames, Request, TypeState, Unheld, Verdict};
@@ -2281,11 +2281,8 @@ impl<W: Wire> TypedStream<W> {
             .then(|| followed.state.last_sent().cloned())
             .flatten()
             .map(|held| (held, push.to().clone()));
-        self.last_nonce += 1;
-        // Written straight into the shared string the state keeps: one
-        // allocation, not a `String` first.
-        let nonce = SharedStr::from(itoa::Buffer::new().format(self.last_nonce));
-        let (parts, suffix) = W::encode(&push, type_url, &nonce);
+        let nonce = Nonce::next(&mut self.last_nonce);
+        let (parts, suffix) = W::encode(&push, type_url, nonce.text(&mut itoa::Buffer::new()));
         let to = push.to().clone();
         followed.state.sent_at(nonce, to.clone(), now);
         followed.state.note_current(current, now);

@@ -48,7 +48,7 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::names::{changed_names, Holds, NameChange, Named, TooManyNames};
-use super::registry::{NackRecord, Stamp, TypeView};
+use super::registry::{NackRecord, Nonce, Stamp, TypeView};
 use super::wakes::Registration;
 use crate::cache::{CachedResource, CollectionSnapshot, Diff};
 use crate::proto::wire::NameList;
@@ -676,11 +676,11 @@ impl TypeState {
             return Verdict::First;
         };
         let sent = self.sent.clone().expect("a nonce is only issued with a snapshot");
-        let answers = *sent_nonce == request.nonce
+        let answers = sent_nonce.is(request.nonce)
             && self.view.outstanding
             && (request.nack.is_some() || request.version.is_none_or(|v| *v == *sent.version));
         if !answers {
-            return match (changed, *sent_nonce == request.nonce) {
+            return match (changed, sent_nonce.is(request.nonce)) {
                 (true, _) => Verdict::Subscription,
                 (false, true) => Verdict::Repeat,
                 (false, false) => Verdict::Stale {
@@ -1126,12 +1126,12 @@ impl TypeState {
     }
 
     /// The response chosen by [`Self::next`] went out with `nonce` at `at`.
-    pub fn sent_at(&mut self, nonce: impl Into<SharedStr>, to: Arc<CollectionSnapshot>, at: Stamp) {
+    pub fn sent_at(&mut self, nonce: Nonce, to: Arc<CollectionSnapshot>, at: Stamp) {
         self.view.last_sent_at = at;
         self.sent(nonce, to);
     }
 
-    pub fn sent(&mut self, nonce: impl Into<SharedStr>, to: Arc<CollectionSnapshot>) {
+    pub fn sent(&mut self, nonce: Nonce, to: Arc<CollectionSnapshot>) {
         if let Some(named) = &mut self.named {
             named.on_sent();
         }
@@ -1139,7 +1139,7 @@ impl TypeState {
             self.held = Held::At(to.clone());
         }
         self.view.outstanding = true;
-        self.view.last_sent_nonce = Some(nonce.into());
+        self.view.last_sent_nonce = Some(nonce);
         self.view.last_sent_version = Some(to.version.clone());
         self.sent = Some(to);
     }
@@ -1198,6 +1198,11 @@ mod tests {
         Held::Reported(ReportedNames::default())
     }
 
+    /// The nonce a stream writes as its `count`th response's.
+    fn nonce_of(count: u64) -> Nonce {
+        count.to_string().parse().expect("a nonce")
+    }
+
     fn nack(_version: &str) -> Option<Nack> {
         Some(Nack {
             code: 3,
@@ -1218,7 +1223,7 @@ mod tests {
             Push::FirstFromReported { .. } => "first",
             Push::Selected { .. } => "selected",
         };
-        state.sent(nonce, send.to().clone());
+        state.sent(nonce.parse().expect("a nonce"), send.to().clone());
         Ok(kind)
     }
 
@@ -1253,7 +1258,7 @@ mod tests {
                 vec![
                     Next(&v1, Ok("full")),
                     Next(&v2, Err(Wait::Outstanding)),
-                    Req("n1", None, Verdict::Ack),
+                    Req("1", None, Verdict::Ack),
                     Next(&v1, Err(Wait::UpToDate)),
                     Next(&v2, Ok("full")),
                 ],
@@ -1264,7 +1269,7 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("other", None, Verdict::Stale { expected: "n1".into() }),
+                    Req("other", None, Verdict::Stale { expected: "1".into() }),
                     Next(&v2, Err(Wait::Outstanding)),
                 ],
             ),
@@ -1274,7 +1279,7 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Some(&v1v), Verdict::Nack),
+                    Req("1", Some(&v1v), Verdict::Nack),
                     Next(&v1, Err(Wait::Nacked)),
                     Next(&v2, Ok("full")),
                 ],
@@ -1291,7 +1296,7 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", None, Verdict::Ack),
+                    Req("1", None, Verdict::Ack),
                     Next(&v2, Ok("diff")),
                 ],
             ),
@@ -1301,7 +1306,7 @@ mod tests {
                 Held::Reported(ReportedNames::new(["a", "gone"])),
                 vec![
                     Next(&v1, Ok("first")),
-                    Req("n1", None, Verdict::Ack),
+                    Req("1", None, Verdict::Ack),
                     Next(&v1, Err(Wait::UpToDate)),
                     Next(&v2, Ok("diff")),
                 ],
@@ -1310,7 +1315,7 @@ mod tests {
                 "incremental: a NACK of the first response built from reported names cannot be recovered",
                 Mode::Incremental,
                 Held::Reported(ReportedNames::new(["gone"])),
-                vec![Next(&v1, Ok("first")), Req("n1", Some(&v1v), Verdict::Unrecoverable)],
+                vec![Next(&v1, Ok("first")), Req("1", Some(&v1v), Verdict::Unrecoverable)],
             ),
             (
                 "incremental: a NACK of a first response from nothing: the whole collection again",
@@ -1318,7 +1323,7 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Some(&v1v), Verdict::Nack),
+                    Req("1", Some(&v1v), Verdict::Nack),
                     Next(&v1, Err(Wait::Nacked)),
                     Next(&v2, Ok("full")),
                 ],
@@ -1329,9 +1334,9 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", None, Verdict::Ack),
+                    Req("1", None, Verdict::Ack),
                     Next(&v2, Ok("diff")),
-                    Req("n2", Some(&v2v), Verdict::Nack),
+                    Req("2", Some(&v2v), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     Next(&v3, Ok("diff")),
                 ],
@@ -1344,7 +1349,7 @@ mod tests {
                 match step {
                     Next(current, expected) => {
                         nonce += 1;
-                        let got = step_with(&mut s, current, &format!("n{nonce}"));
+                        let got = step_with(&mut s, current, &format!("{nonce}"));
                         assert_eq!(got, expected, "{what}: step {i}");
                     }
                     Req(nonce, nacked, expected) => {
@@ -1421,13 +1426,13 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(Some(&v1v)), Verdict::Ack),
+                    Req("1", Ack(Some(&v1v)), Verdict::Ack),
                     Next(&v2, Ok("full")),
-                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Req("2", Nack(Some(&v1v)), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     Shown(Some(&v1), true),
                     Next(&reverted, Ok("full")),
-                    Req("n3", Ack(Some(&v1v)), Verdict::Ack),
+                    Req("3", Ack(Some(&v1v)), Verdict::Ack),
                     Shown(Some(&v1), false),
                 ],
             ),
@@ -1438,11 +1443,11 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("full")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&reverted, Ok("full")),
-                    Req("n3", Ack(None), Verdict::Ack),
+                    Req("3", Ack(None), Verdict::Ack),
                     Next(&reverted, Err(Wait::UpToDate)),
                 ],
             ),
@@ -1453,14 +1458,14 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff +a")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     Next(&v3, Ok("diff +a +c")),
-                    Req("n3", Nack(None), Verdict::Nack),
+                    Req("3", Nack(None), Verdict::Nack),
                     Next(&reverted, Ok("diff")),
-                    Req("n4", Ack(None), Verdict::Ack),
+                    Req("4", Ack(None), Verdict::Ack),
                     Shown(Some(&v1), false),
                 ],
             ),
@@ -1471,12 +1476,12 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff +a")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     Next(&v3, Ok("+a +c")),
-                    Req("n3", Ack(None), Verdict::Ack),
+                    Req("3", Ack(None), Verdict::Ack),
                     Shown(Some(&v3), false),
                 ],
             ),
@@ -1487,9 +1492,9 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff +a")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&reverted, Ok("+a")),
                 ],
             ),
@@ -1500,9 +1505,9 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v4, Ok("diff +a +b")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&v5, Ok("+a +b")),
                 ],
             ),
@@ -1514,13 +1519,13 @@ mod tests {
                 vec![
                     Req("", Names(None, &["a"]), Verdict::First),
                     Next(&v1, Ok("+a")),
-                    Req("n1", Names(Some(&v1v), &["a"]), Verdict::Ack),
+                    Req("1", Names(Some(&v1v), &["a"]), Verdict::Ack),
                     Next(&v2, Ok("+a")),
-                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
-                    Req("n2", Names(Some(&v1v), &["a", "b"]), Verdict::Subscription),
+                    Req("2", Nack(Some(&v1v)), Verdict::Nack),
+                    Req("2", Names(Some(&v1v), &["a", "b"]), Verdict::Subscription),
                     Shown(Some(&v1), true),
                     Next(&v2, Ok("+a +b")),
-                    Req("n3", Names(Some(&v2v), &["a", "b"]), Verdict::Ack),
+                    Req("3", Names(Some(&v2v), &["a", "b"]), Verdict::Ack),
                     Shown(Some(&v2), false),
                 ],
             ),
@@ -1532,10 +1537,10 @@ mod tests {
                 vec![
                     Req("", Names(None, &["a"]), Verdict::First),
                     Next(&v2, Ok("+a")),
-                    Req("n1", Nack(None), Verdict::Nack),
-                    Req("n1", Names(None, &["b"]), Verdict::Subscription),
+                    Req("1", Nack(None), Verdict::Nack),
+                    Req("1", Names(None, &["b"]), Verdict::Subscription),
                     Next(&v2, Ok("+b")),
-                    Req("n2", Names(Some(&v2v), &["b"]), Verdict::Ack),
+                    Req("2", Names(Some(&v2v), &["b"]), Verdict::Ack),
                     Shown(Some(&v2), false),
                 ],
             ),
@@ -1546,10 +1551,10 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(Some("another")), Verdict::Repeat),
+                    Req("1", Ack(Some("another")), Verdict::Repeat),
                     Next(&v2, Err(Wait::Outstanding)),
-                    Req("n1", Ack(Some(&v1v)), Verdict::Ack),
-                    Req("n1", Ack(Some(&v1v)), Verdict::Repeat),
+                    Req("1", Ack(Some(&v1v)), Verdict::Ack),
+                    Req("1", Ack(Some(&v1v)), Verdict::Repeat),
                 ],
             ),
             (
@@ -1560,7 +1565,7 @@ mod tests {
                 vec![
                     Req("", Names(None, &["a", "b"]), Verdict::First),
                     Next(&v2, Ok("+a +b")),
-                    Req("n1", Names(Some(&v2v), &["a", "b"]), Verdict::Ack),
+                    Req("1", Names(Some(&v2v), &["a", "b"]), Verdict::Ack),
                     Next(&v3, Err(Wait::UpToDate)),
                     Shown(Some(&v3), false),
                 ],
@@ -1573,9 +1578,9 @@ mod tests {
                 vec![
                     Req("", Names(None, &["a"]), Verdict::First),
                     Next(&v1, Ok("+a")),
-                    Req("n1", Names(Some(&v1v), &["a"]), Verdict::Ack),
+                    Req("1", Names(Some(&v1v), &["a"]), Verdict::Ack),
                     Next(&v2, Ok("+a")),
-                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Req("2", Nack(Some(&v1v)), Verdict::Nack),
                     Next(&v3, Err(Wait::UpToDate)),
                     Shown(Some(&v1), true),
                     Next(&v5, Ok("+a")),
@@ -1589,9 +1594,9 @@ mod tests {
                 vec![
                     Req("", Subscribe(&["a"]), Verdict::First),
                     Next(&v1, Ok("+a")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("+a")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     Req("", Subscribe(&["a"]), Verdict::Subscription),
                     Next(&v2, Ok("+a")),
@@ -1604,7 +1609,7 @@ mod tests {
                 held_at(&v1, &["a", "b"]),
                 vec![
                     Next(&v2, Ok("first")),
-                    Req("n1", Nack(None), Verdict::Nack),
+                    Req("1", Nack(None), Verdict::Nack),
                     Next(&v2, Err(Wait::Nacked)),
                     // Nothing ACKed on this stream: everything.
                     Next(&v3, Ok("full")),
@@ -1615,7 +1620,7 @@ mod tests {
                 xds,
                 full,
                 Held::Version(v1.version.clone()),
-                vec![Next(&v1, Ok("full")), Req("n1", Ack(Some(&v1v)), Verdict::Ack)],
+                vec![Next(&v1, Ok("full")), Req("1", Ack(Some(&v1v)), Verdict::Ack)],
             ),
             (
                 "state of the world, MCP: a sink reconnecting at the current version gets nothing (it holds what it ACKed)",
@@ -1631,11 +1636,11 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(Some(&v1v)), Verdict::Ack),
+                    Req("1", Ack(Some(&v1v)), Verdict::Ack),
                     Next(&v2, Ok("full")),
-                    Req("n2", Nack(Some(&v1v)), Verdict::Nack),
+                    Req("2", Nack(Some(&v1v)), Verdict::Nack),
                     Next(&v3, Ok("full")),
-                    Req("n3", Ack(Some(&v3v)), Verdict::Ack),
+                    Req("3", Ack(Some(&v3v)), Verdict::Ack),
                     Next(&v2, Ok("full")),
                 ],
             ),
@@ -1646,11 +1651,11 @@ mod tests {
                 nothing(),
                 vec![
                     Next(&v1, Ok("full")),
-                    Req("n1", Ack(None), Verdict::Ack),
+                    Req("1", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff +a")),
-                    Req("n2", Nack(None), Verdict::Nack),
+                    Req("2", Nack(None), Verdict::Nack),
                     Next(&v3, Ok("+a +c")),
-                    Req("n3", Ack(None), Verdict::Ack),
+                    Req("3", Ack(None), Verdict::Ack),
                     Next(&v2, Ok("diff -c")),
                 ],
             ),
@@ -1659,7 +1664,7 @@ mod tests {
                 mcp,
                 incremental,
                 held_at(&v1, &["a", "b"]),
-                vec![Next(&v2, Ok("first")), Req("n1", Nack(None), Verdict::Unrecoverable)],
+                vec![Next(&v2, Ok("first")), Req("1", Nack(None), Verdict::Unrecoverable)],
             ),
         ];
         for (what, family, mode, held, steps) in cases {
@@ -1672,7 +1677,7 @@ mod tests {
                         let got = s.next(Some(current)).map(|push| {
                             nonce += 1;
                             let said = described(&push);
-                            s.sent(format!("n{nonce}"), push.to().clone());
+                            s.sent(nonce_of(nonce), push.to().clone());
                             said
                         });
                         assert_eq!(got.as_deref(), expected.as_ref().map(|e| *e), "{what}: step {i}");
@@ -1802,7 +1807,7 @@ mod tests {
 
     /// The first response's names sent and removed, and its tally.
     fn first(s: &mut TypeState, current: &Arc<CollectionSnapshot>) -> ((Vec<String>, Vec<String>), ReconnectTally) {
-        let push = send(s, current, "n1");
+        let push = send(s, current, "1");
         let (sent, removed) = selected(&push);
         let listed = (
             sent.iter().map(|n| n.to_string()).collect(),
@@ -1838,11 +1843,11 @@ mod tests {
         // Named (Envoy's EDS and RDS): all held, nothing resent.
         let mut s = reconnecting(&["a", "b", "c"], reporting(&v1, all), Unheld::Nothing);
         assert_eq!(first(&mut s, &v1), (none.clone(), tally(3, 0, 0, 0)));
-        assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+        assert_eq!(answer(&mut s, "1", false), Verdict::Ack);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
         let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1"), ("c", "1"), ("d", "1")]);
         assert_eq!(
-            selected(&send(&mut s, &v2, "n2")),
+            selected(&send(&mut s, &v2, "2")),
             (vec!["a"], vec![]),
             "then its changes"
         );
@@ -1873,15 +1878,12 @@ mod tests {
         // Wildcard, naming nothing (CDS, LDS): the same, from the collection.
         let mut s = reconnecting(&[], reporting(&v1, all), Unheld::Nothing);
         assert_eq!(first(&mut s, &v1), ((strings(&["d"]), vec![]), tally(3, 0, 0, 0)));
-        assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
-        assert!(
-            matches!(send(&mut s, &v2, "n2"), Push::Diff { .. }),
-            "then shared diffs"
-        );
+        assert_eq!(answer(&mut s, "1", false), Verdict::Ack);
+        assert!(matches!(send(&mut s, &v2, "2"), Push::Diff { .. }), "then shared diffs");
 
         // Untrusted (MCP, or --nack-memory 0s): everything, as before.
         let mut s = family_state(Family::Xds, Mode::Incremental, reporting(&v1, all));
-        assert!(matches!(send(&mut s, &v1, "n1"), Push::FirstFromReported { .. }));
+        assert!(matches!(send(&mut s, &v1, "1"), Push::FirstFromReported { .. }));
         assert_eq!(s.take_reconnect_tally(), None);
     }
 
@@ -1902,18 +1904,18 @@ mod tests {
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
         assert_eq!(s.take_reconnect_tally().map(|t| t.skipped), Some(2));
         assert_eq!(s.view.acked_version.as_deref(), Some(&*v1.version));
-        assert!(matches!(send(&mut s, &v2, "n1"), Push::Full { .. }), "its next change");
+        assert!(matches!(send(&mut s, &v2, "1"), Push::Full { .. }), "its next change");
 
         let mut s = sotw(at(&v1), nameset(&["a"]));
-        assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }), "it NACKed before");
+        assert!(matches!(send(&mut s, &v1, "1"), Push::Full { .. }), "it NACKed before");
         assert_eq!(s.take_reconnect_tally().map(|t| t.nacked), Some(2));
 
         let mut s = sotw(at(&v1), Unheld::Nothing);
         assert_eq!(s.force_resend([&SharedStr::from("a")]), 1);
-        assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }), "forced");
+        assert!(matches!(send(&mut s, &v1, "1"), Push::Full { .. }), "forced");
 
         let mut s = sotw(at(&v1), Unheld::Nothing);
-        assert!(matches!(send(&mut s, &v2, "n1"), Push::Full { .. }), "another version");
+        assert!(matches!(send(&mut s, &v2, "1"), Push::Full { .. }), "another version");
         assert_eq!(s.take_reconnect_tally().map(|t| t.changed), Some(2));
 
         let mut s = sotw(at(&v1), Unheld::Nothing);
@@ -1924,7 +1926,7 @@ mod tests {
             ..Request::new("", None)
         });
         assert_eq!(
-            selected(&send(&mut s, &v1, "n1")),
+            selected(&send(&mut s, &v1, "1")),
             (vec!["a"], vec![]),
             "named: answered"
         );
@@ -1955,25 +1957,25 @@ mod tests {
         for mode in [Mode::Incremental, Mode::Full] {
             let mut s = family_state(Family::Xds, mode, nothing());
             ask(&mut s, &["a", "b"]);
-            send(&mut s, &v1, "n1");
-            assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+            send(&mut s, &v1, "1");
+            assert_eq!(answer(&mut s, "1", false), Verdict::Ack);
             assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
             assert_eq!(s.force_resend([&a, &x]), 1);
             let expected = match mode {
                 Mode::Incremental => vec!["a"],
                 Mode::Full => vec!["a", "b"],
             };
-            assert_eq!(selected(&send(&mut s, &v1, "n2")), (expected, vec![]), "{mode:?}");
-            assert_eq!(answer(&mut s, "n2", false), Verdict::Ack);
+            assert_eq!(selected(&send(&mut s, &v1, "2")), (expected, vec![]), "{mode:?}");
+            assert_eq!(answer(&mut s, "2", false), Verdict::Ack);
             assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate, "once");
         }
         // A delta client naming nothing.
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
-        send(&mut s, &v1, "n1");
-        assert_eq!(answer(&mut s, "n1", false), Verdict::Ack);
+        send(&mut s, &v1, "1");
+        assert_eq!(answer(&mut s, "1", false), Verdict::Ack);
         assert_eq!(s.force_resend([&b]), 1);
-        assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["b"], vec![]));
-        assert_eq!(answer(&mut s, "n2", false), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "2")), (vec!["b"], vec![]));
+        assert_eq!(answer(&mut s, "2", false), Verdict::Ack);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
     }
 
@@ -1987,11 +1989,11 @@ mod tests {
         let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("c", "1")]);
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing()).remembering_nacks();
         assert_eq!(s.carried(), Unheld::Nothing);
-        send(&mut s, &v1, "n1");
+        send(&mut s, &v1, "1");
         assert_eq!(s.carried(), Unheld::Everything, "the whole collection");
-        answer(&mut s, "n1", false);
-        send(&mut s, &v2, "n2");
-        assert_eq!(answer(&mut s, "n2", true), Verdict::Nack);
+        answer(&mut s, "1", false);
+        send(&mut s, &v2, "2");
+        assert_eq!(answer(&mut s, "2", true), Verdict::Nack);
         assert_eq!(s.carried(), nameset(&["a", "b", "c"]), "changed, added, removed");
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing()).remembering_nacks();
         let asked = names(&["a"]);
@@ -2002,13 +2004,13 @@ mod tests {
             },
             ..Request::new("", None)
         });
-        send(&mut s, &v2, "n1");
+        send(&mut s, &v2, "1");
         assert_eq!(s.carried(), nameset(&["a"]));
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
-        send(&mut s, &v2, "n1");
+        send(&mut s, &v2, "1");
         assert_eq!(s.carried(), Unheld::Everything, "not kept: the whole type");
         let mut s = family_state(Family::Xds, Mode::Full, nothing());
-        send(&mut s, &v1, "n1");
+        send(&mut s, &v1, "1");
         assert_eq!(s.carried(), Unheld::Everything);
     }
 
@@ -2053,10 +2055,10 @@ mod tests {
         NameList::from_names(names.iter().map(String::as_str))
     }
 
-    /// Sends what `next` decides with nonce `n{count}`; returns the push.
+    /// Sends what `next` decides with nonce `nonce`; returns the push.
     fn send(s: &mut TypeState, current: &Arc<CollectionSnapshot>, nonce: &str) -> Push {
         let push = s.next(Some(current)).expect("something to send");
-        s.sent(nonce, push.to().clone());
+        s.sent(nonce.parse().expect("a nonce"), push.to().clone());
         push
     }
 
@@ -2073,45 +2075,45 @@ mod tests {
             })
         };
         assert_eq!(ask(&mut s, "", &["a", "ghost"]), Verdict::First);
-        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a"], vec![]));
-        assert_eq!(ask(&mut s, "n1", &["a", "ghost"]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "1")), (vec!["a"], vec![]));
+        assert_eq!(ask(&mut s, "1", &["a", "ghost"]), Verdict::Ack);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
         // A new name with the same nonce (Envoy asks for a new route with
         // its last ACK): the new set, at the same version.
-        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Subscription);
-        assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["a", "b"], vec![]));
+        assert_eq!(ask(&mut s, "1", &["a", "b"]), Verdict::Subscription);
+        assert_eq!(selected(&send(&mut s, &v1, "2")), (vec!["a", "b"], vec![]));
         // A change while a response is outstanding (a stale nonce) counts,
         // and is answered once the outstanding one is.
-        assert_eq!(ask(&mut s, "n1", &["c"]), Verdict::Subscription);
+        assert_eq!(ask(&mut s, "1", &["c"]), Verdict::Subscription);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::Outstanding);
-        assert_eq!(ask(&mut s, "n2", &["c"]), Verdict::Ack);
-        assert_eq!(selected(&send(&mut s, &v1, "n3")), (vec!["c"], vec![]));
-        assert_eq!(ask(&mut s, "n3", &["c"]), Verdict::Ack);
+        assert_eq!(ask(&mut s, "2", &["c"]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "3")), (vec!["c"], vec![]));
+        assert_eq!(ask(&mut s, "3", &["c"]), Verdict::Ack);
         // Once a name was asked for, an empty list is nothing, not everything:
         // names dropped need no response.
-        assert_eq!(ask(&mut s, "n3", &[]), Verdict::Subscription);
+        assert_eq!(ask(&mut s, "3", &[]), Verdict::Subscription);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
-        assert_eq!(ask(&mut s, "n3", &["*"]), Verdict::Subscription);
+        assert_eq!(ask(&mut s, "3", &["*"]), Verdict::Subscription);
         assert!(
-            matches!(send(&mut s, &v1, "n4"), Push::Full { .. }),
+            matches!(send(&mut s, &v1, "4"), Push::Full { .. }),
             "\"*\" is everything"
         );
         // A name dropped and asked for again is sent again (the client
         // dropped it too).
         let mut s = state(Mode::Full, nothing());
         assert_eq!(ask(&mut s, "", &["a", "b"]), Verdict::First);
-        send(&mut s, &v1, "n1");
-        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Ack);
-        assert_eq!(ask(&mut s, "n1", &["a"]), Verdict::Subscription);
+        send(&mut s, &v1, "1");
+        assert_eq!(ask(&mut s, "1", &["a", "b"]), Verdict::Ack);
+        assert_eq!(ask(&mut s, "1", &["a"]), Verdict::Subscription);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
-        assert_eq!(ask(&mut s, "n1", &["a", "b"]), Verdict::Subscription);
-        assert_eq!(selected(&send(&mut s, &v1, "n2")), (vec!["a", "b"], vec![]));
+        assert_eq!(ask(&mut s, "1", &["a", "b"]), Verdict::Subscription);
+        assert_eq!(selected(&send(&mut s, &v1, "2")), (vec!["a", "b"], vec![]));
 
         // A client that names nothing is wildcard, and served the shared
         // response.
         let mut s = state(Mode::Full, nothing());
         assert_eq!(ask(&mut s, "", &[]), Verdict::First);
-        assert!(matches!(send(&mut s, &v1, "n1"), Push::Full { .. }));
+        assert!(matches!(send(&mut s, &v1, "1"), Push::Full { .. }));
         assert!(s.named().is_none());
     }
 
@@ -2132,8 +2134,8 @@ mod tests {
         let mut s = family_state(Family::Xds, Mode::Incremental, nothing());
         assert_eq!(change(&mut s, "", &["a", "ghost"], &[]), Verdict::First);
         // A name that does not exist is removed, and stays subscribed.
-        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a"], vec!["ghost"]));
-        assert_eq!(change(&mut s, "n1", &[], &[]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v1, "1")), (vec!["a"], vec!["ghost"]));
+        assert_eq!(change(&mut s, "1", &[], &[]), Verdict::Ack);
         assert_eq!(s.next(Some(&v1)).unwrap_err(), Wait::UpToDate);
         // A change to a resource nobody here asked for: nothing to send.
         let v2 = with_bodies(&cache, &mut writer, &[("a", "1"), ("b", "2"), ("c", "1")]);
@@ -2144,30 +2146,30 @@ mod tests {
             &mut writer,
             &[("a", "1"), ("b", "2"), ("c", "1"), ("ghost", "1")],
         );
-        assert_eq!(selected(&send(&mut s, &v3, "n2")), (vec!["ghost"], vec![]));
-        assert_eq!(change(&mut s, "n2", &[], &[]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v3, "2")), (vec!["ghost"], vec![]));
+        assert_eq!(change(&mut s, "2", &[], &[]), Verdict::Ack);
         // A spontaneous subscription (no nonce) counts; a name the client
         // already has is sent again.
         assert_eq!(change(&mut s, "", &["a", "b"], &[]), Verdict::Subscription);
-        assert_eq!(selected(&send(&mut s, &v3, "n3")), (vec!["a", "b"], vec![]));
-        assert_eq!(change(&mut s, "n3", &[], &[]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v3, "3")), (vec!["a", "b"], vec![]));
+        assert_eq!(change(&mut s, "3", &[], &[]), Verdict::Ack);
         // An unsubscription needs no response.
         assert_eq!(change(&mut s, "", &[], &["b", "never"]), Verdict::Subscription);
         assert_eq!(s.next(Some(&v3)).unwrap_err(), Wait::UpToDate);
         // What it asks for changes and goes: a diff of what it holds.
         let v4 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "3"), ("c", "1")]);
-        assert_eq!(selected(&send(&mut s, &v4, "n4")), (vec!["a"], vec!["ghost"]));
-        assert_eq!(change(&mut s, "n4", &[], &[]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v4, "4")), (vec!["a"], vec!["ghost"]));
+        assert_eq!(change(&mut s, "4", &[], &[]), Verdict::Ack);
         // Wildcard beside names; a name unsubscribed that wildcard still
         // covers is sent again (the client may have dropped it).
         assert_eq!(change(&mut s, "", &["*"], &[]), Verdict::Subscription);
-        assert_eq!(selected(&send(&mut s, &v4, "n5")), (vec!["b", "c"], vec![]));
-        assert_eq!(change(&mut s, "n5", &[], &["a"]), Verdict::Ack);
-        assert_eq!(selected(&send(&mut s, &v4, "n6")), (vec!["a"], vec![]));
-        assert_eq!(change(&mut s, "n6", &[], &[]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v4, "5")), (vec!["b", "c"], vec![]));
+        assert_eq!(change(&mut s, "5", &[], &["a"]), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v4, "6")), (vec!["a"], vec![]));
+        assert_eq!(change(&mut s, "6", &[], &[]), Verdict::Ack);
         // Wildcard and nothing owed: the shared diffs.
         let v5 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "3")]);
-        let push = send(&mut s, &v5, "n7");
+        let push = send(&mut s, &v5, "7");
         assert!(matches!(push, Push::Diff { .. }), "{push:?}");
     }
 
@@ -2187,18 +2189,18 @@ mod tests {
             }
         }
         assert_eq!(s.on_request(request("", None, &sub)), Verdict::First);
-        send(&mut s, &v1, "n1");
-        assert_eq!(s.on_request(request("n1", None, &NO_NAMES)), Verdict::Ack);
+        send(&mut s, &v1, "1");
+        assert_eq!(s.on_request(request("1", None, &NO_NAMES)), Verdict::Ack);
         let v2 = with_bodies(&cache, &mut writer, &[("a", "2"), ("b", "1")]);
-        send(&mut s, &v2, "n2");
-        assert_eq!(s.on_request(request("n2", nack("v2"), &NO_NAMES)), Verdict::Nack);
+        send(&mut s, &v2, "2");
+        assert_eq!(s.on_request(request("2", nack("v2"), &NO_NAMES)), Verdict::Nack);
         // The new name at once, at the NACKed version; "a" was sent already.
         let b = names(&["b"]);
         assert_eq!(s.on_request(request("", None, &b)), Verdict::Subscription);
-        assert_eq!(selected(&send(&mut s, &v2, "n3")), (vec!["b"], vec![]));
-        assert_eq!(s.on_request(request("n3", None, &NO_NAMES)), Verdict::Ack);
+        assert_eq!(selected(&send(&mut s, &v2, "3")), (vec!["b"], vec![]));
+        assert_eq!(s.on_request(request("3", None, &NO_NAMES)), Verdict::Ack);
         let v3 = with_bodies(&cache, &mut writer, &[("a", "3"), ("b", "1")]);
-        assert_eq!(selected(&send(&mut s, &v3, "n4")), (vec!["a"], vec![]));
+        assert_eq!(selected(&send(&mut s, &v3, "4")), (vec!["a"], vec![]));
     }
 
     /// A delta client's first request, subscribing to `names`.
@@ -2225,7 +2227,7 @@ mod tests {
         // "a" and "b" are reported at their versions, but what an xDS client
         // reports is what it last ACKed, not what it holds after a response
         // it applied in part: sent again, like "c"; "gone" is removed.
-        assert_eq!(selected(&send(&mut s, &v1, "n1")), (vec!["a", "b", "c"], vec!["gone"]));
+        assert_eq!(selected(&send(&mut s, &v1, "1")), (vec!["a", "b", "c"], vec!["gone"]));
     }
 
     /// The same by name only: a reported name it asks for is answered once,
@@ -2242,7 +2244,7 @@ mod tests {
         let sub = names(&["a", "asked-gone", "c"]);
         assert_eq!(subscribe(&mut s, &sub), Verdict::First);
         assert_eq!(
-            selected(&send(&mut s, &v1, "n1")),
+            selected(&send(&mut s, &v1, "1")),
             (vec!["a", "c"], vec!["asked-gone", "gone"]),
             "b is reported but no longer asked for, and exists: neither sent nor removed"
         );
@@ -2400,7 +2402,7 @@ mod tests {
                                     other => proptest::prop_assert!(false, "{:?}", other),
                                 }
                                 nonce += 1;
-                                s.sent(format!("n{nonce}"), push.to().clone());
+                                s.sent(nonce_of(nonce), push.to().clone());
                                 renamed = false;
                             }
                             Err(Wait::UpToDate) if !wildcard => {
@@ -2435,7 +2437,7 @@ mod tests {
                             Op::Ack => sent_version.as_deref(),
                             _ => s.view.acked_version.as_deref(),
                         };
-                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let last_nonce = s.view.last_sent_nonce.map(|n| n.to_string()).unwrap_or_default();
                         let version = version.map(str::to_owned);
                         s.on_request(Request {
                             version: (family == Family::Xds).then_some(version.as_deref()).flatten(),
@@ -2482,7 +2484,7 @@ mod tests {
                             Ok(push) => {
                                 proptest::prop_assert!(!holds, "holds {} and was sent {:?}", current.version, push);
                                 nonce += 1;
-                                s.sent(format!("n{nonce}"), push.to().clone());
+                                s.sent(nonce_of(nonce), push.to().clone());
                             }
                             Err(wait) if holds => {
                                 proptest::prop_assert_eq!(wait, Wait::UpToDate);
@@ -2531,7 +2533,7 @@ mod tests {
                             Op::Ack => s.view.last_sent_version.clone(),
                             _ => s.view.acked_version.clone(),
                         };
-                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let last_nonce = s.view.last_sent_nonce.map(|n| n.to_string()).unwrap_or_default();
                         let version = version.map(|v| v.to_string());
                         let verdict = s.on_request(Request {
                             version: (family == Family::Xds && mode == Mode::Full).then_some(version.as_deref()).flatten(),
@@ -2574,19 +2576,19 @@ mod tests {
             })
         };
         assert_eq!(ask(&mut s, "", None, &["a", "b"]), Verdict::First);
-        send(&mut s, &v1, "n1");
-        assert_eq!(ask(&mut s, "n1", Some(&v1.version), &["a", "b"]), Verdict::Ack);
+        send(&mut s, &v1, "1");
+        assert_eq!(ask(&mut s, "1", Some(&v1.version), &["a", "b"]), Verdict::Ack);
         assert_eq!(
-            ask(&mut s, "n1", Some(&v1.version), &["*", "a", "b"]),
+            ask(&mut s, "1", Some(&v1.version), &["*", "a", "b"]),
             Verdict::Subscription
         );
-        assert!(matches!(send(&mut s, &v2, "n2"), Push::Full { .. }));
-        assert_eq!(ask(&mut s, "n2", Some(&v2.version), &["*", "a", "b"]), Verdict::Ack);
-        assert_eq!(ask(&mut s, "n2", Some(&v2.version), &["a", "b"]), Verdict::Subscription);
+        assert!(matches!(send(&mut s, &v2, "2"), Push::Full { .. }));
+        assert_eq!(ask(&mut s, "2", Some(&v2.version), &["*", "a", "b"]), Verdict::Ack);
+        assert_eq!(ask(&mut s, "2", Some(&v2.version), &["a", "b"]), Verdict::Subscription);
         // Only "c" changed: nothing to send.
         assert_eq!(s.next(Some(&v3)).unwrap_err(), Wait::UpToDate);
         // "b" changed: both, as v4 has them ("a" as since v2).
-        let push = send(&mut s, &v4, "n3");
+        let push = send(&mut s, &v4, "3");
         let Push::Selected { diff, .. } = &push else {
             panic!("expected a response of its own, got {push:?}");
         };
@@ -2631,57 +2633,53 @@ mod tests {
             bodies.collect()
         };
         assert_eq!(ask(&mut s, "", None, &["a", "b"], false), Verdict::First);
-        assert_eq!(bodies(&send(&mut s, &v1, "n1")), ["a1", "b1"], "the first: all");
-        assert_eq!(ask(&mut s, "n1", Some(&v1.version), &["a", "b"], false), Verdict::Ack);
-        assert_eq!(bodies(&send(&mut s, &v2, "n2")), ["a2"], "what changed");
-        assert_eq!(ask(&mut s, "n2", Some(&v2.version), &["a", "b"], false), Verdict::Ack);
+        assert_eq!(bodies(&send(&mut s, &v1, "1")), ["a1", "b1"], "the first: all");
+        assert_eq!(ask(&mut s, "1", Some(&v1.version), &["a", "b"], false), Verdict::Ack);
+        assert_eq!(bodies(&send(&mut s, &v2, "2")), ["a2"], "what changed");
+        assert_eq!(ask(&mut s, "2", Some(&v2.version), &["a", "b"], false), Verdict::Ack);
         // "b" went: it keeps it, as it would if left out of the whole.
         assert_eq!(s.next(Some(&v3)).unwrap_err(), Wait::UpToDate);
         assert_eq!(s.view.acked_version.as_deref(), Some(&*v3.version), "shown at v3");
         // A name asked for anew: it alone.
         assert_eq!(
-            ask(&mut s, "n2", Some(&v3.version), &["a", "b", "c"], false),
+            ask(&mut s, "2", Some(&v3.version), &["a", "b", "c"], false),
             Verdict::Subscription
         );
-        assert_eq!(bodies(&send(&mut s, &v3, "n3")), ["c1"], "the new name");
+        assert_eq!(bodies(&send(&mut s, &v3, "3")), ["c1"], "the new name");
         assert_eq!(
-            ask(&mut s, "n3", Some(&v3.version), &["a", "b", "c"], false),
+            ask(&mut s, "3", Some(&v3.version), &["a", "b", "c"], false),
             Verdict::Ack
         );
         // Refused: it may hold any part of it.
-        assert_eq!(bodies(&send(&mut s, &v4, "n4")), ["a3", "b2", "c2"]);
+        assert_eq!(bodies(&send(&mut s, &v4, "4")), ["a3", "b2", "c2"]);
         assert_eq!(
-            ask(&mut s, "n4", Some(&v3.version), &["a", "b", "c"], true),
+            ask(&mut s, "4", Some(&v3.version), &["a", "b", "c"], true),
             Verdict::Nack
         );
         assert_eq!(s.next(Some(&v4)).unwrap_err(), Wait::Nacked);
+        assert_eq!(bodies(&send(&mut s, &v5, "5")), ["a4", "b2", "c2"], "after a NACK: all");
         assert_eq!(
-            bodies(&send(&mut s, &v5, "n5")),
-            ["a4", "b2", "c2"],
-            "after a NACK: all"
-        );
-        assert_eq!(
-            ask(&mut s, "n5", Some(&v5.version), &["a", "b", "c"], false),
+            ask(&mut s, "5", Some(&v5.version), &["a", "b", "c"], false),
             Verdict::Ack
         );
         // A name dropped and asked for again is sent again.
         assert_eq!(
-            ask(&mut s, "n5", Some(&v5.version), &["a", "c"], false),
+            ask(&mut s, "5", Some(&v5.version), &["a", "c"], false),
             Verdict::Subscription
         );
         assert_eq!(s.next(Some(&v5)).unwrap_err(), Wait::UpToDate);
         assert_eq!(
-            ask(&mut s, "n5", Some(&v5.version), &["a", "b", "c"], false),
+            ask(&mut s, "5", Some(&v5.version), &["a", "b", "c"], false),
             Verdict::Subscription
         );
-        assert_eq!(bodies(&send(&mut s, &v5, "n6")), ["b2"]);
+        assert_eq!(bodies(&send(&mut s, &v5, "6")), ["b2"]);
         // Forced (the load assignment of a cluster just sent): sent again.
         assert_eq!(
-            ask(&mut s, "n6", Some(&v5.version), &["a", "b", "c"], false),
+            ask(&mut s, "6", Some(&v5.version), &["a", "b", "c"], false),
             Verdict::Ack
         );
         assert_eq!(s.force_resend([&SharedStr::from("c")]), 1);
-        assert_eq!(bodies(&send(&mut s, &v5, "n7")), ["c2"]);
+        assert_eq!(bodies(&send(&mut s, &v5, "7")), ["c2"]);
     }
 
     /// A client that keeps what a state-of-the-world response leaves out
@@ -2750,7 +2748,7 @@ mod tests {
                                     carried.insert(r.name.to_string(), content);
                                 }
                                 nonce += 1;
-                                s.sent(format!("n{nonce}"), to.clone());
+                                s.sent(nonce_of(nonce), to.clone());
                                 in_flight = Some((to.version.to_string(), carried, asked.clone()));
                             }
                             // What it refused is not sent again unprompted.
@@ -2785,7 +2783,7 @@ mod tests {
                             _ => s.view.acked_version.clone(),
                         };
                         let version = version.map_or_else(String::new, |v| v.to_string());
-                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let last_nonce = s.view.last_sent_nonce.map(|n| n.to_string()).unwrap_or_default();
                         let wire_names: Vec<String> = asked.iter().cloned().collect();
                         let verdict = s.on_request(Request {
                             version: Some(&version),
@@ -2923,7 +2921,7 @@ mod tests {
                                     other => proptest::prop_assert!(false, "{:?}", other),
                                 }
                                 nonce += 1;
-                                s.sent(format!("n{nonce}"), push.to().clone());
+                                s.sent(nonce_of(nonce), push.to().clone());
                                 owed.clear();
                                 true
                             }
@@ -2956,7 +2954,7 @@ mod tests {
                                 None => resendable.clear(),
                             }
                         }
-                        let last_nonce = s.view.last_sent_nonce.clone().unwrap_or_default();
+                        let last_nonce = s.view.last_sent_nonce.map(|n| n.to_string()).unwrap_or_default();
                         s.on_request(Request {
                             names: NameChange::Change { subscribe: &NO_NAMES, unsubscribe: &NO_NAMES },
                             ..Request::new(&last_nonce, nack)

@@ -467,7 +467,7 @@ impl World {
                     continue;
                 };
                 let answered =
-                    view.last_sent_nonce.is_some() && view.last_sent_nonce.as_deref() == client.answered.as_deref();
+                    view.last_sent_nonce.is_some() && view.last_sent_nonce.map(|n| n.to_string()) == client.answered;
                 if view.outstanding && !answered {
                     client.pending = client.recv().await;
                     assert!(!client.ended, "{}: no NACK while settling", client.node);
