@@ -676,11 +676,12 @@ impl TypeState {
             return Verdict::First;
         };
         let sent = self.sent.clone().expect("a nonce is only issued with a snapshot");
-        let answers = sent_nonce.is(request.nonce)
+        let its_nonce = sent_nonce.is(request.nonce);
+        let answers = its_nonce
             && self.view.outstanding
             && (request.nack.is_some() || request.version.is_none_or(|v| *v == *sent.version));
         if !answers {
-            return match (changed, sent_nonce.is(request.nonce)) {
+            return match (changed, its_nonce) {
                 (true, _) => Verdict::Subscription,
                 (false, true) => Verdict::Repeat,
                 (false, false) => Verdict::Stale {

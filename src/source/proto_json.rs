@@ -345,11 +345,9 @@ pub struct SecretTypes {
     /// What a body's bytes must hold (ASCII, any case) for an `Any` deep in
     /// it to name a secret's type: each secret type's message name, and
     /// `secret` (the end of every name like a secret's). A body holding
-    /// none is read no further.
-    needles: Vec<Vec<u8>>,
-    /// The same needles' finders, over a body lowercased (see
-    /// [`Self::needle_in`]).
-    finders: Arc<[memchr::memmem::Finder<'static>]>,
+    /// none is read no further. Each kept as its `memmem` finder (which
+    /// holds the needle), for a body lowercased ([`Self::needle_in`]).
+    needles: Arc<[memchr::memmem::Finder<'static>]>,
 }
 
 impl SecretTypes {
@@ -379,14 +377,13 @@ impl SecretTypes {
             .collect();
         needles.sort();
         needles.dedup();
-        let finders = needles
+        let needles = needles
             .iter()
             .map(|needle| memchr::memmem::Finder::new(needle).into_owned())
             .collect();
         Self {
             extra,
             needles,
-            finders,
             typed: Default::default(),
         }
     }
@@ -468,14 +465,14 @@ impl SecretTypes {
     /// of 12 endpoints took about 3,600 instructions the second way
     /// (BENCHMARKS, session 41).
     fn needle_in(&self, bytes: &[u8]) -> Option<&str> {
-        let found = match lowered_search(bytes, &self.finders) {
+        let found = match lowered_search(bytes, &self.needles) {
             Some(found) => found,
             None => self
                 .needles
                 .iter()
-                .position(|needle| holds_ignoring_case(bytes, needle)),
+                .position(|needle| holds_ignoring_case(bytes, needle.needle())),
         };
-        found.and_then(|at| std::str::from_utf8(&self.needles[at]).ok())
+        found.and_then(|at| std::str::from_utf8(self.needles[at].needle()).ok())
     }
 
     /// Whether a value of `type_url` (canonical) is a secret itself, not a
