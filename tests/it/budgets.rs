@@ -535,3 +535,55 @@ async fn connections_that_wake_again_reuse_the_write_buffers_idle_ones_gave_back
     );
     eprintln!("write buffers made after each burst: {made:?}");
 }
+
+/// A connection's frame buffers (the frames it has received for its
+/// streams and those it queued to write, `vendor/README.md`'s second and
+/// sixth parts) are given back when it goes idle, and made again at the
+/// next burst with room for as many frames as the last burst held: no
+/// doubling as the burst fills them. Twenty streams on one connection, a
+/// version each burst that every one of them is sent and ACKs (twenty
+/// frames queued, twenty received): past the first two bursts, the
+/// gateway grew 1 to 6 blocks by reallocation a burst (a version's own
+/// vectors), where without the room it grew 10 to 15 (the queues doubling
+/// from 4 to 32 as each burst filled them again): at most 6 a burst on
+/// average here.
+#[tokio::test]
+async fn a_connections_frame_buffers_are_made_again_at_the_size_of_its_last_burst() {
+    const STREAMS: usize = 20;
+    const BURSTS: usize = 8;
+    let (_galley, mut upstream, gw) = galley_gateway().await;
+    let version = |burst: usize| {
+        let fill = b'a' + (burst % 26) as u8;
+        vec![resource("default/vs-0", "1", &[fill; 100])]
+    };
+    upstream.push_full(VS, version(0)).await;
+    let connection = channel(gw.listen).await;
+    let mut clients = Vec::new();
+    for _ in 0..STREAMS {
+        let mut client = SotwClient::open_on(connection.clone(), SOTW_PATH).await;
+        client.subscribe(VS);
+        let response = client.recv_type(VS).await;
+        client.ack(&response);
+        clients.push(client);
+    }
+    all_acked(&gw, STREAMS).await;
+    let mut grown = Vec::new();
+    for burst in 1..=BURSTS {
+        upstream.push_full(VS, version(burst)).await;
+        for client in &mut clients {
+            let response = client.recv_type(VS).await;
+            client.ack(&response);
+        }
+        all_acked(&gw, STREAMS).await;
+        grown.push(gw.settled_growths().await);
+    }
+    let after_the_first_two = grown[BURSTS - 1] - grown[1];
+    eprintln!("growths after each burst: {grown:?}");
+    let bound = 6 * (BURSTS as i64 - 2);
+    assert!(
+        after_the_first_two <= bound,
+        "{after_the_first_two} blocks grown by reallocation over {} bursts after the first two, more than {bound} \
+         (after each: {grown:?})",
+        BURSTS - 2
+    );
+}

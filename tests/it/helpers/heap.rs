@@ -35,6 +35,8 @@ static COUNTED: [AtomicI64; SLOTS] = [const { AtomicI64::new(0) }; SLOTS];
 /// write buffer with (16 KiB, `vendor/README.md`).
 static WRITE_BUFFERS: [AtomicI64; SLOTS] = [const { AtomicI64::new(0) }; SLOTS];
 const WRITE_BUFFER_SIZE: usize = 16 * 1024;
+/// Per slot: how many reallocations grew a block (a vector doubling).
+static GROWN: [AtomicI64; SLOTS] = [const { AtomicI64::new(0) }; SLOTS];
 /// Which slots are taken, a bit each (bit 0, "not counted", always).
 static TAKEN: AtomicU32 = AtomicU32::new(1);
 
@@ -103,6 +105,12 @@ unsafe impl GlobalAlloc for Counting {
         if !moved.is_null() {
             count(signed(new_size) - signed(layout.size()));
             count_made(new_size);
+            if new_size > layout.size() {
+                let slot = SLOT.try_with(Cell::get).unwrap_or(0);
+                if slot != 0 {
+                    GROWN[slot].fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
         moved
     }
@@ -122,6 +130,7 @@ impl Slot {
         let slot = (!taken).trailing_zeros() as usize;
         COUNTED[slot].store(0, Ordering::Relaxed);
         WRITE_BUFFERS[slot].store(0, Ordering::Relaxed);
+        GROWN[slot].store(0, Ordering::Relaxed);
         Slot(slot)
     }
 }
@@ -141,6 +150,8 @@ struct Line {
     answer: AtomicI64,
     /// With the answer: [`WRITE_BUFFERS`] of the gateway's slot.
     buffers: AtomicI64,
+    /// With the answer: [`GROWN`] of the gateway's slot.
+    grown: AtomicI64,
     stop: Notify,
 }
 
@@ -206,6 +217,13 @@ impl CountedGateway {
         self.settled_heap().await;
         self.line.buffers.load(Ordering::Acquire)
     }
+
+    /// How many reallocations grew a block (a vector or slab doubling as
+    /// it filled) in the gateway, once it has settled.
+    pub async fn settled_growths(&self) -> i64 {
+        self.settled_heap().await;
+        self.line.grown.load(Ordering::Acquire)
+    }
 }
 
 /// Stops the gateway; its thread gives the slot back once it has stopped
@@ -233,6 +251,7 @@ async fn serve(flags: Vec<String>, line: Arc<Line>, started: tokio::sync::onesho
             () = line.ask.notified() => {
                 line.answer.store(settle(slot).await, Ordering::Release);
                 line.buffers.store(WRITE_BUFFERS[slot].load(Ordering::Relaxed), Ordering::Release);
+                line.grown.store(GROWN[slot].load(Ordering::Relaxed), Ordering::Release);
                 line.answered.notify_one();
             }
         }

@@ -44,6 +44,12 @@ struct Encoder<B> {
     /// frame).
     queued: VecDeque<Queued<B>>,
 
+    /// The most frames queued at once since the queue was last given back,
+    /// and that figure for the burst before: the room the next burst's
+    /// first frame makes at once (one allocation, not one per doubling).
+    queued_peak: u8,
+    queued_room: u8,
+
     /// The rest of a header block too large for the buffer, encoded once
     /// the buffer is written.
     continuation: Option<frame::Continuation>,
@@ -116,6 +122,8 @@ where
                 // (`Encoder::buffer`), given back when idle.
                 buf: Cursor::new(BytesMut::new()),
                 queued: VecDeque::new(),
+                queued_peak: 0,
+                queued_room: 0,
                 continuation: None,
                 last_data_frame: None,
                 max_frame_size: frame::DEFAULT_MAX_FRAME_SIZE,
@@ -217,6 +225,8 @@ where
         // The queue of a burst's frames goes with it.
         if encoder.queued.is_empty() && encoder.queued.capacity() > 0 {
             encoder.queued = VecDeque::new();
+            encoder.queued_room = encoder.queued_peak;
+            encoder.queued_peak = 0;
         }
     }
 
@@ -479,11 +489,16 @@ where
 
             // Queue the data frame, its payload after what is buffered.
             let at = self.buf.get_ref().len();
+            if self.queued.capacity() == 0 {
+                self.queued.reserve(usize::from(self.queued_room));
+            }
             self.queued.push_back(Queued {
                 at,
                 frame: v,
                 returned: !whole,
             });
+            let held = u8::try_from(self.queued.len()).unwrap_or(u8::MAX);
+            self.queued_peak = self.queued_peak.max(held);
         } else {
             v.encode_chunk(self.buf.get_mut());
 

@@ -4,6 +4,11 @@ use slab::Slab;
 #[derive(Debug)]
 pub struct Buffer<T> {
     slab: Slab<Slot<T>>,
+    /// The most frames held at once since the slab was last given back
+    /// (mcp-xds-gateway's patch), and that figure for the burst before:
+    /// the room the next burst's first frame makes at once.
+    peak: u32,
+    room: u32,
 }
 
 /// A sequence of frames in a `Buffer`
@@ -27,7 +32,11 @@ struct Slot<T> {
 
 impl<T> Buffer<T> {
     pub fn new() -> Self {
-        Buffer { slab: Slab::new() }
+        Buffer {
+            slab: Slab::new(),
+            peak: 0,
+            room: 0,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -37,10 +46,27 @@ impl<T> Buffer<T> {
     /// Gives back the slab's memory while it holds no frame
     /// (mcp-xds-gateway's patch: a burst's frames grow it, and an idle
     /// connection kept that size for its life).
+    /// The slab is made again, at the burst's first frame, with room for
+    /// as many frames as the last burst held at most: one allocation, not
+    /// one for each doubling to that size (each a copy of what it held).
     pub fn release_if_empty(&mut self) {
         if self.slab.is_empty() && self.slab.capacity() > 0 {
             self.slab = Slab::new();
+            self.room = self.peak;
+            self.peak = 0;
         }
+    }
+
+    fn insert(&mut self, slot: Slot<T>) -> usize {
+        if self.slab.capacity() == 0 {
+            self.slab.reserve(self.room as usize);
+        }
+        let key = self.slab.insert(slot);
+        let held = u32::try_from(self.slab.len()).unwrap_or(u32::MAX);
+        if held > self.peak {
+            self.peak = held;
+        }
+        key
     }
 }
 
@@ -54,7 +80,7 @@ impl Deque {
     }
 
     pub fn push_back<T>(&mut self, buf: &mut Buffer<T>, value: T) {
-        let key = buf.slab.insert(Slot { value, next: None });
+        let key = buf.insert(Slot { value, next: None });
 
         match self.indices {
             Some(ref mut idxs) => {
@@ -71,7 +97,7 @@ impl Deque {
     }
 
     pub fn push_front<T>(&mut self, buf: &mut Buffer<T>, value: T) {
-        let key = buf.slab.insert(Slot { value, next: None });
+        let key = buf.insert(Slot { value, next: None });
 
         match self.indices {
             Some(ref mut idxs) => {
