@@ -6,10 +6,14 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Counter, Histogram, Unit};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics::{describe_counter, describe_gauge, Counter, Unit};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 use crate::SharedStr;
+
+mod histogram;
+
+pub use histogram::Buckets;
 
 /// Istio's own names, so existing alerts keep working.
 pub const CLIENTS: &str = "istio_mcp_clients_total";
@@ -398,15 +402,66 @@ pub const COMPONENT_DOWNSTREAM: &str = "downstream";
 /// by a client that did not raise it.
 pub const LEGACY_CLIENT_LIMIT: usize = 4 << 20;
 
-/// 1, 4, 16, ... 1 GiB, as Istio's `istio_mcp_message_sizes_bytes`.
-fn size_buckets() -> Vec<f64> {
-    (0..16).map(|i| 4f64.powi(i)).collect()
+/// Sizes of messages received and responses sent, in bytes: Istio's buckets
+/// (`istio_mcp_message_sizes_bytes`), 1, 4, 16, ... 1 GiB.
+pub static MESSAGE_SIZE_HISTOGRAM: histogram::Family = histogram::Family::new(
+    MESSAGE_SIZES,
+    "Sizes of messages received from the source (component=upstream) and of responses sent to clients \
+     (component=downstream).",
+    &SIZE_BOUNDS,
+    1.0,
+);
+
+const SIZE_BOUNDS: [u64; 16] = {
+    let mut bounds = [0u64; 16];
+    let mut i = 0;
+    while i < 16 {
+        bounds[i] = 1 << (2 * i);
+        i += 1;
+    }
+    bounds
+};
+
+/// From a change applied to the cache until its response is handed to a
+/// client's connection, in nanoseconds: 1 ms to 30 s.
+pub static PUSH_LATENCY_HISTOGRAM: histogram::Family = histogram::Family::new(
+    PUSH_LATENCY,
+    "From a change applied to the cache until the response carrying it is handed to a client's connection.",
+    &[
+        1_000_000,
+        2_500_000,
+        5_000_000,
+        10_000_000,
+        25_000_000,
+        50_000_000,
+        100_000_000,
+        250_000_000,
+        500_000_000,
+        1_000_000_000,
+        2_500_000_000,
+        5_000_000_000,
+        10_000_000_000,
+        30_000_000_000,
+    ],
+    1e9,
+);
+
+/// The histograms recorded outside the exporter ([`histogram`]), in the
+/// text format, after its series: `demo="true"` on each where the exporter
+/// adds it.
+pub fn render_histograms(out: &mut String) {
+    let global: &[(&str, &str)] = if DEMO.get().copied().unwrap_or(false) {
+        &[("demo", "true")]
+    } else {
+        &[]
+    };
+    for family in [&MESSAGE_SIZE_HISTOGRAM, &PUSH_LATENCY_HISTOGRAM] {
+        family.render(global, out);
+    }
 }
 
-/// 1 ms to 30 s.
-const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
+/// Whether the exporter was installed with `demo="true"` on every series.
+static DEMO: OnceLock<bool> = OnceLock::new();
 
 /// A collection's downstream metrics, registered once and shared by every
 /// stream and snapshot of the collection: the hot paths (a response written,
@@ -416,9 +471,10 @@ pub struct CollectionMetrics {
     pub acks: Counter,
     pub stale: Counter,
     pub oversized: Counter,
-    pub push_latency: Histogram,
-    /// `istio_mcp_message_sizes_bytes{component="downstream"}`.
-    pub response_size: Histogram,
+    /// In nanoseconds.
+    pub push_latency: std::sync::Arc<Buckets>,
+    /// `istio_mcp_message_sizes_bytes{component="downstream"}`, in bytes.
+    pub response_size: std::sync::Arc<Buckets>,
 }
 
 impl CollectionMetrics {
@@ -429,8 +485,9 @@ impl CollectionMetrics {
             acks: metrics::counter!(REQUEST_ACKS, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
             stale: metrics::counter!(DOWNSTREAM_STALE_REQUESTS, "collection" => c()),
             oversized: metrics::counter!(OVERSIZED_RESPONSES, "collection" => c()),
-            push_latency: metrics::histogram!(PUSH_LATENCY, "collection" => c()),
-            response_size: metrics::histogram!(MESSAGE_SIZES, "component" => COMPONENT_DOWNSTREAM, "collection" => c()),
+            push_latency: PUSH_LATENCY_HISTOGRAM.series(&[("collection", collection.as_str())]),
+            response_size: MESSAGE_SIZE_HISTOGRAM
+                .series(&[("component", COMPONENT_DOWNSTREAM), ("collection", collection.as_str())]),
         }
     }
 }
@@ -456,23 +513,16 @@ pub fn install(demo: bool) -> Option<PrometheusHandle> {
             } else {
                 PrometheusBuilder::new()
             };
-            let builder = builder
-                .set_buckets_for_metric(Matcher::Full(MESSAGE_SIZES.into()), &size_buckets())
-                .and_then(|b| b.set_buckets_for_metric(Matcher::Full(PUSH_LATENCY.into()), LATENCY_BUCKETS));
-            let recorder = match builder {
-                Ok(builder) => builder.build_recorder(),
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot configure the metrics exporter; /metrics is off");
-                    return None;
-                }
-            };
+            let recorder = builder.build_recorder();
             let handle = recorder.handle();
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::error!("another metrics recorder is installed; /metrics is off");
                 return None;
             }
+            let _ = DEMO.set(demo);
             describe();
-            // Histograms buffer samples until upkeep folds them in.
+            // The exporter's histograms (none of the gateway's own: see
+            // `histogram`) buffer samples until upkeep folds them in.
             let upkeep = handle.clone();
             std::thread::Builder::new()
                 .name("metrics-upkeep".into())
@@ -530,12 +580,6 @@ pub fn describe() {
         Unit::Bytes,
         "Bytes of large client requests (64 KiB and more) being read now, held against --max-request-buffer-bytes: \
          a request that finds no room waits for it."
-    );
-    describe_histogram!(
-        MESSAGE_SIZES,
-        Unit::Bytes,
-        "Sizes of messages received from the source (component=upstream) and of responses sent to clients \
-         (component=downstream)."
     );
     describe_counter!(
         ACCESS_DENIED,
@@ -658,11 +702,6 @@ pub fn describe() {
     describe_counter!(
         DOWNSTREAM_STALE_REQUESTS,
         "Downstream requests ignored for a stale or unknown nonce, by collection."
-    );
-    describe_histogram!(
-        PUSH_LATENCY,
-        Unit::Seconds,
-        "From a change applied to the cache until the response carrying it is handed to a client's connection."
     );
     describe_gauge!(
         CLIENTS_BEHIND,

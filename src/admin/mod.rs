@@ -513,7 +513,9 @@ async fn metrics(State(state): State<AdminState>) -> Response {
     let text = {
         let _one_scrape = SCRAPE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         refresh_gauges(&state);
-        handle.render()
+        let mut text = handle.render();
+        m::render_histograms(&mut text);
+        text
     };
     let text = m::cpu_seconds_as_counter(text);
     (

@@ -562,11 +562,12 @@ fn framed(response: EncodedResponse, stream_started: Instant) -> Result<(u32, Wr
 /// The metrics of a response handed to the client's connection.
 fn record_write(record: &Record, stream_started: Instant, len: usize) {
     let Record { snapshot, metrics } = record;
-    metrics.response_size.record(len as f64);
+    metrics.response_size.record(len as u64);
     // A change applied before the stream began is not a push: a new
     // client's first response measures nothing.
     if snapshot.applied_at >= stream_started {
-        metrics.push_latency.record(snapshot.applied_at.elapsed().as_secs_f64());
+        let nanos = snapshot.applied_at.elapsed().as_nanos();
+        metrics.push_latency.record(u64::try_from(nanos).unwrap_or(u64::MAX));
     }
     if len > m::LEGACY_CLIENT_LIMIT {
         metrics.oversized.increment(1);

@@ -229,12 +229,12 @@ impl SinkSession {
         } else {
             "unsubscribed".to_owned()
         };
-        metrics::histogram!(
-            m::MESSAGE_SIZES,
-            "component" => m::COMPONENT_UPSTREAM,
-            "collection" => collection_label.clone()
-        )
-        .record(size as f64);
+        m::MESSAGE_SIZE_HISTOGRAM
+            .series(&[
+                ("component", m::COMPONENT_UPSTREAM),
+                ("collection", collection_label.as_str()),
+            ])
+            .record(size as u64);
         let reply = match &outcome {
             Ok(applied) => {
                 if let Some((name, _)) = self.collections.get_key_value(message.collection.as_str()) {
