@@ -1,5 +1,10 @@
 use slab::Slab;
 
+/// The most frames a slab made again makes room for at once: a burst
+/// larger than any usual one (a peer's flood of small frames) is not
+/// reserved again whole at the next burst; past this the slab doubles.
+const MAX_ROOM: u32 = 256;
+
 /// Buffers frames for multiple streams.
 #[derive(Debug)]
 pub struct Buffer<T> {
@@ -52,7 +57,7 @@ impl<T> Buffer<T> {
     pub fn release_if_empty(&mut self) {
         if self.slab.is_empty() && self.slab.capacity() > 0 {
             self.slab = Slab::new();
-            self.room = self.peak;
+            self.room = self.peak.min(MAX_ROOM);
             self.peak = 0;
         }
     }
