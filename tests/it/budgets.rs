@@ -109,7 +109,9 @@ const LEGACY_STREAM: i64 = 2_300;
 /// since "wakes: a version looks only at the clients it touches" (the
 /// stream as `LEGACY_STREAM`). 9,423 to 9,430 B since "transport: a request
 /// body asks h2 for a frame only after h2's wake" (the stream as
-/// `LEGACY_STREAM`).
+/// `LEGACY_STREAM`). 9,436 B since "h2 (vendored): a connection's frame
+/// buffers made again at the size of its last burst" (each of the two
+/// slabs and the write queue remembers its last burst: two `u32`s each).
 const LEGACY_CONNECTION: i64 = 9_750;
 /// An idle named state-of-the-world ADS stream (Envoy's CDS, 5 names of 50
 /// clusters, its own node, synced and ACKed), on a connection of many

@@ -2,6 +2,7 @@ use crate::codec::UserError;
 use crate::codec::UserError::*;
 use crate::frame::{self, Frame, FrameSize};
 use crate::hpack;
+use crate::room::BurstRoom;
 
 use bytes::{Buf, BufMut, BytesMut};
 use std::pin::Pin;
@@ -44,11 +45,9 @@ struct Encoder<B> {
     /// frame).
     queued: VecDeque<Queued<B>>,
 
-    /// The most frames queued at once since the queue was last given back,
-    /// and that figure for the burst before: the room the next burst's
-    /// first frame makes at once (one allocation, not one per doubling).
-    queued_peak: u8,
-    queued_room: u8,
+    /// The room the queue's next burst makes at its first frame (one
+    /// allocation, not one per doubling; mcp-xds-gateway's patch).
+    queued_room: BurstRoom,
 
     /// The rest of a header block too large for the buffer, encoded once
     /// the buffer is written.
@@ -122,8 +121,7 @@ where
                 // (`Encoder::buffer`), given back when idle.
                 buf: Cursor::new(BytesMut::new()),
                 queued: VecDeque::new(),
-                queued_peak: 0,
-                queued_room: 0,
+                queued_room: BurstRoom::default(),
                 continuation: None,
                 last_data_frame: None,
                 max_frame_size: frame::DEFAULT_MAX_FRAME_SIZE,
@@ -225,8 +223,7 @@ where
         // The queue of a burst's frames goes with it.
         if encoder.queued.is_empty() && encoder.queued.capacity() > 0 {
             encoder.queued = VecDeque::new();
-            encoder.queued_room = encoder.queued_peak;
-            encoder.queued_peak = 0;
+            encoder.queued_room.given_back(MAX_QUEUED_FRAMES as u32);
         }
     }
 
@@ -490,15 +487,14 @@ where
             // Queue the data frame, its payload after what is buffered.
             let at = self.buf.get_ref().len();
             if self.queued.capacity() == 0 {
-                self.queued.reserve(usize::from(self.queued_room));
+                self.queued.reserve(self.queued_room.room());
             }
             self.queued.push_back(Queued {
                 at,
                 frame: v,
                 returned: !whole,
             });
-            let held = u8::try_from(self.queued.len()).unwrap_or(u8::MAX);
-            self.queued_peak = self.queued_peak.max(held);
+            self.queued_room.held(self.queued.len());
         } else {
             v.encode_chunk(self.buf.get_mut());
 

@@ -1,5 +1,7 @@
 use slab::Slab;
 
+use crate::room::BurstRoom;
+
 /// The most frames a slab made again makes room for at once: a burst
 /// larger than any usual one (a peer's flood of small frames) is not
 /// reserved again whole at the next burst; past this the slab doubles.
@@ -9,11 +11,9 @@ const MAX_ROOM: u32 = 256;
 #[derive(Debug)]
 pub struct Buffer<T> {
     slab: Slab<Slot<T>>,
-    /// The most frames held at once since the slab was last given back
-    /// (mcp-xds-gateway's patch), and that figure for the burst before:
-    /// the room the next burst's first frame makes at once.
-    peak: u32,
-    room: u32,
+    /// The room the next burst's first frame makes at once
+    /// (mcp-xds-gateway's patch).
+    room: BurstRoom,
 }
 
 /// A sequence of frames in a `Buffer`
@@ -39,8 +39,7 @@ impl<T> Buffer<T> {
     pub fn new() -> Self {
         Buffer {
             slab: Slab::new(),
-            peak: 0,
-            room: 0,
+            room: BurstRoom::default(),
         }
     }
 
@@ -51,26 +50,23 @@ impl<T> Buffer<T> {
     /// Gives back the slab's memory while it holds no frame
     /// (mcp-xds-gateway's patch: a burst's frames grow it, and an idle
     /// connection kept that size for its life).
+    ///
     /// The slab is made again, at the burst's first frame, with room for
     /// as many frames as the last burst held at most: one allocation, not
     /// one for each doubling to that size (each a copy of what it held).
     pub fn release_if_empty(&mut self) {
         if self.slab.is_empty() && self.slab.capacity() > 0 {
             self.slab = Slab::new();
-            self.room = self.peak.min(MAX_ROOM);
-            self.peak = 0;
+            self.room.given_back(MAX_ROOM);
         }
     }
 
     fn insert(&mut self, slot: Slot<T>) -> usize {
         if self.slab.capacity() == 0 {
-            self.slab.reserve(self.room as usize);
+            self.slab.reserve(self.room.room());
         }
         let key = self.slab.insert(slot);
-        let held = u32::try_from(self.slab.len()).unwrap_or(u32::MAX);
-        if held > self.peak {
-            self.peak = held;
-        }
+        self.room.held(self.slab.len());
         key
     }
 }
