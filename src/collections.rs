@@ -643,6 +643,49 @@ impl CollectionTable {
     pub fn is_empty(&self) -> bool {
         self.by_name.is_empty()
     }
+
+    /// `type_url` as the key a stream follows it by: for a type URL this
+    /// table answers (a collection's name, a body type URL a collection
+    /// owns, a GVK), one string for the whole process ([`interned`]), so
+    /// the thousands of streams that follow one type read and clone one
+    /// hot line rather than each a string of its own (each stream's own
+    /// copy was a cache miss at every wake and every view it published:
+    /// BENCHMARKS, session 43); any other, a string of the stream's own.
+    pub fn type_key(&self, type_url: &str) -> SharedStr {
+        let known = self.by_name.contains_key(type_url)
+            || self.owner_by_type_url.contains_key(type_url)
+            || self.by_gvk.contains_key(type_url);
+        match known {
+            true => interned(type_url),
+            false => SharedStr::from(type_url),
+        }
+    }
+}
+
+/// The most strings [`interned`] keeps: more than the type URLs of every
+/// table a process builds (its own, and the tests').
+const INTERNED_AT_MOST: usize = 4096;
+
+/// `text` as one string for the whole process, never freed: static, so
+/// clones of it read its header and write nothing (no reference count
+/// shared by the cores that run streams). Only for the finite set of
+/// names a collection table knows; past [`INTERNED_AT_MOST`] a string of
+/// its own.
+fn interned(text: &str) -> SharedStr {
+    static INTERNED: std::sync::OnceLock<std::sync::Mutex<HashSet<SharedStr>>> = std::sync::OnceLock::new();
+    let mut set = INTERNED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(known) = set.get(text) {
+        return known.clone();
+    }
+    let new = SharedStr::from(text);
+    if set.len() < INTERNED_AT_MOST {
+        new.leak();
+        set.insert(new.clone());
+    }
+    new
 }
 
 /// The response header a stream of the gateway's carries, naming the
@@ -725,6 +768,30 @@ mod tests {
                 VS,
             ]
         );
+    }
+
+    /// Every type URL the table answers is one static string for the whole
+    /// process, whichever table (or clone) is asked: the streams that follow
+    /// it share it. Any other is a string of its own, never kept.
+    #[test]
+    fn a_served_type_url_is_one_static_string_and_any_other_its_own() {
+        let table = CollectionTable::builtin();
+        let cla = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment";
+        let gvk = table.by_gvk.keys().next().expect("a GVK").clone();
+        for served in [VS, VS_URL, cla, gvk.as_str()] {
+            let key = table.type_key(served);
+            assert_eq!(key, served);
+            assert!(SharedStr::is_static(&key), "{served}");
+            // Asked with a copy of the text: the string is the table's.
+            let copy = String::from(served);
+            let again = CollectionTable::builtin().type_key(copy.as_str());
+            assert!(SharedStr::ptr_eq(&key, &again), "{served}: one string");
+        }
+        let unknown = table.type_key("type.googleapis.com/made.Up");
+        assert_eq!(unknown, "type.googleapis.com/made.Up");
+        assert!(!SharedStr::is_static(&unknown));
+        let other = table.type_key("type.googleapis.com/made.Up");
+        assert!(!SharedStr::ptr_eq(&unknown, &other), "not kept");
     }
 
     /// The crate embeds its own copy so it builds anywhere; developers and CI

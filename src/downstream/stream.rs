@@ -1307,17 +1307,15 @@ impl<W: Wire> TypedStream<W> {
 
     /// The type a request is for.
     fn type_for(&self, requested: &str) -> Result<SharedStr, Status> {
+        // A type followed already: its key, shared, not a new string per
+        // request; a new one: the table's key for it, the same for every
+        // stream.
+        let new_key = || self.shared.inner.table.type_key(requested);
         if !W::ONE_TYPE {
-            // A type followed already: its key, shared, not a new string per
-            // request.
-            return Ok(self
-                .types
-                .key(requested)
-                .cloned()
-                .unwrap_or_else(|| SharedStr::from(requested)));
+            return Ok(self.types.key(requested).cloned().unwrap_or_else(new_key));
         }
         match self.types.keys().next() {
-            None => Ok(SharedStr::from(requested)),
+            None => Ok(new_key()),
             Some(only) if requested.is_empty() || *requested == **only => Ok(only.clone()),
             Some(only) => Err(Status::invalid_argument(format!(
                 "this stream carries type_url {only:?}, and a stream carries one type only (its responses have no \
