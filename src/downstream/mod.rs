@@ -655,7 +655,7 @@ impl Downstream {
     /// to `out`.
     fn start<W: wires::Wire>(
         &self,
-        body: tonic::body::Body,
+        body: crate::transport::requests::RequestBody,
         peer: Option<std::net::SocketAddr>,
         gate: Option<crate::transport::defer::ConnectionGate>,
         identity: Arc<PeerIdentity>,

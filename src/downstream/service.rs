@@ -31,8 +31,9 @@ use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
 use crate::transport::call;
 use crate::transport::defer::ConnectionGate;
-use crate::transport::grpc::ConnInfo;
+use crate::transport::grpc::{ConnInfo, RequestSlot};
 use crate::transport::identity::PeerIdentity;
+use crate::transport::requests::RequestBody;
 use crate::transport::respond::{ResponseSlot, ResponseWriter, MAX_WRITE};
 
 pub const SOTW_PATH: &str = "/istio.mcp.v1alpha1.AggregatedMeshConfigService/StreamAggregatedResources";
@@ -42,7 +43,7 @@ pub const XDS_SOTW_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscovery
 pub const XDS_DELTA_PATH: &str = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
 
 /// Starts one method's stream, its responses sent to the `Outbound`.
-type Start = fn(&Downstream, Body, Option<SocketAddr>, Option<ConnectionGate>, Arc<PeerIdentity>, Outbound);
+type Start = fn(&Downstream, RequestBody, Option<SocketAddr>, Option<ConnectionGate>, Arc<PeerIdentity>, Outbound);
 
 /// One gRPC service: its name and its methods.
 pub trait Methods: Send + Sync + 'static {
@@ -164,7 +165,12 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
         // gateway dialed out, tonic's server in tests) it queues them for a
         // body the transport writes.
         let unanswered = request.extensions().get::<ResponseSlot>().and_then(ResponseSlot::take);
-        let body = request.into_body();
+        // Read as h2 gives it, where the listener's slot has it.
+        let direct = request.extensions().get::<RequestSlot>().and_then(RequestSlot::take);
+        let body = match direct {
+            Some(body) => RequestBody::Direct(body),
+            None => RequestBody::Routed(request.into_body()),
+        };
         if let Some(unanswered) = unanswered {
             // `None`: the client reset the stream before its headers went.
             if let Some(writer) = unanswered.answer(headers) {

@@ -714,10 +714,12 @@ where
         };
         let slot = ResponseSlot::new(respond, hold);
         let (parts, body) = request.into_parts();
-        let mut request = http::Request::from_parts(parts, Body::new(RecvBody::new(body)));
+        let body = RequestSlot::new(RecvBody::new(body));
+        let mut request = http::Request::from_parts(parts, Body::new(SlotBody(body.clone())));
         request.extensions_mut().insert(self.connect_info);
         request.extensions_mut().insert(self.info);
         request.extensions_mut().insert(slot.clone());
+        request.extensions_mut().insert(body);
         let call = Box::pin(self.service.oneshot(request));
         async move {
             let Ok(response) = call.await;
@@ -839,7 +841,7 @@ async fn send_body(send: &mut SendStream<Payload>, body: &mut Body) -> Result<()
 /// streams, a lookup of the stream and its waker stored again: 4.6 polls of
 /// h2 a response in eds's update phase for 1.5 frames, about 700
 /// instructions of the response's ~28,000 (BENCHMARKS, session 38).
-struct RecvBody {
+pub struct RecvBody {
     stream: RecvStream,
     /// What the waker h2 holds for this body's reader sets and wakes. The
     /// waker itself is made from it for each poll of h2 (a reference count
@@ -850,6 +852,52 @@ struct RecvBody {
 impl RecvBody {
     fn new(stream: RecvStream) -> Self {
         RecvBody { stream, signal: None }
+    }
+}
+
+/// A stream's request body in the request's extensions, for a service that
+/// reads its requests itself: taken (at most once) and read as it is, not
+/// through the router's layers, which wrap it twice (a box and a dynamic
+/// call each, a poll, and each box a line of memory that every poll of an
+/// idle stream's requests read: about 400 instructions and 4 cache misses
+/// a response in eds, BENCHMARKS, session 43). The request's own body reads
+/// it until it is taken, and nothing after: a service reads one or the
+/// other.
+#[derive(Clone)]
+pub struct RequestSlot(Arc<std::sync::Mutex<Option<RecvBody>>>);
+
+impl RequestSlot {
+    fn new(body: RecvBody) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(Some(body))))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<RecvBody>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The body, for the service to read itself; `None` once taken.
+    pub fn take(&self) -> Option<RecvBody> {
+        self.lock().take()
+    }
+}
+
+/// The request's body as the router hands it on: the slot's, while it is
+/// there.
+struct SlotBody(RequestSlot);
+
+impl http_body::Body for SlotBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        match &mut *self.0.lock() {
+            Some(body) => std::pin::Pin::new(body).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.lock().as_ref().is_none_or(RecvBody::is_end_stream)
     }
 }
 
@@ -1101,5 +1149,38 @@ mod tests {
             }
         }
         assert!(frames <= 1);
+    }
+
+    /// A request's body in its slot: the request's own body (as a router
+    /// hands it on) reads it while it is there; once a service takes it,
+    /// the service reads the rest as h2 gives it, and the request's own
+    /// body has nothing more (it ends, it does not hang).
+    #[tokio::test]
+    async fn a_request_body_is_read_through_its_slot_until_a_service_takes_it() {
+        let (mut accepted, mut sends, mut ping_pong) = streams(1).await;
+        let (recv, _respond) = accepted.pop().expect("one");
+        let mut send = sends.pop().expect("one");
+        let slot = RequestSlot::new(RecvBody::new(recv));
+        let mut routed = Body::new(SlotBody(slot.clone()));
+        send.send_data(Bytes::from_static(b"first"), false).expect("sent");
+        within("a pong", ping_pong.ping(h2::Ping::opaque()))
+            .await
+            .expect("a pong");
+        let first = within("a frame", poll_fn(|cx| std::pin::Pin::new(&mut routed).poll_frame(cx))).await;
+        let first = first.expect("a frame").expect("data").into_data().expect("data");
+        assert_eq!(first, Bytes::from_static(b"first"));
+
+        let mut direct = slot.take().expect("in the slot");
+        assert!(slot.take().is_none(), "taken once");
+        send.send_data(Bytes::from_static(b"second"), true).expect("sent");
+        let second = next_frame(&mut direct).await.expect("a frame").expect("data");
+        assert_eq!(second.into_data().expect("data"), Bytes::from_static(b"second"));
+        assert!(next_frame(&mut direct).await.is_none(), "the end, read directly");
+        let after = within(
+            "the routed body",
+            poll_fn(|cx| std::pin::Pin::new(&mut routed).poll_frame(cx)),
+        )
+        .await;
+        assert!(after.is_none(), "the routed body ends once the body is taken");
     }
 }

@@ -204,8 +204,36 @@ struct Large {
 /// The requests of one stream, decoded one at a time. `message` is
 /// cancel-safe: everything read is kept in the stream, so a caller may drop
 /// the future (a `select!` that another branch won) and call again.
+/// Where a [`RequestStream`] reads its frames: the stream's body as h2
+/// gives it (taken from the request's [`RequestSlot`] by a service on the
+/// gateway's own listeners), or a body as any router or server hands it on.
+///
+/// [`RequestSlot`]: super::grpc::RequestSlot
+pub enum RequestBody {
+    Direct(super::grpc::RecvBody),
+    Routed(Body),
+}
+
+impl From<Body> for RequestBody {
+    fn from(body: Body) -> Self {
+        Self::Routed(body)
+    }
+}
+
+impl RequestBody {
+    fn poll_frame(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
+        match self {
+            Self::Direct(body) => std::pin::Pin::new(body).poll_frame(cx),
+            Self::Routed(body) => std::pin::Pin::new(body).poll_frame(cx),
+        }
+    }
+}
+
 pub struct RequestStream<T> {
-    body: Body,
+    body: RequestBody,
     budget: Arc<RequestBudget>,
     /// What is read but not yet decoded (small messages, and what follows
     /// a large message's part).
@@ -230,9 +258,9 @@ pub struct RequestStream<T> {
 }
 
 impl<T: FromBuffer> RequestStream<T> {
-    pub fn new(body: Body, budget: Arc<RequestBudget>, message: &'static str) -> Self {
+    pub fn new(body: impl Into<RequestBody>, budget: Arc<RequestBudget>, message: &'static str) -> Self {
         Self {
-            body,
+            body: body.into(),
             budget,
             buf: BytesMut::new(),
             frame: None,
@@ -263,7 +291,7 @@ impl<T: FromBuffer> RequestStream<T> {
         }
         loop {
             let (deadline, budget) = (self.deadline(), self.budget.clone());
-            let frame = std::future::poll_fn(|cx| std::pin::Pin::new(&mut self.body).poll_frame(cx));
+            let frame = std::future::poll_fn(|cx| self.body.poll_frame(cx));
             let frame = match deadline {
                 // Between messages (an idle stream), no clock runs.
                 None => frame.await,
