@@ -30,7 +30,8 @@ use super::type_state::{Family, Held, Mode, Nack, Push, ReportedNames, Request, 
 use super::wakes::{Following, Registration, Wakes};
 use super::wires::{names, Target, Wire, WireRequest, SOTW_NAMES_FIELD, UNSERVED};
 use super::{
-    nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Outbound, StreamLogs,
+    nack_memory, record_ack, record_nack, record_stale, send_failed, ClientGone, Downstream, End, Item, Outbound,
+    StreamLogs,
 };
 use crate::cache::demand::SubscriptionState;
 use crate::cache::memo::MemoKey;
@@ -207,10 +208,18 @@ fn rare<'a>(
     })
 }
 
+/// What [`TypedStream::send_from`] has left to do after its usual case.
+enum Later {
+    /// Send this once the client has read what waits.
+    Wait(Item),
+    /// Make the response in its turn, then send it.
+    InTurn(Push, Option<Arc<CollectionSnapshot>>),
+}
+
 /// What a stream's type is to send (see [`TypedStream::make`]).
 enum Made {
     Nothing,
-    Response(Box<EncodedResponse>),
+    Response(EncodedResponse),
     /// A first response from what a reconnecting client reported, made in
     /// its turn ([`TypedStream::respond_in_turn`]).
     InTurn(Push, Option<Arc<CollectionSnapshot>>),
@@ -1621,27 +1630,35 @@ impl<W: Wire> TypedStream<W> {
         now: Stamp,
         out: &mut Outbound,
     ) -> Result<(), ClientGone> {
-        let response = match self.make(type_url, current, now) {
+        // The usual case ends in this statement: the response made and
+        // written, with no wait. It is not boxed, so it is never room in
+        // the task across a wait: only what the rare cases below keep is.
+        let later = match self.make(type_url, current, now) {
             Made::Nothing => return Ok(()),
-            Made::Response(response) => response,
-            Made::InTurn(push, current) => Box::pin(self.respond_in_turn(type_url, push, current, now)).await,
+            Made::Response(response) => match out.try_send(response) {
+                TrySend::Sent => return Ok(()),
+                TrySend::Gone => return Err(ClientGone),
+                TrySend::Full(item) => Later::Wait(item),
+            },
+            Made::InTurn(push, current) => Later::InTurn(push, current),
         };
-        match out.try_send(Ok(response)) {
-            TrySend::Sent => Ok(()),
-            TrySend::Gone => Err(ClientGone),
-            // The client has not read what was sent: wait for it (boxed, as
-            // this is rare and the future is large), but never past shutdown.
-            TrySend::Full(response) => {
-                let shutdown = self.shared.inner.shutdown.clone();
-                Box::pin(async move {
-                    tokio::select! {
-                        sent = out.send(response) => sent,
-                        _ = shutdown.cancelled() => Ok(()),
-                    }
-                })
-                .await
+        let item = match later {
+            Later::Wait(item) => item,
+            Later::InTurn(push, current) => Ok(Box::new(
+                Box::pin(self.respond_in_turn(type_url, push, current, now)).await,
+            )),
+        };
+        // The client has not read what was sent (or a response made in its
+        // turn waits to be): wait for it (boxed, as this is rare and the
+        // future is large), but never past shutdown.
+        let shutdown = self.shared.inner.shutdown.clone();
+        Box::pin(async move {
+            tokio::select! {
+                sent = out.send(item) => sent,
+                _ = shutdown.cancelled() => Ok(()),
             }
-        }
+        })
+        .await
     }
 
     /// A first response made from what a reconnecting client reported:
@@ -1654,7 +1671,7 @@ impl<W: Wire> TypedStream<W> {
         push: Push,
         current: Option<Arc<CollectionSnapshot>>,
         now: Stamp,
-    ) -> Box<EncodedResponse> {
+    ) -> EncodedResponse {
         let shared = self.shared.clone();
         let _turn = Box::pin(shared.heavy_work()).await;
         self.respond(type_url, push, current.as_ref(), now)
@@ -2277,7 +2294,7 @@ impl<W: Wire> TypedStream<W> {
         push: Push,
         current: Option<&Arc<CollectionSnapshot>>,
         now: Stamp,
-    ) -> Box<EncodedResponse> {
+    ) -> EncodedResponse {
         let followed = self.types.get_mut(type_url).expect("a followed type");
         let forced = cluster_refs::load_assignments_forced_by(type_url, &push, followed.state.last_sent());
         // A listener it changes or removes drains: what the old one sent to
@@ -2308,7 +2325,7 @@ impl<W: Wire> TypedStream<W> {
         if let Some((held, to)) = drains {
             self.note_drains(&held, &to);
         }
-        Box::new(response)
+        response
     }
 
     /// A response of listeners goes from `held` to `to`: each listener it
