@@ -655,9 +655,10 @@ impl CollectionTable {
         let known = self.by_name.contains_key(type_url)
             || self.owner_by_type_url.contains_key(type_url)
             || self.by_gvk.contains_key(type_url);
-        match known {
-            true => interned(type_url),
-            false => SharedStr::from(type_url),
+        if known {
+            interned(type_url)
+        } else {
+            SharedStr::from(type_url)
         }
     }
 }

@@ -219,7 +219,7 @@ impl Outbound {
     /// Sends `response` if nothing waits for the client to read. Written
     /// as it is on the gateway's own listeners; boxed only where it waits
     /// (in a queue, or for the client to read): a box a response, made
-    /// and freed, was about 250 instructions of eds's ~23,000 (BENCHMARKS,
+    /// and freed, was about 160 instructions of eds's ~23,000 (BENCHMARKS,
     /// session 43).
     pub(super) fn try_send(&mut self, response: EncodedResponse) -> TrySend {
         match &mut self.0 {
