@@ -31,7 +31,7 @@ use crate::cache::provenance::CHAIN_HEADER;
 use crate::metrics as m;
 use crate::transport::call;
 use crate::transport::defer::ConnectionGate;
-use crate::transport::grpc::{ConnInfo, RequestSlot};
+use crate::transport::grpc::ConnInfo;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::requests::RequestBody;
 use crate::transport::respond::{ResponseSlot, ResponseWriter, MAX_WRITE};
@@ -165,12 +165,7 @@ impl<M: Methods> tonic::codegen::Service<http::Request<Body>> for MeshService<M>
         // gateway dialed out, tonic's server in tests) it queues them for a
         // body the transport writes.
         let unanswered = request.extensions().get::<ResponseSlot>().and_then(ResponseSlot::take);
-        // Read as h2 gives it, where the listener's slot has it.
-        let direct = request.extensions().get::<RequestSlot>().and_then(RequestSlot::take);
-        let body = match direct {
-            Some(body) => RequestBody::Direct(body),
-            None => RequestBody::Routed(request.into_body()),
-        };
+        let (_, body) = RequestBody::of(request);
         if let Some(unanswered) = unanswered {
             // `None`: the client reset the stream before its headers went.
             if let Some(writer) = unanswered.answer(headers) {

@@ -27,7 +27,7 @@ use crate::cache::CacheWriter;
 use crate::metrics as m;
 use crate::proto::SinkNode;
 use crate::transport::call;
-use crate::transport::requests::{RequestBudget, RequestStream};
+use crate::transport::requests::{RequestBody, RequestBudget, RequestStream};
 
 /// `ResourceSink.EstablishResourceStream`, what Galley calls.
 pub const RESOURCE_SINK_PATH: &str = "/istio.mcp.v1alpha1.ResourceSink/EstablishResourceStream";
@@ -215,7 +215,7 @@ impl SinkServer {
                 return Err(status);
             }
         };
-        let (parts, body) = request.into_parts();
+        let (parts, body) = RequestBody::of(request);
         let metadata = source_metadata(&parts.headers);
         let budget = RequestBudget::for_source(self.inner.settings.max_message_bytes, false);
         let mut inbound = RequestStream::new(body, budget, "Resources");

@@ -201,12 +201,9 @@ struct Large {
     reading: Option<(BytesMut, Room)>,
 }
 
-/// The requests of one stream, decoded one at a time. `message` is
-/// cancel-safe: everything read is kept in the stream, so a caller may drop
-/// the future (a `select!` that another branch won) and call again.
 /// Where a [`RequestStream`] reads its frames: the stream's body as h2
-/// gives it (taken from the request's [`RequestSlot`] by a service on the
-/// gateway's own listeners), or a body as any router or server hands it on.
+/// gives it (taken from the request's [`RequestSlot`] on the gateway's own
+/// listeners), or a body as any router or server hands it on.
 ///
 /// [`RequestSlot`]: super::grpc::RequestSlot
 pub enum RequestBody {
@@ -221,6 +218,18 @@ impl From<Body> for RequestBody {
 }
 
 impl RequestBody {
+    /// A request's parts and its body as a service that reads its requests
+    /// itself reads it: the stream's own, taken from the listener's slot
+    /// where there is one, else the body as it was handed on.
+    pub fn of(request: tonic::codegen::http::Request<Body>) -> (tonic::codegen::http::request::Parts, Self) {
+        let (parts, body) = request.into_parts();
+        let direct = parts
+            .extensions
+            .get::<super::grpc::RequestSlot>()
+            .and_then(super::grpc::RequestSlot::take);
+        (parts, direct.map_or(Self::Routed(body), Self::Direct))
+    }
+
     fn poll_frame(
         &mut self,
         cx: &mut std::task::Context<'_>,
@@ -232,6 +241,9 @@ impl RequestBody {
     }
 }
 
+/// The requests of one stream, decoded one at a time. `message` is
+/// cancel-safe: everything read is kept in the stream, so a caller may drop
+/// the future (a `select!` that another branch won) and call again.
 pub struct RequestStream<T> {
     body: RequestBody,
     budget: Arc<RequestBudget>,
