@@ -120,6 +120,8 @@ pub async fn build_with_logs(
     crate::source::register_metrics();
     crate::memory::describe();
     crate::memory::register();
+    crate::runtime::describe();
+    crate::runtime::refresh();
     // Everything that can refuse the flags comes before the first log line:
     // a failed start prints its one error, nothing else.
     let listeners = Listeners::bind(&settings).await?;

@@ -296,6 +296,14 @@ pub struct Args {
     #[arg(long, env = "MCP_GATEWAY_MEMORY_TRIM_INTERVAL", default_value = "2s", value_parser = parse_duration)]
     pub memory_trim_interval: Duration,
 
+    /// How long a runtime worker that ran out of work waits for more events
+    /// before it parks: events that come together (a version's ACKs, a
+    /// burst of requests) are then read in one wake-up, not one each. An
+    /// event within the wait of the work before it is handled up to the
+    /// wait later; after a quiet spell, at once ("0s": no wait; at most 5ms).
+    #[arg(long, env = "MCP_GATEWAY_WORKER_IDLE_WAIT", default_value = "200us", value_parser = parse_duration)]
+    pub worker_idle_wait: Duration,
+
     /// Versions of each collection kept (the current one included) for
     /// `/debug/history` and `/debug/diff`. Unchanged resources are shared
     /// between versions: memory grows with the changes, not with N times the
@@ -672,9 +680,14 @@ pub enum Serve {
 /// The local source used when no source flag is given.
 pub const DEFAULT_SOURCE_DIR: &str = "examples/config";
 
-/// The longest `--canary-soak`.
 /// `--memory-trim-interval`'s shortest period.
 pub const MIN_MEMORY_TRIM_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The longest `--worker-idle-wait`: any longer and a burst's first event
+/// would wait several times longer than tokio's own timers are coarse (1 ms).
+pub const MAX_WORKER_IDLE_WAIT: Duration = Duration::from_millis(5);
+
+/// The longest `--canary-soak`.
 pub const MAX_CANARY_SOAK: Duration = Duration::from_secs(24 * 3600);
 
 /// The longest `--demand-timeout`.
@@ -743,6 +756,8 @@ pub struct Settings {
     pub max_source_file_bytes: usize,
     /// `--memory-trim-interval`; `None`: never.
     pub memory_trim_interval: Option<Duration>,
+    /// `--worker-idle-wait`; `None`: none (the binary's runtime: `runtime`).
+    pub worker_idle_wait: Option<Duration>,
 }
 
 // === impl Args ===
@@ -1179,16 +1194,13 @@ impl Args {
                 ),
             ));
         }
-        if self.canary_soak > MAX_CANARY_SOAK {
-            return Err(invalid(
-                "--canary-soak",
-                format!(
-                    "{} is above the maximum of {}",
-                    humantime::format_duration(self.canary_soak),
-                    humantime::format_duration(MAX_CANARY_SOAK)
-                ),
-            ));
-        }
+        duration_at_most(
+            "--worker-idle-wait",
+            self.worker_idle_wait,
+            MAX_WORKER_IDLE_WAIT,
+            " (a burst's first event waits up to it; \"0s\" turns the wait off)",
+        )?;
+        duration_at_most("--canary-soak", self.canary_soak, MAX_CANARY_SOAK, "")?;
         Ok(Settings {
             serve: Serve::Gateway,
             demo: self.demo,
@@ -1265,8 +1277,25 @@ impl Args {
             },
             max_source_file_bytes: self.max_message_bytes,
             memory_trim_interval: (!self.memory_trim_interval.is_zero()).then_some(self.memory_trim_interval),
+            worker_idle_wait: (!self.worker_idle_wait.is_zero()).then_some(self.worker_idle_wait),
         })
     }
+}
+
+/// `flag`'s `value` if it is at most `max`; else the error naming both,
+/// then `why`.
+fn duration_at_most(flag: &'static str, value: Duration, max: Duration, why: &str) -> Result<(), ConfigError> {
+    if value <= max {
+        return Ok(());
+    }
+    Err(invalid(
+        flag,
+        format!(
+            "{} is above the maximum of {}{why}",
+            humantime::format_duration(value),
+            humantime::format_duration(max)
+        ),
+    ))
 }
 
 /// Records the value `flag` has in effect, where it was not given (a
@@ -1531,6 +1560,23 @@ mod tests {
         assert_eq!(settings.listen.to_string(), "127.0.0.1:15010");
         assert_eq!(settings.admin_listen.to_string(), "127.0.0.1:15000");
         assert_eq!(settings.monitoring_listen.to_string(), "0.0.0.0:15014");
+    }
+
+    /// A worker waits 200 µs for more events by default; `0s` is no wait,
+    /// and a wait past 5 ms is refused by name.
+    #[test]
+    fn the_worker_idle_wait_defaults_to_200us_and_is_bounded() {
+        assert_eq!(parse(&[]).unwrap().worker_idle_wait, Some(Duration::from_micros(200)));
+        assert_eq!(parse(&["--worker-idle-wait", "0s"]).unwrap().worker_idle_wait, None);
+        assert_eq!(
+            parse(&["--worker-idle-wait", "5ms"]).unwrap().worker_idle_wait,
+            Some(MAX_WORKER_IDLE_WAIT)
+        );
+        let refused = parse(&["--worker-idle-wait", "50ms"]).unwrap_err();
+        assert!(
+            refused.contains("--worker-idle-wait") && refused.contains("5ms") && refused.contains("0s"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod downstream;
 pub mod memory;
 pub mod metrics;
 pub mod proto;
+pub mod runtime;
 pub mod skew;
 pub mod source;
 pub mod tools;

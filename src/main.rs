@@ -144,7 +144,7 @@ fn serve(
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = match mcp_xds_gateway::runtime::build(settings.worker_idle_wait) {
         Ok(runtime) => runtime,
         Err(e) => {
             say_error(format!("cannot start the async runtime: {e}"));

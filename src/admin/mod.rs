@@ -529,6 +529,7 @@ async fn metrics(State(state): State<AdminState>) -> Response {
 /// configured collection has its series from the start, at 0 until its
 /// first state (a last update at 0: never).
 fn refresh_gauges(state: &AdminState) {
+    crate::runtime::refresh();
     let snapshots = state.cache.snapshots();
     let configured = state.subscriptions.awaited();
     for collection in configured.iter().filter(|c| state.cache.get(c).is_none()) {

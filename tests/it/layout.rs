@@ -24,6 +24,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("proto", &[]),
     ("metrics", &[]),
     ("memory", &[]),
+    ("runtime", &[]),
     ("transport", &["metrics"]),
     ("cache", &[]),
     ("source", &["cache", "proto", "transport", "metrics", "collections"]),
@@ -43,6 +44,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "transport",
             "proto",
             "skew",
+            "runtime",
         ],
     ),
     (
