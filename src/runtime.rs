@@ -12,7 +12,8 @@
 //! CPU in the kernel. Waiting `--worker-idle-wait` first (200 µs by
 //! default) lets the events of that moment gather, so one wake-up reads
 //! them all and each connection's messages in one read (BENCHMARKS,
-//! session 44: CPU per response −15 % on that run).
+//! session 44: 0.08 event waits, 0.37 reads and 0.05 context switches per
+//! response on that run; CPU −18 % for state of the world, −8 % delta).
 //!
 //! What it costs: an event that arrives within the wait of the work before
 //! it is handled up to the wait later (tokio's own timers are 1 ms coarse);
