@@ -712,7 +712,7 @@ where
             _guard: StreamGuard(self.count),
             _permit: self.permit,
         };
-        let slot = ResponseSlot::new(respond, hold);
+        let slot = ResponseSlot::answering(respond, hold);
         let (parts, body) = request.into_parts();
         let body = RequestSlot::new(RecvBody::new(body));
         let mut request = http::Request::from_parts(parts, Body::new(SlotBody(body.clone())));
@@ -868,20 +868,31 @@ impl RecvBody {
 /// untaken, so a service that drops the body drops the stream's reading
 /// side as before (its buffered data and its window go back to h2), even
 /// while it keeps the request's extensions.
-#[derive(Clone)]
-pub struct RequestSlot(Arc<std::sync::Mutex<Option<RecvBody>>>);
+pub type RequestSlot = TakeOnce<RecvBody>;
 
-impl RequestSlot {
-    fn new(body: RecvBody) -> Self {
-        Self(Arc::new(std::sync::Mutex::new(Some(body))))
+/// What the listener puts in a request's extensions (which need `Clone`)
+/// for the service to take at most once: the stream's response
+/// ([`ResponseSlot`]) and its request body ([`RequestSlot`]).
+pub struct TakeOnce<T>(Arc<std::sync::Mutex<Option<T>>>);
+
+// Not derived: a clone shares the one value, whatever `T` is.
+impl<T> Clone for TakeOnce<T> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<T> TakeOnce<T> {
+    pub(super) fn new(value: T) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(Some(value))))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<RecvBody>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<T>> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The body, for the service to read itself; `None` once taken.
-    pub fn take(&self) -> Option<RecvBody> {
+    /// The value, for the service to use itself; `None` once taken.
+    pub fn take(&self) -> Option<T> {
         self.lock().take()
     }
 }

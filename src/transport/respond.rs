@@ -10,7 +10,6 @@
 //! dropped. A service that does not take it returns a body, which the
 //! listener writes as before.
 
-use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 
 use h2::server::SendResponse;
@@ -20,21 +19,15 @@ use tonic::codegen::http::{self, HeaderMap};
 use bytes::{Buf, Bytes};
 
 use super::gather::{Message, Payload};
-use super::grpc::Hold;
+use super::grpc::{Hold, TakeOnce};
 
-/// The stream's response, not yet answered: in the request's extensions
-/// (which need `Clone`), taken at most once.
-#[derive(Clone)]
-pub struct ResponseSlot(Arc<Mutex<Option<Unanswered>>>);
+/// The stream's response, not yet answered: in the request's extensions,
+/// taken at most once, for the service to write itself.
+pub type ResponseSlot = TakeOnce<Unanswered>;
 
 impl ResponseSlot {
-    pub(super) fn new(respond: SendResponse<Payload>, hold: Hold) -> Self {
-        Self(Arc::new(Mutex::new(Some(Unanswered { respond, hold }))))
-    }
-
-    /// The response, for the service to write itself; `None` once taken.
-    pub fn take(&self) -> Option<Unanswered> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    pub(super) fn answering(respond: SendResponse<Payload>, hold: Hold) -> Self {
+        TakeOnce::new(Unanswered { respond, hold })
     }
 }
 
@@ -174,6 +167,7 @@ impl ResponseWriter {
 #[cfg(test)]
 pub(super) mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
     use std::task::Wake;
     use std::time::Duration;
 
